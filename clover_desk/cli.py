@@ -1,0 +1,66 @@
+"""``clover-desk``: the GUI with no arguments, else one subcommand.
+
+Each subcommand lives in its own module ``clover_desk.cmd_<name>`` exposing ``add_arguments(parser)`` and
+``run(args) -> int``; ``bench <suite>`` maps to ``clover_desk.cmd_bench_<suite>``. Modules are imported only when
+their command runs, so ``clover-desk plan`` never pays for Qt and ``clover-desk preview`` never pays for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "gui": ("clover_desk.cmd_gui", "open the Clover Desk window (the default)"),
+    "generate": ("clover_desk.cmd_generate", "generate text from a model folder"),
+    "make-tiny": ("clover_desk.cmd_make_tiny", "write a tiny random Clover checkpoint (its output is noise)"),
+    "plan": ("clover_desk.cmd_plan", "plan VRAM/RAM placement for a model and a budget"),
+    "preview": ("clover_desk.cmd_preview", "open an HTML file in the sandboxed preview"),
+}
+BENCH_SUITES: dict[str, tuple[str, str]] = {
+    "speed": ("clover_desk.cmd_bench_speed", "prefill / AR / diffusion speed on a random config (CPU or GPU)"),
+    "offload": ("clover_desk.cmd_bench_offload", "host-to-device bytes per token under a VRAM plan"),
+}
+
+
+def _build_parser(command: str | None, suite: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clover-desk", description="Run Clover block diffusion locally.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bench_sub = bench.add_subparsers(dest="suite", metavar="SUITE")
+    for name, (module, help_text) in BENCH_SUITES.items():
+        p = bench_sub.add_parser(name, help=help_text)
+        if command == "bench" and name == suite:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    words = [a for a in argv if not a.startswith("-")]
+    command = words[0] if words else None
+    suite = words[1] if command == "bench" and len(words) > 1 else None
+    parser = _build_parser(command, suite)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        args = parser.parse_args(["gui", *argv])
+    if args.command == "bench":
+        if args.suite is None:
+            parser.parse_args(["bench", "--help"])
+        module = BENCH_SUITES[args.suite][0]
+    else:
+        module = COMMANDS[args.command][0]
+    return int(importlib.import_module(module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Events the engine emits while generating or loading.
+
+Frozen stdlib dataclasses only (no torch): the UI, the CLI's ``--json`` output and the engine worker process all
+speak these. ``to_dict`` / ``from_dict`` give a JSON-safe round trip, tagged by ``"event"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What the caller asks for. ``None`` means: take the model's generation_config.json default."""
+
+    mode: str = "diffusion"  # "diffusion" | "ar"
+    max_new_tokens: int | None = None
+    temperature: float | None = None  # 0 or None with do_sample False = greedy
+    top_p: float | None = None
+    top_k: int | None = None
+    do_sample: bool | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    block_size: int | None = None
+    threshold: float | None = None
+    enable_thinking: bool = True
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """Loading / quantizing progress. ``total_bytes`` 0 means unknown."""
+
+    stage: str  # "reading" | "quantizing" | "writing-cache" | "placing" | "done"
+    done_bytes: int
+    total_bytes: int
+    current: str = ""  # current file or tensor name
+    eta_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    """Sent once before decoding: how the prompt was laid out."""
+
+    prompt_tokens: int
+    block_size: int
+    first_block: int  # index of the first block that holds generated slots (blocks are aligned to position 0)
+    tail: int  # prompt tokens that sit inside that first block
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    """One denoising pass over the current block (diffusion mode only).
+
+    ``tokens`` are the slot token ids (mask id where still masked), ``texts`` their decoded pieces,
+    ``masked`` which slots are still masked after this pass, ``confidence`` the model's confidence for each slot
+    (for committed-earlier slots the confidence they were committed with), ``committed_now`` the slots committed
+    by this pass. Prompt-tail slots count as committed earlier with confidence 1.
+    """
+
+    block_index: int
+    pass_index: int  # 0-based within the block
+    tokens: tuple[int, ...]
+    texts: tuple[str, ...]
+    masked: tuple[bool, ...]
+    confidence: tuple[float, ...]
+    committed_now: tuple[bool, ...]
+    prompt_slots: int = 0  # leading slots that belong to the prompt tail
+
+
+@dataclass(frozen=True)
+class BlockCommitted:
+    """A block is final (its commit pass ran): what it added to the output."""
+
+    block_index: int
+    passes: int
+    token_ids: tuple[int, ...]  # generated ids this block added (prompt tail excluded, truncated at EOS)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Committed text, never retracted. ``channel`` is "thinking" or "answer"."""
+
+    text: str
+    channel: str = "answer"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Last event of a generation."""
+
+    token_ids: tuple[int, ...]
+    text: str  # the answer (thinking excluded)
+    thinking: str
+    stop_reason: str  # "eos" | "max_new_tokens" | "context" | "cancelled"
+    tokens: int
+    passes: int  # model forwards spent decoding (denoise + commit passes, or AR steps)
+    tokens_per_pass: float
+    tokens_per_s: float
+    time_to_first_token_s: float | None
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    accounting: dict[str, Any] = field(default_factory=dict)  # expert streaming statistics, when offloading
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """The engine could not continue (sent by the worker process; the CLI raises instead)."""
+
+    kind: str  # class name of the error, e.g. "PromptError", "OutOfMemory"
+    message: str
+
+
+EVENT_TYPES: dict[str, type] = {
+    "load_progress": LoadProgress,
+    "prompt": PromptInfo,
+    "block_step": BlockStep,
+    "block_committed": BlockCommitted,
+    "delta": TextDelta,
+    "finished": Finished,
+    "error": EngineError,
+}
+_NAME_OF = {cls: name for name, cls in EVENT_TYPES.items()}
+
+Event = LoadProgress | PromptInfo | BlockStep | BlockCommitted | TextDelta | Finished | EngineError
+
+
+def to_dict(event: Event) -> dict[str, Any]:
+    """A JSON-safe dict with an ``"event"`` tag (tuples become lists)."""
+    out: dict[str, Any] = {"event": _NAME_OF[type(event)]}
+    for f in dataclasses.fields(event):
+        value = getattr(event, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def from_dict(data: dict[str, Any]) -> Event:
+    """Inverse of :func:`to_dict`. Raises ``ValueError`` naming an unknown event tag."""
+    tag = data.get("event")
+    cls = EVENT_TYPES.get(tag)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown event type {tag!r}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            value = data[f.name]
+            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)
