@@ -1,0 +1,276 @@
+"""Tokenizer, chat template and streaming detokenizer (no torch).
+
+* :class:`CloverTokenizer` wraps a ``tokenizers.Tokenizer`` read from ``tokenizer.json`` and finds the special
+  tokens the decoder needs (EOS, ``<think>``, ``</think>``, the mask) by name.
+* The chat template comes from ``chat_template.jinja`` or ``tokenizer_config.json``'s ``"chat_template"`` and is
+  rendered in a sandboxed Jinja2 environment.
+* :class:`StreamDecoder` turns committed ids into text deltas that never end in half a UTF-8 character.
+* :func:`train_tiny_tokenizer` trains a small byte-level BPE on the corpus shipped in ``engine/data``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError, PromptError
+
+log = logging.getLogger(__name__)
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+MASK = "<|mask|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+TOOL_RESPONSE_START = "<tool_response>"
+TOOL_RESPONSE_END = "</tool_response>"
+
+# Names a mask token goes by in the checkpoints we know of; the first one present wins.
+MASK_NAMES = (MASK, "<|MASK|>", "<mask>", "<|mask_token|>", "<|mdm_mask|>")
+EOS_NAMES = (IM_END, ENDOFTEXT)
+
+# Special (skipped when decoding text) and plain added tokens of the tiny tokenizer.
+TINY_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END, MASK)
+TINY_ADDED_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+CORPUS_FILES = ("corpus_english.txt", "corpus_code.py.txt", "corpus_html.txt")
+REPLACEMENT = "\ufffd"
+
+
+def shipped_file(name: str) -> str:
+    """Text of a file shipped in ``engine/data``."""
+    return resources.files("engine").joinpath("data", name).read_text(encoding="utf-8")
+
+
+class CloverTokenizer:
+    """``tokenizers.Tokenizer`` plus the chat template and the special ids decoding needs."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None, source: str = "tokenizer.json") -> None:
+        self._tok = tokenizer
+        self.source = source
+        self.chat_template = chat_template
+        self._template: Any = None
+        self.eos_token_ids: tuple[int, ...] = tuple(i for i in (self.token_to_id(n) for n in EOS_NAMES) if i is not None)
+        self.think_start_id = self.token_to_id(THINK_START)
+        self.think_end_id = self.token_to_id(THINK_END)
+        self.mask_token_id = next((i for i in (self.token_to_id(n) for n in MASK_NAMES) if i is not None), None)
+
+    # ---- construction ----
+    @classmethod
+    def from_file(cls, tokenizer_json: str | Path, chat_template: str | None = None) -> "CloverTokenizer":
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer_json)
+        if not path.is_file():
+            raise ConfigError(f"{path}: file not found (the model folder needs a tokenizer.json)")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+            raise ConfigError(f"{path}: not a valid tokenizer.json ({exc})") from None
+        return cls(tok, chat_template, source=str(path))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "CloverTokenizer":
+        """Read ``tokenizer.json`` and the chat template (``chat_template.jinja`` first, else tokenizer_config)."""
+        folder = Path(model_dir)
+        template: str | None = None
+        jinja = folder / "chat_template.jinja"
+        if jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        else:
+            config_path = folder / "tokenizer_config.json"
+            if config_path.is_file():
+                template = _template_from_config(config_path)
+        return cls.from_file(folder / "tokenizer.json", template)
+
+    # ---- vocabulary ----
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as written (special tokens in the text are recognised, nothing is added)."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def stream(self, skip_special_tokens: bool = True) -> "StreamDecoder":
+        return StreamDecoder(self.decode, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat ----
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = True,
+    ) -> str:
+        """Render the chat template. Raises :class:`PromptError` for bad messages, ConfigError without a template."""
+        if not self.chat_template:
+            raise ConfigError(f"{self.source}: the model has no chat template (use a raw prompt instead)")
+        if not messages:
+            raise PromptError("empty prompt: no messages given")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise PromptError(f"message {i} must be an object with a 'role' (got {m!r:.80})")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template, self.source)
+        from jinja2 import TemplateError
+
+        try:
+            return str(
+                self._template.render(
+                    messages=list(messages),
+                    tools=list(tools) if tools else None,
+                    add_generation_prompt=add_generation_prompt,
+                    enable_thinking=enable_thinking,
+                    bos_token="",
+                    eos_token=IM_END,
+                )
+            )
+        except TemplateError as exc:
+            raise PromptError(f"chat template failed: {exc}") from None
+
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = True,
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking))
+
+
+def _template_from_config(path: Path) -> str | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{path}: field 'chat_template' must be a string, got {type(template).__name__}")
+    return template
+
+
+def _compile_template(source_text: str, source: str) -> Any:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, indent: int | None = None) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source_text)
+    except TemplateError as exc:
+        raise ConfigError(f"{source}: chat template does not compile ({exc})") from None
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``push(ids)`` returns only the text that is complete so far.
+
+    Byte-level BPE can split one UTF-8 character over several tokens; decoding such a prefix ends in U+FFFD. The
+    decoder keeps a small window of ids, and releases text only when its decoding no longer ends in U+FFFD (the
+    held-back bytes come out with the token that completes them, or with :meth:`flush`).
+    """
+
+    def __init__(self, decode: Any, skip_special_tokens: bool = True) -> None:
+        self._decode = decode
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window that is re-decoded for context
+        self._read = 0  # ids up to here have been released as text
+        self.text = ""
+
+    def push(self, ids: Iterable[int]) -> str:
+        self._ids.extend(int(i) for i in ids)
+        if len(self._ids) == self._read:
+            return ""
+        window = self._ids[self._prefix :]
+        done = self._decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        full = self._decode(window, skip_special_tokens=self._skip)
+        if full.endswith(REPLACEMENT) or not full.startswith(done):
+            return ""  # an unfinished character: wait for the next token
+        delta = full[len(done) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Release whatever is held back (a stream that really ends in an invalid byte shows U+FFFD)."""
+        if len(self._ids) == self._read:
+            return ""
+        done = self._decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        full = self._decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        delta = full[len(done) :] if full.startswith(done) else full
+        self._prefix = self._read = len(self._ids)
+        self.text += delta
+        return delta
+
+
+def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 1024) -> CloverTokenizer:
+    """Train a byte-level BPE on the shipped corpus; write tokenizer.json, tokenizer_config.json, chat_template.jinja.
+
+    Special tokens come first (ids 0..5: ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<think>``,
+    ``</think>``, ``<|mask|>``), then the tool-call tokens, then the 256 byte symbols and the merges.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 300:
+        raise ConfigError(f"vocab_size {vocab_size} is too small for a byte-level BPE (need at least 300)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS]
+        + [AddedToken(t, special=False, normalized=False) for t in TINY_ADDED_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [shipped_file(name) for name in CORPUS_FILES]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    # The trainer registers all listed tokens as special; re-add the tool tokens as plain so they decode as text.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TINY_ADDED_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    template = shipped_file("chat_template.jinja")
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 131072,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "mask_token": MASK,
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
+    log.debug("trained a %d-token byte-level BPE into %s", tok.get_vocab_size(), out)
+    return CloverTokenizer(tok, template, source=str(out / "tokenizer.json"))
