@@ -1,0 +1,409 @@
+"""Live view of block diffusion: the current 32-slot block, pass by pass, with a replay slider.
+
+Events update a plain :class:`DenoiseModel` (cheap: append a tuple); a :class:`~ui.throttle.Throttle` repaints
+the one custom-painted :class:`DenoiseCanvas` at most ~30 times a second, so a flood of ``BlockStep`` events never
+slows the engine or the GUI thread. The model keeps every step of the last ``history_blocks`` blocks, which the
+replay slider walks through.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from PySide6.QtCore import QRectF, QSize, Qt, Signal
+from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPaintEvent, QPen
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QSlider, QVBoxLayout, QWidget
+
+from engine.events import BlockCommitted, BlockStep, Finished, PromptInfo
+from ui.theme import COLORS, color, confidence_color, mono_font
+from ui.throttle import Throttle
+
+# --------------------------------------------------------------------------------------------- model (no Qt)
+
+
+@dataclass
+class BlockRecord:
+    """Every denoising pass of one block, in order, plus what the block finally committed."""
+
+    block_index: int
+    steps: list[BlockStep] = field(default_factory=list)
+    committed_tokens: int | None = None  # set by BlockCommitted
+    passes: int | None = None
+
+
+class DenoiseModel:
+    """What the view shows, kept as plain data: recent blocks with their steps, and running speed figures."""
+
+    def __init__(self, history_blocks: int = 64, clock=time.monotonic) -> None:
+        self.history_blocks = history_blocks
+        self._clock = clock
+        self.blocks: deque[BlockRecord] = deque(maxlen=history_blocks)
+        self.block_size = 32
+        self.total_steps = 0  # steps received this generation (including those that left the history)
+        self.tokens_committed = 0
+        self.blocks_committed = 0
+        self.passes_committed = 0
+        self.started_at: float | None = None  # first step of this generation
+        self.finished: Finished | None = None
+        self.version = 0  # bumped on every change; the view repaints only when it moved
+
+    # -- events
+    def reset(self) -> None:
+        self.blocks.clear()
+        self.total_steps = self.tokens_committed = self.blocks_committed = self.passes_committed = 0
+        self.started_at = None
+        self.finished = None
+        self.version += 1
+
+    def on_prompt(self, info: PromptInfo) -> None:
+        self.reset()
+        self.block_size = info.block_size
+
+    def on_step(self, step: BlockStep) -> None:
+        if self.started_at is None:
+            self.started_at = self._clock()
+        if not self.blocks or self.blocks[-1].block_index != step.block_index:
+            self.blocks.append(BlockRecord(step.block_index))
+        self.blocks[-1].steps.append(step)
+        self.block_size = len(step.tokens) or self.block_size
+        self.total_steps += 1
+        self.version += 1
+
+    def on_committed(self, event: BlockCommitted) -> None:
+        for record in reversed(self.blocks):
+            if record.block_index == event.block_index:
+                record.committed_tokens = len(event.token_ids)
+                record.passes = event.passes
+                break
+        self.tokens_committed += len(event.token_ids)
+        self.blocks_committed += 1
+        self.passes_committed += event.passes
+        self.version += 1
+
+    def on_finished(self, event: Finished) -> None:
+        self.finished = event
+        self.version += 1
+
+    # -- queries
+    def step_count(self) -> int:
+        """Steps held in the history (the replay slider's range)."""
+        return sum(len(b.steps) for b in self.blocks)
+
+    def step_at(self, index: int) -> tuple[BlockRecord, int] | None:
+        """The block and pass index of history step ``index`` (0 = oldest kept)."""
+        for record in self.blocks:
+            if index < len(record.steps):
+                return record, index
+            index -= len(record.steps)
+        return None
+
+    def latest(self) -> tuple[BlockRecord, int] | None:
+        if not self.blocks or not self.blocks[-1].steps:
+            return None
+        return self.blocks[-1], len(self.blocks[-1].steps) - 1
+
+    def tokens_per_s(self) -> float:
+        if self.finished is not None and self.finished.tokens_per_s:
+            return self.finished.tokens_per_s
+        if self.started_at is None or not self.tokens_committed:
+            return 0.0
+        elapsed = self._clock() - self.started_at
+        return self.tokens_committed / elapsed if elapsed > 0 else 0.0
+
+    def tokens_per_pass(self) -> float:
+        if self.finished is not None and self.finished.tokens_per_pass:
+            return self.finished.tokens_per_pass
+        return self.tokens_committed / self.passes_committed if self.passes_committed else 0.0
+
+
+def committed_per_pass(record: BlockRecord) -> list[int]:
+    """Slots committed by each pass of a block (the bar chart)."""
+    return [sum(1 for i, c in enumerate(s.committed_now) if c and i >= s.prompt_slots) for s in record.steps]
+
+
+def display_text(piece: str) -> str:
+    """A token piece made visible in a cell: spaces as ·, newlines as ⏎, tabs as →."""
+    if piece == "":
+        return "∅"
+    return piece.replace("\n", "⏎").replace("\t", "→").replace(" ", "·")
+
+
+# --------------------------------------------------------------------------------------------- painting
+
+
+class DenoiseCanvas(QWidget):
+    """The one custom-painted widget: header figures, 32 cells, the per-pass bar chart and a legend."""
+
+    COLUMNS = 8
+
+    def __init__(self, model: DenoiseModel, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._model = model
+        self.shown: tuple[BlockRecord, int] | None = None  # which (block, pass) is drawn; None = waiting
+        self.paint_count = 0
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
+        self.setMinimumSize(300, 320)
+        self._cell_font = mono_font(9.0)
+        self._small = QFont(self.font())
+        self._small.setPointSizeF(8.5)
+        self._big = QFont(self.font())
+        self._big.setPointSizeF(15.0)
+        self._big.setWeight(QFont.Weight.DemiBold)
+
+    def sizeHint(self) -> QSize:
+        return QSize(420, 460)
+
+    def show_step(self, shown: tuple[BlockRecord, int] | None) -> None:
+        self.shown = shown
+        self.update()
+
+    def paintEvent(self, event: QPaintEvent) -> None:  # noqa: N802 (Qt name)
+        self.paint_count += 1
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        p.fillRect(self.rect(), color("surface"))
+        margin = 14.0
+        width = self.width() - 2 * margin
+        y = margin
+        y = self._paint_header(p, margin, y, width)
+        cols = self.COLUMNS
+        rows = max(1, -(-self._model.block_size // cols))
+        gap = 5.0
+        cell_w = (width - gap * (cols - 1)) / cols
+        cell_h = max(30.0, min(48.0, cell_w * 0.72))
+        grid_h = rows * cell_h + (rows - 1) * gap
+        self._paint_cells(p, margin, y, cell_w, cell_h, gap, cols)
+        y += grid_h + 16
+        chart_h = max(60.0, min(110.0, self.height() - y - 48))
+        self._paint_chart(p, QRectF(margin, y, width, chart_h))
+        y += chart_h + 12
+        self._paint_legend(p, margin, y)
+        p.end()
+
+    def _paint_header(self, p: QPainter, x: float, y: float, width: float) -> float:
+        m = self._model
+        shown = self.shown
+        figures = [
+            ("block", f"{shown[0].block_index}" if shown else "–"),
+            ("pass", f"{shown[1] + 1}" + (f"/{shown[0].passes}" if shown and shown[0].passes else "") if shown else "–"),
+            ("tok/pass", f"{m.tokens_per_pass():.1f}" if m.passes_committed else "–"),
+            ("tok/s", f"{m.tokens_per_s():.1f}" if m.tokens_committed else "–"),
+        ]
+        box_w = width / len(figures)
+        for i, (label, value) in enumerate(figures):
+            bx = x + i * box_w
+            p.setFont(self._big)
+            p.setPen(color("text"))
+            p.drawText(QRectF(bx, y, box_w, 26), Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, value)
+            p.setFont(self._small)
+            p.setPen(color("muted"))
+            p.drawText(QRectF(bx, y + 26, box_w, 16), Qt.AlignmentFlag.AlignLeft, label.upper())
+        return y + 54
+
+    def _paint_cells(self, p: QPainter, x0: float, y0: float, cw: float, ch: float, gap: float, cols: int) -> None:
+        n = self._model.block_size
+        step = self.shown[0].steps[self.shown[1]] if self.shown else None
+        p.setFont(self._cell_font)
+        fm = QFontMetricsF(self._cell_font)
+        for i in range(n):
+            r, c = divmod(i, cols)
+            rect = QRectF(x0 + c * (cw + gap), y0 + r * (ch + gap), cw, ch)
+            if step is None or i >= len(step.tokens):
+                p.setPen(Qt.PenStyle.NoPen)
+                p.setBrush(color("mask"))
+                p.drawRoundedRect(rect, 5, 5)
+                continue
+            conf = step.confidence[i] if i < len(step.confidence) else 0.0
+            text = ""
+            if i < step.prompt_slots:  # prompt tail: context, not generated
+                fill, fg, pen = color("surface2"), color("faint"), QPen(color("border"), 1)
+                text = step.texts[i] if i < len(step.texts) else ""
+            elif step.masked[i]:
+                fill, fg, pen = color("mask"), color("faint"), QPen(Qt.PenStyle.NoPen)
+            elif step.committed_now[i]:
+                fill = confidence_color(conf)
+                fg = QColor("#0d1014")
+                pen = QPen(QColor("#ffffff"), 2)
+                text = step.texts[i] if i < len(step.texts) else ""
+            else:
+                base = confidence_color(conf)
+                fill = QColor(base)
+                fill.setAlpha(70)
+                fg, pen = color("text"), QPen(base.darker(115), 1)
+                text = step.texts[i] if i < len(step.texts) else ""
+            p.setPen(pen)
+            p.setBrush(fill)
+            p.drawRoundedRect(rect.adjusted(1, 1, -1, -1), 5, 5)
+            p.setPen(fg)
+            if step.masked[i] and i >= step.prompt_slots:
+                p.drawText(rect, Qt.AlignmentFlag.AlignCenter, "▒")
+                continue
+            label = fm.elidedText(display_text(text), Qt.TextElideMode.ElideRight, rect.width() - 6)
+            p.drawText(rect.adjusted(3, 2, -3, -10), Qt.AlignmentFlag.AlignCenter, label)
+            p.setFont(self._small)
+            p.setPen(fg if step.committed_now[i] else color("muted"))
+            p.drawText(rect.adjusted(3, 0, -4, -2), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignBottom, f"{conf:.2f}")
+            p.setFont(self._cell_font)
+
+    def _paint_chart(self, p: QPainter, area: QRectF) -> None:
+        p.setFont(self._small)
+        p.setPen(color("muted"))
+        p.drawText(QRectF(area.x(), area.y(), area.width(), 16), Qt.AlignmentFlag.AlignLeft, "TOKENS COMMITTED PER PASS")
+        plot = QRectF(area.x(), area.y() + 20, area.width(), area.height() - 20)
+        p.setPen(QPen(color("border"), 1))
+        p.drawLine(plot.bottomLeft(), plot.bottomRight())
+        if not self.shown:
+            return
+        record, current = self.shown
+        counts = committed_per_pass(record)
+        top = max(max(counts, default=1), 4)
+        slots = max(len(counts), 8)
+        bar_w = min(28.0, plot.width() / slots)
+        for i, k in enumerate(counts):
+            h = (plot.height() - 14) * k / top
+            bar = QRectF(plot.x() + i * bar_w + 2, plot.bottom() - h, bar_w - 4, h)
+            p.setPen(Qt.PenStyle.NoPen)
+            p.setBrush(color("accent") if i == current else color("accent_dim") if i < current else color("surface3"))
+            p.drawRoundedRect(bar, 2, 2)
+            if bar_w >= 14:
+                p.setPen(color("text") if i == current else color("muted"))
+                p.drawText(QRectF(bar.x() - 4, bar.y() - 14, bar.width() + 8, 13), Qt.AlignmentFlag.AlignCenter, str(k))
+
+    def _paint_legend(self, p: QPainter, x: float, y: float) -> None:
+        p.setFont(self._small)
+        items = [
+            (color("mask"), "masked"),
+            (confidence_color(0.95), "committed this pass"),
+            (QColor(70, 201, 139, 70), "committed earlier"),
+        ]
+        for swatch, label in items:
+            p.setPen(Qt.PenStyle.NoPen)
+            p.setBrush(swatch)
+            p.drawRoundedRect(QRectF(x, y + 3, 10, 10), 2, 2)
+            p.setPen(color("muted"))
+            w = QFontMetricsF(self._small).horizontalAdvance(label)
+            p.drawText(QRectF(x + 14, y, w + 4, 16), Qt.AlignmentFlag.AlignLeft, label)
+            x += w + 30
+        # confidence scale, on the next line when the panel is narrow
+        if x + 150 > self.width():
+            x, y = 14.0, y + 20
+        for k in range(20):
+            p.setPen(Qt.PenStyle.NoPen)
+            p.setBrush(confidence_color(k / 19))
+            p.drawRect(QRectF(x + k * 3, y + 4, 3, 8))
+        p.setPen(color("muted"))
+        p.drawText(QRectF(x + 64, y, 80, 16), Qt.AlignmentFlag.AlignLeft, "confidence")
+
+
+class DenoiseView(QWidget):
+    """The denoising tab: canvas + replay controls. Feed it engine events with :meth:`add_event`."""
+
+    replayChanged = Signal(int, int)  # (block_index, pass_index) now drawn, when the user scrubs
+
+    def __init__(self, history_blocks: int = 64, fps: int = 30, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.model = DenoiseModel(history_blocks)
+        self.canvas = DenoiseCanvas(self.model)
+        self.following = True  # live: show the newest step; False: the slider picks
+        self._shown_version = -1
+        self.throttle = Throttle(self.refresh, max(1, 1000 // fps), self)
+
+        self.slider = QSlider(Qt.Orientation.Horizontal)
+        self.slider.setObjectName("replaySlider")
+        self.slider.setRange(0, 0)
+        self.slider.setEnabled(False)
+        self.slider.setToolTip("Replay the recorded passes of the last blocks")
+        self.live_button = QPushButton("Live")
+        self.live_button.setObjectName("chip")
+        self.live_button.setCheckable(True)
+        self.live_button.setChecked(True)
+        self.live_button.setToolTip("Follow the newest pass")
+        self.position_label = QLabel("waiting for a generation")
+        self.position_label.setObjectName("muted")
+
+        controls = QHBoxLayout()
+        controls.setContentsMargins(14, 4, 14, 12)
+        controls.addWidget(QLabel("Replay"))
+        controls.addWidget(self.slider, 1)
+        controls.addWidget(self.live_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        layout.addWidget(self.canvas, 1)
+        info = QHBoxLayout()
+        info.setContentsMargins(14, 0, 14, 0)
+        info.addWidget(self.position_label)
+        layout.addLayout(info)
+        layout.addLayout(controls)
+        self._connect_signals()
+
+    def _connect_signals(self) -> None:
+        self.slider.valueChanged.connect(self.on_slider_moved)
+        self.live_button.toggled.connect(self.on_live_toggled)
+
+    # -- events in (cheap: no painting here)
+    def add_event(self, event: object) -> None:
+        if isinstance(event, BlockStep):
+            self.model.on_step(event)
+        elif isinstance(event, BlockCommitted):
+            self.model.on_committed(event)
+        elif isinstance(event, PromptInfo):
+            self.model.on_prompt(event)
+        elif isinstance(event, Finished):
+            self.model.on_finished(event)
+            self.throttle.request()
+            self.throttle.flush()
+            return
+        else:
+            return
+        self.throttle.request()
+
+    def clear(self) -> None:
+        self.model.reset()
+        self.throttle.request()
+
+    # -- throttled refresh
+    def refresh(self) -> None:
+        if self.model.version == self._shown_version:
+            return
+        self._shown_version = self.model.version
+        count = self.model.step_count()
+        self.slider.blockSignals(True)
+        self.slider.setRange(0, max(0, count - 1))
+        self.slider.setEnabled(count > 0)
+        if self.following:
+            self.slider.setValue(max(0, count - 1))
+        self.slider.blockSignals(False)
+        self._show(self.model.latest() if self.following else self.model.step_at(self.slider.value()))
+
+    def _show(self, shown: tuple[BlockRecord, int] | None) -> None:
+        self.canvas.show_step(shown)
+        if shown is None:
+            self.position_label.setText("waiting for a generation")
+            return
+        record, pass_index = shown
+        state = "live" if self.following else "replay"
+        total = f" of {record.passes}" if record.passes else ""
+        self.position_label.setText(
+            f"{state} · block {record.block_index}, pass {pass_index + 1}{total} · "
+            f"{self.model.blocks_committed} blocks, {self.model.tokens_committed} tokens"
+        )
+
+    # -- slots
+    def on_slider_moved(self, value: int) -> None:
+        if value < self.slider.maximum():
+            self.following = False
+            self.live_button.blockSignals(True)
+            self.live_button.setChecked(False)
+            self.live_button.blockSignals(False)
+        shown = self.model.step_at(value)
+        self._show(shown)
+        if shown:
+            self.replayChanged.emit(shown[0].block_index, shown[1])
+
+    def on_live_toggled(self, live: bool) -> None:
+        self.following = live
+        self._shown_version = -1
+        self.refresh()
