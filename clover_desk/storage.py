@@ -1,0 +1,608 @@
+"""Chat persistence in SQLite: conversations, messages, search, export, crash recovery.
+
+Durability model
+    The database runs in WAL mode with ``synchronous=NORMAL``: every committed transaction survives a crash or a
+    ``kill -9`` of the application (only a power cut can lose the last few). :meth:`ChatStore.append_streaming` is
+    one committed transaction per call, and the chat view calls it each time the engine commits a block, so a crash
+    loses at most the block in flight. A message still marked ``streaming`` when the database is next opened was
+    interrupted: :class:`ChatStore` marks it ``stopped`` (``stats["stop_reason"] == "interrupted"``) and keeps its
+    text; the ids are in :attr:`ChatStore.recovered_message_ids`.
+
+Threading
+    A :class:`ChatStore` belongs to the thread that opened it (the GUI thread). sqlite3's ``check_same_thread``
+    guard turns a call from any other thread into ``sqlite3.ProgrammingError`` instead of silent corruption. The
+    calls are small single-row statements (well under a millisecond), which is why they may run on the GUI thread.
+    One application instance opens a given database at a time (crash recovery assumes no other writer is streaming).
+
+Schema
+    Versioned by the ``schema_migrations`` table (one row per applied migration; ``PRAGMA user_version`` mirrors the
+    latest). :data:`MIGRATIONS` is append-only; each migration runs in its own transaction together with its row.
+    A database written by a newer Clover Desk (unknown version) is refused with :class:`StorageError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+STATUSES = ("complete", "streaming", "stopped", "error")
+FINAL_STATUSES = ("complete", "stopped", "error")
+DEFAULT_TITLE = "New chat"
+EXPORT_FORMAT = "clover-desk-chat"
+EXPORT_VERSION = 1
+
+
+class StorageError(Exception):
+    """The chat database cannot be opened or changed as asked (the message says which file / row / value)."""
+
+
+class NotFoundError(StorageError, LookupError):
+    """No conversation or message with that id."""
+
+
+# Append-only: (version, description, statements). Never edit a released migration; add a new one.
+MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (
+        1,
+        "conversations and messages",
+        (
+            """CREATE TABLE conversations (
+                id INTEGER PRIMARY KEY,
+                title TEXT NOT NULL,
+                created REAL NOT NULL,
+                updated REAL NOT NULL,
+                system_prompt TEXT NOT NULL DEFAULT '',
+                settings TEXT NOT NULL DEFAULT '{}'
+            )""",
+            """CREATE TABLE messages (
+                id INTEGER PRIMARY KEY,
+                conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+                role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant', 'tool')),
+                content TEXT NOT NULL DEFAULT '',
+                thinking TEXT NOT NULL DEFAULT '',
+                thinking_seconds REAL,
+                status TEXT NOT NULL DEFAULT 'complete'
+                    CHECK (status IN ('complete', 'streaming', 'stopped', 'error')),
+                stats TEXT NOT NULL DEFAULT '{}',
+                created REAL NOT NULL
+            )""",
+        ),
+    ),
+    (
+        2,
+        "indexes for the chat list and message order",
+        (
+            "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
+            "CREATE INDEX conversations_by_updated ON conversations(updated DESC, id DESC)",
+            "CREATE INDEX messages_streaming ON messages(status) WHERE status = 'streaming'",
+        ),
+    ),
+)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One chat. Times are Unix seconds; ``settings`` is free-form JSON the UI owns (generation params, model)."""
+
+    id: int
+    title: str
+    created: float
+    updated: float
+    system_prompt: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn. ``status``: complete | streaming (being generated) | stopped (by the user or a crash) | error."""
+
+    id: int
+    conversation_id: int
+    role: str
+    content: str
+    thinking: str
+    thinking_seconds: float | None
+    status: str
+    stats: dict[str, Any]
+    created: float
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """A conversation matching a search: ``message_id`` is the first matching message (None: the title matched)."""
+
+    conversation: Conversation
+    message_id: int | None
+    snippet: str
+
+
+def title_from_text(text: str, max_chars: int = 60) -> str:
+    """A chat title from the first user message: its first non-empty line, cut at a word near ``max_chars``."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if not line:
+        return DEFAULT_TITLE
+    if len(line) <= max_chars:
+        return line
+    cut = line[:max_chars].rsplit(" ", 1)[0] if " " in line[:max_chars] else line[:max_chars]
+    return cut.rstrip(" ,.;:") + "…"
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` so that readers see the old file or the new one, never a partial one.
+
+    Writes a temporary file in the same folder, fsyncs it, renames it over ``path`` and fsyncs the folder (POSIX).
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    if os.name == "posix":
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _snippet(text: str, query: str, width: int = 80) -> str:
+    """About ``width`` characters of ``text`` around the first case-insensitive occurrence of ``query``."""
+    flat = " ".join(text.split())
+    at = flat.casefold().find(query.casefold())
+    if at < 0:
+        return flat[:width]
+    start = max(0, at - width // 3)
+    end = min(len(flat), start + width)
+    return ("…" if start > 0 else "") + flat[start:end] + ("…" if end < len(flat) else "")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+class ChatStore:
+    """The chat database. Open one per application instance, on the GUI thread (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open chat database {self.path}: {exc}") from exc
+        self._conn.row_factory = sqlite3.Row
+        self._last_ts = 0.0
+        try:
+            self._conn.execute("PRAGMA foreign_keys = ON")
+            mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                log.warning("chat database %s runs in %s journal mode (WAL unavailable)", self.path, mode)
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._migrate()
+            self.recovered_message_ids: tuple[int, ...] = self._recover_interrupted()
+        except sqlite3.DatabaseError as exc:
+            self._conn.close()
+            raise StorageError(f"chat database {self.path} is unreadable: {exc}") from exc
+        except StorageError:
+            self._conn.close()
+            raise
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Close the database (idempotent)."""
+        self._conn.close()
+
+    def __enter__(self) -> ChatStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, committed on success and rolled back on any exception."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def _now(self) -> float:
+        """Wall-clock seconds, strictly increasing within this store (so "most recent first" has no ties)."""
+        now = max(time.time(), self._last_ts + 1e-6)
+        self._last_ts = now
+        return now
+
+    @property
+    def schema_version(self) -> int:
+        row = self._conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
+        return int(row[0] or 0)
+
+    def _migrate(self) -> None:
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            "version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied REAL NOT NULL)"
+        )
+        current = self.schema_version
+        if current > SCHEMA_VERSION:
+            raise StorageError(
+                f"chat database {self.path} has schema version {current}, newer than this Clover Desk "
+                f"understands ({SCHEMA_VERSION}); open it with a newer version"
+            )
+        for version, description, statements in MIGRATIONS:
+            if version <= current:
+                continue
+            log.info("chat database %s: migrating to schema %d (%s)", self.path, version, description)
+            with self._tx() as conn:
+                for statement in statements:
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO schema_migrations (version, description, applied) VALUES (?, ?, ?)",
+                    (version, description, time.time()),
+                )
+                conn.execute(f"PRAGMA user_version = {int(version)}")
+
+    def _recover_interrupted(self) -> tuple[int, ...]:
+        rows = self._conn.execute("SELECT id, stats FROM messages WHERE status = 'streaming' ORDER BY id").fetchall()
+        if not rows:
+            return ()
+        with self._tx() as conn:
+            for row in rows:
+                stats = json.loads(row["stats"] or "{}")
+                stats["stop_reason"] = "interrupted"
+                conn.execute(
+                    "UPDATE messages SET status = 'stopped', stats = ? WHERE id = ?", (json.dumps(stats), row["id"])
+                )
+        ids = tuple(int(r["id"]) for r in rows)
+        log.warning("chat database %s: %d message(s) interrupted by a crash kept as stopped", self.path, len(ids))
+        return ids
+
+    # ----------------------------------------------------------------- rows -> objects
+
+    @staticmethod
+    def _conversation(row: sqlite3.Row) -> Conversation:
+        return Conversation(
+            id=int(row["id"]),
+            title=row["title"],
+            created=float(row["created"]),
+            updated=float(row["updated"]),
+            system_prompt=row["system_prompt"],
+            settings=json.loads(row["settings"] or "{}"),
+        )
+
+    @staticmethod
+    def _message(row: sqlite3.Row) -> Message:
+        return Message(
+            id=int(row["id"]),
+            conversation_id=int(row["conversation_id"]),
+            role=row["role"],
+            content=row["content"],
+            thinking=row["thinking"],
+            thinking_seconds=None if row["thinking_seconds"] is None else float(row["thinking_seconds"]),
+            status=row["status"],
+            stats=json.loads(row["stats"] or "{}"),
+            created=float(row["created"]),
+        )
+
+    # ----------------------------------------------------------------- conversations
+
+    def create_conversation(
+        self, title: str = DEFAULT_TITLE, system_prompt: str = "", settings: dict[str, Any] | None = None
+    ) -> Conversation:
+        now = self._now()
+        with self._tx() as conn:
+            cur = conn.execute(
+                "INSERT INTO conversations (title, created, updated, system_prompt, settings) VALUES (?, ?, ?, ?, ?)",
+                (title, now, now, system_prompt, json.dumps(settings or {})),
+            )
+        return self.get_conversation(int(cur.lastrowid))
+
+    def get_conversation(self, conversation_id: int) -> Conversation:
+        row = self._conn.execute("SELECT * FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no conversation with id {conversation_id}")
+        return self._conversation(row)
+
+    def update_conversation(
+        self,
+        conversation_id: int,
+        *,
+        title: str | None = None,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Conversation:
+        """Change any of title / system prompt / settings (settings are replaced whole); bumps ``updated``."""
+        sets: list[str] = ["updated = ?"]
+        values: list[Any] = [self._now()]
+        if title is not None:
+            sets.append("title = ?")
+            values.append(title)
+        if system_prompt is not None:
+            sets.append("system_prompt = ?")
+            values.append(system_prompt)
+        if settings is not None:
+            sets.append("settings = ?")
+            values.append(json.dumps(settings))
+        with self._tx() as conn:
+            cur = conn.execute(f"UPDATE conversations SET {', '.join(sets)} WHERE id = ?", (*values, conversation_id))
+            if cur.rowcount == 0:
+                raise NotFoundError(f"no conversation with id {conversation_id}")
+        return self.get_conversation(conversation_id)
+
+    def rename_conversation(self, conversation_id: int, title: str) -> Conversation:
+        return self.update_conversation(conversation_id, title=title)
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        """Delete a conversation and (by cascade) its messages."""
+        with self._tx() as conn:
+            cur = conn.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+            if cur.rowcount == 0:
+                raise NotFoundError(f"no conversation with id {conversation_id}")
+
+    def list_conversations(self, limit: int | None = None, offset: int = 0) -> list[Conversation]:
+        """Conversations, most recently updated first."""
+        rows = self._conn.execute(
+            "SELECT * FROM conversations ORDER BY updated DESC, id DESC LIMIT ? OFFSET ?",
+            (-1 if limit is None else limit, offset),
+        ).fetchall()
+        return [self._conversation(r) for r in rows]
+
+    def search(self, query: str, limit: int = 50) -> list[SearchHit]:
+        """Conversations whose title or message text (answer or thinking) contains ``query``, most recent first.
+
+        Case-insensitive substring match (SQLite LIKE: case folding covers ASCII only). A blank query lists every
+        conversation.
+        """
+        query = query.strip()
+        if not query:
+            return [SearchHit(c, None, "") for c in self.list_conversations(limit=limit)]
+        pattern = f"%{_escape_like(query)}%"
+        rows = self._conn.execute(
+            """
+            SELECT c.*, (
+                SELECT m.id FROM messages m
+                WHERE m.conversation_id = c.id
+                  AND (m.content LIKE :p ESCAPE '\\' OR m.thinking LIKE :p ESCAPE '\\')
+                ORDER BY m.id LIMIT 1
+            ) AS hit_id
+            FROM conversations c
+            WHERE c.title LIKE :p ESCAPE '\\' OR hit_id IS NOT NULL
+            ORDER BY c.updated DESC, c.id DESC
+            LIMIT :limit
+            """,
+            {"p": pattern, "limit": limit},
+        ).fetchall()
+        hits: list[SearchHit] = []
+        for row in rows:
+            conversation = self._conversation(row)
+            hit_id = row["hit_id"]
+            if query.casefold() in conversation.title.casefold() or hit_id is None:
+                hits.append(SearchHit(conversation, None if hit_id is None else int(hit_id), conversation.title))
+                continue
+            message = self.get_message(int(hit_id))
+            text = message.content if query.casefold() in message.content.casefold() else message.thinking
+            hits.append(SearchHit(conversation, message.id, _snippet(text, query)))
+        return hits
+
+    # ----------------------------------------------------------------- messages
+
+    def add_message(
+        self,
+        conversation_id: int,
+        role: str,
+        content: str = "",
+        *,
+        thinking: str = "",
+        thinking_seconds: float | None = None,
+        status: str = "complete",
+        stats: dict[str, Any] | None = None,
+    ) -> Message:
+        """Append a message. For an answer being generated use ``role="assistant", status="streaming"``."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, not {status!r}")
+        now = self._now()
+        with self._tx() as conn:
+            try:
+                cur = conn.execute(
+                    "INSERT INTO messages (conversation_id, role, content, thinking, thinking_seconds, status, stats,"
+                    " created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (conversation_id, role, content, thinking, thinking_seconds, status, json.dumps(stats or {}), now),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise NotFoundError(f"no conversation with id {conversation_id}") from exc
+            conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        return self.get_message(int(cur.lastrowid))
+
+    def get_message(self, message_id: int) -> Message:
+        row = self._conn.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no message with id {message_id}")
+        return self._message(row)
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        """A conversation's messages in order."""
+        rows = self._conn.execute(
+            "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+        ).fetchall()
+        return [self._message(r) for r in rows]
+
+    def append_streaming(self, message_id: int, answer_delta: str = "", thinking_delta: str = "") -> None:
+        """Append committed text to a ``streaming`` message: one committed transaction per call.
+
+        Call it each time the engine commits a block, with the text that block added to each channel.
+        """
+        if not answer_delta and not thinking_delta:
+            return
+        now = self._now()
+        with self._tx() as conn:
+            cur = conn.execute(
+                "UPDATE messages SET content = content || ?, thinking = thinking || ? "
+                "WHERE id = ? AND status = 'streaming'",
+                (answer_delta, thinking_delta, message_id),
+            )
+            if cur.rowcount == 0:
+                raise StorageError(f"message {message_id} does not exist or is not streaming")
+            conn.execute(
+                "UPDATE conversations SET updated = ? "
+                "WHERE id = (SELECT conversation_id FROM messages WHERE id = ?)",
+                (now, message_id),
+            )
+
+    def finish_message(
+        self,
+        message_id: int,
+        status: str = "complete",
+        *,
+        stats: dict[str, Any] | None = None,
+        thinking_seconds: float | None = None,
+        content: str | None = None,
+        thinking: str | None = None,
+    ) -> Message:
+        """End a streaming message: final status (complete | stopped | error), stats (merged into any already
+        stored), optional thinking time, and optionally the full final text (the engine's ``Finished`` carries it)."""
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"a finished message's status must be one of {FINAL_STATUSES}, not {status!r}")
+        current = self.get_message(message_id)
+        merged = {**current.stats, **(stats or {})}
+        with self._tx() as conn:
+            conn.execute(
+                "UPDATE messages SET status = ?, stats = ?, thinking_seconds = COALESCE(?, thinking_seconds), "
+                "content = COALESCE(?, content), thinking = COALESCE(?, thinking) WHERE id = ?",
+                (status, json.dumps(merged), thinking_seconds, content, thinking, message_id),
+            )
+            conn.execute(
+                "UPDATE conversations SET updated = ? WHERE id = ?", (self._now(), current.conversation_id)
+            )
+        return self.get_message(message_id)
+
+    def edit_message(self, message_id: int, content: str) -> int:
+        """Replace a message's text and delete every later message of its conversation (edit-and-resend).
+
+        Returns how many later messages were deleted.
+        """
+        current = self.get_message(message_id)
+        with self._tx() as conn:
+            conn.execute("UPDATE messages SET content = ?, status = 'complete' WHERE id = ?", (content, message_id))
+            cur = conn.execute(
+                "DELETE FROM messages WHERE conversation_id = ? AND id > ?", (current.conversation_id, message_id)
+            )
+            conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._now(), current.conversation_id))
+        return int(cur.rowcount)
+
+    def truncate_after(self, message_id: int, include: bool = False) -> int:
+        """Delete the messages after ``message_id`` (and that one too when ``include``, e.g. to regenerate an
+        answer). Returns how many were deleted."""
+        current = self.get_message(message_id)
+        op = ">=" if include else ">"
+        with self._tx() as conn:
+            cur = conn.execute(
+                f"DELETE FROM messages WHERE conversation_id = ? AND id {op} ?", (current.conversation_id, message_id)
+            )
+            conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._now(), current.conversation_id))
+        return int(cur.rowcount)
+
+    def chat_messages(self, conversation_id: int) -> list[dict[str, str]]:
+        """The conversation as engine ``messages`` (system prompt first; failed answers left out)."""
+        conversation = self.get_conversation(conversation_id)
+        out: list[dict[str, str]] = []
+        if conversation.system_prompt:
+            out.append({"role": "system", "content": conversation.system_prompt})
+        for m in self.messages(conversation_id):
+            if m.status in ("streaming", "error"):
+                continue
+            out.append({"role": m.role, "content": m.content})
+        return out
+
+    # ----------------------------------------------------------------- export
+
+    def conversation_to_dict(self, conversation_id: int) -> dict[str, Any]:
+        """A self-describing JSON-safe dict of a conversation and its messages."""
+        c = self.get_conversation(conversation_id)
+        return {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            "exported": _iso(time.time()),
+            "conversation": {
+                "id": c.id,
+                "title": c.title,
+                "created": _iso(c.created),
+                "updated": _iso(c.updated),
+                "system_prompt": c.system_prompt,
+                "settings": c.settings,
+            },
+            "messages": [
+                {
+                    "id": m.id,
+                    "role": m.role,
+                    "content": m.content,
+                    "thinking": m.thinking,
+                    "thinking_seconds": m.thinking_seconds,
+                    "status": m.status,
+                    "stats": m.stats,
+                    "created": _iso(m.created),
+                }
+                for m in self.messages(conversation_id)
+            ],
+        }
+
+    def conversation_to_markdown(self, conversation_id: int) -> str:
+        """The conversation as Markdown: one ``##`` section per message, thinking in a collapsed ``<details>``."""
+        c = self.get_conversation(conversation_id)
+        parts = [f"# {c.title}", "", f"*Clover Desk chat, created {_iso(c.created)}, updated {_iso(c.updated)}.*", ""]
+        if c.system_prompt:
+            parts += ["**System prompt**", ""]
+            parts += [f"> {line}" if line else ">" for line in c.system_prompt.splitlines()]
+            parts.append("")
+        for m in self.messages(conversation_id):
+            parts += [f"## {m.role.capitalize()}", ""]
+            if m.thinking:
+                took = f" ({m.thinking_seconds:.1f} s)" if m.thinking_seconds is not None else ""
+                parts += ["<details>", f"<summary>Thinking{took}</summary>", "", m.thinking.strip("\n"), "", "</details>", ""]
+            if m.content:
+                parts += [m.content.strip("\n"), ""]
+            if m.status != "complete":
+                reason = m.stats.get("stop_reason") or m.stats.get("error")
+                parts += [f"*[{m.status}{f': {reason}' if reason else ''}]*", ""]
+        return "\n".join(parts)
+
+    def export_json(self, conversation_id: int, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`conversation_to_dict` to ``path`` atomically; returns the path."""
+        text = json.dumps(self.conversation_to_dict(conversation_id), ensure_ascii=False, indent=2) + "\n"
+        atomic_write_text(path, text)
+        return Path(path)
+
+    def export_markdown(self, conversation_id: int, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`conversation_to_markdown` to ``path`` atomically; returns the path."""
+        atomic_write_text(path, self.conversation_to_markdown(conversation_id))
+        return Path(path)
+

@@ -1,0 +1,280 @@
+"""ChatStore on a real SQLite file: CRUD, search, export, migrations, crash recovery."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from clover_desk import paths
+from clover_desk.storage import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    ChatStore,
+    NotFoundError,
+    StorageError,
+    atomic_write_text,
+    title_from_text,
+)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ChatStore:
+    s = ChatStore(tmp_path / "chats.sqlite3")
+    yield s
+    s.close()
+
+
+def _old_database(path: Path, version: int) -> None:
+    """A database as an older Clover Desk left it: migrations up to ``version`` only."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute(
+        "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied REAL NOT NULL)"
+    )
+    for v, description, statements in MIGRATIONS:
+        if v > version:
+            break
+        for s in statements:
+            conn.execute(s)
+        conn.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (v, description, time.time()))
+    conn.close()
+
+
+def test_open_sets_wal_foreign_keys_and_schema(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "chats.sqlite3"
+    with ChatStore(path) as s:
+        assert s.schema_version == SCHEMA_VERSION
+        assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert s._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        versions = [r[0] for r in s._conn.execute("SELECT version FROM schema_migrations ORDER BY version")]
+        assert versions == [m[0] for m in MIGRATIONS]
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    # Reopening runs no migration twice.
+    with ChatStore(path) as s:
+        assert s.schema_version == SCHEMA_VERSION
+        assert s.recovered_message_ids == ()
+
+
+def test_conversation_crud_and_order(store: ChatStore) -> None:
+    a = store.create_conversation("first", system_prompt="be brief", settings={"temperature": 0.7})
+    b = store.create_conversation()
+    assert b.title == "New chat"
+    assert a.settings == {"temperature": 0.7} and a.system_prompt == "be brief"
+    assert [c.id for c in store.list_conversations()] == [b.id, a.id]
+
+    store.add_message(a.id, "user", "hello")  # activity moves a to the top
+    assert [c.id for c in store.list_conversations()] == [a.id, b.id]
+    assert [c.id for c in store.list_conversations(limit=1)] == [a.id]
+
+    renamed = store.rename_conversation(b.id, "second")
+    assert renamed.title == "second" and renamed.updated > b.updated
+    assert store.list_conversations()[0].id == b.id
+    updated = store.update_conversation(a.id, settings={"mode": "ar"}, system_prompt="")
+    assert updated.settings == {"mode": "ar"} and updated.system_prompt == "" and updated.title == "first"
+
+    store.delete_conversation(a.id)
+    assert [c.id for c in store.list_conversations()] == [b.id]
+    # Messages went with it (ON DELETE CASCADE under foreign_keys=ON).
+    assert store._conn.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (a.id,)).fetchone()[0] == 0
+    with pytest.raises(NotFoundError):
+        store.get_conversation(a.id)
+    with pytest.raises(NotFoundError):
+        store.delete_conversation(a.id)
+    with pytest.raises(NotFoundError):
+        store.rename_conversation(9999, "x")
+    with pytest.raises(NotFoundError):
+        store.add_message(9999, "user", "orphan")
+
+
+def test_messages_streaming_finish_edit_truncate(store: ChatStore) -> None:
+    c = store.create_conversation("chat")
+    u = store.add_message(c.id, "user", "What is 2+2?")
+    a = store.add_message(c.id, "assistant", status="streaming")
+    store.append_streaming(a.id, thinking_delta="Two plus ")
+    store.append_streaming(a.id, thinking_delta="two.", answer_delta="It is ")
+    store.append_streaming(a.id, answer_delta="4.")
+    store.append_streaming(a.id)  # nothing to add: no transaction, no error
+    m = store.get_message(a.id)
+    assert (m.content, m.thinking, m.status) == ("It is 4.", "Two plus two.", "streaming")
+
+    done = store.finish_message(a.id, stats={"tokens_per_s": 12.5, "stop_reason": "eos"}, thinking_seconds=1.25)
+    assert done.status == "complete" and done.stats["tokens_per_s"] == 12.5 and done.thinking_seconds == 1.25
+    with pytest.raises(StorageError):
+        store.append_streaming(a.id, answer_delta="late")  # only streaming messages grow
+    with pytest.raises(ValueError):
+        store.finish_message(a.id, status="streaming")
+    with pytest.raises(ValueError):
+        store.add_message(c.id, "robot", "x")
+
+    u2 = store.add_message(c.id, "user", "and 3+3?")
+    store.add_message(c.id, "assistant", "6")
+    assert store.chat_messages(c.id) == [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
+    # Edit-and-resend: the edited message stays, everything after it goes.
+    assert store.edit_message(u2.id, "and 5+5?") == 1
+    assert [m.content for m in store.messages(c.id)] == ["What is 2+2?", "It is 4.", "and 5+5?"]
+    # Regenerate: drop the answer itself too.
+    assert store.truncate_after(a.id, include=True) == 2
+    assert [m.id for m in store.messages(c.id)] == [u.id]
+
+
+def test_search_titles_and_text(store: ChatStore) -> None:
+    a = store.create_conversation("Pasta recipes")
+    b = store.create_conversation("Physics")
+    store.add_message(b.id, "user", "Explain the Higgs boson in simple words, please, with an analogy.")
+    m = store.add_message(b.id, "assistant", "Think of a crowded room…", thinking="user wants a PASTA analogy?")
+    c = store.create_conversation("Odd 100%_match")
+
+    hits = store.search("pasta")
+    assert [h.conversation.id for h in hits] == [b.id, a.id]  # most recent first; thinking text counts
+    assert hits[0].message_id == m.id and "PASTA" in hits[0].snippet
+    assert hits[1].message_id is None and hits[1].snippet == "Pasta recipes"
+    higgs = store.search("higgs BOSON")
+    assert [h.conversation.id for h in higgs] == [b.id] and "Higgs boson" in higgs[0].snippet
+    # LIKE wildcards in the query are literal.
+    assert [h.conversation.id for h in store.search("100%_")] == [c.id]
+    assert [h.conversation.id for h in store.search("%")] == [c.id]
+    assert store.search("no such words") == []
+    assert len(store.search("  ")) == 3
+
+
+def test_export_markdown_and_json(store: ChatStore, tmp_path: Path) -> None:
+    c = store.create_conversation("Export me", system_prompt="You are terse.\nVery terse.")
+    store.add_message(c.id, "user", "Say *hi*")
+    a = store.add_message(c.id, "assistant", status="streaming")
+    store.append_streaming(a.id, answer_delta="hi", thinking_delta="greet")
+    store.finish_message(a.id, status="stopped", stats={"stop_reason": "cancelled"}, thinking_seconds=0.5)
+
+    md_path = store.export_markdown(c.id, tmp_path / "out" / "chat.md")
+    md = md_path.read_text(encoding="utf-8")
+    assert md.startswith("# Export me\n")
+    assert "> You are terse.\n> Very terse." in md
+    assert "## User\n\nSay *hi*" in md
+    assert "<summary>Thinking (0.5 s)</summary>" in md and "greet" in md
+    assert "*[stopped: cancelled]*" in md
+
+    js_path = store.export_json(c.id, tmp_path / "out" / "chat.json")
+    data = json.loads(js_path.read_text(encoding="utf-8"))
+    assert data["format"] == "clover-desk-chat" and data["conversation"]["title"] == "Export me"
+    assert [(m["role"], m["content"], m["status"]) for m in data["messages"]] == [
+        ("user", "Say *hi*", "complete"),
+        ("assistant", "hi", "stopped"),
+    ]
+    # No temporary files left behind.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["chat.json", "chat.md"]
+
+
+def test_atomic_write_replaces_whole_file(tmp_path: Path) -> None:
+    target = tmp_path / "f.txt"
+    atomic_write_text(target, "old contents")
+    atomic_write_text(target, "new")
+    assert target.read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_streaming_message_left_by_a_crash_becomes_stopped(tmp_path: Path) -> None:
+    path = tmp_path / "chats.sqlite3"
+    s = ChatStore(path)
+    c = s.create_conversation("crashy")
+    s.add_message(c.id, "user", "tell me a story")
+    a = s.add_message(c.id, "assistant", status="streaming")
+    s.append_streaming(a.id, answer_delta="Once upon", thinking_delta="story time")
+    s.append_streaming(a.id, answer_delta=" a time")
+    # No finish_message: the process "dies" here (a real SIGKILL is in test_persistence_kill.py).
+    s._conn.close()
+
+    with ChatStore(path) as s2:
+        assert s2.recovered_message_ids == (a.id,)
+        m = s2.get_message(a.id)
+        assert (m.status, m.content, m.thinking) == ("stopped", "Once upon a time", "story time")
+        assert m.stats["stop_reason"] == "interrupted"
+    with ChatStore(path) as s3:
+        assert s3.recovered_message_ids == ()
+
+
+def test_migrates_an_older_database_keeping_data(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    _old_database(path, version=1)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("INSERT INTO conversations (id, title, created, updated) VALUES (7, 'kept', 1.0, 2.0)")
+    conn.execute(
+        "INSERT INTO messages (conversation_id, role, content, status, created) VALUES (7, 'user', 'hi', 'complete', 1.5)"
+    )
+    conn.close()
+
+    with ChatStore(path) as s:
+        assert s.schema_version == SCHEMA_VERSION
+        assert [c.title for c in s.list_conversations()] == ["kept"]
+        assert [m.content for m in s.messages(7)] == ["hi"]
+        indexes = {r[0] for r in s._conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert {"messages_by_conversation", "conversations_by_updated"} <= indexes
+
+
+def test_refuses_a_newer_schema_and_a_non_database(tmp_path: Path) -> None:
+    path = tmp_path / "future.sqlite3"
+    _old_database(path, version=SCHEMA_VERSION)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("INSERT INTO schema_migrations VALUES (?, 'from the future', 0)", (SCHEMA_VERSION + 1,))
+    conn.close()
+    with pytest.raises(StorageError, match="newer"):
+        ChatStore(path)
+
+    junk = tmp_path / "junk.sqlite3"
+    junk.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StorageError, match="unreadable"):
+        ChatStore(junk)
+
+
+def test_store_refuses_other_threads(store: ChatStore) -> None:
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            store.list_conversations()
+        except sqlite3.ProgrammingError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 1
+
+
+def test_title_from_text() -> None:
+    assert title_from_text("\n  Why is the sky blue?\nmore") == "Why is the sky blue?"
+    assert title_from_text("") == "New chat"
+    long = title_from_text("word " * 40, max_chars=20)
+    assert long.endswith("…") and len(long) <= 21
+
+
+@pytest.mark.parametrize(
+    ("platform", "env", "expected"),
+    [
+        ("linux", {}, ".local/share/clover-desk"),
+        ("linux", {"XDG_DATA_HOME": "/xdg"}, "/xdg/clover-desk"),
+        ("linux", {"XDG_DATA_HOME": "relative"}, ".local/share/clover-desk"),
+        ("darwin", {}, "Library/Application Support/Clover Desk"),
+        ("win32", {"APPDATA": "C:/Users/u/AppData/Roaming"}, "C:/Users/u/AppData/Roaming/Clover Desk"),
+        ("linux", {"CLOVER_DESK_HOME": "/custom", "XDG_DATA_HOME": "/xdg"}, "/custom"),
+    ],
+)
+def test_app_data_dir_per_platform(platform: str, env: dict[str, str], expected: str) -> None:
+    home = Path("/home/u")
+    got = paths.default_app_data_dir(env=env, platform=platform, home=home)
+    want = Path(expected) if Path(expected).is_absolute() or ":" in expected else home / expected
+    assert got == want
+
+
+def test_chats_db_path_honours_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(paths.HOME_ENV, str(tmp_path / "home"))
+    db = paths.chats_db_path()
+    assert db == tmp_path / "home" / "chats.sqlite3" and db.parent.is_dir()
+    assert paths.models_dir() == tmp_path / "home" / "models"
