@@ -1,0 +1,614 @@
+"""Quantization: formats, the policy table, and module swaps.
+
+Formats (one ``quantize`` / fast ``dequantize`` / slow ``dequantize_reference`` triple each):
+
+* ``nf4``: bitsandbytes NF4, blockwise absmax over the *flattened* tensor (blocksize 64 by default), fp32 absmax,
+  no double quantization. Two 4-bit codes per byte, the first element in the high nibble. Quantize and fast
+  dequantize go through ``bitsandbytes`` (CUDA or CPU); the reference is pure torch.
+* ``int8``: symmetric per-row absmax (scale = absmax / 127), pure torch.
+* ``bf16`` / ``fp32`` / ``keep``: not quantized (``keep`` leaves the checkpoint dtype).
+
+The policy table (:class:`QuantPolicy`) is a list of regex rules on checkpoint tensor names, first match wins.
+Quantized modules keep the interface of what they replace: :class:`QuantLinear` for ``nn.Linear`` and
+:class:`QuantExpertBank` for an :class:`engine.experts.ExpertBank`. The expert bank stores ONE contiguous byte row
+per expert (``[gate_up codes | down codes | gate_up scales | down scales]``, see :class:`ExpertLayout`) so that a
+streamed expert is one copy (``engine/offload.py``).
+
+Compute path: weights are dequantized to the activation dtype and multiplied with ``F.linear``. We never use
+``bnb.nn.Linear4bit``: on CPUs with AVX512-BF16 its first eval forward repacks the weight in place into a
+CPU-only layout, which would corrupt bytes that are later streamed to a GPU.
+
+bitsandbytes 0.50.2 CPU caveat (found while writing the tests): ``dequantize_4bit`` on CPU treats blocks as lying
+inside rows, so for a 2-D shape whose last dim is not a multiple of the blocksize it returns wrong values. We
+always dequantize with the flat shape ``(numel,)`` and reshape, which matches how ``quantize_4bit`` blocks.
+
+Letters: E experts, D hidden size, I expert intermediate size, T tokens, K top-k, O/N out/in features.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.errors import CheckpointError, ConfigError
+from engine.experts import ExpertBank, group_by_expert
+
+log = logging.getLogger(__name__)
+
+QUANT_FORMATS = ("nf4", "int8")
+PLAIN_FORMATS = ("bf16", "fp32", "keep")
+FORMATS = QUANT_FORMATS + PLAIN_FORMATS
+
+# The 16 NF4 code values (QLoRA, Dettmers et al. 2023): quantiles of N(0, 1) normalized to [-1, 1], with an exact 0.
+NF4_CODE = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+# Largest gap between neighbouring NF4 codes: rounding error is at most half of it, times the block absmax.
+NF4_MAX_HALF_GAP = max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:])) / 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Formats
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bnb_functional() -> Any:
+    """bitsandbytes.functional, imported on first use (its import logs a warning about optional CPU kernels)."""
+    try:
+        import bitsandbytes.functional as bnbf
+    except ImportError as exc:  # pragma: no cover - bitsandbytes is a hard dependency
+        raise ConfigError(f"NF4 needs bitsandbytes, which failed to import: {exc}") from None
+    return bnbf
+
+
+def nf4_sizes(numel: int, blocksize: int) -> tuple[int, int]:
+    """Bytes of packed codes and of fp32 absmax for ``numel`` NF4 values."""
+    return (numel + 1) // 2, math.ceil(numel / blocksize) * 4
+
+
+def int8_sizes(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Bytes of int8 codes and of fp32 per-row scales for a 2-D (or [..., N]) weight."""
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    return math.prod(shape), rows * 4
+
+
+def quantize_nf4(w: Tensor, blocksize: int = 64) -> tuple[Tensor, Tensor]:
+    """w (any shape, float) -> (codes uint8 [ceil(numel/2)], absmax fp32 [ceil(numel/blocksize)])."""
+    if w.numel() % 2:
+        raise ValueError(f"NF4 needs an even number of elements, got shape {tuple(w.shape)}")
+    src = w.detach().reshape(-1)
+    if src.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        src = src.float()
+    packed, state = _bnb_functional().quantize_4bit(
+        src.contiguous(), blocksize=blocksize, compress_statistics=False, quant_type="nf4"
+    )
+    return packed.reshape(-1), state.absmax.reshape(-1).to(torch.float32)
+
+
+def dequantize_nf4(codes: Tensor, absmax: Tensor, shape: tuple[int, ...], blocksize: int, dtype: torch.dtype) -> Tensor:
+    """Fast dequantize through bitsandbytes (CUDA or CPU kernel). Flat shape: see the module docstring."""
+    numel = math.prod(shape)
+    out = torch.ops.bitsandbytes.dequantize_4bit(codes.view(torch.uint8), absmax, blocksize, "nf4", (numel,), dtype)
+    return out.reshape(shape)
+
+
+def dequantize_nf4_reference(
+    codes: Tensor, absmax: Tensor, shape: tuple[int, ...], blocksize: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Slow pure-torch NF4 dequantize: unpack nibbles (high first), look up the code, scale by the block absmax."""
+    numel = math.prod(shape)
+    b = codes.view(torch.uint8).to(torch.int64).cpu()  # [numel/2]
+    idx = torch.stack([b >> 4, b & 0x0F], dim=1).reshape(-1)[:numel]  # [numel], element 2i from the high nibble
+    table = torch.tensor(NF4_CODE, dtype=torch.float32)
+    values = table[idx]  # [numel] in [-1, 1]
+    scale = absmax.cpu().to(torch.float32).repeat_interleave(blocksize)[:numel]  # [numel] block absmax per element
+    return (values * scale).reshape(shape).to(dtype)
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [..., N] -> (codes int8 [..., N], scale fp32 [prod(...)]) with scale = row absmax / 127."""
+    w2 = w.detach().reshape(-1, w.shape[-1]).to(torch.float32)  # [R, N]
+    scale = w2.abs().amax(dim=1) / 127.0  # [R]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w2 / safe[:, None]).clamp_(-127, 127).to(torch.int8)  # [R, N]
+    return q.reshape(w.shape), scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Fast dequantize: one broadcast multiply in fp32, then cast."""
+    q2 = q.view(torch.int8).reshape(-1, shape[-1])  # [R, N]
+    return (q2.to(torch.float32) * scale.view(-1, 1)).reshape(shape).to(dtype)
+
+
+def dequantize_int8_reference(q: Tensor, scale: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+    """Slow reference: row by row, element value times its row's scale."""
+    q2 = q.view(torch.int8).reshape(-1, shape[-1]).cpu()
+    rows = [q2[r].to(torch.float32) * float(scale[r]) for r in range(q2.shape[0])]
+    return torch.stack(rows).reshape(shape).to(dtype)
+
+
+def quantize_tensor(w: Tensor, fmt: str, blocksize: int = 64) -> tuple[Tensor, Tensor]:
+    """(codes, scales) of ``w`` in ``fmt`` ("nf4" | "int8")."""
+    if fmt == "nf4":
+        return quantize_nf4(w, blocksize)
+    if fmt == "int8":
+        return quantize_int8(w)
+    raise ValueError(f"not a quantized format: {fmt!r} (expected one of {QUANT_FORMATS})")
+
+
+def dequantize_tensor(
+    codes: Tensor, scales: Tensor, shape: tuple[int, ...], fmt: str, blocksize: int, dtype: torch.dtype
+) -> Tensor:
+    if fmt == "nf4":
+        return dequantize_nf4(codes, scales, shape, blocksize, dtype)
+    if fmt == "int8":
+        return dequantize_int8(codes, scales, shape, dtype)
+    raise ValueError(f"not a quantized format: {fmt!r}")
+
+
+def dequantize_reference(
+    codes: Tensor, scales: Tensor, shape: tuple[int, ...], fmt: str, blocksize: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    if fmt == "nf4":
+        return dequantize_nf4_reference(codes, scales, shape, blocksize, dtype)
+    if fmt == "int8":
+        return dequantize_int8_reference(codes, scales, shape, dtype)
+    raise ValueError(f"not a quantized format: {fmt!r}")
+
+
+def quantized_sizes(shape: tuple[int, ...], fmt: str, blocksize: int = 64) -> tuple[int, int]:
+    """(code bytes, scale bytes) of a tensor of ``shape`` in ``fmt``."""
+    if fmt == "nf4":
+        return nf4_sizes(math.prod(shape), blocksize)
+    if fmt == "int8":
+        return int8_sizes(shape)
+    raise ValueError(f"not a quantized format: {fmt!r}")
+
+
+def error_bound(w: Tensor, fmt: str, blocksize: int = 64) -> Tensor:
+    """Per-element worst-case |w - dequant(quant(w))| of the format (same shape as w, fp32).
+
+    NF4: half the largest code gap times the block absmax (plus fp32 slack). INT8: half a step, scale / 2.
+    """
+    w32 = w.detach().to(torch.float32)
+    if fmt == "nf4":
+        flat = w32.reshape(-1)
+        nblocks = math.ceil(flat.numel() / blocksize)
+        padded = F.pad(flat, (0, nblocks * blocksize - flat.numel()))
+        absmax = padded.abs().reshape(nblocks, blocksize).amax(dim=1)  # [blocks]
+        bound = absmax.repeat_interleave(blocksize)[: flat.numel()] * (NF4_MAX_HALF_GAP + 1e-6)
+        return bound.reshape(w.shape)
+    if fmt == "int8":
+        w2 = w32.reshape(-1, w32.shape[-1])
+        scale = w2.abs().amax(dim=1, keepdim=True) / 127.0
+        return (scale * (0.5 + 1e-5)).expand_as(w2).reshape(w.shape)
+    raise ValueError(f"not a quantized format: {fmt!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Policy table
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the policy table: tensors whose name matches ``pattern`` (``re.search``) get ``fmt``."""
+
+    pattern: str
+    fmt: str  # "nf4" | "int8" | "bf16" | "fp32" | "keep"
+    placement: str = "device"  # "device" | "host" (the embedding lookup can stay in system RAM)
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    """Declarative quantization policy: first matching rule wins; no match means ``keep`` on the device."""
+
+    name: str
+    rules: tuple[Rule, ...]
+    blocksize: int = 64
+    _compiled: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for rule in self.rules:
+            if rule.fmt not in FORMATS:
+                raise ConfigError(f"quant policy {self.name!r}: rule {rule.pattern!r} has unknown format {rule.fmt!r}")
+            if rule.placement not in ("device", "host"):
+                raise ConfigError(f"quant policy {self.name!r}: rule {rule.pattern!r} has unknown placement {rule.placement!r}")
+        object.__setattr__(self, "_compiled", tuple(re.compile(r.pattern) for r in self.rules))
+
+    def rule_for(self, name: str) -> Rule | None:
+        for rx, rule in zip(self._compiled, self.rules):
+            if rx.search(name):
+                return rule
+        return None
+
+    def format_of(self, name: str, shape: tuple[int, ...] | None = None) -> str:
+        """Format for a tensor. Quantized formats apply only to tensors with >= 2 dims and an even size."""
+        rule = self.rule_for(name)
+        fmt = rule.fmt if rule else "keep"
+        if fmt in QUANT_FORMATS and shape is not None and (len(shape) < 2 or math.prod(shape) % 2):
+            return "keep"
+        return fmt
+
+    def placement_of(self, name: str) -> str:
+        rule = self.rule_for(name)
+        return rule.placement if rule else "device"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "blocksize": self.blocksize, "rules": [asdict(r) for r in self.rules]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "QuantPolicy":
+        return cls(name=data["name"], blocksize=int(data["blocksize"]), rules=tuple(Rule(**r) for r in data["rules"]))
+
+    @property
+    def hash(self) -> str:
+        """Short stable hash of the policy (names the cache folder)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def make_policy(
+    experts: str = "nf4",
+    attention: str = "nf4",
+    shared_expert: str = "nf4",
+    lm_head: str = "int8",
+    embedding_on_host: bool = True,
+    blocksize: int = 64,
+    name: str | None = None,
+) -> QuantPolicy:
+    """The policy table. Arguments pick the format of each quantizable group; the rest is fixed:
+    router, norms, A_log, dt_bias, conv1d, GDN a/b projections and Clover extras stay unquantized."""
+    rules = (
+        # --- kept precise: small, and errors here change routing or recurrence decay ---
+        Rule(r"mlp\.gate\.weight$", "keep", why="router: top-k choice is sensitive"),
+        Rule(r"shared_expert_gate\.weight$", "keep", why="shared expert gate: [1, D]"),
+        Rule(r"(norm|layernorm)\.weight$", "keep", why="norms"),
+        Rule(r"\.(A_log|dt_bias)$", "keep", why="GDN decay parameters"),
+        Rule(r"conv1d\.weight", "keep", why="GDN short conv (incl. Clover weight_right)"),
+        Rule(r"ssm_bd_|bd_history|bd_logit_scale", "keep", why="Clover block-diffusion extras"),
+        Rule(r"linear_attn\.in_proj_(a|b|ba)\.weight$", "keep", why="GDN beta/decay inputs: [32, D]"),
+        # --- quantized ---
+        Rule(r"mlp\.experts\.(gate_up_proj|down_proj)$", experts, why="routed experts, fused [E, ., .]"),
+        Rule(r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$", experts, why="routed experts, per expert"),
+        Rule(r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$", shared_expert, why="shared expert"),
+        Rule(r"linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj)\.weight$", attention, why="GDN projections"),
+        Rule(r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight$", attention, why="attention projections"),
+        Rule(r"(^|\.)lm_head\.weight$", lm_head, why="output head"),
+        Rule(r"embed_tokens\.weight$", "keep", placement="host" if embedding_on_host else "device", why="lookup only"),
+    )
+    auto = name or f"experts-{experts}.attn-{attention}.shared-{shared_expert}.head-{lm_head}.bs{blocksize}"
+    return QuantPolicy(name=auto, rules=rules, blocksize=blocksize)
+
+
+DEFAULT_POLICY = make_policy()
+
+
+def is_expert_tensor(name: str) -> bool:
+    return re.search(r"mlp\.experts\.(gate_up_proj|down_proj)$|mlp\.experts\.\d+\.", name) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# QuantLinear
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for ``nn.Linear`` holding a quantized weight: ``codes`` + ``scales`` buffers, optional ``bias``.
+
+    ``weight`` is a property that dequantizes (for code that reads ``linear.weight``); ``forward`` dequantizes to
+    the input dtype and calls ``F.linear``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str,
+        blocksize: int = 64,
+        bias: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"QuantLinear: format must be one of {QUANT_FORMATS}, got {fmt!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        self.blocksize = blocksize
+        shape = (out_features, in_features)
+        n_codes, n_scales = quantized_sizes(shape, fmt, blocksize)
+        if fmt == "nf4":
+            codes = torch.zeros(n_codes, dtype=torch.uint8, device=device)  # [O*N/2] two codes per byte
+        else:
+            codes = torch.zeros(shape, dtype=torch.int8, device=device)  # [O, N]
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", torch.zeros(n_scales // 4, dtype=torch.float32, device=device))
+        self.bias: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, blocksize: int = 64) -> "QuantLinear":
+        q = cls(linear.in_features, linear.out_features, fmt, blocksize, bias=linear.bias is not None, device="cpu")
+        q.set_weight(linear.weight.data)
+        if linear.bias is not None:
+            q.bias = nn.Parameter(linear.bias.data.detach().clone(), requires_grad=False)
+        return q.to(linear.weight.device)
+
+    def set_weight(self, w: Tensor) -> None:
+        """Quantize ``w`` [O, N] into this module's buffers."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise CheckpointError(f"QuantLinear: weight shape {tuple(w.shape)} != {(self.out_features, self.in_features)}")
+        codes, scales = quantize_tensor(w, self.fmt, self.blocksize)
+        self.codes = codes.to(self.codes.device)
+        self.scales = scales.to(self.scales.device)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_tensor(
+            self.codes, self.scales, (self.out_features, self.in_features), self.fmt, self.blocksize, dtype
+        )
+
+    @property
+    def weight(self) -> Tensor:
+        return self.dequantized(torch.float32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.dequantized(x.dtype)  # [O, N]
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, w, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, blocksize={self.blocksize}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized expert bank: one contiguous byte row per expert
+# ---------------------------------------------------------------------------------------------------------------
+
+_ALIGN = 16  # bytes; segment starts are aligned so fp32 views are legal (and vector loads aligned on GPU)
+
+
+def _align(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Byte layout of one expert's row: ``[gate_up codes | down codes | gate_up scales | down scales]``.
+
+    gate_up is [2I, D] (rows 0..I-1 gate, I..2I-1 up), down is [D, I]; each segment starts 16-byte aligned.
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    fmt: str
+    blocksize: int
+    gate_up_codes: tuple[int, int]  # (offset, nbytes)
+    down_codes: tuple[int, int]
+    gate_up_scales: tuple[int, int]
+    down_scales: tuple[int, int]
+    nbytes: int  # row size
+
+    @classmethod
+    def build(cls, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str = "nf4", blocksize: int = 64) -> "ExpertLayout":
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"expert format must be one of {QUANT_FORMATS}, got {fmt!r}")
+        gu_c, gu_s = quantized_sizes((2 * intermediate_size, hidden_size), fmt, blocksize)
+        dn_c, dn_s = quantized_sizes((hidden_size, intermediate_size), fmt, blocksize)
+        off = 0
+        segs = []
+        for n in (gu_c, dn_c, gu_s, dn_s):
+            segs.append((off, n))
+            off = _align(off + n)
+        return cls(num_experts, hidden_size, intermediate_size, fmt, blocksize, *segs, nbytes=off)
+
+    @property
+    def gate_up_shape(self) -> tuple[int, int]:
+        return (2 * self.intermediate_size, self.hidden_size)
+
+    @property
+    def down_shape(self) -> tuple[int, int]:
+        return (self.hidden_size, self.intermediate_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ExpertLayout":
+        d = dict(d)
+        for k in ("gate_up_codes", "down_codes", "gate_up_scales", "down_scales"):
+            d[k] = tuple(d[k])
+        return cls(**d)
+
+    # --- packing ---
+    def pack(self, gate_up: Tensor, down: Tensor, out: Tensor | None = None) -> Tensor:
+        """Quantize one expert: gate_up [2I, D], down [D, I] -> row uint8 [nbytes] (written into ``out`` if given)."""
+        if tuple(gate_up.shape) != self.gate_up_shape or tuple(down.shape) != self.down_shape:
+            raise CheckpointError(
+                f"expert shapes {tuple(gate_up.shape)}, {tuple(down.shape)} != {self.gate_up_shape}, {self.down_shape}"
+            )
+        row = out if out is not None else torch.zeros(self.nbytes, dtype=torch.uint8)
+        for w, (c_off, c_n), (s_off, s_n) in (
+            (gate_up, self.gate_up_codes, self.gate_up_scales),
+            (down, self.down_codes, self.down_scales),
+        ):
+            codes, scales = quantize_tensor(w, self.fmt, self.blocksize)
+            row[c_off : c_off + c_n] = codes.reshape(-1).view(torch.uint8).to(row.device)
+            row[s_off : s_off + s_n] = scales.reshape(-1).view(torch.uint8).to(row.device)
+        return row
+
+    def views(self, row: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(gate_up codes, down codes, gate_up scales fp32, down scales fp32) as views into ``row`` [nbytes]."""
+        (a, na), (b, nb), (c, nc), (d, nd) = self.gate_up_codes, self.down_codes, self.gate_up_scales, self.down_scales
+        return row[a : a + na], row[b : b + nb], row[c : c + nc].view(torch.float32), row[d : d + nd].view(torch.float32)
+
+    def unpack(self, row: Tensor, dtype: torch.dtype, reference: bool = False) -> tuple[Tensor, Tensor]:
+        """row -> (gate_up [2I, D], down [D, I]) in ``dtype``."""
+        gu_c, dn_c, gu_s, dn_s = self.views(row)
+        deq = dequantize_reference if reference else dequantize_tensor
+        gate_up = deq(gu_c, gu_s, self.gate_up_shape, self.fmt, self.blocksize, dtype)
+        down = deq(dn_c, dn_s, self.down_shape, self.fmt, self.blocksize, dtype)
+        return gate_up, down
+
+
+def expert_mlp(layout: ExpertLayout, row: Tensor, xs: Tensor) -> Tensor:
+    """One quantized expert's SwiGLU MLP on its tokens: xs [n, D] -> [n, D]."""
+    gate_up, down = layout.unpack(row, xs.dtype)  # [2I, D], [D, I]
+    gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(F.silu(gate) * up, down)  # [n, D]
+
+
+def routed_forward(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    num_experts: int,
+    layout: ExpertLayout,
+    row_of: Callable[[int], Tensor],
+) -> Tensor:
+    """The shared MoE compute of every quantized bank (resident or streamed): the same op order for the same bytes,
+    so streaming can never change the numbers. x [T, D], topk_idx/topk_w [T, K] -> [T, D]."""
+    order, token, experts, counts = group_by_expert(topk_idx, num_experts)
+    xs = x[token]  # [N, D] token rows in expert order
+    ys = torch.empty_like(xs)  # [N, D]
+    start = 0
+    for e, n in zip(experts, counts):
+        ys[start : start + n] = expert_mlp(layout, row_of(e), xs[start : start + n])
+        start += n
+    w = topk_w.reshape(-1)[order].to(torch.float32)  # [N]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, D] fp32 accumulation
+    out.index_add_(0, token, ys.to(torch.float32) * w[:, None])
+    return out.to(x.dtype)
+
+
+class QuantExpertBank(ExpertBank):
+    """All experts of one layer, resident, as ``packed`` uint8 [E, nbytes] (one contiguous row per expert)."""
+
+    def __init__(self, layout: ExpertLayout, device: torch.device | str = "cpu", packed: Tensor | None = None) -> None:
+        super().__init__()
+        self.layout = layout
+        self.num_experts = layout.num_experts
+        self.hidden_size = layout.hidden_size
+        self.intermediate_size = layout.intermediate_size
+        if packed is None:
+            packed = torch.zeros(layout.num_experts, layout.nbytes, dtype=torch.uint8, device=device)
+        if tuple(packed.shape) != (layout.num_experts, layout.nbytes) or packed.dtype != torch.uint8:
+            raise CheckpointError(
+                f"QuantExpertBank: packed tensor {tuple(packed.shape)} {packed.dtype} != "
+                f"{(layout.num_experts, layout.nbytes)} uint8"
+            )
+        self.register_buffer("packed", packed)
+
+    @classmethod
+    def from_dense(cls, gate_up_proj: Tensor, down_proj: Tensor, fmt: str = "nf4", blocksize: int = 64) -> "QuantExpertBank":
+        """Quantize fused dense weights gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+        e, two_i, d = gate_up_proj.shape
+        layout = ExpertLayout.build(e, d, two_i // 2, fmt, blocksize)
+        bank = cls(layout, device="cpu")
+        for i in range(e):
+            layout.pack(gate_up_proj[i].cpu(), down_proj[i].cpu(), out=bank.packed[i])
+        return bank.to(gate_up_proj.device)
+
+    def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, self.packed.__getitem__)
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return f"experts={lay.num_experts}, D={lay.hidden_size}, I={lay.intermediate_size}, fmt={lay.fmt}, row_bytes={lay.nbytes}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Module swap
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def quantize_model_(
+    model: nn.Module,
+    policy: QuantPolicy = DEFAULT_POLICY,
+    name_of: Callable[[str], str] | None = None,
+) -> dict[str, str]:
+    """Swap in place every ``nn.Linear`` / dense expert bank the policy quantizes. Returns {tensor name: format}
+    for what was swapped. ``name_of`` maps a module's parameter name to the checkpoint name the policy sees
+    (identity by default)."""
+    to_name = name_of or (lambda n: n)
+    applied: dict[str, str] = {}
+    swaps: list[tuple[str, nn.Module]] = []
+    for mod_name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            pname = to_name(f"{mod_name}.weight")
+            fmt = policy.format_of(pname, tuple(module.weight.shape))
+            if fmt in QUANT_FORMATS:
+                swaps.append((mod_name, QuantLinear.from_linear(module, fmt, policy.blocksize)))
+                applied[pname] = fmt
+        elif isinstance(module, ExpertBank) and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            pname = to_name(f"{mod_name}.gate_up_proj")
+            fmt = policy.format_of(pname, tuple(module.gate_up_proj.shape))
+            if fmt in QUANT_FORMATS:
+                swaps.append((mod_name, QuantExpertBank.from_dense(module.gate_up_proj.data, module.down_proj.data, fmt, policy.blocksize)))
+                applied[pname] = fmt
+                applied[to_name(f"{mod_name}.down_proj")] = fmt
+    for mod_name, new in swaps:
+        set_submodule(model, mod_name, new)
+    log.info("quantized %d tensors with policy %s", len(applied), policy.name)
+    return applied
+
+
+def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Replace the submodule at dotted ``name``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def applied_formats(model: nn.Module) -> dict[str, str]:
+    """Read back from a model which format each weight is in: {param name: "nf4" | "int8" | dtype name}."""
+    out: dict[str, str] = {}
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(module, QuantLinear):
+            out[f"{prefix}weight"] = module.fmt
+        elif isinstance(module, QuantExpertBank) or hasattr(module, "layout") and isinstance(getattr(module, "layout"), ExpertLayout):
+            out[f"{prefix}gate_up_proj"] = module.layout.fmt
+            out[f"{prefix}down_proj"] = module.layout.fmt
+        else:
+            for pname, p in module.named_parameters(recurse=False):
+                out[f"{prefix}{pname}"] = _dtype_name(p.dtype)
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def iter_quant_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantLinear, QuantExpertBank)):
+            yield name, m

@@ -1,0 +1,218 @@
+"""Quantization formats, the policy table, and the module swap (engine/quant.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.experts import DenseExpertBank
+from engine.quant import (
+    DEFAULT_POLICY,
+    NF4_CODE,
+    ExpertLayout,
+    QuantExpertBank,
+    QuantLinear,
+    applied_formats,
+    dequantize_int8,
+    dequantize_int8_reference,
+    dequantize_nf4,
+    dequantize_nf4_reference,
+    error_bound,
+    make_policy,
+    quantize_int8,
+    quantize_model_,
+    quantize_nf4,
+    quantize_tensor,
+    dequantize_tensor,
+)
+
+
+@pytest.mark.parametrize("shape", [(8, 128), (8, 96), (3, 50), (64, 64, 2), (1000,)])
+def test_nf4_reference_dequantize_is_bit_exact_with_bitsandbytes(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(*shape) * 0.02
+    codes, absmax = quantize_nf4(w, 64)
+    fast = dequantize_nf4(codes, absmax, shape, 64, torch.float32)
+    ref = dequantize_nf4_reference(codes, absmax, shape, 64)
+    assert fast.shape == w.shape
+    assert torch.equal(fast, ref)
+    # every dequantized value is a code value times its block's absmax
+    blocks = torch.arange(w.numel()) // 64
+    ratio = ref.reshape(-1) / absmax[blocks]
+    table = torch.tensor(NF4_CODE)
+    assert torch.allclose((ratio[:, None] - table[None]).abs().amin(dim=1), torch.zeros(w.numel()), atol=1e-6)
+
+
+def test_nf4_packing_puts_the_first_element_in_the_high_nibble() -> None:
+    w = torch.zeros(64)
+    w[0], w[1] = -1.0, 1.0  # codes 0 and 15
+    codes, absmax = quantize_nf4(w, 64)
+    assert codes[0].item() == 0x0F
+    assert absmax[0].item() == 1.0
+
+
+def test_nf4_bf16_dequantize_matches_reference_rounded() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(16, 256)
+    codes, absmax = quantize_nf4(w, 64)
+    fast = dequantize_nf4(codes, absmax, (16, 256), 64, torch.bfloat16)
+    ref = dequantize_nf4_reference(codes, absmax, (16, 256), 64, torch.float32)
+    assert fast.dtype == torch.bfloat16
+    assert torch.allclose(fast.float(), ref, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_quantization_error_is_within_the_format_bound(fmt: str) -> None:
+    torch.manual_seed(2)
+    w = torch.randn(48, 192) * torch.logspace(-3, 0, 48)[:, None]  # rows of very different scale
+    codes, scales = quantize_tensor(w, fmt, 64)
+    back = dequantize_tensor(codes, scales, tuple(w.shape), fmt, 64, torch.float32)
+    err = (back - w).abs()
+    bound = error_bound(w, fmt, 64)
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+    assert err.max().item() > 0  # it did quantize
+    # a wrong bound (a quarter of it) would be violated: the check can fail
+    assert not bool((err <= bound / 4).all())
+
+
+def test_int8_reference_and_fast_dequantize_agree() -> None:
+    torch.manual_seed(3)
+    w = torch.randn(7, 33)
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (7,)
+    assert int(q.abs().max()) == 127
+    assert torch.equal(dequantize_int8(q, s, (7, 33), torch.float32), dequantize_int8_reference(q, s, (7, 33)))
+
+
+def test_int8_zero_row_is_exact() -> None:
+    w = torch.zeros(2, 8)
+    q, s = quantize_int8(w)
+    assert torch.equal(dequantize_int8(q, s, (2, 8), torch.float32), w)
+
+
+def test_policy_table_formats_for_real_tensor_names() -> None:
+    pol = make_policy(attention="int8", lm_head="int8")
+    p = "model.language_model.layers.3."
+    cases = {
+        f"{p}mlp.experts.gate_up_proj": "nf4",
+        f"{p}mlp.experts.down_proj": "nf4",
+        f"{p}mlp.experts.17.up_proj.weight": "nf4",
+        f"{p}mlp.gate.weight": "keep",
+        f"{p}mlp.shared_expert.gate_proj.weight": "nf4",
+        f"{p}mlp.shared_expert_gate.weight": "keep",
+        f"{p}linear_attn.in_proj_qkv.weight": "int8",
+        f"{p}linear_attn.out_proj.weight": "int8",
+        f"{p}linear_attn.in_proj_a.weight": "keep",
+        f"{p}linear_attn.A_log": "keep",
+        f"{p}linear_attn.dt_bias": "keep",
+        f"{p}linear_attn.conv1d.weight": "keep",
+        f"{p}linear_attn.conv1d.weight_right": "keep",
+        f"{p}linear_attn.ssm_bd_history.weight": "keep",
+        f"{p}linear_attn.norm.weight": "keep",
+        f"{p}self_attn.q_proj.weight": "int8",
+        f"{p}self_attn.q_norm.weight": "keep",
+        f"{p}input_layernorm.weight": "keep",
+        "lm_head.weight": "int8",
+        "model.language_model.embed_tokens.weight": "keep",
+    }
+    for name, fmt in cases.items():
+        assert pol.format_of(name, (64, 64)) == fmt, name
+    assert pol.placement_of("model.language_model.embed_tokens.weight") == "host"
+    assert pol.format_of(f"{p}self_attn.q_proj.weight", (64,)) == "keep"  # 1-D never quantized
+    assert make_policy(attention="nf4").hash != pol.hash
+    assert type(pol).from_dict(pol.to_dict()).hash == pol.hash
+
+
+def test_policy_rejects_unknown_format() -> None:
+    from engine.errors import ConfigError
+    from engine.quant import QuantPolicy, Rule
+
+    with pytest.raises(ConfigError, match="int3"):
+        QuantPolicy("bad", (Rule("x", "int3"),))
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_quant_linear_keeps_the_linear_interface(fmt: str) -> None:
+    torch.manual_seed(4)
+    lin = nn.Linear(128, 64, bias=True)
+    q = QuantLinear.from_linear(lin, fmt)
+    assert (q.in_features, q.out_features) == (128, 64)
+    x = torch.randn(5, 128)
+    expect = nn.functional.linear(x, q.weight, lin.bias)
+    assert torch.allclose(q(x), expect, atol=1e-6)
+    err = (q(x) - lin(x)).abs().max().item()
+    bound = (x.abs().sum(dim=1).max() * error_bound(lin.weight.data, fmt).max()).item()
+    assert 0 < err <= bound
+    assert q(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_expert_layout_matches_the_35b_byte_count() -> None:
+    lay = ExpertLayout.build(256, 2048, 512, "nf4", 64)
+    assert lay.nbytes == 1_769_472  # 1.57 MB codes + 0.20 MB fp32 absmax (offload-anchors 3.2)
+    lay8 = ExpertLayout.build(4, 64, 32, "int8")
+    assert lay8.nbytes >= 3 * 64 * 32 + (64 + 64) * 4
+    assert type(lay).from_dict(lay.to_dict()) == lay
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_quant_expert_bank_equals_dense_bank_on_dequantized_weights(fmt: str) -> None:
+    torch.manual_seed(5)
+    e, d, i = 6, 64, 32
+    dense = DenseExpertBank(e, d, i)
+    dense.gate_up_proj.data.normal_(0, 0.05)
+    dense.down_proj.data.normal_(0, 0.05)
+    qbank = QuantExpertBank.from_dense(dense.gate_up_proj.data, dense.down_proj.data, fmt)
+    assert qbank.packed.shape == (e, qbank.layout.nbytes)
+    deq = DenseExpertBank(e, d, i)
+    for k in range(e):
+        gu, dn = qbank.layout.unpack(qbank.packed[k], torch.float32)
+        gu_ref, dn_ref = qbank.layout.unpack(qbank.packed[k], torch.float32, reference=True)
+        assert torch.equal(gu, gu_ref) and torch.equal(dn, dn_ref)
+        deq.gate_up_proj.data[k] = gu
+        deq.down_proj.data[k] = dn
+    x = torch.randn(9, d)
+    idx = torch.randint(0, e, (9, 2))
+    w = torch.softmax(torch.randn(9, 2), -1)
+    assert torch.equal(qbank(x, idx, w), deq(x, idx, w))
+    full = dense(x, idx, w)
+    rel = ((qbank(x, idx, w) - full).norm() / full.norm()).item()
+    assert 0 < rel < {"nf4": 0.2, "int8": 0.02}[fmt]  # relative error of a 4-bit / 8-bit SwiGLU MLP
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        blk = nn.Module()
+        blk.self_attn = nn.Module()
+        blk.self_attn.q_proj = nn.Linear(64, 64, bias=False)
+        blk.mlp = nn.Module()
+        blk.mlp.gate = nn.Linear(64, 4, bias=False)
+        blk.mlp.experts = DenseExpertBank(4, 64, 32)
+        blk.mlp.experts.gate_up_proj.data.normal_()
+        blk.mlp.experts.down_proj.data.normal_()
+        blk.input_layernorm = nn.LayerNorm(64)
+        self.layers.append(blk)
+        self.lm_head = nn.Linear(64, 10, bias=False)
+
+
+def test_module_swap_applies_the_policy_and_reads_back() -> None:
+    torch.manual_seed(6)
+    model = _Tiny()
+    pol = make_policy(attention="int8", lm_head="nf4")
+    applied = quantize_model_(model, pol)
+    formats = applied_formats(model)
+    for name, fmt in formats.items():
+        expect = pol.format_of(name, (64, 64))
+        if expect == "keep":
+            assert fmt in ("fp32", "bf16"), name
+        else:
+            assert fmt == expect, name
+    assert formats["layers.0.self_attn.q_proj.weight"] == "int8"
+    assert formats["layers.0.mlp.experts.gate_up_proj"] == "nf4"
+    assert formats["layers.0.mlp.gate.weight"] == "fp32"
+    assert formats["lm_head.weight"] == "nf4"
+    assert set(applied) == {n for n, f in formats.items() if f in ("nf4", "int8")}
+    assert isinstance(model.layers[0].mlp.experts, QuantExpertBank)
+    assert DEFAULT_POLICY.format_of("lm_head.weight", (10, 64)) == "int8"
