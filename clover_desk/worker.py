@@ -1,0 +1,451 @@
+"""The engine worker process: ``python -m clover_desk.worker``.
+
+The GUI never runs the model itself: it starts this process (see :mod:`clover_desk.engine_client`) and talks to
+it in JSON lines, so a crash, a CUDA error or an out-of-memory kills only the worker and never the window.
+
+Commands, one JSON object per line on stdin::
+
+    {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "vram_gb": 14.0}
+    {"cmd": "cancel_load"}
+    {"cmd": "generate", "id": "r1", "messages": [...], "params": {GenerationParams fields}, "tools": [...] | null}
+        ("prompt": "text" or "prompt_ids": [..] with "raw": true may replace "messages")
+    {"cmd": "cancel", "id": "r1"}
+    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16, "ram_gb": 64, "ctx": 8192, ...}
+    {"cmd": "shutdown"}
+
+Replies, one JSON object per line on stdout (one flush per line; logs go to stderr)::
+
+    {"event": "ready", "pid": .., "protocol": 1}              once, when commands are accepted
+    {"event": "load_progress", ...}                            engine.events.LoadProgress (throttled)
+    {"event": "loaded", "model_dir": .., "config": {..}, ..}   the model is ready
+    {"event": <engine event>, ..., "id": "r1"}                 every generation event (engine.events.to_dict)
+    {"event": "plan", "id": "p1", "plan": {Plan.to_dict()}}
+    {"event": "error", "kind": .., "message": .., "fatal": false, ["id": "r1" | "op": "load" | "plan"]}
+    {"event": "bye"}                                           after "shutdown", just before exiting
+
+Every generate request ends with exactly one ``finished`` or ``error`` record carrying its id. A
+:class:`~engine.errors.CloverError` (bad prompt, bad checkpoint, cancelled load...) is reported and the worker keeps
+serving. An out-of-memory or CUDA error leaves the device unusable: the worker reports it with ``"fatal": true`` and
+exits with :data:`FATAL_EXIT_CODE`; the client then offers a restart. Loading and generating run on their own
+threads, so ``cancel`` / ``cancel_load`` are read while they work (the engine checks its flag between passes).
+
+``--engine-factory MODULE:CALLABLE`` replaces ``engine.api:Engine.load`` (same signature); the tests use it to
+inject failures the real engine cannot be made to produce on demand. The default is the real engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+from engine.errors import CancelledError, CloverError
+from engine.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
+
+log = logging.getLogger("clover_desk.worker")
+
+PROTOCOL_VERSION = 1
+FATAL_EXIT_CODE = 3
+DEFAULT_ENGINE_FACTORY = "engine.api:Engine.load"
+LOAD_PROGRESS_INTERVAL_S = 0.05  # at most ~20 load_progress records a second (stage changes always go out)
+_JOIN_ON_EXIT_S = 5.0
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """``"package.module:Attr.path"`` -> the object it names."""
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"expected MODULE:CALLABLE, got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def classify_fatal(exc: BaseException) -> str | None:
+    """The error kind when ``exc`` leaves the process or its device unusable (so the worker must exit), else None.
+
+    Judged by type name and message, so this module does not import torch: ``torch.cuda.OutOfMemoryError`` and
+    ``MemoryError`` are "OutOfMemory"; ``torch.AcceleratorError`` and RuntimeErrors from CUDA / cuBLAS / cuDNN are
+    "CudaError".
+    """
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    text = str(exc)
+    if "OutOfMemoryError" in names or isinstance(exc, MemoryError):
+        return "OutOfMemory"
+    if isinstance(exc, RuntimeError) and ("out of memory" in text.lower() and "CUDA" in text):
+        return "OutOfMemory"
+    if "AcceleratorError" in names:
+        return "CudaError"
+    if isinstance(exc, RuntimeError) and any(k in text for k in ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error")):
+        return "CudaError"
+    return None
+
+
+def _json_safe(value: Any) -> Any:
+    """Dataclasses, mappings and sequences of JSON scalars, recursively; anything else becomes its ``str``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _json_safe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+class Worker:
+    """Command dispatch and the load / generate threads. ``emit`` writes one record (thread-safe)."""
+
+    def __init__(self, emit: Callable[[dict[str, Any]], None], engine_factory: Callable[..., Any]) -> None:
+        self._emit = emit
+        self._engine_factory = engine_factory
+        self._lock = threading.Lock()  # guards the fields below
+        self._engine: Any = None
+        self._state = "idle"  # idle | loading | generating; back to idle *before* the final record goes out
+        self._load_thread: threading.Thread | None = None
+        self._load_cancel = threading.Event()
+        self._gen_thread: threading.Thread | None = None
+        self._gen_id: str | None = None
+        self._gen_cancel = threading.Event()
+
+    # ----------------------------------------------------------------- dispatch (main thread)
+
+    def handle(self, command: dict[str, Any]) -> bool:
+        """Act on one command. Returns False when the worker should exit."""
+        name = command.get("cmd")
+        handler = {
+            "load": self._cmd_load,
+            "cancel_load": self._cmd_cancel_load,
+            "generate": self._cmd_generate,
+            "cancel": self._cmd_cancel,
+            "plan": self._cmd_plan,
+        }.get(name)  # type: ignore[arg-type]
+        if name == "shutdown":
+            self.stop()
+            return False
+        if handler is None:
+            self._error("ProtocolError", f"unknown command {name!r}", request_id=command.get("id"))
+            return True
+        handler(command)
+        return True
+
+    def stop(self) -> None:
+        """Cancel what runs and wait (briefly) for it to end."""
+        self._load_cancel.set()
+        self._gen_cancel.set()
+        for thread in (self._gen_thread, self._load_thread):
+            if thread is not None:
+                thread.join(_JOIN_ON_EXIT_S)
+
+    def _busy(self) -> str | None:
+        if self._state == "loading":
+            return "a model is loading"
+        if self._state == "generating":
+            return f"generation {self._gen_id} is running"
+        return None
+
+    def _set_idle(self) -> None:
+        with self._lock:
+            self._state = "idle"
+            self._gen_id = None
+
+    def _cmd_load(self, command: dict[str, Any]) -> None:
+        with self._lock:
+            busy = self._busy()
+            if busy:
+                self._error("Busy", f"cannot load: {busy}", op="load")
+                return
+            model_dir = command.get("model_dir")
+            if not isinstance(model_dir, str) or not model_dir:
+                self._error("ProtocolError", "load needs a model_dir", op="load")
+                return
+            self._state = "loading"
+            self._load_cancel = threading.Event()
+            self._load_thread = threading.Thread(
+                target=self._run_load, args=(command, self._load_cancel), name="clover-load", daemon=True
+            )
+            self._load_thread.start()
+
+    def _cmd_cancel_load(self, command: dict[str, Any]) -> None:
+        self._load_cancel.set()
+
+    def _cmd_generate(self, command: dict[str, Any]) -> None:
+        request_id = command.get("id")
+        if not isinstance(request_id, str) or not request_id:
+            self._error("ProtocolError", "generate needs a string id")
+            return
+        with self._lock:
+            busy = self._busy()
+            if busy:
+                self._error("Busy", f"cannot generate: {busy}", request_id=request_id)
+                return
+            if self._engine is None:
+                self._error("NotLoaded", "no model is loaded", request_id=request_id)
+                return
+            try:
+                params = GenerationParams(**(command.get("params") or {}))
+            except TypeError as exc:
+                self._error("ProtocolError", f"bad params: {exc}", request_id=request_id)
+                return
+            self._state = "generating"
+            self._gen_id = request_id
+            self._gen_cancel = threading.Event()
+            self._gen_thread = threading.Thread(
+                target=self._run_generate,
+                args=(self._engine, request_id, command, params, self._gen_cancel),
+                name=f"clover-generate-{request_id}",
+                daemon=True,
+            )
+            self._gen_thread.start()
+
+    def _cmd_cancel(self, command: dict[str, Any]) -> None:
+        with self._lock:
+            if command.get("id") == self._gen_id:
+                self._gen_cancel.set()
+
+    def _cmd_plan(self, command: dict[str, Any]) -> None:
+        threading.Thread(target=self._run_plan, args=(command,), name="clover-plan", daemon=True).start()
+
+    # ----------------------------------------------------------------- work (own threads)
+
+    def _run_load(self, command: dict[str, Any], cancel: threading.Event) -> None:
+        model_dir = command["model_dir"]
+        device = command.get("device") or "cpu"
+        dtype = command.get("dtype") or "float32"
+        vram_gb = command.get("vram_gb")
+        last = [0.0, ""]
+
+        def progress(p: LoadProgress) -> None:
+            now = time.monotonic()
+            done = p.stage == "done" or (p.total_bytes > 0 and p.done_bytes >= p.total_bytes)
+            if p.stage != last[1] or done or now - last[0] >= LOAD_PROGRESS_INTERVAL_S:
+                last[0], last[1] = now, p.stage
+                self._emit(to_dict(p))
+
+        self._release_engine()
+        started = time.monotonic()
+        log.info("loading %s on %s as %s (vram_gb=%s)", model_dir, device, dtype, vram_gb)
+        try:
+            engine = self._engine_factory(
+                model_dir, device=device, dtype=dtype, vram_gb=vram_gb, progress=progress, cancel=cancel
+            )
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
+            self._set_idle()
+            self._report(exc, op="load")
+            return
+        if cancel.is_set():  # the engine may finish its last step after the flag was set: honour the cancel
+            del engine
+            self._release_engine()
+            self._set_idle()
+            self._error("CancelledError", "loading was cancelled", op="load")
+            return
+        with self._lock:
+            self._engine = engine
+            self._state = "idle"
+        self._emit(
+            {
+                "event": "loaded",
+                "model_dir": str(model_dir),
+                "device": device,
+                "dtype": dtype,
+                "vram_gb": vram_gb,
+                "load_s": round(time.monotonic() - started, 3),
+                "config": _json_safe(getattr(engine, "config", None)),
+                "generation_defaults": _json_safe(getattr(engine, "generation_defaults", None)),
+                "plan": _json_safe(_plan_dict(getattr(engine, "plan", None))),
+            }
+        )
+
+    def _run_generate(
+        self,
+        engine: Any,
+        request_id: str,
+        command: dict[str, Any],
+        params: GenerationParams,
+        cancel: threading.Event,
+    ) -> None:
+        finished = False
+        try:
+            events = engine.generate(
+                messages=command.get("messages"),
+                prompt=command.get("prompt"),
+                prompt_ids=command.get("prompt_ids"),
+                raw=bool(command.get("raw", False)),
+                tools=command.get("tools"),
+                params=params,
+                cancel=cancel,
+            )
+            for event in events:
+                if finished:
+                    continue  # nothing may follow the final record
+                record = to_dict(event)
+                record["id"] = request_id
+                if isinstance(event, (Finished, EngineError)):
+                    finished = True
+                    self._set_idle()  # the client may send the next generate as soon as it reads this
+                self._emit(record)
+            if not finished:
+                self._set_idle()
+                self._error("InternalError", "generation ended without a finished event", request_id=request_id)
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
+            if finished:
+                log.warning("error after the final event of %s", request_id, exc_info=exc)
+                return
+            self._set_idle()
+            self._report(exc, request_id=request_id)
+
+    def _run_plan(self, command: dict[str, Any]) -> None:
+        request_id = command.get("id")
+        try:
+            planner = importlib.import_module("engine.planner")
+            args = {k: v for k, v in command.items() if k not in ("cmd", "id", "model_dir")}
+            plan = _make_plan(planner, command.get("model_dir"), args)
+        except BaseException as exc:  # noqa: BLE001 - reported; fatal ones end the process
+            self._report(exc, request_id=request_id, op="plan")
+            return
+        self._emit({"event": "plan", "id": request_id, "plan": _json_safe(_plan_dict(plan))})
+
+    def _release_engine(self) -> None:
+        """Drop the loaded model before loading another, so two never sit in VRAM at once."""
+        with self._lock:
+            had = self._engine is not None
+            self._engine = None
+        if had:
+            gc.collect()
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    # ----------------------------------------------------------------- errors
+
+    def _error(
+        self, kind: str, message: str, *, request_id: str | None = None, op: str | None = None, fatal: bool = False
+    ) -> None:
+        record: dict[str, Any] = {"event": "error", "kind": kind, "message": message, "fatal": fatal}
+        if request_id is not None:
+            record["id"] = request_id
+        if op is not None:
+            record["op"] = op
+        self._emit(record)
+
+    def _report(self, exc: BaseException, *, request_id: str | None = None, op: str | None = None) -> None:
+        """Report ``exc``; exit the process when it is fatal (OOM / CUDA) or not an Exception (e.g. SystemExit)."""
+        fatal_kind = classify_fatal(exc)
+        if fatal_kind is not None or not isinstance(exc, Exception):
+            log.critical("fatal error, the worker exits", exc_info=exc)
+            kind = fatal_kind or type(exc).__name__
+            self._error(kind, str(exc) or kind, request_id=request_id, op=op, fatal=True)
+            logging.shutdown()
+            os._exit(FATAL_EXIT_CODE)
+        if isinstance(exc, CloverError):
+            log.info("%s: %s", type(exc).__name__, exc)
+            kind = "CancelledError" if isinstance(exc, CancelledError) else type(exc).__name__
+            self._error(kind, str(exc), request_id=request_id, op=op)
+            return
+        log.error("unexpected error (the worker keeps running)", exc_info=exc)
+        self._error(type(exc).__name__, f"internal error: {exc}", request_id=request_id, op=op)
+
+
+def _plan_dict(plan: Any) -> Any:
+    if plan is None:
+        return None
+    to_dict_method = getattr(plan, "to_dict", None)
+    return to_dict_method() if callable(to_dict_method) else plan
+
+
+def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> Any:
+    """Call the planner with the command's arguments: a manifest from ``model_dir`` and budgets in GB."""
+    if not model_dir:
+        raise ValueError("plan needs a model_dir")
+    manifest = planner.manifest_from_checkpoint(model_dir)
+    gib = 1024**3
+    vram_gb = args.pop("vram_gb", None)
+    ram_gb = args.pop("ram_gb", None)
+    if vram_gb is None or ram_gb is None:
+        hardware = planner.probe_hardware()
+        hw = _json_safe(hardware)
+        if vram_gb is None:
+            vram_gb = (hw.get("vram_free_bytes") or hw.get("vram_total_bytes") or 0) / gib
+        if ram_gb is None:
+            ram_gb = (hw.get("ram_available_bytes") or hw.get("ram_total_bytes") or 0) / gib
+    return planner.make_plan(
+        manifest, vram_bytes=int(float(vram_gb) * gib), ram_bytes=int(float(ram_gb) * gib), **args
+    )
+
+
+class LineWriter:
+    """Writes one JSON record per line to the protocol stream, flushing each; safe from any thread."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        data = (json.dumps(record, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
+        with self._lock:
+            self._stream.write(data)
+            self._stream.flush()
+
+
+def _take_stdout() -> IO[bytes]:
+    """Claim the real stdout for the protocol and point fd 1 (and ``sys.stdout``) at stderr, so a stray print or
+    a native library writing to stdout can never corrupt the JSON stream."""
+    sys.stdout.flush()
+    protocol_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(protocol_fd, "wb")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clover_desk.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--engine-factory", default=DEFAULT_ENGINE_FACTORY, help="MODULE:CALLABLE that loads a model")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    emit = LineWriter(_take_stdout())
+    try:
+        factory = resolve(args.engine_factory)
+    except (ImportError, AttributeError, ValueError) as exc:
+        log.critical("cannot use engine factory %s: %s", args.engine_factory, exc)
+        emit({"event": "error", "kind": "StartupError", "message": str(exc), "fatal": True})
+        return FATAL_EXIT_CODE
+    worker = Worker(emit, factory)
+    emit({"event": "ready", "pid": os.getpid(), "protocol": PROTOCOL_VERSION})
+    for raw in sys.stdin.buffer:
+        line = raw.strip()
+        if not line:
+            continue
+        try:
+            command = json.loads(line)
+            if not isinstance(command, dict):
+                raise ValueError("a command is a JSON object")
+        except ValueError as exc:
+            emit({"event": "error", "kind": "ProtocolError", "message": f"bad command line: {exc}", "fatal": False})
+            continue
+        if not worker.handle(command):
+            emit({"event": "bye"})
+            break
+    else:
+        log.info("stdin closed (the GUI went away): exiting")
+        worker.stop()
+    logging.shutdown()
+    # Daemon threads may still sit inside a native call; leave without running interpreter teardown under them.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
