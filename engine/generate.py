@@ -1,0 +1,555 @@
+"""The two decoding loops, as generators of :mod:`engine.events`.
+
+* :func:`generate_ar`: prefill the prompt causally, then one token per forward through the cache.
+* :func:`generate_diffusion`: block diffusion with blocks aligned to absolute position 0 (architecture.md §4.1).
+  The whole prompt blocks are prefilled in one block-mode pass that writes the cache; the first generated block
+  holds the prompt tail followed by masks; denoising passes read the cache (``write_cache=False``) and commit by
+  the threshold rule until the block has no mask; then one commit pass writes the block into the cache.
+
+Policy (penalties, biases, the commit rule, sampling) comes from :mod:`engine.decoding`; the model is anything
+with ``new_cache(max_len)`` and ``forward(ids, start_pos, cache, block_size, write_cache, last_only)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from engine import decoding
+from engine.config import CloverConfig, GenerationDefaults
+from engine.errors import PromptError
+from engine.events import BlockCommitted, BlockStep, Event, Finished, GenerationParams, PromptInfo, TextDelta
+from engine.tokenizer import StreamDecoder
+
+log = logging.getLogger(__name__)
+
+
+class DecodingModel(Protocol):
+    def new_cache(self, max_len: int) -> Any: ...
+
+    def forward(
+        self, ids: Tensor, start_pos: int, cache: Any, block_size: int | None = None, write_cache: bool = True,
+        last_only: bool = False,
+    ) -> Tensor: ...
+
+
+class TextDecoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Everything one request decodes with: the caller's params merged over the model's defaults."""
+
+    mode: str = "diffusion"
+    max_new_tokens: int = 24_576
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    block_size: int = 32
+    threshold: float = 0.95
+    mask_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    think_start_id: int | None = None
+    think_end_id: int | None = None
+    length_penalty: float = 0.0
+    length_penalty_start: int = 8192
+    length_penalty_window: int = 8192
+    think_end_bias: float = 0.0
+    think_end_bias_start: int = 4096
+    think_end_bias_window: int = 4096
+    shift_logits: bool = False
+    max_positions: int = 131_072
+
+
+def resolve_settings(
+    params: GenerationParams, defaults: GenerationDefaults, config: CloverConfig, tokenizer: Any | None = None
+) -> DecodeSettings:
+    """Merge request params over generation_config.json defaults and the model config; check the values."""
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    if params.mode not in ("diffusion", "ar"):
+        raise PromptError(f"mode {params.mode!r} is not one of 'diffusion', 'ar'")
+    temperature = float(pick(params.temperature, defaults.temperature))
+    if params.do_sample is not None:
+        do_sample = bool(params.do_sample)
+    elif params.temperature is not None:
+        do_sample = params.temperature > 0
+    else:
+        do_sample = defaults.do_sample
+    max_new = int(pick(params.max_new_tokens, defaults.max_new_tokens))
+    block = int(pick(params.block_size, config.block_size))
+    threshold = float(pick(params.threshold, config.threshold))
+    top_p = float(pick(params.top_p, defaults.top_p))
+    top_k = int(pick(params.top_k, defaults.top_k))
+    for name, ok, value in (
+        ("max_new_tokens", max_new >= 1, max_new),
+        ("block_size", block >= 1, block),
+        ("threshold", 0.0 <= threshold <= 1.0, threshold),
+        ("temperature", temperature >= 0.0, temperature),
+        ("top_p", 0.0 < top_p <= 1.0, top_p),
+        ("top_k", top_k >= 0, top_k),
+    ):
+        if not ok:
+            raise PromptError(f"generation parameter {name} has a bad value {value!r}")
+
+    mask_id = config.mask_token_id
+    think_start = think_end = None
+    if tokenizer is not None:
+        mask_id = mask_id if mask_id is not None else tokenizer.mask_token_id
+        think_start, think_end = tokenizer.think_start_id, tokenizer.think_end_id
+    if think_end is None and config.think_end_token_id is not None and config.think_end_token_id < config.vocab_size:
+        think_end = config.think_end_token_id
+    return DecodeSettings(
+        mode=params.mode,
+        max_new_tokens=max_new,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=params.seed,
+        presence_penalty=float(pick(params.presence_penalty, defaults.presence_penalty)),
+        repetition_penalty=float(pick(params.repetition_penalty, defaults.repetition_penalty)),
+        block_size=block,
+        threshold=threshold,
+        mask_token_id=mask_id,
+        eos_token_ids=tuple(defaults.eos_token_ids or config.eos_token_ids),
+        think_start_id=think_start,
+        think_end_id=think_end,
+        length_penalty=defaults.dllm_length_penalty,
+        length_penalty_start=defaults.dllm_length_penalty_start,
+        length_penalty_window=defaults.dllm_length_penalty_window,
+        think_end_bias=defaults.dllm_think_end_bias,
+        think_end_bias_start=defaults.dllm_think_end_bias_start,
+        think_end_bias_window=defaults.dllm_think_end_bias_window,
+        shift_logits=config.shift_logits,
+        max_positions=config.max_position_embeddings,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def thinking_open_after(ids: Sequence[int], think_start: int | None, think_end: int | None) -> bool:
+    """Whether a ``<think>`` is open at the end of ``ids`` (the last think marker is ``<think>``)."""
+    for tok in reversed(ids):
+        if tok == think_end:
+            return False
+        if tok == think_start:
+            return True
+    return False
+
+
+class ChannelText:
+    """Routes committed ids to the "thinking" or "answer" text stream; markers and EOS are not text."""
+
+    def __init__(self, decode: Callable[..., str] | None, s: DecodeSettings, thinking_open: bool) -> None:
+        self._s = s
+        self._eos = set(s.eos_token_ids)
+        self.thinking_open = thinking_open
+        self._streams = {name: StreamDecoder(decode) if decode else None for name in ("thinking", "answer")}
+
+    def _push(self, channel: str, ids: list[int], out: list[TextDelta]) -> None:
+        stream = self._streams[channel]
+        if stream is None or not ids:
+            return
+        text = stream.push(ids)
+        if text:
+            if out and out[-1].channel == channel:
+                out[-1] = TextDelta(out[-1].text + text, channel)
+            else:
+                out.append(TextDelta(text, channel))
+
+    def _flush(self, channel: str, out: list[TextDelta]) -> None:
+        stream = self._streams[channel]
+        text = stream.flush() if stream is not None else ""
+        if text:
+            out.append(TextDelta(text, channel))
+
+    def feed(self, ids: Sequence[int]) -> list[TextDelta]:
+        out: list[TextDelta] = []
+        run: list[int] = []
+        for tok in ids:
+            channel = "thinking" if self.thinking_open else "answer"
+            if tok == self._s.think_start_id or tok == self._s.think_end_id:
+                self._push(channel, run, out)
+                run = []
+                self._flush(channel, out)
+                self.thinking_open = tok == self._s.think_start_id
+            elif tok not in self._eos:
+                run.append(tok)
+        self._push("thinking" if self.thinking_open else "answer", run, out)
+        return out
+
+    def finish(self) -> list[TextDelta]:
+        out: list[TextDelta] = []
+        self._flush("thinking", out)
+        self._flush("answer", out)
+        return out
+
+    def text(self, channel: str) -> str:
+        stream = self._streams[channel]
+        return stream.text if stream is not None else ""
+
+
+def _device_of(model: Any) -> torch.device:
+    device = getattr(model, "device", None)
+    if device is not None:
+        return torch.device(device)
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+def _generator(s: DecodeSettings, device: torch.device) -> torch.Generator | None:
+    if not s.do_sample:
+        return None
+    gen = torch.Generator(device=device)
+    if s.seed is not None:
+        gen.manual_seed(int(s.seed))
+    else:
+        gen.seed()
+    return gen
+
+
+def _penalize(logits: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Tensor) -> Tensor:
+    logits = decoding.apply_repetition_penalty(logits, rep_seen, s.repetition_penalty)
+    logits = decoding.apply_presence_penalty(logits, out_seen, s.presence_penalty)
+    if s.mask_token_id is not None:
+        logits = decoding.forbid_tokens(logits, [s.mask_token_id])  # the mask is never a proposal
+    return logits
+
+
+def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
+    if len(prompt_ids) == 0:
+        raise PromptError("empty prompt: nothing to generate from")
+    if vocab_size is not None:
+        bad = [i for i in prompt_ids if not 0 <= int(i) < vocab_size]
+        if bad:
+            raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.prefill_done: float | None = None
+        self.first_token: float | None = None
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def mark_first_token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+
+
+def _finished(
+    generated: list[int], channels: ChannelText, reason: str, passes: int, prompt_tokens: int, clock: _Clock
+) -> Finished:
+    end = clock.now()
+    prefill_end = clock.prefill_done if clock.prefill_done is not None else end
+    decode_s = max(end - prefill_end, 0.0)
+    tokens = len(generated)
+    return Finished(
+        token_ids=tuple(generated),
+        text=channels.text("answer"),
+        thinking=channels.text("thinking"),
+        stop_reason=reason,
+        tokens=tokens,
+        passes=passes,
+        tokens_per_pass=tokens / passes if passes else 0.0,
+        tokens_per_s=tokens / decode_s if decode_s > 0 else 0.0,
+        time_to_first_token_s=None if clock.first_token is None else clock.first_token - clock.t0,
+        prompt_tokens=prompt_tokens,
+        prefill_s=prefill_end - clock.t0,
+        decode_s=decode_s,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# autoregressive
+
+
+def generate_ar(
+    model: DecodingModel,
+    prompt_ids: Sequence[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None = None,
+    cancel: threading.Event | None = None,
+    vocab_size: int | None = None,
+) -> Iterator[Event]:
+    """Causal decoding: one prefill forward, then one cached forward per token."""
+    prompt = [int(i) for i in prompt_ids]
+    _check_prompt(prompt, vocab_size)
+    P = len(prompt)
+    room = s.max_positions - P
+    if room < 1:
+        raise PromptError(
+            f"prompt is {P} tokens; the context holds {s.max_positions} positions, leaving no room to generate"
+        )
+    max_new = min(s.max_new_tokens, room)
+    limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
+    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason)
+
+
+def _ar_loop(
+    model: DecodingModel,
+    prompt: list[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None,
+    cancel: threading.Event | None,
+    max_new: int,
+    limit_reason: str,
+) -> Iterator[Event]:
+    P = len(prompt)
+    device = _device_of(model)
+    clock = _Clock()
+    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking_open_after(prompt, s.think_start_id, s.think_end_id))
+    generated: list[int] = []
+    eos = set(s.eos_token_ids)
+    yield PromptInfo(prompt_tokens=P, block_size=1, first_block=P, tail=0)
+    if cancel is not None and cancel.is_set():
+        yield _finished(generated, channels, "cancelled", 0, P, clock)
+        return
+
+    cache = model.new_cache(P + max_new)
+    with torch.inference_mode():
+        ids = torch.tensor(prompt, dtype=torch.long, device=device)  # [P]
+        logits = model.forward(ids, 0, cache, block_size=None, write_cache=True, last_only=True)  # [1, V]
+        vocab = logits.shape[-1]
+        clock.prefill_done = clock.now()
+        rep_seen = decoding.seen_mask(prompt, vocab, device)  # [V]
+        out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
+        gen = _generator(s, device)
+        reason = limit_reason
+        while True:
+            row = _penalize(logits[-1:].float(), s, rep_seen, out_seen)  # [1, V]
+            token, _ = decoding.propose(
+                row, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen
+            )
+            tok = int(token[0])
+            generated.append(tok)
+            rep_seen[tok] = True
+            out_seen[tok] = True
+            clock.mark_first_token()
+            yield from channels.feed([tok])
+            if tok in eos:
+                reason = "eos"
+                break
+            if len(generated) >= max_new:
+                break
+            if cancel is not None and cancel.is_set():
+                reason = "cancelled"
+                break
+            step = torch.tensor([tok], dtype=torch.long, device=device)  # [1]
+            logits = model.forward(step, P + len(generated) - 1, cache, block_size=None, write_cache=True, last_only=True)
+    yield from channels.finish()
+    yield _finished(generated, channels, reason, len(generated), P, clock)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block diffusion
+
+
+def generate_diffusion(
+    model: DecodingModel,
+    prompt_ids: Sequence[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None = None,
+    cancel: threading.Event | None = None,
+    vocab_size: int | None = None,
+) -> Iterator[Event]:
+    """Block diffusion (architecture.md §4.1, §4.3). Checks the request before returning the event iterator."""
+    prompt = [int(i) for i in prompt_ids]
+    _check_prompt(prompt, vocab_size)
+    if s.mask_token_id is None:
+        raise PromptError(
+            "diffusion mode needs a mask token: the model's config.json has no mask_token_id and the tokenizer has "
+            "no <|mask|> token (use --mode ar)"
+        )
+    B = s.block_size
+    P = len(prompt)
+    first_block_end = (P // B + 1) * B  # the block holding the prompt tail must fit whole
+    if first_block_end > s.max_positions:
+        raise PromptError(
+            f"prompt is {P} tokens; with room to finish its last {B}-token block it needs {first_block_end} "
+            f"positions, but the context holds {s.max_positions}"
+        )
+    room = (s.max_positions // B) * B - P  # generated slots that fit in whole blocks
+    max_new = min(s.max_new_tokens, room)
+    limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
+    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason)
+
+
+def _diffusion_loop(
+    model: DecodingModel,
+    prompt: list[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None,
+    cancel: threading.Event | None,
+    max_new: int,
+    limit_reason: str,
+) -> Iterator[Event]:
+    B, P, mask_id = s.block_size, len(prompt), int(s.mask_token_id)  # type: ignore[arg-type]
+    n_full = (P // B) * B
+    device = _device_of(model)
+    clock = _Clock()
+    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking_open_after(prompt, s.think_start_id, s.think_end_id))
+    piece_cache: dict[int, str] = {}
+
+    def piece(tok: int) -> str:
+        if tokenizer is None:
+            return ""
+        if tok not in piece_cache:
+            piece_cache[tok] = tokenizer.decode([tok], skip_special_tokens=False)
+        return piece_cache[tok]
+
+    generated: list[int] = []
+    passes = 0
+    yield PromptInfo(prompt_tokens=P, block_size=B, first_block=n_full // B, tail=P - n_full)
+    if cancel is not None and cancel.is_set():
+        yield _finished(generated, channels, "cancelled", passes, P, clock)
+        return
+
+    end = min(s.max_positions, -(-(P + max_new) // B) * B)  # last position any block can reach, block-aligned
+    cache = model.new_cache(end)
+    eos = set(s.eos_token_ids)
+    reason = limit_reason
+    with torch.inference_mode():
+        prev_row: Tensor | None = None  # [V]: last logit row of the previous forward (for shifted models)
+        if n_full:
+            ids = torch.tensor(prompt[:n_full], dtype=torch.long, device=device)  # [n_full]
+            out = model.forward(ids, 0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
+            prev_row = out[-1]
+        clock.prefill_done = clock.now()
+        vocab: int | None = None
+        rep_seen = out_seen = None
+        gen = _generator(s, device)
+        block_index = n_full // B
+        tail = prompt[n_full:]
+        while True:
+            pos0 = block_index * B
+            start = len(tail)
+            needed = min(B, start + max_new - len(generated))  # slots [start, needed) can still be output
+            x = torch.tensor(tail + [mask_id] * (B - start), dtype=torch.long, device=device)  # [B]
+            conf = torch.zeros(B, dtype=torch.float32, device=device)  # [B] confidence each slot was committed with
+            conf[:start] = 1.0
+            n_at_entry = len(generated)
+            thinking_at_entry = channels.thinking_open
+            pass_index = 0
+            cancelled = False
+            while True:
+                if cancel is not None and cancel.is_set():
+                    cancelled = True
+                    break
+                logits = model.forward(x, pos0, cache, block_size=B, write_cache=False).float()  # [B, V]
+                passes += 1
+                if s.shift_logits:
+                    logits = decoding.shift_logits(logits, prev_row)
+                if vocab is None:
+                    vocab = logits.shape[-1]
+                    rep_seen = decoding.seen_mask(prompt, vocab, device)
+                    out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+                masked = x == mask_id  # [B]
+                block_gen = [int(t) for t in x[start:].tolist() if t != mask_id]
+                in_block = decoding.seen_mask(block_gen, vocab, device)  # [V]
+                logits = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)  # type: ignore[operator]
+                logits = decoding.apply_length_penalty(
+                    logits, masked, s.eos_token_ids, s.length_penalty, n_at_entry,
+                    s.length_penalty_start, s.length_penalty_window,
+                )
+                logits = decoding.apply_think_end_bias(
+                    logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start,
+                    s.think_end_bias_window, _thinking_open_in_block(thinking_at_entry, x[start:].tolist(), s),
+                )
+                proposal, p = decoding.propose(
+                    logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                    generator=gen,
+                )  # [B], [B]
+                commit = decoding.threshold_commit(p, masked, s.threshold)  # [B]
+                x = torch.where(commit, proposal, x)
+                conf = torch.where(commit, p, conf)
+                shown = torch.where(masked & ~commit, p, conf)  # still-masked slots show this pass's confidence
+                still = (x == mask_id).tolist()
+                tokens = x.tolist()
+                yield BlockStep(
+                    block_index=block_index,
+                    pass_index=pass_index,
+                    tokens=tuple(tokens),
+                    texts=tuple("" if m else piece(t) for t, m in zip(tokens, still)),
+                    masked=tuple(still),
+                    confidence=tuple(float(c) for c in shown.tolist()),
+                    committed_now=tuple(commit.tolist()),
+                    prompt_slots=start,
+                )
+                pass_index += 1
+                if not any(still[start:needed]) or decoding.eos_resolved(tokens, still, start, eos):
+                    break
+            if cancelled:
+                reason = "cancelled"
+                break
+            block_ids, hit_eos = decoding.truncate_at_eos(x[start:needed].tolist(), eos)
+            final = hit_eos or len(generated) + len(block_ids) >= max_new
+            if not final:
+                # The commit pass: the finished block becomes causal prefix. Skipped for the last block, whose
+                # cache entries nothing would read.
+                if cancel is not None and cancel.is_set():
+                    reason = "cancelled"
+                    break
+                out = model.forward(x, pos0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
+                prev_row = out[-1]
+                passes += 1
+                pass_index += 1
+            generated.extend(block_ids)
+            out_seen[torch.tensor(block_ids, dtype=torch.long, device=device)] = True  # type: ignore[index]
+            rep_seen |= out_seen  # type: ignore[operator]
+            if block_ids:
+                clock.mark_first_token()
+            yield from channels.feed(block_ids)
+            yield BlockCommitted(block_index=block_index, passes=pass_index, token_ids=tuple(block_ids))
+            if final:
+                reason = "eos" if hit_eos else limit_reason
+                break
+            block_index += 1
+            tail = []
+    yield from channels.finish()
+    yield _finished(generated, channels, reason, passes, P, clock)
+
+
+def _thinking_open_in_block(at_entry: bool, slot_tokens: Sequence[int], s: DecodeSettings) -> bool:
+    """Thinking state after the block's committed slots so far (left to right; masks are skipped)."""
+    state = at_entry
+    for tok in slot_tokens:
+        if tok == s.think_end_id:
+            state = False
+        elif tok == s.think_start_id:
+            state = True
+    return state
+
+
+def generate(
+    model: DecodingModel,
+    prompt_ids: Sequence[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None = None,
+    cancel: threading.Event | None = None,
+    vocab_size: int | None = None,
+) -> Iterator[Event]:
+    """Dispatch on ``s.mode``; request errors (:class:`PromptError`) are raised here, before any event."""
+    loop = generate_diffusion if s.mode == "diffusion" else generate_ar
+    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size)

@@ -1,0 +1,354 @@
+"""The AR and block-diffusion loops, first on a scripted fake model (exact protocol checks), then end to end on
+tiny real checkpoints through :class:`engine.api.Engine`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine.errors import PromptError
+from engine.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
+from engine.generate import DecodeSettings, generate, generate_ar, generate_diffusion
+
+V = 64
+MASK = 63
+EOS = 2
+THINK, END_THINK = 3, 4
+
+
+@dataclass
+class FakeCache:
+    max_len: int
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Call:
+    start_pos: int
+    ids: list[int]
+    block_size: int | None
+    write_cache: bool
+    last_only: bool
+
+
+class ScriptedModel:
+    """Row for absolute position p peaks at ``target(p)`` with logit margin ``margin(p)`` (0 elsewhere).
+
+    It follows the model contract: it checks that every forward starts right after the committed prefix and that
+    block-mode forwards are block-aligned, and it records each call. ``shift`` makes row i predict position i+1.
+    """
+
+    def __init__(
+        self, target: Callable[[int], int], margin: Callable[[int], float] = lambda p: 12.0, shift: bool = False
+    ) -> None:
+        self.target, self.margin, self.shift = target, margin, shift
+        self.calls: list[Call] = []
+        self.caches: list[FakeCache] = []
+
+    def new_cache(self, max_len: int) -> FakeCache:
+        self.caches.append(FakeCache(max_len))
+        return self.caches[-1]
+
+    def forward(
+        self, ids: torch.Tensor, start_pos: int, cache: FakeCache, block_size: int | None = None,
+        write_cache: bool = True, last_only: bool = False,
+    ) -> torch.Tensor:
+        assert ids.dtype == torch.long and ids.dim() == 1
+        assert start_pos == cache.length, "a forward must start right after the committed prefix"
+        if block_size is not None:
+            assert start_pos % block_size == 0
+        self.calls.append(Call(start_pos, ids.tolist(), block_size, write_cache, last_only))
+        T = ids.shape[0]
+        logits = torch.zeros(T, V)
+        for i in range(T):
+            p = start_pos + i + (1 if self.shift else 0)
+            logits[i, self.target(p)] = self.margin(p)
+        if write_cache:
+            cache.tokens.extend(ids.tolist())
+            assert cache.length <= cache.max_len
+        return logits[-1:] if last_only else logits
+
+
+def settings(**kw: object) -> DecodeSettings:
+    base = dict(mode="diffusion", max_new_tokens=64, block_size=8, threshold=0.95, mask_token_id=MASK,
+                eos_token_ids=(EOS,), think_start_id=THINK, think_end_id=END_THINK, max_positions=4096)
+    base.update(kw)
+    return DecodeSettings(**base)  # type: ignore[arg-type]
+
+
+def letters(p: int) -> int:
+    return 10 + p % 40  # never EOS / think / mask
+
+
+def run(model: ScriptedModel, prompt: Sequence[int], s: DecodeSettings, **kw: object) -> list[object]:
+    return list(generate(model, prompt, s, **kw))  # type: ignore[arg-type]
+
+
+def finished(events: list[object]) -> Finished:
+    assert isinstance(events[-1], Finished)
+    return events[-1]
+
+
+# ---- block protocol ----------------------------------------------------------------------------------------------
+
+
+def test_blocks_align_to_position_zero_with_the_prompt_tail_in_the_first_block() -> None:
+    model = ScriptedModel(letters)
+    prompt = [letters(p) for p in range(19)]  # 2 whole blocks of 8 + a tail of 3
+    events = run(model, prompt, settings(max_new_tokens=13))
+    info = events[0]
+    assert info == PromptInfo(prompt_tokens=19, block_size=8, first_block=2, tail=3)
+    prefill = model.calls[0]
+    assert (prefill.start_pos, len(prefill.ids), prefill.block_size, prefill.write_cache) == (0, 16, 8, True)
+    first = model.calls[1]
+    assert first.start_pos == 16 and first.ids[:3] == prompt[16:] and first.ids[3:] == [MASK] * 5
+    assert not first.write_cache
+    steps = [e for e in events if isinstance(e, BlockStep)]
+    assert steps[0].prompt_slots == 3 and steps[0].masked[:3] == (False, False, False)
+    assert steps[0].confidence[:3] == (1.0, 1.0, 1.0)
+    done = finished(events)
+    assert done.token_ids == tuple(letters(p) for p in range(19, 32))  # 5 in the tail block + 8 in the next
+    assert done.stop_reason == "max_new_tokens" and done.tokens == 13
+
+
+def test_commit_pass_writes_each_block_into_the_cache_exactly_once() -> None:
+    model = ScriptedModel(letters)
+    prompt = [letters(p) for p in range(5)]
+    events = run(model, prompt, settings(max_new_tokens=30))  # blocks 0..4; 3 + 8 + 8 + 8 + 3 slots
+    writes = [c for c in model.calls if c.write_cache]
+    assert [c.start_pos for c in writes] == [0, 8, 16, 24]  # no prefill (no whole prompt block); last block skipped
+    assert all(c.block_size == 8 and len(c.ids) == 8 and MASK not in c.ids for c in writes)
+    cache = model.caches[0]
+    assert cache.tokens == [letters(p) for p in range(32)]  # prompt + committed blocks, each once, in order
+    committed = [e for e in events if isinstance(e, BlockCommitted)]
+    assert [c.block_index for c in committed] == [0, 1, 2, 3, 4]
+    assert sum(len(c.token_ids) for c in committed) == 30
+
+
+def test_confident_slots_commit_together_and_the_rest_one_per_pass() -> None:
+    # even positions are confident (p ~ 0.997), odd ones are not (p ~ 0.24): pass 1 commits the 4 even slots
+    # of a block of 8, then the fallback commits one odd slot per pass (left-most on ties): 1 + 4 passes.
+    model = ScriptedModel(letters, margin=lambda p: 12.0 if p % 2 == 0 else 3.0)
+    events = run(model, [letters(p) for p in range(8)], settings(max_new_tokens=16))
+    steps = [e for e in events if isinstance(e, BlockStep) and e.block_index == 1]
+    assert len(steps) == 5
+    assert steps[0].committed_now == (True, False) * 4
+    assert [s.committed_now.index(True) for s in steps[1:]] == [1, 3, 5, 7]
+    assert all(sum(s.committed_now) == 1 for s in steps[1:])
+    # still-masked slots report this pass's confidence; committed ones the confidence they were committed with
+    assert steps[0].confidence[1] < 0.5 and steps[0].confidence[0] > 0.95
+    committed = [e for e in events if isinstance(e, BlockCommitted)]
+    assert committed[0].passes == 6  # 5 denoise + the commit pass
+    done = finished(events)
+    assert done.passes == 5 + 1 + 5  # block 2 is the last one: its commit pass is skipped
+    assert done.tokens_per_pass == pytest.approx(16 / 11)
+
+
+def test_eos_truncates_the_block_and_stops() -> None:
+    model = ScriptedModel(lambda p: EOS if p == 13 else letters(p))
+    events = run(model, [letters(p) for p in range(4)], settings(max_new_tokens=100))
+    done = finished(events)
+    assert done.stop_reason == "eos"
+    assert done.token_ids == tuple(letters(p) for p in range(4, 13)) + (EOS,)
+    assert [c.start_pos for c in model.calls if c.write_cache] == [0]  # block 0 committed; block 1 ended by EOS
+
+
+def test_a_resolved_eos_ends_the_block_without_filling_the_slots_after_it() -> None:
+    # position 9 is EOS and confident; positions after it are never confident. The block ends as soon as every
+    # slot before the EOS is committed, without spending passes on the slots after it.
+    model = ScriptedModel(lambda p: EOS if p == 9 else letters(p), margin=lambda p: 12.0 if p <= 9 else 1.0)
+    events = run(model, [letters(p) for p in range(8)], settings())
+    steps = [e for e in events if isinstance(e, BlockStep)]
+    assert len(steps) == 1 and steps[0].masked[2:] == (True,) * 6
+    assert finished(events).token_ids == (letters(8), EOS)
+
+
+def test_max_new_tokens_ends_inside_a_block() -> None:
+    model = ScriptedModel(letters, margin=lambda p: 12.0 if p < 11 else 1.0)
+    events = run(model, [letters(p) for p in range(8)], settings(max_new_tokens=3))
+    done = finished(events)
+    assert done.token_ids == (letters(8), letters(9), letters(10)) and done.stop_reason == "max_new_tokens"
+    assert len([e for e in events if isinstance(e, BlockStep)]) == 1  # slots past the budget are not waited for
+
+
+def test_diffusion_respects_shifted_logits() -> None:
+    model = ScriptedModel(letters, shift=True)
+    events = run(model, [letters(p) for p in range(8)], settings(max_new_tokens=16, shift_logits=True))
+    assert finished(events).token_ids == tuple(letters(p) for p in range(8, 24))
+    # without the shift flag the same model's rows are read one slot off
+    wrong = run(ScriptedModel(letters, shift=True), [letters(p) for p in range(8)], settings(max_new_tokens=16))
+    assert finished(wrong).token_ids != tuple(letters(p) for p in range(8, 24))
+
+
+def test_the_mask_token_is_never_proposed() -> None:
+    model = ScriptedModel(lambda p: MASK)  # a model that always predicts the mask
+    done = finished(run(model, [letters(0)], settings(max_new_tokens=7)))
+    assert MASK not in done.token_ids and done.tokens == 7
+
+
+def test_presence_penalty_changes_a_repeated_choice() -> None:
+    # every slot slightly prefers token 20 over 21; with a strong presence penalty, once 20 is out 21 wins
+    class TwoChoice(ScriptedModel):
+        def forward(self, ids, start_pos, cache, block_size=None, write_cache=True, last_only=False):  # type: ignore[no-untyped-def]
+            out = super().forward(ids, start_pos, cache, block_size, write_cache, last_only)
+            out[:, 20], out[:, 21] = 5.0, 4.5
+            return out
+
+    plain = finished(run(TwoChoice(lambda p: 0, margin=lambda p: 0.0), [10], settings(mode="ar", max_new_tokens=3)))
+    assert plain.token_ids == (20, 20, 20)
+    penal = run(TwoChoice(lambda p: 0, margin=lambda p: 0.0), [10], settings(mode="ar", max_new_tokens=3,
+                                                                          presence_penalty=1.0))
+    assert finished(penal).token_ids == (20, 21, 20)  # once both are out, both carry the same penalty
+
+
+# ---- context limit -----------------------------------------------------------------------------------------------
+
+
+def test_prompt_that_cannot_fit_its_last_block_is_refused() -> None:
+    model = ScriptedModel(letters)
+    with pytest.raises(PromptError, match="needs 72 positions, but the context holds 64"):
+        generate_diffusion(model, [letters(p) for p in range(64)], settings(max_positions=64))
+    with pytest.raises(PromptError, match="needs 64 positions, but the context holds 60"):
+        generate_diffusion(model, [letters(p) for p in range(56)], settings(max_positions=60))
+    assert model.calls == []  # refused before any forward
+    # 60 tokens fit: the tail block [56, 64) ends exactly at the limit
+    done = finished(run(model, [letters(p) for p in range(60)], settings(max_positions=64)))
+    assert done.tokens == 4 and done.stop_reason == "context"
+
+
+def test_max_new_tokens_is_clamped_to_the_context() -> None:
+    model = ScriptedModel(letters)
+    done = finished(run(model, [letters(p) for p in range(50)], settings(max_positions=64, max_new_tokens=500)))
+    assert done.stop_reason == "context" and done.tokens == 14
+    ar = finished(run(ScriptedModel(letters), [letters(p) for p in range(50)],
+                      settings(mode="ar", max_positions=64, max_new_tokens=500)))
+    assert ar.stop_reason == "context" and ar.tokens == 14
+    with pytest.raises(PromptError, match="no room"):
+        generate_ar(ScriptedModel(letters), [letters(p) for p in range(64)], settings(mode="ar", max_positions=64))
+
+
+def test_empty_prompt_and_out_of_vocab_ids_are_refused() -> None:
+    with pytest.raises(PromptError, match="empty"):
+        generate(ScriptedModel(letters), [], settings())
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        generate(ScriptedModel(letters), [1, 999], settings(), vocab_size=V)
+
+
+def test_diffusion_without_a_mask_id_is_a_clear_error() -> None:
+    with pytest.raises(PromptError, match="mask"):
+        generate_diffusion(ScriptedModel(letters), [10, 11], settings(mask_token_id=None))
+
+
+# ---- cancel ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "ar"])
+def test_cancel_takes_effect_within_one_pass(mode: str) -> None:
+    model = ScriptedModel(letters, margin=lambda p: 1.0)  # one slot per pass: many passes per block
+    cancel = threading.Event()
+    events = []
+    calls_at_cancel = -1
+    prompt = [letters(p) for p in range(8)]
+    for event in generate(model, prompt, settings(mode=mode, max_new_tokens=64), LetterTokenizer(), cancel):
+        events.append(event)
+        if isinstance(event, (BlockStep, TextDelta)) and not cancel.is_set() and len(events) > 3:
+            cancel.set()
+            calls_at_cancel = len(model.calls)
+    done = finished(events)
+    assert done.stop_reason == "cancelled"
+    assert len(model.calls) == calls_at_cancel  # not a single forward after the flag was seen
+    assert done.tokens < 64
+
+
+def test_cancel_before_start_runs_no_forward() -> None:
+    cancel = threading.Event()
+    cancel.set()
+    model = ScriptedModel(letters)
+    done = finished(run(model, [letters(p) for p in range(20)], settings(), cancel=cancel))
+    assert done.stop_reason == "cancelled" and model.calls == []
+
+
+# ---- AR ----------------------------------------------------------------------------------------------------------
+
+
+def test_ar_prefills_once_then_one_cached_token_per_forward() -> None:
+    model = ScriptedModel(letters, shift=True)  # causal: row i predicts position i + 1
+    prompt = [letters(p) for p in range(5)]
+    events = run(model, prompt, settings(mode="ar", max_new_tokens=6))
+    done = finished(events)
+    assert done.token_ids == tuple(letters(p) for p in range(5, 11))
+    assert model.calls[0].ids == prompt and model.calls[0].block_size is None
+    assert [(c.start_pos, len(c.ids)) for c in model.calls[1:]] == [(5, 1), (6, 1), (7, 1), (8, 1), (9, 1)]
+    assert all(c.write_cache and c.last_only for c in model.calls)
+    assert done.passes == 6 and done.tokens_per_pass == 1.0
+    assert not any(isinstance(e, BlockStep) for e in events)
+
+
+def test_ar_stops_at_eos() -> None:
+    model = ScriptedModel(lambda p: EOS if p == 7 else letters(p), shift=True)
+    done = finished(run(model, [letters(0)] * 4, settings(mode="ar")))
+    assert done.stop_reason == "eos" and done.token_ids == (letters(4), letters(5), letters(6), EOS)
+
+
+def test_ar_sampling_is_seeded() -> None:
+    outs = []
+    for _ in range(2):
+        model = ScriptedModel(letters, margin=lambda p: 0.5, shift=True)
+        outs.append(finished(run(model, [10], settings(mode="ar", do_sample=True, temperature=1.0, seed=7,
+                                                       max_new_tokens=12))).token_ids)
+    assert outs[0] == outs[1] and outs[0] != tuple(letters(p) for p in range(1, 13))
+
+
+# ---- text channels -----------------------------------------------------------------------------------------------
+
+
+class LetterTokenizer:
+    """id -> one letter; the think markers and EOS are special tokens (skipped as text)."""
+
+    specials = {EOS: "<eos>", THINK: "<think>", END_THINK: "</think>", MASK: "<mask>"}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = []
+        for i in ids:
+            if i in self.specials:
+                if not skip_special_tokens:
+                    out.append(self.specials[i])
+            else:
+                out.append(chr(ord("a") + (i - 10) % 26))
+        return "".join(out)
+
+
+def test_thinking_text_goes_to_its_own_channel_and_the_answer_follows() -> None:
+    # prompt ends with <think>: generated text is thinking until </think>, then answer, then EOS
+    script = {8: 10, 9: 11, 10: 12, 11: END_THINK, 12: 13, 13: 14, 14: EOS}
+    model = ScriptedModel(lambda p: script.get(p, 15))
+    events = run(model, [20, 21, 22, 23, 24, 25, 26, THINK], settings(block_size=4),
+                 tokenizer=LetterTokenizer())
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert "".join(d.text for d in deltas if d.channel == "thinking") == "abc"
+    assert "".join(d.text for d in deltas if d.channel == "answer") == "de"
+    done = finished(events)
+    assert done.thinking == "abc" and done.text == "de" and done.stop_reason == "eos"
+    steps = [e for e in events if isinstance(e, BlockStep)]
+    assert "</think>" in steps[-1].texts or any("</think>" in s.texts for s in steps)  # pieces name special tokens
+
+
+def test_deltas_are_only_emitted_for_committed_blocks() -> None:
+    model = ScriptedModel(letters)
+    seen_before_commit = []
+    committed = 0
+    for e in generate(model, [letters(p) for p in range(8)], settings(max_new_tokens=16), tokenizer=LetterTokenizer()):
+        if isinstance(e, BlockCommitted):
+            committed += 1
+        if isinstance(e, TextDelta):
+            seen_before_commit.append(committed)
+    # each block's text arrives once, right before its BlockCommitted
+    assert seen_before_commit == [0, 1]
