@@ -1,0 +1,586 @@
+"""Hugging Face safetensors checkpoints: reading (index, shards, header validation), the one ``sanitize`` place
+for names and shapes, loading into :class:`engine.model.CloverModel`, and writers for tests / tiny models.
+
+Checkpoint names (official): ``model.language_model.*`` (qwen3_5_moe / clover_moe) or ``model.*``
+(qwen3_5_moe_text), plus ``lm_head.weight``; ``model.visual.*`` and ``mtp.*`` are ignored. Experts come fused
+(``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]) or per expert
+(``mlp.experts.N.{gate,up,down}_proj.weight``, what transformers' save_pretrained writes); both load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from engine.config import CloverConfig, load_config
+from engine.errors import CancelledError, CheckpointError
+from engine.events import LoadProgress
+from engine.model import CloverModel
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+_CLOVER_EXTRAS = ("bd_history.weight", "bd_history.bias", "bd_logit_scale.weight", "conv1d.weight_right")
+_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as the file header describes it."""
+
+    name: str
+    file: Path
+    dtype: str  # safetensors dtype tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse and validate one safetensors header; a truncated or malformed file is a CheckpointError naming it."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file is {size} bytes)")
+            raw = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    data_len = size - 8 - n
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        expected = math.prod(shape) * _ST_DTYPES[dtype][1]
+        if end - begin != expected or begin < 0:
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes, its shape {list(shape)} needs {expected}")
+        if end > data_len:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {end} of the data section, "
+                f"which has only {data_len} bytes"
+            )
+        entries[name] = TensorEntry(name, path, dtype, shape, end - begin)
+    return entries
+
+
+class CheckpointReader:
+    """All tensors of a model folder, read lazily one at a time. Headers are validated up front."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        index_path = self.model_dir / INDEX_NAME
+        files: list[Path]
+        weight_map: dict[str, str] | None = None
+        if index_path.exists():
+            try:
+                index = json.loads(index_path.read_text(encoding="utf-8"))
+                weight_map = dict(index["weight_map"])
+            except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{index_path}: not a valid safetensors index (needs a 'weight_map' object)") from None
+            files = [self.model_dir / f for f in sorted(set(weight_map.values()))]
+        elif (self.model_dir / SINGLE_NAME).exists():
+            files = [self.model_dir / SINGLE_NAME]
+        else:
+            files = sorted(self.model_dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.model_dir}: no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors file")
+        self.entries: dict[str, TensorEntry] = {}
+        for path in files:
+            if not path.exists():
+                raise CheckpointError(f"{path}: listed in {index_path.name} but missing")
+            for name, entry in read_safetensors_header(path).items():
+                self.entries[name] = entry
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                entry = self.entries.get(name)
+                if entry is None or entry.file.name != Path(fname).name:
+                    raise CheckpointError(f"{self.model_dir / fname}: tensor {name!r} is listed in {INDEX_NAME} but not in the file")
+        self._handles: dict[Path, Any] = {}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def read(self, name: str) -> Tensor:
+        """The tensor ``name`` (CPU, stored dtype)."""
+        entry = self.entries[name]
+        handle = self._handles.get(entry.file)
+        if handle is None:
+            try:
+                handle = safe_open(str(entry.file), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error type for a bad file
+                raise CheckpointError(f"{entry.file}: cannot open ({exc})") from None
+            self._handles[entry.file] = handle
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error type for a bad file
+            raise CheckpointError(f"{entry.file}: cannot read tensor {name!r} ({exc})") from None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sanitize: every name / shape fix in one place
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes: model parameter ``name``, and ``index`` into it for per-expert pieces
+    (``(expert, row_slice)`` or ``(expert,)``), None for the whole parameter."""
+
+    name: str
+    index: tuple | None = None
+
+
+def sanitize_name(name: str, config: CloverConfig) -> Target | None:
+    """Map a checkpoint name to a model parameter, or None for tensors the text model does not use."""
+    if name == "lm_head.weight":
+        return Target(name)
+    if name.startswith(("model.visual.", "mtp.", "visual.")):
+        return None
+    stripped = None
+    for prefix in (config.weight_prefix, "model.language_model.", "model."):
+        if prefix and name.startswith(prefix):
+            stripped = name[len(prefix) :]
+            break
+    if stripped is None:
+        return None
+    m = _PER_EXPERT.match(stripped)
+    if m:
+        base, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        inter = config.moe_intermediate_size
+        if proj == "gate_proj":
+            return Target(f"{base}.gate_up_proj", (expert, slice(0, inter)))
+        if proj == "up_proj":
+            return Target(f"{base}.gate_up_proj", (expert, slice(inter, 2 * inter)))
+        return Target(f"{base}.down_proj", (expert,))
+    # Clover spellings seen in GGUF-style exports, mapped to the module names
+    stripped = stripped.replace(".linear_attn.ssm_bd_history.", ".linear_attn.bd_history.")
+    stripped = stripped.replace(".linear_attn.ssm_bd_logit_scale.", ".linear_attn.bd_logit_scale.")
+    if stripped.endswith(".linear_attn.bd_logit_scale"):
+        stripped += ".weight"
+    return Target(stripped)
+
+
+def sanitize_shape(target: Target, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a checkpoint tensor has after :func:`sanitize_tensor`."""
+    if target.name.endswith("linear_attn.conv1d.weight") and len(shape) == 2:
+        return (shape[0], 1, shape[1])
+    if target.name.endswith("linear_attn.conv1d.weight_right") and len(shape) == 3 and shape[1] == 1:
+        return (shape[0], shape[2])
+    if target.name.endswith("linear_attn.bd_logit_scale.weight") and len(shape) == 0:
+        return (1,)
+    return shape
+
+
+def sanitize_tensor(target: Target, tensor: Tensor) -> Tensor:
+    """Shape fixes: conv1d.weight [C, K] -> [C, 1, K]; weight_right [C, 1, Kr] -> [C, Kr]; scalar scale -> [1]."""
+    return tensor.reshape(sanitize_shape(target, tuple(tensor.shape)))
+
+
+def sanitize(name: str, tensor: Tensor, config: CloverConfig) -> tuple[Target, Tensor] | None:
+    """One checkpoint tensor -> (target parameter, fixed tensor), or None when the text model ignores it."""
+    target = sanitize_name(name, config)
+    if target is None:
+        return None
+    return target, sanitize_tensor(target, tensor)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(table)}")
+    return table[dtype]
+
+
+def _slice_shape(full: tuple[int, ...], index: tuple | None) -> tuple[int, ...]:
+    if index is None:
+        return full
+    return tuple(torch.empty(full, device="meta")[index].shape)
+
+
+@dataclass
+class LoadPlan:
+    """Which checkpoint tensor fills which parameter (shapes already checked)."""
+
+    targets: dict[str, Target]  # checkpoint name -> target
+    ignored: list[str]
+    neutral_layers: list[int]  # GDN layers without Clover extras
+
+
+def plan_load(model: CloverModel, reader: CheckpointReader) -> LoadPlan:
+    """Check names and shapes against ``model`` (which may live on the meta device) before reading any data.
+
+    Adapts Clover extras to the shapes the checkpoint has (architecture.md 5.1) and drops absent ones (neutral).
+    Raises CheckpointError naming the tensor, the file and both shapes on a mismatch, or the missing tensor.
+    """
+    config = model.config
+    params = dict(model.named_parameters(remove_duplicate=False))
+    targets: dict[str, Target] = {}
+    ignored: list[str] = []
+    covered: dict[str, set] = {}
+    for name, entry in reader.entries.items():
+        target = sanitize_name(name, config)
+        if target is None or target.name not in params and not _is_extra(target.name):
+            ignored.append(name)
+            continue
+        shape = sanitize_shape(target, entry.shape)
+        if _is_extra(target.name):
+            _adapt_extra(model, target.name, shape, entry)
+            params = dict(model.named_parameters(remove_duplicate=False))
+        param = params[target.name]
+        want = _slice_shape(tuple(param.shape), target.index)
+        if shape != want:
+            raise CheckpointError(
+                f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, the model expects {list(want)} "
+                f"for {target.name}"
+            )
+        targets[name] = target
+        covered.setdefault(target.name, set()).add(None if target.index is None else target.index[0])
+    # what is missing
+    neutral_layers: list[int] = []
+    tied = config.tie_word_embeddings
+    for pname, param in list(model.named_parameters(remove_duplicate=False)):
+        got = covered.get(pname)
+        if pname == "lm_head.weight" and tied:
+            continue
+        if _is_extra(pname):
+            if got is None:
+                layer = int(pname.split(".")[1])
+                _drop_extra(model, pname)
+                if layer not in neutral_layers:
+                    neutral_layers.append(layer)
+            continue
+        if got is None:
+            raise CheckpointError(f"{reader.model_dir}: tensor {pname!r} is missing from the checkpoint")
+        if None not in got:  # per-expert pieces: every expert must be there
+            experts = param.shape[0]
+            if len(got) != experts:
+                lost = min(set(range(experts)) - got)
+                raise CheckpointError(f"{reader.model_dir}: tensor {pname!r} is missing expert {lost} (per-expert layout)")
+    if neutral_layers:
+        log.info("checkpoint has no Clover block-mode tensors for GDN layers %s: they run neutral", neutral_layers)
+    if ignored:
+        log.info("ignoring %d checkpoint tensors the text model does not use (e.g. %s)", len(ignored), ignored[0])
+    return LoadPlan(targets, ignored, sorted(neutral_layers))
+
+
+def _is_extra(pname: str) -> bool:
+    return ".linear_attn." in pname and pname.endswith(_CLOVER_EXTRAS)
+
+
+def _gdn_of(model: CloverModel, pname: str):  # -> GatedDeltaNet
+    layer = int(pname.split(".")[1])
+    return model.layers[layer].linear_attn
+
+
+def _adapt_extra(model: CloverModel, pname: str, shape: tuple[int, ...], entry: TensorEntry) -> None:
+    """Give a Clover tensor the checkpoint's shape if it is one of the accepted forms."""
+    from engine.model import ParamHolder
+
+    parts = pname.split(".")
+    if not (parts[0] == "layers" and parts[2] == "linear_attn") or not hasattr(model.layers[int(parts[1])], "linear_attn"):
+        raise CheckpointError(f"{entry.file}: tensor {entry.name!r} names a linear-attention layer that does not exist")
+    gdn = _gdn_of(model, pname)
+    rel = ".".join(parts[3:])
+    accepted = gdn.accepted_extra_shapes(rel)
+    if shape not in accepted:
+        raise CheckpointError(
+            f"{entry.file}: tensor {entry.name!r} has shape {list(entry.shape)}, expected one of "
+            f"{[list(s) for s in accepted[:5]]}{' ...' if len(accepted) > 5 else ''}"
+        )
+    ref = gdn.in_proj_b.weight
+    new = torch.nn.Parameter(torch.empty(shape, dtype=ref.dtype, device=ref.device), requires_grad=False)
+    if rel == "conv1d.weight_right":
+        gdn.conv1d.weight_right = new
+        return
+    holder_name, leaf = rel.split(".")
+    holder = getattr(gdn, holder_name)
+    if holder is None:
+        holder = ParamHolder(shape, shape if leaf == "bias" else None).to(device=ref.device, dtype=ref.dtype)
+        setattr(gdn, holder_name, holder)
+    setattr(holder, leaf, new)
+
+
+def _drop_extra(model: CloverModel, pname: str) -> None:
+    gdn = _gdn_of(model, pname)
+    rel = ".".join(pname.split(".")[3:])
+    if rel == "conv1d.weight_right":
+        gdn.conv1d.weight_right = None
+    elif rel == "bd_history.bias" and gdn.bd_history is not None:
+        gdn.bd_history.bias = None
+    elif rel in ("bd_history.weight",):
+        gdn.bd_history = None
+    elif rel == "bd_logit_scale.weight":
+        gdn.bd_logit_scale = None
+
+
+def load_state(
+    model: CloverModel,
+    reader: CheckpointReader,
+    plan: LoadPlan,
+    progress: Callable[[LoadProgress], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> None:
+    """Copy every planned tensor into ``model`` (already materialized), one tensor at a time."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    total = sum(reader.entries[n].nbytes for n in plan.targets)
+    done = 0
+    for name, target in plan.targets.items():
+        if cancel is not None and cancel.is_set():
+            raise CancelledError(f"loading {reader.model_dir} was cancelled")
+        tensor = sanitize_tensor(target, reader.read(name))
+        param = params[target.name]
+        dst = param.data if target.index is None else param.data[target.index]
+        dst.copy_(tensor.to(dtype=param.dtype))
+        done += reader.entries[name].nbytes
+        if progress is not None:
+            progress(LoadProgress(stage="reading", done_bytes=done, total_bytes=total, current=name))
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: Callable[[LoadProgress], None] | None = None,
+    cancel: threading.Event | None = None,
+    config: CloverConfig | None = None,
+) -> CloverModel:
+    """Read a Hugging Face model folder into a :class:`CloverModel` on ``device`` in ``dtype``.
+
+    Every expected tensor must be present with the right shape (else CheckpointError naming tensor, file and
+    shapes); ``progress`` gets LoadProgress(stage="reading", bytes done/total, tensor name) per tensor, then
+    stage "done"; setting ``cancel`` raises CancelledError between tensors.
+    """
+    model_dir = Path(model_dir)
+    config = config or load_config(model_dir)
+    dtype = _as_dtype(dtype)
+    with CheckpointReader(model_dir) as reader:
+        extras = config.is_diffusion or any(".bd_history." in n or n.endswith("weight_right") for n in reader.entries)
+        model = CloverModel(config, dtype=dtype, device="meta", clover_extras=extras)
+        plan = plan_load(model, reader)
+        if cancel is not None and cancel.is_set():
+            raise CancelledError(f"loading {model_dir} was cancelled")
+        model.to_empty(device=device)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        load_state(model, reader, plan, progress, cancel)
+    if progress is not None:
+        total = sum(reader.entries[n].nbytes for n in plan.targets)
+        progress(LoadProgress(stage="done", done_bytes=total, total_bytes=total, current=""))
+    model.eval()
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# writing (tests, tiny models)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def random_state_dict(
+    config: CloverConfig,
+    seed: int = 0,
+    clover_extras: bool | str = True,
+    expert_layout: str = "fused",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Tensor]:
+    """Random weights for ``config`` with realistic scales (outputs are not degenerate), names without the weight
+    prefix (``embed_tokens.weight``, ``layers.N...``, ``lm_head.weight``): :func:`write_checkpoint` adds it.
+
+    clover_extras: True = non-zero Clover tensors per GDN layer; "neutral" = present but neutral (right conv 0,
+    history logit +1e4 so the history unit takes all the weight); False = absent.
+    expert_layout: "fused" (gate_up_proj / down_proj) or "per_expert" (experts.N.{gate,up,down}_proj.weight).
+    """
+    if expert_layout not in ("fused", "per_expert"):
+        raise ValueError(f"expert_layout {expert_layout!r} is not 'fused' or 'per_expert'")
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+    def uniform(*shape: int, lo: float, hi: float) -> Tensor:
+        return (torch.rand(*shape, generator=gen) * (hi - lo) + lo).to(dtype)
+
+    c = config
+    d, v = c.hidden_size, c.vocab_size
+    sd: dict[str, Tensor] = {"embed_tokens.weight": normal(v, d, std=1.0)}
+    for i in range(c.num_hidden_layers):
+        pre = f"layers.{i}."
+        sd[pre + "input_layernorm.weight"] = normal(d, std=0.1)
+        sd[pre + "post_attention_layernorm.weight"] = normal(d, std=0.1)
+        if c.is_full_attention(i):
+            a, hd = pre + "self_attn.", c.head_dim
+            sd[a + "q_proj.weight"] = normal(c.num_attention_heads * hd * 2, d, std=d**-0.5)
+            sd[a + "k_proj.weight"] = normal(c.num_key_value_heads * hd, d, std=d**-0.5)
+            sd[a + "v_proj.weight"] = normal(c.num_key_value_heads * hd, d, std=d**-0.5)
+            sd[a + "o_proj.weight"] = normal(d, c.num_attention_heads * hd, std=0.5 * (c.num_attention_heads * hd) ** -0.5)
+            sd[a + "q_norm.weight"] = normal(hd, std=0.1)
+            sd[a + "k_norm.weight"] = normal(hd, std=0.1)
+        else:
+            g, hv = pre + "linear_attn.", c.linear_num_value_heads
+            sd[g + "in_proj_qkv.weight"] = normal(c.conv_dim, d, std=d**-0.5)
+            sd[g + "in_proj_z.weight"] = normal(c.value_dim, d, std=d**-0.5)
+            sd[g + "in_proj_b.weight"] = normal(hv, d, std=d**-0.5)
+            sd[g + "in_proj_a.weight"] = normal(hv, d, std=d**-0.5)
+            sd[g + "conv1d.weight"] = normal(c.conv_dim, 1, c.linear_conv_kernel_dim, std=0.5)
+            sd[g + "dt_bias"] = uniform(hv, lo=-1.0, hi=1.0).float()
+            sd[g + "A_log"] = uniform(hv, lo=math.log(0.05), hi=math.log(2.0)).float()
+            sd[g + "norm.weight"] = uniform(c.linear_value_head_dim, lo=0.5, hi=1.5)
+            sd[g + "out_proj.weight"] = normal(d, c.value_dim, std=0.5 * c.value_dim**-0.5)
+            if clover_extras:
+                neutral = clover_extras == "neutral"
+                sd[g + "bd_history.weight"] = normal(hv, d, std=d**-0.5)
+                sd[g + "bd_history.bias"] = torch.full((hv,), 1e4, dtype=dtype) if neutral else normal(hv, std=1.0)
+                sd[g + "bd_logit_scale.weight"] = uniform(hv, lo=0.8, hi=1.2)
+                kr = c.linear_conv_kernel_dim
+                sd[g + "conv1d.weight_right"] = (
+                    torch.zeros(c.conv_dim, kr, dtype=dtype) if neutral else normal(c.conv_dim, kr, std=0.3)
+                )
+        m, e, inter = pre + "mlp.", c.num_experts, c.moe_intermediate_size
+        sd[m + "gate.weight"] = normal(e, d, std=2.0 * d**-0.5)
+        gate_up = normal(e, 2 * inter, d, std=d**-0.5)
+        down = normal(e, d, inter, std=0.5 * inter**-0.5)
+        if expert_layout == "fused":
+            sd[m + "experts.gate_up_proj"] = gate_up
+            sd[m + "experts.down_proj"] = down
+        else:
+            for j in range(e):
+                sd[m + f"experts.{j}.gate_proj.weight"] = gate_up[j, :inter].clone()
+                sd[m + f"experts.{j}.up_proj.weight"] = gate_up[j, inter:].clone()
+                sd[m + f"experts.{j}.down_proj.weight"] = down[j].clone()
+        si = c.shared_expert_intermediate_size
+        sd[m + "shared_expert.gate_proj.weight"] = normal(si, d, std=d**-0.5)
+        sd[m + "shared_expert.up_proj.weight"] = normal(si, d, std=d**-0.5)
+        sd[m + "shared_expert.down_proj.weight"] = normal(d, si, std=0.5 * si**-0.5)
+        sd[m + "shared_expert_gate.weight"] = normal(1, d, std=d**-0.5)
+    sd["norm.weight"] = normal(d, std=0.1)
+    if not c.tie_word_embeddings:
+        sd["lm_head.weight"] = normal(v, d, std=d**-0.5)
+    return sd
+
+
+def checkpoint_prefix(config_dict: dict[str, Any]) -> str:
+    """The official weight prefix for a config.json dict."""
+    if config_dict.get("model_type") == "qwen3_5_moe_text":
+        return "model."
+    return str(config_dict.get("weight_prefix", "model.language_model."))
+
+
+def write_checkpoint(
+    model_dir: str | Path,
+    state_dict: dict[str, Tensor],
+    config_dict: dict[str, Any] | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> list[Path]:
+    """Write ``state_dict`` (names without prefix) as sharded safetensors with the official names, plus
+    ``config.json`` when ``config_dict`` is given. One shard -> ``model.safetensors``; more -> numbered shards and
+    ``model.safetensors.index.json``. Returns the shard paths."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    prefix = checkpoint_prefix(config_dict or {})
+    named: dict[str, Tensor] = {}
+    for name, tensor in state_dict.items():
+        full = name if name == "lm_head.weight" or name.startswith(("model.", "mtp.")) else prefix + name
+        named[full] = tensor.detach().contiguous().cpu()
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, tensor in named.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    paths: list[Path] = []
+    if len(shards) == 1:
+        paths.append(model_dir / SINGLE_NAME)
+        save_file(shards[0], str(paths[0]), metadata={"format": "pt"})
+    else:
+        weight_map: dict[str, str] = {}
+        for k, shard in enumerate(shards, 1):
+            fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(model_dir / fname), metadata={"format": "pt"})
+            paths.append(model_dir / fname)
+            weight_map.update({n: fname for n in shard})
+        total = sum(t.numel() * t.element_size() for t in named.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (model_dir / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    if config_dict is not None:
+        (model_dir / "config.json").write_text(json.dumps(config_dict, indent=2), encoding="utf-8")
+    return paths
+
+
+def iter_model_tensors(model_dir: str | Path, config: CloverConfig) -> Iterator[tuple[Target, Tensor]]:
+    """Every text-model tensor of a folder, sanitized, one at a time (for quantizers / offload stores)."""
+    with CheckpointReader(model_dir) as reader:
+        for name in reader.names():
+            target = sanitize_name(name, config)
+            if target is not None:
+                yield target, sanitize_tensor(target, reader.read(name))
