@@ -172,11 +172,11 @@ class DenoiseCanvas(QWidget):
         rows = max(1, -(-self._model.block_size // cols))
         gap = 5.0
         cell_w = (width - gap * (cols - 1)) / cols
-        cell_h = max(30.0, min(48.0, cell_w * 0.72))
+        cell_h = max(34.0, min(58.0, cell_w * 0.8))
         grid_h = rows * cell_h + (rows - 1) * gap
         self._paint_cells(p, margin, y, cell_w, cell_h, gap, cols)
         y += grid_h + 16
-        chart_h = max(60.0, min(110.0, self.height() - y - 48))
+        chart_h = max(60.0, min(180.0, self.height() - y - 60))
         self._paint_chart(p, QRectF(margin, y, width, chart_h))
         y += chart_h + 12
         self._paint_legend(p, margin, y)

@@ -1,0 +1,182 @@
+"""Small in-test fakes for the GUI tests (no mocks): a planner with Clover-35B-like numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class FakePlan:
+    resident_expert_layers: int
+    streamed_expert_layers: int
+    slot_pool_experts: int
+    vram_bytes: int
+    vram_breakdown: dict[str, int]
+    ram_bytes: int
+    fits: bool
+    reason: str
+    min_vram_bytes: int
+    predicted_tok_s: dict[str, float] = field(default_factory=dict)
+
+
+def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> FakePlan:
+    non_expert = int(2.6 * GIB)
+    per_layer = int(0.42 * GIB)
+    slots = int(0.9 * GIB)
+    kv = ctx_tokens * 20 * 1024
+    state = int(0.05 * GIB)
+    workspace = int(0.3 * GIB)
+    reserve = int(0.6 * GIB)
+    fixed = non_expert + kv + state + workspace + reserve
+    minimum = fixed + slots
+    room = vram_bytes - fixed
+    resident = max(0, min(layers, room // per_layer))
+    streamed = layers - resident
+    use_slots = slots if streamed else 0
+    if streamed and resident * per_layer + use_slots > room:
+        resident = max(0, (room - use_slots) // per_layer)
+        streamed = layers - resident
+    fits = vram_bytes >= minimum
+    breakdown = {
+        "non_expert": non_expert,
+        "resident_experts": resident * per_layer,
+        "expert_slots": use_slots,
+        "kv_cache": kv,
+        "gdn_state": state,
+        "workspace": workspace,
+        "reserve": reserve,
+    }
+    return FakePlan(
+        resident_expert_layers=resident,
+        streamed_expert_layers=streamed,
+        slot_pool_experts=64 if streamed else 0,
+        vram_bytes=sum(breakdown.values()),
+        vram_breakdown=breakdown,
+        ram_bytes=streamed * per_layer + int(1.5 * GIB),
+        fits=fits,
+        reason="" if fits else f"needs at least {minimum / GIB:.1f} GiB: non-expert weights, KV cache at {ctx_tokens} tokens and the expert slot pool",
+        min_vram_bytes=minimum,
+        predicted_tok_s={"diffusion": 12 + 1.6 * resident, "ar": 6 + 0.5 * resident},
+    )
+
+
+# ---------------------------------------------------------------------------------------------- engine client
+
+from PySide6.QtCore import QObject, QTimer, Signal  # noqa: E402
+
+from engine.events import (  # noqa: E402
+    BlockCommitted,
+    BlockStep,
+    Finished,
+    GenerationParams,
+    LoadProgress,
+    PromptInfo,
+    TextDelta,
+)
+
+WORDS = (
+    "Block diffusion fills thirty-two masked slots at once and commits every slot the model is sure of "
+    "in each pass so a block usually needs far fewer passes than tokens"
+).split()
+
+
+class FakeEngineClient(QObject):
+    """Speaks the EngineClient signal contract with scripted block-diffusion events, one pass per timer tick."""
+
+    ready = Signal()
+    loadProgress = Signal(object)
+    loaded = Signal(object)
+    event = Signal(str, object)
+    errorMessage = Signal(str, str)
+    crashed = Signal(str)
+    planReady = Signal(dict)
+
+    def __init__(self, blocks: int = 3, pass_ms: int = 5, answer: str | None = None, thinking: str = "") -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.pass_ms = pass_ms
+        self.answer = answer
+        self.thinking = thinking
+        self.requests: list[tuple[list[dict[str, str]], GenerationParams]] = []
+        self.cancelled: list[str] = []
+        self.restarts = 0
+        self.load_cancelled = 0
+        self._timer = QTimer(self)
+        self._timer.timeout.connect(self._tick)
+        self._script: list[object] = []
+        self._rid = ""
+        self._n = 0
+
+    def generate(self, messages, params, tools=None) -> str:  # noqa: ANN001
+        self._n += 1
+        self._rid = f"r{self._n}"
+        self.requests.append((list(messages), params))
+        self._script = self._make_script(params)
+        self._timer.start(self.pass_ms)
+        return self._rid
+
+    def cancel(self, request_id: str | None = None) -> None:
+        self.cancelled.append(request_id or self._rid)
+        self._script = [e for e in self._script if isinstance(e, Finished)]
+        if self._script:
+            f = self._script[-1]
+            self._script = [Finished(**{**f.__dict__, "stop_reason": "cancelled"})]
+
+    def cancel_load(self) -> None:
+        self.load_cancelled += 1
+
+    def restart(self) -> None:
+        self.restarts += 1
+        QTimer.singleShot(1, self.ready.emit)
+
+    def _tick(self) -> None:
+        if not self._script:
+            self._timer.stop()
+            return
+        self.event.emit(self._rid, self._script.pop(0))
+        if not self._script:
+            self._timer.stop()
+
+    def _make_script(self, params: GenerationParams) -> list[object]:
+        import random
+
+        rng = random.Random(len(self.requests))
+        out: list[object] = [PromptInfo(prompt_tokens=12, block_size=32, first_block=0, tail=0)]
+        answer_words = (self.answer or " ".join(WORDS)).split(" ")
+        passes_total = 0
+        if self.thinking and params.enable_thinking:
+            out.append(TextDelta(self.thinking, "thinking"))
+        per_block = max(1, -(-len(answer_words) // self.blocks))
+        for b in range(self.blocks):
+            chunk = answer_words[b * per_block : (b + 1) * per_block]
+            masked = [True] * 32
+            conf = [0.0] * 32
+            texts = [""] * 32
+            p = 0
+            while any(masked):
+                now = [False] * 32
+                todo = [i for i in range(32) if masked[i]]
+                for i in rng.sample(todo, min(len(todo), rng.randint(3, 9))):
+                    masked[i], now[i], conf[i] = False, True, rng.uniform(0.55, 1.0)
+                    texts[i] = " " + WORDS[i % len(WORDS)]
+                out.append(BlockStep(b, p, tuple(range(32)), tuple(texts), tuple(masked), tuple(conf), tuple(now)))
+                p += 1
+            passes_total += p
+            text = (" " if b else "") + " ".join(chunk)
+            out.append(TextDelta(text, "answer"))
+            out.append(BlockCommitted(b, p, tuple(range(32))))
+        full = " ".join(answer_words)
+        out.append(
+            Finished(
+                token_ids=tuple(range(32 * self.blocks)), text=full, thinking=self.thinking, stop_reason="eos",
+                tokens=32 * self.blocks, passes=passes_total, tokens_per_pass=32 * self.blocks / passes_total,
+                tokens_per_s=41.5, time_to_first_token_s=0.12, prompt_tokens=12, prefill_s=0.05, decode_s=1.2,
+                accounting={"hits": 930, "misses": 70},
+            )
+        )
+        return out
+
+    def emit_load(self, done: int, total: int) -> None:
+        self.loadProgress.emit(LoadProgress("reading", done, total, "model-00001.safetensors", 12.0))

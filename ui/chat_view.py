@@ -1,0 +1,462 @@
+"""The conversation column: messages rendered from Markdown, thinking in a collapsible section, per-message
+actions (copy, edit-and-resend, regenerate, preview HTML).
+
+Plain data (:class:`MessageData`, :class:`StreamingReply`) carries the state; the widgets only draw it. While a
+reply streams, its widget is re-rendered through one :class:`~ui.throttle.Throttle` (Markdown → HTML of a growing
+text is the expensive part), so deltas arriving faster than the screen refreshes cost almost nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QResizeEvent
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QTextBrowser,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ui.markdown import CodeBlock, RenderedMarkdown, render
+from ui.throttle import Throttle
+
+log = logging.getLogger(__name__)
+
+HtmlExtractor = Callable[[str], "str | None"]  # message Markdown -> the HTML app it contains, or None
+
+
+def default_extract_html(markdown: str) -> str | None:
+    """The last HTML code block of a message (``ui.preview.extract_html`` is used when the app provides it)."""
+    blocks = [b for b in render(markdown).code_blocks if b.is_html and b.code.strip()]
+    return blocks[-1].code if blocks else None
+
+
+# --------------------------------------------------------------------------------------------- plain data
+
+
+@dataclass
+class MessageData:
+    """One message as the view shows it. ``message_id`` is the ChatStore id (None before it is saved)."""
+
+    role: str  # "user" | "assistant" | "system"
+    content: str = ""
+    thinking: str = ""
+    thinking_seconds: float | None = None
+    status: str = "complete"  # complete | streaming | stopped | error
+    stats: dict[str, Any] = field(default_factory=dict)
+    message_id: int | None = None
+
+
+class StreamingReply:
+    """Accumulates one reply's deltas: text per channel, thinking duration, and what is not yet saved.
+
+    ``take_unsaved()`` hands out the text committed since the last save, so the store gets exactly one
+    ``append_streaming`` per committed block and nothing twice.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.answer = ""
+        self.thinking = ""
+        self._unsaved_answer = ""
+        self._unsaved_thinking = ""
+        self.thinking_started: float | None = None
+        self.thinking_ended: float | None = None
+        self.started = clock()
+
+    def add(self, text: str, channel: str) -> None:
+        if channel == "thinking":
+            if self.thinking_started is None:
+                self.thinking_started = self._clock()
+            self.thinking += text
+            self._unsaved_thinking += text
+        else:
+            if self.thinking_started is not None and self.thinking_ended is None:
+                self.thinking_ended = self._clock()
+            self.answer += text
+            self._unsaved_answer += text
+
+    def take_unsaved(self) -> tuple[str, str]:
+        out = (self._unsaved_answer, self._unsaved_thinking)
+        self._unsaved_answer = self._unsaved_thinking = ""
+        return out
+
+    @property
+    def is_thinking(self) -> bool:
+        return self.thinking_started is not None and self.thinking_ended is None
+
+    def thinking_seconds(self) -> float | None:
+        if self.thinking_started is None:
+            return None
+        end = self.thinking_ended if self.thinking_ended is not None else self._clock()
+        return max(0.0, end - self.thinking_started)
+
+    def finish(self) -> None:
+        if self.thinking_started is not None and self.thinking_ended is None:
+            self.thinking_ended = self._clock()
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    """"42 tokens · 38.5 tok/s · 3.1 tok/pass · stopped" from a Finished-derived stats dict."""
+    parts = []
+    if stats.get("tokens"):
+        parts.append(f"{stats['tokens']} tokens")
+    if stats.get("tokens_per_s"):
+        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
+    if stats.get("tokens_per_pass") and stats.get("mode", "diffusion") == "diffusion":
+        parts.append(f"{stats['tokens_per_pass']:.1f} tok/pass")
+    if stats.get("time_to_first_token_s"):
+        parts.append(f"first token {stats['time_to_first_token_s']:.2f} s")
+    reason = stats.get("stop_reason")
+    if reason in ("cancelled", "interrupted"):
+        parts.append("stopped" if reason == "cancelled" else "interrupted")
+    elif reason in ("max_new_tokens", "context"):
+        parts.append("hit the token limit" if reason == "max_new_tokens" else "hit the context limit")
+    return " · ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------- widgets
+
+
+class MarkdownBrowser(QTextBrowser):
+    """A read-only rich-text block whose height follows its content (no inner scroll bar)."""
+
+    codeCopied = Signal(int)  # index of the code block copied to the clipboard
+    previewRequested = Signal(str)  # HTML of a code block to show in the preview tab
+
+    def __init__(self, object_name: str = "messageBody", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName(object_name)
+        self.setOpenLinks(False)
+        self.setReadOnly(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setTextInteractionFlags(
+            Qt.TextInteractionFlag.TextBrowserInteraction | Qt.TextInteractionFlag.TextSelectableByKeyboard
+        )
+        self.document().setDocumentMargin(2)
+        self.rendered = RenderedMarkdown("")
+        self._source = None  # the Markdown last rendered
+        self.document().documentLayout().documentSizeChanged.connect(self.on_size_changed)
+        self.anchorClicked.connect(self.on_anchor_clicked)
+
+    def set_markdown(self, text: str) -> None:
+        if text == self._source:
+            return
+        self._source = text
+        self.rendered = render(text)
+        self.setHtml(self.rendered.html)
+
+    def code_blocks(self) -> list[CodeBlock]:
+        return self.rendered.code_blocks
+
+    def on_size_changed(self, *_args: object) -> None:
+        height = int(self.document().size().height()) + 4
+        if self.height() != height:
+            self.setFixedHeight(height)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self.document().setTextWidth(self.viewport().width())
+        self.on_size_changed()
+
+    def on_anchor_clicked(self, url: QUrl) -> None:
+        scheme = url.scheme()
+        if scheme in ("copy", "preview"):
+            try:
+                block = self.rendered.code_blocks[int(url.path())]
+            except (ValueError, IndexError):
+                log.warning("bad code block link %s", url.toString())
+                return
+            if scheme == "copy":
+                QGuiApplication.clipboard().setText(block.code)
+                self.codeCopied.emit(int(url.path()))
+            else:
+                self.previewRequested.emit(block.code)
+        elif scheme in ("http", "https", "mailto"):
+            QDesktopServices.openUrl(url)
+
+
+class MessageWidget(QFrame):
+    """One message: role + meta line + actions, a collapsible thinking section, the Markdown body."""
+
+    copyRequested = Signal()  # (handled here; emitted for tests and status messages)
+    editRequested = Signal(object)  # MessageWidget: the user wants to edit this prompt and resend
+    regenerateRequested = Signal(object)  # MessageWidget: answer this prompt again
+    previewRequested = Signal(str)  # HTML to open in the preview tab
+
+    def __init__(self, data: MessageData, html_extractor: HtmlExtractor, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.data = data
+        self._extract_html = html_extractor
+        is_user = data.role == "user"
+        self.setObjectName("messageUser" if is_user else "messageAssistant")
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
+
+        self.role_label = QLabel("You" if is_user else "Clover" if data.role == "assistant" else data.role.title())
+        self.role_label.setObjectName("roleLabel")
+        self.meta_label = QLabel()
+        self.meta_label.setObjectName("metaLabel")
+        self.copy_button = self._action("Copy", "Copy the message as Markdown")
+        self.edit_button = self._action("Edit", "Edit this message and send it again")
+        self.regen_button = self._action("Regenerate", "Answer this prompt again")
+        self.preview_button = self._action("Preview", "Open the HTML this message contains in the preview tab")
+        self.edit_button.setVisible(is_user)
+        self.regen_button.setVisible(False)
+        self.preview_button.setVisible(False)
+
+        self.thinking_toggle = QToolButton()
+        self.thinking_toggle.setObjectName("thinkingToggle")
+        self.thinking_toggle.setCheckable(True)
+        self.thinking_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.thinking_toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.thinking_body = MarkdownBrowser("thinkingBody")
+        self.thinking_body.setVisible(False)
+        self.body = MarkdownBrowser("messageBody")
+
+        header = QHBoxLayout()
+        header.setSpacing(8)
+        header.addWidget(self.role_label)
+        header.addWidget(self.meta_label)
+        header.addStretch(1)
+        for b in (self.preview_button, self.regen_button, self.edit_button, self.copy_button):
+            header.addWidget(b)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(14, 10, 14, 10)
+        layout.setSpacing(4)
+        layout.addLayout(header)
+        layout.addWidget(self.thinking_toggle, 0, Qt.AlignmentFlag.AlignLeft)
+        layout.addWidget(self.thinking_body)
+        layout.addWidget(self.body)
+        self._connect_signals()
+        self.refresh()
+
+    def _action(self, text: str, tip: str) -> QPushButton:
+        button = QPushButton(text)
+        button.setObjectName("ghost")
+        button.setToolTip(tip)
+        button.setCursor(Qt.CursorShape.PointingHandCursor)
+        return button
+
+    def _connect_signals(self) -> None:
+        self.copy_button.clicked.connect(self.on_copy_clicked)
+        self.edit_button.clicked.connect(lambda: self.editRequested.emit(self))
+        self.regen_button.clicked.connect(lambda: self.regenerateRequested.emit(self))
+        self.preview_button.clicked.connect(self.on_preview_clicked)
+        self.thinking_toggle.toggled.connect(self.on_thinking_toggled)
+        self.body.previewRequested.connect(self.previewRequested)
+
+    # -- state → widgets
+    def refresh(self) -> None:
+        d = self.data
+        streaming = d.status == "streaming"
+        has_thinking = bool(d.thinking.strip())
+        self.thinking_toggle.setVisible(has_thinking)
+        if has_thinking:
+            if streaming and not d.content:
+                secs = f" {format_seconds(d.thinking_seconds)}" if d.thinking_seconds else ""
+                label = f"Thinking…{secs}"
+            elif d.thinking_seconds is not None:
+                label = f"Thought for {format_seconds(d.thinking_seconds)}"
+            else:
+                label = "Thoughts"
+            self.thinking_toggle.setText(label)
+            if self.thinking_body.isVisible():
+                self.thinking_body.set_markdown(d.thinking)
+        content = d.content
+        if streaming and not content and not has_thinking:
+            content = "*…*"
+        if d.status == "error":
+            content = (content + "\n\n" if content else "") + f"**Error:** {d.stats.get('error', 'generation failed')}"
+        self.body.set_markdown(content)
+        self.body.setVisible(bool(content))
+        meta = stats_line(d.stats) if d.role == "assistant" else ""
+        if streaming:
+            meta = "generating…"
+        self.meta_label.setText(meta)
+        self.copy_button.setEnabled(not streaming)
+        has_html = d.role == "assistant" and not streaming and self._extract_html(d.content) is not None
+        self.preview_button.setVisible(has_html)
+
+    def set_regenerable(self, on: bool) -> None:
+        self.regen_button.setVisible(on and self.data.role == "assistant")
+
+    # -- slots
+    def on_copy_clicked(self) -> None:
+        QGuiApplication.clipboard().setText(self.data.content)
+        self.copyRequested.emit()
+
+    def on_preview_clicked(self) -> None:
+        html = self._extract_html(self.data.content)
+        if html:
+            self.previewRequested.emit(html)
+
+    def on_thinking_toggled(self, shown: bool) -> None:
+        self.thinking_toggle.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+        if shown:
+            self.thinking_body.set_markdown(self.data.thinking)
+        self.thinking_body.setVisible(shown)
+
+
+class ChatView(QWidget):
+    """A scrolling column of :class:`MessageWidget`; follows the bottom while a reply streams."""
+
+    editRequested = Signal(object)  # MessageData of a user message to edit and resend
+    regenerateRequested = Signal(object)  # MessageData of the assistant message to answer again
+    previewRequested = Signal(str)  # HTML to show in the preview tab
+    copied = Signal(str)  # what was copied ("message" | "code"), for a status-bar note
+
+    def __init__(self, html_extractor: HtmlExtractor | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._extract_html = html_extractor or default_extract_html
+        self.widgets: list[MessageWidget] = []
+        self._stick_to_bottom = True
+        self.scroll = QScrollArea()
+        self.scroll.setObjectName("chatScroll")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.column = QWidget()
+        self.column.setObjectName("chatColumn")
+        self.column_layout = QVBoxLayout(self.column)
+        self.column_layout.setContentsMargins(24, 18, 24, 18)
+        self.column_layout.setSpacing(10)
+        self.empty = self._empty_state()
+        self.column_layout.addWidget(self.empty)
+        self.column_layout.addStretch(1)
+        self.scroll.setWidget(self.column)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.scroll)
+        self.stream_throttle = Throttle(self.on_stream_refresh, 80, self)
+        self._streaming: MessageWidget | None = None
+        self._connect_signals()
+
+    def _connect_signals(self) -> None:
+        bar = self.scroll.verticalScrollBar()
+        bar.rangeChanged.connect(self.on_scroll_range_changed)
+        bar.valueChanged.connect(self.on_scroll_value_changed)
+
+    def _empty_state(self) -> QWidget:
+        box = QWidget()
+        lay = QVBoxLayout(box)
+        lay.setContentsMargins(0, 80, 0, 0)
+        title = QLabel("☘  Clover Desk")
+        title.setObjectName("emptyTitle")
+        title.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        hint = QLabel(
+            "Ask anything. Clover writes 32 tokens at a time, denoising each block in parallel —\n"
+            "watch it happen in the Denoising tab. Enter sends, Shift+Enter adds a line, Esc stops."
+        )
+        hint.setObjectName("emptyHint")
+        hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        lay.addWidget(title)
+        lay.addWidget(hint)
+        return box
+
+    # -- content
+    def clear(self) -> None:
+        for w in self.widgets:
+            w.setParent(None)
+            w.deleteLater()
+        self.widgets.clear()
+        self._streaming = None
+        self.empty.setVisible(True)
+
+    def set_messages(self, messages: list[MessageData]) -> None:
+        self.clear()
+        for m in messages:
+            self.add_message(m)
+        self._stick_to_bottom = True
+
+    def add_message(self, data: MessageData) -> MessageWidget:
+        widget = MessageWidget(data, self._extract_html)
+        widget.editRequested.connect(self.on_edit_requested)
+        widget.regenerateRequested.connect(self.on_regenerate_requested)
+        widget.previewRequested.connect(self.previewRequested)
+        widget.copyRequested.connect(lambda: self.copied.emit("message"))
+        widget.body.codeCopied.connect(lambda _i: self.copied.emit("code"))
+        self.column_layout.insertWidget(self.column_layout.count() - 1, widget)
+        self.widgets.append(widget)
+        self.empty.setVisible(False)
+        if data.status == "streaming":
+            self._streaming = widget
+        self._stick_to_bottom = True
+        self._update_regenerable()
+        return widget
+
+    def remove_from(self, index: int) -> None:
+        """Drop messages ``index`` and later (edit-and-resend, regenerate)."""
+        for w in self.widgets[index:]:
+            w.setParent(None)
+            w.deleteLater()
+        del self.widgets[index:]
+        self.empty.setVisible(not self.widgets)
+        self._update_regenerable()
+
+    def index_of(self, data: MessageData) -> int:
+        return next(i for i, w in enumerate(self.widgets) if w.data is data)
+
+    def messages(self) -> list[MessageData]:
+        return [w.data for w in self.widgets]
+
+    def last_assistant(self) -> MessageWidget | None:
+        return next((w for w in reversed(self.widgets) if w.data.role == "assistant"), None)
+
+    # -- streaming
+    def stream_changed(self) -> None:
+        """The streaming message's data changed; redraw it soon (throttled)."""
+        self.stream_throttle.request()
+
+    def end_stream(self) -> None:
+        self.stream_throttle.flush()
+        if self._streaming is not None:
+            self._streaming.refresh()
+        self._streaming = None
+        self._update_regenerable()
+
+    def on_stream_refresh(self) -> None:
+        if self._streaming is not None:
+            self._streaming.refresh()
+
+    def _update_regenerable(self) -> None:
+        last = self.last_assistant()
+        for w in self.widgets:
+            w.set_regenerable(w is last and w.data.status != "streaming")
+
+    # -- slots
+    def on_edit_requested(self, widget: MessageWidget) -> None:
+        self.editRequested.emit(widget.data)
+
+    def on_regenerate_requested(self, widget: MessageWidget) -> None:
+        self.regenerateRequested.emit(widget.data)
+
+    def on_scroll_range_changed(self, _lo: int, hi: int) -> None:
+        if self._stick_to_bottom:
+            self.scroll.verticalScrollBar().setValue(hi)
+
+    def on_scroll_value_changed(self, value: int) -> None:
+        bar = self.scroll.verticalScrollBar()
+        self._stick_to_bottom = value >= bar.maximum() - 40
+
+    def sizeHint(self) -> QSize:
+        return QSize(640, 600)
