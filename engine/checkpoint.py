@@ -111,6 +111,24 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     return entries
 
 
+class StateDictSource:
+    """An in-memory state dict behind the :class:`CheckpointReader` interface (``entries``, ``read``)."""
+
+    def __init__(self, state_dict: dict[str, Tensor], label: str = "<state dict>") -> None:
+        self.model_dir = Path(label)
+        self._sd = state_dict
+        self.entries = {
+            name: TensorEntry(name, self.model_dir, str(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+            for name, t in state_dict.items()
+        }
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def read(self, name: str) -> Tensor:
+        return self._sd[name]
+
+
 class CheckpointReader:
     """All tensors of a model folder, read lazily one at a time. Headers are validated up front."""
 
@@ -202,6 +220,8 @@ def sanitize_name(name: str, config: CloverConfig) -> Target | None:
         if prefix and name.startswith(prefix):
             stripped = name[len(prefix) :]
             break
+    if stripped is None and name.startswith(("layers.", "embed_tokens.", "norm.")):
+        stripped = name  # already without prefix (a state dict from random_state_dict)
     if stripped is None:
         return None
     m = _PER_EXPERT.match(stripped)
@@ -437,6 +457,25 @@ def load_model(
         progress(LoadProgress(stage="done", done_bytes=total, total_bytes=total, current=""))
     model.eval()
     return model
+
+
+def model_from_state_dict(
+    config: CloverConfig,
+    state_dict: dict[str, Tensor],
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> CloverModel:
+    """Build a model straight from a state dict (names with or without the weight prefix), with the same checks
+    and sanitizing as :func:`load_model`."""
+    source = StateDictSource(state_dict)
+    extras = config.is_diffusion or any(".bd_history." in n or n.endswith("weight_right") for n in source.entries)
+    model = CloverModel(config, dtype=_as_dtype(dtype), device="meta", clover_extras=extras)
+    plan = plan_load(model, source)  # type: ignore[arg-type]
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_state(model, source, plan)  # type: ignore[arg-type]
+    return model.eval()
 
 
 # ----------------------------------------------------------------------------------------------------------------
