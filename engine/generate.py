@@ -45,6 +45,16 @@ class TextDecoder(Protocol):
 
 
 @dataclass(frozen=True)
+class LoopHooks:
+    """Optional calls into a placement runtime (expert offload): around each diffusion block, and the statistics
+    that go into ``Finished.accounting``."""
+
+    begin_block: Callable[[], None] | None = None
+    end_block: Callable[[], None] | None = None
+    accounting: Callable[[], dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
 class DecodeSettings:
     """Everything one request decodes with: the caller's params merged over the model's defaults."""
 
@@ -259,7 +269,13 @@ class _Clock:
 
 
 def _finished(
-    generated: list[int], channels: ChannelText, reason: str, passes: int, prompt_tokens: int, clock: _Clock
+    generated: list[int],
+    channels: ChannelText,
+    reason: str,
+    passes: int,
+    prompt_tokens: int,
+    clock: _Clock,
+    hooks: LoopHooks | None = None,
 ) -> Finished:
     end = clock.now()
     prefill_end = clock.prefill_done if clock.prefill_done is not None else end
@@ -278,6 +294,7 @@ def _finished(
         prompt_tokens=prompt_tokens,
         prefill_s=prefill_end - clock.t0,
         decode_s=decode_s,
+        accounting=dict(hooks.accounting()) if hooks is not None and hooks.accounting is not None else {},
     )
 
 
@@ -292,6 +309,7 @@ def generate_ar(
     tokenizer: TextDecoder | None = None,
     cancel: threading.Event | None = None,
     vocab_size: int | None = None,
+    hooks: LoopHooks | None = None,
 ) -> Iterator[Event]:
     """Causal decoding: one prefill forward, then one cached forward per token."""
     prompt = [int(i) for i in prompt_ids]
@@ -304,7 +322,7 @@ def generate_ar(
         )
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason)
+    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks)
 
 
 def _ar_loop(
@@ -315,6 +333,7 @@ def _ar_loop(
     cancel: threading.Event | None,
     max_new: int,
     limit_reason: str,
+    hooks: LoopHooks | None = None,
 ) -> Iterator[Event]:
     P = len(prompt)
     device = _device_of(model)
@@ -324,7 +343,7 @@ def _ar_loop(
     eos = set(s.eos_token_ids)
     yield PromptInfo(prompt_tokens=P, block_size=1, first_block=P, tail=0)
     if cancel is not None and cancel.is_set():
-        yield _finished(generated, channels, "cancelled", 0, P, clock)
+        yield _finished(generated, channels, "cancelled", 0, P, clock, hooks)
         return
 
     cache = model.new_cache(P + max_new)
@@ -359,7 +378,7 @@ def _ar_loop(
             step = torch.tensor([tok], dtype=torch.long, device=device)  # [1]
             logits = model.forward(step, P + len(generated) - 1, cache, block_size=None, write_cache=True, last_only=True)
     yield from channels.finish()
-    yield _finished(generated, channels, reason, len(generated), P, clock)
+    yield _finished(generated, channels, reason, len(generated), P, clock, hooks)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,6 +392,7 @@ def generate_diffusion(
     tokenizer: TextDecoder | None = None,
     cancel: threading.Event | None = None,
     vocab_size: int | None = None,
+    hooks: LoopHooks | None = None,
 ) -> Iterator[Event]:
     """Block diffusion (architecture.md §4.1, §4.3). Checks the request before returning the event iterator."""
     prompt = [int(i) for i in prompt_ids]
@@ -393,7 +413,7 @@ def generate_diffusion(
     room = (s.max_positions // B) * B - P  # generated slots that fit in whole blocks
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason)
+    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks)
 
 
 def _diffusion_loop(
@@ -404,6 +424,7 @@ def _diffusion_loop(
     cancel: threading.Event | None,
     max_new: int,
     limit_reason: str,
+    hooks: LoopHooks | None = None,
 ) -> Iterator[Event]:
     B, P, mask_id = s.block_size, len(prompt), int(s.mask_token_id)  # type: ignore[arg-type]
     n_full = (P // B) * B
@@ -423,7 +444,7 @@ def _diffusion_loop(
     passes = 0
     yield PromptInfo(prompt_tokens=P, block_size=B, first_block=n_full // B, tail=P - n_full)
     if cancel is not None and cancel.is_set():
-        yield _finished(generated, channels, "cancelled", passes, P, clock)
+        yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
         return
 
     end = min(s.max_positions, -(-(P + max_new) // B) * B)  # last position any block can reach, block-aligned
@@ -434,7 +455,8 @@ def _diffusion_loop(
         prev_row: Tensor | None = None  # [V]: last logit row of the previous forward (for shifted models)
         if n_full:
             ids = torch.tensor(prompt[:n_full], dtype=torch.long, device=device)  # [n_full]
-            out = model.forward(ids, 0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
+            # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
+            out = model.forward(ids, 0, cache, block_size=B, write_cache=True, last_only=True, prefill=True)  # [1, V]
             prev_row = out[-1]
         clock.prefill_done = clock.now()
         vocab: int | None = None
@@ -453,6 +475,8 @@ def _diffusion_loop(
             thinking_at_entry = channels.thinking_open
             pass_index = 0
             cancelled = False
+            if hooks is not None and hooks.begin_block is not None:
+                hooks.begin_block()
             while True:
                 if cancel is not None and cancel.is_set():
                     cancelled = True
@@ -501,6 +525,8 @@ def _diffusion_loop(
                 if not any(still[start:needed]) or decoding.eos_resolved(tokens, still, start, eos):
                     break
             if cancelled:
+                if hooks is not None and hooks.end_block is not None:
+                    hooks.end_block()
                 reason = "cancelled"
                 break
             block_ids, hit_eos = decoding.truncate_at_eos(x[start:needed].tolist(), eos)
@@ -509,12 +535,16 @@ def _diffusion_loop(
                 # The commit pass: the finished block becomes causal prefix. Skipped for the last block, whose
                 # cache entries nothing would read.
                 if cancel is not None and cancel.is_set():
+                    if hooks is not None and hooks.end_block is not None:
+                        hooks.end_block()
                     reason = "cancelled"
                     break
                 out = model.forward(x, pos0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
                 prev_row = out[-1]
                 passes += 1
                 pass_index += 1
+            if hooks is not None and hooks.end_block is not None:
+                hooks.end_block()
             generated.extend(block_ids)
             out_seen[torch.tensor(block_ids, dtype=torch.long, device=device)] = True  # type: ignore[index]
             rep_seen |= out_seen  # type: ignore[operator]
@@ -528,7 +558,7 @@ def _diffusion_loop(
             block_index += 1
             tail = []
     yield from channels.finish()
-    yield _finished(generated, channels, reason, passes, P, clock)
+    yield _finished(generated, channels, reason, passes, P, clock, hooks)
 
 
 def _thinking_open_in_block(at_entry: bool, slot_tokens: Sequence[int], s: DecodeSettings) -> bool:
@@ -549,7 +579,8 @@ def generate(
     tokenizer: TextDecoder | None = None,
     cancel: threading.Event | None = None,
     vocab_size: int | None = None,
+    hooks: LoopHooks | None = None,
 ) -> Iterator[Event]:
     """Dispatch on ``s.mode``; request errors (:class:`PromptError`) are raised here, before any event."""
     loop = generate_diffusion if s.mode == "diffusion" else generate_ar
-    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size)
+    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size, hooks)

@@ -59,12 +59,13 @@ class ScriptedModel:
 
     def forward(
         self, ids: torch.Tensor, start_pos: int, cache: FakeCache, block_size: int | None = None,
-        write_cache: bool = True, last_only: bool = False,
+        write_cache: bool = True, last_only: bool = False, prefill: bool = False,
     ) -> torch.Tensor:
         assert ids.dtype == torch.long and ids.dim() == 1
         assert start_pos == cache.length, "a forward must start right after the committed prefix"
         if block_size is not None:
             assert start_pos % block_size == 0
+        assert not prefill or (start_pos == 0 and write_cache and block_size is not None)
         self.calls.append(Call(start_pos, ids.tolist(), block_size, write_cache, last_only))
         T = ids.shape[0]
         logits = torch.zeros(T, V)
