@@ -45,12 +45,14 @@ __all__ = [
     "ModelGeometry",
     "Plan",
     "QuantPolicy",
+    "Roofline",
     "TensorEntry",
     "classify",
     "format_bytes",
     "make_plan",
     "manifest_for_shape",
     "manifest_from_checkpoint",
+    "manifest_from_dict",
     "manifest_from_quantized_cache",
     "probe_hardware",
 ]
@@ -351,50 +353,55 @@ class Manifest:
         return dict(sorted(out.items()))
 
 
+# Tensors the policy quantizes, by kind, matched on the module name (mirrors ``engine.quant.make_policy``'s table;
+# everything else - router, norms, A_log, dt_bias, conv1d (+ Clover weight_right), GDN in_proj_a/b, the Clover
+# extras, the shared-expert gate and the embedding - keeps its stored dtype).
+_QUANTIZED_MODULES: dict[str, re.Pattern[str]] = {
+    "experts": re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$|mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"),
+    "shared_expert": re.compile(r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$"),
+    "attention": re.compile(
+        r"linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj)\.weight$|self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight$"
+    ),
+    "lm_head": re.compile(r"(^|\.)lm_head\.weight$"),
+}
+
+
 @dataclass(frozen=True)
 class QuantPolicy:
-    """Storage format per tensor kind. Matmul weights take their kind's format; every other tensor (norms, conv,
-    A_log / dt_bias, Clover extras, 1-row gates) keeps its stored dtype.
+    """Storage format of each quantized group (field names = ``engine.quant.make_policy`` arguments).
 
-    Defaults, by the numbers (35B-A3B shapes): routed experts are 93 % of the weights and only 8 of 256 run per
-    token, so they take NF4 (18.1 GB -> 16.9 GiB). The dense projections (attention, GDN, shared experts: 1.41 B
-    params) run for every token, and llama.cpp's mixes keep them above 4 bits too; int8 costs 0.62 GB more than
-    NF4, which is 1.4 expert layers (3-4 resident layers of the 16 GB plan are traded for streamed ones, about 7 %
-    diffusion speed) and is the quality-safe default; ``QuantPolicy(attn="nf4", gdn="nf4", shared_expert="nf4")``
-    is the small-card option. lm_head int8 (0.51 GB instead of 1.02 GB bf16; NF4 would need a 0.95 GiB bf16
-    dequantize buffer for a 32-token block, so it saves nothing). The embedding stays bf16 in system RAM.
+    ``attention`` covers the full-attention and the Gated DeltaNet projections. Quantized formats apply only to
+    tensors with >= 2 dims and an even size (as in ``engine.quant``); unmatched tensors keep their stored dtype.
+
+    Defaults, by the numbers (35B-A3B shapes, 16 GiB budget, 16K context; ``tests/test_planner.py`` pins them):
+    routed experts are 93 % of the weights and only 8 of 256 run per token: NF4 (4.5 bits). The dense projections
+    (attention + GDN + shared experts, 1.41 B params) run for every token: NF4 0.79 GB, int8 1.42 GB. The 0.62 GB
+    difference is 1.4 expert layers; in the 16 GiB plan it moves ~3 layers from resident to streamed and costs
+    about 4 % of predicted diffusion speed. NF4 on the dense path is the same format the experts already use, and
+    it is what ``engine.quant.DEFAULT_POLICY`` writes, so the planner's shape-only plans match the real cache; int8
+    (``QuantPolicy(attention="int8", shared_expert="int8")``) is the quality option for cards with room to spare.
+    lm_head int8: 0.51 GB instead of 1.02 GB bf16, and above 4 bits as llama.cpp's Q4_K_M keeps its output head.
     """
 
     experts: str = "nf4"
-    attn: str = "int8"
-    gdn: str = "int8"
-    shared_expert: str = "int8"
+    attention: str = "nf4"
+    shared_expert: str = "nf4"
     lm_head: str = "int8"
-    embed: str = "bf16"
-    router: str = "bf16"
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if value not in FORMAT_BYTES:
                 raise PlanError(f"QuantPolicy.{name} = {value!r} is not a known format ({', '.join(FORMAT_BYTES)})")
 
-    def format_for(self, name: str, kind: str, shape: tuple[int, ...], stored: str) -> str:
+    def format_for(self, name: str, shape: tuple[int, ...], stored: str) -> str:
         """The storage format of one tensor under this policy."""
-        module = name[: -len(".weight")] if name.endswith(".weight") else name
-        projection = "proj" in module.rsplit(".", 1)[-1]  # q_proj, in_proj_qkv, out_proj, gate_up_proj, ...
-        is_matmul = len(shape) >= 2 and shape[-2] > 1 and (projection or kind in ("lm_head", "embed", "router"))
-        if not is_matmul:
-            return stored
-        by_kind = {
-            "expert": self.experts,
-            "attn": self.attn,
-            "gdn": self.gdn,
-            "shared_expert": self.shared_expert,
-            "lm_head": self.lm_head,
-            "embed": self.embed,
-            "router": self.router,
-        }
-        return by_kind.get(kind, stored)
+        for group, rx in _QUANTIZED_MODULES.items():
+            if rx.search(name):
+                fmt = getattr(self, group)
+                if fmt in ("nf4", "int8") and (len(shape) < 2 or _numel(shape) % 2):
+                    return stored
+                return fmt
+        return stored
 
 
 def _text_tensors(geo: ModelGeometry) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -444,13 +451,90 @@ def _text_tensors(geo: ModelGeometry) -> Iterator[tuple[str, tuple[int, ...], st
         yield "lm_head.weight", (v, d), "bf16"
 
 
+def _first(entries: dict[str, TensorEntry], suffix: str) -> TensorEntry | None:
+    for name in sorted(entries, key=lambda n: (len(n), n)):
+        if name.endswith(suffix):
+            return entries[name]
+    return None
+
+
+def geometry_from_entries(entries: Iterable[TensorEntry], experts_per_tok: int | None = None) -> ModelGeometry:
+    """Derive the geometry from tensor shapes alone (when no config.json is at hand).
+
+    Two numbers are not in any shape: the routing top-k (``experts_per_tok``, default 8 = the Qwen3.5 value) and
+    the GDN key head count, taken as key_dim / value head dim (key and value heads have equal dims in Qwen3.5)."""
+    by_name = {e.name: e for e in entries}
+    if not by_name:
+        raise PlanError("an empty manifest has no geometry")
+    layers = sorted({e.layer for e in by_name.values() if e.layer is not None})
+    n_layers = layers[-1] + 1 if layers else 0
+    full = tuple(sorted({e.layer for e in by_name.values() if e.layer is not None and e.kind == "attn"}))
+
+    def dim(suffix: str, axis: int, default: int = 0) -> int:
+        e = _first(by_name, suffix)
+        if e is None:
+            return default
+        try:
+            return int(e.shape[axis])
+        except IndexError:
+            return default
+
+    hidden = dim("embed_tokens.weight", 1) or dim("lm_head.weight", 1) or dim("input_layernorm.weight", 0)
+    vocab = dim("embed_tokens.weight", 0) or dim("lm_head.weight", 0)
+    head_dim = dim("self_attn.q_norm.weight", 0)
+    q_dim = dim("self_attn.o_proj.weight", 1)
+    q_rows = dim("self_attn.q_proj.weight", 0)
+    kv_rows = dim("self_attn.k_proj.weight", 0)
+    hv = dim("linear_attn.A_log", 0)
+    dv = dim("linear_attn.norm.weight", 0)
+    conv_dim = dim("linear_attn.conv1d.weight", 0)
+    kernel = dim("linear_attn.conv1d.weight", -1, 4)
+    value_dim = hv * dv
+    key_dim = (conv_dim - value_dim) // 2 if conv_dim > value_dim else 0
+    router = _first(by_name, "mlp.gate.weight")
+    fused = _first(by_name, "mlp.experts.down_proj")
+    if router is not None:
+        n_experts = int(router.shape[0])
+    elif fused is not None:
+        n_experts = int(fused.shape[0])
+    else:
+        ids = {int(m.group(1)) for n in by_name for m in [re.search(r"mlp\.experts\.(\d+)\.", n)] if m}
+        n_experts = len(ids)
+    if fused is not None:
+        inter = int(fused.shape[-1])
+    else:
+        inter = dim("mlp.experts.0.down_proj.weight", 1)
+    top_k = experts_per_tok if experts_per_tok is not None else min(8, n_experts)
+    return ModelGeometry(
+        num_hidden_layers=n_layers,
+        full_attention_layers=full,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_attention_heads=q_dim // head_dim if head_dim else 0,
+        num_key_value_heads=kv_rows // head_dim if head_dim else 0,
+        head_dim=head_dim,
+        linear_num_key_heads=key_dim // dv if dv else 0,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=dv,
+        linear_value_head_dim=dv,
+        linear_conv_kernel_dim=kernel,
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=dim("mlp.shared_expert.gate_proj.weight", 0),
+        tie_word_embeddings=not any(e.kind == "lm_head" for e in by_name.values()),
+        attn_output_gate=bool(q_dim) and q_rows == 2 * q_dim,
+        clover_extras=any(e.kind == "clover_extra" for e in by_name.values()),
+    )
+
+
 def manifest_for_geometry(geo: ModelGeometry, policy: QuantPolicy | None = None, source: str = "geometry") -> Manifest:
     """The manifest a geometry would have after quantization under ``policy`` (default :class:`QuantPolicy`)."""
     policy = policy or QuantPolicy()
     entries = []
     for name, shape, stored in _text_tensors(geo):
         kind, layer = classify(name)
-        fmt = policy.format_for(name, kind, shape, stored)
+        fmt = policy.format_for(name, shape, stored)
         entries.append(TensorEntry(name, shape, fmt, FORMAT_BYTES[fmt](shape), layer, kind))
     return Manifest(tuple(entries), geo, source, asdict(policy))
 
@@ -561,26 +645,23 @@ def manifest_from_checkpoint(model_dir: str | Path) -> Manifest:
     return Manifest(tuple(entries), geo, str(model_dir))
 
 
-def manifest_from_quantized_cache(manifest_json_path: str | Path) -> Manifest:
-    """Read the quantization helper's manifest JSON (``{"version": 1, "policy", "source", "tensors"}``).
+def manifest_from_dict(
+    data: dict[str, Any], source: str = "manifest", geometry: ModelGeometry | None = None
+) -> Manifest:
+    """A :class:`Manifest` from the cache-manifest dict (``{"version": 1, "policy", "source", "tensors"}``), as
+    written by the quantization helper or by ``engine.offload.manifest_from_model``.
 
-    The geometry comes from ``config.json`` next to the manifest file, else from ``source["model_dir"]``."""
-    path = Path(manifest_json_path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PlanError(f"{path}: quantized-cache manifest not found") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanError(f"{path}: not valid JSON ({exc})") from None
+    Without ``geometry`` it is derived from the shapes (:func:`geometry_from_entries`), with the routing top-k from
+    ``source["num_experts_per_tok"]`` when present."""
     if not isinstance(data, dict) or data.get("version") != 1:
         version = data.get("version") if isinstance(data, dict) else None
-        raise PlanError(f"{path}: expected a manifest object with version 1, got version {version!r}")
+        raise PlanError(f"{source}: expected a manifest object with version 1, got version {version!r}")
     tensors = data.get("tensors")
     if not isinstance(tensors, dict) or not tensors:
-        raise PlanError(f"{path}: field 'tensors' is missing or empty")
+        raise PlanError(f"{source}: field 'tensors' is missing or empty")
     entries = []
     for raw_name, meta in tensors.items():
-        name = strip_prefix(raw_name)
+        name = strip_prefix(str(raw_name))
         if name is None:
             continue
         try:
@@ -588,40 +669,94 @@ def manifest_from_quantized_cache(manifest_json_path: str | Path) -> Manifest:
             fmt = str(meta["format"])
             nbytes = int(meta["bytes"])
         except (KeyError, TypeError, ValueError):
-            raise PlanError(f"{path}: tensor {raw_name!r} needs 'shape', 'format' and 'bytes', got {meta!r}") from None
+            raise PlanError(f"{source}: tensor {raw_name!r} needs 'shape', 'format' and 'bytes', got {meta!r}") from None
         if fmt not in FORMAT_BYTES:
-            raise PlanError(f"{path}: tensor {raw_name!r} has unknown format {fmt!r} ({', '.join(FORMAT_BYTES)})")
+            raise PlanError(f"{source}: tensor {raw_name!r} has unknown format {fmt!r} (known: {', '.join(FORMAT_BYTES)})")
         if nbytes < 0:
-            raise PlanError(f"{path}: tensor {raw_name!r} has negative bytes {nbytes}")
+            raise PlanError(f"{source}: tensor {raw_name!r} has negative bytes {nbytes}")
         kind, layer = classify(name)
         entries.append(TensorEntry(name, shape, fmt, nbytes, layer, kind))
-    source = data.get("source") if isinstance(data.get("source"), dict) else {}
-    config_dir = path.parent
-    if not (config_dir / "config.json").exists() and source.get("model_dir"):
-        config_dir = Path(str(source["model_dir"]))
-    geo = _geometry_near(config_dir, str(path))
+    src = data.get("source") if isinstance(data.get("source"), dict) else {}
+    if geometry is None:
+        top_k = src.get("num_experts_per_tok")
+        geometry = geometry_from_entries(entries, int(top_k) if isinstance(top_k, int) else None)
     policy = data.get("policy") if isinstance(data.get("policy"), dict) else None
-    return Manifest(tuple(entries), geo, str(path), policy)
+    return Manifest(tuple(entries), geometry, source, policy)
+
+
+def manifest_from_quantized_cache(manifest_json_path: str | Path) -> Manifest:
+    """Read the quantization helper's manifest JSON (``{"version": 1, "policy", "source", "tensors"}``).
+
+    The geometry comes from ``config.json`` next to the manifest file, else from ``source["model_dir"]``, else from
+    the tensor shapes."""
+    path = Path(manifest_json_path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PlanError(f"{path}: quantized-cache manifest not found") from None
+    except IsADirectoryError:
+        raise PlanError(f"{path}: is a directory, expected the manifest JSON file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"{path}: not valid JSON ({exc})") from None
+    src = data.get("source") if isinstance(data, dict) and isinstance(data.get("source"), dict) else {}
+    geometry = None
+    for directory in (path.parent, Path(str(src["model_dir"])) if src.get("model_dir") else None):
+        if directory is not None and (directory / "config.json").exists():
+            geometry = _geometry_near(directory, str(path))
+            break
+    return manifest_from_dict(data, str(path), geometry)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Plan
 # ---------------------------------------------------------------------------------------------------------------
 
-CUDA_CONTEXT_BYTES = 500 * MiB  # CUDA context + cuBLAS/cuDNN handles and workspaces (torch, recent drivers)
+CUDA_CONTEXT_BYTES = 500 * MiB  # CUDA context + cuBLAS handles and workspaces (torch, recent drivers)
 ALLOCATOR_SLACK_BYTES = 256 * MiB  # caching-allocator fragmentation headroom
-STAGING_BYTES = 256 * MiB  # pinned host staging ring (weight upload at load; pinned bounce buffer on Windows)
+STAGING_BYTES = 64 * MiB  # pinned host staging: the offload staging ring + weight-upload buffers at load
 PREFILL_CHUNK_TOKENS = 512  # prompt tokens per prefill forward
 PREFILL_ACTIVATION_BUFFERS = 8  # live fp32 [chunk, widest projection] buffers during a prefill layer
-EXPERT_DEQUANT_EXPERTS = 8  # experts dequantized to bf16 at once by the expert bank (T > 1)
-DEFAULT_TOKENS_PER_PASS = 3.0  # committed tokens per denoising pass (LLaDA2-like TPF 2.5-3.2, architecture 4.1)
-DEFAULT_DISTINCT_EXPERTS_PER_PASS = 70.0  # of 256, a 32-token pass (LLaDA2.0-mini measured 69.5)
-CORESET_DISTINCT_EXPERTS_PER_PASS = 30.0  # 90 %-mass block coreset (offload-anchors 2.3: ~25-35) [assumption]
-BLOCK_REUSE_FACTOR = 1.3  # block working set / per-pass union, across the passes of one block [assumption]
-COMPUTE_TFLOPS = 30.0  # effective bf16 TFLOPS of a 16 GB RTX card on dequant + GEMM at T = 32 [assumption]
-LAYER_OVERHEAD_S = 300e-6  # eager PyTorch launches + Python per layer per pass, no CUDA graphs [assumption]
+EXPERT_DEQUANT_EXPERTS = 2  # experts alive dequantized to bf16 (engine.quant.routed_forward: one at a time, + 1 cached)
 
 BREAKDOWN_KEYS = ("non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve")
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The speed model's inputs that are not hardware. Every default is an assumption to calibrate with
+    ``clover-desk bench speed`` / ``bench offload``; sources in offload-anchors.md sections 2.3-2.4.
+
+    Time per pass = max(VRAM traffic / VRAM bandwidth, PCIe bytes / PCIe bandwidth, FLOPs / compute)
+                    + layers x ``layer_overhead_us`` + experts computed x ``expert_overhead_us``.
+    The overheads are launch and Python costs of an eager PyTorch forward (no CUDA graphs): per layer (norms,
+    projections, GDN / attention, router, top-k, grouping) and per distinct expert computed (``engine.quant.
+    routed_forward`` loops over experts: two dequantizes, two GEMMs, SiLU, product, copy).
+    """
+
+    tokens_per_pass: float = 3.0  # committed per denoising pass: LLaDA2-like TPF 2.5-3.2 (architecture.md 4.1)
+    distinct_experts_per_pass: float = 70.0  # per layer, 32-token pass: LLaDA2.0-mini measured 69.5 of 256
+    block_reuse_factor: float = 1.3  # block working set / per-pass union across one block's passes
+    commit_pass: bool = True  # one extra forward per block writes the caches (architecture.md 4.1; 5.6 folds it)
+    compute_tflops: float = 30.0  # effective bf16 TFLOPS of a 16 GB RTX card on 32-token GEMMs
+    layer_overhead_us: float = 250.0
+    expert_overhead_us: float = 60.0
+    l2_bytes: int = 48 * MiB  # a dequantized weight larger than this round-trips through VRAM (4070 Ti S: 48 MB)
+
+    @classmethod
+    def with_coreset(cls, **kwargs: Any) -> "Roofline":
+        """Clover's 90 %-mass block coreset: ~25-35 distinct experts per layer and pass (offload-anchors 2.3)."""
+        return cls(**{"distinct_experts_per_pass": 30.0, **kwargs})
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_pass", "distinct_experts_per_pass", "block_reuse_factor", "compute_tflops"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise PlanError(f"Roofline.{name} must be positive, got {value!r}")
+        if self.block_reuse_factor < 1:
+            raise PlanError(f"Roofline.block_reuse_factor must be >= 1, got {self.block_reuse_factor!r}")
+        for name in ("layer_overhead_us", "expert_overhead_us", "l2_bytes"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"Roofline.{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -629,8 +764,9 @@ class Plan:
     """Where every byte goes for one model, budget and context. ``vram_bytes == sum(vram_breakdown.values())``.
 
     When ``fits`` is False the layout is the one the budget was measured against (the minimum layout when VRAM is
-    short) and ``reason`` says why; ``min_vram_bytes`` is the smallest VRAM budget that fits (None when no VRAM
-    budget can, e.g. the RAM given cannot even hold the embedding).
+    short, the layout VRAM alone would pick when RAM is short) and ``reason`` says why. ``min_vram_bytes`` is the
+    smallest VRAM budget that fits (with the RAM given), also when the plan fits; None when no VRAM budget can fit
+    the RAM given.
     """
 
     resident_expert_layers: list[int]
@@ -644,7 +780,7 @@ class Plan:
     min_vram_bytes: int | None
     predicted_tok_s: dict[str, float]
     assumptions: dict[str, Any]
-    # Extras beyond the DESIGN.md contract.
+    # Beyond the DESIGN.md contract:
     budget_vram_bytes: int = 0
     ram_available_bytes: int | None = None
     ram_breakdown: dict[str, int] = field(default_factory=dict)
@@ -653,9 +789,6 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
 
 @dataclass(frozen=True)
@@ -666,27 +799,27 @@ class _Facts:
     layers: tuple[int, ...]  # MoE layers, ascending
     layer_bytes: dict[int, int]
     slot_bytes: int
-    expert_params: float  # params of one routed expert (mean over layers)
+    expert_params: float  # params of one routed expert
     non_expert_gpu: int
     non_expert_gpu_params: int
     embed_ram: int
-    nf4_dense_max_params: int  # largest NF4 non-expert matrix on the GPU (dequantized to bf16 at T > 1)
+    dequant_dense_max_params: int  # largest quantized non-expert matrix on the GPU (dequantized whole per forward)
+    dequant_dense_params: tuple[int, ...]  # every quantized non-expert matrix on the GPU
     experts_quantized: bool
 
 
 def _facts(manifest: Manifest) -> _Facts:
     geo = manifest.geometry
     layer_bytes = manifest.expert_layer_bytes()
-    layer_params = manifest.expert_layer_params()
     e = geo.num_experts
     if layer_bytes and e <= 0:
         raise PlanError(f"{manifest.source}: num_experts is {e} but the manifest has expert tensors")
     slot = max((-(-b // e) for b in layer_bytes.values()), default=0)
-    expert_params = sum(layer_params.values()) / (len(layer_params) * e) if layer_params else 0.0
+    # from the geometry, not the shapes: a packed manifest may list byte-shaped tensors
+    expert_params = float(3 * geo.hidden_size * geo.moe_intermediate_size) if layer_bytes else 0.0
     tied_embed_on_gpu = geo.tie_word_embeddings and not any(x.kind == "lm_head" for x in manifest)
     gpu = [x for x in manifest if x.kind != "expert" and (x.kind != "embed" or tied_embed_on_gpu)]
-    embed_ram = 0 if tied_embed_on_gpu else manifest.total_bytes(["embed"])
-    nf4_dense = max((x.numel for x in gpu if x.format == "nf4"), default=0)
+    dequant = tuple(x.numel for x in gpu if x.format in ("nf4", "int8"))
     return _Facts(
         geo=geo,
         layers=tuple(layer_bytes),
@@ -694,9 +827,10 @@ def _facts(manifest: Manifest) -> _Facts:
         slot_bytes=slot,
         expert_params=expert_params,
         non_expert_gpu=sum(x.bytes for x in gpu),
-        non_expert_gpu_params=sum(x.numel for x in gpu if x.kind != "embed") + (manifest.total_params(["embed"]) if tied_embed_on_gpu else 0),
-        embed_ram=embed_ram,
-        nf4_dense_max_params=nf4_dense,
+        non_expert_gpu_params=sum(x.numel for x in gpu),
+        embed_ram=0 if tied_embed_on_gpu else manifest.total_bytes(["embed"]),
+        dequant_dense_max_params=max(dequant, default=0),
+        dequant_dense_params=dequant,
         experts_quantized=any(x.kind == "expert" and x.format in ("nf4", "int8") for x in manifest),
     )
 
@@ -713,17 +847,23 @@ def spread_resident(layers: tuple[int, ...] | list[int], n_resident: int) -> lis
 
 def _workspace(f: _Facts, ctx: int, block: int) -> dict[str, int]:
     geo = f.geo
-    widest = max(geo.conv_dim if geo.gdn_layers else 0, geo.q_dim * 2, geo.hidden_size, geo.shared_expert_intermediate_size * 2)
-    parts = {
+    widest = max(
+        geo.conv_dim if geo.gdn_layers else 0,
+        geo.q_dim * 2,
+        geo.hidden_size,
+        geo.shared_expert_intermediate_size * 2,
+        geo.moe_intermediate_size * 2,
+    )
+    return {
         "logits": block * geo.vocab_size * 4,  # fp32 logits of one block
         # one block's attention scores against the whole context (the math SDPA path for a block mask)
         "attn_scores": (geo.num_attention_heads * block * ctx * 4) if geo.full_attention_layers else 0,
         "prefill_activations": PREFILL_CHUNK_TOKENS * widest * 4 * PREFILL_ACTIVATION_BUFFERS,
-        # NF4 matmuls at T > 1 dequantize the whole weight to bf16 first; int8 runs as int8 GEMM (no full dequant)
-        "dequant_dense": f.nf4_dense_max_params * 2,
+        # engine.quant.QuantLinear dequantizes its whole weight to bf16 per forward: the largest one (lm_head
+        # when quantized: 0.95 GiB for 35B-A3B) is alive while it runs
+        "dequant_dense": f.dequant_dense_max_params * 2,
         "dequant_experts": int(EXPERT_DEQUANT_EXPERTS * f.expert_params * 2) if f.experts_quantized else 0,
     }
-    return parts
 
 
 def _min_slots(n_streamed: int, num_experts: int, min_slot_experts: int | None) -> int:
@@ -733,42 +873,37 @@ def _min_slots(n_streamed: int, num_experts: int, min_slot_experts: int | None) 
     return min(n_streamed * num_experts, wanted)
 
 
-def _roofline(
-    f: _Facts,
-    streamed: list[int],
-    slots: int,
-    ctx: int,
-    block: int,
-    hw: Hardware,
-    tokens_per_pass: float,
-    d_pass: float,
+def _predict(
+    f: _Facts, streamed: list[int], slots: int, ctx: int, block: int, hw: Hardware, rl: Roofline
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Predicted tokens per second for AR decoding and block diffusion, and the numbers that went in."""
+    """Predicted tokens per second for AR decoding and block diffusion, and the derived numbers that went in."""
     geo = f.geo
     e, k = geo.num_experts, geo.num_experts_per_tok
-    n_moe = len(f.layers)
-    n_layers = geo.num_hidden_layers
-    s = len(streamed)
-    eb_all = sum(f.layer_bytes.values()) / (n_moe * e) if n_moe else 0.0
+    n_moe, n_layers, s = len(f.layers), geo.num_hidden_layers, len(streamed)
+    eb_all = sum(f.layer_bytes.values()) / (n_moe * e) if n_moe else 0.0  # mean bytes of one expert
     eb_str = sum(f.layer_bytes[x] for x in streamed) / (s * e) if s else 0.0
-    vram_bw, pcie_bw, flops = hw.vram_gbps * GB, hw.pcie_gbps * GB, COMPUTE_TFLOPS * 1e12
-    base_read = f.non_expert_gpu + geo.kv_bytes_per_token * ctx + 2 * geo.gdn_state_bytes
-    attn_flops_per_token = 4 * ctx * geo.q_dim * len(geo.full_attention_layers)  # QK^T and PV
+    vram_bw, pcie_bw, flops = hw.vram_gbps * GB, hw.pcie_gbps * GB, rl.compute_tflops * 1e12
+    # A dequantized weight larger than L2 is written to VRAM and read back by the GEMM.
+    dequant_traffic = sum(4 * n for n in f.dequant_dense_params if 2 * n > rl.l2_bytes)
+    base_read = f.non_expert_gpu + dequant_traffic + geo.kv_bytes_per_token * ctx + 2 * geo.gdn_state_bytes
+    attn_flops_per_token = 4 * ctx * geo.q_dim * len(geo.full_attention_layers)  # QK^T and PV over the context
     active = f.non_expert_gpu_params + k * n_moe * f.expert_params
+    layer_oh, expert_oh = rl.layer_overhead_us * 1e-6, rl.expert_overhead_us * 1e-6
 
-    # AR: one token per pass; its k experts per streamed layer come over PCIe unless the slot pool still has them.
-    # Hit rate: uniform routing, LRU over the pool, which holds the last slots / (k s) tokens' experts.
+    # AR: one token per pass; its k experts per streamed layer cross PCIe unless still in the pool.
+    # Hit rate: uniform routing, LRU pool holding the last slots / (k s) tokens' experts.
     hit = 1.0 - (1.0 - k / e) ** (slots / (k * s)) if s and e else 0.0
     ar_read = base_read + k * n_moe * eb_all
     ar_pcie = s * k * eb_str * (1.0 - hit)
-    t_ar = max(ar_read / vram_bw, ar_pcie / pcie_bw, (2 * active + attn_flops_per_token) / flops) + n_layers * LAYER_OVERHEAD_S
+    t_ar_bound = max(ar_read / vram_bw, ar_pcie / pcie_bw, (2 * active + attn_flops_per_token) / flops)
+    t_ar = t_ar_bound + n_layers * layer_oh + n_moe * k * expert_oh
 
-    # Diffusion: block/TPF denoising passes + 1 commit pass, each over all `block` positions.
-    dp = min(float(e), float(block * k), d_pass)
-    db = min(float(e), dp * BLOCK_REUSE_FACTOR)
-    n_pass = block / tokens_per_pass + 1.0
-    # Streamed layers whose block working set stays in the pool for the whole block; the others thrash and reload
-    # their per-pass union every pass. Two per-pass unions of slots are kept for the uncached layers in flight.
+    # Diffusion: block / TPF denoising passes (+ the commit pass), each over all `block` positions.
+    dp = min(float(e), float(block * k), rl.distinct_experts_per_pass)
+    db = min(float(e), dp * rl.block_reuse_factor)
+    n_pass = block / rl.tokens_per_pass + (1.0 if rl.commit_pass else 0.0)
+    # Streamed layers whose block working set stays pinned in the pool for the whole block (engine.offload pins
+    # a block's slots); the rest reload their per-pass union every pass, with two unions in flight.
     if s == 0 or slots >= s * math.ceil(db):
         cached = s
     else:
@@ -776,28 +911,30 @@ def _roofline(
     pass_read = base_read + n_moe * dp * eb_all
     pass_flops = block * (2 * active + attn_flops_per_token)
     gpu_pass = max(pass_read / vram_bw, pass_flops / flops)
+    pass_oh = n_layers * layer_oh + n_moe * dp * expert_oh
     pcie_first = s * dp * eb_str  # every streamed layer loads its first pass's union
-    later = max(n_pass - 1.0, 1e-9)
+    later = max(n_pass - 1.0, 1.0)
     pcie_later = (cached * (db - dp) / later + (s - cached) * dp) * eb_str
-    t_block = (
-        max(gpu_pass, pcie_first / pcie_bw)
-        + (n_pass - 1.0) * max(gpu_pass, pcie_later / pcie_bw)
-        + n_pass * n_layers * LAYER_OVERHEAD_S
-    )
-    tok = {"ar": 1.0 / t_ar, "diffusion": block / t_block}
-    inputs = {
+    t_block_bound = max(gpu_pass, pcie_first / pcie_bw) + (n_pass - 1.0) * max(gpu_pass, pcie_later / pcie_bw)
+    t_block = t_block_bound + n_pass * pass_oh
+    # "ar" / "diffusion": with the eager-PyTorch overheads; "*_bound": the hardware roofline alone (what a fused,
+    # graph-captured engine approaches).
+    tok = {"ar": 1.0 / t_ar, "diffusion": block / t_block, "ar_bound": 1.0 / t_ar_bound, "diffusion_bound": block / t_block_bound}
+    derived = {
         "ar_expert_hit_rate": round(hit, 4),
         "ar_pcie_bytes_per_token": int(ar_pcie),
         "ar_vram_bytes_per_token": int(ar_read),
         "distinct_experts_per_pass": dp,
         "distinct_experts_per_block_layer": db,
-        "passes_per_block": n_pass,
+        "passes_per_block": round(n_pass, 4),
         "cached_block_layers": cached,
         "diffusion_pcie_bytes_per_block": int(pcie_first + (n_pass - 1.0) * pcie_later),
         "diffusion_vram_bytes_per_pass": int(pass_read),
         "diffusion_gflop_per_pass": round(pass_flops / 1e9, 1),
+        "diffusion_overhead_ms_per_pass": round(pass_oh * 1e3, 3),
+        "dequant_vram_traffic_bytes_per_pass": dequant_traffic,
     }
-    return tok, inputs
+    return tok, derived
 
 
 def _check_int(name: str, value: Any, minimum: int = 0) -> int:
@@ -806,8 +943,25 @@ def _check_int(name: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class _Option:
+    """One resident-layer count with its minimum VRAM and its RAM."""
+
+    n_resident: int
+    resident: list[int]
+    streamed: list[int]
+    min_slots: int
+    resident_bytes: int
+    min_vram: int
+    ram: dict[str, int]
+
+    @property
+    def ram_total(self) -> int:
+        return sum(self.ram.values())
+
+
 def make_plan(
-    manifest: Manifest,
+    manifest: Manifest | dict[str, Any],
     vram_bytes: int,
     ctx_tokens: int,
     ram_bytes: int | None = None,
@@ -815,17 +969,16 @@ def make_plan(
     block_size: int = 32,
     min_slot_experts: int | None = None,
     hardware: Hardware | None = None,
-    tokens_per_pass: float = DEFAULT_TOKENS_PER_PASS,
-    distinct_experts_per_pass: float | None = None,
-    coreset: bool = False,
+    roofline: Roofline | None = None,
     optimize_for: str = "diffusion",
 ) -> Plan:
     """Place ``manifest`` into ``vram_bytes`` of GPU memory (and ``ram_bytes`` of free host RAM, when given) for
-    ``ctx_tokens`` of context. See the module docstring for the rules.
+    ``ctx_tokens`` of context; see the module docstring for the rules.
 
-    ``hardware`` (default: the assumed 16 GB RTX card of :data:`engine.hardware.DEFAULT_HARDWARE`) only feeds the
-    roofline; ``hardware=None`` never probes, so the result depends on the arguments alone.
-    ``optimize_for`` ("diffusion" | "ar") picks the mode whose predicted tok/s chooses the resident layer count.
+    ``manifest`` may also be the cache-manifest dict (``engine.offload.manifest_from_model``).
+    ``hardware`` (default :data:`engine.hardware.DEFAULT_HARDWARE`, the assumed 16 GB RTX card; this function
+    never probes) and ``roofline`` only feed the speed prediction, which picks the resident layer count for
+    ``optimize_for`` ("diffusion" | "ar"). ``ram_bytes=None`` skips the RAM check.
     """
     vram_budget = _check_int("vram_bytes", vram_bytes)
     ctx = _check_int("ctx_tokens", ctx_tokens, 1)
@@ -834,20 +987,20 @@ def make_plan(
         _check_int("ram_bytes", ram_bytes)
     if min_slot_experts is not None:
         _check_int("min_slot_experts", min_slot_experts, 1)
-    if not (isinstance(tokens_per_pass, (int, float)) and 0 < tokens_per_pass <= block):
-        raise PlanError(f"tokens_per_pass must be in (0, block_size={block}], got {tokens_per_pass!r}")
     if optimize_for not in ("diffusion", "ar"):
         raise PlanError(f"optimize_for must be 'diffusion' or 'ar', got {optimize_for!r}")
-    if distinct_experts_per_pass is None:
-        distinct_experts_per_pass = CORESET_DISTINCT_EXPERTS_PER_PASS if coreset else DEFAULT_DISTINCT_EXPERTS_PER_PASS
-    if not distinct_experts_per_pass > 0:
-        raise PlanError(f"distinct_experts_per_pass must be positive, got {distinct_experts_per_pass!r}")
+    rl = roofline or Roofline()
+    if rl.tokens_per_pass > block:
+        raise PlanError(f"Roofline.tokens_per_pass {rl.tokens_per_pass} exceeds block_size {block}")
     hw = hardware or DEFAULT_HARDWARE
+    if isinstance(manifest, dict):
+        manifest = manifest_from_dict(manifest)
+    if not isinstance(manifest, Manifest):
+        raise PlanError(f"make_plan needs a Manifest or a manifest dict, got {type(manifest).__name__}")
 
     f = _facts(manifest)
-    geo = f.geo
-    e = geo.num_experts
-    ctx_alloc = -(-ctx // block) * block  # the cache holds whole blocks
+    geo, e = f.geo, f.geo.num_experts
+    ctx_alloc = -(-ctx // block) * block  # the KV cache holds whole blocks
     workspace_parts = _workspace(f, ctx_alloc, block)
     fixed = {
         "non_expert": f.non_expert_gpu,
@@ -858,70 +1011,64 @@ def make_plan(
     }
     fixed_total = sum(fixed.values())
 
-    # Every resident-layer count, with its minimum VRAM and its RAM.
-    options = []
+    options: list[_Option] = []
     for r in range(len(f.layers) + 1):
         resident = spread_resident(f.layers, r)
-        rs = set(resident)
-        streamed = [x for x in f.layers if x not in rs]
+        streamed = [x for x in f.layers if x not in set(resident)]
         min_slots = _min_slots(len(streamed), e, min_slot_experts)
         resident_bytes = sum(f.layer_bytes[x] for x in resident)
-        need = fixed_total + resident_bytes + min_slots * f.slot_bytes
         ram = {"streamed_experts": sum(f.layer_bytes[x] for x in streamed), "embed": f.embed_ram, "staging": STAGING_BYTES}
-        options.append((r, resident, streamed, min_slots, resident_bytes, need, ram))
+        need = fixed_total + resident_bytes + min_slots * f.slot_bytes
+        options.append(_Option(r, resident, streamed, min_slots, resident_bytes, need, ram))
 
-    def ram_ok(opt: tuple) -> bool:
-        return ram_bytes is None or sum(opt[6].values()) <= ram_bytes
+    def ram_ok(o: _Option) -> bool:
+        return ram_bytes is None or o.ram_total <= ram_bytes
 
-    ram_feasible = [o for o in options if ram_ok(o)]
-    min_vram = min((o[5] for o in ram_feasible), default=None)
-    in_vram = [o for o in options if o[5] <= vram_budget]
-    d_pass = float(distinct_experts_per_pass)
+    def slots_for(o: _Option) -> int:
+        if not o.streamed:
+            return 0
+        extra = (vram_budget - o.min_vram) // f.slot_bytes if vram_budget >= o.min_vram and f.slot_bytes else 0
+        return min(len(o.streamed) * e, o.min_slots + extra)  # leftover VRAM becomes cache slots
 
-    def evaluate(opt: tuple) -> tuple[int, dict[str, float], dict[str, Any]]:
-        r, resident, streamed, min_slots, resident_bytes, need, ram = opt
-        slots = 0
-        if streamed:
-            extra = (vram_budget - need) // f.slot_bytes if (vram_budget >= need and f.slot_bytes) else 0
-            slots = min(len(streamed) * e, min_slots + extra)
-        tok, inputs = _roofline(f, streamed, slots, ctx_alloc, block, hw, float(tokens_per_pass), d_pass)
-        return slots, tok, inputs
+    def best(pool: list[_Option]) -> tuple[_Option, int, dict[str, float], dict[str, Any]]:
+        scored = []
+        for o in pool:
+            slots = slots_for(o)
+            tok, derived = _predict(f, o.streamed, slots, ctx_alloc, block, hw, rl)
+            scored.append((o, slots, tok, derived))
+        return max(scored, key=lambda t: (round(t[2][optimize_for], 9), t[0].n_resident))
 
+    min_vram = min((o.min_vram for o in options if ram_ok(o)), default=None)
+    in_vram = [o for o in options if o.min_vram <= vram_budget]
     fits_both = [o for o in in_vram if ram_ok(o)]
     reason = ""
     if fits_both:
-        scored = [(o, *evaluate(o)) for o in fits_both]
-        best = max(scored, key=lambda t: (round(t[2][optimize_for], 9), t[0][0]))
-        chosen, slots, tok, inputs = best
-        fits = True
-    else:
-        fits = False
-        if in_vram:  # VRAM is enough, RAM is not: show the layout VRAM alone would choose
-            scored = [(o, *evaluate(o)) for o in in_vram]
-            chosen, slots, tok, inputs = max(scored, key=lambda t: (round(t[2][optimize_for], 9), t[0][0]))
-            ram_need = sum(chosen[6].values())
-            reason = (
-                f"RAM: the plan needs {format_bytes(ram_need)} of free system RAM "
-                f"({format_bytes(chosen[6]['streamed_experts'])} streamed experts, {format_bytes(chosen[6]['embed'])} "
-                f"embedding, {format_bytes(STAGING_BYTES)} staging) but only {format_bytes(ram_bytes or 0)} is available"
-            )
-        else:  # VRAM too small: show the minimum layout
-            pool = ram_feasible or options
-            chosen = min(pool, key=lambda o: (o[5], -o[0]))
-            slots, tok, inputs = chosen[3], *_roofline(f, chosen[2], chosen[3], ctx_alloc, block, hw, float(tokens_per_pass), d_pass)
-            reason = (
-                f"VRAM: the budget of {format_bytes(vram_budget)} is below the minimum of {format_bytes(chosen[5])} "
-                f"for a {ctx:,}-token context"
-            )
+        chosen, slots, tok, derived = best(fits_both)
+    elif in_vram:  # VRAM is enough, RAM is not: the layout VRAM alone would choose
+        chosen, slots, tok, derived = best(in_vram)
+        reason = (
+            f"RAM: the plan needs {format_bytes(chosen.ram_total)} of free system RAM "
+            f"({format_bytes(chosen.ram['streamed_experts'])} streamed experts, {format_bytes(chosen.ram['embed'])} "
+            f"embedding, {format_bytes(STAGING_BYTES)} staging) but {format_bytes(ram_bytes or 0)} is available"
+        )
+    else:  # VRAM too small: the minimum layout
+        chosen = min([o for o in options if ram_ok(o)] or options, key=lambda o: (o.min_vram, -o.n_resident))
+        slots = chosen.min_slots
+        tok, derived = _predict(f, chosen.streamed, slots, ctx_alloc, block, hw, rl)
+        reason = (
+            f"VRAM: the budget of {format_bytes(vram_budget)} is below the {format_bytes(chosen.min_vram)} "
+            f"this model needs with a {ctx:,}-token context"
+        )
+    fits = not reason
+    if not fits:
         if min_vram is None:
             reason += "; no VRAM budget fits the RAM given (the embedding and staging alone need more)"
-        elif min_vram > vram_budget or in_vram:
+        else:
             reason += f"; the smallest VRAM budget that fits is {format_bytes(min_vram)} ({min_vram:,} bytes)"
 
-    r, resident, streamed, min_slots, resident_bytes, need, ram = chosen
     breakdown = {
         "non_expert": fixed["non_expert"],
-        "resident_experts": resident_bytes,
+        "resident_experts": chosen.resident_bytes,
         "expert_slots": slots * f.slot_bytes,
         "kv_cache": fixed["kv_cache"],
         "gdn_state": fixed["gdn_state"],
@@ -933,51 +1080,45 @@ def make_plan(
         "hardware_sources": dict(hw.sources),
         "pcie_gbps": round(hw.pcie_gbps, 3),
         "vram_gbps": round(hw.vram_gbps, 3),
-        "compute_tflops": COMPUTE_TFLOPS,
-        "layer_overhead_us": LAYER_OVERHEAD_S * 1e6,
-        "tokens_per_pass": float(tokens_per_pass),
+        **asdict(rl),
         "block_size": block,
-        "block_reuse_factor": BLOCK_REUSE_FACTOR,
-        "coreset": coreset,
-        "commit_pass": True,
         "optimize_for": optimize_for,
         "kv_context_tokens": ctx_alloc,
         "kv_bytes_per_token": geo.kv_bytes_per_token,
         "expert_slot_bytes": f.slot_bytes,
         "experts_per_layer": e,
         "experts_per_token": geo.num_experts_per_tok,
-        "min_slot_experts": min_slots,
+        "min_slot_experts": chosen.min_slots,
         "workspace_parts": workspace_parts,
         "reserve_parts": {"cuda_context": CUDA_CONTEXT_BYTES, "allocator_slack": ALLOCATOR_SLACK_BYTES},
-        "resident_rule": "count by best predicted tok/s (ties: more resident); streamed layers spread evenly",
-        "slot_rule": "min 2 x experts per layer (block worst case, double-buffered), capped at streamed experts; "
-        "leftover VRAM adds cache slots",
-        **inputs,
+        "resident_rule": "count: best predicted tok/s (ties: more resident); streamed layers spread evenly",
+        "slot_rule": "at least 2 x experts per layer (a block pass can touch all, double-buffered), at most the "
+        "streamed experts; leftover VRAM adds cache slots",
+        **derived,
     }
-    plan = Plan(
-        resident_expert_layers=list(resident),
-        streamed_expert_layers=list(streamed),
+    log.debug("plan %s @ %d B: fits=%s, %d resident", manifest.source, vram_budget, fits, len(chosen.resident))
+    return Plan(
+        resident_expert_layers=list(chosen.resident),
+        streamed_expert_layers=list(chosen.streamed),
         slot_pool_experts=slots,
         vram_bytes=sum(breakdown.values()),
         vram_breakdown=breakdown,
-        ram_bytes=sum(ram.values()),
+        ram_bytes=chosen.ram_total,
         fits=fits,
         reason=reason,
         min_vram_bytes=min_vram,
-        predicted_tok_s={m: round(v, 2) for m, v in tok.items()},
+        predicted_tok_s={mode: round(v, 2) for mode, v in tok.items()},
         assumptions=assumptions,
         budget_vram_bytes=vram_budget,
         ram_available_bytes=ram_bytes,
-        ram_breakdown=dict(ram),
+        ram_breakdown=dict(chosen.ram),
         ctx_tokens=ctx,
         model=manifest.source,
     )
-    log.debug("plan for %s at %d B: fits=%s resident=%d streamed=%d", manifest.source, vram_budget, fits, len(resident), len(streamed))
-    return plan
 
 
 def format_bytes(n: int | float) -> str:
-    """``1536 MiB`` -> ``'1.50 GiB'``; below 1 GiB in MiB."""
+    """Bytes as GiB (>= 1 GiB) or MiB, two / one decimals."""
     if abs(n) >= GiB:
         return f"{n / GiB:.2f} GiB"
     return f"{n / MiB:.1f} MiB"

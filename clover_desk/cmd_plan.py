@@ -1,0 +1,165 @@
+"""``clover-desk plan``: where a model's bytes go for a VRAM budget, and the predicted speed.
+
+    clover-desk plan (--model DIR | --shape clover-35b-a3b) --vram-gb N [--ctx N] [--ram-gb N] [--json]
+
+``--vram-gb`` / ``--ram-gb`` are GiB (2**30 bytes) the process may use: pass the card's *free* VRAM, not its
+total. ``--model`` takes a Hugging Face model folder (safetensors headers are read, never the weights), a quantized
+cache folder holding ``manifest.json``, or that manifest file itself.
+
+Exit status: 0 the plan fits; 3 it does not fit (the reason and the smallest budget that fits are printed, and
+in ``--json`` the plan has ``"fits": false``); 2 bad input (a missing folder, a malformed file, a bad number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from engine.errors import CloverError
+from engine.planner import (
+    SHAPES,
+    GiB,
+    Manifest,
+    MiB,
+    Plan,
+    QuantPolicy,
+    Roofline,
+    make_plan,
+    manifest_for_shape,
+    manifest_from_checkpoint,
+    manifest_from_quantized_cache,
+    probe_hardware,
+)
+
+log = logging.getLogger(__name__)
+
+EXIT_FITS = 0
+EXIT_BAD_INPUT = 2
+EXIT_DOES_NOT_FIT = 3
+
+QUANT_MANIFEST_NAME = "manifest.json"
+
+_PARTS = (
+    ("non_expert", "non-expert weights"),
+    ("resident_experts", "resident experts"),
+    ("expert_slots", "expert slot pool"),
+    ("kv_cache", "KV cache"),
+    ("gdn_state", "GDN state"),
+    ("workspace", "workspace"),
+    ("reserve", "reserve (CUDA ctx + slack)"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, metavar="DIR", help="model folder, quantized cache folder, or its manifest.json")
+    source.add_argument("--shape", choices=sorted(SHAPES), help="plan a known model shape without its files")
+    parser.add_argument("--vram-gb", type=float, required=True, metavar="N", help="VRAM budget in GiB (the card's free memory)")
+    parser.add_argument("--ctx", type=int, default=16384, metavar="N", help="context tokens to hold (default 16384)")
+    parser.add_argument("--ram-gb", type=float, metavar="N", help="free system RAM in GiB (checked when given)")
+    parser.add_argument("--dense", choices=("nf4", "int8"), default="nf4", help="--shape only: format of the attention, GDN and shared-expert projections (default nf4)")
+    parser.add_argument("--tokens-per-pass", type=float, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
+    parser.add_argument("--coreset", action="store_true", help="predict with Clover's block expert coreset (~30 distinct experts per pass instead of ~70)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict())")
+
+
+def _gib_to_bytes(value: float, flag: str) -> int:
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{flag} must be a non-negative number of GiB, got {value!r}")
+    return int(round(value * GiB))
+
+
+def _load_manifest(args: argparse.Namespace) -> Manifest:
+    if args.shape:
+        dense = args.dense
+        return manifest_for_shape(args.shape, QuantPolicy(attention=dense, shared_expert=dense))
+    path: Path = args.model
+    if not path.exists():
+        raise FileNotFoundError(f"--model {path}: no such file or folder")
+    if path.is_file():
+        return manifest_from_quantized_cache(path)
+    if (path / QUANT_MANIFEST_NAME).is_file() and not any(path.glob("*.safetensors")):
+        return manifest_from_quantized_cache(path / QUANT_MANIFEST_NAME)
+    return manifest_from_checkpoint(path)
+
+
+def _layers(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    if not layers:
+        return "none"
+    runs: list[str] = []
+    start = prev = layers[0]
+    for x in [*layers[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(runs)
+
+
+def format_plan(plan: Plan) -> str:
+    """The human table of one plan."""
+    a = plan.assumptions
+    lines = [
+        f"Plan for {plan.model}: VRAM budget {plan.budget_vram_bytes / GiB:.2f} GiB, context {plan.ctx_tokens:,} tokens",
+        "",
+        f"  {'part':<36}{'MiB':>12}{'GiB':>10}",
+    ]
+    for key, label in _PARTS:
+        n = plan.vram_breakdown[key]
+        if key == "expert_slots":
+            label = f"{label} ({plan.slot_pool_experts} x {a['expert_slot_bytes'] / MiB:.4g} MiB)"
+        lines.append(f"  {label:<36}{n / MiB:>12,.1f}{n / GiB:>10.3f}")
+    lines.append(f"  {'total':<36}{plan.vram_bytes / MiB:>12,.1f}{plan.vram_bytes / GiB:>10.3f}")
+    lines.append("")
+    n_res, n_str = len(plan.resident_expert_layers), len(plan.streamed_expert_layers)
+    lines.append(f"Experts: {n_res} layers resident [{_layers(plan.resident_expert_layers)}]")
+    lines.append(f"         {n_str} layers streamed [{_layers(plan.streamed_expert_layers)}]")
+    ram = plan.ram_breakdown
+    avail = f" of {plan.ram_available_bytes / GiB:.2f} GiB given" if plan.ram_available_bytes is not None else ""
+    lines.append(
+        f"RAM needed: {plan.ram_bytes / GiB:.2f} GiB{avail} (streamed experts {ram['streamed_experts'] / GiB:.2f}, "
+        f"embedding {ram['embed'] / GiB:.2f}, staging {ram['staging'] / GiB:.2f} GiB; not counting the Python/torch "
+        f"process itself)"
+    )
+    tok = plan.predicted_tok_s
+    lines.append(
+        f"Predicted: AR {tok['ar']:.1f} tok/s, diffusion {tok['diffusion']:.1f} tok/s "
+        f"(hardware bound without eager-PyTorch overheads: AR {tok['ar_bound']:.0f}, diffusion {tok['diffusion_bound']:.0f})"
+    )
+    gpu = a["gpu_name"] or "no GPU detected: assumed 16 GB RTX card"
+    lines.append(
+        f"  inputs: {gpu}; PCIe {a['pcie_gbps']:.1f} GB/s, VRAM {a['vram_gbps']:.0f} GB/s; {a['tokens_per_pass']:g} tokens/pass; "
+        f"{a['distinct_experts_per_pass']:g} distinct experts/layer/pass, {a['distinct_experts_per_block_layer']:g} per block"
+    )
+    lines.append("")
+    if plan.fits:
+        lines.append(f"Fits. Smallest budget that fits: {plan.min_vram_bytes / GiB:.3f} GiB ({plan.min_vram_bytes:,} bytes)")
+    else:
+        lines.append(f"Does not fit: {plan.reason}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        vram = _gib_to_bytes(args.vram_gb, "--vram-gb")
+        ram = None if args.ram_gb is None else _gib_to_bytes(args.ram_gb, "--ram-gb")
+        if args.ctx <= 0:
+            raise ValueError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+        manifest = _load_manifest(args)
+        hardware = probe_hardware()
+        roofline = Roofline.with_coreset(tokens_per_pass=args.tokens_per_pass) if args.coreset else Roofline(tokens_per_pass=args.tokens_per_pass)
+        plan = make_plan(manifest, vram, args.ctx, ram, hardware=hardware, roofline=roofline)
+    except (CloverError, OSError, ValueError) as exc:
+        print(f"clover-desk plan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(format_plan(plan))
+    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
