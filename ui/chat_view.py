@@ -396,6 +396,7 @@ class ChatView(QWidget):
         widget.copyRequested.connect(lambda: self.copied.emit("message"))
         widget.body.codeCopied.connect(lambda _i: self.copied.emit("code"))
         self.column_layout.insertWidget(self.column_layout.count() - 1, widget)
+        widget.show()  # now, not on the next event-loop turn (the layout's deferred show)
         self.widgets.append(widget)
         self.empty.setVisible(False)
         if data.status == "streaming":

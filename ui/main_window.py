@@ -610,7 +610,7 @@ class MainWindow(QMainWindow):
     generationStarted = Signal(str)  # request id
     generationFinished = Signal(str, str)  # (request id, stop reason | "error" | "crashed")
     modelChosen = Signal(str)  # a model folder was picked in the model manager (the app loads it)
-    applyPlanRequested = Signal(int, int)  # (vram bytes, ctx tokens) from the VRAM panel
+    applyPlanRequested = Signal(object, int)  # (vram bytes as int, ctx tokens) from the VRAM panel
 
     def __init__(
         self,
@@ -1010,7 +1010,8 @@ class MainWindow(QMainWindow):
         if isinstance(event, TextDelta):
             self.reply.add(event.text, event.channel)
             self._sync_reply()
-            self.save_throttle.request()  # AR mode has no BlockCommitted: saves at most twice a second
+            if self.reply_mode == "ar":  # no BlockCommitted in AR mode: save at most twice a second
+                self.save_throttle.request()
         elif isinstance(event, BlockStep):
             self.denoise.add_event(event)
         elif isinstance(event, BlockCommitted):

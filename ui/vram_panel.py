@@ -181,7 +181,7 @@ class BudgetBar(QWidget):
 class VramPanel(QWidget):
     """Budget slider + context selector + plan display + Apply."""
 
-    applyRequested = Signal(int, int)  # (vram budget bytes, context tokens): reload the model under this plan
+    applyRequested = Signal(object, int)  # (budget bytes, context tokens): reload the model under this plan
     planChanged = Signal(object)  # the plan now displayed (engine.planner.Plan), after each slider / context move
 
     def __init__(

@@ -1,0 +1,225 @@
+"""Composition root: builds the engine client, the chat store and the window, and wires them together.
+
+Nothing else in the application constructs these objects; tests build the same graph with a temporary
+``CLOVER_DESK_HOME`` (or pass their own client / store). The rules the wiring implements:
+
+* the engine worker starts with the app; once it is ready the configured model is loaded (again after a restart);
+* picking a model in the model manager loads it and remembers it (``settings.json`` in the app-data folder);
+* "Apply" in the VRAM panel reloads the model under the new budget, without restarting the app;
+* on quit the worker is shut down and the store closed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject
+from PySide6.QtWidgets import QApplication, QWidget
+
+from clover_desk import paths
+from clover_desk.engine_client import EngineClient
+from clover_desk.storage import ChatStore, atomic_write_text
+from engine.events import LoadProgress
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+SETTINGS_NAME = "settings.json"
+
+
+@dataclass
+class AppSettings:
+    """What the app remembers between runs (the chats themselves live in the ChatStore)."""
+
+    model_dir: str | None = None
+    device: str | None = None  # None: "cuda" when a GPU is found, else "cpu"
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    vram_budget_bytes: int | None = None  # the VRAM panel's applied budget (None: load without a plan)
+    ctx_tokens: int = 8192
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> AppSettings:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable settings %s: %s", path, exc)
+            return cls()
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(asdict(self), indent=2))
+
+
+def _probe() -> Any:
+    """The machine's GPU / RAM (``engine.hardware.probe_hardware``; NVML and psutil, no torch)."""
+    from engine.hardware import probe_hardware
+
+    try:
+        return probe_hardware()
+    except Exception as exc:  # noqa: BLE001 - a broken driver must not stop the app; plan for the default card
+        log.warning("hardware probe failed: %s", exc)
+        from engine.hardware import DEFAULT_HARDWARE
+
+        return DEFAULT_HARDWARE
+
+
+class CloverDeskApp(QObject):
+    """The running application: owns the client, the store, the window and the remembered settings."""
+
+    def __init__(
+        self,
+        home: Path | None = None,
+        *,
+        client: Any = None,
+        store: ChatStore | None = None,
+        settings: AppSettings | None = None,
+        hardware: Any = None,
+        with_preview: bool = True,
+        with_model_manager: bool = True,
+        start_engine: bool = True,
+        parent: QObject | None = None,
+    ) -> None:
+        super().__init__(parent)
+        from ui.main_window import MainWindow, SystemMonitor  # Qt widgets: imported once a QApplication exists
+
+        self.home = Path(home) if home is not None else paths.app_data_dir()
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.settings_path = self.home / SETTINGS_NAME
+        self.settings = settings or AppSettings.load(self.settings_path)
+        self.hardware = hardware if hardware is not None else _probe()
+        self.store = store or ChatStore(self.home / paths.CHATS_DB_NAME)
+        self.client = client or EngineClient()
+        self.device = self.settings.device or ("cuda" if self.hardware.gpu_name else "cpu")
+        self.dtype = self.settings.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+        self.vram_panel = self._build_vram_panel()
+        self.preview = self._build_preview() if with_preview else None
+        self.model_manager = self._build_model_manager() if with_model_manager else None
+        self.window = MainWindow(
+            self.client,
+            self.store,
+            model_dir=self.settings.model_dir,
+            vram_panel=self.vram_panel,
+            preview=self.preview,
+            model_manager=self.model_manager,
+            html_extractor=self._html_extractor(),
+            monitor=SystemMonitor(),
+            gpu_name=self.hardware.gpu_name,
+        )
+        self._connect_signals()
+        if start_engine:
+            self.client.start()
+
+    # ----------------------------------------------------------------- parts
+    def _build_vram_panel(self) -> QWidget:
+        from engine import planner
+        from ui.vram_panel import VramPanel
+
+        manifest = self._manifest(planner)
+        hardware = self.hardware
+
+        def plan(vram_bytes: int, ctx_tokens: int) -> Any:
+            return planner.make_plan(manifest, vram_bytes, ctx_tokens, hardware.ram_available_bytes,
+                                     hardware=hardware)
+
+        panel = VramPanel(
+            plan,
+            hardware.vram_total_bytes,
+            hardware.gpu_name,
+            hardware.ram_total_bytes,
+            ctx_tokens=self.settings.ctx_tokens,
+        )
+        if self.settings.vram_budget_bytes:
+            panel.set_budget_bytes(self.settings.vram_budget_bytes)
+        return panel
+
+    def _manifest(self, planner: Any) -> Any:
+        if self.settings.model_dir:
+            try:
+                return planner.manifest_from_checkpoint(self.settings.model_dir)
+            except Exception as exc:  # noqa: BLE001 - an unreadable folder: plan for the published model instead
+                log.warning("cannot read %s for planning (%s); planning for clover-35b-a3b", self.settings.model_dir, exc)
+        return planner.manifest_for_shape("clover-35b-a3b")
+
+    def _build_preview(self) -> QWidget | None:
+        from ui.preview import PreviewPane
+
+        return PreviewPane()
+
+    def _build_model_manager(self) -> QWidget | None:
+        try:
+            from ui.model_manager import ModelManagerPanel
+        except ImportError as exc:
+            log.warning("model manager unavailable: %s", exc)
+            return None
+        return ModelManagerPanel()
+
+    def _html_extractor(self) -> Any:
+        try:
+            from ui.preview import extract_html
+        except ImportError:
+            return None
+        return extract_html
+
+    def _connect_signals(self) -> None:
+        self.client.ready.connect(self.on_engine_ready)
+        self.client.loaded.connect(self.on_model_loaded)
+        self.window.modelChosen.connect(self.on_model_chosen)
+        self.window.applyPlanRequested.connect(self.on_apply_plan)
+        app = QApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(self.on_about_to_quit)
+
+    # ----------------------------------------------------------------- slots
+    def load_model(self) -> None:
+        if not self.settings.model_dir:
+            return
+        vram_gb = self.settings.vram_budget_bytes / GIB if self.settings.vram_budget_bytes else None
+        if self.device != "cuda":
+            vram_gb = None  # a budget means expert streaming to a GPU; on CPU everything stays in RAM
+        self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
+        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, vram_gb=vram_gb)
+
+    def on_engine_ready(self) -> None:
+        self.load_model()
+
+    def on_model_loaded(self, info: dict[str, Any]) -> None:
+        if self.settings.vram_budget_bytes and hasattr(self.vram_panel, "set_applied"):
+            self.vram_panel.set_applied(self.settings.vram_budget_bytes, self.settings.ctx_tokens)
+
+    def on_model_chosen(self, model_dir: str) -> None:
+        self.settings.model_dir = model_dir
+        self.save_settings()
+        if self.client.state in ("idle",):
+            self.load_model()
+        else:
+            self.client.restart()  # ready → load_model
+
+    def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
+        self.settings.vram_budget_bytes = vram_bytes
+        self.settings.ctx_tokens = ctx_tokens
+        self.save_settings()
+        if self.client.state == "idle":
+            self.load_model()
+        else:
+            self.client.restart()
+
+    def save_settings(self) -> None:
+        try:
+            self.settings.save(self.settings_path)
+        except OSError as exc:
+            log.warning("cannot save settings to %s: %s", self.settings_path, exc)
+
+    def on_about_to_quit(self) -> None:
+        self.shutdown()
+
+    def shutdown(self, wait_ms: int = 3000) -> None:
+        self.client.shutdown(wait_ms=wait_ms)
+        self.store.close()

@@ -1,0 +1,165 @@
+"""Chat rendering: the Markdown renderer, message widgets (thinking, copy, preview, edit, regenerate), streaming."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QUrl
+from PySide6.QtGui import QGuiApplication
+
+from ui.chat_view import ChatView, MessageData, StreamingReply, default_extract_html, stats_line
+from ui.markdown import inline, render
+
+HTML_ANSWER = "Here is a page:\n\n```html\n<!DOCTYPE html>\n<html><body><h1>Hi</h1></body></html>\n```\n"
+
+
+# ------------------------------------------------------------------------------------------- markdown
+
+
+def test_markdown_blocks_and_inline() -> None:
+    r = render("# Title\n\nSome **bold**, *it*, ~~old~~ and `x<y`.\n\n- a\n- b\n\n1. one\n2. two\n\n---\n\n> quoted")
+    assert "<h2>Title</h2>" in r.html
+    assert "<b>bold</b>" in r.html and "<i>it</i>" in r.html and "<s>old</s>" in r.html
+    assert "x&lt;y</code>" in r.html.replace("&nbsp;", "")
+    assert r.html.count("<li>") == 4 and "<ol" in r.html and "<ul" in r.html
+    assert "<hr/>" in r.html and "quoted" in r.html
+
+
+def test_markdown_escapes_raw_html_and_unsafe_links() -> None:
+    r = render("<script>alert(1)</script> [ok](https://example.org) [bad](javascript:alert(1))")
+    assert "<script>" not in r.html and "&lt;script&gt;" in r.html
+    assert 'href="https://example.org"' in r.html
+    assert "javascript:" not in r.html.split("bad")[0] and 'href="javascript' not in r.html
+
+
+def test_fenced_code_gets_copy_and_preview_links() -> None:
+    r = render("```python\nprint('<b>')\n```\n\ntext\n\n" + HTML_ANSWER.split("\n\n", 1)[1])
+    assert [b.lang for b in r.code_blocks] == ["python", "html"]
+    assert r.code_blocks[0].code == "print('<b>')"
+    assert 'href="copy:0"' in r.html and 'href="copy:1"' in r.html
+    assert 'href="preview:1"' in r.html and 'href="preview:0"' not in r.html
+    assert "print(&#x27;&lt;b&gt;&#x27;)" in r.html
+
+
+def test_unclosed_fence_while_streaming() -> None:
+    r = render("Start\n```js\nlet a = 1;")
+    assert len(r.code_blocks) == 1 and not r.code_blocks[0].closed
+    assert "let a = 1;" in r.html
+
+
+def test_table_and_autolink() -> None:
+    r = render("| a | b |\n|---|--:|\n| 1 | 2 |\n\nsee https://example.org.")
+    assert "<table" in r.html and '<td align="right">2</td>' in r.html
+    assert 'href="https://example.org"' in inline("see https://example.org.")
+
+
+# ------------------------------------------------------------------------------------------- plain state
+
+
+def test_streaming_reply_tracks_channels_and_unsaved_text() -> None:
+    now = [100.0]
+    reply = StreamingReply(clock=lambda: now[0])
+    reply.add("let me think", "thinking")
+    now[0] = 102.5
+    reply.add("Answer", "answer")
+    reply.add(" more", "answer")
+    assert reply.thinking_seconds() == 2.5 and not reply.is_thinking
+    assert reply.take_unsaved() == ("Answer more", "let me think")
+    assert reply.take_unsaved() == ("", "")
+    reply.add("!", "answer")
+    assert reply.take_unsaved() == ("!", "")
+    assert reply.answer == "Answer more!"
+
+
+def test_stats_line() -> None:
+    line = stats_line({"tokens": 64, "tokens_per_s": 40.0, "tokens_per_pass": 4.0, "stop_reason": "cancelled"})
+    assert line == "64 tokens · 40.0 tok/s · 4.0 tok/pass · stopped"
+
+
+# ------------------------------------------------------------------------------------------- widgets
+
+
+def shown(widget) -> bool:
+    """Visible once its window is shown (widgets added to a shown window are shown on the next event-loop turn)."""
+    return widget.isVisibleTo(widget.window())
+
+
+def make_view(qtbot) -> ChatView:
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.resize(700, 600)
+    view.show()
+    return view
+
+
+def test_thinking_is_collapsible_with_duration(qtbot) -> None:
+    view = make_view(qtbot)
+    w = view.add_message(MessageData("assistant", "The answer.", "step one\nstep two", 3.25,
+                                     stats={"tokens": 10}))
+    assert shown(w.thinking_toggle) and w.thinking_toggle.text() == "Thought for 3.2 s"
+    assert not shown(w.thinking_body)
+    w.thinking_toggle.click()
+    assert shown(w.thinking_body) and "step two" in w.thinking_body.toPlainText()
+    w.thinking_toggle.click()
+    assert not shown(w.thinking_body)
+    plain = view.add_message(MessageData("assistant", "No thoughts."))
+    assert not shown(plain.thinking_toggle)
+
+
+def test_copy_message_and_code_block(qtbot) -> None:
+    view = make_view(qtbot)
+    w = view.add_message(MessageData("assistant", "Run:\n\n```sh\nmake test\n```"))
+    with qtbot.waitSignal(view.copied, timeout=1000) as blocker:
+        w.body.on_anchor_clicked(QUrl("copy:0"))
+    assert blocker.args == ["code"]
+    assert QGuiApplication.clipboard().text() == "make test"
+    with qtbot.waitSignal(view.copied, timeout=1000) as blocker:
+        w.copy_button.click()
+    assert blocker.args == ["message"]
+    assert QGuiApplication.clipboard().text().startswith("Run:")
+
+
+def test_preview_button_only_for_html_answers(qtbot) -> None:
+    view = make_view(qtbot)
+    plain = view.add_message(MessageData("assistant", "just text"))
+    page = view.add_message(MessageData("assistant", HTML_ANSWER))
+    assert not shown(plain.preview_button)
+    assert shown(page.preview_button)
+    with qtbot.waitSignal(view.previewRequested, timeout=1000) as blocker:
+        page.preview_button.click()
+    assert blocker.args[0].startswith("<!DOCTYPE html>")
+    assert default_extract_html(HTML_ANSWER).strip().endswith("</html>")
+
+
+def test_edit_and_regenerate_signals(qtbot) -> None:
+    view = make_view(qtbot)
+    user = view.add_message(MessageData("user", "question", message_id=1))
+    first = view.add_message(MessageData("assistant", "old answer", message_id=2))
+    view.add_message(MessageData("user", "follow-up", message_id=3))
+    last = view.add_message(MessageData("assistant", "answer", message_id=4))
+    assert shown(last.regen_button) and not shown(first.regen_button)  # only the last answer
+    assert shown(user.edit_button) and not shown(last.edit_button)
+    with qtbot.waitSignal(view.editRequested, timeout=1000) as blocker:
+        user.edit_button.click()
+    assert blocker.args[0].message_id == 1
+    with qtbot.waitSignal(view.regenerateRequested, timeout=1000) as blocker:
+        last.regen_button.click()
+    assert blocker.args[0].message_id == 4
+    view.remove_from(2)
+    assert [m.message_id for m in view.messages()] == [1, 2]
+    assert shown(first.regen_button)
+
+
+def test_streaming_updates_are_throttled(qtbot) -> None:
+    view = make_view(qtbot)
+    data = MessageData("assistant", status="streaming")
+    w = view.add_message(data)
+    assert w.meta_label.text() == "generating…"
+    for i in range(200):
+        data.content += f"word{i} "
+        view.stream_changed()
+    qtbot.waitUntil(lambda: "word199" in w.body.toPlainText(), timeout=2000)
+    assert view.stream_throttle.calls <= 5  # 200 deltas, a handful of re-renders
+    data.status = "complete"
+    data.stats = {"tokens": 200, "tokens_per_s": 12.5}
+    view.end_stream()
+    assert w.meta_label.text() == "200 tokens · 12.5 tok/s"
+    assert shown(w.regen_button)

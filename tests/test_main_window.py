@@ -1,0 +1,277 @@
+"""The main window with a real ChatStore and a scripted engine client (the real engine: test_gui_e2e.py)."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QWidget
+
+from clover_desk.storage import ChatStore
+from engine.events import LoadProgress
+from fakes_ui import FakeEngineClient, fake_plan
+from ui.main_window import GenerationSettings, MainWindow, expert_hit_rate, title_from_text
+from ui.vram_panel import VramPanel
+
+HTML_ANSWER = "A page:\n\n```html\n<!DOCTYPE html>\n<html><body>hi</body></html>\n```"
+
+
+class CountingStore(ChatStore):
+    """The real store, counting streaming appends (one per committed block is the contract)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.appends: list[tuple[int, str, str]] = []
+
+    def append_streaming(self, message_id: int, answer_delta: str = "", thinking_delta: str = "") -> None:
+        self.appends.append((message_id, answer_delta, thinking_delta))
+        super().append_streaming(message_id, answer_delta, thinking_delta)
+
+
+class FakePreview(QWidget):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: list[str] = []
+
+    def set_html(self, text: str) -> None:
+        self.shown.append(text)
+
+
+class FakeModelManager(QWidget):
+    modelChosen = Signal(str)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = CountingStore(tmp_path / "chats.sqlite3")
+    yield s
+    s.close()
+
+
+def make_window(qtbot, store, client=None, **kwargs) -> tuple[MainWindow, FakeEngineClient]:
+    client = client or FakeEngineClient(blocks=3, pass_ms=2, thinking="plan the answer")
+    kwargs.setdefault("model_dir", "/models/tiny")
+    window = MainWindow(client, store, **kwargs)
+    qtbot.addWidget(window)
+    window.show()
+    return window, client
+
+
+def send(qtbot, window: MainWindow, text: str) -> None:
+    window.composer.input.setPlainText(text)
+    with qtbot.waitSignal(window.generationFinished, timeout=5000):
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+
+
+def test_send_streams_saves_each_block_and_shows_stats(qtbot, store) -> None:
+    window, client = make_window(qtbot, store)
+    send(qtbot, window, "Explain block diffusion")
+    cid = window.conversation_id
+    messages = store.messages(cid)
+    assert [m.role for m in messages] == ["user", "assistant"]
+    answer = messages[1]
+    assert answer.status == "complete" and answer.content.startswith("Block diffusion fills")
+    assert answer.thinking == "plan the answer" and answer.thinking_seconds is not None
+    assert answer.stats["tokens_per_s"] == 41.5 and answer.stats["expert_hit_rate"] == pytest.approx(0.93)
+    # saved as blocks committed: one append per block (3), none after Finished
+    assert len([a for a in store.appends if a[0] == answer.id]) == 3
+    assert "".join(a[1] for a in store.appends) == answer.content
+    # the conversation got a title and is listed
+    assert store.get_conversation(cid).title == "Explain block diffusion"
+    assert window.sidebar.list.count() == 1
+    # the views
+    assert window.denoise.model.blocks_committed == 3
+    assert window.chat.widgets[-1].thinking_toggle.text().startswith("Thought for")
+    assert window.speed_label.text() == "41.5 tok/s"
+    assert window.hit_label.text() == "Expert cache 93% hits"
+    assert client.requests[0][0] == [{"role": "user", "content": "Explain block diffusion"}]
+    assert not window.composer.generating
+
+
+def test_shift_enter_adds_a_line_and_empty_text_is_not_sent(qtbot, store) -> None:
+    window, client = make_window(qtbot, store)
+    qtbot.keyClicks(window.composer.input, "line one")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.keyClicks(window.composer.input, "line two")
+    assert window.composer.input.toPlainText() == "line one\nline two"
+    assert client.requests == []
+    window.composer.input.setPlainText("   ")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert client.requests == []
+
+
+def test_escape_stops_and_keeps_the_partial_answer(qtbot, store) -> None:
+    client = FakeEngineClient(blocks=20, pass_ms=5)
+    window, _ = make_window(qtbot, store, client)
+    window.composer.input.setPlainText("long answer please")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert window.composer.send_button.text() == "Stop"
+    qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
+    with qtbot.waitSignal(window.generationFinished, timeout=3000) as blocker:
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Escape)
+    assert blocker.args[1] == "cancelled"
+    assert client.cancelled == [blocker.args[0]]
+    answer = store.messages(window.conversation_id)[-1]
+    assert answer.status == "stopped" and answer.stats["stop_reason"] == "cancelled"
+    assert window.chat.widgets[-1].meta_label.text().endswith("stopped")
+    assert window.composer.send_button.text() == "Send"
+
+
+def test_regenerate_replaces_the_last_answer(qtbot, store) -> None:
+    window, client = make_window(qtbot, store)
+    send(qtbot, window, "hello")
+    last = window.chat.widgets[-1]
+    assert last.regen_button.isVisible()
+    with qtbot.waitSignal(window.generationFinished, timeout=5000):
+        last.regen_button.click()
+    messages = store.messages(window.conversation_id)
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert messages[-1].status == "complete"
+    assert len(window.chat.widgets) == 2 and window.chat.widgets[-1] is not last
+    assert len(client.requests) == 2
+    assert client.requests[1][0] == [{"role": "user", "content": "hello"}]
+
+
+def test_edit_and_resend_replaces_later_messages(qtbot, store) -> None:
+    window, client = make_window(qtbot, store)
+    send(qtbot, window, "first question")
+    send(qtbot, window, "second question")
+    first_user = window.chat.widgets[0]
+    first_user.edit_button.click()
+    assert window.composer.input.toPlainText() == "first question"
+    assert window.composer.edit_note.isVisible()
+    window.composer.input.setPlainText("better question")
+    with qtbot.waitSignal(window.generationFinished, timeout=5000):
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    messages = store.messages(window.conversation_id)
+    assert [(m.role, m.content[:15]) for m in messages][:1] == [("user", "better question")]
+    assert len(messages) == 2 and len(window.chat.widgets) == 2
+    assert client.requests[-1][0] == [{"role": "user", "content": "better question"}]
+
+
+def test_settings_drawer_feeds_generation_params(qtbot, store) -> None:
+    window, client = make_window(qtbot, store)
+    window.settings_button.click()
+    assert window.drawer.isVisible()
+    d = window.drawer
+    d.temperature.setValue(0.7)
+    d.block_size.setCurrentIndex(d.block_size.findData(16))
+    d.threshold.setValue(0.8)
+    d.max_tokens.setValue(256)
+    d.system_prompt.setPlainText("Be brief.")
+    window.composer.think_button.setChecked(False)  # this message only
+    send(qtbot, window, "hi")
+    messages, params = client.requests[-1]
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    assert (params.temperature, params.block_size, params.threshold, params.max_new_tokens) == (0.7, 16, 0.8, 256)
+    assert params.do_sample and not params.enable_thinking and params.mode == "diffusion"
+    d.mode.setCurrentIndex(d.mode.findData("ar"))
+    assert not d.block_size.isEnabled()
+    send(qtbot, window, "again")
+    params = client.requests[-1][1]
+    assert params.mode == "ar" and params.block_size is None
+    saved = GenerationSettings.from_dict(store.get_conversation(window.conversation_id).settings)
+    assert saved.mode == "ar" and saved.temperature == 0.7
+
+
+def test_sidebar_new_rename_search_delete(qtbot, store, monkeypatch) -> None:
+    window, _ = make_window(qtbot, store)
+    send(qtbot, window, "apples and pears")
+    first = window.conversation_id
+    window.sidebar.new_button.click()
+    assert window.conversation_id is None and window.chat.widgets == []
+    send(qtbot, window, "bananas")
+    second = window.conversation_id
+    assert second != first and window.sidebar.list.count() == 2
+    item = window.sidebar.item_for(first)
+    item.setText("Fruit talk")  # what an in-place edit does
+    assert store.get_conversation(first).title == "Fruit talk"
+    window.sidebar.search.setText("pears")
+    assert window.sidebar.list.count() == 1
+    assert window.sidebar.list.item(0).data(Qt.ItemDataRole.UserRole) == first
+    window.sidebar.list.setCurrentRow(0)
+    assert window.conversation_id == first and window.chat.widgets[0].data.content == "apples and pears"
+    window.sidebar.search.clear()
+    window.delete_conversation(first)
+    assert [c.id for c in store.list_conversations()] == [second]
+    assert window.conversation_id is None
+
+
+def test_crash_banner_keeps_chat_and_restarts(qtbot, store) -> None:
+    client = FakeEngineClient(blocks=30, pass_ms=5)
+    window, _ = make_window(qtbot, store, client)
+    window.composer.input.setPlainText("will crash")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
+    with qtbot.waitSignal(window.generationFinished, timeout=3000) as blocker:
+        client.crashed.emit("worker exited with SIGKILL")
+    assert blocker.args[1] == "crashed"
+    assert window.crash_banner.isVisible() and "SIGKILL" in window.crash_banner.label.text()
+    assert len(window.chat.widgets) == 2  # the chat stays
+    answer = store.messages(window.conversation_id)[-1]
+    assert answer.status == "error" and answer.content  # the committed blocks were saved
+    with qtbot.waitSignal(client.ready, timeout=2000):
+        window.crash_banner.action.click()
+    assert client.restarts == 1 and not window.crash_banner.isVisible()
+
+
+def test_load_progress_and_cancel(qtbot, store) -> None:
+    window, client = make_window(qtbot, store)
+    client.emit_load(2 * 1024**3, 8 * 1024**3)
+    assert window.load_banner.isVisible()
+    assert window.load_banner.bar.value() == 250
+    assert "2.0 / 8.0 GiB" in window.load_banner.detail.text()
+    window.load_banner.cancel.click()
+    assert client.load_cancelled == 1
+    client.errorMessage.emit("CancelledError", "load cancelled")
+    assert not window.load_banner.isVisible() and window.info_banner.isVisible()
+    client.loadProgress.emit(LoadProgress("reading", 1, 2))
+    client.loaded.emit({"model_dir": "/models/tiny"})
+    assert not window.load_banner.isVisible() and window.engine_label.text() == "● Ready"
+
+
+def test_no_model_opens_the_model_manager(qtbot, store) -> None:
+    manager = FakeModelManager()
+    window, _ = make_window(qtbot, store, model_dir=None, model_manager=manager)
+    assert window.pages.currentIndex() == 1 and manager.isVisible()
+    assert "No model" in window.engine_label.text()
+    with qtbot.waitSignal(window.modelChosen, timeout=1000) as blocker:
+        manager.modelChosen.emit("/models/clover")
+    assert blocker.args == ["/models/clover"]
+    assert window.pages.currentIndex() == 0 and window.model_label.text() == "clover"
+
+
+def test_preview_and_vram_tabs(qtbot, store) -> None:
+    preview = FakePreview()
+    panel = VramPanel(fake_plan, 16 * 1024**3, "RTX", None)
+    client = FakeEngineClient(blocks=1, pass_ms=2, answer=HTML_ANSWER)
+    window, _ = make_window(qtbot, store, client, preview=preview, vram_panel=panel)
+    assert [window.tabs.tabText(i) for i in range(window.tabs.count())] == ["Denoising", "VRAM", "Preview"]
+    send(qtbot, window, "make a page")
+    answer = window.chat.widgets[-1]
+    assert answer.preview_button.isVisible()
+    answer.preview_button.click()
+    assert preview.shown and preview.shown[-1].startswith("<!DOCTYPE html>")
+    assert window.tabs.currentWidget() is preview
+    with qtbot.waitSignal(window.applyPlanRequested, timeout=1000) as blocker:
+        panel.set_budget_bytes(12 * 1024**3)
+        panel.apply_button.click()
+    assert blocker.args == [12 * 1024**3, 8192]
+
+
+def test_reopening_a_conversation_restores_messages(qtbot, store) -> None:
+    window, _ = make_window(qtbot, store)
+    send(qtbot, window, "remember me")
+    window.close()
+    again, _ = make_window(qtbot, store)
+    assert again.conversation_id is not None
+    assert [w.data.role for w in again.chat.widgets] == ["user", "assistant"]
+    assert again.chat.widgets[1].data.stats["tokens"] == 96
+
+
+def test_helpers() -> None:
+    assert expert_hit_rate({"hits": 3, "misses": 1}) == 0.75
+    assert expert_hit_rate({"hit_rate": 0.5}) == 0.5
+    assert expert_hit_rate({}) is None
+    assert title_from_text("\n  A fairly long first line that will need to be shortened somewhere  \nmore") == (
+        "A fairly long first line that will need to be…"
+    )
