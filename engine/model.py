@@ -512,8 +512,10 @@ class GatedDeltaNet(nn.Module):
             out = _from_chunks(o_c, ch.offset, ch.length)  # [T, Hv, dv]
 
         if cache is not None and p.write_cache:
-            cache.conv[self.layer_idx] = xpad[-(self.kernel - 1) :].to(cache.conv[self.layer_idx].dtype).clone()
-            cache.state[self.layer_idx] = final
+            conv_buf, state_buf = cache.conv[self.layer_idx], cache.state[self.layer_idx]
+            assert conv_buf is not None and state_buf is not None
+            conv_buf.copy_(xpad[-(self.kernel - 1) :])  # last K-1 raw rows, in place
+            state_buf.copy_(final)
         y = self.norm(out.reshape(t * hv, dv), z.reshape(t * hv, dv), dtype)  # [T*Hv, dv]
         return self.out_proj(y.view(t, self.value_dim))
 

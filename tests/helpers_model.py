@@ -49,7 +49,10 @@ def tiny_text_dict(**overrides: Any) -> dict[str, Any]:
 def tiny_config(model_type: str = "clover_moe", **overrides: Any) -> CloverConfig:
     """A parsed tiny config. Overrides that are CloverConfig switches (bd_*, coreset_*, moe_*) go in as such."""
     switches = {k: overrides.pop(k) for k in list(overrides) if k.startswith(("bd_", "coreset_", "moe_block_"))}
-    data = {"model_type": model_type, **tiny_text_dict(**overrides)}
+    if model_type == "qwen3_5_moe":
+        data = {"model_type": model_type, "text_config": {"model_type": "qwen3_5_moe_text", **tiny_text_dict(**overrides)}}
+    else:
+        data = {"model_type": model_type, **tiny_text_dict(**overrides)}
     if model_type == "clover_moe":
         data["block_size"] = BLOCK
     cfg = parse_config(data)
