@@ -21,9 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.home:
         os.environ["CLOVER_DESK_HOME"] = args.home
-    # The preview's URL scheme must be registered before the QApplication exists.
+    # PySide6 6.12 on CPython < 3.12 leaks references to None/True on void calls (see guard's docstring); the
+    # preview's URL scheme must be registered before the QApplication exists.
+    from clover_desk.cmd_preview import guard_pyside_bool_refcounts
     from ui.preview import register_schemes
 
+    guard_pyside_bool_refcounts()
     register_schemes()
     from PySide6.QtWidgets import QApplication
 

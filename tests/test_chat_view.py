@@ -8,6 +8,12 @@ from PySide6.QtGui import QGuiApplication
 from ui.chat_view import ChatView, MessageData, StreamingReply, default_extract_html, stats_line
 from ui.markdown import inline, render
 
+from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+
+# PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
+# without this the process aborts after some thousands of paints. Must run before the first widget exists.
+guard_pyside_bool_refcounts()
+
 HTML_ANSWER = "Here is a page:\n\n```html\n<!DOCTYPE html>\n<html><body><h1>Hi</h1></body></html>\n```\n"
 
 

@@ -12,6 +12,12 @@ from fakes_ui import FakeEngineClient, fake_plan
 from ui.main_window import GenerationSettings, MainWindow, expert_hit_rate, title_from_text
 from ui.vram_panel import VramPanel
 
+from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+
+# PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
+# without this the process aborts after some thousands of paints. Must run before the first widget exists.
+guard_pyside_bool_refcounts()
+
 HTML_ANSWER = "A page:\n\n```html\n<!DOCTYPE html>\n<html><body>hi</body></html>\n```"
 
 

@@ -10,6 +10,12 @@ from engine import planner
 from fakes_ui import fake_plan
 from ui.vram_panel import GIB, MIB, STEP_MIB, VramPanel, layer_count, summarize
 
+from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+
+# PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
+# without this the process aborts after some thousands of paints. Must run before the first widget exists.
+guard_pyside_bool_refcounts()
+
 CARD = 16 * GIB
 
 
