@@ -35,6 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from engine.events import BlockCommitted, EngineError, Event, Finished, PromptInfo, TextDelta
+
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -459,7 +461,8 @@ class ChatStore:
     def append_streaming(self, message_id: int, answer_delta: str = "", thinking_delta: str = "") -> None:
         """Append committed text to a ``streaming`` message: one committed transaction per call.
 
-        Call it each time the engine commits a block, with the text that block added to each channel.
+        Call it each time the engine commits a block, with the text that block added to each channel
+        (:class:`StreamRecorder` does exactly that).
         """
         if not answer_delta and not thinking_delta:
             return
@@ -606,3 +609,100 @@ class ChatStore:
         atomic_write_text(path, self.conversation_to_markdown(conversation_id))
         return Path(path)
 
+
+
+class StreamRecorder:
+    """Saves one streaming answer as the engine's events for it arrive (GUI thread, like the store).
+
+    Feed it every event of one generate request with :meth:`on_event`. Committed text is buffered per channel and
+    written with :meth:`ChatStore.append_streaming` whenever a block commits (diffusion) or, in AR mode where no
+    block events come, at most every ``flush_interval_s``; so a crash loses at most the block in flight.
+    ``Finished`` ends the message (``complete``, or ``stopped`` when cancelled) with the engine's figures as stats
+    and the final text; ``EngineError`` ends it as ``error`` (``stopped`` for a cancellation or a worker restart)
+    keeping the text saved so far.
+    """
+
+    def __init__(
+        self, store: ChatStore, message_id: int, flush_interval_s: float = 0.5, clock: Any = time.monotonic
+    ) -> None:
+        self.store = store
+        self.message_id = message_id
+        self.flush_interval_s = flush_interval_s
+        self._clock = clock
+        self._answer: list[str] = []
+        self._thinking: list[str] = []
+        self._last_flush = clock()
+        self._started = clock()
+        self._thinking_started: float | None = None
+        self._thinking_seconds: float | None = None
+        self.done = False
+        self.blocks_saved = 0
+
+    def on_event(self, event: Event) -> bool:
+        """Record one event; returns True when it ended the message."""
+        if self.done:
+            return True
+        if isinstance(event, PromptInfo):
+            self._started = self._clock()
+        elif isinstance(event, TextDelta):
+            self._on_delta(event)
+            if self._clock() - self._last_flush >= self.flush_interval_s:
+                self.flush()
+        elif isinstance(event, BlockCommitted):
+            self.flush()
+            self.blocks_saved += 1
+        elif isinstance(event, Finished):
+            self.flush()
+            self._end_thinking()
+            stats = {
+                "stop_reason": event.stop_reason,
+                "tokens": event.tokens,
+                "passes": event.passes,
+                "tokens_per_pass": event.tokens_per_pass,
+                "tokens_per_s": event.tokens_per_s,
+                "time_to_first_token_s": event.time_to_first_token_s,
+                "prompt_tokens": event.prompt_tokens,
+                "prefill_s": event.prefill_s,
+                "decode_s": event.decode_s,
+            }
+            if event.accounting:
+                stats["accounting"] = event.accounting
+            status = "stopped" if event.stop_reason == "cancelled" else "complete"
+            self.store.finish_message(
+                self.message_id, status, stats=stats, thinking_seconds=self._thinking_seconds,
+                content=event.text, thinking=event.thinking,
+            )
+            self.done = True
+        elif isinstance(event, EngineError):
+            self.flush()
+            self._end_thinking()
+            stopped = event.kind in ("CancelledError", "WorkerStopped")
+            stats = {"stop_reason": "cancelled" if stopped else "error", "error": f"{event.kind}: {event.message}"}
+            self.store.finish_message(
+                self.message_id, "stopped" if stopped else "error", stats=stats,
+                thinking_seconds=self._thinking_seconds,
+            )
+            self.done = True
+        return self.done
+
+    def flush(self) -> None:
+        """Write the buffered text now (one committed transaction)."""
+        answer, thinking = "".join(self._answer), "".join(self._thinking)
+        self._answer.clear()
+        self._thinking.clear()
+        self._last_flush = self._clock()
+        if answer or thinking:
+            self.store.append_streaming(self.message_id, answer, thinking)
+
+    def _on_delta(self, delta: TextDelta) -> None:
+        if delta.channel == "thinking":
+            if self._thinking_started is None:
+                self._thinking_started = self._clock()
+            self._thinking.append(delta.text)
+        else:
+            self._end_thinking()
+            self._answer.append(delta.text)
+
+    def _end_thinking(self) -> None:
+        if self._thinking_started is not None and self._thinking_seconds is None:
+            self._thinking_seconds = round(self._clock() - self._started, 3)

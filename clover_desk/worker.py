@@ -10,7 +10,8 @@ Commands, one JSON object per line on stdin::
     {"cmd": "generate", "id": "r1", "messages": [...], "params": {GenerationParams fields}, "tools": [...] | null}
         ("prompt": "text" or "prompt_ids": [..] with "raw": true may replace "messages")
     {"cmd": "cancel", "id": "r1"}
-    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16, "ram_gb": 64, "ctx": 8192, ...}
+    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16 | null, "ram_gb": 64 | null, "ctx": 8192, ...}
+        (null budgets: what this machine has free; other keys go to engine.planner.make_plan)
     {"cmd": "shutdown"}
 
 Replies, one JSON object per line on stdout (one flush per line; logs go to stderr)::
@@ -19,7 +20,7 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
     {"event": "load_progress", ...}                            engine.events.LoadProgress (throttled)
     {"event": "loaded", "model_dir": .., "config": {..}, ..}   the model is ready
     {"event": <engine event>, ..., "id": "r1"}                 every generation event (engine.events.to_dict)
-    {"event": "plan", "id": "p1", "plan": {Plan.to_dict()}}
+    {"event": "plan", "id": "p1", "plan": {Plan.to_dict()}, "hardware": {Hardware fields}}
     {"event": "error", "kind": .., "message": .., "fatal": false, ["id": "r1" | "op": "load" | "plan"]}
     {"event": "bye"}                                           after "shutdown", just before exiting
 
@@ -58,6 +59,7 @@ FATAL_EXIT_CODE = 3
 DEFAULT_ENGINE_FACTORY = "engine.api:Engine.load"
 LOAD_PROGRESS_INTERVAL_S = 0.05  # at most ~20 load_progress records a second (stage changes always go out)
 _JOIN_ON_EXIT_S = 5.0
+DEFAULT_PLAN_CTX = 8192
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -310,11 +312,13 @@ class Worker:
         try:
             planner = importlib.import_module("engine.planner")
             args = {k: v for k, v in command.items() if k not in ("cmd", "id", "model_dir")}
-            plan = _make_plan(planner, command.get("model_dir"), args)
+            plan, hardware = _make_plan(planner, command.get("model_dir"), args)
         except BaseException as exc:  # noqa: BLE001 - reported; fatal ones end the process
             self._report(exc, request_id=request_id, op="plan")
             return
-        self._emit({"event": "plan", "id": request_id, "plan": _json_safe(_plan_dict(plan))})
+        self._emit(
+            {"event": "plan", "id": request_id, "plan": _json_safe(_plan_dict(plan)), "hardware": _json_safe(hardware)}
+        )
 
     def _release_engine(self) -> None:
         """Drop the loaded model before loading another, so two never sit in VRAM at once."""
@@ -364,24 +368,28 @@ def _plan_dict(plan: Any) -> Any:
     return to_dict_method() if callable(to_dict_method) else plan
 
 
-def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> Any:
-    """Call the planner with the command's arguments: a manifest from ``model_dir`` and budgets in GB."""
+def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tuple[Any, Any]:
+    """Plan ``model_dir`` under the command's budgets (GB; ``None``: what this machine has free).
+
+    Returns ``(plan, hardware)``. ``ctx`` (or ``ctx_tokens``, default 8192) is the context to plan for; any other
+    argument goes to ``make_plan`` as is (``block_size``, ``coreset``, ``optimize_for``...).
+    """
     if not model_dir:
         raise ValueError("plan needs a model_dir")
     manifest = planner.manifest_from_checkpoint(model_dir)
+    hardware = planner.probe_hardware()
     gib = 1024**3
     vram_gb = args.pop("vram_gb", None)
     ram_gb = args.pop("ram_gb", None)
-    if vram_gb is None or ram_gb is None:
-        hardware = planner.probe_hardware()
-        hw = _json_safe(hardware)
-        if vram_gb is None:
-            vram_gb = (hw.get("vram_free_bytes") or hw.get("vram_total_bytes") or 0) / gib
-        if ram_gb is None:
-            ram_gb = (hw.get("ram_available_bytes") or hw.get("ram_total_bytes") or 0) / gib
-    return planner.make_plan(
-        manifest, vram_bytes=int(float(vram_gb) * gib), ram_bytes=int(float(ram_gb) * gib), **args
-    )
+    ctx = int(args.pop("ctx", None) or args.pop("ctx_tokens", None) or DEFAULT_PLAN_CTX)
+    args.pop("ctx_tokens", None)
+    if vram_gb is not None:
+        vram_bytes = int(float(vram_gb) * gib)
+    else:
+        vram_bytes = int(hardware.vram_free_bytes or hardware.vram_total_bytes or 0)
+    ram_bytes = int(float(ram_gb) * gib) if ram_gb is not None else hardware.ram_available_bytes
+    plan = planner.make_plan(manifest, vram_bytes, ctx, ram_bytes, hardware=hardware, **args)
+    return plan, hardware
 
 
 class LineWriter:

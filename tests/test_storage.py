@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from clover_desk import paths
+from engine.events import BlockCommitted, EngineError, Finished, PromptInfo, TextDelta
 from clover_desk.storage import (
     MIGRATIONS,
     SCHEMA_VERSION,
     ChatStore,
     NotFoundError,
     StorageError,
+    StreamRecorder,
     atomic_write_text,
     title_from_text,
 )
@@ -278,3 +280,52 @@ def test_chats_db_path_honours_override(tmp_path: Path, monkeypatch: pytest.Monk
     db = paths.chats_db_path()
     assert db == tmp_path / "home" / "chats.sqlite3" and db.parent.is_dir()
     assert paths.models_dir() == tmp_path / "home" / "models"
+
+
+def _finished(text: str, thinking: str, reason: str) -> Finished:
+    return Finished(
+        token_ids=(1, 2), text=text, thinking=thinking, stop_reason=reason, tokens=2, passes=3, tokens_per_pass=0.67,
+        tokens_per_s=9.0, time_to_first_token_s=0.1, prompt_tokens=5, prefill_s=0.01, decode_s=0.2,
+    )
+
+
+def test_stream_recorder_saves_each_committed_block(store: ChatStore) -> None:
+    clock = iter(float(t) for t in range(100))
+    c = store.create_conversation()
+    m = store.add_message(c.id, "assistant", status="streaming")
+    rec = StreamRecorder(store, m.id, flush_interval_s=1000, clock=lambda: next(clock))
+    rec.on_event(PromptInfo(prompt_tokens=5, block_size=4, first_block=1, tail=1))
+    rec.on_event(TextDelta("hmm ", "thinking"))
+    assert store.get_message(m.id).thinking == ""  # buffered until the block commits
+    rec.on_event(BlockCommitted(1, 3, (7, 8)))
+    assert store.get_message(m.id).thinking == "hmm " and rec.blocks_saved == 1
+    rec.on_event(TextDelta("Hi", "answer"))
+    rec.on_event(BlockCommitted(2, 2, (9,)))
+    assert store.get_message(m.id).content == "Hi"
+    assert rec.on_event(_finished("Hi!", "hmm ", "eos")) is True
+    done = store.get_message(m.id)
+    assert (done.status, done.content, done.thinking) == ("complete", "Hi!", "hmm ")
+    assert done.stats["tokens_per_s"] == 9.0 and done.stats["stop_reason"] == "eos"
+    assert done.thinking_seconds is not None and done.thinking_seconds > 0
+
+
+def test_stream_recorder_ar_mode_and_errors(store: ChatStore) -> None:
+    now = [0.0]
+    c = store.create_conversation()
+    m = store.add_message(c.id, "assistant", status="streaming")
+    rec = StreamRecorder(store, m.id, flush_interval_s=0.5, clock=lambda: now[0])
+    rec.on_event(TextDelta("a"))
+    now[0] = 0.6
+    rec.on_event(TextDelta("b"))  # no block events in AR mode: flushed by time
+    assert store.get_message(m.id).content == "ab"
+    rec.on_event(TextDelta("c"))
+    rec.on_event(EngineError(kind="WorkerCrashed", message="killed by SIGKILL"))
+    failed = store.get_message(m.id)
+    assert (failed.status, failed.content) == ("error", "abc")
+    assert failed.stats["error"].startswith("WorkerCrashed")
+
+    m2 = store.add_message(c.id, "assistant", status="streaming")
+    rec2 = StreamRecorder(store, m2.id)
+    rec2.on_event(TextDelta("partial"))
+    rec2.on_event(_finished("partial", "", "cancelled"))
+    assert store.get_message(m2.id).status == "stopped"
