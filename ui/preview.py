@@ -13,8 +13,9 @@ what it covers, are layered:
   stops most of them earlier; the interceptor is the backstop for whatever CSP does not cover) and records it;
 * :class:`PreviewPage` refuses new windows, every permission, file choosers, and every navigation other than
   the load the pane asked for; JavaScript can neither open windows nor touch the clipboard or ``file:`` URLs;
-* WebRTC constructors are removed before any page script runs (ICE traffic bypasses both CSP and the
-  interceptor), and only public interfaces would be used if they came back.
+* WebRTC opens its own sockets, past both CSP and the interceptor: its constructors are removed before any page
+  script runs, and, since a fresh about:blank iframe still has them, the engine is started with
+  :data:`OFFLINE_CHROMIUM_FLAGS` (no unproxied UDP, a dead proxy for everything else, loopback included).
 
 Each document id gets its own host, so its own origin: one page's ``localStorage`` is invisible to another.
 Console errors/warnings and blocked attempts are listed in a strip under the view, never swallowed.
@@ -37,6 +38,7 @@ from PySide6.QtCore import QBuffer, QByteArray, QCoreApplication, QIODevice, QOb
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWebEngineCore import (
     QWebEngineDownloadRequest,
+    QWebEngineLoadingInfo,
     QWebEnginePage,
     QWebEnginePermission,
     QWebEngineProfile,
@@ -121,11 +123,30 @@ _GUARD_SCRIPT = """
 """
 
 
-def register_schemes() -> bool:
+# Process-wide Chromium switches for an engine that must never reach the network by itself. WebRTC opens its
+# own sockets (STUN/TURN, UDP or TCP), which neither CSP nor the request interceptor sees, and a page can get a
+# fresh RTCPeerConnection from a same-origin about:blank iframe before any injected script runs there. So: no UDP
+# that is not proxied, and every proxied connection (loopback included) goes to a dead proxy. The app's
+# QtWebEngine views only ever show local content, so nothing legitimate is lost.
+OFFLINE_CHROMIUM_FLAGS = (
+    "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
+    "--proxy-server=127.0.0.1:1",
+    "--proxy-bypass-list=<-loopback>",
+)
+
+
+def register_schemes(offline_engine: bool = True) -> bool:
     """Register ``clover-preview://`` with QtWebEngine. Must run before the QApplication is created.
 
-    Idempotent. Returns False (and logs an error) when called too late, in which case previews will not load.
+    With ``offline_engine`` (the default) it also appends :data:`OFFLINE_CHROMIUM_FLAGS` to
+    ``QTWEBENGINE_CHROMIUM_FLAGS``, which QtWebEngine reads when it starts (after the QApplication, at the first
+    profile or view). Idempotent. Returns False (and logs an error) when called too late.
     """
+    if offline_engine:
+        flags = os.environ.get("QTWEBENGINE_CHROMIUM_FLAGS", "").split()
+        missing = [f for f in OFFLINE_CHROMIUM_FLAGS if f.split("=")[0] not in {g.split("=")[0] for g in flags}]
+        if missing:
+            os.environ["QTWEBENGINE_CHROMIUM_FLAGS"] = " ".join([*flags, *missing])
     if QWebEngineUrlScheme.schemeByName(QByteArray(SCHEME_BYTES)).name() == QByteArray(SCHEME_BYTES):
         return True
     if QCoreApplication.instance() is not None:
@@ -417,6 +438,7 @@ class PreviewPane(QWidget):
         self._shown_html: str | None = None
         self._document_id = "untitled"
         self._revision = 0
+        self._loading_url = QUrl()
         self.entries: list[StripEntry] = []
 
         # Profile ownership: the page owns the profile, so the page is gone before the profile is destroyed
@@ -480,7 +502,7 @@ class PreviewPane(QWidget):
         self.interceptor.requestBlocked.connect(self.on_request_blocked)
         self.page.refused.connect(self.on_page_refused)
         self.page.consoleMessage.connect(self.on_console_message)
-        self.page.loadFinished.connect(self.on_load_finished)
+        self.page.loadingChanged.connect(self.on_loading_changed)
         self.page.renderProcessTerminated.connect(self.on_render_process_terminated)
         self.profile.downloadRequested.connect(self.on_download_requested)
         self.source_button.toggled.connect(self.on_source_toggled)
@@ -574,10 +596,17 @@ class PreviewPane(QWidget):
             return
         self._add_entry(kind, text)
 
-    def on_load_finished(self, ok: bool) -> None:
-        if not ok:
-            self._add_entry("error", "the page failed to load")
-        self.loadFinished.emit(ok)
+    def on_loading_changed(self, info: QWebEngineLoadingInfo) -> None:
+        # Only our own document counts: a refused navigation elsewhere also ends in a (stopped) load, which
+        # must not read as "the page failed".
+        if info.url() != self._loading_url:
+            return
+        status = info.status()
+        if status == QWebEngineLoadingInfo.LoadStatus.LoadSucceededStatus:
+            self.loadFinished.emit(True)
+        elif status == QWebEngineLoadingInfo.LoadStatus.LoadFailedStatus:
+            self._add_entry("error", f"the page failed to load: {info.errorString() or info.errorCode()}")
+            self.loadFinished.emit(False)
 
     def on_render_process_terminated(self, status: QWebEnginePage.RenderProcessTerminationStatus, code: int) -> None:
         self._add_entry("error", f"the page's renderer stopped ({status.name}, code {code}); press Reload")
@@ -623,6 +652,7 @@ class PreviewPane(QWidget):
         if self.stack.currentWidget() is self.source:
             self.source.setPlainText(self._html)
         url = self.url()
+        self._loading_url = url
         self.page.expect_load(url)
         self.page.load(url)
 

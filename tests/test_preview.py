@@ -1,0 +1,259 @@
+"""The HTML preview: finding HTML in answers, throttled reloads, big pages, the strip, save/open, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
+
+from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+from ui.preview import (  # noqa: E402
+    PREVIEW_CSP,
+    PreviewPane,
+    atomic_write_text,
+    document_host,
+    extract_html,
+    register_schemes,
+)
+
+# Both must happen before pytest-qt creates the QApplication (test modules are imported at collection, before any
+# test runs). The lead's conftest should do this in pytest_configure; doing it here too is harmless (idempotent).
+guard_pyside_bool_refcounts()
+register_schemes()
+
+REPO = Path(__file__).resolve().parents[1]
+LOAD_TIMEOUT_MS = 30_000
+
+
+@pytest.fixture(scope="module")
+def pane(qapp):  # one QtWebEngine view for the whole module: starting Chromium is the slow part
+    widget = PreviewPane(reload_interval_ms=200)
+    widget.resize(900, 600)
+    widget.show()
+    yield widget
+    delete_now(widget)
+
+
+def delete_now(widget) -> None:
+    """Destroy a pane while the QApplication is alive (a page outliving its profile makes Qt warn)."""
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    widget.close()
+    widget.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+
+
+def show(qtbot, pane: PreviewPane, html: str, document_id: str) -> None:
+    with qtbot.waitSignal(pane.loadFinished, timeout=LOAD_TIMEOUT_MS) as blocker:
+        pane.set_html(html, document_id)
+        pane.flush()
+    assert blocker.args == [True]
+
+
+def js(qtbot, pane: PreviewPane, source: str):
+    with qtbot.waitCallback(timeout=LOAD_TIMEOUT_MS) as callback:
+        pane.page.runJavaScript(source, 0, callback)
+    return callback.args[0]
+
+
+# ---- extract_html (pure) ---------------------------------------------------------------------------------------
+
+
+def test_extract_fenced_block() -> None:
+    answer = "Here you go:\n\n```html\n<!DOCTYPE html>\n<html><body>hi</body></html>\n```\n\nEnjoy."
+    assert extract_html(answer) == "<!DOCTYPE html>\n<html><body>hi</body></html>"
+
+
+def test_extract_picks_longest_block_and_accepts_tildes() -> None:
+    answer = "```html\n<b>x</b>\n```\ntext\n~~~HTML\n<html><body>the whole app</body></html>\n~~~\n"
+    assert extract_html(answer) == "<html><body>the whole app</body></html>"
+
+
+def test_extract_unfinished_fence_while_streaming() -> None:
+    answer = "Sure!\n```html\n<!DOCTYPE html>\n<html><body><h1>Desk"
+    assert extract_html(answer) == "<!DOCTYPE html>\n<html><body><h1>Desk"
+
+
+def test_extract_bare_page_and_its_end() -> None:
+    answer = "Some words.\n<!doctype html>\n<html><body>x</body></html>\nAfterword."
+    assert extract_html(answer) == "<!doctype html>\n<html><body>x</body></html>"
+    assert extract_html("<html lang='en'><body>streaming") == "<html lang='en'><body>streaming"
+
+
+def test_extract_none_when_no_document() -> None:
+    assert extract_html("Use a <div> and an <html> element inline in prose.") is None
+    assert extract_html("```python\nprint('<html>')\n```") is None
+    assert extract_html("") is None
+
+
+def test_document_host_distinct_and_stable() -> None:
+    assert document_host("a") == document_host("a")
+    assert document_host("a") != document_host("b")
+    assert document_host("a").isalnum() and document_host("a").startswith("d")
+
+
+def test_atomic_write_replaces_whole_file(tmp_path: Path) -> None:
+    target = tmp_path / "page.html"
+    target.write_text("old")
+    atomic_write_text(target, "<p>new</p>")
+    assert target.read_text() == "<p>new</p>"
+    assert [p.name for p in tmp_path.iterdir()] == ["page.html"]  # no temporary file left behind
+
+
+# ---- the widget (real QtWebEngine) -----------------------------------------------------------------------------
+
+
+@pytest.mark.webengine
+def test_renders_and_runs_script(qtbot, pane: PreviewPane) -> None:
+    show(qtbot, pane, "<!DOCTYPE html><html><body><p id=p>x</p><script>p.textContent = 6 * 7</script></body></html>",
+         "render")
+    assert js(qtbot, pane, "document.getElementById('p').textContent") == "42"
+    assert pane.page.url().scheme() == "clover-preview"
+    assert pane.page.url().host() == document_host("render")
+
+
+@pytest.mark.webengine
+def test_three_megabyte_page_renders(qtbot, pane: PreviewPane) -> None:
+    # setHtml() would fail above 2 MB; the scheme handler has no such cap.
+    rows = "".join(f"<tr><td>{i}</td><td>{'x' * 40}</td></tr>" for i in range(60_000))
+    html = ("<!DOCTYPE html><html><body><table id=t>" + rows + "</table>"
+            "<script>document.title = 'rows=' + document.querySelectorAll('#t tr').length</script></body></html>")
+    assert len(html.encode()) > 3_000_000
+    show(qtbot, pane, html, "big")
+    assert js(qtbot, pane, "document.title") == "rows=60000"
+
+
+@pytest.mark.webengine
+def test_console_errors_reach_the_strip(qtbot, pane: PreviewPane) -> None:
+    pane.clear_strip()
+    html = ("<!DOCTYPE html><html><body><script>console.error('custom failure 17');"
+            "console.warn('careful 23'); console.log('quiet');"
+            "setTimeout(() => { undefinedFunctionCall(); }, 0);</script></body></html>")
+    with qtbot.waitSignal(pane.stripEntryAdded, timeout=LOAD_TIMEOUT_MS,
+                          check_params_cb=lambda kind, text: "undefinedFunctionCall" in text):
+        pane.set_html(html, "console")
+        pane.flush()
+    kinds = {e.text.split(" (line")[0]: e.kind for e in pane.entries}
+    assert kinds["custom failure 17"] == "error"
+    assert kinds["careful 23"] == "warning"
+    assert not any("quiet" in e.text for e in pane.entries)  # console.log is not an error, not shown
+    assert any(e.kind == "error" and "undefinedFunctionCall is not defined" in e.text for e in pane.entries)
+    assert pane.strip.count() == len(pane.entries)
+    assert "errors" in pane.strip_label.text() and pane.strip_label.text() != "0 blocked · 0 errors · 0 warnings"
+
+
+@pytest.mark.webengine
+def test_streaming_updates_are_throttled_and_the_last_one_shown(qtbot, pane: PreviewPane) -> None:
+    show(qtbot, pane, "<html><body>start</body></html>", "stream")
+    before = len(pane.scheme_handler.served)
+    for i in range(40):  # 40 deltas arrive within a few ms
+        pane.set_html(f"<html><body><p id=n>{i}</p></body></html>", "stream")
+    with qtbot.waitSignal(pane.loadFinished, timeout=LOAD_TIMEOUT_MS):
+        pane.flush()
+    qtbot.waitUntil(lambda: js(qtbot, pane, "document.getElementById('n') && document.getElementById('n').textContent")
+                    == "39", timeout=LOAD_TIMEOUT_MS)
+    loads = len(pane.scheme_handler.served) - before
+    assert 1 <= loads <= 3, loads  # not 40 reloads
+
+
+@pytest.mark.webengine
+def test_source_toggle(qtbot, pane: PreviewPane) -> None:
+    show(qtbot, pane, "<html><body><b>source me</b></body></html>", "source")
+    pane.show_source(True)
+    assert pane.stack.currentWidget() is pane.source
+    assert pane.source.toPlainText() == "<html><body><b>source me</b></body></html>"
+    assert pane.source_button.text() == "Preview"
+    pane.show_source(False)
+    assert pane.stack.currentWidget() is pane.view
+
+
+@pytest.mark.webengine
+def test_save_as_html(qtbot, pane: PreviewPane, tmp_path: Path) -> None:
+    show(qtbot, pane, "<html><body>saved</body></html>", "save")
+    with qtbot.waitSignal(pane.saved) as blocker:
+        target = pane.save_to(tmp_path / "app")
+    assert target == tmp_path / "app.html"
+    assert blocker.args == [str(target)]
+    assert target.read_text(encoding="utf-8") == "<html><body>saved</body></html>"
+
+
+@pytest.mark.webengine
+def test_open_in_browser_asks_first(qtbot, pane: PreviewPane, monkeypatch, tmp_path: Path) -> None:
+    from PySide6.QtWidgets import QMessageBox
+
+    opened: list[str] = []
+    monkeypatch.setattr("ui.preview.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()) or True)
+    monkeypatch.setattr("ui.preview.tempfile.gettempdir", lambda: str(tmp_path))
+    show(qtbot, pane, "<html><body>outside</body></html>", "browser")
+
+    monkeypatch.setattr("ui.preview.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Cancel)
+    assert pane.open_in_browser() is False
+    assert opened == []
+
+    monkeypatch.setattr("ui.preview.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Open)
+    assert pane.open_in_browser() is True
+    assert len(opened) == 1
+    assert Path(opened[0]).read_text(encoding="utf-8") == "<html><body>outside</body></html>"
+
+
+def test_csp_is_offline() -> None:
+    directives = dict(d.strip().split(" ", 1) for d in PREVIEW_CSP.split(";"))
+    assert directives["default-src"] == "'none'"
+    assert directives["connect-src"] == "'none'"
+    assert directives["frame-src"] == "'none'"
+    assert directives["form-action"] == "'none'"
+    assert "http" not in PREVIEW_CSP and "*" not in PREVIEW_CSP
+
+
+# ---- clover-desk preview ---------------------------------------------------------------------------------------
+
+CALCULATOR = """<!DOCTYPE html><html><head><meta charset="utf-8"><title>Calculator</title><style>
+body{margin:0;height:100vh;display:flex;align-items:center;justify-content:center;background:#1e2230;font-family:sans-serif}
+.c{background:#2b3042;padding:16px;border-radius:12px}#d{background:#11141d;color:#7cffb2;font-size:30px;
+text-align:right;padding:8px;border-radius:6px;margin-bottom:10px;width:240px}.g{display:grid;
+grid-template-columns:repeat(4,56px);gap:8px}button{height:52px;font-size:20px;border:0;border-radius:8px;
+background:#3c4360;color:#fff}.op{background:#ff9f43}</style></head><body><div class="c"><div id="d">0</div>
+<div class="g" id="g"></div></div><script>
+let e = ""; const d = document.getElementById("d");
+for (const k of "789/456*123-0.C+=") { const b = document.createElement("button"); b.textContent = k;
+  if ("+-*/=".includes(k)) b.className = "op";
+  b.onclick = () => { e = k === "C" ? "" : k === "=" ? String(Function("return (" + e + ")")()) : e + k;
+                      d.textContent = e || "0"; };
+  document.getElementById("g").appendChild(b); }
+d.textContent = "12*7 = " + Function("return (12*7)")();
+</script></body></html>"""
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    return subprocess.run([sys.executable, "-m", "clover_desk.cli", "preview", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.webengine
+def test_cli_screenshot(tmp_path: Path) -> None:
+    from PySide6.QtGui import QImage
+
+    page = tmp_path / "calc.html"
+    page.write_text(CALCULATOR, encoding="utf-8")
+    out = tmp_path / "calc.png"
+    result = _run_cli(str(page), "--screenshot", str(out), "--wait-ms", "200", "--size", "800x600")
+    assert result.returncode == 0, result.stderr
+    image = QImage(str(out))
+    assert (image.width(), image.height()) == (800, 600)
+    # The page background (#1e2230) fills the middle-left of the view: the page really rendered.
+    assert image.pixelColor(40, 300).name() == "#1e2230"
+    colours = {image.pixelColor(x, y).name() for x in range(0, 800, 20) for y in range(40, 560, 20)}
+    assert len(colours) > 5  # buttons, display, text: not a blank grab
+
+
+def test_cli_missing_file_is_exit_2(tmp_path: Path) -> None:
+    result = _run_cli(str(tmp_path / "absent.html"))
+    assert result.returncode == 2
+    assert "cannot read" in result.stderr and "absent.html" in result.stderr
+    assert "Traceback" not in result.stderr
