@@ -29,6 +29,21 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny_qwen"), model_type="qwen3_5_moe", seed=1)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():  # type: ignore[no-untyped-def]
+    """Run a module's model code on one torch thread (restored afterwards).
+
+    The CI box has 2 cores shared by parallel jobs; OpenMP threads spinning against each other made a tiny
+    forward ~20x slower than on one thread.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def copy_model(src: Path, dst: Path) -> Path:
     """A private copy of a session model folder, for tests that damage files."""
     shutil.copytree(src, dst)

@@ -353,3 +353,144 @@ def test_deltas_are_only_emitted_for_committed_blocks() -> None:
             seen_before_commit.append(committed)
     # each block's text arrives once, right before its BlockCommitted
     assert seen_before_commit == [0, 1]
+
+
+# ---- end to end on tiny real checkpoints ---------------------------------------------------------------------------
+
+from fixtures_tiny import one_torch_thread, tiny_clover_dir, tiny_qwen_dir  # noqa: E402,F401
+
+from engine.api import Engine  # noqa: E402
+from engine.events import GenerationParams  # noqa: E402
+
+PLAIN = dict(presence_penalty=0.0, repetition_penalty=1.0)  # penalties off where a reference is recomputed by hand
+
+
+@pytest.fixture(scope="module")
+def clover(tiny_clover_dir, one_torch_thread):  # type: ignore[no-untyped-def]
+    return Engine.load(tiny_clover_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_qwen_dir, one_torch_thread):  # type: ignore[no-untyped-def]
+    return Engine.load(tiny_qwen_dir)
+
+
+def test_engine_diffusion_end_to_end_on_tiny_clover(clover: Engine) -> None:
+    params = GenerationParams(max_new_tokens=12, block_size=8)  # a tail block and at least one more
+    events = list(clover.generate(prompt="Write a haiku about the sea.", params=params))
+    info = events[0]
+    assert isinstance(info, PromptInfo) and info.block_size == 8
+    assert info.prompt_tokens == len(clover.tokenizer.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}]))
+    done = finished(events)
+    steps = [e for e in events if isinstance(e, BlockStep)]
+    committed = [e for e in events if isinstance(e, BlockCommitted)]
+    assert 1 <= done.tokens <= 12 and done.passes >= len(committed) >= 1
+    assert sum(len(c.token_ids) for c in committed) == done.tokens
+    assert done.passes == sum(c.passes for c in committed)
+    assert all(len(s.tokens) == 8 for s in steps)
+    assert steps[0].block_index == info.first_block and steps[0].prompt_slots == info.tail
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert "".join(d.text for d in deltas if d.channel == "answer") == done.text
+    assert "".join(d.text for d in deltas if d.channel == "thinking") == done.thinking
+    assert clover.tokenizer.mask_token_id not in done.token_ids
+    assert done.tokens_per_pass == pytest.approx(done.tokens / done.passes)
+
+
+def test_engine_ar_matches_an_uncached_greedy_reference(qwen: Engine) -> None:
+    ids = qwen.prompt_ids(prompt="The harbour town", raw=True)
+    done = finished(list(qwen.generate(prompt_ids=ids, params=GenerationParams(mode="ar", max_new_tokens=6, **PLAIN))))
+    seq = list(ids)
+    eos = set(qwen.generation_defaults.eos_token_ids)
+    with torch.inference_mode():
+        for _ in range(done.tokens):
+            logits = qwen.model.forward(torch.tensor(seq), 0, None)  # [T, V], no cache at all
+            logits[:, qwen.tokenizer.mask_token_id] = float("-inf")
+            seq.append(int(logits[-1].argmax()))
+            if seq[-1] in eos:
+                break
+    assert list(done.token_ids) == seq[len(ids):]
+
+
+def test_engine_diffusion_matches_an_uncached_block_reference(qwen: Engine) -> None:
+    # The cached loop (prefill, read-only denoise passes, commit passes) must decode exactly what re-running the
+    # whole context in block mode without a cache decodes, pass by pass.
+    B = 8
+    ids = qwen.prompt_ids(prompt="Q: What is the capital of Australia?\nA:", raw=True)
+    params = GenerationParams(max_new_tokens=20, block_size=B, **PLAIN)
+    done = finished(list(qwen.generate(prompt_ids=ids, params=params)))
+    mask = qwen.tokenizer.mask_token_id
+    seq = list(ids)
+    out: list[int] = []
+    with torch.inference_mode():
+        while len(out) < 20:
+            pos0 = (len(seq) // B) * B
+            block = seq[pos0:] + [mask] * (B - (len(seq) - pos0))
+            start = len(seq) - pos0
+            while mask in block[start:]:
+                logits = qwen.model.forward(torch.tensor(seq[:pos0] + block), 0, None, block_size=B)[pos0:]  # [B, V]
+                logits[:, mask] = float("-inf")
+                probs = torch.softmax(logits, -1)
+                conf, tok = probs.max(-1)
+                masked = torch.tensor([t == mask for t in block])
+                conf = torch.where(masked, conf, torch.tensor(-1.0))
+                commit = conf > 0.95
+                if not commit.any():
+                    commit[int(conf.argmax())] = True
+                block = [int(t) if c else b for b, t, c in zip(block, tok.tolist(), commit.tolist())]
+            new = block[start:][: 20 - len(out)]
+            out += new
+            seq += new
+    eos = set(qwen.generation_defaults.eos_token_ids)
+    cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+    assert list(done.token_ids) == out[:cut]
+
+
+def test_engine_refuses_bad_requests_before_any_event(clover: Engine) -> None:
+    with pytest.raises(PromptError, match="empty"):
+        clover.generate(prompt="   ")
+    with pytest.raises(PromptError, match="empty"):
+        clover.generate(prompt_ids=[])
+    with pytest.raises(PromptError, match="exactly one"):
+        clover.generate(prompt="a", prompt_ids=[1])
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        clover.generate(prompt_ids=[1, 10**6])
+
+
+def test_engine_context_limit_refuses_and_clamps(clover: Engine) -> None:
+    small = Engine(clover.model, clover.config.with_overrides(max_position_embeddings=64), clover.generation_defaults,
+                   clover.tokenizer)
+    with pytest.raises(PromptError, match="context holds 64"):
+        small.generate(prompt_ids=list(range(10, 80)))
+    done = finished(list(small.generate(prompt_ids=list(range(10, 66)), params=GenerationParams(max_new_tokens=100))))
+    assert done.stop_reason in ("context", "eos") and done.tokens <= 8
+
+
+def test_engine_diffusion_needs_a_mask_id(qwen: Engine) -> None:
+    no_tokenizer = Engine(qwen.model, qwen.config, qwen.generation_defaults, None)
+    assert qwen.config.mask_token_id is None
+    with pytest.raises(PromptError, match="mask"):
+        no_tokenizer.generate(prompt_ids=[10, 11, 12])
+    done = finished(list(no_tokenizer.generate(prompt_ids=[10, 11, 12], params=GenerationParams(mode="ar", max_new_tokens=3))))
+    assert done.tokens == 3
+
+
+def test_engine_chat_with_tools_and_thinking_off(clover: Engine) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Is it warmer in Lisbon or in Oslo?"}]
+    ids = clover.prompt_ids(messages=msgs, tools=tools, enable_thinking=False)
+    text = clover.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "get_weather" in text and text.endswith("<think>\n\n</think>\n\n")
+    events = list(clover.generate(messages=msgs, tools=tools, params=GenerationParams(enable_thinking=False, max_new_tokens=4)))
+    assert events[0].prompt_tokens == len(ids)  # type: ignore[union-attr]
+
+
+def test_engine_cancel_stops_generation(clover: Engine) -> None:
+    cancel = threading.Event()
+    events = []
+    for e in clover.generate(prompt="hello", params=GenerationParams(max_new_tokens=200), cancel=cancel):
+        events.append(e)
+        if isinstance(e, BlockStep) and e.pass_index == 2:
+            cancel.set()
+    done = finished(events)
+    assert done.stop_reason == "cancelled"
+    assert sum(isinstance(e, BlockStep) for e in events) == 3  # the flag was honoured before the next pass
