@@ -330,7 +330,7 @@ class SettingsDrawer(QFrame):
         for n in (8, 16, 32, 64):
             self.block_size.addItem(str(n), n)
         self.threshold = QDoubleSpinBox()
-        self.threshold.setRange(0.05, 1.0)
+        self.threshold.setRange(0.0, 1.0)
         self.threshold.setSingleStep(0.05)
         self.threshold.setToolTip("Commit every slot whose confidence is at least this (at least one per pass)")
         self.max_tokens = QSpinBox()
