@@ -22,7 +22,7 @@ from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk import paths
 from clover_desk.engine_client import EngineClient
-from clover_desk.storage import ChatStore, atomic_write_text
+from clover_desk.storage import ChatStore, StreamRecorder, atomic_write_text
 from engine.events import LoadProgress
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class CloverDeskApp(QObject):
         self.window = MainWindow(
             self.client,
             self.store,
+            StreamRecorder,
             model_dir=self.settings.model_dir,
             vram_panel=self.vram_panel,
             preview=self.preview,

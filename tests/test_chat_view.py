@@ -60,7 +60,7 @@ def test_table_and_autolink() -> None:
 # ------------------------------------------------------------------------------------------- plain state
 
 
-def test_streaming_reply_tracks_channels_and_unsaved_text() -> None:
+def test_streaming_reply_tracks_channels_and_thinking_time() -> None:
     now = [100.0]
     reply = StreamingReply(clock=lambda: now[0])
     reply.add("let me think", "thinking")
@@ -68,11 +68,8 @@ def test_streaming_reply_tracks_channels_and_unsaved_text() -> None:
     reply.add("Answer", "answer")
     reply.add(" more", "answer")
     assert reply.thinking_seconds() == 2.5 and not reply.is_thinking
-    assert reply.take_unsaved() == ("Answer more", "let me think")
-    assert reply.take_unsaved() == ("", "")
     reply.add("!", "answer")
-    assert reply.take_unsaved() == ("!", "")
-    assert reply.answer == "Answer more!"
+    assert (reply.answer, reply.thinking) == ("Answer more!", "let me think")
 
 
 def test_stats_line() -> None:

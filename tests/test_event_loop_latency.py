@@ -95,12 +95,12 @@ def test_latency_during_a_real_generation(qtbot, tiny_clover_dir, tmp_path) -> N
 
 def test_latency_under_a_flood_of_steps(qtbot, tmp_path) -> None:
     """A scripted engine that sends a pass every millisecond (far faster than any real one)."""
-    from clover_desk.storage import ChatStore
+    from clover_desk.storage import ChatStore, StreamRecorder
     from ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")
     client = FakeEngineClient(blocks=60, pass_ms=1)
-    window = MainWindow(client, store, model_dir="/models/tiny")
+    window = MainWindow(client, store, StreamRecorder, model_dir="/models/tiny")
     qtbot.addWidget(window)
     window.resize(1400, 860)
     window.show()

@@ -6,7 +6,7 @@ import pytest
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QWidget
 
-from clover_desk.storage import ChatStore
+from clover_desk.storage import ChatStore, StreamRecorder
 from engine.events import LoadProgress
 from fakes_ui import FakeEngineClient, fake_plan
 from ui.main_window import GenerationSettings, MainWindow, expert_hit_rate, title_from_text
@@ -56,7 +56,7 @@ def store(tmp_path):
 def make_window(qtbot, store, client=None, **kwargs) -> tuple[MainWindow, FakeEngineClient]:
     client = client or FakeEngineClient(blocks=3, pass_ms=2, thinking="plan the answer")
     kwargs.setdefault("model_dir", "/models/tiny")
-    window = MainWindow(client, store, **kwargs)
+    window = MainWindow(client, store, StreamRecorder, **kwargs)
     qtbot.addWidget(window)
     window.show()
     return window, client
@@ -77,7 +77,7 @@ def test_send_streams_saves_each_block_and_shows_stats(qtbot, store) -> None:
     answer = messages[1]
     assert answer.status == "complete" and answer.content.startswith("Block diffusion fills")
     assert answer.thinking == "plan the answer" and answer.thinking_seconds is not None
-    assert answer.stats["tokens_per_s"] == 41.5 and answer.stats["expert_hit_rate"] == pytest.approx(0.93)
+    assert answer.stats["tokens_per_s"] == 41.5 and answer.stats["accounting"] == {"hits": 930, "misses": 70}
     # saved as blocks committed: one append per block (3), none after Finished
     assert len([a for a in store.appends if a[0] == answer.id]) == 3
     assert "".join(a[1] for a in store.appends) == answer.content

@@ -60,18 +60,15 @@ class MessageData:
 
 
 class StreamingReply:
-    """Accumulates one reply's deltas: text per channel, thinking duration, and what is not yet saved.
+    """Accumulates one reply's deltas for display: text per channel and how long the thinking took.
 
-    ``take_unsaved()`` hands out the text committed since the last save, so the store gets exactly one
-    ``append_streaming`` per committed block and nothing twice.
+    (Saving is the store's recorder's job: ``clover_desk.storage.StreamRecorder``.)
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.answer = ""
         self.thinking = ""
-        self._unsaved_answer = ""
-        self._unsaved_thinking = ""
         self.thinking_started: float | None = None
         self.thinking_ended: float | None = None
         self.started = clock()
@@ -81,17 +78,10 @@ class StreamingReply:
             if self.thinking_started is None:
                 self.thinking_started = self._clock()
             self.thinking += text
-            self._unsaved_thinking += text
         else:
             if self.thinking_started is not None and self.thinking_ended is None:
                 self.thinking_ended = self._clock()
             self.answer += text
-            self._unsaved_answer += text
-
-    def take_unsaved(self) -> tuple[str, str]:
-        out = (self._unsaved_answer, self._unsaved_thinking)
-        self._unsaved_answer = self._unsaved_thinking = ""
-        return out
 
     @property
     def is_thinking(self) -> bool:

@@ -185,6 +185,15 @@ class SystemMonitor:
         return out
 
 
+class Recorder(Protocol):
+    """Saves one streaming answer from its events (``clover_desk.storage.StreamRecorder``)."""
+
+    def on_event(self, event: object) -> bool: ...
+
+
+RecorderFactory = Callable[[Any, int], Recorder]  # (store, assistant message id) -> recorder
+
+
 class EngineClientLike(Protocol):
     """What the window uses of ``clover_desk.engine_client.EngineClient`` (signals are Qt signals)."""
 
@@ -616,6 +625,7 @@ class MainWindow(QMainWindow):
         self,
         client: Any,
         store: Any,
+        recorder_factory: RecorderFactory,
         *,
         model_dir: str | None = None,
         vram_panel: QWidget | None = None,
@@ -631,6 +641,8 @@ class MainWindow(QMainWindow):
         self.resize(1480, 900)
         self.client = client
         self.store = store
+        self._new_recorder = recorder_factory
+        self.recorder: Any = None  # saves the streaming answer (clover_desk.storage.StreamRecorder)
         self.model_dir = model_dir
         self.monitor = monitor
         self.gpu_name = gpu_name
@@ -687,7 +699,6 @@ class MainWindow(QMainWindow):
         self._build_layout()
         self._build_shortcuts()
         self.status_throttle = Throttle(self.refresh_status, 250, self)
-        self.save_throttle = Throttle(self.on_save_due, 500, self)
         self.monitor_timer = QTimer(self)
         self.monitor_timer.setInterval(2000)
         self._connect_signals()
@@ -959,6 +970,7 @@ class MainWindow(QMainWindow):
         self.reply_data = MessageData("assistant", status="streaming", stats={"mode": settings.mode},
                                       message_id=saved.id)
         self.chat.add_message(self.reply_data)
+        self.recorder = self._new_recorder(self.store, saved.id)
         self.denoise.clear()
         self.request_id = str(self.client.generate(messages, params, None))
         self.composer.set_generating(True)
@@ -1007,16 +1019,15 @@ class MainWindow(QMainWindow):
     def on_engine_event(self, request_id: str, event: object) -> None:
         if request_id != self.request_id or self.reply is None or self.reply_data is None:
             return
+        if self.recorder is not None:
+            self.recorder.on_event(event)  # the store first: what is saved never lags what is shown
         if isinstance(event, TextDelta):
             self.reply.add(event.text, event.channel)
             self._sync_reply()
-            if self.reply_mode == "ar":  # no BlockCommitted in AR mode: save at most twice a second
-                self.save_throttle.request()
         elif isinstance(event, BlockStep):
             self.denoise.add_event(event)
         elif isinstance(event, BlockCommitted):
             self.denoise.add_event(event)
-            self.on_save_due()
             self.status_throttle.request()
         elif isinstance(event, PromptInfo):
             self.denoise.add_event(event)
@@ -1033,18 +1044,9 @@ class MainWindow(QMainWindow):
         self.reply_data.thinking_seconds = self.reply.thinking_seconds()
         self.chat.stream_changed()
 
-    def on_save_due(self) -> None:
-        """Append the text committed since the last save (one transaction per committed block)."""
-        if self.reply is None or self.reply_data is None or self.reply_data.message_id is None:
-            return
-        answer, thinking = self.reply.take_unsaved()
-        if answer or thinking:
-            self.store.append_streaming(self.reply_data.message_id, answer, thinking)
-
     def _finish(self, event: Finished) -> None:
         assert self.reply is not None and self.reply_data is not None
         self.reply.finish()
-        self.save_throttle.cancel()
         stats = finished_stats(event, self.reply_mode)
         status = "stopped" if event.stop_reason == "cancelled" else "complete"
         data = self.reply_data
@@ -1054,9 +1056,6 @@ class MainWindow(QMainWindow):
         data.thinking_seconds = self.reply.thinking_seconds()
         data.status = status
         data.stats = stats
-        if data.message_id is not None:
-            self.store.finish_message(data.message_id, status, stats=stats, thinking_seconds=data.thinking_seconds,
-                                      content=data.content, thinking=data.thinking)
         self.last_tok_s = event.tokens_per_s
         self.last_hit_rate = stats.get("expert_hit_rate", self.last_hit_rate)
         self._end_generation(event.stop_reason)
@@ -1064,13 +1063,11 @@ class MainWindow(QMainWindow):
     def _fail(self, message: str, reason: str) -> None:
         if self.reply is None or self.reply_data is None:
             return
-        self.on_save_due()
+        if self.recorder is not None and not self.recorder.done:  # e.g. a crash reported before its EngineError
+            self.recorder.on_event(EngineError("WorkerCrashed" if reason == "crashed" else "Error", message))
         data = self.reply_data
         data.status = "error"
         data.stats = {**data.stats, "error": message, "stop_reason": reason}
-        if data.message_id is not None:
-            self.store.finish_message(data.message_id, "error", stats=data.stats,
-                                      thinking_seconds=self.reply.thinking_seconds())
         self._end_generation(reason)
 
     def _end_generation(self, reason: str) -> None:
@@ -1078,6 +1075,7 @@ class MainWindow(QMainWindow):
         self.request_id = None
         self.reply = None
         self.reply_data = None
+        self.recorder = None
         self.chat.end_stream()
         self.composer.set_generating(False)
         self.reload_conversations(self.sidebar.search.text())
@@ -1180,8 +1178,8 @@ class MainWindow(QMainWindow):
         self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
-        if self.is_generating():
-            self.on_save_due()
+        if self.is_generating() and self.recorder is not None:
+            self.recorder.flush()  # keep what streamed so far; the store marks it interrupted on next open
         self.monitor_timer.stop()
         super().closeEvent(event)
 
