@@ -63,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense", choices=("nf4", "int8"), default="nf4", help="--shape only: format of the attention, GDN and shared-expert projections (default nf4)")
     parser.add_argument("--tokens-per-pass", type=float, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
     parser.add_argument("--coreset", action="store_true", help="predict with Clover's block expert coreset (~30 distinct experts per pass instead of ~70)")
+    parser.add_argument("--attention", choices=("math", "efficient"), default="math", help="prefill attention kernel to plan for: 'math' is today's engine (fp32 score scratch), 'efficient' a kernel without it")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict())")
 
 
@@ -137,6 +138,10 @@ def format_plan(plan: Plan) -> str:
         f"  inputs: {gpu}; PCIe {a['pcie_gbps']:.1f} GB/s, VRAM {a['vram_gbps']:.0f} GB/s; {a['tokens_per_pass']:g} tokens/pass; "
         f"{a['distinct_experts_per_pass']:g} distinct experts/layer/pass, {a['distinct_experts_per_block_layer']:g} per block"
     )
+    lines.append(
+        f"Prefill: at most {plan.prefill_chunk_tokens:,} tokens per forward ({a['workspace_details']['attention_path']} "
+        f"attention kernel)"
+    )
     lines.append("")
     if plan.fits:
         lines.append(f"Fits. Smallest budget that fits: {plan.min_vram_bytes / GiB:.3f} GiB ({plan.min_vram_bytes:,} bytes)")
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = _load_manifest(args)
         hardware = probe_hardware()
         roofline = Roofline.with_coreset(tokens_per_pass=args.tokens_per_pass) if args.coreset else Roofline(tokens_per_pass=args.tokens_per_pass)
-        plan = make_plan(manifest, vram, args.ctx, ram, hardware=hardware, roofline=roofline)
+        plan = make_plan(manifest, vram, args.ctx, ram, hardware=hardware, roofline=roofline, attention=args.attention)
     except (CloverError, OSError, ValueError) as exc:
         print(f"clover-desk plan: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

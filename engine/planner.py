@@ -714,8 +714,10 @@ def manifest_from_quantized_cache(manifest_json_path: str | Path) -> Manifest:
 CUDA_CONTEXT_BYTES = 500 * MiB  # CUDA context + cuBLAS handles and workspaces (torch, recent drivers)
 ALLOCATOR_SLACK_BYTES = 256 * MiB  # caching-allocator fragmentation headroom
 STAGING_BYTES = 64 * MiB  # pinned host staging: the offload staging ring + weight-upload buffers at load
-PREFILL_CHUNK_TOKENS = 512  # prompt tokens per prefill forward
-PREFILL_ACTIVATION_BUFFERS = 8  # live fp32 [chunk, widest projection] buffers during a prefill layer
+PREFILL_MAX_TOKENS = 2048  # engine.model.CloverModel.max_pass_tokens: the longest prefill forward
+PREFILL_WORKSPACE_BYTES = 512 * MiB  # what the chunk-dependent part of one prefill forward may take
+ACTIVATION_BUFFERS = 8  # live fp32 [tokens, widest projection] buffers inside one layer
+ATTENTION_PATHS = ("math", "efficient")
 EXPERT_DEQUANT_EXPERTS = 2  # experts alive dequantized to bf16 (engine.quant.routed_forward: one at a time, + 1 cached)
 
 BREAKDOWN_KEYS = ("non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve")
@@ -785,6 +787,7 @@ class Plan:
     ram_available_bytes: int | None = None
     ram_breakdown: dict[str, int] = field(default_factory=dict)
     ctx_tokens: int = 0
+    prefill_chunk_tokens: int = 0  # the engine must not prefill more tokens per forward (its scratch is planned)
     model: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -845,25 +848,64 @@ def spread_resident(layers: tuple[int, ...] | list[int], n_resident: int) -> lis
     return [layer for pos, layer in enumerate(layers) if pos not in streamed_pos]
 
 
-def _workspace(f: _Facts, ctx: int, block: int) -> dict[str, int]:
-    geo = f.geo
-    widest = max(
-        geo.conv_dim if geo.gdn_layers else 0,
+def _widest(geo: ModelGeometry) -> int:
+    return max(
+        geo.conv_dim + geo.value_dim if geo.gdn_layers else 0,  # in_proj_qkv + in_proj_z outputs
         geo.q_dim * 2,
         geo.hidden_size,
         geo.shared_expert_intermediate_size * 2,
         geo.moe_intermediate_size * 2,
     )
+
+
+def _prefill_parts(geo: ModelGeometry, chunk: int, ctx: int, attention: str) -> dict[str, int]:
+    """Scratch of one prefill forward of ``chunk`` tokens whose last token sees ``ctx`` keys.
+
+    Block-mode prefill passes a block-causal bool mask to SDPA with ``enable_gqa`` (engine.model). In torch 2.13
+    GQA runs only on the flash and math kernels and flash takes no mask, so this is the *math* kernel, which keeps
+    its intermediates in fp32: scores and probabilities [Hq, T, S], K and V expanded to Hq heads, and the mask as
+    an fp32 bias. ``attention="efficient"`` is the same pass on a kernel that materializes none of that."""
+    full = bool(geo.full_attention_layers)
+    math_path = full and attention == "math"
     return {
+        "activations": chunk * _widest(geo) * 4 * ACTIVATION_BUFFERS,
+        "attn_scores": 2 * geo.num_attention_heads * chunk * ctx * 4 if math_path else 0,
+        "attn_mask": chunk * ctx * (5 if math_path else 1) if full else 0,
+        "attn_kv_expanded": 2 * geo.num_attention_heads * ctx * geo.head_dim * 4 if math_path else 0,
+    }
+
+
+def choose_prefill_chunk(geo: ModelGeometry, ctx: int, block: int, attention: str = "math") -> int:
+    """The longest prefill forward (a multiple of ``block``, at most :data:`PREFILL_MAX_TOKENS`) whose
+    chunk-dependent scratch fits :data:`PREFILL_WORKSPACE_BYTES`; one block at least."""
+    top = max(block, PREFILL_MAX_TOKENS // block * block)
+    for chunk in range(top, block - 1, -block):
+        parts = _prefill_parts(geo, chunk, ctx, attention)
+        if sum(parts.values()) - parts["attn_kv_expanded"] <= PREFILL_WORKSPACE_BYTES:
+            return chunk
+    return block
+
+
+def _workspace(f: _Facts, ctx: int, block: int, attention: str) -> tuple[dict[str, int], dict[str, Any]]:
+    """(workspace parts summing to the workspace, details). Prefill and decoding never run at once: the larger
+    of the two counts, plus the dequantize buffers both use."""
+    geo = f.geo
+    chunk = choose_prefill_chunk(geo, ctx, block, attention)
+    prefill = _prefill_parts(geo, chunk, ctx, attention)
+    decode = {
         "logits": block * geo.vocab_size * 4,  # fp32 logits of one block
-        # one block's attention scores against the whole context (the math SDPA path for a block mask)
-        "attn_scores": (geo.num_attention_heads * block * ctx * 4) if geo.full_attention_layers else 0,
-        "prefill_activations": PREFILL_CHUNK_TOKENS * widest * 4 * PREFILL_ACTIVATION_BUFFERS,
+        "activations": block * _widest(geo) * 4 * ACTIVATION_BUFFERS,
+        # a single-block pass needs no mask, so SDPA uses flash attention: no score scratch
+    }
+    parts = {
+        "prefill_or_decode": max(sum(prefill.values()), sum(decode.values())),
         # engine.quant.QuantLinear dequantizes its whole weight to bf16 per forward: the largest one (lm_head
         # when quantized: 0.95 GiB for 35B-A3B) is alive while it runs
         "dequant_dense": f.dequant_dense_max_params * 2,
         "dequant_experts": int(EXPERT_DEQUANT_EXPERTS * f.expert_params * 2) if f.experts_quantized else 0,
     }
+    details = {"prefill_chunk_tokens": chunk, "attention_path": attention, "prefill": prefill, "decode": decode}
+    return parts, details
 
 
 def _min_slots(n_streamed: int, num_experts: int, min_slot_experts: int | None) -> int:
@@ -971,6 +1013,7 @@ def make_plan(
     hardware: Hardware | None = None,
     roofline: Roofline | None = None,
     optimize_for: str = "diffusion",
+    attention: str = "math",
 ) -> Plan:
     """Place ``manifest`` into ``vram_bytes`` of GPU memory (and ``ram_bytes`` of free host RAM, when given) for
     ``ctx_tokens`` of context; see the module docstring for the rules.
@@ -979,6 +1022,9 @@ def make_plan(
     ``hardware`` (default :data:`engine.hardware.DEFAULT_HARDWARE`, the assumed 16 GB RTX card; this function
     never probes) and ``roofline`` only feed the speed prediction, which picks the resident layer count for
     ``optimize_for`` ("diffusion" | "ar"). ``ram_bytes=None`` skips the RAM check.
+    ``attention``: "math" is what engine.model's block-mode prefill runs today (see :func:`_prefill_parts`);
+    "efficient" plans for a kernel without fp32 score scratch. The plan's ``prefill_chunk_tokens`` is the longest
+    prefill forward the engine may run within this plan.
     """
     vram_budget = _check_int("vram_bytes", vram_bytes)
     ctx = _check_int("ctx_tokens", ctx_tokens, 1)
@@ -989,6 +1035,8 @@ def make_plan(
         _check_int("min_slot_experts", min_slot_experts, 1)
     if optimize_for not in ("diffusion", "ar"):
         raise PlanError(f"optimize_for must be 'diffusion' or 'ar', got {optimize_for!r}")
+    if attention not in ATTENTION_PATHS:
+        raise PlanError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {attention!r}")
     rl = roofline or Roofline()
     if rl.tokens_per_pass > block:
         raise PlanError(f"Roofline.tokens_per_pass {rl.tokens_per_pass} exceeds block_size {block}")
@@ -1001,7 +1049,7 @@ def make_plan(
     f = _facts(manifest)
     geo, e = f.geo, f.geo.num_experts
     ctx_alloc = -(-ctx // block) * block  # the KV cache holds whole blocks
-    workspace_parts = _workspace(f, ctx_alloc, block)
+    workspace_parts, workspace_details = _workspace(f, ctx_alloc, block, attention)
     fixed = {
         "non_expert": f.non_expert_gpu,
         "kv_cache": geo.kv_bytes_per_token * ctx_alloc,
@@ -1090,6 +1138,7 @@ def make_plan(
         "experts_per_token": geo.num_experts_per_tok,
         "min_slot_experts": chosen.min_slots,
         "workspace_parts": workspace_parts,
+        "workspace_details": workspace_details,
         "reserve_parts": {"cuda_context": CUDA_CONTEXT_BYTES, "allocator_slack": ALLOCATOR_SLACK_BYTES},
         "resident_rule": "count: best predicted tok/s (ties: more resident); streamed layers spread evenly",
         "slot_rule": "at least 2 x experts per layer (a block pass can touch all, double-buffered), at most the "
@@ -1113,6 +1162,7 @@ def make_plan(
         ram_available_bytes=ram_bytes,
         ram_breakdown=dict(chosen.ram),
         ctx_tokens=ctx,
+        prefill_chunk_tokens=workspace_details["prefill_chunk_tokens"],
         model=manifest.source,
     )
 

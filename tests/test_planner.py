@@ -566,3 +566,27 @@ def test_planner_imports_no_torch_and_no_qt() -> None:
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     heavy = {m for m in loaded if m.split(".")[0] in ("torch", "PySide6", "numpy", "pynvml", "psutil", "safetensors")}
     assert not heavy, heavy
+
+
+def test_prefill_chunk_keeps_the_attention_scratch_bounded(m35: planner.Manifest) -> None:
+    geo = m35.geometry
+    for ctx in (2048, CTX, 131_072):
+        for attention in ("math", "efficient"):
+            chunk = planner.choose_prefill_chunk(geo, ctx, 32, attention)
+            assert chunk % 32 == 0 and 32 <= chunk <= planner.PREFILL_MAX_TOKENS
+
+            def variable(c: int) -> int:
+                parts = planner._prefill_parts(geo, c, ctx, attention)
+                return sum(parts.values()) - parts["attn_kv_expanded"]
+
+            assert variable(chunk) <= planner.PREFILL_WORKSPACE_BYTES or chunk == 32
+            if chunk < planner.PREFILL_MAX_TOKENS:
+                assert variable(chunk + 32) > planner.PREFILL_WORKSPACE_BYTES  # the longest that fits
+    # the math kernel's fp32 scores cost chunk length; the efficient path prefills in long chunks
+    assert planner.choose_prefill_chunk(geo, CTX, 32, "math") < planner.choose_prefill_chunk(geo, CTX, 32, "efficient")
+    math_plan = make_plan(m35, 16 * GiB, CTX)
+    assert math_plan.prefill_chunk_tokens == planner.choose_prefill_chunk(geo, CTX, 32, "math")
+    prefill = math_plan.assumptions["workspace_details"]["prefill"]
+    assert prefill["attn_kv_expanded"] == 2 * 16 * CTX * 256 * 4  # K and V, fp32, expanded to 16 heads
+    efficient = make_plan(m35, 16 * GiB, CTX, attention="efficient")
+    assert efficient.min_vram_bytes < math_plan.min_vram_bytes
