@@ -1,0 +1,151 @@
+"""The ``generate`` and ``make-tiny`` commands: real subprocesses for the end-to-end runs, ``cli.main`` in-process
+for the error cases (exit code 2, one message on stderr, never a traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clover_desk import cli
+from fixtures_tiny import copy_model, one_torch_thread, tiny_clover_dir  # noqa: F401
+
+CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # 2 shared cores: no spinning thread pools
+
+
+def clover_desk(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLOVER_DESK, *args], capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def json_events(stdout: str) -> list[dict]:
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]
+
+
+# ---- end to end (subprocess) ---------------------------------------------------------------------------------------
+
+
+def test_generate_json_diffusion(tiny_clover_dir: Path) -> None:
+    proc = clover_desk("generate", "--model", str(tiny_clover_dir), "--prompt", "Tell me about the harbour town.",
+                       "--max-new-tokens", "12", "--block-size", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    events = json_events(proc.stdout)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "prompt" and kinds[-1] == "finished" and kinds.count("finished") == 1
+    assert "block_step" in kinds and "block_committed" in kinds
+    done = events[-1]
+    for key in ("token_ids", "text", "passes", "tokens_per_pass", "tokens_per_s", "stop_reason"):
+        assert key in done
+    assert 1 <= len(done["token_ids"]) <= 12 and done["passes"] >= 2
+    assert done["tokens_per_pass"] == pytest.approx(len(done["token_ids"]) / done["passes"])
+    answer = "".join(e["text"] for e in events if e["event"] == "delta" and e["channel"] == "answer")
+    thinking = "".join(e["text"] for e in events if e["event"] == "delta" and e["channel"] == "thinking")
+    assert answer == done["text"] and thinking == done["thinking"]
+    committed = [t for e in events if e["event"] == "block_committed" for t in e["token_ids"]]
+    assert committed == done["token_ids"]
+
+
+def test_generate_json_ar_from_prompt_ids(tiny_clover_dir: Path) -> None:
+    proc = clover_desk("generate", "--model", str(tiny_clover_dir), "--prompt-ids", "10,11,12,13", "--mode", "ar",
+                       "--max-new-tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    events = json_events(proc.stdout)
+    assert events[0] == {"event": "prompt", "prompt_tokens": 4, "block_size": 1, "first_block": 4, "tail": 0}
+    done = events[-1]
+    assert done["event"] == "finished" and done["passes"] == len(done["token_ids"]) <= 5
+    assert not any(e["event"] == "block_step" for e in events)
+
+
+def test_missing_model_dir_exits_2_without_traceback(tmp_path: Path) -> None:
+    proc = clover_desk("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert proc.returncode == 2
+    assert "nowhere: model folder not found" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_make_tiny_command(tmp_path: Path) -> None:
+    proc = clover_desk("make-tiny", str(tmp_path / "q"), "--model-type", "qwen3_5_moe", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe"
+    assert (tmp_path / "q" / "model.safetensors.index.json").is_file()
+    assert "wrote a tiny qwen3_5_moe model" in proc.stdout
+
+
+# ---- in-process: plain output and every error path -----------------------------------------------------------------
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plain_output_streams_the_text(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path,
+                                       one_torch_thread: None) -> None:
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_clover_dir), "--prompt", "Hi", "--no-think",
+                             "--max-new-tokens", "6", "--block-size", "8")
+    assert code == 0
+    assert "tokens/pass" in err and "tokens/s" in err  # the summary goes to stderr
+    # the same request in --json mode gives the same answer text (greedy is deterministic)
+    code, js, _ = run_cli(capsys, "generate", "--model", str(tiny_clover_dir), "--prompt", "Hi", "--no-think",
+                          "--max-new-tokens", "6", "--block-size", "8", "--json")
+    done = json_events(js)[-1]
+    assert code == 0
+    assert done["text"].strip() in out
+    assert ("[thinking]" in out) == (done["thinking"] != "")  # thinking is marked off from the answer
+
+
+def _expect_error(capsys: pytest.CaptureFixture[str], args: list[str], *needles: str) -> str:
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1
+    for needle in needles:
+        assert needle in err
+    return err
+
+
+def test_bad_config_field(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path, tmp_path: Path) -> None:
+    folder = copy_model(tiny_clover_dir, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_experts"] = "many"
+    (folder / "config.json").write_text(json.dumps(config))
+    _expect_error(capsys, ["generate", "--model", str(folder), "--prompt", "hi"], "config.json", "num_experts", "many")
+
+
+def test_truncated_safetensors(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path, tmp_path: Path,
+                               one_torch_thread: None) -> None:
+    folder = copy_model(tiny_clover_dir, tmp_path / "m")
+    shard = sorted(folder.glob("model-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    _expect_error(capsys, ["generate", "--model", str(folder), "--prompt", "hi"], shard.name)
+
+
+def test_empty_prompt(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path, one_torch_thread: None) -> None:
+    _expect_error(capsys, ["generate", "--model", str(tiny_clover_dir), "--prompt", ""], "empty prompt")
+    _expect_error(capsys, ["generate", "--model", str(tiny_clover_dir), "--prompt-ids", ","], "empty prompt")
+    _expect_error(capsys, ["generate", "--model", str(tiny_clover_dir), "--prompt-ids", "1,x"], "--prompt-ids")
+
+
+def test_prompt_longer_than_the_context(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path, tmp_path: Path,
+                                        one_torch_thread: None) -> None:
+    folder = copy_model(tiny_clover_dir, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    (folder / "config.json").write_text(json.dumps(config))
+    ids = ",".join(str(10 + i % 50) for i in range(70))
+    _expect_error(capsys, ["generate", "--model", str(folder), "--prompt-ids", ids], "70 tokens", "context holds 64")
+    _expect_error(capsys, ["generate", "--model", str(folder), "--prompt-ids", ids, "--mode", "ar"], "context holds 64")
+
+
+def test_cuda_device_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path) -> None:
+    if sys.modules.get("torch") is not None and __import__("torch").cuda.is_available():
+        pytest.skip("CUDA is present here")
+    _expect_error(capsys, ["generate", "--model", str(tiny_clover_dir), "--prompt", "hi", "--device", "cuda"],
+                  "CUDA is not available")
