@@ -1,25 +1,38 @@
 """VRAM / RAM planner: a byte-exact tensor manifest, a placement plan for a budget, and a roofline speed estimate.
 
 Stdlib only (plus psutil / pynvml inside :func:`engine.hardware.probe_hardware`): the Qt UI imports this module.
+Units: sizes are bytes, ``GiB`` = 2**30; bandwidths are GB/s (10**9 bytes per second), as hardware specs state them.
 
-Units: sizes are bytes; ``GiB`` = 2**30. Bandwidths are GB/s (10**9 bytes per second), as hardware specs state them.
+Manifests (:class:`Manifest`): every text-model tensor with its exact bytes and a kind. From a checkpoint's
+safetensors headers (:func:`manifest_from_checkpoint`, never the data), from the quantized cache's manifest JSON
+(:func:`manifest_from_quantized_cache`, or the same dict: :func:`manifest_from_dict`), or from a known shape under a
+:class:`QuantPolicy` (:func:`manifest_for_shape`; the byte rules are the one table :data:`FORMAT_BYTES`).
 
-How a plan is made (:func:`make_plan`)
-* Everything that is not a routed expert lives on the GPU (attention, Gated DeltaNet, shared experts, routers, norms,
-  Clover extras, lm_head), except the input embedding, which is a row lookup and stays in system RAM.
-* Routed experts are placed by whole layers: a layer's experts are either resident on the GPU or streamed from
-  pinned host RAM into a pool of expert-sized GPU slots.
-* The slot pool is at least ``2 x E`` slots (E = experts per layer) when any layer streams: a block of 32 tokens x
-  top-8 can touch all E experts of a layer in one pass, and the next streamed layer's experts load while this one
-  computes (double buffering). ``min_slot_experts`` lowers this for an expert bank that computes in chunks. The
-  pool never exceeds the number of streamed experts. VRAM the layers cannot use goes to extra slots: they cache
-  streamed layers' block working sets, which is what makes streaming and block diffusion work together.
-* Which layers stay resident: the number R is chosen by the roofline (highest predicted diffusion tok/s, ties to
-  more resident layers), and the streamed ones are spread evenly over the depth, so between two streamed layers
-  there are resident layers whose compute hides the next streamed layer's transfer. Streaming a run of adjacent
-  layers would leave the copy engine nothing to overlap with.
-* Reserve: CUDA context + cuBLAS (500 MiB) and allocator slack (256 MiB). The budget is what this process may use:
-  pass the card's free VRAM (what the desktop leaves), not its total.
+How a plan is made (:func:`make_plan`); every VRAM byte is in ``Plan.vram_breakdown``:
+* ``non_expert``: everything that is not a routed expert (attention, Gated DeltaNet, shared experts, routers,
+  norms, Clover extras, lm_head) lives on the GPU, except the input embedding: a row lookup, kept in system RAM.
+* ``resident_experts`` / ``expert_slots``: routed experts are placed by whole layers, either resident or streamed
+  from pinned host RAM into a pool of expert-sized slots. The pool is at least ``2 x E`` slots (E experts per
+  layer) when any layer streams: one 32-token pass can touch all E experts of a layer, and the next streamed
+  layer loads while this one computes (double buffering); ``min_slot_experts`` lowers it for a bank that computes
+  in chunks (engine.offload accepts E). It never exceeds the streamed experts. VRAM left over after the layers
+  becomes extra slots: they hold streamed layers' block working sets across a block's denoising passes.
+* Which layers stay resident: the count R with the best predicted tok/s for ``optimize_for`` (ties: more
+  resident); the streamed layers are spread evenly over the depth, so resident layers sit between streamed ones
+  and their compute hides the next streamed layer's copy (a run of adjacent streamed layers leaves the copy
+  engine nothing to overlap with).
+* ``kv_cache``: bf16 K and V of every full-attention layer for the context, rounded up to whole blocks.
+* ``gdn_state``: fp32 recurrent state + bf16 conv state per GDN layer; denoising passes read it without writing,
+  so no snapshot copy.
+* ``workspace``: the larger of a prefill forward's scratch and a decoding pass's (fp32 block logits, activations),
+  plus the dequantize buffers (engine.quant dequantizes a whole weight per forward). The prefill scratch depends
+  on the attention kernel and sets ``Plan.prefill_chunk_tokens`` (:func:`choose_prefill_chunk`).
+* ``reserve``: CUDA context + cuBLAS (500 MiB) and caching-allocator slack (256 MiB). The budget is what this
+  process may use: pass the card's free VRAM (what the desktop leaves), not its total.
+
+RAM (``Plan.ram_bytes``): the streamed layers' experts (pinned), the embedding and a pinned staging area; not the
+Python/torch process itself. Speed: :class:`Roofline` (time per pass = max(VRAM traffic / VRAM bandwidth, PCIe
+bytes / PCIe bandwidth, FLOPs / compute) + eager per-layer and per-expert overheads).
 """
 
 from __future__ import annotations
@@ -373,14 +386,15 @@ class QuantPolicy:
     ``attention`` covers the full-attention and the Gated DeltaNet projections. Quantized formats apply only to
     tensors with >= 2 dims and an even size (as in ``engine.quant``); unmatched tensors keep their stored dtype.
 
-    Defaults, by the numbers (35B-A3B shapes, 16 GiB budget, 16K context; ``tests/test_planner.py`` pins them):
-    routed experts are 93 % of the weights and only 8 of 256 run per token: NF4 (4.5 bits). The dense projections
-    (attention + GDN + shared experts, 1.41 B params) run for every token: NF4 0.79 GB, int8 1.42 GB. The 0.62 GB
-    difference is 1.4 expert layers; in the 16 GiB plan it moves ~3 layers from resident to streamed and costs
-    about 4 % of predicted diffusion speed. NF4 on the dense path is the same format the experts already use, and
-    it is what ``engine.quant.DEFAULT_POLICY`` writes, so the planner's shape-only plans match the real cache; int8
-    (``QuantPolicy(attention="int8", shared_expert="int8")``) is the quality option for cards with room to spare.
-    lm_head int8: 0.51 GB instead of 1.02 GB bf16, and above 4 bits as llama.cpp's Q4_K_M keeps its output head.
+    Defaults, by the numbers (35B-A3B shapes, 16K context; ``tests/test_planner.py`` pins them):
+    * routed experts are 93 % of the weights and only 8 of 256 run per token: NF4 (4.5 bits), 16.9 GiB.
+    * dense projections (attention + GDN + shared experts, 1.41 B params, run for every token): NF4 0.80 GB,
+      int8 1.42 GB. The 0.62 GB is 1.4 expert layers: at 16 GiB, NF4 keeps 21 layers resident against int8's 19;
+      the hardware-bound speed is 8 % (diffusion) to 11 % (AR) higher, 18 % higher diffusion at 8 GiB. With
+      today's eager overheads the gap is 1-6 %. NF4 is also what ``engine.quant.DEFAULT_POLICY`` writes, so
+      shape-only plans match the real cache. int8 (``QuantPolicy(attention="int8", shared_expert="int8")``) is
+      the quality option: choose it if measured tokens per pass drop with NF4 (noisier logits commit less).
+    * lm_head int8: 0.51 GB instead of 1.02 GB bf16, above 4 bits as llama.cpp's Q4_K_M keeps its output head.
     """
 
     experts: str = "nf4"

@@ -590,3 +590,14 @@ def test_prefill_chunk_keeps_the_attention_scratch_bounded(m35: planner.Manifest
     assert prefill["attn_kv_expanded"] == 2 * 16 * CTX * 256 * 4  # K and V, fp32, expanded to 16 heads
     efficient = make_plan(m35, 16 * GiB, CTX, attention="efficient")
     assert efficient.min_vram_bytes < math_plan.min_vram_bytes
+
+
+def test_default_policy_numbers(m35: planner.Manifest) -> None:
+    """The figures QuantPolicy's docstring gives for choosing NF4 on the dense path."""
+    int8 = manifest_for_shape("clover-35b-a3b", QuantPolicy(attention="int8", shared_expert="int8"))
+    dense = ["attn", "gdn", "shared_expert"]
+    assert int8.total_bytes(dense) - m35.total_bytes(dense) == 617_390_080  # 0.62 GB, 1.4 expert layers
+    nf4_16, int8_16 = make_plan(m35, 16 * GiB, CTX), make_plan(int8, 16 * GiB, CTX)
+    assert (len(nf4_16.resident_expert_layers), len(int8_16.resident_expert_layers)) == (21, 19)
+    gain = nf4_16.predicted_tok_s["diffusion_bound"] / int8_16.predicted_tok_s["diffusion_bound"]
+    assert 1.05 < gain < 1.12
