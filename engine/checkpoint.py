@@ -402,14 +402,32 @@ def _drop_extra(model: CloverModel, pname: str) -> None:
         gdn.bd_logit_scale = None
 
 
+def materialize(model: CloverModel, device: torch.device | str) -> None:
+    """Allocate (uninitialized) storage on ``device`` for every parameter still on the meta device; parameters
+    that already live somewhere (e.g. a swapped-in expert bank) are left alone."""
+    for module in model.modules():
+        for pname, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[pname] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False
+                )
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
 def load_state(
     model: CloverModel,
     reader: CheckpointReader,
     plan: LoadPlan,
     progress: Callable[[LoadProgress], None] | None = None,
     cancel: threading.Event | None = None,
+    consume: Callable[[str, Target, Tensor], bool] | None = None,
 ) -> None:
-    """Copy every planned tensor into ``model`` (already materialized), one tensor at a time."""
+    """Copy every planned tensor into ``model`` (already materialized), one tensor at a time.
+
+    ``consume(checkpoint_name, target, tensor)``, when given, sees each sanitized tensor first; returning True
+    means it took the tensor (e.g. an expert store) and nothing is copied into the model.
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     total = sum(reader.entries[n].nbytes for n in plan.targets)
     done = 0
@@ -417,9 +435,12 @@ def load_state(
         if cancel is not None and cancel.is_set():
             raise CancelledError(f"loading {reader.model_dir} was cancelled")
         tensor = sanitize_tensor(target, reader.read(name))
-        param = params[target.name]
-        dst = param.data if target.index is None else param.data[target.index]
-        dst.copy_(tensor.to(dtype=param.dtype))
+        if consume is None or not consume(name, target, tensor):
+            param = params.get(target.name)
+            if param is None:
+                raise CheckpointError(f"{reader.entries[name].file}: tensor {name!r} has no parameter {target.name!r} in the model")
+            dst = param.data if target.index is None else param.data[target.index]
+            dst.copy_(tensor)  # converts dtype and device in one copy
         done += reader.entries[name].nbytes
         if progress is not None:
             progress(LoadProgress(stage="reading", done_bytes=done, total_bytes=total, current=name))
@@ -448,9 +469,7 @@ def load_model(
         plan = plan_load(model, reader)
         if cancel is not None and cancel.is_set():
             raise CancelledError(f"loading {model_dir} was cancelled")
-        model.to_empty(device=device)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+        materialize(model, device)
         load_state(model, reader, plan, progress, cancel)
     if progress is not None:
         total = sum(reader.entries[n].nbytes for n in plan.targets)
@@ -471,9 +490,7 @@ def model_from_state_dict(
     extras = config.is_diffusion or any(".bd_history." in n or n.endswith("weight_right") for n in source.entries)
     model = CloverModel(config, dtype=_as_dtype(dtype), device="meta", clover_extras=extras)
     plan = plan_load(model, source)  # type: ignore[arg-type]
-    model.to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    materialize(model, device)
     load_state(model, source, plan)  # type: ignore[arg-type]
     return model.eval()
 

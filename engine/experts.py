@@ -87,7 +87,17 @@ class DenseExpertBank(ExpertBank):
         for e, n in zip(experts, counts):
             ys[start : start + n] = self.expert_forward(e, xs[start : start + n])
             start += n
-        w = topk_w.reshape(-1)[order].to(torch.float32)  # [N] routing weight of each sorted pair
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, D] fp32 accumulation
-        out.index_add_(0, token, ys.to(torch.float32) * w[:, None])
-        return out.to(x.dtype)
+        return combine_by_token(ys, order, topk_w)
+
+
+def combine_by_token(ys: Tensor, order: Tensor, topk_w: Tensor) -> Tensor:
+    """Weighted sum of the expert outputs per token, deterministic (no atomics), accumulated in fp32.
+
+    ys [N, D] expert outputs in sorted (expert) order, order [N] from :func:`group_by_expert`, topk_w [T, K].
+    Returns [T, D] in ys's dtype.
+    """
+    t, k = topk_w.shape
+    unsorted = torch.empty(ys.shape, dtype=torch.float32, device=ys.device)  # [N, D] back in (token, slot) order
+    unsorted[order] = ys.to(torch.float32)
+    out = (unsorted.view(t, k, -1) * topk_w.to(torch.float32)[:, :, None]).sum(1)  # [T, D]
+    return out.to(ys.dtype)

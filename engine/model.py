@@ -777,6 +777,8 @@ class CloverModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.dtype = dtype
+        # longest single pass when writing the cache; longer inputs are split into whole-block segments
+        self.max_pass_tokens = 2048
 
     @property
     def device(self) -> torch.device:
@@ -823,6 +825,31 @@ class CloverModel(nn.Module):
                 raise PromptError(f"context full: {start_pos} + {t} tokens exceed the cache size {cache.max_len}")
         if block_size is not None and (block_size <= 0 or start_pos % block_size):
             raise ValueError(f"block mode needs start_pos ({start_pos}) to be a multiple of block_size ({block_size})")
+        if cache is not None and write_cache and t > self.max_pass_tokens:
+            # A long prefill runs as consecutive whole-block segments through the cache: the same math (blocks only
+            # look back), with bounded attention-mask and activation memory.
+            unit = block_size or GDN_CHUNK
+            seg = max(unit, self.max_pass_tokens // unit * unit)
+            outs = [
+                self._forward_pass(ids[s : s + seg], start_pos + s, cache, block_size, True, last_only, prefill,
+                                   causal_inside_block)
+                for s in range(0, t, seg)
+            ]
+            return outs[-1] if last_only else torch.cat(outs)
+        return self._forward_pass(ids, start_pos, cache, block_size, write_cache, last_only, prefill, causal_inside_block)
+
+    def _forward_pass(
+        self,
+        ids: Tensor,
+        start_pos: int,
+        cache: ModelCache | None,
+        block_size: int | None,
+        write_cache: bool,
+        last_only: bool,
+        prefill: bool,
+        causal_inside_block: bool,
+    ) -> Tensor:
+        t = ids.shape[0]
         cfg = self.config
         device = self.device
         ids = ids.to(device)

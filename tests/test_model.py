@@ -350,3 +350,19 @@ def test_bank_prepare_sees_the_experts_before_the_bank_runs() -> None:
     mlp.experts = _RecordingBank(mlp.experts)
     model(_ids(9))
     assert mlp.experts.prepared == [sorted(set(mlp.last_topk_idx.flatten().tolist()))]
+
+
+@pytest.mark.parametrize("block_size", [None, BLOCK])
+def test_long_cached_pass_is_split_into_segments_with_the_same_result(block_size: int | None) -> None:
+    model = tiny_model(tiny_config("clover_moe"), seed=13)
+    ids = _ids(6 * BLOCK + 3, seed=10)
+    c1 = model.new_cache(64)
+    whole = model(ids, 0, c1, block_size=block_size)
+    model.max_pass_tokens = 2 * BLOCK  # (causal segments round up to one 32-token chunk)
+    c2 = model.new_cache(64)
+    split = model(ids, 0, c2, block_size=block_size)
+    assert (whole - split).abs().max() < 1e-4
+    assert c2.length == ids.numel()
+    assert (c1.state[0] - c2.state[0]).abs().max() < 1e-4
+    c3 = model.new_cache(64)
+    assert (model(ids, 0, c3, block_size=block_size, last_only=True) - whole[-1:]).abs().max() < 1e-4
