@@ -98,6 +98,7 @@ class EngineClient(QObject):
         self._restart_after_exit = False
         self._fatal: tuple[str, str] | None = None  # the fatal error the worker reported before exiting
         self._current_request: str | None = None
+        self._load_pending = False  # a load was sent and has not ended (loaded / loadFailed) yet
         self._latest_plan: str | None = None
         self._model_info: dict[str, Any] | None = None
         self._pid: int | None = None
@@ -161,6 +162,7 @@ class EngineClient(QObject):
         self._fatal = None
         self._model_info = None
         self._current_request = None
+        self._load_pending = False
         self._set_state("starting")
         log.info("starting engine worker: %s %s", self._python, " ".join(proc.arguments()))
         proc.start()
@@ -172,9 +174,10 @@ class EngineClient(QObject):
         ``loadFailed``. May be called right after start(): it is sent once the worker is ready."""
         if self._state in ("loading", "generating"):
             busy = "a model is loading" if self._state == "loading" else "a generation is running; cancel it first"
-            self._later(lambda: self._load_failed("Busy", f"cannot load: {busy}"))
+            self._later(lambda: self._refuse_load("Busy", f"cannot load: {busy}"))
             return
         self._model_info = None
+        self._load_pending = True
         self._send(
             {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype, "vram_gb": vram_gb},
             new_state="loading",
@@ -369,12 +372,20 @@ class EngineClient(QObject):
         request_id, self._current_request = self._current_request, None
         if request_id is not None:
             self.event.emit(request_id, EngineError(kind=kind, message=message))
-        if self._state == "loading":
+        if self._load_pending:
+            self._load_pending = False
             self.loadFailed.emit(kind, message)
         self._queued.clear()
 
-    def _load_failed(self, kind: str, message: str) -> None:
+    def _refuse_load(self, kind: str, message: str) -> None:
+        """A load() that was never sent (the one in progress, if any, goes on)."""
         self.errorMessage.emit(kind, message)
+        self.loadFailed.emit(kind, message)
+
+    def _load_failed(self, kind: str, message: str, show: bool = True) -> None:
+        self._load_pending = False
+        if show:
+            self.errorMessage.emit(kind, message)
         self.loadFailed.emit(kind, message)
 
     def _kill_if_running(self, proc: QProcess) -> None:
@@ -422,6 +433,7 @@ class EngineClient(QObject):
         elif name == "load_progress":
             self.loadProgress.emit(from_dict(record))
         elif name == "loaded":
+            self._load_pending = False
             self._model_info = record
             self._set_state("idle")
             self.loaded.emit(record)
@@ -465,8 +477,8 @@ class EngineClient(QObject):
         if record.get("op") == "load":
             if self._state == "loading" and not record.get("fatal"):
                 self._set_state("idle")
-            if not record.get("fatal"):
-                self._load_failed(kind, message)
+            # A fatal one is shown by the crashed signal that follows, not as a second message.
+            self._load_failed(kind, message, show=not record.get("fatal"))
             return
         if record.get("op") == "plan" and request_id != self._latest_plan:
             return

@@ -252,7 +252,8 @@ def test_out_of_memory_while_loading_fails_the_load_and_crashes(qtbot: Any, fake
     fake_client.loadFailed.connect(lambda k, m: failed.append((k, m)))
     with qtbot.waitSignal(fake_client.crashed, timeout=LOAD_MS):
         fake_client.load("/models/oom")
-    assert failed and failed[0][0] == "WorkerCrashed" and fake_client.state == "stopped"
+    assert [k for k, _ in failed] == ["OutOfMemory"] and "out of memory" in failed[0][1]
+    assert fake_client.state == "stopped"
 
 
 def test_refusals_are_answered_as_events(qtbot: Any, fake_client: EngineClient) -> None:
@@ -320,3 +321,19 @@ def test_the_gui_side_never_imports_torch() -> None:
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert "PySide6.QtCore" in loaded
     assert not any(m == "torch" or m.startswith("torch.") for m in loaded)
+
+
+def test_a_second_load_while_loading_is_refused_without_ending_the_first(qtbot: Any, fake_client: EngineClient) -> None:
+    c = fake_client
+    _start(qtbot, c)
+    with qtbot.waitSignal(c.loadProgress, timeout=LOAD_MS):
+        c.load("/models/slow")
+    failed: list[tuple[str, str]] = []
+    c.loadFailed.connect(lambda k, m: failed.append((k, m)))
+    with qtbot.waitSignal(c.loadFailed, timeout=5000):
+        c.load("/models/fake")
+    assert failed[0][0] == "Busy" and c.state == "loading"
+    with qtbot.waitSignal(c.crashed, timeout=15_000):
+        os.kill(c.pid, signal.SIGKILL)
+    # The first load is still the one the crash ends.
+    assert [k for k, _ in failed] == ["Busy", "WorkerCrashed"]
