@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vram-gb", type=float, required=True, metavar="N", help="VRAM budget in GiB (the card's free memory)")
     parser.add_argument("--ctx", type=int, default=16384, metavar="N", help="context tokens to hold (default 16384)")
     parser.add_argument("--ram-gb", type=float, metavar="N", help="free system RAM in GiB (checked when given)")
-    parser.add_argument("--dense", choices=("nf4", "int8"), default="nf4", help="--shape only: format of the attention, GDN and shared-expert projections (default nf4)")
+    parser.add_argument("--dense", choices=("nf4", "int8"), default="int8", help="--shape only: format of the attention, GDN and shared-expert projections (default int8)")
     parser.add_argument("--tokens-per-pass", type=float, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
     parser.add_argument("--coreset", action="store_true", help="predict with Clover's block expert coreset (~30 distinct experts per pass instead of ~70)")
     parser.add_argument("--attention", choices=("math", "efficient"), default="math", help="prefill attention kernel to plan for: 'math' is today's engine (fp32 score scratch), 'efficient' a kernel without it")

@@ -388,18 +388,20 @@ class QuantPolicy:
 
     Defaults, by the numbers (35B-A3B shapes, 16K context; ``tests/test_planner.py`` pins them):
     * routed experts are 93 % of the weights and only 8 of 256 run per token: NF4 (4.5 bits), 16.9 GiB.
-    * dense projections (attention + GDN + shared experts, 1.41 B params, run for every token): NF4 0.80 GB,
-      int8 1.42 GB. The 0.62 GB is 1.4 expert layers: at 16 GiB, NF4 keeps 21 layers resident against int8's 19;
-      the hardware-bound speed is 8 % (diffusion) to 11 % (AR) higher, 18 % higher diffusion at 8 GiB. With
-      today's eager overheads the gap is 1-6 %. NF4 is also what ``engine.quant.DEFAULT_POLICY`` writes, so
-      shape-only plans match the real cache. int8 (``QuantPolicy(attention="int8", shared_expert="int8")``) is
-      the quality option: choose it if measured tokens per pass drop with NF4 (noisier logits commit less).
+    * dense projections (attention + GDN + shared experts, 1.41 B params): int8 1.42 GB, NF4 0.80 GB. The 0.62 GB
+      is 1.4 expert layers: at 16 GiB NF4 keeps 21 layers resident against int8's 19, for 8 % (diffusion) to
+      11 % (AR) more hardware-bound speed, 1-6 % with today's eager overheads (18 % diffusion at 8 GiB). int8 is
+      the default anyway: this path runs for every token of every denoising pass, and block diffusion commits a
+      position only at >= 0.95 confidence, so noise here costs tokens per pass; a 10 % lower TPF would cancel
+      the whole NF4 gain, and expert error, by contrast, is averaged over 8 experts and a shared one.
+      ``QuantPolicy(attention="nf4", shared_expert="nf4")`` is the small-card option. Same defaults as
+      ``engine.quant.make_policy``.
     * lm_head int8: 0.51 GB instead of 1.02 GB bf16, above 4 bits as llama.cpp's Q4_K_M keeps its output head.
     """
 
     experts: str = "nf4"
-    attention: str = "nf4"
-    shared_expert: str = "nf4"
+    attention: str = "int8"
+    shared_expert: str = "int8"
     lm_head: str = "int8"
 
     def __post_init__(self) -> None:

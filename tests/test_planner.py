@@ -123,9 +123,10 @@ def test_35b_bytes_follow_the_policy(m35: planner.Manifest) -> None:
     for entry in m35:
         assert entry.bytes == FORMAT_BYTES[entry.format](entry.shape), entry.name
     assert by_name["layers.0.mlp.experts.gate_up_proj"].format == "nf4"
-    assert by_name["layers.0.linear_attn.in_proj_qkv.weight"].format == "nf4"
-    assert by_name["layers.3.self_attn.q_proj.weight"].format == "nf4"
-    assert by_name["layers.0.mlp.shared_expert.down_proj.weight"].format == "nf4"
+    assert by_name["layers.0.linear_attn.in_proj_qkv.weight"].format == "int8"
+    assert by_name["layers.0.linear_attn.in_proj_qkv.weight"].bytes == 8192 * 2048 + 8192 * 4
+    assert by_name["layers.3.self_attn.q_proj.weight"].format == "int8"
+    assert by_name["layers.0.mlp.shared_expert.down_proj.weight"].format == "int8"
     assert by_name["lm_head.weight"].format == "int8"
     assert by_name["embed_tokens.weight"].format == "bf16"
     assert by_name["layers.0.mlp.gate.weight"].format == "bf16"  # router stays precise
@@ -133,9 +134,9 @@ def test_35b_bytes_follow_the_policy(m35: planner.Manifest) -> None:
     assert by_name["layers.0.linear_attn.A_log"].format == "fp32"
     assert by_name["layers.0.linear_attn.conv1d.weight_right"].format == "bf16"
     assert by_name["layers.0.linear_attn.bd_history.weight"].kind == "clover_extra"
-    int8 = manifest_for_shape("clover-35b-a3b", QuantPolicy(attention="int8", shared_expert="int8"))
-    assert int8.by_name()["layers.0.linear_attn.in_proj_qkv.weight"].bytes == 8192 * 2048 + 8192 * 4
-    assert int8.total_bytes() > m35.total_bytes()
+    nf4 = manifest_for_shape("clover-35b-a3b", QuantPolicy(attention="nf4", shared_expert="nf4"))
+    assert nf4.by_name()["layers.0.linear_attn.in_proj_qkv.weight"].bytes == 8192 * 2048 // 2 + 8192 * 2048 // 64 * 4
+    assert nf4.total_bytes() < m35.total_bytes()
 
 
 def test_classify() -> None:
@@ -594,10 +595,50 @@ def test_prefill_chunk_keeps_the_attention_scratch_bounded(m35: planner.Manifest
 
 def test_default_policy_numbers(m35: planner.Manifest) -> None:
     """The figures QuantPolicy's docstring gives for choosing NF4 on the dense path."""
-    int8 = manifest_for_shape("clover-35b-a3b", QuantPolicy(attention="int8", shared_expert="int8"))
+    nf4 = manifest_for_shape("clover-35b-a3b", QuantPolicy(attention="nf4", shared_expert="nf4"))
     dense = ["attn", "gdn", "shared_expert"]
-    assert int8.total_bytes(dense) - m35.total_bytes(dense) == 617_390_080  # 0.62 GB, 1.4 expert layers
-    nf4_16, int8_16 = make_plan(m35, 16 * GiB, CTX), make_plan(int8, 16 * GiB, CTX)
+    assert m35.total_bytes(dense) - nf4.total_bytes(dense) == 617_390_080  # 0.62 GB, 1.4 expert layers
+    nf4_16, int8_16 = make_plan(nf4, 16 * GiB, CTX), make_plan(m35, 16 * GiB, CTX)
     assert (len(nf4_16.resident_expert_layers), len(int8_16.resident_expert_layers)) == (21, 19)
     gain = nf4_16.predicted_tok_s["diffusion_bound"] / int8_16.predicted_tok_s["diffusion_bound"]
     assert 1.05 < gain < 1.12
+
+
+@pytest.mark.parametrize("dense", ["int8", "nf4"])
+def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
+    """manifest_for_geometry (stdlib arithmetic) against a real tiny model quantized by engine.quant and counted by
+    engine.offload: the same tensor names, shapes and, for every quantized tensor, the same bytes."""
+    torch = pytest.importorskip("torch")
+    from engine import offload
+    from engine.checkpoint import random_state_dict
+    from engine.config import parse_config
+    from engine.model import CloverModel
+    from engine.quant import make_policy, quantize_model_
+    from engine.tiny import config_dict_for, tiny_text_config
+
+    text = tiny_text_config(vocab_size=128, layers=4, hidden=64, experts=16, experts_per_tok=4)
+    cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
+    model = CloverModel(cfg, dtype=torch.float32, device="cpu")
+    model.load_state_dict(random_state_dict(cfg, seed=3), strict=True)
+    quantize_model_(model, make_policy(attention=dense, shared_expert=dense))
+    counted = manifest_from_dict(offload.manifest_from_model(model))
+    planned = manifest_for_geometry(ModelGeometry.from_config(cfg), QuantPolicy(attention=dense, shared_expert=dense))
+    got, want = counted.by_name(), planned.by_name()
+    assert set(got) == set(want)
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape and g.kind == w.kind and g.layer == w.layer, name
+        if w.format in ("nf4", "int8") or g.format in ("nf4", "int8"):
+            assert (g.format, g.bytes) == (w.format, w.bytes), name
+    assert counted.geometry.num_experts == 16 and counted.geometry.full_attention_layers == (3,)
+
+
+def test_default_policy_is_the_quantizers_default() -> None:
+    pytest.importorskip("torch")
+    import inspect
+
+    from engine.quant import make_policy
+
+    defaults = {k: p.default for k, p in inspect.signature(make_policy).parameters.items()}
+    mine = dataclasses.asdict(QuantPolicy())
+    assert {k: defaults[k] for k in mine} == mine
