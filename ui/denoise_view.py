@@ -176,9 +176,13 @@ class DenoiseCanvas(QWidget):
         grid_h = rows * cell_h + (rows - 1) * gap
         self._paint_cells(p, margin, y, cell_w, cell_h, gap, cols)
         y += grid_h + 16
-        chart_h = max(60.0, min(180.0, self.height() - y - 60))
+        room = self.height() - y - 56  # what the two charts share above the legend
+        chart_h = max(60.0, min(180.0, room * 0.55))
         self._paint_chart(p, QRectF(margin, y, width, chart_h))
-        y += chart_h + 12
+        y += chart_h + 14
+        history_h = max(50.0, min(150.0, room - chart_h - 14))
+        self._paint_history(p, QRectF(margin, y, width, history_h))
+        y += history_h + 12
         self._paint_legend(p, margin, y)
         p.end()
 
@@ -270,6 +274,32 @@ class DenoiseCanvas(QWidget):
             if bar_w >= 14:
                 p.setPen(color("text") if i == current else color("muted"))
                 p.drawText(QRectF(bar.x() - 4, bar.y() - 14, bar.width() + 8, 13), Qt.AlignmentFlag.AlignCenter, str(k))
+
+    def _paint_history(self, p: QPainter, area: QRectF) -> None:
+        """Passes per block over the kept history; the block on show is outlined."""
+        p.setFont(self._small)
+        p.setPen(color("muted"))
+        p.drawText(QRectF(area.x(), area.y(), area.width(), 16), Qt.AlignmentFlag.AlignLeft,
+                   "PASSES PER BLOCK (RECENT)")
+        plot = QRectF(area.x(), area.y() + 20, area.width(), area.height() - 20)
+        p.setPen(QPen(color("border"), 1))
+        p.drawLine(plot.bottomLeft(), plot.bottomRight())
+        blocks = list(self._model.blocks)
+        if not blocks:
+            return
+        bar_w = min(14.0, plot.width() / max(len(blocks), 24))
+        blocks = blocks[-int(plot.width() // bar_w):]
+        top = max(max(len(b.steps) for b in blocks), 8)
+        shown = self.shown[0] if self.shown else None
+        for i, record in enumerate(blocks):
+            n = len(record.steps)
+            h = (plot.height() - 4) * n / top
+            bar = QRectF(plot.x() + i * bar_w + 1, plot.bottom() - h, bar_w - 2, h)
+            fill = color("accent2") if record.committed_tokens is not None else color("surface3")
+            fill.setAlpha(230 if record is shown else 140)
+            p.setPen(QPen(color("text"), 1.5) if record is shown else Qt.PenStyle.NoPen)
+            p.setBrush(fill)
+            p.drawRect(bar)
 
     def _paint_legend(self, p: QPainter, x: float, y: float) -> None:
         p.setFont(self._small)

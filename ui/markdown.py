@@ -157,7 +157,8 @@ class _Renderer:
             f'<td align="right" style="background-color: {COLORS["surface3"]}; padding: 4px 10px;'
             f' font-size: small;">{links}</td></tr>'
             f'<tr><td colspan="2" style="padding: 8px 10px;">'
-            f'<pre style="font-family: {MONO}; margin: 0; color: {COLORS["text"]};">{html.escape(code)}</pre>'
+            f'<pre style="font-family: {MONO}; margin: 0; color: {COLORS["text"]}; white-space: pre-wrap;">'
+            f"{html.escape(code)}</pre>"
             f"</td></tr></table>"
         )
         return i

@@ -162,7 +162,16 @@ class BudgetBar(QWidget):
             p.setBrush(color(col))
             p.drawRect(QRectF(x, bar.y(), w, bar.height()))
             x += w
+        used_x = x
         p.restore()
+        # what does not fit: the part of the bar past the budget, tinted red
+        bx0 = bar.x() + bar.width() * self.budget_bytes / scale_bytes
+        if used_x > bx0 + 1:
+            over = QColor(COLORS["danger"])
+            over.setAlpha(110)
+            p.setBrush(over)
+            p.setPen(Qt.PenStyle.NoPen)
+            p.drawRect(QRectF(bx0, bar.y(), used_x - bx0, bar.height()))
         # budget marker
         bx = bar.x() + bar.width() * self.budget_bytes / scale_bytes
         p.setPen(QPen(color("text") if self.fits else color("danger"), 2))
@@ -381,6 +390,8 @@ class VramPanel(QWidget):
         self.speed_label.setText(s.speed_line)
         self.reason_label.setText(s.reason if not s.fits else "")
         self.reason_label.setVisible(not s.fits)
+        for label in (self.layers_label, self.ram_label, self.speed_label):
+            label.setEnabled(s.fits)  # greyed: these figures describe a plan that cannot run
         self._update_apply_state()
         self.planChanged.emit(plan)
 
