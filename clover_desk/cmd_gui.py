@@ -32,12 +32,13 @@ def run(args: argparse.Namespace) -> int:
 
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.paths import app_data_dir
-    from ui.theme import apply_theme
+    from ui.theme import apply_theme, icon
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Clover Desk")
     app.setOrganizationName("Clover Desk")
     app.setDesktopFileName("clover-desk")
+    app.setWindowIcon(icon("clover-desk"))
     apply_theme(app)
     home = app_data_dir()
     settings = AppSettings.load(home / "settings.json")

@@ -274,6 +274,33 @@ def test_reopening_a_conversation_restores_messages(qtbot, store) -> None:
     assert again.chat.widgets[1].data.stats["tokens"] == 96
 
 
+def test_export_markdown_and_json(qtbot, store, tmp_path) -> None:
+    window, _ = make_window(qtbot, store)
+    send(qtbot, window, "export me")
+    md = window.export_conversation(window.conversation_id, "markdown", str(tmp_path / "chat.md"))
+    js = window.export_conversation(window.conversation_id, "json", str(tmp_path / "chat.json"))
+    assert "export me" in md.read_text() and '"export me"' in js.read_text()
+    assert "Exported to" in window.statusBar().currentMessage()
+
+
+def test_gui_process_never_imports_torch() -> None:
+    """The window, the composition root and the gui command run in the GUI process: no torch there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "import clover_desk.app, clover_desk.cmd_gui, ui.main_window, ui.vram_panel, ui.denoise_view\n"
+        "from engine import planner\n"
+        "planner.make_plan(planner.manifest_for_shape('clover-35b-a3b'), 12 << 30, 8192)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_helpers() -> None:
     assert expert_hit_rate({"hits": 3, "misses": 1}) == 0.75
     assert expert_hit_rate({"hit_rate": 0.5}) == 0.5

@@ -972,6 +972,8 @@ class MainWindow(QMainWindow):
         self.chat.add_message(self.reply_data)
         self.recorder = self._new_recorder(self.store, saved.id)
         self.denoise.clear()
+        if settings.mode == "ar":
+            self.denoise.position_label.setText("autoregressive mode: one token per step, no blocks to denoise")
         self.request_id = str(self.client.generate(messages, params, None))
         self.composer.set_generating(True)
         self.tabs.setCurrentWidget(self.denoise) if settings.mode == "diffusion" else None
