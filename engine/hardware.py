@@ -84,6 +84,12 @@ class Hardware:
     # Where each number came from ("nvml", "table", "default", "psutil"), for the CLI and the UI to show.
     sources: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name in ("pcie_gbps", "vram_gbps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"Hardware.{name} must be a positive number of GB/s, got {value!r}")
+
     @property
     def gpu(self) -> str | None:
         return self.gpu_name

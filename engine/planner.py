@@ -37,6 +37,7 @@ bytes / PCIe bandwidth, FLOPs / compute) + eager per-layer and per-expert overhe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -736,6 +737,8 @@ ACTIVATION_BUFFERS = 8  # live fp32 [tokens, widest projection] buffers inside o
 ATTENTION_PATHS = ("math", "efficient")
 EXPERT_DEQUANT_EXPERTS = 2  # experts alive dequantized to bf16 (engine.quant.routed_forward: one at a time, + 1 cached)
 
+CORESET_DISTINCT_EXPERTS_PER_PASS = 30.0  # [assumption] DES / MoE-Spec: 30-50 % of the raw union
+
 BREAKDOWN_KEYS = ("non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve")
 
 
@@ -763,7 +766,7 @@ class Roofline:
     @classmethod
     def with_coreset(cls, **kwargs: Any) -> "Roofline":
         """Clover's 90 %-mass block coreset: ~25-35 distinct experts per layer and pass (offload-anchors 2.3)."""
-        return cls(**{"distinct_experts_per_pass": 30.0, **kwargs})
+        return cls(**{"distinct_experts_per_pass": CORESET_DISTINCT_EXPERTS_PER_PASS, **kwargs})
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_pass", "distinct_experts_per_pass", "block_reuse_factor", "compute_tflops"):
@@ -977,7 +980,13 @@ def _predict(
     t_block = t_block_bound + n_pass * pass_oh
     # "ar" / "diffusion": with the eager-PyTorch overheads; "*_bound": the hardware roofline alone (what a fused,
     # graph-captured engine approaches).
-    tok = {"ar": 1.0 / t_ar, "diffusion": block / t_block, "ar_bound": 1.0 / t_ar_bound, "diffusion_bound": block / t_block_bound}
+    tiny = 1e-12  # a pass always takes some time; guards a zero-byte, zero-overhead toy model
+    tok = {
+        "ar": 1.0 / max(t_ar, tiny),
+        "diffusion": block / max(t_block, tiny),
+        "ar_bound": 1.0 / max(t_ar_bound, tiny),
+        "diffusion_bound": block / max(t_block_bound, tiny),
+    }
     derived = {
         "ar_expert_hit_rate": round(hit, 4),
         "ar_pcie_bytes_per_token": int(ar_pcie),
@@ -1027,9 +1036,11 @@ def make_plan(
     block_size: int = 32,
     min_slot_experts: int | None = None,
     hardware: Hardware | None = None,
-    roofline: Roofline | None = None,
+    roofline: Roofline | dict[str, Any] | None = None,
     optimize_for: str = "diffusion",
     attention: str = "math",
+    coreset: bool = False,
+    tokens_per_pass: float | None = None,
 ) -> Plan:
     """Place ``manifest`` into ``vram_bytes`` of GPU memory (and ``ram_bytes`` of free host RAM, when given) for
     ``ctx_tokens`` of context; see the module docstring for the rules.
@@ -1037,7 +1048,9 @@ def make_plan(
     ``manifest`` may also be the cache-manifest dict (``engine.offload.manifest_from_model``).
     ``hardware`` (default :data:`engine.hardware.DEFAULT_HARDWARE`, the assumed 16 GB RTX card; this function
     never probes) and ``roofline`` only feed the speed prediction, which picks the resident layer count for
-    ``optimize_for`` ("diffusion" | "ar"). ``ram_bytes=None`` skips the RAM check.
+    ``optimize_for`` ("diffusion" | "ar"). ``ram_bytes=None`` skips the RAM check. ``coreset`` and
+    ``tokens_per_pass`` are JSON-friendly shortcuts that override those two roofline inputs (the worker's ``plan``
+    command passes its keys straight through); ``roofline`` may also be a dict of :class:`Roofline` fields.
     ``attention``: "math" is what engine.model's block-mode prefill runs today (see :func:`_prefill_parts`);
     "efficient" plans for a kernel without fp32 score scratch. The plan's ``prefill_chunk_tokens`` is the longest
     prefill forward the engine may run within this plan.
@@ -1053,7 +1066,16 @@ def make_plan(
         raise PlanError(f"optimize_for must be 'diffusion' or 'ar', got {optimize_for!r}")
     if attention not in ATTENTION_PATHS:
         raise PlanError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {attention!r}")
+    if isinstance(roofline, dict):
+        unknown = set(roofline) - {f.name for f in dataclasses.fields(Roofline)}
+        if unknown:
+            raise PlanError(f"roofline has unknown field(s): {', '.join(sorted(unknown))}")
+        roofline = Roofline(**roofline)
     rl = roofline or Roofline()
+    if coreset:
+        rl = dataclasses.replace(rl, distinct_experts_per_pass=CORESET_DISTINCT_EXPERTS_PER_PASS)
+    if tokens_per_pass is not None:
+        rl = dataclasses.replace(rl, tokens_per_pass=tokens_per_pass)
     if rl.tokens_per_pass > block:
         raise PlanError(f"Roofline.tokens_per_pass {rl.tokens_per_pass} exceeds block_size {block}")
     hw = hardware or DEFAULT_HARDWARE

@@ -642,3 +642,24 @@ def test_default_policy_is_the_quantizers_default() -> None:
     defaults = {k: p.default for k, p in inspect.signature(make_policy).parameters.items()}
     mine = dataclasses.asdict(QuantPolicy())
     assert {k: defaults[k] for k in mine} == mine
+
+
+def test_json_friendly_roofline_shortcuts(m35: planner.Manifest) -> None:
+    by_object = make_plan(m35, 12 * GiB, CTX, roofline=Roofline.with_coreset(tokens_per_pass=4.0))
+    by_flags = make_plan(m35, 12 * GiB, CTX, coreset=True, tokens_per_pass=4.0)
+    by_dict = make_plan(m35, 12 * GiB, CTX, roofline={"distinct_experts_per_pass": 30.0, "tokens_per_pass": 4.0})
+    assert by_object.to_dict() == by_flags.to_dict() == by_dict.to_dict()
+    assert by_flags.assumptions["distinct_experts_per_pass"] == 30.0
+    with pytest.raises(PlanError, match="unknown field.*tpf"):
+        make_plan(m35, 12 * GiB, CTX, roofline={"tpf": 3})
+    with pytest.raises(ValueError, match="pcie_gbps.*0"):
+        Hardware(pcie_gbps=0)
+
+
+def test_a_model_without_routed_experts_plans_cleanly(m35: planner.Manifest) -> None:
+    dense = planner.Manifest(tuple(e for e in m35 if e.kind != "expert"), m35.geometry, "dense")
+    plan = make_plan(dense, 8 * GiB, CTX)
+    assert plan.fits and plan.resident_expert_layers == plan.streamed_expert_layers == []
+    assert plan.slot_pool_experts == 0 and plan.vram_breakdown["resident_experts"] == 0
+    assert plan.ram_breakdown["streamed_experts"] == 0
+    assert all(v > 0 for v in plan.predicted_tok_s.values())
