@@ -92,7 +92,7 @@ def test_int8_zero_row_is_exact() -> None:
 
 
 def test_policy_table_formats_for_real_tensor_names() -> None:
-    pol = make_policy(attention="int8", lm_head="int8")
+    pol = make_policy(attention="int8", shared_expert="nf4", lm_head="int8")
     p = "model.language_model.layers.3."
     cases = {
         f"{p}mlp.experts.gate_up_proj": "nf4",

@@ -1,0 +1,748 @@
+"""Expert offload: host expert store, device slot pool (LRU), streamed expert bank, plan application, accounting.
+
+Placement (``apply_plan``): the planner decides which MoE layers keep all their experts on the device
+("resident") and which are "streamed", and how many expert slots the device pool has. Streamed layers keep their
+quantized experts in host memory, ONE contiguous row per expert (``engine.quant.ExpertLayout``), so one copy fills
+one preallocated device slot. Host rows are pinned when the device is CUDA; where pinning fails or its budget is
+spent (Windows/WSL cap pinned memory), rows stay pageable and go through a small pinned staging ring.
+
+Slot pool: one device tensor [S, row_bytes] shared by all streamed layers, keyed by (layer, expert), LRU.
+Per diffusion block (``begin_block`` / ``end_block``) every slot a streamed layer touches is pinned for the rest of
+the block, so the block's working set is loaded once and reused by all its denoising passes. Pins are a
+preference: when a layer needs a slot and only other layers' block pins remain, the least recently used of those
+is evicted (counted as ``block_pin_evictions``), so any pool of at least one layer (E slots) works.
+The experts in use by the running forward are never evicted.
+
+Copies run on a side CUDA stream; a per-slot "ready" event gates compute, a per-slot "done" event gates reuse.
+On CPU (tests, CI) the same code does plain copies. Numbers never depend on the plan: resident and streamed
+banks run the same ``engine.quant.routed_forward`` on the same bytes.
+
+Prefetch: after a streamed layer's forward, the next streamed layer's router is applied to this layer's input
+(a speculative guess, as in mixtral-offloading) and its top-k experts are copied into free or unpinned slots.
+
+Accounting (``accounting(model)``) is a JSON-safe dict for ``Finished.accounting``.
+
+Letters: E experts, S slots, R row bytes per expert, T tokens, K top-k, D hidden size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import PlanError
+from engine.experts import ExpertBank
+from engine.quant import ExpertLayout, QuantExpertBank, QuantLinear, QuantPolicy, routed_forward, set_submodule
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+_LAYER_RX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
+
+
+class OutOfMemory(PlanError):
+    """The device ran out of memory (or of the byte budget given to placement) while placing weights."""
+
+
+class PlanLike(Protocol):
+    """The fields of ``engine.planner.Plan`` this module reads."""
+
+    resident_expert_layers: Any
+    streamed_expert_layers: Any
+    slot_pool_experts: int
+    vram_breakdown: dict[str, int]
+    fits: bool
+
+
+@dataclass
+class SimplePlan:
+    """A plan written by hand (tests, benchmarks); same fields as ``engine.planner.Plan`` that we read."""
+
+    resident_expert_layers: tuple[int, ...]
+    streamed_expert_layers: tuple[int, ...]
+    slot_pool_experts: int
+    vram_breakdown: dict[str, int] = field(default_factory=dict)
+    fits: bool = True
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device byte ledger (also the simulated-OOM cap)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class DeviceLedger:
+    """Counts the bytes placement puts on the device, by kind. ``cap_bytes`` simulates a smaller device: going
+    over it raises :class:`OutOfMemory`, exactly like a real CUDA OOM (which is converted to the same error)."""
+
+    def __init__(self, device: torch.device, cap_bytes: int | None = None) -> None:
+        self.device = device
+        self.cap_bytes = cap_bytes
+        self.by_kind: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def _charge(self, kind: str, what: str, nbytes: int) -> None:
+        if self.cap_bytes is not None and self.total + nbytes > self.cap_bytes:
+            raise OutOfMemory(
+                f"out of device memory placing {what} ({nbytes / 2**20:.1f} MiB): {self.total / 2**20:.1f} MiB "
+                f"already placed, cap {self.cap_bytes / 2**20:.1f} MiB"
+            )
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
+
+    def place(self, kind: str, what: str, t: Tensor) -> Tensor:
+        nbytes = t.numel() * t.element_size()
+        self._charge(kind, what, nbytes)
+        try:
+            return t.to(self.device)
+        except torch.OutOfMemoryError:
+            raise OutOfMemory(f"CUDA out of memory placing {what} ({nbytes / 2**20:.1f} MiB)") from None
+
+    def empty(self, kind: str, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._charge(kind, what, nbytes)
+        try:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            raise OutOfMemory(f"CUDA out of memory allocating {what} ({nbytes / 2**20:.1f} MiB)") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host store and staging ring
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class PinBudget:
+    """How many more bytes may be page-locked (None: no cap). Pinning only happens for CUDA devices."""
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        self.left = limit_bytes
+
+    def take(self, nbytes: int) -> bool:
+        if self.left is None:
+            return True
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+class HostExpertStore:
+    """One streamed layer's experts in host memory: ``rows`` uint8 [E, R], one contiguous row per expert."""
+
+    def __init__(self, layer: int, rows: Tensor, pin: bool, budget: PinBudget) -> None:
+        self.layer = layer
+        self.pinned = False
+        if pin and budget.take(rows.numel()):
+            try:
+                rows = rows.pin_memory()
+                self.pinned = True
+            except RuntimeError as exc:  # pinning refused (driver cap, WSL) -> pageable + staging ring
+                log.warning("layer %d: pinning %d MiB of experts failed (%s); using the staging ring", layer, rows.numel() >> 20, exc)
+        self.rows = rows
+
+    def row(self, e: int) -> Tensor:
+        return self.rows[e]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel()
+
+
+class StagingRing:
+    """A few pinned buffers of one row each: pageable rows are memcpy'd here first, then copied to the device."""
+
+    def __init__(self, row_bytes: int, slots: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.buffers = [torch.empty(row_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)]
+        self.events: list[Any] = [torch.cuda.Event() if cuda else None for _ in range(slots)]
+        self.next = 0
+
+    def stage(self, row: Tensor) -> tuple[Tensor, int]:
+        i = self.next
+        self.next = (i + 1) % len(self.buffers)
+        ev = self.events[i]
+        if ev is not None:
+            ev.synchronize()  # the previous H2D copy out of this buffer has finished
+        self.buffers[i].copy_(row)
+        return self.buffers[i], i
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Slot pool
+# ---------------------------------------------------------------------------------------------------------------
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass
+class Stats:
+    h2d_bytes: int = 0
+    slot_hits: int = 0
+    slot_misses: int = 0
+    evictions: int = 0
+    block_pin_evictions: int = 0
+    prefetched: int = 0
+    prefetch_hits: int = 0
+    prefetch_wasted: int = 0
+    staged_copies: int = 0
+    blocks: int = 0
+    passes: int = 0
+    passes_per_block: list[int] = field(default_factory=list)
+    distinct_per_block: dict[int, list[int]] = field(default_factory=dict)  # layer -> distinct experts per block
+
+
+class SlotPool:
+    """Device expert slots shared by all streamed layers, with LRU replacement and per-block pins."""
+
+    def __init__(self, num_slots: int, layout: ExpertLayout, device: torch.device, ledger: DeviceLedger) -> None:
+        self.num_slots = num_slots
+        self.layout = layout
+        self.device = device
+        self.buf = ledger.empty("expert_slots", f"expert slot pool ({num_slots} x {layout.nbytes} B)", (num_slots, layout.nbytes), torch.uint8)  # [S, R]
+        self.slot_of: dict[Key, int] = {}
+        self.key_of: list[Key | None] = [None] * num_slots
+        self.lru: OrderedDict[Key, None] = OrderedDict()  # oldest first
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.block_pins: set[Key] = set()
+        self.in_use: set[Key] = set()
+        self.prefetched_unused: set[Key] = set()
+        self.stats = Stats()
+        cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device=device) if cuda else None
+        self.ready: list[Any] = [torch.cuda.Event() if cuda else None for _ in range(num_slots)]
+        self.done: list[Any] = [None] * num_slots  # event after the last compute that read the slot
+        self.staging: StagingRing | None = None
+
+    # --- internals ---
+    def _victim(self, allow_block_pins: bool) -> Key | None:
+        for key in self.lru:
+            if key in self.in_use:
+                continue
+            if key in self.block_pins and not allow_block_pins:
+                continue
+            return key
+        return None
+
+    def _take_slot(self, for_prefetch: bool) -> int | None:
+        if self.free:
+            return self.free.pop()
+        victim = self._victim(allow_block_pins=False)
+        if victim is None and not for_prefetch:
+            victim = self._victim(allow_block_pins=True)
+            if victim is not None:
+                self.stats.block_pin_evictions += 1
+        if victim is None:
+            return None
+        slot = self.slot_of.pop(victim)
+        del self.lru[victim]
+        self.block_pins.discard(victim)
+        if victim in self.prefetched_unused:
+            self.prefetched_unused.discard(victim)
+            self.stats.prefetch_wasted += 1
+        self.key_of[slot] = None
+        self.stats.evictions += 1
+        return slot
+
+    def _copy_in(self, slot: int, store: HostExpertStore, e: int) -> None:
+        src = store.row(e)
+        staged = None
+        if not store.pinned and self.staging is not None:
+            src, staged = self.staging.stage(src)
+            self.stats.staged_copies += 1
+        if self.copy_stream is None:
+            self.buf[slot].copy_(src)
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                if self.done[slot] is not None:
+                    self.copy_stream.wait_event(self.done[slot])  # compute that read the old expert has finished
+                self.buf[slot].copy_(src, non_blocking=True)
+                self.ready[slot].record(self.copy_stream)
+                if staged is not None:
+                    self.staging.events[staged].record(self.copy_stream)  # type: ignore[union-attr]
+        self.stats.h2d_bytes += self.layout.nbytes
+
+    # --- API ---
+    def acquire(self, layer: int, experts: list[int], store: HostExpertStore, in_block: bool) -> dict[int, int]:
+        """Make ``experts`` of ``layer`` resident; returns {expert: slot}. They stay in use until ``release``."""
+        keys = [(layer, e) for e in experts]
+        self.in_use.update(keys)
+        out: dict[int, int] = {}
+        for key in keys:
+            slot = self.slot_of.get(key)
+            if slot is not None:
+                self.stats.slot_hits += 1
+                self.lru.move_to_end(key)
+                if key in self.prefetched_unused:
+                    self.prefetched_unused.discard(key)
+                    self.stats.prefetch_hits += 1
+            else:
+                self.stats.slot_misses += 1
+                slot = self._take_slot(for_prefetch=False)
+                if slot is None:
+                    self.in_use.difference_update(keys)
+                    raise PlanError(
+                        f"expert slot pool too small: layer {layer} needs {len(keys)} experts at once, "
+                        f"pool has {self.num_slots} slots"
+                    )
+                self._copy_in(slot, store, key[1])
+                self.slot_of[key] = slot
+                self.key_of[slot] = key
+                self.lru[key] = None
+            if in_block:
+                self.block_pins.add(key)
+            out[key[1]] = slot
+        return out
+
+    def wait_ready(self, slots: list[int]) -> None:
+        if self.copy_stream is None:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        for s in slots:
+            cur.wait_event(self.ready[s])
+
+    def release(self, layer: int, experts: list[int]) -> None:
+        """The forward that used these experts was issued: mark the slots reusable after it completes."""
+        if self.copy_stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            for e in experts:
+                slot = self.slot_of.get((layer, e))
+                if slot is not None:
+                    self.done[slot] = ev
+        self.in_use.difference_update((layer, e) for e in experts)
+
+    def prefetch(self, layer: int, experts: list[int], store: HostExpertStore) -> int:
+        """Copy guessed experts into free or unpinned slots; never evicts block pins or experts in use."""
+        n = 0
+        for e in experts:
+            key = (layer, e)
+            if key in self.slot_of:
+                continue
+            slot = self._take_slot(for_prefetch=True)
+            if slot is None:
+                break
+            self._copy_in(slot, store, e)
+            self.slot_of[key] = slot
+            self.key_of[slot] = key
+            self.lru[key] = None
+            self.prefetched_unused.add(key)
+            n += 1
+        self.stats.prefetched += n
+        return n
+
+    def end_block(self) -> None:
+        self.block_pins.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streamed bank and runtime
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class StreamedExpertBank(ExpertBank):
+    """ExpertBank for a streamed layer: experts live in a :class:`HostExpertStore`, compute reads pool slots."""
+
+    def __init__(self, layer: int, layout: ExpertLayout, store: HostExpertStore, runtime: "OffloadRuntime") -> None:
+        super().__init__()
+        self.layer = layer
+        self.layout = layout
+        self.num_experts = layout.num_experts
+        self.hidden_size = layout.hidden_size
+        self.intermediate_size = layout.intermediate_size
+        self.store = store
+        self.runtime = runtime
+        self._slots: dict[int, int] = {}
+        self.next_router: nn.Module | None = None  # router of the next streamed layer (prefetch)
+        self.next_layer: int | None = None
+
+    def prepare(self, expert_ids: Tensor) -> None:
+        self.runtime.on_layer_start(self.layer)
+        experts = [int(e) for e in expert_ids.tolist()]
+        self._slots = self.runtime.pool.acquire(self.layer, experts, self.store, in_block=True)
+        self.runtime.note_experts(self.layer, experts)
+
+    def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        used = torch.unique(topk_idx).cpu().tolist()
+        if any(e not in self._slots for e in used):  # prepare() was not called for this forward
+            self.prepare(torch.tensor(used))
+        pool = self.runtime.pool
+        slots = self._slots
+        pool.wait_ready([slots[e] for e in used])
+        out = routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, lambda e: pool.buf[slots[e]])
+        pool.release(self.layer, list(slots))
+        self._slots = {}
+        if self.runtime.prefetch and self.next_router is not None and self.next_layer is not None:
+            k = topk_idx.shape[-1]
+            with torch.no_grad():
+                guess = torch.unique(self.next_router(x).topk(k, dim=-1).indices).cpu().tolist()  # next layer's experts
+            pool.prefetch(self.next_layer, guess, self.runtime.stores[self.next_layer])
+        return out
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, experts={self.num_experts}, row_bytes={self.layout.nbytes}, pinned={self.store.pinned}"
+
+
+class OffloadRuntime:
+    """Everything ``apply_plan`` set up for one model: pool, stores, ledger, block state, statistics."""
+
+    def __init__(self, device: torch.device, pool: SlotPool | None, ledger: DeviceLedger, prefetch: bool) -> None:
+        self.device = device
+        self.pool = pool
+        self.ledger = ledger
+        self.prefetch = prefetch
+        self.stores: dict[int, HostExpertStore] = {}
+        self.resident_layers: tuple[int, ...] = ()
+        self.streamed_layers: tuple[int, ...] = ()
+        self.explicit_block = False
+        self.block_passes = 0
+        self.block_experts: dict[int, set[int]] = {}
+        self._in_block = False
+
+    @property
+    def stats(self) -> Stats:
+        return self.pool.stats if self.pool is not None else Stats()
+
+    def begin_block(self) -> None:
+        if self._in_block:
+            self._close_block()
+        self.explicit_block = True
+        self._in_block = True
+
+    def end_block(self) -> None:
+        if self._in_block:
+            self._close_block()
+        self.explicit_block = False
+
+    def _close_block(self) -> None:
+        st = self.stats
+        if self.block_passes:
+            st.blocks += 1
+            st.passes_per_block.append(self.block_passes)
+            for layer in self.streamed_layers:
+                st.distinct_per_block.setdefault(layer, []).append(len(self.block_experts.get(layer, ())))
+        self.block_passes = 0
+        self.block_experts = {}
+        self._in_block = False
+        if self.pool is not None:
+            self.pool.end_block()
+
+    def on_layer_start(self, layer: int) -> None:
+        """Called by each streamed bank; the first streamed layer marks a new pass (and, outside an explicit
+        block, a new implicit one-pass block: AR steps and prefill chunks)."""
+        if self.streamed_layers and layer == self.streamed_layers[0]:
+            if not self.explicit_block:
+                if self._in_block:
+                    self._close_block()
+                self._in_block = True
+            self.block_passes += 1
+            self.stats.passes += 1
+
+    def note_experts(self, layer: int, experts: list[int]) -> None:
+        self.block_experts.setdefault(layer, set()).update(experts)
+
+    def accounting(self) -> dict[str, Any]:
+        st = self.stats
+        looked = st.slot_hits + st.slot_misses
+        per_block = [x for v in st.distinct_per_block.values() for x in v]
+        return {
+            "streamed_layers": list(self.streamed_layers),
+            "resident_layers": list(self.resident_layers),
+            "slot_pool_experts": self.pool.num_slots if self.pool else 0,
+            "expert_row_bytes": self.pool.layout.nbytes if self.pool else 0,
+            "h2d_bytes": st.h2d_bytes,
+            "slot_hits": st.slot_hits,
+            "slot_misses": st.slot_misses,
+            "hit_rate": st.slot_hits / looked if looked else 0.0,
+            "evictions": st.evictions,
+            "block_pin_evictions": st.block_pin_evictions,
+            "prefetched": st.prefetched,
+            "prefetch_hits": st.prefetch_hits,
+            "prefetch_wasted": st.prefetch_wasted,
+            "staged_copies": st.staged_copies,
+            "blocks": st.blocks,
+            "passes": st.passes,
+            "passes_per_block": sum(st.passes_per_block) / len(st.passes_per_block) if st.passes_per_block else 0.0,
+            "distinct_experts_per_layer_block": sum(per_block) / len(per_block) if per_block else 0.0,
+            "pinned_host_bytes": sum(s.nbytes for s in self.stores.values() if s.pinned),
+            "pageable_host_bytes": sum(s.nbytes for s in self.stores.values() if not s.pinned),
+            "device_bytes": dict(self.ledger.by_kind),
+        }
+
+    def reset_stats(self) -> None:
+        """Zero the counters (the open block's counts too; slots and pins are kept)."""
+        if self.pool is not None:
+            self.pool.stats = Stats()
+        self.block_passes = 0
+        self.block_experts = {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plan application
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def expert_banks(model: nn.Module) -> dict[int, tuple[str, ExpertBank]]:
+    """{layer index: (module name, bank)} for every ``layers.N.mlp.experts`` bank."""
+    out: dict[int, tuple[str, ExpertBank]] = {}
+    for name, mod in model.named_modules():
+        m = _LAYER_RX.search(name)
+        if m and isinstance(mod, ExpertBank):
+            out[int(m.group(1))] = (name, mod)
+    return dict(sorted(out.items()))
+
+
+def min_slot_pool(model: nn.Module) -> int:
+    """Smallest pool that can run any forward: one whole layer (a prefill or a 32-slot pass may touch all E)."""
+    banks = expert_banks(model)
+    return max((b.num_experts for _, b in banks.values()), default=0)
+
+
+def manifest_from_model(model: nn.Module, policy: QuantPolicy | None = None) -> dict[str, Any]:
+    """A planner manifest (cache manifest format, ``version`` 1) counted from a loaded, quantized model."""
+    tensors: dict[str, dict[str, Any]] = {}
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(mod, (QuantExpertBank, StreamedExpertBank)):
+            lay = mod.layout
+            gu = lay.gate_up_codes[1] + lay.gate_up_scales[1]
+            e = lay.num_experts
+            tensors[f"{prefix}gate_up_proj"] = {"shape": [e, *lay.gate_up_shape], "format": lay.fmt, "bytes": e * gu}
+            tensors[f"{prefix}down_proj"] = {"shape": [e, *lay.down_shape], "format": lay.fmt, "bytes": e * (lay.nbytes - gu)}
+        elif isinstance(mod, QuantLinear):
+            nbytes = mod.codes.numel() * mod.codes.element_size() + mod.scales.numel() * 4
+            tensors[f"{prefix}weight"] = {"shape": [mod.out_features, mod.in_features], "format": mod.fmt, "bytes": nbytes}
+            if mod.bias is not None:
+                tensors[f"{prefix}bias"] = _plain_entry(mod.bias)
+        elif not isinstance(mod, ExpertBank):
+            for pname, p in mod.named_parameters(recurse=False):
+                tensors[f"{prefix}{pname}"] = _plain_entry(p)
+    return {"version": 1, "policy": policy.to_dict() if policy else {}, "source": {"model": type(model).__name__}, "tensors": tensors}
+
+
+def _plain_entry(t: Tensor) -> dict[str, Any]:
+    fmt = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(t.dtype, str(t.dtype))
+    return {"shape": list(t.shape), "format": fmt, "bytes": t.numel() * t.element_size()}
+
+
+def planner_manifest(model: nn.Module, policy: QuantPolicy | None = None) -> Any:
+    """The model's tensors as an ``engine.planner.Manifest`` (bytes counted from the loaded model)."""
+    from engine import planner
+
+    config = getattr(model, "config", None)
+    if config is None:
+        raise PlanError(f"{type(model).__name__} has no .config: the planner needs the model geometry")
+    raw = manifest_from_model(model, policy)
+    entries = []
+    for name, meta in raw["tensors"].items():
+        kind, layer = planner.classify(name)
+        entries.append(planner.TensorEntry(name, tuple(meta["shape"]), meta["format"], int(meta["bytes"]), layer, kind))
+    has_extras = any(e.kind == "clover_extra" for e in entries)
+    geo = planner.ModelGeometry.from_config(config, clover_extras=has_extras)
+    return planner.Manifest(tuple(entries), geo, f"model:{type(model).__name__}", raw["policy"] or None)
+
+
+def plan_for_model(model: nn.Module, vram_gb: float, ctx_tokens: int = 8192, ram_bytes: int | None = None, **kwargs: Any) -> Any:
+    """``engine.planner.make_plan`` for a loaded model and a VRAM budget in GiB."""
+    from engine.planner import make_plan
+
+    return make_plan(planner_manifest(model), int(vram_gb * GiB), ctx_tokens, ram_bytes, **kwargs)
+
+
+def _resolve_plan(model: nn.Module, plan_or_vram_gb: Any, ctx_tokens: int, ram_bytes: int | None) -> PlanLike:
+    if isinstance(plan_or_vram_gb, (int, float)):
+        return plan_for_model(model, float(plan_or_vram_gb), ctx_tokens, ram_bytes)
+    return plan_or_vram_gb
+
+
+def _iter_tensors(module: nn.Module, skip: set[int]) -> Iterator[tuple[nn.Module, str, str, Tensor, bool]]:
+    """(owner module, attr, full name, tensor, is_param) for every param/buffer outside the skipped modules."""
+    for mod_name, mod in module.named_modules():
+        if id(mod) in skip:
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        for pname, p in mod.named_parameters(recurse=False):
+            yield mod, pname, prefix + pname, p, True
+        for bname, b in mod.named_buffers(recurse=False):
+            if b is not None:
+                yield mod, bname, prefix + bname, b, False
+
+
+def apply_plan(
+    model: nn.Module,
+    plan_or_vram_gb: PlanLike | float,
+    device: torch.device | str = "cuda",
+    *,
+    ctx_tokens: int = 8192,
+    ram_bytes: int | None = None,
+    pin: bool = True,
+    pin_budget_bytes: int | None = None,
+    staging_slots: int = 4,
+    device_cap_bytes: int | None = None,
+    prefetch: bool = True,
+    host_embedding: bool = False,
+    staging: bool | None = None,
+) -> OffloadRuntime:
+    """Place a quantized model on ``device`` following a planner Plan (or a VRAM budget in GiB, planned here).
+
+    Transactional: every device tensor is created first; the model is changed only when all placements succeeded,
+    so an out-of-memory (real, or past ``device_cap_bytes``) leaves the model as it was and raises
+    :class:`OutOfMemory`. Returns the runtime (also reachable as ``runtime_of(model)``).
+    """
+    dev = torch.device(device)
+    plan = _resolve_plan(model, plan_or_vram_gb, ctx_tokens, ram_bytes)
+    if not getattr(plan, "fits", True):
+        raise PlanError(f"the plan does not fit: {getattr(plan, 'reason', '') or 'budget below the minimum'}")
+    banks = expert_banks(model)
+    streamed = tuple(sorted(int(i) for i in plan.streamed_expert_layers))
+    unknown = [i for i in streamed if i not in banks]
+    if unknown:
+        raise PlanError(f"plan streams layers {unknown}, but the model has MoE layers {list(banks)}")
+    resident = tuple(i for i in banks if i not in streamed)
+    layouts = set()
+    for i in streamed:
+        bank = banks[i][1]
+        if not isinstance(bank, QuantExpertBank):
+            raise PlanError(f"layer {i}: only quantized expert banks can be streamed (got {type(bank).__name__}); load through the quantized cache")
+        layouts.add(bank.layout)
+    if len(layouts) > 1:
+        raise PlanError("streamed layers have different expert layouts; one slot pool needs one row size")
+    slots = int(plan.slot_pool_experts) if streamed else 0
+    need = min_slot_pool(model)
+    if streamed and slots < need:
+        raise PlanError(f"slot pool of {slots} experts is below the minimum {need} (one layer's experts)")
+
+    ledger = DeviceLedger(dev, device_cap_bytes)
+    skip = {id(banks[i][1]) for i in streamed}
+    placed: list[tuple[nn.Module, str, Tensor, bool]] = []
+    host_keep = 0
+    for owner, attr, name, t, is_param in _iter_tensors(model, skip):
+        if host_embedding and name.endswith("embed_tokens.weight"):
+            host_keep += t.numel() * t.element_size()
+            continue
+        kind = "resident_experts" if isinstance(owner, ExpertBank) else "non_expert"
+        placed.append((owner, attr, ledger.place(kind, name, t.data if is_param else t), is_param))
+
+    runtime_pool: SlotPool | None = None
+    if streamed:
+        runtime_pool = SlotPool(slots, next(iter(layouts)), dev, ledger)
+    runtime = OffloadRuntime(dev, runtime_pool, ledger, prefetch)
+    runtime.resident_layers, runtime.streamed_layers = resident, streamed
+    budget = PinBudget(pin_budget_bytes)
+    for i in streamed:
+        bank = banks[i][1]
+        assert isinstance(bank, QuantExpertBank)
+        runtime.stores[i] = HostExpertStore(i, bank.packed.detach().cpu(), pin and dev.type == "cuda", budget)
+    unpinned = any(not st.pinned for st in runtime.stores.values())
+    # pageable rows go through a pinned staging ring on CUDA (auto); ``staging=True`` forces it (CPU tests)
+    if runtime_pool is not None and unpinned and (staging or (staging is None and dev.type == "cuda")):
+        runtime_pool.staging = StagingRing(runtime_pool.layout.nbytes, max(staging_slots, 2), dev)
+
+    # --- commit: nothing above touched the model ---
+    for owner, attr, t, is_param in placed:
+        if is_param:
+            getattr(owner, attr).data = t
+        else:
+            setattr(owner, attr, t)
+    new_banks: dict[int, StreamedExpertBank] = {}
+    for i in streamed:
+        name, bank = banks[i]
+        sb = StreamedExpertBank(i, bank.layout, runtime.stores[i], runtime)  # type: ignore[arg-type]
+        set_submodule(model, name, sb)
+        new_banks[i] = sb
+    for a, b in zip(streamed, streamed[1:]):
+        router = _router_of(model, banks[b][0])
+        if router is not None:
+            new_banks[a].next_router = router
+            new_banks[a].next_layer = b
+    model._offload_runtime = runtime  # plain attribute (not a submodule)
+    log.info(
+        "offload plan applied: %d resident, %d streamed layers, %d slots, %.1f MiB on %s (+%.1f MiB kept on host)",
+        len(resident), len(streamed), slots, ledger.total / 2**20, dev, host_keep / 2**20,
+    )
+    return runtime
+
+
+def _router_of(model: nn.Module, experts_name: str) -> nn.Module | None:
+    name = experts_name.rsplit(".", 1)[0] + ".gate"
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def runtime_of(model: nn.Module) -> OffloadRuntime | None:
+    rt = getattr(model, "_offload_runtime", None)
+    return rt if isinstance(rt, OffloadRuntime) else None
+
+
+def accounting(model: nn.Module) -> dict[str, Any]:
+    """Streaming statistics for ``Finished.accounting`` ({} when no plan was applied)."""
+    rt = runtime_of(model)
+    return rt.accounting() if rt is not None else {}
+
+
+def begin_block(model: nn.Module) -> None:
+    """The generation loop calls this before a diffusion block's first pass."""
+    rt = runtime_of(model)
+    if rt is not None:
+        rt.begin_block()
+
+
+def end_block(model: nn.Module) -> None:
+    """...and this after the block's commit pass: the block's expert pins are released."""
+    rt = runtime_of(model)
+    if rt is not None:
+        rt.end_block()
+
+
+def device_bytes(model: nn.Module, device: torch.device | str) -> int:
+    """Bytes of the model's parameters, buffers and slot pool that live on ``device`` (distinct storages)."""
+    dev = torch.device(device)
+    seen: set[int] = set()
+    total = 0
+    tensors: list[Tensor] = [t for t in model.parameters()] + [b for b in model.buffers()]
+    rt = runtime_of(model)
+    if rt is not None and rt.pool is not None:
+        tensors.append(rt.pool.buf)
+    for t in tensors:
+        if t.device.type != dev.type:
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+__all__ = [
+    "OutOfMemory",
+    "SimplePlan",
+    "DeviceLedger",
+    "HostExpertStore",
+    "SlotPool",
+    "StreamedExpertBank",
+    "OffloadRuntime",
+    "apply_plan",
+    "accounting",
+    "begin_block",
+    "end_block",
+    "runtime_of",
+    "min_slot_pool",
+    "manifest_from_model",
+    "expert_banks",
+    "device_bytes",
+    "planner_manifest",
+    "plan_for_model",
+]

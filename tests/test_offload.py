@@ -1,0 +1,221 @@
+"""Expert streaming (engine/offload.py) on a tiny quantized Clover model, with the CPU as the device."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine import offload
+from engine.checkpoint import random_state_dict
+from engine.config import CloverConfig, parse_config
+from engine.errors import PlanError
+from engine.generate import DecodeSettings, generate
+from engine.events import Finished
+from engine.model import CloverModel
+from engine.offload import OutOfMemory, SimplePlan, apply_plan
+from engine.quant import QuantExpertBank, make_policy, quantize_model_
+from engine.tiny import config_dict_for, tiny_text_config
+
+MASK = 3
+SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": MASK, "</think>": 4}
+LAYERS, EXPERTS, TOPK = 4, 16, 4
+
+
+def tiny_config() -> CloverConfig:
+    text = tiny_text_config(vocab_size=128, layers=LAYERS, hidden=64, experts=EXPERTS, experts_per_tok=TOPK)
+    return parse_config(config_dict_for("clover_moe", text, SPECIAL))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls: one intra-op thread is many times faster than two on a shared 2-core CI box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def qmodel() -> CloverModel:
+    """All-resident quantized reference model (experts NF4, projections INT8)."""
+    cfg = tiny_config()
+    model = CloverModel(cfg, dtype=torch.float32, device="cpu")
+    model.load_state_dict(random_state_dict(cfg, seed=7), strict=True)
+    quantize_model_(model, make_policy())
+    model.eval()
+    return model
+
+
+def fresh(model: CloverModel) -> CloverModel:
+    return copy.deepcopy(model)
+
+
+def settings(mode: str, n: int) -> DecodeSettings:
+    # threshold 0.08: this random model's confidences are low, so blocks take ~10 passes (reuse is exercised)
+    return DecodeSettings(mode=mode, max_new_tokens=n, mask_token_id=MASK, eos_token_ids=(), block_size=32,
+                          threshold=0.08, max_positions=256)
+
+
+def tokens(model: CloverModel, mode: str, n: int) -> tuple[int, ...]:
+    prompt = [5, 17, 33, 9, 60, 61, 2, 40]
+    events = list(generate(model, prompt, settings(mode, n)))
+    fin = events[-1]
+    assert isinstance(fin, Finished)
+    return fin.token_ids
+
+
+PLANS = {
+    "none-streamed": ((), 0),
+    "some-streamed": ((1, 3), EXPERTS),
+    "all-min-pool": ((0, 1, 2, 3), EXPERTS),
+    "all-mid-pool": ((0, 1, 2, 3), EXPERTS + 9),
+    "all-big-pool": ((0, 1, 2, 3), 4 * EXPERTS),
+}
+
+
+@pytest.mark.parametrize("mode,n", [("ar", 12), ("diffusion", 32)])
+def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: int) -> None:
+    reference = tokens(qmodel, mode, n)
+    assert len(reference) == n
+    for name, (streamed, slots) in PLANS.items():
+        model = fresh(qmodel)
+        resident = tuple(i for i in range(LAYERS) if i not in streamed)
+        rt = apply_plan(model, SimplePlan(resident, streamed, slots), "cpu")
+        got = tokens(model, mode, n)
+        assert got == reference, f"plan {name} changed the output"
+        acc = offload.accounting(model)
+        if streamed:
+            assert acc["h2d_bytes"] > 0 and acc["slot_misses"] > 0, name
+            assert acc["h2d_bytes"] == (acc["slot_misses"] + acc["prefetched"]) * rt.pool.layout.nbytes
+            assert isinstance(model.layers[streamed[0]].mlp.experts, offload.StreamedExpertBank)
+        else:
+            assert acc["h2d_bytes"] == 0
+        for i in resident:
+            assert isinstance(model.layers[i].mlp.experts, QuantExpertBank)
+
+
+def test_forward_logits_are_bit_identical_under_streaming(qmodel: CloverModel) -> None:
+    ids = torch.tensor([5, 17, 33, 9, 60, 61, 2, 40] * 5)  # 40 tokens: a full block and a partial one
+    ref = qmodel(ids, 0, None, block_size=32)
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((0, 2), (1, 3), EXPERTS), "cpu", staging=True, pin_budget_bytes=0)
+    out = model(ids, 0, None, block_size=32)
+    assert torch.equal(out, ref)
+    acc = offload.accounting(model)
+    assert acc["staged_copies"] > 0  # pageable rows went through the staging ring
+
+
+def test_block_working_set_is_loaded_once_and_reused_across_passes(qmodel: CloverModel) -> None:
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((), (0, 1, 2, 3), 4 * EXPERTS), "cpu", prefetch=False)
+    rt = offload.runtime_of(model)
+    assert rt is not None
+    prompt = torch.tensor([5, 17, 33, 9] * 8)  # one committed block of 32
+    cache = model.new_cache(64)
+    model(prompt, 0, cache, block_size=32)
+    rt.reset_stats()
+    block = torch.full((32,), MASK)
+    offload.begin_block(model)
+    model(block, 32, cache, block_size=32, write_cache=False)
+    after_first = offload.accounting(model)["h2d_bytes"]
+    for _ in range(3):
+        model(block, 32, cache, block_size=32, write_cache=False)
+    acc = offload.accounting(model)
+    assert acc["h2d_bytes"] == after_first  # passes 2..4 hit the block's pinned slots: no new copies
+    assert acc["slot_hits"] >= 3 * acc["slot_misses"]
+    offload.end_block(model)
+    acc = offload.accounting(model)
+    assert acc["blocks"] == 1 and acc["passes_per_block"] == 4.0
+    assert 0 < acc["distinct_experts_per_layer_block"] <= EXPERTS
+
+
+def test_minimum_pool_evicts_other_layers_block_pins_without_changing_numbers(qmodel: CloverModel) -> None:
+    ids = torch.tensor(list(range(5, 37)))
+    ref = qmodel(ids, 0, None, block_size=32)
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((), (0, 1, 2, 3), EXPERTS), "cpu")
+    offload.begin_block(model)
+    for _ in range(2):
+        assert torch.equal(model(ids, 0, None, block_size=32), ref)
+    offload.end_block(model)
+    acc = offload.accounting(model)
+    assert acc["block_pin_evictions"] > 0
+    assert acc["slot_misses"] > offload.min_slot_pool(model)
+
+
+def test_prefetch_guesses_the_next_layer(qmodel: CloverModel) -> None:
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((), (0, 1, 2, 3), 4 * EXPERTS), "cpu", prefetch=True)
+    tokens(model, "ar", 6)
+    acc = offload.accounting(model)
+    assert acc["prefetched"] > 0
+    assert acc["prefetch_hits"] > 0
+
+
+def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> None:
+    from engine.planner import make_plan
+
+    model = fresh(qmodel)
+    manifest = offload.planner_manifest(model)
+    probe = make_plan(manifest, 0, 256)
+    assert not probe.fits and probe.min_vram_bytes
+    budget = probe.min_vram_bytes + 2 * (manifest.expert_layer_bytes()[0] // EXPERTS)
+    plan = make_plan(manifest, budget, 256)
+    assert plan.fits and plan.streamed_expert_layers, plan.reason
+    rt = apply_plan(model, plan, "cpu", host_embedding=True)
+    placed = rt.ledger.by_kind
+    br = plan.vram_breakdown
+    for kind in ("non_expert", "resident_experts", "expert_slots"):
+        want, got = br[kind], placed.get(kind, 0)
+        assert abs(got - want) <= 0.05 * max(want, 1), f"{kind}: placed {got} B, plan says {want} B"
+    assert rt.pool is not None and rt.pool.num_slots == plan.slot_pool_experts
+    assert list(rt.streamed_layers) == list(plan.streamed_expert_layers)
+
+
+def test_vram_budget_in_gib_goes_through_the_planner(qmodel: CloverModel) -> None:
+    model = fresh(qmodel)
+    rt = apply_plan(model, 16.0, "cpu", ctx_tokens=256)
+    assert rt.streamed_layers == ()  # a tiny model fits whole in 16 GiB
+    with pytest.raises(PlanError, match="does not fit"):
+        apply_plan(fresh(qmodel), 0.01, "cpu", ctx_tokens=256)
+
+
+def test_not_enough_ram_is_a_clear_error(qmodel: CloverModel) -> None:
+    with pytest.raises(PlanError, match="(?i)ram"):
+        apply_plan(fresh(qmodel), 0.8, "cpu", ctx_tokens=256, ram_bytes=1000)
+
+
+def test_slot_pool_below_minimum_is_refused(qmodel: CloverModel) -> None:
+    with pytest.raises(PlanError, match=f"below the minimum {EXPERTS}"):
+        apply_plan(fresh(qmodel), SimplePlan((0,), (1, 2, 3), EXPERTS - 1), "cpu")
+
+
+def test_out_of_memory_during_placement_leaves_the_model_unchanged(qmodel: CloverModel) -> None:
+    model = fresh(qmodel)
+    before = {n: p for n, p in model.named_parameters()}
+    banks_before = {i: type(model.layers[i].mlp.experts) for i in range(LAYERS)}
+    with pytest.raises(OutOfMemory, match="out of device memory placing .*cap"):
+        apply_plan(model, SimplePlan((0,), (1, 2, 3), 2 * EXPERTS), "cpu", device_cap_bytes=50_000)
+    assert offload.runtime_of(model) is None
+    assert {i: type(model.layers[i].mlp.experts) for i in range(LAYERS)} == banks_before
+    assert all(p is before[n] for n, p in model.named_parameters())
+    ids = torch.tensor([1, 2, 3, 4])
+    assert torch.equal(model(ids, 0, None), qmodel(ids, 0, None))
+    # the same plan with room enough works: the cap, not the plan, was the problem
+    apply_plan(model, SimplePlan((0,), (1, 2, 3), 2 * EXPERTS), "cpu", device_cap_bytes=10**9)
+
+
+def test_only_quantized_banks_stream() -> None:
+    cfg = tiny_config()
+    model = CloverModel(cfg, dtype=torch.float32, device="cpu")
+    model.load_state_dict(random_state_dict(cfg, seed=1), strict=True)
+    with pytest.raises(PlanError, match="only quantized expert banks"):
+        apply_plan(model, SimplePlan((), (0, 1, 2, 3), EXPERTS), "cpu")
+
+
+def test_plan_naming_a_missing_layer_is_refused(qmodel: CloverModel) -> None:
+    with pytest.raises(PlanError, match="streams layers \\[9\\]"):
+        apply_plan(fresh(qmodel), SimplePlan((), (9,), EXPERTS), "cpu")
