@@ -119,9 +119,9 @@ class CloverDeskApp(QObject):
             self.client.start()
 
     # ----------------------------------------------------------------- parts
-    def _build_vram_panel(self) -> QWidget:
+    def _plan_function(self) -> Any:
+        """``(vram_bytes, ctx_tokens) -> Plan`` for the configured model on this machine (pure arithmetic)."""
         from engine import planner
-        from ui.vram_panel import VramPanel
 
         manifest = self._manifest(planner)
         hardware = self.hardware
@@ -130,8 +130,14 @@ class CloverDeskApp(QObject):
             return planner.make_plan(manifest, vram_bytes, ctx_tokens, hardware.ram_available_bytes,
                                      hardware=hardware)
 
+        return plan
+
+    def _build_vram_panel(self) -> QWidget:
+        from ui.vram_panel import VramPanel
+
+        hardware = self.hardware
         panel = VramPanel(
-            plan,
+            self._plan_function(),
             hardware.vram_total_bytes,
             hardware.gpu_name,
             hardware.ram_total_bytes,
@@ -198,6 +204,7 @@ class CloverDeskApp(QObject):
     def on_model_chosen(self, model_dir: str) -> None:
         self.settings.model_dir = model_dir
         self.save_settings()
+        self.vram_panel.set_planner(self._plan_function())
         if self.client.state in ("idle",):
             self.load_model()
         else:

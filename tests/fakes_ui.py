@@ -103,6 +103,9 @@ class FakeEngineClient(QObject):
         self.cancelled: list[str] = []
         self.restarts = 0
         self.load_cancelled = 0
+        self.state = "stopped"
+        self.loads: list[tuple[str, str, str, float | None]] = []
+        self.pid = None
         self._timer = QTimer(self)
         self._timer.timeout.connect(self._tick)
         self._script: list[object] = []
@@ -123,6 +126,17 @@ class FakeEngineClient(QObject):
         if self._script:
             f = self._script[-1]
             self._script = [Finished(**{**f.__dict__, "stop_reason": "cancelled"})]
+
+    def start(self) -> None:
+        self.state = "idle"
+        QTimer.singleShot(1, self.ready.emit)
+
+    def shutdown(self, wait_ms: int = 0) -> None:
+        self.state = "stopped"
+
+    def load(self, model_dir, device: str = "cpu", dtype: str = "float32", vram_gb: float | None = None) -> None:  # noqa: ANN001
+        self.loads.append((str(model_dir), device, dtype, vram_gb))
+        QTimer.singleShot(1, lambda: self.loaded.emit({"model_dir": str(model_dir)}))
 
     def cancel_load(self) -> None:
         self.load_cancelled += 1

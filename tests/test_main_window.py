@@ -301,6 +301,34 @@ def test_gui_process_never_imports_torch() -> None:
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
+def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from engine.hardware import Hardware
+
+    client = FakeEngineClient()
+    gpu = Hardware(gpu_name="NVIDIA GeForce RTX 4070 Ti SUPER", vram_total_bytes=16 * 1024**3,
+                   ram_total_bytes=64 * 1024**3, ram_available_bytes=48 * 1024**3)
+    with qtbot.waitSignal(client.loaded, timeout=2000):
+        desk = CloverDeskApp(tmp_path, client=client, settings=AppSettings(model_dir="/models/first"),
+                             hardware=gpu, with_preview=False, with_model_manager=False)
+    qtbot.addWidget(desk.window)
+    assert client.loads == [("/models/first", "cuda", "bfloat16", None)]
+    assert desk.window.engine_label.text() == "● Ready"
+    assert "RTX 4070 Ti SUPER" in desk.window.gpu_label.text()
+    with qtbot.waitSignal(client.loaded, timeout=2000):
+        desk.window.on_model_chosen("/models/second")
+    assert client.loads[-1][0] == "/models/second"
+    panel = desk.vram_panel
+    panel.set_budget_bytes(12 * 1024**3)
+    with qtbot.waitSignal(client.loaded, timeout=2000):
+        panel.apply_button.click()
+    assert client.loads[-1] == ("/models/second", "cuda", "bfloat16", 12.0)
+    assert panel.applied == (12 * 1024**3, 8192)
+    again = AppSettings.load(tmp_path / "settings.json")
+    assert (again.model_dir, again.vram_budget_bytes) == ("/models/second", 12 * 1024**3)
+    desk.shutdown()
+
+
 def test_helpers() -> None:
     assert expert_hit_rate({"hits": 3, "misses": 1}) == 0.75
     assert expert_hit_rate({"hit_rate": 0.5}) == 0.5

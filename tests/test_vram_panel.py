@@ -114,6 +114,18 @@ def test_planner_failure_is_shown_not_raised(qtbot) -> None:
     assert not panel.apply_button.isEnabled()
 
 
+def test_set_planner_switches_model(qtbot, plan_fn) -> None:
+    panel = VramPanel(plan_fn, CARD, "RTX", 64 * GIB)
+    qtbot.addWidget(panel)
+    panel.set_budget_bytes(10 * GIB)
+    panel.set_applied(10 * GIB, 8192)
+    with qtbot.waitSignal(panel.planChanged, timeout=1000) as blocker:
+        panel.set_planner(fake_plan)  # another model: its own minimum, the budget kept
+    assert blocker.args[0].min_vram_bytes == fake_plan(CARD, 8192).min_vram_bytes
+    assert panel.budget_bytes() == 10 * GIB and panel.applied is None
+    assert panel.slider.minimum() * STEP_MIB * MIB >= fake_plan(CARD, 8192).min_vram_bytes
+
+
 def test_summary_words() -> None:
     s = summarize(fake_plan(8 * GIB, 8192), 8 * GIB, 32 * GIB)
     assert s.fits and s.headline.startswith("Fits")

@@ -311,7 +311,7 @@ class VramPanel(QWidget):
     def _init_range(self) -> None:
         top = self.card_bytes
         try:
-            floor = int(self._planner(top, self.ctx_tokens()).min_vram_bytes)
+            floor = int(self._planner(top, self.ctx_tokens()).min_vram_bytes or 0)
         except Exception:  # noqa: BLE001 - a planner bug must not take the window down; logged, then a safe floor
             log.exception("planner failed while computing the minimum budget")
             floor = 0
@@ -342,6 +342,17 @@ class VramPanel(QWidget):
 
     def set_budget_bytes(self, n: int) -> None:
         self.slider.setValue(round(n / (STEP_MIB * MIB)))
+
+    def set_planner(self, planner: PlanFunction) -> None:
+        """Plan for another model (a new folder was chosen): new minimum, same budget where it still fits."""
+        budget = self.budget_bytes()
+        self._planner = planner
+        self.applied = None
+        self.slider.blockSignals(True)
+        self._init_range()
+        self.slider.setValue(max(self.slider.minimum(), min(self.slider.maximum(), round(budget / (STEP_MIB * MIB)))))
+        self.slider.blockSignals(False)
+        self.replan()
 
     def set_applied(self, budget_bytes: int, ctx_tokens: int) -> None:
         """The engine now runs under this budget (called after a reload succeeded)."""
