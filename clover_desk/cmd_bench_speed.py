@@ -1,0 +1,330 @@
+"""``clover-desk bench speed``: prefill / AR / diffusion speed of the engine on a random model built from a config.
+
+Shapes:
+* ``mid`` (default): hidden 512, 8 layers, 64 experts (top 8), vocab 4096 — a few seconds per figure on 2 cores.
+* ``clover-35b-a3b``: the full Clover-35B-A3B shape (40 layers, 256 experts, vocab 248,320). Meant for
+  ``--device cuda --dtype bfloat16``: all weights resident, random init directly on the GPU, no checkpoint.
+
+Figures: prefill tokens/s (block mode, and causal), AR decode tokens/s (greedy through the cache), diffusion
+passes/s for one 32-slot block (read-only denoising pass), and tokens per pass from a real diffusion run on the
+random model (random weights are rarely confident, so expect about 1 token per pass: the figure is honest, not
+representative of a trained model). ``--compare-transformers`` also runs the same checkpoint (written by
+transformers' ``save_pretrained``) through transformers' own greedy ``generate`` and reports whether the tokens
+match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "mid": dict(
+        vocab_size=4096, layers=8, hidden=512, experts=64, experts_per_tok=8, heads=8, kv_heads=2, head_dim=64,
+        linear_key_heads=4, linear_value_heads=8, linear_head_dim=64, moe_intermediate=256, shared_intermediate=256,
+    ),
+    "clover-35b-a3b": dict(
+        vocab_size=248_320, layers=40, hidden=2048, experts=256, experts_per_tok=8, heads=16, kv_heads=2,
+        head_dim=256, linear_key_heads=16, linear_value_heads=32, linear_head_dim=128, moe_intermediate=512,
+        shared_intermediate=512,
+    ),
+}
+# Special ids for the random vocabularies (any ids work for speed; these mirror the tiny tokenizer's order).
+SPECIAL = {"<|endoftext|>": 0, "<|im_end|>": 2, "</think>": 4, "<|mask|>": 5}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="mid")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="prefill length (default 256 mid, 1024 full)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="AR tokens to time")
+    parser.add_argument("--diffusion-tokens", type=int, default=64, help="tokens of the real diffusion run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of the prefill and block passes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-transformers", action="store_true",
+                        help="also run the same checkpoint through transformers' generate (test dependency)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.errors import CloverError
+
+    try:
+        return _run(args)
+    except CloverError as exc:
+        print(f"clover-desk bench speed: error: {exc}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _config(shape: str, model_type: str) -> tuple[dict[str, Any], Any]:
+    from engine.config import parse_config
+    from engine.tiny import config_dict_for, tiny_text_config
+
+    text = tiny_text_config(**SHAPES[shape])
+    data = config_dict_for(model_type, text, SPECIAL)
+    return data, parse_config(data, source=f"bench shape {shape}")
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best(fn: Callable[[], Any], repeats: int, device: str) -> float:
+    """Best wall time of ``repeats`` calls after one warm-up (seconds)."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _random_init_(model: Any, seed: int) -> None:
+    """Fill a model's (uninitialized) parameters in place, on their own device, with scales that keep activations
+    and logits in a realistic range: fan-in scaled matrices, small zero-centred norms, GDN decays in range."""
+    import torch
+
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(math.log(0.05), math.log(2.0), generator=gen)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-1.0, 1.0, generator=gen)
+            elif name.endswith("linear_attn.norm.weight") or name.endswith("bd_logit_scale.weight"):
+                p.uniform_(0.8, 1.2, generator=gen)  # plain-weight norm / ln(L) coefficient
+            elif p.dim() == 1:
+                p.normal_(0.0, 0.1, generator=gen)  # zero-centred (1 + w) norms, history bias
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0.0, 1.0, generator=gen)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 2.0 * p.shape[-1] ** -0.5, generator=gen)  # a peaky router
+            else:
+                p.normal_(0.0, 0.5 * p.shape[-1] ** -0.5, generator=gen)
+
+
+def _build_random_model(config: Any, dtype: Any, device: str, seed: int) -> Any:
+    from engine.model import CloverModel
+
+    model = CloverModel(config, dtype=dtype, device=device)
+    _random_init_(model, seed)
+    return model.eval()
+
+
+def _settings(config: Any, mode: str, max_new: int) -> Any:
+    from engine.generate import DecodeSettings
+
+    return DecodeSettings(
+        mode=mode, max_new_tokens=max_new, block_size=config.block_size, threshold=config.threshold,
+        mask_token_id=config.mask_token_id, eos_token_ids=(), max_positions=config.max_position_embeddings,
+        shift_logits=config.shift_logits,
+    )
+
+
+def _finished(events: Any) -> Any:
+    from engine.events import Finished
+
+    last = None
+    for event in events:
+        last = event
+    assert isinstance(last, Finished)
+    return last
+
+
+def _engine_figures(model: Any, config: Any, prompt: list[int], args: argparse.Namespace, device: str) -> dict[str, float]:
+    import torch
+
+    from engine.generate import generate_ar, generate_diffusion
+
+    B = config.block_size
+    P = len(prompt)
+    ids = torch.tensor(prompt, device=device)
+    figures: dict[str, float] = {}
+
+    def prefill_block() -> None:
+        model.forward(ids, 0, model.new_cache(P + B), block_size=B, write_cache=True, last_only=True, prefill=True)
+
+    def prefill_causal() -> None:
+        model.forward(ids, 0, model.new_cache(P + B), block_size=None, write_cache=True, last_only=True)
+
+    with torch.inference_mode():
+        figures["prefill_block_tok_s"] = P / _best(prefill_block, args.repeats, device)
+        figures["prefill_causal_tok_s"] = P / _best(prefill_causal, args.repeats, device)
+
+        # one read-only denoising pass over a 32-slot block after a block-aligned prefix
+        aligned = (P // B) * B
+        cache = model.new_cache(aligned + B)
+        model.forward(ids[:aligned], 0, cache, block_size=B, write_cache=True, last_only=True, prefill=True)
+        block = torch.full((B,), config.mask_token_id, dtype=torch.long, device=device)
+        block[: B // 4] = ids[: B // 4]
+        t = _best(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False), args.repeats, device)
+        figures["diffusion_passes_s"] = 1.0 / t
+
+    done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens)))
+    figures["ar_decode_tok_s"] = done.tokens_per_s
+    figures["ar_tokens"] = done.tokens
+    done = _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", args.diffusion_tokens)))
+    figures["diffusion_tokens_per_pass"] = done.tokens_per_pass
+    figures["diffusion_tok_s"] = done.tokens_per_s
+    figures["diffusion_passes"] = done.passes
+    figures["diffusion_tokens"] = done.tokens
+    return figures
+
+
+def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: int) -> None:
+    print(f"== {title}")
+    print(f"prefill, block mode ({prompt_tokens} tokens):   {f['prefill_block_tok_s']:10.1f} tok/s")
+    print(f"prefill, causal ({prompt_tokens} tokens):       {f['prefill_causal_tok_s']:10.1f} tok/s")
+    print(f"AR decode (greedy, {int(f['ar_tokens'])} tokens):         {f['ar_decode_tok_s']:10.1f} tok/s")
+    print(f"diffusion pass, one {block}-slot block:       {f['diffusion_passes_s']:10.1f} passes/s")
+    print(
+        f"diffusion run ({int(f['diffusion_tokens'])} tokens, {int(f['diffusion_passes'])} passes): "
+        f"{f['diffusion_tokens_per_pass']:.2f} tokens/pass, {f['diffusion_tok_s']:.1f} tok/s"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.api import parse_dtype
+    from engine.errors import ConfigError
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but CUDA is not available here")
+    dtype = parse_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    full = args.shape == "clover-35b-a3b"
+    if full and device != "cuda":
+        print("warning: the full 35B shape on CPU needs ~140 GB of RAM in float32", file=sys.stderr)
+    prompt_tokens = args.prompt_tokens or (1024 if full else 256)
+    _, config = _config(args.shape, "clover_moe")
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(16, config.vocab_size, (prompt_tokens,), generator=gen).tolist()
+    print(
+        f"bench speed: shape {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_experts} experts top-{config.num_experts_per_tok}, vocab {config.vocab_size}), device {device}, "
+        f"{str(dtype).replace('torch.', '')}, torch threads {torch.get_num_threads()}"
+    )
+    t0 = time.perf_counter()
+    model = _build_random_model(config, dtype, device, args.seed)
+    _sync(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"random model built on {device} in {time.perf_counter() - t0:.1f} s ({n_params / 1e9:.2f} B parameters)")
+    if device == "cuda":
+        print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    figures = _engine_figures(model, config, prompt, args, device)
+    _print_figures("Clover Desk engine (clover_moe, block mode with Clover extras and coreset)", figures,
+                   config.block_size, prompt_tokens)
+    del model
+    if args.compare_transformers:
+        _compare_transformers(args, device, dtype, prompt)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --compare-transformers
+
+
+def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, prompt: list[int]) -> None:
+    import torch
+
+    from engine.errors import ConfigError
+
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "--compare-transformers needs the test dependency transformers (pip install -e '.[test]')"
+        ) from None
+    from engine.checkpoint import load_model
+    from engine.generate import generate_ar
+
+    data, _ = _config(args.shape, "qwen3_5_moe")
+    text = {k: v for k, v in data["text_config"].items() if k not in ("model_type", "eos_token_id", "dtype")}
+    half = int(text["head_dim"] * text["partial_rotary_factor"]) // 2  # rotary frequency pairs
+    side = round(half * 11 / 32)  # 35B-A3B: [11, 11, 10]; identical text positions make the split irrelevant
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [side, side, half - 2 * side],
+                               "mrope_interleaved": True}
+    hf_config = transformers.Qwen3_5MoeTextConfig(**text, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(args.seed)
+    hf = transformers.Qwen3_5MoeForCausalLM(hf_config).eval()
+    _randomize_hf(hf, args.seed)
+    n_new = args.decode_tokens
+    P = len(prompt)
+    with tempfile.TemporaryDirectory(prefix="clover-bench-") as tmp:
+        hf.save_pretrained(tmp)
+        hf = hf.to(device=device, dtype=dtype)
+        ours = load_model(Path(tmp), dtype=dtype, device=device)
+        config = ours.config
+        ids = torch.tensor([prompt], device=device)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            t_hf_prefill = _best(lambda: hf(input_ids=ids, attention_mask=mask, use_cache=False), args.repeats, device)
+            t_our_prefill = _best(
+                lambda: ours.forward(ids[0], 0, ours.new_cache(P), write_cache=True, last_only=True),
+                args.repeats, device,
+            )
+
+            def hf_generate() -> list[int]:
+                out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+                return out[0, P:].tolist()
+
+            hf_generate()  # warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            hf_tokens = hf_generate()
+            _sync(device)
+            t_hf = time.perf_counter() - t0
+            hf_prefill_once = t_hf_prefill
+        settings = _settings(config, "ar", n_new)
+        _finished(generate_ar(ours, prompt, settings))  # warm-up
+        done = _finished(generate_ar(ours, prompt, settings))
+    # transformers' generate time includes its prefill; subtract one measured prefill for a decode-only rate
+    hf_decode = max(t_hf - hf_prefill_once, 1e-9)
+    same = sum(a == b for a, b in zip(done.token_ids, hf_tokens))
+    print(f"== same checkpoint (Qwen3_5MoeForCausalLM, save_pretrained, {config.model_type}), greedy, {n_new} tokens")
+    print(f"prefill, causal ({P} tokens):  engine {P / t_our_prefill:10.1f} tok/s | transformers {P / t_hf_prefill:10.1f} tok/s")
+    print(f"AR decode:                   engine {done.tokens_per_s:10.1f} tok/s | transformers {n_new / hf_decode:10.1f} tok/s"
+          f" (generate incl. prefill: {n_new / t_hf:.1f} tok/s)")
+    print(f"greedy tokens identical: {same}/{n_new}" + ("" if same == n_new else
+          f" (first difference at token {next(i for i, (a, b) in enumerate(zip(done.token_ids, hf_tokens)) if a != b)})"))
+
+
+def _randomize_hf(model: Any, seed: int) -> None:
+    """transformers initializes norms to zero and matrices with std 0.02, which makes every logit nearly equal;
+    use the same scales as the engine's random model so greedy decoding has clear winners."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue  # transformers' own init is in range
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.1 * noise)
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(noise)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(noise * 2.0 * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(noise * 0.5 * p.shape[-1] ** -0.5)
