@@ -147,10 +147,7 @@ class EngineClient(QObject):
         proc.setWorkingDirectory(root)
         proc.setProgram(self._python)
         proc.setArguments(["-m", "clover_desk.worker", *self._worker_args])
-        proc.readyReadStandardOutput.connect(self.on_stdout)
-        proc.readyReadStandardError.connect(self.on_stderr)
-        proc.finished.connect(self.on_finished)
-        proc.errorOccurred.connect(self.on_process_error)
+        self._connect_signals(proc)
         self._proc = proc
         self._ready = False
         self._queued.clear()
@@ -335,6 +332,13 @@ class EngineClient(QObject):
 
     # ----------------------------------------------------------------- internals
 
+    def _connect_signals(self, proc: QProcess) -> None:
+        """Wire one worker process (a fresh QProcess per start; slots ignore a process that is not current)."""
+        proc.readyReadStandardOutput.connect(self.on_stdout)
+        proc.readyReadStandardError.connect(self.on_stderr)
+        proc.finished.connect(self.on_finished)
+        proc.errorOccurred.connect(self.on_process_error)
+
     def _set_state(self, state: str) -> None:
         if state != self._state:
             self._state = state
@@ -421,6 +425,9 @@ class EngineClient(QObject):
         except (ValueError, KeyError, TypeError):
             log.warning("engine worker sent a line that is not a record: %r", line[:200])
             return
+        if self._state == "stopping":  # shutdown()/restart() already ended what was pending
+            log.debug("engine worker is stopping; ignored %s", name)
+            return
         if name == "ready":
             self._pid = record.get("pid")
             self._ready = True
@@ -456,7 +463,10 @@ class EngineClient(QObject):
         except (ValueError, TypeError) as exc:
             log.warning("engine worker sent an undecodable event: %s", exc)
             return
-        if isinstance(event, Finished) and request_id == self._current_request:
+        if request_id != self._current_request:  # ended already (e.g. restart): one end per request
+            log.debug("dropped a late %s event of request %s", record["event"], request_id)
+            return
+        if isinstance(event, Finished):
             self._current_request = None
             self._set_state("idle")
         self.event.emit(request_id, event)
@@ -468,10 +478,12 @@ class EngineClient(QObject):
             self._fatal = (kind, message)  # the exit that follows is reported by crashed, with this reason
         request_id = record.get("id")
         if request_id is not None and record.get("op") != "plan":
-            if request_id == self._current_request:
-                self._current_request = None
-                if not record.get("fatal"):
-                    self._set_state("idle")
+            if request_id != self._current_request:
+                log.debug("dropped a late error of request %s: %s", request_id, kind)
+                return
+            self._current_request = None
+            if not record.get("fatal"):
+                self._set_state("idle")
             self.event.emit(str(request_id), EngineError(kind=kind, message=message))
             return
         if record.get("op") == "load":

@@ -337,3 +337,17 @@ def test_a_second_load_while_loading_is_refused_without_ending_the_first(qtbot: 
         os.kill(c.pid, signal.SIGKILL)
     # The first load is still the one the crash ends.
     assert [k for k, _ in failed] == ["Busy", "WorkerCrashed"]
+
+
+def test_shutdown_mid_generation_ends_the_request_exactly_once(qtbot: Any, fake_client: EngineClient) -> None:
+    c = fake_client
+    _start(qtbot, c)
+    _load(qtbot, c, "/models/fake")
+    rec = Recorder(c)
+    request_id = c.generate([{"role": "user", "content": "endless"}])
+    with qtbot.waitSignal(c.event, timeout=GEN_MS, check_params_cb=lambda rid, ev: isinstance(ev, BlockStep)):
+        pass
+    with qtbot.waitSignal(c.stopped, timeout=15_000):
+        c.shutdown()  # the worker still answers "finished (cancelled)" on its way out: dropped
+    ends = [ev for ev in rec.of(request_id) if isinstance(ev, (Finished, EngineError))]
+    assert len(ends) == 1 and isinstance(ends[0], EngineError) and ends[0].kind == "WorkerStopped"
