@@ -217,8 +217,12 @@ class EngineClient(QObject):
         )
         return request_id
 
-    def cancel(self, request_id: str) -> None:
-        """Ask a generation to stop; the engine stops within one pass and sends ``Finished`` ("cancelled")."""
+    def cancel(self, request_id: str | None = None) -> None:
+        """Ask a generation (default: the current one) to stop; the engine stops within one pass and sends
+        ``Finished`` with stop_reason "cancelled". A request that already ended is left alone."""
+        request_id = request_id or self._current_request
+        if request_id is None or self._proc is None:
+            return
         self._send({"cmd": "cancel", "id": request_id})
 
     def request_plan(

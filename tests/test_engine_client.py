@@ -276,7 +276,7 @@ def test_refusals_are_answered_as_events(qtbot: Any, fake_client: EngineClient) 
         pass
     assert rec.of(busy)[-1].kind == "Busy" and c.current_request == endless
     with qtbot.waitSignal(c.event, timeout=GEN_MS, check_params_cb=_is_end(endless)):
-        c.cancel(endless)
+        c.cancel()  # no id: the current request
     assert rec.of(endless)[-1].stop_reason == "cancelled"
 
     bug = c.generate([{"role": "user", "content": "bug"}])
