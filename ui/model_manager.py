@@ -1,0 +1,561 @@
+"""The model manager: the first page when no model is configured. Open a folder, download Clover, or make a demo.
+
+Three ways to a model folder, each ending in :attr:`ModelManagerPanel.modelChosen` with a folder that passed
+:func:`check_model_dir` (config.json readable, ``model_type`` supported, safetensors weights present):
+
+* **Open folder…**: any local folder in the Hugging Face layout;
+* **Download**: a Hub repository (default ``Diffuspace/Clover-35B-A3B-Preview``) into a folder, on a worker thread,
+  with bytes, speed and time left, Cancel, and Resume (the partial bytes are kept across restarts);
+* **Create demo model**: runs ``clover-desk make-tiny DIR`` in a child process (QProcess: the UI never imports
+  torch). The demo model has random weights: it runs the whole pipeline, and what it writes is noise.
+
+Dependencies are passed in by the composition root: ``downloader_factory`` (``clover_desk.downloads.
+ModelDownloader``, imported lazily when not given), ``models_dir`` (where downloads and the demo go by default) and
+``recent_file`` (a JSON list of recent model folders; in memory only when None).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from PySide6.QtCore import QObject, QProcess, QStandardPaths, Qt, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.config import SUPPORTED_MODEL_TYPES, load_config
+from engine.errors import CancelledError, CloverError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REPO_ID = "Diffuspace/Clover-35B-A3B-Preview"
+DEMO_FOLDER_NAME = "clover-tiny-demo"
+MAX_RECENT = 10
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checking a folder (no Qt)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelCheck:
+    ok: bool
+    message: str  # what is wrong, or a one-line description of the model
+    model_type: str | None = None
+
+
+def check_model_dir(path: str | Path) -> ModelCheck:
+    """Can the engine load this folder? Reads config.json only (stdlib): never loads weights."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return ModelCheck(False, f"{folder} is not a folder")
+    if not (folder / "config.json").is_file():
+        gguf = sorted(p.name for p in folder.glob("*.gguf"))
+        if gguf:
+            return ModelCheck(False, f"{folder.name} holds GGUF files ({gguf[0]}…); the engine does not read GGUF "
+                                     "yet: use the safetensors release")
+        return ModelCheck(False, f"{folder} has no config.json: choose the folder that holds the model's "
+                                 "config.json and *.safetensors files")
+    try:
+        config = load_config(folder)
+    except CloverError as exc:
+        return ModelCheck(False, str(exc))
+    has_weights = (folder / "model.safetensors.index.json").is_file() or any(folder.glob("*.safetensors"))
+    if not has_weights:
+        return ModelCheck(False, f"{folder} has a config.json but no *.safetensors weights", config.model_type)
+    kind = "block diffusion" if config.is_diffusion else "autoregressive"
+    return ModelCheck(True, f"{config.model_type} ({kind}), {config.num_hidden_layers} layers, "
+                            f"{config.num_experts} experts", config.model_type)
+
+
+def free_space_text(folder: str | Path) -> str:
+    target = Path(folder).absolute()
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        free = shutil.disk_usage(target).free
+    except OSError as exc:
+        return f"free space unknown ({exc.strerror or exc})"
+    return f"{free / 1e9:.1f} GB free on {target}"
+
+
+def progress_text(done: int, total: int, speed_bps: float, eta_s: float | None) -> str:
+    parts = [f"{done / 1e9:.2f} of {total / 1e9:.2f} GB"]
+    if speed_bps > 0:
+        parts.append(f"{speed_bps / 1e6:.1f} MB/s")
+    if eta_s is not None:
+        minutes, seconds = divmod(int(eta_s + 0.5), 60)
+        hours, minutes = divmod(minutes, 60)
+        parts.append(f"{hours} h {minutes:02d} min left" if hours else f"{minutes} min {seconds:02d} s left")
+    return " · ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The download worker
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Downloader(Protocol):
+    """What the panel needs of ``clover_desk.downloads.ModelDownloader``."""
+
+    def run(self) -> Path: ...
+
+
+DownloaderFactory = Callable[..., Downloader]  # (target_dir, repo_id, *, progress, cancel) -> Downloader
+
+
+def _default_downloader_factory(target_dir: Path, repo_id: str, **kwargs: Any) -> Downloader:
+    from clover_desk.downloads import ModelDownloader  # stdlib + huggingface_hub; imported when first used
+
+    return ModelDownloader(target_dir, repo_id, **kwargs)
+
+
+class _DownloadJob(QObject):
+    """Runs one download on a Python thread; reports through queued signals (the GUI thread only paints)."""
+
+    progress = Signal(object)  # a DownloadProgress-like snapshot
+    finished = Signal(str)  # the model folder
+    failed = Signal(str, bool)  # message, cancelled
+
+    def __init__(self, downloader: Downloader, cancel: threading.Event, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._downloader = downloader
+        self.cancel = cancel
+        self.thread = threading.Thread(target=self._run, name="model-download", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            folder = self._downloader.run()
+        except CancelledError as exc:
+            self.failed.emit(str(exc), True)
+        except CloverError as exc:
+            self.failed.emit(str(exc), False)
+        except Exception as exc:  # noqa: BLE001 - a worker must report, never die silently
+            log.exception("download failed")
+            self.failed.emit(f"download failed: {exc}", False)
+        else:
+            self.finished.emit(str(folder))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The panel
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ModelManagerPanel(QWidget):
+    """Choose, download or create the model. Emits :attr:`modelChosen` with a folder that passed the check."""
+
+    # A model folder the user chose (opened, downloaded, created, or picked from the recent list); it passed
+    # check_model_dir.
+    modelChosen = Signal(str)
+    # Download progress snapshot (clover_desk.downloads.DownloadProgress), on the GUI thread.
+    downloadProgress = Signal(object)
+    # The download ended: (ok, message). ok False covers errors and cancel.
+    downloadEnded = Signal(bool, str)
+    # The demo model process ended: (ok, message).
+    demoEnded = Signal(bool, str)
+    # The recent list changed (most recent first).
+    recentModelsChanged = Signal(list)
+
+    def __init__(
+        self,
+        parent: QWidget | None = None,
+        *,
+        downloader_factory: DownloaderFactory | None = None,
+        models_dir: str | Path | None = None,
+        recent_file: str | Path | None = None,
+        python: str = sys.executable,
+        default_repo_id: str = DEFAULT_REPO_ID,
+    ) -> None:
+        super().__init__(parent)
+        self._factory = downloader_factory or _default_downloader_factory
+        if models_dir is None:
+            base = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppLocalDataLocation)
+            models_dir = Path(base or Path.home() / ".clover-desk") / "models"
+        self.models_dir = Path(models_dir)
+        self._recent_file = Path(recent_file) if recent_file else None
+        self._python = python
+        self._job: _DownloadJob | None = None
+        self._process: QProcess | None = None
+        self._demo_dir: Path | None = None
+        self._demo_output: list[str] = []
+        self._recent: list[str] = []
+
+        title = QLabel("<h2>Choose a model</h2>Clover Desk needs a model folder (Hugging Face layout: config.json and "
+                       "*.safetensors). Open one you have, download Clover, or make a demo model to try the app.")
+        title.setWordWrap(True)
+
+        # --- open ---
+        self.open_button = QPushButton("Open folder…")
+        self.open_status = QLabel()
+        self.open_status.setWordWrap(True)
+        self.open_status.setObjectName("openStatus")
+        open_box = QGroupBox("A model on this computer")
+        open_layout = QVBoxLayout(open_box)
+        open_layout.addWidget(self.open_button, 0, Qt.AlignmentFlag.AlignLeft)
+        open_layout.addWidget(self.open_status)
+
+        # --- download ---
+        self.repo_edit = QLineEdit(default_repo_id)
+        self.repo_edit.setPlaceholderText("owner/name")
+        self.target_edit = QLineEdit(str(self.models_dir / default_repo_id.split("/")[-1]))
+        self.browse_button = QPushButton("Browse…")
+        self.free_label = QLabel()
+        self.download_button = QPushButton("Download")
+        self.cancel_button = QPushButton("Cancel")
+        self.resume_button = QPushButton("Resume")
+        self.progress_bar = QProgressBar()
+        self.progress_bar.setRange(0, 1000)
+        self.progress_bar.setValue(0)
+        self.progress_label = QLabel()
+        self.progress_label.setWordWrap(True)
+        self.download_status = QLabel("Safetensors only: GGUF files in the repository are skipped (the engine does "
+                                      "not read GGUF yet). The download continues where it stopped if interrupted.")
+        self.download_status.setWordWrap(True)
+        target_row = QHBoxLayout()
+        target_row.addWidget(self.target_edit, 1)
+        target_row.addWidget(self.browse_button)
+        buttons = QHBoxLayout()
+        for button in (self.download_button, self.cancel_button, self.resume_button):
+            buttons.addWidget(button)
+        buttons.addStretch(1)
+        download_box = QGroupBox("Download from the Hugging Face Hub")
+        form = QFormLayout(download_box)
+        form.addRow("Repository", self.repo_edit)
+        form.addRow("Into folder", target_row)
+        form.addRow("", self.free_label)
+        form.addRow(buttons)
+        form.addRow(self.progress_bar)
+        form.addRow(self.progress_label)
+        form.addRow(self.download_status)
+
+        # --- demo ---
+        self.demo_button = QPushButton("Create demo model")
+        self.demo_status = QLabel("A tiny model with random weights (a few MB, made on this computer in seconds). It "
+                                  "exercises the whole app, but its output is random noise, not language.")
+        self.demo_status.setWordWrap(True)
+        demo_box = QGroupBox("Demo model")
+        demo_layout = QVBoxLayout(demo_box)
+        demo_layout.addWidget(self.demo_button, 0, Qt.AlignmentFlag.AlignLeft)
+        demo_layout.addWidget(self.demo_status)
+
+        # --- recent ---
+        self.recent_list = QListWidget()
+        self.recent_list.setObjectName("recentModels")
+        recent_box = QGroupBox("Recent models (double-click to open)")
+        recent_layout = QVBoxLayout(recent_box)
+        recent_layout.addWidget(self.recent_list)
+
+        layout = QVBoxLayout(self)
+        layout.addWidget(title)
+        layout.addWidget(open_box)
+        layout.addWidget(download_box)
+        layout.addWidget(demo_box)
+        layout.addWidget(recent_box, 1)
+
+        self._load_recent()
+        self._update_free_space()
+        self._set_downloading(False)
+        self._connect_signals()
+
+    def _connect_signals(self) -> None:
+        self.open_button.clicked.connect(self.on_open_clicked)
+        self.browse_button.clicked.connect(self.on_browse_clicked)
+        self.target_edit.editingFinished.connect(self.on_target_edited)
+        self.repo_edit.textEdited.connect(self.on_repo_edited)
+        self.download_button.clicked.connect(self.on_download_clicked)
+        self.resume_button.clicked.connect(self.on_download_clicked)
+        self.cancel_button.clicked.connect(self.on_cancel_clicked)
+        self.demo_button.clicked.connect(self.on_demo_clicked)
+        self.recent_list.itemActivated.connect(self.on_recent_activated)
+
+    # ---- public API ----------------------------------------------------------------------------------------
+
+    def open_folder(self, path: str | Path) -> bool:
+        """Check ``path`` and, if the engine can load it, emit modelChosen. Returns whether it was accepted."""
+        check = check_model_dir(path)
+        if not check.ok:
+            self.open_status.setText(f"<b>Cannot use this folder:</b> {_escape(check.message)}")
+            return False
+        self.open_status.setText(f"Opened {_escape(str(path))}: {_escape(check.message)}")
+        self._choose(str(Path(path).absolute()))
+        return True
+
+    def start_download(self, repo_id: str | None = None, target_dir: str | Path | None = None) -> None:
+        if self._job is not None:
+            return
+        repo_id = (repo_id or self.repo_edit.text()).strip()
+        target = Path(target_dir or self.target_edit.text()).expanduser()
+        self.repo_edit.setText(repo_id)
+        self.target_edit.setText(str(target))
+        cancel = threading.Event()
+        try:
+            downloader = self._factory(target, repo_id, progress=self._forward_progress, cancel=cancel)
+        except CloverError as exc:
+            self._on_download_failed(str(exc), False)
+            return
+        self._job = _DownloadJob(downloader, cancel, self)
+        self._job.progress.connect(self.on_download_progress)
+        self._job.finished.connect(self.on_download_finished)
+        self._job.failed.connect(self.on_download_failed)
+        self.download_status.setText(f"Downloading {_escape(repo_id)}…")
+        self.progress_label.setText("asking the Hub for the file list…")
+        self._set_downloading(True)
+        self._job.start()
+
+    def cancel_download(self) -> None:
+        if self._job is not None:
+            self._job.cancel.set()
+            self.download_status.setText("Cancelling… (the bytes downloaded so far are kept)")
+            self.cancel_button.setEnabled(False)
+
+    def create_demo_model(self, folder: str | Path | None = None) -> None:
+        if self._process is not None:
+            return
+        self._demo_dir = Path(folder) if folder else self.models_dir / DEMO_FOLDER_NAME
+        self._demo_output = []
+        process = QProcess(self)
+        process.setProgram(self._python)
+        process.setArguments(["-m", "clover_desk.cli", "make-tiny", str(self._demo_dir)])
+        process.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
+        process.readyReadStandardOutput.connect(self.on_demo_output)
+        process.finished.connect(self.on_demo_finished)
+        process.errorOccurred.connect(self.on_demo_error)
+        self._process = process
+        self.demo_button.setEnabled(False)
+        self.demo_status.setText(f"Creating a demo model in {_escape(str(self._demo_dir))}…")
+        process.start()
+
+    def recent_models(self) -> list[str]:
+        return list(self._recent)
+
+    def set_recent_models(self, paths: Sequence[str]) -> None:
+        self._recent = list(dict.fromkeys(str(p) for p in paths))[:MAX_RECENT]
+        self._refresh_recent()
+
+    def is_busy(self) -> bool:
+        return self._job is not None or self._process is not None
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop a running download or demo creation (call when the app quits)."""
+        if self._job is not None:
+            self._job.cancel.set()
+            self._job.thread.join(timeout_s)
+        if self._process is not None:
+            self._process.kill()
+            self._process.waitForFinished(int(timeout_s * 1000))
+
+    # ---- slots ---------------------------------------------------------------------------------------------
+
+    def on_open_clicked(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Open a model folder", str(self.models_dir))
+        if path:
+            self.open_folder(path)
+
+    def on_browse_clicked(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Download into", str(self.models_dir))
+        if path:
+            self.target_edit.setText(path)
+            self._update_free_space()
+
+    def on_target_edited(self) -> None:
+        self._update_free_space()
+
+    def on_repo_edited(self, text: str) -> None:
+        # Follow the repository name in the default target, unless the user chose another folder.
+        current = Path(self.target_edit.text())
+        if current.parent == self.models_dir and "/" in text:
+            self.target_edit.setText(str(self.models_dir / text.split("/")[-1]))
+
+    def on_download_clicked(self) -> None:
+        self.start_download()
+
+    def on_cancel_clicked(self) -> None:
+        self.cancel_download()
+
+    def on_demo_clicked(self) -> None:
+        self.create_demo_model()
+
+    def on_download_progress(self, p: Any) -> None:
+        self.progress_bar.setValue(int(1000 * p.done_bytes / p.total_bytes) if p.total_bytes else 0)
+        what = {"planning": "planning", "checking": "checking", "downloading": "downloading",
+                "verifying": "verifying checksum of", "done": "done"}.get(p.state, p.state)
+        name = f" {p.file}" if p.file else ""
+        counter = f" ({p.file_index + 1}/{p.file_count})" if p.file_count and p.state != "done" else ""
+        self.progress_label.setText(f"{what}{name}{counter} — "
+                                    f"{progress_text(p.done_bytes, p.total_bytes, p.speed_bps, p.eta_s)}")
+        self.downloadProgress.emit(p)
+
+    def on_download_finished(self, folder: str) -> None:
+        self._release_job()
+        self._set_downloading(False)
+        self.progress_bar.setValue(1000)
+        check = check_model_dir(folder)
+        if not check.ok:
+            message = f"Downloaded, but the engine cannot use it: {check.message}"
+            self.download_status.setText(_escape(message))
+            self.downloadEnded.emit(False, message)
+            return
+        self.download_status.setText(f"Downloaded into {_escape(folder)}: {_escape(check.message)}")
+        self.downloadEnded.emit(True, folder)
+        self._choose(folder)
+
+    def on_download_failed(self, message: str, cancelled: bool) -> None:
+        self._on_download_failed(message, cancelled)
+
+    def on_demo_output(self) -> None:
+        if self._process is not None:
+            self._demo_output.append(bytes(self._process.readAllStandardOutput().data()).decode(errors="replace"))
+
+    def on_demo_finished(self, exit_code: int, exit_status: QProcess.ExitStatus) -> None:
+        self.on_demo_output()
+        self._process = None
+        self.demo_button.setEnabled(True)
+        output = "".join(self._demo_output).strip()
+        folder = self._demo_dir
+        if exit_status != QProcess.ExitStatus.NormalExit or exit_code != 0 or folder is None:
+            last = output.splitlines()[-1] if output else f"exit code {exit_code}"
+            message = f"Could not create the demo model: {last}"
+            self.demo_status.setText(_escape(message))
+            self.demoEnded.emit(False, message)
+            return
+        check = check_model_dir(folder)
+        if not check.ok:
+            message = f"The demo model is not usable: {check.message}"
+            self.demo_status.setText(_escape(message))
+            self.demoEnded.emit(False, message)
+            return
+        message = (f"Demo model ready in {folder}. Remember: its weights are random, so its output is random "
+                   "noise; it shows how the app works, not what Clover can do.")
+        self.demo_status.setText(_escape(message))
+        self.demoEnded.emit(True, str(folder))
+        self._choose(str(folder))
+
+    def on_demo_error(self, error: QProcess.ProcessError) -> None:
+        if error == QProcess.ProcessError.FailedToStart and self._process is not None:
+            self._process = None
+            self.demo_button.setEnabled(True)
+            message = f"Could not start {self._python}: {error.name}"
+            self.demo_status.setText(_escape(message))
+            self.demoEnded.emit(False, message)
+
+    def on_recent_activated(self, item: QListWidgetItem) -> None:
+        self.open_folder(item.data(Qt.ItemDataRole.UserRole))
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _forward_progress(self, progress: Any) -> None:
+        """Called on the download thread: hand the snapshot to the GUI thread through a queued signal."""
+        job = self._job
+        if job is not None:
+            job.progress.emit(progress)
+
+    def _release_job(self) -> None:
+        if self._job is not None:
+            self._job.deleteLater()
+        self._job = None
+
+    def _on_download_failed(self, message: str, cancelled: bool) -> None:
+        self._release_job()
+        self._set_downloading(False)
+        if cancelled:
+            text = "Cancelled. The bytes downloaded so far are kept: press Resume to continue."
+        else:
+            text = f"<b>Download stopped:</b> {_escape(message)}"
+            if "resume" not in message.lower() and "again" not in message.lower():
+                text += " Press Resume to try again; finished files are not fetched twice."
+        self.download_status.setText(text)
+        self.resume_button.setEnabled(True)
+        self.downloadEnded.emit(False, message)
+
+    def _set_downloading(self, on: bool) -> None:
+        self.download_button.setEnabled(not on)
+        self.cancel_button.setEnabled(on)
+        self.resume_button.setEnabled(False if on else self.resume_button.isEnabled())
+        self.repo_edit.setEnabled(not on)
+        self.target_edit.setEnabled(not on)
+        self.browse_button.setEnabled(not on)
+
+    def _update_free_space(self) -> None:
+        self.free_label.setText(free_space_text(self.target_edit.text() or self.models_dir))
+
+    def _choose(self, folder: str) -> None:
+        self._recent = [folder, *[p for p in self._recent if p != folder]][:MAX_RECENT]
+        self._refresh_recent()
+        self._save_recent()
+        self.recentModelsChanged.emit(list(self._recent))
+        self.modelChosen.emit(folder)
+
+    def _refresh_recent(self) -> None:
+        self.recent_list.clear()
+        for path in self._recent:
+            item = QListWidgetItem(f"{Path(path).name} — {path}")
+            item.setData(Qt.ItemDataRole.UserRole, path)
+            if not Path(path).is_dir():
+                item.setToolTip("this folder no longer exists")
+                item.setForeground(QColor(Qt.GlobalColor.gray))
+            self.recent_list.addItem(item)
+
+    def _load_recent(self) -> None:
+        if self._recent_file is None:
+            return
+        try:
+            data = json.loads(self._recent_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable recent-models file %s: %s", self._recent_file, exc)
+            return
+        if isinstance(data, list):
+            self.set_recent_models([str(p) for p in data if isinstance(p, str)])
+
+    def _save_recent(self) -> None:
+        if self._recent_file is None:
+            return
+        try:
+            self._recent_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._recent_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._recent, indent=1), encoding="utf-8")
+            os.replace(tmp, self._recent_file)
+        except OSError as exc:
+            log.warning("cannot save recent models to %s: %s", self._recent_file, exc)
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+__all__ = [
+    "DEFAULT_REPO_ID",
+    "ModelCheck",
+    "ModelManagerPanel",
+    "SUPPORTED_MODEL_TYPES",
+    "check_model_dir",
+    "free_space_text",
+    "progress_text",
+]
