@@ -4,7 +4,8 @@
 
 ``--vram-gb`` / ``--ram-gb`` are GiB (2**30 bytes) the process may use: pass the card's *free* VRAM, not its
 total. ``--model`` takes a Hugging Face model folder (safetensors headers are read, never the weights), a quantized
-cache folder holding ``manifest.json``, or that manifest file itself.
+cache folder holding ``manifest.json``, or that manifest file itself; a checkpoint is planned as it will be after
+quantization (``--dense`` picks the projections' format; ``--as-stored`` plans the bytes in its files).
 
 Exit status: 0 the plan fits; 3 it does not fit (the reason and the smallest budget that fits are printed, and
 in ``--json`` the plan has ``"fits": false``); 2 bad input (a missing folder, a malformed file, a bad number).
@@ -28,9 +29,8 @@ from engine.planner import (
     QuantPolicy,
     Roofline,
     make_plan,
+    manifest_for_model_dir,
     manifest_for_shape,
-    manifest_from_checkpoint,
-    manifest_from_quantized_cache,
     probe_hardware,
 )
 
@@ -39,8 +39,6 @@ log = logging.getLogger(__name__)
 EXIT_FITS = 0
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
-
-QUANT_MANIFEST_NAME = "manifest.json"
 
 _PARTS = (
     ("non_expert", "non-expert weights"),
@@ -60,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vram-gb", type=float, required=True, metavar="N", help="VRAM budget in GiB (the card's free memory)")
     parser.add_argument("--ctx", type=int, default=16384, metavar="N", help="context tokens to hold (default 16384)")
     parser.add_argument("--ram-gb", type=float, metavar="N", help="free system RAM in GiB (checked when given)")
-    parser.add_argument("--dense", choices=("nf4", "int8"), default="int8", help="--shape only: format of the attention, GDN and shared-expert projections (default int8)")
+    parser.add_argument("--dense", choices=("nf4", "int8"), default="int8", help="format of the attention, GDN and shared-expert projections when quantizing (--shape, or a checkpoint folder; default int8)")
+    parser.add_argument("--as-stored", action="store_true", help="plan a checkpoint folder with the bytes in its files instead of as quantized")
     parser.add_argument("--tokens-per-pass", type=float, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
     parser.add_argument("--coreset", action="store_true", help="predict with Clover's block expert coreset (~30 distinct experts per pass instead of ~70)")
     parser.add_argument("--attention", choices=("math", "efficient"), default="math", help="prefill attention kernel to plan for: 'math' is today's engine (fp32 score scratch), 'efficient' a kernel without it")
@@ -74,17 +73,13 @@ def _gib_to_bytes(value: float, flag: str) -> int:
 
 
 def _load_manifest(args: argparse.Namespace) -> Manifest:
+    policy = QuantPolicy(attention=args.dense, shared_expert=args.dense)
     if args.shape:
-        dense = args.dense
-        return manifest_for_shape(args.shape, QuantPolicy(attention=dense, shared_expert=dense))
+        return manifest_for_shape(args.shape, policy)
     path: Path = args.model
     if not path.exists():
         raise FileNotFoundError(f"--model {path}: no such file or folder")
-    if path.is_file():
-        return manifest_from_quantized_cache(path)
-    if (path / QUANT_MANIFEST_NAME).is_file() and not any(path.glob("*.safetensors")):
-        return manifest_from_quantized_cache(path / QUANT_MANIFEST_NAME)
-    return manifest_from_checkpoint(path)
+    return manifest_for_model_dir(path, policy, as_stored=args.as_stored)
 
 
 def _layers(layers: list[int]) -> str:

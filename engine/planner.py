@@ -67,6 +67,8 @@ __all__ = [
     "manifest_for_shape",
     "manifest_from_checkpoint",
     "manifest_from_dict",
+    "manifest_for_model_dir",
+    "quantize_manifest",
     "manifest_from_quantized_cache",
     "probe_hardware",
 ]
@@ -722,6 +724,37 @@ def manifest_from_quantized_cache(manifest_json_path: str | Path) -> Manifest:
             geometry = _geometry_near(directory, str(path))
             break
     return manifest_from_dict(data, str(path), geometry)
+
+
+_FLOAT_FORMATS = ("bf16", "fp16", "fp32")
+QUANT_MANIFEST_NAME = "manifest.json"  # the quantized cache's manifest inside its folder
+
+
+def quantize_manifest(manifest: Manifest, policy: QuantPolicy | None = None) -> Manifest:
+    """The manifest after quantization under ``policy`` (default :class:`QuantPolicy`): float tensors the policy
+    quantizes take its format and bytes; everything else is unchanged. What a checkpoint will occupy once loaded
+    through the quantized cache."""
+    policy = policy or QuantPolicy()
+    entries = []
+    for e in manifest:
+        fmt = policy.format_for(e.name, e.shape, e.format) if e.format in _FLOAT_FORMATS else e.format
+        entries.append(e if fmt == e.format else dataclasses.replace(e, format=fmt, bytes=FORMAT_BYTES[fmt](e.shape)))
+    return Manifest(tuple(entries), manifest.geometry, manifest.source, asdict(policy))
+
+
+def manifest_for_model_dir(path: str | Path, policy: QuantPolicy | None = None, *, as_stored: bool = False) -> Manifest:
+    """The manifest to plan a model with: a quantized cache's ``manifest.json`` (the file, or a folder holding it
+    and no safetensors) as written; a Hugging Face checkpoint folder as it will be after quantization under
+    ``policy`` (``as_stored=True``: the bytes in the files)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if path.is_file():
+        return manifest_from_quantized_cache(path)
+    if (path / QUANT_MANIFEST_NAME).is_file() and not any(path.glob("*.safetensors")):
+        return manifest_from_quantized_cache(path / QUANT_MANIFEST_NAME)
+    stored = manifest_from_checkpoint(path)
+    return stored if as_stored else quantize_manifest(stored, policy)
 
 
 # ---------------------------------------------------------------------------------------------------------------

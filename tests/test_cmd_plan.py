@@ -121,3 +121,15 @@ def test_malformed_manifest_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     path.write_text("{not json")
     rc = cli.main(["plan", "--model", str(path), "--vram-gb", "16"])
     assert rc == 2 and "not valid JSON" in capsys.readouterr().err
+
+
+def test_checkpoint_folder_is_planned_quantized_unless_as_stored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_planner import write_tiny_checkpoint
+
+    folder, _ = write_tiny_checkpoint(tmp_path)
+    rc = cli.main(["plan", "--model", str(folder), "--vram-gb", "4", "--ctx", "256", "--json"])
+    quantized = json.loads(capsys.readouterr().out)
+    rc_stored = cli.main(["plan", "--model", str(folder), "--vram-gb", "4", "--ctx", "256", "--json", "--as-stored"])
+    stored = json.loads(capsys.readouterr().out)
+    assert rc == rc_stored == 0
+    assert quantized["vram_breakdown"]["resident_experts"] * 3 < stored["vram_breakdown"]["resident_experts"]

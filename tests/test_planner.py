@@ -389,8 +389,9 @@ def _tiny_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-@pytest.fixture()
-def tiny_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, tuple[str, tuple[int, ...]]]]:
+def write_tiny_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, tuple[str, tuple[int, ...]]]]:
+    """A two-shard tiny Clover checkpoint (one shard by hand, one through safetensors) with config.json and index;
+    returns the folder and {name: (dtype, shape)} of everything written."""
     tensors = _tiny_tensors()
     names = sorted(tensors)
     half = len(names) // 2
@@ -411,6 +412,11 @@ def tiny_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, tuple[str, tuple[in
     written = dict(shard1)
     written.update({n: ("F32" if a.dtype == np.float32 else "F16", a.shape) for n, a in arrays.items()})
     return tmp_path, written
+
+
+@pytest.fixture()
+def tiny_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, tuple[str, tuple[int, ...]]]]:
+    return write_tiny_checkpoint(tmp_path)
 
 
 def test_manifest_from_a_real_checkpoint_matches_what_was_written(tiny_checkpoint: tuple[Path, dict]) -> None:
@@ -663,3 +669,22 @@ def test_a_model_without_routed_experts_plans_cleanly(m35: planner.Manifest) -> 
     assert plan.slot_pool_experts == 0 and plan.vram_breakdown["resident_experts"] == 0
     assert plan.ram_breakdown["streamed_experts"] == 0
     assert all(v > 0 for v in plan.predicted_tok_s.values())
+
+
+def test_a_checkpoint_is_planned_as_it_will_be_quantized(tiny_checkpoint: tuple[Path, dict], m35: planner.Manifest) -> None:
+    stored_policy = QuantPolicy(experts="bf16", attention="bf16", shared_expert="bf16", lm_head="bf16")
+    stored_35b = manifest_for_shape("clover-35b-a3b", stored_policy)
+    assert stored_35b.total_bytes(["expert"]) == 2 * ALL_EXPERT_PARAMS
+    assert planner.quantize_manifest(stored_35b).entries == m35.entries
+    folder, _ = tiny_checkpoint
+    as_stored = planner.manifest_for_model_dir(folder, as_stored=True)
+    quantized = planner.manifest_for_model_dir(folder)
+    assert as_stored.entries == manifest_from_checkpoint(folder).entries
+    assert quantized.by_name()["layers.0.mlp.experts.gate_up_proj"].format == "nf4"
+    assert quantized.total_bytes(["expert"]) * 3 < as_stored.total_bytes(["expert"])
+    assert quantized.by_name()["norm.weight"] == as_stored.by_name()["norm.weight"]
+    (folder / "cache").mkdir()
+    (folder / "cache" / "manifest.json").write_text(json.dumps(_cache_json(quantized)))
+    assert planner.manifest_for_model_dir(folder / "cache").entries == quantized.entries
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        planner.manifest_for_model_dir(folder / "missing")
