@@ -205,7 +205,7 @@ def main() -> int:
                         vram_free_bytes=15 * GIB, ram_total_bytes=64 * GIB, ram_available_bytes=52 * GIB)
     client = ReplayClient()
     desk = CloverDeskApp(home, client=client, settings=AppSettings(model_dir="/models/Clover-35B-A3B-Preview"),
-                         hardware=hardware)
+                         hardware=hardware, with_model_manager=False)
     window = desk.window
     window.resize(width, height)
     window.show()
@@ -255,7 +255,17 @@ def main() -> int:
     shot(window, out / "vram-panel.png")
     shot(window.tabs, out / "vram-panel-detail.png")
 
-    # 4. an engine crash: the banner, the chat intact; and model loading with Cancel
+    # 4. the settings drawer
+    window.settings_button.setChecked(True)
+    window.drawer.system_prompt.setPlainText("You are a concise assistant. Inline all CSS and JS in HTML answers.")
+    window.sidebar.search.setText("diffusion")
+    window.tabs.setCurrentWidget(window.denoise)
+    settle(200)
+    shot(window, out / "settings-and-search.png")
+    window.settings_button.setChecked(False)
+    window.sidebar.search.clear()
+
+    # 5. an engine crash: the banner, the chat intact; and model loading with Cancel
     client.crashed.emit("worker killed by SIGKILL (out of host memory?)")
     client.loadProgress.emit(LoadProgress("quantizing", int(9.3 * GIB), int(18.6 * GIB), "layers.21.mlp.experts", 41.0))
     settle(200)

@@ -318,13 +318,15 @@ class SettingsDrawer(QFrame):
     """System prompt and sampling settings for the current conversation."""
 
     changed = Signal()  # any setting changed (read them back with settings() / system_prompt())
+    closeRequested = Signal()  # the drawer's Done button
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("settingsDrawer")
-        self.setFixedWidth(300)
         title = QLabel("Chat settings")
         title.setObjectName("convTitle")
+        self.done_button = QPushButton("Done")
+        self.done_button.setObjectName("ghost")
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setPlaceholderText("You are a helpful assistant…")
         self.system_prompt.setFixedHeight(110)
@@ -357,7 +359,15 @@ class SettingsDrawer(QFrame):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(16, 16, 16, 16)
         layout.setSpacing(10)
-        layout.addWidget(title)
+        top = QHBoxLayout()
+        top.addWidget(title)
+        top.addStretch(1)
+        top.addWidget(self.done_button)
+        layout.addLayout(top)
+        scope = QLabel("Saved with this chat. Think can also be switched per message next to the input box.")
+        scope.setObjectName("muted")
+        scope.setWordWrap(True)
+        layout.addWidget(scope)
         prompt_label = QLabel("SYSTEM PROMPT")
         prompt_label.setObjectName("sectionTitle")
         layout.addWidget(prompt_label)
@@ -367,6 +377,15 @@ class SettingsDrawer(QFrame):
         layout.addWidget(sampling)
         layout.addLayout(form)
         layout.addWidget(self.thinking)
+        hints = QLabel(
+            "<b>Block diffusion</b> fills a block of masked slots per step; <b>threshold</b>: every slot at least "
+            "this confident is committed in a pass (at least one), so lower is faster and riskier. "
+            "<b>Block size</b> is the number of slots per block. <b>Temperature</b> 0 is greedy. "
+            "<b>Autoregressive</b> writes one token per step."
+        )
+        hints.setObjectName("muted")
+        hints.setWordWrap(True)
+        layout.addWidget(hints)
         layout.addStretch(1)
         self.set_settings(GenerationSettings(), "")
         self._connect_signals()
@@ -382,6 +401,7 @@ class SettingsDrawer(QFrame):
             self.system_prompt.textChanged,
         ):
             sig.connect(self.on_any_changed)
+        self.done_button.clicked.connect(self.closeRequested)
 
     def set_settings(self, s: GenerationSettings, system_prompt: str) -> None:
         widgets = (self.mode, self.block_size, self.temperature, self.threshold, self.max_tokens, self.thinking,
@@ -660,7 +680,6 @@ class MainWindow(QMainWindow):
         self.chat = ChatView(html_extractor)
         self.composer = Composer()
         self.drawer = SettingsDrawer()
-        self.drawer.setVisible(False)
         self.crash_banner = Banner("crashBanner", "Restart engine")
         self.info_banner = Banner("infoBanner")
         self.load_banner = LoadBanner()
@@ -747,7 +766,6 @@ class MainWindow(QMainWindow):
         body.setContentsMargins(0, 0, 0, 0)
         body.setSpacing(0)
         body.addWidget(center, 1)
-        body.addWidget(self.drawer)
         layout = QVBoxLayout(page)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
@@ -767,12 +785,17 @@ class MainWindow(QMainWindow):
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.setChildrenCollapsible(False)
         self.splitter.setHandleWidth(1)
+        # the right side: the panels, or the settings drawer slid over them (the chat keeps its width)
+        self.side = QStackedWidget()
+        self.side.setObjectName("sidePanel")
+        self.side.addWidget(self.tabs)
+        self.side.addWidget(self.drawer)
         self.splitter.addWidget(self.pages)
-        self.splitter.addWidget(self.tabs)
+        self.splitter.addWidget(self.side)
         self.splitter.setStretchFactor(0, 3)
         self.splitter.setStretchFactor(1, 0)
         self.splitter.setSizes([880, 520])
-        self.tabs.setMinimumWidth(400)
+        self.side.setMinimumWidth(400)
         central = QWidget()
         central.setObjectName("centralArea")
         layout = QHBoxLayout(central)
@@ -826,8 +849,9 @@ class MainWindow(QMainWindow):
         self.chat.previewRequested.connect(self.on_preview_requested)
         self.chat.copied.connect(self.on_copied)
         self.drawer.changed.connect(self.on_settings_changed)
-        self.settings_button.toggled.connect(self.drawer.setVisible)
-        self.panel_button.toggled.connect(self.tabs.setVisible)
+        self.drawer.closeRequested.connect(lambda: self.settings_button.setChecked(False))
+        self.settings_button.toggled.connect(self.on_settings_toggled)
+        self.panel_button.toggled.connect(self.on_panels_toggled)
         # banners
         self.crash_banner.actionClicked.connect(self.on_restart_clicked)
         self.load_banner.cancelRequested.connect(self.on_cancel_load)
@@ -976,7 +1000,8 @@ class MainWindow(QMainWindow):
             self.denoise.position_label.setText("autoregressive mode: one token per step, no blocks to denoise")
         self.request_id = str(self.client.generate(messages, params, None))
         self.composer.set_generating(True)
-        self.tabs.setCurrentWidget(self.denoise) if settings.mode == "diffusion" else None
+        if settings.mode == "diffusion" and self.side.currentWidget() is self.tabs:
+            self.tabs.setCurrentWidget(self.denoise)
         self.generationStarted.emit(self.request_id)
         self.refresh_status()
 
@@ -1011,8 +1036,19 @@ class MainWindow(QMainWindow):
             flush = getattr(self.preview, "flush", None)
             if flush is not None:
                 flush()
+        self.settings_button.setChecked(False)
         self.panel_button.setChecked(True)
         self.tabs.setCurrentWidget(self.preview)
+
+    def on_settings_toggled(self, shown: bool) -> None:
+        self.side.setCurrentWidget(self.drawer if shown else self.tabs)
+        if shown:
+            self.panel_button.setChecked(True)
+
+    def on_panels_toggled(self, shown: bool) -> None:
+        self.side.setVisible(shown)
+        if not shown:
+            self.settings_button.setChecked(False)
 
     def on_copied(self, what: str) -> None:
         self.statusBar().showMessage("Code copied" if what == "code" else "Message copied", 2000)
