@@ -29,6 +29,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=4096, layers=8, hidden=512, experts=64, experts_per_tok=8, heads=8, kv_heads=2, head_dim=64,
         linear_key_heads=4, linear_value_heads=8, linear_head_dim=64, moe_intermediate=256, shared_intermediate=256,
     ),
+    "tiny": dict(  # for tests of this command
+        vocab_size=512, layers=4, hidden=64, experts=8, experts_per_tok=2, heads=4, kv_heads=2, head_dim=16,
+        linear_key_heads=2, linear_value_heads=4, linear_head_dim=16, moe_intermediate=32, shared_intermediate=32,
+    ),
     "clover-35b-a3b": dict(
         vocab_size=248_320, layers=40, hidden=2048, experts=256, experts_per_tok=8, heads=16, kv_heads=2,
         head_dim=256, linear_key_heads=16, linear_value_heads=32, linear_head_dim=128, moe_intermediate=512,
@@ -40,7 +44,7 @@ SPECIAL = {"<|endoftext|>": 0, "<|im_end|>": 2, "</think>": 4, "<|mask|>": 5}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=tuple(SHAPES), default="mid")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="mid", help="mid (default), clover-35b-a3b, tiny")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="default: float32 on cpu, bfloat16 on cuda")
@@ -48,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="AR tokens to time")
     parser.add_argument("--diffusion-tokens", type=int, default=64, help="tokens of the real diffusion run")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats of the prefill and block passes")
+    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count (smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-transformers", action="store_true",
                         help="also run the same checkpoint through transformers' generate (test dependency)")
@@ -66,11 +71,14 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _config(shape: str, model_type: str) -> tuple[dict[str, Any], Any]:
+def _config(shape: str, model_type: str, layers: int | None = None) -> tuple[dict[str, Any], Any]:
     from engine.config import parse_config
     from engine.tiny import config_dict_for, tiny_text_config
 
-    text = tiny_text_config(**SHAPES[shape])
+    fields = dict(SHAPES[shape])
+    if layers is not None:
+        fields["layers"] = layers
+    text = tiny_text_config(**fields)
     data = config_dict_for(model_type, text, SPECIAL)
     return data, parse_config(data, source=f"bench shape {shape}")
 
@@ -213,7 +221,7 @@ def _run(args: argparse.Namespace) -> int:
     if full and device != "cuda":
         print("warning: the full 35B shape on CPU needs ~140 GB of RAM in float32", file=sys.stderr)
     prompt_tokens = args.prompt_tokens or (1024 if full else 256)
-    _, config = _config(args.shape, "clover_moe")
+    _, config = _config(args.shape, "clover_moe", args.layers)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(16, config.vocab_size, (prompt_tokens,), generator=gen).tolist()
     print(
@@ -255,7 +263,7 @@ def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, pro
     from engine.checkpoint import load_model
     from engine.generate import generate_ar
 
-    data, _ = _config(args.shape, "qwen3_5_moe")
+    data, _ = _config(args.shape, "qwen3_5_moe", args.layers)
     text = {k: v for k, v in data["text_config"].items() if k not in ("model_type", "eos_token_id", "dtype")}
     half = int(text["head_dim"] * text["partial_rotary_factor"]) // 2  # rotary frequency pairs
     side = round(half * 11 / 32)  # 35B-A3B: [11, 11, 10]; identical text positions make the split irrelevant

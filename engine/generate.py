@@ -471,6 +471,7 @@ def _diffusion_loop(
             x = torch.tensor(tail + [mask_id] * (B - start), dtype=torch.long, device=device)  # [B]
             conf = torch.zeros(B, dtype=torch.float32, device=device)  # [B] confidence each slot was committed with
             conf[:start] = 1.0
+            slot_index = torch.arange(B, device=device)  # [B]
             n_at_entry = len(generated)
             thinking_at_entry = channels.thinking_open
             pass_index = 0
@@ -505,7 +506,10 @@ def _diffusion_loop(
                     logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                     generator=gen,
                 )  # [B], [B]
-                commit = decoding.threshold_commit(p, masked, s.threshold)  # [B]
+                # Only slots that can still reach the output compete: not past the max_new_tokens budget, not
+                # after an EOS already committed in this block (the single-slot fallback would waste passes there).
+                useful = masked & (slot_index < _output_limit(x.tolist(), start, needed, eos))  # [B]
+                commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
                 x = torch.where(commit, proposal, x)
                 conf = torch.where(commit, p, conf)
                 shown = torch.where(masked & ~commit, p, conf)  # still-masked slots show this pass's confidence
@@ -559,6 +563,14 @@ def _diffusion_loop(
             tail = []
     yield from channels.finish()
     yield _finished(generated, channels, reason, passes, P, clock, hooks)
+
+
+def _output_limit(tokens: Sequence[int], start: int, needed: int, eos: set[int]) -> int:
+    """End of the slots that can still be output: ``needed``, or the first committed EOS if it comes earlier."""
+    for i in range(start, needed):
+        if tokens[i] in eos:
+            return i
+    return needed
 
 
 def _thinking_open_in_block(at_entry: bool, slot_tokens: Sequence[int], s: DecodeSettings) -> bool:

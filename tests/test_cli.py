@@ -4,6 +4,7 @@ for the error cases (exit code 2, one message on stderr, never a traceback)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -149,3 +150,25 @@ def test_cuda_device_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture
         pytest.skip("CUDA is present here")
     _expect_error(capsys, ["generate", "--model", str(tiny_clover_dir), "--prompt", "hi", "--device", "cuda"],
                   "CUDA is not available")
+
+
+# ---- bench speed ---------------------------------------------------------------------------------------------------
+
+
+def test_bench_speed_prints_every_figure(capsys: pytest.CaptureFixture[str], one_torch_thread: None) -> None:
+    code, out, err = run_cli(capsys, "bench", "speed", "--shape", "tiny", "--prompt-tokens", "40", "--repeats", "1",
+                             "--decode-tokens", "4", "--diffusion-tokens", "8")
+    assert code == 0, err
+    for label in ("prefill, block mode (40 tokens)", "prefill, causal", "AR decode (greedy, 4 tokens)",
+                  "diffusion pass, one 32-slot block", "diffusion run (8 tokens"):
+        assert label in out
+    figures = [float(w) for line in out.splitlines() for w in line.split() if w.replace(".", "", 1).isdigit()]
+    assert figures and all(math.isfinite(f) for f in figures)
+
+
+def test_bench_speed_compare_transformers(capsys: pytest.CaptureFixture[str], one_torch_thread: None) -> None:
+    pytest.importorskip("transformers")
+    code, out, err = run_cli(capsys, "bench", "speed", "--shape", "tiny", "--prompt-tokens", "40", "--repeats", "1",
+                             "--decode-tokens", "8", "--diffusion-tokens", "4", "--compare-transformers")
+    assert code == 0, err
+    assert "transformers" in out and "greedy tokens identical: 8/8" in out

@@ -180,6 +180,18 @@ def test_max_new_tokens_ends_inside_a_block() -> None:
     assert len([e for e in events if isinstance(e, BlockStep)]) == 1  # slots past the budget are not waited for
 
 
+def test_fallback_never_spends_a_pass_on_slots_that_cannot_be_output() -> None:
+    # slots past the budget are the most confident, but the fallback must pick inside the budget
+    model = ScriptedModel(letters, margin=lambda p: 0.5 if p < 11 else 4.0)
+    events = run(model, [letters(p) for p in range(8)], settings(max_new_tokens=3))
+    steps = [e for e in events if isinstance(e, BlockStep)]
+    assert len(steps) == 3 and all(s.committed_now.index(True) < 3 for s in steps)
+    # after a committed EOS, the slots behind it do not compete either
+    eos_model = ScriptedModel(lambda p: EOS if p == 10 else letters(p), margin=lambda p: {10: 12.0}.get(p, 0.5 if p < 10 else 4.0))
+    steps = [e for e in run(eos_model, [letters(p) for p in range(8)], settings()) if isinstance(e, BlockStep)]
+    assert len(steps) == 3  # EOS at slot 2, then slots 0 and 1
+
+
 def test_diffusion_respects_shifted_logits() -> None:
     model = ScriptedModel(letters, shift=True)
     events = run(model, [letters(p) for p in range(8)], settings(max_new_tokens=16, shift_logits=True))
