@@ -111,8 +111,10 @@ def test_recent_list_survives_a_restart_and_opens_on_activation(qtbot, panel, tm
     assert blocker.args == [str(good)]
 
 
-def test_free_space_is_shown(panel) -> None:
+def test_free_space_is_shown_and_nothing_to_resume(panel) -> None:
     assert " GB free on " in panel.free_label.text()
+    assert panel.download_button.isEnabled()
+    assert not panel.resume_button.isEnabled() and not panel.cancel_button.isEnabled()
 
 
 # ---- download ----------------------------------------------------------------------------------------------------
@@ -147,6 +149,13 @@ def test_download_cancel_then_resume(qtbot, panel, tmp_path: Path, hub) -> None:
     assert ended.args[0] is False
     assert "Cancelled" in panel.download_status.text()
     assert panel.resume_button.isEnabled()
+    # After a restart of the app, the partial download is found and Resume is offered.
+    fresh = ModelManagerPanel(models_dir=tmp_path / "models")
+    qtbot.addWidget(fresh)
+    assert not fresh.resume_button.isEnabled()
+    fresh.target_edit.setText(str(target))
+    fresh.target_edit.editingFinished.emit()
+    assert fresh.resume_button.isEnabled()
 
     hub.state.chunk_delay_s = 0.0
     with qtbot.waitSignal(panel.modelChosen, timeout=TIMEOUT_MS):

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REPO_ID = "Diffuspace/Clover-35B-A3B-Preview"
 DEMO_FOLDER_NAME = "clover-tiny-demo"
+PARTIAL_STATE_DIR = ".clover-download"  # = clover_desk.downloads.STATE_DIR: partial bytes live there
 MAX_RECENT = 10
 
 
@@ -281,6 +282,7 @@ class ModelManagerPanel(QWidget):
         self._load_recent()
         self._update_free_space()
         self._set_downloading(False)
+        self._update_resume()
         self._connect_signals()
 
     def _connect_signals(self) -> None:
@@ -382,9 +384,11 @@ class ModelManagerPanel(QWidget):
         if path:
             self.target_edit.setText(path)
             self._update_free_space()
+            self._update_resume()
 
     def on_target_edited(self) -> None:
         self._update_free_space()
+        self._update_resume()
 
     def on_repo_edited(self, text: str) -> None:
         # Follow the repository name in the default target, unless the user chose another folder.
@@ -496,10 +500,19 @@ class ModelManagerPanel(QWidget):
     def _set_downloading(self, on: bool) -> None:
         self.download_button.setEnabled(not on)
         self.cancel_button.setEnabled(on)
-        self.resume_button.setEnabled(False if on else self.resume_button.isEnabled())
+        if on:
+            self.resume_button.setEnabled(False)
         self.repo_edit.setEnabled(not on)
         self.target_edit.setEnabled(not on)
         self.browse_button.setEnabled(not on)
+
+    def _update_resume(self) -> None:
+        """Resume is offered when the target folder holds a partial download (also after a restart)."""
+        state = Path(self.target_edit.text()).expanduser() / PARTIAL_STATE_DIR
+        partial = state.is_dir() and any(state.rglob("*.part"))
+        self.resume_button.setEnabled(self._job is None and partial)
+        if partial and self._job is None:
+            self.resume_button.setToolTip("A partial download is in this folder: continue it")
 
     def _update_free_space(self) -> None:
         self.free_label.setText(free_space_text(self.target_edit.text() or self.models_dir))
