@@ -235,6 +235,17 @@ def test_load_progress_and_cancel(qtbot, store) -> None:
     assert not window.load_banner.isVisible() and window.engine_label.text() == "● Ready"
 
 
+def test_out_of_memory_on_load_points_to_the_vram_tab(qtbot, store) -> None:
+    panel = VramPanel(fake_plan, 16 * 1024**3, "RTX", None)
+    window, client = make_window(qtbot, store, vram_panel=panel)
+    client.loadProgress.emit(LoadProgress("placing", 1, 2))
+    client.errorMessage.emit("OutOfMemory", "CUDA out of memory while placing layer 12")
+    assert window.info_banner.isVisible() and "smaller VRAM budget" in window.info_banner.label.text()
+    assert window.engine_label.text() == "● Model failed to load"
+    window.info_banner.action.click()
+    assert window.tabs.currentWidget() is panel and not window.info_banner.isVisible()
+
+
 def test_no_model_opens_the_model_manager(qtbot, store) -> None:
     manager = FakeModelManager()
     window, _ = make_window(qtbot, store, model_dir=None, model_manager=manager)

@@ -855,6 +855,7 @@ class MainWindow(QMainWindow):
         # banners
         self.crash_banner.actionClicked.connect(self.on_restart_clicked)
         self.load_banner.cancelRequested.connect(self.on_cancel_load)
+        self.info_banner.actionClicked.connect(self.on_open_vram_tab)
         # panels
         if self.vram_panel is not None and hasattr(self.vram_panel, "applyRequested"):
             self.vram_panel.applyRequested.connect(self.on_apply_plan)
@@ -1142,10 +1143,17 @@ class MainWindow(QMainWindow):
         if self.is_generating():
             self._fail(f"{kind}: {message}", "error")
         if kind in ("CancelledError",):
+            self.info_banner.action.setVisible(False)
             self.info_banner.show_message("Loading cancelled.")
             self.engine_state = "no-model" if self.engine_state == "loading" else self.engine_state
         else:
-            self.info_banner.show_message(f"{kind}: {message}")
+            text = f"{kind}: {message}"
+            oom = "OutOfMemory" in kind or "out of memory" in message.lower()
+            if oom:
+                text += "  Try a smaller VRAM budget or a shorter context in the VRAM tab."
+            self.info_banner.action.setText("Open VRAM tab")
+            self.info_banner.action.setVisible(oom and self.vram_panel is not None)
+            self.info_banner.show_message(text)
             if self.engine_state == "loading":
                 self.engine_state = "error"
         self.refresh_status()
@@ -1167,6 +1175,13 @@ class MainWindow(QMainWindow):
     def on_cancel_load(self) -> None:
         self.client.cancel_load()
         self.load_banner.label.setText("Cancelling…")
+
+    def on_open_vram_tab(self) -> None:
+        if self.vram_panel is not None:
+            self.settings_button.setChecked(False)
+            self.panel_button.setChecked(True)
+            self.tabs.setCurrentWidget(self.vram_panel)
+        self.info_banner.hide()
 
     def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
         self.applyPlanRequested.emit(vram_bytes, ctx_tokens)
