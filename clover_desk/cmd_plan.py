@@ -134,8 +134,8 @@ def format_plan(plan: Plan) -> str:
         f"{a['distinct_experts_per_pass']:g} distinct experts/layer/pass, {a['distinct_experts_per_block_layer']:g} per block"
     )
     lines.append(
-        f"Prefill: at most {plan.prefill_chunk_tokens:,} tokens per forward ({a['workspace_details']['attention_path']} "
-        f"attention kernel)"
+        f"Prefill: {tok['prefill']:.0f} tok/s, at most {plan.prefill_chunk_tokens:,} tokens per forward "
+        f"({a['workspace_details']['attention_path']} attention kernel)"
     )
     lines.append("")
     if plan.fits:

@@ -968,9 +968,18 @@ def _min_slots(n_streamed: int, num_experts: int, min_slot_experts: int | None) 
 
 
 def _predict(
-    f: _Facts, streamed: list[int], slots: int, ctx: int, block: int, hw: Hardware, rl: Roofline
+    f: _Facts,
+    streamed: list[int],
+    slots: int,
+    ctx: int,
+    block: int,
+    hw: Hardware,
+    rl: Roofline,
+    prefill_chunk: int,
+    attention: str,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Predicted tokens per second for AR decoding and block diffusion, and the derived numbers that went in."""
+    """Predicted tokens per second for AR decoding, block diffusion and prompt prefill, and the derived numbers
+    that went in."""
     geo = f.geo
     e, k = geo.num_experts, geo.num_experts_per_tok
     n_moe, n_layers, s = len(f.layers), geo.num_hidden_layers, len(streamed)
@@ -1011,14 +1020,33 @@ def _predict(
     pcie_later = (cached * (db - dp) / later + (s - cached) * dp) * eb_str
     t_block_bound = max(gpu_pass, pcie_first / pcie_bw) + (n_pass - 1.0) * max(gpu_pass, pcie_later / pcie_bw)
     t_block = t_block_bound + n_pass * pass_oh
-    # "ar" / "diffusion": with the eager-PyTorch overheads; "*_bound": the hardware roofline alone (what a fused,
-    # graph-captured engine approaches).
+    # "ar" / "diffusion" / "prefill": with the eager-PyTorch overheads; "*_bound": the hardware roofline alone (what
+    # a fused, graph-captured engine approaches).
+    # Prefill: forwards of `prefill_chunk` tokens over a prompt that fills the context (mean position ctx / 2).
+    # A chunk routes chunk x k token-slots, touching E (1 - (1 - k/E)^chunk) experts per layer (uniform routing);
+    # streamed layers reload theirs every forward (the pool cannot hold every streamed layer's full set). The math
+    # attention kernel also writes and reads its fp32 scores and expanded K/V.
+    c, mean_ctx = prefill_chunk, ctx / 2
+    dc = e * (1.0 - (1.0 - k / e) ** c) if e else 0.0
+    n_full = len(geo.full_attention_layers)
+    math_traffic = 0.0
+    if attention == "math" and n_full:
+        math_traffic = n_full * (4 * geo.num_attention_heads * c * mean_ctx * 4 + 4 * geo.num_attention_heads * mean_ctx * geo.head_dim * 4)
+    pre_read = (
+        f.non_expert_gpu + dequant_traffic + geo.kv_bytes_per_token * mean_ctx + 2 * geo.gdn_state_bytes
+        + n_moe * dc * eb_all + math_traffic
+    )
+    pre_flops = c * (2 * active + 4 * mean_ctx * geo.q_dim * n_full)
+    t_pre_bound = max(pre_read / vram_bw, s * dc * eb_str / pcie_bw, pre_flops / flops)
+    t_pre = t_pre_bound + n_layers * layer_oh + n_moe * dc * expert_oh
+
     tiny = 1e-12  # a pass always takes some time; guards a zero-byte, zero-overhead toy model
     tok = {
         "ar": 1.0 / max(t_ar, tiny),
         "diffusion": block / max(t_block, tiny),
         "ar_bound": 1.0 / max(t_ar_bound, tiny),
         "diffusion_bound": block / max(t_block_bound, tiny),
+        "prefill": c / max(t_pre, tiny),
     }
     derived = {
         "ar_expert_hit_rate": round(hit, 4),
@@ -1033,6 +1061,9 @@ def _predict(
         "diffusion_gflop_per_pass": round(pass_flops / 1e9, 1),
         "diffusion_overhead_ms_per_pass": round(pass_oh * 1e3, 3),
         "dequant_vram_traffic_bytes_per_pass": dequant_traffic,
+        "prefill_chunk_tokens": c,
+        "prefill_distinct_experts_per_layer": round(dc, 2),
+        "prefill_pcie_bytes_per_forward": int(s * dc * eb_str),
     }
     return tok, derived
 
@@ -1121,6 +1152,7 @@ def make_plan(
     geo, e = f.geo, f.geo.num_experts
     ctx_alloc = -(-ctx // block) * block  # the KV cache holds whole blocks
     workspace_parts, workspace_details = _workspace(f, ctx_alloc, block, attention)
+    chunk = workspace_details["prefill_chunk_tokens"]
     fixed = {
         "non_expert": f.non_expert_gpu,
         "kv_cache": geo.kv_bytes_per_token * ctx_alloc,
@@ -1153,7 +1185,7 @@ def make_plan(
         scored = []
         for o in pool:
             slots = slots_for(o)
-            tok, derived = _predict(f, o.streamed, slots, ctx_alloc, block, hw, rl)
+            tok, derived = _predict(f, o.streamed, slots, ctx_alloc, block, hw, rl, chunk, attention)
             scored.append((o, slots, tok, derived))
         return max(scored, key=lambda t: (round(t[2][optimize_for], 9), t[0].n_resident))
 
@@ -1173,7 +1205,7 @@ def make_plan(
     else:  # VRAM too small: the minimum layout
         chosen = min([o for o in options if ram_ok(o)] or options, key=lambda o: (o.min_vram, -o.n_resident))
         slots = chosen.min_slots
-        tok, derived = _predict(f, chosen.streamed, slots, ctx_alloc, block, hw, rl)
+        tok, derived = _predict(f, chosen.streamed, slots, ctx_alloc, block, hw, rl, chunk, attention)
         reason = (
             f"VRAM: the budget of {format_bytes(vram_budget)} is below the {format_bytes(chosen.min_vram)} "
             f"this model needs with a {ctx:,}-token context"
