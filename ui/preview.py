@@ -238,11 +238,13 @@ class PreviewSchemeHandler(QWebEngineUrlSchemeHandler):
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self._documents: dict[str, bytes] = {}  # host -> UTF-8 page
-        self.served: list[str] = []  # URLs answered (diagnostics, tests)
+        self._documents: dict[str, bytes] = {}  # host -> UTF-8 page; only the document on show is kept
+        self.served_count = 0  # documents answered (diagnostics, tests)
 
     def put(self, host: str, html: str) -> None:
-        self._documents[host] = html.encode("utf-8", errors="replace")
+        # One document at a time: the view can only show (and reload) the current one, and generated pages can be
+        # megabytes each.
+        self._documents = {host: html.encode("utf-8", errors="replace")}
 
     def requestStarted(self, job: QWebEngineUrlRequestJob) -> None:  # noqa: N802 (Qt override)
         url = job.requestUrl()
@@ -254,7 +256,7 @@ class PreviewSchemeHandler(QWebEngineUrlSchemeHandler):
         if data is None or url.path() not in ("", "/", INDEX_PATH):
             job.fail(QWebEngineUrlRequestJob.Error.UrlNotFound)
             return
-        self.served.append(url.toString())
+        self.served_count += 1
         buffer = QBuffer(job)  # owned by the job: freed with it
         buffer.setData(QByteArray(data))
         buffer.open(QIODevice.OpenModeFlag.ReadOnly)
@@ -290,6 +292,9 @@ class PreviewPage(QWebEnginePage):
         super().__init__(profile, parent)
         self._allowed_url: QUrl | None = None  # the one load the pane asked for, until it is taken
         self._current_url = QUrl()
+        self._connect_signals()
+
+    def _connect_signals(self) -> None:
         self.permissionRequested.connect(self.on_permission_requested)
         self.fileSystemAccessRequested.connect(self.on_file_system_access_requested)
         self.fullScreenRequested.connect(self.on_full_screen_requested)
@@ -365,7 +370,8 @@ def make_preview_profile(parent: QObject | None = None) -> tuple[QWebEngineProfi
                                                                  PreviewRequestInterceptor]:
     """An off-the-record profile with the preview scheme handler, the interceptor and the guard script."""
     profile = QWebEngineProfile(parent)  # no storage name: off the record, all in memory
-    assert profile.isOffTheRecord()
+    if not profile.isOffTheRecord():
+        raise RuntimeError("QtWebEngine gave a disk-backed profile for the preview")
     profile.setHttpCacheType(QWebEngineProfile.HttpCacheType.MemoryHttpCache)
     profile.setPersistentCookiesPolicy(QWebEngineProfile.PersistentCookiesPolicy.NoPersistentCookies)
     profile.setPersistentPermissionsPolicy(QWebEngineProfile.PersistentPermissionsPolicy.AskEveryTime)
