@@ -4,7 +4,7 @@
 
 ``--vram-gb`` / ``--ram-gb`` are GiB (2**30 bytes) the process may use: pass the card's *free* VRAM, not its
 total. ``--model`` takes a Hugging Face model folder (safetensors headers are read, never the weights), a quantized
-cache folder holding ``manifest.json``, or that manifest file itself; a checkpoint is planned as it will be after
+cache folder (``<model>/.clover-cache/<policy hash>/``, holding ``manifest.json``), or that manifest file itself; a checkpoint is planned as it will be after
 quantization (``--dense`` picks the projections' format; ``--as-stored`` plans the bytes in its files).
 
 Exit status: 0 the plan fits; 3 it does not fit (the reason and the smallest budget that fits are printed, and

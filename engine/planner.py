@@ -743,15 +743,16 @@ def quantize_manifest(manifest: Manifest, policy: QuantPolicy | None = None) -> 
 
 
 def manifest_for_model_dir(path: str | Path, policy: QuantPolicy | None = None, *, as_stored: bool = False) -> Manifest:
-    """The manifest to plan a model with: a quantized cache's ``manifest.json`` (the file, or a folder holding it
-    and no safetensors) as written; a Hugging Face checkpoint folder as it will be after quantization under
-    ``policy`` (``as_stored=True``: the bytes in the files)."""
+    """The manifest to plan a model with: a quantized cache's ``manifest.json`` (the file, or the cache folder
+    ``<model>/.clover-cache/<policy hash>/`` holding it beside ``weights.safetensors``) as written; a Hugging Face
+    checkpoint folder as it will be after quantization under ``policy`` (``as_stored=True``: the bytes in the
+    files)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
     if path.is_file():
         return manifest_from_quantized_cache(path)
-    if (path / QUANT_MANIFEST_NAME).is_file() and not any(path.glob("*.safetensors")):
+    if (path / QUANT_MANIFEST_NAME).is_file():
         return manifest_from_quantized_cache(path / QUANT_MANIFEST_NAME)
     stored = manifest_from_checkpoint(path)
     return stored if as_stored else quantize_manifest(stored, policy)

@@ -685,8 +685,14 @@ def test_a_checkpoint_is_planned_as_it_will_be_quantized(tiny_checkpoint: tuple[
     assert quantized.by_name()["layers.0.mlp.experts.gate_up_proj"].format == "nf4"
     assert quantized.total_bytes(["expert"]) * 3 < as_stored.total_bytes(["expert"])
     assert quantized.by_name()["norm.weight"] == as_stored.by_name()["norm.weight"]
-    (folder / "cache").mkdir()
-    (folder / "cache" / "manifest.json").write_text(json.dumps(_cache_json(quantized)))
-    assert planner.manifest_for_model_dir(folder / "cache").entries == quantized.entries
+    cache = folder / ".clover-cache" / "0123abcd"  # engine.quant_cache's layout: weights.safetensors + manifest.json
+    cache.mkdir(parents=True)
+    write_safetensors_by_hand(cache / "weights.safetensors", {"norm.weight": ("BF16", (32,))})
+    data = _cache_json(quantized)
+    data["source"] = {"model_dir": str(folder)}
+    (cache / "manifest.json").write_text(json.dumps(data))
+    from_cache = planner.manifest_for_model_dir(cache)
+    assert from_cache.entries == quantized.entries
+    assert from_cache.geometry == quantized.geometry  # config.json found through source.model_dir
     with pytest.raises(CheckpointError, match="no such file or folder"):
         planner.manifest_for_model_dir(folder / "missing")
