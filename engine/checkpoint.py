@@ -27,7 +27,7 @@ from torch import Tensor
 from engine.config import CloverConfig, load_config
 from engine.errors import CancelledError, CheckpointError
 from engine.events import LoadProgress
-from engine.model import CloverModel
+from engine.model import CloverModel, GatedDeltaNet, ParamHolder
 
 log = logging.getLogger(__name__)
 
@@ -356,15 +356,13 @@ def _is_extra(pname: str) -> bool:
     return ".linear_attn." in pname and pname.endswith(_CLOVER_EXTRAS)
 
 
-def _gdn_of(model: CloverModel, pname: str):  # -> GatedDeltaNet
+def _gdn_of(model: CloverModel, pname: str) -> GatedDeltaNet:
     layer = int(pname.split(".")[1])
     return model.layers[layer].linear_attn
 
 
 def _adapt_extra(model: CloverModel, pname: str, shape: tuple[int, ...], entry: TensorEntry) -> None:
     """Give a Clover tensor the checkpoint's shape if it is one of the accepted forms."""
-    from engine.model import ParamHolder
-
     parts = pname.split(".")
     if not (parts[0] == "layers" and parts[2] == "linear_attn") or not hasattr(model.layers[int(parts[1])], "linear_attn"):
         raise CheckpointError(f"{entry.file}: tensor {entry.name!r} names a linear-attention layer that does not exist")

@@ -222,14 +222,14 @@ class Attention(nn.Module):
         else:
             keys, values = k, v
         o = F.scaled_dot_product_attention(
-            q,
-            keys.to(q.dtype),
-            values.to(q.dtype),
+            q[None],
+            keys.to(q.dtype)[None],
+            values.to(q.dtype)[None],
             attn_mask=p.attn_mask,
             is_causal=p.attn_causal,
             scale=hd**-0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [Hq, T, hd]
+        )[0]  # [Hq, T, hd]; kv head j serves query heads j*Hq/Hkv ... (j+1)*Hq/Hkv - 1
         if saved is not None:
             kbuf[:, lo:hi], vbuf[:, lo:hi] = saved
         o = o.transpose(0, 1).reshape(t, self.num_heads * hd) * torch.sigmoid(gate)  # [T, Hq*hd]

@@ -366,3 +366,72 @@ def test_long_cached_pass_is_split_into_segments_with_the_same_result(block_size
     assert (c1.state[0] - c2.state[0]).abs().max() < 1e-4
     c3 = model.new_cache(64)
     assert (model(ids, 0, c3, block_size=block_size, last_only=True) - whole[-1:]).abs().max() < 1e-4
+
+
+def _naive_clover_gdn(gdn, x: torch.Tensor, block: int, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+    """architecture.md 5.2 (R1, join A) + 5.3 (F1, ln L with L = block) written token by token, in float64."""
+    cfg = gdn.config
+    x = x.double()
+    t, hv, hk, dk, dv = x.shape[0], gdn.num_v_heads, gdn.num_k_heads, gdn.dk, gdn.dv
+    w = {n: p.detach().double() for n, p in gdn.named_parameters()}
+    raw = x @ w["in_proj_qkv.weight"].T  # [T, C]
+    z = (x @ w["in_proj_z.weight"].T).view(t, hv, dv)
+    beta = torch.sigmoid(x @ w["in_proj_b.weight"].T)
+    g = -w["A_log"].exp() * torch.nn.functional.softplus(x @ w["in_proj_a.weight"].T + w["dt_bias"])
+    hist = torch.cat([conv.double(), raw])  # left context
+    kk, kr = gdn.kernel, w["conv1d.weight_right"].shape[1]
+    act = torch.zeros_like(raw)
+    for i in range(t):
+        b0 = i // block * block
+        left = sum(w["conv1d.weight"][:, 0, j] * hist[i + j] for j in range(kk))
+        right = sum(
+            w["conv1d.weight_right"][:, j] * raw[i + 1 + j] for j in range(kr) if i + 1 + j < min(b0 + block, t)
+        )
+        act[i] = torch.nn.functional.silu(left + right)
+    q, k, v = act.split([gdn.key_dim, gdn.key_dim, gdn.value_dim], -1)
+    rep = hv // hk
+    q = q.view(t, hk, dk).repeat_interleave(rep, 1)
+    k = k.view(t, hk, dk).repeat_interleave(rep, 1)
+    q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() * dk**-0.5
+    k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    v = v.view(t, hv, dv)
+    s = state.double().clone()
+    o_gdn = torch.zeros(t, hv, dv, dtype=torch.float64)
+    for i in range(t):
+        s = s * g[i].exp()[:, None, None]
+        delta = (v[i] - torch.einsum("hkv,hk->hv", s, k[i])) * beta[i][:, None]
+        s = s + k[i][:, :, None] * delta[:, None, :]
+        o_gdn[i] = torch.einsum("hkv,hk->hv", s, q[i])
+    logit = x @ w["bd_history.weight"].T + w["bd_history.bias"] + w["bd_logit_scale.weight"] * torch.log(
+        torch.tensor(float(block), dtype=torch.float64)
+    )
+    mixed = torch.zeros_like(o_gdn)
+    for i in range(t):
+        b0 = i // block * block
+        js = range(b0, min(b0 + block, t))
+        for h in range(hv):
+            scores = torch.stack([logit[i, h]] + [q[i, h] @ k[j, h] for j in js])
+            a = torch.softmax(scores, 0)
+            mixed[i, h] = a[0] * o_gdn[i, h] + sum(a[1 + n] * v[j, h] for n, j in enumerate(js))
+    normed = mixed / (mixed.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).sqrt()
+    y = w["norm.weight"] * normed * torch.nn.functional.silu(z)
+    return y.reshape(t, -1) @ w["out_proj.weight"].T
+
+
+def test_clover_gdn_block_mode_matches_the_written_out_formulas() -> None:
+    cfg = tiny_config("clover_moe", moe_block_coreset_enabled=False)
+    model = tiny_model(cfg, seed=14)
+    gdn = model.layers[0].linear_attn
+    gen = torch.Generator().manual_seed(5)
+    cache = model.new_cache(64)
+    cache.state[0].normal_(generator=gen).mul_(0.3)
+    cache.conv[0].normal_(generator=gen)
+    cache.length = BLOCK  # pretend one block is committed (only layer 0's state is read here)
+    x = torch.randn(BLOCK + 5, cfg.hidden_size, generator=gen)
+    from engine.model import _Pass, rope_cos_sin
+
+    cos, sin = rope_cos_sin(torch.arange(BLOCK, 2 * BLOCK + 5), cfg.rotary_dim, cfg.rope_theta)
+    p = _Pass(BLOCK, x.shape[0], BLOCK, cache, False, cos, sin, None, False, False)
+    ours = gdn(x, p)
+    ref = _naive_clover_gdn(gdn, x, BLOCK, cache.state[0], cache.conv[0])
+    assert (ours.double() - ref).abs().max() < 1e-4
