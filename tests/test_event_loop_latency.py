@@ -10,7 +10,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import pytest
 from PySide6.QtCore import QObject, Qt, QTimer
 
 from clover_desk.cmd_preview import guard_pyside_bool_refcounts

@@ -17,7 +17,7 @@ from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPaintEvent, Q
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QSlider, QVBoxLayout, QWidget
 
 from engine.events import BlockCommitted, BlockStep, Finished, PromptInfo
-from ui.theme import COLORS, color, confidence_color, mono_font
+from ui.theme import color, confidence_color, mono_font
 from ui.throttle import Throttle
 
 # --------------------------------------------------------------------------------------------- model (no Qt)

@@ -12,14 +12,13 @@ A reply is saved as it streams: each committed block appends its text to the sto
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from PySide6.QtCore import QEvent, QObject, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QKeyEvent, QKeySequence, QShortcut
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QKeyEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -192,15 +191,6 @@ class Recorder(Protocol):
 
 
 RecorderFactory = Callable[[Any, int], Recorder]  # (store, assistant message id) -> recorder
-
-
-class EngineClientLike(Protocol):
-    """What the window uses of ``clover_desk.engine_client.EngineClient`` (signals are Qt signals)."""
-
-    def generate(self, messages: list[dict[str, str]], params: GenerationParams, tools: Any = None) -> str: ...
-    def cancel(self, request_id: str | None = None) -> None: ...
-    def cancel_load(self) -> None: ...
-    def restart(self) -> None: ...
 
 
 # --------------------------------------------------------------------------------------------- small widgets
@@ -643,8 +633,8 @@ class MainWindow(QMainWindow):
 
     def __init__(
         self,
-        client: Any,
-        store: Any,
+        client: Any,  # clover_desk.engine_client.EngineClient (signals: ready, loadProgress, loaded, event, ...)
+        store: Any,  # clover_desk.storage.ChatStore
         recorder_factory: RecorderFactory,
         *,
         model_dir: str | None = None,
