@@ -105,6 +105,10 @@ def test_thinking_is_collapsible_with_duration(qtbot) -> None:
     assert not shown(w.thinking_body)
     plain = view.add_message(MessageData("assistant", "No thoughts."))
     assert not shown(plain.thinking_toggle)
+    view.set_expand_thinking(True)  # the "show thinking expanded" preference
+    assert shown(w.thinking_body)
+    later = view.add_message(MessageData("assistant", "Again.", "more thoughts", 1.0))
+    assert shown(later.thinking_body) and "more thoughts" in later.thinking_body.toPlainText()
 
 
 def test_copy_message_and_code_block(qtbot) -> None:

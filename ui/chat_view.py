@@ -195,7 +195,10 @@ class MessageWidget(QFrame):
     regenerateRequested = Signal(object)  # MessageWidget: answer this prompt again
     previewRequested = Signal(str)  # HTML to open in the preview tab
 
-    def __init__(self, data: MessageData, html_extractor: HtmlExtractor, parent: QWidget | None = None) -> None:
+    def __init__(
+        self, data: MessageData, html_extractor: HtmlExtractor, expand_thinking: bool = False,
+        parent: QWidget | None = None,
+    ) -> None:
         super().__init__(parent)
         self.data = data
         self._extract_html = html_extractor
@@ -239,6 +242,7 @@ class MessageWidget(QFrame):
         layout.addWidget(self.thinking_body)
         layout.addWidget(self.body)
         self._connect_signals()
+        self.thinking_toggle.setChecked(expand_thinking)
         self.refresh()
 
     def _action(self, text: str, tip: str) -> QPushButton:
@@ -271,8 +275,9 @@ class MessageWidget(QFrame):
             else:
                 label = "Thoughts"
             self.thinking_toggle.setText(label)
-            if self.thinking_body.isVisible():
+            if self.thinking_toggle.isChecked():
                 self.thinking_body.set_markdown(d.thinking)
+        self.thinking_body.setVisible(has_thinking and self.thinking_toggle.isChecked())
         content = d.content
         if streaming and not content and not has_thinking:
             content = "*…*"
@@ -319,6 +324,7 @@ class ChatView(QWidget):
     def __init__(self, html_extractor: HtmlExtractor | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self._extract_html = html_extractor or default_extract_html
+        self.expand_thinking = False  # new messages open their thinking section
         self.widgets: list[MessageWidget] = []
         self._stick_to_bottom = True
         self.scroll = QScrollArea()
@@ -379,7 +385,7 @@ class ChatView(QWidget):
         self._stick_to_bottom = True
 
     def add_message(self, data: MessageData) -> MessageWidget:
-        widget = MessageWidget(data, self._extract_html)
+        widget = MessageWidget(data, self._extract_html, self.expand_thinking)
         widget.editRequested.connect(self.on_edit_requested)
         widget.regenerateRequested.connect(self.on_regenerate_requested)
         widget.previewRequested.connect(self.previewRequested)
@@ -394,6 +400,12 @@ class ChatView(QWidget):
         self._stick_to_bottom = True
         self._update_regenerable()
         return widget
+
+    def set_expand_thinking(self, on: bool) -> None:
+        """Open (or close) the thinking section of every message, and of new ones."""
+        self.expand_thinking = on
+        for w in self.widgets:
+            w.thinking_toggle.setChecked(on)
 
     def remove_from(self, index: int) -> None:
         """Drop messages ``index`` and later (edit-and-resend, regenerate)."""

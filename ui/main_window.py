@@ -78,6 +78,7 @@ class GenerationSettings:
     threshold: float = 0.9
     max_new_tokens: int = 1024
     enable_thinking: bool = True
+    expand_thinking: bool = False  # display only: show the thinking section open by default
 
     def to_params(self, enable_thinking: bool | None = None) -> GenerationParams:
         return GenerationParams(
@@ -338,6 +339,8 @@ class SettingsDrawer(QFrame):
         self.max_tokens.setRange(16, 32768)
         self.max_tokens.setSingleStep(128)
         self.thinking = QCheckBox("Think before answering")
+        self.expand_thinking = QCheckBox("Show thinking expanded")
+        self.expand_thinking.setToolTip("Open the thinking section of answers by default (it can always be toggled)")
         form = QFormLayout()
         form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft)
         form.setVerticalSpacing(10)
@@ -367,6 +370,7 @@ class SettingsDrawer(QFrame):
         layout.addWidget(sampling)
         layout.addLayout(form)
         layout.addWidget(self.thinking)
+        layout.addWidget(self.expand_thinking)
         hints = QLabel(
             "<b>Block diffusion</b> fills a block of masked slots per step; <b>threshold</b>: every slot at least "
             "this confident is committed in a pass (at least one), so lower is faster and riskier. "
@@ -388,6 +392,7 @@ class SettingsDrawer(QFrame):
             self.threshold.valueChanged,
             self.max_tokens.valueChanged,
             self.thinking.toggled,
+            self.expand_thinking.toggled,
             self.system_prompt.textChanged,
         ):
             sig.connect(self.on_any_changed)
@@ -395,7 +400,7 @@ class SettingsDrawer(QFrame):
 
     def set_settings(self, s: GenerationSettings, system_prompt: str) -> None:
         widgets = (self.mode, self.block_size, self.temperature, self.threshold, self.max_tokens, self.thinking,
-                   self.system_prompt)
+                   self.expand_thinking, self.system_prompt)
         for w in widgets:
             w.blockSignals(True)
         self.mode.setCurrentIndex(max(0, self.mode.findData(s.mode)))
@@ -404,6 +409,7 @@ class SettingsDrawer(QFrame):
         self.threshold.setValue(s.threshold)
         self.max_tokens.setValue(s.max_new_tokens)
         self.thinking.setChecked(s.enable_thinking)
+        self.expand_thinking.setChecked(s.expand_thinking)
         self.system_prompt.setPlainText(system_prompt)
         for w in widgets:
             w.blockSignals(False)
@@ -417,6 +423,7 @@ class SettingsDrawer(QFrame):
             threshold=float(self.threshold.value()),
             max_new_tokens=int(self.max_tokens.value()),
             enable_thinking=self.thinking.isChecked(),
+            expand_thinking=self.expand_thinking.isChecked(),
         )
 
     def system_prompt_text(self) -> str:
@@ -875,6 +882,7 @@ class MainWindow(QMainWindow):
         self.title_label.setText(conv.title)
         self.drawer.set_settings(GenerationSettings.from_dict(conv.settings), conv.system_prompt)
         self.composer.think_button.setChecked(self.drawer.settings().enable_thinking)
+        self.chat.expand_thinking = self.drawer.settings().expand_thinking
         self.chat.set_messages(
             [
                 MessageData(m.role, m.content, m.thinking, m.thinking_seconds, m.status, dict(m.stats), m.id)
@@ -945,6 +953,7 @@ class MainWindow(QMainWindow):
     def on_settings_changed(self) -> None:
         settings = self.drawer.settings()
         self.composer.think_button.setChecked(settings.enable_thinking)
+        self.chat.set_expand_thinking(settings.expand_thinking)
         self.composer.mode_label.setText("" if settings.mode == "diffusion" else "autoregressive")
         if self.conversation_id is not None:
             self.store.update_conversation(
