@@ -101,9 +101,7 @@ def quantize_nf4(w: Tensor, blocksize: int = 64) -> tuple[Tensor, Tensor]:
     """w (any shape, float) -> (codes uint8 [ceil(numel/2)], absmax fp32 [ceil(numel/blocksize)])."""
     if w.numel() % 2:
         raise ValueError(f"NF4 needs an even number of elements, got shape {tuple(w.shape)}")
-    src = w.detach().reshape(-1)
-    if src.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        src = src.float()
+    src = w.detach().reshape(-1).to(torch.float32)  # same codes whatever the stored dtype (bf16 -> fp32 is exact)
     packed, state = _bnb_functional().quantize_4bit(
         src.contiguous(), blocksize=blocksize, compress_statistics=False, quant_type="nf4"
     )

@@ -1,0 +1,740 @@
+"""Quantized weight cache: convert a Hugging Face checkpoint once, load the quantized model fast afterwards.
+
+Where: ``<model_dir>/.clover-cache/<policy hash>/`` (beside the model, so deleting the model deletes its cache);
+when the model folder is not writable, ``$XDG_CACHE_HOME/clover-desk/quant/<hash of the model path>/<policy hash>/``
+(default ``~/.cache/...``). ``cache_root`` overrides both.
+
+What: ``weights.safetensors`` (a real safetensors file) + ``manifest.json``::
+
+    {"version": 1,
+     "policy": {...QuantPolicy.to_dict(), "hash": ...},
+     "source": {"model_dir", "config_sha256", "files": {name: {"size", "mtime_ns", "header_sha256"}}},
+     "tensors": {model name: {"shape", "format": "nf4"|"int8"|"bf16"|"fp32"|"fp16", "bytes", "stored": [keys]}},
+     "experts": {bank name: ExpertLayout dict},
+     "files": {"weights.safetensors": {"size", "header_sha256", "sha256"}},
+     "complete": true}
+
+Stored keys are the quantized model's state-dict names: a quantized linear ``X.weight`` is ``X.codes`` +
+``X.scales`` (the :class:`QuantLinear` buffers); an expert bank
+``layers.N.mlp.experts`` is ``layers.N.mlp.experts.packed`` uint8 [E, R] (one contiguous row per expert, exactly the
+host-store layout of ``engine/offload.py``); anything else keeps its name.
+
+Conversion streams: tensor by tensor, and big tensors in row chunks (experts one at a time), read with ``pread``
+(no mmap, so resident memory stays at one chunk) and written with ``pwrite`` at precomputed offsets. Progress is
+reported as :class:`LoadProgress` (bytes, tensor, ETA); a set ``cancel`` event raises :class:`CancelledError`.
+Atomicity: everything is written into a temporary sibling folder, fsync'd, then renamed into place; a killed
+conversion leaves only a ``.tmp-*`` folder, never a cache that looks complete (leftovers are removed next time).
+
+On load the cache is checked: missing, incomplete, another policy, another checkpoint, stale (a source file's
+size / mtime / header changed) or corrupt (size or hash mismatch) -> the reason is logged, returned, and the cache
+is rebuilt; it is never used silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.checkpoint import Target, sanitize_name, sanitize_shape, sanitize_tensor
+from engine.config import CloverConfig, load_config
+from engine.errors import CancelledError, CheckpointError
+from engine.events import LoadProgress
+from engine.quant import (
+    DEFAULT_POLICY,
+    QUANT_FORMATS,
+    ExpertLayout,
+    QuantExpertBank,
+    QuantLinear,
+    QuantPolicy,
+    quantize_tensor,
+    quantized_sizes,
+    set_submodule,
+)
+
+log = logging.getLogger(__name__)
+
+CACHE_DIRNAME = ".clover-cache"
+MANIFEST_NAME = "manifest.json"
+DATA_NAME = "weights.safetensors"
+VERSION = 1
+CHUNK_BYTES = 32 << 20  # source bytes read per chunk of a big tensor
+
+_ST = {  # safetensors dtype tag <-> torch dtype, element size, manifest format
+    "F32": (torch.float32, 4, "fp32"),
+    "BF16": (torch.bfloat16, 2, "bf16"),
+    "F16": (torch.float16, 2, "fp16"),
+    "U8": (torch.uint8, 1, "uint8"),
+    "I8": (torch.int8, 1, "int8"),
+    "I64": (torch.int64, 8, "int64"),
+}
+_TAG_OF = {v[0]: k for k, v in _ST.items()}
+
+Progress = Callable[[LoadProgress], None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# safetensors headers and raw reads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SrcTensor:
+    name: str
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the data
+    nbytes: int
+
+
+def read_header(path: Path) -> tuple[dict[str, SrcTensor], str, int]:
+    """(tensors, sha256 of the header bytes, data start) of a safetensors file; CheckpointError if malformed."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file is {size} bytes)")
+            raw = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON") from None
+    start = 8 + n
+    out: dict[str, SrcTensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in _ST:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        if e - b != math.prod(shape) * _ST[dtype][1] or start + e > size:
+            raise CheckpointError(f"{path}: tensor {name!r} is truncated or has a wrong size ({e - b} bytes for {list(shape)})")
+        out[name] = SrcTensor(name, path, dtype, shape, start + b, e - b)
+    return out, hashlib.sha256(raw).hexdigest(), start
+
+
+def _pread(fd: int, offset: int, nbytes: int, what: str) -> bytearray:
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise CheckpointError(f"{what}: unexpected end of file at byte {offset + got}")
+        got += n
+    return buf
+
+
+def _read_rows(fd: int, src: SrcTensor, r0: int, r1: int) -> Tensor:
+    """Rows r0..r1 of the tensor's first dim (a CPU tensor in its stored dtype)."""
+    dtype, esize, _ = _ST[src.dtype]
+    row_numel = math.prod(src.shape[1:]) if len(src.shape) > 1 else 1
+    row_bytes = row_numel * esize
+    buf = _pread(fd, src.begin + r0 * row_bytes, (r1 - r0) * row_bytes, f"{src.path}: tensor {src.name!r}")
+    t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+    return t.reshape((r1 - r0, *src.shape[1:]) if len(src.shape) > 1 else (r1 - r0,))
+
+
+def _pwrite(fd: int, offset: int, t: Tensor) -> None:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    view = memoryview(data)
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Source fingerprint and cache location
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _source_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
+        files = [model_dir / n for n in names]
+        missing = [str(p) for p in files if not p.exists()]
+        if missing:
+            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no model.safetensors.index.json and no *.safetensors files")
+    return files
+
+
+def source_fingerprint(model_dir: str | Path) -> dict[str, Any]:
+    """Sizes, mtimes and header hashes of the checkpoint's files, and the config hash (no data is read)."""
+    model_dir = Path(model_dir).resolve()
+    files: dict[str, Any] = {}
+    for path in _source_files(model_dir):
+        st = path.stat()
+        _, header_sha, _ = read_header(path)
+        files[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "header_sha256": header_sha}
+    config_path = model_dir / "config.json"
+    config_sha = hashlib.sha256(config_path.read_bytes()).hexdigest() if config_path.exists() else ""
+    return {"model_dir": str(model_dir), "config_sha256": config_sha, "files": files}
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def cache_dir_for(model_dir: str | Path, policy: QuantPolicy = DEFAULT_POLICY, cache_root: str | Path | None = None) -> Path:
+    """Where the cache of ``model_dir`` under ``policy`` lives (see the module docstring)."""
+    model_dir = Path(model_dir).resolve()
+    if cache_root is not None:
+        return Path(cache_root) / policy.hash
+    if _writable(model_dir):
+        return model_dir / CACHE_DIRNAME / policy.hash
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover-desk" / "quant"
+    return base / hashlib.sha256(str(model_dir).encode()).hexdigest()[:16] / policy.hash
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cache check
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _file_sha256(path: Path, cancel: threading.Event | None = None) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(f"hashing {path} was cancelled")
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_cache(
+    cache_dir: str | Path, model_dir: str | Path, policy: QuantPolicy = DEFAULT_POLICY, verify: str = "header"
+) -> str | None:
+    """None if the cache is complete and current, else why not (one line). ``verify``: "header" (sizes and
+    header hash, fast) or "full" (also the sha256 of the whole weights file)."""
+    cache_dir = Path(cache_dir)
+    manifest_path = cache_dir / MANIFEST_NAME
+    if not cache_dir.exists():
+        return "missing: no cache yet"
+    if not manifest_path.exists():
+        return f"incomplete: {cache_dir} has no {MANIFEST_NAME} (an interrupted conversion)"
+    try:
+        m = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"corrupt: {manifest_path} is unreadable ({exc})"
+    if not isinstance(m, dict) or m.get("version") != VERSION or not m.get("complete"):
+        return f"corrupt: {manifest_path} is not a complete version-{VERSION} manifest"
+    if m.get("policy", {}).get("hash") != policy.hash:
+        return f"other policy: cache built with policy {m.get('policy', {}).get('name')!r}, want {policy.name!r}"
+    src = m.get("source", {})
+    try:
+        now = source_fingerprint(model_dir)
+    except CheckpointError as exc:
+        return f"stale: the checkpoint cannot be read ({exc})"
+    if src.get("config_sha256") != now["config_sha256"] or set(src.get("files", {})) != set(now["files"]):
+        return f"other checkpoint: cache was built from {src.get('model_dir')!r} with different config/files"
+    for name, info in now["files"].items():
+        old = src["files"][name]
+        for key in ("size", "header_sha256", "mtime_ns"):
+            if old.get(key) != info[key]:
+                return f"stale: source file {name} changed ({key} {old.get(key)} -> {info[key]})"
+    data = cache_dir / DATA_NAME
+    want = m.get("files", {}).get(DATA_NAME, {})
+    if not data.exists():
+        return f"corrupt: {data} is missing"
+    size = data.stat().st_size
+    if size != want.get("size"):
+        return f"corrupt: {data} is {size} bytes, the manifest says {want.get('size')} (truncated?)"
+    try:
+        _, header_sha, _ = read_header(data)
+    except CheckpointError as exc:
+        return f"corrupt: {exc}"
+    if header_sha != want.get("header_sha256"):
+        return f"corrupt: {data} header hash mismatch"
+    if verify == "full" and _file_sha256(data) != want.get("sha256"):
+        return f"corrupt: {data} content hash mismatch"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Out:
+    """One output tensor of the cache file."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int = 0  # absolute file offset, set once the header is laid out
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class _Progress:
+    def __init__(self, total: int, callback: Progress | None, cancel: threading.Event | None, stage: str) -> None:
+        self.total, self.callback, self.cancel, self.stage = total, callback, cancel, stage
+        self.done = 0
+        self.t0 = time.monotonic()
+
+    def check(self, what: str) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise CancelledError(f"{what} was cancelled")
+
+    def advance(self, nbytes: int, current: str) -> None:
+        self.done += nbytes
+        if self.callback is None:
+            return
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed * (self.total - self.done) / self.done if self.done and elapsed > 0 else None
+        self.callback(LoadProgress(stage=self.stage, done_bytes=self.done, total_bytes=self.total, current=current, eta_s=eta))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _expert_bank_of(name: str) -> tuple[str, str] | None:
+    """'layers.3.mlp.experts.gate_up_proj' -> ('layers.3.mlp.experts', 'gate_up_proj')."""
+    bank, _, leaf = name.rpartition(".")
+    if bank.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
+        return bank, leaf
+    return None
+
+
+def _rows_per_chunk(src: SrcTensor, align: int) -> int:
+    row_bytes = max(1, src.nbytes // max(src.shape[0], 1))
+    rows = max(1, CHUNK_BYTES // row_bytes)
+    return max(align, rows // align * align)
+
+
+def build_cache(
+    model_dir: str | Path,
+    policy: QuantPolicy = DEFAULT_POLICY,
+    cache_dir: str | Path | None = None,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> Path:
+    """Quantize ``model_dir`` under ``policy`` into ``cache_dir`` (default :func:`cache_dir_for`); returns it."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    final = Path(cache_dir) if cache_dir is not None else cache_dir_for(model_dir, policy)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(final)
+    fingerprint = source_fingerprint(model_dir)
+    sources: list[SrcTensor] = []
+    for path in _source_files(model_dir.resolve()):
+        sources.extend(sorted(read_header(path)[0].values(), key=lambda s: s.begin))
+
+    # ---- plan every output tensor from the headers alone ----
+    bs = policy.blocksize
+    outs: dict[str, _Out] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    layouts: dict[str, ExpertLayout] = {}
+    jobs: list[tuple[SrcTensor, Target]] = []
+    e_cfg, d_cfg, i_cfg = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    for src in sources:
+        target = sanitize_name(src.name, config)
+        if target is None:
+            continue
+        jobs.append((src, target))
+        bank = _expert_bank_of(target.name)
+        if bank is not None:
+            bank_name = bank[0]
+            if bank_name in layouts or bank_name + "#plain" in tensors:
+                continue
+            fmt = policy.format_of(f"{bank_name}.gate_up_proj", (e_cfg, 2 * i_cfg, d_cfg))
+            if fmt in QUANT_FORMATS:
+                lay = ExpertLayout.build(e_cfg, d_cfg, i_cfg, fmt, bs)
+                layouts[bank_name] = lay
+                outs[f"{bank_name}.packed"] = _Out(f"{bank_name}.packed", torch.uint8, (e_cfg, lay.nbytes))
+                gu = lay.gate_up_codes[1] + lay.gate_up_scales[1]
+                tensors[f"{bank_name}.gate_up_proj"] = {"shape": [e_cfg, 2 * i_cfg, d_cfg], "format": fmt, "bytes": e_cfg * gu, "stored": [f"{bank_name}.packed"]}
+                tensors[f"{bank_name}.down_proj"] = {"shape": [e_cfg, d_cfg, i_cfg], "format": fmt, "bytes": e_cfg * (lay.nbytes - gu), "stored": [f"{bank_name}.packed"]}
+            else:
+                dt = _plain_dtype(fmt, _ST[src.dtype][0])
+                for leaf, shp in (("gate_up_proj", (e_cfg, 2 * i_cfg, d_cfg)), ("down_proj", (e_cfg, d_cfg, i_cfg))):
+                    key = f"{bank_name}.{leaf}"
+                    outs[key] = _Out(key, dt, shp)
+                    tensors[key] = {"shape": list(shp), "format": _fmt_name(dt), "bytes": outs[key].nbytes, "stored": [key]}
+                tensors[bank_name + "#plain"] = {}
+            continue
+        if target.index is not None:
+            raise CheckpointError(f"{src.path}: tensor {src.name!r} maps to a slice of {target.name}, which is not an expert tensor")
+        shape = sanitize_shape(target, src.shape)
+        fmt = policy.format_of(target.name, shape)
+        if fmt in QUANT_FORMATS and len(shape) == 2:
+            n_codes, n_scales = quantized_sizes(shape, fmt, bs)
+            mod = target.name[: -len(".weight")] if target.name.endswith(".weight") else target.name
+            codes = _Out(f"{mod}.codes", torch.uint8 if fmt == "nf4" else torch.int8, (n_codes,) if fmt == "nf4" else shape)
+            scales = _Out(f"{mod}.scales", torch.float32, (n_scales // 4,))
+            outs[codes.key], outs[scales.key] = codes, scales
+            tensors[target.name] = {"shape": list(shape), "format": fmt, "bytes": n_codes + n_scales, "stored": [codes.key, scales.key]}
+        else:
+            dt = _plain_dtype(fmt, _ST[src.dtype][0])
+            out = _Out(target.name, dt, shape)
+            outs[out.key] = out
+            tensors[target.name] = {"shape": list(shape), "format": _fmt_name(dt), "bytes": out.nbytes, "stored": [out.key]}
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("#plain")}
+    if not outs:
+        raise CheckpointError(f"{model_dir}: the checkpoint holds no text-model tensors")
+
+    # ---- lay out the file: header, then data in plan order ----
+    header: dict[str, Any] = {"__metadata__": {"format": "clover-quant", "policy": policy.hash}}
+    pos = 0
+    for out in outs.values():
+        header[out.key] = {"dtype": _TAG_OF[out.dtype], "shape": list(out.shape), "data_offsets": [pos, pos + out.nbytes]}
+        out.offset = pos
+        pos += out.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    data_start = 8 + len(raw)
+    for out in outs.values():
+        out.offset += data_start
+
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    tracker = _Progress(sum(s.nbytes for s, _ in jobs), progress, cancel, "quantizing")
+    try:
+        data_path = tmp / DATA_NAME
+        fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            os.ftruncate(fd, data_start + pos)
+            pending: dict[tuple[str, int], dict[str, Tensor]] = {}
+            by_path: dict[Path, int] = {}
+            try:
+                for src, target in jobs:
+                    tracker.check(f"quantizing {model_dir}")
+                    sfd = by_path.get(src.path)
+                    if sfd is None:
+                        for old in by_path.values():  # one source file open at a time
+                            os.close(old)
+                        by_path = {src.path: os.open(src.path, os.O_RDONLY)}
+                        sfd = by_path[src.path]
+                    _convert_one(sfd, fd, src, target, policy, outs, layouts, pending, tracker, config)
+                    tracker.advance(src.nbytes, src.name)
+            finally:
+                for old in by_path.values():
+                    os.close(old)
+            if pending:
+                (bank, e), parts = next(iter(pending.items()))
+                raise CheckpointError(f"{model_dir}: expert {e} of {bank} is incomplete (has only {sorted(parts)})")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if progress is not None:
+            progress(LoadProgress(stage="writing-cache", done_bytes=tracker.done, total_bytes=tracker.total, current=DATA_NAME))
+        _, header_sha, _ = read_header(data_path)
+        manifest = {
+            "version": VERSION,
+            "policy": {**policy.to_dict(), "hash": policy.hash},
+            "source": fingerprint,
+            "tensors": tensors,
+            "experts": {k: v.to_dict() for k, v in layouts.items()},
+            "files": {DATA_NAME: {"size": data_path.stat().st_size, "header_sha256": header_sha, "sha256": _file_sha256(data_path, cancel)}},
+            "complete": True,
+            "created_unix": int(time.time()),
+        }
+        mpath = tmp / MANIFEST_NAME
+        with mpath.open("w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            trash = final.parent / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("quantized cache written: %s (%.1f MiB)", final, (final / DATA_NAME).stat().st_size / 2**20)
+    return final
+
+
+def _plain_dtype(fmt: str, stored: torch.dtype) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(fmt, stored)
+
+
+def _fmt_name(dtype: torch.dtype) -> str:
+    return _ST[_TAG_OF[dtype]][2]
+
+
+def _convert_one(
+    sfd: int,
+    fd: int,
+    src: SrcTensor,
+    target: Target,
+    policy: QuantPolicy,
+    outs: dict[str, _Out],
+    layouts: dict[str, ExpertLayout],
+    pending: dict[tuple[str, int], dict[str, Tensor]],
+    tracker: _Progress,
+    config: CloverConfig,
+) -> None:
+    """Read one source tensor in chunks and write its quantized / cast form at its place in the cache file."""
+    bs = policy.blocksize
+    bank = _expert_bank_of(target.name)
+    if bank is not None:
+        bank_name, leaf = bank
+        lay = layouts.get(bank_name)
+        if target.index is None:  # fused [E, ...]: one expert at a time
+            for e in range(src.shape[0]):
+                tracker.check(f"quantizing {src.name}")
+                w = _read_rows(sfd, src, e, e + 1)[0]  # [2I, D] or [D, I]
+                _write_expert_part(fd, outs, bank_name, leaf, lay, e, w, pending, None)
+        else:
+            e = int(target.index[0])
+            part = None
+            if len(target.index) > 1:
+                part = "gate" if target.index[1].start == 0 else "up"
+            w = _read_rows(sfd, src, 0, src.shape[0])  # one expert's matrix
+            _write_expert_part(fd, outs, bank_name, leaf, lay, e, w, pending, part, config.moe_intermediate_size)
+        return
+    stored = outs.get(target.name)
+    shape = sanitize_shape(target, src.shape)
+    if stored is not None:  # plain tensor: cast chunk by chunk
+        rows = _rows_per_chunk(src, 1)
+        row_out = stored.nbytes // max(src.shape[0], 1) if src.shape else stored.nbytes
+        if not src.shape:
+            _pwrite(fd, stored.offset, sanitize_tensor(target, _read_rows(sfd, src, 0, 1).reshape(())).to(stored.dtype))
+            return
+        for r0 in range(0, src.shape[0], rows):
+            tracker.check(f"quantizing {src.name}")
+            r1 = min(src.shape[0], r0 + rows)
+            chunk = _read_rows(sfd, src, r0, r1).to(stored.dtype)
+            _pwrite(fd, stored.offset + r0 * row_out, chunk)
+        return
+    mod = target.name[: -len(".weight")] if target.name.endswith(".weight") else target.name
+    codes, scales = outs[f"{mod}.codes"], outs[f"{mod}.scales"]
+    fmt = "nf4" if codes.dtype == torch.uint8 else "int8"
+    cols = shape[1]
+    align = bs // math.gcd(cols, bs) if fmt == "nf4" else 1  # chunk numel must be a whole number of NF4 blocks
+    rows = _rows_per_chunk(src, align)
+    for r0 in range(0, shape[0], rows):
+        tracker.check(f"quantizing {src.name}")
+        r1 = min(shape[0], r0 + rows)
+        w = _read_rows(sfd, src, r0, r1).reshape(r1 - r0, cols)
+        c, s = quantize_tensor(w, fmt, bs)
+        if fmt == "nf4":
+            _pwrite(fd, codes.offset + r0 * cols // 2, c)
+            _pwrite(fd, scales.offset + (r0 * cols // bs) * 4, s)
+        else:
+            _pwrite(fd, codes.offset + r0 * cols, c)
+            _pwrite(fd, scales.offset + r0 * 4, s)
+
+
+def _write_expert_part(
+    fd: int,
+    outs: dict[str, _Out],
+    bank_name: str,
+    leaf: str,
+    lay: ExpertLayout | None,
+    e: int,
+    w: Tensor,
+    pending: dict[tuple[str, int], dict[str, Tensor]],
+    part: str | None,
+    inter: int | None = None,
+) -> None:
+    if part is not None:  # per-expert checkpoint: gate and up arrive separately; quantize them together
+        parts = pending.setdefault((bank_name, e), {})
+        parts[part] = w
+        if len(parts) < 2:
+            return
+        del pending[(bank_name, e)]
+        w = torch.cat([parts["gate"], parts["up"]], dim=0)  # [2I, D]
+    if lay is None:  # experts kept unquantized: fused plain tensors
+        out = outs[f"{bank_name}.{leaf}"]
+        per = out.nbytes // out.shape[0]
+        _pwrite(fd, out.offset + e * per, w.to(out.dtype))
+        return
+    out = outs[f"{bank_name}.packed"]
+    base = out.offset + e * lay.nbytes
+    c_seg, s_seg, shape = (
+        (lay.gate_up_codes, lay.gate_up_scales, lay.gate_up_shape) if leaf == "gate_up_proj" else (lay.down_codes, lay.down_scales, lay.down_shape)
+    )
+    if tuple(w.shape) != shape:
+        raise CheckpointError(f"expert {e} of {bank_name}.{leaf} has shape {list(w.shape)}, expected {list(shape)}")
+    c, s = quantize_tensor(w, lay.fmt, lay.blocksize)
+    _pwrite(fd, base + c_seg[0], c)
+    _pwrite(fd, base + s_seg[0], s)
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Remove temporary folders of killed conversions of this cache (their pid is gone)."""
+    for p in final.parent.glob(f".tmp-{final.name}-*"):
+        parts = p.name.split("-")
+        pid = int(parts[-2]) if len(parts) >= 2 and parts[-2].isdigit() else None
+        if pid is not None and pid != os.getpid() and _pid_alive(pid):
+            continue
+        log.info("removing a leftover of an interrupted conversion: %s", p)
+        shutil.rmtree(p, ignore_errors=True)
+    for p in final.parent.glob(f".tmp-old-{final.name}-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """What ``load_quantized`` did: the cache used, whether it was (re)built, and why."""
+
+    path: Path
+    rebuilt: bool
+    reason: str  # "" when an existing cache was valid and used
+    manifest_path: Path
+
+
+def load_quantized(
+    model_dir: str | Path,
+    policy: QuantPolicy = DEFAULT_POLICY,
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+    cache_root: str | Path | None = None,
+    verify: str = "header",
+) -> tuple[nn.Module, CacheReport]:
+    """The quantized model of ``model_dir`` on the CPU (host memory), through the cache (built or rebuilt when
+    needed, with the reason logged and returned). Place it with ``engine.offload.apply_plan``."""
+    model_dir = Path(model_dir)
+    cdir = cache_dir_for(model_dir, policy, cache_root)
+    reason = check_cache(cdir, model_dir, policy, verify)
+    rebuilt = False
+    if reason is not None:
+        if not reason.startswith("missing"):
+            log.warning("quantized cache %s not used: %s; rebuilding", cdir, reason)
+        build_cache(model_dir, policy, cdir, progress, cancel)
+        rebuilt = True
+    model = load_from_cache(cdir, model_dir, dtype, progress, cancel)
+    return model, CacheReport(cdir, rebuilt, reason or "", cdir / MANIFEST_NAME)
+
+
+def load_from_cache(
+    cache_dir: str | Path,
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> nn.Module:
+    """Build a CloverModel from a (checked) cache: quantized modules swapped in, every tensor read from the file."""
+    from engine.model import CloverModel
+
+    cache_dir = Path(cache_dir)
+    manifest = json.loads((cache_dir / MANIFEST_NAME).read_text(encoding="utf-8"))
+    config = load_config(model_dir)
+    tensors: dict[str, dict[str, Any]] = manifest["tensors"]
+    extras = config.is_diffusion or any(".bd_history." in n or n.endswith("weight_right") for n in tensors)
+    model = CloverModel(config, dtype=dtype, device="meta", clover_extras=extras)
+    _adapt_extras(model, tensors)
+    # swap quantized modules in (on the CPU, empty)
+    for name, meta in tensors.items():
+        if meta["format"] not in QUANT_FORMATS:
+            continue
+        bank = _expert_bank_of(name)
+        if bank is not None:
+            if bank[1] == "gate_up_proj":
+                lay = ExpertLayout.from_dict(manifest["experts"][bank[0]])
+                set_submodule(model, bank[0], QuantExpertBank(lay, device="meta"))
+            continue
+        mod_name = name[: -len(".weight")]
+        old = model.get_submodule(mod_name)
+        if not isinstance(old, nn.Linear):
+            raise CheckpointError(f"{cache_dir}: {name} is quantized but {mod_name} is a {type(old).__name__}, not a Linear")
+        policy_bs = int(manifest["policy"]["blocksize"])
+        new = QuantLinear(old.in_features, old.out_features, meta["format"], policy_bs, bias=old.bias is not None, device="meta")
+        set_submodule(model, mod_name, new)
+    model.to_empty(device="cpu")
+    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
+        model.lm_head.weight = model.embed_tokens.weight
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    data = cache_dir / DATA_NAME
+    header, _, _ = read_header(data)
+    total = sum(h.nbytes for h in header.values())
+    tracker = _Progress(total, progress, cancel, "reading")
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        for key, src in header.items():
+            tracker.check(f"loading {cache_dir}")
+            dst = state.get(key)
+            if dst is None:
+                raise CheckpointError(f"{data}: tensor {key!r} has no place in the model")
+            t = _read_rows(fd, src, 0, src.shape[0]) if src.shape else _read_rows(fd, src, 0, 1).reshape(())
+            if tuple(dst.shape) != tuple(t.shape):
+                raise CheckpointError(f"{data}: tensor {key!r} has shape {list(t.shape)}, the model expects {list(dst.shape)}")
+            dst.data.copy_(t.to(dst.dtype))
+            tracker.advance(src.nbytes, key)
+    finally:
+        os.close(fd)
+    missing = [k for k in state if k not in header and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise CheckpointError(f"{data}: tensor {missing[0]!r} is missing from the cache ({len(missing)} missing)")
+    if progress is not None:
+        progress(LoadProgress(stage="done", done_bytes=total, total_bytes=total))
+    model.eval()
+    return model
+
+
+def _adapt_extras(model: nn.Module, tensors: dict[str, dict[str, Any]]) -> None:
+    """Give the Clover GDN extras the cached shapes, and drop the ones the cache does not have."""
+    from engine import checkpoint
+
+    params = dict(model.named_parameters())
+    for name in list(params):
+        if not checkpoint._is_extra(name):
+            continue
+        meta = tensors.get(name)
+        if meta is None:
+            checkpoint._drop_extra(model, name)
+        elif tuple(meta["shape"]) != tuple(params[name].shape):
+            entry = checkpoint.TensorEntry(name, Path(MANIFEST_NAME), "BF16", tuple(meta["shape"]), int(meta["bytes"]))
+            checkpoint._adapt_extra(model, name, tuple(meta["shape"]), entry)
