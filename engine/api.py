@@ -95,13 +95,17 @@ class Engine:
             offload = importlib.import_module("engine.offload")
         from engine.checkpoint import load_model
 
-        load_device = "cpu" if offload is not None else device
-        model = load_model(folder, dtype=torch_dtype, device=load_device, progress=progress, cancel=cancel, config=config)
         plan = None
         hooks = None
-        if offload is not None:
-            runtime = offload.apply_plan(model, float(vram_gb), device)  # type: ignore[arg-type]
-            plan = getattr(runtime, "plan", None)
+        if offload is None:
+            model = load_model(folder, dtype=torch_dtype, device=device, progress=progress, cancel=cancel, config=config)
+        else:
+            # Under a budget the model is quantized (through the on-disk cache) in host memory, then placed.
+            quant_cache = importlib.import_module("engine.quant_cache")
+            model, report = quant_cache.load_quantized(folder, dtype=torch_dtype, progress=progress, cancel=cancel)
+            log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
+            plan = offload.plan_for_model(model, float(vram_gb))  # type: ignore[arg-type]
+            offload.apply_plan(model, plan, device)
             hooks = LoopHooks(
                 begin_block=lambda: offload.begin_block(model),
                 end_block=lambda: offload.end_block(model),

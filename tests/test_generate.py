@@ -506,3 +506,14 @@ def test_engine_cancel_stops_generation(clover: Engine) -> None:
     done = finished(events)
     assert done.stop_reason == "cancelled"
     assert sum(isinstance(e, BlockStep) for e in events) == 3  # the flag was honoured before the next pass
+
+
+def test_engine_under_a_vram_budget_uses_the_offload_plan(tiny_clover_dir, tmp_path, one_torch_thread) -> None:  # type: ignore[no-untyped-def]
+    from fixtures_tiny import copy_model
+
+    folder = copy_model(tiny_clover_dir, tmp_path / "m")  # the quantized cache is written beside the model
+    engine = Engine.load(folder, device="cpu", vram_gb=2.0)
+    assert engine.plan is not None and engine.plan.fits
+    done = finished(list(engine.generate(prompt="hi", params=GenerationParams(max_new_tokens=6, block_size=8))))
+    assert done.tokens >= 1
+    assert "resident_layers" in done.accounting and "h2d_bytes" in done.accounting
