@@ -202,6 +202,19 @@ def test_sidebar_new_rename_search_delete(qtbot, store, monkeypatch) -> None:
     assert window.conversation_id is None
 
 
+def test_deleting_the_chat_being_answered(qtbot, store) -> None:
+    client = FakeEngineClient(blocks=30, pass_ms=5)
+    window, _ = make_window(qtbot, store, client)
+    window.composer.input.setPlainText("doomed")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
+    cid = window.conversation_id
+    with qtbot.waitSignal(window.generationFinished, timeout=3000):
+        window.delete_conversation(cid)
+    assert store.list_conversations() == [] and client.cancelled
+    assert not window.is_generating() and window.chat.widgets == []
+
+
 def test_crash_banner_keeps_chat_and_restarts(qtbot, store) -> None:
     client = FakeEngineClient(blocks=30, pass_ms=5)
     window, _ = make_window(qtbot, store, client)

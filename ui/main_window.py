@@ -929,6 +929,8 @@ class MainWindow(QMainWindow):
             self.delete_conversation(conversation_id)
 
     def delete_conversation(self, conversation_id: int) -> None:
+        if conversation_id == self.conversation_id and self.is_generating():
+            self.recorder = None  # its message is about to go: nothing more to save
         if conversation_id == self.conversation_id:
             self.open_conversation(None)
         self.store.delete_conversation(conversation_id)
