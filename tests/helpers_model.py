@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -75,3 +75,11 @@ def greedy(model: CloverModel, prompt: torch.Tensor, steps: int) -> list[int]:
         out.append(nxt)
         logits = model(torch.tensor([nxt]), cache.length, cache)
     return out
+
+
+def one_thread() -> Iterator[None]:
+    """Module fixture body: these tiny models run fastest on one intra-op thread (the CI box is shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -21,7 +21,9 @@ from engine.checkpoint import (
 from engine.config import parse_config
 from engine.errors import CancelledError, CheckpointError
 from engine.events import LoadProgress
-from tests.helpers_model import BLOCK, tiny_config, tiny_text_dict
+from tests.helpers_model import BLOCK, one_thread, tiny_config, tiny_text_dict
+
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 def _clover_dict() -> dict:

@@ -14,7 +14,9 @@ from engine.model import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from tests.helpers_model import BLOCK, greedy, tiny_config, tiny_model
+from tests.helpers_model import BLOCK, greedy, one_thread, tiny_config, tiny_model
+
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 GEN = torch.Generator().manual_seed(1234)
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from engine.checkpoint import load_model
-from tests.helpers_model import greedy, tiny_text_dict
+from tests.helpers_model import greedy, one_thread, tiny_text_dict
+
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 transformers = pytest.importorskip("transformers")
 
