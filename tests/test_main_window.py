@@ -357,6 +357,8 @@ def test_helpers() -> None:
     assert expert_hit_rate({"hits": 3, "misses": 1}) == 0.75
     assert expert_hit_rate({"hit_rate": 0.5}) == 0.5
     assert expert_hit_rate({}) is None
+    assert expert_hit_rate({"slot_hits": 9, "slot_misses": 1, "hit_rate": 0.9}) == 0.9
+    assert expert_hit_rate({"slot_hits": 0, "slot_misses": 0, "hit_rate": 0.0}) is None  # all experts resident
     assert title_from_text("\n  A fairly long first line that will need to be shortened somewhere  \nmore") == (
         "A fairly long first line that will need to be…"
     )

@@ -123,13 +123,17 @@ def finished_stats(event: Finished, mode: str) -> dict[str, Any]:
 
 
 def expert_hit_rate(accounting: dict[str, Any] | None) -> float | None:
-    """Expert-cache hit rate from ``Finished.accounting`` (``hit_rate``, or ``hits`` / ``misses``), if present."""
+    """Expert slot-pool hit rate from ``Finished.accounting`` (engine.offload: ``hit_rate``, ``slot_hits`` /
+    ``slot_misses``), or None when nothing was streamed."""
     if not accounting:
         return None
+    hits = accounting.get("slot_hits", accounting.get("hits"))
+    misses = accounting.get("slot_misses", accounting.get("misses"))
+    if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses == 0:
+        return None  # nothing was looked up in the slot pool (every expert resident): no rate to show
     for key in ("hit_rate", "expert_hit_rate", "cache_hit_rate"):
         if isinstance(accounting.get(key), (int, float)):
             return float(accounting[key])
-    hits, misses = accounting.get("hits"), accounting.get("misses")
     if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses > 0:
         return float(hits) / float(hits + misses)
     return None
