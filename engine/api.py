@@ -98,7 +98,9 @@ class Engine:
         plan = None
         hooks = None
         if offload is None:
-            model = load_model(folder, dtype=torch_dtype, device=device, progress=progress, cancel=cancel, config=config)
+            model = load_model(
+                folder, dtype=torch_dtype, device=device, progress=progress, cancel=cancel, config=config
+            )
         else:
             # Under a budget the model is quantized (through the on-disk cache) in host memory, then placed.
             quant_cache = importlib.import_module("engine.quant_cache")
@@ -111,7 +113,9 @@ class Engine:
                 end_block=lambda: offload.end_block(model),
                 accounting=lambda: offload.accounting(model),
             )
-        log.info("loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype)
+        log.info(
+            "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
+        )
         return cls(model, config, defaults, tokenizer, folder, plan, hooks)
 
     # ---- prompts ----
@@ -125,7 +129,8 @@ class Engine:
         enable_thinking: bool = True,
     ) -> list[int]:
         """The token ids a request decodes from. ``raw`` sends ``prompt`` as is (no chat template)."""
-        given = [name for name, v in (("messages", messages), ("prompt", prompt), ("prompt_ids", prompt_ids)) if v is not None]
+        sources = (("messages", messages), ("prompt", prompt), ("prompt_ids", prompt_ids))
+        given = [name for name, value in sources if value is not None]
         if len(given) != 1:
             raise PromptError(f"give exactly one of messages, prompt, prompt_ids (got {', '.join(given) or 'none'})")
         if prompt_ids is not None:

@@ -216,6 +216,13 @@ class ChannelText:
         return stream.text if stream is not None else ""
 
 
+def _forward(model: DecodingModel, *args: Any, **kwargs: Any) -> Tensor:
+    """One model forward without autograd. (No ``inference_mode`` around the loops: it would stay switched on in
+    the caller's code while the generator is suspended at a ``yield``.)"""
+    with torch.no_grad():
+        return model.forward(*args, **kwargs)
+
+
 def _device_of(model: Any) -> torch.device:
     device = getattr(model, "device", None)
     if device is not None:
@@ -338,7 +345,8 @@ def _ar_loop(
     P = len(prompt)
     device = _device_of(model)
     clock = _Clock()
-    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking_open_after(prompt, s.think_start_id, s.think_end_id))
+    thinking = thinking_open_after(prompt, s.think_start_id, s.think_end_id)
+    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking)
     generated: list[int] = []
     eos = set(s.eos_token_ids)
     yield PromptInfo(prompt_tokens=P, block_size=1, first_block=P, tail=0)
@@ -347,36 +355,35 @@ def _ar_loop(
         return
 
     cache = model.new_cache(P + max_new)
-    with torch.inference_mode():
-        ids = torch.tensor(prompt, dtype=torch.long, device=device)  # [P]
-        logits = model.forward(ids, 0, cache, block_size=None, write_cache=True, last_only=True)  # [1, V]
-        vocab = logits.shape[-1]
-        clock.prefill_done = clock.now()
-        rep_seen = decoding.seen_mask(prompt, vocab, device)  # [V]
-        out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
-        gen = _generator(s, device)
-        reason = limit_reason
-        while True:
-            row = _penalize(logits[-1:].float(), s, rep_seen, out_seen)  # [1, V]
-            token, _ = decoding.propose(
-                row, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen
-            )
-            tok = int(token[0])
-            generated.append(tok)
-            rep_seen[tok] = True
-            out_seen[tok] = True
-            clock.mark_first_token()
-            yield from channels.feed([tok])
-            if tok in eos:
-                reason = "eos"
-                break
-            if len(generated) >= max_new:
-                break
-            if cancel is not None and cancel.is_set():
-                reason = "cancelled"
-                break
-            step = torch.tensor([tok], dtype=torch.long, device=device)  # [1]
-            logits = model.forward(step, P + len(generated) - 1, cache, block_size=None, write_cache=True, last_only=True)
+    ids = torch.tensor(prompt, dtype=torch.long, device=device)  # [P]
+    logits = _forward(model, ids, 0, cache, block_size=None, write_cache=True, last_only=True)  # [1, V]
+    vocab = logits.shape[-1]
+    clock.prefill_done = clock.now()
+    rep_seen = decoding.seen_mask(prompt, vocab, device)  # [V]
+    out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
+    gen = _generator(s, device)
+    reason = limit_reason
+    while True:
+        row = _penalize(logits[-1:].float(), s, rep_seen, out_seen)  # [1, V]
+        token, _ = decoding.propose(
+            row, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen
+        )
+        tok = int(token[0])
+        generated.append(tok)
+        rep_seen[tok] = True
+        out_seen[tok] = True
+        clock.mark_first_token()
+        yield from channels.feed([tok])
+        if tok in eos:
+            reason = "eos"
+            break
+        if len(generated) >= max_new:
+            break
+        if cancel is not None and cancel.is_set():
+            reason = "cancelled"
+            break
+        step = torch.tensor([tok], dtype=torch.long, device=device)  # [1]
+        logits = _forward(model, step, P + len(generated) - 1, cache, block_size=None, write_cache=True, last_only=True)
     yield from channels.finish()
     yield _finished(generated, channels, reason, len(generated), P, clock, hooks)
 
@@ -430,7 +437,8 @@ def _diffusion_loop(
     n_full = (P // B) * B
     device = _device_of(model)
     clock = _Clock()
-    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking_open_after(prompt, s.think_start_id, s.think_end_id))
+    thinking = thinking_open_after(prompt, s.think_start_id, s.think_end_id)
+    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking)
     piece_cache: dict[int, str] = {}
 
     def piece(tok: int) -> str:
@@ -451,116 +459,115 @@ def _diffusion_loop(
     cache = model.new_cache(end)
     eos = set(s.eos_token_ids)
     reason = limit_reason
-    with torch.inference_mode():
-        prev_row: Tensor | None = None  # [V]: last logit row of the previous forward (for shifted models)
-        if n_full:
-            ids = torch.tensor(prompt[:n_full], dtype=torch.long, device=device)  # [n_full]
-            # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
-            out = model.forward(ids, 0, cache, block_size=B, write_cache=True, last_only=True, prefill=True)  # [1, V]
-            prev_row = out[-1]
-        clock.prefill_done = clock.now()
-        vocab: int | None = None
-        rep_seen = out_seen = None
-        gen = _generator(s, device)
-        block_index = n_full // B
-        tail = prompt[n_full:]
+    prev_row: Tensor | None = None  # [V]: last logit row of the previous forward (for shifted models)
+    if n_full:
+        ids = torch.tensor(prompt[:n_full], dtype=torch.long, device=device)  # [n_full]
+        # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
+        out = _forward(model, ids, 0, cache, block_size=B, write_cache=True, last_only=True, prefill=True)  # [1, V]
+        prev_row = out[-1]
+    clock.prefill_done = clock.now()
+    vocab: int | None = None
+    rep_seen = out_seen = None
+    gen = _generator(s, device)
+    block_index = n_full // B
+    tail = prompt[n_full:]
+    while True:
+        pos0 = block_index * B
+        start = len(tail)
+        needed = min(B, start + max_new - len(generated))  # slots [start, needed) can still be output
+        x = torch.tensor(tail + [mask_id] * (B - start), dtype=torch.long, device=device)  # [B]
+        conf = torch.zeros(B, dtype=torch.float32, device=device)  # [B] confidence each slot was committed with
+        conf[:start] = 1.0
+        slot_index = torch.arange(B, device=device)  # [B]
+        n_at_entry = len(generated)
+        thinking_at_entry = channels.thinking_open
+        pass_index = 0
+        cancelled = False
+        if hooks is not None and hooks.begin_block is not None:
+            hooks.begin_block()
         while True:
-            pos0 = block_index * B
-            start = len(tail)
-            needed = min(B, start + max_new - len(generated))  # slots [start, needed) can still be output
-            x = torch.tensor(tail + [mask_id] * (B - start), dtype=torch.long, device=device)  # [B]
-            conf = torch.zeros(B, dtype=torch.float32, device=device)  # [B] confidence each slot was committed with
-            conf[:start] = 1.0
-            slot_index = torch.arange(B, device=device)  # [B]
-            n_at_entry = len(generated)
-            thinking_at_entry = channels.thinking_open
-            pass_index = 0
-            cancelled = False
-            if hooks is not None and hooks.begin_block is not None:
-                hooks.begin_block()
-            while True:
-                if cancel is not None and cancel.is_set():
-                    cancelled = True
-                    break
-                logits = model.forward(x, pos0, cache, block_size=B, write_cache=False).float()  # [B, V]
-                passes += 1
-                if s.shift_logits:
-                    logits = decoding.shift_logits(logits, prev_row)
-                if vocab is None:
-                    vocab = logits.shape[-1]
-                    rep_seen = decoding.seen_mask(prompt, vocab, device)
-                    out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-                masked = x == mask_id  # [B]
-                block_gen = [int(t) for t in x[start:].tolist() if t != mask_id]
-                in_block = decoding.seen_mask(block_gen, vocab, device)  # [V]
-                logits = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)  # type: ignore[operator]
-                logits = decoding.apply_length_penalty(
-                    logits, masked, s.eos_token_ids, s.length_penalty, n_at_entry,
-                    s.length_penalty_start, s.length_penalty_window,
-                )
-                logits = decoding.apply_think_end_bias(
-                    logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start,
-                    s.think_end_bias_window, _thinking_open_in_block(thinking_at_entry, x[start:].tolist(), s),
-                )
-                proposal, p = decoding.propose(
-                    logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                    generator=gen,
-                )  # [B], [B]
-                # Only slots that can still reach the output compete: not past the max_new_tokens budget, not
-                # after an EOS already committed in this block (the single-slot fallback would waste passes there).
-                useful = masked & (slot_index < _output_limit(x.tolist(), start, needed, eos))  # [B]
-                commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
-                x = torch.where(commit, proposal, x)
-                conf = torch.where(commit, p, conf)
-                shown = torch.where(masked & ~commit, p, conf)  # still-masked slots show this pass's confidence
-                still = (x == mask_id).tolist()
-                tokens = x.tolist()
-                yield BlockStep(
-                    block_index=block_index,
-                    pass_index=pass_index,
-                    tokens=tuple(tokens),
-                    texts=tuple("" if m else piece(t) for t, m in zip(tokens, still)),
-                    masked=tuple(still),
-                    confidence=tuple(float(c) for c in shown.tolist()),
-                    committed_now=tuple(commit.tolist()),
-                    prompt_slots=start,
-                )
-                pass_index += 1
-                if not any(still[start:needed]) or decoding.eos_resolved(tokens, still, start, eos):
-                    break
-            if cancelled:
+            if cancel is not None and cancel.is_set():
+                cancelled = True
+                break
+            logits = _forward(model, x, pos0, cache, block_size=B, write_cache=False).float()  # [B, V]
+            passes += 1
+            if s.shift_logits:
+                logits = decoding.shift_logits(logits, prev_row)
+            if vocab is None:
+                vocab = logits.shape[-1]
+                rep_seen = decoding.seen_mask(prompt, vocab, device)
+                out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            masked = x == mask_id  # [B]
+            block_gen = [int(t) for t in x[start:].tolist() if t != mask_id]
+            in_block = decoding.seen_mask(block_gen, vocab, device)  # [V]
+            logits = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)  # type: ignore[operator]
+            logits = decoding.apply_length_penalty(
+                logits, masked, s.eos_token_ids, s.length_penalty, n_at_entry,
+                s.length_penalty_start, s.length_penalty_window,
+            )
+            logits = decoding.apply_think_end_bias(
+                logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start,
+                s.think_end_bias_window, _thinking_open_in_block(thinking_at_entry, x[start:].tolist(), s),
+            )
+            proposal, p = decoding.propose(
+                logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                generator=gen,
+            )  # [B], [B]
+            # Only slots that can still reach the output compete: not past the max_new_tokens budget, not
+            # after an EOS already committed in this block (the single-slot fallback would waste passes there).
+            useful = masked & (slot_index < _output_limit(x.tolist(), start, needed, eos))  # [B]
+            commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
+            x = torch.where(commit, proposal, x)
+            conf = torch.where(commit, p, conf)
+            shown = torch.where(masked & ~commit, p, conf)  # still-masked slots show this pass's confidence
+            still = (x == mask_id).tolist()
+            tokens = x.tolist()
+            yield BlockStep(
+                block_index=block_index,
+                pass_index=pass_index,
+                tokens=tuple(tokens),
+                texts=tuple("" if m else piece(t) for t, m in zip(tokens, still)),
+                masked=tuple(still),
+                confidence=tuple(float(c) for c in shown.tolist()),
+                committed_now=tuple(commit.tolist()),
+                prompt_slots=start,
+            )
+            pass_index += 1
+            if not any(still[start:needed]) or decoding.eos_resolved(tokens, still, start, eos):
+                break
+        if cancelled:
+            if hooks is not None and hooks.end_block is not None:
+                hooks.end_block()
+            reason = "cancelled"
+            break
+        block_ids, hit_eos = decoding.truncate_at_eos(x[start:needed].tolist(), eos)
+        final = hit_eos or len(generated) + len(block_ids) >= max_new
+        if not final:
+            # The commit pass: the finished block becomes causal prefix. Skipped for the last block, whose
+            # cache entries nothing would read.
+            if cancel is not None and cancel.is_set():
                 if hooks is not None and hooks.end_block is not None:
                     hooks.end_block()
                 reason = "cancelled"
                 break
-            block_ids, hit_eos = decoding.truncate_at_eos(x[start:needed].tolist(), eos)
-            final = hit_eos or len(generated) + len(block_ids) >= max_new
-            if not final:
-                # The commit pass: the finished block becomes causal prefix. Skipped for the last block, whose
-                # cache entries nothing would read.
-                if cancel is not None and cancel.is_set():
-                    if hooks is not None and hooks.end_block is not None:
-                        hooks.end_block()
-                    reason = "cancelled"
-                    break
-                out = model.forward(x, pos0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
-                prev_row = out[-1]
-                passes += 1
-                pass_index += 1
-            if hooks is not None and hooks.end_block is not None:
-                hooks.end_block()
-            generated.extend(block_ids)
-            out_seen[torch.tensor(block_ids, dtype=torch.long, device=device)] = True  # type: ignore[index]
-            rep_seen |= out_seen  # type: ignore[operator]
-            if block_ids:
-                clock.mark_first_token()
-            yield from channels.feed(block_ids)
-            yield BlockCommitted(block_index=block_index, passes=pass_index, token_ids=tuple(block_ids))
-            if final:
-                reason = "eos" if hit_eos else limit_reason
-                break
-            block_index += 1
-            tail = []
+            out = _forward(model, x, pos0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
+            prev_row = out[-1]
+            passes += 1
+            pass_index += 1
+        if hooks is not None and hooks.end_block is not None:
+            hooks.end_block()
+        generated.extend(block_ids)
+        out_seen[torch.tensor(block_ids, dtype=torch.long, device=device)] = True  # type: ignore[index]
+        rep_seen |= out_seen  # type: ignore[operator]
+        if block_ids:
+            clock.mark_first_token()
+        yield from channels.feed(block_ids)
+        yield BlockCommitted(block_index=block_index, passes=pass_index, token_ids=tuple(block_ids))
+        if final:
+            reason = "eos" if hit_eos else limit_reason
+            break
+        block_index += 1
+        tail = []
     yield from channels.finish()
     yield _finished(generated, channels, reason, passes, P, clock, hooks)
 

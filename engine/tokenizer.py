@@ -56,7 +56,8 @@ class CloverTokenizer:
         self.source = source
         self.chat_template = chat_template
         self._template: Any = None
-        self.eos_token_ids: tuple[int, ...] = tuple(i for i in (self.token_to_id(n) for n in EOS_NAMES) if i is not None)
+        eos = (self.token_to_id(name) for name in EOS_NAMES)
+        self.eos_token_ids: tuple[int, ...] = tuple(i for i in eos if i is not None)
         self.think_start_id = self.token_to_id(THINK_START)
         self.think_end_id = self.token_to_id(THINK_END)
         self.mask_token_id = next((i for i in (self.token_to_id(n) for n in MASK_NAMES) if i is not None), None)

@@ -517,3 +517,9 @@ def test_engine_under_a_vram_budget_uses_the_offload_plan(tiny_clover_dir, tmp_p
     done = finished(list(engine.generate(prompt="hi", params=GenerationParams(max_new_tokens=6, block_size=8))))
     assert done.tokens >= 1
     assert "resident_layers" in done.accounting and "h2d_bytes" in done.accounting
+
+
+def test_the_consumer_never_runs_in_no_grad_or_inference_mode() -> None:
+    # the loops are generators: a mode switched on around a yield would leak into the caller's code
+    for _ in generate(ScriptedModel(letters), [letters(p) for p in range(9)], settings(max_new_tokens=10)):
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
