@@ -7,3 +7,15 @@ import os
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("QTWEBENGINE_DISABLE_SANDBOX", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "0")
+
+
+def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
+    """Before any QApplication exists: the PySide6 refcount guard and the preview's custom URL scheme."""
+    from clover_desk.cmd_preview import guard_pyside_bool_refcounts
+
+    guard_pyside_bool_refcounts()
+    try:
+        from ui.preview import register_schemes
+    except ImportError:
+        return  # no QtWebEngine: the webengine-marked tests skip
+    register_schemes()
