@@ -498,7 +498,8 @@ def _diffusion_loop(
                 rep_seen = decoding.seen_mask(prompt, vocab, device)
                 out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             masked = x == mask_id  # [B]
-            block_gen = [int(t) for t in x[start:].tolist() if t != mask_id]
+            slots = x.tolist()  # one device sync per pass for the host-side bookkeeping below
+            block_gen = [t for t in slots[start:] if t != mask_id]
             in_block = decoding.seen_mask(block_gen, vocab, device)  # [V]
             logits = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)  # type: ignore[operator]
             logits = decoding.apply_length_penalty(
@@ -507,7 +508,7 @@ def _diffusion_loop(
             )
             logits = decoding.apply_think_end_bias(
                 logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start,
-                s.think_end_bias_window, _thinking_open_in_block(thinking_at_entry, x[start:].tolist(), s),
+                s.think_end_bias_window, _thinking_open_in_block(thinking_at_entry, slots[start:], s),
             )
             proposal, p = decoding.propose(
                 logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
@@ -515,13 +516,13 @@ def _diffusion_loop(
             )  # [B], [B]
             # Only slots that can still reach the output compete: not past the max_new_tokens budget, not
             # after an EOS already committed in this block (the single-slot fallback would waste passes there).
-            useful = masked & (slot_index < _output_limit(x.tolist(), start, needed, eos))  # [B]
+            useful = masked & (slot_index < _output_limit(slots, start, needed, eos))  # [B]
             commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
             x = torch.where(commit, proposal, x)
             conf = torch.where(commit, p, conf)
             shown = torch.where(masked & ~commit, p, conf)  # still-masked slots show this pass's confidence
-            still = (x == mask_id).tolist()
             tokens = x.tolist()
+            still = [t == mask_id for t in tokens]
             yield BlockStep(
                 block_index=block_index,
                 pass_index=pass_index,

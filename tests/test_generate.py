@@ -523,3 +523,22 @@ def test_the_consumer_never_runs_in_no_grad_or_inference_mode() -> None:
     # the loops are generators: a mode switched on around a yield would leak into the caller's code
     for _ in generate(ScriptedModel(letters), [letters(p) for p in range(9)], settings(max_new_tokens=10)):
         assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_think_end_bias_in_the_loop_closes_thinking_once() -> None:
+    model = ScriptedModel(letters, margin=lambda p: 3.0)
+    s = settings(max_new_tokens=16, think_end_bias=10.0, think_end_bias_start=0, think_end_bias_window=0)
+    done = finished(run(model, [letters(p) for p in range(7)] + [THINK], s))
+    assert done.token_ids[0] == END_THINK and done.token_ids.count(END_THINK) == 1
+    # without an open <think> in the prompt the bias stays off
+    plain = finished(run(ScriptedModel(letters, margin=lambda p: 3.0), [letters(p) for p in range(8)], s))
+    assert END_THINK not in plain.token_ids
+
+
+def test_length_penalty_in_the_loop_ends_the_answer() -> None:
+    model = ScriptedModel(letters, margin=lambda p: 3.0)
+    s = settings(max_new_tokens=40, length_penalty=10.0, length_penalty_start=8, length_penalty_window=0)
+    done = finished(run(model, [letters(p) for p in range(8)], s))
+    # block 1 is entered with 0 tokens generated (ramp 0), block 2 with 8 (ramp 1): EOS wins there
+    assert done.stop_reason == "eos" and done.token_ids[:8] == tuple(letters(p) for p in range(8, 16))
+    assert done.token_ids[8] == EOS and done.tokens == 9
