@@ -161,12 +161,14 @@ class CloverDeskApp(QObject):
         return PreviewPane()
 
     def _build_model_manager(self) -> QWidget | None:
-        try:
-            from ui.model_manager import ModelManagerPanel
-        except ImportError as exc:
-            log.warning("model manager unavailable: %s", exc)
-            return None
-        return ModelManagerPanel()
+        from clover_desk.downloads import ModelDownloader
+        from ui.model_manager import ModelManagerPanel
+
+        return ModelManagerPanel(
+            downloader_factory=ModelDownloader,
+            models_dir=self.home / "models",
+            recent_file=self.home / "recent_models.json",
+        )
 
     def _html_extractor(self) -> Any:
         try:
@@ -229,5 +231,7 @@ class CloverDeskApp(QObject):
         self.shutdown()
 
     def shutdown(self, wait_ms: int = 3000) -> None:
+        if self.model_manager is not None:
+            self.model_manager.shutdown()  # stop a download thread / demo-model process cleanly
         self.client.shutdown(wait_ms=wait_ms)
         self.store.close()

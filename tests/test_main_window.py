@@ -362,3 +362,17 @@ def test_helpers() -> None:
     assert title_from_text("\n  A fairly long first line that will need to be shortened somewhere  \nmore") == (
         "A fairly long first line that will need to be…"
     )
+
+
+def test_first_run_opens_on_the_real_model_manager(qtbot, tmp_path) -> None:
+    """No model configured yet: the composition root shows the model manager page, not an error."""
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from ui.model_manager import ModelManagerPanel
+
+    client = FakeEngineClient()
+    desk = CloverDeskApp(tmp_path, client=client, settings=AppSettings(), with_preview=False)
+    qtbot.addWidget(desk.window)
+    assert isinstance(desk.model_manager, ModelManagerPanel)
+    assert desk.window.pages.currentWidget().isAncestorOf(desk.model_manager)
+    assert client.loads == []  # nothing to load, nothing failed
+    desk.shutdown()
