@@ -194,3 +194,38 @@ def test_single_file_without_index(tmp_path: Path) -> None:
     save_file({"model.visual.patch.weight": torch.zeros(2)}, str(tmp_path / "extra.safetensors"))
     model = load_model(tmp_path)
     assert torch.equal(model.norm.weight, sd["norm.weight"])
+
+
+def test_tied_embeddings_need_no_lm_head(tmp_path: Path) -> None:
+    cfg_dict = {"model_type": "qwen3_5_moe_text", **tiny_text_dict(), "tie_word_embeddings": True}
+    cfg = parse_config(cfg_dict)
+    sd = random_state_dict(cfg, seed=2)
+    assert "lm_head.weight" not in sd
+    write_checkpoint(tmp_path, sd, cfg_dict)
+    model = load_model(tmp_path)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, sd["embed_tokens.weight"])
+
+
+def test_consume_hook_takes_expert_tensors_instead_of_the_model(tmp_path: Path) -> None:
+    from engine.checkpoint import CheckpointReader, load_state, materialize, plan_load
+    from engine.model import CloverModel
+
+    path, sd = _write(tmp_path, {"model_type": "qwen3_5_moe_text", **tiny_text_dict()})
+    cfg = parse_config(json.loads((path / "config.json").read_text()))
+    taken: dict[str, torch.Tensor] = {}
+
+    def consume(name, target, tensor) -> bool:
+        if ".mlp.experts." in target.name:
+            taken[target.name] = tensor
+            return True
+        return False
+
+    with CheckpointReader(path) as reader:
+        model = CloverModel(cfg, device="meta")
+        plan = plan_load(model, reader)
+        materialize(model, "cpu")
+        load_state(model, reader, plan, consume=consume)
+    assert torch.equal(taken["layers.1.mlp.experts.down_proj"], sd["layers.1.mlp.experts.down_proj"])
+    assert len(taken) == 2 * cfg.num_hidden_layers
+    assert torch.equal(model.norm.weight, sd["norm.weight"])
