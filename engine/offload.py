@@ -27,9 +27,11 @@ Letters: E experts, S slots, R row bytes per expert, T tokens, K top-k, D hidden
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import re
+import types
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -382,7 +384,7 @@ class StreamedExpertBank(ExpertBank):
         out = routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, lambda e: pool.buf[slots[e]])
         pool.release(self.layer, list(slots))
         self._slots = {}
-        if self.runtime.prefetch and self.next_router is not None and self.next_layer is not None:
+        if self.runtime.wants_prefetch() and self.next_router is not None and self.next_layer is not None:
             k = topk_idx.shape[-1]
             with torch.no_grad():
                 guess = torch.unique(self.next_router(x).topk(k, dim=-1).indices).cpu().tolist()  # next layer's experts
@@ -404,25 +406,45 @@ class OffloadRuntime:
         self.stores: dict[int, HostExpertStore] = {}
         self.resident_layers: tuple[int, ...] = ()
         self.streamed_layers: tuple[int, ...] = ()
-        self.explicit_block = False
         self.block_passes = 0
         self.block_experts: dict[int, set[int]] = {}
         self._in_block = False
+        self._held = False  # a block is open and spans several forwards (explicit, or auto-detected)
+        self._auto_key: int | None = None
+        self.manual_blocks = False  # set by the first explicit begin_block(): auto-detection then stays off
 
     @property
     def stats(self) -> Stats:
         return self.pool.stats if self.pool is not None else Stats()
 
+    # --- block boundaries: explicit hooks ---
     def begin_block(self) -> None:
+        """The generation loop starts a diffusion block (its denoising passes and commit pass follow)."""
+        self.manual_blocks = True
         if self._in_block:
             self._close_block()
-        self.explicit_block = True
-        self._in_block = True
+        self._in_block = self._held = True
 
     def end_block(self) -> None:
         if self._in_block:
             self._close_block()
-        self.explicit_block = False
+
+    # --- block boundaries: auto-detected from the forward's arguments (loops that do not call the hooks) ---
+    def on_forward(self, start_pos: int, block_size: int | None, write_cache: bool) -> None:
+        """Block mode: consecutive forwards at the same ``start_pos`` are the passes of one block; the commit pass
+        (write_cache True) ends it. Causal mode: every forward is its own one-pass block."""
+        if self.manual_blocks:
+            return
+        key = None if block_size is None else int(start_pos)
+        if self._in_block and (key is None or key != self._auto_key):
+            self._close_block()
+        if not self._in_block:
+            self._in_block = self._held = True
+            self._auto_key = key
+
+    def after_forward(self, block_size: int | None, write_cache: bool) -> None:
+        if not self.manual_blocks and self._in_block and (block_size is None or write_cache):
+            self._close_block()
 
     def _close_block(self) -> None:
         st = self.stats
@@ -433,20 +455,26 @@ class OffloadRuntime:
                 st.distinct_per_block.setdefault(layer, []).append(len(self.block_experts.get(layer, ())))
         self.block_passes = 0
         self.block_experts = {}
-        self._in_block = False
+        self._in_block = self._held = False
+        self._auto_key = None
         if self.pool is not None:
             self.pool.end_block()
 
     def on_layer_start(self, layer: int) -> None:
-        """Called by each streamed bank; the first streamed layer marks a new pass (and, outside an explicit
-        block, a new implicit one-pass block: AR steps and prefill chunks)."""
+        """Called by each streamed bank; the first streamed layer marks a new pass (and, when no block is held
+        open, a new one-pass block)."""
         if self.streamed_layers and layer == self.streamed_layers[0]:
-            if not self.explicit_block:
+            if not self._held:
                 if self._in_block:
                     self._close_block()
                 self._in_block = True
             self.block_passes += 1
             self.stats.passes += 1
+
+    def wants_prefetch(self) -> bool:
+        """Prefetch on one-pass blocks (AR steps) and on a block's first pass only: later passes of a held block
+        find their working set pinned, and guesses would only churn the unpinned slots."""
+        return self.prefetch and (not self._held or self.block_passes <= 1)
 
     def note_experts(self, layer: int, experts: list[int]) -> None:
         self.block_experts.setdefault(layer, set()).update(experts)
@@ -666,11 +694,36 @@ def apply_plan(
             new_banks[a].next_router = router
             new_banks[a].next_layer = b
     model._offload_runtime = runtime  # plain attribute (not a submodule)
+    _track_blocks(model)
     log.info(
         "offload plan applied: %d resident, %d streamed layers, %d slots, %.1f MiB on %s (+%.1f MiB kept on host)",
         len(resident), len(streamed), slots, ledger.total / 2**20, dev, host_keep / 2**20,
     )
     return runtime
+
+
+def _tracked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The model's own forward, with the block boundaries reported to the offload runtime first."""
+    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    rt = runtime_of(self)
+    block_size, write_cache = a.get("block_size"), bool(a.get("write_cache", True))
+    if rt is not None:
+        rt.on_forward(int(a.get("start_pos", 0)), block_size, write_cache)
+    out = type(self).forward(self, *args, **kwargs)
+    if rt is not None:
+        rt.after_forward(block_size, write_cache)
+    return out
+
+
+def _track_blocks(model: nn.Module) -> None:
+    """Route ``model.forward`` (and ``model(...)``) through :func:`_tracked_forward` when its signature has
+    ``start_pos`` / ``block_size`` / ``write_cache`` (the CloverModel API), so per-block slot pins and statistics
+    work even when the generation loop does not call :func:`begin_block` / :func:`end_block`."""
+    params = inspect.signature(type(model).forward).parameters
+    if {"start_pos", "block_size", "write_cache"} <= set(params):
+        model.forward = types.MethodType(_tracked_forward, model)  # type: ignore[method-assign]
 
 
 def _router_of(model: nn.Module, experts_name: str) -> nn.Module | None:

@@ -89,6 +89,8 @@ def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
         acc = offload.accounting(model)
         if streamed:
             assert acc["h2d_bytes"] > 0 and acc["slot_misses"] > 0, name
+            # blocks are detected from the forwards (same start_pos = passes of one block; AR = one pass each)
+            assert acc["passes_per_block"] > 1 if mode == "diffusion" else acc["passes_per_block"] == 1.0, name
             assert acc["h2d_bytes"] == (acc["slot_misses"] + acc["prefetched"]) * rt.pool.layout.nbytes
             assert isinstance(model.layers[streamed[0]].mlp.experts, offload.StreamedExpertBank)
         else:
