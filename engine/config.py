@@ -20,6 +20,17 @@ SUPPORTED_MODEL_TYPES = ("clover_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 QWEN_EOS_IDS = (248046, 248044)
 QWEN_THINK_END_ID = 248069
 
+# Allowed values of the switches for Clover's unpublished parts (architecture.md section 5).
+_SWITCH_VALUES: dict[str, tuple[str, ...]] = {
+    "bd_history_form": ("F1", "F2", "history_only"),
+    "bd_history_input": ("q", "r"),
+    "bd_right_conv_taps": ("R1", "R2", "R3", "R4"),
+    "bd_right_conv_join": ("A", "B", "C"),
+    "bd_logit_scale_mode": ("ln_len", "temperature"),
+    "bd_len_mode": ("block", "tokens"),
+    "coreset_restrict": ("R-a", "R-b"),
+}
+
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -79,6 +90,7 @@ class CloverConfig:
     moe_block_coreset_top_p: float = 0.9
     # Switches for the parts of Clover that are not public (architecture.md section 5); defaults = primary proposal.
     bd_history_form: str = "F1"  # "F1" mix with causal GDN output | "F2" pure state read | "history_only" (neutral)
+    bd_history_input: str = "q"  # a [Hv, dk] bd_history.weight applies to q̂ ("q") or to the history read ("r")
     bd_right_conv_taps: str = "R1"  # "R1" future taps | "R2" mirrored | "R3" incl. current | "R4" mirrored incl. current
     bd_right_conv_join: str = "A"  # "A" pre-activation sum | "B" SiLU(L)+R | "C" SiLU(L)+SiLU(R)
     bd_logit_scale_mode: str = "ln_len"  # "ln_len": s*ln(L) on the history logit | "temperature": z*s
@@ -253,6 +265,9 @@ def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverCon
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         cfg = replace(cfg, **overrides)
+    for name, allowed in _SWITCH_VALUES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{source}: field {name!r} is {getattr(cfg, name)!r}; expected one of {', '.join(allowed)}")
     if cfg.num_experts_per_tok > cfg.num_experts:
         raise ConfigError(f"{source}: num_experts_per_tok {cfg.num_experts_per_tok} > num_experts {cfg.num_experts}")
     if cfg.linear_num_value_heads % max(cfg.linear_num_key_heads, 1):

@@ -89,3 +89,8 @@ def test_files_and_generation_defaults(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": "lots"}))
     with pytest.raises(ConfigError, match="max_new_tokens"):
         load_generation_defaults(tmp_path, cfg)
+
+
+def test_unknown_switch_value_is_named() -> None:
+    with pytest.raises(ConfigError, match="bd_right_conv_taps"):
+        parse_config({"model_type": "clover_moe", **TEXT, "bd_right_conv_taps": "R9"})
