@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -179,9 +180,17 @@ def _compile_template(source_text: str, source: str) -> Any:
     def tojson(value: Any, indent: int | None = None) -> str:
         return json.dumps(value, ensure_ascii=False, indent=indent)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    # The same environment shape as Hugging Face templates expect: trimmed blocks, loop controls, a tojson that
+    # keeps non-ASCII text, raise_exception and strftime_now; sandboxed and immutable (no attribute tricks).
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     try:
         return env.from_string(source_text)
     except TemplateError as exc:

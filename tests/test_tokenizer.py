@@ -248,3 +248,15 @@ def test_encode_chat_is_the_rendered_text_encoded(tok: CloverTokenizer) -> None:
     messages = [{"role": "user", "content": "Weather in Zürich?"}]
     ids = tok.encode_chat(messages, tools=TOOLS)
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages, tools=TOOLS)
+
+
+def test_templates_written_for_hugging_face_render(tmp_path: Path, tok_dir: Path) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content | tojson }}{% endfor %}"
+        "|{{ strftime_now('%Y') | length }}"
+    )
+    text = CloverTokenizer.from_dir(tmp_path).apply_chat_template(
+        [{"role": "user", "content": "Grüße"}, {"role": "user", "content": "second"}]
+    )
+    assert text == '"Grüße"|4'
