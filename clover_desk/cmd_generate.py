@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, metavar="N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--vram-gb", type=float, default=None, help="VRAM budget: stream experts (needs a GPU)")
+    parser.add_argument("--vram-gb", type=float, default=None, help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
     parser.add_argument("--temperature", type=float, default=None, help="> 0 samples (default: greedy)")

@@ -172,3 +172,23 @@ def test_bench_speed_compare_transformers(capsys: pytest.CaptureFixture[str], on
                              "--decode-tokens", "8", "--diffusion-tokens", "4", "--compare-transformers")
     assert code == 0, err
     assert "transformers" in out and "greedy tokens identical: 8/8" in out
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_generate_and_bench_on_cuda(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path) -> None:
+    for mode in ("diffusion", "ar"):
+        code, out, err = run_cli(capsys, "generate", "--model", str(tiny_clover_dir), "--prompt", "hi", "--device", "cuda",
+                                 "--dtype", "bfloat16", "--mode", mode, "--max-new-tokens", "40", "--json")
+        assert code == 0, err
+        assert json_events(out)[-1]["tokens"] >= 1
+    code, out, err = run_cli(capsys, "bench", "speed", "--shape", "tiny", "--device", "cuda", "--repeats", "2",
+                             "--decode-tokens", "8", "--diffusion-tokens", "8")
+    assert code == 0, err
+    assert "device cuda" in out and "passes/s" in out
