@@ -30,6 +30,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 import re
 import types
 from collections import OrderedDict
@@ -47,6 +48,7 @@ from engine.quant import ExpertLayout, QuantExpertBank, QuantLinear, QuantPolicy
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
+WINDOWS_PIN_BUDGET = 2 * GiB  # pinned host memory a loaded process can usually get under WDDM; the rest is staged
 _LAYER_RX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 
@@ -666,6 +668,8 @@ def apply_plan(
         runtime_pool = SlotPool(slots, next(iter(layouts)), dev, ledger)
     runtime = OffloadRuntime(dev, runtime_pool, ledger, prefetch)
     runtime.resident_layers, runtime.streamed_layers = resident, streamed
+    if pin_budget_bytes is None and os.name == "nt":
+        pin_budget_bytes = WINDOWS_PIN_BUDGET  # WDDM caps page-locked memory per process (offload-anchors 1.3)
     budget = PinBudget(pin_budget_bytes)
     for i in streamed:
         bank = banks[i][1]

@@ -99,6 +99,22 @@ def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
             assert isinstance(model.layers[i].mlp.experts, QuantExpertBank)
 
 
+def test_loop_hooks_give_the_same_tokens_and_fill_finished_accounting(qmodel: CloverModel) -> None:
+    from engine.generate import LoopHooks
+
+    reference = tokens(qmodel, "diffusion", 32)
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((0,), (1, 2, 3), EXPERTS), "cpu")
+    hooks = LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model),
+                      accounting=lambda: offload.accounting(model))
+    events = list(generate(model, [5, 17, 33, 9, 60, 61, 2, 40], settings("diffusion", 32), hooks=hooks))
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.token_ids == reference
+    acc = fin.accounting
+    assert acc["h2d_bytes"] > 0 and acc["blocks"] >= 1 and acc["passes_per_block"] > 1
+    assert acc["streamed_layers"] == [1, 2, 3] and acc["slot_pool_experts"] == EXPERTS
+
+
 def test_forward_logits_are_bit_identical_under_streaming(qmodel: CloverModel) -> None:
     ids = torch.tensor([5, 17, 33, 9, 60, 61, 2, 40] * 5)  # 40 tokens: a full block and a partial one
     ref = qmodel(ids, 0, None, block_size=32)
@@ -221,3 +237,15 @@ def test_only_quantized_banks_stream() -> None:
 def test_plan_naming_a_missing_layer_is_refused(qmodel: CloverModel) -> None:
     with pytest.raises(PlanError, match="streams layers \\[9\\]"):
         apply_plan(fresh(qmodel), SimplePlan((), (9,), EXPERTS), "cpu")
+
+
+def test_pinning_falls_back_to_pageable_rows_when_refused_or_over_budget() -> None:
+    rows = torch.arange(4 * 32, dtype=torch.uint8).reshape(4, 32)
+    budget = offload.PinBudget(64)
+    over = offload.HostExpertStore(0, rows, pin=True, budget=budget)  # 128 B > 64 B budget: not pinned
+    assert not over.pinned and budget.left == 64 and torch.equal(over.row(2), rows[2])
+    store = offload.HostExpertStore(1, rows[:2].clone(), pin=True, budget=budget)  # within budget
+    assert budget.left == 0
+    if not torch.cuda.is_available():  # pin_memory() is refused without a CUDA driver: pageable fallback
+        assert not store.pinned
+    assert torch.equal(store.row(1), rows[1])
