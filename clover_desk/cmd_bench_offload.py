@@ -30,13 +30,21 @@ GiB = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="clover-35b-a3b", help="model shape for the planner (default clover-35b-a3b)")
+    parser.add_argument(
+        "--shape", default="clover-35b-a3b", help="model shape for the planner (default clover-35b-a3b)"
+    )
     parser.add_argument("--vram-gb", type=float, default=16.0, help="VRAM budget in GiB (default 16)")
     parser.add_argument("--ctx", type=int, default=8192, help="context tokens the plan reserves (default 8192)")
     parser.add_argument("--tokens-per-pass", type=float, default=3.0, help="committed tokens per denoising pass (TPF)")
-    parser.add_argument("--target-distinct", type=float, default=70.0, help="distinct experts per 32-slot pass to calibrate to")
-    parser.add_argument("--block-reuse", type=float, default=1.3,
-                        help="block working set / per-pass distinct experts to calibrate to (planner's assumption 1.3)")
+    parser.add_argument(
+        "--target-distinct", type=float, default=70.0, help="distinct experts per 32-slot pass to calibrate to"
+    )
+    parser.add_argument(
+        "--block-reuse",
+        type=float,
+        default=1.3,
+        help="block working set / per-pass distinct experts to calibrate to (planner's assumption 1.3)",
+    )
     parser.add_argument("--blocks", type=int, default=8, help="diffusion blocks to simulate (after one warm-up block)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="end to end on a tiny random model on the CPU")
@@ -170,7 +178,9 @@ def _sim_pool(slots: int, experts: int, layers: list[int]) -> tuple[Any, dict[in
     layout = ExpertLayout.build(experts, 16, 8, "nf4", 64)  # a stand-in row of a few hundred bytes
     pool = SlotPool(slots, layout, torch.device("cpu"), DeviceLedger(torch.device("cpu")))
     budget = PinBudget(None)
-    stores = {i: HostExpertStore(i, torch.zeros(experts, layout.nbytes, dtype=torch.uint8), False, budget) for i in layers}
+    stores = {
+        i: HostExpertStore(i, torch.zeros(experts, layout.nbytes, dtype=torch.uint8), False, budget) for i in layers
+    }
     return pool, stores
 
 
@@ -197,11 +207,22 @@ def simulate_ar(plan: Any, tm: TraceModel, n_layers: int, tokens: int, seed: int
             if done == warm:
                 pool.stats.__init__()
     st = pool.stats
-    return {"misses_per_token": st.slot_misses / tokens, "hit_rate": st.slot_hits / max(1, st.slot_hits + st.slot_misses)}
+    return {
+        "misses_per_token": st.slot_misses / tokens,
+        "hit_rate": st.slot_hits / max(1, st.slot_hits + st.slot_misses),
+    }
 
 
-def simulate_diffusion(plan: Any, tm: TraceModel, n_layers: int, blocks: int, passes: int, coreset: bool, seed: int,
-                       pin_blocks: bool = True) -> dict[str, float]:
+def simulate_diffusion(
+    plan: Any,
+    tm: TraceModel,
+    n_layers: int,
+    blocks: int,
+    passes: int,
+    coreset: bool,
+    seed: int,
+    pin_blocks: bool = True,
+) -> dict[str, float]:
     streamed = list(plan.streamed_expert_layers)
     pool, stores = _sim_pool(plan.slot_pool_experts, tm.experts, streamed)
     tr = RoutingTrace(tm, n_layers, seed)
@@ -253,31 +274,43 @@ def run_simulation(args: argparse.Namespace) -> int:
     row = max(-(-b // geo.num_experts) for b in manifest.expert_layer_bytes().values())
     n_layers = geo.num_hidden_layers
     passes = int(round(32 / args.tokens_per_pass)) + 1  # denoising passes + the commit pass
-    print(f"plan: {args.shape} at {args.vram_gb:g} GiB, ctx {args.ctx}: {len(plan.resident_expert_layers)} resident, "
-          f"{len(plan.streamed_expert_layers)} streamed expert layers, slot pool {plan.slot_pool_experts} experts "
-          f"({plan.slot_pool_experts * row / GiB:.2f} GiB), expert row {row:,} B")
+    print(
+        f"plan: {args.shape} at {args.vram_gb:g} GiB, ctx {args.ctx}: {len(plan.resident_expert_layers)} resident, "
+        f"{len(plan.streamed_expert_layers)} streamed expert layers, slot pool {plan.slot_pool_experts} experts "
+        f"({plan.slot_pool_experts * row / GiB:.2f} GiB), expert row {row:,} B"
+    )
     t0 = time.perf_counter()
     base = TraceModel(experts=geo.num_experts, top_k=geo.num_experts_per_tok)
     tm = calibrate(args.target_distinct, base, args.block_reuse, passes)
     achieved = mean_distinct_per_pass(tm, samples=8, seed=args.seed + 11)
     reuse = block_reuse_factor(tm, passes, seed=args.seed + 12)
-    print(f"routing trace: Zipf exponent {tm.alpha:.3f}, topic std {tm.topic_std}, pass-to-pass noise correlation "
-          f"{tm.rho:.3f}; calibrated distinct experts per 32-slot pass: {achieved:.1f} of {geo.num_experts} "
-          f"(target {args.target_distinct:g}), block working set {reuse:.2f}x a pass (target {args.block_reuse:g})")
+    print(
+        f"routing trace: Zipf exponent {tm.alpha:.3f}, topic std {tm.topic_std}, pass-to-pass noise correlation "
+        f"{tm.rho:.3f}; calibrated distinct experts per 32-slot pass: {achieved:.1f} of {geo.num_experts} "
+        f"(target {args.target_distinct:g}), block working set {reuse:.2f}x a pass (target {args.block_reuse:g})"
+    )
 
     ar = simulate_ar(plan, tm, n_layers, tokens=32 * args.blocks, seed=args.seed)
     ar_bytes = ar["misses_per_token"] * row
-    print(f"AR: {ar['misses_per_token']:.1f} expert loads/token (slot hit rate {ar['hit_rate']:.1%}) = "
-          f"{ar_bytes / MiB:.1f} MiB host->device per token")
-    rows = [("diffusion, block working set pinned", False, True), ("diffusion, pinned + coreset top-p 0.9", True, True),
-            ("diffusion, no block pins (plain LRU)", False, False)]
+    print(
+        f"AR: {ar['misses_per_token']:.1f} expert loads/token (slot hit rate {ar['hit_rate']:.1%}) = "
+        f"{ar_bytes / MiB:.1f} MiB host->device per token"
+    )
+    rows = [
+        ("diffusion, block working set pinned", False, True),
+        ("diffusion, pinned + coreset top-p 0.9", True, True),
+        ("diffusion, no block pins (plain LRU)", False, False),
+    ]
     for label, coreset, pins in rows:
         d = simulate_diffusion(plan, tm, n_layers, args.blocks, passes, coreset, args.seed, pin_blocks=pins)
         per_token = d["misses_per_block"] * row / 32
         ratio = ar_bytes / per_token if per_token else float("inf")
-        print(f"{label}: {passes} passes/block, distinct/pass {d['distinct_per_pass']:.1f}, per block-layer "
-              f"{d['distinct_per_block']:.1f}, hit rate {d['hit_rate']:.1%}, pin evictions/block {d['block_pin_evictions']:.0f}: "
-              f"{per_token / MiB:.1f} MiB/token; AR/diffusion bytes ratio {ratio:.2f}x")
+        print(
+            f"{label}: {passes} passes/block, distinct/pass {d['distinct_per_pass']:.1f}, per block-layer "
+            f"{d['distinct_per_block']:.1f}, hit rate {d['hit_rate']:.1%}, "
+            f"pin evictions/block {d['block_pin_evictions']:.0f}: "
+            f"{per_token / MiB:.1f} MiB/token; AR/diffusion bytes ratio {ratio:.2f}x"
+        )
     print(f"(simulated {args.blocks} blocks after a warm-up block in {time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -306,15 +339,21 @@ def run_tiny(args: argparse.Namespace) -> int:
     prompt = [5, 17, 33, 9, 60, 61, 2, 40]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "tiny"
-        write_checkpoint(model_dir, random_state_dict(cfg, seed=args.seed, dtype=torch.bfloat16), cd, max_shard_bytes=1 << 20)
+        write_checkpoint(
+            model_dir, random_state_dict(cfg, seed=args.seed, dtype=torch.bfloat16), cd, max_shard_bytes=1 << 20
+        )
         t0 = time.perf_counter()
         base, report = load_quantized(model_dir, make_policy(), cache_root=Path(tmp) / "cache")
-        print(f"tiny model: 4 layers, 32 experts top-4; quantized cache built in {time.perf_counter() - t0:.2f} s "
-              f"({(report.path / 'weights.safetensors').stat().st_size / 1024:.0f} KiB)")
+        print(
+            f"tiny model: 4 layers, 32 experts top-4; quantized cache built in {time.perf_counter() - t0:.2f} s "
+            f"({(report.path / 'weights.safetensors').stat().st_size / 1024:.0f} KiB)"
+        )
         import copy
 
         for mode, n, thr in (("ar", 32, 0.95), ("diffusion", 64, 0.08)):
-            s = DecodeSettings(mode=mode, max_new_tokens=n, mask_token_id=3, eos_token_ids=(), threshold=thr, max_positions=512)
+            s = DecodeSettings(
+                mode=mode, max_new_tokens=n, mask_token_id=3, eos_token_ids=(), threshold=thr, max_positions=512
+            )
             ref = list(generate(base, prompt, s))[-1]
             model = copy.deepcopy(base)
             plan = offload.SimplePlan((0, 2), (1, 3), cfg.num_experts)
@@ -324,11 +363,13 @@ def run_tiny(args: argparse.Namespace) -> int:
             dt = time.perf_counter() - t0
             acc = offload.accounting(model)
             same = "identical" if fin.token_ids == ref.token_ids else "DIFFERENT"
-            print(f"{mode}: {fin.tokens} tokens in {fin.passes} passes ({dt:.2f} s), tokens {same} to all-resident; "
-                  f"host->device {acc['h2d_bytes'] / max(fin.tokens, 1) / 1024:.1f} KiB/token, slot hit rate "
-                  f"{acc['hit_rate']:.1%}, passes/block {acc['passes_per_block']:.1f}, distinct experts per "
-                  f"layer-block {acc['distinct_experts_per_layer_block']:.1f}, prefetched {acc['prefetched']} "
-                  f"(hits {acc['prefetch_hits']})")
+            print(
+                f"{mode}: {fin.tokens} tokens in {fin.passes} passes ({dt:.2f} s), tokens {same} to all-resident; "
+                f"host->device {acc['h2d_bytes'] / max(fin.tokens, 1) / 1024:.1f} KiB/token, slot hit rate "
+                f"{acc['hit_rate']:.1%}, passes/block {acc['passes_per_block']:.1f}, distinct experts per "
+                f"layer-block {acc['distinct_experts_per_layer_block']:.1f}, prefetched {acc['prefetched']} "
+                f"(hits {acc['prefetch_hits']})"
+            )
     return 0
 
 
@@ -346,8 +387,10 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu check: CUDA is not available on this machine (torch built for "
-              f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU only'}); nothing measured")
+        print(
+            "gpu check: CUDA is not available on this machine (torch built for "
+            f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU only'}); nothing measured"
+        )
         return 2
     from engine import offload
     from engine.planner import make_plan, manifest_for_shape
@@ -365,7 +408,10 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     lay = ExpertLayout.build(e, d, i, "nf4", 64)
     streamed = list(plan.streamed_expert_layers)
     resident = list(plan.resident_expert_layers)
-    print(f"plan: {len(resident)} resident / {len(streamed)} streamed layers, {plan.slot_pool_experts} slots, row {lay.nbytes:,} B")
+    print(
+        f"plan: {len(resident)} resident / {len(streamed)} streamed layers, {plan.slot_pool_experts} slots, "
+        f"row {lay.nbytes:,} B"
+    )
 
     # a few real NF4 experts (quantized on the GPU), tiled over every row: valid data, quick to build
     t0 = time.perf_counter()
@@ -383,11 +429,16 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         stores[layer] = offload.HostExpertStore(layer, rows, True, budget)
     if any(not s.pinned for s in stores.values()):
         pool.staging = offload.StagingRing(lay.nbytes, 4, dev)
-    banks = {layer: QuantExpertBank(lay, device=dev, packed=seed_rows.repeat((e + 15) // 16, 1)[:e].to(dev)) for layer in resident}
+    banks = {
+        layer: QuantExpertBank(lay, device=dev, packed=seed_rows.repeat((e + 15) // 16, 1)[:e].to(dev))
+        for layer in resident
+    }
     routers = torch.randn(geo.num_hidden_layers, e, d, device=dev, dtype=torch.bfloat16) * d**-0.5
     pinned = sum(s.nbytes for s in stores.values() if s.pinned)
-    print(f"built in {time.perf_counter() - t0:.1f} s: pinned host experts {pinned / GiB:.2f} GiB, "
-          f"device {torch.cuda.memory_allocated(dev) / GiB:.2f} GiB")
+    print(
+        f"built in {time.perf_counter() - t0:.1f} s: pinned host experts {pinned / GiB:.2f} GiB, "
+        f"device {torch.cuda.memory_allocated(dev) / GiB:.2f} GiB"
+    )
 
     # H2D: copy N rows through the pool's copy path
     layer0 = streamed[0] if streamed else None
@@ -399,7 +450,10 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         pool.release(layer0, list(range(n)))
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        print(f"H2D: {n} experts ({n * lay.nbytes / GiB:.2f} GiB) in {dt * 1e3:.1f} ms = {n * lay.nbytes / dt / 1e9:.1f} GB/s")
+        print(
+            f"H2D: {n} experts ({n * lay.nbytes / GiB:.2f} GiB) in {dt * 1e3:.1f} ms = "
+            f"{n * lay.nbytes / dt / 1e9:.1f} GB/s"
+        )
         pool.end_block()
 
     def moe_pass(x: torch.Tensor, in_block: bool, coreset: bool = False) -> None:
@@ -432,8 +486,10 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         moe_pass(rand_x(1), False)
         pool.end_block()
     torch.cuda.synchronize()
-    print(f"AR decode (expert path): {steps / (time.perf_counter() - t0):.1f} tok/s, slot hit rate "
-          f"{pool.stats.slot_hits / max(1, pool.stats.slot_hits + pool.stats.slot_misses):.1%}")
+    print(
+        f"AR decode (expert path): {steps / (time.perf_counter() - t0):.1f} tok/s, slot hit rate "
+        f"{pool.stats.slot_hits / max(1, pool.stats.slot_hits + pool.stats.slot_misses):.1%}"
+    )
     for coreset in (False, True):
         pool.end_block()
         torch.cuda.synchronize()
@@ -449,6 +505,8 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
         rate = passes / (time.perf_counter() - t0)
         label = "with coreset" if coreset else "no coreset"
-        print(f"diffusion ({label}): first pass of a block (its expert load) {first * 1e3:.1f} ms, "
-              f"later passes {rate:.1f} passes/s")
+        print(
+            f"diffusion ({label}): first pass of a block (its expert load) {first * 1e3:.1f} ms, "
+            f"later passes {rate:.1f} passes/s"
+        )
     return 0

@@ -152,7 +152,12 @@ class HostExpertStore:
                 rows = rows.pin_memory()
                 self.pinned = True
             except RuntimeError as exc:  # pinning refused (driver cap, WSL) -> pageable + staging ring
-                log.warning("layer %d: pinning %d MiB of experts failed (%s); using the staging ring", layer, rows.numel() >> 20, exc)
+                log.warning(
+                    "layer %d: pinning %d MiB of experts failed (%s); using the staging ring",
+                    layer,
+                    rows.numel() >> 20,
+                    exc,
+                )
         self.rows = rows
 
     def row(self, e: int) -> Tensor:
@@ -213,7 +218,12 @@ class SlotPool:
         self.num_slots = num_slots
         self.layout = layout
         self.device = device
-        self.buf = ledger.empty("expert_slots", f"expert slot pool ({num_slots} x {layout.nbytes} B)", (num_slots, layout.nbytes), torch.uint8)  # [S, R]
+        self.buf = ledger.empty(
+            "expert_slots",
+            f"expert slot pool ({num_slots} x {layout.nbytes} B)",
+            (num_slots, layout.nbytes),
+            torch.uint8,
+        )  # [S, R]
         self.slot_of: dict[Key, int] = {}
         self.key_of: list[Key | None] = [None] * num_slots
         self.lru: OrderedDict[Key, None] = OrderedDict()  # oldest first
@@ -394,7 +404,8 @@ class StreamedExpertBank(ExpertBank):
         return out
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, experts={self.num_experts}, row_bytes={self.layout.nbytes}, pinned={self.store.pinned}"
+        lay = self.layout
+        return f"layer={self.layer}, experts={self.num_experts}, row_bytes={lay.nbytes}, pinned={self.store.pinned}"
 
 
 class OffloadRuntime:
@@ -548,16 +559,29 @@ def manifest_from_model(model: nn.Module, policy: QuantPolicy | None = None) -> 
             gu = lay.gate_up_codes[1] + lay.gate_up_scales[1]
             e = lay.num_experts
             tensors[f"{prefix}gate_up_proj"] = {"shape": [e, *lay.gate_up_shape], "format": lay.fmt, "bytes": e * gu}
-            tensors[f"{prefix}down_proj"] = {"shape": [e, *lay.down_shape], "format": lay.fmt, "bytes": e * (lay.nbytes - gu)}
+            tensors[f"{prefix}down_proj"] = {
+                "shape": [e, *lay.down_shape],
+                "format": lay.fmt,
+                "bytes": e * (lay.nbytes - gu),
+            }
         elif isinstance(mod, QuantLinear):
             nbytes = mod.codes.numel() * mod.codes.element_size() + mod.scales.numel() * 4
-            tensors[f"{prefix}weight"] = {"shape": [mod.out_features, mod.in_features], "format": mod.fmt, "bytes": nbytes}
+            tensors[f"{prefix}weight"] = {
+                "shape": [mod.out_features, mod.in_features],
+                "format": mod.fmt,
+                "bytes": nbytes,
+            }
             if mod.bias is not None:
                 tensors[f"{prefix}bias"] = _plain_entry(mod.bias)
         elif not isinstance(mod, ExpertBank):
             for pname, p in mod.named_parameters(recurse=False):
                 tensors[f"{prefix}{pname}"] = _plain_entry(p)
-    return {"version": 1, "policy": policy.to_dict() if policy else {}, "source": {"model": type(model).__name__}, "tensors": tensors}
+    return {
+        "version": 1,
+        "policy": policy.to_dict() if policy else {},
+        "source": {"model": type(model).__name__},
+        "tensors": tensors,
+    }
 
 
 def _plain_entry(t: Tensor) -> dict[str, Any]:
@@ -582,7 +606,9 @@ def planner_manifest(model: nn.Module, policy: QuantPolicy | None = None) -> Any
     return planner.Manifest(tuple(entries), geo, f"model:{type(model).__name__}", raw["policy"] or None)
 
 
-def plan_for_model(model: nn.Module, vram_gb: float, ctx_tokens: int = 8192, ram_bytes: int | None = None, **kwargs: Any) -> Any:
+def plan_for_model(
+    model: nn.Module, vram_gb: float, ctx_tokens: int = 8192, ram_bytes: int | None = None, **kwargs: Any
+) -> Any:
     """``engine.planner.make_plan`` for a loaded model and a VRAM budget in GiB."""
     from engine.planner import make_plan
 
@@ -643,7 +669,10 @@ def apply_plan(
     for i in streamed:
         bank = banks[i][1]
         if not isinstance(bank, QuantExpertBank):
-            raise PlanError(f"layer {i}: only quantized expert banks can be streamed (got {type(bank).__name__}); load through the quantized cache")
+            raise PlanError(
+                f"layer {i}: only quantized expert banks can be streamed (got {type(bank).__name__}); "
+                "load through the quantized cache"
+            )
         layouts.add(bank.layout)
     if len(layouts) > 1:
         raise PlanError("streamed layers have different expert layouts; one slot pool needs one row size")
@@ -701,7 +730,12 @@ def apply_plan(
     _track_blocks(model)
     log.info(
         "offload plan applied: %d resident, %d streamed layers, %d slots, %.1f MiB on %s (+%.1f MiB kept on host)",
-        len(resident), len(streamed), slots, ledger.total / 2**20, dev, host_keep / 2**20,
+        len(resident),
+        len(streamed),
+        slots,
+        ledger.total / 2**20,
+        dev,
+        host_keep / 2**20,
     )
     return runtime
 

@@ -143,7 +143,9 @@ def dequantize_int8(q: Tensor, scale: Tensor, shape: tuple[int, ...], dtype: tor
     return (q2.to(torch.float32) * scale.view(-1, 1)).reshape(shape).to(dtype)
 
 
-def dequantize_int8_reference(q: Tensor, scale: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize_int8_reference(
+    q: Tensor, scale: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Slow reference: row by row, element value times its row's scale."""
     q2 = q.view(torch.int8).reshape(-1, shape[-1]).cpu()
     rows = [q2[r].to(torch.float32) * float(scale[r]) for r in range(q2.shape[0])]
@@ -237,7 +239,9 @@ class QuantPolicy:
             if rule.fmt not in FORMATS:
                 raise ConfigError(f"quant policy {self.name!r}: rule {rule.pattern!r} has unknown format {rule.fmt!r}")
             if rule.placement not in ("device", "host"):
-                raise ConfigError(f"quant policy {self.name!r}: rule {rule.pattern!r} has unknown placement {rule.placement!r}")
+                raise ConfigError(
+                    f"quant policy {self.name!r}: rule {rule.pattern!r} has unknown placement {rule.placement!r}"
+                )
         object.__setattr__(self, "_compiled", tuple(re.compile(r.pattern) for r in self.rules))
 
     def rule_for(self, name: str) -> Rule | None:
@@ -367,7 +371,9 @@ class QuantLinear(nn.Module):
     def set_weight(self, w: Tensor) -> None:
         """Quantize ``w`` [O, N] into this module's buffers."""
         if tuple(w.shape) != (self.out_features, self.in_features):
-            raise CheckpointError(f"QuantLinear: weight shape {tuple(w.shape)} != {(self.out_features, self.in_features)}")
+            raise CheckpointError(
+                f"QuantLinear: weight shape {tuple(w.shape)} != {(self.out_features, self.in_features)}"
+            )
         codes, scales = quantize_tensor(w, self.fmt, self.blocksize)
         self.codes = codes.to(self.codes.device)
         self.scales = scales.to(self.scales.device)
@@ -387,7 +393,10 @@ class QuantLinear(nn.Module):
         return F.linear(x, w, bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, blocksize={self.blocksize}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+            f"blocksize={self.blocksize}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -420,7 +429,9 @@ class ExpertLayout:
     nbytes: int  # row size
 
     @classmethod
-    def build(cls, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str = "nf4", blocksize: int = 64) -> "ExpertLayout":
+    def build(
+        cls, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str = "nf4", blocksize: int = 64
+    ) -> "ExpertLayout":
         if fmt not in QUANT_FORMATS:
             raise ValueError(f"expert format must be one of {QUANT_FORMATS}, got {fmt!r}")
         gu_c, gu_s = quantized_sizes((2 * intermediate_size, hidden_size), fmt, blocksize)
@@ -470,7 +481,12 @@ class ExpertLayout:
     def views(self, row: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(gate_up codes, down codes, gate_up scales fp32, down scales fp32) as views into ``row`` [nbytes]."""
         (a, na), (b, nb), (c, nc), (d, nd) = self.gate_up_codes, self.down_codes, self.gate_up_scales, self.down_scales
-        return row[a : a + na], row[b : b + nb], row[c : c + nc].view(torch.float32), row[d : d + nd].view(torch.float32)
+        return (
+            row[a : a + na],
+            row[b : b + nb],
+            row[c : c + nc].view(torch.float32),
+            row[d : d + nd].view(torch.float32),
+        )
 
     def unpack(self, row: Tensor, dtype: torch.dtype, reference: bool = False) -> tuple[Tensor, Tensor]:
         """row -> (gate_up [2I, D], down [D, I]) in ``dtype``."""
@@ -489,12 +505,7 @@ def expert_mlp(layout: ExpertLayout, row: Tensor, xs: Tensor) -> Tensor:
 
 
 def routed_forward(
-    x: Tensor,
-    topk_idx: Tensor,
-    topk_w: Tensor,
-    num_experts: int,
-    layout: ExpertLayout,
-    row_of: Callable[[int], Tensor],
+    x: Tensor, topk_idx: Tensor, topk_w: Tensor, num_experts: int, layout: ExpertLayout, row_of: Callable[[int], Tensor]
 ) -> Tensor:
     """The shared MoE compute of every quantized bank (resident or streamed): the same op order for the same bytes,
     so streaming can never change the numbers. x [T, D], topk_idx/topk_w [T, K] -> [T, D]."""
@@ -530,7 +541,9 @@ class QuantExpertBank(ExpertBank):
         self.register_buffer("packed", packed)
 
     @classmethod
-    def from_dense(cls, gate_up_proj: Tensor, down_proj: Tensor, fmt: str = "nf4", blocksize: int = 64) -> "QuantExpertBank":
+    def from_dense(
+        cls, gate_up_proj: Tensor, down_proj: Tensor, fmt: str = "nf4", blocksize: int = 64
+    ) -> "QuantExpertBank":
         """Quantize fused dense weights gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
         e, two_i, d = gate_up_proj.shape
         layout = ExpertLayout.build(e, d, two_i // 2, fmt, blocksize)
@@ -544,7 +557,10 @@ class QuantExpertBank(ExpertBank):
 
     def extra_repr(self) -> str:
         lay = self.layout
-        return f"experts={lay.num_experts}, D={lay.hidden_size}, I={lay.intermediate_size}, fmt={lay.fmt}, row_bytes={lay.nbytes}"
+        return (
+            f"experts={lay.num_experts}, D={lay.hidden_size}, I={lay.intermediate_size}, fmt={lay.fmt}, "
+            f"row_bytes={lay.nbytes}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -553,9 +569,7 @@ class QuantExpertBank(ExpertBank):
 
 
 def quantize_model_(
-    model: nn.Module,
-    policy: QuantPolicy = DEFAULT_POLICY,
-    name_of: Callable[[str], str] | None = None,
+    model: nn.Module, policy: QuantPolicy = DEFAULT_POLICY, name_of: Callable[[str], str] | None = None
 ) -> dict[str, str]:
     """Swap in place every ``nn.Linear`` / dense expert bank the policy quantizes. Returns {tensor name: format}
     for what was swapped. ``name_of`` maps a module's parameter name to the checkpoint name the policy sees
@@ -574,7 +588,14 @@ def quantize_model_(
             pname = to_name(f"{mod_name}.gate_up_proj")
             fmt = policy.format_of(pname, tuple(module.gate_up_proj.shape))
             if fmt in QUANT_FORMATS:
-                swaps.append((mod_name, QuantExpertBank.from_dense(module.gate_up_proj.data, module.down_proj.data, fmt, policy.blocksize)))
+                swaps.append(
+                    (
+                        mod_name,
+                        QuantExpertBank.from_dense(
+                            module.gate_up_proj.data, module.down_proj.data, fmt, policy.blocksize
+                        ),
+                    )
+                )
                 applied[pname] = fmt
                 applied[to_name(f"{mod_name}.down_proj")] = fmt
     for mod_name, new in swaps:
@@ -597,7 +618,7 @@ def applied_formats(model: nn.Module) -> dict[str, str]:
         prefix = f"{mod_name}." if mod_name else ""
         if isinstance(module, QuantLinear):
             out[f"{prefix}weight"] = module.fmt
-        elif isinstance(module, QuantExpertBank) or hasattr(module, "layout") and isinstance(getattr(module, "layout"), ExpertLayout):
+        elif isinstance(getattr(module, "layout", None), ExpertLayout):  # quantized bank, resident or streamed
             out[f"{prefix}gate_up_proj"] = module.layout.fmt
             out[f"{prefix}down_proj"] = module.layout.fmt
         else:
@@ -607,7 +628,9 @@ def applied_formats(model: nn.Module) -> dict[str, str]:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(
+        dtype, str(dtype).replace("torch.", "")
+    )
 
 
 def iter_quant_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:

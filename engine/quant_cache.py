@@ -132,7 +132,9 @@ def read_header(path: Path) -> tuple[dict[str, SrcTensor], str, int]:
         if dtype not in _ST:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         if e - b != math.prod(shape) * _ST[dtype][1] or start + e > size:
-            raise CheckpointError(f"{path}: tensor {name!r} is truncated or has a wrong size ({e - b} bytes for {list(shape)})")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is truncated or has a wrong size ({e - b} bytes for {list(shape)})"
+            )
         out[name] = SrcTensor(name, path, dtype, shape, start + b, e - b)
     return out, hashlib.sha256(raw).hexdigest(), start
 
@@ -207,7 +209,9 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK | os.X_OK)
 
 
-def cache_dir_for(model_dir: str | Path, policy: QuantPolicy = DEFAULT_POLICY, cache_root: str | Path | None = None) -> Path:
+def cache_dir_for(
+    model_dir: str | Path, policy: QuantPolicy = DEFAULT_POLICY, cache_root: str | Path | None = None
+) -> Path:
     """Where the cache of ``model_dir`` under ``policy`` lives (see the module docstring)."""
     model_dir = Path(model_dir).resolve()
     if cache_root is not None:
@@ -317,7 +321,9 @@ class _Progress:
             return
         elapsed = time.monotonic() - self.t0
         eta = elapsed * (self.total - self.done) / self.done if self.done and elapsed > 0 else None
-        self.callback(LoadProgress(stage=self.stage, done_bytes=self.done, total_bytes=self.total, current=current, eta_s=eta))
+        self.callback(
+            LoadProgress(stage=self.stage, done_bytes=self.done, total_bytes=self.total, current=current, eta_s=eta)
+        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -383,32 +389,61 @@ def build_cache(
                 layouts[bank_name] = lay
                 outs[f"{bank_name}.packed"] = _Out(f"{bank_name}.packed", torch.uint8, (e_cfg, lay.nbytes))
                 gu = lay.gate_up_codes[1] + lay.gate_up_scales[1]
-                tensors[f"{bank_name}.gate_up_proj"] = {"shape": [e_cfg, 2 * i_cfg, d_cfg], "format": fmt, "bytes": e_cfg * gu, "stored": [f"{bank_name}.packed"]}
-                tensors[f"{bank_name}.down_proj"] = {"shape": [e_cfg, d_cfg, i_cfg], "format": fmt, "bytes": e_cfg * (lay.nbytes - gu), "stored": [f"{bank_name}.packed"]}
+                tensors[f"{bank_name}.gate_up_proj"] = {
+                    "shape": [e_cfg, 2 * i_cfg, d_cfg],
+                    "format": fmt,
+                    "bytes": e_cfg * gu,
+                    "stored": [f"{bank_name}.packed"],
+                }
+                tensors[f"{bank_name}.down_proj"] = {
+                    "shape": [e_cfg, d_cfg, i_cfg],
+                    "format": fmt,
+                    "bytes": e_cfg * (lay.nbytes - gu),
+                    "stored": [f"{bank_name}.packed"],
+                }
             else:
                 dt = _plain_dtype(fmt, _ST[src.dtype][0])
                 for leaf, shp in (("gate_up_proj", (e_cfg, 2 * i_cfg, d_cfg)), ("down_proj", (e_cfg, d_cfg, i_cfg))):
                     key = f"{bank_name}.{leaf}"
                     outs[key] = _Out(key, dt, shp)
-                    tensors[key] = {"shape": list(shp), "format": _fmt_name(dt), "bytes": outs[key].nbytes, "stored": [key]}
+                    tensors[key] = {
+                        "shape": list(shp),
+                        "format": _fmt_name(dt),
+                        "bytes": outs[key].nbytes,
+                        "stored": [key],
+                    }
                 tensors[bank_name + "#plain"] = {}
             continue
         if target.index is not None:
-            raise CheckpointError(f"{src.path}: tensor {src.name!r} maps to a slice of {target.name}, which is not an expert tensor")
+            raise CheckpointError(
+                f"{src.path}: tensor {src.name!r} maps to a slice of {target.name}, which is not an expert tensor"
+            )
         shape = sanitize_shape(target, src.shape)
         fmt = policy.format_of(target.name, shape)
         if fmt in QUANT_FORMATS and len(shape) == 2:
             n_codes, n_scales = quantized_sizes(shape, fmt, bs)
             mod = target.name[: -len(".weight")] if target.name.endswith(".weight") else target.name
-            codes = _Out(f"{mod}.codes", torch.uint8 if fmt == "nf4" else torch.int8, (n_codes,) if fmt == "nf4" else shape)
+            codes = _Out(
+                f"{mod}.codes", torch.uint8 if fmt == "nf4" else torch.int8, (n_codes,) if fmt == "nf4" else shape
+            )
             scales = _Out(f"{mod}.scales", torch.float32, (n_scales // 4,))
             outs[codes.key], outs[scales.key] = codes, scales
-            tensors[target.name] = {"shape": list(shape), "format": fmt, "bytes": n_codes + n_scales, "stored": [codes.key, scales.key]}
+            tensors[target.name] = {
+                "shape": list(shape),
+                "format": fmt,
+                "bytes": n_codes + n_scales,
+                "stored": [codes.key, scales.key],
+            }
         else:
             dt = _plain_dtype(fmt, _ST[src.dtype][0])
             out = _Out(target.name, dt, shape)
             outs[out.key] = out
-            tensors[target.name] = {"shape": list(shape), "format": _fmt_name(dt), "bytes": out.nbytes, "stored": [out.key]}
+            tensors[target.name] = {
+                "shape": list(shape),
+                "format": _fmt_name(dt),
+                "bytes": out.nbytes,
+                "stored": [out.key],
+            }
     tensors = {k: v for k, v in tensors.items() if not k.endswith("#plain")}
     if not outs:
         raise CheckpointError(f"{model_dir}: the checkpoint holds no text-model tensors")
@@ -417,7 +452,11 @@ def build_cache(
     header: dict[str, Any] = {"__metadata__": {"format": "clover-quant", "policy": policy.hash}}
     pos = 0
     for out in outs.values():
-        header[out.key] = {"dtype": _TAG_OF[out.dtype], "shape": list(out.shape), "data_offsets": [pos, pos + out.nbytes]}
+        header[out.key] = {
+            "dtype": _TAG_OF[out.dtype],
+            "shape": list(out.shape),
+            "data_offsets": [pos, pos + out.nbytes],
+        }
         out.offset = pos
         pos += out.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -458,7 +497,11 @@ def build_cache(
         finally:
             os.close(fd)
         if progress is not None:
-            progress(LoadProgress(stage="writing-cache", done_bytes=tracker.done, total_bytes=tracker.total, current=DATA_NAME))
+            progress(
+                LoadProgress(
+                    stage="writing-cache", done_bytes=tracker.done, total_bytes=tracker.total, current=DATA_NAME
+                )
+            )
         _, header_sha, _ = read_header(data_path)
         manifest = {
             "version": VERSION,
@@ -466,7 +509,13 @@ def build_cache(
             "source": fingerprint,
             "tensors": tensors,
             "experts": {k: v.to_dict() for k, v in layouts.items()},
-            "files": {DATA_NAME: {"size": data_path.stat().st_size, "header_sha256": header_sha, "sha256": _file_sha256(data_path, cancel)}},
+            "files": {
+                DATA_NAME: {
+                    "size": data_path.stat().st_size,
+                    "header_sha256": header_sha,
+                    "sha256": _file_sha256(data_path, cancel),
+                }
+            },
             "complete": True,
             "created_unix": int(time.time()),
         }
@@ -588,7 +637,9 @@ def _write_expert_part(
     out = outs[f"{bank_name}.packed"]
     base = out.offset + e * lay.nbytes
     c_seg, s_seg, shape = (
-        (lay.gate_up_codes, lay.gate_up_scales, lay.gate_up_shape) if leaf == "gate_up_proj" else (lay.down_codes, lay.down_scales, lay.down_shape)
+        (lay.gate_up_codes, lay.gate_up_scales, lay.gate_up_shape)
+        if leaf == "gate_up_proj"
+        else (lay.down_codes, lay.down_scales, lay.down_shape)
     )
     if tuple(w.shape) != shape:
         raise CheckpointError(f"expert {e} of {bank_name}.{leaf} has shape {list(w.shape)}, expected {list(shape)}")
@@ -689,9 +740,13 @@ def load_from_cache(
         mod_name = name[: -len(".weight")]
         old = model.get_submodule(mod_name)
         if not isinstance(old, nn.Linear):
-            raise CheckpointError(f"{cache_dir}: {name} is quantized but {mod_name} is a {type(old).__name__}, not a Linear")
+            raise CheckpointError(
+                f"{cache_dir}: {name} is quantized but {mod_name} is a {type(old).__name__}, not a Linear"
+            )
         policy_bs = int(manifest["policy"]["blocksize"])
-        new = QuantLinear(old.in_features, old.out_features, meta["format"], policy_bs, bias=old.bias is not None, device="meta")
+        new = QuantLinear(
+            old.in_features, old.out_features, meta["format"], policy_bs, bias=old.bias is not None, device="meta"
+        )
         set_submodule(model, mod_name, new)
     model.to_empty(device="cpu")
     if config.tie_word_embeddings and "lm_head.weight" not in tensors:
@@ -710,7 +765,9 @@ def load_from_cache(
                 raise CheckpointError(f"{data}: tensor {key!r} has no place in the model")
             t = _read_rows(fd, src, 0, src.shape[0]) if src.shape else _read_rows(fd, src, 0, 1).reshape(())
             if tuple(dst.shape) != tuple(t.shape):
-                raise CheckpointError(f"{data}: tensor {key!r} has shape {list(t.shape)}, the model expects {list(dst.shape)}")
+                raise CheckpointError(
+                    f"{data}: tensor {key!r} has shape {list(t.shape)}, the model expects {list(dst.shape)}"
+                )
             dst.data.copy_(t.to(dst.dtype))
             tracker.advance(src.nbytes, key)
     finally:

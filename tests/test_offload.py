@@ -55,8 +55,15 @@ def fresh(model: CloverModel) -> CloverModel:
 
 def settings(mode: str, n: int) -> DecodeSettings:
     # threshold 0.08: this random model's confidences are low, so blocks take ~10 passes (reuse is exercised)
-    return DecodeSettings(mode=mode, max_new_tokens=n, mask_token_id=MASK, eos_token_ids=(), block_size=32,
-                          threshold=0.08, max_positions=256)
+    return DecodeSettings(
+        mode=mode,
+        max_new_tokens=n,
+        mask_token_id=MASK,
+        eos_token_ids=(),
+        block_size=32,
+        threshold=0.08,
+        max_positions=256,
+    )
 
 
 def tokens(model: CloverModel, mode: str, n: int) -> tuple[int, ...]:
@@ -105,8 +112,11 @@ def test_loop_hooks_give_the_same_tokens_and_fill_finished_accounting(qmodel: Cl
     reference = tokens(qmodel, "diffusion", 32)
     model = fresh(qmodel)
     apply_plan(model, SimplePlan((0,), (1, 2, 3), EXPERTS), "cpu")
-    hooks = LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model),
-                      accounting=lambda: offload.accounting(model))
+    hooks = LoopHooks(
+        begin_block=lambda: offload.begin_block(model),
+        end_block=lambda: offload.end_block(model),
+        accounting=lambda: offload.accounting(model),
+    )
     events = list(generate(model, [5, 17, 33, 9, 60, 61, 2, 40], settings("diffusion", 32), hooks=hooks))
     fin = events[-1]
     assert isinstance(fin, Finished) and fin.token_ids == reference

@@ -41,8 +41,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def write_tiny(path: Path, seed: int = 0, layout: str = "fused", hidden: int = 64, experts: int = 8, inter: int = 32,
-               shards: int = 3) -> Path:
+def write_tiny(
+    path: Path,
+    seed: int = 0,
+    layout: str = "fused",
+    hidden: int = 64,
+    experts: int = 8,
+    inter: int = 32,
+    shards: int = 3,
+) -> Path:
     text = tiny_text_config(vocab_size=128, layers=4, hidden=hidden, experts=experts, experts_per_tok=2)
     text["moe_intermediate_size"] = inter
     cd = config_dict_for("clover_moe", text, SPECIAL)
@@ -207,8 +214,13 @@ build_cache(sys.argv[1], make_policy(), sys.argv[2], progress=progress)
 
 def test_killed_conversion_leaves_no_cache_that_looks_complete(ckpt: Path, tmp_path: Path) -> None:
     target = tmp_path / "root" / POLICY.hash
-    proc = subprocess.run([sys.executable, "-c", _KILLED_SCRIPT, str(ckpt), str(target)], cwd=Path(__file__).parents[1],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_SCRIPT, str(ckpt), str(target)],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stderr
     leftovers = list((tmp_path / "root").iterdir())
     assert leftovers and all(p.name.startswith(".tmp-") for p in leftovers)  # the half-written folder only
@@ -248,8 +260,13 @@ def test_conversion_peak_memory_is_bounded(tmp_path: Path) -> None:
     model_dir = write_tiny(tmp_path / "big", hidden=128, experts=64, inter=128, shards=2)  # ~30 MB of bf16
     size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     assert size > 20 * 2**20
-    proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(model_dir), str(tmp_path / "c" / POLICY.hash)],
-                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(model_dir), str(tmp_path / "c" / POLICY.hash)],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     growth = int(proc.stdout.strip().splitlines()[-1])
     # one expert / one chunk at a time: far below the checkpoint (which would be > 100 % if loaded whole)
