@@ -7,6 +7,9 @@ import os
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("QTWEBENGINE_DISABLE_SANDBOX", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "0")
+# Tiny models on a 2-core machine: one torch thread per process is several times faster than the default
+# (inherited by the worker and CLI subprocesses the tests start).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
