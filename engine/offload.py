@@ -685,12 +685,17 @@ def apply_plan(
     skip = {id(banks[i][1]) for i in streamed}
     placed: list[tuple[nn.Module, str, Tensor, bool]] = []
     host_keep = 0
+    done: dict[int, Tensor] = {}  # tied parameters (lm_head = embed_tokens) are placed once
     for owner, attr, name, t, is_param in _iter_tensors(model, skip):
         if host_embedding and name.endswith("embed_tokens.weight"):
             host_keep += t.numel() * t.element_size()
             continue
+        if id(t) in done:
+            continue
         kind = "resident_experts" if isinstance(owner, ExpertBank) else "non_expert"
-        placed.append((owner, attr, ledger.place(kind, name, t.data if is_param else t), is_param))
+        new = ledger.place(kind, name, t.data if is_param else t)
+        done[id(t)] = new
+        placed.append((owner, attr, new, is_param))
 
     runtime_pool: SlotPool | None = None
     if streamed:

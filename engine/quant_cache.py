@@ -161,6 +161,17 @@ def _read_rows(fd: int, src: SrcTensor, r0: int, r1: int) -> Tensor:
     return t.reshape((r1 - r0, *src.shape[1:]) if len(src.shape) > 1 else (r1 - r0,))
 
 
+def _read_into(fd: int, src: SrcTensor, dst: Tensor) -> None:
+    """Read a whole tensor's bytes into ``dst`` (contiguous CPU tensor of the same dtype and size)."""
+    view = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
+    got = 0
+    while got < src.nbytes:
+        n = os.preadv(fd, [view[got:]], src.begin + got)
+        if n <= 0:
+            raise CheckpointError(f"{src.path}: unexpected end of file in tensor {src.name!r}")
+        got += n
+
+
 def _pwrite(fd: int, offset: int, t: Tensor) -> None:
     data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     view = memoryview(data)
@@ -763,12 +774,15 @@ def load_from_cache(
             dst = state.get(key)
             if dst is None:
                 raise CheckpointError(f"{data}: tensor {key!r} has no place in the model")
-            t = _read_rows(fd, src, 0, src.shape[0]) if src.shape else _read_rows(fd, src, 0, 1).reshape(())
-            if tuple(dst.shape) != tuple(t.shape):
+            if tuple(dst.shape) != tuple(src.shape):
                 raise CheckpointError(
-                    f"{data}: tensor {key!r} has shape {list(t.shape)}, the model expects {list(dst.shape)}"
+                    f"{data}: tensor {key!r} has shape {list(src.shape)}, the model expects {list(dst.shape)}"
                 )
-            dst.data.copy_(t.to(dst.dtype))
+            if dst.dtype == _ST[src.dtype][0] and dst.is_contiguous():
+                _read_into(fd, src, dst.data)  # straight into the parameter: no second copy of big tensors
+            else:
+                t = _read_rows(fd, src, 0, src.shape[0]) if src.shape else _read_rows(fd, src, 0, 1).reshape(())
+                dst.data.copy_(t.to(dst.dtype))
             tracker.advance(src.nbytes, key)
     finally:
         os.close(fd)
