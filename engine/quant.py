@@ -325,12 +325,17 @@ def is_expert_tensor(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+DEQUANT_CHUNK_ELEMS = 8 << 20  # QuantLinear dequantizes at most this many weights at once (16 MiB in bf16)
+
+
 class QuantLinear(nn.Module):
     """Drop-in for ``nn.Linear`` holding a quantized weight: ``codes`` + ``scales`` buffers, optional ``bias``.
 
     ``weight`` is a property that dequantizes (for code that reads ``linear.weight``); ``forward`` dequantizes to
     the input dtype and calls ``F.linear``.
     """
+
+    chunk_elems: int = DEQUANT_CHUNK_ELEMS
 
     def __init__(
         self,
@@ -378,19 +383,38 @@ class QuantLinear(nn.Module):
         self.codes = codes.to(self.codes.device)
         self.scales = scales.to(self.scales.device)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_tensor(
-            self.codes, self.scales, (self.out_features, self.in_features), self.fmt, self.blocksize, dtype
-        )
+    def dequantized(self, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> Tensor:
+        """The weight [O, N] (or output rows r0..r1 of it) in ``dtype``."""
+        r0, r1 = rows or (0, self.out_features)
+        n = self.in_features
+        if self.fmt == "nf4":  # r0 * N is a whole number of blocks (see _chunk_rows)
+            codes = self.codes[r0 * n // 2 : r1 * n // 2]
+            scales = self.scales[r0 * n // self.blocksize : -(-r1 * n // self.blocksize)]
+        else:
+            codes, scales = self.codes[r0:r1], self.scales[r0:r1]
+        return dequantize_tensor(codes, scales, (r1 - r0, n), self.fmt, self.blocksize, dtype)
 
     @property
     def weight(self) -> Tensor:
         return self.dequantized(torch.float32)
 
+    def _chunk_rows(self) -> int:
+        """Output rows dequantized at once: bounds the bf16 transient of big weights (lm_head is 248320 x 2048)."""
+        rows = max(1, self.chunk_elems // self.in_features)
+        align = self.blocksize // math.gcd(self.in_features, self.blocksize) if self.fmt == "nf4" else 1
+        return max(align, rows // align * align)
+
     def forward(self, x: Tensor) -> Tensor:
-        w = self.dequantized(x.dtype)  # [O, N]
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.linear(x, w, bias)
+        step = self._chunk_rows()
+        if step >= self.out_features:
+            return F.linear(x, self.dequantized(x.dtype), bias)  # [.., O]
+        parts = [
+            F.linear(x, self.dequantized(x.dtype, (r0, min(r0 + step, self.out_features))))  # [.., rows]
+            for r0 in range(0, self.out_features, step)
+        ]
+        out = torch.cat(parts, dim=-1)  # [.., O]
+        return out + bias if bias is not None else out
 
     def extra_repr(self) -> str:
         return (

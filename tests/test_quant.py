@@ -216,3 +216,17 @@ def test_module_swap_applies_the_policy_and_reads_back() -> None:
     assert set(applied) == {n for n, f in formats.items() if f in ("nf4", "int8")}
     assert isinstance(model.layers[0].mlp.experts, QuantExpertBank)
     assert DEFAULT_POLICY.format_of("lm_head.weight", (10, 64)) == "int8"
+
+
+@pytest.mark.parametrize("fmt,n_in", [("nf4", 96), ("nf4", 128), ("int8", 50)])
+def test_quant_linear_dequantizes_big_weights_in_row_chunks(fmt: str, n_in: int) -> None:
+    torch.manual_seed(7)
+    lin = nn.Linear(n_in, 37, bias=True)
+    q = QuantLinear.from_linear(lin, fmt)
+    x = torch.randn(3, n_in)
+    whole = q(x)
+    q.chunk_elems = 5 * n_in  # a few rows at a time (NF4: whole blocks only)
+    assert q._chunk_rows() < q.out_features
+    chunked = q(x)
+    assert torch.allclose(chunked, whole, atol=1e-5, rtol=1e-5)
+    assert torch.equal(q.dequantized(rows=(0, q._chunk_rows())), q.weight[: q._chunk_rows()])
