@@ -211,21 +211,3 @@ def eos_resolved(tokens: Sequence[int], masked: Sequence[bool], first: int, eos_
         if tokens[i] in eos:
             return True
     return False
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# block-level expert selection (moe_block_coreset)
-
-
-def block_coreset(probs: Tensor, top_k: int, top_p: float) -> Tensor:
-    """The block's expert coreset: the smallest set of experts covering ``top_p`` of the block's top-k mass.
-
-    probs [T, E] fp32 router softmax of all block tokens -> LongTensor [C] of expert ids, best first.
-    """
-    topv, topi = probs.topk(top_k, dim=-1)  # [T, K], [T, K]
-    mass = torch.zeros(probs.shape[-1], dtype=torch.float32, device=probs.device)
-    mass.index_add_(0, topi.flatten(), topv.flatten().float())  # [E]
-    order = mass.argsort(descending=True)  # [E]
-    cum = torch.cumsum(mass[order], dim=0) / mass.sum().clamp_min(1e-30)  # [E]
-    keep = 1 + int((cum < top_p).sum())
-    return order[: min(keep, probs.shape[-1])]

@@ -111,6 +111,7 @@ def quantize_nf4(w: Tensor, blocksize: int = 64) -> tuple[Tensor, Tensor]:
 def dequantize_nf4(codes: Tensor, absmax: Tensor, shape: tuple[int, ...], blocksize: int, dtype: torch.dtype) -> Tensor:
     """Fast dequantize through bitsandbytes (CUDA or CPU kernel). Flat shape: see the module docstring."""
     numel = math.prod(shape)
+    _bnb_functional()  # registers torch.ops.bitsandbytes in a process that only reads an existing cache
     out = torch.ops.bitsandbytes.dequantize_4bit(codes.view(torch.uint8), absmax, blocksize, "nf4", (numel,), dtype)
     return out.reshape(shape)
 

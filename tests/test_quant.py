@@ -230,3 +230,21 @@ def test_quant_linear_dequantizes_big_weights_in_row_chunks(fmt: str, n_in: int)
     chunked = q(x)
     assert torch.allclose(chunked, whole, atol=1e-5, rtol=1e-5)
     assert torch.equal(q.dequantized(rows=(0, q._chunk_rows())), q.weight[: q._chunk_rows()])
+
+
+def test_nf4_dequantize_works_in_a_fresh_process() -> None:
+    """A process that only reads an existing cache never called quantize: the bitsandbytes ops must still load."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from engine.quant import dequantize_nf4\n"
+        "codes = torch.full((32,), 0x7F, dtype=torch.uint8); absmax = torch.ones(1)\n"
+        "out = dequantize_nf4(codes, absmax, (64,), 64, torch.float32)\n"
+        "print(out.shape[0], float(out.abs().max()))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    n, top = res.stdout.split()[-2:]
+    assert int(n) == 64 and float(top) == 1.0  # NF4 code 15 (0xF) is +1.0, code 7 is 0.0 -> max |value| is absmax
