@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -27,6 +28,8 @@ from engine.generate import LoopHooks, generate, resolve_settings
 from engine.tokenizer import CloverTokenizer
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PLAN_CTX = 16_384  # context a VRAM plan reserves KV cache for when the caller does not say
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,10 +72,13 @@ class Engine:
         vram_gb: float | None = None,
         progress: Callable[[LoadProgress], None] | None = None,
         cancel: threading.Event | None = None,
+        ctx_tokens: int | None = None,
     ) -> "Engine":
         """Read a model folder (config, generation config, tokenizer, weights) onto ``device``.
 
-        ``vram_gb``: place the model under a VRAM budget with :mod:`engine.offload` (expert streaming).
+        ``vram_gb``: place the model under a VRAM budget with :mod:`engine.offload` (expert streaming), planned for
+        ``ctx_tokens`` of context (default 16,384); requests are then held to that context, since the KV cache and
+        the prefill scratch were sized for it.
         """
         folder = Path(model_dir)
         if not folder.is_dir():
@@ -106,8 +112,16 @@ class Engine:
             quant_cache = importlib.import_module("engine.quant_cache")
             model, report = quant_cache.load_quantized(folder, dtype=torch_dtype, progress=progress, cancel=cancel)
             log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
-            plan = offload.plan_for_model(model, float(vram_gb))  # type: ignore[arg-type]
-            offload.apply_plan(model, plan, device)
+            import psutil
+
+            ctx = int(ctx_tokens or DEFAULT_PLAN_CTX)
+            plan = offload.plan_for_model(  # type: ignore[arg-type]
+                model, float(vram_gb), ctx_tokens=ctx, ram_bytes=psutil.virtual_memory().available
+            )
+            # The plan keeps the embedding table in system RAM (only the looked-up rows go to the device).
+            offload.apply_plan(model, plan, device, host_embedding=True)
+            if plan.prefill_chunk_tokens:
+                model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
             hooks = LoopHooks(
                 begin_block=lambda: offload.begin_block(model),
                 end_block=lambda: offload.end_block(model),
@@ -167,6 +181,9 @@ class Engine:
         params = params or GenerationParams()
         ids = self.prompt_ids(messages, prompt, prompt_ids, raw, tools, params.enable_thinking)
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
+        planned_ctx = getattr(self.plan, "ctx_tokens", 0)
+        if planned_ctx:
+            settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, planned_ctx))
         return generate(
             self.model, ids, settings, self.tokenizer, cancel, vocab_size=self.config.vocab_size, hooks=self._hooks
         )

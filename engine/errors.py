@@ -23,5 +23,9 @@ class PlanError(CloverError):
     """The VRAM / RAM budget cannot hold a working plan."""
 
 
+class OutOfMemory(PlanError):
+    """The device ran out of memory (or of the byte budget given to placement) while placing weights."""
+
+
 class CancelledError(CloverError):
     """A long call (load, quantize, download, generate) was cancelled by the user."""

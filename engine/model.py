@@ -782,7 +782,8 @@ class CloverModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        """Where the layers run. The embedding table may live elsewhere (host RAM under a VRAM plan)."""
+        return self.norm.weight.device
 
     def new_cache(self, max_len: int) -> ModelCache:
         """An empty cache for up to ``max_len`` tokens."""
@@ -860,7 +861,8 @@ class CloverModel(nn.Module):
             block_size is not None and cfg.moe_block_coreset_enabled and (not prefill or cfg.coreset_in_prefill)
         )
         p = _Pass(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset)
-        h = self.embed_tokens(ids)  # [T, D]
+        table = self.embed_tokens.weight
+        h = self.embed_tokens(ids.to(table.device)).to(device)  # [T, D]; a host-side table sends only T rows over
         for layer in self.layers:
             h = layer(h, p)
         if last_only:

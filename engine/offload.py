@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from engine.errors import PlanError
+from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
 from engine.experts import ExpertBank
 from engine.quant import ExpertLayout, QuantExpertBank, QuantLinear, QuantPolicy, routed_forward, set_submodule
 
@@ -50,10 +50,6 @@ log = logging.getLogger(__name__)
 GiB = 1024**3
 WINDOWS_PIN_BUDGET = 2 * GiB  # pinned host memory a loaded process can usually get under WDDM; the rest is staged
 _LAYER_RX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
-
-
-class OutOfMemory(PlanError):
-    """The device ran out of memory (or of the byte budget given to placement) while placing weights."""
 
 
 class PlanLike(Protocol):

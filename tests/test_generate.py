@@ -542,3 +542,28 @@ def test_length_penalty_in_the_loop_ends_the_answer() -> None:
     # block 1 is entered with 0 tokens generated (ramp 0), block 2 with 8 (ramp 1): EOS wins there
     assert done.stop_reason == "eos" and done.token_ids[:8] == tuple(letters(p) for p in range(8, 16))
     assert done.token_ids[8] == EOS and done.tokens == 9
+
+
+def test_planned_engine_keeps_the_embedding_in_ram_and_holds_to_the_planned_context(  # type: ignore[no-untyped-def]
+    tiny_clover_dir, tmp_path, one_torch_thread
+) -> None:
+    from engine.offload import runtime_of
+    from fixtures_tiny import copy_model
+
+    folder = copy_model(tiny_clover_dir, tmp_path / "m")
+    engine = Engine.load(folder, device="cpu", vram_gb=2.0, ctx_tokens=96)
+    plan, model = engine.plan, engine.model
+    assert plan.ctx_tokens == 96
+    assert model.max_pass_tokens == plan.prefill_chunk_tokens > 0
+    embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    placed = runtime_of(model).ledger.by_kind["non_expert"]
+    # the plan keeps the embedding table in system RAM; placement must agree with it (within 5%)
+    print(f"non-expert placed {placed} B, planned {plan.vram_breakdown['non_expert']} B, embedding {embed_bytes} B")
+    assert abs(placed - plan.vram_breakdown["non_expert"]) <= 0.05 * plan.vram_breakdown["non_expert"]
+    # the KV cache was planned for 96 positions: a longer request stops at the context, it never outgrows the plan
+    ids = engine.prompt_ids(prompt="hi")
+    done = finished(list(engine.generate(prompt_ids=ids, params=GenerationParams(max_new_tokens=500))))
+    assert done.stop_reason in ("context", "eos")
+    assert len(ids) + done.tokens <= 96
+    with pytest.raises(PromptError, match="96"):
+        list(engine.generate(prompt_ids=list(range(1, 120)), params=GenerationParams(max_new_tokens=8)))
