@@ -194,7 +194,13 @@ class CloverDeskApp(QObject):
         if self.device != "cuda":
             vram_gb = None  # a budget means expert streaming to a GPU; on CPU everything stays in RAM
         self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
-        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, vram_gb=vram_gb)
+        self.client.load(
+            self.settings.model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            vram_gb=vram_gb,
+            ctx_tokens=self.settings.ctx_tokens if vram_gb is not None else None,
+        )
 
     def on_engine_ready(self) -> None:
         self.load_model()

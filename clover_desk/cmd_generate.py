@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--vram-gb", type=float, default=None, help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
+    parser.add_argument("--ctx", type=int, default=None, metavar="N",
+                        help="with --vram-gb: context (prompt + answer) the plan reserves KV cache for (default 16384)")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
     parser.add_argument("--temperature", type=float, default=None, help="> 0 samples (default: greedy)")
@@ -92,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         enable_thinking=not args.no_think,
         seed=args.seed,
     )
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, vram_gb=args.vram_gb)
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, vram_gb=args.vram_gb, ctx_tokens=args.ctx)
     cancel = threading.Event()
     if prompt_ids is not None:
         events = engine.generate(prompt_ids=prompt_ids, params=params, cancel=cancel)

@@ -165,7 +165,12 @@ class EngineClient(QObject):
         proc.start()
 
     def load(
-        self, model_dir: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32", vram_gb: float | None = None
+        self,
+        model_dir: str | os.PathLike[str],
+        device: str = "cpu",
+        dtype: str = "float32",
+        vram_gb: float | None = None,
+        ctx_tokens: int | None = None,
     ) -> None:
         """Load a model folder (replacing the loaded one). Progress: ``loadProgress``; end: ``loaded`` or
         ``loadFailed``. May be called right after start(): it is sent once the worker is ready."""
@@ -176,7 +181,8 @@ class EngineClient(QObject):
         self._model_info = None
         self._load_pending = True
         self._send(
-            {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype, "vram_gb": vram_gb},
+            {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype, "vram_gb": vram_gb,
+             "ctx_tokens": ctx_tokens},
             new_state="loading",
         )
 

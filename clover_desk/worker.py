@@ -5,7 +5,7 @@ it in JSON lines, so a crash, a CUDA error or an out-of-memory kills only the wo
 
 Commands, one JSON object per line on stdin::
 
-    {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "vram_gb": 14.0}
+    {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "vram_gb": 14.0, "ctx_tokens": 16384}
     {"cmd": "cancel_load"}
     {"cmd": "generate", "id": "r1", "messages": [...], "params": {GenerationParams fields}, "tools": [...] | null}
         ("prompt": "text" or "prompt_ids": [..] with "raw": true may replace "messages")
@@ -226,6 +226,8 @@ class Worker:
         device = command.get("device") or "cpu"
         dtype = command.get("dtype") or "float32"
         vram_gb = command.get("vram_gb")
+        # the context a VRAM plan sizes the KV cache for; only meaningful with a budget
+        extra = {"ctx_tokens": int(command["ctx_tokens"])} if vram_gb is not None and command.get("ctx_tokens") else {}
         last = [0.0, ""]
 
         def progress(p: LoadProgress) -> None:
@@ -240,7 +242,7 @@ class Worker:
         log.info("loading %s on %s as %s (vram_gb=%s)", model_dir, device, dtype, vram_gb)
         try:
             engine = self._engine_factory(
-                model_dir, device=device, dtype=dtype, vram_gb=vram_gb, progress=progress, cancel=cancel
+                model_dir, device=device, dtype=dtype, vram_gb=vram_gb, progress=progress, cancel=cancel, **extra
             )
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             self._set_idle()

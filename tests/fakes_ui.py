@@ -105,6 +105,7 @@ class FakeEngineClient(QObject):
         self.load_cancelled = 0
         self.state = "stopped"
         self.loads: list[tuple[str, str, str, float | None]] = []
+        self.ctx_loads: list[int | None] = []  # the planned context sent with each load
         self.pid = None
         self._timer = QTimer(self)
         self._timer.timeout.connect(self._tick)
@@ -134,8 +135,10 @@ class FakeEngineClient(QObject):
     def shutdown(self, wait_ms: int = 0) -> None:
         self.state = "stopped"
 
-    def load(self, model_dir, device: str = "cpu", dtype: str = "float32", vram_gb: float | None = None) -> None:  # noqa: ANN001
+    def load(self, model_dir, device: str = "cpu", dtype: str = "float32", vram_gb: float | None = None,  # noqa: ANN001
+             ctx_tokens: int | None = None) -> None:
         self.loads.append((str(model_dir), device, dtype, vram_gb))
+        self.ctx_loads.append(ctx_tokens)
         QTimer.singleShot(1, lambda: self.loaded.emit({"model_dir": str(model_dir)}))
 
     def cancel_load(self) -> None:

@@ -347,6 +347,7 @@ def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
     with qtbot.waitSignal(client.loaded, timeout=2000):
         panel.apply_button.click()
     assert client.loads[-1] == ("/models/second", "cuda", "bfloat16", 12.0)
+    assert client.ctx_loads[-1] == panel.applied[1]  # the KV cache is planned for the context chosen in the panel
     assert panel.applied == (12 * 1024**3, 8192)
     again = AppSettings.load(tmp_path / "settings.json")
     assert (again.model_dir, again.vram_budget_bytes) == ("/models/second", 12 * 1024**3)

@@ -231,3 +231,21 @@ def test_classify_fatal() -> None:
     assert classify_fatal(RuntimeError("CUDA error: an illegal memory access was encountered")) == "CudaError"
     assert classify_fatal(RuntimeError("shape mismatch")) is None
     assert classify_fatal(ValueError("CUDA error")) is None
+
+
+def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Path) -> None:
+    """The worker hands the load's context to the real engine: the plan it reports is sized for it."""
+    from engine.tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "m", model_type="clover_moe", seed=3)
+    w = WorkerProc()
+    try:
+        w.expect_event("ready")
+        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", vram_gb=2.0, ctx_tokens=4096)
+        loaded = w.expect_event("loaded")
+        assert loaded["plan"]["ctx_tokens"] == 4096 and loaded["plan"]["fits"] is True
+        w.send(cmd="generate", id="g", messages=[{"role": "user", "content": "hi"}], params={"max_new_tokens": 4})
+        done = w.expect(lambda r: r.get("id") == "g" and r["event"] in ("finished", "error"))
+        assert done["event"] == "finished" and "h2d_bytes" in done["accounting"]
+    finally:
+        w.close()
