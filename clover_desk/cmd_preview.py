@@ -8,10 +8,11 @@ Exit status 2: the file is missing or unreadable, or the screenshot cannot be wr
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import sys
 from pathlib import Path
+
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: F401 (re-exported for callers)
 
 log = logging.getLogger(__name__)
 
@@ -24,20 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait-ms", type=int, default=500, metavar="N",
                         help="with --screenshot: wait N ms after the page loaded (default 500) for scripts to draw")
     parser.add_argument("--size", default="1024x768", metavar="WxH", help="window size (default 1024x768)")
-
-
-def guard_pyside_bool_refcounts() -> None:
-    """Work around a PySide6 6.12 reference-count bug on CPython < 3.12.
-
-    ``SignalInstance.emit()`` returns ``True`` without taking a reference (and some setters drop one on
-    ``None``), so each emit from Python lowers ``True``'s count by one until CPython aborts with "bool_dealloc:
-    deallocating True or False". CPython 3.12+ makes these singletons immortal; on older versions we add a huge
-    count once, which has the same effect. Call before the first signal is emitted.
-    """
-    if sys.implementation.name != "cpython" or sys.version_info >= (3, 12):
-        return
-    for singleton in (True, False, None):
-        ctypes.c_ssize_t.from_address(id(singleton)).value += 1 << 40
 
 
 def _parse_size(text: str) -> tuple[int, int]:

@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
     """Before any QApplication exists: the PySide6 refcount guard and the preview's custom URL scheme."""
-    from clover_desk.cmd_preview import guard_pyside_bool_refcounts
+    from clover_desk.qt_compat import guard_pyside_bool_refcounts
 
     guard_pyside_bool_refcounts()
     try:
