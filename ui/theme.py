@@ -7,6 +7,7 @@ painted widgets (denoising view, VRAM bar), so every surface shares the same col
 from __future__ import annotations
 
 import logging
+import importlib.util
 from pathlib import Path
 
 from PySide6.QtGui import QColor, QFont, QFontDatabase, QIcon, QPalette
@@ -14,7 +15,18 @@ from PySide6.QtWidgets import QApplication
 
 log = logging.getLogger(__name__)
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+def _assets_dir() -> Path:
+    """The repository's assets/ folder, or the installed ``clover_desk_assets`` data package (a wheel install)."""
+    source = Path(__file__).resolve().parent.parent / "assets"
+    if source.is_dir():
+        return source
+    spec = importlib.util.find_spec("clover_desk_assets")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return source  # missing: callers log and fall back to Qt's defaults
+
+
+ASSETS = _assets_dir()
 
 COLORS: dict[str, str] = {
     "bg": "#111318",  # window background
