@@ -11,6 +11,12 @@ random model (random weights are rarely confident, so expect about 1 token per p
 representative of a trained model). ``--compare-transformers`` also runs the same checkpoint (written by
 transformers' ``save_pretrained``) through transformers' own greedy ``generate`` and reports whether the tokens
 match.
+
+``--moe-only`` times one MoE layer's routed experts alone (``bank.prepare`` + ``bank(x, idx, w)``, what
+``engine.model.SparseMoe`` calls) at the Clover-35B-A3B expert shape (E=256, top-8, D=2048, I=512) for T=1 (an AR
+step) and T=32 (one diffusion pass), dense and NF4 banks; float32 on CPU, bfloat16 on CUDA. It also times the slow
+per-expert loop kept as the reference (``engine.experts.routed_reference``, ``engine.quant.routed_reference``) and
+prints the largest difference between the two.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats of the prefill and block passes")
     parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count (smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--moe-only", action="store_true",
+                        help="time one MoE layer's routed experts (E=256, k=8, D=2048, I=512), T=1 and T=32")
+    parser.add_argument("--moe-distinct", type=int, default=70,
+                        help="--moe-only: distinct experts a 32-token pass routes to (default 70, a trained router)")
     parser.add_argument("--compare-transformers", action="store_true",
                         help="also run the same checkpoint through transformers' generate (test dependency)")
 
@@ -210,6 +220,9 @@ def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: i
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.moe_only:
+        return _run_moe_only(args)
+
     from engine.api import parse_dtype
     from engine.errors import ConfigError
 
@@ -336,3 +349,89 @@ def _randomize_hf(model: Any, seed: int) -> None:
                 p.copy_(noise * 2.0 * p.shape[-1] ** -0.5)
             else:
                 p.copy_(noise * 0.5 * p.shape[-1] ** -0.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --moe-only: one MoE layer's routed experts
+# Letters: T tokens, K top-k, E experts, D hidden size, I expert intermediate size, U distinct experts used.
+
+MOE_SHAPE = dict(experts=256, top_k=8, hidden=2048, intermediate=512)
+
+
+def _moe_routing(t: int, k: int, e: int, distinct: int, gen: Any) -> tuple[Any, Any]:
+    """Routing of T tokens that touches at most ``distinct`` experts: each token picks k distinct experts from one
+    random pool (a trained router concentrates a block on a few dozen experts; uniform routing would touch ~160 of
+    256 for T=32). Returns (topk_idx [T, K] long, topk_w [T, K] fp32 summing to 1 per token)."""
+    import torch
+
+    pool = torch.randperm(e, generator=gen)[: max(distinct, k)]  # [U]
+    picks = torch.stack([torch.randperm(pool.numel(), generator=gen)[:k] for _ in range(t)])  # [T, K]
+    idx = pool[picks]  # [T, K]
+    w = torch.rand(t, k, generator=gen) + 0.1
+    return idx, w / w.sum(-1, keepdim=True)
+
+
+def _random_nf4_bank(e: int, d: int, i: int, gen: Any) -> Any:
+    """A resident NF4 bank with random codes and realistic block absmax (quantizing 805 M random weights through
+    bitsandbytes would take minutes on 2 cores; speed does not depend on the values)."""
+    import torch
+
+    from engine.quant import ExpertLayout, QuantExpertBank
+
+    layout = ExpertLayout.build(e, d, i, "nf4", 64)
+    packed = torch.randint(0, 256, (e, layout.nbytes), dtype=torch.uint8, generator=gen)  # [E, R]
+    for off, n in (layout.gate_up_scales, layout.down_scales):
+        scales = torch.empty(e, n // 4).uniform_(0.02, 0.06, generator=gen)  # [E, blocks] fp32 absmax
+        packed[:, off : off + n] = scales.view(torch.uint8)
+    return QuantExpertBank(layout, packed=packed)
+
+
+def _run_moe_only(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.errors import ConfigError
+    from engine.experts import DenseExpertBank
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but CUDA is not available here")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype or
+                                                                   ("bfloat16" if device == "cuda" else "float32")]
+    e, k, d, i = MOE_SHAPE["experts"], MOE_SHAPE["top_k"], MOE_SHAPE["hidden"], MOE_SHAPE["intermediate"]
+    gen = torch.Generator().manual_seed(args.seed)
+    print(f"bench speed --moe-only: one MoE layer's routed experts, E={e} top-{k}, D={d}, I={i}, device {device}, "
+          f"{str(dtype).replace('torch.', '')}, torch threads {torch.get_num_threads()}")
+    t0 = time.perf_counter()
+    dense = DenseExpertBank(e, d, i, dtype=dtype, device=device)
+    with torch.no_grad():
+        dense.gate_up_proj.normal_(0.0, d**-0.5)
+        dense.down_proj.normal_(0.0, i**-0.5)
+    banks = {"dense": dense, "nf4": _random_nf4_bank(e, d, i, gen).to(device)}
+    _sync(device)
+    print(f"banks built in {time.perf_counter() - t0:.1f} s")
+    try:
+        from engine.experts import routed_reference as dense_reference
+        from engine.quant import routed_reference as quant_reference
+    except ImportError:  # before the grouped compute existed: the bank itself is the loop
+        dense_reference = quant_reference = None
+    for t in (1, 32):
+        idx, w = _moe_routing(t, k, e, args.moe_distinct, gen)
+        idx, w = idx.to(device), w.to(device)
+        x = torch.randn(t, d, generator=gen).to(device=device, dtype=dtype)  # [T, D]
+        distinct = int(torch.unique(idx).numel())
+        for name, bank in banks.items():
+
+            def step(bank: Any = bank) -> Any:
+                bank.prepare(torch.unique(idx).cpu())  # the host sync SparseMoe does before every bank call
+                return bank(x, idx, w)
+
+            with torch.inference_mode():
+                ms = _best(step, args.repeats, device) * 1e3
+                line = f"T={t:<3d} {name:<6s} distinct experts {distinct:3d}: {ms:9.2f} ms/layer"
+                ref = dense_reference if name == "dense" else quant_reference
+                if ref is not None:
+                    ms_ref = _best(lambda: ref(bank, x, idx, w), args.repeats, device) * 1e3
+                    diff = (step().float() - ref(bank, x, idx, w).float()).abs().max().item()
+                    line += f" | per-expert loop {ms_ref:9.2f} ms/layer ({ms_ref / ms:4.1f}x), max |diff| {diff:.2e}"
+                print(line)
+    return 0
