@@ -173,6 +173,30 @@ def test_source_toggle(qtbot, pane: PreviewPane) -> None:
 
 
 @pytest.mark.webengine
+def test_toolbar_fits_a_narrow_side_panel(qtbot) -> None:
+    from PySide6.QtCore import QPoint, QRect
+
+    narrow = PreviewPane()
+    try:
+        narrow.on_console_message("warning", "careful")
+        buttons = (narrow.source_button, narrow.reload_button, narrow.save_button, narrow.open_button,
+                   narrow.clear_button)
+        for width in (420, 700):  # the side panel's usual width, and a wide one
+            narrow.setFixedSize(width, 320)
+            narrow.show()
+            narrow.layout().activate()
+            for widget in (*buttons, narrow.strip_label):
+                # never squeezed below its size hint (that is when Qt elides "Save as…" to "S……")
+                assert widget.isVisible() and widget.width() >= widget.sizeHint().width(), (width, widget.text())
+                assert narrow.rect().contains(QRect(widget.mapTo(narrow, QPoint(0, 0)), widget.size()))
+        assert narrow.strip_label.text() == "0 blocked · 0 errors · 1 warning"
+        assert all(b.toolTip() for b in buttons)  # the short labels are explained
+        assert "browser" in narrow.open_button.toolTip() and "asks first" in narrow.open_button.toolTip()
+    finally:
+        delete_now(narrow)
+
+
+@pytest.mark.webengine
 def test_save_as_html(qtbot, pane: PreviewPane, tmp_path: Path) -> None:
     show(qtbot, pane, "<html><body>saved</body></html>", "save")
     with qtbot.waitSignal(pane.saved) as blocker:

@@ -467,31 +467,39 @@ class PreviewPane(QWidget):
         self.strip.setObjectName("previewStrip")
         self.strip.setAlternatingRowColors(True)
         self.strip_label = QLabel(self)
-        self.source_button = QToolButton(self)
-        self.source_button.setText("Source")
+        self.strip_label.setObjectName("muted")
+        # Short labels, the whole story in the tooltips: the side panel can be as narrow as 400 px, and the four
+        # buttons must fit there without eliding. The strip's counts and Clear sit over the strip they describe.
+        self.source_button = self._tool_button("Source", "Show the HTML source instead of the rendered page")
         self.source_button.setCheckable(True)
-        self.source_button.setToolTip("Show the HTML source instead of the rendered page")
-        self.reload_button = QToolButton(self)
-        self.reload_button.setText("Reload")
-        self.save_button = QToolButton(self)
-        self.save_button.setText("Save as…")
-        self.open_button = QToolButton(self)
-        self.open_button.setText("Open in browser…")
-        self.open_button.setToolTip("Open the page in your web browser, outside the sandbox (asks first)")
-        self.clear_button = QToolButton(self)
-        self.clear_button.setText("Clear")
+        self.reload_button = self._tool_button("Reload", "Load the page again (a fresh start, same storage)")
+        self.save_button = self._tool_button("Save…", "Save the page as an HTML file…")
+        self.open_button = self._tool_button(
+            "Browser…", "Open the page in your web browser, outside the sandbox (asks first)"
+        )
+        self.clear_button = self._tool_button("Clear", "Clear the list of console messages and blocked attempts")
+        self.clear_button.setObjectName("ghost")
 
         toolbar = QHBoxLayout()
         toolbar.setContentsMargins(0, 0, 0, 0)
+        toolbar.setSpacing(4)
         for button in (self.source_button, self.reload_button, self.save_button, self.open_button):
             toolbar.addWidget(button)
         toolbar.addStretch(1)
-        toolbar.addWidget(self.strip_label)
-        toolbar.addWidget(self.clear_button)
+        strip_box = QWidget(self)
+        strip_header = QHBoxLayout()
+        strip_header.setContentsMargins(2, 2, 0, 0)
+        strip_header.addWidget(self.strip_label, 1)
+        strip_header.addWidget(self.clear_button)
+        strip_layout = QVBoxLayout(strip_box)
+        strip_layout.setContentsMargins(0, 0, 0, 0)
+        strip_layout.setSpacing(2)
+        strip_layout.addLayout(strip_header)
+        strip_layout.addWidget(self.strip, 1)
         splitter = QSplitter(self)
         splitter.setOrientation(Qt.Orientation.Vertical)
         splitter.addWidget(self.stack)
-        splitter.addWidget(self.strip)
+        splitter.addWidget(strip_box)
         splitter.setStretchFactor(0, 5)
         splitter.setStretchFactor(1, 1)
         layout = QVBoxLayout(self)
@@ -499,10 +507,17 @@ class PreviewPane(QWidget):
         layout.addLayout(toolbar)
         layout.addWidget(splitter, 1)
 
-        self._throttle = Throttle(self._show_pending, reload_interval_ms, self)
+        # Coalesces set_html() calls into page loads (public for diagnostics and tests: its ``calls`` count loads).
+        self.reload_throttle = Throttle(self._show_pending, reload_interval_ms, self)
         self._update_strip_label()
         self._update_buttons()
         self._connect_signals()
+
+    def _tool_button(self, text: str, tip: str) -> QToolButton:
+        button = QToolButton(self)
+        button.setText(text)
+        button.setToolTip(tip)
+        return button
 
     def _connect_signals(self) -> None:
         self.interceptor.requestBlocked.connect(self.on_request_blocked)
@@ -520,7 +535,13 @@ class PreviewPane(QWidget):
     # ---- public API ----------------------------------------------------------------------------------------
 
     def html(self) -> str:
+        """The latest text given to :meth:`set_html` (the view may still show an older one: reloads are throttled)."""
         return self._html
+
+    def shown_html(self) -> str | None:
+        """The text the view was last asked to load: equal to :meth:`html` once no reload is pending, None before
+        the current document first loads."""
+        return self._shown_html
 
     def document_id(self) -> str:
         return self._document_id
@@ -536,16 +557,16 @@ class PreviewPane(QWidget):
             self._shown_html = None
         self._html = text
         self._update_buttons()
-        self._throttle.request()
+        self.reload_throttle.request()
 
     def flush(self) -> None:
         """Show the latest text now (e.g. when the answer finished streaming)."""
-        self._throttle.flush()
+        self.reload_throttle.flush()
 
     def reload(self) -> None:
         """Load the current text again (a fresh page, same origin)."""
         self._shown_html = None
-        self._throttle.cancel()
+        self.reload_throttle.cancel()
         self._show_pending()
 
     def clear_strip(self) -> None:
@@ -681,13 +702,19 @@ class PreviewPane(QWidget):
         blocked = sum(1 for e in self.entries if e.kind == "blocked")
         errors = sum(1 for e in self.entries if e.kind == "error")
         warnings = sum(1 for e in self.entries if e.kind == "warning")
-        self.strip_label.setText(f"{blocked} blocked · {errors} errors · {warnings} warnings")
+        self.strip_label.setText(
+            f"{blocked} blocked · {_plural(errors, 'error')} · {_plural(warnings, 'warning')}"
+        )
 
     def _update_buttons(self) -> None:
         has = bool(self._html)
         self.save_button.setEnabled(has)
         self.open_button.setEnabled(has)
         self.reload_button.setEnabled(has)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 _KIND_MARK = {"blocked": "[blocked]", "error": "[error]", "warning": "[warning]", "info": "[info]"}
