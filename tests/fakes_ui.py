@@ -83,7 +83,11 @@ WORDS = (
 
 
 class FakeEngineClient(QObject):
-    """Speaks the EngineClient signal contract with scripted block-diffusion events, one pass per timer tick."""
+    """Speaks the EngineClient signal contract with scripted block-diffusion events, one pass per timer tick.
+
+    With ``paused`` set, nothing is emitted by itself: the test hands out events with :meth:`emit_until` (in the
+    order of the script, synchronously) and lets the rest run on the timer with :meth:`resume`.
+    """
 
     ready = Signal()
     loadProgress = Signal(object)
@@ -99,6 +103,7 @@ class FakeEngineClient(QObject):
         self.pass_ms = pass_ms
         self.answer = answer
         self.thinking = thinking
+        self.paused = False  # generate() waits for emit_until() / resume()
         self.requests: list[tuple[list[dict[str, str]], GenerationParams]] = []
         self.cancelled: list[str] = []
         self.restarts = 0
@@ -118,8 +123,26 @@ class FakeEngineClient(QObject):
         self._rid = f"r{self._n}"
         self.requests.append((list(messages), params))
         self._script = self._make_script(params)
-        self._timer.start(self.pass_ms)
+        if not self.paused:
+            self._timer.start(self.pass_ms)
         return self._rid
+
+    def emit_until(self, kind: type, count: int = 1) -> list[object]:
+        """Emit the scripted events now, up to and including the ``count``-th next one of type ``kind``."""
+        emitted: list[object] = []
+        while self._script and count > 0:
+            event = self._script.pop(0)
+            emitted.append(event)
+            self.event.emit(self._rid, event)
+            if isinstance(event, kind):
+                count -= 1
+        return emitted
+
+    def resume(self) -> None:
+        """Let the rest of the script run on the timer."""
+        self.paused = False
+        if self._script:
+            self._timer.start(self.pass_ms)
 
     def cancel(self, request_id: str | None = None) -> None:
         self.cancelled.append(request_id or self._rid)

@@ -5,7 +5,16 @@ from __future__ import annotations
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 
-from ui.chat_view import ChatView, MessageData, StreamingReply, default_extract_html, stats_line
+from ui.chat_view import (
+    ChatView,
+    HtmlWatch,
+    MessageData,
+    PreviewRequest,
+    StreamingReply,
+    default_extract_html,
+    preview_document_id,
+    stats_line,
+)
 from ui.markdown import inline, render
 
 from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
@@ -132,8 +141,67 @@ def test_preview_button_only_for_html_answers(qtbot) -> None:
     assert shown(page.preview_button)
     with qtbot.waitSignal(view.previewRequested, timeout=1000) as blocker:
         page.preview_button.click()
-    assert blocker.args[0].startswith("<!DOCTYPE html>")
+    request = blocker.args[0]
+    assert request.html.startswith("<!DOCTYPE html>") and request.message is page.data and request.block is None
+    with qtbot.waitSignal(view.previewRequested, timeout=1000) as blocker:
+        page.body.on_anchor_clicked(QUrl("preview:0"))  # the code block's own link
+    assert blocker.args[0].block == 0 and blocker.args[0].html.startswith("<!DOCTYPE html>")
     assert default_extract_html(HTML_ANSWER).strip().endswith("</html>")
+
+
+STREAMED_PAGE = ["Sure, ", "here is a page ", "with a list:\n\n``", "`ht", "ml\n", "<!DOCTYPE html>\n",
+                 "<html><body><ul>", "<li>one</li>", "<li>two</li>", "</ul></body></html>\n```\n", "Enjoy."]
+
+
+def test_html_watch_extracts_only_after_a_hint_and_never_once_found() -> None:
+    calls: list[str] = []
+
+    def extractor(text: str) -> str | None:
+        calls.append(text)
+        return default_extract_html(text)
+
+    watch = HtmlWatch(extractor)
+    text, found = "", []
+    for piece in STREAMED_PAGE:
+        text += piece
+        found.append(watch.check(text))
+    # no hint in the prose; "ht" + "ml" split across deltas is still seen; an empty fence is not a document yet
+    assert found == [False] * 5 + [True] * 6
+    assert len(calls) == 2 and watch.extractions == 2
+    assert calls[0].endswith("```html\n") and calls[1].endswith("<!DOCTYPE html>\n")
+    assert HtmlWatch(extractor).check("no page, an <svg> in prose") is False  # a hint, no document
+    assert HtmlWatch(extractor).check("") is False
+
+
+def test_preview_button_appears_while_streaming(qtbot) -> None:
+    view = make_view(qtbot)
+    data = MessageData("assistant", status="streaming", message_id=7)
+    w = view.add_message(data)
+    for piece in STREAMED_PAGE[:5]:
+        data.content += piece
+        view.stream_changed()
+    view.stream_throttle.flush()
+    w.refresh()
+    assert not shown(w.preview_button)  # an empty ```html fence is not a page yet
+    data.content += STREAMED_PAGE[5] + STREAMED_PAGE[6]
+    view.stream_changed()
+    qtbot.waitUntil(lambda: shown(w.preview_button), timeout=2000)
+    assert data.status == "streaming"
+    with qtbot.waitSignal(view.previewRequested, timeout=1000) as blocker:
+        w.preview_button.click()
+    request: PreviewRequest = blocker.args[0]
+    assert request.message is data and request.html == "<!DOCTYPE html>\n<html><body><ul>"
+    assert request.document_id == preview_document_id(data) == "message-7"
+    # found once: later deltas do not run the extractor for the button again
+    extractions = w.html_watch.extractions
+    for piece in STREAMED_PAGE[7:]:
+        data.content += piece
+        view.stream_changed()
+        w.refresh()
+    assert w.html_watch.extractions == extractions and shown(w.preview_button)
+    data.status = "complete"
+    view.end_stream()
+    assert shown(w.preview_button)
 
 
 def test_edit_and_regenerate_signals(qtbot) -> None:

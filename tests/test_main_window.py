@@ -7,8 +7,9 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QWidget
 
 from clover_desk.storage import ChatStore, StreamRecorder
-from engine.events import LoadProgress
+from engine.events import Finished, LoadProgress, TextDelta
 from fakes_ui import FakeEngineClient, fake_plan
+from ui.chat_view import default_extract_html
 from ui.main_window import GenerationSettings, MainWindow, expert_hit_rate, title_from_text
 from ui.vram_panel import VramPanel
 
@@ -19,6 +20,10 @@ from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
 guard_pyside_bool_refcounts()
 
 HTML_ANSWER = "A page:\n\n```html\n<!DOCTYPE html>\n<html><body>hi</body></html>\n```"
+# Split on spaces into 6 blocks of 2 words by FakeEngineClient: the page starts in the 2nd block's delta.
+LIST_ANSWER = ("Here is the page:\n\n```html\n<!DOCTYPE html>\n<html><body>\n<h1 id=t>Shopping list</h1>\n<ul>\n"
+               "<li>apples</li> <li>pears</li> <li>plums</li> <li>figs</li>\n</ul>\n<script>document.title "
+               "= 'done'</script>\n</body></html>\n```\nEnjoy!")
 
 
 class CountingStore(ChatStore):
@@ -34,12 +39,20 @@ class CountingStore(ChatStore):
 
 
 class FakePreview(QWidget):
+    """The HtmlPreview contract, recording what it was given (the real pane: test_preview_streaming.py)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.shown: list[str] = []
+        self.document_ids: list[str | None] = []
+        self.flushes = 0
 
-    def set_html(self, text: str) -> None:
+    def set_html(self, text: str, document_id: str | None = None) -> None:
         self.shown.append(text)
+        self.document_ids.append(document_id)
+
+    def flush(self) -> None:
+        self.flushes += 1
 
 
 class FakeModelManager(QWidget):
@@ -281,11 +294,82 @@ def test_preview_and_vram_tabs(qtbot, store) -> None:
     assert answer.preview_button.isVisible()
     answer.preview_button.click()
     assert preview.shown and preview.shown[-1].startswith("<!DOCTYPE html>")
+    assert preview.document_ids[-1] == f"message-{answer.data.message_id}" and preview.flushes == 1
     assert window.tabs.currentWidget() is preview
+    assert window.preview_follows is None  # a finished answer: nothing to follow
     with qtbot.waitSignal(window.applyPlanRequested, timeout=1000) as blocker:
         panel.set_budget_bytes(12 * 1024**3)
         panel.apply_button.click()
     assert blocker.args == [12 * 1024**3, 8192]
+
+
+def start_paused(qtbot, window: MainWindow, client: FakeEngineClient, text: str) -> None:
+    """Send ``text``; the client then emits only what the test hands out (emit_until)."""
+    client.paused = True
+    window.composer.input.setPlainText(text)
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert window.is_generating()
+
+
+def test_preview_follows_the_streaming_answer_until_another_is_opened(qtbot, store) -> None:
+    preview = FakePreview()
+    client = FakeEngineClient(blocks=1, pass_ms=2, answer=HTML_ANSWER)
+    window, _ = make_window(qtbot, store, client, preview=preview)
+    send(qtbot, window, "a small page")
+    older = window.chat.widgets[-1]
+    client.answer, client.blocks = LIST_ANSWER, 6
+    start_paused(qtbot, window, client, "a shopping list page")
+    streaming = window.chat.widgets[-1]
+    doc_id = f"message-{streaming.data.message_id}"
+    client.emit_until(TextDelta, 3)  # "... <h1 id=t>Shopping"
+    qtbot.waitUntil(streaming.preview_button.isVisible, timeout=2000)  # before Finished
+    assert window.is_generating() and streaming.data.status == "streaming"
+
+    streaming.preview_button.click()
+    assert window.preview_follows is streaming.data
+    assert preview.shown[-1].endswith("Shopping") and preview.document_ids[-1] == doc_id
+    assert preview.flushes == 1 and window.tabs.currentWidget() is preview
+    client.emit_until(TextDelta)  # each answer delta feeds the preview (its throttle coalesces)
+    assert preview.shown[-1].endswith("<li>pears</li>") and preview.document_ids[-1] == doc_id
+
+    older.preview_button.click()  # another message: its page, and the stream is no longer followed
+    assert preview.shown[-1] == "<!DOCTYPE html>\n<html><body>hi</body></html>"
+    assert preview.document_ids[-1] == f"message-{older.data.message_id}" and window.preview_follows is None
+    count = len(preview.shown)
+    client.emit_until(TextDelta)
+    assert len(preview.shown) == count
+
+    streaming.preview_button.click()  # following again, up to the end: Finished flushes the final page
+    flushes = preview.flushes
+    with qtbot.waitSignal(window.generationFinished, timeout=2000):
+        client.emit_until(Finished)
+    assert preview.shown[-1] == default_extract_html(LIST_ANSWER) and preview.shown[-1].endswith("</html>")
+    assert preview.document_ids[-1] == doc_id and preview.flushes == flushes + 1
+    assert window.preview_follows is None
+
+
+def test_streaming_does_not_extract_per_delta_once_the_button_shows(qtbot, store) -> None:
+    calls: list[str] = []
+
+    def counting_extractor(text: str) -> str | None:
+        calls.append(text)
+        return default_extract_html(text)
+
+    client = FakeEngineClient(blocks=6, pass_ms=2, answer=LIST_ANSWER)
+    window, _ = make_window(qtbot, store, client, html_extractor=counting_extractor)
+    start_paused(qtbot, window, client, "a shopping list page")
+    streaming = window.chat.widgets[-1]
+    client.emit_until(TextDelta, 2)
+    qtbot.waitUntil(streaming.preview_button.isVisible, timeout=2000)
+    before = len(calls)
+    for _ in range(4):
+        client.emit_until(TextDelta)
+        window.chat.on_stream_refresh()  # a repaint after every delta: still no extraction
+    assert "figs" in streaming.body.toPlainText()
+    assert len(calls) == before and window.is_generating()
+    with qtbot.waitSignal(window.generationFinished, timeout=2000):
+        client.emit_until(Finished)
+    assert len(calls) == before + 1 and streaming.preview_button.isVisible()  # the finished message: once
 
 
 def test_reopening_a_conversation_restores_messages(qtbot, store) -> None:

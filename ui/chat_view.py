@@ -4,6 +4,9 @@ actions (copy, edit-and-resend, regenerate, preview HTML).
 Plain data (:class:`MessageData`, :class:`StreamingReply`) carries the state; the widgets only draw it. While a
 reply streams, its widget is re-rendered through one :class:`~ui.throttle.Throttle` (Markdown → HTML of a growing
 text is the expensive part), so deltas arriving faster than the screen refreshes cost almost nothing.
+
+A message that contains an HTML document gets a Preview button, the streaming one too, as soon as the document
+starts (:class:`HtmlWatch` decides that cheaply); the button asks for the page with a :class:`PreviewRequest`.
 """
 
 from __future__ import annotations
@@ -57,6 +60,61 @@ class MessageData:
     status: str = "complete"  # complete | streaming | stopped | error
     stats: dict[str, Any] = field(default_factory=dict)
     message_id: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class PreviewRequest:
+    """Show ``html`` in the preview: the page of ``message`` (its Preview button), or one of its code blocks."""
+
+    html: str
+    message: MessageData  # the very object the view shows (the window compares it with the streaming reply)
+    block: int | None = None  # index of the code block whose own "Preview" link was clicked; None: the page
+
+    @property
+    def document_id(self) -> str:
+        return preview_document_id(self.message, self.block)
+
+
+def preview_document_id(message: MessageData, block: int | None = None) -> str:
+    """The preview's document id for a message's page (or one of its code blocks): one origin per message, so
+    pages never share storage, and the reloads of a streaming page keep theirs."""
+    base = f"message-{message.message_id}" if message.message_id is not None else f"message-unsaved-{id(message):x}"
+    return base if block is None else f"{base}-block-{block}"
+
+
+class HtmlWatch:
+    """Whether a growing answer holds an HTML document, without parsing the whole text again on every delta.
+
+    Committed text is never retracted, so once a document is found it stays found. Until then the extractor runs
+    only after a hint of one has arrived: every document the extractors find has "htm" (a ```html fence,
+    ``<!DOCTYPE html>``, ``<html>``) or "svg" (an ```svg fence) in its text. Only the new text is scanned for it.
+    """
+
+    HINTS = ("htm", "svg")
+    _OVERLAP = max(len(h) for h in HINTS) - 1  # a hint split across two deltas
+
+    def __init__(self, extractor: HtmlExtractor) -> None:
+        self._extract = extractor
+        self.found = False
+        self.extractions = 0  # how many times the extractor ran (tests, diagnostics)
+        self._hinted = False
+        self._scanned = 0  # length of the text already scanned for a hint
+
+    def check(self, text: str) -> bool:
+        """True when ``text`` (the latest state of the growing answer) contains a document."""
+        if self.found:
+            return True
+        if len(text) < self._scanned:  # not the same growing text (e.g. replaced by Finished): start again
+            self._hinted, self._scanned = False, 0
+        if not self._hinted:
+            new = text[max(0, self._scanned - self._OVERLAP) :].lower()
+            self._scanned = len(text)
+            self._hinted = any(h in new for h in self.HINTS)
+            if not self._hinted:
+                return False
+        self.extractions += 1
+        self.found = self._extract(text) is not None
+        return self.found
 
 
 class StreamingReply:
@@ -130,7 +188,7 @@ class MarkdownBrowser(QTextBrowser):
     """A read-only rich-text block whose height follows its content (no inner scroll bar)."""
 
     codeCopied = Signal(int)  # index of the code block copied to the clipboard
-    previewRequested = Signal(str)  # HTML of a code block to show in the preview tab
+    previewRequested = Signal(int, str)  # (index, HTML) of a code block to show in the preview tab
 
     def __init__(self, object_name: str = "messageBody", parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -182,7 +240,7 @@ class MarkdownBrowser(QTextBrowser):
                 QGuiApplication.clipboard().setText(block.code)
                 self.codeCopied.emit(int(url.path()))
             else:
-                self.previewRequested.emit(block.code)
+                self.previewRequested.emit(int(url.path()), block.code)
         elif scheme in ("http", "https", "mailto"):
             QDesktopServices.openUrl(url)
 
@@ -193,7 +251,7 @@ class MessageWidget(QFrame):
     copyRequested = Signal()  # (handled here; emitted for tests and status messages)
     editRequested = Signal(object)  # MessageWidget: the user wants to edit this prompt and resend
     regenerateRequested = Signal(object)  # MessageWidget: answer this prompt again
-    previewRequested = Signal(str)  # HTML to open in the preview tab
+    previewRequested = Signal(object)  # PreviewRequest: this message's page (or one of its code blocks) to show
 
     def __init__(
         self, data: MessageData, html_extractor: HtmlExtractor, expand_thinking: bool = False,
@@ -202,6 +260,8 @@ class MessageWidget(QFrame):
         super().__init__(parent)
         self.data = data
         self._extract_html = html_extractor
+        self.html_watch = HtmlWatch(html_extractor)  # while streaming: has a document begun yet?
+        self._html_checked: tuple[str, bool] | None = None  # (content, has a document) once it stopped streaming
         is_user = data.role == "user"
         self.setObjectName("messageUser" if is_user else "messageAssistant")
         self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
@@ -258,7 +318,7 @@ class MessageWidget(QFrame):
         self.regen_button.clicked.connect(lambda: self.regenerateRequested.emit(self))
         self.preview_button.clicked.connect(self.on_preview_clicked)
         self.thinking_toggle.toggled.connect(self.on_thinking_toggled)
-        self.body.previewRequested.connect(self.previewRequested)
+        self.body.previewRequested.connect(self.on_block_preview_requested)
 
     # -- state → widgets
     def refresh(self) -> None:
@@ -290,8 +350,17 @@ class MessageWidget(QFrame):
             meta = "generating…"
         self.meta_label.setText(meta)
         self.copy_button.setEnabled(not streaming)
-        has_html = d.role == "assistant" and not streaming and self._extract_html(d.content) is not None
-        self.preview_button.setVisible(has_html)
+        self.preview_button.setVisible(self._has_html())
+
+    def _has_html(self) -> bool:
+        d = self.data
+        if d.role != "assistant":
+            return False
+        if d.status == "streaming":
+            return self.html_watch.check(d.content)  # cheap: runs the extractor only until a document shows up
+        if self._html_checked is None or self._html_checked[0] != d.content:
+            self._html_checked = (d.content, self._extract_html(d.content) is not None)
+        return self._html_checked[1]
 
     def set_regenerable(self, on: bool) -> None:
         self.regen_button.setVisible(on and self.data.role == "assistant")
@@ -304,7 +373,10 @@ class MessageWidget(QFrame):
     def on_preview_clicked(self) -> None:
         html = self._extract_html(self.data.content)
         if html:
-            self.previewRequested.emit(html)
+            self.previewRequested.emit(PreviewRequest(html, self.data))
+
+    def on_block_preview_requested(self, index: int, html: str) -> None:
+        self.previewRequested.emit(PreviewRequest(html, self.data, block=index))
 
     def on_thinking_toggled(self, shown: bool) -> None:
         self.thinking_toggle.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
@@ -318,7 +390,7 @@ class ChatView(QWidget):
 
     editRequested = Signal(object)  # MessageData of a user message to edit and resend
     regenerateRequested = Signal(object)  # MessageData of the assistant message to answer again
-    previewRequested = Signal(str)  # HTML to show in the preview tab
+    previewRequested = Signal(object)  # PreviewRequest: HTML of a message to show in the preview tab
     copied = Signal(str)  # what was copied ("message" | "code"), for a status-bar note
 
     def __init__(self, html_extractor: HtmlExtractor | None = None, parent: QWidget | None = None) -> None:
@@ -368,6 +440,10 @@ class ChatView(QWidget):
         lay.addWidget(title)
         lay.addWidget(hint)
         return box
+
+    def extract_html(self, markdown: str) -> str | None:
+        """The HTML document in a message's Markdown (the same rule the Preview buttons use), or None."""
+        return self._extract_html(markdown)
 
     # -- content
     def clear(self) -> None:

@@ -7,6 +7,10 @@ disk only through a ``ChatStore``; both are passed in (see ``clover_desk.app``).
 
 A reply is saved as it streams: each committed block appends its text to the store in one transaction
 (``append_streaming``), so a crash of the engine or of the app loses at most the block in flight.
+
+When the user opens the preview of the answer being streamed, the preview follows it: every answer delta hands the
+page so far to the preview (whose own throttle coalesces the reloads) and the end of the answer flushes the last
+one. Opening another message's preview shows that page and stops following.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QKeyEvent, QKeySequence, QShortcut
@@ -56,7 +60,7 @@ from engine.events import (
     PromptInfo,
     TextDelta,
 )
-from ui.chat_view import ChatView, HtmlExtractor, MessageData, StreamingReply
+from ui.chat_view import ChatView, HtmlExtractor, MessageData, PreviewRequest, StreamingReply, preview_document_id
 from ui.denoise_view import DenoiseView
 from ui.throttle import Throttle
 
@@ -187,6 +191,13 @@ class SystemMonitor:
             except Exception as exc:  # noqa: BLE001 - a transient NVML error only hides the figure
                 log.debug("NVML memory query failed: %s", exc)
         return out
+
+
+class HtmlPreview(Protocol):
+    """What the window needs from the preview tab (``ui.preview.PreviewPane``)."""
+
+    def set_html(self, text: str, document_id: str | None = None) -> None: ...  # throttled
+    def flush(self) -> None: ...  # show the latest text now
 
 
 class Recorder(Protocol):
@@ -650,7 +661,7 @@ class MainWindow(QMainWindow):
         *,
         model_dir: str | None = None,
         vram_panel: QWidget | None = None,
-        preview: QWidget | None = None,
+        preview: QWidget | None = None,  # a QWidget that is also an HtmlPreview
         model_manager: QWidget | None = None,
         html_extractor: HtmlExtractor | None = None,
         monitor: SystemMonitor | None = None,
@@ -672,6 +683,7 @@ class MainWindow(QMainWindow):
         self.reply: StreamingReply | None = None
         self.reply_data: MessageData | None = None
         self.reply_mode = "diffusion"
+        self.preview_follows: MessageData | None = None  # the streaming answer the preview shows as it grows
         self.engine_state = "starting"  # starting | loading | ready | crashed | no-model
         self.last_tok_s: float | None = None
         self.last_hit_rate: float | None = None
@@ -1033,15 +1045,17 @@ class MainWindow(QMainWindow):
             return
         self.composer.begin_edit(data)
 
-    def on_preview_requested(self, html: str) -> None:
-        if self.preview is None:
+    def _html_preview(self) -> HtmlPreview | None:
+        return cast("HtmlPreview | None", self.preview)
+
+    def on_preview_requested(self, request: PreviewRequest) -> None:
+        preview = self._html_preview()
+        if preview is None:
             return
-        set_html = getattr(self.preview, "set_html", None)
-        if set_html is not None:
-            set_html(html)
-            flush = getattr(self.preview, "flush", None)
-            if flush is not None:
-                flush()
+        streaming = self.reply_data is not None and request.message is self.reply_data
+        self.preview_follows = request.message if streaming and request.block is None else None
+        preview.set_html(request.html, request.document_id)
+        preview.flush()
         self.settings_button.setChecked(False)
         self.panel_button.setChecked(True)
         self.tabs.setCurrentWidget(self.preview)
@@ -1068,6 +1082,8 @@ class MainWindow(QMainWindow):
         if isinstance(event, TextDelta):
             self.reply.add(event.text, event.channel)
             self._sync_reply()
+            if event.channel != "thinking" and self.preview_follows is self.reply_data:
+                self._feed_preview()
         elif isinstance(event, BlockStep):
             self.denoise.add_event(event)
         elif isinstance(event, BlockCommitted):
@@ -1087,6 +1103,15 @@ class MainWindow(QMainWindow):
         self.reply_data.thinking = self.reply.thinking
         self.reply_data.thinking_seconds = self.reply.thinking_seconds()
         self.chat.stream_changed()
+
+    def _feed_preview(self) -> None:
+        """Hand the followed answer's page so far to the preview (throttled there)."""
+        data, preview = self.preview_follows, self._html_preview()
+        if data is None or preview is None:
+            return
+        html = self.chat.extract_html(data.content)
+        if html is not None:
+            preview.set_html(html, preview_document_id(data))
 
     def _finish(self, event: Finished) -> None:
         assert self.reply is not None and self.reply_data is not None
@@ -1116,6 +1141,11 @@ class MainWindow(QMainWindow):
 
     def _end_generation(self, reason: str) -> None:
         request_id = self.request_id or ""
+        preview = self._html_preview()
+        if preview is not None and self.preview_follows is not None and self.preview_follows is self.reply_data:
+            self._feed_preview()  # the final text (Finished's, when it differs from the deltas)
+            preview.flush()
+        self.preview_follows = None
         self.request_id = None
         self.reply = None
         self.reply_data = None
