@@ -223,8 +223,21 @@ def main() -> int:
     finished = QEventLoop()
     window.generationFinished.connect(finished.quit)
     window.composer.on_submit()
-    finished.exec()
     answer = window.chat.widgets[-1]
+    # The Preview button shows up while the page streams; opened then, the preview follows the answer.
+    while window.is_generating() and not answer.preview_button.isVisible():
+        settle(10)
+    answer.preview_button.click()
+    while window.is_generating() and "rotate(-90" not in desk.preview.html():  # the ring is drawn
+        settle(10)
+    while window.is_generating() and desk.preview.shown_html() != desk.preview.html():  # the throttled reload
+        settle(10)
+    settle(250)
+    if not window.is_generating():
+        log.warning("the answer finished before the mid-stream picture")
+    shot(window, out / "preview-while-streaming.png")
+    if window.is_generating():
+        finished.exec()
     answer.thinking_toggle.setChecked(True)
     answer.preview_button.click()
     settle(2500)  # let QtWebEngine render
