@@ -26,6 +26,9 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
 }
 
 
+_TOP_LEVEL_FLAGS = ("-v", "--verbose")
+
+
 def _build_parser(command: str | None, suite: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover-desk", description="Run Clover block diffusion locally.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -43,22 +46,29 @@ def _build_parser(command: str | None, suite: str | None) -> argparse.ArgumentPa
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line; no subcommand means ``gui`` (its options included)."""
+    argv = list(argv)
     words = [a for a in argv if not a.startswith("-")]
     command = words[0] if words else None
+    known = command in COMMANDS or command == "bench"
+    if not known and not (command is None and {"-h", "--help"} & set(argv)):
+        # no subcommand (or a gui option such as --model DIR first): open the window with these options
+        top = [a for a in argv if a in _TOP_LEVEL_FLAGS]
+        argv = [*top, "gui", *(a for a in argv if a not in _TOP_LEVEL_FLAGS)]
+        command = "gui"
     suite = words[1] if command == "bench" and len(words) > 1 else None
     parser = _build_parser(command, suite)
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.suite is None:
+        parser.parse_args(["bench", "--help"])  # prints the suites and exits
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.command is None:
-        args = parser.parse_args(["gui", *argv])
-    if args.command == "bench":
-        if args.suite is None:
-            parser.parse_args(["bench", "--help"])
-        module = BENCH_SUITES[args.suite][0]
-    else:
-        module = COMMANDS[args.command][0]
+    module = BENCH_SUITES[args.suite][0] if args.command == "bench" else COMMANDS[args.command][0]
     return int(importlib.import_module(module).run(args) or 0)
 
 

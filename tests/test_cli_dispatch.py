@@ -1,0 +1,34 @@
+"""The ``clover-desk`` dispatcher: no subcommand opens the window with its options; bench needs a suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from clover_desk.cli import parse_args
+
+
+def test_no_subcommand_is_the_gui_with_its_options() -> None:
+    args = parse_args([])
+    assert args.command == "gui" and args.home is None and args.model is None
+    args = parse_args(["--verbose"])
+    assert args.command == "gui" and args.verbose
+
+
+def test_subcommands_get_their_own_options() -> None:
+    args = parse_args(["plan", "--shape", "clover-35b-a3b", "--vram-gb", "16"])
+    assert args.command == "plan" and args.vram_gb == 16
+    args = parse_args(["bench", "offload", "--tiny"])
+    assert (args.command, args.suite, args.tiny) == ("bench", "offload", True)
+
+
+def test_bench_without_a_suite_shows_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["bench"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "speed" in out and "offload" in out
+
+
+def test_gui_options_without_the_subcommand() -> None:
+    args = parse_args(["--model", "/models/clover", "--vram-gb", "12"])
+    assert (args.command, args.model, args.vram_gb) == ("gui", "/models/clover", 12.0)
