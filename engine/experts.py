@@ -5,15 +5,41 @@ The MoE layer (``engine.model.SparseMoe``) computes the router, the optional blo
 Quantized and streamed banks (``engine/offload.py``, ``engine/quant.py``) replace ``layer.mlp.experts`` with the
 same interface.
 
+Compute (:func:`moe_grouped`, used by every bank): no Python loop over experts. The (token, slot) pairs are sorted
+by expert and each group of used experts runs as one batched SwiGLU: ``torch._grouped_mm`` where it is supported
+for the device and dtype (checked once per process against plain matmuls, see :func:`grouped_mm_supported`),
+else a zero-padded ``torch.bmm`` over [G, C, D]. An AR step (N <= ``SMALL_SLOTS`` pairs) skips the grouping: it
+gathers one expert per pair and needs no host sync. The slow per-expert loop is kept as :func:`routed_reference`
+for the tests.
+
 Letters: T tokens, K experts per token (top-k), E experts, D hidden size, I expert intermediate size,
-N = T*K routed (token, slot) pairs.
+N = T*K routed (token, slot) pairs, U experts used by this forward, G experts in one group (chunk) of them,
+C rows per expert after padding.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+SMALL_SLOTS = 8  # N at or below which each pair gathers its own expert (an AR step: 1 token, top-8): no sort, no sync
+# Bytes of expert weights gathered (dense) or dequantized (quantized banks) at once: bounds the transient.
+# CUDA: 96 MiB = 16 experts of 35B-A3B in bf16 (the per-expert loop kept 1-2 alive), so a 32-token pass over ~70
+# experts is 5 groups, not 70 experts' worth of small kernels. Elsewhere (CPU): one expert per group. A CPU has no
+# kernel-launch overhead to amortize, and bigger groups cost there (bench speed --moe-only, float32, 2 cores):
+# a gather copies the weights, 3x the memory traffic of the matmuls (dense T=1: 23 ms vs 6.6 ms in place), blocks
+# over 32 MiB get fresh mmap pages from glibc on every call (page faults), and padding wastes rows. Dense and
+# quantized banks group alike, so a quantized bank equals a dense bank holding its dequantized weights bit for bit.
+GROUP_BYTES = {"cuda": 96 * 2**20}
+
+# expert ids [G] (long, on the compute device) -> (gate_up [G, 2I, D], down [G, D, I]) in the compute dtype
+WeightsFn = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
 class ExpertBank(nn.Module):
@@ -75,19 +101,24 @@ class DenseExpertBank(ExpertBank):
         )
 
     def expert_forward(self, e: int, xs: Tensor) -> Tensor:
-        """One expert's SwiGLU MLP on its tokens: xs [n, D] -> [n, D]."""
+        """One expert's SwiGLU MLP on its tokens: xs [n, D] -> [n, D] (the reference loop's step)."""
         gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
         return F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, D]
 
+    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """ids [G] long -> those experts' (gate_up [G, 2I, D], down [G, D, I]): copies, or views for one expert
+        whose id is on the CPU (reading it there is no host sync)."""
+        if ids.numel() == 1 and ids.device.type == "cpu":
+            e = int(ids)
+            return self.gate_up_proj[e : e + 1], self.down_proj[e : e + 1]  # [1, 2I, D], [1, D, I] views
+        return self.gate_up_proj.index_select(0, ids), self.down_proj.index_select(0, ids)
+
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
-        order, token, experts, counts = group_by_expert(topk_idx, self.num_experts)
-        xs = x[token]  # [N, D] token rows in expert order
-        ys = torch.empty_like(xs)  # [N, D]
-        start = 0
-        for e, n in zip(experts, counts):
-            ys[start : start + n] = self.expert_forward(e, xs[start : start + n])
-            start += n
-        return combine_by_token(ys, order, topk_w)
+        # on CPU, groups of one expert (GROUP_BYTES): gather() then returns views, the weights are read in place
+        return moe_grouped(
+            x, topk_idx, topk_w, self.num_experts, self.gather, 3 * self.intermediate_size,
+            resident=(self.gate_up_proj, self.down_proj),
+        )
 
 
 def combine_by_token(ys: Tensor, order: Tensor, topk_w: Tensor) -> Tensor:
@@ -101,3 +132,149 @@ def combine_by_token(ys: Tensor, order: Tensor, topk_w: Tensor) -> Tensor:
     unsorted[order] = ys.to(torch.float32)
     out = (unsorted.view(t, k, -1) * topk_w.to(torch.float32)[:, :, None]).sum(1)  # [T, D]
     return out.to(ys.dtype)
+
+
+def routed_reference(bank: DenseExpertBank, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    """The slow reference: a Python loop over the used experts, one small SwiGLU each (what the dense bank did
+    before :func:`moe_grouped`). Tests and ``bench speed --moe-only`` compare against it."""
+    order, token, experts, counts = group_by_expert(topk_idx, bank.num_experts)
+    xs = x[token]  # [N, D] token rows in expert order
+    ys = torch.empty_like(xs)  # [N, D]
+    start = 0
+    for e, n in zip(experts, counts):
+        ys[start : start + n] = bank.expert_forward(e, xs[start : start + n])
+        start += n
+    return combine_by_token(ys, order, topk_w)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped compute
+# ---------------------------------------------------------------------------------------------------------------
+
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` (a private op: bf16 on recent NVIDIA GPUs) runs here and agrees with plain
+    matmuls, including an empty group. Probed once per (device type, dtype). Only CUDA is considered: the CPU
+    fallback of torch 2.13 is slower than a padded bmm (it walks every group, empty ones included)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_OK:
+        ok = False
+        if device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+            gen = torch.Generator().manual_seed(0)
+            a = torch.randn(24, 64, generator=gen).to(device=device, dtype=dtype)  # [N, D]
+            b = torch.randn(3, 32, 64, generator=gen).to(device=device, dtype=dtype)  # [G, O, D] like gate_up
+            offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)  # group 1 is empty
+            try:
+                got = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs).float()  # [N, O]
+                want = torch.cat([a[:8].float() @ b[0].float().T, a[8:].float() @ b[2].float().T])
+                ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))
+            except (RuntimeError, TypeError, NotImplementedError) as exc:
+                log.info("torch._grouped_mm unavailable for %s %s (%s): padded bmm", device.type, dtype, exc)
+        _GROUPED_MM_OK[key] = ok
+        log.info("grouped expert matmul on %s %s: %s", device.type, dtype, "torch._grouped_mm" if ok else "torch.bmm")
+    return _GROUPED_MM_OK[key]
+
+
+def swiglu_grouped_mm(xs: Tensor, offs: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """xs [N, D] sorted by group, offs [G] int32 (end row of each group), gate_up [G, 2I, D], down [G, D, I]
+    -> [N, D]. Rows past offs[-1] are not computed."""
+    h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [N, 2I]
+    gate, up = h.chunk(2, dim=-1)  # [N, I] each
+    return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offs=offs)  # [N, D]
+
+
+def swiglu_batched(xp: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """xp [G, C, D] (C rows per expert, zero padded), gate_up [G, 2I, D], down [G, D, I] -> [G, C, D]."""
+    gate, up = torch.bmm(xp, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [G, C, I] each
+    return torch.bmm(F.silu(gate) * up, down.transpose(1, 2))  # [G, C, D]
+
+
+def _h2d(t: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device`` without a stream sync: CUDA stages a pageable source before the call
+    returns, so ``non_blocking`` is safe here and skips the synchronize of a blocking copy."""
+    return t.to(device, non_blocking=True)
+
+
+def sort_by_expert(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Like :func:`group_by_expert` without the host sync: ``order`` [N], ``token`` [N] and ``counts`` [E] (long,
+    on the device)."""
+    k = topk_idx.shape[-1]
+    flat = topk_idx.reshape(-1)  # [N]
+    order = torch.argsort(flat, stable=True)  # [N]
+    token = torch.div(order, k, rounding_mode="floor")  # [N]
+    return order, token, torch.bincount(flat, minlength=num_experts)
+
+
+def moe_grouped(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    num_experts: int,
+    weights: WeightsFn,
+    intermediate3: int,
+    resident: tuple[Tensor, Tensor] | None = None,
+    group_experts: int | None = None,
+) -> Tensor:
+    """Routed-expert SwiGLU of every bank, without a Python loop over experts. x [T, D], topk_idx / topk_w [T, K]
+    -> [T, D] in x's dtype (weighted sum over the K slots in fp32, :func:`combine_by_token`).
+
+    ``weights(ids)`` returns the weights of experts ``ids`` in x's dtype (a gather, or a gather + dequantize);
+    ``intermediate3`` = 3I (one expert holds 3I x D weights) sizes the groups; ``group_experts`` overrides them
+    (tests). ``resident`` = (gate_up [E, 2I, D], down [E, D, I]) when all experts already exist in x's dtype, so
+    that ``torch._grouped_mm`` can read them in place (no copy, no host sync).
+
+    Host syncs: none for N <= ``SMALL_SLOTS`` or with ``resident`` + grouped mm; otherwise one (the per-expert
+    counts, which size the groups).
+    """
+    t, k = topk_idx.shape
+    n = t * k
+    if group_experts is None:
+        budget = GROUP_BYTES.get(x.device.type, 0)
+        group_experts = max(1, budget // (intermediate3 * x.shape[1] * x.element_size()))
+    if resident is not None and grouped_mm_supported(x.device, x.dtype):
+        order, token, counts = sort_by_expert(topk_idx, num_experts)
+        offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's (possibly empty) group
+        ys = swiglu_grouped_mm(x[token], offs, *resident)  # [N, D]
+        return combine_by_token(ys, order, topk_w)
+    if n <= SMALL_SLOTS:  # one expert per (token, slot) pair, in (token, slot) order: nothing to sort, no sync
+        flat = topk_idx.reshape(-1)  # [N]
+        xp = x.repeat_interleave(k, dim=0)[:, None, :]  # [N, 1, D] token row of each pair
+        parts = []
+        for p0 in range(0, n, group_experts):  # one group on a GPU; CPU: see GROUP_BYTES
+            gate_up, down = weights(flat[p0 : p0 + group_experts])  # [G, 2I, D], [G, D, I]
+            parts.append(swiglu_batched(xp[p0 : p0 + group_experts], gate_up, down)[:, 0, :])  # [G, D]
+        ys = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, D]
+        return combine_by_token(ys, torch.arange(n, device=x.device), topk_w)
+
+    order, token, counts = sort_by_expert(topk_idx, num_experts)
+    counts_host = counts.cpu()  # [E] the one host sync: group sizes are data-dependent
+    used = counts_host.nonzero().flatten()  # [U] sorted expert ids
+    used_counts = counts_host[used]  # [U]
+    xs = x[token]  # [N, D] token rows in expert order
+    ys = torch.empty_like(xs)  # [N, D]
+    grouped = grouped_mm_supported(x.device, x.dtype)
+    start = 0
+    for g0 in range(0, used.numel(), group_experts):  # ceil(U / group_experts) groups, not U experts
+        sizes = used_counts[g0 : g0 + group_experts]  # [G] host
+        g, rows = sizes.numel(), int(sizes.sum())
+        gate_up, down = weights(_h2d(used[g0 : g0 + group_experts], x.device))  # [G, 2I, D], [G, D, I]
+        part = xs[start : start + rows]  # [R, D] this group's pairs, expert by expert
+        if grouped:
+            offs = _h2d(sizes.cumsum(0).to(torch.int32), x.device)  # [G] end row of each expert
+            ys[start : start + rows] = swiglu_grouped_mm(part, offs, gate_up, down)
+        elif g == 1:
+            ys[start : start + rows] = swiglu_batched(part[None], gate_up, down)[0]
+        else:
+            c = int(sizes.max())
+            # row of each pair in the zero-padded [G*C] layout: its expert's slot j times C + its rank there
+            expert_of = torch.repeat_interleave(torch.arange(g), sizes)  # [R]
+            first = sizes.cumsum(0) - sizes  # [G] first row of each expert in `part`
+            flat_pos = _h2d(expert_of * c + torch.arange(rows) - first[expert_of], x.device)  # [R]
+            xp = x.new_zeros(g * c, x.shape[1])  # [G*C, D]
+            xp[flat_pos] = part
+            yp = swiglu_batched(xp.view(g, c, -1), gate_up, down)  # [G, C, D]
+            ys[start : start + rows] = yp.view(g * c, -1)[flat_pos]
+        start += rows
+    return combine_by_token(ys, order, topk_w)

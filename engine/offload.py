@@ -383,13 +383,19 @@ class StreamedExpertBank(ExpertBank):
         self.runtime.note_experts(self.layer, experts)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
-        used = torch.unique(topk_idx).cpu().tolist()
-        if any(e not in self._slots for e in used):  # prepare() was not called for this forward
-            self.prepare(torch.tensor(used))
+        if not self._slots:  # prepare() was not called for this forward: find the experts (a host sync)
+            self.prepare(torch.unique(topk_idx).cpu())
+        # prepare() received exactly the experts of topk_idx (SparseMoe passes torch.unique of it): reuse them
+        # instead of a second host sync
         pool = self.runtime.pool
         slots = self._slots
-        pool.wait_ready([slots[e] for e in used])
-        out = routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, lambda e: pool.buf[slots[e]])
+        pool.wait_ready(list(slots.values()))
+        # [E] expert -> slot row of pool.buf; the pageable source is staged at once, so non_blocking needs no sync
+        slot_of = torch.zeros(self.num_experts, dtype=torch.long)
+        slot_of[list(slots)] = torch.tensor(list(slots.values()), dtype=torch.long)
+        out = routed_forward(
+            x, topk_idx, topk_w, self.num_experts, self.layout, source=pool.buf, row_index=slot_of.to(pool.buf.device, non_blocking=True)
+        )
         pool.release(self.layer, list(slots))
         self._slots = {}
         if self.runtime.wants_prefetch() and self.next_router is not None and self.next_layer is not None:

@@ -14,7 +14,10 @@ Quantized modules keep the interface of what they replace: :class:`QuantLinear` 
 per expert (``[gate_up codes | down codes | gate_up scales | down scales]``, see :class:`ExpertLayout`) so that a
 streamed expert is one copy (``engine/offload.py``).
 
-Compute path: weights are dequantized to the activation dtype and multiplied with ``F.linear``. We never use
+Compute path: weights are dequantized to the activation dtype and multiplied with ``F.linear``. The expert banks
+gather the rows of the experts a forward uses and dequantize a group of them in one call per tensor
+(:func:`unpack_rows`), then run :func:`engine.experts.moe_grouped`; :func:`routed_reference` keeps the old
+per-expert loop for the tests. We never use
 ``bnb.nn.Linear4bit``: on CPUs with AVX512-BF16 its first eval forward repacks the weight in place into a
 CPU-only layout, which would corrupt bytes that are later streamed to a GPU.
 
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError, ConfigError
-from engine.experts import ExpertBank, group_by_expert
+from engine.experts import ExpertBank, group_by_expert, moe_grouped
 
 log = logging.getLogger(__name__)
 
@@ -523,17 +526,78 @@ class ExpertLayout:
 
 
 def expert_mlp(layout: ExpertLayout, row: Tensor, xs: Tensor) -> Tensor:
-    """One quantized expert's SwiGLU MLP on its tokens: xs [n, D] -> [n, D]."""
+    """One quantized expert's SwiGLU MLP on its tokens: xs [n, D] -> [n, D] (the reference loop's step)."""
     gate_up, down = layout.unpack(row, xs.dtype)  # [2I, D], [D, I]
     gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)  # [n, I] each
     return F.linear(F.silu(gate) * up, down)  # [n, D]
 
 
+def _dequantize_group(layout: ExpertLayout, codes: Tensor, scales: Tensor, shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """codes [G, c] uint8 and scales [G, s] fp32 of G experts' copies of one tensor -> [G, *shape] in ``dtype``.
+
+    One dequantize call for the group when each expert's tensor is a whole number of NF4 blocks (INT8 scales are
+    per row: always): the concatenated bytes then block exactly as each expert's own bytes do. Otherwise (odd toy
+    shapes only) one call per expert."""
+    g = codes.shape[0]
+    numel = shape[0] * shape[1]
+    if layout.fmt == "int8" or numel % layout.blocksize == 0:
+        flat = dequantize_tensor(codes.reshape(-1), scales.reshape(-1), (g * shape[0], shape[1]), layout.fmt,
+                                 layout.blocksize, dtype)  # [G*O, N]
+        return flat.view(g, *shape)
+    return torch.stack(
+        [dequantize_tensor(codes[j], scales[j], shape, layout.fmt, layout.blocksize, dtype) for j in range(g)]
+    )
+
+
+def unpack_rows(layout: ExpertLayout, source: Tensor, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Dequantize the experts in rows ``rows`` [G] (long, on source's device) of ``source`` [S, nbytes] uint8
+    -> (gate_up [G, 2I, D], down [G, D, I]) in ``dtype``. Each segment is gathered straight into a contiguous
+    [G, bytes] tensor (no copy of whole rows) and dequantized in one call."""
+    (a, na), (b, nb), (c, nc), (d, nd) = layout.gate_up_codes, layout.down_codes, layout.gate_up_scales, layout.down_scales
+    gu_codes = source[:, a : a + na].index_select(0, rows)  # [G, na]
+    dn_codes = source[:, b : b + nb].index_select(0, rows)  # [G, nb]
+    gu_scales = source[:, c : c + nc].index_select(0, rows).view(torch.float32)  # [G, nc/4]
+    dn_scales = source[:, d : d + nd].index_select(0, rows).view(torch.float32)  # [G, nd/4]
+    gate_up = _dequantize_group(layout, gu_codes, gu_scales, layout.gate_up_shape, dtype)  # [G, 2I, D]
+    down = _dequantize_group(layout, dn_codes, dn_scales, layout.down_shape, dtype)  # [G, D, I]
+    return gate_up, down
+
+
 def routed_forward(
-    x: Tensor, topk_idx: Tensor, topk_w: Tensor, num_experts: int, layout: ExpertLayout, row_of: Callable[[int], Tensor]
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    num_experts: int,
+    layout: ExpertLayout,
+    row_of: Callable[[int], Tensor] | None = None,
+    *,
+    source: Tensor | None = None,
+    row_index: Tensor | None = None,
 ) -> Tensor:
     """The shared MoE compute of every quantized bank (resident or streamed): the same op order for the same bytes,
-    so streaming can never change the numbers. x [T, D], topk_idx/topk_w [T, K] -> [T, D]."""
+    so streaming can never change the numbers. x [T, D], topk_idx/topk_w [T, K] -> [T, D].
+
+    Where the expert bytes are: ``source`` [S, nbytes] uint8 with expert e in row ``row_index[e]`` (``row_index``
+    [E] long on source's device; None: row e), which needs no host sync to find an expert; or ``row_of(e)`` -> row
+    [nbytes], which needs the expert ids on the host (one sync) and copies each used row once."""
+    if source is not None:
+        def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
+            rows = ids if row_index is None else row_index[ids]  # [G]
+            return unpack_rows(layout, source, rows, x.dtype)
+    elif row_of is not None:
+        def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
+            gathered = torch.stack([row_of(int(e)) for e in ids.tolist()])  # [G, nbytes]
+            return unpack_rows(layout, gathered, torch.arange(len(gathered), device=gathered.device), x.dtype)
+    else:
+        raise ValueError("routed_forward needs source= or row_of")
+    return moe_grouped(x, topk_idx, topk_w, num_experts, weights, 3 * layout.intermediate_size)
+
+
+def routed_forward_reference(
+    x: Tensor, topk_idx: Tensor, topk_w: Tensor, num_experts: int, layout: ExpertLayout, row_of: Callable[[int], Tensor]
+) -> Tensor:
+    """The slow reference: a Python loop over the used experts, one dequantize and two small matmuls each (what
+    :func:`routed_forward` did before the grouped compute). x [T, D], topk_idx/topk_w [T, K] -> [T, D]."""
     order, token, experts, counts = group_by_expert(topk_idx, num_experts)
     xs = x[token]  # [N, D] token rows in expert order
     ys = torch.empty_like(xs)  # [N, D]
@@ -545,6 +609,11 @@ def routed_forward(
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, D] fp32 accumulation
     out.index_add_(0, token, ys.to(torch.float32) * w[:, None])
     return out.to(x.dtype)
+
+
+def routed_reference(bank: "QuantExpertBank", x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    """:func:`routed_forward_reference` on a resident bank's rows."""
+    return routed_forward_reference(x, topk_idx, topk_w, bank.num_experts, bank.layout, bank.packed.__getitem__)
 
 
 class QuantExpertBank(ExpertBank):
@@ -578,7 +647,7 @@ class QuantExpertBank(ExpertBank):
         return bank.to(gate_up_proj.device)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
-        return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, self.packed.__getitem__)
+        return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.packed)
 
     def extra_repr(self) -> str:
         lay = self.layout
