@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 
@@ -149,6 +150,11 @@ def test_preview_button_only_for_html_answers(qtbot) -> None:
     assert default_extract_html(HTML_ANSWER).strip().endswith("</html>")
 
 
+def app_extractor():
+    """The app's extractor (ui.preview.extract_html: pure, but its module needs QtWebEngine)."""
+    return pytest.importorskip("ui.preview", exc_type=ImportError).extract_html
+
+
 STREAMED_PAGE = ["Sure, ", "here is a page ", "with a list:\n\n``", "`ht", "ml\n", "<!DOCTYPE html>\n",
                  "<html><body><ul>", "<li>one</li>", "<li>two</li>", "</ul></body></html>\n```\n", "Enjoy."]
 
@@ -169,8 +175,37 @@ def test_html_watch_extracts_only_after_a_hint_and_never_once_found() -> None:
     assert found == [False] * 5 + [True] * 6
     assert len(calls) == 2 and watch.extractions == 2
     assert calls[0].endswith("```html\n") and calls[1].endswith("<!DOCTYPE html>\n")
-    assert HtmlWatch(extractor).check("no page, an <svg> in prose") is False  # a hint, no document
     assert HtmlWatch(extractor).check("") is False
+
+
+@pytest.mark.webengine
+def test_html_watch_gives_up_on_a_hint_in_prose() -> None:
+    watch = HtmlWatch(app_extractor())
+    text = "An HTML form sends its fields to the server when the user presses its submit button, "
+    assert watch.check(text) is False and watch.extractions == 1  # a hint: looked once
+    for words in ("encoded as key=value pairs, separated by ampersands ", "(unless it uploads files).",
+                  "\n\nThe server", " answers with a new page", " or a redirect."):
+        text += words
+        assert watch.check(text) is False
+    assert watch.extractions == 2  # once more while little had followed the hint, then no more
+    text += "\n\n```html\n"
+    assert watch.check(text) is False  # a new hint: a fence, no body yet
+    text += "\n"
+    assert watch.check(text) is False  # still only blank space after the fence line: look again
+    text += "<form>"
+    assert watch.check(text) is True and watch.extractions == 5
+
+
+@pytest.mark.webengine
+def test_html_watch_sees_a_document_start_split_after_the_hint() -> None:
+    extractor = app_extractor()
+    for pieces in (["Page:\n<htm", "l>", "<body>"], ["Page:\n```htm", "l\n", "<p>x</p>"],
+                   ["<!DOCTYPE htm", "l>\n"]):
+        watch, text = HtmlWatch(extractor), ""
+        for piece in pieces:
+            text += piece
+            watch.check(text)
+        assert watch.found, pieces
 
 
 def test_preview_button_appears_while_streaming(qtbot) -> None:

@@ -86,34 +86,45 @@ class HtmlWatch:
     """Whether a growing answer holds an HTML document, without parsing the whole text again on every delta.
 
     Committed text is never retracted, so once a document is found it stays found. Until then the extractor runs
-    only after a hint of one has arrived: every document the extractors find has "htm" (a ```html fence,
-    ``<!DOCTYPE html>``, ``<html>``) or "svg" (an ```svg fence) in its text. Only the new text is scanned for it.
+    only when a hint of one arrives: every document the extractors find has "htm" (a ```html fence,
+    ``<!DOCTYPE html>``, ``<html>``) or "svg" (an ```svg fence) in its text; only the new text is scanned. A hint
+    that was not a document yet stays worth a look while little has followed it: a few characters on its own line
+    (``<htm`` waiting for ``l>``, a fence's info string) or only blank space after that line (a ```html fence
+    waiting for its first line). Once more text came and still no document, the hint was prose ("an HTML form").
     """
 
     HINTS = ("htm", "svg")
     _OVERLAP = max(len(h) for h in HINTS) - 1  # a hint split across two deltas
+    _SAME_LINE = 120  # characters after a hint, on its line, that may still complete a document's first line
 
     def __init__(self, extractor: HtmlExtractor) -> None:
         self._extract = extractor
         self.found = False
         self.extractions = 0  # how many times the extractor ran (tests, diagnostics)
-        self._hinted = False
-        self._scanned = 0  # length of the text already scanned for a hint
+        self._scanned = 0  # length of the text already scanned for hints
+        self._last_hint = -1  # where the latest hint starts
+        self._open = False  # the latest hint may still become a document: look again next time
 
     def check(self, text: str) -> bool:
         """True when ``text`` (the latest state of the growing answer) contains a document."""
         if self.found:
             return True
         if len(text) < self._scanned:  # not the same growing text (e.g. replaced by Finished): start again
-            self._hinted, self._scanned = False, 0
-        if not self._hinted:
-            new = text[max(0, self._scanned - self._OVERLAP) :].lower()
-            self._scanned = len(text)
-            self._hinted = any(h in new for h in self.HINTS)
-            if not self._hinted:
-                return False
+            self._scanned, self._last_hint, self._open = 0, -1, False
+        start = max(0, self._scanned - self._OVERLAP)
+        new = text[start:].lower()
+        self._scanned = len(text)
+        hint = max(new.rfind(h) for h in self.HINTS)
+        if hint >= 0:
+            self._last_hint = start + hint
+        elif not self._open:
+            return False
         self.extractions += 1
         self.found = self._extract(text) is not None
+        if not self.found:
+            after = text[self._last_hint :]
+            line_end = after.find("\n")
+            self._open = len(after) <= self._SAME_LINE if line_end < 0 else not after[line_end:].strip()
         return self.found
 
 
