@@ -6,9 +6,9 @@ Quantized and streamed banks (``engine/offload.py``, ``engine/quant.py``) replac
 same interface.
 
 Compute (:func:`moe_grouped`, used by every bank): no Python loop over experts. The (token, slot) pairs are sorted
-by expert and each group of used experts runs as one batched SwiGLU: ``torch._grouped_mm`` where it is supported
-for the device and dtype (checked once per process against plain matmuls, see :func:`grouped_mm_supported`),
-else a zero-padded ``torch.bmm`` over [G, C, D]. An AR step (N <= ``SMALL_SLOTS`` pairs) skips the grouping: it
+by expert and each group of used experts runs as one batched SwiGLU: ``torch._grouped_mm`` where torch has its
+fused kernel (bf16 on H100/H200-class GPUs, see :func:`grouped_mm_supported`), else a zero-padded ``torch.bmm``
+over [G, C, D]. An AR step (N <= ``SMALL_SLOTS`` pairs) skips the grouping: it
 gathers one expert per pair and needs no host sync. The slow per-expert loop is kept as :func:`routed_reference`
 for the tests.
 
@@ -155,13 +155,24 @@ _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` (a private op: bf16 on recent NVIDIA GPUs) runs here and agrees with plain
-    matmuls, including an empty group. Probed once per (device type, dtype). Only CUDA is considered: the CPU
-    fallback of torch 2.13 is slower than a padded bmm (it walks every group, empty ones included)."""
+    """Whether ``torch._grouped_mm`` (a private op) has its fused kernel here and agrees with plain matmuls,
+    including an empty group. Probed once per (device type, dtype).
+
+    torch 2.13 runs the fused kernel only for bf16 on compute capability 9.x / 10.x (H100/H200, B200; see
+    ``_grouped_mm_cuda`` in aten/src/ATen/native/cuda/GroupedBlas.cpp). Everywhere else, 16 GB consumer cards
+    included (8.6, 8.9, 12.0), it falls back to copying the offsets to the host (a sync) and one mm per group,
+    empty groups included, which is worse than a padded bmm; on CPU that fallback is slower than bmm too."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
         ok = False
-        if device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        fused = (
+            device.type == "cuda"
+            and dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm")
+            and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        )
+        if fused:
             gen = torch.Generator().manual_seed(0)
             a = torch.randn(24, 64, generator=gen).to(device=device, dtype=dtype)  # [N, D]
             b = torch.randn(3, 32, 64, generator=gen).to(device=device, dtype=dtype)  # [G, O, D] like gate_up
@@ -171,7 +182,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
                 want = torch.cat([a[:8].float() @ b[0].float().T, a[8:].float() @ b[2].float().T])
                 ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))
             except (RuntimeError, TypeError, NotImplementedError) as exc:
-                log.info("torch._grouped_mm unavailable for %s %s (%s): padded bmm", device.type, dtype, exc)
+                log.info("torch._grouped_mm failed on %s %s (%s): padded bmm", device, dtype, exc)
         _GROUPED_MM_OK[key] = ok
         log.info("grouped expert matmul on %s %s: %s", device.type, dtype, "torch._grouped_mm" if ok else "torch.bmm")
     return _GROUPED_MM_OK[key]
