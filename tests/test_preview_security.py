@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import PreviewPane, register_schemes  # noqa: E402
+from ui.preview import PreviewPane, document_host, register_schemes  # noqa: E402
 
 guard_pyside_bool_refcounts()
 register_schemes()  # before pytest-qt creates the QApplication (modules are imported at collection)
@@ -99,11 +99,16 @@ def pane(qapp) -> Iterator[PreviewPane]:
 
 
 def load(qtbot, pane: PreviewPane, html: str, document_id: str) -> None:
+    """Show ``html`` and wait for *its* load: a late loadFinished of the shared pane's previous page must not count."""
     pane.clear_strip()
-    with qtbot.waitSignal(pane.loadFinished, timeout=TIMEOUT_MS) as blocker:
+    host = document_host(document_id)
+    with qtbot.waitSignal(
+        pane.loadFinished, timeout=TIMEOUT_MS, check_params_cb=lambda ok: pane.page.url().host() == host
+    ) as blocker:
         pane.set_html(html, document_id)
         pane.flush()
     assert blocker.args == [True]
+    qtbot.waitUntil(lambda: js(qtbot, pane, "document.readyState") == "complete", timeout=TIMEOUT_MS)
 
 
 def js(qtbot, pane: PreviewPane, source: str, world: int = 0):
