@@ -71,10 +71,11 @@ def test_table_and_autolink() -> None:
 
 
 def test_streaming_reply_tracks_channels_and_thinking_time() -> None:
-    now = [100.0]
-    reply = StreamingReply(clock=lambda: now[0])
-    reply.add("let me think", "thinking")
-    now[0] = 102.5
+    now = [99.0]
+    reply = StreamingReply(clock=lambda: now[0])  # the request starts at 99.0
+    now[0] = 100.0
+    reply.add("let me think", "thinking")  # first thinking block committed a second later: thinking began at 99.0
+    now[0] = 101.5
     reply.add("Answer", "answer")
     reply.add(" more", "answer")
     assert reply.thinking_seconds() == 2.5 and not reply.is_thinking

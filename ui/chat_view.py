@@ -145,7 +145,9 @@ class StreamingReply:
     def add(self, text: str, channel: str) -> None:
         if channel == "thinking":
             if self.thinking_started is None:
-                self.thinking_started = self._clock()
+                # The model thinks from its first generated token; in diffusion mode text only arrives when a
+                # whole block commits, so the first delta's arrival would under-count the thinking time.
+                self.thinking_started = self.started
             self.thinking += text
         else:
             if self.thinking_started is not None and self.thinking_ended is None:

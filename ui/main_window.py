@@ -483,6 +483,10 @@ class ConversationSidebar(QFrame):
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.setEditTriggers(QListWidget.EditTrigger.EditKeyPressed)
         self.list.setWordWrap(True)
+        # titles wrap inside the sidebar's width; never a horizontal scroll bar under the list
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setResizeMode(QListWidget.ResizeMode.Adjust)
         self.models_button = QPushButton("Models")
         self.models_button.setObjectName("ghost")
         self.models_button.setToolTip("Download, choose and quantize models")
