@@ -21,7 +21,7 @@ os.environ.setdefault("QTWEBENGINE_CHROMIUM_FLAGS", "--disable-gpu")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from ui.preview import register_schemes  # noqa: E402
 
 guard_pyside_bool_refcounts()
@@ -283,10 +283,16 @@ def main() -> int:
     client.loadProgress.emit(LoadProgress("quantizing", int(9.3 * GIB), int(18.6 * GIB), "layers.21.mlp.experts", 41.0))
     settle(200)
     shot(window, out / "engine-crash-and-load.png")
-    desk.vram_panel.set_budget_bytes(3 * GIB)
-    desk.vram_panel.ctx_combo.setCurrentIndex(desk.vram_panel.ctx_combo.findData(131072))
+    # an 8 GiB card asked for a 128K context: the slider's floor is above the card, so the plan cannot fit
+    from ui.vram_panel import VramPanel
+
+    small = VramPanel(desk._plan_function(), 8 * GIB, "NVIDIA GeForce RTX 4060", hardware.ram_total_bytes)
+    small.resize(desk.vram_panel.size())
+    small.ctx_combo.setCurrentIndex(small.ctx_combo.findData(131072))
+    small.show()
     settle(100)
-    shot(desk.vram_panel, out / "vram-wont-fit.png")
+    shot(small, out / "vram-wont-fit.png")
+    small.close()
 
     window.close()
     desk.store.close()

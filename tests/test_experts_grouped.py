@@ -27,7 +27,9 @@ def _dense(e: int = E, d: int = D, i: int = I, seed: int = 0) -> DenseExpertBank
     return bank
 
 
-def _routing(t: int, e: int = E, k: int = K, seed: int = 1, pool: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _routing(
+    t: int, e: int = E, k: int = K, seed: int = 1, pool: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_idx [T, K], topk_w [T, K]. With ``pool``, tokens route only to that many experts: the others get zero
     tokens. The last token's slots after the first are weight-0 copies of its first expert (how the block coreset
     pads tokens that have fewer than K experts in the coreset)."""

@@ -13,7 +13,7 @@ from ui.chat_view import default_extract_html
 from ui.main_window import GenerationSettings, MainWindow, expert_hit_rate, title_from_text
 from ui.vram_panel import VramPanel
 
-from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 
 # PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
 # without this the process aborts after some thousands of paints. Must run before the first widget exists.

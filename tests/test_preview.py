@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
-from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from ui.preview import (  # noqa: E402
     PREVIEW_CSP,
     PreviewPane,

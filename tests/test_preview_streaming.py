@@ -8,7 +8,7 @@ pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from PySide6.QtCore import QCoreApplication, QEvent, Qt  # noqa: E402
 
-from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.storage import ChatStore, StreamRecorder  # noqa: E402
 from engine.events import Finished, TextDelta  # noqa: E402
 from fakes_ui import FakeEngineClient  # noqa: E402

@@ -10,7 +10,7 @@ from engine import planner
 from fakes_ui import fake_plan
 from ui.vram_panel import GIB, MIB, STEP_MIB, VramPanel, layer_count, summarize
 
-from clover_desk.cmd_preview import guard_pyside_bool_refcounts  # noqa: E402
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 
 # PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
 # without this the process aborts after some thousands of paints. Must run before the first widget exists.
@@ -62,13 +62,27 @@ def test_slider_spans_minimum_to_card_and_updates_plan(qtbot, plan_fn) -> None:
     assert panel.apply_button.isEnabled()
 
 
-def test_wont_fit_shows_reason_and_blocks_apply(qtbot, plan_fn) -> None:
+def test_a_longer_context_raises_the_minimum(qtbot, plan_fn) -> None:
     panel = VramPanel(plan_fn, CARD, "RTX", 64 * GIB, ctx_tokens=8192)
     qtbot.addWidget(panel)
-    panel.show()
     panel.slider.setValue(panel.slider.minimum())
     assert panel.plan.fits
+    low_floor = panel.slider.minimum()
     panel.ctx_combo.setCurrentIndex(panel.ctx_combo.findData(131072))  # a longer context needs more KV cache
+    need = plan_fn(CARD, 131072).min_vram_bytes
+    assert panel.slider.minimum() > low_floor
+    assert panel.slider.minimum() * STEP_MIB * MIB >= need  # the slider starts where the new context fits
+    assert panel.plan.fits and panel.min_label.text() == f"min {panel.budget_label.text()}"
+
+
+def test_wont_fit_shows_reason_and_blocks_apply(qtbot, plan_fn) -> None:
+    small = 8 * GIB  # an 8 GiB card cannot hold a 128K context's KV cache and workspace with this model
+    panel = VramPanel(plan_fn, small, "RTX 8 GB", 64 * GIB, ctx_tokens=8192)
+    qtbot.addWidget(panel)
+    panel.show()
+    assert panel.plan.fits
+    panel.ctx_combo.setCurrentIndex(panel.ctx_combo.findData(131072))
+    assert plan_fn(small, 131072).min_vram_bytes > small
     assert not panel.plan.fits
     assert "Won't fit" in panel.state_label.text()
     assert panel.reason_label.isVisible() and panel.reason_label.text()

@@ -308,7 +308,8 @@ class VramPanel(QWidget):
         root.addWidget(self.applied_label)
         root.addWidget(self.apply_button)
 
-    def _init_range(self) -> None:
+    def _init_range(self, keep_value: bool = False) -> None:
+        """Slider range: from the smallest budget that fits this model at the chosen context up to the card."""
         top = self.card_bytes
         try:
             floor = int(self._planner(top, self.ctx_tokens()).min_vram_bytes or 0)
@@ -318,8 +319,12 @@ class VramPanel(QWidget):
         floor = max(0, min(floor, top))
         lo = -(-floor // (STEP_MIB * MIB))  # round up to a slider step
         hi = top // (STEP_MIB * MIB)
+        value = self.slider.value()
         self.slider.setRange(lo, max(lo, hi))
-        self.slider.setValue(max(lo, hi - 1))  # default: the whole card less one step
+        if keep_value:
+            self.slider.setValue(max(lo, min(value, hi)))  # a larger context may raise the floor past the value
+        else:
+            self.slider.setValue(max(lo, hi - 1))  # default: the whole card less one step
         self.min_label.setText(f"min {gib(lo * STEP_MIB * MIB)}")
         self.max_label.setText(("card " if self.has_gpu else "no GPU found: up to ") + gib(hi * STEP_MIB * MIB))
 
@@ -364,6 +369,9 @@ class VramPanel(QWidget):
         self.replan()
 
     def on_context_changed(self, _index: int) -> None:
+        self.slider.blockSignals(True)
+        self._init_range(keep_value=True)  # the KV cache and workspace grow with the context: new minimum
+        self.slider.blockSignals(False)
         self.replan()
 
     def on_apply_clicked(self) -> None:
