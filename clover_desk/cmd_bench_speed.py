@@ -434,4 +434,44 @@ def _run_moe_only(args: argparse.Namespace) -> int:
                     diff = (step().float() - ref(bank, x, idx, w).float()).abs().max().item()
                     line += f" | per-expert loop {ms_ref:9.2f} ms/layer ({ms_ref / ms:4.1f}x), max |diff| {diff:.2e}"
                 print(line)
+            if dense_reference is not None:
+                print(f"        {'':<6s} torch ops per layer (each one a kernel launch on a GPU): "
+                      + _op_counts(bank, name, x, idx, w, dense_reference if name == "dense" else quant_reference))
     return 0
+
+
+def _op_counts(bank: Any, name: str, x: Any, idx: Any, w: Any, reference: Callable[..., Any]) -> str:
+    """Torch ops dispatched by the per-expert loop and by the grouped compute with the grouping a CUDA device
+    gets (GROUP_BYTES["cuda"], bf16 weights): a device-independent stand-in for GPU launch overhead, which CPU
+    timings cannot show. The grouped mm fast path (sm90/sm100) is not modelled here: it would be fewer still."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine.experts import GROUP_BYTES, moe_grouped
+    from engine.quant import unpack_rows
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(fn: Callable[[], Any]) -> int:
+        with torch.inference_mode(), Count() as mode:
+            fn()
+        return mode.ops
+
+    inter3 = 3 * bank.intermediate_size
+    group = max(1, GROUP_BYTES["cuda"] // (inter3 * bank.hidden_size * 2))  # experts per group in bf16 on CUDA
+    if name == "dense":
+        weights = bank.gather
+    else:
+        def weights(ids: Any) -> Any:
+            return unpack_rows(bank.layout, bank.packed, ids, x.dtype)
+
+    loop = counted(lambda: reference(bank, x, idx, w))
+    grouped = counted(lambda: moe_grouped(x, idx, w, bank.num_experts, weights, inter3, group_experts=group))
+    return f"per-expert loop {loop}, grouped ({group} experts per group) {grouped}"

@@ -262,30 +262,43 @@ def moe_grouped(
     order, token, counts = sort_by_expert(topk_idx, num_experts)
     counts_host = counts.cpu()  # [E] the one host sync: group sizes are data-dependent
     used = counts_host.nonzero().flatten()  # [U] sorted expert ids
-    used_counts = counts_host[used]  # [U]
+    sizes = counts_host[used].tolist()  # rows of each used expert
+    u = len(sizes)
+    bounds = [(g0, min(g0 + group_experts, u)) for g0 in range(0, u, group_experts)]  # ceil(U / G) groups
+    first_row = [0]
+    for c in sizes:
+        first_row.append(first_row[-1] + c)
+    grouped = grouped_mm_supported(x.device, x.dtype)
+    # Per-row index data for every group, built on the host and copied once (no per-group small copies):
+    # grouped mm: each group's end offsets; padded bmm: each row's slot in its group's zero-padded [G*C] layout.
+    caps = [max(sizes[g0:g1]) for g0, g1 in bounds]  # C per group
+    if grouped:
+        ends = [first_row[j + 1] - first_row[g0] for g0, g1 in bounds for j in range(g0, g1)]
+        index = torch.tensor(ends, dtype=torch.int32)  # [U] end row of each expert inside its group
+    else:
+        sizes_t = torch.tensor(sizes)  # [U]
+        expert_of = torch.repeat_interleave(torch.arange(u), sizes_t)  # [N] used-expert number of each row
+        rank = torch.arange(len(expert_of)) - (torch.tensor(first_row[:-1]))[expert_of]  # [N] rank in its expert
+        slot = torch.arange(u) % group_experts  # [U] place of each expert in its group
+        cap = torch.tensor(caps).repeat_interleave(torch.tensor([g1 - g0 for g0, g1 in bounds]))  # [U] its group's C
+        index = (slot * cap)[expert_of] + rank  # [N] row of each pair in its group's [G*C] padded layout
+    index_dev = _h2d(index, x.device)
+    used_dev = _h2d(used, x.device)  # [U]
     xs = x[token]  # [N, D] token rows in expert order
     ys = torch.empty_like(xs)  # [N, D]
-    grouped = grouped_mm_supported(x.device, x.dtype)
-    start = 0
-    for g0 in range(0, used.numel(), group_experts):  # ceil(U / group_experts) groups, not U experts
-        sizes = used_counts[g0 : g0 + group_experts]  # [G] host
-        g, rows = sizes.numel(), int(sizes.sum())
-        gate_up, down = weights(_h2d(used[g0 : g0 + group_experts], x.device))  # [G, 2I, D], [G, D, I]
-        part = xs[start : start + rows]  # [R, D] this group's pairs, expert by expert
+    for gi, (g0, g1) in enumerate(bounds):
+        r0, r1 = first_row[g0], first_row[g1]
+        gate_up, down = weights(used_dev[g0:g1])  # [G, 2I, D], [G, D, I]
+        part = xs[r0:r1]  # [R, D] this group's pairs, expert by expert
         if grouped:
-            offs = _h2d(sizes.cumsum(0).to(torch.int32), x.device)  # [G] end row of each expert
-            ys[start : start + rows] = swiglu_grouped_mm(part, offs, gate_up, down)
-        elif g == 1:
-            ys[start : start + rows] = swiglu_batched(part[None], gate_up, down)[0]
+            ys[r0:r1] = swiglu_grouped_mm(part, index_dev[g0:g1], gate_up, down)
+        elif g1 - g0 == 1:
+            ys[r0:r1] = swiglu_batched(part[None], gate_up, down)[0]
         else:
-            c = int(sizes.max())
-            # row of each pair in the zero-padded [G*C] layout: its expert's slot j times C + its rank there
-            expert_of = torch.repeat_interleave(torch.arange(g), sizes)  # [R]
-            first = sizes.cumsum(0) - sizes  # [G] first row of each expert in `part`
-            flat_pos = _h2d(expert_of * c + torch.arange(rows) - first[expert_of], x.device)  # [R]
+            g, c = g1 - g0, caps[gi]
+            pos = index_dev[r0:r1]  # [R]
             xp = x.new_zeros(g * c, x.shape[1])  # [G*C, D]
-            xp[flat_pos] = part
+            xp[pos] = part
             yp = swiglu_batched(xp.view(g, c, -1), gate_up, down)  # [G, C, D]
-            ys[start : start + rows] = yp.view(g * c, -1)[flat_pos]
-        start += rows
+            ys[r0:r1] = yp.view(g * c, -1)[pos]
     return combine_by_token(ys, order, topk_w)

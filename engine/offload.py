@@ -393,9 +393,8 @@ class StreamedExpertBank(ExpertBank):
         # [E] expert -> slot row of pool.buf; the pageable source is staged at once, so non_blocking needs no sync
         slot_of = torch.zeros(self.num_experts, dtype=torch.long)
         slot_of[list(slots)] = torch.tensor(list(slots.values()), dtype=torch.long)
-        out = routed_forward(
-            x, topk_idx, topk_w, self.num_experts, self.layout, source=pool.buf, row_index=slot_of.to(pool.buf.device, non_blocking=True)
-        )
+        row_index = slot_of.to(pool.buf.device, non_blocking=True)
+        out = routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=pool.buf, row_index=row_index)
         pool.release(self.layer, list(slots))
         self._slots = {}
         if self.runtime.wants_prefetch() and self.next_router is not None and self.next_layer is not None:

@@ -14,12 +14,11 @@ Quantized modules keep the interface of what they replace: :class:`QuantLinear` 
 per expert (``[gate_up codes | down codes | gate_up scales | down scales]``, see :class:`ExpertLayout`) so that a
 streamed expert is one copy (``engine/offload.py``).
 
-Compute path: weights are dequantized to the activation dtype and multiplied with ``F.linear``. The expert banks
-gather the rows of the experts a forward uses and dequantize a group of them in one call per tensor
-(:func:`unpack_rows`), then run :func:`engine.experts.moe_grouped`; :func:`routed_reference` keeps the old
-per-expert loop for the tests. We never use
+Compute path: weights are dequantized to the activation dtype and multiplied with ``F.linear``. We never use
 ``bnb.nn.Linear4bit``: on CPUs with AVX512-BF16 its first eval forward repacks the weight in place into a
-CPU-only layout, which would corrupt bytes that are later streamed to a GPU.
+CPU-only layout, which would corrupt bytes that are later streamed to a GPU. The expert banks gather the byte
+rows of a group of used experts, dequantize each tensor of the whole group in one call (:func:`unpack_rows`) and
+run :func:`engine.experts.moe_grouped`; :func:`routed_forward_reference` keeps the per-expert loop for the tests.
 
 bitsandbytes 0.50.2 CPU caveat (found while writing the tests): ``dequantize_4bit`` on CPU treats blocks as lying
 inside rows, so for a 2-D shape whose last dim is not a multiple of the blocksize it returns wrong values. We
@@ -532,7 +531,9 @@ def expert_mlp(layout: ExpertLayout, row: Tensor, xs: Tensor) -> Tensor:
     return F.linear(F.silu(gate) * up, down)  # [n, D]
 
 
-def _dequantize_group(layout: ExpertLayout, codes: Tensor, scales: Tensor, shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
+def _dequantize_group(
+    layout: ExpertLayout, codes: Tensor, scales: Tensor, shape: tuple[int, int], dtype: torch.dtype
+) -> Tensor:
     """codes [G, c] uint8 and scales [G, s] fp32 of G experts' copies of one tensor -> [G, *shape] in ``dtype``.
 
     One dequantize call for the group when each expert's tensor is a whole number of NF4 blocks (INT8 scales are
@@ -553,7 +554,8 @@ def unpack_rows(layout: ExpertLayout, source: Tensor, rows: Tensor, dtype: torch
     """Dequantize the experts in rows ``rows`` [G] (long, on source's device) of ``source`` [S, nbytes] uint8
     -> (gate_up [G, 2I, D], down [G, D, I]) in ``dtype``. Each segment is gathered straight into a contiguous
     [G, bytes] tensor (no copy of whole rows) and dequantized in one call."""
-    (a, na), (b, nb), (c, nc), (d, nd) = layout.gate_up_codes, layout.down_codes, layout.gate_up_scales, layout.down_scales
+    (a, na), (b, nb) = layout.gate_up_codes, layout.down_codes
+    (c, nc), (d, nd) = layout.gate_up_scales, layout.down_scales
     gu_codes = source[:, a : a + na].index_select(0, rows)  # [G, na]
     dn_codes = source[:, b : b + nb].index_select(0, rows)  # [G, nb]
     gu_scales = source[:, c : c + nc].index_select(0, rows).view(torch.float32)  # [G, nc/4]
@@ -579,7 +581,7 @@ def routed_forward(
 
     Where the expert bytes are: ``source`` [S, nbytes] uint8 with expert e in row ``row_index[e]`` (``row_index``
     [E] long on source's device; None: row e), which needs no host sync to find an expert; or ``row_of(e)`` -> row
-    [nbytes], which needs the expert ids on the host (one sync) and copies each used row once."""
+    [nbytes], which needs the expert ids on the host (a sync per group on a GPU) and copies each used row once."""
     if source is not None:
         def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
             rows = ids if row_index is None else row_index[ids]  # [G]
