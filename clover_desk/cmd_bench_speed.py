@@ -435,15 +435,16 @@ def _run_moe_only(args: argparse.Namespace) -> int:
                     line += f" | per-expert loop {ms_ref:9.2f} ms/layer ({ms_ref / ms:4.1f}x), max |diff| {diff:.2e}"
                 print(line)
             if dense_reference is not None:
-                print(f"        {'':<6s} torch ops per layer (each one a kernel launch on a GPU): "
+                print(f"        {'':<6s} non-view torch ops per layer (~ GPU kernel launches): "
                       + _op_counts(bank, name, x, idx, w, dense_reference if name == "dense" else quant_reference))
     return 0
 
 
 def _op_counts(bank: Any, name: str, x: Any, idx: Any, w: Any, reference: Callable[..., Any]) -> str:
-    """Torch ops dispatched by the per-expert loop and by the grouped compute with the grouping a CUDA device
-    gets (GROUP_BYTES["cuda"], bf16 weights): a device-independent stand-in for GPU launch overhead, which CPU
-    timings cannot show. The grouped mm fast path (sm90/sm100) is not modelled here: it would be fewer still."""
+    """Non-view torch ops dispatched by the per-expert loop and by the grouped compute with the grouping a CUDA
+    device gets (GROUP_BYTES["cuda"], bf16 weights): a device-independent stand-in for GPU launch overhead, which
+    CPU timings cannot show. A few of the grouped path's ops build index tensors on the host (no kernel on a GPU);
+    the grouped mm fast path (sm90/sm100) is not modelled here."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -456,7 +457,7 @@ def _op_counts(bank: Any, name: str, x: Any, idx: Any, w: Any, reference: Callab
             self.ops = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.ops += 1
+            self.ops += not func.is_view  # views, slices, detach: metadata only, no kernel
             return func(*args, **(kwargs or {}))
 
     def counted(fn: Callable[[], Any]) -> int:
