@@ -272,17 +272,18 @@ def moe_grouped(
     # Per-row index data for every group, built on the host and copied once (no per-group small copies):
     # grouped mm: each group's end offsets; padded bmm: each row's slot in its group's zero-padded [G*C] layout.
     caps = [max(sizes[g0:g1]) for g0, g1 in bounds]  # C per group
+    index: Tensor | None = None
     if grouped:
         ends = [first_row[j + 1] - first_row[g0] for g0, g1 in bounds for j in range(g0, g1)]
         index = torch.tensor(ends, dtype=torch.int32)  # [U] end row of each expert inside its group
-    else:
+    elif group_experts > 1:
         sizes_t = torch.tensor(sizes)  # [U]
         expert_of = torch.repeat_interleave(torch.arange(u), sizes_t)  # [N] used-expert number of each row
         rank = torch.arange(len(expert_of)) - (torch.tensor(first_row[:-1]))[expert_of]  # [N] rank in its expert
         slot = torch.arange(u) % group_experts  # [U] place of each expert in its group
         cap = torch.tensor(caps).repeat_interleave(torch.tensor([g1 - g0 for g0, g1 in bounds]))  # [U] its group's C
         index = (slot * cap)[expert_of] + rank  # [N] row of each pair in its group's [G*C] padded layout
-    index_dev = _h2d(index, x.device)
+    index_dev = _h2d(index, x.device) if index is not None else None
     used_dev = _h2d(used, x.device)  # [U]
     xs = x[token]  # [N, D] token rows in expert order
     ys = torch.empty_like(xs)  # [N, D]
@@ -290,11 +291,13 @@ def moe_grouped(
         r0, r1 = first_row[g0], first_row[g1]
         gate_up, down = weights(used_dev[g0:g1])  # [G, 2I, D], [G, D, I]
         part = xs[r0:r1]  # [R, D] this group's pairs, expert by expert
-        if grouped:
-            ys[r0:r1] = swiglu_grouped_mm(part, index_dev[g0:g1], gate_up, down)
-        elif g1 - g0 == 1:
+        if g1 - g0 == 1 and not grouped:
             ys[r0:r1] = swiglu_batched(part[None], gate_up, down)[0]
+        elif grouped:
+            assert index_dev is not None
+            ys[r0:r1] = swiglu_grouped_mm(part, index_dev[g0:g1], gate_up, down)
         else:
+            assert index_dev is not None
             g, c = g1 - g0, caps[gi]
             pos = index_dev[r0:r1]  # [R]
             xp = x.new_zeros(g * c, x.shape[1])  # [G*C, D]

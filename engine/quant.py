@@ -556,10 +556,18 @@ def unpack_rows(layout: ExpertLayout, source: Tensor, rows: Tensor, dtype: torch
     [G, bytes] tensor (no copy of whole rows) and dequantized in one call."""
     (a, na), (b, nb) = layout.gate_up_codes, layout.down_codes
     (c, nc), (d, nd) = layout.gate_up_scales, layout.down_scales
-    gu_codes = source[:, a : a + na].index_select(0, rows)  # [G, na]
-    dn_codes = source[:, b : b + nb].index_select(0, rows)  # [G, nb]
-    gu_scales = source[:, c : c + nc].index_select(0, rows).view(torch.float32)  # [G, nc/4]
-    dn_scales = source[:, d : d + nd].index_select(0, rows).view(torch.float32)  # [G, nd/4]
+    if rows.numel() == 1 and rows.device.type == "cpu":  # one row named on the host: views, no gather (a CPU group)
+        r = int(rows)
+        src = source[r : r + 1]  # [1, nbytes]
+        gu_codes, dn_codes, gu_scales, dn_scales = (
+            src[:, a : a + na], src[:, b : b + nb], src[:, c : c + nc], src[:, d : d + nd]
+        )
+    else:
+        gu_codes = source[:, a : a + na].index_select(0, rows)  # [G, na]
+        dn_codes = source[:, b : b + nb].index_select(0, rows)  # [G, nb]
+        gu_scales = source[:, c : c + nc].index_select(0, rows)  # [G, nc]
+        dn_scales = source[:, d : d + nd].index_select(0, rows)  # [G, nd]
+    gu_scales, dn_scales = gu_scales.view(torch.float32), dn_scales.view(torch.float32)  # [G, nc/4], [G, nd/4]
     gate_up = _dequantize_group(layout, gu_codes, gu_scales, layout.gate_up_shape, dtype)  # [G, 2I, D]
     down = _dequantize_group(layout, dn_codes, dn_scales, layout.down_shape, dtype)  # [G, D, I]
     return gate_up, down
