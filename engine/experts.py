@@ -251,7 +251,7 @@ def moe_grouped(
         return combine_by_token(ys, order, topk_w)
     if n <= SMALL_SLOTS:  # one expert per (token, slot) pair, in (token, slot) order: nothing to sort, no sync
         flat = topk_idx.reshape(-1)  # [N]
-        xp = x.repeat_interleave(k, dim=0)[:, None, :]  # [N, 1, D] token row of each pair
+        xp = x[:, None, :].expand(t, k, x.shape[1]).reshape(n, 1, -1)  # [N, 1, D] token row of each pair
         parts = []
         for p0 in range(0, n, group_experts):  # one group on a GPU; CPU: see GROUP_BYTES
             gate_up, down = weights(flat[p0 : p0 + group_experts])  # [G, 2I, D], [G, D, I]
