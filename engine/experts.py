@@ -5,12 +5,13 @@ The MoE layer (``engine.model.SparseMoe``) computes the router, the optional blo
 Quantized and streamed banks (``engine/offload.py``, ``engine/quant.py``) replace ``layer.mlp.experts`` with the
 same interface.
 
-Compute (:func:`moe_grouped`, used by every bank): no Python loop over experts. The (token, slot) pairs are sorted
-by expert and each group of used experts runs as one batched SwiGLU: ``torch._grouped_mm`` where torch has its
-fused kernel (bf16 on H100/H200-class GPUs, see :func:`grouped_mm_supported`), else a zero-padded ``torch.bmm``
-over [G, C, D]. An AR step (N <= ``SMALL_SLOTS`` pairs) skips the grouping: it
-gathers one expert per pair and needs no host sync. The slow per-expert loop is kept as :func:`routed_reference`
-for the tests.
+Compute (:func:`moe_grouped`, used by every bank): the (token, slot) pairs are sorted by expert and each group of
+used experts runs as one batched SwiGLU: ``torch._grouped_mm`` where torch has its fused kernel (bf16 on
+H100/H200-class GPUs, see :func:`grouped_mm_supported`; resident dense weights then need no gather and no group
+loop at all), else a zero-padded ``torch.bmm`` over [G, C, D]. Groups hold up to 16 experts on CUDA (a 32-token
+pass over ~70 experts: 5 iterations, not 70) and one on CPU (see ``GROUP_BYTES``). An AR step (N <= ``SMALL_SLOTS``
+pairs) skips the grouping: it gathers one expert per pair and needs no host sync. The slow per-expert loop is kept
+as :func:`routed_reference` for the tests and the benchmark.
 
 Letters: T tokens, K experts per token (top-k), E experts, D hidden size, I expert intermediate size,
 N = T*K routed (token, slot) pairs, U experts used by this forward, G experts in one group (chunk) of them,
