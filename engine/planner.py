@@ -392,7 +392,7 @@ class QuantPolicy:
     Defaults, by the numbers (35B-A3B shapes, 16K context; ``tests/test_planner.py`` pins them):
     * routed experts are 93 % of the weights and only 8 of 256 run per token: NF4 (4.5 bits), 16.9 GiB.
     * dense projections (attention + GDN + shared experts, 1.41 B params): int8 1.42 GB, NF4 0.80 GB. The 0.62 GB
-      is 1.4 expert layers: at 16 GiB NF4 keeps 21 layers resident against int8's 19, for 8 % (diffusion) to
+      is 1.4 expert layers: at 16 GiB NF4 keeps 20 layers resident against int8's 18, for 8 % (diffusion) to
       11 % (AR) more hardware-bound speed, 1-6 % with today's eager overheads (18 % diffusion at 8 GiB). int8 is
       the default anyway: this path runs for every token of every denoising pass, and block diffusion commits a
       position only at >= 0.95 confidence, so noise here costs tokens per pass; a 10 % lower TPF would cancel
@@ -769,7 +769,7 @@ PREFILL_MAX_TOKENS = 2048  # engine.model.CloverModel.max_pass_tokens: the longe
 PREFILL_WORKSPACE_BYTES = 512 * MiB  # what the chunk-dependent part of one prefill forward may take
 ACTIVATION_BUFFERS = 8  # live fp32 [tokens, widest projection] buffers inside one layer
 ATTENTION_PATHS = ("math", "efficient")
-EXPERT_DEQUANT_EXPERTS = 2  # experts alive dequantized to bf16 (engine.quant.routed_forward: one at a time, + 1 cached)
+EXPERT_DEQUANT_EXPERTS = 16  # experts dequantized to bf16 at once on CUDA (engine.experts.GROUP_BYTES: 96 MiB for 35B-A3B)
 
 CORESET_DISTINCT_EXPERTS_PER_PASS = 30.0  # [assumption] DES / MoE-Spec: 30-50 % of the raw union
 
