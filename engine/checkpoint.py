@@ -66,10 +66,16 @@ class TensorEntry:
     dtype: str  # safetensors dtype tag, e.g. "BF16"
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # absolute byte offset of the tensor's data in ``file``
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """Parse and validate one safetensors header; a truncated or malformed file is a CheckpointError naming it."""
+    return read_safetensors_header_raw(path)[0]
+
+
+def read_safetensors_header_raw(path: Path) -> tuple[dict[str, TensorEntry], bytes]:
+    """:func:`read_safetensors_header` plus the raw header bytes (the data starts at ``8 + len(raw)``)."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -107,8 +113,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
                 f"{path}: truncated safetensors file: tensor {name!r} ends at byte {end} of the data section, "
                 f"which has only {data_len} bytes"
             )
-        entries[name] = TensorEntry(name, path, dtype, shape, end - begin)
-    return entries
+        entries[name] = TensorEntry(name, path, dtype, shape, end - begin, 8 + n + begin)
+    return entries, raw
 
 
 class StateDictSource:

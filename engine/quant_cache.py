@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.checkpoint import Target, sanitize_name, sanitize_shape, sanitize_tensor
+from engine.checkpoint import Target, read_safetensors_header_raw, sanitize_name, sanitize_shape, sanitize_tensor
 from engine.config import CloverConfig, load_config
 from engine.errors import CancelledError, CheckpointError
 from engine.events import LoadProgress
@@ -104,39 +104,12 @@ class SrcTensor:
 
 def read_header(path: Path) -> tuple[dict[str, SrcTensor], str, int]:
     """(tensors, sha256 of the header bytes, data start) of a safetensors file; CheckpointError if malformed."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file is {size} bytes)")
-            raw = f.read(n)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON") from None
-    start = 8 + n
-    out: dict[str, SrcTensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in _ST:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        if e - b != math.prod(shape) * _ST[dtype][1] or start + e > size:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} is truncated or has a wrong size ({e - b} bytes for {list(shape)})"
-            )
-        out[name] = SrcTensor(name, path, dtype, shape, start + b, e - b)
-    return out, hashlib.sha256(raw).hexdigest(), start
+    entries, raw = read_safetensors_header_raw(path)  # the one validating parser (engine.checkpoint)
+    for e in entries.values():
+        if e.dtype not in _ST:
+            raise CheckpointError(f"{path}: tensor {e.name!r} has dtype {e.dtype!r}, which the quantizer does not read")
+    out = {name: SrcTensor(name, path, e.dtype, e.shape, e.offset, e.nbytes) for name, e in entries.items()}
+    return out, hashlib.sha256(raw).hexdigest(), 8 + len(raw)
 
 
 def _pread(fd: int, offset: int, nbytes: int, what: str) -> bytearray:
