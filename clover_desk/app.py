@@ -99,6 +99,7 @@ class CloverDeskApp(QObject):
         self.client = client or EngineClient()
         self.device = self.settings.device or ("cuda" if self.hardware.gpu_name else "cpu")
         self.dtype = self.settings.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+        self._loading_plan: tuple[int, int] | None = None  # (budget bytes, context) of the load in flight
         self.vram_panel = self._build_vram_panel()
         self.preview = self._build_preview() if with_preview else None
         self.model_manager = self._build_model_manager() if with_model_manager else None
@@ -190,24 +191,29 @@ class CloverDeskApp(QObject):
     def load_model(self) -> None:
         if not self.settings.model_dir:
             return
-        vram_gb = self.settings.vram_budget_bytes / GIB if self.settings.vram_budget_bytes else None
-        if self.device != "cuda":
-            vram_gb = None  # a budget means expert streaming to a GPU; on CPU everything stays in RAM
+        budget, ctx = self.settings.vram_budget_bytes, self.settings.ctx_tokens
+        if self.device == "cuda" and not budget:
+            # nothing applied yet: plan for what the VRAM panel proposes (the card less one step) rather than
+            # trying to put the whole BF16 model on the GPU
+            budget, ctx = self.vram_panel.budget_bytes(), self.vram_panel.ctx_tokens()
+        self._loading_plan = (budget, ctx) if budget else None
+        # a budget means expert streaming to a GPU; on CPU everything stays in RAM (the budget is kept for later)
+        vram_gb = budget / GIB if budget and self.device == "cuda" else None
         self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
         self.client.load(
             self.settings.model_dir,
             device=self.device,
             dtype=self.dtype,
             vram_gb=vram_gb,
-            ctx_tokens=self.settings.ctx_tokens if vram_gb is not None else None,
+            ctx_tokens=ctx if vram_gb is not None else None,
         )
 
     def on_engine_ready(self) -> None:
         self.load_model()
 
     def on_model_loaded(self, info: dict[str, Any]) -> None:
-        if self.settings.vram_budget_bytes and hasattr(self.vram_panel, "set_applied"):
-            self.vram_panel.set_applied(self.settings.vram_budget_bytes, self.settings.ctx_tokens)
+        if self._loading_plan is not None and hasattr(self.vram_panel, "set_applied"):
+            self.vram_panel.set_applied(*self._loading_plan)
 
     def on_model_chosen(self, model_dir: str) -> None:
         self.settings.model_dir = model_dir

@@ -420,7 +420,12 @@ def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
         desk = CloverDeskApp(tmp_path, client=client, settings=AppSettings(model_dir="/models/first"),
                              hardware=gpu, with_preview=False, with_model_manager=False)
     qtbot.addWidget(desk.window)
-    assert client.loads == [("/models/first", "cuda", "bfloat16", None)]
+    # nothing applied yet: the first load on a GPU is planned for the panel's proposal, never the whole BF16 model
+    proposed = desk.vram_panel.budget_bytes()
+    assert 0 < proposed < 16 * 1024**3
+    assert client.loads == [("/models/first", "cuda", "bfloat16", proposed / 1024**3)]
+    assert client.ctx_loads == [desk.vram_panel.ctx_tokens()]
+    assert desk.vram_panel.applied == (proposed, desk.vram_panel.ctx_tokens())
     assert desk.window.engine_label.text() == "● Ready"
     assert "RTX 4070 Ti SUPER" in desk.window.gpu_label.text()
     with qtbot.waitSignal(client.loaded, timeout=2000):
