@@ -281,3 +281,20 @@ def test_cli_missing_file_is_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "cannot read" in result.stderr and "absent.html" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.webengine
+def test_a_crashed_renderer_is_reported_and_reload_brings_the_page_back(qtbot, pane: PreviewPane) -> None:
+    """Killing the page's renderer process never takes the app down: the strip says so and Reload recovers."""
+    import signal
+
+    show(qtbot, pane, "<!DOCTYPE html><html><body><p id=p>alive</p></body></html>", "crash")
+    pid = pane.page.renderProcessPid()
+    assert pid > 0
+    with qtbot.waitSignal(pane.page.renderProcessTerminated, timeout=20_000):
+        os.kill(pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: any("renderer stopped" in e.text for e in pane.entries if e.kind == "error"), timeout=5000)
+    with qtbot.waitSignal(pane.loadFinished, timeout=20_000):
+        pane.reload_button.click()
+    assert js(qtbot, pane, "document.getElementById('p').textContent") == "alive"
+    assert pane.page.renderProcessPid() not in (0, pid)
