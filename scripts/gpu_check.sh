@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The prepared GPU checks of issues 2 and 3, as ONE script for a lent device machine (15 minutes in all).
+# Not run by CI (there is no GPU there). Run from the repository root on the GPU machine:
+#   bash scripts/gpu_check.sh            (logs go to $OUT, or ./gpu-check-out when OUT is unset)
+# That machine has torch but not bitsandbytes; carry its wheel in .whl/ (see the device tool's README) for the
+# NF4 offload check, which is skipped otherwise. Each step has its own time limit so one hang cannot eat the lease.
+set -u
+out="${OUT:-./gpu-check-out}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=python3
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)" | tee -a "$out/summary.txt"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log" | tee -a "$out/summary.txt"
+  echo "== $name rc=$rc" | tee -a "$out/summary.txt"
+}
+nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv | tee "$out/summary.txt"
+# Issue 2: full-size random 35B-A3B in bf16, all weights resident: AR decode tok/s, diffusion passes/s (one block).
+step bench_speed_full 240 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16
+# Issue 3: full-size NF4 experts in pinned RAM, process capped at 16 GiB: H2D GB/s, AR tok/s, passes/s, coreset load.
+if $py -c "import bitsandbytes" 2>/dev/null; then
+  step bench_offload_gpu 240 $py -m clover_desk.cli bench offload --gpu --gpu-mem-gb 16
+else
+  echo "== bench_offload_gpu skipped: bitsandbytes is not importable (carry its wheel in .whl/)" | tee -a "$out/summary.txt"
+fi
+# The GPU-marked tests (grouped expert compute on CUDA, the CLI's CUDA path).
+step pytest_gpu 120 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py
