@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +20,7 @@ from typing import Any
 import torch
 
 from engine.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
-from engine.errors import ConfigError, PlanError, PromptError
+from engine.errors import ConfigError, PromptError
 from engine.events import Event, GenerationParams, LoadProgress
 from engine.generate import LoopHooks, generate, resolve_settings
 from engine.tokenizer import CloverTokenizer
@@ -94,30 +92,24 @@ class Engine:
         torch_dtype = parse_dtype(dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} was asked for, but CUDA is not available here")
-        offload = None
-        if vram_gb is not None:
-            if importlib.util.find_spec("engine.offload") is None:
-                raise PlanError("a VRAM budget (vram_gb) needs engine.offload, which is not installed")
-            offload = importlib.import_module("engine.offload")
         from engine.checkpoint import load_model
 
         plan = None
         hooks = None
-        if offload is None:
+        if vram_gb is None:
             model = load_model(
                 folder, dtype=torch_dtype, device=device, progress=progress, cancel=cancel, config=config
             )
         else:
             # Under a budget the model is quantized (through the on-disk cache) in host memory, then placed.
-            quant_cache = importlib.import_module("engine.quant_cache")
-            model, report = quant_cache.load_quantized(folder, dtype=torch_dtype, progress=progress, cancel=cancel)
-            log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
             import psutil
 
+            from engine import offload, quant_cache
+
+            model, report = quant_cache.load_quantized(folder, dtype=torch_dtype, progress=progress, cancel=cancel)
+            log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
             ctx = int(ctx_tokens or DEFAULT_PLAN_CTX)
-            plan = offload.plan_for_model(  # type: ignore[arg-type]
-                model, float(vram_gb), ctx_tokens=ctx, ram_bytes=psutil.virtual_memory().available
-            )
+            plan = offload.plan_for_model(model, float(vram_gb), ctx_tokens=ctx, ram_bytes=psutil.virtual_memory().available)
             # The plan keeps the embedding table in system RAM (only the looked-up rows go to the device).
             offload.apply_plan(model, plan, device, host_embedding=True)
             if plan.prefill_chunk_tokens:
