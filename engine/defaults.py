@@ -1,0 +1,18 @@
+"""Defaults every planning caller shares, defined once (stdlib only: the UI imports this module).
+
+* :data:`DEFAULT_CTX_TOKENS`: the context a plan reserves KV cache and prefill scratch for when the user has not
+  chosen one (the CLI, the VRAM panel, the worker and the benchmarks all use it).
+* :data:`DEFAULT_CARD_BYTES`: the card a plan is made for when no NVIDIA GPU is found (the product's target, a
+  16 GB RTX card); :data:`CARD_CHOICES_GIB` are the sizes a user without a GPU may plan for instead.
+"""
+
+from __future__ import annotations
+
+GIB = 1 << 30
+
+DEFAULT_CTX_TOKENS = 16_384
+CARD_CHOICES_GIB = (8, 12, 16, 24)
+DEFAULT_CARD_GIB = 16
+DEFAULT_CARD_BYTES = DEFAULT_CARD_GIB * GIB
+
+__all__ = ["CARD_CHOICES_GIB", "DEFAULT_CARD_BYTES", "DEFAULT_CARD_GIB", "DEFAULT_CTX_TOKENS", "GIB"]
