@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.defaults import DEFAULT_CTX_TOKENS
+from engine.hardware import DEFAULT_HARDWARE
+
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -34,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shape", default="clover-35b-a3b", help="model shape for the planner (default clover-35b-a3b)"
     )
     parser.add_argument("--vram-gb", type=float, default=16.0, help="VRAM budget in GiB (default 16)")
-    parser.add_argument("--ctx", type=int, default=8192, help="context tokens the plan reserves (default 8192)")
+    parser.add_argument("--ctx", type=int, default=DEFAULT_CTX_TOKENS, help=f"context tokens the plan reserves (default {DEFAULT_CTX_TOKENS})")
     parser.add_argument("--tokens-per-pass", type=float, default=3.0, help="committed tokens per denoising pass (TPF)")
     parser.add_argument(
         "--target-distinct", type=float, default=70.0, help="distinct experts per 32-slot pass to calibrate to"
@@ -172,14 +175,13 @@ def calibrate(target: float, base: TraceModel, reuse: float, passes: int) -> Tra
 def _sim_pool(slots: int, experts: int, layers: list[int]) -> tuple[Any, dict[int, Any]]:
     import torch
 
-    from engine.offload import DeviceLedger, HostExpertStore, PinBudget, SlotPool
+    from engine.offload import DeviceLedger, HostExpertStore, SlotPool
     from engine.quant import ExpertLayout
 
     layout = ExpertLayout.build(experts, 16, 8, "nf4", 64)  # a stand-in row of a few hundred bytes
     pool = SlotPool(slots, layout, torch.device("cpu"), DeviceLedger(torch.device("cpu")))
-    budget = PinBudget(None)
     stores = {
-        i: HostExpertStore(i, torch.zeros(experts, layout.nbytes, dtype=torch.uint8), False, budget) for i in layers
+        i: HostExpertStore(i, torch.zeros(experts, layout.nbytes, dtype=torch.uint8), False) for i in layers
     }
     return pool, stores
 
@@ -259,11 +261,11 @@ def run_simulation(args: argparse.Namespace) -> int:
     from engine.errors import CloverError
 
     torch.set_num_threads(1)  # tiny [32, 256] ops: threads only add contention
-    from engine.planner import make_plan, manifest_for_shape
+    from engine.planner import manifest_for_shape, plan_model
 
     try:
         manifest = manifest_for_shape(args.shape)
-        plan = make_plan(manifest, int(args.vram_gb * GiB), args.ctx)
+        plan = plan_model(manifest, int(args.vram_gb * GiB), args.ctx, DEFAULT_HARDWARE)
     except CloverError as exc:
         print(f"error: {exc}")
         return 2
@@ -393,7 +395,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         )
         return 2
     from engine import offload
-    from engine.planner import make_plan, manifest_for_shape
+    from engine.planner import SHAPE_PREFIX, manifest_for_shape, plan_model, probe_hardware
     from engine.quant import ExpertLayout, QuantExpertBank, routed_forward
 
     dev = torch.device("cuda")
@@ -403,7 +405,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     print(f"gpu: {torch.cuda.get_device_name(dev)}, capped at {cap * total / GiB:.1f} of {total / GiB:.1f} GiB")
     manifest = manifest_for_shape(args.shape)
     geo = manifest.geometry
-    plan = make_plan(manifest, int(args.vram_gb * GiB), args.ctx)
+    plan = plan_model(SHAPE_PREFIX + args.shape, int(args.vram_gb * GiB), args.ctx, probe_hardware())
     e, d, i, k = geo.num_experts, geo.hidden_size, geo.moe_intermediate_size, geo.num_experts_per_tok
     lay = ExpertLayout.build(e, d, i, "nf4", 64)
     streamed = list(plan.streamed_expert_layers)
@@ -425,8 +427,9 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     budget = offload.PinBudget(None)
     stores = {}
     for layer in streamed:
-        rows = seed_rows.repeat((e + 15) // 16, 1)[:e].contiguous()
-        stores[layer] = offload.HostExpertStore(layer, rows, True, budget)
+        rows, pinned = offload.alloc_host_rows((e, lay.nbytes), True, budget, layer)
+        rows.copy_(seed_rows.repeat((e + 15) // 16, 1)[:e])
+        stores[layer] = offload.HostExpertStore(layer, rows, pinned)
     if any(not s.pinned for s in stores.values()):
         pool.staging = offload.StagingRing(lay.nbytes, 4, dev)
     banks = {

@@ -1,9 +1,11 @@
 """``clover-desk plan``: where a model's bytes go for a VRAM budget, and the predicted speed.
 
-    clover-desk plan (--model DIR | --shape clover-35b-a3b) --vram-gb N [--ctx N] [--ram-gb N] [--json]
+    clover-desk plan (--model DIR | --shape clover-35b-a3b) [--vram-gb N] [--ctx N] [--ram-gb N] [--json]
 
 ``--vram-gb`` / ``--ram-gb`` are GiB (2**30 bytes) the process may use: pass the card's *free* VRAM, not its
-total. ``--model`` takes a Hugging Face model folder (safetensors headers are read, never the weights), a quantized
+total; without it, the card's free VRAM, or a 16 GiB card when no NVIDIA GPU is found. The plan is the one
+``engine.planner.plan_model`` makes, the function the window and the engine use, so ``--json`` prints exactly the
+plan ``generate --vram-gb N --json`` announces and loads on this machine. ``--model`` takes a Hugging Face model folder (safetensors headers are read, never the weights), a quantized
 cache folder (``<model>/.clover-cache/<policy hash>/``, holding ``manifest.json``), or that manifest file itself; a checkpoint is planned as it will be after
 quantization (``--dense`` picks the projections' format; ``--as-stored`` plans the bytes in its files).
 
@@ -14,23 +16,26 @@ in ``--json`` the plan has ``"fits": false``); 2 bad input (a missing folder, a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
+
+from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import CloverError
+from engine.formats import make_policy
 from engine.planner import (
+    SHAPE_PREFIX,
     SHAPES,
     GiB,
     Manifest,
     MiB,
     Plan,
-    QuantPolicy,
     Roofline,
-    make_plan,
     manifest_for_model_dir,
-    manifest_for_shape,
+    plan_model,
     probe_hardware,
 )
 
@@ -55,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, metavar="DIR", help="model folder, quantized cache folder, or its manifest.json")
     source.add_argument("--shape", choices=sorted(SHAPES), help="plan a known model shape without its files")
-    parser.add_argument("--vram-gb", type=float, required=True, metavar="N", help="VRAM budget in GiB (the card's free memory)")
-    parser.add_argument("--ctx", type=int, default=16384, metavar="N", help="context tokens to hold (default 16384)")
-    parser.add_argument("--ram-gb", type=float, metavar="N", help="free system RAM in GiB (checked when given)")
+    parser.add_argument("--vram-gb", type=float, metavar="N", help="VRAM budget in GiB (default: the card's free memory, or 16 without a GPU)")
+    parser.add_argument("--ctx", type=int, default=DEFAULT_CTX_TOKENS, metavar="N", help=f"context tokens to hold (default {DEFAULT_CTX_TOKENS})")
+    parser.add_argument("--ram-gb", type=float, metavar="N", help="free system RAM in GiB (default: what is free now)")
     parser.add_argument("--dense", choices=("nf4", "int8"), default="int8", help="format of the attention, GDN and shared-expert projections when quantizing (--shape, or a checkpoint folder; default int8)")
     parser.add_argument("--as-stored", action="store_true", help="plan a checkpoint folder with the bytes in its files instead of as quantized")
     parser.add_argument("--tokens-per-pass", type=float, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
@@ -72,14 +77,16 @@ def _gib_to_bytes(value: float, flag: str) -> int:
     return int(round(value * GiB))
 
 
-def _load_manifest(args: argparse.Namespace) -> Manifest:
-    policy = QuantPolicy(attention=args.dense, shared_expert=args.dense)
+def _model(args: argparse.Namespace) -> str | Path | Manifest:
+    """What to plan: a known shape, a quantized cache (as written), or a checkpoint (as quantized, or as stored)."""
     if args.shape:
-        return manifest_for_shape(args.shape, policy)
+        return SHAPE_PREFIX + args.shape
     path: Path = args.model
     if not path.exists():
         raise FileNotFoundError(f"--model {path}: no such file or folder")
-    return manifest_for_model_dir(path, policy, as_stored=args.as_stored)
+    if args.as_stored:
+        return manifest_for_model_dir(path, as_stored=True)
+    return path
 
 
 def _layers(layers: list[int]) -> str:
@@ -147,14 +154,18 @@ def format_plan(plan: Plan) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        vram = _gib_to_bytes(args.vram_gb, "--vram-gb")
+        vram = None if args.vram_gb is None else _gib_to_bytes(args.vram_gb, "--vram-gb")
         ram = None if args.ram_gb is None else _gib_to_bytes(args.ram_gb, "--ram-gb")
         if args.ctx <= 0:
             raise ValueError(f"--ctx must be a positive number of tokens, got {args.ctx}")
-        manifest = _load_manifest(args)
         hardware = probe_hardware()
+        if ram is not None:
+            hardware = dataclasses.replace(hardware, ram_available_bytes=ram)
         roofline = Roofline.with_coreset(tokens_per_pass=args.tokens_per_pass) if args.coreset else Roofline(tokens_per_pass=args.tokens_per_pass)
-        plan = make_plan(manifest, vram, args.ctx, ram, hardware=hardware, roofline=roofline, attention=args.attention)
+        policy = make_policy(attention=args.dense, shared_expert=args.dense)
+        plan = plan_model(
+            _model(args), vram, args.ctx, hardware, policy=policy, roofline=roofline, attention=args.attention
+        )
     except (CloverError, OSError, ValueError) as exc:
         print(f"clover-desk plan: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

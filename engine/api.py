@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
+from engine.defaults import DEFAULT_CTX_TOKENS, GIB
 from engine.errors import ConfigError, PromptError
 from engine.events import Event, GenerationParams, LoadProgress
 from engine.generate import LoopHooks, generate, resolve_settings
@@ -27,7 +28,6 @@ from engine.tokenizer import CloverTokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PLAN_CTX = 16_384  # context a VRAM plan reserves KV cache for when the caller does not say
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,6 +38,45 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def plan_for(model_dir: str | Path, vram_gb: float, ctx_tokens: int | None = None) -> Any:
+    """The plan for a model folder under a VRAM budget in GiB on this machine: ``engine.planner.plan_model`` with
+    the probed hardware (what ``generate --vram-gb`` prints and then loads)."""
+    from engine.planner import plan_model, probe_hardware
+
+    return plan_model(model_dir, int(float(vram_gb) * GIB), int(ctx_tokens or DEFAULT_CTX_TOKENS), probe_hardware())
+
+
+def _load_planned(
+    folder: Path,
+    plan: Any,
+    device: str,
+    dtype: torch.dtype,
+    progress: Callable[[LoadProgress], None] | None,
+    cancel: threading.Event | None,
+) -> tuple[Any, Any]:
+    """Check ``plan`` against the model's quantized cache (built first when needed: it streams tensor by tensor)
+    and this machine, then read each tensor once into its planned place. Returns (plan, model)."""
+    import psutil
+
+    from engine import planner, quant_cache
+
+    plan = planner.Plan.from_dict(plan) if isinstance(plan, dict) else plan
+    report = quant_cache.ensure_cache(folder, progress=progress, cancel=cancel)
+    log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
+    manifest = planner.manifest_from_quantized_cache(report.manifest_path)
+    ram_free = psutil.virtual_memory().available
+    vram_free = None
+    on_gpu = str(device).startswith("cuda")
+    if on_gpu:
+        vram_free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:  # the "device" part of the plan lives in RAM as well
+        b = plan.vram_breakdown
+        ram_free -= sum(int(b.get(k, 0)) for k in ("non_expert", "resident_experts", "expert_slots", "kv_cache"))
+    planner.check_plan(plan, manifest, ram_available_bytes=ram_free, vram_available_bytes=vram_free)
+    model = quant_cache.load_from_cache(report.path, folder, dtype, progress, cancel, plan=plan, device=device)
+    return plan, model
 
 
 class Engine:
@@ -71,12 +110,16 @@ class Engine:
         progress: Callable[[LoadProgress], None] | None = None,
         cancel: threading.Event | None = None,
         ctx_tokens: int | None = None,
+        plan: Any = None,
     ) -> "Engine":
         """Read a model folder (config, generation config, tokenizer, weights) onto ``device``.
 
-        ``vram_gb``: place the model under a VRAM budget with :mod:`engine.offload` (expert streaming), planned for
-        ``ctx_tokens`` of context (default 16,384); requests are then held to that context, since the KV cache and
-        the prefill scratch were sized for it.
+        ``plan`` (an ``engine.planner.Plan`` or its dict, as ``clover-desk plan --json`` and the VRAM panel make
+        it): load the quantized model placed exactly as planned (expert streaming, :mod:`engine.offload`). The plan
+        is checked against the model and the machine first (a stale one is refused with one line) and never
+        re-made. ``vram_gb`` is a shortcut that makes the plan with ``engine.planner.plan_model`` (the same
+        function) for ``ctx_tokens`` of context (default ``engine.defaults.DEFAULT_CTX_TOKENS``). Requests are then
+        held to the planned context: the KV cache and the prefill scratch were sized for it.
         """
         folder = Path(model_dir)
         if not folder.is_dir():
@@ -92,28 +135,21 @@ class Engine:
         torch_dtype = parse_dtype(dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} was asked for, but CUDA is not available here")
-        from engine.checkpoint import load_model
-
-        plan = None
         hooks = None
-        if vram_gb is None:
+        if plan is None and vram_gb is not None:
+            plan = plan_for(folder, vram_gb, ctx_tokens)
+        if plan is None:
+            from engine.checkpoint import load_model
+
             model = load_model(
                 folder, dtype=torch_dtype, device=device, progress=progress, cancel=cancel, config=config
             )
         else:
-            # Under a budget the model is quantized (through the on-disk cache) in host memory, then placed.
-            import psutil
-
-            from engine import offload, quant_cache
-
-            model, report = quant_cache.load_quantized(folder, dtype=torch_dtype, progress=progress, cancel=cancel)
-            log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
-            ctx = int(ctx_tokens or DEFAULT_PLAN_CTX)
-            plan = offload.plan_for_model(model, float(vram_gb), ctx_tokens=ctx, ram_bytes=psutil.virtual_memory().available)
-            # The plan keeps the embedding table in system RAM (only the looked-up rows go to the device).
-            offload.apply_plan(model, plan, device, host_embedding=True)
+            plan, model = _load_planned(folder, plan, device, torch_dtype, progress, cancel)
             if plan.prefill_chunk_tokens:
                 model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
+            from engine import offload
+
             hooks = LoopHooks(
                 begin_block=lambda: offload.begin_block(model),
                 end_block=lambda: offload.end_block(model),

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import re
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,27 +25,24 @@ from torch import Tensor
 
 from engine.config import CloverConfig, load_config
 from engine.errors import CancelledError, CheckpointError
+from engine.formats import (
+    INDEX_NAME,
+    SAFETENSORS_DTYPES,
+    SINGLE_NAME,
+    TORCH_DTYPE_NAMES,
+    HeaderEntry,
+    checkpoint_files,
+)
+from engine.formats import read_safetensors_header as read_safetensors_header_raw
 from engine.events import LoadProgress
 from engine.model import CloverModel, GatedDeltaNet, ParamHolder
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 
-_ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
+# safetensors tag -> torch dtype, derived from the one dtype table (engine.formats)
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    tag: getattr(torch, TORCH_DTYPE_NAMES[fmt]) for tag, (fmt, _) in SAFETENSORS_DTYPES.items()
 }
 _CLOVER_EXTRAS = ("bd_history.weight", "bd_history.bias", "bd_logit_scale.weight", "conv1d.weight_right")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -57,64 +53,12 @@ _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_pr
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor as the file header describes it."""
-
-    name: str
-    file: Path
-    dtype: str  # safetensors dtype tag, e.g. "BF16"
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int = 0  # absolute byte offset of the tensor's data in ``file``
+TensorEntry = HeaderEntry  # one tensor as the file header describes it (engine.formats)
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """Parse and validate one safetensors header; a truncated or malformed file is a CheckpointError naming it."""
     return read_safetensors_header_raw(path)[0]
-
-
-def read_safetensors_header_raw(path: Path) -> tuple[dict[str, TensorEntry], bytes]:
-    """:func:`read_safetensors_header` plus the raw header bytes (the data starts at ``8 + len(raw)``)."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file is {size} bytes)")
-            raw = f.read(n)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
-    data_len = size - 8 - n
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        expected = math.prod(shape) * _ST_DTYPES[dtype][1]
-        if end - begin != expected or begin < 0:
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes, its shape {list(shape)} needs {expected}")
-        if end > data_len:
-            raise CheckpointError(
-                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {end} of the data section, "
-                f"which has only {data_len} bytes"
-            )
-        entries[name] = TensorEntry(name, path, dtype, shape, end - begin, 8 + n + begin)
-    return entries, raw
 
 
 class StateDictSource:
@@ -140,26 +84,9 @@ class CheckpointReader:
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
-        index_path = self.model_dir / INDEX_NAME
-        files: list[Path]
-        weight_map: dict[str, str] | None = None
-        if index_path.exists():
-            try:
-                index = json.loads(index_path.read_text(encoding="utf-8"))
-                weight_map = dict(index["weight_map"])
-            except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{index_path}: not a valid safetensors index (needs a 'weight_map' object)") from None
-            files = [self.model_dir / f for f in sorted(set(weight_map.values()))]
-        elif (self.model_dir / SINGLE_NAME).exists():
-            files = [self.model_dir / SINGLE_NAME]
-        else:
-            files = sorted(self.model_dir.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{self.model_dir}: no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors file")
+        files, weight_map = checkpoint_files(self.model_dir)
         self.entries: dict[str, TensorEntry] = {}
         for path in files:
-            if not path.exists():
-                raise CheckpointError(f"{path}: listed in {index_path.name} but missing")
             for name, entry in read_safetensors_header(path).items():
                 self.entries[name] = entry
         if weight_map is not None:
@@ -279,11 +206,10 @@ def sanitize(name: str, tensor: Tensor, config: CloverConfig) -> tuple[Target, T
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(table)}")
-    return table[dtype]
+    name = TORCH_DTYPE_NAMES.get(dtype, dtype)  # "bf16" or "bfloat16"
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {dtype!r} is not one of float32, bfloat16, float16 (or fp32, bf16, fp16)")
+    return getattr(torch, name)
 
 
 def _slice_shape(full: tuple[int, ...], index: tuple | None) -> tuple[int, ...]:

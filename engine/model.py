@@ -862,7 +862,8 @@ class CloverModel(nn.Module):
         )
         p = _Pass(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset)
         table = self.embed_tokens.weight
-        h = self.embed_tokens(ids.to(table.device)).to(device)  # [T, D]; a host-side table sends only T rows over
+        # [T, D]; a host-side table (kept in its stored dtype) sends only T rows over, cast to the compute dtype
+        h = self.embed_tokens(ids.to(table.device)).to(device=device, dtype=self.dtype)
         for layer in self.layers:
             h = layer(h, p)
         if last_only:

@@ -27,12 +27,10 @@ Letters: E experts, S slots, R row bytes per expert, T tokens, K top-k, D hidden
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
 import re
-import types
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -112,7 +110,7 @@ class DeviceLedger:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self._charge(kind, what, nbytes)
         try:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
+            return torch.empty(shape, dtype=dtype, device=self.device)
         except torch.OutOfMemoryError:
             raise OutOfMemory(f"CUDA out of memory allocating {what} ({nbytes / 2**20:.1f} MiB)") from None
 
@@ -138,23 +136,13 @@ class PinBudget:
 
 
 class HostExpertStore:
-    """One streamed layer's experts in host memory: ``rows`` uint8 [E, R], one contiguous row per expert."""
+    """One streamed layer's experts in host memory: ``rows`` uint8 [E, R], one contiguous row per expert
+    (page-locked when ``pinned``; placement allocates and fills them, see :func:`alloc_host_rows`)."""
 
-    def __init__(self, layer: int, rows: Tensor, pin: bool, budget: PinBudget) -> None:
+    def __init__(self, layer: int, rows: Tensor, pinned: bool) -> None:
         self.layer = layer
-        self.pinned = False
-        if pin and budget.take(rows.numel()):
-            try:
-                rows = rows.pin_memory()
-                self.pinned = True
-            except RuntimeError as exc:  # pinning refused (driver cap, WSL) -> pageable + staging ring
-                log.warning(
-                    "layer %d: pinning %d MiB of experts failed (%s); using the staging ring",
-                    layer,
-                    rows.numel() >> 20,
-                    exc,
-                )
         self.rows = rows
+        self.pinned = pinned
 
     def row(self, e: int) -> Tensor:
         return self.rows[e]
@@ -379,7 +367,7 @@ class StreamedExpertBank(ExpertBank):
     def prepare(self, expert_ids: Tensor) -> None:
         self.runtime.on_layer_start(self.layer)
         experts = [int(e) for e in expert_ids.tolist()]
-        self._slots = self.runtime.pool.acquire(self.layer, experts, self.store, in_block=True)
+        self._slots = self.runtime.pool.acquire(self.layer, experts, self.store, in_block=self.runtime.in_block)
         self.runtime.note_experts(self.layer, experts)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
@@ -422,42 +410,22 @@ class OffloadRuntime:
         self.streamed_layers: tuple[int, ...] = ()
         self.block_passes = 0
         self.block_experts: dict[int, set[int]] = {}
-        self._in_block = False
-        self._held = False  # a block is open and spans several forwards (explicit, or auto-detected)
-        self._auto_key: int | None = None
-        self.manual_blocks = False  # set by the first explicit begin_block(): auto-detection then stays off
+        self.in_block = False  # between begin_block() and end_block()
 
     @property
     def stats(self) -> Stats:
         return self.pool.stats if self.pool is not None else Stats()
 
-    # --- block boundaries: explicit hooks ---
+    # --- block boundaries: explicit hooks only (the generation loop calls them around a diffusion block) ---
     def begin_block(self) -> None:
-        """The generation loop starts a diffusion block (its denoising passes and commit pass follow)."""
-        self.manual_blocks = True
-        if self._in_block:
+        """A diffusion block starts (its denoising passes and commit pass follow): the experts its streamed layers
+        touch stay pinned in the pool until :meth:`end_block`."""
+        if self.in_block:
             self._close_block()
-        self._in_block = self._held = True
+        self.in_block = True
 
     def end_block(self) -> None:
-        if self._in_block:
-            self._close_block()
-
-    # --- block boundaries: auto-detected from the forward's arguments (loops that do not call the hooks) ---
-    def on_forward(self, start_pos: int, block_size: int | None, write_cache: bool) -> None:
-        """Block mode: consecutive forwards at the same ``start_pos`` are the passes of one block; the commit pass
-        (write_cache True) ends it. Causal mode: every forward is its own one-pass block."""
-        if self.manual_blocks:
-            return
-        key = None if block_size is None else int(start_pos)
-        if self._in_block and (key is None or key != self._auto_key):
-            self._close_block()
-        if not self._in_block:
-            self._in_block = self._held = True
-            self._auto_key = key
-
-    def after_forward(self, block_size: int | None, write_cache: bool) -> None:
-        if not self.manual_blocks and self._in_block and (block_size is None or write_cache):
+        if self.in_block:
             self._close_block()
 
     def _close_block(self) -> None:
@@ -469,29 +437,25 @@ class OffloadRuntime:
                 st.distinct_per_block.setdefault(layer, []).append(len(self.block_experts.get(layer, ())))
         self.block_passes = 0
         self.block_experts = {}
-        self._in_block = self._held = False
-        self._auto_key = None
+        self.in_block = False
         if self.pool is not None:
             self.pool.end_block()
 
     def on_layer_start(self, layer: int) -> None:
-        """Called by each streamed bank; the first streamed layer marks a new pass (and, when no block is held
-        open, a new one-pass block)."""
+        """Called by each streamed bank; the first streamed layer of a forward counts a pass."""
         if self.streamed_layers and layer == self.streamed_layers[0]:
-            if not self._held:
-                if self._in_block:
-                    self._close_block()
-                self._in_block = True
-            self.block_passes += 1
             self.stats.passes += 1
+            if self.in_block:
+                self.block_passes += 1
 
     def wants_prefetch(self) -> bool:
-        """Prefetch on one-pass blocks (AR steps) and on a block's first pass only: later passes of a held block
-        find their working set pinned, and guesses would only churn the unpinned slots."""
-        return self.prefetch and (not self._held or self.block_passes <= 1)
+        """Prefetch outside blocks (AR steps) and on a block's first pass only: later passes of a block find their
+        working set pinned, and guesses would only churn the unpinned slots."""
+        return self.prefetch and (not self.in_block or self.block_passes <= 1)
 
     def note_experts(self, layer: int, experts: list[int]) -> None:
-        self.block_experts.setdefault(layer, set()).update(experts)
+        if self.in_block:
+            self.block_experts.setdefault(layer, set()).update(experts)
 
     def accounting(self) -> dict[str, Any]:
         st = self.stats
@@ -590,36 +554,26 @@ def _plain_entry(t: Tensor) -> dict[str, Any]:
     return {"shape": list(t.shape), "format": fmt, "bytes": t.numel() * t.element_size()}
 
 
-def planner_manifest(model: nn.Module, policy: QuantPolicy | None = None) -> Any:
-    """The model's tensors as an ``engine.planner.Manifest`` (bytes counted from the loaded model)."""
-    from engine import planner
+class TensorSource(Protocol):
+    """Where placement reads a tensor's values from: the model's own tensors (:class:`ModelSource`) or the
+    quantized cache file (``engine.quant_cache.CacheSource``). Names are the model's state-dict names."""
 
-    config = getattr(model, "config", None)
-    if config is None:
-        raise PlanError(f"{type(model).__name__} has no .config: the planner needs the model geometry")
-    raw = manifest_from_model(model, policy)
-    entries = []
-    for name, meta in raw["tensors"].items():
-        kind, layer = planner.classify(name)
-        entries.append(planner.TensorEntry(name, tuple(meta["shape"]), meta["format"], int(meta["bytes"]), layer, kind))
-    has_extras = any(e.kind == "clover_extra" for e in entries)
-    geo = planner.ModelGeometry.from_config(config, clover_extras=has_extras)
-    return planner.Manifest(tuple(entries), geo, f"model:{type(model).__name__}", raw["policy"] or None)
+    def dtype_of(self, name: str) -> torch.dtype: ...
+
+    def fill(self, name: str, dst: Tensor) -> None: ...
 
 
-def plan_for_model(
-    model: nn.Module, vram_gb: float, ctx_tokens: int = 8192, ram_bytes: int | None = None, **kwargs: Any
-) -> Any:
-    """``engine.planner.make_plan`` for a loaded model and a VRAM budget in GiB."""
-    from engine.planner import make_plan
+class ModelSource:
+    """The current tensors of a model already in memory (tests, benchmarks): placement copies from them."""
 
-    return make_plan(planner_manifest(model), int(vram_gb * GiB), ctx_tokens, ram_bytes, **kwargs)
+    def __init__(self, model: nn.Module) -> None:
+        self.tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
 
-def _resolve_plan(model: nn.Module, plan_or_vram_gb: Any, ctx_tokens: int, ram_bytes: int | None) -> PlanLike:
-    if isinstance(plan_or_vram_gb, (int, float)):
-        return plan_for_model(model, float(plan_or_vram_gb), ctx_tokens, ram_bytes)
-    return plan_or_vram_gb
+    def fill(self, name: str, dst: Tensor) -> None:
+        dst.copy_(self.tensors[name].detach())
 
 
 def _iter_tensors(module: nn.Module, skip: set[int]) -> Iterator[tuple[nn.Module, str, str, Tensor, bool]]:
@@ -635,29 +589,40 @@ def _iter_tensors(module: nn.Module, skip: set[int]) -> Iterator[tuple[nn.Module
                 yield mod, bname, prefix + bname, b, False
 
 
-def apply_plan(
+def alloc_host_rows(shape: tuple[int, int], pin: bool, budget: PinBudget, layer: int) -> tuple[Tensor, bool]:
+    """Host memory for one streamed layer's expert rows: page-locked when asked and allowed, else pageable."""
+    if pin and budget.take(math.prod(shape)):
+        try:
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True), True
+        except RuntimeError as exc:  # pinning refused (driver cap, WSL) -> pageable + staging ring
+            log.warning("layer %d: pinning %d MiB of experts failed (%s); using the staging ring", layer,
+                        math.prod(shape) >> 20, exc)
+    return torch.empty(shape, dtype=torch.uint8), False
+
+
+def place_model(
     model: nn.Module,
-    plan_or_vram_gb: PlanLike | float,
-    device: torch.device | str = "cuda",
+    plan: PlanLike,
+    device: torch.device | str,
+    source: TensorSource,
     *,
-    ctx_tokens: int = 8192,
-    ram_bytes: int | None = None,
     pin: bool = True,
     pin_budget_bytes: int | None = None,
     staging_slots: int = 4,
     device_cap_bytes: int | None = None,
     prefetch: bool = True,
-    host_embedding: bool = False,
+    host_embedding: bool = True,
     staging: bool | None = None,
 ) -> OffloadRuntime:
-    """Place a quantized model on ``device`` following a planner Plan (or a VRAM budget in GiB, planned here).
+    """Place ``model`` exactly as ``plan`` says, reading every tensor once from ``source`` straight into its final
+    place: the device (non-expert weights, resident experts, the slot pool), a host row store per streamed layer
+    (page-locked on CUDA), or host RAM (the embedding table, kept in its stored dtype; only looked-up rows travel).
 
-    Transactional: every device tensor is created first; the model is changed only when all placements succeeded,
-    so an out-of-memory (real, or past ``device_cap_bytes``) leaves the model as it was and raises
-    :class:`OutOfMemory`. Returns the runtime (also reachable as ``runtime_of(model)``).
-    """
+    ``model`` may be a skeleton on the meta device (loading from the quantized cache: nothing is in memory twice)
+    or a model in memory (:func:`apply_plan`). Transactional: every tensor is created and filled first and the
+    model is changed only when all succeeded, so an out-of-memory (real, or past ``device_cap_bytes``) leaves it as
+    it was and raises :class:`OutOfMemory`. Never plans: the plan is placed as given."""
     dev = torch.device(device)
-    plan = _resolve_plan(model, plan_or_vram_gb, ctx_tokens, ram_bytes)
     if not getattr(plan, "fits", True):
         raise PlanError(f"the plan does not fit: {getattr(plan, 'reason', '') or 'budget below the minimum'}")
     banks = expert_banks(model)
@@ -682,19 +647,24 @@ def apply_plan(
     if streamed and slots < need:
         raise PlanError(f"slot pool of {slots} experts is below the minimum {need} (one layer's experts)")
 
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    host_embedding = host_embedding and not tied  # a tied table is also lm_head's weight: it lives on the device
     ledger = DeviceLedger(dev, device_cap_bytes)
     skip = {id(banks[i][1]) for i in streamed}
     placed: list[tuple[nn.Module, str, Tensor, bool]] = []
     host_keep = 0
     done: dict[int, Tensor] = {}  # tied parameters (lm_head = embed_tokens) are placed once
     for owner, attr, name, t, is_param in _iter_tensors(model, skip):
-        if host_embedding and name.endswith("embed_tokens.weight"):
-            host_keep += t.numel() * t.element_size()
-            continue
         if id(t) in done:
+            placed.append((owner, attr, done[id(t)], is_param))
             continue
-        kind = "resident_experts" if isinstance(owner, ExpertBank) else "non_expert"
-        new = ledger.place(kind, name, t.data if is_param else t)
+        if host_embedding and name.endswith("embed_tokens.weight"):
+            new = torch.empty(tuple(t.shape), dtype=source.dtype_of(name))  # stored dtype: rows cast on lookup
+            host_keep += new.numel() * new.element_size()
+        else:
+            kind = "resident_experts" if isinstance(owner, ExpertBank) else "non_expert"
+            new = ledger.empty(kind, name, tuple(t.shape), t.dtype)
+        source.fill(name, new)
         done[id(t)] = new
         placed.append((owner, attr, new, is_param))
 
@@ -707,9 +677,11 @@ def apply_plan(
         pin_budget_bytes = WINDOWS_PIN_BUDGET  # WDDM caps page-locked memory per process (offload-anchors 1.3)
     budget = PinBudget(pin_budget_bytes)
     for i in streamed:
-        bank = banks[i][1]
+        name, bank = banks[i]
         assert isinstance(bank, QuantExpertBank)
-        runtime.stores[i] = HostExpertStore(i, bank.packed.detach().cpu(), pin and dev.type == "cuda", budget)
+        rows, pinned = alloc_host_rows(tuple(bank.packed.shape), pin and dev.type == "cuda", budget, i)
+        source.fill(f"{name}.packed", rows)
+        runtime.stores[i] = HostExpertStore(i, rows, pinned)
     unpinned = any(not st.pinned for st in runtime.stores.values())
     # pageable rows go through a pinned staging ring on CUDA (auto); ``staging=True`` forces it (CPU tests)
     if runtime_pool is not None and unpinned and (staging or (staging is None and dev.type == "cuda")):
@@ -718,9 +690,11 @@ def apply_plan(
     # --- commit: nothing above touched the model ---
     for owner, attr, t, is_param in placed:
         if is_param:
-            getattr(owner, attr).data = t
+            setattr(owner, attr, nn.Parameter(t, requires_grad=False))
         else:
             setattr(owner, attr, t)
+    if tied and hasattr(model, "lm_head"):
+        model.lm_head.weight = model.embed_tokens.weight
     new_banks: dict[int, StreamedExpertBank] = {}
     for i in streamed:
         name, bank = banks[i]
@@ -733,9 +707,8 @@ def apply_plan(
             new_banks[a].next_router = router
             new_banks[a].next_layer = b
     model._offload_runtime = runtime  # plain attribute (not a submodule)
-    _track_blocks(model)
     log.info(
-        "offload plan applied: %d resident, %d streamed layers, %d slots, %.1f MiB on %s (+%.1f MiB kept on host)",
+        "plan placed: %d resident, %d streamed layers, %d slots, %.1f MiB on %s (+%.1f MiB kept on host)",
         len(resident),
         len(streamed),
         slots,
@@ -746,28 +719,13 @@ def apply_plan(
     return runtime
 
 
-def _tracked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The model's own forward, with the block boundaries reported to the offload runtime first."""
-    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    rt = runtime_of(self)
-    block_size, write_cache = a.get("block_size"), bool(a.get("write_cache", True))
-    if rt is not None:
-        rt.on_forward(int(a.get("start_pos", 0)), block_size, write_cache)
-    out = type(self).forward(self, *args, **kwargs)
-    if rt is not None:
-        rt.after_forward(block_size, write_cache)
-    return out
-
-
-def _track_blocks(model: nn.Module) -> None:
-    """Route ``model.forward`` (and ``model(...)``) through :func:`_tracked_forward` when its signature has
-    ``start_pos`` / ``block_size`` / ``write_cache`` (the CloverModel API), so per-block slot pins and statistics
-    work even when the generation loop does not call :func:`begin_block` / :func:`end_block`."""
-    params = inspect.signature(type(model).forward).parameters
-    if {"start_pos", "block_size", "write_cache"} <= set(params):
-        model.forward = types.MethodType(_tracked_forward, model)  # type: ignore[method-assign]
+def apply_plan(model: nn.Module, plan: PlanLike, device: torch.device | str = "cuda", **kwargs: Any) -> OffloadRuntime:
+    """:func:`place_model` for a model already in memory (its tensors are the source). ``plan`` is a planner
+    :class:`~engine.planner.Plan` or a :class:`SimplePlan`; this function never plans."""
+    if isinstance(plan, (int, float)):
+        raise PlanError("apply_plan places a plan; make one with engine.planner.plan_model")
+    kwargs.setdefault("host_embedding", False)
+    return place_model(model, plan, device, ModelSource(model), **kwargs)
 
 
 def _router_of(model: nn.Module, experts_name: str) -> nn.Module | None:
@@ -840,6 +798,7 @@ __all__ = [
     "manifest_from_model",
     "expert_banks",
     "device_bytes",
-    "planner_manifest",
-    "plan_for_model",
+    "place_model",
+    "ModelSource",
+    "TensorSource",
 ]

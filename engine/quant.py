@@ -29,13 +29,10 @@ Letters: E experts, D hidden size, I expert intermediate size, T tokens, K top-k
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -43,13 +40,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError, ConfigError
+from engine.formats import (  # noqa: F401 - re-exported: the byte rules and the policy table live in engine.formats
+    DEFAULT_POLICY,
+    FORMATS,
+    PLAIN_FORMATS,
+    QUANT_FORMATS,
+    QuantPolicy,
+    Rule,
+    expert_row_layout,
+    int8_sizes,
+    is_expert_tensor,
+    make_policy,
+    nf4_sizes,
+    quantized_sizes,
+)
 from engine.experts import ExpertBank, group_by_expert, moe_grouped
 
 log = logging.getLogger(__name__)
 
-QUANT_FORMATS = ("nf4", "int8")
-PLAIN_FORMATS = ("bf16", "fp32", "keep")
-FORMATS = QUANT_FORMATS + PLAIN_FORMATS
 
 # The 16 NF4 code values (QLoRA, Dettmers et al. 2023): quantiles of N(0, 1) normalized to [-1, 1], with an exact 0.
 NF4_CODE = (
@@ -86,17 +94,6 @@ def _bnb_functional() -> Any:
     except ImportError as exc:  # pragma: no cover - bitsandbytes is a hard dependency
         raise ConfigError(f"NF4 needs bitsandbytes, which failed to import: {exc}") from None
     return bnbf
-
-
-def nf4_sizes(numel: int, blocksize: int) -> tuple[int, int]:
-    """Bytes of packed codes and of fp32 absmax for ``numel`` NF4 values."""
-    return (numel + 1) // 2, math.ceil(numel / blocksize) * 4
-
-
-def int8_sizes(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Bytes of int8 codes and of fp32 per-row scales for a 2-D (or [..., N]) weight."""
-    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-    return math.prod(shape), rows * 4
 
 
 def quantize_nf4(w: Tensor, blocksize: int = 64) -> tuple[Tensor, Tensor]:
@@ -184,15 +181,6 @@ def dequantize_reference(
     raise ValueError(f"not a quantized format: {fmt!r}")
 
 
-def quantized_sizes(shape: tuple[int, ...], fmt: str, blocksize: int = 64) -> tuple[int, int]:
-    """(code bytes, scale bytes) of a tensor of ``shape`` in ``fmt``."""
-    if fmt == "nf4":
-        return nf4_sizes(math.prod(shape), blocksize)
-    if fmt == "int8":
-        return int8_sizes(shape)
-    raise ValueError(f"not a quantized format: {fmt!r}")
-
-
 def error_bound(w: Tensor, fmt: str, blocksize: int = 64) -> Tensor:
     """Per-element worst-case |w - dequant(quant(w))| of the format (same shape as w, fp32).
 
@@ -211,116 +199,6 @@ def error_bound(w: Tensor, fmt: str, blocksize: int = 64) -> Tensor:
         scale = w2.abs().amax(dim=1, keepdim=True) / 127.0
         return (scale * (0.5 + 1e-5)).expand_as(w2).reshape(w.shape)
     raise ValueError(f"not a quantized format: {fmt!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Policy table
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One row of the policy table: tensors whose name matches ``pattern`` (``re.search``) get ``fmt``."""
-
-    pattern: str
-    fmt: str  # "nf4" | "int8" | "bf16" | "fp32" | "keep"
-    placement: str = "device"  # "device" | "host" (the embedding lookup can stay in system RAM)
-    why: str = ""
-
-
-@dataclass(frozen=True)
-class QuantPolicy:
-    """Declarative quantization policy: first matching rule wins; no match means ``keep`` on the device."""
-
-    name: str
-    rules: tuple[Rule, ...]
-    blocksize: int = 64
-    _compiled: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        for rule in self.rules:
-            if rule.fmt not in FORMATS:
-                raise ConfigError(f"quant policy {self.name!r}: rule {rule.pattern!r} has unknown format {rule.fmt!r}")
-            if rule.placement not in ("device", "host"):
-                raise ConfigError(
-                    f"quant policy {self.name!r}: rule {rule.pattern!r} has unknown placement {rule.placement!r}"
-                )
-        object.__setattr__(self, "_compiled", tuple(re.compile(r.pattern) for r in self.rules))
-
-    def rule_for(self, name: str) -> Rule | None:
-        for rx, rule in zip(self._compiled, self.rules):
-            if rx.search(name):
-                return rule
-        return None
-
-    def format_of(self, name: str, shape: tuple[int, ...] | None = None) -> str:
-        """Format for a tensor. Quantized formats apply only to tensors with >= 2 dims and an even size."""
-        rule = self.rule_for(name)
-        fmt = rule.fmt if rule else "keep"
-        if fmt in QUANT_FORMATS and shape is not None and (len(shape) < 2 or math.prod(shape) % 2):
-            return "keep"
-        return fmt
-
-    def placement_of(self, name: str) -> str:
-        rule = self.rule_for(name)
-        return rule.placement if rule else "device"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "blocksize": self.blocksize, "rules": [asdict(r) for r in self.rules]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "QuantPolicy":
-        return cls(name=data["name"], blocksize=int(data["blocksize"]), rules=tuple(Rule(**r) for r in data["rules"]))
-
-    @property
-    def hash(self) -> str:
-        """Short stable hash of the policy (names the cache folder)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def make_policy(
-    experts: str = "nf4",
-    attention: str = "int8",
-    shared_expert: str = "int8",
-    lm_head: str = "int8",
-    embedding_on_host: bool = True,
-    blocksize: int = 64,
-    name: str | None = None,
-) -> QuantPolicy:
-    """The policy table. Arguments pick the format of each quantizable group; the rest is fixed:
-    router, norms, A_log, dt_bias, conv1d, GDN a/b projections and Clover extras stay unquantized.
-
-    Defaults match ``engine.planner.QuantPolicy``: experts NF4 (93 % of the bytes, 8 of 256 run per token);
-    attention / GDN / shared-expert projections and lm_head INT8 (they run for every token); ``attention="nf4"``
-    is the small-card option."""
-    rules = (
-        # --- kept precise: small, and errors here change routing or recurrence decay ---
-        Rule(r"mlp\.gate\.weight$", "keep", why="router: top-k choice is sensitive"),
-        Rule(r"shared_expert_gate\.weight$", "keep", why="shared expert gate: [1, D]"),
-        Rule(r"(norm|layernorm)\.weight$", "keep", why="norms"),
-        Rule(r"\.(A_log|dt_bias)$", "keep", why="GDN decay parameters"),
-        Rule(r"conv1d\.weight", "keep", why="GDN short conv (incl. Clover weight_right)"),
-        Rule(r"ssm_bd_|bd_history|bd_logit_scale", "keep", why="Clover block-diffusion extras"),
-        Rule(r"linear_attn\.in_proj_(a|b|ba)\.weight$", "keep", why="GDN beta/decay inputs: [32, D]"),
-        # --- quantized ---
-        Rule(r"mlp\.experts\.(gate_up_proj|down_proj)$", experts, why="routed experts, fused [E, ., .]"),
-        Rule(r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$", experts, why="routed experts, per expert"),
-        Rule(r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$", shared_expert, why="shared expert"),
-        Rule(r"linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj)\.weight$", attention, why="GDN projections"),
-        Rule(r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight$", attention, why="attention projections"),
-        Rule(r"(^|\.)lm_head\.weight$", lm_head, why="output head"),
-        Rule(r"embed_tokens\.weight$", "keep", placement="host" if embedding_on_host else "device", why="lookup only"),
-    )
-    auto = name or f"experts-{experts}.attn-{attention}.shared-{shared_expert}.head-{lm_head}.bs{blocksize}"
-    return QuantPolicy(name=auto, rules=rules, blocksize=blocksize)
-
-
-DEFAULT_POLICY = make_policy()
-
-
-def is_expert_tensor(name: str) -> bool:
-    return re.search(r"mlp\.experts\.(gate_up_proj|down_proj)$|mlp\.experts\.\d+\.", name) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -430,13 +308,6 @@ class QuantLinear(nn.Module):
 # Quantized expert bank: one contiguous byte row per expert
 # ---------------------------------------------------------------------------------------------------------------
 
-_ALIGN = 16  # bytes; segment starts are aligned so fp32 views are legal (and vector loads aligned on GPU)
-
-
-def _align(n: int, a: int = _ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
 @dataclass(frozen=True)
 class ExpertLayout:
     """Byte layout of one expert's row: ``[gate_up codes | down codes | gate_up scales | down scales]``.
@@ -461,13 +332,7 @@ class ExpertLayout:
     ) -> "ExpertLayout":
         if fmt not in QUANT_FORMATS:
             raise ValueError(f"expert format must be one of {QUANT_FORMATS}, got {fmt!r}")
-        gu_c, gu_s = quantized_sizes((2 * intermediate_size, hidden_size), fmt, blocksize)
-        dn_c, dn_s = quantized_sizes((hidden_size, intermediate_size), fmt, blocksize)
-        off = 0
-        segs = []
-        for n in (gu_c, dn_c, gu_s, dn_s):
-            segs.append((off, n))
-            off = _align(off + n)
+        segs, off = expert_row_layout(hidden_size, intermediate_size, fmt, blocksize)
         return cls(num_experts, hidden_size, intermediate_size, fmt, blocksize, *segs, nbytes=off)
 
     @property

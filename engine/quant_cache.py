@@ -50,9 +50,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.checkpoint import Target, read_safetensors_header_raw, sanitize_name, sanitize_shape, sanitize_tensor
+from engine.checkpoint import (
+    TORCH_DTYPES,
+    Target,
+    read_safetensors_header_raw,
+    sanitize_name,
+    sanitize_shape,
+    sanitize_tensor,
+)
 from engine.config import CloverConfig, load_config
 from engine.errors import CancelledError, CheckpointError
+from engine.formats import SAFETENSORS_DTYPES, checkpoint_files
 from engine.events import LoadProgress
 from engine.quant import (
     DEFAULT_POLICY,
@@ -74,13 +82,11 @@ DATA_NAME = "weights.safetensors"
 VERSION = 1
 CHUNK_BYTES = 32 << 20  # source bytes read per chunk of a big tensor
 
-_ST = {  # safetensors dtype tag <-> torch dtype, element size, manifest format
-    "F32": (torch.float32, 4, "fp32"),
-    "BF16": (torch.bfloat16, 2, "bf16"),
-    "F16": (torch.float16, 2, "fp16"),
-    "U8": (torch.uint8, 1, "uint8"),
-    "I8": (torch.int8, 1, "int8"),
-    "I64": (torch.int64, 8, "int64"),
+# safetensors tag -> (torch dtype, element size, manifest format): the dtypes the quantizer reads and writes, from
+# the one dtype table (engine.formats)
+_ST = {
+    tag: (TORCH_DTYPES[tag], SAFETENSORS_DTYPES[tag][1], SAFETENSORS_DTYPES[tag][0])
+    for tag in ("F32", "BF16", "F16", "U8", "I8", "I64")
 }
 _TAG_OF = {v[0]: k for k, v in _ST.items()}
 
@@ -159,21 +165,7 @@ def _pwrite(fd: int, offset: int, t: Tensor) -> None:
 
 
 def _source_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
-        files = [model_dir / n for n in names]
-        missing = [str(p) for p in files if not p.exists()]
-        if missing:
-            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no model.safetensors.index.json and no *.safetensors files")
-    return files
+    return checkpoint_files(model_dir)[0]
 
 
 def source_fingerprint(model_dir: str | Path) -> dict[str, Any]:
@@ -670,17 +662,16 @@ class CacheReport:
     manifest_path: Path
 
 
-def load_quantized(
+def ensure_cache(
     model_dir: str | Path,
     policy: QuantPolicy = DEFAULT_POLICY,
-    dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     cache_root: str | Path | None = None,
     verify: str = "header",
-) -> tuple[nn.Module, CacheReport]:
-    """The quantized model of ``model_dir`` on the CPU (host memory), through the cache (built or rebuilt when
-    needed, with the reason logged and returned). Place it with ``engine.offload.apply_plan``."""
+) -> CacheReport:
+    """The checked cache of ``model_dir`` under ``policy``, built (or rebuilt, with the reason logged and returned)
+    when needed. Conversion streams tensor by tensor; nothing is loaded."""
     model_dir = Path(model_dir)
     cdir = cache_dir_for(model_dir, policy, cache_root)
     reason = check_cache(cdir, model_dir, policy, verify)
@@ -690,8 +681,75 @@ def load_quantized(
             log.warning("quantized cache %s not used: %s; rebuilding", cdir, reason)
         build_cache(model_dir, policy, cdir, progress, cancel)
         rebuilt = True
-    model = load_from_cache(cdir, model_dir, dtype, progress, cancel)
-    return model, CacheReport(cdir, rebuilt, reason or "", cdir / MANIFEST_NAME)
+    return CacheReport(cdir, rebuilt, reason or "", cdir / MANIFEST_NAME)
+
+
+def load_quantized(
+    model_dir: str | Path,
+    policy: QuantPolicy = DEFAULT_POLICY,
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+    cache_root: str | Path | None = None,
+    verify: str = "header",
+) -> tuple[nn.Module, CacheReport]:
+    """The quantized model of ``model_dir`` whole on the CPU, through the cache (see :func:`ensure_cache`). The
+    engine loads under a plan with :func:`load_from_cache` instead, which places every tensor directly."""
+    report = ensure_cache(model_dir, policy, progress, cancel, cache_root, verify)
+    model = load_from_cache(report.path, model_dir, dtype, progress, cancel)
+    return model, report
+
+
+class CacheSource:
+    """The cache's ``weights.safetensors`` as a placement source (``engine.offload.TensorSource``): each tensor is
+    read once, straight into the tensor placement allocated for it (in bounded chunks when it lives on a GPU or
+    needs a dtype cast), with progress and cancel between chunks."""
+
+    def __init__(self, data: Path, progress: Progress | None, cancel: threading.Event | None) -> None:
+        self.path = data
+        self.header, _, _ = read_header(data)
+        self.tracker = _Progress(sum(h.nbytes for h in self.header.values()), progress, cancel, "reading")
+        self.filled: set[str] = set()
+        self.fd = os.open(data, os.O_RDONLY)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def _entry(self, name: str) -> SrcTensor:
+        src = self.header.get(name)
+        if src is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the cache")
+        return src
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return _ST[self._entry(name).dtype][0]
+
+    def fill(self, name: str, dst: Tensor) -> None:
+        src = self._entry(name)
+        if tuple(dst.shape) != tuple(src.shape):
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has shape {list(src.shape)}, the model expects {list(dst.shape)}"
+            )
+        self.tracker.check(f"loading {self.path.parent}")
+        dtype, esize, _ = _ST[src.dtype]
+        if dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous():
+            _read_into(self.fd, src, dst)  # straight into its place: no second copy
+        else:
+            flat = dst.view(-1)
+            per = max(1, CHUNK_BYTES // esize)
+            numel = src.nbytes // esize
+            for a in range(0, numel, per):
+                self.tracker.check(f"loading {self.path.parent}")
+                b = min(numel, a + per)
+                buf = _pread(self.fd, src.begin + a * esize, (b - a) * esize, f"{self.path}: tensor {name!r}")
+                flat[a:b].copy_(torch.frombuffer(buf, dtype=dtype))
+        self.filled.add(name)
+        self.tracker.advance(src.nbytes, name)
+
+    def check_complete(self) -> None:
+        unused = [k for k in self.header if k not in self.filled]
+        if unused:
+            raise CheckpointError(f"{self.path}: tensor {unused[0]!r} has no place in the model ({len(unused)} unused)")
 
 
 def load_from_cache(
@@ -700,8 +758,14 @@ def load_from_cache(
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
+    plan: Any = None,
+    device: torch.device | str = "cpu",
+    **place_options: Any,
 ) -> nn.Module:
-    """Build a CloverModel from a (checked) cache: quantized modules swapped in, every tensor read from the file."""
+    """Build a CloverModel from a (checked) cache: a skeleton with the quantized modules swapped in, then every
+    tensor read once from the file straight into where ``plan`` puts it (``engine.offload.place_model``; with no
+    plan, everything on ``device``). Peak memory is the placed model plus one read chunk."""
+    from engine import offload
     from engine.model import CloverModel
 
     cache_dir = Path(cache_dir)
@@ -711,7 +775,7 @@ def load_from_cache(
     extras = config.is_diffusion or any(".bd_history." in n or n.endswith("weight_right") for n in tensors)
     model = CloverModel(config, dtype=dtype, device="meta", clover_extras=extras)
     _adapt_extras(model, tensors)
-    # swap quantized modules in (on the CPU, empty)
+    # swap quantized modules in (empty, on the meta device: placement allocates them where the plan says)
     for name, meta in tensors.items():
         if meta["format"] not in QUANT_FORMATS:
             continue
@@ -732,37 +796,17 @@ def load_from_cache(
             old.in_features, old.out_features, meta["format"], policy_bs, bias=old.bias is not None, device="meta"
         )
         set_submodule(model, mod_name, new)
-    model.to_empty(device="cpu")
-    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
-        model.lm_head.weight = model.embed_tokens.weight
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    data = cache_dir / DATA_NAME
-    header, _, _ = read_header(data)
-    total = sum(h.nbytes for h in header.values())
-    tracker = _Progress(total, progress, cancel, "reading")
-    fd = os.open(data, os.O_RDONLY)
+    if plan is None:  # everything on `device`, the embedding too
+        plan = offload.SimplePlan(tuple(offload.expert_banks(model)), (), 0)
+        place_options.setdefault("host_embedding", False)
+    source = CacheSource(cache_dir / DATA_NAME, progress, cancel)
     try:
-        for key, src in header.items():
-            tracker.check(f"loading {cache_dir}")
-            dst = state.get(key)
-            if dst is None:
-                raise CheckpointError(f"{data}: tensor {key!r} has no place in the model")
-            if tuple(dst.shape) != tuple(src.shape):
-                raise CheckpointError(
-                    f"{data}: tensor {key!r} has shape {list(src.shape)}, the model expects {list(dst.shape)}"
-                )
-            if dst.dtype == _ST[src.dtype][0] and dst.is_contiguous():
-                _read_into(fd, src, dst.data)  # straight into the parameter: no second copy of big tensors
-            else:
-                t = _read_rows(fd, src, 0, src.shape[0]) if src.shape else _read_rows(fd, src, 0, 1).reshape(())
-                dst.data.copy_(t.to(dst.dtype))
-            tracker.advance(src.nbytes, key)
+        offload.place_model(model, plan, device, source, **place_options)
+        source.check_complete()
     finally:
-        os.close(fd)
-    missing = [k for k in state if k not in header and not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing:
-        raise CheckpointError(f"{data}: tensor {missing[0]!r} is missing from the cache ({len(missing)} missing)")
+        source.close()
     if progress is not None:
+        total = source.tracker.total
         progress(LoadProgress(stage="done", done_bytes=total, total_bytes=total))
     model.eval()
     return model

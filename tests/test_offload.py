@@ -67,8 +67,12 @@ def settings(mode: str, n: int) -> DecodeSettings:
 
 
 def tokens(model: CloverModel, mode: str, n: int) -> tuple[int, ...]:
+    """Greedy tokens, with the block hooks the engine passes (offload sees block boundaries only through them)."""
+    from engine.generate import LoopHooks
+
     prompt = [5, 17, 33, 9, 60, 61, 2, 40]
-    events = list(generate(model, prompt, settings(mode, n)))
+    hooks = LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model))
+    events = list(generate(model, prompt, settings(mode, n), hooks=hooks))
     fin = events[-1]
     assert isinstance(fin, Finished)
     return fin.token_ids
@@ -96,8 +100,11 @@ def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
         acc = offload.accounting(model)
         if streamed:
             assert acc["h2d_bytes"] > 0 and acc["slot_misses"] > 0, name
-            # blocks are detected from the forwards (same start_pos = passes of one block; AR = one pass each)
-            assert acc["passes_per_block"] > 1 if mode == "diffusion" else acc["passes_per_block"] == 1.0, name
+            # blocks come from the loop's hooks only: diffusion blocks span several passes; AR steps open none
+            if mode == "diffusion":
+                assert acc["blocks"] >= 1 and acc["passes_per_block"] > 1, name
+            else:
+                assert acc["blocks"] == 0 and acc["passes"] >= n, name
             assert acc["h2d_bytes"] == (acc["slot_misses"] + acc["prefetched"]) * rt.pool.layout.nbytes
             assert isinstance(model.layers[streamed[0]].mlp.experts, offload.StreamedExpertBank)
         else:
@@ -184,10 +191,11 @@ def test_prefetch_guesses_the_next_layer(qmodel: CloverModel) -> None:
 
 
 def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> None:
-    from engine.planner import make_plan
+    from engine.planner import ModelGeometry, make_plan, manifest_from_dict
 
     model = fresh(qmodel)
-    manifest = offload.planner_manifest(model)
+    geo = ModelGeometry.from_config(model.config)
+    manifest = manifest_from_dict(offload.manifest_from_model(model), geometry=geo)
     probe = make_plan(manifest, 0, 256)
     assert not probe.fits and probe.min_vram_bytes
     budget = probe.min_vram_bytes + 2 * (manifest.expert_layer_bytes()[0] // EXPERTS)
@@ -197,23 +205,14 @@ def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> No
     placed = rt.ledger.by_kind
     br = plan.vram_breakdown
     for kind in ("non_expert", "resident_experts", "expert_slots"):
-        want, got = br[kind], placed.get(kind, 0)
-        assert abs(got - want) <= 0.05 * max(want, 1), f"{kind}: placed {got} B, plan says {want} B"
+        assert placed.get(kind, 0) == br[kind], f"{kind}: placed {placed.get(kind, 0)} B, plan says {br[kind]} B"
     assert rt.pool is not None and rt.pool.num_slots == plan.slot_pool_experts
     assert list(rt.streamed_layers) == list(plan.streamed_expert_layers)
 
 
-def test_vram_budget_in_gib_goes_through_the_planner(qmodel: CloverModel) -> None:
-    model = fresh(qmodel)
-    rt = apply_plan(model, 16.0, "cpu", ctx_tokens=256)
-    assert rt.streamed_layers == ()  # a tiny model fits whole in 16 GiB
-    with pytest.raises(PlanError, match="does not fit"):
-        apply_plan(fresh(qmodel), 0.01, "cpu", ctx_tokens=256)
-
-
-def test_not_enough_ram_is_a_clear_error(qmodel: CloverModel) -> None:
-    with pytest.raises(PlanError, match="(?i)ram"):
-        apply_plan(fresh(qmodel), 0.8, "cpu", ctx_tokens=256, ram_bytes=1000)
+def test_placement_never_plans(qmodel: CloverModel) -> None:
+    with pytest.raises(PlanError, match="places a plan"):
+        apply_plan(fresh(qmodel), 16.0, "cpu")
 
 
 def test_slot_pool_below_minimum_is_refused(qmodel: CloverModel) -> None:
@@ -250,12 +249,13 @@ def test_plan_naming_a_missing_layer_is_refused(qmodel: CloverModel) -> None:
 
 
 def test_pinning_falls_back_to_pageable_rows_when_refused_or_over_budget() -> None:
-    rows = torch.arange(4 * 32, dtype=torch.uint8).reshape(4, 32)
     budget = offload.PinBudget(64)
-    over = offload.HostExpertStore(0, rows, pin=True, budget=budget)  # 128 B > 64 B budget: not pinned
-    assert not over.pinned and budget.left == 64 and torch.equal(over.row(2), rows[2])
-    store = offload.HostExpertStore(1, rows[:2].clone(), pin=True, budget=budget)  # within budget
+    rows, pinned = offload.alloc_host_rows((4, 32), True, budget, 0)  # 128 B > 64 B budget: not pinned
+    assert not pinned and budget.left == 64 and tuple(rows.shape) == (4, 32) and not rows.is_pinned()
+    rows, pinned = offload.alloc_host_rows((2, 32), True, budget, 1)  # within budget
     assert budget.left == 0
-    if not torch.cuda.is_available():  # pin_memory() is refused without a CUDA driver: pageable fallback
-        assert not store.pinned
-    assert torch.equal(store.row(1), rows[1])
+    if not torch.cuda.is_available():  # pinning is refused without a CUDA driver: pageable fallback
+        assert not pinned
+    assert pinned == rows.is_pinned()
+    rows, pinned = offload.alloc_host_rows((2, 32), False, offload.PinBudget(None), 2)
+    assert not pinned

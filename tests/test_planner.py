@@ -19,17 +19,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from engine import manifest as manifest_mod
 from engine import planner
-from engine.errors import CheckpointError, PlanError
+from engine.errors import CheckpointError, ConfigError, PlanError
 from engine.hardware import Hardware, pcie_gbps, probe_hardware, vram_gbps_for_name
+from engine.formats import FORMAT_BYTES, make_policy
 from engine.planner import (
-    FORMAT_BYTES,
     SHAPES,
     GiB,
     MiB,
     ModelGeometry,
     Plan,
-    QuantPolicy,
     Roofline,
     make_plan,
     manifest_for_geometry,
@@ -134,7 +134,7 @@ def test_35b_bytes_follow_the_policy(m35: planner.Manifest) -> None:
     assert by_name["layers.0.linear_attn.A_log"].format == "fp32"
     assert by_name["layers.0.linear_attn.conv1d.weight_right"].format == "bf16"
     assert by_name["layers.0.linear_attn.bd_history.weight"].kind == "clover_extra"
-    nf4 = manifest_for_shape("clover-35b-a3b", QuantPolicy(attention="nf4", shared_expert="nf4"))
+    nf4 = manifest_for_shape("clover-35b-a3b", make_policy(attention="nf4", shared_expert="nf4"))
     assert nf4.by_name()["layers.0.linear_attn.in_proj_qkv.weight"].bytes == 8192 * 2048 // 2 + 8192 * 2048 // 64 * 4
     assert nf4.total_bytes() < m35.total_bytes()
 
@@ -150,13 +150,13 @@ def test_classify() -> None:
     assert planner.classify("layers.0.linear_attn.bd_logit_scale.weight") == ("clover_extra", 0)
     assert planner.classify("norm.weight") == ("norm", None)
     assert planner.classify("lm_head.weight") == ("lm_head", None)
-    assert planner.strip_prefix("model.language_model.layers.0.mlp.gate.weight") == "layers.0.mlp.gate.weight"
-    assert planner.strip_prefix("model.visual.blocks.0.attn.qkv.weight") is None
-    assert planner.strip_prefix("mtp.fc.weight") is None
+    assert manifest_mod.strip_prefix("model.language_model.layers.0.mlp.gate.weight") == "layers.0.mlp.gate.weight"
+    assert manifest_mod.strip_prefix("model.visual.blocks.0.attn.qkv.weight") is None
+    assert manifest_mod.strip_prefix("mtp.fc.weight") is None
 
 
 def test_geometry_from_shapes_recovers_the_35b_geometry(m35: planner.Manifest) -> None:
-    assert planner.geometry_from_entries(m35.entries) == SHAPES["clover-35b-a3b"]
+    assert manifest_mod.geometry_from_entries(m35.entries) == SHAPES["clover-35b-a3b"]
     assert m35.geometry.kv_bytes_per_token == KV_BYTES_PER_TOKEN
     assert m35.geometry.gdn_state_bytes == GDN_STATE_BYTES
 
@@ -164,8 +164,8 @@ def test_geometry_from_shapes_recovers_the_35b_geometry(m35: planner.Manifest) -
 def test_unknown_shape_and_bad_policy_are_named() -> None:
     with pytest.raises(PlanError, match="'clover-9b'"):
         manifest_for_shape("clover-9b")
-    with pytest.raises(PlanError, match="attention = 'int3'"):
-        QuantPolicy(attention="int3")
+    with pytest.raises(ConfigError, match="unknown format 'int3'"):
+        make_policy(attention="int3")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -383,7 +383,7 @@ def _tiny_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
 
     geo = ModelGeometry.from_config(parse_config(TINY_CONFIG))
     out = {}
-    for name, shape, stored in planner._text_tensors(geo):
+    for name, shape, stored in manifest_mod._text_tensors(geo):
         full = name if name == "lm_head.weight" else f"model.language_model.{name}"
         out[full] = ("F32" if stored == "fp32" else "BF16", shape)
     return out
@@ -423,7 +423,7 @@ def test_manifest_from_a_real_checkpoint_matches_what_was_written(tiny_checkpoin
     folder, written = tiny_checkpoint
     manifest = manifest_from_checkpoint(folder)
     got = manifest.by_name()
-    want = {planner.strip_prefix(n): v for n, v in written.items() if planner.strip_prefix(n) is not None}
+    want = {manifest_mod.strip_prefix(n): v for n, v in written.items() if manifest_mod.strip_prefix(n) is not None}
     assert set(got) == set(want)
     assert "mtp.fc.weight" not in got and not any("visual" in n for n in got)
     sizes = {"BF16": 2, "F16": 2, "F32": 4}
@@ -434,7 +434,7 @@ def test_manifest_from_a_real_checkpoint_matches_what_was_written(tiny_checkpoin
         assert entry.format == {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[dtype]
     assert got["layers.3.self_attn.q_proj.weight"].kind == "attn" and got["layers.3.self_attn.q_proj.weight"].layer == 3
     assert manifest.geometry.num_experts == 8 and manifest.geometry.full_attention_layers == (3,)
-    assert manifest.geometry == planner.geometry_from_entries(manifest.entries, experts_per_tok=2)
+    assert manifest.geometry == manifest_mod.geometry_from_entries(manifest.entries, experts_per_tok=2)
     plan = make_plan(manifest, GiB, 256)
     assert plan.fits
     _check_accounting(plan, manifest, 256)
@@ -445,10 +445,10 @@ def test_checkpoint_errors_name_the_file(tiny_checkpoint: tuple[Path, dict], tmp
     shard = folder / "model-00001-of-00002.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(struct.pack("<Q", 10**12) + data[8:])
-    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors.*header length"):
+    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors: truncated safetensors file .header of"):
         manifest_from_checkpoint(folder)
     shard.write_bytes(data[:-16])  # truncated data
-    with pytest.raises(CheckpointError, match="outside the data"):
+    with pytest.raises(CheckpointError, match="ends at byte .* of the data section"):
         manifest_from_checkpoint(folder)
     shard.unlink()
     with pytest.raises(CheckpointError, match="shard file\\(s\\) missing"):
@@ -456,7 +456,7 @@ def test_checkpoint_errors_name_the_file(tiny_checkpoint: tuple[Path, dict], tmp
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text(json.dumps(TINY_CONFIG))
-    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+    with pytest.raises(CheckpointError, match="or \\*.safetensors file"):
         manifest_from_checkpoint(empty)
     with pytest.raises(CheckpointError, match="not a directory"):
         manifest_from_checkpoint(tmp_path / "nope")
@@ -475,7 +475,7 @@ def test_manifest_from_quantized_cache(tmp_path: Path) -> None:
     from engine.config import parse_config
 
     geo = ModelGeometry.from_config(parse_config(TINY_CONFIG))
-    expected = manifest_for_geometry(geo, QuantPolicy())
+    expected = manifest_for_geometry(geo, make_policy())
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(_cache_json(expected)))
     # without config.json: geometry from the shapes (top-k defaults to min(8, E))
@@ -603,7 +603,7 @@ def test_prefill_chunk_keeps_the_attention_scratch_bounded(m35: planner.Manifest
 
 def test_default_policy_numbers(m35: planner.Manifest) -> None:
     """The figures QuantPolicy's docstring gives for choosing NF4 on the dense path."""
-    nf4 = manifest_for_shape("clover-35b-a3b", QuantPolicy(attention="nf4", shared_expert="nf4"))
+    nf4 = manifest_for_shape("clover-35b-a3b", make_policy(attention="nf4", shared_expert="nf4"))
     dense = ["attn", "gdn", "shared_expert"]
     assert m35.total_bytes(dense) - nf4.total_bytes(dense) == 617_390_080  # 0.62 GB, 1.4 expert layers
     nf4_16, int8_16 = make_plan(nf4, 16 * GiB, CTX), make_plan(m35, 16 * GiB, CTX)
@@ -630,7 +630,7 @@ def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
     model.load_state_dict(random_state_dict(cfg, seed=3), strict=True)
     quantize_model_(model, make_policy(attention=dense, shared_expert=dense))
     counted = manifest_from_dict(offload.manifest_from_model(model))
-    planned = manifest_for_geometry(ModelGeometry.from_config(cfg), QuantPolicy(attention=dense, shared_expert=dense))
+    planned = manifest_for_geometry(ModelGeometry.from_config(cfg), make_policy(attention=dense, shared_expert=dense))
     got, want = counted.by_name(), planned.by_name()
     assert set(got) == set(want)
     for name, w in want.items():
@@ -641,15 +641,19 @@ def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
     assert counted.geometry.num_experts == 16 and counted.geometry.full_attention_layers == (3,)
 
 
-def test_default_policy_is_the_quantizers_default() -> None:
+def test_one_policy_table_for_the_quantizer_and_the_planner() -> None:
     pytest.importorskip("torch")
-    import inspect
+    from engine import formats, quant
 
-    from engine.quant import make_policy
-
-    defaults = {k: p.default for k, p in inspect.signature(make_policy).parameters.items()}
-    mine = dataclasses.asdict(QuantPolicy())
-    assert {k: defaults[k] for k in mine} == mine
+    assert quant.make_policy is formats.make_policy and quant.QuantPolicy is formats.QuantPolicy
+    assert planner.make_policy is formats.make_policy
+    # the planner counts the bytes the quantizer's table implies, rule by rule
+    m = manifest_for_shape("clover-35b-a3b")
+    policy = formats.DEFAULT_POLICY
+    for e in m:
+        if e.kind != "expert":
+            stored = "fp32" if e.name.endswith(("A_log", "linear_attn.norm.weight")) else "bf16"
+            assert e.format == policy.stored_format(e.name, e.shape, stored), e.name
 
 
 def test_json_friendly_roofline_shortcuts(m35: planner.Manifest) -> None:
@@ -674,7 +678,7 @@ def test_a_model_without_routed_experts_plans_cleanly(m35: planner.Manifest) -> 
 
 
 def test_a_checkpoint_is_planned_as_it_will_be_quantized(tiny_checkpoint: tuple[Path, dict], m35: planner.Manifest) -> None:
-    stored_policy = QuantPolicy(experts="bf16", attention="bf16", shared_expert="bf16", lm_head="bf16")
+    stored_policy = make_policy(experts="bf16", attention="bf16", shared_expert="bf16", lm_head="bf16")
     stored_35b = manifest_for_shape("clover-35b-a3b", stored_policy)
     assert stored_35b.total_bytes(["expert"]) == 2 * ALL_EXPERT_PARAMS
     assert planner.quantize_manifest(stored_35b).entries == m35.entries

@@ -1,0 +1,159 @@
+"""The speed model: predicted tokens per second of a placement, from a roofline and per-layer overheads.
+
+Stdlib only. Time per pass = max(VRAM traffic / VRAM bandwidth, PCIe bytes / PCIe bandwidth, FLOPs / compute)
++ eager overheads per layer and per expert. Every input that is not a hardware fact is a field of
+:class:`Roofline`, with its source; :func:`predict` returns the figures and the derived numbers that went in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import PlanError
+from engine.hardware import GB, Hardware
+from engine.manifest import MiB, ModelFacts
+
+CORESET_DISTINCT_EXPERTS_PER_PASS = 30.0  # [assumption] DES / MoE-Spec: 30-50 % of the raw union
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The speed model's inputs that are not hardware. Every default is an assumption to calibrate with
+    ``clover-desk bench speed`` / ``bench offload``; sources in offload-anchors.md sections 2.3-2.4.
+
+    Time per pass = max(VRAM traffic / VRAM bandwidth, PCIe bytes / PCIe bandwidth, FLOPs / compute)
+                    + layers x ``layer_overhead_us`` + experts computed x ``expert_overhead_us``.
+    The overheads are launch and Python costs of an eager PyTorch forward (no CUDA graphs): per layer (norms,
+    projections, GDN / attention, router, top-k, grouping) and per distinct expert computed (``engine.quant.
+    routed_forward`` loops over experts: two dequantizes, two GEMMs, SiLU, product, copy).
+    """
+
+    tokens_per_pass: float = 3.0  # committed per denoising pass: LLaDA2-like TPF 2.5-3.2 (architecture.md 4.1)
+    distinct_experts_per_pass: float = 70.0  # per layer, 32-token pass: LLaDA2.0-mini measured 69.5 of 256
+    block_reuse_factor: float = 1.3  # block working set / per-pass union across one block's passes
+    commit_pass: bool = True  # one extra forward per block writes the caches (architecture.md 4.1; 5.6 folds it)
+    compute_tflops: float = 30.0  # effective bf16 TFLOPS of a 16 GB RTX card on 32-token GEMMs
+    layer_overhead_us: float = 250.0
+    expert_overhead_us: float = 60.0
+    l2_bytes: int = 48 * MiB  # a dequantized weight larger than this round-trips through VRAM (4070 Ti S: 48 MB)
+
+    @classmethod
+    def with_coreset(cls, **kwargs: Any) -> "Roofline":
+        """Clover's 90 %-mass block coreset: ~25-35 distinct experts per layer and pass (offload-anchors 2.3)."""
+        return cls(**{"distinct_experts_per_pass": CORESET_DISTINCT_EXPERTS_PER_PASS, **kwargs})
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_pass", "distinct_experts_per_pass", "block_reuse_factor", "compute_tflops"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise PlanError(f"Roofline.{name} must be positive, got {value!r}")
+        if self.block_reuse_factor < 1:
+            raise PlanError(f"Roofline.block_reuse_factor must be >= 1, got {self.block_reuse_factor!r}")
+        for name in ("layer_overhead_us", "expert_overhead_us", "l2_bytes"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"Roofline.{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+def predict(
+    f: ModelFacts,
+    streamed: list[int],
+    slots: int,
+    ctx: int,
+    block: int,
+    hw: Hardware,
+    rl: Roofline,
+    prefill_chunk: int,
+    attention: str,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Predicted tokens per second for AR decoding, block diffusion and prompt prefill, and the derived numbers
+    that went in."""
+    geo = f.geo
+    e, k = geo.num_experts, geo.num_experts_per_tok
+    n_moe, n_layers, s = len(f.layers), geo.num_hidden_layers, len(streamed)
+    eb_all = sum(f.layer_bytes.values()) / (n_moe * e) if n_moe else 0.0  # mean bytes of one expert
+    eb_str = sum(f.layer_bytes[x] for x in streamed) / (s * e) if s else 0.0
+    vram_bw, pcie_bw, flops = hw.vram_gbps * GB, hw.pcie_gbps * GB, rl.compute_tflops * 1e12
+    # A dequantized weight larger than L2 is written to VRAM and read back by the GEMM.
+    dequant_traffic = sum(4 * n for n in f.dequant_dense_params if 2 * n > rl.l2_bytes)
+    base_read = f.non_expert_gpu + dequant_traffic + geo.kv_bytes_per_token * ctx + 2 * geo.gdn_state_bytes
+    attn_flops_per_token = 4 * ctx * geo.q_dim * len(geo.full_attention_layers)  # QK^T and PV over the context
+    active = f.non_expert_gpu_params + k * n_moe * f.expert_params
+    layer_oh, expert_oh = rl.layer_overhead_us * 1e-6, rl.expert_overhead_us * 1e-6
+
+    # AR: one token per pass; its k experts per streamed layer cross PCIe unless still in the pool.
+    # Hit rate: uniform routing, LRU pool holding the last slots / (k s) tokens' experts.
+    hit = 1.0 - (1.0 - k / e) ** (slots / (k * s)) if s and e else 0.0
+    ar_read = base_read + k * n_moe * eb_all
+    ar_pcie = s * k * eb_str * (1.0 - hit)
+    t_ar_bound = max(ar_read / vram_bw, ar_pcie / pcie_bw, (2 * active + attn_flops_per_token) / flops)
+    t_ar = t_ar_bound + n_layers * layer_oh + n_moe * k * expert_oh
+
+    # Diffusion: block / TPF denoising passes (+ the commit pass), each over all `block` positions.
+    dp = min(float(e), float(block * k), rl.distinct_experts_per_pass)
+    db = min(float(e), dp * rl.block_reuse_factor)
+    n_pass = block / rl.tokens_per_pass + (1.0 if rl.commit_pass else 0.0)
+    # Streamed layers whose block working set stays pinned in the pool for the whole block (engine.offload pins
+    # a block's slots); the rest reload their per-pass union every pass, with two unions in flight.
+    if s == 0 or slots >= s * math.ceil(db):
+        cached = s
+    else:
+        cached = min(s, max(0, slots - 2 * math.ceil(dp)) // math.ceil(db))
+    pass_read = base_read + n_moe * dp * eb_all
+    pass_flops = block * (2 * active + attn_flops_per_token)
+    gpu_pass = max(pass_read / vram_bw, pass_flops / flops)
+    pass_oh = n_layers * layer_oh + n_moe * dp * expert_oh
+    pcie_first = s * dp * eb_str  # every streamed layer loads its first pass's union
+    later = max(n_pass - 1.0, 1.0)
+    pcie_later = (cached * (db - dp) / later + (s - cached) * dp) * eb_str
+    t_block_bound = max(gpu_pass, pcie_first / pcie_bw) + (n_pass - 1.0) * max(gpu_pass, pcie_later / pcie_bw)
+    t_block = t_block_bound + n_pass * pass_oh
+    # "ar" / "diffusion" / "prefill": with the eager-PyTorch overheads; "*_bound": the hardware roofline alone (what
+    # a fused, graph-captured engine approaches).
+    # Prefill: forwards of `prefill_chunk` tokens over a prompt that fills the context (mean position ctx / 2).
+    # A chunk routes chunk x k token-slots, touching E (1 - (1 - k/E)^chunk) experts per layer (uniform routing);
+    # streamed layers reload theirs every forward (the pool cannot hold every streamed layer's full set). The math
+    # attention kernel also writes and reads its fp32 scores and expanded K/V.
+    c, mean_ctx = prefill_chunk, ctx / 2
+    dc = e * (1.0 - (1.0 - k / e) ** c) if e else 0.0
+    n_full = len(geo.full_attention_layers)
+    math_traffic = 0.0
+    if attention == "math" and n_full:
+        math_traffic = n_full * (4 * geo.num_attention_heads * c * mean_ctx * 4 + 4 * geo.num_attention_heads * mean_ctx * geo.head_dim * 4)
+    pre_read = (
+        f.non_expert_gpu + dequant_traffic + geo.kv_bytes_per_token * mean_ctx + 2 * geo.gdn_state_bytes
+        + n_moe * dc * eb_all + math_traffic
+    )
+    pre_flops = c * (2 * active + 4 * mean_ctx * geo.q_dim * n_full)
+    t_pre_bound = max(pre_read / vram_bw, s * dc * eb_str / pcie_bw, pre_flops / flops)
+    t_pre = t_pre_bound + n_layers * layer_oh + n_moe * dc * expert_oh
+
+    tiny = 1e-12  # a pass always takes some time; guards a zero-byte, zero-overhead toy model
+    tok = {
+        "ar": 1.0 / max(t_ar, tiny),
+        "diffusion": block / max(t_block, tiny),
+        "ar_bound": 1.0 / max(t_ar_bound, tiny),
+        "diffusion_bound": block / max(t_block_bound, tiny),
+        "prefill": c / max(t_pre, tiny),
+    }
+    derived = {
+        "ar_expert_hit_rate": round(hit, 4),
+        "ar_pcie_bytes_per_token": int(ar_pcie),
+        "ar_vram_bytes_per_token": int(ar_read),
+        "distinct_experts_per_pass": dp,
+        "distinct_experts_per_block_layer": db,
+        "passes_per_block": round(n_pass, 4),
+        "cached_block_layers": cached,
+        "diffusion_pcie_bytes_per_block": int(pcie_first + (n_pass - 1.0) * pcie_later),
+        "diffusion_vram_bytes_per_pass": int(pass_read),
+        "diffusion_gflop_per_pass": round(pass_flops / 1e9, 1),
+        "diffusion_overhead_ms_per_pass": round(pass_oh * 1e3, 3),
+        "dequant_vram_traffic_bytes_per_pass": dequant_traffic,
+        "prefill_chunk_tokens": c,
+        "prefill_distinct_experts_per_layer": round(dc, 2),
+        "prefill_pcie_bytes_per_forward": int(s * dc * eb_str),
+    }
+    return tok, derived
+
+
