@@ -8,7 +8,9 @@ import pytest
 
 from engine import planner
 from fakes_ui import fake_plan
-from ui.vram_panel import GIB, MIB, STEP_MIB, VramPanel, layer_count, summarize
+from engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
+from PySide6.QtWidgets import QComboBox, QLabel, QPushButton, QSlider
+from ui.vram_panel import GIB, MIB, STEP_MIB, VramPanel, in_use_line, layer_count, plan_as_dict, summarize
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 
@@ -38,7 +40,8 @@ def resident_of(panel: VramPanel) -> int:
 def test_slider_spans_minimum_to_card_and_updates_plan(qtbot, plan_fn) -> None:
     panel = VramPanel(plan_fn, CARD, "NVIDIA GeForce RTX 4070 Ti SUPER", 64 * GIB)
     qtbot.addWidget(panel)
-    minimum = plan_fn(CARD, 8192).min_vram_bytes
+    assert panel.ctx_tokens() == DEFAULT_CTX_TOKENS
+    minimum = plan_fn(CARD, DEFAULT_CTX_TOKENS).min_vram_bytes
     assert panel.slider.minimum() * STEP_MIB * MIB >= minimum
     assert panel.slider.minimum() * STEP_MIB * MIB - minimum < STEP_MIB * MIB
     assert panel.slider.maximum() * STEP_MIB * MIB == CARD
@@ -52,6 +55,8 @@ def test_slider_spans_minimum_to_card_and_updates_plan(qtbot, plan_fn) -> None:
     assert panel.budget_label.text() == "6.0 GiB"
     assert panel.ram_label.text().startswith("RAM needed:")
     assert "tok/s diffusion" in panel.speed_label.text()
+    assert panel.speed_label.text().startswith("≈ ") and panel.speed_label.text().endswith("(estimate)")
+    assert panel.speed_label.isVisibleTo(panel)
 
     panel.set_budget_bytes(15 * GIB)
     high = resident_of(panel)
@@ -89,28 +94,147 @@ def test_wont_fit_shows_reason_and_blocks_apply(qtbot, plan_fn) -> None:
     assert not panel.apply_button.isEnabled()
 
 
-def test_apply_emits_budget_and_context(qtbot, plan_fn) -> None:
+def test_apply_emits_budget_and_context_and_the_plan_in_use_is_shown(qtbot, plan_fn) -> None:
     panel = VramPanel(plan_fn, CARD, "RTX", 64 * GIB)
     qtbot.addWidget(panel)
+    assert "nothing yet" in panel.in_use_label.text() and panel.apply_button.isEnabled()
     panel.set_budget_bytes(10 * GIB)
-    panel.ctx_combo.setCurrentIndex(panel.ctx_combo.findData(16384))
+    panel.ctx_combo.setCurrentIndex(panel.ctx_combo.findData(8192))
     with qtbot.waitSignal(panel.applyRequested, timeout=1000) as blocker:
         panel.apply_button.click()
-    assert blocker.args == [10 * GIB, 16384]
-    panel.set_applied(10 * GIB, 16384)
-    assert not panel.apply_button.isEnabled()  # nothing new to apply
-    assert "runs under this plan" in panel.applied_label.text()
-    panel.set_budget_bytes(12 * GIB)
-    assert panel.apply_button.isEnabled()
-    assert "Apply to reload" in panel.applied_label.text()
+    assert blocker.args == [10 * GIB, 8192]
+    placed = plan_fn(10 * GIB, 8192)
+    panel.set_in_use(placed.to_dict(), "cuda")  # the app, after the reload: what the engine placed
+    resident, streamed = len(placed.resident_expert_layers), len(placed.streamed_expert_layers)
+    assert streamed  # 10 GiB streams some layers' experts, so the line names slots too
+    assert panel.in_use_label.text() == (
+        f"In use: {resident} resident / {streamed} streamed layers, {placed.slot_pool_experts:,} slots, "
+        f"{placed.vram_bytes / GIB:.2f} GiB of 10.00 GiB, 8K context"
+    )
+    assert panel.applied == (10 * GIB, 8192) and panel.in_use()["slot_pool_experts"] == placed.slot_pool_experts
+    assert not panel.is_dirty() and not panel.apply_button.isEnabled()  # nothing new to apply
+    assert "plan in use" in panel.status_label.text() and "Apply" not in panel.status_label.text()
+
+    panel.set_budget_bytes(12 * GIB)  # the slider moves away from the plan in use
+    assert panel.is_dirty() and panel.apply_button.isEnabled()
+    assert "Apply to reload under this plan" in panel.status_label.text()
+    assert panel.in_use_label.text().startswith(f"In use: {resident} resident")  # still the placed plan
+    panel.set_budget_bytes(10 * GIB)
+    assert not panel.is_dirty()
+    panel.ctx_combo.setCurrentIndex(panel.ctx_combo.findData(16384))  # the context counts too
+    assert panel.is_dirty() and "Apply to reload" in panel.status_label.text()
 
 
-def test_without_gpu_the_slider_goes_to_24_gib(qtbot, plan_fn) -> None:
-    panel = VramPanel(plan_fn, None, None, None)
+def test_in_use_takes_plan_objects_and_no_plan(qtbot) -> None:
+    panel = VramPanel(fake_plan, CARD, "RTX", None)
     qtbot.addWidget(panel)
+    placed = fake_plan(12 * GIB, 8192)
+    panel.set_in_use(placed, "cuda")  # a dataclass without to_dict(), nor a budget or context
+    assert panel.in_use_label.text() == (
+        f"In use: {placed.resident_expert_layers} resident / {placed.streamed_expert_layers} streamed layers, "
+        f"64 slots, {placed.vram_bytes / GIB:.2f} GiB"
+    )
+    assert panel.applied == (0, 0) and panel.is_dirty()  # a plan without a budget never matches the slider
+    panel.set_in_use(None, "cpu")
+    assert panel.in_use_label.text() == "In use: no plan, the model runs from system RAM on the CPU"
+    assert panel.in_use() is None and panel.applied is None
+    assert panel.apply_button.text() == "Save for a GPU"  # the engine runs on the CPU: a budget is only saved
+    panel.set_in_use(None, "cuda")
+    assert "without a VRAM budget" in panel.in_use_label.text()
+    assert "Apply to reload under this plan" in panel.status_label.text()
+
+
+def test_in_use_words() -> None:
+    whole = {"resident_expert_layers": list(range(40)), "streamed_expert_layers": [], "slot_pool_experts": 0,
+             "vram_bytes": int(15.99 * GIB), "budget_vram_bytes": 16 * GIB, "ctx_tokens": 16384}
+    assert in_use_line(whole, "cuda") == "In use: all 40 layers resident, 15.99 GiB of 16.00 GiB, 16K context"
+    split = dict(whole, resident_expert_layers=list(range(18)), streamed_expert_layers=list(range(18, 40)),
+                 slot_pool_experts=2096)
+    assert in_use_line(split, "cuda") == (
+        "In use: 18 resident / 22 streamed layers, 2,096 slots, 15.99 GiB of 16.00 GiB, 16K context"
+    )
+    assert plan_as_dict(split) == split and plan_as_dict(None) is None
+
+    class Bare:  # neither a dict, a dataclass nor a Plan: read by attribute
+        resident_expert_layers, streamed_expert_layers, ctx_tokens = 3, 1, 4096
+
+    assert plan_as_dict(Bare()) == {"resident_expert_layers": 3, "streamed_expert_layers": 1, "ctx_tokens": 4096}
+
+
+def test_without_gpu_the_panel_plans_for_a_chosen_card(qtbot, plan_fn) -> None:
+    panel = VramPanel(plan_fn, None, None, 64 * GIB)
+    qtbot.addWidget(panel)
+    panel.show()
+    assert "No NVIDIA GPU found" in panel.gpu_label.text()
+    card = panel.findChild(QComboBox, "cardChoice")
+    assert card is panel.card_combo and card.isVisible() and card.accessibleName()
+    assert [card.itemData(i) for i in range(card.count())] == list(CARD_CHOICES_GIB) == [8, 12, 16, 24]
+    assert card.currentData() == DEFAULT_CARD_GIB == 16
+    assert panel.card_bytes() == 16 * GIB
+    assert panel.slider.maximum() * STEP_MIB * MIB == 16 * GIB
+    assert "Plan for a 16 GB card" in panel.plan_for_label.text() and panel.plan_for_label.isVisible()
+    assert panel.summary.headline.startswith("Plan for a 16 GB card: fits")
+
+    with qtbot.waitSignal(panel.cardChanged, timeout=1000) as blocker:
+        card.setCurrentIndex(card.findData(24))
+    assert blocker.args == [24 * GIB] and panel.card_bytes() == 24 * GIB
     assert panel.slider.maximum() * STEP_MIB * MIB == 24 * GIB
-    assert "No NVIDIA GPU" in panel.gpu_label.text()
-    assert "no GPU found" in panel.max_label.text()
+    assert panel.budget_bytes() == 24 * GIB - STEP_MIB * MIB  # a new card: the whole card less one step
+    assert "Plan for a 24 GB card" in panel.plan_for_label.text() and "24 GB card" in panel.max_label.text()
+    card.setCurrentIndex(card.findData(8))
+    assert panel.slider.maximum() * STEP_MIB * MIB == 8 * GIB
+    assert "Plan for an 8 GB card" in panel.plan_for_label.text()
+
+    panel.set_budget_bytes(20 * GIB)  # a saved budget above the card picks the smallest card that holds it
+    assert panel.card_bytes() == 24 * GIB and panel.budget_bytes() == 20 * GIB
+    panel.set_card_bytes(12 * GIB)
+    assert card.currentData() == 12 and panel.budget_bytes() <= 12 * GIB
+
+
+def test_without_gpu_no_speed_is_shown(qtbot, plan_fn) -> None:
+    panel = VramPanel(plan_fn, None, None, 64 * GIB)
+    qtbot.addWidget(panel)
+    panel.show()
+    for budget in (6 * GIB, 12 * GIB):
+        panel.set_budget_bytes(budget)
+        assert panel.plan.predicted_tok_s  # the planner has a roofline figure; the panel does not show it
+        texts = [label.text() for label in panel.findChildren(QLabel)]
+        assert not [t for t in texts if "tok/s" in t], texts
+        assert not panel.speed_label.isVisible()
+    assert panel.summary.speed_line == ""
+
+
+def test_without_gpu_apply_saves_and_says_the_model_runs_from_ram(qtbot, plan_fn) -> None:
+    panel = VramPanel(plan_fn, None, None, 64 * GIB)
+    qtbot.addWidget(panel)
+    panel.set_in_use(None, "cpu")
+    assert "RAM" in panel.in_use_label.text()
+    panel.set_budget_bytes(12 * GIB)
+    assert panel.apply_button.isEnabled() and "GPU" in panel.apply_button.text()
+    with qtbot.waitSignal(panel.applyRequested, timeout=1000) as blocker:
+        panel.apply_button.click()
+    assert blocker.args == [12 * GIB, DEFAULT_CTX_TOKENS]  # the app saves the choice
+    status = panel.status_label.text()
+    assert status == "No GPU here: the model runs from system RAM; this budget is saved for a GPU."
+    assert not panel.apply_button.isEnabled()  # already saved
+    texts = [label.text() for label in panel.findChildren(QLabel)]
+    assert not [t for t in texts if "runs under this plan" in t], texts
+    panel.set_budget_bytes(10 * GIB)
+    assert panel.apply_button.isEnabled() and "saved for a GPU" not in panel.status_label.text()
+    assert "system RAM" in panel.status_label.text()
+
+
+def test_object_and_accessible_names(qtbot) -> None:
+    gpu = VramPanel(fake_plan, CARD, "RTX", None)
+    qtbot.addWidget(gpu)
+    assert gpu.findChild(QSlider, "vramSlider") is gpu.slider
+    assert gpu.card_combo.isHidden()  # a GPU was found: its card is the card
+    assert gpu.card_bytes() == CARD
+    gpu.set_card_bytes(8 * GIB)
+    assert gpu.card_bytes() == CARD
+    for widget in (gpu.slider, gpu.ctx_combo, gpu.card_combo, gpu.apply_button, gpu.in_use_label, gpu.status_label):
+        assert widget.accessibleName(), widget
+    assert isinstance(gpu.apply_button, QPushButton) and gpu.apply_button.text() == "Apply and reload"
 
 
 def test_planner_failure_is_shown_not_raised(qtbot) -> None:
@@ -132,12 +256,14 @@ def test_set_planner_switches_model(qtbot, plan_fn) -> None:
     panel = VramPanel(plan_fn, CARD, "RTX", 64 * GIB)
     qtbot.addWidget(panel)
     panel.set_budget_bytes(10 * GIB)
-    panel.set_applied(10 * GIB, 8192)
+    panel.set_in_use(panel.plan_for(10 * GIB, 8192).to_dict(), "cuda")
+    assert panel.applied == (10 * GIB, 8192)
     with qtbot.waitSignal(panel.planChanged, timeout=1000) as blocker:
         panel.set_planner(fake_plan)  # another model: its own minimum, the budget kept
-    assert blocker.args[0].min_vram_bytes == fake_plan(CARD, 8192).min_vram_bytes
-    assert panel.budget_bytes() == 10 * GIB and panel.applied is None
-    assert panel.slider.minimum() * STEP_MIB * MIB >= fake_plan(CARD, 8192).min_vram_bytes
+    assert blocker.args[0].min_vram_bytes == fake_plan(CARD, DEFAULT_CTX_TOKENS).min_vram_bytes
+    assert panel.budget_bytes() == 10 * GIB and panel.applied is None  # the plan in use was the old model's
+    assert "nothing yet" in panel.in_use_label.text()
+    assert panel.slider.minimum() * STEP_MIB * MIB >= fake_plan(CARD, DEFAULT_CTX_TOKENS).min_vram_bytes
 
 
 def test_summary_words() -> None:
@@ -146,3 +272,6 @@ def test_summary_words() -> None:
     assert "of 40 layers' experts on GPU" in s.layers_line
     assert s.ram_line.endswith("of 32.0 GiB")
     assert layer_count([1, 2, 3]) == 3 and layer_count(7) == 7
+    assert s.speed_line.startswith("≈ ") and s.speed_line.endswith(" tok/s AR (estimate)")
+    planned = summarize(fake_plan(8 * GIB, 8192), 8 * GIB, None, plan_card_bytes=8 * GIB)
+    assert planned.headline.startswith("Plan for an 8 GB card: fits") and planned.speed_line == ""

@@ -1,15 +1,20 @@
 """The VRAM budget panel: a slider from the smallest budget that works up to the card's memory, and what the
 planner makes of each budget (a stacked bar of where the bytes go, how many layers' experts stay on the GPU, RAM
-needed, predicted speed, or a clear "won't fit" with the planner's reason).
+needed, an estimated speed, or a clear "won't fit" with the planner's reason), next to the plan the engine really
+placed (:meth:`VramPanel.set_in_use`).
 
 Planning is pure arithmetic (``engine.planner``, stdlib only), so it runs in the GUI process on every slider move.
 "Apply" asks the engine to reload under the new budget through :attr:`VramPanel.applyRequested`.
+
+Without an NVIDIA GPU the panel only plans: the user picks the card to plan for (:data:`CARD_CHOICES_GIB`), every
+figure is labelled as a plan for that card, no speed is shown (there is nothing to measure it on) and Apply only
+saves the budget for a GPU; the model runs from system RAM on the CPU.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,12 +27,14 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QPushButton,
+    QScrollArea,
     QSizePolicy,
     QSlider,
     QVBoxLayout,
     QWidget,
 )
 
+from engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_BYTES, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
 from ui.theme import COLORS, color
 
 log = logging.getLogger(__name__)
@@ -35,7 +42,7 @@ log = logging.getLogger(__name__)
 GIB = 1024**3
 MIB = 1024**2
 STEP_MIB = 128  # slider resolution
-NO_GPU_CARD_BYTES = 24 * GIB  # the slider's top when no GPU is found
+STEP_BYTES = STEP_MIB * MIB
 CONTEXT_CHOICES = (4096, 8192, 16384, 32768, 65536, 131072)
 
 # (breakdown key, legend label, palette colour); the bar draws them in this order.
@@ -49,6 +56,25 @@ SEGMENTS: tuple[tuple[str, str, str], ...] = (
     ("reserve", "Reserve", "seg_reserve"),
 )
 
+# the keys of ``engine.planner.Plan.to_dict()`` the panel reads (a plan in use may be any object with these)
+PLAN_KEYS = (
+    "resident_expert_layers",
+    "streamed_expert_layers",
+    "slot_pool_experts",
+    "vram_bytes",
+    "vram_breakdown",
+    "ram_bytes",
+    "ctx_tokens",
+    "budget_vram_bytes",
+    "fits",
+    "reason",
+    "min_vram_bytes",
+    "predicted_tok_s",
+)
+
+NO_GPU_UNSAVED_TEXT = "No GPU here: the model runs from system RAM. Apply saves this budget for a GPU."
+NO_GPU_SAVED_TEXT = "No GPU here: the model runs from system RAM; this budget is saved for a GPU."
+
 
 class PlanLike(Protocol):
     """The fields of ``engine.planner.Plan`` the panel reads."""
@@ -61,7 +87,7 @@ class PlanLike(Protocol):
     ram_bytes: int
     fits: bool
     reason: str
-    min_vram_bytes: int
+    min_vram_bytes: int | None
     predicted_tok_s: dict[str, float]
 
 
@@ -81,6 +107,57 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+def card_words(card_bytes: int) -> str:
+    """How a card is sold: "16 GB" (cards are sized in binary gigabytes and sold as GB)."""
+    n = card_bytes / GIB
+    return f"{n:.0f} GB" if abs(n - round(n)) < 1e-9 else f"{n:.1f} GB"
+
+
+def a_card(card_bytes: int) -> str:
+    """ "a 16 GB card", "an 8 GB card". """
+    words = card_words(card_bytes)
+    return f"{'an' if words.startswith(('8', '11', '18')) else 'a'} {words} card"
+
+
+def ctx_words(ctx_tokens: int) -> str:
+    return f"{ctx_tokens // 1024}K" if ctx_tokens and ctx_tokens % 1024 == 0 else f"{ctx_tokens:,} tokens"
+
+
+def plan_as_dict(plan: Any) -> dict[str, Any] | None:
+    """A plan as the flat dict ``engine.planner.Plan.to_dict()`` gives, from a dict, a ``Plan`` or any object
+    carrying the :data:`PLAN_KEYS` attributes (a test's dataclass; missing ones are left out)."""
+    if plan is None:
+        return None
+    if isinstance(plan, Mapping):
+        return dict(plan)
+    to_dict = getattr(plan, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
+    return {key: getattr(plan, key) for key in PLAN_KEYS if hasattr(plan, key)}
+
+
+def in_use_line(plan: Mapping[str, Any] | None, device: str) -> str:
+    """The one line that says what the engine placed: layer counts, slots, VRAM of budget, context."""
+    if plan is None:
+        if device == "cpu":
+            return "In use: no plan, the model runs from system RAM on the CPU"
+        return f"In use: no plan, the model was loaded on {device or 'the device'} without a VRAM budget"
+    resident = layer_count(plan.get("resident_expert_layers", 0))
+    streamed = layer_count(plan.get("streamed_expert_layers", 0))
+    if streamed:
+        slots = int(plan.get("slot_pool_experts") or 0)
+        parts = [f"{resident} resident / {streamed} streamed layers", f"{slots:,} slots"]
+    else:
+        parts = [f"all {resident} layers resident"]
+    used = int(plan.get("vram_bytes") or 0)
+    budget = int(plan.get("budget_vram_bytes") or 0)
+    parts.append(f"{used / GIB:.2f} GiB of {budget / GIB:.2f} GiB" if budget else f"{used / GIB:.2f} GiB")
+    ctx = int(plan.get("ctx_tokens") or 0)
+    if ctx:
+        parts.append(f"{ctx_words(ctx)} context")
+    return "In use: " + ", ".join(parts)
+
+
 @dataclass(frozen=True)
 class PlanSummary:
     """The words and numbers the panel shows for one plan (plain data, tested without widgets)."""
@@ -89,38 +166,44 @@ class PlanSummary:
     headline: str
     layers_line: str
     ram_line: str
-    speed_line: str
+    speed_line: str  # "" when there is no GPU to estimate a speed for
     reason: str
     segments: tuple[tuple[str, str, str, int], ...]  # (key, label, colour name, bytes)
 
 
-def summarize(plan: PlanLike, budget_bytes: int, ram_total_bytes: int | None) -> PlanSummary:
+def summarize(
+    plan: PlanLike, budget_bytes: int, ram_total_bytes: int | None, *, plan_card_bytes: int | None = None
+) -> PlanSummary:
+    """``plan_card_bytes``: no GPU was found and this is a plan for a card of that size. The headline says so and
+    there is no speed line (the planner's roofline figure would read as a measurement of a card that is not here).
+    """
     resident = layer_count(plan.resident_expert_layers)
     streamed = layer_count(plan.streamed_expert_layers)
     total = resident + streamed
     breakdown = dict(plan.vram_breakdown or {})
     segments = tuple((k, label, col, int(breakdown.get(k, 0))) for k, label, col in SEGMENTS)
     used = sum(s[3] for s in segments)
-    if plan.fits:
-        headline = f"Fits: {gib(used)} of {gib(budget_bytes)}"
-    else:
-        headline = "Won't fit"
+    headline = f"Fits: {gib(used)} of {gib(budget_bytes)}" if plan.fits else "Won't fit"
+    if plan_card_bytes is not None:
+        headline = f"Plan for {a_card(plan_card_bytes)}: " + headline[0].lower() + headline[1:]
     if streamed:
         layers = f"{resident} of {total} layers' experts on GPU, {streamed} streamed from RAM"
         if plan.slot_pool_experts:
-            layers += f" ({plan.slot_pool_experts} expert slots)"
+            layers += f" ({plan.slot_pool_experts:,} expert slots)"
     else:
         layers = f"All {total} layers' experts on GPU"
     ram = f"RAM needed: {gib(plan.ram_bytes)}"
     if ram_total_bytes:
         ram += f" of {gib(ram_total_bytes)}"
-    speeds = plan.predicted_tok_s or {}
-    parts = []
-    if "diffusion" in speeds:
-        parts.append(f"~{speeds['diffusion']:.0f} tok/s diffusion")
-    if "ar" in speeds:
-        parts.append(f"~{speeds['ar']:.0f} tok/s AR")
-    speed = "Predicted: " + ", ".join(parts) if parts else "Predicted speed: unknown"
+    speed = ""
+    if plan_card_bytes is None:
+        speeds = plan.predicted_tok_s or {}
+        parts = []
+        if "diffusion" in speeds:
+            parts.append(f"≈ {speeds['diffusion']:.0f} tok/s diffusion")
+        if "ar" in speeds:
+            parts.append(f"≈ {speeds['ar']:.0f} tok/s AR")
+        speed = ", ".join(parts) + " (estimate)" if parts else "Speed estimate: unknown"
     reason = plan.reason or ("" if plan.fits else "the planner found no placement for this budget")
     return PlanSummary(bool(plan.fits), headline, layers, ram, speed, reason, segments)
 
@@ -133,6 +216,7 @@ class BudgetBar(QWidget):
         self.segments: tuple[tuple[str, str, str, int], ...] = ()
         self.budget_bytes = 0
         self.card_bytes = 16 * GIB
+        self.card_caption = ""  # the right-hand caption under the bar; "" draws "card <size>"
         self.fits = True
         self.setMinimumHeight(46)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
@@ -182,16 +266,22 @@ class BudgetBar(QWidget):
         p.setPen(color("muted"))
         p.drawText(QRectF(0, bar.bottom() + 4, 120, 14), Qt.AlignmentFlag.AlignLeft, "0")
         p.drawText(
-            QRectF(self.width() - 160, bar.bottom() + 4, 160, 14), Qt.AlignmentFlag.AlignRight, f"card {gib(self.card_bytes)}"
+            QRectF(self.width() - 160, bar.bottom() + 4, 160, 14), Qt.AlignmentFlag.AlignRight,
+            self.card_caption or f"card {gib(self.card_bytes)}",
         )
         p.end()
 
 
 class VramPanel(QWidget):
-    """Budget slider + context selector + plan display + Apply."""
+    """Budget slider + context selector + plan display + the plan in use + Apply.
 
-    applyRequested = Signal(object, int)  # (budget bytes, context tokens): reload the model under this plan
-    planChanged = Signal(object)  # the plan now displayed (engine.planner.Plan), after each slider / context move
+    ``card_bytes`` is the GPU's memory, or None when no NVIDIA GPU was found: the panel then plans for a card the
+    user picks (:data:`CARD_CHOICES_GIB`, default :data:`DEFAULT_CARD_GIB`) and Apply only saves the budget.
+    """
+
+    applyRequested = Signal(object, int)  # (budget bytes, context tokens): reload (or, without a GPU, save) this plan
+    planChanged = Signal(object)  # the plan now displayed (engine.planner.Plan), after a slider / context / card move
+    cardChanged = Signal(object)  # no GPU: the card size (bytes) the user now plans for
 
     def __init__(
         self,
@@ -199,30 +289,50 @@ class VramPanel(QWidget):
         card_bytes: int | None,
         gpu_name: str | None = None,
         ram_total_bytes: int | None = None,
-        ctx_tokens: int = 8192,
+        ctx_tokens: int = DEFAULT_CTX_TOKENS,
         parent: QWidget | None = None,
     ) -> None:
         super().__init__(parent)
         self.setObjectName("vramPanel")
         self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
         self._planner = planner
-        self.card_bytes = card_bytes or NO_GPU_CARD_BYTES
-        self.has_gpu = card_bytes is not None
+        self.has_gpu = bool(card_bytes)
+        self._card_bytes = int(card_bytes) if card_bytes else DEFAULT_CARD_BYTES
         self.gpu_name = gpu_name
         self.ram_total_bytes = ram_total_bytes
         self.plan: PlanLike | None = None
         self.summary: PlanSummary | None = None
-        self.applied: tuple[int, int] | None = None  # (budget, ctx) the engine runs under
+        self._in_use_known = False  # set_in_use was called since the last model switch
+        self._in_use: dict[str, Any] | None = None  # the plan the engine placed (None: it runs without one)
+        self._in_use_device = ""
+        self._saved: tuple[int, int] | None = None  # no GPU: the (budget, ctx) Apply saved last
 
         self.title = QLabel("VRAM budget")
         self.title.setObjectName("convTitle")
         self.gpu_label = QLabel(self._gpu_text())
-        self.gpu_label.setObjectName("muted")
+        self.gpu_label.setObjectName("muted" if self.has_gpu else "warnText")
+        self.gpu_label.setWordWrap(True)
+        self.gpu_label.setAccessibleName("GPU")
+        self.card_label = QLabel("Card to plan for")
+        self.card_combo = QComboBox()
+        self.card_combo.setObjectName("cardChoice")
+        self.card_combo.setAccessibleName("Card size to plan for")
+        self.card_combo.setToolTip("No NVIDIA GPU was found: choose the card size the plan is made for")
+        for n in CARD_CHOICES_GIB:
+            self.card_combo.addItem(f"{n} GB", n)
+        self.card_combo.setCurrentIndex(max(0, self.card_combo.findData(DEFAULT_CARD_GIB)))
+        self.card_label.setBuddy(self.card_combo)
+        self.plan_for_label = QLabel()
+        self.plan_for_label.setObjectName("muted")
+        self.plan_for_label.setAccessibleName("Plan for")
         self.budget_label = QLabel()
         self.budget_label.setObjectName("bigFigure")
+        self.budget_label.setAccessibleName("VRAM budget")
         self.state_label = QLabel()
+        self.state_label.setAccessibleName("Plan state")
         self.slider = QSlider(Qt.Orientation.Horizontal)
-        self.slider.setObjectName("budgetSlider")
+        self.slider.setObjectName("vramSlider")
+        self.slider.setAccessibleName("VRAM budget")
         self.slider.setSingleStep(1)
         self.slider.setPageStep(8)
         self.min_label = QLabel()
@@ -230,11 +340,14 @@ class VramPanel(QWidget):
         self.max_label = QLabel()
         self.max_label.setObjectName("faint")
         self.ctx_combo = QComboBox()
+        self.ctx_combo.setObjectName("contextChoice")
+        self.ctx_combo.setAccessibleName("Context length")
         for n in CONTEXT_CHOICES:
             self.ctx_combo.addItem(f"{n // 1024}K tokens", n)
         index = self.ctx_combo.findData(ctx_tokens)
-        self.ctx_combo.setCurrentIndex(index if index >= 0 else 1)
+        self.ctx_combo.setCurrentIndex(index if index >= 0 else max(0, self.ctx_combo.findData(DEFAULT_CTX_TOKENS)))
         self.bar = BudgetBar()
+        self.bar.setAccessibleName("Where the VRAM goes")
         self.legend = QGridLayout()
         self.legend.setHorizontalSpacing(10)
         self.legend.setVerticalSpacing(4)
@@ -246,23 +359,33 @@ class VramPanel(QWidget):
             name = QLabel(label)
             value = QLabel("–")
             value.setAlignment(Qt.AlignmentFlag.AlignRight)
+            value.setAccessibleName(label)
             self._legend_values[key] = value
             self.legend.addWidget(swatch, row, 0)
             self.legend.addWidget(name, row, 1)
             self.legend.addWidget(value, row, 2)
         self.layers_label = QLabel()
         self.layers_label.setWordWrap(True)
+        self.layers_label.setAccessibleName("Expert layers")
         self.ram_label = QLabel()
+        self.ram_label.setAccessibleName("RAM needed")
         self.speed_label = QLabel()
+        self.speed_label.setAccessibleName("Speed estimate")
+        self.speed_label.setToolTip("The planner's roofline estimate for this card, not a measurement")
         self.reason_label = QLabel()
         self.reason_label.setWordWrap(True)
         self.reason_label.setObjectName("dangerText")
-        self.apply_button = QPushButton("Apply and reload")
-        self.apply_button.setObjectName("primary")
-        self.apply_button.setToolTip("Reload the model under this budget (the app keeps running)")
-        self.applied_label = QLabel()
-        self.applied_label.setObjectName("muted")
-        self.applied_label.setWordWrap(True)
+        self.reason_label.setAccessibleName("Why it won't fit")
+        self.apply_button = QPushButton()
+        self.apply_button.setObjectName("primary")  # the theme's primary-button look (assets/style.qss)
+        self.apply_button.setAccessibleName("Apply")
+        self.in_use_label = QLabel()
+        self.in_use_label.setObjectName("muted")
+        self.in_use_label.setWordWrap(True)
+        self.in_use_label.setAccessibleName("Plan in use")
+        self.status_label = QLabel()
+        self.status_label.setWordWrap(True)
+        self.status_label.setAccessibleName("Plan status")
 
         self._build_layout()
         self._init_range()
@@ -271,98 +394,186 @@ class VramPanel(QWidget):
 
     # ----------------------------------------------------------------- layout
     def _build_layout(self) -> None:
-        root = QVBoxLayout(self)
-        root.setContentsMargins(16, 14, 16, 14)
-        root.setSpacing(10)
-        root.addWidget(self.title)
-        root.addWidget(self.gpu_label)
+        """The inputs and the plan scroll when the panel is short; the plan in use and Apply stay pinned below."""
+        body = QWidget()
+        body.setObjectName("vramPanelBody")
+        col = QVBoxLayout(body)
+        col.setContentsMargins(16, 14, 16, 6)
+        col.setSpacing(10)
+        col.addWidget(self.title)
+        col.addWidget(self.gpu_label)
+        card_row = QHBoxLayout()
+        card_row.addWidget(self.card_label)
+        card_row.addStretch(1)
+        card_row.addWidget(self.card_combo)
+        col.addLayout(card_row)
+        self.card_label.setVisible(not self.has_gpu)
+        self.card_combo.setVisible(not self.has_gpu)
+        ctx_row = QHBoxLayout()
+        ctx_label = QLabel("Context length")
+        ctx_label.setBuddy(self.ctx_combo)
+        ctx_row.addWidget(ctx_label)
+        ctx_row.addStretch(1)
+        ctx_row.addWidget(self.ctx_combo)
+        col.addLayout(ctx_row)
+        col.addWidget(self.plan_for_label)
+        self.plan_for_label.setVisible(not self.has_gpu)
         top = QHBoxLayout()
         top.addWidget(self.budget_label)
         top.addStretch(1)
         top.addWidget(self.state_label)
-        root.addLayout(top)
-        root.addWidget(self.slider)
+        col.addLayout(top)
+        col.addWidget(self.slider)
         ends = QHBoxLayout()
         ends.addWidget(self.min_label)
         ends.addStretch(1)
         ends.addWidget(self.max_label)
-        root.addLayout(ends)
-        root.addWidget(self.bar)
+        col.addLayout(ends)
+        col.addWidget(self.bar)
         card = QFrame()
         card.setObjectName("loadBanner")
         card_layout = QVBoxLayout(card)
         card_layout.setContentsMargins(12, 10, 12, 10)
         card_layout.addLayout(self.legend)
-        root.addWidget(card)
-        root.addWidget(self.layers_label)
-        root.addWidget(self.ram_label)
-        root.addWidget(self.speed_label)
-        root.addWidget(self.reason_label)
-        ctx_row = QHBoxLayout()
-        ctx_label = QLabel("Context length")
-        ctx_row.addWidget(ctx_label)
-        ctx_row.addStretch(1)
-        ctx_row.addWidget(self.ctx_combo)
-        root.addLayout(ctx_row)
-        root.addStretch(1)
-        root.addWidget(self.applied_label)
-        root.addWidget(self.apply_button)
+        col.addWidget(card)
+        col.addWidget(self.layers_label)
+        col.addWidget(self.ram_label)
+        col.addWidget(self.speed_label)
+        self.speed_label.setVisible(self.has_gpu)
+        col.addWidget(self.reason_label)
+        col.addStretch(1)
+
+        self.scroll = QScrollArea()
+        self.scroll.setObjectName("vramPanelScroll")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setStyleSheet("QScrollArea#vramPanelScroll, QWidget#vramPanelBody { background: transparent; }")
+        self.scroll.viewport().setAutoFillBackground(False)
+        self.scroll.setWidget(body)
+
+        footer = QVBoxLayout()
+        footer.setContentsMargins(16, 6, 16, 14)
+        footer.setSpacing(8)
+        footer.addWidget(self.in_use_label)
+        footer.addWidget(self.status_label)
+        footer.addWidget(self.apply_button)
+
+        self._footer = footer
+        root = QVBoxLayout(self)
+        root.setContentsMargins(0, 0, 0, 0)
+        root.setSpacing(0)
+        root.addWidget(self.scroll, 1)
+        root.addLayout(footer)
+        for combo in (self.card_combo, self.ctx_combo):
+            combo.setMinimumWidth(130)
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - the whole plan without scrolling (a scroll area alone hints small)
+        body = self.scroll.widget().sizeHint()
+        foot = self._footer.sizeHint()
+        return QSize(max(body.width(), foot.width()), body.height() + foot.height())
 
     def _init_range(self, keep_value: bool = False) -> None:
         """Slider range: from the smallest budget that fits this model at the chosen context up to the card."""
-        top = self.card_bytes
+        top = self._card_bytes
         try:
             floor = int(self._planner(top, self.ctx_tokens()).min_vram_bytes or 0)
         except Exception:  # noqa: BLE001 - a planner bug must not take the window down; logged, then a safe floor
             log.exception("planner failed while computing the minimum budget")
             floor = 0
         floor = max(0, min(floor, top))
-        lo = -(-floor // (STEP_MIB * MIB))  # round up to a slider step
-        hi = top // (STEP_MIB * MIB)
+        lo = -(-floor // STEP_BYTES)  # round up to a slider step
+        hi = top // STEP_BYTES
         value = self.slider.value()
         self.slider.setRange(lo, max(lo, hi))
         if keep_value:
             self.slider.setValue(max(lo, min(value, hi)))  # a larger context may raise the floor past the value
         else:
             self.slider.setValue(max(lo, hi - 1))  # default: the whole card less one step
-        self.min_label.setText(f"min {gib(lo * STEP_MIB * MIB)}")
-        self.max_label.setText(("card " if self.has_gpu else "no GPU found: up to ") + gib(hi * STEP_MIB * MIB))
+        self.min_label.setText(f"min {gib(lo * STEP_BYTES)}")
+        self.max_label.setText(f"card {gib(hi * STEP_BYTES)}" if self.has_gpu else f"{card_words(top)} card")
 
     def _connect_signals(self) -> None:
         self.slider.valueChanged.connect(self.on_budget_changed)
         self.ctx_combo.currentIndexChanged.connect(self.on_context_changed)
+        self.card_combo.currentIndexChanged.connect(self.on_card_changed)
         self.apply_button.clicked.connect(self.on_apply_clicked)
 
     def _gpu_text(self) -> str:
-        if self.gpu_name:
-            return f"{self.gpu_name} · {gib(self.card_bytes)}"
-        return "No NVIDIA GPU found · planning for a 24 GiB card"
+        if self.has_gpu:
+            return f"{self.gpu_name or 'NVIDIA GPU'} · {gib(self._card_bytes)}"
+        return "No NVIDIA GPU found. Pick a card size to see how the model would be placed on it."
 
     # ----------------------------------------------------------------- API
     def budget_bytes(self) -> int:
-        return self.slider.value() * STEP_MIB * MIB
+        return self.slider.value() * STEP_BYTES
 
     def ctx_tokens(self) -> int:
-        return int(self.ctx_combo.currentData() or 8192)
+        return int(self.ctx_combo.currentData() or DEFAULT_CTX_TOKENS)
+
+    def card_bytes(self) -> int:
+        """The card the slider's top stands for: the GPU's memory, or (no GPU) the card size chosen to plan for."""
+        return self._card_bytes
+
+    def set_card_bytes(self, n: int) -> None:
+        """No GPU: plan for the smallest offered card holding ``n`` bytes (the largest if none does). With a GPU
+        the card is the GPU's and this does nothing."""
+        if self.has_gpu:
+            log.warning("set_card_bytes ignored: the panel plans for the %s GPU found", gib(self._card_bytes))
+            return
+        fits = [g for g in CARD_CHOICES_GIB if g * GIB >= n]
+        self.card_combo.setCurrentIndex(self.card_combo.findData(min(fits) if fits else max(CARD_CHOICES_GIB)))
 
     def set_budget_bytes(self, n: int) -> None:
-        self.slider.setValue(round(n / (STEP_MIB * MIB)))
+        """Move the slider to ``n`` (a step of 128 MiB); without a GPU a budget above the card picks a larger card."""
+        if not self.has_gpu and n > self._card_bytes:
+            self.set_card_bytes(n)
+        self.slider.setValue(round(n / STEP_BYTES))
+
+    def plan_for(self, budget_bytes: int, ctx_tokens: int) -> PlanLike:
+        """What the panel's planner makes of this budget and context (``engine.planner.Plan`` in the app)."""
+        return self._planner(budget_bytes, ctx_tokens)
 
     def set_planner(self, planner: PlanFunction) -> None:
         """Plan for another model (a new folder was chosen): new minimum, same budget where it still fits."""
         budget = self.budget_bytes()
         self._planner = planner
-        self.applied = None
+        self._in_use_known, self._in_use, self._in_use_device, self._saved = False, None, "", None
         self.slider.blockSignals(True)
         self._init_range()
-        self.slider.setValue(max(self.slider.minimum(), min(self.slider.maximum(), round(budget / (STEP_MIB * MIB)))))
+        self.slider.setValue(max(self.slider.minimum(), min(self.slider.maximum(), round(budget / STEP_BYTES))))
         self.slider.blockSignals(False)
         self.replan()
 
-    def set_applied(self, budget_bytes: int, ctx_tokens: int) -> None:
-        """The engine now runs under this budget (called after a reload succeeded)."""
-        self.applied = (budget_bytes, ctx_tokens)
+    def set_in_use(self, plan: Any, device: str) -> None:
+        """The plan the engine placed after a load (``Plan.to_dict()``, a ``Plan`` or a like object), on ``device``
+        ("cuda" / "cpu"); None: it runs without a plan (on the CPU everything is in RAM)."""
+        self._in_use_known = True
+        self._in_use = plan_as_dict(plan)
+        self._in_use_device = device
         self._update_apply_state()
+
+    def in_use(self) -> dict[str, Any] | None:
+        """The plan the engine placed, as a flat dict (None: no plan, or no load reported yet)."""
+        return dict(self._in_use) if self._in_use is not None else None
+
+    @property
+    def applied(self) -> tuple[int, int] | None:
+        """``(budget bytes, context tokens)`` of the plan in use, or None (read-only; see :meth:`set_in_use`)."""
+        if self._in_use is None:
+            return None
+        return int(self._in_use.get("budget_vram_bytes") or 0), int(self._in_use.get("ctx_tokens") or 0)
+
+    def is_dirty(self) -> bool:
+        """True when the slider's plan is not the one in use (compared by budget, to a slider step, and context)."""
+        if self._in_use is None:
+            return True
+        budget, ctx = self.applied or (0, 0)
+        return not (budget and round(budget / STEP_BYTES) == self.slider.value() and ctx == self.ctx_tokens())
+
+    def runs_on_cpu(self) -> bool:
+        """No GPU found, or the engine was loaded on the CPU: a budget changes nothing until there is a GPU."""
+        return not self.has_gpu or self._in_use_device == "cpu"
 
     # ----------------------------------------------------------------- slots
     def on_budget_changed(self, _value: int) -> None:
@@ -374,34 +585,47 @@ class VramPanel(QWidget):
         self.slider.blockSignals(False)
         self.replan()
 
+    def on_card_changed(self, _index: int) -> None:
+        if self.has_gpu:
+            return
+        self._card_bytes = int(self.card_combo.currentData() or DEFAULT_CARD_GIB) * GIB
+        self.slider.blockSignals(True)
+        self._init_range()  # another card: its top, the whole card less one step
+        self.slider.blockSignals(False)
+        self.replan()
+        self.cardChanged.emit(self._card_bytes)
+
     def on_apply_clicked(self) -> None:
         if self.plan is None or not self.plan.fits:
             return
+        if self.runs_on_cpu():
+            self._saved = (self.budget_bytes(), self.ctx_tokens())
+            self._update_apply_state()
         self.applyRequested.emit(self.budget_bytes(), self.ctx_tokens())
 
     def replan(self) -> None:
         budget = self.budget_bytes()
+        self.plan_for_label.setText(f"Plan for {a_card(self._card_bytes)} (no GPU here to measure on)")
         try:
             plan = self._planner(budget, self.ctx_tokens())
         except Exception as exc:  # noqa: BLE001 - shown as a "won't fit" with the planner's message
             log.warning("planner failed for %d bytes: %s", budget, exc)
             self.plan = None
             self.summary = None
-            self.state_label.setText("Won't fit")
-            self.state_label.setObjectName("dangerText")
+            self.budget_label.setText(gib(budget))
+            self._set_state(False)
             self.reason_label.setText(str(exc))
             self.reason_label.show()
-            self.apply_button.setEnabled(False)
+            self._update_apply_state()
             return
         self.plan = plan
-        self.summary = summarize(plan, budget, self.ram_total_bytes)
+        card = None if self.has_gpu else self._card_bytes
+        self.summary = summarize(plan, budget, self.ram_total_bytes, plan_card_bytes=card)
         s = self.summary
         self.budget_label.setText(gib(budget))
-        self.state_label.setText("● Fits" if s.fits else "● Won't fit")
-        self.state_label.setObjectName("okText" if s.fits else "dangerText")
-        self.state_label.style().unpolish(self.state_label)
-        self.state_label.style().polish(self.state_label)
-        self.bar.set_plan(s, budget, self.card_bytes)
+        self._set_state(s.fits)
+        self.bar.card_caption = "" if self.has_gpu else f"planned {card_words(self._card_bytes)} card"
+        self.bar.set_plan(s, budget, self._card_bytes)
         for key, _label, _col, n in s.segments:
             self._legend_values[key].setText(gib(n))
         self.layers_label.setText(s.layers_line)
@@ -414,18 +638,47 @@ class VramPanel(QWidget):
         self._update_apply_state()
         self.planChanged.emit(plan)
 
+    def _set_state(self, fits: bool) -> None:
+        self.state_label.setText("● Fits" if fits else "● Won't fit")
+        self._restyle(self.state_label, "okText" if fits else "dangerText")
+
+    @staticmethod
+    def _restyle(label: QLabel, name: str) -> None:
+        if label.objectName() != name:
+            label.setObjectName(name)
+            label.style().unpolish(label)
+            label.style().polish(label)
+
     def _update_apply_state(self) -> None:
-        fits = self.plan is not None and self.plan.fits
+        fits = self.plan is not None and bool(self.plan.fits)
         current = (self.budget_bytes(), self.ctx_tokens())
-        self.apply_button.setEnabled(fits and current != self.applied)
-        if self.applied is None:
-            self.applied_label.setText("Not applied yet: the engine loads with its default plan.")
-        elif current == self.applied:
-            self.applied_label.setText(f"The engine runs under this plan ({gib(self.applied[0])}, {self.applied[1] // 1024}K context).")
+        if not self._in_use_known:
+            self.in_use_label.setText("In use: nothing yet (no model loaded)")
         else:
-            self.applied_label.setText(
-                f"Engine runs under {gib(self.applied[0])}, {self.applied[1] // 1024}K context. Apply to reload."
-            )
+            self.in_use_label.setText(in_use_line(self._in_use, self._in_use_device))
+        if self.runs_on_cpu():
+            self.apply_button.setText("Save for a GPU")
+            self.apply_button.setToolTip("Keep this budget and context for when the model runs on a GPU")
+            self.apply_button.setEnabled(fits and current != self._saved)
+            if current == self._saved:
+                self.status_label.setText(NO_GPU_SAVED_TEXT)
+            else:
+                self.status_label.setText(NO_GPU_UNSAVED_TEXT)
+            self._restyle(self.status_label, "muted")
+            return
+        self.apply_button.setText("Apply and reload")
+        self.apply_button.setToolTip("Reload the model under this budget (the app keeps running)")
+        dirty = self.is_dirty()
+        self.apply_button.setEnabled(fits and dirty)
+        if not dirty:
+            self.status_label.setText("The slider shows the plan in use.")
+            self._restyle(self.status_label, "muted")
+        elif not self._in_use_known:
+            self.status_label.setText("Apply to load the model under this plan.")
+            self._restyle(self.status_label, "muted")
+        else:
+            self.status_label.setText("This is not the plan in use. Apply to reload under this plan.")
+            self._restyle(self.status_label, "warnText")
 
 
 def planner_from_engine(manifest: Any, ram_bytes: int | None) -> PlanFunction:
