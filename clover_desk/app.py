@@ -23,6 +23,7 @@ from PySide6.QtWidgets import QApplication, QWidget
 from clover_desk import paths
 from clover_desk.engine_client import EngineClient
 from clover_desk.storage import ChatStore, StreamRecorder, atomic_write_text
+from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.events import LoadProgress
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class AppSettings:
     device: str | None = None  # None: "cuda" when a GPU is found, else "cpu"
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     vram_budget_bytes: int | None = None  # the VRAM panel's applied budget (None: load without a plan)
-    ctx_tokens: int = 8192
+    ctx_tokens: int = DEFAULT_CTX_TOKENS
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -99,7 +100,6 @@ class CloverDeskApp(QObject):
         self.client = client or EngineClient()
         self.device = self.settings.device or ("cuda" if self.hardware.gpu_name else "cpu")
         self.dtype = self.settings.dtype or ("bfloat16" if self.device == "cuda" else "float32")
-        self._loading_plan: tuple[int, int] | None = None  # (budget bytes, context) of the load in flight
         self.vram_panel = self._build_vram_panel()
         self.preview = self._build_preview() if with_preview else None
         self.model_manager = self._build_model_manager() if with_model_manager else None
@@ -121,15 +121,15 @@ class CloverDeskApp(QObject):
 
     # ----------------------------------------------------------------- parts
     def _plan_function(self) -> Any:
-        """``(vram_bytes, ctx_tokens) -> Plan`` for the configured model on this machine (pure arithmetic)."""
+        """``(vram_bytes, ctx_tokens) -> Plan`` for the configured model on this machine: ``engine.planner.
+        plan_model``, the one planning function (the worker checks and places the plan it is sent)."""
         from engine import planner
 
         manifest = self._manifest(planner)
         hardware = self.hardware
 
         def plan(vram_bytes: int, ctx_tokens: int) -> Any:
-            return planner.make_plan(manifest, vram_bytes, ctx_tokens, hardware.ram_available_bytes,
-                                     hardware=hardware)
+            return planner.plan_model(manifest, vram_bytes, ctx_tokens, hardware)
 
         return plan
 
@@ -137,8 +137,9 @@ class CloverDeskApp(QObject):
         from ui.vram_panel import VramPanel
 
         hardware = self.hardware
+        self._plan = self._plan_function()
         panel = VramPanel(
-            self._plan_function(),
+            self._plan,
             hardware.vram_total_bytes,
             hardware.gpu_name,
             hardware.ram_total_bytes,
@@ -149,12 +150,14 @@ class CloverDeskApp(QObject):
         return panel
 
     def _manifest(self, planner: Any) -> Any:
+        """The configured model as the planner counts it (headers under the quantization policy), or the published
+        model's shape when no model is chosen yet or its folder cannot be read."""
         if self.settings.model_dir:
             try:
-                return planner.manifest_from_checkpoint(self.settings.model_dir)
+                return planner.model_manifest(self.settings.model_dir)
             except Exception as exc:  # noqa: BLE001 - an unreadable folder: plan for the published model instead
                 log.warning("cannot read %s for planning (%s); planning for clover-35b-a3b", self.settings.model_dir, exc)
-        return planner.manifest_for_shape("clover-35b-a3b")
+        return planner.model_manifest(planner.SHAPE_PREFIX + "clover-35b-a3b")
 
     def _build_preview(self) -> QWidget | None:
         from ui.preview import PreviewPane
@@ -196,38 +199,44 @@ class CloverDeskApp(QObject):
             # nothing applied yet: plan for what the VRAM panel proposes (the card less one step) rather than
             # trying to put the whole BF16 model on the GPU
             budget, ctx = self.vram_panel.budget_bytes(), self.vram_panel.ctx_tokens()
-        self._loading_plan = (budget, ctx) if budget else None
-        # a budget means expert streaming to a GPU; on CPU everything stays in RAM (the budget is kept for later)
-        vram_gb = budget / GIB if budget and self.device == "cuda" else None
+        # the plan the panel shows for this budget and context travels with the load and is placed as is; without
+        # a GPU there is no plan: everything runs from system RAM (the budget is kept for later)
+        plan = None
+        if budget and self.device == "cuda":
+            try:
+                plan = self._plan(budget, ctx).to_dict()
+            except Exception as exc:  # noqa: BLE001 - e.g. a context over the model's limit: say so, load nothing
+                log.warning("cannot plan %s: %s", self.settings.model_dir, exc)
+                self.window.on_engine_error_message(type(exc).__name__, str(exc))
+                return
         self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
-        self.client.load(
-            self.settings.model_dir,
-            device=self.device,
-            dtype=self.dtype,
-            vram_gb=vram_gb,
-            ctx_tokens=ctx if vram_gb is not None else None,
-        )
+        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan)
 
     def on_engine_ready(self) -> None:
         self.load_model()
 
     def on_model_loaded(self, info: dict[str, Any]) -> None:
-        if self._loading_plan is not None and hasattr(self.vram_panel, "set_applied"):
-            self.vram_panel.set_applied(*self._loading_plan)
+        """The panel shows the plan the engine placed (None: no plan, the model runs from system RAM)."""
+        self.vram_panel.set_in_use(info.get("plan") or None, str(info.get("device") or self.device))
 
     def on_model_chosen(self, model_dir: str) -> None:
         self.settings.model_dir = model_dir
         self.save_settings()
-        self.vram_panel.set_planner(self._plan_function())
+        self._plan = self._plan_function()
+        self.vram_panel.set_planner(self._plan)
         if self.client.state in ("idle",):
             self.load_model()
         else:
             self.client.restart()  # ready → load_model
 
     def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
+        """Reload under the panel's plan. Without a GPU there is nothing to reload: the choice is saved for later
+        (the panel says the model runs from system RAM)."""
         self.settings.vram_budget_bytes = vram_bytes
         self.settings.ctx_tokens = ctx_tokens
         self.save_settings()
+        if self.device != "cuda":
+            return
         if self.client.state == "idle":
             self.load_model()
         else:

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.api import Engine
+    from engine.api import Engine, plan_for
+    from engine.errors import PlanError
     from engine.events import Finished, GenerationParams, TextDelta, to_dict
 
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
@@ -94,7 +95,19 @@ def _run(args: argparse.Namespace) -> int:
         enable_thinking=not args.no_think,
         seed=args.seed,
     )
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, vram_gb=args.vram_gb, ctx_tokens=args.ctx)
+    plan = None
+    if args.vram_gb is not None:
+        # the plan first, from the headers alone (before any conversion or load), as `clover-desk plan --json`
+        # prints it; the engine then checks it and places exactly that plan
+        plan = plan_for(args.model, args.vram_gb, args.ctx)
+        if args.json:
+            sys.stdout.write(json.dumps({"event": "plan", **plan.to_dict()}, ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+        else:
+            print(_plan_line(plan), file=sys.stderr)
+        if not plan.fits:
+            raise PlanError(plan.reason)
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, plan=plan)
     cancel = threading.Event()
     if prompt_ids is not None:
         events = engine.generate(prompt_ids=prompt_ids, params=params, cancel=cancel)
@@ -116,6 +129,15 @@ def _run(args: argparse.Namespace) -> int:
         print("\nclover-desk generate: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _plan_line(plan: Any) -> str:
+    gib = 1024**3
+    return (
+        f"plan: {len(plan.resident_expert_layers)} expert layers resident, {len(plan.streamed_expert_layers)} "
+        f"streamed, {plan.slot_pool_experts} slots; VRAM {plan.vram_bytes / gib:.2f} of "
+        f"{plan.budget_vram_bytes / gib:.2f} GiB, RAM {plan.ram_bytes / gib:.2f} GiB, context {plan.ctx_tokens:,}"
+    )
 
 
 def _summary(done: Any) -> str:

@@ -68,6 +68,7 @@ class EngineClient(QObject):
     #                                  protocol) for the user to see; generate errors arrive as event(id, EngineError)
     crashed = Signal(str)  # the worker ended unexpectedly: exit code or signal, fatal error, last stderr lines
     planReady = Signal(dict)  # Plan.to_dict() answering the latest request_plan() (older answers are dropped)
+    planInUse = Signal(dict)  # Plan.to_dict() a load is placing (sent before its weights are read)
     stopped = Signal()  # the worker exited after shutdown()
 
     def __init__(
@@ -171,9 +172,13 @@ class EngineClient(QObject):
         dtype: str = "float32",
         vram_gb: float | None = None,
         ctx_tokens: int | None = None,
+        plan: dict[str, Any] | None = None,
     ) -> None:
         """Load a model folder (replacing the loaded one). Progress: ``loadProgress``; end: ``loaded`` or
-        ``loadFailed``. May be called right after start(): it is sent once the worker is ready."""
+        ``loadFailed``. May be called right after start(): it is sent once the worker is ready.
+
+        ``plan`` (``Plan.to_dict()``, as the VRAM panel showed it) is placed as is; ``vram_gb`` / ``ctx_tokens``
+        without a plan let the worker make it with the same planning function."""
         if self._state in ("loading", "generating"):
             busy = "a model is loading" if self._state == "loading" else "a generation is running; cancel it first"
             self._later(lambda: self._refuse_load("Busy", f"cannot load: {busy}"))
@@ -182,7 +187,7 @@ class EngineClient(QObject):
         self._load_pending = True
         self._send(
             {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype, "vram_gb": vram_gb,
-             "ctx_tokens": ctx_tokens},
+             "ctx_tokens": ctx_tokens, "plan": plan},
             new_state="loading",
         )
 
@@ -455,7 +460,9 @@ class EngineClient(QObject):
             self._set_state("idle")
             self.loaded.emit(record)
         elif name == "plan":
-            if record.get("id") == self._latest_plan:
+            if record.get("op") == "load":
+                self.planInUse.emit(record.get("plan") or {})
+            elif record.get("id") == self._latest_plan:
                 self.planReady.emit(record.get("plan") or {})
         elif name == "bye":
             log.info("engine worker said goodbye")

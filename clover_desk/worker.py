@@ -5,13 +5,15 @@ it in JSON lines, so a crash, a CUDA error or an out-of-memory kills only the wo
 
 Commands, one JSON object per line on stdin::
 
-    {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "vram_gb": 14.0, "ctx_tokens": 16384}
+    {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "plan": {Plan.to_dict()} | null}
+        (the plan the user saw, placed as is after a check against the model and the machine; "vram_gb": 14.0 and
+        "ctx_tokens": 16384 instead of a plan make it here with engine.planner.plan_model)
     {"cmd": "cancel_load"}
     {"cmd": "generate", "id": "r1", "messages": [...], "params": {GenerationParams fields}, "tools": [...] | null}
         ("prompt": "text" or "prompt_ids": [..] with "raw": true may replace "messages")
     {"cmd": "cancel", "id": "r1"}
-    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16 | null, "ram_gb": 64 | null, "ctx": 8192, ...}
-        (null budgets: what this machine has free; other keys go to engine.planner.make_plan)
+    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16 | null, "ram_gb": 64 | null, "ctx": 16384, ...}
+        (engine.planner.plan_model; null budgets: what this machine has free; other keys go to make_plan)
     {"cmd": "shutdown"}
 
 Replies, one JSON object per line on stdout (one flush per line; logs go to stderr)::
@@ -21,6 +23,8 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
     {"event": "loaded", "model_dir": .., "config": {..}, ..}   the model is ready
     {"event": <engine event>, ..., "id": "r1"}                 every generation event (engine.events.to_dict)
     {"event": "plan", "id": "p1", "plan": {Plan.to_dict()}, "hardware": {Hardware fields}}
+    {"event": "plan", "op": "load", "plan": {Plan.to_dict()}}  a load under a plan: the plan being placed, before
+                                                               the weights are read (same form as plan --json)
     {"event": "error", "kind": .., "message": .., "fatal": false, ["id": "r1" | "op": "load" | "plan"]}
     {"event": "bye"}                                           after "shutdown", just before exiting
 
@@ -59,7 +63,6 @@ FATAL_EXIT_CODE = 3
 DEFAULT_ENGINE_FACTORY = "engine.api:Engine.load"
 LOAD_PROGRESS_INTERVAL_S = 0.05  # at most ~20 load_progress records a second (stage changes always go out)
 _JOIN_ON_EXIT_S = 5.0
-DEFAULT_PLAN_CTX = 8192
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -226,8 +229,7 @@ class Worker:
         device = command.get("device") or "cpu"
         dtype = command.get("dtype") or "float32"
         vram_gb = command.get("vram_gb")
-        # the context a VRAM plan sizes the KV cache for; only meaningful with a budget
-        extra = {"ctx_tokens": int(command["ctx_tokens"])} if vram_gb is not None and command.get("ctx_tokens") else {}
+        plan = command.get("plan")
         last = [0.0, ""]
 
         def progress(p: LoadProgress) -> None:
@@ -241,8 +243,13 @@ class Worker:
         started = time.monotonic()
         log.info("loading %s on %s as %s (vram_gb=%s)", model_dir, device, dtype, vram_gb)
         try:
+            if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
+                plan = importlib.import_module("engine.api").plan_for(model_dir, float(vram_gb), _ctx(command))
+            if plan is not None:
+                self._emit({"event": "plan", "op": "load", "plan": _json_safe(_plan_dict(plan))})
             engine = self._engine_factory(
-                model_dir, device=device, dtype=dtype, vram_gb=vram_gb, progress=progress, cancel=cancel, **extra
+                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel,
+                **({"plan": plan} if plan is not None else {}),
             )
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             self._set_idle()
@@ -370,27 +377,33 @@ def _plan_dict(plan: Any) -> Any:
     return to_dict_method() if callable(to_dict_method) else plan
 
 
-def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tuple[Any, Any]:
-    """Plan ``model_dir`` under the command's budgets (GB; ``None``: what this machine has free).
+def _ctx(command: dict[str, Any]) -> int:
+    """The context a command plans for (``ctx`` or ``ctx_tokens``; default engine.defaults.DEFAULT_CTX_TOKENS)."""
+    from engine.defaults import DEFAULT_CTX_TOKENS
 
-    Returns ``(plan, hardware)``. ``ctx`` (or ``ctx_tokens``, default 8192) is the context to plan for; any other
-    argument goes to ``make_plan`` as is (``block_size``, ``coreset``, ``optimize_for``...).
-    """
+    value = command.get("ctx", command.get("ctx_tokens"))
+    if value is None:
+        return DEFAULT_CTX_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ctx_tokens must be a positive number of tokens, got {value!r}")
+    return value
+
+
+def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tuple[Any, Any]:
+    """``engine.planner.plan_model`` for ``model_dir`` under the command's budgets (GiB; ``None``: what this
+    machine has free). Returns ``(plan, hardware)``; keys other than the budgets and the context go to
+    ``make_plan`` as is (``block_size``, ``coreset``, ``optimize_for``...)."""
     if not model_dir:
         raise ValueError("plan needs a model_dir")
-    manifest = planner.manifest_from_checkpoint(model_dir)
     hardware = planner.probe_hardware()
-    gib = 1024**3
-    vram_gb = args.pop("vram_gb", None)
-    ram_gb = args.pop("ram_gb", None)
-    ctx = int(args.pop("ctx", None) or args.pop("ctx_tokens", None) or DEFAULT_PLAN_CTX)
-    args.pop("ctx_tokens", None)
-    if vram_gb is not None:
-        vram_bytes = int(float(vram_gb) * gib)
-    else:
-        vram_bytes = int(hardware.vram_free_bytes or hardware.vram_total_bytes or 0)
-    ram_bytes = int(float(ram_gb) * gib) if ram_gb is not None else hardware.ram_available_bytes
-    plan = planner.make_plan(manifest, vram_bytes, ctx, ram_bytes, hardware=hardware, **args)
+    ctx = _ctx(args)
+    vram_gb, ram_gb = args.pop("vram_gb", None), args.pop("ram_gb", None)
+    for key in ("ctx", "ctx_tokens"):
+        args.pop(key, None)
+    if ram_gb is not None:
+        hardware = dataclasses.replace(hardware, ram_available_bytes=int(float(ram_gb) * 1024**3))
+    vram_bytes = int(float(vram_gb) * 1024**3) if vram_gb is not None else None
+    plan = planner.plan_model(model_dir, vram_bytes, ctx, hardware, **args)
     return plan, hardware
 
 

@@ -50,6 +50,7 @@ def make(
     vram_gb: float | None = None,
     progress: Callable[[LoadProgress], None] | None = None,
     cancel: threading.Event | None = None,
+    plan: dict | None = None,
 ) -> FakeEngine:
     total = 1000
     if model_dir.endswith("fail"):

@@ -111,6 +111,7 @@ class FakeEngineClient(QObject):
         self.state = "stopped"
         self.loads: list[tuple[str, str, str, float | None]] = []
         self.ctx_loads: list[int | None] = []  # the planned context sent with each load
+        self.plans: list[dict | None] = []  # the plan sent with each load (None: no plan)
         self.pid = None
         self._timer = QTimer(self)
         self._timer.timeout.connect(self._tick)
@@ -159,10 +160,12 @@ class FakeEngineClient(QObject):
         self.state = "stopped"
 
     def load(self, model_dir, device: str = "cpu", dtype: str = "float32", vram_gb: float | None = None,  # noqa: ANN001
-             ctx_tokens: int | None = None) -> None:
+             ctx_tokens: int | None = None, plan: dict | None = None) -> None:
         self.loads.append((str(model_dir), device, dtype, vram_gb))
-        self.ctx_loads.append(ctx_tokens)
-        QTimer.singleShot(1, lambda: self.loaded.emit({"model_dir": str(model_dir)}))
+        self.ctx_loads.append(ctx_tokens if plan is None else plan.get("ctx_tokens"))
+        self.plans.append(plan)
+        info = {"model_dir": str(model_dir), "device": device, "plan": plan}
+        QTimer.singleShot(1, lambda: self.loaded.emit(info))
 
     def cancel_load(self) -> None:
         self.load_cancelled += 1

@@ -7,6 +7,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QWidget
 
 from clover_desk.storage import ChatStore, StreamRecorder
+from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.events import Finished, LoadProgress, TextDelta
 from fakes_ui import FakeEngineClient, fake_plan
 from ui.chat_view import default_extract_html
@@ -300,7 +301,7 @@ def test_preview_and_vram_tabs(qtbot, store) -> None:
     with qtbot.waitSignal(window.applyPlanRequested, timeout=1000) as blocker:
         panel.set_budget_bytes(12 * 1024**3)
         panel.apply_button.click()
-    assert blocker.args == [12 * 1024**3, 8192]
+    assert blocker.args == [12 * 1024**3, DEFAULT_CTX_TOKENS]
 
 
 def start_paused(qtbot, window: MainWindow, client: FakeEngineClient, text: str) -> None:
@@ -423,7 +424,11 @@ def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
     # nothing applied yet: the first load on a GPU is planned for the panel's proposal, never the whole BF16 model
     proposed = desk.vram_panel.budget_bytes()
     assert 0 < proposed < 16 * 1024**3
-    assert client.loads == [("/models/first", "cuda", "bfloat16", proposed / 1024**3)]
+    # the load carries the plan the panel shows (the worker places it as is); the folder does not exist here, so
+    # the panel plans for the published model's shape
+    assert client.loads == [("/models/first", "cuda", "bfloat16", None)]
+    shown = desk.vram_panel.plan_for(proposed, desk.vram_panel.ctx_tokens()).to_dict()
+    assert client.plans == [shown] and shown["budget_vram_bytes"] == proposed
     assert client.ctx_loads == [desk.vram_panel.ctx_tokens()]
     assert desk.vram_panel.applied == (proposed, desk.vram_panel.ctx_tokens())
     assert desk.window.engine_label.text() == "● Ready"
@@ -435,9 +440,9 @@ def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
     panel.set_budget_bytes(12 * 1024**3)
     with qtbot.waitSignal(client.loaded, timeout=2000):
         panel.apply_button.click()
-    assert client.loads[-1] == ("/models/second", "cuda", "bfloat16", 12.0)
+    assert client.plans[-1] == panel.plan_for(12 * 1024**3, panel.ctx_tokens()).to_dict()
     assert client.ctx_loads[-1] == panel.applied[1]  # the KV cache is planned for the context chosen in the panel
-    assert panel.applied == (12 * 1024**3, 8192)
+    assert panel.applied == (12 * 1024**3, DEFAULT_CTX_TOKENS)
     again = AppSettings.load(tmp_path / "settings.json")
     assert (again.model_dir, again.vram_budget_bytes) == ("/models/second", 12 * 1024**3)
     desk.shutdown()

@@ -242,8 +242,19 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
     try:
         w.expect_event("ready")
         w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", vram_gb=2.0, ctx_tokens=4096)
+        announced = w.expect_event("plan")  # made here with the one planning function, before the weights
         loaded = w.expect_event("loaded")
         assert loaded["plan"]["ctx_tokens"] == 4096 and loaded["plan"]["fits"] is True
+        assert announced["op"] == "load" and announced["plan"] == loaded["plan"]
+        # the plan the window saw travels with the load and is placed as is (here one that streams every layer)
+        from engine.planner import plan_model
+
+        floor = plan_model(folder, 0, 512).min_vram_bytes
+        shown = plan_model(folder, floor, 512).to_dict()
+        assert shown["fits"] and len(shown["streamed_expert_layers"]) == 4
+        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", plan=shown)
+        assert w.expect_event("plan")["plan"] == shown
+        assert w.expect_event("loaded")["plan"] == shown
         w.send(cmd="generate", id="g", messages=[{"role": "user", "content": "hi"}], params={"max_new_tokens": 4})
         done = w.expect(lambda r: r.get("id") == "g" and r["event"] in ("finished", "error"))
         assert done["event"] == "finished" and "h2d_bytes" in done["accounting"]
