@@ -75,6 +75,13 @@ TORCH_DTYPE_NAMES: dict[str, str] = {
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
 }
+FORMAT_OF_TORCH_NAME: dict[str, str] = {name: fmt for fmt, name in TORCH_DTYPE_NAMES.items()}
+
+
+def format_of_torch_dtype(dtype: object) -> str:
+    """``torch.bfloat16`` -> "bf16" (any torch dtype; unknown ones keep torch's own name)."""
+    name = str(dtype).removeprefix("torch.")
+    return FORMAT_OF_TORCH_NAME.get(name, name)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
 from engine.experts import ExpertBank
+from engine.formats import format_of_torch_dtype
 from engine.quant import ExpertLayout, QuantExpertBank, QuantLinear, QuantPolicy, routed_forward, set_submodule
 
 log = logging.getLogger(__name__)
@@ -550,8 +551,7 @@ def manifest_from_model(model: nn.Module, policy: QuantPolicy | None = None) -> 
 
 
 def _plain_entry(t: Tensor) -> dict[str, Any]:
-    fmt = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(t.dtype, str(t.dtype))
-    return {"shape": list(t.shape), "format": fmt, "bytes": t.numel() * t.element_size()}
+    return {"shape": list(t.shape), "format": format_of_torch_dtype(t.dtype), "bytes": t.numel() * t.element_size()}
 
 
 class TensorSource(Protocol):

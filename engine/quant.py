@@ -48,6 +48,7 @@ from engine.formats import (  # noqa: F401 - re-exported: the byte rules and the
     QuantPolicy,
     Rule,
     expert_row_layout,
+    format_of_torch_dtype,
     int8_sizes,
     is_expert_tensor,
     make_policy,
@@ -597,9 +598,7 @@ def applied_formats(model: nn.Module) -> dict[str, str]:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(
-        dtype, str(dtype).replace("torch.", "")
-    )
+    return format_of_torch_dtype(dtype)
 
 
 def iter_quant_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:

@@ -60,7 +60,7 @@ from engine.checkpoint import (
 )
 from engine.config import CloverConfig, load_config
 from engine.errors import CancelledError, CheckpointError
-from engine.formats import SAFETENSORS_DTYPES, checkpoint_files
+from engine.formats import SAFETENSORS_DTYPES, TAG_OF_FORMAT, checkpoint_files
 from engine.events import LoadProgress
 from engine.quant import (
     DEFAULT_POLICY,
@@ -515,7 +515,8 @@ def build_cache(
 
 
 def _plain_dtype(fmt: str, stored: torch.dtype) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(fmt, stored)
+    """The dtype a plain tensor is stored in under the policy format ``fmt`` ("keep": as it came)."""
+    return TORCH_DTYPES[TAG_OF_FORMAT[fmt]] if fmt in ("bf16", "fp32", "fp16") else stored
 
 
 def _fmt_name(dtype: torch.dtype) -> str:
