@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCH_SUITES: dict[str, tuple[str, str]] = {
     "speed": ("clover_desk.cmd_bench_speed", "prefill / AR / diffusion speed on a random config (CPU or GPU)"),
     "offload": ("clover_desk.cmd_bench_offload", "host-to-device bytes per token under a VRAM plan"),
+    "load": ("clover_desk.cmd_bench_load", "convert and load under a plan: peak RSS and placed bytes next to the plan"),
 }
 
 

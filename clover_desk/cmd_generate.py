@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="send --prompt without the chat template")
     parser.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion", help="decoding mode")
     parser.add_argument("--max-new-tokens", type=int, default=None, metavar="N")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--vram-gb", type=float, default=None, help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
     parser.add_argument("--ctx", type=int, default=None, metavar="N",
@@ -95,11 +96,12 @@ def _run(args: argparse.Namespace) -> int:
         enable_thinking=not args.no_think,
         seed=args.seed,
     )
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
     if args.vram_gb is not None:
         # the plan first, from the headers alone (before any conversion or load), as `clover-desk plan --json`
         # prints it; the engine then checks it and places exactly that plan
-        plan = plan_for(args.model, args.vram_gb, args.ctx)
+        plan = plan_for(args.model, args.vram_gb, args.ctx, dtype)
         if args.json:
             sys.stdout.write(json.dumps({"event": "plan", **plan.to_dict()}, ensure_ascii=False) + "\n")
             sys.stdout.flush()
@@ -107,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
             print(_plan_line(plan), file=sys.stderr)
         if not plan.fits:
             raise PlanError(plan.reason)
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, plan=plan)
+    engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan)
     cancel = threading.Event()
     if prompt_ids is not None:
         events = engine.generate(prompt_ids=prompt_ids, params=params, cancel=cancel)

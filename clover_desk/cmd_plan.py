@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-pass", type=float, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
     parser.add_argument("--coreset", action="store_true", help="predict with Clover's block expert coreset (~30 distinct experts per pass instead of ~70)")
     parser.add_argument("--attention", choices=("math", "efficient"), default="math", help="prefill attention kernel to plan for: 'math' is today's engine (fp32 score scratch), 'efficient' a kernel without it")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype the device part is counted in (default bfloat16, as on a GPU)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict())")
 
 
@@ -164,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         roofline = Roofline.with_coreset(tokens_per_pass=args.tokens_per_pass) if args.coreset else Roofline(tokens_per_pass=args.tokens_per_pass)
         policy = make_policy(attention=args.dense, shared_expert=args.dense)
         plan = plan_model(
-            _model(args), vram, args.ctx, hardware, policy=policy, roofline=roofline, attention=args.attention
+            _model(args), vram, args.ctx, hardware, policy=policy, roofline=roofline, attention=args.attention,
+            compute_dtype="bf16" if args.dtype == "bfloat16" else "fp32",
         )
     except (CloverError, OSError, ValueError) as exc:
         print(f"clover-desk plan: error: {exc}", file=sys.stderr)

@@ -244,7 +244,7 @@ class Worker:
         log.info("loading %s on %s as %s (vram_gb=%s)", model_dir, device, dtype, vram_gb)
         try:
             if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
-                plan = importlib.import_module("engine.api").plan_for(model_dir, float(vram_gb), _ctx(command))
+                plan = importlib.import_module("engine.api").plan_for(model_dir, float(vram_gb), _ctx(command), dtype)
             if plan is not None:
                 self._emit({"event": "plan", "op": "load", "plan": _json_safe(_plan_dict(plan))})
             engine = self._engine_factory(

@@ -21,7 +21,8 @@ import torch
 
 from engine.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
 from engine.defaults import DEFAULT_CTX_TOKENS, GIB
-from engine.errors import ConfigError, PromptError
+from engine.errors import ConfigError, PlanError, PromptError
+from engine.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
 from engine.events import Event, GenerationParams, LoadProgress
 from engine.generate import LoopHooks, generate, resolve_settings
 from engine.tokenizer import CloverTokenizer
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_NAME_OF_FORMAT = {fmt: name for fmt, name in TORCH_DTYPE_NAMES.items() if name in DTYPES}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -40,12 +42,18 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def plan_for(model_dir: str | Path, vram_gb: float, ctx_tokens: int | None = None) -> Any:
-    """The plan for a model folder under a VRAM budget in GiB on this machine: ``engine.planner.plan_model`` with
-    the probed hardware (what ``generate --vram-gb`` prints and then loads)."""
+def plan_for(
+    model_dir: str | Path, vram_gb: float, ctx_tokens: int | None = None, dtype: str | torch.dtype = "bfloat16"
+) -> Any:
+    """The plan for a model folder under a VRAM budget in GiB on this machine, for compute in ``dtype``:
+    ``engine.planner.plan_model`` with the probed hardware (what ``generate --vram-gb`` prints and then loads)."""
     from engine.planner import plan_model, probe_hardware
 
-    return plan_model(model_dir, int(float(vram_gb) * GIB), int(ctx_tokens or DEFAULT_CTX_TOKENS), probe_hardware())
+    compute = format_of_torch_dtype(parse_dtype(dtype))
+    return plan_model(
+        model_dir, int(float(vram_gb) * GIB), int(ctx_tokens or DEFAULT_CTX_TOKENS), probe_hardware(),
+        compute_dtype=compute,
+    )
 
 
 def _load_planned(
@@ -62,7 +70,6 @@ def _load_planned(
 
     from engine import planner, quant_cache
 
-    plan = planner.Plan.from_dict(plan) if isinstance(plan, dict) else plan
     report = quant_cache.ensure_cache(folder, progress=progress, cancel=cancel)
     log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
     manifest = planner.manifest_from_quantized_cache(report.manifest_path)
@@ -105,7 +112,7 @@ class Engine:
         cls,
         model_dir: str | Path,
         device: str = "cpu",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype | None = None,
         vram_gb: float | None = None,
         progress: Callable[[LoadProgress], None] | None = None,
         cancel: threading.Event | None = None,
@@ -120,6 +127,9 @@ class Engine:
         re-made. ``vram_gb`` is a shortcut that makes the plan with ``engine.planner.plan_model`` (the same
         function) for ``ctx_tokens`` of context (default ``engine.defaults.DEFAULT_CTX_TOKENS``). Requests are then
         held to the planned context: the KV cache and the prefill scratch were sized for it.
+
+        ``dtype``: the compute dtype (default: the plan's, else float32); a plan made for another dtype is refused,
+        since it counted the device's weights and KV cache in its own.
         """
         folder = Path(model_dir)
         if not folder.is_dir():
@@ -132,12 +142,25 @@ class Engine:
                 f"{folder / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than config.json's vocab_size "
                 f"{config.vocab_size}"
             )
-        torch_dtype = parse_dtype(dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} was asked for, but CUDA is not available here")
         hooks = None
         if plan is None and vram_gb is not None:
-            plan = plan_for(folder, vram_gb, ctx_tokens)
+            plan = plan_for(folder, vram_gb, ctx_tokens, dtype or "float32")
+        if isinstance(plan, dict):
+            from engine.planner import Plan
+
+            plan = Plan.from_dict(plan)
+        if plan is not None:
+            planned = _TORCH_NAME_OF_FORMAT.get(plan.compute_dtype, plan.compute_dtype)
+            if dtype is not None and parse_dtype(dtype) != parse_dtype(planned):
+                raise PlanError(
+                    f"the plan counts the device's weights and KV cache in {planned}, but dtype {dtype} was asked "
+                    f"for: plan again for {dtype}"
+                )
+            dtype = planned
+        dtype = dtype or "float32"
+        torch_dtype = parse_dtype(dtype)
         if plan is None:
             from engine.checkpoint import load_model
 

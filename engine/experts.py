@@ -86,7 +86,7 @@ class DenseExpertBank(ExpertBank):
         hidden_size: int,
         intermediate_size: int,
         dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,  # None: the current default device (meta inside a skeleton)
     ) -> None:
         super().__init__()
         self.num_experts = num_experts

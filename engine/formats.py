@@ -60,6 +60,20 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "F8_E5M2": ("fp8_e5m2", 1),
 }
 TAG_OF_FORMAT: dict[str, str] = {fmt: tag for tag, (fmt, _) in SAFETENSORS_DTYPES.items()}
+# parameters the model keeps in fp32 whatever its compute dtype (Gated DeltaNet's decay: exp / softplus inputs)
+FP32_PARAMS = ("A_log", "dt_bias")
+FLOAT_FORMATS = ("bf16", "fp16", "fp32")
+COMPUTE_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}  # compute dtype -> bytes per element
+
+
+def placed_bytes(name: str, shape: tuple[int, ...], fmt: str, nbytes: int, compute: str) -> int:
+    """Bytes of a tensor once placed for compute in ``compute``: a plain float tensor takes the compute dtype (fp32
+    for :data:`FP32_PARAMS`); quantized and integer tensors keep their bytes."""
+    if fmt not in FLOAT_FORMATS:
+        return nbytes
+    return math.prod(shape) * (4 if name.endswith(FP32_PARAMS) else COMPUTE_DTYPES[compute])
+
+
 # format name -> attribute of the torch module (the torch side resolves these; this module never imports torch)
 TORCH_DTYPE_NAMES: dict[str, str] = {
     "fp64": "float64",

@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.errors import CheckpointError, ConfigError, PlanError
 from engine.formats import (
+    COMPUTE_DTYPES,
     DEFAULT_POLICY,
     FORMAT_BYTES,
     QUANT_FORMATS,
@@ -32,6 +33,7 @@ from engine.formats import (
     QuantPolicy,
     checkpoint_files,
     expert_tensor_bytes,
+    placed_bytes,
     quantized_sizes,
     read_safetensors_header,
 )
@@ -110,6 +112,11 @@ class ModelGeometry:
         s = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
         conv = self.conv_dim * (self.linear_conv_kernel_dim - 1) * 2
         return len(self.gdn_layers) * (s + conv)
+
+    @property
+    def gdn_conv_state_bytes(self) -> int:
+        """The bf16 conv-state part of :attr:`gdn_state_bytes` (held in the compute dtype)."""
+        return len(self.gdn_layers) * self.conv_dim * (self.linear_conv_kernel_dim - 1) * 2
 
     @classmethod
     def from_config(cls, cfg: Any, clover_extras: bool | None = None) -> "ModelGeometry":
@@ -604,6 +611,7 @@ class ModelFacts:
     dequant_dense_params: tuple[int, ...]  # every quantized non-expert matrix on the GPU
     experts_quantized: bool
     source: str = ""
+    compute_dtype: str = "bf16"
 
     def fingerprint(self) -> str:
         """A short hash of everything a plan depends on in the model: geometry, expert bytes per layer, slot bytes,
@@ -616,11 +624,14 @@ class ModelFacts:
             "non_expert_gpu": self.non_expert_gpu,
             "embed_ram": self.embed_ram,
             "dequant": sorted(self.dequant_dense_params),
+            "compute_dtype": self.compute_dtype,
         }
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def model_facts(manifest: Manifest) -> ModelFacts:
+def model_facts(manifest: Manifest, compute_dtype: str = "bf16") -> ModelFacts:
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise PlanError(f"compute dtype {compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
     geo = manifest.geometry
     layer_bytes = manifest.expert_layer_bytes()
     e = geo.num_experts
@@ -638,11 +649,13 @@ def model_facts(manifest: Manifest) -> ModelFacts:
         layer_bytes=layer_bytes,
         slot_bytes=slot,
         expert_params=expert_params,
-        non_expert_gpu=sum(x.bytes for x in gpu),
+        # on the device a plain float tensor takes the compute dtype (engine.model's rule): count it as placed
+        non_expert_gpu=sum(placed_bytes(x.name, x.shape, x.format, x.bytes, compute_dtype) for x in gpu),
         non_expert_gpu_params=sum(x.numel for x in gpu),
         embed_ram=0 if tied_embed_on_gpu else manifest.total_bytes(["embed"]),
         dequant_dense_max_params=max(dequant, default=0),
         dequant_dense_params=dequant,
         experts_quantized=any(x.kind == "expert" and x.format in ("nf4", "int8") for x in manifest),
         source=manifest.source,
+        compute_dtype=compute_dtype,
     )

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from engine.config import CloverConfig
 from engine.errors import PromptError
 from engine.experts import DenseExpertBank, ExpertBank
+from engine.formats import FP32_PARAMS
 
 log = logging.getLogger(__name__)
 
@@ -770,7 +771,7 @@ class CloverModel(nn.Module):
         # model dtype everywhere except the fp32 GDN decay parameters
         for name, param in self.named_parameters():
             param.requires_grad_(False)
-            if not name.endswith(("A_log", "dt_bias")):
+            if not name.endswith(FP32_PARAMS):
                 param.data = param.data.to(dtype)
         if str(device) != "meta":
             self.to_empty(device=device)

@@ -50,7 +50,7 @@ from typing import Any
 
 from engine.defaults import DEFAULT_CARD_BYTES, DEFAULT_CTX_TOKENS
 from engine.errors import PlanError
-from engine.formats import DEFAULT_POLICY, QuantPolicy, make_policy
+from engine.formats import COMPUTE_DTYPES, DEFAULT_POLICY, QuantPolicy, make_policy
 from engine.hardware import DEFAULT_HARDWARE, Hardware, probe_hardware
 from engine.manifest import (
     KINDS,
@@ -148,6 +148,7 @@ class Plan:
     model_fingerprint: str = ""  # engine.manifest.ModelFacts.fingerprint() of the model planned
     policy_hash: str = ""  # the quantization policy the bytes were counted under ("" for as-stored bytes)
     gpu_name: str | None = None  # the card planned for (None: no NVIDIA GPU found; planned for budget_vram_bytes)
+    compute_dtype: str = "bf16"  # weights, KV cache and activations on the device ("bf16" on a GPU)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat and JSON-safe: what ``clover-desk plan --json`` prints and the ``plan`` events carry."""
@@ -288,6 +289,7 @@ def make_plan(
     attention: str = "math",
     coreset: bool = False,
     tokens_per_pass: float | None = None,
+    compute_dtype: str = "bf16",
 ) -> Plan:
     """Place ``manifest`` into ``vram_bytes`` of GPU memory (and ``ram_bytes`` of free host RAM, when given) for
     ``ctx_tokens`` of context; see the module docstring for the rules.
@@ -331,7 +333,8 @@ def make_plan(
     if not isinstance(manifest, Manifest):
         raise PlanError(f"make_plan needs a Manifest or a manifest dict, got {type(manifest).__name__}")
 
-    f = model_facts(manifest)
+    f = model_facts(manifest, compute_dtype)  # non-expert weights counted as placed for compute in this dtype
+    act_scale = COMPUTE_DTYPES[compute_dtype] / 2  # the KV cache and the conv state are held in the compute dtype
     geo, e = f.geo, f.geo.num_experts
     if geo.max_position_embeddings and ctx > geo.max_position_embeddings:
         raise PlanError(
@@ -343,8 +346,8 @@ def make_plan(
     chunk = workspace_details["prefill_chunk_tokens"]
     fixed = {
         "non_expert": f.non_expert_gpu,
-        "kv_cache": geo.kv_bytes_per_token * ctx_alloc,
-        "gdn_state": geo.gdn_state_bytes,
+        "kv_cache": int(geo.kv_bytes_per_token * ctx_alloc * act_scale),
+        "gdn_state": geo.gdn_state_bytes + int(geo.gdn_conv_state_bytes * (act_scale - 1)),
         "workspace": sum(workspace_parts.values()),
         "reserve": CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_BYTES,
     }
@@ -458,6 +461,7 @@ def make_plan(
         model_fingerprint=f.fingerprint(),
         policy_hash=str((manifest.policy or {}).get("hash", "")),
         gpu_name=hw.gpu_name,
+        compute_dtype=compute_dtype,
     )
 
 
@@ -522,7 +526,7 @@ def check_plan(
     now; else :class:`PlanError` with one line saying what changed and what to do. Never makes another plan."""
     if not isinstance(plan, Plan):
         plan = Plan.from_dict(plan)
-    facts = model_facts(manifest)
+    facts = model_facts(manifest, plan.compute_dtype)
     mine = facts.fingerprint()
     if plan.model_fingerprint != mine:
         raise PlanError(

@@ -196,10 +196,10 @@ def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> No
     model = fresh(qmodel)
     geo = ModelGeometry.from_config(model.config)
     manifest = manifest_from_dict(offload.manifest_from_model(model), geometry=geo)
-    probe = make_plan(manifest, 0, 256)
+    probe = make_plan(manifest, 0, 256, compute_dtype="fp32")  # this model computes in fp32
     assert not probe.fits and probe.min_vram_bytes
     budget = probe.min_vram_bytes + 2 * (manifest.expert_layer_bytes()[0] // EXPERTS)
-    plan = make_plan(manifest, budget, 256)
+    plan = make_plan(manifest, budget, 256, compute_dtype="fp32")
     assert plan.fits and plan.streamed_expert_layers, plan.reason
     rt = apply_plan(model, plan, "cpu", host_embedding=True)
     placed = rt.ledger.by_kind

@@ -23,7 +23,7 @@ from engine import manifest as manifest_mod
 from engine import planner
 from engine.errors import CheckpointError, ConfigError, PlanError
 from engine.hardware import Hardware, pcie_gbps, probe_hardware, vram_gbps_for_name
-from engine.formats import FORMAT_BYTES, make_policy
+from engine.formats import FORMAT_BYTES, make_policy, placed_bytes
 from engine.planner import (
     SHAPES,
     GiB,
@@ -178,7 +178,8 @@ def _check_accounting(plan: Plan, manifest: planner.Manifest, ctx: int) -> None:
     assert set(b) == BREAKDOWN_KEYS
     assert plan.vram_bytes == sum(b.values())
     on_gpu = [e for e in manifest if e.kind not in ("expert", "embed")]
-    assert b["non_expert"] == sum(e.bytes for e in on_gpu)
+    # placed for bf16 compute: plain float tensors in bf16, A_log / dt_bias in fp32, quantized ones as stored
+    assert b["non_expert"] == sum(placed_bytes(e.name, e.shape, e.format, e.bytes, "bf16") for e in on_gpu)
     layer_bytes = manifest.expert_layer_bytes()
     assert b["resident_experts"] == sum(layer_bytes[i] for i in plan.resident_expert_layers)
     assert b["expert_slots"] == plan.slot_pool_experts * plan.assumptions["expert_slot_bytes"]

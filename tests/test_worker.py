@@ -252,7 +252,7 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
         floor = plan_model(folder, 0, 512).min_vram_bytes
         shown = plan_model(folder, floor, 512).to_dict()
         assert shown["fits"] and len(shown["streamed_expert_layers"]) == 4
-        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", plan=shown)
+        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="bfloat16", plan=shown)
         assert w.expect_event("plan")["plan"] == shown
         assert w.expect_event("loaded")["plan"] == shown
         w.send(cmd="generate", id="g", messages=[{"role": "user", "content": "hi"}], params={"max_new_tokens": 4})
