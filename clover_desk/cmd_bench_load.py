@@ -157,10 +157,10 @@ def format_result(r: dict[str, Any]) -> str:
         "",
         f"quantized cache: {_g(cache)}   plan's RAM figure: {_g(p['ram_bytes'])}   python+torch baseline RSS: "
         f"{_g(r['baseline_rss'])}",
-        f"conversion: peak RSS {_g(r['convert_rss'])} (cache + {(r['convert_rss'] - cache) / GIB:.3f} GiB; bound cache "
+        f"conversion: peak RSS {_g(r['convert_rss'])} (cache {(r['convert_rss'] - cache) / GIB:+.3f} GiB; bound cache "
         f"+ 2.5 GiB: {'ok' if r['convert_within'] else 'OVER'}) in {r['convert_s']:.1f} s"
         + ("" if r["converted"] else " (cache reused)"),
-        f"load:       peak RSS {_g(r['load_rss'])} (cache + {(r['load_rss'] - cache) / GIB:.3f} GiB; bound cache "
+        f"load:       peak RSS {_g(r['load_rss'])} (cache {(r['load_rss'] - cache) / GIB:+.3f} GiB; bound cache "
         f"+ 1.5 GiB: {'ok' if r['load_within'] else 'OVER'}) in {r['load_s']:.1f} s",
     ]
     return "\n".join(lines)

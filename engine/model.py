@@ -1,6 +1,7 @@
 """Clover-35B-A3B / Qwen3.5-MoE text model in plain PyTorch: one file for the whole architecture.
 
-Math: /work/shared/reference/architecture.md sections 2 (causal model) and 5 (Clover block mode).
+Math: the Qwen3.5-MoE causal model (gated attention, Gated DeltaNet, MoE with a shared expert) and Clover's block
+mode; every alternative reading of Clover's extras is a config switch (engine/config.py).
 
 Letters used in shape comments:
   T tokens in this pass, P committed prefix length (cache.length), S = P + T keys, D hidden size, V vocab,
