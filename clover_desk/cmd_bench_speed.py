@@ -35,6 +35,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=4096, layers=8, hidden=512, experts=64, experts_per_tok=8, heads=8, kv_heads=2, head_dim=64,
         linear_key_heads=4, linear_value_heads=8, linear_head_dim=64, moe_intermediate=256, shared_intermediate=256,
     ),
+    "deep-narrow": dict(  # the full depth and expert count at tiny widths: a token costs ~no arithmetic, so the
+        # figures are the per-token framework overhead (the one-plan / fast-path issues' comparison shape)
+        vocab_size=4096, layers=40, hidden=128, experts=256, experts_per_tok=8, heads=4, kv_heads=2, head_dim=32,
+        linear_key_heads=2, linear_value_heads=4, linear_head_dim=32, moe_intermediate=64, shared_intermediate=64,
+    ),
     "tiny": dict(  # for tests of this command
         vocab_size=512, layers=4, hidden=64, experts=8, experts_per_tok=2, heads=4, kv_heads=2, head_dim=16,
         linear_key_heads=2, linear_value_heads=4, linear_head_dim=16, moe_intermediate=32, shared_intermediate=32,
@@ -50,7 +55,7 @@ SPECIAL = {"<|endoftext|>": 0, "<|im_end|>": 2, "</think>": 4, "<|mask|>": 5}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=tuple(SHAPES), default="mid", help="mid (default), clover-35b-a3b, tiny")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="mid", help="mid (default), deep-narrow, clover-35b-a3b, tiny")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="default: float32 on cpu, bfloat16 on cuda")

@@ -47,10 +47,11 @@ class ExpertBank(nn.Module):
     """Base class. Subclasses implement :meth:`forward`; :meth:`prepare` is an optional hook."""
 
     num_experts: int
+    needs_prepare = False  # True: the MoE layer calls prepare() first (it costs a host sync: only streamed banks)
 
     def prepare(self, expert_ids: Tensor) -> None:
-        """Called by the MoE layer right before :meth:`forward` with the sorted distinct expert ids (a CPU
-        LongTensor) this forward will touch, so a streaming bank can fetch them. No-op by default."""
+        """Called by the MoE layer right before :meth:`forward`, when :attr:`needs_prepare`, with the sorted distinct
+        expert ids (a CPU LongTensor) this forward will touch, so a streaming bank can fetch them."""
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:  # pragma: no cover - interface
         """x [T, D], topk_idx [T, K] (long), topk_w [T, K] (float) -> [T, D] in x's dtype."""

@@ -223,15 +223,21 @@ class Attention(nn.Module):
             keys, values = kbuf[:, :hi], vbuf[:, :hi]  # [Hkv, S, hd]
         else:
             keys, values = k, v
-        o = F.scaled_dot_product_attention(
-            q[None],
-            keys.to(q.dtype)[None],
-            values.to(q.dtype)[None],
-            attn_mask=p.attn_mask,
-            is_causal=p.attn_causal,
-            scale=hd**-0.5,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )[0]  # [Hq, T, hd]; kv head j serves query heads j*Hq/Hkv ... (j+1)*Hq/Hkv - 1
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        g = self.num_heads // self.num_kv_heads
+        if p.attn_causal:  # keys == queries, plain causal: SDPA's own causal mask (it handles GQA itself)
+            o = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], is_causal=True, scale=hd**-0.5, enable_gqa=g > 1
+            )[0]  # [Hq, T, hd]
+        else:
+            # GQA by folding: the g query heads that share a KV head become g*T query rows of that head. Exact (every
+            # head of a group sees the same keys and the same mask), and SDPA then runs plain multi-head attention:
+            # its enable_gqa path is ~100x slower on the CPU for one query, and on CUDA a mask with GQA forces the
+            # math kernel (fp32 scores); without GQA the memory-efficient kernel takes the mask.
+            qf = q.reshape(self.num_kv_heads, g * t, hd)  # [Hkv, G*T, hd]; kv head j serves q heads j*G..j*G+G-1
+            mask = p.attn_mask.repeat(g, 1) if p.attn_mask is not None and g > 1 else p.attn_mask  # [G*T, S]
+            o = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=mask, scale=hd**-0.5)
+            o = o[0].reshape(self.num_heads, t, hd)  # [Hq, T, hd]
         if saved is not None:
             kbuf[:, lo:hi], vbuf[:, lo:hi] = saved
         o = o.transpose(0, 1).reshape(t, self.num_heads * hd) * torch.sigmoid(gate)  # [T, Hq*hd]
@@ -715,7 +721,8 @@ class SparseMoe(nn.Module):
     def forward(self, x: Tensor, p: _Pass) -> Tensor:
         w, idx = self.route(x, p)
         self.last_topk_idx, self.last_topk_w = idx, w
-        self.experts.prepare(torch.unique(idx).cpu())
+        if self.experts.needs_prepare:  # a streamed bank fetches its experts first (a host sync); resident ones don't
+            self.experts.prepare(torch.unique(idx).cpu())
         routed = self.experts(x, idx, w)  # [T, D]
         shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))  # [T, D]
         return routed + shared

@@ -352,6 +352,8 @@ class SlotPool:
 class StreamedExpertBank(ExpertBank):
     """ExpertBank for a streamed layer: experts live in a :class:`HostExpertStore`, compute reads pool slots."""
 
+    needs_prepare = True
+
     def __init__(self, layer: int, layout: ExpertLayout, store: HostExpertStore, runtime: "OffloadRuntime") -> None:
         super().__init__()
         self.layer = layer

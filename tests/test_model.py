@@ -337,6 +337,8 @@ def test_model_applies_the_coreset_in_block_mode_only() -> None:
 
 
 class _RecordingBank(DenseExpertBank):
+    needs_prepare = True  # as a streamed bank
+
     def __init__(self, other: DenseExpertBank) -> None:
         super().__init__(other.num_experts, other.hidden_size, other.intermediate_size)
         self.gate_up_proj, self.down_proj = other.gate_up_proj, other.down_proj
@@ -352,6 +354,17 @@ def test_bank_prepare_sees_the_experts_before_the_bank_runs() -> None:
     mlp.experts = _RecordingBank(mlp.experts)
     model(_ids(9))
     assert mlp.experts.prepared == [sorted(set(mlp.last_topk_idx.flatten().tolist()))]
+
+
+def test_resident_banks_are_not_prepared() -> None:
+    """prepare() costs a host sync (the distinct experts go to the CPU): only banks that stream are asked."""
+    model = tiny_model(tiny_config("qwen3_5_moe_text"), seed=12)
+    mlp = model.layers[1].mlp
+    bank = _RecordingBank(mlp.experts)
+    bank.needs_prepare = False
+    mlp.experts = bank
+    model(_ids(9))
+    assert bank.prepared == []
 
 
 @pytest.mark.parametrize("block_size", [None, BLOCK])
