@@ -327,3 +327,21 @@ def test_a_meta_skeleton_holds_no_memory() -> None:
     model = CloverModel(parse_config(config_dict_for("clover_moe", text, special)), dtype=torch.bfloat16, device="meta")
     real = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
     assert real == []
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_budgets_and_contexts_are_one_line_at_the_cli(clover35: Path, tiny_streaming: tuple[Path, list[planner.Plan]]) -> None:
+    over = _cli("plan", "--model", str(clover35), "--vram-gb", "16", "--ctx", "200000")
+    assert over.returncode == 2 and over.stderr.count("\n") == 1
+    assert "context 200,000 tokens is over the model's limit of 131,072" in over.stderr
+    short = _cli("plan", "--model", str(clover35), "--vram-gb", "4", "--ram-gb", "48")
+    assert short.returncode == 3 and "the smallest VRAM budget that fits is" in short.stdout
+    no_ram = _cli("plan", "--model", str(clover35), "--vram-gb", "8", "--ram-gb", "4")
+    assert no_ram.returncode == 3 and "RAM: the plan needs" in no_ram.stdout and "4.00 GiB is available" in no_ram.stdout
+    folder, _ = tiny_streaming
+    gen = _cli("generate", "--model", str(folder), "--prompt-ids", "5,9", "--vram-gb", "0.1", "--json")
+    assert gen.returncode == 2 and gen.stderr.count("\n") == 1 and "Traceback" not in gen.stderr
+    assert "below the" in gen.stderr and "smallest VRAM budget that fits is" in gen.stderr
