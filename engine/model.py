@@ -648,7 +648,8 @@ def block_coreset_topk(
     """MoE block coreset (architecture.md 5.5), vectorized over blocks.
 
     probs [T, E] fp32 router softmax; tokens are grouped in consecutive blocks of ``block_size``. Per block the
-    coreset C is the smallest set of experts covering ``top_p`` of the block's top-k candidate mass. Each token is
+    coreset C is the smallest set of experts covering ``top_p`` of the block's top-k candidate mass, and at least k
+    experts (the block's k most massive ones when fewer cover ``top_p``). Each token is
     then routed inside C: "R-a" re-routes to the top-k of its probabilities restricted to C, "R-b" keeps its
     original top-k ∩ C (the best expert of C when empty). Weights are renormalized. Slots left over when fewer than
     k experts qualify point at the token's first expert with weight 0, so a block never touches an expert outside C.
@@ -662,7 +663,9 @@ def block_coreset_topk(
     mass.scatter_add_(1, top_i.reshape(n, -1), top_v.reshape(n, -1))  # [n, E] candidate mass per expert
     sorted_mass, order = mass.sort(-1, descending=True)  # [n, E]
     cum = sorted_mass.cumsum(-1) / sorted_mass.sum(-1, keepdim=True).clamp_min(1e-30)
-    count = (1 + (cum < top_p).sum(-1)).clamp(max=e)  # [n]
+    # at least k experts: a block whose router rows agree would otherwise route every token to 1-2 experts and drop
+    # the rest of its top-k (dMoE keeps at least 16); with k in C every token keeps k experts
+    count = (1 + (cum < top_p).sum(-1)).clamp(min=min(k, e), max=e)  # [n]
     keep_sorted = torch.arange(e, device=probs.device)[None, :] < count[:, None]  # [n, E]
     in_core = torch.zeros(n, e, dtype=torch.bool, device=probs.device).scatter_(1, order, keep_sorted)  # [n, E]
     masked = pb.masked_fill(~in_core[:, None, :], -1.0)  # [n, B, E]; outside C below any probability

@@ -210,5 +210,20 @@ def test_block_coreset_is_the_smallest_prefix_covering_top_p() -> None:
     _, idx = block_coreset_topk(probs, 2, 2, 0.9)
     assert set(idx.flatten().tolist()) <= {0, 1, 2}
     assert idx[0].tolist() == [0, 1] and idx[1].tolist() == [0, 2]
-    _, idx = block_coreset_topk(probs, 2, 2, 0.5)  # coreset {e0}: every token routes to e0 alone
-    assert set(idx.flatten().tolist()) == {0}
+    _, idx = block_coreset_topk(probs, 2, 2, 0.5)  # e0 alone covers 0.5, but a coreset keeps at least k = 2
+    assert set(idx.flatten().tolist()) == {0, 1} and idx[1].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("restrict", ["R-a", "R-b"])
+def test_a_block_whose_router_rows_agree_still_routes_every_token_to_k_experts(restrict: str) -> None:
+    from engine.model import block_coreset_topk
+
+    e, k, block = 64, 8, 32
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(block, e, generator=gen)
+    logits[:, 5] += 12.0  # every row puts ~all its mass on expert 5: a 90 % coreset would be {5}
+    w, idx = block_coreset_topk(torch.softmax(logits, -1), block, k, 0.9, restrict)
+    assert len(set(idx.flatten().tolist())) >= k  # the coreset keeps at least k experts
+    if restrict == "R-a":  # re-routing inside it: every token keeps k distinct, weighted experts
+        for row_w, row_i in zip(w, idx):
+            assert len(set(row_i.tolist())) == k and bool((row_w > 0).all())

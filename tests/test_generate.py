@@ -567,3 +567,63 @@ def test_planned_engine_keeps_the_embedding_in_ram_and_holds_to_the_planned_cont
     assert len(ids) + done.tokens <= 96
     with pytest.raises(PromptError, match="96"):
         list(engine.generate(prompt_ids=list(range(1, 120)), params=GenerationParams(max_new_tokens=8)))
+
+
+# ---- the loop's fidelity to the published sampler (LowConfidence, LLaDA2 generate) ----------------------------------
+# Margins on a 64-token vocabulary: p(target) = e^m / (e^m + 63). m = 7.62 gives 0.970 (above the 0.95 threshold);
+# a repetition penalty of 1.2 brings it to 6.35 (0.900), a presence penalty of 0.9 to 6.72 (0.929): both below.
+ABOVE = 7.62
+X, Y, Z = 20, 21, 22
+
+
+class BlockAware(ScriptedModel):
+    """ScriptedModel whose margins may depend on what the current block already holds (``ids``)."""
+
+    def __init__(self, margins: Callable[[int, list[int]], tuple[int, float]]) -> None:
+        super().__init__(lambda p: 0)
+        self.margins = margins
+
+    def forward(self, ids: torch.Tensor, start_pos: int, cache: FakeCache, **kw: object) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(ids, start_pos, cache, **kw)  # type: ignore[arg-type]
+        if kw.get("write_cache", True):
+            return out
+        logits = torch.zeros(ids.shape[0], V)
+        for i in range(ids.shape[0]):
+            tok, m = self.margins(start_pos + i, ids.tolist())
+            logits[i, tok] = m
+        return logits
+
+
+def test_denoising_passes_run_in_block_mode_and_never_write_the_cache() -> None:
+    model = ScriptedModel(letters, margin=lambda p: 3.0 if p % 3 else 12.0)  # several passes per block
+    run(model, [letters(p) for p in range(11)], settings(max_new_tokens=20))
+    denoise = [c for c in model.calls if not c.write_cache]
+    assert len(denoise) > 3 and all(c.block_size == 8 for c in denoise)  # bidirectional inside the block
+    commits = [c for c in model.calls[1:] if c.write_cache]
+    assert commits and all(c.block_size == 8 for c in commits)
+
+
+def test_confidence_is_taken_after_the_penalties() -> None:
+    # first generated block = positions 8..15; slot 8 proposes X (in the prompt) at a raw 0.97, slot 9 Y at ~1.0
+    def margins(p: int, ids: list[int]) -> tuple[int, float]:
+        return {8: (X, ABOVE), 9: (Y, 12.0)}.get(p, (letters(p), 2.0))
+
+    prompt = [X] + [letters(p) for p in range(1, 8)]
+    events = run(BlockAware(margins), prompt, settings(max_new_tokens=8, repetition_penalty=1.2))
+    first = next(e for e in events if isinstance(e, BlockStep))
+    assert first.committed_now[:2] == (False, True)  # X's penalized confidence (0.90) is below the threshold
+    assert 0.85 < first.confidence[0] < 0.95
+
+
+def test_tokens_committed_in_this_block_count_for_the_presence_penalty() -> None:
+    # pass 1 commits Y at slot 8; then slot 9 proposes Y again at a raw 0.97 and slot 10 Z at ~1.0
+    def margins(p: int, ids: list[int]) -> tuple[int, float]:
+        y_in = ids[0] == Y
+        return {8: (Y, 12.0), 9: (Y, ABOVE if y_in else 1.0), 10: (Z, 12.0 if y_in else 1.0)}.get(p, (letters(p), 1.0))
+
+    prompt = [letters(p) for p in range(8)]
+    events = run(BlockAware(margins), prompt, settings(max_new_tokens=8, presence_penalty=0.9))
+    steps = [e for e in events if isinstance(e, BlockStep)]
+    assert steps[0].committed_now[:3] == (True, False, False)
+    assert steps[1].committed_now[1:3] == (False, True)  # Y, already in the block, is penalized: 0.93 < 0.95
+    assert 0.9 < steps[1].confidence[1] < 0.95

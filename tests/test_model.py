@@ -294,7 +294,7 @@ def _naive_coreset(probs: torch.Tensor, k: int, top_p: float) -> set[int]:
     for e in order:
         chosen.append(e)
         acc += float(mass[e])
-        if acc / total >= top_p:
+        if acc / total >= top_p and len(chosen) >= k:  # covers top_p, and never fewer than k experts
             break
     return set(chosen)
 
