@@ -38,6 +38,9 @@ SMALL_SLOTS = 8  # N at or below which each pair gathers its own expert (an AR s
 # over 32 MiB get fresh mmap pages from glibc on every call (page faults), and padding wastes rows. Dense and
 # quantized banks group alike, so a quantized bank equals a dense bank holding its dequantized weights bit for bit.
 GROUP_BYTES = {"cuda": 96 * 2**20}
+# Under torch.compile a pass gathers one expert per (token, slot) pair (static shapes, no host sync: one graph) when
+# those copies stay below this; larger passes take the grouped path, whose data-dependent group sizes break the graph.
+COMPILED_PAIRWISE_BYTES = 64 * 2**20
 
 # expert ids [G] (long, on the compute device) -> (gate_up [G, 2I, D], down [G, D, I]) in the compute dtype
 WeightsFn = Callable[[Tensor], tuple[Tensor, Tensor]]
@@ -110,8 +113,8 @@ class DenseExpertBank(ExpertBank):
     def gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """ids [G] long -> those experts' (gate_up [G, 2I, D], down [G, D, I]): copies, or views for one expert
         whose id is on the CPU (reading it there is no host sync)."""
-        if ids.numel() == 1 and ids.device.type == "cpu":
-            e = int(ids)
+        if ids.numel() == 1 and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            e = int(ids)  # reading a CPU id is no device sync, but a compiled graph would break on it
             return self.gate_up_proj[e : e + 1], self.down_proj[e : e + 1]  # [1, 2I, D], [1, D, I] views
         return self.gate_up_proj.index_select(0, ids), self.down_proj.index_select(0, ids)
 
@@ -251,7 +254,10 @@ def moe_grouped(
         offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's (possibly empty) group
         ys = swiglu_grouped_mm(x[token], offs, *resident)  # [N, D]
         return combine_by_token(ys, order, topk_w)
-    if n <= SMALL_SLOTS:  # one expert per (token, slot) pair, in (token, slot) order: nothing to sort, no sync
+    pairwise = n <= SMALL_SLOTS or (
+        torch.compiler.is_compiling() and n * intermediate3 * x.shape[1] * x.element_size() <= COMPILED_PAIRWISE_BYTES
+    )
+    if pairwise:  # one expert per (token, slot) pair, in (token, slot) order: nothing to sort, no sync
         flat = topk_idx.reshape(-1)  # [N]
         xp = x[:, None, :].expand(t, k, x.shape[1]).reshape(n, 1, -1)  # [N, 1, D] token row of each pair
         parts = []
