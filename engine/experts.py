@@ -32,12 +32,15 @@ log = logging.getLogger(__name__)
 SMALL_SLOTS = 8  # N at or below which each pair gathers its own expert (an AR step: 1 token, top-8): no sort, no sync
 # Bytes of expert weights gathered (dense) or dequantized (quantized banks) at once: bounds the transient.
 # CUDA: 96 MiB = 16 experts of 35B-A3B in bf16 (the per-expert loop kept 1-2 alive), so a 32-token pass over ~70
-# experts is 5 groups, not 70 experts' worth of small kernels. Elsewhere (CPU): one expert per group. A CPU has no
-# kernel-launch overhead to amortize, and bigger groups cost there (bench speed --moe-only, float32, 2 cores):
-# a gather copies the weights, 3x the memory traffic of the matmuls (dense T=1: 23 ms vs 6.6 ms in place), blocks
-# over 32 MiB get fresh mmap pages from glibc on every call (page faults), and padding wastes rows. Dense and
-# quantized banks group alike, so a quantized bank equals a dense bank holding its dequantized weights bit for bit.
-GROUP_BYTES = {"cuda": 96 * 2**20}
+# experts is 5 groups, not 70 experts' worth of small kernels. CPU: 2 MiB, about what stays in a core's L2. A CPU
+# has little launch overhead to amortize, and big groups cost there (bench speed --moe-only, float32, 2 cores): a
+# gather copies the weights, 3x the memory traffic of the matmuls (dense T=1: 23 ms vs 6.6 ms in place), blocks
+# over 32 MiB get fresh mmap pages from glibc on every call (page faults), and padding wastes rows; so 35B-A3B's
+# experts (6 MiB in fp32) run one per group, read in place, while small experts (a few hundred KiB: the tiny and
+# deep-narrow shapes) share a group: an AR step over 8 of them is 2 matmuls instead of 16 (deep-narrow: 9,685 ops
+# per token -> 5,965). Dense and quantized banks group alike, so a quantized bank equals a dense bank holding
+# its dequantized weights bit for bit.
+GROUP_BYTES = {"cuda": 96 * 2**20, "cpu": 2 * 2**20}
 # Under torch.compile a pass gathers one expert per (token, slot) pair (static shapes, no host sync: one graph) when
 # those copies stay below this; larger passes take the grouped path, whose data-dependent group sizes break the graph.
 COMPILED_PAIRWISE_BYTES = 64 * 2**20
