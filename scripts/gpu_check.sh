@@ -31,4 +31,4 @@ else
   echo "== bench_offload_gpu skipped: bitsandbytes is not importable (carry its wheel in .whl/)" | tee -a "$out/summary.txt"
 fi
 # The GPU-marked tests (grouped expert compute on CUDA, the CLI's CUDA path).
-step pytest_gpu 120 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py
+step pytest_gpu 180 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py tests/test_compile.py

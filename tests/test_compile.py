@@ -5,6 +5,7 @@ forward equals the eager one (fp32, CPU)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -68,3 +69,31 @@ def test_compiled_forward_equals_eager(primed: tuple[CloverModel, Any]) -> None:
     for fn, args in _forwards(model, cache).values():
         compiled = torch.compile(fn, fullgraph=True)  # inductor: generated kernels
         assert (compiled(*args) - fn(*args)).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+def test_no_host_sync_in_the_forward_on_cuda(primed: tuple[CloverModel, Any]) -> None:
+    """Every sync raises under set_sync_debug_mode("error"). bf16 with all experts resident: on a GPU where
+    torch._grouped_mm has its fused kernel (H100/H200) the denoising pass groups without reading counts back;
+    elsewhere the pass's group sizes still come back to the host (the fused grouped kernel of the fast-path issue)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from engine.experts import grouped_mm_supported
+
+    gpu = torch.device("cuda")
+    model = copy.deepcopy(primed[0]).to(gpu, torch.bfloat16)  # the fixture's model stays on the CPU
+    model.dtype = torch.bfloat16
+    gcache = model.new_cache(64)
+    model(torch.arange(5, 5 + BLOCK, device=gpu), 0, gcache, block_size=BLOCK, write_cache=True)
+    fns = _forwards(model, gcache)
+    for name, (fn, args) in fns.items():
+        args = tuple(a.to(gpu) for a in args)
+        fn(*args)  # warm-up: lazy CUDA / cuBLAS initialisation may sync once
+        torch.cuda.synchronize()
+        if name == "denoise_pass" and not grouped_mm_supported(gpu, torch.bfloat16):
+            continue
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
