@@ -198,6 +198,11 @@ def _engine_figures(model: Any, config: Any, prompt: list[int], args: argparse.N
         block[: B // 4] = ids[: B // 4]
         t = _best(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False), args.repeats, device)
         figures["diffusion_passes_s"] = 1.0 / t
+        ops, reads = _forward_ops(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False))
+        figures["pass_ops"], figures["pass_scalar_reads"] = ops, reads
+        step = ids[aligned - 1 : aligned]
+        ops, reads = _forward_ops(lambda: model.forward(step, aligned, cache, block_size=None, write_cache=False))
+        figures["ar_step_ops"], figures["ar_step_scalar_reads"] = ops, reads
 
     done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens)))
     figures["ar_decode_tok_s"] = done.tokens_per_s
@@ -210,12 +215,45 @@ def _engine_figures(model: Any, config: Any, prompt: list[int], args: argparse.N
     return figures
 
 
+def _forward_ops(fn: Callable[[], Any]) -> tuple[int, int]:
+    """(non-view torch ops, host reads) one forward dispatches: the ops stand in for kernel launches (what a GPU
+    pays per launch, CPU timings cannot show); host reads are scalar reads (``.item()``, ``int(tensor)``) and, on a
+    GPU, device-to-host copies: each is a sync there. On the CPU a ``.cpu()`` of a CPU tensor is invisible, so the
+    grouped pass's one read of its group sizes shows only on a GPU."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = self.reads = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops += not func.is_view  # views, slices, detach: metadata only, no kernel
+            kw = kwargs or {}
+            to_host = (
+                func.overloadpacket is torch.ops.aten._to_copy
+                and str(kw.get("device", "")) == "cpu"
+                and args[0].device.type != "cpu"
+            )
+            self.reads += func.overloadpacket is torch.ops.aten._local_scalar_dense or to_host
+            return func(*args, **kw)
+
+    with torch.inference_mode(), Count() as mode:
+        fn()
+    return mode.ops, mode.reads
+
+
 def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: int) -> None:
     print(f"== {title}")
     print(f"prefill, block mode ({prompt_tokens} tokens):   {f['prefill_block_tok_s']:10.1f} tok/s")
     print(f"prefill, causal ({prompt_tokens} tokens):       {f['prefill_causal_tok_s']:10.1f} tok/s")
     print(f"AR decode (greedy, {int(f['ar_tokens'])} tokens):         {f['ar_decode_tok_s']:10.1f} tok/s")
     print(f"diffusion pass, one {block}-slot block:       {f['diffusion_passes_s']:10.1f} passes/s")
+    print(
+        f"torch ops per forward (host reads: syncs on a GPU): AR step {int(f['ar_step_ops'])} "
+        f"({int(f['ar_step_scalar_reads'])}), denoising pass {int(f['pass_ops'])} ({int(f['pass_scalar_reads'])})"
+    )
     print(
         f"diffusion run ({int(f['diffusion_tokens'])} tokens, {int(f['diffusion_passes'])} passes): "
         f"{f['diffusion_tokens_per_pass']:.2f} tokens/pass, {f['diffusion_tok_s']:.1f} tok/s"
