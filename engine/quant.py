@@ -210,6 +210,24 @@ def error_bound(w: Tensor, fmt: str, blocksize: int = 64) -> Tensor:
 DEQUANT_CHUNK_ELEMS = 8 << 20  # QuantLinear dequantizes at most this many weights at once (16 MiB in bf16)
 
 
+# Token rows at or below which an int8 QuantLinear on the CPU runs torch's fused weight-only int8 GEMV
+# (aten._weight_int8pack_mm) instead of dequantize-then-matmul. Measured (2 cores, fp32, 32768 x 2048): 1 row
+# 29 ms fused vs 200 ms dequantized; 32 rows 1,012 ms vs 359 ms (the kernel is a GEMV). 0 turns it off.
+INT8_GEMV_MAX_ROWS = 4
+
+
+def _int8_gemv_applies(layer: "QuantLinear", x: Tensor) -> bool:
+    return (
+        layer.fmt == "int8"
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and layer.codes.dtype == torch.int8
+        and layer.codes.dim() == 2
+        and math.prod(x.shape[:-1]) <= INT8_GEMV_MAX_ROWS
+        and hasattr(torch, "_weight_int8pack_mm")
+    )
+
+
 class QuantLinear(nn.Module):
     """Drop-in for ``nn.Linear`` holding a quantized weight: ``codes`` + ``scales`` buffers, optional ``bias``.
 
@@ -288,6 +306,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if _int8_gemv_applies(self, x):
+            # fused weight-only int8 matmul: reads the int8 codes, never writes a dequantized weight
+            rows = x.reshape(-1, self.in_features)  # [R, N]
+            out = torch._weight_int8pack_mm(rows, self.codes, self.scales.to(x.dtype))  # [R, O]
+            out = out.reshape(*x.shape[:-1], self.out_features)
+            return out + bias if bias is not None else out
         step = self._chunk_rows()
         if step >= self.out_features:
             return F.linear(x, self.dequantized(x.dtype), bias)  # [.., O]

@@ -248,3 +248,49 @@ def test_nf4_dequantize_works_in_a_fresh_process() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     n, top = res.stdout.split()[-2:]
     assert int(n) == 64 and float(top) == 1.0  # NF4 code 15 (0xF) is +1.0, code 7 is 0.0 -> max |value| is absmax
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_int8_gemv_matches_the_reference_dequantize_and_matmul(
+    rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import quant
+    from engine.quant import QuantLinear, dequantize_reference
+
+    gen = torch.Generator().manual_seed(5)
+    layer = QuantLinear.from_linear(nn.Linear(96, 200, bias=True), "int8")
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    assert quant._int8_gemv_applies(layer, x)  # the fused kernel runs for these shapes
+    w = dequantize_reference(layer.codes, layer.scales, (200, 96), "int8", 64, torch.float32)
+    want = x.float() @ w.T + layer.bias.float()
+    got = layer(x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # fp32 summation order; bf16 output rounding (8 bits)
+    assert got.dtype == dtype and (got.float() - want).abs().max() <= tol * want.abs().max()
+    monkeypatch.setattr(quant, "INT8_GEMV_MAX_ROWS", 0)  # the dequantize-then-matmul path: same numbers
+    assert not quant._int8_gemv_applies(layer, x)
+    assert (layer(x).float() - got.float()).abs().max() <= tol * want.abs().max()
+
+
+def test_fused_int8_gemv_leaves_greedy_tokens_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import quant
+    from engine.checkpoint import random_state_dict
+    from engine.config import parse_config
+    from engine.generate import DecodeSettings, generate
+    from engine.model import CloverModel
+    from engine.quant import make_policy, quantize_model_
+    from engine.tiny import config_dict_for, tiny_text_config
+
+    text = tiny_text_config(vocab_size=128, layers=4, hidden=64, experts=16, experts_per_tok=4)
+    cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
+    model = CloverModel(cfg)
+    model.load_state_dict(random_state_dict(cfg, seed=7))
+    quantize_model_(model, make_policy())
+    s = DecodeSettings(mode="ar", max_new_tokens=24, mask_token_id=3, eos_token_ids=(), max_positions=128)
+
+    def tokens() -> tuple[int, ...]:
+        return list(generate(model, [5, 17, 33, 9], s))[-1].token_ids
+
+    fused = tokens()
+    monkeypatch.setattr(quant, "INT8_GEMV_MAX_ROWS", 0)
+    assert tokens() == fused and len(fused) == 24
