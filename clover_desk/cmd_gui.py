@@ -1,21 +1,42 @@
-"""``clover-desk gui``: open the Clover Desk window."""
+"""``clover-desk gui``: open the Clover Desk window.
+
+Before the window opens, the data folder must be writable and its chat database free: a read-only folder, a full
+disk at creation, or a database another running Clover Desk holds (single-instance lock, see
+:mod:`clover_desk.storage`) ends the command with one line on stderr (and a message box on a desktop) naming the
+folder and what to do, and exit status :data:`EXIT_DATA_DIR` (2).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
 log = logging.getLogger(__name__)
 
+EXIT_DATA_DIR = 2  # the data folder is unusable or another instance holds it
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR", help="model folder to load (remembered for the next start)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="where the engine runs (default: cuda if found)")
-    parser.add_argument("--dtype", help="weights dtype for the engine (default: bfloat16 on cuda, float32 on cpu)")
-    parser.add_argument("--vram-gb", type=float, help="VRAM budget in GiB (default: the last applied one)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="weights dtype for the engine (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--vram-gb", type=_gib, help="VRAM budget in GiB (default: the last applied one)")
     parser.add_argument("--home", metavar="DIR", help="app-data folder (default: $CLOVER_DESK_HOME or per-OS)")
+
+
+def _gib(text: str) -> float:
+    """``--vram-gb``: a finite number of GiB > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB > 0, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from PySide6.QtWidgets import QApplication
 
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.paths import app_data_dir
+    from clover_desk.paths import CHATS_DB_NAME, DataDirError, writable_app_data_dir
+    from clover_desk.storage import ChatStore, StorageError
     from ui.theme import apply_theme, icon
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
@@ -40,7 +62,11 @@ def run(args: argparse.Namespace) -> int:
     app.setDesktopFileName("clover-desk")
     app.setWindowIcon(icon("clover-desk"))
     apply_theme(app)
-    home = app_data_dir()
+    try:
+        home = writable_app_data_dir()
+        store = ChatStore(home / CHATS_DB_NAME)  # takes the single-instance lock, held until the app shuts down
+    except (DataDirError, StorageError) as exc:
+        return _refuse(str(exc))
     settings = AppSettings.load(home / "settings.json")
     if args.model:
         settings.model_dir = os.path.abspath(args.model)
@@ -50,7 +76,23 @@ def run(args: argparse.Namespace) -> int:
         settings.dtype = args.dtype
     if args.vram_gb:
         settings.vram_budget_bytes = int(args.vram_gb * 1024**3)
-    desk = CloverDeskApp(home, settings=settings)
+    try:
+        desk = CloverDeskApp(home, settings=settings, store=store)
+    except BaseException:
+        store.close()
+        raise
     desk.save_settings()
     desk.window.show()
     return int(app.exec())
+
+
+def _refuse(message: str) -> int:
+    """Say why the window cannot open (stderr, and a message box unless Qt runs headless); the exit status."""
+    print(f"clover-desk: {message}", file=sys.stderr)
+    from PySide6.QtGui import QGuiApplication
+
+    if QGuiApplication.platformName() not in ("offscreen", "minimal"):
+        from PySide6.QtWidgets import QMessageBox
+
+        QMessageBox.critical(None, "Clover Desk", message)
+    return EXIT_DATA_DIR

@@ -8,13 +8,16 @@ The application-data folder is, in order of precedence:
 * elsewhere: ``$XDG_DATA_HOME/clover-desk``, ``~/.local/share/clover-desk`` when XDG_DATA_HOME is unset or not
   absolute (the XDG spec says to ignore relative values).
 
-Nothing is created at import time; :func:`app_data_dir` creates the folder when asked to.
+Nothing is created at import time; :func:`app_data_dir` creates the folder when asked to, and
+:func:`writable_app_data_dir` also checks that files can be created there (the GUI refuses to start otherwise).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -52,6 +55,32 @@ def app_data_dir(create: bool = True) -> Path:
     path = default_app_data_dir()
     if create:
         path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class DataDirError(Exception):
+    """The application-data folder cannot be created or written; the message names it and says what to do."""
+
+
+def writable_app_data_dir(path: Path | None = None) -> Path:
+    """``path`` (default: :func:`default_app_data_dir`) created, after checking that a file can be created there
+    (a probe file, removed at once; ``os.access`` alone misses read-only mounts for root). Raises DataDirError."""
+    path = default_app_data_dir() if path is None else Path(path)
+    hint = f"make it writable or set {HOME_ENV} to a writable folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".clover-desk-write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except FileExistsError:
+        raise DataDirError(f"the data folder {path} is a file, not a folder; set {HOME_ENV} to a folder") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise DataDirError(f"the disk holding the data folder {path} is full; free some space or set "
+                               f"{HOME_ENV} to a folder on another disk") from None
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise DataDirError(f"the data folder {path} is read-only ({exc.strerror}); {hint}") from None
+        raise DataDirError(f"the data folder {path} cannot be used ({exc.strerror or exc}); {hint}") from None
     return path
 
 

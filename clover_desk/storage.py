@@ -12,7 +12,21 @@ Threading
     A :class:`ChatStore` belongs to the thread that opened it (the GUI thread). sqlite3's ``check_same_thread``
     guard turns a call from any other thread into ``sqlite3.ProgrammingError`` instead of silent corruption. The
     calls are small single-row statements (well under a millisecond), which is why they may run on the GUI thread.
-    One application instance opens a given database at a time (crash recovery assumes no other writer is streaming).
+    One application instance opens a given database at a time, and this is enforced: :class:`ChatStore` takes an
+    exclusive OS lock (:class:`StoreLock`: ``fcntl.flock`` on Linux/macOS, ``msvcrt.locking`` on Windows) on
+    ``<database>.lock`` beside the database *before* anything else, crash recovery included, and holds it until
+    :meth:`ChatStore.close`. A second instance is refused with :class:`StoreLockedError` (the GUI says "Clover Desk
+    is already running with this data folder" and exits with status 2); it never opens the database read-only, so
+    it can never mark the first instance's streaming answer "stopped". The OS drops the lock when its process ends,
+    however it ends, so a crash or ``kill -9`` never leaves a stale lock.
+
+Write failures
+    Every change runs in one transaction (:meth:`ChatStore._tx`). When the disk is full (``database or disk is
+    full``, ``ENOSPC``), the folder is read-only or the disk reports an I/O error, the transaction is rolled back
+    (nothing of that change is kept, the database stays usable) and :class:`StorageWriteError` is raised with one
+    line that names the file and what to do; :class:`StreamRecorder` stops saving the answer on the first failure.
+    A data folder where the lock file cannot be created (read-only) is refused at open with a
+    :class:`StorageWriteError` that says to make it writable or to set ``CLOVER_DESK_HOME``.
 
 Schema
     Versioned by the ``schema_migrations`` table (one row per applied migration; ``PRAGMA user_version`` mirrors the
@@ -22,10 +36,12 @@ Schema
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import sqlite3
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -53,6 +69,174 @@ class StorageError(Exception):
 
 class NotFoundError(StorageError, LookupError):
     """No conversation or message with that id."""
+
+
+class StoreLockedError(StorageError):
+    """Another running Clover Desk holds this chat database (its lock file is locked)."""
+
+
+class StorageWriteError(StorageError):
+    """A change could not be written (disk full, read-only folder, I/O error); it was rolled back.
+
+    ``reason`` is "disk-full", "read-only", "io" or "busy"."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+LOCK_SUFFIX = ".lock"
+HOME_HINT = "set CLOVER_DESK_HOME to a writable folder"
+
+
+def write_failure_reason(exc: BaseException) -> str | None:
+    """What kind of write failure ``exc`` is: "disk-full", "read-only", "io", "busy", or None (not one)."""
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            return "disk-full"
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return "read-only"
+        if exc.errno == errno.EIO:
+            return "io"
+        return None
+    if not isinstance(exc, sqlite3.Error):
+        return None
+    name = str(getattr(exc, "sqlite_errorname", "") or "")
+    text = str(exc).lower()
+    if name == "SQLITE_FULL" or "database or disk is full" in text:
+        return "disk-full"
+    if name.startswith("SQLITE_READONLY") or "readonly database" in text or name == "SQLITE_CANTOPEN" or (
+        "unable to open database file" in text
+    ):
+        return "read-only"
+    if name.startswith("SQLITE_IOERR") or "disk i/o error" in text:
+        return "io"
+    if name.startswith("SQLITE_BUSY") or "database is locked" in text:
+        return "busy"
+    return None
+
+
+def write_error(path: Path, exc: BaseException, doing: str = "save to") -> StorageWriteError | None:
+    """The one-line :class:`StorageWriteError` for a write failure ``exc`` on ``path`` (None: not one)."""
+    reason = write_failure_reason(exc)
+    if reason is None:
+        return None
+    what = {
+        "disk-full": f"the disk is full ({exc}); free some space and try again",
+        "read-only": f"the folder {path.parent} is read-only ({exc}); make it writable or {HOME_HINT}",
+        "io": f"the disk reported an I/O error ({exc}); check the disk, or {HOME_HINT}",
+        "busy": f"another program is writing to it ({exc}); try again",
+    }[reason]
+    return StorageWriteError(f"cannot {doing} the chat database {path}: {what}", reason)
+
+
+class StoreLock:
+    """An exclusive lock on ``path`` (a small file beside the database holding the owner's pid), so one Clover Desk
+    at a time uses a chat database. ``fcntl.flock`` on Linux/macOS, ``msvcrt.locking`` on Windows: the OS drops
+    it when the owning process ends, so a crash never leaves it stale. The descriptor is not inherited by child
+    processes (the engine worker never holds it)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise StoreLockedError (held elsewhere) / StorageWriteError (cannot create the file)."""
+        if self._fd is not None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            error = write_error(self.path, exc, "lock")
+            if error is not None and error.reason == "read-only":
+                raise StorageWriteError(
+                    f"the data folder {self.path.parent} is read-only: cannot write {self.path.name} there "
+                    f"({exc.strerror}); make it writable or {HOME_HINT}",
+                    "read-only",
+                ) from exc
+            raise error or StorageError(f"cannot create the lock file {self.path}: {exc}") from exc
+        try:
+            locked = _try_lock(fd)
+        except OSError as exc:  # e.g. a network file system without locks: run, but say so
+            log.warning("cannot lock %s (%s): running without the single-instance guard", self.path, exc)
+            locked = True
+        if not locked:
+            holder = _read_pid(fd)
+            os.close(fd)
+            by = f" (process {holder})" if holder else ""
+            raise StoreLockedError(
+                f"Clover Desk is already running with this data folder {self.path.parent}{by}; close it first, "
+                f"or set CLOVER_DESK_HOME to another folder"
+            )
+        self._fd = fd
+        try:  # the pid is only a hint for the message above: a full disk must not stop the app here
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        except OSError as exc:
+            log.debug("cannot write the pid into %s: %s", self.path, exc)
+
+    def release(self) -> None:
+        """Drop the lock (idempotent). The file stays: removing it could race with another instance taking it."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            _unlock(fd)
+        except OSError:
+            pass
+        os.close(fd)
+
+    def __del__(self) -> None:  # a store dropped without close() must not keep its database locked
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter teardown: the OS drops the lock with the process anyway
+            pass
+
+
+if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
+    import msvcrt
+
+    def _try_lock(fd: int) -> bool:
+        os.lseek(fd, 0, os.SEEK_SET)
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EDEADLK):
+                return False
+            raise
+        return True
+
+    def _unlock(fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+else:
+    import fcntl
+
+    def _try_lock(fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def _unlock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0) if hasattr(os, "pread") else b""
+        return int(text.decode("ascii").strip() or 0) or None
+    except (OSError, ValueError):
+        return None
 
 
 # Append-only: (version, description, statements). Never edit a released migration; add a new one.
@@ -89,6 +273,36 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         (
             "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
             "CREATE INDEX conversations_by_updated ON conversations(updated DESC, id DESC)",
+            "CREATE INDEX messages_streaming ON messages(status) WHERE status = 'streaming'",
+        ),
+    ),
+    (
+        3,
+        "message ids are never reused (AUTOINCREMENT)",
+        # A message id names things outside the database (the preview's document, whose origin holds the page's
+        # storage): a plain rowid is handed out again after the newest row is deleted. SQLite cannot add
+        # AUTOINCREMENT to a table, so the table is rebuilt with the same rows and ids; the sequence then starts
+        # after the largest id kept (ids deleted in an earlier run cannot be known, and nothing outside the
+        # database outlives a run).
+        (
+            """CREATE TABLE messages_v3 (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+                role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant', 'tool')),
+                content TEXT NOT NULL DEFAULT '',
+                thinking TEXT NOT NULL DEFAULT '',
+                thinking_seconds REAL,
+                status TEXT NOT NULL DEFAULT 'complete'
+                    CHECK (status IN ('complete', 'streaming', 'stopped', 'error')),
+                stats TEXT NOT NULL DEFAULT '{}',
+                created REAL NOT NULL
+            )""",
+            "INSERT INTO messages_v3 (id, conversation_id, role, content, thinking, thinking_seconds, status, stats,"
+            " created) SELECT id, conversation_id, role, content, thinking, thinking_seconds, status, stats, created"
+            " FROM messages ORDER BY id",
+            "DROP TABLE messages",
+            "ALTER TABLE messages_v3 RENAME TO messages",
+            "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
             "CREATE INDEX messages_streaming ON messages(status) WHERE status = 'streaming'",
         ),
     ),
@@ -191,12 +405,27 @@ class ChatStore:
     """The chat database. Open one per application instance, on the GUI thread (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Open (creating when needed) the database at ``path``, after taking its single-instance lock.
+
+        Raises StoreLockedError when another running instance holds it, StorageWriteError when its folder is
+        read-only (or the disk is full while creating or migrating it), StorageError when it is unreadable."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise write_error(self.path, exc, "create") or StorageError(
+                f"cannot create the folder of the chat database {self.path}: {exc}"
+            ) from exc
+        # First the lock: nothing below (crash recovery least of all) may touch a database another instance holds.
+        self._lock = StoreLock(self.path.with_name(self.path.name + LOCK_SUFFIX))
+        self._lock.acquire()
         try:
             self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
         except sqlite3.Error as exc:
-            raise StorageError(f"cannot open chat database {self.path}: {exc}") from exc
+            self._lock.release()
+            raise write_error(self.path, exc, "open") or StorageError(
+                f"cannot open chat database {self.path}: {exc}"
+            ) from exc
         self._conn.row_factory = sqlite3.Row
         self._last_ts = 0.0
         try:
@@ -209,16 +438,21 @@ class ChatStore:
             self.recovered_message_ids: tuple[int, ...] = self._recover_interrupted()
         except sqlite3.DatabaseError as exc:
             self._conn.close()
-            raise StorageError(f"chat database {self.path} is unreadable: {exc}") from exc
-        except StorageError:
+            self._lock.release()
+            raise write_error(self.path, exc, "open") or StorageError(
+                f"chat database {self.path} is unreadable: {exc}"
+            ) from exc
+        except BaseException:
             self._conn.close()
+            self._lock.release()
             raise
 
     # ----------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        """Close the database (idempotent)."""
+        """Close the database and release its lock (idempotent)."""
         self._conn.close()
+        self._lock.release()
 
     def __enter__(self) -> ChatStore:
         return self
@@ -228,14 +462,32 @@ class ChatStore:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, committed on success and rolled back on any exception."""
-        self._conn.execute("BEGIN IMMEDIATE")
+        """One write transaction, committed on success and rolled back on any exception (the COMMIT's included).
+
+        A disk-full / read-only / I/O failure becomes :class:`StorageWriteError`; the store stays usable."""
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise write_error(self.path, exc) or exc
         try:
             yield self._conn
-        except BaseException:
-            self._conn.execute("ROLLBACK")
+            self._conn.execute("COMMIT")
+        except BaseException as exc:
+            self._rollback()
+            error = write_error(self.path, exc) if isinstance(exc, (sqlite3.Error, OSError)) else None
+            if error is not None:
+                log.warning("%s", error)
+                raise error from exc
             raise
-        self._conn.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        """Roll back the open transaction, if any (SQLite may already have rolled it back itself on SQLITE_FULL)."""
+        if not self._conn.in_transaction:
+            return
+        try:
+            self._conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.error("chat database %s: rollback failed: %s", self.path, exc)
 
     def _now(self) -> float:
         """Wall-clock seconds, strictly increasing within this store (so "most recent first" has no ties)."""
@@ -276,13 +528,17 @@ class ChatStore:
         rows = self._conn.execute("SELECT id, stats FROM messages WHERE status = 'streaming' ORDER BY id").fetchall()
         if not rows:
             return ()
-        with self._tx() as conn:
-            for row in rows:
-                stats = json.loads(row["stats"] or "{}")
-                stats["stop_reason"] = "interrupted"
-                conn.execute(
-                    "UPDATE messages SET status = 'stopped', stats = ? WHERE id = ?", (json.dumps(stats), row["id"])
-                )
+        try:
+            with self._tx() as conn:
+                for row in rows:
+                    stats = json.loads(row["stats"] or "{}")
+                    stats["stop_reason"] = "interrupted"
+                    conn.execute(
+                        "UPDATE messages SET status = 'stopped', stats = ? WHERE id = ?", (json.dumps(stats), row["id"])
+                    )
+        except StorageWriteError as exc:  # e.g. a full disk: open anyway (chats stay readable); next open retries
+            log.warning("chat database %s: cannot mark interrupted answers as stopped yet: %s", self.path, exc)
+            return ()
         ids = tuple(int(r["id"]) for r in rows)
         log.warning("chat database %s: %d message(s) interrupted by a crash kept as stopped", self.path, len(ids))
         return ids
@@ -620,6 +876,10 @@ class StreamRecorder:
     ``Finished`` ends the message (``complete``, or ``stopped`` when cancelled) with the engine's figures as stats
     and the final text; ``EngineError`` ends it as ``error`` (``stopped`` for a cancellation or a worker restart)
     keeping the text saved so far.
+
+    A save that fails (:class:`StorageError`, e.g. a full disk) ends the recording: :meth:`on_event` re-raises it
+    after marking the message ``error`` with ``stats["error"]`` saying what was not saved (best effort: on a full
+    disk that may fail too, and the next open then keeps the message as interrupted). ``save_error`` keeps it.
     """
 
     def __init__(
@@ -637,11 +897,29 @@ class StreamRecorder:
         self._thinking_seconds: float | None = None
         self.done = False
         self.blocks_saved = 0
+        self.save_error: StorageError | None = None
 
     def on_event(self, event: Event) -> bool:
-        """Record one event; returns True when it ended the message."""
+        """Record one event; returns True when it ended the message. Raises StorageError when the save failed
+        (the recording has then ended: later events are ignored)."""
         if self.done:
             return True
+        try:
+            return self._record(event)
+        except StorageError as exc:
+            self.done = True
+            self.save_error = exc
+            self._mark_not_saved(exc)
+            raise
+
+    def _mark_not_saved(self, exc: StorageError) -> None:
+        stats = {"stop_reason": "error", "error": f"not saved: {exc}"}
+        try:
+            self.store.finish_message(self.message_id, "error", stats=stats, thinking_seconds=self._thinking_seconds)
+        except StorageError as again:
+            log.warning("cannot mark message %s as not saved either: %s", self.message_id, again)
+
+    def _record(self, event: Event) -> bool:
         if isinstance(event, PromptInfo):
             self._started = self._clock()
         elif isinstance(event, TextDelta):

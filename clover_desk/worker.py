@@ -34,6 +34,15 @@ serving. An out-of-memory or CUDA error leaves the device unusable: the worker r
 exits with :data:`FATAL_EXIT_CODE`; the client then offers a restart. Loading and generating run on their own
 threads, so ``cancel`` / ``cancel_load`` are read while they work (the engine checks its flag between passes).
 
+Every line gets an answer, however malformed: a line that is not JSON, not an object, nested deeper than
+:data:`MAX_NESTING` levels, longer than :data:`MAX_LINE_BYTES` (the rest of such a line is skipped unread into
+memory), with an unknown or non-string ``cmd``, or with a field of the wrong type or out of range is refused with
+one ``{"event": "error", "kind": "ProtocolError", "message": .., "fatal": false}`` record (plus ``id`` / ``op``
+when known) whose message names the field and what is allowed, and the worker keeps serving. ``load``,
+``generate`` and generate's ``params`` are checked whole before anything starts (unknown fields included: a
+misspelt option is refused, never silently ignored), so a refused load never leaves the worker "loading".
+``cancel``, ``cancel_load`` and ``shutdown`` ignore extra fields.
+
 ``--engine-factory MODULE:CALLABLE`` replaces ``engine.api:Engine.load`` (same signature); the tests use it to
 inject failures the real engine cannot be made to produce on demand. The default is the real engine.
 """
@@ -44,13 +53,16 @@ import argparse
 import dataclasses
 import gc
 import importlib
+import inspect
 import json
 import logging
+import math
 import os
+import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from engine.errors import CancelledError, CloverError
@@ -63,6 +75,9 @@ FATAL_EXIT_CODE = 3
 DEFAULT_ENGINE_FACTORY = "engine.api:Engine.load"
 LOAD_PROGRESS_INTERVAL_S = 0.05  # at most ~20 load_progress records a second (stage changes always go out)
 _JOIN_ON_EXIT_S = 5.0
+MAX_LINE_BYTES = 16 * 1024 * 1024  # a longer command line is refused (and skipped without being held in memory)
+MAX_NESTING = 64  # JSON nesting a command may have (plans, messages and tool schemas need far less)
+_SKIP_CHUNK = 1 << 20
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -109,6 +124,257 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+# --------------------------------------------------------------------------------------------- command checks
+
+
+class ProtocolError(ValueError):
+    """A command refused as sent; the message names the field and what is allowed."""
+
+
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1
+DEVICES_TEXT = '"cpu", "cuda" or "cuda:N"'
+DTYPES = ("float32", "bfloat16", "float16")
+COMMANDS = ("load", "cancel_load", "generate", "cancel", "plan", "shutdown")
+_CUDA_INDEX = re.compile(r"cuda:[0-9]{1,3}")
+
+
+def _show(value: Any) -> str:
+    """A bad value as a short JSON snippet for an error message."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _refused(where: str, allowed: str, value: Any) -> ProtocolError:
+    """``<where> must be <allowed>, got <value>``: the one-line refusal every check raises."""
+    return ProtocolError(f"{where} must be {allowed}, got {_show(value)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+Check = Callable[[Any], bool]
+
+
+def _nullable(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+def _int_in(lo: int, hi: int) -> Check:
+    return lambda v: _is_int(v) and lo <= v <= hi
+
+
+def _number_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Check:
+    def check(v: Any) -> bool:
+        if not _is_finite_number(v):
+            return False
+        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+
+    return check
+
+
+def _one_of(*choices: str) -> Check:
+    return lambda v: isinstance(v, str) and v in choices
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_path(v: Any) -> bool:
+    return isinstance(v, str) and bool(v.strip()) and "\x00" not in v
+
+
+def _is_device(v: Any) -> bool:
+    return isinstance(v, str) and (v in ("cpu", "cuda") or _CUDA_INDEX.fullmatch(v) is not None)
+
+
+# field -> (check, what is allowed). Nullable fields take null for "the default".
+LOAD_FIELDS: dict[str, tuple[Check, str]] = {
+    "model_dir": (_is_path, "a non-empty folder path (string)"),
+    "device": (_nullable(_is_device), f"{DEVICES_TEXT}, or null (cpu)"),
+    "dtype": (_nullable(_one_of(*DTYPES)), '"float32", "bfloat16" or "float16", or null (float32)'),
+    "vram_gb": (_nullable(_number_in(0, math.inf, lo_open=True)), "a finite number of GiB > 0, or null"),
+    "ctx_tokens": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
+    "ctx": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
+    "plan": (_nullable(lambda v: isinstance(v, dict)), "an object (Plan.to_dict()) or null"),
+}
+# GenerationParams' fields (engine/events.py) with their types and the ranges the engine accepts.
+PARAM_FIELDS: dict[str, tuple[Check, str]] = {
+    "mode": (_one_of("diffusion", "ar"), '"diffusion" or "ar"'),
+    "max_new_tokens": (_nullable(_int_in(1, INT32_MAX)), f"a whole number from 1 to {INT32_MAX}, or null"),
+    "temperature": (_nullable(_number_in(0, math.inf)), "a finite number >= 0, or null"),
+    "top_p": (_nullable(_number_in(0, 1, lo_open=True)), "a number in (0, 1], or null"),
+    "top_k": (_nullable(_int_in(0, INT32_MAX)), f"a whole number from 0 to {INT32_MAX}, or null"),
+    "do_sample": (_nullable(_is_bool), "true, false or null"),
+    "presence_penalty": (_nullable(_number_in(-math.inf, math.inf)), "a finite number, or null"),
+    "repetition_penalty": (_nullable(_number_in(0, math.inf, lo_open=True)), "a finite number > 0, or null"),
+    "block_size": (_nullable(_int_in(1, INT32_MAX)), f"a whole number from 1 to {INT32_MAX}, or null"),
+    # 0 is allowed, as the engine and the settings drawer allow it: commit every slot in one pass
+    "threshold": (_nullable(_number_in(0, 1)), "a number in [0, 1], or null"),
+    "enable_thinking": (_is_bool, "true or false"),
+    "seed": (_nullable(_int_in(0, SEED_MAX)), f"a whole number from 0 to {SEED_MAX}, or null"),
+}
+GENERATE_FIELDS = ("cmd", "id", "messages", "prompt", "prompt_ids", "raw", "tools", "params")
+PLAN_BUDGETS: dict[str, tuple[Check, str]] = {
+    "id": (_nullable(lambda v: isinstance(v, str)), "a string or null"),
+    "model_dir": (_is_path, "a non-empty folder path or shape name (string)"),
+    "vram_gb": (_nullable(_number_in(0, math.inf)), "a finite number of GiB >= 0, or null (what is free)"),
+    "ram_gb": (_nullable(_number_in(0, math.inf, lo_open=True)), "a finite number of GiB > 0, or null (what is free)"),
+    "ctx": LOAD_FIELDS["ctx"],
+    "ctx_tokens": LOAD_FIELDS["ctx_tokens"],
+}
+
+
+def _check_fields(
+    command: dict[str, Any], what: str, fields: dict[str, tuple[Check, str]], *, required: Sequence[str] = (),
+    known: Sequence[str] | None = None,
+) -> None:
+    """Raise ProtocolError naming the first field of ``command`` that is missing, unknown or not allowed."""
+    for name in required:
+        if name not in command:
+            raise ProtocolError(f"{what} needs field {name!r}: {fields[name][1]}")
+    if known is not None:
+        for name in command:
+            if name not in known:
+                raise ProtocolError(f"{what} has unknown field {_show(name)}; its fields are: {', '.join(known)}")
+    for name, (check, allowed) in fields.items():
+        if name in command and not check(command[name]):
+            raise _refused(f"{what}: field {name!r}", allowed, command[name])
+
+
+def check_load(command: dict[str, Any]) -> None:
+    """Refuse a ``load`` whose fields are missing, unknown, of the wrong type or out of range."""
+    _check_fields(command, "load", LOAD_FIELDS, required=("model_dir",), known=("cmd", *LOAD_FIELDS))
+
+
+def check_params(params: Any) -> GenerationParams:
+    """``generate``'s ``params`` (null or an object of GenerationParams fields) as GenerationParams, else
+    ProtocolError."""
+    if params is None:
+        return GenerationParams()
+    if not isinstance(params, dict):
+        raise _refused("generate: field 'params'", "an object of generation parameters or null", params)
+    _check_fields(params, "generate params", PARAM_FIELDS, known=tuple(PARAM_FIELDS))
+    return GenerationParams(**params)
+
+
+def check_generate(command: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:
+    """Refuse a ``generate`` with a field of the wrong type (the engine judges the prompt itself); returns the
+    params. ``vocab_size`` bounds ``prompt_ids`` (an id past the vocabulary is a device-side assert on a GPU)."""
+    unknown = [k for k in command if k not in GENERATE_FIELDS]
+    if unknown:
+        fields = ", ".join(GENERATE_FIELDS)
+        raise ProtocolError(f"generate has unknown field {_show(unknown[0])}; its fields are: {fields}")
+    messages = command.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list):
+            raise _refused("generate: field 'messages'", "a list of message objects or null", messages)
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise _refused(f"generate: messages[{i}]", "an object with 'role' and 'content'", message)
+            if not isinstance(message.get("role"), str) or not message["role"]:
+                raise _refused(f"generate: messages[{i}].role", "a non-empty string", message.get("role"))
+            content = message.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise _refused(f"generate: messages[{i}].content", "a string, a list of parts or null", content)
+    prompt = command.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise _refused("generate: field 'prompt'", "a string or null", prompt)
+    check_prompt_ids(command.get("prompt_ids"), vocab_size)
+    if "raw" in command and not isinstance(command["raw"], bool):
+        raise _refused("generate: field 'raw'", "true or false", command["raw"])
+    tools = command.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise _refused("generate: field 'tools'", "a list of tool objects or null", tools)
+    return check_params(command.get("params"))
+
+
+def check_prompt_ids(prompt_ids: Any, vocab_size: int | None = None) -> None:
+    """``prompt_ids``: null or a list of token ids below ``vocab_size`` (when known), else ProtocolError."""
+    if prompt_ids is None:
+        return
+    if not isinstance(prompt_ids, list):
+        raise _refused("generate: field 'prompt_ids'", "a list of token ids or null", prompt_ids)
+    top = (vocab_size if _is_int(vocab_size) and vocab_size > 0 else INT32_MAX + 1) - 1  # type: ignore[operator]
+    for i, token in enumerate(prompt_ids):
+        if not _is_int(token) or not 0 <= token <= top:
+            raise _refused(f"generate: prompt_ids[{i}]", f"a token id from 0 to {top}", token)
+
+
+def check_plan_command(command: dict[str, Any]) -> None:
+    """Refuse a ``plan`` whose budgets or context are of the wrong type or out of range (other keys: make_plan's
+    options, checked against its signature when the plan is made)."""
+    _check_fields(command, "plan", PLAN_BUDGETS, required=("model_dir",))
+
+
+def _nesting_depth(value: Any, limit: int) -> int:
+    """How deep ``value`` nests (iteratively; stops counting past ``limit``)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_command(line: bytes) -> dict[str, Any]:
+    """One protocol line as a JSON object, or ProtocolError saying what is wrong with it (``cmd`` itself is
+    checked by :meth:`Worker.handle`, which can then answer with the command's ``id``)."""
+    try:
+        command = json.loads(line)
+    except RecursionError:
+        raise ProtocolError(
+            f"bad command line: nested too deeply to parse; a command nests at most {MAX_NESTING} levels"
+        ) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer with too many digits
+        raise ProtocolError(f"bad command line: not JSON ({exc}); send one JSON object per line") from None
+    if not isinstance(command, dict):
+        raise ProtocolError(f"bad command line: a command is a JSON object with a 'cmd' field, got {_show(command)}")
+    if _nesting_depth(command, MAX_NESTING) > MAX_NESTING:
+        raise ProtocolError(f"bad command line: nested more than {MAX_NESTING} levels deep")
+    return command
+
+
+def read_lines(stream: IO[bytes], limit: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
+    """The lines of ``stream`` without their line ends; ``None`` for a line longer than ``limit`` bytes, whose
+    rest is read and dropped in chunks (never held in memory)."""
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            while True:
+                rest = stream.readline(_SKIP_CHUNK)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield None
+            continue
+        yield line.rstrip(b"\r\n")
+
+
+def _request_id(command: dict[str, Any]) -> str | None:
+    value = command.get("id")
+    return value if isinstance(value, str) else None
+
+
 class Worker:
     """Command dispatch and the load / generate threads. ``emit`` writes one record (thread-safe)."""
 
@@ -127,22 +393,32 @@ class Worker:
     # ----------------------------------------------------------------- dispatch (main thread)
 
     def handle(self, command: dict[str, Any]) -> bool:
-        """Act on one command. Returns False when the worker should exit."""
+        """Act on one command (a parsed object; see :func:`parse_command`). Returns False when the worker should
+        exit. Never raises: a command it cannot act on is answered with an error record."""
         name = command.get("cmd")
-        handler = {
+        if name == "shutdown":
+            self.stop()
+            return False
+        handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "load": self._cmd_load,
             "cancel_load": self._cmd_cancel_load,
             "generate": self._cmd_generate,
             "cancel": self._cmd_cancel,
             "plan": self._cmd_plan,
-        }.get(name)  # type: ignore[arg-type]
-        if name == "shutdown":
-            self.stop()
-            return False
+        }
+        handler = handlers.get(name) if isinstance(name, str) else None
         if handler is None:
-            self._error("ProtocolError", f"unknown command {name!r}", request_id=command.get("id"))
+            what = "missing" if "cmd" not in command else f"got {_show(name)}"
+            self._error(
+                "ProtocolError", f"field 'cmd' must be one of {', '.join(repr(c) for c in COMMANDS)}; {what}",
+                request_id=_request_id(command),
+            )
             return True
-        handler(command)
+        try:
+            handler(command)
+        except Exception as exc:  # noqa: BLE001 - a bug in a handler must not end the worker: report it
+            log.error("command %s failed (the worker keeps running)", name, exc_info=exc)
+            self._error(type(exc).__name__, f"internal error: {exc}", request_id=_request_id(command))
         return True
 
     def stop(self) -> None:
@@ -166,21 +442,27 @@ class Worker:
             self._gen_id = None
 
     def _cmd_load(self, command: dict[str, Any]) -> None:
+        try:
+            check_load(command)  # refused whole before anything starts: the state never sticks at "loading"
+        except ProtocolError as exc:
+            self._error("ProtocolError", str(exc), op="load")
+            return
         with self._lock:
             busy = self._busy()
             if busy:
                 self._error("Busy", f"cannot load: {busy}", op="load")
-                return
-            model_dir = command.get("model_dir")
-            if not isinstance(model_dir, str) or not model_dir:
-                self._error("ProtocolError", "load needs a model_dir", op="load")
                 return
             self._state = "loading"
             self._load_cancel = threading.Event()
             self._load_thread = threading.Thread(
                 target=self._run_load, args=(command, self._load_cancel), name="clover-load", daemon=True
             )
-            self._load_thread.start()
+            try:
+                self._load_thread.start()
+            except BaseException:
+                self._state = "idle"
+                self._load_thread = None
+                raise
 
     def _cmd_cancel_load(self, command: dict[str, Any]) -> None:
         self._load_cancel.set()
@@ -188,7 +470,12 @@ class Worker:
     def _cmd_generate(self, command: dict[str, Any]) -> None:
         request_id = command.get("id")
         if not isinstance(request_id, str) or not request_id:
-            self._error("ProtocolError", "generate needs a string id")
+            self._error("ProtocolError", str(_refused("generate: field 'id'", "a non-empty string", request_id)))
+            return
+        try:
+            params = check_generate(command)  # types and ranges first: a malformed request is refused as such
+        except ProtocolError as exc:
+            self._error("ProtocolError", str(exc), request_id=request_id)
             return
         with self._lock:
             busy = self._busy()
@@ -198,10 +485,11 @@ class Worker:
             if self._engine is None:
                 self._error("NotLoaded", "no model is loaded", request_id=request_id)
                 return
-            try:
-                params = GenerationParams(**(command.get("params") or {}))
-            except TypeError as exc:
-                self._error("ProtocolError", f"bad params: {exc}", request_id=request_id)
+            try:  # the loaded model's vocabulary bounds prompt_ids (past it: a device-side assert on a GPU)
+                vocab_size = getattr(getattr(self._engine, "config", None), "vocab_size", None)
+                check_prompt_ids(command.get("prompt_ids"), vocab_size)
+            except ProtocolError as exc:
+                self._error("ProtocolError", str(exc), request_id=request_id)
                 return
             self._state = "generating"
             self._gen_id = request_id
@@ -212,19 +500,42 @@ class Worker:
                 name=f"clover-generate-{request_id}",
                 daemon=True,
             )
-            self._gen_thread.start()
+            try:
+                self._gen_thread.start()
+            except BaseException:
+                self._state = "idle"
+                self._gen_id = None
+                raise
 
     def _cmd_cancel(self, command: dict[str, Any]) -> None:
+        request_id = command.get("id")
+        if not isinstance(request_id, str):
+            self._error("ProtocolError", str(_refused("cancel: field 'id'", "the string id of a generate", request_id)))
+            return
         with self._lock:
-            if command.get("id") == self._gen_id:
+            if request_id == self._gen_id:
                 self._gen_cancel.set()
 
     def _cmd_plan(self, command: dict[str, Any]) -> None:
+        try:
+            check_plan_command(command)
+        except ProtocolError as exc:
+            self._error("ProtocolError", str(exc), request_id=_request_id(command), op="plan")
+            return
         threading.Thread(target=self._run_plan, args=(command,), name="clover-plan", daemon=True).start()
 
     # ----------------------------------------------------------------- work (own threads)
 
     def _run_load(self, command: dict[str, Any], cancel: threading.Event) -> None:
+        try:
+            self._load(command, cancel)
+        finally:
+            with self._lock:  # whatever happened, a finished load thread never leaves the worker "loading"
+                if self._state == "loading" and self._load_cancel is cancel:
+                    log.error("load thread ended without a result: back to idle")
+                    self._state = "idle"
+
+    def _load(self, command: dict[str, Any], cancel: threading.Event) -> None:
         model_dir = command["model_dir"]
         device = command.get("device") or "cpu"
         dtype = command.get("dtype") or "float32"
@@ -361,6 +672,9 @@ class Worker:
             self._error(kind, str(exc) or kind, request_id=request_id, op=op, fatal=True)
             logging.shutdown()
             os._exit(FATAL_EXIT_CODE)
+        if isinstance(exc, ProtocolError):
+            self._error("ProtocolError", str(exc), request_id=request_id, op=op)
+            return
         if isinstance(exc, CloverError):
             log.info("%s: %s", type(exc).__name__, exc)
             kind = "CancelledError" if isinstance(exc, CancelledError) else type(exc).__name__
@@ -394,7 +708,17 @@ def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tup
     machine has free). Returns ``(plan, hardware)``; keys other than the budgets and the context go to
     ``make_plan`` as is (``block_size``, ``coreset``, ``optimize_for``...)."""
     if not model_dir:
-        raise ValueError("plan needs a model_dir")
+        raise ProtocolError("plan needs field 'model_dir': a non-empty folder path or shape name (string)")
+    options = [
+        p.name for p in inspect.signature(planner.make_plan).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "hardware"
+    ]
+    for key in args:
+        if key not in (*options, "vram_gb", "ram_gb", "ctx", "ctx_tokens"):
+            raise ProtocolError(
+                f"plan has unknown field {_show(key)}; its fields are: id, model_dir, vram_gb, ram_gb, ctx, "
+                f"ctx_tokens, {', '.join(options)}"
+            )
     hardware = planner.probe_hardware()
     ctx = _ctx(args)
     vram_gb, ram_gb = args.pop("vram_gb", None), args.pop("ram_gb", None)
@@ -448,16 +772,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return FATAL_EXIT_CODE
     worker = Worker(emit, factory)
     emit({"event": "ready", "pid": os.getpid(), "protocol": PROTOCOL_VERSION})
-    for raw in sys.stdin.buffer:
-        line = raw.strip()
-        if not line:
+    for line in read_lines(sys.stdin.buffer):
+        if line is None:
+            message = f"bad command line: longer than {MAX_LINE_BYTES} bytes (skipped); a command line is at most that"
+            emit({"event": "error", "kind": "ProtocolError", "message": message, "fatal": False})
+            continue
+        if not line.strip():
             continue
         try:
-            command = json.loads(line)
-            if not isinstance(command, dict):
-                raise ValueError("a command is a JSON object")
-        except ValueError as exc:
-            emit({"event": "error", "kind": "ProtocolError", "message": f"bad command line: {exc}", "fatal": False})
+            command = parse_command(line)
+        except ProtocolError as exc:
+            emit({"event": "error", "kind": "ProtocolError", "message": str(exc), "fatal": False})
             continue
         if not worker.handle(command):
             emit({"event": "bye"})

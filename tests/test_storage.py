@@ -190,8 +190,9 @@ def test_streaming_message_left_by_a_crash_becomes_stopped(tmp_path: Path) -> No
     a = s.add_message(c.id, "assistant", status="streaming")
     s.append_streaming(a.id, answer_delta="Once upon", thinking_delta="story time")
     s.append_streaming(a.id, answer_delta=" a time")
-    # No finish_message: the process "dies" here (a real SIGKILL is in test_persistence_kill.py).
-    s._conn.close()
+    # No finish_message: the process "dies" here, which also drops its lock (a real SIGKILL is in
+    # test_persistence_kill.py; a live holder is never recovered: test_storage_robust.py).
+    s.close()
 
     with ChatStore(path) as s2:
         assert s2.recovered_message_ids == (a.id,)
@@ -218,6 +219,86 @@ def test_migrates_an_older_database_keeping_data(tmp_path: Path) -> None:
         assert [m.content for m in s.messages(7)] == ["hi"]
         indexes = {r[0] for r in s._conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
         assert {"messages_by_conversation", "conversations_by_updated"} <= indexes
+
+
+def test_message_ids_are_never_reused(store: ChatStore) -> None:
+    # A message id names the preview's document (and so the origin holding a page's storage): deleting the newest
+    # message, or its whole chat, must not hand its id to the next answer.
+    c = store.create_conversation("a")
+    store.add_message(c.id, "user", "q")
+    newest = store.add_message(c.id, "assistant", "<html>page one</html>")
+    store.truncate_after(newest.id, include=True)
+    again = store.add_message(c.id, "assistant", "<html>page two</html>")
+    assert again.id > newest.id
+    store.delete_conversation(c.id)
+    d = store.create_conversation("b")
+    assert store.add_message(d.id, "user", "x").id > again.id
+    last = store.add_message(d.id, "assistant", "w")
+    store.edit_message(store.messages(d.id)[0].id, "x2")  # edit-and-resend deletes the later ones, the newest too
+    assert store.add_message(d.id, "assistant", "v").id > last.id
+
+
+def test_migration_to_autoincrement_keeps_every_row_and_stops_id_reuse(tmp_path: Path) -> None:
+    """A schema-2 file (plain rowids) with real data: after the migration every row is the same, ids included,
+    the indexes and the cascade still work, and ids no longer come back."""
+    path = tmp_path / "v2.sqlite3"
+    _old_database(path, version=2)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("INSERT INTO conversations (id, title, created, updated, system_prompt, settings) "
+                 "VALUES (3, 'old chat', 1.0, 2.0, 'be brief', '{\"temperature\": 0.5}')")
+    conn.execute("INSERT INTO conversations (id, title, created, updated) VALUES (4, 'other', 1.0, 3.0)")
+    rows = [
+        (1, 3, "user", "make a page", "", None, "complete", "{}", 1.1),
+        (2, 3, "assistant", "```html\n<p>one</p>\n```", "thinking…", 0.75, "complete", '{"tokens": 9}', 1.2),
+        (5, 4, "user", "hi", "", None, "complete", "{}", 1.3),
+        (6, 4, "assistant", "half an answ", "", None, "streaming", "{}", 1.4),  # left by a crash
+        (7, 3, "assistant", "newest, then deleted", "", None, "complete", "{}", 1.5),
+    ]
+    conn.executemany("INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    conn.execute("DELETE FROM messages WHERE id = 7")
+    # The old schema's flaw, on this very file: the deleted newest id comes back.
+    assert conn.execute("INSERT INTO messages (conversation_id, role, created) VALUES (3, 'user', 2.0)").lastrowid == 7
+    conn.execute("DELETE FROM messages WHERE id = 7")
+    before = conn.execute("SELECT * FROM messages ORDER BY id").fetchall()
+    conn.close()
+
+    with ChatStore(path) as s:
+        assert s.schema_version == SCHEMA_VERSION == 3
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        sql = s._conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'messages'").fetchone()[0]
+        assert "AUTOINCREMENT" in sql
+        assert s._conn.execute("SELECT name FROM sqlite_master WHERE name = 'messages_v3'").fetchone() is None
+        after = [tuple(r) for r in s._conn.execute("SELECT * FROM messages ORDER BY id")]
+        # The crash-interrupted answer was recovered as usual (after the migration); everything else is untouched.
+        assert s.recovered_message_ids == (6,)
+        assert [r for r in after if r[0] != 6] == [r for r in before if r[0] != 6]
+        recovered = s.get_message(6)
+        assert (recovered.content, recovered.status, recovered.stats) == ("half an answ", "stopped",
+                                                                          {"stop_reason": "interrupted"})
+        m2 = s.get_message(2)
+        assert (m2.thinking, m2.thinking_seconds, m2.stats) == ("thinking…", 0.75, {"tokens": 9})
+        assert s.get_conversation(3).settings == {"temperature": 0.5}
+        indexes = {r[0] for r in s._conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert {"messages_by_conversation", "messages_streaming", "conversations_by_updated"} <= indexes
+        plan = " ".join(str(r[-1]) for r in s._conn.execute(
+            "EXPLAIN QUERY PLAN SELECT * FROM messages WHERE conversation_id = 3 ORDER BY id"))
+        assert "messages_by_conversation" in plan
+
+        # New ids continue after the largest kept, and a deleted newest id never comes back.
+        new = s.add_message(3, "assistant", "a new page")
+        assert new.id == 7  # 7 was only ever used before this run: nothing outside the file remembers it
+        s.truncate_after(new.id, include=True)
+        assert s.add_message(3, "assistant", "another page").id == 8
+        # The foreign key and its cascade survived the rebuild.
+        with pytest.raises(NotFoundError):
+            s.add_message(99, "user", "orphan")
+        s.delete_conversation(4)
+        assert s._conn.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = 4").fetchone()[0] == 0
+        assert s._conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        assert s._conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    with ChatStore(path) as s:  # reopening migrates nothing again and keeps the sequence
+        assert [r[0] for r in s._conn.execute("SELECT version FROM schema_migrations ORDER BY version")] == [1, 2, 3]
+        assert s.add_message(3, "user", "later").id == 9
 
 
 def test_refuses_a_newer_schema_and_a_non_database(tmp_path: Path) -> None:

@@ -8,6 +8,10 @@ disk only through a ``ChatStore``; both are passed in (see ``clover_desk.app``).
 A reply is saved as it streams: each committed block appends its text to the store in one transaction
 (``append_streaming``), so a crash of the engine or of the app loses at most the block in flight.
 
+A save that fails (a full disk, a read-only folder: ``StorageError``) is shown in the info banner and never loses
+what the user typed: the composer is cleared only once a send is saved. A per-block save that fails mid-answer
+stops the generation (cancel sent, back to idle) and keeps the answer on screen, marked as not saved.
+
 When the user opens the preview of the answer being streamed, the preview follows it: every answer delta hands the
 page so far to the preview (whose own throttle coalesces the reloads) and the end of the answer flushes the last
 one. Opening another message's preview shows that page and stops following.
@@ -50,6 +54,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from clover_desk.storage import StorageError
 from engine.events import (
     BlockCommitted,
     BlockStep,
@@ -308,8 +313,7 @@ class Composer(QFrame):
         text = self.input.toPlainText().strip()
         if not text:
             return
-        self.input.clear()
-        self.sendRequested.emit(text)
+        self.sendRequested.emit(text)  # the window clears the box once the message is saved (kept if not)
 
     def on_escape(self) -> None:
         if self.generating:
@@ -938,7 +942,12 @@ class MainWindow(QMainWindow):
             self.open_conversation(conversation_id)
 
     def on_rename_requested(self, conversation_id: int, title: str) -> None:
-        self.store.rename_conversation(conversation_id, title)
+        try:
+            self.store.rename_conversation(conversation_id, title)
+        except StorageError as exc:
+            self.show_save_error(exc, "The chat was not renamed")
+            QTimer.singleShot(0, lambda: self.reload_conversations(self.sidebar.search.text()))
+            return
         if conversation_id == self.conversation_id:
             self.title_label.setText(title)
         QTimer.singleShot(0, lambda: self.reload_conversations(self.sidebar.search.text()))
@@ -953,7 +962,10 @@ class MainWindow(QMainWindow):
             self.recorder = None  # its message is about to go: nothing more to save
         if conversation_id == self.conversation_id:
             self.open_conversation(None)
-        self.store.delete_conversation(conversation_id)
+        try:
+            self.store.delete_conversation(conversation_id)
+        except StorageError as exc:
+            self.show_save_error(exc, "The chat was not deleted")
         self.reload_conversations(self.sidebar.search.text())
 
     def on_export_requested(self, conversation_id: int, fmt: str) -> None:
@@ -964,8 +976,12 @@ class MainWindow(QMainWindow):
         if path:
             self.export_conversation(conversation_id, fmt, path)
 
-    def export_conversation(self, conversation_id: int, fmt: str, path: str) -> Path:
-        out = (self.store.export_markdown if fmt == "markdown" else self.store.export_json)(conversation_id, path)
+    def export_conversation(self, conversation_id: int, fmt: str, path: str) -> Path | None:
+        try:
+            out = (self.store.export_markdown if fmt == "markdown" else self.store.export_json)(conversation_id, path)
+        except (OSError, StorageError) as exc:
+            self.show_save_error(exc, f"The chat was not exported to {path}")
+            return None
         self.statusBar().showMessage(f"Exported to {out}", 5000)
         return out
 
@@ -978,31 +994,56 @@ class MainWindow(QMainWindow):
         self.chat.set_expand_thinking(settings.expand_thinking)
         self.composer.mode_label.setText("" if settings.mode == "diffusion" else "autoregressive")
         if self.conversation_id is not None:
-            self.store.update_conversation(
-                self.conversation_id, system_prompt=self.drawer.system_prompt_text(), settings=asdict(settings)
-            )
+            try:
+                self.store.update_conversation(
+                    self.conversation_id, system_prompt=self.drawer.system_prompt_text(), settings=asdict(settings)
+                )
+            except StorageError as exc:
+                self.show_save_error(exc, "The chat settings were not saved")
 
     # ----------------------------------------------------------------- sending
     def is_generating(self) -> bool:
         return self.request_id is not None
 
     def on_send_requested(self, text: str) -> None:
+        """Save the message (or the edit) and start the answer; the composer is cleared only when both were saved.
+        A failed save leaves the typed text (and edit mode) in the composer and says why in the banner."""
         if self.is_generating():
             return
         editing = self.composer.editing
-        if editing is not None and editing.message_id is not None and editing in self.chat.messages():
-            self.composer.end_edit()
-            self.store.edit_message(editing.message_id, text)
-            index = self.chat.index_of(editing)
-            self.chat.remove_from(index + 1)
-            editing.content = text
-            self.chat.widgets[index].refresh()
-        else:
-            self.composer.end_edit()
-            cid = self._ensure_conversation(text)
-            saved = self.store.add_message(cid, "user", text)
-            self.chat.add_message(MessageData("user", text, message_id=saved.id))
-        self._start_generation()
+        sent: MessageData | None = None
+        try:
+            if editing is not None and editing.message_id is not None and editing in self.chat.messages():
+                self.store.edit_message(editing.message_id, text)  # repeatable: a retry after a failure re-edits
+                index = self.chat.index_of(editing)
+                self.chat.remove_from(index + 1)
+                editing.content = text
+                self.chat.widgets[index].refresh()
+            else:
+                if editing is not None:
+                    self.composer.end_edit()
+                cid = self._ensure_conversation(text)
+                saved = self.store.add_message(cid, "user", text)
+                sent = MessageData("user", text, message_id=saved.id)
+                self.chat.add_message(sent)
+            self._start_generation()
+        except StorageError as exc:
+            if sent is not None:  # saved, but no answer could be started: take it back so a retry sends it once
+                self._take_back(sent)
+            self.show_save_error(exc, "Your message was not sent (it is still in the box)")
+            return
+        self.composer.end_edit()
+        self.composer.input.clear()
+
+    def _take_back(self, sent: MessageData) -> None:
+        assert sent.message_id is not None
+        try:
+            self.store.truncate_after(sent.message_id, include=True)
+        except StorageError as exc:
+            log.warning("cannot take back message %s after a failed send: %s", sent.message_id, exc)
+            return
+        if sent in self.chat.messages():
+            self.chat.remove_from(self.chat.index_of(sent))
 
     def _start_generation(self) -> None:
         cid = self.conversation_id
@@ -1040,9 +1081,12 @@ class MainWindow(QMainWindow):
     def on_regenerate_requested(self, data: MessageData) -> None:
         if self.is_generating() or data.message_id is None:
             return
-        self.store.truncate_after(data.message_id, include=True)
-        self.chat.remove_from(self.chat.index_of(data))
-        self._start_generation()
+        try:
+            self.store.truncate_after(data.message_id, include=True)
+            self.chat.remove_from(self.chat.index_of(data))
+            self._start_generation()
+        except StorageError as exc:
+            self.show_save_error(exc, "The answer was not regenerated")
 
     def on_edit_requested(self, data: MessageData) -> None:
         if self.is_generating():
@@ -1081,8 +1125,15 @@ class MainWindow(QMainWindow):
     def on_engine_event(self, request_id: str, event: object) -> None:
         if request_id != self.request_id or self.reply is None or self.reply_data is None:
             return
+        save_error: StorageError | None = None
         if self.recorder is not None:
-            self.recorder.on_event(event)  # the store first: what is saved never lags what is shown
+            try:
+                self.recorder.on_event(event)  # the store first: what is saved never lags what is shown
+            except StorageError as exc:
+                save_error = exc
+        if save_error is not None:
+            self._stop_unsaved(event, save_error)
+            return
         if isinstance(event, TextDelta):
             self.reply.add(event.text, event.channel)
             self._sync_reply()
@@ -1142,6 +1193,32 @@ class MainWindow(QMainWindow):
         data.status = "error"
         data.stats = {**data.stats, "error": message, "stop_reason": reason}
         self._end_generation(reason)
+
+    def _stop_unsaved(self, event: object, error: StorageError) -> None:
+        """A save failed mid-answer: stop the generation (cancel sent unless this event ended it), back to idle,
+        and keep the answer on screen (this event's text included) marked as not saved."""
+        assert self.reply is not None and self.reply_data is not None
+        ended = isinstance(event, (Finished, EngineError))
+        if not ended and self.request_id is not None:
+            self.client.cancel(self.request_id)  # its remaining events are ignored: the request ends here
+        if isinstance(event, TextDelta):
+            self.reply.add(event.text, event.channel)
+        self.reply.finish()
+        data = self.reply_data
+        data.content = event.text if isinstance(event, Finished) and event.text else self.reply.answer
+        data.thinking = event.thinking if isinstance(event, Finished) and event.thinking else self.reply.thinking
+        data.thinking_seconds = self.reply.thinking_seconds()
+        data.status = "error"
+        data.stats = {**data.stats, "stop_reason": "not-saved", "error": f"not saved: {error}"}
+        self.recorder = None
+        self.show_save_error(error, "The answer is shown but was not saved; generation stopped")
+        self._end_generation("not-saved")
+
+    def show_save_error(self, error: BaseException, what: str) -> None:
+        """One clear message in the info banner for a failed save."""
+        log.warning("%s: %s", what, error)
+        self.info_banner.action.setVisible(False)
+        self.info_banner.show_message(f"{what}: {error}")
 
     def _end_generation(self, reason: str) -> None:
         request_id = self.request_id or ""
@@ -1271,7 +1348,10 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         if self.is_generating() and self.recorder is not None:
-            self.recorder.flush()  # keep what streamed so far; the store marks it interrupted on next open
+            try:
+                self.recorder.flush()  # keep what streamed so far; the store marks it interrupted on next open
+            except StorageError as exc:
+                log.warning("the answer being generated was not saved at close: %s", exc)
         self.monitor_timer.stop()
         super().closeEvent(event)
 
