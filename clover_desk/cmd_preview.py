@@ -2,7 +2,13 @@
 
 With ``--screenshot OUT.png`` it waits for the page to load plus ``--wait-ms``, saves a PNG of the pane and
 exits 0; this works headless with ``QT_QPA_PLATFORM=offscreen``. Without it, a window opens until closed.
+"Loaded" means the load of this document finished: a single-page app that sets ``location.hash`` or calls
+``history.replaceState`` while it loads still counts (the pane matches its own load, not the URL). What the sandbox
+blocked, and the pane's own errors, are logged as warnings; console lines and answered dialogs with ``-v``.
 Exit status 2: the file is missing or unreadable, or the screenshot cannot be written; 1: the page did not load.
+
+The engine's offline switches and the preview scheme are set up by ``ui.preview.register_schemes()`` before the
+QApplication exists, exactly as for the GUI.
 """
 
 from __future__ import annotations
@@ -51,13 +57,21 @@ def run(args: argparse.Namespace) -> int:
     from ui.preview import register_schemes  # Qt only when this command runs
 
     register_schemes()
-    from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
     from ui.preview import PreviewPane
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     pane = PreviewPane()
+    try:
+        return _show(app, pane, path, html, args, width, height)
+    finally:
+        _dispose(pane)
+
+
+def _show(app, pane, path: Path, html: str, args: argparse.Namespace, width: int, height: int) -> int:  # noqa: ANN001
+    from PySide6.QtCore import QTimer
+
     pane.setWindowTitle(f"{path.name} — Clover Desk preview (sandboxed)")
     pane.resize(width, height)
     pane.show()
@@ -67,13 +81,16 @@ def run(args: argparse.Namespace) -> int:
         return int(app.exec())
 
     out = Path(args.screenshot)
-    result = {"code": 1}
+    result = {"code": 1, "loaded": False}
 
     def on_timeout() -> None:
         print(f"clover-desk preview: {path} did not finish loading in {LOAD_TIMEOUT_MS // 1000} s", file=sys.stderr)
         app.exit(1)
 
     def on_loaded(ok: bool) -> None:
+        if result["loaded"]:
+            return  # a later load (the page was put back after navigating itself away): the first one counts
+        result["loaded"] = True
         if not ok:
             print(f"clover-desk preview: {path} failed to load", file=sys.stderr)
             app.exit(1)
@@ -81,12 +98,14 @@ def run(args: argparse.Namespace) -> int:
         QTimer.singleShot(args.wait_ms, save)
 
     def save() -> None:
+        pane.flush_strip()  # the screenshot shows the strip as it is now
         if not pane.grab().save(str(out), "PNG"):
             print(f"clover-desk preview: cannot write {out}", file=sys.stderr)
             app.exit(2)
             return
         for entry in pane.entries:
-            log.info("preview %s: %s", entry.kind, entry.text)
+            important = entry.kind == "blocked" or entry.source == "pane"
+            log.log(logging.WARNING if important else logging.INFO, "preview %s: %s", entry.kind, entry.text)
         print(f"saved {out}")
         result["code"] = 0
         app.exit(0)
@@ -97,3 +116,12 @@ def run(args: argparse.Namespace) -> int:
     pane.flush()
     code = int(app.exec())
     return code if code else result["code"]
+
+
+def _dispose(pane) -> None:  # noqa: ANN001
+    """Delete the pane while the QApplication lives (its pages before their profile, as Qt wants)."""
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    pane.close()
+    pane.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)

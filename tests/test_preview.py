@@ -13,12 +13,15 @@ pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from ui.preview import (  # noqa: E402
+    OFFLINE_CHROMIUM_FLAGS,
     PREVIEW_CSP,
     PreviewPane,
     atomic_write_text,
-    document_host,
     extract_html,
+    new_document_host,
     register_schemes,
+    split_chromium_flags,
+    with_offline_flags,
 )
 
 # Both must happen before pytest-qt creates the QApplication (test modules are imported at collection, before any
@@ -91,10 +94,29 @@ def test_extract_none_when_no_document() -> None:
     assert extract_html("") is None
 
 
-def test_document_host_distinct_and_stable() -> None:
-    assert document_host("a") == document_host("a")
-    assert document_host("a") != document_host("b")
-    assert document_host("a").isalnum() and document_host("a").startswith("d")
+def test_document_hosts_are_random_and_dns_safe() -> None:
+    hosts = {new_document_host() for _ in range(200)}
+    assert len(hosts) == 200  # never the same twice, never derived from anything
+    assert all(h.isalnum() and h.islower() and h.startswith("d") and len(h) == 33 for h in hosts)
+
+
+def test_offline_flags_are_merged_quoted_and_forced() -> None:
+    user = '--disable-gpu "--host-resolver-rules=MAP * 127.0.0.1" --proxy-server=http://corp:3128 --lang=fr'
+    merged = with_offline_flags(user)
+    args = split_chromium_flags(merged)
+    # The user's unrelated switches stay; ours replace any other value of the same switch.
+    assert args[:2] == ["--disable-gpu", "--lang=fr"]
+    assert args[2:] == list(OFFLINE_CHROMIUM_FLAGS)
+    assert "--host-resolver-rules=MAP * ~NOTFOUND" in args and "--proxy-server=http://corp:3128" not in args
+    assert '"--host-resolver-rules=MAP * ~NOTFOUND"' in merged  # quoted: QtWebEngine splits on spaces otherwise
+    assert with_offline_flags(merged) == merged  # idempotent
+    assert split_chromium_flags(with_offline_flags("")) == list(OFFLINE_CHROMIUM_FLAGS)
+
+
+def test_the_engine_of_this_session_runs_offline() -> None:
+    # conftest (like every entry point) calls register_schemes() before the QApplication: the switches are in force.
+    args = split_chromium_flags(os.environ.get("QTWEBENGINE_CHROMIUM_FLAGS", ""))
+    assert set(OFFLINE_CHROMIUM_FLAGS) <= set(args)
 
 
 def test_atomic_write_replaces_whole_file(tmp_path: Path) -> None:
@@ -114,7 +136,7 @@ def test_renders_and_runs_script(qtbot, pane: PreviewPane) -> None:
          "render")
     assert js(qtbot, pane, "document.getElementById('p').textContent") == "42"
     assert pane.page.url().scheme() == "clover-preview"
-    assert pane.page.url().host() == document_host("render")
+    assert pane.page.url().host() == pane.document_host("render")
 
 
 @pytest.mark.webengine
@@ -143,7 +165,7 @@ def test_console_errors_reach_the_strip(qtbot, pane: PreviewPane) -> None:
     assert kinds["careful 23"] == "warning"
     assert not any("quiet" in e.text for e in pane.entries)  # console.log is not an error, not shown
     assert any(e.kind == "error" and "undefinedFunctionCall is not defined" in e.text for e in pane.entries)
-    assert pane.strip.count() == len(pane.entries)
+    qtbot.waitUntil(lambda: pane.strip.count() == len(pane.entries), timeout=2000)  # repainted through its throttle
     assert "errors" in pane.strip_label.text() and pane.strip_label.text() != "0 blocked · 0 errors · 0 warnings"
 
 
@@ -274,6 +296,46 @@ def test_cli_screenshot(tmp_path: Path) -> None:
     assert image.pixelColor(40, 300).name() == "#1e2230"
     colours = {image.pixelColor(x, y).name() for x in range(0, 800, 20) for y in range(40, 560, 20)}
     assert len(colours) > 5  # buttons, display, text: not a blank grab
+
+
+SPA = """<!DOCTYPE html><html><head><style>body{margin:0;background:#204060}</style></head><body>
+<div id=app style="color:#fff;font-size:40px">loading</div><script>
+// What routers do while the page loads: a hash route, then the history API (path, query and fragment change).
+location.hash = '#/home';
+history.replaceState({route: 'home'}, '', '/app/home?tab=1#top');
+history.pushState({route: 'next'}, '', '/app/next');
+document.getElementById('app').textContent = 'routed';
+</script></body></html>"""
+
+
+@pytest.mark.webengine
+def test_cli_screenshot_of_a_single_page_app(tmp_path: Path) -> None:
+    """A page that changes its own URL while it loads is still "loaded" (it used to time out after 60 s)."""
+    from PySide6.QtGui import QImage
+
+    page = tmp_path / "spa.html"
+    page.write_text(SPA, encoding="utf-8")
+    out = tmp_path / "spa.png"
+    result = _run_cli(str(page), "--screenshot", str(out), "--wait-ms", "300", "--size", "400x300")
+    assert result.returncode == 0, result.stderr
+    assert "did not finish loading" not in result.stderr
+    image = QImage(str(out))
+    assert image.pixelColor(200, 120).name() == "#204060"  # the page's own background: it rendered
+
+
+@pytest.mark.webengine
+def test_cli_lists_a_jump_to_about_blank_and_shows_the_page(tmp_path: Path) -> None:
+    page = tmp_path / "leaver.html"
+    page.write_text("""<!DOCTYPE html><html><body style="background:#604020"><script>
+    if (window.name !== 'left') { window.name = 'left'; location = 'about:blank'; }
+    </script></body></html>""", encoding="utf-8")
+    out = tmp_path / "leaver.png"
+    result = _run_cli(str(page), "--screenshot", str(out), "--wait-ms", "300", "--size", "400x300")
+    assert result.returncode == 0, result.stderr
+    assert "blocked navigation to about:blank" in result.stderr  # listed (as a warning), not silent
+    from PySide6.QtGui import QImage
+
+    assert QImage(str(out)).pixelColor(200, 120).name() == "#604020"  # and the document was put back
 
 
 def test_cli_missing_file_is_exit_2(tmp_path: Path) -> None:

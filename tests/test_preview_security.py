@@ -2,7 +2,8 @@
 
 The server is a raw TCP listener that counts every connection it accepts: whatever protocol a page might use
 (HTTP, WebSocket, TURN over TCP...), reaching it at all is a failure. The page must also leave a trace of each
-attempt in the pane's strip, so a blocked app never fails silently.
+attempt in the pane's strip, so a blocked app never fails silently; those "blocked" lines come from the engine's
+side (CSP violation reports, the request interceptor, refused navigations), never from the page's console text.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import PreviewPane, document_host, register_schemes  # noqa: E402
+from ui.preview import PreviewPane, register_schemes  # noqa: E402
 
 guard_pyside_bool_refcounts()
 register_schemes()  # before pytest-qt creates the QApplication (modules are imported at collection)
@@ -101,7 +102,7 @@ def pane(qapp) -> Iterator[PreviewPane]:
 def load(qtbot, pane: PreviewPane, html: str, document_id: str) -> None:
     """Show ``html`` and wait for *its* load: a late loadFinished of the shared pane's previous page must not count."""
     pane.clear_strip()
-    host = document_host(document_id)
+    host = pane.document_host(document_id)
     with qtbot.waitSignal(
         pane.loadFinished, timeout=TIMEOUT_MS, check_params_cb=lambda ok: pane.page.url().host() == host
     ) as blocker:
@@ -196,12 +197,18 @@ def test_hostile_page_makes_no_connection_and_every_attempt_is_listed(qtbot, pan
     assert pane.page.url().scheme() == "clover-preview"
 
     texts = "\n".join(blocked_texts(pane))
-    for marker in ("/fetch", "/fetch-post", "/xhr", "/ws", "/sse", "/beacon", "/worker", "/img", "/bg", "/font",
-                   "/css", "/import", "/script", "/preload", "/prefetch", "/video", "/object", "/form", "/open", "/nav"):
-        assert f"127.0.0.1:{server.port}{marker}" in texts, f"{marker} attempt not listed in the strip:\n{texts}"
-    assert f"Refused to frame 'http://127.0.0.1:{server.port}/" in texts  # Chromium names the origin only
-    assert "file:///etc/hostname" in texts
-    assert pane.strip.count() == len(pane.entries) >= 10
+    for marker in ("/fetch", "/fetch-post", "/xhr", "/ws", "/sse", "/beacon", "/img", "/bg", "/font", "/css", "/import",
+                   "/script", "/preload", "/prefetch", "/video", "/form", "/open", "/nav"):
+        assert f"127.0.0.1:{server.port}{marker}" in texts, f"{marker} attempt not listed as blocked:\n{texts}"
+    # Chromium names only the origin of a refused frame or plugin, and only the scheme of a file: URL.
+    assert f"blocked frame of http://127.0.0.1:{server.port}" in texts
+    assert f"blocked plugin content from http://127.0.0.1:{server.port}" in texts
+    assert "blocked connection to file" in texts
+    # A dedicated worker's refusals are not reported to report-uri by the engine: only its console says so.
+    assert any(f"127.0.0.1:{server.port}/worker" in e.text for e in pane.entries if e.source == "console")
+    # Blocked entries come from the engine's side only (CSP reports, the interceptor, the page's refusals).
+    assert all(e.source == "blocked" for e in pane.entries if e.kind == "blocked")
+    qtbot.waitUntil(lambda: pane.strip.count() == len(pane.entries) >= 10, timeout=TIMEOUT_MS)
 
 
 @pytest.mark.webengine
@@ -220,27 +227,49 @@ def test_isolated_world_fetch_is_stopped_by_the_interceptor(qtbot, pane, server)
     assert any(f"127.0.0.1:{server.port}/isolated" in t for t in blocked_texts(pane))
 
 
+@pytest.fixture
+def unguarded_pane(qapp) -> Iterator[PreviewPane]:
+    """A pane whose profile lacks the guard script: only the engine's own switches stand between a page and the
+    network (what a frame that escaped the guard would have)."""
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    widget = PreviewPane(reload_interval_ms=100)
+    for script in widget.profile.scripts().find("clover-preview-guard"):
+        widget.profile.scripts().remove(script)
+    assert widget.profile.scripts().find("clover-preview-guard") == []
+    widget.resize(400, 300)
+    widget.show()
+    yield widget
+    widget.close()
+    widget.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+
+
 @pytest.mark.webengine
-def test_webrtc_cannot_reach_the_network(qtbot, pane, server) -> None:
-    # WebRTC opens its own sockets (past CSP and the interceptor). The main frame has no constructor; a fresh
-    # about:blank iframe still has one, so the engine-wide flags must stop STUN (UDP) and TURN over TCP.
+def test_webrtc_engine_switches_alone_reach_nothing(qtbot, unguarded_pane, server) -> None:
+    # WebRTC opens its own sockets (past CSP and the interceptor). With the guard gone the page has the real
+    # constructor; the engine-wide switches must still stop STUN (UDP), TURN over UDP and TCP, host candidates
+    # (and so mDNS announcements) and every name look-up (test_preview_hostile_dns.py watches the resolver).
+    pane = unguarded_pane
     html = f"""<!DOCTYPE html><html><body><script>
-    window.rtc = [typeof RTCPeerConnection, typeof webkitRTCPeerConnection].join(',');
-    const f = document.createElement('iframe'); document.body.appendChild(f);
-    const PC = f.contentWindow.RTCPeerConnection;
-    const pc = new PC({{iceServers: [{{urls: ['turn:127.0.0.1:{server.port}?transport=tcp',
-                                            'turn:127.0.0.1:{server.port}?transport=udp',
-                                            'stun:127.0.0.1:{server.port}'], username: 'u', credential: 'c'}}]}});
+    window.rtc = typeof RTCPeerConnection;
+    window.candidates = [];
+    const pc = new RTCPeerConnection({{iceServers: [{{urls: ['turn:127.0.0.1:{server.port}?transport=tcp',
+                                             'turn:127.0.0.1:{server.port}?transport=udp',
+                                             'turns:127.0.0.1:{server.port}?transport=tcp',
+                                             'stun:127.0.0.1:{server.port}'], username: 'u', credential: 'c'}}]}});
+    pc.onicecandidate = e => {{ if (e.candidate && e.candidate.candidate) window.candidates.push(e.candidate.candidate); }};
     pc.createDataChannel('exfiltrate');
     pc.onicegatheringstatechange = () => {{ if (pc.iceGatheringState === 'complete') document.title = 'gathered'; }};
     pc.createOffer().then(o => pc.setLocalDescription(o));
     </script></body></html>"""
-    load(qtbot, pane, html, "webrtc")
-    assert js(qtbot, pane, "window.rtc") == "undefined,undefined"
+    load(qtbot, pane, html, "webrtc-unguarded")
+    assert js(qtbot, pane, "window.rtc") == "function"  # the layer under test really is alone
     qtbot.waitUntil(lambda: pane.page.title() == "gathered", timeout=TIMEOUT_MS)
     qtbot.wait(GRACE_MS)
     assert server.accepted == []
     assert server.datagrams == []
+    assert js(qtbot, pane, "JSON.stringify(window.candidates)") == "[]"  # not even a host (mDNS) candidate
 
 
 @pytest.mark.webengine
