@@ -30,16 +30,23 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
 _TOP_LEVEL_FLAGS = ("-v", "--verbose")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line naming the flag and what is allowed (exit 2), not a usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _build_parser(command: str | None, suite: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clover-desk", description="Run Clover block diffusion locally.")
+    parser = _Parser(prog="clover-desk", description="Run Clover block diffusion locally.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if name == command:
             importlib.import_module(module).add_arguments(p)
     bench = sub.add_parser("bench", help="benchmarks that print figures")
-    bench_sub = bench.add_subparsers(dest="suite", metavar="SUITE")
+    bench_sub = bench.add_subparsers(dest="suite", metavar="SUITE", parser_class=_Parser)
     for name, (module, help_text) in BENCH_SUITES.items():
         p = bench_sub.add_parser(name, help=help_text)
         if command == "bench" and name == suite:

@@ -10,6 +10,8 @@ from typing import Any, TextIO
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
+from clover_desk import flags
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="model folder (config.json, weights, tokenizer)")
@@ -18,21 +20,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-ids", metavar="1,2,3", help="token ids, comma-separated (sent as is)")
     parser.add_argument("--raw", action="store_true", help="send --prompt without the chat template")
     parser.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion", help="decoding mode")
-    parser.add_argument("--max-new-tokens", type=int, default=None, metavar="N")
+    parser.add_argument("--max-new-tokens", type=flags.TOKENS, default=None, metavar="N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--vram-gb", type=float, default=None, help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
-    parser.add_argument("--ctx", type=int, default=None, metavar="N",
+    parser.add_argument("--vram-gb", type=flags.GIB, default=None, help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
+    parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
                         help="with --vram-gb: context (prompt + answer) the plan reserves KV cache for (default 16384)")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
-    parser.add_argument("--temperature", type=float, default=None, help="> 0 samples (default: greedy)")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--threshold", type=float, default=None, help="diffusion commit threshold (default: config)")
-    parser.add_argument("--block-size", type=int, default=None, help="diffusion block size (default: config)")
+    parser.add_argument("--temperature", type=flags.temperature, default=None, help="> 0 samples (default: greedy)")
+    parser.add_argument("--top-p", type=flags.TOP_P, default=None)
+    parser.add_argument("--top-k", type=flags.TOP_K, default=None)
+    parser.add_argument("--seed", type=flags.SEED, default=None)
+    parser.add_argument("--threshold", type=flags.THRESHOLD, default=None, help="diffusion commit threshold (default: config)")
+    parser.add_argument("--block-size", type=flags.BLOCK, default=None, help="diffusion block size (default: config)")
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 
+from clover_desk import flags
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import CloverError
 from engine.formats import make_policy
@@ -60,12 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, metavar="DIR", help="model folder, quantized cache folder, or its manifest.json")
     source.add_argument("--shape", choices=sorted(SHAPES), help="plan a known model shape without its files")
-    parser.add_argument("--vram-gb", type=float, metavar="N", help="VRAM budget in GiB (default: the card's free memory, or 16 without a GPU)")
-    parser.add_argument("--ctx", type=int, default=DEFAULT_CTX_TOKENS, metavar="N", help=f"context tokens to hold (default {DEFAULT_CTX_TOKENS})")
-    parser.add_argument("--ram-gb", type=float, metavar="N", help="free system RAM in GiB (default: what is free now)")
+    parser.add_argument("--vram-gb", type=flags.GIB, metavar="N", help="VRAM budget in GiB (default: the card's free memory, or 16 without a GPU)")
+    parser.add_argument("--ctx", type=flags.TOKENS, default=DEFAULT_CTX_TOKENS, metavar="N", help=f"context tokens to hold (default {DEFAULT_CTX_TOKENS})")
+    parser.add_argument("--ram-gb", type=flags.GIB, metavar="N", help="free system RAM in GiB (default: what is free now)")
     parser.add_argument("--dense", choices=("nf4", "int8"), default="int8", help="format of the attention, GDN and shared-expert projections when quantizing (--shape, or a checkpoint folder; default int8)")
     parser.add_argument("--as-stored", action="store_true", help="plan a checkpoint folder with the bytes in its files instead of as quantized")
-    parser.add_argument("--tokens-per-pass", type=float, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
+    parser.add_argument("--tokens-per-pass", type=flags.TOKENS_PER_PASS, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
     parser.add_argument("--coreset", action="store_true", help="predict with Clover's block expert coreset (~30 distinct experts per pass instead of ~70)")
     parser.add_argument("--attention", choices=("math", "efficient"), default="math", help="prefill attention kernel to plan for: 'math' is today's engine (fp32 score scratch), 'efficient' a kernel without it")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype the device part is counted in (default bfloat16, as on a GPU)")

@@ -87,15 +87,18 @@ def test_table_for_a_refusal_names_the_reason(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--vram-gb", "-1"], "--vram-gb must be a non-negative number"),
-        (["--vram-gb", "16", "--ctx", "0"], "--ctx must be a positive"),
-        (["--vram-gb", "16", "--ram-gb", "nan"], "--ram-gb must be a non-negative number"),
+        (["--vram-gb", "-1"], "argument --vram-gb: must be a finite number of GiB > 0"),
+        (["--vram-gb", "1e300"], "argument --vram-gb: must be a finite number of GiB > 0 and <= 65536, got '1e300'"),
+        (["--vram-gb", "16", "--ctx", "0"], "argument --ctx: must be a whole number of tokens from 1"),
+        (["--vram-gb", "16", "--ram-gb", "nan"], "argument --ram-gb: must be a finite number of GiB"),
+        (["--vram-gb", "inf"], "argument --vram-gb: must be a finite number"),
     ],
 )
-def test_bad_numbers_exit_2(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
-    rc = cli.main(["plan", "--shape", "clover-35b-a3b", *args])
+def test_bad_numbers_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--shape", "clover-35b-a3b", *args])
     err = capsys.readouterr().err
-    assert rc == 2 and message in err
+    assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
 
 
 def test_model_from_a_quantized_cache_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
