@@ -43,6 +43,7 @@ GiB = 1 << 30
 
 KINDS = ("expert", "attn", "gdn", "shared_expert", "router", "norm", "embed", "lm_head", "clover_extra", "other")
 QUANT_MANIFEST_NAME = "manifest.json"  # the quantized cache's manifest inside its folder
+MANIFEST_VERSIONS = (1, 2)  # the cache manifest's "tensors" section is the same in both (2 adds data checksums)
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -480,9 +481,9 @@ def manifest_from_dict(
 
     Without ``geometry`` it is derived from the shapes (:func:`geometry_from_entries`), with the routing top-k from
     ``source["num_experts_per_tok"]`` when present."""
-    if not isinstance(data, dict) or data.get("version") != 1:
+    if not isinstance(data, dict) or data.get("version") not in MANIFEST_VERSIONS:
         version = data.get("version") if isinstance(data, dict) else None
-        raise PlanError(f"{source}: expected a manifest object with version 1, got version {version!r}")
+        raise PlanError(f"{source}: expected a manifest object with version 1 or 2, got version {version!r}")
     tensors = data.get("tensors")
     if not isinstance(tensors, dict) or not tensors:
         raise PlanError(f"{source}: field 'tensors' is missing or empty")

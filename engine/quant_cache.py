@@ -42,6 +42,7 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,7 @@ log = logging.getLogger(__name__)
 CACHE_DIRNAME = ".clover-cache"
 MANIFEST_NAME = "manifest.json"
 DATA_NAME = "weights.safetensors"
-VERSION = 1
+VERSION = 2  # 2: per-tensor crc32 of the data, checked as each tensor is read
 CHUNK_BYTES = 32 << 20  # source bytes read per chunk of a big tensor
 
 # safetensors tag -> (torch dtype, element size, manifest format): the dtypes the quantizer reads and writes, from
@@ -204,13 +205,32 @@ def cache_dir_for(
 
 
 def _file_sha256(path: Path, cancel: threading.Event | None = None) -> str:
+    return _file_digests(path, {}, cancel)[0]
+
+
+def _file_digests(
+    path: Path, spans: dict[str, tuple[int, int]], cancel: threading.Event | None = None
+) -> tuple[str, dict[str, int]]:
+    """(sha256 of the whole file, crc32 of each tensor's bytes) in one read. ``spans``: key -> (offset, nbytes)."""
     h = hashlib.sha256()
+    crcs = {key: 0 for key in spans}
+    ends = sorted(((off, off + n, key) for key, (off, n) in spans.items()))
+    pos, i = 0, 0
     with path.open("rb") as f:
         while chunk := f.read(8 << 20):
             if cancel is not None and cancel.is_set():
                 raise CancelledError(f"hashing {path} was cancelled")
             h.update(chunk)
-    return h.hexdigest()
+            lo, hi = pos, pos + len(chunk)
+            while i < len(ends) and ends[i][1] <= lo:
+                i += 1
+            j = i
+            while j < len(ends) and ends[j][0] < hi:  # tensors overlapping this chunk (they do not overlap each other)
+                a, b, key = ends[j]
+                crcs[key] = zlib.crc32(memoryview(chunk)[max(a, lo) - lo : min(b, hi) - lo], crcs[key])
+                j += 1
+            pos = hi
+    return h.hexdigest(), crcs
 
 
 def check_cache(
@@ -479,6 +499,8 @@ def build_cache(
                 )
             )
         _, header_sha, _ = read_header(data_path)
+        spans = {out.key: (out.offset, out.nbytes) for out in outs.values()}
+        sha, crcs = _file_digests(data_path, spans, cancel)
         manifest = {
             "version": VERSION,
             "policy": {**policy.to_dict(), "hash": policy.hash},
@@ -489,7 +511,8 @@ def build_cache(
                 DATA_NAME: {
                     "size": data_path.stat().st_size,
                     "header_sha256": header_sha,
-                    "sha256": _file_sha256(data_path, cancel),
+                    "sha256": sha,
+                    "crc32": crcs,  # per stored tensor: checked as it is read, so damaged data never loads silently
                 }
             },
             "complete": True,
@@ -701,13 +724,20 @@ def load_quantized(
     return model, report
 
 
+class CacheDamaged(CheckpointError):
+    """A cached tensor's bytes no longer match the checksum written with them."""
+
+
 class CacheSource:
     """The cache's ``weights.safetensors`` as a placement source (``engine.offload.TensorSource``): each tensor is
     read once, straight into the tensor placement allocated for it (in bounded chunks when it lives on a GPU or
     needs a dtype cast), with progress and cancel between chunks."""
 
-    def __init__(self, data: Path, progress: Progress | None, cancel: threading.Event | None) -> None:
+    def __init__(
+        self, data: Path, progress: Progress | None, cancel: threading.Event | None, crcs: dict[str, int] | None = None
+    ) -> None:
         self.path = data
+        self.crcs = crcs or {}
         self.header, _, _ = read_header(data)
         self.tracker = _Progress(sum(h.nbytes for h in self.header.values()), progress, cancel, "reading")
         self.filled: set[str] = set()
@@ -735,7 +765,9 @@ class CacheSource:
         dtype, esize, _ = _ST[src.dtype]
         if dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous():
             _read_into(self.fd, src, dst)  # straight into its place: no second copy
+            crc = zlib.crc32(memoryview(dst.reshape(-1).view(torch.uint8).numpy())) if name in self.crcs else None
         else:
+            crc = 0
             flat = dst.view(-1)
             per = max(1, CHUNK_BYTES // esize)
             numel = src.nbytes // esize
@@ -743,7 +775,10 @@ class CacheSource:
                 self.tracker.check(f"loading {self.path.parent}")
                 b = min(numel, a + per)
                 buf = _pread(self.fd, src.begin + a * esize, (b - a) * esize, f"{self.path}: tensor {name!r}")
+                crc = zlib.crc32(buf, crc)
                 flat[a:b].copy_(torch.frombuffer(buf, dtype=dtype))
+        if name in self.crcs and crc != self.crcs[name]:
+            raise CacheDamaged(f"{self.path}: tensor {name!r} changed since the cache was written (crc32 mismatch)")
         self.filled.add(name)
         self.tracker.advance(src.nbytes, name)
 
@@ -761,11 +796,16 @@ def load_from_cache(
     cancel: threading.Event | None = None,
     plan: Any = None,
     device: torch.device | str = "cpu",
+    rebuild_on_damage: bool = True,
     **place_options: Any,
 ) -> nn.Module:
     """Build a CloverModel from a (checked) cache: a skeleton with the quantized modules swapped in, then every
     tensor read once from the file straight into where ``plan`` puts it (``engine.offload.place_model``; with no
-    plan, everything on ``device``). Peak memory is the placed model plus one read chunk."""
+    plan, everything on ``device``). Peak memory is the placed model plus one read chunk.
+
+    Every tensor's bytes are checked against the crc32 written with the cache as they are read (~4 GB/s); a
+    mismatch (a damaged file of the right size and header) is logged, the cache is rebuilt from the checkpoint and
+    the model is read again, once."""
     from engine import offload
     from engine.model import CloverModel
 
@@ -800,10 +840,20 @@ def load_from_cache(
     if plan is None:  # everything on `device`, the embedding too
         plan = offload.SimplePlan(tuple(offload.expert_banks(model)), (), 0)
         place_options.setdefault("host_embedding", False)
-    source = CacheSource(cache_dir / DATA_NAME, progress, cancel)
+    crcs = manifest.get("files", {}).get(DATA_NAME, {}).get("crc32")
+    source = CacheSource(cache_dir / DATA_NAME, progress, cancel, crcs)
     try:
         offload.place_model(model, plan, device, source, **place_options)
         source.check_complete()
+    except CacheDamaged as exc:
+        if not rebuild_on_damage:
+            raise
+        log.warning("%s; rebuilding the quantized cache %s", exc, cache_dir)
+        policy = QuantPolicy.from_dict({k: v for k, v in manifest["policy"].items() if k != "hash"})
+        build_cache(model_dir, policy, cache_dir, progress, cancel)
+        return load_from_cache(
+            cache_dir, model_dir, dtype, progress, cancel, plan, device, rebuild_on_damage=False, **place_options
+        )
     finally:
         source.close()
     if progress is not None:

@@ -495,7 +495,7 @@ def test_manifest_from_quantized_cache(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d.update(version=2), "version 1, got version 2"),
+        (lambda d: d.update(version=3), "version 1 or 2, got version 3"),
         (lambda d: d.update(tensors={}), "'tensors' is missing or empty"),
         (lambda d: d["tensors"]["norm.weight"].update(format="q3"), "unknown format 'q3'"),
         (lambda d: d["tensors"]["norm.weight"].pop("bytes"), "'norm.weight' needs"),

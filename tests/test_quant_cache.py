@@ -112,7 +112,7 @@ def test_manifest_is_what_the_planner_reads(ckpt: Path, tmp_path: Path) -> None:
 
     path = build_cache(ckpt, POLICY, tmp_path / "c")
     m = json.loads((path / MANIFEST_NAME).read_text())
-    assert m["version"] == 1 and m["complete"] and m["policy"]["hash"] == POLICY.hash
+    assert m["version"] == 2 and m["complete"] and m["policy"]["hash"] == POLICY.hash
     assert set(m["source"]["files"]) == {p.name for p in ckpt.glob("*.safetensors")}
     header, _, _ = read_header(path / DATA_NAME)
     stored = {k: h.nbytes for k, h in header.items()}
@@ -271,3 +271,38 @@ def test_conversion_peak_memory_is_bounded(tmp_path: Path) -> None:
     growth = int(proc.stdout.strip().splitlines()[-1])
     # one expert / one chunk at a time: far below the checkpoint (which would be > 100 % if loaded whole)
     assert growth < 0.5 * size, f"peak RSS grew by {growth / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB checkpoint"
+
+
+@pytest.mark.parametrize("where", ["experts", "lm_head codes", "every tensor, one byte"])
+def test_altered_cache_bytes_are_caught_on_load_and_rebuilt(ckpt: Path, tmp_path: Path, where: str) -> None:
+    """A cache whose data changed but whose size and header did not (half a tensor zeroed, a byte flipped) passes the
+    cheap check; the per-tensor crc32 read with the data catches it, the cache is rebuilt and the model loaded from
+    it equals the one from the intact cache."""
+    import shutil
+
+    from engine.quant_cache import CacheDamaged, check_cache, load_from_cache
+
+    src = shutil.copytree(ckpt, tmp_path / "model")
+    root = tmp_path / "cache"
+    good, report = load_quantized(src, POLICY, cache_root=root)
+    data = report.path / DATA_NAME
+    header, _, _ = read_header(data)
+    keys = {"experts": ["layers.1.mlp.experts.packed"], "lm_head codes": ["lm_head.codes"], "every tensor, one byte": list(header)}[where]
+    with data.open("r+b") as f:
+        for key in keys:
+            h = header[key]
+            if where == "every tensor, one byte":
+                f.seek(h.begin)
+                byte = f.read(1)
+                f.seek(h.begin)
+                f.write(bytes([byte[0] ^ 0x01]))
+            else:
+                f.seek(h.begin)
+                f.write(bytes(h.nbytes // 2))  # zero the first half
+    assert check_cache(report.path, src, POLICY) is None  # size and header unchanged: the cheap check passes
+    with pytest.raises(CacheDamaged, match="crc32 mismatch"):
+        load_from_cache(report.path, src, rebuild_on_damage=False)
+    model = load_from_cache(report.path, src)  # caught, rebuilt, read again
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    assert torch.equal(model(ids, 0, None), good(ids, 0, None))
+    load_from_cache(report.path, src, rebuild_on_damage=False)  # the rebuilt cache is intact
