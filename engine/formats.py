@@ -152,14 +152,23 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, HeaderEntry], bytes]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, offsets = info["dtype"], info["data_offsets"]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in offsets)
-            if not isinstance(dtype, str) or isinstance(offsets, str) or min(shape, default=0) < 0:
-                raise TypeError
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        def ints(value: Any) -> bool:
+            return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+        if not (
+            isinstance(info, dict)
+            and isinstance(info.get("dtype"), str)
+            and ints(info.get("shape"))
+            and ints(info.get("data_offsets"))
+            and len(info["data_offsets"]) == 2
+            and min(info["shape"], default=0) >= 0
+        ):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry (needs dtype: a string, shape: a list of "
+                f"non-negative integers, data_offsets: [begin, end] integers)"
+            )
+        dtype, shape = info["dtype"], tuple(info["shape"])
+        begin, end = info["data_offsets"]
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has unsupported dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})"
