@@ -8,6 +8,7 @@ required field or an unknown ``model_type`` is a :class:`ConfigError` naming it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -158,12 +159,49 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _as_int_tuple(value: Any) -> tuple[int, ...]:
+def _as_int_tuple(value: Any, source: str = "config.json", name: str = "eos_token_id") -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
+        raise ConfigError(f"{source}: field {name!r} must be a token id or a list of token ids, got {value!r}")
+    return tuple(items)
+
+
+# integer fields: (lowest, highest) allowed. The highs are far above any released model and keep a typo (1e9, 1e10)
+# from sizing tensors of terabytes or loops of billions before a checkpoint is even read.
+_INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 4_194_304),
+    "hidden_size": (1, 65_536),
+    "num_hidden_layers": (1, 1_024),
+    "num_attention_heads": (1, 1_024),
+    "num_key_value_heads": (1, 1_024),
+    "head_dim": (1, 4_096),
+    "linear_num_key_heads": (1, 1_024),
+    "linear_num_value_heads": (1, 1_024),
+    "linear_key_head_dim": (1, 4_096),
+    "linear_value_head_dim": (1, 4_096),
+    "linear_conv_kernel_dim": (1, 64),
+    "num_experts": (1, 4_096),
+    "num_experts_per_tok": (1, 4_096),
+    "moe_intermediate_size": (1, 262_144),
+    "shared_expert_intermediate_size": (0, 262_144),
+    "max_position_embeddings": (1, 16_777_216),
+    "full_attention_interval": (1, 1_024),
+}
+
+
+def _checked_int(source: str, name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{source}: field {name!r} must be an integer from {lo:,} to {hi:,}, got {value!r}")
+    return value
+
+
+def _checked_float(source: str, name: str, value: Any, lo: float, hi: float) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not lo <= value <= hi:
+        raise ConfigError(f"{source}: field {name!r} must be a number from {lo:g} to {hi:g}, got {value!r}")
+    return float(value)
 
 
 def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverConfig:
@@ -194,15 +232,26 @@ def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverCon
 
     def as_int(name: str, default: Any = None) -> int:
         value = get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 0:
-            raise ConfigError(f"{source}: field {name!r} must be a non-negative integer, got {value!r}")
+        lo, hi = _INT_BOUNDS.get(name, (0, 2**31 - 1))
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or int(value) != value or not lo <= value <= hi:
+            raise ConfigError(f"{source}: field {name!r} must be an integer from {lo:,} to {hi:,}, got {value!r}")
         return int(value)
+
+    def as_float(name: str, default: float, lo: float, hi: float, container: dict[str, Any] | None = None) -> float:
+        value = (container if container is not None else text).get(name, get(name, default))
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or not lo <= value <= hi:
+            raise ConfigError(f"{source}: field {name!r} must be a number from {lo:g} to {hi:g}, got {value!r}")
+        return float(value)
 
     n_layers = as_int("num_hidden_layers")
     layer_types = get("layer_types")
     if layer_types is None:
         interval = as_int("full_attention_interval", 4)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, (list, tuple)):
+        raise ConfigError(f"{source}: field 'layer_types' must be a list of layer type names, got {layer_types!r}")
     layer_types = tuple(layer_types)
     if len(layer_types) != n_layers:
         raise ConfigError(f"{source}: field 'layer_types' has {len(layer_types)} entries for {n_layers} layers")
@@ -211,13 +260,15 @@ def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverCon
         raise ConfigError(f"{source}: field 'layer_types' has unknown layer type {bad[0]!r}")
 
     rope = get("rope_parameters") or get("rope_scaling") or {}
-    rope_theta = float(rope.get("rope_theta", get("rope_theta", 10_000_000.0)))
-    partial = float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25)))
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: field 'rope_parameters' must be an object, got {rope!r}")
+    rope_theta = as_float("rope_theta", 10_000_000.0, 1.0, 1e12, rope)
+    partial = as_float("partial_rotary_factor", 0.25, 0.0, 1.0, rope)
 
     hidden = as_int("hidden_size")
     n_heads = as_int("num_attention_heads")
     head_dim = as_int("head_dim", hidden // max(n_heads, 1))
-    eos = _as_int_tuple(get("eos_token_id")) or QWEN_EOS_IDS
+    eos = _as_int_tuple(get("eos_token_id"), source) or QWEN_EOS_IDS
     is_clover = model_type == "clover_moe"
     dllm = get("dllm_config", {}) or {}
 
@@ -242,7 +293,7 @@ def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverCon
         moe_intermediate_size=as_int("moe_intermediate_size"),
         shared_expert_intermediate_size=as_int("shared_expert_intermediate_size"),
         layer_types=layer_types,
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=as_float("rms_norm_eps", 1e-6, 0.0, 1.0),
         rope_theta=rope_theta,
         partial_rotary_factor=partial,
         max_position_embeddings=as_int("max_position_embeddings", 131_072),
@@ -252,13 +303,13 @@ def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverCon
         weight_prefix=prefix,
         eos_token_ids=eos,
         is_diffusion=is_clover,
-        block_size=int(opt("block_size", 32)),
-        threshold=float(opt("threshold", 0.95)),
+        block_size=_checked_int(source, "block_size", opt("block_size", 32), 1, 4096),
+        threshold=_checked_float(source, "threshold", opt("threshold", 0.95), 0.0, 1.0),
         mask_token_id=opt("mask_token_id", None),
         think_end_token_id=opt("think_end_token_id", QWEN_THINK_END_ID),
         shift_logits=bool(opt("shift_logits", False)),
         moe_block_coreset_enabled=bool(opt("moe_block_coreset_enabled", is_clover)),
-        moe_block_coreset_top_p=float(opt("moe_block_coreset_top_p", 0.9)),
+        moe_block_coreset_top_p=_checked_float(source, "moe_block_coreset_top_p", opt("moe_block_coreset_top_p", 0.9), 0.0, 1.0),
     )
     switches = {f.name for f in fields(CloverConfig) if f.name.startswith(("bd_", "coreset_"))}
     overrides = {name: opt(name, None) for name in switches}
@@ -268,6 +319,12 @@ def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverCon
     for name, allowed in _SWITCH_VALUES.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{source}: field {name!r} is {getattr(cfg, name)!r}; expected one of {', '.join(allowed)}")
+    for name, token in (("mask_token_id", cfg.mask_token_id), ("think_end_token_id", opt("think_end_token_id", None))):
+        if token is not None and (isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < cfg.vocab_size):
+            raise ConfigError(f"{source}: field {name!r} must be a token id from 0 to {cfg.vocab_size - 1}, got {token!r}")
+    bad_eos = [t for t in cfg.eos_token_ids if not 0 <= t < cfg.vocab_size]
+    if bad_eos and get("eos_token_id") is not None:
+        raise ConfigError(f"{source}: field 'eos_token_id' has {bad_eos[0]}, outside the vocabulary (0 to {cfg.vocab_size - 1})")
     if cfg.num_experts_per_tok > cfg.num_experts:
         raise ConfigError(f"{source}: num_experts_per_tok {cfg.num_experts_per_tok} > num_experts {cfg.num_experts}")
     if cfg.linear_num_value_heads % max(cfg.linear_num_key_heads, 1):
@@ -294,6 +351,6 @@ def load_generation_defaults(model_dir: str | Path, config: CloverConfig | None 
                 kwargs[name] = type(default)(data[name])
             except (TypeError, ValueError):
                 raise ConfigError(f"{path}: field {name!r} has a bad value {data[name]!r}") from None
-    eos = _as_int_tuple(data.get("eos_token_id")) or (config.eos_token_ids if config else QWEN_EOS_IDS)
+    eos = _as_int_tuple(data.get("eos_token_id"), str(path)) or (config.eos_token_ids if config else QWEN_EOS_IDS)
     extra = {k: v for k, v in data.items() if k not in known and k != "eos_token_id"}
     return GenerationDefaults(eos_token_ids=eos, extra=extra, **kwargs)

@@ -94,3 +94,33 @@ def test_files_and_generation_defaults(tmp_path: Path) -> None:
 def test_unknown_switch_value_is_named() -> None:
     with pytest.raises(ConfigError, match="bd_right_conv_taps"):
         parse_config({"model_type": "clover_moe", **TEXT, "bd_right_conv_taps": "R9"})
+
+
+BAD_FIELDS = [
+    ("layer_types", 5, "'layer_types' must be a list"),
+    ("rope_parameters", [1], "'rope_parameters' must be an object"),
+    ("eos_token_id", "abc", "'eos_token_id' must be a token id"),
+    ("eos_token_id", [2, True], "'eos_token_id' must be a token id"),
+    ("rms_norm_eps", "abc", "'rms_norm_eps' must be a number"),
+    ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a number"),
+    ("block_size", "x", "'block_size' must be an integer from 1 to 4,096"),
+    ("threshold", "high", "'threshold' must be a number from 0 to 1"),
+    ("threshold", 1.5, "'threshold' must be a number from 0 to 1"),
+    ("mask_token_id", 320, "'mask_token_id' must be a token id from 0 to 319"),
+    ("mask_token_id", "3", "'mask_token_id' must be a token id"),
+    ("moe_intermediate_size", 1e9, "'moe_intermediate_size' must be an integer from 1 to 262,144"),
+    ("num_hidden_layers", 1e10, "'num_hidden_layers' must be an integer from 1 to 1,024"),
+    ("vocab_size", 10**12, "'vocab_size' must be an integer"),
+    ("hidden_size", float("inf"), "'hidden_size' must be an integer"),
+    ("num_experts", 0, "'num_experts' must be an integer from 1"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", BAD_FIELDS)
+def test_wrong_types_and_absurd_sizes_are_one_line_before_any_allocation(field: str, value: object, message: str) -> None:
+    data = {"model_type": "clover_moe", **TEXT, "mask_token_id": 5, field: value}
+    if field == "num_hidden_layers":
+        data.pop("layer_types", None)
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_config(data, source="m/config.json")
+    assert str(err.value).startswith("m/config.json: field ") and "\n" not in str(err.value)
