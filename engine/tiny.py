@@ -245,72 +245,46 @@ class RandomInit(NamedTuple):
 def random_checkpoint_specs(config: CloverConfig, clover_extras: bool = True) -> list[tuple[TensorSpec, RandomInit]]:
     """Every text tensor of ``config`` with its official name, shape, stored dtype and random init.
 
-    Shapes and dtypes are those of the official checkpoint (the list the planner's manifest uses: bf16, except
-    ``linear_attn.A_log`` and ``linear_attn.norm.weight`` in fp32; q_proj carries the output gate, so 2x rows).
-    Init scales follow :func:`engine.checkpoint.random_state_dict`, so the activations of a random model stay
-    finite and not degenerate: projections normal with std ~ fan_in^-0.5, RMSNorm weights (1 + w form) small
-    around 0, the gated GDN norm around 1, A_log / dt_bias in the ranges that give sane decay.
-    """
+    Names, shapes and dtypes come from the planner's tensor list (:func:`engine.manifest._text_tensors`: bf16,
+    except ``linear_attn.A_log`` and ``linear_attn.norm.weight`` in fp32; q_proj carries the output gate). Init
+    scales follow :func:`engine.checkpoint.random_state_dict` (:func:`_random_init`), so the activations of a random
+    model stay finite and not degenerate."""
     import torch
 
     from engine.checkpoint import TensorSpec
+    from engine.manifest import ModelGeometry, _text_tensors
 
-    bf16, fp32 = torch.bfloat16, torch.float32
-    c = config
-    d, v, prefix = c.hidden_size, c.vocab_size, c.weight_prefix
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    geo = ModelGeometry.from_config(config, clover_extras=clover_extras)
     out: list[tuple[TensorSpec, RandomInit]] = []
-
-    def add(name: str, shape: tuple[int, ...], init: RandomInit, dtype: torch.dtype = bf16) -> None:
-        full = name if name == "lm_head.weight" else prefix + name
-        out.append((TensorSpec(full, tuple(shape), dtype), init))
-
-    def normal(std: float) -> RandomInit:
-        return RandomInit("normal", 0.0, std)
-
-    def uniform(lo: float, hi: float) -> RandomInit:
-        return RandomInit("uniform", lo, hi)
-
-    add("embed_tokens.weight", (v, d), normal(1.0))
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        add(p + "input_layernorm.weight", (d,), normal(0.1))
-        add(p + "post_attention_layernorm.weight", (d,), normal(0.1))
-        if c.is_full_attention(i):
-            q_dim, kv, hd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.head_dim
-            add(p + "self_attn.q_proj.weight", (2 * q_dim, d), normal(d**-0.5))
-            add(p + "self_attn.k_proj.weight", (kv, d), normal(d**-0.5))
-            add(p + "self_attn.v_proj.weight", (kv, d), normal(d**-0.5))
-            add(p + "self_attn.o_proj.weight", (d, q_dim), normal(0.5 * q_dim**-0.5))
-            add(p + "self_attn.q_norm.weight", (hd,), normal(0.1))
-            add(p + "self_attn.k_norm.weight", (hd,), normal(0.1))
-        else:
-            g, hv, k = p + "linear_attn.", c.linear_num_value_heads, c.linear_conv_kernel_dim
-            add(g + "in_proj_qkv.weight", (c.conv_dim, d), normal(d**-0.5))
-            add(g + "in_proj_z.weight", (c.value_dim, d), normal(d**-0.5))
-            add(g + "in_proj_b.weight", (hv, d), normal(d**-0.5))
-            add(g + "in_proj_a.weight", (hv, d), normal(d**-0.5))
-            add(g + "conv1d.weight", (c.conv_dim, 1, k), normal(0.5))
-            add(g + "dt_bias", (hv,), uniform(-1.0, 1.0))
-            add(g + "A_log", (hv,), uniform(math.log(0.05), math.log(2.0)), fp32)
-            add(g + "norm.weight", (c.linear_value_head_dim,), uniform(0.5, 1.5), fp32)
-            add(g + "out_proj.weight", (d, c.value_dim), normal(0.5 * c.value_dim**-0.5))
-            if clover_extras:  # Clover's block-diffusion tensors, primary shapes
-                add(g + "bd_history.weight", (hv, d), normal(d**-0.5))
-                add(g + "bd_history.bias", (hv,), normal(1.0))
-                add(g + "bd_logit_scale.weight", (hv,), uniform(0.8, 1.2))
-                add(g + "conv1d.weight_right", (c.conv_dim, k), normal(0.3))
-        e, inter, si = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-        add(p + "mlp.gate.weight", (e, d), normal(2.0 * d**-0.5))
-        add(p + "mlp.experts.gate_up_proj", (e, 2 * inter, d), normal(d**-0.5))
-        add(p + "mlp.experts.down_proj", (e, d, inter), normal(0.5 * inter**-0.5))
-        add(p + "mlp.shared_expert.gate_proj.weight", (si, d), normal(d**-0.5))
-        add(p + "mlp.shared_expert.up_proj.weight", (si, d), normal(d**-0.5))
-        add(p + "mlp.shared_expert.down_proj.weight", (d, si), normal(0.5 * si**-0.5))
-        add(p + "mlp.shared_expert_gate.weight", (1, d), normal(d**-0.5))
-    add("norm.weight", (d,), normal(0.1))
-    if not c.tie_word_embeddings:
-        add("lm_head.weight", (v, d), normal(d**-0.5))
+    for name, shape, stored in _text_tensors(geo):
+        full = name if name == "lm_head.weight" else config.weight_prefix + name
+        out.append((TensorSpec(full, tuple(shape), dtypes[stored]), _random_init(name, shape)))
     return out
+
+
+def _random_init(name: str, shape: tuple[int, ...]) -> RandomInit:
+    """The init of one tensor by its role: projections normal with std ~ fan_in^-0.5 (output projections half of
+    it, the router twice), RMSNorm weights (1 + w form) small around 0, the gated GDN norm around 1, A_log / dt_bias
+    in the ranges that give sane decay, Clover's extras near their neutral values."""
+    fan_in = shape[-1]
+    for suffix, init in (
+        ("embed_tokens.weight", RandomInit("normal", 0.0, 1.0)),
+        ("linear_attn.norm.weight", RandomInit("uniform", 0.5, 1.5)),
+        ("norm.weight", RandomInit("normal", 0.0, 0.1)),  # input / post-attention / q / k / final RMSNorms
+        ("conv1d.weight", RandomInit("normal", 0.0, 0.5)),
+        ("conv1d.weight_right", RandomInit("normal", 0.0, 0.3)),
+        ("dt_bias", RandomInit("uniform", -1.0, 1.0)),
+        ("A_log", RandomInit("uniform", math.log(0.05), math.log(2.0))),
+        ("bd_history.bias", RandomInit("normal", 0.0, 1.0)),
+        ("bd_logit_scale.weight", RandomInit("uniform", 0.8, 1.2)),
+        ("mlp.gate.weight", RandomInit("normal", 0.0, 2.0 * fan_in**-0.5)),
+    ):
+        if name.endswith(suffix):
+            return init
+    if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj", "down_proj.weight")):
+        return RandomInit("normal", 0.0, 0.5 * fan_in**-0.5)
+    return RandomInit("normal", 0.0, fan_in**-0.5)
 
 
 def _tensor_seed(seed: int, name: str) -> int:
