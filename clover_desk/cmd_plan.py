@@ -73,12 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict())")
 
 
-def _gib_to_bytes(value: float, flag: str) -> int:
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{flag} must be a non-negative number of GiB, got {value!r}")
-    return int(round(value * GiB))
-
-
 def _model(args: argparse.Namespace) -> str | Path | Manifest:
     """What to plan: a known shape, a quantized cache (as written), or a checkpoint (as quantized, or as stored)."""
     if args.shape:
@@ -156,10 +150,9 @@ def format_plan(plan: Plan) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        vram = None if args.vram_gb is None else _gib_to_bytes(args.vram_gb, "--vram-gb")
-        ram = None if args.ram_gb is None else _gib_to_bytes(args.ram_gb, "--ram-gb")
-        if args.ctx <= 0:
-            raise ValueError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+        # the flags' types (clover_desk.flags) already refused non-finite, out-of-range and non-positive values
+        vram = None if args.vram_gb is None else int(round(args.vram_gb * GiB))
+        ram = None if args.ram_gb is None else int(round(args.ram_gb * GiB))
         hardware = probe_hardware()
         if ram is not None:
             hardware = dataclasses.replace(hardware, ram_available_bytes=ram)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +38,6 @@ PLACEMENT_FIELDS = (
     "ctx_tokens",
     "model_fingerprint",
 )
-_DTYPE_TAG = {"bf16": "BF16", "fp32": "F32"}
 
 
 def placement(plan: Any) -> dict[str, Any]:
@@ -51,32 +48,25 @@ def placement(plan: Any) -> dict[str, Any]:
 def write_header_only_checkpoint(folder: Path, geo: planner.ModelGeometry, shard_bytes: int = 4 * GIB) -> None:
     """A Hugging Face folder of ``geo``'s tensors in the official names and dtypes; each shard's data region is a
     hole (sparse file), so the real 69 GB model costs a few KiB of disk."""
+    import torch
+
+    from engine.checkpoint import TensorSpec, plan_shards, safetensors_header
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    specs = [
+        TensorSpec(name if name == "lm_head.weight" else "model.language_model." + name, shape, dtypes[stored])
+        for name, shape, stored in manifest_mod._text_tensors(geo)
+    ]
     folder.mkdir(parents=True)
-    shards: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
-    size = 0
-    for name, shape, stored in manifest_mod._text_tensors(geo):
-        nbytes = (2 if stored == "bf16" else 4) * math.prod(shape)
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        full = name if name == "lm_head.weight" else "model.language_model." + name
-        shards[-1].append((full, shape, stored))
-        size += nbytes
+    shards = plan_shards(specs, shard_bytes)
     weight_map = {}
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        header: dict[str, Any] = {}
-        pos = 0
-        for full, shape, stored in shard:
-            n = (2 if stored == "bf16" else 4) * math.prod(shape)
-            header[full] = {"dtype": _DTYPE_TAG[stored], "shape": list(shape), "data_offsets": [pos, pos + n]}
-            pos += n
-            weight_map[full] = fname
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
+        head = safetensors_header(shard)
         with (folder / fname).open("wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            f.truncate(8 + len(raw) + pos)  # a hole: no data is written
+            f.write(head)
+            f.truncate(len(head) + sum(spec.nbytes for spec in shard))  # a hole: no data is written
+        weight_map.update({spec.name: fname for spec in shard})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     text = tiny_text_config(
         vocab_size=geo.vocab_size, layers=geo.num_hidden_layers, hidden=geo.hidden_size, experts=geo.num_experts,
