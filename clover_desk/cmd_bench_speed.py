@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time one MoE layer's routed experts (E=256, k=8, D=2048, I=512), T=1 and T=32")
     parser.add_argument("--moe-distinct", type=int, default=70,
                         help="--moe-only: distinct experts a 32-token pass routes to (default 70, a trained router)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the engine with its decoder layers compiled (engine.fastpath), same tokens")
     parser.add_argument("--compare-transformers", action="store_true",
                         help="also run the same checkpoint through transformers' generate (test dependency)")
 
@@ -170,7 +172,9 @@ def _finished(events: Any) -> Any:
     return last
 
 
-def _engine_figures(model: Any, config: Any, prompt: list[int], args: argparse.Namespace, device: str) -> dict[str, float]:
+def _engine_figures(
+    model: Any, config: Any, prompt: list[int], args: argparse.Namespace, device: str, count_ops: bool = True
+) -> dict[str, float]:
     import torch
 
     from engine.generate import generate_ar, generate_diffusion
@@ -198,11 +202,16 @@ def _engine_figures(model: Any, config: Any, prompt: list[int], args: argparse.N
         block[: B // 4] = ids[: B // 4]
         t = _best(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False), args.repeats, device)
         figures["diffusion_passes_s"] = 1.0 / t
-        ops, reads = _forward_ops(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False))
-        figures["pass_ops"], figures["pass_scalar_reads"] = ops, reads
-        step = ids[aligned - 1 : aligned]
-        ops, reads = _forward_ops(lambda: model.forward(step, aligned, cache, block_size=None, write_cache=False))
-        figures["ar_step_ops"], figures["ar_step_scalar_reads"] = ops, reads
+        if count_ops:  # (a compiled forward runs generated kernels, not torch ops: not counted)
+            ops, reads = _forward_ops(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False))
+            figures["pass_ops"], figures["pass_scalar_reads"] = ops, reads
+            step = ids[aligned - 1 : aligned]
+            ops, reads = _forward_ops(lambda: model.forward(step, aligned, cache, block_size=None, write_cache=False))
+            figures["ar_step_ops"], figures["ar_step_scalar_reads"] = ops, reads
+
+    if not count_ops:  # compiled: the first AR steps and commit passes compile their own variants; not timed
+        _finished(generate_ar(model, prompt, _settings(config, "ar", 3)))
+        _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", 2 * B)))
 
     done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens)))
     figures["ar_decode_tok_s"] = done.tokens_per_s
@@ -250,10 +259,11 @@ def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: i
     print(f"prefill, causal ({prompt_tokens} tokens):       {f['prefill_causal_tok_s']:10.1f} tok/s")
     print(f"AR decode (greedy, {int(f['ar_tokens'])} tokens):         {f['ar_decode_tok_s']:10.1f} tok/s")
     print(f"diffusion pass, one {block}-slot block:       {f['diffusion_passes_s']:10.1f} passes/s")
-    print(
-        f"torch ops per forward (host reads: syncs on a GPU): AR step {int(f['ar_step_ops'])} "
-        f"({int(f['ar_step_scalar_reads'])}), denoising pass {int(f['pass_ops'])} ({int(f['pass_scalar_reads'])})"
-    )
+    if "ar_step_ops" in f:
+        print(
+            f"torch ops per forward (host reads: syncs on a GPU): AR step {int(f['ar_step_ops'])} "
+            f"({int(f['ar_step_scalar_reads'])}), denoising pass {int(f['pass_ops'])} ({int(f['pass_scalar_reads'])})"
+        )
     print(
         f"diffusion run ({int(f['diffusion_tokens'])} tokens, {int(f['diffusion_passes'])} passes): "
         f"{f['diffusion_tokens_per_pass']:.2f} tokens/pass, {f['diffusion_tok_s']:.1f} tok/s"
@@ -292,13 +302,36 @@ def _run(args: argparse.Namespace) -> int:
     print(f"random model built on {device} in {time.perf_counter() - t0:.1f} s ({n_params / 1e9:.2f} B parameters)")
     if device == "cuda":
         print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    title = "Clover Desk engine (clover_moe, block mode with Clover extras and coreset)"
     figures = _engine_figures(model, config, prompt, args, device)
-    _print_figures("Clover Desk engine (clover_moe, block mode with Clover extras and coreset)", figures,
-                   config.block_size, prompt_tokens)
+    _print_figures(title + ", eager", figures, config.block_size, prompt_tokens)
+    if args.compile:
+        _compiled_figures(model, config, prompt, args, device, figures)
     del model
     if args.compare_transformers:
         _compare_transformers(args, device, dtype, prompt)
     return 0
+
+
+def _compiled_figures(
+    model: Any, config: Any, prompt: list[int], args: argparse.Namespace, device: str, eager: dict[str, float]
+) -> None:
+    from engine.fastpath import compile_layers
+    from engine.generate import generate_ar
+
+    eager_tokens = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens))).token_ids
+    compile_layers(model)
+    t0 = time.perf_counter()
+    print("compiling the decoder layers (first use of each pass shape) ...", flush=True)
+    figures = _engine_figures(model, config, prompt, args, device, count_ops=False)
+    print(f"compiled and timed in {time.perf_counter() - t0:.1f} s")
+    _print_figures("same engine, decoder layers compiled (engine.fastpath)", figures, config.block_size,
+                   len(prompt))
+    tokens = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens))).token_ids
+    same = sum(a == b for a, b in zip(tokens, eager_tokens))
+    print(f"compiled vs eager: AR decode x{figures['ar_decode_tok_s'] / eager['ar_decode_tok_s']:.2f}, diffusion "
+          f"passes x{figures['diffusion_passes_s'] / eager['diffusion_passes_s']:.2f}; greedy tokens identical: "
+          f"{same}/{len(eager_tokens)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -144,6 +144,13 @@ class ModelCache:
         for t in self.tensors():
             t.zero_()
 
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s own state: (key, value) of a full-attention layer, (conv, state) of a GDN layer. Layers are
+        handed these tensors rather than an index, so one compiled layer serves every layer of its kind."""
+        first, second = (self.key[i], self.value[i]) if self.key[i] is not None else (self.conv[i], self.state[i])
+        assert first is not None and second is not None
+        return first, second
+
     def clone(self) -> "ModelCache":
         """A deep copy (tests, snapshots)."""
         other = object.__new__(ModelCache)
@@ -198,7 +205,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, p: _Pass) -> Tensor:
+    def forward(self, x: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """``st``: this layer's (key, value) cache buffers [Hkv, max_len, hd] (None without a cache)."""
         t, hd = x.shape[0], self.head_dim
         qg = self.q_proj(x).view(t, self.num_heads, 2 * hd)  # [T, Hq, 2hd]
         q, gate = qg[..., :hd], qg[..., hd:].reshape(t, self.num_heads * hd)  # [T, Hq, hd], [T, Hq*hd]
@@ -208,11 +216,9 @@ class Attention(nn.Module):
         q, k = apply_partial_rope(q, p.cos, p.sin), apply_partial_rope(k, p.cos, p.sin)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, hd]
 
-        cache = p.cache
         saved: tuple[Tensor, Tensor] | None = None
-        if cache is not None:
-            kbuf, vbuf = cache.key[self.layer_idx], cache.value[self.layer_idx]
-            assert kbuf is not None and vbuf is not None
+        if st is not None:
+            kbuf, vbuf = st
             lo, hi = p.start_pos, p.start_pos + t
             if not p.write_cache:
                 # The slots past cache.length are scratch: use them for this pass, then put back what was there so
@@ -468,7 +474,8 @@ class GatedDeltaNet(nn.Module):
         return self.bd_history is not None or self.bd_logit_scale is not None or self.conv1d.weight_right is not None
 
     # ---- forward ----
-    def forward(self, x: Tensor, p: _Pass) -> Tensor:
+    def forward(self, x: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """``st``: this layer's (conv state [K-1, C], recurrent state [Hv, dk, dv] fp32) (None without a cache)."""
         cfg = self.config
         t, dtype = x.shape[0], x.dtype
         hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.dk, self.dv
@@ -477,13 +484,11 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, Hv] <= 0
 
-        cache = p.cache
-        state0 = cache.state[self.layer_idx] if cache is not None else None
-        conv0 = cache.conv[self.layer_idx] if cache is not None else None
-        if state0 is None:
-            state0 = torch.zeros(hv, dk, dv, dtype=torch.float32, device=x.device)
-        if conv0 is None:
+        if st is not None:
+            conv0, state0 = st
+        else:
             conv0 = torch.zeros(self.kernel - 1, self.conv_dim, dtype=dtype, device=x.device)
+            state0 = torch.zeros(hv, dk, dv, dtype=torch.float32, device=x.device)
 
         # short convolution: causal (left) branch over [conv state ; X], then the Clover right branch in block mode
         xpad = torch.cat([conv0.to(dtype), mixed], 0)  # [K-1+T, C]
@@ -500,7 +505,7 @@ class GatedDeltaNet(nn.Module):
 
         q, k, v = self._qkv(act)  # [T, Hv, dk], [T, Hv, dk], [T, Hv, dv] fp32
         history_form = cfg.bd_history_form if p.block_mode else "history_only"
-        if not p.block_mode and t == 1 and cache is not None:
+        if not p.block_mode and t == 1 and st is not None:
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state0)  # [1, Hv, dv]
             read = None
         else:
@@ -519,9 +524,8 @@ class GatedDeltaNet(nn.Module):
                 o_c = self._history_mix(x, ch, o_c, read_c, history_form, p.block_size)
             out = _from_chunks(o_c, ch.offset, ch.length)  # [T, Hv, dv]
 
-        if cache is not None and p.write_cache:
-            conv_buf, state_buf = cache.conv[self.layer_idx], cache.state[self.layer_idx]
-            assert conv_buf is not None and state_buf is not None
+        if st is not None and p.write_cache:
+            conv_buf, state_buf = st
             conv_buf.copy_(xpad[-(self.kernel - 1) :])  # last K-1 raw rows, in place
             state_buf.copy_(final)
         y = self.norm(out.reshape(t * hv, dv), z.reshape(t * hv, dv), dtype)  # [T*Hv, dv]
@@ -748,10 +752,11 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoe(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: Tensor, p: _Pass) -> Tensor:
+    def forward(self, h: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """``st``: this layer's cache tensors (``ModelCache.layer``), None without a cache."""
         x = self.input_layernorm(h)
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
-        h = h + mixer(x, p)
+        h = h + mixer(x, p, st)
         return h + self.mlp(self.post_attention_layernorm(h), p)
 
 
@@ -876,8 +881,8 @@ class CloverModel(nn.Module):
         table = self.embed_tokens.weight
         # [T, D]; a host-side table (kept in its stored dtype) sends only T rows over, cast to the compute dtype
         h = self.embed_tokens(ids.to(table.device)).to(device=device, dtype=self.dtype)
-        for layer in self.layers:
-            h = layer(h, p)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, p, cache.layer(i) if cache is not None else None)
         if last_only:
             h = h[-1:]
         logits = self.lm_head(self.norm(h)).float()  # [T, V]

@@ -447,6 +447,6 @@ def test_clover_gdn_block_mode_matches_the_written_out_formulas() -> None:
 
     cos, sin = rope_cos_sin(torch.arange(BLOCK, 2 * BLOCK + 5), cfg.rotary_dim, cfg.rope_theta)
     p = _Pass(BLOCK, x.shape[0], BLOCK, cache, False, cos, sin, None, False, False)
-    ours = gdn(x, p)
+    ours = gdn(x, p, cache.layer(0))
     ref = _naive_clover_gdn(gdn, x, BLOCK, cache.state[0], cache.conv[0])
     assert (ours.double() - ref).abs().max() < 1e-4
