@@ -1,7 +1,10 @@
 """Decoding policy as pure functions on tensors: penalties, soft biases, the commit rule, sampling, EOS cut.
 
 Nothing here knows about a model, a cache or a tokenizer; every function takes tensors (and plain numbers) and
-returns tensors, so each rule is unit-tested on scripted logits.
+returns tensors, so each rule is unit-tested on scripted logits. None of them reads a device value back to the
+host (no ``.item()``, ``bool(tensor)``, ``nonzero()`` or data-dependent shape): on a GPU the whole policy of a
+denoising pass queues behind the forward, and the loop reads the outcome once (``tests/test_compile.py`` traces it
+as one graph).
 
 Legend: T = slots (block positions, or 1 for an AR step), V = vocabulary, E = experts, K = experts per token.
 """
@@ -29,13 +32,24 @@ def seen_mask(token_ids: Iterable[int], vocab_size: int, device: torch.device | 
     return mask
 
 
+def seen_mask_of(token_ids: Tensor, vocab_size: int, skip_id: int | None = None) -> Tensor:
+    """Bool vector [V]: True for every id in the device tensor ``token_ids`` [N], ``skip_id`` (the mask) excluded;
+    no host read."""
+    ids = token_ids.long()
+    if skip_id is not None:
+        ids = torch.where(ids == skip_id, vocab_size, ids)  # parked on an extra slot, dropped below
+    ids = ids.clamp(0, vocab_size)
+    mask = torch.zeros(vocab_size + 1, dtype=torch.bool, device=token_ids.device)
+    return mask.index_fill(0, ids, True)[:vocab_size]
+
+
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     """CTRL-style repetition penalty on the ids marked in ``seen`` [V] (prompt and output so far).
 
     logits [T, V]: a positive logit is divided by ``penalty``, a negative one multiplied, so both move toward
     "less likely". ``penalty`` 1 is a no-op.
     """
-    if penalty == 1.0 or not bool(seen.any()):
+    if penalty == 1.0:
         return logits
     scaled = torch.where(logits > 0, logits / penalty, logits * penalty)  # [T, V]
     return torch.where(seen.unsqueeze(0), scaled, logits)
@@ -43,7 +57,7 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
 
 def apply_presence_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     """Subtract ``penalty`` from the logits of every id already generated (``seen`` [V]); logits [T, V]."""
-    if penalty == 0.0 or not bool(seen.any()):
+    if penalty == 0.0:
         return logits
     return logits - penalty * seen.to(logits.dtype).unsqueeze(0)
 
@@ -64,13 +78,12 @@ def apply_length_penalty(
     pushes a long answer toward ending; already-committed slots are untouched.
     """
     bias = strength * ramp(n_generated, start, window)
-    ids = [i for i in eos_ids if 0 <= i < logits.shape[-1]]
-    if bias == 0.0 or not ids or not bool(masked.any()):
+    ids = sorted({i for i in eos_ids if 0 <= i < logits.shape[-1]})
+    if bias == 0.0 or not ids:
         return logits
     out = logits.clone()
-    rows = masked.nonzero().squeeze(-1)  # [M]
-    cols = torch.tensor(ids, dtype=torch.long, device=logits.device)  # [n_eos]
-    out[rows.unsqueeze(1), cols.unsqueeze(0)] += bias  # [M, n_eos]
+    add = bias * masked.to(logits.dtype).unsqueeze(1)  # [T, 1]: the bias on masked rows, 0 elsewhere
+    out[:, ids] = out[:, ids] + add
     return out
 
 
@@ -82,21 +95,23 @@ def apply_think_end_bias(
     n_generated: int,
     start: int,
     window: int,
-    thinking_open: bool,
+    thinking_open: bool | Tensor,
 ) -> Tensor:
     """dllm_think_end_bias: add ``strength * ramp(n_generated)`` to ``</think>`` at the left-most masked slot only.
 
-    Applied only while thinking is open (no ``</think>`` generated yet). One slot only, so a block cannot commit
-    ``</think>`` at several places at once. logits [T, V], masked [T] bool.
+    Applied only while thinking is open (no ``</think>`` generated yet; a bool, or a 0-d bool tensor on the device).
+    One slot only, so a block cannot commit ``</think>`` at several places at once. logits [T, V], masked [T] bool.
     """
     bias = strength * ramp(n_generated, start, window)
-    if bias == 0.0 or not thinking_open or think_end_id is None or not bool(masked.any()):
+    if bias == 0.0 or thinking_open is False or think_end_id is None:
         return logits
     if not 0 <= think_end_id < logits.shape[-1]:
         return logits
-    slot = int(masked.nonzero()[0, 0])
+    first = masked.int().argmax()  # the left-most masked slot (argmax returns the first maximum); 0 if none is
+    slot = torch.arange(masked.shape[0], device=masked.device) == first  # [T] one-hot
+    gate = slot & masked & torch.as_tensor(thinking_open, device=masked.device)  # none if no slot is masked
     out = logits.clone()
-    out[slot, think_end_id] += bias
+    out[:, think_end_id] = out[:, think_end_id] + bias * gate.to(logits.dtype)
     return out
 
 
@@ -176,14 +191,37 @@ def threshold_commit(confidence: Tensor, masked: Tensor, threshold: float) -> Te
     confidence [T] fp32, masked [T] bool -> commit [T] bool. Every masked slot with confidence strictly above
     ``threshold``; if none, the single most confident masked slot (so every pass commits at least one).
     """
-    if not bool(masked.any()):
-        return torch.zeros_like(masked)
     conf = torch.where(masked, confidence.float(), torch.full_like(confidence, NEG_INF, dtype=torch.float32))
     commit = conf > threshold  # -inf never passes
-    if not bool(commit.any()):
-        commit = torch.zeros_like(masked)
-        commit[int(conf.argmax())] = True
-    return commit
+    best = torch.arange(masked.shape[0], device=masked.device) == conf.argmax()  # [T] one-hot
+    fallback = best & masked & ~commit.any()  # nothing passed: the single most confident masked slot
+    return commit | fallback
+
+
+def thinking_open_in(slot_tokens: Tensor, at_entry: bool, think_start_id: int | None, think_end_id: int | None) -> Tensor:
+    """Thinking state (0-d bool tensor) after the committed ``slot_tokens`` [N] read left to right: the last
+    ``<think>`` or ``</think>`` among them decides, none keeps ``at_entry``."""
+    device = slot_tokens.device
+    entry = torch.tensor(at_entry, device=device)
+    if slot_tokens.shape[0] == 0:
+        return entry
+    no = torch.zeros_like(slot_tokens, dtype=torch.bool)
+    opens = slot_tokens == think_start_id if think_start_id is not None else no
+    closes = slot_tokens == think_end_id if think_end_id is not None else no
+    index = torch.arange(slot_tokens.shape[0], device=device)
+    last = torch.where(opens | closes, index, -1).amax()  # -1: neither occurs
+    return torch.where(last < 0, entry, opens.gather(0, last.clamp(min=0).view(1))[0])
+
+
+def output_limit(tokens: Tensor, start: int, needed: int, eos_ids: Sequence[int]) -> Tensor:
+    """End of the slots that can still be output (0-d long tensor): ``needed``, or the first committed EOS in
+    ``tokens[start:needed]`` if one comes earlier."""
+    index = torch.arange(tokens.shape[0], device=tokens.device)
+    is_eos = torch.zeros_like(tokens, dtype=torch.bool)
+    for e in sorted(set(eos_ids)):
+        is_eos |= tokens == e
+    in_range = (index >= start) & (index < needed)
+    return torch.where(is_eos & in_range, index, needed).amin()
 
 
 # ---------------------------------------------------------------------------------------------------------------

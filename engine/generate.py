@@ -478,7 +478,6 @@ def _diffusion_loop(
         x = torch.tensor(tail + [mask_id] * (B - start), dtype=torch.long, device=device)  # [B]
         conf = torch.zeros(B, dtype=torch.float32, device=device)  # [B] confidence each slot was committed with
         conf[:start] = 1.0
-        slot_index = torch.arange(B, device=device)  # [B]
         n_at_entry = len(generated)
         thinking_at_entry = channels.thinking_open
         pass_index = 0
@@ -497,31 +496,14 @@ def _diffusion_loop(
                 vocab = logits.shape[-1]
                 rep_seen = decoding.seen_mask(prompt, vocab, device)
                 out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            masked = x == mask_id  # [B]
-            slots = x.tolist()  # one device sync per pass for the host-side bookkeeping below
-            block_gen = [t for t in slots[start:] if t != mask_id]
-            in_block = decoding.seen_mask(block_gen, vocab, device)  # [V]
-            logits = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)  # type: ignore[operator]
-            logits = decoding.apply_length_penalty(
-                logits, masked, s.eos_token_ids, s.length_penalty, n_at_entry,
-                s.length_penalty_start, s.length_penalty_window,
+            x, conf, shown, commit = denoise_policy(
+                logits, x, conf, s, start=start, needed=needed, seen=(rep_seen, out_seen),  # type: ignore[arg-type]
+                n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen,
             )
-            logits = decoding.apply_think_end_bias(
-                logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start,
-                s.think_end_bias_window, _thinking_open_in_block(thinking_at_entry, slots[start:], s),
-            )
-            proposal, p = decoding.propose(
-                logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                generator=gen,
-            )  # [B], [B]
-            # Only slots that can still reach the output compete: not past the max_new_tokens budget, not
-            # after an EOS already committed in this block (the single-slot fallback would waste passes there).
-            useful = masked & (slot_index < _output_limit(slots, start, needed, eos))  # [B]
-            commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
-            x = torch.where(commit, proposal, x)
-            conf = torch.where(commit, p, conf)
-            shown = torch.where(masked & ~commit, p, conf)  # still-masked slots show this pass's confidence
-            tokens = x.tolist()
+            # The one device-to-host read of the pass: tokens, confidences and commits in one copy (ids are exact
+            # in float32 up to 2**24, far past any vocabulary)
+            host = torch.stack([x.float(), shown.float(), commit.float()]).tolist()
+            tokens = [int(t) for t in host[0]]
             still = [t == mask_id for t in tokens]
             yield BlockStep(
                 block_index=block_index,
@@ -529,8 +511,8 @@ def _diffusion_loop(
                 tokens=tuple(tokens),
                 texts=tuple("" if m else piece(t) for t, m in zip(tokens, still)),
                 masked=tuple(still),
-                confidence=tuple(float(c) for c in shown.tolist()),
-                committed_now=tuple(commit.tolist()),
+                confidence=tuple(host[1]),
+                committed_now=tuple(c > 0.5 for c in host[2]),
                 prompt_slots=start,
             )
             pass_index += 1
@@ -541,7 +523,7 @@ def _diffusion_loop(
                 hooks.end_block()
             reason = "cancelled"
             break
-        block_ids, hit_eos = decoding.truncate_at_eos(x[start:needed].tolist(), eos)
+        block_ids, hit_eos = decoding.truncate_at_eos(tokens[start:needed], eos)
         final = hit_eos or len(generated) + len(block_ids) >= max_new
         if not final:
             # The commit pass: the finished block becomes causal prefix. Skipped for the last block, whose
@@ -573,23 +555,49 @@ def _diffusion_loop(
     yield _finished(generated, channels, reason, passes, P, clock, hooks)
 
 
-def _output_limit(tokens: Sequence[int], start: int, needed: int, eos: set[int]) -> int:
-    """End of the slots that can still be output: ``needed``, or the first committed EOS if it comes earlier."""
-    for i in range(start, needed):
-        if tokens[i] in eos:
-            return i
-    return needed
-
-
-def _thinking_open_in_block(at_entry: bool, slot_tokens: Sequence[int], s: DecodeSettings) -> bool:
-    """Thinking state after the block's committed slots so far (left to right; masks are skipped)."""
-    state = at_entry
-    for tok in slot_tokens:
-        if tok == s.think_end_id:
-            state = False
-        elif tok == s.think_start_id:
-            state = True
-    return state
+def denoise_policy(
+    logits: Tensor,
+    x: Tensor,
+    conf: Tensor,
+    s: DecodeSettings,
+    *,
+    start: int,
+    needed: int,
+    seen: tuple[Tensor, Tensor],
+    n_at_entry: int,
+    thinking_at_entry: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One denoising pass's policy, on the device with no host read: penalties (the prompt and output so far in
+    ``seen`` = (repetition, presence) [V] masks, plus this block's committed slots), the length and think-end
+    biases, the proposal and the commit rule. logits [B, V] (already shifted), x [B] slot tokens (masks where
+    open), conf [B] the confidence each slot was committed with. Returns (x, conf, shown, commit): the block after
+    this pass, the confidences, what the view shows (still-masked slots: this pass's confidence), the commits."""
+    mask_id = int(s.mask_token_id)  # type: ignore[arg-type]
+    rep_seen, out_seen = seen
+    masked = x == mask_id  # [B]
+    in_block = decoding.seen_mask_of(x[start:], logits.shape[-1], skip_id=mask_id)  # [V] committed in this block
+    logits = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)
+    logits = decoding.apply_length_penalty(
+        logits, masked, s.eos_token_ids, s.length_penalty, n_at_entry, s.length_penalty_start, s.length_penalty_window
+    )
+    committed = torch.where(masked[start:], -1, x[start:])  # [B - start]: masks read as no token
+    logits = decoding.apply_think_end_bias(
+        logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start, s.think_end_bias_window,
+        decoding.thinking_open_in(committed, thinking_at_entry, s.think_start_id, s.think_end_id),
+    )
+    proposal, p = decoding.propose(
+        logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator
+    )  # [B], [B]
+    # Only slots that can still reach the output compete: not past the max_new_tokens budget, not after an EOS
+    # already committed in this block (the single-slot fallback would waste passes there).
+    slot_index = torch.arange(x.shape[0], device=x.device)
+    useful = masked & (slot_index < decoding.output_limit(x, start, needed, s.eos_token_ids))  # [B]
+    commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
+    x = torch.where(commit, proposal, x)
+    conf = torch.where(commit, p, conf)
+    shown = torch.where(masked & ~commit, p, conf)
+    return x, conf, shown, commit
 
 
 def generate(

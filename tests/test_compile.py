@@ -97,3 +97,31 @@ def test_no_host_sync_in_the_forward_on_cuda(primed: tuple[CloverModel, Any]) ->
             fn(*args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_denoising_policy_traces_as_one_graph() -> None:
+    """The decode policy of a pass (penalties, length and think-end biases, proposal, commit rule, EOS limit) reads
+    nothing back to the host: on a GPU it queues behind the forward and the loop reads its outcome once."""
+    from engine import decoding
+    from engine.generate import DecodeSettings, denoise_policy
+
+    V, B, mask = 64, 8, 63
+    s = DecodeSettings(
+        mode="diffusion", max_new_tokens=100, block_size=B, threshold=0.9, mask_token_id=mask, eos_token_ids=(1, 2),
+        max_positions=256, repetition_penalty=1.2, presence_penalty=0.5, length_penalty=2.0, length_penalty_start=0,
+        length_penalty_window=0, think_end_id=4, think_start_id=5, think_end_bias=3.0, think_end_bias_start=0,
+        think_end_bias_window=0,
+    )
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, V, generator=gen) * 4
+    x = torch.tensor([9, 5, 2, mask, mask, 11, mask, mask])
+    conf = torch.tensor([1.0, 1.0, 0.97, 0.0, 0.0, 0.99, 0.0, 0.0])
+    seen = (decoding.seen_mask([9, 10], V), torch.zeros(V, dtype=torch.bool))
+
+    def policy(logits: torch.Tensor, x: torch.Tensor, conf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return denoise_policy(logits, x, conf, s, start=1, needed=7, seen=seen, n_at_entry=3, thinking_at_entry=True)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(policy)(logits, x, conf)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [str(b.reason)[:200] for b in explained.break_reasons]
+    torch._dynamo.reset()

@@ -227,3 +227,48 @@ def test_a_block_whose_router_rows_agree_still_routes_every_token_to_k_experts(r
     if restrict == "R-a":  # re-routing inside it: every token keeps k distinct, weighted experts
         for row_w, row_i in zip(w, idx):
             assert len(set(row_i.tolist())) == k and bool((row_w > 0).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the device-side helpers of the denoising policy, against their plain-Python statements
+
+
+def _thinking_reference(at_entry: bool, tokens: list[int], start_id: int, end_id: int) -> bool:
+    state = at_entry
+    for tok in tokens:
+        if tok == end_id:
+            state = False
+        elif tok == start_id:
+            state = True
+    return state
+
+
+def _limit_reference(tokens: list[int], start: int, needed: int, eos: set[int]) -> int:
+    return next((i for i in range(start, needed) if tokens[i] in eos), needed)
+
+
+def test_device_policy_helpers_equal_their_plain_statements() -> None:
+    from engine.decoding import output_limit, seen_mask_of, thinking_open_in
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(300):
+        n = int(torch.randint(0, 10, (1,), generator=gen))
+        tokens = torch.randint(0, 8, (n,), generator=gen)
+        as_list = tokens.tolist()
+        at_entry = bool(trial % 2)
+        assert bool(thinking_open_in(tokens, at_entry, 5, 4)) == _thinking_reference(at_entry, as_list, 5, 4)
+        assert bool(thinking_open_in(tokens, at_entry, None, None)) == at_entry
+        if n:
+            start = int(torch.randint(0, n, (1,), generator=gen))
+            needed = int(torch.randint(start, n + 1, (1,), generator=gen))
+            assert int(output_limit(tokens, start, needed, (1, 2))) == _limit_reference(as_list, start, needed, {1, 2})
+        seen = seen_mask_of(tokens, 8, skip_id=3)
+        assert seen.tolist() == [i in set(as_list) - {3} for i in range(8)]
+
+
+def test_threshold_commit_is_strictly_greater_and_falls_back_to_one_slot() -> None:
+    conf = torch.tensor([0.95, 0.96, 0.5, 0.99])
+    masked = torch.tensor([True, True, True, False])
+    assert decoding.threshold_commit(conf, masked, 0.95).tolist() == [False, True, False, False]  # 0.95 is not above 0.95
+    assert decoding.threshold_commit(conf, masked, 0.97).tolist() == [False, True, False, False]  # fallback: best masked
+    assert decoding.threshold_commit(conf, torch.zeros(4, dtype=torch.bool), 0.5).tolist() == [False] * 4
