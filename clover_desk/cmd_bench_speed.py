@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--moe-only: distinct experts a 32-token pass routes to (default 70, a trained router)")
     parser.add_argument("--compile", action="store_true",
                         help="also time the engine with its decoder layers compiled (engine.fastpath), same tokens")
+    parser.add_argument("--compare-llama-cpp", action="store_true",
+                        help="also run the same weights as an F32 GGUF (upstream qwen35moe layout) through llama.cpp "
+                             "(llama-cpp-python, built from source: not a dependency) and compare greedy tokens")
     parser.add_argument("--compare-transformers", action="store_true",
                         help="also run the same checkpoint through transformers' generate (test dependency)")
 
@@ -303,6 +306,8 @@ def _run(args: argparse.Namespace) -> int:
     if device == "cuda":
         print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     title = "Clover Desk engine (clover_moe, block mode with Clover extras and coreset)"
+    if args.compare_llama_cpp:
+        _compare_llama_cpp(args, device, dtype, prompt)
     figures = _engine_figures(model, config, prompt, args, device)
     _print_figures(title + ", eager", figures, config.block_size, prompt_tokens)
     if args.compile:
@@ -332,6 +337,80 @@ def _compiled_figures(
     print(f"compiled vs eager: AR decode x{figures['ar_decode_tok_s'] / eager['ar_decode_tok_s']:.2f}, diffusion "
           f"passes x{figures['diffusion_passes_s'] / eager['diffusion_passes_s']:.2f}; greedy tokens identical: "
           f"{same}/{len(eager_tokens)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --compare-llama-cpp
+
+
+def _compare_llama_cpp(args: argparse.Namespace, device: str, dtype: Any, prompt: list[int]) -> None:
+    """The same random weights (the causal qwen3_5_moe model: llama.cpp has no block diffusion) written as an F32
+    GGUF in the upstream converter's layout, decoded greedily by llama.cpp and by the engine (eager, and compiled
+    with --compile), in this process, one after the other."""
+    import torch
+
+    from engine.errors import ConfigError
+
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ConfigError(
+            "--compare-llama-cpp needs llama-cpp-python, built from source: "
+            "CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install --no-binary llama-cpp-python llama-cpp-python"
+        ) from None
+    if device != "cpu" or dtype != torch.float32:
+        raise ConfigError("--compare-llama-cpp compares float32 on the CPU (the GGUF is written as F32)")
+    from engine.checkpoint import write_checkpoint
+    from engine.generate import generate_ar
+    from engine.gguf_writer import write_gguf
+    from engine.tiny import train_tiny_tokenizer
+
+    data, config = _config(args.shape, "qwen3_5_moe", args.layers)
+    model = _build_random_model(config, dtype, device, args.seed)
+    n_new = args.decode_tokens
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="clover-bench-gguf-") as tmp:
+        folder = Path(tmp)
+        write_checkpoint(folder, model.state_dict(), data, max_shard_bytes=1 << 40)
+        train_tiny_tokenizer(folder, config.vocab_size)  # llama.cpp needs a vocabulary; ids are fed directly
+        gguf_path = folder / "model-f32.gguf"
+        write_gguf(folder, gguf_path, "F32", layout="upstream", arch="qwen35moe")
+        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + n_new + 8, n_batch=len(prompt),
+                              n_threads=threads, logits_all=True, verbose=False)
+
+        def llama_greedy() -> tuple[list[int], float]:
+            llm.reset()
+            llm.eval(prompt)
+            out: list[int] = []
+            t0 = time.perf_counter()
+            for _ in range(n_new):
+                tok = int(llm.scores[llm.n_tokens - 1].argmax())
+                out.append(tok)
+                llm.eval([tok])
+            return out, time.perf_counter() - t0
+
+        llama_greedy()  # warm-up
+        llama_tokens, t_llama = llama_greedy()
+        del llm
+    settings = _settings(config, "ar", n_new)
+    _finished(generate_ar(model, prompt, settings))  # warm-up
+    eager = _finished(generate_ar(model, prompt, settings))
+    rows = [("engine, eager", eager.tokens_per_s, eager.token_ids)]
+    if args.compile:
+        from engine.fastpath import compile_layers
+
+        compile_layers(model)
+        _finished(generate_ar(model, prompt, settings))  # compiles the prefill and step variants
+        done = _finished(generate_ar(model, prompt, settings))
+        rows.append(("engine, compiled layers", done.tokens_per_s, done.token_ids))
+    llama_rate = n_new / t_llama
+    print(f"== same weights as GGUF F32 (qwen35moe), greedy AR, {n_new} tokens after {len(prompt)}, "
+          f"{threads} threads: llama.cpp {llama_cpp.__version__} (llama-cpp-python)")
+    print(f"AR decode, llama.cpp:                 {llama_rate:10.1f} tok/s")
+    for name, rate, tokens in rows:
+        same = sum(a == b for a, b in zip(tokens, llama_tokens))
+        print(f"AR decode, {name + ':':27s}{rate:10.1f} tok/s  ({rate / llama_rate:.2f}x llama.cpp; greedy tokens "
+              f"identical {same}/{n_new})")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ _PARTS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, metavar="DIR", help="model folder, quantized cache folder, or its manifest.json")
+    source.add_argument("--model", type=Path, metavar="DIR", help="model folder, quantized cache folder, its manifest.json, or a .gguf file (planned as stored)")
     source.add_argument("--shape", choices=sorted(SHAPES), help="plan a known model shape without its files")
     parser.add_argument("--vram-gb", type=flags.GIB, metavar="N", help="VRAM budget in GiB (default: the card's free memory, or 16 without a GPU)")
     parser.add_argument("--ctx", type=flags.TOKENS, default=DEFAULT_CTX_TOKENS, metavar="N", help=f"context tokens to hold (default {DEFAULT_CTX_TOKENS})")
