@@ -382,7 +382,7 @@ def _ar_loop(
         if cancel is not None and cancel.is_set():
             reason = "cancelled"
             break
-        step = torch.tensor([tok], dtype=torch.long, device=device)  # [1]
+        step = token.view(1)  # [1], already on the device (no host-to-device copy of the id just read)
         logits = _forward(model, step, P + len(generated) - 1, cache, block_size=None, write_cache=True, last_only=True)
     yield from channels.finish()
     yield _finished(generated, channels, reason, len(generated), P, clock, hooks)
