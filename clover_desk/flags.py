@@ -1,7 +1,7 @@
 """Argument types for the numeric flags of every command: a value outside its range is refused by argparse with
 one line naming the flag and what is allowed (exit status 2), before any work starts.
 
-    parser.add_argument("--temperature", type=flags.TEMPERATURE)
+    parser.add_argument("--top-p", type=flags.TOP_P)
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import argparse
 import math
 from collections.abc import Callable
 
-INT32_MAX = 2**31 - 1
-SEED_MAX = 2**63 - 1
+from engine.limits import GENERATION_LIMITS, INT32_MAX
+
 MAX_GIB = 65_536.0  # 64 TiB: a budget above is a typo, and would overflow byte counts downstream
 
 
@@ -47,22 +47,34 @@ def integer(lo: int, hi: int, what: str = "") -> Callable[[str], int]:
     return parse
 
 
-def temperature(text: str) -> float:
-    """0 (greedy) or a finite number from 0.001 to 100: below 0.001 the scaled logits overflow to inf."""
-    value = number(0.0, 100.0, what="0 (greedy) or a finite number from 0.001 to 100")(text)
-    if 0.0 < value < 1e-3:
-        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or a finite number from 0.001 to 100, got {text!r}")
-    return value
+def generation(name: str) -> Callable[[str], int | float]:
+    """The type of the flag for generation parameter ``name``: its range is ``engine.limits.GENERATION_LIMITS``,
+    the table the worker and generation_config.json's validation use too."""
+    limit = GENERATION_LIMITS[name]
+
+    def parse(text: str) -> int | float:
+        try:
+            return limit.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = name
+    return parse
 
 
 GIB = number(0.0, MAX_GIB, lo_open=True, what=f"a finite number of GiB > 0 and <= {MAX_GIB:g}")
 TOKENS = integer(1, INT32_MAX, f"a whole number of tokens from 1 to {INT32_MAX}")
-TOP_P = number(0.0, 1.0, lo_open=True, what="a number in (0, 1]")
-TOP_K = integer(0, INT32_MAX)
-SEED = integer(0, SEED_MAX)
-THRESHOLD = number(0.0, 1.0, what="a number in [0, 1]")
-BLOCK = integer(1, 4096)
 TOKENS_PER_PASS = number(0.0, 4096.0, lo_open=True)
+# generation parameters: one flag type per entry of engine.limits.GENERATION_LIMITS
+temperature = generation("temperature")
+MAX_NEW_TOKENS = generation("max_new_tokens")
+TOP_P = generation("top_p")
+TOP_K = generation("top_k")
+SEED = generation("seed")
+THRESHOLD = generation("threshold")
+BLOCK = generation("block_size")
+PRESENCE_PENALTY = generation("presence_penalty")
+REPETITION_PENALTY = generation("repetition_penalty")
 
-__all__ = ["BLOCK", "GIB", "SEED", "THRESHOLD", "TOKENS", "TOKENS_PER_PASS", "TOP_K", "TOP_P", "integer", "number",
-           "temperature"]
+__all__ = ["BLOCK", "GIB", "MAX_NEW_TOKENS", "PRESENCE_PENALTY", "REPETITION_PENALTY", "SEED", "THRESHOLD", "TOKENS",
+           "TOKENS_PER_PASS", "TOP_K", "TOP_P", "generation", "integer", "number", "temperature"]

@@ -67,6 +67,7 @@ from typing import IO, Any
 
 from engine.errors import CancelledError, CloverError
 from engine.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
+from engine.limits import GENERATION_LIMITS, INT32_MAX
 
 log = logging.getLogger("clover_desk.worker")
 
@@ -131,8 +132,6 @@ class ProtocolError(ValueError):
     """A command refused as sent; the message names the field and what is allowed."""
 
 
-INT32_MAX = 2**31 - 1
-SEED_MAX = 2**63 - 1
 DEVICES_TEXT = '"cpu", "cuda" or "cuda:N"'
 DTYPES = ("float32", "bfloat16", "float16")
 COMMANDS = ("load", "cancel_load", "generate", "cancel", "plan", "shutdown")
@@ -212,21 +211,29 @@ LOAD_FIELDS: dict[str, tuple[Check, str]] = {
     "ctx": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
     "plan": (_nullable(lambda v: isinstance(v, dict)), "an object (Plan.to_dict()) or null"),
 }
+
+
+def _limited(name: str) -> tuple[Check, str]:
+    """A numeric generation parameter: its type and range from engine.limits (the table the CLI's flags and
+    generation_config.json's validation use too), or null for the model's default."""
+    limit = GENERATION_LIMITS[name]
+    return _nullable(limit.accepts), f"{limit.allowed}, or null"
+
+
 # GenerationParams' fields (engine/events.py) with their types and the ranges the engine accepts.
 PARAM_FIELDS: dict[str, tuple[Check, str]] = {
     "mode": (_one_of("diffusion", "ar"), '"diffusion" or "ar"'),
-    "max_new_tokens": (_nullable(_int_in(1, INT32_MAX)), f"a whole number from 1 to {INT32_MAX}, or null"),
-    "temperature": (_nullable(_number_in(0, math.inf)), "a finite number >= 0, or null"),
-    "top_p": (_nullable(_number_in(0, 1, lo_open=True)), "a number in (0, 1], or null"),
-    "top_k": (_nullable(_int_in(0, INT32_MAX)), f"a whole number from 0 to {INT32_MAX}, or null"),
+    "max_new_tokens": _limited("max_new_tokens"),
+    "temperature": _limited("temperature"),
+    "top_p": _limited("top_p"),
+    "top_k": _limited("top_k"),
     "do_sample": (_nullable(_is_bool), "true, false or null"),
-    "presence_penalty": (_nullable(_number_in(-math.inf, math.inf)), "a finite number, or null"),
-    "repetition_penalty": (_nullable(_number_in(0, math.inf, lo_open=True)), "a finite number > 0, or null"),
-    "block_size": (_nullable(_int_in(1, INT32_MAX)), f"a whole number from 1 to {INT32_MAX}, or null"),
-    # 0 is allowed, as the engine and the settings drawer allow it: commit every slot in one pass
-    "threshold": (_nullable(_number_in(0, 1)), "a number in [0, 1], or null"),
+    "presence_penalty": _limited("presence_penalty"),
+    "repetition_penalty": _limited("repetition_penalty"),
+    "block_size": _limited("block_size"),
+    "threshold": _limited("threshold"),  # 0 is allowed: commit every slot in one pass
     "enable_thinking": (_is_bool, "true or false"),
-    "seed": (_nullable(_int_in(0, SEED_MAX)), f"a whole number from 0 to {SEED_MAX}, or null"),
+    "seed": _limited("seed"),
 }
 GENERATE_FIELDS = ("cmd", "id", "messages", "prompt", "prompt_ids", "raw", "tools", "params")
 PLAN_BUDGETS: dict[str, tuple[Check, str]] = {

@@ -25,6 +25,7 @@ from engine.errors import ConfigError, PlanError, PromptError
 from engine.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
 from engine.events import Event, GenerationParams, LoadProgress
 from engine.generate import LoopHooks, generate, resolve_settings
+from engine.limits import check_generation_params
 from engine.tokenizer import CloverTokenizer
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Engine:
         model_dir: Path | None = None,
         plan: Any = None,
         hooks: LoopHooks | None = None,
+        ar_only: str | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -106,6 +108,7 @@ class Engine:
         self.model_dir = model_dir
         self.plan = plan
         self._hooks = hooks
+        self.ar_only = ar_only  # why diffusion mode is refused (a GGUF without the diffusion tensors), or None
 
     @classmethod
     def load(
@@ -118,8 +121,13 @@ class Engine:
         cancel: threading.Event | None = None,
         ctx_tokens: int | None = None,
         plan: Any = None,
+        gguf_layout: str = "auto",
+        compile: bool = False,
     ) -> "Engine":
         """Read a model folder (config, generation config, tokenizer, weights) onto ``device``.
+
+        A ``.gguf`` file (or any part of a split set) loads through :mod:`engine.gguf_model`, quantized tensors kept
+        as GGUF blocks; ``gguf_layout`` ("auto" | "fork" | "upstream") overrides the layout detection.
 
         ``plan`` (an ``engine.planner.Plan`` or its dict, as ``clover-desk plan --json`` and the VRAM panel make
         it): load the quantized model placed exactly as planned (expert streaming, :mod:`engine.offload`). The plan
@@ -128,10 +136,24 @@ class Engine:
         function) for ``ctx_tokens`` of context (default ``engine.defaults.DEFAULT_CTX_TOKENS``). Requests are then
         held to the planned context: the KV cache and the prefill scratch were sized for it.
 
+        ``compile``: compile the decoder layers (:mod:`engine.fastpath`; the first request of each pass shape pays
+        the compile time, tens of seconds on a CPU).
+
         ``dtype``: the compute dtype (default: the plan's, else float32); a plan made for another dtype is refused,
         since it counted the device's weights and KV cache in its own.
         """
         folder = Path(model_dir)
+        if folder.suffix == ".gguf":  # a GGUF file (or the first part of a split set): engine.gguf_model
+            if plan is not None or vram_gb is not None:
+                raise PlanError(f"{folder}: placing a GGUF model under a VRAM plan (expert streaming) is not supported "
+                                f"yet; load it without a plan (--vram-gb)")
+            from engine.gguf_model import load_gguf_engine
+
+            model, config, defaults, tokenizer, ar_only = load_gguf_engine(
+                folder, device=device, dtype=parse_dtype(dtype or "float32"), layout=gguf_layout, progress=progress,
+                cancel=cancel,
+            )
+            return cls(model, config, defaults, tokenizer, folder, None, None, ar_only)
         if not folder.is_dir():
             raise ConfigError(f"{folder}: model folder not found")
         config = load_config(folder)
@@ -181,6 +203,10 @@ class Engine:
         log.info(
             "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
         )
+        if compile:
+            from engine.fastpath import compile_layers
+
+            compile_layers(model)
         return cls(model, config, defaults, tokenizer, folder, plan, hooks)
 
     # ---- prompts ----
@@ -230,6 +256,9 @@ class Engine:
     ) -> Iterator[Event]:
         """Check the request now (PromptError), then return the event iterator (PromptInfo ... Finished)."""
         params = params or GenerationParams()
+        check_generation_params(params)  # the ranges the CLI's flags and the worker check too (engine.limits)
+        if self.ar_only and params.mode == "diffusion":
+            raise PromptError(f"diffusion mode is not available: {self.ar_only} (use --mode ar)")
         ids = self.prompt_ids(messages, prompt, prompt_ids, raw, tools, params.enable_thinking)
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
         planned_ctx = getattr(self.plan, "ctx_tokens", 0)

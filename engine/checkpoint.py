@@ -67,6 +67,31 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     return read_safetensors_header_raw(path)[0]
 
 
+def check_finite(tensor: Tensor, file: Path | str, name: str, first_row: int = 0) -> None:
+    """Refuse weights holding NaN or infinity: such a model generates noise without a word, so loading stops with
+    one line naming the file and the tensor. ``tensor`` may be rows ``first_row..`` of the tensor ``name``.
+
+    One fp32-accumulated sum is the whole cost for a healthy tensor (a NaN or an infinity anywhere makes it
+    non-finite); only then are the bad values counted (a sum that merely overflowed finds none, and passes)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    if math.isfinite(float(torch.sum(tensor, dtype=torch.float32))):
+        return
+    bad = ~torch.isfinite(tensor)
+    count = int(bad.sum())
+    if count == 0:
+        return
+    first = int(bad.reshape(-1).nonzero()[0, 0])
+    row = first_row + (first // max(math.prod(tensor.shape[1:]), 1) if tensor.dim() > 1 else first)
+    where = f"row {row}" if tensor.dim() > 1 else f"index {row}"
+    nans = int(torch.isnan(tensor).sum())
+    kinds = " and ".join(k for k, n in (("NaN", nans), ("infinite", count - nans)) if n)
+    raise CheckpointError(
+        f"{file}: tensor {name!r} holds {count:,} {kinds} value{'s' if count > 1 else ''} (the first in {where}): "
+        f"the weights are damaged and would generate noise"
+    )
+
+
 class StateDictSource:
     """An in-memory state dict behind the :class:`CheckpointReader` interface (``entries``, ``read``)."""
 
@@ -120,9 +145,11 @@ class CheckpointReader:
                 raise CheckpointError(f"{entry.file}: cannot open ({exc})") from None
             self._handles[entry.file] = handle
         try:
-            return handle.get_tensor(name)
+            tensor = handle.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error type for a bad file
             raise CheckpointError(f"{entry.file}: cannot read tensor {name!r} ({exc})") from None
+        check_finite(tensor, entry.file, name)
+        return tensor
 
     def close(self) -> None:
         self._handles.clear()
@@ -290,6 +317,20 @@ def plan_load(model: CloverModel, reader: CheckpointReader) -> LoadPlan:
     return LoadPlan(targets, ignored, sorted(neutral_layers))
 
 
+def meta_model(config: CloverConfig, reader: CheckpointReader, dtype: torch.dtype = torch.float32) -> CloverModel:
+    """The model ``config`` describes on the meta device (no memory), with Clover's block-mode tensors when the
+    config is Clover's or the checkpoint has them: what :func:`plan_load` checks a checkpoint against."""
+    extras = config.is_diffusion or any(".bd_history." in n or n.endswith("weight_right") for n in reader.entries)
+    return CloverModel(config, dtype=dtype, device="meta", clover_extras=extras)
+
+
+def check_checkpoint(model_dir: str | Path, config: CloverConfig) -> LoadPlan:
+    """Check every tensor's name and shape (headers only) against the sizes config.json claims, before anything is
+    sized from either; a mismatch is a CheckpointError naming the tensor, the file and both shapes."""
+    with CheckpointReader(model_dir) as reader:
+        return plan_load(meta_model(config, reader), reader)
+
+
 def _is_extra(pname: str) -> bool:
     return ".linear_attn." in pname and pname.endswith(_CLOVER_EXTRAS)
 
@@ -400,8 +441,7 @@ def load_model(
     config = config or load_config(model_dir)
     dtype = _as_dtype(dtype)
     with CheckpointReader(model_dir) as reader:
-        extras = config.is_diffusion or any(".bd_history." in n or n.endswith("weight_right") for n in reader.entries)
-        model = CloverModel(config, dtype=dtype, device="meta", clover_extras=extras)
+        model = meta_model(config, reader, dtype)
         plan = plan_load(model, reader)
         if cancel is not None and cancel.is_set():
             raise CancelledError(f"loading {model_dir} was cancelled")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.limits import GENERATION_LIMITS, decode_utf8
 
 SUPPORTED_MODEL_TYPES = ("clover_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -147,13 +148,18 @@ class GenerationDefaults:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    text = decode_utf8(raw, str(path), ConfigError)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top level")
     return data
@@ -189,6 +195,10 @@ _INT_BOUNDS: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, 16_777_216),
     "full_attention_interval": (1, 1_024),
 }
+
+
+# config.json's diffusion defaults are held to the ranges of the request parameters they default
+_BLOCK, _THRESHOLD = GENERATION_LIMITS["block_size"], GENERATION_LIMITS["threshold"]
 
 
 def _checked_int(source: str, name: str, value: Any, lo: int, hi: int) -> int:
@@ -303,8 +313,8 @@ def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverCon
         weight_prefix=prefix,
         eos_token_ids=eos,
         is_diffusion=is_clover,
-        block_size=_checked_int(source, "block_size", opt("block_size", 32), 1, 4096),
-        threshold=_checked_float(source, "threshold", opt("threshold", 0.95), 0.0, 1.0),
+        block_size=_checked_int(source, "block_size", opt("block_size", 32), int(_BLOCK.lo), int(_BLOCK.hi)),
+        threshold=_checked_float(source, "threshold", opt("threshold", 0.95), _THRESHOLD.lo, _THRESHOLD.hi),
         mask_token_id=opt("mask_token_id", None),
         think_end_token_id=opt("think_end_token_id", QWEN_THINK_END_ID),
         shift_logits=bool(opt("shift_logits", False)),
@@ -342,15 +352,38 @@ def load_generation_defaults(model_dir: str | Path, config: CloverConfig | None 
     """Read ``generation_config.json`` (optional: absent means plain greedy with the config's EOS ids)."""
     path = Path(model_dir) / "generation_config.json"
     data = _read_json(path) if path.exists() else {}
+    return parse_generation_config(data, str(path), config)
+
+
+# generation_config.json's token ids: each an id (eos: or a list of ids) inside the vocabulary
+_GENERATION_TOKEN_FIELDS = ("eos_token_id", "pad_token_id", "bos_token_id", "mask_token_id", "decoder_start_token_id")
+
+
+def parse_generation_config(
+    data: dict[str, Any], source: str = "generation_config.json", config: CloverConfig | None = None
+) -> GenerationDefaults:
+    """Build :class:`GenerationDefaults` from a generation_config.json dict, every field checked before any is used:
+    numbers against ``engine.limits.GENERATION_LIMITS`` (the ranges requests are held to), ``do_sample`` a boolean,
+    token ids inside ``config``'s vocabulary. A bad one is a ConfigError naming ``source``, the field and what is
+    allowed. ``null`` means absent; keys this app does not read are kept in ``extra``."""
+    for name, value in data.items():
+        limit = GENERATION_LIMITS.get(name)
+        if value is not None and limit is not None and not limit.accepts(value):
+            raise ConfigError(f"{source}: field {name!r} must be {limit.allowed}, got {value!r}")
+    if data.get("do_sample") is not None and not isinstance(data["do_sample"], bool):
+        raise ConfigError(f"{source}: field 'do_sample' must be true or false, got {data['do_sample']!r}")
+    for name in _GENERATION_TOKEN_FIELDS:
+        ids = _as_int_tuple(data.get(name), source, name)
+        outside = [t for t in ids if config is not None and t >= config.vocab_size]
+        if outside:
+            raise ConfigError(
+                f"{source}: field {name!r} has {outside[0]}, outside the vocabulary (0 to {config.vocab_size - 1})"
+            )
     known = {f.name for f in fields(GenerationDefaults)} - {"extra", "eos_token_ids"}
     kwargs: dict[str, Any] = {}
     for name in known:
-        if name in data and data[name] is not None:
-            default = getattr(GenerationDefaults, name)
-            try:
-                kwargs[name] = type(default)(data[name])
-            except (TypeError, ValueError):
-                raise ConfigError(f"{path}: field {name!r} has a bad value {data[name]!r}") from None
-    eos = _as_int_tuple(data.get("eos_token_id"), str(path)) or (config.eos_token_ids if config else QWEN_EOS_IDS)
+        if data.get(name) is not None:
+            kwargs[name] = type(getattr(GenerationDefaults, name))(data[name])  # int -> float where a float is kept
+    eos = _as_int_tuple(data.get("eos_token_id"), source) or (config.eos_token_ids if config else QWEN_EOS_IDS)
     extra = {k: v for k, v in data.items() if k not in known and k != "eos_token_id"}
     return GenerationDefaults(eos_token_ids=eos, extra=extra, **kwargs)

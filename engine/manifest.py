@@ -458,6 +458,7 @@ def manifest_from_checkpoint(model_dir: str | Path) -> Manifest:
     geo = _geometry_near(model_dir, str(model_dir))
     entries: list[TensorEntry] = []
     seen: set[str] = set()
+    claimed = {name: shape for name, shape, _ in _text_tensors(geo)}  # what config.json's sizes make each tensor
     for shard in checkpoint_files(model_dir)[0]:
         for raw_name, h in read_safetensors_header(shard)[0].items():
             name = strip_prefix(raw_name)
@@ -467,10 +468,27 @@ def manifest_from_checkpoint(model_dir: str | Path) -> Manifest:
                 raise CheckpointError(f"{shard}: tensor {name!r} appears in more than one shard")
             seen.add(name)
             kind, layer = classify(name)
+            _check_claimed_shape(shard, raw_name, h.shape, claimed.get(name), kind)
             entries.append(TensorEntry(name, h.shape, h.format, h.nbytes, layer, kind))
     if not entries:
         raise CheckpointError(f"{model_dir}: the checkpoint holds no text-model tensors")
     return Manifest(tuple(entries), geo, str(model_dir))
+
+
+def _check_claimed_shape(
+    shard: Path, raw_name: str, shape: tuple[int, ...], claimed: tuple[int, ...] | None, kind: str
+) -> None:
+    """A config.json that claims sizes the checkpoint does not have (a doubled hidden_size, a typo'd expert count)
+    is refused here, naming the tensor and both shapes, before a plan is sized from it (the loader checks every
+    tensor again against the model it builds: engine.checkpoint.plan_load). Clover's extras have several accepted
+    shapes and a conv1d weight may come as [C, K] or [C, 1, K]: those are left to the loader."""
+    if claimed is None or kind == "clover_extra" or tuple(shape) == claimed:
+        return
+    if raw_name.endswith("conv1d.weight") and math.prod(shape) == math.prod(claimed):
+        return
+    raise CheckpointError(
+        f"{shard}: tensor {raw_name!r} has shape {list(shape)}, but config.json's sizes make it {list(claimed)}"
+    )
 
 
 def manifest_from_dict(
@@ -588,6 +606,10 @@ def manifest_for_model_dir(
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
+    if path.suffix == ".gguf":  # planned as stored: the engine keeps GGUF blocks as they are (engine.gguf_model)
+        from engine.gguf_file import manifest_from_gguf  # numpy + the gguf package, only for GGUF files
+
+        return manifest_from_gguf(path)
     if path.is_file():
         return manifest_from_quantized_cache(path)
     if (path / QUANT_MANIFEST_NAME).is_file():
@@ -643,7 +665,8 @@ def model_facts(manifest: Manifest, compute_dtype: str = "bf16") -> ModelFacts:
     expert_params = float(3 * geo.hidden_size * geo.moe_intermediate_size) if layer_bytes else 0.0
     tied_embed_on_gpu = geo.tie_word_embeddings and not any(x.kind == "lm_head" for x in manifest)
     gpu = [x for x in manifest if x.kind != "expert" and (x.kind != "embed" or tied_embed_on_gpu)]
-    dequant = tuple(x.numel for x in gpu if x.format in ("nf4", "int8"))
+    # quantized matrices are dequantized whole per forward (engine.quant, engine.gguf_model: GGUF blocks too)
+    dequant = tuple(x.numel for x in gpu if x.format in ("nf4", "int8") or x.format.startswith("gguf_"))
     return ModelFacts(
         geo=geo,
         layers=tuple(layer_bytes),
@@ -656,7 +679,8 @@ def model_facts(manifest: Manifest, compute_dtype: str = "bf16") -> ModelFacts:
         embed_ram=0 if tied_embed_on_gpu else manifest.total_bytes(["embed"]),
         dequant_dense_max_params=max(dequant, default=0),
         dequant_dense_params=dequant,
-        experts_quantized=any(x.kind == "expert" and x.format in ("nf4", "int8") for x in manifest),
+        experts_quantized=any(x.kind == "expert" and (x.format in ("nf4", "int8") or x.format.startswith("gguf_"))
+                              for x in manifest),
         source=manifest.source,
         compute_dtype=compute_dtype,
     )

@@ -2,8 +2,8 @@
 
 * :class:`CloverTokenizer` wraps a ``tokenizers.Tokenizer`` read from ``tokenizer.json`` and finds the special
   tokens the decoder needs (EOS, ``<think>``, ``</think>``, the mask) by name.
-* The chat template comes from ``chat_template.jinja`` or ``tokenizer_config.json``'s ``"chat_template"`` and is
-  rendered in a sandboxed Jinja2 environment.
+* The chat template comes from ``chat_template.jinja`` or ``tokenizer_config.json``'s ``"chat_template"`` (UTF-8)
+  and is rendered in a sandboxed Jinja2 environment with limits on time and size (:mod:`engine.chat_template`).
 * :class:`StreamDecoder` turns committed ids into text deltas that never end in half a UTF-8 character.
 * :func:`train_tiny_tokenizer` trains a small byte-level BPE on the corpus shipped in ``engine/data``.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError, PromptError
+from engine.limits import TEMPLATE_MAX_SOURCE_CHARS, check_text, decode_utf8
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,13 @@ def shipped_file(name: str) -> str:
 class CloverTokenizer:
     """``tokenizers.Tokenizer`` plus the chat template and the special ids decoding needs."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None, source: str = "tokenizer.json") -> None:
+    def __init__(
+        self, tokenizer: Any, chat_template: str | None, source: str = "tokenizer.json", template_source: str = ""
+    ) -> None:
         self._tok = tokenizer
         self.source = source
         self.chat_template = chat_template
+        self.template_source = template_source or source  # the file the chat template came from
         self._template: Any = None
         eos = (self.token_to_id(name) for name in EOS_NAMES)
         self.eos_token_ids: tuple[int, ...] = tuple(i for i in eos if i is not None)
@@ -65,7 +68,9 @@ class CloverTokenizer:
 
     # ---- construction ----
     @classmethod
-    def from_file(cls, tokenizer_json: str | Path, chat_template: str | None = None) -> "CloverTokenizer":
+    def from_file(
+        cls, tokenizer_json: str | Path, chat_template: str | None = None, template_source: str = ""
+    ) -> "CloverTokenizer":
         from tokenizers import Tokenizer
 
         path = Path(tokenizer_json)
@@ -75,21 +80,28 @@ class CloverTokenizer:
             tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception for malformed files
             raise ConfigError(f"{path}: not a valid tokenizer.json ({exc})") from None
-        return cls(tok, chat_template, source=str(path))
+        return cls(tok, chat_template, source=str(path), template_source=template_source)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "CloverTokenizer":
         """Read ``tokenizer.json`` and the chat template (``chat_template.jinja`` first, else tokenizer_config)."""
         folder = Path(model_dir)
         template: str | None = None
-        jinja = folder / "chat_template.jinja"
-        if jinja.is_file():
-            template = jinja.read_text(encoding="utf-8")
+        where = folder / "chat_template.jinja"
+        if where.is_file():
+            template = decode_utf8(_read_bytes(where), str(where), ConfigError)
         else:
-            config_path = folder / "tokenizer_config.json"
-            if config_path.is_file():
-                template = _template_from_config(config_path)
-        return cls.from_file(folder / "tokenizer.json", template)
+            where = folder / "tokenizer_config.json"
+            if where.is_file():
+                template = _template_from_config(where)
+        if template is not None:
+            check_text(template, str(where), ConfigError)  # a JSON "\ud800" escape
+            if len(template) > TEMPLATE_MAX_SOURCE_CHARS:
+                raise ConfigError(
+                    f"{where}: the chat template has {len(template):,} characters, more than the "
+                    f"{TEMPLATE_MAX_SOURCE_CHARS:,} a chat template may have"
+                )
+        return cls.from_file(folder / "tokenizer.json", template, str(where))
 
     # ---- vocabulary ----
     @property
@@ -103,7 +115,9 @@ class CloverTokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` as written (special tokens in the text are recognised, nothing is added)."""
+        """Token ids of ``text`` as written (special tokens in the text are recognised, nothing is added); text that
+        cannot be UTF-8 (a lone surrogate) is a PromptError."""
+        check_text(text, "prompt")
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -128,23 +142,26 @@ class CloverTokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise PromptError(f"message {i} must be an object with a 'role' (got {m!r:.80})")
+        input_chars = _input_chars(messages, tools)
         if self._template is None:
-            self._template = _compile_template(self.chat_template, self.source)
-        from jinja2 import TemplateError
+            self._template = _compile_template(self.chat_template, self.template_source)
+        from engine.chat_template import TemplateLimit
 
+        context = {
+            "messages": list(messages),
+            "tools": list(tools) if tools else None,
+            "add_generation_prompt": add_generation_prompt,
+            "enable_thinking": enable_thinking,
+            "bos_token": "",
+            "eos_token": IM_END,
+        }
         try:
-            return str(
-                self._template.render(
-                    messages=list(messages),
-                    tools=list(tools) if tools else None,
-                    add_generation_prompt=add_generation_prompt,
-                    enable_thinking=enable_thinking,
-                    bos_token="",
-                    eos_token=IM_END,
-                )
-            )
-        except TemplateError as exc:
-            raise PromptError(f"chat template failed: {exc}") from None
+            return self._template.environment.render(self._template, context, self.template_source, input_chars)
+        except TemplateLimit as exc:
+            raise PromptError(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the template is code from the model folder: any failure is one line
+            detail = str(exc) if type(exc).__module__.startswith("jinja2") else f"{type(exc).__name__}: {exc}"
+            raise PromptError(f"chat template failed: {detail}") from None
 
     def encode_chat(
         self,
@@ -156,11 +173,43 @@ class CloverTokenizer:
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking))
 
 
-def _template_from_config(path: Path) -> str | None:
+def _read_bytes(path: Path) -> bytes:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _input_chars(messages: Sequence[Any], tools: Sequence[Any] | None) -> int:
+    """The characters of every string in the messages and tools (what a chat template's size budget grows with);
+    a string that cannot be UTF-8 (a lone surrogate from JSON or argv) is a PromptError naming where it is."""
+    total = 0
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(list(messages), ("messages",)), (list(tools or []), ("tools",))]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+            if not value.isascii():
+                check_text(value, path[0] + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in path[1:]))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                total += len(key) if isinstance(key, str) else 1
+                stack.append((item, (*path, key)))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+        else:
+            total += 1
+    return total
+
+
+def _template_from_config(path: Path) -> str | None:
+    text = decode_utf8(_read_bytes(path), str(path), ConfigError)
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     template = data.get("chat_template") if isinstance(data, dict) else None
     if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -171,30 +220,17 @@ def _template_from_config(path: Path) -> str | None:
 
 
 def _compile_template(source_text: str, source: str) -> Any:
+    """The template compiled in a :class:`engine.chat_template.LimitedSandbox` (its ``environment`` renders it)."""
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
+    from engine.chat_template import LimitedSandbox
 
-    def tojson(value: Any, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    # The same environment shape as Hugging Face templates expect: trimmed blocks, loop controls, a tojson that
-    # keeps non-ASCII text, raise_exception and strftime_now; sandboxed and immutable (no attribute tricks).
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
     try:
-        return env.from_string(source_text)
+        return LimitedSandbox().from_string(source_text)
     except TemplateError as exc:
         raise ConfigError(f"{source}: chat template does not compile ({exc})") from None
+    except (RecursionError, MemoryError, ValueError) as exc:  # the parser, on a pathological source
+        raise ConfigError(f"{source}: chat template does not compile ({type(exc).__name__}: {exc})") from None
 
 
 class StreamDecoder:

@@ -137,6 +137,8 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("temperature-nan", _gen()[:-1] + b', "params": {"temperature": NaN}}', "'temperature'"),
     ("temperature-inf", _gen()[:-1] + b', "params": {"temperature": 1e999}}', "'temperature'"),
     ("temperature-huge-int", _params(temperature=10**400), "'temperature'"),
+    ("temperature-tiny", _params(temperature=1e-300), "'temperature'"),  # logits / 1e-300 overflow to inf
+    ("temperature-above-100", _params(temperature=1e6), "'temperature'"),
     ("top_p-zero", _params(top_p=0), "'top_p'"),
     ("top_p-above-one", _params(top_p=1.5), "'top_p'"),
     ("top_p-string", _params(top_p="x"), "'top_p'"),
@@ -150,9 +152,12 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("repetition_penalty-zero", _params(repetition_penalty=0), "'repetition_penalty'"),
     ("repetition_penalty-negative", _params(repetition_penalty=-1), "'repetition_penalty'"),
     ("repetition_penalty-list", _params(repetition_penalty=[1]), "'repetition_penalty'"),
+    ("repetition_penalty-tiny", _params(repetition_penalty=1e-9), "'repetition_penalty'"),
+    ("presence_penalty-huge", _params(presence_penalty=1e300), "'presence_penalty'"),
     ("block_size-zero", _params(block_size=0), "'block_size'"),
     ("block_size-float", _params(block_size=2.5), "'block_size'"),
     ("block_size-string", _params(block_size="32"), "'block_size'"),
+    ("block_size-past-4096", _params(block_size=4097), "'block_size'"),
     ("threshold-negative", _params(threshold=-0.1), "'threshold'"),
     ("threshold-above-one", _params(threshold=1.1), "'threshold'"),
     ("threshold-string", _params(threshold="x"), "'threshold'"),
@@ -252,8 +257,10 @@ def test_every_valid_boundary_value_is_accepted(loaded_worker: WorkerProc) -> No
     w = loaded_worker
     edges = [
         {"temperature": 0, "top_p": 1, "top_k": 0, "threshold": 0, "seed": 0, "block_size": 1, "max_new_tokens": 1},
-        {"temperature": 1e6, "top_p": 1e-9, "threshold": 1, "seed": 2**63 - 1, "repetition_penalty": 1e-9,
-         "presence_penalty": -2.0, "do_sample": True, "mode": "ar", "enable_thinking": False},
+        # the top edges of engine.limits.GENERATION_LIMITS (the CLI's flags accept the same)
+        {"temperature": 100, "top_p": 1e-9, "threshold": 1, "seed": 2**63 - 1, "repetition_penalty": 100,
+         "presence_penalty": -100, "do_sample": True, "mode": "ar", "enable_thinking": False, "block_size": 4096},
+        {"temperature": 1e-3, "repetition_penalty": 0.01, "presence_penalty": 100, "max_new_tokens": 2**31 - 1},
         dataclasses.asdict(GenerationParams()),  # what EngineClient sends: every field, None for the defaults
         dataclasses.asdict(GenerationParams(mode="ar", max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=20,
                                             do_sample=True, presence_penalty=0.5, repetition_penalty=1.1,
