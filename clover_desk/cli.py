@@ -16,14 +16,17 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "gui": ("clover_desk.cmd_gui", "open the Clover Desk window (the default)"),
     "generate": ("clover_desk.cmd_generate", "generate text from a model folder"),
+    "gguf-fix": ("clover_desk.cmd_gguf_fix", "copy an official Clover GGUF into the layout upstream llama.cpp loads"),
     "make-tiny": ("clover_desk.cmd_make_tiny", "write a tiny random Clover checkpoint (its output is noise)"),
     "plan": ("clover_desk.cmd_plan", "plan VRAM/RAM placement for a model and a budget"),
     "preview": ("clover_desk.cmd_preview", "open an HTML file in the sandboxed preview"),
+    "serve": ("clover_desk.cmd_serve", "serve a model folder over an OpenAI-compatible HTTP API"),
 }
 BENCH_SUITES: dict[str, tuple[str, str]] = {
     "speed": ("clover_desk.cmd_bench_speed", "prefill / AR / diffusion speed on a random config (CPU or GPU)"),
     "offload": ("clover_desk.cmd_bench_offload", "host-to-device bytes per token under a VRAM plan"),
     "load": ("clover_desk.cmd_bench_load", "convert and load under a plan: peak RSS and placed bytes next to the plan"),
+    "gguf": ("clover_desk.cmd_bench_gguf", "GGUF dequantize throughput per type, bytes per streamed expert per file type"),
 }
 
 

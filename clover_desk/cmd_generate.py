@@ -14,19 +14,32 @@ from clover_desk import flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="model folder (config.json, weights, tokenizer)")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="model folder (config.json, weights, tokenizer) or a .gguf file; with --remote, the "
+                             "server's model name (default: the first it lists)")
+    parser.add_argument("--remote", metavar="URL", default=None,
+                        help="ask an OpenAI-compatible server (clover-desk serve, SGLang ...) at URL, e.g. "
+                             "http://127.0.0.1:8000/v1, instead of loading a model here")
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="with --remote: the server's API key (default: $CLOVER_DESK_API_KEY)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="the user message (or the raw text with --raw)")
+    source.add_argument("--prompt-file", metavar="PATH", help="the prompt as UTF-8 text from a file ('-': stdin)")
     source.add_argument("--prompt-ids", metavar="1,2,3", help="token ids, comma-separated (sent as is)")
-    parser.add_argument("--raw", action="store_true", help="send --prompt without the chat template")
+    parser.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     parser.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion", help="decoding mode")
-    parser.add_argument("--max-new-tokens", type=flags.TOKENS, default=None, metavar="N")
+    parser.add_argument("--max-new-tokens", type=flags.MAX_NEW_TOKENS, default=None, metavar="N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--gguf-layout", choices=("auto", "fork", "upstream"), default="auto",
+                        help="a .gguf --model: official fork layout (diffusion) or upstream llama.cpp's (AR only); "
+                             "default: detected from the file")
     parser.add_argument("--vram-gb", type=flags.GIB, default=None, help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
     parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
                         help="with --vram-gb: context (prompt + answer) the plan reserves KV cache for (default 16384)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decoder layers (torch.compile; the first tokens pay tens of seconds on a CPU)")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
     parser.add_argument("--temperature", type=flags.temperature, default=None, help="> 0 samples (default: greedy)")
@@ -35,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=flags.SEED, default=None)
     parser.add_argument("--threshold", type=flags.THRESHOLD, default=None, help="diffusion commit threshold (default: config)")
     parser.add_argument("--block-size", type=flags.BLOCK, default=None, help="diffusion block size (default: config)")
+    parser.add_argument("--presence-penalty", type=flags.PRESENCE_PENALTY, default=None,
+                        help="subtracted from the logits of tokens already generated (default: generation_config.json)")
+    parser.add_argument("--repetition-penalty", type=flags.REPETITION_PENALTY, default=None,
+                        help="CTRL-style penalty on tokens seen so far, 1 = off (default: generation_config.json)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -46,8 +63,44 @@ def _parse_ids(text: str) -> list[int]:
         raise PromptError(f"--prompt-ids {text!r} is not a comma-separated list of integers") from None
 
 
+def _prompt_text(args: argparse.Namespace) -> str | None:
+    """The prompt of ``--prompt`` or ``--prompt-file`` (read whole, at most ``MAX_PROMPT_BYTES``), checked to be
+    UTF-8 text: undecodable bytes are one line naming the flag, the byte and where it is."""
+    from engine.errors import PromptError
+    from engine.limits import MAX_PROMPT_BYTES, check_text, decode_utf8
+
+    if args.prompt is not None:
+        return check_text(args.prompt, "--prompt")
+    if args.prompt_file is None:
+        return None
+    where = "--prompt-file " + ("- (stdin)" if args.prompt_file == "-" else args.prompt_file)
+    try:
+        if args.prompt_file == "-":
+            data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
+        else:
+            with open(args.prompt_file, "rb") as f:
+                data = f.read(MAX_PROMPT_BYTES + 1)
+    except OSError as exc:
+        raise PromptError(f"{where}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > MAX_PROMPT_BYTES:
+        raise PromptError(f"{where}: longer than {MAX_PROMPT_BYTES:,} bytes, more than any context holds")
+    return decode_utf8(data, where)
+
+
+# C0 controls (but tab and newline), DEL and the C1 controls: a model can write them (ESC sequences that recolour,
+# clear or retitle a terminal, a bell, a carriage return that overwrites the line); plain output shows them escaped.
+_CONTROL_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))}
+
+
+def visible_text(text: str) -> str:
+    """``text`` with every control character but tab and newline written as ``\\xNN`` (so it cannot drive the
+    terminal); everything else, any script or emoji, unchanged. ``--json`` output is already escaped by JSON."""
+    return text.translate(_CONTROL_CHARS)
+
+
 class _Printer:
-    """Plain-text output: the answer as it streams, thinking dimmed on a terminal (prefixed otherwise)."""
+    """Plain-text output: the answer as it streams, thinking dimmed on a terminal (prefixed otherwise). The model's
+    text is written through :func:`visible_text`: its control bytes are shown, never sent to the terminal."""
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
@@ -61,7 +114,7 @@ class _Printer:
             else:
                 self.out.write(RESET + "\n" if self.tty else "\n[answer] ")
             self.channel = channel
-        self.out.write(text)
+        self.out.write(visible_text(text))
         self.out.flush()
 
     def end(self) -> None:
@@ -75,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.errors import CloverError
 
     try:
-        return _run(args)
+        return _run_remote(args) if args.remote is not None else _run(args)
     except CloverError as exc:
         print(f"clover-desk generate: error: {exc}", file=sys.stderr)
         return 2
@@ -86,7 +139,11 @@ def _run(args: argparse.Namespace) -> int:
     from engine.errors import PlanError
     from engine.events import Finished, GenerationParams, TextDelta, to_dict
 
+    if args.model is None:
+        print("clover-desk generate: error: --model DIR is required (or --remote URL)", file=sys.stderr)
+        return 2
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    prompt = _prompt_text(args)  # before the model is read: a bad prompt costs nothing
     params = GenerationParams(
         mode=args.mode,
         max_new_tokens=args.max_new_tokens,
@@ -95,6 +152,8 @@ def _run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         block_size=args.block_size,
         threshold=args.threshold,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
         enable_thinking=not args.no_think,
         seed=args.seed,
     )
@@ -111,12 +170,13 @@ def _run(args: argparse.Namespace) -> int:
             print(_plan_line(plan), file=sys.stderr)
         if not plan.fits:
             raise PlanError(plan.reason)
-    engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan)
+    engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, gguf_layout=args.gguf_layout,
+                         compile=args.compile)
     cancel = threading.Event()
     if prompt_ids is not None:
         events = engine.generate(prompt_ids=prompt_ids, params=params, cancel=cancel)
     else:
-        events = engine.generate(prompt=args.prompt, raw=args.raw, params=params, cancel=cancel)
+        events = engine.generate(prompt=prompt, raw=args.raw, params=params, cancel=cancel)
     printer = _Printer(sys.stdout)
     try:
         for event in events:
@@ -150,4 +210,76 @@ def _summary(done: Any) -> str:
         f"[{done.stop_reason}] {done.tokens} tokens in {done.passes} passes ({done.tokens_per_pass:.2f} tokens/pass), "
         f"{done.tokens_per_s:.1f} tokens/s, prompt {done.prompt_tokens} tokens, prefill {done.prefill_s:.2f} s, "
         f"first token {ttft}"
+    )
+
+
+# ---- --remote: an OpenAI-compatible server instead of a local model ----
+
+_LOCAL_ONLY = (("prompt_ids", "--prompt-ids"), ("raw", "--raw"), ("vram_gb", "--vram-gb"), ("ctx", "--ctx"),
+               ("dtype", "--dtype"))
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    """Stream the answer from ``--remote``; what the server does not report is printed as unavailable."""
+    import os
+
+    from clover_desk.remote import RemoteBackend, RemoteFinished
+    from engine.events import GenerationParams, TextDelta, to_dict
+
+    for attr, flag in _LOCAL_ONLY:
+        if getattr(args, attr, None) not in (None, False):
+            print(f"clover-desk generate: error: {flag} does not apply with --remote (the server holds the model "
+                  "and its chat template)", file=sys.stderr)
+            return 2
+    if args.device != "cpu":
+        print("clover-desk generate: error: --device does not apply with --remote (the server places the model)",
+              file=sys.stderr)
+        return 2
+    prompt = _prompt_text(args)
+    params = GenerationParams(
+        mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, block_size=args.block_size, threshold=args.threshold,
+        presence_penalty=args.presence_penalty, repetition_penalty=args.repetition_penalty,
+        enable_thinking=not args.no_think, seed=args.seed,
+    )
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CLOVER_DESK_API_KEY")
+    backend = RemoteBackend(args.remote, api_key=api_key, model=args.model)
+    cancel = threading.Event()
+    events = backend.chat([{"role": "user", "content": prompt}], params, cancel=cancel)
+    printer = _Printer(sys.stdout)
+    try:
+        for event in events:
+            if args.json:
+                record = to_dict(event) if isinstance(event, TextDelta) else {"event": "remote_finished",
+                                                                              **_remote_dict(event)}
+                sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+                sys.stdout.flush()
+            elif isinstance(event, TextDelta):
+                printer.delta(event.text, event.channel)
+            elif isinstance(event, RemoteFinished):
+                printer.end()
+                print(_remote_summary(event), file=sys.stderr)
+    except KeyboardInterrupt:
+        cancel.set()
+        print("\nclover-desk generate: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _remote_dict(done: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(done).items()}
+
+
+def _remote_summary(done: Any) -> str:
+    def shown(value: Any, fmt: str = "{}") -> str:
+        return "unavailable" if value is None else fmt.format(value)
+
+    ttft = shown(done.client_first_token_s, "{:.2f} s")
+    return (
+        f"[{done.finish_reason or 'unknown'}] remote {done.model}: {shown(done.completion_tokens)} tokens, "
+        f"passes {shown(done.passes)}, tokens/pass {shown(done.tokens_per_pass, '{:.2f}')}, "
+        f"mode {shown(done.mode)}, prompt {shown(done.prompt_tokens)} tokens, first token {ttft} and total "
+        f"{done.client_elapsed_s:.2f} s (measured here), denoising steps unavailable (remote)"
     )
