@@ -6,6 +6,9 @@ Nothing else in the application constructs these objects; tests build the same g
 * the engine worker starts with the app; once it is ready the configured model is loaded (again after a restart);
 * picking a model in the model manager loads it and remembers it (``settings.json`` in the app-data folder);
 * "Apply" in the VRAM panel reloads the model under the new budget, without restarting the app;
+* a new chat starts from the model folder's own generation settings (``config.json`` / ``generation_config.json``,
+  read here without torch; the engine's ``loaded`` answer carries the same);
+* the window's size, splitters, theme and export folder live in ``window.ini`` in the app-data folder;
 * on quit the worker is shut down and the store closed.
 """
 
@@ -17,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QObject
+from PySide6.QtCore import QObject, QSettings
 from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk import paths
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1024**3
 SETTINGS_NAME = "settings.json"
+WINDOW_SETTINGS_NAME = "window.ini"  # QSettings (INI): window geometry, splitter, theme, last export folder
 
 
 @dataclass
@@ -72,6 +76,23 @@ def _probe() -> Any:
         return DEFAULT_HARDWARE
 
 
+def model_info_from_folder(model_dir: str | None) -> dict[str, Any] | None:
+    """``config`` and ``generation_defaults`` of a model folder as the engine's ``loaded`` answer carries them, read
+    without torch (``engine.config``); None when there is no folder or it cannot be read."""
+    if not model_dir:
+        return None
+    from engine.config import load_config, load_generation_defaults
+    from engine.errors import CloverError
+
+    try:
+        config = load_config(model_dir)
+        generation = load_generation_defaults(model_dir, config)
+    except (CloverError, OSError) as exc:
+        log.info("no generation defaults from %s: %s", model_dir, exc)
+        return None
+    return {"model_dir": str(model_dir), "config": asdict(config), "generation_defaults": asdict(generation)}
+
+
 class CloverDeskApp(QObject):
     """The running application: owns the client, the store, the window and the remembered settings."""
 
@@ -86,10 +107,13 @@ class CloverDeskApp(QObject):
         with_preview: bool = True,
         with_model_manager: bool = True,
         start_engine: bool = True,
+        style: bool = True,
         parent: QObject | None = None,
     ) -> None:
+        """``style``: apply the window's theme (light / dark / following the system) to the application."""
         super().__init__(parent)
-        from ui.main_window import MainWindow, SystemMonitor  # Qt widgets: imported once a QApplication exists
+        from engine.hardware import MemoryMonitor
+        from ui.main_window import MainWindow  # Qt widgets: imported once a QApplication exists
 
         self.home = Path(home) if home is not None else paths.app_data_dir()
         self.home.mkdir(parents=True, exist_ok=True)
@@ -112,9 +136,15 @@ class CloverDeskApp(QObject):
             preview=self.preview,
             model_manager=self.model_manager,
             html_extractor=self._html_extractor(),
-            monitor=SystemMonitor(),
+            monitor=MemoryMonitor(),
             gpu_name=self.hardware.gpu_name,
+            ui_settings=QSettings(str(self.home / WINDOW_SETTINGS_NAME), QSettings.Format.IniFormat),
         )
+        info = model_info_from_folder(self.settings.model_dir)
+        if info is not None:
+            self.window.set_model_info(info)
+        if style:
+            self.window.apply_theme_preference()
         self._connect_signals()
         if start_engine:
             self.client.start()
@@ -175,10 +205,8 @@ class CloverDeskApp(QObject):
         )
 
     def _html_extractor(self) -> Any:
-        try:
-            from ui.preview import extract_html
-        except ImportError:
-            return None
+        from ui.html_extract import extract_html  # the one rule, also the preview pane's
+
         return extract_html
 
     def _connect_signals(self) -> None:
@@ -224,9 +252,13 @@ class CloverDeskApp(QObject):
         self.save_settings()
         self._plan = self._plan_function()
         self.vram_panel.set_planner(self._plan)
+        info = model_info_from_folder(model_dir)
+        if info is not None:
+            self.window.set_model_info(info)
         if self.client.state in ("idle",):
             self.load_model()
         else:
+            self.window.on_engine_restarting()
             self.client.restart()  # ready → load_model
 
     def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
@@ -240,6 +272,7 @@ class CloverDeskApp(QObject):
         if self.client.state == "idle":
             self.load_model()
         else:
+            self.window.on_engine_restarting()
             self.client.restart()
 
     def save_settings(self) -> None:

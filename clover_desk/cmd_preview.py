@@ -60,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from PySide6.QtWidgets import QApplication
 
     from ui.preview import PreviewPane
+    from ui.theme import apply_theme
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
+    apply_theme(app, "system")  # the app's own look (light or dark, as the desktop), not Qt's default style
     pane = PreviewPane()
     try:
         return _show(app, pane, path, html, args, width, height)

@@ -40,6 +40,7 @@ import errno
 import json
 import logging
 import os
+import secrets
 import sqlite3
 import sys
 import tempfile
@@ -61,6 +62,7 @@ FINAL_STATUSES = ("complete", "stopped", "error")
 DEFAULT_TITLE = "New chat"
 EXPORT_FORMAT = "clover-desk-chat"
 EXPORT_VERSION = 1
+EXPORT_MODE = 0o666  # exported files: a normal document (less the umask), not a private 0600 file
 
 
 class StorageError(Exception):
@@ -357,14 +359,20 @@ def title_from_text(text: str, max_chars: int = 60) -> str:
     return cut.rstrip(" ,.;:") + "…"
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int | None = None) -> None:
     """Write ``text`` (UTF-8) to ``path`` so that readers see the old file or the new one, never a partial one.
 
     Writes a temporary file in the same folder, fsyncs it, renames it over ``path`` and fsyncs the folder (POSIX).
+    ``mode`` None: the file is private (0600, the app's own files); else it is created with ``mode`` less the umask,
+    as any program writes a user's document (exports: 0o666, so 0644 under the usual umask).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    if mode is None:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    else:
+        tmp_name = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)  # the kernel applies the umask
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
@@ -403,6 +411,11 @@ def _iso(ts: float) -> str:
 
 class ChatStore:
     """The chat database. Open one per application instance, on the GUI thread (see the module docstring)."""
+
+    # For callers that may not import this module (the Qt window): the error every failed change raises, as
+    # sqlite3.Connection.Error, and the one rule for a chat's title from its first message.
+    Error = StorageError
+    title_for = staticmethod(title_from_text)
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         """Open (creating when needed) the database at ``path``, after taking its single-instance lock.
@@ -857,12 +870,12 @@ class ChatStore:
     def export_json(self, conversation_id: int, path: str | os.PathLike[str]) -> Path:
         """Write :meth:`conversation_to_dict` to ``path`` atomically; returns the path."""
         text = json.dumps(self.conversation_to_dict(conversation_id), ensure_ascii=False, indent=2) + "\n"
-        atomic_write_text(path, text)
+        atomic_write_text(path, text, mode=EXPORT_MODE)
         return Path(path)
 
     def export_markdown(self, conversation_id: int, path: str | os.PathLike[str]) -> Path:
         """Write :meth:`conversation_to_markdown` to ``path`` atomically; returns the path."""
-        atomic_write_text(path, self.conversation_to_markdown(conversation_id))
+        atomic_write_text(path, self.conversation_to_markdown(conversation_id), mode=EXPORT_MODE)
         return Path(path)
 
 

@@ -195,3 +195,51 @@ def probe_hardware(index: int = 0) -> Hardware:
         ram_available_bytes=ram_avail,
         sources=sources,
     )
+
+
+class MemoryMonitor:
+    """RAM and VRAM in use now, for a status bar that samples every few seconds (the window's; no torch).
+
+    Shares the probes above: system memory through :func:`_probe_ram` (psutil), the GPU through NVML, initialised
+    once and kept (a probe per sample would init and shut NVML down each time). A machine without an NVIDIA GPU,
+    driver or ``pynvml`` samples RAM only.
+    """
+
+    def __init__(self, index: int = 0) -> None:
+        self._index = index
+        self._handle: Any = None
+        self._tried = False
+
+    def _nvml_handle(self) -> Any:
+        if not self._tried:
+            self._tried = True
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(self._index)
+            except Exception as exc:  # noqa: BLE001 - ImportError or any NVMLError: VRAM is simply not shown
+                log.debug("NVML unavailable: %s", exc)
+                self._handle = None
+        return self._handle
+
+    def sample(self) -> dict[str, int | None]:
+        """``ram_used``, ``ram_total``, ``vram_used``, ``vram_total`` in bytes (None: unknown)."""
+        out: dict[str, int | None] = {"ram_used": None, "ram_total": None, "vram_used": None, "vram_total": None}
+        try:
+            total, available, _source = _probe_ram()
+        except OSError as exc:
+            log.debug("psutil failed: %s", exc)
+            total = available = None
+        if total is not None and available is not None:
+            out["ram_used"], out["ram_total"] = total - available, total
+        handle = self._nvml_handle()
+        if handle is not None:
+            try:
+                import pynvml
+
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                out["vram_used"], out["vram_total"] = int(info.used), int(info.total)
+            except Exception as exc:  # noqa: BLE001 - a transient NVML error only hides the figure
+                log.debug("NVML memory query failed: %s", exc)
+        return out

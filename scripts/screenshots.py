@@ -2,7 +2,8 @@
 
 The window is the application's own (built by ``clover_desk.app.CloverDeskApp``) over a temporary app-data folder;
 only the engine is replaced by a replay of prepared events (a tiny random checkpoint writes noise, which makes a
-poor picture). Writes ``docs/screenshots/*.png``.
+poor picture). Writes ``docs/screenshots/*.png``: the detailed set at ``--size`` in the dark theme, and the whole
+window at 1,024 x 640 and 1,920 x 1,080 in the light and the dark theme (``window-<theme>-<W>x<H>.png``).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class ReplayClient(QObject):
         super().__init__()
         self.state = "idle"
         self.pid = None
+        self.model_info: dict | None = None
         self.script: list[object] = []
         self.n = 0
         self.pass_ms = pass_ms  # one denoising pass of the 35B model on the target card, roughly
@@ -118,7 +120,8 @@ class ReplayClient(QObject):
         self.ready.emit()
 
     def load(self, *args: object, **kwargs: object) -> None:
-        self.loaded.emit({"model_dir": str(args[0]) if args else ""})
+        self.model_info = {"model_dir": str(args[0]) if args else ""}
+        self.loaded.emit(self.model_info)
 
     def cancel_load(self) -> None: ...
     def cancel(self, request_id: str) -> None: ...
@@ -189,6 +192,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     parser.add_argument("--size", default="1480x900")
+    parser.add_argument("--matrix-only", action="store_true", help="only the window-<theme>-<size>.png set")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out)
@@ -199,7 +203,7 @@ def main() -> int:
     from clover_desk.app import AppSettings, CloverDeskApp
     from ui.theme import apply_theme
 
-    apply_theme(app)
+    apply_theme(app, "dark")
     home = Path(tempfile.mkdtemp(prefix="clover-shots-"))
     hardware = Hardware(gpu_name="NVIDIA GeForce RTX 4070 Ti SUPER", vram_total_bytes=16 * GIB,
                         vram_free_bytes=15 * GIB, ram_total_bytes=64 * GIB, ram_available_bytes=52 * GIB)
@@ -207,10 +211,13 @@ def main() -> int:
     desk = CloverDeskApp(home, client=client, settings=AppSettings(model_dir="/models/Clover-35B-A3B-Preview"),
                          hardware=hardware, with_model_manager=False)
     window = desk.window
+    window.set_theme_preference("dark")
     window.resize(width, height)
     window.show()
 
     # 1. a chat with an HTML app, its preview open
+    if args.matrix_only:
+        client.pass_ms = 5
     older = desk.store.create_conversation(title="Block diffusion, explained")
     desk.store.add_message(older.id, "user", SECOND_Q)
     desk.store.add_message(older.id, "assistant", SECOND_A, stats={"tokens": 96, "tokens_per_s": 41.2})
@@ -244,6 +251,14 @@ def main() -> int:
     window.chat.scroll.verticalScrollBar().setValue(0)
     settle(200)
     shot(window, out / "chat-with-preview.png")
+    matrix(window, out)
+    if args.matrix_only:
+        window.close()
+        desk.store.close()
+        return 0
+    window.set_theme_preference("dark")
+    window.resize(width, height)
+    settle(300)
 
     # 2. the denoising view mid-block
     window.on_conversation_selected(older.id)
@@ -299,6 +314,27 @@ def main() -> int:
     desk.store.close()
     log.info("wrote %s", ", ".join(sorted(p.name for p in out.glob("*.png"))))
     return 0
+
+
+MATRIX_SIZES = ((1024, 640), (1920, 1080))
+
+
+def matrix(window, out: Path) -> None:
+    """The whole window at the two sizes that must work, in both themes: the chat with its page in the preview,
+    and the denoising panel over the same chat (``window-<theme>-<W>x<H>.png``, ``...-denoising.png``)."""
+    for theme in ("light", "dark"):
+        window.set_theme_preference(theme)
+        for w, h in MATRIX_SIZES:
+            window.resize(w, h)
+            window.show_panel(window.preview)
+            settle(1500)  # relayout, and QtWebEngine repaints at the new size
+            window.chat.scroll.verticalScrollBar().setValue(0)
+            settle(200)
+            shot(window, out / f"window-{theme}-{w}x{h}.png")
+            window.show_panel(window.denoise)
+            window.denoise.slider.setValue(window.denoise.slider.maximum() // 2)  # a block mid-way, replayed
+            settle(300)
+            shot(window, out / f"window-{theme}-{w}x{h}-denoising.png")
 
 
 def shot(widget, path: Path) -> None:

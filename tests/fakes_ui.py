@@ -97,8 +97,12 @@ class FakeEngineClient(QObject):
     crashed = Signal(str)
     planReady = Signal(dict)
 
-    def __init__(self, blocks: int = 3, pass_ms: int = 5, answer: str | None = None, thinking: str = "") -> None:
+    def __init__(self, blocks: int = 3, pass_ms: int = 5, answer: str | None = None, thinking: str = "",
+                 loaded: bool = True) -> None:
+        """``loaded``: the client already has a model (as a real client after its ``loaded`` answer), so a window
+        built on it accepts messages at once; False: it starts with none (the window waits for ``loaded``)."""
         super().__init__()
+        self.model_info: dict | None = {"model_dir": "/models/tiny", "device": "cpu"} if loaded else None
         self.blocks = blocks
         self.pass_ms = pass_ms
         self.answer = answer
@@ -165,13 +169,20 @@ class FakeEngineClient(QObject):
         self.ctx_loads.append(ctx_tokens if plan is None else plan.get("ctx_tokens"))
         self.plans.append(plan)
         info = {"model_dir": str(model_dir), "device": device, "plan": plan}
-        QTimer.singleShot(1, lambda: self.loaded.emit(info))
+        self.model_info = None
+
+        def done() -> None:
+            self.model_info = info
+            self.loaded.emit(info)
+
+        QTimer.singleShot(1, done)
 
     def cancel_load(self) -> None:
         self.load_cancelled += 1
 
     def restart(self) -> None:
         self.restarts += 1
+        self.model_info = None
         QTimer.singleShot(1, self.ready.emit)
 
     def _tick(self) -> None:
@@ -186,8 +197,17 @@ class FakeEngineClient(QObject):
         import random
 
         rng = random.Random(len(self.requests))
-        out: list[object] = [PromptInfo(prompt_tokens=12, block_size=32, first_block=0, tail=0)]
         answer_words = (self.answer or " ".join(WORDS)).split(" ")
+        if params.mode == "ar":  # as engine.generate's AR loop: blocks of one token, a delta per token
+            ar: list[object] = [PromptInfo(prompt_tokens=12, block_size=1, first_block=12, tail=0)]
+            if self.thinking and params.enable_thinking:
+                ar.append(TextDelta(self.thinking, "thinking"))
+            ar += [TextDelta((" " if i else "") + w, "answer") for i, w in enumerate(answer_words)]
+            n = len(answer_words) + (1 if self.thinking and params.enable_thinking else 0)
+            ar.append(Finished(tuple(range(n)), " ".join(answer_words), self.thinking, "eos", n, n, 1.0, 23.5, 0.1,
+                               12, 0.05, n / 23.5))
+            return ar
+        out: list[object] = [PromptInfo(prompt_tokens=12, block_size=32, first_block=0, tail=0)]
         passes_total = 0
         if self.thinking and params.enable_thinking:
             out.append(TextDelta(self.thinking, "thinking"))

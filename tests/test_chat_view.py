@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 
@@ -12,10 +11,10 @@ from ui.chat_view import (
     MessageData,
     PreviewRequest,
     StreamingReply,
-    default_extract_html,
     preview_document_id,
     stats_line,
 )
+from ui.html_extract import extract_html
 from ui.markdown import inline, render
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
@@ -148,12 +147,12 @@ def test_preview_button_only_for_html_answers(qtbot) -> None:
     with qtbot.waitSignal(view.previewRequested, timeout=1000) as blocker:
         page.body.on_anchor_clicked(QUrl("preview:0"))  # the code block's own link
     assert blocker.args[0].block == 0 and blocker.args[0].html.startswith("<!DOCTYPE html>")
-    assert default_extract_html(HTML_ANSWER).strip().endswith("</html>")
+    assert extract_html(HTML_ANSWER).strip().endswith("</html>")
 
 
 def app_extractor():
-    """The app's extractor (ui.preview.extract_html: pure, but its module needs QtWebEngine)."""
-    return pytest.importorskip("ui.preview", exc_type=ImportError).extract_html
+    """The app's extractor: the one rule (ui.html_extract), which ui.preview re-exports."""
+    return extract_html
 
 
 STREAMED_PAGE = ["Sure, ", "here is a page ", "with a list:\n\n``", "`ht", "ml\n", "<!DOCTYPE html>\n",
@@ -165,7 +164,7 @@ def test_html_watch_extracts_only_after_a_hint_and_never_once_found() -> None:
 
     def extractor(text: str) -> str | None:
         calls.append(text)
-        return default_extract_html(text)
+        return extract_html(text)
 
     watch = HtmlWatch(extractor)
     text, found = "", []
@@ -179,7 +178,6 @@ def test_html_watch_extracts_only_after_a_hint_and_never_once_found() -> None:
     assert HtmlWatch(extractor).check("") is False
 
 
-@pytest.mark.webengine
 def test_html_watch_gives_up_on_a_hint_in_prose() -> None:
     watch = HtmlWatch(app_extractor())
     text = "An HTML form sends its fields to the server when the user presses its submit button, "
@@ -197,7 +195,6 @@ def test_html_watch_gives_up_on_a_hint_in_prose() -> None:
     assert watch.check(text) is True and watch.extractions == 5
 
 
-@pytest.mark.webengine
 def test_html_watch_sees_a_document_start_split_after_the_hint() -> None:
     extractor = app_extractor()
     for pieces in (["Page:\n<htm", "l>", "<body>"], ["Page:\n```htm", "l\n", "<p>x</p>"],

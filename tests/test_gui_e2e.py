@@ -15,6 +15,7 @@ from PySide6.QtCore import Qt
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from engine.events import BlockStep, Finished, TextDelta
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
+from ui.contracts import EngineState
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
 
@@ -27,7 +28,8 @@ def desk(qapp, tiny_clover_dir, tmp_path_factory):  # noqa: F811
     from clover_desk.app import AppSettings, CloverDeskApp
 
     home = tmp_path_factory.mktemp("desk_home")
-    settings = AppSettings(model_dir=str(tiny_clover_dir))
+    model = tiny_model_with_own_defaults(tiny_clover_dir, tmp_path_factory.mktemp("tiny_own") / "model")
+    settings = AppSettings(model_dir=str(model))
     app = CloverDeskApp(home, settings=settings, with_preview=False, with_model_manager=False, start_engine=False)
     window = app.window
     window.resize(1400, 860)
@@ -43,6 +45,26 @@ def desk(qapp, tiny_clover_dir, tmp_path_factory):  # noqa: F811
     yield app
     app.shutdown(wait_ms=5000)
     window.close()
+
+
+OWN_THRESHOLD = 0.85  # the e2e model's config.json: not the window's nor the engine's fallback
+OWN_MAX_NEW_TOKENS = 3000  # its generation_config.json
+
+
+def tiny_model_with_own_defaults(src, dst):  # noqa: ANN001, ANN201
+    """A copy of the tiny model whose config and generation config say something no code path would invent."""
+    import json
+
+    from fixtures_tiny import copy_model
+
+    model = copy_model(src, dst)
+    config = json.loads((model / "config.json").read_text())
+    config["threshold"] = OWN_THRESHOLD
+    (model / "config.json").write_text(json.dumps(config))
+    generation = json.loads((model / "generation_config.json").read_text())
+    generation["max_new_tokens"] = OWN_MAX_NEW_TOKENS
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    return model
 
 
 class _wait:
@@ -159,10 +181,79 @@ def test_worker_crash_keeps_chat_and_restarts(qtbot, desk) -> None:
         os.kill(desk.client.pid, signal.SIGKILL)
     assert window.crash_banner.isVisible() and "Restart engine" == window.crash_banner.action.text()
     assert len(window.chat.widgets) == count
-    with qtbot.waitSignal(desk.client.loaded, timeout=LOAD_MS):
-        window.crash_banner.action.click()
+    assert not window.composer.send_button.isEnabled()  # no model: Send waits, and says why
+    window.crash_banner.action.click()
+    # the worker restarts and loads the model again: until then a message waits in the box (never "NotLoaded")
+    assert not window.composer.send_button.isEnabled() and window.composer.blocked_label.text()
+    window.composer.input.setPlainText("too early")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert window.request_id is None and window.composer.input.toPlainText() == "too early"
+    assert len(window.chat.widgets) == count
+    qtbot.waitUntil(lambda: window.engine_state is EngineState.READY, timeout=LOAD_MS)
+    assert window.composer.send_button.isEnabled() and not window.composer.blocked_label.isVisible()
     assert not window.crash_banner.isVisible() and window.engine_label.text() == "● Ready"
     with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS) as blocker:
         window.composer.input.setPlainText("still there?")
         qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
     assert blocker.args[1] in ("eos", "max_new_tokens")
+
+
+def test_new_chats_start_from_the_tiny_models_own_settings(qtbot, desk) -> None:
+    """The drawer's defaults are the model folder's (config.json / generation_config.json), as the worker reported
+    them with its load answer and as the app read them before: nothing hard-coded in the window."""
+    window = desk.window
+    assert desk.client.model_info["config"]["threshold"] == OWN_THRESHOLD  # what the worker said
+    assert window.model_defaults.threshold == OWN_THRESHOLD
+    assert window.model_defaults.max_new_tokens == OWN_MAX_NEW_TOKENS
+    window.on_new_conversation()
+    d = window.drawer
+    assert d.threshold.value() == pytest.approx(OWN_THRESHOLD) and d.max_tokens.value() == OWN_MAX_NEW_TOKENS
+    assert "threshold 0.85" in d.defaults_label.text() and "model" in d.defaults_label.text()
+    d.threshold.setValue(0.0)  # the next tests: short answers
+    d.max_tokens.setValue(16)
+
+
+def test_replay_then_the_next_answer_is_live_again(qtbot, desk) -> None:
+    window = desk.window
+    view = window.denoise
+    d = window.drawer
+    d.threshold.setValue(0.999)  # about one slot per pass: several passes to replay
+    d.max_tokens.setValue(16)
+    try:
+        with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS):
+            window.composer.input.setPlainText("first")
+            qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+        view.throttle.flush()
+        assert view.slider.maximum() >= 2
+        view.slider.setValue(1)  # dragged back
+        assert not view.live_button.isChecked() and view.position_label.text().startswith("replay")
+        with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS):
+            window.composer.input.setPlainText("second")
+            qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+            assert view.live_button.isChecked()  # from the first pass of the new answer
+        view.throttle.flush()
+        assert view.following and view.canvas.shown == view.model.latest()
+        assert view.position_label.text().startswith("live · block")
+    finally:
+        d.threshold.setValue(0.0)
+
+
+def test_autoregressive_answers_show_the_token_stream(qtbot, desk) -> None:
+    window = desk.window
+    view = window.denoise
+    d = window.drawer
+    d.mode.setCurrentIndex(d.mode.findData("ar"))
+    try:
+        with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS) as blocker:
+            window.composer.input.setPlainText("one token at a time")
+            qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+        finished = of_request(desk, blocker.args[0], Finished)[0]
+        deltas = of_request(desk, blocker.args[0], TextDelta)
+        view.throttle.flush()
+        assert view.model.mode == "ar" and view.model.pieces_seen == len([x for x in deltas if x.text])
+        assert view.model.tokens() == finished.tokens
+        assert view.position_label.text().startswith(f"autoregressive · finished · {finished.tokens} tokens")
+        view.canvas.grab()
+        assert view.canvas.painted == "token stream" and not view.slider.isEnabled()
+    finally:
+        d.mode.setCurrentIndex(d.mode.findData("diffusion"))

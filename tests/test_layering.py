@@ -58,3 +58,12 @@ def test_plain_data_modules_are_torch_free() -> None:
              "engine.speed", "engine.planner"]
     loaded = _loaded_after_import(plain)
     assert not any(m == "torch" or m.startswith("torch.") for m in loaded)
+
+
+def test_ui_never_imports_clover_desk() -> None:
+    """ui/ is handed its services (engine client, chat store, downloader) by clover_desk.app; it never reaches up."""
+    loaded = _loaded_after_import(_modules_of("ui"))
+    assert "ui.main_window" in loaded
+    assert not any(m == "clover_desk" or m.startswith("clover_desk.") for m in loaded), sorted(
+        m for m in loaded if m.startswith("clover_desk")
+    )

@@ -10,8 +10,9 @@ from clover_desk.storage import ChatStore, StreamRecorder
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.events import Finished, LoadProgress, TextDelta
 from fakes_ui import FakeEngineClient, fake_plan
-from ui.chat_view import default_extract_html
-from ui.main_window import GenerationSettings, MainWindow, expert_hit_rate, title_from_text
+from ui.html_extract import extract_html
+from ui.generation import GenerationSettings, expert_hit_rate
+from ui.main_window import MainWindow
 from ui.vram_panel import VramPanel
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
@@ -344,7 +345,7 @@ def test_preview_follows_the_streaming_answer_until_another_is_opened(qtbot, sto
     flushes = preview.flushes
     with qtbot.waitSignal(window.generationFinished, timeout=2000):
         client.emit_until(Finished)
-    assert preview.shown[-1] == default_extract_html(LIST_ANSWER) and preview.shown[-1].endswith("</html>")
+    assert preview.shown[-1] == extract_html(LIST_ANSWER) and preview.shown[-1].endswith("</html>")
     assert preview.document_ids[-1] == doc_id and preview.flushes == flushes + 1
     assert window.preview_follows is None
 
@@ -354,7 +355,7 @@ def test_streaming_does_not_extract_per_delta_once_the_button_shows(qtbot, store
 
     def counting_extractor(text: str) -> str | None:
         calls.append(text)
-        return default_extract_html(text)
+        return extract_html(text)
 
     client = FakeEngineClient(blocks=6, pass_ms=2, answer=LIST_ANSWER)
     window, _ = make_window(qtbot, store, client, html_extractor=counting_extractor)
@@ -454,8 +455,9 @@ def test_helpers() -> None:
     assert expert_hit_rate({}) is None
     assert expert_hit_rate({"slot_hits": 9, "slot_misses": 1, "hit_rate": 0.9}) == 0.9
     assert expert_hit_rate({"slot_hits": 0, "slot_misses": 0, "hit_rate": 0.0}) is None  # all experts resident
-    assert title_from_text("\n  A fairly long first line that will need to be shortened somewhere  \nmore") == (
-        "A fairly long first line that will need to be…"
+    # one title rule: the store's (the window asks it), 60 characters cut at a word
+    assert ChatStore.title_for("\n  A fairly long first line that will need to be shortened somewhere  \nmore") == (
+        "A fairly long first line that will need to be shortened…"
     )
 
 

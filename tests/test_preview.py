@@ -1,4 +1,4 @@
-"""The HTML preview: finding HTML in answers, throttled reloads, big pages, the strip, save/open, the CLI."""
+"""The HTML preview (finding HTML in answers: test_html_extract.py): throttled reloads, big pages, the strip, save/open, the CLI."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from ui.preview import (  # noqa: E402
     PREVIEW_CSP,
     PreviewPane,
     atomic_write_text,
-    extract_html,
     new_document_host,
     register_schemes,
     split_chromium_flags,
@@ -62,36 +61,6 @@ def js(qtbot, pane: PreviewPane, source: str):
     with qtbot.waitCallback(timeout=LOAD_TIMEOUT_MS) as callback:
         pane.page.runJavaScript(source, 0, callback)
     return callback.args[0]
-
-
-# ---- extract_html (pure) ---------------------------------------------------------------------------------------
-
-
-def test_extract_fenced_block() -> None:
-    answer = "Here you go:\n\n```html\n<!DOCTYPE html>\n<html><body>hi</body></html>\n```\n\nEnjoy."
-    assert extract_html(answer) == "<!DOCTYPE html>\n<html><body>hi</body></html>"
-
-
-def test_extract_picks_longest_block_and_accepts_tildes() -> None:
-    answer = "```html\n<b>x</b>\n```\ntext\n~~~HTML\n<html><body>the whole app</body></html>\n~~~\n"
-    assert extract_html(answer) == "<html><body>the whole app</body></html>"
-
-
-def test_extract_unfinished_fence_while_streaming() -> None:
-    answer = "Sure!\n```html\n<!DOCTYPE html>\n<html><body><h1>Desk"
-    assert extract_html(answer) == "<!DOCTYPE html>\n<html><body><h1>Desk"
-
-
-def test_extract_bare_page_and_its_end() -> None:
-    answer = "Some words.\n<!doctype html>\n<html><body>x</body></html>\nAfterword."
-    assert extract_html(answer) == "<!doctype html>\n<html><body>x</body></html>"
-    assert extract_html("<html lang='en'><body>streaming") == "<html lang='en'><body>streaming"
-
-
-def test_extract_none_when_no_document() -> None:
-    assert extract_html("Use a <div> and an <html> element inline in prose.") is None
-    assert extract_html("```python\nprint('<html>')\n```") is None
-    assert extract_html("") is None
 
 
 def test_document_hosts_are_random_and_dns_safe() -> None:

@@ -32,18 +32,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ui.html_extract import extract_html
 from ui.markdown import CodeBlock, RenderedMarkdown, render
+from ui.theme import set_style_class
 from ui.throttle import Throttle
+from ui.widgets import ElidedLabel, accessible
 
 log = logging.getLogger(__name__)
 
 HtmlExtractor = Callable[[str], "str | None"]  # message Markdown -> the HTML app it contains, or None
 
 
-def default_extract_html(markdown: str) -> str | None:
-    """The last HTML code block of a message (``ui.preview.extract_html`` is used when the app provides it)."""
-    blocks = [b for b in render(markdown).code_blocks if b.is_html and b.code.strip()]
-    return blocks[-1].code if blocks else None
 
 
 # --------------------------------------------------------------------------------------------- plain data
@@ -203,9 +202,9 @@ class MarkdownBrowser(QTextBrowser):
     codeCopied = Signal(int)  # index of the code block copied to the clipboard
     previewRequested = Signal(int, str)  # (index, HTML) of a code block to show in the preview tab
 
-    def __init__(self, object_name: str = "messageBody", parent: QWidget | None = None) -> None:
+    def __init__(self, style_class: str = "messageBody", parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.setObjectName(object_name)
+        set_style_class(self, style_class)
         self.setOpenLinks(False)
         self.setReadOnly(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
@@ -221,18 +220,24 @@ class MarkdownBrowser(QTextBrowser):
         self.document().documentLayout().documentSizeChanged.connect(self.on_size_changed)
         self.anchorClicked.connect(self.on_anchor_clicked)
 
-    def set_markdown(self, text: str) -> None:
-        if text == self._source:
+    def set_markdown(self, text: str, force: bool = False) -> None:
+        if text == self._source and not force:
             return
         self._source = text
         self.rendered = render(text)
         self.setHtml(self.rendered.html)
 
+    def rerender(self) -> None:
+        """Render the same Markdown again (after a theme change: the HTML carries palette colours)."""
+        if self._source is not None:
+            self.set_markdown(self._source, force=True)
+
     def code_blocks(self) -> list[CodeBlock]:
         return self.rendered.code_blocks
 
     def on_size_changed(self, *_args: object) -> None:
-        height = int(self.document().size().height()) + 4
+        chrome = max(0, self.height() - self.viewport().height())  # frame and the style sheet's padding
+        height = int(self.document().size().height()) + chrome + 2
         if self.height() != height:
             self.setFixedHeight(height)
 
@@ -276,35 +281,39 @@ class MessageWidget(QFrame):
         self.html_watch = HtmlWatch(html_extractor)  # while streaming: has a document begun yet?
         self._html_checked: tuple[str, bool] | None = None  # (content, has a document) once it stopped streaming
         is_user = data.role == "user"
-        self.setObjectName("messageUser" if is_user else "messageAssistant")
+        set_style_class(self, "message", "user" if is_user else "assistant")
         self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
 
-        self.role_label = QLabel("You" if is_user else "Clover" if data.role == "assistant" else data.role.title())
-        self.role_label.setObjectName("roleLabel")
-        self.meta_label = QLabel()
-        self.meta_label.setObjectName("metaLabel")
-        self.copy_button = self._action("Copy", "Copy the message as Markdown")
-        self.edit_button = self._action("Edit", "Edit this message and send it again")
-        self.regen_button = self._action("Regenerate", "Answer this prompt again")
-        self.preview_button = self._action("Preview", "Open the HTML this message contains in the preview tab")
+        who = "You" if is_user else "Clover" if data.role == "assistant" else data.role.title()
+        self.role_label = QLabel(who)
+        set_style_class(self.role_label, "role")
+        self.meta_label = ElidedLabel("", "meta")  # the statistics line never widens the chat column
+        accessible(self.meta_label, "Statistics")
+        self.copy_button = self._action("Copy", "Copy the message as Markdown", f"Copy {who.lower()} message")
+        self.edit_button = self._action("Edit", "Edit this message and send it again", "Edit and resend")
+        self.regen_button = self._action("Regenerate", "Answer this prompt again (Ctrl+Shift+R)", "Regenerate answer")
+        self.preview_button = self._action("Preview", "Open the HTML this message contains in the preview tab",
+                                           "Preview the page")
         self.edit_button.setVisible(is_user)
         self.regen_button.setVisible(False)
         self.preview_button.setVisible(False)
 
         self.thinking_toggle = QToolButton()
-        self.thinking_toggle.setObjectName("thinkingToggle")
+        set_style_class(self.thinking_toggle, "thinkingToggle")
+        accessible(self.thinking_toggle, "Show the thinking")
         self.thinking_toggle.setCheckable(True)
         self.thinking_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.thinking_toggle.setArrowType(Qt.ArrowType.RightArrow)
         self.thinking_body = MarkdownBrowser("thinkingBody")
+        accessible(self.thinking_body, "Thinking")
         self.thinking_body.setVisible(False)
         self.body = MarkdownBrowser("messageBody")
+        accessible(self.body, f"{who} said")
 
         header = QHBoxLayout()
         header.setSpacing(8)
         header.addWidget(self.role_label)
-        header.addWidget(self.meta_label)
-        header.addStretch(1)
+        header.addWidget(self.meta_label, 1)
         for b in (self.preview_button, self.regen_button, self.edit_button, self.copy_button):
             header.addWidget(b)
         layout = QVBoxLayout(self)
@@ -318,10 +327,12 @@ class MessageWidget(QFrame):
         self.thinking_toggle.setChecked(expand_thinking)
         self.refresh()
 
-    def _action(self, text: str, tip: str) -> QPushButton:
-        button = QPushButton(text)
-        button.setObjectName("ghost")
+    def _action(self, text: str, tip: str, name: str) -> QPushButton:
+        button = QPushButton(text, self)  # a parent from the start: shown before the layout takes it, a parentless
+        #                                   button would flash up as a window of its own (and steal the focus)
+        set_style_class(button, "ghost")
         button.setToolTip(tip)
+        accessible(button, name)
         button.setCursor(Qt.CursorShape.PointingHandCursor)
         return button
 
@@ -408,7 +419,7 @@ class ChatView(QWidget):
 
     def __init__(self, html_extractor: HtmlExtractor | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self._extract_html = html_extractor or default_extract_html
+        self._extract_html = html_extractor or extract_html
         self.expand_thinking = False  # new messages open their thinking section
         self.widgets: list[MessageWidget] = []
         self._stick_to_bottom = True
@@ -419,7 +430,7 @@ class ChatView(QWidget):
         self.column = QWidget()
         self.column.setObjectName("chatColumn")
         self.column_layout = QVBoxLayout(self.column)
-        self.column_layout.setContentsMargins(24, 18, 24, 18)
+        self.column_layout.setContentsMargins(16, 16, 16, 16)
         self.column_layout.setSpacing(10)
         self.empty = self._empty_state()
         self.column_layout.addWidget(self.empty)
@@ -440,19 +451,27 @@ class ChatView(QWidget):
     def _empty_state(self) -> QWidget:
         box = QWidget()
         lay = QVBoxLayout(box)
-        lay.setContentsMargins(0, 80, 0, 0)
+        lay.setContentsMargins(0, 60, 0, 0)
         title = QLabel("☘  Clover Desk")
         title.setObjectName("emptyTitle")
         title.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        hint = QLabel(
-            "Ask anything. Clover writes 32 tokens at a time, denoising each block in parallel —\n"
-            "watch it happen in the Denoising tab. Enter sends, Shift+Enter adds a line, Esc stops."
+        self.empty_hint = QLabel(
+            "Ask anything. Clover writes 32 tokens at a time, denoising each block in parallel: watch it happen "
+            "in the Denoising tab. Enter sends, Shift+Enter adds a line, Esc stops."
         )
-        hint.setObjectName("emptyHint")
-        hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_hint.setObjectName("emptyHint")
+        self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_hint.setWordWrap(True)  # never wider than the chat column (1,024 px windows)
+        self.empty_hint.setMinimumWidth(200)
         lay.addWidget(title)
-        lay.addWidget(hint)
+        lay.addWidget(self.empty_hint)
         return box
+
+    def restyle(self) -> None:
+        """The theme changed: render every message again (the Markdown HTML carries palette colours)."""
+        for w in self.widgets:
+            w.body.rerender()
+            w.thinking_body.rerender()
 
     def extract_html(self, markdown: str) -> str | None:
         """The HTML document in a message's Markdown (the same rule the Preview buttons use), or None."""

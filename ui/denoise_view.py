@@ -3,7 +3,11 @@
 Events update a plain :class:`DenoiseModel` (cheap: append a tuple); a :class:`~ui.throttle.Throttle` repaints
 the one custom-painted :class:`DenoiseCanvas` at most ~30 times a second, so a flood of ``BlockStep`` events never
 slows the engine or the GUI thread. The model keeps every step of the last ``history_blocks`` blocks, which the
-replay slider walks through.
+replay slider walks through. Each new answer starts live again (the slider only replays the answer it was moved
+in); the Live button (``liveToggle``) is checked whenever the view follows the newest pass.
+
+In autoregressive mode there are no blocks to denoise: the view says so and shows the token stream instead (the
+latest pieces, one per model step, the newest highlighted) with the token count and tok/s.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPaintEvent, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QSlider, QVBoxLayout, QWidget
 
-from engine.events import BlockCommitted, BlockStep, Finished, PromptInfo
-from ui.theme import color, confidence_color, mono_font
+from engine.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
+from ui.theme import color, confidence_color, mono_font, set_style_class
 from ui.throttle import Throttle
+from ui.widgets import accessible
+
+AR_PIECES_KEPT = 400  # autoregressive mode: the latest text pieces shown in the token stream
 
 # --------------------------------------------------------------------------------------------- model (no Qt)
 
@@ -47,19 +54,36 @@ class DenoiseModel:
         self.passes_committed = 0
         self.started_at: float | None = None  # first step of this generation
         self.finished: Finished | None = None
+        self.mode = "diffusion"  # "diffusion" | "ar" (one token per step: no blocks, a token stream instead)
+        self.pieces: deque[tuple[str, str]] = deque(maxlen=AR_PIECES_KEPT)  # AR: (text, channel), newest last
+        self.pieces_seen = 0  # AR: text pieces received (about one per token)
         self.version = 0  # bumped on every change; the view repaints only when it moved
 
     # -- events
-    def reset(self) -> None:
+    def reset(self, mode: str | None = None) -> None:
         self.blocks.clear()
         self.total_steps = self.tokens_committed = self.blocks_committed = self.passes_committed = 0
         self.started_at = None
         self.finished = None
+        self.pieces.clear()
+        self.pieces_seen = 0
+        if mode is not None:
+            self.mode = mode
         self.version += 1
 
     def on_prompt(self, info: PromptInfo) -> None:
-        self.reset()
-        self.block_size = info.block_size
+        self.reset("ar" if info.block_size <= 1 else "diffusion")  # the AR loop announces blocks of one token
+        self.block_size = max(1, info.block_size) if self.mode == "diffusion" else self.block_size
+
+    def on_delta(self, delta: TextDelta) -> None:
+        """Autoregressive mode: the token stream (in diffusion mode text arrives per block and is not shown here)."""
+        if self.mode != "ar" or not delta.text:
+            return
+        if self.started_at is None:
+            self.started_at = self._clock()
+        self.pieces.append((delta.text, delta.channel))
+        self.pieces_seen += 1
+        self.version += 1
 
     def on_step(self, step: BlockStep) -> None:
         if self.started_at is None:
@@ -104,13 +128,20 @@ class DenoiseModel:
             return None
         return self.blocks[-1], len(self.blocks[-1].steps) - 1
 
+    def tokens(self) -> int:
+        """Tokens generated so far (AR: the pieces received, until Finished gives the exact count)."""
+        if self.finished is not None:
+            return self.finished.tokens
+        return self.pieces_seen if self.mode == "ar" else self.tokens_committed
+
     def tokens_per_s(self) -> float:
         if self.finished is not None and self.finished.tokens_per_s:
             return self.finished.tokens_per_s
-        if self.started_at is None or not self.tokens_committed:
+        done = self.tokens()
+        if self.started_at is None or not done:
             return 0.0
         elapsed = self._clock() - self.started_at
-        return self.tokens_committed / elapsed if elapsed > 0 else 0.0
+        return done / elapsed if elapsed > 0 else 0.0
 
     def tokens_per_pass(self) -> float:
         if self.finished is not None and self.finished.tokens_per_pass:
@@ -143,6 +174,7 @@ class DenoiseCanvas(QWidget):
         self._model = model
         self.shown: tuple[BlockRecord, int] | None = None  # which (block, pass) is drawn; None = waiting
         self.paint_count = 0
+        self.painted = ""  # what the last paint drew: "blocks" or "token stream" (tests, diagnostics)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         self.setMinimumSize(300, 320)
         self._cell_font = mono_font(9.0)
@@ -167,6 +199,12 @@ class DenoiseCanvas(QWidget):
         margin = 14.0
         width = self.width() - 2 * margin
         y = margin
+        if self._model.mode == "ar":
+            self._paint_autoregressive(p, margin, y, width)
+            p.end()
+            self.painted = "token stream"
+            return
+        self.painted = "blocks"
         y = self._paint_header(p, margin, y, width)
         cols = self.COLUMNS
         rows = max(1, -(-self._model.block_size // cols))
@@ -228,8 +266,8 @@ class DenoiseCanvas(QWidget):
                 fill, fg, pen = color("mask"), color("faint"), QPen(Qt.PenStyle.NoPen)
             elif step.committed_now[i]:
                 fill = confidence_color(conf)
-                fg = QColor("#0d1014")
-                pen = QPen(QColor("#ffffff"), 2)
+                fg = QColor("#0d1014")  # dark text on the bright confidence colours, in both themes
+                pen = QPen(color("text"), 2)
                 text = step.texts[i] if i < len(step.texts) else ""
             else:
                 base = confidence_color(conf)
@@ -301,6 +339,93 @@ class DenoiseCanvas(QWidget):
             p.setBrush(fill)
             p.drawRect(bar)
 
+    def _paint_figures(self, p: QPainter, x: float, y: float, width: float, figures: list[tuple[str, str]]) -> float:
+        box_w = width / len(figures)
+        for i, (label, value) in enumerate(figures):
+            bx = x + i * box_w
+            p.setFont(self._big)
+            p.setPen(color("text"))
+            p.drawText(QRectF(bx, y, box_w, 26), Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, value)
+            p.setFont(self._small)
+            p.setPen(color("muted"))
+            p.drawText(QRectF(bx, y + 26, box_w, 16), Qt.AlignmentFlag.AlignLeft, label.upper())
+        return y + 54
+
+    def _paint_autoregressive(self, p: QPainter, x: float, y: float, width: float) -> None:
+        """AR mode: no blocks. The figures, one sentence saying why, and the token stream (newest highlighted)."""
+        m = self._model
+        tokens = m.tokens()
+        y = self._paint_figures(p, x, y, width, [
+            ("mode", "AR"),
+            ("tokens", f"{tokens:,}" if tokens else "–"),
+            ("tok/step", "1.0"),
+            ("tok/s", f"{m.tokens_per_s():.1f}" if tokens else "–"),
+        ])
+        p.setFont(self._small)
+        p.setPen(color("muted"))
+        note = QRectF(x, y, width, 34)
+        p.drawText(note, Qt.AlignmentFlag.AlignLeft | Qt.TextFlag.TextWordWrap,
+                   "Autoregressive: one token per model step, nothing to denoise. The latest tokens:")
+        y += 40
+        p.drawText(QRectF(x, y, width, 16), Qt.AlignmentFlag.AlignLeft, "TOKEN STREAM")
+        y += 20
+        area = QRectF(x, y, width, max(40.0, self.height() - y - 40))
+        p.setPen(QPen(color("border"), 1))
+        p.setBrush(color("surface2"))
+        p.drawRoundedRect(area, 6, 6)
+        self._paint_stream(p, area.adjusted(8, 8, -8, -8))
+        legend_y = area.bottom() + 10
+        lx = x
+        for swatch, label in ((color("accent"), "newest token"), (color("surface3"), "answer"),
+                              (color("mask"), "thinking")):
+            p.setPen(Qt.PenStyle.NoPen)
+            p.setBrush(swatch)
+            p.drawRoundedRect(QRectF(lx, legend_y + 3, 10, 10), 2, 2)
+            p.setPen(color("muted"))
+            p.setFont(self._small)
+            w = QFontMetricsF(self._small).horizontalAdvance(label)
+            p.drawText(QRectF(lx + 14, legend_y, w + 4, 16), Qt.AlignmentFlag.AlignLeft, label)
+            lx += w + 30
+
+    def _paint_stream(self, p: QPainter, area: QRectF) -> None:
+        """The newest pieces as chips, filled line by line from the bottom up (the newest bottom right)."""
+        pieces = list(self._model.pieces)
+        if not pieces:
+            p.setFont(self._small)
+            p.setPen(color("faint"))
+            p.drawText(area, Qt.AlignmentFlag.AlignCenter, "waiting for the first token")
+            return
+        fm = QFontMetricsF(self._cell_font)
+        line_h, gap = fm.height() + 8, 4.0
+        max_lines = max(1, int((area.height() + gap) // (line_h + gap)))
+        lines: list[list[tuple[str, str, float]]] = [[]]
+        used = 0.0
+        for text, channel in reversed(pieces):  # newest first: fill the bottom line, then the ones above
+            label = fm.elidedText(display_text(text), Qt.TextElideMode.ElideRight, area.width() - 8)
+            w = fm.horizontalAdvance(label) + 10
+            if lines[-1] and used + w > area.width():
+                if len(lines) == max_lines:
+                    break
+                lines.append([])
+                used = 0.0
+            lines[-1].append((label, channel, w))
+            used += w + gap
+        p.setFont(self._cell_font)
+        newest = True
+        for row, line in enumerate(lines):
+            top = area.bottom() - (row + 1) * line_h - row * gap
+            right = area.right()
+            for label, channel, w in line:  # newest first, right to left
+                rect = QRectF(right - w, top, w, line_h)
+                fill = color("accent") if newest else color("mask") if channel == "thinking" else color("surface3")
+                p.setPen(Qt.PenStyle.NoPen)
+                p.setBrush(fill)
+                p.drawRoundedRect(rect, 4, 4)
+                p.setPen(color("on_accent") if newest else color("muted") if channel == "thinking" else color("text"))
+                p.drawText(rect, Qt.AlignmentFlag.AlignCenter, label)
+                right -= w + gap
+                newest = False
+
     def _paint_legend(self, p: QPainter, x: float, y: float) -> None:
         p.setFont(self._small)
         items = [
@@ -308,17 +433,20 @@ class DenoiseCanvas(QWidget):
             (confidence_color(0.95), "committed this pass"),
             (QColor(70, 201, 139, 70), "committed earlier"),
         ]
-        for swatch, label in items:
+        left, right = x, self.width() - 14.0
+        for swatch, label in items:  # an item that does not fit goes to the next line (narrow panels)
+            w = QFontMetricsF(self._small).horizontalAdvance(label)
+            if x > left and x + 14 + w > right:
+                x, y = left, y + 20
             p.setPen(Qt.PenStyle.NoPen)
             p.setBrush(swatch)
             p.drawRoundedRect(QRectF(x, y + 3, 10, 10), 2, 2)
             p.setPen(color("muted"))
-            w = QFontMetricsF(self._small).horizontalAdvance(label)
             p.drawText(QRectF(x + 14, y, w + 4, 16), Qt.AlignmentFlag.AlignLeft, label)
             x += w + 30
         # confidence scale, on the next line when the panel is narrow
-        if x + 150 > self.width():
-            x, y = 14.0, y + 20
+        if x + 150 > right:
+            x, y = left, y + 20
         for k in range(20):
             p.setPen(Qt.PenStyle.NoPen)
             p.setBrush(confidence_color(k / 19))
@@ -328,14 +456,18 @@ class DenoiseCanvas(QWidget):
 
 
 class DenoiseView(QWidget):
-    """The denoising tab: canvas + replay controls. Feed it engine events with :meth:`add_event`."""
+    """The denoising tab: canvas + replay controls. Feed it engine events with :meth:`add_event`; call
+    :meth:`start` when an answer begins (it clears the view and follows the live pass again)."""
 
     replayChanged = Signal(int, int)  # (block_index, pass_index) now drawn, when the user scrubs
 
     def __init__(self, history_blocks: int = 64, fps: int = 30, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        self.setObjectName("denoiseView")
         self.model = DenoiseModel(history_blocks)
         self.canvas = DenoiseCanvas(self.model)
+        self.canvas.setObjectName("denoiseCanvas")
+        accessible(self.canvas, "Denoising of the current block")
         self.following = True  # live: show the newest step; False: the slider picks
         self._shown_version = -1
         self.throttle = Throttle(self.refresh, max(1, 1000 // fps), self)
@@ -344,18 +476,25 @@ class DenoiseView(QWidget):
         self.slider.setObjectName("replaySlider")
         self.slider.setRange(0, 0)
         self.slider.setEnabled(False)
-        self.slider.setToolTip("Replay the recorded passes of the last blocks")
+        self.slider.setToolTip("Replay the recorded passes of the last blocks (the end follows the live pass)")
+        accessible(self.slider, "Replay position")
         self.live_button = QPushButton("Live")
-        self.live_button.setObjectName("chip")
+        self.live_button.setObjectName("liveToggle")
+        set_style_class(self.live_button, "chip")
         self.live_button.setCheckable(True)
         self.live_button.setChecked(True)
-        self.live_button.setToolTip("Follow the newest pass")
+        self.live_button.setToolTip("Follow the newest pass (each new answer starts live)")
+        accessible(self.live_button, "Follow the live pass")
         self.position_label = QLabel("waiting for a generation")
-        self.position_label.setObjectName("muted")
+        self.position_label.setObjectName("denoisePosition")
+        self.position_label.setWordWrap(True)  # never cut at the panel's edge
+        set_style_class(self.position_label, "muted")
+        self.replay_label = QLabel("&Replay")
+        self.replay_label.setBuddy(self.slider)
 
         controls = QHBoxLayout()
         controls.setContentsMargins(14, 4, 14, 12)
-        controls.addWidget(QLabel("Replay"))
+        controls.addWidget(self.replay_label)
         controls.addWidget(self.slider, 1)
         controls.addWidget(self.live_button)
         layout = QVBoxLayout(self)
@@ -379,8 +518,13 @@ class DenoiseView(QWidget):
             self.model.on_step(event)
         elif isinstance(event, BlockCommitted):
             self.model.on_committed(event)
+        elif isinstance(event, TextDelta):
+            if self.model.mode != "ar":
+                return
+            self.model.on_delta(event)
         elif isinstance(event, PromptInfo):
             self.model.on_prompt(event)
+            self._set_following(True)
         elif isinstance(event, Finished):
             self.model.on_finished(event)
             self.throttle.request()
@@ -390,23 +534,51 @@ class DenoiseView(QWidget):
             return
         self.throttle.request()
 
-    def clear(self) -> None:
-        self.model.reset()
+    def start(self, mode: str = "diffusion") -> None:
+        """A new answer begins (``mode`` "diffusion" | "ar"): clear the view and follow its live pass."""
+        self.model.reset(mode)
+        self._set_following(True)
         self.throttle.request()
+
+    def clear(self) -> None:
+        self.start(self.model.mode)
+
+    def _set_following(self, on: bool) -> None:
+        self.following = on
+        self._shown_version = -1
+        if self.live_button.isChecked() != on:
+            self.live_button.blockSignals(True)
+            self.live_button.setChecked(on)
+            self.live_button.blockSignals(False)
 
     # -- throttled refresh
     def refresh(self) -> None:
         if self.model.version == self._shown_version:
             return
         self._shown_version = self.model.version
-        count = self.model.step_count()
+        ar = self.model.mode == "ar"
+        count = 0 if ar else self.model.step_count()
         self.slider.blockSignals(True)
         self.slider.setRange(0, max(0, count - 1))
         self.slider.setEnabled(count > 0)
         if self.following:
             self.slider.setValue(max(0, count - 1))
         self.slider.blockSignals(False)
+        self.live_button.setEnabled(not ar)
+        if ar:
+            self._show_autoregressive()
+            return
         self._show(self.model.latest() if self.following else self.model.step_at(self.slider.value()))
+
+    def _show_autoregressive(self) -> None:
+        self.canvas.show_step(None)
+        m = self.model
+        tokens = m.tokens()
+        if not tokens:
+            self.position_label.setText("autoregressive · one token per step, no blocks to denoise")
+            return
+        state = "finished" if m.finished is not None else "live"
+        self.position_label.setText(f"autoregressive · {state} · {tokens:,} tokens · {m.tokens_per_s():.1f} tok/s")
 
     def _show(self, shown: tuple[BlockRecord, int] | None) -> None:
         self.canvas.show_step(shown)
@@ -423,11 +595,8 @@ class DenoiseView(QWidget):
 
     # -- slots
     def on_slider_moved(self, value: int) -> None:
-        if value < self.slider.maximum():
-            self.following = False
-            self.live_button.blockSignals(True)
-            self.live_button.setChecked(False)
-            self.live_button.blockSignals(False)
+        # dragged back: replay (the view stays there while new passes arrive); dragged to the end: live again
+        self._set_following(value >= self.slider.maximum())
         shown = self.model.step_at(value)
         self._show(shown)
         if shown:

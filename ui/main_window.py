@@ -1,51 +1,57 @@
-"""The Clover Desk window: conversations on the left, the chat in the middle, live panels on the right.
+"""The Clover Desk window: conversations on the left, the chat in the middle, live panels on the right, a menu bar.
 
-The window talks to the engine only through an ``EngineClient`` (a worker process behind Qt signals) and to the
-disk only through a ``ChatStore``; both are passed in (see ``clover_desk.app``). Every engine event lands in
-:meth:`MainWindow.on_engine_event`, which updates plain state (:class:`~ui.chat_view.StreamingReply`,
-:class:`~ui.denoise_view.DenoiseModel`) and asks throttled views to repaint: the GUI thread only paints.
+The window talks to the engine only through an engine client (:class:`~ui.contracts.EngineClientLike`, a worker
+process behind Qt signals) and to the disk only through a chat store (:class:`~ui.contracts.ChatStoreLike`); both
+are passed in (see ``clover_desk.app``). Every engine event lands in :meth:`MainWindow.on_engine_event`, which updates
+plain state (:class:`~ui.chat_view.StreamingReply`, :class:`~ui.denoise_view.DenoiseModel`) and asks throttled
+views to repaint: the GUI thread only paints.
 
 A reply is saved as it streams: each committed block appends its text to the store in one transaction
 (``append_streaming``), so a crash of the engine or of the app loses at most the block in flight.
 
-A save that fails (a full disk, a read-only folder: ``StorageError``) is shown in the info banner and never loses
-what the user typed: the composer is cleared only once a send is saved. A per-block save that fails mid-answer
-stops the generation (cancel sent, back to idle) and keeps the answer on screen, marked as not saved.
+A save that fails (a full disk, a read-only folder: the store's ``Error``) is shown in the info banner and never
+loses what the user typed: the composer is cleared only once a send is saved. A per-block save that fails
+mid-answer stops the generation (cancel sent, back to idle) and keeps the answer on screen, marked as not saved.
+
+Send works only while a model is loaded (:class:`~ui.contracts.EngineState`); otherwise it is disabled and the
+composer says why, keeping the text. A new chat starts from the model's own generation settings (handed in by the
+composition root from the model folder, and again with the engine's ``loaded`` answer).
 
 When the user opens the preview of the answer being streamed, the preview follows it: every answer delta hands the
 page so far to the preview (whose own throttle coalesces the reloads) and the end of the answer flushes the last
 one. Opening another message's preview shows that page and stops following.
+
+Window size and position, the splitter, the side tab, the theme and the last export folder are remembered in the
+``QSettings`` handed in (none: nothing is remembered).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
-from PySide6.QtCore import QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QKeyEvent, QKeySequence, QShortcut
+from PySide6.QtCore import QSettings, QSize, QStandardPaths, Qt, QTimer, Signal
+from PySide6.QtGui import (
+    QAction,
+    QActionGroup,
+    QCloseEvent,
+    QGuiApplication,
+    QKeySequence,
+    QResizeEvent,
+    QShowEvent,
+)
 from PySide6.QtWidgets import (
-    QCheckBox,
-    QComboBox,
-    QDoubleSpinBox,
+    QApplication,
     QFileDialog,
-    QFormLayout,
     QFrame,
     QHBoxLayout,
-    QLabel,
-    QLineEdit,
-    QListWidget,
-    QListWidgetItem,
     QMainWindow,
     QMenu,
     QMessageBox,
-    QPlainTextEdit,
-    QProgressBar,
     QPushButton,
-    QSpinBox,
+    QScrollArea,
     QSplitter,
     QStackedWidget,
     QStatusBar,
@@ -54,617 +60,70 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from clover_desk.storage import StorageError
-from engine.events import (
-    BlockCommitted,
-    BlockStep,
-    EngineError,
-    Finished,
-    GenerationParams,
-    LoadProgress,
-    PromptInfo,
-    TextDelta,
-)
+from engine.events import BlockCommitted, BlockStep, EngineError, Finished, LoadProgress, PromptInfo, TextDelta
+from ui.banners import Banner, LoadBanner
 from ui.chat_view import ChatView, HtmlExtractor, MessageData, PreviewRequest, StreamingReply, preview_document_id
+from ui.composer import Composer
+from ui.contracts import (
+    ChatStoreLike,
+    EngineClientLike,
+    EngineState,
+    HtmlPreview,
+    MemoryMonitor,
+    Recorder,
+    RecorderFactory,
+)
 from ui.denoise_view import DenoiseView
+from ui.generation import GenerationSettings, defaults_from_model, export_file_name, finished_stats
+from ui.settings_drawer import SettingsDrawer
+from ui.sidebar import ConversationSidebar
+from ui.theme import SCHEMES, apply_theme, set_style_class
 from ui.throttle import Throttle
+from ui.widgets import ElidedLabel, accessible
 
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-
-
-# --------------------------------------------------------------------------------------------- plain logic
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """What the settings drawer edits; stored per conversation (``Conversation.settings``)."""
-
-    mode: str = "diffusion"  # "diffusion" | "ar"
-    temperature: float = 0.0
-    block_size: int = 32
-    threshold: float = 0.9
-    max_new_tokens: int = 1024
-    enable_thinking: bool = True
-    expand_thinking: bool = False  # display only: show the thinking section open by default
-
-    def to_params(self, enable_thinking: bool | None = None) -> GenerationParams:
-        return GenerationParams(
-            mode=self.mode,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            do_sample=self.temperature > 0,
-            block_size=self.block_size if self.mode == "diffusion" else None,
-            threshold=self.threshold if self.mode == "diffusion" else None,
-            enable_thinking=self.enable_thinking if enable_thinking is None else enable_thinking,
-        )
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> GenerationSettings:
-        defaults = cls()
-        known = {k: v for k, v in (data or {}).items() if k in asdict(defaults)}
-        try:
-            return replace(defaults, **known)
-        except TypeError:
-            log.warning("ignoring malformed conversation settings %r", data)
-            return defaults
-
-
-def finished_stats(event: Finished, mode: str) -> dict[str, Any]:
-    """The per-message statistics kept with an answer (shown under it, exported with it)."""
-    stats: dict[str, Any] = {
-        "mode": mode,
-        "tokens": event.tokens,
-        "passes": event.passes,
-        "tokens_per_pass": round(event.tokens_per_pass, 3),
-        "tokens_per_s": round(event.tokens_per_s, 3),
-        "time_to_first_token_s": event.time_to_first_token_s,
-        "prompt_tokens": event.prompt_tokens,
-        "prefill_s": round(event.prefill_s, 4),
-        "decode_s": round(event.decode_s, 4),
-        "stop_reason": event.stop_reason,
-    }
-    rate = expert_hit_rate(event.accounting)
-    if rate is not None:
-        stats["expert_hit_rate"] = rate
-    return stats
-
-
-def expert_hit_rate(accounting: dict[str, Any] | None) -> float | None:
-    """Expert slot-pool hit rate from ``Finished.accounting`` (engine.offload: ``hit_rate``, ``slot_hits`` /
-    ``slot_misses``), or None when nothing was streamed."""
-    if not accounting:
-        return None
-    hits = accounting.get("slot_hits", accounting.get("hits"))
-    misses = accounting.get("slot_misses", accounting.get("misses"))
-    if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses == 0:
-        return None  # nothing was looked up in the slot pool (every expert resident): no rate to show
-    for key in ("hit_rate", "expert_hit_rate", "cache_hit_rate"):
-        if isinstance(accounting.get(key), (int, float)):
-            return float(accounting[key])
-    if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses > 0:
-        return float(hits) / float(hits + misses)
-    return None
-
-
-def title_from_text(text: str, max_chars: int = 48) -> str:
-    """A chat title from the first message: its first non-empty line, cut at a word boundary."""
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    if len(line) <= max_chars:
-        return line or "New chat"
-    cut = line[:max_chars].rsplit(" ", 1)[0] or line[:max_chars]
-    return cut.rstrip(" ,.;:") + "…"
-
-
-class SystemMonitor:
-    """RAM (psutil) and VRAM (NVML, when present) in use. Cheap enough for a 2 s timer on the GUI thread."""
-
-    def __init__(self) -> None:
-        self._nvml_handle: Any = None
-        self._nvml_tried = False
-
-    def _nvml(self) -> Any:
-        if not self._nvml_tried:
-            self._nvml_tried = True
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            except Exception as exc:  # noqa: BLE001 - no driver / no GPU / no pynvml: VRAM is simply not shown
-                log.debug("NVML unavailable: %s", exc)
-                self._nvml_handle = None
-        return self._nvml_handle
-
-    def sample(self) -> dict[str, int | None]:
-        out: dict[str, int | None] = {"ram_used": None, "ram_total": None, "vram_used": None, "vram_total": None}
-        try:
-            import psutil
-
-            vm = psutil.virtual_memory()
-            out["ram_used"], out["ram_total"] = int(vm.total - vm.available), int(vm.total)
-        except (ImportError, OSError) as exc:
-            log.debug("psutil unavailable: %s", exc)
-        handle = self._nvml()
-        if handle is not None:
-            try:
-                import pynvml
-
-                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                out["vram_used"], out["vram_total"] = int(info.used), int(info.total)
-            except Exception as exc:  # noqa: BLE001 - a transient NVML error only hides the figure
-                log.debug("NVML memory query failed: %s", exc)
-        return out
-
-
-class HtmlPreview(Protocol):
-    """What the window needs from the preview tab (``ui.preview.PreviewPane``)."""
-
-    def set_html(self, text: str, document_id: str | None = None) -> None: ...  # throttled
-    def flush(self) -> None: ...  # show the latest text now
-
-
-class Recorder(Protocol):
-    """Saves one streaming answer from its events (``clover_desk.storage.StreamRecorder``)."""
-
-    def on_event(self, event: object) -> bool: ...
-
-
-RecorderFactory = Callable[[Any, int], Recorder]  # (store, assistant message id) -> recorder
-
-
-# --------------------------------------------------------------------------------------------- small widgets
-
-
-class PromptEdit(QPlainTextEdit):
-    """The message box: Enter sends, Shift+Enter adds a line, Esc stops (or cancels an edit)."""
-
-    submitted = Signal()  # Enter pressed: send the text
-    escapePressed = Signal()  # Esc pressed: stop the generation / leave edit mode
-
-    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802
-        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
-            if event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
-                self.insertPlainText("\n")
-            else:
-                self.submitted.emit()
-            return
-        if event.key() == Qt.Key.Key_Escape:
-            self.escapePressed.emit()
-            return
-        super().keyPressEvent(event)
-
-
-class Composer(QFrame):
-    """Input box with the per-message Think toggle and the Send / Stop button."""
-
-    sendRequested = Signal(str)  # text to send (already stripped, never empty)
-    stopRequested = Signal()  # stop the running generation
-    editCancelled = Signal()  # the user left edit mode without sending
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setObjectName("composer")
-        self.generating = False
-        self.editing: MessageData | None = None
-        self.input = PromptEdit()
-        self.input.setObjectName("composerInput")
-        self.input.setPlaceholderText("Message Clover…  (Enter to send, Shift+Enter for a new line)")
-        self.input.setFixedHeight(72)
-        self.edit_note = QLabel()
-        self.edit_note.setObjectName("warnText")
-        self.edit_note.setVisible(False)
-        self.think_button = QPushButton("Think")
-        self.think_button.setObjectName("chip")
-        self.think_button.setCheckable(True)
-        self.think_button.setChecked(True)
-        self.think_button.setToolTip("Let the model think before answering (this message)")
-        self.mode_label = QLabel()
-        self.mode_label.setObjectName("faint")
-        self.send_button = QPushButton("Send")
-        self.send_button.setObjectName("sendButton")
-        self.send_button.setCursor(Qt.CursorShape.PointingHandCursor)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(12, 8, 12, 8)
-        layout.setSpacing(4)
-        layout.addWidget(self.edit_note)
-        layout.addWidget(self.input)
-        row = QHBoxLayout()
-        row.addWidget(self.think_button)
-        row.addWidget(self.mode_label)
-        row.addStretch(1)
-        row.addWidget(self.send_button)
-        layout.addLayout(row)
-        self._connect_signals()
-
-    def _connect_signals(self) -> None:
-        self.input.submitted.connect(self.on_submit)
-        self.input.escapePressed.connect(self.on_escape)
-        self.send_button.clicked.connect(self.on_send_clicked)
-
-    def set_generating(self, on: bool) -> None:
-        self.generating = on
-        self.send_button.setText("Stop" if on else "Send")
-        self.send_button.setObjectName("stopButton" if on else "sendButton")
-        self.send_button.style().unpolish(self.send_button)
-        self.send_button.style().polish(self.send_button)
-
-    def begin_edit(self, data: MessageData) -> None:
-        self.editing = data
-        self.input.setPlainText(data.content)
-        self.edit_note.setText("Editing a message: Enter resends it (later messages are replaced), Esc cancels")
-        self.edit_note.setVisible(True)
-        self.input.setFocus()
-
-    def end_edit(self) -> None:
-        self.editing = None
-        self.edit_note.setVisible(False)
-
-    def on_send_clicked(self) -> None:
-        if self.generating:
-            self.stopRequested.emit()
-        else:
-            self.on_submit()
-
-    def on_submit(self) -> None:
-        if self.generating:
-            return
-        text = self.input.toPlainText().strip()
-        if not text:
-            return
-        self.sendRequested.emit(text)  # the window clears the box once the message is saved (kept if not)
-
-    def on_escape(self) -> None:
-        if self.generating:
-            self.stopRequested.emit()
-        elif self.editing is not None:
-            self.end_edit()
-            self.input.clear()
-            self.editCancelled.emit()
-
-
-class SettingsDrawer(QFrame):
-    """System prompt and sampling settings for the current conversation."""
-
-    changed = Signal()  # any setting changed (read them back with settings() / system_prompt())
-    closeRequested = Signal()  # the drawer's Done button
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setObjectName("settingsDrawer")
-        title = QLabel("Chat settings")
-        title.setObjectName("convTitle")
-        self.done_button = QPushButton("Done")
-        self.done_button.setObjectName("ghost")
-        self.system_prompt = QPlainTextEdit()
-        self.system_prompt.setPlaceholderText("You are a helpful assistant…")
-        self.system_prompt.setFixedHeight(110)
-        self.mode = QComboBox()
-        self.mode.addItem("Block diffusion", "diffusion")
-        self.mode.addItem("Autoregressive", "ar")
-        self.temperature = QDoubleSpinBox()
-        self.temperature.setRange(0.0, 2.0)
-        self.temperature.setSingleStep(0.05)
-        self.temperature.setToolTip("0 = greedy (deterministic)")
-        self.block_size = QComboBox()
-        for n in (8, 16, 32, 64):
-            self.block_size.addItem(str(n), n)
-        self.threshold = QDoubleSpinBox()
-        self.threshold.setRange(0.0, 1.0)
-        self.threshold.setSingleStep(0.05)
-        self.threshold.setToolTip("Commit every slot whose confidence is at least this (at least one per pass)")
-        self.max_tokens = QSpinBox()
-        self.max_tokens.setRange(16, 32768)
-        self.max_tokens.setSingleStep(128)
-        self.thinking = QCheckBox("Think before answering")
-        self.expand_thinking = QCheckBox("Show thinking expanded")
-        self.expand_thinking.setToolTip("Open the thinking section of answers by default (it can always be toggled)")
-        form = QFormLayout()
-        form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft)
-        form.setVerticalSpacing(10)
-        form.addRow("Mode", self.mode)
-        form.addRow("Temperature", self.temperature)
-        form.addRow("Block size", self.block_size)
-        form.addRow("Threshold", self.threshold)
-        form.addRow("Max tokens", self.max_tokens)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(16, 16, 16, 16)
-        layout.setSpacing(10)
-        top = QHBoxLayout()
-        top.addWidget(title)
-        top.addStretch(1)
-        top.addWidget(self.done_button)
-        layout.addLayout(top)
-        scope = QLabel("Saved with this chat. Think can also be switched per message next to the input box.")
-        scope.setObjectName("muted")
-        scope.setWordWrap(True)
-        layout.addWidget(scope)
-        prompt_label = QLabel("SYSTEM PROMPT")
-        prompt_label.setObjectName("sectionTitle")
-        layout.addWidget(prompt_label)
-        layout.addWidget(self.system_prompt)
-        sampling = QLabel("GENERATION")
-        sampling.setObjectName("sectionTitle")
-        layout.addWidget(sampling)
-        layout.addLayout(form)
-        layout.addWidget(self.thinking)
-        layout.addWidget(self.expand_thinking)
-        hints = QLabel(
-            "<b>Block diffusion</b> fills a block of masked slots per step; <b>threshold</b>: every slot at least "
-            "this confident is committed in a pass (at least one), so lower is faster and riskier. "
-            "<b>Block size</b> is the number of slots per block. <b>Temperature</b> 0 is greedy. "
-            "<b>Autoregressive</b> writes one token per step."
-        )
-        hints.setObjectName("muted")
-        hints.setWordWrap(True)
-        layout.addWidget(hints)
-        layout.addStretch(1)
-        self.set_settings(GenerationSettings(), "")
-        self._connect_signals()
-
-    def _connect_signals(self) -> None:
-        for sig in (
-            self.mode.currentIndexChanged,
-            self.block_size.currentIndexChanged,
-            self.temperature.valueChanged,
-            self.threshold.valueChanged,
-            self.max_tokens.valueChanged,
-            self.thinking.toggled,
-            self.expand_thinking.toggled,
-            self.system_prompt.textChanged,
-        ):
-            sig.connect(self.on_any_changed)
-        self.done_button.clicked.connect(self.closeRequested)
-
-    def set_settings(self, s: GenerationSettings, system_prompt: str) -> None:
-        widgets = (self.mode, self.block_size, self.temperature, self.threshold, self.max_tokens, self.thinking,
-                   self.expand_thinking, self.system_prompt)
-        for w in widgets:
-            w.blockSignals(True)
-        self.mode.setCurrentIndex(max(0, self.mode.findData(s.mode)))
-        self.block_size.setCurrentIndex(max(0, self.block_size.findData(s.block_size)))
-        self.temperature.setValue(s.temperature)
-        self.threshold.setValue(s.threshold)
-        self.max_tokens.setValue(s.max_new_tokens)
-        self.thinking.setChecked(s.enable_thinking)
-        self.expand_thinking.setChecked(s.expand_thinking)
-        self.system_prompt.setPlainText(system_prompt)
-        for w in widgets:
-            w.blockSignals(False)
-        self._update_enabled()
-
-    def settings(self) -> GenerationSettings:
-        return GenerationSettings(
-            mode=str(self.mode.currentData()),
-            temperature=float(self.temperature.value()),
-            block_size=int(self.block_size.currentData()),
-            threshold=float(self.threshold.value()),
-            max_new_tokens=int(self.max_tokens.value()),
-            enable_thinking=self.thinking.isChecked(),
-            expand_thinking=self.expand_thinking.isChecked(),
-        )
-
-    def system_prompt_text(self) -> str:
-        return self.system_prompt.toPlainText().strip()
-
-    def _update_enabled(self) -> None:
-        diffusion = self.mode.currentData() == "diffusion"
-        self.block_size.setEnabled(diffusion)
-        self.threshold.setEnabled(diffusion)
-
-    def on_any_changed(self, *_args: object) -> None:
-        self._update_enabled()
-        self.changed.emit()
-
-
-class ConversationSidebar(QFrame):
-    """New chat, search, and the list of conversations (rename in place, delete and export from the menu)."""
-
-    newRequested = Signal()  # start a new conversation
-    selected = Signal(int)  # conversation id chosen
-    renameRequested = Signal(int, str)  # (conversation id, new title)
-    deleteRequested = Signal(int)  # conversation id to delete (after confirmation)
-    exportRequested = Signal(int, str)  # (conversation id, "markdown" | "json")
-    searchChanged = Signal(str)  # the search text
-    modelsRequested = Signal()  # open the model manager page
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setObjectName("sidebar")
-        self.setFixedWidth(260)
-        title = QLabel("☘ Clover Desk")
-        title.setObjectName("appTitle")
-        self.new_button = QPushButton("+  New chat")
-        self.new_button.setObjectName("newChat")
-        self.new_button.setToolTip("New chat (Ctrl+N)")
-        self.search = QLineEdit()
-        self.search.setObjectName("search")
-        self.search.setPlaceholderText("Search chats")
-        self.search.setClearButtonEnabled(True)
-        self.list = QListWidget()
-        self.list.setObjectName("conversationList")
-        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
-        self.list.setEditTriggers(QListWidget.EditTrigger.EditKeyPressed)
-        self.list.setWordWrap(True)
-        # titles wrap inside the sidebar's width; never a horizontal scroll bar under the list
-        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
-        self.list.setResizeMode(QListWidget.ResizeMode.Adjust)
-        self.models_button = QPushButton("Models")
-        self.models_button.setObjectName("ghost")
-        self.models_button.setToolTip("Download, choose and quantize models")
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(12, 14, 12, 10)
-        layout.setSpacing(10)
-        layout.addWidget(title)
-        layout.addWidget(self.new_button)
-        layout.addWidget(self.search)
-        recent = QLabel("CHATS")
-        recent.setObjectName("sectionTitle")
-        layout.addWidget(recent)
-        layout.addWidget(self.list, 1)
-        layout.addWidget(self.models_button, 0, Qt.AlignmentFlag.AlignLeft)
-        self._filling = False
-        self._connect_signals()
-
-    def _connect_signals(self) -> None:
-        self.new_button.clicked.connect(self.newRequested)
-        self.models_button.clicked.connect(self.modelsRequested)
-        self.search.textChanged.connect(self.searchChanged)
-        self.list.currentItemChanged.connect(self.on_current_changed)
-        self.list.itemChanged.connect(self.on_item_changed)
-        self.list.customContextMenuRequested.connect(self.on_context_menu)
-
-    def set_items(self, items: list[tuple[int, str, str]], current: int | None) -> None:
-        """``items``: (conversation id, title, snippet or "")."""
-        self._filling = True
-        self.list.clear()
-        for cid, title, snippet in items:
-            item = QListWidgetItem(title)
-            item.setData(Qt.ItemDataRole.UserRole, cid)
-            item.setToolTip(snippet or title)
-            item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
-            self.list.addItem(item)
-            if cid == current:
-                self.list.setCurrentItem(item)
-        self._filling = False
-
-    def current_id(self) -> int | None:
-        item = self.list.currentItem()
-        return None if item is None else int(item.data(Qt.ItemDataRole.UserRole))
-
-    def item_for(self, cid: int) -> QListWidgetItem | None:
-        for i in range(self.list.count()):
-            if self.list.item(i).data(Qt.ItemDataRole.UserRole) == cid:
-                return self.list.item(i)
-        return None
-
-    def start_rename(self, cid: int) -> None:
-        item = self.item_for(cid)
-        if item is not None:
-            self.list.editItem(item)
-
-    def on_current_changed(self, current: QListWidgetItem | None, _previous: QListWidgetItem | None) -> None:
-        if current is not None and not self._filling:
-            self.selected.emit(int(current.data(Qt.ItemDataRole.UserRole)))
-
-    def on_item_changed(self, item: QListWidgetItem) -> None:
-        if not self._filling and item.text().strip():
-            self.renameRequested.emit(int(item.data(Qt.ItemDataRole.UserRole)), item.text().strip())
-
-    def on_context_menu(self, pos: Any) -> None:
-        item = self.list.itemAt(pos)
-        if item is None:
-            return
-        cid = int(item.data(Qt.ItemDataRole.UserRole))
-        menu = QMenu(self)
-        rename = menu.addAction("Rename")
-        export_md = menu.addAction("Export as Markdown…")
-        export_json = menu.addAction("Export as JSON…")
-        menu.addSeparator()
-        delete = menu.addAction("Delete")
-        chosen = menu.exec(self.list.viewport().mapToGlobal(pos))
-        if chosen is rename:
-            self.list.editItem(item)
-        elif chosen is export_md:
-            self.exportRequested.emit(cid, "markdown")
-        elif chosen is export_json:
-            self.exportRequested.emit(cid, "json")
-        elif chosen is delete:
-            self.deleteRequested.emit(cid)
-
-
-class Banner(QFrame):
-    """A one-line notice across the chat with an optional action button and a close button."""
-
-    actionClicked = Signal()  # the banner's action (e.g. "Restart engine")
-
-    def __init__(self, object_name: str, action_text: str = "", parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setObjectName(object_name)
-        self.label = QLabel()
-        self.label.setWordWrap(True)
-        self.action = QPushButton(action_text)
-        self.action.setObjectName("primary")
-        self.action.setVisible(bool(action_text))
-        self.close_button = QPushButton("✕")
-        self.close_button.setObjectName("ghost")
-        self.close_button.setFixedWidth(30)
-        layout = QHBoxLayout(self)
-        layout.setContentsMargins(14, 8, 8, 8)
-        layout.addWidget(self.label, 1)
-        layout.addWidget(self.action)
-        layout.addWidget(self.close_button)
-        self.action.clicked.connect(self.actionClicked)
-        self.close_button.clicked.connect(self.hide)
-        self.hide()
-
-    def show_message(self, text: str) -> None:
-        self.label.setText(text)
-        self.show()
-
-
-class LoadBanner(QFrame):
-    """Model loading progress with a Cancel button."""
-
-    cancelRequested = Signal()  # stop loading the model
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setObjectName("loadBanner")
-        self.label = QLabel("Loading model…")
-        self.detail = QLabel()
-        self.detail.setObjectName("muted")
-        self.bar = QProgressBar()
-        self.bar.setRange(0, 1000)
-        self.bar.setFixedHeight(8)
-        self.cancel = QPushButton("Cancel")
-        top = QHBoxLayout()
-        top.addWidget(self.label)
-        top.addStretch(1)
-        top.addWidget(self.detail)
-        top.addWidget(self.cancel)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(14, 8, 10, 10)
-        layout.addLayout(top)
-        layout.addWidget(self.bar)
-        self.cancel.clicked.connect(self.cancelRequested)
-        self.hide()
-
-    def set_progress(self, event: LoadProgress) -> None:
-        stage = {"reading": "Reading weights", "quantizing": "Quantizing", "writing-cache": "Writing cache",
-                 "placing": "Placing on the GPU", "done": "Loaded"}.get(event.stage, event.stage)
-        self.label.setText(f"{stage}…" if event.stage != "done" else stage)
-        if event.total_bytes > 0:
-            self.bar.setRange(0, 1000)
-            self.bar.setValue(int(1000 * event.done_bytes / event.total_bytes))
-            detail = f"{event.done_bytes / GIB:.1f} / {event.total_bytes / GIB:.1f} GiB"
-            if event.eta_s:
-                detail += f" · {int(event.eta_s)} s left"
-            self.detail.setText(detail)
-        else:
-            self.bar.setRange(0, 0)  # busy indicator
-            self.detail.setText(event.current)
-        self.show()
-
-
-# --------------------------------------------------------------------------------------------- the window
+APP_NAME = "Clover Desk"
+ABOUT_TEXT = (
+    "<h3>Clover Desk</h3>"
+    "<p>A desktop app for the Clover block-diffusion mixture-of-experts model: chat, watch each block being "
+    "denoised, fit the model to your GPU's memory, and preview the HTML apps it writes in a sandbox.</p>"
+    "<p>The model runs on this computer, in its own process. Nothing is sent anywhere.</p>"
+)
+EXPORT_FILTERS = {"markdown": "Markdown (*.md)", "json": "JSON (*.json)"}
+DEFAULT_SIZE = QSize(1480, 900)
+MIN_CHAT_WIDTH = 360
+MIN_SIDE_WIDTH = 320
+MIN_SIDEBAR_WIDTH = 190
+COMFORT_CHAT_WIDTH = 480  # below this the side panel, then the sidebar, give way (down to their minimum + a bit)
+
+
+def ask_save_path(parent: QWidget, caption: str, start: str, filters: list[str], selected: str) -> tuple[str, str]:
+    """The save dialog (a seam: tests replace it). Returns (path or "", the filter chosen)."""
+    return QFileDialog.getSaveFileName(parent, caption, start, ";;".join(filters), selected)
+
+
+def documents_dir() -> Path:
+    """The user's Documents folder (home when the platform has none)."""
+    location = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    return Path(location) if location else Path.home()
 
 
 class MainWindow(QMainWindow):
-    """Composition of the views above around one EngineClient and one ChatStore."""
+    """Composition of the views around one engine client and one chat store."""
 
     conversationChanged = Signal(int)  # the conversation shown (id)
     generationStarted = Signal(str)  # request id
-    generationFinished = Signal(str, str)  # (request id, stop reason | "error" | "crashed")
+    generationFinished = Signal(str, str)  # (request id, stop reason | "error" | "crashed" | "not-saved")
     modelChosen = Signal(str)  # a model folder was picked in the model manager (the app loads it)
     applyPlanRequested = Signal(object, int)  # (vram bytes as int, ctx tokens) from the VRAM panel
+    themeChanged = Signal(str)  # the palette now applied: "light" | "dark"
 
     def __init__(
         self,
-        client: Any,  # clover_desk.engine_client.EngineClient (signals: ready, loadProgress, loaded, event, ...)
-        store: Any,  # clover_desk.storage.ChatStore
+        client: EngineClientLike,
+        store: ChatStoreLike,
         recorder_factory: RecorderFactory,
         *,
         model_dir: str | None = None,
@@ -672,56 +131,74 @@ class MainWindow(QMainWindow):
         preview: QWidget | None = None,  # a QWidget that is also an HtmlPreview
         model_manager: QWidget | None = None,
         html_extractor: HtmlExtractor | None = None,
-        monitor: SystemMonitor | None = None,
+        monitor: MemoryMonitor | None = None,
         gpu_name: str | None = None,
+        model_defaults: GenerationSettings | None = None,
+        ui_settings: QSettings | None = None,
         parent: QWidget | None = None,
     ) -> None:
         super().__init__(parent)
-        self.setWindowTitle("Clover Desk")
-        self.resize(1480, 900)
+        self.setWindowTitle(APP_NAME)
         self.client = client
         self.store = store
+        self._save_error: type[Exception] = getattr(store, "Error", OSError)
         self._new_recorder = recorder_factory
-        self.recorder: Any = None  # saves the streaming answer (clover_desk.storage.StreamRecorder)
+        self.recorder: Recorder | None = None  # saves the streaming answer
         self.model_dir = model_dir
         self.monitor = monitor
         self.gpu_name = gpu_name
+        self.ui_settings = ui_settings
+        self.model_defaults = model_defaults or GenerationSettings()
+        self._fresh_touched = False  # the user edited a new chat's settings: model defaults no longer replace them
         self.conversation_id: int | None = None
         self.request_id: str | None = None
         self.reply: StreamingReply | None = None
         self.reply_data: MessageData | None = None
         self.reply_mode = "diffusion"
         self.preview_follows: MessageData | None = None  # the streaming answer the preview shows as it grows
-        self.engine_state = "starting"  # starting | loading | ready | crashed | no-model
+        if model_dir is None:
+            self.engine_state = EngineState.NO_MODEL
+        elif getattr(client, "model_info", None):  # handed a client whose model is already loaded
+            self.engine_state = EngineState.READY
+        else:
+            self.engine_state = EngineState.STARTING
         self.last_tok_s: float | None = None
         self.last_hit_rate: float | None = None
+        self.theme_preference = str(self._setting("theme", "system"))
 
         # -- views
         self.sidebar = ConversationSidebar()
         self.chat = ChatView(html_extractor)
+        self.chat.setObjectName("chatView")
         self.composer = Composer()
         self.drawer = SettingsDrawer()
-        self.crash_banner = Banner("crashBanner", "Restart engine")
-        self.info_banner = Banner("infoBanner")
+        self.drawer.set_settings(self.model_defaults, "")
+        self.crash_banner = Banner("crashBanner", "Restart engine", "Engine stopped")
+        self.info_banner = Banner("infoBanner", what="Notice")
         self.load_banner = LoadBanner()
         self.denoise = DenoiseView()
-        self.denoise.setObjectName("denoiseView")
         self.vram_panel = vram_panel
         self.preview = preview
         self.model_manager = model_manager
-        self.title_label = QLabel("New chat")
-        self.title_label.setObjectName("convTitle")
-        self.model_label = QLabel()
-        self.model_label.setObjectName("muted")
+        self.title_label = ElidedLabel("New chat", "title")
+        self.title_label.setObjectName("pageTitle")
+        accessible(self.title_label, "Page title")
+        self.model_label = ElidedLabel("", "muted")
+        self.model_label.setObjectName("modelName")
+        accessible(self.model_label, "Model")
         self.settings_button = QPushButton("Settings")
-        self.settings_button.setObjectName("ghost")
+        self.settings_button.setObjectName("settingsButton")
+        set_style_class(self.settings_button, "ghost")
         self.settings_button.setCheckable(True)
         self.settings_button.setToolTip("System prompt, temperature, block size, threshold… (Ctrl+,)")
+        accessible(self.settings_button, "Chat settings")
         self.panel_button = QPushButton("Panels")
-        self.panel_button.setObjectName("ghost")
+        self.panel_button.setObjectName("panelsButton")
+        set_style_class(self.panel_button, "ghost")
         self.panel_button.setCheckable(True)
         self.panel_button.setChecked(True)
-        self.panel_button.setToolTip("Show or hide the denoising / VRAM / preview panels")
+        self.panel_button.setToolTip("Show or hide the denoising / VRAM / preview panels (Ctrl+Shift+P)")
+        accessible(self.panel_button, "Side panels")
         self.tabs = QTabWidget()
         self.tabs.setObjectName("sideTabs")
         self.tabs.setDocumentMode(True)
@@ -730,26 +207,30 @@ class MainWindow(QMainWindow):
             self.tabs.addTab(vram_panel, "VRAM")
         if preview is not None:
             self.tabs.addTab(preview, "Preview")
+        accessible(self.tabs, "Panels")
         self.pages = QStackedWidget()
+        self.pages.setObjectName("pages")
         self.chat_page = self._build_chat_page()
         self.pages.addWidget(self.chat_page)
         if model_manager is not None:
             self.pages.addWidget(self._build_models_page(model_manager))
         self._build_status_bar()
         self._build_layout()
-        self._build_shortcuts()
+        self._build_menus()
+        self._build_tab_order()
         self.status_throttle = Throttle(self.refresh_status, 250, self)
         self.monitor_timer = QTimer(self)
         self.monitor_timer.setInterval(2000)
         self._connect_signals()
+        self._sync_from_settings()
         if self.monitor is not None:
             self.monitor_timer.start()
+        self._restore_window_state()
         self.reload_conversations()
         conversations = self.store.list_conversations(limit=1)
         if conversations:
             self.open_conversation(conversations[0].id)
         if model_dir is None and model_manager is not None:
-            self.engine_state = "no-model"
             self.show_models_page()
         self.refresh_status()
 
@@ -761,10 +242,10 @@ class MainWindow(QMainWindow):
         header.setObjectName("chatHeader")
         h = QHBoxLayout(header)
         h.setContentsMargins(20, 10, 12, 10)
-        h.addWidget(self.title_label)
+        h.addWidget(self.title_label, 3)
         h.addSpacing(10)
-        h.addWidget(self.model_label)
-        h.addStretch(1)
+        h.addWidget(self.model_label, 1)
+        h.addStretch(0)
         h.addWidget(self.settings_button)
         h.addWidget(self.panel_button)
         center = QWidget()
@@ -783,46 +264,54 @@ class MainWindow(QMainWindow):
         composer_row.setContentsMargins(20, 6, 20, 14)
         composer_row.addWidget(self.composer)
         c.addLayout(composer_row)
-        body = QHBoxLayout()
-        body.setContentsMargins(0, 0, 0, 0)
-        body.setSpacing(0)
-        body.addWidget(center, 1)
         layout = QVBoxLayout(page)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
         layout.addWidget(header)
-        layout.addLayout(body, 1)
+        layout.addWidget(center, 1)
         return page
 
     def _build_models_page(self, manager: QWidget) -> QWidget:
-        page = QWidget()
-        page.setObjectName("chatPage")
-        layout = QVBoxLayout(page)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(manager)
+        page = QScrollArea()  # the manager is taller than a 640 px window: it scrolls
+        page.setObjectName("modelsPage")
+        page.setWidgetResizable(True)
+        page.setFrameShape(QFrame.Shape.NoFrame)
+        page.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        page.setWidget(manager)
         return page
 
     def _build_layout(self) -> None:
+        # one splitter: chats | chat | panels (each remembered; none can be squeezed to nothing)
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.setObjectName("mainSplitter")
         self.splitter.setChildrenCollapsible(False)
         self.splitter.setHandleWidth(1)
         # the right side: the panels, or the settings drawer slid over them (the chat keeps its width)
         self.side = QStackedWidget()
         self.side.setObjectName("sidePanel")
         self.side.addWidget(self.tabs)
-        self.side.addWidget(self.drawer)
+        self.drawer_scroll = QScrollArea()  # the drawer is taller than a 640 px window: it scrolls
+        self.drawer_scroll.setObjectName("settingsScroll")
+        self.drawer_scroll.setWidgetResizable(True)
+        self.drawer_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.drawer_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.drawer_scroll.setWidget(self.drawer)
+        self.side.addWidget(self.drawer_scroll)
+        self.side.setMinimumWidth(MIN_SIDE_WIDTH)
+        self.pages.setMinimumWidth(MIN_CHAT_WIDTH)
+        self.splitter.addWidget(self.sidebar)
         self.splitter.addWidget(self.pages)
         self.splitter.addWidget(self.side)
-        self.splitter.setStretchFactor(0, 3)
-        self.splitter.setStretchFactor(1, 0)
-        self.splitter.setSizes([880, 520])
-        self.side.setMinimumWidth(400)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 3)
+        self.splitter.setStretchFactor(2, 0)
+        self._preferred_widths = (260, 460)  # (sidebar, panels) when there is room; see _fit_splitter
+        self.splitter.setSizes([260, 760, 460])
         central = QWidget()
         central.setObjectName("centralArea")
         layout = QHBoxLayout(central)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
-        layout.addWidget(self.sidebar)
         layout.addWidget(self.splitter, 1)
         self.setCentralWidget(central)
 
@@ -830,21 +319,120 @@ class MainWindow(QMainWindow):
         bar = QStatusBar()
         bar.setSizeGripEnabled(False)
         self.setStatusBar(bar)
-        self.engine_label = QLabel()
-        self.gpu_label = QLabel()
-        self.vram_label = QLabel()
-        self.ram_label = QLabel()
-        self.speed_label = QLabel()
-        self.hit_label = QLabel()
-        bar.addWidget(self.engine_label)
+        self.engine_label = ElidedLabel()
+        self.engine_label.setObjectName("engineStatus")
+        self.gpu_label = ElidedLabel()
+        self.gpu_label.setObjectName("gpuStatus")
+        self.gpu_label.setMaximumWidth(260)
+        self.vram_label = ElidedLabel()
+        self.ram_label = ElidedLabel()
+        self.speed_label = ElidedLabel()
+        self.speed_label.setObjectName("speedStatus")
+        self.hit_label = ElidedLabel()
+        for label, name in ((self.engine_label, "Engine"), (self.gpu_label, "GPU"), (self.vram_label, "VRAM in use"),
+                            (self.ram_label, "RAM in use"), (self.speed_label, "Speed"),
+                            (self.hit_label, "Expert cache")):
+            accessible(label, name)
+        bar.addWidget(self.engine_label, 1)
         for w in (self.gpu_label, self.vram_label, self.ram_label, self.speed_label, self.hit_label):
             bar.addPermanentWidget(w)
 
-    def _build_shortcuts(self) -> None:
-        QShortcut(QKeySequence.StandardKey.New, self, activated=self.on_new_conversation)
-        QShortcut(QKeySequence("Ctrl+,"), self, activated=self.settings_button.toggle)
-        QShortcut(QKeySequence("Ctrl+Shift+R"), self, activated=self.on_regenerate_last)
-        QShortcut(QKeySequence("Ctrl+K"), self, activated=self.sidebar.search.setFocus)
+    def _action(self, menu: QMenu, text: str, slot: Any, shortcut: str | QKeySequence.StandardKey | None = None,
+                tip: str = "", checkable: bool = False) -> QAction:
+        action = QAction(text, self)
+        if shortcut is not None:
+            action.setShortcut(QKeySequence(shortcut))
+            action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+        if tip:
+            action.setStatusTip(tip)
+            action.setToolTip(tip)
+        action.setCheckable(checkable)
+        action.triggered.connect(slot)
+        menu.addAction(action)
+        self.addAction(action)  # shortcuts work with the menu bar hidden (and on every platform)
+        return action
+
+    def _build_menus(self) -> None:
+        bar = self.menuBar()
+        bar.setObjectName("menuBar")
+        file_menu = bar.addMenu("&File")
+        self.new_action = self._action(file_menu, "&New chat", self.on_new_conversation, "Ctrl+N")
+        file_menu.addSeparator()
+        self.export_md_action = self._action(file_menu, "&Export chat as Markdown…",
+                                             lambda: self.on_export_current("markdown"), "Ctrl+E",
+                                             "Save the chat on show as a Markdown file")
+        self.export_json_action = self._action(file_menu, "Export chat as &JSON…",
+                                               lambda: self.on_export_current("json"), "Ctrl+Shift+E",
+                                               "Save the chat on show as JSON (messages, thinking, statistics)")
+        file_menu.addSeparator()
+        self.quit_action = self._action(file_menu, "&Quit", self.close, "Ctrl+Q")
+        self.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
+
+        edit_menu = bar.addMenu("&Edit")
+        self.find_action = self._action(edit_menu, "&Find chats…", self.on_find_chats, "Ctrl+K")
+        self.focus_action = self._action(edit_menu, "Go to the &message box", self.on_focus_composer, "Ctrl+L")
+        edit_menu.addSeparator()
+        self.rename_action = self._action(edit_menu, "&Rename chat", self.on_rename_current, "F2")
+        self.rename_action.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)  # F2 itself: the chat list's key
+        self.delete_action = self._action(edit_menu, "&Delete chat…", self.on_delete_current)
+        edit_menu.addSeparator()
+        self.regenerate_action = self._action(edit_menu, "Re&generate last answer", self.on_regenerate_last,
+                                              "Ctrl+Shift+R")
+        self.stop_action = self._action(edit_menu, "&Stop generating", self.on_stop_requested, "Esc")
+        self.stop_action.setEnabled(False)  # enabled only while an answer streams (Esc is free otherwise)
+
+        view_menu = bar.addMenu("&View")
+        self.settings_action = self._action(
+            view_menu, "Chat &settings", lambda: self.settings_button.setChecked(self.settings_action.isChecked()),
+            "Ctrl+,", checkable=True)
+        self.panels_action = self._action(
+            view_menu, "Side &panels", lambda: self.panel_button.setChecked(self.panels_action.isChecked()),
+            "Ctrl+Shift+P", checkable=True)
+        self.panels_action.setChecked(True)
+        view_menu.addSeparator()
+        self.tab_actions: list[QAction] = []
+        for i in range(self.tabs.count()):
+            widget = self.tabs.widget(i)
+            self.tab_actions.append(self._action(view_menu, f"&{i + 1}  {self.tabs.tabText(i)} panel",
+                                                 lambda _=False, w=widget: self.show_panel(w), f"Ctrl+{i + 1}"))
+        view_menu.addSeparator()
+        theme_menu = view_menu.addMenu("&Theme")
+        self.theme_group = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
+        for scheme, label in zip(SCHEMES, ("Follow the &system", "&Light", "&Dark")):
+            action = self._action(theme_menu, label, lambda _=False, s=scheme: self.set_theme_preference(s),
+                                  checkable=True)
+            self.theme_group.addAction(action)
+            self.theme_actions[scheme] = action
+        self.theme_actions.get(self.theme_preference, self.theme_actions["system"]).setChecked(True)
+
+        model_menu = bar.addMenu("&Model")
+        self.models_action = self._action(model_menu, "&Models…", self.show_models_page, "Ctrl+Shift+M",
+                                          "Open, download or create a model")
+        self.models_action.setEnabled(self.model_manager is not None)
+        self.vram_action = self._action(model_menu, "&VRAM budget…", self.on_open_vram_tab)
+        self.vram_action.setEnabled(self.vram_panel is not None)
+        model_menu.addSeparator()
+        self.cancel_load_action = self._action(model_menu, "&Cancel loading", self.on_cancel_load)
+        self.restart_action = self._action(model_menu, "&Restart engine", self.on_restart_clicked)
+
+        help_menu = bar.addMenu("&Help")
+        self.shortcuts_action = self._action(help_menu, "&Keyboard shortcuts", self.on_show_shortcuts, "F1")
+        self.about_action = self._action(help_menu, f"&About {APP_NAME}", self.on_about)
+        self.about_action.setMenuRole(QAction.MenuRole.AboutRole)
+        self.menus = {"File": file_menu, "Edit": edit_menu, "View": view_menu, "Model": model_menu,
+                      "Help": help_menu}
+        self.composer.input.set_window_shortcuts([a.shortcut() for a in self.actions() if not a.shortcut().isEmpty()])
+
+    def _build_tab_order(self) -> None:
+        """Keyboard-only use: Tab goes sidebar → header → message box → Think → Send → panels."""
+        chain: list[QWidget] = [
+            self.sidebar.new_button, self.sidebar.search, self.sidebar.list, self.sidebar.models_button,
+            self.settings_button, self.panel_button, self.composer.input, self.composer.think_button,
+            self.composer.send_button, self.tabs,
+        ]
+        for first, second in zip(chain, chain[1:]):
+            QWidget.setTabOrder(first, second)
 
     def _connect_signals(self) -> None:
         # engine
@@ -865,6 +453,7 @@ class MainWindow(QMainWindow):
         # chat
         self.composer.sendRequested.connect(self.on_send_requested)
         self.composer.stopRequested.connect(self.on_stop_requested)
+        self.composer.thinkToggled.connect(self.on_think_toggled)
         self.chat.editRequested.connect(self.on_edit_requested)
         self.chat.regenerateRequested.connect(self.on_regenerate_requested)
         self.chat.previewRequested.connect(self.on_preview_requested)
@@ -883,6 +472,74 @@ class MainWindow(QMainWindow):
         if self.model_manager is not None and hasattr(self.model_manager, "modelChosen"):
             self.model_manager.modelChosen.connect(self.on_model_chosen)
         self.monitor_timer.timeout.connect(self.refresh_status)
+        self.splitter.splitterMoved.connect(self.on_splitter_moved)
+        hints = QGuiApplication.styleHints()
+        hints.colorSchemeChanged.connect(self.on_system_scheme_changed)
+
+    # ----------------------------------------------------------------- remembered state
+    def _setting(self, key: str, default: Any = None) -> Any:
+        return self.ui_settings.value(key, default) if self.ui_settings is not None else default
+
+    def _set_setting(self, key: str, value: Any) -> None:
+        if self.ui_settings is not None:
+            self.ui_settings.setValue(key, value)
+
+    def _restore_window_state(self) -> None:
+        geometry = self._setting("window/geometry")
+        if geometry is None or not self.restoreGeometry(geometry):
+            screen = self.screen().availableGeometry() if self.screen() is not None else None
+            size = DEFAULT_SIZE
+            if screen is not None and screen.width() > 0:
+                size = size.boundedTo(QSize(int(screen.width() * 0.92), int(screen.height() * 0.92)))
+            self.resize(size)
+        splitter = self._setting("window/splitter")
+        if splitter is not None and self.splitter.restoreState(splitter):
+            sizes = self.splitter.sizes()
+            self._preferred_widths = (sizes[0], sizes[2])
+        preferred = self._setting("window/preferredWidths")
+        if isinstance(preferred, (list, tuple)) and len(preferred) == 2:
+            self._preferred_widths = (int(preferred[0]), int(preferred[1]))
+        tab = self._setting("window/sideTab")
+        if tab is not None and 0 <= int(tab) < self.tabs.count():
+            self.tabs.setCurrentIndex(int(tab))
+        panels = self._setting("window/panels")
+        if panels is not None:
+            self.panel_button.setChecked(str(panels).lower() in ("true", "1"))
+
+    def save_window_state(self) -> None:
+        """Remember size, position, splitter and side tab (called on close)."""
+        if self.ui_settings is None:
+            return
+        self._set_setting("window/geometry", self.saveGeometry())
+        self._set_setting("window/splitter", self.splitter.saveState())
+        self._set_setting("window/preferredWidths", list(self._preferred_widths))
+        self._set_setting("window/sideTab", self.tabs.currentIndex())
+        self._set_setting("window/panels", self.panel_button.isChecked())
+        self.ui_settings.sync()
+
+    # ----------------------------------------------------------------- theme
+    def apply_theme_preference(self) -> str:
+        """Apply the remembered theme ("system" follows the desktop) to the application; returns the palette."""
+        app = QApplication.instance()
+        if not isinstance(app, QApplication):
+            return "dark"
+        scheme = apply_theme(app, self.theme_preference)
+        self.chat.restyle()
+        self.denoise.canvas.update()
+        self.themeChanged.emit(scheme)
+        return scheme
+
+    def set_theme_preference(self, preference: str) -> None:
+        if preference not in SCHEMES:
+            raise ValueError(f"theme must be one of {', '.join(SCHEMES)}, got {preference!r}")
+        self.theme_preference = preference
+        self._set_setting("theme", preference)
+        self.theme_actions[preference].setChecked(True)
+        self.apply_theme_preference()
+
+    def on_system_scheme_changed(self, *_args: object) -> None:
+        if self.theme_preference == "system":
+            self.apply_theme_preference()
 
     # ----------------------------------------------------------------- conversations
     def reload_conversations(self, query: str = "") -> None:
@@ -897,16 +554,18 @@ class MainWindow(QMainWindow):
             self.on_stop_requested()
         self.conversation_id = conversation_id
         self.composer.end_edit()
+        self.sidebar.select(conversation_id)
         if conversation_id is None:
             self.chat.clear()
+            self._fresh_touched = False
+            self.drawer.set_settings(self.model_defaults, "")
+            self._sync_from_settings()
             self.title_label.setText("New chat")
-            self.drawer.set_settings(self.drawer.settings(), "")
             return
         conv = self.store.get_conversation(conversation_id)
         self.title_label.setText(conv.title)
-        self.drawer.set_settings(GenerationSettings.from_dict(conv.settings), conv.system_prompt)
-        self.composer.think_button.setChecked(self.drawer.settings().enable_thinking)
-        self.chat.expand_thinking = self.drawer.settings().expand_thinking
+        self.drawer.set_settings(GenerationSettings.from_dict(conv.settings, self.model_defaults), conv.system_prompt)
+        self._sync_from_settings()
         self.chat.set_messages(
             [
                 MessageData(m.role, m.content, m.thinking, m.thinking_seconds, m.status, dict(m.stats), m.id)
@@ -917,12 +576,22 @@ class MainWindow(QMainWindow):
         self.show_chat_page()
         self.conversationChanged.emit(conversation_id)
 
+    def _sync_from_settings(self) -> None:
+        """The composer's Think switch and mode note, and the chat's thinking sections, follow the drawer."""
+        settings = self.drawer.settings()
+        self.composer.think_button.blockSignals(True)
+        self.composer.think_button.setChecked(settings.enable_thinking)
+        self.composer.think_button.blockSignals(False)
+        self.chat.set_expand_thinking(settings.expand_thinking)
+        self.composer.mode_label.setText("" if settings.mode == "diffusion" else "autoregressive")
+
     def _ensure_conversation(self, first_text: str) -> int:
         if self.conversation_id is None:
+            title_for = getattr(self.store, "title_for", None)
             conv = self.store.create_conversation(
-                title=title_from_text(first_text),
+                title=title_for(first_text) if title_for else first_text.strip()[:60] or "New chat",
                 system_prompt=self.drawer.system_prompt_text(),
-                settings=asdict(self.drawer.settings()),
+                settings=self.drawer.settings().to_dict(),
             )
             self.conversation_id = conv.id
             self.title_label.setText(conv.title)
@@ -932,25 +601,33 @@ class MainWindow(QMainWindow):
 
     def on_new_conversation(self) -> None:
         self.open_conversation(None)
-        self.sidebar.list.clearSelection()
-        self.sidebar.list.setCurrentItem(None)
         self.show_chat_page()
         self.composer.input.setFocus()
 
     def on_conversation_selected(self, conversation_id: int) -> None:
         if conversation_id != self.conversation_id:
             self.open_conversation(conversation_id)
+        else:
+            self.show_chat_page()
 
     def on_rename_requested(self, conversation_id: int, title: str) -> None:
         try:
             self.store.rename_conversation(conversation_id, title)
-        except StorageError as exc:
+        except self._save_error as exc:
             self.show_save_error(exc, "The chat was not renamed")
             QTimer.singleShot(0, lambda: self.reload_conversations(self.sidebar.search.text()))
             return
         if conversation_id == self.conversation_id:
             self.title_label.setText(title)
         QTimer.singleShot(0, lambda: self.reload_conversations(self.sidebar.search.text()))
+
+    def on_rename_current(self) -> None:
+        if self.conversation_id is not None:
+            self.sidebar.start_rename(self.conversation_id)
+
+    def on_delete_current(self) -> None:
+        if self.conversation_id is not None:
+            self.on_delete_requested(self.conversation_id)
 
     def on_delete_requested(self, conversation_id: int) -> None:
         answer = QMessageBox.question(self, "Delete chat", "Delete this chat and all its messages?")
@@ -964,22 +641,37 @@ class MainWindow(QMainWindow):
             self.open_conversation(None)
         try:
             self.store.delete_conversation(conversation_id)
-        except StorageError as exc:
+        except self._save_error as exc:
             self.show_save_error(exc, "The chat was not deleted")
         self.reload_conversations(self.sidebar.search.text())
 
+    # ----------------------------------------------------------------- export
+    def on_export_current(self, fmt: str) -> None:
+        if self.conversation_id is None:
+            self.statusBar().showMessage("Nothing to export yet: send a message first", 4000)
+            return
+        self.on_export_requested(self.conversation_id, fmt)
+
     def on_export_requested(self, conversation_id: int, fmt: str) -> None:
-        suffix = ".md" if fmt == "markdown" else ".json"
+        """Ask where to save (the last folder used, else Documents; a file name from the title) and export."""
         title = self.store.get_conversation(conversation_id).title
-        safe = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in title).strip() or "chat"
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(Path.home() / f"{safe}{suffix}"))
-        if path:
-            self.export_conversation(conversation_id, fmt, path)
+        folder = Path(str(self._setting("export/dir", "") or documents_dir()))
+        start = folder / export_file_name(title, fmt)
+        filters = [EXPORT_FILTERS[fmt], EXPORT_FILTERS["json" if fmt == "markdown" else "markdown"], "All files (*)"]
+        path, chosen = ask_save_path(self, "Export chat", str(start), filters, EXPORT_FILTERS[fmt])
+        if not path:
+            return
+        chosen_fmt = next((f for f, label in EXPORT_FILTERS.items() if label == chosen), fmt)
+        suffix = ".md" if chosen_fmt == "markdown" else ".json"
+        if not Path(path).suffix:
+            path += suffix
+        if self.export_conversation(conversation_id, chosen_fmt, path) is not None:
+            self._set_setting("export/dir", str(Path(path).parent))
 
     def export_conversation(self, conversation_id: int, fmt: str, path: str) -> Path | None:
         try:
             out = (self.store.export_markdown if fmt == "markdown" else self.store.export_json)(conversation_id, path)
-        except (OSError, StorageError) as exc:
+        except (OSError, self._save_error) as exc:
             self.show_save_error(exc, f"The chat was not exported to {path}")
             return None
         self.statusBar().showMessage(f"Exported to {out}", 5000)
@@ -988,18 +680,49 @@ class MainWindow(QMainWindow):
     def on_search_changed(self, text: str) -> None:
         self.reload_conversations(text)
 
+    def on_find_chats(self) -> None:
+        self.sidebar.search.setFocus()
+        self.sidebar.search.selectAll()
+
+    def on_focus_composer(self) -> None:
+        self.show_chat_page()
+        self.composer.input.setFocus()
+
+    # ----------------------------------------------------------------- settings
     def on_settings_changed(self) -> None:
         settings = self.drawer.settings()
-        self.composer.think_button.setChecked(settings.enable_thinking)
-        self.chat.set_expand_thinking(settings.expand_thinking)
-        self.composer.mode_label.setText("" if settings.mode == "diffusion" else "autoregressive")
-        if self.conversation_id is not None:
-            try:
-                self.store.update_conversation(
-                    self.conversation_id, system_prompt=self.drawer.system_prompt_text(), settings=asdict(settings)
-                )
-            except StorageError as exc:
-                self.show_save_error(exc, "The chat settings were not saved")
+        self._sync_from_settings()
+        if self.conversation_id is None:
+            self._fresh_touched = True
+            return
+        try:
+            self.store.update_conversation(
+                self.conversation_id, system_prompt=self.drawer.system_prompt_text(), settings=settings.to_dict()
+            )
+        except self._save_error as exc:
+            self.show_save_error(exc, "The chat settings were not saved")
+
+    def on_think_toggled(self, on: bool) -> None:
+        """The composer's Think is the chat's setting: the drawer's box follows (and the chat saves it)."""
+        self.drawer.thinking.setChecked(on)
+
+    def set_model_defaults(self, defaults: GenerationSettings, model_name: str = "") -> None:
+        """The settings a new chat starts from (the model folder's own). A new chat on show takes them unless the
+        user already changed its settings; saved chats keep theirs."""
+        self.model_defaults = defaults
+        self.drawer.set_model_defaults_text(model_name, defaults)
+        if self.conversation_id is None and not self._fresh_touched:
+            self.drawer.set_settings(defaults, self.drawer.system_prompt.toPlainText())
+            self._sync_from_settings()
+
+    def set_model_info(self, info: Mapping[str, Any]) -> None:
+        """Take the model's defaults from a ``loaded`` record (or the same keys read from its folder)."""
+        config = info.get("config") if isinstance(info.get("config"), Mapping) else None
+        generation = info.get("generation_defaults") if isinstance(info.get("generation_defaults"), Mapping) else None
+        if config is None and generation is None:
+            return
+        name = Path(str(info.get("model_dir") or self.model_dir or "")).name
+        self.set_model_defaults(defaults_from_model(config, generation), name)
 
     # ----------------------------------------------------------------- sending
     def is_generating(self) -> bool:
@@ -1008,7 +731,7 @@ class MainWindow(QMainWindow):
     def on_send_requested(self, text: str) -> None:
         """Save the message (or the edit) and start the answer; the composer is cleared only when both were saved.
         A failed save leaves the typed text (and edit mode) in the composer and says why in the banner."""
-        if self.is_generating():
+        if self.is_generating() or self.engine_state is not EngineState.READY:
             return
         editing = self.composer.editing
         sent: MessageData | None = None
@@ -1027,7 +750,7 @@ class MainWindow(QMainWindow):
                 sent = MessageData("user", text, message_id=saved.id)
                 self.chat.add_message(sent)
             self._start_generation()
-        except StorageError as exc:
+        except self._save_error as exc:
             if sent is not None:  # saved, but no answer could be started: take it back so a retry sends it once
                 self._take_back(sent)
             self.show_save_error(exc, "Your message was not sent (it is still in the box)")
@@ -1039,7 +762,7 @@ class MainWindow(QMainWindow):
         assert sent.message_id is not None
         try:
             self.store.truncate_after(sent.message_id, include=True)
-        except StorageError as exc:
+        except self._save_error as exc:
             log.warning("cannot take back message %s after a failed send: %s", sent.message_id, exc)
             return
         if sent in self.chat.messages():
@@ -1049,7 +772,7 @@ class MainWindow(QMainWindow):
         cid = self.conversation_id
         assert cid is not None
         settings = self.drawer.settings()
-        params = settings.to_params(enable_thinking=self.composer.think_button.isChecked())
+        params = settings.to_params()
         messages = self.store.chat_messages(cid)
         saved = self.store.add_message(cid, "assistant", "", status="streaming", stats={"mode": settings.mode})
         self.reply = StreamingReply()
@@ -1058,12 +781,11 @@ class MainWindow(QMainWindow):
                                       message_id=saved.id)
         self.chat.add_message(self.reply_data)
         self.recorder = self._new_recorder(self.store, saved.id)
-        self.denoise.clear()
-        if settings.mode == "ar":
-            self.denoise.position_label.setText("autoregressive mode: one token per step, no blocks to denoise")
+        self.denoise.start(settings.mode)  # a new answer: the view follows its live pass
         self.request_id = str(self.client.generate(messages, params, None))
         self.composer.set_generating(True)
-        if settings.mode == "diffusion" and self.side.currentWidget() is self.tabs:
+        self.stop_action.setEnabled(True)
+        if self.side.currentWidget() is self.tabs and self.tabs.currentWidget() is not self.preview:
             self.tabs.setCurrentWidget(self.denoise)
         self.generationStarted.emit(self.request_id)
         self.refresh_status()
@@ -1081,11 +803,14 @@ class MainWindow(QMainWindow):
     def on_regenerate_requested(self, data: MessageData) -> None:
         if self.is_generating() or data.message_id is None:
             return
+        if self.engine_state is not EngineState.READY:
+            self.statusBar().showMessage(self.engine_state.why_not_ready, 4000)
+            return
         try:
             self.store.truncate_after(data.message_id, include=True)
             self.chat.remove_from(self.chat.index_of(data))
             self._start_generation()
-        except StorageError as exc:
+        except self._save_error as exc:
             self.show_save_error(exc, "The answer was not regenerated")
 
     def on_edit_requested(self, data: MessageData) -> None:
@@ -1104,17 +829,27 @@ class MainWindow(QMainWindow):
         self.preview_follows = request.message if streaming and request.block is None else None
         preview.set_html(request.html, request.document_id)
         preview.flush()
+        self.show_panel(self.preview)
+
+    def show_panel(self, widget: QWidget | None) -> None:
+        """Show one of the side tabs (the drawer closes, the panels open)."""
+        if widget is None:
+            return
+        if self.pages.currentIndex() != 0:
+            self.show_chat_page()  # the panels belong to the chat page
         self.settings_button.setChecked(False)
         self.panel_button.setChecked(True)
-        self.tabs.setCurrentWidget(self.preview)
+        self.tabs.setCurrentWidget(widget)
 
     def on_settings_toggled(self, shown: bool) -> None:
-        self.side.setCurrentWidget(self.drawer if shown else self.tabs)
+        self.side.setCurrentWidget(self.drawer_scroll if shown else self.tabs)
+        self.settings_action.setChecked(shown)
         if shown:
             self.panel_button.setChecked(True)
 
     def on_panels_toggled(self, shown: bool) -> None:
-        self.side.setVisible(shown)
+        self.side.setVisible(shown and self.pages.currentIndex() == 0)
+        self.panels_action.setChecked(shown)
         if not shown:
             self.settings_button.setChecked(False)
 
@@ -1125,11 +860,11 @@ class MainWindow(QMainWindow):
     def on_engine_event(self, request_id: str, event: object) -> None:
         if request_id != self.request_id or self.reply is None or self.reply_data is None:
             return
-        save_error: StorageError | None = None
+        save_error: Exception | None = None
         if self.recorder is not None:
             try:
                 self.recorder.on_event(event)  # the store first: what is saved never lags what is shown
-            except StorageError as exc:
+            except self._save_error as exc:
                 save_error = exc
         if save_error is not None:
             self._stop_unsaved(event, save_error)
@@ -1137,6 +872,7 @@ class MainWindow(QMainWindow):
         if isinstance(event, TextDelta):
             self.reply.add(event.text, event.channel)
             self._sync_reply()
+            self.denoise.add_event(event)  # autoregressive mode shows the token stream
             if event.channel != "thinking" and self.preview_follows is self.reply_data:
                 self._feed_preview()
         elif isinstance(event, BlockStep):
@@ -1194,7 +930,7 @@ class MainWindow(QMainWindow):
         data.stats = {**data.stats, "error": message, "stop_reason": reason}
         self._end_generation(reason)
 
-    def _stop_unsaved(self, event: object, error: StorageError) -> None:
+    def _stop_unsaved(self, event: object, error: Exception) -> None:
         """A save failed mid-answer: stop the generation (cancel sent unless this event ended it), back to idle,
         and keep the answer on screen (this event's text included) marked as not saved."""
         assert self.reply is not None and self.reply_data is not None
@@ -1233,26 +969,38 @@ class MainWindow(QMainWindow):
         self.recorder = None
         self.chat.end_stream()
         self.composer.set_generating(False)
+        self.stop_action.setEnabled(False)
         self.reload_conversations(self.sidebar.search.text())
         self.refresh_status()
         self.generationFinished.emit(request_id, reason)
 
+    # ----------------------------------------------------------------- engine life
+    def _set_state(self, state: EngineState) -> None:
+        self.engine_state = state
+        self.refresh_status()
+
     def on_load_progress(self, event: LoadProgress) -> None:
-        self.engine_state = "loading"
+        self.engine_state = EngineState.LOADING
         self.load_banner.set_progress(event)
         self.status_throttle.request()
+        self._update_send_state()
 
-    def on_engine_loaded(self, *_info: object) -> None:
-        self.engine_state = "ready"
+    def on_engine_loaded(self, info: object = None) -> None:
         self.load_banner.hide()
         self.crash_banner.hide()
-        self.refresh_status()
+        if isinstance(info, Mapping):
+            self.set_model_info(info)
+        self._set_state(EngineState.READY)
 
     def on_engine_ready(self, *_info: object) -> None:
-        if self.engine_state in ("starting", "crashed"):
-            self.engine_state = "starting" if self.model_dir else "no-model"
+        if self.engine_state in (EngineState.STARTING, EngineState.CRASHED, EngineState.READY):
+            self.engine_state = EngineState.STARTING if self.model_dir else EngineState.NO_MODEL
         self.crash_banner.hide()
         self.refresh_status()
+
+    def on_engine_restarting(self) -> None:
+        """The app restarts the worker (another model, another VRAM plan): no Send until it has loaded again."""
+        self._set_state(EngineState.STARTING)
 
     def on_engine_error_message(self, kind: str, message: str) -> None:
         self.load_banner.hide()
@@ -1261,21 +1009,22 @@ class MainWindow(QMainWindow):
         if kind in ("CancelledError",):
             self.info_banner.action.setVisible(False)
             self.info_banner.show_message("Loading cancelled.")
-            self.engine_state = "no-model" if self.engine_state == "loading" else self.engine_state
+            if self.engine_state is EngineState.LOADING:
+                self.engine_state = EngineState.NO_MODEL
         else:
             text = f"{kind}: {message}"
             oom = "OutOfMemory" in kind or "out of memory" in message.lower()
             if oom:
                 text += "  Try a smaller VRAM budget or a shorter context in the VRAM tab."
-            self.info_banner.action.setText("Open VRAM tab")
+            self.info_banner.set_action("Open VRAM tab")
             self.info_banner.action.setVisible(oom and self.vram_panel is not None)
             self.info_banner.show_message(text)
-            if self.engine_state == "loading":
-                self.engine_state = "error"
+            if self.engine_state in (EngineState.LOADING, EngineState.STARTING):
+                self.engine_state = EngineState.ERROR
         self.refresh_status()
 
     def on_engine_crashed(self, reason: str) -> None:
-        self.engine_state = "crashed"
+        self.engine_state = EngineState.CRASHED
         self.load_banner.hide()
         if self.is_generating():
             self._fail(f"the engine stopped: {reason}", "crashed")
@@ -1284,7 +1033,7 @@ class MainWindow(QMainWindow):
 
     def on_restart_clicked(self) -> None:
         self.crash_banner.hide()
-        self.engine_state = "starting"
+        self.engine_state = EngineState.STARTING
         self.client.restart()
         self.refresh_status()
 
@@ -1294,9 +1043,7 @@ class MainWindow(QMainWindow):
 
     def on_open_vram_tab(self) -> None:
         if self.vram_panel is not None:
-            self.settings_button.setChecked(False)
-            self.panel_button.setChecked(True)
-            self.tabs.setCurrentWidget(self.vram_panel)
+            self.show_panel(self.vram_panel)
         self.info_banner.hide()
 
     def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
@@ -1304,40 +1051,53 @@ class MainWindow(QMainWindow):
 
     def on_model_chosen(self, path: str) -> None:
         self.model_dir = path
+        self.engine_state = EngineState.STARTING  # the app loads it (restarting the worker when one runs)
         self.show_chat_page()
         self.modelChosen.emit(path)
         self.refresh_status()
 
     # ----------------------------------------------------------------- pages and status
     def show_models_page(self) -> None:
+        """The model manager, full width (the chat's panels have nothing to show for it)."""
         if self.model_manager is not None:
             self.pages.setCurrentIndex(1)
             self.title_label.setText("Models")
+            self.side.setVisible(False)
 
     def show_chat_page(self) -> None:
         self.pages.setCurrentIndex(0)
+        self.side.setVisible(self.panel_button.isChecked())
+        self._fit_splitter()
+        if self.conversation_id is None:
+            self.title_label.setText("New chat")
+        else:
+            try:
+                self.title_label.setText(self.store.get_conversation(self.conversation_id).title)
+            except self._save_error as exc:  # the chat is gone (deleted elsewhere): nothing to title
+                log.warning("cannot read chat %s: %s", self.conversation_id, exc)
+
+    def _update_send_state(self) -> None:
+        ready = self.engine_state is EngineState.READY
+        self.composer.set_blocked("" if ready else self.engine_state.why_not_ready)
+        self.regenerate_action.setEnabled(ready)
+        self.cancel_load_action.setEnabled(self.engine_state is EngineState.LOADING)
 
     def refresh_status(self) -> None:
-        state_text = {
-            "starting": "● Starting engine…",
-            "loading": "● Loading model…",
-            "ready": "● Ready",
-            "crashed": "● Engine stopped",
-            "no-model": "● No model: choose one in Models",
-            "error": "● Model failed to load",
-        }.get(self.engine_state, self.engine_state)
+        state_text = self.engine_state.status_text
         if self.is_generating():
             state_text = "● Generating…"
         self.engine_label.setText(state_text)
         self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
         self.gpu_label.setText(self.gpu_name or "No GPU (CPU)")
         sample = self.monitor.sample() if self.monitor is not None else {}
-        if sample.get("vram_used") is not None and sample.get("vram_total"):
-            self.vram_label.setText(f"VRAM {sample['vram_used'] / GIB:.1f}/{sample['vram_total'] / GIB:.0f} GiB")
+        vram_used, vram_total = sample.get("vram_used"), sample.get("vram_total")
+        if vram_used is not None and vram_total:
+            self.vram_label.setText(f"VRAM {vram_used / GIB:.1f}/{vram_total / GIB:.0f} GiB")
         else:
             self.vram_label.setText("VRAM –")
-        if sample.get("ram_used") is not None and sample.get("ram_total"):
-            self.ram_label.setText(f"RAM {sample['ram_used'] / GIB:.1f}/{sample['ram_total'] / GIB:.0f} GiB")
+        ram_used, ram_total = sample.get("ram_used"), sample.get("ram_total")
+        if ram_used is not None and ram_total:
+            self.ram_label.setText(f"RAM {ram_used / GIB:.1f}/{ram_total / GIB:.0f} GiB")
         else:
             self.ram_label.setText("RAM –")
         live = self.denoise.model.tokens_per_s() if self.is_generating() else None
@@ -1345,15 +1105,78 @@ class MainWindow(QMainWindow):
         self.speed_label.setText(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s")
         rate = self.last_hit_rate
         self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
+        self._update_send_state()
+
+    # ----------------------------------------------------------------- help
+    def shortcuts(self) -> list[tuple[str, str]]:
+        """(action, key) for every menu action that has a shortcut, in menu order."""
+        out = []
+        for menu in self.menus.values():
+            for action in menu.actions():
+                children = action.menu().actions() if action.menu() is not None else [action]
+                for a in children:
+                    if not a.shortcut().isEmpty():
+                        text = a.text().replace("&", "").split("  ", 1)[-1]
+                        out.append((text, a.shortcut().toString(QKeySequence.SequenceFormat.NativeText)))
+        out.append(("Send the message", "Enter"))
+        out.append(("New line in the message", "Shift+Enter"))
+        return out
+
+    def on_show_shortcuts(self) -> None:
+        rows = "".join(f"<tr><td>{what}</td><td>&nbsp;&nbsp;<b>{key}</b></td></tr>" for what, key in self.shortcuts())
+        box = QMessageBox(QMessageBox.Icon.NoIcon, "Keyboard shortcuts", f"<table>{rows}</table>",
+                          QMessageBox.StandardButton.Close, self)
+        box.setObjectName("shortcutsBox")
+        box.exec()
+
+    def on_about(self) -> None:
+        box = QMessageBox(QMessageBox.Icon.NoIcon, f"About {APP_NAME}", ABOUT_TEXT, QMessageBox.StandardButton.Ok, self)
+        box.setObjectName("aboutBox")
+        icon = self.windowIcon()
+        if not icon.isNull():
+            box.setIconPixmap(icon.pixmap(64, 64))
+        box.exec()
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         if self.is_generating() and self.recorder is not None:
             try:
-                self.recorder.flush()  # keep what streamed so far; the store marks it interrupted on next open
-            except StorageError as exc:
+                flush = getattr(self.recorder, "flush", None)
+                if flush is not None:
+                    flush()  # keep what streamed so far; the store marks it interrupted on next open
+            except self._save_error as exc:
                 log.warning("the answer being generated was not saved at close: %s", exc)
+        self.save_window_state()
         self.monitor_timer.stop()
         super().closeEvent(event)
 
-    def sizeHint(self) -> QSize:
-        return QSize(1480, 900)
+    def sizeHint(self) -> QSize:  # noqa: N802
+        return DEFAULT_SIZE
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._fit_splitter()
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802
+        super().showEvent(event)
+        QTimer.singleShot(0, self, self._fit_splitter)  # once laid out (and never after the window is gone)
+
+    def on_splitter_moved(self, *_args: object) -> None:
+        """The user dragged a handle: these are the widths the side columns return to when there is room."""
+        sizes = self.splitter.sizes()
+        if len(sizes) == 3 and sizes[2] > 0:
+            self._preferred_widths = (sizes[0], sizes[2])
+
+    def _fit_splitter(self) -> None:
+        """Keep the chat at least COMFORT_CHAT_WIDTH wide by narrowing the panels, then the sidebar (a 1,024 px
+        window), and give them back their preferred widths when the window grows again."""
+        sizes = self.splitter.sizes()
+        total = sum(sizes)
+        if len(sizes) != 3 or total <= 0 or not self.side.isVisible():
+            return
+        pref_bar, pref_side = self._preferred_widths
+        room = total - COMFORT_CHAT_WIDTH  # for the sidebar and the panels together
+        side = max(MIN_SIDE_WIDTH + 20, min(pref_side, room - (MIN_SIDEBAR_WIDTH + 20)))
+        bar = max(MIN_SIDEBAR_WIDTH + 20, min(pref_bar, room - side))
+        fitted = [bar, total - bar - side, side]
+        if fitted != sizes:
+            self.splitter.setSizes(fitted)

@@ -269,7 +269,7 @@ def inline(text: str) -> str:
         body = html.escape(m.group(2).strip() if m.group(2).strip() else m.group(2))
         return keep(
             f'<code style="font-family: {MONO}; background-color: {COLORS["surface3"]};'
-            f' color: #f0c987;">&nbsp;{body}&nbsp;</code>'
+            f' color: {COLORS["inline_code"]};">&nbsp;{body}&nbsp;</code>'
         )
 
     text = _CODE_SPAN.sub(code, text)

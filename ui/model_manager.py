@@ -9,9 +9,10 @@ Three ways to a model folder, each ending in :attr:`ModelManagerPanel.modelChose
 * **Create demo model**: runs ``clover-desk make-tiny DIR`` in a child process (QProcess: the UI never imports
   torch). The demo model has random weights: it runs the whole pipeline, and what it writes is noise.
 
-Dependencies are passed in by the composition root: ``downloader_factory`` (``clover_desk.downloads.
-ModelDownloader``, imported lazily when not given), ``models_dir`` (where downloads and the demo go by default) and
-``recent_file`` (a JSON list of recent model folders; in memory only when None).
+Dependencies are passed in by the composition root (ui never imports clover_desk): ``downloader_factory`` (the
+service that downloads: ``clover_desk.downloads.ModelDownloader``; without one, Download says it is unavailable),
+``models_dir`` (where downloads and the demo go by default) and ``recent_file`` (a JSON list of recent model folders;
+in memory only when None).
 """
 
 from __future__ import annotations
@@ -127,12 +128,6 @@ class Downloader(Protocol):
 DownloaderFactory = Callable[..., Downloader]  # (target_dir, repo_id, *, progress, cancel) -> Downloader
 
 
-def _default_downloader_factory(target_dir: Path, repo_id: str, **kwargs: Any) -> Downloader:
-    from clover_desk.downloads import ModelDownloader  # stdlib + huggingface_hub; imported when first used
-
-    return ModelDownloader(target_dir, repo_id, **kwargs)
-
-
 class _DownloadJob(QObject):
     """Runs one download on a Python thread; reports through queued signals (the GUI thread only paints)."""
 
@@ -194,7 +189,7 @@ class ModelManagerPanel(QWidget):
         default_repo_id: str = DEFAULT_REPO_ID,
     ) -> None:
         super().__init__(parent)
-        self._factory = downloader_factory or _default_downloader_factory
+        self._factory = downloader_factory
         if models_dir is None:
             base = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppLocalDataLocation)
             models_dir = Path(base or Path.home() / ".clover-desk") / "models"
@@ -267,11 +262,19 @@ class ModelManagerPanel(QWidget):
 
         # --- recent ---
         self.recent_list = QListWidget()
-        self.recent_list.setObjectName("recentModels")
+        self.recent_list.setObjectName("modelList")
         recent_box = QGroupBox("Recent models (double-click to open)")
         recent_layout = QVBoxLayout(recent_box)
         recent_layout.addWidget(self.recent_list)
 
+        for widget, name in (
+            (self.open_button, "Open a model folder"), (self.repo_edit, "Hub repository to download"),
+            (self.target_edit, "Download into folder"), (self.browse_button, "Choose the download folder"),
+            (self.download_button, "Download"), (self.cancel_button, "Cancel the download"),
+            (self.resume_button, "Resume the download"), (self.demo_button, "Create a demo model"),
+            (self.recent_list, "Recent models"), (self.progress_bar, "Download progress"),
+        ):
+            widget.setAccessibleName(name)
         layout = QVBoxLayout(self)
         layout.addWidget(title)
         layout.addWidget(open_box)
@@ -316,6 +319,9 @@ class ModelManagerPanel(QWidget):
         self.repo_edit.setText(repo_id)
         self.target_edit.setText(str(target))
         cancel = threading.Event()
+        if self._factory is None:
+            self._on_download_failed("downloading is not available here (no downloader was given to the window)", False)
+            return
         try:
             downloader = self._factory(target, repo_id, progress=self._forward_progress, cancel=cancel)
         except CloverError as exc:

@@ -50,7 +50,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import secrets
 import tempfile
 import time
@@ -103,6 +102,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ui.html_extract import extract_html  # noqa: F401 (the one rule; re-exported)
 from ui.throttle import Throttle
 
 log = logging.getLogger(__name__)
@@ -414,43 +414,8 @@ def register_schemes(offline_engine: bool = True) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Finding HTML in an answer (pure functions)
+# Documents (finding the HTML in an answer: ui.html_extract)
 # ---------------------------------------------------------------------------------------------------------------
-_FENCE_OPEN = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})[ \t]*(html|htm|xhtml)\b[^\n]*$", re.IGNORECASE | re.MULTILINE)
-_DOC_START = re.compile(r"<!doctype\s+html|<html[\s>]", re.IGNORECASE)
-_DOC_END = re.compile(r"</html\s*>", re.IGNORECASE)
-
-
-def extract_html(markdown_text: str) -> str | None:
-    """The HTML document in a model answer, or None.
-
-    Looks first for a fenced ```html block (the longest one, when there are several: that is the page, the
-    others are snippets); an unfinished fence (the answer is still streaming) yields what has arrived so far.
-    Otherwise, a whole page that starts with ``<!DOCTYPE html>`` or ``<html>`` is taken up to ``</html>`` (or to
-    the end while streaming). Text that is merely HTML-ish (a ``<div>`` in prose) is not a document.
-    """
-    blocks: list[str] = []
-    for match in _FENCE_OPEN.finditer(markdown_text):
-        fence = match.group(1)
-        body_start = match.end() + 1
-        close = re.compile(r"^[ \t]{0,3}" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}[ \t]*$", re.MULTILINE)
-        end = close.search(markdown_text, body_start)
-        body = markdown_text[body_start : end.start() if end else len(markdown_text)]
-        blocks.append(body.rstrip("\n") if end else body)
-    blocks = [b for b in blocks if b.strip()]
-    if blocks:
-        return max(blocks, key=len)
-    start = _DOC_START.search(markdown_text)
-    if start is None:
-        return None
-    # Only a page that begins a line counts (not "<html>" quoted inside a sentence).
-    line_start = markdown_text.rfind("\n", 0, start.start()) + 1
-    if markdown_text[line_start : start.start()].strip():
-        return None
-    end = _DOC_END.search(markdown_text, start.start())
-    return markdown_text[start.start() : end.end() if end else len(markdown_text)]
-
-
 def new_document_host() -> str:
     """A fresh, unguessable, DNS-safe host: one origin per document, never derived from the document's id (ids can
     come back, e.g. a database row id after a delete), so one page's storage is never another's."""
@@ -886,6 +851,8 @@ class PreviewPane(QWidget):
         self.counts: Counter[str] = Counter()
 
         self.view = QWebEngineView(self)
+        self.view.setObjectName("previewView")
+        self.view.setAccessibleName("Page preview (sandboxed)")
         # The profile is given to the pane last of all (end of __init__): children are destroyed in order, and the
         # pages (children of the view) must go before their profile (Qt warns and may crash the other way round).
         self.profile, self.scheme_handler, self.interceptor = make_preview_profile()
@@ -895,6 +862,7 @@ class PreviewPane(QWidget):
 
         self.source = QPlainTextEdit(self)
         self.source.setReadOnly(True)
+        self.source.setAccessibleName("Page source")
         self.source.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
         self.stack = QStackedWidget(self)
         self.stack.addWidget(self.view)
@@ -902,10 +870,14 @@ class PreviewPane(QWidget):
 
         self.strip = QListWidget(self)
         self.strip.setObjectName("previewStrip")
+        self.strip.setAccessibleName("What the page tried, and its console")
         self.strip.setAlternatingRowColors(True)
-        self.strip.setUniformItemSizes(True)
+        # long lines wrap inside the panel (no line is cut at its edge; the full text is also the tooltip)
+        self.strip.setWordWrap(True)
+        self.strip.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.strip.setResizeMode(QListWidget.ResizeMode.Adjust)
         self.strip_label = QLabel(self)
-        self.strip_label.setObjectName("muted")
+        self.strip_label.setProperty("class", "muted")
         # Short labels, the whole story in the tooltips: the side panel can be as narrow as 400 px, and the four
         # buttons must fit there without eliding. The strip's counts and Clear sit over the strip they describe.
         self.source_button = self._tool_button("Source", "Show the HTML source instead of the rendered page")
@@ -916,10 +888,10 @@ class PreviewPane(QWidget):
             "Browser…", "Open the page in your web browser, outside the sandbox (asks first)"
         )
         self.clear_button = self._tool_button("Clear", "Clear the list of blocked attempts, dialogs and console messages")
-        self.clear_button.setObjectName("ghost")
+        self.clear_button.setProperty("class", "ghost")
 
         toolbar = QHBoxLayout()
-        toolbar.setContentsMargins(0, 0, 0, 0)
+        toolbar.setContentsMargins(6, 6, 6, 4)
         toolbar.setSpacing(4)
         for button in (self.source_button, self.reload_button, self.save_button, self.open_button):
             toolbar.addWidget(button)
@@ -961,6 +933,7 @@ class PreviewPane(QWidget):
         button = QToolButton(self)
         button.setText(text)
         button.setToolTip(tip)
+        button.setAccessibleName(tip)
         return button
 
     def _connect_signals(self) -> None:

@@ -1,19 +1,28 @@
-"""Colours, fonts and the application style sheet (dark theme).
+"""Colours, fonts and the application style sheet, in a dark and a light palette.
 
-One palette, used both by the QSS in ``assets/style.qss`` (through ``@name`` placeholders) and by the custom
-painted widgets (denoising view, VRAM bar), so every surface shares the same colours.
+One palette at a time, used both by the QSS in ``assets/style.qss`` (through ``@name`` placeholders) and by the
+custom-painted widgets (denoising view, VRAM bar) and the Markdown renderer, which read :data:`COLORS` when they
+paint, so every surface shares the same colours. :func:`apply_theme` switches the palette in place: "system"
+follows the desktop's colour scheme (``QStyleHints.colorScheme``, Qt 6.5+), "light" and "dark" force one.
+
+Style classes are a dynamic property, not the object name (object names identify widgets for tests and
+accessibility tools): ``set_style_class(button, "ghost")`` and ``[class~="ghost"]`` in the QSS.
 """
 
 from __future__ import annotations
 
-import logging
 import importlib.util
+import logging
 from pathlib import Path
 
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont, QFontDatabase, QIcon, QPalette
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QWidget
 
 log = logging.getLogger(__name__)
+
+SCHEMES = ("system", "light", "dark")
+
 
 def _assets_dir() -> Path:
     """The repository's assets/ folder, or the installed ``clover_desk_assets`` data package (a wheel install)."""
@@ -28,7 +37,18 @@ def _assets_dir() -> Path:
 
 ASSETS = _assets_dir()
 
-COLORS: dict[str, str] = {
+# VRAM bar segments: the same in both palettes (they are data colours, legible on either background).
+_SEGMENTS = {
+    "seg_non_expert": "#6ea8fe",
+    "seg_resident": "#46c98b",
+    "seg_slots": "#b98cf7",
+    "seg_kv": "#f2b544",
+    "seg_state": "#e38b5a",
+    "seg_workspace": "#8d96a7",
+    "seg_reserve": "#4a5160",
+}
+
+DARK: dict[str, str] = {
     "bg": "#111318",  # window background
     "surface": "#171a21",  # panels, sidebar
     "surface2": "#1f232c",  # cards, inputs
@@ -38,22 +58,66 @@ COLORS: dict[str, str] = {
     "muted": "#8d96a7",
     "faint": "#5d6574",
     "accent": "#46c98b",  # clover green
+    "accent_hover": "#5bd69b",
     "accent_dim": "#2c7d58",
+    "on_accent": "#0b1410",  # text on an accent fill
+    "accent_soft": "#193b2b",  # a checked chip
     "accent2": "#6ea8fe",  # blue: links, committed-earlier cells
     "warn": "#f2b544",
     "danger": "#ef6161",
+    "danger_hover": "#f27a7a",
+    "on_danger": "#1a0b0b",
+    "danger_bg": "#3a1a1d",  # the crash banner
+    "danger_border": "#6b2a30",
+    "info_bg": "#2f2714",  # the info banner
+    "info_border": "#5a4a1e",
     "user_bubble": "#1d2a3a",
     "code_bg": "#0c0e12",
+    "inline_code": "#f0c987",  # `code` in prose
     "mask": "#343a46",
-    # VRAM bar segments
-    "seg_non_expert": "#6ea8fe",
-    "seg_resident": "#46c98b",
-    "seg_slots": "#b98cf7",
-    "seg_kv": "#f2b544",
-    "seg_state": "#e38b5a",
-    "seg_workspace": "#8d96a7",
-    "seg_reserve": "#4a5160",
+    **_SEGMENTS,
 }
+
+LIGHT: dict[str, str] = {
+    "bg": "#f6f7f9",
+    "surface": "#ffffff",
+    "surface2": "#eef0f4",
+    "surface3": "#e1e5eb",
+    "border": "#d3d8e0",
+    "text": "#1b1f27",
+    "muted": "#596272",
+    "faint": "#8a93a3",
+    "accent": "#17915a",
+    "accent_hover": "#1ca566",
+    "accent_dim": "#9ed9bd",
+    "on_accent": "#ffffff",
+    "accent_soft": "#dff3e9",
+    "accent2": "#2f6bd8",
+    "warn": "#a86a00",
+    "danger": "#d23f3f",
+    "danger_hover": "#e05353",
+    "on_danger": "#ffffff",
+    "danger_bg": "#fdecec",
+    "danger_border": "#f1b9b9",
+    "info_bg": "#fff6e0",
+    "info_border": "#ecd49a",
+    "user_bubble": "#e5eefc",
+    "code_bg": "#f1f3f6",
+    "inline_code": "#9a4d00",
+    "mask": "#dde1e8",
+    **_SEGMENTS,
+}
+
+PALETTES = {"dark": DARK, "light": LIGHT}
+
+# The palette in use: mutated in place by apply_theme, so every reader sees the current colours.
+COLORS: dict[str, str] = dict(DARK)
+_current = {"scheme": "dark"}
+
+
+def current_scheme() -> str:
+    """"light" or "dark": the palette in :data:`COLORS` now."""
+    return _current["scheme"]
 
 
 def color(name: str) -> QColor:
@@ -71,11 +135,12 @@ def confidence_color(conf: float) -> QColor:
     return QColor(*stops[-1][1])
 
 
-def stylesheet() -> str:
+def stylesheet(colors: dict[str, str] | None = None) -> str:
     """``assets/style.qss`` with ``@name`` replaced by palette colours (longest names first)."""
+    palette = COLORS if colors is None else colors
     text = (ASSETS / "style.qss").read_text(encoding="utf-8")
-    for name in sorted(COLORS, key=len, reverse=True):
-        text = text.replace("@" + name, COLORS[name])
+    for name in sorted(palette, key=len, reverse=True):
+        text = text.replace("@" + name, palette[name])
     return text.replace("@icons", (ASSETS / "icons").as_posix())
 
 
@@ -93,8 +158,38 @@ def mono_font(point_size: float = 10.0) -> QFont:
     return font
 
 
-def apply_theme(app: QApplication) -> None:
-    """Fusion style, a dark palette (for dialogs and native bits) and the style sheet."""
+def set_style_class(widget: QWidget, *classes: str) -> None:
+    """Give ``widget`` the QSS style classes ``classes`` (``[class~="name"]`` selectors) and re-polish it."""
+    value = " ".join(c for c in classes if c)
+    if widget.property("class") == value:
+        return
+    widget.setProperty("class", value)
+    style = widget.style()
+    style.unpolish(widget)
+    style.polish(widget)
+    widget.update()
+
+
+def system_scheme(app: QApplication) -> str:
+    """The desktop's colour scheme: "light" or "dark" (dark when the platform does not say)."""
+    scheme = app.styleHints().colorScheme()
+    return "light" if scheme == Qt.ColorScheme.Light else "dark"
+
+
+def resolve_scheme(app: QApplication, preference: str) -> str:
+    """``preference`` ("system" | "light" | "dark") as the palette to use."""
+    if preference in PALETTES:
+        return preference
+    return system_scheme(app)
+
+
+def apply_theme(app: QApplication, preference: str = "dark") -> str:
+    """Fusion style, the palette for ``preference`` (for dialogs and native bits) and the style sheet. Returns the
+    palette applied ("light" | "dark")."""
+    scheme = resolve_scheme(app, preference)
+    COLORS.clear()
+    COLORS.update(PALETTES[scheme])
+    _current["scheme"] = scheme
     app.setStyle("Fusion")
     pal = QPalette()
     roles = {
@@ -111,12 +206,19 @@ def apply_theme(app: QApplication) -> None:
         QPalette.ColorRole.ToolTipText: "text",
         QPalette.ColorRole.PlaceholderText: "faint",
         QPalette.ColorRole.Link: "accent2",
+        QPalette.ColorRole.Mid: "border",
+        QPalette.ColorRole.Dark: "border",
+        QPalette.ColorRole.Light: "surface",
     }
     for role, name in roles.items():
         pal.setColor(role, color(name))
+    pal.setColor(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text, color("faint"))
+    pal.setColor(QPalette.ColorGroup.Disabled, QPalette.ColorRole.ButtonText, color("faint"))
+    pal.setColor(QPalette.ColorGroup.Disabled, QPalette.ColorRole.WindowText, color("faint"))
     app.setPalette(pal)
     font = app.font()
     if font.pointSizeF() < 10:
         font.setPointSizeF(10)
         app.setFont(font)
     app.setStyleSheet(stylesheet())
+    return scheme

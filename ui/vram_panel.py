@@ -35,7 +35,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_BYTES, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
-from ui.theme import COLORS, color
+from ui.theme import COLORS, color, set_style_class
 
 log = logging.getLogger(__name__)
 
@@ -308,9 +308,9 @@ class VramPanel(QWidget):
         self._saved: tuple[int, int] | None = None  # no GPU: the (budget, ctx) Apply saved last
 
         self.title = QLabel("VRAM budget")
-        self.title.setObjectName("convTitle")
+        set_style_class(self.title, "title")
         self.gpu_label = QLabel(self._gpu_text())
-        self.gpu_label.setObjectName("muted" if self.has_gpu else "warnText")
+        set_style_class(self.gpu_label, "muted" if self.has_gpu else "warnText")
         self.gpu_label.setWordWrap(True)
         self.gpu_label.setAccessibleName("GPU")
         self.card_label = QLabel("Card to plan for")
@@ -323,10 +323,10 @@ class VramPanel(QWidget):
         self.card_combo.setCurrentIndex(max(0, self.card_combo.findData(DEFAULT_CARD_GIB)))
         self.card_label.setBuddy(self.card_combo)
         self.plan_for_label = QLabel()
-        self.plan_for_label.setObjectName("muted")
+        set_style_class(self.plan_for_label, "muted")
         self.plan_for_label.setAccessibleName("Plan for")
         self.budget_label = QLabel()
-        self.budget_label.setObjectName("bigFigure")
+        set_style_class(self.budget_label, "bigFigure")
         self.budget_label.setAccessibleName("VRAM budget")
         self.state_label = QLabel()
         self.state_label.setAccessibleName("Plan state")
@@ -336,9 +336,9 @@ class VramPanel(QWidget):
         self.slider.setSingleStep(1)
         self.slider.setPageStep(8)
         self.min_label = QLabel()
-        self.min_label.setObjectName("faint")
+        set_style_class(self.min_label, "faint")
         self.max_label = QLabel()
-        self.max_label.setObjectName("faint")
+        set_style_class(self.max_label, "faint")
         self.ctx_combo = QComboBox()
         self.ctx_combo.setObjectName("contextChoice")
         self.ctx_combo.setAccessibleName("Context length")
@@ -374,13 +374,14 @@ class VramPanel(QWidget):
         self.speed_label.setToolTip("The planner's roofline estimate for this card, not a measurement")
         self.reason_label = QLabel()
         self.reason_label.setWordWrap(True)
-        self.reason_label.setObjectName("dangerText")
+        set_style_class(self.reason_label, "dangerText")
         self.reason_label.setAccessibleName("Why it won't fit")
         self.apply_button = QPushButton()
-        self.apply_button.setObjectName("primary")  # the theme's primary-button look (assets/style.qss)
+        self.apply_button.setObjectName("applyButton")
+        set_style_class(self.apply_button, "primary")  # the theme's primary-button look (assets/style.qss)
         self.apply_button.setAccessibleName("Apply")
         self.in_use_label = QLabel()
-        self.in_use_label.setObjectName("muted")
+        set_style_class(self.in_use_label, "muted")
         self.in_use_label.setWordWrap(True)
         self.in_use_label.setAccessibleName("Plan in use")
         self.status_label = QLabel()
@@ -431,7 +432,7 @@ class VramPanel(QWidget):
         col.addLayout(ends)
         col.addWidget(self.bar)
         card = QFrame()
-        card.setObjectName("loadBanner")
+        set_style_class(card, "card")
         card_layout = QVBoxLayout(card)
         card_layout.setContentsMargins(12, 10, 12, 10)
         card_layout.addLayout(self.legend)
@@ -644,10 +645,7 @@ class VramPanel(QWidget):
 
     @staticmethod
     def _restyle(label: QLabel, name: str) -> None:
-        if label.objectName() != name:
-            label.setObjectName(name)
-            label.style().unpolish(label)
-            label.style().polish(label)
+        set_style_class(label, name)
 
     def _update_apply_state(self) -> None:
         fits = self.plan is not None and bool(self.plan.fits)

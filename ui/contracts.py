@@ -1,0 +1,149 @@
+"""What the window is handed, as typed protocols (no Qt widgets, no clover_desk imports).
+
+The composition root (``clover_desk.app``) builds the real objects (``EngineClient``, ``ChatStore``,
+``StreamRecorder``, ``engine.hardware.MemoryMonitor``) and passes them in; tests pass fakes that speak the same
+contracts. The window's view of the engine's life is :class:`EngineState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol
+
+from engine.events import GenerationParams
+
+
+class EngineState(Enum):
+    """Where the engine is, as the window shows it. Only :attr:`READY` accepts a message."""
+
+    STARTING = "starting"  # the worker process is starting (or restarting) and will load the model
+    LOADING = "loading"  # the model is being read, quantized or placed
+    READY = "ready"  # a model is loaded: Send works
+    CRASHED = "crashed"  # the worker died; the crash banner offers a restart
+    NO_MODEL = "no-model"  # nothing chosen yet: the model manager is open
+    ERROR = "error"  # the model failed to load (the info banner says why)
+
+    @property
+    def status_text(self) -> str:
+        return {
+            EngineState.STARTING: "● Starting engine…",
+            EngineState.LOADING: "● Loading model…",
+            EngineState.READY: "● Ready",
+            EngineState.CRASHED: "● Engine stopped",
+            EngineState.NO_MODEL: "● No model: choose one in Models",
+            EngineState.ERROR: "● Model failed to load",
+        }[self]
+
+    @property
+    def why_not_ready(self) -> str:
+        """Why Send is disabled in this state ("" when it is not)."""
+        return {
+            EngineState.STARTING: "The engine is starting; Send works once the model has loaded.",
+            EngineState.LOADING: "The model is loading; Send works once it is ready.",
+            EngineState.READY: "",
+            EngineState.CRASHED: "The engine stopped. Restart it to send (your text stays here).",
+            EngineState.NO_MODEL: "Choose a model first (Model ▸ Models…).",
+            EngineState.ERROR: "The model failed to load. Choose another model or a smaller VRAM budget.",
+        }[self]
+
+
+class SignalLike(Protocol):
+    """A bound Qt signal (``SignalInstance``): what the window connects to."""
+
+    def connect(self, slot: Callable[..., Any]) -> Any: ...
+    def emit(self, *args: Any) -> None: ...
+
+
+class EngineClientLike(Protocol):
+    """``clover_desk.engine_client.EngineClient`` as the window uses it."""
+
+    ready: SignalLike  # the worker accepts commands (it will load the model)
+    loadProgress: SignalLike  # engine.events.LoadProgress
+    loaded: SignalLike  # dict: model_dir, device, config, generation_defaults, plan, ...
+    event: SignalLike  # (request id, engine event)
+    errorMessage: SignalLike  # (kind, message) not tied to a request
+    crashed: SignalLike  # reason
+
+    @property
+    def state(self) -> str: ...
+    @property
+    def model_info(self) -> dict[str, Any] | None: ...  # the last ``loaded`` record (None: no model loaded)
+
+    def generate(self, messages: Sequence[dict[str, str]], params: GenerationParams, tools: Any = None) -> str: ...
+    def cancel(self, request_id: str | None = None) -> None: ...
+    def cancel_load(self) -> None: ...
+    def restart(self) -> None: ...
+
+
+class ConversationLike(Protocol):
+    id: int
+    title: str
+    system_prompt: str
+    settings: dict[str, Any]
+
+
+class MessageLike(Protocol):
+    id: int
+    role: str
+    content: str
+    thinking: str
+    thinking_seconds: float | None
+    status: str
+    stats: dict[str, Any]
+
+
+class SearchHitLike(Protocol):
+    conversation: ConversationLike
+    snippet: str
+
+
+class ChatStoreLike(Protocol):
+    """``clover_desk.storage.ChatStore`` as the window uses it. ``Error`` is the exception class every failed save
+    raises (``StorageError``): the window catches it, shows it and keeps the user's text."""
+
+    Error: type[Exception]
+
+    def list_conversations(self, limit: int | None = None) -> Sequence[ConversationLike]: ...
+    def search(self, query: str) -> Sequence[SearchHitLike]: ...
+    def get_conversation(self, conversation_id: int) -> ConversationLike: ...
+    def create_conversation(self, title: str = ..., system_prompt: str = "",
+                            settings: dict[str, Any] | None = None) -> ConversationLike: ...
+    def update_conversation(self, conversation_id: int, *, title: str | None = None, system_prompt: str | None = None,
+                            settings: dict[str, Any] | None = None) -> ConversationLike: ...
+    def rename_conversation(self, conversation_id: int, title: str) -> Any: ...
+    def delete_conversation(self, conversation_id: int) -> None: ...
+    def messages(self, conversation_id: int) -> Sequence[MessageLike]: ...
+    def chat_messages(self, conversation_id: int) -> list[dict[str, str]]: ...
+    def add_message(self, conversation_id: int, role: str, content: str, **kwargs: Any) -> MessageLike: ...
+    def edit_message(self, message_id: int, content: str) -> Any: ...
+    def truncate_after(self, message_id: int, include: bool = False) -> Any: ...
+    def export_markdown(self, conversation_id: int, path: str) -> Path: ...
+    def export_json(self, conversation_id: int, path: str) -> Path: ...
+
+
+class Recorder(Protocol):
+    """Saves one streaming answer from its events (``clover_desk.storage.StreamRecorder``)."""
+
+    done: bool
+
+    def on_event(self, event: object) -> bool: ...
+    def flush(self) -> None: ...
+
+
+RecorderFactory = Callable[[Any, int], Recorder]  # (store, assistant message id) -> recorder
+
+
+class HtmlPreview(Protocol):
+    """What the window needs from the preview tab (``ui.preview.PreviewPane``)."""
+
+    def set_html(self, text: str, document_id: str | None = None) -> None: ...  # throttled
+    def flush(self) -> None: ...  # show the latest text now
+
+
+class MemoryMonitor(Protocol):
+    """RAM / VRAM in use (``engine.hardware.MemoryMonitor``): ``ram_used``, ``ram_total``, ``vram_used``,
+    ``vram_total`` in bytes, None where unknown."""
+
+    def sample(self) -> dict[str, int | None]: ...

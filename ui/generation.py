@@ -1,0 +1,141 @@
+"""Generation settings as the window keeps them (per chat), the model's own defaults, and an answer's statistics.
+
+Plain data, no Qt. The defaults a new chat starts with come from the model folder, never from constants here:
+:func:`defaults_from_model` reads what the engine reports with its ``loaded`` answer (``config`` and
+``generation_defaults``, i.e. ``engine.config.load_config`` / ``load_generation_defaults``) or what the composition
+root reads from the folder before the model is loaded (the same two, torch-free).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from engine.events import Finished, GenerationParams
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS_LIMIT = 32_768  # the drawer's range; a model default above it is shown as this
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What the settings drawer edits; stored per conversation (``Conversation.settings``).
+
+    The field defaults are only a fallback for a model that says nothing (no config read yet)."""
+
+    mode: str = "diffusion"  # "diffusion" | "ar"
+    temperature: float = 0.0
+    block_size: int = 32
+    threshold: float = 0.95  # commit every masked slot whose confidence is strictly above this
+    max_new_tokens: int = 1024
+    enable_thinking: bool = True
+    expand_thinking: bool = False  # display only: show the thinking section open by default
+
+    def to_params(self) -> GenerationParams:
+        return GenerationParams(
+            mode=self.mode,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            do_sample=self.temperature > 0,
+            block_size=self.block_size if self.mode == "diffusion" else None,
+            threshold=self.threshold if self.mode == "diffusion" else None,
+            enable_thinking=self.enable_thinking,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, defaults: GenerationSettings | None = None) -> GenerationSettings:
+        """A chat's saved settings over ``defaults`` (the model's) for any key it lacks."""
+        base = defaults or cls()
+        known = {k: v for k, v in (data or {}).items() if k in asdict(base)}
+        try:
+            return replace(base, **known)
+        except TypeError:
+            log.warning("ignoring malformed conversation settings %r", data)
+            return base
+
+
+def defaults_from_model(config: Mapping[str, Any] | None, generation: Mapping[str, Any] | None) -> GenerationSettings:
+    """The settings a new chat starts with for this model.
+
+    ``config``: ``CloverConfig`` as a dict (``is_diffusion``, ``block_size``, ``threshold``); ``generation``:
+    ``GenerationDefaults`` as a dict (``do_sample``, ``temperature``, ``max_new_tokens``). Missing keys keep the
+    fallbacks of :class:`GenerationSettings`."""
+    base = GenerationSettings()
+    config = config or {}
+    generation = generation or {}
+    values: dict[str, Any] = {}
+    if "is_diffusion" in config:
+        values["mode"] = "diffusion" if config["is_diffusion"] else "ar"
+    if isinstance(config.get("block_size"), int) and config["block_size"] > 0:
+        values["block_size"] = int(config["block_size"])
+    if isinstance(config.get("threshold"), (int, float)):
+        values["threshold"] = float(config["threshold"])
+    if "do_sample" in generation or "temperature" in generation:
+        sampling = bool(generation.get("do_sample")) and float(generation.get("temperature") or 0) > 0
+        values["temperature"] = round(float(generation.get("temperature") or 0), 2) if sampling else 0.0
+    if isinstance(generation.get("max_new_tokens"), int) and generation["max_new_tokens"] > 0:
+        values["max_new_tokens"] = min(int(generation["max_new_tokens"]), MAX_TOKENS_LIMIT)
+    return replace(base, **values)
+
+
+def finished_stats(event: Finished, mode: str) -> dict[str, Any]:
+    """The per-message statistics kept with an answer (shown under it, exported with it)."""
+    stats: dict[str, Any] = {
+        "mode": mode,
+        "tokens": event.tokens,
+        "passes": event.passes,
+        "tokens_per_pass": round(event.tokens_per_pass, 3),
+        "tokens_per_s": round(event.tokens_per_s, 3),
+        "time_to_first_token_s": event.time_to_first_token_s,
+        "prompt_tokens": event.prompt_tokens,
+        "prefill_s": round(event.prefill_s, 4),
+        "decode_s": round(event.decode_s, 4),
+        "stop_reason": event.stop_reason,
+    }
+    rate = expert_hit_rate(event.accounting)
+    if rate is not None:
+        stats["expert_hit_rate"] = rate
+    return stats
+
+
+def expert_hit_rate(accounting: dict[str, Any] | None) -> float | None:
+    """Expert slot-pool hit rate from ``Finished.accounting`` (engine.offload: ``hit_rate``, ``slot_hits`` /
+    ``slot_misses``), or None when nothing was streamed."""
+    if not accounting:
+        return None
+    hits = accounting.get("slot_hits", accounting.get("hits"))
+    misses = accounting.get("slot_misses", accounting.get("misses"))
+    if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses == 0:
+        return None  # nothing was looked up in the slot pool (every expert resident): no rate to show
+    for key in ("hit_rate", "expert_hit_rate", "cache_hit_rate"):
+        if isinstance(accounting.get(key), (int, float)):
+            return float(accounting[key])
+    if isinstance(hits, (int, float)) and isinstance(misses, (int, float)) and hits + misses > 0:
+        return float(hits) / float(hits + misses)
+    return None
+
+
+def export_file_name(title: str, fmt: str) -> str:
+    """A file name for an exported chat: the title as lower-case words joined by hyphens, "hello-who-are-you.md"
+    (letters and digits of any script kept; nothing a file system or a shell minds), "chat.md" for an empty one."""
+    words, word = [], []
+    for ch in title.lower():
+        if ch.isalnum():
+            word.append(ch)
+        elif word:
+            words.append("".join(word))
+            word = []
+    if word:
+        words.append("".join(word))
+    stem = ""
+    for w in words:  # at most ~60 characters, cut at a word
+        if stem and len(stem) + 1 + len(w) > 60:
+            break
+        stem = f"{stem}-{w}" if stem else w[:60]
+    return f"{stem or 'chat'}{'.md' if fmt == 'markdown' else '.json'}"

@@ -1,0 +1,61 @@
+"""Small shared widgets and helpers: a label that elides instead of widening the window, accessible names."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtGui import QResizeEvent
+from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
+
+from ui.theme import set_style_class
+
+
+class ElidedLabel(QLabel):
+    """One line of text that is cut with "…" when there is no room (the full text is in the tooltip), so a long
+    chat title or GPU name never sets the window's minimum width. ``text()`` is the full text."""
+
+    def __init__(self, text: str = "", style_class: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._full = ""
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
+        self.setTextFormat(Qt.TextFormat.PlainText)
+        if style_class:
+            set_style_class(self, style_class)
+        self.setText(text)
+
+    def setText(self, text: str) -> None:  # noqa: N802 (Qt name)
+        self._full = text
+        self._elide()
+        self.updateGeometry()
+
+    def text(self) -> str:
+        return self._full
+
+    def sizeHint(self) -> QSize:  # noqa: N802
+        hint = super().sizeHint()
+        margins = self.contentsMargins()
+        width = self.fontMetrics().horizontalAdvance(self._full) + margins.left() + margins.right() + 4
+        return QSize(width, hint.height())
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802
+        return QSize(min(48, self.sizeHint().width()), super().minimumSizeHint().height())
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        room = max(0, self.contentsRect().width())
+        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, room) if room else self._full
+        super().setText(shown)
+        self.setToolTip(self._full if shown != self._full else "")
+
+    def is_elided(self) -> bool:
+        return super().text() != self._full
+
+
+def accessible(widget: QWidget, name: str, description: str = "") -> QWidget:
+    """Set ``widget``'s accessible name (and description): what a screen reader says for it."""
+    widget.setAccessibleName(name)
+    if description:
+        widget.setAccessibleDescription(description)
+    return widget
