@@ -592,7 +592,25 @@ def _run_moe_only(args: argparse.Namespace) -> int:
             if dense_reference is not None:
                 print(f"        {'':<6s} non-view torch ops per layer (~ GPU kernel launches): "
                       + _op_counts(bank, name, x, idx, w, dense_reference if name == "dense" else quant_reference))
+        _fused_line(banks["nf4"], x, idx, w, args.repeats, device, t, distinct)
     return 0
+
+
+def _fused_line(bank: Any, x: Any, idx: Any, w: Any, repeats: int, device: str, t: int, distinct: int) -> None:
+    """The fused NF4 Triton kernel (engine.triton_moe) on the same bank and routing, next to the grouped path."""
+    import torch
+
+    from engine import triton_moe
+
+    if device != "cuda" or not triton_moe.available():
+        print(f"T={t:<3d} nf4 fused (Triton): not run ({'no Triton' if device == 'cuda' else 'CUDA only'})")
+        return
+    with torch.inference_mode():
+        ms = _best(lambda: triton_moe.fused_nf4_moe(x, bank.packed, bank.layout, idx, w), repeats, device) * 1e3
+        grouped = bank(x, idx, w).float()
+        diff = (triton_moe.fused_nf4_moe(x, bank.packed, bank.layout, idx, w).float() - grouped).abs().max().item()
+    print(f"T={t:<3d} nf4 fused (Triton) distinct experts {distinct:3d}: {ms:9.2f} ms/layer, max |diff| vs grouped "
+          f"{diff:.2e}")
 
 
 def _op_counts(bank: Any, name: str, x: Any, idx: Any, w: Any, reference: Callable[..., Any]) -> str:

@@ -481,6 +481,12 @@ def routed_forward(
     [E] long on source's device; None: row e), which needs no host sync to find an expert; or ``row_of(e)`` -> row
     [nbytes], which needs the expert ids on the host (a sync per group on a GPU) and copies each used row once."""
     if source is not None:
+        from engine import triton_moe
+
+        if triton_moe.enabled_for(x, layout):  # the fused NF4 kernel (opt-in on CUDA until measured there)
+            rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] pool row of each pair
+            return triton_moe.fused_nf4_moe(x, source, layout, rows, topk_w)
+
         def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
             rows = ids if row_index is None else row_index[ids]  # [G]
             return unpack_rows(layout, source, rows, x.dtype)

@@ -23,11 +23,13 @@ step() {  # step NAME SECONDS COMMAND...
 }
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv | tee "$out/summary.txt"
 # Issue 2: full-size random 35B-A3B in bf16, all weights resident: AR decode tok/s, diffusion passes/s (one block).
-step bench_speed_full 180 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16
+step bench_speed_full 160 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16
 # Issue 8: the same with the decoder layers compiled (engine.fastpath; Triton kernels, one graph per layer kind),
 # eager and compiled side by side with token equality. 8 layers: the graphs are shared, so depth only scales time.
-step bench_speed_compiled 180 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
+step bench_speed_compiled 150 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
   --layers 8 --compile --repeats 3
+# Issue 8: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused NF4 Triton kernel.
+step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
 # Issue 3: full-size NF4 experts in pinned RAM, process capped at 16 GiB: H2D GB/s, AR tok/s, passes/s, coreset load.
 if $py -c "import bitsandbytes" 2>/dev/null; then
   step bench_offload_gpu 120 $py -m clover_desk.cli bench offload --gpu --gpu-mem-gb 16
