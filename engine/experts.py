@@ -270,6 +270,16 @@ def moe_grouped(
         ys = torch.cat(parts) if len(parts) > 1 else parts[0]  # [N, D]
         return combine_by_token(ys, torch.arange(n, device=x.device), topk_w)
 
+    return _moe_sorted(x, topk_idx, topk_w, num_experts, weights, group_experts)
+
+
+@torch.compiler.disable
+def _moe_sorted(
+    x: Tensor, topk_idx: Tensor, topk_w: Tensor, num_experts: int, weights: WeightsFn, group_experts: int
+) -> Tensor:
+    """Many pairs (a prefill, or a pass too big for the pairwise gather): group by expert, sized on the host.
+    Never traced (``torch.compiler.disable``): its Python depends on the routing (group sizes, how many experts are
+    used), which would make a compiled layer recompile for every prefill; a compiled layer calls it eagerly."""
     order, token, counts = sort_by_expert(topk_idx, num_experts)
     counts_host = counts.cpu()  # [E] the one host sync: group sizes are data-dependent
     used = counts_host.nonzero().flatten()  # [U] sorted expert ids

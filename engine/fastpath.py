@@ -40,6 +40,13 @@ def compile_layers(model: Any, *, backend: str = "inductor", mode: str | None = 
     for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * RECOMPILE_LIMIT))
+    if next(model.parameters()).device.type == "cpu":
+        import torch._inductor.config as inductor_config
+
+        # Generated CPU kernels run on one thread: a decode step's kernels are tiny, and an OpenMP region on every
+        # kernel is a barrier per kernel; on a busy machine (2 cores, other work) those barriers took 86 ms per kernel
+        # call, measured, against microseconds single-threaded. Matrix products stay on torch's threads (extern mm).
+        inductor_config.cpp.threads = 1
     n = 0
     for layer in model.layers:
         layer.compile(backend=backend, mode=mode, dynamic=True)
