@@ -1,27 +1,45 @@
 # Two commands do everything on a fresh machine:  `make run`  and  `make test`.
+# `make run` installs only what the app needs; `make test` adds the test extra; `make package` the packaging extra.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+APP_STAMP := $(VENV)/.installed-app
+TEST_STAMP := $(VENV)/.installed-test
+PACKAGING_STAMP := $(VENV)/.installed-packaging
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench package clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+$(APP_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+$(PACKAGING_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[packaging]'
+	touch $@
 
-run: $(STAMP)
+install: $(APP_STAMP)
+
+run: $(APP_STAMP)
 	$(BIN)/clover-desk
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	QT_QPA_PLATFORM=offscreen QTWEBENGINE_DISABLE_SANDBOX=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: $(STAMP)
-	$(BIN)/clover-desk bench
+# make bench SUITE=speed ARGS="--shape tiny"; without SUITE it lists the suites and fails (exit 2)
+bench: $(APP_STAMP)
+	$(BIN)/clover-desk bench $(SUITE) $(ARGS)
+
+# the one-folder desktop bundle in dist/clover-desk (packaging/README.md); packaging/smoke_test.sh checks it
+package: $(PACKAGING_STAMP)
+	PYTHON=$(BIN)/python bash packaging/build.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

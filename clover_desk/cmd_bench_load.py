@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _child(argv: list[str]) -> tuple[dict[str, Any], int, float]:
     """Run one stage in a fresh interpreter: (its JSON result, its peak RSS in bytes, wall seconds)."""
+    if not hasattr(os, "wait4"):  # the child's own peak RSS comes from wait4's rusage (Linux/macOS)
+        raise SystemExit("clover-desk bench load: needs os.wait4 (Linux or macOS) to measure each stage's peak RSS")
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:  # files: a full pipe cannot stall it
         proc = subprocess.Popen([sys.executable, "-m", "clover_desk.cmd_bench_load", *argv], stdout=out_f, stderr=err_f)

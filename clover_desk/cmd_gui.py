@@ -13,10 +13,18 @@ import logging
 import math
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PySide6.QtWidgets import QApplication, QWidget
 
 log = logging.getLogger(__name__)
 
 EXIT_DATA_DIR = 2  # the data folder is unusable or another instance holds it
+# CLOVER_DESK_SMOKE=1 (packaging/smoke_test.sh, on a built bundle): once the main window is shown, print SMOKE_MARKER
+# on stdout and quit with status 0, so a headless run proves the app reaches its first window.
+SMOKE_ENV = "CLOVER_DESK_SMOKE"
+SMOKE_MARKER = "clover-desk smoke: main window shown"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +91,20 @@ def run(args: argparse.Namespace) -> int:
         raise
     desk.save_settings()
     desk.window.show()
+    if os.environ.get(SMOKE_ENV) == "1":
+        from PySide6.QtCore import QTimer
+
+        QTimer.singleShot(0, lambda: _smoke_shown(desk.window, app))  # runs once the event loop has shown it
     return int(app.exec())
+
+
+def _smoke_shown(window: QWidget, app: QApplication) -> None:
+    if not window.isVisible():
+        print("clover-desk smoke: the main window is not visible", file=sys.stderr)
+        app.exit(1)
+        return
+    print(f"{SMOKE_MARKER} ({window.width()}x{window.height()}, {type(window).__name__})", flush=True)
+    app.quit()
 
 
 def _refuse(message: str) -> int:

@@ -13,7 +13,6 @@ full-attention layer (the real pattern puts one at every 4th layer), which the e
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,19 @@ SHAPES = ("tiny", "clover-35b-a3b")
 MIN_LAYERS, MAX_LAYERS = 1, 40
 DEFAULT_LAYERS = 4
 PROGRESS_EVERY_S = 2.0
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory: ``resource`` on Linux/macOS (POSIX only), psutil's peak working set on
+    Windows, None where neither can tell."""
+    try:
+        import resource
+    except ImportError:
+        import psutil
+
+        peak = getattr(psutil.Process().memory_info(), "peak_wset", None)  # Windows only
+        return int(peak) if peak is not None else None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,9 +135,10 @@ def run(args: argparse.Namespace) -> int:
     if args.shape == "tiny":
         print(f"wrote a tiny {args.model_type} model to {out} ({len(files)} files: {', '.join(files)})")
         return 0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peak = peak_rss_bytes()
     print(
         f"wrote a {args.shape}-wide {args.model_type} model with {layers} layer{'s' if layers != 1 else ''} to {out}: "
-        f"{_gb(_folder_bytes(out))} in {len(files)} files, peak RSS {peak / 2**20:.0f} MiB"
+        f"{_gb(_folder_bytes(out))} in {len(files)} files, peak RSS "
+        + (f"{peak / 2**20:.0f} MiB" if peak is not None else "unknown")
     )
     return 0

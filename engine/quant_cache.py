@@ -20,7 +20,8 @@ Stored keys are the quantized model's state-dict names: a quantized linear ``X.w
 host-store layout of ``engine/offload.py``); anything else keeps its name.
 
 Conversion streams: tensor by tensor, and big tensors in row chunks (experts one at a time), read with ``pread``
-(no mmap, so resident memory stays at one chunk) and written with ``pwrite`` at precomputed offsets. Progress is
+(no mmap, so resident memory stays at one chunk) and written with ``pwrite`` at precomputed offsets (where the OS has
+no ``os.preadv`` / ``os.pwrite``, as on Windows, a seek and a read or write under a lock; same bytes). Progress is
 reported as :class:`LoadProgress` (bytes, tensor, ETA); a set ``cancel`` event raises :class:`CancelledError`.
 Atomicity: everything is written into a temporary sibling folder, fsync'd, then renamed into place; a killed
 conversion leaves only a ``.tmp-*`` folder, never a cache that looks complete (leftovers are removed next time).
@@ -33,6 +34,7 @@ is rebuilt; it is never used silently.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
@@ -54,6 +56,8 @@ from torch import Tensor, nn
 from engine.checkpoint import (
     TORCH_DTYPES,
     Target,
+    check_checkpoint,
+    check_finite,
     read_safetensors_header_raw,
     sanitize_name,
     sanitize_shape,
@@ -119,12 +123,39 @@ def read_header(path: Path) -> tuple[dict[str, SrcTensor], str, int]:
     return out, hashlib.sha256(raw).hexdigest(), 8 + len(raw)
 
 
+# Positional reads and writes. os.preadv / os.pwrite are POSIX-only (Windows has neither): without them a seek
+# followed by a read or write does the same, under one lock so two threads never interleave a seek with another's
+# read on the same descriptor. The choice is made at each call (tests take the POSIX calls away to run the fallback).
+_SEEK_LOCK = threading.Lock()
+_O_BINARY = getattr(os, "O_BINARY", 0)  # Windows opens descriptors in text mode (newline translation) without it
+
+
+def _read_at(fd: int, view: memoryview, offset: int) -> int:
+    """Read into ``view`` from byte ``offset`` of ``fd``: the number of bytes read (0 at the end of the file)."""
+    preadv = getattr(os, "preadv", None)
+    if preadv is not None:
+        return preadv(fd, [view], offset)
+    with _SEEK_LOCK, io.FileIO(fd, "rb", closefd=False) as f:
+        f.seek(offset)
+        return f.readinto(view) or 0
+
+
+def _write_at(fd: int, view: memoryview, offset: int) -> int:
+    """Write (part of) ``view`` at byte ``offset`` of ``fd``: the number of bytes written."""
+    pwrite = getattr(os, "pwrite", None)
+    if pwrite is not None:
+        return pwrite(fd, view, offset)
+    with _SEEK_LOCK:
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.write(fd, view)
+
+
 def _pread(fd: int, offset: int, nbytes: int, what: str) -> bytearray:
     buf = bytearray(nbytes)
     view = memoryview(buf)
     got = 0
     while got < nbytes:
-        n = os.preadv(fd, [view[got:]], offset + got)
+        n = _read_at(fd, view[got:], offset + got)
         if n <= 0:
             raise CheckpointError(f"{what}: unexpected end of file at byte {offset + got}")
         got += n
@@ -138,7 +169,9 @@ def _read_rows(fd: int, src: SrcTensor, r0: int, r1: int) -> Tensor:
     row_bytes = row_numel * esize
     buf = _pread(fd, src.begin + r0 * row_bytes, (r1 - r0) * row_bytes, f"{src.path}: tensor {src.name!r}")
     t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-    return t.reshape((r1 - r0, *src.shape[1:]) if len(src.shape) > 1 else (r1 - r0,))
+    t = t.reshape((r1 - r0, *src.shape[1:]) if len(src.shape) > 1 else (r1 - r0,))
+    check_finite(t, src.path, src.name, r0)  # every source chunk passes here once, as it is converted
+    return t
 
 
 def _read_into(fd: int, src: SrcTensor, dst: Tensor) -> None:
@@ -146,18 +179,21 @@ def _read_into(fd: int, src: SrcTensor, dst: Tensor) -> None:
     view = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
     got = 0
     while got < src.nbytes:
-        n = os.preadv(fd, [view[got:]], src.begin + got)
+        n = _read_at(fd, view[got:], src.begin + got)
         if n <= 0:
             raise CheckpointError(f"{src.path}: unexpected end of file in tensor {src.name!r}")
         got += n
 
 
 def _pwrite(fd: int, offset: int, t: Tensor) -> None:
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    _write_all(fd, t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), offset)
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, view[done:], offset + done)
+        done += _write_at(fd, view[done:], offset + done)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -323,6 +359,10 @@ class _Progress:
 
 
 def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable. POSIX only: Windows cannot open a folder as a file (NTFS journals the
+    rename itself)."""
+    if os.name == "nt":
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -354,6 +394,7 @@ def build_cache(
     """Quantize ``model_dir`` under ``policy`` into ``cache_dir`` (default :func:`cache_dir_for`); returns it."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
+    check_checkpoint(model_dir, config)  # config.json's sizes against the headers, before any output is sized
     final = Path(cache_dir) if cache_dir is not None else cache_dir_for(model_dir, policy)
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(final)
@@ -466,9 +507,9 @@ def build_cache(
     tracker = _Progress(sum(s.nbytes for s, _ in jobs), progress, cancel, "quantizing")
     try:
         data_path = tmp / DATA_NAME
-        fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
         try:
-            os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            _write_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
             os.ftruncate(fd, data_start + pos)
             pending: dict[tuple[str, int], dict[str, Tensor]] = {}
             by_path: dict[Path, int] = {}
@@ -479,7 +520,7 @@ def build_cache(
                     if sfd is None:
                         for old in by_path.values():  # one source file open at a time
                             os.close(old)
-                        by_path = {src.path: os.open(src.path, os.O_RDONLY)}
+                        by_path = {src.path: os.open(src.path, os.O_RDONLY | _O_BINARY)}
                         sfd = by_path[src.path]
                     _convert_one(sfd, fd, src, target, policy, outs, layouts, pending, tracker, config)
                     tracker.advance(src.nbytes, src.name)
@@ -662,13 +703,10 @@ def _remove_leftovers(final: Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    # psutil, not os.kill(pid, 0): on Windows signal 0 is CTRL_C_EVENT, which would interrupt that process
+    import psutil
+
+    return bool(psutil.pid_exists(pid))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -741,7 +779,7 @@ class CacheSource:
         self.header, _, _ = read_header(data)
         self.tracker = _Progress(sum(h.nbytes for h in self.header.values()), progress, cancel, "reading")
         self.filled: set[str] = set()
-        self.fd = os.open(data, os.O_RDONLY)
+        self.fd = os.open(data, os.O_RDONLY | _O_BINARY)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -21,12 +21,13 @@ def test_subcommands_get_their_own_options() -> None:
     assert (args.command, args.suite, args.tiny) == ("bench", "offload", True)
 
 
-def test_bench_without_a_suite_shows_help(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_without_a_suite_names_the_suites_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(["bench"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "speed" in out and "offload" in out
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1  # one line, no usage block
+    assert all(suite in captured.err for suite in ("speed", "offload", "load", "gguf"))
 
 
 def test_gui_options_without_the_subcommand() -> None:
