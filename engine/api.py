@@ -44,17 +44,44 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def plan_for(
-    model_dir: str | Path, vram_gb: float, ctx_tokens: int | None = None, dtype: str | torch.dtype = "bfloat16"
+    model_dir: str | Path,
+    vram_gb: float,
+    ctx_tokens: int | None = None,
+    dtype: str | torch.dtype = "bfloat16",
+    gguf_layout: str = "auto",
 ) -> Any:
-    """The plan for a model folder under a VRAM budget in GiB on this machine, for compute in ``dtype``:
-    ``engine.planner.plan_model`` with the probed hardware (what ``generate --vram-gb`` prints and then loads)."""
+    """The plan for a model folder (or a .gguf file, read in ``gguf_layout``) under a VRAM budget in GiB on this
+    machine, for compute in ``dtype``: ``engine.planner.plan_model`` with the probed hardware (what ``generate
+    --vram-gb`` prints and then loads)."""
     from engine.planner import plan_model, probe_hardware
 
+    model: Any = model_dir
+    if Path(model_dir).suffix == ".gguf" and gguf_layout != "auto":
+        from engine.gguf_file import manifest_from_gguf
+
+        model = manifest_from_gguf(model_dir, gguf_layout)  # the header read as the load will read it
     compute = format_of_torch_dtype(parse_dtype(dtype))
     return plan_model(
-        model_dir, int(float(vram_gb) * GIB), int(ctx_tokens or DEFAULT_CTX_TOKENS), probe_hardware(),
+        model, int(float(vram_gb) * GIB), int(ctx_tokens or DEFAULT_CTX_TOKENS), probe_hardware(),
         compute_dtype=compute,
     )
+
+
+def _check_plan_here(plan: Any, manifest: Any, device: str) -> None:
+    """``engine.planner.check_plan`` against ``manifest`` (the model as the load will place it) and what this
+    machine has free now (on a CPU device the plan's "device" part takes RAM as well)."""
+    import psutil
+
+    from engine import planner
+
+    ram_free = psutil.virtual_memory().available
+    vram_free = None
+    if str(device).startswith("cuda"):
+        vram_free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        b = plan.vram_breakdown
+        ram_free -= sum(int(b.get(k, 0)) for k in ("non_expert", "resident_experts", "expert_slots", "kv_cache"))
+    planner.check_plan(plan, manifest, ram_available_bytes=ram_free, vram_available_bytes=vram_free)
 
 
 def _load_planned(
@@ -67,22 +94,11 @@ def _load_planned(
 ) -> tuple[Any, Any]:
     """Check ``plan`` against the model's quantized cache (built first when needed: it streams tensor by tensor)
     and this machine, then read each tensor once into its planned place. Returns (plan, model)."""
-    import psutil
-
     from engine import planner, quant_cache
 
     report = quant_cache.ensure_cache(folder, progress=progress, cancel=cancel)
     log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
-    manifest = planner.manifest_from_quantized_cache(report.manifest_path)
-    ram_free = psutil.virtual_memory().available
-    vram_free = None
-    on_gpu = str(device).startswith("cuda")
-    if on_gpu:
-        vram_free = torch.cuda.mem_get_info(torch.device(device))[0]
-    else:  # the "device" part of the plan lives in RAM as well
-        b = plan.vram_breakdown
-        ram_free -= sum(int(b.get(k, 0)) for k in ("non_expert", "resident_experts", "expert_slots", "kv_cache"))
-    planner.check_plan(plan, manifest, ram_available_bytes=ram_free, vram_available_bytes=vram_free)
+    _check_plan_here(plan, planner.manifest_from_quantized_cache(report.manifest_path), device)
     model = quant_cache.load_from_cache(report.path, folder, dtype, progress, cancel, plan=plan, device=device)
     return plan, model
 
@@ -127,7 +143,9 @@ class Engine:
         """Read a model folder (config, generation config, tokenizer, weights) onto ``device``.
 
         A ``.gguf`` file (or any part of a split set) loads through :mod:`engine.gguf_model`, quantized tensors kept
-        as GGUF blocks; ``gguf_layout`` ("auto" | "fork" | "upstream") overrides the layout detection.
+        as GGUF blocks; ``gguf_layout`` ("auto" | "fork" | "upstream") overrides the layout detection. A plan for a
+        GGUF file is checked against the file's own header (``engine.gguf_file.manifest_from_gguf``: no conversion,
+        no cache) and streamed layers move each expert's GGUF bytes as the file stores them.
 
         ``plan`` (an ``engine.planner.Plan`` or its dict, as ``clover-desk plan --json`` and the VRAM panel make
         it): load the quantized model placed exactly as planned (expert streaming, :mod:`engine.offload`). The plan
@@ -143,32 +161,24 @@ class Engine:
         since it counted the device's weights and KV cache in its own.
         """
         folder = Path(model_dir)
-        if folder.suffix == ".gguf":  # a GGUF file (or the first part of a split set): engine.gguf_model
-            if plan is not None or vram_gb is not None:
-                raise PlanError(f"{folder}: placing a GGUF model under a VRAM plan (expert streaming) is not supported "
-                                f"yet; load it without a plan (--vram-gb)")
-            from engine.gguf_model import load_gguf_engine
-
-            model, config, defaults, tokenizer, ar_only = load_gguf_engine(
-                folder, device=device, dtype=parse_dtype(dtype or "float32"), layout=gguf_layout, progress=progress,
-                cancel=cancel,
-            )
-            return cls(model, config, defaults, tokenizer, folder, None, None, ar_only)
-        if not folder.is_dir():
-            raise ConfigError(f"{folder}: model folder not found")
-        config = load_config(folder)
-        defaults = load_generation_defaults(folder, config)
-        tokenizer = CloverTokenizer.from_dir(folder)
-        if tokenizer.vocab_size > config.vocab_size:
-            raise ConfigError(
-                f"{folder / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than config.json's vocab_size "
-                f"{config.vocab_size}"
-            )
+        is_gguf = folder.suffix == ".gguf"  # a GGUF file (or the first part of a split set): engine.gguf_model
+        if not is_gguf:
+            if not folder.is_dir():
+                raise ConfigError(f"{folder}: model folder not found")
+            config = load_config(folder)
+            defaults = load_generation_defaults(folder, config)
+            tokenizer = CloverTokenizer.from_dir(folder)
+            if tokenizer.vocab_size > config.vocab_size:
+                raise ConfigError(
+                    f"{folder / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than config.json's vocab_size "
+                    f"{config.vocab_size}"
+                )
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} was asked for, but CUDA is not available here")
         hooks = None
+        ar_only = None
         if plan is None and vram_gb is not None:
-            plan = plan_for(folder, vram_gb, ctx_tokens, dtype or "float32")
+            plan = plan_for(folder, vram_gb, ctx_tokens, dtype or "float32", gguf_layout)
         if isinstance(plan, dict):
             from engine.planner import Plan
 
@@ -183,7 +193,18 @@ class Engine:
             dtype = planned
         dtype = dtype or "float32"
         torch_dtype = parse_dtype(dtype)
-        if plan is None:
+        if is_gguf:
+            from engine.gguf_model import load_gguf_engine
+
+            if plan is not None:
+                from engine.gguf_file import manifest_from_gguf
+
+                _check_plan_here(plan, manifest_from_gguf(folder, gguf_layout), device)
+            model, config, defaults, tokenizer, ar_only = load_gguf_engine(
+                folder, device=device, dtype=torch_dtype, layout=gguf_layout, progress=progress, cancel=cancel,
+                plan=plan,
+            )
+        elif plan is None:
             from engine.checkpoint import load_model
 
             model = load_model(
@@ -191,6 +212,7 @@ class Engine:
             )
         else:
             plan, model = _load_planned(folder, plan, device, torch_dtype, progress, cancel)
+        if plan is not None:
             if plan.prefill_chunk_tokens:
                 model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
             from engine import offload
@@ -203,11 +225,11 @@ class Engine:
         log.info(
             "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
         )
-        if compile:
+        if compile and not is_gguf:  # the GGUF modules have not been through torch.compile yet
             from engine.fastpath import compile_layers
 
             compile_layers(model)
-        return cls(model, config, defaults, tokenizer, folder, plan, hooks)
+        return cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only)
 
     # ---- prompts ----
     def prompt_ids(

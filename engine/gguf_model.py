@@ -3,21 +3,28 @@
 Every quantized matrix stays as its raw ggml blocks in memory and is dequantized per forward, then multiplied (the
 reference path; a fused kernel can replace the module later with the same interface):
 
-* :class:`GGUFLinear` replaces ``nn.Linear`` (``ssm_out``'s tiled input columns are handled by permuting the
-  activations, since a K-quant block spans two value heads and cannot be reordered);
-* :class:`GGUFExpertBank` replaces the dense expert bank (gate / up / down blocks per expert, through
-  :func:`engine.experts.moe_grouped` like every other bank);
+* :class:`GGUFLinear` replaces ``nn.Linear`` (``ssm_out``'s tiled input columns are handled by reordering the
+  activations with a reshape and a transpose, since a K-quant block spans two value heads and cannot be reordered);
+* :class:`GGUFExpertBank` replaces the dense expert bank: one contiguous byte row per expert holding its gate, up and
+  down blocks in the file's types (:class:`GGUFExpertLayout`), computed by :func:`engine.quant.routed_forward`
+  like the NF4 banks, so :mod:`engine.offload` streams it like them and a streamed expert moves the file's bytes;
 * :class:`GGUFEmbedding` replaces the embedding table (only the looked-up rows are dequantized).
 
 Float tensors (F32 / F16 / BF16) become ordinary parameters in the model dtype, so an F32 GGUF of the fork layout
-gives the very model its safetensors checkpoint gives. Everything else (names, shapes, Clover extras, checks) goes
-through :mod:`engine.checkpoint`'s plan_load / load_state, fed by :class:`GGUFSource`.
+gives the very model its safetensors checkpoint gives. Names, shapes and Clover extras are checked by
+:mod:`engine.checkpoint`'s plan_load against :class:`GGUFSource`; then the model is a meta-device skeleton with the
+GGUF modules swapped in, and :func:`engine.offload.place_model` reads every tensor once from the file
+(:class:`GGUFPlacement`) into the place a VRAM plan gives it (no plan: everything on the device). Under a plan the
+streamed layers' rows are copied out of the memory-mapped file into (pinned) host rows: the file keeps an expert's
+gate, up and down blocks in three tensors, so one contiguous row per expert is what lets one copy fill one slot,
+and the host memory is exactly the plan's ``ram_breakdown["streamed_experts"]``.
 
 Letters: O/N out/in features, E experts, D hidden, I expert intermediate, T tokens, G experts in a group.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -30,17 +37,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine import gguf_quants as gq
-from engine.checkpoint import LoadPlan, TensorEntry, _as_dtype, load_state, materialize, plan_load
+from engine import offload
+from engine.checkpoint import LoadPlan, TensorEntry, _as_dtype, plan_load, sanitize_tensor
 from engine.errors import CancelledError, CheckpointError
 from engine.events import LoadProgress
-from engine.experts import ExpertBank, moe_grouped
-from engine.gguf_file import FLOAT_TYPES, GGUFModelFile, TensorMap, open_gguf, tensor_map
+from engine.gguf_file import (
+    FLOAT_TYPES,
+    FORMAT_OF_TYPE,
+    GGUFModelFile,
+    TensorMap,
+    open_gguf,
+    tensor_map,
+    tiled_to_hf_heads,
+)
 from engine.model import CloverModel
-from engine.quant import set_submodule
+from engine.quant import RowExpertBank, set_submodule
 
 log = logging.getLogger(__name__)
 
 DEQUANT_CHUNK_ELEMS = 8 << 20  # GGUFLinear dequantizes at most this many weights at once
+COPY_CHUNK_BYTES = 64 << 20  # placement copies a tensor out of the memory map in pieces of at most this size
 
 # raw uint8 [..., row_bytes] + ggml type -> fp32 [..., ncols]
 DequantFn = Callable[[Tensor, int], Tensor]
@@ -139,23 +155,29 @@ def gguf_state_dict(path: str | Path, dequantize: DequantFn = torch_dequantize, 
 
 class GGUFLinear(nn.Module):
     """Drop-in for ``nn.Linear`` (no bias) with a GGUF-quantized weight: ``raw`` uint8 [O, row_bytes] in ggml type
-    ``qtype``, dequantized to the input dtype per forward in row chunks. ``in_perm`` (long [N], optional) reorders
-    the input features first: the weight's columns are stored in another order than the model's activations."""
+    ``qtype``, dequantized to the input dtype per forward in row chunks.
+
+    ``in_heads`` (Hk, Hv), when given: the weight's input columns are Hv value heads of N / Hv features in GGUF's
+    tiled order (gguf head ``a * Hk + b`` is hf head ``b * r + a``, r = Hv / Hk) while the activations group them by
+    key head (``ssm_out``). The activations are put in the stored order by a reshape and a transpose: no index
+    tensor, so the module holds exactly the file's bytes."""
 
     chunk_elems: int = DEQUANT_CHUNK_ELEMS
 
-    def __init__(self, raw: Tensor, qtype: int, in_features: int, in_perm: Tensor | None = None) -> None:
+    def __init__(self, raw: Tensor, qtype: int, in_features: int, in_heads: tuple[int, int] | None = None) -> None:
         super().__init__()
         if raw.dim() != 2 or raw.dtype != torch.uint8:
             raise CheckpointError(f"GGUFLinear: raw blocks must be uint8 [O, row_bytes], got {raw.dtype} {tuple(raw.shape)}")
         if gq.row_bytes(qtype, in_features) != raw.shape[1]:
             raise CheckpointError(f"GGUFLinear: {raw.shape[1]} bytes per row do not hold {in_features} {gq.TYPE_NAMES[qtype]} values")
+        if in_heads is not None and (in_heads[1] % in_heads[0] or in_features % in_heads[1]):
+            raise CheckpointError(f"GGUFLinear: {in_features} input features are not {in_heads[1]} value heads over "
+                                  f"{in_heads[0]} key heads")
         self.qtype = qtype
         self.in_features = in_features
         self.out_features = raw.shape[0]
+        self.in_heads = in_heads
         self.register_buffer("raw", raw)
-        self.in_perm: Tensor | None
-        self.register_buffer("in_perm", in_perm)
 
     def dequantized(self, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> Tensor:
         """The weight [O, N] (or rows r0..r1), in the stored column order, in ``dtype``."""
@@ -166,13 +188,17 @@ class GGUFLinear(nn.Module):
     def weight(self) -> Tensor:
         """The weight [O, N] in the model's column order, fp32 (for code that reads ``linear.weight``)."""
         w = self.dequantized(torch.float32)
-        if self.in_perm is not None:
-            w = torch.empty_like(w).index_copy_(1, self.in_perm, w)
+        if self.in_heads is not None:
+            hk, hv = self.in_heads
+            # [O, r, Hk, dv] stored (tiled) -> [O, Hk, r, dv]: grouped by key head
+            w = w.unflatten(1, (hv // hk, hk, self.in_features // hv)).transpose(1, 2).flatten(1)
         return w
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.in_perm is not None:
-            x = x.index_select(-1, self.in_perm)  # [.., N] in the stored column order
+        if self.in_heads is not None:
+            hk, hv = self.in_heads
+            # [.., Hk, r, dv] grouped by key head -> [.., r, Hk, dv]: the stored (tiled) column order
+            x = x.unflatten(-1, (hk, hv // hk, self.in_features // hv)).transpose(-3, -2).flatten(-3)
         step = max(1, self.chunk_elems // self.in_features)
         if step >= self.out_features:
             return F.linear(x, self.dequantized(x.dtype))  # [.., O]
@@ -207,36 +233,74 @@ class GGUFEmbedding(nn.Module):
         return out.reshape(*ids.shape, self.embedding_dim)
 
 
-class GGUFExpertBank(ExpertBank):
-    """The routed experts of one layer as GGUF blocks: ``gate`` / ``up`` uint8 [E, I, rb] and ``down`` uint8
-    [E, D, rb'] (each bank its own ggml type, as Q4_K_M mixes them). Used experts are dequantized per group and
-    run through :func:`engine.experts.moe_grouped`, so it equals a dense bank holding the dequantized weights."""
+@dataclass(frozen=True)
+class GGUFExpertLayout:
+    """One expert's GGUF blocks as one contiguous byte row: ``[gate blocks | up blocks | down blocks]``, gate and up
+    [I, D] and down [D, I], one ggml row per matrix row, each bank in its file type (Q4_K_M mixes them). The row is
+    the expert's bytes in the file, so a streamed expert moves exactly those (Q4_0 at the 35B shape: 1,769,472 B).
+    The :class:`engine.quant.RowLayout` of :class:`GGUFExpertBank` and of its streamed slots."""
 
-    def __init__(self, gate: Tensor, up: Tensor, down: Tensor, qtypes: tuple[int, int, int], hidden: int, inter: int) -> None:
-        super().__init__()
-        self.num_experts = gate.shape[0]
-        self.hidden_size = hidden
-        self.intermediate_size = inter
-        self.qtypes = qtypes
-        self.register_buffer("gate", gate)
-        self.register_buffer("up", up)
-        self.register_buffer("down", down)
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    qtypes: tuple[int, int, int]  # ggml types of gate, up, down
 
-    def weights(self, ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """ids [G] -> (gate_up [G, 2I, D], down [G, D, I]) in ``dtype``."""
-        gq_, uq, dq = self.qtypes
-        gate = gq.dequantize(self.gate.index_select(0, ids), gq_, self.hidden_size)  # [G, I, D]
-        up = gq.dequantize(self.up.index_select(0, ids), uq, self.hidden_size)  # [G, I, D]
-        down = gq.dequantize(self.down.index_select(0, ids), dq, self.intermediate_size)  # [G, D, I]
+    @property
+    def segments(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """(offset, nbytes) of the gate, up and down blocks in a row."""
+        d, i = self.hidden_size, self.intermediate_size
+        gate = i * gq.row_bytes(self.qtypes[0], d)
+        up = i * gq.row_bytes(self.qtypes[1], d)
+        down = d * gq.row_bytes(self.qtypes[2], i)
+        return (0, gate), (gate, up), (gate + up, down)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.segments)
+
+    @property
+    def fmt(self) -> str:
+        """``gguf_q4_0``, or ``gguf_q4_k/gguf_q4_k/gguf_q6_k`` (gate/up/down) when the banks differ."""
+        names = [FORMAT_OF_TYPE[q] for q in self.qtypes]
+        return names[0] if len(set(names)) == 1 else "/".join(names)
+
+    def unpack_rows(self, source: Tensor, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The experts in rows ``rows`` [G] (long, on source's device) of ``source`` [S, nbytes] uint8 ->
+        (gate_up [G, 2I, D], down [G, D, I]) in ``dtype``: each bank of the group dequantized in one call."""
+        d, i = self.hidden_size, self.intermediate_size
+        if rows.numel() == 1 and rows.device.type == "cpu":  # one row named on the host: views, no gather
+            r = int(rows)
+            parts = [source[r : r + 1, off : off + n] for off, n in self.segments]  # [1, n] each
+        else:  # each segment gathered straight into a contiguous [G, n] (no copy of whole rows)
+            parts = [source[:, off : off + n].index_select(0, rows) for off, n in self.segments]
+        g = parts[0].shape[0]
+        gate = gq.dequantize(parts[0].reshape(g, i, -1), self.qtypes[0], d)  # [G, I, D]
+        up = gq.dequantize(parts[1].reshape(g, i, -1), self.qtypes[1], d)  # [G, I, D]
+        down = gq.dequantize(parts[2].reshape(g, d, -1), self.qtypes[2], i)  # [G, D, I]
         return torch.cat([gate, up], dim=1).to(dtype), down.to(dtype)
 
-    def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
-        return moe_grouped(x, topk_idx, topk_w, self.num_experts, lambda ids: self.weights(ids, x.dtype),
-                           3 * self.intermediate_size)
+
+class GGUFExpertBank(RowExpertBank):
+    """The routed experts of one layer as GGUF blocks: ``packed`` uint8 [E, layout.nbytes], one row per expert
+    (:class:`GGUFExpertLayout`). Used experts are dequantized per group and run through
+    :func:`engine.experts.moe_grouped` (:func:`engine.quant.routed_forward`), so it equals a dense bank holding the
+    dequantized weights, and a streamed layer (:mod:`engine.offload`) computes the same numbers from its slots."""
+
+    def __init__(self, layout: GGUFExpertLayout, packed: Tensor) -> None:
+        super().__init__()
+        if tuple(packed.shape) != (layout.num_experts, layout.nbytes) or packed.dtype != torch.uint8:
+            raise CheckpointError(f"GGUFExpertBank: packed tensor {tuple(packed.shape)} {packed.dtype} != "
+                                  f"{(layout.num_experts, layout.nbytes)} uint8")
+        self.layout = layout
+        self.num_experts = layout.num_experts
+        self.hidden_size = layout.hidden_size
+        self.intermediate_size = layout.intermediate_size
+        self.register_buffer("packed", packed)
 
     def extra_repr(self) -> str:
-        names = "/".join(gq.TYPE_NAMES[q] for q in self.qtypes)
-        return f"experts={self.num_experts}, D={self.hidden_size}, I={self.intermediate_size}, types={names}"
+        names = "/".join(gq.TYPE_NAMES[q] for q in self.layout.qtypes)
+        return (f"experts={self.num_experts}, D={self.hidden_size}, I={self.intermediate_size}, types={names}, "
+                f"row_bytes={self.layout.nbytes}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -256,11 +320,61 @@ def _quantized(gf: GGUFModelFile, maps: list[TensorMap]) -> bool:
     return any(gf.tensors[m.gguf_name].qtype not in FLOAT_TYPES for m in maps)
 
 
-def _swap_quantized(model: CloverModel, src: GGUFSource, plan: LoadPlan, device: torch.device | str,
-                    dtype: torch.dtype) -> set[str]:
-    """Replace every module whose weight is GGUF-quantized; returns the parameter names now held as blocks."""
+@dataclass(frozen=True)
+class _Fill:
+    """How placement fills one tensor of a GGUF block module: the file bytes it reads, and the copy."""
+
+    nbytes: int
+    fill: Callable[[Tensor], None]
+
+
+def _copy_rows(dst: Tensor, src: np.ndarray) -> None:
+    """dst [R, n] (any device, may be a column slice) <- src uint8 [R, n] (a view into the memory-mapped file), in
+    pieces of at most :data:`COPY_CHUNK_BYTES`: each piece is copied out of the map once, then into its place."""
+    step = max(1, COPY_CHUNK_BYTES // max(src.shape[1], 1))
+    for r0 in range(0, src.shape[0], step):
+        dst[r0 : r0 + step].copy_(torch.from_numpy(np.array(src[r0 : r0 + step], copy=True)))
+
+
+def _fill_blocks(gf: GGUFModelFile, tm: TensorMap, dst: Tensor) -> None:
+    """A 2-D GGUF tensor's blocks [rows, row_bytes] into ``dst``, rows in Hugging Face order."""
+    if tm.rows is None:
+        _copy_rows(dst, gf.tensor_bytes(tm.gguf_name))
+    else:
+        dst.copy_(_rows(_raw_tensor(gf, tm.gguf_name), tm.rows))
+
+
+def _fill_expert_rows(gf: GGUFModelFile, names: list[str], layout: GGUFExpertLayout, dst: Tensor) -> None:
+    """dst [E, nbytes] <- each expert's bytes of the bank tensors ``names`` (gate, up, down; or a fused gate_up and
+    down), one after the other: expert e's bytes of a [E, rows, row_bytes] tensor are contiguous in the file."""
+    e, off = layout.num_experts, 0
+    for name in names:
+        per_expert = gf.tensor_bytes(name).reshape(e, -1)  # [E, rows * row_bytes], a view of the map
+        n = per_expert.shape[1]
+        _copy_rows(dst[:, off : off + n], per_expert)
+        off += n
+    if off != layout.nbytes:
+        raise CheckpointError(f"{gf.path}: expert tensors {', '.join(names)} hold {off} bytes per expert, the layout "
+                              f"{layout.nbytes}")
+
+
+def _in_heads(gf: GGUFModelFile, tm: TensorMap) -> tuple[int, int] | None:
+    """(Hk, Hv) when the tensor's input columns are tiled value heads (ssm_out), else None."""
+    if tm.cols is None:
+        return None
+    cfg = gf.config
+    hk, hv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    tiled = tuple(h * dv + j for h in tiled_to_hf_heads(hk, hv) for j in range(dv))
+    if tm.cols != tiled:
+        raise CheckpointError(f"{gf.path}: {tm.gguf_name}: its column order is not the tiled value-head order")
+    return hk, hv
+
+
+def _swap_gguf_modules(model: CloverModel, src: GGUFSource, plan: LoadPlan, dtype: torch.dtype) -> dict[str, _Fill]:
+    """Replace every module of the meta skeleton whose weight is GGUF-quantized by its GGUF module (buffers on the
+    meta device: placement allocates them); returns {state name: how to fill it} for those buffers."""
     gf, cfg = src.gf, model.config
-    taken: set[str] = set()
+    fills: dict[str, _Fill] = {}
     modules = dict(model.named_modules())
     banks: set[str] = set()
     for hf, maps in src.maps.items():
@@ -272,39 +386,84 @@ def _swap_quantized(model: CloverModel, src: GGUFSource, plan: LoadPlan, device:
         module_name = hf.rsplit(".", 1)[0]
         module = modules.get(module_name)
         tm = maps[0]
-        qtype = gf.tensors[tm.gguf_name].qtype
-        raw = _raw_tensor(gf, tm.gguf_name)
+        t = gf.tensors[tm.gguf_name]
+        if len(t.shape) != 2:
+            continue  # a quantized vector or conv weight: dequantized into its parameter
+        raw = torch.empty((t.shape[0], gq.row_bytes(t.qtype, t.shape[1])), dtype=torch.uint8, device="meta")
         if isinstance(module, nn.Embedding):
-            new: nn.Module = GGUFEmbedding(raw, qtype, cfg.hidden_size, dtype)
-        elif isinstance(module, nn.Linear) and tm.post == "" and raw.dim() == 2:
-            perm = None
-            if tm.cols is not None:  # x_stored[p] = x_model[cols^-1 ...]: gather the activations in stored order
-                inv = torch.empty(len(tm.cols), dtype=torch.long)
-                inv[torch.tensor(tm.cols, dtype=torch.long)] = torch.arange(len(tm.cols))
-                perm = inv.to(device)
-            new = GGUFLinear(_rows(raw, tm.rows).to(device), qtype, module.in_features, perm)
+            if cfg.tie_word_embeddings:
+                raise CheckpointError(f"{gf.path}: a quantized token_embd.weight without output.weight (tied "
+                                      f"embeddings) is not supported")
+            new: nn.Module = GGUFEmbedding(raw, t.qtype, cfg.hidden_size, dtype)
+        elif isinstance(module, nn.Linear) and tm.post == "":
+            new = GGUFLinear(raw, t.qtype, module.in_features, _in_heads(gf, tm))
         else:
-            continue  # a quantized vector or conv weight: dequantized into its parameter below
-        set_submodule(model, module_name, new.to(device))
-        taken.add(hf)
+            continue  # dequantized into its parameter
+        set_submodule(model, module_name, new)
+        fills[f"{module_name}.raw"] = _Fill(t.nbytes, functools.partial(_fill_blocks, gf, tm))
     for bank in banks:
         gate_up, down = src.maps[f"{bank}.gate_up_proj"], src.maps[f"{bank}.down_proj"]
-        pieces = {m.piece: m for m in gate_up}
-        if "gate" not in pieces:  # a fused ffn_gate_up_exps bank: split its rows
-            fused = _raw_tensor(gf, gate_up[0].gguf_name)
-            half = fused.shape[1] // 2
-            g_raw, u_raw = fused[:, :half].contiguous(), fused[:, half:].contiguous()
-            g_t = u_t = gf.tensors[gate_up[0].gguf_name].qtype
+        pieces = {m.piece: m.gguf_name for m in gate_up}
+        d_name = down[0].gguf_name
+        if "gate" in pieces:
+            names = [pieces["gate"], pieces["up"], d_name]
+            qtypes = (gf.tensors[names[0]].qtype, gf.tensors[names[1]].qtype, gf.tensors[d_name].qtype)
+        else:  # a fused ffn_gate_up_exps bank: each expert's gate rows, then its up rows
+            names = [gate_up[0].gguf_name, d_name]
+            fused = gf.tensors[names[0]].qtype
+            qtypes = (fused, fused, gf.tensors[d_name].qtype)
+        layout = GGUFExpertLayout(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, qtypes)
+        packed = torch.empty((layout.num_experts, layout.nbytes), dtype=torch.uint8, device="meta")
+        set_submodule(model, bank, GGUFExpertBank(layout, packed))
+        nbytes = sum(gf.tensors[n].nbytes for n in names)
+        fills[f"{bank}.packed"] = _Fill(nbytes, functools.partial(_fill_expert_rows, gf, names, layout))
+    return fills
+
+
+_TORCH_OF_FLOAT_TYPE = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
+
+
+class GGUFPlacement:
+    """A GGUF model as an :class:`engine.offload.TensorSource` for :func:`engine.offload.place_model`, under the
+    skeleton's state names: GGUF block buffers (``*.raw``, ``*.packed``) are filled with the file's bytes, every
+    other tensor dequantized and put in Hugging Face order (:class:`GGUFSource`), with progress and cancel."""
+
+    def __init__(self, src: GGUFSource, plan: LoadPlan, fills: dict[str, _Fill],
+                 progress: Callable[[LoadProgress], None] | None, cancel: threading.Event | None) -> None:
+        self.src = src
+        self.fills = fills
+        self.by_param = {target.name: (name, target) for name, target in plan.targets.items()}
+        self.total = sum(src.entries[name].nbytes for name in plan.targets)
+        self.done = 0
+        self.progress = progress
+        self.cancel = cancel
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The stored dtype (a host-kept embedding keeps it): uint8 blocks, or the float type of the file."""
+        if name in self.fills:
+            return torch.uint8
+        qtype = self.src.gf.tensors[self.src.maps[self._entry(name)[0]][0].gguf_name].qtype
+        return _TORCH_OF_FLOAT_TYPE.get(qtype, torch.float32)
+
+    def _entry(self, name: str) -> tuple[str, Any]:
+        found = self.by_param.get(name)
+        if found is None:
+            raise CheckpointError(f"{self.src.gf.path}: the file has no tensor for {name!r}")
+        return found
+
+    def fill(self, name: str, dst: Tensor) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise CancelledError(f"loading {self.src.gf.path} was cancelled")
+        block = self.fills.get(name)
+        if block is not None:
+            block.fill(dst)
+            self.done += block.nbytes
         else:
-            g_raw, u_raw = _raw_tensor(gf, pieces["gate"].gguf_name), _raw_tensor(gf, pieces["up"].gguf_name)
-            g_t, u_t = gf.tensors[pieces["gate"].gguf_name].qtype, gf.tensors[pieces["up"].gguf_name].qtype
-        d_raw = _raw_tensor(gf, down[0].gguf_name)
-        d_t = gf.tensors[down[0].gguf_name].qtype
-        new_bank = GGUFExpertBank(g_raw.to(device), u_raw.to(device), d_raw.to(device), (g_t, u_t, d_t),
-                                  cfg.hidden_size, cfg.moe_intermediate_size)
-        set_submodule(model, bank, new_bank)
-        taken.update({f"{bank}.gate_up_proj", f"{bank}.down_proj"})
-    return taken
+            ckpt, target = self._entry(name)
+            dst.copy_(sanitize_tensor(target, self.src.read(ckpt)))  # converts dtype and device in one copy
+            self.done += self.src.entries[ckpt].nbytes
+        if self.progress is not None:
+            self.progress(LoadProgress(stage="reading", done_bytes=self.done, total_bytes=self.total, current=name))
 
 
 def load_gguf_model(
@@ -317,27 +476,34 @@ def load_gguf_model(
     progress: Callable[[LoadProgress], None] | None = None,
     cancel: threading.Event | None = None,
     keep_quantized: bool = True,
+    plan: Any = None,
+    **place_options: Any,
 ) -> GGUFLoad:
-    """Read a GGUF model (a file, or any part of a split set) into a :class:`CloverModel` on ``device``.
+    """Read a GGUF model (a file, or any part of a split set) into a :class:`CloverModel`, every tensor read once
+    from the file into its place (:func:`engine.offload.place_model`).
 
-    ``keep_quantized`` False dequantizes everything into ordinary parameters (a reference model). ``layout``:
-    "auto" | "fork" | "upstream" (engine.gguf_file). Problems are one-line ConfigError / CheckpointError."""
+    ``plan`` (an ``engine.planner.Plan``, checked by the caller against :func:`engine.gguf_file.manifest_from_gguf`):
+    resident expert layers keep their :class:`GGUFExpertBank` on ``device``, streamed layers' rows go to (pinned)
+    host memory and stream through the slot pool, the embedding stays in host RAM. No plan: everything on
+    ``device``. ``place_options`` go to ``place_model``. ``keep_quantized`` False dequantizes everything into
+    ordinary parameters (a reference model). ``layout``: "auto" | "fork" | "upstream" (engine.gguf_file). Problems
+    are one-line ConfigError / CheckpointError / PlanError."""
     gf = open_gguf(path, layout, bd_tiled)
     dtype = _as_dtype(dtype)
     src = GGUFSource(gf)
-    extras = gf.has_diffusion
-    model = CloverModel(gf.config, dtype=dtype, device="meta", clover_extras=extras)
-    plan = plan_load(model, src)  # type: ignore[arg-type]
+    model = CloverModel(gf.config, dtype=dtype, device="meta", clover_extras=gf.has_diffusion)
+    lplan = plan_load(model, src)  # type: ignore[arg-type]
     if cancel is not None and cancel.is_set():
         raise CancelledError(f"loading {gf.path} was cancelled")
-    taken = _swap_quantized(model, src, plan, device, dtype) if keep_quantized else set()
-    materialize(model, device)
-    rest = LoadPlan({n: t for n, t in plan.targets.items() if t.name not in taken}, plan.ignored, plan.neutral_layers)
-    load_state(model, src, rest, progress, cancel)  # type: ignore[arg-type]
+    fills = _swap_gguf_modules(model, src, lplan, dtype) if keep_quantized else {}
+    if plan is None:
+        plan = offload.SimplePlan(tuple(offload.expert_banks(model)), (), 0)
+        place_options.setdefault("host_embedding", False)
+    source = GGUFPlacement(src, lplan, fills, progress, cancel)
+    offload.place_model(model, plan, device, source, **place_options)
     if progress is not None:
-        total = gf.total_bytes
-        progress(LoadProgress(stage="done", done_bytes=total, total_bytes=total, current=""))
-    log.info("loaded %s (%s layout, %d tensors kept as GGUF blocks)", gf.path, gf.layout, len(taken))
+        progress(LoadProgress(stage="done", done_bytes=source.total, total_bytes=source.total, current=""))
+    log.info("loaded %s (%s layout, %d tensors kept as GGUF blocks)", gf.path, gf.layout, len(fills))
     return GGUFLoad(gf, model.eval())
 
 
@@ -349,15 +515,17 @@ def load_gguf_engine(
     layout: str = "auto",
     progress: Callable[[LoadProgress], None] | None = None,
     cancel: threading.Event | None = None,
+    plan: Any = None,
 ) -> tuple[CloverModel, Any, Any, Any, str | None]:
     """What :class:`engine.api.Engine` needs of a GGUF file: (model, config, generation defaults, tokenizer, why
-    diffusion is refused or None). Generation defaults come from a ``generation_config.json`` next to the file, else
-    Clover's published ones for the fork layout, else plain greedy."""
+    diffusion is refused or None), placed under ``plan`` when given (see :func:`load_gguf_model`). Generation
+    defaults come from a ``generation_config.json`` next to the file, else Clover's published ones for the fork
+    layout, else plain greedy."""
     from engine.config import GenerationDefaults, load_generation_defaults
     from engine.gguf_file import load_tokenizer
     from engine.tiny import CLOVER_GENERATION_DEFAULTS
 
-    loaded = load_gguf_model(path, dtype, device, layout=layout, progress=progress, cancel=cancel)
+    loaded = load_gguf_model(path, dtype, device, layout=layout, progress=progress, cancel=cancel, plan=plan)
     gf, config = loaded.file, loaded.file.config
     tokenizer = load_tokenizer(gf)
     folder = Path(path).parent

@@ -42,7 +42,15 @@ from torch import Tensor, nn
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
 from engine.experts import ExpertBank
 from engine.formats import format_of_torch_dtype
-from engine.quant import ExpertLayout, QuantExpertBank, QuantLinear, QuantPolicy, routed_forward, set_submodule
+from engine.quant import (
+    QuantExpertBank,
+    QuantLinear,
+    QuantPolicy,
+    RowExpertBank,
+    RowLayout,
+    routed_forward,
+    set_submodule,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +162,25 @@ class HostExpertStore:
 
 
 class StagingRing:
-    """A few pinned buffers of one row each: pageable rows are memcpy'd here first, then copied to the device."""
+    """A few pinned buffers of one row each: pageable rows are memcpy'd here first, then copied to the device.
 
-    def __init__(self, row_bytes: int, slots: int, device: torch.device) -> None:
+    Pinned when the device is CUDA (``pin`` overrides); if even these few rows cannot be page-locked (a driver cap
+    already spent, WSL), they stay pageable with a warning: copies are then synchronous, slower, never wrong."""
+
+    def __init__(self, row_bytes: int, slots: int, device: torch.device, pin: bool | None = None) -> None:
         cuda = device.type == "cuda"
-        self.buffers = [torch.empty(row_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)]
+        self.pinned = cuda if pin is None else pin  # False once a pin was refused: the rest stay pageable
+        self.buffers: list[Tensor] = []
+        for _ in range(slots):
+            if self.pinned:
+                try:
+                    self.buffers.append(torch.empty(row_bytes, dtype=torch.uint8, pin_memory=True))
+                    continue
+                except RuntimeError as exc:  # page-locked memory refused: pageable staging, no crash
+                    log.warning("pinning %d staging rows of %d KiB failed (%s); staging in pageable memory",
+                                slots, row_bytes >> 10, exc)
+                    self.pinned = False
+            self.buffers.append(torch.empty(row_bytes, dtype=torch.uint8))
         self.events: list[Any] = [torch.cuda.Event() if cuda else None for _ in range(slots)]
         self.next = 0
 
@@ -199,7 +221,7 @@ class Stats:
 class SlotPool:
     """Device expert slots shared by all streamed layers, with LRU replacement and per-block pins."""
 
-    def __init__(self, num_slots: int, layout: ExpertLayout, device: torch.device, ledger: DeviceLedger) -> None:
+    def __init__(self, num_slots: int, layout: RowLayout, device: torch.device, ledger: DeviceLedger) -> None:
         self.num_slots = num_slots
         self.layout = layout
         self.device = device
@@ -354,7 +376,7 @@ class StreamedExpertBank(ExpertBank):
 
     needs_prepare = True
 
-    def __init__(self, layer: int, layout: ExpertLayout, store: HostExpertStore, runtime: "OffloadRuntime") -> None:
+    def __init__(self, layer: int, layout: RowLayout, store: HostExpertStore, runtime: "OffloadRuntime") -> None:
         super().__init__()
         self.layer = layer
         self.layout = layout
@@ -636,7 +658,7 @@ def place_model(
     layouts = set()
     for i in streamed:
         bank = banks[i][1]
-        if not isinstance(bank, QuantExpertBank):
+        if not isinstance(bank, RowExpertBank):  # NF4 / INT8 rows, or GGUF blocks (engine.gguf_model)
             raise PlanError(
                 f"layer {i}: only quantized expert banks can be streamed (got {type(bank).__name__}); "
                 "load through the quantized cache"
@@ -660,7 +682,7 @@ def place_model(
         if id(t) in done:
             placed.append((owner, attr, done[id(t)], is_param))
             continue
-        if host_embedding and name.endswith("embed_tokens.weight"):
+        if host_embedding and name.endswith(("embed_tokens.weight", "embed_tokens.raw")):  # raw: GGUF blocks
             new = torch.empty(tuple(t.shape), dtype=source.dtype_of(name))  # stored dtype: rows cast on lookup
             host_keep += new.numel() * new.element_size()
         else:
@@ -680,7 +702,7 @@ def place_model(
     budget = PinBudget(pin_budget_bytes)
     for i in streamed:
         name, bank = banks[i]
-        assert isinstance(bank, QuantExpertBank)
+        assert isinstance(bank, RowExpertBank)
         rows, pinned = alloc_host_rows(tuple(bank.packed.shape), pin and dev.type == "cuda", budget, i)
         source.fill(f"{name}.packed", rows)
         runtime.stores[i] = HostExpertStore(i, rows, pinned)

@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -413,6 +413,11 @@ class ExpertLayout:
         down = deq(dn_c, dn_s, self.down_shape, self.fmt, self.blocksize, dtype)
         return gate_up, down
 
+    def unpack_rows(self, source: Tensor, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The row-layout interface :func:`routed_forward` computes through (see :func:`unpack_rows`); another
+        layout (``engine.gguf_model.GGUFExpertLayout``) brings its own."""
+        return unpack_rows(self, source, rows, dtype)
+
 
 def expert_mlp(layout: ExpertLayout, row: Tensor, xs: Tensor) -> Tensor:
     """One quantized expert's SwiGLU MLP on its tokens: xs [n, D] -> [n, D] (the reference loop's step)."""
@@ -463,12 +468,28 @@ def unpack_rows(layout: ExpertLayout, source: Tensor, rows: Tensor, dtype: torch
     return gate_up, down
 
 
+class RowLayout(Protocol):
+    """What the expert offload (``engine.offload``) and :func:`routed_forward` need of a row layout: one contiguous
+    byte row of ``nbytes`` per expert, and the dequantize of a group of rows for the compute. :class:`ExpertLayout`
+    (NF4 / INT8 rows) and ``engine.gguf_model.GGUFExpertLayout`` (GGUF blocks as the file stores them) are two."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    fmt: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def unpack_rows(self, source: Tensor, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]: ...
+
+
 def routed_forward(
     x: Tensor,
     topk_idx: Tensor,
     topk_w: Tensor,
     num_experts: int,
-    layout: ExpertLayout,
+    layout: RowLayout,
     row_of: Callable[[int], Tensor] | None = None,
     *,
     source: Tensor | None = None,
@@ -489,11 +510,11 @@ def routed_forward(
 
         def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
             rows = ids if row_index is None else row_index[ids]  # [G]
-            return unpack_rows(layout, source, rows, x.dtype)
+            return layout.unpack_rows(source, rows, x.dtype)
     elif row_of is not None:
         def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
             gathered = torch.stack([row_of(int(e)) for e in ids.tolist()])  # [G, nbytes]
-            return unpack_rows(layout, gathered, torch.arange(len(gathered), device=gathered.device), x.dtype)
+            return layout.unpack_rows(gathered, torch.arange(len(gathered), device=gathered.device), x.dtype)
     else:
         raise ValueError("routed_forward needs source= or row_of")
     return moe_grouped(x, topk_idx, topk_w, num_experts, weights, 3 * layout.intermediate_size)
@@ -522,7 +543,19 @@ def routed_reference(bank: "QuantExpertBank", x: Tensor, topk_idx: Tensor, topk_
     return routed_forward_reference(x, topk_idx, topk_w, bank.num_experts, bank.layout, bank.packed.__getitem__)
 
 
-class QuantExpertBank(ExpertBank):
+class RowExpertBank(ExpertBank):
+    """A bank whose experts are one contiguous byte row each: ``packed`` uint8 [E, layout.nbytes] under a
+    :class:`RowLayout`, computed by :func:`routed_forward`. ``engine.offload`` streams any such bank: a streamed
+    layer's rows go to host memory and one copy fills one slot."""
+
+    layout: RowLayout
+    packed: Tensor
+
+    def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.packed)
+
+
+class QuantExpertBank(RowExpertBank):
     """All experts of one layer, resident, as ``packed`` uint8 [E, nbytes] (one contiguous row per expert)."""
 
     def __init__(self, layout: ExpertLayout, device: torch.device | str = "cpu", packed: Tensor | None = None) -> None:
@@ -551,9 +584,6 @@ class QuantExpertBank(ExpertBank):
         for i in range(e):
             layout.pack(gate_up_proj[i].cpu(), down_proj[i].cpu(), out=bank.packed[i])
         return bank.to(gate_up_proj.device)
-
-    def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
-        return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.packed)
 
     def extra_repr(self) -> str:
         lay = self.layout

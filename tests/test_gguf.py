@@ -17,7 +17,7 @@ import torch
 
 from engine.api import Engine
 from engine.checkpoint import load_model, model_from_state_dict
-from engine.errors import ConfigError, PlanError, PromptError
+from engine.errors import ConfigError, PromptError
 from engine.events import BlockStep, Finished, GenerationParams
 from engine.gguf_file import hf_to_tiled_heads, manifest_from_gguf, open_gguf, tiled_to_hf_heads
 from engine.gguf_model import GGUFEmbedding, GGUFExpertBank, GGUFLinear, gguf_state_dict, load_gguf_model
@@ -121,7 +121,7 @@ def test_quantized_gguf_matches_its_dequantized_reference(files, qtype: str, lay
         assert isinstance(model.layers[0].mlp.experts, GGUFExpertBank)
         assert isinstance(model.layers[0].linear_attn.out_proj, GGUFLinear)
         assert isinstance(model.lm_head, GGUFLinear) and isinstance(model.embed_tokens, GGUFEmbedding)
-        assert model.layers[0].linear_attn.out_proj.in_perm is not None  # ssm_out's tiled columns
+        assert model.layers[0].linear_attn.out_proj.in_heads is not None  # ssm_out's tiled columns
     ref = _reference(path)
     torch.testing.assert_close(model(PROMPT), ref(PROMPT), rtol=1e-4, atol=1e-4)
     assert greedy(model, PROMPT, 8) == greedy(ref, PROMPT, 8)
@@ -210,8 +210,10 @@ def test_engine_refuses_diffusion_for_the_upstream_layout(files) -> None:  # typ
         engine.generate(prompt="Hi", params=GenerationParams(mode="diffusion", max_new_tokens=4))
     events = list(engine.generate(prompt="Hi", params=GenerationParams(mode="ar", max_new_tokens=4)))
     assert isinstance(events[-1], Finished) and events[-1].tokens == 4
-    with pytest.raises(PlanError, match="not supported yet"):
-        Engine.load(files[("Q8_0", "upstream")], vram_gb=8)
+    planned = Engine.load(files[("Q8_0", "upstream")], vram_gb=8)  # a plan works for an AR-only file too
+    assert planned.plan is not None and planned.ar_only
+    with pytest.raises(PromptError, match="upstream llama.cpp's layout"):
+        planned.generate(prompt="Hi", params=GenerationParams(mode="diffusion", max_new_tokens=4))
 
 
 # ---- layout detection and override -------------------------------------------------------------------------------
