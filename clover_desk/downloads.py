@@ -17,8 +17,12 @@ raises :class:`ChecksumError`; running again downloads that file afresh. Files a
 ``<folder>/.clover-download/manifest.json`` with the same hash are not fetched again.
 
 Before anything is fetched, the free space of the target's file system is compared with what is still missing
-(:class:`DiskSpaceError`). GGUF files in the repository are listed in the plan but not downloaded: the engine
-reads safetensors only.
+(:class:`DiskSpaceError`). GGUF files in a safetensors repository are listed in the plan but not downloaded.
+
+One GGUF file instead: ``ModelDownloader(target, GGUF_REPO_ID, gguf=choice)`` downloads only the file (or split set)
+of one quantization (:data:`OFFICIAL_GGUF`: Q4_0, Q4_K_M, Q8_0 of the official repository), checked against the
+sha256 the Hub lists and, where DiffuSpace published them, the published size and sha256 (a Hub listing that
+disagrees with them is refused before any byte is fetched); :meth:`ModelDownloader.run` then returns the file.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -48,6 +53,8 @@ PROGRESS_INTERVAL_S = 0.2  # at most five progress callbacks a second (plus the 
 SPEED_WINDOW_S = 5.0
 HASH_BLOCK = 8 * 1024**2
 UNSUPPORTED_SUFFIXES = (".gguf",)
+GGUF_REPO_ID = "Diffuspace/Clover-35B-A3B-Preview-GGUF"
+_SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
 class DownloadError(CloverError):
@@ -60,6 +67,35 @@ class DiskSpaceError(DownloadError):
 
 class ChecksumError(DownloadError):
     """A downloaded file does not match the hash the Hub lists (it was removed; run again to fetch it anew)."""
+
+
+@dataclass(frozen=True)
+class GgufChoice:
+    """One quantization of a GGUF repository: its tag in the file name, and what was published about it."""
+
+    quant: str  # "Q4_0": matched in the file name, case-insensitively, not as part of a longer tag
+    size: int | None = None  # bytes, as published (None: not published)
+    sha256: str | None = None  # of the single file, as published (None: not published)
+
+    @property
+    def label(self) -> str:
+        return f"GGUF {self.quant}" + (f" ({self.size / 1e9:.1f} GB)" if self.size else "")
+
+    def matches(self, path: str) -> bool:
+        name = PurePosixPath(path).name
+        if not name.lower().endswith(".gguf"):
+            return False
+        tag = re.escape(self.quant)
+        return re.search(rf"(?<![A-Za-z0-9]){tag}(?![A-Za-z0-9_])", name, re.IGNORECASE) is not None
+
+
+# The official files (DiffuSpace's llama.cpp fork layout: they run block diffusion here). Sizes and the Q4_0
+# checksum as published with the release.
+OFFICIAL_GGUF = (
+    GgufChoice("Q4_0", 19_586_909_600, "3e2cf14ca47f6e41c251f08237ac79cd37ad81a2ea2a220fff731e34c66930d5"),
+    GgufChoice("Q4_K_M", 22_998_009_248),
+    GgufChoice("Q8_0", 37_863_343_264),
+)
 
 
 @dataclass(frozen=True)
@@ -172,8 +208,10 @@ class ModelDownloader:
         cancel: threading.Event | None = None,
         reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         disk_usage: Callable[[str], Any] = shutil.disk_usage,
+        gguf: GgufChoice | None = None,
     ) -> None:
         self.target_dir = Path(target_dir)
+        self.gguf = gguf  # one GGUF file (or split set) of this quantization instead of the safetensors model
         self.repo_id = repo_id.strip()
         self.revision = revision
         self.endpoint = endpoint.rstrip("/") if endpoint else None
@@ -223,13 +261,42 @@ class ModelDownloader:
                                 sha256=lfs.sha256 if lfs is not None else None,
                                 git_oid=None if lfs is not None else entry.blob_id)
             _safe_relative(remote.path)
-            if remote.path.lower().endswith(UNSUPPORTED_SUFFIXES):
+            if self.gguf is not None:
+                (files if self.gguf.matches(remote.path) else unsupported).append(remote)
+            elif remote.path.lower().endswith(UNSUPPORTED_SUFFIXES):
                 unsupported.append(remote)
             else:
                 files.append(remote)
+        if self.gguf is not None:
+            return DownloadPlan(self.repo_id, commit, self._check_gguf(files, unsupported), tuple(unsupported))
         if not any(f.path == "config.json" for f in files):
             raise DownloadError(f"{self.repo_id} has no config.json: it is not a model the engine can load")
         return DownloadPlan(self.repo_id, commit, tuple(files), tuple(unsupported))
+
+    def _check_gguf(self, files: list[RemoteFile], others: list[RemoteFile]) -> tuple[RemoteFile, ...]:
+        """The one file, or the one complete split set, of the chosen quantization, as published."""
+        choice = self.gguf
+        assert choice is not None
+        if not files:
+            listed = ", ".join(PurePosixPath(f.path).name for f in others if f.path.lower().endswith(".gguf"))
+            raise DownloadError(f"{self.repo_id} has no {choice.quant} GGUF file"
+                                + (f" (it has: {listed})" if listed else " (it has no GGUF file at all)"))
+        files.sort(key=lambda f: f.path)
+        parts = [_SPLIT_PART.search(f.path) for f in files]
+        if len(files) > 1:
+            stems = {_SPLIT_PART.sub("", f.path) for f in files}
+            counts = {int(m.group(2)) for m in parts if m}
+            if len(stems) != 1 or not all(parts) or counts != {len(files)}:
+                raise DownloadError(f"{self.repo_id} has several {choice.quant} GGUF files that are not one split set "
+                                    f"({', '.join(f.path for f in files)}); download the one you want by hand")
+        total = sum(f.size for f in files)
+        if choice.size is not None and total != choice.size:
+            raise ChecksumError(f"{self.repo_id}: the Hub lists {total:,} bytes for the {choice.quant} file, but "
+                                f"{choice.size:,} bytes were published; not downloading it")
+        if choice.sha256 is not None and len(files) == 1 and files[0].sha256 != choice.sha256:
+            raise ChecksumError(f"{files[0].path}: the Hub lists sha256 {str(files[0].sha256)[:12]}…, but "
+                                f"{choice.sha256[:12]}… was published; not downloading it")
+        return tuple(files)
 
     def _endpoint_name(self) -> str:
         from huggingface_hub import constants
@@ -294,6 +361,8 @@ class ModelDownloader:
             self._write_manifest(manifest)
         self._report("done", "", count, count, force=True)
         log.info("downloaded %s@%s into %s", plan.repo_id, plan.revision, self.target_dir)
+        if self.gguf is not None:  # the file to open (the first part of a split set)
+            return self.target_dir / _safe_relative(plan.files[0].path)
         return self.target_dir
 
     def _download_file(self, remote: RemoteFile, index: int, count: int) -> None:

@@ -62,14 +62,17 @@ class EngineClient(QObject):
     loaded = Signal(dict)  # the model is ready: {"model_dir", "device", "dtype", "vram_gb", "load_s", "config",
     #                        "generation_defaults", "plan"} (config & co. as JSON dicts)
     loadFailed = Signal(str, str)  # (kind, message): a load ended without a model (also sent as errorMessage)
-    event = Signal(str, object)  # (request_id, engine event): PromptInfo, BlockStep, TextDelta, BlockCommitted,
-    #                              Finished, or EngineError (the request failed; always its last event)
+    event = Signal(str, object)  # (request_id, engine event): PromptInfo, PrefillProgress, BlockStep, TextDelta,
+    #                              BlockCommitted, Finished, or EngineError (the request failed; always its last event)
     errorMessage = Signal(str, str)  # (kind, message): an error not tied to a generate request (load, plan,
     #                                  protocol) for the user to see; generate errors arrive as event(id, EngineError)
     crashed = Signal(str)  # the worker ended unexpectedly: exit code or signal, fatal error, last stderr lines
     planReady = Signal(dict)  # Plan.to_dict() answering the latest request_plan() (older answers are dropped)
     planInUse = Signal(dict)  # Plan.to_dict() a load is placing (sent before its weights are read)
     stopped = Signal()  # the worker exited after shutdown()
+    serving = Signal(str)  # the worker's OpenAI-compatible server listens at this base URL (".../v1")
+    serveStopped = Signal()  # it stopped (stop_server, or the worker exited); its port is free
+    serveFailed = Signal(str)  # start_server() could not listen (the message names the address and port)
 
     def __init__(
         self,
@@ -103,6 +106,8 @@ class EngineClient(QObject):
         self._latest_plan: str | None = None
         self._model_info: dict[str, Any] | None = None
         self._pid: int | None = None
+        self._serve: dict[str, Any] | None = None  # the serve command asked for (sent again after a restart)
+        self._server_url: str | None = None
 
     # ----------------------------------------------------------------- properties
 
@@ -124,6 +129,11 @@ class EngineClient(QObject):
     def pid(self) -> int | None:
         """The worker's process id while it runs."""
         return self._pid
+
+    @property
+    def server_url(self) -> str | None:
+        """The HTTP server's base URL while the worker serves, else None."""
+        return self._server_url
 
     @property
     def last_stderr(self) -> list[str]:
@@ -164,6 +174,8 @@ class EngineClient(QObject):
         self._set_state("starting")
         log.info("starting engine worker: %s %s", self._python, " ".join(proc.arguments()))
         proc.start()
+        if self._serve is not None:  # serving was on when the last worker ended (a restart): serve again
+            self._queued.append(dict(self._serve))
 
     def load(
         self,
@@ -173,23 +185,25 @@ class EngineClient(QObject):
         vram_gb: float | None = None,
         ctx_tokens: int | None = None,
         plan: dict[str, Any] | None = None,
+        gguf_layout: str | None = None,
     ) -> None:
-        """Load a model folder (replacing the loaded one). Progress: ``loadProgress``; end: ``loaded`` or
-        ``loadFailed``. May be called right after start(): it is sent once the worker is ready.
+        """Load a model folder or a ``.gguf`` file (replacing the loaded model). Progress: ``loadProgress``; end:
+        ``loaded`` or ``loadFailed``. May be called right after start(): it is sent once the worker is ready.
 
         ``plan`` (``Plan.to_dict()``, as the VRAM panel showed it) is placed as is; ``vram_gb`` / ``ctx_tokens``
-        without a plan let the worker make it with the same planning function."""
+        without a plan let the worker make it with the same planning function. ``gguf_layout`` ("auto" | "fork" |
+        "upstream"; None: auto) overrides a GGUF file's layout detection."""
         if self._state in ("loading", "generating"):
             busy = "a model is loading" if self._state == "loading" else "a generation is running; cancel it first"
             self._later(lambda: self._refuse_load("Busy", f"cannot load: {busy}"))
             return
         self._model_info = None
         self._load_pending = True
-        self._send(
-            {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype, "vram_gb": vram_gb,
-             "ctx_tokens": ctx_tokens, "plan": plan},
-            new_state="loading",
-        )
+        command = {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype, "vram_gb": vram_gb,
+                   "ctx_tokens": ctx_tokens, "plan": plan}
+        if gguf_layout is not None:
+            command["gguf_layout"] = gguf_layout
+        self._send(command, new_state="loading")
 
     def cancel_load(self) -> None:
         """Stop a load in progress (it ends with ``loadFailed("CancelledError", ...)``)."""
@@ -235,6 +249,25 @@ class EngineClient(QObject):
         if request_id is None or self._proc is None:
             return
         self._send({"cmd": "cancel", "id": request_id})
+
+    def start_server(self, host: str, port: int, api_key: str | None = None) -> None:
+        """Serve the loaded model over HTTP from the worker (OpenAI-compatible; ``clover_desk.server``). Answer:
+        ``serving(url)`` or ``serveFailed(message)``. Serving goes on across model loads (requests get 503 while one
+        loads) and is started again after a restart, until :meth:`stop_server`."""
+        if self._proc is None or self._state == "stopping":
+            self._later(lambda: self.serveFailed.emit("the engine is not running; restart it"))
+            return
+        self._serve = {"cmd": "serve", "host": host, "port": int(port), "api_key": api_key or None}
+        self._send(dict(self._serve))
+
+    def stop_server(self) -> None:
+        """Stop serving (``serveStopped`` follows once the port is free)."""
+        self._serve = None
+        if self._proc is None or self._state == "stopping":  # no worker: nothing serves
+            self._server_url = None
+            self._later(self.serveStopped.emit)
+            return
+        self._send({"cmd": "serve_stop"})
 
     def request_plan(
         self,
@@ -325,6 +358,7 @@ class EngineClient(QObject):
         self._pid = None
         self._model_info = None
         proc.deleteLater()
+        self._server_gone()
         if self._expected_exit:
             log.info("engine worker exited (code %d)", exit_code)
             restart = self._restart_after_exit
@@ -343,6 +377,8 @@ class EngineClient(QObject):
         if error == QProcess.ProcessError.FailedToStart:  # no finished() will follow
             self._proc = None
             proc.deleteLater()
+            if self._serve is not None:
+                self.serveFailed.emit("the engine worker could not start")
             self._crash(f"the engine worker could not start ({self._python}): {proc.errorString()}")
 
     # ----------------------------------------------------------------- internals
@@ -407,6 +443,12 @@ class EngineClient(QObject):
             self.errorMessage.emit(kind, message)
         self.loadFailed.emit(kind, message)
 
+    def _server_gone(self) -> None:
+        """The worker ended: its server went with it (a restart serves again when serving was asked for)."""
+        if self._server_url is not None:
+            self._server_url = None
+            self.serveStopped.emit()
+
     def _kill_if_running(self, proc: QProcess) -> None:
         if proc is self._proc and proc.state() != QProcess.ProcessState.NotRunning:
             log.warning("engine worker did not exit within %d ms; killing it", self._grace_ms)
@@ -464,6 +506,12 @@ class EngineClient(QObject):
                 self.planInUse.emit(record.get("plan") or {})
             elif record.get("id") == self._latest_plan:
                 self.planReady.emit(record.get("plan") or {})
+        elif name == "serving":
+            self._server_url = str(record.get("url") or "")
+            self.serving.emit(self._server_url)
+        elif name == "serve_stopped":  # also the answer to a stop sent before the server was up
+            self._server_url = None
+            self.serveStopped.emit()
         elif name == "bye":
             log.info("engine worker said goodbye")
         elif name == "error":
@@ -502,6 +550,11 @@ class EngineClient(QObject):
             if not record.get("fatal"):
                 self._set_state("idle")
             self.event.emit(str(request_id), EngineError(kind=kind, message=message))
+            return
+        if record.get("op") == "serve":
+            if record.get("kind") != "AlreadyServing":
+                self._serve = None  # not listening: nothing to start again after a restart
+            self.serveFailed.emit(message)
             return
         if record.get("op") == "load":
             if self._state == "loading" and not record.get("fatal"):

@@ -57,6 +57,30 @@ class RemoteFinished:
     clover: dict[str, Any] = field(default_factory=dict)  # the server's "clover" object as sent ({} when none)
     denoising_available: bool = False  # per-pass denoising steps never cross an OpenAI API
 
+    def stats(self) -> dict[str, Any]:
+        """The answer's figures as the window keeps them with the message (``backend`` "remote"): None wherever the
+        server reported nothing (shown as unavailable); the times measured here are ``client_*``."""
+        clover = self.clover
+
+        def number(key: str) -> float | None:
+            value = clover.get(key)
+            return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+        stop = clover.get("stop_reason")
+        if not isinstance(stop, str):
+            stop = _STOP_OF_FINISH.get(self.finish_reason or "", self.finish_reason)
+        return {
+            "backend": "remote", "model": self.model, "mode": self.mode, "tokens": self.completion_tokens,
+            "prompt_tokens": self.prompt_tokens, "passes": self.passes, "tokens_per_pass": self.tokens_per_pass,
+            "tokens_per_s": number("tokens_per_s"), "time_to_first_token_s": number("time_to_first_token_s"),
+            "client_first_token_s": self.client_first_token_s, "client_elapsed_s": round(self.client_elapsed_s, 4),
+            "finish_reason": self.finish_reason, "stop_reason": stop, "denoising_available": self.denoising_available,
+        }
+
+
+# OpenAI's finish_reason as the engine's stop_reason, for servers that do not send Clover Desk's own
+_STOP_OF_FINISH = {"length": "max_new_tokens", "stop": "eos", "cancelled": "cancelled", "tool_calls": "tool_calls"}
+
 
 def request_body(
     messages: Sequence[dict[str, Any]],

@@ -607,10 +607,14 @@ class ChatService:
                 cancel.set()
 
     def run(self, prepared: _Prepared, cancel: threading.Event) -> Iterator[Any]:
-        """The engine's events for a prepared request (the caller holds the turn). PromptError -> ApiError 400."""
+        """The engine's events for a prepared request (the caller holds the turn). PromptError -> ApiError 400;
+        ApiError 503 when the model was detached or replaced while the request waited for its turn."""
         with self._active_lock:
             self._active.add(cancel)
         try:
+            if prepared.engine is not self.engine:
+                raise ApiError(503, "the model was unloaded while the request waited; try again once it has loaded",
+                               type="server_error", code="model_loading")
             try:
                 events = prepared.engine.generate(prompt_ids=prepared.prompt_ids, params=prepared.params,
                                                   cancel=cancel)

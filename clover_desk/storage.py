@@ -52,6 +52,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from clover_desk.remote import RemoteFinished
 from engine.events import BlockCommitted, EngineError, Event, Finished, PromptInfo, TextDelta
 
 log = logging.getLogger(__name__)
@@ -962,6 +963,14 @@ class StreamRecorder:
             self.store.finish_message(
                 self.message_id, status, stats=stats, thinking_seconds=self._thinking_seconds,
                 content=event.text, thinking=event.thinking,
+            )
+            self.done = True
+        elif isinstance(event, RemoteFinished):  # a remote server's answer: its unreported figures stay None
+            self.flush()
+            self._end_thinking()
+            self.store.finish_message(
+                self.message_id, "stopped" if event.finish_reason == "cancelled" else "complete", stats=event.stats(),
+                thinking_seconds=self._thinking_seconds, content=event.text, thinking=event.thinking,
             )
             self.done = True
         elif isinstance(event, EngineError):

@@ -7,13 +7,17 @@ Commands, one JSON object per line on stdin::
 
     {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "plan": {Plan.to_dict()} | null}
         (the plan the user saw, placed as is after a check against the model and the machine; "vram_gb": 14.0 and
-        "ctx_tokens": 16384 instead of a plan make it here with engine.planner.plan_model)
+        "ctx_tokens": 16384 instead of a plan make it here with engine.planner.plan_model; "model_dir" may be a
+        .gguf file, with "gguf_layout": "auto" | "fork" | "upstream")
     {"cmd": "cancel_load"}
     {"cmd": "generate", "id": "r1", "messages": [...], "params": {GenerationParams fields}, "tools": [...] | null}
         ("prompt": "text" or "prompt_ids": [..] with "raw": true may replace "messages")
     {"cmd": "cancel", "id": "r1"}
     {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16 | null, "ram_gb": 64 | null, "ctx": 16384, ...}
         (engine.planner.plan_model; null budgets: what this machine has free; other keys go to make_plan)
+    {"cmd": "serve", "host": "127.0.0.1", "port": 8000, "api_key": "KEY" | null}
+        (clover_desk.server.OpenAIServer over the loaded model, serving from a thread of this process)
+    {"cmd": "serve_stop"}
     {"cmd": "shutdown"}
 
 Replies, one JSON object per line on stdout (one flush per line; logs go to stderr)::
@@ -26,6 +30,8 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
     {"event": "plan", "op": "load", "plan": {Plan.to_dict()}}  a load under a plan: the plan being placed, before
                                                                the weights are read (same form as plan --json)
     {"event": "error", "kind": .., "message": .., "fatal": false, ["id": "r1" | "op": "load" | "plan"]}
+    {"event": "serving", "url": .., "host": .., "port": .., "auth": bool}   the HTTP server listens
+    {"event": "serve_stopped"}                                 it stopped (serve_stop, shutdown); the port is free
     {"event": "bye"}                                           after "shutdown", just before exiting
 
 Every generate request ends with exactly one ``finished`` or ``error`` record carrying its id. A
@@ -33,6 +39,13 @@ Every generate request ends with exactly one ``finished`` or ``error`` record ca
 serving. An out-of-memory or CUDA error leaves the device unusable: the worker reports it with ``"fatal": true`` and
 exits with :data:`FATAL_EXIT_CODE`; the client then offers a restart. Loading and generating run on their own
 threads, so ``cancel`` / ``cancel_load`` are read while they work (the engine checks its flag between passes).
+
+``serve`` puts the OpenAI-compatible server in this process, over the same engine (a second process would load a
+second copy of the model). Window and HTTP requests never overlap: a generation holds :attr:`Worker.engine_lock`
+from its first pass to its last, and the server takes the same lock for each of its turns (a window request that
+waits for an HTTP answer can still be cancelled). A load detaches the model from the server first (its requests
+get 503 "loading", an HTTP answer in progress is cancelled) and attaches the new one once it is ready. A port that
+cannot be bound is an ``error`` record with ``"op": "serve"`` naming the address.
 
 Every line gets an answer, however malformed: a line that is not JSON, not an object, nested deeper than
 :data:`MAX_NESTING` levels, longer than :data:`MAX_LINE_BYTES` (the rest of such a line is skipped unread into
@@ -79,6 +92,7 @@ _JOIN_ON_EXIT_S = 5.0
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a longer command line is refused (and skipped without being held in memory)
 MAX_NESTING = 64  # JSON nesting a command may have (plans, messages and tool schemas need far less)
 _SKIP_CHUNK = 1 << 20
+_LOCK_POLL_S = 0.05  # a generate waiting for the engine (held by an HTTP answer) checks its cancel flag this often
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -134,7 +148,8 @@ class ProtocolError(ValueError):
 
 DEVICES_TEXT = '"cpu", "cuda" or "cuda:N"'
 DTYPES = ("float32", "bfloat16", "float16")
-COMMANDS = ("load", "cancel_load", "generate", "cancel", "plan", "shutdown")
+COMMANDS = ("load", "cancel_load", "generate", "cancel", "plan", "serve", "serve_stop", "shutdown")
+GGUF_LAYOUTS = ("auto", "fork", "upstream")
 _CUDA_INDEX = re.compile(r"cuda:[0-9]{1,3}")
 
 
@@ -210,6 +225,24 @@ LOAD_FIELDS: dict[str, tuple[Check, str]] = {
     "ctx_tokens": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
     "ctx": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
     "plan": (_nullable(lambda v: isinstance(v, dict)), "an object (Plan.to_dict()) or null"),
+    "gguf_layout": (_nullable(_one_of(*GGUF_LAYOUTS)), '"auto", "fork" or "upstream" (a .gguf file), or null (auto)'),
+}
+
+
+def _is_host(v: Any) -> bool:
+    """A host name or address to bind: no spaces or control characters (``"0.0.0.0"``, ``"::1"``, ``"localhost"``)."""
+    return isinstance(v, str) and 0 < len(v) <= 253 and all(0x21 <= ord(c) <= 0x7E for c in v)
+
+
+def _is_api_key(v: Any) -> bool:
+    """An API key travels in an HTTP header (``Authorization: Bearer KEY``): printable ASCII, no spaces."""
+    return isinstance(v, str) and 0 < len(v) <= 4096 and all(0x21 <= ord(c) <= 0x7E for c in v)
+
+
+SERVE_FIELDS: dict[str, tuple[Check, str]] = {
+    "host": (_is_host, 'a host name or address to listen on, e.g. "127.0.0.1" or "0.0.0.0" (no spaces)'),
+    "port": (_int_in(0, 65535), "a port number from 0 (any free port) to 65535"),
+    "api_key": (_nullable(_is_api_key), "null (no key) or a key of printable ASCII characters without spaces"),
 }
 
 
@@ -266,6 +299,11 @@ def _check_fields(
 def check_load(command: dict[str, Any]) -> None:
     """Refuse a ``load`` whose fields are missing, unknown, of the wrong type or out of range."""
     _check_fields(command, "load", LOAD_FIELDS, required=("model_dir",), known=("cmd", *LOAD_FIELDS))
+
+
+def check_serve(command: dict[str, Any]) -> None:
+    """Refuse a ``serve`` whose fields are missing, unknown, of the wrong type or out of range."""
+    _check_fields(command, "serve", SERVE_FIELDS, required=("host", "port"), known=("cmd", *SERVE_FIELDS))
 
 
 def check_params(params: Any) -> GenerationParams:
@@ -396,6 +434,9 @@ class Worker:
         self._gen_thread: threading.Thread | None = None
         self._gen_id: str | None = None
         self._gen_cancel = threading.Event()
+        # Held for a whole generation, by this worker's generate thread or the HTTP server's turn: never two at once.
+        self.engine_lock = threading.Lock()
+        self._server: Any = None  # clover_desk.server.OpenAIServer while serving
 
     # ----------------------------------------------------------------- dispatch (main thread)
 
@@ -412,6 +453,8 @@ class Worker:
             "generate": self._cmd_generate,
             "cancel": self._cmd_cancel,
             "plan": self._cmd_plan,
+            "serve": self._cmd_serve,
+            "serve_stop": self._cmd_serve_stop,
         }
         handler = handlers.get(name) if isinstance(name, str) else None
         if handler is None:
@@ -429,7 +472,8 @@ class Worker:
         return True
 
     def stop(self) -> None:
-        """Cancel what runs and wait (briefly) for it to end."""
+        """Stop serving, cancel what runs and wait (briefly) for it to end."""
+        self._stop_server()
         self._load_cancel.set()
         self._gen_cancel.set()
         for thread in (self._gen_thread, self._load_thread):
@@ -531,6 +575,47 @@ class Worker:
             return
         threading.Thread(target=self._run_plan, args=(command,), name="clover-plan", daemon=True).start()
 
+    def _cmd_serve(self, command: dict[str, Any]) -> None:
+        try:
+            check_serve(command)
+        except ProtocolError as exc:
+            self._error("ProtocolError", str(exc), op="serve")
+            return
+        if self._server is not None:
+            self._error("AlreadyServing", f"already serving at {self._server.url}; send serve_stop first", op="serve")
+            return
+        from clover_desk.server import OpenAIServer
+
+        host, port = command["host"], command["port"]
+        try:
+            server = OpenAIServer(None, host=host, port=port, api_key=command.get("api_key"), lock=self.engine_lock)
+        except OSError as exc:  # in use, not an address of this machine, a name that does not resolve
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            self._error("ServeError", f"cannot listen on {where} (port {port}): {exc.strerror or exc}", op="serve")
+            return
+        with self._lock:
+            self._server = server
+            server.attach(self._engine)  # None while no model is loaded (or one loads): requests get 503
+        server.start()
+        log.info("serving %s", server.url)
+        self._emit({"event": "serving", "url": server.url, "host": server.host, "port": server.port,
+                    "auth": bool(command.get("api_key"))})
+
+    def _cmd_serve_stop(self, command: dict[str, Any]) -> None:
+        if not self._stop_server():
+            self._emit({"event": "serve_stopped"})  # nothing was serving: already stopped
+
+    def _stop_server(self) -> bool:
+        """Close the HTTP server (its generation in progress is cancelled, its port freed); False when none ran."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is None:
+            return False
+        server.close()
+        log.info("stopped serving %s", server.url)
+        self._emit({"event": "serve_stopped"})
+        return True
+
     # ----------------------------------------------------------------- work (own threads)
 
     def _run_load(self, command: dict[str, Any], cancel: threading.Event) -> None:
@@ -557,17 +642,22 @@ class Worker:
                 last[0], last[1] = now, p.stage
                 self._emit(to_dict(p))
 
+        self._detach_server()
         self._release_engine()
         started = time.monotonic()
         log.info("loading %s on %s as %s (vram_gb=%s)", model_dir, device, dtype, vram_gb)
         try:
             if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
-                plan = importlib.import_module("engine.api").plan_for(model_dir, float(vram_gb), _ctx(command), dtype)
+                layout = {"gguf_layout": command["gguf_layout"]} if command.get("gguf_layout") is not None else {}
+                plan = importlib.import_module("engine.api").plan_for(
+                    model_dir, float(vram_gb), _ctx(command), dtype, **layout)
             if plan is not None:
                 self._emit({"event": "plan", "op": "load", "plan": _json_safe(_plan_dict(plan))})
+            extra: dict[str, Any] = {"plan": plan} if plan is not None else {}
+            if command.get("gguf_layout") is not None:
+                extra["gguf_layout"] = command["gguf_layout"]
             engine = self._engine_factory(
-                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel,
-                **({"plan": plan} if plan is not None else {}),
+                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, **extra
             )
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             self._set_idle()
@@ -582,6 +672,8 @@ class Worker:
         with self._lock:
             self._engine = engine
             self._state = "idle"
+            if self._server is not None:
+                self._server.attach(engine)
         self._emit(
             {
                 "event": "loaded",
@@ -593,10 +685,30 @@ class Worker:
                 "config": _json_safe(getattr(engine, "config", None)),
                 "generation_defaults": _json_safe(getattr(engine, "generation_defaults", None)),
                 "plan": _json_safe(_plan_dict(getattr(engine, "plan", None))),
+                "ar_only": _json_safe(getattr(engine, "ar_only", None)),  # why diffusion is refused, or null
             }
         )
 
     def _run_generate(
+        self,
+        engine: Any,
+        request_id: str,
+        command: dict[str, Any],
+        params: GenerationParams,
+        cancel: threading.Event,
+    ) -> None:
+        """Wait for the engine (an HTTP answer may hold it), then generate holding it to the end."""
+        while not self.engine_lock.acquire(timeout=_LOCK_POLL_S):
+            if cancel.is_set():  # cancelled while an HTTP answer ran: it ends here, as cancelled, having done nothing
+                self._set_idle()
+                self._emit({**to_dict(_cancelled_before_start()), "id": request_id})
+                return
+        try:
+            self._generate(engine, request_id, command, params, cancel)
+        finally:
+            self.engine_lock.release()
+
+    def _generate(
         self,
         engine: Any,
         request_id: str,
@@ -647,9 +759,19 @@ class Worker:
             {"event": "plan", "id": request_id, "plan": _json_safe(_plan_dict(plan)), "hardware": _json_safe(hardware)}
         )
 
-    def _release_engine(self) -> None:
-        """Drop the loaded model before loading another, so two never sit in VRAM at once."""
+    def _detach_server(self) -> None:
+        """Before the model is dropped: the server answers 503 "loading" and its answer in progress is cancelled (it
+        ends within a pass and hands back the engine lock, which :meth:`_release_engine` waits for)."""
         with self._lock:
+            server = self._server
+        if server is not None:
+            server.attach(None)
+            server.service.cancel_all()
+
+    def _release_engine(self) -> None:
+        """Drop the loaded model before loading another, so two never sit in VRAM at once (an HTTP answer still
+        running on it ends first: it holds the engine lock)."""
+        with self.engine_lock, self._lock:
             had = self._engine is not None
             self._engine = None
         if had:
@@ -689,6 +811,13 @@ class Worker:
             return
         log.error("unexpected error (the worker keeps running)", exc_info=exc)
         self._error(type(exc).__name__, f"internal error: {exc}", request_id=request_id, op=op)
+
+
+def _cancelled_before_start() -> Finished:
+    """The end of a request cancelled before it had the engine: nothing generated, nothing measured."""
+    return Finished(token_ids=(), text="", thinking="", stop_reason="cancelled", tokens=0, passes=0,
+                    tokens_per_pass=0.0, tokens_per_s=0.0, time_to_first_token_s=None, prompt_tokens=0,
+                    prefill_s=0.0, decode_s=0.0)
 
 
 def _plan_dict(plan: Any) -> Any:

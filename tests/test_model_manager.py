@@ -65,7 +65,7 @@ def test_check_model_dir_explains_what_is_wrong(tmp_path: Path) -> None:
     assert "no config.json" in check_model_dir(tmp_path).message
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / "clover-Q4_K_M.gguf").write_bytes(b"GGUF")
-    assert "does not read GGUF" in check_model_dir(tmp_path / "gguf").message
+    assert "open the .gguf file itself" in check_model_dir(tmp_path / "gguf").message
     bad = write_model(tmp_path / "llama", {"model_type": "llama"})
     assert "'llama' is not supported" in check_model_dir(bad).message
     partial = write_model(tmp_path / "partial", {"model_type": "clover_moe", "vocab_size": 10})

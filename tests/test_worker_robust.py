@@ -40,6 +40,10 @@ def _load(**fields: Any) -> bytes:
     return _line({"cmd": "load", "model_dir": "/models/fake", **fields})
 
 
+def _serve(**fields: Any) -> bytes:
+    return _line({"cmd": "serve", "host": "127.0.0.1", "port": 0, **fields})
+
+
 def _nested(depth: int) -> Any:
     value: Any = "x"
     for _ in range(depth):
@@ -100,6 +104,9 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("load-plan-string", _load(plan="p"), "'plan'"),
     ("load-plan-list", _load(plan=[]), "'plan'"),
     ("load-unknown-field", _load(vram=2), "unknown field \"vram\""),
+    ("load-gguf_layout-unknown", _load(gguf_layout="llama"), "'gguf_layout'"),
+    ("load-gguf_layout-number", _load(gguf_layout=1), "'gguf_layout'"),
+    ("load-gguf_layout-wrong-case", _load(gguf_layout="Fork"), "'gguf_layout'"),
     # generate: the request
     ("gen-no-id", _line({"cmd": "generate", "messages": USER}), "'id'"),
     ("gen-id-number", _line({"cmd": "generate", "id": 5, "messages": USER}), "'id'"),
@@ -178,6 +185,25 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("plan-ctx-string", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "ctx": "x"}), "'ctx'"),
     ("plan-id-list", _line({"cmd": "plan", "id": [], "model_dir": "/m"}), "'id'"),
     ("plan-unknown-option", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram": 2}), "unknown field \"vram\""),
+    # serve (nothing is bound: every one is refused before the server is made)
+    ("serve-no-host", _line({"cmd": "serve", "port": 0}), "'host'"),
+    ("serve-no-port", _line({"cmd": "serve", "host": "127.0.0.1"}), "'port'"),
+    ("serve-host-number", _serve(host=127), "'host'"),
+    ("serve-host-empty", _serve(host=""), "'host'"),
+    ("serve-host-space", _serve(host="127.0.0.1 "), "'host'"),
+    ("serve-host-nul", _serve(host="a\x00b"), "'host'"),
+    ("serve-host-null", _serve(host=None), "'host'"),
+    ("serve-port-string", _serve(port="8000"), "'port'"),
+    ("serve-port-negative", _serve(port=-1), "'port'"),
+    ("serve-port-too-big", _serve(port=65536), "'port'"),
+    ("serve-port-float", _serve(port=8000.5), "'port'"),
+    ("serve-port-bool", _serve(port=True), "'port'"),
+    ("serve-api_key-number", _serve(api_key=5), "'api_key'"),
+    ("serve-api_key-empty", _serve(api_key=""), "'api_key'"),
+    ("serve-api_key-space", _serve(api_key="my key"), "'api_key'"),
+    ("serve-api_key-newline", _serve(api_key="k\nX-Injected: 1"), "'api_key'"),
+    ("serve-api_key-non-ascii", _serve(api_key="clé"), "'api_key'"),
+    ("serve-unknown-field", _serve(ctx=5), "unknown field \"ctx\""),
 ]
 
 
