@@ -25,9 +25,12 @@ from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk import paths
 from clover_desk.engine_client import EngineClient
+from clover_desk.remote import RemoteBackend
 from clover_desk.storage import ChatStore, StreamRecorder, atomic_write_text
+from clover_desk.token_counter import TokenCounter
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.events import LoadProgress
+from engine.formats import FORMAT_OF_TORCH_NAME
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +88,21 @@ def model_info_from_folder(model_dir: str | None) -> dict[str, Any] | None:
     from engine.errors import CloverError
 
     try:
+        if is_gguf(model_dir):  # the config is in the file's metadata (numpy + the gguf package, no torch)
+            from engine.gguf_file import open_gguf
+
+            return {"model_dir": str(model_dir), "config": asdict(open_gguf(model_dir).config)}
         config = load_config(model_dir)
         generation = load_generation_defaults(model_dir, config)
     except (CloverError, OSError) as exc:
         log.info("no generation defaults from %s: %s", model_dir, exc)
         return None
     return {"model_dir": str(model_dir), "config": asdict(config), "generation_defaults": asdict(generation)}
+
+
+def is_gguf(model: str | None) -> bool:
+    """Whether the configured model is a GGUF file (its config is in the file's metadata)."""
+    return bool(model) and str(model).lower().endswith(".gguf")
 
 
 class CloverDeskApp(QObject):
@@ -127,6 +139,9 @@ class CloverDeskApp(QObject):
         self.vram_panel = self._build_vram_panel()
         self.preview = self._build_preview() if with_preview else None
         self.model_manager = self._build_model_manager() if with_model_manager else None
+        self.model_library = self._build_model_library() if self.model_manager is not None else None
+        self.token_counter = TokenCounter(self)  # the context meter: the model folder's tokenizer, no worker needed
+        self.token_counter.set_model(self.settings.model_dir)
         self.window = MainWindow(
             self.client,
             self.store,
@@ -135,11 +150,16 @@ class CloverDeskApp(QObject):
             vram_panel=self.vram_panel,
             preview=self.preview,
             model_manager=self.model_manager,
+            model_library=self.model_library,
             html_extractor=self._html_extractor(),
             monitor=MemoryMonitor(),
             gpu_name=self.hardware.gpu_name,
             ui_settings=QSettings(str(self.home / WINDOW_SETTINGS_NAME), QSettings.Format.IniFormat),
+            token_counter=self.token_counter,
         )
+        if hasattr(self.client, "start_server"):  # the worker's HTTP server (Model ▸ Serve over HTTP…)
+            self.window.set_server_control(self.client)
+        self.window.set_remote_factory(RemoteBackend)  # Model ▸ Backend…: (url, api_key, model) -> RemoteBackend
         info = model_info_from_folder(self.settings.model_dir)
         if info is not None:
             self.window.set_model_info(info)
@@ -158,8 +178,10 @@ class CloverDeskApp(QObject):
         manifest = self._manifest(planner)
         hardware = self.hardware
 
+        compute = FORMAT_OF_TORCH_NAME.get(self.dtype, "bf16")  # the precision chosen for the next load
+
         def plan(vram_bytes: int, ctx_tokens: int) -> Any:
-            return planner.plan_model(manifest, vram_bytes, ctx_tokens, hardware)
+            return planner.plan_model(manifest, vram_bytes, ctx_tokens, hardware, compute_dtype=compute)
 
         return plan
 
@@ -195,14 +217,27 @@ class CloverDeskApp(QObject):
         return PreviewPane()
 
     def _build_model_manager(self) -> QWidget | None:
-        from clover_desk.downloads import ModelDownloader
+        from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
         from ui.model_manager import ModelManagerPanel
 
         return ModelManagerPanel(
             downloader_factory=ModelDownloader,
             models_dir=self.home / "models",
             recent_file=self.home / "recent_models.json",
+            gguf_choices=OFFICIAL_GGUF,
+            gguf_repo_id=GGUF_REPO_ID,
         )
+
+    def _build_model_library(self) -> QWidget:
+        """The models on disk (the recent ones and the models folder's), with the device and precision of the next
+        load."""
+        from ui.model_library import ModelLibrary
+
+        manager = self.model_manager
+        library = ModelLibrary(self.home / "models", manager.recent_models if manager is not None else list,
+                               gpu_name=self.hardware.gpu_name, device=self.device, dtype=self.dtype)
+        library.set_current(self.settings.model_dir)
+        return library
 
     def _html_extractor(self) -> Any:
         from ui.html_extract import extract_html  # the one rule, also the preview pane's
@@ -214,6 +249,11 @@ class CloverDeskApp(QObject):
         self.client.loaded.connect(self.on_model_loaded)
         self.window.modelChosen.connect(self.on_model_chosen)
         self.window.applyPlanRequested.connect(self.on_apply_plan)
+        if self.model_library is not None and self.model_manager is not None:
+            self.model_library.loadRequested.connect(self.model_manager.open_model)  # checked, then remembered
+            self.model_library.loadOptionsChanged.connect(self.on_load_options_changed)
+            self.model_library.reloadRequested.connect(self.on_reload_requested)
+            self.model_manager.recentModelsChanged.connect(self.model_library.refresh)
         app = QApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(self.on_about_to_quit)
@@ -250,6 +290,9 @@ class CloverDeskApp(QObject):
     def on_model_chosen(self, model_dir: str) -> None:
         self.settings.model_dir = model_dir
         self.save_settings()
+        self.token_counter.set_model(model_dir)
+        if self.model_library is not None:
+            self.model_library.set_current(model_dir)
         self._plan = self._plan_function()
         self.vram_panel.set_planner(self._plan)
         info = model_info_from_folder(model_dir)
@@ -260,6 +303,20 @@ class CloverDeskApp(QObject):
         else:
             self.window.on_engine_restarting()
             self.client.restart()  # ready → load_model
+
+    def on_load_options_changed(self, device: str, dtype: str) -> None:
+        """The models page's device and precision: remembered, and used from the next load on (the VRAM panel
+        plans in the new precision at once)."""
+        self.settings.device, self.settings.dtype = device, dtype
+        self.save_settings()
+        self.device, self.dtype = device, dtype
+        self._plan = self._plan_function()
+        self.vram_panel.set_planner(self._plan)
+
+    def on_reload_requested(self) -> None:
+        """Load the current model again now (with the options just chosen)."""
+        if self.settings.model_dir:
+            self.window.on_model_chosen(self.settings.model_dir)
 
     def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
         """Reload under the panel's plan. Without a GPU there is nothing to reload: the choice is saved for later
@@ -287,5 +344,8 @@ class CloverDeskApp(QObject):
     def shutdown(self, wait_ms: int = 3000) -> None:
         if self.model_manager is not None:
             self.model_manager.shutdown()  # stop a download thread / demo-model process cleanly
+        if self.window.remote is not None:
+            self.window.remote.shutdown()  # a remote answer in flight: its connection is closed
         self.client.shutdown(wait_ms=wait_ms)
+        self.token_counter.shutdown()
         self.store.close()

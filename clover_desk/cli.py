@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "gui": ("clover_desk.cmd_gui", "open the Clover Desk window (the default)"),
+    "doctor": ("clover_desk.cmd_doctor", "check torch, the GPU, its driver and bitsandbytes; say what to install"),
     "generate": ("clover_desk.cmd_generate", "generate text from a model folder"),
     "gguf-fix": ("clover_desk.cmd_gguf_fix", "copy an official Clover GGUF into the layout upstream llama.cpp loads"),
     "make-tiny": ("clover_desk.cmd_make_tiny", "write a tiny random Clover checkpoint (its output is noise)"),
@@ -71,8 +72,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     suite = words[1] if command == "bench" and len(words) > 1 else None
     parser = _build_parser(command, suite)
     args = parser.parse_args(argv)
-    if args.command == "bench" and args.suite is None:
-        parser.parse_args(["bench", "--help"])  # prints the suites and exits
+    if args.command == "bench" and args.suite is None:  # not a usage block: which suites there are, exit 2
+        parser.exit(2, f"clover-desk bench: name a suite: {', '.join(BENCH_SUITES)} "
+                       "(e.g. clover-desk bench speed --shape tiny; see clover-desk bench SUITE --help)\n")
     return args
 
 

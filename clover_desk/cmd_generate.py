@@ -162,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.vram_gb is not None:
         # the plan first, from the headers alone (before any conversion or load), as `clover-desk plan --json`
         # prints it; the engine then checks it and places exactly that plan
-        plan = plan_for(args.model, args.vram_gb, args.ctx, dtype)
+        plan = plan_for(args.model, args.vram_gb, args.ctx, dtype, args.gguf_layout)
         if args.json:
             sys.stdout.write(json.dumps({"event": "plan", **plan.to_dict()}, ensure_ascii=False) + "\n")
             sys.stdout.flush()

@@ -51,6 +51,16 @@ class PromptInfo:
 
 
 @dataclass(frozen=True)
+class PrefillProgress:
+    """How far a long prompt's prefill has got. A prompt longer than the model's longest single pass is read in
+    segments (``CloverModel.max_pass_tokens``); one event goes out before the first and after each segment, and the
+    cancel flag is checked between segments. ``done`` and ``total`` count prompt tokens written to the cache."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
 class BlockStep:
     """One denoising pass over the current block (diffusion mode only).
 
@@ -117,6 +127,7 @@ class EngineError:
 EVENT_TYPES: dict[str, type] = {
     "load_progress": LoadProgress,
     "prompt": PromptInfo,
+    "prefill": PrefillProgress,
     "block_step": BlockStep,
     "block_committed": BlockCommitted,
     "delta": TextDelta,
@@ -125,7 +136,7 @@ EVENT_TYPES: dict[str, type] = {
 }
 _NAME_OF = {cls: name for name, cls in EVENT_TYPES.items()}
 
-Event = LoadProgress | PromptInfo | BlockStep | BlockCommitted | TextDelta | Finished | EngineError
+Event = LoadProgress | PromptInfo | PrefillProgress | BlockStep | BlockCommitted | TextDelta | Finished | EngineError
 
 
 def to_dict(event: Event) -> dict[str, Any]:

@@ -8,6 +8,10 @@
 
 Policy (penalties, biases, the commit rule, sampling) comes from :mod:`engine.decoding`; the model is anything
 with ``new_cache(max_len)`` and ``forward(ids, start_pos, cache, block_size, write_cache, last_only)``.
+
+A prompt longer than the model's longest pass (``segment_tokens``) is prefilled segment by segment: the loops yield
+:class:`~engine.events.PrefillProgress` between segments and check the cancel flag there, so a long pasted document
+shows progress and can be stopped before the first block.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +29,16 @@ from torch import Tensor
 from engine import decoding
 from engine.config import CloverConfig, GenerationDefaults
 from engine.errors import PromptError
-from engine.events import BlockCommitted, BlockStep, Event, Finished, GenerationParams, PromptInfo, TextDelta
+from engine.events import (
+    BlockCommitted,
+    BlockStep,
+    Event,
+    Finished,
+    GenerationParams,
+    PrefillProgress,
+    PromptInfo,
+    TextDelta,
+)
 from engine.tokenizer import StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -223,6 +236,39 @@ def _forward(model: DecodingModel, *args: Any, **kwargs: Any) -> Tensor:
         return model.forward(*args, **kwargs)
 
 
+def _prefill(
+    model: DecodingModel,
+    ids: Tensor,
+    cache: Any,
+    block_size: int | None,
+    cancel: threading.Event | None,
+    **kwargs: Any,
+) -> Generator[PrefillProgress, None, Tensor | None]:
+    """Write the prompt ``ids`` [P] into the empty cache and return the last position's logits [1, V], or None when
+    ``cancel`` was set between two segments (use with ``yield from``).
+
+    A prompt longer than the model's longest pass is run here one segment at a time (``segment_tokens``: whole
+    blocks, or whole GDN chunks), which is exactly how the model would split it itself; in between, the caller
+    hears how far it got (a :class:`PrefillProgress` before the first segment and after each) and a cancel takes
+    effect. A shorter prompt, or a model without ``segment_tokens``, is one forward and no progress event."""
+    total = ids.shape[0]
+    segment_tokens = getattr(model, "segment_tokens", None)
+    seg = int(segment_tokens(block_size)) if callable(segment_tokens) else total
+    if total <= seg:
+        return _forward(model, ids, 0, cache, block_size=block_size, write_cache=True, last_only=True, **kwargs)
+    yield PrefillProgress(done=0, total=total)
+    out: Tensor | None = None
+    for start in range(0, total, seg):
+        if start and cancel is not None and cancel.is_set():
+            return None
+        out = _forward(  # [1, V]
+            model, ids[start : start + seg], start, cache, block_size=block_size, write_cache=True, last_only=True,
+            **kwargs,
+        )
+        yield PrefillProgress(done=min(start + seg, total), total=total)
+    return out
+
+
 def _device_of(model: Any) -> torch.device:
     device = getattr(model, "device", None)
     if device is not None:
@@ -356,7 +402,10 @@ def _ar_loop(
 
     cache = model.new_cache(P + max_new)
     ids = torch.tensor(prompt, dtype=torch.long, device=device)  # [P]
-    logits = _forward(model, ids, 0, cache, block_size=None, write_cache=True, last_only=True)  # [1, V]
+    logits = yield from _prefill(model, ids, cache, None, cancel)  # [1, V]
+    if logits is None:  # cancelled between two prefill segments
+        yield _finished(generated, channels, "cancelled", 0, P, clock, hooks)
+        return
     vocab = logits.shape[-1]
     clock.prefill_done = clock.now()
     rep_seen = decoding.seen_mask(prompt, vocab, device)  # [V]
@@ -463,7 +512,10 @@ def _diffusion_loop(
     if n_full:
         ids = torch.tensor(prompt[:n_full], dtype=torch.long, device=device)  # [n_full]
         # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
-        out = _forward(model, ids, 0, cache, block_size=B, write_cache=True, last_only=True, prefill=True)  # [1, V]
+        out = yield from _prefill(model, ids, cache, B, cancel, prefill=True)  # [1, V]
+        if out is None:  # cancelled between two prefill segments
+            yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
+            return
         prev_row = out[-1]
     clock.prefill_done = clock.now()
     vocab: int | None = None

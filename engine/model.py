@@ -806,6 +806,12 @@ class CloverModel(nn.Module):
         """An empty cache for up to ``max_len`` tokens."""
         return ModelCache(self.config, max_len, self.dtype, self.device)
 
+    def segment_tokens(self, block_size: int | None) -> int:
+        """Length of the segments a cache-writing pass longer than ``max_pass_tokens`` is split into: whole blocks
+        in block mode, whole GDN chunks in causal mode (every segment then starts where the math needs it to)."""
+        unit = block_size or GDN_CHUNK
+        return max(unit, self.max_pass_tokens // unit * unit)
+
     def moe_layers(self) -> list[SparseMoe]:
         return [layer.mlp for layer in self.layers]
 
@@ -845,9 +851,9 @@ class CloverModel(nn.Module):
             raise ValueError(f"block mode needs start_pos ({start_pos}) to be a multiple of block_size ({block_size})")
         if cache is not None and write_cache and t > self.max_pass_tokens:
             # A long prefill runs as consecutive whole-block segments through the cache: the same math (blocks only
-            # look back), with bounded attention-mask and activation memory.
-            unit = block_size or GDN_CHUNK
-            seg = max(unit, self.max_pass_tokens // unit * unit)
+            # look back), with bounded attention-mask and activation memory. (engine.generate runs a long prompt's
+            # segments itself, to report progress and honour a cancel between them.)
+            seg = self.segment_tokens(block_size)
             outs = [
                 self._forward_pass(ids[s : s + seg], start_pos + s, cache, block_size, True, last_only, prefill,
                                    causal_inside_block)

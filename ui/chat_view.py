@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
 
 from ui.html_extract import extract_html
 from ui.markdown import CodeBlock, RenderedMarkdown, render
+from ui.remote_chat import remote_stats_line
 from ui.theme import set_style_class
 from ui.throttle import Throttle
 from ui.widgets import ElidedLabel, accessible
@@ -176,6 +177,8 @@ def format_seconds(seconds: float) -> str:
 
 def stats_line(stats: dict[str, Any]) -> str:
     """"42 tokens · 38.5 tok/s · 3.1 tok/pass · stopped" from a Finished-derived stats dict."""
+    if stats.get("backend") == "remote":  # a remote server's answer: what it did not report is named unavailable
+        return remote_stats_line(stats)
     parts = []
     if stats.get("tokens"):
         parts.append(f"{stats['tokens']} tokens")

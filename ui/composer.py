@@ -101,6 +101,7 @@ class Composer(QFrame):
         layout.addWidget(self.edit_note)
         layout.addWidget(self.input)
         row = QHBoxLayout()
+        self._row = row
         row.addWidget(self.think_button)
         row.addWidget(self.mode_label)
         row.addSpacing(6)
@@ -116,6 +117,10 @@ class Composer(QFrame):
         self.input.escapePressed.connect(self.on_escape)
         self.send_button.clicked.connect(self.on_send_clicked)
         self.think_button.toggled.connect(self.thinkToggled)
+
+    def add_status_widget(self, widget: QWidget) -> None:
+        """A small status (the context meter) on the button row, just before Send."""
+        self._row.insertWidget(self._row.indexOf(self.send_button), widget)
 
     # -- state
     def set_generating(self, on: bool) -> None:

@@ -7,7 +7,7 @@ contracts. The window's view of the engine's life is :class:`EngineState`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
@@ -135,6 +135,16 @@ class Recorder(Protocol):
 RecorderFactory = Callable[[Any, int], Recorder]  # (store, assistant message id) -> recorder
 
 
+class TokenCounterLike(Protocol):
+    """Tokens of a conversation as the engine will read it (``clover_desk.token_counter.TokenCounter``: the model
+    folder's tokenizer and chat template, in the GUI process, off the GUI thread)."""
+
+    counted: SignalLike  # (key, tokens) answering count(); tokens -1: cannot count
+
+    def count(self, key: int, messages: Sequence[dict[str, str]], enable_thinking: bool = True) -> None: ...
+    def count_now(self, messages: Sequence[dict[str, str]], enable_thinking: bool = True) -> int | None: ...
+
+
 class HtmlPreview(Protocol):
     """What the window needs from the preview tab (``ui.preview.PreviewPane``)."""
 
@@ -147,3 +157,42 @@ class MemoryMonitor(Protocol):
     ``vram_total`` in bytes, None where unknown."""
 
     def sample(self) -> dict[str, int | None]: ...
+
+
+class ServerControl(Protocol):
+    """The engine worker's OpenAI-compatible HTTP server (``EngineClient.start_server`` / ``stop_server``)."""
+
+    serving: SignalLike  # base URL (".../v1"): the server listens
+    serveStopped: SignalLike  # it stopped; the port is free
+    serveFailed: SignalLike  # message naming the address that could not be used
+
+    @property
+    def server_url(self) -> str | None: ...
+    def start_server(self, host: str, port: int, api_key: str | None = None) -> None: ...
+    def stop_server(self) -> None: ...
+
+
+class RemoteFinishedLike(Protocol):
+    """The last event of a remote answer (``clover_desk.remote.RemoteFinished``): what the server did not report is
+    None, and :meth:`stats` keeps it None (the window shows it as unavailable, never estimated)."""
+
+    text: str
+    thinking: str
+    finish_reason: str | None
+    client_elapsed_s: float
+    denoising_available: bool
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class RemoteChat(Protocol):
+    """One OpenAI-compatible server (``clover_desk.remote.RemoteBackend``). Errors are ``engine.errors.CloverError``
+    subclasses whose message says what went wrong (cannot reach, HTTP 401 ..., not an answer)."""
+
+    def models(self) -> list[str]: ...
+    def chat(self, messages: Sequence[dict[str, Any]], params: GenerationParams | None = None,
+             tools: Sequence[dict[str, Any]] | None = None, cancel: Any = None) -> Iterator[object]: ...
+    # chat yields engine.events.TextDelta ..., then one RemoteFinishedLike
+
+
+RemoteFactory = Callable[..., RemoteChat]  # (url, api_key, model) -> a remote; CloverError for a bad URL

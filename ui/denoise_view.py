@@ -469,6 +469,7 @@ class DenoiseView(QWidget):
         self.canvas.setObjectName("denoiseCanvas")
         accessible(self.canvas, "Denoising of the current block")
         self.following = True  # live: show the newest step; False: the slider picks
+        self.unavailable = ""  # why there are no passes to show (a remote answer), "" when there can be
         self._shown_version = -1
         self.throttle = Throttle(self.refresh, max(1, 1000 // fps), self)
 
@@ -543,6 +544,13 @@ class DenoiseView(QWidget):
     def clear(self) -> None:
         self.start(self.model.mode)
 
+    def set_unavailable(self, reason: str) -> None:
+        """Say why nothing can be shown (a remote server's passes never cross its API) instead of waiting for
+        passes; "" shows them again."""
+        self.unavailable = reason
+        self._shown_version = -1
+        self.refresh()
+
     def _set_following(self, on: bool) -> None:
         self.following = on
         self._shown_version = -1
@@ -556,6 +564,12 @@ class DenoiseView(QWidget):
         if self.model.version == self._shown_version:
             return
         self._shown_version = self.model.version
+        if self.unavailable:
+            self.canvas.show_step(None)
+            self.slider.setEnabled(False)
+            self.live_button.setEnabled(False)
+            self.position_label.setText(self.unavailable)
+            return
         ar = self.model.mode == "ar"
         count = 0 if ar else self.model.step_count()
         self.slider.blockSignals(True)

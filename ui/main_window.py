@@ -60,7 +60,16 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events import BlockCommitted, BlockStep, EngineError, Finished, LoadProgress, PromptInfo, TextDelta
+from engine.events import (
+    BlockCommitted,
+    BlockStep,
+    EngineError,
+    Finished,
+    LoadProgress,
+    PrefillProgress,
+    PromptInfo,
+    TextDelta,
+)
 from ui.banners import Banner, LoadBanner
 from ui.chat_view import ChatView, HtmlExtractor, MessageData, PreviewRequest, StreamingReply, preview_document_id
 from ui.composer import Composer
@@ -72,9 +81,16 @@ from ui.contracts import (
     MemoryMonitor,
     Recorder,
     RecorderFactory,
+    RemoteFactory,
+    ServerControl,
+    TokenCounterLike,
 )
 from ui.denoise_view import DenoiseView
 from ui.generation import GenerationSettings, defaults_from_model, export_file_name, finished_stats
+from ui.long_chats import LongChats
+from ui.prompt_progress import PromptProgress
+from ui.remote_chat import DENOISING_UNAVAILABLE, RemoteBackendControl, is_remote_finished
+from ui.serve_panel import ServeController, ServeDialog
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import SCHEMES, apply_theme, set_style_class
@@ -130,11 +146,13 @@ class MainWindow(QMainWindow):
         vram_panel: QWidget | None = None,
         preview: QWidget | None = None,  # a QWidget that is also an HtmlPreview
         model_manager: QWidget | None = None,
+        model_library: QWidget | None = None,  # shown above the model manager (ui.model_library.ModelLibrary)
         html_extractor: HtmlExtractor | None = None,
         monitor: MemoryMonitor | None = None,
         gpu_name: str | None = None,
         model_defaults: GenerationSettings | None = None,
         ui_settings: QSettings | None = None,
+        token_counter: TokenCounterLike | None = None,
         parent: QWidget | None = None,
     ) -> None:
         super().__init__(parent)
@@ -156,6 +174,8 @@ class MainWindow(QMainWindow):
         self.reply_data: MessageData | None = None
         self.reply_mode = "diffusion"
         self.preview_follows: MessageData | None = None  # the streaming answer the preview shows as it grows
+        self.remote: RemoteBackendControl | None = None  # Model ▸ Backend…: a remote server (set_remote_factory)
+        self._request_source: Any = client  # what answers the request in flight: the engine client or the remote
         if model_dir is None:
             self.engine_state = EngineState.NO_MODEL
         elif getattr(client, "model_info", None):  # handed a client whose model is already loaded
@@ -171,8 +191,11 @@ class MainWindow(QMainWindow):
         self.chat = ChatView(html_extractor)
         self.chat.setObjectName("chatView")
         self.composer = Composer()
+        self.prompt_progress = PromptProgress()  # reading a long prompt, before the answer's first pass
         self.drawer = SettingsDrawer()
         self.drawer.set_settings(self.model_defaults, "")
+        self.long_chats = LongChats(self, token_counter)  # the context meter and what to do when a chat outgrows it
+        self.composer.add_status_widget(self.long_chats.meter)
         self.crash_banner = Banner("crashBanner", "Restart engine", "Engine stopped")
         self.info_banner = Banner("infoBanner", what="Notice")
         self.load_banner = LoadBanner()
@@ -180,6 +203,7 @@ class MainWindow(QMainWindow):
         self.vram_panel = vram_panel
         self.preview = preview
         self.model_manager = model_manager
+        self.model_library = model_library
         self.title_label = ElidedLabel("New chat", "title")
         self.title_label.setObjectName("pageTitle")
         accessible(self.title_label, "Page title")
@@ -260,8 +284,10 @@ class MainWindow(QMainWindow):
         banners.addWidget(self.load_banner)
         c.addLayout(banners)
         c.addWidget(self.chat, 1)
-        composer_row = QHBoxLayout()
+        composer_row = QVBoxLayout()
         composer_row.setContentsMargins(20, 6, 20, 14)
+        composer_row.setSpacing(6)
+        composer_row.addWidget(self.prompt_progress)
         composer_row.addWidget(self.composer)
         c.addLayout(composer_row)
         layout = QVBoxLayout(page)
@@ -277,7 +303,17 @@ class MainWindow(QMainWindow):
         page.setWidgetResizable(True)
         page.setFrameShape(QFrame.Shape.NoFrame)
         page.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        page.setWidget(manager)
+        if self.model_library is None:
+            page.setWidget(manager)
+            return page
+        column = QWidget()  # the library (the models on disk) above the ways to get another one
+        column.setObjectName("modelsColumn")
+        layout = QVBoxLayout(column)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        layout.addWidget(self.model_library)
+        layout.addWidget(manager, 1)
+        page.setWidget(column)
         return page
 
     def _build_layout(self) -> None:
@@ -453,7 +489,10 @@ class MainWindow(QMainWindow):
         # chat
         self.composer.sendRequested.connect(self.on_send_requested)
         self.composer.stopRequested.connect(self.on_stop_requested)
+        self.prompt_progress.stopRequested.connect(self.on_stop_requested)
         self.composer.thinkToggled.connect(self.on_think_toggled)
+        self.composer.input.textChanged.connect(self.long_chats.throttle.request)
+        self.drawer.changed.connect(self.long_chats.throttle.request)
         self.chat.editRequested.connect(self.on_edit_requested)
         self.chat.regenerateRequested.connect(self.on_regenerate_requested)
         self.chat.previewRequested.connect(self.on_preview_requested)
@@ -561,6 +600,7 @@ class MainWindow(QMainWindow):
             self.drawer.set_settings(self.model_defaults, "")
             self._sync_from_settings()
             self.title_label.setText("New chat")
+            self.long_chats.on_conversation_opened(None)
             return
         conv = self.store.get_conversation(conversation_id)
         self.title_label.setText(conv.title)
@@ -573,6 +613,7 @@ class MainWindow(QMainWindow):
                 if m.role in ("user", "assistant")
             ]
         )
+        self.long_chats.on_conversation_opened(conv.settings)
         self.show_chat_page()
         self.conversationChanged.emit(conversation_id)
 
@@ -697,7 +738,8 @@ class MainWindow(QMainWindow):
             return
         try:
             self.store.update_conversation(
-                self.conversation_id, system_prompt=self.drawer.system_prompt_text(), settings=settings.to_dict()
+                self.conversation_id, system_prompt=self.drawer.system_prompt_text(),
+                settings=self.long_chats.chat_settings(settings.to_dict()),
             )
         except self._save_error as exc:
             self.show_save_error(exc, "The chat settings were not saved")
@@ -716,7 +758,8 @@ class MainWindow(QMainWindow):
             self._sync_from_settings()
 
     def set_model_info(self, info: Mapping[str, Any]) -> None:
-        """Take the model's defaults from a ``loaded`` record (or the same keys read from its folder)."""
+        """Take the model's defaults and context from a ``loaded`` record (or the same keys read from its folder)."""
+        self.long_chats.set_model_info(info)
         config = info.get("config") if isinstance(info.get("config"), Mapping) else None
         generation = info.get("generation_defaults") if isinstance(info.get("generation_defaults"), Mapping) else None
         if config is None and generation is None:
@@ -726,13 +769,16 @@ class MainWindow(QMainWindow):
 
     # ----------------------------------------------------------------- sending
     def is_generating(self) -> bool:
-        return self.request_id is not None
+        """An answer streams, or the summary for a new chat is being written."""
+        return self.request_id is not None or self.long_chats.summary is not None
 
     def on_send_requested(self, text: str) -> None:
         """Save the message (or the edit) and start the answer; the composer is cleared only when both were saved.
         A failed save leaves the typed text (and edit mode) in the composer and says why in the banner."""
-        if self.is_generating() or self.engine_state is not EngineState.READY:
+        if self.is_generating() or not self._can_send():
             return
+        if self.long_chats.blocks_send(text):
+            return  # it does not fit: the choice is offered, the text stays in the box
         editing = self.composer.editing
         sent: MessageData | None = None
         try:
@@ -773,7 +819,7 @@ class MainWindow(QMainWindow):
         assert cid is not None
         settings = self.drawer.settings()
         params = settings.to_params()
-        messages = self.store.chat_messages(cid)
+        messages = self.long_chats.messages_to_send(cid)
         saved = self.store.add_message(cid, "assistant", "", status="streaming", stats={"mode": settings.mode})
         self.reply = StreamingReply()
         self.reply_mode = settings.mode
@@ -782,7 +828,10 @@ class MainWindow(QMainWindow):
         self.chat.add_message(self.reply_data)
         self.recorder = self._new_recorder(self.store, saved.id)
         self.denoise.start(settings.mode)  # a new answer: the view follows its live pass
-        self.request_id = str(self.client.generate(messages, params, None))
+        remote = self._uses_remote()
+        self.denoise.set_unavailable(DENOISING_UNAVAILABLE if remote else "")
+        self._request_source = self.remote.runner if remote and self.remote is not None else self.client
+        self.request_id = str(self._request_source.generate(messages, params, None))
         self.composer.set_generating(True)
         self.stop_action.setEnabled(True)
         if self.side.currentWidget() is self.tabs and self.tabs.currentWidget() is not self.preview:
@@ -791,8 +840,11 @@ class MainWindow(QMainWindow):
         self.refresh_status()
 
     def on_stop_requested(self) -> None:
+        if self.long_chats.summary is not None:
+            self.long_chats.cancel_summary()
+            self.engine_label.setText("● Stopping…")
         if self.request_id is not None:
-            self.client.cancel(self.request_id)
+            self._request_source.cancel(self.request_id)
             self.engine_label.setText("● Stopping…")
 
     def on_regenerate_last(self) -> None:
@@ -803,8 +855,8 @@ class MainWindow(QMainWindow):
     def on_regenerate_requested(self, data: MessageData) -> None:
         if self.is_generating() or data.message_id is None:
             return
-        if self.engine_state is not EngineState.READY:
-            self.statusBar().showMessage(self.engine_state.why_not_ready, 4000)
+        if not self._can_send():
+            self.statusBar().showMessage(self._why_not_ready(), 4000)
             return
         try:
             self.store.truncate_after(data.message_id, include=True)
@@ -858,6 +910,9 @@ class MainWindow(QMainWindow):
 
     # ----------------------------------------------------------------- engine events
     def on_engine_event(self, request_id: str, event: object) -> None:
+        if self.long_chats.owns(request_id):
+            self.long_chats.on_summary_event(event)
+            return
         if request_id != self.request_id or self.reply is None or self.reply_data is None:
             return
         save_error: Exception | None = None
@@ -869,6 +924,9 @@ class MainWindow(QMainWindow):
         if save_error is not None:
             self._stop_unsaved(event, save_error)
             return
+        if self.prompt_progress.active and isinstance(event, (TextDelta, BlockStep, BlockCommitted)):
+            self.prompt_progress.end()  # the prompt is read: the answer has started
+            self.status_throttle.request()
         if isinstance(event, TextDelta):
             self.reply.add(event.text, event.channel)
             self._sync_reply()
@@ -882,9 +940,16 @@ class MainWindow(QMainWindow):
             self.status_throttle.request()
         elif isinstance(event, PromptInfo):
             self.denoise.add_event(event)
+            self.prompt_progress.begin(event.prompt_tokens)
+            self.refresh_status()  # "Reading your message…" (once per answer)
+        elif isinstance(event, PrefillProgress):
+            self.prompt_progress.set_progress(event)
+            self.status_throttle.request()
         elif isinstance(event, Finished):
             self.denoise.add_event(event)
             self._finish(event)
+        elif is_remote_finished(event):
+            self._finish_remote(event)
         elif isinstance(event, EngineError):
             self._fail(f"{event.kind}: {event.message}", "error")
 
@@ -920,6 +985,20 @@ class MainWindow(QMainWindow):
         self.last_hit_rate = stats.get("expert_hit_rate", self.last_hit_rate)
         self._end_generation(event.stop_reason)
 
+    def _finish_remote(self, event: Any) -> None:
+        """A remote answer ended (``RemoteFinished``): its figures as the server reported them, None elsewhere."""
+        assert self.reply is not None and self.reply_data is not None
+        self.reply.finish()
+        stats = event.stats()
+        data = self.reply_data
+        data.content = event.text or self.reply.answer
+        data.thinking = event.thinking or self.reply.thinking
+        data.thinking_seconds = self.reply.thinking_seconds()
+        data.status = "stopped" if event.finish_reason == "cancelled" else "complete"
+        data.stats = stats
+        self.last_tok_s = stats.get("tokens_per_s")
+        self._end_generation(str(stats.get("stop_reason") or "eos"))
+
     def _fail(self, message: str, reason: str) -> None:
         if self.reply is None or self.reply_data is None:
             return
@@ -936,7 +1015,7 @@ class MainWindow(QMainWindow):
         assert self.reply is not None and self.reply_data is not None
         ended = isinstance(event, (Finished, EngineError))
         if not ended and self.request_id is not None:
-            self.client.cancel(self.request_id)  # its remaining events are ignored: the request ends here
+            self._request_source.cancel(self.request_id)  # its remaining events are ignored: the request ends here
         if isinstance(event, TextDelta):
             self.reply.add(event.text, event.channel)
         self.reply.finish()
@@ -963,11 +1042,13 @@ class MainWindow(QMainWindow):
             self._feed_preview()  # the final text (Finished's, when it differs from the deltas)
             preview.flush()
         self.preview_follows = None
+        self.prompt_progress.end()
         self.request_id = None
         self.reply = None
         self.reply_data = None
         self.recorder = None
         self.chat.end_stream()
+        self.long_chats.throttle.request()  # the chat grew: count it again
         self.composer.set_generating(False)
         self.stop_action.setEnabled(False)
         self.reload_conversations(self.sidebar.search.text())
@@ -990,7 +1071,18 @@ class MainWindow(QMainWindow):
         self.crash_banner.hide()
         if isinstance(info, Mapping):
             self.set_model_info(info)
+            self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
         self._set_state(EngineState.READY)
+
+    def set_diffusion_unavailable(self, reason: str) -> None:
+        """The loaded model decodes autoregressively only (``Engine.ar_only``: a GGUF file without the diffusion
+        tensors): say so plainly, and answer in AR mode with the diffusion choice disabled (its tooltip says why)."""
+        self.drawer.set_diffusion_available(reason)
+        self._sync_from_settings()
+        if reason:
+            self.info_banner.action.setVisible(False)
+            self.info_banner.show_message(f"Block diffusion is unavailable for this file, so answers use "
+                                          f"autoregressive mode: {reason}.")
 
     def on_engine_ready(self, *_info: object) -> None:
         if self.engine_state in (EngineState.STARTING, EngineState.CRASHED, EngineState.READY):
@@ -1004,7 +1096,7 @@ class MainWindow(QMainWindow):
 
     def on_engine_error_message(self, kind: str, message: str) -> None:
         self.load_banner.hide()
-        if self.is_generating():
+        if self.is_generating() and self._request_source is self.client:
             self._fail(f"{kind}: {message}", "error")
         if kind in ("CancelledError",):
             self.info_banner.action.setVisible(False)
@@ -1026,7 +1118,7 @@ class MainWindow(QMainWindow):
     def on_engine_crashed(self, reason: str) -> None:
         self.engine_state = EngineState.CRASHED
         self.load_banner.hide()
-        if self.is_generating():
+        if self.is_generating() and self._request_source is self.client:
             self._fail(f"the engine stopped: {reason}", "crashed")
         self.crash_banner.show_message(f"The engine stopped: {reason}. Your chats are saved.")
         self.refresh_status()
@@ -1056,6 +1148,41 @@ class MainWindow(QMainWindow):
         self.modelChosen.emit(path)
         self.refresh_status()
 
+    def set_server_control(self, control: ServerControl) -> None:
+        """Model ▸ Serve over HTTP…: the engine worker's OpenAI-compatible server (:mod:`ui.serve_panel`); its
+        address shows in the status bar while it serves."""
+        self.serve = ServeController(control, ServeDialog(self), QPushButton(), self.ui_settings, self)
+        self.statusBar().addPermanentWidget(self.serve.button)
+        self.serve_action = QAction("Serve over &HTTP…", self)
+        self.serve_action.setObjectName("serveAction")
+        self.serve_action.setStatusTip("Let other programs use the model through an OpenAI-compatible API")
+        self.serve_action.triggered.connect(self.serve.open)
+        self._add_model_action(self.serve_action)
+
+    def set_remote_factory(self, factory: RemoteFactory) -> None:
+        """Model ▸ Backend…: answer from a remote OpenAI-compatible server instead of the local engine
+        (:mod:`ui.remote_chat`; the choice and the server are remembered in the window's settings)."""
+        self.remote = RemoteBackendControl(factory, self.ui_settings, self)
+        self.remote.runner.event.connect(self.on_engine_event)
+        self.remote.changed.connect(self.refresh_status)
+        self.backend_action = QAction("&Backend: local or remote…", self)
+        self.backend_action.setObjectName("backendAction")
+        self.backend_action.setStatusTip("Answer with the local engine or a remote OpenAI-compatible server")
+        self.backend_action.triggered.connect(self.remote.open)
+        self._add_model_action(self.backend_action)
+        self.refresh_status()
+
+    def _add_model_action(self, action: QAction) -> None:
+        """An action of the Model menu, after "VRAM budget…" (before Cancel loading / Restart engine)."""
+        menu = self.menus["Model"]
+        actions = menu.actions()
+        position = actions.index(self.vram_action) + 1 if self.vram_action in actions else len(actions)
+        if position < len(actions):
+            menu.insertAction(actions[position], action)
+        else:
+            menu.addAction(action)
+        self.addAction(action)
+
     # ----------------------------------------------------------------- pages and status
     def show_models_page(self) -> None:
         """The model manager, full width (the chat's panels have nothing to show for it)."""
@@ -1076,16 +1203,31 @@ class MainWindow(QMainWindow):
             except self._save_error as exc:  # the chat is gone (deleted elsewhere): nothing to title
                 log.warning("cannot read chat %s: %s", self.conversation_id, exc)
 
+    def _uses_remote(self) -> bool:
+        """Send goes to the remote server (Model ▸ Backend…), not the local engine."""
+        return self.remote is not None and self.remote.selected
+
+    def _why_not_ready(self) -> str:
+        """Why Send is disabled ("" when it is not): the remote's settings, else the engine's state."""
+        if self._uses_remote() and self.remote is not None:
+            return self.remote.why_not_ready()
+        return self.engine_state.why_not_ready
+
+    def _can_send(self) -> bool:
+        return not self._why_not_ready()
+
     def _update_send_state(self) -> None:
-        ready = self.engine_state is EngineState.READY
-        self.composer.set_blocked("" if ready else self.engine_state.why_not_ready)
+        ready = self._can_send()
+        self.composer.set_blocked(self._why_not_ready())
         self.regenerate_action.setEnabled(ready)
         self.cancel_load_action.setEnabled(self.engine_state is EngineState.LOADING)
 
     def refresh_status(self) -> None:
         state_text = self.engine_state.status_text
         if self.is_generating():
-            state_text = "● Generating…"
+            state_text = "● Reading your message…" if self.prompt_progress.active else "● Generating…"
+            if self.long_chats.summary is not None:
+                state_text = "● Summarizing the chat…"
         self.engine_label.setText(state_text)
         self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
         self.gpu_label.setText(self.gpu_name or "No GPU (CPU)")
@@ -1105,6 +1247,12 @@ class MainWindow(QMainWindow):
         self.speed_label.setText(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s")
         rate = self.last_hit_rate
         self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
+        if self._uses_remote() and self.remote is not None:  # figures a remote does not report: said so, not guessed
+            if not self.is_generating():
+                self.engine_label.setText(f"● Remote: {self.remote.host() or 'no URL set'}")
+            rate_s = None if self.is_generating() else self.last_tok_s  # the server's figure, once it reported one
+            self.speed_label.setText(f"{rate_s:.1f} tok/s (remote)" if rate_s else "tok/s unavailable (remote)")
+            self.hit_label.setText("Expert cache unavailable (remote)")
         self._update_send_state()
 
     # ----------------------------------------------------------------- help

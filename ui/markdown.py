@@ -7,14 +7,22 @@ widget turns into clipboard / preview actions. Raw HTML in the text is escaped, 
 untrusted and HTML apps are shown only in the sandboxed preview.
 
 An unclosed fence (while a reply is still streaming) renders as a code block up to the end of the text.
+
+Math (``ui.latex``): ``$$...$$`` and ``\\[...\\]`` on lines of their own (and ``\\begin{equation}`` / ``align`` /
+``gather`` blocks) are display formulas; ``$...$`` and ``\\(...\\)`` inside text are inline. A ``$`` opens math only
+when a non-space follows it, and closes it only after a non-space and when no digit follows, so "$5 and $10" stays
+prices; ``\\$`` is a dollar sign. Code blocks and code spans are never read as math; a formula still open at the end
+of a streaming reply shows as plain text until it closes.
 """
 
 from __future__ import annotations
 
 import html
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ui.latex import to_html as math_html
 from ui.theme import COLORS
 
 MONO = "'JetBrains Mono','Cascadia Code','DejaVu Sans Mono','Menlo','Consolas',monospace"
@@ -47,6 +55,11 @@ _BULLET = re.compile(r"^(\s*)[-*+]\s+(.*)$")
 _ORDERED = re.compile(r"^(\s*)(\d{1,9})[.)]\s+(.*)$")
 _QUOTE = re.compile(r"^\s{0,3}>\s?(.*)$")
 _TABLE_SEP = re.compile(r"^\s*\|?\s*:?-{2,}:?\s*(\|\s*:?-{2,}:?\s*)*\|?\s*$")
+_MATH_ENV = re.compile(
+    r"^\s{0,3}\\begin\{(equation|align|aligned|gather|gathered|multline|displaymath|split|cases|[pbvBV]?matrix)"
+    r"(\*?)\}"
+)
+MAX_MATH_LINES = 200
 
 
 def render(text: str, first_code_index: int = 0) -> RenderedMarkdown:
@@ -86,6 +99,12 @@ class _Renderer:
             if not line.strip():
                 flush_para()
                 i += 1
+                continue
+            math = display_math(lines, i)
+            if math is not None:
+                flush_para()
+                tex, i = math
+                self.parts.append(math_html(tex, display=True, rule_color=COLORS["text"]))
                 continue
             heading = _HEADING.match(line)
             if heading:
@@ -248,6 +267,81 @@ class _Renderer:
         return i
 
 
+def display_math(lines: list[str], i: int) -> tuple[str, int] | None:
+    """A display formula starting at line ``i`` (``$$``, ``\\[`` or a ``\\begin{equation}``-like block, closed on
+    the same line or a later one, with nothing after the closing): ``(the TeX, the next line index)``, else None."""
+    stripped = lines[i].strip()
+    env = _MATH_ENV.match(lines[i])
+    if env is not None:  # the environment is part of the formula
+        opening, closing, keep = "", f"\\end{{{env.group(1)}{env.group(2)}}}", True
+    elif stripped.startswith("$$"):
+        opening, closing, keep = "$$", "$$", False
+    elif stripped.startswith("\\["):
+        opening, closing, keep = "\\[", "\\]", False
+    else:
+        return None
+    collected: list[str] = []
+    for j in range(i, min(len(lines), i + MAX_MATH_LINES)):
+        text = stripped[len(opening):] if j == i else lines[j].strip()
+        end = text.find(closing)
+        if end >= 0:
+            if text[end + len(closing):].strip():
+                return None  # text goes on after the closing: inline math in a paragraph
+            collected.append(text[: end + len(closing)] if keep else text[:end])
+            tex = "\n".join(collected).strip()
+            return (tex, j + 1) if tex else None
+        collected.append(text)
+    return None  # not closed (yet): plain text
+
+
+def math_spans(text: str, keep: Callable[[str], str]) -> str:
+    """Replace the inline formulas of ``text`` (raw, before escaping) with placeholders from ``keep``."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\" and text.startswith("\\$", i):
+            out.append(keep("$"))
+            i += 2
+            continue
+        for opening, closing in (("$$", "$$"), ("\\(", "\\)"), ("\\[", "\\]")):
+            if text.startswith(opening, i):
+                end = text.find(closing, i + len(opening))
+                if end > i + len(opening) and text[i + len(opening):end].strip():
+                    out.append(keep(math_html(text[i + len(opening):end].strip())))
+                    i = end + len(closing)
+                    break
+        else:
+            if c == "$" and _opens_math(text, i):
+                end = _closing_dollar(text, i)
+                if end is not None:
+                    out.append(keep(math_html(text[i + 1:end])))
+                    i = end + 1
+                    continue
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _opens_math(text: str, i: int) -> bool:
+    return i + 1 < len(text) and not text[i + 1].isspace() and text[i + 1] != "$"
+
+
+def _closing_dollar(text: str, i: int) -> int | None:
+    """The ``$`` closing the one at ``i``: the next unescaped ``$``, if a non-space precedes it and no digit follows
+    (else ``i`` does not open math: "$5 and $10")."""
+    j = i + 1
+    while True:
+        j = text.find("$", j)
+        if j < 0:
+            return None
+        if text[j - 1] == "\\":
+            j += 1
+            continue
+        ok = not text[j - 1].isspace() and not (j + 1 < len(text) and text[j + 1].isdigit())
+        return j if ok else None
+
+
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 _LINK = re.compile(r"\[([^\]\n]+)\]\(\s*([^)\s]+)(?:\s+&quot;[^)]*&quot;)?\s*\)")
 _AUTOLINK = re.compile(r"&lt;(https?://[^\s&]+)&gt;|(?<![\"'=\w/])(https?://[^\s<]+[^\s<.,;:!?)\]'\"])")
@@ -273,6 +367,8 @@ def inline(text: str) -> str:
         )
 
     text = _CODE_SPAN.sub(code, text)
+    if "$" in text or "\\(" in text or "\\[" in text:
+        text = math_spans(text, keep)
     text = html.escape(text, quote=True)
 
     def link(m: re.Match[str]) -> str:

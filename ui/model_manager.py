@@ -1,18 +1,22 @@
 """The model manager: the first page when no model is configured. Open a folder, download Clover, or make a demo.
 
-Three ways to a model folder, each ending in :attr:`ModelManagerPanel.modelChosen` with a folder that passed
-:func:`check_model_dir` (config.json readable, ``model_type`` supported, safetensors weights present):
+Three ways to a model, each ending in :attr:`ModelManagerPanel.modelChosen` with a folder or a GGUF file that passed
+:func:`check_model_path` (a folder: config.json readable, ``model_type`` supported, safetensors weights present; a
+GGUF file: the GGUF magic, every part of a split set present):
 
-* **Open folder…**: any local folder in the Hugging Face layout;
-* **Download**: a Hub repository (default ``Diffuspace/Clover-35B-A3B-Preview``) into a folder, on a worker thread,
-  with bytes, speed and time left, Cancel, and Resume (the partial bytes are kept across restarts);
+* **Open folder…** / **Open GGUF file…**: a local folder in the Hugging Face layout, or a ``.gguf`` file (any part
+  of a split set opens the set at its first part);
+* **Download**: a Hub repository (default ``Diffuspace/Clover-35B-A3B-Preview``) into a folder, or one of the
+  official GGUF files (only that file), on a worker thread, with bytes, speed and time left, Cancel, and Resume
+  (the partial bytes are kept across restarts);
 * **Create demo model**: runs ``clover-desk make-tiny DIR`` in a child process (QProcess: the UI never imports
   torch). The demo model has random weights: it runs the whole pipeline, and what it writes is noise.
 
 Dependencies are passed in by the composition root (ui never imports clover_desk): ``downloader_factory`` (the
 service that downloads: ``clover_desk.downloads.ModelDownloader``; without one, Download says it is unavailable),
-``models_dir`` (where downloads and the demo go by default) and ``recent_file`` (a JSON list of recent model folders;
-in memory only when None).
+``models_dir`` (where downloads and the demo go by default), ``recent_file`` (a JSON list of recent models; in memory
+only when None), and ``gguf_choices`` / ``gguf_repo_id`` (the GGUF files offered for download:
+``clover_desk.downloads.OFFICIAL_GGUF``, each with ``quant``, ``size`` and ``label``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any, Protocol
 from PySide6.QtCore import QObject, QProcess, QStandardPaths, Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
+    QComboBox,
     QFileDialog,
     QFormLayout,
     QGroupBox,
@@ -47,10 +52,13 @@ from PySide6.QtWidgets import (
 
 from engine.config import SUPPORTED_MODEL_TYPES, load_config
 from engine.errors import CancelledError, CloverError
+from engine.gguf_file import split_parts  # file names only (no numpy, no gguf package)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REPO_ID = "Diffuspace/Clover-35B-A3B-Preview"
+DEFAULT_GGUF_REPO_ID = "Diffuspace/Clover-35B-A3B-Preview-GGUF"
+GGUF_MAGIC = b"GGUF"
 DEMO_FOLDER_NAME = "clover-tiny-demo"
 PARTIAL_STATE_DIR = ".clover-download"  # = clover_desk.downloads.STATE_DIR: partial bytes live there
 MAX_RECENT = 10
@@ -76,8 +84,8 @@ def check_model_dir(path: str | Path) -> ModelCheck:
     if not (folder / "config.json").is_file():
         gguf = sorted(p.name for p in folder.glob("*.gguf"))
         if gguf:
-            return ModelCheck(False, f"{folder.name} holds GGUF files ({gguf[0]}…); the engine does not read GGUF "
-                                     "yet: use the safetensors release")
+            return ModelCheck(False, f"{folder.name} holds GGUF files ({gguf[0]}…): open the .gguf file itself "
+                                     "(Open GGUF file…)")
         return ModelCheck(False, f"{folder} has no config.json: choose the folder that holds the model's "
                                  "config.json and *.safetensors files")
     try:
@@ -90,6 +98,46 @@ def check_model_dir(path: str | Path) -> ModelCheck:
     kind = "block diffusion" if config.is_diffusion else "autoregressive"
     return ModelCheck(True, f"{config.model_type} ({kind}), {config.num_hidden_layers} layers, "
                             f"{config.num_experts} experts", config.model_type)
+
+
+def check_gguf_file(path: str | Path) -> ModelCheck:
+    """Can the engine open this GGUF file? Its magic and its split set's parts (stdlib: the tensors are read at load,
+    where the layout decides whether block diffusion is available)."""
+    file = Path(path)
+    if not file.is_file():
+        return ModelCheck(False, f"{file} is not a file")
+    try:
+        parts = split_parts(file)
+        for part in parts:
+            with part.open("rb") as f:
+                if f.read(4) != GGUF_MAGIC:
+                    return ModelCheck(False, f"{part.name} is not a GGUF file (it does not start with the GGUF magic)")
+    except CloverError as exc:  # a part of the split set is missing
+        return ModelCheck(False, str(exc))
+    except OSError as exc:
+        return ModelCheck(False, f"cannot read {file}: {exc.strerror or exc}")
+    size = sum(p.stat().st_size for p in parts)
+    split = f", {len(parts)} parts" if len(parts) > 1 else ""
+    return ModelCheck(True, f"GGUF file, {size / 1e9:.1f} GB{split}", "gguf")
+
+
+def check_model_path(path: str | Path) -> ModelCheck:
+    """A model folder (:func:`check_model_dir`) or a ``.gguf`` file (:func:`check_gguf_file`)."""
+    target = Path(path)
+    if target.suffix.lower() == ".gguf" and not target.is_dir():
+        return check_gguf_file(target)
+    return check_model_dir(target)
+
+
+def model_path(path: str | Path) -> Path:
+    """The path a model is remembered and loaded by: absolute; a split GGUF set by its first part."""
+    target = Path(path).absolute()
+    if target.suffix.lower() == ".gguf":
+        try:
+            return split_parts(target)[0]
+        except CloverError:
+            return target
+    return target
 
 
 def free_space_text(folder: str | Path) -> str:
@@ -126,6 +174,16 @@ class Downloader(Protocol):
 
 
 DownloaderFactory = Callable[..., Downloader]  # (target_dir, repo_id, *, progress, cancel) -> Downloader
+
+
+class GgufChoiceLike(Protocol):
+    """One GGUF file offered for download (``clover_desk.downloads.GgufChoice``)."""
+
+    quant: str
+    size: int | None
+
+    @property
+    def label(self) -> str: ...
 
 
 class _DownloadJob(QObject):
@@ -166,8 +224,8 @@ class _DownloadJob(QObject):
 class ModelManagerPanel(QWidget):
     """Choose, download or create the model. Emits :attr:`modelChosen` with a folder that passed the check."""
 
-    # A model folder the user chose (opened, downloaded, created, or picked from the recent list); it passed
-    # check_model_dir.
+    # A model folder or GGUF file the user chose (opened, downloaded, created, or picked from the recent list); it
+    # passed check_model_path.
     modelChosen = Signal(str)
     # Download progress snapshot (clover_desk.downloads.DownloadProgress), on the GUI thread.
     downloadProgress = Signal(object)
@@ -187,9 +245,13 @@ class ModelManagerPanel(QWidget):
         recent_file: str | Path | None = None,
         python: str = sys.executable,
         default_repo_id: str = DEFAULT_REPO_ID,
+        gguf_choices: Sequence[GgufChoiceLike] = (),
+        gguf_repo_id: str = DEFAULT_GGUF_REPO_ID,
     ) -> None:
         super().__init__(parent)
         self._factory = downloader_factory
+        self._default_repo_id = default_repo_id
+        self._gguf_repo_id = gguf_repo_id
         if models_dir is None:
             base = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppLocalDataLocation)
             models_dir = Path(base or Path.home() / ".clover-desk") / "models"
@@ -203,20 +265,33 @@ class ModelManagerPanel(QWidget):
         self._recent: list[str] = []
 
         title = QLabel("<h2>Choose a model</h2>Clover Desk needs a model folder (Hugging Face layout: config.json and "
-                       "*.safetensors). Open one you have, download Clover, or make a demo model to try the app.")
+                       "*.safetensors) or a GGUF file. Open one you have, download Clover, or make a demo model to "
+                       "try the app.")
         title.setWordWrap(True)
 
         # --- open ---
         self.open_button = QPushButton("Open folder…")
+        self.open_gguf_button = QPushButton("Open GGUF file…")
+        self.open_gguf_button.setObjectName("openGgufButton")
+        self.open_gguf_button.setToolTip("A .gguf file (for a split set, any of its parts)")
         self.open_status = QLabel()
         self.open_status.setWordWrap(True)
         self.open_status.setObjectName("openStatus")
         open_box = QGroupBox("A model on this computer")
         open_layout = QVBoxLayout(open_box)
-        open_layout.addWidget(self.open_button, 0, Qt.AlignmentFlag.AlignLeft)
+        open_row = QHBoxLayout()
+        open_row.addWidget(self.open_button)
+        open_row.addWidget(self.open_gguf_button)
+        open_row.addStretch(1)
+        open_layout.addLayout(open_row)
         open_layout.addWidget(self.open_status)
 
         # --- download ---
+        self.download_choice = QComboBox()
+        self.download_choice.setObjectName("downloadChoice")
+        self.download_choice.addItem("Safetensors model folder (BF16, about 69 GB)", None)
+        for choice in gguf_choices:
+            self.download_choice.addItem(f"{choice.label}: that file only", choice)
         self.repo_edit = QLineEdit(default_repo_id)
         self.repo_edit.setPlaceholderText("owner/name")
         self.target_edit = QLineEdit(str(self.models_dir / default_repo_id.split("/")[-1]))
@@ -230,8 +305,8 @@ class ModelManagerPanel(QWidget):
         self.progress_bar.setValue(0)
         self.progress_label = QLabel()
         self.progress_label.setWordWrap(True)
-        self.download_status = QLabel("Safetensors only: GGUF files in the repository are skipped (the engine does "
-                                      "not read GGUF yet). The download continues where it stopped if interrupted.")
+        self.download_status = QLabel("A safetensors folder skips the repository's GGUF files; a GGUF choice fetches "
+                                      "that one file. The download continues where it stopped if interrupted.")
         self.download_status.setWordWrap(True)
         target_row = QHBoxLayout()
         target_row.addWidget(self.target_edit, 1)
@@ -242,6 +317,7 @@ class ModelManagerPanel(QWidget):
         buttons.addStretch(1)
         download_box = QGroupBox("Download from the Hugging Face Hub")
         form = QFormLayout(download_box)
+        form.addRow("What", self.download_choice)
         form.addRow("Repository", self.repo_edit)
         form.addRow("Into folder", target_row)
         form.addRow("", self.free_label)
@@ -268,7 +344,8 @@ class ModelManagerPanel(QWidget):
         recent_layout.addWidget(self.recent_list)
 
         for widget, name in (
-            (self.open_button, "Open a model folder"), (self.repo_edit, "Hub repository to download"),
+            (self.open_button, "Open a model folder"), (self.open_gguf_button, "Open a GGUF model file"),
+            (self.download_choice, "What to download"), (self.repo_edit, "Hub repository to download"),
             (self.target_edit, "Download into folder"), (self.browse_button, "Choose the download folder"),
             (self.download_button, "Download"), (self.cancel_button, "Cancel the download"),
             (self.resume_button, "Resume the download"), (self.demo_button, "Create a demo model"),
@@ -290,6 +367,8 @@ class ModelManagerPanel(QWidget):
 
     def _connect_signals(self) -> None:
         self.open_button.clicked.connect(self.on_open_clicked)
+        self.open_gguf_button.clicked.connect(self.on_open_gguf_clicked)
+        self.download_choice.currentIndexChanged.connect(self.on_download_choice_changed)
         self.browse_button.clicked.connect(self.on_browse_clicked)
         self.target_edit.editingFinished.connect(self.on_target_edited)
         self.repo_edit.textEdited.connect(self.on_repo_edited)
@@ -301,15 +380,21 @@ class ModelManagerPanel(QWidget):
 
     # ---- public API ----------------------------------------------------------------------------------------
 
-    def open_folder(self, path: str | Path) -> bool:
-        """Check ``path`` and, if the engine can load it, emit modelChosen. Returns whether it was accepted."""
-        check = check_model_dir(path)
+    def open_model(self, path: str | Path) -> bool:
+        """Check ``path`` (a model folder or a ``.gguf`` file) and, if the engine can load it, emit modelChosen
+        (a split GGUF set by its first part). Returns whether it was accepted."""
+        check = check_model_path(path)
         if not check.ok:
-            self.open_status.setText(f"<b>Cannot use this folder:</b> {_escape(check.message)}")
+            what = "file" if Path(path).suffix.lower() == ".gguf" else "folder"
+            self.open_status.setText(f"<b>Cannot use this {what}:</b> {_escape(check.message)}")
             return False
         self.open_status.setText(f"Opened {_escape(str(path))}: {_escape(check.message)}")
-        self._choose(str(Path(path).absolute()))
+        self._choose(str(model_path(path)))
         return True
+
+    def open_folder(self, path: str | Path) -> bool:
+        """:meth:`open_model` (a folder, or a GGUF file)."""
+        return self.open_model(path)
 
     def start_download(self, repo_id: str | None = None, target_dir: str | Path | None = None) -> None:
         if self._job is not None:
@@ -322,8 +407,10 @@ class ModelManagerPanel(QWidget):
         if self._factory is None:
             self._on_download_failed("downloading is not available here (no downloader was given to the window)", False)
             return
+        choice = self.download_choice.currentData()
+        extra = {"gguf": choice} if choice is not None else {}  # one GGUF file instead of the model folder
         try:
-            downloader = self._factory(target, repo_id, progress=self._forward_progress, cancel=cancel)
+            downloader = self._factory(target, repo_id, progress=self._forward_progress, cancel=cancel, **extra)
         except CloverError as exc:
             self._on_download_failed(str(exc), False)
             return
@@ -385,6 +472,21 @@ class ModelManagerPanel(QWidget):
         if path:
             self.open_folder(path)
 
+    def on_open_gguf_clicked(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model file", str(self.models_dir),
+                                              "GGUF model (*.gguf);;All files (*)")
+        if path:
+            self.open_model(path)
+
+    def on_download_choice_changed(self, _index: int) -> None:
+        """A GGUF file comes from the GGUF repository into its own folder; the model folder from the other."""
+        choice = self.download_choice.currentData()
+        repo_id = self._gguf_repo_id if choice is not None else self._default_repo_id
+        self.repo_edit.setText(repo_id)
+        self.target_edit.setText(str(self.models_dir / repo_id.split("/")[-1]))
+        self._update_free_space()
+        self._update_resume()
+
     def on_browse_clicked(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Download into", str(self.models_dir))
         if path:
@@ -425,7 +527,7 @@ class ModelManagerPanel(QWidget):
         self._release_job()
         self._set_downloading(False)
         self.progress_bar.setValue(1000)
-        check = check_model_dir(folder)
+        check = check_model_path(folder)
         if not check.ok:
             message = f"Downloaded, but the engine cannot use it: {check.message}"
             self.download_status.setText(_escape(message))
@@ -509,6 +611,7 @@ class ModelManagerPanel(QWidget):
         if on:
             self.resume_button.setEnabled(False)
         self.repo_edit.setEnabled(not on)
+        self.download_choice.setEnabled(not on)
         self.target_edit.setEnabled(not on)
         self.browse_button.setEnabled(not on)
 
@@ -535,8 +638,8 @@ class ModelManagerPanel(QWidget):
         for path in self._recent:
             item = QListWidgetItem(f"{Path(path).name} — {path}")
             item.setData(Qt.ItemDataRole.UserRole, path)
-            if not Path(path).is_dir():
-                item.setToolTip("this folder no longer exists")
+            if not Path(path).exists():
+                item.setToolTip("this model no longer exists")
                 item.setForeground(QColor(Qt.GlobalColor.gray))
             self.recent_list.addItem(item)
 
@@ -574,7 +677,9 @@ __all__ = [
     "ModelCheck",
     "ModelManagerPanel",
     "SUPPORTED_MODEL_TYPES",
+    "check_gguf_file",
     "check_model_dir",
+    "check_model_path",
     "free_space_text",
     "progress_text",
 ]

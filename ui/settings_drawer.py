@@ -51,6 +51,7 @@ class SettingsDrawer(QFrame):
         self.mode.addItem("Block diffusion", "diffusion")
         self.mode.addItem("Autoregressive", "ar")
         accessible(self.mode, "Decoding mode")
+        self.diffusion_unavailable = ""  # why the loaded model cannot decode by block diffusion ("" when it can)
         self.temperature = QDoubleSpinBox()
         self.temperature.setObjectName("temperature")
         self.temperature.setRange(0.0, 2.0)
@@ -152,10 +153,12 @@ class SettingsDrawer(QFrame):
                 self.expand_thinking, self.system_prompt)
 
     def set_settings(self, s: GenerationSettings, system_prompt: str) -> None:
-        """Show ``s`` without emitting :attr:`changed` (it is not a user edit)."""
+        """Show ``s`` without emitting :attr:`changed` (it is not a user edit). Block diffusion shows as
+        autoregressive while the model cannot decode by diffusion (:meth:`set_diffusion_available`)."""
         for w in self._widgets():
             w.blockSignals(True)
-        self.mode.setCurrentIndex(max(0, self.mode.findData(s.mode)))
+        mode = "ar" if self.diffusion_unavailable else s.mode
+        self.mode.setCurrentIndex(max(0, self.mode.findData(mode)))
         if self.block_size.findData(s.block_size) < 0:  # a model with another native block size
             self.block_size.addItem(str(s.block_size), s.block_size)
         self.block_size.setCurrentIndex(self.block_size.findData(s.block_size))
@@ -167,6 +170,24 @@ class SettingsDrawer(QFrame):
         self.system_prompt.setPlainText(system_prompt)
         for w in self._widgets():
             w.blockSignals(False)
+        self._update_enabled()
+
+    def set_diffusion_available(self, reason: str) -> None:
+        """``reason`` (non-empty): the loaded model decodes autoregressively only (a GGUF file without the diffusion
+        tensors): the diffusion choice is disabled with the reason as its tooltip and the mode shows AR, without
+        changing what the chat saved. "": diffusion is offered again."""
+        self.diffusion_unavailable = reason
+        index = self.mode.findData("diffusion")
+        item = self.mode.model().item(index) if hasattr(self.mode.model(), "item") else None
+        if item is not None:
+            item.setEnabled(not reason)
+        text = f"Block diffusion is unavailable for this model: {reason}" if reason else ""
+        self.mode.setItemData(index, text or None, Qt.ItemDataRole.ToolTipRole)
+        self.mode.setToolTip(text)
+        if reason and self.mode.currentData() == "diffusion":
+            self.mode.blockSignals(True)
+            self.mode.setCurrentIndex(self.mode.findData("ar"))
+            self.mode.blockSignals(False)
         self._update_enabled()
 
     def set_model_defaults_text(self, model_name: str, defaults: GenerationSettings) -> None:

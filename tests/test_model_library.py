@@ -1,0 +1,218 @@
+"""The models page as a library (issue 10): each model's format and size on disk, the current one marked, Delete
+(with its quantized cache, after a confirmation naming what goes and how much), Show in folder, and the device and
+precision of the next load, through the real app (CloverDeskApp) with the scripted engine client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PySide6.QtCore import QObject, QUrl, Slot
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import QAbstractButton
+
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
+from engine.formats import checkpoint_files, read_safetensors_header
+from engine.hardware import Hardware
+from fakes_ui import FakeEngineClient
+from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401 (session fixture)
+from ui.model_library import (
+    CACHE_DIRNAME,
+    external_cache_dir,
+    library_paths,
+    scan_entry,
+    size_text,
+)
+
+guard_pyside_bool_refcounts()
+
+
+@pytest.fixture
+def models(tmp_path, tiny_clover_dir, monkeypatch):  # noqa: ANN001, ANN201, F811
+    """A models folder with two tiny models; the second has a quantized cache beside it and one in the user's
+    cache folder (as for a read-only model folder)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    folder = tmp_path / "home" / "models"
+    first = copy_model(tiny_clover_dir, folder / "tiny-a")
+    second = copy_model(tiny_clover_dir, folder / "tiny-b")
+    inside = second / CACHE_DIRNAME / "0123abcd"
+    inside.mkdir(parents=True)
+    (inside / "weights.safetensors").write_bytes(b"\0" * 300_000)
+    (inside / "manifest.json").write_text("{}")
+    outside = external_cache_dir(second) / "4567ef01"
+    outside.mkdir(parents=True)
+    (outside / "weights.safetensors").write_bytes(b"\0" * 200_000)
+    return folder, first, second
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_facts_of_a_model_folder(models) -> None:  # noqa: ANN001
+    _folder, first, second = models
+    files, _ = checkpoint_files(first)
+    dtypes = {e.dtype for f in files for e in read_safetensors_header(f)[0].values()}
+    a = scan_entry(first)
+    assert a.usable and a.format.startswith("safetensors · ") and set(a.format.split(" · ")[1].split(" + ")) <= dtypes
+    assert a.weights_bytes == folder_bytes(first) and a.cache_bytes == 0
+    assert a.removes == ((str(first), folder_bytes(first)),)
+    b = scan_entry(second)
+    cache_inside = folder_bytes(second / CACHE_DIRNAME)
+    outside = external_cache_dir(second)
+    assert b.cache_bytes == cache_inside + folder_bytes(outside) == 300_000 + 2 + 200_000
+    assert b.weights_bytes == folder_bytes(second) - cache_inside
+    assert b.removes == ((str(second), folder_bytes(second)), (str(outside), folder_bytes(outside)))
+    assert b.total_bytes == folder_bytes(second) + folder_bytes(outside)
+    gone = scan_entry(second.parent / "nope")
+    assert not gone.usable and "missing" in gone.format and gone.removes == ()
+
+
+def test_the_cache_outside_a_read_only_model_is_where_the_engine_puts_it(models, monkeypatch) -> None:  # noqa: ANN001
+    from engine import quant_cache
+
+    _folder, first, _second = models
+    monkeypatch.setattr(quant_cache, "_writable", lambda _path: False)
+    assert quant_cache.cache_dir_for(first).parent == external_cache_dir(first)
+    assert quant_cache.CACHE_DIRNAME == CACHE_DIRNAME
+
+
+def test_a_gguf_file_says_its_type(tmp_path) -> None:  # noqa: ANN001
+    import gguf
+
+    path = tmp_path / "models" / "clover-Q4_K_M.gguf"
+    path.parent.mkdir()
+    writer = gguf.GGUFWriter(str(path), "clover_moe")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    entry = scan_entry(path)
+    assert entry.format == "GGUF · Q4_K_M" and entry.removes == ((str(path), path.stat().st_size),)
+    assert library_paths(tmp_path / "models", []) == [str(path)]
+
+
+def test_sizes_read_in_gigabytes() -> None:
+    assert size_text(12_345_000_000) == "12.3 GB" and size_text(340_000_000) == "340 MB" and size_text(2_000) == "2 kB"
+
+
+# ---- through the app ---------------------------------------------------------------------------------------------
+
+
+class _Opened(QObject):
+    """Receives what QDesktopServices.openUrl would hand the file manager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[QUrl] = []
+
+    @Slot(QUrl)
+    def open(self, url: QUrl) -> None:  # noqa: A003
+        self.urls.append(url)
+
+
+@pytest.fixture
+def desk(qapp, qtbot, models):  # noqa: ANN001, ANN201
+    from clover_desk.app import AppSettings, CloverDeskApp
+
+    folder, first, _second = models
+    home = folder.parent
+    (home / "recent_models.json").write_text(json.dumps([str(first)]))
+    app = CloverDeskApp(home, client=FakeEngineClient(loaded=False), settings=AppSettings(model_dir=str(first)),
+                        hardware=Hardware(gpu_name=None, ram_total_bytes=32 * 1024**3), with_preview=False,
+                        start_engine=False, style=False)
+    qtbot.addWidget(app.window)
+    app.window.show()
+    app.window.show_models_page()
+    library = app.model_library
+    qtbot.waitUntil(lambda: len(library.rows) == 2, timeout=10_000)
+    yield app
+    app.shutdown(wait_ms=0)
+
+
+def test_the_models_page_lists_each_model_with_the_current_one_marked(qtbot, desk, models) -> None:  # noqa: ANN001
+    _folder, first, second = models
+    library = desk.model_library
+    assert desk.window.pages.currentWidget().widget().findChild(type(library), "modelLibrary") is library
+    current, other = library.row_for(str(first)), library.row_for(str(second))
+    assert current.badge.isVisible() and current.badge.text() == "current" and "currentModel" in current.property("class")
+    assert current.delete_button.isHidden() and current.load_button.isHidden()  # in use: never deleted
+    assert not other.badge.isVisible() and other.delete_button.isEnabled() and other.load_button.isEnabled()
+    assert "quantized cache 500 kB" in other.facts_label.text() and "safetensors · " in other.facts_label.text()
+    assert [b.accessibleName() for b in other.findChildren(QAbstractButton)] == [
+        "Load tiny-b", "Show tiny-b in its folder", "Delete tiny-b"]
+
+
+def test_show_in_folder_opens_the_models_folder(qtbot, desk, models) -> None:  # noqa: ANN001
+    _folder, _first, second = models
+    opened = _Opened()
+    QDesktopServices.setUrlHandler("file", opened, "open")
+    try:
+        desk.model_library.row_for(str(second)).reveal_button.click()
+    finally:
+        QDesktopServices.unsetUrlHandler("file")
+    assert [u.toLocalFile() for u in opened.urls] == [str(second)]
+
+
+def test_delete_asks_naming_what_goes_then_removes_the_model_and_its_caches(qtbot, desk, models) -> None:  # noqa: ANN001
+    _folder, _first, second = models
+    library = desk.model_library
+    outside = external_cache_dir(second)
+    entry = scan_entry(second)
+    library.row_for(str(second)).delete_button.click()
+    box = library.confirm_box
+    assert box is not None and box.isVisible()
+    text = box.text()
+    assert "Delete tiny-b?" in text and str(second) in text and str(outside) in text
+    assert f"{size_text(entry.total_bytes)}</b> freed" in text and "quantized cache" in text
+    assert second.is_dir() and outside.is_dir()  # nothing goes before the answer
+    confirm = box.findChild(QAbstractButton, "confirmDelete")
+    assert confirm.text() == f"Delete {size_text(entry.total_bytes)}"
+    with qtbot.waitSignal(library.deleted, timeout=10_000) as deleted:
+        confirm.click()
+    assert deleted.args == [str(second)]
+    assert not second.exists() and not outside.exists()
+    qtbot.waitUntil(lambda: len(library.rows) == 1, timeout=10_000)
+    assert "freed" in library.status.text()
+
+
+def test_cancel_deletes_nothing(qtbot, desk, models) -> None:  # noqa: ANN001
+    _folder, _first, second = models
+    library = desk.model_library
+    library.row_for(str(second)).delete_button.click()
+    with qtbot.assertNotEmitted(library.deleted, wait=300):
+        library.confirm_box.reject()
+    assert second.is_dir() and external_cache_dir(second).is_dir()
+
+
+def test_device_and_precision_apply_to_the_next_load(qtbot, desk, models) -> None:  # noqa: ANN001
+    _folder, _first, second = models
+    library, client = desk.model_library, desk.client
+    devices = library.device_choice
+    assert devices.currentData() == "cpu" and not devices.model().item(1).isEnabled()  # no GPU here
+    assert library.dtype_choice.currentData() == "float32"
+    library.dtype_choice.setCurrentIndex(library.dtype_choice.findData("bfloat16"))
+    assert desk.settings.dtype == "bfloat16" and json.loads(desk.settings_path.read_text())["dtype"] == "bfloat16"
+    assert client.loads == []  # applied on the next load, not now
+    assert library.reload_button.isVisible()
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        library.row_for(str(second)).load_button.click()
+    assert client.loads[-1][:3] == (str(second), "cpu", "bfloat16")
+    assert desk.window.pages.currentIndex() == 0  # Load went back to the chat, where the model loads
+    qtbot.waitUntil(lambda: library.row_for(str(second)) is not None
+                    and library.row_for(str(second)).badge.isVisibleTo(library), timeout=10_000)
+    library.dtype_choice.setCurrentIndex(library.dtype_choice.findData("float32"))
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        library.reload_button.click()
+    assert client.loads[-1][:3] == (str(second), "cpu", "float32")
+
+
+def test_the_next_plan_counts_in_the_chosen_precision(qtbot, desk) -> None:  # noqa: ANN001
+    desk.on_load_options_changed("cuda", "float32")
+    assert desk._plan(16 * 1024**3, 4096).compute_dtype == "fp32"  # noqa: SLF001
+    desk.on_load_options_changed("cuda", "bfloat16")
+    assert desk._plan(16 * 1024**3, 4096).compute_dtype == "bf16"  # noqa: SLF001

@@ -1,0 +1,504 @@
+"""The models page as a library: every model this app knows (the recent ones and what sits in the models folder),
+the current one marked, each with its format and size on disk, and Load, Show in folder and Delete; above them,
+the device and precision the next load uses.
+
+What a model is made of is read without loading it (:func:`scan_entry`, stdlib + the engine's torch-free readers):
+the safetensors headers' dtypes, a GGUF file's type, the quantized cache the engine keeps beside the weights
+(``<model>/.clover-cache/``, or under the user's cache folder when the model's folder is read-only: the rule of
+``engine.quant_cache.cache_dir_for``). Scans and deletions run on a thread; the GUI thread only paints.
+
+Delete asks first, naming every folder or file it will remove and how much space that frees; the model loaded now
+cannot be deleted (choose another one first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Qt, QUrl, Signal
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMessageBox,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ui.theme import set_style_class
+from ui.widgets import ElidedLabel, accessible
+
+log = logging.getLogger(__name__)
+
+CACHE_DIRNAME = ".clover-cache"  # = engine.quant_cache.CACHE_DIRNAME (tests check they agree)
+DEVICES = (("cpu", "CPU"), ("cuda", "GPU (CUDA)"))
+PRECISIONS = (("float32", "float32"), ("bfloat16", "bfloat16"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a model is made of (no Qt)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LibraryEntry:
+    """One model as the library shows it."""
+
+    path: str  # the model folder, or a GGUF file (the first part of a split set)
+    name: str
+    format: str  # "safetensors · BF16", "GGUF · Q4_K_M", or why it cannot be read
+    weights_bytes: int
+    cache_bytes: int  # its quantized caches
+    removes: tuple[tuple[str, int], ...]  # (path, bytes) that Delete removes
+    usable: bool = True
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.removes)
+
+
+def size_text(nbytes: int) -> str:
+    """"12.3 GB" (decimal, as disks are sold and the download page counts), "340 MB" below a gigabyte."""
+    if nbytes >= 1e9:
+        return f"{nbytes / 1e9:.1f} GB"
+    if nbytes >= 1e6:
+        return f"{nbytes / 1e6:.0f} MB"
+    return f"{max(nbytes, 0) / 1e3:.0f} kB"
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes on disk under ``path`` (a file or a folder; links are not followed)."""
+    try:
+        if path.is_symlink() or path.is_file():
+            return path.lstat().st_size
+    except OSError:
+        return 0
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def external_cache_dir(model_dir: Path) -> Path:
+    """Where the engine keeps a read-only model folder's quantized caches (one per policy hash below it): the rule of
+    ``engine.quant_cache.cache_dir_for`` without its torch import."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover-desk" / "quant"
+    return base / hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
+
+
+def scan_entry(path: str | Path) -> LibraryEntry:
+    """The facts of one model (never raises: a model that cannot be read says why in ``format``)."""
+    p = Path(path)
+    name = p.name
+    if p.suffix.lower() == ".gguf":
+        return _gguf_entry(p)
+    if not p.is_dir():
+        return LibraryEntry(str(p), name, "missing: the folder is gone", 0, 0, (), usable=False)
+    inside = p / CACHE_DIRNAME
+    outside = external_cache_dir(p)
+    cache_inside = tree_bytes(inside) if inside.is_dir() else 0
+    cache_outside = tree_bytes(outside) if outside.is_dir() else 0
+    folder = tree_bytes(p)
+    removes = [(str(p), folder)] + ([(str(outside), cache_outside)] if cache_outside else [])
+    return LibraryEntry(str(p), name, _safetensors_format(p), folder - cache_inside, cache_inside + cache_outside,
+                        tuple(removes), usable=(p / "config.json").is_file())
+
+
+def _safetensors_format(folder: Path) -> str:
+    from engine.errors import CloverError
+    from engine.formats import checkpoint_files, read_safetensors_header
+
+    try:
+        files, _ = checkpoint_files(folder)
+        by_dtype: dict[str, int] = {}
+        for file in files:
+            entries, _raw = read_safetensors_header(file)
+            for entry in entries.values():
+                by_dtype[entry.dtype] = by_dtype.get(entry.dtype, 0) + entry.nbytes
+    except (CloverError, OSError) as exc:
+        return f"unreadable weights ({exc})" if (folder / "config.json").is_file() else "no model here"
+    if not by_dtype:
+        return "safetensors (empty)"
+    total = sum(by_dtype.values())
+    main = [d for d, n in sorted(by_dtype.items(), key=lambda kv: -kv[1]) if n >= 0.05 * total]
+    return "safetensors · " + " + ".join(main)
+
+
+def _gguf_entry(path: Path) -> LibraryEntry:
+    from engine.errors import CloverError
+    from engine.gguf_file import split_parts
+
+    try:
+        parts = split_parts(path)
+    except CloverError as exc:
+        return LibraryEntry(str(path), path.name, f"GGUF, incomplete ({exc})", 0, 0, (), usable=False)
+    removes = tuple((str(part), tree_bytes(part)) for part in parts)
+    size = sum(n for _, n in removes)
+    return LibraryEntry(str(path), path.name, f"GGUF · {gguf_type(path)}", size, 0, removes)
+
+
+def gguf_type(path: Path) -> str:
+    """The file's quantization as llama.cpp names it ("Q4_K_M"), from ``general.file_type``; else the type most of
+    its bytes are stored in."""
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        field = reader.fields.get("general.file_type")
+        if field is not None:
+            name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+            return name.removeprefix("MOSTLY_")
+        by_type: dict[str, int] = {}
+        for tensor in reader.tensors:
+            kind = tensor.tensor_type.name
+            by_type[kind] = by_type.get(kind, 0) + int(tensor.n_bytes)
+        return max(by_type, key=by_type.__getitem__) if by_type else "unknown type"
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        log.info("cannot read the type of %s: %s", path, exc)
+        return "unknown type"
+
+
+def library_paths(models_dir: Path, recent: Sequence[str]) -> list[str]:
+    """The models to list: the recent ones still on disk first, then the folders and GGUF files in ``models_dir``
+    (each once)."""
+    found: list[str] = [p for p in recent if Path(p).exists()]
+    if models_dir.is_dir():
+        for child in sorted(models_dir.iterdir()):
+            if child.name.startswith("."):
+                continue
+            if child.is_dir() and (child / "config.json").is_file():
+                found.append(str(child))
+            elif child.is_dir():
+                found += [str(g) for g in sorted(child.glob("*.gguf")) if _first_part(g)]
+            elif child.suffix.lower() == ".gguf" and _first_part(child):
+                found.append(str(child))
+    seen: set[str] = set()
+    out = []
+    for path in found:
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            out.append(path)
+    return out
+
+
+def _first_part(path: Path) -> bool:
+    return "-of-" not in path.stem or "-00001-of-" in path.stem
+
+
+def delete_entry(entry: LibraryEntry) -> None:
+    """Remove what ``entry.removes`` names (folders whole, files one by one)."""
+    for path, _size in entry.removes:
+        p = Path(path)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The widget
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Job(QObject):
+    """Runs one function on a Python thread; its result (or error) comes back through a queued signal."""
+
+    done = Signal(object, object)  # (result, exception or None)
+
+    def __init__(self, fn: Callable[[], object], parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._fn = fn
+        self.thread = threading.Thread(target=self._run, name="model-library", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            result = self._fn()
+        except OSError as exc:
+            self.done.emit(None, exc)
+            return
+        self.done.emit(result, None)
+
+
+class ModelRow(QFrame):
+    """One model: name (and "current"), format and sizes, path, and its actions."""
+
+    def __init__(self, entry: LibraryEntry, current: bool, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.entry = entry
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
+        set_style_class(self, "card", "currentModel" if current else "")
+        self.name_label = QLabel(entry.name)
+        set_style_class(self.name_label, "convTitle")
+        self.badge = QLabel("current" if current else "")
+        set_style_class(self.badge, "okText")
+        self.badge.setVisible(current)
+        facts = entry.format
+        if entry.weights_bytes:
+            facts += f" · {size_text(entry.weights_bytes)}"
+        if entry.cache_bytes:
+            facts += f" · quantized cache {size_text(entry.cache_bytes)}"
+        self.facts_label = QLabel(facts)
+        set_style_class(self.facts_label, "muted")
+        self.facts_label.setWordWrap(True)
+        self.path_label = ElidedLabel(entry.path, "faint")
+        self.load_button = QPushButton("Load")
+        self.reveal_button = QPushButton("Show in folder")
+        self.delete_button = QPushButton("Delete…")
+        for button, tip, name in (
+            (self.load_button, "Load this model", f"Load {entry.name}"),
+            (self.reveal_button, "Open its folder in the file manager", f"Show {entry.name} in its folder"),
+            (self.delete_button, "Remove it from the disk (asks first)", f"Delete {entry.name}"),
+        ):
+            set_style_class(button, "ghost")
+            button.setToolTip(tip)
+            accessible(button, name)
+        self.load_button.setEnabled(entry.usable)
+        self.delete_button.setEnabled(bool(entry.removes))
+        self.load_button.setVisible(not current)  # in use: nothing to load, and never deleted from under the engine
+        self.delete_button.setVisible(not current)
+        top = QHBoxLayout()
+        top.addWidget(self.name_label)
+        top.addSpacing(8)
+        top.addWidget(self.badge)
+        top.addStretch(1)
+        for button in (self.load_button, self.reveal_button, self.delete_button):
+            top.addWidget(button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 8, 8)
+        layout.setSpacing(2)
+        layout.addLayout(top)
+        layout.addWidget(self.facts_label)
+        layout.addWidget(self.path_label)
+        accessible(self, f"Model {entry.name}" + (" (current)" if current else ""))
+
+
+class ModelLibrary(QFrame):
+    """The models this app knows, with Load / Show in folder / Delete, and the device and precision of the next
+    load."""
+
+    loadRequested = Signal(str)  # load this model (a folder or a GGUF file)
+    deleted = Signal(str)  # this model was removed from the disk
+    loadOptionsChanged = Signal(str, str)  # (device, dtype) for the next load
+    reloadRequested = Signal()  # load the current model again now (with the new options)
+    scanned = Signal()  # the list was refreshed
+
+    def __init__(
+        self,
+        models_dir: Path,
+        recent: Callable[[], Sequence[str]] = list,
+        *,
+        gpu_name: str | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        parent: QWidget | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.setObjectName("modelLibrary")
+        self.models_dir = Path(models_dir)
+        self._recent = recent
+        self.current: str | None = None
+        self.entries: list[LibraryEntry] = []
+        self.rows: list[ModelRow] = []
+        self.confirm_box: QMessageBox | None = None
+        self._job: _Job | None = None
+        self._again = False
+        title = QLabel("Your models")
+        set_style_class(title, "title")
+        self.refresh_button = QPushButton("Refresh")
+        set_style_class(self.refresh_button, "ghost")
+        accessible(self.refresh_button, "Refresh the list of models")
+        self.device_choice = QComboBox()
+        self.device_choice.setObjectName("deviceChoice")
+        for value, label in DEVICES:
+            self.device_choice.addItem(label if value == "cpu" or not gpu_name else f"{label}: {gpu_name}", value)
+        if not gpu_name:  # no GPU found: CUDA cannot be chosen
+            self.device_choice.model().item(1).setEnabled(False)  # type: ignore[attr-defined]
+            self.device_choice.setItemData(1, "No CUDA GPU was found on this computer", Qt.ItemDataRole.ToolTipRole)
+        accessible(self.device_choice, "Device the model runs on")
+        self.dtype_choice = QComboBox()
+        self.dtype_choice.setObjectName("precisionChoice")
+        for value, label in PRECISIONS:
+            self.dtype_choice.addItem(label, value)
+        self.dtype_choice.setToolTip("bfloat16 halves the memory of the weights; float32 is exact on any CPU")
+        accessible(self.dtype_choice, "Precision of the weights")
+        self.options_note = QLabel("Used the next time a model loads.")
+        set_style_class(self.options_note, "muted")
+        self.reload_button = QPushButton("Reload now")
+        self.reload_button.setObjectName("reloadWithOptions")
+        set_style_class(self.reload_button, "ghost")
+        accessible(self.reload_button, "Reload the current model with these settings")
+        self.reload_button.setVisible(False)
+        self.status = QLabel()
+        self.status.setObjectName("libraryStatus")
+        set_style_class(self.status, "muted")
+        self.status.setWordWrap(True)
+        self.empty = QLabel("No models yet: open, download or create one below.")
+        set_style_class(self.empty, "muted")
+        header = QHBoxLayout()
+        header.addWidget(title)
+        header.addStretch(1)
+        header.addWidget(self.refresh_button)
+        options = QHBoxLayout()
+        options.addWidget(QLabel("Device"))
+        options.addWidget(self.device_choice)
+        options.addSpacing(12)
+        options.addWidget(QLabel("Precision"))
+        options.addWidget(self.dtype_choice)
+        options.addSpacing(12)
+        options.addWidget(self.options_note, 1)
+        options.addWidget(self.reload_button)
+        self.rows_layout = QVBoxLayout()
+        self.rows_layout.setSpacing(6)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(10, 10, 10, 4)
+        layout.addLayout(header)
+        layout.addLayout(options)
+        layout.addWidget(self.status)
+        layout.addWidget(self.empty)
+        layout.addLayout(self.rows_layout)
+        self.set_load_options(device, dtype)
+        self._connect_signals()
+
+    def _connect_signals(self) -> None:
+        self.refresh_button.clicked.connect(self.refresh)
+        self.device_choice.currentIndexChanged.connect(self.on_options_changed)
+        self.dtype_choice.currentIndexChanged.connect(self.on_options_changed)
+        self.reload_button.clicked.connect(self.reloadRequested)
+
+    # ---- public API ----------------------------------------------------------------------------------------
+
+    def set_load_options(self, device: str, dtype: str) -> None:
+        """Show the options the next load uses (no ``loadOptionsChanged``: not a user edit)."""
+        for combo, value in ((self.device_choice, device), (self.dtype_choice, dtype)):
+            combo.blockSignals(True)
+            combo.setCurrentIndex(max(0, combo.findData(value)))
+            combo.blockSignals(False)
+
+    def load_options(self) -> tuple[str, str]:
+        return str(self.device_choice.currentData()), str(self.dtype_choice.currentData())
+
+    def set_current(self, path: str | None) -> None:
+        """The model in use (marked; it cannot be deleted)."""
+        self.current = path
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Scan the models again (on a thread; ``scanned`` follows)."""
+        if self._job is not None:
+            self._again = True
+            return
+        models_dir, recent = self.models_dir, list(self._recent())
+        job = _Job(lambda: [scan_entry(p) for p in library_paths(models_dir, recent)], self)
+        job.done.connect(self.on_scanned)
+        self._job = job
+        job.thread.start()
+
+    def row_for(self, path: str) -> ModelRow | None:
+        return next((r for r in self.rows if _same(r.entry.path, path)), None)
+
+    def ask_delete(self, entry: LibraryEntry) -> QMessageBox:
+        """Open the confirmation (window-modal); Delete removes the files once it is accepted."""
+        lines = "".join(f"<li>{_escape(path)} ({size_text(size)})</li>" for path, size in entry.removes)
+        weights = f"its weights ({_escape(entry.format)}, {size_text(entry.weights_bytes)})"
+        cache = f" and its quantized cache ({size_text(entry.cache_bytes)})" if entry.cache_bytes else ""
+        box = QMessageBox(QMessageBox.Icon.Warning, "Delete model",
+                          f"<p><b>Delete {_escape(entry.name)}?</b></p>"
+                          f"<p>This removes {weights}{cache} from the disk:</p><ul>{lines}</ul>"
+                          f"<p><b>{size_text(entry.total_bytes)}</b> freed. This cannot be undone.</p>",
+                          QMessageBox.StandardButton.Cancel, self)
+        box.setObjectName("deleteModelBox")
+        delete = box.addButton(f"Delete {size_text(entry.total_bytes)}", QMessageBox.ButtonRole.DestructiveRole)
+        delete.setObjectName("confirmDelete")
+        accessible(delete, f"Delete {entry.name}")
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        box.buttonClicked.connect(lambda button: self._delete_now(entry) if button is delete else None)
+        self.confirm_box = box
+        box.open()
+        return box
+
+    # ---- slots ---------------------------------------------------------------------------------------------
+
+    def on_scanned(self, entries: object, error: object) -> None:
+        self._release_job()
+        if error is not None:
+            self.status.setText(f"Could not read the models folder: {_escape(str(error))}")
+        self._show(list(entries) if isinstance(entries, list) else [])
+        self.scanned.emit()
+        if self._again:
+            self._again = False
+            self.refresh()
+
+    def on_options_changed(self, *_args: object) -> None:
+        device, dtype = self.load_options()
+        self.reload_button.setVisible(self.current is not None)
+        self.loadOptionsChanged.emit(device, dtype)
+
+    def on_reveal(self, entry: LibraryEntry) -> None:
+        target = Path(entry.path)
+        folder = target.parent if target.suffix.lower() == ".gguf" else target
+        if not QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder))):
+            self.status.setText(f"Could not open {_escape(str(folder))} in the file manager.")
+
+    def on_deleted(self, entry: LibraryEntry, error: object) -> None:
+        self._release_job()
+        if error is not None:
+            self.status.setText(f"<b>Not deleted:</b> {_escape(str(error))}")
+        else:
+            self.status.setText(f"Deleted {_escape(entry.name)}: {size_text(entry.total_bytes)} freed.")
+            self.deleted.emit(entry.path)
+        self.refresh()
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _release_job(self) -> None:
+        if self._job is not None:
+            self._job.deleteLater()
+        self._job = None
+
+    def _delete_now(self, entry: LibraryEntry) -> None:
+        self.confirm_box = None
+        if self.current is not None and _same(entry.path, self.current):
+            return  # (its button is disabled; a model in use is never deleted)
+        self.status.setText(f"Deleting {_escape(entry.name)}…")
+        job = _Job(lambda: delete_entry(entry), self)
+        job.done.connect(lambda _result, error: self.on_deleted(entry, error))
+        self._job = job
+        job.thread.start()
+
+    def _show(self, entries: list[LibraryEntry]) -> None:
+        for row in self.rows:
+            row.setParent(None)
+            row.deleteLater()
+        self.rows = []
+        self.entries = entries
+        for entry in entries:
+            row = ModelRow(entry, self.current is not None and _same(entry.path, self.current))
+            row.load_button.clicked.connect(lambda _=False, p=entry.path: self.loadRequested.emit(p))
+            row.reveal_button.clicked.connect(lambda _=False, e=entry: self.on_reveal(e))
+            row.delete_button.clicked.connect(lambda _=False, e=entry: self.ask_delete(e))
+            self.rows_layout.addWidget(row)
+            self.rows.append(row)
+        self.empty.setVisible(not entries)
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
