@@ -178,7 +178,9 @@ class CloverDeskApp(QObject):
         manifest = self._manifest(planner)
         hardware = self.hardware
 
-        compute = FORMAT_OF_TORCH_NAME.get(self.dtype, "bf16")  # the precision chosen for the next load
+        # the precision chosen for the next load on the GPU; without one the panel plans for a card the user picks,
+        # which would run in bf16 (a CPU load places nothing by a plan)
+        compute = FORMAT_OF_TORCH_NAME.get(self.dtype, "bf16") if self.device == "cuda" else "bf16"
 
         def plan(vram_bytes: int, ctx_tokens: int) -> Any:
             return planner.plan_model(manifest, vram_bytes, ctx_tokens, hardware, compute_dtype=compute)

@@ -1295,6 +1295,10 @@ class MainWindow(QMainWindow):
                 log.warning("the answer being generated was not saved at close: %s", exc)
         self.save_window_state()
         self.monitor_timer.stop()
+        try:  # the theme is the application's: a closed window no longer follows the desktop's scheme
+            QGuiApplication.styleHints().colorSchemeChanged.disconnect(self.on_system_scheme_changed)
+        except (RuntimeError, TypeError):
+            pass
         super().closeEvent(event)
 
     def sizeHint(self) -> QSize:  # noqa: N802
