@@ -16,6 +16,8 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from PySide6.QtWidgets import QApplication, QWidget
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,37 @@ def _gib(text: str) -> float:
     return value
 
 
+# Qt's X11 platform plugin needs these at start; without one, Qt aborts the process before Python can say anything.
+XCB_LIBRARIES = {"xcb-cursor": "libxcb-cursor0", "xkbcommon-x11": "libxkbcommon-x11-0", "EGL": "libegl1"}
+
+
+def display_problem(env: dict[str, str], platform: str, find_library: "Callable[[str], str | None]") -> str | None:
+    """Why the window cannot open here, as one line naming what to install or set; None when it can (as far as can
+    be told before Qt starts). ``find_library`` is ``ctypes.util.find_library``."""
+    chosen = env.get("QT_QPA_PLATFORM", "")
+    if chosen.startswith(("offscreen", "minimal", "vnc", "eglfs", "linuxfb", "wayland")) or not platform.startswith("linux"):
+        return None
+    if not chosen and env.get("WAYLAND_DISPLAY"):
+        return None  # Qt takes Wayland
+    if not env.get("DISPLAY"):
+        return ("no display: DISPLAY and WAYLAND_DISPLAY are unset (a headless machine runs the window with "
+                "QT_QPA_PLATFORM=offscreen, as `make test` does)")
+    missing = [pkg for lib, pkg in XCB_LIBRARIES.items() if find_library(lib) is None]
+    if missing:
+        return (f"Qt's X11 platform needs the system package(s) {', '.join(missing)} "
+                f"(Debian/Ubuntu: sudo apt install {' '.join(missing)})")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.home:
         os.environ["CLOVER_DESK_HOME"] = args.home
+    import ctypes.util
+
+    problem = display_problem(dict(os.environ), sys.platform, ctypes.util.find_library)
+    if problem is not None:
+        print(f"clover-desk gui: {problem}", file=sys.stderr)
+        return EXIT_DATA_DIR
     # PySide6 6.12 on CPython < 3.12 leaks references to None/True on void calls (see guard's docstring); the
     # preview's URL scheme must be registered before the QApplication exists.
     from clover_desk.qt_compat import guard_pyside_bool_refcounts
