@@ -501,8 +501,10 @@ def test_light_and_dark_themes_switch_from_view_and_follow_the_system(qtbot, sto
     with qtbot.waitSignal(window.themeChanged, timeout=2000) as changed:
         QGuiApplication.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Dark)
     assert changed.args == ["dark"] and header_colour() == DARK["bg"]
-    window.theme_actions["light"].trigger()  # a forced theme ignores the desktop
-    with qtbot.assertNotEmitted(window.themeChanged):
+    other = make_window(qtbot, store, ui_settings=ui_settings)  # a second window, still following the desktop
+    assert other.theme_preference == "system"
+    window.theme_actions["light"].trigger()  # a forced theme ignores the desktop, in every window
+    with qtbot.assertNotEmitted(window.themeChanged), qtbot.assertNotEmitted(other.themeChanged):
         QGuiApplication.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Dark)
     assert current_scheme() == "light"
     window.theme_actions["system"].trigger()

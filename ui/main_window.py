@@ -93,7 +93,7 @@ from ui.remote_chat import DENOISING_UNAVAILABLE, RemoteBackendControl, is_remot
 from ui.serve_panel import ServeController, ServeDialog
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
-from ui.theme import SCHEMES, apply_theme, set_style_class
+from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
 from ui.throttle import Throttle
 from ui.widgets import ElidedLabel, accessible
 
@@ -577,7 +577,9 @@ class MainWindow(QMainWindow):
         self.apply_theme_preference()
 
     def on_system_scheme_changed(self, *_args: object) -> None:
-        if self.theme_preference == "system":
+        # the application's theme, last set by any window: a window that still says "system" (an older one, or
+        # one whose choice another window has since overridden) does not take it back
+        if self.theme_preference == "system" and current_preference() == "system":
             self.apply_theme_preference()
 
     # ----------------------------------------------------------------- conversations

@@ -112,12 +112,18 @@ PALETTES = {"dark": DARK, "light": LIGHT}
 
 # The palette in use: mutated in place by apply_theme, so every reader sees the current colours.
 COLORS: dict[str, str] = dict(DARK)
-_current = {"scheme": "dark"}
+_current = {"scheme": "dark", "preference": "dark"}
 
 
 def current_scheme() -> str:
     """"light" or "dark": the palette in :data:`COLORS` now."""
     return _current["scheme"]
+
+
+def current_preference() -> str:
+    """The preference last applied to the application ("system" | "light" | "dark"): the theme is the
+    application's, so only while it is "system" does a change of the desktop's scheme matter."""
+    return _current["preference"]
 
 
 def color(name: str) -> QColor:
@@ -187,6 +193,7 @@ def apply_theme(app: QApplication, preference: str = "dark") -> str:
     """Fusion style, the palette for ``preference`` (for dialogs and native bits) and the style sheet. Returns the
     palette applied ("light" | "dark")."""
     scheme = resolve_scheme(app, preference)
+    _current["preference"] = preference
     COLORS.clear()
     COLORS.update(PALETTES[scheme])
     _current["scheme"] = scheme
