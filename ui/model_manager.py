@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import shutil
 import sys
 import threading
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from PySide6.QtCore import QObject, QProcess, QStandardPaths, Qt, Signal
+from PySide6.QtCore import QObject, QProcess, QStandardPaths, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QComboBox,
@@ -259,6 +260,13 @@ class ModelManagerPanel(QWidget):
         self._recent_file = Path(recent_file) if recent_file else None
         self._python = python
         self._job: _DownloadJob | None = None
+        # Progress snapshots come from the downloader's threads (huggingface_hub's workers among them, which can
+        # still report after the job ended): they only ever touch this Python queue, drained on the GUI thread, so
+        # no thread can reach a Qt object that was already deleted.
+        self._progress_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._progress_timer = QTimer(self)
+        self._progress_timer.setInterval(50)
+        self._progress_timer.timeout.connect(self._drain_progress)
         self._process: QProcess | None = None
         self._demo_dir: Path | None = None
         self._demo_output: list[str] = []
@@ -415,7 +423,7 @@ class ModelManagerPanel(QWidget):
             self._on_download_failed(str(exc), False)
             return
         self._job = _DownloadJob(downloader, cancel, self)
-        self._job.progress.connect(self.on_download_progress)
+        self._progress_timer.start()
         self._job.finished.connect(self.on_download_finished)
         self._job.failed.connect(self.on_download_failed)
         self.download_status.setText(f"Downloading {_escape(repo_id)}…")
@@ -582,12 +590,21 @@ class ModelManagerPanel(QWidget):
     # ---- internals -----------------------------------------------------------------------------------------
 
     def _forward_progress(self, progress: Any) -> None:
-        """Called on the download thread: hand the snapshot to the GUI thread through a queued signal."""
-        job = self._job
-        if job is not None:
-            job.progress.emit(progress)
+        """Called on a download thread: queue the snapshot for the GUI thread (no Qt call here)."""
+        self._progress_queue.put(progress)
+
+    def _drain_progress(self) -> None:
+        while True:
+            try:
+                progress = self._progress_queue.get_nowait()
+            except queue.Empty:
+                return
+            if self._job is not None:  # late reports of an ended job are dropped
+                self.on_download_progress(progress)
 
     def _release_job(self) -> None:
+        self._drain_progress()  # what the job reported before it ended, in order
+        self._progress_timer.stop()
         if self._job is not None:
             self._job.deleteLater()
         self._job = None
