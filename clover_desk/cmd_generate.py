@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from engine.api import Engine, plan_for
     from engine.errors import PlanError
-    from engine.events import Finished, GenerationParams, TextDelta, to_dict
+    from engine.events import Finished, GenerationParams, to_dict
 
     if args.model is None:
         print("clover-desk generate: error: --model DIR is required (or --remote URL)", file=sys.stderr)
@@ -177,22 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         events = engine.generate(prompt_ids=prompt_ids, params=params, cancel=cancel)
     else:
         events = engine.generate(prompt=prompt, raw=args.raw, params=params, cancel=cancel)
-    printer = _Printer(sys.stdout)
-    try:
-        for event in events:
-            if args.json:
-                sys.stdout.write(json.dumps(to_dict(event), ensure_ascii=False) + "\n")
-                sys.stdout.flush()
-            elif isinstance(event, TextDelta):
-                printer.delta(event.text, event.channel)
-            elif isinstance(event, Finished):
-                printer.end()
-                print(_summary(event), file=sys.stderr)
-    except KeyboardInterrupt:
-        cancel.set()
-        print("\nclover-desk generate: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return _print_events(events, args.json, cancel, to_dict, Finished, _summary)
 
 
 def _plan_line(plan: Any) -> str:
@@ -246,19 +231,31 @@ def _run_remote(args: argparse.Namespace) -> int:
     backend = RemoteBackend(args.remote, api_key=api_key, model=args.model)
     cancel = threading.Event()
     events = backend.chat([{"role": "user", "content": prompt}], params, cancel=cancel)
+    return _print_events(
+        events, args.json, cancel,
+        lambda e: to_dict(e) if isinstance(e, TextDelta) else {"event": "remote_finished", **_remote_dict(e)},
+        RemoteFinished, _remote_summary,
+    )
+
+
+def _print_events(
+    events: Any, as_json: bool, cancel: threading.Event, record: Any, finished_type: type, summary: Any
+) -> int:
+    """Stream a generation's events: JSON lines (``record(event)``), or the text with the ``summary`` of its
+    ``finished_type`` event on stderr. Ctrl-C cancels (exit 130)."""
+    from engine.events import TextDelta
+
     printer = _Printer(sys.stdout)
     try:
         for event in events:
-            if args.json:
-                record = to_dict(event) if isinstance(event, TextDelta) else {"event": "remote_finished",
-                                                                              **_remote_dict(event)}
-                sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+            if as_json:
+                sys.stdout.write(json.dumps(record(event), ensure_ascii=False) + "\n")
                 sys.stdout.flush()
             elif isinstance(event, TextDelta):
                 printer.delta(event.text, event.channel)
-            elif isinstance(event, RemoteFinished):
+            elif isinstance(event, finished_type):
                 printer.end()
-                print(_remote_summary(event), file=sys.stderr)
+                print(summary(event), file=sys.stderr)
     except KeyboardInterrupt:
         cancel.set()
         print("\nclover-desk generate: interrupted", file=sys.stderr)

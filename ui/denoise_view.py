@@ -233,16 +233,7 @@ class DenoiseCanvas(QWidget):
             ("tok/pass", f"{m.tokens_per_pass():.1f}" if m.passes_committed else "–"),
             ("tok/s", f"{m.tokens_per_s():.1f}" if m.tokens_committed else "–"),
         ]
-        box_w = width / len(figures)
-        for i, (label, value) in enumerate(figures):
-            bx = x + i * box_w
-            p.setFont(self._big)
-            p.setPen(color("text"))
-            p.drawText(QRectF(bx, y, box_w, 26), Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, value)
-            p.setFont(self._small)
-            p.setPen(color("muted"))
-            p.drawText(QRectF(bx, y + 26, box_w, 16), Qt.AlignmentFlag.AlignLeft, label.upper())
-        return y + 54
+        return self._paint_figures(p, x, y, width, figures)
 
     def _paint_cells(self, p: QPainter, x0: float, y0: float, cw: float, ch: float, gap: float, cols: int) -> None:
         n = self._model.block_size

@@ -188,9 +188,9 @@ class GgufChoiceLike(Protocol):
 
 
 class _DownloadJob(QObject):
-    """Runs one download on a Python thread; reports through queued signals (the GUI thread only paints)."""
+    """Runs one download on a Python thread; its end comes back through queued signals (progress goes through the
+    panel's queue, see ``ModelManagerPanel._forward_progress``)."""
 
-    progress = Signal(object)  # a DownloadProgress-like snapshot
     finished = Signal(str)  # the model folder
     failed = Signal(str, bool)  # message, cancelled
 
