@@ -504,9 +504,9 @@ def routed_forward(
     if source is not None:
         from engine import triton_moe
 
-        if triton_moe.enabled_for(x, layout):  # the fused NF4 kernel (opt-in on CUDA until measured there)
+        if triton_moe.enabled_for(x, layout):  # the fused NF4 / GGUF kernel (opt-in on CUDA until measured there)
             rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] pool row of each pair
-            return triton_moe.fused_nf4_moe(x, source, layout, rows, topk_w)
+            return triton_moe.fused_moe(x, source, layout, rows, topk_w)
 
         def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
             rows = ids if row_index is None else row_index[ids]  # [G]

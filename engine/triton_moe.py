@@ -1,24 +1,33 @@
-"""A fused NF4 mixture-of-experts kernel in Triton: the routed experts of a forward computed straight from the
-packed expert rows (``engine.quant.ExpertLayout``), never materialising a dequantized weight.
+"""Fused mixture-of-experts kernels in Triton: the routed experts of a forward computed straight from the packed
+expert rows, never materialising a dequantized weight, for NF4 rows (``engine.quant.ExpertLayout``) and for GGUF
+rows (``engine.gguf_model.GGUFExpertLayout``: the file's ggml blocks, Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K / F16 / BF16 /
+F32, each of gate, up and down in its own type).
 
-Two kernels, one program per (token, expert) pair and output tile:
+Two kernels per format, one program per (token, expert) pair and output tile:
 
 1. gate/up: ``h[p, i] = silu(x[t] · gate[e, i]) * (x[t] · up[e, i])`` over the hidden size in ``BLOCK_D`` chunks, the
-   NF4 codes of both rows unpacked in registers (high nibble first, the 16-value code book, the fp32 block absmax);
+   weights decoded in registers: NF4 codes (high nibble first, the 16-value code book, the fp32 block absmax), or
+   each GGUF element from its block (its scales, its nibbles / bytes; the type is a compile-time branch);
 2. down: ``out[p, n] = w[p] * (h[p] · down[e, n])``, then the K pairs of each token are summed (in torch, in a fixed
    order: deterministic, unlike atomics).
 
 Each pair reads its expert's row from ``pool`` [S, nbytes] at the row ``rows[p]``, a device-side table (the bank's
 own rows for a resident bank, the slot of each expert for the streamed slot pool): no host read, no group sizes.
 This is the GEMV shape (one token per program): exactly what an AR step needs; a 32-slot pass re-reads an expert's
-bytes once per pair routed to it (from L2 on a GPU). A grouped variant with ``tl.dot`` over an expert's tokens is
-the next step where measurements show the pass is bound by it.
+bytes once per pair routed to it (from L2 on a GPU), and a GGUF element re-reads its block's scales (cached loads).
+A grouped variant with ``tl.dot`` over an expert's tokens is the next step where measurements show the pass is bound
+by it.
 
-Status: written and tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_triton_moe.py``: equal to the
-dequantize-then-matmul reference within float32 rounding); **not yet measured on a GPU**, so nothing selects it by
-default: ``QuantExpertBank`` uses it on CUDA only when ``CLOVER_DESK_FUSED_MOE=1``, and ``clover-desk bench speed
---moe-only`` on CUDA times it next to the dequantize-then-matmul path (``scripts/gpu_check.sh``). Triton is not a
-dependency of the CPU install (CUDA builds of torch bring it).
+Status: written and tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_triton_moe.py``,
+``tests/test_triton_moe_gguf.py``: equal to the dequantize-then-matmul reference within float32 rounding, and the
+GGUF element decode equal to ``engine.gguf_quants.dequantize`` bit for bit); **not yet measured on a GPU**, so
+nothing selects it by default: :func:`routed_forward <engine.quant.routed_forward>` uses it (:func:`fused_moe`) on
+CUDA only when ``CLOVER_DESK_FUSED_MOE=1``, and ``clover-desk bench speed --moe-only`` on CUDA times the NF4 one
+next to the dequantize-then-matmul path (``scripts/gpu_check.sh``; nothing times the GGUF one yet). On a GPU the
+GGUF decode may differ from ``gguf_quants.dequantize`` in the last bit where the compiler fuses a multiply-add.
+Triton is not a dependency of the CPU install (CUDA builds of torch bring it).
+
+Letters: T tokens, K experts per token, P = T*K (token, expert) pairs, S pool rows, D hidden, I expert intermediate.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.quant import NF4_CODE, ExpertLayout
+from engine.quant import NF4_CODE, ExpertLayout, RowLayout
 
 BLOCK_I = 32  # intermediate rows per gate/up program
 BLOCK_D = 64  # hidden columns per step of the gate/up reduction
@@ -45,11 +54,36 @@ def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def enabled_for(x: Tensor, layout: ExpertLayout) -> bool:
-    """Whether ``QuantExpertBank`` takes the fused kernel: CUDA activations, NF4 experts, opted in (see module)."""
-    return (
-        x.is_cuda and layout.fmt == "nf4" and os.environ.get("CLOVER_DESK_FUSED_MOE") == "1" and available()
-    )
+# ggml types the GGUF kernels decode (engine.gguf_quants ids: F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16)
+GGUF_TYPES = frozenset({0, 1, 2, 8, 12, 13, 14, 30})
+
+
+def _gguf_qtypes(layout: RowLayout) -> tuple[int, int, int] | None:
+    """(gate, up, down) ggml types of a GGUF layout (``GGUFExpertLayout``, recognised by its ``qtypes``: no import
+    of engine.gguf_model here), None for any other layout."""
+    qtypes = getattr(layout, "qtypes", None)
+    return None if qtypes is None else tuple(int(q) for q in qtypes)  # type: ignore[return-value]
+
+
+def supports(layout: RowLayout) -> bool:
+    """Whether a fused kernel reads this layout's rows: NF4, or GGUF with all three types in ``GGUF_TYPES``."""
+    qtypes = _gguf_qtypes(layout)
+    if qtypes is not None:
+        return all(q in GGUF_TYPES for q in qtypes)
+    return layout.fmt == "nf4"
+
+
+def enabled_for(x: Tensor, layout: RowLayout) -> bool:
+    """Whether :func:`engine.quant.routed_forward` takes the fused kernel: CUDA activations, NF4 or supported GGUF
+    experts, opted in (see module)."""
+    return x.is_cuda and os.environ.get("CLOVER_DESK_FUSED_MOE") == "1" and supports(layout) and available()
+
+
+def fused_moe(x: Tensor, pool: Tensor, layout: RowLayout, rows: Tensor, topk_w: Tensor) -> Tensor:
+    """:func:`fused_gguf_moe` for a GGUF layout, :func:`fused_nf4_moe` otherwise (same arguments and result)."""
+    if _gguf_qtypes(layout) is not None:
+        return fused_gguf_moe(x, pool, layout, rows, topk_w)
+    return fused_nf4_moe(x, pool, layout, rows, topk_w)  # type: ignore[arg-type]
 
 
 def _kernels() -> tuple[Any, Any]:
@@ -90,3 +124,56 @@ def fused_nf4_moe(x: Tensor, pool: Tensor, layout: ExpertLayout, rows: Tensor, t
         layout.down_scales[0], BLOCK_N, BLOCK_K,
     )
     return out.view(t, k, d).sum(1).to(x.dtype)
+
+
+def _pairs(x: Tensor, rows: Tensor, topk_w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per pair p = t*K + k of ``rows`` [T, K]: its pool row and token (int32 [P]) and weight (fp32 [P])."""
+    t, k = rows.shape
+    flat_rows = rows.reshape(-1).to(torch.int32).contiguous()
+    toks = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
+    return flat_rows, toks, topk_w.reshape(-1).to(torch.float32).contiguous()
+
+
+def fused_gguf_moe(x: Tensor, pool: Tensor, layout: RowLayout, rows: Tensor, topk_w: Tensor) -> Tensor:
+    """Routed experts of ``x`` [T, D] from GGUF rows (``GGUFExpertLayout``: ``[gate | up | down]`` blocks in the
+    types ``layout.qtypes``): ``rows`` [T, K] (long or int) names the row of ``pool`` [S, nbytes] uint8 holding
+    each (token, k) pair's expert, ``topk_w`` [T, K] its weight. Returns [T, D] in x's dtype (accumulated in
+    float32)."""
+    qtypes = _gguf_qtypes(layout)
+    if qtypes is None:
+        raise ValueError(f"the fused GGUF kernel reads GGUF rows, not {layout.fmt!r}")
+    if not supports(layout):
+        raise ValueError(f"the fused GGUF kernel decodes ggml types {sorted(GGUF_TYPES)}, not all of {qtypes}")
+    from engine.triton_moe_kernels import gguf_down_kernel, gguf_gate_up_kernel
+
+    t, k = rows.shape
+    d, i = layout.hidden_size, layout.intermediate_size
+    (gate_off, _), (up_off, _), (down_off, _) = layout.segments  # type: ignore[attr-defined]
+    pairs = t * k
+    x = x.contiguous()
+    pool = pool.contiguous()
+    flat_rows, toks, weights = _pairs(x, rows, topk_w)
+    h = torch.empty(pairs, i, dtype=torch.float32, device=x.device)
+    out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
+    gguf_gate_up_kernel[(pairs, -(-i // BLOCK_I))](
+        x, pool, flat_rows, toks, h, pool.stride(0), d, i, gate_off, up_off, qtypes[0], qtypes[1], BLOCK_I, BLOCK_D,
+    )
+    gguf_down_kernel[(pairs, -(-d // BLOCK_N))](
+        h, pool, flat_rows, weights, out, pool.stride(0), d, i, down_off, qtypes[2], BLOCK_N, BLOCK_K,
+    )
+    return out.view(t, k, d).sum(1).to(x.dtype)
+
+
+def gguf_dequantize(raw: Tensor, qtype: int, ncols: int) -> Tensor:
+    """raw uint8 [R, row_bytes] (R whole ggml rows of ``ncols`` values) -> fp32 [R, ncols], decoded by the kernels'
+    element helpers (what ``engine.gguf_quants.dequantize`` gives: the tests compare the two)."""
+    from engine.triton_moe_kernels import gguf_dequant_kernel
+
+    if qtype not in GGUF_TYPES:
+        raise ValueError(f"ggml type {qtype} has no kernel decode")
+    raw = raw.contiguous()
+    r = raw.shape[0]
+    out = torch.empty(r, ncols, dtype=torch.float32, device=raw.device)
+    br, bc = 16, 64
+    gguf_dequant_kernel[(-(-r // br), -(-ncols // bc))](raw, out, r, ncols, qtype, br, bc)
+    return out
