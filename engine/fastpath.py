@@ -15,6 +15,7 @@ captured graph cannot follow (a static-length cache with a mask is the way there
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -58,3 +59,16 @@ def compile_layers(model: Any, *, backend: str = "inductor", mode: str | None = 
 
 def is_compiled(model: Any) -> bool:
     return bool(getattr(model, "compiled", False))
+
+
+def steady_state(model: Any) -> contextlib.AbstractContextManager[Any]:
+    """Context for one AR step of a compiled model after its first two: dynamo checks only the guards that tell
+    its compiled variants apart (``skip_guard_eval_unsafe``), not every parameter's dtype, shape and stride on
+    every one of 40 layer calls. The AR loop's inputs are then the same kinds of objects step after step (one
+    token, the same cache tensors, a position that is a symbolic size), so no step can need a graph that the first
+    two did not already compile or select. Measured on the deep-narrow shape (CPU, 2 threads): ~101 -> ~108 tok/s.
+    Not used for diffusion passes, whose shapes (commit, last partial block) can first occur mid-loop.
+    A plain context for an eager model."""
+    if not is_compiled(model) or not hasattr(torch.compiler, "set_stance"):
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)

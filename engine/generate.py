@@ -16,6 +16,7 @@ shows progress and can be stopped before the first block.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from engine import decoding
+from engine import decoding, fastpath
 from engine.config import CloverConfig, GenerationDefaults
 from engine.errors import PromptError
 from engine.events import (
@@ -432,7 +433,10 @@ def _ar_loop(
             reason = "cancelled"
             break
         step = token.view(1)  # [1], already on the device (no host-to-device copy of the id just read)
-        logits = _forward(model, step, P + len(generated) - 1, cache, block_size=None, write_cache=True, last_only=True)
+        # from the third step on, a compiled model skips the guards that cannot fail (engine.fastpath.steady_state)
+        with fastpath.steady_state(model) if len(generated) > 2 else contextlib.nullcontext():
+            logits = _forward(model, step, P + len(generated) - 1, cache, block_size=None, write_cache=True,
+                              last_only=True)
     yield from channels.finish()
     yield _finished(generated, channels, reason, len(generated), P, clock, hooks)
 

@@ -94,3 +94,36 @@ def test_inductor_compiled_layers_match_eager_logits() -> None:
         assert (model(step, BLOCK, cache, write_cache=False) - ref_step).abs().max() < 1e-4
     finally:
         torch._dynamo.reset()
+
+
+def _stances_of_ar_forwards(model: Any, n: int) -> list[bool]:
+    """Whether dynamo skipped unneeded guards (``skip_guard_eval_unsafe``) during each forward of an AR run."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    seen: list[bool] = []
+    forward = model.forward
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(bool(eval_frame._stance.skip_guard_eval_unsafe))
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    try:
+        _tokens(model, "ar", n)
+    finally:
+        del model.forward
+    return seen
+
+
+def test_a_compiled_ar_run_skips_only_the_guards_of_its_steady_steps() -> None:
+    """The prefill and the first two steps evaluate every guard (they may compile); the later steps skip those
+    that cannot fail, and the tokens stay the eager ones. An eager model never changes the stance."""
+    cfg = tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    model = tiny_model(cfg, seed=5)
+    eager = _tokens(model, "ar", 6)
+    assert not any(_stances_of_ar_forwards(model, 6))
+    torch._dynamo.reset()
+    compile_layers(model, backend=CountingBackend())
+    assert _stances_of_ar_forwards(model, 6) == [False, False, False, True, True, True]  # prefill, steps 1-5
+    assert _tokens(model, "ar", 6) == eager
+    torch._dynamo.reset()
