@@ -52,6 +52,10 @@ def compile_layers(model: Any, *, backend: str = "inductor", mode: str | None = 
     for layer in model.layers:
         layer.compile(backend=backend, mode=mode, dynamic=True)
         n += 1
+    from engine.model import Linear
+
+    if type(model.lm_head) is Linear:  # a plain head: its one-row product joins the generated kernels too
+        model.head = torch.compile(model.head, backend=backend, mode=mode, dynamic=True)
     model.compiled = True
     log.info("compiled %d decoder layers (backend %s)", n, backend)
     return n

@@ -807,7 +807,7 @@ class CloverModel(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(DecoderLayer(config, i, extras) for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # model dtype everywhere except the fp32 GDN decay parameters
         for name, param in self.named_parameters():
             param.requires_grad_(False)
@@ -915,10 +915,15 @@ class CloverModel(nn.Module):
             h = layer(h, p, cache.layer(i) if cache is not None else None)
         if last_only:
             h = h[-1:]
-        logits = self.lm_head(self.norm(h)).float()  # [T, V]
+        logits = self.head(h)  # [T, V]
         if cache is not None and write_cache:
             cache.length = start_pos + t
         return logits
+
+    def head(self, h: Tensor) -> Tensor:
+        """The final norm and the LM head: h [T, D] -> fp32 logits [T, V] (``engine.fastpath`` compiles it with the
+        layers when the head is a plain linear)."""
+        return self.lm_head(self.norm(h)).float()
 
     @staticmethod
     def _attention_mask(
