@@ -472,6 +472,13 @@ def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, pro
         settings = _settings(config, "ar", n_new)
         _finished(generate_ar(ours, prompt, settings))  # warm-up
         done = _finished(generate_ar(ours, prompt, settings))
+        compiled = None
+        if args.compile:  # the same checkpoint with its layers compiled, next to transformers in this one run
+            from engine.fastpath import compile_layers
+
+            compile_layers(ours)
+            _finished(generate_ar(ours, prompt, settings))  # compiles the prefill and step variants
+            compiled = _finished(generate_ar(ours, prompt, settings))
     # transformers' generate time includes its prefill; subtract one measured prefill for a decode-only rate
     hf_decode = max(t_hf - hf_prefill_once, 1e-9)
     same = sum(a == b for a, b in zip(done.token_ids, hf_tokens))
@@ -479,6 +486,10 @@ def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, pro
     print(f"prefill, causal ({P} tokens):  engine {P / t_our_prefill:10.1f} tok/s | transformers {P / t_hf_prefill:10.1f} tok/s")
     print(f"AR decode:                   engine {done.tokens_per_s:10.1f} tok/s | transformers {n_new / hf_decode:10.1f} tok/s"
           f" (generate incl. prefill: {n_new / t_hf:.1f} tok/s)")
+    if compiled is not None:
+        same_c = sum(a == b for a, b in zip(compiled.token_ids, hf_tokens))
+        print(f"AR decode, compiled layers:  engine {compiled.tokens_per_s:10.1f} tok/s "
+              f"({compiled.tokens_per_s * hf_decode / n_new:.2f}x transformers; greedy tokens identical {same_c}/{n_new})")
     print(f"greedy tokens identical: {same}/{n_new}" + ("" if same == n_new else
           f" (first difference at token {next(i for i, (a, b) in enumerate(zip(done.token_ids, hf_tokens)) if a != b)})"))
 
