@@ -552,6 +552,22 @@ def _random_nf4_bank(e: int, d: int, i: int, gen: Any) -> Any:
     return QuantExpertBank(layout, packed=packed)
 
 
+def _random_gguf_q4_0_bank(e: int, d: int, i: int, gen: Any) -> Any:
+    """A resident GGUF Q4_0 bank (the official Q4_0 file's expert format: 18-byte blocks of 32 values) with random
+    nibbles and an fp16 scale in a realistic range in every block."""
+    import torch
+
+    from engine import gguf_quants as gq
+    from engine.gguf_model import GGUFExpertBank, GGUFExpertLayout
+
+    layout = GGUFExpertLayout(e, d, i, (gq.Q4_0, gq.Q4_0, gq.Q4_0))
+    packed = torch.randint(0, 256, (e, layout.nbytes), dtype=torch.uint8, generator=gen)  # [E, R]
+    blocks = packed.view(e, -1, gq.BLOCK[gq.Q4_0][1])  # [E, blocks, 18]
+    scales = torch.empty(blocks.shape[:2]).uniform_(0.002, 0.006, generator=gen).to(torch.float16)  # [E, blocks]
+    blocks[:, :, :2] = scales.view(torch.uint8).view(e, -1, 2)
+    return GGUFExpertBank(layout, packed)
+
+
 def _run_moe_only(args: argparse.Namespace) -> int:
     import torch
 
@@ -572,7 +588,8 @@ def _run_moe_only(args: argparse.Namespace) -> int:
     with torch.no_grad():
         dense.gate_up_proj.normal_(0.0, d**-0.5)
         dense.down_proj.normal_(0.0, i**-0.5)
-    banks = {"dense": dense, "nf4": _random_nf4_bank(e, d, i, gen).to(device)}
+    banks = {"dense": dense, "nf4": _random_nf4_bank(e, d, i, gen).to(device),
+             "q4_0": _random_gguf_q4_0_bank(e, d, i, gen).to(device)}
     _sync(device)
     print(f"banks built in {time.perf_counter() - t0:.1f} s")
     try:
@@ -594,33 +611,38 @@ def _run_moe_only(args: argparse.Namespace) -> int:
             with torch.inference_mode():
                 ms = _best(step, args.repeats, device) * 1e3
                 line = f"T={t:<3d} {name:<6s} distinct experts {distinct:3d}: {ms:9.2f} ms/layer"
-                ref = dense_reference if name == "dense" else quant_reference
+                # (the per-expert loop reads NF4 / INT8 rows; a GGUF bank has no such reference)
+                ref = {"dense": dense_reference, "nf4": quant_reference}.get(name)
                 if ref is not None:
                     ms_ref = _best(lambda: ref(bank, x, idx, w), args.repeats, device) * 1e3
                     diff = (step().float() - ref(bank, x, idx, w).float()).abs().max().item()
                     line += f" | per-expert loop {ms_ref:9.2f} ms/layer ({ms_ref / ms:4.1f}x), max |diff| {diff:.2e}"
                 print(line)
-            if dense_reference is not None:
+            if dense_reference is not None and name != "q4_0":
                 print(f"        {'':<6s} non-view torch ops per layer (~ GPU kernel launches): "
                       + _op_counts(bank, name, x, idx, w, dense_reference if name == "dense" else quant_reference))
-        _fused_line(banks["nf4"], x, idx, w, args.repeats, device, t, distinct)
+        for name in ("nf4", "q4_0"):
+            _fused_line(name, banks[name], x, idx, w, args.repeats, device, t, distinct)
     return 0
 
 
-def _fused_line(bank: Any, x: Any, idx: Any, w: Any, repeats: int, device: str, t: int, distinct: int) -> None:
-    """The fused NF4 Triton kernel (engine.triton_moe) on the same bank and routing, next to the grouped path."""
+def _fused_line(
+    name: str, bank: Any, x: Any, idx: Any, w: Any, repeats: int, device: str, t: int, distinct: int
+) -> None:
+    """The fused Triton kernel (engine.triton_moe: NF4 or GGUF rows) on the same bank and routing, next to the
+    grouped dequantize-then-matmul path."""
     import torch
 
     from engine import triton_moe
 
     if device != "cuda" or not triton_moe.available():
-        print(f"T={t:<3d} nf4 fused (Triton): not run ({'no Triton' if device == 'cuda' else 'CUDA only'})")
+        print(f"T={t:<3d} {name} fused (Triton): not run ({'no Triton' if device == 'cuda' else 'CUDA only'})")
         return
     with torch.inference_mode():
-        ms = _best(lambda: triton_moe.fused_nf4_moe(x, bank.packed, bank.layout, idx, w), repeats, device) * 1e3
+        ms = _best(lambda: triton_moe.fused_moe(x, bank.packed, bank.layout, idx, w), repeats, device) * 1e3
         grouped = bank(x, idx, w).float()
-        diff = (triton_moe.fused_nf4_moe(x, bank.packed, bank.layout, idx, w).float() - grouped).abs().max().item()
-    print(f"T={t:<3d} nf4 fused (Triton) distinct experts {distinct:3d}: {ms:9.2f} ms/layer, max |diff| vs grouped "
+        diff = (triton_moe.fused_moe(x, bank.packed, bank.layout, idx, w).float() - grouped).abs().max().item()
+    print(f"T={t:<3d} {name} fused (Triton) distinct experts {distinct:3d}: {ms:9.2f} ms/layer, max |diff| vs grouped "
           f"{diff:.2e}")
 
 
