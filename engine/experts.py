@@ -260,9 +260,15 @@ def moe_grouped(
     pairwise = n <= SMALL_SLOTS or (
         torch.compiler.is_compiling() and n * intermediate3 * x.shape[1] * x.element_size() <= COMPILED_PAIRWISE_BYTES
     )
-    if pairwise:  # one expert per (token, slot) pair, in (token, slot) order: nothing to sort, no sync
+    if pairwise:  # one expert per (token, slot) pair: no host sync
         flat = topk_idx.reshape(-1)  # [N]
         xp = x[:, None, :].expand(t, k, x.shape[1]).reshape(n, 1, -1)  # [N, 1, D] token row of each pair
+        if n > SMALL_SLOTS:  # (compiled passes only) pairs of one expert next to each other: its weights are read
+            # once from memory and then from cache; measured on the deep-narrow 32-slot pass, 14.5 -> 19.9 passes/s
+            order = torch.argsort(flat, stable=True)  # [N]
+            flat, xp = flat[order], xp[order]
+            ys = swiglu_batched(xp, *weights(flat))[:, 0, :]  # [N, D] in expert order
+            return combine_by_token(ys, order, topk_w)
         parts = []
         for p0 in range(0, n, group_experts):  # one group on a GPU; CPU: see GROUP_BYTES
             gate_up, down = weights(flat[p0 : p0 + group_experts])  # [G, 2I, D], [G, D, I]
