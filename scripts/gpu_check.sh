@@ -28,7 +28,8 @@ step bench_speed_full 160 $py -m clover_desk.cli bench speed --shape clover-35b-
 # eager and compiled side by side with token equality. 8 layers: the graphs are shared, so depth only scales time.
 step bench_speed_compiled 150 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
   --layers 8 --compile --repeats 3
-# Issue 8: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused NF4 Triton kernel.
+# Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
+# (NF4 rows, GGUF Q4_0 blocks).
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
 # Issue 3: full-size NF4 experts in pinned RAM, process capped at 16 GiB: H2D GB/s, AR tok/s, passes/s, coreset load.
 if $py -c "import bitsandbytes" 2>/dev/null; then
