@@ -353,15 +353,27 @@ def chunk_scan(ch: _Chunked, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
     state [H, dk, dv] fp32 -> (states at each chunk start [H, n, dk, dv], corrected values V' [H, n, C, dv],
     final state [H, dk, dv]).
+
+    Compiled (``engine.fastpath``), a scan over several chunks (a prompt's prefill) runs eagerly: traced, the loop
+    would be unrolled once per chunk count, a new graph for every prompt length. One chunk (a block pass) is traced.
     """
-    n = ch.u.shape[1]
+    if ch.u.shape[1] > 1 and torch.compiler.is_compiling():
+        return _chunk_scan_eager(ch.u, ch.w, ch.chunk_decay, ch.k_tail, state)
+    return _chunk_scan(ch.u, ch.w, ch.chunk_decay, ch.k_tail, state)
+
+
+def _chunk_scan(u: Tensor, w: Tensor, chunk_decay: Tensor, k_tail: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`chunk_scan` on the chunk tensors (u, w [H, n, C, dv|dk], chunk_decay [H, n], k_tail [H, n, C, dk])."""
     starts, corrected = [], []
-    for i in range(n):
+    for i in range(u.shape[1]):
         starts.append(state)
-        v_new = ch.u[:, i] - ch.w[:, i] @ state  # [H, C, dv]
+        v_new = u[:, i] - w[:, i] @ state  # [H, C, dv]
         corrected.append(v_new)
-        state = state * ch.chunk_decay[:, i, None, None] + ch.k_tail[:, i].transpose(-1, -2) @ v_new
+        state = state * chunk_decay[:, i, None, None] + k_tail[:, i].transpose(-1, -2) @ v_new
     return torch.stack(starts, 1), torch.stack(corrected, 1), state
+
+
+_chunk_scan_eager = torch.compiler.disable(_chunk_scan)
 
 
 def chunk_output(ch: _Chunked, starts: Tensor, corrected: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -127,3 +127,22 @@ def test_a_compiled_ar_run_skips_only_the_guards_of_its_steady_steps() -> None:
     assert _stances_of_ar_forwards(model, 6) == [False, False, False, True, True, True]  # prefill, steps 1-5
     assert _tokens(model, "ar", 6) == eager
     torch._dynamo.reset()
+
+
+def test_prompts_of_new_lengths_compile_no_new_graphs() -> None:
+    """A prefill's chunk scan runs eagerly under compile: traced, its loop was unrolled per chunk count, one new
+    graph per prompt length (a window user would wait for a compile at every new message, and after 64 lengths
+    the layers would silently fall back to eager)."""
+    cfg = tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    model = tiny_model(cfg, seed=1)
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    compile_layers(model, backend=backend)
+    counts = []
+    with torch.no_grad():
+        for n in (40, 70, 100, 170):
+            ids = torch.arange(n) % 200
+            model.forward(ids, 0, model.new_cache(n + 8), write_cache=True, last_only=True)
+            counts.append(backend.graphs)
+    torch._dynamo.reset()
+    assert counts[0] > 0 and counts[1:] == counts[:1] * 3, counts
