@@ -48,6 +48,7 @@ class AppSettings:
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     vram_budget_bytes: int | None = None  # the VRAM panel's applied budget (None: load without a plan)
     ctx_tokens: int = DEFAULT_CTX_TOKENS
+    compile_layers: bool = False  # compile the decoder layers at load (engine.fastpath; a warm-up while loading)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -237,7 +238,8 @@ class CloverDeskApp(QObject):
 
         manager = self.model_manager
         library = ModelLibrary(self.home / "models", manager.recent_models if manager is not None else list,
-                               gpu_name=self.hardware.gpu_name, device=self.device, dtype=self.dtype)
+                               gpu_name=self.hardware.gpu_name, device=self.device, dtype=self.dtype,
+                               compile_layers=self.settings.compile_layers)
         library.set_current(self.settings.model_dir)
         return library
 
@@ -280,7 +282,8 @@ class CloverDeskApp(QObject):
                 self.window.on_engine_error_message(type(exc).__name__, str(exc))
                 return
         self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
-        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan)
+        compile_layers = {"compile": True} if self.settings.compile_layers else {}  # the engine says if it cannot
+        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan, **compile_layers)
 
     def on_engine_ready(self) -> None:
         self.load_model()
@@ -306,10 +309,12 @@ class CloverDeskApp(QObject):
             self.window.on_engine_restarting()
             self.client.restart()  # ready → load_model
 
-    def on_load_options_changed(self, device: str, dtype: str) -> None:
-        """The models page's device and precision: remembered, and used from the next load on (the VRAM panel
-        plans in the new precision at once)."""
+    def on_load_options_changed(self, device: str, dtype: str, compile_layers: bool | None = None) -> None:
+        """The models page's device, precision and compilation (None: unchanged): remembered, and used from the
+        next load on (the VRAM panel plans in the new precision at once)."""
         self.settings.device, self.settings.dtype = device, dtype
+        if compile_layers is not None:
+            self.settings.compile_layers = bool(compile_layers)
         self.save_settings()
         self.device, self.dtype = device, dtype
         self._plan = self._plan_function()

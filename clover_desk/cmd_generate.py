@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
                         help="with --vram-gb: context (prompt + answer) the plan reserves KV cache for (default 16384)")
     parser.add_argument("--compile", action="store_true",
-                        help="compile the decoder layers (torch.compile; the first tokens pay tens of seconds on a CPU)")
+                        help="compile the decoder layers (torch.compile), warmed up while loading: a minute or two "
+                             "on a CPU the first time, well under a minute once cached (not for .gguf files yet)")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
     parser.add_argument("--temperature", type=flags.temperature, default=None, help="> 0 samples (default: greedy)")
@@ -170,8 +171,10 @@ def _run(args: argparse.Namespace) -> int:
             print(_plan_line(plan), file=sys.stderr)
         if not plan.fits:
             raise PlanError(plan.reason)
+    from clover_desk.cmd_serve import compile_stage_printer
+
     engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, gguf_layout=args.gguf_layout,
-                         compile=args.compile)
+                         compile=args.compile, progress=compile_stage_printer("generate") if args.compile else None)
     cancel = threading.Event()
     if prompt_ids is not None:
         events = engine.generate(prompt_ids=prompt_ids, params=params, cancel=cancel)

@@ -186,13 +186,15 @@ class EngineClient(QObject):
         ctx_tokens: int | None = None,
         plan: dict[str, Any] | None = None,
         gguf_layout: str | None = None,
+        compile: bool = False,
     ) -> None:
         """Load a model folder or a ``.gguf`` file (replacing the loaded model). Progress: ``loadProgress``; end:
         ``loaded`` or ``loadFailed``. May be called right after start(): it is sent once the worker is ready.
 
         ``plan`` (``Plan.to_dict()``, as the VRAM panel showed it) is placed as is; ``vram_gb`` / ``ctx_tokens``
         without a plan let the worker make it with the same planning function. ``gguf_layout`` ("auto" | "fork" |
-        "upstream"; None: auto) overrides a GGUF file's layout detection."""
+        "upstream"; None: auto) overrides a GGUF file's layout detection. ``compile``: compile the decoder layers
+        and warm them up before ``loaded`` (the warm-up's stages arrive as ``loadProgress``; see Engine.load)."""
         if self._state in ("loading", "generating"):
             busy = "a model is loading" if self._state == "loading" else "a generation is running; cancel it first"
             self._later(lambda: self._refuse_load("Busy", f"cannot load: {busy}"))
@@ -203,6 +205,8 @@ class EngineClient(QObject):
                    "ctx_tokens": ctx_tokens, "plan": plan}
         if gguf_layout is not None:
             command["gguf_layout"] = gguf_layout
+        if compile:
+            command["compile"] = True
         self._send(command, new_state="loading")
 
     def cancel_load(self) -> None:

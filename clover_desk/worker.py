@@ -8,7 +8,8 @@ Commands, one JSON object per line on stdin::
     {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "plan": {Plan.to_dict()} | null}
         (the plan the user saw, placed as is after a check against the model and the machine; "vram_gb": 14.0 and
         "ctx_tokens": 16384 instead of a plan make it here with engine.planner.plan_model; "model_dir" may be a
-        .gguf file, with "gguf_layout": "auto" | "fork" | "upstream")
+        .gguf file, with "gguf_layout": "auto" | "fork" | "upstream"; "compile": true compiles the decoder layers
+        and warms them up before "loaded", its stages reported as load_progress: engine.events.COMPILE_STAGES)
     {"cmd": "cancel_load"}
     {"cmd": "generate", "id": "r1", "messages": [...], "params": {GenerationParams fields}, "tools": [...] | null}
         ("prompt": "text" or "prompt_ids": [..] with "raw": true may replace "messages")
@@ -24,7 +25,8 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
 
     {"event": "ready", "pid": .., "protocol": 1}              once, when commands are accepted
     {"event": "load_progress", ...}                            engine.events.LoadProgress (throttled)
-    {"event": "loaded", "model_dir": .., "config": {..}, ..}   the model is ready
+    {"event": "loaded", "model_dir": .., "config": {..}, ..}   the model is ready ("compiled": whether its layers
+                                                               are; "compile_skipped": why a compile was not done)
     {"event": <engine event>, ..., "id": "r1"}                 every generation event (engine.events.to_dict)
     {"event": "plan", "id": "p1", "plan": {Plan.to_dict()}, "hardware": {Hardware fields}}
     {"event": "plan", "op": "load", "plan": {Plan.to_dict()}}  a load under a plan: the plan being placed, before
@@ -226,6 +228,7 @@ LOAD_FIELDS: dict[str, tuple[Check, str]] = {
     "ctx": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
     "plan": (_nullable(lambda v: isinstance(v, dict)), "an object (Plan.to_dict()) or null"),
     "gguf_layout": (_nullable(_one_of(*GGUF_LAYOUTS)), '"auto", "fork" or "upstream" (a .gguf file), or null (auto)'),
+    "compile": (_nullable(_is_bool), "true (compile the decoder layers), false or null (not compiled)"),
 }
 
 
@@ -645,7 +648,8 @@ class Worker:
         self._detach_server()
         self._release_engine()
         started = time.monotonic()
-        log.info("loading %s on %s as %s (vram_gb=%s)", model_dir, device, dtype, vram_gb)
+        log.info("loading %s on %s as %s (vram_gb=%s, compile=%s)", model_dir, device, dtype, vram_gb,
+                 bool(command.get("compile")))
         try:
             if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
                 layout = {"gguf_layout": command["gguf_layout"]} if command.get("gguf_layout") is not None else {}
@@ -656,6 +660,8 @@ class Worker:
             extra: dict[str, Any] = {"plan": plan} if plan is not None else {}
             if command.get("gguf_layout") is not None:
                 extra["gguf_layout"] = command["gguf_layout"]
+            if command.get("compile"):  # only when asked: an --engine-factory need not know the keyword
+                extra["compile"] = True
             engine = self._engine_factory(
                 model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, **extra
             )
@@ -686,6 +692,8 @@ class Worker:
                 "generation_defaults": _json_safe(getattr(engine, "generation_defaults", None)),
                 "plan": _json_safe(_plan_dict(getattr(engine, "plan", None))),
                 "ar_only": _json_safe(getattr(engine, "ar_only", None)),  # why diffusion is refused, or null
+                "compiled": bool(getattr(engine, "compiled", False)),
+                "compile_skipped": _json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
             }
         )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,23 @@ import torch
 
 from engine.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
 from engine.defaults import DEFAULT_CTX_TOKENS, GIB
-from engine.errors import ConfigError, PlanError, PromptError
+from engine.errors import CancelledError, ConfigError, PlanError, PromptError
 from engine.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
-from engine.events import Event, GenerationParams, LoadProgress
+from engine.events import Event, Finished, GenerationParams, LoadProgress
 from engine.generate import LoopHooks, generate, resolve_settings
 from engine.limits import check_generation_params
 from engine.tokenizer import CloverTokenizer
 
 log = logging.getLogger(__name__)
+
+# What a compiled load runs before it returns (Engine.warm_up): AR decoding of a few tokens (the prefill, the first
+# steps, and a step in the steady stance of engine.fastpath.steady_state), then two diffusion blocks after a prompt
+# one block and a few tokens long (a prefill of whole blocks, a denoising pass over a block holding the prompt's
+# tail, its commit pass, a denoising pass over the next block).
+WARM_UP_AR_TOKENS = 4
+WARM_UP_PROMPT_TAIL = 3  # prompt tokens past the first whole block
+_WARM_UP_TEXT = "Hello! These few tokens warm up the compiled layers before the first request. "
+COMPILE_SKIPPED_GGUF = "GGUF files are not compiled yet, so this model runs uncompiled"
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,6 +126,7 @@ class Engine:
         plan: Any = None,
         hooks: LoopHooks | None = None,
         ar_only: str | None = None,
+        compile_skipped: str | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -125,6 +136,14 @@ class Engine:
         self.plan = plan
         self._hooks = hooks
         self.ar_only = ar_only  # why diffusion mode is refused (a GGUF without the diffusion tensors), or None
+        self.compile_skipped = compile_skipped  # why compile=True left the model uncompiled (a GGUF file), or None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoder layers run compiled (:mod:`engine.fastpath`)."""
+        from engine.fastpath import is_compiled
+
+        return is_compiled(self.model)
 
     @classmethod
     def load(
@@ -139,6 +158,7 @@ class Engine:
         plan: Any = None,
         gguf_layout: str = "auto",
         compile: bool = False,
+        compile_backend: Any = "inductor",
     ) -> "Engine":
         """Read a model folder (config, generation config, tokenizer, weights) onto ``device``.
 
@@ -154,8 +174,13 @@ class Engine:
         function) for ``ctx_tokens`` of context (default ``engine.defaults.DEFAULT_CTX_TOKENS``). Requests are then
         held to the planned context: the KV cache and the prefill scratch were sized for it.
 
-        ``compile``: compile the decoder layers (:mod:`engine.fastpath`; the first request of each pass shape pays
-        the compile time, tens of seconds on a CPU).
+        ``compile``: compile the decoder layers (:mod:`engine.fastpath`), then :meth:`warm_up` them, so the compile
+        time (a minute or two on a CPU the first time; well under a minute once inductor's kernels are cached on
+        disk: dynamo still traces the graphs in each new process) is
+        paid here, reported through ``progress`` (``engine.events.COMPILE_STAGES``) and stopped by ``cancel``
+        between its stages, rather than by the first request. A GGUF file is not compiled: the load says so (a
+        warning, a "compile-skipped" progress event, ``Engine.compile_skipped``) and runs it uncompiled.
+        ``compile_backend``: the ``torch.compile`` backend (tests pass a cheap one that runs the traced graphs).
 
         ``dtype``: the compute dtype (default: the plan's, else float32); a plan made for another dtype is refused,
         since it counted the device's weights and KV cache in its own.
@@ -225,11 +250,93 @@ class Engine:
         log.info(
             "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
         )
-        if compile and not is_gguf:  # the GGUF modules have not been through torch.compile yet
+        compile_skipped = None
+        if compile and is_gguf:  # the GGUF modules have not been through torch.compile yet
+            compile_skipped = COMPILE_SKIPPED_GGUF
+            log.warning("not compiling %s: %s", folder.name, compile_skipped)
+            if progress is not None:
+                progress(LoadProgress(stage="compile-skipped", done_bytes=0, total_bytes=0, current=compile_skipped))
+        engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped)
+        if compile and not is_gguf:
             from engine.fastpath import compile_layers
 
-            compile_layers(model)
-        return cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only)
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(f"loading {folder} was cancelled")
+            compile_layers(model, backend=compile_backend)
+            engine.warm_up(progress, cancel)
+        return engine
+
+    # ---- warm-up ----
+    def warm_up_stages(self) -> list[str]:
+        """The stages :meth:`warm_up` runs: "compiling-ar", then "compiling-diffusion" when this model decodes in
+        diffusion mode too (not a GGUF file without the diffusion tensors; a mask token known)."""
+        stages = ["compiling-ar"]
+        settings = resolve_settings(GenerationParams(), self.generation_defaults, self.config, self.tokenizer)
+        if self.ar_only is None and settings.mask_token_id is not None:
+            stages.append("compiling-diffusion")
+        return stages
+
+    def warm_up(
+        self, progress: Callable[[LoadProgress], None] | None = None, cancel: threading.Event | None = None
+    ) -> list[str]:
+        """Run a short generation in each decoding mode the model has, so that a compiled model compiles the passes a
+        request meets (the prefill, the AR step, the denoising and commit passes) now rather than during the first
+        request. Before each stage ``progress`` gets ``LoadProgress(stage, 0, 0, current=what runs)``; ``cancel``
+        is checked before each stage and between the passes of one (a pass being compiled finishes first), and a
+        cancelled warm-up raises :class:`~engine.errors.CancelledError`, as a cancelled load does. The warm-up is
+        greedy, ignores EOS and keeps nothing. Returns the stages run (:meth:`warm_up_stages`)."""
+        stages = self.warm_up_stages()
+        ids = self._warm_up_prompt()
+        for index, stage in enumerate(stages):
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(f"loading {self.model_dir} was cancelled (while compiling)")
+            ar = stage == "compiling-ar"
+            what = f"{WARM_UP_AR_TOKENS} tokens of AR decoding" if ar else "2 blocks of block diffusion"
+            if progress is not None:
+                progress(LoadProgress(stage=stage, done_bytes=0, total_bytes=0,
+                                      current=f"one-time warm-up {index + 1} of {len(stages)}: {what}"))
+            started = time.perf_counter()
+            done = None
+            for event in generate(self.model, ids, self._warm_up_settings(ar, len(ids)), None, cancel,
+                                  vocab_size=self.config.vocab_size, hooks=self._hooks):
+                if isinstance(event, Finished):
+                    done = event
+            if done is None or done.stop_reason == "cancelled":
+                raise CancelledError(f"loading {self.model_dir} was cancelled (while compiling)")
+            log.info("warm-up %s: %d tokens in %d passes, %.1f s", stage, done.tokens, done.passes,
+                     time.perf_counter() - started)
+        from engine import offload
+
+        runtime = offload.runtime_of(self.model)
+        if runtime is not None:  # the first request's expert-streaming figures count that request alone
+            runtime.reset_stats()
+        return stages
+
+    def _warm_up_prompt(self) -> list[int]:
+        """A prompt one block and :data:`WARM_UP_PROMPT_TAIL` tokens long: ordinary text's tokens when there is a
+        tokenizer (never a special token such as the mask), else low ids."""
+        n = self.config.block_size + WARM_UP_PROMPT_TAIL
+        ids: list[int] = []
+        if self.tokenizer is not None:
+            ids = [i for i in self.tokenizer.encode(_WARM_UP_TEXT) if 0 <= i < self.config.vocab_size]
+        if not ids:
+            ids = list(range(1, min(n, self.config.vocab_size - 1) + 1))
+        return (ids * (n // len(ids) + 1))[:n]
+
+    def _warm_up_settings(self, ar: bool, prompt_tokens: int) -> Any:
+        """Greedy settings for a warm-up generation, EOS ignored so every planned pass runs. Diffusion commits every
+        slot of a block in its first pass (threshold 0: the policy runs outside the compiled layers, so the passes
+        have the same shapes) and asks for one token past the block holding the prompt's tail, so that block's
+        commit pass and a second block run."""
+        params = GenerationParams(mode="ar" if ar else "diffusion", do_sample=False, enable_thinking=False)
+        settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
+        block = settings.block_size
+        new = WARM_UP_AR_TOKENS if ar else -(-prompt_tokens // block) * block - prompt_tokens + 1
+        planned_ctx = getattr(self.plan, "ctx_tokens", 0)
+        return dataclasses.replace(
+            settings, max_new_tokens=new, eos_token_ids=(), threshold=0.0,
+            max_positions=min(settings.max_positions, planned_ctx) if planned_ctx else settings.max_positions,
+        )
 
     # ---- prompts ----
     def prompt_ids(

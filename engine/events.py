@@ -29,11 +29,17 @@ class GenerationParams:
     seed: int | None = None
 
 
+# The stages of a compiled load after its weights are read (``Engine.load(compile=True)``): one short generation per
+# decoding mode, which compiles that mode's passes (``current`` says what runs), or a notice that the file's kind
+# is not compiled (``current`` says why). ``total_bytes`` is 0 in these: their length is not known beforehand.
+COMPILE_STAGES = ("compiling-ar", "compiling-diffusion", "compile-skipped")
+
+
 @dataclass(frozen=True)
 class LoadProgress:
     """Loading / quantizing progress. ``total_bytes`` 0 means unknown."""
 
-    stage: str  # "reading" | "quantizing" | "writing-cache" | "placing" | "done"
+    stage: str  # "reading" | "quantizing" | "writing-cache" | "placing" | "done" | one of COMPILE_STAGES
     done_bytes: int
     total_bytes: int
     current: str = ""  # current file or tensor name

@@ -51,6 +51,7 @@ def make(
     progress: Callable[[LoadProgress], None] | None = None,
     cancel: threading.Event | None = None,
     plan: dict | None = None,
+    compile: bool = False,
 ) -> FakeEngine:
     total = 1000
     if model_dir.endswith("fail"):
@@ -66,12 +67,15 @@ def make(
         time.sleep(PASS_S)
     if progress is not None:
         progress(LoadProgress("done", total, total))
-    return FakeEngine()
+    return FakeEngine(compile)
 
 
 class FakeEngine:
     config = FakeConfig()
     generation_defaults = None
+
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled  # as asked (the real engine compiles and warms up its layers)
 
     def generate(
         self,

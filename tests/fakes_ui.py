@@ -116,6 +116,7 @@ class FakeEngineClient(QObject):
         self.loads: list[tuple[str, str, str, float | None]] = []
         self.ctx_loads: list[int | None] = []  # the planned context sent with each load
         self.plans: list[dict | None] = []  # the plan sent with each load (None: no plan)
+        self.compiles: list[bool] = []  # whether each load asked for compiled layers
         self.pid = None
         self._timer = QTimer(self)
         self._timer.timeout.connect(self._tick)
@@ -164,8 +165,9 @@ class FakeEngineClient(QObject):
         self.state = "stopped"
 
     def load(self, model_dir, device: str = "cpu", dtype: str = "float32", vram_gb: float | None = None,  # noqa: ANN001
-             ctx_tokens: int | None = None, plan: dict | None = None) -> None:
+             ctx_tokens: int | None = None, plan: dict | None = None, compile: bool = False) -> None:
         self.loads.append((str(model_dir), device, dtype, vram_gb))
+        self.compiles.append(compile)
         self.ctx_loads.append(ctx_tokens if plan is None else plan.get("ctx_tokens"))
         self.plans.append(plan)
         info = {"model_dir": str(model_dir), "device": device, "plan": plan}

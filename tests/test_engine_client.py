@@ -304,6 +304,15 @@ def test_cancel_load_then_shutdown(qtbot: Any, fake_client: EngineClient) -> Non
     assert rec.of(after)[-1].kind == "WorkerStopped"
 
 
+def test_compile_travels_with_the_load_to_the_engine(qtbot: Any, fake_client: EngineClient) -> None:
+    c = fake_client
+    _start(qtbot, c)
+    assert _load(qtbot, c, "/models/fake")["compiled"] is False  # not asked: the engine factory is not told
+    with qtbot.waitSignal(c.loaded, timeout=LOAD_MS) as blocker:
+        c.load("/models/fake", compile=True)
+    assert blocker.args[0]["compiled"] is True  # the engine's answer (the fake engine compiles what it is asked)
+
+
 def test_a_worker_that_cannot_start_is_reported(qtbot: Any) -> None:
     c = EngineClient(python=str(Path("/nonexistent/python3")))
     with qtbot.waitSignal(c.crashed, timeout=15_000) as crashed:

@@ -216,3 +216,47 @@ def test_the_next_plan_counts_in_the_chosen_precision(qtbot, desk) -> None:  # n
     assert desk._plan(16 * 1024**3, 4096).compute_dtype == "fp32"  # noqa: SLF001
     desk.on_load_options_changed("cuda", "bfloat16")
     assert desk._plan(16 * 1024**3, 4096).compute_dtype == "bf16"  # noqa: SLF001
+
+
+def test_compile_the_layers_is_remembered_and_sent_with_the_next_load(
+    qtbot, desk, models, tmp_path,  # noqa: ANN001
+) -> None:
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from clover_desk.storage import ChatStore
+
+    folder, _first, second = models
+    library, client = desk.model_library, desk.client
+    box = library.compile_choice
+    assert not box.isChecked() and box.isVisibleTo(library)  # off unless chosen
+    tip = box.toolTip()
+    assert all(words in tip for words in ("faster decoding", "warm-up while the model loads",
+                                          "a minute or two on a CPU", "well under a minute on later runs",
+                                          "Not for GGUF files yet"))
+    box.click()
+    assert desk.settings.compile_layers is True and json.loads(desk.settings_path.read_text())["compile_layers"]
+    assert client.loads == [] and library.reload_button.isVisible()  # applied on the next load, not now
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        library.row_for(str(second)).load_button.click()
+    assert client.loads[-1][0] == str(second) and client.compiles[-1] is True
+    # the next start of the app shows it ticked and loads compiled
+    assert AppSettings.load(desk.settings_path).compile_layers is True
+    again = CloverDeskApp(folder.parent, client=FakeEngineClient(loaded=False), store=ChatStore(tmp_path / "chats.db"),
+                          hardware=Hardware(gpu_name=None, ram_total_bytes=32 * 1024**3), with_preview=False,
+                          start_engine=False, style=False)
+    try:
+        assert again.model_library.compile_choice.isChecked()
+        again.load_model()
+        assert again.client.compiles == [True]
+        again.model_library.compile_choice.click()
+        again.load_model()
+        assert again.client.compiles == [True, False] and again.settings.compile_layers is False
+    finally:
+        again.shutdown(wait_ms=0)
+        again.window.close()
+
+
+def test_a_model_left_uncompiled_is_said_so(qtbot, desk) -> None:  # noqa: ANN001
+    reason = "GGUF files are not compiled yet, so this model runs uncompiled"
+    desk.window.on_engine_loaded({"model_dir": "/models/tiny.gguf", "compile_skipped": reason})
+    banner = desk.window.info_banner
+    assert not banner.isHidden() and banner.label.text() == f"“Compile the layers” is on, but {reason}."

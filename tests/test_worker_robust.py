@@ -107,6 +107,8 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("load-gguf_layout-unknown", _load(gguf_layout="llama"), "'gguf_layout'"),
     ("load-gguf_layout-number", _load(gguf_layout=1), "'gguf_layout'"),
     ("load-gguf_layout-wrong-case", _load(gguf_layout="Fork"), "'gguf_layout'"),
+    ("load-compile-string", _load(compile="yes"), "'compile'"),
+    ("load-compile-number", _load(compile=1), "'compile'"),
     # generate: the request
     ("gen-no-id", _line({"cmd": "generate", "messages": USER}), "'id'"),
     ("gen-id-number", _line({"cmd": "generate", "id": 5, "messages": USER}), "'id'"),

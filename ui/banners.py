@@ -13,7 +13,10 @@ from ui.widgets import ElidedLabel, accessible
 GIB = 1024**3
 
 STAGES = {"reading": "Reading weights", "quantizing": "Quantizing", "writing-cache": "Writing cache",
-          "placing": "Placing on the GPU", "done": "Loaded"}
+          "placing": "Placing on the GPU", "done": "Loaded",
+          # engine.events.COMPILE_STAGES: the event's ``current`` (the detail) says which warm-up runs, or why not
+          "compiling-ar": "Compiling the layers", "compiling-diffusion": "Compiling the layers",
+          "compile-skipped": "Not compiling"}
 
 
 class Banner(QFrame):

@@ -1074,7 +1074,17 @@ class MainWindow(QMainWindow):
         if isinstance(info, Mapping):
             self.set_model_info(info)
             self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
+            self.say_compile_skipped(str(info.get("compile_skipped") or ""), after_notice=bool(info.get("ar_only")))
         self._set_state(EngineState.READY)
+
+    def say_compile_skipped(self, reason: str, after_notice: bool = False) -> None:
+        """"Compile the layers" was on but the engine could not compile this model (``Engine.compile_skipped``: a
+        GGUF file): say so in the notice banner (after the notice already there when ``after_notice``)."""
+        if not reason:
+            return
+        before = self.info_banner.label.text() + " " if after_notice else ""
+        self.info_banner.action.setVisible(False)
+        self.info_banner.show_message(f"{before}“Compile the layers” is on, but {reason}.")
 
     def set_diffusion_unavailable(self, reason: str) -> None:
         """The loaded model decodes autoregressively only (``Engine.ar_only``: a GGUF file without the diffusion

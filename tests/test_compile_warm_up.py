@@ -1,0 +1,163 @@
+"""A compiled load warms its layers up before it returns (``Engine.load(compile=True)`` / ``Engine.warm_up``): one
+short generation per decoding mode, each announced as a load-progress stage, a cancel between them ending the load
+as cancelled, and a GGUF file said to stay uncompiled. Then the same through the worker's ``load`` (its progress
+records shown by the window's load banner) and ``clover-desk serve --compile``.
+
+The real engine on the tiny checkpoint; the layers go through a counting backend that runs the traced graphs (no
+inductor: the inductor figures are ``clover-desk bench speed --compile``'s). The tests share that one backend and
+leave dynamo's cache in place between them, so the graphs traced by the first load serve the later ones (a model
+of the same shape passes the same guards); the module resets dynamo when it ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.api import Engine
+from engine.errors import CancelledError
+from engine.events import COMPILE_STAGES, Finished, GenerationParams, LoadProgress
+from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
+
+
+class CountingBackend:
+    """A torch.compile backend that counts the graphs it is handed and runs each as traced."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        self.graphs += 1
+        return gm.forward
+
+
+BACKEND = CountingBackend()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+def _stages(events: list[LoadProgress]) -> list[str]:
+    """The stages in the order they began (a stage's repeats folded)."""
+    out: list[str] = []
+    for e in events:
+        if not out or out[-1] != e.stage:
+            out.append(e.stage)
+    return out
+
+
+def _generate(engine: Engine, ids: list[int], mode: str, n: int) -> Finished:
+    *_, done = engine.generate(prompt_ids=ids, params=GenerationParams(mode=mode, max_new_tokens=n, do_sample=False))
+    assert isinstance(done, Finished)
+    return done
+
+
+def test_a_compiled_load_warms_up_ar_then_diffusion_and_the_first_requests_compile_nothing(
+    tiny_clover_dir: Path,  # noqa: F811
+) -> None:
+    events: list[LoadProgress] = []
+    engine = Engine.load(tiny_clover_dir, compile=True, compile_backend=BACKEND, progress=events.append)
+    assert engine.compiled and engine.compile_skipped is None
+    assert _stages(events)[-3:] == ["done", "compiling-ar", "compiling-diffusion"]
+    warm = [e for e in events if e.stage in COMPILE_STAGES]
+    assert [e.current for e in warm] == ["one-time warm-up 1 of 2: 4 tokens of AR decoding",
+                                         "one-time warm-up 2 of 2: 2 blocks of block diffusion"]
+    assert all(e.total_bytes == 0 for e in warm)  # a busy indicator: the warm-up's length is not known
+    graphs = BACKEND.graphs
+    assert graphs > 0  # the warm-up ran the compiled layers
+    # requests shaped like the warm-up's (a prompt one block and a few tokens long) find every graph compiled: in
+    # AR the prefill, the first steps and the steady steps; in diffusion the prefill, denoising and commit passes
+    ids = engine._warm_up_prompt()  # noqa: SLF001
+    assert _generate(engine, ids, "ar", 8).tokens == 8
+    assert _generate(engine, ids[::-1], "diffusion", 2 * engine.config.block_size).passes >= 3
+    assert BACKEND.graphs == graphs
+
+
+def test_cancel_during_the_warm_up_ends_the_load_as_cancelled(tiny_clover_dir: Path) -> None:  # noqa: F811
+    cancel = threading.Event()
+    events: list[LoadProgress] = []
+
+    def progress(p: LoadProgress) -> None:
+        events.append(p)
+        if p.stage == "compiling-ar":
+            cancel.set()  # the user presses Cancel as the warm-up starts
+
+    with pytest.raises(CancelledError, match="cancelled"):
+        Engine.load(tiny_clover_dir, compile=True, compile_backend=BACKEND, progress=progress, cancel=cancel)
+    assert _stages(events)[-2:] == ["done", "compiling-ar"]  # the diffusion stage never began
+
+
+def test_a_gguf_file_is_said_to_stay_uncompiled(tiny_clover_dir: Path, tmp_path: Path,  # noqa: F811
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from engine.gguf_writer import write_gguf
+
+    gguf = write_gguf(tiny_clover_dir, tmp_path / "tiny-F32.gguf", "F32", layout="upstream")[0]
+    events: list[LoadProgress] = []
+    with caplog.at_level("WARNING", logger="engine.api"):
+        engine = Engine.load(gguf, compile=True, compile_backend=BACKEND, progress=events.append)
+    assert not engine.compiled and "GGUF files are not compiled yet" in (engine.compile_skipped or "")
+    assert [e.current for e in events if e.stage in COMPILE_STAGES] == [engine.compile_skipped]
+    assert "not compiling tiny-F32.gguf: GGUF files are not compiled yet" in caplog.text
+    assert engine.warm_up_stages() == ["compiling-ar"]  # upstream llama.cpp's layout: AR only
+
+
+def test_the_worker_loads_compiled_and_the_window_shows_the_warm_up(
+    qapp: Any, tiny_clover_dir: Path,  # noqa: F811
+) -> None:
+    from clover_desk.worker import Worker
+    from engine.events import from_dict
+    from ui.banners import LoadBanner
+
+    records: list[dict[str, Any]] = []
+    worker = Worker(records.append, functools.partial(Engine.load, compile_backend=BACKEND))
+    try:
+        worker.handle({"cmd": "load", "model_dir": str(tiny_clover_dir), "compile": True})
+        deadline = time.monotonic() + 180  # run alone, this test traces the graphs itself
+        while not any(r["event"] in ("loaded", "error") for r in records) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+    assert records[-1]["event"] == "loaded", records[-1]
+    assert records[-1]["compiled"] is True and records[-1]["compile_skipped"] is None
+    progress = [from_dict(r) for r in records if r["event"] == "load_progress"]
+    assert _stages(progress)[-2:] == ["compiling-ar", "compiling-diffusion"]
+    banner = LoadBanner()
+    banner.set_progress(progress[-1])
+    assert banner.label.text() == "Compiling the layers…"
+    assert banner.detail.text() == "one-time warm-up 2 of 2: 2 blocks of block diffusion"
+
+
+def test_serve_compile_loads_the_model_compiled(tiny_clover_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from clover_desk import cmd_serve
+    from clover_desk.cli import parse_args
+
+    asked: list[dict[str, Any]] = []
+    load = Engine.load
+
+    def load_with_test_backend(*args: Any, **kwargs: Any) -> Engine:  # the real load, its kwargs seen
+        asked.append(kwargs)
+        return load(*args, compile_backend=BACKEND, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", load_with_test_backend)
+    args = parse_args(["serve", "--model", str(tiny_clover_dir), "--port", "0", "--compile"])
+    assert args.compile is True and parse_args(["serve", "--model", "m"]).compile is False
+    engine = cmd_serve._load(args)  # noqa: SLF001
+    assert asked[-1]["compile"] is True and engine.compiled
+    err = capsys.readouterr().err
+    assert "clover-desk serve: compiling-ar: one-time warm-up 1 of 2" in err
+    assert "clover-desk serve: compiling-diffusion: one-time warm-up 2 of 2" in err
