@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 WARM_UP_AR_TOKENS = 4
 WARM_UP_PROMPT_TAIL = 3  # prompt tokens past the first whole block
 _WARM_UP_TEXT = "Hello! These few tokens warm up the compiled layers before the first request. "
-COMPILE_SKIPPED_GGUF = "GGUF files are not compiled yet, so this model runs uncompiled"
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -178,8 +177,9 @@ class Engine:
         time (a minute or two on a CPU the first time; well under a minute once inductor's kernels are cached on
         disk: dynamo still traces the graphs in each new process) is
         paid here, reported through ``progress`` (``engine.events.COMPILE_STAGES``) and stopped by ``cancel``
-        between its stages, rather than by the first request. A GGUF file is not compiled: the load says so (a
-        warning, a "compile-skipped" progress event, ``Engine.compile_skipped``) and runs it uncompiled.
+        between its stages, rather than by the first request. Where compiling cannot work on this machine (no C++
+        compiler for the CPU, no Triton for CUDA: ``engine.fastpath.unavailable``) the load says so (a warning, a
+        "compile-skipped" progress event, ``Engine.compile_skipped``) and runs the model uncompiled.
         ``compile_backend``: the ``torch.compile`` backend (tests pass a cheap one that runs the traced graphs).
 
         ``dtype``: the compute dtype (default: the plan's, else float32); a plan made for another dtype is refused,
@@ -251,13 +251,17 @@ class Engine:
             "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
         )
         compile_skipped = None
-        if compile and is_gguf:  # the GGUF modules have not been through torch.compile yet
-            compile_skipped = COMPILE_SKIPPED_GGUF
-            log.warning("not compiling %s: %s", folder.name, compile_skipped)
-            if progress is not None:
-                progress(LoadProgress(stage="compile-skipped", done_bytes=0, total_bytes=0, current=compile_skipped))
+        if compile:
+            from engine import fastpath
+
+            compile_skipped = fastpath.unavailable(model.device.type) if compile_backend == "inductor" else None
+            if compile_skipped:
+                log.warning("not compiling %s: %s", folder.name, compile_skipped)
+                if progress is not None:
+                    progress(LoadProgress(stage="compile-skipped", done_bytes=0, total_bytes=0,
+                                          current=compile_skipped))
         engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped)
-        if compile and not is_gguf:
+        if compile and not compile_skipped:
             from engine.fastpath import compile_layers
 
             if cancel is not None and cancel.is_set():

@@ -80,3 +80,22 @@ def steady_state(model: Any) -> contextlib.AbstractContextManager[Any]:
     if not is_compiled(model) or not hasattr(torch.compiler, "set_stance"):
         return contextlib.nullcontext()
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+
+
+def unavailable(device_type: str) -> str | None:
+    """Why :func:`compile_layers` cannot work on this machine for ``device_type`` ("cpu" | "cuda"), or None.
+    Inductor generates C++ for the CPU (it needs a C++ compiler: g++ on Linux, clang++ on macOS, MSVC's cl on
+    Windows) and Triton for CUDA (bundled with Linux CUDA builds of torch, not always elsewhere). Checked at load, so
+    that the window can say why a model runs uncompiled instead of failing at the first request."""
+    import importlib.util
+    import os
+    import shutil
+
+    if device_type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile on a GPU needs Triton, which is not installed (pip install triton)"
+        return None
+    compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++", "cl"]
+    if not any(name and shutil.which(name) for name in compilers):
+        return "torch.compile on the CPU needs a C++ compiler (g++, clang++ or MSVC's cl), and none was found"
+    return None

@@ -231,7 +231,7 @@ def test_compile_the_layers_is_remembered_and_sent_with_the_next_load(
     tip = box.toolTip()
     assert all(words in tip for words in ("faster decoding", "warm-up while the model loads",
                                           "a minute or two on a CPU", "well under a minute on later runs",
-                                          "Not for GGUF files yet"))
+                                          "Needs a C++ compiler"))
     box.click()
     assert desk.settings.compile_layers is True and json.loads(desk.settings_path.read_text())["compile_layers"]
     assert client.loads == [] and library.reload_button.isVisible()  # applied on the next load, not now
@@ -256,7 +256,7 @@ def test_compile_the_layers_is_remembered_and_sent_with_the_next_load(
 
 
 def test_a_model_left_uncompiled_is_said_so(qtbot, desk) -> None:  # noqa: ANN001
-    reason = "GGUF files are not compiled yet, so this model runs uncompiled"
-    desk.window.on_engine_loaded({"model_dir": "/models/tiny.gguf", "compile_skipped": reason})
+    reason = "torch.compile on the CPU needs a C++ compiler (g++, clang++ or MSVC's cl), and none was found"
+    desk.window.on_engine_loaded({"model_dir": "/models/tiny", "compile_skipped": reason})
     banner = desk.window.info_banner
     assert not banner.isHidden() and banner.label.text() == f"“Compile the layers” is on, but {reason}."

@@ -1078,8 +1078,8 @@ class MainWindow(QMainWindow):
         self._set_state(EngineState.READY)
 
     def say_compile_skipped(self, reason: str, after_notice: bool = False) -> None:
-        """"Compile the layers" was on but the engine could not compile this model (``Engine.compile_skipped``: a
-        GGUF file): say so in the notice banner (after the notice already there when ``after_notice``)."""
+        """"Compile the layers" was on but the engine could not compile this model (``Engine.compile_skipped``: no
+        C++ compiler for the CPU, no Triton for CUDA): say so in the notice banner (after the notice already there when ``after_notice``)."""
         if not reason:
             return
         before = self.info_banner.label.text() + " " if after_notice else ""
