@@ -290,7 +290,6 @@ class Engine:
         cancelled warm-up raises :class:`~engine.errors.CancelledError`, as a cancelled load does. The warm-up is
         greedy, ignores EOS and keeps nothing. Returns the stages run (:meth:`warm_up_stages`)."""
         stages = self.warm_up_stages()
-        ids = self._warm_up_prompt()
         for index, stage in enumerate(stages):
             if cancel is not None and cancel.is_set():
                 raise CancelledError(f"loading {self.model_dir} was cancelled (while compiling)")
@@ -300,21 +299,32 @@ class Engine:
                 progress(LoadProgress(stage=stage, done_bytes=0, total_bytes=0,
                                       current=f"one-time warm-up {index + 1} of {len(stages)}: {what}"))
             started = time.perf_counter()
-            done = None
-            for event in generate(self.model, ids, self._warm_up_settings(ar, len(ids)), None, cancel,
-                                  vocab_size=self.config.vocab_size, hooks=self._hooks):
-                if isinstance(event, Finished):
-                    done = event
-            if done is None or done.stop_reason == "cancelled":
-                raise CancelledError(f"loading {self.model_dir} was cancelled (while compiling)")
-            log.info("warm-up %s: %d tokens in %d passes, %.1f s", stage, done.tokens, done.passes,
-                     time.perf_counter() - started)
+            for ids in self._warm_up_prompts(ar):
+                done = None
+                for event in generate(self.model, ids, self._warm_up_settings(ar, len(ids)), None, cancel,
+                                      vocab_size=self.config.vocab_size, hooks=self._hooks):
+                    if isinstance(event, Finished):
+                        done = event
+                if done is None or done.stop_reason == "cancelled":
+                    raise CancelledError(f"loading {self.model_dir} was cancelled (while compiling)")
+            log.info("warm-up %s: %.1f s", stage, time.perf_counter() - started)
         from engine import offload
 
         runtime = offload.runtime_of(self.model)
         if runtime is not None:  # the first request's expert-streaming figures count that request alone
             runtime.reset_stats()
         return stages
+
+    def _warm_up_prompts(self, ar: bool) -> list[list[int]]:
+        """The prompts of a warm-up stage, so that a request of any length finds its prefill compiled: a prompt's
+        prefill is one graph for a single chunk (or block) and another for several (the chunk scan then runs
+        eagerly, any count). AR: a short prompt (one chunk) and :meth:`_warm_up_prompt`; diffusion: that prompt (one
+        whole block prefilled) and one a block longer (two)."""
+        ids = self._warm_up_prompt()
+        block = self.config.block_size
+        if ar:
+            return [ids[: max(2, block // 4)], ids]
+        return [ids, (ids * 3)[: 2 * block + WARM_UP_PROMPT_TAIL]]
 
     def _warm_up_prompt(self) -> list[int]:
         """A prompt one block and :data:`WARM_UP_PROMPT_TAIL` tokens long: ordinary text's tokens when there is a
