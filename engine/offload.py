@@ -389,12 +389,17 @@ class StreamedExpertBank(ExpertBank):
         self.next_router: nn.Module | None = None  # router of the next streamed layer (prefetch)
         self.next_layer: int | None = None
 
+    # Never traced (``torch.compiler.disable``), like engine.experts._moe_sorted: the slot bookkeeping is host-side
+    # Python state that changes every step; traced, it would be baked into a compiled layer as constants (and the
+    # pool's acquire / release calls replayed wrongly). A compiled layer calls both eagerly (a graph break each).
+    @torch.compiler.disable
     def prepare(self, expert_ids: Tensor) -> None:
         self.runtime.on_layer_start(self.layer)
         experts = [int(e) for e in expert_ids.tolist()]
         self._slots = self.runtime.pool.acquire(self.layer, experts, self.store, in_block=self.runtime.in_block)
         self.runtime.note_experts(self.layer, experts)
 
+    @torch.compiler.disable
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         if not self._slots:  # prepare() was not called for this forward: find the experts (a host sync)
             self.prepare(torch.unique(topk_idx).cpu())

@@ -259,3 +259,28 @@ def test_pinning_falls_back_to_pageable_rows_when_refused_or_over_budget() -> No
     assert pinned == rows.is_pinned()
     rows, pinned = offload.alloc_host_rows((2, 32), False, offload.PinBudget(None), 2)
     assert not pinned
+
+
+@pytest.mark.parametrize("mode,n", [("ar", 12), ("diffusion", 32)])
+def test_compiled_layers_stream_the_same_tokens(qmodel: CloverModel, mode: str, n: int) -> None:
+    """Compiled decoder layers (engine.fastpath) over streamed banks: the bank's host-side bookkeeping (which
+    expert sits in which slot, changing every step) must never be traced into a graph, where it would be baked in
+    as constants and, in the AR loop's steady steps (guards skipped), reused for the wrong experts."""
+    import torch._dynamo
+
+    from engine.fastpath import compile_layers
+
+    def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        return gm.forward
+
+    reference = tokens(qmodel, mode, n)
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((0, 2), (1, 3), EXPERTS + 2), "cpu")
+    torch._dynamo.reset()
+    try:
+        compile_layers(model, backend=run_traced)
+        assert tokens(model, mode, n) == reference
+        assert tokens(model, mode, n) == reference  # a second request: every variant already compiled
+        assert offload.accounting(model)["slot_misses"] > 0
+    finally:
+        torch._dynamo.reset()
