@@ -5,7 +5,8 @@ the device, precision and compilation the next load uses.
 What a model is made of is read without loading it (:func:`scan_entry`, stdlib + the engine's torch-free readers):
 the safetensors headers' dtypes, a GGUF file's type, the quantized cache the engine keeps beside the weights
 (``<model>/.clover-cache/``, or under the user's cache folder when the model's folder is read-only: the rule of
-``engine.quant_cache.cache_dir_for``). Scans and deletions run on a thread; the GUI thread only paints.
+``engine.quant_cache.cache_dir_for``). Scans and deletions run on a thread, which hands its result to the GUI thread
+through a :class:`~ui.thread_bridge.ThreadBridge` (it never touches a Qt object); the GUI thread only paints.
 
 Delete asks first, naming every folder or file it will remove and how much space that frees; the model loaded now
 cannot be deleted (choose another one first).
@@ -13,16 +14,16 @@ cannot be deleted (choose another one first).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt, QUrl, Signal
+from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -37,6 +38,7 @@ from PySide6.QtWidgets import (
 )
 
 from ui.theme import set_style_class
+from ui.thread_bridge import ThreadBridge
 from ui.widgets import ElidedLabel, accessible
 
 log = logging.getLogger(__name__)
@@ -222,23 +224,22 @@ def delete_entry(entry: LibraryEntry) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _Job(QObject):
-    """Runs one function on a Python thread; its result (or error) comes back through a queued signal."""
+class _Job:
+    """Runs one function on a Python thread; ``done(result, exception or None)`` is called on the GUI thread through
+    the bridge (never once the bridge's owner is gone). Plain Python: the thread touches no Qt object."""
 
-    done = Signal(object, object)  # (result, exception or None)
-
-    def __init__(self, fn: Callable[[], object], parent: QObject | None = None) -> None:
-        super().__init__(parent)
+    def __init__(self, bridge: ThreadBridge, fn: Callable[[], object], done: Callable[[object, object], None]) -> None:
         self._fn = fn
-        self.thread = threading.Thread(target=self._run, name="model-library", daemon=True)
+        self._post = functools.partial(bridge.post, done)
+        self.thread = bridge.spawn(self._run, name="model-library")
 
     def _run(self) -> None:
         try:
             result = self._fn()
         except OSError as exc:
-            self.done.emit(None, exc)
+            self._post(None, exc)
             return
-        self.done.emit(result, None)
+        self._post(result, None)
 
 
 class ModelRow(QFrame):
@@ -325,6 +326,7 @@ class ModelLibrary(QFrame):
         self.confirm_box: QMessageBox | None = None
         self._job: _Job | None = None
         self._again = False
+        self.bridge = ThreadBridge(self)
         title = QLabel("Your models")
         set_style_class(title, "title")
         self.refresh_button = QPushButton("Refresh")
@@ -423,10 +425,8 @@ class ModelLibrary(QFrame):
             self._again = True
             return
         models_dir, recent = self.models_dir, list(self._recent())
-        job = _Job(lambda: [scan_entry(p) for p in library_paths(models_dir, recent)], self)
-        job.done.connect(self.on_scanned)
-        self._job = job
-        job.thread.start()
+        self._job = _Job(self.bridge, lambda: [scan_entry(p) for p in library_paths(models_dir, recent)],
+                         self.on_scanned)
 
     def row_for(self, path: str) -> ModelRow | None:
         return next((r for r in self.rows if _same(r.entry.path, path)), None)
@@ -486,8 +486,6 @@ class ModelLibrary(QFrame):
     # ---- internals -----------------------------------------------------------------------------------------
 
     def _release_job(self) -> None:
-        if self._job is not None:
-            self._job.deleteLater()
         self._job = None
 
     def _delete_now(self, entry: LibraryEntry) -> None:
@@ -495,10 +493,8 @@ class ModelLibrary(QFrame):
         if self.current is not None and _same(entry.path, self.current):
             return  # (its button is disabled; a model in use is never deleted)
         self.status.setText(f"Deleting {_escape(entry.name)}…")
-        job = _Job(lambda: delete_entry(entry), self)
-        job.done.connect(lambda _result, error: self.on_deleted(entry, error))
-        self._job = job
-        job.thread.start()
+        self._job = _Job(self.bridge, lambda: delete_entry(entry),
+                         lambda _result, error: self.on_deleted(entry, error))
 
     def _show(self, entries: list[LibraryEntry]) -> None:
         for row in self.rows:

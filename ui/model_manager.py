@@ -21,10 +21,10 @@ only when None), and ``gguf_choices`` / ``gguf_repo_id`` (the GGUF files offered
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-import queue
 import shutil
 import sys
 import threading
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from PySide6.QtCore import QObject, QProcess, QStandardPaths, Qt, QTimer, Signal
+from PySide6.QtCore import QProcess, QStandardPaths, Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QComboBox,
@@ -54,6 +54,7 @@ from PySide6.QtWidgets import (
 from engine.config import SUPPORTED_MODEL_TYPES, load_config
 from engine.errors import CancelledError, CloverError
 from engine.gguf_file import split_parts  # file names only (no numpy, no gguf package)
+from ui.thread_bridge import ThreadBridge
 
 log = logging.getLogger(__name__)
 
@@ -187,34 +188,36 @@ class GgufChoiceLike(Protocol):
     def label(self) -> str: ...
 
 
-class _DownloadJob(QObject):
-    """Runs one download on a Python thread; its end comes back through queued signals (progress goes through the
-    panel's queue, see ``ModelManagerPanel._forward_progress``)."""
+class _DownloadJob:
+    """Runs one download on a Python thread; its end (``finished(folder)`` or ``failed(message, cancelled)``) is
+    called on the GUI thread through the panel's bridge, after the progress the download reported before it (that
+    goes through the same bridge, see ``ModelManagerPanel.start_download``). Plain Python: no thread touches a Qt
+    object, so a panel deleted mid-download cannot crash the app."""
 
-    finished = Signal(str)  # the model folder
-    failed = Signal(str, bool)  # message, cancelled
-
-    def __init__(self, downloader: Downloader, cancel: threading.Event, parent: QObject | None = None) -> None:
-        super().__init__(parent)
+    def __init__(self, downloader: Downloader, cancel: threading.Event, bridge: ThreadBridge,
+                 finished: Callable[[str], None], failed: Callable[[str, bool], None]) -> None:
         self._downloader = downloader
         self.cancel = cancel
-        self.thread = threading.Thread(target=self._run, name="model-download", daemon=True)
+        self._bridge = bridge
+        self._finished = functools.partial(bridge.post, finished)
+        self._failed = functools.partial(bridge.post, failed)
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.thread.start()
+        self.thread = self._bridge.spawn(self._run, name="model-download")
 
     def _run(self) -> None:
         try:
             folder = self._downloader.run()
         except CancelledError as exc:
-            self.failed.emit(str(exc), True)
+            self._failed(str(exc), True)
         except CloverError as exc:
-            self.failed.emit(str(exc), False)
+            self._failed(str(exc), False)
         except Exception as exc:  # noqa: BLE001 - a worker must report, never die silently
             log.exception("download failed")
-            self.failed.emit(f"download failed: {exc}", False)
+            self._failed(f"download failed: {exc}", False)
         else:
-            self.finished.emit(str(folder))
+            self._finished(str(folder))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,12 +264,9 @@ class ModelManagerPanel(QWidget):
         self._python = python
         self._job: _DownloadJob | None = None
         # Progress snapshots come from the downloader's threads (huggingface_hub's workers among them, which can
-        # still report after the job ended): they only ever touch this Python queue, drained on the GUI thread, so
-        # no thread can reach a Qt object that was already deleted.
-        self._progress_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._progress_timer = QTimer(self)
-        self._progress_timer.setInterval(50)
-        self._progress_timer.timeout.connect(self._drain_progress)
+        # still report after the job ended), the job's end from its thread: they only ever post to this bridge,
+        # drained on the GUI thread in order, so no thread can reach a Qt object that was already deleted.
+        self.bridge = ThreadBridge(self)
         self._process: QProcess | None = None
         self._demo_dir: Path | None = None
         self._demo_output: list[str] = []
@@ -417,15 +417,14 @@ class ModelManagerPanel(QWidget):
             return
         choice = self.download_choice.currentData()
         extra = {"gguf": choice} if choice is not None else {}  # one GGUF file instead of the model folder
+        # called on the downloader's threads: it only posts (the job's cancel event tells its reports apart)
+        progress = functools.partial(self.bridge.post, self._on_job_progress, cancel)
         try:
-            downloader = self._factory(target, repo_id, progress=self._forward_progress, cancel=cancel, **extra)
+            downloader = self._factory(target, repo_id, progress=progress, cancel=cancel, **extra)
         except CloverError as exc:
             self._on_download_failed(str(exc), False)
             return
-        self._job = _DownloadJob(downloader, cancel, self)
-        self._progress_timer.start()
-        self._job.finished.connect(self.on_download_finished)
-        self._job.failed.connect(self.on_download_failed)
+        self._job = _DownloadJob(downloader, cancel, self.bridge, self.on_download_finished, self.on_download_failed)
         self.download_status.setText(f"Downloading {_escape(repo_id)}…")
         self.progress_label.setText("asking the Hub for the file list…")
         self._set_downloading(True)
@@ -468,7 +467,8 @@ class ModelManagerPanel(QWidget):
         """Stop a running download or demo creation (call when the app quits)."""
         if self._job is not None:
             self._job.cancel.set()
-            self._job.thread.join(timeout_s)
+            if self._job.thread is not None:
+                self._job.thread.join(timeout_s)
         if self._process is not None:
             self._process.kill()
             self._process.waitForFinished(int(timeout_s * 1000))
@@ -589,25 +589,12 @@ class ModelManagerPanel(QWidget):
 
     # ---- internals -----------------------------------------------------------------------------------------
 
-    def _forward_progress(self, progress: Any) -> None:
-        """Called on a download thread: queue the snapshot for the GUI thread (no Qt call here)."""
-        self._progress_queue.put(progress)
-
-    def _drain_progress(self) -> None:
-        while True:
-            try:
-                progress = self._progress_queue.get_nowait()
-            except queue.Empty:
-                return
-            if self._job is not None:  # late reports of an ended job are dropped
-                self.on_download_progress(progress)
+    def _on_job_progress(self, cancel: threading.Event, progress: Any) -> None:
+        if self._job is not None and self._job.cancel is cancel:  # late reports of an ended job are dropped
+            self.on_download_progress(progress)
 
     def _release_job(self) -> None:
-        self._drain_progress()  # what the job reported before it ended, in order
-        self._progress_timer.stop()
-        if self._job is not None:
-            self._job.deleteLater()
-        self._job = None
+        self._job = None  # (what the job reported before its end was delivered before it: one ordered bridge)
 
     def _on_download_failed(self, message: str, cancelled: bool) -> None:
         self._release_job()

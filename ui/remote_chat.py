@@ -3,7 +3,8 @@ serve``, ...) instead of the local engine.
 
 The remote client is a service handed in by the composition root (a :data:`~ui.contracts.RemoteFactory`, i.e.
 ``clover_desk.remote.RemoteBackend``); ui never imports it. :class:`RemoteRunner` runs its blocking calls on Python
-threads and posts what they yield to the GUI thread through queued signals, speaking like the engine client
+threads and posts what they yield to the GUI thread through a :class:`~ui.thread_bridge.ThreadBridge` (a thread never
+touches a Qt object, so closing the window mid-answer cannot crash), where its signals speak like the engine client
 (``event(request_id, event)``: ``TextDelta`` ..., then one remote finish or an ``EngineError``), so the window
 streams a remote answer with the code that streams a local one. :class:`RemoteSettingsDialog` edits the settings,
 remembered in the window's ``QSettings``: ``backend`` ("local" | "remote"), ``remote_url``, ``remote_api_key``,
@@ -15,6 +16,7 @@ OpenAI API, and passes, tokens per pass and the mode come only from a Clover Des
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import uuid
@@ -41,6 +43,7 @@ from engine.errors import CloverError
 from engine.events import EngineError, GenerationParams
 from ui.contracts import RemoteFactory
 from ui.theme import set_style_class
+from ui.thread_bridge import ThreadBridge
 from ui.widgets import accessible
 
 log = logging.getLogger(__name__)
@@ -82,7 +85,11 @@ def remote_stats_line(stats: dict[str, Any]) -> str:
 
 
 class RemoteRunner(QObject):
-    """Remote calls off the GUI thread. One answer at a time (the window sends one at a time)."""
+    """Remote calls off the GUI thread. One answer at a time (the window sends one at a time).
+
+    The threads run module functions (:func:`_run_chat`, :func:`_run_test`) handed plain Python objects only: what
+    they yield goes through :attr:`bridge`, which emits the signals on the GUI thread, in order, while this runner
+    lives (and drops it once the runner is deleted)."""
 
     event = Signal(str, object)  # (request id, TextDelta | remote finish | EngineError): as the engine client's
     connectionTested = Signal(bool, str, list)  # (ok, message, model ids) answering test_connection()
@@ -94,20 +101,11 @@ class RemoteRunner(QObject):
         self.api_key = ""
         self.model = ""
         self._cancels: dict[str, threading.Event] = {}
-        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self.bridge = ThreadBridge(self)
 
     def configure(self, url: str, api_key: str = "", model: str = "") -> None:
         self.url, self.api_key, self.model = url.strip(), api_key.strip(), model.strip()
-
-    def _backend(self, url: str, api_key: str, model: str) -> Any:
-        return self._factory(url, api_key or None, model or None)
-
-    def _spawn(self, target: Any, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name="clover-remote", daemon=True)
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
 
     def generate(self, messages: Sequence[dict[str, Any]], params: GenerationParams,
                  tools: Sequence[dict[str, Any]] | None = None) -> str:
@@ -116,8 +114,9 @@ class RemoteRunner(QObject):
         cancel = threading.Event()
         with self._lock:
             self._cancels[request_id] = cancel
-        self._spawn(self._run_chat, request_id, (self.url, self.api_key, self.model), list(messages), params,
-                    tools, cancel)
+        self.bridge.spawn(_run_chat, functools.partial(self.bridge.post, self.event, request_id), self._factory,
+                          (self.url, self.api_key, self.model), list(messages), params, tools, cancel,
+                          functools.partial(_forget, self._lock, self._cancels, request_id), name="clover-remote")
         return request_id
 
     def cancel(self, request_id: str | None = None) -> None:
@@ -131,52 +130,62 @@ class RemoteRunner(QObject):
 
     def test_connection(self, url: str, api_key: str = "", model: str = "") -> None:
         """Ask the server for its models; the answer is ``connectionTested``."""
-        self._spawn(self._run_test, url.strip(), api_key.strip(), model.strip())
+        self.bridge.spawn(_run_test, functools.partial(self.bridge.post, self.connectionTested), self._factory,
+                          url.strip(), api_key.strip(), model.strip(), name="clover-remote")
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Cancel what runs and wait (briefly) for the threads (on quit)."""
         self.cancel()
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join(timeout_s)
+        self.bridge.join(timeout_s)
 
-    # ---- threads ----
-    def _run_chat(self, request_id: str, where: tuple[str, str, str], messages: list[dict[str, Any]],
-                  params: GenerationParams, tools: Any, cancel: threading.Event) -> None:
-        try:
-            backend = self._backend(*where)
-            for event in backend.chat(messages, params, tools, cancel):
-                self.event.emit(request_id, event)
-        except CloverError as exc:  # RemoteError: cannot reach, refused, not an answer
-            self.event.emit(request_id, EngineError("RemoteError", str(exc)))
-        except Exception as exc:  # noqa: BLE001 - a bug must end the answer, not hang it
-            log.exception("remote answer failed")
-            self.event.emit(request_id, EngineError(type(exc).__name__, f"remote answer failed: {exc}"))
-        finally:
-            with self._lock:
-                self._cancels.pop(request_id, None)
 
-    def _run_test(self, url: str, api_key: str, model: str) -> None:
-        try:
-            models = list(self._backend(url, api_key, model).models())
-        except CloverError as exc:
-            self.connectionTested.emit(False, str(exc), [])
-            return
-        except Exception as exc:  # noqa: BLE001 - reported to the user
-            log.exception("testing the remote connection failed")
-            self.connectionTested.emit(False, f"{type(exc).__name__}: {exc}", [])
-            return
-        if not models:
-            self.connectionTested.emit(False, f"{url} answers, but lists no model", [])
-            return
-        if model and model not in models:
-            self.connectionTested.emit(False, f"connected, but the server has no model {model!r} (it has: "
-                                              f"{', '.join(models)})", models)
-            return
-        shown = ", ".join(models[:5]) + (" …" if len(models) > 5 else "")
-        self.connectionTested.emit(True, f"Connected: {len(models)} model{'s' if len(models) != 1 else ''} "
-                                         f"({shown})", models)
+# ---- threads (no Qt here: ``post`` hands the GUI thread what to emit) ----
+
+
+def _backend(factory: RemoteFactory, url: str, api_key: str, model: str) -> Any:
+    return factory(url, api_key or None, model or None)
+
+
+def _forget(lock: threading.Lock, cancels: dict[str, threading.Event], request_id: str) -> None:
+    with lock:
+        cancels.pop(request_id, None)
+
+
+def _run_chat(post: Any, factory: RemoteFactory, where: tuple[str, str, str], messages: list[dict[str, Any]],
+              params: GenerationParams, tools: Any, cancel: threading.Event, forget: Any) -> None:
+    """Stream one answer: ``post(event)`` for each event, in order, ending with the finish or an ``EngineError``."""
+    try:
+        backend = _backend(factory, *where)
+        for event in backend.chat(messages, params, tools, cancel):
+            post(event)
+    except CloverError as exc:  # RemoteError: cannot reach, refused, not an answer
+        post(EngineError("RemoteError", str(exc)))
+    except Exception as exc:  # noqa: BLE001 - a bug must end the answer, not hang it
+        log.exception("remote answer failed")
+        post(EngineError(type(exc).__name__, f"remote answer failed: {exc}"))
+    finally:
+        forget()
+
+
+def _run_test(post: Any, factory: RemoteFactory, url: str, api_key: str, model: str) -> None:
+    """Ask for the models: ``post(ok, message, model ids)`` once."""
+    try:
+        models = list(_backend(factory, url, api_key, model).models())
+    except CloverError as exc:
+        post(False, str(exc), [])
+        return
+    except Exception as exc:  # noqa: BLE001 - reported to the user
+        log.exception("testing the remote connection failed")
+        post(False, f"{type(exc).__name__}: {exc}", [])
+        return
+    if not models:
+        post(False, f"{url} answers, but lists no model", [])
+        return
+    if model and model not in models:
+        post(False, f"connected, but the server has no model {model!r} (it has: {', '.join(models)})", models)
+        return
+    shown = ", ".join(models[:5]) + (" …" if len(models) > 5 else "")
+    post(True, f"Connected: {len(models)} model{'s' if len(models) != 1 else ''} ({shown})", models)
 
 
 class RemoteSettingsDialog(QDialog):
