@@ -25,17 +25,7 @@ from engine.api import Engine
 from engine.errors import CancelledError
 from engine.events import COMPILE_STAGES, Finished, GenerationParams, LoadProgress
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
-
-
-class CountingBackend:
-    """A torch.compile backend that counts the graphs it is handed and runs each as traced."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        self.graphs += 1
-        return gm.forward
+from helpers_model import CountingBackend
 
 
 BACKEND = CountingBackend()

@@ -12,7 +12,7 @@ import torch
 
 from engine.fastpath import compile_layers, is_compiled
 from engine.generate import DecodeSettings, generate_ar, generate_diffusion
-from tests.helpers_model import BLOCK, tiny_config, tiny_model
+from tests.helpers_model import BLOCK, CountingBackend, tiny_config, tiny_model
 
 PROMPT = [5, 9, 17, 33, 65, 129, 7, 11, 13, 19, 23]
 MASK = 256  # the tiny vocabulary's last id stands in for <|mask|>
@@ -31,17 +31,6 @@ def _tokens(model: Any, mode: str, n: int) -> list[int]:
         model, PROMPT, _settings(model.config, mode, n)
     )
     return list(done.token_ids)
-
-
-class CountingBackend:
-    """A torch.compile backend that counts the graphs it is handed and runs each as traced."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        self.graphs += 1
-        return gm.forward
 
 
 def _compiled_run(layers: int, diffusion: bool) -> tuple[int, list[int], list[int], list[int], list[int]]:
