@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="compile the decoder layers (torch.compile) for faster decoding; the load then warms "
                              "them up before listening: a minute or two on a CPU the first time, well under a minute "
-                             "once cached (not for .gguf files yet)")
+                             "once cached")
 
 
 def run(args: argparse.Namespace) -> int:

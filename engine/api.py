@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine import fastpath
 from engine.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
 from engine.defaults import DEFAULT_CTX_TOKENS, GIB
 from engine.errors import CancelledError, ConfigError, PlanError, PromptError
@@ -135,14 +136,12 @@ class Engine:
         self.plan = plan
         self._hooks = hooks
         self.ar_only = ar_only  # why diffusion mode is refused (a GGUF without the diffusion tensors), or None
-        self.compile_skipped = compile_skipped  # why compile=True left the model uncompiled (a GGUF file), or None
+        self.compile_skipped = compile_skipped  # why compile=True left the model uncompiled, or None
 
     @property
     def compiled(self) -> bool:
         """Whether the decoder layers run compiled (:mod:`engine.fastpath`)."""
-        from engine.fastpath import is_compiled
-
-        return is_compiled(self.model)
+        return fastpath.is_compiled(self.model)
 
     @classmethod
     def load(
@@ -251,10 +250,8 @@ class Engine:
             "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
         )
         compile_skipped = None
-        if compile:
-            from engine import fastpath
-
-            compile_skipped = fastpath.unavailable(model.device.type) if compile_backend == "inductor" else None
+        if compile and compile_backend == "inductor":
+            compile_skipped = fastpath.unavailable(model.device.type)
             if compile_skipped:
                 log.warning("not compiling %s: %s", folder.name, compile_skipped)
                 if progress is not None:
@@ -262,11 +259,9 @@ class Engine:
                                           current=compile_skipped))
         engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped)
         if compile and not compile_skipped:
-            from engine.fastpath import compile_layers
-
             if cancel is not None and cancel.is_set():
                 raise CancelledError(f"loading {folder} was cancelled")
-            compile_layers(model, backend=compile_backend)
+            fastpath.compile_layers(model, backend=compile_backend)
             engine.warm_up(progress, cancel)
         return engine
 

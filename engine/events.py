@@ -30,8 +30,9 @@ class GenerationParams:
 
 
 # The stages of a compiled load after its weights are read (``Engine.load(compile=True)``): one short generation per
-# decoding mode, which compiles that mode's passes (``current`` says what runs), or a notice that the file's kind
-# is not compiled (``current`` says why). ``total_bytes`` is 0 in these: their length is not known beforehand.
+# decoding mode, which compiles that mode's passes (``current`` says what runs), or a notice that compiling cannot
+# work on this machine (``current`` says why: engine.fastpath.unavailable). ``total_bytes`` is 0 in these: their
+# length is not known beforehand.
 COMPILE_STAGES = ("compiling-ar", "compiling-diffusion", "compile-skipped")
 
 

@@ -11,10 +11,10 @@ figures side by side with the greedy tokens of both. On the CPU (inductor's C++ 
 below) the one-row products of an AR step and its one-query attention are written out in the model when compiled
 (``engine.model.Linear``, ``Attention``), so they join the generated kernels instead of calling MKL's gemv and the
 flash kernel, and the AR loop's steady steps skip the guards that cannot fail (:func:`steady_state`). Measured on
-2 cores, deep-narrow shape: 34 tok/s eager, 107 compiled, llama.cpp 184 on the same weights (interleaved, best of runs). On CUDA the same
-graphs run as Triton kernels (not measured yet). CUDA graphs are
-not used: the attention reads the cache up to the current length, a size that changes every step, which a
-captured graph cannot follow (a static-length cache with a mask is the way there; not done).
+2 cores, deep-narrow shape: 34 tok/s eager, 107 compiled, llama.cpp 184 on the same weights (interleaved, best of
+runs). On CUDA the same graphs run as Triton kernels (not measured yet). CUDA graphs are not used: the attention
+reads the cache up to the current length, a size that changes every step, which a captured graph cannot follow
+(a static-length cache with a mask is the way there; not done).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def steady_state(model: Any) -> contextlib.AbstractContextManager[Any]:
     two did not already compile or select. Measured on the deep-narrow shape (CPU, 2 threads): ~101 -> ~108 tok/s.
     Not used for diffusion passes, whose shapes (commit, last partial block) can first occur mid-loop.
     A plain context for an eager model."""
-    if not is_compiled(model) or not hasattr(torch.compiler, "set_stance"):
+    if not is_compiled(model):
         return contextlib.nullcontext()
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 

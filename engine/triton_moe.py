@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -86,15 +85,39 @@ def fused_moe(x: Tensor, pool: Tensor, layout: RowLayout, rows: Tensor, topk_w: 
     return fused_nf4_moe(x, pool, layout, rows, topk_w)  # type: ignore[arg-type]
 
 
-def _kernels() -> tuple[Any, Any]:
-    from engine.triton_moe_kernels import down_kernel, gate_up_kernel
-
-    return gate_up_kernel, down_kernel
-
-
 @functools.cache
 def _code_book(device: torch.device) -> Tensor:
     return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+
+
+NF4 = -1  # the kernels' format id for NF4 rows (triton_moe_kernels.FMT_NF4); GGUF matrices use their ggml type
+
+
+def _launch(
+    x: Tensor, pool: Tensor, rows: Tensor, topk_w: Tensor, d: int, i: int, blocksize: int,
+    gate: tuple[int, int, int], up: tuple[int, int, int, int], down: tuple[int, int, int],
+) -> Tensor:
+    """The two kernels over every (token, expert) pair of ``rows`` [T, K]; ``gate`` / ``down`` = (byte offset,
+    scales offset, format), ``up`` = the same and its first row. Returns [T, D] in x's dtype."""
+    from engine.triton_moe_kernels import down_kernel, gate_up_kernel
+
+    t, k = rows.shape
+    pairs = t * k
+    x = x.contiguous()
+    pool = pool.contiguous()
+    flat_rows = rows.reshape(-1).to(torch.int32).contiguous()  # [P] pool row of pair p = t*K + k
+    toks = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)  # [P]
+    weights = topk_w.reshape(-1).to(torch.float32).contiguous()  # [P]
+    h = torch.empty(pairs, i, dtype=torch.float32, device=x.device)
+    out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
+    table = _code_book(x.device)
+    gate_up_kernel[(pairs, -(-i // BLOCK_I))](
+        x, pool, flat_rows, toks, table, h, pool.stride(0), d, i, blocksize, *gate, *up, BLOCK_I, BLOCK_D,
+    )
+    down_kernel[(pairs, -(-d // BLOCK_N))](
+        h, pool, flat_rows, weights, table, out, pool.stride(0), d, i, blocksize, *down, BLOCK_N, BLOCK_K,
+    )
+    return out.view(t, k, d).sum(1).to(x.dtype)
 
 
 def fused_nf4_moe(x: Tensor, pool: Tensor, layout: ExpertLayout, rows: Tensor, topk_w: Tensor) -> Tensor:
@@ -103,35 +126,12 @@ def fused_nf4_moe(x: Tensor, pool: Tensor, layout: ExpertLayout, rows: Tensor, t
     x's dtype (accumulated in float32)."""
     if layout.fmt != "nf4":
         raise ValueError(f"the fused kernel reads NF4 rows, not {layout.fmt!r}")
-    gate_up_kernel, down_kernel = _kernels()
-    t, k = rows.shape
-    d, i = layout.hidden_size, layout.intermediate_size
-    pairs = t * k
-    x = x.contiguous()
-    pool = pool.contiguous()
-    flat_rows = rows.reshape(-1).to(torch.int32).contiguous()
-    toks = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)  # [P]
-    weights = topk_w.reshape(-1).to(torch.float32).contiguous()
-    h = torch.empty(pairs, i, dtype=torch.float32, device=x.device)
-    out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
-    table = _code_book(x.device)
-    gate_up_kernel[(pairs, -(-i // BLOCK_I))](
-        x, pool, flat_rows, toks, table, h, pool.stride(0), d, i, layout.blocksize, layout.gate_up_codes[0],
-        layout.gate_up_scales[0], BLOCK_I, BLOCK_D,
+    codes, scales = layout.gate_up_codes[0], layout.gate_up_scales[0]
+    return _launch(
+        x, pool, rows, topk_w, layout.hidden_size, layout.intermediate_size, layout.blocksize,
+        gate=(codes, scales, NF4), up=(codes, scales, NF4, layout.intermediate_size),  # up: rows I..2I-1
+        down=(layout.down_codes[0], layout.down_scales[0], NF4),
     )
-    down_kernel[(pairs, -(-d // BLOCK_N))](
-        h, pool, flat_rows, weights, table, out, pool.stride(0), d, i, layout.blocksize, layout.down_codes[0],
-        layout.down_scales[0], BLOCK_N, BLOCK_K,
-    )
-    return out.view(t, k, d).sum(1).to(x.dtype)
-
-
-def _pairs(x: Tensor, rows: Tensor, topk_w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per pair p = t*K + k of ``rows`` [T, K]: its pool row and token (int32 [P]) and weight (fp32 [P])."""
-    t, k = rows.shape
-    flat_rows = rows.reshape(-1).to(torch.int32).contiguous()
-    toks = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
-    return flat_rows, toks, topk_w.reshape(-1).to(torch.float32).contiguous()
 
 
 def fused_gguf_moe(x: Tensor, pool: Tensor, layout: RowLayout, rows: Tensor, topk_w: Tensor) -> Tensor:
@@ -144,24 +144,11 @@ def fused_gguf_moe(x: Tensor, pool: Tensor, layout: RowLayout, rows: Tensor, top
         raise ValueError(f"the fused GGUF kernel reads GGUF rows, not {layout.fmt!r}")
     if not supports(layout):
         raise ValueError(f"the fused GGUF kernel decodes ggml types {sorted(GGUF_TYPES)}, not all of {qtypes}")
-    from engine.triton_moe_kernels import gguf_down_kernel, gguf_gate_up_kernel
-
-    t, k = rows.shape
-    d, i = layout.hidden_size, layout.intermediate_size
     (gate_off, _), (up_off, _), (down_off, _) = layout.segments  # type: ignore[attr-defined]
-    pairs = t * k
-    x = x.contiguous()
-    pool = pool.contiguous()
-    flat_rows, toks, weights = _pairs(x, rows, topk_w)
-    h = torch.empty(pairs, i, dtype=torch.float32, device=x.device)
-    out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
-    gguf_gate_up_kernel[(pairs, -(-i // BLOCK_I))](
-        x, pool, flat_rows, toks, h, pool.stride(0), d, i, gate_off, up_off, qtypes[0], qtypes[1], BLOCK_I, BLOCK_D,
+    return _launch(
+        x, pool, rows, topk_w, layout.hidden_size, layout.intermediate_size, 1,
+        gate=(gate_off, 0, qtypes[0]), up=(up_off, 0, qtypes[1], 0), down=(down_off, 0, qtypes[2]),
     )
-    gguf_down_kernel[(pairs, -(-d // BLOCK_N))](
-        h, pool, flat_rows, weights, out, pool.stride(0), d, i, down_off, qtypes[2], BLOCK_N, BLOCK_K,
-    )
-    return out.view(t, k, d).sum(1).to(x.dtype)
 
 
 def gguf_dequantize(raw: Tensor, qtype: int, ncols: int) -> Tensor:

@@ -14,60 +14,6 @@ def nf4_at(codes_ptr, scales_ptr, table_ptr, e, blocksize: tl.constexpr, mask):
     return value * scale
 
 
-@triton.jit
-def gate_up_kernel(
-    x_ptr, pool_ptr, rows_ptr, toks_ptr, table_ptr, h_ptr, row_stride,
-    D: tl.constexpr, I: tl.constexpr, blocksize: tl.constexpr, codes_off: tl.constexpr,
-    scales_off: tl.constexpr, BI: tl.constexpr, BD: tl.constexpr,
-):
-    p = tl.program_id(0)
-    row = tl.load(rows_ptr + p).to(tl.int64)
-    tok = tl.load(toks_ptr + p).to(tl.int64)
-    base = pool_ptr + row * row_stride
-    codes = base + codes_off
-    scales = (base + scales_off).to(tl.pointer_type(tl.float32))
-    i = tl.program_id(1) * BI + tl.arange(0, BI)  # [BI]
-    i_ok = i < I
-    acc_g = tl.zeros([BI], dtype=tl.float32)
-    acc_u = tl.zeros([BI], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)  # [BD]
-        d_ok = d < D
-        xv = tl.load(x_ptr + tok * D + d, mask=d_ok, other=0.0).to(tl.float32)  # [BD]
-        ok = i_ok[:, None] & d_ok[None, :]
-        e_gate = i[:, None].to(tl.int64) * D + d[None, :]  # gate_up rows 0..I-1: gate
-        e_up = (i[:, None] + I).to(tl.int64) * D + d[None, :]  # rows I..2I-1: up
-        acc_g += tl.sum(nf4_at(codes, scales, table_ptr, e_gate, blocksize, ok) * xv[None, :], axis=1)
-        acc_u += tl.sum(nf4_at(codes, scales, table_ptr, e_up, blocksize, ok) * xv[None, :], axis=1)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
-    tl.store(h_ptr + p * I + i, h, mask=i_ok)
-
-
-@triton.jit
-def down_kernel(
-    h_ptr, pool_ptr, rows_ptr, w_ptr, table_ptr, out_ptr, row_stride,
-    D: tl.constexpr, I: tl.constexpr, blocksize: tl.constexpr, codes_off: tl.constexpr,
-    scales_off: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    p = tl.program_id(0)
-    row = tl.load(rows_ptr + p).to(tl.int64)
-    base = pool_ptr + row * row_stride
-    codes = base + codes_off
-    scales = (base + scales_off).to(tl.pointer_type(tl.float32))
-    n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] hidden rows of down [D, I]
-    n_ok = n < D
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < I
-        hv = tl.load(h_ptr + p * I + k, mask=k_ok, other=0.0)  # [BK]
-        e = n[:, None].to(tl.int64) * I + k[None, :]
-        w = nf4_at(codes, scales, table_ptr, e, blocksize, n_ok[:, None] & k_ok[None, :])
-        acc += tl.sum(w * hv[None, :], axis=1)
-    weight = tl.load(w_ptr + p)
-    tl.store(out_ptr + p * D + n, acc * weight, mask=n_ok)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # GGUF (ggml) blocks: the value of one matrix element, computed from its block (layouts: engine.gguf_quants)
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,14 +177,37 @@ def gguf_dequant_kernel(
     tl.store(out_ptr + r[:, None].to(tl.int64) * C + c[None, :], v, mask=ok)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The MoE kernels: one pair for every format, the weight decode chosen at compile time (weight_at)
+# ---------------------------------------------------------------------------------------------------------------
+FMT_NF4: tl.constexpr = tl.constexpr(-1)  # not a ggml id: NF4 codes with fp32 block absmax (engine.quant)
+
+
 @triton.jit
-def gguf_gate_up_kernel(
-    x_ptr, pool_ptr, rows_ptr, toks_ptr, h_ptr, row_stride,
-    D: tl.constexpr, I: tl.constexpr, gate_off: tl.constexpr, up_off: tl.constexpr,
-    gate_type: tl.constexpr, up_type: tl.constexpr, BI: tl.constexpr, BD: tl.constexpr,
+def weight_at(base, off: tl.constexpr, scales_off: tl.constexpr, table_ptr, r, c, ncols: tl.constexpr,
+              fmt: tl.constexpr, blocksize: tl.constexpr, mask):
+    """fp32 values at (r, c) of a matrix of ``ncols`` columns stored in an expert row (``base``) from byte ``off``:
+    NF4 codes when ``fmt`` is FMT_NF4 (fp32 block absmax at byte ``scales_off``, code book ``table_ptr``, blocks of
+    ``blocksize``), else whole ggml rows of type ``fmt`` (``scales_off``, ``table_ptr`` and ``blocksize`` unused)."""
+    if fmt == FMT_NF4:
+        scales = (base + scales_off).to(tl.pointer_type(tl.float32))
+        v = nf4_at(base + off, scales, table_ptr, r.to(tl.int64) * ncols + c, blocksize, mask)
+    else:
+        v = gguf_at(base + off, r, c, ncols, fmt, mask)
+    return v
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, pool_ptr, rows_ptr, toks_ptr, table_ptr, h_ptr, row_stride,
+    D: tl.constexpr, I: tl.constexpr, blocksize: tl.constexpr,
+    gate_off: tl.constexpr, gate_scales: tl.constexpr, gate_fmt: tl.constexpr,
+    up_off: tl.constexpr, up_scales: tl.constexpr, up_fmt: tl.constexpr, up_row0: tl.constexpr,
+    BI: tl.constexpr, BD: tl.constexpr,
 ):
     """h[p, i] = silu(x[t] · gate[i]) * (x[t] · up[i]) for pair p (token t = toks[p], expert row rows[p] of the
-    pool) and the BI rows i of program (p, tile); gate and up [I, D] in their ggml types at their byte offsets."""
+    pool) and the BI rows i of program (p, tile). gate [I, D] at ``gate_off``; up [I, D] from row ``up_row0`` of
+    the matrix at ``up_off`` (NF4: the second half of the one gate_up matrix; GGUF: a matrix of its own)."""
     p = tl.program_id(0)
     row = tl.load(rows_ptr + p).to(tl.int64)
     tok = tl.load(toks_ptr + p).to(tl.int64)
@@ -252,8 +221,9 @@ def gguf_gate_up_kernel(
         d_ok = d < D
         xv = tl.load(x_ptr + tok * D + d, mask=d_ok, other=0.0).to(tl.float32)  # [BD]
         ok = i_ok[:, None] & d_ok[None, :]
-        g = gguf_at(base + gate_off, i[:, None], d[None, :], D, gate_type, ok)  # [BI, BD]
-        u = gguf_at(base + up_off, i[:, None], d[None, :], D, up_type, ok)
+        g = weight_at(base, gate_off, gate_scales, table_ptr, i[:, None], d[None, :], D, gate_fmt, blocksize, ok)
+        u = weight_at(base, up_off, up_scales, table_ptr, i[:, None] + up_row0, d[None, :], D, up_fmt, blocksize,
+                      ok)  # [BI, BD] each
         acc_g += tl.sum(g * xv[None, :], axis=1)
         acc_u += tl.sum(u * xv[None, :], axis=1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
@@ -261,16 +231,17 @@ def gguf_gate_up_kernel(
 
 
 @triton.jit
-def gguf_down_kernel(
-    h_ptr, pool_ptr, rows_ptr, w_ptr, out_ptr, row_stride,
-    D: tl.constexpr, I: tl.constexpr, down_off: tl.constexpr, down_type: tl.constexpr,
+def down_kernel(
+    h_ptr, pool_ptr, rows_ptr, w_ptr, table_ptr, out_ptr, row_stride,
+    D: tl.constexpr, I: tl.constexpr, blocksize: tl.constexpr,
+    down_off: tl.constexpr, down_scales: tl.constexpr, down_fmt: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """out[p, n] = w[p] * (h[p] · down[n]) for the BN hidden rows n of program (p, tile); down [D, I] in its ggml
-    type at its byte offset in the pair's expert row."""
+    """out[p, n] = w[p] * (h[p] · down[n]) for the BN hidden rows n of program (p, tile); down [D, I] at
+    ``down_off`` in the pair's expert row."""
     p = tl.program_id(0)
     row = tl.load(rows_ptr + p).to(tl.int64)
-    down = pool_ptr + row * row_stride + down_off
+    base = pool_ptr + row * row_stride
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
     n_ok = n < D
     acc = tl.zeros([BN], dtype=tl.float32)
@@ -278,7 +249,8 @@ def gguf_down_kernel(
         k = k0 + tl.arange(0, BK)  # [BK]
         k_ok = k < I
         hv = tl.load(h_ptr + p * I + k, mask=k_ok, other=0.0)  # [BK]
-        w = gguf_at(down, n[:, None], k[None, :], I, down_type, n_ok[:, None] & k_ok[None, :])  # [BN, BK]
+        w = weight_at(base, down_off, down_scales, table_ptr, n[:, None], k[None, :], I, down_fmt, blocksize,
+                      n_ok[:, None] & k_ok[None, :])  # [BN, BK]
         acc += tl.sum(w * hv[None, :], axis=1)
     weight = tl.load(w_ptr + p)
     tl.store(out_ptr + p * D + n, acc * weight, mask=n_ok)
