@@ -10,11 +10,12 @@ What it buys is measured, not assumed: ``clover-desk bench speed --compile`` pri
 figures side by side with the greedy tokens of both. On the CPU (inductor's C++ kernels, one thread each: see
 below) the one-row products of an AR step and its one-query attention are written out in the model when compiled
 (``engine.model.Linear``, ``Attention``), so they join the generated kernels instead of calling MKL's gemv and the
-flash kernel, and the AR loop's steady steps skip the guards that cannot fail (:func:`steady_state`). Measured on
-2 cores, deep-narrow shape: 34 tok/s eager, 107 compiled, llama.cpp 184 on the same weights (interleaved, best of
-runs). On CUDA the same graphs run as Triton kernels (not measured yet). CUDA graphs are not used: the attention
-reads the cache up to the current length, a size that changes every step, which a captured graph cannot follow
-(a static-length cache with a mask is the way there; not done).
+flash kernel, the AR step runs as one graph over all the layers (``CloverModel.step_graph``) and the loop's
+steady steps skip the guards that cannot fail (:func:`steady_state`). Measured on 2 cores, deep-narrow shape: 34
+tok/s eager, ~107-120 compiled layer by layer, ~147-168 with the whole-step graph, llama.cpp ~184 on the same
+weights. On CUDA the same graphs run as Triton kernels, and with every expert resident the AR step is replayed
+from CUDA graphs (``engine.step_graphs``: the position as a tensor, the keys read to a fixed length bucket and
+masked); neither is measured yet.
 """
 
 from __future__ import annotations
@@ -33,10 +34,20 @@ log = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 64
 
 
-def compile_layers(model: Any, *, backend: str = "inductor", mode: str | None = None) -> int:
+def compile_layers(
+    model: Any, *, backend: str = "inductor", mode: str | None = None, whole_step: bool = True
+) -> int:
     """Compile every decoder layer of ``model`` in place; returns how many were wrapped. Compiling happens on the
     first forward of each pass shape (tens of seconds on the CPU the first time; inductor caches its kernels on
-    disk, so later runs start faster)."""
+    disk, so later runs start faster).
+
+    ``whole_step``: also make the AR step one call (``CloverModel.step_graph``, used for the passes
+    ``CloverModel.is_hot_pass`` selects). On a GPU, when every expert is resident, that is a CUDA graph of the
+    step (``engine.step_graphs``: one replay instead of ~1,500 launches); otherwise the step compiled as one graph
+    over all the layers and the head, with one guard check instead of 40 (the compiled layers are inlined in it):
+    deep-narrow shape on 2 CPU cores, ~107-120 tok/s layer by layer, ~147-168 as one graph, same tokens; the
+    first compile of that graph takes 1-2 minutes there (under one once inductor's cache has it). The other
+    passes (prefill segments, denoising and commit passes) run layer by layer."""
     import torch._dynamo
 
     limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
@@ -60,6 +71,18 @@ def compile_layers(model: Any, *, backend: str = "inductor", mode: str | None = 
 
     if type(model.lm_head) is Linear:  # a plain head: its one-row product joins the generated kernels too
         model.head = torch.compile(model.head, backend=backend, mode=mode, dynamic=True)
+    if whole_step and hasattr(model, "step_graph"):
+        from engine import step_graphs
+
+        why_not = step_graphs.capturable(model)
+        if why_not is None:
+            model.step_graph = step_graphs.StepGraphs(model)
+        elif step_graphs.streamed_layers(model):
+            # a streamed bank's host-side fetch is never traced: a whole-step graph would be split around every
+            # streamed layer, and its pieces' guards differ from step to step; the layers stay compiled one by one
+            log.info("AR step not compiled whole: %s", why_not)
+        else:
+            model.step_graph = torch.compile(model._forward_pass, backend=backend, mode=mode, dynamic=True)
     model.compiled = True
     log.info("compiled %d decoder layers (backend %s)", n, backend)
     return n

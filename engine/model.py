@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -192,6 +193,10 @@ class _Pass:
     attn_mask: Tensor | None  # [T, S] bool (True = may attend) or None
     attn_causal: bool  # use SDPA's is_causal (keys == queries, plain causal)
     coreset: bool  # apply the MoE block coreset in this pass
+    # A static AR step (CloverModel.static_step): the position as a device tensor [1] (long), the keys read up to a
+    # fixed length kv_len (> position; attn_mask hides the rest), so that nothing in the pass depends on a host int.
+    pos: Tensor | None = None
+    kv_len: int = 0
 
     @property
     def block_mode(self) -> bool:
@@ -235,23 +240,30 @@ class Attention(nn.Module):
         if st is not None:
             kbuf, vbuf = st
             lo, hi = p.start_pos, p.start_pos + t
-            if not p.write_cache:
-                # The slots past cache.length are scratch: use them for this pass, then put back what was there so
-                # a read-only pass leaves the cache bit-identical.
-                saved = (kbuf[:, lo:hi].clone(), vbuf[:, lo:hi].clone())
-            kbuf[:, lo:hi] = k.to(kbuf.dtype)
-            vbuf[:, lo:hi] = v.to(vbuf.dtype)
+            if p.pos is not None:  # a static step: written where the position tensor says, read to a fixed length
+                kbuf.index_copy_(1, p.pos, k.to(kbuf.dtype))
+                vbuf.index_copy_(1, p.pos, v.to(vbuf.dtype))
+                hi = p.kv_len
+            else:
+                if not p.write_cache:
+                    # The slots past cache.length are scratch: use them for this pass, then put back what was there
+                    # so a read-only pass leaves the cache bit-identical.
+                    saved = (kbuf[:, lo:hi].clone(), vbuf[:, lo:hi].clone())
+                kbuf[:, lo:hi] = k.to(kbuf.dtype)
+                vbuf[:, lo:hi] = v.to(vbuf.dtype)
             keys, values = kbuf[:, :hi], vbuf[:, :hi]  # [Hkv, S, hd]
         else:
             keys, values = k, v
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         g = self.num_heads // self.num_kv_heads
-        if t == 1 and p.attn_mask is None and q.device.type == "cpu" and torch.compiler.is_compiling():
+        if t == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
             # One query (an AR step), compiled for the CPU: the scores, softmax and weighted sum written out, so that
             # inductor generates them inside the layer's kernels instead of calling the flash kernel (an OpenMP
             # region per call: ~35 us at these sizes, and a stall whenever the other cores are busy).
             qf = q.reshape(self.num_kv_heads, g, hd).float()  # [Hkv, G, hd]
             scores = (qf[:, :, None, :] * keys.float()[:, None, :, :]).sum(-1) * hd**-0.5  # [Hkv, G, S]
+            if p.attn_mask is not None:  # [1, S]: a static step's keys past its position
+                scores = scores.masked_fill(~p.attn_mask, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             o = (probs[..., None] * values.float()[:, None, :, :]).sum(-2)  # [Hkv, G, hd]
             o = o.to(q.dtype).reshape(self.num_heads, 1, hd)  # [Hq, 1, hd]
@@ -832,6 +844,8 @@ class CloverModel(nn.Module):
         self.dtype = dtype
         # longest single pass when writing the cache; longer inputs are split into whole-block segments
         self.max_pass_tokens = 2048
+        # engine.fastpath: the hot passes (an AR step; a denoising pass) as one compiled graph over all layers
+        self.step_graph: Callable[..., Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -896,7 +910,18 @@ class CloverModel(nn.Module):
                 for s in range(0, t, seg)
             ]
             return outs[-1] if last_only else torch.cat(outs)
-        return self._forward_pass(ids, start_pos, cache, block_size, write_cache, last_only, prefill, causal_inside_block)
+        run = self._forward_pass
+        if self.step_graph is not None and cache is not None and self.is_hot_pass(t, block_size, write_cache):
+            run = self.step_graph
+        return run(ids, start_pos, cache, block_size, write_cache, last_only, prefill, causal_inside_block)
+
+    @staticmethod
+    def is_hot_pass(t: int, block_size: int | None, write_cache: bool) -> bool:
+        """Whether a cached pass is an AR step (one token, causal, written to the cache): the pass a decode loop
+        repeats hundreds of times, which :func:`engine.fastpath.compile_layers` compiles whole. (A denoising pass
+        compiled whole measured no faster than layer by layer, 19.5 against 18-20 passes/s on the deep-narrow
+        shape, and its variants took minutes to compile: its 32 rows are work, not overhead.)"""
+        return t == 1 and block_size is None and write_cache
 
     def _forward_pass(
         self,
@@ -920,9 +945,7 @@ class CloverModel(nn.Module):
             block_size is not None and cfg.moe_block_coreset_enabled and (not prefill or cfg.coreset_in_prefill)
         )
         p = _Pass(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset)
-        table = self.embed_tokens.weight
-        # [T, D]; a host-side table (kept in its stored dtype) sends only T rows over, cast to the compute dtype
-        h = self.embed_tokens(ids.to(table.device)).to(device=device, dtype=self.dtype)
+        h = self.embed(ids)  # [T, D]
         for i, layer in enumerate(self.layers):
             h = layer(h, p, cache.layer(i) if cache is not None else None)
         if last_only:
@@ -936,6 +959,26 @@ class CloverModel(nn.Module):
         """The final norm and the LM head: h [T, D] -> fp32 logits [T, V] (``engine.fastpath`` compiles it with the
         layers when the head is a plain linear)."""
         return self.lm_head(self.norm(h)).float()
+
+    def static_step(self, h: Tensor, pos: Tensor, cache: ModelCache, kv_len: int) -> Tensor:
+        """One AR step with nothing that depends on a host int, for capture as a CUDA graph (engine.step_graphs):
+        ``h`` [1, D] the embedded token (in the model dtype, on the device), ``pos`` [1] long its position on the
+        device, ``kv_len`` a fixed key length > pos (the full-attention layers read that many keys and mask the
+        ones past ``pos``). Writes the cache like an AR step but leaves ``cache.length`` to the caller. Returns fp32
+        logits [1, V]; the same as ``forward(ids, pos, cache, last_only=True)`` up to summation order."""
+        cfg = self.config
+        cos, sin = rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
+        mask = (torch.arange(kv_len, device=pos.device) <= pos)[None, :]  # [1, S]
+        p = _Pass(0, 1, None, cache, True, cos, sin, mask, False, False, pos=pos, kv_len=kv_len)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, p, cache.layer(i))
+        return self.head(h)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [T] -> hidden states [T, D] on the layers' device, in the model dtype. A host-side table (kept in its
+        stored dtype) sends only T rows over."""
+        table = self.embed_tokens.weight
+        return self.embed_tokens(ids.to(table.device)).to(device=self.device, dtype=self.dtype)
 
     @staticmethod
     def _attention_mask(

@@ -24,7 +24,8 @@ step() {  # step NAME SECONDS COMMAND...
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv | tee "$out/summary.txt"
 # Issue 2: full-size random 35B-A3B in bf16, all weights resident: AR decode tok/s, diffusion passes/s (one block).
 step bench_speed_full 160 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16
-# Issue 8: the same with the decoder layers compiled (engine.fastpath; Triton kernels, one graph per layer kind),
+# Issue 8: the same with the decoder layers compiled (engine.fastpath; Triton kernels, one graph per layer kind;
+# all experts resident, so the AR step replays from CUDA graphs, engine.step_graphs),
 # eager and compiled side by side with token equality. 8 layers: the graphs are shared, so depth only scales time.
 step bench_speed_compiled 150 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
   --layers 8 --compile --repeats 3
@@ -38,4 +39,5 @@ else
   echo "== bench_offload_gpu skipped: bitsandbytes is not importable (carry its wheel in .whl/)" | tee -a "$out/summary.txt"
 fi
 # The GPU-marked tests (grouped expert compute on CUDA, the CLI's CUDA path).
-step pytest_gpu 100 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py tests/test_compile.py
+step pytest_gpu 100 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py tests/test_compile.py \
+  tests/test_step_graphs.py
