@@ -646,7 +646,37 @@ def _run_moe_only(args: argparse.Namespace) -> int:
                       + _op_counts(bank, name, x, idx, w, dense_reference if name == "dense" else quant_reference))
         for name in ("nf4", "q4_0"):
             _fused_line(name, banks[name], x, idx, w, args.repeats, device, t, distinct)
+    _int8_head_lines(args, device, dtype, gen)
     return 0
+
+
+HEAD_SHAPE = (248_320, 2_048)  # the 35B shape's LM head, int8 on the card
+
+
+def _int8_head_lines(args: argparse.Namespace, device: str, dtype: Any, gen: Any) -> None:
+    """The LM head as an int8 QuantLinear: the chunked dequantize-then-matmul path against the fused Triton kernel
+    (engine.triton_linear), 1 and 32 rows; CUDA only (the CPU has its own int8 GEMV)."""
+    import torch
+
+    from engine import triton_linear
+    from engine.quant import QuantLinear
+
+    if device != "cuda" or not triton_linear.available():
+        print(f"LM head int8 fused (Triton): not run ({'no Triton' if device == 'cuda' else 'CUDA only'})")
+        return
+    o, n = HEAD_SHAPE
+    head = QuantLinear(n, o, "int8", device=device)
+    head.codes = torch.randint(-127, 128, (o, n), dtype=torch.int8, generator=gen).to(device)
+    head.scales = (torch.rand(o, generator=gen) * 1e-3).to(device)
+    with torch.inference_mode():
+        for t in (1, 32):
+            x = torch.randn(t, n, generator=gen).to(device=device, dtype=dtype)
+            chunked = _best(lambda: head(x), args.repeats, device) * 1e3
+            fused = _best(lambda: triton_linear.int8_linear(x, head.codes, head.scales), args.repeats, device) * 1e3
+            diff = (triton_linear.int8_linear(x, head.codes, head.scales).float() - head(x).float()).abs().max().item()
+            print(f"T={t:<3d} LM head {o}x{n} int8: chunked dequantize-then-matmul {chunked:8.2f} ms, fused (Triton) "
+                  f"{fused:8.2f} ms ({chunked / fused:4.1f}x; codes {o * n / fused / 1e6:6.1f} GB/s), max |diff| "
+                  f"{diff:.2e}")
 
 
 def _fused_line(

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import triton_linear
 from engine.errors import CheckpointError, ConfigError
 from engine.formats import (  # noqa: F401 - re-exported: the byte rules and the policy table live in engine.formats
     DEFAULT_POLICY,
@@ -312,6 +313,8 @@ class QuantLinear(nn.Module):
             out = torch._weight_int8pack_mm(rows, self.codes, self.scales.to(x.dtype))  # [R, O]
             out = out.reshape(*x.shape[:-1], self.out_features)
             return out + bias if bias is not None else out
+        if triton_linear.enabled_for(x, self.fmt, self.codes):  # a GPU, opted in: the fused int8 kernel
+            return triton_linear.int8_linear(x, self.codes, self.scales, bias)
         step = self._chunk_rows()
         if step >= self.out_features:
             return F.linear(x, self.dequantized(x.dtype), bias)  # [.., O]

@@ -30,7 +30,7 @@ step bench_speed_full 160 $py -m clover_desk.cli bench speed --shape clover-35b-
 step bench_speed_compiled 150 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
   --layers 8 --compile --repeats 3
 # Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
-# (NF4 rows, GGUF Q4_0 blocks).
+# (NF4 rows, GGUF Q4_0 blocks); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton kernel.
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
 # Issue 3: full-size NF4 experts in pinned RAM, process capped at 16 GiB: H2D GB/s, AR tok/s, passes/s, coreset load.
 if $py -c "import bitsandbytes" 2>/dev/null; then
@@ -38,6 +38,6 @@ if $py -c "import bitsandbytes" 2>/dev/null; then
 else
   echo "== bench_offload_gpu skipped: bitsandbytes is not importable (carry its wheel in .whl/)" | tee -a "$out/summary.txt"
 fi
-# The GPU-marked tests (grouped expert compute on CUDA, the CLI's CUDA path).
+# The GPU-marked tests (grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps, the int8 kernel).
 step pytest_gpu 100 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py tests/test_compile.py \
-  tests/test_step_graphs.py
+  tests/test_step_graphs.py tests/test_triton_linear.py
