@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
                         help="with --vram-gb: context (prompt + answer) the plan reserves KV cache for (default 16384)")
     parser.add_argument("--compile", action="store_true",
-                        help="compile the decoder layers (torch.compile), warmed up while loading: a minute or two "
-                             "on a CPU the first time, well under a minute once cached")
+                        help="compile the decoder layers (torch.compile), warmed up while loading: two to three "
+                             "minutes on a CPU the first time, under a minute once cached")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
     parser.add_argument("--temperature", type=flags.temperature, default=None, help="> 0 samples (default: greedy)")

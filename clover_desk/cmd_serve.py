@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for it (default 16384 there, else the model's maximum)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the decoder layers (torch.compile) for faster decoding; the load then warms "
-                             "them up before listening: a minute or two on a CPU the first time, well under a minute "
+                             "them up before listening: two to three minutes on a CPU the first time, under a minute "
                              "once cached")
 
 

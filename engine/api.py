@@ -173,8 +173,8 @@ class Engine:
         held to the planned context: the KV cache and the prefill scratch were sized for it.
 
         ``compile``: compile the decoder layers (:mod:`engine.fastpath`), then :meth:`warm_up` them, so the compile
-        time (a minute or two on a CPU the first time; well under a minute once inductor's kernels are cached on
-        disk: dynamo still traces the graphs in each new process) is
+        time (two to three minutes on a 2-core CPU the first time, measured on the demo model; under a minute once
+        inductor's kernels are cached on disk: dynamo still traces the graphs in each new process) is
         paid here, reported through ``progress`` (``engine.events.COMPILE_STAGES``) and stopped by ``cancel``
         between its stages, rather than by the first request. Where compiling cannot work on this machine (no C++
         compiler for the CPU, no Triton for CUDA: ``engine.fastpath.unavailable``) the load says so (a warning, a

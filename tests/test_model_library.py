@@ -230,7 +230,7 @@ def test_compile_the_layers_is_remembered_and_sent_with_the_next_load(
     assert not box.isChecked() and box.isVisibleTo(library)  # off unless chosen
     tip = box.toolTip()
     assert all(words in tip for words in ("faster decoding", "warm-up while the model loads",
-                                          "a minute or two on a CPU", "well under a minute on later runs",
+                                          "two to three minutes on a CPU", "under a minute on later runs",
                                           "Needs a C++ compiler"))
     box.click()
     assert desk.settings.compile_layers is True and json.loads(desk.settings_path.read_text())["compile_layers"]
