@@ -333,10 +333,24 @@ def _compiled_figures(
     _print_figures("same engine, decoder layers compiled (engine.fastpath)", figures, config.block_size,
                    len(prompt))
     tokens = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens))).token_ids
+    print(_step_graph_line(model))
     same = sum(a == b for a, b in zip(tokens, eager_tokens))
     print(f"compiled vs eager: AR decode x{figures['ar_decode_tok_s'] / eager['ar_decode_tok_s']:.2f}, diffusion "
           f"passes x{figures['diffusion_passes_s'] / eager['diffusion_passes_s']:.2f}; greedy tokens identical: "
           f"{same}/{len(eager_tokens)}")
+
+
+def _step_graph_line(model: Any) -> str:
+    """How the compiled model ran its AR steps (CloverModel.step_graph)."""
+    from engine.step_graphs import StepGraphs
+
+    runner = getattr(model, "step_graph", None)
+    if isinstance(runner, StepGraphs):
+        line = f"AR steps from CUDA graphs (engine.step_graphs): {runner.recorded} recorded, {runner.replays} replayed"
+        return line + (f"; {runner.failed}" if runner.failed else "")
+    if runner is not None:
+        return "AR steps as one compiled graph over all layers (CloverModel.step_graph)"
+    return "AR steps layer by layer (streamed layers: no whole-step graph)"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -63,6 +63,11 @@ def compile_layers(
         # kernel is a barrier per kernel; on a busy machine (2 cores, other work) those barriers took 86 ms per kernel
         # call, measured, against microseconds single-threaded. Matrix products stay on torch's threads (extern mm).
         inductor_config.cpp.threads = 1
+    from engine.experts import grouped_mm_supported
+
+    # Probed now, eagerly: probed inside the first traced forward, the probe's cache (a dict) was empty there, so that
+    # graph was guarded on its emptiness and never matched again (the first request's prefill then recompiled: ~1 s)
+    grouped_mm_supported(next(model.parameters()).device, getattr(model, "dtype", torch.float32))
     n = 0
     for layer in model.layers:
         layer.compile(backend=backend, mode=mode, dynamic=True)

@@ -75,19 +75,20 @@ def test_a_compiled_load_warms_up_ar_then_diffusion_and_the_first_requests_compi
     assert _generate(engine, ids, "ar", 8).tokens == 8
     assert _generate(engine, ids[::-1], "diffusion", 2 * engine.config.block_size).passes >= 3
     assert BACKEND.graphs == graphs
-    # Prompts of other lengths (shorter than a chunk, several chunks, several whole blocks) may add a few graphs the
-    # first time (a variant the warm-up's lengths did not meet), then no more: the count is bounded, not one graph
-    # per prompt length (the prefill's chunk scan runs eagerly under compile)
+    # Prompts of other lengths (shorter than a chunk or a block, several chunks, several whole blocks) find their
+    # graphs too: the warm-up's order and lengths leave no variant for the first request to compile (a short
+    # prompt's prefill used to compile the one-chunk GDN graph, ~1 s; a diffusion prompt shorter than a block its
+    # first pass at position 0), and the count is not one graph per prompt length (the chunk scan runs eagerly)
     block = engine.config.block_size
 
     def other_lengths(short: int, blocks: int) -> None:
         assert _generate(engine, ids[:short], "ar", 3).tokens == 3
+        assert _generate(engine, ids[:short], "diffusion", 2 * block).passes >= 2
         long = (ids * 8)[: blocks * block + short]
         assert _generate(engine, long, "ar", 3).tokens == 3
         assert _generate(engine, long, "diffusion", block).passes >= 2
 
     other_lengths(5, 3)
-    graphs = BACKEND.graphs
     other_lengths(7, 4)
     other_lengths(11, 5)
     assert BACKEND.graphs == graphs
