@@ -5,15 +5,11 @@ the interpreter does not emulate, in the gpu-marked test)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_child import run_interpreted
+
 
 CHILD = r'''
 import torch
@@ -39,9 +35,7 @@ print("ok")
 
 def test_fused_int8_linear_equals_the_dequantize_then_matmul_reference() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(CHILD)
 
 
 def test_the_fused_kernel_is_taken_only_on_cuda_when_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:

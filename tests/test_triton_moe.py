@@ -5,14 +5,10 @@ device-side expert -> slot table), with ragged sizes that exercise the masks."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_child import run_interpreted
+
 
 CHILD = r'''
 import torch
@@ -41,6 +37,4 @@ print("ok")
 
 def test_fused_nf4_moe_equals_the_dequantize_then_matmul_reference() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(CHILD)

@@ -15,19 +15,14 @@ Letters: E experts, S pool rows, D hidden, I expert intermediate, T tokens, K ex
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine import gguf_quants as gq
 from engine import triton_moe
 from engine.gguf_model import GGUFExpertLayout
+from tests.triton_child import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # shared by the child scripts: random GGUF block bytes and a packed expert bank
 COMMON = r'''
@@ -113,22 +108,15 @@ print("ok")
 '''
 
 
-def _run_child(script: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-
 
 def test_gguf_element_decode_equals_gguf_quants_dequantize_bit_for_bit() -> None:
     pytest.importorskip("triton")
-    _run_child(HELPERS)
+    run_interpreted(HELPERS)
 
 
 def test_fused_gguf_moe_equals_the_dequantize_then_matmul_reference() -> None:
     pytest.importorskip("triton")
-    _run_child(FUSED)
+    run_interpreted(FUSED)
 
 
 def test_fused_kernel_selection_for_gguf_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
