@@ -313,8 +313,8 @@ class Engine:
     def _warm_up_prompts(self, ar: bool) -> list[list[int]]:
         """The prompts of a warm-up stage, so that a request of any length finds its prefill compiled: a prompt's
         prefill is one graph for a single chunk (or block) and another for several (the chunk scan then runs
-        eagerly, any count). AR: :meth:`_warm_up_prompt` and a short prompt (one chunk); diffusion: a prompt two
-        blocks long, then :meth:`_warm_up_prompt` (one whole block prefilled)."""
+        eagerly, any count). AR: :meth:`_warm_up_prompt`, then a short prompt (one chunk); diffusion: prompts three
+        and two blocks long, :meth:`_warm_up_prompt` (one whole block prefilled) and the short one."""
         ids = self._warm_up_prompt()
         block = self.config.block_size
         # The longer prompt first: its prefill splits a layer's graph at the chunk scan, and the layer's graph traced

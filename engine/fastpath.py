@@ -79,13 +79,13 @@ def compile_layers(
     if whole_step and hasattr(model, "step_graph"):
         from engine import step_graphs
 
-        why_not = step_graphs.capturable(model)
-        if why_not is None:
-            model.step_graph = step_graphs.StepGraphs(model)
-        elif step_graphs.streamed_layers(model):
+        streamed = step_graphs.streamed_layers(model)
+        if streamed:
             # a streamed bank's host-side fetch is never traced: a whole-step graph would be split around every
             # streamed layer, and its pieces' guards differ from step to step; the layers stay compiled one by one
-            log.info("AR step not compiled whole: %s", why_not)
+            log.info("AR step not compiled whole: layers %d..%d stream their experts", streamed[0], streamed[-1])
+        elif model.device.type == "cuda":
+            model.step_graph = step_graphs.StepGraphs(model)
         else:
             model.step_graph = torch.compile(model._forward_pass, backend=backend, mode=mode, dynamic=True)
     model.compiled = True

@@ -844,7 +844,7 @@ class CloverModel(nn.Module):
         self.dtype = dtype
         # longest single pass when writing the cache; longer inputs are split into whole-block segments
         self.max_pass_tokens = 2048
-        # engine.fastpath: the hot passes (an AR step; a denoising pass) as one compiled graph over all layers
+        # engine.fastpath: what runs the AR steps (is_hot_pass) as one call (a compiled graph or CUDA graphs)
         self.step_graph: Callable[..., Tensor] | None = None
 
     @property

@@ -89,25 +89,21 @@ class StepGraphs:
     ) -> Tensor:
         if ids.shape[0] != 1 or block_size is not None or not write_cache or cache is None:
             raise ValueError("StepGraphs runs AR steps only (one token, causal, written to a cache)")
-        if self.failed is not None:
-            return self.model._forward_pass(ids, start_pos, cache, None, True, last_only, prefill, causal_inside_block)
-        if self._cache_ref is None or self._cache_ref() is not cache:
-            self._graphs.clear()  # graphs of an earlier cache (their memory goes back to the pool)
-            self._cache_ref = weakref.ref(cache)
-        kv_len = bucket(start_pos + 1, cache.max_len)
-        self._h.copy_(self.model.embed(ids))
-        self._pos.fill_(start_pos)
-        entry = self._graphs.get(kv_len)
-        if entry is None:
-            entry = self._record(cache, kv_len)
-            if entry is None:
-                return self.model._forward_pass(ids, start_pos, cache, None, True, last_only, prefill,
-                                                causal_inside_block)
-            self._graphs[kv_len] = entry
-        entry.graph.replay()
-        self.replays += 1
-        cache.length = start_pos + 1
-        return entry.out.clone()  # the graph's output buffer is overwritten by the next replay
+        if self.failed is None:
+            if self._cache_ref is None or self._cache_ref() is not cache:
+                self._graphs.clear()  # graphs of an earlier cache (their memory goes back to the pool)
+                self._cache_ref = weakref.ref(cache)
+            kv_len = bucket(start_pos + 1, cache.max_len)
+            self._h.copy_(self.model.embed(ids))
+            self._pos.fill_(start_pos)
+            entry = self._graphs.get(kv_len) or self._record(cache, kv_len)
+            if entry is not None:  # (None: recording failed, said once; this step and the later ones run uncaptured)
+                self._graphs[kv_len] = entry
+                entry.graph.replay()
+                self.replays += 1
+                cache.length = start_pos + 1
+                return entry.out.clone()  # the graph's output buffer is overwritten by the next replay
+        return self.model._forward_pass(ids, start_pos, cache, None, True, last_only, prefill, causal_inside_block)
 
     def _record(self, cache: Any, kv_len: int) -> _Entry | None:
         model = self.model

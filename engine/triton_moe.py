@@ -39,18 +39,12 @@ import torch
 from torch import Tensor
 
 from engine.quant import NF4_CODE, ExpertLayout, RowLayout
+from engine.triton_linear import available  # one Triton check for both kernel modules
 
 BLOCK_I = 32  # intermediate rows per gate/up program
 BLOCK_D = 64  # hidden columns per step of the gate/up reduction
 BLOCK_N = 32  # hidden rows per down program
 BLOCK_K = 64  # intermediate columns per step of the down reduction
-
-
-def available() -> bool:
-    """True when Triton can be imported (CUDA builds of torch bring it; on the CPU it runs only interpreted)."""
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 
 
 # ggml types the GGUF kernels decode (engine.gguf_quants ids: F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16)
