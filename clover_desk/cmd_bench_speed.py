@@ -445,6 +445,9 @@ def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, pro
 
     from engine.errors import ConfigError
 
+    if device != "cuda":
+        # transformers takes fla's GDN kernels whenever fla imports, and they need a GPU: keep it on its own path
+        sys.modules.setdefault("fla", None)
     try:
         import transformers
     except ImportError:
@@ -661,6 +664,7 @@ def _run_moe_only(args: argparse.Namespace) -> int:
         for name in ("nf4", "q4_0"):
             _fused_line(name, banks[name], x, idx, w, args.repeats, device, t, distinct)
     _int8_head_lines(args, device, dtype, gen)
+    gdn_lines(device, dtype, args.repeats)
     return 0
 
 
@@ -691,6 +695,57 @@ def _int8_head_lines(args: argparse.Namespace, device: str, dtype: Any, gen: Any
             print(f"T={t:<3d} LM head {o}x{n} int8: chunked dequantize-then-matmul {chunked:8.2f} ms, fused (Triton) "
                   f"{fused:8.2f} ms ({chunked / fused:4.1f}x; codes {o * n / fused / 1e6:6.1f} GB/s), max |diff| "
                   f"{diff:.2e}")
+
+
+def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3b", prompt: int = 1024) -> None:
+    """One Gated DeltaNet layer of ``shape`` (no Clover extras: the causal forwards), an AR step through the cache
+    and a ``prompt``-token prefill, with the PyTorch rule and, on CUDA with fla-core installed, with
+    flash-linear-attention's kernels (engine.gdn_kernels), with the larger difference between their outputs."""
+    import torch
+
+    from engine import gdn_kernels
+    from engine.model import GatedDeltaNet, _Pass
+
+    _, config = _config(shape, "qwen3_5_moe", layers=1)
+    layer = GatedDeltaNet(config, 0, clover_extras=False).to(device=device, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            fill = torch.randn(param.shape, generator=gen) * (param.shape[-1] ** -0.5 if param.dim() > 1 else 0.5)
+            param.copy_(fill.abs() + 1.0 if name.startswith("norm") else fill)
+    d, hv, dk, dv = config.hidden_size, layer.num_v_heads, layer.dk, layer.dv
+    empty = torch.empty(0, device=device)
+
+    def run(x: Any, start: int, state: Any) -> Any:
+        conv = torch.zeros(layer.kernel - 1, layer.conv_dim, device=device, dtype=dtype)
+        p = _Pass(start_pos=start, length=x.shape[0], block_size=None, cache=None, write_cache=False, cos=empty,
+                  sin=empty, attn_mask=None, attn_causal=True, coreset=False)
+        return layer(x, p, (conv, state.clone()))
+
+    x_prompt = torch.randn(prompt, d, generator=gen).to(device=device, dtype=dtype)
+    x_step = torch.randn(1, d, generator=gen).to(device=device, dtype=dtype)
+    state = (torch.randn(hv, dk, dv, generator=gen) * 0.1).to(device)
+    fla = gdn_kernels.AVAILABLE and (device == "cuda" or gdn_kernels.INTERPRETED)  # interpreted: the tests
+    with torch.inference_mode():
+        figures, outs = {}, {}
+        for kernels in (False, True) if fla else (False,):
+            gdn_kernels.OPTED_IN, opted = kernels, gdn_kernels.OPTED_IN
+            try:
+                figures[kernels] = (_best(lambda: run(x_step, prompt, state), repeats, device) * 1e3,
+                                    _best(lambda: run(x_prompt, 0, state), repeats, device) * 1e3)
+                outs[kernels] = (run(x_step, prompt, state).float(), run(x_prompt, 0, state).float())
+            finally:
+                gdn_kernels.OPTED_IN = opted
+    line = (f"GDN layer ({shape}: {hv} value heads, dk {dk}, dv {dv}): PyTorch rule AR step {figures[False][0]:7.3f} ms, "
+            f"prefill {prompt} tokens {figures[False][1]:8.2f} ms")
+    if fla:
+        diff = max((a - b).abs().max().item() for a, b in zip(outs[True], outs[False]))
+        line += (f" | fla kernels AR step {figures[True][0]:7.3f} ms ({figures[False][0] / figures[True][0]:4.1f}x), "
+                 f"prefill {figures[True][1]:8.2f} ms ({figures[False][1] / figures[True][1]:4.1f}x), max |diff| "
+                 f"{diff:.2e}")
+    else:
+        line += f" | fla kernels: not run ({'CUDA only' if device != 'cuda' else 'fla-core not installed'})"
+    print(line)
 
 
 def _fused_line(

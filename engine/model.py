@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import gdn_kernels
 from engine.config import CloverConfig
 from engine.errors import PromptError
 from engine.experts import DenseExpertBank, ExpertBank
@@ -553,9 +554,11 @@ class GatedDeltaNet(nn.Module):
 
         q, k, v = self._qkv(act)  # [T, Hv, dk], [T, Hv, dk], [T, Hv, dv] fp32
         history_form = cfg.bd_history_form if p.block_mode else "history_only"
+        fla = gdn_kernels.enabled(x)  # fla's CUDA kernels for the causal forwards (opt-in, engine.gdn_kernels)
         if not p.block_mode and t == 1 and st is not None:
-            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state0)  # [1, Hv, dv]
-            read = None
+            out, final = (gdn_kernels.recurrent if fla else recurrent_gated_delta_rule)(q, k, v, g, beta, state0)
+        elif not p.block_mode and fla:
+            out, final = gdn_kernels.chunked(q, k, v, g, beta, state0)  # [T, Hv, dv]
         else:
             chunk = p.block_size if p.block_mode else GDN_CHUNK
             offset = p.start_pos % chunk

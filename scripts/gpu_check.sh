@@ -3,7 +3,8 @@
 # Not run by CI (there is no GPU there). Run from the repository root on the GPU machine:
 #   bash scripts/gpu_check.sh            (logs go to $OUT, or ./gpu-check-out when OUT is unset)
 # That machine has torch but not bitsandbytes; carry its wheel in .whl/ (see the device tool's README) for the
-# NF4 offload check, which is skipped otherwise. Each step has its own time limit so one hang cannot eat the lease.
+# NF4 offload check, which is skipped otherwise; carry fla-core's and einops' wheels there too (pure Python, ~1 MB)
+# for the flash-linear-attention GDN figures and test. Each step has its own time limit so one hang cannot eat the lease.
 set -u
 out="${OUT:-./gpu-check-out}"
 mkdir -p "$out"
@@ -30,7 +31,8 @@ step bench_speed_full 160 $py -m clover_desk.cli bench speed --shape clover-35b-
 step bench_speed_compiled 150 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
   --layers 8 --compile --repeats 3
 # Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
-# (NF4 rows, GGUF Q4_0 blocks); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton kernel.
+# (NF4 rows, GGUF Q4_0 blocks); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton kernel; one GDN
+# layer's AR step and 1024-token prefill, the PyTorch rule vs flash-linear-attention's kernels.
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
 # Issue 3: full-size NF4 experts in pinned RAM, process capped at 16 GiB: H2D GB/s, AR tok/s, passes/s, coreset load.
 if $py -c "import bitsandbytes" 2>/dev/null; then
@@ -40,4 +42,4 @@ else
 fi
 # The GPU-marked tests (grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps, the int8 kernel).
 step pytest_gpu 100 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py tests/test_compile.py \
-  tests/test_step_graphs.py tests/test_triton_linear.py
+  tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 
+# transformers 5.23 takes flash-linear-attention's GDN kernels whenever `fla` imports, whatever the device, and they
+# cannot run on a CPU outside Triton's interpreter: the numerical reference must stay on its PyTorch path. (The fla
+# tests run their kernels in child processes, under the interpreter.)
+sys.modules.setdefault("fla", None)
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("QTWEBENGINE_DISABLE_SANDBOX", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "0")
