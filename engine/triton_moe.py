@@ -13,13 +13,16 @@ Two kernels per format, one program per (token, expert) pair and output tile:
 
 Each pair reads its expert's row from ``pool`` [S, nbytes] at the row ``rows[p]``, a device-side table (the bank's
 own rows for a resident bank, the slot of each expert for the streamed slot pool): no host read, no group sizes.
-This is the GEMV shape (one token per program): exactly what an AR step needs; a 32-slot pass re-reads an expert's
-bytes once per pair routed to it (from L2 on a GPU), and a GGUF element re-reads its block's scales (cached loads).
-A grouped variant with ``tl.dot`` over an expert's tokens is the next step where measurements show the pass is bound
-by it.
+This is the GEMV shape (one token per program): exactly what an AR step needs. From ``GROUPED_MIN_PAIRS`` pairs (a
+32-slot pass has 256) the grouped kernels run instead, in the manner of vLLM's fused MoE: the pairs sorted by pool
+row on the device (:func:`group_pairs`: no host read, the grid bounded by the shapes), each row's pairs padded to
+blocks of ``BLOCK_M``, and one program per (block, output tile) decoding the expert's weight tile once for its block
+and multiplying with ``tl.dot`` (tensor cores on a GPU; fp32 activations use IEEE products). The GEMV kernels
+re-read an expert's bytes once per pair; the grouped ones once per block of up to 16 pairs.
 
 Status: written and tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_triton_moe.py``,
-``tests/test_triton_moe_gguf.py``: equal to the dequantize-then-matmul reference within float32 rounding, and the
+``tests/test_triton_moe_gguf.py``: both variants equal to the dequantize-then-matmul reference within float32
+rounding, and the
 GGUF element decode equal to ``engine.gguf_quants.dequantize`` bit for bit); **not yet measured on a GPU**, so
 nothing selects it by default: :func:`routed_forward <engine.quant.routed_forward>` uses it (:func:`fused_moe`) on
 CUDA only when ``CLOVER_DESK_FUSED_MOE=1``, and ``clover-desk bench speed --moe-only`` on CUDA times the NF4 one
@@ -45,6 +48,8 @@ BLOCK_I = 32  # intermediate rows per gate/up program
 BLOCK_D = 64  # hidden columns per step of the gate/up reduction
 BLOCK_N = 32  # hidden rows per down program
 BLOCK_K = 64  # intermediate columns per step of the down reduction
+BLOCK_M = 16  # pairs per block of the grouped kernels (tl.dot's smallest tile)
+GROUPED_MIN_PAIRS = 64  # (token, expert) pairs from which the grouped kernels run (a 32-slot pass: 256; AR: 8)
 
 
 # ggml types the GGUF kernels decode (engine.gguf_quants ids: F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16)
@@ -99,6 +104,8 @@ def _launch(
     pairs = t * k
     x = x.contiguous()
     pool = pool.contiguous()
+    if pairs >= GROUPED_MIN_PAIRS:
+        return _launch_grouped(x, pool, rows, topk_w, d, i, blocksize, gate, up, down)
     flat_rows = rows.reshape(-1).to(torch.int32).contiguous()  # [P] pool row of pair p = t*K + k
     toks = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)  # [P]
     weights = topk_w.reshape(-1).to(torch.float32).contiguous()  # [P]
@@ -110,6 +117,53 @@ def _launch(
     )
     down_kernel[(pairs, -(-d // BLOCK_N))](
         h, pool, flat_rows, weights, table, out, pool.stride(0), d, i, blocksize, *down, BLOCK_N, BLOCK_K,
+    )
+    return out.view(t, k, d).sum(1).to(x.dtype)
+
+
+def group_pairs(rows: Tensor, n_rows: int, bm: int = BLOCK_M) -> tuple[Tensor, Tensor]:
+    """The grouped kernels' tables, built on the device (no host read): the pairs sorted by pool row and each row's
+    group padded to whole blocks of ``bm``. ``rows`` [P] (pool row of pair p), ``n_rows`` the pool's rows. Returns
+    ``block_rows`` [NB] (the pool row of block b; -1 past the last group) and ``pair_ids`` [NB * bm] int32 (the pair
+    at each place of a block; -1 padding), NB = ceil(P / bm) + min(n_rows, P): a bound fixed by the shapes (the
+    blocks past the real ones cost a program that returns at once)."""
+    rows = rows.reshape(-1).to(torch.int64)
+    p, dev = rows.numel(), rows.device
+    nb = -(-p // bm) + min(n_rows, p)
+    counts = torch.zeros(n_rows, dtype=torch.int64, device=dev).scatter_add_(0, rows, torch.ones_like(rows))
+    padded = (counts + bm - 1) // bm * bm
+    start = torch.cumsum(counts, 0) - counts  # [S] first sorted place of each row's pairs
+    start_pad = torch.cumsum(padded, 0) - padded  # [S] ... and of its padded group
+    order = torch.sort(rows, stable=True).indices  # [P] pairs in row order (ties: pair order)
+    by_row = rows[order]
+    place = start_pad[by_row] + torch.arange(p, device=dev) - start[by_row]  # [P] padded place of each sorted pair
+    pair_ids = torch.full((nb * bm,), -1, dtype=torch.int32, device=dev).scatter_(0, place, order.to(torch.int32))
+    row_at = torch.full((nb * bm,), -1, dtype=torch.int64, device=dev).scatter_(0, place, by_row)
+    return row_at.view(nb, bm)[:, 0].contiguous(), pair_ids  # a group's padding is at its end: place 0 is real
+
+
+def _launch_grouped(
+    x: Tensor, pool: Tensor, rows: Tensor, topk_w: Tensor, d: int, i: int, blocksize: int,
+    gate: tuple[int, int, int], up: tuple[int, int, int, int], down: tuple[int, int, int],
+) -> Tensor:
+    """:func:`_launch` for many pairs: the grouped kernels over blocks of BLOCK_M pairs of one expert row."""
+    from engine.triton_moe_kernels import grouped_down_kernel, grouped_gate_up_kernel
+
+    t, k = rows.shape
+    block_rows, pair_ids = group_pairs(rows, pool.shape[0])
+    nb = block_rows.numel()
+    weights = topk_w.reshape(-1).to(torch.float32).contiguous()  # [P]
+    ieee = x.dtype == torch.float32
+    h = torch.empty(t * k, i, dtype=x.dtype, device=x.device)  # in x's dtype: the down product's tl.dot input
+    out = torch.empty(t * k, d, dtype=torch.float32, device=x.device)
+    table = _code_book(x.device)
+    grouped_gate_up_kernel[(nb, -(-i // BLOCK_I))](
+        x, pool, block_rows, pair_ids, table, h, pool.stride(0), d, i, k, blocksize, *gate, *up, ieee,
+        BLOCK_M, BLOCK_I, BLOCK_D,
+    )
+    grouped_down_kernel[(nb, -(-d // BLOCK_N))](
+        h, pool, block_rows, pair_ids, weights, table, out, pool.stride(0), d, i, blocksize, *down, ieee,
+        BLOCK_M, BLOCK_N, BLOCK_K,
     )
     return out.view(t, k, d).sum(1).to(x.dtype)
 

@@ -254,3 +254,82 @@ def down_kernel(
         acc += tl.sum(w * hv[None, :], axis=1)
     weight = tl.load(w_ptr + p)
     tl.store(out_ptr + p * D + n, acc * weight, mask=n_ok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped variants (a denoising pass): the pairs sorted by expert row and padded to whole blocks of BM, one program
+# per (block, output tile), so an expert's weight tile is decoded once per block of BM pairs and multiplied with
+# tl.dot, instead of once per pair. Block b's pairs are pair_ids[b*BM : (b+1)*BM] (-1: padding), all of the pool row
+# block_rows[b] (-1: a block past the last group, which returns at once). Same decode (weight_at) as above.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def grouped_gate_up_kernel(
+    x_ptr, pool_ptr, block_rows_ptr, pair_ids_ptr, table_ptr, h_ptr, row_stride,
+    D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, blocksize: tl.constexpr,
+    gate_off: tl.constexpr, gate_scales: tl.constexpr, gate_fmt: tl.constexpr,
+    up_off: tl.constexpr, up_scales: tl.constexpr, up_fmt: tl.constexpr, up_row0: tl.constexpr,
+    IEEE: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr, BD: tl.constexpr,
+):
+    """h[p, i] = silu(x[p // K] · gate[i]) * (x[p // K] · up[i]) for the BM pairs p of block b and BI rows i."""
+    b = tl.program_id(0)
+    row = tl.load(block_rows_ptr + b).to(tl.int64)
+    if row >= 0:
+        base = pool_ptr + row * row_stride
+        pairs = tl.load(pair_ids_ptr + b * BM + tl.arange(0, BM))  # [BM]
+        p_ok = pairs >= 0
+        toks = tl.where(p_ok, pairs // K, 0).to(tl.int64)
+        i = tl.program_id(1) * BI + tl.arange(0, BI)  # [BI]
+        i_ok = i < I
+        acc_g = tl.zeros([BM, BI], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BI], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)  # [BD]
+            d_ok = d < D
+            xs = tl.load(x_ptr + toks[:, None] * D + d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+            ok = d_ok[:, None] & i_ok[None, :]  # [BD, BI]: the transposed tiles gate[i, d] -> [d, i]
+            g = weight_at(base, gate_off, gate_scales, table_ptr, i[None, :], d[:, None], D, gate_fmt, blocksize, ok)
+            u = weight_at(base, up_off, up_scales, table_ptr, i[None, :] + up_row0, d[:, None], D, up_fmt, blocksize,
+                          ok)
+            if IEEE:  # fp32 activations: full-precision products (not TF32)
+                acc_g += tl.dot(xs, g.to(xs.dtype), input_precision="ieee")
+                acc_u += tl.dot(xs, u.to(xs.dtype), input_precision="ieee")
+            else:
+                acc_g += tl.dot(xs, g.to(xs.dtype))
+                acc_u += tl.dot(xs, u.to(xs.dtype))
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # [BM, BI]
+        safe = tl.where(p_ok, pairs, 0).to(tl.int64)
+        tl.store(h_ptr + safe[:, None] * I + i[None, :], h.to(h_ptr.dtype.element_ty), mask=p_ok[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def grouped_down_kernel(
+    h_ptr, pool_ptr, block_rows_ptr, pair_ids_ptr, w_ptr, table_ptr, out_ptr, row_stride,
+    D: tl.constexpr, I: tl.constexpr, blocksize: tl.constexpr,
+    down_off: tl.constexpr, down_scales: tl.constexpr, down_fmt: tl.constexpr,
+    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """out[p, n] = w[p] * (h[p] · down[n]) for the BM pairs p of block b and BN hidden rows n (h in x's dtype)."""
+    b = tl.program_id(0)
+    row = tl.load(block_rows_ptr + b).to(tl.int64)
+    if row >= 0:
+        base = pool_ptr + row * row_stride
+        pairs = tl.load(pair_ids_ptr + b * BM + tl.arange(0, BM))  # [BM]
+        p_ok = pairs >= 0
+        safe = tl.where(p_ok, pairs, 0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n_ok = n < D
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            k = k0 + tl.arange(0, BK)  # [BK]
+            k_ok = k < I
+            hs = tl.load(h_ptr + safe[:, None] * I + k[None, :], mask=p_ok[:, None] & k_ok[None, :], other=0.0)
+            w = weight_at(base, down_off, down_scales, table_ptr, n[None, :], k[:, None], I, down_fmt, blocksize,
+                          k_ok[:, None] & n_ok[None, :])  # [BK, BN] = down[n, k] transposed
+            if IEEE:
+                acc += tl.dot(hs, w.to(hs.dtype), input_precision="ieee")
+            else:
+                acc += tl.dot(hs, w.to(hs.dtype))
+        weight = tl.load(w_ptr + safe, mask=p_ok, other=0.0)  # [BM]
+        tl.store(out_ptr + safe[:, None] * D + n[None, :], acc * weight[:, None], mask=p_ok[:, None] & n_ok[None, :])

@@ -16,21 +16,25 @@ from engine.quant import QuantExpertBank, routed_forward_reference
 from engine.triton_moe import fused_nf4_moe
 
 torch.manual_seed(0)
-for e, d, i, t, k in ((8, 64, 32, 1, 2), (8, 128, 96, 5, 3), (16, 96, 80, 4, 4)):
+# the last two have >= GROUPED_MIN_PAIRS pairs: the grouped kernels (one expert's pairs per block, tl.dot); the
+# last routes most tokens to the same few experts (groups of several blocks, most experts unused)
+for e, d, i, t, k, skew in ((8, 64, 32, 1, 2, False), (8, 128, 96, 5, 3, False), (16, 96, 80, 4, 4, False),
+                            (16, 96, 80, 20, 4, False), (16, 128, 96, 40, 2, True)):
     bank = QuantExpertBank.from_dense(torch.randn(e, 2 * i, d) * 0.1, torch.randn(e, d, i) * 0.1, "nf4", 64)
     x = torch.randn(t, d)
-    idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    pick = (lambda: torch.randperm(4)[:k] + 3) if skew else (lambda: torch.randperm(e)[:k])
+    idx = torch.stack([pick() for _ in range(t)])
     w = torch.softmax(torch.randn(t, k), -1)
     ref = routed_forward_reference(x, idx, w, e, bank.layout, lambda j: bank.packed[j])
     fused = fused_nf4_moe(x, bank.packed, bank.layout, idx, w)
     err = (fused - ref).abs().max().item() / ref.abs().max().item()
-    assert err < 1e-5, (e, d, i, t, k, err)
+    assert err < 1e-5, (e, d, i, t, k, skew, err)
     # a slot pool: the experts sit in other rows, named by a table
     slot_of = torch.randperm(e)
     pool = torch.empty_like(bank.packed)
     pool[slot_of] = bank.packed
     pooled = fused_nf4_moe(x, pool, bank.layout, slot_of[idx], w)
-    assert torch.equal(pooled, fused)
+    assert (pooled - fused).abs().max().item() <= 1e-6 * ref.abs().max().item()  # grouped: other blocks, same sums
 print("ok")
 '''
 
@@ -38,3 +42,36 @@ print("ok")
 def test_fused_nf4_moe_equals_the_dequantize_then_matmul_reference() -> None:
     pytest.importorskip("triton")
     run_interpreted(CHILD)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_group_pairs_puts_every_pair_once_in_blocks_of_one_row(skew: bool) -> None:
+    """The grouped kernels' tables (built with torch ops on the device): every pair exactly once, each block's pairs
+    all of the block's row, padding only at a group's end, and the blocks past the real ones marked -1."""
+    import torch
+
+    from engine.triton_moe import group_pairs
+
+    gen = torch.Generator().manual_seed(1)
+    n_rows, bm = 40, 16
+    rows = torch.randint(0, 3 if skew else n_rows, (32, 8), generator=gen)  # [T, K]
+    block_rows, pair_ids = group_pairs(rows, n_rows, bm)
+    flat = rows.reshape(-1)
+    nb = block_rows.numel()
+    assert nb == -(-flat.numel() // bm) + min(n_rows, flat.numel()) and pair_ids.numel() == nb * bm
+    real = pair_ids[pair_ids >= 0].long()
+    assert sorted(real.tolist()) == list(range(flat.numel()))  # every pair once
+    blocks = pair_ids.view(nb, bm).long()
+    used = 0
+    for b in range(nb):
+        members = blocks[b][blocks[b] >= 0]
+        if block_rows[b] < 0:
+            assert members.numel() == 0
+            continue
+        used += 1
+        assert blocks[b][0] >= 0 and (flat[members] == block_rows[b]).all()
+        n = members.numel()
+        assert (blocks[b][:n] >= 0).all() and (blocks[b][n:] < 0).all()  # padding at the end
+    distinct = flat.unique()
+    counts = torch.stack([(flat == r).sum() for r in distinct])
+    assert used == int(((counts + bm - 1) // bm).sum())

@@ -84,6 +84,9 @@ CASES = (  # (gate, up, down) types, E, D, I, T, K
     ((gq.Q4_K, gq.Q4_K, gq.Q6_K), 6, 256, 512, 2, 2),  # Q4_K_M's mix, D != I
     ((gq.F16, gq.BF16, gq.F32), 4, 96, 160, 2, 2),  # float experts, ragged tiles
     ((gq.Q8_0, gq.Q4_0, gq.Q8_0), 5, 96, 160, 3, 3),  # block types, ragged tiles
+    # >= GROUPED_MIN_PAIRS pairs: the grouped kernels (blocks of one expert's pairs, tl.dot)
+    ((gq.Q4_K, gq.Q4_K, gq.Q6_K), 6, 256, 512, 20, 4),
+    ((gq.Q8_0, gq.Q4_0, gq.Q8_0), 5, 96, 160, 24, 3),
 )
 torch.manual_seed(0)
 for qtypes, e, d, i, t, k in CASES:
