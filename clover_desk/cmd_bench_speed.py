@@ -22,11 +22,12 @@ prints the largest difference between the two.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time one MoE layer's routed experts (E=256, k=8, D=2048, I=512), T=1 and T=32")
     parser.add_argument("--moe-distinct", type=int, default=70,
                         help="--moe-only: distinct experts a 32-token pass routes to (default 70, a trained router)")
+    parser.add_argument("--count", action="store_true",
+                        help="only count what one AR step and one denoising pass dispatch: torch ops (~ GPU kernel "
+                             "launches), host reads (syncs on a GPU) and bytes written, per layer kind and scaled to "
+                             "the shape's full depth (no timing; the planner's launch and traffic figures)")
+    parser.add_argument("--quant", choices=("none", "card"), default="none",
+                        help="card: quantize the random model as the app does for a 16 GB card (NF4 experts, INT8 "
+                             "projections, shared experts and LM head) before measuring")
     parser.add_argument("--compile", action="store_true",
                         help="also time the engine with its decoder layers compiled (engine.fastpath), same tokens")
     parser.add_argument("--compare-llama-cpp", action="store_true",
@@ -147,12 +155,89 @@ def _random_init_(model: Any, seed: int) -> None:
                 p.normal_(0.0, 0.5 * p.shape[-1] ** -0.5, generator=gen)
 
 
-def _build_random_model(config: Any, dtype: Any, device: str, seed: int) -> Any:
+def _build_random_model(config: Any, dtype: Any, device: str, seed: int, quant: str = "none") -> Any:
     from engine.model import CloverModel
 
     model = CloverModel(config, dtype=dtype, device=device)
     _random_init_(model, seed)
+    if quant == "card":
+        from engine.quant import quantize_model_
+
+        quantize_model_(model)  # the default policy: NF4 experts, INT8 projections / shared experts / LM head
     return model.eval()
+
+
+@contextlib.contextmanager
+def _dispatch_as_on_a_gpu() -> Iterator[None]:
+    """Within: the choices engine code makes by device type made as on a GPU, so that a CPU count describes the
+    card's forward: expert groups sized by ``engine.experts.GROUP_BYTES["cuda"]`` (on the CPU a group is one expert,
+    named by a host read of its id), and no CPU int8 GEMV (``engine.quant.INT8_GEMV_MAX_ROWS``) for projections
+    and the LM head, which a GPU dequantizes in chunks."""
+    from engine import experts, quant
+
+    groups, gemv = experts.GROUP_BYTES["cpu"], quant.INT8_GEMV_MAX_ROWS
+    experts.GROUP_BYTES["cpu"], quant.INT8_GEMV_MAX_ROWS = experts.GROUP_BYTES["cuda"], 0
+    try:
+        yield
+    finally:
+        experts.GROUP_BYTES["cpu"], quant.INT8_GEMV_MAX_ROWS = groups, gemv
+
+
+def _run_count(args: argparse.Namespace) -> int:
+    """``--count``: ops, host reads and bytes written of one AR step and one denoising pass, per layer kind, and
+    scaled to the shape's full depth (the layers of a kind dispatch the same ops whatever their depth)."""
+    import torch
+
+    from engine.api import parse_dtype
+    from engine.errors import ConfigError
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but CUDA is not available here")
+    dtype = parse_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    _, config = _config(args.shape, "clover_moe", args.layers)
+    _, full = _config(args.shape, "clover_moe")
+    t0 = time.perf_counter()
+    model = _build_random_model(config, dtype, device, args.seed, args.quant)
+    print(f"bench speed --count: shape {args.shape}, {config.num_hidden_layers} of {full.num_hidden_layers} layers "
+          f"built, quant {args.quant}, device {device}{' (dispatched as on a GPU)' if device == 'cpu' else ''}, "
+          f"{str(dtype).replace('torch.', '')} ({time.perf_counter() - t0:.1f} s to build)")
+    B = config.block_size
+    prompt = torch.randint(16, config.vocab_size, (4 * B,), generator=torch.Generator().manual_seed(args.seed))
+    with torch.inference_mode(), (_dispatch_as_on_a_gpu() if device == "cpu" else contextlib.nullcontext()):
+        cache = model.new_cache(3 * B)
+        ids = prompt.to(device)
+        model.forward(ids[: 2 * B], 0, cache, block_size=B, write_cache=True, last_only=True, prefill=True)
+        block = torch.full((B,), config.mask_token_id, dtype=torch.long, device=device)
+        step = ids[2 * B - 1 : 2 * B]
+
+        def prompt_forward() -> None:
+            fresh = model.new_cache(4 * B)
+            model.forward(ids, 0, fresh, block_size=B, write_cache=True, last_only=True, prefill=True)
+
+        forwards = {
+            "AR step (1 token)": lambda: model.forward(step, 2 * B, cache, block_size=None, write_cache=False),
+            f"denoising pass ({B} slots)": lambda: model.forward(block, 2 * B, cache, block_size=B, write_cache=False),
+            f"prompt forward ({4 * B} tokens, block mode)": prompt_forward,
+        }
+        for name, fn in forwards.items():
+            fn()  # first use: lazy initialisation is not a per-forward cost
+            c = _forward_ops(fn, model.layers)
+            print(f"{name}: {c['ops']} ops, {c['reads']} host reads, {c['written'] / 1e6:.1f} MB written")
+            total_ops, total_bytes = c["outside_ops"], c["outside_written"]
+            for kind in dict.fromkeys(config.layer_types):
+                idx = [i for i, t in enumerate(config.layer_types) if t == kind]
+                ops = sum(c["layer_ops"][i] for i in idx) / len(idx)
+                wrote = sum(c["layer_written"][i] for i in idx) / len(idx)
+                n_full = sum(t == kind for t in full.layer_types)
+                total_ops += ops * n_full
+                total_bytes += wrote * n_full
+                print(f"    per {kind} layer (mean of {len(idx)}): {ops:7.0f} ops, {wrote / 1e6:9.2f} MB written")
+            print(f"    outside the layers (embedding, final norm, LM head): {c['outside_ops']} ops, "
+                  f"{c['outside_written'] / 1e6:.2f} MB written")
+            print(f"    at the full {full.num_hidden_layers} layers: ~{total_ops:.0f} ops, ~{total_bytes / 1e6:.1f} MB "
+                  "written")
+    return 0
 
 
 def _settings(config: Any, mode: str, max_new: int) -> Any:
@@ -206,11 +291,13 @@ def _engine_figures(
         t = _best(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False), args.repeats, device)
         figures["diffusion_passes_s"] = 1.0 / t
         if count_ops:  # (a compiled forward runs generated kernels, not torch ops: not counted)
-            ops, reads = _forward_ops(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False))
-            figures["pass_ops"], figures["pass_scalar_reads"] = ops, reads
+            count = _forward_ops(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False))
+            figures["pass_ops"], figures["pass_scalar_reads"] = count["ops"], count["reads"]
+            figures["pass_written"] = count["written"]
             step = ids[aligned - 1 : aligned]
-            ops, reads = _forward_ops(lambda: model.forward(step, aligned, cache, block_size=None, write_cache=False))
-            figures["ar_step_ops"], figures["ar_step_scalar_reads"] = ops, reads
+            count = _forward_ops(lambda: model.forward(step, aligned, cache, block_size=None, write_cache=False))
+            figures["ar_step_ops"], figures["ar_step_scalar_reads"] = count["ops"], count["reads"]
+            figures["ar_step_written"] = count["written"]
 
     if not count_ops:  # compiled: the first AR steps and commit passes compile their own variants; not timed
         _finished(generate_ar(model, prompt, _settings(config, "ar", 3)))
@@ -227,33 +314,75 @@ def _engine_figures(
     return figures
 
 
-def _forward_ops(fn: Callable[[], Any]) -> tuple[int, int]:
-    """(non-view torch ops, host reads) one forward dispatches: the ops stand in for kernel launches (what a GPU
-    pays per launch, CPU timings cannot show); host reads are scalar reads (``.item()``, ``int(tensor)``) and, on a
-    GPU, device-to-host copies: each is a sync there. On the CPU a ``.cpu()`` of a CPU tensor is invisible, so the
-    grouped pass's one read of its group sizes shows only on a GPU."""
+def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
+    """What one forward dispatches, counted at torch's dispatcher: ``ops`` (non-view torch ops: they stand in for
+    kernel launches, what a GPU pays per launch and CPU timings cannot show), ``reads`` (host reads: scalar reads,
+    ``.item()`` / ``int(tensor)`` / ``bool(tensor)``, and on a GPU device-to-host copies, each a sync there; on the
+    CPU a ``.cpu()`` or ``.tolist()`` of a CPU tensor is invisible, so the grouped pass's one read of its group sizes
+    shows only on a GPU) and ``written``
+    (bytes the ops write: every output tensor, and for an in-place op the part it writes: the source rows of an
+    ``index_copy_`` / ``index_put_``, the whole tensor otherwise). With ``layers`` (the decoder layers), ops and bytes
+    are also split per layer (``layer_ops``, ``layer_written``: lists in layer order); the rest (embedding, final
+    norm, LM head, the loop's own ops) is ``outside_ops`` / ``outside_written``."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    # int(t), float(t), t.item() arrive as aten.item under a dispatch mode, bool(t) as is_nonzero (a .tolist() or
+    # .cpu() of a CPU tensor reads memory without dispatching: invisible here; of a GPU tensor it is a _to_copy)
+    scalar_reads = {torch.ops.aten.item, torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero}
+    partial = {torch.ops.aten.index_copy_, torch.ops.aten.index_put_, torch.ops.aten.index_copy,
+               torch.ops.aten.index_put, torch.ops.aten._index_put_impl_}
+
+    def nbytes(x: Any) -> int:
+        return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.ops = self.reads = 0
+            self.ops = self.reads = self.written = 0
+            self.where = -1  # the decoder layer running, -1 outside the layers
+            self.layer_ops = [0] * len(layers)
+            self.layer_written = [0] * len(layers)
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.ops += not func.is_view  # views, slices, detach: metadata only, no kernel
             kw = kwargs or {}
+            out = func(*args, **kw)
+            if func.is_view:  # views, slices, detach: metadata only, no kernel
+                return out
             to_host = (
                 func.overloadpacket is torch.ops.aten._to_copy
                 and str(kw.get("device", "")) == "cpu"
                 and args[0].device.type != "cpu"
             )
-            self.reads += func.overloadpacket is torch.ops.aten._local_scalar_dense or to_host
-            return func(*args, **kw)
+            self.reads += func.overloadpacket in scalar_reads or to_host
+            if func.overloadpacket in partial:  # the rows written: the source / values argument
+                src = args[3] if func.overloadpacket in (torch.ops.aten.index_copy_, torch.ops.aten.index_copy) \
+                    else args[2]
+                wrote = nbytes(src)
+            else:
+                wrote = sum(nbytes(t) for t in tree_leaves(out))
+            self.ops += 1
+            self.written += wrote
+            if self.where >= 0:
+                self.layer_ops[self.where] += 1
+                self.layer_written[self.where] += wrote
+            return out
 
-    with torch.inference_mode(), Count() as mode:
-        fn()
-    return mode.ops, mode.reads
+    mode = Count()
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: setattr(mode, "where", i)))
+        hooks.append(layer.register_forward_hook(lambda *_: setattr(mode, "where", -1)))
+    try:
+        with torch.inference_mode(), mode:
+            fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"ops": mode.ops, "reads": mode.reads, "written": mode.written, "layer_ops": mode.layer_ops,
+            "layer_written": mode.layer_written, "outside_ops": mode.ops - sum(mode.layer_ops),
+            "outside_written": mode.written - sum(mode.layer_written)}
 
 
 def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: int) -> None:
@@ -267,6 +396,8 @@ def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: i
             f"torch ops per forward (host reads: syncs on a GPU): AR step {int(f['ar_step_ops'])} "
             f"({int(f['ar_step_scalar_reads'])}), denoising pass {int(f['pass_ops'])} ({int(f['pass_scalar_reads'])})"
         )
+        print(f"bytes the ops write per forward: AR step {f['ar_step_written'] / 1e6:.2f} MB, denoising pass "
+              f"{f['pass_written'] / 1e6:.2f} MB")
     print(
         f"diffusion run ({int(f['diffusion_tokens'])} tokens, {int(f['diffusion_passes'])} passes): "
         f"{f['diffusion_tokens_per_pass']:.2f} tokens/pass, {f['diffusion_tok_s']:.1f} tok/s"
@@ -278,6 +409,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.moe_only:
         return _run_moe_only(args)
+    if args.count:
+        return _run_count(args)
 
     from engine.api import parse_dtype
     from engine.errors import ConfigError
@@ -299,7 +432,7 @@ def _run(args: argparse.Namespace) -> int:
         f"{str(dtype).replace('torch.', '')}, torch threads {torch.get_num_threads()}"
     )
     t0 = time.perf_counter()
-    model = _build_random_model(config, dtype, device, args.seed)
+    model = _build_random_model(config, dtype, device, args.seed, args.quant)
     _sync(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"random model built on {device} in {time.perf_counter() - t0:.1f} s ({n_params / 1e9:.2f} B parameters)")
@@ -764,8 +897,9 @@ def _fused_line(
         ms = _best(lambda: triton_moe.fused_moe(x, bank.packed, bank.layout, idx, w), repeats, device) * 1e3
         grouped = bank(x, idx, w).float()
         diff = (triton_moe.fused_moe(x, bank.packed, bank.layout, idx, w).float() - grouped).abs().max().item()
-    print(f"T={t:<3d} {name} fused (Triton) distinct experts {distinct:3d}: {ms:9.2f} ms/layer, max |diff| vs grouped "
-          f"{diff:.2e}")
+    kind = "grouped tl.dot" if idx.numel() >= triton_moe.GROUPED_MIN_PAIRS else "per pair"
+    print(f"T={t:<3d} {name} fused (Triton, {kind}) distinct experts {distinct:3d}: {ms:9.2f} ms/layer, "
+          f"max |diff| vs grouped {diff:.2e}")
 
 
 def _op_counts(bank: Any, name: str, x: Any, idx: Any, w: Any, reference: Callable[..., Any]) -> str:

@@ -34,7 +34,7 @@ How a plan is made (:func:`make_plan`); every VRAM byte is in ``Plan.vram_breakd
 
 RAM (``Plan.ram_bytes``): the streamed layers' experts (pinned), the embedding and a pinned staging area; not the
 Python/torch process itself. Speed: :class:`Roofline` (time per pass = max(VRAM traffic / VRAM bandwidth, PCIe
-bytes / PCIe bandwidth, FLOPs / compute) + eager per-layer and per-expert overheads).
+bytes / PCIe bandwidth, FLOPs / compute) + the eager launches per layer, counted).
 
 The planner is split by job: the bytes of a model (:mod:`engine.manifest`), placement (this module) and the speed
 model (:mod:`engine.speed`). The names most callers need are re-exported here.

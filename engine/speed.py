@@ -1,7 +1,7 @@
-"""The speed model: predicted tokens per second of a placement, from a roofline and per-layer overheads.
+"""The speed model: predicted tokens per second of a placement, from a roofline and counted launches per layer.
 
 Stdlib only. Time per pass = max(VRAM traffic / VRAM bandwidth, PCIe bytes / PCIe bandwidth, FLOPs / compute)
-+ eager overheads per layer and per expert. Every input that is not a hardware fact is a field of
++ the eager launches of the forward (counted per layer by ``bench speed --count``). Every input that is not a hardware fact is a field of
 :class:`Roofline`, with its source; :func:`predict` returns the figures and the derived numbers that went in.
 """
 
@@ -21,13 +21,13 @@ CORESET_DISTINCT_EXPERTS_PER_PASS = 30.0  # [assumption] DES / MoE-Spec: 30-50 %
 @dataclass(frozen=True)
 class Roofline:
     """The speed model's inputs that are not hardware. Every default is an assumption to calibrate with
-    ``clover-desk bench speed`` / ``bench offload``; sources in offload-anchors.md sections 2.3-2.4.
+    ``clover-desk bench speed`` / ``bench offload``; each with its source beside it.
 
     Time per pass = max(VRAM traffic / VRAM bandwidth, PCIe bytes / PCIe bandwidth, FLOPs / compute)
-                    + layers x ``layer_overhead_us`` + experts computed x ``expert_overhead_us``.
-    The overheads are launch and Python costs of an eager PyTorch forward (no CUDA graphs): per layer (norms,
-    projections, GDN / attention, router, top-k, grouping) and per distinct expert computed (``engine.quant.
-    routed_forward`` loops over experts: two dequantizes, two GEMMs, SiLU, product, copy).
+                    + layers x launches per layer x ``launch_us``.
+    The overhead is an eager PyTorch forward's (no CUDA graphs): every torch op a forward dispatches is a kernel
+    launch on a GPU, with the dispatcher and Python work around it. The launches are counted, not guessed (below);
+    the cost of one is the assumption left.
     """
 
     tokens_per_pass: float = 3.0  # committed per denoising pass: LLaDA2-like TPF 2.5-3.2 (architecture.md 4.1)
@@ -35,8 +35,19 @@ class Roofline:
     block_reuse_factor: float = 1.3  # block working set / per-pass union across one block's passes
     commit_pass: bool = True  # one extra forward per block writes the caches (architecture.md 4.1; 5.6 folds it)
     compute_tflops: float = 30.0  # effective bf16 TFLOPS of a 16 GB RTX card on 32-token GEMMs
-    layer_overhead_us: float = 250.0
-    expert_overhead_us: float = 60.0
+    # Torch ops (~ kernel launches) per decoder layer, counted at the dispatcher on the 35B shape quantized as on
+    # the card (NF4 experts, INT8 projections, shared experts and LM head) and dispatched as on a GPU (its expert
+    # groups, no CPU int8 GEMV), the mean over its 30 GDN and 10 attention layers with the ops outside the layers
+    # (embedding, final norm, LM head) spread over the 40: `clover-desk bench speed --shape clover-35b-a3b --layers 4
+    # --dtype bfloat16 --quant card --count` (CPU, 2026-12-01): AR step ~4,291 ops at 40 layers (GDN layer 107,
+    # attention layer 94, outside 141), 0 host reads; a 32-slot denoising pass ~7,921 (211, 145, 141), 0 host reads.
+    # A prompt's forward is counted as a pass (its GDN chunk loop adds a few ops per 32 tokens).
+    ar_launches_per_layer: float = 107.0
+    pass_launches_per_layer: float = 198.0
+    # Eager cost of one launch, GPU idle in between (the forward is launch bound at these sizes): an nn.Linear call
+    # at tiny sizes takes ~14 us on an RTX 4090 (bitsandbytes issue #605), a bare CUDA kernel
+    # launch ~3-5 us; [assumption] 10 us until a GPU run divides (AR step time - roofline) by the ops it counts.
+    launch_us: float = 10.0
     l2_bytes: int = 48 * MiB  # a dequantized weight larger than this round-trips through VRAM (4070 Ti S: 48 MB)
 
     @classmethod
@@ -51,7 +62,7 @@ class Roofline:
                 raise PlanError(f"Roofline.{name} must be positive, got {value!r}")
         if self.block_reuse_factor < 1:
             raise PlanError(f"Roofline.block_reuse_factor must be >= 1, got {self.block_reuse_factor!r}")
-        for name in ("layer_overhead_us", "expert_overhead_us", "l2_bytes"):
+        for name in ("ar_launches_per_layer", "pass_launches_per_layer", "launch_us", "l2_bytes"):
             if getattr(self, name) < 0:
                 raise PlanError(f"Roofline.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -80,7 +91,8 @@ def predict(
     base_read = f.non_expert_gpu + dequant_traffic + geo.kv_bytes_per_token * ctx + 2 * geo.gdn_state_bytes
     attn_flops_per_token = 4 * ctx * geo.q_dim * len(geo.full_attention_layers)  # QK^T and PV over the context
     active = f.non_expert_gpu_params + k * n_moe * f.expert_params
-    layer_oh, expert_oh = rl.layer_overhead_us * 1e-6, rl.expert_overhead_us * 1e-6
+    ar_oh = n_layers * rl.ar_launches_per_layer * rl.launch_us * 1e-6  # eager launches of one AR step (seconds)
+    pass_oh = n_layers * rl.pass_launches_per_layer * rl.launch_us * 1e-6  # ... of one pass or prompt forward
 
     # AR: one token per pass; its k experts per streamed layer cross PCIe unless still in the pool.
     # Hit rate: uniform routing, LRU pool holding the last slots / (k s) tokens' experts.
@@ -88,7 +100,7 @@ def predict(
     ar_read = base_read + k * n_moe * eb_all
     ar_pcie = s * k * eb_str * (1.0 - hit)
     t_ar_bound = max(ar_read / vram_bw, ar_pcie / pcie_bw, (2 * active + attn_flops_per_token) / flops)
-    t_ar = t_ar_bound + n_layers * layer_oh + n_moe * k * expert_oh
+    t_ar = t_ar_bound + ar_oh
 
     # Diffusion: block / TPF denoising passes (+ the commit pass), each over all `block` positions.
     dp = min(float(e), float(block * k), rl.distinct_experts_per_pass)
@@ -103,7 +115,6 @@ def predict(
     pass_read = base_read + n_moe * dp * eb_all
     pass_flops = block * (2 * active + attn_flops_per_token)
     gpu_pass = max(pass_read / vram_bw, pass_flops / flops)
-    pass_oh = n_layers * layer_oh + n_moe * dp * expert_oh
     pcie_first = s * dp * eb_str  # every streamed layer loads its first pass's union
     later = max(n_pass - 1.0, 1.0)
     pcie_later = (cached * (db - dp) / later + (s - cached) * dp) * eb_str
@@ -127,7 +138,7 @@ def predict(
     )
     pre_flops = c * (2 * active + 4 * mean_ctx * geo.q_dim * n_full)
     t_pre_bound = max(pre_read / vram_bw, s * dc * eb_str / pcie_bw, pre_flops / flops)
-    t_pre = t_pre_bound + n_layers * layer_oh + n_moe * dc * expert_oh
+    t_pre = t_pre_bound + pass_oh
 
     tiny = 1e-12  # a pass always takes some time; guards a zero-byte, zero-overhead toy model
     tok = {
@@ -148,6 +159,7 @@ def predict(
         "diffusion_pcie_bytes_per_block": int(pcie_first + (n_pass - 1.0) * pcie_later),
         "diffusion_vram_bytes_per_pass": int(pass_read),
         "diffusion_gflop_per_pass": round(pass_flops / 1e9, 1),
+        "ar_overhead_ms_per_token": round(ar_oh * 1e3, 3),
         "diffusion_overhead_ms_per_pass": round(pass_oh * 1e3, 3),
         "dequant_vram_traffic_bytes_per_pass": dequant_traffic,
         "prefill_chunk_tokens": c,

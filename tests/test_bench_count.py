@@ -1,0 +1,76 @@
+"""``clover-desk bench speed --count``: the torch ops, host reads and bytes one forward dispatches, per decoder layer
+(the planner's launch figures, engine.speed.Roofline, come from this count at the 35B shape)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from clover_desk import cli
+from clover_desk.cmd_bench_speed import _forward_ops
+
+
+def test_the_count_sees_ops_reads_and_the_bytes_each_op_writes() -> None:
+    buf = torch.zeros(1000, 10)
+    src = torch.ones(2, 10)
+    idx = torch.tensor([3, 7])
+    lin = torch.nn.Linear(10, 4)
+
+    def forward() -> None:
+        buf.index_copy_(0, idx, src)  # writes 2 rows, not the buffer
+        y = lin(buf[:5])  # a view, then one linear: [5, 4]
+        int(y.sum())  # host reads: int(), bool()
+        bool(y.any())
+
+    c = _forward_ops(forward, [lin])
+    assert c["reads"] == 2
+    # index_copy_ (2 x 10 floats), linear's [5, 4], sum's scalar (4 bytes), any's (1 byte); the reads return numbers
+    assert c["written"] == (2 * 10 + 5 * 4 + 1) * 4 + 1
+    assert c["layer_written"] == [5 * 4 * 4] and c["outside_written"] == (2 * 10 + 1) * 4 + 1
+    assert c["ops"] == c["outside_ops"] + sum(c["layer_ops"]) and c["layer_ops"][0] >= 1
+
+
+def test_bench_count_splits_a_forward_by_layer_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["bench", "speed", "--shape", "tiny", "--count", "--quant", "card"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "quant card" in out
+    for name in (r"AR step \(1 token\)", r"denoising pass \(32 slots\)", r"prompt forward \(128 tokens, block mode\)"):
+        head = re.search(name + r": (\d+) ops, (\d+) host reads, ([\d.]+) MB written", out)
+        assert head, out
+        ops, reads = int(head[1]), int(head[2])
+        assert reads == 0  # no host sync inside a forward, all experts resident
+        part = re.split(r"\n(?=\S)", out[head.end():])[0]  # up to the next forward's line
+        kinds = re.findall(r"per (\w+) layer \(mean of (\d+)\):\s+(\d+) ops", part)
+        assert {k for k, _, _ in kinds} == {"linear_attention", "full_attention"}, part
+        outside = int(re.search(r"outside the layers .*?: (\d+) ops", part)[1])
+        # the tiny shape is built whole, so the layers and the rest add up to the forward
+        assert sum(int(n) * int(o) for _, n, o in kinds) + outside == ops
+        assert int(re.search(r"at the full 4 layers: ~(\d+) ops", part)[1]) == ops
+
+
+def test_a_cpu_count_can_dispatch_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU an expert group is one expert named by a host read of its id (cheap there, not what a GPU runs):
+    the count sees those reads, and counted as on a GPU (the card's group size, no CPU int8 GEMV) there are none."""
+    from clover_desk.cmd_bench_speed import _build_random_model, _config, _dispatch_as_on_a_gpu
+    from engine import experts, quant
+
+    _, config = _config("tiny", "clover_moe")
+    model = _build_random_model(config, torch.float32, "cpu", 0, "card")
+    monkeypatch.setitem(experts.GROUP_BYTES, "cpu", 1)  # one expert per group, as the 35B shape gets on the CPU
+    cache = model.new_cache(64)
+    with torch.inference_mode():
+        model.forward(torch.arange(16, 48), 0, cache, block_size=32, write_cache=True, prefill=True)
+
+    def step() -> None:
+        model.forward(torch.tensor([20]), 32, cache, block_size=None, write_cache=False)
+
+    on_cpu = _forward_ops(step, model.layers)
+    assert on_cpu["reads"] == 4 * config.num_experts_per_tok  # one per routed expert, in each of the 4 layers
+    with _dispatch_as_on_a_gpu():
+        as_gpu = _forward_ops(step, model.layers)
+        assert quant.INT8_GEMV_MAX_ROWS == 0
+    assert as_gpu["reads"] == 0
+    assert experts.GROUP_BYTES["cpu"] == 1 and quant.INT8_GEMV_MAX_ROWS > 0  # restored
