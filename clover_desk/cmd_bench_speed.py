@@ -319,11 +319,11 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
     kernel launches, what a GPU pays per launch and CPU timings cannot show), ``reads`` (host reads: scalar reads,
     ``.item()`` / ``int(tensor)`` / ``bool(tensor)``, and on a GPU device-to-host copies, each a sync there; on the
     CPU a ``.cpu()`` or ``.tolist()`` of a CPU tensor is invisible, so the grouped pass's one read of its group sizes
-    shows only on a GPU) and ``written``
-    (bytes the ops write: every output tensor, and for an in-place op the part it writes: the source rows of an
-    ``index_copy_`` / ``index_put_``, the whole tensor otherwise). With ``layers`` (the decoder layers), ops and bytes
-    are also split per layer (``layer_ops``, ``layer_written``: lists in layer order); the rest (embedding, final
-    norm, LM head, the loop's own ops) is ``outside_ops`` / ``outside_written``."""
+    shows only on a GPU) and ``written`` (bytes the ops write: every output tensor, and for an in-place op the part
+    it writes: the source rows of an ``index_copy_`` / ``index_put_``, the whole tensor otherwise). Allocations
+    (``empty`` and kin) are neither ops nor writes. With ``layers`` (the decoder layers), ops and bytes are also split
+    per layer (``layer_ops``, ``layer_written``: lists in layer order); the rest (embedding, final norm, LM head, the
+    loop's own ops) is ``outside_ops`` / ``outside_written``."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -331,6 +331,8 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
     # int(t), float(t), t.item() arrive as aten.item under a dispatch mode, bool(t) as is_nonzero (a .tolist() or
     # .cpu() of a CPU tensor reads memory without dispatching: invisible here; of a GPU tensor it is a _to_copy)
     scalar_reads = {torch.ops.aten.item, torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero}
+    aten = torch.ops.aten
+    allocations = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
     partial = {torch.ops.aten.index_copy_, torch.ops.aten.index_put_, torch.ops.aten.index_copy,
                torch.ops.aten.index_put, torch.ops.aten._index_put_impl_}
 
@@ -348,7 +350,7 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kw = kwargs or {}
             out = func(*args, **kw)
-            if func.is_view:  # views, slices, detach: metadata only, no kernel
+            if func.is_view or func.overloadpacket in allocations:  # metadata or memory only: no kernel, no write
                 return out
             to_host = (
                 func.overloadpacket is torch.ops.aten._to_copy

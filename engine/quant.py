@@ -140,9 +140,13 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequantize_int8(q: Tensor, scale: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """Fast dequantize: one broadcast multiply in fp32, then cast."""
+    """Fast dequantize: one broadcast multiply computed in fp32 (int8 codes times the fp32 row scale) and rounded to
+    ``dtype`` as each element is stored: bit for bit what widening to fp32, multiplying and casting give, without
+    writing an fp32 copy of the weight (6 bytes written per element -> 2 in bf16; ``bench speed --count``)."""
     q2 = q.view(torch.int8).reshape(-1, shape[-1])  # [R, N]
-    return (q2.to(torch.float32) * scale.view(-1, 1)).reshape(shape).to(dtype)
+    out = torch.empty(q2.shape, dtype=dtype, device=q2.device)
+    torch.mul(q2, scale.view(-1, 1).to(torch.float32), out=out)
+    return out.reshape(shape)
 
 
 def dequantize_int8_reference(

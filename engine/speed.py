@@ -39,11 +39,11 @@ class Roofline:
     # the card (NF4 experts, INT8 projections, shared experts and LM head) and dispatched as on a GPU (its expert
     # groups, no CPU int8 GEMV), the mean over its 30 GDN and 10 attention layers with the ops outside the layers
     # (embedding, final norm, LM head) spread over the 40: `clover-desk bench speed --shape clover-35b-a3b --layers 4
-    # --dtype bfloat16 --quant card --count` (CPU, 2026-12-01): AR step ~4,291 ops at 40 layers (GDN layer 107,
-    # attention layer 94, outside 141), 0 host reads; a 32-slot denoising pass ~7,921 (211, 145, 141), 0 host reads.
+    # --dtype bfloat16 --quant card --count` (CPU, 2026-12-01): AR step ~4,251 ops at 40 layers (GDN layer 106,
+    # attention layer 93, outside 141), 0 host reads; a 32-slot denoising pass ~7,841 (209, 143, 141), 0 host reads.
     # A prompt's forward is counted as a pass (its GDN chunk loop adds a few ops per 32 tokens).
-    ar_launches_per_layer: float = 107.0
-    pass_launches_per_layer: float = 198.0
+    ar_launches_per_layer: float = 106.0
+    pass_launches_per_layer: float = 196.0
     # Eager cost of one launch, GPU idle in between (the forward is launch bound at these sizes): an nn.Linear call
     # at tiny sizes takes ~14 us on an RTX 4090 (bitsandbytes issue #605), a bare CUDA kernel
     # launch ~3-5 us; [assumption] 10 us until a GPU run divides (AR step time - roofline) by the ops it counts.

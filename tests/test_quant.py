@@ -85,6 +85,19 @@ def test_int8_reference_and_fast_dequantize_agree() -> None:
     assert torch.equal(dequantize_int8(q, s, (7, 33), torch.float32), dequantize_int8_reference(q, s, (7, 33)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_dequantize_rounds_once_and_writes_only_its_result(dtype: torch.dtype) -> None:
+    """Bit for bit the widen-to-fp32, multiply, cast form, in one op that writes only the result (no fp32 copy)."""
+    from clover_desk.cmd_bench_speed import _forward_ops
+
+    torch.manual_seed(4)
+    q, s = quantize_int8(torch.randn(64, 96))
+    widened = (q.to(torch.float32) * s.view(-1, 1)).to(dtype)
+    assert torch.equal(dequantize_int8(q, s, (64, 96), dtype), widened)
+    count = _forward_ops(lambda: dequantize_int8(q, s, (64, 96), dtype))
+    assert count["written"] == 64 * 96 * widened.element_size() and count["ops"] <= 3, count
+
+
 def test_int8_zero_row_is_exact() -> None:
     w = torch.zeros(2, 8)
     q, s = quantize_int8(w)
