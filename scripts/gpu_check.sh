@@ -37,6 +37,10 @@ step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device c
 # Issue 3: full-size NF4 experts in pinned RAM, process capped at 16 GiB: H2D GB/s, AR tok/s, passes/s, coreset load.
 if $py -c "import bitsandbytes" 2>/dev/null; then
   step bench_offload_gpu 120 $py -m clover_desk.cli bench offload --gpu --gpu-mem-gb 16
+  # Issue 8: ops (launches), host reads (device-to-host copies show on a GPU) and bytes written per forward on the
+  # card's path (NF4 / INT8), 4 layers of the 35B shape scaled to 40: the planner's launch figures, on the GPU.
+  step count_gpu 45 $py -m clover_desk.cli bench speed --count --shape clover-35b-a3b --layers 4 --device cuda \
+    --quant card
 else
   echo "== bench_offload_gpu skipped: bitsandbytes is not importable (carry its wheel in .whl/)" | tee -a "$out/summary.txt"
 fi
