@@ -481,7 +481,8 @@ def _step_graph_line(model: Any) -> str:
 
     runner = getattr(model, "step_graph", None)
     if isinstance(runner, StepGraphs):
-        line = f"AR steps from CUDA graphs (engine.step_graphs): {runner.recorded} recorded, {runner.replays} replayed"
+        line = (f"AR steps from CUDA graphs (engine.step_graphs, {len(runner.pieces)} piece(s) per step): "
+                f"{runner.recorded} recorded, {runner.replays} replayed")
         return line + (f"; {runner.failed}" if runner.failed else "")
     if runner is not None:
         return "AR steps as one compiled graph over all layers (CloverModel.step_graph)"

@@ -969,13 +969,23 @@ class CloverModel(nn.Module):
         device, ``kv_len`` a fixed key length > pos (the full-attention layers read that many keys and mask the
         ones past ``pos``). Writes the cache like an AR step but leaves ``cache.length`` to the caller. Returns fp32
         logits [1, V]; the same as ``forward(ids, pos, cache, last_only=True)`` up to summation order."""
+        p = self.static_pass(pos, cache, kv_len)
+        return self.head(self.static_layers(h, p, cache, 0, len(self.layers)))
+
+    def static_pass(self, pos: Tensor, cache: ModelCache, kv_len: int) -> _Pass:
+        """The pass of :meth:`static_step`: rotary angles and key mask [1, kv_len] computed from ``pos`` on the
+        device (no host int)."""
         cfg = self.config
         cos, sin = rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
         mask = (torch.arange(kv_len, device=pos.device) <= pos)[None, :]  # [1, S]
-        p = _Pass(0, 1, None, cache, True, cos, sin, mask, False, False, pos=pos, kv_len=kv_len)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, p, cache.layer(i))
-        return self.head(h)
+        return _Pass(0, 1, None, cache, True, cos, sin, mask, False, False, pos=pos, kv_len=kv_len)
+
+    def static_layers(self, h: Tensor, p: _Pass, cache: ModelCache, lo: int, hi: int) -> Tensor:
+        """Layers ``lo``..``hi - 1`` of a static step (``p`` from :meth:`static_pass`): h [1, D] -> [1, D]. A piece
+        of the step that ``engine.step_graphs`` records between streamed layers."""
+        for i in range(lo, hi):
+            h = self.layers[i](h, p, cache.layer(i))
+        return h
 
     def embed(self, ids: Tensor) -> Tensor:
         """ids [T] -> hidden states [T, D] on the layers' device, in the model dtype. A host-side table (kept in its

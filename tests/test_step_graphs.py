@@ -99,6 +99,48 @@ def test_compile_layers_runs_the_ar_step_as_one_graph_with_the_eager_tokens() ->
     torch._dynamo.reset()
 
 
+def test_a_step_is_cut_around_its_streamed_layers() -> None:
+    g, e = "graph", "eager"
+    assert step_graphs.pieces_of(4, set()) == [(g, 0, 4)]
+    assert step_graphs.pieces_of(4, {1}) == [(g, 0, 1), (e, 1, 2), (g, 2, 4)]
+    assert step_graphs.pieces_of(4, {0, 3}) == [(e, 0, 1), (g, 1, 3), (e, 3, 4), (g, 4, 4)]  # the head on its own
+    assert step_graphs.pieces_of(3, {0, 1, 2}) == [(e, 0, 1), (e, 1, 2), (e, 2, 3), (g, 3, 3)]
+
+
+def _quantized(streamed: tuple[int, ...]) -> Any:
+    from engine import offload
+    from engine.quant import make_policy, quantize_model_
+
+    model = tiny_model(tiny_config(), seed=5)
+    quantize_model_(model, make_policy())
+    resident = tuple(i for i in range(len(model.layers)) if i not in streamed)
+    offload.apply_plan(model, offload.SimplePlan(resident, streamed, 2 * model.config.num_experts), "cpu")
+    return model
+
+
+@pytest.mark.parametrize("streamed", [(), (1,), (0, 3)])
+def test_steps_run_in_pieces_through_static_buffers_decode_the_same_tokens(streamed: tuple[int, ...]) -> None:
+    """The pieces run eagerly (``record=False``, the CPU) through the buffers a recording reads: the tokens of
+    ordinary steps, across two key buckets (the 256-key graph and the cache's), with streamed layers fetching as
+    they do in an ordinary step."""
+    from engine import offload
+
+    model = _quantized(streamed)
+    want = _tokens(model, 260)  # positions 11..270: buckets 256 and the cache's 271
+    runner = step_graphs.StepGraphs(model, record=False)
+    assert [kind for kind, _, _ in runner.pieces].count("eager") == len(streamed)
+    model.step_graph = runner
+    looked = lambda: sum(offload.accounting(model).get(k, 0) for k in ("slot_hits", "slot_misses"))  # noqa: E731
+    before = looked()
+    try:
+        assert _tokens(model, 260) == want
+    finally:
+        model.step_graph = None
+    assert runner.replays == 259 and runner.failed is None and runner.recorded == 0
+    if streamed:
+        assert looked() >= before + 259 * len(streamed)  # each streamed layer looked its experts up in each step
+
+
 def test_step_graphs_refuse_what_they_cannot_capture(model: Any) -> None:
     assert "CUDA device" in str(step_graphs.capturable(model))
     with pytest.raises(ValueError, match="CUDA device"):
@@ -130,3 +172,28 @@ def test_cuda_graph_steps_decode_the_uncaptured_tokens_without_a_sync() -> None:
             graphed(tok, pos, cache, write_cache=True, last_only=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_pieces_around_streamed_layers_decode_the_uncaptured_tokens() -> None:
+    """A model with streamed layers on a GPU: one graph per run of resident layers, the streamed layers eager
+    between replays; the tokens of uncaptured steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("bitsandbytes")
+    from engine import offload
+    from engine.quant import make_policy, quantize_model_
+
+    def placed() -> Any:
+        model = tiny_model(tiny_config(), seed=5)
+        quantize_model_(model, make_policy())
+        offload.apply_plan(model, offload.SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda")
+        return model
+
+    want = _tokens(placed(), 300)
+    graphed = placed()
+    runner = step_graphs.StepGraphs(graphed)
+    assert runner.pieces == [("graph", 0, 1), ("eager", 1, 2), ("graph", 2, 3), ("eager", 3, 4), ("graph", 4, 4)]
+    graphed.step_graph = runner
+    assert _tokens(graphed, 300) == want
+    assert runner.failed is None and runner.recorded == 3 * 2 and runner.replays == 299  # 3 graphs, 2 buckets
