@@ -2,9 +2,9 @@
 # The prepared GPU checks of issues 2 and 3, as ONE script for a lent device machine (15 minutes in all).
 # Not run by CI (there is no GPU there). Run from the repository root on the GPU machine:
 #   bash scripts/gpu_check.sh            (logs go to $OUT, or ./gpu-check-out when OUT is unset)
-# That machine has torch but not bitsandbytes; carry its wheel in .whl/ (see the device tool's README) for the
-# NF4 offload check, which is skipped otherwise; carry fla-core's and einops' wheels there too (pure Python, ~1 MB)
-# for the flash-linear-attention GDN figures and test. Each step has its own time limit so one hang cannot eat the lease.
+# That machine has torch but not bitsandbytes or fla-core: `bash scripts/gpu_wheels.sh` here puts their wheels in
+# .whl/ (carry it) for the NF4 offload and count steps, skipped otherwise, and the flash-linear-attention GDN figures
+# and test. Each step has its own time limit so one hang cannot eat the lease.
 set -u
 out="${OUT:-./gpu-check-out}"
 mkdir -p "$out"
@@ -45,5 +45,5 @@ else
   echo "== bench_offload_gpu skipped: bitsandbytes is not importable (carry its wheel in .whl/)" | tee -a "$out/summary.txt"
 fi
 # The GPU-marked tests (grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps, the int8 kernel).
-step pytest_gpu 100 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py tests/test_compile.py \
+step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py tests/test_compile.py \
   tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Fetch, here, the wheels scripts/gpu_check.sh needs on the lent GPU machine that its image lacks (Python 3.12,
+# x86-64, no network there): bitsandbytes (NF4 on CUDA: the offload and --count steps) and fla-core (the
+# flash-linear-attention GDN kernels; einops is already there). ~45 MB into .whl/ (ignored by git), under the 64 MiB
+# a device call carries. Then: run `bash scripts/gpu_check.sh` there with `.whl` carried.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+mkdir -p .whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "bitsandbytes>=0.50" "fla-core>=0.6,<0.7"
+ls -la .whl
+du -sh .whl
