@@ -14,7 +14,7 @@ from pathlib import Path
 
 from clover_desk import flags
 
-HIDDEN, INTER = 2048, 512  # Clover-35B-A3B expert shape (architecture.md 1.2)
+HIDDEN, INTER = 2048, 512  # Clover-35B-A3B expert shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 Default: the 35B-A3B shapes (``engine.planner.manifest_for_shape``) planned for a 16 GB card. A synthetic routing
 trace (Zipf-like expert popularity per layer, a per-block topic, per-position noise that persists across the
 denoising passes of a block) is calibrated so one 32-position pass touches ~70 of 256 experts per layer (the
-measured LLaDA2.0-mini figure, offload-anchors 2.3) and is run through the real slot pool / LRU / block-pin code of
+measured LLaDA2.0-mini figure) and is run through the real slot pool / LRU / block-pin code of
 ``engine.offload``, with rows of a few bytes standing in for the 1.77 MB experts (bytes are counted at full size).
 
 Modes: ``--tiny`` runs a tiny random model end to end on the CPU (real quantized weights, real streaming, real

@@ -263,7 +263,7 @@ class LoadPlan:
 def plan_load(model: CloverModel, reader: CheckpointReader) -> LoadPlan:
     """Check names and shapes against ``model`` (which may live on the meta device) before reading any data.
 
-    Adapts Clover extras to the shapes the checkpoint has (architecture.md 5.1) and drops absent ones (neutral).
+    Adapts Clover extras to the shapes the checkpoint has and drops absent ones (neutral).
     Raises CheckpointError naming the tensor, the file and both shapes on a mismatch, or the missing tensor.
     """
     config = model.config

@@ -22,7 +22,7 @@ SUPPORTED_MODEL_TYPES = ("clover_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 QWEN_EOS_IDS = (248046, 248044)
 QWEN_THINK_END_ID = 248069
 
-# Allowed values of the switches for Clover's unpublished parts (architecture.md section 5).
+# Allowed values of the switches for Clover's unpublished parts.
 _SWITCH_VALUES: dict[str, tuple[str, ...]] = {
     "bd_history_form": ("F1", "F2", "history_only"),
     "bd_history_input": ("q", "r"),
@@ -90,7 +90,7 @@ class CloverConfig:
     shift_logits: bool = False  # logit row i predicts token i (False) or token i+1 (True)
     moe_block_coreset_enabled: bool = False
     moe_block_coreset_top_p: float = 0.9
-    # Switches for the parts of Clover that are not public (architecture.md section 5); defaults = primary proposal.
+    # Switches for the parts of Clover that are not public; defaults = primary proposal.
     bd_history_form: str = "F1"  # "F1" mix with causal GDN output | "F2" pure state read | "history_only" (neutral)
     bd_history_input: str = "q"  # a [Hv, dk] bd_history.weight applies to q̂ ("q") or to the history read ("r")
     bd_right_conv_taps: str = "R1"  # "R1" future taps | "R2" mirrored | "R3" incl. current | "R4" mirrored incl. current

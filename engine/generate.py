@@ -1,7 +1,7 @@
 """The two decoding loops, as generators of :mod:`engine.events`.
 
 * :func:`generate_ar`: prefill the prompt causally, then one token per forward through the cache.
-* :func:`generate_diffusion`: block diffusion with blocks aligned to absolute position 0 (architecture.md §4.1).
+* :func:`generate_diffusion`: block diffusion with blocks aligned to absolute position 0.
   The whole prompt blocks are prefilled in one block-mode pass that writes the cache; the first generated block
   holds the prompt tail followed by masks; denoising passes read the cache (``write_cache=False``) and commit by
   the threshold rule until the block has no mask; then one commit pass writes the block into the cache.
@@ -454,7 +454,7 @@ def generate_diffusion(
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
 ) -> Iterator[Event]:
-    """Block diffusion (architecture.md §4.1, §4.3). Checks the request before returning the event iterator."""
+    """Block diffusion. Checks the request before returning the event iterator."""
     prompt = [int(i) for i in prompt_ids]
     _check_prompt(prompt, vocab_size)
     if s.mask_token_id is None:

@@ -3,7 +3,7 @@
 its bytes for the planner (:func:`manifest_from_gguf`).
 
 Read with the ``gguf`` package (``GGUFReader``: memory-mapped, nothing is read until a tensor's bytes are touched).
-Two layouts exist for Clover (clover.md, "The GGUF files"), told apart by what the file holds:
+Two layouts exist for Clover's GGUF files, told apart by what the file holds:
 
 * ``fork``: DiffuSpace's own llama.cpp fork wrote the official files: ``general.architecture`` ``clover_moe``, the 120
   diffusion tensors (``ssm_bd_history.weight/.bias``, ``ssm_bd_logit_scale.weight``, ``ssm_conv1d.weight_right``)
@@ -14,7 +14,7 @@ Two layouts exist for Clover (clover.md, "The GGUF files"), told apart by what t
 Detection: the diffusion tensors present -> ``fork``, absent -> ``upstream``; ``layout=`` overrides it. An
 ``upstream`` file whose ``ssm_a`` holds a value >= 0 cannot be ``-exp(A_log)`` and is refused (name the layout).
 
-Name and value transforms undone on load (architecture.md 1.3; the converter's facts):
+Name and value transforms undone on load (the converter's facts):
 
 * every zero-centred RMSNorm weight (``attn_norm``, ``post_attention_norm``, ``output_norm``, ``attn_q_norm``,
   ``attn_k_norm``) is stored as ``1 + w``: the loader subtracts 1. ``ssm_norm`` is stored plain.

@@ -1,5 +1,5 @@
 """Rewrite an official (fork-layout) Clover GGUF into the layout upstream llama.cpp loads, streaming, never holding
-the file in memory (clover.md, "The GGUF files"):
+the file in memory:
 
 1. add the key ``{arch}.expert_shared_count`` (= 1, the one shared expert) that upstream refuses to load without;
 2. drop the 120 diffusion-only tensors (``ssm_bd_history.weight/.bias``, ``ssm_bd_logit_scale.weight``,

@@ -5,7 +5,7 @@ system memory through ``psutil``; both are imported inside the function. A machi
 the driver or without ``pynvml`` is a normal case: the probe returns ``gpu_name=None`` and the planner falls back to
 the assumed desktop card of :data:`DEFAULT_HARDWARE`.
 
-Bandwidth rules (offload-anchors.md section 2.1):
+Bandwidth rules:
 * PCIe host-to-device, pinned: lanes x per-lane rate x :data:`PCIE_EFFICIENCY`. Measured pinned H2D is 80-84 % of
   the raw rate (25.1 GB/s on PCIe 4.0 x16, 52.7 on 5.0 x16, 13.2 on 3.0 x16).
 * VRAM: NVML memory bus width x max memory clock x 2 (NVML reports the memory clock at half the per-pin data rate

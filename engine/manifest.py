@@ -166,7 +166,7 @@ _QWEN35_35B_A3B = ModelGeometry(
     max_position_embeddings=131_072,
 )
 
-# Known shapes for `manifest_for_shape` / `clover-desk plan --shape` (architecture.md sections 1.2 and 6).
+# Known shapes for `manifest_for_shape` / `clover-desk plan --shape`.
 SHAPES: dict[str, ModelGeometry] = {
     "clover-35b-a3b": ModelGeometry(**{**asdict(_QWEN35_35B_A3B), "clover_extras": True}),
     "qwen3.5-35b-a3b": _QWEN35_35B_A3B,
@@ -296,7 +296,7 @@ class Manifest:
 
 
 def _text_tensors(geo: ModelGeometry) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, stored dtype) of every text-model tensor of a geometry (architecture.md section 1.2)."""
+    """(name, shape, stored dtype) of every text-model tensor of a geometry."""
     d, v = geo.hidden_size, geo.vocab_size
     yield "embed_tokens.weight", (v, d), "bf16"
     full = set(geo.full_attention_layers)
@@ -324,7 +324,7 @@ def _text_tensors(geo: ModelGeometry) -> Iterator[tuple[str, tuple[int, ...], st
             yield p + "linear_attn.A_log", (hv,), "fp32"
             yield p + "linear_attn.norm.weight", (geo.linear_value_head_dim,), "fp32"
             yield p + "linear_attn.out_proj.weight", (d, geo.value_dim), "bf16"
-            if geo.clover_extras:  # architecture.md section 5.1, primary shapes
+            if geo.clover_extras:  # Clover extras, primary shapes
                 yield p + "linear_attn.bd_history.weight", (hv, d), "bf16"
                 yield p + "linear_attn.bd_history.bias", (hv,), "bf16"
                 yield p + "linear_attn.bd_logit_scale.weight", (hv,), "bf16"

@@ -456,7 +456,7 @@ class ParamHolder(nn.Module):
 
 
 _RIGHT_TAP_OFFSETS = {
-    # offset of tap k (0-based) relative to the current token t, given Kr taps (architecture.md 5.2)
+    # offset of tap k (0-based) relative to the current token t, given Kr taps
     "R1": lambda k, kr: 1 + k,  # future taps X_{t+1+k}
     "R2": lambda k, kr: kr - k,  # mirrored X_{t+Kr-k}
     "R3": lambda k, kr: k,  # including the current token X_{t+k}
@@ -467,7 +467,7 @@ _RIGHT_TAP_OFFSETS = {
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer (module name ``linear_attn``), with Clover's four block-mode tensors.
 
-    Clover extras (architecture.md section 5, shapes dispatched at run time):
+    Clover extras (shapes dispatched at run time):
       ``bd_history.weight`` [Hv, D] (+ ``bd_history.bias`` [Hv] or [1]): history logit per v-head from the layer
         input; also accepted: [1, D] (shared), [Hv, dk] (from q per head), [Hv, dv] (from the history read r),
         [Hv] (a constant per head). When dk == dv the [Hv, dk] form is read as q unless the config's
@@ -700,7 +700,7 @@ class MLP(nn.Module):
 def block_coreset_topk(
     probs: Tensor, block_size: int, k: int, top_p: float, restrict: str = "R-a"
 ) -> tuple[Tensor, Tensor]:
-    """MoE block coreset (architecture.md 5.5), vectorized over blocks.
+    """MoE block coreset, vectorized over blocks.
 
     probs [T, E] fp32 router softmax; tokens are grouped in consecutive blocks of ``block_size``. Per block the
     coreset C is the smallest set of experts covering ``top_p`` of the block's top-k candidate mass, and at least k

@@ -703,7 +703,7 @@ def place_model(
     runtime = OffloadRuntime(dev, runtime_pool, ledger, prefetch)
     runtime.resident_layers, runtime.streamed_layers = resident, streamed
     if pin_budget_bytes is None and os.name == "nt":
-        pin_budget_bytes = WINDOWS_PIN_BUDGET  # WDDM caps page-locked memory per process (offload-anchors 1.3)
+        pin_budget_bytes = WINDOWS_PIN_BUDGET  # WDDM caps page-locked memory per process
     budget = PinBudget(pin_budget_bytes)
     for i in streamed:
         name, bank = banks[i]

@@ -30,10 +30,10 @@ class Roofline:
     the cost of one is the assumption left.
     """
 
-    tokens_per_pass: float = 3.0  # committed per denoising pass: LLaDA2-like TPF 2.5-3.2 (architecture.md 4.1)
+    tokens_per_pass: float = 3.0  # committed per denoising pass: LLaDA2-like TPF 2.5-3.2
     distinct_experts_per_pass: float = 70.0  # per layer, 32-token pass: LLaDA2.0-mini measured 69.5 of 256
     block_reuse_factor: float = 1.3  # block working set / per-pass union across one block's passes
-    commit_pass: bool = True  # one extra forward per block writes the caches (architecture.md 4.1; 5.6 folds it)
+    commit_pass: bool = True  # one extra forward per block writes the caches (Clover's published loop)
     compute_tflops: float = 30.0  # effective bf16 TFLOPS of a 16 GB RTX card on 32-token GEMMs
     # Torch ops (~ kernel launches) per decoder layer, counted at the dispatcher on the 35B shape quantized as on
     # the card (NF4 experts, INT8 projections, shared experts and LM head) and dispatched as on a GPU (its expert
@@ -52,7 +52,7 @@ class Roofline:
 
     @classmethod
     def with_coreset(cls, **kwargs: Any) -> "Roofline":
-        """Clover's 90 %-mass block coreset: ~25-35 distinct experts per layer and pass (offload-anchors 2.3)."""
+        """Clover's 90 %-mass block coreset: ~25-35 distinct experts per layer and pass."""
         return cls(**{"distinct_experts_per_pass": CORESET_DISTINCT_EXPERTS_PER_PASS, **kwargs})
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("clover_moe", "qwen3_5_moe")
 
-# Clover-35B-A3B-Preview's published generation_config.json values (clover.md).
+# Clover-35B-A3B-Preview's published generation_config.json values.
 CLOVER_GENERATION_DEFAULTS: dict[str, Any] = {
     "do_sample": False,
     "presence_penalty": 0.9,

@@ -1,4 +1,4 @@
-"""The import rule of STYLE.md: engine/ never imports Qt, ui/ never imports torch.
+"""The import rule: engine/ never imports Qt, ui/ never imports torch.
 
 Each side is imported in a fresh interpreter and ``sys.modules`` is inspected, so a transitive import is caught too.
 """

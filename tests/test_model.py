@@ -384,7 +384,7 @@ def test_long_cached_pass_is_split_into_segments_with_the_same_result(block_size
 
 
 def _naive_clover_gdn(gdn, x: torch.Tensor, block: int, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
-    """architecture.md 5.2 (R1, join A) + 5.3 (F1, ln L with L = block) written token by token, in float64."""
+    """The right convolution (R1, join A) and the history unit (F1, ln L with L = block) written token by token, in float64."""
     cfg = gdn.config
     x = x.double()
     t, hv, hk, dk, dv = x.shape[0], gdn.num_v_heads, gdn.num_k_heads, gdn.dk, gdn.dv

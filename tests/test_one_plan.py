@@ -102,7 +102,7 @@ def cli_plan(model: Path, vram_gb: float, ctx: int, ram_gb: float) -> dict[str, 
 
 
 def test_the_checkpoint_is_planned_as_the_cache_will_hold_it(clover35: Path) -> None:
-    """Headers under the policy give the published counts (architecture.md section 6), not the BF16 file bytes."""
+    """Headers under the policy give the published counts, not the BF16 file bytes."""
     m = planner.model_manifest(clover35)
     assert m.total_bytes(["expert"]) == 18_119_393_280  # NF4: 40 layers x 256 experts x 1,769,472 B
     assert planner.model_manifest(planner.SHAPE_PREFIX + "clover-35b-a3b").entries == m.entries
