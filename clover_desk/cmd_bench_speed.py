@@ -224,19 +224,22 @@ def _run_count(args: argparse.Namespace) -> int:
             fn()  # first use: lazy initialisation is not a per-forward cost
             c = _forward_ops(fn, model.layers)
             print(f"{name}: {c['ops']} ops, {c['reads']} host reads, {c['written'] / 1e6:.1f} MB written")
-            total_ops, total_bytes = c["outside_ops"], c["outside_written"]
+            total_ops, total_bytes, total_reads = c["outside_ops"], c["outside_written"], c["outside_reads"]
             for kind in dict.fromkeys(config.layer_types):
                 idx = [i for i, t in enumerate(config.layer_types) if t == kind]
                 ops = sum(c["layer_ops"][i] for i in idx) / len(idx)
                 wrote = sum(c["layer_written"][i] for i in idx) / len(idx)
+                reads = sum(c["layer_reads"][i] for i in idx) / len(idx)
                 n_full = sum(t == kind for t in full.layer_types)
                 total_ops += ops * n_full
                 total_bytes += wrote * n_full
-                print(f"    per {kind} layer (mean of {len(idx)}): {ops:7.0f} ops, {wrote / 1e6:9.2f} MB written")
+                total_reads += reads * n_full
+                print(f"    per {kind} layer (mean of {len(idx)}): {ops:7.0f} ops, {wrote / 1e6:9.2f} MB written, "
+                      f"{reads:.0f} host reads")
             print(f"    outside the layers (embedding, final norm, LM head): {c['outside_ops']} ops, "
                   f"{c['outside_written'] / 1e6:.2f} MB written")
             print(f"    at the full {full.num_hidden_layers} layers: ~{total_ops:.0f} ops, ~{total_bytes / 1e6:.1f} MB "
-                  "written")
+                  f"written, ~{total_reads:.0f} host reads")
     return 0
 
 
@@ -317,9 +320,9 @@ def _engine_figures(
 def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
     """What one forward dispatches, counted at torch's dispatcher: ``ops`` (non-view torch ops: they stand in for
     kernel launches, what a GPU pays per launch and CPU timings cannot show), ``reads`` (host reads: scalar reads,
-    ``.item()`` / ``int(tensor)`` / ``bool(tensor)``, and on a GPU device-to-host copies, each a sync there; on the
-    CPU a ``.cpu()`` or ``.tolist()`` of a CPU tensor is invisible, so the grouped pass's one read of its group sizes
-    shows only on a GPU) and ``written`` (bytes the ops write: every output tensor, and for an in-place op the part
+    ``.item()`` / ``int(tensor)`` / ``bool(tensor)``, device-to-host copies, and on the CPU every ``.cpu()`` call,
+    which never reaches the dispatcher there but is where the code reads back on a GPU; a ``.tolist()`` of a CPU
+    tensor stays invisible) and ``written`` (bytes the ops write: every output tensor, and for an in-place op the part
     it writes: the source rows of an ``index_copy_`` / ``index_put_``, the whole tensor otherwise). Allocations
     (``empty`` and kin) are neither ops nor writes. With ``layers`` (the decoder layers), ops and bytes are also split
     per layer (``layer_ops``, ``layer_written``: lists in layer order); the rest (embedding, final norm, LM head, the
@@ -328,8 +331,8 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    # int(t), float(t), t.item() arrive as aten.item under a dispatch mode, bool(t) as is_nonzero (a .tolist() or
-    # .cpu() of a CPU tensor reads memory without dispatching: invisible here; of a GPU tensor it is a _to_copy)
+    # int(t), float(t), t.item() arrive as aten.item under a dispatch mode, bool(t) as is_nonzero (a .tolist() of a
+    # CPU tensor reads memory without dispatching: invisible here; of a GPU tensor it is a _to_copy)
     scalar_reads = {torch.ops.aten.item, torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero}
     aten = torch.ops.aten
     allocations = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
@@ -346,6 +349,7 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
             self.where = -1  # the decoder layer running, -1 outside the layers
             self.layer_ops = [0] * len(layers)
             self.layer_written = [0] * len(layers)
+            self.layer_reads = [0] * len(layers)
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kw = kwargs or {}
@@ -357,7 +361,8 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
                 and str(kw.get("device", "")) == "cpu"
                 and args[0].device.type != "cpu"
             )
-            self.reads += func.overloadpacket in scalar_reads or to_host
+            read = func.overloadpacket in scalar_reads or to_host
+            self.reads += read
             if func.overloadpacket in partial:  # the rows written: the source / values argument
                 src = args[3] if func.overloadpacket in (torch.ops.aten.index_copy_, torch.ops.aten.index_copy) \
                     else args[2]
@@ -369,22 +374,36 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
             if self.where >= 0:
                 self.layer_ops[self.where] += 1
                 self.layer_written[self.where] += wrote
+                self.layer_reads[self.where] += read
             return out
 
     mode = Count()
+
+    def counted_cpu(t: Any, *args: Any, **kwargs: Any) -> Any:
+        # .cpu() of a CPU tensor never reaches the dispatcher; the code calls it where, on a GPU, it reads back
+        if t.device.type == "cpu":
+            mode.reads += 1
+            if mode.where >= 0:
+                mode.layer_reads[mode.where] += 1
+        return plain_cpu(t, *args, **kwargs)
+
+    plain_cpu = torch.Tensor.cpu
     hooks = []
     for i, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: setattr(mode, "where", i)))
         hooks.append(layer.register_forward_hook(lambda *_: setattr(mode, "where", -1)))
+    torch.Tensor.cpu = counted_cpu  # type: ignore[method-assign]
     try:
         with torch.inference_mode(), mode:
             fn()
     finally:
+        torch.Tensor.cpu = plain_cpu  # type: ignore[method-assign]
         for h in hooks:
             h.remove()
     return {"ops": mode.ops, "reads": mode.reads, "written": mode.written, "layer_ops": mode.layer_ops,
-            "layer_written": mode.layer_written, "outside_ops": mode.ops - sum(mode.layer_ops),
-            "outside_written": mode.written - sum(mode.layer_written)}
+            "layer_written": mode.layer_written, "layer_reads": mode.layer_reads,
+            "outside_ops": mode.ops - sum(mode.layer_ops), "outside_written": mode.written - sum(mode.layer_written),
+            "outside_reads": mode.reads - sum(mode.layer_reads)}
 
 
 def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: int) -> None:

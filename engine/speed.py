@@ -40,7 +40,9 @@ class Roofline:
     # groups, no CPU int8 GEMV), the mean over its 30 GDN and 10 attention layers with the ops outside the layers
     # (embedding, final norm, LM head) spread over the 40: `clover-desk bench speed --shape clover-35b-a3b --layers 4
     # --dtype bfloat16 --quant card --count` (CPU, 2026-12-01): AR step ~4,251 ops at 40 layers (GDN layer 106,
-    # attention layer 93, outside 141), 0 host reads; a 32-slot denoising pass ~7,841 (209, 143, 141), 0 host reads.
+    # attention layer 93, outside 141), 0 host reads; a 32-slot denoising pass ~7,841 (209, 143, 141) and 40 host
+    # reads (each MoE layer's group sizes: 256 pairs take the eager grouped compute; a sync each on a GPU, not
+    # modelled here).
     # A prompt's forward is counted as a pass (its GDN chunk loop adds a few ops per 32 tokens).
     ar_launches_per_layer: float = 106.0
     pass_launches_per_layer: float = 196.0

@@ -21,11 +21,12 @@ def test_the_count_sees_ops_reads_and_the_bytes_each_op_writes() -> None:
     def forward() -> None:
         buf.index_copy_(0, idx, src)  # writes 2 rows, not the buffer
         y = lin(buf[:5])  # a view, then one linear: [5, 4]
-        int(y.sum())  # host reads: int(), bool()
+        int(y.sum())  # host reads: int(), bool(), and .cpu() (which a CPU tensor never dispatches)
         bool(y.any())
+        idx.cpu()
 
     c = _forward_ops(forward, [lin])
-    assert c["reads"] == 2
+    assert c["reads"] == 3 and c["outside_reads"] == 3 and c["layer_reads"] == [0]
     # index_copy_ (2 x 10 floats), linear's [5, 4], sum's scalar (4 bytes), any's (1 byte); the reads return numbers
     assert c["written"] == (2 * 10 + 5 * 4 + 1) * 4 + 1
     assert c["layer_written"] == [5 * 4 * 4] and c["outside_written"] == (2 * 10 + 1) * 4 + 1
@@ -41,7 +42,9 @@ def test_bench_count_splits_a_forward_by_layer_kind(capsys: pytest.CaptureFixtur
         head = re.search(name + r": (\d+) ops, (\d+) host reads, ([\d.]+) MB written", out)
         assert head, out
         ops, reads = int(head[1]), int(head[2])
-        assert reads == 0  # no host sync inside a forward, all experts resident
+        # an AR step reads nothing back; a pass or a prompt (64 and 256 pairs: grouped by expert) reads each MoE
+        # layer's group sizes once (the eager grouped compute; the fused kernels and grouped mm need none)
+        assert reads == (0 if name.startswith("AR") else 4), (name, reads)
         part = re.split(r"\n(?=\S)", out[head.end():])[0]  # up to the next forward's line
         kinds = re.findall(r"per (\w+) layer \(mean of (\d+)\):\s+(\d+) ops", part)
         assert {k for k, _, _ in kinds} == {"linear_attention", "full_attention"}, part
