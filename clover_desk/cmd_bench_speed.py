@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", choices=("none", "card"), default="none",
                         help="card: quantize the random model as the app does for a 16 GB card (NF4 experts, INT8 "
                              "projections, shared experts and LM head) before measuring")
+    parser.add_argument("--vram-gb", type=float, default=None, metavar="G",
+                        help="with --quant card: place the experts as the planner does for a G GiB card (the "
+                             "clover-35b-a3b shape: streamed layers in pinned host memory, a slot pool), and on CUDA "
+                             "cap the process at G GiB: the card's code path")
+    parser.add_argument("--stream", type=int, default=None, metavar="N",
+                        help="with --quant card: stream the experts of the last N layers through a slot pool of "
+                             "2 x top-k x N experts (any shape; the CPU tests of the placed path)")
     parser.add_argument("--compile", action="store_true",
                         help="also time the engine with its decoder layers compiled (engine.fastpath), same tokens")
     parser.add_argument("--compare-llama-cpp", action="store_true",
@@ -306,10 +313,22 @@ def _engine_figures(
         _finished(generate_ar(model, prompt, _settings(config, "ar", 3)))
         _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", 2 * B)))
 
-    done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens)))
+    from engine import offload
+
+    before = offload.accounting(model)
+    done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens), hooks=_hooks(model)))
     figures["ar_decode_tok_s"] = done.tokens_per_s
     figures["ar_tokens"] = done.tokens
-    done = _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", args.diffusion_tokens)))
+    if before:  # streamed layers: bytes over PCIe per AR token
+        figures["ar_h2d_per_token"] = (offload.accounting(model)["h2d_bytes"] - before["h2d_bytes"]) / done.tokens
+    before = offload.accounting(model)
+    done = _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", args.diffusion_tokens),
+                                        hooks=_hooks(model)))
+    if before:
+        after = offload.accounting(model)
+        figures["diffusion_h2d_per_token"] = (after["h2d_bytes"] - before["h2d_bytes"]) / max(done.tokens, 1)
+        looked = after["slot_hits"] + after["slot_misses"] - before["slot_hits"] - before["slot_misses"]
+        figures["diffusion_slot_hit_rate"] = (after["slot_hits"] - before["slot_hits"]) / max(looked, 1)
     figures["diffusion_tokens_per_pass"] = done.tokens_per_pass
     figures["diffusion_tok_s"] = done.tokens_per_s
     figures["diffusion_passes"] = done.passes
@@ -423,6 +442,13 @@ def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: i
         f"diffusion run ({int(f['diffusion_tokens'])} tokens, {int(f['diffusion_passes'])} passes): "
         f"{f['diffusion_tokens_per_pass']:.2f} tokens/pass, {f['diffusion_tok_s']:.1f} tok/s"
     )
+    # a trained model commits ~3 tokens per pass (a random one ~1): a block then takes block/3 passes and a commit
+    at3 = f["diffusion_passes_s"] * block / (block / 3 + 1)
+    print(f"diffusion at 3 committed tokens per pass (from the pass rate, with the commit pass): {at3:.1f} tok/s")
+    if "ar_h2d_per_token" in f:
+        print(f"streamed experts: AR {f['ar_h2d_per_token'] / 2**10:,.0f} KiB host-to-device per token; diffusion "
+              f"{f['diffusion_h2d_per_token'] / 2**10:,.0f} KiB per token, slot hit rate "
+              f"{f['diffusion_slot_hit_rate']:.1%}")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -456,7 +482,10 @@ def _run(args: argparse.Namespace) -> int:
     model = _build_random_model(config, dtype, device, args.seed, args.quant)
     _sync(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"random model built on {device} in {time.perf_counter() - t0:.1f} s ({n_params / 1e9:.2f} B parameters)")
+    held = "quantized: NF4 experts, INT8 dense" if args.quant == "card" else f"{n_params / 1e9:.2f} B parameters"
+    print(f"random model built on {device} in {time.perf_counter() - t0:.1f} s ({held})")
+    if args.vram_gb is not None or args.stream is not None:
+        _place(model, config, args, device)
     if device == "cuda":
         print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     title = "Clover Desk engine (clover_moe, block mode with Clover extras and coreset)"
@@ -470,6 +499,52 @@ def _run(args: argparse.Namespace) -> int:
     if args.compare_transformers:
         _compare_transformers(args, device, dtype, prompt)
     return 0
+
+
+def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> None:
+    """Place the experts as a plan says (``--vram-gb``: the planner's plan for the shape; ``--stream N``: the last N
+    layers streamed), and on CUDA cap the process at ``--vram-gb``."""
+    import torch
+
+    from engine import offload
+    from engine.errors import ConfigError
+
+    if args.quant != "card":
+        raise ConfigError("--vram-gb / --stream place quantized experts: add --quant card")
+    n = config.num_hidden_layers
+    if args.stream is not None:
+        if not 0 < args.stream <= n:
+            raise ConfigError(f"--stream {args.stream}: the model has {n} layers (allowed: 1..{n})")
+        streamed = list(range(n - args.stream, n))
+        slots = 2 * config.num_experts_per_tok * len(streamed)
+    else:
+        from engine.planner import SHAPE_PREFIX, plan_model, probe_hardware
+
+        if args.shape != "clover-35b-a3b":
+            raise ConfigError(f"--vram-gb plans the clover-35b-a3b shape, not {args.shape!r} (use --stream N)")
+        plan = plan_model(SHAPE_PREFIX + args.shape, int(args.vram_gb * 2**30), 4096, probe_hardware())
+        if not plan.fits:
+            raise ConfigError(f"--vram-gb {args.vram_gb}: {plan.reason}")
+        streamed = [i for i in plan.streamed_expert_layers if i < n]
+        slots = plan.slot_pool_experts
+    resident = [i for i in range(n) if i not in streamed]
+    # the planner keeps the embedding table in host memory (a lookup sends T rows): so does the card's path
+    offload.apply_plan(model, offload.SimplePlan(tuple(resident), tuple(streamed), slots), device,
+                       host_embedding=args.vram_gb is not None)
+    print(f"placed: {len(resident)} resident / {len(streamed)} streamed expert layers, slot pool of {slots} experts")
+    if device == "cuda" and args.vram_gb is not None:
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 2**30 / total))
+        print(f"process capped at {args.vram_gb:g} GiB of {total / 2**30:.0f} GiB")
+
+
+def _hooks(model: Any) -> Any:
+    """The block hooks the engine gives the loop (streamed layers keep a block's experts through its passes)."""
+    from engine import offload
+    from engine.generate import LoopHooks
+
+    return LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model))
 
 
 def _compiled_figures(

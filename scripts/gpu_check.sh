@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU checks of issues 2 and 3, as ONE script for a lent device machine (15 minutes in all).
 # Not run by CI (there is no GPU there). Run from the repository root on the GPU machine:
-#   bash scripts/gpu_check.sh            (logs go to $OUT, or ./gpu-check-out when OUT is unset)
+#   bash scripts/gpu_check.sh [STEP...]  (logs go to $OUT, or ./gpu-check-out when OUT is unset; STEPs: only those)
 # That machine has torch but not bitsandbytes or fla-core: `bash scripts/gpu_wheels.sh` here puts their wheels in
 # .whl/ (carry it) for the NF4 offload and count steps, skipped otherwise, and the flash-linear-attention GDN figures
 # and test. Each step has its own time limit so one hang cannot eat the lease.
@@ -14,36 +14,50 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+only=" $* "  # step names given as arguments: run only those (a second call finishes what a first one left)
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then return; fi
   echo "== $name (limit ${limit}s)" | tee -a "$out/summary.txt"
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$out/$name.log" | tee -a "$out/summary.txt"
   echo "== $name rc=$rc" | tee -a "$out/summary.txt"
 }
-nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv | tee "$out/summary.txt"
-# Issue 2: full-size random 35B-A3B in bf16, all weights resident: AR decode tok/s, diffusion passes/s (one block).
-step bench_speed_full 160 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16
-# Issue 8: the same with the decoder layers compiled (engine.fastpath; Triton kernels, one graph per layer kind;
-# all experts resident, so the AR step replays from CUDA graphs, engine.step_graphs),
-# eager and compiled side by side with token equality. 8 layers: the graphs are shared, so depth only scales time.
-step bench_speed_compiled 150 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
-  --layers 8 --compile --repeats 3
+nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv | tee -a "$out/summary.txt"
+bnb=0
+$py -c "import bitsandbytes" 2>/dev/null && bnb=1 || echo "== bitsandbytes is not importable (bash scripts/gpu_wheels.sh here, carry .whl): the NF4 steps are skipped" | tee -a "$out/summary.txt"
+# Steps in order of what they decide; the sum of their limits is over one call's 10 minutes, so name the rest in a
+# second call if the first is cut short.
+# The GPU-marked tests: grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps (whole and in pieces
+# around streamed layers), the int8 kernel, fla's GDN kernels.
+step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py \
+  tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py
+if [ $bnb = 1 ]; then
+  # Issue 8's figures: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's
+  # 16 GiB placement: streamed layers in pinned host memory, the process capped at 16 GiB), eager: AR tok/s, passes/s,
+  # tok/s at 3 tokens per pass, ops and host reads per forward, host-to-device bytes per token.
+  step card_path 170 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
+    --quant card --vram-gb 16 --repeats 3
+fi
 # Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
 # (NF4 rows, GGUF Q4_0 blocks); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton kernel; one GDN
 # layer's AR step and 1024-token prefill, the PyTorch rule vs flash-linear-attention's kernels.
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
-# Issue 3: full-size NF4 experts in pinned RAM, process capped at 16 GiB: H2D GB/s, AR tok/s, passes/s, coreset load.
-if $py -c "import bitsandbytes" 2>/dev/null; then
-  step bench_offload_gpu 120 $py -m clover_desk.cli bench offload --gpu --gpu-mem-gb 16
+if [ $bnb = 1 ]; then
   # Issue 8: ops (launches), host reads (device-to-host copies show on a GPU) and bytes written per forward on the
-  # card's path (NF4 / INT8), 4 layers of the 35B shape scaled to 40: the planner's launch figures, on the GPU.
+  # card's path, 4 layers of the 35B shape scaled to 40: the planner's launch figures, on the GPU.
   step count_gpu 45 $py -m clover_desk.cli bench speed --count --shape clover-35b-a3b --layers 4 --device cuda \
     --quant card
-else
-  echo "== bench_offload_gpu skipped: bitsandbytes is not importable (carry its wheel in .whl/)" | tee -a "$out/summary.txt"
 fi
-# The GPU-marked tests (grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps, the int8 kernel).
-step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py tests/test_cli.py tests/test_compile.py \
-  tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py
+# Issue 8: the decoder layers compiled (engine.fastpath; Triton kernels, one graph per layer kind; all experts
+# resident, so the AR step replays from CUDA graphs, engine.step_graphs), eager and compiled side by side with token
+# equality. 8 layers: the graphs are shared, so depth only scales time.
+step bench_speed_compiled 150 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
+  --layers 8 --compile --repeats 3
+# Issue 2: full-size random 35B-A3B in bf16, all weights resident: AR decode tok/s, diffusion passes/s (one block).
+step bench_speed_full 160 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16
+if [ $bnb = 1 ]; then
+  # Issue 3: the expert path alone, full-size NF4 experts in pinned RAM, capped at 16 GiB: H2D GB/s, coreset load.
+  step bench_offload_gpu 120 $py -m clover_desk.cli bench offload --gpu --gpu-mem-gb 16
+fi

@@ -77,3 +77,23 @@ def test_a_cpu_count_can_dispatch_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -
         assert quant.INT8_GEMV_MAX_ROWS == 0
     assert as_gpu["reads"] == 0
     assert experts.GROUP_BYTES["cpu"] == 1 and quant.INT8_GEMV_MAX_ROWS > 0  # restored
+
+
+def test_bench_speed_runs_the_placed_path(capsys: pytest.CaptureFixture[str]) -> None:
+    """--quant card --stream N: the experts of the last N layers streamed through a slot pool (the path a 16 GB card
+    takes, --vram-gb there), the figures of that path and its traffic; bad combinations refused in one line."""
+    code = cli.main(["bench", "speed", "--shape", "tiny", "--quant", "card", "--stream", "2", "--repeats", "1",
+                     "--decode-tokens", "8", "--diffusion-tokens", "32", "--prompt-tokens", "40"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "placed: 2 resident / 2 streamed expert layers, slot pool of 8 experts" in out
+    streamed = re.search(r"streamed experts: AR ([\d,]+) KiB host-to-device per token; diffusion ([\d,]+) KiB per "
+                         r"token, slot hit rate ([\d.]+)%", out)
+    assert streamed, out
+    assert 0 < float(streamed[3]) <= 100
+    assert re.search(r"diffusion at 3 committed tokens per pass .*: [\d.]+ tok/s", out)
+    for bad, why in ((["--stream", "2"], "add --quant card"), (["--quant", "card", "--stream", "9"], "allowed: 1..4"),
+                     (["--quant", "card", "--vram-gb", "8"], "plans the clover-35b-a3b shape")):
+        code = cli.main(["bench", "speed", "--shape", "tiny", *bad])
+        err = capsys.readouterr().err
+        assert code == 2 and why in err and len(err.strip().splitlines()) == 1, (bad, err)
