@@ -62,17 +62,22 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
         )
 
 
-@torch.library.custom_op("clover_desk::gdn_recurrent", mutates_args=())
-def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """Token-by-token gated delta rule (fla's fused recurrent kernel). Same arguments and results as
-    :func:`engine.model.recurrent_gated_delta_rule`: (O [T, H, dv], final state [H, dk, dv])."""
+def _run(kernel: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One sequence through fla's ``kernel`` ("chunked" | "recurrent"): our layouts in, a batch of one for fla."""
     _check(q, k, v, g, beta, state)
-    _, fused = _fla()
-    o, final = fused(
+    chunk, fused = _fla()
+    o, final = (chunk if kernel == "chunked" else fused)(
         q[None], k[None], v[None], g=g[None], beta=beta[None], scale=1.0, initial_state=state[None],
         output_final_state=True,
     )
     return o[0], final[0]
+
+
+@torch.library.custom_op("clover_desk::gdn_recurrent", mutates_args=())
+def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Token-by-token gated delta rule (fla's fused recurrent kernel). Same arguments and results as
+    :func:`engine.model.recurrent_gated_delta_rule`: (O [T, H, dv], final state [H, dk, dv])."""
+    return _run("recurrent", q, k, v, g, beta, state)
 
 
 @torch.library.custom_op("clover_desk::gdn_chunked", mutates_args=())
@@ -80,20 +85,12 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Ten
     """Chunked gated delta rule (fla's chunk kernels, 64-token chunks from the first token). Same arguments and
     results as :func:`engine.model.chunk_gated_delta_rule`; equal to it up to float rounding (the chunk boundaries
     differ when the prompt does not start at a multiple of 64, which changes only the order of the sums)."""
-    _check(q, k, v, g, beta, state)
-    chunk, _ = _fla()
-    o, final = chunk(
-        q[None], k[None], v[None], g=g[None], beta=beta[None], scale=1.0, initial_state=state[None],
-        output_final_state=True,
-    )
-    return o[0], final[0]
+    return _run("chunked", q, k, v, g, beta, state)
 
 
-@recurrent.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+def _fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
     return v.new_empty(v.shape), state.new_empty(state.shape)
 
 
-@chunked.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    return v.new_empty(v.shape), state.new_empty(state.shape)
+recurrent.register_fake(_fake)
+chunked.register_fake(_fake)

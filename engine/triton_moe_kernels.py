@@ -265,6 +265,24 @@ def down_kernel(
 
 
 @triton.jit
+def _block_pairs(block_rows_ptr, pair_ids_ptr, BM: tl.constexpr):
+    """Program b's block: its pool row (-1: past the last group) and its BM pairs (-1: padding)."""
+    b = tl.program_id(0)
+    row = tl.load(block_rows_ptr + b).to(tl.int64)
+    return row, tl.load(pair_ids_ptr + b * BM + tl.arange(0, BM))
+
+
+@triton.jit
+def _dot(a, w, IEEE: tl.constexpr):
+    """a @ w with w cast to a's dtype, accumulated in fp32; fp32 inputs (``IEEE``) as full-precision products."""
+    if IEEE:
+        out = tl.dot(a, w.to(a.dtype), input_precision="ieee")
+    else:
+        out = tl.dot(a, w.to(a.dtype))
+    return out
+
+
+@triton.jit
 def grouped_gate_up_kernel(
     x_ptr, pool_ptr, block_rows_ptr, pair_ids_ptr, table_ptr, h_ptr, row_stride,
     D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, blocksize: tl.constexpr,
@@ -273,11 +291,9 @@ def grouped_gate_up_kernel(
     IEEE: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr, BD: tl.constexpr,
 ):
     """h[p, i] = silu(x[p // K] · gate[i]) * (x[p // K] · up[i]) for the BM pairs p of block b and BI rows i."""
-    b = tl.program_id(0)
-    row = tl.load(block_rows_ptr + b).to(tl.int64)
+    row, pairs = _block_pairs(block_rows_ptr, pair_ids_ptr, BM)  # [BM] pairs
     if row >= 0:
         base = pool_ptr + row * row_stride
-        pairs = tl.load(pair_ids_ptr + b * BM + tl.arange(0, BM))  # [BM]
         p_ok = pairs >= 0
         toks = tl.where(p_ok, pairs // K, 0).to(tl.int64)
         i = tl.program_id(1) * BI + tl.arange(0, BI)  # [BI]
@@ -292,12 +308,8 @@ def grouped_gate_up_kernel(
             g = weight_at(base, gate_off, gate_scales, table_ptr, i[None, :], d[:, None], D, gate_fmt, blocksize, ok)
             u = weight_at(base, up_off, up_scales, table_ptr, i[None, :] + up_row0, d[:, None], D, up_fmt, blocksize,
                           ok)
-            if IEEE:  # fp32 activations: full-precision products (not TF32)
-                acc_g += tl.dot(xs, g.to(xs.dtype), input_precision="ieee")
-                acc_u += tl.dot(xs, u.to(xs.dtype), input_precision="ieee")
-            else:
-                acc_g += tl.dot(xs, g.to(xs.dtype))
-                acc_u += tl.dot(xs, u.to(xs.dtype))
+            acc_g += _dot(xs, g, IEEE)
+            acc_u += _dot(xs, u, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # [BM, BI]
         safe = tl.where(p_ok, pairs, 0).to(tl.int64)
         tl.store(h_ptr + safe[:, None] * I + i[None, :], h.to(h_ptr.dtype.element_ty), mask=p_ok[:, None] & i_ok[None, :])
@@ -311,11 +323,9 @@ def grouped_down_kernel(
     IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """out[p, n] = w[p] * (h[p] · down[n]) for the BM pairs p of block b and BN hidden rows n (h in x's dtype)."""
-    b = tl.program_id(0)
-    row = tl.load(block_rows_ptr + b).to(tl.int64)
+    row, pairs = _block_pairs(block_rows_ptr, pair_ids_ptr, BM)  # [BM] pairs
     if row >= 0:
         base = pool_ptr + row * row_stride
-        pairs = tl.load(pair_ids_ptr + b * BM + tl.arange(0, BM))  # [BM]
         p_ok = pairs >= 0
         safe = tl.where(p_ok, pairs, 0).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
@@ -327,9 +337,6 @@ def grouped_down_kernel(
             hs = tl.load(h_ptr + safe[:, None] * I + k[None, :], mask=p_ok[:, None] & k_ok[None, :], other=0.0)
             w = weight_at(base, down_off, down_scales, table_ptr, n[None, :], k[:, None], I, down_fmt, blocksize,
                           k_ok[:, None] & n_ok[None, :])  # [BK, BN] = down[n, k] transposed
-            if IEEE:
-                acc += tl.dot(hs, w.to(hs.dtype), input_precision="ieee")
-            else:
-                acc += tl.dot(hs, w.to(hs.dtype))
+            acc += _dot(hs, w, IEEE)
         weight = tl.load(w_ptr + safe, mask=p_ok, other=0.0)  # [BM]
         tl.store(out_ptr + safe[:, None] * D + n[None, :], acc * weight[:, None], mask=p_ok[:, None] & n_ok[None, :])

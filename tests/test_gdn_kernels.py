@@ -15,6 +15,7 @@ on which one fla kernel calls ``.to(tl.int64)`` (here: an int that accepts it).
 from __future__ import annotations
 
 import importlib.machinery
+from typing import Any
 
 import pytest
 import torch
@@ -71,18 +72,9 @@ MODEL = SHIMS + r'''
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from engine import gdn_kernels
-from engine.checkpoint import random_state_dict
-from engine.config import parse_config
-from engine.model import CloverModel
-from engine.tiny import config_dict_for, tiny_text_config
+from tests.test_gdn_kernels import gdn_model
 
-special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
-text = tiny_text_config(vocab_size=256, layers=3, hidden=64, experts=8, experts_per_tok=2)
-cfg = parse_config(config_dict_for("clover_moe", text, special))
-cfg = cfg.with_overrides(layer_types=("linear_attention", "full_attention", "linear_attention"), block_size=8)
-model = CloverModel(cfg, dtype=torch.float32)
-model.load_state_dict(random_state_dict(cfg, seed=3))
-model.eval()
+model = gdn_model(64)
 prompt = torch.randint(5, 256, (70,), generator=torch.Generator().manual_seed(0))
 
 
@@ -144,6 +136,22 @@ gdn_lines("cpu", torch.float32, 1, shape="mid", prompt=70)
 '''
 
 
+def gdn_model(hidden: int) -> Any:
+    """A 3-layer Clover model, two of them Gated DeltaNet (fp32, eval), for the kernels' token tests."""
+    from engine.checkpoint import random_state_dict
+    from engine.config import parse_config
+    from engine.model import CloverModel
+    from engine.tiny import config_dict_for, tiny_text_config
+
+    special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
+    text = tiny_text_config(vocab_size=256, layers=3, hidden=hidden, experts=8, experts_per_tok=2)
+    cfg = parse_config(config_dict_for("clover_moe", text, special))
+    cfg = cfg.with_overrides(layer_types=("linear_attention", "full_attention", "linear_attention"), block_size=8)
+    model = CloverModel(cfg, dtype=torch.float32)
+    model.load_state_dict(random_state_dict(cfg, seed=3))
+    return model.eval()
+
+
 def _needs_fla() -> None:
     pytest.importorskip("triton")
     if importlib.machinery.PathFinder.find_spec("fla") is None:  # (conftest keeps fla out of this process)
@@ -190,18 +198,8 @@ def test_fla_kernels_on_cuda_decode_the_same_tokens(monkeypatch: pytest.MonkeyPa
         pytest.skip("needs a CUDA GPU")
     _needs_fla()
     from engine import gdn_kernels
-    from engine.checkpoint import random_state_dict
-    from engine.config import parse_config
-    from engine.model import CloverModel
-    from engine.tiny import config_dict_for, tiny_text_config
 
-    special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
-    text = tiny_text_config(vocab_size=256, layers=3, hidden=128, experts=8, experts_per_tok=2)
-    cfg = parse_config(config_dict_for("clover_moe", text, special))
-    cfg = cfg.with_overrides(layer_types=("linear_attention", "full_attention", "linear_attention"), block_size=8)
-    model = CloverModel(cfg, dtype=torch.float32)
-    model.load_state_dict(random_state_dict(cfg, seed=3))
-    model = model.eval().to("cuda")
+    model = gdn_model(128).to("cuda")
     prompt = torch.randint(5, 256, (200,), generator=torch.Generator().manual_seed(0)).cuda()
 
     def greedy(fla: bool) -> tuple[list[int], torch.Tensor]:
