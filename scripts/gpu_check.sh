@@ -32,7 +32,8 @@ $py -c "import bitsandbytes" 2>/dev/null && bnb=1 || echo "== bitsandbytes is no
 # The GPU-marked tests: grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps (whole and in pieces
 # around streamed layers), the int8 kernel, fla's GDN kernels.
 step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py \
-  tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py
+  tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py \
+  tests/test_triton_moe.py
 if [ $bnb = 1 ]; then
   # Issue 8's figures: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's
   # 16 GiB placement: streamed layers in pinned host memory, the process capped at 16 GiB), eager: AR tok/s, passes/s,

@@ -75,3 +75,39 @@ def test_group_pairs_puts_every_pair_once_in_blocks_of_one_row(skew: bool) -> No
     distinct = flat.unique()
     counts = torch.stack([(flat == r).sum() for r in distinct])
     assert used == int(((counts + bm - 1) // bm).sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 32])
+def test_fused_nf4_moe_on_cuda_in_bf16_without_a_sync(t: int) -> None:
+    """On a GPU, in bf16 (which the interpreter does not emulate): the per-pair kernels (an AR step, T=1) and the
+    grouped ones (a 32-slot pass, 256 pairs) against the dequantize-then-matmul path, and neither reads anything
+    back to the host (``set_sync_debug_mode("error")``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    pytest.importorskip("bitsandbytes")
+    from engine.quant import QuantExpertBank, routed_forward
+    from engine.triton_moe import GROUPED_MIN_PAIRS, fused_nf4_moe
+
+    e, d, i, k = 64, 256, 128, 8
+    gen = torch.Generator().manual_seed(2)
+    bank = QuantExpertBank.from_dense(torch.randn(e, 2 * i, d, generator=gen) * d**-0.5,
+                                      torch.randn(e, d, i, generator=gen) * i**-0.5, "nf4", 64)
+    packed = bank.packed.to("cuda")
+    x = torch.randn(t, d, generator=gen).to("cuda", torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to("cuda")
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1).to("cuda")
+    assert (t * k >= GROUPED_MIN_PAIRS) == (t == 32)
+    ref = routed_forward(x, idx, w, e, bank.layout, source=packed).float()
+    fused = fused_nf4_moe(x, packed, bank.layout, idx, w)  # first call: compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused = fused_nf4_moe(x, packed, bank.layout, idx, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert fused.dtype == torch.bfloat16
+    assert (fused.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
