@@ -190,18 +190,25 @@ def _dispatch_as_on_a_gpu() -> Iterator[None]:
         experts.GROUP_BYTES["cpu"], quant.INT8_GEMV_MAX_ROWS = groups, gemv
 
 
-def _run_count(args: argparse.Namespace) -> int:
-    """``--count``: ops, host reads and bytes written of one AR step and one denoising pass, per layer kind, and
-    scaled to the shape's full depth (the layers of a kind dispatch the same ops whatever their depth)."""
+def _device_dtype(args: argparse.Namespace) -> tuple[str, Any]:
+    """``--device`` (refused in one line when CUDA is asked for and absent) and ``--dtype`` (default: bf16 on CUDA,
+    fp32 on the CPU)."""
     import torch
 
     from engine.api import parse_dtype
     from engine.errors import ConfigError
 
-    device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but CUDA is not available here")
-    dtype = parse_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    return args.device, parse_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+
+
+def _run_count(args: argparse.Namespace) -> int:
+    """``--count``: ops, host reads and bytes written of one AR step and one denoising pass, per layer kind, and
+    scaled to the shape's full depth (the layers of a kind dispatch the same ops whatever their depth)."""
+    import torch
+
+    device, dtype = _device_dtype(args)
     _, config = _config(args.shape, "clover_moe", args.layers)
     _, full = _config(args.shape, "clover_moe")
     t0 = time.perf_counter()
@@ -316,14 +323,14 @@ def _engine_figures(
     from engine import offload
 
     before = offload.accounting(model)
-    done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens), hooks=_hooks(model)))
+    done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens), hooks=offload.loop_hooks(model)))
     figures["ar_decode_tok_s"] = done.tokens_per_s
     figures["ar_tokens"] = done.tokens
     if before:  # streamed layers: bytes over PCIe per AR token
         figures["ar_h2d_per_token"] = (offload.accounting(model)["h2d_bytes"] - before["h2d_bytes"]) / done.tokens
     before = offload.accounting(model)
     done = _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", args.diffusion_tokens),
-                                        hooks=_hooks(model)))
+                                        hooks=offload.loop_hooks(model)))
     if before:
         after = offload.accounting(model)
         figures["diffusion_h2d_per_token"] = (after["h2d_bytes"] - before["h2d_bytes"]) / max(done.tokens, 1)
@@ -343,20 +350,19 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
     which never reaches the dispatcher there but is where the code reads back on a GPU; a ``.tolist()`` of a CPU
     tensor stays invisible) and ``written`` (bytes the ops write: every output tensor, and for an in-place op the part
     it writes: the source rows of an ``index_copy_`` / ``index_put_``, the whole tensor otherwise). Allocations
-    (``empty`` and kin) are neither ops nor writes. With ``layers`` (the decoder layers), ops and bytes are also split
-    per layer (``layer_ops``, ``layer_written``: lists in layer order); the rest (embedding, final norm, LM head, the
-    loop's own ops) is ``outside_ops`` / ``outside_written``."""
+    (``empty`` and kin) are neither ops nor writes. With ``layers`` (the decoder layers), each is also split per layer
+    (``layer_ops``, ``layer_written``, ``layer_reads``: lists in layer order); the rest (embedding, final norm, LM
+    head, the loop's own ops) is ``outside_ops`` / ``outside_written`` / ``outside_reads``."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     # int(t), float(t), t.item() arrive as aten.item under a dispatch mode, bool(t) as is_nonzero (a .tolist() of a
     # CPU tensor reads memory without dispatching: invisible here; of a GPU tensor it is a _to_copy)
-    scalar_reads = {torch.ops.aten.item, torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero}
     aten = torch.ops.aten
+    scalar_reads = {aten.item, aten._local_scalar_dense, aten.is_nonzero}
     allocations = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
-    partial = {torch.ops.aten.index_copy_, torch.ops.aten.index_put_, torch.ops.aten.index_copy,
-               torch.ops.aten.index_put, torch.ops.aten._index_put_impl_}
+    partial = {aten.index_copy_, aten.index_put_, aten.index_copy, aten.index_put, aten._index_put_impl_}
 
     def nbytes(x: Any) -> int:
         return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
@@ -376,15 +382,14 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
             if func.is_view or func.overloadpacket in allocations:  # metadata or memory only: no kernel, no write
                 return out
             to_host = (
-                func.overloadpacket is torch.ops.aten._to_copy
+                func.overloadpacket is aten._to_copy
                 and str(kw.get("device", "")) == "cpu"
                 and args[0].device.type != "cpu"
             )
             read = func.overloadpacket in scalar_reads or to_host
             self.reads += read
             if func.overloadpacket in partial:  # the rows written: the source / values argument
-                src = args[3] if func.overloadpacket in (torch.ops.aten.index_copy_, torch.ops.aten.index_copy) \
-                    else args[2]
+                src = args[3] if func.overloadpacket in (aten.index_copy_, aten.index_copy) else args[2]
                 wrote = nbytes(src)
             else:
                 wrote = sum(nbytes(t) for t in tree_leaves(out))
@@ -459,13 +464,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.count:
         return _run_count(args)
 
-    from engine.api import parse_dtype
-    from engine.errors import ConfigError
-
-    device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but CUDA is not available here")
-    dtype = parse_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    device, dtype = _device_dtype(args)
     full = args.shape == "clover-35b-a3b"
     if full and device != "cuda":
         print("warning: the full 35B shape on CPU needs ~140 GB of RAM in float32", file=sys.stderr)
@@ -537,14 +536,6 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> No
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 2**30 / total))
         print(f"process capped at {args.vram_gb:g} GiB of {total / 2**30:.0f} GiB")
-
-
-def _hooks(model: Any) -> Any:
-    """The block hooks the engine gives the loop (streamed layers keep a block's experts through its passes)."""
-    from engine import offload
-    from engine.generate import LoopHooks
-
-    return LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model))
 
 
 def _compiled_figures(
@@ -841,14 +832,9 @@ def _random_gguf_q4_0_bank(e: int, d: int, i: int, gen: Any) -> Any:
 def _run_moe_only(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.errors import ConfigError
     from engine.experts import DenseExpertBank
 
-    device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but CUDA is not available here")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype or
-                                                                   ("bfloat16" if device == "cuda" else "float32")]
+    device, dtype = _device_dtype(args)
     e, k, d, i = MOE_SHAPE["experts"], MOE_SHAPE["top_k"], MOE_SHAPE["hidden"], MOE_SHAPE["intermediate"]
     gen = torch.Generator().manual_seed(args.seed)
     print(f"bench speed --moe-only: one MoE layer's routed experts, E={e} top-{k}, D={d}, I={i}, device {device}, "

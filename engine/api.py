@@ -241,11 +241,7 @@ class Engine:
                 model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
             from engine import offload
 
-            hooks = LoopHooks(
-                begin_block=lambda: offload.begin_block(model),
-                end_block=lambda: offload.end_block(model),
-                accounting=lambda: offload.accounting(model),
-            )
+            hooks = offload.loop_hooks(model)
         log.info(
             "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
         )

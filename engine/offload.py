@@ -790,6 +790,16 @@ def end_block(model: nn.Module) -> None:
         rt.end_block()
 
 
+def loop_hooks(model: nn.Module) -> Any:
+    """The generation loop's hooks into this model's placement (``engine.generate.LoopHooks``): block boundaries and
+    the streaming statistics (no-ops and {} for a model no plan was applied to)."""
+    from engine.generate import LoopHooks  # (generate does not import this module; kept local all the same)
+
+    return LoopHooks(
+        begin_block=lambda: begin_block(model), end_block=lambda: end_block(model), accounting=lambda: accounting(model)
+    )
+
+
 def device_bytes(model: nn.Module, device: torch.device | str) -> int:
     """Bytes of the model's parameters, buffers and slot pool that live on ``device`` (distinct storages)."""
     dev = torch.device(device)
