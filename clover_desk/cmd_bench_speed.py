@@ -566,8 +566,15 @@ def _step_graph_line(model: Any) -> str:
 
     runner = getattr(model, "step_graph", None)
     if isinstance(runner, StepGraphs):
-        line = (f"AR steps from CUDA graphs (engine.step_graphs, {len(runner.pieces)} piece(s) per step): "
-                f"{runner.recorded} recorded, {runner.replays} replayed")
+        b = model.config.block_size
+
+        def cut(t: int) -> str:
+            kinds = [kind for kind, _ in runner.pieces_for(t)]
+            return f"{kinds.count('graph')} graph(s) around {kinds.count('eager')} eager expert bank(s)"
+
+        line = (f"CUDA graphs (engine.step_graphs): an AR step is {cut(1)}, a {b}-slot pass {cut(b)}; "
+                f"{runner.recorded} recorded, {runner.replays} AR steps and {runner.pass_replays} block passes "
+                f"replayed")
         return line + (f"; {runner.failed}" if runner.failed else "")
     if runner is not None:
         return "AR steps as one compiled graph over all layers (CloverModel.step_graph)"

@@ -59,6 +59,12 @@ class ExpertBank(nn.Module):
         """Called by the MoE layer right before :meth:`forward`, when :attr:`needs_prepare`, with the sorted distinct
         expert ids (a CPU LongTensor) this forward will touch, so a streaming bank can fetch them."""
 
+    def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether :meth:`forward` over ``pairs`` (token, slot) pairs of ``dtype`` activations on ``device`` reads
+        nothing on the host, so that a CUDA graph can record it (``engine.step_graphs``). False unless a subclass
+        knows better."""
+        return False
+
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:  # pragma: no cover - interface
         """x [T, D], topk_idx [T, K] (long), topk_w [T, K] (float) -> [T, D] in x's dtype."""
         raise NotImplementedError
@@ -120,6 +126,11 @@ class DenseExpertBank(ExpertBank):
             e = int(ids)  # reading a CPU id is no device sync, but a compiled graph would break on it
             return self.gate_up_proj[e : e + 1], self.down_proj[e : e + 1]  # [1, 2I, D], [1, D, I] views
         return self.gate_up_proj.index_select(0, ids), self.down_proj.index_select(0, ids)
+
+    def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Few pairs gather one expert each; more need ``torch._grouped_mm``'s fused kernel (see
+        :func:`moe_grouped`)."""
+        return pairs <= SMALL_SLOTS or grouped_mm_supported(device, dtype)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         # on CPU, groups of one expert (GROUP_BYTES): gather() then returns views, the weights are read in place

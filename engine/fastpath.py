@@ -13,9 +13,9 @@ below) the one-row products of an AR step and its one-query attention are writte
 flash kernel, the AR step runs as one graph over all the layers (``CloverModel.step_graph``) and the loop's
 steady steps skip the guards that cannot fail (:func:`steady_state`). Measured on 2 cores, deep-narrow shape: 34
 tok/s eager, ~107-120 compiled layer by layer, ~147-168 with the whole-step graph, llama.cpp ~184 on the same
-weights. On CUDA the same graphs run as Triton kernels, and the AR step is replayed from CUDA graphs
-(``engine.step_graphs``: the position as a tensor, the keys read to a fixed length bucket and masked; in pieces
-around streamed layers); neither is measured yet.
+weights. On CUDA the same graphs run as Triton kernels, and the AR steps and the whole-block passes (denoising and
+commit) are replayed from CUDA graphs (``engine.step_graphs``: the position as a tensor, the keys read to a fixed
+length bucket and masked; cut around the routed experts that read the host); neither is measured yet.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def compile_layers(
 
     ``whole_step``: also make the AR step one call (``CloverModel.step_graph``, used for the passes
     ``CloverModel.is_hot_pass`` selects). On a GPU that is the step replayed from CUDA graphs
-    (``engine.step_graphs``: one replay instead of ~4,000 launches; with streamed layers one graph per run of
-    resident layers, the streamed ones eager in between); on the CPU without streamed layers, the step compiled as one graph
+    (``engine.step_graphs``: one replay instead of ~4,000 launches; the routed experts that read the host, such as
+    streamed ones, eager between replays), and the denoising and commit passes are too (``CloverModel.pass_graph``);
+    on the CPU without streamed layers, the step compiled as one graph
     over all the layers and the head, with one guard check instead of 40 (the compiled layers are inlined in it):
     deep-narrow shape on 2 CPU cores, ~107-120 tok/s layer by layer, ~147-168 as one graph, same tokens; the
     first compile of that graph takes 1-2 minutes there (under one once inductor's cache has it). The other
@@ -81,8 +82,8 @@ def compile_layers(
         from engine import step_graphs
 
         streamed = step_graphs.streamed_layers(model)
-        if model.device.type == "cuda":  # CUDA graphs; with streamed layers, one per run of resident layers
-            model.step_graph = step_graphs.StepGraphs(model)
+        if model.device.type == "cuda":  # CUDA graphs, cut around the experts that read the host
+            model.step_graph = model.pass_graph = step_graphs.StepGraphs(model)
         elif streamed:
             # a streamed bank's host-side fetch is never traced: a whole-step graph would be split around every
             # streamed layer, and its pieces' guards differ from step to step; the layers stay compiled one by one

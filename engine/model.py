@@ -194,8 +194,9 @@ class _Pass:
     attn_mask: Tensor | None  # [T, S] bool (True = may attend) or None
     attn_causal: bool  # use SDPA's is_causal (keys == queries, plain causal)
     coreset: bool  # apply the MoE block coreset in this pass
-    # A static AR step (CloverModel.static_step): the position as a device tensor [1] (long), the keys read up to a
-    # fixed length kv_len (> position; attn_mask hides the rest), so that nothing in the pass depends on a host int.
+    # A static pass (CloverModel.static_pass: an AR step or a whole block): the positions as a device tensor [T]
+    # (long), the keys read up to a fixed length kv_len (past the last position; attn_mask hides the rest), so that
+    # nothing in the pass depends on a host int.
     pos: Tensor | None = None
     kv_len: int = 0
 
@@ -241,7 +242,9 @@ class Attention(nn.Module):
         if st is not None:
             kbuf, vbuf = st
             lo, hi = p.start_pos, p.start_pos + t
-            if p.pos is not None:  # a static step: written where the position tensor says, read to a fixed length
+            if p.pos is not None:  # a static pass: written where the position tensor says, read to a fixed length
+                if not p.write_cache:  # the same scratch use as below, at the positions the tensor holds
+                    saved = (kbuf.index_select(1, p.pos), vbuf.index_select(1, p.pos))
                 kbuf.index_copy_(1, p.pos, k.to(kbuf.dtype))
                 vbuf.index_copy_(1, p.pos, v.to(vbuf.dtype))
                 hi = p.kv_len
@@ -282,7 +285,11 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=mask, scale=hd**-0.5)
             o = o[0].reshape(self.num_heads, t, hd)  # [Hq, T, hd]
         if saved is not None:
-            kbuf[:, lo:hi], vbuf[:, lo:hi] = saved
+            if p.pos is not None:
+                kbuf.index_copy_(1, p.pos, saved[0])
+                vbuf.index_copy_(1, p.pos, saved[1])
+            else:
+                kbuf[:, lo:hi], vbuf[:, lo:hi] = saved
         o = o.transpose(0, 1).reshape(t, self.num_heads * hd) * torch.sigmoid(gate)  # [T, Hq*hd]
         return self.o_proj(o)
 
@@ -778,10 +785,19 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: Tensor, p: _Pass) -> Tensor:
         w, idx = self.route(x, p)
+        return self.combine(x, self.routed(x, w, idx))
+
+    def routed(self, x: Tensor, w: Tensor, idx: Tensor) -> Tensor:
+        """The routed experts' part: x [T, D], the routing (w, idx) [T, k] from :meth:`route` -> [T, D]. The one
+        part of a layer that may read the host (a streamed bank's fetch, a quantized bank's group sizes):
+        ``engine.step_graphs`` runs it eagerly between recorded pieces when it does."""
         self.last_topk_idx, self.last_topk_w = idx, w
         if self.experts.needs_prepare:  # a streamed bank fetches its experts first (a host sync); resident ones don't
             self.experts.prepare(torch.unique(idx).cpu())
-        routed = self.experts(x, idx, w)  # [T, D]
+        return self.experts(x, idx, w)  # [T, D]
+
+    def combine(self, x: Tensor, routed: Tensor) -> Tensor:
+        """The routed part plus the gated shared expert: -> [T, D]."""
         shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))  # [T, D]
         return routed + shared
 
@@ -805,10 +821,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``st``: this layer's cache tensors (``ModelCache.layer``), None without a cache."""
-        x = self.input_layernorm(h)
+        h, x, w, idx = self.front(h, p, st)
+        return self.back(h, x, self.mlp.routed(x, w, idx))
+
+    def front(self, h: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The layer up to its routed experts: the token mixer and its residual, the MoE input norm and the routing.
+        Returns (h [T, D] after the mixer, x [T, D] the MoE input, w [T, k] fp32, idx [T, k] long)."""
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
-        h = h + mixer(x, p, st)
-        return h + self.mlp(self.post_attention_layernorm(h), p)
+        h = h + mixer(self.input_layernorm(h), p, st)
+        x = self.post_attention_layernorm(h)
+        w, idx = self.mlp.route(x, p)
+        return h, x, w, idx
+
+    def back(self, h: Tensor, x: Tensor, routed: Tensor) -> Tensor:
+        """The layer after its routed experts (``routed`` [T, D] from ``mlp.routed``): shared expert and residual."""
+        return h + self.mlp.combine(x, routed)
 
 
 class CloverModel(nn.Module):
@@ -849,6 +876,9 @@ class CloverModel(nn.Module):
         self.max_pass_tokens = 2048
         # engine.fastpath: what runs the AR steps (is_hot_pass) as one call (a compiled graph or CUDA graphs)
         self.step_graph: Callable[..., Tensor] | None = None
+        # engine.fastpath on a GPU: what runs a whole block after the cache (denoising and commit passes) as CUDA
+        # graphs (engine.step_graphs)
+        self.pass_graph: Callable[..., Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -916,6 +946,9 @@ class CloverModel(nn.Module):
         run = self._forward_pass
         if self.step_graph is not None and cache is not None and self.is_hot_pass(t, block_size, write_cache):
             run = self.step_graph
+        elif (self.pass_graph is not None and cache is not None and block_size == t and not prefill
+              and not causal_inside_block):
+            run = self.pass_graph
         return run(ids, start_pos, cache, block_size, write_cache, last_only, prefill, causal_inside_block)
 
     @staticmethod
@@ -972,17 +1005,31 @@ class CloverModel(nn.Module):
         p = self.static_pass(pos, cache, kv_len)
         return self.head(self.static_layers(h, p, cache, 0, len(self.layers)))
 
-    def static_pass(self, pos: Tensor, cache: ModelCache, kv_len: int) -> _Pass:
-        """The pass of :meth:`static_step`: rotary angles and key mask [1, kv_len] computed from ``pos`` on the
-        device (no host int)."""
+    def static_pass(
+        self, pos: Tensor, cache: ModelCache, kv_len: int, t: int = 1, block_size: int | None = None,
+        write_cache: bool = True,
+    ) -> _Pass:
+        """The pass of :meth:`static_step`, or of a whole block (``t == block_size``: a denoising pass with
+        ``write_cache=False``, a commit pass with True), with nothing that depends on a host int: ``pos`` [1] long is
+        the first position on the device, the rotary angles and the key mask [T, kv_len] are computed from it there.
+        A block starts at a multiple of ``block_size`` (as :meth:`forward` requires), so the Gated DeltaNet chunk
+        offset is 0 whatever the position."""
+        if block_size is not None and t != block_size:
+            raise ValueError(f"a static block pass runs one whole block ({block_size} tokens), not {t}")
         cfg = self.config
-        cos, sin = rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
-        mask = (torch.arange(kv_len, device=pos.device) <= pos)[None, :]  # [1, S]
-        return _Pass(0, 1, None, cache, True, cos, sin, mask, False, False, pos=pos, kv_len=kv_len)
+        positions = pos + torch.arange(t, device=pos.device)  # [T]
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+        keys = torch.arange(kv_len, device=pos.device)  # [S]
+        if block_size is None:
+            mask = keys[None, :] <= positions[:, None]  # [T, S]
+        else:  # the prefix and the whole block
+            mask = (keys[None, :] // block_size) <= (positions[:, None] // block_size)  # [T, S]
+        coreset = block_size is not None and cfg.moe_block_coreset_enabled
+        return _Pass(0, t, block_size, cache, write_cache, cos, sin, mask, False, coreset, pos=positions,
+                     kv_len=kv_len)
 
     def static_layers(self, h: Tensor, p: _Pass, cache: ModelCache, lo: int, hi: int) -> Tensor:
-        """Layers ``lo``..``hi - 1`` of a static step (``p`` from :meth:`static_pass`): h [1, D] -> [1, D]. A piece
-        of the step that ``engine.step_graphs`` records between streamed layers."""
+        """Layers ``lo``..``hi - 1`` of a static pass (``p`` from :meth:`static_pass`): h [T, D] -> [T, D]."""
         for i in range(lo, hi):
             h = self.layers[i](h, p, cache.layer(i))
         return h

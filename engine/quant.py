@@ -56,7 +56,7 @@ from engine.formats import (  # noqa: F401 - re-exported: the byte rules and the
     nf4_sizes,
     quantized_sizes,
 )
-from engine.experts import ExpertBank, group_by_expert, moe_grouped
+from engine.experts import SMALL_SLOTS, ExpertBank, group_by_expert, moe_grouped
 
 log = logging.getLogger(__name__)
 
@@ -557,6 +557,13 @@ class RowExpertBank(ExpertBank):
 
     layout: RowLayout
     packed: Tensor
+
+    def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Few pairs gather one expert each; more need the fused kernel (``engine.triton_moe``), which sorts
+        them on the device, where the dequantizing path sizes its groups on the host."""
+        from engine import triton_moe
+
+        return pairs <= SMALL_SLOTS or triton_moe.enabled_on(device, self.layout)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.packed)

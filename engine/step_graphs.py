@@ -1,25 +1,32 @@
-"""The AR step replayed as a CUDA graph: one launch for the whole step instead of ~1,500 kernel launches.
+"""AR steps and whole-block passes replayed as CUDA graphs: a few launches per pass instead of thousands.
 
 A decode step at batch one is launch-bound on a GPU: 40 layers of small kernels (norms, projections, the routed
-experts, the recurrent GDN update) take longer to launch from Python than to run. A CUDA graph records the
-kernels of one step once and replays them with a single call. What it needs from the step:
+experts, the recurrent GDN update) take longer to launch from Python than to run, and a 32-slot denoising pass
+is too (counted at the 35B shape: ~4,300 ops per AR step, ~7,800 per pass; at ~10 us a launch, 43 and 78 ms of
+host time against a roofline of a few ms to ~20 ms of GPU work). A CUDA graph records the kernels of a pass once
+and replays them with a single call. What it needs from the pass:
 
-- no host read inside it (the compiled fast path already guarantees that: ``engine.fastpath``);
-- fixed addresses and shapes: :meth:`engine.model.CloverModel.static_step` takes the embedded token and its
-  position as tensors (written here into static buffers before each replay) and reads the keys up to a fixed
-  length, a *bucket* (256, 512, 1024, ... up to the cache size), masking those past the position. One graph per
-  bucket, recorded when a step first needs it; a step at position 700 replays the 1024-key graph.
+- no host read inside it: the AR step and the block passes read none outside the routed experts (the compiled
+  fast path proves it: ``engine.fastpath``); the routed experts that do are cut out (below);
+- fixed addresses and shapes: :meth:`engine.model.CloverModel.static_pass` takes the first position as a tensor
+  (written here into a static buffer before each replay, as is the embedded input) and reads the keys up to a
+  fixed length, a *bucket* (256, 512, 1024, ... up to the cache size), masking those past the pass. One graph set
+  per pass kind (AR step, denoising pass, commit pass) and bucket, recorded when a pass first needs it; a step at
+  position 700 replays the 1024-key graphs. A denoising pass writes its block's K/V into the cache's free slots and
+  puts back what was there, as the uncaptured pass does;
 - the same cache tensors: the graphs belong to one :class:`engine.model.ModelCache`; a new cache (the next
   request) records them again (tens of milliseconds each).
 
-Recording runs the step twice on a side stream first (so the kernels are loaded and, compiled, their graphs
-selected). Those runs write the step's K/V, which the replay rewrites with the same values, and advance the GDN
-recurrent and convolution states, which are put back from a copy before the replay. A streamed expert bank decides
-on the host which experts to fetch (a sync), so with streamed layers the step is recorded in pieces
-(:func:`pieces_of`): each run of resident layers is one graph, each streamed layer runs eagerly between two
-replays, all of them reading and writing the same static buffers (on a 16 GB card with 18 of 40 layers resident,
-18 graphs replace those layers' ~1,900 launches). If recording fails, the reason is logged once and the steps run
-uncaptured.
+Recording runs the pass twice on a side stream first (so the kernels are loaded and, compiled, their graphs
+selected). Those runs write the pass's K/V, which the replay rewrites with the same values, and (AR step, commit
+pass) advance the GDN recurrent and convolution states, which are put back from a copy before the replay.
+
+Routed experts that read the host (:func:`eager_banks`) run eagerly between recorded pieces (:func:`pieces_of`):
+a streamed bank decides on the host which experts to fetch, and a quantized bank over a block's 256 pairs sizes
+its dequantizing groups on the host unless the fused kernel (``engine.triton_moe``) is on. Everything around them
+is recorded: on a 16 GB card with 18 of 40 layers' experts resident, an AR step is 23 graphs and 22 eager banks,
+and with the fused kernel a block pass is too; without it, a block pass is 41 graphs around 40 eager banks. If
+recording fails, the reason is logged once and the passes run uncaptured.
 """
 
 from __future__ import annotations
@@ -47,38 +54,58 @@ def bucket(length: int, max_len: int) -> int:
     return min(size, max_len)
 
 
+Stage = tuple[str, int]  # ("layer" | "front" | "bank" | "back" | "head", layer index; the head's is the layer count)
+
+
 def streamed_layers(model: Any) -> list[int]:
     """The layers whose experts are streamed from host memory (their bank fetches experts on the host per pass)."""
     return [i for i, moe in enumerate(model.moe_layers()) if getattr(moe.experts, "needs_prepare", False)]
 
 
+def eager_banks(model: Any, t: int) -> set[int]:
+    """The layers whose routed experts read the host in a pass of ``t`` tokens, so that they run eagerly between
+    recorded pieces: streamed banks (they fetch on the host), and banks whose compute sizes its groups on the host
+    at this many (token, slot) pairs (:meth:`engine.experts.ExpertBank.sync_free`)."""
+    pairs = t * model.config.num_experts_per_tok
+    return {
+        i for i, moe in enumerate(model.moe_layers())
+        if getattr(moe.experts, "needs_prepare", False) or not moe.experts.sync_free(pairs, model.device, model.dtype)
+    }
+
+
 def capturable(model: Any) -> str | None:
-    """Why ``model``'s AR step cannot be recorded as CUDA graphs, or None."""
+    """Why ``model``'s passes cannot be recorded as CUDA graphs, or None."""
     if model.device.type != "cuda":
         return f"CUDA graphs need the layers on a CUDA device, not {model.device.type}"
     return None
 
 
-def pieces_of(n_layers: int, streamed: set[int]) -> list[tuple[str, int, int]]:
-    """How a step is cut: ``("graph", lo, hi)`` for each run of layers without streamed experts (recorded),
-    ``("eager", i, i + 1)`` for each streamed layer (its bank decides on the host which experts to fetch), and a
-    ``("graph", n, n)`` head piece when the last layer is streamed. The first piece also refreshes the pass's
-    rotary angles and key mask from the position, the last one ends with the final norm and the LM head."""
-    pieces: list[tuple[str, int, int]] = []
-    lo = 0
+def pieces_of(n_layers: int, eager: set[int]) -> list[tuple[str, tuple[Stage, ...]]]:
+    """How a pass is cut. Its stages: ``("layer", i)`` for a layer run whole, or ``("front", i)`` (mixer, MoE
+    norm, routing), ``("bank", i)`` (routed experts), ``("back", i)`` (shared expert, residual) for a layer in
+    ``eager``, whose routed experts read the host; then ``("head", n_layers)`` (final norm, LM head). Each bank of
+    ``eager`` is an ``"eager"`` piece; the stages between them form ``"graph"`` pieces (recorded), the last one
+    ending with the head. The first piece also refreshes the pass's rotary angles and key mask from the position."""
+    stages: list[Stage] = []
     for i in range(n_layers):
-        if i in streamed:
-            if lo < i:
-                pieces.append(("graph", lo, i))
-            pieces.append(("eager", i, i + 1))
-            lo = i + 1
-    if lo < n_layers or not pieces or pieces[-1][0] == "eager":
-        pieces.append(("graph", lo, n_layers))
+        stages += [("front", i), ("bank", i), ("back", i)] if i in eager else [("layer", i)]
+    stages.append(("head", n_layers))
+    pieces: list[tuple[str, tuple[Stage, ...]]] = []
+    run: list[Stage] = []
+    for stage in stages:
+        if stage[0] == "bank":
+            if run:
+                pieces.append(("graph", tuple(run)))
+                run = []
+            pieces.append(("eager", (stage,)))
+        else:
+            run.append(stage)
+    pieces.append(("graph", tuple(run)))
     return pieces
 
 
 class _Piece:
-    """One part of a step: ``fn`` reads and writes only static buffers, so that replaying its recorded ``graph``
+    """One part of a pass: ``fn`` reads and writes only static buffers, so that replaying its recorded ``graph``
     (None: not recorded, or an eager piece) is the same as calling it."""
 
     def __init__(self, kind: str, fn: Any) -> None:
@@ -100,87 +127,156 @@ class _Step:
             piece.run()
 
 
+class _Buffers:
+    """What crosses a cut between pieces: h [T, D] the residual stream, and at a layer's eager bank its MoE input
+    x [T, D], routing w [T, k] fp32 / idx [T, k] long, and the bank's output r [T, D]."""
+
+    def __init__(self, t: int, model: Any) -> None:
+        d, k, device = model.config.hidden_size, model.config.num_experts_per_tok, model.device
+        self.h = torch.zeros(t, d, dtype=model.dtype, device=device)
+        self.x = torch.zeros_like(self.h)
+        self.r = torch.zeros_like(self.h)
+        self.w = torch.zeros(t, k, dtype=torch.float32, device=device)
+        self.idx = torch.zeros(t, k, dtype=torch.long, device=device)
+
+
+# the key of one recorded pass: (tokens, block size or None, writes the cache, last row only, key length)
+Key = tuple[int, int | None, bool, bool, int]
+
+
 class StepGraphs:
-    """Replays ``model``'s AR steps from CUDA graphs. Called as ``model._forward_pass`` is, for the passes
-    :meth:`CloverModel.is_hot_pass` selects (``model.step_graph``); anything else raises.
+    """Replays ``model``'s AR steps and whole-block passes from CUDA graphs. Called as ``model._forward_pass`` is,
+    for the passes it :meth:`serves` (``model.step_graph`` and ``model.pass_graph``); anything else raises.
 
-    With streamed layers the step is cut into pieces (:func:`pieces_of`): each run of resident layers is one graph,
-    each streamed layer runs eagerly between them, reading and writing the same static buffers. ``record=False``
-    runs every piece eagerly through those buffers (the CPU tests of the cutting and the data flow)."""
+    An AR step is 1 token written to the cache; a block pass is one whole block after the cache (the denoising
+    pass, which leaves the cache as it was, and the commit pass, which writes it). A pass is cut into pieces
+    (:func:`pieces_of`) around the routed experts that read the host (:func:`eager_banks`: streamed banks, and
+    quantized banks over a block's pairs unless the fused kernel is on). The rest, the mixers, routers and shared
+    experts of every layer included, is recorded, one graph per piece, all reading and writing the same static
+    buffers (:class:`_Buffers`). ``record=False`` runs every piece eagerly through those buffers (the CPU tests
+    of the cutting and the data flow); ``eager`` then overrides which layers' banks are cut out."""
 
-    def __init__(self, model: Any, record: bool = True) -> None:
+    def __init__(self, model: Any, record: bool = True, eager: set[int] | None = None) -> None:
         reason = capturable(model) if record else None
         if reason is not None:
             raise ValueError(reason)
         self.model = model
         self.record = record
-        device = model.device
-        self.pieces = pieces_of(len(model.layers), set(streamed_layers(model)))
-        self._h = torch.zeros(1, model.config.hidden_size, dtype=model.dtype, device=device)  # [1, D]
-        self._pos = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        self._eager = eager
+        self._pieces: dict[int, list[tuple[str, tuple[Stage, ...]]]] = {}
+        self._pos = torch.zeros(1, dtype=torch.long, device=model.device)  # [1] the pass's first position
+        self._bufs: dict[int, _Buffers] = {}
         self._cache_ref: weakref.ReferenceType[Any] | None = None
-        self._steps: dict[int, _Step] = {}
+        self._steps: dict[Key, _Step] = {}
         self._pool: Any = None
-        self.failed: str | None = None  # why recording failed (then every step runs uncaptured)
-        self.recorded = 0  # graphs recorded so far (all caches and buckets)
-        self.replays = 0  # steps run through the pieces
+        self.failed: str | None = None  # why recording failed (then every pass runs uncaptured)
+        self.recorded = 0  # graphs recorded so far (all caches, shapes and buckets)
+        self.replays = 0  # AR steps run through the pieces
+        self.pass_replays = 0  # block passes run through the pieces
+
+    def pieces_for(self, t: int) -> list[tuple[str, tuple[Stage, ...]]]:
+        """The pieces of a pass of ``t`` tokens."""
+        if t not in self._pieces:
+            eager = self._eager if self._eager is not None else eager_banks(self.model, t)
+            self._pieces[t] = pieces_of(len(self.model.layers), eager)
+        return self._pieces[t]
+
+    @property
+    def pieces(self) -> list[tuple[str, tuple[Stage, ...]]]:
+        """The pieces of an AR step."""
+        return self.pieces_for(1)
+
+    @staticmethod
+    def serves(t: int, block_size: int | None, write_cache: bool, prefill: bool = False,
+               causal_inside_block: bool = False) -> bool:
+        """An AR step (1 token, causal, written to the cache), or one whole block that is not the prompt's."""
+        if block_size is None:
+            return t == 1 and write_cache
+        return t == block_size and not prefill and not causal_inside_block
 
     def __call__(
         self, ids: Tensor, start_pos: int, cache: Any, block_size: int | None, write_cache: bool, last_only: bool,
         prefill: bool, causal_inside_block: bool,
     ) -> Tensor:
-        if ids.shape[0] != 1 or block_size is not None or not write_cache or cache is None:
-            raise ValueError("StepGraphs runs AR steps only (one token, causal, written to a cache)")
+        t = ids.shape[0]
+        if cache is None or not self.serves(t, block_size, write_cache, prefill, causal_inside_block):
+            raise ValueError("StepGraphs runs AR steps (one token, causal, written to a cache) and whole blocks "
+                             "after a cache")
         if self.failed is None:
             if self._cache_ref is None or self._cache_ref() is not cache:
-                self._steps.clear()  # steps of an earlier cache (their graphs' memory goes back to the pool)
+                self._steps.clear()  # passes of an earlier cache (their graphs' memory goes back to the pool)
                 self._cache_ref = weakref.ref(cache)
-            kv_len = bucket(start_pos + 1, cache.max_len)
-            self._h.copy_(self.model.embed(ids))
+            key: Key = (t, block_size, write_cache, last_only or t == 1, bucket(start_pos + t, cache.max_len))
+            self._buffers(t).h.copy_(self.model.embed(ids))
             self._pos.fill_(start_pos)
-            step = self._steps.get(kv_len) or self._make(cache, kv_len)
-            if step is not None:  # (None: recording failed, said once; this step and the later ones run uncaptured)
-                self._steps[kv_len] = step
+            step = self._steps.get(key) or self._make(cache, key)
+            if step is not None:  # (None: recording failed, said once; this pass and the later ones run uncaptured)
+                self._steps[key] = step
                 step.run()
-                self.replays += 1
-                cache.length = start_pos + 1
-                return step.out.clone()  # the last piece's buffer is overwritten by the next step
-        return self.model._forward_pass(ids, start_pos, cache, None, True, last_only, prefill, causal_inside_block)
+                if block_size is None:
+                    self.replays += 1
+                else:
+                    self.pass_replays += 1
+                if write_cache:
+                    cache.length = start_pos + t
+                return step.out.clone()  # the last piece's buffer is overwritten by the next pass
+        return self.model._forward_pass(ids, start_pos, cache, block_size, write_cache, last_only, prefill,
+                                        causal_inside_block)
 
-    def _build(self, cache: Any, kv_len: int) -> _Step:
-        """The pieces of a step for this cache and key length, over static buffers: the pass's angles and mask
-        (refreshed by the first piece from the position), and one [1, D] buffer between consecutive pieces."""
+    def _buffers(self, t: int) -> _Buffers:
+        if t not in self._bufs:
+            self._bufs[t] = _Buffers(t, self.model)
+        return self._bufs[t]
+
+    def _build(self, cache: Any, key: Key) -> _Step:
+        """The pieces of a pass for this cache and key, over static buffers: the pass's angles and mask (refreshed
+        by the first piece from the position), and :class:`_Buffers` between pieces."""
         model = self.model
-        p = model.static_pass(self._pos, cache, kv_len)  # its tensors are the static buffers
+        t, block_size, write_cache, last_only, kv_len = key
+        p = model.static_pass(self._pos, cache, kv_len, t, block_size, write_cache)  # its tensors: static buffers
+        b = self._buffers(t)
+        out = torch.empty(1 if last_only else t, model.config.vocab_size, dtype=torch.float32, device=b.h.device)
 
         def refresh() -> None:
-            fresh = model.static_pass(self._pos, cache, kv_len)
+            fresh = model.static_pass(self._pos, cache, kv_len, t, block_size, write_cache)
+            p.pos.copy_(fresh.pos)  # [T] the positions the K/V are written at
             p.cos.copy_(fresh.cos)
             p.sin.copy_(fresh.sin)
             p.attn_mask.copy_(fresh.attn_mask)
 
+        def run_graph(stages: tuple[Stage, ...], first: bool) -> None:
+            if first:
+                refresh()
+            h, x, w, idx, r = b.h, b.x, b.w, b.idx, b.r
+            for part, i in stages:
+                if part == "layer":
+                    h = model.layers[i](h, p, cache.layer(i))
+                elif part == "front":
+                    h, x, w, idx = model.layers[i].front(h, p, cache.layer(i))
+                elif part == "back":
+                    h = model.layers[i].back(h, x, r)
+                else:  # head
+                    out.copy_(model.head(h[-1:] if last_only else h))
+            end = stages[-1][0]
+            if end == "front":
+                for buf, value in ((b.h, h), (b.x, x), (b.w, w), (b.idx, idx)):
+                    buf.copy_(value)
+            elif end != "head":
+                b.h.copy_(h)
+
+        def run_bank(i: int) -> None:
+            b.r.copy_(model.layers[i].mlp.routed(b.x, b.w, b.idx))
+
         pieces: list[_Piece] = []
-        src = self._h
-        for k, (kind, lo, hi) in enumerate(self.pieces):
-            first, last = k == 0, k == len(self.pieces) - 1
-            if last:
-                dst = torch.empty(1, model.config.vocab_size, dtype=torch.float32, device=src.device)  # logits
+        for k, (kind, stages) in enumerate(self.pieces_for(t)):
+            if kind == "eager":
+                pieces.append(_Piece(kind, lambda i=stages[0][1]: run_bank(i)))
             else:
-                dst = torch.empty_like(src)
+                pieces.append(_Piece(kind, lambda stages=stages, first=k == 0: run_graph(stages, first)))
+        return _Step(pieces, out)
 
-            def fn(src: Tensor = src, dst: Tensor = dst, lo: int = lo, hi: int = hi, first: bool = first,
-                   last: bool = last) -> None:
-                if first:
-                    refresh()
-                h = model.static_layers(src, p, cache, lo, hi)
-                dst.copy_(model.head(h) if last else h)
-
-            pieces.append(_Piece(kind, fn))
-            src = dst
-        return _Step(pieces, src)
-
-    def _make(self, cache: Any, kv_len: int) -> _Step | None:
-        step = self._build(cache, kv_len)
+    def _make(self, cache: Any, key: Key) -> _Step | None:
+        step = self._build(cache, key)
         if not self.record:
             return step
         states = [t for group in (cache.conv, cache.state) for t in group if t is not None]
@@ -206,9 +302,10 @@ class StepGraphs:
         except RuntimeError as exc:
             for t, copy in zip(states, saved):
                 t.copy_(copy)
-            self.failed = f"recording the AR step as CUDA graphs failed ({exc}); steps run uncaptured"
+            what = "the AR step" if key[1] is None else "a block pass"
+            self.failed = f"recording {what} as CUDA graphs failed ({exc}); passes run uncaptured"
             log.warning("%s", self.failed)
             return None
-        log.info("recorded the AR step as %d CUDA graph(s) for %d keys",
-                 sum(k == "graph" for k, _, _ in self.pieces), kv_len)
+        log.info("recorded a %d-token pass as %d CUDA graph(s) for %d keys",
+                 key[0], sum(kind == "graph" for kind, _ in self.pieces_for(key[0])), key[4])
         return step

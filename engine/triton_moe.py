@@ -74,7 +74,12 @@ def supports(layout: RowLayout) -> bool:
 def enabled_for(x: Tensor, layout: RowLayout) -> bool:
     """Whether :func:`engine.quant.routed_forward` takes the fused kernel: CUDA activations, NF4 or supported GGUF
     experts, opted in (see module)."""
-    return x.is_cuda and os.environ.get("CLOVER_DESK_FUSED_MOE") == "1" and supports(layout) and available()
+    return enabled_on(x.device, layout)
+
+
+def enabled_on(device: torch.device, layout: RowLayout) -> bool:
+    """:func:`enabled_for` activations on ``device``."""
+    return device.type == "cuda" and os.environ.get("CLOVER_DESK_FUSED_MOE") == "1" and supports(layout) and available()
 
 
 def fused_moe(x: Tensor, pool: Tensor, layout: RowLayout, rows: Tensor, topk_w: Tensor) -> Tensor:

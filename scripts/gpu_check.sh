@@ -29,8 +29,8 @@ bnb=0
 $py -c "import bitsandbytes" 2>/dev/null && bnb=1 || echo "== bitsandbytes is not importable (bash scripts/gpu_wheels.sh here, carry .whl): the NF4 steps are skipped" | tee -a "$out/summary.txt"
 # Steps in order of what they decide; the sum of their limits is over one call's 10 minutes, so name the rest in a
 # second call if the first is cut short.
-# The GPU-marked tests: grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps (whole and in pieces
-# around streamed layers), the int8 kernel, fla's GDN kernels.
+# The GPU-marked tests: grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps and block passes
+# (whole and in pieces around the banks that read the host), the int8 kernel, fla's GDN kernels.
 step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py \
   tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py \
   tests/test_triton_moe.py
@@ -40,6 +40,12 @@ if [ $bnb = 1 ]; then
   # tok/s at 3 tokens per pass, ops and host reads per forward, host-to-device bytes per token.
   step card_path 170 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
     --quant card --vram-gb 16 --repeats 3
+  # Issue 8: the same path with the fast path on: fused NF4 MoE, INT8 and fla GDN kernels (opt-in), the layers
+  # compiled, AR steps and block passes replayed from CUDA graphs cut around the streamed banks (engine.step_graphs).
+  # Prints the kernels-on eager figures, then the compiled ones and how the passes were cut.
+  step card_fast 300 env CLOVER_DESK_FUSED_MOE=1 CLOVER_DESK_FUSED_INT8=1 CLOVER_DESK_FLA_GDN=1 \
+    $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 --quant card \
+    --vram-gb 16 --repeats 3 --compile
 fi
 # Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
 # (NF4 rows, GGUF Q4_0 blocks); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton kernel; one GDN

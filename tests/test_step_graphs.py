@@ -1,7 +1,8 @@
-"""The AR step as one call: ``CloverModel.static_step`` (position as a tensor, keys read to a fixed bucket, the
-form a CUDA graph records) equals the ordinary step; it traces as one graph with no break; ``compile_layers``
-routes AR steps through one whole-step graph on the CPU (same tokens as eager) and through CUDA graphs on a GPU
-(``gpu``-marked: replays counted, tokens equal, no sync under ``set_sync_debug_mode("error")``)."""
+"""The AR step and the block passes as one call: ``CloverModel.static_step`` / ``static_pass`` (position as a
+tensor, keys read to a fixed bucket, the form a CUDA graph records) equal the ordinary passes and trace as one
+graph with no break; passes are cut around the experts that read the host; ``compile_layers`` routes AR steps
+through one whole-step graph on the CPU (same tokens as eager) and AR steps and block passes through CUDA graphs on
+a GPU (``gpu``-marked: replays counted, tokens equal, no sync under ``set_sync_debug_mode("error")``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from engine import step_graphs
 from engine.fastpath import compile_layers
-from engine.generate import DecodeSettings, generate_ar
+from engine.generate import DecodeSettings, generate_ar, generate_diffusion
 from tests.helpers_model import CountingBackend, tiny_config, tiny_model
 
 PROMPT = [5, 9, 17, 33, 65, 129, 7, 11, 13, 19, 23]
@@ -99,12 +100,131 @@ def test_compile_layers_runs_the_ar_step_as_one_graph_with_the_eager_tokens() ->
     torch._dynamo.reset()
 
 
-def test_a_step_is_cut_around_its_streamed_layers() -> None:
+def _static_block(model: Any, ids: torch.Tensor, pos: int, cache: Any, kv_len: int, write: bool) -> torch.Tensor:
+    """A block pass the way a recorded one runs: the static pass and every layer, then the head."""
+    b = model.config.block_size
+    p = model.static_pass(torch.tensor([pos]), cache, kv_len, b, b, write)
+    out = model.head(model.static_layers(model.embed(ids), p, cache, 0, len(model.layers)))
+    if write:
+        cache.length = pos + b
+    return out
+
+
+@pytest.mark.parametrize("coreset", [False, True])
+def test_static_block_passes_equal_the_ordinary_ones(coreset: bool) -> None:
+    """A denoising pass (the cache left bit for bit as it was, its free slots used as scratch) and a commit pass
+    (the cache written as the ordinary pass writes it), with the keys read to a bucket past the block."""
+    model = tiny_model(tiny_config(moe_block_coreset_enabled=coreset), seed=5)
+    b = model.config.block_size
+    ids = torch.tensor((PROMPT * 2)[: 2 * b])
+    ref = model.new_cache(64)
+    model(ids[:b], 0, ref, block_size=b, write_cache=True)
+    mine = ref.clone()
+    mine.key[1][:, b:].normal_()  # the free slots hold something else: a pass must put it back
+    before = mine.clone()
+    block = ids[b:]
+    want = model(block, b, ref, block_size=b, write_cache=False)  # [B, V]
+    got = _static_block(model, block, b, mine, 32, write=False)
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-5
+    assert all(torch.equal(x, y) for x, y in zip(mine.tensors(), before.tensors()))
+    want = model(block, b, ref, block_size=b, write_cache=True, last_only=True)  # [1, V]
+    got = _static_block(model, block, b, mine, 32, write=True)[-1:]
+    assert (got - want).abs().max() < 1e-5 and mine.length == ref.length == 2 * b
+    for name in ("key", "value", "conv", "state"):
+        for x, y in zip(getattr(ref, name), getattr(mine, name)):
+            if x is not None:  # K/V: the committed slots (past them, the scratch each way used)
+                x, y = (x[:, : 2 * b], y[:, : 2 * b]) if name in ("key", "value") else (x, y)
+                assert (x - y).abs().max() < 1e-5, name
+
+
+def test_the_static_block_pass_traces_as_one_graph() -> None:
+    """No host read in a whole block: traced (the dense bank then gathers one expert per pair), one graph."""
+    model = tiny_model(tiny_config(moe_block_coreset_enabled=True), seed=5)
+    b = model.config.block_size
+    cache = model.new_cache(64)
+    model(torch.tensor(PROMPT[:b]), 0, cache, block_size=b, write_cache=True)
+    h = model.embed(torch.tensor(PROMPT[:b]))
+
+    def denoise(h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        p = model.static_pass(pos, cache, 32, b, b, False)
+        return model.head(model.static_layers(h, p, cache, 0, len(model.layers)))
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(denoise)(h, torch.tensor([b]))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [str(r.reason)[:200] for r in explained.break_reasons]
+    torch._dynamo.reset()
+
+
+def _diffusion(model: Any, n: int) -> tuple[list[int], int]:
+    """(tokens, forward passes) of a diffusion run."""
+    s = DecodeSettings(mode="diffusion", max_new_tokens=n, block_size=model.config.block_size, threshold=0.9,
+                       mask_token_id=256, eos_token_ids=(), max_positions=model.config.max_position_embeddings,
+                       shift_logits=model.config.shift_logits)
+    *_, done = generate_diffusion(model, PROMPT, s)
+    return list(done.token_ids), done.passes
+
+
+@pytest.mark.parametrize("streamed, eager", [((), None), ((1,), None), ((0, 3), None), ((), set()), ((2,), {0, 2})])
+def test_block_passes_run_in_pieces_through_static_buffers_decode_the_same_tokens(
+    streamed: tuple[int, ...], eager: set[int] | None
+) -> None:
+    """Diffusion through the pieces (run eagerly, ``record=False``): the tokens of ordinary passes, every
+    denoising and commit pass served by the pieces, with the cut the banks ask for (None: on the CPU every
+    quantized bank reads the host over a block) or a given one (whole layers in the block pieces)."""
+    model = _quantized(streamed)
+    model.config = model.config.with_overrides(moe_block_coreset_enabled=True)
+    for layer in model.layers:
+        layer.mlp.config = model.config
+    want, passes = _diffusion(model, 20)
+    runner = step_graphs.StepGraphs(model, record=False, eager=eager)
+    expected = set(range(4)) if eager is None else eager
+    assert {s[1] for kind, stages in runner.pieces_for(8) if kind == "eager" for s in stages} == expected
+    model.pass_graph = runner
+    try:
+        got, got_passes = _diffusion(model, 20)
+    finally:
+        model.pass_graph = None
+    assert got == want and got_passes == passes
+    assert runner.pass_replays == passes and runner.failed is None  # (the prompt's prefill is not a decode pass)
+    if eager == {0, 2}:  # what bench speed --compile prints of it
+        from clover_desk.cmd_bench_speed import _step_graph_line
+
+        model.step_graph = runner
+        assert _step_graph_line(model).startswith(
+            "CUDA graphs (engine.step_graphs): an AR step is 3 graph(s) around 2 eager expert bank(s), a 8-slot "
+            f"pass 3 graph(s) around 2 eager expert bank(s); 0 recorded, 0 AR steps and {passes} block passes")
+
+
+def test_a_pass_is_cut_around_the_banks_that_read_the_host() -> None:
     g, e = "graph", "eager"
-    assert step_graphs.pieces_of(4, set()) == [(g, 0, 4)]
-    assert step_graphs.pieces_of(4, {1}) == [(g, 0, 1), (e, 1, 2), (g, 2, 4)]
-    assert step_graphs.pieces_of(4, {0, 3}) == [(e, 0, 1), (g, 1, 3), (e, 3, 4), (g, 4, 4)]  # the head on its own
-    assert step_graphs.pieces_of(3, {0, 1, 2}) == [(e, 0, 1), (e, 1, 2), (e, 2, 3), (g, 3, 3)]
+    L, F, B, A, H = (lambda i, part=part: (part, i) for part in ("layer", "front", "bank", "back", "head"))
+    assert step_graphs.pieces_of(4, set()) == [(g, (L(0), L(1), L(2), L(3), H(4)))]
+    assert step_graphs.pieces_of(4, {1}) == [(g, (L(0), F(1))), (e, (B(1),)), (g, (A(1), L(2), L(3), H(4)))]
+    assert step_graphs.pieces_of(2, {0, 1}) == [  # the mixers, routers and shared experts stay in graphs
+        (g, (F(0),)), (e, (B(0),)), (g, (A(0), F(1))), (e, (B(1),)), (g, (A(1), H(2)))
+    ]
+
+
+def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense experts: an AR step's 4 pairs gather one expert each (no read); a block's 32 pairs are grouped on the
+    host on the CPU. Streamed banks fetch on the host at any size. A quantized NF4 bank is sync-free over a block
+    only with the fused kernel on a GPU."""
+    from engine.quant import QuantExpertBank
+
+    dense = tiny_model(tiny_config(), seed=5)
+    assert step_graphs.eager_banks(dense, 1) == set()
+    assert step_graphs.eager_banks(dense, 8) == {0, 1, 2, 3}
+    placed = _quantized((1, 2))
+    assert step_graphs.eager_banks(placed, 1) == {1, 2}
+    assert step_graphs.eager_banks(placed, 8) == {0, 1, 2, 3}
+    nf4 = placed.layers[0].mlp.experts
+    assert isinstance(nf4, QuantExpertBank) and nf4.layout.fmt == "nf4"
+    gpu = torch.device("cuda")
+    monkeypatch.delenv("CLOVER_DESK_FUSED_MOE", raising=False)
+    assert not nf4.sync_free(256, gpu, torch.bfloat16)
+    monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
+    assert nf4.sync_free(256, gpu, torch.bfloat16)  # (the kernels' own tests: tests/test_triton_moe.py)
+    assert not nf4.sync_free(256, torch.device("cpu"), torch.float32) and nf4.sync_free(8, gpu, torch.bfloat16)
 
 
 def _quantized(streamed: tuple[int, ...]) -> Any:
@@ -128,7 +248,7 @@ def test_steps_run_in_pieces_through_static_buffers_decode_the_same_tokens(strea
     model = _quantized(streamed)
     want = _tokens(model, 260)  # positions 11..270: buckets 256 and the cache's 271
     runner = step_graphs.StepGraphs(model, record=False)
-    assert [kind for kind, _, _ in runner.pieces].count("eager") == len(streamed)
+    assert [kind for kind, _ in runner.pieces].count("eager") == len(streamed)
     model.step_graph = runner
     looked = lambda: sum(offload.accounting(model).get(k, 0) for k in ("slot_hits", "slot_misses"))  # noqa: E731
     before = looked()
@@ -193,7 +313,57 @@ def test_cuda_graph_pieces_around_streamed_layers_decode_the_uncaptured_tokens()
     want = _tokens(placed(), 300)
     graphed = placed()
     runner = step_graphs.StepGraphs(graphed)
-    assert runner.pieces == [("graph", 0, 1), ("eager", 1, 2), ("graph", 2, 3), ("eager", 3, 4), ("graph", 4, 4)]
+    assert runner.pieces == step_graphs.pieces_of(4, {1, 3})  # 3 graphs around 2 eager banks
     graphed.step_graph = runner
     assert _tokens(graphed, 300) == want
     assert runner.failed is None and runner.recorded == 3 * 2 and runner.replays == 299  # 3 graphs, 2 buckets
+
+
+@pytest.mark.gpu
+def test_cuda_graph_block_passes_decode_the_uncaptured_tokens() -> None:
+    """Diffusion with the denoising and commit passes replayed from CUDA graphs (fp32: the same tokens as the
+    uncaptured passes), the banks that read the host cut out where the GPU needs it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ref = tiny_model(tiny_config(moe_block_coreset_enabled=True), seed=9).to("cuda")
+    want, passes = _diffusion(ref, 40)
+    graphed = copy.deepcopy(ref)
+    runner = step_graphs.StepGraphs(graphed)
+    graphed.step_graph = graphed.pass_graph = runner
+    got, got_passes = _diffusion(graphed, 40)
+    assert (got, got_passes) == (want, passes)
+    assert runner.failed is None and runner.pass_replays == passes and runner.recorded >= 2  # denoise + commit
+
+
+@pytest.mark.gpu
+def test_a_block_pass_with_fused_nf4_experts_is_one_graph_without_a_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NF4 experts through the fused kernel (it sorts the pairs on the device): nothing in a block pass reads the
+    host, so the whole pass is one graph; its logits are the uncaptured pass's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from engine import offload
+    from engine.quant import make_policy, quantize_model_
+
+    monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
+    model = tiny_model(tiny_config(moe_block_coreset_enabled=True), seed=5, dtype=torch.bfloat16)
+    quantize_model_(model, make_policy())
+    offload.apply_plan(model, offload.SimplePlan(tuple(range(len(model.layers))), (), 1), "cuda")
+    runner = step_graphs.StepGraphs(model)
+    b = model.config.block_size
+    assert runner.pieces_for(b) == step_graphs.pieces_of(len(model.layers), set())
+    gpu = torch.device("cuda")
+    cache = model.new_cache(64)
+    model(torch.tensor(PROMPT[:b], device=gpu), 0, cache, block_size=b, write_cache=True)
+    block = torch.tensor((PROMPT * 2)[b : 2 * b], device=gpu)
+    want = model(block, b, cache, block_size=b, write_cache=False)
+    model.pass_graph = runner
+    model(block, b, cache, block_size=b, write_cache=False)  # records
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = model(block, b, cache, block_size=b, write_cache=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert runner.failed is None and runner.recorded == 1 and runner.pass_replays == 2
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()
