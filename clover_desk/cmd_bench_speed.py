@@ -868,7 +868,7 @@ def _run_moe_only(args: argparse.Namespace) -> int:
         for name, bank in banks.items():
 
             def step(bank: Any = bank) -> Any:
-                bank.prepare(torch.unique(idx).cpu())  # the host sync SparseMoe does before every bank call
+                bank.prepare_for(x, idx)  # the one host read SparseMoe does before a streamed bank's call
                 return bank(x, idx, w)
 
             with torch.inference_mode():

@@ -55,9 +55,15 @@ class ExpertBank(nn.Module):
     num_experts: int
     needs_prepare = False  # True: the MoE layer calls prepare() first (it costs a host sync: only streamed banks)
 
+    def prepare_for(self, x: Tensor, topk_idx: Tensor) -> None:
+        """Called by the MoE layer right before :meth:`forward`, when :attr:`needs_prepare`, with that forward's
+        input x [T, D] and routing [T, K]: finds the experts it touches with one host read (a fixed-size presence
+        mask: no ``torch.unique``, whose output size is itself a sync on a GPU) and calls :meth:`prepare`."""
+        self.prepare(present(topk_idx, self.num_experts).cpu().nonzero().flatten())
+
     def prepare(self, expert_ids: Tensor) -> None:
-        """Called by the MoE layer right before :meth:`forward`, when :attr:`needs_prepare`, with the sorted distinct
-        expert ids (a CPU LongTensor) this forward will touch, so a streaming bank can fetch them."""
+        """Called by :meth:`prepare_for` with the sorted distinct expert ids (a CPU LongTensor) this forward will
+        touch, so a streaming bank can fetch them."""
 
     def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether :meth:`forward` over ``pairs`` (token, slot) pairs of ``dtype`` activations on ``device`` reads
@@ -68,6 +74,11 @@ class ExpertBank(nn.Module):
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:  # pragma: no cover - interface
         """x [T, D], topk_idx [T, K] (long), topk_w [T, K] (float) -> [T, D] in x's dtype."""
         raise NotImplementedError
+
+
+def present(ids: Tensor, num_experts: int) -> Tensor:
+    """[E] bool on ids' device: which experts ``ids`` (any shape, long) name. No host read."""
+    return torch.zeros(num_experts, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
 
 
 def group_by_expert(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, list[int], list[int]]:

@@ -756,8 +756,9 @@ def block_coreset_topk(
 class SparseMoe(nn.Module):
     """Routed experts + shared expert (module name ``mlp``).
 
-    After each forward, ``last_topk_idx`` [T, k] and ``last_topk_w`` [T, k] hold the routing it used. Before the
-    bank runs, ``experts.prepare(ids)`` receives the sorted distinct expert ids (CPU LongTensor) of this forward.
+    After each forward, ``last_topk_idx`` [T, k] and ``last_topk_w`` [T, k] hold the routing it used. Before a
+    streamed bank runs, ``experts.prepare_for(x, idx)`` reads which experts this forward touches (one host read)
+    and hands their sorted ids (CPU LongTensor) to ``experts.prepare``.
     """
 
     def __init__(self, config: CloverConfig) -> None:
@@ -792,8 +793,8 @@ class SparseMoe(nn.Module):
         part of a layer that may read the host (a streamed bank's fetch, a quantized bank's group sizes):
         ``engine.step_graphs`` runs it eagerly between recorded pieces when it does."""
         self.last_topk_idx, self.last_topk_w = idx, w
-        if self.experts.needs_prepare:  # a streamed bank fetches its experts first (a host sync); resident ones don't
-            self.experts.prepare(torch.unique(idx).cpu())
+        if self.experts.needs_prepare:  # a streamed bank fetches its experts first (a host read); resident ones don't
+            self.experts.prepare_for(x, idx)
         return self.experts(x, idx, w)  # [T, D]
 
     def combine(self, x: Tensor, routed: Tensor) -> Tensor:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
-from engine.experts import ExpertBank
+from engine.experts import ExpertBank, present
 from engine.formats import format_of_torch_dtype
 from engine.quant import (
     QuantExpertBank,
@@ -388,23 +388,43 @@ class StreamedExpertBank(ExpertBank):
         self._slots: dict[int, int] = {}
         self.next_router: nn.Module | None = None  # router of the next streamed layer (prefetch)
         self.next_layer: int | None = None
+        self._guess: list[int] | None = None  # the next streamed layer's experts to prefetch (prepare_for)
 
     # Never traced (``torch.compiler.disable``), like engine.experts._moe_sorted: the slot bookkeeping is host-side
     # Python state that changes every step; traced, it would be baked into a compiled layer as constants (and the
     # pool's acquire / release calls replayed wrongly). A compiled layer calls both eagerly (a graph break each).
     @torch.compiler.disable
+    def prepare_for(self, x: Tensor, topk_idx: Tensor) -> None:
+        """One host read for this layer: the experts it touches and, when it prefetches, the guess of the next
+        streamed layer's (that layer's router on this layer's MoE input), one [1 or 2, E] presence mask copied once.
+        (They were two ``torch.unique(...).cpu()`` calls, each a sync for its size and one for the copy.)"""
+        self.runtime.on_layer_start(self.layer)
+        rows = [present(topk_idx, self.num_experts)]
+        guess = self.runtime.wants_prefetch() and self.next_router is not None and self.next_layer is not None
+        if guess:
+            assert self.next_router is not None
+            with torch.no_grad():
+                rows.append(present(self.next_router(x).topk(topk_idx.shape[-1], dim=-1).indices, self.num_experts))
+        host = torch.stack(rows).cpu()  # [1 or 2, E] bool: the read
+        self._guess = host[1].nonzero().flatten().tolist() if guess else None
+        self._acquire(host[0].nonzero().flatten())
+
+    @torch.compiler.disable
     def prepare(self, expert_ids: Tensor) -> None:
         self.runtime.on_layer_start(self.layer)
+        self._guess = None
+        self._acquire(expert_ids)
+
+    def _acquire(self, expert_ids: Tensor) -> None:
         experts = [int(e) for e in expert_ids.tolist()]
         self._slots = self.runtime.pool.acquire(self.layer, experts, self.store, in_block=self.runtime.in_block)
         self.runtime.note_experts(self.layer, experts)
 
     @torch.compiler.disable
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
-        if not self._slots:  # prepare() was not called for this forward: find the experts (a host sync)
-            self.prepare(torch.unique(topk_idx).cpu())
-        # prepare() received exactly the experts of topk_idx (SparseMoe passes torch.unique of it): reuse them
-        # instead of a second host sync
+        if not self._slots:  # prepare_for() was not called for this forward: find the experts (a host read)
+            self.prepare_for(x, topk_idx)
+        # prepare_for() received exactly the experts of topk_idx: reuse them instead of a second host read
         pool = self.runtime.pool
         slots = self._slots
         pool.wait_ready(list(slots.values()))
@@ -415,11 +435,9 @@ class StreamedExpertBank(ExpertBank):
         out = routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=pool.buf, row_index=row_index)
         pool.release(self.layer, list(slots))
         self._slots = {}
-        if self.runtime.wants_prefetch() and self.next_router is not None and self.next_layer is not None:
-            k = topk_idx.shape[-1]
-            with torch.no_grad():
-                guess = torch.unique(self.next_router(x).topk(k, dim=-1).indices).cpu().tolist()  # next layer's experts
-            pool.prefetch(self.next_layer, guess, self.runtime.stores[self.next_layer])
+        if self._guess is not None and self.next_layer is not None:  # read with this layer's experts (prepare_for)
+            pool.prefetch(self.next_layer, self._guess, self.runtime.stores[self.next_layer])
+        self._guess = None
         return out
 
     def extra_repr(self) -> str:

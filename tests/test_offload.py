@@ -190,6 +190,32 @@ def test_prefetch_guesses_the_next_layer(qmodel: CloverModel) -> None:
     assert acc["prefetch_hits"] > 0
 
 
+def test_a_streamed_layer_reads_the_host_once_per_forward(qmodel: CloverModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its experts and its guess of the next streamed layer's come back in one copy (a GPU sync each), with no
+    ``torch.unique`` (whose output size is a sync of its own on a GPU); the prefetch still happens."""
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((0,), (1, 2, 3), 4 * EXPERTS), "cpu", prefetch=True)
+    cache = model.new_cache(32)
+    model(torch.arange(5, 12), 0, cache)
+    reads: list[tuple[int, ...]] = []
+    plain = torch.Tensor.cpu
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        reads.append(tuple(t.shape))
+        return plain(t, *args, **kwargs)
+
+    def no_unique(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.unique in a streamed forward")
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    monkeypatch.setattr(torch, "unique", no_unique)
+    before = offload.accounting(model)["prefetched"]
+    model(torch.tensor([3]), cache.length, cache)
+    e = model.config.num_experts
+    assert reads == [(2, e), (2, e), (1, e)]  # layers 1 and 2 guess the next streamed layer's experts, 3 has none
+    assert offload.accounting(model)["prefetched"] > before
+
+
 def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> None:
     from engine.planner import ModelGeometry, make_plan, manifest_from_dict
 
