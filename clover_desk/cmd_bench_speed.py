@@ -569,10 +569,14 @@ def _step_graph_line(model: Any) -> str:
         b = model.config.block_size
 
         def cut(t: int) -> str:
-            kinds = [kind for kind, _ in runner.pieces_for(t)]
-            return f"{kinds.count('graph')} graph(s) around {kinds.count('eager')} eager expert bank(s)"
+            pieces = runner.pieces_for(t)
+            parts = [stages[0][0] for kind, stages in pieces if kind == "eager"]
+            return (f"{sum(kind == 'graph' for kind, _ in pieces)} graph(s) around {parts.count('fetch')} streamed "
+                    f"fetch(es) and {parts.count('bank')} eager expert bank(s)")
 
-        line = (f"CUDA graphs (engine.step_graphs): an AR step is {cut(1)}, a {b}-slot pass {cut(b)}; "
+        ar, block = cut(1), cut(b)
+        line = (f"CUDA graphs (engine.step_graphs): an AR step is {ar}, a {b}-slot pass "
+                f"{'the same' if block == ar else block}; "
                 f"{runner.recorded} recorded, {runner.replays} AR steps and {runner.pass_replays} block passes "
                 f"replayed")
         return line + (f"; {runner.failed}" if runner.failed else "")

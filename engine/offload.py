@@ -389,6 +389,7 @@ class StreamedExpertBank(ExpertBank):
         self.next_router: nn.Module | None = None  # router of the next streamed layer (prefetch)
         self.next_layer: int | None = None
         self._guess: list[int] | None = None  # the next streamed layer's experts to prefetch (prepare_for)
+        self.slot_table: Tensor | None = None  # [E] long on the pool's device: expert -> pool row (ready)
 
     # Never traced (``torch.compiler.disable``), like engine.experts._moe_sorted: the slot bookkeeping is host-side
     # Python state that changes every step; traced, it would be baked into a compiled layer as constants (and the
@@ -421,23 +422,54 @@ class StreamedExpertBank(ExpertBank):
         self.runtime.note_experts(self.layer, experts)
 
     @torch.compiler.disable
+    def ready(self) -> None:
+        """After :meth:`prepare_for`: make this forward's compute wait for its copies, write the slot table (expert
+        -> pool row, a fixed device buffer: a recorded :meth:`compute` reads it), and start copying the guessed
+        experts of the next streamed layer (they go to free or unpinned slots, never to this forward's)."""
+        pool = self.runtime.pool
+        pool.wait_ready(list(self._slots.values()))
+        slot_of = torch.zeros(self.num_experts, dtype=torch.long)  # [E]
+        slot_of[list(self._slots)] = torch.tensor(list(self._slots.values()), dtype=torch.long)
+        if self.slot_table is None:  # (a normal tensor even when the first forward runs under inference_mode)
+            with torch.inference_mode(False):
+                self.slot_table = torch.zeros(self.num_experts, dtype=torch.long, device=pool.buf.device)
+        # the pageable source is staged at once, so non_blocking needs no sync; the copy is ordered on the stream
+        # after the compute that read the table's previous contents
+        self.slot_table.copy_(slot_of, non_blocking=True)
+        if self._guess is not None and self.next_layer is not None:  # read with this layer's experts (prepare_for)
+            pool.prefetch(self.next_layer, self._guess, self.runtime.stores[self.next_layer])
+        self._guess = None
+
+    def compute(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        """The routed experts from the pool rows the slot table names (after :meth:`ready`). No host read where
+        :meth:`compute_sync_free` says so, so a CUDA graph can record it."""
+        assert self.slot_table is not None
+        pool = self.runtime.pool
+        return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=pool.buf,
+                              row_index=self.slot_table)
+
+    def compute_sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether :meth:`compute` over ``pairs`` (token, slot) pairs reads nothing on the host: few pairs gather
+        one expert each, more need the fused kernel (``engine.triton_moe``)."""
+        from engine import triton_moe
+        from engine.experts import SMALL_SLOTS
+
+        return pairs <= SMALL_SLOTS or triton_moe.enabled_on(device, self.layout)
+
+    @torch.compiler.disable
+    def finish(self) -> None:
+        """After :meth:`compute` was issued: its slots become reusable once it has run."""
+        self.runtime.pool.release(self.layer, list(self._slots))
+        self._slots = {}
+
+    @torch.compiler.disable
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         if not self._slots:  # prepare_for() was not called for this forward: find the experts (a host read)
             self.prepare_for(x, topk_idx)
         # prepare_for() received exactly the experts of topk_idx: reuse them instead of a second host read
-        pool = self.runtime.pool
-        slots = self._slots
-        pool.wait_ready(list(slots.values()))
-        # [E] expert -> slot row of pool.buf; the pageable source is staged at once, so non_blocking needs no sync
-        slot_of = torch.zeros(self.num_experts, dtype=torch.long)
-        slot_of[list(slots)] = torch.tensor(list(slots.values()), dtype=torch.long)
-        row_index = slot_of.to(pool.buf.device, non_blocking=True)
-        out = routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=pool.buf, row_index=row_index)
-        pool.release(self.layer, list(slots))
-        self._slots = {}
-        if self._guess is not None and self.next_layer is not None:  # read with this layer's experts (prepare_for)
-            pool.prefetch(self.next_layer, self._guess, self.runtime.stores[self.next_layer])
-        self._guess = None
+        self.ready()
+        out = self.compute(x, topk_idx, topk_w)
+        self.finish()
         return out
 
     def extra_repr(self) -> str:

@@ -21,18 +21,20 @@ Recording runs the pass twice on a side stream first (so the kernels are loaded 
 selected). Those runs write the pass's K/V, which the replay rewrites with the same values, and (AR step, commit
 pass) advance the GDN recurrent and convolution states, which are put back from a copy before the replay.
 
-Routed experts that read the host (:func:`eager_banks`) run eagerly between recorded pieces (:func:`pieces_of`):
-a streamed bank decides on the host which experts to fetch, and a quantized bank over a block's 256 pairs sizes
-its dequantizing groups on the host unless the fused kernel (``engine.triton_moe``) is on. Everything around them
-is recorded: on a 16 GB card with 18 of 40 layers' experts resident, an AR step is 23 graphs and 22 eager banks,
-and with the fused kernel a block pass is too; without it, a block pass is 41 graphs around 40 eager banks. If
-recording fails, the reason is logged once and the passes run uncaptured.
+What reads the host runs eagerly between recorded pieces (:func:`cuts`, :func:`pieces_of`): a streamed bank's
+fetch (it decides on the host which experts to copy, then writes a fixed slot table that its recorded compute
+reads), and routed experts that size their groups on the host: a quantized bank over a block's 256 pairs unless
+the fused kernel (``engine.triton_moe``) is on, resident or streamed. Everything else is recorded: on a 16 GB card
+with 22 of 40 layers' experts streamed, an AR step is 23 graphs around 22 eager fetches; a block pass is too with
+the fused kernel, and 41 graphs around 40 eager banks without it. If recording fails, the reason is logged once
+and the passes run uncaptured.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -54,7 +56,8 @@ def bucket(length: int, max_len: int) -> int:
     return min(size, max_len)
 
 
-Stage = tuple[str, int]  # ("layer" | "front" | "bank" | "back" | "head", layer index; the head's is the layer count)
+Stage = tuple[str, int]  # (part, layer index; the head's is the layer count): see pieces_of
+EAGER_STAGES = ("bank", "fetch")  # the stages that read the host
 
 
 def streamed_layers(model: Any) -> list[int]:
@@ -62,15 +65,23 @@ def streamed_layers(model: Any) -> list[int]:
     return [i for i, moe in enumerate(model.moe_layers()) if getattr(moe.experts, "needs_prepare", False)]
 
 
-def eager_banks(model: Any, t: int) -> set[int]:
-    """The layers whose routed experts read the host in a pass of ``t`` tokens, so that they run eagerly between
-    recorded pieces: streamed banks (they fetch on the host), and banks whose compute sizes its groups on the host
-    at this many (token, slot) pairs (:meth:`engine.experts.ExpertBank.sync_free`)."""
+def cuts(model: Any, t: int) -> dict[int, str]:
+    """Where a pass of ``t`` tokens must leave its graphs: layer -> ``"bank"`` when its routed experts read the
+    host (:meth:`engine.experts.ExpertBank.sync_free`: a quantized bank sizing its dequantizing groups on the
+    host), ``"fetch"`` for a streamed bank whose compute reads nothing (only the fetch runs eagerly: it decides on
+    the host which experts to copy; :meth:`engine.offload.StreamedExpertBank.compute_sync_free`), and ``"bank"``
+    for a streamed bank whose compute reads the host too. Layers not named are recorded whole."""
     pairs = t * model.config.num_experts_per_tok
-    return {
-        i for i, moe in enumerate(model.moe_layers())
-        if getattr(moe.experts, "needs_prepare", False) or not moe.experts.sync_free(pairs, model.device, model.dtype)
-    }
+    device, dtype = model.device, model.dtype
+    out: dict[int, str] = {}
+    for i, moe in enumerate(model.moe_layers()):
+        bank = moe.experts
+        if getattr(bank, "needs_prepare", False):
+            compute_free = getattr(bank, "compute_sync_free", None)
+            out[i] = "fetch" if compute_free is not None and compute_free(pairs, device, dtype) else "bank"
+        elif not bank.sync_free(pairs, device, dtype):
+            out[i] = "bank"
+    return out
 
 
 def capturable(model: Any) -> str | None:
@@ -80,20 +91,29 @@ def capturable(model: Any) -> str | None:
     return None
 
 
-def pieces_of(n_layers: int, eager: set[int]) -> list[tuple[str, tuple[Stage, ...]]]:
-    """How a pass is cut. Its stages: ``("layer", i)`` for a layer run whole, or ``("front", i)`` (mixer, MoE
-    norm, routing), ``("bank", i)`` (routed experts), ``("back", i)`` (shared expert, residual) for a layer in
-    ``eager``, whose routed experts read the host; then ``("head", n_layers)`` (final norm, LM head). Each bank of
-    ``eager`` is an ``"eager"`` piece; the stages between them form ``"graph"`` pieces (recorded), the last one
-    ending with the head. The first piece also refreshes the pass's rotary angles and key mask from the position."""
+def pieces_of(n_layers: int, cut: Mapping[int, str]) -> list[tuple[str, tuple[Stage, ...]]]:
+    """How a pass is cut (``cut`` from :func:`cuts`). Its stages: ``("layer", i)`` for a layer run whole; for a
+    layer in ``cut``, ``("front", i)`` (mixer, MoE norm, routing), then ``("bank", i)`` (the routed experts, eager)
+    or ``("fetch", i)`` (a streamed bank's fetch, eager) and ``("compute", i)`` (its experts from the slot table),
+    then ``("back", i)`` (shared expert, residual); last ``("head", n_layers)`` (final norm, LM head). Each eager
+    stage is an ``"eager"`` piece, the stages between them form ``"graph"`` pieces (recorded), the last one ending
+    with the head. The first piece also refreshes the pass's positions, rotary angles and key mask."""
     stages: list[Stage] = []
     for i in range(n_layers):
-        stages += [("front", i), ("bank", i), ("back", i)] if i in eager else [("layer", i)]
+        kind = cut.get(i)
+        if kind is None:
+            stages.append(("layer", i))
+        elif kind == "bank":
+            stages += [("front", i), ("bank", i), ("back", i)]
+        elif kind == "fetch":
+            stages += [("front", i), ("fetch", i), ("compute", i), ("back", i)]
+        else:
+            raise ValueError(f"cut {kind!r} for layer {i}: allowed 'bank', 'fetch'")
     stages.append(("head", n_layers))
     pieces: list[tuple[str, tuple[Stage, ...]]] = []
     run: list[Stage] = []
     for stage in stages:
-        if stage[0] == "bank":
+        if stage[0] in EAGER_STAGES:
             if run:
                 pieces.append(("graph", tuple(run)))
                 run = []
@@ -111,20 +131,32 @@ class _Piece:
     def __init__(self, kind: str, fn: Any) -> None:
         self.kind, self.fn, self.graph = kind, fn, None
 
-    def run(self) -> None:
-        if self.graph is not None:
+    def run(self, eager: bool = False) -> None:
+        if self.graph is not None and not eager:
             self.graph.replay()
         else:
             self.fn()
 
 
 class _Step:
-    def __init__(self, pieces: list[_Piece], out: Tensor) -> None:
-        self.pieces, self.out = pieces, out
+    """The pieces of one pass, and the streamed banks whose slots go back to the pool once the piece that computes
+    from them has been issued (the next eager piece, or the end of the pass, releases them)."""
 
-    def run(self) -> None:
+    def __init__(self, pieces: list[_Piece], out: Tensor, pending: list[Any]) -> None:
+        self.pieces, self.out, self.pending = pieces, out, pending
+
+    def run(self, eager: bool = False) -> None:
+        """Replay (``eager``: call every piece, as the warm-up before recording does)."""
         for piece in self.pieces:
-            piece.run()
+            if piece.kind == "eager":
+                self.finish()
+            piece.run(eager)
+        self.finish()
+
+    def finish(self) -> None:
+        for bank in self.pending:
+            bank.finish()
+        self.pending.clear()
 
 
 class _Buffers:
@@ -150,19 +182,19 @@ class StepGraphs:
 
     An AR step is 1 token written to the cache; a block pass is one whole block after the cache (the denoising
     pass, which leaves the cache as it was, and the commit pass, which writes it). A pass is cut into pieces
-    (:func:`pieces_of`) around the routed experts that read the host (:func:`eager_banks`: streamed banks, and
-    quantized banks over a block's pairs unless the fused kernel is on). The rest, the mixers, routers and shared
-    experts of every layer included, is recorded, one graph per piece, all reading and writing the same static
-    buffers (:class:`_Buffers`). ``record=False`` runs every piece eagerly through those buffers (the CPU tests
-    of the cutting and the data flow); ``eager`` then overrides which layers' banks are cut out."""
+    (:func:`pieces_of`) around what reads the host (:func:`cuts`: a streamed bank's fetch, and routed experts that
+    size their groups on the host). The rest, the mixers, routers and shared experts of every layer included, is
+    recorded, one graph per piece, all reading and writing the same static buffers (:class:`_Buffers`, a streamed
+    bank's slot table). ``record=False`` runs every piece eagerly through those buffers (the CPU tests of the
+    cutting and the data flow); ``cut`` then overrides :func:`cuts`."""
 
-    def __init__(self, model: Any, record: bool = True, eager: set[int] | None = None) -> None:
+    def __init__(self, model: Any, record: bool = True, cut: Mapping[int, str] | None = None) -> None:
         reason = capturable(model) if record else None
         if reason is not None:
             raise ValueError(reason)
         self.model = model
         self.record = record
-        self._eager = eager
+        self._cut = cut
         self._pieces: dict[int, list[tuple[str, tuple[Stage, ...]]]] = {}
         self._pos = torch.zeros(1, dtype=torch.long, device=model.device)  # [1] the pass's first position
         self._bufs: dict[int, _Buffers] = {}
@@ -177,8 +209,8 @@ class StepGraphs:
     def pieces_for(self, t: int) -> list[tuple[str, tuple[Stage, ...]]]:
         """The pieces of a pass of ``t`` tokens."""
         if t not in self._pieces:
-            eager = self._eager if self._eager is not None else eager_banks(self.model, t)
-            self._pieces[t] = pieces_of(len(self.model.layers), eager)
+            cut = self._cut if self._cut is not None else cuts(self.model, t)
+            self._pieces[t] = pieces_of(len(self.model.layers), cut)
         return self._pieces[t]
 
     @property
@@ -253,6 +285,8 @@ class StepGraphs:
                     h = model.layers[i](h, p, cache.layer(i))
                 elif part == "front":
                     h, x, w, idx = model.layers[i].front(h, p, cache.layer(i))
+                elif part == "compute":  # a streamed bank's experts, from the slot table its fetch wrote
+                    r = model.layers[i].mlp.experts.compute(x, idx, w)
                 elif part == "back":
                     h = model.layers[i].back(h, x, r)
                 else:  # head
@@ -264,16 +298,25 @@ class StepGraphs:
             elif end != "head":
                 b.h.copy_(h)
 
-        def run_bank(i: int) -> None:
-            b.r.copy_(model.layers[i].mlp.routed(b.x, b.w, b.idx))
+        pending: list[Any] = []  # streamed banks fetched, to release once their compute is issued (_Step)
+
+        def run_eager(part: str, i: int) -> None:
+            moe = model.layers[i].mlp
+            if part == "bank":
+                b.r.copy_(moe.routed(b.x, b.w, b.idx))
+            else:  # fetch: the one host read of a streamed layer, its copies, its slot table
+                moe.last_topk_idx, moe.last_topk_w = b.idx, b.w
+                moe.experts.prepare_for(b.x, b.idx)
+                moe.experts.ready()
+                pending.append(moe.experts)
 
         pieces: list[_Piece] = []
         for k, (kind, stages) in enumerate(self.pieces_for(t)):
             if kind == "eager":
-                pieces.append(_Piece(kind, lambda i=stages[0][1]: run_bank(i)))
+                pieces.append(_Piece(kind, lambda stage=stages[0]: run_eager(*stage)))
             else:
                 pieces.append(_Piece(kind, lambda stages=stages, first=k == 0: run_graph(stages, first)))
-        return _Step(pieces, out)
+        return _Step(pieces, out, pending)
 
     def _make(self, cache: Any, key: Key) -> _Step | None:
         step = self._build(cache, key)
@@ -286,8 +329,7 @@ class StepGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    for piece in step.pieces:
-                        piece.fn()
+                    step.run(eager=True)
             torch.cuda.current_stream().wait_stream(side)
             for t, copy in zip(states, saved):
                 t.copy_(copy)

@@ -164,21 +164,25 @@ def _diffusion(model: Any, n: int) -> tuple[list[int], int]:
     return list(done.token_ids), done.passes
 
 
-@pytest.mark.parametrize("streamed, eager", [((), None), ((1,), None), ((0, 3), None), ((), set()), ((2,), {0, 2})])
+@pytest.mark.parametrize("streamed, cut", [
+    ((), None), ((1,), None), ((0, 3), None), ((), {}), ((2,), {0: "bank", 2: "bank"}), ((1, 2), {1: "fetch", 2: "fetch"}),
+])
 def test_block_passes_run_in_pieces_through_static_buffers_decode_the_same_tokens(
-    streamed: tuple[int, ...], eager: set[int] | None
+    streamed: tuple[int, ...], cut: dict[int, str] | None
 ) -> None:
     """Diffusion through the pieces (run eagerly, ``record=False``): the tokens of ordinary passes, every
     denoising and commit pass served by the pieces, with the cut the banks ask for (None: on the CPU every
-    quantized bank reads the host over a block) or a given one (whole layers in the block pieces)."""
+    quantized bank reads the host over a block) or a given one: whole layers in the block pieces, or streamed layers
+    whose fetch runs eagerly and whose compute reads the slot table inside a piece (the cut the fused kernel
+    gets on a GPU)."""
     model = _quantized(streamed)
     model.config = model.config.with_overrides(moe_block_coreset_enabled=True)
     for layer in model.layers:
         layer.mlp.config = model.config
     want, passes = _diffusion(model, 20)
-    runner = step_graphs.StepGraphs(model, record=False, eager=eager)
-    expected = set(range(4)) if eager is None else eager
-    assert {s[1] for kind, stages in runner.pieces_for(8) if kind == "eager" for s in stages} == expected
+    runner = step_graphs.StepGraphs(model, record=False, cut=cut)
+    expected = {i: "bank" for i in range(4)} if cut is None else cut
+    assert {s[1]: s[0] for kind, stages in runner.pieces_for(8) if kind == "eager" for s in stages} == expected
     model.pass_graph = runner
     try:
         got, got_passes = _diffusion(model, 20)
@@ -186,23 +190,35 @@ def test_block_passes_run_in_pieces_through_static_buffers_decode_the_same_token
         model.pass_graph = None
     assert got == want and got_passes == passes
     assert runner.pass_replays == passes and runner.failed is None  # (the prompt's prefill is not a decode pass)
-    if eager == {0, 2}:  # what bench speed --compile prints of it
+    if streamed:  # every fetched expert went back to the pool once its compute was issued
+        from engine import offload
+
+        rt = offload.runtime_of(model)
+        assert rt is not None and rt.pool is not None and not rt.pool.in_use
+    if cut == {0: "bank", 2: "bank"}:  # what bench speed --compile prints of it
         from clover_desk.cmd_bench_speed import _step_graph_line
 
         model.step_graph = runner
         assert _step_graph_line(model).startswith(
-            "CUDA graphs (engine.step_graphs): an AR step is 3 graph(s) around 2 eager expert bank(s), a 8-slot "
-            f"pass 3 graph(s) around 2 eager expert bank(s); 0 recorded, 0 AR steps and {passes} block passes")
+            "CUDA graphs (engine.step_graphs): an AR step is 3 graph(s) around 0 streamed fetch(es) and 2 eager expert "
+            f"bank(s), a 8-slot pass the same; 0 recorded, 0 AR steps and {passes} block passes")
 
 
-def test_a_pass_is_cut_around_the_banks_that_read_the_host() -> None:
+def test_a_pass_is_cut_around_what_reads_the_host() -> None:
     g, e = "graph", "eager"
-    L, F, B, A, H = (lambda i, part=part: (part, i) for part in ("layer", "front", "bank", "back", "head"))
-    assert step_graphs.pieces_of(4, set()) == [(g, (L(0), L(1), L(2), L(3), H(4)))]
-    assert step_graphs.pieces_of(4, {1}) == [(g, (L(0), F(1))), (e, (B(1),)), (g, (A(1), L(2), L(3), H(4)))]
-    assert step_graphs.pieces_of(2, {0, 1}) == [  # the mixers, routers and shared experts stay in graphs
+    L, F, B, A, H, X, C = (
+        lambda i, part=part: (part, i) for part in ("layer", "front", "bank", "back", "head", "fetch", "compute")
+    )
+    assert step_graphs.pieces_of(4, {}) == [(g, (L(0), L(1), L(2), L(3), H(4)))]
+    assert step_graphs.pieces_of(4, {1: "bank"}) == [(g, (L(0), F(1))), (e, (B(1),)), (g, (A(1), L(2), L(3), H(4)))]
+    assert step_graphs.pieces_of(2, {0: "bank", 1: "bank"}) == [  # the mixers, routers and shared experts stay in graphs
         (g, (F(0),)), (e, (B(0),)), (g, (A(0), F(1))), (e, (B(1),)), (g, (A(1), H(2)))
     ]
+    assert step_graphs.pieces_of(3, {1: "fetch"}) == [  # a streamed bank: only its fetch is eager
+        (g, (L(0), F(1))), (e, (X(1),)), (g, (C(1), A(1), L(2), H(3)))
+    ]
+    with pytest.raises(ValueError, match="allowed 'bank', 'fetch'"):
+        step_graphs.pieces_of(2, {0: "stream"})
 
 
 def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,11 +228,13 @@ def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatc
     from engine.quant import QuantExpertBank
 
     dense = tiny_model(tiny_config(), seed=5)
-    assert step_graphs.eager_banks(dense, 1) == set()
-    assert step_graphs.eager_banks(dense, 8) == {0, 1, 2, 3}
+    assert step_graphs.cuts(dense, 1) == {}
+    assert step_graphs.cuts(dense, 8) == dict.fromkeys(range(4), "bank")
     placed = _quantized((1, 2))
-    assert step_graphs.eager_banks(placed, 1) == {1, 2}
-    assert step_graphs.eager_banks(placed, 8) == {0, 1, 2, 3}
+    assert step_graphs.cuts(placed, 1) == {1: "fetch", 2: "fetch"}  # an AR step's 4 pairs: only the fetch is eager
+    assert step_graphs.cuts(placed, 8) == dict.fromkeys(range(4), "bank")
+    streamed = placed.layers[1].mlp.experts
+    assert not streamed.compute_sync_free(32, torch.device("cuda"), torch.bfloat16)
     nf4 = placed.layers[0].mlp.experts
     assert isinstance(nf4, QuantExpertBank) and nf4.layout.fmt == "nf4"
     gpu = torch.device("cuda")
@@ -224,6 +242,7 @@ def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatc
     assert not nf4.sync_free(256, gpu, torch.bfloat16)
     monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
     assert nf4.sync_free(256, gpu, torch.bfloat16)  # (the kernels' own tests: tests/test_triton_moe.py)
+    assert streamed.compute_sync_free(256, gpu, torch.bfloat16)
     assert not nf4.sync_free(256, torch.device("cpu"), torch.float32) and nf4.sync_free(8, gpu, torch.bfloat16)
 
 
@@ -259,6 +278,8 @@ def test_steps_run_in_pieces_through_static_buffers_decode_the_same_tokens(strea
     assert runner.replays == 259 and runner.failed is None and runner.recorded == 0
     if streamed:
         assert looked() >= before + 259 * len(streamed)  # each streamed layer looked its experts up in each step
+        rt = offload.runtime_of(model)
+        assert rt is not None and rt.pool is not None and not rt.pool.in_use  # and gave them back
 
 
 def test_step_graphs_refuse_what_they_cannot_capture(model: Any) -> None:
@@ -313,7 +334,7 @@ def test_cuda_graph_pieces_around_streamed_layers_decode_the_uncaptured_tokens()
     want = _tokens(placed(), 300)
     graphed = placed()
     runner = step_graphs.StepGraphs(graphed)
-    assert runner.pieces == step_graphs.pieces_of(4, {1, 3})  # 3 graphs around 2 eager banks
+    assert runner.pieces == step_graphs.pieces_of(4, {1: "fetch", 3: "fetch"})  # 3 graphs around 2 eager fetches
     graphed.step_graph = runner
     assert _tokens(graphed, 300) == want
     assert runner.failed is None and runner.recorded == 3 * 2 and runner.replays == 299  # 3 graphs, 2 buckets
@@ -336,9 +357,13 @@ def test_cuda_graph_block_passes_decode_the_uncaptured_tokens() -> None:
 
 
 @pytest.mark.gpu
-def test_a_block_pass_with_fused_nf4_experts_is_one_graph_without_a_sync(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NF4 experts through the fused kernel (it sorts the pairs on the device): nothing in a block pass reads the
-    host, so the whole pass is one graph; its logits are the uncaptured pass's."""
+@pytest.mark.parametrize("streamed", [(), (1, 3)])
+def test_a_block_pass_with_fused_nf4_experts_is_recorded_around_its_fetches(
+    streamed: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NF4 experts through the fused kernel (it sorts the pairs on the device): resident, nothing in a block pass
+    reads the host, so the whole pass is one graph and runs without a sync; streamed, only each streamed layer's
+    fetch is eager and its compute reads the slot table inside the graphs. The logits are the uncaptured pass's."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
@@ -348,10 +373,11 @@ def test_a_block_pass_with_fused_nf4_experts_is_one_graph_without_a_sync(monkeyp
     monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
     model = tiny_model(tiny_config(moe_block_coreset_enabled=True), seed=5, dtype=torch.bfloat16)
     quantize_model_(model, make_policy())
-    offload.apply_plan(model, offload.SimplePlan(tuple(range(len(model.layers))), (), 1), "cuda")
+    resident = tuple(i for i in range(len(model.layers)) if i not in streamed)
+    offload.apply_plan(model, offload.SimplePlan(resident, streamed, 2 * model.config.num_experts), "cuda")
     runner = step_graphs.StepGraphs(model)
     b = model.config.block_size
-    assert runner.pieces_for(b) == step_graphs.pieces_of(len(model.layers), set())
+    assert runner.pieces_for(b) == step_graphs.pieces_of(len(model.layers), dict.fromkeys(streamed, "fetch"))
     gpu = torch.device("cuda")
     cache = model.new_cache(64)
     model(torch.tensor(PROMPT[:b], device=gpu), 0, cache, block_size=b, write_cache=True)
@@ -360,10 +386,11 @@ def test_a_block_pass_with_fused_nf4_experts_is_one_graph_without_a_sync(monkeyp
     model.pass_graph = runner
     model(block, b, cache, block_size=b, write_cache=False)  # records
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    if not streamed:
+        torch.cuda.set_sync_debug_mode("error")
     try:
         got = model(block, b, cache, block_size=b, write_cache=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert runner.failed is None and runner.recorded == 1 and runner.pass_replays == 2
+    assert runner.failed is None and runner.recorded == len(streamed) + 1 and runner.pass_replays == 2
     assert (got - want).abs().max() < 2e-2 * want.abs().max()
