@@ -515,7 +515,8 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> No
         if not 0 < args.stream <= n:
             raise ConfigError(f"--stream {args.stream}: the model has {n} layers (allowed: 1..{n})")
         streamed = list(range(n - args.stream, n))
-        slots = 2 * config.num_experts_per_tok * len(streamed)
+        # two tokens' experts per streamed layer, and at least one whole layer's (a prompt or a pass may touch all)
+        slots = max(2 * config.num_experts_per_tok * len(streamed), config.num_experts)
     else:
         from engine.planner import SHAPE_PREFIX, plan_model, probe_hardware
 

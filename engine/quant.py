@@ -22,7 +22,7 @@ run :func:`engine.experts.moe_grouped`; :func:`routed_forward_reference` keeps t
 
 bitsandbytes 0.50.2 CPU caveat (found while writing the tests): ``dequantize_4bit`` on CPU treats blocks as lying
 inside rows, so for a 2-D shape whose last dim is not a multiple of the blocksize it returns wrong values. We
-always dequantize with the flat shape ``(numel,)`` and reshape, which matches how ``quantize_4bit`` blocks.
+always dequantize with the one-row shape ``(1, numel)`` and reshape, which matches how ``quantize_4bit`` blocks.
 
 Letters: E experts, D hidden size, I expert intermediate size, T tokens, K top-k, O/N out/in features.
 """
@@ -113,7 +113,10 @@ def dequantize_nf4(codes: Tensor, absmax: Tensor, shape: tuple[int, ...], blocks
     """Fast dequantize through bitsandbytes (CUDA or CPU kernel). Flat shape: see the module docstring."""
     numel = math.prod(shape)
     _bnb_functional()  # registers torch.ops.bitsandbytes in a process that only reads an existing cache
-    out = torch.ops.bitsandbytes.dequantize_4bit(codes.view(torch.uint8), absmax, blocksize, "nf4", (numel,), dtype)
+    # (1, numel), not (numel,): the same flat blocks, and on the CPU the kernel returns [1, numel] for either while
+    # the op's fake (what torch.compile plans its buffers by) follows the shape asked: a flat shape made every
+    # compiled NF4 forward fail there ("wrong number of dimensions2 for op ... dequantize_4bit")
+    out = torch.ops.bitsandbytes.dequantize_4bit(codes.view(torch.uint8), absmax, blocksize, "nf4", (1, numel), dtype)
     return out.reshape(shape)
 
 

@@ -307,3 +307,18 @@ def test_fused_int8_gemv_leaves_greedy_tokens_unchanged(monkeypatch: pytest.Monk
     fused = tokens()
     monkeypatch.setattr(quant, "INT8_GEMV_MAX_ROWS", 0)
     assert tokens() == fused and len(fused) == 24
+
+
+def test_nf4_dequantize_runs_inside_an_inductor_graph() -> None:
+    """torch.compile plans the op's output by its fake, which follows the shape asked; the CPU kernel returned
+    [1, numel] for a flat shape, so every compiled NF4 forward failed there (a one-row shape now, same blocks)."""
+    from engine.quant import dequantize_nf4, quantize_nf4
+
+    w = torch.randn(6, 40)  # 240 values: 3 blocks of 64 and a partial one
+    codes, absmax = quantize_nf4(w, 64)
+    want = dequantize_nf4(codes, absmax, (6, 40), 64, torch.float32)
+    assert (want - w).abs().max() < 0.5 * w.abs().max()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda c, a: dequantize_nf4(c, a, (6, 40), 64, torch.float32) * 2, fullgraph=True)
+    assert torch.equal(compiled(codes, absmax), want * 2)
+    torch._dynamo.reset()
