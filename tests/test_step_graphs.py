@@ -282,6 +282,29 @@ def test_steps_run_in_pieces_through_static_buffers_decode_the_same_tokens(strea
         assert rt is not None and rt.pool is not None and not rt.pool.in_use  # and gave them back
 
 
+def test_compiled_layers_run_in_the_pieces_as_on_a_gpu() -> None:
+    """What compile_layers sets up on a GPU, short of recording: compiled layers inside the pieces of AR steps and
+    block passes (the static passes traced: positions, masks, scratch K/V put back), with a streamed layer cut at
+    its fetch in AR steps and at its bank in block passes; the eager tokens of both modes."""
+    model = _quantized((2,))
+    model.config = model.config.with_overrides(moe_block_coreset_enabled=True)
+    for layer in model.layers:
+        layer.mlp.config = model.config
+    want_ar, want_dd = _tokens(model, 6), _diffusion(model, 12)
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    compile_layers(model, backend=backend, whole_step=False)
+    runner = step_graphs.StepGraphs(model, record=False)
+    model.step_graph = model.pass_graph = runner
+    try:
+        assert (_tokens(model, 6), _diffusion(model, 12)) == (want_ar, want_dd)
+    finally:
+        model.step_graph = model.pass_graph = None
+        torch._dynamo.reset()
+    assert backend.graphs > 0 and runner.replays == 5 and runner.pass_replays == want_dd[1]
+    assert [kind for kind, _ in runner.pieces_for(1)].count("eager") == 1
+
+
 def test_step_graphs_refuse_what_they_cannot_capture(model: Any) -> None:
     assert "CUDA device" in str(step_graphs.capturable(model))
     with pytest.raises(ValueError, match="CUDA device"):
