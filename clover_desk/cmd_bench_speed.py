@@ -216,6 +216,8 @@ def _run_count(args: argparse.Namespace) -> int:
     print(f"bench speed --count: shape {args.shape}, {config.num_hidden_layers} of {full.num_hidden_layers} layers "
           f"built, quant {args.quant}, device {device}{' (dispatched as on a GPU)' if device == 'cpu' else ''}, "
           f"{str(dtype).replace('torch.', '')} ({time.perf_counter() - t0:.1f} s to build)")
+    if args.vram_gb is not None or args.stream is not None:
+        _place(model, config, args, device)
     B = config.block_size
     prompt = torch.randint(16, config.vocab_size, (4 * B,), generator=torch.Generator().manual_seed(args.seed))
     with torch.inference_mode(), (_dispatch_as_on_a_gpu() if device == "cpu" else contextlib.nullcontext()):
@@ -254,7 +256,49 @@ def _run_count(args: argparse.Namespace) -> int:
                   f"{c['outside_written'] / 1e6:.2f} MB written")
             print(f"    at the full {full.num_hidden_layers} layers: ~{total_ops:.0f} ops, ~{total_bytes / 1e6:.1f} MB "
                   f"written, ~{total_reads:.0f} host reads")
+        _count_graph_cuts(model, config, full, cache, step, block, args.quant == "card")
     return 0
+
+
+def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any, block: Any, quant: bool) -> None:
+    """What a GPU's CUDA graphs leave to the host (``engine.step_graphs``): the pieces of an AR step and of a
+    denoising pass as a GPU cuts them, each piece counted on its own: the ops recorded (replayed as one launch per
+    graph) and the ops and host reads of the eager pieces, per streamed layer's fetch and per eager bank."""
+    from engine.step_graphs import StepGraphs, streamed_layers
+
+    n, n_full, B = config.num_hidden_layers, full.num_hidden_layers, config.block_size
+    streamed = streamed_layers(model)
+    s_full = round(len(streamed) * n_full / n)
+    fetch = dict.fromkeys(streamed, "fetch")
+    cases = [("AR step", step, None, fetch)]  # 8 pairs gather one expert each: only the streamed fetches read
+    # a block's 256 pairs: the dequantizing compute sizes its groups on the host in every layer (dense weights too,
+    # off Hopper); the fused kernel (quantized, opt-in) sorts them on the device, leaving only the fetches
+    cases.append((f"{B}-slot pass, dequantizing experts", block, B, dict.fromkeys(range(n), "bank")))
+    if quant:
+        cases.append((f"{B}-slot pass, fused MoE kernel", block, B, fetch))
+    print(f"under CUDA graphs (engine.step_graphs, cut as on a GPU; {len(streamed)} of {n} layers streamed, "
+          f"~{s_full} of {n_full} at full depth):")
+    for name, ids, block_size, cut in cases:
+        runner = StepGraphs(model, record=False, cut=cut)
+        pieces = runner.pieces_of_pass(ids, cache.length, cache.clone(), block_size, block_size is None, False)
+        kinds = [stages[0][0] if kind == "eager" else "graph" for kind, stages in runner.pieces_for(ids.shape[0])]
+        got: dict[str, list[int]] = {"graph": [0, 0], "fetch": [0, 0], "bank": [0, 0]}
+        for kind, piece in zip(kinds, pieces.pieces):
+            c = _forward_ops(piece.fn)
+            got[kind][0] += c["ops"]
+            got[kind][1] += c["reads"]
+        pieces.finish()
+        per = {k: (got[k][0] / max(kinds.count(k), 1), got[k][1] / max(kinds.count(k), 1)) for k in ("fetch", "bank")}
+        cut_full = s_full if cut is fetch else n_full
+        kind_full = "fetch" if cut is fetch else "bank"
+        eager_full = cut_full * per[kind_full][0]
+        stand_in = " (the CPU's dequantizing compute standing in for the kernel)" if "fused" in name else ""
+        eager = "; ".join(f"{kinds.count(k)} {k}{'es' if k == 'fetch' else 's'} x {per[k][0]:.0f} ops, "
+                          f"{per[k][1]:.1f} host reads" for k in ("fetch", "bank") if kinds.count(k))
+        print(f"    {name}: {kinds.count('graph')} graphs ({got['graph'][0]} ops recorded, {got['graph'][1]} host reads "
+              f"in them{stand_in if got['graph'][1] else ''}); eager: {eager or 'nothing'}; at full depth "
+              f"~{cut_full + 1} graph launches + ~{eager_full:.0f} eager ops, ~{cut_full * per[kind_full][1]:.0f} "
+              f"host reads")
 
 
 def _settings(config: Any, mode: str, max_new: int) -> Any:

@@ -255,6 +255,17 @@ class StepGraphs:
         return self.model._forward_pass(ids, start_pos, cache, block_size, write_cache, last_only, prefill,
                                         causal_inside_block)
 
+    def pieces_of_pass(
+        self, ids: Tensor, start_pos: int, cache: Any, block_size: int | None, write_cache: bool, last_only: bool
+    ) -> _Step:
+        """The pieces of one pass with its input and position in their buffers, never recorded: run them one by one
+        (``bench speed --count`` counts what each leaves outside the graphs), then :meth:`_Step.finish`. The cache
+        length is left to the caller."""
+        t = ids.shape[0]
+        self._buffers(t).h.copy_(self.model.embed(ids))
+        self._pos.fill_(start_pos)
+        return self._build(cache, (t, block_size, write_cache, last_only or t == 1, bucket(start_pos + t, cache.max_len)))
+
     def _buffers(self, t: int) -> _Buffers:
         if t not in self._bufs:
             self._bufs[t] = _Buffers(t, self.model)

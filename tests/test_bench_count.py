@@ -54,6 +54,27 @@ def test_bench_count_splits_a_forward_by_layer_kind(capsys: pytest.CaptureFixtur
         assert int(re.search(r"at the full 4 layers: ~(\d+) ops", part)[1]) == ops
 
 
+def test_bench_count_says_what_cuda_graphs_leave_to_the_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each piece of a pass, as a GPU cuts it, counted on its own: nothing reads the host inside the graphs; an AR
+    step leaves one fetch (one host read) per streamed layer; a dequantizing pass an eager bank per layer; with the
+    fused kernel a pass leaves only the fetches."""
+    code = cli.main(["bench", "speed", "--shape", "tiny", "--count", "--quant", "card", "--stream", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "2 of 4 layers streamed, ~2 of 4 at full depth" in out
+    line = r"    {}: (\d+) graphs \((\d+) ops recorded, (\d+) host reads in them.*?\); eager: (.*); at full depth ~(\d+) " \
+           r"graph launches \+ ~(\d+) eager ops, ~(\d+) host reads"
+    ar = re.search(line.format("AR step"), out)
+    deq = re.search(line.format("32-slot pass, dequantizing experts"), out)
+    fused = re.search(line.format("32-slot pass, fused MoE kernel"), out)
+    assert ar and deq and fused, out
+    assert (ar[1], ar[3], ar[5], ar[7]) == ("3", "0", "3", "2") and re.fullmatch(r"2 fetches x \d+ ops, 1.0 host reads", ar[4])
+    assert (deq[1], deq[3], deq[5], deq[7]) == ("5", "0", "5", "6")  # resident banks read once, streamed twice
+    assert re.fullmatch(r"4 banks x \d+ ops, 1.5 host reads", deq[4])
+    assert (fused[1], fused[5], fused[7]) == ("3", "3", "2") and fused[4].startswith("2 fetches x ")
+    assert 0 < int(ar[6]) < int(ar[2])  # the eager ops are a small part of the step
+
+
 def test_a_cpu_count_can_dispatch_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU an expert group is one expert named by a host read of its id (cheap there, not what a GPU runs):
     the count sees those reads, and counted as on a GPU (the card's group size, no CPU int8 GEMV) there are none."""
