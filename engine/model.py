@@ -880,6 +880,7 @@ class CloverModel(nn.Module):
         # engine.fastpath on a GPU: what runs a whole block after the cache (denoising and commit passes) as CUDA
         # graphs (engine.step_graphs)
         self.pass_graph: Callable[..., Tensor] | None = None
+        self._kept_cache: ModelCache | None = None  # new_cache, while the passes replay CUDA graphs
 
     @property
     def device(self) -> torch.device:
@@ -887,8 +888,25 @@ class CloverModel(nn.Module):
         return self.norm.weight.device
 
     def new_cache(self, max_len: int) -> ModelCache:
-        """An empty cache for up to ``max_len`` tokens."""
-        return ModelCache(self.config, max_len, self.dtype, self.device)
+        """An empty cache for up to ``max_len`` tokens.
+
+        When the passes replay CUDA graphs (``engine.step_graphs``, whose graphs belong to one cache), the model
+        keeps one cache and hands it out again, emptied, to every request that fits in it (sized to the next power
+        of two, at least 256, within the model's positions), so that a request replays the graphs the previous one
+        recorded instead of recording them again before its first token (a few eager passes and the captures per
+        pass kind and key bucket). One generation runs at a time, so one cache serves them all."""
+        if not getattr(self.step_graph, "keeps_cache", False):
+            return ModelCache(self.config, max_len, self.dtype, self.device)
+        kept = self._kept_cache
+        if kept is None or kept.max_len < max_len:
+            size = 256
+            while size < max_len:
+                size *= 2
+            size = max(max_len, min(size, self.config.max_position_embeddings))
+            kept = self._kept_cache = ModelCache(self.config, size, self.dtype, self.device)
+        else:
+            kept.reset()
+        return kept
 
     def segment_tokens(self, block_size: int | None) -> int:
         """Length of the segments a cache-writing pass longer than ``max_pass_tokens`` is split into: whole blocks

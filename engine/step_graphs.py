@@ -14,8 +14,10 @@ and replays them with a single call. What it needs from the pass:
   per pass kind (AR step, denoising pass, commit pass) and bucket, recorded when a pass first needs it; a step at
   position 700 replays the 1024-key graphs. A denoising pass writes its block's K/V into the cache's free slots and
   puts back what was there, as the uncaptured pass does;
-- the same cache tensors: the graphs belong to one :class:`engine.model.ModelCache`; a new cache (the next
-  request) records them again (tens of milliseconds each).
+- the same cache tensors: the graphs belong to one :class:`engine.model.ModelCache`. The model keeps one cache
+  while it replays graphs and empties it for the next request (``CloverModel.new_cache``), so a request replays
+  the graphs of the one before; a request that needs a longer cache gets a new one, and the graphs are recorded
+  again (a few eager passes and the captures per pass kind and key bucket).
 
 Recording runs the pass twice on a side stream first (so the kernels are loaded and, compiled, their graphs
 selected). Those runs write the pass's K/V, which the replay rewrites with the same values, and (AR step, commit
@@ -205,6 +207,7 @@ class StepGraphs:
         self.recorded = 0  # graphs recorded so far (all caches, shapes and buckets)
         self.replays = 0  # AR steps run through the pieces
         self.pass_replays = 0  # block passes run through the pieces
+        self.keeps_cache = True  # the model hands every request the same cache (CloverModel.new_cache)
 
     def pieces_for(self, t: int) -> list[tuple[str, tuple[Stage, ...]]]:
         """The pieces of a pass of ``t`` tokens."""

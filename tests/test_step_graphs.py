@@ -305,6 +305,31 @@ def test_compiled_layers_run_in_the_pieces_as_on_a_gpu() -> None:
     assert [kind for kind, _ in runner.pieces_for(1)].count("eager") == 1
 
 
+def test_requests_reuse_the_cache_and_the_passes_recorded_for_it(model: Any) -> None:
+    """Replaying graphs, the model hands each request the one cache it keeps, emptied (so the graphs recorded for
+    it serve the next request too); a longer request gets a longer cache. Tokens as with fresh caches."""
+    want_ar, want_dd = _tokens(model, 6), _diffusion(model, 12)
+    assert model.new_cache(40) is not model.new_cache(40)  # (not replaying: a fresh cache per request)
+    runner = step_graphs.StepGraphs(model, record=False)
+    model.step_graph = model.pass_graph = runner
+    built: list[Any] = []
+    make = runner._make
+    runner._make = lambda cache, key: built.append(key) or make(cache, key)  # type: ignore[method-assign]
+    try:
+        first = model.new_cache(40)
+        assert first.max_len == 256
+        for _ in range(2):
+            assert (_tokens(model, 6), _diffusion(model, 12)) == (want_ar, want_dd)
+        assert len(built) == 3  # the AR step, the denoising and the commit pass: recorded once for both requests
+        assert model.new_cache(200) is first and first.length == 0
+        assert all(not t.any() for t in first.tensors())  # emptied
+        longer = model.new_cache(300)
+        assert longer is not first and longer.max_len == 512
+    finally:
+        model.step_graph = model.pass_graph = None
+        model._kept_cache = None
+
+
 def test_step_graphs_refuse_what_they_cannot_capture(model: Any) -> None:
     assert "CUDA device" in str(step_graphs.capturable(model))
     with pytest.raises(ValueError, match="CUDA device"):
