@@ -131,6 +131,11 @@ def format_plan(plan: Plan) -> str:
         f"Predicted: AR {tok['ar']:.1f} tok/s, diffusion {tok['diffusion']:.1f} tok/s "
         f"(hardware bound without eager-PyTorch overheads: AR {tok['ar_bound']:.0f}, diffusion {tok['diffusion_bound']:.0f})"
     )
+    if "ar_graphs" in tok:
+        lines.append(
+            f"  layers compiled, passes replayed from CUDA graphs: AR {tok['ar_graphs']:.1f} tok/s, diffusion "
+            f"{tok['diffusion_graphs']:.1f} tok/s ({tok['diffusion_graphs_fused']:.1f} with the fused MoE kernel)"
+        )
     gpu = a["gpu_name"] or "no GPU detected: assumed 16 GB RTX card"
     lines.append(
         f"  inputs: {gpu}; PCIe {a['pcie_gbps']:.1f} GB/s, VRAM {a['vram_gbps']:.0f} GB/s; {a['tokens_per_pass']:g} tokens/pass; "

@@ -1,7 +1,8 @@
 """The speed model: predicted tokens per second of a placement, from a roofline and counted launches per layer.
 
 Stdlib only. Time per pass = max(VRAM traffic / VRAM bandwidth, PCIe bytes / PCIe bandwidth, FLOPs / compute)
-+ the eager launches of the forward (counted per layer by ``bench speed --count``). Every input that is not a hardware fact is a field of
++ the eager launches of the forward (counted per layer by ``bench speed --count``), or, replayed from CUDA graphs,
+one launch per graph and the eager pieces' ops (counted per piece). Every input that is not a hardware fact is a field of
 :class:`Roofline`, with its source; :func:`predict` returns the figures and the derived numbers that went in.
 """
 
@@ -50,6 +51,13 @@ class Roofline:
     # at tiny sizes takes ~14 us on an RTX 4090 (bitsandbytes issue #605), a bare CUDA kernel
     # launch ~3-5 us; [assumption] 10 us until a GPU run divides (AR step time - roofline) by the ops it counts.
     launch_us: float = 10.0
+    # Replayed from CUDA graphs (the layers compiled on a GPU, engine.step_graphs), a forward costs one launch per
+    # graph plus the ops of the pieces left eager, counted piece by piece as a GPU cuts them: `clover-desk bench
+    # speed --shape clover-35b-a3b --layers 4 --dtype bfloat16 --quant card --count --stream 2` (CPU, 2026-12-01):
+    # a streamed layer's fetch (its one host read, the copies, its slot table) 14 ops in an AR step, 10 in a pass;
+    # a routed-expert bank that sizes its groups on the host (a 32-slot pass without the fused MoE kernel) 47 ops.
+    fetch_launches: float = 14.0
+    bank_launches: float = 47.0
     l2_bytes: int = 48 * MiB  # a dequantized weight larger than this round-trips through VRAM (4070 Ti S: 48 MB)
 
     @classmethod
@@ -64,7 +72,8 @@ class Roofline:
                 raise PlanError(f"Roofline.{name} must be positive, got {value!r}")
         if self.block_reuse_factor < 1:
             raise PlanError(f"Roofline.block_reuse_factor must be >= 1, got {self.block_reuse_factor!r}")
-        for name in ("ar_launches_per_layer", "pass_launches_per_layer", "launch_us", "l2_bytes"):
+        for name in ("ar_launches_per_layer", "pass_launches_per_layer", "launch_us", "l2_bytes", "fetch_launches",
+                     "bank_launches"):
             if getattr(self, name) < 0:
                 raise PlanError(f"Roofline.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -95,6 +104,10 @@ def predict(
     active = f.non_expert_gpu_params + k * n_moe * f.expert_params
     ar_oh = n_layers * rl.ar_launches_per_layer * rl.launch_us * 1e-6  # eager launches of one AR step (seconds)
     pass_oh = n_layers * rl.pass_launches_per_layer * rl.launch_us * 1e-6  # ... of one pass or prompt forward
+    # replayed from CUDA graphs: one launch per graph, and the eager pieces between them (streamed fetches; without
+    # the fused MoE kernel, every layer's routed experts in a block pass)
+    graph_fetch_oh = ((s + 1) + s * rl.fetch_launches) * rl.launch_us * 1e-6
+    graph_bank_oh = ((n_moe + 1) + n_moe * rl.bank_launches) * rl.launch_us * 1e-6
 
     # AR: one token per pass; its k experts per streamed layer cross PCIe unless still in the pool.
     # Hit rate: uniform routing, LRU pool holding the last slots / (k s) tokens' experts.
@@ -123,7 +136,8 @@ def predict(
     t_block_bound = max(gpu_pass, pcie_first / pcie_bw) + (n_pass - 1.0) * max(gpu_pass, pcie_later / pcie_bw)
     t_block = t_block_bound + n_pass * pass_oh
     # "ar" / "diffusion" / "prefill": with the eager-PyTorch overheads; "*_bound": the hardware roofline alone (what
-    # a fused, graph-captured engine approaches).
+    # a fused, graph-captured engine approaches); "*_graphs": the layers compiled on a GPU, passes replayed from CUDA
+    # graphs ("diffusion_graphs_fused": with the fused MoE kernel too).
     # Prefill: forwards of `prefill_chunk` tokens over a prompt that fills the context (mean position ctx / 2).
     # A chunk routes chunk x k token-slots, touching E (1 - (1 - k/E)^chunk) experts per layer (uniform routing);
     # streamed layers reload theirs every forward (the pool cannot hold every streamed layer's full set). The math
@@ -149,6 +163,9 @@ def predict(
         "ar_bound": 1.0 / max(t_ar_bound, tiny),
         "diffusion_bound": block / max(t_block_bound, tiny),
         "prefill": c / max(t_pre, tiny),
+        "ar_graphs": 1.0 / max(t_ar_bound + graph_fetch_oh, tiny),
+        "diffusion_graphs": block / max(t_block_bound + n_pass * graph_bank_oh, tiny),
+        "diffusion_graphs_fused": block / max(t_block_bound + n_pass * graph_fetch_oh, tiny),
     }
     derived = {
         "ar_expert_hit_rate": round(hit, 4),

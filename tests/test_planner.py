@@ -332,6 +332,23 @@ def test_roofline_moves_the_right_way(m35: planner.Manifest) -> None:
     assert make_plan(m35, 24 * GiB, CTX, hardware=slow).predicted_tok_s["ar_bound"] < p24.predicted_tok_s["ar_bound"]
 
 
+def test_replayed_passes_pay_only_for_the_launches_left_eager(m35: planner.Manifest) -> None:
+    """Under CUDA graphs a forward costs one launch per graph and the counted ops of its eager pieces: between the
+    eager forward and the hardware bound; the fused MoE kernel leaves a pass only its streamed fetches; with the
+    launches free, the bound itself."""
+    for gib in (8, 16, 24):
+        plan = make_plan(m35, gib * GiB, CTX)
+        tok, s = plan.predicted_tok_s, len(plan.streamed_expert_layers)
+        assert tok["ar"] < tok["ar_graphs"] < tok["ar_bound"]
+        assert tok["diffusion"] < tok["diffusion_graphs"] < tok["diffusion_graphs_fused"] < tok["diffusion_bound"]
+        # the AR step's overhead, from the figures: (s + 1) graph launches and s fetches of 14 ops, 10 us each
+        overhead = 1 / tok["ar_graphs"] - 1 / tok["ar_bound"]
+        assert abs(overhead - ((s + 1) + 14 * s) * 10e-6) < 2e-5  # (the figures are rounded to 0.1 tok/s)
+    free = make_plan(m35, 16 * GiB, CTX, roofline=Roofline(launch_us=0.0)).predicted_tok_s
+    assert free["ar_graphs"] == pytest.approx(free["ar_bound"]) and free["diffusion_graphs"] == pytest.approx(
+        free["diffusion_bound"])
+
+
 def test_ar_optimisation_keeps_the_most_layers_resident(m35: planner.Manifest) -> None:
     ar = make_plan(m35, 12 * GiB, CTX, optimize_for="ar")
     diffusion = make_plan(m35, 12 * GiB, CTX)
