@@ -53,9 +53,10 @@ fi
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
 if [ $bnb = 1 ]; then
   # Issue 8: ops (launches), host reads (device-to-host copies show on a GPU) and bytes written per forward on the
-  # card's path, 4 layers of the 35B shape scaled to 40: the planner's launch figures, on the GPU.
+  # card's path, 4 layers of the 35B shape scaled to 40 (2 streamed), and what CUDA graphs leave eager: the
+  # planner's launch figures, on the GPU.
   step count_gpu 45 $py -m clover_desk.cli bench speed --count --shape clover-35b-a3b --layers 4 --device cuda \
-    --quant card
+    --quant card --stream 2
 fi
 # Issue 8: the decoder layers compiled (engine.fastpath; Triton kernels, one graph per layer kind; all experts
 # resident, so the AR step replays from CUDA graphs, engine.step_graphs), eager and compiled side by side with token
