@@ -1,7 +1,8 @@
 """Expert seam: the routed experts of one MoE layer, behind one small interface.
 
-The MoE layer (``engine.model.SparseMoe``) computes the router, the optional block coreset and top-k, then calls
-``bank.prepare(expert_ids)`` with the distinct experts this forward uses and ``bank(x, topk_idx, topk_w)``.
+The MoE layer (``engine.model.SparseMoe``) computes the router, the optional block coreset and top-k, then, for a
+bank that streams its experts (``needs_prepare``), calls ``bank.prepare_for(x, topk_idx)`` (one host read of the
+experts this forward uses), and ``bank(x, topk_idx, topk_w)``.
 Quantized and streamed banks (``engine/offload.py``, ``engine/quant.py``) replace ``layer.mlp.experts`` with the
 same interface.
 

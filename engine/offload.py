@@ -49,6 +49,7 @@ from engine.quant import (
     RowExpertBank,
     RowLayout,
     routed_forward,
+    rows_sync_free,
     set_submodule,
 )
 
@@ -393,7 +394,8 @@ class StreamedExpertBank(ExpertBank):
 
     # Never traced (``torch.compiler.disable``), like engine.experts._moe_sorted: the slot bookkeeping is host-side
     # Python state that changes every step; traced, it would be baked into a compiled layer as constants (and the
-    # pool's acquire / release calls replayed wrongly). A compiled layer calls both eagerly (a graph break each).
+    # pool's acquire / release calls replayed wrongly). A compiled layer calls prepare_for and forward eagerly (a
+    # graph break each); engine.step_graphs calls prepare_for, ready and finish between recorded pieces.
     @torch.compiler.disable
     def prepare_for(self, x: Tensor, topk_idx: Tensor) -> None:
         """One host read for this layer: the experts it touches and, when it prefetches, the guess of the next
@@ -408,16 +410,7 @@ class StreamedExpertBank(ExpertBank):
                 rows.append(present(self.next_router(x).topk(topk_idx.shape[-1], dim=-1).indices, self.num_experts))
         host = torch.stack(rows).cpu()  # [1 or 2, E] bool: the read
         self._guess = host[1].nonzero().flatten().tolist() if guess else None
-        self._acquire(host[0].nonzero().flatten())
-
-    @torch.compiler.disable
-    def prepare(self, expert_ids: Tensor) -> None:
-        self.runtime.on_layer_start(self.layer)
-        self._guess = None
-        self._acquire(expert_ids)
-
-    def _acquire(self, expert_ids: Tensor) -> None:
-        experts = [int(e) for e in expert_ids.tolist()]
+        experts = host[0].nonzero().flatten().tolist()
         self._slots = self.runtime.pool.acquire(self.layer, experts, self.store, in_block=self.runtime.in_block)
         self.runtime.note_experts(self.layer, experts)
 
@@ -449,12 +442,9 @@ class StreamedExpertBank(ExpertBank):
                               row_index=self.slot_table)
 
     def compute_sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether :meth:`compute` over ``pairs`` (token, slot) pairs reads nothing on the host: few pairs gather
-        one expert each, more need the fused kernel (``engine.triton_moe``)."""
-        from engine import triton_moe
-        from engine.experts import SMALL_SLOTS
-
-        return pairs <= SMALL_SLOTS or triton_moe.enabled_on(device, self.layout)
+        """Whether :meth:`compute` over ``pairs`` (token, slot) pairs reads nothing on the host (the same compute
+        as a resident bank's: :func:`engine.quant.rows_sync_free`)."""
+        return rows_sync_free(pairs, device, self.layout)
 
     @torch.compiler.disable
     def finish(self) -> None:

@@ -553,6 +553,15 @@ def routed_reference(bank: "QuantExpertBank", x: Tensor, topk_idx: Tensor, topk_
     return routed_forward_reference(x, topk_idx, topk_w, bank.num_experts, bank.layout, bank.packed.__getitem__)
 
 
+def rows_sync_free(pairs: int, device: torch.device, layout: RowLayout) -> bool:
+    """Whether :func:`routed_forward` from a byte-row source over ``pairs`` (token, slot) pairs reads nothing on
+    the host: few pairs gather one expert each; more need the fused kernel (``engine.triton_moe``), which sorts
+    them on the device, where the dequantizing path sizes its groups on the host."""
+    from engine import triton_moe
+
+    return pairs <= SMALL_SLOTS or triton_moe.enabled_on(device, layout)
+
+
 class RowExpertBank(ExpertBank):
     """A bank whose experts are one contiguous byte row each: ``packed`` uint8 [E, layout.nbytes] under a
     :class:`RowLayout`, computed by :func:`routed_forward`. ``engine.offload`` streams any such bank: a streamed
@@ -562,11 +571,7 @@ class RowExpertBank(ExpertBank):
     packed: Tensor
 
     def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
-        """Few pairs gather one expert each; more need the fused kernel (``engine.triton_moe``), which sorts
-        them on the device, where the dequantizing path sizes its groups on the host."""
-        from engine import triton_moe
-
-        return pairs <= SMALL_SLOTS or triton_moe.enabled_on(device, self.layout)
+        return rows_sync_free(pairs, device, self.layout)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.packed)
