@@ -70,18 +70,20 @@ def ramp(n: int, start: int, window: int) -> float:
 
 
 def apply_length_penalty(
-    logits: Tensor, masked: Tensor, eos_ids: Sequence[int], strength: float, n_generated: int, start: int, window: int
+    logits: Tensor, masked: Tensor, eos_ids: Sequence[int], strength: float, n_generated: int, start: int, window: int,
+    inplace: bool = False,
 ) -> Tensor:
     """dllm_length_penalty: add ``strength * ramp(n_generated)`` to the EOS logits at masked slots.
 
     logits [T, V], masked [T] bool. ``n_generated`` counts committed output tokens at block entry. The bias
-    pushes a long answer toward ending; already-committed slots are untouched.
+    pushes a long answer toward ending; already-committed slots are untouched. ``inplace``: the caller owns
+    ``logits`` and lets it be changed (no [T, V] copy).
     """
     bias = strength * ramp(n_generated, start, window)
     ids = sorted({i for i in eos_ids if 0 <= i < logits.shape[-1]})
     if bias == 0.0 or not ids:
         return logits
-    out = logits.clone()
+    out = logits if inplace else logits.clone()
     add = bias * masked.to(logits.dtype).unsqueeze(1)  # [T, 1]: the bias on masked rows, 0 elsewhere
     out[:, ids] = out[:, ids] + add
     return out
@@ -96,11 +98,13 @@ def apply_think_end_bias(
     start: int,
     window: int,
     thinking_open: bool | Tensor,
+    inplace: bool = False,
 ) -> Tensor:
     """dllm_think_end_bias: add ``strength * ramp(n_generated)`` to ``</think>`` at the left-most masked slot only.
 
     Applied only while thinking is open (no ``</think>`` generated yet; a bool, or a 0-d bool tensor on the device).
     One slot only, so a block cannot commit ``</think>`` at several places at once. logits [T, V], masked [T] bool.
+    ``inplace`` as in :func:`apply_length_penalty`.
     """
     bias = strength * ramp(n_generated, start, window)
     if bias == 0.0 or thinking_open is False or think_end_id is None:
@@ -110,17 +114,18 @@ def apply_think_end_bias(
     first = masked.int().argmax()  # the left-most masked slot (argmax returns the first maximum); 0 if none is
     slot = torch.arange(masked.shape[0], device=masked.device) == first  # [T] one-hot
     gate = slot & masked & torch.as_tensor(thinking_open, device=masked.device)  # none if no slot is masked
-    out = logits.clone()
+    out = logits if inplace else logits.clone()
     out[:, think_end_id] = out[:, think_end_id] + bias * gate.to(logits.dtype)
     return out
 
 
-def forbid_tokens(logits: Tensor, token_ids: Iterable[int]) -> Tensor:
-    """Set the logits of ``token_ids`` to -inf (e.g. the mask id, which must never be proposed). logits [T, V]."""
+def forbid_tokens(logits: Tensor, token_ids: Iterable[int], inplace: bool = False) -> Tensor:
+    """Set the logits of ``token_ids`` to -inf (e.g. the mask id, which must never be proposed). logits [T, V].
+    ``inplace`` as in :func:`apply_length_penalty`."""
     ids = [i for i in token_ids if i is not None and 0 <= i < logits.shape[-1]]
     if not ids:
         return logits
-    out = logits.clone()
+    out = logits if inplace else logits.clone()
     out[:, ids] = NEG_INF
     return out
 

@@ -292,11 +292,13 @@ def _generator(s: DecodeSettings, device: torch.device) -> torch.Generator | Non
 
 
 def _penalize(logits: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Tensor) -> Tensor:
-    logits = decoding.apply_repetition_penalty(logits, rep_seen, s.repetition_penalty)
-    logits = decoding.apply_presence_penalty(logits, out_seen, s.presence_penalty)
-    if s.mask_token_id is not None:
-        logits = decoding.forbid_tokens(logits, [s.mask_token_id])  # the mask is never a proposal
-    return logits
+    """The penalties and the forbidden mask id: a new tensor, ``logits`` untouched (a penalty's output is changed
+    in place, not copied again)."""
+    out = decoding.apply_repetition_penalty(logits, rep_seen, s.repetition_penalty)
+    out = decoding.apply_presence_penalty(out, out_seen, s.presence_penalty)
+    if s.mask_token_id is not None:  # the mask is never a proposal
+        out = decoding.forbid_tokens(out, [s.mask_token_id], inplace=out is not logits)
+    return out
 
 
 def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
@@ -633,14 +635,16 @@ def denoise_policy(
     rep_seen, out_seen = seen
     masked = x == mask_id  # [B]
     in_block = decoding.seen_mask_of(x[start:], logits.shape[-1], skip_id=mask_id)  # [V] committed in this block
-    logits = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)
+    penalized = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)
+    own = penalized is not logits  # the biases below may then change it in place (one [B, V] copy less each)
     logits = decoding.apply_length_penalty(
-        logits, masked, s.eos_token_ids, s.length_penalty, n_at_entry, s.length_penalty_start, s.length_penalty_window
+        penalized, masked, s.eos_token_ids, s.length_penalty, n_at_entry, s.length_penalty_start,
+        s.length_penalty_window, inplace=own,
     )
     committed = torch.where(masked[start:], -1, x[start:])  # [B - start]: masks read as no token
     logits = decoding.apply_think_end_bias(
         logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start, s.think_end_bias_window,
-        decoding.thinking_open_in(committed, thinking_at_entry, s.think_start_id, s.think_end_id),
+        decoding.thinking_open_in(committed, thinking_at_entry, s.think_start_id, s.think_end_id), inplace=own,
     )
     proposal, p = decoding.propose(
         logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator

@@ -272,3 +272,35 @@ def test_threshold_commit_is_strictly_greater_and_falls_back_to_one_slot() -> No
     assert decoding.threshold_commit(conf, masked, 0.95).tolist() == [False, True, False, False]  # 0.95 is not above 0.95
     assert decoding.threshold_commit(conf, masked, 0.97).tolist() == [False, True, False, False]  # fallback: best masked
     assert decoding.threshold_commit(conf, torch.zeros(4, dtype=torch.bool), 0.5).tolist() == [False] * 4
+
+
+def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The biases after the penalties change the penalized tensor in place (one [B, V] copy less each); the logits
+    the loop hands in stay as they were, and every output equals the copying path's bit for bit."""
+    from engine.generate import DecodeSettings, _penalize, denoise_policy
+
+    v, b, mask = 64, 8, 63
+    gen = torch.Generator().manual_seed(0)
+    seen = (torch.rand(v, generator=gen) < 0.3, torch.rand(v, generator=gen) < 0.2)
+    x = torch.full((b,), mask)
+    x[:2] = torch.tensor([3, 10])
+    for penalties in ({}, {"repetition_penalty": 1.05, "presence_penalty": 0.9}):
+        s = DecodeSettings(mode="diffusion", max_new_tokens=64, block_size=b, threshold=0.95, mask_token_id=mask,
+                           eos_token_ids=(5, 6), max_positions=256, shift_logits=False, length_penalty=10.0,
+                           length_penalty_start=0, length_penalty_window=8, think_end_bias=10.0,
+                           think_end_bias_start=0, think_end_bias_window=0, think_end_id=10, think_start_id=11,
+                           **penalties)
+        logits = torch.randn(b, v, generator=gen)
+        before = logits.clone()
+        row = _penalize(logits[-1:], s, *seen)  # the AR loop's call: without penalties, forbid_tokens copies
+        assert torch.equal(logits, before) and row is not logits[-1:]
+        args = dict(start=2, needed=b, seen=seen, n_at_entry=20, thinking_at_entry=True)
+        got = denoise_policy(logits, x, torch.zeros(b), s, **args)
+        assert torch.equal(logits, before)
+        with monkeypatch.context() as m:
+            for name in ("forbid_tokens", "apply_length_penalty", "apply_think_end_bias"):
+                plain = getattr(decoding, name)
+                m.setattr(decoding, name, lambda *a, plain=plain, **k: plain(*a, **{**k, "inplace": False}))
+            want = denoise_policy(logits, x, torch.zeros(b), s, **args)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert got[3].any()  # something was committed: the comparison saw real values
