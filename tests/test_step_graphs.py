@@ -330,6 +330,27 @@ def test_requests_reuse_the_cache_and_the_passes_recorded_for_it(model: Any) -> 
         model._kept_cache = None
 
 
+def test_a_recording_that_fails_leaves_the_passes_uncaptured(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a recording raises (here: no CUDA streams on this machine, as a kernel library's own error would),
+    the reason is kept, the cache is as it was, and every pass runs uncaptured with the ordinary tokens."""
+    want_ar, want_dd = _tokens(model, 6), _diffusion(model, 12)
+    runner = step_graphs.StepGraphs(model, record=False)
+    runner.record = True  # records as on a GPU: it fails at the first side stream
+
+    def no_stream(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("no CUDA stream here")
+
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    model.step_graph = model.pass_graph = runner
+    try:
+        assert (_tokens(model, 6), _diffusion(model, 12)) == (want_ar, want_dd)
+    finally:
+        model.step_graph = model.pass_graph = None
+        model._kept_cache = None
+    assert runner.failed is not None and "no CUDA stream here" in runner.failed
+    assert runner.replays == runner.pass_replays == runner.recorded == 0
+
+
 def test_step_graphs_refuse_what_they_cannot_capture(model: Any) -> None:
     assert "CUDA device" in str(step_graphs.capturable(model))
     with pytest.raises(ValueError, match="CUDA device"):
