@@ -17,8 +17,11 @@ Copies run on a side CUDA stream; a per-slot "ready" event gates compute, a per-
 On CPU (tests, CI) the same code does plain copies. Numbers never depend on the plan: resident and streamed
 banks run the same ``engine.quant.routed_forward`` on the same bytes.
 
-Prefetch: after a streamed layer's forward, the next streamed layer's router is applied to this layer's input
-(a speculative guess, as in mixtral-offloading) and its top-k experts are copied into free or unpinned slots.
+One host read per streamed layer and forward (``StreamedExpertBank.prepare_for``): the experts it touches and the
+prefetch guess come back together as one presence mask. Prefetch: the next streamed layer's router is applied to
+this layer's input (a speculative guess, as in mixtral-offloading), and its top-k experts are copied into free or
+unpinned slots as soon as this layer's own copies are issued (``ready``), so they overlap this layer's compute.
+Under CUDA graphs (``engine.step_graphs``) only that fetch runs eagerly: the compute reads a fixed slot table.
 
 Accounting (``accounting(model)``) is a JSON-safe dict for ``Finished.accounting``.
 
