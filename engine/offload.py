@@ -30,6 +30,7 @@ Letters: E experts, S slots, R row bytes per expert, T tokens, K top-k, D hidden
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -811,6 +812,22 @@ def _router_of(model: nn.Module, experts_name: str) -> nn.Module | None:
 def runtime_of(model: nn.Module) -> OffloadRuntime | None:
     rt = getattr(model, "_offload_runtime", None)
     return rt if isinstance(rt, OffloadRuntime) else None
+
+
+@contextlib.contextmanager
+def uncounted_passes(model: nn.Module) -> Iterator[None]:
+    """Forwards run inside are not passes of the request (engine.step_graphs' warm-up runs before a recording): the
+    pass counters, and with them the block's pass number that decides prefetching (``wants_prefetch``), stay as
+    they were. Their copies and slot look-ups happened and stay counted."""
+    rt = runtime_of(model)
+    if rt is None:
+        yield
+        return
+    passes, block_passes = rt.stats.passes, rt.block_passes
+    try:
+        yield
+    finally:
+        rt.stats.passes, rt.block_passes = passes, block_passes
 
 
 def accounting(model: nn.Module) -> dict[str, Any]:

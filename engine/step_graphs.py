@@ -336,12 +336,14 @@ class StepGraphs:
         step = self._build(cache, key)
         if not self.record:
             return step
+        from engine.offload import uncounted_passes
+
         states = [t for group in (cache.conv, cache.state) for t in group if t is not None]
         saved = [t.clone() for t in states]
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), uncounted_passes(self.model):
                 for _ in range(2):
                     step.run(eager=True)
             torch.cuda.current_stream().wait_stream(side)

@@ -6,6 +6,7 @@ a GPU (``gpu``-marked: replays counted, tokens equal, no sync under ``set_sync_d
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -349,6 +350,43 @@ def test_a_recording_that_fails_leaves_the_passes_uncaptured(model: Any, monkeyp
         model._kept_cache = None
     assert runner.failed is not None and "no CUDA stream here" in runner.failed
     assert runner.replays == runner.pass_replays == runner.recorded == 0
+
+
+def test_the_warm_up_before_a_recording_is_not_counted_as_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recording first runs the pass twice eagerly. Those runs are not the request's passes: the streaming
+    accounting (passes, passes per block, and the block's pass number that decides prefetching) is that of an
+    uncaptured run. Here on the CPU, CUDA's streams are stand-ins and the capture itself fails, after the warm-up."""
+    from engine import offload
+
+    want_tokens, _ = _diffusion(_quantized((1,)), 20)
+    model = _quantized((1,))
+    plain = offload.accounting(model)
+    _diffusion(model, 20)
+    want = {k: v for k, v in offload.accounting(model).items() if k in ("passes", "passes_per_block")}
+    assert plain["passes"] == 0 < want["passes"]
+
+    class Stream:
+        def wait_stream(self, other: Any) -> None:
+            pass
+
+    def no_capture(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no capture on the CPU")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", no_capture)
+    model = _quantized((1,))
+    runner = step_graphs.StepGraphs(model, record=False)
+    runner.record = True
+    model.pass_graph = runner
+    warm: list[int] = []
+    run = step_graphs._Step.run
+    monkeypatch.setattr(step_graphs._Step, "run", lambda self, eager=False: warm.append(eager) or run(self, eager))
+    tokens, _ = _diffusion(model, 20)
+    assert runner.failed is not None and "no capture on the CPU" in runner.failed and warm == [True, True]
+    got = {k: v for k, v in offload.accounting(model).items() if k in ("passes", "passes_per_block")}
+    assert tokens == want_tokens and got == want
 
 
 def test_step_graphs_refuse_what_they_cannot_capture(model: Any) -> None:
