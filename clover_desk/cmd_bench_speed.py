@@ -370,14 +370,17 @@ def _engine_figures(
     done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens), hooks=offload.loop_hooks(model)))
     figures["ar_decode_tok_s"] = done.tokens_per_s
     figures["ar_tokens"] = done.tokens
-    if before:  # streamed layers: bytes over PCIe per AR token
-        figures["ar_h2d_per_token"] = (offload.accounting(model)["h2d_bytes"] - before["h2d_bytes"]) / done.tokens
+    if before:  # streamed layers: bytes over PCIe, slot misses and host reads (syncs on a GPU) per AR token
+        after = offload.accounting(model)
+        for key in ("h2d_bytes", "slot_misses", "host_reads"):
+            figures[f"ar_{key}_per_token"] = (after[key] - before[key]) / max(done.tokens, 1)
     before = offload.accounting(model)
     done = _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", args.diffusion_tokens),
                                         hooks=offload.loop_hooks(model)))
     if before:
         after = offload.accounting(model)
-        figures["diffusion_h2d_per_token"] = (after["h2d_bytes"] - before["h2d_bytes"]) / max(done.tokens, 1)
+        for key in ("h2d_bytes", "slot_misses", "host_reads"):
+            figures[f"diffusion_{key}_per_token"] = (after[key] - before[key]) / max(done.tokens, 1)
         looked = after["slot_hits"] + after["slot_misses"] - before["slot_hits"] - before["slot_misses"]
         figures["diffusion_slot_hit_rate"] = (after["slot_hits"] - before["slot_hits"]) / max(looked, 1)
     figures["diffusion_tokens_per_pass"] = done.tokens_per_pass
@@ -494,9 +497,13 @@ def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: i
     # a trained model commits ~3 tokens per pass (a random one ~1): a block then takes block/3 passes and a commit
     at3 = f["diffusion_passes_s"] * block / (block / 3 + 1)
     print(f"diffusion at 3 committed tokens per pass (from the pass rate, with the commit pass): {at3:.1f} tok/s")
-    if "ar_h2d_per_token" in f:
-        print(f"streamed experts: AR {f['ar_h2d_per_token'] / 2**10:,.0f} KiB host-to-device per token; diffusion "
-              f"{f['diffusion_h2d_per_token'] / 2**10:,.0f} KiB per token, slot hit rate "
+    if "ar_h2d_bytes_per_token" in f:
+        def per_token(mode: str) -> str:
+            return (f"{f[mode + '_h2d_bytes_per_token'] / 2**10:,.0f} KiB host-to-device, "
+                    f"{f[mode + '_slot_misses_per_token']:.1f} slot misses, {f[mode + '_host_reads_per_token']:.1f} "
+                    f"host reads per token")
+
+        print(f"streamed experts: AR {per_token('ar')}; diffusion {per_token('diffusion')}, slot hit rate "
               f"{f['diffusion_slot_hit_rate']:.1%}")
 
 

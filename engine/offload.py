@@ -217,6 +217,7 @@ class Stats:
     prefetch_hits: int = 0
     prefetch_wasted: int = 0
     staged_copies: int = 0
+    host_reads: int = 0  # device-to-host reads of the experts to fetch (a sync each on a GPU): one per layer and forward
     blocks: int = 0
     passes: int = 0
     passes_per_block: list[int] = field(default_factory=list)
@@ -413,6 +414,7 @@ class StreamedExpertBank(ExpertBank):
             with torch.no_grad():
                 rows.append(present(self.next_router(x).topk(topk_idx.shape[-1], dim=-1).indices, self.num_experts))
         host = torch.stack(rows).cpu()  # [1 or 2, E] bool: the read
+        self.runtime.stats.host_reads += 1
         self._guess = host[1].nonzero().flatten().tolist() if guess else None
         experts = host[0].nonzero().flatten().tolist()
         self._slots = self.runtime.pool.acquire(self.layer, experts, self.store, in_block=self.runtime.in_block)
@@ -550,6 +552,7 @@ class OffloadRuntime:
             "prefetch_hits": st.prefetch_hits,
             "prefetch_wasted": st.prefetch_wasted,
             "staged_copies": st.staged_copies,
+            "host_reads": st.host_reads,
             "blocks": st.blocks,
             "passes": st.passes,
             "passes_per_block": sum(st.passes_per_block) / len(st.passes_per_block) if st.passes_per_block else 0.0,

@@ -209,11 +209,13 @@ def test_a_streamed_layer_reads_the_host_once_per_forward(qmodel: CloverModel, m
 
     monkeypatch.setattr(torch.Tensor, "cpu", counted)
     monkeypatch.setattr(torch, "unique", no_unique)
-    before = offload.accounting(model)["prefetched"]
+    before = offload.accounting(model)
     model(torch.tensor([3]), cache.length, cache)
     e = model.config.num_experts
     assert reads == [(2, e), (2, e), (1, e)]  # layers 1 and 2 guess the next streamed layer's experts, 3 has none
-    assert offload.accounting(model)["prefetched"] > before
+    after = offload.accounting(model)
+    assert after["prefetched"] > before["prefetched"]
+    assert after["host_reads"] - before["host_reads"] == 3  # what the accounting reports: one per streamed layer
 
 
 def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> None:
