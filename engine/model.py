@@ -891,18 +891,19 @@ class CloverModel(nn.Module):
         """An empty cache for up to ``max_len`` tokens.
 
         When the passes replay CUDA graphs (``engine.step_graphs``, whose graphs belong to one cache), the model
-        keeps one cache and hands it out again, emptied, to every request that fits in it (sized to the next power
-        of two, at least 256, within the model's positions), so that a request replays the graphs the previous one
-        recorded instead of recording them again before its first token (a few eager passes and the captures per
-        pass kind and key bucket). One generation runs at a time, so one cache serves them all."""
+        keeps one cache and hands it out again, emptied, to every request that fits in it (sized up to a multiple
+        of 256 tokens: at most 255 more than asked, so a plan's context budget holds), so that a request replays the
+        graphs the previous one recorded instead of recording them again before its first token (a few eager passes
+        and the captures per pass kind and key bucket). One generation runs at a time, so one cache serves them
+        all; a longer request replaces it."""
         if not getattr(self.step_graph, "keeps_cache", False):
             return ModelCache(self.config, max_len, self.dtype, self.device)
         kept = self._kept_cache
         if kept is None or kept.max_len < max_len:
-            size = 256
-            while size < max_len:
-                size *= 2
-            size = max(max_len, min(size, self.config.max_position_embeddings))
+            size = max(max_len, min(-(-max_len // 256) * 256, self.config.max_position_embeddings))
+            # the old cache and the graphs recorded for it go before the longer one is allocated
+            self._kept_cache = None
+            self.step_graph.forget()  # type: ignore[union-attr]
             kept = self._kept_cache = ModelCache(self.config, size, self.dtype, self.device)
         else:
             kept.reset()

@@ -209,6 +209,11 @@ class StepGraphs:
         self.pass_replays = 0  # block passes run through the pieces
         self.keeps_cache = True  # the model hands every request the same cache (CloverModel.new_cache)
 
+    def forget(self) -> None:
+        """Drop the passes recorded for the current cache (their graphs, and with them the cache's memory)."""
+        self._steps.clear()
+        self._cache_ref = None
+
     def pieces_for(self, t: int) -> list[tuple[str, tuple[Stage, ...]]]:
         """The pieces of a pass of ``t`` tokens."""
         if t not in self._pieces:
