@@ -534,8 +534,9 @@ def _run(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     held = "quantized: NF4 experts, INT8 dense" if args.quant == "card" else f"{n_params / 1e9:.2f} B parameters"
     print(f"random model built on {device} in {time.perf_counter() - t0:.1f} s ({held})")
+    plan = None
     if args.vram_gb is not None or args.stream is not None:
-        _place(model, config, args, device)
+        plan = _place(model, config, args, device)
     if device == "cuda":
         print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     title = "Clover Desk engine (clover_moe, block mode with Clover extras and coreset)"
@@ -543,6 +544,8 @@ def _run(args: argparse.Namespace) -> int:
         _compare_llama_cpp(args, device, dtype, prompt)
     figures = _engine_figures(model, config, prompt, args, device)
     _print_figures(title + ", eager", figures, config.block_size, prompt_tokens)
+    if plan is not None and args.layers is None:  # the plan is for the full depth: so is this model
+        print(_launch_cost_line(plan.predicted_tok_s["ar_bound"], figures))
     if args.compile:
         _compiled_figures(model, config, prompt, args, device, figures)
     del model
@@ -551,9 +554,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> None:
+def _launch_cost_line(ar_bound_tok_s: float, figures: dict[str, float]) -> str:
+    """What one eager launch cost in the AR steps just timed: the step time above the planner's hardware bound for
+    this placement, over the ops the step dispatches (``Roofline.launch_us``, an assumption until a GPU says)."""
+    ar, ops = figures["ar_decode_tok_s"], figures["ar_step_ops"]
+    us = (1.0 / ar - 1.0 / ar_bound_tok_s) / ops * 1e6
+    return (f"implied cost of one eager launch: {us:.1f} us = (1 / {ar:.1f} tok/s - 1 / {ar_bound_tok_s:.0f} tok/s, "
+            f"the planner's hardware bound for this placement) / {int(ops)} ops per AR step (Roofline.launch_us "
+            f"assumes 10)")
+
+
+def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> Any:
     """Place the experts as a plan says (``--vram-gb``: the planner's plan for the shape; ``--stream N``: the last N
-    layers streamed), and on CUDA cap the process at ``--vram-gb``."""
+    layers streamed), and on CUDA cap the process at ``--vram-gb``. Returns the plan (None for ``--stream``)."""
     import torch
 
     from engine import offload
@@ -588,6 +601,7 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> No
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 2**30 / total))
         print(f"process capped at {args.vram_gb:g} GiB of {total / 2**30:.0f} GiB")
+    return plan if args.stream is None else None
 
 
 def _compiled_figures(

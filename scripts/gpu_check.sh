@@ -37,7 +37,8 @@ step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider te
 if [ $bnb = 1 ]; then
   # Issue 8's figures: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's
   # 16 GiB placement: streamed layers in pinned host memory, the process capped at 16 GiB), eager: AR tok/s, passes/s,
-  # tok/s at 3 tokens per pass, ops and host reads per forward, host-to-device bytes per token.
+  # tok/s at 3 tokens per pass, ops and host reads per forward, host-to-device bytes, slot misses and host reads per
+  # token, and the implied cost of one eager launch (the planner's Roofline.launch_us).
   step card_path 170 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
     --quant card --vram-gb 16 --repeats 3
   # Issue 8: the same path with the fast path on: fused NF4 MoE, INT8 and fla GDN kernels (opt-in), the layers

@@ -122,3 +122,13 @@ def test_bench_speed_runs_the_placed_path(capsys: pytest.CaptureFixture[str]) ->
         code = cli.main(["bench", "speed", "--shape", "tiny", *bad])
         err = capsys.readouterr().err
         assert code == 2 and why in err and len(err.strip().splitlines()) == 1, (bad, err)
+
+
+def test_the_implied_launch_cost_is_the_time_above_the_bound_per_op() -> None:
+    """What a GPU run of the card's path gives the planner's one assumption (Roofline.launch_us): 20 tok/s against a
+    bound of 100 tok/s over 4,000 ops is (50 ms - 10 ms) / 4,000 = 10 us."""
+    from clover_desk.cmd_bench_speed import _launch_cost_line
+
+    line = _launch_cost_line(100.0, {"ar_decode_tok_s": 20.0, "ar_step_ops": 4000})
+    assert line.startswith("implied cost of one eager launch: 10.0 us = (1 / 20.0 tok/s - 1 / 100 tok/s"), line
+    assert "/ 4000 ops per AR step" in line
