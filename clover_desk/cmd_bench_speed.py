@@ -578,6 +578,7 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
     if args.stream is not None:
         if not 0 < args.stream <= n:
             raise ConfigError(f"--stream {args.stream}: the model has {n} layers (allowed: 1..{n})")
+        plan = None
         streamed = list(range(n - args.stream, n))
         # two tokens' experts per streamed layer, and at least one whole layer's (a prompt or a pass may touch all)
         slots = max(2 * config.num_experts_per_tok * len(streamed), config.num_experts)
@@ -601,7 +602,7 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 2**30 / total))
         print(f"process capped at {args.vram_gb:g} GiB of {total / 2**30:.0f} GiB")
-    return plan if args.stream is None else None
+    return plan
 
 
 def _compiled_figures(
