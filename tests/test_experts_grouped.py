@@ -165,6 +165,30 @@ def test_nf4_dequantized_groups_equal_the_per_expert_loop(t: int, pool: int | No
     _close(moe_grouped(x, idx, w, E, weights, 3 * I, group_experts=group), ref)
 
 
+@pytest.mark.parametrize("t", [4, 32])  # the pairwise loop (16 pairs <= SMALL_SLOTS), the sorted one (128 pairs)
+def test_one_group_of_dequantized_weights_is_alive_at_a_time(t: int) -> None:
+    """Each group's weights are dropped before the next group's are dequantized: the caching allocator then reuses
+    the block, so a 32-slot pass holds one group (96 MiB for the 35B on a GPU), not two (found with bench speed
+    --count's scratch line). Groups of 6 experts then hold 3 experts' weights more than groups of 3, not 6 more."""
+    from clover_desk.cmd_bench_speed import _forward_ops
+
+    bank = _qbank("nf4")
+    idx, w = _routing(t)
+    x = _x(t)
+
+    def weights(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return unpack_rows(bank.layout, bank.packed, ids, x.dtype)
+
+    def scratch(group: int) -> int:
+        with torch.inference_mode():
+            return _forward_ops(lambda: moe_grouped(x, idx, w, E, weights, 3 * I, group_experts=group))["scratch"]
+
+    expert = 3 * I * D * x.element_size()  # one expert's gate_up [2I, D] and down [D, I] in x's dtype
+    assert min(t * K, E) >= 2 * 6  # several groups of either size
+    grew = scratch(6) - scratch(3)
+    assert 3 * expert <= grew < 5 * expert, (grew, expert)
+
+
 @pytest.mark.parametrize("group", [None, 3, 64])
 def test_nf4_grouped_mm_path_equals_the_per_expert_loop(grouped_mm_on_cpu: None, group: int | None) -> None:
     bank = _qbank("nf4")
