@@ -199,6 +199,12 @@ class _Pass:
     # nothing in the pass depends on a host int.
     pos: Tensor | None = None
     kv_len: int = 0
+    # Attention by groups of query rows (:meth:`CloverModel._attention_mask`): (first row, end row, key end) each, the
+    # keys past a group's end hidden from all its rows; attn_mask, when set, is sliced to the group. Empty: one call.
+    # by_rows says which; such a pass runs its full-attention layers eagerly (CloverModel._forward_pass), so no
+    # compiled graph is guarded on the groups.
+    attn_rows: tuple[tuple[int, int, int], ...] = ()
+    by_rows: bool = False
 
     @property
     def block_mode(self) -> bool:
@@ -271,6 +277,8 @@ class Attention(nn.Module):
             probs = torch.softmax(scores, dim=-1)
             o = (probs[..., None] * values.float()[:, None, :, :]).sum(-2)  # [Hkv, G, hd]
             o = o.to(q.dtype).reshape(self.num_heads, 1, hd)  # [Hq, 1, hd]
+        elif p.by_rows:  # a pass over several blocks (a prefill segment): a group of rows at a time
+            o = _attention_by_rows(q, keys, values, p, g)
         elif p.attn_causal:  # keys == queries, plain causal: SDPA's own causal mask (it handles GQA itself)
             o = F.scaled_dot_product_attention(
                 q[None], keys[None], values[None], is_causal=True, scale=hd**-0.5, enable_gqa=g > 1
@@ -292,6 +300,39 @@ class Attention(nn.Module):
                 kbuf[:, lo:hi], vbuf[:, lo:hi] = saved
         o = o.transpose(0, 1).reshape(t, self.num_heads * hd) * torch.sigmoid(gate)  # [T, Hq*hd]
         return self.o_proj(o)
+
+
+ATTENTION_ROWS = 64  # query rows per attention call in a causal pass over many rows after cached keys
+
+
+@torch.compiler.disable
+def _attention_by_rows(q: Tensor, keys: Tensor, values: Tensor, p: _Pass, g: int) -> Tensor:
+    """Attention of q [Hq, T, hd] over keys / values [Hkv, S, hd], one group of query rows at a time
+    (``p.attn_rows``): each group reads the keys up to its own key end, so a block of a block-causal pass needs no
+    mask at all (every row of a block sees the whole prefix and the whole block), and a causal pass only its group's
+    rows of ``p.attn_mask`` [T, S].
+
+    A whole [T, S] mask would cost T x S bytes per folded head, and SDPA's memory-efficient kernel turns it into a
+    padded bias in the compute dtype: 1 + 5G bytes per (row, key), ~280 MB for a 416-token prefill segment at a
+    16K context with the 35B-A3B heads; here a block's call takes flash attention with no scratch, and it reads
+    only the keys it sees (half the score work of a masked segment). Never traced: the groups are host ints, which
+    would recompile a compiled layer for every segment length (CloverModel._forward_pass runs such a pass's
+    full-attention layers eagerly)."""
+    mask, rows = p.attn_mask, p.attn_rows
+    hq, _, hd = q.shape
+    h_kv = hq // g
+    outs = []
+    for r0, r1, kend in rows:
+        n = r1 - r0
+        qf = q[:, r0:r1].reshape(h_kv, g * n, hd)  # [Hkv, G*n, hd]: the G query heads of a KV head as rows
+        m = None
+        if mask is not None:
+            m = mask[r0:r1, :kend]  # [n, kend]
+            m = m.repeat(g, 1) if g > 1 else m  # [G*n, kend]
+        o = F.scaled_dot_product_attention(qf[None], keys[None, :, :kend], values[None, :, :kend], attn_mask=m,
+                                           scale=hd**-0.5)
+        outs.append(o[0].reshape(hq, n, hd))  # [Hq, n, hd]
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [Hq, T, hd]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -996,14 +1037,23 @@ class CloverModel(nn.Module):
         ids = ids.to(device)
         positions = torch.arange(start_pos, start_pos + t, device=device)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-        mask, causal = self._attention_mask(positions, start_pos, t, cache is not None, block_size, causal_inside_block)
+        mask, causal, rows = self._attention_mask(
+            positions, start_pos, t, cache is not None, block_size, causal_inside_block
+        )
         coreset = (
             block_size is not None and cfg.moe_block_coreset_enabled and (not prefill or cfg.coreset_in_prefill)
         )
-        p = _Pass(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset)
+        p = _Pass(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset, attn_rows=rows,
+                  by_rows=bool(rows))
         h = self.embed(ids)  # [T, D]
         for i, layer in enumerate(self.layers):
-            h = layer(h, p, cache.layer(i) if cache is not None else None)
+            st = cache.layer(i) if cache is not None else None
+            if p.by_rows and layer.is_full_attention:
+                # attention by row groups (host ints that a compiled layer would recompile for): the layer runs
+                # eagerly, with its hooks (nn.Module._call_impl bypasses only torch.compile)
+                h = layer._call_impl(h, p, st)
+            else:
+                h = layer(h, p, st)
         if last_only:
             h = h[-1:]
         logits = self.head(h)  # [T, V]
@@ -1061,22 +1111,43 @@ class CloverModel(nn.Module):
         return self.embed_tokens(ids.to(table.device)).to(device=self.device, dtype=self.dtype)
 
     @staticmethod
+    def _attention_rows(
+        start_pos: int, t: int, first_key: int, block_size: int | None
+    ) -> tuple[tuple[int, int, int], ...]:
+        """The query row groups of a masked pass (see :func:`_attention_by_rows`): blocks in block mode, groups of
+        :data:`ATTENTION_ROWS` in a causal one; (first row, end row, end of the keys any row of the group sees) each,
+        keys counted from ``first_key``, the first key the pass reads."""
+        size = block_size or ATTENTION_ROWS
+        groups = []
+        for r0 in range(0, t, size):
+            r1 = min(t, r0 + size)
+            # block mode: the block's own end (start_pos is a multiple of the block size); causal: the last row's
+            # own position; never past the pass's last key
+            last = start_pos + (r0 + size if block_size else r1)
+            groups.append((r0, r1, min(last, start_pos + t) - first_key))
+        return tuple(groups)
+
+    @staticmethod
     def _attention_mask(
         positions: Tensor, start_pos: int, t: int, has_cache: bool, block_size: int | None, causal_inside: bool
-    ) -> tuple[Tensor | None, bool]:
-        """Boolean [T, S] mask (True = attend) or None, and whether SDPA's is_causal covers it."""
+    ) -> tuple[Tensor | None, bool, tuple[tuple[int, int, int], ...]]:
+        """Boolean [T, S] mask (True = attend) or None, whether SDPA's is_causal covers it, and the query row groups
+        attention runs in (:meth:`_attention_rows`; empty: one call). A block-causal pass over several blocks needs
+        no mask: each block of rows reads exactly the keys up to its end."""
         first_key = 0 if has_cache else start_pos
         if block_size is None or causal_inside:
             if t == 1:
-                return None, False
+                return None, False, ()
             if first_key == start_pos:
-                return None, True  # keys == queries: plain causal
+                return None, True, ()  # keys == queries: plain causal
         elif (start_pos % block_size) + t <= block_size:
-            return None, False  # one block: every query sees the whole prefix and the whole block
+            return None, False, ()  # one block: every query sees the whole prefix and the whole block
+        rows = CloverModel._attention_rows(start_pos, t, first_key, block_size)
+        if block_size is not None and not causal_inside:
+            return None, False, rows
         keys = torch.arange(first_key, start_pos + t, device=positions.device)  # [S]
         if block_size is None:
-            return keys[None, :] <= positions[:, None], False
+            return keys[None, :] <= positions[:, None], False, rows
         allowed = (keys[None, :] // block_size) <= (positions[:, None] // block_size)  # block-causal
-        if causal_inside:
-            allowed &= keys[None, :] <= positions[:, None]
-        return allowed, False
+        allowed &= keys[None, :] <= positions[:, None]  # and causal inside the blocks (causal_inside)
+        return allowed, False, rows

@@ -383,6 +383,55 @@ def test_long_cached_pass_is_split_into_segments_with_the_same_result(block_size
     assert (model(ids, 0, c3, block_size=block_size, last_only=True) - whole[-1:]).abs().max() < 1e-4
 
 
+def test_a_prefill_over_many_blocks_holds_no_mask_of_its_keys() -> None:
+    """A block-mode pass over many blocks after a long cache attends a block of rows at a time, each reading the keys
+    up to its own end (engine.model._attention_by_rows): its scratch does not grow with the context. A [T, S] mask
+    (bool, and repeated for the folded heads) grew by T bytes per key, and on a GPU SDPA made a padded bf16 bias of
+    it: ~280 MB for a 416-token prefill segment at a 16K context with the 35B's heads."""
+    from clover_desk.cmd_bench_speed import _forward_ops
+
+    model = tiny_model(tiny_config("clover_moe"), seed=13)
+    t = 8 * BLOCK
+    ids = _ids(t, seed=4)
+
+    def scratch(ctx: int) -> int:
+        cache = model.new_cache(ctx)
+
+        def segment() -> None:
+            cache.length = ctx - t  # a long prompt already in the cache (zeros: the shapes set the bytes)
+            model(ids, ctx - t, cache, block_size=BLOCK, write_cache=True, last_only=True, prefill=True)
+
+        with torch.inference_mode():
+            return _forward_ops(segment)["scratch"]
+
+    short, long = scratch(1024), scratch(8192)
+    assert long - short < t * (8192 - 1024) // 8, (short, long)
+
+
+def test_attention_by_rows_is_the_masked_attention() -> None:
+    """Each group of rows against its key prefix (and its slice of a causal mask) == one call over all keys under
+    the whole mask, for block-causal and causal passes after cached keys, with query heads folded per KV head."""
+    from engine.model import CloverModel, _attention_by_rows, _Pass
+
+    gen = torch.Generator().manual_seed(3)
+    hkv, g, hd, start, t = 2, 3, 16, 64, 3 * BLOCK + 5
+    s = start + t
+    q = torch.randn(hkv * g, t, hd, generator=gen)
+    k, v = torch.randn(hkv, s, hd, generator=gen), torch.randn(hkv, s, hd, generator=gen)
+    positions = torch.arange(start, s)
+    for block in (BLOCK, None):
+        mask, causal, rows = CloverModel._attention_mask(positions, start, t, True, block, False)
+        keys = torch.arange(s)
+        full = (keys[None, :] // block <= positions[:, None] // block) if block else keys[None, :] <= positions[:, None]
+        assert rows and not causal and (mask is None) == (block is not None)
+        expect = torch.nn.functional.scaled_dot_product_attention(
+            q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], attn_mask=full, scale=hd**-0.5
+        )[0]
+        p = _Pass(start, t, block, None, True, q, q, mask, causal, False, attn_rows=rows, by_rows=True)
+        got = _attention_by_rows(q, k, v, p, g)
+        assert (got - expect).abs().max() < 1e-5, block
+
+
 def _naive_clover_gdn(gdn, x: torch.Tensor, block: int, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
     """The right convolution (R1, join A) and the history unit (F1, ln L with L = block) written token by token, in float64."""
     cfg = gdn.config
