@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+MIB = 2**20
+
+
 def _config(shape: str, model_type: str, layers: int | None = None) -> tuple[dict[str, Any], Any]:
     from engine.config import parse_config
     from engine.tiny import config_dict_for, tiny_text_config
@@ -231,15 +234,32 @@ def _run_count(args: argparse.Namespace) -> int:
             fresh = model.new_cache(4 * B)
             model.forward(ids, 0, fresh, block_size=B, write_cache=True, last_only=True, prefill=True)
 
+        # A prefill segment as long as the plan allows, at the end of the default context: the most scratch a
+        # prefill forward takes (the cache past the prompt holds zeros: the shapes, not the values, set the bytes)
+        ctx, parts, details = _planned_workspace(model, B)
+        seg = details["prefill_chunk_tokens"]
+        long_cache = model.new_cache(ctx)
+        seg_ids = torch.randint(16, config.vocab_size, (seg,), generator=torch.Generator().manual_seed(args.seed))
+
+        def segment_forward() -> None:
+            long_cache.length = ctx - seg
+            model.forward(seg_ids.to(device), ctx - seg, long_cache, block_size=B, write_cache=True, last_only=True,
+                          prefill=True)
+
         forwards = {
             "AR step (1 token)": lambda: model.forward(step, 2 * B, cache, block_size=None, write_cache=False),
             f"denoising pass ({B} slots)": lambda: model.forward(block, 2 * B, cache, block_size=B, write_cache=False),
             f"prompt forward ({4 * B} tokens, block mode)": prompt_forward,
+            f"prefill segment ({seg} tokens after {ctx - seg:,} in the cache, block mode)": segment_forward,
         }
+        scratch = {}
         for name, fn in forwards.items():
             fn()  # first use: lazy initialisation is not a per-forward cost
             c = _forward_ops(fn, model.layers)
+            scratch[name] = c["scratch"]
             print(f"{name}: {c['ops']} ops, {c['reads']} host reads, {c['written'] / 1e6:.1f} MB written")
+            top = ", ".join(f"{what} {n / MIB:.1f}" for n, what in c["scratch_top"][:3])
+            print(f"    scratch: {c['scratch'] / MIB:.1f} MiB at once (largest then, MiB: {top})")
             total_ops, total_bytes, total_reads = c["outside_ops"], c["outside_written"], c["outside_reads"]
             for kind in dict.fromkeys(config.layer_types):
                 idx = [i for i, t in enumerate(config.layer_types) if t == kind]
@@ -256,8 +276,37 @@ def _run_count(args: argparse.Namespace) -> int:
                   f"{c['outside_written'] / 1e6:.2f} MB written")
             print(f"    at the full {full.num_hidden_layers} layers: ~{total_ops:.0f} ops, ~{total_bytes / 1e6:.1f} MB "
                   f"written, ~{total_reads:.0f} host reads")
+        _print_workspace(scratch, ctx, parts, details)
         _count_graph_cuts(model, config, full, cache, step, block, args.quant == "card")
     return 0
+
+
+def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dict[str, Any]]:
+    """(context, workspace parts, details) the planner counts for ``model`` at the default context."""
+    from engine import planner
+    from engine.defaults import DEFAULT_CTX_TOKENS
+    from engine.offload import manifest_from_model
+
+    ctx = min(DEFAULT_CTX_TOKENS, model.config.max_position_embeddings or DEFAULT_CTX_TOKENS) // block * block
+    facts = planner.model_facts(planner.manifest_from_dict(manifest_from_model(model)))
+    parts, details = planner.workspace(facts, ctx, block)
+    return ctx, parts, details
+
+
+def _print_workspace(scratch: dict[str, int], ctx: int, parts: dict[str, int], details: dict[str, Any]) -> None:
+    """The measured scratch next to the planner's workspace for the same forwards."""
+    dequant = parts["dequant_dense"] + parts["dequant_experts"]
+    prefill, decode = sum(details["prefill"].values()) + dequant, sum(details["decode"].values()) + dequant
+    # what SDPA's memory-efficient kernel makes of the mask on a GPU (its bias and aligned copy): not a torch op
+    # output here, so not in the measured scratch
+    kernel = details["prefill"].get("attn_mask", 0) * 4 // 5
+    pass_name = next(n for n in scratch if n.startswith("denoising pass"))
+    seg_name = next(n for n in scratch if n.startswith("prefill segment"))
+    print(f"workspace at a {ctx:,}-token context, measured scratch vs the planner (engine.planner.workspace):")
+    print(f"    denoising pass: {scratch[pass_name] / MIB:.1f} MiB measured, {decode / MIB:.1f} MiB planned")
+    print(f"    prefill segment ({details['prefill_chunk_tokens']} tokens): {scratch[seg_name] / MIB:.1f} MiB measured, "
+          f"{prefill / MIB:.1f} MiB planned, of which ~{kernel / MIB:.1f} MiB is the attention kernel's own mask "
+          f"copies on a GPU (not seen here)")
 
 
 def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any, block: Any, quant: bool) -> None:
@@ -399,8 +448,14 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
     it writes: the source rows of an ``index_copy_`` / ``index_put_``, the whole tensor otherwise). Allocations
     (``empty`` and kin) are neither ops nor writes. With ``layers`` (the decoder layers), each is also split per layer
     (``layer_ops``, ``layer_written``, ``layer_reads``: lists in layer order); the rest (embedding, final norm, LM
-    head, the loop's own ops) is ``outside_ops`` / ``outside_written`` / ``outside_reads``."""
+    head, the loop's own ops) is ``outside_ops`` / ``outside_written`` / ``outside_reads``.
+
+    ``scratch``: the most bytes that tensors made during the forward held at one time (the device memory a forward
+    needs beyond the weights and the cache it was given: the planner's workspace), with ``scratch_top``, the largest
+    of them then (bytes, "op shape dtype"). Counted from the storages the ops return that their inputs do not own,
+    freed when the last tensor on them goes; a kernel's own internal buffers are not seen."""
     import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -422,10 +477,35 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
             self.layer_ops = [0] * len(layers)
             self.layer_written = [0] * len(layers)
             self.layer_reads = [0] * len(layers)
+            self.live: dict[int, tuple[Any, int, str]] = {}  # storage -> (weak ref, bytes, what made it)
+            self.scratch = 0
+            self.scratch_top: list[tuple[int, str]] = []
+
+        def track(self, func: Any, args: Any, kw: Any, out: Any) -> None:
+            """New storages among ``out`` join the live set; the ones no tensor holds any more leave it."""
+            if not (func.is_view or func._schema.is_mutable):  # views and in-place / out= ops allocate nothing
+                owned = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kw)) if isinstance(t, torch.Tensor)}
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                        continue
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() in owned or storage.nbytes() == 0:
+                        continue
+                    ref = StorageWeakRef(storage)
+                    if ref.cdata not in self.live:
+                        what = f"{func.overloadpacket.__name__} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                        self.live[ref.cdata] = (ref, storage.nbytes(), what)
+            for key in [key for key, (ref, _, _) in self.live.items() if ref.expired()]:
+                del self.live[key]
+            now = sum(n for _, n, _ in self.live.values())
+            if now > self.scratch:
+                self.scratch = now
+                self.scratch_top = sorted(((n, what) for _, n, what in self.live.values()), reverse=True)[:4]
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kw = kwargs or {}
             out = func(*args, **kw)
+            self.track(func, args, kw, out)
             if func.is_view or func.overloadpacket in allocations:  # metadata or memory only: no kernel, no write
                 return out
             to_host = (
@@ -474,7 +554,8 @@ def _forward_ops(fn: Callable[[], Any], layers: Any = ()) -> dict[str, Any]:
     return {"ops": mode.ops, "reads": mode.reads, "written": mode.written, "layer_ops": mode.layer_ops,
             "layer_written": mode.layer_written, "layer_reads": mode.layer_reads,
             "outside_ops": mode.ops - sum(mode.layer_ops), "outside_written": mode.written - sum(mode.layer_written),
-            "outside_reads": mode.reads - sum(mode.layer_reads)}
+            "outside_reads": mode.reads - sum(mode.layer_reads), "scratch": mode.scratch,
+            "scratch_top": mode.scratch_top}
 
 
 def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: int) -> None:
@@ -546,8 +627,13 @@ def _run(args: argparse.Namespace) -> int:
     _print_figures(title + ", eager", figures, config.block_size, prompt_tokens)
     if plan is not None and args.layers is None:  # the plan is for the full depth: so is this model
         print(_launch_cost_line(plan.predicted_tok_s["ar_bound"], figures))
+    if device == "cuda":
+        print(_peak_vram_line(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), plan))
     if args.compile:
         _compiled_figures(model, config, prompt, args, device, figures)
+        if device == "cuda":
+            print(_peak_vram_line(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), plan)
+                  + " (after the compiled runs and their CUDA graphs)")
     del model
     if args.compare_transformers:
         _compare_transformers(args, device, dtype, prompt)
@@ -562,6 +648,20 @@ def _launch_cost_line(ar_bound_tok_s: float, figures: dict[str, float]) -> str:
     return (f"implied cost of one eager launch: {us:.1f} us = (1 / {ar:.1f} tok/s - 1 / {ar_bound_tok_s:.0f} tok/s, "
             f"the planner's hardware bound for this placement) / {int(ops)} ops per AR step (Roofline.launch_us "
             f"assumes 10)")
+
+
+def _peak_vram_line(allocated: int, reserved: int, plan: Any) -> str:
+    """The most GPU memory torch's allocator held during the runs, next to what the plan counted for it: its total
+    less the CUDA context, which the allocator does not see (its workspace and allocator slack are in)."""
+    line = f"peak GPU memory (torch): {allocated / 2**30:.2f} GiB allocated, {reserved / 2**30:.2f} GiB reserved"
+    if plan is None:
+        return line
+    from engine.planner import CUDA_CONTEXT_BYTES
+
+    counted = plan.vram_bytes - CUDA_CONTEXT_BYTES
+    ws = plan.vram_breakdown["workspace"]
+    return (f"{line}; the plan counts {counted / 2**30:.2f} GiB for them (its {plan.vram_bytes / 2**30:.2f} GiB less "
+            f"the CUDA context; workspace {ws / 2**30:.2f} GiB): reserved is {reserved / counted:.0%} of that")
 
 
 def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> Any:

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--as-stored", action="store_true", help="plan a checkpoint folder with the bytes in its files instead of as quantized")
     parser.add_argument("--tokens-per-pass", type=flags.TOKENS_PER_PASS, default=Roofline.tokens_per_pass, metavar="X", help="committed tokens per denoising pass (default %(default)s)")
     parser.add_argument("--coreset", action="store_true", help="predict with Clover's block expert coreset (~30 distinct experts per pass instead of ~70)")
-    parser.add_argument("--attention", choices=("math", "efficient"), default="math", help="prefill attention kernel to plan for: 'math' is today's engine (fp32 score scratch), 'efficient' a kernel without it")
+    parser.add_argument("--attention", choices=("efficient", "math"), default="efficient", help="prefill attention kernel to plan for: 'efficient' is the engine's (SDPA's memory-efficient kernel, no score matrix), 'math' SDPA's fallback with fp32 score scratch")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype the device part is counted in (default bfloat16, as on a GPU)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict())")
 

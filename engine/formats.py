@@ -369,7 +369,7 @@ def make_policy(
     By the numbers (35B-A3B shapes, 16K context):
     * routed experts are 93 % of the weights and only 8 of 256 run per token: NF4 (4.5 bits), 16.9 GiB.
     * dense projections (attention + GDN + shared experts, 1.41 B params): int8 1.42 GB, NF4 0.80 GB. The 0.62 GB
-      is 1.4 expert layers: at 16 GiB NF4 keeps 20 layers resident against int8's 18. int8 is the default anyway:
+      is 1.4 expert layers: at 16 GiB NF4 keeps 25 layers resident against int8's 23. int8 is the default anyway:
       this path runs for every token of every denoising pass, and block diffusion commits a position only above
       0.95 confidence, so noise here costs tokens per pass; expert error is averaged over 8 experts and a shared
       one. ``attention="nf4", shared_expert="nf4"`` is the small-card option.

@@ -27,7 +27,7 @@ How a plan is made (:func:`make_plan`); every VRAM byte is in ``Plan.vram_breakd
 * ``gdn_state``: fp32 recurrent state + bf16 conv state per GDN layer; denoising passes read it without writing,
   so no snapshot copy.
 * ``workspace``: the larger of a prefill forward's scratch and a decoding pass's (fp32 block logits, activations),
-  plus the dequantize buffers (engine.quant dequantizes a whole weight per forward). The prefill scratch depends
+  plus the dequantize buffers (a chunk of a quantized projection, a group of experts). The prefill scratch depends
   on the attention kernel and sets ``Plan.prefill_chunk_tokens`` (:func:`choose_prefill_chunk`).
 * ``reserve``: CUDA context + cuBLAS (500 MiB) and caching-allocator slack (256 MiB). The budget is what this
   process may use: pass the card's free VRAM (what the desktop leaves), not its total.
@@ -110,9 +110,20 @@ ALLOCATOR_SLACK_BYTES = 256 * MiB  # caching-allocator fragmentation headroom
 STAGING_BYTES = 64 * MiB  # pinned host staging: the offload staging ring + weight-upload buffers at load
 PREFILL_MAX_TOKENS = 2048  # engine.model.CloverModel.max_pass_tokens: the longest prefill forward
 PREFILL_WORKSPACE_BYTES = 512 * MiB  # what the chunk-dependent part of one prefill forward may take
-ACTIVATION_BUFFERS = 8  # live fp32 [tokens, widest projection] buffers inside one layer
-ATTENTION_PATHS = ("math", "efficient")
+# Live fp32 [tokens, widest projection] buffers inside one layer. Measured (``bench speed --count``, the scratch
+# line, 35B-A3B widths): a Gated DeltaNet layer's block-mode prefill holds 10.3 of them at its peak (93 MiB for
+# 192 tokens, 214 MiB for 448), so 11.
+ACTIVATION_BUFFERS = 11
+# The prefill attention kernel: "efficient" is what engine.model runs (query heads folded into rows, a group of rows
+# at a time: flash or memory-efficient attention, no score matrix); "math" a torch build or GPU where SDPA falls
+# back to its math kernel, which writes fp32 scores and probabilities.
+ATTENTION_PATHS = ("efficient", "math")
+ATTENTION_ROWS = 64  # engine.model.ATTENTION_ROWS: query rows per attention call in a causal pass (32 in block mode)
 EXPERT_DEQUANT_EXPERTS = 16  # experts dequantized to bf16 at once on CUDA (engine.experts.GROUP_BYTES: 96 MiB for 35B-A3B)
+# Per weight of a dequantized expert group: its bf16 values and the quantized rows gathered for it (at most one byte
+# per weight with the scales: int8). Measured for the 35B-A3B NF4 group: 96 MiB of bf16 + 24 MiB of NF4 rows.
+EXPERT_DEQUANT_BYTES_PER_PARAM = 3
+DEQUANT_CHUNK_ELEMS = 8 << 20  # engine.quant.DEQUANT_CHUNK_ELEMS: QuantLinear dequantizes this many weights at once
 
 BREAKDOWN_KEYS = ("non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve")
 
@@ -198,34 +209,35 @@ def _widest(geo: ModelGeometry) -> int:
 def _prefill_parts(geo: ModelGeometry, chunk: int, ctx: int, attention: str) -> dict[str, int]:
     """Scratch of one prefill forward of ``chunk`` tokens whose last token sees ``ctx`` keys.
 
-    Block-mode prefill passes a block-causal bool mask to SDPA with ``enable_gqa`` (engine.model). In torch 2.13
-    GQA runs only on the flash and math kernels and flash takes no mask, so this is the *math* kernel, which keeps
-    its intermediates in fp32: scores and probabilities [Hq, T, S], K and V expanded to Hq heads, and the mask as
-    an fp32 bias. ``attention="efficient"`` is the same pass on a kernel that materializes none of that."""
-    full = bool(geo.full_attention_layers)
-    math_path = full and attention == "math"
-    return {
-        "activations": chunk * _widest(geo) * 4 * ACTIVATION_BUFFERS,
-        "attn_scores": 2 * geo.num_attention_heads * chunk * ctx * 4 if math_path else 0,
-        "attn_mask": chunk * ctx * (5 if math_path else 1) if full else 0,
-        "attn_kv_expanded": 2 * geo.num_attention_heads * ctx * geo.head_dim * 4 if math_path else 0,
-    }
+    engine.model attends a group of query rows at a time (``_attention_by_rows``), with the G query heads that
+    share a KV head folded into rows: a block of a block-causal prefill needs no mask at all, so SDPA takes flash
+    attention. A causal (AR-mode) prefill after cached keys keeps one bool mask [chunk, ctx], and each group of
+    :data:`ATTENTION_ROWS` rows repeats its slice G times, which SDPA's memory-efficient kernel turns into a bias in
+    the compute dtype padded to a 16-aligned row (1 + 2 x 2 bytes per folded row and key). ``attention="math"``:
+    SDPA's math kernel instead, which also writes a group's fp32 scores and probabilities."""
+    parts = {"activations": chunk * _widest(geo) * 4 * ACTIVATION_BUFFERS}
+    if geo.full_attention_layers:
+        g = max(1, geo.num_attention_heads // max(1, geo.num_key_value_heads))
+        parts["attn_mask"] = chunk * ctx + ATTENTION_ROWS * g * ctx * 5
+        if attention == "math":
+            parts["attn_scores"] = 2 * geo.num_attention_heads * ATTENTION_ROWS * ctx * 4
+    return parts
 
 
-def choose_prefill_chunk(geo: ModelGeometry, ctx: int, block: int, attention: str = "math") -> int:
+def choose_prefill_chunk(geo: ModelGeometry, ctx: int, block: int, attention: str = "efficient") -> int:
     """The longest prefill forward (a multiple of ``block``, at most :data:`PREFILL_MAX_TOKENS`) whose
     chunk-dependent scratch fits :data:`PREFILL_WORKSPACE_BYTES`; one block at least."""
     top = max(block, PREFILL_MAX_TOKENS // block * block)
     for chunk in range(top, block - 1, -block):
-        parts = _prefill_parts(geo, chunk, ctx, attention)
-        if sum(parts.values()) - parts["attn_kv_expanded"] <= PREFILL_WORKSPACE_BYTES:
+        if sum(_prefill_parts(geo, chunk, ctx, attention).values()) <= PREFILL_WORKSPACE_BYTES:
             return chunk
     return block
 
 
-def _workspace(f: ModelFacts, ctx: int, block: int, attention: str) -> tuple[dict[str, int], dict[str, Any]]:
-    """(workspace parts summing to the workspace, details). Prefill and decoding never run at once: the larger
-    of the two counts, plus the dequantize buffers both use."""
+def workspace(f: ModelFacts, ctx: int, block: int, attention: str = "efficient") -> tuple[dict[str, int], dict[str, Any]]:
+    """(workspace parts summing to the workspace, details) of model ``f`` for ``ctx`` tokens (``bench speed --count``
+    prints them next to the scratch it measures). Prefill and decoding never run at once: the larger of the two
+    counts, plus the dequantize buffers both use."""
     geo = f.geo
     chunk = choose_prefill_chunk(geo, ctx, block, attention)
     prefill = _prefill_parts(geo, chunk, ctx, attention)
@@ -236,10 +248,12 @@ def _workspace(f: ModelFacts, ctx: int, block: int, attention: str) -> tuple[dic
     }
     parts = {
         "prefill_or_decode": max(sum(prefill.values()), sum(decode.values())),
-        # engine.quant.QuantLinear dequantizes its whole weight to bf16 per forward: the largest one (lm_head
-        # when quantized: 0.95 GiB for 35B-A3B) is alive while it runs
-        "dequant_dense": f.dequant_dense_max_params * 2,
-        "dequant_experts": int(EXPERT_DEQUANT_EXPERTS * f.expert_params * 2) if f.experts_quantized else 0,
+        # engine.quant.QuantLinear dequantizes a quantized weight to bf16 a chunk of rows at a time (the lm_head of
+        # 35B-A3B, 0.95 GiB in bf16, in 61 chunks of 16 MiB), and each chunk's product joins the output
+        "dequant_dense": min(f.dequant_dense_max_params, DEQUANT_CHUNK_ELEMS) * 2 * 2,
+        "dequant_experts": (
+            int(EXPERT_DEQUANT_EXPERTS * f.expert_params * EXPERT_DEQUANT_BYTES_PER_PARAM) if f.experts_quantized else 0
+        ),
     }
     details = {"prefill_chunk_tokens": chunk, "attention_path": attention, "prefill": prefill, "decode": decode}
     return parts, details
@@ -286,7 +300,7 @@ def make_plan(
     hardware: Hardware | None = None,
     roofline: Roofline | dict[str, Any] | None = None,
     optimize_for: str = "diffusion",
-    attention: str = "math",
+    attention: str = "efficient",
     coreset: bool = False,
     tokens_per_pass: float | None = None,
     compute_dtype: str = "bf16",
@@ -300,8 +314,8 @@ def make_plan(
     ``optimize_for`` ("diffusion" | "ar"). ``ram_bytes=None`` skips the RAM check. ``coreset`` and
     ``tokens_per_pass`` are JSON-friendly shortcuts that override those two roofline inputs (the worker's ``plan``
     command passes its keys straight through); ``roofline`` may also be a dict of :class:`Roofline` fields.
-    ``attention``: "math" is what engine.model's block-mode prefill runs today (see :func:`_prefill_parts`);
-    "efficient" plans for a kernel without fp32 score scratch. The plan's ``prefill_chunk_tokens`` is the longest
+    ``attention``: "efficient" is what engine.model's block-mode prefill runs (see :func:`_prefill_parts`); "math"
+    plans for SDPA's fallback kernel with fp32 score scratch. The plan's ``prefill_chunk_tokens`` is the longest
     prefill forward the engine may run within this plan.
     """
     vram_budget = _check_int("vram_bytes", vram_bytes)
@@ -342,7 +356,7 @@ def make_plan(
             f"(config.json max_position_embeddings): choose at most {geo.max_position_embeddings:,}"
         )
     ctx_alloc = -(-ctx // block) * block  # the KV cache holds whole blocks
-    workspace_parts, workspace_details = _workspace(f, ctx_alloc, block, attention)
+    workspace_parts, workspace_details = workspace(f, ctx_alloc, block, attention)
     chunk = workspace_details["prefill_chunk_tokens"]
     fixed = {
         "non_expert": f.non_expert_gpu,

@@ -140,14 +140,14 @@ def predict(
     # graphs ("diffusion_graphs_fused": with the fused MoE kernel too).
     # Prefill: forwards of `prefill_chunk` tokens over a prompt that fills the context (mean position ctx / 2).
     # A chunk routes chunk x k token-slots, touching E (1 - (1 - k/E)^chunk) experts per layer (uniform routing);
-    # streamed layers reload theirs every forward (the pool cannot hold every streamed layer's full set). The math
-    # attention kernel also writes and reads its fp32 scores and expanded K/V.
+    # streamed layers reload theirs every forward (the pool cannot hold every streamed layer's full set). SDPA's math
+    # kernel (attention="math") also writes and reads fp32 scores and probabilities.
     c, mean_ctx = prefill_chunk, ctx / 2
     dc = e * (1.0 - (1.0 - k / e) ** c) if e else 0.0
     n_full = len(geo.full_attention_layers)
     math_traffic = 0.0
     if attention == "math" and n_full:
-        math_traffic = n_full * (4 * geo.num_attention_heads * c * mean_ctx * 4 + 4 * geo.num_attention_heads * mean_ctx * geo.head_dim * 4)
+        math_traffic = n_full * 4 * geo.num_attention_heads * c * mean_ctx * 4
     pre_read = (
         f.non_expert_gpu + dequant_traffic + geo.kv_bytes_per_token * mean_ctx + 2 * geo.gdn_state_bytes
         + n_moe * dc * eb_all + math_traffic

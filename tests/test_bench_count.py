@@ -52,6 +52,13 @@ def test_bench_count_splits_a_forward_by_layer_kind(capsys: pytest.CaptureFixtur
         # the tiny shape is built whole, so the layers and the rest add up to the forward
         assert sum(int(n) * int(o) for _, n, o in kinds) + outside == ops
         assert int(re.search(r"at the full 4 layers: ~(\d+) ops", part)[1]) == ops
+        assert re.search(r"scratch: [\d.]+ MiB at once \(largest then, MiB: \w+ \(", part), part
+    # the planner's workspace holds what the forwards measured (engine.planner.workspace, at its prefill segment)
+    seg = re.search(r"prefill segment \((\d+) tokens after ([\d,]+) in the cache, block mode\)", out)
+    assert seg and int(seg[1]) + int(seg[2].replace(",", "")) == 16384, out
+    for what in ("denoising pass", "prefill segment"):
+        line = re.search(what + r".*?: ([\d.]+) MiB measured, ([\d.]+) MiB planned", out)
+        assert line and 0 < float(line[1]) <= float(line[2]), (what, out)
 
 
 def test_bench_count_says_what_cuda_graphs_leave_to_the_host(capsys: pytest.CaptureFixture[str]) -> None:
@@ -132,3 +139,17 @@ def test_the_implied_launch_cost_is_the_time_above_the_bound_per_op() -> None:
     line = _launch_cost_line(100.0, {"ar_decode_tok_s": 20.0, "ar_step_ops": 4000})
     assert line.startswith("implied cost of one eager launch: 10.0 us = (1 / 20.0 tok/s - 1 / 100 tok/s"), line
     assert "/ 4000 ops per AR step" in line
+
+
+def test_the_peak_vram_line_sets_what_torch_held_against_what_the_plan_counted() -> None:
+    """gpu_check's card_path prints it: the plan's total less the CUDA context (which torch's allocator never sees)
+    is what the allocator may reserve; a GPU run says whether the planner's workspace holds."""
+    from clover_desk.cmd_bench_speed import _peak_vram_line
+    from engine.planner import CUDA_CONTEXT_BYTES, plan_model
+
+    plan = plan_model("shape:clover-35b-a3b", 16 * 2**30, 4096)
+    counted = plan.vram_bytes - CUDA_CONTEXT_BYTES
+    line = _peak_vram_line(counted // 2, counted // 4 * 3, plan)
+    assert line.startswith("peak GPU memory (torch): ") and "reserved is 75% of that" in line, line
+    assert f"the plan counts {counted / 2**30:.2f} GiB" in line
+    assert _peak_vram_line(2**30, 2**31, None) == "peak GPU memory (torch): 1.00 GiB allocated, 2.00 GiB reserved"

@@ -601,22 +601,37 @@ def test_prefill_chunk_keeps_the_attention_scratch_bounded(m35: planner.Manifest
             assert chunk % 32 == 0 and 32 <= chunk <= planner.PREFILL_MAX_TOKENS
 
             def variable(c: int) -> int:
-                parts = planner._prefill_parts(geo, c, ctx, attention)
-                return sum(parts.values()) - parts["attn_kv_expanded"]
+                return sum(planner._prefill_parts(geo, c, ctx, attention).values())
 
             assert variable(chunk) <= planner.PREFILL_WORKSPACE_BYTES or chunk == 32
             if chunk < planner.PREFILL_MAX_TOKENS:
                 assert variable(chunk + 32) > planner.PREFILL_WORKSPACE_BYTES  # the longest that fits
-    # the math kernel's fp32 scores cost chunk length; the efficient path prefills in long chunks
-    assert planner.choose_prefill_chunk(geo, CTX, 32, "math") < planner.choose_prefill_chunk(geo, CTX, 32, "efficient")
-    math_plan = make_plan(m35, 16 * GiB, CTX)
-    assert math_plan.prefill_chunk_tokens == planner.choose_prefill_chunk(geo, CTX, 32, "math")
-    prefill = math_plan.assumptions["workspace_details"]["prefill"]
-    assert prefill["attn_kv_expanded"] == 2 * 16 * CTX * 256 * 4  # K and V, fp32, expanded to 16 heads
-    efficient = make_plan(m35, 16 * GiB, CTX, attention="efficient")
-    assert efficient.min_vram_bytes < math_plan.min_vram_bytes
-    # longer prefill forwards load each streamed layer's experts fewer times per prompt token
-    assert efficient.predicted_tok_s["prefill"] > 2 * math_plan.predicted_tok_s["prefill"] > 0
+    prefill = planner._prefill_parts(geo, 416, CTX, "efficient")
+    # one causal bool mask [chunk, ctx] and one group of 64 rows' mask repeated for the 8 folded heads, then as a
+    # padded bf16 bias: no [chunk, ctx] per head, no score matrix
+    assert prefill["attn_mask"] == 416 * CTX + 64 * 8 * CTX * 5 and "attn_scores" not in prefill
+    assert planner._prefill_parts(geo, 416, CTX, "math")["attn_scores"] == 2 * 16 * 64 * CTX * 4  # fp32, one group
+    efficient = make_plan(m35, 16 * GiB, CTX)
+    assert efficient.assumptions["workspace_details"]["attention_path"] == "efficient"  # the engine's kernel
+    math_plan = make_plan(m35, 16 * GiB, CTX, attention="math")
+    assert math_plan.prefill_chunk_tokens <= efficient.prefill_chunk_tokens
+    assert efficient.min_vram_bytes <= math_plan.min_vram_bytes
+
+
+def test_the_workspace_counts_a_chunk_of_a_quantized_projection_not_the_whole_weight(m35: planner.Manifest) -> None:
+    """engine.quant.QuantLinear dequantizes DEQUANT_CHUNK_ELEMS weights at a time (the 0.95 GiB lm_head of the
+    35B in 16 MiB chunks), engine.experts one group of experts at a time; the planner's constants are the engine's."""
+    pytest.importorskip("torch")
+    from engine import experts, model, quant
+
+    assert planner.DEQUANT_CHUNK_ELEMS == quant.DEQUANT_CHUNK_ELEMS
+    assert planner.ATTENTION_ROWS == model.ATTENTION_ROWS
+    facts = planner.model_facts(m35)
+    expert_bf16 = facts.expert_params * 2
+    assert planner.EXPERT_DEQUANT_EXPERTS == experts.GROUP_BYTES["cuda"] // expert_bf16
+    parts, _ = planner.workspace(facts, CTX, 32)
+    assert parts["dequant_dense"] == quant.DEQUANT_CHUNK_ELEMS * 2 * 2 < facts.dequant_dense_max_params * 2 // 16
+    assert parts["dequant_experts"] == 16 * facts.expert_params * 3
 
 
 def test_default_policy_numbers(m35: planner.Manifest) -> None:
@@ -625,7 +640,7 @@ def test_default_policy_numbers(m35: planner.Manifest) -> None:
     dense = ["attn", "gdn", "shared_expert"]
     assert m35.total_bytes(dense) - nf4.total_bytes(dense) == 617_390_080  # 0.62 GB, 1.4 expert layers
     nf4_16, int8_16 = make_plan(nf4, 16 * GiB, CTX), make_plan(m35, 16 * GiB, CTX)
-    assert (len(nf4_16.resident_expert_layers), len(int8_16.resident_expert_layers)) == (20, 18)
+    assert (len(nf4_16.resident_expert_layers), len(int8_16.resident_expert_layers)) == (25, 23)
     gain = nf4_16.predicted_tok_s["diffusion_bound"] / int8_16.predicted_tok_s["diffusion_bound"]
     assert 1.05 < gain < 1.12
 

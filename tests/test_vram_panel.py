@@ -81,8 +81,8 @@ def test_a_longer_context_raises_the_minimum(qtbot, plan_fn) -> None:
 
 
 def test_wont_fit_shows_reason_and_blocks_apply(qtbot, plan_fn) -> None:
-    small = 8 * GIB  # an 8 GiB card cannot hold a 128K context's KV cache and workspace with this model
-    panel = VramPanel(plan_fn, small, "RTX 8 GB", 64 * GIB, ctx_tokens=8192)
+    small = 6 * GIB  # a 6 GiB card cannot hold a 128K context's KV cache and workspace with this model
+    panel = VramPanel(plan_fn, small, "RTX 6 GB", 64 * GIB, ctx_tokens=8192)
     qtbot.addWidget(panel)
     panel.show()
     assert panel.plan.fits
