@@ -502,3 +502,18 @@ def test_a_block_pass_with_fused_nf4_experts_is_recorded_around_its_fetches(
         torch.cuda.set_sync_debug_mode("default")
     assert runner.failed is None and runner.recorded == len(streamed) + 1 and runner.pass_replays == 2
     assert (got - want).abs().max() < 2e-2 * want.abs().max()
+
+
+def test_passes_of_every_key_length_write_one_logits_buffer(model: Any) -> None:
+    """The head piece's fp32 logits live in one buffer per pass shape, not one per key bucket: a 32-slot pass's is
+    32 MB at Clover's vocabulary, and a 16K context has 7 buckets. Passes at different lengths read the keys to
+    their own bucket but write the same buffer; the caller gets a copy."""
+    runner = step_graphs.StepGraphs(model, record=False)
+    cache = model.new_cache(1024)
+    b = model.config.block_size
+    block = torch.arange(b) + 3
+    near = runner.pieces_of_pass(block, 0, cache, b, False, False)
+    far = runner.pieces_of_pass(block, 640, cache, b, False, False)  # the 1024-key bucket, not 256
+    commit = runner.pieces_of_pass(block, 640, cache, b, True, True)
+    assert near.out.data_ptr() == far.out.data_ptr() and tuple(far.out.shape) == (b, model.config.vocab_size)
+    assert commit.out.data_ptr() != far.out.data_ptr() and tuple(commit.out.shape) == (1, model.config.vocab_size)
