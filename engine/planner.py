@@ -254,6 +254,11 @@ def workspace(f: ModelFacts, ctx: int, block: int, attention: str = "efficient")
         "dequant_experts": (
             int(EXPERT_DEQUANT_EXPERTS * f.expert_params * EXPERT_DEQUANT_BYTES_PER_PARAM) if f.experts_quantized else 0
         ),
+        # Passes replayed from CUDA graphs (engine.step_graphs, compiled runs) keep their own memory pool, which the
+        # eager prefill cannot borrow from: a block pass's scratch (its quantized projections' dequantize chunks
+        # in it) and the logits buffer its head piece writes, shared by every key length
+        "cuda_graphs": sum(decode.values()) + min(f.dequant_dense_max_params, DEQUANT_CHUNK_ELEMS) * 2 * 2
+        + block * geo.vocab_size * 4,
     }
     details = {"prefill_chunk_tokens": chunk, "attention_path": attention, "prefill": prefill, "decode": decode}
     return parts, details

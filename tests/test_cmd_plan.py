@@ -36,7 +36,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_json_contract_through_the_entry_point() -> None:
-    out = _run("plan", "--shape", "clover-35b-a3b", "--vram-gb", "16", "--json")
+    out = _run("plan", "--shape", "clover-35b-a3b", "--vram-gb", "16", "--ram-gb", "64", "--json")  # not this machine's free RAM
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert CONTRACT_KEYS <= set(plan)
@@ -65,7 +65,7 @@ def test_missing_model_folder_exits_2_without_a_traceback(tmp_path: Path) -> Non
 
 
 def test_human_table(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.main(["plan", "--shape", "clover-35b-a3b", "--vram-gb", "12", "--ctx", "8192"])
+    rc = cli.main(["plan", "--shape", "clover-35b-a3b", "--vram-gb", "12", "--ctx", "8192", "--ram-gb", "64"])
     text = capsys.readouterr().out
     assert rc == 0
     for label in ("non-expert weights", "resident experts", "expert slot pool", "KV cache", "GDN state", "workspace", "reserve", "total"):

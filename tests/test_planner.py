@@ -632,6 +632,9 @@ def test_the_workspace_counts_a_chunk_of_a_quantized_projection_not_the_whole_we
     parts, _ = planner.workspace(facts, CTX, 32)
     assert parts["dequant_dense"] == quant.DEQUANT_CHUNK_ELEMS * 2 * 2 < facts.dequant_dense_max_params * 2 // 16
     assert parts["dequant_experts"] == 16 * facts.expert_params * 3
+    # the graph pool of compiled runs: a block pass's scratch and the one logits buffer of every key length's passes
+    decode = 32 * 248_320 * 4 + 32 * 12_288 * 4 * planner.ACTIVATION_BUFFERS
+    assert parts["cuda_graphs"] == decode + parts["dequant_dense"] + 32 * 248_320 * 4
 
 
 def test_default_policy_numbers(m35: planner.Manifest) -> None:
