@@ -299,10 +299,10 @@ def main() -> int:
     client.loadProgress.emit(LoadProgress("quantizing", int(9.3 * GIB), int(18.6 * GIB), "layers.21.mlp.experts", 41.0))
     settle(200)
     shot(window, out / "engine-crash-and-load.png")
-    # an 8 GiB card asked for a 128K context: the slider's floor is above the card, so the plan cannot fit
+    # a 6 GiB card asked for a 128K context: the slider's floor is above the card, so the plan cannot fit
     from ui.vram_panel import VramPanel
 
-    small = VramPanel(desk._plan_function(), 8 * GIB, "NVIDIA GeForce RTX 4060", hardware.ram_total_bytes)
+    small = VramPanel(desk._plan_function(), 6 * GIB, "NVIDIA GeForce RTX 2060", hardware.ram_total_bytes)
     small.resize(desk.vram_panel.size())
     small.ctx_combo.setCurrentIndex(small.ctx_combo.findData(131072))
     small.show()
