@@ -297,9 +297,9 @@ def _print_workspace(scratch: dict[str, int], ctx: int, parts: dict[str, int], d
     """The measured scratch next to the planner's workspace for the same forwards."""
     dequant = parts["dequant_dense"] + parts["dequant_experts"]
     prefill, decode = sum(details["prefill"].values()) + dequant, sum(details["decode"].values()) + dequant
-    # what SDPA's memory-efficient kernel makes of the mask on a GPU (its bias and aligned copy): not a torch op
-    # output here, so not in the measured scratch
-    kernel = details["prefill"].get("attn_mask", 0) * 4 // 5
+    # what SDPA's memory-efficient kernel makes of a causal pass's mask on a GPU (its bias and aligned copy): not a
+    # torch op output here, so not in the measured scratch
+    kernel = details["prefill"].get("attn_bias", 0)
     pass_name = next(n for n in scratch if n.startswith("denoising pass"))
     seg_name = next(n for n in scratch if n.startswith("prefill segment"))
     print(f"workspace at a {ctx:,}-token context, measured scratch vs the planner (engine.planner.workspace):")

@@ -213,12 +213,13 @@ def _prefill_parts(geo: ModelGeometry, chunk: int, ctx: int, attention: str) -> 
     share a KV head folded into rows: a block of a block-causal prefill needs no mask at all, so SDPA takes flash
     attention. A causal (AR-mode) prefill after cached keys keeps one bool mask [chunk, ctx], and each group of
     :data:`ATTENTION_ROWS` rows repeats its slice G times, which SDPA's memory-efficient kernel turns into a bias in
-    the compute dtype padded to a 16-aligned row (1 + 2 x 2 bytes per folded row and key). ``attention="math"``:
+    the compute dtype padded to a 16-aligned row (``attn_bias``: 2 x 2 bytes per folded row and key). ``attention="math"``:
     SDPA's math kernel instead, which also writes a group's fp32 scores and probabilities."""
     parts = {"activations": chunk * _widest(geo) * 4 * ACTIVATION_BUFFERS}
     if geo.full_attention_layers:
         g = max(1, geo.num_attention_heads // max(1, geo.num_key_value_heads))
-        parts["attn_mask"] = chunk * ctx + ATTENTION_ROWS * g * ctx * 5
+        parts["attn_mask"] = chunk * ctx + ATTENTION_ROWS * g * ctx  # bool: the pass's, a group's repeated
+        parts["attn_bias"] = ATTENTION_ROWS * g * ctx * 2 * 2  # the kernel's: bf16, and its 16-aligned copy
         if attention == "math":
             parts["attn_scores"] = 2 * geo.num_attention_heads * ATTENTION_ROWS * ctx * 4
     return parts

@@ -609,7 +609,8 @@ def test_prefill_chunk_keeps_the_attention_scratch_bounded(m35: planner.Manifest
     prefill = planner._prefill_parts(geo, 416, CTX, "efficient")
     # one causal bool mask [chunk, ctx] and one group of 64 rows' mask repeated for the 8 folded heads, then as a
     # padded bf16 bias: no [chunk, ctx] per head, no score matrix
-    assert prefill["attn_mask"] == 416 * CTX + 64 * 8 * CTX * 5 and "attn_scores" not in prefill
+    assert prefill["attn_mask"] == 416 * CTX + 64 * 8 * CTX and "attn_scores" not in prefill
+    assert prefill["attn_bias"] == 64 * 8 * CTX * 4
     assert planner._prefill_parts(geo, 416, CTX, "math")["attn_scores"] == 2 * 16 * 64 * CTX * 4  # fp32, one group
     efficient = make_plan(m35, 16 * GiB, CTX)
     assert efficient.assumptions["workspace_details"]["attention_path"] == "efficient"  # the engine's kernel
