@@ -134,7 +134,8 @@ def format_plan(plan: Plan) -> str:
     if "ar_graphs" in tok:
         lines.append(
             f"  layers compiled, passes replayed from CUDA graphs: AR {tok['ar_graphs']:.1f} tok/s, diffusion "
-            f"{tok['diffusion_graphs']:.1f} tok/s ({tok['diffusion_graphs_fused']:.1f} with the fused MoE kernel)"
+            f"{tok['diffusion_graphs']:.1f} tok/s; with the fused MoE kernel too: AR {tok['ar_graphs_fused']:.1f}, "
+            f"diffusion {tok['diffusion_graphs_fused']:.1f}"
         )
     gpu = a["gpu_name"] or "no GPU detected: assumed 16 GB RTX card"
     lines.append(

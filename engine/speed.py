@@ -17,6 +17,9 @@ from engine.hardware import GB, Hardware
 from engine.manifest import MiB, ModelFacts
 
 CORESET_DISTINCT_EXPERTS_PER_PASS = 30.0  # [assumption] DES / MoE-Spec: 30-50 % of the raw union
+# Experts a quantized bank dequantizes at once without the fused MoE kernel (engine.experts.GROUP_BYTES on CUDA:
+# 96 MiB of bf16, 16 experts of 35B-A3B); an AR step dequantizes its k experts together.
+DEQUANT_GROUP_EXPERTS = 16
 
 
 @dataclass(frozen=True)
@@ -109,13 +112,24 @@ def predict(
     graph_fetch_oh = ((s + 1) + s * rl.fetch_launches) * rl.launch_us * 1e-6
     graph_bank_oh = ((n_moe + 1) + n_moe * rl.bank_launches) * rl.launch_us * 1e-6
 
+    def expert_dequant(experts: float, group: float) -> float:
+        """VRAM traffic of dequantizing ``experts`` experts per MoE layer in groups of ``group``, without the fused
+        MoE kernel (engine.triton_moe, which reads the packed rows in registers): a group larger than L2 is written
+        to VRAM in bf16 and read back by the matmul, 4 bytes per weight."""
+        if not f.experts_quantized or min(group, experts) * f.expert_params * 2 <= rl.l2_bytes:
+            return 0.0
+        return n_moe * experts * f.expert_params * 4
+
     # AR: one token per pass; its k experts per streamed layer cross PCIe unless still in the pool.
     # Hit rate: uniform routing, LRU pool holding the last slots / (k s) tokens' experts.
     hit = 1.0 - (1.0 - k / e) ** (slots / (k * s)) if s and e else 0.0
     ar_read = base_read + k * n_moe * eb_all
     ar_pcie = s * k * eb_str * (1.0 - hit)
-    t_ar_bound = max(ar_read / vram_bw, ar_pcie / pcie_bw, (2 * active + attn_flops_per_token) / flops)
-    t_ar = t_ar_bound + ar_oh
+    ar_flops = (2 * active + attn_flops_per_token) / flops
+    t_ar_bound = max(ar_read / vram_bw, ar_pcie / pcie_bw, ar_flops)
+    ar_deq = expert_dequant(k, k)
+    t_ar_unfused = max((ar_read + ar_deq) / vram_bw, ar_pcie / pcie_bw, ar_flops)
+    t_ar = t_ar_unfused + ar_oh
 
     # Diffusion: block / TPF denoising passes (+ the commit pass), each over all `block` positions.
     dp = min(float(e), float(block * k), rl.distinct_experts_per_pass)
@@ -129,15 +143,22 @@ def predict(
         cached = min(s, max(0, slots - 2 * math.ceil(dp)) // math.ceil(db))
     pass_read = base_read + n_moe * dp * eb_all
     pass_flops = block * (2 * active + attn_flops_per_token)
-    gpu_pass = max(pass_read / vram_bw, pass_flops / flops)
     pcie_first = s * dp * eb_str  # every streamed layer loads its first pass's union
     later = max(n_pass - 1.0, 1.0)
     pcie_later = (cached * (db - dp) / later + (s - cached) * dp) * eb_str
-    t_block_bound = max(gpu_pass, pcie_first / pcie_bw) + (n_pass - 1.0) * max(gpu_pass, pcie_later / pcie_bw)
-    t_block = t_block_bound + n_pass * pass_oh
-    # "ar" / "diffusion" / "prefill": with the eager-PyTorch overheads; "*_bound": the hardware roofline alone (what
-    # a fused, graph-captured engine approaches); "*_graphs": the layers compiled on a GPU, passes replayed from CUDA
-    # graphs ("diffusion_graphs_fused": with the fused MoE kernel too).
+
+    def block_time(read: float) -> float:
+        gpu_pass = max(read / vram_bw, pass_flops / flops)
+        return max(gpu_pass, pcie_first / pcie_bw) + (n_pass - 1.0) * max(gpu_pass, pcie_later / pcie_bw)
+
+    t_block_bound = block_time(pass_read)
+    pass_deq = expert_dequant(dp, DEQUANT_GROUP_EXPERTS)
+    t_block_unfused = block_time(pass_read + pass_deq)
+    t_block = t_block_unfused + n_pass * pass_oh
+    # "ar" / "diffusion" / "prefill": the eager engine as it runs by default (PyTorch overheads, experts dequantized
+    # before their matmuls); "*_bound": the hardware roofline alone (what a fused, graph-captured engine approaches);
+    # "*_graphs": the layers compiled on a GPU, passes replayed from CUDA graphs ("*_graphs_fused": with the fused MoE
+    # kernel too, which never writes a dequantized expert).
     # Prefill: forwards of `prefill_chunk` tokens over a prompt that fills the context (mean position ctx / 2).
     # A chunk routes chunk x k token-slots, touching E (1 - (1 - k/E)^chunk) experts per layer (uniform routing);
     # streamed layers reload theirs every forward (the pool cannot hold every streamed layer's full set). SDPA's math
@@ -150,7 +171,7 @@ def predict(
         math_traffic = n_full * 4 * geo.num_attention_heads * c * mean_ctx * 4
     pre_read = (
         f.non_expert_gpu + dequant_traffic + geo.kv_bytes_per_token * mean_ctx + 2 * geo.gdn_state_bytes
-        + n_moe * dc * eb_all + math_traffic
+        + n_moe * dc * eb_all + math_traffic + expert_dequant(dc, DEQUANT_GROUP_EXPERTS)
     )
     pre_flops = c * (2 * active + 4 * mean_ctx * geo.q_dim * n_full)
     t_pre_bound = max(pre_read / vram_bw, s * dc * eb_str / pcie_bw, pre_flops / flops)
@@ -163,8 +184,9 @@ def predict(
         "ar_bound": 1.0 / max(t_ar_bound, tiny),
         "diffusion_bound": block / max(t_block_bound, tiny),
         "prefill": c / max(t_pre, tiny),
-        "ar_graphs": 1.0 / max(t_ar_bound + graph_fetch_oh, tiny),
-        "diffusion_graphs": block / max(t_block_bound + n_pass * graph_bank_oh, tiny),
+        "ar_graphs": 1.0 / max(t_ar_unfused + graph_fetch_oh, tiny),
+        "ar_graphs_fused": 1.0 / max(t_ar_bound + graph_fetch_oh, tiny),
+        "diffusion_graphs": block / max(t_block_unfused + n_pass * graph_bank_oh, tiny),
         "diffusion_graphs_fused": block / max(t_block_bound + n_pass * graph_fetch_oh, tiny),
     }
     derived = {
@@ -181,6 +203,8 @@ def predict(
         "ar_overhead_ms_per_token": round(ar_oh * 1e3, 3),
         "diffusion_overhead_ms_per_pass": round(pass_oh * 1e3, 3),
         "dequant_vram_traffic_bytes_per_pass": dequant_traffic,
+        "expert_dequant_vram_bytes_per_token_ar": int(ar_deq),
+        "expert_dequant_vram_bytes_per_pass": int(pass_deq),
         "prefill_chunk_tokens": c,
         "prefill_distinct_experts_per_layer": round(dc, 2),
         "prefill_pcie_bytes_per_forward": int(s * dc * eb_str),
