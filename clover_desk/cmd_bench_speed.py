@@ -1057,6 +1057,8 @@ def _run_moe_only(args: argparse.Namespace) -> int:
                       + _op_counts(bank, name, x, idx, w, dense_reference if name == "dense" else quant_reference))
         for name in ("nf4", "q4_0"):
             _fused_line(name, banks[name], x, idx, w, args.repeats, device, t, distinct)
+        if t > 1:
+            print(_group_sweep_line(banks["nf4"], x, idx, w, args.repeats, device, dtype, d, i))
     _int8_head_lines(args, device, dtype, gen)
     gdn_lines(device, dtype, args.repeats)
     return 0
@@ -1140,6 +1142,37 @@ def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3
     else:
         line += f" | fla kernels: not run ({'CUDA only' if device != 'cuda' else 'fla-core not installed'})"
     print(line)
+
+
+GROUP_SWEEP = (4, 8, 16)  # experts per dequantize group timed by --moe-only
+
+
+def _group_sweep_line(bank: Any, x: Any, idx: Any, w: Any, repeats: int, device: str, dtype: Any, d: int,
+                      i: int) -> str:
+    """The dequantize-then-matmul path of a pass at several group sizes (engine.experts.GROUP_BYTES, set for the
+    sweep only): bigger groups launch fewer kernels, smaller ones keep their dequantized weights in L2 (16 experts
+    of the 35B shape are 96 MiB of bf16, 4 are 24 MiB); the measurement picks GROUP_BYTES for the device."""
+    import torch
+
+    from engine import experts
+
+    kind = torch.device(device).type
+    expert_bytes = 3 * d * i * torch.tensor([], dtype=dtype).element_size()
+    saved = experts.GROUP_BYTES[kind]
+    times = []
+    try:
+        with torch.inference_mode():
+            for g in GROUP_SWEEP:
+                experts.GROUP_BYTES[kind] = g * expert_bytes
+                times.append(_best(lambda: bank(x, idx, w), repeats, device) * 1e3)
+    finally:
+        experts.GROUP_BYTES[kind] = saved
+    now = max(1, saved // expert_bytes)
+    cells = " / ".join(f"{ms:.2f}" for ms in times)
+    sizes = " / ".join(str(g) for g in GROUP_SWEEP)
+    best = GROUP_SWEEP[min(range(len(times)), key=times.__getitem__)]
+    return (f"T={x.shape[0]:<3d} nf4 dequantized in groups of {sizes} experts: {cells} ms/layer (fastest: {best}; "
+            f"GROUP_BYTES[{kind!r}] holds {now} now)")
 
 
 def _fused_line(

@@ -49,8 +49,9 @@ if [ $bnb = 1 ]; then
     --vram-gb 16 --repeats 3 --compile
 fi
 # Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
-# (NF4 rows, GGUF Q4_0 blocks); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton kernel; one GDN
-# layer's AR step and 1024-token prefill, the PyTorch rule vs flash-linear-attention's kernels.
+# (NF4 rows, GGUF Q4_0 blocks), and the dequantizing pass at 4 / 8 / 16 experts per group (16 = 96 MiB, past L2:
+# picks engine.experts.GROUP_BYTES["cuda"]); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton
+# kernel; one GDN layer's AR step and 1024-token prefill, the PyTorch rule vs flash-linear-attention's kernels.
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
 if [ $bnb = 1 ]; then
   # Issue 8: ops (launches), host reads (device-to-host copies show on a GPU) and bytes written per forward on the

@@ -153,3 +153,25 @@ def test_the_peak_vram_line_sets_what_torch_held_against_what_the_plan_counted()
     assert line.startswith("peak GPU memory (torch): ") and "reserved is 75% of that" in line, line
     assert f"the plan counts {counted / 2**30:.2f} GiB" in line
     assert _peak_vram_line(2**30, 2**31, None) == "peak GPU memory (torch): 1.00 GiB allocated, 2.00 GiB reserved"
+
+
+def test_the_group_sweep_times_each_group_size_and_puts_group_bytes_back() -> None:
+    """--moe-only's sweep: the dequantize-then-matmul pass at 4, 8 and 16 experts per group (what a GPU run picks
+    engine.experts.GROUP_BYTES by), the module's setting as it was afterwards."""
+    from clover_desk.cmd_bench_speed import _group_sweep_line, _moe_routing, _random_nf4_bank
+    from engine import experts
+
+    gen = torch.Generator().manual_seed(0)
+    e, k, d, i = 32, 4, 64, 64
+    bank = _random_nf4_bank(e, d, i, gen)
+    idx, w = _moe_routing(16, k, e, 24, gen)
+    x = torch.randn(16, d, generator=gen)
+    before = dict(experts.GROUP_BYTES)
+    line = _group_sweep_line(bank, x, idx, w, 1, "cpu", torch.float32, d, i)
+    assert experts.GROUP_BYTES == before
+    got = re.match(r"T=16  nf4 dequantized in groups of 4 / 8 / 16 experts: ([\d.]+) / ([\d.]+) / ([\d.]+) ms/layer "
+                   r"\(fastest: (\d+); GROUP_BYTES\['cpu'\] holds (\d+) now\)$", line)
+    assert got, line
+    times = [float(got[n]) for n in (1, 2, 3)]
+    assert all(t > 0 for t in times) and int(got[4]) == (4, 8, 16)[times.index(min(times))]
+    assert int(got[5]) == max(1, before["cpu"] // (3 * d * i * 4))
