@@ -72,7 +72,7 @@ from engine.manifest import (
     model_facts,
     quantize_manifest,
 )
-from engine.speed import CORESET_DISTINCT_EXPERTS_PER_PASS, Roofline, predict
+from engine.speed import CORESET_DISTINCT_EXPERTS_PER_PASS, DEQUANT_GROUP_EXPERTS, Roofline, predict
 
 __all__ = [
     "DEFAULT_CARD_BYTES",
@@ -119,7 +119,7 @@ ACTIVATION_BUFFERS = 11
 # back to its math kernel, which writes fp32 scores and probabilities.
 ATTENTION_PATHS = ("efficient", "math")
 ATTENTION_ROWS = 64  # engine.model.ATTENTION_ROWS: query rows per attention call in a causal pass (32 in block mode)
-EXPERT_DEQUANT_EXPERTS = 16  # experts dequantized to bf16 at once on CUDA (engine.experts.GROUP_BYTES: 96 MiB for 35B-A3B)
+EXPERT_DEQUANT_EXPERTS = DEQUANT_GROUP_EXPERTS  # experts dequantized to bf16 at once on CUDA (engine.speed)
 # Per weight of a dequantized expert group: its bf16 values and the quantized rows gathered for it (at most one byte
 # per weight with the scales: int8). Measured for the 35B-A3B NF4 group: 96 MiB of bf16 + 24 MiB of NF4 rows.
 EXPERT_DEQUANT_BYTES_PER_PARAM = 3
