@@ -27,8 +27,11 @@ How a plan is made (:func:`make_plan`); every VRAM byte is in ``Plan.vram_breakd
 * ``gdn_state``: fp32 recurrent state + bf16 conv state per GDN layer; denoising passes read it without writing,
   so no snapshot copy.
 * ``workspace``: the larger of a prefill forward's scratch and a decoding pass's (fp32 block logits, activations),
-  plus the dequantize buffers (a chunk of a quantized projection, a group of experts). The prefill scratch depends
-  on the attention kernel and sets ``Plan.prefill_chunk_tokens`` (:func:`choose_prefill_chunk`).
+  plus the dequantize buffers (a chunk of a quantized projection, a group of experts) and the memory pool of passes
+  replayed from CUDA graphs. The prefill scratch depends on the attention kernel and sets
+  ``Plan.prefill_chunk_tokens`` (:func:`choose_prefill_chunk`). ``clover-desk bench speed --count`` measures the
+  forwards' scratch next to these figures (35B widths as on a GPU: a 32-slot pass 64 MiB, an 864-token prefill
+  segment at a 16K context 361 MiB, against 223 and 675 MiB planned).
 * ``reserve``: CUDA context + cuBLAS (500 MiB) and caching-allocator slack (256 MiB). The budget is what this
   process may use: pass the card's free VRAM (what the desktop leaves), not its total.
 
