@@ -246,11 +246,13 @@ def _run_count(args: argparse.Namespace) -> int:
             model.forward(seg_ids.to(device), ctx - seg, long_cache, block_size=B, write_cache=True, last_only=True,
                           prefill=True)
 
+        pass_name = f"denoising pass ({B} slots)"
+        seg_name = f"prefill segment ({seg} tokens after {ctx - seg:,} in the cache, block mode)"
         forwards = {
             "AR step (1 token)": lambda: model.forward(step, 2 * B, cache, block_size=None, write_cache=False),
-            f"denoising pass ({B} slots)": lambda: model.forward(block, 2 * B, cache, block_size=B, write_cache=False),
+            pass_name: lambda: model.forward(block, 2 * B, cache, block_size=B, write_cache=False),
             f"prompt forward ({4 * B} tokens, block mode)": prompt_forward,
-            f"prefill segment ({seg} tokens after {ctx - seg:,} in the cache, block mode)": segment_forward,
+            seg_name: segment_forward,
         }
         scratch = {}
         for name, fn in forwards.items():
@@ -276,7 +278,7 @@ def _run_count(args: argparse.Namespace) -> int:
                   f"{c['outside_written'] / 1e6:.2f} MB written")
             print(f"    at the full {full.num_hidden_layers} layers: ~{total_ops:.0f} ops, ~{total_bytes / 1e6:.1f} MB "
                   f"written, ~{total_reads:.0f} host reads")
-        _print_workspace(scratch, ctx, parts, details)
+        _print_workspace(scratch[pass_name], scratch[seg_name], ctx, parts, details)
         _count_graph_cuts(model, config, full, cache, step, block, args.quant == "card")
     return 0
 
@@ -293,18 +295,18 @@ def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dic
     return ctx, parts, details
 
 
-def _print_workspace(scratch: dict[str, int], ctx: int, parts: dict[str, int], details: dict[str, Any]) -> None:
-    """The measured scratch next to the planner's workspace for the same forwards."""
+def _print_workspace(
+    pass_scratch: int, segment_scratch: int, ctx: int, parts: dict[str, int], details: dict[str, Any]
+) -> None:
+    """The measured scratch of a denoising pass and a prefill segment next to the planner's workspace for them."""
     dequant = parts["dequant_dense"] + parts["dequant_experts"]
     prefill, decode = sum(details["prefill"].values()) + dequant, sum(details["decode"].values()) + dequant
     # what SDPA's memory-efficient kernel makes of a causal pass's mask on a GPU (its bias and aligned copy): not a
     # torch op output here, so not in the measured scratch
     kernel = details["prefill"].get("attn_bias", 0)
-    pass_name = next(n for n in scratch if n.startswith("denoising pass"))
-    seg_name = next(n for n in scratch if n.startswith("prefill segment"))
     print(f"workspace at a {ctx:,}-token context, measured scratch vs the planner (engine.planner.workspace):")
-    print(f"    denoising pass: {scratch[pass_name] / MIB:.1f} MiB measured, {decode / MIB:.1f} MiB planned")
-    print(f"    prefill segment ({details['prefill_chunk_tokens']} tokens): {scratch[seg_name] / MIB:.1f} MiB measured, "
+    print(f"    denoising pass: {pass_scratch / MIB:.1f} MiB measured, {decode / MIB:.1f} MiB planned")
+    print(f"    prefill segment ({details['prefill_chunk_tokens']} tokens): {segment_scratch / MIB:.1f} MiB measured, "
           f"{prefill / MIB:.1f} MiB planned, of which ~{kernel / MIB:.1f} MiB is the attention kernel's own mask "
           f"copies on a GPU (not seen here)")
 

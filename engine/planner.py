@@ -250,19 +250,19 @@ def workspace(f: ModelFacts, ctx: int, block: int, attention: str = "efficient")
         "activations": block * _widest(geo) * 4 * ACTIVATION_BUFFERS,
         # a single-block pass needs no mask, so SDPA uses flash attention: no score scratch
     }
+    # engine.quant.QuantLinear dequantizes a quantized weight to bf16 a chunk of rows at a time (the lm_head of
+    # 35B-A3B, 0.95 GiB in bf16, in 61 chunks of 16 MiB), and each chunk's product joins the output
+    dense_chunk = min(f.dequant_dense_max_params, DEQUANT_CHUNK_ELEMS) * 2 * 2
     parts = {
         "prefill_or_decode": max(sum(prefill.values()), sum(decode.values())),
-        # engine.quant.QuantLinear dequantizes a quantized weight to bf16 a chunk of rows at a time (the lm_head of
-        # 35B-A3B, 0.95 GiB in bf16, in 61 chunks of 16 MiB), and each chunk's product joins the output
-        "dequant_dense": min(f.dequant_dense_max_params, DEQUANT_CHUNK_ELEMS) * 2 * 2,
+        "dequant_dense": dense_chunk,
         "dequant_experts": (
             int(EXPERT_DEQUANT_EXPERTS * f.expert_params * EXPERT_DEQUANT_BYTES_PER_PARAM) if f.experts_quantized else 0
         ),
         # Passes replayed from CUDA graphs (engine.step_graphs, compiled runs) keep their own memory pool, which the
         # eager prefill cannot borrow from: a block pass's scratch (its quantized projections' dequantize chunks
         # in it) and the logits buffer its head piece writes, shared by every key length
-        "cuda_graphs": sum(decode.values()) + min(f.dequant_dense_max_params, DEQUANT_CHUNK_ELEMS) * 2 * 2
-        + block * geo.vocab_size * 4,
+        "cuda_graphs": sum(decode.values()) + dense_chunk + block * geo.vocab_size * 4,
     }
     details = {"prefill_chunk_tokens": chunk, "attention_path": attention, "prefill": prefill, "decode": decode}
     return parts, details

@@ -172,14 +172,16 @@ class _Buffers:
         self.r = torch.zeros_like(self.h)
         self.w = torch.zeros(t, k, dtype=torch.float32, device=device)
         self.idx = torch.zeros(t, k, dtype=torch.long, device=device)
+        self._vocab = model.config.vocab_size
         self._out: dict[bool, Tensor] = {}
 
-    def out(self, last_only: bool, t: int, vocab: int) -> Tensor:
+    def out(self, last_only: bool) -> Tensor:
         """The fp32 logits the head piece writes: [1, V] or [T, V]. One per shape, shared by the passes of every key
         length (one pass runs at a time, and the caller gets a clone): a 32-slot pass's is 32 MB at Clover's
         vocabulary, which one per key bucket would hold again for each (7 buckets at a 16K context)."""
         if last_only not in self._out:
-            self._out[last_only] = torch.empty(1 if last_only else t, vocab, dtype=torch.float32, device=self.h.device)
+            rows = 1 if last_only else self.h.shape[0]
+            self._out[last_only] = torch.empty(rows, self._vocab, dtype=torch.float32, device=self.h.device)
         return self._out[last_only]
 
 
@@ -295,7 +297,7 @@ class StepGraphs:
         t, block_size, write_cache, last_only, kv_len = key
         p = model.static_pass(self._pos, cache, kv_len, t, block_size, write_cache)  # its tensors: static buffers
         b = self._buffers(t)
-        out = b.out(last_only, t, model.config.vocab_size)
+        out = b.out(last_only)
 
         def refresh() -> None:
             fresh = model.static_pass(self._pos, cache, kv_len, t, block_size, write_cache)
