@@ -66,6 +66,11 @@ class ExpertBank(nn.Module):
         """Called by :meth:`prepare_for` with the sorted distinct expert ids (a CPU LongTensor) this forward will
         touch, so a streaming bank can fetch them."""
 
+    def fetches(self, pairs: int) -> bool:
+        """Whether a forward over ``pairs`` (token, expert) pairs calls :meth:`prepare_for` first: a streamed bank
+        does unless it reads those pairs' experts in place (``engine.offload``)."""
+        return self.needs_prepare
+
     def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether :meth:`forward` over ``pairs`` (token, slot) pairs of ``dtype`` activations on ``device`` reads
         nothing on the host, so that a CUDA graph can record it (``engine.step_graphs``). False unless a subclass

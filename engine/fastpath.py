@@ -81,7 +81,8 @@ def compile_layers(
     if whole_step and hasattr(model, "step_graph"):
         from engine import step_graphs
 
-        streamed = step_graphs.streamed_layers(model)
+        # the layers that fetch in an AR step (a zero-copy bank reads its experts in place: traced like a resident one)
+        streamed = step_graphs.streamed_layers(model, pairs=model.config.num_experts_per_tok)
         if model.device.type == "cuda":  # CUDA graphs, cut around the experts that read the host
             model.step_graph = model.pass_graph = step_graphs.StepGraphs(model)
         elif streamed:

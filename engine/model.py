@@ -834,7 +834,8 @@ class SparseMoe(nn.Module):
         part of a layer that may read the host (a streamed bank's fetch, a quantized bank's group sizes):
         ``engine.step_graphs`` runs it eagerly between recorded pieces when it does."""
         self.last_topk_idx, self.last_topk_w = idx, w
-        if self.experts.needs_prepare:  # a streamed bank fetches its experts first (a host read); resident ones don't
+        # a streamed bank fetches its experts first (a host read) unless it reads them in place; resident ones don't
+        if self.experts.needs_prepare and self.experts.fetches(idx.numel()):
             self.experts.prepare_for(x, idx)
         return self.experts(x, idx, w)  # [T, D]
 

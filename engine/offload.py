@@ -23,6 +23,14 @@ this layer's input (a speculative guess, as in mixtral-offloading), and its top-
 unpinned slots as soon as this layer's own copies are issued (``ready``), so they overlap this layer's compute.
 Under CUDA graphs (``engine.step_graphs``) only that fetch runs eagerly: the compute reads a fixed slot table.
 
+Zero-copy (opt-in: ``CLOVER_DESK_ZERO_COPY=1``, or ``place_model(zero_copy=True)``): a forward of at most
+:data:`ZERO_COPY_PAIRS` (token, expert) pairs, an AR step, reads its streamed experts where they lie. On CUDA the
+page-locked rows are mapped into the device's address space (:func:`in_place_view`), so the routed compute gathers
+its k rows over PCIe itself: no fetch, no host read, no pool slot, and the step is one CUDA graph. Each step then
+reads all its streamed experts over PCIe (the pool's hits are lost), against a host read and a copy per streamed
+layer; ``bench speed --moe-only`` times both on a GPU, which decides. Block passes always go through the pool,
+whose slots their passes share.
+
 Accounting (``accounting(model)``) is a JSON-safe dict for ``Finished.accounting``.
 
 Letters: E experts, S slots, R row bytes per expert, T tokens, K top-k, D hidden size.
@@ -44,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
-from engine.experts import ExpertBank, present
+from engine.experts import SMALL_SLOTS, ExpertBank, present
 from engine.formats import format_of_torch_dtype
 from engine.quant import (
     QuantExpertBank,
@@ -60,6 +68,10 @@ from engine.quant import (
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
+ZERO_COPY_ENV = "CLOVER_DESK_ZERO_COPY"
+# A forward with at most this many (token, expert) pairs reads streamed experts in place when zero-copy is on: an AR
+# step's top-8. Its compute gathers one row per pair (engine.experts.SMALL_SLOTS), so it needs no sort and no sync.
+ZERO_COPY_PAIRS = SMALL_SLOTS
 WINDOWS_PIN_BUDGET = 2 * GiB  # pinned host memory a loaded process can usually get under WDDM; the rest is staged
 _LAYER_RX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
@@ -164,6 +176,46 @@ class HostExpertStore:
     @property
     def nbytes(self) -> int:
         return self.rows.numel()
+
+
+class _MappedRows:
+    """Page-locked host rows offered to torch as device memory (``__cuda_array_interface__``): under CUDA's unified
+    addressing a page-locked buffer has the same address on the device as on the host. The tensor torch builds
+    from it holds this object, and with it the host tensor, alive."""
+
+    def __init__(self, rows: Tensor) -> None:
+        self.rows = rows
+        self.__cuda_array_interface__ = {
+            "shape": tuple(rows.shape),
+            "typestr": "|u1",
+            "data": (rows.data_ptr(), False),
+            "strides": None,
+            "version": 2,
+        }
+
+
+def in_place_view(rows: Tensor, device: torch.device) -> tuple[Tensor | None, str]:
+    """A tensor on ``device`` whose bytes are host ``rows`` [E, R] uint8 where they lie (zero-copy), or None and why
+    not. CPU: ``rows`` itself. CUDA: page-locked rows mapped into the device's address space, checked once: the view
+    must be at the rows' own address (not a copy in VRAM) and read back the first and last row's first bytes."""
+    if device.type == "cpu":
+        return rows, ""
+    if device.type != "cuda":
+        return None, f"no zero-copy reads on {device.type}"
+    if not rows.is_pinned():
+        return None, "the rows are pageable (pinned memory was refused or its budget spent)"
+    try:
+        view = torch.as_tensor(_MappedRows(rows), device=device)
+        probe = torch.tensor([0, rows.shape[0] - 1])
+        n = min(64, rows.shape[1])
+        seen = view[probe.to(device), :n].cpu()  # a sync, once per layer at placement
+    except Exception as exc:  # noqa: BLE001 - any failure means: copy through the pool as before
+        return None, f"mapping page-locked memory failed: {exc}"
+    if view.device.type != "cuda" or view.data_ptr() != rows.data_ptr():
+        return None, "torch copied the rows instead of mapping them"
+    if not torch.equal(seen, rows[probe, :n]):
+        return None, "reading the mapped rows through the device gave other bytes"
+    return view, ""
 
 
 class StagingRing:
@@ -396,6 +448,20 @@ class StreamedExpertBank(ExpertBank):
         self.next_layer: int | None = None
         self._guess: list[int] | None = None  # the next streamed layer's experts to prefetch (prepare_for)
         self.slot_table: Tensor | None = None  # [E] long on the pool's device: expert -> pool row (ready)
+        self.in_place: Tensor | None = None  # [E, R] the host rows as the device reads them (zero-copy), or None
+
+    def reads_in_place(self, pairs: int) -> bool:
+        """Whether a forward over ``pairs`` (token, expert) pairs reads this layer's experts where they lie in host
+        memory, with no fetch (zero-copy on, this layer's rows mapped, an AR step's few pairs)."""
+        return self.in_place is not None and self.runtime.zero_copy and pairs <= ZERO_COPY_PAIRS
+
+    def fetches(self, pairs: int) -> bool:
+        """Whether a forward over ``pairs`` pairs fetches its experts into the pool first (a host read)."""
+        return not self.reads_in_place(pairs)
+
+    def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """The whole bank reads nothing on the host only where it reads in place (otherwise its fetch does)."""
+        return self.reads_in_place(pairs) and rows_sync_free(pairs, device, self.layout)
 
     # Never traced (``torch.compiler.disable``), like engine.experts._moe_sorted: the slot bookkeeping is host-side
     # Python state that changes every step; traced, it would be baked into a compiled layer as constants (and the
@@ -458,8 +524,14 @@ class StreamedExpertBank(ExpertBank):
         self.runtime.pool.release(self.layer, list(self._slots))
         self._slots = {}
 
-    @torch.compiler.disable
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        if self.reads_in_place(topk_idx.numel()):  # zero-copy: traced and recorded like a resident bank
+            assert self.in_place is not None
+            return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.in_place)
+        return self._fetch_and_compute(x, topk_idx, topk_w)
+
+    @torch.compiler.disable
+    def _fetch_and_compute(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         if not self._slots:  # prepare_for() was not called for this forward: find the experts (a host read)
             self.prepare_for(x, topk_idx)
         # prepare_for() received exactly the experts of topk_idx: reuse them instead of a second host read
@@ -470,7 +542,8 @@ class StreamedExpertBank(ExpertBank):
 
     def extra_repr(self) -> str:
         lay = self.layout
-        return f"layer={self.layer}, experts={self.num_experts}, row_bytes={lay.nbytes}, pinned={self.store.pinned}"
+        return (f"layer={self.layer}, experts={self.num_experts}, row_bytes={lay.nbytes}, pinned={self.store.pinned}, "
+                f"in_place={self.in_place is not None}")
 
 
 class OffloadRuntime:
@@ -487,6 +560,8 @@ class OffloadRuntime:
         self.block_passes = 0
         self.block_experts: dict[int, set[int]] = {}
         self.in_block = False  # between begin_block() and end_block()
+        self.zero_copy = False  # AR steps read the mapped layers' experts in place (StreamedExpertBank.in_place)
+        self.zero_copy_refused: dict[int, str] = {}  # layer -> why its rows could not be mapped
 
     @property
     def stats(self) -> Stats:
@@ -553,6 +628,9 @@ class OffloadRuntime:
             "prefetch_wasted": st.prefetch_wasted,
             "staged_copies": st.staged_copies,
             "host_reads": st.host_reads,
+            "zero_copy": self.zero_copy,
+            "zero_copy_layers": [i for i in self.streamed_layers if i not in self.zero_copy_refused]
+            if self.zero_copy else [],
             "blocks": st.blocks,
             "passes": st.passes,
             "passes_per_block": sum(st.passes_per_block) / len(st.passes_per_block) if st.passes_per_block else 0.0,
@@ -689,6 +767,7 @@ def place_model(
     prefetch: bool = True,
     host_embedding: bool = True,
     staging: bool | None = None,
+    zero_copy: bool | None = None,
 ) -> OffloadRuntime:
     """Place ``model`` exactly as ``plan`` says, reading every tensor once from ``source`` straight into its final
     place: the device (non-expert weights, resident experts, the slot pool), a host row store per streamed layer
@@ -697,7 +776,10 @@ def place_model(
     ``model`` may be a skeleton on the meta device (loading from the quantized cache: nothing is in memory twice)
     or a model in memory (:func:`apply_plan`). Transactional: every tensor is created and filled first and the
     model is changed only when all succeeded, so an out-of-memory (real, or past ``device_cap_bytes``) leaves it as
-    it was and raises :class:`OutOfMemory`. Never plans: the plan is placed as given."""
+    it was and raises :class:`OutOfMemory`. Never plans: the plan is placed as given.
+
+    ``zero_copy``: AR steps read the streamed experts in place (:func:`set_zero_copy`); None: as
+    ``CLOVER_DESK_ZERO_COPY=1`` says, on CUDA only."""
     dev = torch.device(device)
     if not getattr(plan, "fits", True):
         raise PlanError(f"the plan does not fit: {getattr(plan, 'reason', '') or 'budget below the minimum'}")
@@ -783,6 +865,10 @@ def place_model(
             new_banks[a].next_router = router
             new_banks[a].next_layer = b
     model._offload_runtime = runtime  # plain attribute (not a submodule)
+    if zero_copy is None:
+        zero_copy = dev.type == "cuda" and os.environ.get(ZERO_COPY_ENV) == "1"
+    if zero_copy and streamed:
+        set_zero_copy(model, True)
     log.info(
         "plan placed: %d resident, %d streamed layers, %d slots, %.1f MiB on %s (+%.1f MiB kept on host)",
         len(resident),
@@ -802,6 +888,30 @@ def apply_plan(model: nn.Module, plan: PlanLike, device: torch.device | str = "c
         raise PlanError("apply_plan places a plan; make one with engine.planner.plan_model")
     kwargs.setdefault("host_embedding", False)
     return place_model(model, plan, device, ModelSource(model), **kwargs)
+
+
+def set_zero_copy(model: nn.Module, on: bool) -> dict[int, str]:
+    """Turn zero-copy reads of streamed experts on or off for ``model``'s AR steps (see the module); returns
+    {layer: why not} for the streamed layers whose rows could not be mapped (they keep fetching into the pool).
+    Graphs recorded before (CUDA graphs of ``engine.step_graphs``) are dropped: where the experts are read changed."""
+    rt = runtime_of(model)
+    if rt is None:
+        raise PlanError("zero-copy reads need a placed model (engine.offload.place_model / apply_plan)")
+    if on:
+        for i, (_, bank) in expert_banks(model).items():
+            if isinstance(bank, StreamedExpertBank) and bank.in_place is None and i not in rt.zero_copy_refused:
+                bank.in_place, why = in_place_view(bank.store.rows, rt.device)
+                if bank.in_place is None:
+                    rt.zero_copy_refused[i] = why
+        if rt.zero_copy_refused:
+            log.warning("zero-copy: %d streamed layer(s) keep fetching through the pool: %s",
+                        len(rt.zero_copy_refused), next(iter(rt.zero_copy_refused.values())))
+    if rt.zero_copy != on:
+        rt.zero_copy = on
+        forget = getattr(getattr(model, "step_graph", None), "forget", None)
+        if callable(forget):
+            forget()
+    return dict(rt.zero_copy_refused)
 
 
 def _router_of(model: nn.Module, experts_name: str) -> nn.Module | None:

@@ -62,9 +62,12 @@ Stage = tuple[str, int]  # (part, layer index; the head's is the layer count): s
 EAGER_STAGES = ("bank", "fetch")  # the stages that read the host
 
 
-def streamed_layers(model: Any) -> list[int]:
-    """The layers whose experts are streamed from host memory (their bank fetches experts on the host per pass)."""
-    return [i for i, moe in enumerate(model.moe_layers()) if getattr(moe.experts, "needs_prepare", False)]
+def streamed_layers(model: Any, pairs: int | None = None) -> list[int]:
+    """The layers whose experts are streamed from host memory; with ``pairs``, only those whose bank fetches its
+    experts on the host for a pass of that many (token, expert) pairs (a zero-copy bank reads an AR step's in place:
+    ``engine.offload.StreamedExpertBank.fetches``)."""
+    return [i for i, moe in enumerate(model.moe_layers())
+            if getattr(moe.experts, "needs_prepare", False) and (pairs is None or moe.experts.fetches(pairs))]
 
 
 def cuts(model: Any, t: int) -> dict[int, str]:
@@ -72,13 +75,14 @@ def cuts(model: Any, t: int) -> dict[int, str]:
     host (:meth:`engine.experts.ExpertBank.sync_free`: a quantized bank sizing its dequantizing groups on the
     host), ``"fetch"`` for a streamed bank whose compute reads nothing (only the fetch runs eagerly: it decides on
     the host which experts to copy; :meth:`engine.offload.StreamedExpertBank.compute_sync_free`), and ``"bank"``
-    for a streamed bank whose compute reads the host too. Layers not named are recorded whole."""
+    for a streamed bank whose compute reads the host too. Layers not named are recorded whole, a streamed bank that
+    reads this pass's experts in place (zero-copy) included."""
     pairs = t * model.config.num_experts_per_tok
     device, dtype = model.device, model.dtype
     out: dict[int, str] = {}
     for i, moe in enumerate(model.moe_layers()):
         bank = moe.experts
-        if getattr(bank, "needs_prepare", False):
+        if getattr(bank, "needs_prepare", False) and bank.fetches(pairs):
             compute_free = getattr(bank, "compute_sync_free", None)
             out[i] = "fetch" if compute_free is not None and compute_free(pairs, device, dtype) else "bank"
         elif not bank.sync_free(pairs, device, dtype):
@@ -221,8 +225,10 @@ class StepGraphs:
         self.keeps_cache = True  # the model hands every request the same cache (CloverModel.new_cache)
 
     def forget(self) -> None:
-        """Drop the passes recorded for the current cache (their graphs, and with them the cache's memory)."""
+        """Drop the passes recorded for the current cache (their graphs, and with them the cache's memory), and how
+        passes are cut (a placement change, such as zero-copy reads, changes what reads the host)."""
         self._steps.clear()
+        self._pieces.clear()
         self._cache_ref = None
 
     def pieces_for(self, t: int) -> list[tuple[str, tuple[Stage, ...]]]:

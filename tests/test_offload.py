@@ -312,3 +312,145 @@ def test_compiled_layers_stream_the_same_tokens(qmodel: CloverModel, mode: str, 
         assert offload.accounting(model)["slot_misses"] > 0
     finally:
         torch._dynamo.reset()
+
+
+# --- zero-copy: AR steps read streamed experts where they lie (engine.offload.in_place_view) ---
+
+
+@pytest.mark.parametrize("mode,n", [("ar", 12), ("diffusion", 32)])
+def test_zero_copy_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: int) -> None:
+    reference = tokens(qmodel, mode, n)
+    for name in ("some-streamed", "all-min-pool"):
+        streamed, slots = PLANS[name]
+        model = fresh(qmodel)
+        rt = apply_plan(model, SimplePlan(tuple(i for i in range(LAYERS) if i not in streamed), streamed, slots),
+                        "cpu", zero_copy=True)
+        assert rt.zero_copy and all(model.layers[i].mlp.experts.in_place is not None for i in streamed)
+        assert tokens(model, mode, n) == reference, name
+        acc = offload.accounting(model)
+        assert acc["zero_copy"] and acc["zero_copy_layers"] == list(streamed)
+        if mode == "diffusion":  # block passes go through the pool as before
+            assert acc["slot_misses"] > 0 and acc["blocks"] >= 1
+
+
+def test_zero_copy_ar_steps_neither_fetch_nor_read_the_host(qmodel: CloverModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AR step's few pairs gather their rows from the host store itself: no host read, no copy, no pool slot;
+    a prompt's forward (more pairs) still fetches through the pool. Turned off, the step fetches again."""
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((0,), (1, 2, 3), 4 * EXPERTS), "cpu", zero_copy=True, prefetch=True)
+    rt = offload.runtime_of(model)
+    assert rt is not None
+    cache = model.new_cache(32)
+    model(torch.arange(5, 12), 0, cache)  # 7 tokens x top-4: through the pool
+    prompt = offload.accounting(model)
+    assert prompt["host_reads"] == 3 and prompt["slot_misses"] > 0
+    reads: list[tuple[int, ...]] = []
+    plain = torch.Tensor.cpu
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        reads.append(tuple(t.shape))
+        return plain(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    for pos in range(7, 10):
+        model(torch.tensor([pos]), pos, cache)
+    after = offload.accounting(model)
+    assert reads == []
+    for key in ("host_reads", "h2d_bytes", "slot_hits", "slot_misses", "prefetched"):
+        assert after[key] == prompt[key], key
+    assert not rt.pool.in_use
+    assert offload.set_zero_copy(model, False) == {}
+    model(torch.tensor([10]), 10, cache)
+    assert reads and offload.accounting(model)["host_reads"] == prompt["host_reads"] + 3
+
+
+def test_zero_copy_follows_the_environment_on_cuda_only(qmodel: CloverModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(offload.ZERO_COPY_ENV, "1")
+    model = fresh(qmodel)
+    rt = apply_plan(model, SimplePlan((0,), (1, 2, 3), EXPERTS), "cpu")
+    assert not rt.zero_copy  # the CPU tests emulate a GPU's copies unless asked
+    assert all(model.layers[i].mlp.experts.in_place is None for i in (1, 2, 3))
+    rows = torch.zeros(4, 8, dtype=torch.uint8)
+    assert offload.in_place_view(rows, torch.device("cpu"))[0] is rows
+    view, why = offload.in_place_view(rows, torch.device("meta"))
+    assert view is None and "meta" in why
+    if not torch.cuda.is_available():  # pageable rows have no device address
+        view, why = offload.in_place_view(rows, torch.device("cuda"))
+        assert view is None and "pageable" in why
+    with pytest.raises(PlanError, match="placed model"):
+        offload.set_zero_copy(fresh(qmodel), True)
+
+
+def test_a_zero_copy_ar_step_traces_as_one_graph(qmodel: CloverModel) -> None:
+    """No host sync in an AR step over streamed layers, proven by the compiler: with zero-copy the whole step is one
+    graph; through the pool each streamed layer's fetch breaks it."""
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((0, 2), (1, 3), EXPERTS), "cpu")
+    cache = model.new_cache(32)
+    model(torch.arange(5, 12), 0, cache)
+
+    def step(tok: torch.Tensor) -> torch.Tensor:
+        return model(tok, 7, cache, block_size=None, write_cache=False)
+
+    tok = torch.tensor([9])
+    try:
+        torch._dynamo.reset()
+        through_pool = torch._dynamo.explain(step)(tok)
+        assert through_pool.graph_break_count > 0
+        offload.set_zero_copy(model, True)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step)(tok)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
+            str(b.reason)[:200] for b in explained.break_reasons
+        ]
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend="eager", fullgraph=True)
+        assert (compiled(tok) - step(tok)).abs().max() < 1e-5  # (traced: another summation order)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compile_layers_runs_zero_copy_ar_steps_as_one_graph(qmodel: CloverModel) -> None:
+    """On the CPU a model whose streamed layers fetch gets no whole-step graph (its pieces' guards would change
+    every step); with zero-copy nothing in an AR step fetches, so it gets one, with the eager tokens."""
+    import torch._dynamo
+
+    from engine.fastpath import compile_layers
+
+    def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        return gm.forward
+
+    reference = tokens(qmodel, "ar", 12)
+    fetching = fresh(qmodel)
+    apply_plan(fetching, SimplePlan((0, 2), (1, 3), EXPERTS), "cpu")
+    model = fresh(qmodel)
+    apply_plan(model, SimplePlan((0, 2), (1, 3), EXPERTS), "cpu", zero_copy=True)
+    torch._dynamo.reset()
+    try:
+        compile_layers(fetching, backend=run_traced)
+        assert fetching.step_graph is None
+        compile_layers(model, backend=run_traced)
+        assert model.step_graph is not None
+        assert tokens(model, "ar", 12) == reference
+        assert tokens(model, "ar", 12) == reference
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_page_locked_rows_are_read_in_place_by_the_gpu() -> None:
+    """The mapping zero-copy rests on: a CUDA tensor whose bytes are the page-locked host rows (no copy: a write on
+    the host is what the GPU reads next), gathered by a device-side index; pageable rows are refused with why."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gpu = torch.device("cuda")
+    rows = torch.randint(0, 256, (16, 4096), dtype=torch.uint8).pin_memory()
+    view, why = offload.in_place_view(rows, gpu)
+    assert view is not None, why
+    assert view.device.type == "cuda" and view.data_ptr() == rows.data_ptr()
+    picked = torch.tensor([3, 15, 0], device=gpu)
+    assert torch.equal(view[picked].cpu(), rows[[3, 15, 0]])
+    rows[15, :8] = 7  # the host writes; the GPU reads the new bytes, no copy in between
+    torch.cuda.synchronize()
+    assert torch.equal(view[picked].cpu()[1, :8], torch.full((8,), 7, dtype=torch.uint8))
+    assert offload.in_place_view(torch.zeros(2, 8, dtype=torch.uint8), gpu)[1].startswith("the rows are pageable")

@@ -283,6 +283,34 @@ def test_steps_run_in_pieces_through_static_buffers_decode_the_same_tokens(strea
         assert rt is not None and rt.pool is not None and not rt.pool.in_use  # and gave them back
 
 
+def test_zero_copy_ar_steps_are_one_piece_and_decode_the_same_tokens() -> None:
+    """With zero-copy reads an AR step has nothing to cut (its streamed layers read their experts in place), so it
+    is one graph; a block pass is still cut at every bank. Run through the pieces: the tokens of ordinary steps,
+    and no streamed layer looks its experts up in the pool."""
+    from engine import offload
+
+    model = _quantized((1, 2))
+    want = _tokens(model, 40)
+    runner = step_graphs.StepGraphs(model, record=False)
+    assert [kind for kind, _ in runner.pieces].count("eager") == 2
+    model.step_graph = runner
+    offload.set_zero_copy(model, True)  # drops how the passes were cut
+    assert step_graphs.cuts(model, 1) == {} and runner.pieces == step_graphs.pieces_of(4, {})
+    assert step_graphs.cuts(model, 8) == dict.fromkeys(range(4), "bank")
+    assert step_graphs.streamed_layers(model) == [1, 2] and step_graphs.streamed_layers(model, pairs=4) == []
+    looked = lambda: sum(offload.accounting(model)[k] for k in ("slot_hits", "slot_misses"))  # noqa: E731
+    offload.runtime_of(model).reset_stats()
+    try:
+        *_, done = generate_ar(model, PROMPT, _settings(model.config, 40))
+        prompt_only = looked()
+        assert list(done.token_ids) == want
+        assert _tokens(model, 40) == want
+    finally:
+        model.step_graph = None
+    assert runner.replays == 2 * 39 and runner.failed is None
+    assert 0 < looked() == 2 * prompt_only  # only the two prompts' forwards went through the pool
+
+
 def test_compiled_layers_run_in_the_pieces_as_on_a_gpu() -> None:
     """What compile_layers sets up on a GPU, short of recording: compiled layers inside the pieces of AR steps and
     block passes (the static passes traced: positions, masks, scratch K/V put back), with a streamed layer cut at
@@ -446,6 +474,49 @@ def test_cuda_graph_pieces_around_streamed_layers_decode_the_uncaptured_tokens()
     graphed.step_graph = runner
     assert _tokens(graphed, 300) == want
     assert runner.failed is None and runner.recorded == 3 * 2 and runner.replays == 299  # 3 graphs, 2 buckets
+
+
+@pytest.mark.gpu
+def test_zero_copy_streamed_steps_are_one_cuda_graph_without_a_sync() -> None:
+    """Streamed layers whose page-locked rows are mapped into the GPU's address space (engine.offload zero-copy): an
+    AR step is one recorded graph that reads those rows over PCIe, with the tokens of the uncaptured steps through
+    the pool and no sync."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("bitsandbytes")
+    from engine import offload
+    from engine.quant import make_policy, quantize_model_
+
+    def placed(zero_copy: bool) -> Any:
+        model = tiny_model(tiny_config(), seed=5)
+        quantize_model_(model, make_policy())
+        offload.apply_plan(model, offload.SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda",
+                           zero_copy=zero_copy)
+        return model
+
+    want = _tokens(placed(False), 300)
+    graphed = placed(True)
+    rt = offload.runtime_of(graphed)
+    assert rt is not None and rt.zero_copy and rt.zero_copy_refused == {}
+    view = graphed.layers[1].mlp.experts.in_place
+    assert view.device.type == "cuda" and torch.equal(view.cpu(), rt.stores[1].rows)  # the host bytes, mapped
+    runner = step_graphs.StepGraphs(graphed)
+    assert runner.pieces == step_graphs.pieces_of(4, {})
+    graphed.step_graph = runner
+    assert _tokens(graphed, 300) == want
+    assert runner.failed is None and runner.recorded == 2 and runner.replays == 299
+    cache = graphed.new_cache(512)
+    gpu = torch.device("cuda")
+    graphed(torch.tensor(PROMPT, device=gpu), 0, cache, write_cache=True)
+    tok = torch.tensor([3], device=gpu)
+    graphed(tok, len(PROMPT), cache, write_cache=True, last_only=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for pos in range(len(PROMPT) + 1, len(PROMPT) + 4):
+            graphed(tok, pos, cache, write_cache=True, last_only=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
