@@ -349,6 +349,22 @@ def test_replayed_passes_pay_only_for_the_launches_left_eager(m35: planner.Manif
     assert free["diffusion_graphs_fused"] == pytest.approx(free["diffusion_bound"])
 
 
+def test_zero_copy_ar_reads_every_streamed_expert_over_pcie_and_waits_for_it(m35: planner.Manifest) -> None:
+    """AR reading streamed experts in place (engine.offload zero-copy) pays no fetch and is one graph, but reads all
+    k experts of every streamed layer over PCIe each step (no pool hits) and cannot overlap that read with compute:
+    on a 16 GB card at 16 GiB it is predicted well below the pool's replayed figure; with nothing streamed it is the
+    replayed step itself, less the fetches that no longer exist."""
+    plan = make_plan(m35, 16 * GiB, CTX)
+    a, tok, s = plan.assumptions, plan.predicted_tok_s, len(plan.streamed_expert_layers)
+    assert a["ar_zero_copy_pcie_bytes_per_token"] == s * 8 * EXPERT_BYTES_4_5_BIT
+    assert a["ar_zero_copy_pcie_bytes_per_token"] > a["ar_pcie_bytes_per_token"]  # the pool's hits are lost
+    assert tok["ar_graphs_zero_copy"] < 0.7 * tok["ar_graphs"]
+    pcie_s = a["ar_zero_copy_pcie_bytes_per_token"] / (a["pcie_gbps"] * 1e9)
+    assert 1 / tok["ar_graphs_zero_copy"] > pcie_s + 1 / tok["ar_bound"] - 1e-3  # serial: the read adds to the rest
+    whole = make_plan(m35, 40 * GiB, CTX).predicted_tok_s
+    assert whole["ar_graphs_zero_copy"] >= whole["ar_graphs_fused"]
+
+
 def test_without_the_fused_moe_kernel_a_pass_writes_and_reads_its_dequantized_experts(m35: planner.Manifest) -> None:
     """The unfused engine dequantizes a pass's experts to bf16 in groups of 16 (96 MiB, past a 48 MiB L2), which the
     matmul reads back: 4 bytes per weight of the 70 experts of each of 40 layers, 35 GB per pass, twice the rest of
