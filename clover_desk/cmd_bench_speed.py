@@ -1061,6 +1061,8 @@ def _run_moe_only(args: argparse.Namespace) -> int:
             _fused_line(name, banks[name], x, idx, w, args.repeats, device, t, distinct)
         if t > 1:
             print(_group_sweep_line(banks["nf4"], x, idx, w, args.repeats, device, dtype, d, i))
+        else:
+            print(_zero_copy_line(banks["nf4"], x, k, args.repeats, device, gen))
     _int8_head_lines(args, device, dtype, gen)
     gdn_lines(device, dtype, args.repeats)
     return 0
@@ -1144,6 +1146,73 @@ def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3
     else:
         line += f" | fla kernels: not run ({'CUDA only' if device != 'cuda' else 'fla-core not installed'})"
     print(line)
+
+
+ZERO_COPY_STEPS = 16  # AR steps per timed run of _zero_copy_line, each with its own routing
+
+
+def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: Any) -> str:
+    """One streamed layer's AR step three ways, each step with fresh routing (k experts drawn at random): through
+    the slot pool when its experts miss (a pool of k slots: the step reads back which experts, copies their rows,
+    then computes: a miss's whole cost), in place (zero-copy: the compute gathers its k rows from the page-locked
+    host rows mapped into the device, engine.offload.in_place_view), and resident (the rows already in device
+    memory: the floor). The rows' bytes over the time give each path's effective rate; on a GPU this decides
+    whether AR steps read streamed experts in place (CLOVER_DESK_ZERO_COPY). On the CPU host and device memory are
+    one: the three differ by the copies only."""
+
+    import torch
+
+    from engine import offload, triton_moe
+
+    dev = torch.device(device)
+    layout = bank.layout
+    rows, pinned = offload.alloc_host_rows(tuple(bank.packed.shape), dev.type == "cuda", offload.PinBudget(None), 0)
+    rows.copy_(bank.packed.cpu())
+    ledger = offload.DeviceLedger(dev)
+    runtime = offload.OffloadRuntime(dev, offload.SlotPool(k, layout, dev, ledger), ledger, prefetch=False)
+    store = offload.HostExpertStore(0, rows, pinned)
+    runtime.stores, runtime.streamed_layers = {0: store}, (0,)
+    streamed = offload.StreamedExpertBank(0, layout, store, runtime)
+    view, why = offload.in_place_view(rows, dev)
+    e = bank.num_experts
+    routings = []
+    for _ in range(ZERO_COPY_STEPS):
+        w = torch.rand(1, k, generator=gen) + 0.1
+        routings.append((torch.randperm(e, generator=gen)[:k].view(1, k).to(dev), (w / w.sum()).to(dev)))
+
+    def steps(fn: Callable[[Any, Any], Any]) -> float:
+        """ms per step, best of ``repeats`` runs of every routing."""
+        return _best(lambda: [fn(idx, w) for idx, w in routings], repeats, device) * 1e3 / len(routings)
+
+    def through_pool(idx: Any, w: Any) -> Any:
+        streamed.prepare_for(x, idx)
+        return streamed(x, idx, w)
+
+    with torch.inference_mode():
+        runtime.reset_stats()
+        pool_ms = steps(through_pool)
+        st = runtime.stats
+        misses = st.slot_misses / max(st.slot_hits + st.slot_misses, 1) * k  # of the k experts, per step
+        resident_ms = steps(lambda idx, w: bank(x, idx, w))
+        row_mb = layout.nbytes / 1e6
+        line = (f"T=1   nf4 streamed layer, AR step: through the pool {pool_ms:7.3f} ms ({misses:.1f} of {k} experts "
+                f"missing: {misses * row_mb / pool_ms:6.2f} GB/s of rows)")
+        if view is None:
+            line += f" | in place (zero-copy): not run ({why})"
+        else:
+            streamed.in_place, runtime.zero_copy = view, True
+            in_place_ms = steps(lambda idx, w: streamed(x, idx, w))
+            diff = max((streamed(x, idx, w).float() - bank(x, idx, w).float()).abs().max().item()
+                       for idx, w in routings[:2])
+            line += (f" | in place (zero-copy) {in_place_ms:7.3f} ms ({k * row_mb / in_place_ms:6.2f} GB/s of rows, "
+                     f"{pool_ms / in_place_ms:4.2f}x the pool's speed), max |diff| {diff:.1e}")
+        line += f" | resident {resident_ms:7.3f} ms"
+        if view is not None and dev.type == "cuda" and triton_moe.available() and triton_moe.supports(layout):
+            fused_in_place = steps(lambda idx, w: triton_moe.fused_moe(x, view, layout, idx, w))
+            fused_resident = steps(lambda idx, w: triton_moe.fused_moe(x, bank.packed, layout, idx, w))
+            line += (f" | fused (Triton) in place {fused_in_place:7.3f} ms ({k * row_mb / fused_in_place:6.2f} GB/s), "
+                     f"resident {fused_resident:7.3f} ms")
+    return line
 
 
 GROUP_SWEEP = (4, 8, 16)  # experts per dequantize group timed by --moe-only

@@ -33,7 +33,7 @@ $py -c "import bitsandbytes" 2>/dev/null && bnb=1 || echo "== bitsandbytes is no
 # (whole and in pieces around the banks that read the host), the int8 kernel, fla's GDN kernels.
 step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py \
   tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py \
-  tests/test_triton_moe.py
+  tests/test_triton_moe.py tests/test_offload.py
 if [ $bnb = 1 ]; then
   # Issue 8's figures: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's
   # 16 GiB placement: streamed layers in pinned host memory, the process capped at 16 GiB), eager: AR tok/s, passes/s,
@@ -51,7 +51,10 @@ fi
 # Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
 # (NF4 rows, GGUF Q4_0 blocks), and the dequantizing pass at 4 / 8 / 16 experts per group (16 = 96 MiB, past L2:
 # picks engine.experts.GROUP_BYTES["cuda"]); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton
-# kernel; one GDN layer's AR step and 1024-token prefill, the PyTorch rule vs flash-linear-attention's kernels.
+# kernel; one GDN layer's AR step and 1024-token prefill, the PyTorch rule vs flash-linear-attention's kernels;
+# one streamed layer's AR step through the slot pool (every expert missing) vs read in place from mapped page-locked
+# rows (zero-copy, CLOVER_DESK_ZERO_COPY) vs resident: the effective GB/s of each (the planner predicts the in-place
+# read cannot overlap compute, so AR at 16 GiB drops from ~99 to ~60 tok/s with it; this says whether it is so).
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
 if [ $bnb = 1 ]; then
   # Issue 8: ops (launches), host reads (device-to-host copies show on a GPU) and bytes written per forward on the

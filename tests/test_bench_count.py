@@ -175,3 +175,24 @@ def test_the_group_sweep_times_each_group_size_and_puts_group_bytes_back() -> No
     times = [float(got[n]) for n in (1, 2, 3)]
     assert all(t > 0 for t in times) and int(got[4]) == (4, 8, 16)[times.index(min(times))]
     assert int(got[5]) == max(1, before["cpu"] // (3 * d * i * 4))
+
+
+def test_the_zero_copy_line_times_a_streamed_ar_step_three_ways() -> None:
+    """--moe-only's AR step of one streamed layer: through a k-slot pool (fresh routing every step, so nearly every
+    expert misses), in place (zero-copy) and resident, the in-place output equal to the resident one. On the CPU the
+    "mapping" is the host rows themselves."""
+    from clover_desk.cmd_bench_speed import ZERO_COPY_STEPS, _random_nf4_bank, _zero_copy_line
+
+    gen = torch.Generator().manual_seed(0)
+    e, k, d, i = 32, 4, 64, 64
+    bank = _random_nf4_bank(e, d, i, gen)
+    x = torch.randn(1, d, generator=gen)
+    line = _zero_copy_line(bank, x, k, 1, "cpu", gen)
+    got = re.match(r"T=1   nf4 streamed layer, AR step: through the pool +([\d.]+) ms \(([\d.]+) of 4 experts "
+                   r"missing: +([\d.]+) GB/s of rows\) \| in place \(zero-copy\) +([\d.]+) ms \( *([\d.]+) GB/s of "
+                   r"rows, +([\d.]+)x the pool's speed\), max \|diff\| ([\d.e+-]+) \| resident +([\d.]+) ms$", line)
+    assert got, line
+    # each step draws 4 of 32 experts; the pool holds the 4 of the step before: ~0.5 of them hit
+    assert 2.0 < float(got[2]) <= 4.0
+    assert float(got[7]) == 0.0  # the same bytes, the same gather: the same numbers
+    assert ZERO_COPY_STEPS >= 8
