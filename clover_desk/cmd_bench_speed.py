@@ -1062,6 +1062,7 @@ def _run_moe_only(args: argparse.Namespace) -> int:
         if t > 1:
             print(_group_sweep_line(banks["nf4"], x, idx, w, args.repeats, device, dtype, d, i))
         else:
+            print(_bnb_gemv_line(banks["nf4"], x, idx, w, args.repeats, device))
             print(_zero_copy_line(banks["nf4"], x, k, args.repeats, device, gen))
     _int8_head_lines(args, device, dtype, gen)
     gdn_lines(device, dtype, args.repeats)
@@ -1146,6 +1147,53 @@ def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3
     else:
         line += f" | fla kernels: not run ({'CUDA only' if device != 'cuda' else 'fla-core not installed'})"
     print(line)
+
+
+def bnb_gemv_moe(bank: Any, x: Any, idx: Any, w: Any, gemv: Any = None) -> Any:
+    """One token's routed experts through bitsandbytes' 4-bit GEMV (``torch.ops.bitsandbytes.gemv_4bit``), straight
+    from an NF4 bank's rows: per expert, gate_up [2I, D] and down [D, I] each one GEMV on its codes and absmax in
+    the row, SwiGLU between, the k outputs weighted and summed in fp32. x [1, D], idx / w [1, K] -> [1, D] in x's
+    dtype. The expert ids are read back to the host (a sync) to address their rows. The issue's candidate for an
+    AR step's experts; ``bench speed --moe-only`` times it against the grouped and fused paths on CUDA (on the CPU
+    bitsandbytes' GEMV reads a layout of its own, repacked at load). ``gemv``: another op with the same arguments
+    (the tests' reference)."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine.quant import _bnb_functional
+
+    lay = bank.layout
+    inter, hidden = lay.intermediate_size, lay.hidden_size
+    code = _bnb_functional().get_4bit_type("nf4", device=x.device)  # [16] fp32, bitsandbytes' NF4 table
+    gemv = gemv or torch.ops.bitsandbytes.gemv_4bit
+
+    def seg(row: Any, part: tuple[int, int], dtype: Any = torch.uint8) -> Any:
+        return row[part[0] : part[0] + part[1]].view(dtype)
+
+    out = torch.zeros(1, hidden, dtype=torch.float32, device=x.device)
+    for j, e in enumerate(idx[0].tolist()):
+        row = bank.packed[e]
+        gu = gemv(x, seg(row, lay.gate_up_codes), [2 * inter, hidden], seg(row, lay.gate_up_scales, torch.float32),
+                  code, lay.blocksize)  # [1, 2I]
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = gemv(h, seg(row, lay.down_codes), [hidden, inter], seg(row, lay.down_scales, torch.float32), code,
+                 lay.blocksize)  # [1, D]
+        out += y.float() * w[0, j].float()
+    return out.to(x.dtype)
+
+
+def _bnb_gemv_line(bank: Any, x: Any, idx: Any, w: Any, repeats: int, device: str) -> str:
+    """:func:`bnb_gemv_moe` timed on the AR step's routing, with its largest difference from the engine's path."""
+    import torch
+
+    k = idx.shape[1]
+    head = f"T=1   nf4 bitsandbytes gemv_4bit, one per expert matrix ({2 * k} GEMVs, ids read back):"
+    if device != "cuda":
+        return f"{head} not run (CUDA only: on the CPU bitsandbytes' GEMV reads a layout of its own)"
+    with torch.inference_mode():
+        ms = _best(lambda: bnb_gemv_moe(bank, x, idx, w), repeats, device) * 1e3
+        diff = (bnb_gemv_moe(bank, x, idx, w).float() - bank(x, idx, w).float()).abs().max().item()
+    return f"{head} {ms:9.2f} ms/layer, max |diff| vs grouped {diff:.2e}"
 
 
 ZERO_COPY_STEPS = 16  # AR steps per timed run of _zero_copy_line, each with its own routing

@@ -196,3 +196,28 @@ def test_the_zero_copy_line_times_a_streamed_ar_step_three_ways() -> None:
     assert 2.0 < float(got[2]) <= 4.0
     assert float(got[7]) == 0.0  # the same bytes, the same gather: the same numbers
     assert ZERO_COPY_STEPS >= 8
+
+
+def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
+    """--moe-only's bitsandbytes GEMV line: per expert, gate_up and down addressed in the NF4 row (codes and absmax
+    segments, shapes [2I, D] and [D, I]). On the CPU bitsandbytes' own GEMV reads a repacked layout, so the
+    addressing is checked with a reference GEMV (dequantize the segment, then multiply): the engine's output."""
+    from clover_desk.cmd_bench_speed import _bnb_gemv_line, _moe_routing, _random_nf4_bank, bnb_gemv_moe
+    from engine.quant import dequantize_nf4_reference
+
+    gen = torch.Generator().manual_seed(0)
+    e, k, d, i = 32, 4, 64, 96
+    bank = _random_nf4_bank(e, d, i, gen)
+    idx, w = _moe_routing(1, k, e, 16, gen)
+    x = torch.randn(1, d, generator=gen)
+
+    def reference_gemv(a: torch.Tensor, codes: torch.Tensor, shape: list[int], absmax: torch.Tensor,
+                       code: torch.Tensor, blocksize: int) -> torch.Tensor:
+        assert code.shape == (16,)
+        return a @ dequantize_nf4_reference(codes, absmax, tuple(shape), blocksize).T
+
+    got = bnb_gemv_moe(bank, x, idx, w, gemv=reference_gemv)
+    want = bank(x, idx, w)
+    assert want.abs().max() > 0 and (got - want).abs().max() < 1e-5 * want.abs().max() * 10
+    assert _bnb_gemv_line(bank, x, idx, w, 1, "cpu").endswith("not run (CUDA only: on the CPU bitsandbytes' GEMV "
+                                                               "reads a layout of its own)")
