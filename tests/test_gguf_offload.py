@@ -228,3 +228,21 @@ def test_generate_with_a_vram_budget_prints_the_plan_then_streams(files: dict[st
     assert accounting["streamed_layers"] == events[0]["streamed_expert_layers"]
     assert accounting["expert_row_bytes"] == events[0]["assumptions"]["expert_slot_bytes"]
     assert accounting["h2d_bytes"] > 0
+
+
+def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str, Path]) -> None:
+    """A streamed GGUF layer's rows (one expert's blocks in the file's types each) read in place by AR steps
+    (engine.offload.set_zero_copy): the tokens of the pool, and no AR step fetches."""
+    from engine import offload
+
+    path = files["Q4_K"]
+    plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)
+    engine = Engine.load(path, plan=plan)
+    want = tokens(engine, "ar")
+    assert offload.set_zero_copy(engine.model, True) == {}
+    rt = runtime_of(engine.model)
+    assert rt is not None
+    rt.reset_stats()
+    assert tokens(engine, "ar") == want
+    # only the prompt's forward went through the pool: one host read per streamed layer
+    assert rt.accounting()["host_reads"] == len(plan.streamed_expert_layers)
