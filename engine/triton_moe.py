@@ -50,6 +50,11 @@ BLOCK_N = 32  # hidden rows per down program
 BLOCK_K = 64  # intermediate columns per step of the down reduction
 BLOCK_M = 16  # pairs per block of the grouped kernels (tl.dot's smallest tile)
 GROUPED_MIN_PAIRS = 64  # (token, expert) pairs from which the grouped kernels run (a 32-slot pass: 256; AR: 8)
+# Warps per program. Grouped: 8, because at 4 the NF4 grouped gate/up kernel spills registers in bf16 under Triton
+# 3.6 (255 registers and 72 B of stack for sm_89; the H200 test machine's Triton), where 8 warps need 194 and no
+# stack (tests/triton_aot.py compiles it without a GPU). Triton 3.9 needs 200 at 4 warps. Per pair: 4 (164-244
+# registers, no spill). `bench speed --moe-only` times both counts on a GPU; the default follows that measurement.
+NUM_WARPS = {"pair": 4, "grouped": 8}
 
 
 # ggml types the GGUF kernels decode (engine.gguf_quants ids: F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16)
@@ -117,11 +122,14 @@ def _launch(
     h = torch.empty(pairs, i, dtype=torch.float32, device=x.device)
     out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
     table = _code_book(x.device)
+    warps = NUM_WARPS["pair"]
     gate_up_kernel[(pairs, -(-i // BLOCK_I))](
         x, pool, flat_rows, toks, table, h, pool.stride(0), d, i, blocksize, *gate, *up, BLOCK_I, BLOCK_D,
+        num_warps=warps,
     )
     down_kernel[(pairs, -(-d // BLOCK_N))](
         h, pool, flat_rows, weights, table, out, pool.stride(0), d, i, blocksize, *down, BLOCK_N, BLOCK_K,
+        num_warps=warps,
     )
     return out.view(t, k, d).sum(1).to(x.dtype)
 
@@ -162,13 +170,14 @@ def _launch_grouped(
     h = torch.empty(t * k, i, dtype=x.dtype, device=x.device)  # in x's dtype: the down product's tl.dot input
     out = torch.empty(t * k, d, dtype=torch.float32, device=x.device)
     table = _code_book(x.device)
+    warps = NUM_WARPS["grouped"]
     grouped_gate_up_kernel[(nb, -(-i // BLOCK_I))](
         x, pool, block_rows, pair_ids, table, h, pool.stride(0), d, i, k, blocksize, *gate, *up, ieee,
-        BLOCK_M, BLOCK_I, BLOCK_D,
+        BLOCK_M, BLOCK_I, BLOCK_D, num_warps=warps,
     )
     grouped_down_kernel[(nb, -(-d // BLOCK_N))](
         h, pool, block_rows, pair_ids, weights, table, out, pool.stride(0), d, i, blocksize, *down, ieee,
-        BLOCK_M, BLOCK_N, BLOCK_K,
+        BLOCK_M, BLOCK_N, BLOCK_K, num_warps=warps,
     )
     return out.view(t, k, d).sum(1).to(x.dtype)
 

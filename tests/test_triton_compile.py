@@ -50,7 +50,11 @@ def test_every_kernel_launch_compiles_for_the_target_gpus(tmp_path: Path) -> Non
     got = {(r["launch"], r["kernel"], r["target"]) for r in rows}
     want = {(launch, kernel, target) for launch, kernels in LAUNCHES.items() for kernel in kernels for target in TARGETS}
     assert got == want
+    from engine.triton_moe import NUM_WARPS
+
     for r in rows:
         assert 0 < r["registers"] <= 255, r
+        if r["kernel"] in ("gate_up_kernel", "down_kernel", "grouped_gate_up_kernel", "grouped_down_kernel"):
+            assert r["num_warps"] == NUM_WARPS["grouped" if r["kernel"].startswith("grouped") else "pair"], r
         if "bfloat16" in r["launch"]:  # the product's path: registers spilled to the stack would cost memory traffic
             assert r["stack"] == 0 and r["local"] == 0, r

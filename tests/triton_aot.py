@@ -28,20 +28,23 @@ TORCH_TO_TRITON = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float3
                    torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
 
 
+Launch = tuple[Any, str, tuple[Any, ...], dict[str, Any]]  # kernel, what launched it, arguments, launch options
+
+
 class _Recorder:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args)`` records the launch instead of running it."""
 
-    def __init__(self, kernel: Any, launches: list[tuple[Any, str, tuple[Any, ...]]], label: list[str]) -> None:
+    def __init__(self, kernel: Any, launches: list[Launch], label: list[str]) -> None:
         self.kernel, self.launches, self.label = kernel, launches, label
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
-        def launch(*args: Any) -> None:
-            self.launches.append((self.kernel, self.label[0], args))
+        def launch(*args: Any, **options: Any) -> None:  # options: num_warps, num_stages
+            self.launches.append((self.kernel, self.label[0], args, options))
 
         return launch
 
 
-def launches() -> Iterator[tuple[Any, str, tuple[Any, ...]]]:
+def launches() -> Iterator[Launch]:
     """Every distinct kernel launch of the engine's fused paths at the 35B shape: NF4 experts for an AR step
     (per pair) and a 32-slot pass (grouped; bf16, and fp32 with IEEE products), the GGUF expert types of the
     official files (Q4_0; Q4_K_M: Q4_K gate/up, Q6_K down; Q8_0) and Q5_K, the int8 LM head at 1 and 32 rows,
@@ -53,7 +56,7 @@ def launches() -> Iterator[tuple[Any, str, tuple[Any, ...]]]:
     from engine.gguf_model import GGUFExpertLayout
     from engine.quant import ExpertLayout
 
-    recorded: list[tuple[Any, str, tuple[Any, ...]]] = []
+    recorded: list[Launch] = []
     label = [""]
     names = ("gate_up_kernel", "down_kernel", "grouped_gate_up_kernel", "grouped_down_kernel", "gguf_dequant_kernel")
     saved = {name: getattr(moe_kernels, name) for name in names}
@@ -89,11 +92,11 @@ def launches() -> Iterator[tuple[Any, str, tuple[Any, ...]]]:
             setattr(moe_kernels, name, saved[name])
         linear_kernels.int8_linear_kernel = saved_linear
     seen: set[str] = set()
-    for kernel, what, args in recorded:
-        key = json.dumps(signature(kernel, args), sort_keys=True, default=str)
+    for kernel, what, args, options in recorded:
+        key = json.dumps([kernel.__name__, signature(kernel, args), options], sort_keys=True, default=str)
         if key not in seen:  # (a launch the same as an earlier one compiles to the same code)
             seen.add(key)
-            yield kernel, what, args
+            yield kernel, what, args, options
 
 
 def signature(kernel: Any, args: tuple[Any, ...]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -134,10 +137,11 @@ def main(targets: list[str]) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    for kernel, what, args in launches():
+    for kernel, what, args, options in launches():
         sig, const = signature(kernel, args)
         for target in targets:
-            compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", TARGETS[target], 32))
+            compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", TARGETS[target], 32),
+                                      options=options)
             row = {"kernel": kernel.__name__, "launch": what, "target": target,
                    "num_warps": compiled.metadata.num_warps, **resources(compiled.asm["cubin"])}
             print(json.dumps(row), flush=True)
