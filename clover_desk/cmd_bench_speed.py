@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import tempfile
 import time
@@ -1294,6 +1295,9 @@ def _group_sweep_line(bank: Any, x: Any, idx: Any, w: Any, repeats: int, device:
             f"GROUP_BYTES[{kind!r}] holds {now} now)")
 
 
+FUSED_WARPS = (4, 8)  # warps per program timed by --moe-only's fused lines (engine.triton_moe.NUM_WARPS)
+
+
 def _fused_line(
     name: str, bank: Any, x: Any, idx: Any, w: Any, repeats: int, device: str, t: int, distinct: int
 ) -> None:
@@ -1303,16 +1307,29 @@ def _fused_line(
 
     from engine import triton_moe
 
-    if device != "cuda" or not triton_moe.available():
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (the tests run it on the CPU through the interpreter)
+    if (device != "cuda" and not interpreted) or not triton_moe.available():
         print(f"T={t:<3d} {name} fused (Triton): not run ({'no Triton' if device == 'cuda' else 'CUDA only'})")
         return
-    with torch.inference_mode():
-        ms = _best(lambda: triton_moe.fused_moe(x, bank.packed, bank.layout, idx, w), repeats, device) * 1e3
-        grouped = bank(x, idx, w).float()
-        diff = (triton_moe.fused_moe(x, bank.packed, bank.layout, idx, w).float() - grouped).abs().max().item()
-    kind = "grouped tl.dot" if idx.numel() >= triton_moe.GROUPED_MIN_PAIRS else "per pair"
-    print(f"T={t:<3d} {name} fused (Triton, {kind}) distinct experts {distinct:3d}: {ms:9.2f} ms/layer, "
-          f"max |diff| vs grouped {diff:.2e}")
+    kind = "grouped" if idx.numel() >= triton_moe.GROUPED_MIN_PAIRS else "pair"
+    saved = triton_moe.NUM_WARPS[kind]
+    counts = sorted({*FUSED_WARPS, saved})
+    times = {}
+    try:
+        with torch.inference_mode():
+            for warps in counts:  # (each count compiles its own kernels on first use)
+                triton_moe.NUM_WARPS[kind] = warps
+                times[warps] = _best(lambda: triton_moe.fused_moe(x, bank.packed, bank.layout, idx, w), repeats,
+                                     device) * 1e3
+            triton_moe.NUM_WARPS[kind] = saved
+            grouped = bank(x, idx, w).float()
+            diff = (triton_moe.fused_moe(x, bank.packed, bank.layout, idx, w).float() - grouped).abs().max().item()
+    finally:
+        triton_moe.NUM_WARPS[kind] = saved
+    cells = ", ".join(f"{times[n]:.2f} at {n} warps" for n in counts)
+    print(f"T={t:<3d} {name} fused (Triton, {'grouped tl.dot' if kind == 'grouped' else 'per pair'}) distinct experts "
+          f"{distinct:3d}: {times[saved]:9.2f} ms/layer ({cells}; NUM_WARPS[{kind!r}] is {saved}), max |diff| vs "
+          f"grouped {diff:.2e}")
 
 
 def _op_counts(bank: Any, name: str, x: Any, idx: Any, w: Any, reference: Callable[..., Any]) -> str:

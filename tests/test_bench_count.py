@@ -221,3 +221,38 @@ def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
     assert want.abs().max() > 0 and (got - want).abs().max() < 1e-5 * want.abs().max() * 10
     assert _bnb_gemv_line(bank, x, idx, w, 1, "cpu").endswith("not run (CUDA only: on the CPU bitsandbytes' GEMV "
                                                                "reads a layout of its own)")
+
+
+FUSED_LINE_CHILD = r'''
+import torch
+from clover_desk.cmd_bench_speed import FUSED_WARPS, _fused_line, _moe_routing, _random_nf4_bank
+from engine import triton_moe
+
+gen = torch.Generator().manual_seed(0)
+bank = _random_nf4_bank(16, 64, 64, gen)
+before = dict(triton_moe.NUM_WARPS)
+for t in (1, 16):  # 8 pairs: per pair; 64: grouped
+    idx, w = _moe_routing(t, 4 if t > 1 else 8, 16, 12, gen)
+    x = torch.randn(t, 64, generator=gen)
+    _fused_line("nf4", bank, x, idx, w, 1, "cpu", t, int(torch.unique(idx).numel()))
+assert triton_moe.NUM_WARPS == before, triton_moe.NUM_WARPS
+assert FUSED_WARPS == (4, 8)
+'''
+
+
+def test_the_fused_line_times_each_warp_count_and_puts_num_warps_back() -> None:
+    """--moe-only's fused lines on a GPU time the kernels at 4 and 8 warps per program (what the GPU run picks
+    engine.triton_moe.NUM_WARPS by); run here through Triton's interpreter, which ignores the warp count."""
+    pytest.importorskip("triton")
+    from tests.triton_child import run_interpreted
+
+    out = run_interpreted(FUSED_LINE_CHILD, expect_ok=False)
+    lines = [line for line in out.splitlines() if line.startswith("T=")]
+    assert len(lines) == 2, out
+    for line, kind, label in zip(lines, ("pair", "grouped"), ("per pair", "grouped tl.dot")):
+        got = re.match(rf"T=\d+ +nf4 fused \(Triton, {label}\) distinct experts +\d+: +([\d.]+) ms/layer \(([\d.]+) at 4 "
+                       rf"warps, ([\d.]+) at 8 warps; NUM_WARPS\['{kind}'\] is (\d)\), max \|diff\| vs grouped "
+                       r"([\d.e+-]+)$", line)
+        assert got, line
+        assert float(got[5]) < 1e-4  # the fused kernel's output against the grouped dequantize-then-matmul
+        assert got[1] == (got[2] if got[4] == "4" else got[3])
