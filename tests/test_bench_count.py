@@ -173,7 +173,8 @@ def test_the_group_sweep_times_each_group_size_and_puts_group_bytes_back() -> No
                    r"\(fastest: (\d+); GROUP_BYTES\['cpu'\] holds (\d+) now\)$", line)
     assert got, line
     times = [float(got[n]) for n in (1, 2, 3)]
-    assert all(t > 0 for t in times) and int(got[4]) == (4, 8, 16)[times.index(min(times))]
+    # the named fastest has the smallest time as printed (two timings can round to the same figure)
+    assert all(t > 0 for t in times) and times[(4, 8, 16).index(int(got[4]))] == min(times)
     assert int(got[5]) == max(1, before["cpu"] // (3 * d * i * 4))
 
 
