@@ -438,6 +438,13 @@ def test_cuda_graph_steps_decode_the_uncaptured_tokens_without_a_sync() -> None:
     graphed.step_graph = runner
     assert _tokens(graphed, 300) == want
     assert runner.failed is None and runner.recorded == 2 and runner.replays == 299
+    _steps_never_sync(graphed)
+
+
+def _steps_never_sync(graphed: Any) -> None:
+    """AR steps of ``graphed`` (its step graphs on a CUDA device), after the one that records a new cache's graph,
+    under ``set_sync_debug_mode("error")``: any sync raises."""
+    gpu = torch.device("cuda")
     cache = graphed.new_cache(512)
     graphed(torch.tensor(PROMPT, device=gpu), 0, cache, write_cache=True)
     tok = torch.tensor([3], device=gpu)
@@ -505,18 +512,7 @@ def test_zero_copy_streamed_steps_are_one_cuda_graph_without_a_sync() -> None:
     graphed.step_graph = runner
     assert _tokens(graphed, 300) == want
     assert runner.failed is None and runner.recorded == 2 and runner.replays == 299
-    cache = graphed.new_cache(512)
-    gpu = torch.device("cuda")
-    graphed(torch.tensor(PROMPT, device=gpu), 0, cache, write_cache=True)
-    tok = torch.tensor([3], device=gpu)
-    graphed(tok, len(PROMPT), cache, write_cache=True, last_only=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for pos in range(len(PROMPT) + 1, len(PROMPT) + 4):
-            graphed(tok, pos, cache, write_cache=True, last_only=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _steps_never_sync(graphed)
 
 
 @pytest.mark.gpu
