@@ -402,21 +402,27 @@ class SlotPool:
         self.in_use.difference_update((layer, e) for e in experts)
 
     def prefetch(self, layer: int, experts: list[int], store: HostExpertStore) -> int:
-        """Copy guessed experts into free or unpinned slots; never evicts block pins or experts in use."""
+        """Copy guessed experts into free or unpinned slots; never evicts block pins, experts in use, or the guess
+        itself (a guessed expert already present, or one this call placed, is not a victim for another)."""
         n = 0
-        for e in experts:
-            key = (layer, e)
-            if key in self.slot_of:
-                continue
-            slot = self._take_slot(for_prefetch=True)
-            if slot is None:
-                break
-            self._copy_in(slot, store, e)
-            self.slot_of[key] = slot
-            self.key_of[slot] = key
-            self.lru[key] = None
-            self.prefetched_unused.add(key)
-            n += 1
+        kept = {(layer, e) for e in experts} - self.in_use  # protected for the length of this call, as in use
+        self.in_use |= kept
+        try:
+            for e in experts:
+                key = (layer, e)
+                if key in self.slot_of:
+                    continue
+                slot = self._take_slot(for_prefetch=True)
+                if slot is None:
+                    break
+                self._copy_in(slot, store, e)
+                self.slot_of[key] = slot
+                self.key_of[slot] = key
+                self.lru[key] = None
+                self.prefetched_unused.add(key)
+                n += 1
+        finally:
+            self.in_use -= kept
         self.stats.prefetched += n
         return n
 
