@@ -31,6 +31,10 @@ reads all its streamed experts over PCIe (the pool's hits are lost), against a h
 layer; ``bench speed --moe-only`` times both on a GPU, which decides. Block passes always go through the pool,
 whose slots their passes share.
 
+Device tables (opt-in: ``CLOVER_DESK_DEVICE_POOL=1``, or ``place_model(device_pool=True)``): AR steps keep the
+pool, its hits and its prefetch, but do its bookkeeping on the device (``engine.device_pool``): no host read, and
+the step is one CUDA graph. A prompt or block pass reads the tables back first. Exclusive with zero-copy.
+
 Accounting (``accounting(model)``) is a JSON-safe dict for ``Finished.accounting``.
 
 Letters: E experts, S slots, R row bytes per expert, T tokens, K top-k, D hidden size.
@@ -51,6 +55,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from engine.device_pool import COUNTS, DEVICE_POOL_ENV, DeviceSlotTables
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
 from engine.experts import SMALL_SLOTS, ExpertBank, present
 from engine.formats import format_of_torch_dtype
@@ -461,13 +466,20 @@ class StreamedExpertBank(ExpertBank):
         memory, with no fetch (zero-copy on, this layer's rows mapped, an AR step's few pairs)."""
         return self.in_place is not None and self.runtime.zero_copy and pairs <= ZERO_COPY_PAIRS
 
+    def device_fetches(self, pairs: int) -> bool:
+        """Whether a forward over ``pairs`` pairs (one token's top-k: an AR step) fetches through the device tables
+        (``engine.device_pool``): no host read. Not inside a diffusion block, whose pins the host pool keeps."""
+        tables = self.runtime.tables
+        return tables is not None and pairs == tables.k and not self.runtime.in_block
+
     def fetches(self, pairs: int) -> bool:
-        """Whether a forward over ``pairs`` pairs fetches its experts into the pool first (a host read)."""
-        return not self.reads_in_place(pairs)
+        """Whether a forward over ``pairs`` pairs fetches its experts into the pool on the host first (a host
+        read): not where it reads them in place, nor where the device tables fetch them."""
+        return not (self.reads_in_place(pairs) or self.device_fetches(pairs))
 
     def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
-        """The whole bank reads nothing on the host only where it reads in place (otherwise its fetch does)."""
-        return self.reads_in_place(pairs) and rows_sync_free(pairs, device, self.layout)
+        """The whole bank reads nothing on the host only where no host fetch runs (see :meth:`fetches`)."""
+        return not self.fetches(pairs) and rows_sync_free(pairs, device, self.layout)
 
     # Never traced (``torch.compiler.disable``), like engine.experts._moe_sorted: the slot bookkeeping is host-side
     # Python state that changes every step; traced, it would be baked into a compiled layer as constants (and the
@@ -478,6 +490,9 @@ class StreamedExpertBank(ExpertBank):
         """One host read for this layer: the experts it touches and, when it prefetches, the guess of the next
         streamed layer's (that layer's router on this layer's MoE input), one [1 or 2, E] presence mask copied once.
         (They were two ``torch.unique(...).cpu()`` calls, each a sync for its size and one for the copy.)"""
+        tables = self.runtime.tables
+        if tables is not None and tables.on_device:  # AR steps ran on the device tables: take them back first
+            tables.pull()
         self.runtime.on_layer_start(self.layer)
         rows = [present(topk_idx, self.num_experts)]
         guess = self.runtime.wants_prefetch() and self.next_router is not None and self.next_layer is not None
@@ -534,7 +549,24 @@ class StreamedExpertBank(ExpertBank):
         if self.reads_in_place(topk_idx.numel()):  # zero-copy: traced and recorded like a resident bank
             assert self.in_place is not None
             return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.in_place)
+        if self.device_fetches(topk_idx.numel()):  # device tables: traced and recorded too
+            return self._device_forward(x, topk_idx, topk_w)
         return self._fetch_and_compute(x, topk_idx, topk_w)
+
+    def _device_forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        """An AR step through the device tables: this layer's fetch, the next streamed layer's prefetch (its router
+        on this layer's input, as :meth:`prepare_for` guesses), the compute from the pool."""
+        rt = self.runtime
+        tables = rt.tables
+        assert tables is not None and rt.pool is not None
+        if not torch.compiler.is_compiling() and not tables.on_device:  # eager: take the tables (compiled or
+            rt.before_pass(1)  # replayed steps have them from CloverModel.forward's call)
+        tables.fetch(self.layer, topk_idx)
+        if rt.prefetch and self.next_router is not None and self.next_layer is not None:
+            guess = self.next_router(x).topk(topk_idx.shape[-1], dim=-1).indices
+            tables.prefetch(self.next_layer, guess)
+        return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=rt.pool.buf,
+                              row_index=tables.row_index(self.layer))
 
     @torch.compiler.disable
     def _fetch_and_compute(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
@@ -568,10 +600,20 @@ class OffloadRuntime:
         self.in_block = False  # between begin_block() and end_block()
         self.zero_copy = False  # AR steps read the mapped layers' experts in place (StreamedExpertBank.in_place)
         self.zero_copy_refused: dict[int, str] = {}  # layer -> why its rows could not be mapped
+        self.tables: DeviceSlotTables | None = None  # AR steps' bookkeeping on the device (set_device_pool)
+        self.device_pool_refused = ""  # why device tables were refused, when they were asked for
 
     @property
     def stats(self) -> Stats:
         return self.pool.stats if self.pool is not None else Stats()
+
+    def before_pass(self, tokens: int) -> None:
+        """Called before every forward (``CloverModel.forward``): a one-token pass runs on the device tables, so
+        they are written from the host pool here if the host's were live (outside any graph: a replayed step only
+        runs its recorded kernels)."""
+        tables = self.tables
+        if tables is not None and tokens == 1 and not self.in_block and not tables.on_device:
+            tables.push()
 
     # --- block boundaries: explicit hooks only (the generation loop calls them around a diffusion block) ---
     def begin_block(self) -> None:
@@ -615,6 +657,8 @@ class OffloadRuntime:
             self.block_experts.setdefault(layer, set()).update(experts)
 
     def accounting(self) -> dict[str, Any]:
+        if self.tables is not None:
+            self.tables.merge_counts()  # the device counters of AR steps (a host read, outside any forward)
         st = self.stats
         looked = st.slot_hits + st.slot_misses
         per_block = [x for v in st.distinct_per_block.values() for x in v]
@@ -637,6 +681,7 @@ class OffloadRuntime:
             "zero_copy": self.zero_copy,
             "zero_copy_layers": [i for i in self.streamed_layers if i not in self.zero_copy_refused]
             if self.zero_copy else [],
+            "device_pool": self.tables is not None,
             "blocks": st.blocks,
             "passes": st.passes,
             "passes_per_block": sum(st.passes_per_block) / len(st.passes_per_block) if st.passes_per_block else 0.0,
@@ -650,6 +695,8 @@ class OffloadRuntime:
         """Zero the counters (the open block's counts too; slots and pins are kept)."""
         if self.pool is not None:
             self.pool.stats = Stats()
+        if self.tables is not None:
+            self.tables.counts.zero_()
         self.block_passes = 0
         self.block_experts = {}
 
@@ -774,6 +821,7 @@ def place_model(
     host_embedding: bool = True,
     staging: bool | None = None,
     zero_copy: bool | None = None,
+    device_pool: bool | None = None,
 ) -> OffloadRuntime:
     """Place ``model`` exactly as ``plan`` says, reading every tensor once from ``source`` straight into its final
     place: the device (non-expert weights, resident experts, the slot pool), a host row store per streamed layer
@@ -785,7 +833,8 @@ def place_model(
     it was and raises :class:`OutOfMemory`. Never plans: the plan is placed as given.
 
     ``zero_copy``: AR steps read the streamed experts in place (:func:`set_zero_copy`); None: as
-    ``CLOVER_DESK_ZERO_COPY=1`` says, on CUDA only."""
+    ``CLOVER_DESK_ZERO_COPY=1`` says, on CUDA only. ``device_pool``: AR steps fetch through device tables
+    (:func:`set_device_pool`); None: as ``CLOVER_DESK_DEVICE_POOL=1`` says, on CUDA only. Not both."""
     dev = torch.device(device)
     if not getattr(plan, "fits", True):
         raise PlanError(f"the plan does not fit: {getattr(plan, 'reason', '') or 'budget below the minimum'}")
@@ -873,8 +922,15 @@ def place_model(
     model._offload_runtime = runtime  # plain attribute (not a submodule)
     if zero_copy is None:
         zero_copy = dev.type == "cuda" and os.environ.get(ZERO_COPY_ENV) == "1"
+    if device_pool is None:
+        device_pool = dev.type == "cuda" and os.environ.get(DEVICE_POOL_ENV) == "1"
+    if zero_copy and device_pool:
+        raise PlanError(f"zero-copy reads and device slot tables exclude each other: set {ZERO_COPY_ENV} or "
+                        f"{DEVICE_POOL_ENV}, not both")
     if zero_copy and streamed:
         set_zero_copy(model, True)
+    if device_pool and streamed:
+        set_device_pool(model, True)
     log.info(
         "plan placed: %d resident, %d streamed layers, %d slots, %.1f MiB on %s (+%.1f MiB kept on host)",
         len(resident),
@@ -903,6 +959,8 @@ def set_zero_copy(model: nn.Module, on: bool) -> dict[int, str]:
     rt = runtime_of(model)
     if rt is None:
         raise PlanError("zero-copy reads need a placed model (engine.offload.place_model / apply_plan)")
+    if on and rt.tables is not None:
+        raise PlanError("zero-copy reads and device slot tables exclude each other: turn the device tables off first")
     if on:
         for i, (_, bank) in expert_banks(model).items():
             if isinstance(bank, StreamedExpertBank) and bank.in_place is None and i not in rt.zero_copy_refused:
@@ -918,6 +976,50 @@ def set_zero_copy(model: nn.Module, on: bool) -> dict[int, str]:
         if callable(forget):
             forget()
     return dict(rt.zero_copy_refused)
+
+
+def set_device_pool(model: nn.Module, on: bool) -> str:
+    """Turn device slot tables on or off for ``model``'s AR steps (``engine.device_pool``); returns why they were
+    refused ("" when on, or off). Refused (and left off, with a warning) when a streamed layer's rows cannot be
+    mapped into the device's address space, the pool is under 2 x top-k slots, or Triton is missing on CUDA.
+    Turning them off reads the tables back first. Recorded CUDA graphs are dropped."""
+    rt = runtime_of(model)
+    if rt is None:
+        raise PlanError("device slot tables need a placed model (engine.offload.place_model / apply_plan)")
+    if on and rt.zero_copy:
+        raise PlanError("device slot tables and zero-copy reads exclude each other: turn zero-copy off first")
+    changed = on != (rt.tables is not None)
+    if on and rt.tables is None:
+        top_k = int(model.config.num_experts_per_tok)  # type: ignore[union-attr]
+        why = DeviceSlotTables.refusal(rt.pool, top_k, rt.device)
+        sources: dict[int, Tensor] = {}
+        banks = expert_banks(model)
+        for i in rt.streamed_layers:
+            if why:
+                break
+            bank = banks[i][1]
+            assert isinstance(bank, StreamedExpertBank)
+            view, reason = (bank.in_place, "") if bank.in_place is not None else in_place_view(bank.store.rows, rt.device)
+            if view is None:
+                why = f"layer {i}: {reason}"
+            else:
+                sources[i] = view
+        if why:
+            rt.device_pool_refused = why
+            log.warning("device slot tables refused (AR steps keep fetching on the host): %s", why)
+            return why
+        rt.tables = DeviceSlotTables(rt.pool, rt.streamed_layers, sources, banks[rt.streamed_layers[0]][1].num_experts,
+                                     top_k)
+        rt.device_pool_refused = ""
+    elif not on and rt.tables is not None:
+        if rt.tables.on_device:
+            rt.tables.pull()
+        rt.tables = None
+    if changed:
+        forget = getattr(getattr(model, "step_graph", None), "forget", None)
+        if callable(forget):
+            forget()
+    return ""
 
 
 def _router_of(model: nn.Module, experts_name: str) -> nn.Module | None:
@@ -943,10 +1045,14 @@ def uncounted_passes(model: nn.Module) -> Iterator[None]:
         yield
         return
     passes, block_passes = rt.stats.passes, rt.block_passes
+    tables = rt.tables
+    device_passes = tables.counts[COUNTS.index("passes")].clone() if tables is not None else None
     try:
         yield
     finally:
         rt.stats.passes, rt.block_passes = passes, block_passes
+        if tables is not None and device_passes is not None:
+            tables.counts[COUNTS.index("passes")] = device_passes
 
 
 def accounting(model: nn.Module) -> dict[str, Any]:
@@ -1017,6 +1123,8 @@ __all__ = [
     "expert_banks",
     "device_bytes",
     "place_model",
+    "set_device_pool",
+    "set_zero_copy",
     "ModelSource",
     "TensorSource",
 ]

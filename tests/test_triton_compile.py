@@ -2,7 +2,8 @@
 every launch the engine makes (fused NF4 and GGUF MoE for an AR step and a 32-slot pass, the int8 LM head, the GGUF
 dequantize kernel) with its real arguments, lowered by Triton and ptxas for the RTX 40 series (sm_89), H100/H200
 (sm_90) and the RTX 50 series (sm_120). The interpreter tests prove the arithmetic; this proves the code lowers
-(types, layouts, tl.dot shapes) and that no bf16 kernel spills registers to memory."""
+(types, layouts, tl.dot shapes) and that no bf16 kernel spills registers to memory. The device pool's placing and
+row copy (``engine.triton_copy``) are compiled at the 16 GiB plan's pool size too."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ LAUNCHES = {  # what launched, and the kernels it launches
        ("grouped_gate_up_kernel", "grouped_down_kernel") for fmt in ("q4_0", "q4_k_m", "q8_0", "q5_k") for t in (1, 32)},
     "int8 head R=1 bfloat16": ("int8_linear_kernel",),  # (R=32 is the same compiled kernel: rows are an argument)
     "gguf dequantize q6_k": ("gguf_dequant_kernel",),
+    "device pool fetch S=1565 k=8": ("place_kernel",),
+    "device pool prefetch S=1565 k=8": ("place_kernel",),
+    "device pool copy nf4 rows": ("copy_rows_kernel",),
 }
 
 
@@ -56,5 +60,6 @@ def test_every_kernel_launch_compiles_for_the_target_gpus(tmp_path: Path) -> Non
         assert 0 < r["registers"] <= 255, r
         if r["kernel"] in ("gate_up_kernel", "down_kernel", "grouped_gate_up_kernel", "grouped_down_kernel"):
             assert r["num_warps"] == NUM_WARPS["grouped" if r["kernel"].startswith("grouped") else "pair"], r
-        if "bfloat16" in r["launch"]:  # the product's path: registers spilled to the stack would cost memory traffic
+        if "bfloat16" in r["launch"] or "device pool" in r["launch"]:  # the product's path: registers spilled to
+            # the stack would cost memory traffic
             assert r["stack"] == 0 and r["local"] == 0, r

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -49,10 +50,11 @@ def launches() -> Iterator[Launch]:
     (per pair) and a 32-slot pass (grouped; bf16, and fp32 with IEEE products), the GGUF expert types of the
     official files (Q4_0; Q4_K_M: Q4_K gate/up, Q6_K down; Q8_0) and Q5_K, the int8 LM head at 1 and 32 rows,
     and the GGUF dequantize kernel."""
+    import engine.triton_copy_kernels as copy_kernels
     import engine.triton_linear_kernels as linear_kernels
     import engine.triton_moe_kernels as moe_kernels
     from engine import gguf_quants as gq
-    from engine import triton_linear, triton_moe
+    from engine import triton_copy, triton_linear, triton_moe
     from engine.gguf_model import GGUFExpertLayout
     from engine.quant import ExpertLayout
 
@@ -61,7 +63,11 @@ def launches() -> Iterator[Launch]:
     names = ("gate_up_kernel", "down_kernel", "grouped_gate_up_kernel", "grouped_down_kernel", "gguf_dequant_kernel")
     saved = {name: getattr(moe_kernels, name) for name in names}
     saved_linear = linear_kernels.int8_linear_kernel
+    copy_names = ("place_kernel", "copy_rows_kernel")
+    saved_copy = {name: getattr(copy_kernels, name) for name in copy_names}
     try:
+        for name in copy_names:
+            setattr(copy_kernels, name, _Recorder(saved_copy[name], recorded, label))
         for name in names:
             setattr(moe_kernels, name, _Recorder(saved[name], recorded, label))
         linear_kernels.int8_linear_kernel = _Recorder(saved_linear, recorded, label)
@@ -87,7 +93,21 @@ def launches() -> Iterator[Launch]:
             triton_linear.int8_linear(torch.zeros(r, d, dtype=torch.bfloat16), codes, torch.ones(4096))
         label[0] = "gguf dequantize q6_k"
         triton_moe.gguf_dequantize(torch.zeros(4, 210 * d // 256, dtype=torch.uint8), gq.Q6_K, d)
+        # the device pool's two kernels (engine.device_pool) at the 16 GiB plan: 17 streamed layers, 1,565 slots
+        slots, streamed = 1565, 17
+        tables = SimpleNamespace(
+            E=e, S=slots, slot_of=torch.full((streamed * e + 1,), -1), key_of=torch.full((slots + 1,), -1),
+            stamp=torch.zeros(slots + 1, dtype=torch.long), fresh=torch.zeros(slots + 1, dtype=torch.bool),
+            tick=torch.zeros((), dtype=torch.long), counts=torch.zeros(7, dtype=torch.long))
+        for touch in (True, False):
+            label[0] = f"device pool {'fetch' if touch else 'prefetch'} S={slots} k=8"
+            triton_copy.place(tables, 1, torch.arange(8), touch)  # type: ignore[arg-type]
+        label[0] = "device pool copy nf4 rows"
+        row = torch.zeros(4, nf4.nbytes, dtype=torch.uint8)
+        triton_copy.copy_rows(row, row, torch.arange(4), torch.arange(4), torch.ones(4, dtype=torch.bool))
     finally:
+        for name in copy_names:
+            setattr(copy_kernels, name, saved_copy[name])
         for name in names:
             setattr(moe_kernels, name, saved[name])
         linear_kernels.int8_linear_kernel = saved_linear

@@ -1,0 +1,288 @@
+"""The slot pool's bookkeeping as device tensors: AR steps that fetch their streamed experts with no host read.
+
+An AR step over streamed layers goes through the slot pool (``engine.offload.SlotPool``), whose bookkeeping is
+host Python: each streamed layer reads its router's choice back to the host (a sync), looks the experts up, copies
+the missing ones, and guesses the next streamed layer's experts to prefetch. On a GPU the step is then cut around
+every streamed layer (``engine.step_graphs``: at 16 GiB, 17 eager fetches between 18 CUDA graphs), and each cut
+drains the GPU while Python runs. Zero-copy reads (``engine.offload.in_place_view``) remove the cuts but give up
+the pool's hits and its prefetch overlap.
+
+Here the same bookkeeping runs on the device, two kernels per streamed layer that a CUDA graph records:
+
+- ``slot_of`` [L*E + 1]: the slot of (layer position, expert), -1 when absent; ``key_of`` [S + 1] the reverse;
+  ``stamp`` [S + 1] the LRU order (unique: ``tick * STAMP_STRIDE + rank``; a free slot's is negative, lowest slot
+  first; ``fresh`` [S + 1] marks prefetched slots not yet used). The last entry of each is a scratch cell that the
+  masked writes aim at.
+- A layer's fetch: look its k experts up, choose victims for the misses (the smallest stamps, the hits' slots
+  excluded; no host read), write the tables, and copy the missing rows from the host rows mapped into the
+  device's address space (the same mapping as zero-copy). On CUDA that is two Triton programs
+  (``engine.triton_copy``: the placing, and a copy that reads only the rows that miss); on the CPU the same as
+  ~45 tensor ops (the reference the kernels are tested against).
+- The prefetch: the next streamed layer's router on this layer's input, its top-k placed the same way (never into
+  this layer's slots, the k most recent), on a side CUDA stream so the copies overlap this layer's compute and the
+  layers between; the next streamed layer's fetch waits for it.
+
+The bookkeeping is the host pool's, decision for decision: experts taken in ascending order, free slots lowest
+first, then least recently used; hits refresh their place; a prefetched slot counts a hit when first used and a
+waste when evicted unused. ``tests/test_device_pool.py`` runs the same sequence through both and compares every
+slot and counter. A miss that was not prefetched is read serially, as in the host pool (there, after a sync).
+
+Ownership: host and device tables are never both live. The device's are written from the host pool (``push``,
+no host read) before the first AR step that uses them; a forward that goes through the host pool (a prompt, a
+block pass) first reads them back (``pull``: one host read). Opt-in (``CLOVER_DESK_DEVICE_POOL=1``, or
+``engine.offload.set_device_pool``) until a GPU run measures it against the host pool.
+
+Letters: E experts, L streamed layers, S slots, R row bytes, k experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+DEVICE_POOL_ENV = "CLOVER_DESK_DEVICE_POOL"
+BIG = 1 << 62  # the stamp of a slot that cannot be a victim (the scratch cell; this fetch's own slots)
+STAMP_STRIDE = 1 << 10  # stamps: tick * STAMP_STRIDE + rank within the fetch (k < STAMP_STRIDE)
+# the device counters, in order; merged into engine.offload.Stats (same names) by merge_counts
+COUNTS = ("slot_hits", "slot_misses", "prefetched", "prefetch_hits", "prefetch_wasted", "evictions", "passes")
+
+
+class DeviceSlotTables:
+    """The slot pool's tables on its device, for AR steps of ``top_k`` experts per streamed layer.
+
+    ``pool`` is the host :class:`engine.offload.SlotPool` (its ``buf`` holds the rows; its Python state is the
+    other owner, see the module), ``layers`` the streamed layers in order, ``sources`` {layer: [E, R] uint8} the
+    host rows as the device reads them (``engine.offload.in_place_view``)."""
+
+    def __init__(self, pool: Any, layers: tuple[int, ...], sources: dict[int, Tensor], num_experts: int,
+                 top_k: int) -> None:
+        self.pool = pool
+        self.layers = tuple(layers)
+        self.pos = {layer: i for i, layer in enumerate(self.layers)}
+        self.sources = [sources[layer] for layer in self.layers]
+        self.E, self.S, self.L, self.k = num_experts, pool.num_slots, len(self.layers), top_k
+        if not 0 < top_k < STAMP_STRIDE:
+            raise ValueError(f"top_k must be in 1..{STAMP_STRIDE - 1}, got {top_k}")
+        dev = pool.buf.device
+        self.device = dev
+        with torch.inference_mode(False):  # plain tensors, written in place by every step
+            self.slot_of = torch.full((self.L * self.E + 1,), -1, dtype=torch.long, device=dev)
+            self.key_of = torch.full((self.S + 1,), -1, dtype=torch.long, device=dev)
+            self.stamp = torch.full((self.S + 1,), BIG, dtype=torch.long, device=dev)
+            self.fresh = torch.zeros(self.S + 1, dtype=torch.bool, device=dev)
+            self.tick = torch.zeros((), dtype=torch.long, device=dev)
+            self.counts = torch.zeros(len(COUNTS), dtype=torch.long, device=dev)
+            self._ranks = torch.arange(top_k, dtype=torch.long, device=dev)
+            self._guess = torch.zeros(top_k, dtype=torch.long, device=dev)  # the prefetch stream's input (below)
+        self.on_device = False  # which tables are live: the device's (True) or the host pool's
+        self.use_kernel = dev.type == "cuda"  # one Triton program per placing (engine.triton_copy); else tensor ops
+        self.side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None  # the prefetch's stream
+        self._forked = False  # a prefetch was issued on the side stream and not yet joined
+
+    @staticmethod
+    def refusal(pool: Any, top_k: int, device: torch.device) -> str | None:
+        """Why device tables cannot serve this pool, or None: a prefetch places up to k experts while a fetch's k
+        are in use, so the pool needs 2k slots; on CUDA the copy kernel needs Triton."""
+        if pool is None:
+            return "no layer is streamed"
+        if pool.num_slots < 2 * top_k:
+            return f"the slot pool has {pool.num_slots} slots; device tables need at least {2 * top_k} (2 x top-k)"
+        if device.type == "cuda":
+            from engine.triton_linear import available
+
+            if not available():
+                return "Triton is not installed (it copies the missing rows on CUDA)"
+        elif device.type != "cpu":
+            return f"no device tables on {device.type}"
+        return None
+
+    # --- ownership ---
+    def push(self) -> None:
+        """Write the host pool's state into the device tables (no host read); the device tables are live after."""
+        pool, E = self.pool, self.E
+        if pool.in_use or pool.block_pins:
+            raise RuntimeError("device slot tables: the host pool has experts in use or pinned for a block")
+        slot_of = [-1] * (self.L * E + 1)
+        key_of = [-1] * (self.S + 1)
+        stamp = [s - (self.S + 1) for s in range(self.S)] + [BIG]  # free: negative, lowest slot first
+        fresh = [False] * (self.S + 1)
+        for rank, key in enumerate(pool.lru):  # oldest first
+            slot, k = pool.slot_of[key], self.pos[key[0]] * E + key[1]
+            slot_of[k], key_of[slot], stamp[slot] = slot, k, rank
+            fresh[slot] = key in pool.prefetched_unused
+        for dst, src in ((self.slot_of, slot_of), (self.key_of, key_of), (self.stamp, stamp), (self.fresh, fresh)):
+            dst.copy_(torch.tensor(src, dtype=dst.dtype))
+        self.tick.fill_(math.ceil((len(pool.lru) + 1) / STAMP_STRIDE))  # every new stamp above the ranks
+        if pool.copy_stream is not None:  # the host pool's copies land before a device fetch reads its slots
+            torch.cuda.current_stream(self.device).wait_stream(pool.copy_stream)
+        self.on_device = True
+
+    def pull(self) -> None:
+        """Read the device tables back into the host pool (one host read) and merge the counters; the host pool's
+        state is live after."""
+        self.join()
+        pool, E = self.pool, self.E
+        key_of, stamp, fresh = torch.stack([self.key_of, self.stamp, self.fresh.long()]).tolist()  # the read
+        self.merge_counts()
+        occupied = sorted((s for s in range(self.S) if key_of[s] >= 0), key=stamp.__getitem__)
+        pool.slot_of, pool.lru, pool.key_of = {}, OrderedDict(), [None] * self.S
+        pool.prefetched_unused = set()
+        for s in occupied:
+            lp, e = divmod(key_of[s], E)
+            key = (self.layers[lp], e)
+            pool.slot_of[key], pool.key_of[s] = s, key
+            pool.lru[key] = None
+            if fresh[s]:
+                pool.prefetched_unused.add(key)
+        pool.free = [s for s in range(self.S - 1, -1, -1) if key_of[s] < 0]  # pop(): lowest first
+        pool.done = [None] * self.S  # the read above waited for every step that read a slot
+        self.on_device = False
+
+    def merge_counts(self) -> None:
+        """Add the device counters to the host pool's statistics and zero them (a host read)."""
+        values = self.counts.tolist()
+        self.counts.zero_()
+        st = self.pool.stats
+        for name, v in zip(COUNTS, values):
+            setattr(st, name, getattr(st, name) + int(v))
+        st.h2d_bytes += (values[1] + values[2]) * self.pool.layout.nbytes
+
+    # --- a step ---
+    def row_index(self, layer: int) -> Tensor:
+        """[E] expert -> slot of ``layer`` (a view of the live table: what the routed compute gathers by)."""
+        lp = self.pos[layer]
+        return self.slot_of[lp * self.E : (lp + 1) * self.E]
+
+    def join(self) -> None:
+        """The current stream waits for the prefetch issued on the side stream (its copies and table writes), if
+        one was. (Only then: while a CUDA graph is recorded, waiting on a stream that was never forked from the
+        recording one is not allowed. Recorded, the fork and the join replay as they were issued.)"""
+        if self.side is not None:  # (a constant when traced: the CPU's steps trace whole)
+            self._join_side()
+
+    @torch.compiler.disable  # streams and the Python flag stay out of a compiled layer (no guard on the flag)
+    def _join_side(self) -> None:
+        if self._forked and self.side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+            self._forked = False
+
+    def fetch(self, layer: int, idx: Tensor) -> Tensor:
+        """Make the experts ``idx`` [k] (distinct) of ``layer`` resident; returns their slots [k] in ascending
+        expert order. Counts a pass at the first streamed layer."""
+        self.join()
+        lp = self.pos[layer]
+        idx, target, need = self._place(lp, idx.reshape(-1), touch=True)
+        self._copy(lp, idx, target, need)
+        return target
+
+    def prefetch(self, layer: int, idx: Tensor) -> None:
+        """Place the guessed experts ``idx`` [k] of ``layer`` that are absent. Never into the slots the running
+        step reads: its fetch just made them the k most recent, and a pool of 2k slots or more has k older ones.
+        On CUDA on the side stream: the next fetch (:meth:`join`) waits for it."""
+        if self.side is None:
+            self._prefetch(layer, idx)
+        else:
+            self._prefetch_on_side(layer, idx)
+
+    @torch.compiler.disable  # streams are not traced; a CUDA graph records the fork and join all the same
+    def _prefetch_on_side(self, layer: int, idx: Tensor) -> None:
+        assert self.side is not None
+        # the guess goes into a buffer of the tables' own first (on this stream): the side stream never reads a
+        # tensor this stream may free and reuse (record_stream has no place in a CUDA graph's recording)
+        self._guess.copy_(idx.reshape(-1))
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            self._prefetch(layer, self._guess)
+        self._forked = True
+
+    def _prefetch(self, layer: int, idx: Tensor) -> None:
+        lp = self.pos[layer]
+        idx, target, need = self._place(lp, idx.reshape(-1), touch=False)
+        self._copy(lp, idx, target, need)
+
+    def _place(self, lp: int, idx: Tensor, touch: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Look up the distinct experts ``idx`` [k] of layer position ``lp``, choose slots for the absent ones and
+        write the tables. ``touch``: a fetch (hits move to most recent, a fresh hit counts); else a prefetch (hits
+        are left alone, the placed slots are fresh). Returns the experts in ascending order [k], their slots [k] and
+        which were absent [k] bool. On CUDA one Triton program (``engine.triton_copy.place``) does it all."""
+        if self.use_kernel:
+            from engine.triton_copy import place
+
+            return place(self, lp, idx, touch)
+        E, S, LE = self.E, self.S, self.L * self.E
+        idx = idx.sort().values
+        k = idx.shape[0]
+        key = idx + lp * E  # [k]
+        s = self.slot_of[key]  # [k]
+        hit = s >= 0
+        need = ~hit
+        st = self.stamp.clone()
+        st.index_fill_(0, torch.where(hit, s, S), BIG)  # a hit's slot is not a victim
+        victims = torch.topk(st, k, largest=False).indices  # [k] oldest first (free slots lowest first)
+        rank = (torch.cumsum(need.long(), 0) - 1).clamp(min=0)
+        target = torch.where(need, victims[rank], s)  # [k] (every entry a real slot: S >= 2k, see refusal)
+        upd = torch.ones_like(need) if touch else need
+        old = self.key_of[target]
+        evict = need & (old >= 0)
+        was_fresh = self.fresh[target]
+        n_hit, n_need = hit.sum(), need.sum()
+        zero = torch.zeros_like(n_hit)
+        counts = torch.stack([
+            n_hit if touch else zero,
+            n_need if touch else zero,
+            zero if touch else n_need,
+            (hit & was_fresh).sum() if touch else zero,
+            (evict & was_fresh).sum(),
+            evict.sum(),
+            (torch.ones_like(n_hit) if lp == 0 else zero) if touch else zero,
+        ])
+        self.slot_of.index_put_((torch.where(evict, old, LE),), torch.full_like(old, -1))
+        self.slot_of.index_put_((torch.where(upd, key, LE),), torch.where(upd, target, -1))
+        at = torch.where(upd, target, S)
+        self.key_of.index_put_((at,), torch.where(upd, key, -1))
+        self.stamp.index_put_((at,), torch.where(upd, self.tick * STAMP_STRIDE + self._ranks[:k], BIG))
+        self.fresh.index_put_((at,), upd & (not touch))
+        self.tick.add_(1)
+        self.counts.add_(counts)
+        return idx, target, need
+
+    def _copy(self, lp: int, idx: Tensor, target: Tensor, need: Tensor) -> None:
+        """Copy the rows of the experts that were absent (``need``) from the host rows into their slots."""
+        src, buf = self.sources[lp], self.pool.buf
+        if self.use_kernel:
+            from engine.triton_copy import copy_rows
+
+            copy_rows(src, buf, idx, target, need)
+            return
+        # the CPU (and the reference of the kernel): present rows are written back unchanged
+        buf.index_copy_(0, target, torch.where(need[:, None], src.index_select(0, idx), buf.index_select(0, target)))
+
+    def check(self) -> list[str]:
+        """Consistency of the live tables (a host read; for tests and ``bench``): every key's slot names it back,
+        every occupied slot holds its expert's row. Returns what is wrong. (While the host pool's state is live,
+        the device tables are stale by design: that state is checked instead.)"""
+        bad: list[str] = []
+        if not self.on_device:
+            pool = self.pool
+            for key, s in pool.slot_of.items():
+                if pool.key_of[s] != key:
+                    bad.append(f"host: {key} -> slot {s}, whose key is {pool.key_of[s]}")
+                elif not torch.equal(pool.buf[s].cpu(), self.sources[self.pos[key[0]]][key[1]].cpu()):
+                    bad.append(f"host: slot {s} does not hold the row of layer {key[0]} expert {key[1]}")
+            return bad
+        slot_of, key_of = self.slot_of[:-1].cpu(), self.key_of[:-1].cpu()
+        for key in (slot_of >= 0).nonzero().flatten().tolist():
+            s = int(slot_of[key])
+            if int(key_of[s]) != key:
+                bad.append(f"key {key} -> slot {s}, whose key is {int(key_of[s])}")
+        for s in (key_of >= 0).nonzero().flatten().tolist():
+            lp, e = divmod(int(key_of[s]), self.E)
+            if int(slot_of[lp * self.E + e]) != s:
+                bad.append(f"slot {s} holds key {int(key_of[s])}, which points to slot {int(slot_of[lp * self.E + e])}")
+            elif not torch.equal(self.pool.buf[s].cpu(), self.sources[lp][e].cpu()):
+                bad.append(f"slot {s} does not hold the row of layer {self.layers[lp]} expert {e}")
+        return bad

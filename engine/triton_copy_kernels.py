@@ -1,0 +1,86 @@
+"""The Triton kernel of :mod:`engine.triton_copy` (imported only when Triton is; see that module)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, need_ptr, words, BLOCK: tl.constexpr):
+    """Chunk ``program_id(1)`` of row ``src_rows[j]`` into row ``dst_rows[j]`` (``j = program_id(0)``) if
+    ``need[j]``."""
+    j = tl.program_id(0)
+    if tl.load(need_ptr + j) != 0:
+        s = tl.load(src_rows_ptr + j)
+        d = tl.load(dst_rows_ptr + j)
+        w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = w < words
+        tl.store(dst_ptr + d * words + w, tl.load(src_ptr + s * words + w, mask=ok), mask=ok)
+
+
+@triton.jit
+def place_kernel(
+    idx_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, fresh_ptr, tick_ptr, counts_ptr, sorted_ptr, target_ptr, need_ptr,
+    k, base, S, BIG, TOUCH: tl.constexpr, FIRST: tl.constexpr, STRIDE: tl.constexpr, K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """engine.device_pool.DeviceSlotTables._place in one program: look up the k experts ``idx`` of the layer whose
+    keys start at ``base``, choose the absent ones' slots (the smallest stamps, the hits' slots excluded), write the
+    tables and counters, and store the experts, their slots and which were absent in ascending expert order
+    (``sorted``, ``target``, ``need``). Ascending order without a sort: an entry's place is how many sort before it."""
+    j = tl.arange(0, K)
+    jm = j < k
+    e = tl.load(idx_ptr + j, mask=jm, other=0)  # [K] int64
+    key = e + base
+    s = tl.load(slot_of_ptr + key, mask=jm, other=-1)
+    hit = (s >= 0) & jm
+    need = (s < 0) & jm
+    before = (e[None, :] < e[:, None]) & jm[None, :]  # [K, K]: entry j sorts before entry i
+    rank = tl.sum(before.to(tl.int32), axis=1)  # [K] place in ascending order
+    miss_rank = tl.sum((before & need[None, :]).to(tl.int32), axis=1)  # absent entries before it
+    offs = tl.arange(0, BLOCK_S)
+    st = tl.load(stamp_ptr + offs, mask=offs <= S, other=BIG)  # [BLOCK_S] (the scratch cell S holds BIG)
+    for r in tl.static_range(K):  # a hit's slot is not a victim (one pass per entry: no [K, S] tile in registers)
+        s_r = tl.max(tl.where((j == r) & hit, s, -1), axis=0)
+        st = tl.where(offs == s_r, BIG, st)
+    victims = tl.zeros([K], dtype=tl.int64)
+    for r in tl.static_range(K):  # the K oldest, oldest first (stamps are unique)
+        v = tl.argmin(st, axis=0).to(tl.int64)
+        victims = tl.where(j == r, v, victims)
+        st = tl.where(offs == v, BIG, st)
+    pick = tl.sum(tl.where(j[None, :] == miss_rank[:, None], victims[None, :], 0), axis=1)  # victims[miss_rank]
+    target = tl.where(need, pick, s)
+    old = tl.load(key_of_ptr + target, mask=jm, other=-1)
+    evict = need & (old >= 0)
+    was_fresh = tl.load(fresh_ptr + target, mask=jm, other=0) != 0
+    if TOUCH:
+        upd = jm
+    else:
+        upd = need
+    tick = tl.load(tick_ptr)
+    tl.store(slot_of_ptr + old, tl.full([K], -1, tl.int64), mask=evict)
+    tl.store(slot_of_ptr + key, target, mask=upd)
+    tl.store(key_of_ptr + target, key, mask=upd)
+    tl.store(stamp_ptr + target, tick * STRIDE + rank, mask=upd)
+    if TOUCH:
+        fresh = tl.zeros([K], dtype=tl.int8)
+    else:
+        fresh = tl.full([K], 1, tl.int8)
+    tl.store(fresh_ptr + target, fresh, mask=upd)
+    tl.store(tick_ptr, tick + 1)
+    n_hit = tl.sum(hit.to(tl.int64), axis=0)
+    n_need = tl.sum(need.to(tl.int64), axis=0)
+    n_wasted = tl.sum((evict & was_fresh).to(tl.int64), axis=0)
+    n_evict = tl.sum(evict.to(tl.int64), axis=0)
+    if TOUCH:
+        tl.store(counts_ptr + 0, tl.load(counts_ptr + 0) + n_hit)
+        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + n_need)
+        tl.store(counts_ptr + 3, tl.load(counts_ptr + 3) + tl.sum((hit & was_fresh).to(tl.int64), axis=0))
+        if FIRST:
+            tl.store(counts_ptr + 6, tl.load(counts_ptr + 6) + 1)
+    else:
+        tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + n_need)
+    tl.store(counts_ptr + 4, tl.load(counts_ptr + 4) + n_wasted)
+    tl.store(counts_ptr + 5, tl.load(counts_ptr + 5) + n_evict)
+    tl.store(sorted_ptr + rank, e, mask=jm)
+    tl.store(target_ptr + rank, target, mask=jm)
+    tl.store(need_ptr + rank, need.to(tl.int8), mask=jm)
