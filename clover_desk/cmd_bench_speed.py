@@ -85,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", type=int, default=None, metavar="N",
                         help="with --quant card: stream the experts of the last N layers through a slot pool of "
                              "2 x top-k x N experts (any shape; the CPU tests of the placed path)")
+    parser.add_argument("--device-pool", action="store_true",
+                        help="with --vram-gb / --stream: AR steps fetch the streamed experts through device-side slot "
+                             "tables (engine.device_pool: no host read, the step one CUDA graph) instead of the host "
+                             "pool's bookkeeping")
     parser.add_argument("--compile", action="store_true",
                         help="also time the engine with its decoder layers compiled (engine.fastpath), same tokens")
     parser.add_argument("--compare-llama-cpp", action="store_true",
@@ -281,7 +285,39 @@ def _run_count(args: argparse.Namespace) -> int:
                   f"written, ~{total_reads:.0f} host reads")
         _print_workspace(scratch[pass_name], scratch[seg_name], ctx, parts, details)
         _count_graph_cuts(model, config, full, cache, step, block, args.quant == "card")
+        _count_device_tables(model, config)
     return 0
+
+
+def _count_device_tables(model: Any, config: Any) -> None:
+    """With device slot tables (``--device-pool``): the ops one streamed layer adds to an AR step for its fetch
+    (look-up, victims, table writes, the copy) and for the next streamed layer's prefetch (its router, top-k, the
+    same placing), all recorded in the step's graph: the planner's ``Roofline.device_table_ops``."""
+    import torch
+
+    from engine import offload
+
+    rt = offload.runtime_of(model)
+    if rt is None or rt.tables is None:
+        return
+    tables, k = rt.tables, config.num_experts_per_tok
+    layer = rt.streamed_layers[0]
+    bank = model.layers[layer].mlp.experts
+    rt.before_pass(1)
+    x = torch.randn(1, config.hidden_size, dtype=model.dtype, device=model.device)
+    idx = torch.randperm(config.num_experts, device=model.device)[:k].view(1, k)
+    programs = 2 if tables.use_kernel else 0  # Triton launches: not torch ops, not seen by the count
+    fetch = _forward_ops(lambda: tables.fetch(layer, idx))
+    how = "its two Triton programs (placing, copy) + " if programs else "tensor ops (the CPU's path; on CUDA two Triton programs) "
+    line = f"device slot tables, per streamed layer of an AR step: fetch {how}{fetch['ops']} ops"
+    total = fetch["ops"] + programs
+    reads = fetch["reads"]
+    if bank.next_router is not None and bank.next_layer is not None:
+        guess = _forward_ops(lambda: tables.prefetch(bank.next_layer, bank.next_router(x).topk(k, dim=-1).indices))
+        line += f"; the next layer's prefetch (router, top-k, placing, copy; a side stream on CUDA) {guess['ops']} ops"
+        total += guess["ops"] + programs
+        reads += guess["reads"]
+    print(f"{line}: {total} launches, {reads} host reads, recorded in the step's one graph")
 
 
 def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dict[str, Any]]:
@@ -322,7 +358,8 @@ def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any,
     streamed = streamed_layers(model)
     s_full = round(len(streamed) * n_full / n)
     fetch = dict.fromkeys(streamed, "fetch")
-    cases = [("AR step", step, None, fetch)]  # 8 pairs gather one expert each: only the streamed fetches read
+    # 8 pairs gather one expert each: only the streamed fetches read (none with device slot tables, --device-pool)
+    cases = [("AR step", step, None, dict.fromkeys(streamed_layers(model, config.num_experts_per_tok), "fetch"))]
     # a block's 256 pairs: the dequantizing compute sizes its groups on the host in every layer (dense weights too,
     # off Hopper); the fused kernel (quantized, opt-in) sorts them on the device, leaving only the fetches
     cases.append((f"{B}-slot pass, dequantizing experts", block, B, dict.fromkeys(range(n), "bank")))
@@ -330,7 +367,10 @@ def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any,
         cases.append((f"{B}-slot pass, fused MoE kernel", block, B, fetch))
     print(f"under CUDA graphs (engine.step_graphs, cut as on a GPU; {len(streamed)} of {n} layers streamed, "
           f"~{s_full} of {n_full} at full depth):")
+    placement = getattr(model, "_offload_runtime", None)
     for name, ids, block_size, cut in cases:
+        if placement is not None:  # what CloverModel.forward does before a pass (device slot tables change hands)
+            placement.before_pass(ids.shape[0])
         runner = StepGraphs(model, record=False, cut=cut)
         pieces = runner.pieces_of_pass(ids, cache.length, cache.clone(), block_size, block_size is None, False)
         kinds = [stages[0][0] if kind == "eager" else "graph" for kind, stages in runner.pieces_for(ids.shape[0])]
@@ -341,8 +381,8 @@ def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any,
             got[kind][1] += c["reads"]
         pieces.finish()
         per = {k: (got[k][0] / max(kinds.count(k), 1), got[k][1] / max(kinds.count(k), 1)) for k in ("fetch", "bank")}
-        cut_full = s_full if cut is fetch else n_full
-        kind_full = "fetch" if cut is fetch else "bank"
+        cut_full = round(len(cut) * n_full / n)
+        kind_full = "bank" if "bank" in cut.values() else "fetch"
         eager_full = cut_full * per[kind_full][0]
         stand_in = " (the CPU's dequantizing compute standing in for the kernel)" if "fused" in name else ""
         eager = "; ".join(f"{kinds.count(k)} {k}{'es' if k == 'fetch' else 's'} x {per[k][0]:.0f} ops, "
@@ -594,6 +634,10 @@ def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: i
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from engine.errors import ConfigError
+
+    if args.device_pool and args.vram_gb is None and args.stream is None:
+        raise ConfigError("--device-pool changes how streamed experts are fetched: add --vram-gb G or --stream N")
     if args.moe_only:
         return _run_moe_only(args)
     if args.count:
@@ -697,9 +741,11 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
         slots = plan.slot_pool_experts
     resident = [i for i in range(n) if i not in streamed]
     # the planner keeps the embedding table in host memory (a lookup sends T rows): so does the card's path
-    offload.apply_plan(model, offload.SimplePlan(tuple(resident), tuple(streamed), slots), device,
-                       host_embedding=args.vram_gb is not None)
+    rt = offload.apply_plan(model, offload.SimplePlan(tuple(resident), tuple(streamed), slots), device,
+                            host_embedding=args.vram_gb is not None, device_pool=args.device_pool)
     print(f"placed: {len(resident)} resident / {len(streamed)} streamed expert layers, slot pool of {slots} experts")
+    if args.device_pool:
+        print(f"device slot tables: {'on' if rt.tables is not None else 'refused: ' + rt.device_pool_refused}")
     if device == "cuda" and args.vram_gb is not None:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
@@ -1246,6 +1292,7 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
         row_mb = layout.nbytes / 1e6
         line = (f"T=1   nf4 streamed layer, AR step: through the pool {pool_ms:7.3f} ms ({misses:.1f} of {k} experts "
                 f"missing: {misses * row_mb / pool_ms:6.2f} GB/s of rows)")
+        line += " | " + _device_tables_part(bank, store, view, why, x, routings, dev, steps)
         if view is None:
             line += f" | in place (zero-copy): not run ({why})"
         else:
@@ -1262,6 +1309,32 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
             line += (f" | fused (Triton) in place {fused_in_place:7.3f} ms ({k * row_mb / fused_in_place:6.2f} GB/s), "
                      f"resident {fused_resident:7.3f} ms")
     return line
+
+
+def _device_tables_part(resident: Any, store: Any, view: Any, why: str, x: Any, routings: list[Any], dev: Any,
+                        steps: Callable[[Callable[[Any, Any], Any]], float]) -> str:
+    """The same AR steps through device slot tables (engine.device_pool) in a pool of 2k slots: the placing and the
+    copy of the missing rows on the device (two Triton programs on CUDA), no host read, then the compute; its output
+    against the resident bank's."""
+    from engine import offload
+    from engine.device_pool import DeviceSlotTables
+
+    layout, e, k = resident.layout, resident.num_experts, routings[0][0].shape[-1]
+    ledger = offload.DeviceLedger(dev)
+    runtime = offload.OffloadRuntime(dev, offload.SlotPool(2 * k, layout, dev, ledger), ledger, prefetch=False)
+    runtime.stores, runtime.streamed_layers = {0: store}, (0,)
+    refused = why if view is None else DeviceSlotTables.refusal(runtime.pool, k, dev)
+    if refused:
+        return f"device tables: not run ({refused})"
+    bank = offload.StreamedExpertBank(0, layout, store, runtime)
+    runtime.tables = DeviceSlotTables(runtime.pool, (0,), {0: view}, e, k)
+    ms = steps(lambda idx, w: bank(x, idx, w))
+    runtime.tables.merge_counts()
+    st = runtime.stats
+    missing = st.slot_misses / max(st.slot_hits + st.slot_misses, 1) * k
+    diff = max((bank(x, idx, w).float() - resident(x, idx, w).float()).abs().max().item() for idx, w in routings[:2])
+    return (f"device tables {ms:7.3f} ms ({missing:.1f} of {k} missing: "
+            f"{missing * layout.nbytes / 1e6 / ms:6.2f} GB/s of rows, no host read), max |diff| {diff:.1e}")
 
 
 GROUP_SWEEP = (4, 8, 16)  # experts per dequantize group timed by --moe-only

@@ -61,6 +61,12 @@ class Roofline:
     # a routed-expert bank that sizes its groups on the host (a 32-slot pass without the fused MoE kernel) 47 ops.
     fetch_launches: float = 14.0
     bank_launches: float = 47.0
+    # Device slot tables (engine.device_pool, opt-in): the AR step replays as one graph; each streamed layer's fetch
+    # is two kernels inside it (engine.triton_copy: the placing and the copy of the missing rows; counted), and the
+    # next streamed layer's prefetch runs on a side stream, overlapped. A tiny kernel in a replayed graph still costs
+    # its node's latency: [assumption] 3 us until a GPU run measures `bench speed --moe-only`'s device-tables line.
+    device_table_kernels: float = 2.0
+    graph_kernel_us: float = 3.0
     l2_bytes: int = 48 * MiB  # a dequantized weight larger than this round-trips through VRAM (4070 Ti S: 48 MB)
 
     @classmethod
@@ -76,7 +82,7 @@ class Roofline:
         if self.block_reuse_factor < 1:
             raise PlanError(f"Roofline.block_reuse_factor must be >= 1, got {self.block_reuse_factor!r}")
         for name in ("ar_launches_per_layer", "pass_launches_per_layer", "launch_us", "l2_bytes", "fetch_launches",
-                     "bank_launches"):
+                     "bank_launches", "device_table_kernels", "graph_kernel_us"):
             if getattr(self, name) < 0:
                 raise PlanError(f"Roofline.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -137,6 +143,9 @@ def predict(
     zc_pcie = s * k * eb_str
     t_ar_zero_copy = (max((ar_read + ar_deq - zc_pcie) / vram_bw, ar_flops) + zc_pcie / pcie_bw
                       + rl.launch_us * 1e-6)
+    # AR through device slot tables (engine.device_pool): the pool's hits, misses and prefetch as above, its
+    # bookkeeping on the device: one graph launch, and each streamed layer's two kernels in the graph.
+    t_ar_device_pool = t_ar_unfused + (rl.launch_us + s * rl.device_table_kernels * rl.graph_kernel_us) * 1e-6
 
     # Diffusion: block / TPF denoising passes (+ the commit pass), each over all `block` positions.
     dp = min(float(e), float(block * k), rl.distinct_experts_per_pass)
@@ -194,6 +203,7 @@ def predict(
         "ar_graphs": 1.0 / max(t_ar_unfused + graph_fetch_oh, tiny),
         "ar_graphs_fused": 1.0 / max(t_ar_bound + graph_fetch_oh, tiny),
         "ar_graphs_zero_copy": 1.0 / max(t_ar_zero_copy, tiny),
+        "ar_graphs_device_pool": 1.0 / max(t_ar_device_pool, tiny),
         "diffusion_graphs": block / max(t_block_unfused + n_pass * graph_bank_oh, tiny),
         "diffusion_graphs_fused": block / max(t_block_bound + n_pass * graph_fetch_oh, tiny),
     }

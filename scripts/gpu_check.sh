@@ -33,7 +33,7 @@ $py -c "import bitsandbytes" 2>/dev/null && bnb=1 || echo "== bitsandbytes is no
 # (whole and in pieces around the banks that read the host), the int8 kernel, fla's GDN kernels.
 step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py \
   tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py \
-  tests/test_triton_moe.py tests/test_offload.py
+  tests/test_triton_moe.py tests/test_offload.py tests/test_device_pool.py
 if [ $bnb = 1 ]; then
   # Issue 8's figures: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's
   # 16 GiB placement: streamed layers in pinned host memory, the process capped at 16 GiB), eager: AR tok/s, passes/s,
@@ -55,8 +55,18 @@ fi
 # an AR step's 8 NF4 experts through bitsandbytes' gemv_4bit (16 GEMVs), next to the grouped and fused paths;
 # one streamed layer's AR step through the slot pool (every expert missing) vs read in place from mapped page-locked
 # rows (zero-copy, CLOVER_DESK_ZERO_COPY) vs resident: the effective GB/s of each (the planner predicts the in-place
-# read cannot overlap compute, so AR at 16 GiB drops from ~99 to ~60 tok/s with it; this says whether it is so).
+# read cannot overlap compute, so AR at 16 GiB drops from ~99 to ~60 tok/s with it; this says whether it is so), and
+# through device slot tables (engine.device_pool: the placing and the copy of the missing rows as two Triton programs,
+# no host read).
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
+if [ $bnb = 1 ]; then
+  # Issue 8: card_fast with device slot tables (--device-pool): AR steps keep the slot pool but do its bookkeeping on
+  # the GPU, so a step with 17 streamed layers is one CUDA graph (the planner predicts ~131 against ~99 tok/s at
+  # 16 GiB on a 16 GB card; 292 against 170 on this H200). Its AR tok/s against card_fast's is the decision.
+  step card_device_pool 300 env CLOVER_DESK_FUSED_MOE=1 CLOVER_DESK_FUSED_INT8=1 CLOVER_DESK_FLA_GDN=1 \
+    $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 --quant card \
+    --vram-gb 16 --repeats 3 --compile --device-pool
+fi
 if [ $bnb = 1 ]; then
   # Issue 8: ops (launches), host reads (device-to-host copies show on a GPU) and bytes written per forward on the
   # card's path, 4 layers of the 35B shape scaled to 40 (2 streamed), and what CUDA graphs leave eager: the

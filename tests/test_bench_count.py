@@ -82,6 +82,23 @@ def test_bench_count_says_what_cuda_graphs_leave_to_the_host(capsys: pytest.Capt
     assert 0 < int(ar[6]) < int(ar[2])  # the eager ops are a small part of the step
 
 
+def test_bench_count_with_device_tables_leaves_an_ar_step_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device-pool: the AR step is one graph with nothing eager and no host read, and the count says what the
+    device tables add per streamed layer; a block pass is cut as before."""
+    code = cli.main(["bench", "speed", "--shape", "tiny", "--count", "--quant", "card", "--stream", "2", "--device-pool"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "device slot tables: on" in out
+    ar = re.search(r"    AR step: (\d+) graphs \((\d+) ops recorded, (\d+) host reads in them\); eager: nothing; at full "
+                   r"depth ~1 graph launches \+ ~0 eager ops, ~0 host reads", out)
+    assert ar and (ar[1], ar[3]) == ("1", "0"), out
+    deq = re.search(r"    32-slot pass, dequantizing experts: 5 graphs .*; eager: 4 banks x \d+ ops", out)
+    assert deq, out
+    tables = re.search(r"device slot tables, per streamed layer of an AR step: fetch tensor ops .* (\d+) ops; the next "
+                       r"layer's prefetch .* (\d+) ops: (\d+) launches, 0 host reads", out)
+    assert tables and int(tables[3]) == int(tables[1]) + int(tables[2]) > 0, out
+
+
 def test_a_cpu_count_can_dispatch_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU an expert group is one expert named by a host read of its id (cheap there, not what a GPU runs):
     the count sees those reads, and counted as on a GPU (the card's group size, no CPU int8 GEMV) there are none."""
@@ -124,7 +141,14 @@ def test_bench_speed_runs_the_placed_path(capsys: pytest.CaptureFixture[str]) ->
     # or fewer, plus the commit passes
     assert float(streamed[3]) == 1.0 and 1.0 <= float(streamed[6]) < 1.5
     assert re.search(r"diffusion at 3 committed tokens per pass .*: [\d.]+ tok/s", out)
+    code = cli.main(["bench", "speed", "--shape", "tiny", "--quant", "card", "--stream", "1", "--repeats", "1",
+                     "--decode-tokens", "8", "--diffusion-tokens", "32", "--prompt-tokens", "40", "--device-pool"])
+    out = capsys.readouterr().out
+    assert code == 0 and "device slot tables: on" in out, out
+    streamed = re.search(rf"streamed experts: AR {per_token}; diffusion {per_token}", out)
+    assert streamed and float(streamed[3]) < 1.0, out  # AR: the prompts read the host, the steps do not
     for bad, why in ((["--stream", "2"], "add --quant card"), (["--quant", "card", "--stream", "9"], "allowed: 1..4"),
+                     (["--device-pool"], "add --vram-gb G or --stream N"),
                      (["--quant", "card", "--vram-gb", "8"], "plans the clover-35b-a3b shape")):
         code = cli.main(["bench", "speed", "--shape", "tiny", *bad])
         err = capsys.readouterr().err
@@ -178,10 +202,10 @@ def test_the_group_sweep_times_each_group_size_and_puts_group_bytes_back() -> No
     assert int(got[5]) == max(1, before["cpu"] // (3 * d * i * 4))
 
 
-def test_the_zero_copy_line_times_a_streamed_ar_step_three_ways() -> None:
+def test_the_zero_copy_line_times_a_streamed_ar_step_four_ways() -> None:
     """--moe-only's AR step of one streamed layer: through a k-slot pool (fresh routing every step, so nearly every
-    expert misses), in place (zero-copy) and resident, the in-place output equal to the resident one. On the CPU the
-    "mapping" is the host rows themselves."""
+    expert misses), through device slot tables (a 2k-slot pool), in place (zero-copy) and resident, the device tables'
+    and in-place outputs equal to the resident one. On the CPU the "mapping" is the host rows themselves."""
     from clover_desk.cmd_bench_speed import ZERO_COPY_STEPS, _random_nf4_bank, _zero_copy_line
 
     gen = torch.Generator().manual_seed(0)
@@ -190,12 +214,16 @@ def test_the_zero_copy_line_times_a_streamed_ar_step_three_ways() -> None:
     x = torch.randn(1, d, generator=gen)
     line = _zero_copy_line(bank, x, k, 1, "cpu", gen)
     got = re.match(r"T=1   nf4 streamed layer, AR step: through the pool +([\d.]+) ms \(([\d.]+) of 4 experts "
-                   r"missing: +([\d.]+) GB/s of rows\) \| in place \(zero-copy\) +([\d.]+) ms \( *([\d.]+) GB/s of "
-                   r"rows, +([\d.]+)x the pool's speed\), max \|diff\| ([\d.e+-]+) \| resident +([\d.]+) ms$", line)
+                   r"missing: +([\d.]+) GB/s of rows\) \| device tables +([\d.]+) ms \(([\d.]+) of 4 missing: +([\d.]+) "
+                   r"GB/s of rows, no host read\), max \|diff\| ([\d.e+-]+) \| in place \(zero-copy\) +([\d.]+) ms "
+                   r"\( *([\d.]+) GB/s of rows, +([\d.]+)x the pool's speed\), max \|diff\| ([\d.e+-]+) \| resident "
+                   r"+([\d.]+) ms$", line)
     assert got, line
+    # device tables in a pool of 8 (2k): ~1 of the 4 drawn was among the 8 kept; their output is the resident one
+    assert 2.0 < float(got[5]) <= 4.0 and float(got[4]) > 0 and float(got[7]) == 0.0
     # each step draws 4 of 32 experts; the pool holds the 4 of the step before: ~0.5 of them hit
     assert 2.0 < float(got[2]) <= 4.0
-    assert float(got[7]) == 0.0  # the same bytes, the same gather: the same numbers
+    assert float(got[11]) == 0.0  # the same bytes, the same gather: the same numbers
     assert ZERO_COPY_STEPS >= 8
 
 

@@ -365,6 +365,25 @@ def test_zero_copy_ar_reads_every_streamed_expert_over_pcie_and_waits_for_it(m35
     assert whole["ar_graphs_zero_copy"] >= whole["ar_graphs_fused"]
 
 
+def test_device_tables_keep_the_pools_traffic_and_drop_its_fetch_overhead(m35: planner.Manifest) -> None:
+    """AR through device slot tables (engine.device_pool): the pool's PCIe traffic (its hits and prefetch kept), one
+    graph launch, and each streamed layer's two kernels at a graph node's latency instead of an eager fetch: at 16 GiB
+    between the pool's replayed figure and the hardware bound; all resident, the same as the whole-step graph."""
+    p = make_plan(m35, 16 * GiB, CTX)
+    tok = p.predicted_tok_s
+    s = len(p.streamed_expert_layers)
+    assert s > 0
+    assert tok["ar_graphs"] < tok["ar_graphs_device_pool"] < tok["ar_bound"]
+    rl = Roofline()
+    overhead = 1 / tok["ar_graphs_device_pool"] - 1 / tok["ar_bound"]
+    kernels = s * rl.device_table_kernels * rl.graph_kernel_us
+    assert overhead == pytest.approx((rl.launch_us + kernels) * 1e-6, abs=2e-6)  # (the figures are rounded)
+    slow = make_plan(m35, 16 * GiB, CTX, roofline={"graph_kernel_us": 100.0}).predicted_tok_s
+    assert slow["ar_graphs_device_pool"] < tok["ar_graphs"]  # slow graph nodes would make them lose
+    whole = make_plan(m35, 40 * GiB, CTX).predicted_tok_s
+    assert whole["ar_graphs_device_pool"] == pytest.approx(whole["ar_graphs_zero_copy"], rel=1e-9)
+
+
 def test_without_the_fused_moe_kernel_a_pass_writes_and_reads_its_dequantized_experts(m35: planner.Manifest) -> None:
     """The unfused engine dequantizes a pass's experts to bf16 in groups of 16 (96 MiB, past a 48 MiB L2), which the
     matmul reads back: 4 bytes per weight of the 70 experts of each of 40 layers, 35 GB per pass, twice the rest of
