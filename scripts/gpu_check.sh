@@ -28,25 +28,28 @@ nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max -
 bnb=0
 $py -c "import bitsandbytes" 2>/dev/null && bnb=1 || echo "== bitsandbytes is not importable (bash scripts/gpu_wheels.sh here, carry .whl): the NF4 steps are skipped" | tee -a "$out/summary.txt"
 # Steps in order of what they decide; the sum of their limits is over one call's 10 minutes, so name the rest in a
-# second call if the first is cut short.
+# second call if the first is cut short (pytest_gpu, card_fast and card_device_pool first: the fast path's AR and
+# diffusion figures, with the host pool and with device slot tables).
 # The GPU-marked tests: grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps and block passes
 # (whole and in pieces around the banks that read the host), the int8 kernel, fla's GDN kernels.
 step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py \
   tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py \
   tests/test_triton_moe.py tests/test_offload.py tests/test_device_pool.py
 if [ $bnb = 1 ]; then
-  # Issue 8's figures: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's
-  # 16 GiB placement: streamed layers in pinned host memory, the process capped at 16 GiB), eager: AR tok/s, passes/s,
-  # tok/s at 3 tokens per pass, ops and host reads per forward, host-to-device bytes, slot misses and host reads per
-  # token, and the implied cost of one eager launch (the planner's Roofline.launch_us).
-  step card_path 170 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
-    --quant card --vram-gb 16 --repeats 3
-  # Issue 8: the same path with the fast path on: fused NF4 MoE, INT8 and fla GDN kernels (opt-in), the layers
-  # compiled, AR steps and block passes replayed from CUDA graphs cut around the streamed banks (engine.step_graphs).
-  # Prints the kernels-on eager figures, then the compiled ones and how the passes were cut.
+  # Issue 8: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's 16 GiB
+  # placement: streamed layers in pinned host memory, the process capped at 16 GiB) with the fast path on: fused NF4
+  # MoE, INT8 and fla GDN kernels (opt-in), the layers compiled, AR steps and block passes replayed from CUDA graphs
+  # cut around the streamed banks (engine.step_graphs). Prints the kernels-on eager figures, then the compiled ones
+  # and how the passes were cut.
   step card_fast 300 env CLOVER_DESK_FUSED_MOE=1 CLOVER_DESK_FUSED_INT8=1 CLOVER_DESK_FLA_GDN=1 \
     $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 --quant card \
     --vram-gb 16 --repeats 3 --compile
+  # Issue 8: card_fast with device slot tables (--device-pool): AR steps keep the slot pool but do its bookkeeping on
+  # the GPU, so a step with 17 streamed layers is one CUDA graph (the planner predicts ~131 against ~99 tok/s at
+  # 16 GiB on a 16 GB card; 292 against 170 on this H200). Its AR tok/s against card_fast's is the decision.
+  step card_device_pool 300 env CLOVER_DESK_FUSED_MOE=1 CLOVER_DESK_FUSED_INT8=1 CLOVER_DESK_FLA_GDN=1 \
+    $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 --quant card \
+    --vram-gb 16 --repeats 3 --compile --device-pool
 fi
 # Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
 # (NF4 rows, GGUF Q4_0 blocks), and the dequantizing pass at 4 / 8 / 16 experts per group (16 = 96 MiB, past L2:
@@ -60,12 +63,11 @@ fi
 # no host read).
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
 if [ $bnb = 1 ]; then
-  # Issue 8: card_fast with device slot tables (--device-pool): AR steps keep the slot pool but do its bookkeeping on
-  # the GPU, so a step with 17 streamed layers is one CUDA graph (the planner predicts ~131 against ~99 tok/s at
-  # 16 GiB on a 16 GB card; 292 against 170 on this H200). Its AR tok/s against card_fast's is the decision.
-  step card_device_pool 300 env CLOVER_DESK_FUSED_MOE=1 CLOVER_DESK_FUSED_INT8=1 CLOVER_DESK_FLA_GDN=1 \
-    $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 --quant card \
-    --vram-gb 16 --repeats 3 --compile --device-pool
+  # Issue 8: card_fast's path eager, kernels off (the baseline): AR tok/s, passes/s, tok/s at 3 tokens per pass,
+  # ops and host reads per forward, host-to-device bytes, slot misses and host reads per token, and the implied cost
+  # of one eager launch (the planner's Roofline.launch_us).
+  step card_path 170 $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 \
+    --quant card --vram-gb 16 --repeats 3
 fi
 if [ $bnb = 1 ]; then
   # Issue 8: ops (launches), host reads (device-to-host copies show on a GPU) and bytes written per forward on the
