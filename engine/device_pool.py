@@ -78,6 +78,8 @@ class DeviceSlotTables:
             self.counts = torch.zeros(len(COUNTS), dtype=torch.long, device=dev)
             self._ranks = torch.arange(top_k, dtype=torch.long, device=dev)
             self._guess = torch.zeros(top_k, dtype=torch.long, device=dev)  # the prefetch stream's input (below)
+            # where a fetch's (True) and a prefetch's (False) flag sums go in the counters (COUNTS, see _place)
+            self._at = {True: torch.tensor([0, 1, 3, 4, 5], device=dev), False: torch.tensor([2, 4, 5], device=dev)}
         self.on_device = False  # which tables are live: the device's (True) or the host pool's
         self.use_kernel = dev.type == "cuda"  # one Triton program per placing (engine.triton_copy); else tensor ops
         self.side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None  # the prefetch's stream
@@ -229,17 +231,10 @@ class DeviceSlotTables:
         old = self.key_of[target]
         evict = need & (old >= 0)
         was_fresh = self.fresh[target]
-        n_hit, n_need = hit.sum(), need.sum()
-        zero = torch.zeros_like(n_hit)
-        counts = torch.stack([
-            n_hit if touch else zero,
-            n_need if touch else zero,
-            zero if touch else n_need,
-            (hit & was_fresh).sum() if touch else zero,
-            (evict & was_fresh).sum(),
-            evict.sum(),
-            (torch.ones_like(n_hit) if lp == 0 else zero) if touch else zero,
-        ])
+        if touch:  # slot_hits, slot_misses, prefetch_hits, prefetch_wasted, evictions (and a pass at layer 0)
+            flags = torch.stack([hit, need, hit & was_fresh, evict & was_fresh, evict])
+        else:  # prefetched, prefetch_wasted, evictions
+            flags = torch.stack([need, evict & was_fresh, evict])
         self.slot_of.index_put_((torch.where(evict, old, LE),), torch.full_like(old, -1))
         self.slot_of.index_put_((torch.where(upd, key, LE),), torch.where(upd, target, -1))
         at = torch.where(upd, target, S)
@@ -247,7 +242,9 @@ class DeviceSlotTables:
         self.stamp.index_put_((at,), torch.where(upd, self.tick * STAMP_STRIDE + self._ranks[:k], BIG))
         self.fresh.index_put_((at,), upd & (not touch))
         self.tick.add_(1)
-        self.counts.add_(counts)
+        self.counts.index_add_(0, self._at[touch], flags.sum(1))
+        if touch and lp == 0:  # the first streamed layer's fetch: a pass
+            self.counts[COUNTS.index("passes")] += 1
         return idx, target, need
 
     def _copy(self, lp: int, idx: Tensor, target: Tensor, need: Tensor) -> None:
@@ -258,8 +255,11 @@ class DeviceSlotTables:
 
             copy_rows(src, buf, idx, target, need)
             return
-        # the CPU (and the reference of the kernel): present rows are written back unchanged
-        buf.index_copy_(0, target, torch.where(need[:, None], src.index_select(0, idx), buf.index_select(0, target)))
+        if torch.compiler.is_compiling():  # traced: fixed shapes (the present rows are written back unchanged)
+            buf.index_copy_(0, target, torch.where(need[:, None], src.index_select(0, idx), buf.index_select(0, target)))
+        else:  # eager on the CPU: the missing rows only (the nonzero is a host read only on a GPU, which has the kernel)
+            missing = need.nonzero().flatten()
+            buf.index_copy_(0, target[missing], src.index_select(0, idx[missing]))
 
     def check(self) -> list[str]:
         """Consistency of the live tables (a host read; for tests and ``bench``): every key's slot names it back,
