@@ -106,8 +106,10 @@ class DeviceSlotTables:
     def push(self) -> None:
         """Write the host pool's state into the device tables (no host read); the device tables are live after."""
         pool, E = self.pool, self.E
-        if pool.in_use or pool.block_pins:
-            raise RuntimeError("device slot tables: the host pool has experts in use or pinned for a block")
+        # Called between forwards and outside a block: experts still marked in use, or pinned, were left so by a
+        # forward or block that raised (an out-of-memory, a cancel); kept, they would never be evicted again
+        pool.in_use.clear()
+        pool.block_pins.clear()
         slot_of = [-1] * (self.L * E + 1)
         key_of = [-1] * (self.S + 1)
         stamp = [s - (self.S + 1) for s in range(self.S)] + [BIG]  # free: negative, lowest slot first

@@ -608,9 +608,14 @@ class OffloadRuntime:
         return self.pool.stats if self.pool is not None else Stats()
 
     def before_pass(self, tokens: int) -> None:
-        """Called before every forward (``CloverModel.forward``): a one-token pass runs on the device tables, so
-        they are written from the host pool here if the host's were live (outside any graph: a replayed step only
-        runs its recorded kernels)."""
+        """Called before every forward (``CloverModel.forward``). Experts still marked in use were left so by a
+        forward that raised (they would never be evicted again, and the next forward could find the pool too small):
+        released. A one-token pass runs on the device tables, so they are written from the host pool here if the
+        host's were live (outside any graph: a replayed step only runs its recorded kernels)."""
+        if self.pool is not None and self.pool.in_use:  # left by a forward that raised: nothing is in use now
+            log.info("slot pool: %d experts left in use by a forward that did not finish, released",
+                     len(self.pool.in_use))
+            self.pool.in_use.clear()
         tables = self.tables
         if tables is not None and tokens == 1 and not self.in_block and not tables.on_device:
             tables.push()

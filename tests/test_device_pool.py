@@ -268,6 +268,34 @@ def test_a_one_token_pass_inside_a_block_stays_with_the_host_pool(qmodel: Clover
     assert rt.tables.on_device and rt.tables.check() == []
 
 
+@pytest.mark.parametrize("device_pool", [True, False])
+def test_a_forward_that_raised_leaves_no_expert_marked_in_use(qmodel: CloverModel, device_pool: bool) -> None:
+    """A host-pool forward that raises after its fetch left its experts marked in use, so that no later forward
+    could evict them (here the next prompt's layer found the 16-slot pool too small). Every forward now starts by
+    releasing them; the prompt and an AR step through the device tables then run."""
+    model = placed(qmodel, (1, 3), EXPERTS, device_pool=device_pool)
+    rt = offload.runtime_of(model)
+    assert rt is not None and rt.pool is not None
+    cache = model.new_cache(32)
+    bank = model.layers[3].mlp.experts
+    real = bank.compute
+
+    def fails(*args: object) -> None:
+        raise RuntimeError("out of memory (simulated)")
+
+    bank.compute = fails  # the streamed layer 3 raises after its experts were fetched
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(torch.arange(5, 12), 0, cache)
+    bank.compute = real
+    assert rt.pool.in_use
+    cache = model.new_cache(32)
+    model(torch.arange(5, 12), 0, cache)  # through the host pool: its fetches find every slot free to evict
+    model(torch.tensor([7]), 7, cache)
+    assert not rt.pool.in_use
+    if device_pool:
+        assert rt.tables is not None and rt.tables.on_device and rt.tables.check() == []
+
+
 def test_an_ar_step_through_device_tables_traces_as_one_graph(qmodel: CloverModel) -> None:
     """The compiler's proof that the step reads nothing on the host: one graph, no break, and the step graphs'
     cuts leave an AR step whole while a block pass is still cut at its streamed layers."""
