@@ -370,7 +370,7 @@ def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any,
     placement = getattr(model, "_offload_runtime", None)
     for name, ids, block_size, cut in cases:
         if placement is not None:  # what CloverModel.forward does before a pass (device slot tables change hands)
-            placement.before_pass(ids.shape[0])
+            placement.before_pass(ids.shape[0], block_size)
         runner = StepGraphs(model, record=False, cut=cut)
         pieces = runner.pieces_of_pass(ids, cache.length, cache.clone(), block_size, block_size is None, False)
         kinds = [stages[0][0] if kind == "eager" else "graph" for kind, stages in runner.pieces_for(ids.shape[0])]

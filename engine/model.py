@@ -1007,7 +1007,7 @@ class CloverModel(nn.Module):
             return outs[-1] if last_only else torch.cat(outs)
         placement = getattr(self, "_offload_runtime", None)  # engine.offload's runtime: its device tables
         if placement is not None:
-            placement.before_pass(t)
+            placement.before_pass(t, block_size)
         run = self._forward_pass
         if self.step_graph is not None and cache is not None and self.is_hot_pass(t, block_size, write_cache):
             run = self.step_graph

@@ -560,7 +560,7 @@ class StreamedExpertBank(ExpertBank):
         tables = rt.tables
         assert tables is not None and rt.pool is not None
         if not torch.compiler.is_compiling() and not tables.on_device:  # eager: take the tables (compiled or
-            rt.before_pass(1)  # replayed steps have them from CloverModel.forward's call)
+            rt.before_pass(1, None)  # replayed steps have them from CloverModel.forward's call)
         tables.fetch(self.layer, topk_idx)
         if rt.prefetch and self.next_router is not None and self.next_layer is not None:
             guess = self.next_router(x).topk(topk_idx.shape[-1], dim=-1).indices
@@ -607,11 +607,16 @@ class OffloadRuntime:
     def stats(self) -> Stats:
         return self.pool.stats if self.pool is not None else Stats()
 
-    def before_pass(self, tokens: int) -> None:
+    def before_pass(self, tokens: int, block_size: int | None = None) -> None:
         """Called before every forward (``CloverModel.forward``). Experts still marked in use were left so by a
         forward that raised (they would never be evicted again, and the next forward could find the pool too small):
-        released. A one-token pass runs on the device tables, so they are written from the host pool here if the
-        host's were live (outside any graph: a replayed step only runs its recorded kernels)."""
+        released. A causal forward (``block_size`` None) inside a block means the block was abandoned (a pass raised,
+        or its generator was dropped before ``end_block``): the block is closed, its pins released. A one-token pass
+        runs on the device tables, so they are written from the host pool here if the host's were live (outside any
+        graph: a replayed step only runs its recorded kernels)."""
+        if block_size is None and self.in_block:
+            log.info("a causal forward inside a diffusion block: the block was abandoned; its pins are released")
+            self._close_block()
         if self.pool is not None and self.pool.in_use:  # left by a forward that raised: nothing is in use now
             log.info("slot pool: %d experts left in use by a forward that did not finish, released",
                      len(self.pool.in_use))

@@ -296,6 +296,25 @@ def test_a_forward_that_raised_leaves_no_expert_marked_in_use(qmodel: CloverMode
         assert rt.tables is not None and rt.tables.on_device and rt.tables.check() == []
 
 
+def test_an_abandoned_block_is_closed_by_the_next_causal_forward(qmodel: CloverModel) -> None:
+    """A diffusion block whose generator was dropped (or whose pass raised) never reached end_block: its pins
+    would stay, and every later AR step would count as inside the block (pinning all it touches, never on the
+    device tables). The next causal forward closes it."""
+    model = placed(qmodel, (1, 3), EXPERTS, device_pool=True)
+    rt = offload.runtime_of(model)
+    assert rt is not None and rt.pool is not None and rt.tables is not None
+    cache = model.new_cache(64)
+    model(torch.arange(5, 37), 0, cache, block_size=32, prefill=True)
+    offload.begin_block(model)
+    model(torch.arange(40, 72), 32, cache, block_size=32, write_cache=False)
+    assert rt.in_block and rt.pool.block_pins  # ... and the generator is dropped here
+    cache = model.new_cache(32)
+    model(torch.arange(5, 12), 0, cache)
+    assert not rt.in_block and not rt.pool.block_pins
+    model(torch.tensor([7]), 7, cache)
+    assert rt.tables.on_device and rt.tables.check() == []
+
+
 def test_an_ar_step_through_device_tables_traces_as_one_graph(qmodel: CloverModel) -> None:
     """The compiler's proof that the step reads nothing on the host: one graph, no break, and the step graphs'
     cuts leave an AR step whole while a block pass is still cut at its streamed layers."""
