@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from engine.preflight import Finding, GpuFacts, check, gather_facts
+from engine.preflight import OPT_IN, Finding, GpuFacts, check, gather_facts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,11 +37,13 @@ def report_lines(facts: GpuFacts, findings: list[Finding], frozen: bool = False)
     if facts.bnb_version:
         cuda_libs = ", ".join(f"{a}.{b}" for a, b in facts.bnb_cuda_libs)
         bnb += f" (CUDA libraries: {cuda_libs or 'none'})"
+    on = [name for name, value in facts.opt_in if value == "1"]
     lines = [
         f"torch          {torch}" + (f", {build}" if facts.torch_version else ""),
         f"GPU            {gpu}",
         f"NVIDIA driver  {driver}",
         f"bitsandbytes   {bnb}",
+        f"opt-in paths   {', '.join(on) if on else 'none on'} (of {', '.join(OPT_IN)}: =1 turns one on)",
         "",
         *(f.line() for f in findings),
     ]

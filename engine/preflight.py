@@ -19,6 +19,9 @@ Rules (each a pure function of the facts, tested with made-up ones):
   equal or higher minor (sm_86 runs sm_80 code); PTX (``compute_XY``) can be compiled for any newer card when first
   used (slow start); otherwise no kernel runs. RTX 50-series cards are sm_120 and need a CUDA 12.8+ build.
 * bitsandbytes (NF4 experts, CPU and GPU): missing, or shipping no native library for torch's CUDA major version.
+* the opt-in GPU paths (:data:`OPT_IN`, environment switches, each "1" to turn on): which are on, a value that is
+  neither "1" nor "0" (ignored: said), switches that exclude each other (zero-copy and device slot tables: loading
+  a model with streamed layers would fail), and switches that do nothing without a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ MIN_CUDA_FOR_CAPABILITY: dict[tuple[int, int], tuple[int, int]] = {
     (11, 0): (13, 0),
     (12, 0): (12, 8),
 }
+# The opt-in GPU paths: environment switch -> what "1" turns on. Each is read where it acts (engine.triton_moe,
+# engine.triton_linear, engine.gdn_kernels, engine.offload, engine.device_pool); none is measured on a GPU yet.
+OPT_IN: dict[str, str] = {
+    "CLOVER_DESK_FUSED_MOE": "routed experts through the fused Triton MoE kernels (NF4 rows, GGUF blocks)",
+    "CLOVER_DESK_FUSED_INT8": "INT8 projections and the LM head through the fused Triton kernel",
+    "CLOVER_DESK_FLA_GDN": "Gated DeltaNet steps and causal prefills through flash-linear-attention",
+    "CLOVER_DESK_ZERO_COPY": "AR steps reading streamed experts in place from page-locked memory",
+    "CLOVER_DESK_DEVICE_POOL": "AR steps fetching streamed experts through slot tables on the GPU",
+}
+EXCLUSIVE = ("CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL")
 # PyTorch wheel indexes by CUDA version (download.pytorch.org/whl/<tag>); the newest the driver and card allow wins.
 TORCH_CUDA_TAGS: dict[tuple[int, int], str] = {(11, 8): "cu118", (12, 6): "cu126", (12, 8): "cu128", (13, 0): "cu130"}
 
@@ -70,6 +83,7 @@ class GpuFacts:
     bnb_version: str | None = None  # None: bitsandbytes is not installed
     bnb_cuda_libs: tuple[tuple[int, int], ...] = ()  # CUDA versions bitsandbytes ships native libraries for
     bnb_cuda_override: str | None = None  # $BNB_CUDA_VERSION when set
+    opt_in: tuple[tuple[str, str], ...] = ()  # (switch, value) of the OPT_IN switches that are set
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +185,7 @@ def check(facts: GpuFacts) -> list[Finding]:
     """Findings for ``facts``, most important first (errors before warnings before the rest)."""
     out: list[Finding] = []
     out.extend(_check_bitsandbytes_installed(facts))
+    out.extend(check_opt_in(facts))
     if facts.torch_version is None:
         out.append(Finding("error", "torch", f"torch does not import ({facts.torch_error or 'not installed'}): "
                                              "reinstall Clover Desk (pipx reinstall clover-desk) or its torch"))
@@ -262,6 +277,24 @@ def _check_bitsandbytes_cuda(facts: GpuFacts) -> list[Finding]:
     return [Finding("ok", "bitsandbytes", f"bitsandbytes {facts.bnb_version} has a CUDA {torch_cuda[0]}.x library")]
 
 
+def check_opt_in(facts: GpuFacts) -> list[Finding]:
+    """The opt-in GPU paths' switches (:data:`OPT_IN`): bad values, a clash, which are on and whether they can act."""
+    out: list[Finding] = []
+    on = [name for name, value in facts.opt_in if value == "1"]  # (exactly "1", as the engine reads them)
+    for name, value in facts.opt_in:
+        if value not in ("", "0", "1"):
+            out.append(Finding("warning", "opt-in", f"{name}={value!r} is ignored: set it to 1 for "
+                                                    f"{OPT_IN[name]}, or to 0 (or unset it)"))
+    if all(name in on for name in EXCLUSIVE):
+        out.append(Finding("error", "opt-in", f"{' and '.join(EXCLUSIVE)} exclude each other: loading a model whose "
+                                              "experts are streamed fails while both are 1; unset one"))
+    if on:
+        gpu = facts.cuda_available and facts.torch_cuda is not None
+        out.append(Finding("info", "opt-in", f"experimental GPU paths on: {', '.join(on)} (not yet measured on a GPU)"
+                                             + ("" if gpu else "; they do nothing without a CUDA GPU")))
+    return out
+
+
 def _sorted(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: -LEVELS.index(f.level))
 
@@ -351,6 +384,7 @@ def gather_facts(index: int = 0) -> GpuFacts:
         "platform": sys.platform,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "bnb_cuda_override": os.environ.get("BNB_CUDA_VERSION"),
+        "opt_in": tuple((name, os.environ[name]) for name in OPT_IN if name in os.environ),
     }
     facts.update(_nvml_facts(index))
     nvml_name, nvml_cap = facts.get("gpu_name"), facts.get("capability")
