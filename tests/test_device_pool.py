@@ -315,6 +315,45 @@ def test_an_abandoned_block_is_closed_by_the_next_causal_forward(qmodel: CloverM
     assert rt.tables.on_device and rt.tables.check() == []
 
 
+class _Stream:
+    """Stands in for a CUDA stream on the CPU: records the waits the device tables issue."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append((self.name, other.name))
+
+
+def test_the_prefetch_stream_is_forked_and_joined_once_per_streamed_layer(
+    qmodel: CloverModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA-only branch (the prefetch on a side stream), run on the CPU with stand-in streams: in every AR step
+    each prefetch forks the side stream from the step's (side waits main) and the next streamed layer's fetch joins
+    it (main waits side) before reading the tables, exactly once; the first fetch of a step waits for nothing (a
+    recorded graph may not wait on a stream it never forked); the side stream reads the guess from the tables' own
+    buffer. Same tokens."""
+    import contextlib
+
+    want = tokens(qmodel, "ar", 8)
+    model = placed(qmodel, (0, 1, 3), EXPERTS, device_pool=True)
+    rt = offload.runtime_of(model)
+    assert rt is not None and rt.tables is not None
+    log: list[tuple[str, str]] = []
+    main, side = _Stream("main", log), _Stream("side", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    rt.tables.side = side  # type: ignore[assignment]
+    guesses: list[torch.Tensor] = []
+    real = rt.tables._prefetch
+    monkeypatch.setattr(rt.tables, "_prefetch", lambda layer, idx: (guesses.append(idx), real(layer, idx))[1])
+    assert tokens(model, "ar", 8) == want
+    steps = 7  # 8 tokens: the prompt's forward and 7 steps
+    assert log == [("side", "main"), ("main", "side")] * 2 * steps  # layers 0 -> 1 and 1 -> 3 prefetch
+    assert all(g is rt.tables._guess for g in guesses) and len(guesses) == 2 * steps
+    assert not rt.tables._forked and rt.tables.check() == []
+
+
 def test_an_ar_step_through_device_tables_traces_as_one_graph(qmodel: CloverModel) -> None:
     """The compiler's proof that the step reads nothing on the host: one graph, no break, and the step graphs'
     cuts leave an AR step whole while a block pass is still cut at its streamed layers."""
