@@ -4,8 +4,9 @@
 
 Prints what was found (torch and its CUDA build, the GPU and its compute capability, the NVIDIA driver,
 bitsandbytes' CUDA libraries), then one line per finding (``engine.preflight``): errors first, each naming what to
-install. ``--json`` prints ``{"facts": {...}, "findings": [{"level", "key", "message"}, ...]}`` instead: the window
-runs this command in a child process (its own process never imports torch) and shows the findings.
+install. ``--json`` prints ``{"facts": {...}, "findings": [{"level", "key", "message"}, ...], "report": [lines]}``
+instead (``report``: the facts as printed above): the window's Help ▸ Check this machine's GPU runs this command in
+a child process (its own process never imports torch) and shows both (``ui/gpu_check.py``).
 
 Exit status: 0 no error found (the engine can run, on the GPU or on the CPU), 1 at least one error.
 """
@@ -57,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     facts = gather_facts()
     findings = check(facts)
     if args.json:
-        print(json.dumps({"facts": facts.to_dict(), "findings": [f.to_dict() for f in findings]}))
+        frozen = bool(getattr(sys, "frozen", False))
+        report = [line for line in report_lines(facts, [], frozen=frozen) if line]  # the facts as the CLI prints them
+        print(json.dumps({"facts": facts.to_dict(), "findings": [f.to_dict() for f in findings], "report": report}))
     else:
         print("\n".join(report_lines(facts, findings, frozen=bool(getattr(sys, "frozen", False)))))
     return 1 if any(f.level == "error" for f in findings) else 0

@@ -172,7 +172,9 @@ def test_doctor_prints_facts_and_findings(capsys: pytest.CaptureFixture[str]) ->
     assert out.startswith("torch ") and "bitsandbytes" in out
     assert cli.main(["doctor", "--json"]) in (0, 1)
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"facts", "findings"} and all(set(f) == {"level", "key", "message"} for f in data["findings"])
+    assert set(data) == {"facts", "findings", "report"}
+    assert all(set(f) == {"level", "key", "message"} for f in data["findings"])
+    assert data["report"][0].startswith("torch ") and any(r.startswith("opt-in paths") for r in data["report"])
 
 
 def test_doctor_exits_1_on_an_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

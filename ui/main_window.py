@@ -87,6 +87,7 @@ from ui.contracts import (
 )
 from ui.denoise_view import DenoiseView
 from ui.generation import GenerationSettings, defaults_from_model, export_file_name, finished_stats
+from ui.gpu_check import GpuCheckDialog
 from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
 from ui.remote_chat import DENOISING_UNAVAILABLE, RemoteBackendControl, is_remote_finished
@@ -454,6 +455,10 @@ class MainWindow(QMainWindow):
 
         help_menu = bar.addMenu("&Help")
         self.shortcuts_action = self._action(help_menu, "&Keyboard shortcuts", self.on_show_shortcuts, "F1")
+        self.gpu_check_action = self._action(help_menu, "Check this machine's &GPU…", self.on_check_gpu,
+                                             tip="What torch, the NVIDIA driver and bitsandbytes allow here, and what "
+                                                 "to install if the GPU cannot be used")
+        self.gpu_check_dialog: GpuCheckDialog | None = None
         self.about_action = self._action(help_menu, f"&About {APP_NAME}", self.on_about)
         self.about_action.setMenuRole(QAction.MenuRole.AboutRole)
         self.menus = {"File": file_menu, "Edit": edit_menu, "View": view_menu, "Model": model_menu,
@@ -1288,6 +1293,14 @@ class MainWindow(QMainWindow):
                           QMessageBox.StandardButton.Close, self)
         box.setObjectName("shortcutsBox")
         box.exec()
+
+    def on_check_gpu(self) -> None:
+        """Help ▸ Check this machine's GPU: ``clover-desk doctor`` in a child process, shown in a dialog (kept, so
+        that reopening it shows the last result; "Check again" reruns it)."""
+        if self.gpu_check_dialog is None:
+            self.gpu_check_dialog = GpuCheckDialog(self)
+        self.gpu_check_dialog.show()
+        self.gpu_check_dialog.raise_()
 
     def on_about(self) -> None:
         box = QMessageBox(QMessageBox.Icon.NoIcon, f"About {APP_NAME}", ABOUT_TEXT, QMessageBox.StandardButton.Ok, self)
