@@ -246,3 +246,22 @@ def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str,
     assert tokens(engine, "ar") == want
     # only the prompt's forward went through the pool: one host read per streamed layer
     assert rt.accounting()["host_reads"] == len(plan.streamed_expert_layers)
+
+
+def test_device_tables_fetch_a_gguf_files_streamed_experts(files: dict[str, Path]) -> None:
+    """A streamed GGUF layer's rows through device slot tables (engine.offload.set_device_pool): the host pool's
+    tokens, the experts found where the tables say, and only the prompt's forward reading the host."""
+    from engine import offload
+
+    path = files["Q4_K"]
+    plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)
+    engine = Engine.load(path, plan=plan)
+    want = tokens(engine, "ar")
+    assert offload.set_device_pool(engine.model, True) == ""
+    rt = runtime_of(engine.model)
+    assert rt is not None and rt.tables is not None
+    rt.reset_stats()
+    assert tokens(engine, "ar") == want
+    acc = rt.accounting()
+    assert acc["host_reads"] == len(plan.streamed_expert_layers) and acc["device_pool"]
+    assert acc["slot_hits"] + acc["slot_misses"] > 0 and rt.tables.check() == []
