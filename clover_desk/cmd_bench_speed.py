@@ -292,7 +292,8 @@ def _run_count(args: argparse.Namespace) -> int:
 def _count_device_tables(model: Any, config: Any) -> None:
     """With device slot tables (``--device-pool``): the ops one streamed layer adds to an AR step for its fetch
     (look-up, victims, table writes, the copy) and for the next streamed layer's prefetch (its router, top-k, the
-    same placing), all recorded in the step's graph: the planner's ``Roofline.device_table_ops``."""
+    same placing), all recorded in the step's graph (the planner's ``Roofline.device_table_kernels`` counts the
+    CUDA path's two programs)."""
     import torch
 
     from engine import offload
@@ -1263,11 +1264,8 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
     layout = bank.layout
     rows, pinned = offload.alloc_host_rows(tuple(bank.packed.shape), dev.type == "cuda", offload.PinBudget(None), 0)
     rows.copy_(bank.packed.cpu())
-    ledger = offload.DeviceLedger(dev)
-    runtime = offload.OffloadRuntime(dev, offload.SlotPool(k, layout, dev, ledger), ledger, prefetch=False)
     store = offload.HostExpertStore(0, rows, pinned)
-    runtime.stores, runtime.streamed_layers = {0: store}, (0,)
-    streamed = offload.StreamedExpertBank(0, layout, store, runtime)
+    runtime, streamed = _one_streamed_layer(store, layout, k, dev)
     view, why = offload.in_place_view(rows, dev)
     e = bank.num_experts
     routings = []
@@ -1311,22 +1309,29 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
     return line
 
 
+def _one_streamed_layer(store: Any, layout: Any, slots: int, dev: Any) -> tuple[Any, Any]:
+    """(runtime, bank): one streamed layer (layer 0, rows in ``store``) over a pool of ``slots``, no prefetch,
+    wired by hand: engine.offload.place_model places whole models."""
+    from engine import offload
+
+    ledger = offload.DeviceLedger(dev)
+    runtime = offload.OffloadRuntime(dev, offload.SlotPool(slots, layout, dev, ledger), ledger, prefetch=False)
+    runtime.stores, runtime.streamed_layers = {0: store}, (0,)
+    return runtime, offload.StreamedExpertBank(0, layout, store, runtime)
+
+
 def _device_tables_part(resident: Any, store: Any, view: Any, why: str, x: Any, routings: list[Any], dev: Any,
                         steps: Callable[[Callable[[Any, Any], Any]], float]) -> str:
     """The same AR steps through device slot tables (engine.device_pool) in a pool of 2k slots: the placing and the
     copy of the missing rows on the device (two Triton programs on CUDA), no host read, then the compute; its output
     against the resident bank's."""
-    from engine import offload
     from engine.device_pool import DeviceSlotTables
 
     layout, e, k = resident.layout, resident.num_experts, routings[0][0].shape[-1]
-    ledger = offload.DeviceLedger(dev)
-    runtime = offload.OffloadRuntime(dev, offload.SlotPool(2 * k, layout, dev, ledger), ledger, prefetch=False)
-    runtime.stores, runtime.streamed_layers = {0: store}, (0,)
+    runtime, bank = _one_streamed_layer(store, layout, 2 * k, dev)
     refused = why if view is None else DeviceSlotTables.refusal(runtime.pool, k, dev)
     if refused:
         return f"device tables: not run ({refused})"
-    bank = offload.StreamedExpertBank(0, layout, store, runtime)
     runtime.tables = DeviceSlotTables(runtime.pool, (0,), {0: view}, e, k)
     ms = steps(lambda idx, w: bank(x, idx, w))
     runtime.tables.merge_counts()

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from engine.preflight import OPT_IN, Finding, GpuFacts, check, gather_facts
+from engine.preflight import OPT_IN, Finding, GpuFacts, check, gather_facts, opt_in_on
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def report_lines(facts: GpuFacts, findings: list[Finding], frozen: bool = False)
     if facts.bnb_version:
         cuda_libs = ", ".join(f"{a}.{b}" for a, b in facts.bnb_cuda_libs)
         bnb += f" (CUDA libraries: {cuda_libs or 'none'})"
-    on = [name for name, value in facts.opt_in if value == "1"]
+    on = opt_in_on(facts)
     lines = [
         f"torch          {torch}" + (f", {build}" if facts.torch_version else ""),
         f"GPU            {gpu}",

@@ -560,7 +560,7 @@ class StreamedExpertBank(ExpertBank):
         tables = rt.tables
         assert tables is not None and rt.pool is not None
         if not torch.compiler.is_compiling() and not tables.on_device:  # eager: take the tables (compiled or
-            rt.before_pass(1, None)  # replayed steps have them from CloverModel.forward's call)
+            tables.push()  # replayed steps have them from CloverModel.forward's call to before_pass)
         tables.fetch(self.layer, topk_idx)
         if rt.prefetch and self.next_router is not None and self.next_layer is not None:
             guess = self.next_router(x).topk(topk_idx.shape[-1], dim=-1).indices

@@ -277,10 +277,15 @@ def _check_bitsandbytes_cuda(facts: GpuFacts) -> list[Finding]:
     return [Finding("ok", "bitsandbytes", f"bitsandbytes {facts.bnb_version} has a CUDA {torch_cuda[0]}.x library")]
 
 
+def opt_in_on(facts: GpuFacts) -> list[str]:
+    """The opt-in switches that are on: exactly "1", as the engine reads them."""
+    return [name for name, value in facts.opt_in if value == "1"]
+
+
 def check_opt_in(facts: GpuFacts) -> list[Finding]:
     """The opt-in GPU paths' switches (:data:`OPT_IN`): bad values, a clash, which are on and whether they can act."""
     out: list[Finding] = []
-    on = [name for name, value in facts.opt_in if value == "1"]  # (exactly "1", as the engine reads them)
+    on = opt_in_on(facts)
     for name, value in facts.opt_in:
         if value not in ("", "0", "1"):
             out.append(Finding("warning", "opt-in", f"{name}={value!r} is ignored: set it to 1 for "

@@ -49,6 +49,7 @@ def copy_rows(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, need
 def place(tables: "DeviceSlotTables", lp: int, idx: Tensor, touch: bool) -> tuple[Tensor, Tensor, Tensor]:
     """:meth:`engine.device_pool.DeviceSlotTables._place` as one Triton program (``place_kernel``): the same tables,
     counters and result as its tensor ops, in one launch instead of ~45."""
+    from engine.device_pool import BIG, STAMP_STRIDE
     from engine.triton_copy_kernels import place_kernel
 
     k = idx.shape[0]
@@ -56,8 +57,6 @@ def place(tables: "DeviceSlotTables", lp: int, idx: Tensor, touch: bool) -> tupl
     block_s = 1 << tables.S.bit_length()  # > S: the scratch cell too
     out = torch.empty(2, k, dtype=torch.long, device=idx.device)  # [ascending experts; their slots]
     need = torch.empty(k, dtype=torch.int8, device=idx.device)
-    from engine.device_pool import BIG, STAMP_STRIDE
-
     place_kernel[(1,)](
         idx.to(torch.long), tables.slot_of, tables.key_of, tables.stamp, tables.fresh.view(torch.int8), tables.tick,
         tables.counts, out[0], out[1], need, k, lp * tables.E, tables.S, BIG, touch, lp == 0, STAMP_STRIDE, block_k,

@@ -169,20 +169,22 @@ class GpuCheckDialog(QDialog):
         if error == QProcess.ProcessError.FailedToStart and self._process is not None:
             self._end(f"Could not start {self._python}: {error.name}", "", [], False)
 
+    def _kill(self) -> None:
+        """Stop the running child without reporting its end."""
+        if self._process is not None:
+            self._process.finished.disconnect(self._on_finished)
+            self._process.kill()
+            self._process.waitForFinished(2000)
+
     def _on_timeout(self) -> None:
         if self._process is None:
             return
-        process = self._process
-        process.finished.disconnect(self._on_finished)
-        process.kill()
-        process.waitForFinished(2000)
+        self._kill()
         self._end(f"The check did not answer within {self._timeout_ms / 1000:g} s and was stopped", "", [], False)
 
     def done(self, result: int) -> None:  # closing while a check runs stops it
         if self._process is not None:
             self._timer.stop()
-            process, self._process = self._process, None
-            process.finished.disconnect(self._on_finished)
-            process.kill()
-            process.waitForFinished(2000)
+            self._kill()
+            self._process = None
         super().done(result)
