@@ -86,9 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --quant card: stream the experts of the last N layers through a slot pool of "
                              "2 x top-k x N experts (any shape; the CPU tests of the placed path)")
     parser.add_argument("--device-pool", action="store_true",
-                        help="with --vram-gb / --stream: AR steps fetch the streamed experts through device-side slot "
-                             "tables (engine.device_pool: no host read, the step one CUDA graph) instead of the host "
-                             "pool's bookkeeping")
+                        help="with --vram-gb / --stream: AR steps and diffusion block passes fetch the streamed "
+                             "experts through device-side slot tables (engine.device_pool: no host read, the step one "
+                             "CUDA graph, a block pass too with the fused MoE kernel) instead of the host pool's "
+                             "bookkeeping")
     parser.add_argument("--compile", action="store_true",
                         help="also time the engine with its decoder layers compiled (engine.fastpath), same tokens")
     parser.add_argument("--compare-llama-cpp", action="store_true",
@@ -319,6 +320,26 @@ def _count_device_tables(model: Any, config: Any) -> None:
         total += guess["ops"] + programs
         reads += guess["reads"]
     print(f"{line}: {total} launches, {reads} host reads, recorded in the step's one graph")
+    # a diffusion block's pass: the layer's whole set (a 32-slot pass routes to up to E experts), its pins
+    from engine.experts import present
+
+    B = config.block_size
+    block_idx = torch.randint(0, config.num_experts, (B, k), device=model.device)
+    rt.begin_block()
+    rt.before_pass(B, B)
+    fetch = _forward_ops(lambda: tables.fetch_set(layer, present(block_idx, config.num_experts)))
+    line = (f"device slot tables, per streamed layer of a block pass: fetch {how}{fetch['ops']} ops (its presence mask "
+            "included)")
+    total, reads = fetch["ops"] + programs, fetch["reads"]
+    if bank.next_router is not None and bank.next_layer is not None:
+        xb = torch.randn(B, config.hidden_size, dtype=model.dtype, device=model.device)
+        guess = _forward_ops(lambda: tables.prefetch_set(
+            bank.next_layer, present(bank.next_router(xb).topk(k, dim=-1).indices, config.num_experts)))
+        line += f"; the next layer's prefetch (a block's first pass; gated on the device) {guess['ops']} ops"
+        total += guess["ops"] + programs
+        reads += guess["reads"]
+    rt.end_block()
+    print(f"{line}: {total} launches, {reads} host reads, recorded in the pass's graph")
 
 
 def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dict[str, Any]]:
@@ -364,13 +385,17 @@ def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any,
     # a block's 256 pairs: the dequantizing compute sizes its groups on the host in every layer (dense weights too,
     # off Hopper); the fused kernel (quantized, opt-in) sorts them on the device, leaving only the fetches
     cases.append((f"{B}-slot pass, dequantizing experts", block, B, dict.fromkeys(range(n), "bank")))
-    if quant:
-        cases.append((f"{B}-slot pass, fused MoE kernel", block, B, fetch))
+    if quant:  # (with device slot tables a block pass fetches on the device: no fetch left eager)
+        block_fetch = {i: c for i, c in fetch.items()
+                       if model.layers[i].mlp.experts.fetches(B * config.num_experts_per_tok, in_block=True)}
+        cases.append((f"{B}-slot pass, fused MoE kernel", block, B, block_fetch))
     print(f"under CUDA graphs (engine.step_graphs, cut as on a GPU; {len(streamed)} of {n} layers streamed, "
           f"~{s_full} of {n_full} at full depth):")
     placement = getattr(model, "_offload_runtime", None)
     for name, ids, block_size, cut in cases:
         if placement is not None:  # what CloverModel.forward does before a pass (device slot tables change hands)
+            if block_size is not None:
+                placement.begin_block()  # (a block's pass, as the loop runs it)
             placement.before_pass(ids.shape[0], block_size)
         runner = StepGraphs(model, record=False, cut=cut)
         pieces = runner.pieces_of_pass(ids, cache.length, cache.clone(), block_size, block_size is None, False)
@@ -381,9 +406,13 @@ def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any,
             got[kind][0] += c["ops"]
             got[kind][1] += c["reads"]
         pieces.finish()
+        if placement is not None and block_size is not None:
+            placement.end_block()
         per = {k: (got[k][0] / max(kinds.count(k), 1), got[k][1] / max(kinds.count(k), 1)) for k in ("fetch", "bank")}
         cut_full = round(len(cut) * n_full / n)
         kind_full = "bank" if "bank" in cut.values() else "fetch"
+        if not cut:  # one graph: nothing eager
+            per[kind_full] = (0.0, 0.0)
         eager_full = cut_full * per[kind_full][0]
         stand_in = " (the CPU's dequantizing compute standing in for the kernel)" if "fused" in name else ""
         eager = "; ".join(f"{kinds.count(k)} {k}{'es' if k == 'fetch' else 's'} x {per[k][0]:.0f} ops, "
@@ -419,6 +448,7 @@ def _engine_figures(
 ) -> dict[str, float]:
     import torch
 
+    from engine import offload
     from engine.generate import generate_ar, generate_diffusion
 
     B = config.block_size
@@ -442,12 +472,15 @@ def _engine_figures(
         model.forward(ids[:aligned], 0, cache, block_size=B, write_cache=True, last_only=True, prefill=True)
         block = torch.full((B,), config.mask_token_id, dtype=torch.long, device=device)
         block[: B // 4] = ids[: B // 4]
+        offload.begin_block(model)  # the passes of one block, as the loop runs them (streamed: the block's pins)
         t = _best(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False), args.repeats, device)
         figures["diffusion_passes_s"] = 1.0 / t
         if count_ops:  # (a compiled forward runs generated kernels, not torch ops: not counted)
             count = _forward_ops(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False))
             figures["pass_ops"], figures["pass_scalar_reads"] = count["ops"], count["reads"]
             figures["pass_written"] = count["written"]
+        offload.end_block(model)
+        if count_ops:
             step = ids[aligned - 1 : aligned]
             count = _forward_ops(lambda: model.forward(step, aligned, cache, block_size=None, write_cache=False))
             figures["ar_step_ops"], figures["ar_step_scalar_reads"] = count["ops"], count["reads"]
@@ -456,8 +489,6 @@ def _engine_figures(
     if not count_ops:  # compiled: the first AR steps and commit passes compile their own variants; not timed
         _finished(generate_ar(model, prompt, _settings(config, "ar", 3)))
         _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", 2 * B)))
-
-    from engine import offload
 
     before = offload.accounting(model)
     done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens), hooks=offload.loop_hooks(model)))

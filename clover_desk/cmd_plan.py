@@ -137,7 +137,8 @@ def format_plan(plan: Plan) -> str:
             f"{tok['diffusion_graphs']:.1f} tok/s; with the fused MoE kernel too: AR {tok['ar_graphs_fused']:.1f}, "
             f"diffusion {tok['diffusion_graphs_fused']:.1f}"
             + (f"; AR reading streamed experts in place (zero-copy): {tok['ar_graphs_zero_copy']:.1f}; AR through "
-               f"device slot tables: {tok['ar_graphs_device_pool']:.1f}"
+               f"device slot tables: {tok['ar_graphs_device_pool']:.1f}, diffusion through them (fused MoE): "
+               f"{tok['diffusion_graphs_device_pool']:.1f}"
                if plan.streamed_expert_layers and "ar_graphs_device_pool" in tok else "")
         )
     gpu = a["gpu_name"] or "no GPU detected: assumed 16 GB RTX card"

@@ -279,6 +279,9 @@ class Stats:
     passes: int = 0
     passes_per_block: list[int] = field(default_factory=list)
     distinct_per_block: dict[int, list[int]] = field(default_factory=dict)  # layer -> distinct experts per block
+    # blocks closed on the device tables (engine.device_pool): their distinct experts summed, and (block, layer) pairs
+    distinct_device_total: int = 0
+    distinct_device_count: int = 0
 
 
 class SlotPool:
@@ -466,16 +469,19 @@ class StreamedExpertBank(ExpertBank):
         memory, with no fetch (zero-copy on, this layer's rows mapped, an AR step's few pairs)."""
         return self.in_place is not None and self.runtime.zero_copy and pairs <= ZERO_COPY_PAIRS
 
-    def device_fetches(self, pairs: int) -> bool:
-        """Whether a forward over ``pairs`` pairs (one token's top-k: an AR step) fetches through the device tables
-        (``engine.device_pool``): no host read. Not inside a diffusion block, whose pins the host pool keeps."""
+    def device_fetches(self, pairs: int, in_block: bool | None = None) -> bool:
+        """Whether a forward over ``pairs`` pairs fetches through the device tables (``engine.device_pool``), with
+        no host read: an AR step (one token's top-k), and every pass of a diffusion block (the block's pins are
+        kept on the device). Not a prompt, which fetches on the host. ``in_block``: whether the forward is a
+        block's pass (default: whether a block is open now)."""
         tables = self.runtime.tables
-        return tables is not None and pairs == tables.k and not self.runtime.in_block
+        block = self.runtime.in_block if in_block is None else in_block
+        return tables is not None and (block or pairs == tables.k)
 
-    def fetches(self, pairs: int) -> bool:
+    def fetches(self, pairs: int, in_block: bool | None = None) -> bool:
         """Whether a forward over ``pairs`` pairs fetches its experts into the pool on the host first (a host
         read): not where it reads them in place, nor where the device tables fetch them."""
-        return not (self.reads_in_place(pairs) or self.device_fetches(pairs))
+        return not (self.reads_in_place(pairs) or self.device_fetches(pairs, in_block))
 
     def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
         """The whole bank reads nothing on the host only where no host fetch runs (see :meth:`fetches`)."""
@@ -491,8 +497,8 @@ class StreamedExpertBank(ExpertBank):
         streamed layer's (that layer's router on this layer's MoE input), one [1 or 2, E] presence mask copied once.
         (They were two ``torch.unique(...).cpu()`` calls, each a sync for its size and one for the copy.)"""
         tables = self.runtime.tables
-        if tables is not None and tables.on_device:  # AR steps ran on the device tables: take them back first
-            tables.pull()
+        if tables is not None and tables.on_device:  # passes ran on the device tables: take them back first
+            self.runtime.tables_to_host()
         self.runtime.on_layer_start(self.layer)
         rows = [present(topk_idx, self.num_experts)]
         guess = self.runtime.wants_prefetch() and self.next_router is not None and self.next_layer is not None
@@ -554,17 +560,28 @@ class StreamedExpertBank(ExpertBank):
         return self._fetch_and_compute(x, topk_idx, topk_w)
 
     def _device_forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
-        """An AR step through the device tables: this layer's fetch, the next streamed layer's prefetch (its router
-        on this layer's input, as :meth:`prepare_for` guesses), the compute from the pool."""
+        """An AR step or a block's pass through the device tables: this layer's fetch, the next streamed layer's
+        prefetch (its router on this layer's input, as :meth:`prepare_for` guesses; in a block on its first pass
+        only, a device flag), the compute from the pool."""
         rt = self.runtime
         tables = rt.tables
         assert tables is not None and rt.pool is not None
         if not torch.compiler.is_compiling() and not tables.on_device:  # eager: take the tables (compiled or
-            tables.push()  # replayed steps have them from CloverModel.forward's call to before_pass)
-        tables.fetch(self.layer, topk_idx)
-        if rt.prefetch and self.next_router is not None and self.next_layer is not None:
+            rt.tables_to_device()  # replayed passes have them from CloverModel.forward's call to before_pass)
+        guess = None
+        # In a block, only its first pass prefetches: told by the tables' gate on the device, so that a CUDA graph
+        # recorded on any pass serves them all; elsewhere the later passes skip the router and placing outright
+        wanted = not rt.in_block or rt.block_prefetch or x.is_cuda
+        if rt.prefetch and wanted and self.next_router is not None and self.next_layer is not None:
             guess = self.next_router(x).topk(topk_idx.shape[-1], dim=-1).indices
-            tables.prefetch(self.next_layer, guess)
+        if rt.in_block:
+            tables.fetch_set(self.layer, present(topk_idx, self.num_experts))
+            if guess is not None:
+                tables.prefetch_set(self.next_layer, present(guess, self.num_experts))  # type: ignore[arg-type]
+        else:
+            tables.fetch(self.layer, topk_idx)
+            if guess is not None:
+                tables.prefetch(self.next_layer, guess)  # type: ignore[arg-type]
         return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=rt.pool.buf,
                               row_index=tables.row_index(self.layer))
 
@@ -602,6 +619,7 @@ class OffloadRuntime:
         self.zero_copy_refused: dict[int, str] = {}  # layer -> why its rows could not be mapped
         self.tables: DeviceSlotTables | None = None  # AR steps' bookkeeping on the device (set_device_pool)
         self.device_pool_refused = ""  # why device tables were refused, when they were asked for
+        self.block_prefetch = True  # this block pass prefetches (its block's first; set by before_pass)
 
     @property
     def stats(self) -> Stats:
@@ -622,8 +640,30 @@ class OffloadRuntime:
                      len(self.pool.in_use))
             self.pool.in_use.clear()
         tables = self.tables
-        if tables is not None and tokens == 1 and not self.in_block and not tables.on_device:
-            tables.push()
+        if tables is None:
+            return
+        if self.in_block:  # a block's pass (block_size set: see above) runs on the device tables
+            if not tables.on_device:
+                self.tables_to_device()
+            self.block_passes += 1  # (the host pool's banks count it in on_layer_start)
+            self.block_prefetch = self.wants_prefetch()
+            tables.set_gate(self.block_prefetch)
+        elif tokens == 1 and not tables.on_device:
+            self.tables_to_device()
+
+    def tables_to_device(self) -> None:
+        """The device tables become live (``DeviceSlotTables.push``), with the open block's experts so far."""
+        assert self.tables is not None
+        self.tables.push(self.block_experts if self.in_block else None)
+        self.block_experts = {}
+
+    def tables_to_host(self) -> None:
+        """The host pool becomes live (``DeviceSlotTables.pull``: one host read); the experts the open block
+        touched on the device join the host's count."""
+        assert self.tables is not None
+        for layer, experts in self.tables.pull().items():
+            if self.in_block:
+                self.block_experts.setdefault(layer, set()).update(experts)
 
     # --- block boundaries: explicit hooks only (the generation loop calls them around a diffusion block) ---
     def begin_block(self) -> None:
@@ -639,11 +679,16 @@ class OffloadRuntime:
 
     def _close_block(self) -> None:
         st = self.stats
+        on_device = self.tables is not None and self.tables.on_device
         if self.block_passes:
             st.blocks += 1
             st.passes_per_block.append(self.block_passes)
-            for layer in self.streamed_layers:
-                st.distinct_per_block.setdefault(layer, []).append(len(self.block_experts.get(layer, ())))
+            if not on_device:  # (on the device: its distinct sums, DeviceSlotTables.end_block)
+                for layer in self.streamed_layers:
+                    st.distinct_per_block.setdefault(layer, []).append(len(self.block_experts.get(layer, ())))
+        if on_device:
+            assert self.tables is not None
+            self.tables.end_block(count=self.block_passes > 0)
         self.block_passes = 0
         self.block_experts = {}
         self.in_block = False
@@ -672,6 +717,7 @@ class OffloadRuntime:
         st = self.stats
         looked = st.slot_hits + st.slot_misses
         per_block = [x for v in st.distinct_per_block.values() for x in v]
+        distinct_n = len(per_block) + st.distinct_device_count
         return {
             "streamed_layers": list(self.streamed_layers),
             "resident_layers": list(self.resident_layers),
@@ -695,7 +741,8 @@ class OffloadRuntime:
             "blocks": st.blocks,
             "passes": st.passes,
             "passes_per_block": sum(st.passes_per_block) / len(st.passes_per_block) if st.passes_per_block else 0.0,
-            "distinct_experts_per_layer_block": sum(per_block) / len(per_block) if per_block else 0.0,
+            "distinct_experts_per_layer_block": (sum(per_block) + st.distinct_device_total) / distinct_n
+            if distinct_n else 0.0,
             "pinned_host_bytes": sum(s.nbytes for s in self.stores.values() if s.pinned),
             "pageable_host_bytes": sum(s.nbytes for s in self.stores.values() if not s.pinned),
             "device_bytes": dict(self.ledger.by_kind),
@@ -707,6 +754,9 @@ class OffloadRuntime:
             self.pool.stats = Stats()
         if self.tables is not None:
             self.tables.counts.zero_()
+            self.tables.distinct.zero_()
+            self.tables.seen.zero_()
+            self.tables.blocks_closed = 0
         self.block_passes = 0
         self.block_experts = {}
 
@@ -1023,7 +1073,7 @@ def set_device_pool(model: nn.Module, on: bool) -> str:
         rt.device_pool_refused = ""
     elif not on and rt.tables is not None:
         if rt.tables.on_device:
-            rt.tables.pull()
+            rt.tables_to_host()
         rt.tables = None
     if changed:
         forget = getattr(getattr(model, "step_graph", None), "forget", None)

@@ -56,7 +56,7 @@ OPT_IN: dict[str, str] = {
     "CLOVER_DESK_FUSED_INT8": "INT8 projections and the LM head through the fused Triton kernel",
     "CLOVER_DESK_FLA_GDN": "Gated DeltaNet steps and causal prefills through flash-linear-attention",
     "CLOVER_DESK_ZERO_COPY": "AR steps reading streamed experts in place from page-locked memory",
-    "CLOVER_DESK_DEVICE_POOL": "AR steps fetching streamed experts through slot tables on the GPU",
+    "CLOVER_DESK_DEVICE_POOL": "AR steps and diffusion passes fetching streamed experts through slot tables on the GPU",
 }
 EXCLUSIVE = ("CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL")
 # PyTorch wheel indexes by CUDA version (download.pytorch.org/whl/<tag>); the newest the driver and card allow wins.

@@ -61,9 +61,10 @@ class Roofline:
     # a routed-expert bank that sizes its groups on the host (a 32-slot pass without the fused MoE kernel) 47 ops.
     fetch_launches: float = 14.0
     bank_launches: float = 47.0
-    # Device slot tables (engine.device_pool, opt-in): the AR step replays as one graph; each streamed layer's fetch
-    # is two kernels inside it (engine.triton_copy: the placing and the copy of the missing rows; counted), and the
-    # next streamed layer's prefetch runs on a side stream, overlapped. A tiny kernel in a replayed graph still costs
+    # Device slot tables (engine.device_pool, opt-in): the AR step, and with the fused MoE kernel a block's pass,
+    # replays as one graph; each streamed layer's fetch is two kernels inside it (engine.triton_copy: the placing,
+    # of k experts or of a pass's whole set, and the copy of the missing rows; counted), and the next streamed
+    # layer's prefetch runs on a side stream, overlapped. A tiny kernel in a replayed graph still costs
     # its node's latency: [assumption] 3 us until a GPU run measures `bench speed --moe-only`'s device-tables line.
     device_table_kernels: float = 2.0
     graph_kernel_us: float = 3.0
@@ -144,8 +145,12 @@ def predict(
     t_ar_zero_copy = (max((ar_read + ar_deq - zc_pcie) / vram_bw, ar_flops) + zc_pcie / pcie_bw
                       + rl.launch_us * 1e-6)
     # AR through device slot tables (engine.device_pool): the pool's hits, misses and prefetch as above, its
-    # bookkeeping on the device: one graph launch, and each streamed layer's two kernels in the graph.
-    t_ar_device_pool = t_ar_unfused + (rl.launch_us + s * rl.device_table_kernels * rl.graph_kernel_us) * 1e-6
+    # bookkeeping on the device: one graph launch, and each streamed layer's two kernels in the graph. A block's
+    # passes the same way with the fused MoE kernel ("diffusion_graphs_device_pool"): the pass one graph, each
+    # streamed layer's placing of its whole set and its copy two kernels in it, the block's pins and the traffic
+    # as the host pool's (the first pass's prefetch on a side stream, overlapped).
+    graph_table_oh = (rl.launch_us + s * rl.device_table_kernels * rl.graph_kernel_us) * 1e-6
+    t_ar_device_pool = t_ar_unfused + graph_table_oh
 
     # Diffusion: block / TPF denoising passes (+ the commit pass), each over all `block` positions.
     dp = min(float(e), float(block * k), rl.distinct_experts_per_pass)
@@ -206,6 +211,7 @@ def predict(
         "ar_graphs_device_pool": 1.0 / max(t_ar_device_pool, tiny),
         "diffusion_graphs": block / max(t_block_unfused + n_pass * graph_bank_oh, tiny),
         "diffusion_graphs_fused": block / max(t_block_bound + n_pass * graph_fetch_oh, tiny),
+        "diffusion_graphs_device_pool": block / max(t_block_bound + n_pass * graph_table_oh, tiny),
     }
     derived = {
         "ar_expert_hit_rate": round(hit, 4),

@@ -82,9 +82,11 @@ def cuts(model: Any, t: int) -> dict[int, str]:
     out: dict[int, str] = {}
     for i, moe in enumerate(model.moe_layers()):
         bank = moe.experts
-        if getattr(bank, "needs_prepare", False) and bank.fetches(pairs):
-            compute_free = getattr(bank, "compute_sync_free", None)
-            out[i] = "fetch" if compute_free is not None and compute_free(pairs, device, dtype) else "bank"
+        if getattr(bank, "needs_prepare", False):  # streamed; a pass of t > 1 here is a block's (StepGraphs.serves)
+            if bank.fetches(pairs, in_block=t > 1):
+                out[i] = "fetch" if bank.compute_sync_free(pairs, device, dtype) else "bank"
+            elif not bank.compute_sync_free(pairs, device, dtype):
+                out[i] = "bank"
         elif not bank.sync_free(pairs, device, dtype):
             out[i] = "bank"
     return out

@@ -1,8 +1,10 @@
-"""The device pool's two kernels (``engine.device_pool``) in Triton, one launch each per streamed layer and AR step,
-whose grids do not depend on the routing (so a CUDA graph records them once):
+"""The device pool's kernels (``engine.device_pool``) in Triton, two launches per streamed layer and AR step or
+block pass, whose grids do not depend on the routing (so a CUDA graph records them once):
 
 - ``place``: the slot tables' look-up, victim choice and writes (``DeviceSlotTables._place``: ~45 tensor ops) in
   one program: k entries and the S + 1 stamps in registers, the k oldest found by k arg-min passes;
+- ``place_set``: the same for a block pass's whole set of experts (a presence mask over E, the block's pins): the S
+  slots packed as (class, stamp, slot) and sorted once, each missing expert's victim read at its rank;
 - ``copy_rows``: the expert rows that missed, copied from the host rows mapped into the device's address space
   into their pool slots.
 
@@ -63,3 +65,24 @@ def place(tables: "DeviceSlotTables", lp: int, idx: Tensor, touch: bool) -> tupl
         block_s,
     )
     return out[0], out[1], need.view(torch.bool)  # (the kernel stores 0 / 1: a view, no conversion kernel)
+
+
+def place_set(tables: "DeviceSlotTables", lp: int, present: Tensor, fetch: bool) -> tuple[Tensor, Tensor]:
+    """:meth:`engine.device_pool.DeviceSlotTables._place_set` as one Triton program (``place_set_kernel``): the
+    same tables, counters and result as its ~70 tensor ops, in one launch (a prefetch reads the tables' gate)."""
+    from engine.device_pool import STAMP_STRIDE
+    from engine.triton_copy_kernels import place_set_kernel
+
+    E, S = tables.E, tables.S
+    block_e = max(16, 1 << (E - 1).bit_length())
+    block_s = max(16, 1 << (S - 1).bit_length())  # the S slots (the scratch cell is never a victim)
+    slot_bits = block_s.bit_length() - 1
+    target = torch.empty(E, dtype=torch.long, device=present.device)
+    need = torch.empty(E, dtype=torch.int8, device=present.device)
+    order = tables.order_scratch(fetch, block_s)
+    place_set_kernel[(1,)](
+        present.view(torch.int8), tables.gate.view(torch.int8), tables.slot_of, tables.key_of, tables.stamp,
+        tables.fresh.view(torch.int8), tables.pinned.view(torch.int8), tables.seen.view(torch.int8), tables.tick,
+        tables.counts, order, target, need, E, lp * E, S, fetch, lp == 0, STAMP_STRIDE, slot_bits, block_e, block_s,
+    )
+    return target, need.view(torch.bool)

@@ -44,9 +44,10 @@ if [ $bnb = 1 ]; then
   step card_fast 300 env CLOVER_DESK_FUSED_MOE=1 CLOVER_DESK_FUSED_INT8=1 CLOVER_DESK_FLA_GDN=1 \
     $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 --quant card \
     --vram-gb 16 --repeats 3 --compile
-  # Issue 8: card_fast with device slot tables (--device-pool): AR steps keep the slot pool but do its bookkeeping on
-  # the GPU, so a step with 17 streamed layers is one CUDA graph (the planner predicts ~131 against ~99 tok/s at
-  # 16 GiB on a 16 GB card; 292 against 170 on this H200). Its AR tok/s against card_fast's is the decision.
+  # Issue 8: card_fast with device slot tables (--device-pool): AR steps and block passes keep the slot pool but do
+  # its bookkeeping on the GPU, so a step with 17 streamed layers is one CUDA graph, and so is a block pass with the
+  # fused MoE kernel (the planner predicts AR ~131 against ~99 tok/s at 16 GiB on a 16 GB card, 292 against 170 on
+  # this H200; diffusion 136 against 122, and 227 against 189). Its figures against card_fast's are the decision.
   step card_device_pool 300 env CLOVER_DESK_FUSED_MOE=1 CLOVER_DESK_FUSED_INT8=1 CLOVER_DESK_FLA_GDN=1 \
     $py -m clover_desk.cli bench speed --shape clover-35b-a3b --device cuda --dtype bfloat16 --quant card \
     --vram-gb 16 --repeats 3 --compile --device-pool

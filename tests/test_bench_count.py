@@ -83,8 +83,9 @@ def test_bench_count_says_what_cuda_graphs_leave_to_the_host(capsys: pytest.Capt
 
 
 def test_bench_count_with_device_tables_leaves_an_ar_step_whole(capsys: pytest.CaptureFixture[str]) -> None:
-    """--device-pool: the AR step is one graph with nothing eager and no host read, and the count says what the
-    device tables add per streamed layer; a block pass is cut as before."""
+    """--device-pool: the AR step is one graph with nothing eager and no host read, and so is a block pass with the
+    fused MoE kernel (the dequantizing one is still cut at every bank); the count says what the device tables add
+    per streamed layer of each."""
     code = cli.main(["bench", "speed", "--shape", "tiny", "--count", "--quant", "card", "--stream", "2", "--device-pool"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -94,9 +95,13 @@ def test_bench_count_with_device_tables_leaves_an_ar_step_whole(capsys: pytest.C
     assert ar and (ar[1], ar[3]) == ("1", "0"), out
     deq = re.search(r"    32-slot pass, dequantizing experts: 5 graphs .*; eager: 4 banks x \d+ ops", out)
     assert deq, out
-    tables = re.search(r"device slot tables, per streamed layer of an AR step: fetch tensor ops .* (\d+) ops; the next "
-                       r"layer's prefetch .* (\d+) ops: (\d+) launches, 0 host reads", out)
-    assert tables and int(tables[3]) == int(tables[1]) + int(tables[2]) > 0, out
+    fused = re.search(r"    32-slot pass, fused MoE kernel: 1 graphs .*; eager: nothing; at full depth ~1 graph launches "
+                      r"\+ ~0 eager ops, ~0 host reads", out)
+    assert fused, out
+    for what in ("an AR step", "a block pass"):
+        tables = re.search(rf"device slot tables, per streamed layer of {what}: fetch tensor ops .* (\d+) ops.*; the "
+                           r"next layer's prefetch .* (\d+) ops: (\d+) launches, 0 host reads", out)
+        assert tables and int(tables[3]) == int(tables[1]) + int(tables[2]) > 0, (what, out)
 
 
 def test_a_cpu_count_can_dispatch_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

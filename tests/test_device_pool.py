@@ -131,6 +131,144 @@ def test_device_tables_make_the_host_pools_decisions(slots: int) -> None:
     assert dev.stats.passes == fetches_at_first == 90  # (the host pool leaves passes to the runtime)
 
 
+@pytest.mark.parametrize("slots", [16, 19, 30, 64])
+def test_device_block_passes_make_the_host_pools_decisions(slots: int) -> None:
+    """Random diffusion blocks (1-5 passes, each streamed layer touching 1-16 of its 16 experts, the next layer's
+    guess prefetched on a block's first pass only) between random AR steps, through the host pool and through the
+    device tables, handed over both ways, sometimes in the middle of a block: the same slot for every expert at
+    every fetch, and at each hand-over the same slots, LRU order, pins, prefetch marks and counters (block-pin
+    evictions too) and the same distinct experts per block."""
+    rng = random.Random(slots)
+    layers, e, k, r = (1, 2, 3), EXPERTS, TOPK, 24
+    stores = {i: HostExpertStore(i, torch.randint(0, 256, (e, r), dtype=torch.uint8), False) for i in layers}
+    ref, dev = _pool(slots, r), _pool(slots, r)
+    tables = DeviceSlotTables(dev, layers, {i: s.rows for i, s in stores.items()}, e, k)
+    ref_seen: dict[int, set[int]] = {}
+    dev_seen: dict[int, set[int]] = {}  # the host-side share of the device run's open block (pull / push)
+    ref_distinct: list[int] = []
+
+    def mask(experts: list[int]) -> torch.Tensor:
+        m = torch.zeros(e, dtype=torch.bool)
+        m[experts] = True
+        return m
+
+    def host_pass(pool: SlotPool, layer: int, experts: list[int], guess: list[int] | None,
+                  in_block: bool) -> dict[int, int]:
+        got = pool.acquire(layer, experts, stores[layer], in_block=in_block)
+        if guess is not None:
+            pool.prefetch(layer + 1, guess, stores[layer + 1])
+        pool.release(layer, experts)
+        return got
+
+    on_device, fetches, pin_evictions = False, 0, 0
+    for block in range(60):
+        n_passes = rng.randint(1, 5)
+        for p in range(n_passes + rng.randint(0, 3)):
+            ar = p >= n_passes  # AR steps after the block
+            if ar and p == n_passes:  # the block closes
+                ref.end_block()
+                for i in layers:
+                    ref_distinct.append(len(ref_seen.get(i, ())))
+                ref_seen = {}
+                if on_device:
+                    tables.end_block(count=True)
+                else:
+                    dev.end_block()
+                    for i in layers:  # the runtime's count of a block closed on the host
+                        tables.distinct[layers.index(i)] += len(dev_seen.get(i, ()))
+                    tables.blocks_closed += 1
+                dev_seen = {}
+            if rng.random() < 0.15:  # hand over (in a block too)
+                if on_device:
+                    for i, got in tables.pull().items():
+                        dev_seen.setdefault(i, set()).update(got)
+                    assert dev.slot_of == ref.slot_of and list(dev.lru) == list(ref.lru) and dev.free == ref.free
+                    assert dev.prefetched_unused == ref.prefetched_unused and dev.block_pins == ref.block_pins
+                else:
+                    tables.push(dev_seen)
+                    dev_seen = {}
+                on_device = not on_device
+            for layer in layers:
+                experts = sorted(rng.sample(range(e), k if ar else rng.randint(1, e)))
+                guess = None
+                if layer != layers[-1] and (ar or p == 0):
+                    guess = sorted(rng.sample(range(e), k if ar else rng.randint(1, e)))
+                want = host_pass(ref, layer, experts, guess, in_block=not ar)
+                if not ar:
+                    ref_seen.setdefault(layer, set()).update(experts)
+                if on_device:
+                    if ar:
+                        got_slots = tables.fetch(layer, torch.tensor(experts))
+                        if guess is not None:
+                            tables.prefetch(layer + 1, torch.tensor(guess))
+                    else:
+                        tables.set_gate(p == 0)
+                        tables.fetch_set(layer, mask(experts))
+                        if layer != layers[-1]:  # offered every pass; the gate lets the first one through
+                            tables.prefetch_set(layer + 1, mask(guess if guess is not None else experts))
+                        got_slots = tables.row_index(layer)[experts]
+                    got = dict(zip(experts, got_slots.tolist()))
+                    fetches += layer == layers[0]
+                else:
+                    got = host_pass(dev, layer, experts, guess, in_block=not ar)
+                    if not ar:
+                        dev_seen.setdefault(layer, set()).update(experts)
+                assert got == want, (block, p, layer)
+        if on_device:
+            assert tables.check() == []
+    if on_device:
+        tables.pull()
+    assert tables.pinned.any().item() is False or ref.block_pins  # (a block may still be open)
+    for key, s in dev.slot_of.items():
+        assert torch.equal(dev.buf[s], stores[key[0]].rows[key[1]]), key
+    for name in ("slot_hits", "slot_misses", "evictions", "block_pin_evictions", "prefetched", "prefetch_hits",
+                 "prefetch_wasted", "h2d_bytes"):
+        assert getattr(dev.stats, name) == getattr(ref.stats, name), name
+    assert dev.stats.distinct_device_total == sum(ref_distinct)
+    assert dev.stats.distinct_device_count == len(ref_distinct)
+    assert ref.stats.prefetch_hits > 0 and ref.stats.prefetched > 0
+    if slots < 2 * e:  # a pool that cannot hold two layers' sets evicts pins
+        assert ref.stats.block_pin_evictions > 0
+    assert fetches > 0
+
+
+def test_a_block_fetch_traces_as_one_graph_with_the_eager_decisions() -> None:
+    """The compiler's proof that a block pass's bookkeeping reads nothing on the host: a streamed layer's block
+    fetch and the next layer's gated prefetch compile with fullgraph=True (the traced copy writes fixed shapes),
+    and make the eager tables' decisions and copies, pass for pass."""
+    layers, e, k, r = (1, 2), EXPERTS, TOPK, 8
+    rows = {i: torch.randint(0, 256, (e, r), dtype=torch.uint8) for i in layers}
+    eager = DeviceSlotTables(_pool(20, r), layers, rows, e, k)
+    traced = DeviceSlotTables(_pool(20, r), layers, rows, e, k)
+
+    def fetch(tables: DeviceSlotTables, present: torch.Tensor, guess: torch.Tensor) -> torch.Tensor:
+        tables.fetch_set(1, present)
+        tables.prefetch_set(2, guess)
+        tables.fetch_set(2, guess ^ present)
+        return tables.row_index(2) + 0
+
+    rng = torch.Generator().manual_seed(0)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fetch, backend="eager", fullgraph=True)
+        for tables in (eager, traced):
+            tables.push()
+        for step in range(12):
+            present, guess = torch.rand(2, e, generator=rng) < 0.5
+            for tables in (eager, traced):
+                tables.set_gate(step % 3 == 0)
+            assert torch.equal(fetch(eager, present, guess), compiled(traced, present, guess)), step
+            if step % 4 == 3:
+                for tables in (eager, traced):
+                    tables.end_block(count=True)
+        for name in ("slot_of", "key_of", "stamp", "fresh", "pinned", "seen", "counts", "distinct"):
+            assert torch.equal(getattr(eager, name), getattr(traced, name)), name
+        assert torch.equal(eager.pool.buf, traced.pool.buf) and traced.check() == []
+        assert int(traced.counts[0]) > 0 and int(traced.counts[2]) > 0  # hits, prefetched
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_broken_victim_choice_is_caught() -> None:
     """The comparison above is not vacuous: newest-first victims make other decisions."""
     layers, e, k, r = (1, 2), EXPERTS, TOPK, 8
@@ -199,9 +337,9 @@ def test_a_pool_too_small_is_refused_and_keeps_fetching_on_the_host(qmodel: Clov
 @pytest.mark.parametrize("streamed,slots", [((1, 3), EXPERTS), ((0, 1, 2, 3), EXPERTS), ((0, 1, 2, 3), EXPERTS + 3),
                                             ((0, 1, 2, 3), 4 * EXPERTS)])
 def test_device_tables_never_change_the_tokens(qmodel: CloverModel, streamed: tuple[int, ...], slots: int) -> None:
-    """AR, then diffusion, then AR again on one model (the tables handed to the device for each run of steps and
-    back for each prompt and block pass): the tokens of the all-resident model, and the same counters as the host
-    pool's: every AR step's looks-ups and copies are counted."""
+    """AR, then diffusion, then AR again on one model (the tables handed to the device after each prompt and back
+    for the next prompt): the tokens of the all-resident model, and the same counters as the host pool's, blocks
+    and their pins included: every AR step's and block pass's look-ups and copies are counted."""
     ar, diffusion = tokens(qmodel, "ar", 12), tokens(qmodel, "diffusion", 32)
     model = placed(qmodel, streamed, slots, device_pool=True)
     host = placed(qmodel, streamed, slots)
@@ -213,10 +351,12 @@ def test_device_tables_never_change_the_tokens(qmodel: CloverModel, streamed: tu
         assert rt.tables.check() == []
     got, ref = offload.accounting(model), offload.accounting(host)
     assert got["device_pool"] and not ref["device_pool"]
-    for key in ("slot_hits", "slot_misses", "evictions", "prefetched", "prefetch_hits", "prefetch_wasted",
-                "h2d_bytes", "passes", "blocks"):
+    for key in ("slot_hits", "slot_misses", "evictions", "block_pin_evictions", "prefetched", "prefetch_hits",
+                "prefetch_wasted", "h2d_bytes", "passes", "blocks", "passes_per_block",
+                "distinct_experts_per_layer_block"):
         assert got[key] == ref[key], key
-    assert got["host_reads"] < ref["host_reads"]
+    # the two AR prompts only (diffusion's 8-token prompt is its first block's tail: no causal prompt forward)
+    assert got["host_reads"] == 2 * len(streamed) < ref["host_reads"]
 
 
 def test_device_ar_steps_read_nothing_on_the_host(qmodel: CloverModel, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,23 +389,50 @@ def test_device_ar_steps_read_nothing_on_the_host(qmodel: CloverModel, monkeypat
     assert offload.accounting(model)["host_reads"] == prompt["host_reads"] + 3
 
 
-def test_a_one_token_pass_inside_a_block_stays_with_the_host_pool(qmodel: CloverModel) -> None:
-    """A diffusion block's pins live in the host pool: a one-token forward inside a block fetches there (the tables
-    stay with the host, the pins are kept); after the block an AR step takes the tables to the device."""
-    model = placed(qmodel, (1, 3), EXPERTS, device_pool=True)
+def test_a_blocks_passes_run_on_the_device_tables_with_its_pins(qmodel: CloverModel,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A diffusion block's passes (a one-token forward inside the block too) fetch through the device tables, which
+    keep the block's pins: from the first pass to the block's end the streamed layers read nothing on the host
+    beyond what the all-resident model reads (the CPU's routed compute over 128 pairs sizes its groups on the host;
+    the fused kernel does not), where the host pool reads once per streamed layer and pass. The pins are released
+    at end_block, and the next prompt takes the tables back to the host with none."""
+
+    def block_reads(model: CloverModel) -> list[str]:
+        cache = model.new_cache(64)
+        model(torch.arange(5, 37), 0, cache, block_size=32, prefill=True)
+        reads: list[str] = []
+        with monkeypatch.context() as m:
+            for name in ("cpu", "tolist", "item"):
+                plain = getattr(torch.Tensor, name)
+                m.setattr(torch.Tensor, name,
+                          lambda t, *a, _p=plain, _n=name, **kw: (reads.append(_n), _p(t, *a, **kw))[1])
+            offload.begin_block(model)
+            model(torch.arange(40, 72), 32, cache, block_size=32, write_cache=False)
+            model(torch.tensor([3]), 32, cache, block_size=32, write_cache=False)
+            model(torch.arange(40, 72), 32, cache, block_size=32, write_cache=False)
+            rt = offload.runtime_of(model)
+            if rt is not None and rt.tables is not None:
+                assert rt.block_passes == 3 and not rt.tables._gate_on  # (prefetch on the block's first pass only)
+                assert int(rt.tables.pinned.sum()) > 0
+            offload.end_block(model)
+        return reads
+
+    resident = placed(qmodel, (), EXPERTS)
+    host = placed(qmodel, (1, 3), EXPERTS + 4)
+    model = placed(qmodel, (1, 3), EXPERTS + 4, device_pool=True)
     rt = offload.runtime_of(model)
     assert rt is not None and rt.tables is not None and rt.pool is not None
-    cache = model.new_cache(64)
-    model(torch.arange(5, 37), 0, cache, block_size=32, prefill=True)
-    offload.begin_block(model)
-    model(torch.arange(40, 72), 32, cache, block_size=32, write_cache=False)
-    reads = offload.accounting(model)["host_reads"]
-    model(torch.tensor([3]), 32, cache, block_size=32, write_cache=False)
-    assert not rt.tables.on_device and rt.pool.block_pins
-    assert offload.accounting(model)["host_reads"] == reads + 2  # both streamed layers fetched on the host
-    offload.end_block(model)
-    model(torch.tensor([3]), 32, cache)
-    assert rt.tables.on_device and rt.tables.check() == []
+    want = block_reads(resident)
+    assert len(block_reads(host)) > len(want)  # its fetches' reads (and their lists)
+    assert offload.accounting(host)["host_reads"] == 2 + 3 * 2  # the prompt's, and one per streamed layer and pass
+    assert block_reads(model) == want
+    assert rt.tables.on_device and not rt.tables.pinned.any() and rt.tables.check() == []
+    acc = offload.accounting(model)
+    assert acc["host_reads"] == 2 and acc["blocks"] == 1 and acc["passes_per_block"] == 3.0  # (the prompt's)
+    assert 0 < acc["distinct_experts_per_layer_block"] <= EXPERTS
+    assert acc["distinct_experts_per_layer_block"] == offload.accounting(host)["distinct_experts_per_layer_block"]
+    model(torch.arange(5, 12), 0, model.new_cache(32))  # a prompt: the tables come back, with no pin
+    assert not rt.tables.on_device and not rt.pool.block_pins
 
 
 @pytest.mark.parametrize("device_pool", [True, False])
@@ -307,10 +474,10 @@ def test_an_abandoned_block_is_closed_by_the_next_causal_forward(qmodel: CloverM
     model(torch.arange(5, 37), 0, cache, block_size=32, prefill=True)
     offload.begin_block(model)
     model(torch.arange(40, 72), 32, cache, block_size=32, write_cache=False)
-    assert rt.in_block and rt.pool.block_pins  # ... and the generator is dropped here
+    assert rt.in_block and rt.tables.pinned.any()  # ... and the generator is dropped here
     cache = model.new_cache(32)
     model(torch.arange(5, 12), 0, cache)
-    assert not rt.in_block and not rt.pool.block_pins
+    assert not rt.in_block and not rt.pool.block_pins and not rt.tables.pinned.any()
     model(torch.tensor([7]), 7, cache)
     assert rt.tables.on_device and rt.tables.check() == []
 
@@ -426,6 +593,43 @@ def test_step_graph_pieces_run_device_table_steps_whole() -> None:
     assert runner.replays == 39 and runner.failed is None
 
 
+def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.step_graphs' cuts for a block pass, where the routed compute reads nothing (the fused MoE kernel on a
+    GPU, stood in for here): the host pool's pass leaves the graphs at each streamed layer's fetch, the device
+    tables' pass is one piece, however the cuts are asked for (outside a block too). Diffusion through that one
+    piece (run eagerly) decodes the host pool's tokens; after the prompt no forward fetches on the host."""
+    from tests.test_step_graphs import PROMPT as SG_PROMPT, _quantized
+    from engine.generate import generate_diffusion
+
+    def _diffusion(model: CloverModel, n: int) -> tuple[list[int], int]:  # (as the engine runs it: with the hooks)
+        s = DecodeSettings(mode="diffusion", max_new_tokens=n, block_size=model.config.block_size, threshold=0.9,
+                           mask_token_id=256, eos_token_ids=(), max_positions=model.config.max_position_embeddings)
+        *_, done = generate_diffusion(model, SG_PROMPT, s, hooks=offload.loop_hooks(model))
+        return list(done.token_ids), done.passes
+
+    host, model = _quantized((1, 2)), _quantized((1, 2))
+    assert offload.set_device_pool(model, True) == ""
+    b = model.config.block_size
+    with monkeypatch.context() as m:
+        for mod in ("engine.quant", "engine.offload"):
+            m.setattr(f"{mod}.rows_sync_free", lambda pairs, device, layout: True)
+        assert step_graphs.cuts(host, b) == {1: "fetch", 2: "fetch"}
+        assert step_graphs.cuts(model, b) == {}
+        assert step_graphs.cuts(model, 1) == {}
+    want, passes = _diffusion(host, 20)
+    runner = step_graphs.StepGraphs(model, record=False, cut={})
+    model.pass_graph = runner
+    try:
+        got, got_passes = _diffusion(model, 20)
+    finally:
+        model.pass_graph = None
+    assert got == want and got_passes == passes and runner.pass_replays == passes
+    acc, ref = offload.accounting(model), offload.accounting(host)
+    assert acc["host_reads"] == 2 and acc["blocks"] == ref["blocks"] > 1  # the prompt's prefill (one per layer)
+    for key in ("slot_hits", "slot_misses", "evictions", "prefetched", "h2d_bytes", "passes"):
+        assert acc[key] == ref[key], key
+
+
 # --- the copy kernel ---
 
 
@@ -496,13 +700,74 @@ def test_the_place_kernel_makes_the_tensor_ops_decisions() -> None:
     run_interpreted(PLACE_CHILD)
 
 
+PLACE_SET_CHILD = r'''
+import random
+import torch
+from engine.device_pool import DeviceSlotTables
+from engine.offload import DeviceLedger, SlotPool
+
+class Layout:
+    nbytes = 40
+
+E, K, LAYERS = 16, 4, (1, 2, 3)
+rows = {i: torch.randint(0, 256, (E, 40), dtype=torch.uint8) for i in LAYERS}
+TABLES = ("slot_of", "key_of", "stamp", "fresh", "pinned", "seen", "tick", "counts", "distinct")
+for slots in (16, 21, 64):
+    pools = [SlotPool(slots, Layout(), torch.device("cpu"), DeviceLedger(torch.device("cpu"))) for _ in range(2)]
+    ops, kernel = (DeviceSlotTables(p, LAYERS, rows, E, K) for p in pools)
+    kernel.use_kernel = kernel.set_kernel = True
+    ops.push()
+    kernel.push()
+    rng = random.Random(slots)
+    for step in range(16):
+        first = step % 4 == 0
+        for t in (ops, kernel):
+            t.set_gate(first)
+        for layer in LAYERS:
+            if rng.random() < 0.3:  # an AR step's fetch between blocks (the k-entry kernel)
+                experts = torch.tensor(rng.sample(range(E), K))
+                for t in (ops, kernel):
+                    t.fetch(layer, experts)
+                continue
+            present = torch.rand(E) < rng.random()
+            a, b = ops._place_set(layer - 1, present, True), kernel._place_set(layer - 1, present, True)
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (slots, step, a, b)
+            if layer != LAYERS[-1]:
+                guess = torch.rand(E) < rng.random()
+                a = ops._place_set(layer, guess & ops.gate, False)
+                b = kernel._place_set(layer, guess, False)
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), (slots, step, a, b)
+            for name in TABLES:
+                assert torch.equal(getattr(ops, name), getattr(kernel, name)), (slots, step, name)
+        if step % 4 == 3:
+            for t in (ops, kernel):
+                t.end_block(count=True)
+    c = ops.counts.tolist()
+    assert c[3] > 0 and c[2] > 0, c  # prefetch hits, prefetched: the cases were met
+    if slots < 3 * E:  # (64 slots hold every expert of the three layers)
+        assert c[5] > 0, c  # evictions
+    if slots < 2 * E:
+        assert c[7] > 0, c  # block-pin evictions
+print("ok")
+'''
+
+
+def test_the_set_place_kernel_makes_the_tensor_ops_decisions() -> None:
+    '''The block pass's one-program placing (engine.triton_copy.place_set: one sort of the packed slots) against
+    DeviceSlotTables' tensor ops under Triton's interpreter, over random block fetches of any size, gated
+    prefetches, AR fetches between them and block ends, at three pool sizes: the same slots and copies, and the
+    same tables and counters after every call.'''
+    pytest.importorskip("triton")
+    run_interpreted(PLACE_SET_CHILD)
+
+
 MODEL_CHILD = r'''
 import copy
 import torch
 from engine import offload
 from engine.checkpoint import random_state_dict
 from engine.config import parse_config
-from engine.generate import DecodeSettings, generate_ar
+from engine.generate import DecodeSettings, generate_ar, generate_diffusion
 from engine.model import CloverModel
 from engine.quant import make_policy, quantize_model_
 from engine.tiny import config_dict_for, tiny_text_config
@@ -518,17 +783,27 @@ prompt = [5, 17, 33, 9, 60, 61, 2, 40]
 want = list(generate_ar(base, prompt, settings))[-1].token_ids
 model = copy.deepcopy(base)
 rt = offload.apply_plan(model, offload.SimplePlan((0,), (1, 2, 3), 16), "cpu", device_pool=True)
-rt.tables.use_kernel = True  # both kernels, interpreted, in every AR step
+rt.tables.use_kernel = rt.tables.set_kernel = True  # the three kernels, interpreted, in every AR step and pass
 got = list(generate_ar(model, prompt, settings))[-1].token_ids
 assert got == want, (got, want)
 assert rt.tables.check() == []
 misses, prefetched = int(rt.tables.counts[1]), int(rt.tables.counts[2])  # the AR steps' own (device counters)
 assert misses > 0 and prefetched > 0, (misses, prefetched)
+diffusion = DecodeSettings(mode="diffusion", max_new_tokens=24, mask_token_id=3, eos_token_ids=(), block_size=32,
+                           threshold=0.08, max_positions=256)
+want = list(generate_diffusion(base, prompt, diffusion))[-1].token_ids
+got = list(generate_diffusion(model, prompt, diffusion, hooks=offload.loop_hooks(model)))[-1].token_ids
+assert got == want, (got, want)
+assert rt.tables.on_device and rt.tables.check() == [] and not rt.tables.pinned.any()
+acc = offload.accounting(model)
+assert acc["blocks"] == 1 and acc["passes_per_block"] > 1 and acc["slot_misses"] > misses, acc
 print("ok")
 '''
 
 
-def test_ar_steps_through_both_kernels_decode_the_same_tokens() -> None:
+def test_ar_steps_and_block_passes_through_the_kernels_decode_the_same_tokens() -> None:
+    """A model whose streamed layers fetch through the three kernels (interpreted): AR steps, then a diffusion
+    block, with the all-resident model's tokens."""
     pytest.importorskip("triton")
     run_interpreted(MODEL_CHILD)
 
@@ -562,3 +837,48 @@ def test_device_table_steps_are_one_cuda_graph_without_a_sync() -> None:
     assert runner.failed is None and runner.recorded == 2 and runner.replays == 299
     assert rt.tables.check() == []
     _steps_never_sync(graphed)
+
+
+@pytest.mark.gpu
+def test_device_table_block_passes_are_one_cuda_graph_without_a_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU with the fused MoE kernel: a diffusion block's pass through the device tables is one recorded CUDA
+    graph (no piece cut at the streamed layers), replayed without a sync, with the logits of the host pool's
+    uncaptured pass; the block's pins are released at its end."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from tests.test_step_graphs import PROMPT as SG_PROMPT, tiny_config, tiny_model
+
+    monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
+    gpu = torch.device("cuda")
+
+    def first_pass(device_pool: bool) -> tuple[CloverModel, object, torch.Tensor, torch.Tensor]:
+        model = tiny_model(tiny_config(moe_block_coreset_enabled=True), seed=5, dtype=torch.bfloat16)
+        quantize_model_(model, make_policy())
+        apply_plan(model, SimplePlan((0, 2), (1, 3), 2 * model.config.num_experts), "cuda", device_pool=device_pool)
+        b = model.config.block_size
+        cache = model.new_cache(64)
+        model(torch.tensor(SG_PROMPT[:b], device=gpu), 0, cache, block_size=b, write_cache=True)
+        offload.begin_block(model)
+        block = torch.tensor((SG_PROMPT * 2)[b : 2 * b], device=gpu)
+        return model, cache, block, model(block, b, cache, block_size=b, write_cache=False)
+
+    *_, want = first_pass(False)
+    model, cache, block, _ = first_pass(True)
+    rt = offload.runtime_of(model)
+    assert rt is not None and rt.tables is not None and rt.tables.on_device, rt.device_pool_refused if rt else None
+    b = model.config.block_size
+    runner = step_graphs.StepGraphs(model)
+    assert runner.pieces_for(b) == step_graphs.pieces_of(4, {})
+    model.pass_graph = runner
+    model(block, b, cache, block_size=b, write_cache=False)  # records
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = model(block, b, cache, block_size=b, write_cache=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert runner.failed is None and runner.recorded == 1 and runner.pass_replays == 2
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()
+    offload.end_block(model)
+    assert not rt.tables.pinned.any() and rt.tables.check() == []

@@ -382,6 +382,15 @@ def test_device_tables_keep_the_pools_traffic_and_drop_its_fetch_overhead(m35: p
     assert slow["ar_graphs_device_pool"] < tok["ar_graphs"]  # slow graph nodes would make them lose
     whole = make_plan(m35, 40 * GiB, CTX).predicted_tok_s
     assert whole["ar_graphs_device_pool"] == pytest.approx(whole["ar_graphs_zero_copy"], rel=1e-9)
+    # a block's passes through them (with the fused MoE kernel): the same traffic as the host pool's fused figure,
+    # each pass one graph launch and two kernels per streamed layer instead of eager fetches
+    assert tok["diffusion_graphs_fused"] < tok["diffusion_graphs_device_pool"] < tok["diffusion_bound"]
+    a, b = p.assumptions, 32
+    n_pass = a["passes_per_block"]
+    per_pass = b / tok["diffusion_graphs_device_pool"] / n_pass - b / tok["diffusion_bound"] / n_pass
+    assert per_pass == pytest.approx((rl.launch_us + kernels) * 1e-6, rel=0.02)
+    assert slow["diffusion_graphs_device_pool"] < tok["diffusion_graphs_fused"]
+    assert whole["diffusion_graphs_device_pool"] == pytest.approx(whole["diffusion_graphs_fused"], rel=1e-9)
 
 
 def test_without_the_fused_moe_kernel_a_pass_writes_and_reads_its_dequantized_experts(m35: planner.Manifest) -> None:

@@ -27,6 +27,8 @@ LAUNCHES = {  # what launched, and the kernels it launches
     "gguf dequantize q6_k": ("gguf_dequant_kernel",),
     "device pool fetch S=1565 k=8": ("place_kernel",),
     "device pool prefetch S=1565 k=8": ("place_kernel",),
+    "device pool block fetch S=1565 E=256": ("place_set_kernel",),
+    "device pool block prefetch S=1565 E=256": ("place_set_kernel",),
     "device pool copy nf4 rows": ("copy_rows_kernel",),
 }
 

@@ -63,7 +63,7 @@ def launches() -> Iterator[Launch]:
     names = ("gate_up_kernel", "down_kernel", "grouped_gate_up_kernel", "grouped_down_kernel", "gguf_dequant_kernel")
     saved = {name: getattr(moe_kernels, name) for name in names}
     saved_linear = linear_kernels.int8_linear_kernel
-    copy_names = ("place_kernel", "copy_rows_kernel")
+    copy_names = ("place_kernel", "place_set_kernel", "copy_rows_kernel")
     saved_copy = {name: getattr(copy_kernels, name) for name in copy_names}
     try:
         for name in copy_names:
@@ -102,6 +102,16 @@ def launches() -> Iterator[Launch]:
         for touch in (True, False):
             label[0] = f"device pool {'fetch' if touch else 'prefetch'} S={slots} k=8"
             triton_copy.place(tables, 1, torch.arange(8), touch)  # type: ignore[arg-type]
+        # a diffusion block's pass: all E experts' presence, the block's pins, its seen set, one sort of the slots
+        order = {True: torch.empty(2048, dtype=torch.long), False: torch.empty(2048, dtype=torch.long)}
+        tables.pinned = torch.zeros(slots + 1, dtype=torch.bool)
+        tables.seen = torch.zeros(streamed * e + 1, dtype=torch.bool)
+        tables.gate = torch.ones((), dtype=torch.bool)
+        tables.counts = torch.zeros(8, dtype=torch.long)
+        tables.order_scratch = lambda fetch, n: order[fetch]
+        for fetch in (True, False):
+            label[0] = f"device pool block {'fetch' if fetch else 'prefetch'} S={slots} E={e}"
+            triton_copy.place_set(tables, 1, torch.rand(e, generator=gen) < 0.4, fetch)  # type: ignore[arg-type]
         label[0] = "device pool copy nf4 rows"
         row = torch.zeros(4, nf4.nbytes, dtype=torch.uint8)
         triton_copy.copy_rows(row, row, torch.arange(4), torch.arange(4), torch.ones(4, dtype=torch.bool))
