@@ -99,6 +99,8 @@ for qtypes, e, d, i, t, k in CASES:
     fused = fused_gguf_moe(x, packed, layout, idx, w)
     err = (fused - ref).abs().max().item() / ref.abs().max().item()
     assert err < 1e-5, (case, err)
+    if qtypes[0] != gq.Q8_0:  # (a row's address does not depend on its types: the pool is checked on the Q8_0-led
+        continue  # cases, per-pair and grouped, the interpreter's quickest)
     # a slot pool: more rows than experts, the experts in permuted rows named by a device-side table
     slot_of = torch.randperm(e + 2)[:e]
     pool = torch.randint(0, 256, (e + 2, layout.nbytes), dtype=torch.uint8)
