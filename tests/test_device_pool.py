@@ -574,6 +574,30 @@ def test_compile_layers_runs_device_table_steps_as_one_graph(qmodel: CloverModel
         torch._dynamo.reset()
 
 
+def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverModel) -> None:
+    """A diffusion run through the compiled layers with a streamed layer on the device tables (the first pass of a
+    block prefetches, the later ones not: two variants of the layer, no host read in either): the uncompiled
+    tokens, the block's pins released, no host read from the first block on."""
+    from engine.fastpath import compile_layers
+
+    def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        return gm.forward
+
+    want = tokens(qmodel, "diffusion", 32)
+    model = placed(qmodel, (2, 3), EXPERTS, device_pool=True)
+    torch._dynamo.reset()
+    try:
+        compile_layers(model, backend=run_traced)
+        assert tokens(model, "diffusion", 32) == want
+        rt = offload.runtime_of(model)
+        assert rt is not None and rt.tables is not None
+        assert rt.tables.on_device and rt.tables.check() == [] and not rt.tables.pinned.any()
+        acc = offload.accounting(model)
+        assert acc["blocks"] >= 1 and acc["host_reads"] == 0 and acc["slot_misses"] > 0
+    finally:
+        torch._dynamo.reset()
+
+
 def test_step_graph_pieces_run_device_table_steps_whole() -> None:
     """Through engine.step_graphs' pieces (as on a GPU, not recorded): an AR step is one piece, with the tokens."""
     from tests.test_step_graphs import PROMPT as SG_PROMPT, _quantized, _settings, _tokens
