@@ -475,8 +475,9 @@ class StreamedExpertBank(ExpertBank):
         kept on the device). Not a prompt, which fetches on the host. ``in_block``: whether the forward is a
         block's pass (default: whether a block is open now)."""
         tables = self.runtime.tables
-        block = self.runtime.in_block if in_block is None else in_block
-        return tables is not None and (block or pairs == tables.k)
+        if tables is None:  # (first: a compiled layer without tables guards on nothing else here)
+            return False
+        return (self.runtime.in_block if in_block is None else in_block) or pairs == tables.k
 
     def fetches(self, pairs: int, in_block: bool | None = None) -> bool:
         """Whether a forward over ``pairs`` pairs fetches its experts into the pool on the host first (a host
