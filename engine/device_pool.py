@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -261,17 +262,18 @@ class DeviceSlotTables:
         if self.side is None:
             self._prefetch(layer, idx)
         else:
-            self._prefetch_on_side(layer, idx)
+            self._on_side(self._prefetch, layer, self._guess, idx)
 
     @torch.compiler.disable  # streams are not traced; a CUDA graph records the fork and join all the same
-    def _prefetch_on_side(self, layer: int, idx: Tensor) -> None:
+    def _on_side(self, run: Callable[[int, Tensor], None], layer: int, buf: Tensor, guess: Tensor) -> None:
+        """``run(layer, buf)`` on the side stream, forked from this one, with ``guess`` copied into ``buf``."""
         assert self.side is not None
         # the guess goes into a buffer of the tables' own first (on this stream): the side stream never reads a
         # tensor this stream may free and reuse (record_stream has no place in a CUDA graph's recording)
-        self._guess.copy_(idx.reshape(-1))
+        buf.copy_(guess.reshape(buf.shape))
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
-            self._prefetch(layer, self._guess)
+            run(layer, buf)
         self._forked = True
 
     def _prefetch(self, layer: int, idx: Tensor) -> None:
@@ -297,16 +299,7 @@ class DeviceSlotTables:
         if self.side is None:
             self._prefetch_set(layer, present)
         else:
-            self._prefetch_set_on_side(layer, present)
-
-    @torch.compiler.disable  # (as _prefetch_on_side)
-    def _prefetch_set_on_side(self, layer: int, present: Tensor) -> None:
-        assert self.side is not None
-        self._guess_set.copy_(present)
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side):
-            self._prefetch_set(layer, self._guess_set)
-        self._forked = True
+            self._on_side(self._prefetch_set, layer, self._guess_set, present)
 
     def _prefetch_set(self, layer: int, present: Tensor) -> None:
         lp = self.pos[layer]

@@ -552,13 +552,15 @@ def test_an_ar_step_through_device_tables_traces_as_one_graph(qmodel: CloverMode
         torch._dynamo.reset()
 
 
+def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+    """A dynamo backend that runs the traced graph as is (no inductor: the tests check tracing, not codegen)."""
+    return gm.forward
+
+
 def test_compile_layers_runs_device_table_steps_as_one_graph(qmodel: CloverModel) -> None:
     """compile_layers gives a model with device tables the whole-step graph (a fetching one gets none), and its
     tokens, prompt by prompt: each prompt takes the tables back to the host and the steps hand them over again."""
     from engine.fastpath import compile_layers
-
-    def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
-        return gm.forward
 
     want = tokens(qmodel, "ar", 12)
     model = placed(qmodel, (0, 2), EXPERTS, device_pool=True)
@@ -579,9 +581,6 @@ def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverMo
     block prefetches, the later ones not: two variants of the layer, no host read in either): the uncompiled
     tokens, the block's pins released, no host read from the first block on."""
     from engine.fastpath import compile_layers
-
-    def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
-        return gm.forward
 
     want = tokens(qmodel, "diffusion", 32)
     model = placed(qmodel, (2, 3), EXPERTS, device_pool=True)
