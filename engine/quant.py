@@ -527,7 +527,9 @@ def routed_forward(
             return layout.unpack_rows(gathered, torch.arange(len(gathered), device=gathered.device), x.dtype)
     else:
         raise ValueError("routed_forward needs source= or row_of")
-    return moe_grouped(x, topk_idx, topk_w, num_experts, weights, 3 * layout.intermediate_size)
+    # dequantizing weights: a compiled pass's many pairs take the grouped path, each used expert dequantized once
+    return moe_grouped(x, topk_idx, topk_w, num_experts, weights, 3 * layout.intermediate_size,
+                       compiled_pairwise=False)
 
 
 def routed_forward_reference(

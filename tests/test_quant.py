@@ -322,3 +322,38 @@ def test_nf4_dequantize_runs_inside_an_inductor_graph() -> None:
     compiled = torch.compile(lambda c, a: dequantize_nf4(c, a, (6, 40), 64, torch.float32) * 2, fullgraph=True)
     assert torch.equal(compiled(codes, absmax), want * 2)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_a_compiled_block_pass_dequantizes_each_used_expert_once(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled 32-slot pass gathers one expert per pair only where that is a plain gather (dense banks): from
+    quantized rows each pair would dequantize its own copy, 256 experts for a pass whose block routes to a few
+    (measured on the deep-narrow shape, NF4 experts: compiled passes 2.6x slower than eager before). Here 32 tokens
+    x top-8 over 12 used experts: every expert the compiled pass dequantizes is a distinct used one, and its output
+    equals the eager pass's."""
+    torch.manual_seed(7)
+    e, d, i, t, k = 24, 64, 32, 32, 8
+    dense = DenseExpertBank(e, d, i)
+    dense.gate_up_proj.data.normal_(0, 0.05)
+    dense.down_proj.data.normal_(0, 0.05)
+    qbank = QuantExpertBank.from_dense(dense.gate_up_proj.data, dense.down_proj.data, fmt)
+    used = torch.randperm(e)[:12]
+    idx = torch.stack([used[torch.randperm(12)[:k]] for _ in range(t)])  # [T, K] distinct experts per token
+    x, w = torch.randn(t, d), torch.softmax(torch.randn(t, k), -1)
+    want = qbank(x, idx, w)
+
+    asked: list[int] = []
+    unpack = type(qbank.layout).unpack_rows
+
+    def counting(self, source, rows, dtype):  # type: ignore[no-untyped-def]
+        asked.append(int(rows.shape[0]))  # traced: the pairs' count; run eagerly: one group's used experts
+        return unpack(self, source, rows, dtype)
+
+    monkeypatch.setattr(type(qbank.layout), "unpack_rows", counting)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(qbank, backend="eager", dynamic=False)(x, idx, w)
+    finally:
+        torch._dynamo.reset()
+    assert asked and sum(asked) == 12, asked  # not t * k = 256
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
