@@ -49,6 +49,9 @@ class AppSettings:
     vram_budget_bytes: int | None = None  # the VRAM panel's applied budget (None: load without a plan)
     ctx_tokens: int = DEFAULT_CTX_TOKENS
     compile_layers: bool = False  # compile the decoder layers at load (engine.fastpath; a warm-up while loading)
+    # the experimental GPU paths chosen on the models page (engine.preflight.OPT_IN switch names); None: never chosen,
+    # the worker inherits the app's environment (CLOVER_DESK_FUSED_MOE=1 ...)
+    gpu_paths: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -61,7 +64,16 @@ class AppSettings:
             log.warning("ignoring unreadable settings %s: %s", path, exc)
             return cls()
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        settings = cls(**known)
+        if settings.gpu_paths is not None:  # a hand-edited file: drop what the engine would refuse, and say so
+            from engine.preflight import opt_in_env
+
+            try:
+                opt_in_env(settings.gpu_paths)
+            except (TypeError, ValueError) as exc:
+                log.warning("ignoring gpu_paths in %s: %s", path, exc)
+                settings.gpu_paths = None
+        return settings
 
     def save(self, path: Path) -> None:
         atomic_write_text(path, json.dumps(asdict(self), indent=2))
@@ -135,6 +147,8 @@ class CloverDeskApp(QObject):
         self.hardware = hardware if hardware is not None else _probe()
         self.store = store or ChatStore(self.home / paths.CHATS_DB_NAME)
         self.client = client or EngineClient()
+        self._restart_for_env = False  # the GPU paths changed since the worker started: the next load restarts it
+        self._apply_gpu_paths()
         self.device = self.settings.device or ("cuda" if self.hardware.gpu_name else "cpu")
         self.dtype = self.settings.dtype or ("bfloat16" if self.device == "cuda" else "float32")
         self.vram_panel = self._build_vram_panel()
@@ -237,9 +251,12 @@ class CloverDeskApp(QObject):
         from ui.model_library import ModelLibrary
 
         manager = self.model_manager
+        from engine.preflight import EXCLUSIVE, OPT_IN
+
         library = ModelLibrary(self.home / "models", manager.recent_models if manager is not None else list,
                                gpu_name=self.hardware.gpu_name, device=self.device, dtype=self.dtype,
-                               compile_layers=self.settings.compile_layers)
+                               compile_layers=self.settings.compile_layers, gpu_paths=OPT_IN, exclusive=EXCLUSIVE,
+                               gpu_paths_on=self.gpu_paths())
         library.set_current(self.settings.model_dir)
         return library
 
@@ -257,10 +274,27 @@ class CloverDeskApp(QObject):
             self.model_library.loadRequested.connect(self.model_manager.open_model)  # checked, then remembered
             self.model_library.loadOptionsChanged.connect(self.on_load_options_changed)
             self.model_library.reloadRequested.connect(self.on_reload_requested)
+            self.model_library.gpuPathsChanged.connect(self.on_gpu_paths_changed)
             self.model_manager.recentModelsChanged.connect(self.model_library.refresh)
         app = QApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(self.on_about_to_quit)
+
+    def gpu_paths(self) -> list[str]:
+        """The experimental GPU paths the worker runs with: the models page's choice, or (never chosen) the switches
+        set to 1 in the app's own environment."""
+        from engine.preflight import opt_in_from_env
+
+        return list(self.settings.gpu_paths) if self.settings.gpu_paths is not None else opt_in_from_env()
+
+    def _apply_gpu_paths(self) -> bool:
+        """Give the worker exactly the chosen paths (every switch, 1 or 0, over the app's environment); returns
+        whether a running worker has to restart for them."""
+        if not hasattr(self.client, "set_env"):
+            return False
+        from engine.preflight import opt_in_env
+
+        return bool(self.client.set_env(opt_in_env(self.gpu_paths())))
 
     # ----------------------------------------------------------------- slots
     def load_model(self) -> None:
@@ -303,9 +337,10 @@ class CloverDeskApp(QObject):
         info = model_info_from_folder(model_dir)
         if info is not None:
             self.window.set_model_info(info)
-        if self.client.state in ("idle",):
+        if self.client.state in ("idle",) and not self._restart_for_env:
             self.load_model()
         else:
+            self._restart_for_env = False
             self.window.on_engine_restarting()
             self.client.restart()  # ready → load_model
 
@@ -320,6 +355,13 @@ class CloverDeskApp(QObject):
         self._plan = self._plan_function()
         self.vram_panel.set_planner(self._plan)
 
+    def on_gpu_paths_changed(self, on: list[str]) -> None:
+        """The models page's experimental GPU paths: remembered, and in force from the next load (the worker reads
+        the switches when it starts, so that load restarts it)."""
+        self.settings.gpu_paths = list(on)
+        self.save_settings()
+        self._restart_for_env = self._apply_gpu_paths() or self._restart_for_env
+
     def on_reload_requested(self) -> None:
         """Load the current model again now (with the options just chosen)."""
         if self.settings.model_dir:
@@ -333,9 +375,10 @@ class CloverDeskApp(QObject):
         self.save_settings()
         if self.device != "cuda":
             return
-        if self.client.state == "idle":
+        if self.client.state == "idle" and not self._restart_for_env:
             self.load_model()
         else:
+            self._restart_for_env = False
             self.window.on_engine_restarting()
             self.client.restart()
 

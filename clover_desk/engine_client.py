@@ -90,6 +90,7 @@ class EngineClient(QObject):
         self._python = python or sys.executable
         self._worker_args = list(worker_args)
         self._env = dict(env or {})
+        self._started_env = dict(self._env)  # the extra environment of the running worker (set_env: the next one's)
         self._grace_ms = grace_ms
         self._proc: QProcess | None = None
         self._state = "stopped"
@@ -140,7 +141,19 @@ class EngineClient(QObject):
         """The worker's last stderr lines (its log), newest last."""
         return list(self._stderr_lines)
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The extra environment the worker starts with."""
+        return dict(self._env)
+
     # ----------------------------------------------------------------- commands
+
+    def set_env(self, env: Mapping[str, str]) -> bool:
+        """Set extra environment variables for the worker's next start (a running worker keeps its own); returns
+        whether that changes the environment a running worker was started with, i.e. whether it must be restarted
+        for them to apply."""
+        self._env.update(env)
+        return self._proc is not None and self._env != self._started_env
 
     def start(self) -> None:
         """Start the worker (no-op when one is running). ``ready`` follows once it accepts commands."""
@@ -154,6 +167,7 @@ class EngineClient(QObject):
         environment.insert("PYTHONPATH", root + (os.pathsep + python_path if python_path else ""))
         for key, value in self._env.items():
             environment.insert(key, value)
+        self._started_env = dict(self._env)
         proc.setProcessEnvironment(environment)
         proc.setWorkingDirectory(root)
         proc.setProgram(self._python)

@@ -26,7 +26,8 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
     {"event": "ready", "pid": .., "protocol": 1}              once, when commands are accepted
     {"event": "load_progress", ...}                            engine.events.LoadProgress (throttled)
     {"event": "loaded", "model_dir": .., "config": {..}, ..}   the model is ready ("compiled": whether its layers
-                                                               are; "compile_skipped": why a compile was not done)
+                                                               are; "compile_skipped": why a compile was not done;
+                                                               "gpu_paths": the opt-in GPU paths switched on)
     {"event": <engine event>, ..., "id": "r1"}                 every generation event (engine.events.to_dict)
     {"event": "plan", "id": "p1", "plan": {Plan.to_dict()}, "hardware": {Hardware fields}}
     {"event": "plan", "op": "load", "plan": {Plan.to_dict()}}  a load under a plan: the plan being placed, before
@@ -83,6 +84,7 @@ from typing import IO, Any
 from engine.errors import CancelledError, CloverError
 from engine.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
 from engine.limits import GENERATION_LIMITS, INT32_MAX
+from engine.preflight import opt_in_from_env
 
 log = logging.getLogger("clover_desk.worker")
 
@@ -694,6 +696,7 @@ class Worker:
                 "ar_only": _json_safe(getattr(engine, "ar_only", None)),  # why diffusion is refused, or null
                 "compiled": bool(getattr(engine, "compiled", False)),
                 "compile_skipped": _json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
+                "gpu_paths": opt_in_from_env(),  # the experimental GPU paths this process runs with (switches at 1)
             }
         )
 

@@ -117,6 +117,8 @@ class FakeEngineClient(QObject):
         self.ctx_loads: list[int | None] = []  # the planned context sent with each load
         self.plans: list[dict | None] = []  # the plan sent with each load (None: no plan)
         self.compiles: list[bool] = []  # whether each load asked for compiled layers
+        self.env: dict[str, str] = {}  # set_env: the next worker's extra environment
+        self.started_env: dict[str, str] = {}  # the running worker's (set at start / restart, as the real client)
         self.pid = None
         self._timer = QTimer(self)
         self._timer.timeout.connect(self._tick)
@@ -157,8 +159,13 @@ class FakeEngineClient(QObject):
             f = self._script[-1]
             self._script = [Finished(**{**f.__dict__, "stop_reason": "cancelled"})]
 
+    def set_env(self, env: dict[str, str]) -> bool:
+        self.env.update(env)
+        return self.state != "stopped" and self.env != self.started_env
+
     def start(self) -> None:
         self.state = "idle"
+        self.started_env = dict(self.env)
         QTimer.singleShot(1, self.ready.emit)
 
     def shutdown(self, wait_ms: int = 0) -> None:
@@ -170,7 +177,8 @@ class FakeEngineClient(QObject):
         self.compiles.append(compile)
         self.ctx_loads.append(ctx_tokens if plan is None else plan.get("ctx_tokens"))
         self.plans.append(plan)
-        info = {"model_dir": str(model_dir), "device": device, "plan": plan}
+        info = {"model_dir": str(model_dir), "device": device, "plan": plan,
+                "gpu_paths": [k for k, v in self.started_env.items() if v == "1"]}  # as the worker reports its own
         self.model_info = None
 
         def done() -> None:
@@ -184,6 +192,7 @@ class FakeEngineClient(QObject):
 
     def restart(self) -> None:
         self.restarts += 1
+        self.started_env = dict(self.env)
         self.model_info = None
         QTimer.singleShot(1, self.ready.emit)
 

@@ -360,3 +360,27 @@ def test_shutdown_mid_generation_ends_the_request_exactly_once(qtbot: Any, fake_
         c.shutdown()  # the worker still answers "finished (cancelled)" on its way out: dropped
     ends = [ev for ev in rec.of(request_id) if isinstance(ev, (Finished, EngineError))]
     assert len(ends) == 1 and isinstance(ends[0], EngineError) and ends[0].kind == "WorkerStopped"
+
+
+def test_gpu_paths_reach_the_worker_from_its_next_start(
+    qtbot: Any, fake_client: EngineClient, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window's choice of experimental GPU paths is the worker's environment: every switch 1 or 0 (so the
+    app's own environment cannot add one), read when the worker starts; the worker says which it runs with."""
+    from engine.preflight import opt_in_env
+
+    c = fake_client
+    monkeypatch.setenv("CLOVER_DESK_FLA_GDN", "1")  # set where the app was started: the choice overrides it
+    assert c.set_env(opt_in_env(["CLOVER_DESK_FUSED_MOE"])) is False  # no worker yet: nothing to restart
+    _start(qtbot, c)
+    assert _load(qtbot, c, "/models/fake")["gpu_paths"] == ["CLOVER_DESK_FUSED_MOE"]
+    assert c.set_env(opt_in_env(["CLOVER_DESK_DEVICE_POOL", "CLOVER_DESK_FUSED_MOE"])) is True  # must restart
+    assert _load(qtbot, c, "/models/fake")["gpu_paths"] == ["CLOVER_DESK_FUSED_MOE"]  # the running one's
+    with qtbot.waitSignal(c.ready, timeout=LOAD_MS):
+        c.restart()
+    assert _load(qtbot, c, "/models/fake")["gpu_paths"] == ["CLOVER_DESK_FUSED_MOE", "CLOVER_DESK_DEVICE_POOL"]
+    assert c.set_env(opt_in_env(["CLOVER_DESK_FUSED_MOE", "CLOVER_DESK_DEVICE_POOL"])) is False  # the same again
+    with pytest.raises(ValueError, match="CLOVER_DESK_ZERO_COPY and CLOVER_DESK_DEVICE_POOL exclude each other"):
+        opt_in_env(["CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL"])
+    with pytest.raises(ValueError, match="unknown GPU path 'CLOVER_DESK_TURBO'"):
+        opt_in_env(["CLOVER_DESK_TURBO"])

@@ -260,3 +260,75 @@ def test_a_model_left_uncompiled_is_said_so(qtbot, desk) -> None:  # noqa: ANN00
     desk.window.on_engine_loaded({"model_dir": "/models/tiny", "compile_skipped": reason})
     banner = desk.window.info_banner
     assert not banner.isHidden() and banner.label.text() == f"“Compile the layers” is on, but {reason}."
+
+
+def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_next_load(
+    qtbot, models, tmp_path, monkeypatch,  # noqa: ANN001
+) -> None:
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from clover_desk.storage import ChatStore
+    from engine.preflight import OPT_IN
+
+    folder, first, second = models
+    monkeypatch.delenv("CLOVER_DESK_FUSED_MOE", raising=False)
+    monkeypatch.setenv("CLOVER_DESK_FUSED_INT8", "1")  # set where the app starts: shown until a choice is made
+    gpu = Hardware(gpu_name="NVIDIA GeForce RTX 4080", vram_total_bytes=16 * 1024**3, ram_total_bytes=64 * 1024**3)
+    app = CloverDeskApp(folder.parent, client=FakeEngineClient(loaded=False), store=ChatStore(tmp_path / "c.db"),
+                        settings=AppSettings(model_dir=str(first), device="cpu"), hardware=gpu, with_preview=False,
+                        style=False)
+    try:
+        library, client, window = app.model_library, app.client, app.window
+        window.show()
+        qtbot.waitUntil(lambda: len(client.loads) == 1, timeout=5000)  # the first load, with the inherited switch
+        qtbot.waitUntil(lambda: window.engine_state.name == "READY", timeout=5000)
+        assert client.started_env["CLOVER_DESK_FUSED_INT8"] == "1" and client.started_env["CLOVER_DESK_FUSED_MOE"] == "0"
+        assert window.gpu_label.text() == "NVIDIA GeForce RTX 4080 · 1 experimental path"
+        window.show_models_page()
+        button, actions = library.gpu_paths_button, library.gpu_paths_actions
+        assert button.isEnabled() and button.text() == "GPU paths: 1 on" and list(actions) == list(OPT_IN)
+        assert actions["CLOVER_DESK_FUSED_MOE"].text() == "Routed experts through the fused Triton MoE kernels " \
+                                                          "(NF4 rows, GGUF blocks)"
+        actions["CLOVER_DESK_FUSED_INT8"].trigger()  # off
+        actions["CLOVER_DESK_FUSED_MOE"].trigger()
+        actions["CLOVER_DESK_ZERO_COPY"].trigger()
+        actions["CLOVER_DESK_DEVICE_POOL"].trigger()  # excludes zero-copy: that one goes off
+        chosen = ["CLOVER_DESK_FUSED_MOE", "CLOVER_DESK_DEVICE_POOL"]
+        assert library.gpu_paths() == chosen and button.text() == "GPU paths: 2 on"
+        assert json.loads(app.settings_path.read_text())["gpu_paths"] == chosen
+        assert client.restarts == 0 and len(client.loads) == 1 and library.reload_button.isVisible()  # not yet
+        with qtbot.waitSignal(client.loaded, timeout=5000):
+            library.row_for(str(second)).load_button.click()
+        assert client.restarts == 1  # the worker reads the switches when it starts
+        assert [k for k, v in client.started_env.items() if v == "1"] == chosen
+        qtbot.waitUntil(lambda: window.gpu_label.text() == "NVIDIA GeForce RTX 4080 · 2 experimental paths",
+                        timeout=5000)
+        with qtbot.waitSignal(client.loaded, timeout=5000):
+            library.reload_button.click()  # nothing changed since: loaded again without a restart
+        assert client.restarts == 1
+    finally:
+        app.shutdown(wait_ms=0)
+        app.window.close()
+    # the next start of the app: the choice, not the environment
+    again = CloverDeskApp(folder.parent, client=FakeEngineClient(loaded=False), store=ChatStore(tmp_path / "d.db"),
+                          hardware=gpu, with_preview=False, start_engine=False, style=False)
+    try:
+        assert again.model_library.gpu_paths() == chosen and again.client.env["CLOVER_DESK_FUSED_INT8"] == "0"
+    finally:
+        again.shutdown(wait_ms=0)
+        again.window.close()
+
+
+def test_gpu_paths_cannot_be_chosen_without_a_gpu_and_a_bad_choice_on_disk_is_dropped(
+    qtbot, desk, tmp_path, caplog,  # noqa: ANN001
+) -> None:
+    from clover_desk.app import AppSettings
+
+    button = desk.model_library.gpu_paths_button
+    assert button.isVisibleTo(desk.model_library) and not button.isEnabled()
+    assert button.toolTip() == "No CUDA GPU was found on this computer"
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"gpu_paths": ["CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL"]}))
+    assert AppSettings.load(path).gpu_paths is None
+    assert "exclude each other" in caplog.text
+    path.write_text(json.dumps({"gpu_paths": ["CLOVER_DESK_FUSED_MOE"]}))
+    assert AppSettings.load(path).gpu_paths == ["CLOVER_DESK_FUSED_MOE"]

@@ -184,6 +184,7 @@ class MainWindow(QMainWindow):
         else:
             self.engine_state = EngineState.STARTING
         self.last_tok_s: float | None = None
+        self.gpu_paths_in_use: list[str] = []  # the experimental GPU paths the loaded engine runs with (its answer)
         self.last_hit_rate: float | None = None
         self.theme_preference = str(self._setting("theme", "system"))
 
@@ -1078,6 +1079,7 @@ class MainWindow(QMainWindow):
         self.crash_banner.hide()
         if isinstance(info, Mapping):
             self.set_model_info(info)
+            self.gpu_paths_in_use = [str(p) for p in info.get("gpu_paths") or ()]
             self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
             self.say_compile_skipped(str(info.get("compile_skipped") or ""), after_notice=bool(info.get("ar_only")))
         self._set_state(EngineState.READY)
@@ -1247,7 +1249,9 @@ class MainWindow(QMainWindow):
                 state_text = "● Summarizing the chat…"
         self.engine_label.setText(state_text)
         self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
-        self.gpu_label.setText(self.gpu_name or "No GPU (CPU)")
+        paths = self.gpu_paths_in_use
+        self.gpu_label.setText((self.gpu_name or "No GPU (CPU)")
+                               + (f" · {len(paths)} experimental path{'s' if len(paths) > 1 else ''}" if paths else ""))
         sample = self.monitor.sample() if self.monitor is not None else {}
         vram_used, vram_total = sample.get("vram_used"), sample.get("vram_total")
         if vram_used is not None and vram_total:

@@ -19,20 +19,22 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QUrl, Signal
-from PySide6.QtGui import QDesktopServices
+from PySide6.QtGui import QAction, QDesktopServices
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
     QFrame,
     QHBoxLayout,
     QLabel,
+    QMenu,
     QMessageBox,
     QPushButton,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -53,6 +55,11 @@ COMPILE_TOOLTIP = (
     "the CPU, or Triton for a GPU; without one the model loads uncompiled and the window says why."
 )
 
+GPU_PATHS_TOOLTIP = (
+    "Faster code paths for an NVIDIA GPU that are not yet measured on one, so they are off unless chosen here. "
+    "They change how the engine computes, never what it answers (each is tested against the standard path), and "
+    "do nothing on a CPU. Used from the next load: the engine restarts for them."
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # What a model is made of (no Qt)
@@ -302,6 +309,7 @@ class ModelLibrary(QFrame):
     loadRequested = Signal(str)  # load this model (a folder or a GGUF file)
     deleted = Signal(str)  # this model was removed from the disk
     loadOptionsChanged = Signal(str, str, bool)  # (device, dtype, compile the layers) for the next load
+    gpuPathsChanged = Signal(list)  # the experimental GPU paths (switch names) chosen for the next load
     reloadRequested = Signal()  # load the current model again now (with the new options)
     scanned = Signal()  # the list was refreshed
 
@@ -314,8 +322,13 @@ class ModelLibrary(QFrame):
         device: str = "cpu",
         dtype: str = "float32",
         compile_layers: bool = False,
+        gpu_paths: Mapping[str, str] | None = None,
+        exclusive: Sequence[str] = (),
+        gpu_paths_on: Sequence[str] = (),
         parent: QWidget | None = None,
     ) -> None:
+        """``gpu_paths``: the experimental GPU paths offered (switch name -> what it turns on), ``exclusive`` the
+        ones of which at most one may be on, ``gpu_paths_on`` those on now."""
         super().__init__(parent)
         self.setObjectName("modelLibrary")
         self.models_dir = Path(models_dir)
@@ -350,6 +363,26 @@ class ModelLibrary(QFrame):
         self.compile_choice.setObjectName("compileChoice")
         self.compile_choice.setToolTip(COMPILE_TOOLTIP)
         accessible(self.compile_choice, "Compile the model's layers when it loads")
+        self.gpu_paths_button = QToolButton()
+        self.gpu_paths_button.setObjectName("gpuPathsChoice")
+        self.gpu_paths_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        self.gpu_paths_menu = QMenu(self.gpu_paths_button)
+        self.gpu_paths_actions: dict[str, QAction] = {}
+        self._exclusive = tuple(exclusive)
+        for name, what in (gpu_paths or {}).items():
+            action = self.gpu_paths_menu.addAction(what[:1].upper() + what[1:])
+            action.setCheckable(True)
+            action.setToolTip(f"{name}=1 (not yet measured on a GPU)")
+            action.setData(name)
+            action.toggled.connect(functools.partial(self.on_gpu_path_toggled, name))
+            self.gpu_paths_actions[name] = action
+        self.gpu_paths_menu.setToolTipsVisible(True)
+        self.gpu_paths_button.setMenu(self.gpu_paths_menu)
+        self.gpu_paths_button.setVisible(bool(self.gpu_paths_actions))
+        self.gpu_paths_button.setEnabled(bool(gpu_name))
+        self.gpu_paths_button.setToolTip(GPU_PATHS_TOOLTIP if gpu_name else "No CUDA GPU was found on this computer")
+        accessible(self.gpu_paths_button, "Experimental GPU paths")
+        self.set_gpu_paths(gpu_paths_on)
         self.options_note = QLabel("Used the next time a model loads.")
         set_style_class(self.options_note, "muted")
         self.reload_button = QPushButton("Reload now")
@@ -376,14 +409,18 @@ class ModelLibrary(QFrame):
         options.addSpacing(12)
         options.addWidget(self.compile_choice)
         options.addSpacing(12)
-        options.addWidget(self.options_note, 1)
-        options.addWidget(self.reload_button)
+        options.addWidget(self.gpu_paths_button)
+        options.addStretch(1)
+        note = QHBoxLayout()  # a line of its own: the options row stays narrow enough for a 1280-pixel window
+        note.addWidget(self.options_note, 1)
+        note.addWidget(self.reload_button)
         self.rows_layout = QVBoxLayout()
         self.rows_layout.setSpacing(6)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(10, 10, 10, 4)
         layout.addLayout(header)
         layout.addLayout(options)
+        layout.addLayout(note)
         layout.addWidget(self.status)
         layout.addWidget(self.empty)
         layout.addLayout(self.rows_layout)
@@ -408,6 +445,33 @@ class ModelLibrary(QFrame):
         self.compile_choice.blockSignals(True)
         self.compile_choice.setChecked(bool(compile_layers))
         self.compile_choice.blockSignals(False)
+
+    def set_gpu_paths(self, on: Sequence[str]) -> None:
+        """Show these experimental GPU paths as chosen (no ``gpuPathsChanged``: not a user edit)."""
+        for name, action in self.gpu_paths_actions.items():
+            action.blockSignals(True)
+            action.setChecked(name in on)
+            action.blockSignals(False)
+        self._label_gpu_paths()
+
+    def gpu_paths(self) -> list[str]:
+        """The experimental GPU paths chosen for the next load (switch names, in the offered order)."""
+        return [name for name, action in self.gpu_paths_actions.items() if action.isChecked()]
+
+    def on_gpu_path_toggled(self, name: str, checked: bool) -> None:
+        if checked and name in self._exclusive:  # at most one of them: choosing one clears the others
+            for other in self._exclusive:
+                if other != name and other in self.gpu_paths_actions:
+                    self.gpu_paths_actions[other].blockSignals(True)
+                    self.gpu_paths_actions[other].setChecked(False)
+                    self.gpu_paths_actions[other].blockSignals(False)
+        self._label_gpu_paths()
+        self.reload_button.setVisible(self.current is not None)
+        self.gpuPathsChanged.emit(self.gpu_paths())
+
+    def _label_gpu_paths(self) -> None:
+        n = len(self.gpu_paths())
+        self.gpu_paths_button.setText(f"GPU paths: {n} on" if n else "GPU paths: standard")
 
     def load_options(self) -> tuple[str, str, bool]:
         """(device, dtype, compile the layers) of the next load."""
