@@ -31,7 +31,7 @@ run: $(APP_STAMP)
 	$(BIN)/clover-desk
 
 test: $(TEST_STAMP)
-	QT_QPA_PLATFORM=offscreen QTWEBENGINE_DISABLE_SANDBOX=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 $(PYTEST_ARGS)
+	QT_QPA_PLATFORM=offscreen QTWEBENGINE_DISABLE_SANDBOX=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
 
 # make bench SUITE=speed ARGS="--shape tiny"; without SUITE it lists the suites and fails (exit 2)
 bench: $(APP_STAMP)
