@@ -7,13 +7,13 @@ not a recompile. The layer's parameters are graph inputs (torch's default of inl
 placement the plan chose (resident or streamed experts, host or device) is untouched.
 
 What it buys is measured, not assumed: ``clover-desk bench speed --compile`` prints the eager and the compiled
-figures side by side with the greedy tokens of both. On the CPU (inductor's C++ kernels, one thread each: see
+figures side by side with the greedy tokens of both. On the CPU (inductor's C++ kernels, on torch's threads: see
 below) the one-row products of an AR step and its one-query attention are written out in the model when compiled
 (``engine.model.Linear``, ``Attention``), so they join the generated kernels instead of calling MKL's gemv and the
 flash kernel, the AR step runs as one graph over all the layers (``CloverModel.step_graph``) and the loop's
 steady steps skip the guards that cannot fail (:func:`steady_state`). Measured on 2 cores, deep-narrow shape: 34
-tok/s eager, ~107-120 compiled layer by layer, ~147-168 with the whole-step graph, llama.cpp ~184 on the same
-weights. On CUDA the same graphs run as Triton kernels, and the AR steps and the whole-block passes (denoising and
+tok/s eager, ~107-120 compiled layer by layer, ~147-168 with the whole-step graph on one thread per kernel, ~188
+on two (llama.cpp ~202 on the same weights, same run). On CUDA the same graphs run as Triton kernels, and the AR steps and the whole-block passes (denoising and
 commit) are replayed from CUDA graphs (``engine.step_graphs``: the position as a tensor, the keys read to a fixed
 length bucket and masked; cut around the routed experts that read the host); neither is measured yet.
 """
@@ -61,10 +61,14 @@ def compile_layers(
     if next(model.parameters()).device.type == "cpu":
         import torch._inductor.config as inductor_config
 
-        # Generated CPU kernels run on one thread: a decode step's kernels are tiny, and an OpenMP region on every
-        # kernel is a barrier per kernel; on a busy machine (2 cores, other work) those barriers took 86 ms per kernel
-        # call, measured, against microseconds single-threaded. Matrix products stay on torch's threads (extern mm).
-        inductor_config.cpp.threads = 1
+        # Generated CPU kernels run on torch's threads, as the eager ops and the extern matrix products do: an AR
+        # step's routed experts are a gather-and-multiply kernel that reads each expert's weights once, bound by
+        # memory bandwidth, which one thread leaves half unused. Measured (2 cores, quiet machine, greedy AR,
+        # compiled): mid 133 -> 202-225 tok/s, deep-narrow 142 -> 192-195 with 2 threads instead of 1. With one
+        # of the 2 cores busy elsewhere every OpenMP region waits for a descheduled thread: deep-narrow 95-119 on
+        # 1 thread against 49-61 on 2 (eager on 2 threads: 50 -> 10). So the thread count is torch's one knob
+        # (torch.set_num_threads, OMP_NUM_THREADS), for generated and library kernels alike.
+        inductor_config.cpp.threads = torch.get_num_threads()
     from engine.experts import grouped_mm_supported
 
     # Probed now, eagerly: probed inside the first traced forward, the probe's cache (a dict) was empty there, so that
