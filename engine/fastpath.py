@@ -64,7 +64,8 @@ def compile_layers(
         # Generated CPU kernels run on torch's threads, as the eager ops and the extern matrix products do: an AR
         # step's routed experts are a gather-and-multiply kernel that reads each expert's weights once, bound by
         # memory bandwidth, which one thread leaves half unused. Measured (2 cores, quiet machine, greedy AR,
-        # compiled): mid 133 -> 202-225 tok/s, deep-narrow 142 -> 192-195 with 2 threads instead of 1. With one
+        # compiled): mid 133 -> 202-225 tok/s, deep-narrow 142 -> 192-195 with 2 threads instead of 1 (mid
+        # 94-103 -> 125-131 in an interleaved A/B at a slower hour of this shared machine). With one
         # of the 2 cores busy elsewhere every OpenMP region waits for a descheduled thread: deep-narrow 95-119 on
         # 1 thread against 49-61 on 2 (eager on 2 threads: 50 -> 10). So the thread count is torch's one knob
         # (torch.set_num_threads, OMP_NUM_THREADS), for generated and library kernels alike.
