@@ -95,7 +95,9 @@ def test_the_help_menu_opens_the_check(qtbot, tmp_path) -> None:
 
     store = ChatStore(tmp_path / "chats.sqlite3")
     try:
-        window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
+        client = FakeEngineClient()
+        client.set_env({"CLOVER_DESK_FUSED_MOE": "1", "CLOVER_DESK_FLA_GDN": "0"})  # the GPU paths chosen
+        window = MainWindow(client, store, StreamRecorder, model_dir="/models/tiny")
         qtbot.addWidget(window)
         window.show()
         assert window.gpu_check_action in window.menus["Help"].actions()
@@ -105,6 +107,7 @@ def test_the_help_menu_opens_the_check(qtbot, tmp_path) -> None:
         with qtbot.waitSignal(dialog.checked, timeout=120_000):
             pass
         assert dialog.report.toPlainText().startswith("torch ")
+        assert "opt-in paths   CLOVER_DESK_FUSED_MOE (of" in dialog.report.toPlainText()  # the engine's switches
         window.gpu_check_action.trigger()  # reopened: the same dialog, its last result kept
         assert window.gpu_check_dialog is dialog and dialog.report.toPlainText().startswith("torch ")
         dialog.close()

@@ -13,10 +13,10 @@ from __future__ import annotations
 import html
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from PySide6.QtCore import QProcess, Qt, QTimer, Signal
+from PySide6.QtCore import QProcess, QProcessEnvironment, Qt, QTimer, Signal
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import (
     QDialog,
@@ -63,8 +63,12 @@ class GpuCheckDialog(QDialog):
     checked = Signal(bool)
 
     def __init__(self, parent: QWidget | None = None, *, python: str = sys.executable,
-                 args: Sequence[str] = DOCTOR_ARGS, timeout_s: float = TIMEOUT_S) -> None:
+                 args: Sequence[str] = DOCTOR_ARGS, timeout_s: float = TIMEOUT_S,
+                 env: Callable[[], Mapping[str, str]] | None = None) -> None:
+        """``env``: the extra environment of each check (the engine's: the GPU paths chosen in the window), asked
+        for when the check starts."""
         super().__init__(parent)
+        self._env = env
         self.setObjectName("gpuCheckDialog")
         self.setWindowTitle("Check this machine's GPU")
         self._python, self._args, self._timeout_ms = python, list(args), int(timeout_s * 1000)
@@ -110,6 +114,11 @@ class GpuCheckDialog(QDialog):
         self.findings.setHtml("")
         self.again_button.setEnabled(False)
         process = QProcess(self)
+        if self._env is not None:
+            environment = QProcessEnvironment.systemEnvironment()
+            for key, value in self._env().items():
+                environment.insert(key, value)
+            process.setProcessEnvironment(environment)
         process.setProgram(self._python)
         process.setArguments(self._args)
         process.readyReadStandardOutput.connect(self._on_output)

@@ -1302,7 +1302,8 @@ class MainWindow(QMainWindow):
         """Help ▸ Check this machine's GPU: ``clover-desk doctor`` in a child process, shown in a dialog (kept, so
         that reopening it shows the last result; "Check again" reruns it)."""
         if self.gpu_check_dialog is None:
-            self.gpu_check_dialog = GpuCheckDialog(self)
+            # the check sees the engine's switches (the GPU paths chosen on the models page), not only the app's
+            self.gpu_check_dialog = GpuCheckDialog(self, env=lambda: dict(getattr(self.client, "env", None) or {}))
         self.gpu_check_dialog.show()
         self.gpu_check_dialog.raise_()
 
