@@ -147,7 +147,6 @@ class CloverDeskApp(QObject):
         self.hardware = hardware if hardware is not None else _probe()
         self.store = store or ChatStore(self.home / paths.CHATS_DB_NAME)
         self.client = client or EngineClient()
-        self._restart_for_env = False  # the GPU paths changed since the worker started: the next load restarts it
         self._apply_gpu_paths()
         self.device = self.settings.device or ("cuda" if self.hardware.gpu_name else "cpu")
         self.dtype = self.settings.dtype or ("bfloat16" if self.device == "cuda" else "float32")
@@ -337,10 +336,9 @@ class CloverDeskApp(QObject):
         info = model_info_from_folder(model_dir)
         if info is not None:
             self.window.set_model_info(info)
-        if self.client.state in ("idle",) and not self._restart_for_env:
+        if self.client.state in ("idle",) and not self._apply_gpu_paths():  # (the worker has the chosen paths)
             self.load_model()
         else:
-            self._restart_for_env = False
             self.window.on_engine_restarting()
             self.client.restart()  # ready → load_model
 
@@ -360,7 +358,7 @@ class CloverDeskApp(QObject):
         the switches when it starts, so that load restarts it)."""
         self.settings.gpu_paths = list(on)
         self.save_settings()
-        self._restart_for_env = self._apply_gpu_paths() or self._restart_for_env
+        self._apply_gpu_paths()
 
     def on_reload_requested(self) -> None:
         """Load the current model again now (with the options just chosen)."""
@@ -375,10 +373,9 @@ class CloverDeskApp(QObject):
         self.save_settings()
         if self.device != "cuda":
             return
-        if self.client.state == "idle" and not self._restart_for_env:
+        if self.client.state == "idle" and not self._apply_gpu_paths():
             self.load_model()
         else:
-            self._restart_for_env = False
             self.window.on_engine_restarting()
             self.client.restart()
 
