@@ -293,7 +293,12 @@ class CloverDeskApp(QObject):
             return False
         from engine.preflight import opt_in_env
 
-        return bool(self.client.set_env(opt_in_env(self.gpu_paths())))
+        try:
+            env = opt_in_env(self.gpu_paths())
+        except ValueError as exc:  # the app's own environment sets both exclusive switches: the engine says so
+            log.warning("GPU paths from the environment: %s", exc)  # at load, as before any choice was made here
+            return False
+        return bool(self.client.set_env(env))
 
     # ----------------------------------------------------------------- slots
     def load_model(self) -> None:

@@ -332,3 +332,25 @@ def test_gpu_paths_cannot_be_chosen_without_a_gpu_and_a_bad_choice_on_disk_is_dr
     assert "exclude each other" in caplog.text
     path.write_text(json.dumps({"gpu_paths": ["CLOVER_DESK_FUSED_MOE"]}))
     assert AppSettings.load(path).gpu_paths == ["CLOVER_DESK_FUSED_MOE"]
+
+
+def test_an_environment_with_both_exclusive_switches_still_starts_the_app(qtbot, models, tmp_path, monkeypatch) -> None:  # noqa: ANN001, E501
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from clover_desk.storage import ChatStore
+
+    folder, first, _second = models
+    monkeypatch.setenv("CLOVER_DESK_ZERO_COPY", "1")
+    monkeypatch.setenv("CLOVER_DESK_DEVICE_POOL", "1")
+    gpu = Hardware(gpu_name="NVIDIA GeForce RTX 4080", vram_total_bytes=16 * 1024**3, ram_total_bytes=64 * 1024**3)
+    app = CloverDeskApp(folder.parent, client=FakeEngineClient(loaded=False), store=ChatStore(tmp_path / "c.db"),
+                        settings=AppSettings(model_dir=str(first)), hardware=gpu, with_preview=False,
+                        start_engine=False, style=False)
+    try:
+        library = app.model_library
+        assert app.client.env == {}  # left as the environment says: the engine's load says what is wrong
+        assert library.gpu_paths() == ["CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL"]  # shown as they are
+        library.gpu_paths_actions["CLOVER_DESK_ZERO_COPY"].trigger()  # one unticked: a valid choice from now on
+        assert app.client.env["CLOVER_DESK_ZERO_COPY"] == "0" and app.client.env["CLOVER_DESK_DEVICE_POOL"] == "1"
+    finally:
+        app.shutdown(wait_ms=0)
+        app.window.close()
