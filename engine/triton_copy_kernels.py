@@ -18,6 +18,24 @@ def copy_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, need_ptr, wor
 
 
 @triton.jit
+def _count(counts_ptr, hit, need, evict, was_fresh, FETCH: tl.constexpr, FIRST: tl.constexpr):
+    """The counters both placing programs add to (engine.device_pool.COUNTS): a fetch's hits, misses and hits on
+    prefetched slots (and its first layer's step), a prefetch's copies; both, the prefetched slots evicted unused
+    and all evictions."""
+    n_need = tl.sum(need.to(tl.int64), axis=0)
+    if FETCH:
+        tl.store(counts_ptr + 0, tl.load(counts_ptr + 0) + tl.sum(hit.to(tl.int64), axis=0))
+        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + n_need)
+        tl.store(counts_ptr + 3, tl.load(counts_ptr + 3) + tl.sum((hit & was_fresh).to(tl.int64), axis=0))
+        if FIRST:
+            tl.store(counts_ptr + 6, tl.load(counts_ptr + 6) + 1)
+    else:
+        tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + n_need)
+    tl.store(counts_ptr + 4, tl.load(counts_ptr + 4) + tl.sum((evict & was_fresh).to(tl.int64), axis=0))
+    tl.store(counts_ptr + 5, tl.load(counts_ptr + 5) + tl.sum(evict.to(tl.int64), axis=0))
+
+
+@triton.jit
 def place_kernel(
     idx_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, fresh_ptr, tick_ptr, counts_ptr, sorted_ptr, target_ptr, need_ptr,
     k, base, S, BIG, TOUCH: tl.constexpr, FIRST: tl.constexpr, STRIDE: tl.constexpr, K: tl.constexpr,
@@ -67,20 +85,7 @@ def place_kernel(
         fresh = tl.full([K], 1, tl.int8)
     tl.store(fresh_ptr + target, fresh, mask=upd)
     tl.store(tick_ptr, tick + 1)
-    n_hit = tl.sum(hit.to(tl.int64), axis=0)
-    n_need = tl.sum(need.to(tl.int64), axis=0)
-    n_wasted = tl.sum((evict & was_fresh).to(tl.int64), axis=0)
-    n_evict = tl.sum(evict.to(tl.int64), axis=0)
-    if TOUCH:
-        tl.store(counts_ptr + 0, tl.load(counts_ptr + 0) + n_hit)
-        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + n_need)
-        tl.store(counts_ptr + 3, tl.load(counts_ptr + 3) + tl.sum((hit & was_fresh).to(tl.int64), axis=0))
-        if FIRST:
-            tl.store(counts_ptr + 6, tl.load(counts_ptr + 6) + 1)
-    else:
-        tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + n_need)
-    tl.store(counts_ptr + 4, tl.load(counts_ptr + 4) + n_wasted)
-    tl.store(counts_ptr + 5, tl.load(counts_ptr + 5) + n_evict)
+    _count(counts_ptr, hit, need, evict, was_fresh, TOUCH, FIRST)
     tl.store(sorted_ptr + rank, e, mask=jm)
     tl.store(target_ptr + rank, target, mask=jm)
     tl.store(need_ptr + rank, need.to(tl.int8), mask=jm)
@@ -151,19 +156,8 @@ def place_set_kernel(
     else:
         tl.store(fresh_ptr + target, tl.full([BLOCK_E], 1, tl.int8), mask=upd.to(tl.int32) != 0)
     tl.store(tick_ptr, tick + 1)
-    n_need = tl.sum(need.to(tl.int64), axis=0)
-    n_evict = tl.sum(evict.to(tl.int64), axis=0)
-    n_wasted = tl.sum((evict & was_fresh).to(tl.int64), axis=0)
-    if FETCH:
-        tl.store(counts_ptr + 0, tl.load(counts_ptr + 0) + tl.sum(hit.to(tl.int64), axis=0))
-        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + n_need)
-        tl.store(counts_ptr + 3, tl.load(counts_ptr + 3) + tl.sum((hit & was_fresh).to(tl.int64), axis=0))
+    _count(counts_ptr, hit, need, evict, was_fresh, FETCH, FIRST)
+    if FETCH:  # a block's own pins taken (block_pin_evictions)
         tl.store(counts_ptr + 7, tl.load(counts_ptr + 7) + tl.sum((evict & was_pinned).to(tl.int64), axis=0))
-        if FIRST:
-            tl.store(counts_ptr + 6, tl.load(counts_ptr + 6) + 1)
-    else:
-        tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + n_need)
-    tl.store(counts_ptr + 4, tl.load(counts_ptr + 4) + n_wasted)
-    tl.store(counts_ptr + 5, tl.load(counts_ptr + 5) + n_evict)
     tl.store(target_ptr + e, target, mask=em)
     tl.store(need_ptr + e, need.to(tl.int8), mask=em)
