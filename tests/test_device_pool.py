@@ -16,19 +16,13 @@ from engine.checkpoint import random_state_dict
 from engine.config import parse_config
 from engine.device_pool import DeviceSlotTables
 from engine.errors import PlanError
-from engine.events import Finished
-from engine.generate import DecodeSettings, LoopHooks, generate
+from engine.generate import DecodeSettings
 from engine.model import CloverModel
 from engine.offload import HostExpertStore, SimplePlan, SlotPool, apply_plan
 from engine.quant import make_policy, quantize_model_
 from engine.tiny import config_dict_for, tiny_text_config
+from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
 from tests.triton_child import run_interpreted
-
-MASK = 3
-SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": MASK, "</think>": 4}
-LAYERS, EXPERTS, TOPK = 4, 16, 4
-PROMPT = [5, 17, 33, 9, 60, 61, 2, 40]
-
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
@@ -40,13 +34,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def qmodel() -> CloverModel:
-    text = tiny_text_config(vocab_size=128, layers=LAYERS, hidden=64, experts=EXPERTS, experts_per_tok=TOPK)
-    cfg = parse_config(config_dict_for("clover_moe", text, SPECIAL))
-    model = CloverModel(cfg, dtype=torch.float32, device="cpu")
-    model.load_state_dict(random_state_dict(cfg, seed=7), strict=True)
-    quantize_model_(model, make_policy())
-    model.eval()
-    return model
+    return quantized_model()
 
 
 def placed(qmodel: CloverModel, streamed: tuple[int, ...], slots: int, **kwargs: object) -> CloverModel:
@@ -54,15 +42,6 @@ def placed(qmodel: CloverModel, streamed: tuple[int, ...], slots: int, **kwargs:
     resident = tuple(i for i in range(LAYERS) if i not in streamed)
     apply_plan(model, SimplePlan(resident, streamed, slots), "cpu", **kwargs)
     return model
-
-
-def tokens(model: CloverModel, mode: str, n: int) -> tuple[int, ...]:
-    settings = DecodeSettings(mode=mode, max_new_tokens=n, mask_token_id=MASK, eos_token_ids=(), block_size=32,
-                              threshold=0.08, max_positions=256)
-    hooks = LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model))
-    fin = list(generate(model, PROMPT, settings, hooks=hooks))[-1]
-    assert isinstance(fin, Finished)
-    return fin.token_ids
 
 
 # --- the tables against the host pool, decision for decision ---
@@ -160,7 +139,7 @@ def test_device_block_passes_make_the_host_pools_decisions(slots: int) -> None:
         pool.release(layer, experts)
         return got
 
-    on_device, fetches, pin_evictions = False, 0, 0
+    on_device, fetches = False, 0
     for block in range(60):
         n_passes = rng.randint(1, 5)
         for p in range(n_passes + rng.randint(0, 3)):

@@ -10,23 +10,13 @@ import torch
 
 from engine import offload
 from engine.checkpoint import random_state_dict
-from engine.config import CloverConfig, parse_config
 from engine.errors import PlanError
-from engine.generate import DecodeSettings, generate
+from engine.generate import generate
 from engine.events import Finished
 from engine.model import CloverModel
 from engine.offload import OutOfMemory, SimplePlan, apply_plan
-from engine.quant import QuantExpertBank, make_policy, quantize_model_
-from engine.tiny import config_dict_for, tiny_text_config
-
-MASK = 3
-SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": MASK, "</think>": 4}
-LAYERS, EXPERTS, TOPK = 4, 16, 4
-
-
-def tiny_config() -> CloverConfig:
-    text = tiny_text_config(vocab_size=128, layers=LAYERS, hidden=64, experts=EXPERTS, experts_per_tok=TOPK)
-    return parse_config(config_dict_for("clover_moe", text, SPECIAL))
+from engine.quant import QuantExpertBank
+from tests.offload_model import EXPERTS, LAYERS, MASK, quantized_model, settings, tiny_config, tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,42 +30,11 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def qmodel() -> CloverModel:
-    """All-resident quantized reference model (experts NF4, projections INT8)."""
-    cfg = tiny_config()
-    model = CloverModel(cfg, dtype=torch.float32, device="cpu")
-    model.load_state_dict(random_state_dict(cfg, seed=7), strict=True)
-    quantize_model_(model, make_policy())
-    model.eval()
-    return model
+    return quantized_model()
 
 
 def fresh(model: CloverModel) -> CloverModel:
     return copy.deepcopy(model)
-
-
-def settings(mode: str, n: int) -> DecodeSettings:
-    # threshold 0.08: this random model's confidences are low, so blocks take ~10 passes (reuse is exercised)
-    return DecodeSettings(
-        mode=mode,
-        max_new_tokens=n,
-        mask_token_id=MASK,
-        eos_token_ids=(),
-        block_size=32,
-        threshold=0.08,
-        max_positions=256,
-    )
-
-
-def tokens(model: CloverModel, mode: str, n: int) -> tuple[int, ...]:
-    """Greedy tokens, with the block hooks the engine passes (offload sees block boundaries only through them)."""
-    from engine.generate import LoopHooks
-
-    prompt = [5, 17, 33, 9, 60, 61, 2, 40]
-    hooks = LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model))
-    events = list(generate(model, prompt, settings(mode, n), hooks=hooks))
-    fin = events[-1]
-    assert isinstance(fin, Finished)
-    return fin.token_ids
 
 
 PLANS = {

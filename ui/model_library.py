@@ -49,7 +49,7 @@ CACHE_DIRNAME = ".clover-cache"  # = engine.quant_cache.CACHE_DIRNAME (tests che
 DEVICES = (("cpu", "CPU"), ("cuda", "GPU (CUDA)"))
 PRECISIONS = (("float32", "float32"), ("bfloat16", "bfloat16"))
 COMPILE_TOOLTIP = (
-    "Compile the model's layers for faster decoding once it has loaded (AR decoding ran 3.5-5x faster on a CPU, "
+    "Compile the model's layers for faster decoding once it has loaded (AR decoding ran 3-5x faster on a CPU, "
     "measured on small models). The price is a warm-up while the model loads: two to three minutes on a CPU the "
     "first time, under a minute on later runs (the compiled code is kept on disk). Needs a C++ compiler for "
     "the CPU, or Triton for a GPU; without one the model loads uncompiled and the window says why."

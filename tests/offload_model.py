@@ -1,0 +1,49 @@
+"""The tiny quantized Clover model the expert-streaming tests share (``test_offload``, ``test_device_pool``): its
+shape, an all-resident reference copy, the decode settings and the greedy tokens with the engine's block hooks."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import offload
+from engine.checkpoint import random_state_dict
+from engine.config import CloverConfig, parse_config
+from engine.events import Finished
+from engine.generate import DecodeSettings, LoopHooks, generate
+from engine.model import CloverModel
+from engine.quant import make_policy, quantize_model_
+from engine.tiny import config_dict_for, tiny_text_config
+
+MASK = 3
+SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": MASK, "</think>": 4}
+LAYERS, EXPERTS, TOPK = 4, 16, 4
+PROMPT = [5, 17, 33, 9, 60, 61, 2, 40]
+
+
+def tiny_config() -> CloverConfig:
+    text = tiny_text_config(vocab_size=128, layers=LAYERS, hidden=64, experts=EXPERTS, experts_per_tok=TOPK)
+    return parse_config(config_dict_for("clover_moe", text, SPECIAL))
+
+
+def quantized_model() -> CloverModel:
+    """All-resident quantized reference model (experts NF4, projections INT8)."""
+    cfg = tiny_config()
+    model = CloverModel(cfg, dtype=torch.float32, device="cpu")
+    model.load_state_dict(random_state_dict(cfg, seed=7), strict=True)
+    quantize_model_(model, make_policy())
+    model.eval()
+    return model
+
+
+def settings(mode: str, n: int) -> DecodeSettings:
+    # threshold 0.08: this random model's confidences are low, so blocks take ~10 passes (reuse is exercised)
+    return DecodeSettings(mode=mode, max_new_tokens=n, mask_token_id=MASK, eos_token_ids=(), block_size=32,
+                          threshold=0.08, max_positions=256)
+
+
+def tokens(model: CloverModel, mode: str, n: int) -> tuple[int, ...]:
+    """Greedy tokens, with the block hooks the engine passes (offload sees block boundaries only through them)."""
+    hooks = LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model))
+    fin = list(generate(model, PROMPT, settings(mode, n), hooks=hooks))[-1]
+    assert isinstance(fin, Finished)
+    return fin.token_ids
