@@ -57,8 +57,9 @@ COMPILE_TOOLTIP = (
 
 GPU_PATHS_TOOLTIP = (
     "Faster code paths for an NVIDIA GPU that are not yet measured on one, so they are off unless chosen here. "
-    "They change how the engine computes, never what it answers (each is tested against the standard path), and "
-    "do nothing on a CPU. Used from the next load: the engine restarts for them."
+    "They change how the engine computes, not the model: each is tested against the standard path (within float "
+    "rounding, the same greedy tokens on the test models). They do nothing on a CPU. Used from the next load: the "
+    "engine restarts for them."
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,8 +304,8 @@ class ModelRow(QFrame):
 
 
 class ModelLibrary(QFrame):
-    """The models this app knows, with Load / Show in folder / Delete, and the device, precision and compilation of
-    the next load."""
+    """The models this app knows, with Load / Show in folder / Delete, and the device, precision, compilation and
+    experimental GPU paths of the next load."""
 
     loadRequested = Signal(str)  # load this model (a folder or a GGUF file)
     deleted = Signal(str)  # this model was removed from the disk
