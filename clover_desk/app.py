@@ -247,11 +247,10 @@ class CloverDeskApp(QObject):
     def _build_model_library(self) -> QWidget:
         """The models on disk (the recent ones and the models folder's), with the device and precision of the next
         load."""
+        from engine.preflight import EXCLUSIVE, OPT_IN
         from ui.model_library import ModelLibrary
 
         manager = self.model_manager
-        from engine.preflight import EXCLUSIVE, OPT_IN
-
         library = ModelLibrary(self.home / "models", manager.recent_models if manager is not None else list,
                                gpu_name=self.hardware.gpu_name, device=self.device, dtype=self.dtype,
                                compile_layers=self.settings.compile_layers, gpu_paths=OPT_IN, exclusive=EXCLUSIVE,

@@ -60,26 +60,6 @@ OPT_IN: dict[str, str] = {
     "CLOVER_DESK_DEVICE_POOL": "AR steps and diffusion passes fetching streamed experts through slot tables on the GPU",
 }
 EXCLUSIVE = ("CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL")
-
-
-def opt_in_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The :data:`OPT_IN` switches set to "1" in ``environ`` (default: this process's), in the table's order: what
-    the engine runs with (each is read where it acts, as exactly "1")."""
-    env = os.environ if environ is None else environ
-    return [name for name in OPT_IN if env.get(name) == "1"]
-
-
-def opt_in_env(on: Iterable[str]) -> dict[str, str]:
-    """Every :data:`OPT_IN` switch, "1" for those in ``on`` and "0" for the rest: the environment a worker is given
-    so that it runs exactly the chosen paths, whatever the parent's environment says. An unknown name, or both of
-    :data:`EXCLUSIVE`, is a ValueError naming it."""
-    chosen = set(on)
-    unknown = sorted(chosen - set(OPT_IN))
-    if unknown:
-        raise ValueError(f"unknown GPU path {unknown[0]!r} (allowed: {', '.join(OPT_IN)})")
-    if all(name in chosen for name in EXCLUSIVE):
-        raise ValueError(f"{' and '.join(EXCLUSIVE)} exclude each other: choose one")
-    return {name: "1" if name in chosen else "0" for name in OPT_IN}
 # PyTorch wheel indexes by CUDA version (download.pytorch.org/whl/<tag>); the newest the driver and card allow wins.
 TORCH_CUDA_TAGS: dict[tuple[int, int], str] = {(11, 8): "cu118", (12, 6): "cu126", (12, 8): "cu128", (13, 0): "cu130"}
 
@@ -301,6 +281,26 @@ def _check_bitsandbytes_cuda(facts: GpuFacts) -> list[Finding]:
 def opt_in_on(facts: GpuFacts) -> list[str]:
     """The opt-in switches that are on: exactly "1", as the engine reads them."""
     return [name for name, value in facts.opt_in if value == "1"]
+
+
+def opt_in_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The :data:`OPT_IN` switches set to "1" in ``environ`` (default: this process's), in the table's order: what
+    the engine runs with (each is read where it acts, as exactly "1")."""
+    env = os.environ if environ is None else environ
+    return [name for name in OPT_IN if env.get(name) == "1"]
+
+
+def opt_in_env(on: Iterable[str]) -> dict[str, str]:
+    """Every :data:`OPT_IN` switch, "1" for those in ``on`` and "0" for the rest: the environment a worker is given
+    so that it runs exactly the chosen paths, whatever the parent's environment says. An unknown name, or both of
+    :data:`EXCLUSIVE`, is a ValueError naming it."""
+    chosen = set(on)
+    unknown = sorted(chosen - set(OPT_IN))
+    if unknown:
+        raise ValueError(f"unknown GPU path {unknown[0]!r} (allowed: {', '.join(OPT_IN)})")
+    if all(name in chosen for name in EXCLUSIVE):
+        raise ValueError(f"{' and '.join(EXCLUSIVE)} exclude each other: choose one")
+    return {name: "1" if name in chosen else "0" for name in OPT_IN}
 
 
 def check_opt_in(facts: GpuFacts) -> list[Finding]:
