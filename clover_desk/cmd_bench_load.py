@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clover_desk import flags
 from engine.defaults import DEFAULT_CTX_TOKENS
 
 GIB = 1 << 30
@@ -33,8 +34,8 @@ _PARTS = ("non_expert", "resident_experts", "expert_slots")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, metavar="DIR", help="a Hugging Face model folder")
-    parser.add_argument("--vram-gb", type=float, required=True, metavar="N", help="VRAM budget in GiB to plan for")
-    parser.add_argument("--ctx", type=int, default=DEFAULT_CTX_TOKENS, metavar="N", help=f"context (default {DEFAULT_CTX_TOKENS})")
+    parser.add_argument("--vram-gb", type=flags.GIB, required=True, metavar="N", help="VRAM budget in GiB to plan for")
+    parser.add_argument("--ctx", type=flags.TOKENS, default=DEFAULT_CTX_TOKENS, metavar="N", help=f"context (default {DEFAULT_CTX_TOKENS})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the plan's device part goes")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="compute dtype (default bfloat16, the dtype the plan counts KV and activations in)")

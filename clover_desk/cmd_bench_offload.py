@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clover_desk import flags
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.hardware import DEFAULT_HARDWARE
 
@@ -36,23 +37,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shape", default="clover-35b-a3b", help="model shape for the planner (default clover-35b-a3b)"
     )
-    parser.add_argument("--vram-gb", type=float, default=16.0, help="VRAM budget in GiB (default 16)")
-    parser.add_argument("--ctx", type=int, default=DEFAULT_CTX_TOKENS, help=f"context tokens the plan reserves (default {DEFAULT_CTX_TOKENS})")
-    parser.add_argument("--tokens-per-pass", type=float, default=3.0, help="committed tokens per denoising pass (TPF)")
+    parser.add_argument("--vram-gb", type=flags.GIB, default=16.0, help="VRAM budget in GiB (default 16)")
+    parser.add_argument("--ctx", type=flags.TOKENS, default=DEFAULT_CTX_TOKENS, help=f"context tokens the plan reserves (default {DEFAULT_CTX_TOKENS})")
+    parser.add_argument("--tokens-per-pass", type=flags.number(0.0, 32.0, lo_open=True), default=3.0, help="committed tokens per denoising pass (TPF)")
     parser.add_argument(
-        "--target-distinct", type=float, default=70.0, help="distinct experts per 32-slot pass to calibrate to"
+        "--target-distinct", type=flags.number(8.0, 160.0), default=70.0,
+        help="distinct experts per 32-slot pass to calibrate to (8 to 160: uniform routing touches ~163 of 256)"
     )
     parser.add_argument(
         "--block-reuse",
-        type=float,
+        type=flags.number(1.0, 32.0),
         default=1.3,
         help="block working set / per-pass distinct experts to calibrate to (planner's assumption 1.3)",
     )
-    parser.add_argument("--blocks", type=int, default=8, help="diffusion blocks to simulate (after one warm-up block)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--blocks", type=flags.integer(1, 1_000), default=8, help="diffusion blocks to simulate (after one warm-up block)")
+    parser.add_argument("--seed", type=flags.SEED, default=0)
     parser.add_argument("--tiny", action="store_true", help="end to end on a tiny random model on the CPU")
     parser.add_argument("--gpu", action="store_true", help="the device check (needs CUDA)")
-    parser.add_argument("--gpu-mem-gb", type=float, default=16.0, help="--gpu: cap the process at this much GPU memory")
+    parser.add_argument("--gpu-mem-gb", type=flags.GIB, default=16.0, help="--gpu: cap the process at this much GPU memory")
 
 
 def run(args: argparse.Namespace) -> int:

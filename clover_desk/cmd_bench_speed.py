@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from clover_desk import flags
+
 SHAPES: dict[str, dict[str, Any]] = {
     "mid": dict(
         vocab_size=4096, layers=8, hidden=512, experts=64, experts_per_tok=8, heads=8, kv_heads=2, head_dim=64,
@@ -56,20 +58,30 @@ SHAPES: dict[str, dict[str, Any]] = {
 SPECIAL = {"<|endoftext|>": 0, "<|im_end|>": 2, "</think>": 4, "<|mask|>": 5}
 
 
+# --moe-only times one layer of the 35B shape's routed experts
+MOE_SHAPE = dict(experts=256, top_k=8, hidden=2048, intermediate=512)
+# Bounds of the sizing flags: a benchmark's runs fit in memory and end (a typo such as --decode-tokens 10000000 is
+# refused in one line instead of running for days)
+MAX_BENCH_PROMPT = 65_536
+MAX_BENCH_TOKENS = 4_096
+MAX_REPEATS = 1_000
+MAX_LAYERS = 1_024  # engine.config's bound on num_hidden_layers
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=tuple(SHAPES), default="mid", help="mid (default), deep-narrow, clover-35b-a3b, tiny")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="default: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--prompt-tokens", type=int, default=None, help="prefill length (default 256 mid, 1024 full)")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="AR tokens to time")
-    parser.add_argument("--diffusion-tokens", type=int, default=64, help="tokens of the real diffusion run")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of the prefill and block passes")
-    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count (smoke runs)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-tokens", type=flags.integer(1, MAX_BENCH_PROMPT), default=None, help="prefill length (default 256 mid, 1024 full)")
+    parser.add_argument("--decode-tokens", type=flags.integer(1, MAX_BENCH_TOKENS), default=32, help="AR tokens to time")
+    parser.add_argument("--diffusion-tokens", type=flags.integer(1, MAX_BENCH_TOKENS), default=64, help="tokens of the real diffusion run")
+    parser.add_argument("--repeats", type=flags.integer(1, MAX_REPEATS), default=5, help="timed repeats of the prefill and block passes")
+    parser.add_argument("--layers", type=flags.integer(1, MAX_LAYERS), default=None, help="override the shape's layer count (smoke runs)")
+    parser.add_argument("--seed", type=flags.SEED, default=0)
     parser.add_argument("--moe-only", action="store_true",
                         help="time one MoE layer's routed experts (E=256, k=8, D=2048, I=512), T=1 and T=32")
-    parser.add_argument("--moe-distinct", type=int, default=70,
+    parser.add_argument("--moe-distinct", type=flags.integer(MOE_SHAPE["top_k"], MOE_SHAPE["experts"]), default=70,
                         help="--moe-only: distinct experts a 32-token pass routes to (default 70, a trained router)")
     parser.add_argument("--count", action="store_true",
                         help="only count what one AR step and one denoising pass dispatch: torch ops (~ GPU kernel "
@@ -78,11 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", choices=("none", "card"), default="none",
                         help="card: quantize the random model as the app does for a 16 GB card (NF4 experts, INT8 "
                              "projections, shared experts and LM head) before measuring")
-    parser.add_argument("--vram-gb", type=float, default=None, metavar="G",
+    parser.add_argument("--vram-gb", type=flags.GIB, default=None, metavar="G",
                         help="with --quant card: place the experts as the planner does for a G GiB card (the "
                              "clover-35b-a3b shape: streamed layers in pinned host memory, a slot pool), and on CUDA "
                              "cap the process at G GiB: the card's code path")
-    parser.add_argument("--stream", type=int, default=None, metavar="N",
+    parser.add_argument("--stream", type=flags.integer(1, MAX_LAYERS), default=None, metavar="N",
                         help="with --quant card: stream the experts of the last N layers through a slot pool of "
                              "2 x top-k x N experts (any shape; the CPU tests of the placed path)")
     parser.add_argument("--device-pool", action="store_true",
@@ -220,6 +232,7 @@ def _run_count(args: argparse.Namespace) -> int:
     device, dtype = _device_dtype(args)
     _, config = _config(args.shape, "clover_moe", args.layers)
     _, full = _config(args.shape, "clover_moe")
+    _check_stream(args, config)
     t0 = time.perf_counter()
     model = _build_random_model(config, dtype, device, args.seed, args.quant)
     print(f"bench speed --count: shape {args.shape}, {config.num_hidden_layers} of {full.num_hidden_layers} layers "
@@ -670,6 +683,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.device_pool and args.vram_gb is None and args.stream is None:
         raise ConfigError("--device-pool changes how streamed experts are fetched: add --vram-gb G or --stream N")
+    # the placing flags' combinations, refused before a model is built (the 35B shape takes minutes to build)
+    if (args.vram_gb is not None or args.stream is not None) and args.quant != "card":
+        raise ConfigError("--vram-gb / --stream place quantized experts: add --quant card")
+    if args.vram_gb is not None and args.stream is None and args.shape != "clover-35b-a3b":
+        raise ConfigError(f"--vram-gb plans the clover-35b-a3b shape, not {args.shape!r} (use --stream N)")
     if args.moe_only:
         return _run_moe_only(args)
     if args.count:
@@ -681,6 +699,7 @@ def _run(args: argparse.Namespace) -> int:
         print("warning: the full 35B shape on CPU needs ~140 GB of RAM in float32", file=sys.stderr)
     prompt_tokens = args.prompt_tokens or (1024 if full else 256)
     _, config = _config(args.shape, "clover_moe", args.layers)
+    _check_stream(args, config)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(16, config.vocab_size, (prompt_tokens,), generator=gen).tolist()
     print(
@@ -743,6 +762,15 @@ def _peak_vram_line(allocated: int, reserved: int, plan: Any) -> str:
             f"the CUDA context; workspace {ws / 2**30:.2f} GiB): reserved is {reserved / counted:.0%} of that")
 
 
+def _check_stream(args: argparse.Namespace, config: Any) -> None:
+    """``--stream N`` names at most the model's layers (checked from the config, before the model is built)."""
+    from engine.errors import ConfigError
+
+    n = config.num_hidden_layers
+    if args.stream is not None and args.stream > n:
+        raise ConfigError(f"--stream {args.stream}: the model has {n} layers (allowed: 1..{n})")
+
+
 def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> Any:
     """Place the experts as a plan says (``--vram-gb``: the planner's plan for the shape; ``--stream N``: the last N
     layers streamed), and on CUDA cap the process at ``--vram-gb``. Returns the plan (None for ``--stream``)."""
@@ -751,12 +779,9 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
     from engine import offload
     from engine.errors import ConfigError
 
-    if args.quant != "card":
-        raise ConfigError("--vram-gb / --stream place quantized experts: add --quant card")
+    _check_stream(args, config)
     n = config.num_hidden_layers
     if args.stream is not None:
-        if not 0 < args.stream <= n:
-            raise ConfigError(f"--stream {args.stream}: the model has {n} layers (allowed: 1..{n})")
         plan = None
         streamed = list(range(n - args.stream, n))
         # two tokens' experts per streamed layer, and at least one whole layer's (a prompt or a pass may touch all)
@@ -1041,7 +1066,6 @@ def _randomize_hf(model: Any, seed: int) -> None:
 # --moe-only: one MoE layer's routed experts
 # Letters: T tokens, K top-k, E experts, D hidden size, I expert intermediate size, U distinct experts used.
 
-MOE_SHAPE = dict(experts=256, top_k=8, hidden=2048, intermediate=512)
 
 
 def _moe_routing(t: int, k: int, e: int, distinct: int, gen: Any) -> tuple[Any, Any]:

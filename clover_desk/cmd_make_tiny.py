@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from clover_desk import flags
+
 SHAPES = ("tiny", "clover-35b-a3b")
 MIN_LAYERS, MAX_LAYERS = 1, 40
 DEFAULT_LAYERS = 4
@@ -39,7 +41,7 @@ def peak_rss_bytes() -> int | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="output folder (created; existing model files are overwritten)")
     parser.add_argument("--model-type", choices=("clover_moe", "qwen3_5_moe"), default="clover_moe")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
+    parser.add_argument("--seed", type=flags.SEED, default=0, help="random seed for the weights")
     parser.add_argument(
         "--shape", choices=SHAPES, default="tiny",
         help="tiny (default: hidden 64, 16 experts) or clover-35b-a3b (the real widths, ~1.7 GB per layer)",

@@ -18,6 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
+from clover_desk import flags
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: F401 (re-exported for callers)
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ LOAD_TIMEOUT_MS = 60_000
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.html", help="the HTML file to show")
     parser.add_argument("--screenshot", metavar="OUT.png", help="save a PNG once the page has loaded, then exit")
-    parser.add_argument("--wait-ms", type=int, default=500, metavar="N",
+    parser.add_argument("--wait-ms", type=flags.integer(0, 60_000), default=500, metavar="N",
                         help="with --screenshot: wait N ms after the page loaded (default 500) for scripts to draw")
     parser.add_argument("--size", default="1024x768", metavar="WxH", help="window size (default 1024x768)")
 

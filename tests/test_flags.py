@@ -35,3 +35,57 @@ def test_generate_refuses_out_of_range_numbers(flag: str, value: str, capsys: py
 def test_edge_values_are_accepted(flag: str, value: str) -> None:
     args = cli.parse_args([*GENERATE, flag, value])
     assert getattr(args, flag.lstrip("-").replace("-", "_")) == pytest.approx(float(value))
+
+
+# The other commands' sizing flags: refused at parse time, before a model is built or a file is read
+OTHER_BAD = [
+    (["bench", "speed"], "--prompt-tokens", ["0", "-1", "65537"]),
+    (["bench", "speed"], "--decode-tokens", ["0", "4097"]),
+    (["bench", "speed"], "--diffusion-tokens", ["-1", "0"]),
+    (["bench", "speed"], "--repeats", ["0", "1e3"]),
+    (["bench", "speed"], "--layers", ["0", "-3"]),
+    (["bench", "speed"], "--seed", ["-1"]),
+    (["bench", "speed"], "--moe-distinct", ["0", "7", "257"]),
+    (["bench", "speed"], "--vram-gb", ["nan", "-2", "0"]),
+    (["bench", "speed"], "--stream", ["0", "-1"]),
+    (["bench", "offload"], "--vram-gb", ["nan", "-1"]),
+    (["bench", "offload"], "--ctx", ["0"]),
+    (["bench", "offload"], "--tokens-per-pass", ["0", "33", "nan"]),
+    (["bench", "offload"], "--target-distinct", ["0", "9999"]),
+    (["bench", "offload"], "--block-reuse", ["0", "0.5"]),
+    (["bench", "offload"], "--blocks", ["0", "100000000"]),
+    (["bench", "offload"], "--gpu-mem-gb", ["-1", "inf"]),
+    (["bench", "load", "--model", "/nonexistent"], "--vram-gb", ["-1", "nan"]),
+    (["bench", "load", "--model", "/nonexistent", "--vram-gb", "16"], "--ctx", ["0", "-5"]),
+    (["make-tiny", "/nonexistent/out"], "--seed", ["-1", "x"]),
+    (["preview", "/nonexistent.html"], "--wait-ms", ["-5", "99999999"]),
+]
+
+
+@pytest.mark.parametrize("command, flag, value", [(c, f, v) for c, f, values in OTHER_BAD for v in values])
+def test_other_commands_refuse_out_of_range_numbers(command: list[str], flag: str, value: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*command, flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and f"argument {flag}: must be" in err and repr(value) in err, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--stream", "2"], "add --quant card"),
+    (["--vram-gb", "16"], "add --quant card"),
+    (["--vram-gb", "16", "--quant", "card"], "plans the clover-35b-a3b shape, not 'mid'"),
+    (["--stream", "9", "--quant", "card", "--shape", "tiny"], "--stream 9: the model has 4 layers (allowed: 1..4)"),
+    (["--stream", "41", "--quant", "card", "--shape", "clover-35b-a3b", "--count"], "the model has 40 layers"),
+])
+def test_bench_speed_refuses_placing_flags_before_building_a_model(argv: list[str], says: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A wrong combination of the placing flags is one line, exit 2, and no model is built first (the 35B shape's
+    random model takes minutes to build)."""
+    code = cli.main(["bench", "speed", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.count("\n") == 1 and says in err, err
+    assert "model built" not in out and "built" not in err, out
