@@ -9,6 +9,7 @@ expert costs per file type at the Clover-35B-A3B shape (gate + up [512, 2048] an
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -18,9 +19,10 @@ HIDDEN, INTER = 2048, 512  # Clover-35B-A3B expert shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--values", type=flags.TOKENS, default=1 << 22, metavar="N", help="values per dequantize call (default 4M)")
-    parser.add_argument("--repeat", type=flags.TOKENS, default=5, metavar="N", help="timed calls per type (best counts)")
-    parser.add_argument("--threads", type=flags.TOKENS, default=1, metavar="N",
+    parser.add_argument("--values", type=flags.integer(2_048, 1 << 28), default=1 << 22, metavar="N",
+                        help="values per dequantize call (default 4M; 2048 to 2^28, rounded up to rows of 2048)")
+    parser.add_argument("--repeat", type=flags.integer(1, 1_000), default=5, metavar="N", help="timed calls per type (best counts)")
+    parser.add_argument("--threads", type=flags.integer(1, 1_024), default=1, metavar="N",
                         help="torch CPU threads (default 1: on a shared 2-core box more threads spin against each other)")
     parser.add_argument("--model", type=Path, default=None, metavar="FILE", help="a .gguf file: its bytes per expert")
 
@@ -38,9 +40,17 @@ def run(args: argparse.Namespace) -> int:
     from engine.errors import CloverError
     from engine.formats import expert_row_layout
 
+    manifest = None
+    if args.model is not None:  # read first: a file that cannot be read costs no timing runs
+        from engine.gguf_file import manifest_from_gguf
+
+        try:
+            manifest = manifest_from_gguf(args.model)
+        except CloverError as exc:
+            print(f"clover-desk bench gguf: error: {exc}", file=sys.stderr)
+            return 2
     torch.set_num_threads(args.threads)
-    n = -(-args.values // 256) * 256
-    x = torch.randn(n // 2048 or 1, 2048)
+    x = torch.randn(-(-args.values // 2048), 2048)  # whole rows of the 35B shape's hidden size
     print(f"dequantize on CPU ({torch.get_num_threads()} threads), {x.numel():,} values per call, best of {args.repeat}:")
     print(f"  {'type':<6}{'bytes/value':>12}{'Mvalues/s':>12}{'GB/s read':>11}")
     for qtype in (gq.F16, gq.BF16, gq.Q8_0, gq.Q4_0, gq.Q4_K, gq.Q5_K, gq.Q6_K):
@@ -64,14 +74,7 @@ def run(args: argparse.Namespace) -> int:
     for label, types in rows:
         print(f"  {label:<28}{_expert_bytes(*types):>12,} B")
     print(f"  {'NF4 cache row (this engine)':<28}{expert_row_layout(HIDDEN, INTER, 'nf4')[1]:>12,} B")
-    if args.model is not None:
-        from engine.gguf_file import manifest_from_gguf
-
-        try:
-            manifest = manifest_from_gguf(args.model)
-        except CloverError as exc:
-            print(f"clover-desk bench gguf: error: {exc}")
-            return 2
+    if manifest is not None:
         e = manifest.geometry.num_experts
         per = manifest.expert_layer_bytes()
         print(f"\n{args.model}: bytes per expert by MoE layer ({e} experts per layer)")

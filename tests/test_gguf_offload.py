@@ -94,6 +94,30 @@ def test_the_slot_is_one_experts_file_bytes_at_the_35b_shape() -> None:
     assert GGUFExpertLayout(256, 2048, 512, (Q4_K, Q4_K, Q6_K)).nbytes == 2_039_808  # Q4_K_M, ffn_down Q6_K
 
 
+def test_bench_gguf_prints_the_files_bytes_per_expert(files: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    """``clover-desk bench gguf --model FILE``: every MoE layer's bytes per expert as the gguf package reads them
+    from the file, after the dequantize figures of every type; a file that is not a GGUF is one line and exit 2,
+    before any timing."""
+    from clover_desk import cli
+
+    path = files["Q4_K"]
+    assert cli.main(["bench", "gguf", "--values", "2048", "--repeat", "1", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    for name in ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"):
+        assert f"\n  {name} " in out, out
+    layers = json.loads((files["Q4_K"].parent / "wide" / "config.json").read_text())["num_hidden_layers"]
+    for layer in range(layers):
+        per_expert, _ = file_bytes_per_expert(path, layer)
+        assert f"layer {layer:>3}: {per_expert:>12,} B" in out, out
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    assert cli.main(["bench", "gguf", "--values", "2048", "--repeat", "1", "--model", str(junk)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and str(junk) in err, (out, err)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_plan_reads_the_files_expert_bytes(files: dict[str, Path], qtype: str) -> None:
     path = files[qtype]
