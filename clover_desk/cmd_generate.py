@@ -143,6 +143,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.model is None:
         print("clover-desk generate: error: --model DIR is required (or --remote URL)", file=sys.stderr)
         return 2
+    if args.ctx is not None and args.vram_gb is None:  # (serve's --ctx caps requests; here there is one, and
+        # --max-new-tokens already bounds it: without a plan there is no KV reservation for --ctx to size)
+        print("clover-desk generate: error: --ctx sizes the KV cache a --vram-gb plan reserves: add --vram-gb G "
+              "(without a plan the cache holds the prompt and --max-new-tokens)", file=sys.stderr)
+        return 2
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     prompt = _prompt_text(args)  # before the model is read: a bad prompt costs nothing
     params = GenerationParams(

@@ -145,6 +145,14 @@ def test_prompt_longer_than_the_context(capsys: pytest.CaptureFixture[str], tiny
     _expect_error(capsys, ["generate", "--model", str(folder), "--prompt-ids", ids, "--mode", "ar"], "context holds 64")
 
 
+def test_ctx_without_a_plan_is_refused_not_ignored(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path,
+                                                   one_torch_thread: None) -> None:
+    """``generate --ctx`` sizes the plan's KV reservation; alone it used to be dropped without a word (a 16-token
+    prompt then ran past a --ctx of 4)."""
+    _expect_error(capsys, ["generate", "--model", str(tiny_clover_dir), "--prompt", "hi", "--ctx", "4"],
+                  "--ctx sizes the KV cache a --vram-gb plan reserves: add --vram-gb G")
+
+
 def test_cuda_device_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path) -> None:
     if sys.modules.get("torch") is not None and __import__("torch").cuda.is_available():
         pytest.skip("CUDA is present here")
