@@ -121,6 +121,36 @@ def test_thinking_is_collapsible_with_duration(qtbot) -> None:
     assert shown(later.thinking_body) and "more thoughts" in later.thinking_body.toPlainText()
 
 
+def test_an_answer_that_ended_while_thinking_says_why_it_is_empty(qtbot) -> None:
+    """An empty answer after thinking (a small token limit spent on the thinking alone) shows why and what to
+    change, by stop reason; never under an answer, while streaming, or after an error."""
+    view = make_view(qtbot)
+    limit = view.add_message(MessageData("assistant", "", "so many steps", 20.0,
+                                         stats={"tokens": 256, "stop_reason": "max_new_tokens"}))
+    assert shown(limit.note) and shown(limit.thinking_toggle) and not shown(limit.body)
+    assert "token limit ran out while Clover was still thinking" in limit.note.text()
+    assert "Max tokens" in limit.note.text() and "Think off" in limit.note.text()
+    full = view.add_message(MessageData("assistant", " \n", "steps", 1.0, stats={"stop_reason": "context"}))
+    assert shown(full.note) and "context filled up" in full.note.text()
+    stopped = view.add_message(MessageData("assistant", "", "steps", 1.0, status="stopped",
+                                           stats={"stop_reason": "cancelled"}))
+    assert shown(stopped.note) and stopped.note.text().startswith("Stopped while Clover was still thinking")
+    ended = view.add_message(MessageData("assistant", "", "steps", 1.0, stats={"stop_reason": "eos"}))
+    assert shown(ended.note) and "without an answer" in ended.note.text()
+
+    answered = view.add_message(MessageData("assistant", "The answer.", "steps", 1.0,
+                                            stats={"stop_reason": "max_new_tokens"}))
+    nothing = view.add_message(MessageData("assistant", "", "", None, stats={"stop_reason": "eos"}))
+    streaming = view.add_message(MessageData("assistant", "", "steps so far", 1.0, status="streaming"))
+    failed = view.add_message(MessageData("assistant", "", "steps", 1.0, status="error",
+                                          stats={"error": "worker died", "stop_reason": "error"}))
+    for w in (answered, nothing, streaming, failed):
+        assert not shown(w.note), w.data
+    streaming.data.status, streaming.data.stats = "complete", {"stop_reason": "max_new_tokens"}
+    streaming.refresh()  # the same reply once it finished
+    assert shown(streaming.note) and "token limit" in streaming.note.text()
+
+
 def test_copy_message_and_code_block(qtbot) -> None:
     view = make_view(qtbot)
     w = view.add_message(MessageData("assistant", "Run:\n\n```sh\nmake test\n```"))

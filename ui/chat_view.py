@@ -175,6 +175,26 @@ def format_seconds(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60)} s"
 
 
+def thinking_only_note(data: MessageData) -> str:
+    """What to say under an answer that ended while the model was still thinking (empty answer, thinking shown
+    collapsed above): why there is no answer and what to change; "" for any other message. A reasoning model often
+    spends a small token limit on its thinking alone, and a bare "Thought for 20 s" then reads as a failure."""
+    if data.role != "assistant" or data.status not in ("complete", "stopped") or data.content.strip():
+        return ""
+    if not data.thinking.strip():
+        return ""
+    reason = data.stats.get("stop_reason")
+    if reason == "max_new_tokens":
+        return ("No answer: the token limit ran out while Clover was still thinking. Raise Max tokens in the chat "
+                "settings, or switch Think off, then Regenerate.")
+    if reason == "context":
+        return ("No answer: the context filled up while Clover was still thinking. Start a new chat, or switch "
+                "Think off, then Regenerate.")
+    if reason in ("cancelled", "interrupted"):
+        return "Stopped while Clover was still thinking: no answer yet. Regenerate to try again."
+    return "Clover ended its reply while still thinking, without an answer. Regenerate to try again."
+
+
 def stats_line(stats: dict[str, Any]) -> str:
     """"42 tokens · 38.5 tok/s · 3.1 tok/pass · stopped" from a Finished-derived stats dict."""
     if stats.get("backend") == "remote":  # a remote server's answer: what it did not report is named unavailable
@@ -312,6 +332,11 @@ class MessageWidget(QFrame):
         self.thinking_body.setVisible(False)
         self.body = MarkdownBrowser("messageBody")
         accessible(self.body, f"{who} said")
+        self.note = QLabel()  # why an answer is empty (thinking_only_note)
+        set_style_class(self.note, "muted")
+        self.note.setWordWrap(True)
+        self.note.setVisible(False)
+        accessible(self.note, "No answer")
 
         header = QHBoxLayout()
         header.setSpacing(8)
@@ -326,6 +351,7 @@ class MessageWidget(QFrame):
         layout.addWidget(self.thinking_toggle, 0, Qt.AlignmentFlag.AlignLeft)
         layout.addWidget(self.thinking_body)
         layout.addWidget(self.body)
+        layout.addWidget(self.note)
         self._connect_signals()
         self.thinking_toggle.setChecked(expand_thinking)
         self.refresh()
@@ -372,6 +398,9 @@ class MessageWidget(QFrame):
             content = (content + "\n\n" if content else "") + f"**Error:** {d.stats.get('error', 'generation failed')}"
         self.body.set_markdown(content)
         self.body.setVisible(bool(content))
+        note = thinking_only_note(d)
+        self.note.setText(note)
+        self.note.setVisible(bool(note))
         meta = stats_line(d.stats) if d.role == "assistant" else ""
         if streaming:
             meta = "generating…"
