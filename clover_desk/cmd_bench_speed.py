@@ -1199,6 +1199,27 @@ def _int8_head_lines(args: argparse.Namespace, device: str, dtype: Any, gen: Any
             print(f"T={t:<3d} LM head {o}x{n} int8: chunked dequantize-then-matmul {chunked:8.2f} ms, fused (Triton) "
                   f"{fused:8.2f} ms ({chunked / fused:4.1f}x; codes {o * n / fused / 1e6:6.1f} GB/s), max |diff| "
                   f"{diff:.2e}")
+            print(f"      {_torch_int8pack_line(head, x, args.repeats, device)}")
+
+
+def _torch_int8pack_line(head: Any, x: Any, repeats: int, device: str) -> str:
+    """torch's own weight-only int8 matmul (``torch._weight_int8pack_mm``, the CPU path's GEMV) on this device, a
+    third candidate for the LM head beside the chunked and the Triton paths: its time, or why it did not run (a
+    private op; CUDA builds may lack it, or take only some dtypes)."""
+    import torch
+
+    def run() -> Any:
+        return torch._weight_int8pack_mm(x, head.codes, head.scales.to(x.dtype))
+
+    if not hasattr(torch, "_weight_int8pack_mm"):
+        return "torch._weight_int8pack_mm: not in this torch"
+    try:
+        ms = _best(run, repeats, device) * 1e3
+        diff = (run().float() - head(x).float()).abs().max().item()
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"torch._weight_int8pack_mm: not run here ({str(exc).splitlines()[0][:120]})"
+    o, n = head.codes.shape
+    return f"torch._weight_int8pack_mm {ms:8.2f} ms (codes {o * n / ms / 1e6:6.1f} GB/s), max |diff| {diff:.2e}"
 
 
 def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3b", prompt: int = 1024) -> None:

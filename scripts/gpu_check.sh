@@ -55,7 +55,8 @@ fi
 # Issues 8, 11: one MoE layer at the 35B expert shape, grouped dequantize-then-matmul vs the fused Triton kernels
 # (NF4 rows, GGUF Q4_0 blocks), and the dequantizing pass at 4 / 8 / 16 experts per group (16 = 96 MiB, past L2:
 # picks engine.experts.GROUP_BYTES["cuda"]); the int8 LM head, chunked dequantize-then-matmul vs the fused Triton
-# kernel; one GDN layer's AR step and 1024-token prefill, the PyTorch rule vs flash-linear-attention's kernels;
+# kernel vs torch's own torch._weight_int8pack_mm (the CPU path's op, if this CUDA build has it: a library path that
+# would need no opt-in); one GDN layer's AR step and 1024-token prefill, the PyTorch rule vs flash-linear-attention's kernels;
 # an AR step's 8 NF4 experts through bitsandbytes' gemv_4bit (16 GEMVs), next to the grouped and fused paths;
 # one streamed layer's AR step through the slot pool (every expert missing) vs read in place from mapped page-locked
 # rows (zero-copy, CLOVER_DESK_ZERO_COPY) vs resident: the effective GB/s of each (the planner predicts the in-place

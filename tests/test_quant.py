@@ -285,6 +285,25 @@ def test_fused_int8_gemv_matches_the_reference_dequantize_and_matmul(
     assert (layer(x).float() - got.float()).abs().max() <= tol * want.abs().max()
 
 
+def test_bench_line_of_torchs_int8_matmul_times_it_and_reports_its_difference() -> None:
+    """``bench speed --moe-only``'s third LM-head candidate on a GPU, run here on the CPU (where the op exists): a
+    time and the difference from the module's own path, which is float rounding; a device or dtype the op refuses
+    is named, not a traceback."""
+    import re
+
+    from clover_desk.cmd_bench_speed import _torch_int8pack_line
+    from engine.quant import QuantLinear
+
+    head = QuantLinear.from_linear(nn.Linear(256, 300, bias=False), "int8")  # an LM head: no bias
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    line = _torch_int8pack_line(head, x, 2, "cpu")
+    found = re.fullmatch(r"torch\._weight_int8pack_mm +([0-9.]+) ms \(codes +[0-9.]+ GB/s\), max \|diff\| (\S+)", line)
+    assert found, line
+    assert float(found[1]) > 0 and float(found[2]) <= 1e-4 * head(x).abs().max().item()
+    refused = _torch_int8pack_line(head, x.to(torch.float64), 1, "cpu")  # a dtype the op does not take
+    assert refused.startswith("torch._weight_int8pack_mm: not run here ("), refused
+
+
 def test_fused_int8_gemv_leaves_greedy_tokens_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine import quant
     from engine.checkpoint import random_state_dict
