@@ -82,7 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     module = BENCH_SUITES[args.suite][0] if args.command == "bench" else COMMANDS[args.command][0]
-    return int(importlib.import_module(module).run(args) or 0)
+    try:
+        return int(importlib.import_module(module).run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl+C: one line and the shell's status for it, not a traceback (what a command
+        # writes goes to a temporary file renamed into place, so nothing half-written is left where a good file was)
+        name = f"bench {args.suite}" if args.command == "bench" else args.command
+        print(f"\nclover-desk {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

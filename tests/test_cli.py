@@ -160,6 +160,23 @@ def test_cuda_device_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture
                   "CUDA is not available")
 
 
+def test_ctrl_c_is_one_line_and_status_130_not_a_traceback() -> None:
+    """Ctrl+C (SIGINT) during a long command: one line naming it, exit status 130 (the shell's for SIGINT)."""
+    import signal
+
+    proc = subprocess.Popen([CLOVER_DESK, "bench", "speed", "--shape", "mid", "--repeats", "50"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**ENV, "PYTHONUNBUFFERED": "1"})
+    try:
+        first = proc.stdout.readline()  # printed before the model is built: the command is under way
+        assert first.startswith("bench speed: shape mid"), first
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "clover-desk bench speed: interrupted", err
+
+
 # ---- bench speed ---------------------------------------------------------------------------------------------------
 
 
