@@ -121,11 +121,49 @@ def run(args: argparse.Namespace) -> int:
         raise
     desk.save_settings()
     desk.window.show()
+    close_on_signals(desk.window, app)
     if os.environ.get(SMOKE_ENV) == "1":
         from PySide6.QtCore import QTimer
 
         QTimer.singleShot(0, lambda: _smoke_shown(desk.window, app))  # runs once the event loop has shown it
     return int(app.exec())
+
+
+def close_on_signals(window: QWidget, app: QApplication) -> None:
+    """SIGINT (Ctrl+C in the terminal that started the app) and SIGTERM (a logout, ``kill``) close the window as its
+    close button does, then quit: the answer being written is kept, the window's state saved, the engine worker
+    shut down. Python runs a signal's handler only once it runs bytecode, which Qt's idle event loop never does, so
+    the signal also writes a byte to a socket (``signal.set_wakeup_fd``) whose notifier wakes the loop into Python.
+    (Before this, Ctrl+C raised KeyboardInterrupt inside whichever slot ran next and left the window open.) POSIX
+    only: on Windows the console's Ctrl+C stays Python's default."""
+    import signal
+    import socket
+
+    from PySide6.QtCore import QSocketNotifier, QTimer
+
+    if not hasattr(signal, "SIGTERM") or sys.platform == "win32":
+        return
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    notifier = QSocketNotifier(reader.fileno(), QSocketNotifier.Type.Read, window)
+
+    def drain() -> None:  # (Python's pending signal handlers run around this slot)
+        try:
+            reader.recv(64)
+        except OSError:
+            pass
+
+    def close(signum: int, _frame: object) -> None:
+        log.info("signal %d: closing the window", signum)
+        QTimer.singleShot(0, window.close)  # from the event loop, not from inside whatever was running
+        QTimer.singleShot(0, app.quit)  # a dialog or a preview window left open must not keep the app alive
+
+    notifier.activated.connect(drain)
+    notifier.setProperty("sockets", (reader, writer))  # (kept alive with the notifier)
+    signal.set_wakeup_fd(writer.fileno())
+    signal.signal(signal.SIGINT, close)
+    signal.signal(signal.SIGTERM, close)
 
 
 def _smoke_shown(window: QWidget, app: QApplication) -> None:

@@ -75,6 +75,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -907,6 +908,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine-factory", default=DEFAULT_ENGINE_FACTORY, help="MODULE:CALLABLE that loads a model")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
+    # Ctrl+C in the terminal that started the window goes to the whole process group, this worker included: the
+    # window decides when the engine stops (it closes, then sends shutdown or closes stdin), not the terminal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
