@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def close_on_signals(window: QWidget, app: QApplication) -> None:
-    """SIGINT (Ctrl+C in the terminal that started the app) and SIGTERM (a logout, ``kill``) close the window as its
+    """SIGINT (Ctrl+C in the terminal that started the app), SIGTERM (a logout, ``kill``) and SIGHUP (that terminal
+    closed) close the window as its
     close button does, then quit: the answer being written is kept, the window's state saved, the engine worker
     shut down. Python runs a signal's handler only once it runs bytecode, which Qt's idle event loop never does, so
     the signal also writes a byte to a socket (``signal.set_wakeup_fd``) whose notifier wakes the loop into Python.
@@ -162,8 +163,8 @@ def close_on_signals(window: QWidget, app: QApplication) -> None:
     notifier.activated.connect(drain)
     notifier.setProperty("sockets", (reader, writer))  # (kept alive with the notifier)
     signal.set_wakeup_fd(writer.fileno())
-    signal.signal(signal.SIGINT, close)
-    signal.signal(signal.SIGTERM, close)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # SIGHUP: the terminal that started it was closed
+        signal.signal(getattr(signal, name), close)
 
 
 def _smoke_shown(window: QWidget, app: QApplication) -> None:

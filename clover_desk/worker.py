@@ -908,9 +908,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine-factory", default=DEFAULT_ENGINE_FACTORY, help="MODULE:CALLABLE that loads a model")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
-    # Ctrl+C in the terminal that started the window goes to the whole process group, this worker included: the
-    # window decides when the engine stops (it closes, then sends shutdown or closes stdin), not the terminal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl+C in the terminal that started the window goes to the whole process group, this worker included, and so
+    # does the SIGHUP of that terminal closing: the window decides when the engine stops (it closes, then sends
+    # shutdown or closes stdin), not the terminal
+    for name in ("SIGINT", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,5 +1,5 @@
 """The window started from a terminal: Ctrl+C there (SIGINT to the whole process group, the engine worker included)
-and SIGTERM close it as its close button does: exit status 0, no traceback, the engine worker gone with it. Before,
+SIGTERM and SIGHUP (the terminal closed) close it as its close button does: exit status 0, no traceback, the engine worker gone with it. Before,
 Ctrl+C raised KeyboardInterrupt in whichever slot ran next, killed the worker and left the window open."""
 
 from __future__ import annotations
@@ -42,12 +42,14 @@ def start_window(home: Path, model: Path) -> tuple[subprocess.Popen[str], psutil
     pytest.fail("the engine worker never started")
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup"])
 def test_a_signal_closes_the_window_and_its_worker(how: str, tmp_path: Path, tiny_clover_dir: Path) -> None:  # noqa: F811
     proc, worker = start_window(tmp_path / "home", tiny_clover_dir)
     try:
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+        elif how == "sighup":  # the terminal closed: the session's processes get SIGHUP
+            os.killpg(proc.pid, signal.SIGHUP)
         else:
             proc.send_signal(signal.SIGTERM)  # the window's process only
         _, err = proc.communicate(timeout=60)
