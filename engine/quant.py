@@ -89,8 +89,20 @@ NF4_MAX_HALF_GAP = max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:])) / 2
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class _NotOurKernel(logging.Filter):
+    """Drops bitsandbytes' import-time warning that its optional CPU ``gemm_4bit`` kernel (from the ``kernels``
+    package) is missing: this engine never calls ``gemm_4bit`` (NF4 is dequantized, or read by its own kernels), so
+    the line only told every CPU run of ``generate --vram-gb`` or ``bench`` to install something it does not use."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward" not in record.getMessage()
+
+
 def _bnb_functional() -> Any:
-    """bitsandbytes.functional, imported on first use (its import logs a warning about optional CPU kernels)."""
+    """bitsandbytes.functional, imported on first use."""
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _NotOurKernel) for f in cpu_ops.filters):
+        cpu_ops.addFilter(_NotOurKernel())
     try:
         import bitsandbytes.functional as bnbf
     except ImportError as exc:  # pragma: no cover - bitsandbytes is a hard dependency
