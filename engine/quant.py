@@ -98,11 +98,12 @@ class _NotOurKernel(logging.Filter):
         return "gemm_4bit_forward" not in record.getMessage()
 
 
+# installed once, here: _bnb_functional runs inside compiled forwards, where a logging call breaks the graph
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NotOurKernel())
+
+
 def _bnb_functional() -> Any:
     """bitsandbytes.functional, imported on first use."""
-    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    if not any(isinstance(f, _NotOurKernel) for f in cpu_ops.filters):
-        cpu_ops.addFilter(_NotOurKernel())
     try:
         import bitsandbytes.functional as bnbf
     except ImportError as exc:  # pragma: no cover - bitsandbytes is a hard dependency
