@@ -357,12 +357,15 @@ def _count_device_tables(model: Any, config: Any) -> None:
 
 def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dict[str, Any]]:
     """(context, workspace parts, details) the planner counts for ``model`` at the default context."""
+    import torch
+
     from engine import planner
     from engine.defaults import DEFAULT_CTX_TOKENS
     from engine.offload import manifest_from_model
 
     ctx = min(DEFAULT_CTX_TOKENS, model.config.max_position_embeddings or DEFAULT_CTX_TOKENS) // block * block
-    facts = planner.model_facts(planner.manifest_from_dict(manifest_from_model(model)))
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]  # as measured
+    facts = planner.model_facts(planner.manifest_from_dict(manifest_from_model(model)), dtype)
     parts, details = planner.workspace(facts, ctx, block)
     return ctx, parts, details
 
@@ -371,7 +374,7 @@ def _print_workspace(
     pass_scratch: int, segment_scratch: int, ctx: int, parts: dict[str, int], details: dict[str, Any]
 ) -> None:
     """The measured scratch of a denoising pass and a prefill segment next to the planner's workspace for them."""
-    dequant = parts["dequant_dense"] + parts["dequant_experts"]
+    dequant = parts["dequant_dense"] + parts["dequant_experts"] + parts["gather_experts"]  # both kinds use them
     prefill, decode = sum(details["prefill"].values()) + dequant, sum(details["decode"].values()) + dequant
     # what SDPA's memory-efficient kernel makes of a causal pass's mask on a GPU (its bias and aligned copy): not a
     # torch op output here, so not in the measured scratch

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from engine.device_pool import COUNTS, DEVICE_POOL_ENV, DeviceSlotTables
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
-from engine.experts import SMALL_SLOTS, ExpertBank, present
+from engine.experts import SMALL_SLOTS, DenseExpertBank, ExpertBank, present
 from engine.formats import format_of_torch_dtype
 from engine.quant import (
     QuantExpertBank,
@@ -784,7 +784,9 @@ def min_slot_pool(model: nn.Module) -> int:
 
 
 def manifest_from_model(model: nn.Module, policy: QuantPolicy | None = None) -> dict[str, Any]:
-    """A planner manifest (cache manifest format, ``version`` 1) counted from a loaded, quantized model."""
+    """A planner manifest (cache manifest format, ``version`` 1) counted from a loaded model: its quantized banks
+    and projections as stored, an unquantized bank's stacked weights as they are (before, such a bank was left
+    out, and a model with none quantized planned as if it had no experts)."""
     tensors: dict[str, dict[str, Any]] = {}
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -807,7 +809,7 @@ def manifest_from_model(model: nn.Module, policy: QuantPolicy | None = None) -> 
             }
             if mod.bias is not None:
                 tensors[f"{prefix}bias"] = _plain_entry(mod.bias)
-        elif not isinstance(mod, ExpertBank):
+        elif isinstance(mod, DenseExpertBank) or not isinstance(mod, ExpertBank):
             for pname, p in mod.named_parameters(recurse=False):
                 tensors[f"{prefix}{pname}"] = _plain_entry(p)
     return {

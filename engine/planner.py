@@ -127,6 +127,9 @@ EXPERT_DEQUANT_EXPERTS = DEQUANT_GROUP_EXPERTS  # experts dequantized to bf16 at
 # per weight with the scales: int8). Measured for the 35B-A3B NF4 group: 96 MiB of bf16 + 24 MiB of NF4 rows.
 EXPERT_DEQUANT_BYTES_PER_PARAM = 3
 DEQUANT_CHUNK_ELEMS = 8 << 20  # engine.quant.DEQUANT_CHUNK_ELEMS: QuantLinear dequantizes this many weights at once
+# engine.experts.GROUP_BYTES["cuda"]: the stored (unquantized) experts a bank gathers at once on a GPU without
+# torch's fused grouped mm (every card but 9.x / 10.x in bf16): a block pass's or a prefill's group by expert
+GATHER_GROUP_BYTES = 96 * MiB
 
 BREAKDOWN_KEYS = ("non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve")
 
@@ -259,6 +262,7 @@ def workspace(f: ModelFacts, ctx: int, block: int, attention: str = "efficient")
         "dequant_experts": (
             int(EXPERT_DEQUANT_EXPERTS * f.expert_params * EXPERT_DEQUANT_BYTES_PER_PARAM) if f.experts_quantized else 0
         ),
+        "gather_experts": 0 if f.experts_quantized else _expert_gather(f, block),
         # Passes replayed from CUDA graphs (engine.step_graphs, compiled runs) keep their own memory pool, which the
         # eager prefill cannot borrow from: a block pass's scratch (its quantized projections' dequantize chunks
         # in it) and the logits buffer its head piece writes, shared by every key length
@@ -266,6 +270,19 @@ def workspace(f: ModelFacts, ctx: int, block: int, attention: str = "efficient")
     }
     details = {"prefill_chunk_tokens": chunk, "attention_path": attention, "prefill": prefill, "decode": decode}
     return parts, details
+
+
+def _expert_gather(f: ModelFacts, block: int) -> int:
+    """Unquantized routed experts read through a gather (engine.experts.moe_grouped): an AR step copies its top-k
+    experts' weights (one per (token, slot) pair), a block pass or a prefill up to a group of
+    :data:`GATHER_GROUP_BYTES` of them, never more experts than the layer has or its pairs can use. (Found with
+    ``bench speed --count --shape mid``: 15 MiB of gathered fp32 experts measured against 2.6 MiB planned.)"""
+    if not f.layers or f.expert_params <= 0:
+        return 0
+    per_expert = int(f.expert_params * COMPUTE_DTYPES[f.compute_dtype])
+    k = f.geo.num_experts_per_tok
+    group = max(1, GATHER_GROUP_BYTES // per_expert)
+    return max(k, min(group, f.geo.num_experts, block * k)) * per_expert
 
 
 def _min_slots(n_streamed: int, num_experts: int, min_slot_experts: int | None) -> int:

@@ -740,6 +740,34 @@ def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
     assert counted.geometry.num_experts == 16 and counted.geometry.full_attention_layers == (3,)
 
 
+def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> None:
+    """``manifest_from_model`` of a model whose experts are not quantized lists them (as stored), and the workspace
+    holds what the bank gathers at once: the top-k experts of an AR step, a block pass's group by expert (at most
+    engine.experts.GROUP_BYTES on a GPU, the layer's experts, a block's pairs)."""
+    torch = pytest.importorskip("torch")
+    from engine import experts, offload
+    from engine.checkpoint import random_state_dict
+    from engine.config import parse_config
+    from engine.model import CloverModel
+    from engine.tiny import config_dict_for, tiny_text_config
+
+    text = tiny_text_config(vocab_size=128, layers=2, hidden=64, experts=16, experts_per_tok=4, moe_intermediate=32)
+    cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
+    model = CloverModel(cfg, dtype=torch.float32, device="cpu")
+    model.load_state_dict(random_state_dict(cfg, seed=3), strict=True)
+    counted = manifest_from_dict(offload.manifest_from_model(model))
+    per_expert = 3 * 64 * 32 * 4  # fp32
+    assert counted.expert_layer_bytes() == {0: 16 * per_expert, 1: 16 * per_expert}
+    facts = planner.model_facts(counted, "fp32")
+    assert not facts.experts_quantized and facts.expert_params == 3 * 64 * 32
+    parts, _ = planner.workspace(facts, CTX, 32)
+    assert parts["gather_experts"] == 16 * per_expert  # a block's 128 pairs could use all 16 experts: one group
+    assert parts["dequant_experts"] == 0
+    assert planner.GATHER_GROUP_BYTES == experts.GROUP_BYTES["cuda"]
+    big = dataclasses.replace(facts, expert_params=float(3 * 2048 * 512))  # the 35B's experts, unquantized in fp32
+    assert planner.workspace(big, CTX, 32)[0]["gather_experts"] == (96 << 20) // (3 * 2048 * 512 * 4) * 3 * 2048 * 512 * 4
+
+
 def test_one_policy_table_for_the_quantizer_and_the_planner() -> None:
     pytest.importorskip("torch")
     from engine import formats, quant
