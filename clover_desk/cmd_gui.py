@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 from typing import TYPE_CHECKING
+
+from clover_desk import flags
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -34,19 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), help="where the engine runs (default: cuda if found)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="weights dtype for the engine (default: bfloat16 on cuda, float32 on cpu)")
-    parser.add_argument("--vram-gb", type=_gib, help="VRAM budget in GiB (default: the last applied one)")
+    parser.add_argument("--vram-gb", type=flags.GIB, help="VRAM budget in GiB (default: the last applied one)")
     parser.add_argument("--home", metavar="DIR", help="app-data folder (default: $CLOVER_DESK_HOME or per-OS)")
-
-
-def _gib(text: str) -> float:
-    """``--vram-gb``: a finite number of GiB > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of GiB > 0, got {text!r}")
-    return value
 
 
 # Qt's X11 platform plugin needs these at start; without one, Qt aborts the process before Python can say anything.

@@ -59,6 +59,7 @@ OTHER_BAD = [
     (["bench", "load", "--model", "/nonexistent", "--vram-gb", "16"], "--ctx", ["0", "-5"]),
     (["make-tiny", "/nonexistent/out"], "--seed", ["-1", "x"]),
     (["preview", "/nonexistent.html"], "--wait-ms", ["-5", "99999999"]),
+    (["gui"], "--vram-gb", ["0", "1e300", "inf", "x"]),
     (["bench", "gguf"], "--values", ["0", "2047", str(2**40)]),
     (["bench", "gguf"], "--repeat", ["0", "100000"]),
     (["bench", "gguf"], "--threads", ["0", "-1"]),
