@@ -357,15 +357,14 @@ def _count_device_tables(model: Any, config: Any) -> None:
 
 def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dict[str, Any]]:
     """(context, workspace parts, details) the planner counts for ``model`` at the default context."""
-    import torch
-
     from engine import planner
     from engine.defaults import DEFAULT_CTX_TOKENS
+    from engine.formats import format_of_torch_dtype
     from engine.offload import manifest_from_model
 
     ctx = min(DEFAULT_CTX_TOKENS, model.config.max_position_embeddings or DEFAULT_CTX_TOKENS) // block * block
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]  # as measured
-    facts = planner.model_facts(planner.manifest_from_dict(manifest_from_model(model)), dtype)
+    # in the dtype the forwards it is compared with ran in
+    facts = planner.model_facts(planner.manifest_from_dict(manifest_from_model(model)), format_of_torch_dtype(model.dtype))
     parts, details = planner.workspace(facts, ctx, block)
     return ctx, parts, details
 

@@ -121,9 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
 def close_on_signals(window: QWidget, app: QApplication) -> None:
     """SIGINT (Ctrl+C in the terminal that started the app), SIGTERM (a logout, ``kill``) and SIGHUP (that terminal
-    closed) close the window as its
-    close button does, then quit: the answer being written is kept, the window's state saved, the engine worker
-    shut down. Python runs a signal's handler only once it runs bytecode, which Qt's idle event loop never does, so
+    closed) close the window as its close button does, then quit: the answer being written is kept, the window's
+    state saved, the engine worker shut down. Python runs a signal's handler only once it runs bytecode, which Qt's idle event loop never does, so
     the signal also writes a byte to a socket (``signal.set_wakeup_fd``) whose notifier wakes the loop into Python.
     (Before this, Ctrl+C raised KeyboardInterrupt inside whichever slot ran next and left the window open.) POSIX
     only: on Windows the console's Ctrl+C stays Python's default."""

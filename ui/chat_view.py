@@ -179,9 +179,8 @@ def thinking_only_note(data: MessageData) -> str:
     """What to say under an answer that ended while the model was still thinking (empty answer, thinking shown
     collapsed above): why there is no answer and what to change; "" for any other message. A reasoning model often
     spends a small token limit on its thinking alone, and a bare "Thought for 20 s" then reads as a failure."""
-    if data.role != "assistant" or data.status not in ("complete", "stopped") or data.content.strip():
-        return ""
-    if not data.thinking.strip():
+    if data.role != "assistant" or data.status not in ("complete", "stopped") or data.content.strip() \
+            or not data.thinking.strip():
         return ""
     reason = data.stats.get("stop_reason")
     if reason == "max_new_tokens":
