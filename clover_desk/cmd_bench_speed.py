@@ -775,13 +775,13 @@ def _check_stream(args: argparse.Namespace, config: Any) -> None:
 
 def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> Any:
     """Place the experts as a plan says (``--vram-gb``: the planner's plan for the shape; ``--stream N``: the last N
-    layers streamed), and on CUDA cap the process at ``--vram-gb``. Returns the plan (None for ``--stream``)."""
+    layers streamed), and on CUDA cap the process at ``--vram-gb``. Returns the plan (None for ``--stream``). The
+    flags' combinations and ``--stream``'s range were checked before the model was built (``_run``)."""
     import torch
 
     from engine import offload
     from engine.errors import ConfigError
 
-    _check_stream(args, config)
     n = config.num_hidden_layers
     if args.stream is not None:
         plan = None
@@ -791,8 +791,6 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
     else:
         from engine.planner import SHAPE_PREFIX, plan_model, probe_hardware
 
-        if args.shape != "clover-35b-a3b":
-            raise ConfigError(f"--vram-gb plans the clover-35b-a3b shape, not {args.shape!r} (use --stream N)")
         plan = plan_model(SHAPE_PREFIX + args.shape, int(args.vram_gb * 2**30), 4096, probe_hardware())
         if not plan.fits:
             raise ConfigError(f"--vram-gb {args.vram_gb}: {plan.reason}")
