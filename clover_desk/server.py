@@ -17,6 +17,9 @@ What a request may hold, and what the server does with it:
   ``tool_calls``). ``tool_choice``: ``auto`` (default) or ``none`` (tools left out of the prompt, nothing parsed).
 * ``chat_template_kwargs.enable_thinking`` (default true) per request; the model's ``<think>...</think>`` comes
   back as ``reasoning_content``, apart from ``content``.
+* ``continue_final_message: true`` (vLLM's field; ``add_generation_prompt`` false or left out): the last message is
+  an assistant answer cut short, with its ``reasoning_content`` if it has one; the model goes on writing it (from
+  inside the thinking when no content came yet) and the response holds only the new text.
 * sampling: temperature (0 = greedy), top_p, top_k, seed, presence_penalty, repetition_penalty, max_tokens /
   max_completion_tokens; Clover's own settings under ``"clover": {"mode", "block_size", "threshold"}``.
 * every answer carries ``usage`` (prompt, completion, total tokens; streaming: with ``stream_options.include_usage``
@@ -74,7 +77,7 @@ _READ_FIELDS = {
     "messages", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "seed", "presence_penalty", "repetition_penalty", "frequency_penalty", "n", "logprobs", "top_logprobs",
     "logit_bias", "stop", "response_format", "tools", "tool_choice", "functions", "function_call",
-    "chat_template_kwargs", "clover",
+    "chat_template_kwargs", "clover", "continue_final_message", "add_generation_prompt",
 }
 _NO_EFFECT_FIELDS = {"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
                      "safety_identifier"}
@@ -132,10 +135,20 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     ignored_fields: tuple[str, ...] = ()
+    continue_final: bool = False  # go on with the last message, an assistant answer (continue_final_message)
 
     @property
     def parse_tool_calls(self) -> bool:
         return bool(self.tools)
+
+    @property
+    def continued(self) -> str | None:
+        """The channel a continued answer goes on writing ("content", or "reasoning" while no content came yet):
+        its leading whitespace is the model's, not the space after a marker, and is kept."""
+        if not self.continue_final:
+            return None
+        last = self.messages[-1]
+        return "content" if last.get("content") else "reasoning"
 
 
 def _is_number(value: Any) -> bool:
@@ -315,6 +328,22 @@ def parse_chat_request(body: Any) -> ChatRequest:
             enable_thinking = kwargs["enable_thinking"]
         ignored += [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"]
 
+    continue_final = body.get("continue_final_message")
+    if continue_final is not None and not isinstance(continue_final, bool):
+        raise _bad("continue_final_message", "true, false or null", continue_final)
+    add_prompt = body.get("add_generation_prompt")
+    if add_prompt is not None and not isinstance(add_prompt, bool):
+        raise _bad("add_generation_prompt", "true, false or null", add_prompt)
+    if continue_final and add_prompt:
+        raise _bad("add_generation_prompt", "false or left out with continue_final_message (vLLM's rule: a "
+                   "continued answer gets no new generation prompt)", add_prompt)
+    if add_prompt is False and not continue_final:
+        raise _unsupported("add_generation_prompt", "false only with continue_final_message: true (a request "
+                           "without either starts a new answer)")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise _bad(f"messages[{len(messages) - 1}].role", '"assistant" with continue_final_message (the answer it '
+                   'continues)', messages[-1]["role"])
+
     clover = body.get("clover")
     mode, block_size, threshold = None, None, None
     if clover is not None:
@@ -338,6 +367,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=messages, tools=tools, params=params, mode=mode, stream=bool(stream),
         include_usage=bool(options and options.get("include_usage")), ignored_fields=tuple(ignored),
+        continue_final=bool(continue_final),
     )
 
 
@@ -371,11 +401,12 @@ def parse_tool_call(inner: str) -> dict[str, Any] | None:
 
 
 class _Trimmed:
-    """Text released in order with its outer whitespace dropped: leading whitespace never comes out, and a
+    """Text released in order with its outer whitespace dropped: leading whitespace never comes out (unless
+    ``keep_leading``: the channel of a continued answer, whose text goes on from the client's), and a
     whitespace-only run waits until more text follows (so trailing whitespace never comes out either)."""
 
-    def __init__(self) -> None:
-        self._started = False
+    def __init__(self, keep_leading: bool = False) -> None:
+        self._started = keep_leading
         self._held = ""
 
     def push(self, text: str) -> str:
@@ -397,11 +428,11 @@ class AnswerParser:
     be the start of ``<tool_call>`` is held until it is known; a call is released whole at ``</tool_call>``; an
     unterminated or malformed call is released as the content it is."""
 
-    def __init__(self, parse_tools: bool) -> None:
+    def __init__(self, parse_tools: bool, keep_leading: bool = False) -> None:
         self.parse_tools = parse_tools
         self._buf = ""
         self._in_call = False
-        self._content = _Trimmed()
+        self._content = _Trimmed(keep_leading)
         self.calls = 0
 
     def _text(self, text: str, out: list[tuple[str, Any]]) -> None:
@@ -538,6 +569,7 @@ class _Prepared:
     engine: Any  # the engine the prompt was counted for (the same one generates, even if another is attached)
     prompt_ids: list[int]
     params: GenerationParams  # max_new_tokens resolved
+    written: int = 0  # the prompt's last ids that are the model's own answer (continue_final_message)
     id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -583,8 +615,9 @@ class ChatService:
         if engine is None:
             raise ApiError(503, "the model is still loading", type="server_error", code="model_loading")
         try:
-            ids = engine.prompt_ids(messages=request.messages, tools=request.tools,
-                                    enable_thinking=request.params.enable_thinking)
+            ids, written = engine.encode_request(messages=request.messages, tools=request.tools,
+                                                 enable_thinking=request.params.enable_thinking,
+                                                 continue_final=request.continue_final)
         except CloverError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         ctx, prompt = self._ctx_of(engine), len(ids)
@@ -599,7 +632,7 @@ class ChatService:
         mode = request.mode or ("ar" if getattr(engine, "ar_only", None) else "diffusion")
         params = replace(request.params, mode=mode,
                          max_new_tokens=asked if asked is not None else min(default, room))
-        return _Prepared(request, engine, ids, params)
+        return _Prepared(request, engine, ids, params, written)
 
     def cancel_all(self) -> None:
         with self._active_lock:
@@ -617,7 +650,7 @@ class ChatService:
                                type="server_error", code="model_loading")
             try:
                 events = prepared.engine.generate(prompt_ids=prepared.prompt_ids, params=prepared.params,
-                                                  cancel=cancel)
+                                                  cancel=cancel, written=prepared.written)
             except PromptError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
             yield from events
@@ -887,11 +920,12 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(500, f"generation failed: {exc}", type="server_error", code="generation_failed") from None
         assert done is not None
         self._count(done)
-        parser = AnswerParser(prepared.request.parse_tool_calls)
+        continued = prepared.request.continued
+        parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
         items = parser.feed(done.text) + parser.finish()
         content = "".join(text for kind, text in items if kind == "content")
         calls = [call for kind, call in items if kind == "tool_call"]
-        reasoning = _Trimmed().push(done.thinking)
+        reasoning = _Trimmed(continued == "reasoning").push(done.thinking)
         message: dict[str, Any] = {"role": "assistant", "content": content or None,
                                    "reasoning_content": reasoning or None}
         if calls:
@@ -919,8 +953,9 @@ class _Handler(BaseHTTPRequestHandler):
                     "model": service.model_id,
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
 
-        parser = AnswerParser(prepared.request.parse_tool_calls)
-        reasoning = _Trimmed()
+        continued = prepared.request.continued
+        parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
+        reasoning = _Trimmed(continued == "reasoning")
         calls = 0
         blocks = 0
         done: Finished | None = None

@@ -273,6 +273,7 @@ PARAM_FIELDS: dict[str, tuple[Check, str]] = {
     "threshold": _limited("threshold"),  # 0 is allowed: commit every slot in one pass
     "enable_thinking": (_is_bool, "true or false"),
     "seed": _limited("seed"),
+    "continue_final_message": (_is_bool, "true or false"),
 }
 GENERATE_FIELDS = ("cmd", "id", "messages", "prompt", "prompt_ids", "raw", "tools", "params")
 PLAN_BUDGETS: dict[str, tuple[Check, str]] = {

@@ -362,12 +362,32 @@ class Engine:
         raw: bool = False,
         tools: Sequence[dict[str, Any]] | None = None,
         enable_thinking: bool = True,
+        continue_final: bool = False,
     ) -> list[int]:
-        """The token ids a request decodes from. ``raw`` sends ``prompt`` as is (no chat template)."""
+        """The token ids a request decodes from. ``raw`` sends ``prompt`` as is (no chat template); ``continue_final``
+        goes on with the last of ``messages``, an assistant answer (``GenerationParams.continue_final_message``)."""
+        return self.encode_request(messages, prompt, prompt_ids, raw, tools, enable_thinking, continue_final)[0]
+
+    def encode_request(
+        self,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        raw: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool = True,
+        continue_final: bool = False,
+    ) -> tuple[list[int], int]:
+        """:meth:`prompt_ids`, and how many of its last ids the model wrote itself (a continued answer's: the
+        ``written`` of :meth:`generate`; 0 otherwise)."""
         sources = (("messages", messages), ("prompt", prompt), ("prompt_ids", prompt_ids))
         given = [name for name, value in sources if value is not None]
         if len(given) != 1:
             raise PromptError(f"give exactly one of messages, prompt, prompt_ids (got {', '.join(given) or 'none'})")
+        if continue_final and messages is None:
+            raise PromptError(
+                f"continue_final_message continues the last of the messages; it cannot go with {given[0]}")
+        written = 0
         if prompt_ids is not None:
             try:
                 ids = [int(i) for i in prompt_ids]
@@ -382,10 +402,15 @@ class Engine:
                 ids = self.tokenizer.encode(prompt)
             else:
                 chat = [{"role": "user", "content": prompt}] if prompt is not None else list(messages or [])
-                ids = self.tokenizer.encode_chat(chat, tools=tools, enable_thinking=enable_thinking)
+                if continue_final:
+                    head, tail = self.tokenizer.continuation_parts(chat, tools, enable_thinking)
+                    ids = self.tokenizer.encode(head + tail)
+                    written = max(0, len(ids) - len(self.tokenizer.encode(head))) if tail else 0
+                else:
+                    ids = self.tokenizer.encode_chat(chat, tools=tools, enable_thinking=enable_thinking)
         if not ids:
             raise PromptError("empty prompt: nothing to generate from")
-        return ids
+        return ids, min(written, len(ids) - 1)
 
     # ---- generation ----
     def generate(
@@ -397,17 +422,25 @@ class Engine:
         tools: Sequence[dict[str, Any]] | None = None,
         params: GenerationParams | None = None,
         cancel: threading.Event | None = None,
+        written: int = 0,
     ) -> Iterator[Event]:
-        """Check the request now (PromptError), then return the event iterator (PromptInfo ... Finished)."""
+        """Check the request now (PromptError), then return the event iterator (PromptInfo ... Finished).
+        ``written``: with ``prompt_ids``, how many of its last ids are the model's answer so far (what
+        :meth:`encode_request` says of a continued answer; ``messages`` with ``continue_final_message`` count
+        their own)."""
         params = params or GenerationParams()
         check_generation_params(params)  # the ranges the CLI's flags and the worker check too (engine.limits)
         if self.ar_only and params.mode == "diffusion":
             raise PromptError(f"diffusion mode is not available: {self.ar_only} (use --mode ar)")
-        ids = self.prompt_ids(messages, prompt, prompt_ids, raw, tools, params.enable_thinking)
+        ids, own = self.encode_request(messages, prompt, prompt_ids, raw, tools, params.enable_thinking,
+                                       params.continue_final_message)
+        if written and prompt_ids is None:
+            raise PromptError("written goes with prompt_ids (messages with continue_final_message count their own)")
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
         planned_ctx = getattr(self.plan, "ctx_tokens", 0)
         if planned_ctx:
             settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, planned_ctx))
         return generate(
-            self.model, ids, settings, self.tokenizer, cancel, vocab_size=self.config.vocab_size, hooks=self._hooks
+            self.model, ids, settings, self.tokenizer, cancel, vocab_size=self.config.vocab_size, hooks=self._hooks,
+            written=written or own,
         )

@@ -7,6 +7,7 @@ speak these. ``to_dict`` / ``from_dict`` give a JSON-safe round trip, tagged by 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,9 @@ class GenerationParams:
     threshold: float | None = None
     enable_thinking: bool = True
     seed: int | None = None
+    # Go on with the last message (an assistant answer cut short) instead of starting a new answer; only with
+    # ``messages`` (engine.tokenizer.CloverTokenizer.continuation_prompt). vLLM's request field of the same name.
+    continue_final_message: bool = False
 
 
 # The stages of a compiled load after its weights are read (``Engine.load(compile=True)``): one short generation per
@@ -121,6 +125,27 @@ class Finished:
     prefill_s: float
     decode_s: float
     accounting: dict[str, Any] = field(default_factory=dict)  # expert streaming statistics, when offloading
+
+
+def continued_stats(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """The statistics of an answer that was continued (``GenerationParams.continue_final_message``): ``before`` are
+    the answer's stored figures, ``after`` those of the generation that went on with it. Counts and times add up
+    and the rates follow from the sums; the first token's time and the prompt stay the first generation's; the stop
+    reason, the mode and the streaming figures are the latest; ``continued`` counts the continuations."""
+    merged = {**before, **after}
+
+    def total(key: str) -> float:
+        return float(before.get(key) or 0) + float(after.get(key) or 0)
+
+    tokens, passes, decode_s = int(total("tokens")), int(total("passes")), total("decode_s")
+    merged.update(tokens=tokens, passes=passes, decode_s=round(decode_s, 4), prefill_s=round(total("prefill_s"), 4),
+                  tokens_per_pass=round(tokens / passes, 3) if passes else 0.0,
+                  tokens_per_s=round(tokens / decode_s, 3) if decode_s > 0 else 0.0,
+                  continued=int(before.get("continued") or 0) + 1)
+    for key in ("time_to_first_token_s", "prompt_tokens"):
+        if before.get(key) is not None:
+            merged[key] = before[key]
+    return merged
 
 
 @dataclass(frozen=True)

@@ -301,13 +301,22 @@ def _penalize(logits: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Ten
     return out
 
 
-def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
+def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None, written: int = 0) -> None:
     if len(prompt_ids) == 0:
         raise PromptError("empty prompt: nothing to generate from")
+    if not 0 <= written < len(prompt_ids):
+        raise PromptError(f"written must be 0 to {len(prompt_ids) - 1} (the prompt's own part comes first), got "
+                          f"{written}")
     if vocab_size is not None:
         bad = [i for i in prompt_ids if not 0 <= int(i) < vocab_size]
         if bad:
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def _output_seen(prompt: list[int], written: int, vocab: int, device: torch.device) -> Tensor:
+    """[V] the tokens already output: the prompt's last ``written`` (a continued answer's), for the presence
+    penalty."""
+    return decoding.seen_mask(prompt[len(prompt) - written:], vocab, device)
 
 
 class _Clock:
@@ -366,10 +375,11 @@ def generate_ar(
     cancel: threading.Event | None = None,
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
+    written: int = 0,
 ) -> Iterator[Event]:
     """Causal decoding: one prefill forward, then one cached forward per token."""
     prompt = [int(i) for i in prompt_ids]
-    _check_prompt(prompt, vocab_size)
+    _check_prompt(prompt, vocab_size, written)
     P = len(prompt)
     room = s.max_positions - P
     if room < 1:
@@ -378,7 +388,7 @@ def generate_ar(
         )
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks)
+    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written)
 
 
 def _ar_loop(
@@ -390,6 +400,7 @@ def _ar_loop(
     max_new: int,
     limit_reason: str,
     hooks: LoopHooks | None = None,
+    written: int = 0,
 ) -> Iterator[Event]:
     P = len(prompt)
     device = _device_of(model)
@@ -412,7 +423,7 @@ def _ar_loop(
     vocab = logits.shape[-1]
     clock.prefill_done = clock.now()
     rep_seen = decoding.seen_mask(prompt, vocab, device)  # [V]
-    out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
+    out_seen = _output_seen(prompt, written, vocab, device)  # [V]
     gen = _generator(s, device)
     reason = limit_reason
     while True:
@@ -455,10 +466,11 @@ def generate_diffusion(
     cancel: threading.Event | None = None,
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
+    written: int = 0,
 ) -> Iterator[Event]:
     """Block diffusion. Checks the request before returning the event iterator."""
     prompt = [int(i) for i in prompt_ids]
-    _check_prompt(prompt, vocab_size)
+    _check_prompt(prompt, vocab_size, written)
     if s.mask_token_id is None:
         raise PromptError(
             "diffusion mode needs a mask token: the model's config.json has no mask_token_id and the tokenizer has "
@@ -475,7 +487,7 @@ def generate_diffusion(
     room = (s.max_positions // B) * B - P  # generated slots that fit in whole blocks
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks)
+    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written)
 
 
 def _diffusion_loop(
@@ -487,6 +499,7 @@ def _diffusion_loop(
     max_new: int,
     limit_reason: str,
     hooks: LoopHooks | None = None,
+    written: int = 0,
 ) -> Iterator[Event]:
     B, P, mask_id = s.block_size, len(prompt), int(s.mask_token_id)  # type: ignore[arg-type]
     n_full = (P // B) * B
@@ -536,7 +549,7 @@ def _diffusion_loop(
         x = torch.tensor(tail + [mask_id] * (B - start), dtype=torch.long, device=device)  # [B]
         conf = torch.zeros(B, dtype=torch.float32, device=device)  # [B] confidence each slot was committed with
         conf[:start] = 1.0
-        n_at_entry = len(generated)
+        n_at_entry = written + len(generated)  # the ramps count the answer's tokens, a continued one's from its start
         thinking_at_entry = channels.thinking_open
         pass_index = 0
         cancelled = False
@@ -553,7 +566,7 @@ def _diffusion_loop(
             if vocab is None:
                 vocab = logits.shape[-1]
                 rep_seen = decoding.seen_mask(prompt, vocab, device)
-                out_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+                out_seen = _output_seen(prompt, written, vocab, device)
             x, conf, shown, commit = denoise_policy(
                 logits, x, conf, s, start=start, needed=needed, seen=(rep_seen, out_seen),  # type: ignore[arg-type]
                 n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen,
@@ -668,7 +681,12 @@ def generate(
     cancel: threading.Event | None = None,
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
+    written: int = 0,
 ) -> Iterator[Event]:
-    """Dispatch on ``s.mode``; request errors (:class:`PromptError`) are raised here, before any event."""
+    """Dispatch on ``s.mode``; request errors (:class:`PromptError`) are raised here, before any event.
+
+    ``written``: the prompt's last ``written`` tokens are the model's own answer so far (an answer being continued,
+    ``GenerationParams.continue_final_message``): they count as output for the presence penalty and the length
+    and think-end ramps, as they did when it wrote them."""
     loop = generate_diffusion if s.mode == "diffusion" else generate_ar
-    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size, hooks)
+    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size, hooks, written)

@@ -172,6 +172,79 @@ class CloverTokenizer:
     ) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, enable_thinking))
 
+    def continuation_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool = True,
+    ) -> str:
+        """The prompt that continues the last message (:meth:`continuation_parts`, joined)."""
+        return "".join(self.continuation_parts(messages, tools, enable_thinking))
+
+    def continuation_parts(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool = True,
+    ) -> tuple[str, str]:
+        """The prompt that has the model go on with the conversation's last message, an assistant answer cut short
+        (by the token limit, or stopped), in two parts: the messages before it rendered with the generation prompt,
+        then that answer as the model wrote it, its thinking included, and no end of turn.
+
+        Rendering the whole conversation and cutting it after the last message's text (transformers'
+        ``continue_final_message``) does not work for a reasoning model: templates drop or trim the thinking of
+        answers and close the thinking section, so an answer cut off while thinking could not go on thinking. The
+        answer's text is rebuilt from its two channels instead: ``<think>`` (unless the generation prompt opened
+        it), the thinking, and ``</think>`` only when an answer followed, which is how the model wrote them
+        (``engine.generate.ChannelText`` drops only the two markers)."""
+        if not messages:
+            raise PromptError("empty prompt: no messages given")
+        last = messages[-1]
+        role = last.get("role") if isinstance(last, dict) else None
+        if role != "assistant":
+            raise PromptError(
+                f"continue_final_message: the last message must be the assistant answer to continue, not {role!r}")
+        if last.get("tool_calls"):
+            raise PromptError("continue_final_message: the last message ended its turn with tool calls; nothing to "
+                              "continue")
+        answer = _message_text(last.get("content"), "content")
+        thinking = _message_text(last.get("reasoning_content"), "reasoning_content")
+        if not answer and not thinking:
+            raise PromptError("continue_final_message: the last message is empty; nothing to continue")
+        if len(messages) < 2:
+            raise PromptError("continue_final_message: the answer to continue needs the messages it answers")
+        head = self.apply_chat_template(messages[:-1], tools, True, enable_thinking)
+        start = self.id_to_token(self.think_start_id) if self.think_start_id is not None else None
+        end = self.id_to_token(self.think_end_id) if self.think_end_id is not None else None
+        return head, continuation_text(head, thinking, answer, start, end)
+
+
+def _message_text(content: Any, field: str) -> str:
+    """A message field's text: a string, None, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise PromptError(f"continue_final_message: the last message's {field} must be text (got {content!r:.80})")
+
+
+def continuation_text(head: str, thinking: str, answer: str, start: str | None, end: str | None) -> str:
+    """What the model wrote after the prompt ``head`` when its thinking channel says ``thinking`` and its answer
+    channel ``answer``: the thinking between ``start`` and ``end`` markers (``start`` left out when ``head`` ends
+    with the thinking open, ``end`` left out while no answer followed), then the answer. Without markers (a
+    tokenizer with no ``<think>``) the two are joined."""
+    if start is None or end is None:
+        return thinking + answer
+    open_at_head = head.rfind(start) > head.rfind(end)
+    text = ""
+    if thinking:
+        text += ("" if open_at_head else start) + thinking
+        if answer:
+            text += end
+    elif answer and open_at_head:
+        text += end  # the model closed its thinking at once
+    return text + answer
+
 
 def _read_bytes(path: Path) -> bytes:
     try:
