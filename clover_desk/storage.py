@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from clover_desk.remote import RemoteFinished
-from engine.events import BlockCommitted, EngineError, Event, Finished, PromptInfo, TextDelta
+from engine.events import BlockCommitted, EngineError, Event, Finished, PromptInfo, TextDelta, continued_stats
 
 log = logging.getLogger(__name__)
 
@@ -778,6 +778,25 @@ class ChatStore:
             )
         return self.get_message(message_id)
 
+    def reopen_message(self, message_id: int) -> Message:
+        """Make a finished answer ``streaming`` again, to continue it (``GenerationParams.continue_final_message``):
+        only the last message of its conversation, an assistant answer that is ``complete`` or ``stopped`` (not
+        one that failed). Its text stays; :class:`StreamRecorder` appends to it, and a crash keeps it (as stopped,
+        interrupted) like any answer being written."""
+        current = self.get_message(message_id)
+        last = self._conn.execute(
+            "SELECT MAX(id) FROM messages WHERE conversation_id = ?", (current.conversation_id,)
+        ).fetchone()[0]
+        if current.role != "assistant" or current.status not in ("complete", "stopped") or last != message_id:
+            raise StorageError(
+                f"message {message_id} cannot be continued: only the last answer of a chat, complete or stopped, can "
+                f"(this one: role {current.role!r}, status {current.status!r}"
+                f"{'' if last == message_id else ', not the last'})")
+        with self._tx() as conn:
+            conn.execute("UPDATE messages SET status = 'streaming' WHERE id = ?", (message_id,))
+            conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._now(), current.conversation_id))
+        return self.get_message(message_id)
+
     def edit_message(self, message_id: int, content: str) -> int:
         """Replace a message's text and delete every later message of its conversation (edit-and-resend).
 
@@ -894,6 +913,10 @@ class StreamRecorder:
     A save that fails (:class:`StorageError`, e.g. a full disk) ends the recording: :meth:`on_event` re-raises it
     after marking the message ``error`` with ``stats["error"]`` saying what was not saved (best effort: on a full
     disk that may fail too, and the next open then keeps the message as interrupted). ``save_error`` keeps it.
+
+    A message that already holds text (:meth:`ChatStore.reopen_message`, an answer being continued) keeps it: the
+    new text is appended, ``Finished`` writes the whole answer, and its figures are
+    :func:`engine.events.continued_stats` of the stored ones and the new ones.
     """
 
     def __init__(
@@ -912,6 +935,8 @@ class StreamRecorder:
         self.done = False
         self.blocks_saved = 0
         self.save_error: StorageError | None = None
+        before = store.get_message(message_id)  # an answer being continued: what it says so far
+        self._before = before if before.content or before.thinking else None
 
     def on_event(self, event: Event) -> bool:
         """Record one event; returns True when it ended the message. Raises StorageError when the save failed
@@ -960,9 +985,15 @@ class StreamRecorder:
             if event.accounting:
                 stats["accounting"] = event.accounting
             status = "stopped" if event.stop_reason == "cancelled" else "complete"
+            content, thinking, seconds = event.text, event.thinking, self._thinking_seconds
+            if self._before is not None:
+                before = self._before
+                stats = continued_stats(before.stats, stats)
+                content, thinking = before.content + content, before.thinking + thinking
+                if before.thinking_seconds is not None:
+                    seconds = before.thinking_seconds + (seconds or 0.0)
             self.store.finish_message(
-                self.message_id, status, stats=stats, thinking_seconds=self._thinking_seconds,
-                content=event.text, thinking=event.thinking,
+                self.message_id, status, stats=stats, thinking_seconds=seconds, content=content, thinking=thinking,
             )
             self.done = True
         elif isinstance(event, RemoteFinished):  # a remote server's answer: its unreported figures stay None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QWidget
+from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk.storage import ChatStore, StreamRecorder
 from engine.defaults import DEFAULT_CTX_TOKENS
@@ -135,6 +135,70 @@ def test_escape_stops_and_keeps_the_partial_answer(qtbot, store) -> None:
     assert answer.status == "stopped" and answer.stats["stop_reason"] == "cancelled"
     assert window.chat.widgets[-1].meta_label.text().endswith("stopped")
     assert window.composer.send_button.text() == "Send"
+
+
+def test_stop_then_continue_goes_on_with_the_same_answer(qtbot, store) -> None:
+    client = FakeEngineClient(blocks=20, pass_ms=5, thinking="plan the answer")
+    window, _ = make_window(qtbot, store, client)
+    window.composer.input.setPlainText("long answer please")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
+    with qtbot.waitSignal(window.generationFinished, timeout=3000):
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Escape)
+    widget = window.chat.widgets[-1]
+    before = store.messages(window.conversation_id)[-1]
+    assert before.stats["stop_reason"] == "cancelled" and widget.continue_button.isVisible()
+    assert window.continue_action.isEnabled()
+
+    client.blocks = 2
+    with qtbot.waitSignal(window.generationFinished, timeout=5000) as blocker:
+        widget.continue_button.click()
+        assert widget.data.status == "streaming" and not widget.continue_button.isVisible()
+        assert store.get_message(before.id).status == "streaming"
+    assert blocker.args[1] == "eos"
+    messages, params = client.requests[-1]
+    assert messages == [{"role": "user", "content": "long answer please"},
+                        {"role": "assistant", "content": before.content, "reasoning_content": before.thinking}]
+    assert params.continue_final_message is True and client.requests[0][1].continue_final_message is False
+    finished = [e for e in client._make_script(params) if isinstance(e, Finished)][0]
+    assert window.chat.widgets[-1] is widget and len(window.chat.widgets) == 2  # the same message, grown
+    after = store.get_message(before.id)
+    assert after.content == before.content + finished.text == widget.data.content
+    assert after.thinking == before.thinking + finished.thinking == widget.data.thinking
+    assert after.status == "complete" and after.stats["continued"] == 1 == widget.data.stats["continued"]
+    assert after.stats["tokens"] == before.stats["tokens"] + finished.tokens == widget.data.stats["tokens"]
+    assert not widget.continue_button.isVisible() and not window.continue_action.isEnabled()  # it ended: eos
+
+
+def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) -> None:
+    c = store.create_conversation("cut")
+    store.add_message(c.id, "user", "one")
+    old = store.add_message(c.id, "assistant", "partial", status="complete", stats={"stop_reason": "max_new_tokens"})
+    store.add_message(c.id, "user", "two")
+    last = store.add_message(c.id, "assistant", "", thinking="hmm", status="stopped",
+                             stats={"stop_reason": "interrupted"})
+    window, client = make_window(qtbot, store)
+    window.open_conversation(c.id)
+    widgets = window.chat.widgets
+    assert not widgets[1].continue_button.isVisible()  # not the last answer
+    assert widgets[3].continue_button.isVisible() and window.continue_action.isEnabled()
+    widgets[1].continueRequested.emit(widgets[1])  # an older answer cannot be continued
+    assert client.requests == [] and store.get_message(old.id).status == "complete"
+    window.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is window, timeout=2000)  # shortcuts need it active
+    window.composer.input.setFocus()
+    window.composer.input.setPlainText("typed, not sent")
+    with qtbot.waitSignal(window.generationFinished, timeout=5000):  # the shortcut, from the message box
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Return,
+                       Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier)
+    assert [params.continue_final_message for _, params in client.requests] == [True]
+    assert client.requests[0][0][-1] == {"role": "assistant", "content": "", "reasoning_content": "hmm"}
+    assert window.composer.input.toPlainText() == "typed, not sent"
+    store.finish_message(last.id, "complete", stats={"stop_reason": "context"})  # the context is full: no room
+    window.open_conversation(c.id)
+    assert not window.chat.widgets[3].continue_button.isVisible() and not window.continue_action.isEnabled()
+    window.continue_action.trigger()
+    assert len(client.requests) == 1
 
 
 def test_regenerate_replaces_the_last_answer(qtbot, store) -> None:

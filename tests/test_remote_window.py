@@ -167,6 +167,13 @@ def test_esc_cancels_a_remote_answer_and_the_server_stops(qtbot, desk, endless_s
     message = desk.store.messages(window.conversation_id)[-1]
     assert message.status == "stopped" and message.content.startswith("tick tock")
     assert wait_idle(endless_server, timeout_s=30)["cancelled"] == before + 1  # the server stopped generating
+    # Continue is the local engine's (a remote server would start a new answer): not offered for this one
+    widget = window.chat.widgets[-1]
+    assert widget.regen_button.isVisible() and not widget.continue_button.isVisible()
+    assert not window.continue_action.isEnabled()
+    window.continue_action.trigger()
+    widget.continueRequested.emit(widget)
+    assert not window.is_generating() and desk.store.messages(window.conversation_id)[-1].status == "stopped"
 
 
 def test_an_unreachable_server_ends_the_answer_with_its_reason(qtbot, desk) -> None:

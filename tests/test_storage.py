@@ -410,3 +410,65 @@ def test_stream_recorder_ar_mode_and_errors(store: ChatStore) -> None:
     rec2.on_event(TextDelta("partial"))
     rec2.on_event(_finished("partial", "", "cancelled"))
     assert store.get_message(m2.id).status == "stopped"
+
+
+def test_reopen_only_the_last_answer_that_is_complete_or_stopped(store: ChatStore) -> None:
+    c = store.create_conversation()
+    u = store.add_message(c.id, "user", "count")
+    a = store.add_message(c.id, "assistant", "one two", status="stopped", stats={"stop_reason": "cancelled"})
+    with pytest.raises(StorageError,
+                       match=f"message {u.id} cannot be continued.*role 'user', status 'complete', not the last"):
+        store.reopen_message(u.id)
+    reopened = store.reopen_message(a.id)
+    assert (reopened.status, reopened.content) == ("streaming", "one two")
+    assert store.chat_messages(c.id) == [{"role": "user", "content": "count"}]  # what the engine is sent before it
+    with pytest.raises(StorageError, match="role 'assistant', status 'streaming'\\)"):
+        store.reopen_message(a.id)  # already being written
+    store.finish_message(a.id, "error", stats={"error": "boom"})
+    with pytest.raises(StorageError, match="status 'error'"):
+        store.reopen_message(a.id)  # a failed answer is regenerated, not continued
+    with pytest.raises(NotFoundError):
+        store.reopen_message(a.id + 100)
+
+
+def test_stream_recorder_continues_a_reopened_answer(store: ChatStore) -> None:
+    clock = iter(float(t) for t in range(100))
+    c = store.create_conversation()
+    store.add_message(c.id, "user", "count")
+    before = {"stop_reason": "max_new_tokens", "tokens": 16, "passes": 8, "decode_s": 2.0, "prefill_s": 0.5,
+              "tokens_per_s": 8.0, "time_to_first_token_s": 0.7, "prompt_tokens": 12, "mode": "diffusion"}
+    a = store.add_message(c.id, "assistant", "", thinking="t1 t2", thinking_seconds=3.0, status="complete",
+                          stats=before)
+    store.reopen_message(a.id)
+    rec = StreamRecorder(store, a.id, flush_interval_s=1000, clock=lambda: next(clock))
+    rec.on_event(PromptInfo(prompt_tokens=20, block_size=4, first_block=5, tail=0))
+    rec.on_event(TextDelta(" t3", "thinking"))
+    rec.on_event(TextDelta("Three.", "answer"))
+    rec.on_event(BlockCommitted(5, 2, (1, 2, 3)))
+    assert store.get_message(a.id).content == "Three." and store.get_message(a.id).thinking == "t1 t2 t3"
+    rec.on_event(_finished("Three.", " t3", "eos"))
+    done = store.get_message(a.id)
+    assert (done.status, done.content, done.thinking) == ("complete", "Three.", "t1 t2 t3")
+    assert done.thinking_seconds is not None and done.thinking_seconds > 3.0  # the earlier thinking time, plus
+    s = done.stats
+    assert (s["stop_reason"], s["continued"], s["tokens"], s["prompt_tokens"], s["time_to_first_token_s"]) == (
+        "eos", 1, 16 + 2, 12, 0.7)
+    assert s["decode_s"] == pytest.approx(2.2) and s["tokens_per_s"] == pytest.approx(18 / 2.2, abs=1e-3)
+    assert s["passes"] == 8 + 3 and s["tokens_per_pass"] == pytest.approx(18 / 11, abs=1e-3)
+
+
+def test_a_crash_while_continuing_keeps_the_whole_answer(tmp_path: Path) -> None:
+    path = tmp_path / "chats.sqlite3"
+    s = ChatStore(path)
+    c = s.create_conversation()
+    s.add_message(c.id, "user", "count")
+    a = s.add_message(c.id, "assistant", "one two", status="complete", stats={"stop_reason": "max_new_tokens"})
+    s.reopen_message(a.id)
+    rec = StreamRecorder(s, a.id)
+    rec.on_event(TextDelta(" three", "answer"))
+    rec.on_event(BlockCommitted(0, 1, (1,)))
+    s.close()  # the process dies here
+    with ChatStore(path) as again:
+        m = again.get_message(a.id)
+        assert (m.status, m.content, m.stats["stop_reason"]) == ("stopped", "one two three", "interrupted")
+        again.reopen_message(a.id)  # and it can be continued again

@@ -141,6 +141,26 @@ class StreamingReply:
         self.thinking_started: float | None = None
         self.thinking_ended: float | None = None
         self.started = clock()
+        # An answer being continued (continue_final_message): what it said before, its thinking time and figures.
+        self.carried_answer = ""
+        self.carried_thinking = ""
+        self.carried_thinking_s: float | None = None
+        self.carried_stats: dict[str, Any] | None = None
+
+    @classmethod
+    def resuming(cls, data: MessageData, clock: Callable[[], float] = time.monotonic) -> StreamingReply:
+        """The reply that goes on with ``data`` (an answer cut short): its text so far, then the new deltas."""
+        reply = cls(clock)
+        reply.answer = reply.carried_answer = data.content
+        reply.thinking = reply.carried_thinking = data.thinking
+        reply.carried_thinking_s = data.thinking_seconds
+        reply.carried_stats = dict(data.stats)
+        return reply
+
+    @property
+    def new_answer(self) -> str:
+        """The answer text this generation added (all of it, for a reply that continues nothing)."""
+        return self.answer[len(self.carried_answer):]
 
     def add(self, text: str, channel: str) -> None:
         if channel == "thinking":
@@ -160,9 +180,9 @@ class StreamingReply:
 
     def thinking_seconds(self) -> float | None:
         if self.thinking_started is None:
-            return None
+            return self.carried_thinking_s
         end = self.thinking_ended if self.thinking_ended is not None else self._clock()
-        return max(0.0, end - self.thinking_started)
+        return (self.carried_thinking_s or 0.0) + max(0.0, end - self.thinking_started)
 
     def finish(self) -> None:
         if self.thinking_started is not None and self.thinking_ended is None:
@@ -184,14 +204,25 @@ def thinking_only_note(data: MessageData) -> str:
         return ""
     reason = data.stats.get("stop_reason")
     if reason == "max_new_tokens":
-        return ("No answer: the token limit ran out while Clover was still thinking. Raise Max tokens in the chat "
-                "settings, or switch Think off, then Regenerate.")
+        return ("No answer: the token limit ran out while Clover was still thinking. Continue lets it think on; or "
+                "raise Max tokens in the chat settings, or switch Think off, then Regenerate.")
     if reason == "context":
         return ("No answer: the context filled up while Clover was still thinking. Start a new chat, or switch "
                 "Think off, then Regenerate.")
     if reason in ("cancelled", "interrupted"):
-        return "Stopped while Clover was still thinking: no answer yet. Regenerate to try again."
+        return "Stopped while Clover was still thinking: no answer yet. Continue lets it think on, or Regenerate."
     return "Clover ended its reply while still thinking, without an answer. Regenerate to try again."
+
+
+CONTINUABLE_REASONS = ("max_new_tokens", "cancelled", "interrupted")  # an answer cut short, not one that ended
+
+
+def continuable(data: MessageData) -> bool:
+    """Whether Continue can go on with this answer: one the local engine wrote that was cut short (the token limit,
+    Stop, a crash) and has some text; not one that failed, ended on its own or filled the context."""
+    return (data.role == "assistant" and data.status in ("complete", "stopped") and data.message_id is not None
+            and data.stats.get("stop_reason") in CONTINUABLE_REASONS and data.stats.get("backend") != "remote"
+            and bool(data.content or data.thinking))
 
 
 def stats_line(stats: dict[str, Any]) -> str:
@@ -207,6 +238,8 @@ def stats_line(stats: dict[str, Any]) -> str:
         parts.append(f"{stats['tokens_per_pass']:.1f} tok/pass")
     if stats.get("time_to_first_token_s"):
         parts.append(f"first token {stats['time_to_first_token_s']:.2f} s")
+    if stats.get("continued"):
+        parts.append("continued" if stats["continued"] == 1 else f"continued {stats['continued']}×")
     reason = stats.get("stop_reason")
     if reason in ("cancelled", "interrupted"):
         parts.append("stopped" if reason == "cancelled" else "interrupted")
@@ -291,6 +324,7 @@ class MessageWidget(QFrame):
     copyRequested = Signal()  # (handled here; emitted for tests and status messages)
     editRequested = Signal(object)  # MessageWidget: the user wants to edit this prompt and resend
     regenerateRequested = Signal(object)  # MessageWidget: answer this prompt again
+    continueRequested = Signal(object)  # MessageWidget: go on writing this answer (it was cut short)
     previewRequested = Signal(object)  # PreviewRequest: this message's page (or one of its code blocks) to show
 
     def __init__(
@@ -314,10 +348,13 @@ class MessageWidget(QFrame):
         self.copy_button = self._action("Copy", "Copy the message as Markdown", f"Copy {who.lower()} message")
         self.edit_button = self._action("Edit", "Edit this message and send it again", "Edit and resend")
         self.regen_button = self._action("Regenerate", "Answer this prompt again (Ctrl+Shift+R)", "Regenerate answer")
+        self.continue_button = self._action("Continue", "Let Clover go on writing this answer where it was cut off "
+                                            "(Ctrl+Shift+Enter)", "Continue the answer")
         self.preview_button = self._action("Preview", "Open the HTML this message contains in the preview tab",
                                            "Preview the page")
         self.edit_button.setVisible(is_user)
         self.regen_button.setVisible(False)
+        self.continue_button.setVisible(False)
         self.preview_button.setVisible(False)
 
         self.thinking_toggle = QToolButton()
@@ -341,7 +378,7 @@ class MessageWidget(QFrame):
         header.setSpacing(8)
         header.addWidget(self.role_label)
         header.addWidget(self.meta_label, 1)
-        for b in (self.preview_button, self.regen_button, self.edit_button, self.copy_button):
+        for b in (self.preview_button, self.continue_button, self.regen_button, self.edit_button, self.copy_button):
             header.addWidget(b)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(14, 10, 14, 10)
@@ -368,6 +405,7 @@ class MessageWidget(QFrame):
         self.copy_button.clicked.connect(self.on_copy_clicked)
         self.edit_button.clicked.connect(lambda: self.editRequested.emit(self))
         self.regen_button.clicked.connect(lambda: self.regenerateRequested.emit(self))
+        self.continue_button.clicked.connect(lambda: self.continueRequested.emit(self))
         self.preview_button.clicked.connect(self.on_preview_clicked)
         self.thinking_toggle.toggled.connect(self.on_thinking_toggled)
         self.body.previewRequested.connect(self.on_block_preview_requested)
@@ -418,7 +456,9 @@ class MessageWidget(QFrame):
         return self._html_checked[1]
 
     def set_regenerable(self, on: bool) -> None:
+        """The last answer's actions: Regenerate, and Continue when it was cut short."""
         self.regen_button.setVisible(on and self.data.role == "assistant")
+        self.continue_button.setVisible(on and continuable(self.data))
 
     # -- slots
     def on_copy_clicked(self) -> None:
@@ -445,6 +485,7 @@ class ChatView(QWidget):
 
     editRequested = Signal(object)  # MessageData of a user message to edit and resend
     regenerateRequested = Signal(object)  # MessageData of the assistant message to answer again
+    continueRequested = Signal(object)  # MessageData of the assistant message to go on with
     previewRequested = Signal(object)  # PreviewRequest: HTML of a message to show in the preview tab
     copied = Signal(str)  # what was copied ("message" | "code"), for a status-bar note
 
@@ -527,6 +568,7 @@ class ChatView(QWidget):
         widget = MessageWidget(data, self._extract_html, self.expand_thinking)
         widget.editRequested.connect(self.on_edit_requested)
         widget.regenerateRequested.connect(self.on_regenerate_requested)
+        widget.continueRequested.connect(lambda w: self.continueRequested.emit(w.data))
         widget.previewRequested.connect(self.previewRequested)
         widget.copyRequested.connect(lambda: self.copied.emit("message"))
         widget.body.codeCopied.connect(lambda _i: self.copied.emit("code"))
@@ -565,6 +607,16 @@ class ChatView(QWidget):
         return next((w for w in reversed(self.widgets) if w.data.role == "assistant"), None)
 
     # -- streaming
+    def resume_stream(self, data: MessageData) -> MessageWidget:
+        """Stream into the message that shows ``data`` again (an answer being continued)."""
+        widget = self.widgets[self.index_of(data)]
+        data.status = "streaming"
+        self._streaming = widget
+        self._stick_to_bottom = True
+        widget.refresh()
+        self._update_regenerable()
+        return widget
+
     def stream_changed(self) -> None:
         """The streaming message's data changed; redraw it soon (throttled)."""
         self.stream_throttle.request()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -69,9 +70,18 @@ from engine.events import (
     PrefillProgress,
     PromptInfo,
     TextDelta,
+    continued_stats,
 )
 from ui.banners import Banner, LoadBanner
-from ui.chat_view import ChatView, HtmlExtractor, MessageData, PreviewRequest, StreamingReply, preview_document_id
+from ui.chat_view import (
+    ChatView,
+    HtmlExtractor,
+    MessageData,
+    PreviewRequest,
+    StreamingReply,
+    continuable,
+    preview_document_id,
+)
 from ui.composer import Composer
 from ui.contracts import (
     ChatStoreLike,
@@ -416,6 +426,10 @@ class MainWindow(QMainWindow):
         edit_menu.addSeparator()
         self.regenerate_action = self._action(edit_menu, "Re&generate last answer", self.on_regenerate_last,
                                               "Ctrl+Shift+R")
+        self.continue_action = self._action(edit_menu, "Co&ntinue last answer", self.on_continue_last,
+                                            "Ctrl+Shift+Return", "Go on writing the last answer where the token "
+                                            "limit or Stop cut it off")
+        self.continue_action.setEnabled(False)  # only while the last answer was cut short (_update_send_state)
         self.stop_action = self._action(edit_menu, "&Stop generating", self.on_stop_requested, "Esc")
         self.stop_action.setEnabled(False)  # enabled only while an answer streams (Esc is free otherwise)
 
@@ -501,6 +515,7 @@ class MainWindow(QMainWindow):
         self.drawer.changed.connect(self.long_chats.throttle.request)
         self.chat.editRequested.connect(self.on_edit_requested)
         self.chat.regenerateRequested.connect(self.on_regenerate_requested)
+        self.chat.continueRequested.connect(self.on_continue_requested)
         self.chat.previewRequested.connect(self.on_preview_requested)
         self.chat.copied.connect(self.on_copied)
         self.drawer.changed.connect(self.on_settings_changed)
@@ -609,6 +624,7 @@ class MainWindow(QMainWindow):
             self._sync_from_settings()
             self.title_label.setText("New chat")
             self.long_chats.on_conversation_opened(None)
+            self._update_send_state()
             return
         conv = self.store.get_conversation(conversation_id)
         self.title_label.setText(conv.title)
@@ -622,6 +638,7 @@ class MainWindow(QMainWindow):
             ]
         )
         self.long_chats.on_conversation_opened(conv.settings)
+        self._update_send_state()  # Continue: whether this chat's last answer was cut short
         self.show_chat_page()
         self.conversationChanged.emit(conversation_id)
 
@@ -822,19 +839,30 @@ class MainWindow(QMainWindow):
         if sent in self.chat.messages():
             self.chat.remove_from(self.chat.index_of(sent))
 
-    def _start_generation(self) -> None:
+    def _start_generation(self, resume: MessageData | None = None) -> None:
+        """Start the answer to the chat's last message, or go on with ``resume`` (the last answer, reopened in the
+        store: ``ChatStore.reopen_message``), which the engine continues (``continue_final_message``)."""
         cid = self.conversation_id
         assert cid is not None
         settings = self.drawer.settings()
         params = settings.to_params()
-        messages = self.long_chats.messages_to_send(cid)
-        saved = self.store.add_message(cid, "assistant", "", status="streaming", stats={"mode": settings.mode})
-        self.reply = StreamingReply()
+        messages = self.long_chats.messages_to_send(cid)  # without the reopened answer: it is streaming
         self.reply_mode = settings.mode
-        self.reply_data = MessageData("assistant", status="streaming", stats={"mode": settings.mode},
-                                      message_id=saved.id)
-        self.chat.add_message(self.reply_data)
-        self.recorder = self._new_recorder(self.store, saved.id)
+        if resume is None:
+            saved = self.store.add_message(cid, "assistant", "", status="streaming", stats={"mode": settings.mode})
+            self.reply = StreamingReply()
+            self.reply_data = MessageData("assistant", status="streaming", stats={"mode": settings.mode},
+                                          message_id=saved.id)
+            self.chat.add_message(self.reply_data)
+        else:
+            assert resume.message_id is not None
+            messages = [*messages, {"role": "assistant", "content": resume.content,
+                                    "reasoning_content": resume.thinking}]
+            params = replace(params, continue_final_message=True)
+            self.reply = StreamingReply.resuming(resume)
+            self.reply_data = resume
+            self.chat.resume_stream(resume)
+        self.recorder = self._new_recorder(self.store, self.reply_data.message_id)
         self.denoise.start(settings.mode)  # a new answer: the view follows its live pass
         remote = self._uses_remote()
         self.denoise.set_unavailable(DENOISING_UNAVAILABLE if remote else "")
@@ -872,6 +900,30 @@ class MainWindow(QMainWindow):
             self._start_generation()
         except self._save_error as exc:
             self.show_save_error(exc, "The answer was not regenerated")
+
+    def on_continue_last(self) -> None:
+        last = self.chat.last_assistant()
+        if last is not None:
+            self.on_continue_requested(last.data)
+
+    def on_continue_requested(self, data: MessageData) -> None:
+        """Go on writing an answer that was cut short (the last one: its Continue button, Edit ▸ Continue)."""
+        if self.is_generating() or not continuable(data) or self.chat.last_assistant() is None \
+                or self.chat.last_assistant().data is not data or self.chat.messages()[-1] is not data:
+            return
+        if self._uses_remote():
+            self.statusBar().showMessage("Continue needs the local engine: a remote server starts a new answer", 5000)
+            return
+        if not self._can_send():
+            self.statusBar().showMessage(self._why_not_ready(), 4000)
+            return
+        assert data.message_id is not None
+        try:
+            self.store.reopen_message(data.message_id)
+        except self._save_error as exc:
+            self.show_save_error(exc, "The answer was not continued")
+            return
+        self._start_generation(resume=data)
 
     def on_edit_requested(self, data: MessageData) -> None:
         if self.is_generating():
@@ -980,12 +1032,15 @@ class MainWindow(QMainWindow):
     def _finish(self, event: Finished) -> None:
         assert self.reply is not None and self.reply_data is not None
         self.reply.finish()
+        reply = self.reply
         stats = finished_stats(event, self.reply_mode)
+        if reply.carried_stats is not None:  # a continued answer: the figures of both generations together
+            stats = continued_stats(reply.carried_stats, stats)
         status = "stopped" if event.stop_reason == "cancelled" else "complete"
         data = self.reply_data
         # The deltas are authoritative for what was shown; Finished carries the same text (used if they differ).
-        data.content = event.text or self.reply.answer
-        data.thinking = event.thinking or self.reply.thinking
+        data.content = reply.carried_answer + event.text if event.text else reply.answer
+        data.thinking = reply.carried_thinking + event.thinking if event.thinking else reply.thinking
         data.thinking_seconds = self.reply.thinking_seconds()
         data.status = status
         data.stats = stats
@@ -1027,9 +1082,10 @@ class MainWindow(QMainWindow):
         if isinstance(event, TextDelta):
             self.reply.add(event.text, event.channel)
         self.reply.finish()
-        data = self.reply_data
-        data.content = event.text if isinstance(event, Finished) and event.text else self.reply.answer
-        data.thinking = event.thinking if isinstance(event, Finished) and event.thinking else self.reply.thinking
+        data, reply = self.reply_data, self.reply
+        finished = isinstance(event, Finished)
+        data.content = reply.carried_answer + event.text if finished and event.text else reply.answer
+        data.thinking = reply.carried_thinking + event.thinking if finished and event.thinking else reply.thinking
         data.thinking_seconds = self.reply.thinking_seconds()
         data.status = "error"
         data.stats = {**data.stats, "stop_reason": "not-saved", "error": f"not saved: {error}"}
@@ -1239,6 +1295,10 @@ class MainWindow(QMainWindow):
         ready = self._can_send()
         self.composer.set_blocked(self._why_not_ready())
         self.regenerate_action.setEnabled(ready)
+        last = self.chat.last_assistant()
+        self.continue_action.setEnabled(ready and not self._uses_remote() and not self.is_generating()
+                                        and last is not None and self.chat.messages()[-1] is last.data
+                                        and continuable(last.data))
         self.cancel_load_action.setEnabled(self.engine_state is EngineState.LOADING)
 
     def refresh_status(self) -> None:
