@@ -86,6 +86,7 @@ def test_view_paints_cells_and_replays(qtbot, tmp_path) -> None:
     qtbot.waitUntil(lambda: view.slider.maximum() == 10, timeout=2000)
     assert view.canvas.shown is not None and view.canvas.shown[0].block_index == 1
     assert "block 1, pass 3" in view.position_label.text()
+    assert view.position_label.text().endswith("· 1 block, 32 tokens")  # block 0 committed, block 1 in flight
     view.grab().save(str(tmp_path / "denoise.png"))
     assert (tmp_path / "denoise.png").stat().st_size > 1000
 

@@ -30,6 +30,11 @@ AR_PIECES_KEPT = 400  # autoregressive mode: the latest text pieces shown in the
 # --------------------------------------------------------------------------------------------- model (no Qt)
 
 
+def _count(n: int, noun: str) -> str:
+    """"1 block", "2 blocks"."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 @dataclass
 class BlockRecord:
     """Every denoising pass of one block, in order, plus what the block finally committed."""
@@ -595,7 +600,7 @@ class DenoiseView(QWidget):
         total = f" of {record.passes}" if record.passes else ""
         self.position_label.setText(
             f"{state} · block {record.block_index}, pass {pass_index + 1}{total} · "
-            f"{self.model.blocks_committed} blocks, {self.model.tokens_committed} tokens"
+            f"{_count(self.model.blocks_committed, 'block')}, {_count(self.model.tokens_committed, 'token')}"
         )
 
     # -- slots
