@@ -28,8 +28,9 @@ How a plan is made (:func:`make_plan`); every VRAM byte is in ``Plan.vram_breakd
   so no snapshot copy.
 * ``workspace``: the larger of a prefill forward's scratch and a decoding pass's (fp32 block logits, activations),
   plus the dequantize buffers (a chunk of a quantized projection, a group of experts) and the memory pool of passes
-  replayed from CUDA graphs. The prefill scratch depends on the attention kernel and sets
-  ``Plan.prefill_chunk_tokens`` (:func:`choose_prefill_chunk`). ``clover-desk bench speed --count`` measures the
+  replayed from CUDA graphs. The prefill scratch depends on the attention kernel and on the routed experts'
+  by-expert layout (the peak of a small-expert model: :func:`_moe_scratch`), and sets ``Plan.prefill_chunk_tokens``
+  (:func:`choose_prefill_chunk`). ``clover-desk bench speed --count`` measures the
   forwards' scratch next to these figures (35B widths as on a GPU: a 32-slot pass 64 MiB, an 864-token prefill
   segment at a 16K context 361 MiB, against 223 and 675 MiB planned).
 * ``reserve``: CUDA context + cuBLAS (500 MiB) and caching-allocator slack (256 MiB). The budget is what this
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,10 @@ PREFILL_WORKSPACE_BYTES = 512 * MiB  # what the chunk-dependent part of one pref
 # line, 35B-A3B widths): a Gated DeltaNet layer's block-mode prefill holds 10.3 of them at its peak (93 MiB for
 # 192 tokens, 214 MiB for 448), so 11.
 ACTIVATION_BUFFERS = 11
+# A by-expert group's padded rows over the pairs it gets on average (engine.experts._moe_sorted pads every expert of a
+# group to its busiest). Measured with ``bench speed --count --shape mid`` (random router, 64 experts in one group,
+# 16,384 pairs): 24,128 rows, 1.47; a trained router is less even, so 2.
+MOE_PADDING = 2.0
 # The prefill attention kernel: "efficient" is what engine.model runs (query heads folded into rows, a group of rows
 # at a time: flash or memory-efficient attention, no score matrix); "math" a torch build or GPU where SDPA falls
 # back to its math kernel, which writes fp32 scores and probabilities.
@@ -212,7 +218,24 @@ def _widest(geo: ModelGeometry) -> int:
     )
 
 
-def _prefill_parts(geo: ModelGeometry, chunk: int, ctx: int, attention: str) -> dict[str, int]:
+def _moe_scratch(geo: ModelGeometry, tokens: int, group_experts: int) -> int:
+    """fp32 scratch of a routed-expert layer over ``tokens`` tokens grouped by expert (engine.experts._moe_sorted),
+    at its peak inside one group of ``group_experts`` experts: the pairs' input rows in expert order and their
+    outputs ([pairs, D] each), the group's zero-padded layout (each expert's rows padded to the group's busiest:
+    [G * C, D] in, [G * C, 2I] gate/up, two [G * C, I] for the SwiGLU), plus the layer's [tokens, D] hidden states
+    and its fp32 router logits. The padding is :data:`MOE_PADDING` times the pairs a group gets on average."""
+    if not geo.num_experts or not geo.num_experts_per_tok:
+        return 0
+    d, i, e = geo.hidden_size, geo.moe_intermediate_size, geo.num_experts
+    pairs = tokens * geo.num_experts_per_tok
+    g = max(1, min(group_experts, e))
+    padded = min(g * tokens, math.ceil(pairs * g / e * MOE_PADDING))
+    return 4 * (2 * pairs * d + padded * (d + 4 * i) + tokens * (3 * d + 2 * e))
+
+
+def _prefill_parts(
+    geo: ModelGeometry, chunk: int, ctx: int, attention: str, group_experts: int = DEQUANT_GROUP_EXPERTS
+) -> dict[str, int]:
     """Scratch of one prefill forward of ``chunk`` tokens whose last token sees ``ctx`` keys.
 
     engine.model attends a group of query rows at a time (``_attention_by_rows``), with the G query heads that
@@ -220,8 +243,13 @@ def _prefill_parts(geo: ModelGeometry, chunk: int, ctx: int, attention: str) -> 
     attention. A causal (AR-mode) prefill after cached keys keeps one bool mask [chunk, ctx], and each group of
     :data:`ATTENTION_ROWS` rows repeats its slice G times, which SDPA's memory-efficient kernel turns into a bias in
     the compute dtype padded to a 16-aligned row (``attn_bias``: 2 x 2 bytes per folded row and key). ``attention="math"``:
-    SDPA's math kernel instead, which also writes a group's fp32 scores and probabilities."""
-    parts = {"activations": chunk * _widest(geo) * 4 * ACTIVATION_BUFFERS}
+    SDPA's math kernel instead, which also writes a group's fp32 scores and probabilities.
+
+    A layer's peak is its projections' (:data:`ACTIVATION_BUFFERS` of the widest) or, where the experts are small
+    next to top-k times the hidden size, its routed experts' (:func:`_moe_scratch`, ``group_experts`` at a time):
+    the larger of the two, not both, since they never live at once."""
+    parts = {"activations": max(chunk * _widest(geo) * 4 * ACTIVATION_BUFFERS,
+                                _moe_scratch(geo, chunk, group_experts))}
     if geo.full_attention_layers:
         g = max(1, geo.num_attention_heads // max(1, geo.num_key_value_heads))
         parts["attn_mask"] = chunk * ctx + ATTENTION_ROWS * g * ctx  # bool: the pass's, a group's repeated
@@ -231,12 +259,14 @@ def _prefill_parts(geo: ModelGeometry, chunk: int, ctx: int, attention: str) -> 
     return parts
 
 
-def choose_prefill_chunk(geo: ModelGeometry, ctx: int, block: int, attention: str = "efficient") -> int:
+def choose_prefill_chunk(
+    geo: ModelGeometry, ctx: int, block: int, attention: str = "efficient", group_experts: int = DEQUANT_GROUP_EXPERTS
+) -> int:
     """The longest prefill forward (a multiple of ``block``, at most :data:`PREFILL_MAX_TOKENS`) whose
     chunk-dependent scratch fits :data:`PREFILL_WORKSPACE_BYTES`; one block at least."""
     top = max(block, PREFILL_MAX_TOKENS // block * block)
     for chunk in range(top, block - 1, -block):
-        if sum(_prefill_parts(geo, chunk, ctx, attention).values()) <= PREFILL_WORKSPACE_BYTES:
+        if sum(_prefill_parts(geo, chunk, ctx, attention, group_experts).values()) <= PREFILL_WORKSPACE_BYTES:
             return chunk
     return block
 
@@ -246,8 +276,9 @@ def workspace(f: ModelFacts, ctx: int, block: int, attention: str = "efficient")
     prints them next to the scratch it measures). Prefill and decoding never run at once: the larger of the two
     counts, plus the dequantize buffers both use."""
     geo = f.geo
-    chunk = choose_prefill_chunk(geo, ctx, block, attention)
-    prefill = _prefill_parts(geo, chunk, ctx, attention)
+    group = _group_experts(f)
+    chunk = choose_prefill_chunk(geo, ctx, block, attention, group)
+    prefill = _prefill_parts(geo, chunk, ctx, attention, group)
     decode = {
         "logits": block * geo.vocab_size * 4,  # fp32 logits of one block
         "activations": block * _widest(geo) * 4 * ACTIVATION_BUFFERS,
@@ -272,6 +303,14 @@ def workspace(f: ModelFacts, ctx: int, block: int, attention: str = "efficient")
     return parts, details
 
 
+def _group_experts(f: ModelFacts) -> int:
+    """How many experts a by-expert pass works on at once: a dequantized group (quantized experts), else as many
+    unquantized experts as :data:`GATHER_GROUP_BYTES` holds (engine.experts.GROUP_BYTES)."""
+    if f.experts_quantized or f.expert_params <= 0:
+        return EXPERT_DEQUANT_EXPERTS
+    return max(1, GATHER_GROUP_BYTES // int(f.expert_params * COMPUTE_DTYPES[f.compute_dtype]))
+
+
 def _expert_gather(f: ModelFacts, block: int) -> int:
     """Unquantized routed experts read through a gather (engine.experts.moe_grouped): an AR step copies its top-k
     experts' weights (one per (token, slot) pair), a block pass or a prefill up to a group of
@@ -281,8 +320,7 @@ def _expert_gather(f: ModelFacts, block: int) -> int:
         return 0
     per_expert = int(f.expert_params * COMPUTE_DTYPES[f.compute_dtype])
     k = f.geo.num_experts_per_tok
-    group = max(1, GATHER_GROUP_BYTES // per_expert)
-    return max(k, min(group, f.geo.num_experts, block * k)) * per_expert
+    return max(k, min(_group_experts(f), f.geo.num_experts, block * k)) * per_expert
 
 
 def _min_slots(n_streamed: int, num_experts: int, min_slot_experts: int | None) -> int:

@@ -65,13 +65,16 @@ def test_the_plan_holds_an_unquantized_models_gathered_experts(capsys: pytest.Ca
     """Unquantized routed experts are gathered (one expert per pair in an AR step, a group by expert in a pass): the
     planner counts them (engine.planner's gather_experts), and the bench plans the model it measures, experts
     included, in its own dtype. Before, an unquantized model's manifest had no experts: a mid-shape denoising pass
-    measured 15.0 MiB of scratch against 2.6 MiB planned. (Its prefill segment still measures more than planned:
-    the padded by-expert layout of a chunk's 16,384 pairs over small experts, which the planner does not model.)"""
+    measured 15.0 MiB of scratch against 2.6 MiB planned. Its prefill segment, where the padded by-expert layout of
+    a chunk's 16,384 pairs over small experts is the layer's peak (engine.planner._moe_scratch), measured 339.1 MiB
+    against 280.0 planned before the planner counted that layout."""
     code = cli.main(["bench", "speed", "--shape", "mid", "--layers", "1", "--count"])
     out = capsys.readouterr().out
     assert code == 0, out
     line = re.search(r"denoising pass: ([\d.]+) MiB measured, ([\d.]+) MiB planned", out)
     assert line and 10 < float(line[1]) <= float(line[2]), out
+    line = re.search(r"prefill segment \(2048 tokens\): ([\d.]+) MiB measured, ([\d.]+) MiB planned", out)
+    assert line and 200 < float(line[1]) <= float(line[2]), out
 
 
 def test_bench_count_says_what_cuda_graphs_leave_to_the_host(capsys: pytest.CaptureFixture[str]) -> None:

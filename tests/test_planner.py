@@ -827,3 +827,32 @@ def test_a_checkpoint_is_planned_as_it_will_be_quantized(tiny_checkpoint: tuple[
     assert from_cache.geometry == quantized.geometry  # config.json found through source.model_dir
     with pytest.raises(CheckpointError, match="no such file or folder"):
         planner.manifest_for_model_dir(folder / "missing")
+
+
+def test_a_prefills_peak_is_its_projections_or_its_experts_grouped_by_expert(m35: planner.Manifest) -> None:
+    """engine.experts._moe_sorted lays a chunk's (token, expert) pairs out by expert, each expert of a group padded
+    to the group's busiest: with small experts and top-8 that, not the projections, is a layer's peak (the mid
+    shape's measured prefill: bench_count's test). The 35B's Gated DeltaNet projections stay its peak."""
+    import dataclasses
+
+    geo = m35.geometry
+    widest = 2048 * planner._widest(geo) * 4 * planner.ACTIVATION_BUFFERS
+    assert planner._moe_scratch(geo, 2048, 16) < widest
+    assert planner._prefill_parts(geo, 2048, CTX, "efficient")["activations"] == widest
+    small = dataclasses.replace(geo, hidden_size=512, moe_intermediate_size=256, num_experts=64, linear_num_value_heads=4,
+                                linear_num_key_heads=2, num_attention_heads=4, shared_expert_intermediate_size=256)
+    pairs, padded = 2048 * 8, 2 * 2048 * 8  # one group of all 64 experts, padded to twice the average
+    expected = 4 * (2 * pairs * 512 + padded * (512 + 4 * 256) + 2048 * (3 * 512 + 2 * 64))
+    assert planner._moe_scratch(small, 2048, 64) == expected
+    assert planner._prefill_parts(small, 2048, CTX, "efficient", 64)["activations"] == expected
+    # a group of 16 pads 16 experts at a time: a quarter of the padded rows
+    assert planner._moe_scratch(small, 2048, 16) == expected - 4 * (padded * 3 // 4) * (512 + 4 * 256)
+    # top-16 over these experts would not fit the prefill budget at 2,048 tokens: the chunk shrinks until it does
+    wide = dataclasses.replace(small, num_experts_per_tok=16)
+    chunk = planner.choose_prefill_chunk(wide, CTX, 32, "efficient", 64)
+    assert planner.choose_prefill_chunk(small, CTX, 32, "efficient", 64) == 2048 and chunk < 2048
+    def parts(c: int) -> dict[str, int]:
+        return planner._prefill_parts(wide, c, CTX, "efficient", 64)
+
+    assert parts(chunk)["activations"] == planner._moe_scratch(wide, chunk, 64)  # the experts are the peak
+    assert sum(parts(chunk).values()) <= planner.PREFILL_WORKSPACE_BYTES < sum(parts(chunk + 32).values())
