@@ -20,6 +20,9 @@ What a request may hold, and what the server does with it:
 * ``continue_final_message: true`` (vLLM's field; ``add_generation_prompt`` false or left out): the last message is
   an assistant answer cut short, with its ``reasoning_content`` if it has one; the model goes on writing it (from
   inside the thinking when no content came yet) and the response holds only the new text.
+* ``stop``: up to 4 sequences; the answer (not the reasoning) ends before the first one it writes, the engine is
+  cancelled within a pass, finish_reason is ``stop`` and ``clover.stop_sequence`` names it. ``usage`` counts the
+  tokens the engine wrote, which in diffusion mode may run a block past the stop.
 * sampling: temperature (0 = greedy), top_p, top_k, seed, presence_penalty, repetition_penalty, max_tokens /
   max_completion_tokens; Clover's own settings under ``"clover": {"mode", "block_size", "threshold"}``.
 * every answer carries ``usage`` (prompt, completion, total tokens; streaming: with ``stream_options.include_usage``
@@ -30,7 +33,7 @@ Decisions:
 
 * Unknown top-level fields are ignored, never silently: they are listed in ``clover.ignored_fields`` of the answer
   (clients and SDKs add vendor fields freely, and refusing them would break them). Known OpenAI fields asking for
-  something the engine cannot do (``n`` > 1, ``logprobs``, ``stop``, ``logit_bias``, a JSON ``response_format``,
+  something the engine cannot do (``n`` > 1, ``logprobs``, ``logit_bias``, a JSON ``response_format``,
   non-zero ``frequency_penalty``, ``tool_choice: required``, legacy ``functions``) are refused with 400, as is an
   unknown key inside ``clover`` (our own namespace: a typo there is an error). The ``model`` field may name
   anything: the server has one model, and answers with its id.
@@ -69,6 +72,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: a 128k-token conversation is ~0.5 MB of JSON
 MAX_WAITING = 32
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
@@ -136,6 +141,7 @@ class ChatRequest:
     include_usage: bool = False
     ignored_fields: tuple[str, ...] = ()
     continue_final: bool = False  # go on with the last message, an assistant answer (continue_final_message)
+    stop: tuple[str, ...] = ()  # stop sequences: the answer ends before the first one it writes
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -269,8 +275,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise _unsupported("top_logprobs", "log probabilities are not reported")
     if body.get("logit_bias") not in (None, {}):
         raise _unsupported("logit_bias", "logit bias is not supported")
-    if body.get("stop") not in (None, "", []):
-        raise _unsupported("stop", "stop sequences are not supported (the model stops at its end-of-turn token)")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise _unsupported("response_format", 'only {"type": "text"} is supported')
@@ -279,6 +283,20 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise _unsupported("frequency_penalty", "not supported: use presence_penalty or repetition_penalty")
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise _unsupported("functions", "the deprecated functions API is not supported: use tools")
+
+
+def _stop_sequences(value: Any) -> tuple[str, ...]:
+    """OpenAI's ``stop``: null, a string or a list of at most :data:`MAX_STOP_SEQUENCES` non-empty strings ("" and []
+    mean none, as OpenAI takes them)."""
+    if value is None or value == "" or value == []:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    allowed = (f"a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings of at most "
+               f"{MAX_STOP_CHARS} characters")
+    if not isinstance(items, list) or len(items) > MAX_STOP_SEQUENCES or not all(
+            isinstance(item, str) and 0 < len(item) <= MAX_STOP_CHARS for item in items):
+        raise _bad("stop", allowed, value)
+    return tuple(dict.fromkeys(items))
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -328,6 +346,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
             enable_thinking = kwargs["enable_thinking"]
         ignored += [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"]
 
+    stop = _stop_sequences(body.get("stop"))
     continue_final = body.get("continue_final_message")
     if continue_final is not None and not isinstance(continue_final, bool):
         raise _bad("continue_final_message", "true, false or null", continue_final)
@@ -367,7 +386,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=messages, tools=tools, params=params, mode=mode, stream=bool(stream),
         include_usage=bool(options and options.get("include_usage")), ignored_fields=tuple(ignored),
-        continue_final=bool(continue_final),
+        continue_final=bool(continue_final), stop=stop,
     )
 
 
@@ -478,6 +497,36 @@ class AnswerParser:
         if rest:
             self._text(rest, out)
         return out
+
+
+class StopScanner:
+    """Ends the answer channel before the first stop sequence it holds, as it streams.
+
+    ``feed(text)`` returns the text that can go out: everything before a stop sequence, holding back an end that
+    may still become one (``" to"`` while ``" tock"`` is a stop). Once a stop sequence is found, ``hit`` names it and
+    nothing more comes out; ``finish()`` releases what was held when none came."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.hit: str | None = None
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if self.hit is not None or not self.stops:
+            return "" if self.hit is not None else text
+        buf = self._held + text
+        found = [(buf.find(stop), stop) for stop in self.stops if stop in buf]
+        if found:
+            at, self.hit = min(found)
+            self._held = ""
+            return buf[:at]
+        keep = max(_partial_suffix(buf, stop) for stop in self.stops)
+        self._held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep]
+
+    def finish(self) -> str:
+        rest, self._held = self._held, ""
+        return "" if self.hit is not None else rest
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -658,8 +707,9 @@ class ChatService:
             with self._active_lock:
                 self._active.discard(cancel)
 
-    def extras(self, prepared: _Prepared, done: Finished, blocks: int) -> dict[str, Any]:
-        """The ``clover`` object of an answer: what the diffusion decoder did."""
+    def extras(self, prepared: _Prepared, done: Finished, blocks: int, stopped: str | None = None) -> dict[str, Any]:
+        """The ``clover`` object of an answer: what the diffusion decoder did (``stopped``: the stop sequence that
+        ended it)."""
         params = prepared.params
         diffusion = params.mode == "diffusion"
         config = prepared.engine.config
@@ -676,7 +726,8 @@ class ChatService:
             "prefill_s": round(done.prefill_s, 4),
             "decode_s": round(done.decode_s, 4),
             "time_to_first_token_s": None if done.time_to_first_token_s is None else round(done.time_to_first_token_s, 4),
-            "stop_reason": done.stop_reason,
+            "stop_reason": "stop_sequence" if stopped is not None else done.stop_reason,
+            **({"stop_sequence": stopped} if stopped is not None else {}),
             "ignored_fields": list(prepared.request.ignored_fields),
         }
 
@@ -686,9 +737,11 @@ def usage_of(done: Finished) -> dict[str, int]:
             "total_tokens": done.prompt_tokens + done.tokens}
 
 
-def finish_reason(done: Finished, tool_calls: int) -> str:
+def finish_reason(done: Finished, tool_calls: int, stopped: str | None = None) -> str:
     if tool_calls:
         return "tool_calls"
+    if stopped is not None:
+        return "stop"
     return "length" if done.stop_reason in ("max_new_tokens", "context") else "stop"
 
 
@@ -872,15 +925,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._turn_held = False
             self.server.service.turns.release()
 
-    def _count(self, done: Finished | None, failed: bool = False) -> None:
+    def _count(self, done: Finished | None, failed: bool = False, stopped: bool = False) -> None:
         """The generation is over: count how it ended and hand the engine to the next request (before the last
-        bytes of this answer are written)."""
+        bytes of this answer are written). ``stopped``: a stop sequence ended it (the engine was cancelled, the
+        answer is complete)."""
         self._release_turn()
         with self.server.lock:
             counters = self.server.service.counters
             if failed or done is None:
                 counters.failed += 1
-            elif done.stop_reason == "cancelled":
+            elif done.stop_reason == "cancelled" and not stopped:
                 counters.cancelled += 1
             else:
                 counters.completed += 1
@@ -898,6 +952,8 @@ class _Handler(BaseHTTPRequestHandler):
         service = self.server.service
         done: Finished | None = None
         blocks = 0
+        scanner = StopScanner(prepared.request.stop)
+        answer: list[str] = []  # the answer channel up to a stop sequence (with stop sequences only)
         last_check = time.monotonic()
         try:
             for event in events:
@@ -905,6 +961,10 @@ class _Handler(BaseHTTPRequestHandler):
                     done = event
                 elif isinstance(event, BlockCommitted):
                     blocks += 1
+                elif isinstance(event, TextDelta) and event.channel != "thinking" and scanner.stops:
+                    answer.append(scanner.feed(event.text))
+                    if scanner.hit is not None:
+                        cancel.set()  # the engine stops within a pass; the rest of its text is dropped
                 now = time.monotonic()
                 if now - last_check > 0.05:
                     last_check = now
@@ -919,10 +979,12 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("generation failed")
             raise ApiError(500, f"generation failed: {exc}", type="server_error", code="generation_failed") from None
         assert done is not None
-        self._count(done)
+        stopped = scanner.hit
+        self._count(done, stopped=stopped is not None)
         continued = prepared.request.continued
         parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
-        items = parser.feed(done.text) + parser.finish()
+        text = "".join(answer) + scanner.finish() if scanner.stops else done.text
+        items = parser.feed(text) + parser.finish()
         content = "".join(text for kind, text in items if kind == "content")
         calls = [call for kind, call in items if kind == "tool_call"]
         reasoning = _Trimmed(continued == "reasoning").push(done.thinking)
@@ -932,10 +994,10 @@ class _Handler(BaseHTTPRequestHandler):
             message["tool_calls"] = calls
         self._send_json(200, {
             "id": prepared.id, "object": "chat.completion", "created": prepared.created, "model": service.model_id,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(done, len(calls)),
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(done, len(calls), stopped),
                          "logprobs": None}],
             "usage": usage_of(done),
-            "clover": service.extras(prepared, done, blocks),
+            "clover": service.extras(prepared, done, blocks, stopped),
         })
 
     def _stream(self, prepared: _Prepared, events: Iterator[Any], cancel: threading.Event) -> None:
@@ -956,6 +1018,7 @@ class _Handler(BaseHTTPRequestHandler):
         continued = prepared.request.continued
         parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
         reasoning = _Trimmed(continued == "reasoning")
+        scanner = StopScanner(prepared.request.stop)
         calls = 0
         blocks = 0
         done: Finished | None = None
@@ -974,13 +1037,15 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._sse(chunk({"role": "assistant", "content": ""}))
             for event in events:
-                if isinstance(event, TextDelta):
+                if isinstance(event, TextDelta) and scanner.hit is None:
                     if event.channel == "thinking":
                         text = reasoning.push(event.text)
                         if text:
                             self._sse(chunk({"reasoning_content": text}))
                     else:
-                        send_items(parser.feed(event.text))
+                        send_items(parser.feed(scanner.feed(event.text)))
+                        if scanner.hit is not None:
+                            cancel.set()  # the engine stops within a pass; the rest of its text is dropped
                 elif isinstance(event, BlockCommitted):
                     blocks += 1
                 elif isinstance(event, Finished):
@@ -991,10 +1056,12 @@ class _Handler(BaseHTTPRequestHandler):
                     if self._client_gone():
                         raise _ClientGone()
             assert done is not None
-            self._count(done)
+            stopped = scanner.hit
+            self._count(done, stopped=stopped is not None)
             counted = True
-            send_items(parser.finish())
-            self._sse(chunk({}, finish_reason(done, calls), clover=service.extras(prepared, done, blocks)))
+            send_items(parser.feed(scanner.finish()) + parser.finish())
+            self._sse(chunk({}, finish_reason(done, calls, stopped),
+                            clover=service.extras(prepared, done, blocks, stopped)))
             if prepared.request.include_usage:
                 self._sse({"id": prepared.id, "object": "chat.completion.chunk", "created": prepared.created,
                            "model": service.model_id, "choices": [], "usage": usage_of(done)})

@@ -141,6 +141,62 @@ def test_thinking_off_and_ar_mode(chat_server) -> None:  # noqa: ANN001
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# stop sequences
+
+
+def test_a_stop_sequence_ends_the_answer_before_it(chat_server) -> None:  # noqa: ANN001
+    c = client(chat_server)
+    before = wait_idle(chat_server)
+    answer = c.chat.completions.create(model="clover", messages=HI, stop=["thing", "never"])
+    message = answer.choices[0].message
+    assert (message.reasoning_content, message.content) == ("Let me think", "Sure")  # not in the reasoning
+    assert answer.choices[0].finish_reason == "stop"
+    assert (answer.clover["stop_reason"], answer.clover["stop_sequence"]) == ("stop_sequence", "thing")
+    chunks = list(c.chat.completions.create(model="clover", messages=HI, stop="ing.", stream=True,
+                                            extra_body={"clover": {"mode": "ar"}}))
+    assert (_joined(chunks, "reasoning_content"), _joined(chunks, "content")) == ("Let me think", "Sure th")
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert final.choices[0].finish_reason == "stop" and final.clover["stop_sequence"] == "ing."
+    after = wait_idle(chat_server)
+    assert after["completed"] == before["completed"] + 2 and after["cancelled"] == before["cancelled"]
+    # one that never comes changes nothing
+    whole = c.chat.completions.create(model="clover", messages=HI, stop=["zebra"])
+    assert whole.choices[0].message.content == "Sure thing." and "stop_sequence" not in whole.clover
+
+
+def test_a_stop_sequence_cancels_an_endless_answer(endless_server) -> None:  # noqa: ANN001
+    """Thinking off, the endless model writes "tick tock tick tock ..." until max_tokens: a stop sequence ends it
+    within a pass, streamed or not."""
+    c = client(endless_server)
+    for stream in (False, True):
+        kwargs = {"model": "clover", "messages": HI, "max_tokens": 3000, "stop": [" tock tick"],
+                  "extra_body": {**NO_THINKING, "clover": {"mode": "ar"}}}
+        if stream:
+            chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+            content, usage = _joined(chunks, "content"), chunks[-1].usage
+        else:
+            answer = c.chat.completions.create(**kwargs)
+            content, usage = answer.choices[0].message.content, answer.usage
+        assert content == "tick", stream
+        assert usage.completion_tokens < 10, usage  # cancelled at once in AR mode, not 3,000 tokens later
+    _still_answers(endless_server)
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+def test_stop_scanner_finds_a_sequence_split_anywhere(cut: int) -> None:
+    from clover_desk.server import StopScanner
+
+    text = "tick tock tick tock"
+    scanner = StopScanner([" tock t", "zzz"])
+    out = scanner.feed(text[:cut]) + scanner.feed(text[cut:]) + scanner.finish()
+    assert (out, scanner.hit) == ("tick", " tock t")
+    plain = StopScanner(["tock!"])
+    released = plain.feed(text[:cut]) + plain.feed(text[cut:])
+    assert released == "tick tock tick "  # the last "tock" is held: it may still become "tock!"
+    assert plain.finish() == "tock" and plain.hit is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # tools
 
 
@@ -474,7 +530,7 @@ def test_unknown_fields_are_ignored_and_listed(strict_server) -> None:  # noqa: 
     assert answer.clover["ignored_fields"] == ["frobnicate", "best_of"]
 
 
-_UNSUPPORTED = {"n", "logprobs", "stop", "response_format", "frequency_penalty", "tool_choice", "messages[0].content[0]"}
+_UNSUPPORTED = {"n", "logprobs", "response_format", "frequency_penalty", "tool_choice", "messages[0].content[0]"}
 
 
 @pytest.mark.parametrize(("extra", "param"), [
@@ -507,7 +563,10 @@ _UNSUPPORTED = {"n", "logprobs", "stop", "response_format", "frequency_penalty",
     ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
     ({"n": 2}, "n"),
     ({"logprobs": True}, "logprobs"),
-    ({"stop": ["\n"]}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"stop": 5}, "stop"),
+    ({"stop": ["x" * 257]}, "stop"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
 ])
