@@ -420,9 +420,11 @@ def test_keyboard_only_use(qtbot, store) -> None:
     with qtbot.waitSignal(window.generationFinished, timeout=10_000):
         qtbot.keyClick(window, Qt.Key.Key_R, Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier)
     window.composer.input.setFocus()
-    qtbot.keyClick(window.composer.input, Qt.Key.Key_Tab)  # message box → Think → Send
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Tab)  # message box → Think → Attach → Send
     assert window.composer.think_button.hasFocus()
     qtbot.keyClick(window.composer.think_button, Qt.Key.Key_Tab)
+    assert window.composer.attach_button.hasFocus()
+    qtbot.keyClick(window.composer.attach_button, Qt.Key.Key_Tab)
     assert window.composer.send_button.hasFocus()
 
 

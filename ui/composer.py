@@ -1,16 +1,45 @@
-"""The message box under the chat: the text, the Think switch, and one button that is Send (or Stop while an
+"""The message box under the chat: the text, the Think switch, Attach, and one button that is Send (or Stop while an
 answer streams). Send is disabled, with the reason shown beside it, while the engine cannot answer (starting,
-loading, stopped): the typed text stays in the box and goes once the model is ready."""
+loading, stopped): the typed text stays in the box and goes once the model is ready. Text files attached (the
+button, or dropped or pasted on the box) go into the message as fenced blocks (:mod:`ui.attachments`)."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QEvent, Qt, Signal
+from PySide6.QtCore import QEvent, QMimeData, Qt, Signal
 from PySide6.QtGui import QKeyEvent, QKeySequence
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
 
+from ui.attachments import AttachmentError, read_attachment
 from ui.chat_view import MessageData
 from ui.theme import set_style_class
 from ui.widgets import ElidedLabel, accessible
+
+
+ATTACH_FILTERS = ("Text files (*.txt *.md *.py *.js *.ts *.html *.htm *.css *.json *.csv *.xml *.svg *.yaml *.yml "
+                  "*.toml *.sh *.c *.h *.cpp *.rs *.go *.java *.sql *.tex *.log)", "All files (*)")
+
+
+def ask_open_paths(parent: QWidget) -> list[str]:
+    """The file dialog of Attach (a seam: tests replace it). Returns the files chosen (none: cancelled)."""
+    paths, _ = QFileDialog.getOpenFileNames(parent, "Attach text files", "", ";;".join(ATTACH_FILTERS))
+    return list(paths)
+
+
+def local_files(mime: QMimeData) -> list[str]:
+    """The local files a drop or a paste carries (none when it carries anything else, e.g. a web link)."""
+    if not mime.hasUrls():
+        return []
+    urls = mime.urls()
+    return [u.toLocalFile() for u in urls] if urls and all(u.isLocalFile() for u in urls) else []
 
 
 class PromptEdit(QPlainTextEdit):
@@ -21,6 +50,7 @@ class PromptEdit(QPlainTextEdit):
 
     submitted = Signal()  # Enter pressed: send the text
     escapePressed = Signal()  # Esc pressed: stop the generation / leave edit mode
+    filesDropped = Signal(list)  # local file paths dropped or pasted on the box: to attach
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -39,6 +69,16 @@ class PromptEdit(QPlainTextEdit):
                 event.ignore()  # not ours: the window's shortcut runs
                 return True
         return super().event(event)
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:  # noqa: N802
+        return bool(local_files(source)) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:  # noqa: N802
+        files = local_files(source)
+        if files:
+            self.filesDropped.emit(files)  # the files' text, not their paths
+        else:
+            super().insertFromMimeData(source)
 
     def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
@@ -78,6 +118,18 @@ class Composer(QFrame):
         set_style_class(self.edit_note, "warnText")
         self.edit_note.setWordWrap(True)
         self.edit_note.setVisible(False)
+        self.attach_note = QLabel()  # why a file was not attached
+        self.attach_note.setObjectName("attachNote")
+        set_style_class(self.attach_note, "warnText")
+        self.attach_note.setWordWrap(True)
+        self.attach_note.setVisible(False)
+        accessible(self.attach_note, "Files not attached")
+        self.attach_button = QPushButton("Attach")
+        self.attach_button.setObjectName("attachButton")
+        set_style_class(self.attach_button, "chip")
+        self.attach_button.setToolTip("Add text files (code, Markdown, HTML, CSV) to the message; dropping them on the "
+                                      "box works too")
+        accessible(self.attach_button, "Attach text files")
         self.think_button = QPushButton("Think")
         self.think_button.setObjectName("thinkToggle")
         set_style_class(self.think_button, "chip")
@@ -100,9 +152,11 @@ class Composer(QFrame):
         layout.setSpacing(4)
         layout.addWidget(self.edit_note)
         layout.addWidget(self.input)
+        layout.addWidget(self.attach_note)
         row = QHBoxLayout()
         self._row = row
         row.addWidget(self.think_button)
+        row.addWidget(self.attach_button)
         row.addWidget(self.mode_label)
         row.addSpacing(6)
         row.addWidget(self.blocked_label, 1)
@@ -117,6 +171,9 @@ class Composer(QFrame):
         self.input.escapePressed.connect(self.on_escape)
         self.send_button.clicked.connect(self.on_send_clicked)
         self.think_button.toggled.connect(self.thinkToggled)
+        self.attach_button.clicked.connect(self.on_attach_clicked)
+        self.input.filesDropped.connect(self.attach_files)
+        self.input.textChanged.connect(self.on_text_changed)
 
     def add_status_widget(self, widget: QWidget) -> None:
         """A small status (the context meter) on the button row, just before Send."""
@@ -160,7 +217,36 @@ class Composer(QFrame):
         self.editing = None
         self.edit_note.setVisible(False)
 
+    def attach_files(self, paths: list[str]) -> int:
+        """Put the text of each file at the cursor, as fenced blocks; say in one line per file which could not be
+        attached and why. Returns how many were."""
+        blocks, errors = [], []
+        for path in paths:
+            try:
+                blocks.append(read_attachment(path))
+            except AttachmentError as exc:
+                errors.append(str(exc))
+        self.attach_note.setText("\n".join(errors))
+        self.attach_note.setVisible(bool(errors))
+        if blocks:
+            cursor = self.input.textCursor()
+            before = self.input.toPlainText()[: cursor.position()]
+            gap = 0 if not before.strip() else 2 - (len(before) - len(before.rstrip("\n")))  # a blank line before
+            cursor.insertText("\n" * max(0, gap) + "\n".join(blocks))
+            self.input.setTextCursor(cursor)  # after what was inserted
+            self.input.setFocus()
+        return len(blocks)
+
     # -- slots
+    def on_attach_clicked(self) -> None:
+        paths = ask_open_paths(self)
+        if paths:
+            self.attach_files(paths)
+
+    def on_text_changed(self) -> None:
+        if not self.input.toPlainText() and self.attach_note.isVisible():
+            self.attach_note.setVisible(False)  # sent (or cleared): the note was about that message
+
     def on_send_clicked(self) -> None:
         if self.generating:
             self.stopRequested.emit()

@@ -481,11 +481,11 @@ class MainWindow(QMainWindow):
         self.composer.input.set_window_shortcuts([a.shortcut() for a in self.actions() if not a.shortcut().isEmpty()])
 
     def _build_tab_order(self) -> None:
-        """Keyboard-only use: Tab goes sidebar → header → message box → Think → Send → panels."""
+        """Keyboard-only use: Tab goes sidebar → header → message box → Think → Attach → Send → panels."""
         chain: list[QWidget] = [
             self.sidebar.new_button, self.sidebar.search, self.sidebar.list, self.sidebar.models_button,
             self.settings_button, self.panel_button, self.composer.input, self.composer.think_button,
-            self.composer.send_button, self.tabs,
+            self.composer.attach_button, self.composer.send_button, self.tabs,
         ]
         for first, second in zip(chain, chain[1:]):
             QWidget.setTabOrder(first, second)
