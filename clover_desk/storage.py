@@ -1008,11 +1008,12 @@ class StreamRecorder:
             self.flush()
             self._end_thinking()
             stopped = event.kind in ("CancelledError", "WorkerStopped")
-            stats = {"stop_reason": "cancelled" if stopped else "error", "error": f"{event.kind}: {event.message}"}
-            self.store.finish_message(
-                self.message_id, "stopped" if stopped else "error", stats=stats,
-                thinking_seconds=self._thinking_seconds,
-            )
+            reason, status = ("cancelled", "stopped") if stopped else ("error", "error")
+            if self._before is not None and not stopped:  # a continuation that failed (a prompt now over the
+                # context, a crash): the answer it went on with stays what it was, cut short, in the chat's context
+                reason, status = ("interrupted" if event.kind == "WorkerCrashed" else "error"), "stopped"
+            stats = {"stop_reason": reason, "error": f"{event.kind}: {event.message}"}
+            self.store.finish_message(self.message_id, status, stats=stats, thinking_seconds=self._thinking_seconds)
             self.done = True
         return self.done
 

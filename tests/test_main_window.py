@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk.storage import ChatStore, StreamRecorder
 from engine.defaults import DEFAULT_CTX_TOKENS
-from engine.events import Finished, LoadProgress, TextDelta
+from engine.events import EngineError, Finished, LoadProgress, TextDelta
 from fakes_ui import FakeEngineClient, fake_plan
 from ui.html_extract import extract_html
 from ui.generation import GenerationSettings, expert_hit_rate
@@ -168,6 +168,33 @@ def test_stop_then_continue_goes_on_with_the_same_answer(qtbot, store) -> None:
     assert after.status == "complete" and after.stats["continued"] == 1 == widget.data.stats["continued"]
     assert after.stats["tokens"] == before.stats["tokens"] + finished.tokens == widget.data.stats["tokens"]
     assert not widget.continue_button.isVisible() and not window.continue_action.isEnabled()  # it ended: eos
+
+
+def test_a_continuation_the_engine_refuses_leaves_the_answer_as_it_was(qtbot, store) -> None:
+    """E.g. the chat plus the answer no longer fit the context: the answer is not turned into an error (it would
+    leave the chat's context); it stays, cut short, and the banner says why it did not go on."""
+    c = store.create_conversation("full")
+    store.add_message(c.id, "user", "one")
+    cut = store.add_message(c.id, "assistant", "so far", thinking="hmm", status="complete",
+                            stats={"stop_reason": "max_new_tokens", "tokens": 16})
+    window, client = make_window(qtbot, store)
+    window.open_conversation(c.id)
+    client.paused = True
+    widget = window.chat.widgets[-1]
+    widget.continue_button.click()
+    assert window.is_generating()
+    message = "prompt is 4,100 tokens; the context holds 4,096 positions, leaving no room to generate"
+    with qtbot.waitSignal(window.generationFinished, timeout=2000):
+        client.event.emit(window.request_id, EngineError("PromptError", message))
+    saved = store.get_message(cut.id)
+    assert (saved.status, saved.content, saved.thinking) == ("stopped", "so far", "hmm")
+    assert saved.stats["stop_reason"] == "error" and saved.stats["tokens"] == 16 and message in saved.stats["error"]
+    assert (widget.data.status, widget.data.content) == ("stopped", "so far")
+    assert "Error" not in widget.body.toPlainText()
+    banner = window.info_banner
+    assert banner.isVisible() and "The answer was not continued: PromptError" in banner.label.text()
+    assert not widget.continue_button.isVisible()  # it would fail the same way: Regenerate, or a new chat
+    assert store.chat_messages(c.id)[-1] == {"role": "assistant", "content": "so far"}  # still in the context
 
 
 def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) -> None:

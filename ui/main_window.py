@@ -1068,8 +1068,15 @@ class MainWindow(QMainWindow):
         if self.recorder is not None and not self.recorder.done:  # e.g. a crash reported before its EngineError
             self.recorder.on_event(EngineError("WorkerCrashed" if reason == "crashed" else "Error", message))
         data = self.reply_data
-        data.status = "error"
-        data.stats = {**data.stats, "error": message, "stop_reason": reason}
+        if self.reply.carried_stats is not None:  # a continuation failed: the answer stays as it was, cut short
+            data.status = "stopped"  # (as the recorder saved it: clover_desk.storage.StreamRecorder)
+            data.stats = {**data.stats, "error": message,
+                          "stop_reason": "interrupted" if reason == "crashed" else "error"}
+            self.info_banner.action.setVisible(False)
+            self.info_banner.show_message(f"The answer was not continued: {message}")
+        else:
+            data.status = "error"
+            data.stats = {**data.stats, "error": message, "stop_reason": reason}
         self._end_generation(reason)
 
     def _stop_unsaved(self, event: object, error: Exception) -> None:
