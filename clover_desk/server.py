@@ -6,7 +6,10 @@
     server.close()
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions`` (streaming as server-sent
-events, or one JSON answer) and ``GET /health`` (no key needed: status, busy, queue length, counters).
+events, or one JSON answer), ``POST /v1/completions`` (the legacy text API: a raw prompt, text or token ids, no chat
+template; the text comes back as the model wrote it, ``<think>`` markers included; ``max_tokens`` 16 unless given, as
+OpenAI's; ``echo``, ``suffix`` and ``best_of`` > 1 are refused) and ``GET /health`` (no key needed: status, busy,
+queue length, counters).
 
 What a request may hold, and what the server does with it:
 
@@ -84,6 +87,11 @@ _READ_FIELDS = {
     "logit_bias", "stop", "response_format", "tools", "tool_choice", "functions", "function_call",
     "chat_template_kwargs", "clover", "continue_final_message", "add_generation_prompt",
 }
+_COMPLETION_FIELDS = {
+    "prompt", "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
+    "presence_penalty", "repetition_penalty", "frequency_penalty", "n", "best_of", "logprobs", "echo", "suffix",
+    "logit_bias", "stop", "clover",
+}
 _NO_EFFECT_FIELDS = {"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
                      "safety_identifier"}
 _CLOVER_FIELDS = ("mode", "block_size", "threshold")
@@ -131,7 +139,7 @@ class _ClientGone(Exception):
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A checked ``/v1/chat/completions`` body, in the engine's terms."""
+    """A checked ``/v1/chat/completions`` (or ``/v1/completions``) body, in the engine's terms."""
 
     messages: list[dict[str, Any]]  # chat-template form
     tools: list[dict[str, Any]] | None  # as the template renders them (None: no tools in the prompt)
@@ -142,6 +150,14 @@ class ChatRequest:
     ignored_fields: tuple[str, ...] = ()
     continue_final: bool = False  # go on with the last message, an assistant answer (continue_final_message)
     stop: tuple[str, ...] = ()  # stop sequences: the answer ends before the first one it writes
+    # /v1/completions: a raw prompt (no chat template) as text or token ids; messages and tools are then empty
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+
+    @property
+    def completion(self) -> bool:
+        """A /v1/completions request (a raw prompt, text out), not a chat."""
+        return self.prompt is not None or self.prompt_ids is not None
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -307,13 +323,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     ignored = [name for name in body if name not in _READ_FIELDS and name not in _NO_EFFECT_FIELDS]
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise _bad("model", "a string", body["model"])
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _bad("stream", "true, false or null", stream)
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or
-                                not isinstance(options.get("include_usage", False), bool)):
-        raise _bad("stream_options", 'null or {"include_usage": true | false}', options)
+    stream, include_usage = _streaming(body)
     messages = _messages(body.get("messages"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
@@ -327,13 +337,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _limited(body, "max_completion_tokens", "max_new_tokens")
     if max_tokens is None:
         max_tokens = _limited(body, "max_tokens", "max_new_tokens")
-    temperature = _limited(body, "temperature", "temperature")
-    top_p = _limited(body, "top_p", "top_p")
-    top_k = body.get("top_k")
-    top_k = 0 if top_k == -1 and not isinstance(top_k, bool) else _limited(body, "top_k", "top_k")  # -1: off (vLLM)
-    seed = _limited(body, "seed", "seed")
-    presence = _limited(body, "presence_penalty", "presence_penalty")
-    repetition = _limited(body, "repetition_penalty", "repetition_penalty")
+    sampling = _sampling(body)
 
     kwargs = body.get("chat_template_kwargs")
     enable_thinking = True
@@ -363,6 +367,43 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise _bad(f"messages[{len(messages) - 1}].role", '"assistant" with continue_final_message (the answer it '
                    'continues)', messages[-1]["role"])
 
+    mode, block_size, threshold = _clover(body)
+    params = GenerationParams(max_new_tokens=max_tokens, block_size=block_size, threshold=threshold,
+                              enable_thinking=enable_thinking, **sampling)
+    return ChatRequest(
+        messages=messages, tools=tools, params=params, mode=mode, stream=stream, include_usage=include_usage,
+        ignored_fields=tuple(ignored), continue_final=bool(continue_final), stop=stop,
+    )
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage) of a request."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("stream", "true, false or null", stream)
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or
+                                not isinstance(options.get("include_usage", False), bool)):
+        raise _bad("stream_options", 'null or {"include_usage": true | false}', options)
+    return bool(stream), bool(options and options.get("include_usage"))
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of a request as GenerationParams keywords (None: the model's default)."""
+    top_k = body.get("top_k")
+    return {
+        "temperature": _limited(body, "temperature", "temperature"),
+        "top_p": _limited(body, "top_p", "top_p"),
+        "top_k": 0 if top_k == -1 and not isinstance(top_k, bool) else _limited(body, "top_k", "top_k"),  # -1: off
+        "seed": _limited(body, "seed", "seed"),
+        "presence_penalty": _limited(body, "presence_penalty", "presence_penalty"),
+        "repetition_penalty": _limited(body, "repetition_penalty", "repetition_penalty"),
+    }
+
+
+def _clover(body: dict[str, Any]) -> tuple[str | None, int | None, float | None]:
+    """(mode, block_size, threshold) from the request's ``clover`` object (our namespace: an unknown key is an
+    error)."""
     clover = body.get("clover")
     mode, block_size, threshold = None, None, None
     if clover is not None:
@@ -378,15 +419,45 @@ def parse_chat_request(body: Any) -> ChatRequest:
             mode = clover["mode"]
         block_size = _limited(clover, "block_size", "block_size", "clover.block_size")
         threshold = _limited(clover, "threshold", "threshold", "clover.threshold")
-    params = GenerationParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence,
-        repetition_penalty=repetition, block_size=block_size, threshold=threshold, enable_thinking=enable_thinking,
-        seed=seed,
-    )
+    return mode, block_size, threshold
+
+
+def _raw_prompt(value: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    """/v1/completions' ``prompt``: a non-empty string or a list of token ids, either alone in a list too (one
+    prompt per request)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str) and value:
+        return value, None
+    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return None, tuple(value)
+    raise _bad("prompt", "a non-empty string or a list of token ids (one prompt per request)", value)
+
+
+def parse_completion_request(body: Any) -> ChatRequest:
+    """Check a decoded ``/v1/completions`` body (the legacy text API: a raw prompt, no chat template); raise
+    :class:`ApiError` (400) naming the first bad field. ``max_tokens`` defaults to 16, as OpenAI's does."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    _refuse_unsupported(body)
+    if body.get("best_of") not in (None, 1):
+        raise _unsupported("best_of", "only one completion per request (best_of = 1) is supported")
+    if body.get("echo") not in (None, False):
+        raise _unsupported("echo", "the prompt is not echoed back")
+    if body.get("suffix") not in (None, ""):
+        raise _unsupported("suffix", "fill-in-the-middle (a suffix) is not supported")
+    ignored = [name for name in body if name not in _COMPLETION_FIELDS and name not in _NO_EFFECT_FIELDS]
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise _bad("model", "a string", body["model"])
+    stream, include_usage = _streaming(body)
+    prompt, prompt_ids = _raw_prompt(body.get("prompt"))
+    max_tokens = _limited(body, "max_tokens", "max_new_tokens")
+    mode, block_size, threshold = _clover(body)
+    params = GenerationParams(max_new_tokens=16 if max_tokens is None else max_tokens, block_size=block_size,
+                              threshold=threshold, **_sampling(body))
     return ChatRequest(
-        messages=messages, tools=tools, params=params, mode=mode, stream=bool(stream),
-        include_usage=bool(options and options.get("include_usage")), ignored_fields=tuple(ignored),
-        continue_final=bool(continue_final), stop=stop,
+        messages=[], tools=None, params=params, mode=mode, stream=stream, include_usage=include_usage,
+        ignored_fields=tuple(ignored), stop=_stop_sequences(body.get("stop")), prompt=prompt, prompt_ids=prompt_ids,
     )
 
 
@@ -497,6 +568,33 @@ class AnswerParser:
         if rest:
             self._text(rest, out)
         return out
+
+
+def _markers(tokenizer: Any, ids: Sequence[int]) -> tuple[str | None, str | None, bool]:
+    """(``<think>``, ``</think>``, whether the prompt ``ids`` end inside a thinking section) for :class:`RawText`."""
+    start_id = getattr(tokenizer, "think_start_id", None)
+    end_id = getattr(tokenizer, "think_end_id", None)
+    if start_id is None or end_id is None:
+        return None, None, False
+    last = next((i for i in reversed(ids) if i in (start_id, end_id)), None)
+    return tokenizer.id_to_token(start_id), tokenizer.id_to_token(end_id), last == start_id
+
+
+class RawText:
+    """A completion's text as the model wrote it: the engine's two channels joined in order, with the thinking
+    markers put back where the channel changes (the engine's deltas leave them out). Its end-of-text tokens stay
+    out, as other OpenAI-compatible servers leave special tokens out."""
+
+    def __init__(self, start: str | None, end: str | None, thinking: bool) -> None:
+        self.start, self.end, self.thinking = start, end, thinking
+
+    def push(self, text: str, channel: str) -> str:
+        thinking = channel == "thinking"
+        marker = ""
+        if thinking != self.thinking and self.start is not None and self.end is not None:
+            marker = self.start if thinking else self.end
+        self.thinking = thinking
+        return marker + text
 
 
 class StopScanner:
@@ -619,6 +717,7 @@ class _Prepared:
     prompt_ids: list[int]
     params: GenerationParams  # max_new_tokens resolved
     written: int = 0  # the prompt's last ids that are the model's own answer (continue_final_message)
+    markers: tuple[str | None, str | None, bool] = (None, None, False)  # a completion's: RawText's arguments
     id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -663,25 +762,37 @@ class ChatService:
         engine = self.engine
         if engine is None:
             raise ApiError(503, "the model is still loading", type="server_error", code="model_loading")
+        where = "prompt" if request.completion else "messages"
         try:
-            ids, written = engine.encode_request(messages=request.messages, tools=request.tools,
-                                                 enable_thinking=request.params.enable_thinking,
-                                                 continue_final=request.continue_final)
+            if request.completion:
+                ids, written = engine.encode_request(
+                    prompt=request.prompt, raw=True,
+                    prompt_ids=None if request.prompt_ids is None else list(request.prompt_ids))
+                if max(ids) >= engine.config.vocab_size or min(ids) < 0:
+                    bad = next(i for i in ids if not 0 <= i < engine.config.vocab_size)
+                    raise ApiError(400, f"prompt token id {bad} is outside the vocabulary "
+                                        f"(0..{engine.config.vocab_size - 1})", param="prompt", code="invalid_value")
+            else:
+                ids, written = engine.encode_request(messages=request.messages, tools=request.tools,
+                                                     enable_thinking=request.params.enable_thinking,
+                                                     continue_final=request.continue_final)
         except CloverError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+            raise ApiError(400, str(exc), param=where) from None
         ctx, prompt = self._ctx_of(engine), len(ids)
         room = ctx - prompt
         asked = request.params.max_new_tokens
         if room < 1 or (asked is not None and asked > room):
-            wanted = f"{prompt} in the messages" + (f", {asked} in the completion" if asked is not None else "")
+            wanted = f"{prompt} in the {where}" + (f", {asked} in the completion" if asked is not None else "")
             raise ApiError(
                 400, f"this model's maximum context length is {ctx} tokens; the request needs "
-                f"{prompt + (asked or 1)} ({wanted})", param="messages", code="context_length_exceeded")
+                f"{prompt + (asked or 1)} ({wanted})", param=where, code="context_length_exceeded")
         default = engine.generation_defaults.max_new_tokens
         mode = request.mode or ("ar" if getattr(engine, "ar_only", None) else "diffusion")
         params = replace(request.params, mode=mode,
                          max_new_tokens=asked if asked is not None else min(default, room))
-        return _Prepared(request, engine, ids, params, written)
+        markers = _markers(engine.tokenizer, ids) if request.completion else (None, None, False)
+        return _Prepared(request, engine, ids, params, written, markers,
+                         id=("cmpl-" if request.completion else "chatcmpl-") + uuid.uuid4().hex)
 
     def cancel_all(self) -> None:
         with self._active_lock:
@@ -828,11 +939,11 @@ class _Handler(BaseHTTPRequestHandler):
                     raise ApiError(405, f"{method} {path} is not allowed; use GET", code="method_not_allowed")
                 self._send_json(200, self.server.health())
                 return
-            routes = {"/v1/models": "GET", "/v1/chat/completions": "POST"}
+            routes = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
             expected = routes.get(path) or ("GET" if path.startswith("/v1/models/") else None)
             if expected is None:
                 raise ApiError(404, f"no such endpoint: {method} {path} (this server has /v1/models, "
-                                    "/v1/chat/completions and /health)", code="not_found")
+                                    "/v1/chat/completions, /v1/completions and /health)", code="not_found")
             if method != expected:
                 raise ApiError(405, f"{method} {path} is not allowed; use {expected}", code="method_not_allowed")
             self._authorize()
@@ -847,7 +958,7 @@ class _Handler(BaseHTTPRequestHandler):
                                         f"{card['id']!r}", param="model", code="model_not_found")
                 self._send_json(200, card)
             else:
-                self._chat()
+                self._chat(completion=path == "/v1/completions")
         except ApiError as err:
             if method == "POST" and not self._body_read:
                 self.close_connection = True
@@ -903,9 +1014,10 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"the request body is not valid JSON ({detail})", code="invalid_json") from None
 
     # ---- chat ----
-    def _chat(self) -> None:
+    def _chat(self, completion: bool = False) -> None:
         service = self.server.service
-        request = parse_chat_request(self._read_json())
+        body = self._read_json()
+        request = parse_completion_request(body) if completion else parse_chat_request(body)
         prepared = service.prepare(request)
         service.turns.acquire(self._client_gone)
         self._turn_held = True
@@ -954,6 +1066,7 @@ class _Handler(BaseHTTPRequestHandler):
         blocks = 0
         scanner = StopScanner(prepared.request.stop)
         answer: list[str] = []  # the answer channel up to a stop sequence (with stop sequences only)
+        raw = RawText(*prepared.markers)  # a completion's text: both channels
         last_check = time.monotonic()
         try:
             for event in events:
@@ -961,6 +1074,10 @@ class _Handler(BaseHTTPRequestHandler):
                     done = event
                 elif isinstance(event, BlockCommitted):
                     blocks += 1
+                elif isinstance(event, TextDelta) and prepared.request.completion:
+                    answer.append(scanner.feed(raw.push(event.text, event.channel)))
+                    if scanner.hit is not None:
+                        cancel.set()
                 elif isinstance(event, TextDelta) and event.channel != "thinking" and scanner.stops:
                     answer.append(scanner.feed(event.text))
                     if scanner.hit is not None:
@@ -981,6 +1098,16 @@ class _Handler(BaseHTTPRequestHandler):
         assert done is not None
         stopped = scanner.hit
         self._count(done, stopped=stopped is not None)
+        if prepared.request.completion:  # the text as written, thinking included (the <think> markers are not text)
+            self._send_json(200, {
+                "id": prepared.id, "object": "text_completion", "created": prepared.created,
+                "model": service.model_id,
+                "choices": [{"index": 0, "text": "".join(answer) + scanner.finish(), "logprobs": None,
+                             "finish_reason": finish_reason(done, 0, stopped)}],
+                "usage": usage_of(done),
+                "clover": service.extras(prepared, done, blocks, stopped),
+            })
+            return
         continued = prepared.request.continued
         parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
         text = "".join(answer) + scanner.finish() if scanner.stops else done.text
@@ -1010,10 +1137,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
 
+        completion = prepared.request.completion
+        kind = "text_completion" if completion else "chat.completion.chunk"
+        raw = RawText(*prepared.markers)
+
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-            return {"id": prepared.id, "object": "chat.completion.chunk", "created": prepared.created,
-                    "model": service.model_id,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+            choice = ({"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish}
+                      if completion else {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
+            return {"id": prepared.id, "object": kind, "created": prepared.created, "model": service.model_id,
+                    "choices": [choice], **extra}
 
         continued = prepared.request.continued
         parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
@@ -1035,10 +1167,17 @@ class _Handler(BaseHTTPRequestHandler):
         last_check = time.monotonic()
         counted = False
         try:
-            self._sse(chunk({"role": "assistant", "content": ""}))
+            if not completion:
+                self._sse(chunk({"role": "assistant", "content": ""}))
             for event in events:
                 if isinstance(event, TextDelta) and scanner.hit is None:
-                    if event.channel == "thinking":
+                    if completion:
+                        text = scanner.feed(raw.push(event.text, event.channel))
+                        if text:
+                            self._sse(chunk({"text": text}))
+                        if scanner.hit is not None:
+                            cancel.set()
+                    elif event.channel == "thinking":
                         text = reasoning.push(event.text)
                         if text:
                             self._sse(chunk({"reasoning_content": text}))
@@ -1059,11 +1198,16 @@ class _Handler(BaseHTTPRequestHandler):
             stopped = scanner.hit
             self._count(done, stopped=stopped is not None)
             counted = True
-            send_items(parser.feed(scanner.finish()) + parser.finish())
+            rest = scanner.finish()
+            if completion:
+                if rest:
+                    self._sse(chunk({"text": rest}))
+            else:
+                send_items(parser.feed(rest) + parser.finish())
             self._sse(chunk({}, finish_reason(done, calls, stopped),
                             clover=service.extras(prepared, done, blocks, stopped)))
             if prepared.request.include_usage:
-                self._sse({"id": prepared.id, "object": "chat.completion.chunk", "created": prepared.created,
+                self._sse({"id": prepared.id, "object": kind, "created": prepared.created,
                            "model": service.model_id, "choices": [], "usage": usage_of(done)})
             self._write_chunk(b"data: [DONE]\n\n")
             self._write_chunk(b"")

@@ -197,6 +197,62 @@ def test_stop_scanner_finds_a_sequence_split_anywhere(cut: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# /v1/completions: a raw prompt, the text as written
+
+
+def _template(model_dir: Any, enable_thinking: bool = True) -> str:
+    from engine.tokenizer import CloverTokenizer
+
+    return CloverTokenizer.from_dir(model_dir).apply_chat_template(HI, enable_thinking=enable_thinking)
+
+
+def test_a_raw_completion_returns_the_text_as_written(chat_server, chat_model) -> None:  # noqa: ANN001
+    c = client(chat_server)
+    prompt = _template(chat_model.path)  # ends with the generation prompt, "<think>\n": the script follows
+    answer = c.completions.create(model="clover", prompt=prompt, max_tokens=50)
+    choice = answer.choices[0]
+    assert choice.text == "Let me think</think>Sure thing." and choice.finish_reason == "stop"  # markers kept
+    assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
+    from engine.tokenizer import CloverTokenizer
+
+    ids = CloverTokenizer.from_dir(chat_model.path).encode(prompt)
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), 13)
+    assert answer.clover["mode"] == "diffusion" and answer.clover["stop_reason"] == "eos"
+    chunks = list(c.completions.create(model="clover", prompt=ids, max_tokens=50, stream=True,
+                                       stream_options={"include_usage": True}))  # token ids work too
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "Let me think</think>Sure thing."
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == 13 and {ch.object for ch in chunks} == {"text_completion"}
+    stopped = c.completions.create(model="clover", prompt=prompt, max_tokens=50, stop=["</think>"])
+    assert (stopped.choices[0].text, stopped.clover["stop_sequence"]) == ("Let me think", "</think>")
+
+
+def test_a_completion_writes_16_tokens_unless_told(endless_server, endless_model) -> None:  # noqa: ANN001
+    prompt = _template(endless_model.path, enable_thinking=False)  # "tick tock ..." for ever after this
+    answer = client(endless_server).completions.create(model="clover", prompt=prompt,
+                                                       extra_body={"clover": {"mode": "ar"}})
+    assert answer.usage.completion_tokens == 16 and answer.choices[0].finish_reason == "length"  # as OpenAI's
+    assert answer.choices[0].text.startswith("tick tock tick")
+
+
+@pytest.mark.parametrize(("extra", "param", "code"), [
+    ({}, "prompt", "invalid_value"),
+    ({"prompt": ""}, "prompt", "invalid_value"),
+    ({"prompt": ["a", "b"]}, "prompt", "invalid_value"),
+    ({"prompt": [1, 10 ** 9]}, "prompt", "invalid_value"),
+    ({"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+    ({"prompt": "hi", "suffix": "end"}, "suffix", "unsupported_parameter"),
+    ({"prompt": "hi", "best_of": 2}, "best_of", "unsupported_parameter"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
+])
+def test_a_bad_completion_request_is_a_400_naming_the_field(chat_server, extra: dict[str, Any], param: str,
+                                                             code: str) -> None:  # noqa: ANN001
+    status, _, raw = _raw(chat_server, "POST", "/v1/completions", json.dumps({"model": "x", **extra}).encode())
+    error = _error_of(raw)
+    assert (status, error["param"], error["code"]) == (400, param, code), error
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # tools
 
 
@@ -594,8 +650,11 @@ def test_prompt_over_the_context_is_refused(strict_server) -> None:  # noqa: ANN
 
 
 def test_unknown_paths_and_methods(strict_server) -> None:  # noqa: ANN001
-    status, _, raw = _raw(strict_server, "GET", "/v1/completions")
+    status, _, raw = _raw(strict_server, "GET", "/v1/embeddings")
     assert status == 404 and _error_of(raw)["code"] == "not_found"
+    assert "/v1/completions" in _error_of(raw)["message"]  # what this server has
+    status, _, raw = _raw(strict_server, "GET", "/v1/completions")
+    assert status == 405 and _error_of(raw)["code"] == "method_not_allowed"
     status, _, raw = _raw(strict_server, "GET", "/v1/chat/completions")
     assert status == 405 and _error_of(raw)["code"] == "method_not_allowed"
     status, _, raw = _raw(strict_server, "DELETE", "/v1/models")
