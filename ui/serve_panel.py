@@ -67,8 +67,8 @@ class ServeDialog(QDialog):
         self.setWindowTitle("Serve over HTTP")
         self.setModal(False)
         intro = QLabel("Other programs can use the loaded model through an OpenAI-compatible API "
-                       "(<code>/v1/chat/completions</code>, <code>/v1/models</code>) while this window stays open. "
-                       "The window's answers and theirs take turns.")
+                       "(<code>/v1/chat/completions</code>, <code>/v1/completions</code>, <code>/v1/models</code>) "
+                       "while this window stays open. The window's answers and theirs take turns.")
         intro.setWordWrap(True)
         self.host = QLineEdit(DEFAULT_HOST)
         self.host.setObjectName("serveHost")
