@@ -40,6 +40,7 @@ import errno
 import json
 import logging
 import os
+import re
 import secrets
 import sqlite3
 import sys
@@ -360,6 +361,14 @@ def title_from_text(text: str, max_chars: int = 60) -> str:
     return cut.rstrip(" ,.;:") + "…"
 
 
+def branch_title(title: str) -> str:
+    """"Trip plan" -> "Trip plan (branch)", then "(branch 2)", "(branch 3)" for branches of branches."""
+    match = re.fullmatch(r"(.*) \(branch(?: (\d+))?\)", title, re.DOTALL)
+    if match is None:
+        return f"{title} (branch)"
+    return f"{match[1]} (branch {int(match[2] or 1) + 1})"
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int | None = None) -> None:
     """Write ``text`` (UTF-8) to ``path`` so that readers see the old file or the new one, never a partial one.
 
@@ -596,6 +605,27 @@ class ChatStore:
                 (title, now, now, system_prompt, json.dumps(settings or {})),
             )
         return self.get_conversation(int(cur.lastrowid))
+
+    def branch_conversation(self, message_id: int) -> Conversation:
+        """A new chat that starts as this message's chat did, up to and including the message: the same system
+        prompt and settings, copies of the messages (an answer still being written is left out), titled after the
+        original. One transaction: the branch is there whole or not at all; the original is not touched."""
+        current = self.get_message(message_id)
+        source = self.get_conversation(current.conversation_id)
+        now = self._now()
+        with self._tx() as conn:
+            cur = conn.execute(
+                "INSERT INTO conversations (title, created, updated, system_prompt, settings) VALUES (?, ?, ?, ?, ?)",
+                (branch_title(source.title), now, now, source.system_prompt, json.dumps(source.settings)),
+            )
+            new_id = int(cur.lastrowid)
+            conn.execute(
+                "INSERT INTO messages (conversation_id, role, content, thinking, thinking_seconds, status, stats, "
+                "created) SELECT ?, role, content, thinking, thinking_seconds, status, stats, created FROM messages "
+                "WHERE conversation_id = ? AND id <= ? AND status != 'streaming' ORDER BY id",
+                (new_id, current.conversation_id, message_id),
+            )
+        return self.get_conversation(new_id)
 
     def get_conversation(self, conversation_id: int) -> Conversation:
         row = self._conn.execute("SELECT * FROM conversations WHERE id = ?", (conversation_id,)).fetchone()

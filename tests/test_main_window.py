@@ -228,6 +228,25 @@ def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) ->
     assert len(client.requests) == 1
 
 
+def test_branch_opens_a_new_chat_up_to_that_answer(qtbot, store) -> None:
+    window, client = make_window(qtbot, store)
+    send(qtbot, window, "first question")
+    send(qtbot, window, "second question")
+    original = window.conversation_id
+    first_answer = window.chat.widgets[1]
+    assert first_answer.branch_button.isVisible() and not window.chat.widgets[0].branch_button.isVisible()
+    first_answer.branch_button.click()
+    assert window.conversation_id != original
+    assert [(w.data.role, w.data.content) for w in window.chat.widgets] == [
+        (m.role, m.content) for m in store.messages(original)[:2]]
+    assert store.get_conversation(window.conversation_id).title == "first question (branch)"
+    assert len(store.messages(original)) == 4 and window.sidebar.list.count() == 2
+    send(qtbot, window, "a different second question")  # the branch goes its own way
+    assert client.requests[-1][0][:2] == client.requests[1][0][:2]  # the same start
+    assert [m.content for m in store.messages(window.conversation_id)][2] == "a different second question"
+    assert store.messages(original)[2].content == "second question"
+
+
 def test_regenerate_replaces_the_last_answer(qtbot, store) -> None:
     window, client = make_window(qtbot, store)
     send(qtbot, window, "hello")

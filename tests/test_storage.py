@@ -472,3 +472,27 @@ def test_a_crash_while_continuing_keeps_the_whole_answer(tmp_path: Path) -> None
         m = again.get_message(a.id)
         assert (m.status, m.content, m.stats["stop_reason"]) == ("stopped", "one two three", "interrupted")
         again.reopen_message(a.id)  # and it can be continued again
+
+
+def test_branch_copies_the_chat_up_to_a_message(store: ChatStore) -> None:
+    c = store.create_conversation("Trip plan", system_prompt="Be brief", settings={"temperature": 0.7})
+    u1 = store.add_message(c.id, "user", "Where to?")
+    a1 = store.add_message(c.id, "assistant", "Lisbon.", thinking="sunny", thinking_seconds=1.5,
+                           stats={"tokens": 3, "stop_reason": "eos"})
+    store.add_message(c.id, "user", "And after?")
+    store.add_message(c.id, "assistant", "Porto.")
+    branch = store.branch_conversation(a1.id)
+    assert (branch.title, branch.system_prompt, branch.settings) == ("Trip plan (branch)", "Be brief",
+                                                                     {"temperature": 0.7})
+    copied = store.messages(branch.id)
+    assert [(m.role, m.content, m.thinking, m.thinking_seconds, m.stats) for m in copied] == [
+        ("user", "Where to?", "", None, {}), ("assistant", "Lisbon.", "sunny", 1.5, {"tokens": 3, "stop_reason": "eos"})]
+    assert copied[0].id > a1.id  # new rows: the branch and the original never share a message
+    assert [m.content for m in store.messages(c.id)] == ["Where to?", "Lisbon.", "And after?", "Porto."]
+    again = store.branch_conversation(store.messages(branch.id)[0].id)  # a branch of the branch
+    assert again.title == "Trip plan (branch 2)" and [m.id for m in store.messages(again.id)] != [u1.id]
+    assert store.branch_conversation(store.messages(again.id)[0].id).title == "Trip plan (branch 3)"
+    streaming = store.add_message(c.id, "assistant", "half", status="streaming")
+    assert [m.content for m in store.messages(store.branch_conversation(streaming.id).id)][-1] == "Porto."
+    with pytest.raises(NotFoundError):
+        store.branch_conversation(10_000)

@@ -325,6 +325,7 @@ class MessageWidget(QFrame):
     editRequested = Signal(object)  # MessageWidget: the user wants to edit this prompt and resend
     regenerateRequested = Signal(object)  # MessageWidget: answer this prompt again
     continueRequested = Signal(object)  # MessageWidget: go on writing this answer (it was cut short)
+    branchRequested = Signal(object)  # MessageWidget: a new chat that starts as this one, up to this message
     previewRequested = Signal(object)  # PreviewRequest: this message's page (or one of its code blocks) to show
 
     def __init__(
@@ -350,6 +351,8 @@ class MessageWidget(QFrame):
         self.regen_button = self._action("Regenerate", "Answer this prompt again (Ctrl+Shift+R)", "Regenerate answer")
         self.continue_button = self._action("Continue", "Let Clover go on writing this answer where it was cut off "
                                             "(Ctrl+Shift+Enter)", "Continue the answer")
+        self.branch_button = self._action("Branch", "Start a new chat from this answer: the messages up to it, the "
+                                          "same settings (this chat stays as it is)", "Branch the chat from here")
         self.preview_button = self._action("Preview", "Open the HTML this message contains in the preview tab",
                                            "Preview the page")
         self.edit_button.setVisible(is_user)
@@ -378,7 +381,8 @@ class MessageWidget(QFrame):
         header.setSpacing(8)
         header.addWidget(self.role_label)
         header.addWidget(self.meta_label, 1)
-        for b in (self.preview_button, self.continue_button, self.regen_button, self.edit_button, self.copy_button):
+        for b in (self.preview_button, self.continue_button, self.regen_button, self.branch_button, self.edit_button,
+                  self.copy_button):
             header.addWidget(b)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(14, 10, 14, 10)
@@ -406,6 +410,7 @@ class MessageWidget(QFrame):
         self.edit_button.clicked.connect(lambda: self.editRequested.emit(self))
         self.regen_button.clicked.connect(lambda: self.regenerateRequested.emit(self))
         self.continue_button.clicked.connect(lambda: self.continueRequested.emit(self))
+        self.branch_button.clicked.connect(lambda: self.branchRequested.emit(self))
         self.preview_button.clicked.connect(self.on_preview_clicked)
         self.thinking_toggle.toggled.connect(self.on_thinking_toggled)
         self.body.previewRequested.connect(self.on_block_preview_requested)
@@ -443,6 +448,7 @@ class MessageWidget(QFrame):
             meta = "generating…"
         self.meta_label.setText(meta)
         self.copy_button.setEnabled(not streaming)
+        self.branch_button.setVisible(d.role == "assistant" and not streaming and d.message_id is not None)
         self.preview_button.setVisible(self._has_html())
 
     def _has_html(self) -> bool:
@@ -486,6 +492,7 @@ class ChatView(QWidget):
     editRequested = Signal(object)  # MessageData of a user message to edit and resend
     regenerateRequested = Signal(object)  # MessageData of the assistant message to answer again
     continueRequested = Signal(object)  # MessageData of the assistant message to go on with
+    branchRequested = Signal(object)  # MessageData of the message a new chat branches from
     previewRequested = Signal(object)  # PreviewRequest: HTML of a message to show in the preview tab
     copied = Signal(str)  # what was copied ("message" | "code"), for a status-bar note
 
@@ -569,6 +576,7 @@ class ChatView(QWidget):
         widget.editRequested.connect(self.on_edit_requested)
         widget.regenerateRequested.connect(self.on_regenerate_requested)
         widget.continueRequested.connect(lambda w: self.continueRequested.emit(w.data))
+        widget.branchRequested.connect(lambda w: self.branchRequested.emit(w.data))
         widget.previewRequested.connect(self.previewRequested)
         widget.copyRequested.connect(lambda: self.copied.emit("message"))
         widget.body.codeCopied.connect(lambda _i: self.copied.emit("code"))

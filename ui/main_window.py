@@ -516,6 +516,7 @@ class MainWindow(QMainWindow):
         self.chat.editRequested.connect(self.on_edit_requested)
         self.chat.regenerateRequested.connect(self.on_regenerate_requested)
         self.chat.continueRequested.connect(self.on_continue_requested)
+        self.chat.branchRequested.connect(self.on_branch_requested)
         self.chat.previewRequested.connect(self.on_preview_requested)
         self.chat.copied.connect(self.on_copied)
         self.drawer.changed.connect(self.on_settings_changed)
@@ -924,6 +925,19 @@ class MainWindow(QMainWindow):
             self.show_save_error(exc, "The answer was not continued")
             return
         self._start_generation(resume=data)
+
+    def on_branch_requested(self, data: MessageData) -> None:
+        """A new chat with this one's messages up to ``data`` and its settings; it opens, the original stays."""
+        if self.is_generating() or data.message_id is None:
+            return
+        try:
+            branch = self.store.branch_conversation(data.message_id)
+        except self._save_error as exc:
+            self.show_save_error(exc, "The chat was not branched")
+            return
+        self.open_conversation(branch.id)
+        self.reload_conversations(self.sidebar.search.text())
+        self.statusBar().showMessage(f"Branched into “{branch.title}”: the original chat is unchanged", 5000)
 
     def on_edit_requested(self, data: MessageData) -> None:
         if self.is_generating():
