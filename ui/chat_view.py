@@ -380,7 +380,7 @@ class MessageWidget(QFrame):
         header = QHBoxLayout()
         header.setSpacing(8)
         header.addWidget(self.role_label)
-        header.addWidget(self.meta_label, 1)
+        header.addStretch(1)
         for b in (self.preview_button, self.continue_button, self.regen_button, self.branch_button, self.edit_button,
                   self.copy_button):
             header.addWidget(b)
@@ -392,6 +392,7 @@ class MessageWidget(QFrame):
         layout.addWidget(self.thinking_body)
         layout.addWidget(self.body)
         layout.addWidget(self.note)
+        layout.addWidget(self.meta_label)  # under the answer: the header's actions leave it no room at 1,024 px
         self._connect_signals()
         self.thinking_toggle.setChecked(expand_thinking)
         self.refresh()
@@ -447,6 +448,7 @@ class MessageWidget(QFrame):
         if streaming:
             meta = "generating…"
         self.meta_label.setText(meta)
+        self.meta_label.setVisible(bool(meta))
         self.copy_button.setEnabled(not streaming)
         self.branch_button.setVisible(d.role == "assistant" and not streaming and d.message_id is not None)
         self.preview_button.setVisible(self._has_html())
