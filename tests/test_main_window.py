@@ -197,6 +197,25 @@ def test_a_continuation_the_engine_refuses_leaves_the_answer_as_it_was(qtbot, st
     assert store.chat_messages(c.id)[-1] == {"role": "assistant", "content": "so far"}  # still in the context
 
 
+def test_a_restart_mid_answer_ends_it_stopped_on_screen_as_on_disk(qtbot, store) -> None:
+    """The client ends a request the worker can no longer answer with EngineError WorkerStopped: the recorder saves
+    the answer stopped (cancelled), and the window shows it so (it showed an error until the chat was reopened)."""
+    client = FakeEngineClient(blocks=20, pass_ms=5)
+    window, _ = make_window(qtbot, store, client)
+    client.paused = True
+    window.composer.input.setPlainText("long answer please")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    client.emit_until(TextDelta, 2)
+    with qtbot.waitSignal(window.generationFinished, timeout=2000):
+        client.event.emit(window.request_id, EngineError("WorkerStopped", "the engine was restarted"))
+    saved = store.messages(window.conversation_id)[-1]
+    widget = window.chat.widgets[-1]
+    assert (saved.status, saved.stats["stop_reason"]) == ("stopped", "cancelled")
+    assert (widget.data.status, widget.data.stats["stop_reason"]) == ("stopped", "cancelled")
+    assert widget.data.content == saved.content != "" and "Error" not in widget.body.toPlainText()
+    assert widget.continue_button.isVisible()
+
+
 def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) -> None:
     c = store.create_conversation("cut")
     store.add_message(c.id, "user", "one")

@@ -1024,8 +1024,9 @@ class MainWindow(QMainWindow):
             self._finish(event)
         elif is_remote_finished(event):
             self._finish_remote(event)
-        elif isinstance(event, EngineError):
-            self._fail(f"{event.kind}: {event.message}", "error")
+        elif isinstance(event, EngineError):  # a restart or a cancel ends it stopped, as the recorder saves it
+            stopped = event.kind in ("CancelledError", "WorkerStopped")
+            self._fail(f"{event.kind}: {event.message}", "cancelled" if stopped else "error")
 
     def _sync_reply(self) -> None:
         assert self.reply is not None and self.reply_data is not None
@@ -1085,11 +1086,11 @@ class MainWindow(QMainWindow):
         if self.reply.carried_stats is not None:  # a continuation failed: the answer stays as it was, cut short
             data.status = "stopped"  # (as the recorder saved it: clover_desk.storage.StreamRecorder)
             data.stats = {**data.stats, "error": message,
-                          "stop_reason": "interrupted" if reason == "crashed" else "error"}
+                          "stop_reason": {"crashed": "interrupted", "cancelled": "cancelled"}.get(reason, "error")}
             self.info_banner.action.setVisible(False)
             self.info_banner.show_message(f"The answer was not continued: {message}")
         else:
-            data.status = "error"
+            data.status = "stopped" if reason == "cancelled" else "error"
             data.stats = {**data.stats, "error": message, "stop_reason": reason}
         self._end_generation(reason)
 
