@@ -18,7 +18,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
-    """Before any QApplication exists: the PySide6 refcount guard and the preview's custom URL scheme."""
+    """Before any QApplication exists: torch's compiler stack (it loads Triton's native library, which segfaults when
+    loaded after Qt WebEngine's Chromium: a worker that ran GUI tests and then built a model; the full suite imports
+    it at collection anyway, this makes any selection of files safe; the app's GUI process never imports torch), the
+    PySide6 refcount guard and the preview's custom URL scheme."""
+    import torch._dynamo  # noqa: F401
+
     from clover_desk.qt_compat import guard_pyside_bool_refcounts
 
     guard_pyside_bool_refcounts()

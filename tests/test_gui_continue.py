@@ -8,8 +8,6 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import Qt
 
-import engine.checkpoint  # noqa: F401 - torch and Triton load at collection, before any Qt WebEngine: Triton's
-#                          library loaded after Chromium's segfaults (seen in a pytest worker that ran the preview)
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from scripted_model import build_scripted_model
 
