@@ -26,7 +26,7 @@ from engine.defaults import DEFAULT_CTX_TOKENS, GIB
 from engine.errors import CancelledError, ConfigError, PlanError, PromptError
 from engine.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
 from engine.events import Event, Finished, GenerationParams, LoadProgress
-from engine.generate import LoopHooks, generate, resolve_settings
+from engine.generate import LoopHooks, PromptCache, generate, resolve_settings
 from engine.limits import check_generation_params
 from engine.tokenizer import CloverTokenizer
 
@@ -137,6 +137,8 @@ class Engine:
         self._hooks = hooks
         self.ar_only = ar_only  # why diffusion mode is refused (a GGUF without the diffusion tensors), or None
         self.compile_skipped = compile_skipped  # why compile=True left the model uncompiled, or None
+        # the last prompt's prefill, for a chat's next turn (it starts with the same tokens): engine.generate
+        self.prompt_cache = PromptCache()
 
     @property
     def compiled(self) -> bool:
@@ -442,5 +444,5 @@ class Engine:
             settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, planned_ctx))
         return generate(
             self.model, ids, settings, self.tokenizer, cancel, vocab_size=self.config.vocab_size, hooks=self._hooks,
-            written=written or own,
+            written=written or own, prompt_cache=self.prompt_cache,
         )

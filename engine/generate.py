@@ -30,6 +30,7 @@ from torch import Tensor
 from engine import decoding, fastpath
 from engine.config import CloverConfig, GenerationDefaults
 from engine.errors import PromptError
+from engine.model import GDN_CHUNK, CloverModel, ModelCache
 from engine.events import (
     BlockCommitted,
     BlockStep,
@@ -243,6 +244,8 @@ def _prefill(
     cache: Any,
     block_size: int | None,
     cancel: threading.Event | None,
+    at: int = 0,
+    keep: tuple[int, Callable[[Tensor], None]] | None = None,
     **kwargs: Any,
 ) -> Generator[PrefillProgress, None, Tensor | None]:
     """Write the prompt ``ids`` [P] into the empty cache and return the last position's logits [1, V], or None when
@@ -251,23 +254,93 @@ def _prefill(
     A prompt longer than the model's longest pass is run here one segment at a time (``segment_tokens``: whole
     blocks, or whole GDN chunks), which is exactly how the model would split it itself; in between, the caller
     hears how far it got (a :class:`PrefillProgress` before the first segment and after each) and a cancel takes
-    effect. A shorter prompt, or a model without ``segment_tokens``, is one forward and no progress event."""
+    effect. A shorter prompt, or a model without ``segment_tokens``, is one forward and no progress event.
+
+    ``at``: where ``ids`` start (a cache that holds the first ``at`` positions already: :class:`PromptCache`).
+    ``keep``: (k, callback): a forward also ends after the first k ids (a boundary the model splits at too), and
+    the callback gets its logits [1, V] then, with the cache holding them (what the prompt cache keeps)."""
     total = ids.shape[0]
     segment_tokens = getattr(model, "segment_tokens", None)
     seg = int(segment_tokens(block_size)) if callable(segment_tokens) else total
-    if total <= seg:
-        return _forward(model, ids, 0, cache, block_size=block_size, write_cache=True, last_only=True, **kwargs)
-    yield PrefillProgress(done=0, total=total)
+    cuts = sorted({*range(seg, total, seg), total} | ({keep[0]} if keep is not None and 0 < keep[0] < total else set()))
+    progress = total > seg
+    if progress:
+        yield PrefillProgress(done=0, total=total)
     out: Tensor | None = None
-    for start in range(0, total, seg):
+    start = 0
+    for end in cuts:
         if start and cancel is not None and cancel.is_set():
             return None
         out = _forward(  # [1, V]
-            model, ids[start : start + seg], start, cache, block_size=block_size, write_cache=True, last_only=True,
+            model, ids[start:end], at + start, cache, block_size=block_size, write_cache=True, last_only=True,
             **kwargs,
         )
-        yield PrefillProgress(done=min(start + seg, total), total=total)
+        if keep is not None and end == keep[0]:
+            keep[1](out)
+        if progress and (end % seg == 0 or end == total):
+            yield PrefillProgress(done=end, total=total)
+        start = end
     return out
+
+
+class PromptCache:
+    """What the last prompt's prefill left, for the next request that starts with the same tokens (a chat's next
+    turn re-sends the whole chat): the cache itself, whose keys and values below the kept length stay valid (later
+    writes land past it), plus copies of the Gated DeltaNet states and the last logit row at that point. Kept at a
+    boundary the model itself splits a prefill at (a whole block in block mode, a whole GDN chunk in causal mode), so
+    going on from it is the same arithmetic as one long prefill. One generation runs at a time (the engine's lock).
+
+    Not with a model that hands every request the same cache for its CUDA graphs (``CloverModel.new_cache``):
+    those requests start from an emptied cache."""
+
+    def __init__(self) -> None:
+        self.ids: tuple[int, ...] = ()
+        self.block_size: int | None = None
+        self._cache: ModelCache | None = None
+        self._gdn: list[tuple[int, Tensor, Tensor]] = []  # (layer, conv, state) copies at len(ids)
+        self._row: Tensor | None = None  # [V] logits of the last kept position
+        self.hits = 0  # requests that found their start here (tests, statistics)
+
+    @staticmethod
+    def usable(model: Any) -> bool:
+        return isinstance(model, CloverModel) and not getattr(model.step_graph, "keeps_cache", False)
+
+    def take(self, model: Any, prompt: Sequence[int], limit: int, max_len: int,
+             block_size: int | None) -> tuple[Any, int, Tensor | None]:
+        """(a cache for ``max_len`` positions, how many of ``prompt``'s first positions it holds already, at most
+        ``limit``, and the logit row after them), or a new empty cache, 0 and None."""
+        n = len(self.ids)
+        kept = self._cache
+        if (kept is None or not n or n > limit or block_size != self.block_size or not self.usable(model)
+                or tuple(prompt[:n]) != self.ids):
+            self.clear()  # its cache goes before the new one is made
+            return model.new_cache(max_len), 0, None
+        if kept.max_len < max_len:  # a longer request: the kept keys and values move into a cache that fits it
+            bigger = model.new_cache(max_len)
+            for src, dst in ((kept.key, bigger.key), (kept.value, bigger.value)):
+                for a, b in zip(src, dst):
+                    if a is not None and b is not None:
+                        b[:, :n].copy_(a[:, :n])
+            self._cache = kept = bigger
+        for i, conv, state in self._gdn:
+            kept.conv[i].copy_(conv)  # type: ignore[union-attr]
+            kept.state[i].copy_(state)  # type: ignore[union-attr]
+        kept.length = n
+        self.hits += 1
+        return kept, n, self._row
+
+    def keep(self, prompt: Sequence[int], cache: Any, row: Tensor | None, block_size: int | None) -> None:
+        """Remember ``cache`` as it is now, holding ``prompt`` (its length), whose last logit row is ``row``."""
+        if not isinstance(cache, ModelCache) or not prompt or cache.length != len(prompt):
+            self.clear()
+            return
+        self.ids, self.block_size, self._cache = tuple(int(i) for i in prompt), block_size, cache
+        self._gdn = [(i, c.clone(), st.clone()) for i, (c, st) in enumerate(zip(cache.conv, cache.state))
+                     if c is not None and st is not None]
+        self._row = None if row is None else row.detach().clone()
+
+    def clear(self) -> None:
+        self.ids, self._cache, self._gdn, self._row = (), None, [], None
 
 
 def _device_of(model: Any) -> torch.device:
@@ -376,6 +449,7 @@ def generate_ar(
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
     written: int = 0,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Event]:
     """Causal decoding: one prefill forward, then one cached forward per token."""
     prompt = [int(i) for i in prompt_ids]
@@ -388,7 +462,7 @@ def generate_ar(
         )
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written)
+    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache)
 
 
 def _ar_loop(
@@ -401,6 +475,7 @@ def _ar_loop(
     limit_reason: str,
     hooks: LoopHooks | None = None,
     written: int = 0,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Event]:
     P = len(prompt)
     device = _device_of(model)
@@ -409,14 +484,24 @@ def _ar_loop(
     channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking)
     generated: list[int] = []
     eos = set(s.eos_token_ids)
-    yield PromptInfo(prompt_tokens=P, block_size=1, first_block=P, tail=0)
+    # A chat's next turn starts with this prompt's tokens up to the last whole GDN chunk before its end (the end is
+    # the generation prompt, which the next turn renders differently): keep that point for it (PromptCache)
+    keep_at = (P - 1) // GDN_CHUNK * GDN_CHUNK if prompt_cache is not None and PromptCache.usable(model) else 0
+    cache, cached, _ = (prompt_cache.take(model, prompt, keep_at, P + max_new, None) if prompt_cache is not None
+                        else (model.new_cache(P + max_new), 0, None))
+    yield PromptInfo(prompt_tokens=P, block_size=1, first_block=P, tail=0, cached_tokens=cached)
     if cancel is not None and cancel.is_set():
         yield _finished(generated, channels, "cancelled", 0, P, clock, hooks)
         return
 
-    cache = model.new_cache(P + max_new)
     ids = torch.tensor(prompt, dtype=torch.long, device=device)  # [P]
-    logits = yield from _prefill(model, ids, cache, None, cancel)  # [1, V]
+    keep = None
+    if prompt_cache is not None and cached < keep_at:  # a forward ends at the point kept for the next turn
+        def keep_here(out: Tensor) -> None:
+            prompt_cache.keep(prompt[:keep_at], cache, out[-1], None)
+
+        keep = (keep_at - cached, keep_here)
+    logits = yield from _prefill(model, ids[cached:], cache, None, cancel, at=cached, keep=keep)  # [1, V]
     if logits is None:  # cancelled between two prefill segments
         yield _finished(generated, channels, "cancelled", 0, P, clock, hooks)
         return
@@ -467,6 +552,7 @@ def generate_diffusion(
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
     written: int = 0,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Event]:
     """Block diffusion. Checks the request before returning the event iterator."""
     prompt = [int(i) for i in prompt_ids]
@@ -487,7 +573,7 @@ def generate_diffusion(
     room = (s.max_positions // B) * B - P  # generated slots that fit in whole blocks
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written)
+    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache)
 
 
 def _diffusion_loop(
@@ -500,6 +586,7 @@ def _diffusion_loop(
     limit_reason: str,
     hooks: LoopHooks | None = None,
     written: int = 0,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Event]:
     B, P, mask_id = s.block_size, len(prompt), int(s.mask_token_id)  # type: ignore[arg-type]
     n_full = (P // B) * B
@@ -518,24 +605,27 @@ def _diffusion_loop(
 
     generated: list[int] = []
     passes = 0
-    yield PromptInfo(prompt_tokens=P, block_size=B, first_block=n_full // B, tail=P - n_full)
+    end = min(s.max_positions, -(-(P + max_new) // B) * B)  # last position any block can reach, block-aligned
+    # the prompt's whole blocks are kept for the next request that starts with them (a chat's next turn: PromptCache)
+    cache, cached, prev_row = (prompt_cache.take(model, prompt, n_full, end, B) if prompt_cache is not None
+                               else (model.new_cache(end), 0, None))  # prev_row [V]: last logit row before a block
+    yield PromptInfo(prompt_tokens=P, block_size=B, first_block=n_full // B, tail=P - n_full, cached_tokens=cached)
     if cancel is not None and cancel.is_set():
         yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
         return
 
-    end = min(s.max_positions, -(-(P + max_new) // B) * B)  # last position any block can reach, block-aligned
-    cache = model.new_cache(end)
     eos = set(s.eos_token_ids)
     reason = limit_reason
-    prev_row: Tensor | None = None  # [V]: last logit row of the previous forward (for shifted models)
-    if n_full:
-        ids = torch.tensor(prompt[:n_full], dtype=torch.long, device=device)  # [n_full]
+    if cached < n_full:
+        ids = torch.tensor(prompt[cached:n_full], dtype=torch.long, device=device)  # [n_full - cached]
         # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
-        out = yield from _prefill(model, ids, cache, B, cancel, prefill=True)  # [1, V]
+        out = yield from _prefill(model, ids, cache, B, cancel, at=cached, prefill=True)  # [1, V]
         if out is None:  # cancelled between two prefill segments
             yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
             return
         prev_row = out[-1]
+        if prompt_cache is not None:
+            prompt_cache.keep(prompt[:n_full], cache, prev_row, B)
     clock.prefill_done = clock.now()
     vocab: int | None = None
     rep_seen = out_seen = None
@@ -682,11 +772,14 @@ def generate(
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
     written: int = 0,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Event]:
     """Dispatch on ``s.mode``; request errors (:class:`PromptError`) are raised here, before any event.
 
     ``written``: the prompt's last ``written`` tokens are the model's own answer so far (an answer being continued,
     ``GenerationParams.continue_final_message``): they count as output for the presence penalty and the length
-    and think-end ramps, as they did when it wrote them."""
+    and think-end ramps, as they did when it wrote them. ``prompt_cache``: start from what the last request's
+    prefill left when this prompt begins with the same tokens, and keep this one's for the next
+    (:class:`PromptCache`)."""
     loop = generate_diffusion if s.mode == "diffusion" else generate_ar
-    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size, hooks, written)
+    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size, hooks, written, prompt_cache)
