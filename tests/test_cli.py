@@ -56,7 +56,8 @@ def test_generate_json_ar_from_prompt_ids(tiny_clover_dir: Path) -> None:
                        "--max-new-tokens", "5", "--json")
     assert proc.returncode == 0, proc.stderr
     events = json_events(proc.stdout)
-    assert events[0] == {"event": "prompt", "prompt_tokens": 4, "block_size": 1, "first_block": 4, "tail": 0}
+    assert events[0] == {"event": "prompt", "prompt_tokens": 4, "block_size": 1, "first_block": 4, "tail": 0,
+                         "cached_tokens": 0}
     done = events[-1]
     assert done["event"] == "finished" and done["passes"] == len(done["token_ids"]) <= 5
     assert not any(e["event"] == "block_step" for e in events)
