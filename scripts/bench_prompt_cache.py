@@ -1,0 +1,61 @@
+"""A chat's second turn with and without the engine's prompt cache (engine.generate.PromptCache), side by side in one
+process: ``.venv/bin/python scripts/bench_prompt_cache.py [--shape mid] [--first 2000] [--shared 1990] [--new 60]``.
+
+The model is the bench's random one of that shape (``clover-desk bench speed``), in fp32 on the CPU. Each engine
+first reads a prompt of ``--first`` tokens, then a second one that shares its first ``--shared`` tokens and adds
+``--new``; printed: that second request's prefill time, its first token and its whole time, in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from clover_desk.cmd_bench_speed import _build_random_model, _config  # noqa: E402
+from engine.api import Engine  # noqa: E402
+from engine.config import GenerationDefaults  # noqa: E402
+from engine.events import GenerationParams, PromptInfo  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="mid", choices=("mid", "deep-narrow", "tiny"))
+    parser.add_argument("--first", type=int, default=2000)
+    parser.add_argument("--shared", type=int, default=1990)
+    parser.add_argument("--new", type=int, default=60)
+    args = parser.parse_args()
+    if not 0 < args.shared <= args.first or args.new < 1:
+        print("bench_prompt_cache: --shared must be 1..--first and --new at least 1", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    _, config = _config(args.shape, "clover_moe")
+    model = _build_random_model(config, torch.float32, "cpu", 0)
+    draw = lambda n: [int(i) for i in torch.randint(10, config.vocab_size - 10, (n,))]  # noqa: E731
+    first = draw(args.first)
+    second = first[: args.shared] + draw(args.new)
+    for mode in ("diffusion", "ar"):
+        for cached in (False, True):
+            engine = Engine(model, config, GenerationDefaults(), None)
+            if not cached:
+                engine.prompt_cache = None
+            params = GenerationParams(mode=mode, max_new_tokens=4, do_sample=False)
+            list(engine.generate(prompt_ids=first, params=params))
+            t0 = time.perf_counter()
+            events = list(engine.generate(prompt_ids=second, params=params))
+            total = time.perf_counter() - t0
+            info = next(e for e in events if isinstance(e, PromptInfo))
+            done = events[-1]
+            print(f"{args.shape} {mode:9s} prompt cache {'on ' if cached else 'off'}: second turn {len(second):,} tokens"
+                  f" ({info.cached_tokens:,} cached): prefill {done.prefill_s:.2f} s, first token "
+                  f"{done.time_to_first_token_s:.2f} s, request {total:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
