@@ -407,7 +407,7 @@ class Engine:
                 if continue_final:
                     head, tail = self.tokenizer.continuation_parts(chat, tools, enable_thinking)
                     ids = self.tokenizer.encode(head + tail)
-                    written = max(0, len(ids) - len(self.tokenizer.encode(head))) if tail else 0
+                    written = max(0, len(ids) - len(self.tokenizer.encode(head)))
                 else:
                     ids = self.tokenizer.encode_chat(chat, tools=tools, enable_thinking=enable_thinking)
         if not ids:

@@ -299,11 +299,13 @@ class PromptCache:
         self._cache: ModelCache | None = None
         self._gdn: list[tuple[int, Tensor, Tensor]] = []  # (layer, conv, state) copies at len(ids)
         self._row: Tensor | None = None  # [V] logits of the last kept position
-        self.hits = 0  # requests that found their start here (tests, statistics)
 
     @staticmethod
-    def usable(model: Any) -> bool:
-        return isinstance(model, CloverModel) and not getattr(model.step_graph, "keeps_cache", False)
+    def for_model(prompt_cache: PromptCache | None, model: Any) -> PromptCache | None:
+        """``prompt_cache`` where ``model`` can use one (a CloverModel whose passes do not keep their own cache),
+        else None: the loops then neither look it up nor keep copies for it."""
+        usable = isinstance(model, CloverModel) and not getattr(model.step_graph, "keeps_cache", False)
+        return prompt_cache if usable else None
 
     def take(self, model: Any, prompt: Sequence[int], limit: int, max_len: int,
              block_size: int | None) -> tuple[Any, int, Tensor | None]:
@@ -311,8 +313,7 @@ class PromptCache:
         ``limit``, and the logit row after them), or a new empty cache, 0 and None."""
         n = len(self.ids)
         kept = self._cache
-        if (kept is None or not n or n > limit or block_size != self.block_size or not self.usable(model)
-                or tuple(prompt[:n]) != self.ids):
+        if kept is None or not n or n > limit or block_size != self.block_size or tuple(prompt[:n]) != self.ids:
             self.clear()  # its cache goes before the new one is made
             return model.new_cache(max_len), 0, None
         if kept.max_len < max_len:  # a longer request: the kept keys and values move into a cache that fits it
@@ -326,7 +327,6 @@ class PromptCache:
             kept.conv[i].copy_(conv)  # type: ignore[union-attr]
             kept.state[i].copy_(state)  # type: ignore[union-attr]
         kept.length = n
-        self.hits += 1
         return kept, n, self._row
 
     def keep(self, prompt: Sequence[int], cache: Any, row: Tensor | None, block_size: int | None) -> None:
@@ -486,7 +486,8 @@ def _ar_loop(
     eos = set(s.eos_token_ids)
     # A chat's next turn starts with this prompt's tokens up to the last whole GDN chunk before its end (the end is
     # the generation prompt, which the next turn renders differently): keep that point for it (PromptCache)
-    keep_at = (P - 1) // GDN_CHUNK * GDN_CHUNK if prompt_cache is not None and PromptCache.usable(model) else 0
+    prompt_cache = PromptCache.for_model(prompt_cache, model)
+    keep_at = (P - 1) // GDN_CHUNK * GDN_CHUNK if prompt_cache is not None else 0
     cache, cached, _ = (prompt_cache.take(model, prompt, keep_at, P + max_new, None) if prompt_cache is not None
                         else (model.new_cache(P + max_new), 0, None))
     yield PromptInfo(prompt_tokens=P, block_size=1, first_block=P, tail=0, cached_tokens=cached)
@@ -607,6 +608,7 @@ def _diffusion_loop(
     passes = 0
     end = min(s.max_positions, -(-(P + max_new) // B) * B)  # last position any block can reach, block-aligned
     # the prompt's whole blocks are kept for the next request that starts with them (a chat's next turn: PromptCache)
+    prompt_cache = PromptCache.for_model(prompt_cache, model)
     cache, cached, prev_row = (prompt_cache.take(model, prompt, n_full, end, B) if prompt_cache is not None
                                else (model.new_cache(end), 0, None))  # prev_row [V]: last logit row before a block
     yield PromptInfo(prompt_tokens=P, block_size=B, first_block=n_full // B, tail=P - n_full, cached_tokens=cached)

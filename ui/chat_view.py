@@ -157,11 +157,6 @@ class StreamingReply:
         reply.carried_stats = dict(data.stats)
         return reply
 
-    @property
-    def new_answer(self) -> str:
-        """The answer text this generation added (all of it, for a reply that continues nothing)."""
-        return self.answer[len(self.carried_answer):]
-
     def add(self, text: str, channel: str) -> None:
         if channel == "thinking":
             if self.thinking_started is None:

@@ -18,14 +18,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.attachments import AttachmentError, read_attachment
+from ui.attachments import LANGUAGES, AttachmentError, read_attachment
 from ui.chat_view import MessageData
 from ui.theme import set_style_class
 from ui.widgets import ElidedLabel, accessible
 
 
-ATTACH_FILTERS = ("Text files (*.txt *.md *.py *.js *.ts *.html *.htm *.css *.json *.csv *.xml *.svg *.yaml *.yml "
-                  "*.toml *.sh *.c *.h *.cpp *.rs *.go *.java *.sql *.tex *.log)", "All files (*)")
+ATTACH_FILTERS = ("Text files (" + " ".join(f"*{ext}" for ext in sorted({".txt", ".log", *LANGUAGES})) + ")",
+                  "All files (*)")
 
 
 def ask_open_paths(parent: QWidget) -> list[str]:

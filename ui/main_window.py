@@ -903,14 +903,19 @@ class MainWindow(QMainWindow):
             self.show_save_error(exc, "The answer was not regenerated")
 
     def on_continue_last(self) -> None:
-        last = self.chat.last_assistant()
-        if last is not None:
-            self.on_continue_requested(last.data)
+        answer = self._answer_to_continue()
+        if answer is not None:
+            self.on_continue_requested(answer)
+
+    def _answer_to_continue(self) -> MessageData | None:
+        """The chat's last message when it is an answer Continue can go on with (``continuable``), else None."""
+        messages = self.chat.messages()
+        last = messages[-1] if messages else None
+        return last if last is not None and continuable(last) else None
 
     def on_continue_requested(self, data: MessageData) -> None:
         """Go on writing an answer that was cut short (the last one: its Continue button, Edit ▸ Continue)."""
-        if self.is_generating() or not continuable(data) or self.chat.last_assistant() is None \
-                or self.chat.last_assistant().data is not data or self.chat.messages()[-1] is not data:
+        if self.is_generating() or self._answer_to_continue() is not data:
             return
         if self._uses_remote():
             self.statusBar().showMessage("Continue needs the local engine: a remote server starts a new answer", 5000)
@@ -1317,10 +1322,8 @@ class MainWindow(QMainWindow):
         ready = self._can_send()
         self.composer.set_blocked(self._why_not_ready())
         self.regenerate_action.setEnabled(ready)
-        last = self.chat.last_assistant()
         self.continue_action.setEnabled(ready and not self._uses_remote() and not self.is_generating()
-                                        and last is not None and self.chat.messages()[-1] is last.data
-                                        and continuable(last.data))
+                                        and self._answer_to_continue() is not None)
         self.cancel_load_action.setEnabled(self.engine_state is EngineState.LOADING)
 
     def refresh_status(self) -> None:
