@@ -290,8 +290,9 @@ class PromptCache:
     boundary the model itself splits a prefill at (a whole block in block mode, a whole GDN chunk in causal mode), so
     going on from it is the same arithmetic as one long prefill. One generation runs at a time (the engine's lock).
 
-    Not with a model that hands every request the same cache for its CUDA graphs (``CloverModel.new_cache``):
-    those requests start from an emptied cache."""
+    With a model that hands every request the same cache for its CUDA graphs (``CloverModel.new_cache``), the kept
+    cache is that one: a request that goes on from it replays the graphs recorded for it; one that does not gets it
+    back emptied, as without a prompt cache."""
 
     def __init__(self) -> None:
         self.ids: tuple[int, ...] = ()
@@ -302,10 +303,9 @@ class PromptCache:
 
     @staticmethod
     def for_model(prompt_cache: PromptCache | None, model: Any) -> PromptCache | None:
-        """``prompt_cache`` where ``model`` can use one (a CloverModel whose passes do not keep their own cache),
-        else None: the loops then neither look it up nor keep copies for it."""
-        usable = isinstance(model, CloverModel) and not getattr(model.step_graph, "keeps_cache", False)
-        return prompt_cache if usable else None
+        """``prompt_cache`` where ``model`` can use one (a CloverModel), else None: the loops then neither look it
+        up nor keep copies for it."""
+        return prompt_cache if isinstance(model, CloverModel) else None
 
     def take(self, model: Any, prompt: Sequence[int], limit: int, max_len: int,
              block_size: int | None) -> tuple[Any, int, Tensor | None]:
@@ -313,16 +313,19 @@ class PromptCache:
         ``limit``, and the logit row after them), or a new empty cache, 0 and None."""
         n = len(self.ids)
         kept = self._cache
-        if kept is None or not n or n > limit or block_size != self.block_size or tuple(prompt[:n]) != self.ids:
+        if (kept is None or not model.hands_out(kept) or not n or n > limit or block_size != self.block_size
+                or tuple(prompt[:n]) != self.ids):
             self.clear()  # its cache goes before the new one is made
             return model.new_cache(max_len), 0, None
         if kept.max_len < max_len:  # a longer request: the kept keys and values move into a cache that fits it
-            bigger = model.new_cache(max_len)
-            for src, dst in ((kept.key, bigger.key), (kept.value, bigger.value)):
+            rows = [[None if a is None else a[:, :n].clone() for a in src] for src in (kept.key, kept.value)]
+            self._cache = kept = None  # the old cache goes before the bigger one is made (only its rows stay)
+            self._cache = kept = model.new_cache(max_len)
+            for src, dst in zip(rows, (kept.key, kept.value)):
                 for a, b in zip(src, dst):
                     if a is not None and b is not None:
-                        b[:, :n].copy_(a[:, :n])
-            self._cache = kept = bigger
+                        b[:, :n].copy_(a)
+            del rows
         for i, conv, state in self._gdn:
             kept.conv[i].copy_(conv)  # type: ignore[union-attr]
             kept.state[i].copy_(state)  # type: ignore[union-attr]

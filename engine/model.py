@@ -951,6 +951,11 @@ class CloverModel(nn.Module):
             kept.reset()
         return kept
 
+    def hands_out(self, cache: ModelCache) -> bool:
+        """Whether a request may go on in ``cache`` (engine.generate.PromptCache): any cache, unless the model keeps
+        one cache for its CUDA graphs and that is another one now (a longer request replaced it)."""
+        return not getattr(self.step_graph, "keeps_cache", False) or cache is self._kept_cache
+
     def segment_tokens(self, block_size: int | None) -> int:
         """Length of the segments a cache-writing pass longer than ``max_pass_tokens`` is split into: whole blocks
         in block mode, whole GDN chunks in causal mode (every segment then starts where the math needs it to)."""

@@ -99,3 +99,54 @@ def test_a_long_prompt_after_a_cached_start_reports_only_what_it_reads(tiny_clov
     assert info.cached_tokens == 192
     assert [(e.done, e.total) for e in events if isinstance(e, PrefillProgress)] == [
         (0, 128), (64, 128), (128, 128)]  # 320 - 192 left
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_passes_replayed_from_cuda_graphs_go_on_from_the_cache_the_model_keeps(mode: str) -> None:
+    """A model whose AR steps and block passes replay CUDA graphs hands every request the same cache (the graphs
+    belong to it): the prompt cache keeps that one, so a chat's next turn both skips what it read and replays the
+    graphs recorded for it. The pieces run eagerly here (``record=False``, the CPU) through the buffers a recording
+    reads; the tokens are those of a model without graphs or prompt cache."""
+    from engine import step_graphs
+    from engine.generate import DecodeSettings, PromptCache, generate
+    from tests.helpers_model import tiny_config, tiny_model
+
+    model = tiny_model(tiny_config(), seed=5)
+    cfg = model.config
+
+    def run(prompt: list[int], kept: PromptCache | None, n: int = 12) -> tuple[tuple[int, ...], int]:
+        s = DecodeSettings(mode=mode, max_new_tokens=n, block_size=cfg.block_size, threshold=0.9, mask_token_id=256,
+                           eos_token_ids=(), max_positions=cfg.max_position_embeddings, shift_logits=cfg.shift_logits)
+        events = list(generate(model, prompt, s, prompt_cache=kept))
+        info = next(e for e in events if isinstance(e, PromptInfo))
+        return tuple(events[-1].token_ids), info.cached_tokens
+
+    first = list(range(3, 78))  # 75 tokens
+    second = first[:74] + list(range(100, 140))  # the next turn: 114 tokens
+    third = second + [7, 8, 9]
+    fourth = third + list(range(20, 170))  # 267 tokens: past the 256 positions the kept cache was sized to
+    fifth = fourth + [1]
+    want = {len(p): run(p, None)[0] for p in (first, second, third, fourth, fifth)}
+    # what each keeps: up to the last whole GDN chunk (32) before the end / the prompt's whole blocks of 8
+    cached = {"ar": (0, 64, 96, 96), "diffusion": (0, 72, 112, 112)}[mode]
+    runner = step_graphs.StepGraphs(model, record=False)
+    model.step_graph = model.pass_graph = runner
+    kept = PromptCache()
+    try:
+        for prompt, expected in zip((first, second, third), cached):
+            assert run(prompt, kept) == (want[len(prompt)], expected)
+            if prompt is first:
+                shared = model._kept_cache
+            assert model._kept_cache is shared and runner._cache_ref() is shared  # the graphs' cache, never another
+        assert run(fourth, kept) == (want[len(fourth)], cached[3])  # a longer one: the kept rows move into it
+        assert model._kept_cache is not shared and model._kept_cache.max_len == 512
+        served = runner.replays if mode == "ar" else runner.pass_replays
+        assert served >= 4 * 12 - 4  # the decoding passes went through the pieces
+        # a longer request without the prompt cache replaces the model's cache: the next turn reads everything
+        run(first, None, n=600)
+        assert model._kept_cache.max_len == 768
+        assert run(fifth, kept) == (want[len(fifth)], 0)
+        assert runner._cache_ref() is model._kept_cache
+    finally:
+        model.step_graph = model.pass_graph = None
+        model._kept_cache = None
