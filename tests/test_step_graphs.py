@@ -441,6 +441,39 @@ def test_cuda_graph_steps_decode_the_uncaptured_tokens_without_a_sync() -> None:
     _steps_never_sync(graphed)
 
 
+@pytest.mark.gpu
+def test_cuda_graph_steps_go_on_from_the_prompt_cache_replaying_their_graphs() -> None:
+    """A chat's next turn on a model whose steps replay CUDA graphs: it starts from what the last turn read (the
+    model's one cache, engine.generate.PromptCache) and replays the graphs recorded for it, recording none; the
+    tokens and cached lengths of an uncaptured model with its own prompt cache (the same prefill splits)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from engine.events import PromptInfo
+    from engine.generate import PromptCache
+
+    gpu = torch.device("cuda")
+    ref = tiny_model(tiny_config(), seed=9).to(gpu, torch.bfloat16)
+    ref.dtype = torch.bfloat16
+    graphed = copy.deepcopy(ref)
+    runner = step_graphs.StepGraphs(graphed)
+    graphed.step_graph = runner
+    turns = [list(range(3, 78)), list(range(3, 77)) + list(range(100, 140))]  # 75 tokens, then 114 that start so
+
+    def run(model: Any, kept: PromptCache) -> list[tuple[list[int], int]]:
+        out = []
+        for prompt in turns:
+            events = list(generate_ar(model, prompt, _settings(model.config, 40), prompt_cache=kept))
+            info = next(e for e in events if isinstance(e, PromptInfo))
+            out.append((list(events[-1].token_ids), info.cached_tokens))
+        return out
+
+    want = run(ref, PromptCache())
+    assert [cached for _, cached in want] == [0, 64]
+    assert run(graphed, PromptCache()) == want
+    assert runner.failed is None and runner.recorded == 1  # one key bucket: the next turn replayed the first's graph
+    assert runner.replays == 2 * 39
+
+
 def _steps_never_sync(graphed: Any) -> None:
     """AR steps of ``graphed`` (its step graphs on a CUDA device), after the one that records a new cache's graph,
     under ``set_sync_debug_mode("error")``: any sync raises."""
