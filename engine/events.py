@@ -126,6 +126,7 @@ class Finished:
     prefill_s: float
     decode_s: float
     accounting: dict[str, Any] = field(default_factory=dict)  # expert streaming statistics, when offloading
+    cached_tokens: int = 0  # of prompt_tokens, those read from the prompt cache instead of prefilled
 
 
 def continued_stats(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:

@@ -88,6 +88,9 @@ class DecodeSettings:
     eos_token_ids: tuple[int, ...] = ()
     think_start_id: int | None = None
     think_end_id: int | None = None
+    # a chat turn's first token (<|im_start|>): the prompt cache keeps nothing from the prompt's last one on, the
+    # generation prompt, which a chat's next turn renders otherwise (the answer in place of "<think>\n")
+    turn_start_id: int | None = None
     length_penalty: float = 0.0
     length_penalty_start: int = 8192
     length_penalty_window: int = 8192
@@ -132,10 +135,11 @@ def resolve_settings(
             raise PromptError(f"generation parameter {name} has a bad value {value!r}")
 
     mask_id = config.mask_token_id
-    think_start = think_end = None
+    think_start = think_end = turn_start = None
     if tokenizer is not None:
         mask_id = mask_id if mask_id is not None else tokenizer.mask_token_id
         think_start, think_end = tokenizer.think_start_id, tokenizer.think_end_id
+        turn_start = getattr(tokenizer, "turn_start_id", None)
     if think_end is None and config.think_end_token_id is not None and config.think_end_token_id < config.vocab_size:
         think_end = config.think_end_token_id
     return DecodeSettings(
@@ -154,6 +158,7 @@ def resolve_settings(
         eos_token_ids=tuple(defaults.eos_token_ids or config.eos_token_ids),
         think_start_id=think_start,
         think_end_id=think_end,
+        turn_start_id=turn_start,
         length_penalty=defaults.dllm_length_penalty,
         length_penalty_start=defaults.dllm_length_penalty_start,
         length_penalty_window=defaults.dllm_length_penalty_window,
@@ -283,23 +288,58 @@ def _prefill(
     return out
 
 
+def _turn_start(prompt: Sequence[int], s: DecodeSettings) -> int:
+    """Where the prompt's last chat turn starts (``s.turn_start_id``), or its length when it has none (a raw
+    prompt): what a chat's next turn renders the same."""
+    if s.turn_start_id is not None:
+        with contextlib.suppress(ValueError):
+            return len(prompt) - 1 - list(prompt)[::-1].index(s.turn_start_id)
+    return len(prompt)
+
+
+@dataclass
+class _Saved:
+    """A prompt cache entry moved to host memory: the kept keys and values (rows below ``len(ids)``), the GDN
+    states and the last logit row."""
+
+    ids: tuple[int, ...]
+    block_size: int | None
+    kv: list[tuple[int, Tensor, Tensor]]  # (layer, key rows, value rows) [Hkv, n, hd]
+    gdn: list[tuple[int, Tensor, Tensor]]  # (layer, conv, state)
+    row: Tensor | None
+    nbytes: int
+
+
+# host memory the prompt cache's saved entries may take (PromptCache.host_bytes), and what it leaves free
+SAVED_BYTES = 1 << 30
+SAVED_FREE_MARGIN = 2 << 30
+
+
 class PromptCache:
-    """What the last prompt's prefill left, for the next request that starts with the same tokens (a chat's next
-    turn re-sends the whole chat): the cache itself, whose keys and values below the kept length stay valid (later
-    writes land past it), plus copies of the Gated DeltaNet states and the last logit row at that point. Kept at a
-    boundary the model itself splits a prefill at (a whole block in block mode, a whole GDN chunk in causal mode), so
-    going on from it is the same arithmetic as one long prefill. One generation runs at a time (the engine's lock).
+    """What a prompt's prefill left, for a later request that starts with the same tokens (a chat's next turn
+    re-sends the whole chat): the cache itself, whose keys and values below the kept length stay valid (later writes
+    land past it), plus copies of the Gated DeltaNet states and the last logit row at that point. Kept at a boundary
+    the model itself splits a prefill at (a whole block in block mode, a whole GDN chunk in causal mode), so going on
+    from it is the same arithmetic as one long prefill. One generation runs at a time (the engine's lock).
+
+    The last prompt's entry lives in the cache the request ran in. When a request starts otherwise (another chat),
+    that entry moves to host memory first, as a copy of its rows and states, and the request looks among the saved
+    entries for the longest one it starts with; least recently used entries go once they pass ``host_bytes``
+    together, and none is saved that would leave the machine less than ``SAVED_FREE_MARGIN`` of available memory.
+    ``host_bytes=0`` keeps only the last prompt's.
 
     With a model that hands every request the same cache for its CUDA graphs (``CloverModel.new_cache``), the kept
     cache is that one: a request that goes on from it replays the graphs recorded for it; one that does not gets it
-    back emptied, as without a prompt cache."""
+    back emptied (or filled from a saved entry), as without a prompt cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_bytes: int = SAVED_BYTES) -> None:
+        self.host_bytes = host_bytes
         self.ids: tuple[int, ...] = ()
         self.block_size: int | None = None
         self._cache: ModelCache | None = None
         self._gdn: list[tuple[int, Tensor, Tensor]] = []  # (layer, conv, state) copies at len(ids)
         self._row: Tensor | None = None  # [V] logits of the last kept position
+        self.saved: list[_Saved] = []  # in host memory, least recently used first
 
     @staticmethod
     def for_model(prompt_cache: PromptCache | None, model: Any) -> PromptCache | None:
@@ -307,24 +347,32 @@ class PromptCache:
         up nor keep copies for it."""
         return prompt_cache if isinstance(model, CloverModel) else None
 
+    @property
+    def saved_bytes(self) -> int:
+        return sum(e.nbytes for e in self.saved)
+
     def take(self, model: Any, prompt: Sequence[int], limit: int, max_len: int,
              block_size: int | None) -> tuple[Any, int, Tensor | None]:
         """(a cache for ``max_len`` positions, how many of ``prompt``'s first positions it holds already, at most
         ``limit``, and the logit row after them), or a new empty cache, 0 and None."""
         n = len(self.ids)
         kept = self._cache
-        if (kept is None or not model.hands_out(kept) or not n or n > limit or block_size != self.block_size
-                or tuple(prompt[:n]) != self.ids):
+        if kept is None or not _starts(prompt, self.ids, limit, block_size, self.block_size):
+            usable = [e for e in self.saved if _starts(prompt, e.ids, limit, block_size, e.block_size)]
+            entry = max(usable, key=lambda e: len(e.ids)) if usable else None  # the longest saved one it starts with
+            if entry is not None:
+                self.saved.remove(entry)
+            if kept is not None:
+                self._save(kept)
             self.clear()  # its cache goes before the new one is made
-            return model.new_cache(max_len), 0, None
-        if kept.max_len < max_len:  # a longer request: the kept keys and values move into a cache that fits it
-            rows = [[None if a is None else a[:, :n].clone() for a in src] for src in (kept.key, kept.value)]
+            return self._restore(model, entry, max_len)
+        # a longer request, or a model that keeps one cache for its graphs and a longer request replaced it: the
+        # kept keys and values move into a cache that fits it, one the model hands out
+        if kept.max_len < max_len or not model.hands_out(kept):
+            rows = [(i, k[:, :n].clone(), v[:, :n].clone()) for i, k, v in _kv(kept)]
             self._cache = kept = None  # the old cache goes before the bigger one is made (only its rows stay)
             self._cache = kept = model.new_cache(max_len)
-            for src, dst in zip(rows, (kept.key, kept.value)):
-                for a, b in zip(src, dst):
-                    if a is not None and b is not None:
-                        b[:, :n].copy_(a)
+            _put_rows(kept, rows)
             del rows
         for i, conv, state in self._gdn:
             kept.conv[i].copy_(conv)  # type: ignore[union-attr]
@@ -343,7 +391,67 @@ class PromptCache:
         self._row = None if row is None else row.detach().clone()
 
     def clear(self) -> None:
+        """Forget the last prompt's entry (the saved ones stay)."""
         self.ids, self._cache, self._gdn, self._row = (), None, [], None
+
+    def _save(self, kept: ModelCache) -> None:
+        """Copy the last prompt's entry (in ``kept``) to host memory, making room by the least recently used."""
+        n = len(self.ids)
+        if not n or self.host_bytes <= 0:
+            return
+        need = sum(2 * k[:, :n].numel() * k.element_size() for _, k, _v in _kv(kept))
+        need += sum(c.numel() * c.element_size() + st.numel() * st.element_size() for _, c, st in self._gdn)
+        if need > self.host_bytes:
+            return
+        while self.saved and self.saved_bytes + need > self.host_bytes:
+            self.saved.pop(0)
+        import psutil
+
+        if psutil.virtual_memory().available - need < SAVED_FREE_MARGIN:
+            log.info("prompt cache: not saving %d tokens (%.0f MB): the machine is short of memory", n, need / 1e6)
+            return
+        host = torch.device("cpu")
+        self.saved.append(_Saved(
+            ids=self.ids, block_size=self.block_size,
+            kv=[(i, k[:, :n].to(host, copy=True), v[:, :n].to(host, copy=True)) for i, k, v in _kv(kept)],
+            gdn=[(i, c.to(host, copy=True), st.to(host, copy=True)) for i, c, st in self._gdn],
+            row=None if self._row is None else self._row.to(host, copy=True), nbytes=need,
+        ))
+
+    def _restore(self, model: Any, entry: _Saved | None, max_len: int) -> tuple[Any, int, Tensor | None]:
+        """A new cache for ``max_len`` positions, filled from ``entry`` (which becomes the last prompt's entry
+        again), and what :meth:`take` returns."""
+        cache = model.new_cache(max_len)
+        if entry is None:
+            return cache, 0, None
+        n, dev = len(entry.ids), cache.tensors()[0].device
+        _put_rows(cache, entry.kv)
+        self._gdn = [(i, c.to(dev), st.to(dev)) for i, c, st in entry.gdn]
+        for i, conv, state in self._gdn:
+            cache.conv[i].copy_(conv)  # type: ignore[union-attr]
+            cache.state[i].copy_(state)  # type: ignore[union-attr]
+        cache.length = n
+        self.ids, self.block_size, self._cache = entry.ids, entry.block_size, cache
+        self._row = None if entry.row is None else entry.row.to(dev)
+        return cache, n, self._row
+
+
+def _starts(prompt: Sequence[int], ids: tuple[int, ...], limit: int, block_size: int | None,
+            kept_block_size: int | None) -> bool:
+    """Whether an entry of ``ids`` kept in ``kept_block_size``'s mode can start ``prompt`` (at most ``limit``)."""
+    n = len(ids)
+    return 0 < n <= limit and block_size == kept_block_size and tuple(prompt[:n]) == ids
+
+
+def _kv(cache: ModelCache) -> list[tuple[int, Tensor, Tensor]]:
+    return [(i, k, v) for i, (k, v) in enumerate(zip(cache.key, cache.value)) if k is not None and v is not None]
+
+
+def _put_rows(cache: ModelCache, rows: list[tuple[int, Tensor, Tensor]]) -> None:
+    """Write each layer's first key and value rows into ``cache``."""
+    for i, k, v in rows:
+        cache.key[i][:, : k.shape[1]].copy_(k)  # type: ignore[index]
+        cache.value[i][:, : v.shape[1]].copy_(v)  # type: ignore[index]
 
 
 def _device_of(model: Any) -> torch.device:
@@ -400,6 +508,7 @@ class _Clock:
         self.t0 = time.perf_counter()
         self.prefill_done: float | None = None
         self.first_token: float | None = None
+        self.cached = 0  # the prompt's first tokens read from the prompt cache
 
     def now(self) -> float:
         return time.perf_counter()
@@ -436,6 +545,7 @@ def _finished(
         prefill_s=prefill_end - clock.t0,
         decode_s=decode_s,
         accounting=dict(hooks.accounting()) if hooks is not None and hooks.accounting is not None else {},
+        cached_tokens=clock.cached,
     )
 
 
@@ -487,12 +597,14 @@ def _ar_loop(
     channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking)
     generated: list[int] = []
     eos = set(s.eos_token_ids)
-    # A chat's next turn starts with this prompt's tokens up to the last whole GDN chunk before its end (the end is
-    # the generation prompt, which the next turn renders differently): keep that point for it (PromptCache)
+    # A chat's next turn starts with this prompt's tokens up to its last turn (the generation prompt, which the next
+    # turn renders otherwise): keep the last whole GDN chunk before that for it (PromptCache)
     prompt_cache = PromptCache.for_model(prompt_cache, model)
-    keep_at = (P - 1) // GDN_CHUNK * GDN_CHUNK if prompt_cache is not None else 0
-    cache, cached, _ = (prompt_cache.take(model, prompt, keep_at, P + max_new, None) if prompt_cache is not None
+    usable = (P - 1) // GDN_CHUNK * GDN_CHUNK  # (at least the last token is read: its logits start the answer)
+    keep_at = min(usable, _turn_start(prompt, s) // GDN_CHUNK * GDN_CHUNK) if prompt_cache is not None else 0
+    cache, cached, _ = (prompt_cache.take(model, prompt, usable, P + max_new, None) if prompt_cache is not None
                         else (model.new_cache(P + max_new), 0, None))
+    clock.cached = cached
     yield PromptInfo(prompt_tokens=P, block_size=1, first_block=P, tail=0, cached_tokens=cached)
     if cancel is not None and cancel.is_set():
         yield _finished(generated, channels, "cancelled", 0, P, clock, hooks)
@@ -610,10 +722,13 @@ def _diffusion_loop(
     generated: list[int] = []
     passes = 0
     end = min(s.max_positions, -(-(P + max_new) // B) * B)  # last position any block can reach, block-aligned
-    # the prompt's whole blocks are kept for the next request that starts with them (a chat's next turn: PromptCache)
+    # the prompt's whole blocks before its last turn (the generation prompt) are kept for the next request that
+    # starts with them (a chat's next turn: PromptCache)
     prompt_cache = PromptCache.for_model(prompt_cache, model)
+    keep_at = min(n_full, _turn_start(prompt, s) // B * B) if prompt_cache is not None else 0
     cache, cached, prev_row = (prompt_cache.take(model, prompt, n_full, end, B) if prompt_cache is not None
                                else (model.new_cache(end), 0, None))  # prev_row [V]: last logit row before a block
+    clock.cached = cached
     yield PromptInfo(prompt_tokens=P, block_size=B, first_block=n_full // B, tail=P - n_full, cached_tokens=cached)
     if cancel is not None and cancel.is_set():
         yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
@@ -624,13 +739,17 @@ def _diffusion_loop(
     if cached < n_full:
         ids = torch.tensor(prompt[cached:n_full], dtype=torch.long, device=device)  # [n_full - cached]
         # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
-        out = yield from _prefill(model, ids, cache, B, cancel, at=cached, prefill=True)  # [1, V]
+        keep = None
+        if prompt_cache is not None and cached < keep_at:  # a forward ends at the point kept for the next turn
+            def keep_here(out: Tensor) -> None:
+                prompt_cache.keep(prompt[:keep_at], cache, out[-1], B)
+
+            keep = (keep_at - cached, keep_here)
+        out = yield from _prefill(model, ids, cache, B, cancel, at=cached, keep=keep, prefill=True)  # [1, V]
         if out is None:  # cancelled between two prefill segments
             yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
             return
         prev_row = out[-1]
-        if prompt_cache is not None:
-            prompt_cache.keep(prompt[:n_full], cache, prev_row, B)
     clock.prefill_done = clock.now()
     vocab: int | None = None
     rep_seen = out_seen = None

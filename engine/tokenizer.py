@@ -64,6 +64,7 @@ class CloverTokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(i for i in eos if i is not None)
         self.think_start_id = self.token_to_id(THINK_START)
         self.think_end_id = self.token_to_id(THINK_END)
+        self.turn_start_id = self.token_to_id(IM_START)  # where a chat turn starts: the generation prompt's first
         self.mask_token_id = next((i for i in (self.token_to_id(n) for n in MASK_NAMES) if i is not None), None)
 
     # ---- construction ----

@@ -28,7 +28,7 @@ def _run(engine: Any, ids: list[int], mode: str, max_new: int = 12, block: int =
     events = list(engine.generate(prompt_ids=ids, params=params))
     info = next(e for e in events if isinstance(e, PromptInfo))
     done = events[-1]
-    assert isinstance(done, Finished)
+    assert isinstance(done, Finished) and done.cached_tokens == info.cached_tokens
     return done.token_ids, info.cached_tokens
 
 
@@ -128,7 +128,7 @@ def test_passes_replayed_from_cuda_graphs_go_on_from_the_cache_the_model_keeps(m
     fifth = fourth + [1]
     want = {len(p): run(p, None)[0] for p in (first, second, third, fourth, fifth)}
     # what each keeps: up to the last whole GDN chunk (32) before the end / the prompt's whole blocks of 8
-    cached = {"ar": (0, 64, 96, 96), "diffusion": (0, 72, 112, 112)}[mode]
+    cached = {"ar": (0, 64, 96, 96, 256), "diffusion": (0, 72, 112, 112, 264)}[mode]
     runner = step_graphs.StepGraphs(model, record=False)
     model.step_graph = model.pass_graph = runner
     kept = PromptCache()
@@ -145,8 +145,105 @@ def test_passes_replayed_from_cuda_graphs_go_on_from_the_cache_the_model_keeps(m
         # a longer request without the prompt cache replaces the model's cache: the next turn reads everything
         run(first, None, n=600)
         assert model._kept_cache.max_len == 768
-        assert run(fifth, kept) == (want[len(fifth)], 0)
-        assert runner._cache_ref() is model._kept_cache
+        # the next turn: the entry left in the replaced cache goes to host memory and comes back into the new one
+        assert run(fifth, kept) == (want[len(fifth)], cached[4])
+        assert runner._cache_ref() is model._kept_cache and not kept.saved
     finally:
         model.step_graph = model.pass_graph = None
         model._kept_cache = None
+
+
+@pytest.mark.parametrize(("mode", "kept_a", "kept_b"), [("ar", 64, 64), ("diffusion", 72, 80)])
+def test_a_chat_switched_back_to_goes_on_from_its_entry_in_host_memory(engines: tuple[Any, Any], mode: str,
+                                                                        kept_a: int, kept_b: int) -> None:
+    """Two chats taking turns: each request that starts otherwise moves the last prompt's entry to host memory,
+    and a chat's next turn finds its own there (the longest entry it starts with)."""
+    from engine.generate import PromptCache
+
+    cached_engine, plain = engines
+    cached_engine.prompt_cache = store = PromptCache()
+    a, b = list(range(500, 575)), list(range(600, 680))  # 75 and 80 tokens
+    assert _run(cached_engine, a, mode)[1] == 0
+    assert _run(cached_engine, b, mode)[1] == 0
+    assert [len(e.ids) for e in store.saved] == [kept_a] and all(e.kv[0][1].device.type == "cpu" for e in store.saved)
+    a2, b2 = a + list(range(700, 730)), b + list(range(730, 760))
+    assert _run(cached_engine, a2, mode) == (_run(plain, a2, mode)[0], kept_a)
+    assert _run(cached_engine, b2, mode) == (_run(plain, b2, mode)[0], kept_b)
+    assert len(store.saved) == 1 and store.saved[0].ids[:kept_a] == tuple(a2[:kept_a])  # a2's, b2's is live
+    assert 0 < store.saved_bytes == store.saved[0].nbytes
+    # a's first turn again (shorter than a2's entry), then b: a's entries of two lengths are saved (and b2's); a's
+    # third turn goes on from the longer one
+    longer = 96 if mode == "ar" else 104  # a2 and b2 are 110 tokens
+    _run(cached_engine, a, mode)
+    _run(cached_engine, b, mode)
+    assert [(e.ids[0], len(e.ids)) for e in store.saved] == [(500, longer), (600, longer), (500, kept_a)]
+    a3 = a2 + [1, 2, 3]
+    assert _run(cached_engine, a3, mode) == (_run(plain, a3, mode)[0], longer)
+
+
+def test_saved_entries_stay_within_their_budget_least_recently_used_first(engines: tuple[Any, Any]) -> None:
+    from engine.generate import PromptCache
+
+    cached_engine, plain = engines
+    chats = {name: list(range(base, base + 75)) for name, base in zip("abcd", (300, 400, 500, 600))}
+    cached_engine.prompt_cache = store = PromptCache()
+    for name in "ab":
+        _run(cached_engine, chats[name], "diffusion")
+    one = store.saved[0].nbytes  # every chat's entry is as big: 72 tokens
+    cached_engine.prompt_cache = store = PromptCache(host_bytes=2 * one)
+    for name in "abc":
+        _run(cached_engine, chats[name], "diffusion")
+    assert [e.ids[0] for e in store.saved] == [300, 400]
+    assert _run(cached_engine, chats["a"], "diffusion")[1] == 72  # a comes back; c goes out
+    _run(cached_engine, chats["d"], "diffusion")  # a goes out, b (used longest ago) makes room
+    assert [e.ids[0] for e in store.saved] == [500, 300] and store.saved_bytes <= 2 * one
+    tokens, cached = _run(cached_engine, chats["b"], "diffusion")
+    assert cached == 0 and tokens == _run(plain, chats["b"], "diffusion")[0]
+    cached_engine.prompt_cache = store = PromptCache(host_bytes=0)  # only the last prompt's
+    for name in "aba":
+        assert _run(cached_engine, chats[name], "diffusion")[1] == 0
+    assert not store.saved
+
+
+def test_no_entry_is_saved_that_would_leave_the_machine_short_of_memory(engines: tuple[Any, Any],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    from engine import generate
+
+    cached_engine, _ = engines
+    cached_engine.prompt_cache = store = generate.PromptCache()
+    monkeypatch.setattr(generate, "SAVED_FREE_MARGIN", psutil.virtual_memory().total)
+    for prompt in (list(range(300, 375)), list(range(400, 475)), list(range(300, 375))):
+        assert _run(cached_engine, prompt, "diffusion")[1] == 0
+    assert not store.saved
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_what_is_kept_stops_before_the_generation_prompt(engines: tuple[Any, Any], mode: str, thinking: bool) -> None:
+    """The generation prompt ("<|im_start|>assistant\\n<think>\\n", more with thinking off) is where a chat's next
+    turn writes the answer instead: a point kept past its start would never match again. A first turn whose whole
+    blocks (GDN chunks in AR mode) reach into it: the next turn still goes on from the blocks before it."""
+    from engine.generate import PromptCache
+
+    cached_engine, plain = engines
+    tok = cached_engine.tokenizer
+    unit = 8 if mode == "diffusion" else 32
+    params = GenerationParams(mode=mode, max_new_tokens=6, do_sample=False, block_size=8, enable_thinking=thinking)
+    for n in range(1, 80):  # a question whose whole blocks / chunks reach past where the next turn differs
+        question = [{"role": "user", "content": "Explain " + "block diffusion " * n}]
+        nxt = [*question, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "More?"}]
+        ids = cached_engine.prompt_ids(messages=question, enable_thinking=thinking)
+        later = cached_engine.prompt_ids(messages=nxt, enable_thinking=thinking)
+        differ = next(i for i, (a, b) in enumerate(zip(ids, later)) if a != b)  # "<think>"
+        turn = len(ids) - 1 - ids[::-1].index(tok.turn_start_id)
+        if turn >= unit and (len(ids) if mode == "diffusion" else len(ids) - 1) // unit * unit > differ:
+            break
+    else:
+        pytest.fail("no question length reaches into the generation prompt")
+    cached_engine.prompt_cache = PromptCache()
+    list(cached_engine.generate(messages=question, params=params))
+    events = list(cached_engine.generate(messages=nxt, params=params))
+    assert next(e for e in events if isinstance(e, PromptInfo)).cached_tokens == turn // unit * unit > 0
+    assert events[-1].token_ids == list(plain.generate(messages=nxt, params=params))[-1].token_ids
