@@ -28,8 +28,9 @@ What a request may hold, and what the server does with it:
   tokens the engine wrote, which in diffusion mode may run a block past the stop.
 * sampling: temperature (0 = greedy), top_p, top_k, seed, presence_penalty, repetition_penalty, max_tokens /
   max_completion_tokens; Clover's own settings under ``"clover": {"mode", "block_size", "threshold"}``.
-* every answer carries ``usage`` (prompt, completion, total tokens; streaming: with ``stream_options.include_usage``
-  as OpenAI does) and a ``"clover"`` object: mode, passes, tokens per pass, block size, timings, stop reason and
+* every answer carries ``usage`` (prompt, completion, total tokens, and ``prompt_tokens_details.cached_tokens``: the
+  prompt's first tokens the engine had read already, a chat's earlier turns; streaming: with
+  ``stream_options.include_usage`` as OpenAI does) and a ``"clover"`` object: mode, passes, tokens per pass, block size, timings, stop reason and
   ``ignored_fields``.
 
 Decisions:
@@ -843,9 +844,12 @@ class ChatService:
         }
 
 
-def usage_of(done: Finished) -> dict[str, int]:
+def usage_of(done: Finished) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt's first tokens the engine's
+    prompt cache held already (a chat's next turn, engine.generate.PromptCache)."""
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.tokens,
-            "total_tokens": done.prompt_tokens + done.tokens}
+            "total_tokens": done.prompt_tokens + done.tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
 def finish_reason(done: Finished, tool_calls: int, stopped: str | None = None) -> str:

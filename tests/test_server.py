@@ -144,6 +144,27 @@ def test_thinking_off_and_ar_mode(chat_server) -> None:  # noqa: ANN001
 # stop sequences
 
 
+def test_usage_counts_the_prompt_tokens_a_chats_next_turn_had_cached(chat_server, chat_model) -> None:  # noqa: ANN001
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: what the engine's prompt cache held of the prompt
+    (the last turn's whole 32-token blocks before its generation prompt), 0 for a prompt it has not seen."""
+    from engine.api import Engine
+
+    c = client(chat_server)
+    question = [{"role": "user", "content": " ".join(f"point {i} of the plan" for i in range(40))}]
+    first = c.chat.completions.create(model="clover", messages=question)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and first.usage.prompt_tokens > 64
+    turn = [*question, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And then?"}]
+    chunks = list(c.chat.completions.create(model="clover", messages=turn, stream=True,
+                                            stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    cached = usage.prompt_tokens_details.cached_tokens
+    ids = Engine.load(chat_model.path).prompt_ids(messages=question, enable_thinking=True)
+    im_start = ids[::-1].index(ids[0])  # (the chat's first token starts each turn) tokens from the last one to the end
+    assert cached == (len(ids) - 1 - im_start) // 32 * 32 > 0
+    assert _joined(chunks, "content") == first.choices[0].message.content  # the scripted answer, as without it
+
+
 def test_a_stop_sequence_ends_the_answer_before_it(chat_server) -> None:  # noqa: ANN001
     c = client(chat_server)
     before = wait_idle(chat_server)
