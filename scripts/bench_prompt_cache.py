@@ -2,8 +2,11 @@
 process: ``.venv/bin/python scripts/bench_prompt_cache.py [--shape mid] [--first 2000] [--shared 1990] [--new 60]``.
 
 The model is the bench's random one of that shape (``clover-desk bench speed``), in fp32 on the CPU. Each engine
-first reads a prompt of ``--first`` tokens, then a second one that shares its first ``--shared`` tokens and adds
-``--new``; printed: that second request's prefill time, its first token and its whole time, in both modes.
+first reads a prompt of ``--first`` tokens (chat A), then another chat's prompt as long (chat B), then A's next turn,
+which shares A's first ``--shared`` tokens and adds ``--new``. Three engines: no prompt cache, one that keeps only the
+last prompt's entry (``host_bytes=0``: B's request drops A's), and the default one that moves A's entry to host
+memory when B comes. Printed, in both modes: B's whole request (it pays for the move) and A's next turn: its
+prefill time, first token and whole request.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from clover_desk.cmd_bench_speed import _build_random_model, _config  # noqa: E4
 from engine.api import Engine  # noqa: E402
 from engine.config import GenerationDefaults  # noqa: E402
 from engine.events import GenerationParams, PromptInfo  # noqa: E402
+from engine.generate import PromptCache  # noqa: E402
 
 
 def main() -> int:
@@ -39,21 +43,25 @@ def main() -> int:
     draw = lambda n: [int(i) for i in torch.randint(10, config.vocab_size - 10, (n,))]  # noqa: E731
     first = draw(args.first)
     second = first[: args.shared] + draw(args.new)
+    other = draw(args.first)
+    setups = (("off", lambda: None), ("last only", lambda: PromptCache(host_bytes=0)), ("with saved", PromptCache))
     for mode in ("diffusion", "ar"):
-        for cached in (False, True):
+        for name, make in setups:
             engine = Engine(model, config, GenerationDefaults(), None)
-            if not cached:
-                engine.prompt_cache = None
+            engine.prompt_cache = make()
             params = GenerationParams(mode=mode, max_new_tokens=4, do_sample=False)
             list(engine.generate(prompt_ids=first, params=params))
+            t0 = time.perf_counter()
+            list(engine.generate(prompt_ids=other, params=params))
+            switch = time.perf_counter() - t0
             t0 = time.perf_counter()
             events = list(engine.generate(prompt_ids=second, params=params))
             total = time.perf_counter() - t0
             info = next(e for e in events if isinstance(e, PromptInfo))
             done = events[-1]
-            print(f"{args.shape} {mode:9s} prompt cache {'on ' if cached else 'off'}: second turn {len(second):,} tokens"
-                  f" ({info.cached_tokens:,} cached): prefill {done.prefill_s:.2f} s, first token "
-                  f"{done.time_to_first_token_s:.2f} s, request {total:.2f} s")
+            print(f"{args.shape} {mode:9s} prompt cache {name:10s}: chat B {switch:.2f} s; then A's next turn "
+                  f"{len(second):,} tokens ({info.cached_tokens:,} cached): prefill {done.prefill_s:.2f} s, first "
+                  f"token {done.time_to_first_token_s:.2f} s, request {total:.2f} s", flush=True)
     return 0
 
 
