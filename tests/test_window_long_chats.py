@@ -23,6 +23,7 @@ from ui.context_window import (
     answer_reserve,
     context_limit,
     fit_messages,
+    shift_slack,
 )
 from ui.main_window import MainWindow
 
@@ -171,6 +172,34 @@ def test_leaving_the_oldest_turns_out_sends_what_fits_and_is_remembered(qtbot, s
     qtbot.waitUntil(lambda: "oldest left out" in window.long_chats.meter.text(), timeout=5000)
 
 
+def test_a_chat_past_its_context_starts_where_its_last_send_did_while_it_fits(qtbot, store, counter,  # noqa: ANN001
+                                                                              tokenizer) -> None:
+    """Once turns are left out, the start moves a quarter of the room further than needed, and the next sends
+    start at the same message while the chat fits from there (the engine's prompt cache then reads only the new
+    turn), also after switching chats. Turns here are ~300 tokens; the context 1,400."""
+    cid = long_chat(store, 5)
+    client = FakeEngineClient(blocks=1, pass_ms=2, answer="Fine.")
+    window = make_window(qtbot, store, counter, client, limit=1400)
+    window.open_conversation(cid)
+    dialog = open_dialog(qtbot, window, "One more question about the keepers?")
+    with qtbot.waitSignal(window.generationFinished, timeout=5000):
+        dialog.drop_button.click()
+    first, params = client.requests[-1]
+    count = lambda m: len(tokenizer.encode_chat(m, enable_thinking=params.enable_thinking))  # noqa: E731
+    reserve = answer_reserve(1400, window.drawer.settings().max_new_tokens)
+    assert len(first) == 1 + 3 * 2 + 1  # 3 of 5 turns: 4 would fit (as far as needed) but leave < a quarter free
+    assert count(first) + reserve + shift_slack(1400, reserve) <= 1400
+    window.open_conversation(None)
+    window.open_conversation(cid)
+    window.composer.input.setPlainText(TURN)  # a long one: from a start moved as that rule says it would move again
+    with qtbot.waitSignal(window.generationFinished, timeout=5000):
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    second = client.requests[-1][0]
+    assert second[: len(first)] == first and second[len(first):] == [{"role": "assistant", "content": "Fine."},
+                                                                     {"role": "user", "content": TURN.strip()}]
+    assert count(second) + reserve + shift_slack(1400, reserve) > 1400
+
+
 def test_a_new_chat_carrying_a_summary_then_sends_the_message(qtbot, store, counter) -> None:  # noqa: ANN001
     cid = long_chat(store, 4)
     client = FakeEngineClient(blocks=1, pass_ms=2, answer="Keepers rowed ashore monthly.")
@@ -243,6 +272,29 @@ def test_fit_messages_keeps_the_system_prompt_and_whole_newest_turns() -> None:
     assert len(calls) <= 5  # a binary search, not one count per turn
     assert fit_messages(chat, count, limit=500, reserve=10) == (chat, 0)
     assert fit_messages(chat, count, limit=25, reserve=10) is None  # the system prompt and the message alone: 20
+
+
+def test_fit_messages_starts_where_the_last_send_did_and_moves_with_slack() -> None:
+    """Successive sends start at the same message while the chat fits from there (the engine's prompt cache then
+    reads only the new turn); when the start must move, it moves until ``slack`` more tokens are free."""
+    chat = [{"role": "system", "content": "s"}]
+    for i in range(6):
+        chat += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    chat.append({"role": "user", "content": "now"})  # 14 messages: users at 1, 3, ..., 13
+
+    def count(messages: list) -> int:  # 10 tokens a message
+        return 10 * len(messages)
+
+    assert fit_messages(chat, count, limit=100, reserve=10)[1] == 6  # as far as needed: 80 tokens
+    sent, left_out = fit_messages(chat, count, limit=100, reserve=10, slack=20)
+    assert left_out == 8 and sent == [chat[0], *chat[9:]] and count(sent) + 10 + 20 <= 100
+    grown = [*chat, {"role": "assistant", "content": "a"}, {"role": "user", "content": "next"}]
+    assert fit_messages(grown, count, limit=100, reserve=10, keep=8, slack=20) == ([chat[0], *grown[9:]], 8)
+    assert fit_messages(grown, count, limit=100, reserve=10, slack=20)[1] == 10  # (without keep it would move)
+    more = [*grown, {"role": "assistant", "content": "b"}, {"role": "user", "content": "again"}]  # 100 from 9
+    assert fit_messages(more, count, limit=100, reserve=10, keep=8, slack=20)[1] == 12  # moved: 60 tokens
+    assert fit_messages(more, count, limit=100, reserve=10, keep=9)[1] == 10  # 9 is no turn start (it would fit)
+    assert fit_messages(chat, count, limit=100, reserve=10, slack=80)[1] == 6  # the last turn leaves < 80: as needed
 
 
 def test_without_a_counter_there_is_no_meter_and_send_is_not_held(qtbot, store) -> None:  # noqa: ANN001

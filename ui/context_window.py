@@ -22,6 +22,7 @@ RESERVE_SHARE = 4  # ...and at most a quarter of the context
 DROP_OLDEST = "drop-oldest"  # the chat setting (``Conversation.settings["context_overflow"]``) once chosen
 OVERFLOW_KEY = "context_overflow"
 SUMMARY_TOKENS = 512  # the summary's length limit
+SHIFT_SHARE = 4  # a chat past its context drops turns until a quarter of its room is free (shift_slack)
 SUMMARY_INSTRUCTION = (
     "Summarize our conversation so far for a fresh chat that continues it: the facts, names, numbers, decisions, "
     "code and open questions the continuation needs. Write only the summary, in a few short paragraphs or bullets."
@@ -57,27 +58,45 @@ def turn_starts(messages: Sequence[Mapping[str, str]]) -> list[int]:
     return [i for i in range(first, len(messages)) if messages[i].get("role") == "user"]
 
 
-def fit_messages(messages: Messages, count: Counter, limit: int, reserve: int) -> tuple[Messages, int] | None:
-    """The conversation with the fewest oldest turns left out so that it leaves ``reserve`` tokens of ``limit``:
-    ``(messages to send, how many messages were left out)``. The system prompt and the last turn always stay; None
-    when even they do not fit (or the tokens cannot be counted). A binary search over the turn starts: a handful of
-    counts however long the chat."""
+def fit_messages(messages: Messages, count: Counter, limit: int, reserve: int, keep: int = 0,
+                 slack: int = 0) -> tuple[Messages, int] | None:
+    """The conversation with its oldest turns left out as far as needed for it to leave ``reserve`` tokens of
+    ``limit``: ``(messages to send, how many messages were left out)``. The system prompt and the last turn always
+    stay; None when even they do not fit (or the tokens cannot be counted). A binary search over the turn starts: a
+    handful of counts however long the chat.
+
+    ``keep``: how many messages (after the system prompt) the last send left out; when the chat still fits from
+    there, it starts there again, so that successive sends begin with the same tokens (the engine's prompt cache then
+    reads only the new turn). ``slack``: when the start has to move, it moves until ``slack`` more tokens are free,
+    so that the next turns fit from there too (as llama.cpp's context shift drops half of the context at once);
+    as far as needed when even the last turn does not leave that much."""
     system = messages[:1] if messages and messages[0].get("role") == "system" else []
     whole = count(messages)
     if whole is not None and fits(whole, limit, reserve):
         return messages, 0
     starts = turn_starts(messages)
+    if keep > 0 and len(system) + keep in starts and _fits_from(messages, system, len(system) + keep, count, limit,
+                                                                 reserve):
+        return system + messages[len(system) + keep:], keep
     if not starts or not _fits_from(messages, system, starts[-1], count, limit, reserve):
         return None
+    free = reserve + slack
+    if slack <= 0 or not _fits_from(messages, system, starts[-1], count, limit, free):
+        free = reserve
     lo, hi = -1, len(starts) - 1  # from starts[lo] it does not fit (-1: the whole chat), from starts[hi] it does
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _fits_from(messages, system, starts[mid], count, limit, reserve):
+        if _fits_from(messages, system, starts[mid], count, limit, free):
             hi = mid
         else:
             lo = mid
     start = starts[hi]
     return system + messages[start:], start - len(system)
+
+
+def shift_slack(limit: int, reserve: int) -> int:
+    """The ``slack`` of :func:`fit_messages` in the window: a quarter of the room the chat has."""
+    return max(0, limit - reserve) // SHIFT_SHARE
 
 
 def _fits_from(messages: Messages, system: Messages, start: int, count: Counter, limit: int, reserve: int) -> bool:

@@ -5,9 +5,13 @@ widgets).
 * The meter counts the chat plus the message being typed, as the engine will read it, through the token counter the
   composition root hands in (the model folder's tokenizer, off the GUI thread, coalesced while typing).
 * Send first checks that the chat with the message leaves room for an answer. If not, a dialog offers: leave the
-  oldest turns out (this chat then drops the oldest turns as needed on every send; the system prompt stays, the chat
+  oldest turns out (this chat then drops the oldest turns when needed on every send; the system prompt stays, the chat
   keeps them on screen and on disk), or start a new chat carrying a summary of this one, written by the model,
   which then sends the message; or keep editing. Nothing is sent, and nothing typed is lost, until one is chosen.
+* A chat that leaves turns out starts at the same message on every send while it fits from there (so the engine's
+  prompt cache reads only the new turn instead of the whole context again); when the start has to move, it moves
+  until a quarter of the chat's room is free for the next turns, as llama.cpp's context shift frees half of it at once
+  (``ui.context_window.fit_messages``).
 
 :class:`LongChats` holds this state for :class:`ui.main_window.MainWindow`, which calls it at the few points where
 a chat opens, a message goes or an answer ends.
@@ -35,6 +39,7 @@ from ui.context_window import (
     continued_title,
     fit_messages,
     fits,
+    shift_slack,
     summary_request,
 )
 from ui.contracts import TokenCounterLike
@@ -77,6 +82,7 @@ class LongChats(QObject):
         self.dialog: ContextFullDialog | None = None
         self.summary: PendingSummary | None = None
         self.left_out = 0  # messages the last send left out
+        self._starts: dict[int, int] = {}  # per chat this session: the messages its last send left out
         self._key = 0
         self.throttle = Throttle(self.request_count, COUNT_DELAY_MS, self)
         if counter is not None:
@@ -215,16 +221,19 @@ class LongChats(QObject):
         """The chat as the engine gets it: whole, or (once the user chose so) without the oldest turns that do
         not fit."""
         messages = self.window.store.chat_messages(conversation_id)
-        self.left_out = 0
+        last, self.left_out = self._starts.pop(conversation_id, 0), 0
         if self.overflow != DROP_OLDEST or not self.applies() or self.counter is None or not self.limit:
             return messages
         settings = self.window.drawer.settings()
         counter = self.counter
+        reserve = answer_reserve(self.limit, settings.max_new_tokens)
+        # the same start as the last send while the chat fits from there (the engine's prompt cache then reads only
+        # the new turn); when it must move, it moves a quarter of the context further (ui.context_window)
         fitted = fit_messages(messages, lambda m: counter.count_now(m, settings.enable_thinking), self.limit,
-                              answer_reserve(self.limit, settings.max_new_tokens))
+                              reserve, keep=last, slack=shift_slack(self.limit, reserve))
         if fitted is None:
             return messages  # the engine says why (blocks_send let it through only if it fitted a moment ago)
-        self.left_out = fitted[1]
+        self.left_out = self._starts[conversation_id] = fitted[1]
         if self.left_out:
             self.window.statusBar().showMessage(
                 f"The {self.left_out} oldest messages were left out to fit the model's context", 6000)
