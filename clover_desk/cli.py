@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gui": ("clover_desk.cmd_gui", "open the Clover Desk window (the default)"),
     "doctor": ("clover_desk.cmd_doctor", "check torch, the GPU, its driver and bitsandbytes; say what to install"),
     "generate": ("clover_desk.cmd_generate", "generate text from a model folder"),
+    "chat": ("clover_desk.cmd_chat", "chat with a model folder in the terminal"),
     "gguf-fix": ("clover_desk.cmd_gguf_fix", "copy an official Clover GGUF into the layout upstream llama.cpp loads"),
     "make-tiny": ("clover_desk.cmd_make_tiny", "write a tiny random Clover checkpoint (its output is noise)"),
     "plan": ("clover_desk.cmd_plan", "plan VRAM/RAM placement for a model and a budget"),

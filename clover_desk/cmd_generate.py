@@ -27,6 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-file", metavar="PATH", help="the prompt as UTF-8 text from a file ('-': stdin)")
     source.add_argument("--prompt-ids", metavar="1,2,3", help="token ids, comma-separated (sent as is)")
     parser.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    add_local_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
+    add_decoding_arguments(parser)
+
+
+def add_local_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a model is loaded here (``generate`` and ``chat``), and its decoding mode and thinking switch."""
     parser.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion", help="decoding mode")
     parser.add_argument("--max-new-tokens", type=flags.MAX_NEW_TOKENS, default=None, metavar="N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -42,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the decoder layers (torch.compile), warmed up while loading: two to three "
                              "minutes on a CPU the first time, under a minute once cached")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling and diffusion settings of a request (``generate`` and ``chat``)."""
     parser.add_argument("--temperature", type=flags.temperature, default=None, help="> 0 samples (default: greedy)")
     parser.add_argument("--top-p", type=flags.TOP_P, default=None)
     parser.add_argument("--top-k", type=flags.TOP_K, default=None)
@@ -53,6 +63,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="subtracted from the logits of tokens already generated (default: generation_config.json)")
     parser.add_argument("--repetition-penalty", type=flags.REPETITION_PENALTY, default=None,
                         help="CTRL-style penalty on tokens seen so far, 1 = off (default: generation_config.json)")
+
+
+def params_from(args: argparse.Namespace) -> Any:
+    """The request's GenerationParams from the decoding flags."""
+    from engine.events import GenerationParams
+
+    return GenerationParams(
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        block_size=args.block_size,
+        threshold=args.threshold,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
+        enable_thinking=not args.no_think,
+        seed=args.seed,
+    )
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -136,56 +165,54 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.api import Engine, plan_for
-    from engine.errors import PlanError
-    from engine.events import Finished, GenerationParams, to_dict
+    from engine.events import Finished, to_dict
 
     if args.model is None:
         print("clover-desk generate: error: --model DIR is required (or --remote URL)", file=sys.stderr)
         return 2
-    if args.ctx is not None and args.vram_gb is None:  # (serve's --ctx caps requests; here there is one, and
-        # --max-new-tokens already bounds it: without a plan there is no KV reservation for --ctx to size)
-        print("clover-desk generate: error: --ctx sizes the KV cache a --vram-gb plan reserves: add --vram-gb G "
-              "(without a plan the cache holds the prompt and --max-new-tokens)", file=sys.stderr)
-        return 2
+    check_ctx(args)
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     prompt = _prompt_text(args)  # before the model is read: a bad prompt costs nothing
-    params = GenerationParams(
-        mode=args.mode,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        block_size=args.block_size,
-        threshold=args.threshold,
-        presence_penalty=args.presence_penalty,
-        repetition_penalty=args.repetition_penalty,
-        enable_thinking=not args.no_think,
-        seed=args.seed,
-    )
+    params = params_from(args)
+    engine = load_engine(args, "generate")
+    cancel = threading.Event()
+    if prompt_ids is not None:
+        events = engine.generate(prompt_ids=prompt_ids, params=params, cancel=cancel)
+    else:
+        events = engine.generate(prompt=prompt, raw=args.raw, params=params, cancel=cancel)
+    return _print_events(events, args.json, cancel, to_dict, Finished, summary_line)
+
+
+def check_ctx(args: argparse.Namespace) -> None:
+    """``--ctx`` goes with ``--vram-gb`` only (a ConfigError otherwise)."""
+    from engine.errors import ConfigError
+
+    if args.ctx is not None and args.vram_gb is None:  # (serve's --ctx caps requests; here the answer's length is
+        # bounded by --max-new-tokens already: without a plan there is no KV reservation for --ctx to size)
+        raise ConfigError("--ctx sizes the KV cache a --vram-gb plan reserves: add --vram-gb G (without a plan the "
+                          "cache holds the prompt and --max-new-tokens)")
+
+
+def load_engine(args: argparse.Namespace, command: str) -> Any:
+    """The Engine the local flags ask for: with ``--vram-gb``, the plan first, from the headers alone (before any
+    conversion or load), printed (a JSON record with ``--json``), then that plan placed."""
+    from clover_desk.cmd_serve import compile_stage_printer
+    from engine.api import Engine, plan_for
+    from engine.errors import PlanError
+
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
     if args.vram_gb is not None:
-        # the plan first, from the headers alone (before any conversion or load), as `clover-desk plan --json`
-        # prints it; the engine then checks it and places exactly that plan
         plan = plan_for(args.model, args.vram_gb, args.ctx, dtype, args.gguf_layout)
-        if args.json:
+        if getattr(args, "json", False):
             sys.stdout.write(json.dumps({"event": "plan", **plan.to_dict()}, ensure_ascii=False) + "\n")
             sys.stdout.flush()
         else:
             print(_plan_line(plan), file=sys.stderr)
         if not plan.fits:
             raise PlanError(plan.reason)
-    from clover_desk.cmd_serve import compile_stage_printer
-
-    engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, gguf_layout=args.gguf_layout,
-                         compile=args.compile, progress=compile_stage_printer("generate") if args.compile else None)
-    cancel = threading.Event()
-    if prompt_ids is not None:
-        events = engine.generate(prompt_ids=prompt_ids, params=params, cancel=cancel)
-    else:
-        events = engine.generate(prompt=prompt, raw=args.raw, params=params, cancel=cancel)
-    return _print_events(events, args.json, cancel, to_dict, Finished, _summary)
+    return Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, gguf_layout=args.gguf_layout,
+                       compile=args.compile, progress=compile_stage_printer(command) if args.compile else None)
 
 
 def _plan_line(plan: Any) -> str:
@@ -197,12 +224,14 @@ def _plan_line(plan: Any) -> str:
     )
 
 
-def _summary(done: Any) -> str:
+def summary_line(done: Any) -> str:
+    """A local generation's figures, one line (stderr)."""
     ttft = "-" if done.time_to_first_token_s is None else f"{done.time_to_first_token_s:.2f} s"
+    cached = f" ({done.cached_tokens} cached)" if done.cached_tokens else ""
     return (
         f"[{done.stop_reason}] {done.tokens} tokens in {done.passes} passes ({done.tokens_per_pass:.2f} tokens/pass), "
-        f"{done.tokens_per_s:.1f} tokens/s, prompt {done.prompt_tokens} tokens, prefill {done.prefill_s:.2f} s, "
-        f"first token {ttft}"
+        f"{done.tokens_per_s:.1f} tokens/s, prompt {done.prompt_tokens} tokens{cached}, prefill {done.prefill_s:.2f} "
+        f"s, first token {ttft}"
     )
 
 
@@ -217,7 +246,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     import os
 
     from clover_desk.remote import RemoteBackend, RemoteFinished
-    from engine.events import GenerationParams, TextDelta, to_dict
+    from engine.events import TextDelta, to_dict
 
     for attr, flag in _LOCAL_ONLY:
         if getattr(args, attr, None) not in (None, False):
@@ -229,12 +258,7 @@ def _run_remote(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     prompt = _prompt_text(args)
-    params = GenerationParams(
-        mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, block_size=args.block_size, threshold=args.threshold,
-        presence_penalty=args.presence_penalty, repetition_penalty=args.repetition_penalty,
-        enable_thinking=not args.no_think, seed=args.seed,
-    )
+    params = params_from(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("CLOVER_DESK_API_KEY")
     backend = RemoteBackend(args.remote, api_key=api_key, model=args.model)
     cancel = threading.Event()

@@ -1,0 +1,162 @@
+"""``clover-desk chat``: a conversation with a model in the terminal, as ``ollama run`` and ``llama-cli -cnv`` have.
+
+Each line read is a user message (a line ending in ``\\`` goes on to the next); the answer streams as ``generate``
+prints it, with its figures on stderr (how many of the prompt's tokens the engine's prompt cache had read already:
+a turn reads only what is new). Commands: ``/bye`` (or end of input) ends it, ``/reset`` starts over, ``/think on|off``,
+``/mode diffusion|ar``, ``/help``. Ctrl-C stops the answer being written (what it wrote stays in the chat) and, at
+the prompt, drops the line being typed. A message the context cannot hold is one line and the chat goes on without
+it. Works on piped input too (no prompt is printed then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import threading
+from typing import Any, TextIO
+
+from clover_desk import cmd_generate
+
+HELP = """commands: /bye (or Ctrl-D) ends the chat, /reset starts a new one, /think on|off, /mode diffusion|ar, /help;
+a line ending in \\ goes on to the next; Ctrl-C stops an answer"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="model folder (config.json, weights, tokenizer) or a .gguf file")
+    parser.add_argument("--system", metavar="TEXT", default=None, help="a system prompt")
+    cmd_generate.add_local_arguments(parser)
+    cmd_generate.add_decoding_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.errors import CloverError
+
+    try:
+        cmd_generate.check_ctx(args)
+        system = _system(args.system)
+        params = cmd_generate.params_from(args)
+        engine = cmd_generate.load_engine(args, "chat")
+    except CloverError as exc:
+        print(f"clover-desk chat: error: {exc}", file=sys.stderr)
+        return 2
+    return Chat(engine, params, system).run(sys.stdin, sys.stdout, sys.stderr)
+
+
+def _system(text: str | None) -> str | None:
+    from engine.limits import check_text
+
+    if text is None or not text.strip():
+        return None
+    return check_text(text, "--system")
+
+
+class Chat:
+    """One terminal conversation with ``engine`` (the history, the settings the commands change)."""
+
+    def __init__(self, engine: Any, params: Any, system: str | None) -> None:
+        self.engine = engine
+        self.params = params
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+
+    def run(self, stdin: TextIO, out: TextIO, err: TextIO) -> int:
+        tty = stdin.isatty() and out.isatty()
+        if tty:
+            print(f"Chatting with {getattr(self.engine, 'model_dir', 'the model')}; /help for commands.", file=err)
+        while True:
+            try:
+                line = self._read(stdin, out, tty)
+            except KeyboardInterrupt:
+                out.write("\n")  # the line being typed is dropped
+                continue
+            if line is None:
+                if tty:
+                    out.write("\n")
+                return 0
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                if self.command(line.strip(), err) == "bye":
+                    return 0
+                continue
+            self.send(line, out, err)
+
+    @staticmethod
+    def _read(stdin: TextIO, out: TextIO, tty: bool) -> str | None:
+        """One message, or None at the end of input."""
+        parts: list[str] = []
+        while True:
+            if tty:
+                out.write(">>> " if not parts else "... ")
+                out.flush()
+            line = stdin.readline()
+            if not line:
+                return "\n".join(parts) if parts else None
+            line = line.rstrip("\r\n")
+            if line.endswith("\\"):
+                parts.append(line[:-1])
+                continue
+            parts.append(line)
+            return "\n".join(parts)
+
+    def command(self, line: str, err: TextIO) -> str | None:
+        """Run a /command; "bye" when the chat ends."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name in ("/bye", "/exit", "/quit"):
+            return "bye"
+        if name == "/help":
+            print(HELP, file=err)
+        elif name == "/reset":
+            self.messages.clear()
+            print("(a new chat)", file=err)
+        elif name == "/think" and arg in ("on", "off"):
+            self.params = dataclasses.replace(self.params, enable_thinking=arg == "on")
+            print(f"(thinking {arg})", file=err)
+        elif name == "/mode" and arg in ("diffusion", "ar"):
+            self.params = dataclasses.replace(self.params, mode=arg)
+            print(f"(mode {arg})", file=err)
+        elif name in ("/think", "/mode"):
+            allowed = "on, off" if name == "/think" else "diffusion, ar"
+            print(f"clover-desk chat: {name} takes one of {allowed} (got {arg or 'nothing'!r})", file=err)
+        else:
+            print(f"clover-desk chat: unknown command {name} (/help lists them)", file=err)
+        return None
+
+    def send(self, text: str, out: TextIO, err: TextIO) -> None:
+        """Ask with ``text`` as the next user message and stream the answer; the answer joins the chat (what it
+        wrote of it when stopped), a request the engine refuses leaves the chat as it was."""
+        from engine.errors import CloverError
+        from engine.events import Finished, TextDelta
+
+        turn = [*self.messages, {"role": "user", "content": text}]
+        sent = ([{"role": "system", "content": self.system}] if self.system else []) + turn
+        cancel = threading.Event()
+        printer = cmd_generate._Printer(out)
+        answer: list[str] = []
+        events = None
+        try:
+            events = self.engine.generate(messages=sent, params=self.params, cancel=cancel)
+            for event in events:
+                if isinstance(event, TextDelta):
+                    printer.delta(event.text, event.channel)
+                    if event.channel == "answer":
+                        answer.append(event.text)
+                elif isinstance(event, Finished):
+                    printer.end()
+                    print(cmd_generate.summary_line(event), file=err)
+                    answer = [event.text]
+        except CloverError as exc:
+            print(f"clover-desk chat: {exc}", file=err)
+            return
+        except KeyboardInterrupt:
+            cancel.set()
+            if events is not None:
+                events.close()  # the engine's turn ends here (its lock and cache go back)
+            printer.end()
+            print("(stopped)", file=err)
+        written = "".join(answer).strip()
+        if written:  # (an answer stopped before it wrote any, or all thinking: the question is asked again)
+            self.messages = [*turn, {"role": "assistant", "content": written}]

@@ -1,0 +1,90 @@
+"""``clover-desk chat``: a conversation in the terminal, run as a real subprocess on scripted tiny models
+(:mod:`scripted_model`) with its input piped: turns, commands, the prompt cache's figures on stderr, a message the
+context cannot hold, and Ctrl-C (SIGINT) stopping an answer without ending the chat."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from server_fixtures import chat_model, endless_model  # noqa: F401 - fixtures
+
+CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+SYSTEM = "You are a patient guide to lighthouses, their keepers and the islands they lived on. " * 3
+
+
+def chat(model: Path, text: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLOVER_DESK, "chat", "--model", str(model), *flags], input=text, capture_output=True,
+                          text=True, env=ENV, timeout=300)
+
+
+def test_turns_commands_and_what_the_prompt_cache_read(chat_model) -> None:  # noqa: ANN001, F811
+    from engine.api import Engine
+
+    script = "Hello there\nAnd then?\n/think off\nOne more\\\nline\n/bogus\n/mode fast\n/reset\n/mode ar\nHi\n"
+    proc = chat(chat_model.path, script, "--system", SYSTEM)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [  # (the piped output marks the channels; a terminal dims the thinking)
+        "[thinking] Let me think", "[answer] Sure thing.", "[thinking] Let me think", "[answer] Sure thing.",
+        "Plain answer!", "Plain answer!"]
+    figures = [line for line in proc.stderr.splitlines() if line.startswith("[eos]")]
+    assert len(figures) == 4
+    prompts = [int(re.search(r"prompt (\d+) tokens", line)[1]) for line in figures]
+    cached = [int(m[1]) if (m := re.search(r"\((\d+) cached\)", line)) else 0 for line in figures]
+    engine = Engine.load(chat_model.path)
+    first = engine.prompt_ids(messages=[{"role": "system", "content": SYSTEM},
+                                        {"role": "user", "content": "Hello there"}])
+    assert prompts[0] == len(first) and cached[0] == 0
+    turn = len(first) - 1 - first[::-1].index(first[0])  # the generation prompt's <|im_start|>
+    assert cached[1] == turn // 32 * 32 > 0 and prompts[1] > prompts[0]  # the second turn read only what was new
+    assert cached[2] > cached[1] and prompts[2] > prompts[1]  # the two-line message, thinking off
+    assert cached[3] == 0 and "(a new chat)" in proc.stderr  # /reset, then AR mode
+    assert "clover-desk chat: unknown command /bogus (/help lists them)" in proc.stderr
+    assert "clover-desk chat: /mode takes one of diffusion, ar (got 'fast')" in proc.stderr
+
+
+def test_a_message_the_context_cannot_hold_is_one_line_and_the_chat_goes_on(chat_model) -> None:  # noqa: ANN001, F811
+    long = "lighthouse " * 1500
+    proc = chat(chat_model.path, f"{long}\nHello there\n", "--no-think")
+    assert proc.returncode == 0, proc.stderr
+    refused = [line for line in proc.stderr.splitlines() if line.startswith("clover-desk chat: ")]
+    assert len(refused) == 1 and "the context holds" in refused[0], proc.stderr
+    assert proc.stdout.strip() == "Plain answer!"
+
+
+def test_bad_flags_are_one_line_and_exit_2(chat_model, tmp_path: Path) -> None:  # noqa: ANN001, F811
+    proc = chat(chat_model.path, "", "--ctx", "4096")
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("clover-desk chat: error: --ctx sizes the KV")
+    proc = chat(tmp_path / "missing", "")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "missing" in proc.stderr
+
+
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(endless_model) -> None:  # noqa: ANN001, F811
+    """The endless model writes "tick tock ..." until stopped: SIGINT stops that answer (what it wrote stays in the
+    chat), at the prompt it drops the line being typed, and the chat ends only with /bye."""
+    proc = subprocess.Popen([CLOVER_DESK, "chat", "--model", str(endless_model.path), "--no-think", "--mode", "ar"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("Go\n")
+        proc.stdin.flush()
+        seen = ""
+        while seen.count("tick") < 3:  # it is writing
+            seen += proc.stdout.read(1)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # at the prompt now: the line being typed goes, the chat stays
+        time.sleep(0.5)
+        out, err = proc.communicate("/bye\n", timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "(stopped)" in err and "Traceback" not in err
+    assert "tick tock" in seen + out
