@@ -1009,6 +1009,7 @@ class StreamRecorder:
                 "tokens_per_s": event.tokens_per_s,
                 "time_to_first_token_s": event.time_to_first_token_s,
                 "prompt_tokens": event.prompt_tokens,
+                "cached_tokens": event.cached_tokens,
                 "prefill_s": event.prefill_s,
                 "decode_s": event.decode_s,
             }

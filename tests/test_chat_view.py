@@ -12,6 +12,7 @@ from ui.chat_view import (
     PreviewRequest,
     StreamingReply,
     preview_document_id,
+    stats_details,
     stats_line,
 )
 from ui.html_extract import extract_html
@@ -85,6 +86,17 @@ def test_streaming_reply_tracks_channels_and_thinking_time() -> None:
 def test_stats_line() -> None:
     line = stats_line({"tokens": 64, "tokens_per_s": 40.0, "tokens_per_pass": 4.0, "stop_reason": "cancelled"})
     assert line == "64 tokens · 40.0 tok/s · 4.0 tok/pass · stopped"
+
+
+def test_stats_details_say_how_the_prompt_was_read() -> None:
+    stats = {"mode": "diffusion", "tokens": 262, "passes": 53, "decode_s": 6.8, "prompt_tokens": 2050,
+             "cached_tokens": 1984, "prefill_s": 0.16, "expert_hit_rate": 0.874}
+    assert stats_details(stats) == ("prompt: 2,050 tokens, 1,984 of them already read (the prompt cache); the rest "
+                                    "read in 0.16 s\nanswer: 262 tokens in 53 passes, 6.80 s\nexperts found on the "
+                                    "GPU: 87%")
+    fresh = {**stats, "cached_tokens": 0, "mode": "ar", "expert_hit_rate": None}
+    assert stats_details(fresh) == "prompt: 2,050 tokens; read in 0.16 s\nanswer: 262 tokens in 53 steps, 6.80 s"
+    assert stats_details({"backend": "remote", "tokens": 3}) == "" and stats_details({}) == ""
 
 
 # ------------------------------------------------------------------------------------------- widgets
@@ -299,5 +311,5 @@ def test_streaming_updates_are_throttled(qtbot) -> None:
     data.status = "complete"
     data.stats = {"tokens": 200, "tokens_per_s": 12.5}
     view.end_stream()
-    assert w.meta_label.text() == "200 tokens · 12.5 tok/s"
+    assert w.meta_label.text() == "200 tokens · 12.5 tok/s" and w.meta_label.toolTip() == "answer: 200 tokens"
     assert shown(w.regen_button)

@@ -366,7 +366,7 @@ def test_chats_db_path_honours_override(tmp_path: Path, monkeypatch: pytest.Monk
 def _finished(text: str, thinking: str, reason: str) -> Finished:
     return Finished(
         token_ids=(1, 2), text=text, thinking=thinking, stop_reason=reason, tokens=2, passes=3, tokens_per_pass=0.67,
-        tokens_per_s=9.0, time_to_first_token_s=0.1, prompt_tokens=5, prefill_s=0.01, decode_s=0.2,
+        tokens_per_s=9.0, time_to_first_token_s=0.1, prompt_tokens=5, prefill_s=0.01, decode_s=0.2, cached_tokens=4,
     )
 
 
@@ -387,6 +387,7 @@ def test_stream_recorder_saves_each_committed_block(store: ChatStore) -> None:
     done = store.get_message(m.id)
     assert (done.status, done.content, done.thinking) == ("complete", "Hi!", "hmm ")
     assert done.stats["tokens_per_s"] == 9.0 and done.stats["stop_reason"] == "eos"
+    assert done.stats["cached_tokens"] == 4  # what the prompt cache held of the prompt (the stats line's tooltip)
     assert done.thinking_seconds is not None and done.thinking_seconds > 0
 
 

@@ -220,6 +220,31 @@ def continuable(data: MessageData) -> bool:
             and bool(data.content or data.thinking))
 
 
+def stats_details(stats: dict[str, Any]) -> str:
+    """The figures behind an answer's stats line (its tooltip): how the prompt was read, what the answer took."""
+    if stats.get("backend") == "remote" or not stats.get("tokens"):
+        return ""
+    lines = []
+    if stats.get("prompt_tokens"):
+        cached = int(stats.get("cached_tokens") or 0)
+        read = f"prompt: {stats['prompt_tokens']:,} tokens"
+        if cached:
+            read += f", {cached:,} of them already read (the prompt cache)"
+        if stats.get("prefill_s") is not None:
+            read += f"; the rest read in {float(stats['prefill_s']):.2f} s" if cached else \
+                f"; read in {float(stats['prefill_s']):.2f} s"
+        lines.append(read)
+    answer = f"answer: {stats['tokens']:,} tokens"
+    if stats.get("passes"):
+        answer += f" in {stats['passes']:,} " + ("passes" if stats.get("mode", "diffusion") == "diffusion" else "steps")
+    if stats.get("decode_s"):
+        answer += f", {float(stats['decode_s']):.2f} s"
+    lines.append(answer)
+    if stats.get("expert_hit_rate") is not None:
+        lines.append(f"experts found on the GPU: {100 * float(stats['expert_hit_rate']):.0f}%")
+    return "\n".join(lines)
+
+
 def stats_line(stats: dict[str, Any]) -> str:
     """"42 tokens · 38.5 tok/s · 3.1 tok/pass · stopped" from a Finished-derived stats dict."""
     if stats.get("backend") == "remote":  # a remote server's answer: what it did not report is named unavailable
@@ -440,9 +465,11 @@ class MessageWidget(QFrame):
         self.note.setText(note)
         self.note.setVisible(bool(note))
         meta = stats_line(d.stats) if d.role == "assistant" else ""
+        details = stats_details(d.stats) if d.role == "assistant" else ""
         if streaming:
-            meta = "generating…"
+            meta, details = "generating…", ""
         self.meta_label.setText(meta)
+        self.meta_label.setToolTip(details)
         self.meta_label.setVisible(bool(meta))
         self.copy_button.setEnabled(not streaming)
         self.branch_button.setVisible(d.role == "assistant" and not streaming and d.message_id is not None)

@@ -94,6 +94,7 @@ def finished_stats(event: Finished, mode: str) -> dict[str, Any]:
         "tokens_per_s": round(event.tokens_per_s, 3),
         "time_to_first_token_s": event.time_to_first_token_s,
         "prompt_tokens": event.prompt_tokens,
+        "cached_tokens": event.cached_tokens,
         "prefill_s": round(event.prefill_s, 4),
         "decode_s": round(event.decode_s, 4),
         "stop_reason": event.stop_reason,
