@@ -403,13 +403,17 @@ class PromptCache:
         need += sum(c.numel() * c.element_size() + st.numel() * st.element_size() for _, c, st in self._gdn)
         if need > self.host_bytes:
             return
-        while self.saved and self.saved_bytes + need > self.host_bytes:
-            self.saved.pop(0)
+        evict, total = 0, self.saved_bytes  # the least recently used entries that make room for it
+        while total + need > self.host_bytes:
+            total -= self.saved[evict].nbytes
+            evict += 1
         import psutil
 
-        if psutil.virtual_memory().available - need < SAVED_FREE_MARGIN:
+        freed = sum(e.nbytes for e in self.saved[:evict])
+        if psutil.virtual_memory().available + freed - need < SAVED_FREE_MARGIN:
             log.info("prompt cache: not saving %d tokens (%.0f MB): the machine is short of memory", n, need / 1e6)
-            return
+            return  # (and the saved ones stay)
+        del self.saved[:evict]
         host = torch.device("cpu")
         self.saved.append(_Saved(
             ids=self.ids, block_size=self.block_size,

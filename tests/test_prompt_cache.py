@@ -212,9 +212,16 @@ def test_no_entry_is_saved_that_would_leave_the_machine_short_of_memory(engines:
     from engine import generate
 
     cached_engine, _ = engines
+    a, b, c = (list(range(base, base + 75)) for base in (300, 400, 500))
     cached_engine.prompt_cache = store = generate.PromptCache()
+    _run(cached_engine, a, "diffusion")
+    _run(cached_engine, b, "diffusion")  # a is saved
+    store.host_bytes = store.saved_bytes  # room for one entry
     monkeypatch.setattr(generate, "SAVED_FREE_MARGIN", psutil.virtual_memory().total)
-    for prompt in (list(range(300, 375)), list(range(400, 475)), list(range(300, 375))):
+    _run(cached_engine, c, "diffusion")  # b would take a's place: b is not saved, and a is not dropped for it
+    assert [e.ids[0] for e in store.saved] == [300]
+    assert _run(cached_engine, a, "diffusion")[1] == 72  # a comes back
+    for prompt in (b, c, b):
         assert _run(cached_engine, prompt, "diffusion")[1] == 0
     assert not store.saved
 
