@@ -11,6 +11,7 @@ it. Works on piped input too (no prompt is printed then).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -85,13 +86,20 @@ class Chat:
 
     @staticmethod
     def _read(stdin: TextIO, out: TextIO, tty: bool) -> str | None:
-        """One message, or None at the end of input."""
+        """One message, or None at the end of input. On a terminal, through ``input`` with line editing and
+        history (the ``readline`` module, where Python has it)."""
         parts: list[str] = []
+        if tty:
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401 - input() edits lines and keeps their history once it is loaded
         while True:
             if tty:
-                out.write(">>> " if not parts else "... ")
-                out.flush()
-            line = stdin.readline()
+                try:
+                    line = input(">>> " if not parts else "... ") + "\n"
+                except EOFError:
+                    line = ""
+            else:
+                line = stdin.readline()
             if not line:
                 return "\n".join(parts) if parts else None
             line = line.rstrip("\r\n")

@@ -88,3 +88,41 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(endless_model) -> None:  #
     assert proc.returncode == 0, err
     assert "(stopped)" in err and "Traceback" not in err
     assert "tick tock" in seen + out
+
+
+def test_on_a_terminal_it_prompts_dims_the_thinking_and_ends_with_ctrl_d(chat_model) -> None:  # noqa: ANN001, F811
+    """Under a pseudo-terminal (what a user's terminal is): the ">>> " prompt with line editing, the thinking
+    dimmed, the answer, and Ctrl-D at an empty prompt ending the chat."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([CLOVER_DESK, "chat", "--model", str(chat_model.path)], stdin=slave, stdout=slave,
+                            stderr=slave, env={**ENV, "TERM": "xterm"}, close_fds=True)
+    os.close(slave)
+    seen = b""
+
+    def read_until(marker: bytes, times: int = 1, timeout: float = 120.0) -> None:
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while seen.count(marker) < times:
+            assert time.monotonic() < end, seen[-300:]
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    seen += os.read(master, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+
+    try:
+        read_until(b">>> ")
+        os.write(master, b"Hello there\r")
+        read_until(b"Sure thing.")
+        read_until(b">>> ", times=2)  # the next prompt
+        os.write(master, b"\x04")  # Ctrl-D
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    assert b"\x1b[2mLet me think" in seen and b"[thinking]" not in seen  # dimmed, not labelled
+    assert b"/help for commands" in seen
