@@ -1,0 +1,67 @@
+"""The prompt cache, end to end: the real window over the real engine (EngineClient → worker process → Engine) on
+a scripted tiny model. Two chats taking turns: going back to the first reads only its new turn (the engine moved
+its state to RAM while the other ran), and the answer's stats (its tooltip, the store) say how much was cached."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt
+
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
+from scripted_model import build_scripted_model
+
+guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
+
+LOAD_MS = 60_000
+GEN_MS = 60_000
+A = "Tell me about the lighthouse keepers of the northern islands, their families and their work. " * 2
+B = "Explain how a block diffusion model fills a block of masked slots in a few passes, step by step. " * 2
+
+
+@pytest.fixture(scope="module")
+def desk(qapp, tmp_path_factory):  # noqa: ANN001, ANN201
+    from pytestqt.wait_signal import SignalBlocker
+
+    from clover_desk.app import AppSettings, CloverDeskApp
+
+    model = build_scripted_model(tmp_path_factory.mktemp("cache_model"), thinking="Let me think</think>Sure.<|im_end|>")
+    home = tmp_path_factory.mktemp("desk_home")
+    app = CloverDeskApp(home, settings=AppSettings(model_dir=str(model.path)), with_preview=False,
+                        with_model_manager=False, start_engine=False)
+    window = app.window
+    window.resize(1400, 860)
+    window.show()
+    loaded = SignalBlocker(timeout=LOAD_MS, raising=True)
+    loaded.connect(app.client.loaded)
+    app.client.start()
+    loaded.wait()
+    yield app
+    app.shutdown(wait_ms=5000)
+    window.close()
+
+
+def _send(qtbot, window, text: str) -> None:  # noqa: ANN001
+    window.composer.input.setPlainText(text)
+    with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS) as blocker:
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert blocker.args[1] == "eos"
+
+
+def test_going_back_to_a_chat_reads_only_its_new_turn(qtbot, desk) -> None:  # noqa: ANN001
+    window = desk.window
+    window.open_conversation(None)
+    _send(qtbot, window, A)
+    first = window.chat.widgets[-1].data.stats
+    a_id = window.conversation_id
+    window.open_conversation(None)
+    _send(qtbot, window, B)
+    assert window.chat.widgets[-1].data.stats["cached_tokens"] == 0  # another chat: nothing of it was read
+    window.open_conversation(a_id)
+    _send(qtbot, window, "And their children?")
+    widget = window.chat.widgets[-1]
+    stats = widget.data.stats
+    assert 0 < stats["cached_tokens"] < first["prompt_tokens"] < stats["prompt_tokens"]
+    assert stats["cached_tokens"] % 32 == 0  # whole blocks of chat A's first prompt, before its generation prompt
+    assert f"{stats['cached_tokens']:,} of them already read (the prompt cache)" in widget.meta_label.toolTip()
+    saved = desk.store.messages(a_id)[-1]
+    assert saved.stats["cached_tokens"] == stats["cached_tokens"]
