@@ -1,4 +1,5 @@
-"""``clover-desk chat``: a conversation with a model in the terminal, as ``ollama run`` and ``llama-cli -cnv`` have.
+"""``clover-desk chat``: a conversation with a model in the terminal, as ``ollama run`` and ``llama-cli -cnv`` have
+(or, with ``--remote URL``, with an OpenAI-compatible server).
 
 Each line read is a user message (a line ending in ``\\`` goes on to the next); the answer streams as ``generate``
 prints it, with its figures on stderr (how many of the prompt's tokens the engine's prompt cache had read already:
@@ -24,25 +25,49 @@ a line ending in \\ goes on to the next; Ctrl-C stops an answer"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR",
-                        help="model folder (config.json, weights, tokenizer) or a .gguf file")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="model folder (config.json, weights, tokenizer) or a .gguf file; with --remote, the "
+                             "server's model name (default: the first it lists)")
+    parser.add_argument("--remote", metavar="URL", default=None,
+                        help="chat with an OpenAI-compatible server (clover-desk serve, SGLang ...) at URL, e.g. "
+                             "http://127.0.0.1:8000/v1, instead of loading a model here")
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="with --remote: the server's API key (default: $CLOVER_DESK_API_KEY)")
     parser.add_argument("--system", metavar="TEXT", default=None, help="a system prompt")
     cmd_generate.add_local_arguments(parser)
     cmd_generate.add_decoding_arguments(parser)
 
 
+# what only a model loaded here uses, with the value that means "not given"
+_LOCAL_ONLY = (("vram_gb", "--vram-gb", None), ("ctx", "--ctx", None), ("dtype", "--dtype", None),
+               ("device", "--device", "cpu"), ("compile", "--compile", False), ("gguf_layout", "--gguf-layout", "auto"))
+
+
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import CloverError
+    import os
+
+    from engine.errors import CloverError, ConfigError
 
     try:
-        cmd_generate.check_ctx(args)
         system = _system(args.system)
         params = cmd_generate.params_from(args)
-        engine = cmd_generate.load_engine(args, "chat")
+        if args.remote is not None:
+            from clover_desk.remote import RemoteBackend
+
+            for attr, flag, unset in _LOCAL_ONLY:
+                if getattr(args, attr) != unset:
+                    raise ConfigError(f"{flag} does not apply with --remote (the server holds the model)")
+            api_key = args.api_key if args.api_key is not None else os.environ.get("CLOVER_DESK_API_KEY")
+            backend: Any = RemoteBackend(args.remote, api_key=api_key, model=args.model)
+        elif args.model is None:
+            raise ConfigError("--model DIR is required (or --remote URL)")
+        else:
+            cmd_generate.check_ctx(args)
+            backend = cmd_generate.load_engine(args, "chat")
     except CloverError as exc:
         print(f"clover-desk chat: error: {exc}", file=sys.stderr)
         return 2
-    return Chat(engine, params, system).run(sys.stdin, sys.stdout, sys.stderr)
+    return Chat(backend, params, system).run(sys.stdin, sys.stdout, sys.stderr)
 
 
 def _system(text: str | None) -> str | None:
@@ -54,10 +79,12 @@ def _system(text: str | None) -> str | None:
 
 
 class Chat:
-    """One terminal conversation with ``engine`` (the history, the settings the commands change)."""
+    """One terminal conversation with ``engine``, an Engine or a RemoteBackend (the history, the settings the
+    commands change)."""
 
     def __init__(self, engine: Any, params: Any, system: str | None) -> None:
         self.engine = engine
+        self.remote = not hasattr(engine, "generate")
         self.params = params
         self.system = system
         self.messages: list[dict[str, str]] = []
@@ -65,7 +92,8 @@ class Chat:
     def run(self, stdin: TextIO, out: TextIO, err: TextIO) -> int:
         tty = stdin.isatty() and out.isatty()
         if tty:
-            print(f"Chatting with {getattr(self.engine, 'model_dir', 'the model')}; /help for commands.", file=err)
+            where = getattr(self.engine, "base_url", None) or getattr(self.engine, "model_dir", "the model")
+            print(f"Chatting with {where}; /help for commands.", file=err)
         while True:
             try:
                 line = self._read(stdin, out, tty)
@@ -136,6 +164,7 @@ class Chat:
     def send(self, text: str, out: TextIO, err: TextIO) -> None:
         """Ask with ``text`` as the next user message and stream the answer; the answer joins the chat (what it
         wrote of it when stopped), a request the engine refuses leaves the chat as it was."""
+        from clover_desk.remote import RemoteFinished
         from engine.errors import CloverError
         from engine.events import Finished, TextDelta
 
@@ -146,15 +175,20 @@ class Chat:
         answer: list[str] = []
         events = None
         try:
-            events = self.engine.generate(messages=sent, params=self.params, cancel=cancel)
+            if self.remote:
+                events = self.engine.chat(sent, self.params, cancel=cancel)
+            else:
+                events = self.engine.generate(messages=sent, params=self.params, cancel=cancel)
             for event in events:
                 if isinstance(event, TextDelta):
                     printer.delta(event.text, event.channel)
                     if event.channel == "answer":
                         answer.append(event.text)
-                elif isinstance(event, Finished):
+                elif isinstance(event, (Finished, RemoteFinished)):
                     printer.end()
-                    print(cmd_generate.summary_line(event), file=err)
+                    local = isinstance(event, Finished)
+                    print(cmd_generate.summary_line(event) if local else cmd_generate.remote_summary(event),
+                          file=err)
                     answer = [event.text]
         except CloverError as exc:
             print(f"clover-desk chat: {exc}", file=err)

@@ -266,7 +266,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     return _print_events(
         events, args.json, cancel,
         lambda e: to_dict(e) if isinstance(e, TextDelta) else {"event": "remote_finished", **_remote_dict(e)},
-        RemoteFinished, _remote_summary,
+        RemoteFinished, remote_summary,
     )
 
 
@@ -301,7 +301,7 @@ def _remote_dict(done: Any) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(done).items()}
 
 
-def _remote_summary(done: Any) -> str:
+def remote_summary(done: Any) -> str:
     def shown(value: Any, fmt: str = "{}") -> str:
         return "unavailable" if value is None else fmt.format(value)
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from server_fixtures import chat_model, endless_model  # noqa: F401 - fixtures
+from server_fixtures import chat_model, chat_server, endless_model  # noqa: F401 - fixtures
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -126,3 +126,18 @@ def test_on_a_terminal_it_prompts_dims_the_thinking_and_ends_with_ctrl_d(chat_mo
         os.close(master)
     assert b"\x1b[2mLet me think" in seen and b"[thinking]" not in seen  # dimmed, not labelled
     assert b"/help for commands" in seen
+
+
+def test_chat_with_a_server(chat_server) -> None:  # noqa: ANN001, F811
+    """``--remote URL``: the same conversation, answered by an OpenAI-compatible server (here ``clover-desk
+    serve``'s, in this process); its figures come from the server and what it does not report is unavailable."""
+    proc = subprocess.run([CLOVER_DESK, "chat", "--remote", chat_server.url], input="Hello there\n/think off\nMore\n",
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[thinking] Let me think", "[answer] Sure thing.", "Plain answer!"]
+    figures = [line for line in proc.stderr.splitlines() if line.startswith("[stop] remote ")]
+    assert len(figures) == 2 and "mode diffusion" in figures[0] and "denoising steps unavailable" in figures[1]
+    proc = subprocess.run([CLOVER_DESK, "chat", "--remote", chat_server.url, "--vram-gb", "8"], input="",
+                          capture_output=True, text=True, env=ENV, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "clover-desk chat: error: --vram-gb does not apply with --remote (the server holds the model)")
