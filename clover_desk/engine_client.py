@@ -73,6 +73,7 @@ class EngineClient(QObject):
     serving = Signal(str)  # the worker's OpenAI-compatible server listens at this base URL (".../v1")
     serveStopped = Signal()  # it stopped (stop_server, or the worker exited); its port is free
     serveFailed = Signal(str)  # start_server() could not listen (the message names the address and port)
+    chatRead = Signal(str, dict)  # (request id, the worker's chat_read record) answering read_chat()
 
     def __init__(
         self,
@@ -258,6 +259,16 @@ class EngineClient(QObject):
             },
             new_state="generating",
         )
+        return request_id
+
+    def read_chat(self, messages: list[dict[str, Any]], params: GenerationParams = GenerationParams()) -> str:
+        """Have the idle engine read a chat so far into its prompt cache (``Engine.read_chat``), so that the chat's
+        next turn reads only the new message; a generate (or anything else needing the engine) stops it at once.
+        Returns its id ("" when the engine is not idle with a model: nothing is sent); ``chatRead`` answers."""
+        if self._state != "idle" or self._model_info is None or self._proc is None:
+            return ""
+        request_id = "read-" + uuid.uuid4().hex[:12]
+        self._send({"cmd": "read_chat", "id": request_id, "messages": messages, "params": dataclasses.asdict(params)})
         return request_id
 
     def cancel(self, request_id: str | None = None) -> None:
@@ -534,6 +545,8 @@ class EngineClient(QObject):
             log.info("engine worker said goodbye")
         elif name == "error":
             self._on_error(record)
+        elif name == "chat_read":
+            self.chatRead.emit(str(record.get("id") or ""), record)
         elif "id" in record:
             self._on_event(record)
         else:

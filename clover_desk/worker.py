@@ -14,6 +14,10 @@ Commands, one JSON object per line on stdin::
     {"cmd": "generate", "id": "r1", "messages": [...], "params": {GenerationParams fields}, "tools": [...] | null}
         ("prompt": "text" or "prompt_ids": [..] with "raw": true may replace "messages")
     {"cmd": "cancel", "id": "r1"}
+    {"cmd": "read_chat", "id": "w1", "messages": [...], "params": {GenerationParams fields}, "tools": [...] | null}
+        (engine.api.Engine.read_chat: a chat so far read into the prompt cache while the engine is idle, so its
+        next turn reads only the new message; anything that needs the engine stops it first: a generate, an HTTP
+        answer, a load, another read_chat. Answered by one "chat_read" record, never an error record)
     {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16 | null, "ram_gb": 64 | null, "ctx": 16384, ...}
         (engine.planner.plan_model; null budgets: what this machine has free; other keys go to make_plan)
     {"cmd": "serve", "host": "127.0.0.1", "port": 8000, "api_key": "KEY" | null}
@@ -29,6 +33,8 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
                                                                are; "compile_skipped": why a compile was not done;
                                                                "gpu_paths": the opt-in GPU paths switched on)
     {"event": <engine event>, ..., "id": "r1"}                 every generation event (engine.events.to_dict)
+    {"event": "chat_read", "id": "w1", "stop_reason": "prefilled" | "cancelled" | "busy" | "refused",
+     "prompt_tokens": .., "cached_tokens": .., "prefill_s": .., ["message": why refused]}
     {"event": "plan", "id": "p1", "plan": {Plan.to_dict()}, "hardware": {Hardware fields}}
     {"event": "plan", "op": "load", "plan": {Plan.to_dict()}}  a load under a plan: the plan being placed, before
                                                                the weights are read (same form as plan --json)
@@ -153,7 +159,7 @@ class ProtocolError(ValueError):
 
 DEVICES_TEXT = '"cpu", "cuda" or "cuda:N"'
 DTYPES = ("float32", "bfloat16", "float16")
-COMMANDS = ("load", "cancel_load", "generate", "cancel", "plan", "serve", "serve_stop", "shutdown")
+COMMANDS = ("load", "cancel_load", "generate", "cancel", "read_chat", "plan", "serve", "serve_stop", "shutdown")
 GGUF_LAYOUTS = ("auto", "fork", "upstream")
 _CUDA_INDEX = re.compile(r"cuda:[0-9]{1,3}")
 
@@ -355,6 +361,20 @@ def check_generate(command: dict[str, Any], vocab_size: int | None = None) -> Ge
     return check_params(command.get("params"))
 
 
+READ_CHAT_FIELDS = ("cmd", "id", "messages", "tools", "params")
+
+
+def check_read_chat(command: dict[str, Any]) -> GenerationParams:
+    """Refuse a ``read_chat`` with a missing, unknown or mistyped field; returns the params."""
+    unknown = [k for k in command if k not in READ_CHAT_FIELDS]
+    if unknown:
+        raise ProtocolError(f"read_chat has unknown field {_show(unknown[0])}; its fields are: "
+                            f"{', '.join(READ_CHAT_FIELDS)}")
+    if not isinstance(command.get("messages"), list) or not command["messages"]:
+        raise _refused("read_chat: field 'messages'", "a non-empty list of message objects", command.get("messages"))
+    return check_generate({k: v for k, v in command.items() if k != "cmd"})
+
+
 def check_prompt_ids(prompt_ids: Any, vocab_size: int | None = None) -> None:
     """``prompt_ids``: null or a list of token ids below ``vocab_size`` (when known), else ProtocolError."""
     if prompt_ids is None:
@@ -427,6 +447,31 @@ def _request_id(command: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class _PreemptingLock:
+    """The engine lock as everything but a ``read_chat`` takes it: taking it (or waiting for it) first stops a
+    ``read_chat`` that holds it, which then hands it over within a prefill segment."""
+
+    def __init__(self, lock: threading.Lock, preempt: Callable[[], None]) -> None:
+        self._lock = lock
+        self._preempt = preempt
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self._preempt()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class Worker:
     """Command dispatch and the load / generate threads. ``emit`` writes one record (thread-safe)."""
 
@@ -442,7 +487,11 @@ class Worker:
         self._gen_id: str | None = None
         self._gen_cancel = threading.Event()
         # Held for a whole generation, by this worker's generate thread or the HTTP server's turn: never two at once.
-        self.engine_lock = threading.Lock()
+        # A read_chat holds the lock itself underneath; taking engine_lock stops it first (_PreemptingLock).
+        self._engine_lock = threading.Lock()
+        self.engine_lock = _PreemptingLock(self._engine_lock, self._stop_reading)
+        self._read_thread: threading.Thread | None = None
+        self._read_cancel = threading.Event()
         self._server: Any = None  # clover_desk.server.OpenAIServer while serving
 
     # ----------------------------------------------------------------- dispatch (main thread)
@@ -459,6 +508,7 @@ class Worker:
             "cancel_load": self._cmd_cancel_load,
             "generate": self._cmd_generate,
             "cancel": self._cmd_cancel,
+            "read_chat": self._cmd_read_chat,
             "plan": self._cmd_plan,
             "serve": self._cmd_serve,
             "serve_stop": self._cmd_serve_stop,
@@ -483,7 +533,8 @@ class Worker:
         self._stop_server()
         self._load_cancel.set()
         self._gen_cancel.set()
-        for thread in (self._gen_thread, self._load_thread):
+        self._read_cancel.set()
+        for thread in (self._gen_thread, self._load_thread, self._read_thread):
             if thread is not None:
                 thread.join(_JOIN_ON_EXIT_S)
 
@@ -564,6 +615,58 @@ class Worker:
                 self._state = "idle"
                 self._gen_id = None
                 raise
+
+    def _cmd_read_chat(self, command: dict[str, Any]) -> None:
+        request_id = _request_id(command) or ""
+        try:
+            params = check_read_chat(command)
+        except ProtocolError as exc:
+            self._emit({"event": "chat_read", "id": request_id, "stop_reason": "refused", "message": str(exc)})
+            return
+        with self._lock:
+            engine = self._engine
+            if self._busy() or engine is None:
+                self._emit({"event": "chat_read", "id": request_id, "stop_reason": "busy"})
+                return
+            self._read_cancel.set()  # the one running (another chat's) stops: this one takes its place
+            self._read_cancel = cancel = threading.Event()
+            previous = self._read_thread
+            self._read_thread = threading.Thread(
+                target=self._run_read_chat, args=(engine, request_id, command, params, cancel, previous),
+                name=f"clover-read-{request_id}", daemon=True)
+            self._read_thread.start()
+
+    def _stop_reading(self) -> None:
+        self._read_cancel.set()
+
+    def _run_read_chat(self, engine: Any, request_id: str, command: dict[str, Any], params: GenerationParams,
+                       cancel: threading.Event, previous: threading.Thread | None) -> None:
+        """Read the chat holding the engine (its raw lock: whatever takes ``engine_lock`` stops this first)."""
+        record: dict[str, Any] = {"event": "chat_read", "id": request_id, "stop_reason": "cancelled"}
+        if previous is not None:
+            previous.join()
+        if cancel.is_set() or not self._engine_lock.acquire(blocking=False):
+            self._emit({**record, "stop_reason": "busy" if not cancel.is_set() else "cancelled"})
+            return
+        try:
+            done = None
+            for event in engine.read_chat(command["messages"], params, command.get("tools"), cancel):
+                if isinstance(event, Finished):
+                    done = event
+            if done is not None:
+                record.update(stop_reason=done.stop_reason, prompt_tokens=done.prompt_tokens,
+                              cached_tokens=done.cached_tokens, prefill_s=round(done.prefill_s, 4))
+        except CloverError as exc:  # a chat the engine would refuse (too long...): its send will say why
+            record.update(stop_reason="refused", message=str(exc))
+        except BaseException as exc:  # noqa: BLE001
+            if classify_fatal(exc) is not None or not isinstance(exc, Exception):
+                self._engine_lock.release()
+                self._report(exc, op="read_chat")  # OOM, CUDA: the process ends, as in a generate
+                return
+            log.error("reading a chat ahead failed (the worker keeps running)", exc_info=exc)
+            record.update(stop_reason="refused", message=f"internal error: {exc}")
+        self._engine_lock.release()
+        self._emit(record)
 
     def _cmd_cancel(self, command: dict[str, Any]) -> None:
         request_id = command.get("id")

@@ -425,11 +425,13 @@ class Engine:
         params: GenerationParams | None = None,
         cancel: threading.Event | None = None,
         written: int = 0,
+        *,
+        prefill_only: bool = False,
     ) -> Iterator[Event]:
         """Check the request now (PromptError), then return the event iterator (PromptInfo ... Finished).
         ``written``: with ``prompt_ids``, how many of its last ids are the model's answer so far (what
         :meth:`encode_request` says of a continued answer; ``messages`` with ``continue_final_message`` count
-        their own)."""
+        their own). ``prefill_only``: :meth:`read_chat`."""
         params = params or GenerationParams()
         check_generation_params(params)  # the ranges the CLI's flags and the worker check too (engine.limits)
         if self.ar_only and params.mode == "diffusion":
@@ -439,6 +441,8 @@ class Engine:
         if written and prompt_ids is None:
             raise PromptError("written goes with prompt_ids (messages with continue_final_message count their own)")
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
+        if prefill_only:
+            settings = dataclasses.replace(settings, prefill_only=True)
         planned_ctx = getattr(self.plan, "ctx_tokens", 0)
         if planned_ctx:
             settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, planned_ctx))
@@ -446,3 +450,18 @@ class Engine:
             self.model, ids, settings, self.tokenizer, cancel, vocab_size=self.config.vocab_size, hooks=self._hooks,
             written=written or own, prompt_cache=self.prompt_cache,
         )
+
+    def read_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: GenerationParams | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Event]:
+        """Read a chat so far (its last answer included) into the prompt cache and stop there, so that its next
+        turn reads only the new message: what the window does while the engine is idle, after an answer and when a
+        chat is opened. The events of :meth:`generate` up to the prompt (PromptInfo, PrefillProgress*), then
+        Finished with stop_reason "prefilled" ("cancelled" when ``cancel`` was set between two segments). The
+        prompt is the chat with the generation prompt, as its next turn's starts: what is kept stops before it
+        (``engine.generate.PromptCache``)."""
+        return self.generate(messages=messages, tools=tools, params=params, cancel=cancel, prefill_only=True)

@@ -99,6 +99,8 @@ class DecodeSettings:
     think_end_bias_window: int = 4096
     shift_logits: bool = False
     max_positions: int = 131_072
+    # read the prompt (into the prompt cache) and stop: Finished with stop_reason "prefilled" (Engine.read_chat)
+    prefill_only: bool = False
 
 
 def resolve_settings(
@@ -627,6 +629,9 @@ def _ar_loop(
         return
     vocab = logits.shape[-1]
     clock.prefill_done = clock.now()
+    if s.prefill_only:
+        yield _finished(generated, channels, "prefilled", 0, P, clock, hooks)
+        return
     rep_seen = decoding.seen_mask(prompt, vocab, device)  # [V]
     out_seen = _output_seen(prompt, written, vocab, device)  # [V]
     gen = _generator(s, device)
@@ -755,6 +760,9 @@ def _diffusion_loop(
             return
         prev_row = out[-1]
     clock.prefill_done = clock.now()
+    if s.prefill_only:
+        yield _finished(generated, channels, "prefilled", passes, P, clock, hooks)
+        return
     vocab: int | None = None
     rep_seen = out_seen = None
     gen = _generator(s, device)

@@ -6,6 +6,8 @@ failures a tiny real model cannot: an out-of-memory during loading or generation
 ``model_dir`` picks the load behaviour: ends with ``fail`` (CheckpointError), ``oom`` (OutOfMemoryError), ``slow``
 (progress until cancelled), anything else loads at once. The last user message picks the generation behaviour:
 ``prompt-error``, ``oom``, ``bug``, ``endless`` (blocks until cancelled); anything else: two blocks then Finished.
+``read_chat`` reads a chat in segments (``PASS_S`` each): 3, or until cancelled when its last message is ``endless``;
+``prompt-error`` is refused, ``bug`` raises.
 """
 
 from __future__ import annotations
@@ -115,6 +117,24 @@ class FakeEngine:
             yield TextDelta(f"b{b} ")
             yield BlockCommitted(b, BLOCK, tuple(range(BLOCK)))
         yield self._finished(answer, passes, "max_new_tokens")
+
+    def read_chat(self, messages: list[dict[str, Any]], params: GenerationParams = GenerationParams(),
+                  tools: Any = None, cancel: threading.Event | None = None) -> Iterator[Event]:
+        text = messages[-1]["content"]
+        if text == "prompt-error":
+            raise PromptError("prompt is 9000 tokens; the context holds 4096 positions")
+        return self._read(text, cancel)
+
+    def _read(self, text: str, cancel: threading.Event | None) -> Iterator[Event]:
+        yield PromptInfo(prompt_tokens=12, block_size=BLOCK, first_block=3, tail=0)
+        for _ in range(10**6 if text == "endless" else 3):
+            if cancel is not None and cancel.is_set():
+                yield self._finished([], 0, "cancelled")
+                return
+            if text == "bug":
+                raise ValueError("scripted bug")
+            time.sleep(PASS_S)
+        yield self._finished([], 0, "prefilled")
 
     @staticmethod
     def _finished(answer: list[str], passes: int, reason: str) -> Finished:

@@ -109,6 +109,7 @@ class FakeEngineClient(QObject):
         self.thinking = thinking
         self.paused = False  # generate() waits for emit_until() / resume()
         self.requests: list[tuple[list[dict[str, str]], GenerationParams]] = []
+        self.reads: list[tuple[list[dict[str, str]], GenerationParams]] = []  # read_chat calls
         self.cancelled: list[str] = []
         self.restarts = 0
         self.load_cancelled = 0
@@ -134,6 +135,11 @@ class FakeEngineClient(QObject):
         if not self.paused:
             self._timer.start(self.pass_ms)
         return self._rid
+
+    def read_chat(self, messages, params) -> str:  # noqa: ANN001
+        """Recorded only (the real client has the idle engine read the chat into its prompt cache)."""
+        self.reads.append((list(messages), params))
+        return f"read-{len(self.reads)}"
 
     def emit_until(self, kind: type, count: int = 1) -> list[object]:
         """Emit the scripted events now, up to and including the ``count``-th next one of type ``kind``."""

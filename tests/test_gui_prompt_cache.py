@@ -1,6 +1,7 @@
 """The prompt cache, end to end: the real window over the real engine (EngineClient → worker process → Engine) on
-a scripted tiny model. Two chats taking turns: going back to the first reads only its new turn (the engine moved
-its state to RAM while the other ran), and the answer's stats (its tooltip, the store) say how much was cached."""
+a scripted tiny model. Two chats taking turns: while the engine is idle the window has it read the open chat ahead
+(its last answer included), so going back to the first chat and sending reads only the new message; the answer's
+stats (its tooltip, the store) say how much was cached."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
+from engine.tokenizer import CloverTokenizer
 from scripted_model import build_scripted_model
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
@@ -28,6 +30,7 @@ def desk(qapp, tmp_path_factory):  # noqa: ANN001, ANN201
     home = tmp_path_factory.mktemp("desk_home")
     app = CloverDeskApp(home, settings=AppSettings(model_dir=str(model.path)), with_preview=False,
                         with_model_manager=False, start_engine=False)
+    app.model_path = model.path
     window = app.window
     window.resize(1400, 860)
     window.show()
@@ -47,7 +50,7 @@ def _send(qtbot, window, text: str) -> None:  # noqa: ANN001
     assert blocker.args[1] == "eos"
 
 
-def test_going_back_to_a_chat_reads_only_its_new_turn(qtbot, desk) -> None:  # noqa: ANN001
+def test_going_back_to_a_chat_reads_only_its_new_message(qtbot, desk) -> None:  # noqa: ANN001
     window = desk.window
     window.open_conversation(None)
     _send(qtbot, window, A)
@@ -56,12 +59,22 @@ def test_going_back_to_a_chat_reads_only_its_new_turn(qtbot, desk) -> None:  # n
     window.open_conversation(None)
     _send(qtbot, window, B)
     assert window.chat.widgets[-1].data.stats["cached_tokens"] == 0  # another chat: nothing of it was read
-    window.open_conversation(a_id)
+    with qtbot.waitSignal(desk.client.chatRead, timeout=GEN_MS,
+                          check_params_cb=lambda rid, record: rid == window.read_ahead_id) as read:
+        window.open_conversation(a_id)  # the engine reads chat A, its answer included, while nothing else runs
+    assert read.args[1]["stop_reason"] == "prefilled"
     _send(qtbot, window, "And their children?")
     widget = window.chat.widgets[-1]
     stats = widget.data.stats
-    assert 0 < stats["cached_tokens"] < first["prompt_tokens"] < stats["prompt_tokens"]
-    assert stats["cached_tokens"] % 32 == 0  # whole blocks of chat A's first prompt, before its generation prompt
+    chat_a = desk.store.chat_messages(a_id)[:2]  # the question and its answer
+    tokenizer = CloverTokenizer.from_dir(desk.model_path)
+
+    def kept(chat: list) -> int:  # whole blocks before the generation prompt (what a next turn writes otherwise)
+        ids = tokenizer.encode_chat(chat)
+        return (len(ids) - 1 - ids[::-1].index(ids[0])) // 32 * 32
+
+    # read ahead: chat A with its answer; the first turn alone kept only the question's blocks
+    assert stats["cached_tokens"] == kept(chat_a) > kept(chat_a[:1]) and first["prompt_tokens"] > kept(chat_a[:1])
     assert f"{stats['cached_tokens']:,} of them already read (the prompt cache)" in widget.meta_label.toolTip()
     saved = desk.store.messages(a_id)[-1]
     assert saved.stats["cached_tokens"] == stats["cached_tokens"]

@@ -602,3 +602,37 @@ def test_first_run_opens_on_the_real_model_manager(qtbot, tmp_path) -> None:
     assert desk.window.pages.currentWidget().isAncestorOf(desk.model_manager)
     assert client.loads == []  # nothing to load, nothing failed
     desk.shutdown()
+
+
+def test_the_idle_engine_reads_the_open_chat_ahead(qtbot, store) -> None:
+    """After an answer, on opening a chat and once a model loads, the window has the idle local engine read the
+    chat (its last answer included) into its prompt cache, so the next message is all a send reads; not while an
+    answer streams, not for a chat whose last message is not a finished answer."""
+    from ui.main_window import READ_AHEAD_MS
+
+    window, client = make_window(qtbot, store)
+    send(qtbot, window, "Explain block diffusion")
+    qtbot.waitUntil(lambda: len(client.reads) == 1, timeout=READ_AHEAD_MS + 2000)
+    chat = store.chat_messages(window.conversation_id)
+    assert client.reads[0][0] == chat and [m["role"] for m in chat] == ["user", "assistant"]
+    assert client.reads[0][1] == window.drawer.settings().to_params() and window.read_ahead_id == "read-1"
+    cid = window.conversation_id
+    window.open_conversation(None)
+    qtbot.wait(READ_AHEAD_MS + 100)
+    assert len(client.reads) == 1  # a new chat: nothing to read
+    window.open_conversation(cid)
+    qtbot.waitUntil(lambda: len(client.reads) == 2, timeout=READ_AHEAD_MS + 2000)
+    assert client.reads[1][0] == chat
+    window.on_engine_loaded({"model_dir": "/models/tiny"})  # a model (re)loaded: its prompt cache is empty
+    qtbot.waitUntil(lambda: len(client.reads) == 3, timeout=READ_AHEAD_MS + 2000)
+    lone = store.create_conversation("Asked, never answered")
+    store.add_message(lone.id, "user", "Hello?")
+    window.open_conversation(lone.id)
+    qtbot.wait(READ_AHEAD_MS + 100)
+    client.paused = True  # an answer streams: the engine is not idle
+    window.open_conversation(cid)
+    window.composer.input.setPlainText("And then?")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert window.is_generating()
+    qtbot.wait(READ_AHEAD_MS + 100)
+    assert len(client.reads) == 3

@@ -4,6 +4,7 @@ tokens out as an engine that reads everything."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +255,31 @@ def test_what_is_kept_stops_before_the_generation_prompt(engines: tuple[Any, Any
     events = list(cached_engine.generate(messages=nxt, params=params))
     assert next(e for e in events if isinstance(e, PromptInfo)).cached_tokens == turn // unit * unit > 0
     assert events[-1].token_ids == list(plain.generate(messages=nxt, params=params))[-1].token_ids
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_reading_a_chat_ahead_leaves_only_the_new_message_to_read(engines: tuple[Any, Any], mode: str) -> None:
+    """Engine.read_chat (what the window runs while the engine is idle): the chat so far, its last answer
+    included, is read into the prompt cache and nothing is generated; the next turn then reads only its new message,
+    with the tokens of an engine that reads everything."""
+    from engine.generate import PromptCache
+
+    cached_engine, plain = engines
+    cached_engine.prompt_cache = PromptCache()
+    chat = [{"role": "user", "content": "Tell me about the lighthouse keepers and their islands, please. " * 3},
+            {"role": "assistant", "content": "They kept the lamps lit through every storm of the northern winter. " * 3}]
+    params = GenerationParams(mode=mode, max_new_tokens=6, do_sample=False, block_size=8)
+    events = list(cached_engine.read_chat(chat, params))
+    done = events[-1]
+    assert isinstance(done, Finished) and done.stop_reason == "prefilled" and done.tokens == 0 and done.text == ""
+    ids = cached_engine.prompt_ids(messages=chat)
+    unit = 32 if mode == "ar" else 8
+    turn = len(ids) - 1 - ids[::-1].index(cached_engine.tokenizer.turn_start_id)  # its generation prompt
+    assert cached_engine.prompt_cache.ids == tuple(ids[: turn // unit * unit])
+    nxt = [*chat, {"role": "user", "content": "And then?"}]
+    second = list(cached_engine.generate(messages=nxt, params=params))
+    assert second[-1].cached_tokens == turn // unit * unit
+    assert second[-1].token_ids == list(plain.generate(messages=nxt, params=params))[-1].token_ids
+    cancel = threading.Event()
+    cancel.set()
+    assert list(cached_engine.read_chat(nxt, params, cancel=cancel))[-1].stop_reason == "cancelled"

@@ -260,3 +260,37 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
         assert done["event"] == "finished" and "h2d_bytes" in done["accounting"]
     finally:
         w.close()
+
+
+def test_reading_a_chat_ahead_yields_to_whatever_needs_the_engine(fake_worker: WorkerProc) -> None:
+    """read_chat (the window reading a chat while the engine is idle) holds the engine, but a generate, a load or
+    another read_chat stops it within a segment; it is answered by one chat_read record, never an error."""
+    w = fake_worker
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    w.send(cmd="read_chat", id="w0", messages=chat)
+    assert w.expect_event("chat_read", id="w0")["stop_reason"] == "busy"  # no model yet
+    w.send(cmd="load", model_dir="/models/fake")
+    w.expect_event("loaded")
+    w.send(cmd="read_chat", id="w1", messages=chat)
+    assert w.expect_event("chat_read", id="w1")["stop_reason"] == "prefilled"
+    endless = [*chat, {"role": "user", "content": "endless"}]
+    w.send(cmd="read_chat", id="w2", messages=endless)
+    w.send(cmd="generate", id="g", messages=[{"role": "user", "content": "hi"}])  # preempts w2
+    assert w.expect_event("chat_read", id="w2")["stop_reason"] == "cancelled"
+    assert w.expect_event("finished", id="g")["stop_reason"] == "max_new_tokens"
+    w.send(cmd="read_chat", id="w3", messages=endless)
+    w.send(cmd="read_chat", id="w4", messages=chat)  # another chat: w3 stops, w4 reads
+    assert w.expect_event("chat_read", id="w3")["stop_reason"] == "cancelled"
+    assert w.expect_event("chat_read", id="w4")["stop_reason"] == "prefilled"
+    w.send(cmd="read_chat", id="w5", messages=[{"role": "user", "content": "prompt-error"}])
+    refused = w.expect_event("chat_read", id="w5")
+    assert refused["stop_reason"] == "refused" and "context holds" in refused["message"]
+    w.send(cmd="read_chat", id="w6", messages=[{"role": "user", "content": "bug"}])
+    assert w.expect_event("chat_read", id="w6")["message"] == "internal error: scripted bug"
+    w.send(cmd="read_chat", id="w7", messages=[], extra=1)
+    assert 'unknown field "extra"' in w.expect_event("chat_read", id="w7")["message"]
+    w.send(cmd="read_chat", id="w8", messages=endless)
+    w.send(cmd="load", model_dir="/models/fake")  # a load drops the model: the read ends first
+    assert w.expect_event("chat_read", id="w8")["stop_reason"] == "cancelled"
+    w.expect(lambda r: r["event"] == "loaded" and len([x for x in w.seen if x["event"] == "loaded"]) == 2)
+    assert not [r for r in w.seen if r["event"] == "error"]

@@ -217,6 +217,16 @@ class LongChats(QObject):
             assert answer == CANCEL
             w.composer.input.setFocus()
 
+    def messages_to_read(self, conversation_id: int) -> Messages:
+        """What the chat's next send will start with, to read ahead (``MainWindow.read_ahead``): the chat as
+        :meth:`messages_to_send` gives it, from the start its last send used; nothing changes here."""
+        messages = self.window.store.chat_messages(conversation_id)
+        start = self._starts.get(conversation_id, 0)
+        if not start or self.overflow != DROP_OLDEST:
+            return messages
+        system = messages[:1] if messages and messages[0].get("role") == "system" else []
+        return system + messages[len(system) + start:]
+
     def messages_to_send(self, conversation_id: int) -> Messages:
         """The chat as the engine gets it: whole, or (once the user chose so) without the oldest turns that do
         not fit."""

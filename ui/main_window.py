@@ -108,6 +108,8 @@ from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
 from ui.throttle import Throttle
 from ui.widgets import ElidedLabel, accessible
 
+READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
+
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
@@ -255,6 +257,12 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._build_tab_order()
         self.status_throttle = Throttle(self.refresh_status, 250, self)
+        # the open chat read ahead while the engine is idle (after an answer, on opening it, once a model loads)
+        self.read_ahead_timer = QTimer(self)
+        self.read_ahead_timer.setSingleShot(True)
+        self.read_ahead_timer.setInterval(READ_AHEAD_MS)
+        self.read_ahead_timer.timeout.connect(self.read_ahead)
+        self.read_ahead_id = ""  # the last read_chat request sent
         self.monitor_timer = QTimer(self)
         self.monitor_timer.setInterval(2000)
         self._connect_signals()
@@ -641,6 +649,7 @@ class MainWindow(QMainWindow):
         self.long_chats.on_conversation_opened(conv.settings)
         self._update_send_state()  # Continue: whether this chat's last answer was cut short
         self.show_chat_page()
+        self.read_ahead_timer.start()
         self.conversationChanged.emit(conversation_id)
 
     def _sync_from_settings(self) -> None:
@@ -1144,6 +1153,7 @@ class MainWindow(QMainWindow):
         self.stop_action.setEnabled(False)
         self.reload_conversations(self.sidebar.search.text())
         self.refresh_status()
+        self.read_ahead_timer.start()
         self.generationFinished.emit(request_id, reason)
 
     # ----------------------------------------------------------------- engine life
@@ -1166,6 +1176,27 @@ class MainWindow(QMainWindow):
             self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
             self.say_compile_skipped(str(info.get("compile_skipped") or ""), after_notice=bool(info.get("ar_only")))
         self._set_state(EngineState.READY)
+        self.read_ahead_timer.start()
+
+    def read_ahead(self) -> None:
+        """Have the idle local engine read the open chat, its last answer included, into its prompt cache
+        (``EngineClient.read_chat``), so that the next message is all it reads when it is sent: the first token
+        comes as fast as in a chat that never paused. Sending (or anything else that needs the engine) stops it at
+        once. Only for a chat whose last message is a finished answer."""
+        read = getattr(self.client, "read_chat", None)
+        cid = self.conversation_id
+        if (read is None or cid is None or self.is_generating() or self._uses_remote()
+                or self.engine_state is not EngineState.READY):
+            return
+        try:
+            messages = self.long_chats.messages_to_read(cid)
+        except Exception as exc:  # noqa: BLE001 - best effort: a chat deleted elsewhere, a store closing at exit
+            log.info("not reading chat %s ahead: %s", cid, exc)
+            return
+        last = self.chat.messages()[-1] if self.chat.messages() else None
+        if not messages or messages[-1]["role"] != "assistant" or last is None or last.status != "complete":
+            return
+        self.read_ahead_id = str(read(messages, self.drawer.settings().to_params()))
 
     def say_compile_skipped(self, reason: str, after_notice: bool = False) -> None:
         """"Compile the layers" was on but the engine could not compile this model (``Engine.compile_skipped``: no
