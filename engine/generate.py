@@ -252,7 +252,7 @@ def _prefill(
     block_size: int | None,
     cancel: threading.Event | None,
     at: int = 0,
-    keep: tuple[int, Callable[[Tensor], None]] | None = None,
+    keep: tuple[int, Callable[[int, Tensor], None]] | None = None,
     **kwargs: Any,
 ) -> Generator[PrefillProgress, None, Tensor | None]:
     """Write the prompt ``ids`` [P] into the empty cache and return the last position's logits [1, V], or None when
@@ -265,7 +265,9 @@ def _prefill(
 
     ``at``: where ``ids`` start (a cache that holds the first ``at`` positions already: :class:`PromptCache`).
     ``keep``: (k, callback): a forward also ends after the first k ids (a boundary the model splits at too), and
-    the callback gets its logits [1, V] then, with the cache holding them (what the prompt cache keeps)."""
+    the callback gets (k, its logits [1, V]) then, with the cache holding them (what the prompt cache keeps). A
+    prefill cancelled before it got there hands the callback what it read so far instead (whole segments), so
+    that a request that starts the same way goes on from there."""
     total = ids.shape[0]
     segment_tokens = getattr(model, "segment_tokens", None)
     seg = int(segment_tokens(block_size)) if callable(segment_tokens) else total
@@ -277,13 +279,15 @@ def _prefill(
     start = 0
     for end in cuts:
         if start and cancel is not None and cancel.is_set():
+            if keep is not None and start < keep[0] and out is not None:
+                keep[1](start, out)  # what was read is kept: the request that stopped this one goes on from it
             return None
         out = _forward(  # [1, V]
             model, ids[start:end], at + start, cache, block_size=block_size, write_cache=True, last_only=True,
             **kwargs,
         )
         if keep is not None and end == keep[0]:
-            keep[1](out)
+            keep[1](end, out)
         if progress and (end % seg == 0 or end == total):
             yield PrefillProgress(done=end, total=total)
         start = end
@@ -619,8 +623,8 @@ def _ar_loop(
     ids = torch.tensor(prompt, dtype=torch.long, device=device)  # [P]
     keep = None
     if prompt_cache is not None and cached < keep_at:  # a forward ends at the point kept for the next turn
-        def keep_here(out: Tensor) -> None:
-            prompt_cache.keep(prompt[:keep_at], cache, out[-1], None)
+        def keep_here(end: int, out: Tensor) -> None:
+            prompt_cache.keep(prompt[: cached + end], cache, out[-1], None)
 
         keep = (keep_at - cached, keep_here)
     logits = yield from _prefill(model, ids[cached:], cache, None, cancel, at=cached, keep=keep)  # [1, V]
@@ -750,8 +754,8 @@ def _diffusion_loop(
         # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
         keep = None
         if prompt_cache is not None and cached < keep_at:  # a forward ends at the point kept for the next turn
-            def keep_here(out: Tensor) -> None:
-                prompt_cache.keep(prompt[:keep_at], cache, out[-1], B)
+            def keep_here(end: int, out: Tensor) -> None:
+                prompt_cache.keep(prompt[: cached + end], cache, out[-1], B)
 
             keep = (keep_at - cached, keep_here)
         out = yield from _prefill(model, ids, cache, B, cancel, at=cached, keep=keep, prefill=True)  # [1, V]

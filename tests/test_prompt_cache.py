@@ -283,3 +283,32 @@ def test_reading_a_chat_ahead_leaves_only_the_new_message_to_read(engines: tuple
     cancel = threading.Event()
     cancel.set()
     assert list(cached_engine.read_chat(nxt, params, cancel=cancel))[-1].stop_reason == "cancelled"
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_a_prefill_stopped_part_way_keeps_what_it_read(tiny_clover_dir: Path, mode: str) -> None:  # noqa: F811
+    """A read-ahead stopped by a send (or an answer stopped while its prompt was read) keeps the whole segments
+    it read: the request after it goes on from there, with the tokens of an engine that reads everything."""
+    from engine.api import Engine
+    from engine.events import PrefillProgress
+
+    engine, plain = Engine.load(tiny_clover_dir), Engine.load(tiny_clover_dir)
+    plain.prompt_cache = None
+    engine.model.max_pass_tokens = 64  # segments of 64 (whole blocks of 8, whole GDN chunks of 32)
+    chat = [{"role": "user", "content": "Tell me about the lighthouse keepers and their islands, please. " * 8},
+            {"role": "assistant", "content": "They kept the lamps lit through every storm of the winter. " * 8}]
+    params = GenerationParams(mode=mode, max_new_tokens=6, do_sample=False, block_size=8)
+    cancel = threading.Event()
+    events = []
+    for event in engine.read_chat(chat, params, cancel=cancel):
+        events.append(event)
+        if isinstance(event, PrefillProgress) and event.done == 128:
+            cancel.set()  # a send comes: the read stops after the segment it is in
+    assert events[-1].stop_reason == "cancelled" and [e.done for e in events if isinstance(e, PrefillProgress)] == [
+        0, 64, 128]
+    ids = engine.prompt_ids(messages=chat)
+    assert engine.prompt_cache.ids == tuple(ids[:128])
+    nxt = [*chat, {"role": "user", "content": "And then?"}]
+    second = list(engine.generate(messages=nxt, params=params))
+    assert second[-1].cached_tokens == 128
+    assert second[-1].token_ids == list(plain.generate(messages=nxt, params=params))[-1].token_ids
