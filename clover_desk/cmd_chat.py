@@ -6,7 +6,8 @@ prints it, with its figures on stderr (how many of the prompt's tokens the engin
 a turn reads only what is new). Commands: ``/bye`` (or end of input) ends it, ``/reset`` starts over, ``/think on|off``,
 ``/mode diffusion|ar``, ``/help``. Ctrl-C stops the answer being written (what it wrote stays in the chat) and, at
 the prompt, drops the line being typed. A message the context cannot hold is one line and the chat goes on without
-it. Works on piped input too (no prompt is printed then).
+it. While the next message is typed the engine reads the chat ahead, the answer just given included, so sending
+reads only the new message (``Engine.read_chat``). Works on piped input too (no prompt is printed then).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import sys
 import threading
 from typing import Any, TextIO
 
 from clover_desk import cmd_generate
+
+log = logging.getLogger(__name__)
 
 HELP = """commands: /bye (or Ctrl-D) ends the chat, /reset starts a new one, /think on|off, /mode diffusion|ar, /help;
 a line ending in \\ goes on to the next; Ctrl-C stops an answer"""
@@ -88,8 +92,15 @@ class Chat:
         self.params = params
         self.system = system
         self.messages: list[dict[str, str]] = []
+        self._reading: tuple[threading.Thread, threading.Event] | None = None  # the chat read ahead, while typing
 
     def run(self, stdin: TextIO, out: TextIO, err: TextIO) -> int:
+        try:
+            return self._loop(stdin, out, err)
+        finally:
+            self._stop_reading()
+
+    def _loop(self, stdin: TextIO, out: TextIO, err: TextIO) -> int:
         tty = stdin.isatty() and out.isatty()
         if tty:
             where = getattr(self.engine, "base_url", None) or getattr(self.engine, "model_dir", "the model")
@@ -107,10 +118,13 @@ class Chat:
             if not line.strip():
                 continue
             if line.startswith("/"):
+                self._stop_reading()  # (a reset or another mode: what it reads would not be used)
                 if self.command(line.strip(), err) == "bye":
                     return 0
                 continue
+            self._stop_reading()
             self.send(line, out, err)
+            self._read_ahead()
 
     @staticmethod
     def _read(stdin: TextIO, out: TextIO, tty: bool) -> str | None:
@@ -160,6 +174,33 @@ class Chat:
         else:
             print(f"clover-desk chat: unknown command {name} (/help lists them)", file=err)
         return None
+
+    def _read_ahead(self) -> None:
+        """While the next message is typed, the engine reads the chat so far, the answer just given included, into
+        its prompt cache (``Engine.read_chat``): sending then reads only the new message. Sending stops it first;
+        what it read by then is kept."""
+        if self.remote or not self.messages:
+            return
+        sent = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        cancel = threading.Event()
+
+        def read() -> None:
+            try:
+                for _ in self.engine.read_chat(sent, self.params, cancel=cancel):
+                    pass
+            except Exception as exc:  # noqa: BLE001 - best effort: the send says what is wrong, if anything
+                log.info("reading the chat ahead failed: %s", exc)
+
+        thread = threading.Thread(target=read, name="clover-chat-read", daemon=True)
+        thread.start()
+        self._reading = (thread, cancel)
+
+    def _stop_reading(self) -> None:
+        if self._reading is not None:
+            thread, cancel = self._reading
+            cancel.set()
+            thread.join()
+            self._reading = None
 
     def send(self, text: str, out: TextIO, err: TextIO) -> None:
         """Ask with ``text`` as the next user message and stream the answer; the answer joins the chat (what it

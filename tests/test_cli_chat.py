@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.tokenizer import CloverTokenizer
 from server_fixtures import chat_model, chat_server, endless_model  # noqa: F401 - fixtures
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
@@ -114,11 +115,24 @@ def test_on_a_terminal_it_prompts_dims_the_thinking_and_ends_with_ctrl_d(chat_mo
                 except OSError:  # the child closed the terminal
                     break
 
+    tokenizer = CloverTokenizer.from_dir(chat_model.path)
+
+    def kept(chat: list) -> int:  # whole blocks before the generation prompt: what the prompt cache keeps
+        ids = tokenizer.encode_chat(chat)
+        return (len(ids) - 1 - ids[::-1].index(ids[0])) // 32 * 32
+
+    answer = {"role": "assistant", "content": "Sure thing."}
+    question = next(q for q in ("Hello there " * n for n in range(4, 40))  # the answer reaches another block
+                    if kept([{"role": "user", "content": q}, answer]) > kept([{"role": "user", "content": q}]))
     try:
         read_until(b">>> ")
-        os.write(master, b"Hello there\r")
+        os.write(master, question.encode() + b"\r")
         read_until(b"Sure thing.")
         read_until(b">>> ", times=2)  # the next prompt
+        time.sleep(2)  # typing: meanwhile the engine reads the chat ahead, the answer included
+        os.write(master, b"And then?\r")
+        read_until(b"Sure thing.", times=2)
+        read_until(b">>> ", times=3)
         os.write(master, b"\x04")  # Ctrl-D
         assert proc.wait(timeout=60) == 0
     finally:
@@ -126,6 +140,8 @@ def test_on_a_terminal_it_prompts_dims_the_thinking_and_ends_with_ctrl_d(chat_mo
         os.close(master)
     assert b"\x1b[2mLet me think" in seen and b"[thinking]" not in seen  # dimmed, not labelled
     assert b"/help for commands" in seen
+    cached = [int(n) for n in re.findall(rb"\((\d+) cached\)", seen)]
+    assert cached == [kept([{"role": "user", "content": question}, answer])]  # the second turn: all but its message
 
 
 def test_chat_with_a_server(chat_server) -> None:  # noqa: ANN001, F811
