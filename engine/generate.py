@@ -345,6 +345,7 @@ class PromptCache:
         self._cache: ModelCache | None = None
         self._gdn: list[tuple[int, Tensor, Tensor]] = []  # (layer, conv, state) copies at len(ids)
         self._row: Tensor | None = None  # [V] logits of the last kept position
+        self._back: _Saved | None = None  # the point kept before in the same cache: its states (host memory)
         self.saved: list[_Saved] = []  # in host memory, least recently used first
 
     @staticmethod
@@ -361,8 +362,16 @@ class PromptCache:
              block_size: int | None) -> tuple[Any, int, Tensor | None]:
         """(a cache for ``max_len`` positions, how many of ``prompt``'s first positions it holds already, at most
         ``limit``, and the logit row after them), or a new empty cache, 0 and None."""
-        n = len(self.ids)
         kept = self._cache
+        back = self._back
+        if (kept is not None and back is not None and not _starts(prompt, self.ids, limit, block_size, self.block_size)
+                and _starts(prompt, back.ids, limit, block_size, back.block_size)):
+            # back to the point kept before (the rows below it are the same; the later ones get written over)
+            dev = kept.tensors()[0].device
+            self.ids, self.block_size, self._back = back.ids, back.block_size, None
+            self._gdn = [(i, c.to(dev), st.to(dev)) for i, c, st in back.gdn]
+            self._row = None if back.row is None else back.row.to(dev)
+        n = len(self.ids)
         if kept is None or not _starts(prompt, self.ids, limit, block_size, self.block_size):
             usable = [e for e in self.saved if _starts(prompt, e.ids, limit, block_size, e.block_size)]
             entry = max(usable, key=lambda e: len(e.ids)) if usable else None  # the longest saved one it starts with
@@ -387,18 +396,30 @@ class PromptCache:
         return kept, n, self._row
 
     def keep(self, prompt: Sequence[int], cache: Any, row: Tensor | None, block_size: int | None) -> None:
-        """Remember ``cache`` as it is now, holding ``prompt`` (its length), whose last logit row is ``row``."""
+        """Remember ``cache`` as it is now, holding ``prompt`` (its length), whose last logit row is ``row``. When
+        that goes on from the entry kept before in the same cache (a chat's next turn, a chat read ahead), the
+        earlier point stays reachable: its states are copied to host memory (:meth:`take` goes back to it for a
+        prompt that starts there but not with the rest, as Regenerate sends after a read-ahead)."""
         if not isinstance(cache, ModelCache) or not prompt or cache.length != len(prompt):
             self.clear()
             return
-        self.ids, self.block_size, self._cache = tuple(int(i) for i in prompt), block_size, cache
+        ids = tuple(int(i) for i in prompt)
+        n = len(self.ids)
+        if cache is self._cache and 0 < n < len(ids) and ids[:n] == self.ids:
+            host = torch.device("cpu")
+            self._back = _Saved(ids=self.ids, block_size=self.block_size, kv=[],
+                                gdn=[(i, c.to(host, copy=True), st.to(host, copy=True)) for i, c, st in self._gdn],
+                                row=None if self._row is None else self._row.to(host, copy=True), nbytes=0)
+        else:
+            self._back = None
+        self.ids, self.block_size, self._cache = ids, block_size, cache
         self._gdn = [(i, c.clone(), st.clone()) for i, (c, st) in enumerate(zip(cache.conv, cache.state))
                      if c is not None and st is not None]
         self._row = None if row is None else row.detach().clone()
 
     def clear(self) -> None:
         """Forget the last prompt's entry (the saved ones stay)."""
-        self.ids, self._cache, self._gdn, self._row = (), None, [], None
+        self.ids, self._cache, self._gdn, self._row, self._back = (), None, [], None, None
 
     def _save(self, kept: ModelCache) -> None:
         """Copy the last prompt's entry (in ``kept``) to host memory, making room by the least recently used."""

@@ -46,9 +46,12 @@ def test_a_request_that_starts_like_the_last_one_reads_only_the_rest(engines: tu
     third = second + [7, 8, 9]  # the next turn again, and the kept cache is big enough this time
     tokens, cached = _run(cached_engine, third, mode, max_new=4)
     assert cached == kept_next and tokens == _run(plain, third, mode, max_new=4)[0]
-    fourth = second[:kept_next - 1] + [5]  # shorter than what is kept: one snapshot, the last prompt's
+    fourth = second[:kept_next - 1] + [5]  # shorter than what is kept: back to the point kept before it
     tokens, cached = _run(cached_engine, fourth, mode, max_new=4)
-    assert cached == 0 and tokens == _run(plain, fourth, mode, max_new=4)[0]
+    assert cached == kept and tokens == _run(plain, fourth, mode, max_new=4)[0]
+    fifth = second[:kept - 1] + [5]  # shorter than that too: nothing kept serves it (one point back, no more)
+    tokens, cached = _run(cached_engine, fifth, mode, max_new=4)
+    assert cached == 0 and tokens == _run(plain, fifth, mode, max_new=4)[0]
 
 
 def test_a_different_start_or_mode_reads_everything(engines: tuple[Any, Any]) -> None:
@@ -312,3 +315,25 @@ def test_a_prefill_stopped_part_way_keeps_what_it_read(tiny_clover_dir: Path, mo
     second = list(engine.generate(messages=nxt, params=params))
     assert second[-1].cached_tokens == 128
     assert second[-1].token_ids == list(plain.generate(messages=nxt, params=params))[-1].token_ids
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_regenerate_after_a_read_ahead_goes_back_to_the_point_before_the_answer(engines: tuple[Any, Any],
+                                                                               mode: str) -> None:
+    """The read-ahead extends the entry over the answer; Regenerate then sends the prompt that had it written,
+    which stops before the answer: the entry goes back to the point kept before (its states were copied to host
+    memory; the rows below it are the same), so Regenerate does not read the chat again."""
+    from engine.generate import PromptCache
+
+    cached_engine, plain = engines
+    cached_engine.prompt_cache = PromptCache()
+    question = [{"role": "user", "content": "Tell me about the lighthouse keepers and their islands, please. " * 3}]
+    params = GenerationParams(mode=mode, max_new_tokens=6, do_sample=False, block_size=8)
+    first = list(cached_engine.generate(messages=question, params=params))[-1]
+    before = cached_engine.prompt_cache.ids
+    chat = [*question, {"role": "assistant", "content": "They kept the lamps lit through every storm. " * 3}]
+    list(cached_engine.read_chat(chat, params))
+    assert len(cached_engine.prompt_cache.ids) > len(before)  # extended over the answer
+    again = list(cached_engine.generate(messages=question, params=params))[-1]  # Regenerate
+    assert again.cached_tokens == len(before) > 0 and again.token_ids == first.token_ids
+    assert again.token_ids == list(plain.generate(messages=question, params=params))[-1].token_ids
