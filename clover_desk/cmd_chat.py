@@ -6,8 +6,8 @@ prints it, with its figures on stderr (how many of the prompt's tokens the engin
 a turn reads only what is new). Commands: ``/bye`` (or end of input) ends it, ``/reset`` starts over, ``/think on|off``,
 ``/mode diffusion|ar``, ``/help``. Ctrl-C stops the answer being written (what it wrote stays in the chat) and, at
 the prompt, drops the line being typed. A message the context cannot hold is one line and the chat goes on without
-it. While the next message is typed the engine reads the chat ahead, the answer just given included, so sending
-reads only the new message (``Engine.read_chat``). Works on piped input too (no prompt is printed then).
+it. On a terminal, while the next message is typed, the engine reads the chat ahead, the answer just given included,
+so sending reads only the new message (``Engine.read_chat``). Works on piped input too (no prompt is printed then).
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ class Chat:
                 continue
             self._stop_reading()
             self.send(line, out, err)
-            self._read_ahead()
+            if tty:  # (piped input has its next message already: nothing to read while waiting)
+                self._read_ahead()
 
     @staticmethod
     def _read(stdin: TextIO, out: TextIO, tty: bool) -> str | None:
