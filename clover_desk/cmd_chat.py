@@ -29,14 +29,7 @@ a line ending in \\ goes on to the next; Ctrl-C stops an answer"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="model folder (config.json, weights, tokenizer) or a .gguf file; with --remote, the "
-                             "server's model name (default: the first it lists)")
-    parser.add_argument("--remote", metavar="URL", default=None,
-                        help="chat with an OpenAI-compatible server (clover-desk serve, SGLang ...) at URL, e.g. "
-                             "http://127.0.0.1:8000/v1, instead of loading a model here")
-    parser.add_argument("--api-key", metavar="KEY", default=None,
-                        help="with --remote: the server's API key (default: $CLOVER_DESK_API_KEY)")
+    cmd_generate.add_model_arguments(parser, "chat with")
     parser.add_argument("--system", metavar="TEXT", default=None, help="a system prompt")
     cmd_generate.add_local_arguments(parser)
     cmd_generate.add_decoding_arguments(parser)

@@ -14,14 +14,7 @@ from clover_desk import flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="model folder (config.json, weights, tokenizer) or a .gguf file; with --remote, the "
-                             "server's model name (default: the first it lists)")
-    parser.add_argument("--remote", metavar="URL", default=None,
-                        help="ask an OpenAI-compatible server (clover-desk serve, SGLang ...) at URL, e.g. "
-                             "http://127.0.0.1:8000/v1, instead of loading a model here")
-    parser.add_argument("--api-key", metavar="KEY", default=None,
-                        help="with --remote: the server's API key (default: $CLOVER_DESK_API_KEY)")
+    add_model_arguments(parser, "ask")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="the user message (or the raw text with --raw)")
     source.add_argument("--prompt-file", metavar="PATH", help="the prompt as UTF-8 text from a file ('-': stdin)")
@@ -30,6 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_local_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
     add_decoding_arguments(parser)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
+    """--model, and --remote / --api-key to ``verb`` a server instead (``generate`` and ``chat``)."""
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="model folder (config.json, weights, tokenizer) or a .gguf file; with --remote, the "
+                             "server's model name (default: the first it lists)")
+    parser.add_argument("--remote", metavar="URL", default=None,
+                        help=f"{verb} an OpenAI-compatible server (clover-desk serve, SGLang ...) at URL, e.g. "
+                             "http://127.0.0.1:8000/v1, instead of loading a model here")
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="with --remote: the server's API key (default: $CLOVER_DESK_API_KEY)")
 
 
 def add_local_arguments(parser: argparse.ArgumentParser) -> None:
