@@ -369,8 +369,7 @@ class PromptCache:
             # back to the point kept before (the rows below it are the same; the later ones get written over)
             dev = kept.tensors()[0].device
             self.ids, self.block_size, self._back = back.ids, back.block_size, None
-            self._gdn = [(i, c.to(dev), st.to(dev)) for i, c, st in back.gdn]
-            self._row = None if back.row is None else back.row.to(dev)
+            self._gdn, self._row = _moved(back.gdn, dev), _moved_row(back.row, dev)
         n = len(self.ids)
         if kept is None or not _starts(prompt, self.ids, limit, block_size, self.block_size):
             usable = [e for e in self.saved if _starts(prompt, e.ids, limit, block_size, e.block_size)]
@@ -389,10 +388,7 @@ class PromptCache:
             self._cache = kept = model.new_cache(max_len)
             _put_rows(kept, rows)
             del rows
-        for i, conv, state in self._gdn:
-            kept.conv[i].copy_(conv)  # type: ignore[union-attr]
-            kept.state[i].copy_(state)  # type: ignore[union-attr]
-        kept.length = n
+        _put_states(kept, self._gdn, n)
         return kept, n, self._row
 
     def keep(self, prompt: Sequence[int], cache: Any, row: Tensor | None, block_size: int | None) -> None:
@@ -406,10 +402,8 @@ class PromptCache:
         ids = tuple(int(i) for i in prompt)
         n = len(self.ids)
         if cache is self._cache and 0 < n < len(ids) and ids[:n] == self.ids:
-            host = torch.device("cpu")
-            self._back = _Saved(ids=self.ids, block_size=self.block_size, kv=[],
-                                gdn=[(i, c.to(host, copy=True), st.to(host, copy=True)) for i, c, st in self._gdn],
-                                row=None if self._row is None else self._row.to(host, copy=True), nbytes=0)
+            self._back = _Saved(ids=self.ids, block_size=self.block_size, kv=[], gdn=_moved(self._gdn, _HOST, True),
+                                row=_moved_row(self._row, _HOST, True), nbytes=0)
         else:
             self._back = None
         self.ids, self.block_size, self._cache = ids, block_size, cache
@@ -426,28 +420,23 @@ class PromptCache:
         n = len(self.ids)
         if not n or self.host_bytes <= 0:
             return
-        need = sum(2 * k[:, :n].numel() * k.element_size() for _, k, _v in _kv(kept))
-        need += sum(c.numel() * c.element_size() + st.numel() * st.element_size() for _, c, st in self._gdn)
+        rows = [(i, k[:, :n], v[:, :n]) for i, k, v in _kv(kept)]
+        need = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b in (*rows, *self._gdn))
         if need > self.host_bytes:
             return
-        evict, total = 0, self.saved_bytes  # the least recently used entries that make room for it
-        while total + need > self.host_bytes:
-            total -= self.saved[evict].nbytes
+        evict, left_bytes = 0, self.saved_bytes  # the least recently used entries that make room for it
+        while left_bytes + need > self.host_bytes:
+            left_bytes -= self.saved[evict].nbytes
             evict += 1
         import psutil
 
-        freed = sum(e.nbytes for e in self.saved[:evict])
-        if psutil.virtual_memory().available + freed - need < SAVED_FREE_MARGIN:
+        if psutil.virtual_memory().available + (self.saved_bytes - left_bytes) - need < SAVED_FREE_MARGIN:
             log.info("prompt cache: not saving %d tokens (%.0f MB): the machine is short of memory", n, need / 1e6)
             return  # (and the saved ones stay)
         del self.saved[:evict]
-        host = torch.device("cpu")
-        self.saved.append(_Saved(
-            ids=self.ids, block_size=self.block_size,
-            kv=[(i, k[:, :n].to(host, copy=True), v[:, :n].to(host, copy=True)) for i, k, v in _kv(kept)],
-            gdn=[(i, c.to(host, copy=True), st.to(host, copy=True)) for i, c, st in self._gdn],
-            row=None if self._row is None else self._row.to(host, copy=True), nbytes=need,
-        ))
+        self.saved.append(_Saved(ids=self.ids, block_size=self.block_size, kv=_moved(rows, _HOST, True),
+                                 gdn=_moved(self._gdn, _HOST, True), row=_moved_row(self._row, _HOST, True),
+                                 nbytes=need))
 
     def _restore(self, model: Any, entry: _Saved | None, max_len: int) -> tuple[Any, int, Tensor | None]:
         """A new cache for ``max_len`` positions, filled from ``entry`` (which becomes the last prompt's entry
@@ -457,13 +446,9 @@ class PromptCache:
             return cache, 0, None
         n, dev = len(entry.ids), cache.tensors()[0].device
         _put_rows(cache, entry.kv)
-        self._gdn = [(i, c.to(dev), st.to(dev)) for i, c, st in entry.gdn]
-        for i, conv, state in self._gdn:
-            cache.conv[i].copy_(conv)  # type: ignore[union-attr]
-            cache.state[i].copy_(state)  # type: ignore[union-attr]
-        cache.length = n
+        self._gdn, self._row = _moved(entry.gdn, dev), _moved_row(entry.row, dev)
+        _put_states(cache, self._gdn, n)
         self.ids, self.block_size, self._cache = entry.ids, entry.block_size, cache
-        self._row = None if entry.row is None else entry.row.to(dev)
         return cache, n, self._row
 
 
@@ -476,6 +461,28 @@ def _starts(prompt: Sequence[int], ids: tuple[int, ...], limit: int, block_size:
 
 def _kv(cache: ModelCache) -> list[tuple[int, Tensor, Tensor]]:
     return [(i, k, v) for i, (k, v) in enumerate(zip(cache.key, cache.value)) if k is not None and v is not None]
+
+
+_HOST = torch.device("cpu")
+
+
+def _moved(pairs: list[tuple[int, Tensor, Tensor]], device: torch.device,
+           copy: bool = False) -> list[tuple[int, Tensor, Tensor]]:
+    """Per-layer tensor pairs (key and value rows, or conv and recurrent state) on ``device``; ``copy``: always
+    copies (what goes to host memory must not be a view of the cache, which later writes change)."""
+    return [(i, a.to(device, copy=copy), b.to(device, copy=copy)) for i, a, b in pairs]
+
+
+def _moved_row(row: Tensor | None, device: torch.device, copy: bool = False) -> Tensor | None:
+    return None if row is None else row.to(device, copy=copy)
+
+
+def _put_states(cache: ModelCache, gdn: list[tuple[int, Tensor, Tensor]], length: int) -> None:
+    """Write each GDN layer's (conv, recurrent) state into ``cache``, which then holds ``length`` positions."""
+    for i, conv, state in gdn:
+        cache.conv[i].copy_(conv)  # type: ignore[union-attr]
+        cache.state[i].copy_(state)  # type: ignore[union-attr]
+    cache.length = length
 
 
 def _put_rows(cache: ModelCache, rows: list[tuple[int, Tensor, Tensor]]) -> None:
