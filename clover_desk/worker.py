@@ -372,7 +372,7 @@ def check_read_chat(command: dict[str, Any]) -> GenerationParams:
                             f"{', '.join(READ_CHAT_FIELDS)}")
     if not isinstance(command.get("messages"), list) or not command["messages"]:
         raise _refused("read_chat: field 'messages'", "a non-empty list of message objects", command.get("messages"))
-    return check_generate({k: v for k, v in command.items() if k != "cmd"})
+    return check_generate(command)
 
 
 def check_prompt_ids(prompt_ids: Any, vocab_size: int | None = None) -> None:
@@ -461,9 +461,6 @@ class _PreemptingLock:
 
     def release(self) -> None:
         self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
 
     def __enter__(self) -> bool:
         return self.acquire()
@@ -649,23 +646,19 @@ class Worker:
             self._emit({**record, "stop_reason": "busy" if not cancel.is_set() else "cancelled"})
             return
         try:
-            done = None
             for event in engine.read_chat(command["messages"], params, command.get("tools"), cancel):
                 if isinstance(event, Finished):
-                    done = event
-            if done is not None:
-                record.update(stop_reason=done.stop_reason, prompt_tokens=done.prompt_tokens,
-                              cached_tokens=done.cached_tokens, prefill_s=round(done.prefill_s, 4))
+                    record.update(stop_reason=event.stop_reason, prompt_tokens=event.prompt_tokens,
+                                  cached_tokens=event.cached_tokens, prefill_s=round(event.prefill_s, 4))
         except CloverError as exc:  # a chat the engine would refuse (too long...): its send will say why
             record.update(stop_reason="refused", message=str(exc))
         except BaseException as exc:  # noqa: BLE001
             if classify_fatal(exc) is not None or not isinstance(exc, Exception):
-                self._engine_lock.release()
-                self._report(exc, op="read_chat")  # OOM, CUDA: the process ends, as in a generate
-                return
+                self._report(exc, op="read_chat")  # OOM, CUDA: the process ends here, as in a generate
             log.error("reading a chat ahead failed (the worker keeps running)", exc_info=exc)
             record.update(stop_reason="refused", message=f"internal error: {exc}")
-        self._engine_lock.release()
+        finally:
+            self._engine_lock.release()
         self._emit(record)
 
     def _cmd_cancel(self, command: dict[str, Any]) -> None:
