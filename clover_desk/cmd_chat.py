@@ -35,27 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cmd_generate.add_decoding_arguments(parser)
 
 
-# what only a model loaded here uses, with the value that means "not given"
-_LOCAL_ONLY = (("vram_gb", "--vram-gb", None), ("ctx", "--ctx", None), ("dtype", "--dtype", None),
-               ("device", "--device", "cpu"), ("compile", "--compile", False), ("gguf_layout", "--gguf-layout", "auto"))
+# with --remote, also the load's own flags are refused
+_CHAT_LOCAL_ONLY = (*cmd_generate.LOCAL_ONLY, ("compile", "--compile", False), ("gguf_layout", "--gguf-layout", "auto"))
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     from engine.errors import CloverError, ConfigError
 
     try:
         system = _system(args.system)
         params = cmd_generate.params_from(args)
         if args.remote is not None:
-            from clover_desk.remote import RemoteBackend
-
-            for attr, flag, unset in _LOCAL_ONLY:
-                if getattr(args, attr) != unset:
-                    raise ConfigError(f"{flag} does not apply with --remote (the server holds the model)")
-            api_key = args.api_key if args.api_key is not None else os.environ.get("CLOVER_DESK_API_KEY")
-            backend: Any = RemoteBackend(args.remote, api_key=api_key, model=args.model)
+            backend: Any = cmd_generate.remote_backend(args, _CHAT_LOCAL_ONLY)
         elif args.model is None:
             raise ConfigError("--model DIR is required (or --remote URL)")
         else:

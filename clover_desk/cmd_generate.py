@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -242,30 +243,35 @@ def summary_line(done: Any) -> str:
 
 # ---- --remote: an OpenAI-compatible server instead of a local model ----
 
-_LOCAL_ONLY = (("prompt_ids", "--prompt-ids"), ("raw", "--raw"), ("vram_gb", "--vram-gb"), ("ctx", "--ctx"),
-               ("dtype", "--dtype"))
+# the flags only a model loaded here uses, with the value that means "not given" (remote_backend refuses the others)
+LOCAL_ONLY = (("vram_gb", "--vram-gb", None), ("ctx", "--ctx", None), ("dtype", "--dtype", None),
+              ("device", "--device", "cpu"))
+_GENERATE_LOCAL_ONLY = (("prompt_ids", "--prompt-ids", None), ("raw", "--raw", False), *LOCAL_ONLY)
+
+
+def remote_backend(args: argparse.Namespace, local_only: Sequence[tuple[str, str, Any]] = LOCAL_ONLY) -> Any:
+    """The RemoteBackend ``--remote`` names (its API key from ``--api-key`` or $CLOVER_DESK_API_KEY); a flag of
+    ``local_only`` given with it is a ConfigError naming it."""
+    import os
+
+    from clover_desk.remote import RemoteBackend
+    from engine.errors import ConfigError
+
+    for attr, flag, unset in local_only:
+        if getattr(args, attr) != unset:
+            raise ConfigError(f"{flag} does not apply with --remote (the server holds the model)")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CLOVER_DESK_API_KEY")
+    return RemoteBackend(args.remote, api_key=api_key, model=args.model)
 
 
 def _run_remote(args: argparse.Namespace) -> int:
     """Stream the answer from ``--remote``; what the server does not report is printed as unavailable."""
-    import os
-
-    from clover_desk.remote import RemoteBackend, RemoteFinished
+    from clover_desk.remote import RemoteFinished
     from engine.events import TextDelta, to_dict
 
-    for attr, flag in _LOCAL_ONLY:
-        if getattr(args, attr, None) not in (None, False):
-            print(f"clover-desk generate: error: {flag} does not apply with --remote (the server holds the model "
-                  "and its chat template)", file=sys.stderr)
-            return 2
-    if args.device != "cpu":
-        print("clover-desk generate: error: --device does not apply with --remote (the server places the model)",
-              file=sys.stderr)
-        return 2
+    backend = remote_backend(args, _GENERATE_LOCAL_ONLY)
     prompt = _prompt_text(args)
     params = params_from(args)
-    api_key = args.api_key if args.api_key is not None else os.environ.get("CLOVER_DESK_API_KEY")
-    backend = RemoteBackend(args.remote, api_key=api_key, model=args.model)
     cancel = threading.Event()
     events = backend.chat([{"role": "user", "content": prompt}], params, cancel=cancel)
     return _print_events(

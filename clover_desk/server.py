@@ -30,8 +30,8 @@ What a request may hold, and what the server does with it:
   max_completion_tokens; Clover's own settings under ``"clover": {"mode", "block_size", "threshold"}``.
 * every answer carries ``usage`` (prompt, completion, total tokens, and ``prompt_tokens_details.cached_tokens``: the
   prompt's first tokens the engine had read already, a chat's earlier turns; streaming: with
-  ``stream_options.include_usage`` as OpenAI does) and a ``"clover"`` object: mode, passes, tokens per pass, block size, timings, stop reason and
-  ``ignored_fields``.
+  ``stream_options.include_usage`` as OpenAI does) and a ``"clover"`` object: mode, passes, tokens per pass, block
+  size, timings, stop reason and ``ignored_fields``.
 
 Decisions:
 
