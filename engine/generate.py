@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -252,7 +252,7 @@ def _prefill(
     block_size: int | None,
     cancel: threading.Event | None,
     at: int = 0,
-    keep: tuple[int, Callable[[int, Tensor], None]] | None = None,
+    keep: tuple[Sequence[int], Callable[[int, Tensor], None]] | None = None,
     **kwargs: Any,
 ) -> Generator[PrefillProgress, None, Tensor | None]:
     """Write the prompt ``ids`` [P] into the empty cache and return the last position's logits [1, V], or None when
@@ -264,30 +264,32 @@ def _prefill(
     effect. A shorter prompt, or a model without ``segment_tokens``, is one forward and no progress event.
 
     ``at``: where ``ids`` start (a cache that holds the first ``at`` positions already: :class:`PromptCache`).
-    ``keep``: (k, callback): a forward also ends after the first k ids (a boundary the model splits at too), and
-    the callback gets (k, its logits [1, V]) then, with the cache holding them (what the prompt cache keeps). A
-    prefill cancelled before it got there hands the callback what it read so far instead (whole segments), so
-    that a request that starts the same way goes on from there."""
+    ``keep``: (points, callback): a forward also ends after the first k ids for each k in ``points`` (ascending,
+    boundaries the model splits at too), and the callback gets (k, its logits [1, V]) then, with the cache holding
+    them (what the prompt cache keeps). A prefill cancelled before the last one hands the callback what it read so
+    far instead (whole segments), so that a request that starts the same way goes on from there."""
     total = ids.shape[0]
     segment_tokens = getattr(model, "segment_tokens", None)
     seg = int(segment_tokens(block_size)) if callable(segment_tokens) else total
-    cuts = sorted({*range(seg, total, seg), total} | ({keep[0]} if keep is not None and 0 < keep[0] < total else set()))
+    points = [k for k in keep[0] if 0 < k <= total] if keep is not None else []
+    cuts = sorted({*range(seg, total, seg), total, *points})
     progress = total > seg
     if progress:
         yield PrefillProgress(done=0, total=total)
     out: Tensor | None = None
-    start = 0
+    start = kept = 0
     for end in cuts:
         if start and cancel is not None and cancel.is_set():
-            if keep is not None and start < keep[0] and out is not None:
+            if keep is not None and points and kept < start < points[-1] and out is not None:
                 keep[1](start, out)  # what was read is kept: the request that stopped this one goes on from it
             return None
         out = _forward(  # [1, V]
             model, ids[start:end], at + start, cache, block_size=block_size, write_cache=True, last_only=True,
             **kwargs,
         )
-        if keep is not None and end == keep[0]:
+        if keep is not None and end in points:
             keep[1](end, out)
+            kept = end
         if progress and (end % seg == 0 or end == total):
             yield PrefillProgress(done=end, total=total)
         start = end
@@ -303,22 +305,48 @@ def _turn_start(prompt: Sequence[int], s: DecodeSettings) -> int:
     return len(prompt)
 
 
+def _keep_points(prompt: Sequence[int], s: DecodeSettings, cached: int, keep_at: int, unit: int,
+                 most: int) -> list[int]:
+    """Where a prefill that starts at ``cached`` hands the prompt cache a point (absolute positions, ascending):
+    ``keep_at`` last, and before it the last ``most`` chat turn starts after ``cached``, each taken down to whole
+    ``unit``s (a boundary the model splits at): the checkpoints an edited or branched older message goes back to.
+    [] when ``keep_at`` is not past ``cached``."""
+    if keep_at <= cached:
+        return []
+    starts: set[int] = set()
+    if s.turn_start_id is not None and most > 0:
+        starts = {i // unit * unit for i, t in enumerate(prompt[:keep_at]) if t == s.turn_start_id}
+    earlier = sorted(p for p in starts if cached < p < keep_at)
+    return [*earlier[max(0, len(earlier) - most):], keep_at]
+
+
 @dataclass
 class _Saved:
     """A prompt cache entry moved to host memory: the kept keys and values (rows below ``len(ids)``), the GDN
-    states and the last logit row."""
+    states and the last logit row, and its checkpoints (earlier points: states and logit rows only, ``kv`` empty,
+    their rows being the first of the entry's). A checkpoint alone is one of these too."""
 
     ids: tuple[int, ...]
     block_size: int | None
     kv: list[tuple[int, Tensor, Tensor]]  # (layer, key rows, value rows) [Hkv, n, hd]
     gdn: list[tuple[int, Tensor, Tensor]]  # (layer, conv, state)
     row: Tensor | None
-    nbytes: int
+    nbytes: int  # its own and its checkpoints'
+    backs: list[_Saved] = field(default_factory=list)  # shorter first
+
+
+def _nbytes(pairs: list[tuple[int, Tensor, Tensor]], row: Tensor | None = None) -> int:
+    size = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b in pairs)
+    return size + (0 if row is None else row.numel() * row.element_size())
 
 
 # host memory the prompt cache's saved entries may take (PromptCache.host_bytes), and what it leaves free
 SAVED_BYTES = 1 << 30
 SAVED_FREE_MARGIN = 2 << 30
+# earlier points of the last prompt's entry kept reachable (PromptCache.checkpoints); each costs host memory for
+# the GDN states at that point (about 60 MiB at Clover's shape), as llama.cpp's context checkpoints for
+# recurrent and hybrid models do (8 by default there too)
+CHECKPOINTS = 8
 
 
 class PromptCache:
@@ -328,24 +356,32 @@ class PromptCache:
     the model itself splits a prefill at (a whole block in block mode, a whole GDN chunk in causal mode), so going on
     from it is the same arithmetic as one long prefill. One generation runs at a time (the engine's lock).
 
+    Checkpoints: a GDN layer's state holds one point only, so the entry also keeps up to ``checkpoints`` earlier
+    points reachable (the chat's turn starts a prefill passed, and each point a later request went on from), their
+    states and logit rows copied to host memory, their keys and values being the entry's first rows. A request that
+    starts with one of them but not with the rest (Regenerate, an older message edited and sent again, a branch from
+    an older answer) goes back to the longest one it starts with, in place, and reads only from there.
+
     The last prompt's entry lives in the cache the request ran in. When a request starts otherwise (another chat),
-    that entry moves to host memory first, as a copy of its rows and states, and the request looks among the saved
-    entries for the longest one it starts with; least recently used entries go once they pass ``host_bytes``
-    together, and none is saved that would leave the machine less than ``SAVED_FREE_MARGIN`` of available memory.
-    ``host_bytes=0`` keeps only the last prompt's.
+    that entry moves to host memory first, as a copy of its rows and states (and its checkpoints), and the request
+    looks among the saved entries and their checkpoints for the longest point it starts with (a saved entry used
+    from one of its checkpoints stays saved for its own chat); least recently used entries go once they pass
+    ``host_bytes`` together, and none is saved, nor a checkpoint made, that would leave the machine less than
+    ``SAVED_FREE_MARGIN`` of available memory. ``host_bytes=0`` keeps only the last prompt's entry.
 
     With a model that hands every request the same cache for its CUDA graphs (``CloverModel.new_cache``), the kept
     cache is that one: a request that goes on from it replays the graphs recorded for it; one that does not gets it
     back emptied (or filled from a saved entry), as without a prompt cache."""
 
-    def __init__(self, host_bytes: int = SAVED_BYTES) -> None:
+    def __init__(self, host_bytes: int = SAVED_BYTES, checkpoints: int = CHECKPOINTS) -> None:
         self.host_bytes = host_bytes
+        self.checkpoints = checkpoints
         self.ids: tuple[int, ...] = ()
         self.block_size: int | None = None
         self._cache: ModelCache | None = None
         self._gdn: list[tuple[int, Tensor, Tensor]] = []  # (layer, conv, state) copies at len(ids)
         self._row: Tensor | None = None  # [V] logits of the last kept position
-        self._back: _Saved | None = None  # the point kept before in the same cache: its states (host memory)
+        self._backs: list[_Saved] = []  # the entry's checkpoints (host memory), shorter first
         self.saved: list[_Saved] = []  # in host memory, least recently used first
 
     @staticmethod
@@ -358,28 +394,44 @@ class PromptCache:
     def saved_bytes(self) -> int:
         return sum(e.nbytes for e in self.saved)
 
+    @property
+    def checkpoint_lengths(self) -> list[int]:
+        """How many tokens each of the last prompt's checkpoints holds, shorter first."""
+        return [len(b.ids) for b in self._backs]
+
     def take(self, model: Any, prompt: Sequence[int], limit: int, max_len: int,
              block_size: int | None) -> tuple[Any, int, Tensor | None]:
         """(a cache for ``max_len`` positions, how many of ``prompt``'s first positions it holds already, at most
         ``limit``, and the logit row after them), or a new empty cache, 0 and None."""
+
+        def fits(point: _Saved) -> bool:
+            return _starts(prompt, point.ids, limit, block_size, point.block_size)
+
         kept = self._cache
-        back = self._back
-        if (kept is not None and back is not None and not _starts(prompt, self.ids, limit, block_size, self.block_size)
-                and _starts(prompt, back.ids, limit, block_size, back.block_size)):
-            # back to the point kept before (the rows below it are the same; the later ones get written over)
-            dev = kept.tensors()[0].device
-            self.ids, self.block_size, self._back = back.ids, back.block_size, None
-            self._gdn, self._row = _moved(back.gdn, dev), _moved_row(back.row, dev)
-        n = len(self.ids)
-        if kept is None or not _starts(prompt, self.ids, limit, block_size, self.block_size):
-            usable = [e for e in self.saved if _starts(prompt, e.ids, limit, block_size, e.block_size)]
-            entry = max(usable, key=lambda e: len(e.ids)) if usable else None  # the longest saved one it starts with
+        here = kept is not None and _starts(prompt, self.ids, limit, block_size, self.block_size)
+        back = None if here or kept is None else max((b for b in self._backs if fits(b)), key=lambda b: len(b.ids),
+                                                     default=None)
+        found = [(p, e) for e in self.saved for p in (e, *e.backs) if fits(p)]
+        point, entry = max(found, key=lambda pe: len(pe[0].ids), default=(None, None))
+        reach = len(self.ids) if here else len(back.ids) if back is not None else 0
+        if point is not None and len(point.ids) > reach or kept is None or not reach:
+            # the longest point is saved (another chat's entry, or one of its checkpoints), or there is none
             if entry is not None:
                 self.saved.remove(entry)
+                if point is not entry:  # used from a checkpoint: it stays saved, as the most recently used
+                    self.saved.append(entry)
             if kept is not None:
                 self._save(kept)
             self.clear()  # its cache goes before the new one is made
-            return self._restore(model, entry, max_len)
+            return self._restore(model, entry, point, max_len)
+        if back is not None:
+            # back to an earlier point of the entry, in place (the rows below it are the same; the later ones get
+            # written over)
+            dev = kept.tensors()[0].device
+            self.ids, self.block_size = back.ids, back.block_size
+            self._gdn, self._row = _moved(back.gdn, dev), _moved_row(back.row, dev)
+            self._backs = [b for b in self._backs if len(b.ids) < len(back.ids)]
+        n = len(self.ids)
         # a longer request, or a model that keeps one cache for its graphs and a longer request replaced it: the
         # kept keys and values move into a cache that fits it, one the model hands out
         if kept.max_len < max_len or not model.hands_out(kept):
@@ -393,35 +445,54 @@ class PromptCache:
 
     def keep(self, prompt: Sequence[int], cache: Any, row: Tensor | None, block_size: int | None) -> None:
         """Remember ``cache`` as it is now, holding ``prompt`` (its length), whose last logit row is ``row``. When
-        that goes on from the entry kept before in the same cache (a chat's next turn, a chat read ahead), the
-        earlier point stays reachable: its states are copied to host memory (:meth:`take` goes back to it for a
-        prompt that starts there but not with the rest, as Regenerate sends after a read-ahead)."""
+        that goes on from the entry kept before in the same cache (a chat's next turn, a chat read ahead, the next
+        turn start of a prefill), the earlier point becomes a checkpoint: its states are copied to host memory."""
         if not isinstance(cache, ModelCache) or not prompt or cache.length != len(prompt):
             self.clear()
             return
         ids = tuple(int(i) for i in prompt)
         n = len(self.ids)
-        if cache is self._cache and 0 < n < len(ids) and ids[:n] == self.ids:
-            self._back = _Saved(ids=self.ids, block_size=self.block_size, kv=[], gdn=_moved(self._gdn, _HOST, True),
-                                row=_moved_row(self._row, _HOST, True), nbytes=0)
+        if cache is self._cache and 0 < n <= len(ids) and ids[:n] == self.ids:
+            if n < len(ids):
+                self._checkpoint()
         else:
-            self._back = None
+            self._backs = []
         self.ids, self.block_size, self._cache = ids, block_size, cache
         self._gdn = [(i, c.clone(), st.clone()) for i, (c, st) in enumerate(zip(cache.conv, cache.state))
                      if c is not None and st is not None]
         self._row = None if row is None else row.detach().clone()
 
     def clear(self) -> None:
-        """Forget the last prompt's entry (the saved ones stay)."""
-        self.ids, self._cache, self._gdn, self._row, self._back = (), None, [], None, None
+        """Forget the last prompt's entry and its checkpoints (the saved entries stay)."""
+        self.ids, self._cache, self._gdn, self._row, self._backs = (), None, [], None, []
+
+    def _checkpoint(self) -> None:
+        """Make the entry's point a checkpoint (the oldest goes past ``checkpoints``)."""
+        if self.checkpoints <= 0:
+            return
+        need = _nbytes(self._gdn, self._row)
+        import psutil
+
+        if psutil.virtual_memory().available - need < SAVED_FREE_MARGIN:
+            log.info("prompt cache: no checkpoint at %d tokens: the machine is short of memory", len(self.ids))
+            return
+        self._backs.append(_Saved(ids=self.ids, block_size=self.block_size, kv=[],
+                                  gdn=_moved(self._gdn, _HOST, True), row=_moved_row(self._row, _HOST, True),
+                                  nbytes=need))
+        del self._backs[: -self.checkpoints]
 
     def _save(self, kept: ModelCache) -> None:
-        """Copy the last prompt's entry (in ``kept``) to host memory, making room by the least recently used."""
+        """Copy the last prompt's entry (in ``kept``) to host memory with its checkpoints (the oldest of those left
+        out while it would not fit ``host_bytes``), making room by the least recently used."""
         n = len(self.ids)
         if not n or self.host_bytes <= 0:
             return
         rows = [(i, k[:, :n], v[:, :n]) for i, k, v in _kv(kept)]
-        need = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b in (*rows, *self._gdn))
+        own = _nbytes(rows) + _nbytes(self._gdn, self._row)
+        backs = list(self._backs)
+        while backs and own + sum(b.nbytes for b in backs) > self.host_bytes:
+            backs.pop(0)
+        need = own + sum(b.nbytes for b in backs)
         if need > self.host_bytes:
             return
         evict, left_bytes = 0, self.saved_bytes  # the least recently used entries that make room for it
@@ -436,19 +507,21 @@ class PromptCache:
         del self.saved[:evict]
         self.saved.append(_Saved(ids=self.ids, block_size=self.block_size, kv=_moved(rows, _HOST, True),
                                  gdn=_moved(self._gdn, _HOST, True), row=_moved_row(self._row, _HOST, True),
-                                 nbytes=need))
+                                 nbytes=need, backs=backs))
 
-    def _restore(self, model: Any, entry: _Saved | None, max_len: int) -> tuple[Any, int, Tensor | None]:
-        """A new cache for ``max_len`` positions, filled from ``entry`` (which becomes the last prompt's entry
-        again), and what :meth:`take` returns."""
+    def _restore(self, model: Any, entry: _Saved | None, point: _Saved | None,
+                 max_len: int) -> tuple[Any, int, Tensor | None]:
+        """A new cache for ``max_len`` positions, filled from ``entry`` up to ``point`` (the entry or one of its
+        checkpoints), which becomes the last prompt's entry, and what :meth:`take` returns."""
         cache = model.new_cache(max_len)
-        if entry is None:
+        if entry is None or point is None:
             return cache, 0, None
-        n, dev = len(entry.ids), cache.tensors()[0].device
-        _put_rows(cache, entry.kv)
-        self._gdn, self._row = _moved(entry.gdn, dev), _moved_row(entry.row, dev)
+        n, dev = len(point.ids), cache.tensors()[0].device
+        _put_rows(cache, [(i, k[:, :n], v[:, :n]) for i, k, v in entry.kv])
+        self._gdn, self._row = _moved(point.gdn, dev), _moved_row(point.row, dev)
         _put_states(cache, self._gdn, n)
-        self.ids, self.block_size, self._cache = entry.ids, entry.block_size, cache
+        self.ids, self.block_size, self._cache = point.ids, point.block_size, cache
+        self._backs = [b for b in entry.backs if len(b.ids) < n]
         return cache, n, self._row
 
 
@@ -650,11 +723,12 @@ def _ar_loop(
 
     ids = torch.tensor(prompt, dtype=torch.long, device=device)  # [P]
     keep = None
-    if prompt_cache is not None and cached < keep_at:  # a forward ends at the point kept for the next turn
+    if prompt_cache is not None and cached < keep_at:  # forwards end at the points kept for later turns
         def keep_here(end: int, out: Tensor) -> None:
             prompt_cache.keep(prompt[: cached + end], cache, out[-1], None)
 
-        keep = (keep_at - cached, keep_here)
+        points = _keep_points(prompt, s, cached, keep_at, GDN_CHUNK, prompt_cache.checkpoints)
+        keep = ([p - cached for p in points], keep_here)
     logits = yield from _prefill(model, ids[cached:], cache, None, cancel, at=cached, keep=keep)  # [1, V]
     if logits is None:  # cancelled between two prefill segments
         yield _finished(generated, channels, "cancelled", 0, P, clock, hooks)
@@ -781,11 +855,12 @@ def _diffusion_loop(
         ids = torch.tensor(prompt[cached:n_full], dtype=torch.long, device=device)  # [n_full - cached]
         # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
         keep = None
-        if prompt_cache is not None and cached < keep_at:  # a forward ends at the point kept for the next turn
+        if prompt_cache is not None and cached < keep_at:  # forwards end at the points kept for later turns
             def keep_here(end: int, out: Tensor) -> None:
                 prompt_cache.keep(prompt[: cached + end], cache, out[-1], B)
 
-            keep = (keep_at - cached, keep_here)
+            points = _keep_points(prompt, s, cached, keep_at, B, prompt_cache.checkpoints)
+            keep = ([p - cached for p in points], keep_here)
         out = yield from _prefill(model, ids, cache, B, cancel, at=cached, keep=keep, prefill=True)  # [1, V]
         if out is None:  # cancelled between two prefill segments
             yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)

@@ -49,7 +49,7 @@ def test_a_request_that_starts_like_the_last_one_reads_only_the_rest(engines: tu
     fourth = second[:kept_next - 1] + [5]  # shorter than what is kept: back to the point kept before it
     tokens, cached = _run(cached_engine, fourth, mode, max_new=4)
     assert cached == kept and tokens == _run(plain, fourth, mode, max_new=4)[0]
-    fifth = second[:kept - 1] + [5]  # shorter than that too: nothing kept serves it (one point back, no more)
+    fifth = second[:kept - 1] + [5]  # shorter than that too: no point below it was kept (the first read had none)
     tokens, cached = _run(cached_engine, fifth, mode, max_new=4)
     assert cached == 0 and tokens == _run(plain, fifth, mode, max_new=4)[0]
 
@@ -337,3 +337,137 @@ def test_regenerate_after_a_read_ahead_goes_back_to_the_point_before_the_answer(
     again = list(cached_engine.generate(messages=question, params=params))[-1]  # Regenerate
     assert again.cached_tokens == len(before) > 0 and again.token_ids == first.token_ids
     assert again.token_ids == list(plain.generate(messages=question, params=params))[-1].token_ids
+
+
+def _chat(turns: int) -> list[dict[str, str]]:
+    """A chat of ``turns`` questions and answers, each some 20-30 tokens."""
+    out = []
+    for i in range(turns):
+        out.append({"role": "user", "content": f"Question {i}: tell me about lighthouse keeper number {i}, please."})
+        out.append({"role": "assistant", "content": f"Keeper {i} kept the lamp lit through storm {i} of the winter."})
+    return out
+
+
+def _turn_at(engine: Any, messages: list[dict[str, str]], index: int) -> int:
+    """Where message ``index`` starts (its <|im_start|>) in the prompt of ``messages``."""
+    ids = engine.prompt_ids(messages=messages)
+    starts = [i for i, t in enumerate(ids) if t == engine.tokenizer.turn_start_id]
+    return starts[index]
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_an_older_message_edited_goes_back_to_the_checkpoint_before_it(engines: tuple[Any, Any], mode: str) -> None:
+    """A chat read in one prefill (opened from disk and read ahead) leaves checkpoints at its turn starts: an older
+    message edited and sent again reads from the turn start before it, not the whole chat, with the tokens of an
+    engine that reads everything; without checkpoints it reads everything."""
+    from engine.generate import PromptCache
+
+    cached_engine, plain = engines
+    unit = 32 if mode == "ar" else 8
+    params = GenerationParams(mode=mode, max_new_tokens=6, do_sample=False, block_size=8)
+    chat = _chat(4)
+    edited = [*chat[:4], {"role": "user", "content": "Question 2, asked otherwise: what did the keepers eat?"}]
+    at = _turn_at(cached_engine, chat, 4) // unit * unit  # the edited message's turn start, whole units
+    for checkpoints, expect in ((8, at), (0, 0)):
+        cached_engine.prompt_cache = store = PromptCache(checkpoints=checkpoints)
+        list(cached_engine.read_chat(chat, params))
+        assert (at in store.checkpoint_lengths) == (checkpoints > 0)
+        done = list(cached_engine.generate(messages=edited, params=params))[-1]
+        assert done.cached_tokens == expect
+        assert done.token_ids == list(plain.generate(messages=edited, params=params))[-1].token_ids
+    assert expect == 0 < at  # (the loop's last case: without checkpoints)
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_turn_by_turn_every_point_gone_on_from_stays_reachable_up_to_the_limit(engines: tuple[Any, Any],
+                                                                             mode: str) -> None:
+    """The window's rhythm: a send, then a read-ahead of the answer, turn after turn. Each point a later request
+    went on from becomes a checkpoint, so Regenerate two turns back still reads only its last message; past
+    ``checkpoints`` the oldest go."""
+    from engine.generate import PromptCache
+
+    cached_engine, plain = engines
+    unit = 32 if mode == "ar" else 8
+    params = GenerationParams(mode=mode, max_new_tokens=6, do_sample=False, block_size=8)
+    chat = _chat(4)
+    cached_engine.prompt_cache = store = PromptCache(checkpoints=4)
+    for turn in range(4):
+        list(cached_engine.generate(messages=chat[: 2 * turn + 1], params=params))  # the send
+        list(cached_engine.read_chat(chat[: 2 * turn + 2], params))  # the read-ahead after its answer
+        assert len(store.checkpoint_lengths) == min(4, 2 * turn + 1)
+    assert store.checkpoint_lengths == sorted(store.checkpoint_lengths)
+    oldest = store.checkpoint_lengths[0]
+    back = chat[:5]  # the third question, answered again (two turns back)
+    expect = _turn_at(cached_engine, chat, 5) // unit * unit  # its generation prompt starts where answer 2 did
+    assert expect in store.checkpoint_lengths
+    done = list(cached_engine.generate(messages=back, params=params))[-1]
+    assert done.cached_tokens == expect
+    assert done.token_ids == list(plain.generate(messages=back, params=params))[-1].token_ids
+    assert max(store.checkpoint_lengths) < expect <= len(store.ids)  # the later ones went with the rows over them
+    first = chat[:1]  # the first question again: before the oldest checkpoint left
+    assert _turn_at(cached_engine, chat, 1) // unit * unit < oldest
+    done = list(cached_engine.generate(messages=first, params=params))[-1]
+    assert done.cached_tokens == 0
+    assert done.token_ids == list(plain.generate(messages=first, params=params))[-1].token_ids
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_a_saved_chat_branched_from_an_older_answer_starts_from_its_checkpoint(engines: tuple[Any, Any],
+                                                                                mode: str) -> None:
+    """A chat moved to host memory (another chat was opened) keeps its checkpoints: a branch from one of its
+    older answers starts from the checkpoint there, and the chat's own entry stays saved for it."""
+    from engine.generate import PromptCache
+
+    cached_engine, plain = engines
+    unit = 32 if mode == "ar" else 8
+    params = GenerationParams(mode=mode, max_new_tokens=6, do_sample=False, block_size=8)
+    a = _chat(4)
+    b = [{"role": "user", "content": "Something else entirely: how do tides work?"}]
+    cached_engine.prompt_cache = store = PromptCache()
+    list(cached_engine.read_chat(a, params))
+    full = store.ids
+    list(cached_engine.read_chat(b, params))  # a is saved, with its checkpoints
+    assert [e.ids for e in store.saved] == [full] and store.saved[0].backs
+    branch = [*a[:4], {"role": "user", "content": "Back to keeper 1: where was the lighthouse?"}]
+    done = list(cached_engine.generate(messages=branch, params=params))[-1]
+    assert done.cached_tokens == _turn_at(cached_engine, a, 4) // unit * unit > 0
+    assert done.token_ids == list(plain.generate(messages=branch, params=params))[-1].token_ids
+    saved_a = [e for e in store.saved if e.ids == full]  # a's entry stays saved (b's too, if it kept any)
+    assert len(saved_a) == 1
+    a_points = [len(p.ids) for p in saved_a[0].backs]
+    assert store.checkpoint_lengths[:-1] == [n for n in a_points if n < done.cached_tokens]  # the branch has them too
+    assert store.checkpoint_lengths[-1] == done.cached_tokens  # and the point it went on from
+    # a's own next turn starts with the branch's entry too (up to "user" of the message that differs), but a's saved
+    # entry is longer: it goes on from that
+    nxt = [*a, {"role": "user", "content": "And keeper 4?"}]
+    done = list(cached_engine.generate(messages=nxt, params=params))[-1]
+    assert done.cached_tokens == len(full)
+    assert done.token_ids == list(plain.generate(messages=nxt, params=params))[-1].token_ids
+
+
+def test_checkpoints_stay_within_the_memory_limits(engines: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A saved entry whose checkpoints would pass ``host_bytes`` leaves out its oldest ones; no checkpoint is made
+    that would leave the machine short of memory."""
+    import psutil
+
+    from engine import generate
+
+    cached_engine, _ = engines
+    params = GenerationParams(mode="diffusion", max_new_tokens=6, do_sample=False, block_size=8)
+    a, b = _chat(3), [{"role": "user", "content": "Something else entirely: how do tides work?"}]
+    cached_engine.prompt_cache = store = generate.PromptCache()
+    list(cached_engine.read_chat(a, params))
+    points = store.checkpoint_lengths
+    list(cached_engine.read_chat(b, params))
+    entry = store.saved[0]
+    assert [len(p.ids) for p in entry.backs] == points and len(points) >= 3
+    one = entry.backs[0].nbytes  # every checkpoint is as big (the GDN states and a logit row)
+    assert entry.nbytes > len(points) * one
+    cached_engine.prompt_cache = store = generate.PromptCache(host_bytes=entry.nbytes - one)
+    list(cached_engine.read_chat(a, params))
+    list(cached_engine.read_chat(b, params))
+    assert [len(p.ids) for p in store.saved[0].backs] == points[1:] and store.saved_bytes <= store.host_bytes
+    monkeypatch.setattr(generate, "SAVED_FREE_MARGIN", psutil.virtual_memory().total)
+    cached_engine.prompt_cache = store = generate.PromptCache()
+    list(cached_engine.read_chat(a, params))
+    assert store.checkpoint_lengths == [] and len(store.ids) == len(entry.ids)
