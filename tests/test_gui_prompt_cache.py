@@ -50,6 +50,12 @@ def _send(qtbot, window, text: str) -> None:  # noqa: ANN001
     assert blocker.args[1] == "eos"
 
 
+def _kept(tokenizer: CloverTokenizer, chat: list) -> int:
+    """The whole blocks before the generation prompt of ``chat`` (what a next turn writes otherwise)."""
+    ids = tokenizer.encode_chat(chat)
+    return (len(ids) - 1 - ids[::-1].index(ids[0])) // 32 * 32
+
+
 def test_going_back_to_a_chat_reads_only_its_new_message(qtbot, desk) -> None:  # noqa: ANN001
     window = desk.window
     window.open_conversation(None)
@@ -68,13 +74,30 @@ def test_going_back_to_a_chat_reads_only_its_new_message(qtbot, desk) -> None:  
     stats = widget.data.stats
     chat_a = desk.store.chat_messages(a_id)[:2]  # the question and its answer
     tokenizer = CloverTokenizer.from_dir(desk.model_path)
-
-    def kept(chat: list) -> int:  # whole blocks before the generation prompt (what a next turn writes otherwise)
-        ids = tokenizer.encode_chat(chat)
-        return (len(ids) - 1 - ids[::-1].index(ids[0])) // 32 * 32
-
+    kept = lambda chat: _kept(tokenizer, chat)  # noqa: E731
     # read ahead: chat A with its answer; the first turn alone kept only the question's blocks
     assert stats["cached_tokens"] == kept(chat_a) > kept(chat_a[:1]) and first["prompt_tokens"] > kept(chat_a[:1])
     assert f"{stats['cached_tokens']:,} of them already read (the prompt cache)" in widget.meta_label.toolTip()
     saved = desk.store.messages(a_id)[-1]
     assert saved.stats["cached_tokens"] == stats["cached_tokens"]
+
+
+def test_an_older_message_edited_and_sent_again_reads_from_the_turn_before_it(qtbot, desk) -> None:  # noqa: ANN001
+    """Three turns, then the second question edited: the engine goes back to its checkpoint at that question's
+    turn (the prompt cache keeps the state at the chat's recent turn starts) instead of reading the chat again."""
+    window = desk.window
+    window.open_conversation(None)
+    for text in (A, B, "And then? " + A):  # (each turn's kept point further on)
+        _send(qtbot, window, text)
+    chat = desk.store.chat_messages(window.conversation_id)
+    assert [m["role"] for m in chat] == ["user", "assistant"] * 3
+    question = window.chat.widgets[2]
+    assert question.data.content == chat[2]["content"] == B.strip()
+    question.edit_button.click()
+    window.composer.input.setPlainText("Explain it once more, in one sentence.")
+    with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS):
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert [m["content"] for m in desk.store.chat_messages(window.conversation_id)][:3] == [
+        chat[0]["content"], chat[1]["content"], "Explain it once more, in one sentence."]
+    stats = window.chat.widgets[-1].data.stats
+    assert stats["cached_tokens"] == _kept(CloverTokenizer.from_dir(desk.model_path), chat[:2]) > 0
