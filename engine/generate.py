@@ -305,18 +305,20 @@ def _turn_start(prompt: Sequence[int], s: DecodeSettings) -> int:
     return len(prompt)
 
 
-def _keep_points(prompt: Sequence[int], s: DecodeSettings, cached: int, keep_at: int, unit: int,
+def _keep_points(prompt: Sequence[int], s: DecodeSettings, cached: int, keep_at: int, unit: int, seg: int,
                  most: int) -> list[int]:
     """Where a prefill that starts at ``cached`` hands the prompt cache a point (absolute positions, ascending):
-    ``keep_at`` last, and before it the last ``most`` chat turn starts after ``cached``, each taken down to whole
-    ``unit``s (a boundary the model splits at): the checkpoints an edited or branched older message goes back to.
-    [] when ``keep_at`` is not past ``cached``."""
+    ``keep_at`` last, and before it up to ``most`` checkpoints (the last ones): where the prefill's forwards end
+    anyway (every ``seg`` tokens), and, when it only reads a chat ahead (``s.prefill_only``, the engine otherwise
+    idle), the chat's turn starts, each taken down to whole ``unit``s. A request that waits for its answer gets no
+    extra forward: with streamed experts each one streams its layers' experts again. [] when ``keep_at`` is not past
+    ``cached``."""
     if keep_at <= cached:
         return []
-    starts: set[int] = set()
-    if s.turn_start_id is not None and most > 0:
-        starts = {i // unit * unit for i, t in enumerate(prompt[:keep_at]) if t == s.turn_start_id}
-    earlier = sorted(p for p in starts if cached < p < keep_at)
+    points = set(range(cached + seg, keep_at, seg))
+    if s.prefill_only and s.turn_start_id is not None:
+        points |= {i // unit * unit for i, t in enumerate(prompt[:keep_at]) if t == s.turn_start_id}
+    earlier = sorted(p for p in points if cached < p < keep_at) if most > 0 else []
     return [*earlier[max(0, len(earlier) - most):], keep_at]
 
 
@@ -727,7 +729,8 @@ def _ar_loop(
         def keep_here(end: int, out: Tensor) -> None:
             prompt_cache.keep(prompt[: cached + end], cache, out[-1], None)
 
-        points = _keep_points(prompt, s, cached, keep_at, GDN_CHUNK, prompt_cache.checkpoints)
+        points = _keep_points(prompt, s, cached, keep_at, GDN_CHUNK, model.segment_tokens(None),
+                              prompt_cache.checkpoints)
         keep = ([p - cached for p in points], keep_here)
     logits = yield from _prefill(model, ids[cached:], cache, None, cancel, at=cached, keep=keep)  # [1, V]
     if logits is None:  # cancelled between two prefill segments
@@ -859,7 +862,7 @@ def _diffusion_loop(
             def keep_here(end: int, out: Tensor) -> None:
                 prompt_cache.keep(prompt[: cached + end], cache, out[-1], B)
 
-            points = _keep_points(prompt, s, cached, keep_at, B, prompt_cache.checkpoints)
+            points = _keep_points(prompt, s, cached, keep_at, B, model.segment_tokens(B), prompt_cache.checkpoints)
             keep = ([p - cached for p in points], keep_here)
         out = yield from _prefill(model, ids, cache, B, cancel, at=cached, keep=keep, prefill=True)  # [1, V]
         if out is None:  # cancelled between two prefill segments

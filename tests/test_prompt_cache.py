@@ -471,3 +471,43 @@ def test_checkpoints_stay_within_the_memory_limits(engines: tuple[Any, Any], mon
     cached_engine.prompt_cache = store = generate.PromptCache()
     list(cached_engine.read_chat(a, params))
     assert store.checkpoint_lengths == [] and len(store.ids) == len(entry.ids)
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_a_request_waiting_for_its_answer_gets_checkpoints_only_where_its_forwards_end(tiny_clover_dir: Path,  # noqa: F811
+                                                                                      mode: str) -> None:
+    """A send's prefill makes no extra forward for checkpoints (with streamed experts each forward streams its
+    layers' experts again): it keeps the points where its segments end anyway. A read-ahead, run while the engine
+    is idle, also stops at the chat's turn starts."""
+    from engine.api import Engine
+    from engine.generate import PromptCache
+
+    engine = Engine.load(tiny_clover_dir)
+    engine.model.max_pass_tokens = 64  # segments of 64
+    calls: list[int] = []
+    forward = engine.model.forward
+
+    def counted(ids: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(ids.shape[-1])
+        return forward(ids, *args, **kwargs)
+
+    engine.model.forward = counted
+    chat = _chat(4)
+    params = GenerationParams(mode=mode, max_new_tokens=1, do_sample=False, block_size=8)
+    runs = {}
+    for checkpoints in (0, 8):
+        engine.prompt_cache = PromptCache(checkpoints=checkpoints)
+        calls.clear()
+        list(engine.generate(messages=chat[:7], params=params))
+        runs[checkpoints] = (list(calls), engine.prompt_cache.checkpoint_lengths, len(engine.prompt_cache.ids))
+    assert runs[0][0] == runs[8][0]  # the same forwards
+    kept = runs[8][2]
+    assert runs[0][1] == [] and runs[8][1] == list(range(64, kept, 64)) and len(runs[8][1]) >= 3
+    calls.clear()
+    engine.prompt_cache = store = PromptCache()
+    list(engine.read_chat(chat, params))
+    unit = 32 if mode == "ar" else 8
+    turns = {_turn_at(engine, chat, i) // unit * unit for i in range(1, 8)}
+    assert store.checkpoint_lengths == sorted(p for p in turns | set(range(64, len(store.ids), 64))
+                                              if 0 < p < len(store.ids))[-8:]
+    assert len(calls) > -(-len(store.ids) // 64)  # the read ends forwards there too
