@@ -152,6 +152,12 @@ def test_passes_replayed_from_cuda_graphs_go_on_from_the_cache_the_model_keeps(m
         # the next turn: the entry left in the replaced cache goes to host memory and comes back into the new one
         assert run(fifth, kept) == (want[len(fifth)], cached[4])
         assert runner._cache_ref() is model._kept_cache and not kept.saved
+        # back to a checkpoint (an older message edited): in place, in the graphs' cache
+        shared = model._kept_cache
+        point = max(n for n in kept.checkpoint_lengths if n < len(first))
+        back = first[:point] + list(range(200, 230))
+        assert run(back, kept) == (run(back, None)[0], point) and point > 0
+        assert model._kept_cache is shared and runner._cache_ref() is shared
     finally:
         model.step_graph = model.pass_graph = None
         model._kept_cache = None

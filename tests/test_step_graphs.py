@@ -444,8 +444,9 @@ def test_cuda_graph_steps_decode_the_uncaptured_tokens_without_a_sync() -> None:
 @pytest.mark.gpu
 def test_cuda_graph_steps_go_on_from_the_prompt_cache_replaying_their_graphs() -> None:
     """A chat's next turn on a model whose steps replay CUDA graphs: it starts from what the last turn read (the
-    model's one cache, engine.generate.PromptCache) and replays the graphs recorded for it, recording none; the
-    tokens and cached lengths of an uncaptured model with its own prompt cache (the same prefill splits)."""
+    model's one cache, engine.generate.PromptCache) and replays the graphs recorded for it, recording none, and so
+    does a turn that goes back to a checkpoint; the tokens and cached lengths of an uncaptured model with its own
+    prompt cache (the same prefill splits)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from engine.events import PromptInfo
@@ -457,7 +458,8 @@ def test_cuda_graph_steps_go_on_from_the_prompt_cache_replaying_their_graphs() -
     graphed = copy.deepcopy(ref)
     runner = step_graphs.StepGraphs(graphed)
     graphed.step_graph = runner
-    turns = [list(range(3, 78)), list(range(3, 77)) + list(range(100, 140))]  # 75 tokens, then 114 that start so
+    turns = [list(range(3, 78)), list(range(3, 77)) + list(range(100, 140)),  # 75 tokens, then 114 that start so,
+             list(range(3, 67)) + list(range(200, 230))]  # then 94 that go back to the first's point (a checkpoint)
 
     def run(model: Any, kept: PromptCache) -> list[tuple[list[int], int]]:
         out = []
@@ -468,10 +470,10 @@ def test_cuda_graph_steps_go_on_from_the_prompt_cache_replaying_their_graphs() -
         return out
 
     want = run(ref, PromptCache())
-    assert [cached for _, cached in want] == [0, 64]
+    assert [cached for _, cached in want] == [0, 64, 64]
     assert run(graphed, PromptCache()) == want
-    assert runner.failed is None and runner.recorded == 1  # one key bucket: the next turn replayed the first's graph
-    assert runner.replays == 2 * 39
+    assert runner.failed is None and runner.recorded == 1  # one key bucket: later turns replayed the first's graph
+    assert runner.replays == 3 * 39
 
 
 def _steps_never_sync(graphed: Any) -> None:
