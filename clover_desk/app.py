@@ -190,6 +190,7 @@ class CloverDeskApp(QObject):
         from engine import planner
 
         manifest = self._manifest(planner)
+        self._ctx_limit = manifest.geometry.max_position_embeddings or None  # the panel offers no longer context
         hardware = self.hardware
 
         # the precision chosen for the next load on the GPU; without one the panel plans for a card the user picks,
@@ -212,6 +213,7 @@ class CloverDeskApp(QObject):
             hardware.gpu_name,
             hardware.ram_total_bytes,
             ctx_tokens=self.settings.ctx_tokens,
+            ctx_limit=self._ctx_limit,
         )
         if self.settings.vram_budget_bytes:
             panel.set_budget_bytes(self.settings.vram_budget_bytes)
@@ -308,6 +310,8 @@ class CloverDeskApp(QObject):
             # nothing applied yet: plan for what the VRAM panel proposes (the card less one step) rather than
             # trying to put the whole BF16 model on the GPU
             budget, ctx = self.vram_panel.budget_bytes(), self.vram_panel.ctx_tokens()
+        if self._ctx_limit:  # a model with a shorter context than the one chosen runs at its whole context
+            ctx = min(ctx, self._ctx_limit)
         # the plan the panel shows for this budget and context travels with the load and is placed as is; without
         # a GPU there is no plan: everything runs from system RAM (the budget is kept for later)
         plan = None
@@ -336,6 +340,7 @@ class CloverDeskApp(QObject):
         if self.model_library is not None:
             self.model_library.set_current(model_dir)
         self._plan = self._plan_function()
+        self.vram_panel.set_context_limit(self._ctx_limit, self.settings.ctx_tokens)  # the one applied, if it fits
         self.vram_panel.set_planner(self._plan)
         info = model_info_from_folder(model_dir)
         if info is not None:

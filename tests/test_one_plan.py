@@ -335,3 +335,36 @@ def test_bad_budgets_and_contexts_are_one_line_at_the_cli(clover35: Path, tiny_s
     gen = _cli("generate", "--model", str(folder), "--prompt-ids", "5,9", "--vram-gb", "0.1", "--json")
     assert gen.returncode == 2 and gen.stderr.count("\n") == 1 and "Traceback" not in gen.stderr
     assert "below the" in gen.stderr and "smallest VRAM budget that fits is" in gen.stderr
+
+
+def test_a_model_with_a_shorter_context_is_offered_and_loaded_at_most_its_own(tmp_path: Path, qtbot: Any,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A model whose config allows 8,192 positions, with 32K applied for the last one: the panel offers no longer
+    context and plans at 8K (it used to plan 32K, log a planner traceback and show "won't fit"), the load's plan
+    is for 8K (it used to load nothing, with an error), and a longer model gets the applied 32K back."""
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from engine.tiny import make_tiny
+    from tests.fakes_ui import FakeEngineClient
+
+    short = make_tiny(tmp_path / "short", model_type="clover_moe", max_position_embeddings=8192)
+    long = make_tiny(tmp_path / "long", model_type="clover_moe", seed=1)
+    hw = Hardware(gpu_name="NVIDIA GeForce RTX 4080", vram_total_bytes=16 * GIB, ram_total_bytes=64 * GIB,
+                  ram_available_bytes=48 * GIB)
+    client = FakeEngineClient()
+    settings = AppSettings(model_dir=str(short), device="cuda", dtype="bfloat16", vram_budget_bytes=8 * GIB,
+                           ctx_tokens=32_768)
+    app = CloverDeskApp(tmp_path / "home", client=client, settings=settings, hardware=hw, with_preview=False,
+                        with_model_manager=False, start_engine=False)
+    try:
+        panel = app.vram_panel
+        offered = lambda: [panel.ctx_combo.itemData(i) for i in range(panel.ctx_combo.count())]  # noqa: E731
+        assert offered() == [4096, 8192] and panel.ctx_tokens() == 8192
+        assert panel.plan is not None and panel.plan.fits and panel.plan.ctx_tokens == 8192
+        app.load_model()
+        assert client.plans[-1] is not None and client.plans[-1]["ctx_tokens"] == 8192
+        app.on_model_chosen(str(long))
+        assert offered()[-1] == 131_072 and panel.ctx_tokens() == 32_768
+        assert panel.plan is not None and panel.plan.ctx_tokens == 32_768
+        assert "planner failed" not in caplog.text and "cannot plan" not in caplog.text
+    finally:
+        app.shutdown(wait_ms=0)

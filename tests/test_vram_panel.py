@@ -275,3 +275,24 @@ def test_summary_words() -> None:
     assert s.speed_line.startswith("≈ ") and s.speed_line.endswith(" tok/s AR (estimate)")
     planned = summarize(fake_plan(8 * GIB, 8192), 8 * GIB, None, plan_card_bytes=8 * GIB)
     assert planned.headline.startswith("Plan for an 8 GB card: fits") and planned.speed_line == ""
+
+
+def test_context_choices_stop_at_the_models_limit(qtbot) -> None:
+    asked: list[int] = []
+
+    def plan(vram_bytes: int, ctx_tokens: int):  # noqa: ANN202
+        asked.append(ctx_tokens)
+        return planner.make_plan(planner.manifest_for_shape("clover-35b-a3b"), vram_bytes, ctx_tokens, 64 * GIB)
+
+    panel = VramPanel(plan, CARD, "NVIDIA GeForce RTX 4080", 64 * GIB, ctx_tokens=65_536, ctx_limit=20_000)
+    qtbot.addWidget(panel)
+    items = lambda: [(panel.ctx_combo.itemText(i), panel.ctx_combo.itemData(i))  # noqa: E731
+                     for i in range(panel.ctx_combo.count())]
+    assert items() == [("4K tokens", 4096), ("8K tokens", 8192), ("16K tokens", 16_384)]
+    assert panel.ctx_tokens() == 16_384 and set(asked) == {16_384}
+    panel.set_context_limit(3000)  # shorter than every choice: exactly the limit
+    assert items() == [("3,000 tokens", 3000)] and panel.ctx_tokens() == 3000
+    panel.set_context_limit(None, want=65_536)  # no limit known: all of them, the one wanted
+    assert [n for _, n in items()] == [4096, 8192, 16_384, 32_768, 65_536, 131_072] and panel.ctx_tokens() == 65_536
+    panel.set_context_limit(None, want=10_000)  # not offered: the default
+    assert panel.ctx_tokens() == DEFAULT_CTX_TOKENS

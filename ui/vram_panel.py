@@ -291,6 +291,7 @@ class VramPanel(QWidget):
         ram_total_bytes: int | None = None,
         ctx_tokens: int = DEFAULT_CTX_TOKENS,
         parent: QWidget | None = None,
+        ctx_limit: int | None = None,
     ) -> None:
         super().__init__(parent)
         self.setObjectName("vramPanel")
@@ -342,10 +343,7 @@ class VramPanel(QWidget):
         self.ctx_combo = QComboBox()
         self.ctx_combo.setObjectName("contextChoice")
         self.ctx_combo.setAccessibleName("Context length")
-        for n in CONTEXT_CHOICES:
-            self.ctx_combo.addItem(f"{n // 1024}K tokens", n)
-        index = self.ctx_combo.findData(ctx_tokens)
-        self.ctx_combo.setCurrentIndex(index if index >= 0 else max(0, self.ctx_combo.findData(DEFAULT_CTX_TOKENS)))
+        self._fill_contexts(ctx_limit, ctx_tokens)
         self.bar = BudgetBar()
         self.bar.setAccessibleName("Where the VRAM goes")
         self.legend = QGridLayout()
@@ -545,6 +543,25 @@ class VramPanel(QWidget):
         self.slider.setValue(max(self.slider.minimum(), min(self.slider.maximum(), round(budget / STEP_BYTES))))
         self.slider.blockSignals(False)
         self.replan()
+
+    def set_context_limit(self, limit: int | None, want: int | None = None) -> None:
+        """The model's longest context (its config.json ``max_position_embeddings``; None: none known): the
+        context choices past it go (one of exactly that length comes in when none is short enough), and the
+        context chosen is ``want`` (the one chosen now when None), or the longest left when that is past it. No
+        replan here: :meth:`set_planner` (a new model) replans."""
+        self.ctx_combo.blockSignals(True)
+        self._fill_contexts(limit, self.ctx_tokens() if want is None else int(want))
+        self.ctx_combo.blockSignals(False)
+
+    def _fill_contexts(self, limit: int | None, want: int) -> None:
+        choices = [n for n in CONTEXT_CHOICES if not limit or n <= limit] or [int(limit or DEFAULT_CTX_TOKENS)]
+        self.ctx_combo.clear()
+        for n in choices:
+            self.ctx_combo.addItem(f"{n // 1024}K tokens" if n % 1024 == 0 else f"{n:,} tokens", n)
+        if want not in choices:  # past the limit: the longest left; otherwise the default (or the shortest)
+            want = choices[-1] if want > choices[-1] else DEFAULT_CTX_TOKENS if DEFAULT_CTX_TOKENS in choices \
+                else choices[0]
+        self.ctx_combo.setCurrentIndex(choices.index(want))
 
     def set_in_use(self, plan: Any, device: str) -> None:
         """The plan the engine placed after a load (``Plan.to_dict()``, a ``Plan`` or a like object), on ``device``
