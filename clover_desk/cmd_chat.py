@@ -200,6 +200,7 @@ class Chat:
         printer = cmd_generate._Printer(out)
         answer: list[str] = []
         events = None
+        limited = stopped = False
         try:
             if self.remote:
                 events = self.engine.chat(sent, self.params, cancel=cancel)
@@ -216,6 +217,8 @@ class Chat:
                     print(cmd_generate.summary_line(event) if local else cmd_generate.remote_summary(event),
                           file=err)
                     answer = [event.text]
+                    limited = getattr(event, "stop_reason", None) in ("max_new_tokens", "context") or getattr(
+                        event, "finish_reason", None) == "length"
         except CloverError as exc:
             print(f"clover-desk chat: {exc}", file=err)
             return
@@ -225,6 +228,11 @@ class Chat:
                 events.close()  # the engine's turn ends here (its lock and cache go back)
             printer.end()
             print("(stopped)", file=err)
+            stopped = True
         written = "".join(answer).strip()
-        if written:  # (an answer stopped before it wrote any, or all thinking: the question is asked again)
+        if written:
             self.messages = [*turn, {"role": "assistant", "content": written}]
+        else:  # an answer stopped before it wrote any, or all thinking: the question is to be asked again
+            why = ("it was still thinking at the token limit (raise --max-new-tokens, or /think off)" if limited
+                   else "it was stopped before it wrote one" if stopped else "it wrote none")
+            print(f"(no answer: {why}; this question is left out of the chat)", file=err)

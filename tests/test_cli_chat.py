@@ -59,6 +59,17 @@ def test_a_message_the_context_cannot_hold_is_one_line_and_the_chat_goes_on(chat
     assert proc.stdout.strip() == "Plain answer!"
 
 
+def test_an_answer_cut_while_thinking_says_so_and_leaves_its_question_out(chat_model) -> None:  # noqa: ANN001, F811
+    proc = chat(chat_model.path, "Hello there\nAnd then?\n", "--max-new-tokens", "2")
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("(no answer")]
+    assert notes == ["(no answer: it was still thinking at the token limit (raise --max-new-tokens, or /think off); "
+                     "this question is left out of the chat)"] * 2
+    prompts = [int(m[1]) for m in re.finditer(r"prompt (\d+) tokens", proc.stderr)]
+    tok = CloverTokenizer.from_dir(chat_model.path)
+    assert prompts == [len(tok.encode_chat([{"role": "user", "content": q}])) for q in ("Hello there", "And then?")]
+
+
 def test_bad_flags_are_one_line_and_exit_2(chat_model, tmp_path: Path) -> None:  # noqa: ANN001, F811
     proc = chat(chat_model.path, "", "--ctx", "4096")
     assert proc.returncode == 2 and proc.stderr.strip().startswith("clover-desk chat: error: --ctx sizes the KV")
