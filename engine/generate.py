@@ -415,8 +415,8 @@ class PromptCache:
                                                      default=None)
         found = [(p, e) for e in self.saved for p in (e, *e.backs) if fits(p)]
         point, entry = max(found, key=lambda pe: len(pe[0].ids), default=(None, None))
-        reach = len(self.ids) if here else len(back.ids) if back is not None else 0
-        if point is not None and len(point.ids) > reach or kept is None or not reach:
+        reach = len(self.ids) if here else len(back.ids) if back is not None else 0  # in place (0: not at all)
+        if not reach or (point is not None and len(point.ids) > reach):
             # the longest point is saved (another chat's entry, or one of its checkpoints), or there is none
             if entry is not None:
                 self.saved.remove(entry)
