@@ -846,7 +846,7 @@ class ChatService:
 
 def usage_of(done: Finished) -> dict[str, Any]:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt's first tokens the engine's
-    prompt cache held already (a chat's next turn, engine.generate.PromptCache)."""
+    prompt cache held already (a chat's next turn, engine.prompt_cache.PromptCache)."""
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.tokens,
             "total_tokens": done.prompt_tokens + done.tokens,
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}

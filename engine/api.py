@@ -26,8 +26,9 @@ from engine.defaults import DEFAULT_CTX_TOKENS, GIB
 from engine.errors import CancelledError, ConfigError, PlanError, PromptError
 from engine.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
 from engine.events import Event, Finished, GenerationParams, LoadProgress
-from engine.generate import LoopHooks, PromptCache, generate, resolve_settings
+from engine.generate import LoopHooks, generate, resolve_settings
 from engine.limits import check_generation_params
+from engine.prompt_cache import PromptCache
 from engine.tokenizer import CloverTokenizer
 
 log = logging.getLogger(__name__)
@@ -463,5 +464,5 @@ class Engine:
         chat is opened. The events of :meth:`generate` up to the prompt (PromptInfo, PrefillProgress*), then
         Finished with stop_reason "prefilled" ("cancelled" when ``cancel`` was set between two segments). The
         prompt is the chat with the generation prompt, as its next turn's starts: what is kept stops before it
-        (``engine.generate.PromptCache``)."""
+        (``engine.prompt_cache.PromptCache``)."""
         return self.generate(messages=messages, tools=tools, params=params, cancel=cancel, prefill_only=True)

@@ -59,7 +59,7 @@ class PromptInfo:
     block_size: int
     first_block: int  # index of the first block that holds generated slots (blocks are aligned to position 0)
     tail: int  # prompt tokens that sit inside that first block
-    cached_tokens: int = 0  # the prompt's first tokens the last request had read already (engine.generate.PromptCache)
+    cached_tokens: int = 0  # the prompt's first tokens the last request had read already (engine.prompt_cache.PromptCache)
 
 
 @dataclass(frozen=True)

@@ -952,7 +952,7 @@ class CloverModel(nn.Module):
         return kept
 
     def hands_out(self, cache: ModelCache) -> bool:
-        """Whether a request may go on in ``cache`` (engine.generate.PromptCache): any cache, unless the model keeps
+        """Whether a request may go on in ``cache`` (engine.prompt_cache.PromptCache): any cache, unless the model keeps
         one cache for its CUDA graphs and that is another one now (a longer request replaced it)."""
         return not getattr(self.step_graph, "keeps_cache", False) or cache is self._kept_cache
 

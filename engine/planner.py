@@ -25,7 +25,7 @@ How a plan is made (:func:`make_plan`); every VRAM byte is in ``Plan.vram_breakd
   engine nothing to overlap with).
 * ``kv_cache``: bf16 K and V of every full-attention layer for the context, rounded up to whole blocks.
 * ``gdn_state``: fp32 recurrent state + bf16 conv state per GDN layer, twice: the sequence's and the copy the prompt
-  cache keeps for a chat's next turn (``engine.generate.PromptCache``); denoising passes read it without writing.
+  cache keeps for a chat's next turn (``engine.prompt_cache.PromptCache``); denoising passes read it without writing.
 * ``workspace``: the larger of a prefill forward's scratch and a decoding pass's (fp32 block logits, activations),
   plus the dequantize buffers (a chunk of a quantized projection, a group of experts) and the memory pool of passes
   replayed from CUDA graphs. The prefill scratch depends on the attention kernel and on the routed experts'
@@ -425,7 +425,7 @@ def make_plan(
     fixed = {
         "non_expert": f.non_expert_gpu,
         "kv_cache": int(geo.kv_bytes_per_token * ctx_alloc * act_scale),
-        # the sequence's states and the prompt cache's copy of them (engine.generate.PromptCache: a chat's next turn)
+        # the sequence's states and the prompt cache's copy of them (engine.prompt_cache.PromptCache: a chat's next turn)
         "gdn_state": 2 * (geo.gdn_state_bytes + int(geo.gdn_conv_state_bytes * (act_scale - 1))),
         "workspace": sum(workspace_parts.values()),
         "reserve": CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_BYTES,

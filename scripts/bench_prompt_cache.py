@@ -1,4 +1,4 @@
-"""A chat's second turn with and without the engine's prompt cache (engine.generate.PromptCache), side by side in one
+"""A chat's second turn with and without the engine's prompt cache (engine.prompt_cache.PromptCache), side by side in one
 process: ``.venv/bin/python scripts/bench_prompt_cache.py [--shape mid] [--first 2000] [--shared 1990] [--new 60]``.
 
 The model is the bench's random one of that shape (``clover-desk bench speed``), in fp32 on the CPU. Each engine
@@ -32,7 +32,7 @@ from clover_desk.cmd_bench_speed import _build_random_model, _config  # noqa: E4
 from engine.api import Engine  # noqa: E402
 from engine.config import GenerationDefaults  # noqa: E402
 from engine.events import GenerationParams, PromptInfo  # noqa: E402
-from engine.generate import PromptCache  # noqa: E402
+from engine.prompt_cache import PromptCache  # noqa: E402
 
 
 def main() -> int:

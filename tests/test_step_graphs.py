@@ -444,13 +444,13 @@ def test_cuda_graph_steps_decode_the_uncaptured_tokens_without_a_sync() -> None:
 @pytest.mark.gpu
 def test_cuda_graph_steps_go_on_from_the_prompt_cache_replaying_their_graphs() -> None:
     """A chat's next turn on a model whose steps replay CUDA graphs: it starts from what the last turn read (the
-    model's one cache, engine.generate.PromptCache) and replays the graphs recorded for it, recording none, and so
+    model's one cache, engine.prompt_cache.PromptCache) and replays the graphs recorded for it, recording none, and so
     does a turn that goes back to a checkpoint; the tokens and cached lengths of an uncaptured model with its own
     prompt cache (the same prefill splits)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from engine.events import PromptInfo
-    from engine.generate import PromptCache
+    from engine.prompt_cache import PromptCache
 
     gpu = torch.device("cuda")
     ref = tiny_model(tiny_config(), seed=9).to(gpu, torch.bfloat16)
