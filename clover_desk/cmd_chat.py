@@ -6,7 +6,8 @@ prints it, with its figures on stderr (how many of the prompt's tokens the engin
 a turn reads only what is new). Commands: ``/bye`` (or end of input) ends it, ``/reset`` starts over, ``/think on|off``,
 ``/mode diffusion|ar``, ``/help``. Ctrl-C stops the answer being written (what it wrote stays in the chat) and, at
 the prompt, drops the line being typed. A message the context cannot hold is one line and the chat goes on without
-it. On a terminal, while the next message is typed, the engine reads the chat ahead, the answer just given included,
+it; a chat past the context leaves its oldest turns out, as the window does (``ui.context_window.fit_messages``). On
+a terminal, while the next message is typed, the engine reads the chat ahead, the answer just given included,
 so sending reads only the new message (``Engine.read_chat``). Works on piped input too (no prompt is printed then).
 """
 
@@ -76,6 +77,7 @@ class Chat:
         self.params = params
         self.system = system
         self.messages: list[dict[str, str]] = []
+        self._left_out = 0  # the oldest messages a send leaves out (the chat past the context), as the window does
         self._reading: tuple[threading.Thread, threading.Event] | None = None  # the chat read ahead, while typing
 
     def run(self, stdin: TextIO, out: TextIO, err: TextIO) -> int:
@@ -146,6 +148,7 @@ class Chat:
             print(HELP, file=err)
         elif name == "/reset":
             self.messages.clear()
+            self._left_out = 0
             print("(a new chat)", file=err)
         elif name == "/think" and arg in ("on", "off"):
             self.params = dataclasses.replace(self.params, enable_thinking=arg == "on")
@@ -166,7 +169,7 @@ class Chat:
         what it read by then is kept."""
         if self.remote or not self.messages:
             return
-        sent = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        sent = self._with_system(self.messages[self._left_out:])  # as the next send starts
         cancel = threading.Event()
 
         def read() -> None:
@@ -179,6 +182,45 @@ class Chat:
         thread = threading.Thread(target=read, name="clover-chat-read", daemon=True)
         thread.start()
         self._reading = (thread, cancel)
+
+    def _with_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + messages
+
+    def _context(self) -> int | None:
+        """The context the engine holds a request to: its plan's, capped by the model's own (None: remote)."""
+        if self.remote:
+            return None
+        limits = [n for n in (self.engine.config.max_position_embeddings, getattr(self.engine.plan, "ctx_tokens", 0))
+                  if n]
+        return min(limits) if limits else None
+
+    def _fit(self, turn: list[dict[str, str]], err: TextIO) -> list[dict[str, str]]:
+        """What a send with ``turn`` (the chat and the new message) sends: past the context, without its oldest
+        turns (the system prompt stays), starting where the last send started while that fits and otherwise moving
+        on until a quarter of the room is free, so that successive sends start alike and the prompt cache reads only
+        what is new (``ui.context_window.fit_messages``, as in the window). A message that does not fit even alone
+        is sent whole: the engine refuses it with its one line."""
+        from ui.context_window import answer_reserve, fit_messages, shift_slack
+
+        limit = self._context()
+        if limit is None:
+            return self._with_system(turn)
+        params = self.params
+
+        def count(messages: list[dict[str, str]]) -> int:
+            return len(self.engine.prompt_ids(messages=messages, enable_thinking=params.enable_thinking))
+
+        reserve = answer_reserve(limit, params.max_new_tokens or self.engine.generation_defaults.max_new_tokens)
+        fitted = fit_messages(self._with_system(turn), count, limit, reserve, keep=self._left_out,
+                              slack=shift_slack(limit, reserve))
+        if fitted is None:
+            return self._with_system(turn)
+        sent, left_out = fitted
+        if left_out != self._left_out:
+            print(f"(the context holds {limit:,} tokens: the oldest {left_out} messages are left out from here on)",
+                  file=err)
+            self._left_out = left_out
+        return sent
 
     def _stop_reading(self) -> None:
         if self._reading is not None:
@@ -195,7 +237,7 @@ class Chat:
         from engine.events import Finished, TextDelta
 
         turn = [*self.messages, {"role": "user", "content": text}]
-        sent = ([{"role": "system", "content": self.system}] if self.system else []) + turn
+        sent = self._fit(turn, err)
         cancel = threading.Event()
         printer = cmd_generate._Printer(out)
         answer: list[str] = []

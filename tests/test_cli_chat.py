@@ -168,3 +168,27 @@ def test_chat_with_a_server(chat_server) -> None:  # noqa: ANN001, F811
                           capture_output=True, text=True, env=ENV, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "clover-desk chat: error: --vram-gb does not apply with --remote (the server holds the model)")
+
+
+def test_a_chat_past_the_context_leaves_its_oldest_turns_out_and_goes_on(chat_model) -> None:  # noqa: ANN001, F811
+    """Turns of some 900 tokens each in a 4,096-token context: once the chat no longer fits, the oldest turns are
+    left out (a line says so, the chat goes on), enough of them for later sends to start at the same message, so
+    the prompt cache still reads only what is new."""
+    tok = CloverTokenizer.from_dir(chat_model.path)
+    words = ["lighthouse", "keeper", "island", "storm", "lamp", "winter", "harbour", "tide"]
+    texts = [" ".join(f"{words[(i + k) % 8]}{k % 10}" for k in range(200)) for i in range(7)]
+    size = len(tok.encode_chat([{"role": "user", "content": texts[0]}]))
+    assert 600 < size < 1200, size
+    proc = chat(chat_model.path, "".join(t + "\n" for t in texts), "--no-think")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["Plain answer!"] * 7  # every turn answered, none refused
+    assert "clover-desk chat:" not in proc.stderr
+    figures = [line for line in proc.stderr.splitlines() if line.startswith("[eos]")]
+    prompts = [int(re.search(r"prompt (\d+) tokens", line)[1]) for line in figures]
+    cached = [int(m[1]) if (m := re.search(r"\((\d+) cached\)", line)) else 0 for line in figures]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("(the context holds 4,096 tokens")]
+    assert notes and len(notes) < 4 and all(p <= 4096 - 1024 for p in prompts), (notes, prompts)
+    shifted = [i for i in range(1, 7) if prompts[i] < prompts[i - 1]]  # the sends that left more out
+    assert shifted and len(shifted) == len(notes)
+    steady = [i for i in range(1, 7) if i not in shifted]  # the others went on from the last send's start
+    assert steady and all(cached[i] > prompts[i - 1] // 2 for i in steady), (prompts, cached)
