@@ -63,8 +63,8 @@ class PromptCache:
     The last prompt's entry lives in the cache the request ran in. When a request starts otherwise (another chat),
     that entry moves to host memory first, as a copy of its rows and states (and its checkpoints), and the request
     looks among the saved entries and their checkpoints for the longest point it starts with (a saved entry used
-    from one of its checkpoints stays saved for its own chat); least recently used entries go once they pass
-    ``host_bytes`` together, and none is saved, nor a checkpoint made, that would leave the machine less than
+    from one of its checkpoints stays saved for its own chat); past ``host_bytes`` together, checkpoints go before
+    whole entries, the least recently used first (:meth:`_save`), and none is saved, nor a checkpoint made, that would leave the machine less than
     ``SAVED_FREE_MARGIN`` of available memory. ``host_bytes=0`` keeps only the last prompt's entry.
 
     With a model that hands every request the same cache for its CUDA graphs (``CloverModel.new_cache``), the kept
@@ -180,28 +180,45 @@ class PromptCache:
         del self._backs[: -self.checkpoints]
 
     def _save(self, kept: ModelCache) -> None:
-        """Copy the last prompt's entry (in ``kept``) to host memory with its checkpoints (the oldest of those left
-        out while it would not fit ``host_bytes``), making room by the least recently used."""
+        """Copy the last prompt's entry (in ``kept``) to host memory with its checkpoints. Room within
+        ``host_bytes`` is made by checkpoints before whole entries (going back to another chat is commoner than
+        editing its older messages): first the saved entries' (the least recently used entry's first, each entry's
+        oldest first), then this entry's own oldest, then the least recently used entries."""
         n = len(self.ids)
         if not n or self.host_bytes <= 0:
             return
         rows = [(i, k[:, :n], v[:, :n]) for i, k, v in _kv(kept)]
         own = _nbytes(rows) + _nbytes(self._gdn, self._row)
-        backs = list(self._backs)
-        while backs and own + sum(b.nbytes for b in backs) > self.host_bytes:
-            backs.pop(0)
-        need = own + sum(b.nbytes for b in backs)
-        if need > self.host_bytes:
+        if own > self.host_bytes:
             return
-        evict, left_bytes = 0, self.saved_bytes  # the least recently used entries that make room for it
-        while left_bytes + need > self.host_bytes:
-            left_bytes -= self.saved[evict].nbytes
+        backs = list(self._backs)
+        over = self.saved_bytes + own + sum(b.nbytes for b in backs) - self.host_bytes
+        cut: dict[int, int] = {}  # saved entry index -> how many of its oldest checkpoints go
+        for at, entry in enumerate(self.saved):
+            while over > 0 and cut.get(at, 0) < len(entry.backs):
+                over -= entry.backs[cut.get(at, 0)].nbytes
+                cut[at] = cut.get(at, 0) + 1
+        mine = 0  # this entry's oldest checkpoints that go
+        while over > 0 and mine < len(backs):
+            over -= backs[mine].nbytes
+            mine += 1
+        evict = 0  # the least recently used entries that go (their checkpoints are counted out already)
+        while over > 0:
+            entry = self.saved[evict]
+            over -= entry.nbytes - sum(b.nbytes for b in entry.backs[: cut.get(evict, 0)])
             evict += 1
+        backs = backs[mine:]
+        need = own + sum(b.nbytes for b in backs)
+        freed = self.saved_bytes + need - self.host_bytes - over  # what the cuts and evictions give back
         import psutil
 
-        if psutil.virtual_memory().available + (self.saved_bytes - left_bytes) - need < SAVED_FREE_MARGIN:
+        if psutil.virtual_memory().available + max(freed, 0) - need < SAVED_FREE_MARGIN:
             log.info("prompt cache: not saving %d tokens (%.0f MB): the machine is short of memory", n, need / 1e6)
-            return  # (and the saved ones stay)
+            return  # (and the saved ones stay as they are)
+        for at, k in cut.items():
+            entry = self.saved[at]
+            entry.nbytes -= sum(b.nbytes for b in entry.backs[:k])
+            entry.backs = entry.backs[k:]
         del self.saved[:evict]
         self.saved.append(_Saved(ids=self.ids, block_size=self.block_size, kv=_moved(rows, _HOST, True),
                                  gdn=_moved(self._gdn, _HOST, True), row=_moved_row(self._row, _HOST, True),

@@ -518,3 +518,32 @@ def test_a_request_waiting_for_its_answer_gets_checkpoints_only_where_its_forwar
     assert store.checkpoint_lengths == sorted(p for p in turns | set(range(64, len(store.ids), 64))
                                               if 0 < p < len(store.ids))[-8:]
     assert len(calls) > -(-len(store.ids) // 64)  # the read ends forwards there too
+
+
+def test_other_chats_checkpoints_make_room_before_whole_chats_do(engines: tuple[Any, Any]) -> None:
+    """Saved entries within ``host_bytes``: a new one makes room by the checkpoints of the least recently used
+    entries first, then by its own oldest, and only then by whole entries, so that going back to a chat (common)
+    still finds it when editing an older message of it (rarer) would not."""
+    from engine.prompt_cache import PromptCache
+
+    cached_engine, _ = engines
+    params = GenerationParams(mode="diffusion", max_new_tokens=6, do_sample=False, block_size=8)
+    chats = [[{"role": "user", "content": f"Chat {c}. " + m["content"]} if m["role"] == "user" else m
+              for m in _chat(3)] for c in range(4)]
+    cached_engine.prompt_cache = store = PromptCache()
+    for chat in chats[:2]:
+        list(cached_engine.read_chat(chat, params))
+    whole = store.saved[0]  # every chat's entry is as big, and so is every checkpoint
+    one, points = whole.backs[0].nbytes, len(whole.backs)
+    own = whole.nbytes - points * one
+    assert points >= 3
+    cached_engine.prompt_cache = store = PromptCache(host_bytes=3 * own + (points + 1) * one)
+    for chat in chats:  # a, b, c saved in turn (d is the last, live)
+        list(cached_engine.read_chat(chat, params))
+    assert len(store.saved) == 3 and store.saved_bytes <= store.host_bytes  # no chat went
+    kept = [len(e.backs) for e in store.saved]
+    assert kept == [0, 1, points] and store.saved[2].nbytes == whole.nbytes  # a's went, then b's oldest ones
+    assert [len(p.ids) for p in store.saved[1].backs] == [len(p.ids) for p in whole.backs][-1:]
+    done = list(cached_engine.generate(messages=[*chats[0], {"role": "user", "content": "And then?"}],
+                                       params=params))[-1]
+    assert done.cached_tokens == len(whole.ids)  # chat a comes back whole (only its checkpoints went)
