@@ -1,7 +1,8 @@
 """A chat's second turn with and without the engine's prompt cache (engine.prompt_cache.PromptCache), side by side in one
 process: ``.venv/bin/python scripts/bench_prompt_cache.py [--shape mid] [--first 2000] [--shared 1990] [--new 60]``.
 
-The model is the bench's random one of that shape (``clover-desk bench speed``), in fp32 on the CPU. Each engine
+The model is the bench's random one of that shape (``clover-desk bench speed``), in fp32 on the CPU (``--device cuda``:
+bf16 on the GPU, where the moves to and from host memory cross PCIe). Each engine
 first reads a prompt of ``--first`` tokens (chat A), then another chat's prompt as long (chat B), then A's next turn,
 which shares A's first ``--shared`` tokens and adds ``--new``. Three engines: no prompt cache, one that keeps only the
 last prompt's entry (``host_bytes=0``: B's request drops A's), and the default one that moves A's entry to host
@@ -44,6 +45,9 @@ def main() -> int:
     parser.add_argument("--scenario", choices=("switch", "edit"), default="switch")
     parser.add_argument("--turns", type=int, default=16)
     parser.add_argument("--back", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="default: float32 on the CPU, bfloat16 on CUDA")
     args = parser.parse_args()
     if args.scenario == "switch" and (not 0 < args.shared <= args.first or args.new < 1):
         print("bench_prompt_cache: --shared must be 1..--first and --new at least 1", file=sys.stderr)
@@ -54,7 +58,11 @@ def main() -> int:
         return 2
     torch.manual_seed(0)
     _, config = _config(args.shape, "clover_moe")
-    model = _build_random_model(config, torch.float32, "cpu", 0)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_prompt_cache: --device cuda needs a CUDA GPU (this torch sees none)", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    model = _build_random_model(config, dtype, args.device, 0)
     draw = lambda n: [int(i) for i in torch.randint(10, config.vocab_size - 10, (n,))]  # noqa: E731
     if args.scenario == "edit":
         return edit(args, model, config, draw)

@@ -64,6 +64,10 @@ fi
 # through device slot tables (engine.device_pool: the placing and the copy of the missing rows as two Triton programs,
 # no host read).
 step bench_moe_fused 60 $py -m clover_desk.cli bench speed --moe-only --device cuda --repeats 5
+# The prompt cache on a GPU (mid shape, bf16): another chat's state moved to host memory and back, and an older message
+# edited going back to a checkpoint (GDN states copied to and from host memory): first-token times with and without.
+step prompt_cache 90 bash -c "$py scripts/bench_prompt_cache.py --device cuda && $py scripts/bench_prompt_cache.py \
+  --device cuda --scenario edit"
 if [ $bnb = 1 ]; then
   # Issue 8: card_fast's path eager, kernels off (the baseline): AR tok/s, passes/s, tok/s at 3 tokens per pass,
   # ops and host reads per forward, host-to-device bytes, slot misses and host reads per token, and the implied cost
