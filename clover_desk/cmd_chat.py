@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cmd_generate.add_model_arguments(parser, "chat with")
     parser.add_argument("--system", metavar="TEXT", default=None, help="a system prompt")
     cmd_generate.add_local_arguments(parser)
+    cmd_generate.add_cache_ram_argument(parser)
     cmd_generate.add_decoding_arguments(parser)
 
 
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--model DIR is required (or --remote URL)")
         else:
             cmd_generate.check_ctx(args)
-            backend = cmd_generate.load_engine(args, "chat")
+            backend = cmd_generate.apply_cache_ram(cmd_generate.load_engine(args, "chat"), args)
     except CloverError as exc:
         print(f"clover-desk chat: error: {exc}", file=sys.stderr)
         return 2

@@ -57,6 +57,24 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
 
 
+def add_cache_ram_argument(parser: argparse.ArgumentParser) -> None:
+    """``--cache-ram`` (``chat`` and ``serve``, as llama.cpp's server spells it): the host memory the prompt cache
+    may fill with other chats' states."""
+    from engine.defaults import PROMPT_CACHE_RAM_MIB
+
+    parser.add_argument("--cache-ram", type=flags.CACHE_RAM, default=PROMPT_CACHE_RAM_MIB, metavar="MIB",
+                        help="system RAM the prompt cache may hold other chats' states in, in MiB, so that going "
+                             f"back to one reads only its new turn (default {PROMPT_CACHE_RAM_MIB}; 0: only the "
+                             "last chat's)")
+
+
+def apply_cache_ram(engine: Any, args: argparse.Namespace) -> Any:
+    """``engine`` with its prompt cache limited to ``--cache-ram``."""
+    if engine.prompt_cache is not None:
+        engine.prompt_cache.host_bytes = int(args.cache_ram) << 20
+    return engine
+
+
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """The sampling and diffusion settings of a request (``generate`` and ``chat``)."""
     parser.add_argument("--temperature", type=flags.temperature, default=None, help="> 0 samples (default: greedy)")

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-from clover_desk import flags
+from clover_desk import cmd_generate, flags
 
 API_KEY_ENV = "CLOVER_DESK_API_KEY"
 PORT = flags.integer(0, 65535, "a port number from 0 (any free port) to 65535")
@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the decoder layers (torch.compile) for faster decoding; the load then warms "
                              "them up before listening: two to three minutes on a CPU the first time, under a minute "
                              "once cached")
+    cmd_generate.add_cache_ram_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,8 +100,9 @@ def _load(args: argparse.Namespace) -> Any:
         if not plan.fits:
             raise PlanError(plan.reason)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    return Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, compile=args.compile,
-                       progress=compile_stage_printer("serve") if args.compile else None)
+    engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, compile=args.compile,
+                         progress=compile_stage_printer("serve") if args.compile else None)
+    return cmd_generate.apply_cache_ram(engine, args)
 
 
 def compile_stage_printer(command: str) -> Any:

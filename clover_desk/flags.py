@@ -64,6 +64,8 @@ def generation(name: str) -> Callable[[str], int | float]:
 
 GIB = number(0.0, MAX_GIB, lo_open=True, what=f"a finite number of GiB > 0 and <= {MAX_GIB:g}")
 TOKENS = integer(1, INT32_MAX, f"a whole number of tokens from 1 to {INT32_MAX}")
+MAX_CACHE_RAM_MIB = 1 << 24  # 16 TiB: more is a typo
+CACHE_RAM = integer(0, MAX_CACHE_RAM_MIB, f"a whole number of MiB from 0 to {MAX_CACHE_RAM_MIB}")
 TOKENS_PER_PASS = number(0.0, 4096.0, lo_open=True)
 # generation parameters: one flag type per entry of engine.limits.GENERATION_LIMITS
 temperature = generation("temperature")

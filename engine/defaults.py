@@ -4,6 +4,8 @@
   chosen one (the CLI, the VRAM panel, the worker and the benchmarks all use it).
 * :data:`DEFAULT_CARD_BYTES`: the card a plan is made for when no NVIDIA GPU is found (the product's target, a
   16 GB RTX card); :data:`CARD_CHOICES_GIB` are the sizes a user without a GPU may plan for instead.
+* :data:`PROMPT_CACHE_RAM_MIB`: the system RAM the prompt cache may fill with other chats' states
+  (``engine.prompt_cache.PromptCache.host_bytes``; ``--cache-ram`` of ``chat`` and ``serve``).
 """
 
 from __future__ import annotations
@@ -14,5 +16,7 @@ DEFAULT_CTX_TOKENS = 16_384
 CARD_CHOICES_GIB = (8, 12, 16, 24)
 DEFAULT_CARD_GIB = 16
 DEFAULT_CARD_BYTES = DEFAULT_CARD_GIB * GIB
+PROMPT_CACHE_RAM_MIB = 1024
 
-__all__ = ["CARD_CHOICES_GIB", "DEFAULT_CARD_BYTES", "DEFAULT_CARD_GIB", "DEFAULT_CTX_TOKENS", "GIB"]
+__all__ = ["CARD_CHOICES_GIB", "DEFAULT_CARD_BYTES", "DEFAULT_CARD_GIB", "DEFAULT_CTX_TOKENS", "GIB",
+           "PROMPT_CACHE_RAM_MIB"]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.defaults import PROMPT_CACHE_RAM_MIB
 from engine.model import CloverModel, ModelCache
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def _nbytes(pairs: list[tuple[int, Tensor, Tensor]], row: Tensor | None = None) 
 
 
 # host memory the prompt cache's saved entries may take (PromptCache.host_bytes), and what it leaves free
-SAVED_BYTES = 1 << 30
+SAVED_BYTES = PROMPT_CACHE_RAM_MIB << 20
 SAVED_FREE_MARGIN = 2 << 30
 # earlier points of the last prompt's entry kept reachable (PromptCache.checkpoints); each costs host memory for
 # the GDN states at that point (about 60 MiB at Clover's shape), as llama.cpp's context checkpoints for

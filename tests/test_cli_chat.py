@@ -75,6 +75,22 @@ def test_bad_flags_are_one_line_and_exit_2(chat_model, tmp_path: Path) -> None: 
     assert proc.returncode == 2 and proc.stderr.strip().startswith("clover-desk chat: error: --ctx sizes the KV")
     proc = chat(tmp_path / "missing", "")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "missing" in proc.stderr
+    proc = chat(chat_model.path, "", "--cache-ram", "lots")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--cache-ram" in proc.stderr
+
+
+def test_cache_ram_zero_keeps_only_the_last_chats_state(chat_model) -> None:  # noqa: ANN001, F811
+    """/reset, another question, then the first chat's question and answer again: with the default --cache-ram
+    the first chat's state waited in RAM; with 0 only the last chat's is kept."""
+    first = "Tell me about the lighthouse keepers of the northern islands, please. " * 3
+    script = f"{first}\n/reset\nSomething else entirely: how do the tides work, and why twice a day?\n/reset\n{first}\n"
+    cached = {}
+    for flags in ((), ("--cache-ram", "0")):
+        proc = chat(chat_model.path, script, "--no-think", *flags)
+        assert proc.returncode == 0, proc.stderr
+        figures = [line for line in proc.stderr.splitlines() if line.startswith("[eos]")]
+        cached[flags] = [int(m[1]) if (m := re.search(r"\((\d+) cached\)", line)) else 0 for line in figures]
+    assert cached[()][2] > 0 and cached[("--cache-ram", "0")][2] == 0, cached
 
 
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(endless_model) -> None:  # noqa: ANN001, F811

@@ -795,8 +795,35 @@ def test_serve_command(chat_model) -> None:  # noqa: ANN001
             proc.wait()
 
 
+@pytest.mark.parametrize("cache_ram", [None, "0"])
+def test_serve_cache_ram_keeps_other_chats_states_or_not(chat_model, cache_ram: str | None) -> None:  # noqa: ANN001
+    """Two clients' chats taking turns: with the default --cache-ram, going back to the first chat reads only its
+    new turn (the cached_tokens OpenAI reports); with --cache-ram 0 only the last chat's state is kept."""
+    proc = _serve("--model", str(chat_model.path), "--port", "0", *(("--cache-ram", cache_ram) if cache_ram else ()))
+    try:
+        url = proc.stdout.readline().split()[-1]  # type: ignore[union-attr]
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        a = [{"role": "user", "content": "Tell me about the lighthouse keepers of the northern islands. " * 3}]
+        b = [{"role": "user", "content": "Explain how a block diffusion model fills its masked slots. " * 3}]
+
+        def ask(messages: list) -> int:  # the prompt's tokens the server had read already
+            usage = client.chat.completions.create(model="x", messages=messages, extra_body=NO_THINKING).usage
+            return usage.prompt_tokens_details.cached_tokens
+
+        assert ask(a) == 0 and ask(b) == 0
+        again = ask([*a, {"role": "assistant", "content": "Plain answer!"}, {"role": "user", "content": "More?"}])
+        assert again == 0 if cache_ram == "0" else again > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize(("flag", "value", "allowed"), [("--port", "70000", "0 (any free port) to 65535"),
-                                                         ("--ctx", "0", "from 1"), ("--vram-gb", "nan", "> 0")])
+                                                         ("--ctx", "0", "from 1"), ("--vram-gb", "nan", "> 0"),
+                                                         ("--cache-ram", "-1", "MiB from 0")])
 def test_serve_refuses_bad_flags(capsys: pytest.CaptureFixture[str], flag: str, value: str, allowed: str) -> None:
     from clover_desk.cli import main
 
