@@ -368,3 +368,33 @@ def test_a_model_with_a_shorter_context_is_offered_and_loaded_at_most_its_own(tm
         assert "planner failed" not in caplog.text and "cannot plan" not in caplog.text
     finally:
         app.shutdown(wait_ms=0)
+
+
+def test_a_read_ahead_adds_forwards_for_turn_checkpoints_only_when_no_expert_is_streamed(
+        tiny_streaming: tuple[Path, list[planner.Plan]]) -> None:
+    """A read-ahead ends a forward at each chat turn start for a checkpoint there, but not under a plan that streams
+    experts: every forward would stream its layers' experts again (~0.3 s at the 35B shape on a 16 GB card)."""
+    from engine.api import Engine
+    from engine.events import GenerationParams
+
+    folder, plans = tiny_streaming
+    streamed = next(p for p in plans if p.streamed_expert_layers and p.ctx_tokens >= 96)
+    resident = next(p for p in plans if not p.streamed_expert_layers and p.ctx_tokens >= 96)
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(6)]
+    params = GenerationParams(mode="diffusion", max_new_tokens=4, do_sample=False, block_size=8)
+    seen = {}
+    for name, plan in (("streamed", streamed), ("resident", resident)):
+        engine = Engine.load(folder, plan=plan)
+        calls: list[int] = []
+        forward = engine.model.forward
+
+        def counted(ids: Any, *args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            calls.append(int(ids.shape[-1]))
+            return _forward(ids, *args, **kwargs)
+
+        engine.model.forward = counted
+        assert len(engine.prompt_ids(messages=chat)) < plan.ctx_tokens
+        list(engine.read_chat(chat, params))
+        seen[name] = (len(calls), engine.prompt_cache.checkpoint_lengths)
+    assert seen["streamed"][1] == [] and len(seen["resident"][1]) >= 3  # the turn starts: checkpoints, or not
+    assert seen["resident"][0] == seen["streamed"][0] + len(seen["resident"][1])  # one more forward for each
