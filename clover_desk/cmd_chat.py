@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # with --remote, also the load's own flags are refused
-_CHAT_LOCAL_ONLY = (*cmd_generate.LOCAL_ONLY, ("compile", "--compile", False), ("gguf_layout", "--gguf-layout", "auto"))
+_CHAT_LOCAL_ONLY = (*cmd_generate.LOCAL_ONLY, ("compile", "--compile", False), ("gguf_layout", "--gguf-layout", "auto"),
+                    ("cache_ram", "--cache-ram", None))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -62,15 +62,15 @@ def add_cache_ram_argument(parser: argparse.ArgumentParser) -> None:
     may fill with other chats' states."""
     from engine.defaults import PROMPT_CACHE_RAM_MIB
 
-    parser.add_argument("--cache-ram", type=flags.CACHE_RAM, default=PROMPT_CACHE_RAM_MIB, metavar="MIB",
+    parser.add_argument("--cache-ram", type=flags.CACHE_RAM, default=None, metavar="MIB",
                         help="system RAM the prompt cache may hold other chats' states in, in MiB, so that going "
                              f"back to one reads only its new turn (default {PROMPT_CACHE_RAM_MIB}; 0: only the "
                              "last chat's)")
 
 
 def apply_cache_ram(engine: Any, args: argparse.Namespace) -> Any:
-    """``engine`` with its prompt cache limited to ``--cache-ram``."""
-    if engine.prompt_cache is not None:
+    """``engine`` with its prompt cache limited to ``--cache-ram`` (when given: the engine's default otherwise)."""
+    if engine.prompt_cache is not None and args.cache_ram is not None:
         engine.prompt_cache.host_bytes = int(args.cache_ram) << 20
     return engine
 

@@ -184,6 +184,10 @@ def test_chat_with_a_server(chat_server) -> None:  # noqa: ANN001, F811
                           capture_output=True, text=True, env=ENV, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "clover-desk chat: error: --vram-gb does not apply with --remote (the server holds the model)")
+    proc = subprocess.run([CLOVER_DESK, "chat", "--remote", chat_server.url, "--cache-ram", "0"], input="",
+                          capture_output=True, text=True, env=ENV, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "clover-desk chat: error: --cache-ram does not apply with --remote (the server holds the model)")
 
 
 def test_a_chat_past_the_context_leaves_its_oldest_turns_out_and_goes_on(chat_model) -> None:  # noqa: ANN001, F811
