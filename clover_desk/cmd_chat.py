@@ -239,13 +239,13 @@ class Chat:
         from engine.events import Finished, TextDelta
 
         turn = [*self.messages, {"role": "user", "content": text}]
-        sent = self._fit(turn, err)
         cancel = threading.Event()
         printer = cmd_generate._Printer(out)
         answer: list[str] = []
         events = None
         limited = stopped = False
         try:
+            sent = self._fit(turn, err)  # (counting renders the chat: a template that fails says so here)
             if self.remote:
                 events = self.engine.chat(sent, self.params, cancel=cancel)
             else:

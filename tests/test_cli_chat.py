@@ -212,3 +212,13 @@ def test_a_chat_past_the_context_leaves_its_oldest_turns_out_and_goes_on(chat_mo
     assert shifted and len(shifted) == len(notes)
     steady = [i for i in range(1, 7) if i not in shifted]  # the others went on from the last send's start
     assert steady and all(cached[i] > prompts[i - 1] // 2 for i in steady), (prompts, cached)
+
+
+def test_a_line_that_is_not_utf8_is_one_line_and_the_chat_goes_on(chat_model) -> None:  # noqa: ANN001, F811
+    proc = subprocess.run([CLOVER_DESK, "chat", "--model", str(chat_model.path), "--no-think"],
+                          input=b"Hi \xff there\nHello there\n", capture_output=True, env=ENV, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and [line for line in err.splitlines() if line.startswith("clover-desk chat:")] == [
+        "clover-desk chat: messages[0]['content']: not UTF-8 text (byte 0xff at character 3)"]
+    assert proc.stdout.decode().splitlines() == ["Plain answer!"]
