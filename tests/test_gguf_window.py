@@ -19,6 +19,7 @@ from clover_desk.downloads import GGUF_REPO_ID, GgufChoice, ModelDownloader  # n
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from engine.events import Finished  # noqa: E402
 from fixtures_tiny import tiny_clover_dir  # noqa: E402,F401 (session fixture)
+from gui_desk import running_desk  # noqa: E402
 from test_worker import WorkerProc  # noqa: E402
 from tests.hf_test_server import FakeHub  # noqa: E402
 from ui.contracts import EngineState  # noqa: E402
@@ -76,22 +77,15 @@ def test_the_worker_loads_a_gguf_file_says_why_diffusion_is_refused_and_takes_a_
 
 @pytest.fixture(scope="module")
 def desk(qapp, tmp_path_factory):
-    from clover_desk.app import AppSettings, CloverDeskApp
-    from pytestqt.wait_signal import SignalBlocker
+    from clover_desk.app import AppSettings
 
-    app = CloverDeskApp(tmp_path_factory.mktemp("gguf_home"), settings=AppSettings(), with_preview=False,
-                        start_engine=False)
-    app.window.resize(1200, 800)
-    app.window.show()
-    app.events = []
-    app.client.event.connect(lambda rid, ev: app.events.append((rid, ev)))
-    blocker = SignalBlocker(timeout=LOAD_MS, raising=True)
-    blocker.connect(app.client.ready)
-    app.client.start()
-    blocker.wait()
-    yield app
-    app.shutdown(wait_ms=5000)
-    app.window.close()
+    def prepare(app: Any) -> None:
+        app.events = []
+        app.client.event.connect(lambda rid, ev: app.events.append((rid, ev)))
+
+    with running_desk(tmp_path_factory.mktemp("gguf_home"), AppSettings(), until="ready", load_ms=LOAD_MS,
+                      size=(1200, 800), prepare=prepare) as app:
+        yield app
 
 
 def _open(qtbot, desk, path: Path, monkeypatch) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
+from gui_desk import running_desk
 from scripted_model import build_scripted_model
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
@@ -22,26 +23,14 @@ THINKING, TEXT = "".join(THINK), "".join(ANSWER)
 
 @pytest.fixture(scope="module")
 def desk(qapp, tmp_path_factory):  # noqa: ANN001, ANN201
-    from pytestqt.wait_signal import SignalBlocker
-
-    from clover_desk.app import AppSettings, CloverDeskApp
+    from clover_desk.app import AppSettings
 
     model = build_scripted_model(tmp_path_factory.mktemp("continue_model"),
                                  thinking=f"{THINKING}</think>{TEXT}<|im_end|>", extra_tokens=THINK + ANSWER)
-    home = tmp_path_factory.mktemp("desk_home")
-    app = CloverDeskApp(home, settings=AppSettings(model_dir=str(model.path)), with_preview=False,
-                        with_model_manager=False, start_engine=False)
-    window = app.window
-    window.resize(1400, 860)
-    window.show()
-    window.drawer.max_tokens.setValue(16)
-    loaded = SignalBlocker(timeout=LOAD_MS, raising=True)
-    loaded.connect(app.client.loaded)
-    app.client.start()
-    loaded.wait()
-    yield app
-    app.shutdown(wait_ms=5000)
-    window.close()
+    with running_desk(tmp_path_factory.mktemp("desk_home"), AppSettings(model_dir=str(model.path)),
+                      load_ms=LOAD_MS, prepare=lambda app: app.window.drawer.max_tokens.setValue(16),
+                      with_model_manager=False) as app:
+        yield app
 
 
 def test_continue_twice_gives_the_whole_answer(qtbot, desk) -> None:  # noqa: ANN001

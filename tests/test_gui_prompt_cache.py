@@ -10,6 +10,7 @@ from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from engine.tokenizer import CloverTokenizer
+from gui_desk import running_desk
 from scripted_model import build_scripted_model
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
@@ -22,25 +23,13 @@ B = "Explain how a block diffusion model fills a block of masked slots in a few 
 
 @pytest.fixture(scope="module")
 def desk(qapp, tmp_path_factory):  # noqa: ANN001, ANN201
-    from pytestqt.wait_signal import SignalBlocker
-
-    from clover_desk.app import AppSettings, CloverDeskApp
+    from clover_desk.app import AppSettings
 
     model = build_scripted_model(tmp_path_factory.mktemp("cache_model"), thinking="Let me think</think>Sure.<|im_end|>")
-    home = tmp_path_factory.mktemp("desk_home")
-    app = CloverDeskApp(home, settings=AppSettings(model_dir=str(model.path)), with_preview=False,
-                        with_model_manager=False, start_engine=False)
-    app.model_path = model.path
-    window = app.window
-    window.resize(1400, 860)
-    window.show()
-    loaded = SignalBlocker(timeout=LOAD_MS, raising=True)
-    loaded.connect(app.client.loaded)
-    app.client.start()
-    loaded.wait()
-    yield app
-    app.shutdown(wait_ms=5000)
-    window.close()
+    with running_desk(tmp_path_factory.mktemp("desk_home"), AppSettings(model_dir=str(model.path)),
+                      load_ms=LOAD_MS, with_model_manager=False) as app:
+        app.model_path = model.path
+        yield app
 
 
 def _send(qtbot, window, text: str) -> None:  # noqa: ANN001

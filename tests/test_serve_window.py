@@ -20,6 +20,7 @@ from PySide6.QtGui import QGuiApplication
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from engine.events import Finished, PromptInfo, TextDelta
+from gui_desk import running_desk
 from server_fixtures import endless_model  # noqa: F401 (session fixture)
 from ui.serve_panel import ServeDialog, exposure_warning, is_loopback
 
@@ -50,27 +51,19 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def desk(qapp, endless_model, tmp_path_factory):  # noqa: F811
-    from clover_desk.app import AppSettings, CloverDeskApp
-    from pytestqt.wait_signal import SignalBlocker
+    from clover_desk.app import AppSettings
 
-    home = tmp_path_factory.mktemp("serve_home")
-    app = CloverDeskApp(home, settings=AppSettings(model_dir=str(endless_model.path)), with_preview=False,
-                        with_model_manager=False, start_engine=False)
-    app.window.resize(1200, 800)
-    app.window.show()
-    d = app.window.drawer  # short answers in AR mode, thinking off: "tick tock tick tock ..."
-    d.thinking.setChecked(False)
-    d.mode.setCurrentIndex(d.mode.findData("ar"))
-    d.max_tokens.setValue(16)
-    app.events = []
-    app.client.event.connect(lambda rid, ev: app.events.append((time.monotonic(), rid, ev)))
-    blocker = SignalBlocker(timeout=LOAD_MS, raising=True)
-    blocker.connect(app.client.loaded)
-    app.client.start()
-    blocker.wait()
-    yield app
-    app.shutdown(wait_ms=5000)
-    app.window.close()
+    def prepare(app: Any) -> None:
+        d = app.window.drawer  # short answers in AR mode, thinking off: "tick tock tick tock ..."
+        d.thinking.setChecked(False)
+        d.mode.setCurrentIndex(d.mode.findData("ar"))
+        d.max_tokens.setValue(16)
+        app.events = []
+        app.client.event.connect(lambda rid, ev: app.events.append((time.monotonic(), rid, ev)))
+
+    with running_desk(tmp_path_factory.mktemp("serve_home"), AppSettings(model_dir=str(endless_model.path)),
+                      load_ms=LOAD_MS, size=(1200, 800), prepare=prepare, with_model_manager=False) as app:
+        yield app
 
 
 def _start(qtbot, window, port: int = 0, key: str = "", host: str = "127.0.0.1") -> str:

@@ -3,6 +3,7 @@ client would never send such bytes), on scripted tiny models that write known te
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -774,10 +775,21 @@ def _serve(*args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_serve_command(chat_model) -> None:  # noqa: ANN001
-    proc = _serve("--model", str(chat_model.path), "--port", "0")
+@contextlib.contextmanager
+def _served(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``clover-desk serve`` with ``args`` until the block ends (killed if it still runs): the process and the line
+    it printed first ("listening on URL")."""
+    proc = _serve(*args)
     try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
+        yield proc, proc.stdout.readline()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_command(chat_model) -> None:  # noqa: ANN001
+    with _served("--model", str(chat_model.path), "--port", "0") as (proc, line):
         assert line.startswith("listening on http://127.0.0.1:") and line.rstrip().endswith("/v1"), line
         url = line.split()[-1]
         answer = openai.OpenAI(base_url=url, api_key="x", max_retries=0).chat.completions.create(
@@ -789,20 +801,15 @@ def test_serve_command(chat_model) -> None:  # noqa: ANN001
         assert busy.returncode == 2 and err.strip().count("\n") == 0 and "cannot listen" in err, err
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.parametrize("cache_ram", [None, "0"])
 def test_serve_cache_ram_keeps_other_chats_states_or_not(chat_model, cache_ram: str | None) -> None:  # noqa: ANN001
     """Two clients' chats taking turns: with the default --cache-ram, going back to the first chat reads only its
     new turn (the cached_tokens OpenAI reports); with --cache-ram 0 only the last chat's state is kept."""
-    proc = _serve("--model", str(chat_model.path), "--port", "0", *(("--cache-ram", cache_ram) if cache_ram else ()))
-    try:
-        url = proc.stdout.readline().split()[-1]  # type: ignore[union-attr]
-        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    flags = ("--cache-ram", cache_ram) if cache_ram else ()
+    with _served("--model", str(chat_model.path), "--port", "0", *flags) as (proc, line):
+        client = openai.OpenAI(base_url=line.split()[-1], api_key="x", max_retries=0)
         a = [{"role": "user", "content": "Tell me about the lighthouse keepers of the northern islands. " * 3}]
         b = [{"role": "user", "content": "Explain how a block diffusion model fills its masked slots. " * 3}]
 
@@ -815,10 +822,6 @@ def test_serve_cache_ram_keeps_other_chats_states_or_not(chat_model, cache_ram: 
         assert again == 0 if cache_ram == "0" else again > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.parametrize(("flag", "value", "allowed"), [("--port", "70000", "0 (any free port) to 65535"),
