@@ -65,8 +65,9 @@ class PromptCache:
     that entry moves to host memory first, as a copy of its rows and states (and its checkpoints), and the request
     looks among the saved entries and their checkpoints for the longest point it starts with (a saved entry used
     from one of its checkpoints stays saved for its own chat); past ``host_bytes`` together, checkpoints go before
-    whole entries, the least recently used first (:meth:`_save`), and none is saved, nor a checkpoint made, that would leave the machine less than
-    ``SAVED_FREE_MARGIN`` of available memory. ``host_bytes=0`` keeps only the last prompt's entry.
+    whole entries, the least recently used first (:meth:`_save`), and none is saved, nor a checkpoint made, that
+    would leave the machine less than ``SAVED_FREE_MARGIN`` of available memory. ``host_bytes=0`` keeps only the
+    last prompt's entry.
 
     With a model that hands every request the same cache for its CUDA graphs (``CloverModel.new_cache``), the kept
     cache is that one: a request that goes on from it replays the graphs recorded for it; one that does not gets it
@@ -102,15 +103,22 @@ class PromptCache:
              block_size: int | None) -> tuple[Any, int, Tensor | None]:
         """(a cache for ``max_len`` positions, how many of ``prompt``'s first positions it holds already, at most
         ``limit``, and the logit row after them), or a new empty cache, 0 and None."""
+        prompt = tuple(prompt)
 
-        def fits(point: _Saved) -> bool:
-            return _starts(prompt, point.ids, limit, block_size, point.block_size)
+        def usable(ids: tuple[int, ...], mode: int | None) -> int:
+            """How many first tokens of an entry of ``ids`` kept in ``mode`` can start the prompt: its checkpoints
+            are prefixes of it, so one comparison per entry, not per point."""
+            return min(_shared(prompt, ids), limit) if mode == block_size else 0
 
         kept = self._cache
-        here = kept is not None and _starts(prompt, self.ids, limit, block_size, self.block_size)
-        back = None if here or kept is None else max((b for b in self._backs if fits(b)), key=lambda b: len(b.ids),
-                                                     default=None)
-        found = [(p, e) for e in self.saved for p in (e, *e.backs) if fits(p)]
+        live = usable(self.ids, self.block_size) if kept is not None else 0
+        here = 0 < len(self.ids) <= live
+        back = None if here else max((b for b in self._backs if 0 < len(b.ids) <= live), key=lambda b: len(b.ids),
+                                     default=None)
+        found: list[tuple[_Saved, _Saved]] = []  # (a point, the saved entry it belongs to)
+        for e in self.saved:
+            n = usable(e.ids, e.block_size)
+            found += [(p, e) for p in (e, *e.backs) if 0 < len(p.ids) <= n]
         point, entry = max(found, key=lambda pe: len(pe[0].ids), default=(None, None))
         reach = len(self.ids) if here else len(back.ids) if back is not None else 0  # in place (0: not at all)
         if not reach or (point is not None and len(point.ids) > reach):
@@ -241,11 +249,26 @@ class PromptCache:
         return cache, n, self._row
 
 
-def _starts(prompt: Sequence[int], ids: tuple[int, ...], limit: int, block_size: int | None,
-            kept_block_size: int | None) -> bool:
-    """Whether an entry of ``ids`` kept in ``kept_block_size``'s mode can start ``prompt`` (at most ``limit``)."""
-    n = len(ids)
-    return 0 < n <= limit and block_size == kept_block_size and tuple(prompt[:n]) == ids
+def _shared(prompt: tuple[int, ...], ids: tuple[int, ...]) -> int:
+    """How many first tokens ``prompt`` and ``ids`` have in common: slice comparisons (C speed) over windows that
+    double from 64 tokens, then a binary search in the window that differs; about twice the shared length in
+    element comparisons, so an entry of another chat costs next to nothing."""
+    n = min(len(prompt), len(ids))
+    lo, step = 0, 64
+    while True:  # the first lo agree
+        hi = min(n, lo + step)
+        if prompt[lo:hi] != ids[lo:hi]:
+            break  # the first hi do not
+        if hi == n:
+            return n
+        lo, step = hi, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if prompt[lo:mid] == ids[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _kv(cache: ModelCache) -> list[tuple[int, Tensor, Tensor]]:

@@ -547,3 +547,17 @@ def test_other_chats_checkpoints_make_room_before_whole_chats_do(engines: tuple[
     done = list(cached_engine.generate(messages=[*chats[0], {"role": "user", "content": "And then?"}],
                                        params=params))[-1]
     assert done.cached_tokens == len(whole.ids)  # chat a comes back whole (only its checkpoints went)
+
+
+def test_the_shared_start_of_two_prompts_is_found_exactly() -> None:
+    import random
+
+    from engine.prompt_cache import _shared
+
+    rng = random.Random(0)
+    for _ in range(300):  # within the first window of 64 tokens and past several doubled ones
+        size = rng.randrange(0, 60) if rng.random() < 0.5 else rng.randrange(0, 700)
+        ids = tuple(rng.randrange(4) for _ in range(size))
+        other = list(ids[: rng.randrange(0, len(ids) + 1)]) + [rng.randrange(4) for _ in range(rng.randrange(0, 9))]
+        want = next((i for i, (a, b) in enumerate(zip(other, ids)) if a != b), min(len(other), len(ids)))
+        assert _shared(tuple(other), ids) == want, (other, ids)
