@@ -202,11 +202,11 @@ class PromptCache:
             return
         backs = list(self._backs)
         over = self.saved_bytes + own + sum(b.nbytes for b in backs) - self.host_bytes
-        cut: dict[int, int] = {}  # saved entry index -> how many of its oldest checkpoints go
+        cut = [0] * len(self.saved)  # per saved entry: how many of its oldest checkpoints go
         for at, entry in enumerate(self.saved):
-            while over > 0 and cut.get(at, 0) < len(entry.backs):
-                over -= entry.backs[cut.get(at, 0)].nbytes
-                cut[at] = cut.get(at, 0) + 1
+            while over > 0 and cut[at] < len(entry.backs):
+                over -= entry.backs[cut[at]].nbytes
+                cut[at] += 1
         mine = 0  # this entry's oldest checkpoints that go
         while over > 0 and mine < len(backs):
             over -= backs[mine].nbytes
@@ -214,7 +214,7 @@ class PromptCache:
         evict = 0  # the least recently used entries that go (their checkpoints are counted out already)
         while over > 0:
             entry = self.saved[evict]
-            over -= entry.nbytes - sum(b.nbytes for b in entry.backs[: cut.get(evict, 0)])
+            over -= entry.nbytes - sum(b.nbytes for b in entry.backs[: cut[evict]])
             evict += 1
         backs = backs[mine:]
         need = own + sum(b.nbytes for b in backs)
@@ -224,8 +224,7 @@ class PromptCache:
         if psutil.virtual_memory().available + max(freed, 0) - need < SAVED_FREE_MARGIN:
             log.info("prompt cache: not saving %d tokens (%.0f MB): the machine is short of memory", n, need / 1e6)
             return  # (and the saved ones stay as they are)
-        for at, k in cut.items():
-            entry = self.saved[at]
+        for entry, k in zip(self.saved, cut):
             entry.nbytes -= sum(b.nbytes for b in entry.backs[:k])
             entry.backs = entry.backs[k:]
         del self.saved[:evict]
