@@ -24,13 +24,30 @@ from PySide6.QtCore import QObject, QSettings
 from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk import paths
-from clover_desk.engine_client import EngineClient
-from clover_desk.remote import RemoteBackend
+from clover_desk.worker.client import EngineClient
+from clover_desk.worker.remote import RemoteBackend
 from clover_desk.storage import ChatStore, StreamRecorder, atomic_write_text
-from clover_desk.token_counter import TokenCounter
+from clover_desk.worker.token_counter import TokenCounter
 from engine.defaults import DEFAULT_CTX_TOKENS
-from engine.events import LoadProgress
-from engine.formats import FORMAT_OF_TORCH_NAME
+from engine.decode.events import LoadProgress
+from engine.weights.formats import FORMAT_OF_TORCH_NAME
+from engine.placement.preflight import opt_in_env
+from engine.placement.hardware import probe_hardware
+from engine.model.config import load_config, load_generation_defaults
+from engine.errors import CloverError
+from engine.placement.hardware import MemoryMonitor
+from ui.main_window import MainWindow
+from engine.placement import planner
+from ui.vram_panel import VramPanel
+from ui.preview import PreviewPane
+from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
+from ui.model_manager import ModelManagerPanel
+from engine.placement.preflight import EXCLUSIVE, OPT_IN
+from ui.model_library import ModelLibrary
+from ui.html_extract import extract_html
+from engine.placement.preflight import opt_in_from_env
+from engine.placement.hardware import DEFAULT_HARDWARE
+from engine.weights.gguf.file import open_gguf
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +65,8 @@ class AppSettings:
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     vram_budget_bytes: int | None = None  # the VRAM panel's applied budget (None: load without a plan)
     ctx_tokens: int = DEFAULT_CTX_TOKENS
-    compile_layers: bool = False  # compile the decoder layers at load (engine.fastpath; a warm-up while loading)
-    # the experimental GPU paths chosen on the models page (engine.preflight.OPT_IN switch names); None: never chosen,
+    compile_layers: bool = False  # compile the decoder layers at load (engine.kernels.fastpath; a warm-up while loading)
+    # the experimental GPU paths chosen on the models page (engine.placement.preflight.OPT_IN switch names); None: never chosen,
     # the worker inherits the app's environment (CLOVER_DESK_FUSED_MOE=1 ...)
     gpu_paths: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -66,7 +83,6 @@ class AppSettings:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         settings = cls(**known)
         if settings.gpu_paths is not None:  # a hand-edited file: drop what the engine would refuse, and say so
-            from engine.preflight import opt_in_env
 
             try:
                 opt_in_env(settings.gpu_paths)
@@ -80,30 +96,23 @@ class AppSettings:
 
 
 def _probe() -> Any:
-    """The machine's GPU / RAM (``engine.hardware.probe_hardware``; NVML and psutil, no torch)."""
-    from engine.hardware import probe_hardware
+    """The machine's GPU / RAM (``engine.placement.hardware.probe_hardware``; NVML and psutil, no torch)."""
 
     try:
         return probe_hardware()
     except Exception as exc:  # noqa: BLE001 - a broken driver must not stop the app; plan for the default card
         log.warning("hardware probe failed: %s", exc)
-        from engine.hardware import DEFAULT_HARDWARE
-
         return DEFAULT_HARDWARE
 
 
 def model_info_from_folder(model_dir: str | None) -> dict[str, Any] | None:
     """``config`` and ``generation_defaults`` of a model folder as the engine's ``loaded`` answer carries them, read
-    without torch (``engine.config``); None when there is no folder or it cannot be read."""
+    without torch (``engine.model.config``); None when there is no folder or it cannot be read."""
     if not model_dir:
         return None
-    from engine.config import load_config, load_generation_defaults
-    from engine.errors import CloverError
 
     try:
         if is_gguf(model_dir):  # the config is in the file's metadata (numpy + the gguf package, no torch)
-            from engine.gguf_file import open_gguf
-
             return {"model_dir": str(model_dir), "config": asdict(open_gguf(model_dir).config)}
         config = load_config(model_dir)
         generation = load_generation_defaults(model_dir, config)
@@ -137,8 +146,6 @@ class CloverDeskApp(QObject):
     ) -> None:
         """``style``: apply the window's theme (light / dark / following the system) to the application."""
         super().__init__(parent)
-        from engine.hardware import MemoryMonitor
-        from ui.main_window import MainWindow  # Qt widgets: imported once a QApplication exists
 
         self.home = Path(home) if home is not None else paths.app_data_dir()
         self.home.mkdir(parents=True, exist_ok=True)
@@ -185,9 +192,8 @@ class CloverDeskApp(QObject):
 
     # ----------------------------------------------------------------- parts
     def _plan_function(self) -> Any:
-        """``(vram_bytes, ctx_tokens) -> Plan`` for the configured model on this machine: ``engine.planner.
+        """``(vram_bytes, ctx_tokens) -> Plan`` for the configured model on this machine: ``engine.placement.planner.
         plan_model``, the one planning function (the worker checks and places the plan it is sent)."""
-        from engine import planner
 
         manifest = self._manifest(planner)
         self._ctx_limit = manifest.geometry.max_position_embeddings or None  # the panel offers no longer context
@@ -203,8 +209,6 @@ class CloverDeskApp(QObject):
         return plan
 
     def _build_vram_panel(self) -> QWidget:
-        from ui.vram_panel import VramPanel
-
         hardware = self.hardware
         self._plan = self._plan_function()
         panel = VramPanel(
@@ -230,14 +234,9 @@ class CloverDeskApp(QObject):
         return planner.model_manifest(planner.SHAPE_PREFIX + "clover-35b-a3b")
 
     def _build_preview(self) -> QWidget | None:
-        from ui.preview import PreviewPane
-
         return PreviewPane()
 
     def _build_model_manager(self) -> QWidget | None:
-        from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
-        from ui.model_manager import ModelManagerPanel
-
         return ModelManagerPanel(
             downloader_factory=ModelDownloader,
             models_dir=self.home / "models",
@@ -249,8 +248,6 @@ class CloverDeskApp(QObject):
     def _build_model_library(self) -> QWidget:
         """The models on disk (the recent ones and the models folder's), with the device and precision of the next
         load."""
-        from engine.preflight import EXCLUSIVE, OPT_IN
-        from ui.model_library import ModelLibrary
 
         manager = self.model_manager
         library = ModelLibrary(self.home / "models", manager.recent_models if manager is not None else list,
@@ -261,8 +258,6 @@ class CloverDeskApp(QObject):
         return library
 
     def _html_extractor(self) -> Any:
-        from ui.html_extract import extract_html  # the one rule, also the preview pane's
-
         return extract_html
 
     def _connect_signals(self) -> None:
@@ -283,7 +278,6 @@ class CloverDeskApp(QObject):
     def gpu_paths(self) -> list[str]:
         """The experimental GPU paths the worker runs with: the models page's choice, or (never chosen) the switches
         set to 1 in the app's own environment."""
-        from engine.preflight import opt_in_from_env
 
         return list(self.settings.gpu_paths) if self.settings.gpu_paths is not None else opt_in_from_env()
 
@@ -292,7 +286,6 @@ class CloverDeskApp(QObject):
         whether a running worker has to restart for them."""
         if not hasattr(self.client, "set_env"):
             return False
-        from engine.preflight import opt_in_env
 
         try:
             env = opt_in_env(self.gpu_paths())

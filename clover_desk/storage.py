@@ -53,8 +53,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from clover_desk.remote import RemoteFinished
-from engine.events import BlockCommitted, EngineError, Event, Finished, PromptInfo, TextDelta, continued_stats
+from clover_desk.worker.remote import RemoteFinished
+from engine.decode.events import BlockCommitted, EngineError, Event, Finished, PromptInfo, TextDelta, continued_stats
 
 log = logging.getLogger(__name__)
 
@@ -946,7 +946,7 @@ class StreamRecorder:
 
     A message that already holds text (:meth:`ChatStore.reopen_message`, an answer being continued) keeps it: the
     new text is appended, ``Finished`` writes the whole answer, and its figures are
-    :func:`engine.events.continued_stats` of the stored ones and the new ones.
+    :func:`engine.decode.events.continued_stats` of the stored ones and the new ones.
     """
 
     def __init__(

@@ -5,7 +5,7 @@
         ...
 
 ``generate`` checks the request (prompt, parameters, context room) when it is called and raises
-:class:`~engine.errors.PromptError` at once; it then returns an iterator of :mod:`engine.events`.
+:class:`~engine.errors.PromptError` at once; it then returns an iterator of :mod:`engine.decode.events`.
 """
 
 from __future__ import annotations
@@ -20,21 +20,29 @@ from typing import Any
 
 import torch
 
-from engine import fastpath
-from engine.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
+from engine.kernels import fastpath
+from engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
 from engine.defaults import DEFAULT_CTX_TOKENS, GIB
 from engine.errors import CancelledError, ConfigError, PlanError, PromptError
-from engine.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
-from engine.events import Event, Finished, GenerationParams, LoadProgress
-from engine.generate import LoopHooks, generate, resolve_settings
-from engine.limits import check_generation_params
-from engine.prompt_cache import PromptCache
-from engine.tokenizer import CloverTokenizer
+from engine.weights.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
+from engine.decode.events import Event, Finished, GenerationParams, LoadProgress
+from engine.decode.generate import LoopHooks, generate, loop_hooks, resolve_settings
+from engine.decode.limits import check_generation_params
+from engine.decode.prompt_cache import PromptCache
+from engine.decode.tokenizer import CloverTokenizer
+from engine.placement.planner import plan_model, probe_hardware
+from engine.placement.manifest import manifest_from_gguf
+from engine.placement import planner
+from engine.placement.planner import Plan
+from engine.placement import offload
+from engine.weights import quant_cache
+from engine.weights.gguf.model import load_gguf_engine
+from engine.weights.checkpoint import load_model
 
 log = logging.getLogger(__name__)
 
 # What a compiled load runs before it returns (Engine.warm_up): AR decoding of a few tokens (the prefill, the first
-# steps, and a step in the steady stance of engine.fastpath.steady_state), then two diffusion blocks after a prompt
+# steps, and a step in the steady stance of engine.kernels.fastpath.steady_state), then two diffusion blocks after a prompt
 # one block and a few tokens long (a prefill of whole blocks, a denoising pass over a block holding the prompt's
 # tail, its commit pass, a denoising pass over the next block).
 WARM_UP_AR_TOKENS = 4
@@ -62,13 +70,11 @@ def plan_for(
     gguf_layout: str = "auto",
 ) -> Any:
     """The plan for a model folder (or a .gguf file, read in ``gguf_layout``) under a VRAM budget in GiB on this
-    machine, for compute in ``dtype``: ``engine.planner.plan_model`` with the probed hardware (what ``generate
+    machine, for compute in ``dtype``: ``engine.placement.planner.plan_model`` with the probed hardware (what ``generate
     --vram-gb`` prints and then loads)."""
-    from engine.planner import plan_model, probe_hardware
 
     model: Any = model_dir
     if Path(model_dir).suffix == ".gguf" and gguf_layout != "auto":
-        from engine.gguf_file import manifest_from_gguf
 
         model = manifest_from_gguf(model_dir, gguf_layout)  # the header read as the load will read it
     compute = format_of_torch_dtype(parse_dtype(dtype))
@@ -79,11 +85,10 @@ def plan_for(
 
 
 def _check_plan_here(plan: Any, manifest: Any, device: str) -> None:
-    """``engine.planner.check_plan`` against ``manifest`` (the model as the load will place it) and what this
+    """``engine.placement.planner.check_plan`` against ``manifest`` (the model as the load will place it) and what this
     machine has free now (on a CPU device the plan's "device" part takes RAM as well)."""
     import psutil
 
-    from engine import planner
 
     ram_free = psutil.virtual_memory().available
     vram_free = None
@@ -105,7 +110,6 @@ def _load_planned(
 ) -> tuple[Any, Any]:
     """Check ``plan`` against the model's quantized cache (built first when needed: it streams tensor by tensor)
     and this machine, then read each tensor once into its planned place. Returns (plan, model)."""
-    from engine import planner, quant_cache
 
     report = quant_cache.ensure_cache(folder, progress=progress, cancel=cancel)
     log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
@@ -138,12 +142,12 @@ class Engine:
         self._hooks = hooks
         self.ar_only = ar_only  # why diffusion mode is refused (a GGUF without the diffusion tensors), or None
         self.compile_skipped = compile_skipped  # why compile=True left the model uncompiled, or None
-        # the last prompt's prefill, for a chat's next turn (it starts with the same tokens): engine.generate
+        # the last prompt's prefill, for a chat's next turn (it starts with the same tokens): engine.decode.generate
         self.prompt_cache = PromptCache()
 
     @property
     def compiled(self) -> bool:
-        """Whether the decoder layers run compiled (:mod:`engine.fastpath`)."""
+        """Whether the decoder layers run compiled (:mod:`engine.kernels.fastpath`)."""
         return fastpath.is_compiled(self.model)
 
     @classmethod
@@ -163,24 +167,24 @@ class Engine:
     ) -> "Engine":
         """Read a model folder (config, generation config, tokenizer, weights) onto ``device``.
 
-        A ``.gguf`` file (or any part of a split set) loads through :mod:`engine.gguf_model`, quantized tensors kept
+        A ``.gguf`` file (or any part of a split set) loads through :mod:`engine.weights.gguf.model`, quantized tensors kept
         as GGUF blocks; ``gguf_layout`` ("auto" | "fork" | "upstream") overrides the layout detection. A plan for a
-        GGUF file is checked against the file's own header (``engine.gguf_file.manifest_from_gguf``: no conversion,
+        GGUF file is checked against the file's own header (``engine.placement.manifest.manifest_from_gguf``: no conversion,
         no cache) and streamed layers move each expert's GGUF bytes as the file stores them.
 
-        ``plan`` (an ``engine.planner.Plan`` or its dict, as ``clover-desk plan --json`` and the VRAM panel make
-        it): load the quantized model placed exactly as planned (expert streaming, :mod:`engine.offload`). The plan
+        ``plan`` (an ``engine.placement.planner.Plan`` or its dict, as ``clover-desk plan --json`` and the VRAM panel make
+        it): load the quantized model placed exactly as planned (expert streaming, :mod:`engine.placement.offload`). The plan
         is checked against the model and the machine first (a stale one is refused with one line) and never
-        re-made. ``vram_gb`` is a shortcut that makes the plan with ``engine.planner.plan_model`` (the same
+        re-made. ``vram_gb`` is a shortcut that makes the plan with ``engine.placement.planner.plan_model`` (the same
         function) for ``ctx_tokens`` of context (default ``engine.defaults.DEFAULT_CTX_TOKENS``). Requests are then
         held to the planned context: the KV cache and the prefill scratch were sized for it.
 
-        ``compile``: compile the decoder layers (:mod:`engine.fastpath`), then :meth:`warm_up` them, so the compile
+        ``compile``: compile the decoder layers (:mod:`engine.kernels.fastpath`), then :meth:`warm_up` them, so the compile
         time (two to three minutes on a 2-core CPU the first time, measured on the demo model; under a minute once
         inductor's kernels are cached on disk: dynamo still traces the graphs in each new process) is
-        paid here, reported through ``progress`` (``engine.events.COMPILE_STAGES``) and stopped by ``cancel``
+        paid here, reported through ``progress`` (``engine.decode.events.COMPILE_STAGES``) and stopped by ``cancel``
         between its stages, rather than by the first request. Where compiling cannot work on this machine (no C++
-        compiler for the CPU, no Triton for CUDA: ``engine.fastpath.unavailable``) the load says so (a warning, a
+        compiler for the CPU, no Triton for CUDA: ``engine.kernels.fastpath.unavailable``) the load says so (a warning, a
         "compile-skipped" progress event, ``Engine.compile_skipped``) and runs the model uncompiled.
         ``compile_backend``: the ``torch.compile`` backend (tests pass a cheap one that runs the traced graphs).
 
@@ -188,7 +192,7 @@ class Engine:
         since it counted the device's weights and KV cache in its own.
         """
         folder = Path(model_dir)
-        is_gguf = folder.suffix == ".gguf"  # a GGUF file (or the first part of a split set): engine.gguf_model
+        is_gguf = folder.suffix == ".gguf"  # a GGUF file (or the first part of a split set): engine.weights.gguf.model
         if not is_gguf:
             if not folder.is_dir():
                 raise ConfigError(f"{folder}: model folder not found")
@@ -207,7 +211,6 @@ class Engine:
         if plan is None and vram_gb is not None:
             plan = plan_for(folder, vram_gb, ctx_tokens, dtype or "float32", gguf_layout)
         if isinstance(plan, dict):
-            from engine.planner import Plan
 
             plan = Plan.from_dict(plan)
         if plan is not None:
@@ -221,10 +224,8 @@ class Engine:
         dtype = dtype or "float32"
         torch_dtype = parse_dtype(dtype)
         if is_gguf:
-            from engine.gguf_model import load_gguf_engine
 
             if plan is not None:
-                from engine.gguf_file import manifest_from_gguf
 
                 _check_plan_here(plan, manifest_from_gguf(folder, gguf_layout), device)
             model, config, defaults, tokenizer, ar_only = load_gguf_engine(
@@ -232,7 +233,6 @@ class Engine:
                 plan=plan,
             )
         elif plan is None:
-            from engine.checkpoint import load_model
 
             model = load_model(
                 folder, dtype=torch_dtype, device=device, progress=progress, cancel=cancel, config=config
@@ -242,9 +242,8 @@ class Engine:
         if plan is not None:
             if plan.prefill_chunk_tokens:
                 model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
-            from engine import offload
 
-            hooks = offload.loop_hooks(model)
+            hooks = loop_hooks(model)
         log.info(
             "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
         )
@@ -302,7 +301,6 @@ class Engine:
                 if done is None or done.stop_reason == "cancelled":
                     raise CancelledError(f"loading {self.model_dir} was cancelled (while compiling)")
             log.info("warm-up %s: %.1f s", stage, time.perf_counter() - started)
-        from engine import offload
 
         runtime = offload.runtime_of(self.model)
         if runtime is not None:  # the first request's expert-streaming figures count that request alone
@@ -434,7 +432,7 @@ class Engine:
         :meth:`encode_request` says of a continued answer; ``messages`` with ``continue_final_message`` count
         their own). ``prefill_only``: :meth:`read_chat`."""
         params = params or GenerationParams()
-        check_generation_params(params)  # the ranges the CLI's flags and the worker check too (engine.limits)
+        check_generation_params(params)  # the ranges the CLI's flags and the worker check too (engine.decode.limits)
         if self.ar_only and params.mode == "diffusion":
             raise PromptError(f"diffusion mode is not available: {self.ar_only} (use --mode ar)")
         ids, own = self.encode_request(messages, prompt, prompt_ids, raw, tools, params.enable_thinking,
@@ -464,5 +462,5 @@ class Engine:
         chat is opened. The events of :meth:`generate` up to the prompt (PromptInfo, PrefillProgress*), then
         Finished with stop_reason "prefilled" ("cancelled" when ``cancel`` was set between two segments). The
         prompt is the chat with the generation prompt, as its next turn's starts: what is kept stops before it
-        (``engine.prompt_cache.PromptCache``)."""
+        (``engine.decode.prompt_cache.PromptCache``)."""
         return self.generate(messages=messages, tools=tools, params=params, cancel=cancel, prefill_only=True)

@@ -5,7 +5,7 @@
 * :data:`DEFAULT_CARD_BYTES`: the card a plan is made for when no NVIDIA GPU is found (the product's target, a
   16 GB RTX card); :data:`CARD_CHOICES_GIB` are the sizes a user without a GPU may plan for instead.
 * :data:`PROMPT_CACHE_RAM_MIB`: the system RAM the prompt cache may fill with other chats' states
-  (``engine.prompt_cache.PromptCache.host_bytes``; ``--cache-ram`` of ``chat`` and ``serve``).
+  (``engine.decode.prompt_cache.PromptCache.host_bytes``; ``--cache-ram`` of ``chat`` and ``serve``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Entry point of the packaged app (PyInstaller, packaging/clover-desk.spec): ``clover-desk [COMMAND ...]``.
 
 In the bundle ``sys.executable`` is this program, not a Python interpreter, yet the app starts its helpers as
-``sys.executable -m MODULE ARGS`` (the engine worker ``clover_desk.worker``, the model manager's demo model
-``clover_desk.cli make-tiny``, ``bench load``'s stages). So ``-m MODULE`` is honoured here for Clover Desk's own
+``sys.executable -m MODULE ARGS`` (the engine worker ``clover_desk.worker.process``, the model manager's demo model
+``clover_desk.cli.main make-tiny``, ``bench load``'s stages). So ``-m MODULE`` is honoured here for Clover Desk's own
 modules (``clover_desk.*``, run as ``__main__``); any other first argument goes to the ``clover-desk`` command line.
 """
 
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
         sys.argv = [sys.argv[0], *argv[2:]]
         runpy.run_module(module, run_name="__main__", alter_sys=True)  # its own sys.exit(...) ends the process
         return 0
-    from clover_desk.cli import main as cli_main
+    from clover_desk.cli.main import main as cli_main
 
     return cli_main(argv)
 

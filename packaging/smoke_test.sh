@@ -3,7 +3,7 @@
 #   packaging/smoke_test.sh [APP_DIR]          (default dist/clover-desk)
 # Runs the bundle headless and checks, each within a time limit:
 #   1. the window: CLOVER_DESK_SMOKE=1 makes the app print a marker once its main window is shown, then exit 0;
-#   2. the engine worker as the window starts it (`clover-desk -m clover_desk.worker`): "ready", then "bye";
+#   2. the engine worker as the window starts it (`clover-desk -m clover_desk.worker.process`): "ready", then "bye";
 #   3. the engine: make-tiny, then generate 8 tokens on the CPU (torch, tokenizers, safetensors in the bundle);
 #   4. QtWebEngine: `preview --screenshot` renders a page (QtWebEngineProcess, its .pak resources, locales, ICU);
 #   5. `doctor` runs (its findings are printed, not judged: they depend on the machine);
@@ -44,7 +44,7 @@ check "window shown (CLOVER_DESK_SMOKE=1)" 180 "clover-desk smoke: main window s
 grep -h "smoke: main window shown" "$TMP"/window*.log 2>/dev/null | sed 's/^/      /'
 
 check "engine worker starts and stops" 180 '"event": ?"bye"' \
-    sh -c "printf '{\"cmd\": \"shutdown\"}\n' | \"$EXE\" -m clover_desk.worker"
+    sh -c "printf '{\"cmd\": \"shutdown\"}\n' | \"$EXE\" -m clover_desk.worker.process"
 
 check "make-tiny (demo model)" 180 "wrote a tiny" "$EXE" make-tiny "$TMP/tiny"
 check "generate 8 tokens on the CPU" 240 '"event": ?"finished"' \

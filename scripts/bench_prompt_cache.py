@@ -1,4 +1,4 @@
-"""A chat's second turn with and without the engine's prompt cache (engine.prompt_cache.PromptCache), side by side in one
+"""A chat's second turn with and without the engine's prompt cache (engine.decode.prompt_cache.PromptCache), side by side in one
 process: ``.venv/bin/python scripts/bench_prompt_cache.py [--shape mid] [--first 2000] [--shared 1990] [--new 60]``.
 
 The model is the bench's random one of that shape (``clover-desk bench speed``), in fp32 on the CPU (``--device cuda``:
@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from clover_desk.cmd_bench_speed import _build_random_model, _config  # noqa: E402
+from clover_desk.bench.speed import _build_random_model, _config  # noqa: E402
 from engine.api import Engine  # noqa: E402
-from engine.config import GenerationDefaults  # noqa: E402
-from engine.events import GenerationParams, PromptInfo  # noqa: E402
-from engine.prompt_cache import PromptCache  # noqa: E402
+from engine.model.config import GenerationDefaults  # noqa: E402
+from engine.decode.events import GenerationParams, PromptInfo  # noqa: E402
+from engine.decode.prompt_cache import PromptCache  # noqa: E402
 
 
 def main() -> int:
@@ -92,8 +92,8 @@ def main() -> int:
 
 def edit(args: argparse.Namespace, model: Any, config: Any, draw: Any) -> int:
     """The ``edit`` scenario (module docstring)."""
-    from engine.tiny import make_tiny
-    from engine.tokenizer import CloverTokenizer
+    from engine.weights.tiny import make_tiny
+    from engine.decode.tokenizer import CloverTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:  # the chat template's special tokens (a tiny model's tokenizer)
         tokenizer = CloverTokenizer.from_dir(make_tiny(Path(tmp), model_type="clover_moe", seed=0))

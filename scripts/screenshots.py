@@ -31,7 +31,7 @@ register_schemes()
 from PySide6.QtCore import QEventLoop, QObject, QTimer, Signal  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from engine.events import (  # noqa: E402
+from engine.decode.events import (
     BlockCommitted,
     BlockStep,
     Finished,
@@ -40,7 +40,7 @@ from engine.events import (  # noqa: E402
     PromptInfo,
     TextDelta,
 )
-from engine.hardware import Hardware  # noqa: E402
+from engine.placement.hardware import Hardware  # noqa: E402
 
 log = logging.getLogger("screenshots")
 GIB = 1024**3

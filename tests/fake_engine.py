@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import CancelledError, CheckpointError, PromptError
-from engine.events import (
+from engine.decode.events import (
     BlockCommitted,
     BlockStep,
     Event,

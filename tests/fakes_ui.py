@@ -66,7 +66,7 @@ def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> FakePlan:
 
 from PySide6.QtCore import QObject, QTimer, Signal  # noqa: E402
 
-from engine.events import (  # noqa: E402
+from engine.decode.events import (
     BlockCommitted,
     BlockStep,
     Finished,
@@ -215,7 +215,7 @@ class FakeEngineClient(QObject):
 
         rng = random.Random(len(self.requests))
         answer_words = (self.answer or " ".join(WORDS)).split(" ")
-        if params.mode == "ar":  # as engine.generate's AR loop: blocks of one token, a delta per token
+        if params.mode == "ar":  # as engine.decode.generate's AR loop: blocks of one token, a delta per token
             ar: list[object] = [PromptInfo(prompt_tokens=12, block_size=1, first_block=12, tail=0)]
             if self.thinking and params.enable_thinking:
                 ar.append(TextDelta(self.thinking, "thinking"))

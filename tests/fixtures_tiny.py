@@ -1,4 +1,4 @@
-"""Session-scoped tiny checkpoints for engine tests, made by :func:`engine.tiny.make_tiny` into temporary folders.
+"""Session-scoped tiny checkpoints for engine tests, made by :func:`engine.weights.tiny.make_tiny` into temporary folders.
 
 Use in a test module with ``from fixtures_tiny import tiny_clover_dir, tiny_qwen_dir  # noqa: F401`` (pytest puts
 ``tests/`` on ``sys.path``), or list ``"fixtures_tiny"`` in a conftest's ``pytest_plugins``. Each folder is made
@@ -16,7 +16,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_clover_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random ``clover_moe`` folder (4 layers, hidden 64, 16 experts, 3+ shards, tokenizer, templates)."""
-    from engine.tiny import make_tiny
+    from engine.weights.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_clover"), model_type="clover_moe", seed=0)
 
@@ -24,7 +24,7 @@ def tiny_clover_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random ``qwen3_5_moe`` folder (the non-diffusion base layout: nested text_config, no mask id)."""
-    from engine.tiny import make_tiny
+    from engine.weights.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_qwen"), model_type="qwen3_5_moe", seed=1)
 

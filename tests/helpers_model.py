@@ -6,9 +6,9 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.checkpoint import model_from_state_dict, random_state_dict
-from engine.config import CloverConfig, parse_config
-from engine.model import CloverModel
+from engine.weights.checkpoint import model_from_state_dict, random_state_dict
+from engine.model.config import CloverConfig, parse_config
+from engine.model.clover import CloverModel
 
 BLOCK = 8  # block size used by the block-mode tests (small so several blocks fit in a short sequence)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from engine import offload
-from engine.checkpoint import random_state_dict
-from engine.config import CloverConfig, parse_config
-from engine.events import Finished
-from engine.generate import DecodeSettings, LoopHooks, generate
-from engine.model import CloverModel
-from engine.quant import make_policy, quantize_model_
-from engine.tiny import config_dict_for, tiny_text_config
+from engine.placement import offload
+from engine.weights.checkpoint import random_state_dict
+from engine.model.config import CloverConfig, parse_config
+from engine.decode.events import Finished
+from engine.decode.generate import DecodeSettings, LoopHooks, generate
+from engine.model.clover import CloverModel
+from engine.weights.quant import make_policy, quantize_model_
+from engine.weights.tiny import config_dict_for, tiny_text_config
 
 MASK = 3
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": MASK, "</think>": 4}

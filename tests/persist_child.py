@@ -18,9 +18,9 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication
 
-from clover_desk.engine_client import EngineClient
+from clover_desk.worker.client import EngineClient
 from clover_desk.storage import ChatStore, StreamRecorder
-from engine.events import BlockCommitted, GenerationParams
+from engine.decode.events import BlockCommitted, GenerationParams
 
 PROMPT = "Tell me a long story about a dragon."
 MAX_ATTEMPTS = 5

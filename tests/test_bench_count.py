@@ -1,5 +1,5 @@
 """``clover-desk bench speed --count``: the torch ops, host reads and bytes one forward dispatches, per decoder layer
-(the planner's launch figures, engine.speed.Roofline, come from this count at the 35B shape)."""
+(the planner's launch figures, engine.placement.speed.Roofline, come from this count at the 35B shape)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from clover_desk import cli
-from clover_desk.cmd_bench_speed import _forward_ops
+from clover_desk.cli import main as cli
+from clover_desk.bench.speed import _forward_ops
 
 
 def test_the_count_sees_ops_reads_and_the_bytes_each_op_writes() -> None:
@@ -53,7 +53,7 @@ def test_bench_count_splits_a_forward_by_layer_kind(capsys: pytest.CaptureFixtur
         assert sum(int(n) * int(o) for _, n, o in kinds) + outside == ops
         assert int(re.search(r"at the full 4 layers: ~(\d+) ops", part)[1]) == ops
         assert re.search(r"scratch: [\d.]+ MiB at once \(largest then, MiB: \w+ \(", part), part
-    # the planner's workspace holds what the forwards measured (engine.planner.workspace, at its prefill segment)
+    # the planner's workspace holds what the forwards measured (engine.placement.planner.workspace, at its prefill segment)
     seg = re.search(r"prefill segment \((\d+) tokens after ([\d,]+) in the cache, block mode\)", out)
     assert seg and int(seg[1]) + int(seg[2].replace(",", "")) == 16384, out
     for what in ("denoising pass", "prefill segment"):
@@ -63,10 +63,10 @@ def test_bench_count_splits_a_forward_by_layer_kind(capsys: pytest.CaptureFixtur
 
 def test_the_plan_holds_an_unquantized_models_gathered_experts(capsys: pytest.CaptureFixture[str]) -> None:
     """Unquantized routed experts are gathered (one expert per pair in an AR step, a group by expert in a pass): the
-    planner counts them (engine.planner's gather_experts), and the bench plans the model it measures, experts
+    planner counts them (engine.placement.planner's gather_experts), and the bench plans the model it measures, experts
     included, in its own dtype. Before, an unquantized model's manifest had no experts: a mid-shape denoising pass
     measured 15.0 MiB of scratch against 2.6 MiB planned. Its prefill segment, where the padded by-expert layout of
-    a chunk's 16,384 pairs over small experts is the layer's peak (engine.planner._moe_scratch), measured 339.1 MiB
+    a chunk's 16,384 pairs over small experts is the layer's peak (engine.placement.planner._moe_scratch), measured 339.1 MiB
     against 280.0 planned before the planner counted that layout."""
     code = cli.main(["bench", "speed", "--shape", "mid", "--layers", "1", "--count"])
     out = capsys.readouterr().out
@@ -123,8 +123,9 @@ def test_bench_count_with_device_tables_leaves_an_ar_step_whole(capsys: pytest.C
 def test_a_cpu_count_can_dispatch_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU an expert group is one expert named by a host read of its id (cheap there, not what a GPU runs):
     the count sees those reads, and counted as on a GPU (the card's group size, no CPU int8 GEMV) there are none."""
-    from clover_desk.cmd_bench_speed import _build_random_model, _config, _dispatch_as_on_a_gpu
-    from engine import experts, quant
+    from clover_desk.bench.speed import _build_random_model, _config, _dispatch_as_on_a_gpu
+    from engine.model import experts
+    from engine.weights import quant
 
     _, config = _config("tiny", "clover_moe")
     model = _build_random_model(config, torch.float32, "cpu", 0, "card")
@@ -179,7 +180,7 @@ def test_bench_speed_runs_the_placed_path(capsys: pytest.CaptureFixture[str]) ->
 def test_the_implied_launch_cost_is_the_time_above_the_bound_per_op() -> None:
     """What a GPU run of the card's path gives the planner's one assumption (Roofline.launch_us): 20 tok/s against a
     bound of 100 tok/s over 4,000 ops is (50 ms - 10 ms) / 4,000 = 10 us."""
-    from clover_desk.cmd_bench_speed import _launch_cost_line
+    from clover_desk.bench.speed import _launch_cost_line
 
     line = _launch_cost_line(100.0, {"ar_decode_tok_s": 20.0, "ar_step_ops": 4000})
     assert line.startswith("implied cost of one eager launch: 10.0 us = (1 / 20.0 tok/s - 1 / 100 tok/s"), line
@@ -189,8 +190,8 @@ def test_the_implied_launch_cost_is_the_time_above_the_bound_per_op() -> None:
 def test_the_peak_vram_line_sets_what_torch_held_against_what_the_plan_counted() -> None:
     """gpu_check's card_path prints it: the plan's total less the CUDA context (which torch's allocator never sees)
     is what the allocator may reserve; a GPU run says whether the planner's workspace holds."""
-    from clover_desk.cmd_bench_speed import _peak_vram_line
-    from engine.planner import CUDA_CONTEXT_BYTES, plan_model
+    from clover_desk.bench.speed import _peak_vram_line
+    from engine.placement.planner import CUDA_CONTEXT_BYTES, plan_model
 
     plan = plan_model("shape:clover-35b-a3b", 16 * 2**30, 4096)
     counted = plan.vram_bytes - CUDA_CONTEXT_BYTES
@@ -202,9 +203,9 @@ def test_the_peak_vram_line_sets_what_torch_held_against_what_the_plan_counted()
 
 def test_the_group_sweep_times_each_group_size_and_puts_group_bytes_back() -> None:
     """--moe-only's sweep: the dequantize-then-matmul pass at 4, 8 and 16 experts per group (what a GPU run picks
-    engine.experts.GROUP_BYTES by), the module's setting as it was afterwards."""
-    from clover_desk.cmd_bench_speed import _group_sweep_line, _moe_routing, _random_nf4_bank
-    from engine import experts
+    engine.model.experts.GROUP_BYTES by), the module's setting as it was afterwards."""
+    from clover_desk.bench.speed import _group_sweep_line, _moe_routing, _random_nf4_bank
+    from engine.model import experts
 
     gen = torch.Generator().manual_seed(0)
     e, k, d, i = 32, 4, 64, 64
@@ -227,7 +228,7 @@ def test_the_zero_copy_line_times_a_streamed_ar_step_four_ways() -> None:
     """--moe-only's AR step of one streamed layer: through a k-slot pool (fresh routing every step, so nearly every
     expert misses), through device slot tables (a 2k-slot pool), in place (zero-copy) and resident, the device tables'
     and in-place outputs equal to the resident one. On the CPU the "mapping" is the host rows themselves."""
-    from clover_desk.cmd_bench_speed import ZERO_COPY_STEPS, _random_nf4_bank, _zero_copy_line
+    from clover_desk.bench.speed import ZERO_COPY_STEPS, _random_nf4_bank, _zero_copy_line
 
     gen = torch.Generator().manual_seed(0)
     e, k, d, i = 32, 4, 64, 64
@@ -252,8 +253,8 @@ def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
     """--moe-only's bitsandbytes GEMV line: per expert, gate_up and down addressed in the NF4 row (codes and absmax
     segments, shapes [2I, D] and [D, I]). On the CPU bitsandbytes' own GEMV reads a repacked layout, so the
     addressing is checked with a reference GEMV (dequantize the segment, then multiply): the engine's output."""
-    from clover_desk.cmd_bench_speed import _bnb_gemv_line, _moe_routing, _random_nf4_bank, bnb_gemv_moe
-    from engine.quant import dequantize_nf4_reference
+    from clover_desk.bench.speed import _bnb_gemv_line, _moe_routing, _random_nf4_bank, bnb_gemv_moe
+    from engine.weights.quant import dequantize_nf4_reference
 
     gen = torch.Generator().manual_seed(0)
     e, k, d, i = 32, 4, 64, 96
@@ -275,8 +276,8 @@ def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
 
 FUSED_LINE_CHILD = r'''
 import torch
-from clover_desk.cmd_bench_speed import FUSED_WARPS, _fused_line, _moe_routing, _random_nf4_bank
-from engine import triton_moe
+from clover_desk.bench.speed import FUSED_WARPS, _fused_line, _moe_routing, _random_nf4_bank
+from engine.kernels import triton_moe
 
 gen = torch.Generator().manual_seed(0)
 bank = _random_nf4_bank(16, 64, 64, gen)
@@ -292,7 +293,7 @@ assert FUSED_WARPS == (4, 8)
 
 def test_the_fused_line_times_each_warp_count_and_puts_num_warps_back() -> None:
     """--moe-only's fused lines on a GPU time the kernels at 4 and 8 warps per program (what the GPU run picks
-    engine.triton_moe.NUM_WARPS by); run here through Triton's interpreter, which ignores the warp count."""
+    engine.kernels.triton_moe.NUM_WARPS by); run here through Triton's interpreter, which ignores the warp count."""
     pytest.importorskip("triton")
     from tests.triton_child import run_interpreted
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from clover_desk.cli import main
+from clover_desk.cli.main import main
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clover_desk import cli
+from clover_desk.cli import main as cli
 from fixtures_tiny import copy_model, one_torch_thread, tiny_clover_dir  # noqa: F401
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))

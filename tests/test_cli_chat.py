@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.tokenizer import CloverTokenizer
+from engine.decode.tokenizer import CloverTokenizer
 from server_fixtures import chat_model, chat_server, endless_model  # noqa: F401 - fixtures
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))

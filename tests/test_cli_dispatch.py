@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clover_desk.cli import parse_args
+from clover_desk.cli.main import parse_args
 
 
 def test_no_subcommand_is_the_gui_with_its_options() -> None:

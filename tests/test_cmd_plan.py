@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from clover_desk import cli
-from engine.planner import GiB, manifest_for_shape
+from clover_desk.cli import main as cli
+from engine.placement.planner import GiB, manifest_for_shape
 
 ENTRY = Path(sys.executable).with_name("clover-desk")
 CONTRACT_KEYS = {

@@ -23,7 +23,7 @@ import torch
 
 from engine.api import Engine
 from engine.errors import CancelledError
-from engine.events import COMPILE_STAGES, Finished, GenerationParams, LoadProgress
+from engine.decode.events import COMPILE_STAGES, Finished, GenerationParams, LoadProgress
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from helpers_model import CountingBackend
 
@@ -111,7 +111,7 @@ def test_cancel_during_the_warm_up_ends_the_load_as_cancelled(tiny_clover_dir: P
 def test_a_gguf_file_compiles_and_warms_up_in_its_modes(tiny_clover_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     """GGUF modules (blocks dequantized in the forward) compile like the others; measured on a small Q4_0 model,
     compiled AR decoding ran ~2.8x faster than eager on 2 CPU cores."""
-    from engine.gguf_writer import write_gguf
+    from engine.weights.gguf.writer import write_gguf
 
     gguf = write_gguf(tiny_clover_dir, tmp_path / "tiny-Q8_0.gguf", "Q8_0", layout="upstream")[0]
     events: list[LoadProgress] = []
@@ -136,8 +136,8 @@ def test_without_a_cpp_compiler_the_model_loads_uncompiled_and_says_why(
 def test_the_worker_loads_compiled_and_the_window_shows_the_warm_up(
     qapp: Any, tiny_clover_dir: Path,  # noqa: F811
 ) -> None:
-    from clover_desk.worker import Worker
-    from engine.events import from_dict
+    from clover_desk.worker.process import Worker
+    from engine.decode.events import from_dict
     from ui.banners import LoadBanner
 
     records: list[dict[str, Any]] = []
@@ -161,8 +161,8 @@ def test_the_worker_loads_compiled_and_the_window_shows_the_warm_up(
 
 def test_serve_compile_loads_the_model_compiled(tiny_clover_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    from clover_desk import cmd_serve
-    from clover_desk.cli import parse_args
+    from clover_desk.cli import serve as cmd_serve
+    from clover_desk.cli.main import parse_args
 
     asked: list[dict[str, Any]] = []
     load = Engine.load

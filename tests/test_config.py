@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import load_config, load_generation_defaults, parse_config
+from engine.model.config import load_config, load_generation_defaults, parse_config
 from engine.errors import ConfigError
 
 TEXT = {

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from clover_desk.server import parse_chat_request
-from clover_desk.worker import ProtocolError, check_params
+from clover_desk.worker.server import parse_chat_request
+from clover_desk.worker.process import ProtocolError, check_params
 from engine.errors import PromptError
-from engine.events import Finished, GenerationParams
-from engine.tokenizer import continuation_text
+from engine.decode.events import Finished, GenerationParams
+from engine.decode.tokenizer import continuation_text
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from scripted_model import ScriptedModel, build_scripted_model
 from server_fixtures import client, running_server
@@ -167,7 +167,7 @@ def test_ar_continuation_keeps_the_presence_penalty_of_what_was_written(tiny: An
 
 
 def test_diffusion_continuation_keeps_the_length_ramp_where_it_was(tiny: Any) -> None:
-    from engine.generate import DecodeSettings, generate, resolve_settings
+    from engine.decode.generate import DecodeSettings, generate, resolve_settings
 
     base = resolve_settings(GenerationParams(block_size=8, threshold=0.9, do_sample=False), tiny.generation_defaults,
                             tiny.config, tiny.tokenizer)
@@ -252,7 +252,7 @@ def test_the_server_streams_the_rest_of_a_cut_answer(words_model: ScriptedModel)
     ],
 )
 def test_the_server_refuses_a_bad_continue_request_naming_the_field(body: dict[str, Any], param: str) -> None:
-    from clover_desk.server import ApiError
+    from clover_desk.worker.server import ApiError
 
     with pytest.raises(ApiError) as exc:
         parse_chat_request({"messages": USER, **body})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QPoint, Qt
 
-from engine.events import BlockCommitted, BlockStep, Finished, PromptInfo
+from engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo
 from ui.denoise_view import DenoiseModel, DenoiseView, committed_per_pass, display_text
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402

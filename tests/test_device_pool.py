@@ -1,4 +1,4 @@
-"""Device slot tables (``engine.device_pool``): the host pool's decisions made on the device, AR steps through them
+"""Device slot tables (``engine.placement.device_pool``): the host pool's decisions made on the device, AR steps through them
 with the tokens of the host pool and no host read, one traced graph, the ownership hand-overs, the refusals, and the
 Triton copy kernel under the interpreter."""
 
@@ -11,16 +11,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import offload, step_graphs
-from engine.checkpoint import random_state_dict
-from engine.config import parse_config
-from engine.device_pool import DeviceSlotTables
+from engine.placement import offload
+from engine.kernels import step_graphs
+from engine.weights.checkpoint import random_state_dict
+from engine.model.config import parse_config
+from engine.placement.device_pool import DeviceSlotTables
 from engine.errors import PlanError
-from engine.generate import DecodeSettings
-from engine.model import CloverModel
-from engine.offload import HostExpertStore, SimplePlan, SlotPool, apply_plan
-from engine.quant import make_policy, quantize_model_
-from engine.tiny import config_dict_for, tiny_text_config
+from engine.decode.generate import DecodeSettings, loop_hooks
+from engine.model.clover import CloverModel
+from engine.placement.offload import HostExpertStore, SimplePlan, SlotPool, apply_plan
+from engine.weights.quant import make_policy, quantize_model_
+from engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
 from tests.triton_child import run_interpreted
 
@@ -539,7 +540,7 @@ def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
 def test_compile_layers_runs_device_table_steps_as_one_graph(qmodel: CloverModel) -> None:
     """compile_layers gives a model with device tables the whole-step graph (a fetching one gets none), and its
     tokens, prompt by prompt: each prompt takes the tables back to the host and the steps hand them over again."""
-    from engine.fastpath import compile_layers
+    from engine.kernels.fastpath import compile_layers
 
     want = tokens(qmodel, "ar", 12)
     model = placed(qmodel, (0, 2), EXPERTS, device_pool=True)
@@ -559,7 +560,7 @@ def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverMo
     """A diffusion run through the compiled layers with a streamed layer on the device tables (the first pass of a
     block prefetches, the later ones not: two variants of the layer, no host read in either): the uncompiled
     tokens, the block's pins released, no host read from the first block on."""
-    from engine.fastpath import compile_layers
+    from engine.kernels.fastpath import compile_layers
 
     want = tokens(qmodel, "diffusion", 32)
     model = placed(qmodel, (2, 3), EXPERTS, device_pool=True)
@@ -577,9 +578,9 @@ def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverMo
 
 
 def test_step_graph_pieces_run_device_table_steps_whole() -> None:
-    """Through engine.step_graphs' pieces (as on a GPU, not recorded): an AR step is one piece, with the tokens."""
+    """Through engine.kernels.step_graphs' pieces (as on a GPU, not recorded): an AR step is one piece, with the tokens."""
     from tests.test_step_graphs import PROMPT as SG_PROMPT, _quantized, _settings, _tokens
-    from engine.generate import generate_ar
+    from engine.decode.generate import generate_ar
 
     model = _quantized((1, 2))
     want = _tokens(model, 40)
@@ -596,24 +597,24 @@ def test_step_graph_pieces_run_device_table_steps_whole() -> None:
 
 
 def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
-    """engine.step_graphs' cuts for a block pass, where the routed compute reads nothing (the fused MoE kernel on a
+    """engine.kernels.step_graphs' cuts for a block pass, where the routed compute reads nothing (the fused MoE kernel on a
     GPU, stood in for here): the host pool's pass leaves the graphs at each streamed layer's fetch, the device
     tables' pass is one piece, however the cuts are asked for (outside a block too). Diffusion through that one
     piece (run eagerly) decodes the host pool's tokens; after the prompt no forward fetches on the host."""
     from tests.test_step_graphs import PROMPT as SG_PROMPT, _quantized
-    from engine.generate import generate_diffusion
+    from engine.decode.generate import generate_diffusion
 
     def _diffusion(model: CloverModel, n: int) -> tuple[list[int], int]:  # (as the engine runs it: with the hooks)
         s = DecodeSettings(mode="diffusion", max_new_tokens=n, block_size=model.config.block_size, threshold=0.9,
                            mask_token_id=256, eos_token_ids=(), max_positions=model.config.max_position_embeddings)
-        *_, done = generate_diffusion(model, SG_PROMPT, s, hooks=offload.loop_hooks(model))
+        *_, done = generate_diffusion(model, SG_PROMPT, s, hooks=loop_hooks(model))
         return list(done.token_ids), done.passes
 
     host, model = _quantized((1, 2)), _quantized((1, 2))
     assert offload.set_device_pool(model, True) == ""
     b = model.config.block_size
     with monkeypatch.context() as m:
-        for mod in ("engine.quant", "engine.offload"):
+        for mod in ("engine.weights.quant", "engine.placement.offload"):
             m.setattr(f"{mod}.rows_sync_free", lambda pairs, device, layout: True)
         assert step_graphs.cuts(host, b) == {1: "fetch", 2: "fetch"}
         assert step_graphs.cuts(model, b) == {}
@@ -637,7 +638,7 @@ def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.Mon
 
 CHILD = r'''
 import torch
-from engine.triton_copy import copy_rows
+from engine.kernels.triton_copy import copy_rows
 
 torch.manual_seed(0)
 for r in (40, 4099 * 4, 37):  # 4-byte words (one full and a partial chunk), bytes
@@ -663,8 +664,8 @@ def test_the_copy_kernel_copies_only_the_missing_rows() -> None:
 PLACE_CHILD = r'''
 import random
 import torch
-from engine.device_pool import DeviceSlotTables
-from engine.offload import DeviceLedger, SlotPool
+from engine.placement.device_pool import DeviceSlotTables
+from engine.placement.offload import DeviceLedger, SlotPool
 
 class Layout:
     nbytes = 40
@@ -695,7 +696,7 @@ print("ok")
 
 
 def test_the_place_kernel_makes_the_tensor_ops_decisions() -> None:
-    """The one-program placing (engine.triton_copy.place) against DeviceSlotTables' tensor ops, run by Triton's
+    """The one-program placing (engine.kernels.triton_copy.place) against DeviceSlotTables' tensor ops, run by Triton's
     interpreter over random fetches and prefetches at three pool sizes: the same experts, slots and misses, and
     the same tables and counters after every call."""
     pytest.importorskip("triton")
@@ -705,8 +706,8 @@ def test_the_place_kernel_makes_the_tensor_ops_decisions() -> None:
 PLACE_SET_CHILD = r'''
 import random
 import torch
-from engine.device_pool import DeviceSlotTables
-from engine.offload import DeviceLedger, SlotPool
+from engine.placement.device_pool import DeviceSlotTables
+from engine.placement.offload import DeviceLedger, SlotPool
 
 class Layout:
     nbytes = 40
@@ -755,7 +756,7 @@ print("ok")
 
 
 def test_the_set_place_kernel_makes_the_tensor_ops_decisions() -> None:
-    '''The block pass's one-program placing (engine.triton_copy.place_set: one sort of the packed slots) against
+    '''The block pass's one-program placing (engine.kernels.triton_copy.place_set: one sort of the packed slots) against
     DeviceSlotTables' tensor ops under Triton's interpreter, over random block fetches of any size, gated
     prefetches, AR fetches between them and block ends, at three pool sizes: the same slots and copies, and the
     same tables and counters after every call.'''
@@ -766,13 +767,13 @@ def test_the_set_place_kernel_makes_the_tensor_ops_decisions() -> None:
 MODEL_CHILD = r'''
 import copy
 import torch
-from engine import offload
-from engine.checkpoint import random_state_dict
-from engine.config import parse_config
-from engine.generate import DecodeSettings, generate_ar, generate_diffusion
-from engine.model import CloverModel
-from engine.quant import make_policy, quantize_model_
-from engine.tiny import config_dict_for, tiny_text_config
+from engine.placement import offload
+from engine.weights.checkpoint import random_state_dict
+from engine.model.config import parse_config
+from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion, loop_hooks
+from engine.model.clover import CloverModel
+from engine.weights.quant import make_policy, quantize_model_
+from engine.weights.tiny import config_dict_for, tiny_text_config
 
 text = tiny_text_config(vocab_size=128, layers=4, hidden=64, experts=16, experts_per_tok=4)
 special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
@@ -794,7 +795,7 @@ assert misses > 0 and prefetched > 0, (misses, prefetched)
 diffusion = DecodeSettings(mode="diffusion", max_new_tokens=24, mask_token_id=3, eos_token_ids=(), block_size=32,
                            threshold=0.08, max_positions=256)
 want = list(generate_diffusion(base, prompt, diffusion))[-1].token_ids
-got = list(generate_diffusion(model, prompt, diffusion, hooks=offload.loop_hooks(model)))[-1].token_ids
+got = list(generate_diffusion(model, prompt, diffusion, hooks=loop_hooks(model)))[-1].token_ids
 assert got == want, (got, want)
 assert rt.tables.on_device and rt.tables.check() == [] and not rt.tables.pinned.any()
 acc = offload.accounting(model)

@@ -17,8 +17,17 @@ from typing import Any
 import pytest
 from PySide6.QtCore import QElapsedTimer, QTimer
 
-from clover_desk.engine_client import EngineClient
-from engine.events import BlockCommitted, BlockStep, EngineError, Finished, GenerationParams, LoadProgress, PromptInfo, TextDelta
+from clover_desk.worker.client import EngineClient
+from engine.decode.events import (
+    BlockCommitted,
+    BlockStep,
+    EngineError,
+    Finished,
+    GenerationParams,
+    LoadProgress,
+    PromptInfo,
+    TextDelta,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ["--engine-factory", "tests.fake_engine:make"]
@@ -31,7 +40,7 @@ LONG = GenerationParams(max_new_tokens=512, block_size=4, do_sample=True, temper
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny import make_tiny  # torch: test process only, never the GUI client under test
+    from engine.weights.tiny import make_tiny  # torch: test process only, never the GUI client under test
 
     return make_tiny(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -323,7 +332,7 @@ def test_a_worker_that_cannot_start_is_reported(qtbot: Any) -> None:
 def test_the_gui_side_never_imports_torch() -> None:
     code = (
         "import json, sys\n"
-        "import clover_desk.engine_client, clover_desk.storage, clover_desk.paths\n"
+        "import clover_desk.worker.client, clover_desk.storage, clover_desk.paths\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -367,7 +376,7 @@ def test_gpu_paths_reach_the_worker_from_its_next_start(
 ) -> None:
     """The window's choice of experimental GPU paths is the worker's environment: every switch 1 or 0 (so the
     app's own environment cannot add one), read when the worker starts; the worker says which it runs with."""
-    from engine.preflight import opt_in_env
+    from engine.placement.preflight import opt_in_env
 
     c = fake_client
     monkeypatch.setenv("CLOVER_DESK_FLA_GDN", "1")  # set where the app was started: the choice overrides it

@@ -13,7 +13,7 @@ import time
 from PySide6.QtCore import QObject, Qt, QTimer
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.events import BlockStep
+from engine.decode.events import BlockStep
 from fakes_ui import FakeEngineClient
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 

@@ -1,4 +1,4 @@
-"""Compiled decoder layers (``engine.fastpath``): one compiled graph per layer kind and pass shape serves every layer
+"""Compiled decoder layers (``engine.kernels.fastpath``): one compiled graph per layer kind and pass shape serves every layer
 (the count does not grow with depth), and the compiled engine decodes the same tokens as the eager one in both
 modes. The graphs go through a counting backend that runs them as traced (no inductor: fast); the inductor run is
 ``clover-desk bench speed --compile``."""
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.fastpath import compile_layers, is_compiled
-from engine.generate import DecodeSettings, generate_ar, generate_diffusion
+from engine.kernels.fastpath import compile_layers, is_compiled
+from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
 from tests.helpers_model import BLOCK, CountingBackend, tiny_config, tiny_model
 
 PROMPT = [5, 9, 17, 33, 65, 129, 7, 11, 13, 19, 23]

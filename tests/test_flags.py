@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from clover_desk import cli
+from clover_desk.cli import main as cli
 
 GENERATE = ["generate", "--model", "/nonexistent", "--prompt", "hi"]
 BAD = {

@@ -1,4 +1,4 @@
-"""engine.formats: the one safetensors header parser refuses every malformed entry with one line naming the file and
+"""engine.weights.formats: the one safetensors header parser refuses every malformed entry with one line naming the file and
 tensor, before any data is read."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engine.errors import CheckpointError
-from engine.formats import read_safetensors_header
+from engine.weights.formats import read_safetensors_header
 
 
 def _write(path: Path, entry: Any, data: int = 16) -> Path:

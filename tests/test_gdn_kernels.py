@@ -1,5 +1,5 @@
-"""Gated DeltaNet through flash-linear-attention's Triton kernels (``engine.gdn_kernels``) against the PyTorch rule in
-``engine.model``, run on the CPU by Triton's interpreter (``TRITON_INTERPRET=1``) with ``CLOVER_DESK_FLA_GDN=1``:
+"""Gated DeltaNet through flash-linear-attention's Triton kernels (``engine.kernels.gdn_kernels``) against the PyTorch rule in
+``engine.model.clover``, run on the CPU by Triton's interpreter (``TRITON_INTERPRET=1``) with ``CLOVER_DESK_FLA_GDN=1``:
 
 - the two custom ops against ``recurrent_gated_delta_rule`` / ``chunk_gated_delta_rule`` at ragged lengths (one
   token, a few, more than one 64-token chunk), with a non-zero incoming state;
@@ -45,8 +45,8 @@ chunk_delta_h.range = _range
 
 OPS = SHIMS + r'''
 import torch
-from engine import gdn_kernels
-from engine.model import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from engine.kernels import gdn_kernels
+from engine.model.clover import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 
 assert gdn_kernels.enabled(torch.zeros(1)), "the switch should be on under the interpreter"
 torch.manual_seed(0)
@@ -71,7 +71,7 @@ print("ok")
 MODEL = SHIMS + r'''
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from engine import gdn_kernels
+from engine.kernels import gdn_kernels
 from tests.test_gdn_kernels import gdn_model
 
 model = gdn_model(64)
@@ -131,17 +131,17 @@ print("ok")
 
 BENCH = SHIMS + r'''
 import torch
-from clover_desk.cmd_bench_speed import gdn_lines
+from clover_desk.bench.speed import gdn_lines
 gdn_lines("cpu", torch.float32, 1, shape="mid", prompt=70)
 '''
 
 
 def gdn_model(hidden: int) -> Any:
     """A 3-layer Clover model, two of them Gated DeltaNet (fp32, eval), for the kernels' token tests."""
-    from engine.checkpoint import random_state_dict
-    from engine.config import parse_config
-    from engine.model import CloverModel
-    from engine.tiny import config_dict_for, tiny_text_config
+    from engine.weights.checkpoint import random_state_dict
+    from engine.model.config import parse_config
+    from engine.model.clover import CloverModel
+    from engine.weights.tiny import config_dict_for, tiny_text_config
 
     special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
     text = tiny_text_config(vocab_size=256, layers=3, hidden=hidden, experts=8, experts_per_tok=2)
@@ -179,7 +179,7 @@ def test_bench_times_a_gdn_layer_both_ways() -> None:
 
 
 def test_the_kernels_are_taken_only_when_opted_in_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import gdn_kernels
+    from engine.kernels import gdn_kernels
 
     monkeypatch.setattr(gdn_kernels, "OPTED_IN", True)
     monkeypatch.setattr(gdn_kernels, "AVAILABLE", True)
@@ -197,7 +197,7 @@ def test_fla_kernels_on_cuda_decode_the_same_tokens(monkeypatch: pytest.MonkeyPa
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _needs_fla()
-    from engine import gdn_kernels
+    from engine.kernels import gdn_kernels
 
     model = gdn_model(128).to("cuda")
     prompt = torch.randint(5, 256, (200,), generator=torch.Generator().manual_seed(0)).cuda()

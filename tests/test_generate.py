@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine.errors import PromptError
-from engine.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
-from engine.generate import DecodeSettings, generate, generate_ar, generate_diffusion
+from engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
+from engine.decode.generate import DecodeSettings, generate, generate_ar, generate_diffusion
 
 V = 64
 MASK = 63
@@ -372,7 +372,7 @@ def test_deltas_are_only_emitted_for_committed_blocks() -> None:
 from fixtures_tiny import one_torch_thread, tiny_clover_dir, tiny_qwen_dir  # noqa: E402,F401
 
 from engine.api import Engine  # noqa: E402
-from engine.events import GenerationParams  # noqa: E402
+from engine.decode.events import GenerationParams  # noqa: E402
 
 PLAIN = dict(presence_penalty=0.0, repetition_penalty=1.0)  # penalties off where a reference is recomputed by hand
 
@@ -547,7 +547,7 @@ def test_length_penalty_in_the_loop_ends_the_answer() -> None:
 def test_planned_engine_keeps_the_embedding_in_ram_and_holds_to_the_planned_context(  # type: ignore[no-untyped-def]
     tiny_clover_dir, tmp_path, one_torch_thread
 ) -> None:
-    from engine.offload import runtime_of
+    from engine.placement.offload import runtime_of
     from fixtures_tiny import copy_model
 
     folder = copy_model(tiny_clover_dir, tmp_path / "m")

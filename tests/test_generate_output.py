@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from clover_desk.cmd_generate import _Printer, visible_text
+from clover_desk.cli.generate import _Printer, visible_text
 
 
 def test_control_bytes_are_shown_escaped() -> None:

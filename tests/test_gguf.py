@@ -1,7 +1,7 @@
 """Loading GGUF files: both Clover layouts, float and quantized types, split sets, the embedded tokenizer, diffusion
 mode, the planner's view, and one clear line for every bad file.
 
-The files are written here from tiny checkpoints (engine.tiny.make_tiny) with engine.gguf_writer, which applies
+The files are written here from tiny checkpoints (engine.weights.tiny.make_tiny) with engine.weights.gguf.writer, which applies
 the converter's transforms; loading must undo them exactly.
 """
 
@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from engine.api import Engine
-from engine.checkpoint import load_model, model_from_state_dict
+from engine.weights.checkpoint import load_model, model_from_state_dict
 from engine.errors import ConfigError, PromptError
-from engine.events import BlockStep, Finished, GenerationParams
-from engine.gguf_file import hf_to_tiled_heads, manifest_from_gguf, open_gguf, tiled_to_hf_heads
-from engine.gguf_model import GGUFEmbedding, GGUFExpertBank, GGUFLinear, gguf_state_dict, load_gguf_model
-from engine.gguf_writer import write_gguf
-from engine.planner import plan_model
-from engine.tiny import make_tiny
+from engine.decode.events import BlockStep, Finished, GenerationParams
+from engine.placement.manifest import manifest_from_gguf
+from engine.weights.gguf.file import hf_to_tiled_heads, open_gguf, tiled_to_hf_heads
+from engine.weights.gguf.model import GGUFEmbedding, GGUFExpertBank, GGUFLinear, gguf_state_dict, load_gguf_model
+from engine.weights.gguf.writer import write_gguf
+from engine.placement.planner import plan_model
+from engine.weights.tiny import make_tiny
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 from helpers_model import greedy
 
@@ -55,7 +56,7 @@ def files(tiny_clover_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 
 def _reference(path: Path):  # type: ignore[no-untyped-def]
-    """The model of a GGUF with every tensor dequantized by the gguf package (independent of engine.gguf_quants)."""
+    """The model of a GGUF with every tensor dequantized by the gguf package (independent of engine.weights.gguf.quants)."""
 
     def deq(raw: torch.Tensor, qtype: int) -> torch.Tensor:
         return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype)).copy())
@@ -167,8 +168,8 @@ def test_split_set_loads_like_one_file(tiny_clover_dir: Path, files, tmp_path: P
 
 
 def test_embedded_tokenizer_and_template(tiny_clover_dir: Path, files) -> None:  # type: ignore[no-untyped-def]
-    from engine.gguf_file import load_tokenizer
-    from engine.tokenizer import CloverTokenizer
+    from engine.weights.gguf.file import load_tokenizer
+    from engine.decode.tokenizer import CloverTokenizer
 
     want = CloverTokenizer.from_dir(tiny_clover_dir)
     got = load_tokenizer(open_gguf(files[("Q8_0", "fork")]))
@@ -182,7 +183,7 @@ def test_embedded_tokenizer_and_template(tiny_clover_dir: Path, files) -> None: 
 
 
 def test_config_from_metadata(tiny_clover_dir: Path, files) -> None:  # type: ignore[no-untyped-def]
-    from engine.config import load_config
+    from engine.model.config import load_config
 
     want = load_config(tiny_clover_dir)
     fork = open_gguf(files[("Q8_0", "fork")]).config
@@ -227,7 +228,7 @@ def test_raw_a_log_without_diffusion_tensors_needs_the_override(tiny_clover_dir:
         open_gguf(path)
     model = load_gguf_model(path, layout="fork").model
     assert torch.equal(model(PROMPT), ref_model(PROMPT))
-    from clover_desk.cli import main
+    from clover_desk.cli.main import main
 
     args = ["generate", "--model", str(path), "--prompt-ids", "5,17,300", "--mode", "ar", "--max-new-tokens", "3"]
     assert main(args) == 2
@@ -287,7 +288,7 @@ def test_cli_bad_gguf_is_one_line_exit_2(files, tmp_path: Path) -> None:  # type
     bad = tmp_path / "cut.gguf"
     src = files[("Q8_0", "fork")]
     bad.write_bytes(src.read_bytes()[:5000])
-    out = subprocess.run([sys.executable, "-m", "clover_desk.cli", "generate", "--model", str(bad), "--prompt", "hi"],
+    out = subprocess.run([sys.executable, "-m", "clover_desk.cli.main", "generate", "--model", str(bad), "--prompt", "hi"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

@@ -2,7 +2,7 @@
 GGUF expert banks on the device, streamed layers' experts stay in host rows and stream through the slot pool), one
 streamed expert moving exactly its bytes in the file, and the same tokens whatever the plan streams.
 
-Tiny models from engine.tiny.make_tiny written as GGUF (fork layout) with engine.gguf_writer; hidden 256 so that the
+Tiny models from engine.weights.tiny.make_tiny written as GGUF (fork layout) with engine.weights.gguf.writer; hidden 256 so that the
 gate / up banks hold whole Q4_K blocks (the down bank's 32-wide rows fall back to Q8_0: a mixed-type expert row).
 The CPU is the device.
 """
@@ -20,16 +20,16 @@ import gguf
 import pytest
 import torch
 
-from engine import planner
+from engine.placement import planner
 from engine.api import Engine
 from engine.errors import CancelledError, ConfigError, PlanError
-from engine.events import Finished, GenerationParams, LoadProgress
-from engine.gguf_model import GGUFExpertBank, GGUFExpertLayout, load_gguf_model
-from engine.gguf_quants import Q4_0, Q4_K, Q6_K
-from engine.gguf_writer import write_gguf
-from engine.hardware import Hardware, probe_hardware
-from engine.offload import StreamedExpertBank, runtime_of
-from engine.tiny import make_tiny
+from engine.decode.events import Finished, GenerationParams, LoadProgress
+from engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout, load_gguf_model
+from engine.weights.gguf.quants import Q4_0, Q4_K, Q6_K
+from engine.weights.gguf.writer import write_gguf
+from engine.placement.hardware import Hardware, probe_hardware
+from engine.placement.offload import StreamedExpertBank, runtime_of
+from engine.weights.tiny import make_tiny
 from fixtures_tiny import one_torch_thread  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_bench_gguf_prints_the_files_bytes_per_expert(files: dict[str, Path], ca
     """``clover-desk bench gguf --model FILE``: every MoE layer's bytes per expert as the gguf package reads them
     from the file, after the dequantize figures of every type; a file that is not a GGUF is one line and exit 2,
     before any timing."""
-    from clover_desk import cli
+    from clover_desk.cli import main as cli
 
     path = files["Q4_K"]
     assert cli.main(["bench", "gguf", "--values", "2048", "--repeat", "1", "--model", str(path)]) == 0
@@ -239,7 +239,7 @@ def test_generate_with_a_vram_budget_prints_the_plan_then_streams(files: dict[st
     assert floor
     budget = floor + 3 * planner.model_facts(planner.model_manifest(path), "fp32").slot_bytes  # all layers stream
     out = subprocess.run(
-        [sys.executable, "-m", "clover_desk.cli", "generate", "--model", str(path), "--prompt-ids", "5,9,14",
+        [sys.executable, "-m", "clover_desk.cli.main", "generate", "--model", str(path), "--prompt-ids", "5,9,14",
          "--max-new-tokens", "8", "--mode", "diffusion", "--vram-gb", repr(budget / GIB), "--ctx", str(CTX),
          "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -256,8 +256,8 @@ def test_generate_with_a_vram_budget_prints_the_plan_then_streams(files: dict[st
 
 def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str, Path]) -> None:
     """A streamed GGUF layer's rows (one expert's blocks in the file's types each) read in place by AR steps
-    (engine.offload.set_zero_copy): the tokens of the pool, and no AR step fetches."""
-    from engine import offload
+    (engine.placement.offload.set_zero_copy): the tokens of the pool, and no AR step fetches."""
+    from engine.placement import offload
 
     path = files["Q4_K"]
     plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)
@@ -273,9 +273,9 @@ def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str,
 
 
 def test_device_tables_fetch_a_gguf_files_streamed_experts(files: dict[str, Path]) -> None:
-    """A streamed GGUF layer's rows through device slot tables (engine.offload.set_device_pool): the host pool's
+    """A streamed GGUF layer's rows through device slot tables (engine.placement.offload.set_device_pool): the host pool's
     tokens, the experts found where the tables say, and only the prompt's forward reading the host."""
-    from engine import offload
+    from engine.placement import offload
 
     path = files["Q4_K"]
     plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)

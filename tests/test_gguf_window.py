@@ -1,5 +1,5 @@
 """GGUF files in the window: opened from the model manager, loaded by the real worker, and the official files offered
-for download (one file each, from the Hub stand-in). The files are written by engine.gguf_writer from a tiny random
+for download (one file each, from the Hub stand-in). The files are written by engine.weights.gguf.writer from a tiny random
 model: the fork layout (diffusion tensors kept) and upstream llama.cpp's (autoregressive only)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "0"
 
 from clover_desk.downloads import GGUF_REPO_ID, GgufChoice, ModelDownloader  # noqa: E402
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from engine.events import Finished  # noqa: E402
+from engine.decode.events import Finished  # noqa: E402
 from fixtures_tiny import tiny_clover_dir  # noqa: E402,F401 (session fixture)
 from gui_desk import running_desk  # noqa: E402
 from test_worker import WorkerProc  # noqa: E402
@@ -33,7 +33,7 @@ GEN_MS = 90_000
 
 @pytest.fixture(scope="module")
 def ggufs(tiny_clover_dir, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
-    from engine.gguf_writer import write_gguf
+    from engine.weights.gguf.writer import write_gguf
 
     out = tmp_path_factory.mktemp("ggufs")
     return {

@@ -1,5 +1,5 @@
 """``scripts/gpu_check.sh``, the one prepared run for a lent GPU machine (15 minutes in all, never on CI): every
-step must start. Each ``clover_desk.cli`` command line in it parses with today's flags, each environment switch it
+step must start. Each ``clover_desk.cli.main`` command line in it parses with today's flags, each environment switch it
 sets is an opt-in the engine reads, each test file it names exists, and its step names are unique (a second call
 names the steps the first left). A flag renamed or narrowed here would otherwise first fail on the GPU machine."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from clover_desk import cli
-from engine.preflight import OPT_IN
+from clover_desk.cli import main as cli
+from engine.placement.preflight import OPT_IN
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -44,8 +44,8 @@ def steps() -> list[tuple[str, list[str]]]:
 
 
 def cli_args(words: list[str]) -> list[str]:
-    """The arguments after ``-m clover_desk.cli``."""
-    return words[words.index("clover_desk.cli") + 1 :]
+    """The arguments after ``-m clover_desk.cli.main``."""
+    return words[words.index("clover_desk.cli.main") + 1 :]
 
 
 def test_the_script_has_its_steps_once_each() -> None:
@@ -54,7 +54,7 @@ def test_the_script_has_its_steps_once_each() -> None:
     assert names[:3] == ["pytest_gpu", "card_fast", "card_device_pool"]  # what decides the fast path, first
 
 
-@pytest.mark.parametrize("name, words", [s for s in steps() if "clover_desk.cli" in s[1]], ids=lambda v: v
+@pytest.mark.parametrize("name, words", [s for s in steps() if "clover_desk.cli.main" in s[1]], ids=lambda v: v
                          if isinstance(v, str) else "")
 def test_every_cli_step_parses_with_todays_flags(name: str, words: list[str]) -> None:
     args = cli.parse_args(cli_args(words))  # argparse exits 2 on a flag it does not know or a value out of range

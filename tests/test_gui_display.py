@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clover_desk.cmd_gui import display_problem
+from clover_desk.cli.gui import display_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_the_display_problems_name_what_to_do() -> None:
 
 def test_gui_without_a_display_is_one_line_and_exit_2(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
-    done = subprocess.run([sys.executable, "-m", "clover_desk.cli", "gui", "--home", str(tmp_path)], env=env,
+    done = subprocess.run([sys.executable, "-m", "clover_desk.cli.main", "gui", "--home", str(tmp_path)], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

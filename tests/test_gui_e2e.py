@@ -13,7 +13,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.events import BlockStep, Finished, TextDelta
+from engine.decode.events import BlockStep, Finished, TextDelta
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from ui.contracts import EngineState
 

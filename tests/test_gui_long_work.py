@@ -8,7 +8,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.events import BlockStep, Finished, LoadProgress, PrefillProgress, TextDelta
+from engine.decode.events import BlockStep, Finished, LoadProgress, PrefillProgress, TextDelta
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from ui.contracts import EngineState
 
@@ -40,7 +40,7 @@ class _wait:
 @pytest.fixture(scope="module")
 def desk(qapp, tiny_clover_dir, tmp_path_factory):  # noqa: ANN001, ANN201, F811
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.engine_client import EngineClient
+    from clover_desk.worker.client import EngineClient
 
     home = tmp_path_factory.mktemp("desk_long_work")
     client = EngineClient(worker_args=["--engine-factory", "tests.small_pass_engine:load"])
@@ -122,7 +122,7 @@ def test_stop_while_the_prompt_is_read_ends_it_before_the_answer(qtbot, desk) ->
 
 def test_quantizing_for_a_plan_shows_in_the_load_banner(qtbot, desk, tiny_clover_dir) -> None:  # noqa: ANN001, F811
     """A load under a VRAM plan converts the model to its quantized cache first: the banner says so, with bytes."""
-    from engine.planner import plan_model
+    from engine.placement.planner import plan_model
 
     window = desk.window
     shown: list[tuple[str, str, bool]] = []
@@ -142,7 +142,7 @@ def test_a_chat_longer_than_the_planned_context_goes_on_in_a_new_chat_with_a_sum
         qtbot, desk, tiny_clover_dir) -> None:  # noqa: ANN001, F811
     """The real engine under a 512-token plan: the meter counts what the engine prefills, a message that does not fit
     is held back with the choice, and the summary (written by the model) starts a new chat that sends it."""
-    from engine.planner import plan_model
+    from engine.placement.planner import plan_model
     from ui.context_window import SUMMARY_HEADER
 
     window, store = desk.window, desk.store
@@ -187,7 +187,7 @@ def test_a_chat_longer_than_the_planned_context_goes_on_in_a_new_chat_with_a_sum
 def test_a_load_shows_progress_and_cancel_stops_it(qtbot, qapp, tmp_path) -> None:  # noqa: ANN001
     """The window's Cancel reaches the worker, which stops the load between two steps (scripted slow load)."""
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.engine_client import EngineClient
+    from clover_desk.worker.client import EngineClient
 
     client = EngineClient(worker_args=["--engine-factory", "tests.fake_engine:make"])
     app = CloverDeskApp(tmp_path / "home", client=client, settings=AppSettings(model_dir=str(tmp_path / "slow")),

@@ -9,7 +9,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.tokenizer import CloverTokenizer
+from engine.decode.tokenizer import CloverTokenizer
 from gui_desk import running_desk
 from scripted_model import build_scripted_model
 

@@ -25,7 +25,7 @@ def start_window(home: Path, model: Path) -> tuple[subprocess.Popen[str], psutil
     once its engine worker runs: (the window's process, the worker's)."""
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "QTWEBENGINE_DISABLE_SANDBOX": "1",
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "clover_desk.cli", "gui", "--home", str(home), "--model",
+    proc = subprocess.Popen([sys.executable, "-m", "clover_desk.cli.main", "gui", "--home", str(home), "--model",
                              str(model)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 90
@@ -33,7 +33,7 @@ def start_window(home: Path, model: Path) -> tuple[subprocess.Popen[str], psutil
         if proc.poll() is not None:
             pytest.fail(f"the window exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
         workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                   if "clover_desk.worker" in " ".join(c.cmdline())]
+                   if "clover_desk.worker.process" in " ".join(c.cmdline())]
         if workers:
             time.sleep(3)  # the window's event loop runs and the worker is loading the model
             return proc, workers[0]

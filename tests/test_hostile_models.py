@@ -2,7 +2,7 @@
 allowed; the CLI exits 2 and the real worker process answers with an error record and keeps serving. Never noise,
 a traceback or a big allocation.
 
-Every model here is a tiny checkpoint written by engine.tiny.make_tiny, then damaged on disk the way a bad
+Every model here is a tiny checkpoint written by engine.weights.tiny.make_tiny, then damaged on disk the way a bad
 download, a bad conversion or a hostile upload would leave it.
 """
 
@@ -24,8 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from clover_desk import cli
-from engine.limits import GENERATION_LIMITS, MAX_PROMPT_BYTES
+from clover_desk.cli import main as cli
+from engine.decode.limits import GENERATION_LIMITS, MAX_PROMPT_BYTES
 from fixtures_tiny import copy_model, one_torch_thread, tiny_clover_dir  # noqa: F401
 from test_worker import WorkerProc
 
@@ -115,7 +115,7 @@ def test_generation_config_values_are_checked_before_use(
 
 
 def test_the_shipped_generation_config_passes(model: Path, one_torch_thread: None) -> None:  # noqa: F811
-    from engine.config import load_config, load_generation_defaults
+    from engine.model.config import load_config, load_generation_defaults
 
     defaults = load_generation_defaults(model, load_config(model))
     assert defaults.presence_penalty == 0.9 and defaults.dllm_length_penalty == 10.0

@@ -5,6 +5,7 @@ Each side is imported in a fresh interpreter and ``sys.modules`` is inspected, s
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -47,15 +48,15 @@ def test_ui_never_imports_torch() -> None:
 def test_engine_never_imports_qt() -> None:
     modules = _modules_of("engine")
     loaded = _loaded_after_import(modules)
-    assert "engine.config" in loaded
+    assert "engine.model.config" in loaded
     assert not any(m == "PySide6" or m.startswith("PySide6.") for m in loaded), "engine/ pulled in PySide6"
 
 
 def test_plain_data_modules_are_torch_free() -> None:
     """The UI sees the engine only through these modules, so they must not pull torch in either."""
     # the planner and the low-level tables it shares with the torch side (one header parser, dtype table, policy)
-    plain = ["engine.events", "engine.errors", "engine.config", "engine.defaults", "engine.formats", "engine.manifest",
-             "engine.speed", "engine.planner"]
+    plain = ["engine.decode.events", "engine.errors", "engine.model.config", "engine.defaults", "engine.weights.formats", "engine.placement.manifest",
+             "engine.placement.speed", "engine.placement.planner"]
     loaded = _loaded_after_import(plain)
     assert not any(m == "torch" or m.startswith("torch.") for m in loaded)
 
@@ -67,3 +68,145 @@ def test_ui_never_imports_clover_desk() -> None:
     assert not any(m == "clover_desk" or m.startswith("clover_desk.") for m in loaded), sorted(
         m for m in loaded if m.startswith("clover_desk")
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the import graph: no cycles, imports at the top, one name per module
+# ---------------------------------------------------------------------------------------------------------------
+
+PACKAGES = ("engine", "clover_desk", "ui")
+# Triton programs: imported where a kernel is launched, since ``triton`` is an optional dependency (the test extra and
+# CUDA installs have it, a plain CPU install does not)
+OPTIONAL_BACKENDS = frozenset(
+    {"engine.kernels.triton_copy_kernels", "engine.kernels.triton_linear_kernels", "engine.kernels.triton_moe_kernels"}
+)
+# command modules import their engine side when their command runs, so `clover-desk plan` never pays for torch and
+# `--help` stays fast (the lazy registry in clover_desk.cli.main)
+LAZY_MODULES = ("clover_desk.cli.", "clover_desk.bench.")
+
+
+def _project_modules() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _imports(modules: dict[str, Path]) -> list[tuple[str, str, int, bool]]:
+    """(importer, imported project module, line, inside a function) for every import statement, at any depth
+    (``if TYPE_CHECKING:`` blocks included: a cycle hidden there is still a cycle in the design)."""
+
+    def resolve(name: str, attr: str | None = None) -> str | None:
+        if attr and f"{name}.{attr}" in modules:
+            return f"{name}.{attr}"
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    found = []
+    for module, path in modules.items():
+        def visit(node: ast.AST, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                targets: list[str | None] = []
+                if isinstance(child, ast.Import):
+                    targets = [resolve(a.name) for a in child.names if a.name.split(".")[0] in PACKAGES]
+                elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                    if child.module.split(".")[0] in PACKAGES:
+                        targets = [resolve(child.module, a.name) for a in child.names]
+                found.extend((module, t, child.lineno, in_function) for t in targets if t and t != module)
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+        visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return found
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    """Imports anywhere in a module count (top level, functions, TYPE_CHECKING), except the optional Triton programs."""
+    modules = _project_modules()
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for importer, imported, _line, _local in _imports(modules):
+        if imported not in OPTIONAL_BACKENDS:
+            edges[importer].add(imported)
+    assert "engine.placement.offload" in edges["engine.decode.generate"]  # the graph is the real one
+    assert _cycles(edges) == []
+
+
+def test_project_imports_sit_at_the_top_of_their_module() -> None:
+    """A function-level import of the project's own modules hides a cycle or a hidden cost; only the lazy command
+    modules and the launches of the optional Triton programs keep them."""
+    local = [
+        f"{importer}:{line} imports {imported}"
+        for importer, imported, line, in_function in _imports(_project_modules())
+        if in_function and not importer.startswith(LAZY_MODULES) and imported not in OPTIONAL_BACKENDS
+    ]
+    assert local == []
+
+
+def test_each_module_is_loaded_under_one_name() -> None:
+    """Every module imported in one interpreter: no file of the project is loaded twice under two names."""
+    modules = sorted(_project_modules())
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "files = {}\n"
+        "for name, mod in list(sys.modules.items()):\n"
+        "    f = getattr(mod, '__file__', None)\n"
+        "    if f and f.startswith(sys.argv[1]): files.setdefault(f, []).append(name)\n"
+        "print(json.dumps({f: n for f, n in files.items() if len(n) > 1}))\n"
+    )
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}

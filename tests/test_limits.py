@@ -1,4 +1,4 @@
-"""One table of generation-parameter ranges (engine.limits.GENERATION_LIMITS): the CLI's flags, the worker's
+"""One table of generation-parameter ranges (engine.decode.limits.GENERATION_LIMITS): the CLI's flags, the worker's
 command checks (in process and through the real worker process), generation_config.json's validation and
 ``Engine.generate``'s own check refuse the same values and accept the same values.
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from clover_desk import cli
-from clover_desk.worker import PARAM_FIELDS, ProtocolError, check_params
-from engine.config import load_generation_defaults
+from clover_desk.cli import main as cli
+from clover_desk.worker.process import PARAM_FIELDS, ProtocolError, check_params
+from engine.model.config import load_generation_defaults
 from engine.errors import ConfigError, PromptError
-from engine.events import GenerationParams
-from engine.limits import GENERATION_LIMITS, Limit, check_generation_params
+from engine.decode.events import GenerationParams
+from engine.decode.limits import GENERATION_LIMITS, Limit, check_generation_params
 from test_worker import FAKE, WorkerProc
 
 REQUEST_FIELDS = [f.name for f in dataclasses.fields(GenerationParams) if f.name in GENERATION_LIMITS]

@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk.storage import ChatStore, StreamRecorder
 from engine.defaults import DEFAULT_CTX_TOKENS
-from engine.events import EngineError, Finished, LoadProgress, TextDelta
+from engine.decode.events import EngineError, Finished, LoadProgress, TextDelta
 from fakes_ui import FakeEngineClient, fake_plan
 from ui.html_extract import extract_html
 from ui.generation import GenerationSettings, expert_hit_rate
@@ -530,8 +530,8 @@ def test_gui_process_never_imports_torch() -> None:
 
     code = (
         "import sys\n"
-        "import clover_desk.app, clover_desk.cmd_gui, ui.main_window, ui.vram_panel, ui.denoise_view\n"
-        "from engine import planner\n"
+        "import clover_desk.app, clover_desk.cli.gui, ui.main_window, ui.vram_panel, ui.denoise_view\n"
+        "from engine.placement import planner\n"
         "planner.make_plan(planner.manifest_for_shape('clover-35b-a3b'), 12 << 30, 8192)\n"
         "print('torch' in sys.modules)\n"
     )
@@ -542,7 +542,7 @@ def test_gui_process_never_imports_torch() -> None:
 
 def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
-    from engine.hardware import Hardware
+    from engine.placement.hardware import Hardware
 
     client = FakeEngineClient()
     gpu = Hardware(gpu_name="NVIDIA GeForce RTX 4070 Ti SUPER", vram_total_bytes=16 * 1024**3,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint import (
+from engine.weights.checkpoint import (
     CheckpointReader,
     TensorSpec,
     load_model,
@@ -27,9 +27,9 @@ from engine.checkpoint import (
     write_checkpoint_streaming,
     write_safetensors_streaming,
 )
-from engine.config import load_config
+from engine.model.config import load_config
 from engine.errors import ConfigError
-from engine.tiny import config_dict_for, make_real_shape, tiny_text_config, write_random_checkpoint
+from engine.weights.tiny import config_dict_for, make_real_shape, tiny_text_config, write_random_checkpoint
 from fixtures_tiny import one_torch_thread  # noqa: F401
 
 GiB = 1 << 30
@@ -185,7 +185,7 @@ def test_make_real_shape_refuses_bad_arguments(tmp_path: Path, kwargs: dict[str,
 
 @pytest.mark.parametrize("value", ["0", "41", "x", "-3"])
 def test_cli_bad_layers_exits_2_with_one_line(tmp_path: Path, value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from clover_desk import cli
+    from clover_desk.cli import main as cli
 
     rc = cli.main(["make-tiny", str(tmp_path / "m"), "--shape", "clover-35b-a3b", f"--layers={value}"])
     err = capsys.readouterr().err
@@ -195,7 +195,7 @@ def test_cli_bad_layers_exits_2_with_one_line(tmp_path: Path, value: str, capsys
 
 
 def test_cli_layers_also_sets_the_tiny_depth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from clover_desk import cli
+    from clover_desk.cli import main as cli
 
     assert cli.main(["make-tiny", str(tmp_path / "m"), "--layers", "2"]) == 0
     config = load_config(tmp_path / "m")
@@ -226,9 +226,9 @@ def real1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     if free < 12e9:
         pytest.skip(f"needs 12 GB free disk for a 3.7 GB full-width model, {base} has {free / 1e9:.1f} GB")
     folder = base / "m"
-    baseline = _run_measured([sys.executable, "-c", "import torch, engine.checkpoint, engine.tiny"], base / "baseline")
+    baseline = _run_measured([sys.executable, "-c", "import torch, engine.weights.checkpoint, engine.weights.tiny"], base / "baseline")
     assert baseline[0] == 0, baseline[2]
-    rc, out, err, peak = _run_measured([sys.executable, "-m", "clover_desk.cli", "make-tiny", str(folder),
+    rc, out, err, peak = _run_measured([sys.executable, "-m", "clover_desk.cli.main", "make-tiny", str(folder),
                                         "--shape", "clover-35b-a3b", "--layers", "1", "--seed", "5"], base / "make")
     yield {"dir": folder, "rc": rc, "out": out, "err": err, "peak": peak, "baseline": baseline[3]}
     shutil.rmtree(base, ignore_errors=True)  # 3.7 GB: do not leave it to pytest's basetemp rotation
@@ -236,8 +236,8 @@ def real1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_real_widths_one_layer(real1: dict[str, Any]) -> None:
-    from engine.checkpoint import plan_load
-    from engine.model import CloverModel
+    from engine.weights.checkpoint import plan_load
+    from engine.model.clover import CloverModel
 
     folder: Path = real1["dir"]
     assert real1["rc"] == 0, real1["err"]
@@ -299,14 +299,14 @@ def test_loading_a_real_width_model_under_a_streaming_plan_stays_near_the_cache_
     part is placed with exactly the planned bytes. With one layer the plan keeps its experts resident at any budget
     (a streamed layer needs a pool of E slots, as many bytes as the layer itself); the streamed placement of the
     same reads is measured on the 4-layer model by the benchmark and byte-checked on tiny models in test_one_plan."""
-    from engine.planner import plan_model
+    from engine.placement.planner import plan_model
 
     folder: Path = real1["dir"]
     assert real1["rc"] == 0, real1["err"]
     floor = plan_model(folder, 0, 16_384).min_vram_bytes
     assert floor
     rc, out, err, _ = _run_measured(
-        [sys.executable, "-m", "clover_desk.cli", "bench", "load", "--model", str(folder), "--vram-gb",
+        [sys.executable, "-m", "clover_desk.cli.main", "bench", "load", "--model", str(folder), "--vram-gb",
          repr(floor / GiB + 0.01), "--ctx", "16384", "--json"], folder.parent / "bench",
     )
     assert rc == 0, err

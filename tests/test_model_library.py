@@ -14,8 +14,8 @@ from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QAbstractButton
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.formats import checkpoint_files, read_safetensors_header
-from engine.hardware import Hardware
+from engine.weights.formats import checkpoint_files, read_safetensors_header
+from engine.placement.hardware import Hardware
 from fakes_ui import FakeEngineClient
 from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401 (session fixture)
 from ui.model_library import (
@@ -71,7 +71,7 @@ def test_facts_of_a_model_folder(models) -> None:  # noqa: ANN001
 
 
 def test_the_cache_outside_a_read_only_model_is_where_the_engine_puts_it(models, monkeypatch) -> None:  # noqa: ANN001
-    from engine import quant_cache
+    from engine.weights import quant_cache
 
     _folder, first, _second = models
     monkeypatch.setattr(quant_cache, "_writable", lambda _path: False)
@@ -267,7 +267,7 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
 ) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.storage import ChatStore
-    from engine.preflight import OPT_IN
+    from engine.placement.preflight import OPT_IN
 
     folder, first, second = models
     monkeypatch.delenv("CLOVER_DESK_FUSED_MOE", raising=False)

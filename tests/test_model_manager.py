@@ -179,7 +179,7 @@ def test_download_error_is_shown(qtbot, panel, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_demo_model_is_created_with_make_tiny_and_chosen(qtbot, panel, tmp_path: Path) -> None:
     repo_root = Path(__file__).resolve().parents[1]
-    if not (repo_root / "clover_desk" / "cmd_make_tiny.py").exists():
+    if not (repo_root / "clover_desk" / "cli" / "make_tiny.py").exists():
         pytest.skip("clover-desk make-tiny is not there yet")
     assert "random noise" in panel.demo_status.text()
     with qtbot.waitSignal(panel.modelChosen, timeout=180_000) as chosen:

@@ -1,4 +1,4 @@
-"""Expert streaming (engine/offload.py) on a tiny quantized Clover model, with the CPU as the device."""
+"""Expert streaming (engine/placement/offload.py) on a tiny quantized Clover model, with the CPU as the device."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import offload
-from engine.checkpoint import random_state_dict
+from engine.placement import offload
+from engine.weights.checkpoint import random_state_dict
 from engine.errors import PlanError
-from engine.generate import generate
-from engine.events import Finished
-from engine.model import CloverModel
-from engine.offload import OutOfMemory, SimplePlan, apply_plan
-from engine.quant import QuantExpertBank
+from engine.decode.generate import generate
+from engine.decode.events import Finished
+from engine.model.clover import CloverModel
+from engine.placement.offload import OutOfMemory, SimplePlan, apply_plan
+from engine.weights.quant import QuantExpertBank
 from tests.offload_model import EXPERTS, LAYERS, MASK, quantized_model, settings, tiny_config, tokens
 
 
@@ -73,7 +73,7 @@ def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
 
 
 def test_loop_hooks_give_the_same_tokens_and_fill_finished_accounting(qmodel: CloverModel) -> None:
-    from engine.generate import LoopHooks
+    from engine.decode.generate import LoopHooks
 
     reference = tokens(qmodel, "diffusion", 32)
     model = fresh(qmodel)
@@ -178,7 +178,7 @@ def test_a_streamed_layer_reads_the_host_once_per_forward(qmodel: CloverModel, m
 
 
 def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> None:
-    from engine.planner import ModelGeometry, make_plan, manifest_from_dict
+    from engine.placement.planner import ModelGeometry, make_plan, manifest_from_dict
 
     model = fresh(qmodel)
     geo = ModelGeometry.from_config(model.config)
@@ -250,12 +250,12 @@ def test_pinning_falls_back_to_pageable_rows_when_refused_or_over_budget() -> No
 
 @pytest.mark.parametrize("mode,n", [("ar", 12), ("diffusion", 32)])
 def test_compiled_layers_stream_the_same_tokens(qmodel: CloverModel, mode: str, n: int) -> None:
-    """Compiled decoder layers (engine.fastpath) over streamed banks: the bank's host-side bookkeeping (which
+    """Compiled decoder layers (engine.kernels.fastpath) over streamed banks: the bank's host-side bookkeeping (which
     expert sits in which slot, changing every step) must never be traced into a graph, where it would be baked in
     as constants and, in the AR loop's steady steps (guards skipped), reused for the wrong experts."""
     import torch._dynamo
 
-    from engine.fastpath import compile_layers
+    from engine.kernels.fastpath import compile_layers
 
     def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
         return gm.forward
@@ -273,7 +273,7 @@ def test_compiled_layers_stream_the_same_tokens(qmodel: CloverModel, mode: str, 
         torch._dynamo.reset()
 
 
-# --- zero-copy: AR steps read streamed experts where they lie (engine.offload.in_place_view) ---
+# --- zero-copy: AR steps read streamed experts where they lie (engine.placement.offload.in_place_view) ---
 
 
 @pytest.mark.parametrize("mode,n", [("ar", 12), ("diffusion", 32)])
@@ -374,7 +374,7 @@ def test_compile_layers_runs_zero_copy_ar_steps_as_one_graph(qmodel: CloverModel
     every step); with zero-copy nothing in an AR step fetches, so it gets one, with the eager tokens."""
     import torch._dynamo
 
-    from engine.fastpath import compile_layers
+    from engine.kernels.fastpath import compile_layers
 
     def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
         return gm.forward

@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 
-from engine import manifest as manifest_mod
-from engine import planner
+from engine.placement import manifest as manifest_mod
+from engine.placement import planner
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import PlanError
-from engine.hardware import Hardware, probe_hardware
-from engine.tiny import config_dict_for, tiny_text_config
+from engine.placement.hardware import Hardware, probe_hardware
+from engine.weights.tiny import config_dict_for, tiny_text_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
-CLI = [sys.executable, "-m", "clover_desk.cli"]
+CLI = [sys.executable, "-m", "clover_desk.cli.main"]
 # what must agree between every place a plan is shown or used
 PLACEMENT_FIELDS = (
     "resident_expert_layers",
@@ -50,7 +50,7 @@ def write_header_only_checkpoint(folder: Path, geo: planner.ModelGeometry, shard
     hole (sparse file), so the real 69 GB model costs a few KiB of disk."""
     import torch
 
-    from engine.checkpoint import TensorSpec, plan_shards, safetensors_header
+    from engine.weights.checkpoint import TensorSpec, plan_shards, safetensors_header
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     specs = [
@@ -138,7 +138,7 @@ def test_panel_cli_and_worker_show_one_plan_for_the_35b_reproduction(clover35: P
 
 def test_the_worker_plans_with_the_same_function(clover35: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "clover_desk.worker"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, "-m", "clover_desk.worker.process"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True,
     )
     assert proc.stdin is not None and proc.stdout is not None
@@ -164,7 +164,10 @@ def test_one_default_context_and_card() -> None:
     """Defined once (engine.defaults): the CLI, the window, the worker and the benchmarks all start from it."""
     import argparse
 
-    from clover_desk import app, cmd_bench_offload, cmd_plan, worker
+    from clover_desk import app
+    from clover_desk.bench import offload as cmd_bench_offload
+    from clover_desk.cli import plan as cmd_plan
+    from clover_desk.worker.process import process as worker
 
     assert app.AppSettings().ctx_tokens == DEFAULT_CTX_TOKENS
     assert worker._ctx({}) == DEFAULT_CTX_TOKENS
@@ -205,7 +208,7 @@ def test_not_enough_ram_for_the_streamed_experts_names_both_numbers(clover35: Pa
 @pytest.fixture(scope="module")
 def tiny_streaming(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[planner.Plan]]:
     """A tiny Clover folder and plans over a range of budgets: none / some / all expert layers streamed."""
-    from engine.tiny import make_tiny
+    from engine.weights.tiny import make_tiny
 
     folder = make_tiny(tmp_path_factory.mktemp("one-plan-tiny"), model_type="clover_moe", seed=3)
     hw = machine(16)
@@ -225,7 +228,7 @@ def test_the_engine_places_exactly_the_plan_and_never_plans_again(
     tiny_streaming: tuple[Path, list[planner.Plan]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from engine.api import Engine
-    from engine.offload import StreamedExpertBank, runtime_of
+    from engine.placement.offload import StreamedExpertBank, runtime_of
 
     folder, plans = tiny_streaming
     assert {len(p.streamed_expert_layers) for p in plans} >= {0, 4} and len({p.to_dict()["vram_bytes"] for p in plans}) == 4
@@ -253,7 +256,7 @@ def test_the_engine_places_exactly_the_plan_and_never_plans_again(
 
 def test_streaming_under_the_plan_never_changes_a_token(tiny_streaming: tuple[Path, list[planner.Plan]]) -> None:
     from engine.api import Engine
-    from engine.events import Finished, GenerationParams
+    from engine.decode.events import Finished, GenerationParams
 
     folder, plans = tiny_streaming
     outputs = set()
@@ -268,7 +271,7 @@ def test_streaming_under_the_plan_never_changes_a_token(tiny_streaming: tuple[Pa
 
 def test_a_stale_plan_is_refused_with_one_line(tiny_streaming: tuple[Path, list[planner.Plan]], tmp_path: Path) -> None:
     from engine.api import Engine
-    from engine.tiny import make_tiny
+    from engine.weights.tiny import make_tiny
 
     folder, plans = tiny_streaming
     other = make_tiny(tmp_path / "other", model_type="clover_moe", seed=3)
@@ -309,8 +312,8 @@ def test_a_meta_skeleton_holds_no_memory() -> None:
     for a 4-layer model whose quantized cache is 3.2 GiB)."""
     import torch
 
-    from engine.config import parse_config
-    from engine.model import CloverModel
+    from engine.model.config import parse_config
+    from engine.model.clover import CloverModel
 
     text = tiny_text_config(vocab_size=512, layers=4, hidden=64, experts=16, experts_per_tok=4)
     special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
@@ -343,7 +346,7 @@ def test_a_model_with_a_shorter_context_is_offered_and_loaded_at_most_its_own(tm
     context and plans at 8K (it used to plan 32K, log a planner traceback and show "won't fit"), the load's plan
     is for 8K (it used to load nothing, with an error), and a longer model gets the applied 32K back."""
     from clover_desk.app import AppSettings, CloverDeskApp
-    from engine.tiny import make_tiny
+    from engine.weights.tiny import make_tiny
     from tests.fakes_ui import FakeEngineClient
 
     short = make_tiny(tmp_path / "short", model_type="clover_moe", max_position_embeddings=8192)
@@ -375,7 +378,7 @@ def test_a_read_ahead_adds_forwards_for_turn_checkpoints_only_when_no_expert_is_
     """A read-ahead ends a forward at each chat turn start for a checkpoint there, but not under a plan that streams
     experts: every forward would stream its layers' experts again (~0.3 s at the 35B shape on a 16 GB card)."""
     from engine.api import Engine
-    from engine.events import GenerationParams
+    from engine.decode.events import GenerationParams
 
     folder, plans = tiny_streaming
     streamed = next(p for p in plans if p.streamed_expert_layers and p.ctx_tokens >= 96)

@@ -22,7 +22,7 @@ def test_this_checkout_has_no_clash() -> None:
 
 def _import_clover_desk_with(path_first: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path_first), str(ROOT)]))
-    code = "import clover_desk.cli; print('imported')"
+    code = "import clover_desk.cli.main; print('imported')"
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
 
 

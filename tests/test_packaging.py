@@ -81,8 +81,8 @@ def _launcher(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_launcher_runs_clover_desk_modules_with_their_arguments() -> None:
-    """The bundle's program is started as ``EXE -m clover_desk.worker`` by the window: -m must reach the module."""
-    result = _launcher("-m", "clover_desk.cli", "bench")
+    """The bundle's program is started as ``EXE -m clover_desk.worker.process`` by the window: -m must reach the module."""
+    result = _launcher("-m", "clover_desk.cli.main", "bench")
     assert result.returncode == 2 and "name a suite: speed" in result.stderr  # cli's main saw argv ["bench"]
     result = _launcher("-m", "json.tool", "--help")
     assert result.returncode == 2 and "only Clover Desk's own modules" in result.stderr

@@ -1,4 +1,4 @@
-"""engine.planner: byte-exact manifests, plans whose every byte is accounted, the roofline, the hardware probe.
+"""engine.placement.planner: byte-exact manifests, plans whose every byte is accounted, the roofline, the hardware probe.
 
 The expected numbers are the 35B-A3B shapes' published counts, computed independently of this code.
 """
@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from engine import manifest as manifest_mod
-from engine import planner
+from engine.placement import manifest as manifest_mod
+from engine.placement import planner
 from engine.errors import CheckpointError, ConfigError, PlanError
-from engine.hardware import Hardware, pcie_gbps, probe_hardware, vram_gbps_for_name
-from engine.formats import FORMAT_BYTES, make_policy, placed_bytes
-from engine.planner import (
+from engine.placement.hardware import Hardware, pcie_gbps, probe_hardware, vram_gbps_for_name
+from engine.weights.formats import FORMAT_BYTES, make_policy, placed_bytes
+from engine.placement.planner import (
     SHAPES,
     GiB,
     MiB,
@@ -92,7 +92,7 @@ def test_byte_rules() -> None:
 def test_byte_rules_match_engine_quant() -> None:
     """The planner's table (stdlib) and the quantizer (torch) must agree on every shape."""
     pytest.importorskip("torch")
-    from engine import quant
+    from engine.weights import quant
 
     for shape in [(1024, 2048), (2048, 512), (248_320, 2048), (32, 2048), (7, 96), (3, 64, 40)]:
         for fmt in ("nf4", "int8"):
@@ -350,7 +350,7 @@ def test_replayed_passes_pay_only_for_the_launches_left_eager(m35: planner.Manif
 
 
 def test_zero_copy_ar_reads_every_streamed_expert_over_pcie_and_waits_for_it(m35: planner.Manifest) -> None:
-    """AR reading streamed experts in place (engine.offload zero-copy) pays no fetch and is one graph, but reads all
+    """AR reading streamed experts in place (engine.placement.offload zero-copy) pays no fetch and is one graph, but reads all
     k experts of every streamed layer over PCIe each step (no pool hits) and cannot overlap that read with compute:
     on a 16 GB card at 16 GiB it is predicted well below the pool's replayed figure; with nothing streamed it is the
     replayed step itself, less the fetches that no longer exist."""
@@ -366,7 +366,7 @@ def test_zero_copy_ar_reads_every_streamed_expert_over_pcie_and_waits_for_it(m35
 
 
 def test_device_tables_keep_the_pools_traffic_and_drop_its_fetch_overhead(m35: planner.Manifest) -> None:
-    """AR through device slot tables (engine.device_pool): the pool's PCIe traffic (its hits and prefetch kept), one
+    """AR through device slot tables (engine.placement.device_pool): the pool's PCIe traffic (its hits and prefetch kept), one
     graph launch, and each streamed layer's two kernels at a graph node's latency instead of an eager fetch: at 16 GiB
     between the pool's replayed figure and the hardware bound; all resident, the same as the whole-step graph."""
     p = make_plan(m35, 16 * GiB, CTX)
@@ -460,7 +460,7 @@ def write_safetensors_by_hand(path: Path, tensors: dict[str, tuple[str, tuple[in
 
 
 def _tiny_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
-    from engine.config import parse_config
+    from engine.model.config import parse_config
 
     geo = ModelGeometry.from_config(parse_config(TINY_CONFIG))
     out = {}
@@ -553,7 +553,7 @@ def _cache_json(manifest: planner.Manifest) -> dict[str, Any]:
 
 
 def test_manifest_from_quantized_cache(tmp_path: Path) -> None:
-    from engine.config import parse_config
+    from engine.model.config import parse_config
 
     geo = ModelGeometry.from_config(parse_config(TINY_CONFIG))
     expected = manifest_for_geometry(geo, make_policy())
@@ -568,7 +568,7 @@ def test_manifest_from_quantized_cache(tmp_path: Path) -> None:
     assert with_config.geometry == geo and with_config.policy == {"name": "test"}
     assert with_config.total_bytes() == expected.total_bytes()
     assert make_plan(with_config, GiB, 256).fits
-    # make_plan also takes the dict itself (engine.offload's manifest_from_model form)
+    # make_plan also takes the dict itself (engine.placement.offload's manifest_from_model form)
     assert make_plan(_cache_json(expected), GiB, 256).vram_breakdown == make_plan(shapes_only, GiB, 256).vram_breakdown
 
 
@@ -646,7 +646,7 @@ def test_probe_with_nvml_reads_the_card() -> None:
 
 def test_planner_imports_no_torch_and_no_qt() -> None:
     code = (
-        "import json, sys, engine.planner, engine.hardware, clover_desk.cmd_plan\n"
+        "import json, sys, engine.placement.planner, engine.placement.hardware, clover_desk.cli.plan\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
@@ -683,10 +683,12 @@ def test_prefill_chunk_keeps_the_attention_scratch_bounded(m35: planner.Manifest
 
 
 def test_the_workspace_counts_a_chunk_of_a_quantized_projection_not_the_whole_weight(m35: planner.Manifest) -> None:
-    """engine.quant.QuantLinear dequantizes DEQUANT_CHUNK_ELEMS weights at a time (the 0.95 GiB lm_head of the
-    35B in 16 MiB chunks), engine.experts one group of experts at a time; the planner's constants are the engine's."""
+    """engine.weights.quant.QuantLinear dequantizes DEQUANT_CHUNK_ELEMS weights at a time (the 0.95 GiB lm_head of the
+    35B in 16 MiB chunks), engine.model.experts one group of experts at a time; the planner's constants are the engine's."""
     pytest.importorskip("torch")
-    from engine import experts, model, quant
+    from engine.model import experts
+    from engine.model import clover as model
+    from engine.weights import quant
 
     assert planner.DEQUANT_CHUNK_ELEMS == quant.DEQUANT_CHUNK_ELEMS
     assert planner.ATTENTION_ROWS == model.ATTENTION_ROWS
@@ -714,15 +716,15 @@ def test_default_policy_numbers(m35: planner.Manifest) -> None:
 
 @pytest.mark.parametrize("dense", ["int8", "nf4"])
 def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
-    """manifest_for_geometry (stdlib arithmetic) against a real tiny model quantized by engine.quant and counted by
-    engine.offload: the same tensor names, shapes and, for every quantized tensor, the same bytes."""
+    """manifest_for_geometry (stdlib arithmetic) against a real tiny model quantized by engine.weights.quant and counted by
+    engine.placement.offload: the same tensor names, shapes and, for every quantized tensor, the same bytes."""
     torch = pytest.importorskip("torch")
-    from engine import offload
-    from engine.checkpoint import random_state_dict
-    from engine.config import parse_config
-    from engine.model import CloverModel
-    from engine.quant import make_policy, quantize_model_
-    from engine.tiny import config_dict_for, tiny_text_config
+    from engine.placement import offload
+    from engine.weights.checkpoint import random_state_dict
+    from engine.model.config import parse_config
+    from engine.model.clover import CloverModel
+    from engine.weights.quant import make_policy, quantize_model_
+    from engine.weights.tiny import config_dict_for, tiny_text_config
 
     text = tiny_text_config(vocab_size=128, layers=4, hidden=64, experts=16, experts_per_tok=4)
     cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
@@ -744,13 +746,14 @@ def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
 def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> None:
     """``manifest_from_model`` of a model whose experts are not quantized lists them (as stored), and the workspace
     holds what the bank gathers at once: the top-k experts of an AR step, a block pass's group by expert (at most
-    engine.experts.GROUP_BYTES on a GPU, the layer's experts, a block's pairs)."""
+    engine.model.experts.GROUP_BYTES on a GPU, the layer's experts, a block's pairs)."""
     torch = pytest.importorskip("torch")
-    from engine import experts, offload
-    from engine.checkpoint import random_state_dict
-    from engine.config import parse_config
-    from engine.model import CloverModel
-    from engine.tiny import config_dict_for, tiny_text_config
+    from engine.model import experts
+    from engine.placement import offload
+    from engine.weights.checkpoint import random_state_dict
+    from engine.model.config import parse_config
+    from engine.model.clover import CloverModel
+    from engine.weights.tiny import config_dict_for, tiny_text_config
 
     text = tiny_text_config(vocab_size=128, layers=2, hidden=64, experts=16, experts_per_tok=4, moe_intermediate=32)
     cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
@@ -771,7 +774,8 @@ def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> 
 
 def test_one_policy_table_for_the_quantizer_and_the_planner() -> None:
     pytest.importorskip("torch")
-    from engine import formats, quant
+    from engine.weights import formats
+    from engine.weights import quant
 
     assert quant.make_policy is formats.make_policy and quant.QuantPolicy is formats.QuantPolicy
     assert planner.make_policy is formats.make_policy
@@ -817,7 +821,7 @@ def test_a_checkpoint_is_planned_as_it_will_be_quantized(tiny_checkpoint: tuple[
     assert quantized.by_name()["layers.0.mlp.experts.gate_up_proj"].format == "nf4"
     assert quantized.total_bytes(["expert"]) * 3 < as_stored.total_bytes(["expert"])
     assert quantized.by_name()["norm.weight"] == as_stored.by_name()["norm.weight"]
-    cache = folder / ".clover-cache" / "0123abcd"  # engine.quant_cache's layout: weights.safetensors + manifest.json
+    cache = folder / ".clover-cache" / "0123abcd"  # engine.weights.quant_cache's layout: weights.safetensors + manifest.json
     cache.mkdir(parents=True)
     write_safetensors_by_hand(cache / "weights.safetensors", {"norm.weight": ("BF16", (32,))})
     data = _cache_json(quantized)
@@ -831,7 +835,7 @@ def test_a_checkpoint_is_planned_as_it_will_be_quantized(tiny_checkpoint: tuple[
 
 
 def test_a_prefills_peak_is_its_projections_or_its_experts_grouped_by_expert(m35: planner.Manifest) -> None:
-    """engine.experts._moe_sorted lays a chunk's (token, expert) pairs out by expert, each expert of a group padded
+    """engine.model.experts._moe_sorted lays a chunk's (token, expert) pairs out by expert, each expert of a group padded
     to the group's busiest: with small experts and top-8 that, not the projections, is a layer's peak (the mid
     shape's measured prefill: bench_count's test). The 35B's Gated DeltaNet projections stay its peak."""
     import dataclasses

@@ -23,12 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import offload, quant_cache
-from engine.checkpoint import random_state_dict, write_checkpoint
-from engine.config import parse_config
-from engine.quant import make_policy
-from engine.quant_cache import DATA_NAME, MANIFEST_NAME, build_cache, load_from_cache
-from engine.tiny import config_dict_for, tiny_text_config
+from engine.placement import offload
+from engine.weights import quant_cache
+from engine.weights.checkpoint import random_state_dict, write_checkpoint
+from engine.model.config import parse_config
+from engine.weights.quant import make_policy
+from engine.weights.quant_cache import DATA_NAME, MANIFEST_NAME, build_cache, load_from_cache
+from engine.weights.tiny import config_dict_for, tiny_text_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
@@ -142,7 +143,7 @@ def pinning_refused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 def test_expert_rows_fall_back_to_pageable_memory_when_pinning_fails(
     pinning_refused: list[tuple[int, ...]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.offload"):
+    with caplog.at_level(logging.WARNING, logger="engine.placement.offload"):
         rows, pinned = offload.alloc_host_rows((4, 32), True, offload.PinBudget(None), layer=3)
     assert pinning_refused == [(4, 32)]  # it was asked for, and refused
     assert not pinned and tuple(rows.shape) == (4, 32) and not rows.is_pinned()
@@ -152,7 +153,7 @@ def test_expert_rows_fall_back_to_pageable_memory_when_pinning_fails(
 def test_staging_ring_falls_back_to_pageable_buffers_when_pinning_fails(
     pinning_refused: list[tuple[int, ...]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.offload"):
+    with caplog.at_level(logging.WARNING, logger="engine.placement.offload"):
         ring = offload.StagingRing(64, 3, torch.device("cpu"), pin=True)
     assert pinning_refused and not ring.pinned and len(ring.buffers) == 3
     assert any("staging" in r.getMessage() for r in caplog.records)
@@ -172,7 +173,7 @@ def test_pid_alive_tells_a_running_process_from_a_finished_one() -> None:
 
 
 def test_make_tiny_peak_memory_without_the_resource_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    from clover_desk import cmd_make_tiny
+    from clover_desk.cli import make_tiny as cmd_make_tiny
 
     assert cmd_make_tiny.peak_rss_bytes() > 0  # resource, on Linux
     monkeypatch.setitem(sys.modules, "resource", None)  # import resource -> ImportError, as on Windows

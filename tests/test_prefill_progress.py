@@ -1,4 +1,4 @@
-"""A long prompt's prefill reports progress and can be cancelled between its segments (engine.generate._prefill),
+"""A long prompt's prefill reports progress and can be cancelled between its segments (engine.decode.generate._prefill),
 on a tiny real Clover checkpoint: the segments are the model's own (``segment_tokens``), the cache they write is the
 one a single forward writes, and a cancel set during the prefill ends the request before any denoising pass."""
 
@@ -10,8 +10,17 @@ import pytest
 import torch
 
 from engine.api import Engine
-from engine.events import BlockStep, Finished, GenerationParams, PrefillProgress, PromptInfo, TextDelta, from_dict, to_dict
-from engine.generate import _prefill
+from engine.decode.events import (
+    BlockStep,
+    Finished,
+    GenerationParams,
+    PrefillProgress,
+    PromptInfo,
+    TextDelta,
+    from_dict,
+    to_dict,
+)
+from engine.decode.generate import _prefill
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401 (fixtures)
 
 SEGMENT = 64  # max_pass_tokens for these tests: a few hundred prompt tokens make several segments

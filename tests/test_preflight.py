@@ -1,4 +1,4 @@
-"""GPU preflight (engine/preflight.py) and ``clover-desk doctor``: the rules run on made-up machines, since the
+"""GPU preflight (engine/placement/preflight.py) and ``clover-desk doctor``: the rules run on made-up machines, since the
 machines that need them (a CPU-only torch beside an RTX 5090, an old driver, a torch without sm_120 kernels, a
 bitsandbytes without CUDA libraries) are not here."""
 
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from clover_desk import cli, cmd_doctor
-from engine import preflight
-from engine.preflight import Finding, GpuFacts, arch_support, check, torch_index_for
+from clover_desk.cli import main as cli
+from clover_desk.cli import doctor as cmd_doctor
+from engine.placement import preflight
+from engine.placement.preflight import Finding, GpuFacts, arch_support, check, torch_index_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,7 +162,7 @@ def test_gather_facts_on_this_machine() -> None:
 
 
 def test_preflight_module_does_not_import_torch() -> None:
-    code = "import sys, engine.preflight; print('torch' in sys.modules)"
+    code = "import sys, engine.placement.preflight; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -209,8 +210,9 @@ def test_the_opt_in_switches_are_checked() -> None:
 
 def test_every_opt_in_switch_is_read_where_it_acts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The doctor's list is the engine's: each switch is read by an engine module (not only listed), the two
-    placement switches are the constants engine.offload and engine.device_pool read, and gather_facts sees them."""
-    from engine import device_pool, offload
+    placement switches are the constants engine.placement.offload and engine.placement.device_pool read, and gather_facts sees them."""
+    from engine.placement import device_pool
+    from engine.placement import offload
 
     sources = "".join(p.read_text() for p in (ROOT / "engine").glob("*.py") if p.name != "preflight.py")
     for name in preflight.OPT_IN:

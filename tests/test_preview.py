@@ -246,7 +246,7 @@ d.textContent = "12*7 = " + Function("return (12*7)")();
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
-    return subprocess.run([sys.executable, "-m", "clover_desk.cli", "preview", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "clover_desk.cli.main", "preview", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""Quantized weight cache (engine/quant_cache.py): streaming conversion, manifest, atomicity, staleness, loading."""
+"""Quantized weight cache (engine/weights/quant_cache.py): streaming conversion, manifest, atomicity, staleness, loading."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import load_model, random_state_dict, write_checkpoint
-from engine.config import parse_config
+from engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
+from engine.model.config import parse_config
 from engine.errors import CancelledError
-from engine.events import LoadProgress
-from engine.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
-from engine.quant_cache import (
+from engine.decode.events import LoadProgress
+from engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
+from engine.weights.quant_cache import (
     DATA_NAME,
     MANIFEST_NAME,
     build_cache,
@@ -27,7 +27,7 @@ from engine.quant_cache import (
     load_quantized,
     read_header,
 )
-from engine.tiny import config_dict_for, tiny_text_config
+from engine.weights.tiny import config_dict_for, tiny_text_config
 
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
 POLICY = make_policy()  # experts NF4, projections and lm_head INT8
@@ -108,7 +108,7 @@ def test_default_location_is_beside_the_model(tmp_path: Path) -> None:
 
 
 def test_manifest_is_what_the_planner_reads(ckpt: Path, tmp_path: Path) -> None:
-    from engine.planner import manifest_from_quantized_cache
+    from engine.placement.planner import manifest_from_quantized_cache
 
     path = build_cache(ckpt, POLICY, tmp_path / "c")
     m = json.loads((path / MANIFEST_NAME).read_text())
@@ -200,8 +200,8 @@ def test_cancel_leaves_nothing_behind(ckpt: Path, tmp_path: Path) -> None:
 
 _KILLED_SCRIPT = """
 import os, signal, sys
-from engine.quant import make_policy
-from engine.quant_cache import build_cache
+from engine.weights.quant import make_policy
+from engine.weights.quant_cache import build_cache
 n = 0
 def progress(p):
     global n
@@ -233,8 +233,8 @@ def test_killed_conversion_leaves_no_cache_that_looks_complete(ckpt: Path, tmp_p
 _RSS_SCRIPT = """
 import sys, threading, time, psutil, torch
 torch.set_num_threads(1)
-from engine.quant import make_policy, quantize_tensor
-from engine.quant_cache import build_cache
+from engine.weights.quant import make_policy, quantize_tensor
+from engine.weights.quant_cache import build_cache
 quantize_tensor(torch.randn(64, 64), "nf4")  # load bitsandbytes' libraries before the baseline (a constant)
 quantize_tensor(torch.randn(64, 64), "int8")
 proc = psutil.Process()
@@ -280,7 +280,7 @@ def test_altered_cache_bytes_are_caught_on_load_and_rebuilt(ckpt: Path, tmp_path
     it equals the one from the intact cache."""
     import shutil
 
-    from engine.quant_cache import CacheDamaged, check_cache, load_from_cache
+    from engine.weights.quant_cache import CacheDamaged, check_cache, load_from_cache
 
     src = shutil.copytree(ckpt, tmp_path / "model")
     root = tmp_path / "cache"

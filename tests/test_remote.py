@@ -1,4 +1,4 @@
-"""The remote backend (clover_desk/remote.py) and ``clover-desk generate --remote``, against ``clover-desk serve``'s
+"""The remote backend (clover_desk/worker/remote.py) and ``clover-desk generate --remote``, against ``clover-desk serve``'s
 server on scripted tiny models, and against a plain OpenAI-style server that reports no Clover figures."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from clover_desk.remote import RemoteBackend, RemoteError, RemoteFinished, request_body
-from engine.events import GenerationParams, TextDelta
+from clover_desk.worker.remote import RemoteBackend, RemoteError, RemoteFinished, request_body
+from engine.decode.events import GenerationParams, TextDelta
 from server_fixtures import (  # noqa: F401 - fixtures
     WEATHER_TOOL,
     chat_model,
@@ -211,7 +211,7 @@ def test_unreachable_refused_and_bad_urls(chat_model) -> None:  # noqa: ANN001
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    from clover_desk.cli import main
+    from clover_desk.cli.main import main
 
     try:
         code = main(list(argv))

@@ -18,8 +18,8 @@ import pytest
 from PySide6.QtCore import QSettings, Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.remote import RemoteFinished
-from engine.events import TextDelta
+from clover_desk.worker.remote import RemoteFinished
+from engine.decode.events import TextDelta
 from server_fixtures import (  # noqa: F401 (session fixtures)
     chat_model,
     chat_server,

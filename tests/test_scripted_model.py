@@ -13,7 +13,7 @@ from server_fixtures import CHAT_PLAIN, CHAT_THINKING, TOOL_JSON, chat_model, en
 
 def _run(model_dir: Path, enable_thinking: bool, mode: str, max_new_tokens: int = 200):  # noqa: ANN202
     from engine.api import Engine
-    from engine.events import BlockStep, Finished, GenerationParams
+    from engine.decode.events import BlockStep, Finished, GenerationParams
 
     engine = Engine.load(model_dir)
     params = GenerationParams(mode=mode, enable_thinking=enable_thinking, max_new_tokens=max_new_tokens)
@@ -53,7 +53,7 @@ def test_a_looping_script_never_ends(endless_model) -> None:  # noqa: ANN001
 
 
 def test_distinct_tokenization_spells_the_text_with_no_token_twice(chat_model) -> None:  # noqa: ANN001
-    from engine.tokenizer import CloverTokenizer
+    from engine.decode.tokenizer import CloverTokenizer
 
     tok = CloverTokenizer.from_dir(chat_model.path)
     text = "Paris, Paris"
@@ -68,7 +68,7 @@ def test_distinct_tokenization_spells_the_text_with_no_token_twice(chat_model) -
 
 
 def test_conflicting_scripts_are_refused(chat_model, tmp_path: Path) -> None:  # noqa: ANN001
-    from engine.config import load_config
+    from engine.model.config import load_config
 
     config = load_config(chat_model.path)
     with pytest.raises(ValueError, match="two successors"):

@@ -19,7 +19,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.events import Finished, PromptInfo, TextDelta
+from engine.decode.events import Finished, PromptInfo, TextDelta
 from gui_desk import running_desk
 from server_fixtures import endless_model  # noqa: F401 (session fixture)
 from ui.serve_panel import ServeDialog, exposure_warning, is_loopback
@@ -201,7 +201,7 @@ def test_listening_beyond_this_machine_without_a_key_is_warned_about(qtbot) -> N
 
 def test_the_client_answers_every_serve_request(qtbot) -> None:
     """start_server / stop_server always end in a signal, also without a worker or without a server."""
-    from clover_desk.engine_client import EngineClient
+    from clover_desk.worker.client import EngineClient
 
     client = EngineClient(worker_args=["--engine-factory", "tests.fake_engine:make"])
     try:

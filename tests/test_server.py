@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from clover_desk.server import AnswerParser, parse_chat_request
+from clover_desk.worker.server import AnswerParser, parse_chat_request
 from server_fixtures import (  # noqa: F401 - fixtures
     NO_THINKING,
     TOOL_JSON,
@@ -206,7 +206,7 @@ def test_a_stop_sequence_cancels_an_endless_answer(endless_server) -> None:  # n
 
 @pytest.mark.parametrize("cut", range(1, 12))
 def test_stop_scanner_finds_a_sequence_split_anywhere(cut: int) -> None:
-    from clover_desk.server import StopScanner
+    from clover_desk.worker.server import StopScanner
 
     text = "tick tock tick tock"
     scanner = StopScanner([" tock t", "zzz"])
@@ -223,7 +223,7 @@ def test_stop_scanner_finds_a_sequence_split_anywhere(cut: int) -> None:
 
 
 def _template(model_dir: Any, enable_thinking: bool = True) -> str:
-    from engine.tokenizer import CloverTokenizer
+    from engine.decode.tokenizer import CloverTokenizer
 
     return CloverTokenizer.from_dir(model_dir).apply_chat_template(HI, enable_thinking=enable_thinking)
 
@@ -235,7 +235,7 @@ def test_a_raw_completion_returns_the_text_as_written(chat_server, chat_model) -
     choice = answer.choices[0]
     assert choice.text == "Let me think</think>Sure thing." and choice.finish_reason == "stop"  # markers kept
     assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
-    from engine.tokenizer import CloverTokenizer
+    from engine.decode.tokenizer import CloverTokenizer
 
     ids = CloverTokenizer.from_dir(chat_model.path).encode(prompt)
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), 13)
@@ -712,7 +712,7 @@ def test_a_stopped_server_answers_no_one(chat_model) -> None:  # noqa: ANN001
 
 
 def test_no_model_answers_503_until_one_is_attached(chat_server) -> None:  # noqa: ANN001
-    from clover_desk.server import OpenAIServer
+    from clover_desk.worker.server import OpenAIServer
 
     with OpenAIServer(None, port=0).start() as server:
         status, _, raw = _raw(server, "GET", "/v1/models")
@@ -730,7 +730,7 @@ def test_no_model_answers_503_until_one_is_attached(chat_server) -> None:  # noq
 
 
 def test_turns_are_first_come_first_served_and_bounded() -> None:
-    from clover_desk.server import ApiError, Turns, _ClientGone
+    from clover_desk.worker.server import ApiError, Turns, _ClientGone
 
     turns = Turns(max_waiting=2)
     turns.acquire(lambda: False)  # the running generation
@@ -771,7 +771,7 @@ def test_turns_are_first_come_first_served_and_bounded() -> None:
 
 def _serve(*args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "clover_desk.cli", "serve", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "clover_desk.cli.main", "serve", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -828,7 +828,7 @@ def test_serve_cache_ram_keeps_other_chats_states_or_not(chat_model, cache_ram: 
                                                          ("--ctx", "0", "from 1"), ("--vram-gb", "nan", "> 0"),
                                                          ("--cache-ram", "-1", "MiB from 0")])
 def test_serve_refuses_bad_flags(capsys: pytest.CaptureFixture[str], flag: str, value: str, allowed: str) -> None:
-    from clover_desk.cli import main
+    from clover_desk.cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model", "m", flag, value])
@@ -837,7 +837,7 @@ def test_serve_refuses_bad_flags(capsys: pytest.CaptureFixture[str], flag: str, 
 
 
 def test_serve_reports_a_bad_model_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from clover_desk.cli import main
+    from clover_desk.cli.main import main
 
     assert main(["serve", "--model", str(tmp_path / "nowhere"), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clover_desk import paths
-from engine.events import BlockCommitted, EngineError, Finished, PromptInfo, TextDelta
+from engine.decode.events import BlockCommitted, EngineError, Finished, PromptInfo, TextDelta
 from clover_desk.storage import (
     MIGRATIONS,
     SCHEMA_VERSION,

@@ -31,7 +31,7 @@ from clover_desk.storage import (
     StreamRecorder,
     write_failure_reason,
 )
-from engine.events import BlockCommitted, PromptInfo, TextDelta
+from engine.decode.events import BlockCommitted, PromptInfo, TextDelta
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ["--engine-factory", "tests.fake_engine:make"]
@@ -99,7 +99,7 @@ def _gui(home: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **GUI_ENV}
     env.pop("CLOVER_DESK_HOME", None)
     return subprocess.run(
-        [sys.executable, "-m", "clover_desk.cli", "gui", "--home", str(home)], cwd=ROOT, env=env,
+        [sys.executable, "-m", "clover_desk.cli.main", "gui", "--home", str(home)], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
 
@@ -410,7 +410,7 @@ def test_write_failure_reasons() -> None:
 @pytest.fixture
 def worker_client(qtbot: Any) -> Iterator[Any]:
     """The real EngineClient and worker process, on the scripted engine, with its model loaded."""
-    from clover_desk.engine_client import EngineClient
+    from clover_desk.worker.client import EngineClient
 
     client = EngineClient(worker_args=FAKE)
     with qtbot.waitSignal(client.ready, timeout=60_000):

@@ -1,5 +1,5 @@
 """Chat templates are code from the model folder: rendered in a sandbox with limits on time and size
-(engine.chat_template), so a hostile template is one PromptError within a couple of seconds and without a big
+(engine.decode.chat_template), so a hostile template is one PromptError within a couple of seconds and without a big
 allocation, while ordinary templates render exactly as plain Jinja2 renders them.
 
 The hostile templates run in a child process under an address-space limit (RLIMIT_AS): if a guard is missing, the
@@ -20,8 +20,8 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import ConfigError, PromptError
-from engine.limits import TEMPLATE_MAX_SOURCE_CHARS, TEMPLATE_TIMEOUT_S
-from engine.tokenizer import CloverTokenizer, shipped_file, train_tiny_tokenizer
+from engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, TEMPLATE_TIMEOUT_S
+from engine.decode.tokenizer import CloverTokenizer, shipped_file, train_tiny_tokenizer
 from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401
 from test_worker import WorkerProc
 
@@ -99,7 +99,7 @@ CHILD = textwrap.dedent("""
     import json, resource, sys, time
     from pathlib import Path
     from engine.errors import PromptError
-    from engine.tokenizer import CloverTokenizer
+    from engine.decode.tokenizer import CloverTokenizer
     cases, folder, messages = json.loads(sys.stdin.read())
     results = {}
     for name, template in cases.items():

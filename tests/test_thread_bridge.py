@@ -21,7 +21,7 @@ import shiboken6
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, QThread, Signal
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.events import EngineError, GenerationParams, TextDelta
+from engine.decode.events import EngineError, GenerationParams, TextDelta
 from ui.thread_bridge import ThreadBridge
 
 guard_pyside_bool_refcounts()

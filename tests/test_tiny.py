@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from engine.config import load_config, load_generation_defaults
-from engine.tiny import make_tiny
+from engine.model.config import load_config, load_generation_defaults
+from engine.weights.tiny import make_tiny
 from fixtures_tiny import one_torch_thread, tiny_clover_dir, tiny_qwen_dir  # noqa: F401
 
 
@@ -78,7 +78,7 @@ def test_qwen_folder_is_the_base_layout(tiny_qwen_dir: Path) -> None:
 def test_tiny_models_load_and_run(tiny_clover_dir: Path, tiny_qwen_dir: Path, one_torch_thread: None) -> None:
     import torch
 
-    from engine.checkpoint import load_model
+    from engine.weights.checkpoint import load_model
 
     for folder in (tiny_clover_dir, tiny_qwen_dir):
         model = load_model(folder)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ConfigError, PromptError
-from engine.tokenizer import (
+from engine.decode.tokenizer import (
     IM_END,
     MASK,
     THINK_END,

@@ -3,7 +3,7 @@ every launch the engine makes (fused NF4 and GGUF MoE for an AR step and a 32-sl
 dequantize kernel) with its real arguments, lowered by Triton and ptxas for the RTX 40 series (sm_89), H100/H200
 (sm_90) and the RTX 50 series (sm_120). The interpreter tests prove the arithmetic; this proves the code lowers
 (types, layouts, tl.dot shapes) and that no bf16 kernel spills registers to memory. The device pool's placing and
-row copy (``engine.triton_copy``) are compiled at the 16 GiB plan's pool size too."""
+row copy (``engine.kernels.triton_copy``) are compiled at the 16 GiB plan's pool size too."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_every_kernel_launch_compiles_for_the_target_gpus(tmp_path: Path) -> Non
     got = {(r["launch"], r["kernel"], r["target"]) for r in rows}
     want = {(launch, kernel, target) for launch, kernels in LAUNCHES.items() for kernel in kernels for target in TARGETS}
     assert got == want
-    from engine.triton_moe import NUM_WARPS
+    from engine.kernels.triton_moe import NUM_WARPS
 
     for r in rows:
         assert 0 < r["registers"] <= 255, r

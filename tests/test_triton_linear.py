@@ -1,4 +1,4 @@
-"""The fused weight-only INT8 linear (``engine.triton_linear``) against the dequantize-then-matmul reference, run on
+"""The fused weight-only INT8 linear (``engine.kernels.triton_linear``) against the dequantize-then-matmul reference, run on
 the CPU by Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is first imported) at small, ragged
 shapes (the masks of partial row, output and input tiles), with and without a bias, in fp32 and fp16 (bf16, which
 the interpreter does not emulate, in the gpu-marked test)."""
@@ -13,8 +13,8 @@ from tests.triton_child import run_interpreted
 
 CHILD = r'''
 import torch
-from engine.quant import dequantize_int8_reference, quantize_int8
-from engine.triton_linear import int8_linear
+from engine.weights.quant import dequantize_int8_reference, quantize_int8
+from engine.kernels.triton_linear import int8_linear
 
 torch.manual_seed(0)
 for r, n, o, bias, dtype in ((1, 64, 96, False, torch.float32), (5, 130, 70, True, torch.float32),
@@ -39,7 +39,7 @@ def test_fused_int8_linear_equals_the_dequantize_then_matmul_reference() -> None
 
 
 def test_the_fused_kernel_is_taken_only_on_cuda_when_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import triton_linear
+    from engine.kernels import triton_linear
 
     codes = torch.zeros(8, 16, dtype=torch.int8)
     monkeypatch.setenv("CLOVER_DESK_FUSED_INT8", "1")
@@ -50,8 +50,8 @@ def test_the_fused_kernel_is_taken_only_on_cuda_when_opted_in(monkeypatch: pytes
 def test_quant_linear_takes_the_fused_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from engine import triton_linear
-    from engine.quant import QuantLinear
+    from engine.kernels import triton_linear
+    from engine.weights.quant import QuantLinear
 
     lin = torch.nn.Linear(256, 1000, bias=True)
     q = QuantLinear.from_linear(lin, "int8").to("cuda")

@@ -1,5 +1,5 @@
-"""The fused GGUF MoE Triton kernels (``engine.triton_moe.fused_gguf_moe``) against the dequantize-then-matmul
-reference (``engine.quant.routed_forward`` on the CPU, which dequantizes with ``engine.gguf_quants``), run by
+"""The fused GGUF MoE Triton kernels (``engine.kernels.triton_moe.fused_gguf_moe``) against the dequantize-then-matmul
+reference (``engine.weights.quant.routed_forward`` on the CPU, which dequantizes with ``engine.weights.gguf.quants``), run by
 Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is first imported) in a child process:
 
 * the element decode of every supported ggml type (the kernels' ``gguf_at``) equal bit for bit to
@@ -18,17 +18,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import gguf_quants as gq
-from engine import triton_moe
-from engine.gguf_model import GGUFExpertLayout
+from engine.weights.gguf import quants as gq
+from engine.kernels import triton_moe
+from engine.weights.gguf.model import GGUFExpertLayout
 from tests.triton_child import run_interpreted
 
 
 # shared by the child scripts: random GGUF block bytes and a packed expert bank
 COMMON = r'''
 import torch
-from engine import gguf_quants as gq
-from engine.gguf_model import GGUFExpertLayout
+from engine.weights.gguf import quants as gq
+from engine.weights.gguf.model import GGUFExpertLayout
 
 F16_FIELDS = {gq.Q8_0: (0,), gq.Q4_0: (0,), gq.Q4_K: (0, 2), gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
 
@@ -58,7 +58,7 @@ def packed_bank(e: int, d: int, i: int, qtypes: tuple[int, int, int]) -> tuple[G
 '''
 
 HELPERS = COMMON + r'''
-from engine.triton_moe import gguf_dequantize
+from engine.kernels.triton_moe import gguf_dequantize
 
 torch.manual_seed(0)
 for qt in (gq.Q8_0, gq.Q4_0, gq.Q4_K, gq.Q5_K, gq.Q6_K, gq.F16, gq.BF16, gq.F32):
@@ -72,8 +72,8 @@ print("ok")
 '''
 
 FUSED = COMMON + r'''
-from engine.quant import routed_forward
-from engine.triton_moe import fused_gguf_moe, fused_moe
+from engine.weights.quant import routed_forward
+from engine.kernels.triton_moe import fused_gguf_moe, fused_moe
 
 CASES = (  # (gate, up, down) types, E, D, I, T, K
     ((gq.Q8_0,) * 3, 6, 256, 256, 2, 2),

@@ -1,4 +1,4 @@
-"""The VRAM budget panel over the real planner (engine.planner, stdlib only) for the published model shape."""
+"""The VRAM budget panel over the real planner (engine.placement.planner, stdlib only) for the published model shape."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from engine import planner
+from engine.placement import planner
 from fakes_ui import fake_plan
 from engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
 from PySide6.QtWidgets import QComboBox, QLabel, QPushButton, QSlider

@@ -10,8 +10,8 @@ from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import ChatStore, StreamRecorder
-from clover_desk.token_counter import TokenCounter
-from engine.tokenizer import CloverTokenizer
+from clover_desk.worker.token_counter import TokenCounter
+from engine.decode.tokenizer import CloverTokenizer
 from fakes_ui import FakeEngineClient
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from ui.context_meter import ContextFullDialog, meter_text
@@ -311,7 +311,7 @@ def test_without_a_counter_there_is_no_meter_and_send_is_not_held(qtbot, store) 
 
 
 def test_a_quick_prompt_never_flashes_the_reading_strip(qtbot, store) -> None:  # noqa: ANN001
-    from engine.events import BlockStep, PromptInfo
+    from engine.decode.events import BlockStep, PromptInfo
 
     client = FakeEngineClient(blocks=1, pass_ms=2)
     client.paused = True
@@ -329,7 +329,7 @@ def test_a_quick_prompt_never_flashes_the_reading_strip(qtbot, store) -> None:  
 
 
 def test_a_slow_single_pass_prompt_shows_the_strip_after_a_moment(qtbot, store) -> None:  # noqa: ANN001
-    from engine.events import PromptInfo
+    from engine.decode.events import PromptInfo
 
     from ui.prompt_progress import SHOW_AFTER_MS
 

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import ChatStore, StreamRecorder
-from engine.events import GenerationParams
+from engine.decode.events import GenerationParams
 from fakes_ui import FakeEngineClient, fake_plan
 from ui import main_window as main_window_module
 from ui import theme as theme_module
@@ -518,7 +518,7 @@ def test_light_and_dark_themes_switch_from_view_and_follow_the_system(qtbot, sto
 
 
 def test_the_status_bar_uses_the_shared_memory_probe(qtbot, store) -> None:
-    from engine.hardware import MemoryMonitor
+    from engine.placement.hardware import MemoryMonitor
 
     pytest.importorskip("psutil")
     window = make_window(qtbot, store, monitor=MemoryMonitor())
@@ -549,7 +549,7 @@ def test_the_preview_command_wears_the_apps_theme(tmp_path) -> None:
     page.write_text("<!DOCTYPE html><html><body style='background:#204060'>hi</body></html>", encoding="utf-8")
     out = tmp_path / "p.png"
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", QTWEBENGINE_DISABLE_SANDBOX="1")
-    result = subprocess.run([sys.executable, "-m", "clover_desk.cli", "preview", str(page), "--screenshot", str(out),
+    result = subprocess.run([sys.executable, "-m", "clover_desk.cli.main", "preview", str(page), "--screenshot", str(out),
                              "--wait-ms", "100", "--size", "640x480"], cwd=Path(__file__).resolve().parents[1],
                             env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr

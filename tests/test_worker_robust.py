@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from clover_desk.worker import MAX_LINE_BYTES, MAX_NESTING, PARAM_FIELDS, read_lines
-from engine.events import GenerationParams
+from clover_desk.worker.process import MAX_LINE_BYTES, MAX_NESTING, PARAM_FIELDS, read_lines
+from engine.decode.events import GenerationParams
 from test_worker import FAKE, TIMEOUT, WorkerProc
 
 USER = [{"role": "user", "content": "hi"}]
@@ -285,7 +285,7 @@ def test_every_valid_boundary_value_is_accepted(loaded_worker: WorkerProc) -> No
     w = loaded_worker
     edges = [
         {"temperature": 0, "top_p": 1, "top_k": 0, "threshold": 0, "seed": 0, "block_size": 1, "max_new_tokens": 1},
-        # the top edges of engine.limits.GENERATION_LIMITS (the CLI's flags accept the same)
+        # the top edges of engine.decode.limits.GENERATION_LIMITS (the CLI's flags accept the same)
         {"temperature": 100, "top_p": 1e-9, "threshold": 1, "seed": 2**63 - 1, "repetition_penalty": 100,
          "presence_penalty": -100, "do_sample": True, "mode": "ar", "enable_thinking": False, "block_size": 4096},
         {"temperature": 1e-3, "repetition_penalty": 0.01, "presence_penalty": 100, "max_new_tokens": 2**31 - 1},
@@ -324,7 +324,7 @@ def test_refused_load_never_leaves_the_worker_loading() -> None:
 
 
 def test_param_checks_cover_every_generation_param() -> None:
-    """The worker's table of checks and engine.events.GenerationParams name the same fields."""
+    """The worker's table of checks and engine.decode.events.GenerationParams name the same fields."""
     assert set(PARAM_FIELDS) == {f.name for f in dataclasses.fields(GenerationParams)}
 
 

@@ -50,13 +50,15 @@ def launches() -> Iterator[Launch]:
     (per pair) and a 32-slot pass (grouped; bf16, and fp32 with IEEE products), the GGUF expert types of the
     official files (Q4_0; Q4_K_M: Q4_K gate/up, Q6_K down; Q8_0) and Q5_K, the int8 LM head at 1 and 32 rows,
     and the GGUF dequantize kernel."""
-    import engine.triton_copy_kernels as copy_kernels
-    import engine.triton_linear_kernels as linear_kernels
-    import engine.triton_moe_kernels as moe_kernels
-    from engine import gguf_quants as gq
-    from engine import triton_copy, triton_linear, triton_moe
-    from engine.gguf_model import GGUFExpertLayout
-    from engine.quant import ExpertLayout
+    import engine.kernels.triton_copy_kernels as copy_kernels
+    import engine.kernels.triton_linear_kernels as linear_kernels
+    import engine.kernels.triton_moe_kernels as moe_kernels
+    from engine.weights.gguf import quants as gq
+    from engine.kernels import triton_copy
+    from engine.kernels import triton_linear
+    from engine.kernels import triton_moe
+    from engine.weights.gguf.model import GGUFExpertLayout
+    from engine.weights.quant import ExpertLayout
 
     recorded: list[Launch] = []
     label = [""]
@@ -93,7 +95,7 @@ def launches() -> Iterator[Launch]:
             triton_linear.int8_linear(torch.zeros(r, d, dtype=torch.bfloat16), codes, torch.ones(4096))
         label[0] = "gguf dequantize q6_k"
         triton_moe.gguf_dequantize(torch.zeros(4, 210 * d // 256, dtype=torch.uint8), gq.Q6_K, d)
-        # the device pool's two kernels (engine.device_pool) at the 16 GiB plan: 17 streamed layers, 1,565 slots
+        # the device pool's two kernels (engine.placement.device_pool) at the 16 GiB plan: 17 streamed layers, 1,565 slots
         slots, streamed = 1565, 17
         tables = SimpleNamespace(
             E=e, S=slots, slot_of=torch.full((streamed * e + 1,), -1), key_of=torch.full((slots + 1,), -1),

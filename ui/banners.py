@@ -6,7 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from engine.events import LoadProgress
+from engine.decode.events import LoadProgress
 from ui.theme import set_style_class
 from ui.widgets import ElidedLabel, accessible
 
@@ -14,7 +14,7 @@ GIB = 1024**3
 
 STAGES = {"reading": "Reading weights", "quantizing": "Quantizing", "writing-cache": "Writing cache",
           "placing": "Placing on the GPU", "done": "Loaded",
-          # engine.events.COMPILE_STAGES: the event's ``current`` (the detail) says which warm-up runs, or why not
+          # engine.decode.events.COMPILE_STAGES: the event's ``current`` (the detail) says which warm-up runs, or why not
           "compiling-ar": "Compiling the layers", "compiling-diffusion": "Compiling the layers",
           "compile-skipped": "Not compiling"}
 

@@ -1,7 +1,7 @@
 """What the window is handed, as typed protocols (no Qt widgets, no clover_desk imports).
 
 The composition root (``clover_desk.app``) builds the real objects (``EngineClient``, ``ChatStore``,
-``StreamRecorder``, ``engine.hardware.MemoryMonitor``) and passes them in; tests pass fakes that speak the same
+``StreamRecorder``, ``engine.placement.hardware.MemoryMonitor``) and passes them in; tests pass fakes that speak the same
 contracts. The window's view of the engine's life is :class:`EngineState`.
 """
 
@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
-from engine.events import GenerationParams
+from engine.decode.events import GenerationParams
 
 
 class EngineState(Enum):
@@ -57,10 +57,10 @@ class SignalLike(Protocol):
 
 
 class EngineClientLike(Protocol):
-    """``clover_desk.engine_client.EngineClient`` as the window uses it."""
+    """``clover_desk.worker.client.EngineClient`` as the window uses it."""
 
     ready: SignalLike  # the worker accepts commands (it will load the model)
-    loadProgress: SignalLike  # engine.events.LoadProgress
+    loadProgress: SignalLike  # engine.decode.events.LoadProgress
     loaded: SignalLike  # dict: model_dir, device, config, generation_defaults, plan, ...
     event: SignalLike  # (request id, engine event)
     errorMessage: SignalLike  # (kind, message) not tied to a request
@@ -138,7 +138,7 @@ RecorderFactory = Callable[[Any, int], Recorder]  # (store, assistant message id
 
 
 class TokenCounterLike(Protocol):
-    """Tokens of a conversation as the engine will read it (``clover_desk.token_counter.TokenCounter``: the model
+    """Tokens of a conversation as the engine will read it (``clover_desk.worker.token_counter.TokenCounter``: the model
     folder's tokenizer and chat template, in the GUI process, off the GUI thread)."""
 
     counted: SignalLike  # (key, tokens) answering count(); tokens -1: cannot count
@@ -155,7 +155,7 @@ class HtmlPreview(Protocol):
 
 
 class MemoryMonitor(Protocol):
-    """RAM / VRAM in use (``engine.hardware.MemoryMonitor``): ``ram_used``, ``ram_total``, ``vram_used``,
+    """RAM / VRAM in use (``engine.placement.hardware.MemoryMonitor``): ``ram_used``, ``ram_total``, ``vram_used``,
     ``vram_total`` in bytes, None where unknown."""
 
     def sample(self) -> dict[str, int | None]: ...
@@ -175,7 +175,7 @@ class ServerControl(Protocol):
 
 
 class RemoteFinishedLike(Protocol):
-    """The last event of a remote answer (``clover_desk.remote.RemoteFinished``): what the server did not report is
+    """The last event of a remote answer (``clover_desk.worker.remote.RemoteFinished``): what the server did not report is
     None, and :meth:`stats` keeps it None (the window shows it as unavailable, never estimated)."""
 
     text: str
@@ -188,13 +188,13 @@ class RemoteFinishedLike(Protocol):
 
 
 class RemoteChat(Protocol):
-    """One OpenAI-compatible server (``clover_desk.remote.RemoteBackend``). Errors are ``engine.errors.CloverError``
+    """One OpenAI-compatible server (``clover_desk.worker.remote.RemoteBackend``). Errors are ``engine.errors.CloverError``
     subclasses whose message says what went wrong (cannot reach, HTTP 401 ..., not an answer)."""
 
     def models(self) -> list[str]: ...
     def chat(self, messages: Sequence[dict[str, Any]], params: GenerationParams | None = None,
              tools: Sequence[dict[str, Any]] | None = None, cancel: Any = None) -> Iterator[object]: ...
-    # chat yields engine.events.TextDelta ..., then one RemoteFinishedLike
+    # chat yields engine.decode.events.TextDelta ..., then one RemoteFinishedLike
 
 
 RemoteFactory = Callable[..., RemoteChat]  # (url, api_key, model) -> a remote; CloverError for a bad URL

@@ -20,7 +20,7 @@ from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPaintEvent, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QSlider, QVBoxLayout, QWidget
 
-from engine.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
+from engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
 from ui.theme import color, confidence_color, mono_font, set_style_class
 from ui.throttle import Throttle
 from ui.widgets import accessible

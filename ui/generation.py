@@ -2,7 +2,7 @@
 
 Plain data, no Qt. The defaults a new chat starts with come from the model folder, never from constants here:
 :func:`defaults_from_model` reads what the engine reports with its ``loaded`` answer (``config`` and
-``generation_defaults``, i.e. ``engine.config.load_config`` / ``load_generation_defaults``) or what the composition
+``generation_defaults``, i.e. ``engine.model.config.load_config`` / ``load_generation_defaults``) or what the composition
 root reads from the folder before the model is loaded (the same two, torch-free).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from engine.events import Finished, GenerationParams
+from engine.decode.events import Finished, GenerationParams
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def finished_stats(event: Finished, mode: str) -> dict[str, Any]:
 
 
 def expert_hit_rate(accounting: dict[str, Any] | None) -> float | None:
-    """Expert slot-pool hit rate from ``Finished.accounting`` (engine.offload: ``hit_rate``, ``slot_hits`` /
+    """Expert slot-pool hit rate from ``Finished.accounting`` (engine.placement.offload: ``hit_rate``, ``slot_hits`` /
     ``slot_misses``), or None when nothing was streamed."""
     if not accounting:
         return None

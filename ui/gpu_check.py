@@ -1,7 +1,7 @@
 """Help ▸ Check this machine's GPU: what ``clover-desk doctor`` finds, in the window.
 
 The check imports torch, so it runs in a child process (``QProcess``: the UI never imports torch), as
-``python -m clover_desk.cli doctor --json``; the packaged app's launcher runs ``-m`` the same way. Its JSON carries
+``python -m clover_desk.cli.main doctor --json``; the packaged app's launcher runs ``-m`` the same way. Its JSON carries
 the facts (torch and its CUDA build, the GPU, the driver, bitsandbytes, the opt-in GPU switches) as the CLI prints
 them (``report``) and the findings, one line each, errors first: what is wrong and what to install. The dialog
 shows both, says whether anything is wrong, and offers to run the check again. A check that does not answer within
@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-DOCTOR_ARGS = ("-m", "clover_desk.cli", "doctor", "--json")
+DOCTOR_ARGS = ("-m", "clover_desk.cli.main", "doctor", "--json")
 TIMEOUT_S = 120  # importing torch and probing CUDA takes seconds; a first import after install can take a minute
 LEVEL_COLORS = {"error": "#c62828", "warning": "#b26a00", "info": "", "ok": "#2e7d32"}
 

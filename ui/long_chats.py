@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QStatusBar
 
-from engine.events import EngineError, Finished, TextDelta
+from engine.decode.events import EngineError, Finished, TextDelta
 from ui.context_meter import CANCEL, DROP, SUMMARY, ContextFullDialog, ContextMeter
 from ui.context_window import (
     DROP_OLDEST,
@@ -42,15 +43,26 @@ from ui.context_window import (
     shift_slack,
     summary_request,
 )
-from ui.contracts import TokenCounterLike
+from ui.contracts import ChatStoreLike, EngineClientLike, TokenCounterLike
 from ui.throttle import Throttle
 
-if TYPE_CHECKING:
-    from ui.main_window import MainWindow
 
 log = logging.getLogger(__name__)
 
 COUNT_DELAY_MS = 300  # the meter recounts at most this often while the user types
+
+
+class ChatWindowLike(Protocol):
+    """What :class:`LongChats` reads of its window (``ui.main_window.MainWindow``), declared here so the window
+    imports this module and not the other way round."""
+
+    drawer: Any  # ui.settings_drawer.SettingsDrawer: .settings()
+    composer: Any  # ui.composer.Composer: .input
+    conversation_id: int | None
+    store: ChatStoreLike
+    client: EngineClientLike
+
+    def statusBar(self) -> QStatusBar: ...  # noqa: N802 - Qt's name
 
 
 @dataclass
@@ -70,8 +82,8 @@ class LongChats(QObject):
     summaryEnded = Signal(str)  # "done" (the new chat was opened and the message sent) | "cancelled" | "error"
     dialogOpened = Signal(object)  # the ContextFullDialog just opened (tests, accessibility tools)
 
-    def __init__(self, window: MainWindow, counter: TokenCounterLike | None) -> None:
-        super().__init__(window)
+    def __init__(self, window: ChatWindowLike, counter: TokenCounterLike | None) -> None:
+        super().__init__(window)  # type: ignore[arg-type]  # the window (a QObject) owns it
         self.window = window
         self.counter = counter
         self.limit: int | None = None

@@ -61,7 +61,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events import (
+from engine.decode.events import (
     BlockCommitted,
     BlockStep,
     EngineError,

@@ -5,7 +5,7 @@ the device, precision and compilation the next load uses.
 What a model is made of is read without loading it (:func:`scan_entry`, stdlib + the engine's torch-free readers):
 the safetensors headers' dtypes, a GGUF file's type, the quantized cache the engine keeps beside the weights
 (``<model>/.clover-cache/``, or under the user's cache folder when the model's folder is read-only: the rule of
-``engine.quant_cache.cache_dir_for``). Scans and deletions run on a thread, which hands its result to the GUI thread
+``engine.weights.quant_cache.cache_dir_for``). Scans and deletions run on a thread, which hands its result to the GUI thread
 through a :class:`~ui.thread_bridge.ThreadBridge` (it never touches a Qt object); the GUI thread only paints.
 
 Delete asks first, naming every folder or file it will remove and how much space that frees; the model loaded now
@@ -42,10 +42,13 @@ from PySide6.QtWidgets import (
 from ui.theme import set_style_class
 from ui.thread_bridge import ThreadBridge
 from ui.widgets import ElidedLabel, accessible
+from engine.errors import CloverError
+from engine.weights.formats import checkpoint_files, read_safetensors_header
+from engine.weights.gguf.file import split_parts
 
 log = logging.getLogger(__name__)
 
-CACHE_DIRNAME = ".clover-cache"  # = engine.quant_cache.CACHE_DIRNAME (tests check they agree)
+CACHE_DIRNAME = ".clover-cache"  # = engine.weights.quant_cache.CACHE_DIRNAME (tests check they agree)
 DEVICES = (("cpu", "CPU"), ("cuda", "GPU (CUDA)"))
 PRECISIONS = (("float32", "float32"), ("bfloat16", "bfloat16"))
 COMPILE_TOOLTIP = (
@@ -112,7 +115,7 @@ def tree_bytes(path: Path) -> int:
 
 def external_cache_dir(model_dir: Path) -> Path:
     """Where the engine keeps a read-only model folder's quantized caches (one per policy hash below it): the rule of
-    ``engine.quant_cache.cache_dir_for`` without its torch import."""
+    ``engine.weights.quant_cache.cache_dir_for`` without its torch import."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover-desk" / "quant"
     return base / hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
 
@@ -136,8 +139,6 @@ def scan_entry(path: str | Path) -> LibraryEntry:
 
 
 def _safetensors_format(folder: Path) -> str:
-    from engine.errors import CloverError
-    from engine.formats import checkpoint_files, read_safetensors_header
 
     try:
         files, _ = checkpoint_files(folder)
@@ -156,8 +157,6 @@ def _safetensors_format(folder: Path) -> str:
 
 
 def _gguf_entry(path: Path) -> LibraryEntry:
-    from engine.errors import CloverError
-    from engine.gguf_file import split_parts
 
     try:
         parts = split_parts(path)

@@ -51,9 +51,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.config import SUPPORTED_MODEL_TYPES, load_config
+from engine.model.config import SUPPORTED_MODEL_TYPES, load_config
 from engine.errors import CancelledError, CloverError
-from engine.gguf_file import split_parts  # file names only (no numpy, no gguf package)
+from engine.weights.gguf.file import split_parts  # file names only (no numpy, no gguf package)
 from ui.thread_bridge import ThreadBridge
 
 log = logging.getLogger(__name__)
@@ -443,7 +443,7 @@ class ModelManagerPanel(QWidget):
         self._demo_output = []
         process = QProcess(self)
         process.setProgram(self._python)
-        process.setArguments(["-m", "clover_desk.cli", "make-tiny", str(self._demo_dir)])
+        process.setArguments(["-m", "clover_desk.cli.main", "make-tiny", str(self._demo_dir)])
         process.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
         process.readyReadStandardOutput.connect(self.on_demo_output)
         process.finished.connect(self.on_demo_finished)

@@ -1,7 +1,7 @@
 """The strip above the message box while the model reads a long prompt (the prefill), before the answer's first
 pass: "Reading your message… 3,072 / 12,288 tokens", a progress bar and Stop.
 
-The engine reports the prefill of a prompt longer than one pass segment by segment (``engine.events.
+The engine reports the prefill of a prompt longer than one pass segment by segment (``engine.decode.events.
 PrefillProgress``) and checks the cancel flag between segments, so Stop takes effect within one segment. A short
 prompt is read in one pass: the strip shows only if that pass takes longer than :data:`SHOW_AFTER_MS`, so a quick
 answer never flashes it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from engine.events import PrefillProgress
+from engine.decode.events import PrefillProgress
 from ui.theme import set_style_class
 from ui.widgets import accessible
 

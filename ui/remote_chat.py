@@ -2,7 +2,7 @@
 serve``, ...) instead of the local engine.
 
 The remote client is a service handed in by the composition root (a :data:`~ui.contracts.RemoteFactory`, i.e.
-``clover_desk.remote.RemoteBackend``); ui never imports it. :class:`RemoteRunner` runs its blocking calls on Python
+``clover_desk.worker.remote.RemoteBackend``); ui never imports it. :class:`RemoteRunner` runs its blocking calls on Python
 threads and posts what they yield to the GUI thread through a :class:`~ui.thread_bridge.ThreadBridge` (a thread never
 touches a Qt object, so closing the window mid-answer cannot crash), where its signals speak like the engine client
 (``event(request_id, event)``: ``TextDelta`` ..., then one remote finish or an ``EngineError``), so the window
@@ -40,7 +40,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.errors import CloverError
-from engine.events import EngineError, GenerationParams
+from engine.decode.events import EngineError, GenerationParams
 from ui.contracts import RemoteFactory
 from ui.theme import set_style_class
 from ui.thread_bridge import ThreadBridge

@@ -3,7 +3,7 @@ planner makes of each budget (a stacked bar of where the bytes go, how many laye
 needed, an estimated speed, or a clear "won't fit" with the planner's reason), next to the plan the engine really
 placed (:meth:`VramPanel.set_in_use`).
 
-Planning is pure arithmetic (``engine.planner``, stdlib only), so it runs in the GUI process on every slider move.
+Planning is pure arithmetic (``engine.placement.planner``, stdlib only), so it runs in the GUI process on every slider move.
 "Apply" asks the engine to reload under the new budget through :attr:`VramPanel.applyRequested`.
 
 Without an NVIDIA GPU the panel only plans: the user picks the card to plan for (:data:`CARD_CHOICES_GIB`), every
@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_BYTES, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
 from ui.theme import COLORS, color, set_style_class
+from engine.placement import planner
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ SEGMENTS: tuple[tuple[str, str, str], ...] = (
     ("reserve", "Reserve", "seg_reserve"),
 )
 
-# the keys of ``engine.planner.Plan.to_dict()`` the panel reads (a plan in use may be any object with these)
+# the keys of ``engine.placement.planner.Plan.to_dict()`` the panel reads (a plan in use may be any object with these)
 PLAN_KEYS = (
     "resident_expert_layers",
     "streamed_expert_layers",
@@ -77,7 +78,7 @@ NO_GPU_SAVED_TEXT = "No GPU here: the model runs from system RAM; this budget is
 
 
 class PlanLike(Protocol):
-    """The fields of ``engine.planner.Plan`` the panel reads."""
+    """The fields of ``engine.placement.planner.Plan`` the panel reads."""
 
     resident_expert_layers: Any  # a count, or the layer indices
     streamed_expert_layers: Any
@@ -124,7 +125,7 @@ def ctx_words(ctx_tokens: int) -> str:
 
 
 def plan_as_dict(plan: Any) -> dict[str, Any] | None:
-    """A plan as the flat dict ``engine.planner.Plan.to_dict()`` gives, from a dict, a ``Plan`` or any object
+    """A plan as the flat dict ``engine.placement.planner.Plan.to_dict()`` gives, from a dict, a ``Plan`` or any object
     carrying the :data:`PLAN_KEYS` attributes (a test's dataclass; missing ones are left out)."""
     if plan is None:
         return None
@@ -280,7 +281,7 @@ class VramPanel(QWidget):
     """
 
     applyRequested = Signal(object, int)  # (budget bytes, context tokens): reload (or, without a GPU, save) this plan
-    planChanged = Signal(object)  # the plan now displayed (engine.planner.Plan), after a slider / context / card move
+    planChanged = Signal(object)  # the plan now displayed (engine.placement.planner.Plan), after a slider / context / card move
     cardChanged = Signal(object)  # no GPU: the card size (bytes) the user now plans for
 
     def __init__(
@@ -530,7 +531,7 @@ class VramPanel(QWidget):
         self.slider.setValue(round(n / STEP_BYTES))
 
     def plan_for(self, budget_bytes: int, ctx_tokens: int) -> PlanLike:
-        """What the panel's planner makes of this budget and context (``engine.planner.Plan`` in the app)."""
+        """What the panel's planner makes of this budget and context (``engine.placement.planner.Plan`` in the app)."""
         return self._planner(budget_bytes, ctx_tokens)
 
     def set_planner(self, planner: PlanFunction) -> None:
@@ -697,8 +698,7 @@ class VramPanel(QWidget):
 
 
 def planner_from_engine(manifest: Any, ram_bytes: int | None) -> PlanFunction:
-    """A :data:`PlanFunction` over ``engine.planner.make_plan`` for one model manifest."""
-    from engine import planner  # stdlib-only module; imported here so the panel can be tested with a fake
+    """A :data:`PlanFunction` over ``engine.placement.planner.make_plan`` for one model manifest."""
 
     def plan(vram_bytes: int, ctx_tokens: int) -> PlanLike:
         return planner.make_plan(manifest, vram_bytes, ctx_tokens, ram_bytes)

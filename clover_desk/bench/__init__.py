@@ -1,0 +1,1 @@
+"""``clover-desk bench SUITE``: benchmarks that print figures."""

@@ -1,0 +1,1 @@
+"""The ``clover-desk`` command line: the dispatcher and one module per subcommand."""

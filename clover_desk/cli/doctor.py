@@ -1,0 +1,66 @@
+"""``clover-desk doctor``: can this machine run the engine on its GPU? What to install if not.
+
+    clover-desk doctor [--json]
+
+Prints what was found (torch and its CUDA build, the GPU and its compute capability, the NVIDIA driver,
+bitsandbytes' CUDA libraries), then one line per finding (``engine.placement.preflight``): errors first, each naming what to
+install. ``--json`` prints ``{"facts": {...}, "findings": [{"level", "key", "message"}, ...], "report": [lines]}``
+instead (``report``: the facts as printed above): the window's Help ▸ Check this machine's GPU runs this command in
+a child process (its own process never imports torch) and shows both (``ui/gpu_check.py``).
+
+Exit status: 0 no error found (the engine can run, on the GPU or on the CPU), 1 at least one error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.placement.preflight import OPT_IN, Finding, GpuFacts, check, gather_facts, opt_in_on
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print facts and findings as one JSON object")
+
+
+def report_lines(facts: GpuFacts, findings: list[Finding], frozen: bool = False) -> list[str]:
+    """The human report: the facts in a few lines, then the findings."""
+    torch = facts.torch_version or "not importable"
+    build = f"CUDA {facts.torch_cuda}" if facts.torch_cuda else "CPU-only build"
+    gpu = facts.gpu_name or "none found"
+    if facts.capability:
+        gpu += f" (compute capability {facts.capability[0]}.{facts.capability[1]})"
+    driver = facts.driver_version or "not found"
+    if facts.driver_cuda:
+        driver += f" (CUDA up to {facts.driver_cuda[0]}.{facts.driver_cuda[1]})"
+    bnb = facts.bnb_version or "not installed"
+    if facts.bnb_version:
+        cuda_libs = ", ".join(f"{a}.{b}" for a, b in facts.bnb_cuda_libs)
+        bnb += f" (CUDA libraries: {cuda_libs or 'none'})"
+    on = opt_in_on(facts)
+    lines = [
+        f"torch          {torch}" + (f", {build}" if facts.torch_version else ""),
+        f"GPU            {gpu}",
+        f"NVIDIA driver  {driver}",
+        f"bitsandbytes   {bnb}",
+        f"opt-in paths   {', '.join(on) if on else 'none on'} (of {', '.join(OPT_IN)}: =1 turns one on)",
+        "",
+        *(f.line() for f in findings),
+    ]
+    if frozen and any(f.level == "error" and "pip install" in f.message for f in findings):
+        lines.append("note: this is the packaged app, whose torch and bitsandbytes are fixed when it is built: install "
+                     "with pipx to choose them (see packaging/README.md)")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = gather_facts()
+    findings = check(facts)
+    if args.json:
+        frozen = bool(getattr(sys, "frozen", False))
+        report = [line for line in report_lines(facts, [], frozen=frozen) if line]  # the facts as the CLI prints them
+        print(json.dumps({"facts": facts.to_dict(), "findings": [f.to_dict() for f in findings], "report": report}))
+    else:
+        print("\n".join(report_lines(facts, findings, frozen=bool(getattr(sys, "frozen", False)))))
+    return 1 if any(f.level == "error" for f in findings) else 0

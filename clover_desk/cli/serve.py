@@ -1,0 +1,106 @@
+"""``clover-desk serve``: an OpenAI-compatible HTTP server over one model folder (:mod:`clover_desk.worker.server`).
+
+The port is bound first (a port in use fails at once, not after the load), the model loaded (with ``--compile``,
+its layers compiled and warmed up, each warm-up stage a line on stderr), then ``listening on http://HOST:PORT/v1``
+is printed on stdout. Ctrl-C or SIGTERM stops it (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from clover_desk.cli import generate as cmd_generate
+from clover_desk.cli import flags
+
+API_KEY_ENV = "CLOVER_DESK_API_KEY"
+PORT = flags.integer(0, 65535, "a port number from 0 (any free port) to 65535")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="model folder (config.json, weights, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    parser.add_argument("--port", type=PORT, default=8000, help="port (default 8000; 0 picks a free one)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else no key)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--vram-gb", type=flags.GIB, default=None,
+                        help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
+    parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
+                        help="context (prompt + answer) a request may use; with --vram-gb the plan reserves KV cache "
+                             "for it (default 16384 there, else the model's maximum)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decoder layers (torch.compile) for faster decoding; the load then warms "
+                             "them up before listening: two to three minutes on a CPU the first time, under a minute "
+                             "once cached")
+    cmd_generate.add_cache_ram_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.errors import CloverError
+
+    try:
+        return _run(args)
+    except CloverError as exc:
+        print(f"clover-desk serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _run(args: argparse.Namespace) -> int:
+    from clover_desk.worker.server import OpenAIServer
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        server = OpenAIServer(None, host=args.host, port=args.port, api_key=api_key, ctx_tokens=args.ctx)
+    except OSError as exc:
+        print(f"clover-desk serve: error: cannot listen on {args.host}:{args.port} ({exc.strerror or exc})",
+              file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.start()  # /health answers "loading" while the model loads; the API answers 503 until it is ready
+    try:
+        if not _is_loopback(server.host) and api_key is None:
+            print(f"clover-desk serve: warning: listening on {server.host} without --api-key: anyone who can reach "
+                  "this machine can use the model", file=sys.stderr)
+        server.attach(_load(args))
+        print(f"listening on {server.url}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from engine.api import Engine, plan_for
+    from engine.errors import PlanError
+
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    plan = None
+    if args.vram_gb is not None:
+        plan = plan_for(args.model, args.vram_gb, args.ctx, dtype)
+        if not plan.fits:
+            raise PlanError(plan.reason)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, compile=args.compile,
+                         progress=cmd_generate.compile_stage_printer("serve") if args.compile else None)
+    return cmd_generate.apply_cache_ram(engine, args)

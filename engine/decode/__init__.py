@@ -1,0 +1,1 @@
+"""Generation: AR and block-diffusion loops, pure decoding policy, the prompt cache, events, limits, tokenizer, chat template."""

@@ -1,0 +1,459 @@
+"""Chat templates: Jinja2 code that comes with the model folder, run in a sandbox with limits on time and size.
+
+Jinja2's :class:`~jinja2.sandbox.ImmutableSandboxedEnvironment` already refuses private attributes, unsafe
+callables, mutation of lists and dicts and ranges of more than ``MAX_RANGE`` items. A hostile template can still
+loop for hours (two nested ranges of 100,000 items) or ask for gigabytes in one operation (``'x' * 10**10``).
+:class:`LimitedSandbox` adds what is missing:
+
+* time: every render has a deadline (:data:`engine.decode.limits.TEMPLATE_TIMEOUT_S`). A trace function, set on the
+  rendering thread only while it renders, checks it at each line the template's compiled code runs and at each
+  Python call the render makes, so a loop with an empty body stops too; the sandbox's own hooks check it again.
+* size: every operation that can multiply what it is given (``*``, ``+``, ``%``, ``~``, ``**`` on integers, the
+  string methods and filters that pad, repeat, join or replace) first works out how big its result will be and
+  charges it to the render's budget; so does every ``{{ }}`` output, and the rendered text has its own cap. The
+  budget is :data:`engine.decode.limits.TEMPLATE_BASE_CHARS` plus :data:`engine.decode.limits.TEMPLATE_CHARS_PER_INPUT_CHAR` per
+  character of the messages and tools, so a long conversation renders and ``{{ 'x' * 10**10 }}`` is refused before
+  anything is allocated.
+* nothing is evaluated at compile time (no constant folding), so every expression runs under these limits.
+
+A limit reached raises :class:`TemplateLimit` (a Jinja2 ``SecurityError``) naming the template file and the limit.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import math
+import re
+import string
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from types import FrameType
+from typing import Any
+
+from jinja2 import TemplateError, pass_context
+from jinja2.compiler import CodeGenerator, Frame
+from jinja2.exceptions import SecurityError
+from jinja2.nodes import Concat
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.decode import limits
+
+_TEMPLATE_FILE = "<template>"  # co_filename of the code Jinja2 compiles from a string
+_PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
+_SEQUENCES = (str, bytes, list, tuple)
+
+
+class TemplateLimit(SecurityError):
+    """A render stopped at a limit of :class:`LimitedSandbox` (time, size, number size)."""
+
+
+class _Render:
+    """The limits of the render running on one thread."""
+
+    def __init__(self, source: str, budget: int, timeout_s: float) -> None:
+        self.source = source
+        self.budget = budget
+        self.left = budget
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+
+
+def weight(value: Any, limit: int) -> int:
+    """How much ``value`` holds: characters of strings, plus one per element of lists, tuples, sets and dicts
+    (keys and values), counted through nesting (a list holding one string 1,000 times weighs 1,000 of it). Stops
+    counting once past ``limit``."""
+    total = 0
+    stack = [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, (str, bytes)):
+            total += len(item)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += len(item)
+            stack.extend(item)
+        elif isinstance(item, dict):
+            total += len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        else:
+            total += 1
+    return total
+
+
+class _GuardedCodeGenerator(CodeGenerator):
+    """Jinja2's code generator with ``~`` (string concatenation) routed through the environment, which checks the
+    size of the result first (Jinja2 offers no hook for it)."""
+
+    def visit_Concat(self, node: Concat, frame: Frame) -> None:
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class LimitedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox plus a deadline and a size budget per render (see the module docstring); the
+    environment Hugging Face chat templates expect (trimmed blocks, loop controls, ``tojson`` keeping non-ASCII
+    text, ``raise_exception``, ``strftime_now``)."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _GuardedCodeGenerator
+
+    def __init__(self) -> None:
+        super().__init__(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            keep_trailing_newline=True,
+            extensions=["jinja2.ext.loopcontrols"],
+            optimized=False,  # no constant folding: nothing a template says runs at compile time, outside the limits
+            finalize=self._finalize,  # needs the context, so constant output is not evaluated at compile time either
+        )
+        self._local = threading.local()
+        del self.globals["lipsum"]  # lipsum(10**9): a billion paragraphs in one call, and no template uses it
+        self.globals["raise_exception"] = _raise_exception
+        self.globals["strftime_now"] = _strftime_now
+        self.filters["tojson"] = self._tojson
+        for name, estimate in _FILTER_ESTIMATES.items():
+            self.filters[name] = self._guarded_filter(self.filters[name], estimate)
+
+    # ---- a render ----
+    @contextmanager
+    def limited(self, source: str, budget: int, timeout_s: float = limits.TEMPLATE_TIMEOUT_S) -> Iterator[_Render]:
+        """Run the block (a render on this thread) under a deadline ``timeout_s`` from now and a size budget."""
+        render = _Render(source, budget, timeout_s)
+        outer = getattr(self._local, "render", None)
+        self._local.render = render
+        previous_trace = sys.gettrace()
+
+        def on_line(frame: FrameType, event: str, arg: Any) -> Any:
+            if time.monotonic() > render.deadline:
+                raise self._timeout(render)
+            return on_line
+
+        def on_call(frame: FrameType, event: str, arg: Any) -> Any:
+            if time.monotonic() > render.deadline:
+                raise self._timeout(render)
+            return on_line if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+        sys.settrace(on_call)  # this thread only; a tracer that raised has been removed by Python, so always restore
+        try:
+            yield render
+        finally:
+            sys.settrace(previous_trace)
+            self._local.render = outer
+
+    def render(self, template: Any, context: dict[str, Any], source: str, input_chars: int) -> str:
+        """Render ``template`` with ``context`` under the limits; the budget grows with ``input_chars`` (the
+        characters of the messages and tools). Raises :class:`TemplateLimit` or what the template raises."""
+        budget = limits.TEMPLATE_BASE_CHARS + limits.TEMPLATE_CHARS_PER_INPUT_CHAR * input_chars
+        pieces: list[str] = []
+        produced = 0
+        with self.limited(source, budget) as render:
+            for piece in template.generate(**context):
+                produced += len(piece)
+                if produced > budget:
+                    raise self._too_big(render, "its output")
+                pieces.append(piece)
+        return "".join(pieces)
+
+    # ---- checks ----
+    def _current(self) -> _Render:
+        render = getattr(self._local, "render", None)
+        if render is None:  # outside a render (nothing runs at compile time): a fresh base budget, no deadline
+            render = _Render(_TEMPLATE_FILE, limits.TEMPLATE_BASE_CHARS, math.inf)
+        return render
+
+    def _check_time(self) -> _Render:
+        render = self._current()
+        if time.monotonic() > render.deadline:
+            raise self._timeout(render)
+        return render
+
+    def _spend(self, size: float, what: str) -> None:
+        """Charge ``size`` characters (or elements) about to be built to the render's budget."""
+        render = self._check_time()
+        if size > render.left:
+            raise self._too_big(render, what)
+        render.left -= int(size)
+
+    @staticmethod
+    def _timeout(render: _Render) -> TemplateLimit:
+        return TemplateLimit(
+            f"{render.source}: the chat template was stopped: it ran longer than {render.timeout_s:g} s, the most a "
+            f"chat template may take"
+        )
+
+    @staticmethod
+    def _too_big(render: _Render, what: str) -> TemplateLimit:
+        return TemplateLimit(
+            f"{render.source}: the chat template was stopped: {what} would take it past {render.budget:,} "
+            f"characters, the most it may build for this conversation ({limits.TEMPLATE_BASE_CHARS:,} plus "
+            f"{limits.TEMPLATE_CHARS_PER_INPUT_CHAR} per character of the messages and tools)"
+        )
+
+    def _check_int(self, value: int | float, what: str) -> None:
+        if value > limits.TEMPLATE_MAX_INT_BITS:
+            render = self._current()
+            raise TemplateLimit(
+                f"{render.source}: the chat template was stopped: {what} would make a number of more than "
+                f"{limits.TEMPLATE_MAX_INT_BITS:,} bits"
+            )
+
+    # ---- the sandbox's hooks ----
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        self._check_time()
+        if operator == "*":
+            if isinstance(left, _SEQUENCES) and _is_int(right):
+                self._spend(weight(left, self._current().left) * max(right, 0), "'*'")
+            elif isinstance(right, _SEQUENCES) and _is_int(left):
+                self._spend(weight(right, self._current().left) * max(left, 0), "'*'")
+            elif _is_int(left) and _is_int(right):
+                self._check_int(left.bit_length() + right.bit_length(), "'*'")
+        elif operator == "**":
+            if _is_int(left) and _is_int(right) and right > 0 and abs(left) > 1:
+                self._check_int(right * math.log2(abs(left)), "'**'")
+        elif operator == "+":
+            if isinstance(left, _SEQUENCES) and isinstance(right, _SEQUENCES):
+                left_over = self._current().left
+                self._spend(weight(left, left_over) + weight(right, left_over), "'+'")
+        elif operator == "%" and isinstance(left, str):
+            self._spend(len(left) + _printf_widths(left) + weight(right, self._current().left), "'%'")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja2's form
+        __self._check_time()
+        owner = getattr(__obj, "__self__", None)
+        name = getattr(__obj, "__name__", "")
+        if isinstance(owner, str) and name in _STR_GROWERS:
+            if name == "join" and args:
+                args = (list(args[0]), *args[1:])  # a generator is read once: materialize it to measure it
+            size = _str_method_size(owner, name, args, kwargs, __self._current().left)
+            __self._spend(size, f"str.{name}()")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        template = str(value.__self__)
+
+        @functools.wraps(wrapped)
+        def checked(*args: Any, **kwargs: Any) -> str:
+            size = len(template) + _format_widths(template) + weight([args, kwargs], self._current().left)
+            self._spend(size, f"str.{value.__name__}()")
+            return wrapped(*args, **kwargs)
+
+        return checked
+
+    def checked_concat(self, parts: tuple[Any, ...]) -> str:
+        """``a ~ b ~ c``: each part as a string, their total charged before they are joined."""
+        texts = []
+        for part in parts:
+            if not isinstance(part, str):
+                self._check_weight(part, "'~'")
+            texts.append(str(part))
+        self._spend(sum(len(t) for t in texts), "'~'")
+        return "".join(texts)
+
+    def _check_weight(self, value: Any, what: str) -> None:
+        """A container about to be turned into text must fit what is left (its text is a few times its weight)."""
+        render = self._current()
+        if weight(value, render.left) > render.left:
+            raise self._too_big(render, what)
+
+    @pass_context
+    def _finalize(self, context: Any, value: Any) -> Any:
+        """Every ``{{ }}``, into the output or into a buffer (macros, ``{% set %}`` blocks): charged."""
+        if isinstance(value, str):
+            self._spend(len(value), "'{{ }}'")
+            return value
+        self._check_weight(value, "'{{ }}'")
+        text = str(value)
+        self._spend(len(text), "'{{ }}'")
+        return text
+
+    def _tojson(self, value: Any, indent: int | str | None = None) -> str:
+        """JSON that keeps non-ASCII text (what Hugging Face templates expect); charged first."""
+        step = len(indent) if isinstance(indent, str) else max(indent, 0) if isinstance(indent, int) else 0
+        if step > 16:
+            raise TemplateLimit(
+                f"{self._current().source}: the chat template was stopped: tojson(indent={indent!r}): an indent is at "
+                f"most 16 characters"
+            )
+        self._spend(weight(value, self._current().left) * (2 + step), "tojson")
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    def _guarded_filter(self, original: Callable[..., Any], estimate: Callable[..., Any]) -> Callable[..., Any]:
+        """``original`` (a Jinja2 filter) with its result's size charged first; the filter keeps its signature and
+        its context / environment argument."""
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self._check_time()
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                return original(*args, **kwargs)  # the filter's own error for a wrong call
+            bound.apply_defaults()
+            size = estimate(bound.arguments, self._current().left)  # may materialize an iterable in place
+            self._spend(size, f"the {original.__name__.removeprefix('do_').removeprefix('sync_do_')} filter")
+            return original(*bound.args, **bound.kwargs)
+
+        return guarded
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int)  # bools too: True * 'x' is 'x'
+
+
+def _printf_widths(fmt: str) -> float:
+    """The characters the widths and precisions of a printf-style format can add (a ``*`` width, chosen at run
+    time, counts as unbounded)."""
+    total = 0.0
+    for match in _PRINTF_SPEC.finditer(fmt):
+        for number in match.groups():
+            if number == "*":
+                return math.inf
+            if number:
+                total += int(number)
+    return total
+
+
+def _format_widths(fmt: str) -> float:
+    """The characters the widths and precisions of a ``str.format`` template can add (a nested ``{}`` in a format
+    spec, a width chosen at run time, counts as unbounded)."""
+    total = 0.0
+    try:
+        fields = list(string.Formatter().parse(fmt))
+    except ValueError:
+        return 0.0  # str.format raises its own error
+    for _, _, spec, _ in fields:
+        if spec and "{" in spec:
+            return math.inf
+        total += sum(int(n) for n in re.findall(r"\d+", spec or ""))
+    return total
+
+
+def _replace_size(s: str, old: Any, new: Any, count: Any) -> int:
+    if not isinstance(old, str) or not isinstance(new, str):
+        return len(s)
+    hits = len(s) + 1 if old == "" else s.count(old)
+    if _is_int(count) and count >= 0:
+        hits = min(hits, count)
+    return len(s) + hits * max(len(new) - len(old), 0)
+
+
+def _join_size(separator: str, items: list[Any] | tuple[Any, ...], limit: int) -> int:
+    return weight(list(items), limit) + max(len(items) - 1, 0) * len(separator)
+
+
+_STR_GROWERS = ("center", "ljust", "rjust", "zfill", "expandtabs", "replace", "join")
+
+
+def _str_method_size(s: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> float:
+    """The size of ``s.<name>(*args, **kwargs)`` for the str methods that can build much more than they are given
+    (a wrong argument type counts as nothing: the method raises its own error)."""
+
+    def arg(index: int, key: str, default: Any) -> Any:
+        return args[index] if len(args) > index else kwargs.get(key, default)
+
+    if name in ("center", "ljust", "rjust", "zfill"):
+        width = arg(0, "width", 0)
+        return max(width, len(s)) if _is_int(width) else len(s)
+    if name == "expandtabs":
+        tabsize = arg(0, "tabsize", 8)
+        return len(s) + s.count("\t") * max(tabsize, 0) if _is_int(tabsize) else len(s)
+    if name == "replace":
+        return _replace_size(s, arg(0, "old", ""), arg(1, "new", ""), arg(2, "count", -1))
+    items = arg(0, "iterable", ())
+    return _join_size(s, items, limit) if isinstance(items, (list, tuple)) else len(s)
+
+
+def _text_size(value: Any, limit: int) -> int:
+    return len(value) if isinstance(value, str) else weight(value, limit) + 16
+
+
+def _estimate_center(a: dict[str, Any], limit: int) -> int:
+    width = a.get("width", 80)
+    return max(width if _is_int(width) else 0, _text_size(a["value"], limit))
+
+
+def _estimate_indent(a: dict[str, Any], limit: int) -> int:
+    width, text = a.get("width", 4), a["s"] if isinstance(a["s"], str) else ""
+    step = len(width) if isinstance(width, str) else max(width, 0) if _is_int(width) else 0
+    return len(text) + (text.count("\n") + 1) * step
+
+
+def _estimate_format(a: dict[str, Any], limit: int) -> float:
+    fmt = a["value"] if isinstance(a["value"], str) else ""
+    return len(fmt) + _printf_widths(fmt) + weight([a.get("args"), a.get("kwargs")], limit)
+
+
+def _estimate_replace(a: dict[str, Any], limit: int) -> float:
+    parts = [a["s"], a["old"], a["new"]]  # the filter replaces in str() of each
+    if weight(parts, limit) > limit:
+        return math.inf
+    count = a.get("count")
+    return _replace_size(*(str(p) for p in parts), -1 if count is None else count)
+
+
+def _estimate_join(a: dict[str, Any], limit: int) -> int:
+    if not isinstance(a["value"], (list, tuple)):
+        a["value"] = list(a["value"])  # read once: the filter gets the list that was measured
+    separator = a.get("d", "")
+    return _join_size(separator if isinstance(separator, str) else "", a["value"], limit)
+
+
+def _estimate_wordwrap(a: dict[str, Any], limit: int) -> int:
+    text = a["s"] if isinstance(a["s"], str) else ""
+    width, wrap = a.get("width", 79), a.get("wrapstring") or "\n"
+    lines = len(text) // max(width, 1) + 1 if _is_int(width) else 1
+    return len(text) + lines * (len(wrap) if isinstance(wrap, str) else 1)
+
+
+def _estimate_batch(a: dict[str, Any], limit: int) -> int:
+    count = a.get("linecount")
+    return max(count, 0) if a.get("fill_with") is not None and _is_int(count) else 0
+
+
+def _estimate_sum(a: dict[str, Any], limit: int) -> int:
+    start = a.get("start", 0)
+    if not isinstance(start, _SEQUENCES):
+        return 0  # numbers
+    if not isinstance(a["iterable"], (list, tuple)):
+        a["iterable"] = list(a["iterable"])
+    items = a["iterable"]
+    # sum() of sequences copies the running total at every step: about n / 2 times the final size
+    return weight([start, items], limit) * max(len(items) // 2, 1)
+
+
+# filters that can build much more than they are given: (bound arguments, budget left) -> size of the result
+_FILTER_ESTIMATES: dict[str, Callable[[dict[str, Any], int], float]] = {
+    "center": _estimate_center,
+    "indent": _estimate_indent,
+    "format": _estimate_format,
+    "replace": _estimate_replace,
+    "join": _estimate_join,
+    "wordwrap": _estimate_wordwrap,
+    "batch": _estimate_batch,
+    "sum": _estimate_sum,
+}
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+__all__ = ["LimitedSandbox", "TemplateLimit", "weight"]

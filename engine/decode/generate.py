@@ -1,0 +1,806 @@
+"""The two decoding loops, as generators of :mod:`engine.decode.events`.
+
+* :func:`generate_ar`: prefill the prompt causally, then one token per forward through the cache.
+* :func:`generate_diffusion`: block diffusion with blocks aligned to absolute position 0.
+  The whole prompt blocks are prefilled in one block-mode pass that writes the cache; the first generated block
+  holds the prompt tail followed by masks; denoising passes read the cache (``write_cache=False``) and commit by
+  the threshold rule until the block has no mask; then one commit pass writes the block into the cache.
+
+Policy (penalties, biases, the commit rule, sampling) comes from :mod:`engine.decode.decoding`; the model is anything
+with ``new_cache(max_len)`` and ``forward(ids, start_pos, cache, block_size, write_cache, last_only)``.
+
+A prompt longer than the model's longest pass (``segment_tokens``) is prefilled segment by segment: the loops yield
+:class:`~engine.decode.events.PrefillProgress` between segments and check the cancel flag there, so a long pasted document
+shows progress and can be stopped before the first block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from engine.decode import decoding
+from engine.kernels import fastpath
+from engine.model.config import CloverConfig, GenerationDefaults
+from engine.errors import PromptError
+from engine.model.clover import GDN_CHUNK
+from engine.decode.events import (
+    BlockCommitted,
+    BlockStep,
+    Event,
+    Finished,
+    GenerationParams,
+    PrefillProgress,
+    PromptInfo,
+    TextDelta,
+)
+from engine.decode.prompt_cache import PromptCache
+from engine.decode.tokenizer import StreamDecoder
+from engine.placement import offload
+
+log = logging.getLogger(__name__)
+
+
+class DecodingModel(Protocol):
+    def new_cache(self, max_len: int) -> Any: ...
+
+    def forward(
+        self, ids: Tensor, start_pos: int, cache: Any, block_size: int | None = None, write_cache: bool = True,
+        last_only: bool = False,
+    ) -> Tensor: ...
+
+
+class TextDecoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class LoopHooks:
+    """Optional calls into a placement runtime (expert offload): around each diffusion block, and the statistics
+    that go into ``Finished.accounting``."""
+
+    begin_block: Callable[[], None] | None = None
+    end_block: Callable[[], None] | None = None
+    accounting: Callable[[], dict[str, Any]] | None = None
+
+
+def loop_hooks(model: torch.nn.Module) -> LoopHooks:
+    """This model's placement hooks (:mod:`engine.placement.offload`): block boundaries and the streaming statistics
+    (no-ops and {} for a model no plan was applied to)."""
+    return LoopHooks(
+        begin_block=lambda: offload.begin_block(model),
+        end_block=lambda: offload.end_block(model),
+        accounting=lambda: offload.accounting(model),
+    )
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Everything one request decodes with: the caller's params merged over the model's defaults."""
+
+    mode: str = "diffusion"
+    max_new_tokens: int = 24_576
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    block_size: int = 32
+    threshold: float = 0.95
+    mask_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    think_start_id: int | None = None
+    think_end_id: int | None = None
+    # a chat turn's first token (<|im_start|>): the prompt cache keeps nothing from the prompt's last one on, the
+    # generation prompt, which a chat's next turn renders otherwise (the answer in place of "<think>\n")
+    turn_start_id: int | None = None
+    length_penalty: float = 0.0
+    length_penalty_start: int = 8192
+    length_penalty_window: int = 8192
+    think_end_bias: float = 0.0
+    think_end_bias_start: int = 4096
+    think_end_bias_window: int = 4096
+    shift_logits: bool = False
+    max_positions: int = 131_072
+    # read the prompt (into the prompt cache) and stop: Finished with stop_reason "prefilled" (Engine.read_chat)
+    prefill_only: bool = False
+
+
+def resolve_settings(
+    params: GenerationParams, defaults: GenerationDefaults, config: CloverConfig, tokenizer: Any | None = None
+) -> DecodeSettings:
+    """Merge request params over generation_config.json defaults and the model config; check the values."""
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    if params.mode not in ("diffusion", "ar"):
+        raise PromptError(f"mode {params.mode!r} is not one of 'diffusion', 'ar'")
+    temperature = float(pick(params.temperature, defaults.temperature))
+    if params.do_sample is not None:
+        do_sample = bool(params.do_sample)
+    elif params.temperature is not None:
+        do_sample = params.temperature > 0
+    else:
+        do_sample = defaults.do_sample
+    max_new = int(pick(params.max_new_tokens, defaults.max_new_tokens))
+    block = int(pick(params.block_size, config.block_size))
+    threshold = float(pick(params.threshold, config.threshold))
+    top_p = float(pick(params.top_p, defaults.top_p))
+    top_k = int(pick(params.top_k, defaults.top_k))
+    for name, ok, value in (
+        ("max_new_tokens", max_new >= 1, max_new),
+        ("block_size", block >= 1, block),
+        ("threshold", 0.0 <= threshold <= 1.0, threshold),
+        ("temperature", temperature >= 0.0, temperature),
+        ("top_p", 0.0 < top_p <= 1.0, top_p),
+        ("top_k", top_k >= 0, top_k),
+    ):
+        if not ok:
+            raise PromptError(f"generation parameter {name} has a bad value {value!r}")
+
+    mask_id = config.mask_token_id
+    think_start = think_end = turn_start = None
+    if tokenizer is not None:
+        mask_id = mask_id if mask_id is not None else tokenizer.mask_token_id
+        think_start, think_end = tokenizer.think_start_id, tokenizer.think_end_id
+        turn_start = getattr(tokenizer, "turn_start_id", None)
+    if think_end is None and config.think_end_token_id is not None and config.think_end_token_id < config.vocab_size:
+        think_end = config.think_end_token_id
+    return DecodeSettings(
+        mode=params.mode,
+        max_new_tokens=max_new,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=params.seed,
+        presence_penalty=float(pick(params.presence_penalty, defaults.presence_penalty)),
+        repetition_penalty=float(pick(params.repetition_penalty, defaults.repetition_penalty)),
+        block_size=block,
+        threshold=threshold,
+        mask_token_id=mask_id,
+        eos_token_ids=tuple(defaults.eos_token_ids or config.eos_token_ids),
+        think_start_id=think_start,
+        think_end_id=think_end,
+        turn_start_id=turn_start,
+        length_penalty=defaults.dllm_length_penalty,
+        length_penalty_start=defaults.dllm_length_penalty_start,
+        length_penalty_window=defaults.dllm_length_penalty_window,
+        think_end_bias=defaults.dllm_think_end_bias,
+        think_end_bias_start=defaults.dllm_think_end_bias_start,
+        think_end_bias_window=defaults.dllm_think_end_bias_window,
+        shift_logits=config.shift_logits,
+        max_positions=config.max_position_embeddings,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def thinking_open_after(ids: Sequence[int], think_start: int | None, think_end: int | None) -> bool:
+    """Whether a ``<think>`` is open at the end of ``ids`` (the last think marker is ``<think>``)."""
+    for tok in reversed(ids):
+        if tok == think_end:
+            return False
+        if tok == think_start:
+            return True
+    return False
+
+
+class ChannelText:
+    """Routes committed ids to the "thinking" or "answer" text stream; markers and EOS are not text."""
+
+    def __init__(self, decode: Callable[..., str] | None, s: DecodeSettings, thinking_open: bool) -> None:
+        self._s = s
+        self._eos = set(s.eos_token_ids)
+        self.thinking_open = thinking_open
+        self._streams = {name: StreamDecoder(decode) if decode else None for name in ("thinking", "answer")}
+
+    def _push(self, channel: str, ids: list[int], out: list[TextDelta]) -> None:
+        stream = self._streams[channel]
+        if stream is None or not ids:
+            return
+        text = stream.push(ids)
+        if text:
+            if out and out[-1].channel == channel:
+                out[-1] = TextDelta(out[-1].text + text, channel)
+            else:
+                out.append(TextDelta(text, channel))
+
+    def _flush(self, channel: str, out: list[TextDelta]) -> None:
+        stream = self._streams[channel]
+        text = stream.flush() if stream is not None else ""
+        if text:
+            out.append(TextDelta(text, channel))
+
+    def feed(self, ids: Sequence[int]) -> list[TextDelta]:
+        out: list[TextDelta] = []
+        run: list[int] = []
+        for tok in ids:
+            channel = "thinking" if self.thinking_open else "answer"
+            if tok == self._s.think_start_id or tok == self._s.think_end_id:
+                self._push(channel, run, out)
+                run = []
+                self._flush(channel, out)
+                self.thinking_open = tok == self._s.think_start_id
+            elif tok not in self._eos:
+                run.append(tok)
+        self._push("thinking" if self.thinking_open else "answer", run, out)
+        return out
+
+    def finish(self) -> list[TextDelta]:
+        out: list[TextDelta] = []
+        self._flush("thinking", out)
+        self._flush("answer", out)
+        return out
+
+    def text(self, channel: str) -> str:
+        stream = self._streams[channel]
+        return stream.text if stream is not None else ""
+
+
+def _forward(model: DecodingModel, *args: Any, **kwargs: Any) -> Tensor:
+    """One model forward without autograd. (No ``inference_mode`` around the loops: it would stay switched on in
+    the caller's code while the generator is suspended at a ``yield``.)"""
+    with torch.no_grad():
+        return model.forward(*args, **kwargs)
+
+
+def _prefill(
+    model: DecodingModel,
+    ids: Tensor,
+    cache: Any,
+    block_size: int | None,
+    cancel: threading.Event | None,
+    at: int = 0,
+    keep: tuple[Sequence[int], Callable[[int, Tensor], None]] | None = None,
+    **kwargs: Any,
+) -> Generator[PrefillProgress, None, Tensor | None]:
+    """Write the prompt ``ids`` [P] into the empty cache and return the last position's logits [1, V], or None when
+    ``cancel`` was set between two segments (use with ``yield from``).
+
+    A prompt longer than the model's longest pass is run here one segment at a time (``segment_tokens``: whole
+    blocks, or whole GDN chunks), which is exactly how the model would split it itself; in between, the caller
+    hears how far it got (a :class:`PrefillProgress` before the first segment and after each) and a cancel takes
+    effect. A shorter prompt, or a model without ``segment_tokens``, is one forward and no progress event.
+
+    ``at``: where ``ids`` start (a cache that holds the first ``at`` positions already: :class:`PromptCache`).
+    ``keep``: (points, callback): a forward also ends after the first k ids for each k in ``points`` (ascending,
+    boundaries the model splits at too), and the callback gets (k, its logits [1, V]) then, with the cache holding
+    them (what the prompt cache keeps). A prefill cancelled before the last one hands the callback what it read so
+    far instead (whole segments), so that a request that starts the same way goes on from there."""
+    total = ids.shape[0]
+    segment_tokens = getattr(model, "segment_tokens", None)
+    seg = int(segment_tokens(block_size)) if callable(segment_tokens) else total
+    points = [k for k in keep[0] if 0 < k <= total] if keep is not None else []
+    cuts = sorted({*range(seg, total, seg), total, *points})
+    progress = total > seg
+    if progress:
+        yield PrefillProgress(done=0, total=total)
+    out: Tensor | None = None
+    start = kept = 0
+    for end in cuts:
+        if start and cancel is not None and cancel.is_set():
+            if keep is not None and points and kept < start < points[-1] and out is not None:
+                keep[1](start, out)  # what was read is kept: the request that stopped this one goes on from it
+            return None
+        out = _forward(  # [1, V]
+            model, ids[start:end], at + start, cache, block_size=block_size, write_cache=True, last_only=True,
+            **kwargs,
+        )
+        if keep is not None and end in points:
+            keep[1](end, out)
+            kept = end
+        if progress and (end % seg == 0 or end == total):
+            yield PrefillProgress(done=end, total=total)
+        start = end
+    return out
+
+
+def _turn_start(prompt: Sequence[int], s: DecodeSettings) -> int:
+    """Where the prompt's last chat turn starts (``s.turn_start_id``), or its length when it has none (a raw
+    prompt): what a chat's next turn renders the same."""
+    if s.turn_start_id is not None:
+        with contextlib.suppress(ValueError):
+            return len(prompt) - 1 - list(prompt)[::-1].index(s.turn_start_id)
+    return len(prompt)
+
+
+def _keep_points(prompt: Sequence[int], s: DecodeSettings, cached: int, keep_at: int, unit: int, seg: int,
+                 most: int, turns: bool) -> list[int]:
+    """Where a prefill that starts at ``cached`` hands the prompt cache a point (absolute positions, ascending):
+    ``keep_at`` last, and before it up to ``most`` checkpoints (the last ones): where the prefill's forwards end
+    anyway (every ``seg`` tokens), and with ``turns`` the chat's turn starts too, each taken down to whole
+    ``unit``s (one more forward each). [] when ``keep_at`` is not past ``cached``."""
+    if keep_at <= cached:
+        return []
+    points = set(range(cached + seg, keep_at, seg))
+    if turns and s.turn_start_id is not None:
+        points |= {i // unit * unit for i, t in enumerate(prompt[:keep_at]) if t == s.turn_start_id}
+    earlier = sorted(p for p in points if cached < p < keep_at) if most > 0 else []
+    return [*earlier[max(0, len(earlier) - most):], keep_at]
+
+
+def _turn_checkpoints(model: Any, s: DecodeSettings) -> bool:
+    """Whether a prefill also ends a forward at each chat turn start for a checkpoint there: only a read-ahead
+    (``s.prefill_only``: the engine is otherwise idle, nobody waits for it) on a model that streams no experts.
+    With streamed experts every forward streams its layers' experts again: at the 35B shape on a 16 GB card
+    (17 layers, 7.2 GiB) about 0.3 s a forward, where the plan's forwards end every 864 tokens anyway."""
+    return s.prefill_only and not any(getattr(moe.experts, "needs_prepare", False) for moe in model.moe_layers())
+
+
+def _device_of(model: Any) -> torch.device:
+    device = getattr(model, "device", None)
+    if device is not None:
+        return torch.device(device)
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+def _generator(s: DecodeSettings, device: torch.device) -> torch.Generator | None:
+    if not s.do_sample:
+        return None
+    gen = torch.Generator(device=device)
+    if s.seed is not None:
+        gen.manual_seed(int(s.seed))
+    else:
+        gen.seed()
+    return gen
+
+
+def _penalize(logits: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Tensor) -> Tensor:
+    """The penalties and the forbidden mask id: a new tensor, ``logits`` untouched (a penalty's output is changed
+    in place, not copied again)."""
+    out = decoding.apply_repetition_penalty(logits, rep_seen, s.repetition_penalty)
+    out = decoding.apply_presence_penalty(out, out_seen, s.presence_penalty)
+    if s.mask_token_id is not None:  # the mask is never a proposal
+        out = decoding.forbid_tokens(out, [s.mask_token_id], inplace=out is not logits)
+    return out
+
+
+def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None, written: int = 0) -> None:
+    if len(prompt_ids) == 0:
+        raise PromptError("empty prompt: nothing to generate from")
+    if not 0 <= written < len(prompt_ids):
+        raise PromptError(f"written must be 0 to {len(prompt_ids) - 1} (the prompt's own part comes first), got "
+                          f"{written}")
+    if vocab_size is not None:
+        bad = [i for i in prompt_ids if not 0 <= int(i) < vocab_size]
+        if bad:
+            raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def _output_seen(prompt: list[int], written: int, vocab: int, device: torch.device) -> Tensor:
+    """[V] the tokens already output: the prompt's last ``written`` (a continued answer's), for the presence
+    penalty."""
+    return decoding.seen_mask(prompt[len(prompt) - written:], vocab, device)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.prefill_done: float | None = None
+        self.first_token: float | None = None
+        self.cached = 0  # the prompt's first tokens read from the prompt cache
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def mark_first_token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+
+
+def _finished(
+    generated: list[int],
+    channels: ChannelText,
+    reason: str,
+    passes: int,
+    prompt_tokens: int,
+    clock: _Clock,
+    hooks: LoopHooks | None = None,
+) -> Finished:
+    end = clock.now()
+    prefill_end = clock.prefill_done if clock.prefill_done is not None else end
+    decode_s = max(end - prefill_end, 0.0)
+    tokens = len(generated)
+    return Finished(
+        token_ids=tuple(generated),
+        text=channels.text("answer"),
+        thinking=channels.text("thinking"),
+        stop_reason=reason,
+        tokens=tokens,
+        passes=passes,
+        tokens_per_pass=tokens / passes if passes else 0.0,
+        tokens_per_s=tokens / decode_s if decode_s > 0 else 0.0,
+        time_to_first_token_s=None if clock.first_token is None else clock.first_token - clock.t0,
+        prompt_tokens=prompt_tokens,
+        prefill_s=prefill_end - clock.t0,
+        decode_s=decode_s,
+        accounting=dict(hooks.accounting()) if hooks is not None and hooks.accounting is not None else {},
+        cached_tokens=clock.cached,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# autoregressive
+
+
+def generate_ar(
+    model: DecodingModel,
+    prompt_ids: Sequence[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None = None,
+    cancel: threading.Event | None = None,
+    vocab_size: int | None = None,
+    hooks: LoopHooks | None = None,
+    written: int = 0,
+    prompt_cache: PromptCache | None = None,
+) -> Iterator[Event]:
+    """Causal decoding: one prefill forward, then one cached forward per token."""
+    prompt = [int(i) for i in prompt_ids]
+    _check_prompt(prompt, vocab_size, written)
+    P = len(prompt)
+    room = s.max_positions - P
+    if room < 1:
+        raise PromptError(
+            f"prompt is {P} tokens; the context holds {s.max_positions} positions, leaving no room to generate"
+        )
+    max_new = min(s.max_new_tokens, room)
+    limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
+    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache)
+
+
+def _ar_loop(
+    model: DecodingModel,
+    prompt: list[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None,
+    cancel: threading.Event | None,
+    max_new: int,
+    limit_reason: str,
+    hooks: LoopHooks | None = None,
+    written: int = 0,
+    prompt_cache: PromptCache | None = None,
+) -> Iterator[Event]:
+    P = len(prompt)
+    device = _device_of(model)
+    clock = _Clock()
+    thinking = thinking_open_after(prompt, s.think_start_id, s.think_end_id)
+    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking)
+    generated: list[int] = []
+    eos = set(s.eos_token_ids)
+    # A chat's next turn starts with this prompt's tokens up to its last turn (the generation prompt, which the next
+    # turn renders otherwise): keep the last whole GDN chunk before that for it (PromptCache)
+    prompt_cache = PromptCache.for_model(prompt_cache, model)
+    usable = (P - 1) // GDN_CHUNK * GDN_CHUNK  # (at least the last token is read: its logits start the answer)
+    keep_at = min(usable, _turn_start(prompt, s) // GDN_CHUNK * GDN_CHUNK) if prompt_cache is not None else 0
+    cache, cached, _ = (prompt_cache.take(model, prompt, usable, P + max_new, None) if prompt_cache is not None
+                        else (model.new_cache(P + max_new), 0, None))
+    clock.cached = cached
+    yield PromptInfo(prompt_tokens=P, block_size=1, first_block=P, tail=0, cached_tokens=cached)
+    if cancel is not None and cancel.is_set():
+        yield _finished(generated, channels, "cancelled", 0, P, clock, hooks)
+        return
+
+    ids = torch.tensor(prompt, dtype=torch.long, device=device)  # [P]
+    keep = None
+    if prompt_cache is not None and cached < keep_at:  # forwards end at the points kept for later turns
+        def keep_here(end: int, out: Tensor) -> None:
+            prompt_cache.keep(prompt[: cached + end], cache, out[-1], None)
+
+        points = _keep_points(prompt, s, cached, keep_at, GDN_CHUNK, model.segment_tokens(None),
+                              prompt_cache.checkpoints, _turn_checkpoints(model, s))
+        keep = ([p - cached for p in points], keep_here)
+    logits = yield from _prefill(model, ids[cached:], cache, None, cancel, at=cached, keep=keep)  # [1, V]
+    if logits is None:  # cancelled between two prefill segments
+        yield _finished(generated, channels, "cancelled", 0, P, clock, hooks)
+        return
+    vocab = logits.shape[-1]
+    clock.prefill_done = clock.now()
+    if s.prefill_only:
+        yield _finished(generated, channels, "prefilled", 0, P, clock, hooks)
+        return
+    rep_seen = decoding.seen_mask(prompt, vocab, device)  # [V]
+    out_seen = _output_seen(prompt, written, vocab, device)  # [V]
+    gen = _generator(s, device)
+    reason = limit_reason
+    while True:
+        row = _penalize(logits[-1:].float(), s, rep_seen, out_seen)  # [1, V]
+        token, _ = decoding.propose(
+            row, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen
+        )
+        tok = int(token[0])
+        generated.append(tok)
+        rep_seen[tok] = True
+        out_seen[tok] = True
+        clock.mark_first_token()
+        yield from channels.feed([tok])
+        if tok in eos:
+            reason = "eos"
+            break
+        if len(generated) >= max_new:
+            break
+        if cancel is not None and cancel.is_set():
+            reason = "cancelled"
+            break
+        step = token.view(1)  # [1], already on the device (no host-to-device copy of the id just read)
+        # from the third step on, a compiled model skips the guards that cannot fail (engine.kernels.fastpath.steady_state)
+        with fastpath.steady_state(model) if len(generated) > 2 else contextlib.nullcontext():
+            logits = _forward(model, step, P + len(generated) - 1, cache, block_size=None, write_cache=True,
+                              last_only=True)
+    yield from channels.finish()
+    yield _finished(generated, channels, reason, len(generated), P, clock, hooks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block diffusion
+
+
+def generate_diffusion(
+    model: DecodingModel,
+    prompt_ids: Sequence[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None = None,
+    cancel: threading.Event | None = None,
+    vocab_size: int | None = None,
+    hooks: LoopHooks | None = None,
+    written: int = 0,
+    prompt_cache: PromptCache | None = None,
+) -> Iterator[Event]:
+    """Block diffusion. Checks the request before returning the event iterator."""
+    prompt = [int(i) for i in prompt_ids]
+    _check_prompt(prompt, vocab_size, written)
+    if s.mask_token_id is None:
+        raise PromptError(
+            "diffusion mode needs a mask token: the model's config.json has no mask_token_id and the tokenizer has "
+            "no <|mask|> token (use --mode ar)"
+        )
+    B = s.block_size
+    P = len(prompt)
+    first_block_end = (P // B + 1) * B  # the block holding the prompt tail must fit whole
+    if first_block_end > s.max_positions:
+        raise PromptError(
+            f"prompt is {P} tokens; with room to finish its last {B}-token block it needs {first_block_end} "
+            f"positions, but the context holds {s.max_positions}"
+        )
+    room = (s.max_positions // B) * B - P  # generated slots that fit in whole blocks
+    max_new = min(s.max_new_tokens, room)
+    limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
+    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache)
+
+
+def _diffusion_loop(
+    model: DecodingModel,
+    prompt: list[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None,
+    cancel: threading.Event | None,
+    max_new: int,
+    limit_reason: str,
+    hooks: LoopHooks | None = None,
+    written: int = 0,
+    prompt_cache: PromptCache | None = None,
+) -> Iterator[Event]:
+    B, P, mask_id = s.block_size, len(prompt), int(s.mask_token_id)  # type: ignore[arg-type]
+    n_full = (P // B) * B
+    device = _device_of(model)
+    clock = _Clock()
+    thinking = thinking_open_after(prompt, s.think_start_id, s.think_end_id)
+    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking)
+    piece_cache: dict[int, str] = {}
+
+    def piece(tok: int) -> str:
+        if tokenizer is None:
+            return ""
+        if tok not in piece_cache:
+            piece_cache[tok] = tokenizer.decode([tok], skip_special_tokens=False)
+        return piece_cache[tok]
+
+    generated: list[int] = []
+    passes = 0
+    end = min(s.max_positions, -(-(P + max_new) // B) * B)  # last position any block can reach, block-aligned
+    # the prompt's whole blocks before its last turn (the generation prompt) are kept for the next request that
+    # starts with them (a chat's next turn: PromptCache)
+    prompt_cache = PromptCache.for_model(prompt_cache, model)
+    keep_at = min(n_full, _turn_start(prompt, s) // B * B) if prompt_cache is not None else 0
+    cache, cached, prev_row = (prompt_cache.take(model, prompt, n_full, end, B) if prompt_cache is not None
+                               else (model.new_cache(end), 0, None))  # prev_row [V]: last logit row before a block
+    clock.cached = cached
+    yield PromptInfo(prompt_tokens=P, block_size=B, first_block=n_full // B, tail=P - n_full, cached_tokens=cached)
+    if cancel is not None and cancel.is_set():
+        yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
+        return
+
+    eos = set(s.eos_token_ids)
+    reason = limit_reason
+    if cached < n_full:
+        ids = torch.tensor(prompt[cached:n_full], dtype=torch.long, device=device)  # [n_full - cached]
+        # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
+        keep = None
+        if prompt_cache is not None and cached < keep_at:  # forwards end at the points kept for later turns
+            def keep_here(end: int, out: Tensor) -> None:
+                prompt_cache.keep(prompt[: cached + end], cache, out[-1], B)
+
+            points = _keep_points(prompt, s, cached, keep_at, B, model.segment_tokens(B), prompt_cache.checkpoints,
+                                  _turn_checkpoints(model, s))
+            keep = ([p - cached for p in points], keep_here)
+        out = yield from _prefill(model, ids, cache, B, cancel, at=cached, keep=keep, prefill=True)  # [1, V]
+        if out is None:  # cancelled between two prefill segments
+            yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
+            return
+        prev_row = out[-1]
+    clock.prefill_done = clock.now()
+    if s.prefill_only:
+        yield _finished(generated, channels, "prefilled", passes, P, clock, hooks)
+        return
+    vocab: int | None = None
+    rep_seen = out_seen = None
+    gen = _generator(s, device)
+    block_index = n_full // B
+    tail = prompt[n_full:]
+    while True:
+        pos0 = block_index * B
+        start = len(tail)
+        needed = min(B, start + max_new - len(generated))  # slots [start, needed) can still be output
+        x = torch.tensor(tail + [mask_id] * (B - start), dtype=torch.long, device=device)  # [B]
+        conf = torch.zeros(B, dtype=torch.float32, device=device)  # [B] confidence each slot was committed with
+        conf[:start] = 1.0
+        n_at_entry = written + len(generated)  # the ramps count the answer's tokens, a continued one's from its start
+        thinking_at_entry = channels.thinking_open
+        pass_index = 0
+        cancelled = False
+        if hooks is not None and hooks.begin_block is not None:
+            hooks.begin_block()
+        while True:
+            if cancel is not None and cancel.is_set():
+                cancelled = True
+                break
+            logits = _forward(model, x, pos0, cache, block_size=B, write_cache=False).float()  # [B, V]
+            passes += 1
+            if s.shift_logits:
+                logits = decoding.shift_logits(logits, prev_row)
+            if vocab is None:
+                vocab = logits.shape[-1]
+                rep_seen = decoding.seen_mask(prompt, vocab, device)
+                out_seen = _output_seen(prompt, written, vocab, device)
+            x, conf, shown, commit = denoise_policy(
+                logits, x, conf, s, start=start, needed=needed, seen=(rep_seen, out_seen),  # type: ignore[arg-type]
+                n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen,
+            )
+            # The one device-to-host read of the pass: tokens, confidences and commits in one copy (ids are exact
+            # in float32 up to 2**24, far past any vocabulary)
+            host = torch.stack([x.float(), shown.float(), commit.float()]).tolist()
+            tokens = [int(t) for t in host[0]]
+            still = [t == mask_id for t in tokens]
+            yield BlockStep(
+                block_index=block_index,
+                pass_index=pass_index,
+                tokens=tuple(tokens),
+                texts=tuple("" if m else piece(t) for t, m in zip(tokens, still)),
+                masked=tuple(still),
+                confidence=tuple(host[1]),
+                committed_now=tuple(c > 0.5 for c in host[2]),
+                prompt_slots=start,
+            )
+            pass_index += 1
+            if not any(still[start:needed]) or decoding.eos_resolved(tokens, still, start, eos):
+                break
+        if cancelled:
+            if hooks is not None and hooks.end_block is not None:
+                hooks.end_block()
+            reason = "cancelled"
+            break
+        block_ids, hit_eos = decoding.truncate_at_eos(tokens[start:needed], eos)
+        final = hit_eos or len(generated) + len(block_ids) >= max_new
+        if not final:
+            # The commit pass: the finished block becomes causal prefix. Skipped for the last block, whose
+            # cache entries nothing would read.
+            if cancel is not None and cancel.is_set():
+                if hooks is not None and hooks.end_block is not None:
+                    hooks.end_block()
+                reason = "cancelled"
+                break
+            out = _forward(model, x, pos0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
+            prev_row = out[-1]
+            passes += 1
+            pass_index += 1
+        if hooks is not None and hooks.end_block is not None:
+            hooks.end_block()
+        generated.extend(block_ids)
+        out_seen[torch.tensor(block_ids, dtype=torch.long, device=device)] = True  # type: ignore[index]
+        rep_seen |= out_seen  # type: ignore[operator]
+        if block_ids:
+            clock.mark_first_token()
+        yield from channels.feed(block_ids)
+        yield BlockCommitted(block_index=block_index, passes=pass_index, token_ids=tuple(block_ids))
+        if final:
+            reason = "eos" if hit_eos else limit_reason
+            break
+        block_index += 1
+        tail = []
+    yield from channels.finish()
+    yield _finished(generated, channels, reason, passes, P, clock, hooks)
+
+
+def denoise_policy(
+    logits: Tensor,
+    x: Tensor,
+    conf: Tensor,
+    s: DecodeSettings,
+    *,
+    start: int,
+    needed: int,
+    seen: tuple[Tensor, Tensor],
+    n_at_entry: int,
+    thinking_at_entry: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One denoising pass's policy, on the device with no host read: penalties (the prompt and output so far in
+    ``seen`` = (repetition, presence) [V] masks, plus this block's committed slots), the length and think-end
+    biases, the proposal and the commit rule. logits [B, V] (already shifted), x [B] slot tokens (masks where
+    open), conf [B] the confidence each slot was committed with. Returns (x, conf, shown, commit): the block after
+    this pass, the confidences, what the view shows (still-masked slots: this pass's confidence), the commits."""
+    mask_id = int(s.mask_token_id)  # type: ignore[arg-type]
+    rep_seen, out_seen = seen
+    masked = x == mask_id  # [B]
+    in_block = decoding.seen_mask_of(x[start:], logits.shape[-1], skip_id=mask_id)  # [V] committed in this block
+    penalized = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)
+    own = penalized is not logits  # the biases below may then change it in place (one [B, V] copy less each)
+    logits = decoding.apply_length_penalty(
+        penalized, masked, s.eos_token_ids, s.length_penalty, n_at_entry, s.length_penalty_start,
+        s.length_penalty_window, inplace=own,
+    )
+    committed = torch.where(masked[start:], -1, x[start:])  # [B - start]: masks read as no token
+    logits = decoding.apply_think_end_bias(
+        logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start, s.think_end_bias_window,
+        decoding.thinking_open_in(committed, thinking_at_entry, s.think_start_id, s.think_end_id), inplace=own,
+    )
+    proposal, p = decoding.propose(
+        logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator
+    )  # [B], [B]
+    # Only slots that can still reach the output compete: not past the max_new_tokens budget, not after an EOS
+    # already committed in this block (the single-slot fallback would waste passes there).
+    slot_index = torch.arange(x.shape[0], device=x.device)
+    useful = masked & (slot_index < decoding.output_limit(x, start, needed, s.eos_token_ids))  # [B]
+    commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
+    x = torch.where(commit, proposal, x)
+    conf = torch.where(commit, p, conf)
+    shown = torch.where(masked & ~commit, p, conf)
+    return x, conf, shown, commit
+
+
+def generate(
+    model: DecodingModel,
+    prompt_ids: Sequence[int],
+    s: DecodeSettings,
+    tokenizer: TextDecoder | None = None,
+    cancel: threading.Event | None = None,
+    vocab_size: int | None = None,
+    hooks: LoopHooks | None = None,
+    written: int = 0,
+    prompt_cache: PromptCache | None = None,
+) -> Iterator[Event]:
+    """Dispatch on ``s.mode``; request errors (:class:`PromptError`) are raised here, before any event.
+
+    ``written``: the prompt's last ``written`` tokens are the model's own answer so far (an answer being continued,
+    ``GenerationParams.continue_final_message``): they count as output for the presence penalty and the length
+    and think-end ramps, as they did when it wrote them. ``prompt_cache``: start from what the last request's
+    prefill left when this prompt begins with the same tokens, and keep this one's for the next
+    (:class:`PromptCache`)."""
+    loop = generate_diffusion if s.mode == "diffusion" else generate_ar
+    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size, hooks, written, prompt_cache)

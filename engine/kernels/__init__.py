@@ -1,0 +1,1 @@
+"""Optional fast paths: Triton kernels, compiled layers, CUDA graphs, flash-linear-attention dispatch."""

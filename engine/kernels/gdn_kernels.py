@@ -1,0 +1,96 @@
+"""Gated DeltaNet on CUDA through flash-linear-attention's Triton kernels (the ``fla-core`` package), in place of
+the pure-PyTorch rule in :mod:`engine.model.clover` for the forwards that have no Clover extras:
+
+- an AR step (one token, causal, with a cache): ``fused_recurrent_gated_delta_rule``, one kernel for the decay,
+  the delta update and the read, instead of ~8 small torch ops;
+- a causal prefill (an AR prompt): ``chunk_gated_delta_rule``, a handful of kernels for the whole prompt, instead of
+  the PyTorch loop over 32-token chunks (one iteration per chunk, each a few kernels).
+
+Block-mode forwards (the diffusion prompt, the 32-slot denoising and commit passes) keep the PyTorch rule: they need
+each block's start state and its pure read for the history unit, and the right convolution's state path, which
+fla's kernels do not return. The PyTorch rule stays the CPU path and the reference.
+
+Layouts: ours are q, k [T, Hv, dk] (l2-normed, q already scaled, so ``scale=1``), v [T, Hv, dv], g (log decay),
+beta [T, Hv], state [Hv, dk, dv], all float32; fla's add a batch dimension in front and keep the state [K, V]
+(``state_v_first=False``), the same as ours. Both are wrapped as ``torch.library`` custom ops with fake
+implementations, so a compiled layer traces through them as one opaque op each (no graph break), and a CUDA graph
+records them like any kernel.
+
+Status: tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_gdn_kernels.py``: equal to the PyTorch rule
+within float32 rounding, greedy tokens identical on a tiny model, a compiled layer traces with ``fullgraph=True``);
+**not measured on a GPU**, so it is opt-in: ``CLOVER_DESK_FLA_GDN=1`` with ``fla-core`` installed
+(``pip install 'clover-desk[cuda]'``). Under Triton's interpreter (``TRITON_INTERPRET=1``) the same switch takes the
+kernels on the CPU too, which is how the tests run them. ``clover-desk bench speed --moe-only`` on CUDA times one GDN
+layer's AR step and prefill both ways at the 35B shape.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+OPTED_IN = os.environ.get("CLOVER_DESK_FLA_GDN") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Read once at import: a compiled layer sees constants, not an environment lookup per forward.
+AVAILABLE = importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None
+
+
+def enabled(x: Tensor) -> bool:
+    """Whether a GDN forward on ``x``'s device takes fla's kernels (see the module: opted in, fla installed, and
+    CUDA, or the CPU under Triton's interpreter)."""
+    return OPTED_IN and AVAILABLE and (x.is_cuda or INTERPRETED)
+
+
+def _fla():  # imported on first use only: fla warns on import where no GPU backend is active
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> None:
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    if k.shape != q.shape or v.shape[:2] != (t, h) or g.shape != (t, h) or beta.shape != (t, h) \
+            or state.shape != (h, dk, dv):
+        raise ValueError(
+            f"gated delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+            f"beta {tuple(beta.shape)}, state {tuple(state.shape)} do not match [T, H, dk], [T, H, dv], [T, H], "
+            "[H, dk, dv]"
+        )
+
+
+def _run(kernel: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One sequence through fla's ``kernel`` ("chunked" | "recurrent"): our layouts in, a batch of one for fla."""
+    _check(q, k, v, g, beta, state)
+    chunk, fused = _fla()
+    o, final = (chunk if kernel == "chunked" else fused)(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], scale=1.0, initial_state=state[None],
+        output_final_state=True,
+    )
+    return o[0], final[0]
+
+
+@torch.library.custom_op("clover_desk::gdn_recurrent", mutates_args=())
+def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Token-by-token gated delta rule (fla's fused recurrent kernel). Same arguments and results as
+    :func:`engine.model.clover.recurrent_gated_delta_rule`: (O [T, H, dv], final state [H, dk, dv])."""
+    return _run("recurrent", q, k, v, g, beta, state)
+
+
+@torch.library.custom_op("clover_desk::gdn_chunked", mutates_args=())
+def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Chunked gated delta rule (fla's chunk kernels, 64-token chunks from the first token). Same arguments and
+    results as :func:`engine.model.clover.chunk_gated_delta_rule`; equal to it up to float rounding (the chunk boundaries
+    differ when the prompt does not start at a multiple of 64, which changes only the order of the sums)."""
+    return _run("chunked", q, k, v, g, beta, state)
+
+
+def _fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    return v.new_empty(v.shape), state.new_empty(state.shape)
+
+
+recurrent.register_fake(_fake)
+chunked.register_fake(_fake)

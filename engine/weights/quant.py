@@ -1,0 +1,668 @@
+"""Quantization: formats, the policy table, and module swaps.
+
+Formats (one ``quantize`` / fast ``dequantize`` / slow ``dequantize_reference`` triple each):
+
+* ``nf4``: bitsandbytes NF4, blockwise absmax over the *flattened* tensor (blocksize 64 by default), fp32 absmax,
+  no double quantization. Two 4-bit codes per byte, the first element in the high nibble. Quantize and fast
+  dequantize go through ``bitsandbytes`` (CUDA or CPU); the reference is pure torch.
+* ``int8``: symmetric per-row absmax (scale = absmax / 127), pure torch.
+* ``bf16`` / ``fp32`` / ``keep``: not quantized (``keep`` leaves the checkpoint dtype).
+
+The policy table (:class:`QuantPolicy`) is a list of regex rules on checkpoint tensor names, first match wins.
+Quantized modules keep the interface of what they replace: :class:`QuantLinear` for ``nn.Linear`` and
+:class:`QuantExpertBank` for an :class:`engine.model.experts.ExpertBank`. The expert bank stores ONE contiguous byte row
+per expert (``[gate_up codes | down codes | gate_up scales | down scales]``, see :class:`ExpertLayout`) so that a
+streamed expert is one copy (``engine/placement/offload.py``).
+
+Compute path: weights are dequantized to the activation dtype and multiplied with ``F.linear``. We never use
+``bnb.nn.Linear4bit``: on CPUs with AVX512-BF16 its first eval forward repacks the weight in place into a
+CPU-only layout, which would corrupt bytes that are later streamed to a GPU. The expert banks gather the byte
+rows of a group of used experts, dequantize each tensor of the whole group in one call (:func:`unpack_rows`) and
+run :func:`engine.model.experts.moe_grouped`; :func:`routed_forward_reference` keeps the per-expert loop for the tests.
+
+bitsandbytes 0.50.2 CPU caveat (found while writing the tests): ``dequantize_4bit`` on CPU treats blocks as lying
+inside rows, so for a 2-D shape whose last dim is not a multiple of the blocksize it returns wrong values. We
+always dequantize with the one-row shape ``(1, numel)`` and reshape, which matches how ``quantize_4bit`` blocks.
+
+Letters: E experts, D hidden size, I expert intermediate size, T tokens, K top-k, O/N out/in features.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.kernels import triton_linear, triton_moe
+from engine.errors import CheckpointError, ConfigError
+from engine.weights.formats import (
+    NF4_CODE,
+    DEFAULT_POLICY,
+    FORMATS,
+    PLAIN_FORMATS,
+    QUANT_FORMATS,
+    QuantPolicy,
+    Rule,
+    expert_row_layout,
+    format_of_torch_dtype,
+    int8_sizes,
+    is_expert_tensor,
+    make_policy,
+    nf4_sizes,
+    quantized_sizes,
+)
+from engine.model.experts import SMALL_SLOTS, ExpertBank, RowLayout, group_by_expert, moe_grouped
+
+log = logging.getLogger(__name__)
+
+
+# Largest gap between neighbouring NF4 codes: rounding error is at most half of it, times the block absmax.
+NF4_MAX_HALF_GAP = max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:])) / 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Formats
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _NotOurKernel(logging.Filter):
+    """Drops bitsandbytes' import-time warning that its optional CPU ``gemm_4bit`` kernel (from the ``kernels``
+    package) is missing: this engine never calls ``gemm_4bit`` (NF4 is dequantized, or read by its own kernels), so
+    the line only told every CPU run of ``generate --vram-gb`` or ``bench`` to install something it does not use."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward" not in record.getMessage()
+
+
+# installed once, here: _bnb_functional runs inside compiled forwards, where a logging call breaks the graph
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NotOurKernel())
+
+
+def _bnb_functional() -> Any:
+    """bitsandbytes.functional, imported on first use."""
+    try:
+        import bitsandbytes.functional as bnbf
+    except ImportError as exc:  # pragma: no cover - bitsandbytes is a hard dependency
+        raise ConfigError(f"NF4 needs bitsandbytes, which failed to import: {exc}") from None
+    return bnbf
+
+
+def quantize_nf4(w: Tensor, blocksize: int = 64) -> tuple[Tensor, Tensor]:
+    """w (any shape, float) -> (codes uint8 [ceil(numel/2)], absmax fp32 [ceil(numel/blocksize)])."""
+    if w.numel() % 2:
+        raise ValueError(f"NF4 needs an even number of elements, got shape {tuple(w.shape)}")
+    src = w.detach().reshape(-1).to(torch.float32)  # same codes whatever the stored dtype (bf16 -> fp32 is exact)
+    packed, state = _bnb_functional().quantize_4bit(
+        src.contiguous(), blocksize=blocksize, compress_statistics=False, quant_type="nf4"
+    )
+    return packed.reshape(-1), state.absmax.reshape(-1).to(torch.float32)
+
+
+def dequantize_nf4(codes: Tensor, absmax: Tensor, shape: tuple[int, ...], blocksize: int, dtype: torch.dtype) -> Tensor:
+    """Fast dequantize through bitsandbytes (CUDA or CPU kernel). Flat shape: see the module docstring."""
+    numel = math.prod(shape)
+    _bnb_functional()  # registers torch.ops.bitsandbytes in a process that only reads an existing cache
+    # (1, numel), not (numel,): the same flat blocks, and on the CPU the kernel returns [1, numel] for either while
+    # the op's fake (what torch.compile plans its buffers by) follows the shape asked: a flat shape made every
+    # compiled NF4 forward fail there ("wrong number of dimensions2 for op ... dequantize_4bit")
+    out = torch.ops.bitsandbytes.dequantize_4bit(codes.view(torch.uint8), absmax, blocksize, "nf4", (1, numel), dtype)
+    return out.reshape(shape)
+
+
+def dequantize_nf4_reference(
+    codes: Tensor, absmax: Tensor, shape: tuple[int, ...], blocksize: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Slow pure-torch NF4 dequantize: unpack nibbles (high first), look up the code, scale by the block absmax."""
+    numel = math.prod(shape)
+    b = codes.view(torch.uint8).to(torch.int64).cpu()  # [numel/2]
+    idx = torch.stack([b >> 4, b & 0x0F], dim=1).reshape(-1)[:numel]  # [numel], element 2i from the high nibble
+    table = torch.tensor(NF4_CODE, dtype=torch.float32)
+    values = table[idx]  # [numel] in [-1, 1]
+    scale = absmax.cpu().to(torch.float32).repeat_interleave(blocksize)[:numel]  # [numel] block absmax per element
+    return (values * scale).reshape(shape).to(dtype)
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [..., N] -> (codes int8 [..., N], scale fp32 [prod(...)]) with scale = row absmax / 127."""
+    w2 = w.detach().reshape(-1, w.shape[-1]).to(torch.float32)  # [R, N]
+    scale = w2.abs().amax(dim=1) / 127.0  # [R]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w2 / safe[:, None]).clamp_(-127, 127).to(torch.int8)  # [R, N]
+    return q.reshape(w.shape), scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Fast dequantize: one broadcast multiply computed in fp32 (int8 codes times the fp32 row scale) and rounded to
+    ``dtype`` as each element is stored: bit for bit what widening to fp32, multiplying and casting give, without
+    writing an fp32 copy of the weight (6 bytes written per element -> 2 in bf16; ``bench speed --count``)."""
+    q2 = q.view(torch.int8).reshape(-1, shape[-1])  # [R, N]
+    out = torch.empty(q2.shape, dtype=dtype, device=q2.device)
+    torch.mul(q2, scale.view(-1, 1).to(torch.float32), out=out)
+    return out.reshape(shape)
+
+
+def dequantize_int8_reference(
+    q: Tensor, scale: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Slow reference: row by row, element value times its row's scale."""
+    q2 = q.view(torch.int8).reshape(-1, shape[-1]).cpu()
+    rows = [q2[r].to(torch.float32) * float(scale[r]) for r in range(q2.shape[0])]
+    return torch.stack(rows).reshape(shape).to(dtype)
+
+
+def quantize_tensor(w: Tensor, fmt: str, blocksize: int = 64) -> tuple[Tensor, Tensor]:
+    """(codes, scales) of ``w`` in ``fmt`` ("nf4" | "int8")."""
+    if fmt == "nf4":
+        return quantize_nf4(w, blocksize)
+    if fmt == "int8":
+        return quantize_int8(w)
+    raise ValueError(f"not a quantized format: {fmt!r} (expected one of {QUANT_FORMATS})")
+
+
+def dequantize_tensor(
+    codes: Tensor, scales: Tensor, shape: tuple[int, ...], fmt: str, blocksize: int, dtype: torch.dtype
+) -> Tensor:
+    if fmt == "nf4":
+        return dequantize_nf4(codes, scales, shape, blocksize, dtype)
+    if fmt == "int8":
+        return dequantize_int8(codes, scales, shape, dtype)
+    raise ValueError(f"not a quantized format: {fmt!r}")
+
+
+def dequantize_reference(
+    codes: Tensor, scales: Tensor, shape: tuple[int, ...], fmt: str, blocksize: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    if fmt == "nf4":
+        return dequantize_nf4_reference(codes, scales, shape, blocksize, dtype)
+    if fmt == "int8":
+        return dequantize_int8_reference(codes, scales, shape, dtype)
+    raise ValueError(f"not a quantized format: {fmt!r}")
+
+
+def error_bound(w: Tensor, fmt: str, blocksize: int = 64) -> Tensor:
+    """Per-element worst-case |w - dequant(quant(w))| of the format (same shape as w, fp32).
+
+    NF4: half the largest code gap times the block absmax (plus fp32 slack). INT8: half a step, scale / 2.
+    """
+    w32 = w.detach().to(torch.float32)
+    if fmt == "nf4":
+        flat = w32.reshape(-1)
+        nblocks = math.ceil(flat.numel() / blocksize)
+        padded = F.pad(flat, (0, nblocks * blocksize - flat.numel()))
+        absmax = padded.abs().reshape(nblocks, blocksize).amax(dim=1)  # [blocks]
+        bound = absmax.repeat_interleave(blocksize)[: flat.numel()] * (NF4_MAX_HALF_GAP + 1e-6)
+        return bound.reshape(w.shape)
+    if fmt == "int8":
+        w2 = w32.reshape(-1, w32.shape[-1])
+        scale = w2.abs().amax(dim=1, keepdim=True) / 127.0
+        return (scale * (0.5 + 1e-5)).expand_as(w2).reshape(w.shape)
+    raise ValueError(f"not a quantized format: {fmt!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# QuantLinear
+# ---------------------------------------------------------------------------------------------------------------
+
+
+DEQUANT_CHUNK_ELEMS = 8 << 20  # QuantLinear dequantizes at most this many weights at once (16 MiB in bf16)
+
+
+# Token rows at or below which an int8 QuantLinear on the CPU runs torch's fused weight-only int8 GEMV
+# (aten._weight_int8pack_mm) instead of dequantize-then-matmul. Measured (2 cores, fp32, 32768 x 2048): 1 row
+# 29 ms fused vs 200 ms dequantized; 32 rows 1,012 ms vs 359 ms (the kernel is a GEMV). 0 turns it off.
+INT8_GEMV_MAX_ROWS = 4
+
+
+def _int8_gemv_applies(layer: "QuantLinear", x: Tensor) -> bool:
+    return (
+        layer.fmt == "int8"
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and layer.codes.dtype == torch.int8
+        and layer.codes.dim() == 2
+        and math.prod(x.shape[:-1]) <= INT8_GEMV_MAX_ROWS
+        and hasattr(torch, "_weight_int8pack_mm")
+    )
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for ``nn.Linear`` holding a quantized weight: ``codes`` + ``scales`` buffers, optional ``bias``.
+
+    ``weight`` is a property that dequantizes (for code that reads ``linear.weight``); ``forward`` dequantizes to
+    the input dtype and calls ``F.linear``.
+    """
+
+    chunk_elems: int = DEQUANT_CHUNK_ELEMS
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str,
+        blocksize: int = 64,
+        bias: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"QuantLinear: format must be one of {QUANT_FORMATS}, got {fmt!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        self.blocksize = blocksize
+        shape = (out_features, in_features)
+        n_codes, n_scales = quantized_sizes(shape, fmt, blocksize)
+        if fmt == "nf4":
+            codes = torch.zeros(n_codes, dtype=torch.uint8, device=device)  # [O*N/2] two codes per byte
+        else:
+            codes = torch.zeros(shape, dtype=torch.int8, device=device)  # [O, N]
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", torch.zeros(n_scales // 4, dtype=torch.float32, device=device))
+        self.bias: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, blocksize: int = 64) -> "QuantLinear":
+        q = cls(linear.in_features, linear.out_features, fmt, blocksize, bias=linear.bias is not None, device="cpu")
+        q.set_weight(linear.weight.data)
+        if linear.bias is not None:
+            q.bias = nn.Parameter(linear.bias.data.detach().clone(), requires_grad=False)
+        return q.to(linear.weight.device)
+
+    def set_weight(self, w: Tensor) -> None:
+        """Quantize ``w`` [O, N] into this module's buffers."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise CheckpointError(
+                f"QuantLinear: weight shape {tuple(w.shape)} != {(self.out_features, self.in_features)}"
+            )
+        codes, scales = quantize_tensor(w, self.fmt, self.blocksize)
+        self.codes = codes.to(self.codes.device)
+        self.scales = scales.to(self.scales.device)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> Tensor:
+        """The weight [O, N] (or output rows r0..r1 of it) in ``dtype``."""
+        r0, r1 = rows or (0, self.out_features)
+        n = self.in_features
+        if self.fmt == "nf4":  # r0 * N is a whole number of blocks (see _chunk_rows)
+            codes = self.codes[r0 * n // 2 : r1 * n // 2]
+            scales = self.scales[r0 * n // self.blocksize : -(-r1 * n // self.blocksize)]
+        else:
+            codes, scales = self.codes[r0:r1], self.scales[r0:r1]
+        return dequantize_tensor(codes, scales, (r1 - r0, n), self.fmt, self.blocksize, dtype)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.dequantized(torch.float32)
+
+    def _chunk_rows(self) -> int:
+        """Output rows dequantized at once: bounds the bf16 transient of big weights (lm_head is 248320 x 2048)."""
+        rows = max(1, self.chunk_elems // self.in_features)
+        align = self.blocksize // math.gcd(self.in_features, self.blocksize) if self.fmt == "nf4" else 1
+        return max(align, rows // align * align)
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if _int8_gemv_applies(self, x):
+            # fused weight-only int8 matmul: reads the int8 codes, never writes a dequantized weight
+            rows = x.reshape(-1, self.in_features)  # [R, N]
+            out = torch._weight_int8pack_mm(rows, self.codes, self.scales.to(x.dtype))  # [R, O]
+            out = out.reshape(*x.shape[:-1], self.out_features)
+            return out + bias if bias is not None else out
+        if triton_linear.enabled_for(x, self.fmt, self.codes):  # a GPU, opted in: the fused int8 kernel
+            return triton_linear.int8_linear(x, self.codes, self.scales, bias)
+        step = self._chunk_rows()
+        if step >= self.out_features:
+            return F.linear(x, self.dequantized(x.dtype), bias)  # [.., O]
+        parts = [
+            F.linear(x, self.dequantized(x.dtype, (r0, min(r0 + step, self.out_features))))  # [.., rows]
+            for r0 in range(0, self.out_features, step)
+        ]
+        out = torch.cat(parts, dim=-1)  # [.., O]
+        return out + bias if bias is not None else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+            f"blocksize={self.blocksize}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized expert bank: one contiguous byte row per expert
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Byte layout of one expert's row: ``[gate_up codes | down codes | gate_up scales | down scales]``.
+
+    gate_up is [2I, D] (rows 0..I-1 gate, I..2I-1 up), down is [D, I]; each segment starts 16-byte aligned.
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    fmt: str
+    blocksize: int
+    gate_up_codes: tuple[int, int]  # (offset, nbytes)
+    down_codes: tuple[int, int]
+    gate_up_scales: tuple[int, int]
+    down_scales: tuple[int, int]
+    nbytes: int  # row size
+
+    @classmethod
+    def build(
+        cls, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str = "nf4", blocksize: int = 64
+    ) -> "ExpertLayout":
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"expert format must be one of {QUANT_FORMATS}, got {fmt!r}")
+        segs, off = expert_row_layout(hidden_size, intermediate_size, fmt, blocksize)
+        return cls(num_experts, hidden_size, intermediate_size, fmt, blocksize, *segs, nbytes=off)
+
+    @property
+    def gate_up_shape(self) -> tuple[int, int]:
+        return (2 * self.intermediate_size, self.hidden_size)
+
+    @property
+    def down_shape(self) -> tuple[int, int]:
+        return (self.hidden_size, self.intermediate_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ExpertLayout":
+        d = dict(d)
+        for k in ("gate_up_codes", "down_codes", "gate_up_scales", "down_scales"):
+            d[k] = tuple(d[k])
+        return cls(**d)
+
+    # --- packing ---
+    def pack(self, gate_up: Tensor, down: Tensor, out: Tensor | None = None) -> Tensor:
+        """Quantize one expert: gate_up [2I, D], down [D, I] -> row uint8 [nbytes] (written into ``out`` if given)."""
+        if tuple(gate_up.shape) != self.gate_up_shape or tuple(down.shape) != self.down_shape:
+            raise CheckpointError(
+                f"expert shapes {tuple(gate_up.shape)}, {tuple(down.shape)} != {self.gate_up_shape}, {self.down_shape}"
+            )
+        row = out if out is not None else torch.zeros(self.nbytes, dtype=torch.uint8)
+        for w, (c_off, c_n), (s_off, s_n) in (
+            (gate_up, self.gate_up_codes, self.gate_up_scales),
+            (down, self.down_codes, self.down_scales),
+        ):
+            codes, scales = quantize_tensor(w, self.fmt, self.blocksize)
+            row[c_off : c_off + c_n] = codes.reshape(-1).view(torch.uint8).to(row.device)
+            row[s_off : s_off + s_n] = scales.reshape(-1).view(torch.uint8).to(row.device)
+        return row
+
+    def views(self, row: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(gate_up codes, down codes, gate_up scales fp32, down scales fp32) as views into ``row`` [nbytes]."""
+        (a, na), (b, nb), (c, nc), (d, nd) = self.gate_up_codes, self.down_codes, self.gate_up_scales, self.down_scales
+        return (
+            row[a : a + na],
+            row[b : b + nb],
+            row[c : c + nc].view(torch.float32),
+            row[d : d + nd].view(torch.float32),
+        )
+
+    def unpack(self, row: Tensor, dtype: torch.dtype, reference: bool = False) -> tuple[Tensor, Tensor]:
+        """row -> (gate_up [2I, D], down [D, I]) in ``dtype``."""
+        gu_c, dn_c, gu_s, dn_s = self.views(row)
+        deq = dequantize_reference if reference else dequantize_tensor
+        gate_up = deq(gu_c, gu_s, self.gate_up_shape, self.fmt, self.blocksize, dtype)
+        down = deq(dn_c, dn_s, self.down_shape, self.fmt, self.blocksize, dtype)
+        return gate_up, down
+
+    def unpack_rows(self, source: Tensor, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The row-layout interface :func:`routed_forward` computes through (see :func:`unpack_rows`); another
+        layout (``engine.weights.gguf.model.GGUFExpertLayout``) brings its own."""
+        return unpack_rows(self, source, rows, dtype)
+
+
+def expert_mlp(layout: ExpertLayout, row: Tensor, xs: Tensor) -> Tensor:
+    """One quantized expert's SwiGLU MLP on its tokens: xs [n, D] -> [n, D] (the reference loop's step)."""
+    gate_up, down = layout.unpack(row, xs.dtype)  # [2I, D], [D, I]
+    gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(F.silu(gate) * up, down)  # [n, D]
+
+
+def _dequantize_group(
+    layout: ExpertLayout, codes: Tensor, scales: Tensor, shape: tuple[int, int], dtype: torch.dtype
+) -> Tensor:
+    """codes [G, c] uint8 and scales [G, s] fp32 of G experts' copies of one tensor -> [G, *shape] in ``dtype``.
+
+    One dequantize call for the group when each expert's tensor is a whole number of NF4 blocks (INT8 scales are
+    per row: always): the concatenated bytes then block exactly as each expert's own bytes do. Otherwise (odd toy
+    shapes only) one call per expert."""
+    g = codes.shape[0]
+    numel = shape[0] * shape[1]
+    if layout.fmt == "int8" or numel % layout.blocksize == 0:
+        flat = dequantize_tensor(codes.reshape(-1), scales.reshape(-1), (g * shape[0], shape[1]), layout.fmt,
+                                 layout.blocksize, dtype)  # [G*O, N]
+        return flat.view(g, *shape)
+    return torch.stack(
+        [dequantize_tensor(codes[j], scales[j], shape, layout.fmt, layout.blocksize, dtype) for j in range(g)]
+    )
+
+
+def unpack_rows(layout: ExpertLayout, source: Tensor, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Dequantize the experts in rows ``rows`` [G] (long, on source's device) of ``source`` [S, nbytes] uint8
+    -> (gate_up [G, 2I, D], down [G, D, I]) in ``dtype``. Each segment is gathered straight into a contiguous
+    [G, bytes] tensor (no copy of whole rows) and dequantized in one call."""
+    (a, na), (b, nb) = layout.gate_up_codes, layout.down_codes
+    (c, nc), (d, nd) = layout.gate_up_scales, layout.down_scales
+    if rows.numel() == 1 and rows.device.type == "cpu":  # one row named on the host: views, no gather (a CPU group)
+        r = int(rows)
+        src = source[r : r + 1]  # [1, nbytes]
+        gu_codes, dn_codes, gu_scales, dn_scales = (
+            src[:, a : a + na], src[:, b : b + nb], src[:, c : c + nc], src[:, d : d + nd]
+        )
+    else:
+        gu_codes = source[:, a : a + na].index_select(0, rows)  # [G, na]
+        dn_codes = source[:, b : b + nb].index_select(0, rows)  # [G, nb]
+        gu_scales = source[:, c : c + nc].index_select(0, rows)  # [G, nc]
+        dn_scales = source[:, d : d + nd].index_select(0, rows)  # [G, nd]
+    gu_scales, dn_scales = gu_scales.view(torch.float32), dn_scales.view(torch.float32)  # [G, nc/4], [G, nd/4]
+    gate_up = _dequantize_group(layout, gu_codes, gu_scales, layout.gate_up_shape, dtype)  # [G, 2I, D]
+    down = _dequantize_group(layout, dn_codes, dn_scales, layout.down_shape, dtype)  # [G, D, I]
+    return gate_up, down
+
+
+def routed_forward(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    num_experts: int,
+    layout: RowLayout,
+    row_of: Callable[[int], Tensor] | None = None,
+    *,
+    source: Tensor | None = None,
+    row_index: Tensor | None = None,
+) -> Tensor:
+    """The shared MoE compute of every quantized bank (resident or streamed): the same op order for the same bytes,
+    so streaming can never change the numbers. x [T, D], topk_idx/topk_w [T, K] -> [T, D].
+
+    Where the expert bytes are: ``source`` [S, nbytes] uint8 with expert e in row ``row_index[e]`` (``row_index``
+    [E] long on source's device; None: row e), which needs no host sync to find an expert; or ``row_of(e)`` -> row
+    [nbytes], which needs the expert ids on the host (a sync per group on a GPU) and copies each used row once."""
+    if source is not None:
+
+        if triton_moe.enabled_for(x, layout):  # the fused NF4 / GGUF kernel (opt-in on CUDA until measured there)
+            rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] pool row of each pair
+            return triton_moe.fused_moe(x, source, layout, rows, topk_w)
+
+        def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
+            rows = ids if row_index is None else row_index[ids]  # [G]
+            return layout.unpack_rows(source, rows, x.dtype)
+    elif row_of is not None:
+        def weights(ids: Tensor) -> tuple[Tensor, Tensor]:
+            gathered = torch.stack([row_of(int(e)) for e in ids.tolist()])  # [G, nbytes]
+            return layout.unpack_rows(gathered, torch.arange(len(gathered), device=gathered.device), x.dtype)
+    else:
+        raise ValueError("routed_forward needs source= or row_of")
+    # dequantizing weights: a compiled pass's many pairs take the grouped path, each used expert dequantized once
+    return moe_grouped(x, topk_idx, topk_w, num_experts, weights, 3 * layout.intermediate_size,
+                       compiled_pairwise=False)
+
+
+def routed_forward_reference(
+    x: Tensor, topk_idx: Tensor, topk_w: Tensor, num_experts: int, layout: ExpertLayout, row_of: Callable[[int], Tensor]
+) -> Tensor:
+    """The slow reference: a Python loop over the used experts, one dequantize and two small matmuls each (what
+    :func:`routed_forward` did before the grouped compute). x [T, D], topk_idx/topk_w [T, K] -> [T, D]."""
+    order, token, experts, counts = group_by_expert(topk_idx, num_experts)
+    xs = x[token]  # [N, D] token rows in expert order
+    ys = torch.empty_like(xs)  # [N, D]
+    start = 0
+    for e, n in zip(experts, counts):
+        ys[start : start + n] = expert_mlp(layout, row_of(e), xs[start : start + n])
+        start += n
+    w = topk_w.reshape(-1)[order].to(torch.float32)  # [N]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, D] fp32 accumulation
+    out.index_add_(0, token, ys.to(torch.float32) * w[:, None])
+    return out.to(x.dtype)
+
+
+def routed_reference(bank: "QuantExpertBank", x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    """:func:`routed_forward_reference` on a resident bank's rows."""
+    return routed_forward_reference(x, topk_idx, topk_w, bank.num_experts, bank.layout, bank.packed.__getitem__)
+
+
+def rows_sync_free(pairs: int, device: torch.device, layout: RowLayout) -> bool:
+    """Whether :func:`routed_forward` from a byte-row source over ``pairs`` (token, slot) pairs reads nothing on
+    the host: few pairs gather one expert each; more need the fused kernel (``engine.kernels.triton_moe``), which sorts
+    them on the device, where the dequantizing path sizes its groups on the host."""
+
+    return pairs <= SMALL_SLOTS or triton_moe.enabled_on(device, layout)
+
+
+class RowExpertBank(ExpertBank):
+    """A bank whose experts are one contiguous byte row each: ``packed`` uint8 [E, layout.nbytes] under a
+    :class:`RowLayout`, computed by :func:`routed_forward`. ``engine.placement.offload`` streams any such bank: a streamed
+    layer's rows go to host memory and one copy fills one slot."""
+
+    layout: RowLayout
+    packed: Tensor
+
+    def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
+        return rows_sync_free(pairs, device, self.layout)
+
+    def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.packed)
+
+
+class QuantExpertBank(RowExpertBank):
+    """All experts of one layer, resident, as ``packed`` uint8 [E, nbytes] (one contiguous row per expert)."""
+
+    def __init__(self, layout: ExpertLayout, device: torch.device | str = "cpu", packed: Tensor | None = None) -> None:
+        super().__init__()
+        self.layout = layout
+        self.num_experts = layout.num_experts
+        self.hidden_size = layout.hidden_size
+        self.intermediate_size = layout.intermediate_size
+        if packed is None:
+            packed = torch.zeros(layout.num_experts, layout.nbytes, dtype=torch.uint8, device=device)
+        if tuple(packed.shape) != (layout.num_experts, layout.nbytes) or packed.dtype != torch.uint8:
+            raise CheckpointError(
+                f"QuantExpertBank: packed tensor {tuple(packed.shape)} {packed.dtype} != "
+                f"{(layout.num_experts, layout.nbytes)} uint8"
+            )
+        self.register_buffer("packed", packed)
+
+    @classmethod
+    def from_dense(
+        cls, gate_up_proj: Tensor, down_proj: Tensor, fmt: str = "nf4", blocksize: int = 64
+    ) -> "QuantExpertBank":
+        """Quantize fused dense weights gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+        e, two_i, d = gate_up_proj.shape
+        layout = ExpertLayout.build(e, d, two_i // 2, fmt, blocksize)
+        bank = cls(layout, device="cpu")
+        for i in range(e):
+            layout.pack(gate_up_proj[i].cpu(), down_proj[i].cpu(), out=bank.packed[i])
+        return bank.to(gate_up_proj.device)
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return (
+            f"experts={lay.num_experts}, D={lay.hidden_size}, I={lay.intermediate_size}, fmt={lay.fmt}, "
+            f"row_bytes={lay.nbytes}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Module swap
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def quantize_model_(
+    model: nn.Module, policy: QuantPolicy = DEFAULT_POLICY, name_of: Callable[[str], str] | None = None
+) -> dict[str, str]:
+    """Swap in place every ``nn.Linear`` / dense expert bank the policy quantizes. Returns {tensor name: format}
+    for what was swapped. ``name_of`` maps a module's parameter name to the checkpoint name the policy sees
+    (identity by default)."""
+    to_name = name_of or (lambda n: n)
+    applied: dict[str, str] = {}
+    swaps: list[tuple[str, nn.Module]] = []
+    for mod_name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            pname = to_name(f"{mod_name}.weight")
+            fmt = policy.format_of(pname, tuple(module.weight.shape))
+            if fmt in QUANT_FORMATS:
+                swaps.append((mod_name, QuantLinear.from_linear(module, fmt, policy.blocksize)))
+                applied[pname] = fmt
+        elif isinstance(module, ExpertBank) and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            pname = to_name(f"{mod_name}.gate_up_proj")
+            fmt = policy.format_of(pname, tuple(module.gate_up_proj.shape))
+            if fmt in QUANT_FORMATS:
+                swaps.append(
+                    (
+                        mod_name,
+                        QuantExpertBank.from_dense(
+                            module.gate_up_proj.data, module.down_proj.data, fmt, policy.blocksize
+                        ),
+                    )
+                )
+                applied[pname] = fmt
+                applied[to_name(f"{mod_name}.down_proj")] = fmt
+    for mod_name, new in swaps:
+        set_submodule(model, mod_name, new)
+    log.info("quantized %d tensors with policy %s", len(applied), policy.name)
+    return applied
+
+
+def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Replace the submodule at dotted ``name``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def applied_formats(model: nn.Module) -> dict[str, str]:
+    """Read back from a model which format each weight is in: {param name: "nf4" | "int8" | dtype name}."""
+    out: dict[str, str] = {}
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(module, QuantLinear):
+            out[f"{prefix}weight"] = module.fmt
+        elif isinstance(getattr(module, "layout", None), ExpertLayout):  # quantized bank, resident or streamed
+            out[f"{prefix}gate_up_proj"] = module.layout.fmt
+            out[f"{prefix}down_proj"] = module.layout.fmt
+        else:
+            for pname, p in module.named_parameters(recurse=False):
+                out[f"{prefix}{pname}"] = _dtype_name(p.dtype)
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return format_of_torch_dtype(dtype)
+
+
+def iter_quant_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantLinear, QuantExpertBank)):
+            yield name, m
