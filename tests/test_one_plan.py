@@ -167,7 +167,7 @@ def test_one_default_context_and_card() -> None:
     from clover_desk import app
     from clover_desk.bench import offload as cmd_bench_offload
     from clover_desk.cli import plan as cmd_plan
-    from clover_desk.worker.process import process as worker
+    from clover_desk.worker import process as worker
 
     assert app.AppSettings().ctx_tokens == DEFAULT_CTX_TOKENS
     assert worker._ctx({}) == DEFAULT_CTX_TOKENS

@@ -214,7 +214,7 @@ def test_every_opt_in_switch_is_read_where_it_acts(monkeypatch: pytest.MonkeyPat
     from engine.placement import device_pool
     from engine.placement import offload
 
-    sources = "".join(p.read_text() for p in (ROOT / "engine").glob("*.py") if p.name != "preflight.py")
+    sources = "".join(p.read_text() for p in (ROOT / "engine").rglob("*.py") if p.name != "preflight.py")
     for name in preflight.OPT_IN:
         assert f'"{name}"' in sources, name
     assert {offload.ZERO_COPY_ENV, device_pool.DEVICE_POOL_ENV} == set(preflight.EXCLUSIVE)

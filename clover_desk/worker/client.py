@@ -41,7 +41,7 @@ from engine.decode.events import EngineError, Finished, GenerationParams, from_d
 log = logging.getLogger(__name__)
 worker_log = logging.getLogger("clover_desk.worker.process.stderr")
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the folder that holds clover_desk/ and engine/
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds clover_desk/ and engine/
 STDERR_LINES_KEPT = 40
 CRASH_REASON_STDERR_LINES = 12
 
