@@ -136,3 +136,18 @@ def test_checkpoint_folder_is_planned_quantized_unless_as_stored(tmp_path: Path,
     stored = json.loads(capsys.readouterr().out)
     assert rc == rc_stored == 0
     assert quantized["vram_breakdown"]["resident_experts"] * 3 < stored["vram_breakdown"]["resident_experts"]
+
+
+def test_the_readme_table_is_what_the_planner_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """README's per-card table is `plan --shape clover-35b-a3b --budget-table`, verbatim."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    start, end = readme.index("<!-- budget-table -->\n"), readme.index("<!-- /budget-table -->")
+    assert cli.main(["plan", "--shape", "clover-35b-a3b", "--budget-table"]) == 0
+    printed = capsys.readouterr().out
+    assert len(printed.splitlines()) == 6  # the header, its rule and the four cards
+    assert readme[start + len("<!-- budget-table -->\n") : end] == printed
+
+
+def test_the_budget_table_needs_a_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--model", "x", "--budget-table"]) == 2
+    assert "--budget-table needs --shape" in capsys.readouterr().err

@@ -39,6 +39,7 @@ from engine.placement.planner import (
     plan_model,
     probe_hardware,
 )
+from engine.placement.hardware import DEFAULT_HARDWARE
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=("efficient", "math"), default="efficient", help="prefill attention kernel to plan for: 'efficient' is the engine's (SDPA's memory-efficient kernel, no score matrix), 'math' SDPA's fallback with fp32 score scratch")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype the device part is counted in (default bfloat16, as on a GPU)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict())")
+    parser.add_argument("--budget-table", action="store_true",
+                        help="print the README's per-card table for --shape (8/12/16/24 GB cards, the default card's "
+                             "bandwidths, RAM not limited)")
 
 
 def _model(args: argparse.Namespace) -> str | Path | Manifest:
@@ -158,7 +162,38 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+BUDGET_TABLE_GB = (8, 12, 16, 24)
+
+
+def budget_table(model: str, ctx: int) -> str:
+    """The README's table: for each card size, where the experts go, the RAM they need and the planner's predicted
+    speeds (a roofline, not a measurement), on the assumed desktop card (hardware.DEFAULT_HARDWARE) with RAM not
+    limited, so the table is the same on every machine."""
+    rows = [
+        "| card (VRAM budget) | expert layers on the GPU / streamed | RAM needed | predicted AR / diffusion tok/s "
+        "(layers compiled, CUDA graphs) |",
+        "|---|---|---|---|",
+    ]
+    for gb in BUDGET_TABLE_GB:
+        plan = plan_model(model, gb * GiB, ctx, DEFAULT_HARDWARE)
+        if not plan.fits:
+            rows.append(f"| {gb} GB | does not fit | | |")
+            continue
+        tok = plan.predicted_tok_s
+        speed = (f"{tok['ar_graphs']:.0f} / {tok['diffusion_graphs']:.0f}" if "ar_graphs" in tok
+                 else f"{tok['ar']:.0f} / {tok['diffusion']:.0f}")
+        rows.append(f"| {gb} GB | {len(plan.resident_expert_layers)} / {len(plan.streamed_expert_layers)} | "
+                    f"{plan.ram_bytes / GiB:.1f} GiB | {speed} |")
+    return "\n".join(rows)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.budget_table:
+        if not args.shape:
+            print("clover-desk plan: error: --budget-table needs --shape", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(budget_table(_model(args), args.ctx))
+        return EXIT_FITS
     try:
         # the flags' types (clover_desk.cli.flags) already refused non-finite, out-of-range and non-positive values
         vram = None if args.vram_gb is None else int(round(args.vram_gb * GiB))
