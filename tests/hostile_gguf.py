@@ -39,3 +39,11 @@ def huge_tensor(path: Path) -> Path:
     body += struct.pack("<IQ", 0, 0)
     path.write_bytes(body)
     return path
+
+
+def huge_string(path: Path) -> Path:
+    """A vocabulary of three strings, the second of which declares 2^63 bytes."""
+    body = _head(0, 1) + _string("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 3)
+    body += _string("a") + struct.pack("<Q", 1 << 63) + b"bc" + _string("d") * 4
+    path.write_bytes(body)
+    return path

@@ -22,12 +22,13 @@ from engine.weights.gguf.fix import fix_gguf
 from engine.weights.gguf.header import MAX_NESTING, ArrayInfo, GGUFFormatError, read_header
 from engine.weights.gguf.writer import write_gguf
 from fixtures_tiny import tiny_clover_dir  # noqa: F401
-from hostile_gguf import huge_array, huge_tensor, nested_arrays
+from hostile_gguf import huge_array, huge_string, huge_tensor, nested_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = {"huge_array": (huge_array, "elements of 'tokenizer.ggml.token_type'"),
            "nested_arrays": (nested_arrays, f"nests arrays more than {MAX_NESTING} deep"),
-           "huge_tensor": (huge_tensor, "too many elements")}
+           "huge_tensor": (huge_tensor, "too many elements"),
+           "huge_string": (huge_string, "string 1 of 'tokenizer.ggml.tokens' (9,223,372,036,854,775,808 bytes)")}
 
 
 @pytest.fixture(scope="module")
