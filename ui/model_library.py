@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QAction, QDesktopServices
 from PySide6.QtWidgets import (
@@ -187,6 +186,8 @@ def gguf_type(path: Path) -> str:
     its bytes are stored in. The header is read with the bounded reader, at most :data:`SCAN_HEADER_BYTES` of it
     within :data:`SCAN_SECONDS`: a damaged or hostile file is a CloverError (the scan lists it as damaged), never a
     stall."""
+    import gguf  # the names of llama.cpp's types (numpy comes with it: imported when a GGUF file is listed)
+
     header = read_header(path, keep_arrays=False, max_header_bytes=SCAN_HEADER_BYTES, deadline_s=SCAN_SECONDS)
     file_type = header.metadata.get("general.file_type")
     if isinstance(file_type, int) and not isinstance(file_type, bool):

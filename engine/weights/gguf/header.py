@@ -19,14 +19,13 @@ bounded by the file's size. Big-endian files (the version's low half zero) are r
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from gguf.constants import GGML_QUANT_SIZES
 
 from engine.errors import CheckpointError, ConfigError
 
@@ -42,8 +41,16 @@ SCALARS: dict[int, tuple[str, int]] = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3:
                                        6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
 # the fewest bytes one element of a type can take: a string is its 8-byte length, an array its type and count
 MIN_SIZE = {**{t: size for t, (_, size) in SCALARS.items()}, STRING: 8, ARRAY: 12}
-QUANT_SIZES: dict[int, tuple[int, int]] = {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
 _CHECK_EVERY = 4096  # elements between two deadline checks (the first one included)
+
+
+@functools.cache
+def quant_sizes() -> dict[int, tuple[int, int]]:
+    """ggml type -> (values per block, bytes per block), the ``gguf`` package's table (imported on first use: this
+    module stays stdlib-only at import, for the window)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
 
 
 class GGUFFormatError(CheckpointError, ConfigError):
@@ -213,14 +220,15 @@ def _tensor(cur: _Cursor, index: int) -> TensorInfo:
     dims = tuple(cur.u64(f"a dimension of {name!r}") for _ in range(n_dims))
     qtype = cur.u32(f"the type of {name!r}")
     offset = cur.u64(f"the data offset of {name!r}")
-    if qtype not in QUANT_SIZES:
+    sizes = quant_sizes()
+    if qtype not in sizes:
         raise cur.fail(f"tensor {name!r} has ggml type {qtype}, which is not a known ggml type")
     elements = 1
     for d in dims:
         elements *= d
         if elements > MAX_ELEMENTS:
             raise cur.fail(f"tensor {name!r} declares dimensions {list(dims)}: too many elements")
-    block, type_size = QUANT_SIZES[qtype]
+    block, type_size = sizes[qtype]
     if dims and dims[0] % block:
         raise cur.fail(f"tensor {name!r} has rows of {dims[0]:,} values, not whole blocks of {block}")
     return TensorInfo(name, qtype, dims, offset, elements // block * type_size)
