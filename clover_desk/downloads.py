@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from engine.errors import CancelledError, CloverError
@@ -173,12 +173,49 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+# Windows' reserved device names: "CON", "nul.txt", "COM1.tar.gz" open the device, whatever the folder
+_DEVICE_NAMES = frozenset({"CON", "PRN", "AUX", "NUL", "CONIN$", "CONOUT$"}
+                          | {f"{dev}{n}" for dev in ("COM", "LPT") for n in (*"123456789", "\u00b9", "\u00b2", "\u00b3")})
+_WINDOWS_FORBIDDEN = set('<>"|?*')
+
+
+def unsafe_name_reason(path: str) -> str | None:
+    """Why a repository path cannot be written below the target folder on POSIX *and* Windows (None: it can).
+
+    Refused: absolute paths, backslashes (a separator on Windows), colons (drive letters ``C:x``, alternate data
+    streams), empty, ``.`` or ``..`` parts, control characters, characters Windows cannot store, parts ending in a
+    dot or a space (Windows drops them, so two names meet), reserved device names with any extension."""
+    if not path:
+        return "it is empty"
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return "it holds a control character"
+    if "\\" in path:
+        return "it holds a backslash (a folder separator on Windows)"
+    if ":" in path:
+        return "it holds a colon (a drive letter or stream on Windows)"
+    if path.startswith("/"):
+        return "it is absolute"
+    bad_chars = sorted(_WINDOWS_FORBIDDEN.intersection(path))
+    if bad_chars:
+        return f"it holds {''.join(bad_chars)!r}, which Windows cannot store in a file name"
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            return f"it has an {'empty' if not part else repr(part)} part"
+        if part[-1] in ". ":
+            return f"its part {part!r} ends in a dot or a space"
+        if part.split(".", 1)[0].rstrip(" ").upper() in _DEVICE_NAMES:
+            return f"its part {part!r} is a reserved device name on Windows"
+    if PureWindowsPath(path).anchor or PurePosixPath(path).is_absolute():  # belt and braces: both say relative
+        return "it is absolute"
+    return None
+
+
 def _safe_relative(path: str) -> PurePosixPath:
-    """A repository path as a relative path that cannot leave the target folder."""
-    rel = PurePosixPath(path)
-    if rel.is_absolute() or not rel.parts or any(part in ("..", "") for part in rel.parts):
-        raise DownloadError(f"refusing unsafe file name from the Hub: {path!r}")
-    return rel
+    """A repository path as a relative path that cannot leave the target folder, under POSIX or Windows rules."""
+    why = unsafe_name_reason(path)
+    if why is not None:
+        raise DownloadError(f"refusing unsafe file name from the Hub: {path!r} ({why})")
+    return PurePosixPath(path)
 
 
 def _existing_ancestor(path: Path) -> Path:

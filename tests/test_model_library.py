@@ -18,7 +18,9 @@ from engine.weights.formats import checkpoint_files, read_safetensors_header
 from engine.placement.hardware import Hardware
 from fakes_ui import FakeEngineClient
 from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401 (session fixture)
+from hostile_gguf import huge_array, huge_tensor, nested_arrays
 from ui.model_library import (
+    ModelLibrary,
     CACHE_DIRNAME,
     external_cache_dir,
     library_paths,
@@ -94,6 +96,25 @@ def test_a_gguf_file_says_its_type(tmp_path) -> None:  # noqa: ANN001
     entry = scan_entry(path)
     assert entry.format == "GGUF · Q4_K_M" and entry.removes == ((str(path), path.stat().st_size),)
     assert library_paths(tmp_path / "models", []) == [str(path)]
+
+
+def test_a_hostile_gguf_in_the_models_folder_is_listed_as_damaged_without_stalling_the_scan(qtbot,  # noqa: ANN001
+                                                                                             tmp_path) -> None:
+    """Through the real widget and its scan thread: each hostile header (which GGUFReader loops on forever or
+    recurses through) is a row saying what is wrong, that cannot be loaded and can be deleted."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    bad = [huge_array(folder / "a-huge-array.gguf"), nested_arrays(folder / "b-nested.gguf"),
+           huge_tensor(folder / "c-huge-tensor.gguf")]
+    library = ModelLibrary(folder)
+    qtbot.addWidget(library)
+    with qtbot.waitSignal(library.scanned, timeout=10_000):
+        library.refresh()
+    assert [row.entry.path for row in library.rows] == [str(p) for p in bad]
+    for row, says in zip(library.rows, ("elements of 'tokenizer.ggml.token_type'", "nests arrays", "too many")):
+        assert row.entry.format.startswith("GGUF, damaged: truncated or damaged GGUF file") and says in row.entry.format
+        assert says in row.facts_label.text()
+        assert not row.load_button.isEnabled() and row.delete_button.isEnabled()
 
 
 def test_sizes_read_in_gigabytes() -> None:

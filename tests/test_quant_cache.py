@@ -306,3 +306,58 @@ def test_altered_cache_bytes_are_caught_on_load_and_rebuilt(ckpt: Path, tmp_path
     ids = torch.tensor([5, 6, 7, 8, 9, 10])
     assert torch.equal(model(ids, 0, None), good(ids, 0, None))
     load_from_cache(report.path, src, rebuild_on_damage=False)  # the rebuilt cache is intact
+
+
+# ---- caches written before the conversion refused NaN / infinite weights (issue 31) -----------------------------
+
+
+def _nan_checkpoint(path: Path) -> tuple[Path, str]:
+    """The tiny checkpoint with one NaN in an expert bank, written as a fresh checkpoint; (folder, tensor name)."""
+    text = tiny_text_config(vocab_size=128, layers=4, hidden=64, experts=8, experts_per_tok=2)
+    text["moe_intermediate_size"] = 32
+    cd = config_dict_for("clover_moe", text, SPECIAL)
+    sd = random_state_dict(parse_config(cd), seed=0, expert_layout="fused", dtype=torch.bfloat16)
+    name = "layers.2.mlp.experts.gate_up_proj"
+    sd[name][3, 1, 2] = float("nan")
+    write_checkpoint(path, sd, cd, max_shard_bytes=1 << 20)
+    return path, name
+
+
+def _as_written_before_the_check(cache: Path) -> None:
+    """The manifest as the format-2 converter wrote it before it checked the weights (no "checks")."""
+    manifest = json.loads((cache / MANIFEST_NAME).read_text())
+    manifest.pop("checks", None)
+    (cache / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_a_cache_written_before_the_finite_check_holding_a_nan_is_rebuilt_and_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.weights.quant_cache as quant_cache
+    from engine.errors import CheckpointError
+
+    src, name = _nan_checkpoint(tmp_path / "model")
+    root = tmp_path / "cache"
+    cache = cache_dir_for(src, POLICY, root)
+    with monkeypatch.context() as old:  # the converter as it was: no check of the values
+        old.setattr(quant_cache, "check_finite", lambda *args, **kwargs: None)
+        build_cache(src, POLICY, cache)
+    _as_written_before_the_check(cache)
+    reason = check_cache(cache, src, POLICY)
+    assert reason is not None and reason.startswith("unchecked: ") and "NaN and infinite values" in reason
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '\S*{name}' holds 1 NaN value"):
+        load_quantized(src, POLICY, cache_root=root)
+    assert check_cache(cache, src, POLICY) is not None  # never used, never marked checked
+
+
+def test_a_healthy_cache_written_before_the_finite_check_is_rebuilt_once(ckpt: Path, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    good, report = load_quantized(ckpt, POLICY, cache_root=root)
+    assert json.loads(report.manifest_path.read_text())["checks"] == ["finite"]
+    _as_written_before_the_check(report.path)
+    again, report = load_quantized(ckpt, POLICY, cache_root=root)
+    assert report.rebuilt and report.reason.startswith("unchecked")
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    assert torch.equal(again(ids, 0, None), good(ids, 0, None))
+    _, report = load_quantized(ckpt, POLICY, cache_root=root)
+    assert not report.rebuilt

@@ -95,6 +95,30 @@ BIG = {
     "int-squaring": "{% set ns = namespace(n=10**1000) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}"
                     "{% endfor %}{{ ns.n > 0 }}",
 }
+# operations whose result can be many times what they are given (issue 31): each is charged for what it builds, so
+# the refusal names it (not the '{{ }}' or output check that would only see the result once it is built)
+AMPLIFY = {
+    "strftime-width": ("{{ strftime_now('%1500Y' * 150000) }}", "strftime_now: the date format specifier '%1500Y'"),
+    "strftime-flag": ("{{ strftime_now('%_10d') }}", "'%_10d' has a width or flag"),
+    "strftime-c": ("{{ strftime_now('%c' * 100000) | length }}", "strftime_now()"),
+    "upper-filter": ("{{ ('\u00df' * 400000) | upper }}", "the upper filter"),
+    "upper-method": ("{{ ('\u00df' * 400000).upper() | length }}", "str.upper()"),
+    "title-filter": ("{{ ('\u0149' * 400000) | title | length }}", "the title filter"),
+    "lower-method": ("{{ ('\u0130' * 400000).lower() | length }}", "str.lower()"),
+    "xmlattr": ("{{ {'a': '\"' * 200000} | xmlattr }}", "the xmlattr filter"),
+    "escape": ("{{ ('\"' * 200000) | escape | length }}", "the escape filter"),
+    "forceescape": ("{{ ('&' * 200000) | forceescape | length }}", "the forceescape filter"),
+    "urlencode": ("{{ ('\U0001F600' * 100000) | urlencode | length }}", "the urlencode filter"),
+    "urlize": ("{{ ('a.co ' * 150000) | urlize | length }}", "the urlize filter"),
+    "split-method": ("{{ ('a ' * 400000).split() | length }}", "str.split()"),
+    "splitlines-method": ("{{ ('\\n' * 400000).splitlines() | length }}", "str.splitlines()"),
+    "list-of-a-string": ("{{ ('\u4e00' * 500000) | list | length }}", "the list filter"),
+    "translate-method": ("{{ ('x' * 100000).translate({120: 'y' * 1000}) | length }}", "str.translate()"),
+    "encode-method": ("{{ ('\\x00' * 300000).encode('unicode_escape') | length }}", "str.encode()"),
+    "tojson-control": ("{{ ('\\x01' * 300000) | tojson | length }}", "tojson"),
+    "string-filter": ("{{ ['\\x01' * 300000] | string | length }}", "the string filter"),
+    "pprint-filter": ("{{ ['\\x01' * 300000] | pprint | length }}", "the pprint filter"),
+}
 CHILD = textwrap.dedent("""
     import json, resource, sys, time
     from pathlib import Path
@@ -158,6 +182,19 @@ def test_a_template_that_builds_too_much_is_refused_before_it_allocates(tok_dir:
     assert results["peak_rss_kib"] < 512 * 1024  # nothing big was ever allocated
 
 
+def test_each_amplifier_is_charged_for_what_it_builds(tok_dir: Path, tmp_path: Path) -> None:
+    results = _render_in_child(tok_dir, tmp_path / "m", {name: template for name, (template, _) in AMPLIFY.items()})
+    source = str(tmp_path / "m" / "chat_template.jinja")
+    failures = []
+    for name, (_template, names) in AMPLIFY.items():
+        kind, message, elapsed = results[name]
+        if not (kind == "PromptError" and message.startswith(f"{source}: the chat template was stopped: ")
+                and names in message and "\n" not in message and elapsed < TEMPLATE_TIMEOUT_S + 20):
+            failures.append((name, kind, str(message)[:300], round(elapsed, 2)))
+    assert not failures, failures
+    assert results["peak_rss_kib"] < 512 * 1024  # nothing big was ever allocated
+
+
 # ---- ordinary templates render exactly as plain Jinja2 renders them ------------------------------------------------
 
 
@@ -185,8 +222,21 @@ FEATURES = (
     "{{ [[1], [2, 3]] | sum(start=[]) }}|{{ [1, 2, 3] | sum }}|{{ range(7) | batch(3, 0) | list }}|"
     "{{ messages[0] | tojson }}|{{ {'k': [1, {'z': 'é'}]} | tojson(indent=2) }}|{{ messages[0].content.split()[0] }}|"
     "{% for m in messages %}{% if loop.first %}{{ loop.length }}{% endif %}{% if loop.index > 1 %}{% break %}"
-    "{% endif %}{% endfor %}|{{ messages }}|{{ (messages | map(attribute='role') | list) }}"
+    "{% endif %}{% endfor %}|{{ messages }}|{{ (messages | map(attribute='role') | list) }}|"
+    "{{ 'abc\u00df' | upper }}|{{ 'A B' | lower }}|{{ 'ab cd' | title }}|{{ 'ab' | capitalize }}|{{ 'Ab'.upper() }}"
+    "{{ 'Ab'.lower() }}{{ 'ab'.title() }}{{ 'aB'.swapcase() }}{{ 'A'.casefold() }}|{{ 'a b\tc'.split() }}"
+    "{{ 'a,b'.split(',') }}{{ 'a,b'.rsplit(',', 1) }}{{ 'a\nb'.splitlines() }}|{{ {'k': 'x\"<y'} | xmlattr }}|"
+    "{{ 'a&b' | e }}{{ '<p>' | escape }}{{ 'q' | forceescape }}|{{ 'x y/\u00e9' | urlencode }}"
+    "{{ {'a': 'b c'} | urlencode }}|{{ 'see a.co now' | urlize }}|{{ [1, 'a\x01'] | string }}|{{ [1, [2]] | pprint }}|"
+    "{{ 'ab' | list }}{{ range(3) | list }}|{{ 'ab'.encode() | length }}|{{ 'abc'.translate({97: 'xy'}) }}|"
+    "{{ 'x\x01\"' | tojson }}"
 )
+
+
+def test_strftime_now_renders_plain_directives(tok_dir: Path, tmp_path: Path) -> None:
+    tok = _with_template(tok_dir, tmp_path / "m", "{{ strftime_now('%Y-%m-%d %H:%M:%S %A %d %b %c %%-%Ex %Oy') }}")
+    text = tok.apply_chat_template(USER)
+    assert text.startswith(time.strftime("%Y-")) and "%-" in text and len(text) < 120
 
 
 def test_ordinary_templates_render_as_plain_jinja2_renders_them(tok_dir: Path, tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from ui.widgets import ElidedLabel, accessible
 from engine.errors import CloverError
 from engine.weights.formats import checkpoint_files, read_safetensors_header
 from engine.weights.gguf.file import split_parts
+from engine.weights.gguf.header import read_header
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ GPU_PATHS_TOOLTIP = (
 # What a model is made of (no Qt)
 # ---------------------------------------------------------------------------------------------------------------
 
+
+# the models-folder scan reads at most this much of a GGUF header, in at most this long (a real 150k-token vocabulary
+# is a few MB, read in well under a second)
+SCAN_HEADER_BYTES = 64 << 20
+SCAN_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class LibraryEntry:
@@ -164,28 +170,36 @@ def _gguf_entry(path: Path) -> LibraryEntry:
         return LibraryEntry(str(path), path.name, f"GGUF, incomplete ({exc})", 0, 0, (), usable=False)
     removes = tuple((str(part), tree_bytes(part)) for part in parts)
     size = sum(n for _, n in removes)
-    return LibraryEntry(str(path), path.name, f"GGUF · {gguf_type(path)}", size, 0, removes)
+    try:
+        kind = gguf_type(path)
+    except CloverError as exc:  # listed, as damaged (it can still be deleted), never loaded
+        why = str(exc).removeprefix(f"{path}: ")
+        return LibraryEntry(str(path), path.name, f"GGUF, damaged: {why}", size, 0, removes, usable=False)
+    except OSError as exc:
+        return LibraryEntry(str(path), path.name, f"GGUF, unreadable ({exc.strerror})", size, 0, removes,
+                            usable=False)
+    return LibraryEntry(str(path), path.name, f"GGUF · {kind}", size, 0, removes)
 
 
 def gguf_type(path: Path) -> str:
     """The file's quantization as llama.cpp names it ("Q4_K_M"), from ``general.file_type``; else the type most of
-    its bytes are stored in."""
-    try:
-        import gguf
+    its bytes are stored in. The header is read with the bounded reader, at most :data:`SCAN_HEADER_BYTES` of it
+    within :data:`SCAN_SECONDS`: a damaged or hostile file is a CloverError (the scan lists it as damaged), never a
+    stall."""
+    import gguf  # the names of llama.cpp's types (numpy comes with it: imported when a GGUF file is listed)
 
-        reader = gguf.GGUFReader(path)
-        field = reader.fields.get("general.file_type")
-        if field is not None:
-            name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
-            return name.removeprefix("MOSTLY_")
-        by_type: dict[str, int] = {}
-        for tensor in reader.tensors:
-            kind = tensor.tensor_type.name
-            by_type[kind] = by_type.get(kind, 0) + int(tensor.n_bytes)
-        return max(by_type, key=by_type.__getitem__) if by_type else "unknown type"
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-        log.info("cannot read the type of %s: %s", path, exc)
-        return "unknown type"
+    header = read_header(path, keep_arrays=False, max_header_bytes=SCAN_HEADER_BYTES, deadline_s=SCAN_SECONDS)
+    file_type = header.metadata.get("general.file_type")
+    if isinstance(file_type, int) and not isinstance(file_type, bool):
+        try:
+            return gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_")
+        except ValueError:
+            log.info("%s: general.file_type %d is not a llama.cpp file type", path, file_type)
+    by_type: dict[str, int] = {}
+    for tensor in header.tensors:
+        kind = gguf.GGMLQuantizationType(tensor.qtype).name
+        by_type[kind] = by_type.get(kind, 0) + tensor.nbytes
+    return max(by_type, key=by_type.__getitem__) if by_type else "unknown type"
 
 
 def library_paths(models_dir: Path, recent: Sequence[str]) -> list[str]:

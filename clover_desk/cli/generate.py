@@ -220,6 +220,9 @@ def check_ctx(args: argparse.Namespace) -> None:
 def load_engine(args: argparse.Namespace, command: str) -> Any:
     """The Engine the local flags ask for: with ``--vram-gb``, the plan first, from the headers alone (before any
     conversion or load), printed (a JSON record with ``--json``), then that plan placed."""
+    from engine.weights.gguf.file import check_gguf_model
+
+    check_gguf_model(args.model)  # a damaged GGUF file is one line before torch is even imported
     from engine.api import Engine, plan_for
     from engine.errors import PlanError
 

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import gc
 import importlib
 import inspect
@@ -92,10 +93,12 @@ from engine.errors import CancelledError, CloverError
 from engine.decode.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from engine.placement.preflight import opt_in_from_env
+from clover_desk.worker.hangup import HangUpLog, is_hang_up
 from clover_desk.worker.server import OpenAIServer
 from engine.defaults import DEFAULT_CTX_TOKENS
 
 log = logging.getLogger("clover_desk.worker.process")
+hang_ups = HangUpLog(log)  # the window hung up (it closed or stopped reading): one short line, not a traceback
 
 PROTOCOL_VERSION = 1
 FATAL_EXIT_CODE = 3
@@ -523,6 +526,8 @@ class Worker:
         try:
             handler(command)
         except Exception as exc:  # noqa: BLE001 - a bug in a handler must not end the worker: report it
+            if is_hang_up(exc):
+                raise  # the window is gone: main() says so in one line and exits
             log.error("command %s failed (the worker keeps running)", name, exc_info=exc)
             self._error(type(exc).__name__, f"internal error: {exc}", request_id=_request_id(command))
         return True
@@ -563,7 +568,7 @@ class Worker:
             self._state = "loading"
             self._load_cancel = threading.Event()
             self._load_thread = threading.Thread(
-                target=self._run_load, args=(command, self._load_cancel), name="clover-load", daemon=True
+                target=_hang_up_safe(self._run_load, "loading"), args=(command, self._load_cancel), name="clover-load", daemon=True
             )
             try:
                 self._load_thread.start()
@@ -603,7 +608,7 @@ class Worker:
             self._gen_id = request_id
             self._gen_cancel = threading.Event()
             self._gen_thread = threading.Thread(
-                target=self._run_generate,
+                target=_hang_up_safe(self._run_generate, "generating"),
                 args=(self._engine, request_id, command, params, self._gen_cancel),
                 name=f"clover-generate-{request_id}",
                 daemon=True,
@@ -631,7 +636,7 @@ class Worker:
             self._read_cancel = cancel = threading.Event()
             previous = self._read_thread
             self._read_thread = threading.Thread(
-                target=self._run_read_chat, args=(engine, request_id, command, params, cancel, previous),
+                target=_hang_up_safe(self._run_read_chat, "reading a chat ahead"), args=(engine, request_id, command, params, cancel, previous),
                 name=f"clover-read-{request_id}", daemon=True)
             self._read_thread.start()
 
@@ -657,6 +662,9 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001
             if classify_fatal(exc) is not None or not isinstance(exc, Exception):
                 self._report(exc, op="read_chat")  # OOM, CUDA: the process ends here, as in a generate
+            if is_hang_up(exc):
+                hang_ups("reading a chat ahead", exc)
+                return
             log.error("reading a chat ahead failed (the worker keeps running)", exc_info=exc)
             record.update(stop_reason="refused", message=f"internal error: {exc}")
         finally:
@@ -678,7 +686,7 @@ class Worker:
         except ProtocolError as exc:
             self._error("ProtocolError", str(exc), request_id=_request_id(command), op="plan")
             return
-        threading.Thread(target=self._run_plan, args=(command,), name="clover-plan", daemon=True).start()
+        threading.Thread(target=_hang_up_safe(self._run_plan, "planning"), args=(command,), name="clover-plan", daemon=True).start()
 
     def _cmd_serve(self, command: dict[str, Any]) -> None:
         try:
@@ -851,7 +859,10 @@ class Worker:
                 self._error("InternalError", "generation ended without a finished event", request_id=request_id)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             if finished:
-                log.warning("error after the final event of %s", request_id, exc_info=exc)
+                if is_hang_up(exc):
+                    hang_ups(f"request {request_id}", exc)
+                else:
+                    log.warning("error after the final event of %s", request_id, exc_info=exc)
                 return
             self._set_idle()
             self._report(exc, request_id=request_id)
@@ -911,6 +922,9 @@ class Worker:
             self._error(kind, str(exc) or kind, request_id=request_id, op=op, fatal=True)
             logging.shutdown()
             os._exit(FATAL_EXIT_CODE)
+        if is_hang_up(exc):  # the window stopped reading: nothing can reach it, and nothing here is wrong
+            hang_ups(f"request {request_id}" if request_id is not None else op or "a command", exc)
+            return
         if isinstance(exc, ProtocolError):
             self._error("ProtocolError", str(exc), request_id=request_id, op=op)
             return
@@ -921,6 +935,20 @@ class Worker:
             return
         log.error("unexpected error (the worker keeps running)", exc_info=exc)
         self._error(type(exc).__name__, f"internal error: {exc}", request_id=request_id, op=op)
+
+
+def _hang_up_safe(run: Callable[..., None], what: str) -> Callable[..., None]:
+    """``run`` as a thread's target that ends in one short line when the window hangs up, not a traceback."""
+
+    def target(*args: Any) -> None:
+        try:
+            run(*args)
+        except OSError as exc:
+            if not is_hang_up(exc):
+                raise
+            hang_ups(what, exc)
+
+    return target
 
 
 def _cancelled_before_start() -> Finished:
@@ -977,17 +1005,27 @@ def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tup
 
 
 class LineWriter:
-    """Writes one JSON record per line to the protocol stream, flushing each; safe from any thread."""
+    """Writes one JSON record per line to the protocol stream, flushing each; safe from any thread. Once the window
+    has hung up (a write failed with a broken pipe), every later record raises the same at once, unwritten: the
+    thread that emits it stops, and says so in one line (:data:`hang_ups`)."""
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
         self._lock = threading.Lock()
+        self._gone: BaseException | None = None
 
     def __call__(self, record: dict[str, Any]) -> None:
         data = (json.dumps(record, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
         with self._lock:
-            self._stream.write(data)
-            self._stream.flush()
+            if self._gone is not None:
+                raise BrokenPipeError(errno.EPIPE, "the window stopped reading the worker's records")
+            try:
+                self._stream.write(data)
+                self._stream.flush()
+            except OSError as exc:
+                if is_hang_up(exc):
+                    self._gone = exc
+                raise
 
 
 def _take_stdout() -> IO[bytes]:
@@ -1022,6 +1060,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit({"event": "error", "kind": "StartupError", "message": str(exc), "fatal": True})
         return FATAL_EXIT_CODE
     worker = Worker(emit, factory)
+    try:
+        _serve_commands(worker, emit)
+    except OSError as exc:
+        if not is_hang_up(exc):
+            raise
+        hang_ups("the worker's records", exc)
+        log.info("the window stopped reading: exiting")
+        worker.stop()
+    logging.shutdown()
+    # Daemon threads may still sit inside a native call; leave without running interpreter teardown under them.
+    os._exit(0)
+
+
+def _serve_commands(worker: Worker, emit: LineWriter) -> None:
+    """Read commands from stdin until ``shutdown`` or its end (a hang-up of the protocol stream propagates)."""
     emit({"event": "ready", "pid": os.getpid(), "protocol": PROTOCOL_VERSION})
     for line in read_lines(sys.stdin.buffer):
         if line is None:
@@ -1041,9 +1094,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         log.info("stdin closed (the GUI went away): exiting")
         worker.stop()
-    logging.shutdown()
-    # Daemon threads may still sit inside a native call; leave without running interpreter teardown under them.
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ loop for hours (two nested ranges of 100,000 items) or ask for gigabytes in one 
   charges it to the render's budget; so does every ``{{ }}`` output, and the rendered text has its own cap. The
   budget is :data:`engine.decode.limits.TEMPLATE_BASE_CHARS` plus :data:`engine.decode.limits.TEMPLATE_CHARS_PER_INPUT_CHAR` per
   character of the messages and tools, so a long conversation renders and ``{{ 'x' * 10**10 }}`` is refused before
-  anything is allocated.
+  anything is allocated. Operations that grow text by a factor are charged their worst case: case changes
+  (``upper``: one character can become three), HTML and URL escaping (``escape``, ``xmlattr``, ``urlencode``,
+  ``urlize``), text of containers (``string``, ``pprint``, ``{{ }}``, ``tojson``: a control character is 4 to 10),
+  ``split`` / ``list`` of a string (one string per character), ``translate`` and ``encode``. ``strftime_now``
+  refuses widths and flags (``%1500Y`` pads inside one C call) and charges each directive.
 * nothing is evaluated at compile time (no constant folding), so every expression runs under these limits.
 
 A limit reached raises :class:`TemplateLimit` (a Jinja2 ``SecurityError``) naming the template file and the limit.
@@ -41,12 +45,24 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError
 from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from engine.decode import limits
 
 _TEMPLATE_FILE = "<template>"  # co_filename of the code Jinja2 compiles from a string
 _PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
 _SEQUENCES = (str, bytes, list, tuple)
+_PASSED_ARGS = ("eval_ctx", "context", "environment")  # what Jinja2 passes a filter first (pass_eval_context, ...)
+# a strftime directive: flags (glibc: - _ 0 ^ #), a width, an E/O modifier, the conversion
+_STRFTIME_SPEC = re.compile(r"%([-_0^#]*)(\d*)[EO]?(.|$)", re.DOTALL)
+STRFTIME_DIRECTIVE_CHARS = 64  # the most one directive without a width writes, with room (``%c``: 24)
+CASE_GROWTH = 3  # str.upper() and kin: one character can become three ('\u0390'.upper())
+ESCAPE_GROWTH = 5  # HTML escaping: '"' -> '&#34;'
+URL_GROWTH = 12  # percent-encoding: one astral character is four UTF-8 bytes, '%F0%9F%98%80'
+REPR_GROWTH = 10  # a character in a repr: '\U000e0001'
+JSON_GROWTH = 6  # a character in JSON: '\u0001'
+_JSON_ESCAPED = re.compile(r'[\x00-\x1f"\\]')
+ENCODE_GROWTH = 10  # str.encode('unicode_escape') of '\U000e0001'
 
 
 class TemplateLimit(SecurityError):
@@ -86,6 +102,49 @@ def weight(value: Any, limit: int) -> int:
     return total
 
 
+def _repr_string_size(text: str) -> int:
+    return REPR_GROWTH * len(text) + 2
+
+
+def _json_string_size(text: str) -> int:
+    """The characters of ``json.dumps(text, ensure_ascii=False)``: a control character is six (``\\u0001``)."""
+    return len(text) + 2 + (JSON_GROWTH - 1) * len(_JSON_ESCAPED.findall(text))
+
+
+def text_bound(value: Any, limit: int, string_size: Callable[[str], int] = _repr_string_size, indent: int = 0,
+               top_str: bool = True) -> float:
+    """At most how many characters ``str()`` / ``repr()`` (or, with :func:`_json_string_size`, JSON) of ``value``
+    can take: a string at the top as itself (``top_str``), strings inside containers ``string_size``, each element
+    its separator and, with ``indent``, its line's indentation (``pprint``, ``tojson(indent=)``). Stops counting
+    once past ``limit``."""
+    if isinstance(value, str) and top_str:
+        return len(value)
+    total = 0.0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack and total <= limit:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            total += string_size(item)
+        elif isinstance(item, bytes):
+            total += 4 * len(item) + 3
+        elif isinstance(item, (list, tuple, set, frozenset, dict)):
+            total += 2 + len(item) * (4 + indent * (depth + 1))
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+        elif isinstance(item, Namespace):
+            total += 16
+            stack.append((dict(item.__dict__.get("_Namespace__attrs", {})), depth))
+        elif isinstance(item, bool) or item is None:
+            total += 5
+        elif isinstance(item, int):
+            total += item.bit_length() // 3 + 2
+        elif isinstance(item, float):
+            total += 24
+        else:
+            total += 64 + string_size(str(getattr(item, "_undefined_name", None) or ""))
+    return total
+
+
 class _GuardedCodeGenerator(CodeGenerator):
     """Jinja2's code generator with ``~`` (string concatenation) routed through the environment, which checks the
     size of the result first (Jinja2 offers no hook for it)."""
@@ -118,10 +177,10 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
         self._local = threading.local()
         del self.globals["lipsum"]  # lipsum(10**9): a billion paragraphs in one call, and no template uses it
         self.globals["raise_exception"] = _raise_exception
-        self.globals["strftime_now"] = _strftime_now
+        self.globals["strftime_now"] = self._strftime_now
         self.filters["tojson"] = self._tojson
         for name, estimate in _FILTER_ESTIMATES.items():
-            self.filters[name] = self._guarded_filter(self.filters[name], estimate)
+            self.filters[name] = self._guarded_filter(name, self.filters[name], estimate)
 
     # ---- a render ----
     @contextmanager
@@ -231,7 +290,7 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
         __self._check_time()
         owner = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", "")
-        if isinstance(owner, str) and name in _STR_GROWERS:
+        if isinstance(owner, (str, bytes)) and name in _STR_GROWERS:
             if name == "join" and args:
                 args = (list(args[0]), *args[1:])  # a generator is read once: materialize it to measure it
             size = _str_method_size(owner, name, args, kwargs, __self._current().left)
@@ -263,9 +322,10 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
         return "".join(texts)
 
     def _check_weight(self, value: Any, what: str) -> None:
-        """A container about to be turned into text must fit what is left (its text is a few times its weight)."""
+        """A container about to be turned into text must fit what is left, counted as its text can be at most
+        (:func:`text_bound`: a control character in a list's repr is four)."""
         render = self._current()
-        if weight(value, render.left) > render.left:
+        if weight(value, render.left) > render.left or text_bound(value, render.left) > render.left:
             raise self._too_big(render, what)
 
     @pass_context
@@ -287,25 +347,43 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
                 f"{self._current().source}: the chat template was stopped: tojson(indent={indent!r}): an indent is at "
                 f"most 16 characters"
             )
-        self._spend(weight(value, self._current().left) * (2 + step), "tojson")
+        self._spend(text_bound(value, self._current().left, _json_string_size, step, top_str=False), "tojson")
         return json.dumps(value, ensure_ascii=False, indent=indent)
 
-    def _guarded_filter(self, original: Callable[..., Any], estimate: Callable[..., Any]) -> Callable[..., Any]:
+    def _strftime_now(self, fmt: str) -> str:
+        """The date now in ``fmt``. A width or flag (``%1500Y``, ``%_10d``) is refused: the C library pads inside one
+        call the budget never sees; each directive is charged :data:`STRFTIME_DIRECTIVE_CHARS` (``%c`` is 24)."""
+        if isinstance(fmt, str):
+            directives = 0
+            for match in _STRFTIME_SPEC.finditer(fmt):
+                if match.group(1) or match.group(2):
+                    raise TemplateLimit(
+                        f"{self._current().source}: the chat template was stopped: strftime_now: the date format "
+                        f"specifier {match.group(0)!r} has a width or flag, which a chat template may not use"
+                    )
+                directives += 1
+            self._spend(len(fmt) + directives * STRFTIME_DIRECTIVE_CHARS, "strftime_now()")
+        return datetime.now().strftime(fmt)
+
+    def _guarded_filter(self, name: str, original: Callable[..., Any], estimate: Callable[..., Any]) -> Callable[..., Any]:
         """``original`` (a Jinja2 filter) with its result's size charged first; the filter keeps its signature and
-        its context / environment argument."""
+        its context / environment argument (which an async-variant filter such as ``list`` takes without its
+        signature saying so: ``lead`` arguments passed through unbound)."""
         signature = inspect.signature(original)
+        first = next(iter(signature.parameters), "")
+        lead = 1 if getattr(original, "jinja_pass_arg", None) is not None and first not in _PASSED_ARGS else 0
 
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             self._check_time()
             try:
-                bound = signature.bind(*args, **kwargs)
+                bound = signature.bind(*args[lead:], **kwargs)
             except TypeError:
                 return original(*args, **kwargs)  # the filter's own error for a wrong call
             bound.apply_defaults()
             size = estimate(bound.arguments, self._current().left)  # may materialize an iterable in place
-            self._spend(size, f"the {original.__name__.removeprefix('do_').removeprefix('sync_do_')} filter")
-            return original(*bound.args, **bound.kwargs)
+            self._spend(size, f"the {name} filter")
+            return original(*args[:lead], *bound.args, **bound.kwargs)
 
         return guarded
 
@@ -342,10 +420,10 @@ def _format_widths(fmt: str) -> float:
     return total
 
 
-def _replace_size(s: str, old: Any, new: Any, count: Any) -> int:
-    if not isinstance(old, str) or not isinstance(new, str):
+def _replace_size(s: str | bytes, old: Any, new: Any, count: Any) -> int:
+    if not isinstance(old, (str, bytes)) or type(new) is not type(old) or type(s) is not type(old):
         return len(s)
-    hits = len(s) + 1 if old == "" else s.count(old)
+    hits = len(s) + 1 if not old else s.count(old)
     if _is_int(count) and count >= 0:
         hits = min(hits, count)
     return len(s) + hits * max(len(new) - len(old), 0)
@@ -355,10 +433,11 @@ def _join_size(separator: str, items: list[Any] | tuple[Any, ...], limit: int) -
     return weight(list(items), limit) + max(len(items) - 1, 0) * len(separator)
 
 
-_STR_GROWERS = ("center", "ljust", "rjust", "zfill", "expandtabs", "replace", "join")
+_STR_GROWERS = ("center", "ljust", "rjust", "zfill", "expandtabs", "replace", "join", "upper", "lower", "title",
+                "capitalize", "swapcase", "casefold", "split", "rsplit", "splitlines", "translate", "encode", "hex")
 
 
-def _str_method_size(s: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> float:
+def _str_method_size(s: str | bytes, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> float:
     """The size of ``s.<name>(*args, **kwargs)`` for the str methods that can build much more than they are given
     (a wrong argument type counts as nothing: the method raises its own error)."""
 
@@ -370,11 +449,34 @@ def _str_method_size(s: str, name: str, args: tuple[Any, ...], kwargs: dict[str,
         return max(width, len(s)) if _is_int(width) else len(s)
     if name == "expandtabs":
         tabsize = arg(0, "tabsize", 8)
-        return len(s) + s.count("\t") * max(tabsize, 0) if _is_int(tabsize) else len(s)
+        tab = "\t" if isinstance(s, str) else b"\t"
+        return len(s) + s.count(tab) * max(tabsize, 0) if _is_int(tabsize) else len(s)
     if name == "replace":
         return _replace_size(s, arg(0, "old", ""), arg(1, "new", ""), arg(2, "count", -1))
+    if name in ("upper", "lower", "title", "capitalize", "swapcase", "casefold"):
+        return CASE_GROWTH * len(s)
+    if name in ("split", "rsplit", "splitlines"):
+        return 2 * len(s) + 1  # its characters again, and at most one string per character
+    if name == "translate":
+        return len(s) * max([1] + [len(v) for v in _table_values(arg(0, "table", None))])
+    if name == "encode":
+        return ENCODE_GROWTH * len(s) + 16
+    if name == "hex":
+        separator = arg(0, "sep", "")
+        return len(s) * (2 + (len(separator) if isinstance(separator, (str, bytes)) else 0))
     items = arg(0, "iterable", ())
     return _join_size(s, items, limit) if isinstance(items, (list, tuple)) else len(s)
+
+
+def _table_values(table: Any) -> list[Any]:
+    """The strings a ``str.translate`` table maps to (a dict, or a sequence indexed by code point)."""
+    if isinstance(table, dict):
+        values = table.values()
+    elif isinstance(table, (list, tuple)):
+        values = table
+    else:
+        return []
+    return [v for v in values if isinstance(v, (str, bytes))]
 
 
 def _text_size(value: Any, limit: int) -> int:
@@ -435,8 +537,64 @@ def _estimate_sum(a: dict[str, Any], limit: int) -> int:
     return weight([start, items], limit) * max(len(items) // 2, 1)
 
 
+def _first(a: dict[str, Any]) -> Any:
+    """The filter's value (its first argument that is not the context)."""
+    return next(v for k, v in a.items() if k not in ("eval_ctx", "context", "environment"))
+
+
+def _grows(factor: int) -> Callable[[dict[str, Any], int], float]:
+    """A filter that works on ``str()`` of its value, each character becoming at most ``factor``."""
+
+    def estimate(a: dict[str, Any], limit: int) -> float:
+        return factor * text_bound(_first(a), limit)
+
+    return estimate
+
+
+def _estimate_xmlattr(a: dict[str, Any], limit: int) -> float:
+    d = a["d"]
+    if not isinstance(d, dict):
+        return 0  # the filter raises its own error
+    return 1 + sum(ESCAPE_GROWTH * (text_bound(k, limit) + text_bound(v, limit)) + 4 for k, v in d.items())
+
+
+def _estimate_urlencode(a: dict[str, Any], limit: int) -> float:
+    return URL_GROWTH * text_bound(_first(a), limit) + 2 * weight(_first(a), limit)
+
+
+def _estimate_urlize(a: dict[str, Any], limit: int) -> float:
+    """Each word may become ``<a href="https://WORD" rel=".." target="..">WORD</a>``, the text escaped."""
+    text = text_bound(a["value"], limit)
+    words = text if not isinstance(a["value"], str) else sum(a["value"].count(c) for c in " \t\r\n") + 1
+    extra = sum(len(str(a.get(k) or "")) for k in ("target", "rel")) + 64
+    return 2 * ESCAPE_GROWTH * text + words * extra
+
+
+def _estimate_pprint(a: dict[str, Any], limit: int) -> float:
+    value = a["value"]
+    return _repr_string_size(value) if isinstance(value, str) else text_bound(value, limit, indent=1)
+
+
+def _estimate_list(a: dict[str, Any], limit: int) -> int:
+    value = a["value"]
+    return 2 * len(value) if isinstance(value, str) else 0  # a string: one string per character
+
+
 # filters that can build much more than they are given: (bound arguments, budget left) -> size of the result
 _FILTER_ESTIMATES: dict[str, Callable[[dict[str, Any], int], float]] = {
+    "upper": _grows(CASE_GROWTH),
+    "lower": _grows(CASE_GROWTH),
+    "title": _grows(CASE_GROWTH),
+    "capitalize": _grows(CASE_GROWTH),
+    "escape": _grows(ESCAPE_GROWTH),
+    "e": _grows(ESCAPE_GROWTH),
+    "forceescape": _grows(ESCAPE_GROWTH),
+    "xmlattr": _estimate_xmlattr,
+    "urlencode": _estimate_urlencode,
+    "urlize": _estimate_urlize,
+    "string": _grows(1),
+    "pprint": _estimate_pprint,
+    "list": _estimate_list,
     "center": _estimate_center,
     "indent": _estimate_indent,
     "format": _estimate_format,
@@ -450,10 +608,6 @@ _FILTER_ESTIMATES: dict[str, Callable[[dict[str, Any], int], float]] = {
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
 
 
 __all__ = ["LimitedSandbox", "TemplateLimit", "weight"]

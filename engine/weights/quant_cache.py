@@ -6,13 +6,14 @@ when the model folder is not writable, ``$XDG_CACHE_HOME/clover-desk/quant/<hash
 
 What: ``weights.safetensors`` (a real safetensors file) + ``manifest.json``::
 
-    {"version": 1,
+    {"version": 2,
      "policy": {...QuantPolicy.to_dict(), "hash": ...},
      "source": {"model_dir", "config_sha256", "files": {name: {"size", "mtime_ns", "header_sha256"}}},
      "tensors": {model name: {"shape", "format": "nf4"|"int8"|"bf16"|"fp32"|"fp16", "bytes", "stored": [keys]}},
      "experts": {bank name: ExpertLayout dict},
-     "files": {"weights.safetensors": {"size", "header_sha256", "sha256"}},
-     "complete": true}
+     "files": {"weights.safetensors": {"size", "header_sha256", "sha256", "crc32": {key: crc}}},
+     "complete": true,
+     "checks": ["finite"]}
 
 Stored keys are the quantized model's state-dict names: a quantized linear ``X.weight`` is ``X.codes`` +
 ``X.scales`` (the :class:`QuantLinear` buffers); an expert bank
@@ -27,8 +28,9 @@ Atomicity: everything is written into a temporary sibling folder, fsync'd, then 
 conversion leaves only a ``.tmp-*`` folder, never a cache that looks complete (leftovers are removed next time).
 
 On load the cache is checked: missing, incomplete, another policy, another checkpoint, stale (a source file's
-size / mtime / header changed) or corrupt (size or hash mismatch) -> the reason is logged, returned, and the cache
-is rebuilt; it is never used silently.
+size / mtime / header changed), corrupt (size or hash mismatch) or unchecked (written before the conversion refused
+NaN / infinite weights: no ``"checks"`` in its manifest) -> the reason is logged, returned, and the cache is rebuilt;
+it is never used silently.
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ CACHE_DIRNAME = ".clover-cache"
 MANIFEST_NAME = "manifest.json"
 DATA_NAME = "weights.safetensors"
 VERSION = 2  # 2: per-tensor crc32 of the data, checked as each tensor is read
+# what the conversion checked in the source, as listed in the manifest's "checks": "finite" (no NaN or infinity in
+# any weight, engine.weights.checkpoint.check_finite). Caches of format 2 written before that check existed have no
+# "checks": they are rebuilt once, so that damaged weights converted then are refused, naming the source tensor.
+CHECKS = ("finite",)
+_CHECK_WORDS = {"finite": "NaN and infinite values"}
 CHUNK_BYTES = 32 << 20  # source bytes read per chunk of a big tensor
 
 # safetensors tag -> (torch dtype, element size, manifest format): the dtypes the quantizer reads and writes, from
@@ -289,6 +296,11 @@ def check_cache(
         return f"corrupt: {manifest_path} is unreadable ({exc})"
     if not isinstance(m, dict) or m.get("version") != VERSION or not m.get("complete"):
         return f"corrupt: {manifest_path} is not a complete version-{VERSION} manifest"
+    checks = m.get("checks")
+    missing = [c for c in CHECKS if not isinstance(checks, list) or c not in checks]
+    if missing:
+        return (f"unchecked: {manifest_path} was written before the conversion checked the weights for "
+                f"{', '.join(_CHECK_WORDS[c] for c in missing)}")
     if m.get("policy", {}).get("hash") != policy.hash:
         return f"other policy: cache built with policy {m.get('policy', {}).get('name')!r}, want {policy.name!r}"
     src = m.get("source", {})
@@ -560,6 +572,7 @@ def build_cache(
                 }
             },
             "complete": True,
+            "checks": list(CHECKS),  # what this conversion checked in every source tensor
             "created_unix": int(time.time()),
         }
         mpath = tmp / MANIFEST_NAME

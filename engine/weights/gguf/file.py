@@ -49,6 +49,7 @@ from typing import Any
 from engine.model.config import CloverConfig, parse_config
 from engine.errors import ConfigError
 from engine.decode.tokenizer import CloverTokenizer
+from engine.weights.gguf.header import read_header
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ def _reader(path: Path) -> Any:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
     if magic != b"GGUF":
         raise ConfigError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+    check_header(path)  # every count and offset bounded by the file first: GGUFReader trusts them
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError) as exc:
@@ -127,6 +129,25 @@ def _reader(path: Path) -> Any:
                           f"file's {path.stat().st_size:,} bytes)") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def check_header(path: Path) -> None:
+    """Check one GGUF file's header with the bounded reader (:mod:`engine.weights.gguf.header`): a damaged or hostile
+    header is one :class:`~engine.weights.gguf.header.GGUFFormatError` line, raised before GGUFReader reads it."""
+    try:
+        read_header(path, keep_arrays=False)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def check_gguf_model(path: str | Path) -> None:
+    """If ``path`` is a GGUF file, check the headers of its parts (cheap, torch-free: the CLI runs it before it loads
+    torch, so that a bad file costs a fraction of a second)."""
+    path = Path(path)
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        return
+    for part in split_parts(path):
+        check_header(part)
 
 
 @dataclass
