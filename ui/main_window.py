@@ -102,6 +102,8 @@ from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
 from ui.remote_chat import DENOISING_UNAVAILABLE, RemoteBackendControl, is_remote_finished
 from ui.serve_panel import ServeController, ServeDialog
+from ui.chat_presets import ChatPresets
+from ui.context_window import context_limit
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
@@ -207,7 +209,8 @@ class MainWindow(QMainWindow):
         self.composer = Composer()
         self.prompt_progress = PromptProgress()  # reading a long prompt, before the answer's first pass
         self.drawer = SettingsDrawer()
-        self.drawer.set_settings(self.model_defaults, "")
+        self.drawer.set_preset_store(ChatPresets(self.ui_settings))  # presets, new chats' system prompt: window.ini
+        self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
         self.long_chats = LongChats(self, token_counter)  # the context meter and what to do when a chat outgrows it
         self.composer.add_status_widget(self.long_chats.meter)
         self.crash_banner = Banner("crashBanner", "Restart engine", "Engine stopped")
@@ -630,7 +633,7 @@ class MainWindow(QMainWindow):
         if conversation_id is None:
             self.chat.clear()
             self._fresh_touched = False
-            self.drawer.set_settings(self.model_defaults, "")
+            self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
             self._sync_from_settings()
             self.title_label.setText("New chat")
             self.long_chats.on_conversation_opened(None)
@@ -827,6 +830,7 @@ class MainWindow(QMainWindow):
     def set_model_info(self, info: Mapping[str, Any]) -> None:
         """Take the model's defaults and context from a ``loaded`` record (or the same keys read from its folder)."""
         self.long_chats.set_model_info(info)
+        self.drawer.set_model_context(context_limit(info))
         config = info.get("config") if isinstance(info.get("config"), Mapping) else None
         generation = info.get("generation_defaults") if isinstance(info.get("generation_defaults"), Mapping) else None
         if config is None and generation is None:
