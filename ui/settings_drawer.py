@@ -375,6 +375,8 @@ class SettingsDrawer(QFrame):
             self._seed_value = None
             self.seed.setProperty("invalid", True)
             self.seed.setToolTip(self.seed.toolTip().split(" Not used: ")[0] + f" Not used: seed {exc}.")
+        self.seed.style().unpolish(self.seed)  # the style sheet's [invalid="true"] border follows the property
+        self.seed.style().polish(self.seed)
         self.on_any_changed()
 
     # -- presets and the default system prompt
