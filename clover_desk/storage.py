@@ -325,7 +325,7 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE messages ADD COLUMN selected INTEGER NOT NULL DEFAULT 1",
             "UPDATE messages SET parent_id = (SELECT MAX(p.id) FROM messages p "
             "WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id)",
-            "CREATE INDEX messages_by_parent ON messages(conversation_id, parent_id, id)",
+            "CREATE INDEX messages_by_parent ON messages(conversation_id, parent_id, selected)",
         ),
     ),
 )
@@ -489,6 +489,10 @@ class ChatStore:
             ) from exc
         self._conn.row_factory = sqlite3.Row
         self._last_ts = 0.0
+        # Each chat's chosen path (message ids), once read: this store is the only writer of its database (the
+        # lock), so it stays right until this store changes the chat's tree (dropped there, or extended by an
+        # append). Appending a message then costs no walk of the whole chat.
+        self._paths: dict[int, list[int]] = {}
         try:
             self._conn.execute("PRAGMA foreign_keys = ON")
             mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -707,6 +711,7 @@ class ChatStore:
 
     def delete_conversation(self, conversation_id: int) -> None:
         """Delete a conversation and (by cascade) its messages."""
+        self._paths.pop(conversation_id, None)
         with self._tx() as conn:
             cur = conn.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
             if cur.rowcount == 0:
@@ -778,6 +783,7 @@ class ChatStore:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, not {status!r}")
+        path: list[int] | None = None
         if version_of is None:
             path = self._path_ids(conversation_id)
             parent = path[-1] if path else None
@@ -801,6 +807,10 @@ class ChatStore:
             except sqlite3.IntegrityError as exc:
                 raise NotFoundError(f"no conversation with id {conversation_id}") from exc
             conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        if path is None:  # a new version: the path below its place changed
+            self._paths.pop(conversation_id, None)
+        else:
+            self._paths[conversation_id] = [*path, int(cur.lastrowid)]
         return self.get_message(int(cur.lastrowid))
 
     def get_message(self, message_id: int) -> Message:
@@ -815,7 +825,7 @@ class ChatStore:
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         ).fetchall()
         by_id = {int(r["id"]): r for r in rows}
-        return [self._message(by_id[i]) for i in _chosen_path((int(r["id"]), r["parent_id"], r["selected"]) for r in rows)]
+        return [self._message(by_id[i]) for i in self._path_ids(conversation_id)]
 
     def all_messages(self, conversation_id: int) -> list[Message]:
         """Every message of a conversation, every version, in the order they were written."""
@@ -825,10 +835,40 @@ class ChatStore:
         return [self._message(r) for r in rows]
 
     def _path_ids(self, conversation_id: int) -> list[int]:
+        """The chosen path's ids (a copy of the cached list, else read: :meth:`_read_path`)."""
+        path = self._paths.get(conversation_id)
+        if path is None:
+            path = self._paths[conversation_id] = self._read_path(conversation_id)
+        return list(path)
+
+    def _read_path(self, conversation_id: int) -> list[int]:
+        """The chosen path's ids, followed in SQLite (one index lookup per message); should the tree break the rule
+        of one chosen version per place (two, or none), it is walked in Python instead (:func:`_chosen_path`)."""
         rows = self._conn.execute(
+            "WITH RECURSIVE path(id, depth) AS ("
+            "SELECT id, 0 FROM messages WHERE conversation_id = :c AND parent_id IS NULL AND selected = 1 "
+            "UNION ALL SELECT m.id, path.depth + 1 FROM path JOIN messages m "
+            "ON m.conversation_id = :c AND m.parent_id = path.id AND m.selected = 1"
+            ") SELECT id, depth FROM path ORDER BY depth",
+            {"c": conversation_id},
+        ).fetchall()
+        ids = [int(r[0]) for r in rows]
+        forked = any(r[1] != n for n, r in enumerate(rows))
+        ends_early = ids and self._conn.execute(
+            "SELECT 1 FROM messages WHERE conversation_id = ? AND parent_id = ? LIMIT 1", (conversation_id, ids[-1])
+        ).fetchone() is not None  # (children, none of them chosen)
+        if not forked and not ends_early and (ids or not self._has_messages(conversation_id)):
+            return ids
+        log.warning("chat %s: its versions are not one chosen per place; showing the newest", conversation_id)
+        every = self._conn.execute(
             "SELECT id, parent_id, selected FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         ).fetchall()
-        return _chosen_path((int(r[0]), r[1], r[2]) for r in rows)
+        return _chosen_path((int(r[0]), r[1], r[2]) for r in every)
+
+    def _has_messages(self, conversation_id: int) -> bool:
+        return self._conn.execute(
+            "SELECT 1 FROM messages WHERE conversation_id = ? LIMIT 1", (conversation_id,)
+        ).fetchone() is not None
 
     def _ancestors(self, message: Message) -> list[Message]:
         """The messages that lead to ``message``, from the chat's first, ``message`` last."""
@@ -860,6 +900,7 @@ class ChatStore:
         """Show this version of its place in the chat (its siblings stay, not shown); the messages after it are
         the ones chosen under it last time (each version keeps its own continuation)."""
         m = self.get_message(message_id)
+        self._paths.pop(m.conversation_id, None)
         with self._tx() as conn:
             conn.execute(
                 "UPDATE messages SET selected = (id = ?) WHERE conversation_id = ? AND parent_id IS ?",
@@ -941,6 +982,7 @@ class ChatStore:
         Returns how many later messages were deleted.
         """
         current = self.get_message(message_id)
+        self._paths.pop(current.conversation_id, None)
         with self._tx() as conn:
             conn.execute("UPDATE messages SET content = ?, status = 'complete' WHERE id = ?", (content, message_id))
             deleted = self._delete_below(conn, current.conversation_id, message_id)
@@ -952,6 +994,7 @@ class ChatStore:
         (taking back a message that could not be answered): its newest remaining version is then shown. Returns
         how many were deleted."""
         current = self.get_message(message_id)
+        self._paths.pop(current.conversation_id, None)
         with self._tx() as conn:
             deleted = self._delete_below(conn, current.conversation_id, message_id)
             if include:

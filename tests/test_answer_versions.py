@@ -32,6 +32,7 @@ def store(tmp_path):
 
 
 def texts(store: ChatStore, cid: int) -> list[str]:
+    assert store._path_ids(cid) == store._read_path(cid)  # the store's cached path is the one on disk
     return [m.content for m in store.messages(cid)]
 
 
@@ -65,6 +66,19 @@ def test_a_new_version_keeps_the_old_one_and_the_chat_follows_the_chosen_one(sto
     assert len(store.all_messages(c.id)) == 7
 
 
+def test_a_tree_that_breaks_the_one_chosen_rule_still_shows_a_chat(store) -> None:
+    c = store.create_conversation("t")
+    store.add_message(c.id, "user", "q")
+    a = store.add_message(c.id, "assistant", "a1")
+    b = store.add_message(c.id, "assistant", "a2", version_of=a.id)
+    store._conn.execute("UPDATE messages SET selected = 1 WHERE id = ?", (a.id,))  # two chosen (a hand edit)
+    store._paths.clear()
+    assert texts(store, c.id) == ["q", "a2"]  # the newest chosen one
+    store._conn.execute("UPDATE messages SET selected = 0 WHERE id IN (?, ?)", (a.id, b.id))  # none chosen
+    store._paths.clear()
+    assert texts(store, c.id) == ["q", "a2"]
+
+
 def test_exports_hold_the_chosen_branch(store, tmp_path) -> None:
     c = store.create_conversation("t")
     store.add_message(c.id, "user", "q")
@@ -92,6 +106,7 @@ def test_continue_branch_and_take_back_work_on_the_chosen_path(store) -> None:
     assert texts(store, branch.id) == ["q", "cut"] and len(store.all_messages(branch.id)) == 2
     # taking back a version (a send that failed) shows the newest one left
     store.select_version(b.id)
+    assert texts(store, c.id) == ["q", "other"]
     store.truncate_after(b.id, include=True)
     assert texts(store, c.id) == ["q", "cut"] and store.versions(a.id) == [a.id]
 
