@@ -44,6 +44,7 @@ from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
 from ui.model_manager import ModelManagerPanel
 from engine.placement.preflight import EXCLUSIVE, OPT_IN
 from ui.model_library import ModelLibrary
+from ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME
 from ui.html_extract import extract_html
 from engine.placement.preflight import opt_in_from_env
 from engine.placement.hardware import DEFAULT_HARDWARE
@@ -52,7 +53,7 @@ from engine.weights.gguf.file import open_gguf
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-SETTINGS_NAME = "settings.json"
+SETTINGS_NAME = paths.SETTINGS_NAME
 WINDOW_SETTINGS_NAME = "window.ini"  # QSettings (INI): window geometry, splitter, theme, last export folder
 
 
@@ -239,8 +240,8 @@ class CloverDeskApp(QObject):
     def _build_model_manager(self) -> QWidget | None:
         return ModelManagerPanel(
             downloader_factory=ModelDownloader,
-            models_dir=self.home / "models",
-            recent_file=self.home / "recent_models.json",
+            models_dir=self.home / MODELS_DIR_NAME,
+            recent_file=self.home / RECENT_FILE_NAME,
             gguf_choices=OFFICIAL_GGUF,
             gguf_repo_id=GGUF_REPO_ID,
         )
@@ -250,7 +251,7 @@ class CloverDeskApp(QObject):
         load."""
 
         manager = self.model_manager
-        library = ModelLibrary(self.home / "models", manager.recent_models if manager is not None else list,
+        library = ModelLibrary(self.home / MODELS_DIR_NAME, manager.recent_models if manager is not None else list,
                                gpu_name=self.hardware.gpu_name, device=self.device, dtype=self.dtype,
                                compile_layers=self.settings.compile_layers, gpu_paths=OPT_IN, exclusive=EXCLUSIVE,
                                gpu_paths_on=self.gpu_paths())

@@ -23,6 +23,7 @@ from pathlib import Path
 
 HOME_ENV = "CLOVER_DESK_HOME"
 CHATS_DB_NAME = "chats.sqlite3"
+SETTINGS_NAME = "settings.json"  # the app's settings (clover_desk.app.AppSettings: the model it loads, ...)
 
 
 def default_app_data_dir(

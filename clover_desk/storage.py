@@ -31,6 +31,9 @@ Write failures
 Schema
     Versioned by the ``schema_migrations`` table (one row per applied migration; ``PRAGMA user_version`` mirrors the
     latest). :data:`MIGRATIONS` is append-only; each migration runs in its own transaction together with its row.
+    Since schema 4 a chat's messages form a tree: each hangs under the one it follows (``parent_id``), a
+    regenerated answer or an edited message is a sibling (a *version*), one version per place is chosen
+    (``selected``), and :meth:`ChatStore.messages` (what is shown, sent to the engine, exported) is the chosen path.
     A database written by a newer Clover Desk (unknown version) is refused with :class:`StorageError`.
 """
 
@@ -46,7 +49,7 @@ import sqlite3
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -310,6 +313,21 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX messages_streaming ON messages(status) WHERE status = 'streaming'",
         ),
     ),
+    (
+        4,
+        "answer versions: messages form a tree (parent_id), one chosen child per message (selected)",
+        # A chat was a list; now every message hangs under the one before it (parent_id; NULL: the chat's first),
+        # and a regenerated answer or an edited message is a sibling: a new version beside the old. Among siblings
+        # the one with selected = 1 is on show, and the chat is the path of chosen messages from the first. A chat
+        # written before is one path: each message's parent is the message before it, every one chosen.
+        (
+            "ALTER TABLE messages ADD COLUMN parent_id INTEGER",
+            "ALTER TABLE messages ADD COLUMN selected INTEGER NOT NULL DEFAULT 1",
+            "UPDATE messages SET parent_id = (SELECT MAX(p.id) FROM messages p "
+            "WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id)",
+            "CREATE INDEX messages_by_parent ON messages(conversation_id, parent_id, selected)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -328,7 +346,9 @@ class Conversation:
 
 @dataclass(frozen=True)
 class Message:
-    """One turn. ``status``: complete | streaming (being generated) | stopped (by the user or a crash) | error."""
+    """One turn. ``status``: complete | streaming (being generated) | stopped (by the user or a crash) | error.
+
+    ``parent_id``: the message it follows (None: the chat's first); its siblings are its other versions."""
 
     id: int
     conversation_id: int
@@ -339,6 +359,7 @@ class Message:
     status: str
     stats: dict[str, Any]
     created: float
+    parent_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -415,6 +436,23 @@ def _snippet(text: str, query: str, width: int = 80) -> str:
     return ("…" if start > 0 else "") + flat[start:end] + ("…" if end < len(flat) else "")
 
 
+def _chosen_path(rows: Iterable[tuple[int, int | None, int]]) -> list[int]:
+    """The ids of the chosen path through a chat's message tree, from ``(id, parent_id, selected)`` rows in id
+    order: from the first message, at each place the chosen version (the newest chosen one should two be; the
+    newest when none is), until a message with nothing after it."""
+    children: dict[int | None, list[tuple[int, int]]] = {}
+    for message_id, parent_id, selected in rows:
+        children.setdefault(parent_id, []).append((message_id, int(selected)))
+    path: list[int] = []
+    at: int | None = None
+    while at in children:
+        options = children[at]
+        chosen = [i for i, sel in options if sel]
+        at = chosen[-1] if chosen else options[-1][0]
+        path.append(at)
+    return path
+
+
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
 
@@ -451,6 +489,10 @@ class ChatStore:
             ) from exc
         self._conn.row_factory = sqlite3.Row
         self._last_ts = 0.0
+        # Each chat's chosen path (message ids), once read: this store is the only writer of its database (the
+        # lock), so it stays right until this store changes the chat's tree (dropped there, or extended by an
+        # append). Appending a message then costs no walk of the whole chat.
+        self._paths: dict[int, list[int]] = {}
         try:
             self._conn.execute("PRAGMA foreign_keys = ON")
             mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -591,6 +633,7 @@ class ChatStore:
             status=row["status"],
             stats=json.loads(row["stats"] or "{}"),
             created=float(row["created"]),
+            parent_id=None if row["parent_id"] is None else int(row["parent_id"]),
         )
 
     # ----------------------------------------------------------------- conversations
@@ -608,10 +651,12 @@ class ChatStore:
 
     def branch_conversation(self, message_id: int) -> Conversation:
         """A new chat that starts as this message's chat did, up to and including the message: the same system
-        prompt and settings, copies of the messages (an answer still being written is left out), titled after the
-        original. One transaction: the branch is there whole or not at all; the original is not touched."""
+        prompt and settings, copies of the messages that lead to it (its versions' path; an answer still being
+        written is left out; the other versions are not copied), titled after the original. One transaction: the
+        branch is there whole or not at all; the original is not touched."""
         current = self.get_message(message_id)
         source = self.get_conversation(current.conversation_id)
+        chain = [m for m in self._ancestors(current) if m.status != "streaming"]
         now = self._now()
         with self._tx() as conn:
             cur = conn.execute(
@@ -619,12 +664,14 @@ class ChatStore:
                 (branch_title(source.title), now, now, source.system_prompt, json.dumps(source.settings)),
             )
             new_id = int(cur.lastrowid)
-            conn.execute(
-                "INSERT INTO messages (conversation_id, role, content, thinking, thinking_seconds, status, stats, "
-                "created) SELECT ?, role, content, thinking, thinking_seconds, status, stats, created FROM messages "
-                "WHERE conversation_id = ? AND id <= ? AND status != 'streaming' ORDER BY id",
-                (new_id, current.conversation_id, message_id),
-            )
+            parent: int | None = None
+            for m in chain:
+                parent = int(conn.execute(
+                    "INSERT INTO messages (conversation_id, role, content, thinking, thinking_seconds, status, stats, "
+                    "created, parent_id, selected) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
+                    (new_id, m.role, m.content, m.thinking, m.thinking_seconds, m.status, json.dumps(m.stats),
+                     m.created, parent),
+                ).lastrowid)
         return self.get_conversation(new_id)
 
     def get_conversation(self, conversation_id: int) -> Conversation:
@@ -664,6 +711,7 @@ class ChatStore:
 
     def delete_conversation(self, conversation_id: int) -> None:
         """Delete a conversation and (by cascade) its messages."""
+        self._paths.pop(conversation_id, None)
         with self._tx() as conn:
             cur = conn.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
             if cur.rowcount == 0:
@@ -726,23 +774,43 @@ class ChatStore:
         thinking_seconds: float | None = None,
         status: str = "complete",
         stats: dict[str, Any] | None = None,
+        version_of: int | None = None,
     ) -> Message:
-        """Append a message. For an answer being generated use ``role="assistant", status="streaming"``."""
+        """Append a message after the chat's last one (on the chosen path), or, with ``version_of``, as a new
+        version of that message (same place in the chat: a regenerated answer, an edited message): the new one is
+        chosen, the old ones stay. For an answer being generated use ``role="assistant", status="streaming"``."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, not {status!r}")
+        path: list[int] | None = None
+        if version_of is None:
+            path = self._path_ids(conversation_id)
+            parent = path[-1] if path else None
+        else:
+            other = self.get_message(version_of)
+            if other.conversation_id != conversation_id:
+                raise StorageError(f"message {version_of} is not in conversation {conversation_id}")
+            parent = other.parent_id
         now = self._now()
         with self._tx() as conn:
+            conn.execute(
+                "UPDATE messages SET selected = 0 WHERE conversation_id = ? AND parent_id IS ?", (conversation_id, parent)
+            )
             try:
                 cur = conn.execute(
                     "INSERT INTO messages (conversation_id, role, content, thinking, thinking_seconds, status, stats,"
-                    " created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (conversation_id, role, content, thinking, thinking_seconds, status, json.dumps(stats or {}), now),
+                    " created, parent_id, selected) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
+                    (conversation_id, role, content, thinking, thinking_seconds, status, json.dumps(stats or {}), now,
+                     parent),
                 )
             except sqlite3.IntegrityError as exc:
                 raise NotFoundError(f"no conversation with id {conversation_id}") from exc
             conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        if path is None:  # a new version: the path below its place changed
+            self._paths.pop(conversation_id, None)
+        else:
+            self._paths[conversation_id] = [*path, int(cur.lastrowid)]
         return self.get_message(int(cur.lastrowid))
 
     def get_message(self, message_id: int) -> Message:
@@ -752,11 +820,92 @@ class ChatStore:
         return self._message(row)
 
     def messages(self, conversation_id: int) -> list[Message]:
-        """A conversation's messages in order."""
+        """A conversation's messages in order: the chosen version of each (the path :meth:`select_version` set)."""
+        rows = self._conn.execute(
+            "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+        ).fetchall()
+        by_id = {int(r["id"]): r for r in rows}
+        return [self._message(by_id[i]) for i in self._path_ids(conversation_id)]
+
+    def all_messages(self, conversation_id: int) -> list[Message]:
+        """Every message of a conversation, every version, in the order they were written."""
         rows = self._conn.execute(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         ).fetchall()
         return [self._message(r) for r in rows]
+
+    def _path_ids(self, conversation_id: int) -> list[int]:
+        """The chosen path's ids (a copy of the cached list, else read: :meth:`_read_path`)."""
+        path = self._paths.get(conversation_id)
+        if path is None:
+            path = self._paths[conversation_id] = self._read_path(conversation_id)
+        return list(path)
+
+    def _read_path(self, conversation_id: int) -> list[int]:
+        """The chosen path's ids, followed in SQLite (one index lookup per message); should the tree break the rule
+        of one chosen version per place (two, or none), it is walked in Python instead (:func:`_chosen_path`)."""
+        rows = self._conn.execute(
+            "WITH RECURSIVE path(id, depth) AS ("
+            "SELECT id, 0 FROM messages WHERE conversation_id = :c AND parent_id IS NULL AND selected = 1 "
+            "UNION ALL SELECT m.id, path.depth + 1 FROM path JOIN messages m "
+            "ON m.conversation_id = :c AND m.parent_id = path.id AND m.selected = 1"
+            ") SELECT id, depth FROM path ORDER BY depth",
+            {"c": conversation_id},
+        ).fetchall()
+        ids = [int(r[0]) for r in rows]
+        forked = any(r[1] != n for n, r in enumerate(rows))
+        ends_early = ids and self._conn.execute(
+            "SELECT 1 FROM messages WHERE conversation_id = ? AND parent_id = ? LIMIT 1", (conversation_id, ids[-1])
+        ).fetchone() is not None  # (children, none of them chosen)
+        if not forked and not ends_early and (ids or not self._has_messages(conversation_id)):
+            return ids
+        log.warning("chat %s: its versions are not one chosen per place; showing the newest", conversation_id)
+        every = self._conn.execute(
+            "SELECT id, parent_id, selected FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+        ).fetchall()
+        return _chosen_path((int(r[0]), r[1], r[2]) for r in every)
+
+    def _has_messages(self, conversation_id: int) -> bool:
+        return self._conn.execute(
+            "SELECT 1 FROM messages WHERE conversation_id = ? LIMIT 1", (conversation_id,)
+        ).fetchone() is not None
+
+    def _ancestors(self, message: Message) -> list[Message]:
+        """The messages that lead to ``message``, from the chat's first, ``message`` last."""
+        chain = [message]
+        while chain[-1].parent_id is not None:
+            chain.append(self.get_message(chain[-1].parent_id))
+        return chain[::-1]
+
+    def versions(self, message_id: int) -> list[int]:
+        """The ids of a message's versions (itself and its siblings: the same place in the chat), oldest first."""
+        m = self.get_message(message_id)
+        rows = self._conn.execute(
+            "SELECT id FROM messages WHERE conversation_id = ? AND parent_id IS ? ORDER BY id",
+            (m.conversation_id, m.parent_id),
+        ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def version_counts(self, conversation_id: int) -> dict[int, tuple[int, int]]:
+        """For every message of a conversation: (which version it is, 1-based; how many versions its place has)."""
+        rows = self._conn.execute(
+            "SELECT id, parent_id FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+        ).fetchall()
+        siblings: dict[int | None, list[int]] = {}
+        for r in rows:
+            siblings.setdefault(r[1], []).append(int(r[0]))
+        return {i: (n + 1, len(ids)) for ids in siblings.values() for n, i in enumerate(ids)}
+
+    def select_version(self, message_id: int) -> None:
+        """Show this version of its place in the chat (its siblings stay, not shown); the messages after it are
+        the ones chosen under it last time (each version keeps its own continuation)."""
+        m = self.get_message(message_id)
+        self._paths.pop(m.conversation_id, None)
+        with self._tx() as conn:
+            conn.execute(
+                "UPDATE messages SET selected = (id = ?) WHERE conversation_id = ? AND parent_id IS ?",
+                (message_id, m.conversation_id, m.parent_id),
+            )
 
     def append_streaming(self, message_id: int, answer_delta: str = "", thinking_delta: str = "") -> None:
         """Append committed text to a ``streaming`` message: one committed transaction per call.
@@ -814,9 +963,8 @@ class ChatStore:
         one that failed). Its text stays; :class:`StreamRecorder` appends to it, and a crash keeps it (as stopped,
         interrupted) like any answer being written."""
         current = self.get_message(message_id)
-        last = self._conn.execute(
-            "SELECT MAX(id) FROM messages WHERE conversation_id = ?", (current.conversation_id,)
-        ).fetchone()[0]
+        path = self._path_ids(current.conversation_id)
+        last = path[-1] if path else None
         if current.role != "assistant" or current.status not in ("complete", "stopped") or last != message_id:
             raise StorageError(
                 f"message {message_id} cannot be continued: only the last answer of a chat, complete or stopped, can "
@@ -828,29 +976,48 @@ class ChatStore:
         return self.get_message(message_id)
 
     def edit_message(self, message_id: int, content: str) -> int:
-        """Replace a message's text and delete every later message of its conversation (edit-and-resend).
+        """Replace a message's text in place and delete everything after it (every version below it). The window
+        keeps the old text instead (``add_message(..., version_of=...)``); this is for rewriting history.
 
         Returns how many later messages were deleted.
         """
         current = self.get_message(message_id)
+        self._paths.pop(current.conversation_id, None)
         with self._tx() as conn:
             conn.execute("UPDATE messages SET content = ?, status = 'complete' WHERE id = ?", (content, message_id))
-            cur = conn.execute(
-                "DELETE FROM messages WHERE conversation_id = ? AND id > ?", (current.conversation_id, message_id)
-            )
+            deleted = self._delete_below(conn, current.conversation_id, message_id)
             conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._now(), current.conversation_id))
-        return int(cur.rowcount)
+        return deleted
 
     def truncate_after(self, message_id: int, include: bool = False) -> int:
-        """Delete the messages after ``message_id`` (and that one too when ``include``, e.g. to regenerate an
-        answer). Returns how many were deleted."""
+        """Delete the messages after ``message_id`` (every version below it), and that one too when ``include``
+        (taking back a message that could not be answered): its newest remaining version is then shown. Returns
+        how many were deleted."""
         current = self.get_message(message_id)
-        op = ">=" if include else ">"
+        self._paths.pop(current.conversation_id, None)
         with self._tx() as conn:
-            cur = conn.execute(
-                f"DELETE FROM messages WHERE conversation_id = ? AND id {op} ?", (current.conversation_id, message_id)
-            )
+            deleted = self._delete_below(conn, current.conversation_id, message_id)
+            if include:
+                deleted += conn.execute("DELETE FROM messages WHERE id = ?", (message_id,)).rowcount
+                conn.execute(
+                    "UPDATE messages SET selected = 1 WHERE id = (SELECT MAX(id) FROM messages "
+                    "WHERE conversation_id = ? AND parent_id IS ?) AND NOT EXISTS (SELECT 1 FROM messages "
+                    "WHERE conversation_id = ? AND parent_id IS ? AND selected = 1)",
+                    (current.conversation_id, current.parent_id, current.conversation_id, current.parent_id),
+                )
             conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._now(), current.conversation_id))
+        return int(deleted)
+
+    @staticmethod
+    def _delete_below(conn: sqlite3.Connection, conversation_id: int, message_id: int) -> int:
+        """Delete every message under ``message_id`` (all versions, all depths); returns how many."""
+        cur = conn.execute(
+            "DELETE FROM messages WHERE id IN (WITH RECURSIVE below(id) AS ("
+            "SELECT id FROM messages WHERE conversation_id = :c AND parent_id = :m "
+            "UNION ALL SELECT m.id FROM messages m JOIN below ON m.conversation_id = :c AND m.parent_id = below.id"
+            ") SELECT id FROM below)",
+            {"c": conversation_id, "m": message_id},
+        )
         return int(cur.rowcount)
 
     def chat_messages(self, conversation_id: int) -> list[dict[str, str]]:

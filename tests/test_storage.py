@@ -263,12 +263,12 @@ def test_migration_to_autoincrement_keeps_every_row_and_stops_id_reuse(tmp_path:
     conn.close()
 
     with ChatStore(path) as s:
-        assert s.schema_version == SCHEMA_VERSION == 3
-        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert s.schema_version == SCHEMA_VERSION == 4  # 3, then 4 (answer versions: test_answer_versions.py)
+        assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 4
         sql = s._conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'messages'").fetchone()[0]
         assert "AUTOINCREMENT" in sql
         assert s._conn.execute("SELECT name FROM sqlite_master WHERE name = 'messages_v3'").fetchone() is None
-        after = [tuple(r) for r in s._conn.execute("SELECT * FROM messages ORDER BY id")]
+        after = [tuple(r)[:9] for r in s._conn.execute("SELECT * FROM messages ORDER BY id")]  # v3's columns
         # The crash-interrupted answer was recovered as usual (after the migration); everything else is untouched.
         assert s.recovered_message_ids == (6,)
         assert [r for r in after if r[0] != 6] == [r for r in before if r[0] != 6]
@@ -297,7 +297,7 @@ def test_migration_to_autoincrement_keeps_every_row_and_stops_id_reuse(tmp_path:
         assert s._conn.execute("PRAGMA foreign_key_check").fetchall() == []
         assert s._conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     with ChatStore(path) as s:  # reopening migrates nothing again and keeps the sequence
-        assert [r[0] for r in s._conn.execute("SELECT version FROM schema_migrations ORDER BY version")] == [1, 2, 3]
+        assert [r[0] for r in s._conn.execute("SELECT version FROM schema_migrations ORDER BY version")] == [1, 2, 3, 4]
         assert s.add_message(3, "user", "later").id == 9
 
 

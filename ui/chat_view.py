@@ -51,7 +51,8 @@ HtmlExtractor = Callable[[str], "str | None"]  # message Markdown -> the HTML ap
 
 @dataclass
 class MessageData:
-    """One message as the view shows it. ``message_id`` is the ChatStore id (None before it is saved)."""
+    """One message as the view shows it. ``message_id`` is the ChatStore id (None before it is saved).
+    ``version`` of ``versions``: which of its place's versions it is (a regenerated answer, an edited message)."""
 
     role: str  # "user" | "assistant" | "system"
     content: str = ""
@@ -60,6 +61,8 @@ class MessageData:
     status: str = "complete"  # complete | streaming | stopped | error
     stats: dict[str, Any] = field(default_factory=dict)
     message_id: int | None = None
+    version: int = 1
+    versions: int = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -347,6 +350,7 @@ class MessageWidget(QFrame):
     continueRequested = Signal(object)  # MessageWidget: go on writing this answer (it was cut short)
     branchRequested = Signal(object)  # MessageWidget: a new chat that starts as this one, up to this message
     previewRequested = Signal(object)  # PreviewRequest: this message's page (or one of its code blocks) to show
+    versionRequested = Signal(object, int)  # (MessageWidget, -1 | +1): show its previous / next version
 
     def __init__(
         self, data: MessageData, html_extractor: HtmlExtractor, expand_thinking: bool = False,
@@ -376,6 +380,11 @@ class MessageWidget(QFrame):
         self.preview_button = self._action("Preview", "Open the HTML this message contains in the preview tab",
                                            "Preview the page")
         self.edit_button.setVisible(is_user)
+        self.version_prev = self._action("‹", "Previous version", "Previous version")
+        self.version_label = QLabel()
+        set_style_class(self.version_label, "meta")
+        accessible(self.version_label, "Version")
+        self.version_next = self._action("›", "Next version", "Next version")
         self.regen_button.setVisible(False)
         self.continue_button.setVisible(False)
         self.preview_button.setVisible(False)
@@ -400,6 +409,8 @@ class MessageWidget(QFrame):
         header = QHBoxLayout()
         header.setSpacing(8)
         header.addWidget(self.role_label)
+        for w in (self.version_prev, self.version_label, self.version_next):
+            header.addWidget(w)
         header.addStretch(1)
         for b in (self.preview_button, self.continue_button, self.regen_button, self.branch_button, self.edit_button,
                   self.copy_button):
@@ -432,6 +443,8 @@ class MessageWidget(QFrame):
         self.regen_button.clicked.connect(lambda: self.regenerateRequested.emit(self))
         self.continue_button.clicked.connect(lambda: self.continueRequested.emit(self))
         self.branch_button.clicked.connect(lambda: self.branchRequested.emit(self))
+        self.version_prev.clicked.connect(lambda: self.versionRequested.emit(self, -1))
+        self.version_next.clicked.connect(lambda: self.versionRequested.emit(self, 1))
         self.preview_button.clicked.connect(self.on_preview_clicked)
         self.thinking_toggle.toggled.connect(self.on_thinking_toggled)
         self.body.previewRequested.connect(self.on_block_preview_requested)
@@ -474,6 +487,18 @@ class MessageWidget(QFrame):
         self.copy_button.setEnabled(not streaming)
         self.branch_button.setVisible(d.role == "assistant" and not streaming and d.message_id is not None)
         self.preview_button.setVisible(self._has_html())
+        self._refresh_versions(streaming)
+
+    def _refresh_versions(self, streaming: bool) -> None:
+        """‹ 2/3 › beside the role when this place in the chat has more than one version (none while streaming)."""
+        d = self.data
+        many = d.versions > 1
+        for w in (self.version_prev, self.version_label, self.version_next):
+            w.setVisible(many)
+        self.version_label.setText(f"{d.version}/{d.versions}")
+        self.version_label.setToolTip(f"Version {d.version} of {d.versions}")
+        self.version_prev.setEnabled(many and not streaming and d.version > 1)
+        self.version_next.setEnabled(many and not streaming and d.version < d.versions)
 
     def _has_html(self) -> bool:
         d = self.data
@@ -517,6 +542,7 @@ class ChatView(QWidget):
     regenerateRequested = Signal(object)  # MessageData of the assistant message to answer again
     continueRequested = Signal(object)  # MessageData of the assistant message to go on with
     branchRequested = Signal(object)  # MessageData of the message a new chat branches from
+    versionRequested = Signal(object, int)  # (MessageData, -1 | +1): show the previous / next version of it
     previewRequested = Signal(object)  # PreviewRequest: HTML of a message to show in the preview tab
     copied = Signal(str)  # what was copied ("message" | "code"), for a status-bar note
 
@@ -601,6 +627,7 @@ class ChatView(QWidget):
         widget.regenerateRequested.connect(self.on_regenerate_requested)
         widget.continueRequested.connect(lambda w: self.continueRequested.emit(w.data))
         widget.branchRequested.connect(lambda w: self.branchRequested.emit(w.data))
+        widget.versionRequested.connect(lambda w, step: self.versionRequested.emit(w.data, step))
         widget.previewRequested.connect(self.previewRequested)
         widget.copyRequested.connect(lambda: self.copied.emit("message"))
         widget.body.codeCopied.connect(lambda _i: self.copied.emit("code"))

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from engine.decode.events import Finished, GenerationParams
+from engine.decode.limits import GENERATION_LIMITS
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +34,28 @@ class GenerationSettings:
     max_new_tokens: int = 1024
     enable_thinking: bool = True
     expand_thinking: bool = False  # display only: show the thinking section open by default
+    top_p: float = 1.0  # sampling only (temperature > 0): the smallest set of tokens reaching this probability
+    top_k: int = 0  # sampling only: the k likeliest tokens (0: off)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the answer already holds
+    repetition_penalty: float = 1.0  # divides (multiplies, if negative) the logits of tokens seen (prompt + answer)
+    seed: int | None = None  # sampling only: the same seed, the same answer; None: a new one per answer
+    context_length: int = 0  # the most tokens of this chat the model reads (0: the loaded model's context)
 
     def to_params(self) -> GenerationParams:
+        sampling = self.temperature > 0
         return GenerationParams(
             mode=self.mode,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
-            do_sample=self.temperature > 0,
+            do_sample=sampling,
             block_size=self.block_size if self.mode == "diffusion" else None,
             threshold=self.threshold if self.mode == "diffusion" else None,
             enable_thinking=self.enable_thinking,
+            top_p=self.top_p if sampling else None,
+            top_k=self.top_k if sampling else None,
+            seed=self.seed if sampling else None,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,6 +94,10 @@ def defaults_from_model(config: Mapping[str, Any] | None, generation: Mapping[st
         values["temperature"] = round(float(generation.get("temperature") or 0), 2) if sampling else 0.0
     if isinstance(generation.get("max_new_tokens"), int) and generation["max_new_tokens"] > 0:
         values["max_new_tokens"] = min(int(generation["max_new_tokens"]), MAX_TOKENS_LIMIT)
+    for key in ("top_p", "top_k", "presence_penalty", "repetition_penalty"):  # the model's own, when it has one
+        value = generation.get(key)
+        if GENERATION_LIMITS[key].accepts(value):
+            values[key] = value if key == "top_k" else float(value)
     return replace(base, **values)
 
 

@@ -86,7 +86,8 @@ class LongChats(QObject):
         super().__init__(window)  # type: ignore[arg-type]  # the window (a QObject) owns it
         self.window = window
         self.counter = counter
-        self.limit: int | None = None
+        self.limit: int | None = None  # the context a send is held to: the model's, or the chat's smaller one
+        self.model_limit: int | None = None  # the loaded model's (context_limit)
         self.overflow = ""  # the chat's choice once made: DROP_OLDEST, else ask
         self.meter = ContextMeter()
         self.meter.set_active(counter is not None)
@@ -102,7 +103,7 @@ class LongChats(QObject):
 
     # ----------------------------------------------------------------- state from the window
     def set_model_info(self, info: Mapping[str, Any] | None) -> None:
-        self.limit = context_limit(info)
+        self.model_limit = context_limit(info)
         self._refresh_limit()
         self.throttle.request()
 
@@ -127,6 +128,8 @@ class LongChats(QObject):
 
     def _refresh_limit(self) -> None:
         settings = self.window.drawer.settings()
+        chat = settings.context_length  # the chat's own context length (the drawer), within the model's
+        self.limit = min(self.model_limit, chat) if self.model_limit and chat > 0 else self.model_limit
         reserve = answer_reserve(self.limit, settings.max_new_tokens) if self.limit else 0
         self.meter.set_limit(self.limit, reserve)
 
@@ -170,6 +173,7 @@ class LongChats(QObject):
     # ----------------------------------------------------------------- Send
     def blocks_send(self, text: str) -> bool:
         """True when ``text`` does not fit: the choice is offered (the text stays in the box), and Send waits."""
+        self._refresh_limit()  # the chat's context length may have changed since the last count
         if not self.applies() or self.counter is None or not self.limit:
             return False
         settings = self.window.drawer.settings()
@@ -244,6 +248,7 @@ class LongChats(QObject):
         not fit."""
         messages = self.window.store.chat_messages(conversation_id)
         last, self.left_out = self._starts.pop(conversation_id, 0), 0
+        self._refresh_limit()
         if self.overflow != DROP_OLDEST or not self.applies() or self.counter is None or not self.limit:
             return messages
         settings = self.window.drawer.settings()

@@ -102,6 +102,8 @@ from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
 from ui.remote_chat import DENOISING_UNAVAILABLE, RemoteBackendControl, is_remote_finished
 from ui.serve_panel import ServeController, ServeDialog
+from ui.chat_presets import ChatPresets
+from ui.context_window import context_limit
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
@@ -207,7 +209,8 @@ class MainWindow(QMainWindow):
         self.composer = Composer()
         self.prompt_progress = PromptProgress()  # reading a long prompt, before the answer's first pass
         self.drawer = SettingsDrawer()
-        self.drawer.set_settings(self.model_defaults, "")
+        self.drawer.set_preset_store(ChatPresets(self.ui_settings))  # presets, new chats' system prompt: window.ini
+        self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
         self.long_chats = LongChats(self, token_counter)  # the context meter and what to do when a chat outgrows it
         self.composer.add_status_widget(self.long_chats.meter)
         self.crash_banner = Banner("crashBanner", "Restart engine", "Engine stopped")
@@ -525,6 +528,7 @@ class MainWindow(QMainWindow):
         self.chat.regenerateRequested.connect(self.on_regenerate_requested)
         self.chat.continueRequested.connect(self.on_continue_requested)
         self.chat.branchRequested.connect(self.on_branch_requested)
+        self.chat.versionRequested.connect(self.on_version_requested)
         self.chat.previewRequested.connect(self.on_preview_requested)
         self.chat.copied.connect(self.on_copied)
         self.drawer.changed.connect(self.on_settings_changed)
@@ -629,7 +633,7 @@ class MainWindow(QMainWindow):
         if conversation_id is None:
             self.chat.clear()
             self._fresh_touched = False
-            self.drawer.set_settings(self.model_defaults, "")
+            self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
             self._sync_from_settings()
             self.title_label.setText("New chat")
             self.long_chats.on_conversation_opened(None)
@@ -639,18 +643,49 @@ class MainWindow(QMainWindow):
         self.title_label.setText(conv.title)
         self.drawer.set_settings(GenerationSettings.from_dict(conv.settings, self.model_defaults), conv.system_prompt)
         self._sync_from_settings()
-        self.chat.set_messages(
-            [
-                MessageData(m.role, m.content, m.thinking, m.thinking_seconds, m.status, dict(m.stats), m.id)
-                for m in self.store.messages(conversation_id)
-                if m.role in ("user", "assistant")
-            ]
-        )
+        self.chat.set_messages(self._shown_messages(conversation_id))
         self.long_chats.on_conversation_opened(conv.settings)
         self._update_send_state()  # Continue: whether this chat's last answer was cut short
         self.show_chat_page()
         self.read_ahead_timer.start()
         self.conversationChanged.emit(conversation_id)
+
+    def _shown_messages(self, conversation_id: int) -> list[MessageData]:
+        """The chat as the view shows it: the chosen version of each message, each knowing how many there are."""
+        counts = self.store.version_counts(conversation_id)
+        return [
+            MessageData(m.role, m.content, m.thinking, m.thinking_seconds, m.status, dict(m.stats), m.id,
+                        *counts.get(m.id, (1, 1)))
+            for m in self.store.messages(conversation_id)
+            if m.role in ("user", "assistant")
+        ]
+
+    def _show_chosen_versions(self) -> None:
+        """Show the open chat again as the store has it now (another version chosen, an edit taken back); the
+        engine reads the chat it now shows ahead of the next message."""
+        if self.conversation_id is None:
+            return
+        self.chat.set_messages(self._shown_messages(self.conversation_id))
+        self._update_send_state()
+        self.read_ahead_timer.start()
+
+    def on_version_requested(self, data: MessageData, step: int) -> None:
+        """‹ / › on a message: show its previous / next version, and below it the chat that version led to."""
+        if data.message_id is None:
+            return
+        if self.is_generating():
+            self.statusBar().showMessage("Wait for the answer (or stop it) before switching versions", 4000)
+            return
+        try:
+            ids = self.store.versions(data.message_id)
+            at = ids.index(data.message_id) + step
+            if not 0 <= at < len(ids):
+                return
+            self.store.select_version(ids[at])
+        except self._save_error as exc:
+            self.show_save_error(exc, "The other version was not shown")
+            return
+        self._show_chosen_versions()
 
     def _sync_from_settings(self) -> None:
         """The composer's Think switch and mode note, and the chat's thinking sections, follow the drawer."""
@@ -795,6 +830,7 @@ class MainWindow(QMainWindow):
     def set_model_info(self, info: Mapping[str, Any]) -> None:
         """Take the model's defaults and context from a ``loaded`` record (or the same keys read from its folder)."""
         self.long_chats.set_model_info(info)
+        self.drawer.set_model_context(context_limit(info))
         config = info.get("config") if isinstance(info.get("config"), Mapping) else None
         generation = info.get("generation_defaults") if isinstance(info.get("generation_defaults"), Mapping) else None
         if config is None and generation is None:
@@ -816,13 +852,16 @@ class MainWindow(QMainWindow):
             return  # it does not fit: the choice is offered, the text stays in the box
         editing = self.composer.editing
         sent: MessageData | None = None
+        edited: int | None = None  # the message an edit is a new version of (it stays, as the older version)
         try:
             if editing is not None and editing.message_id is not None and editing in self.chat.messages():
-                self.store.edit_message(editing.message_id, text)  # repeatable: a retry after a failure re-edits
-                index = self.chat.index_of(editing)
-                self.chat.remove_from(index + 1)
-                editing.content = text
-                self.chat.widgets[index].refresh()
+                edited = editing.message_id
+                cid = self._ensure_conversation(text)
+                saved = self.store.add_message(cid, "user", text, version_of=edited)
+                versions = len(self.store.versions(saved.id))
+                self.chat.remove_from(self.chat.index_of(editing))
+                sent = MessageData("user", text, message_id=saved.id, version=versions, versions=versions)
+                self.chat.add_message(sent)
             else:
                 if editing is not None:
                     self.composer.end_edit()
@@ -833,38 +872,49 @@ class MainWindow(QMainWindow):
             self._start_generation()
         except self._save_error as exc:
             if sent is not None:  # saved, but no answer could be started: take it back so a retry sends it once
-                self._take_back(sent)
+                self._take_back(sent, edited)
             self.show_save_error(exc, "Your message was not sent (it is still in the box)")
             return
         self.composer.end_edit()
         self.composer.input.clear()
 
-    def _take_back(self, sent: MessageData) -> None:
+    def _take_back(self, sent: MessageData, edited: int | None = None) -> None:
+        """Delete a message that could not be answered; for an edit (a new version of ``edited``), show the
+        version that was edited again."""
         assert sent.message_id is not None
         try:
             self.store.truncate_after(sent.message_id, include=True)
+            if edited is not None:
+                self.store.select_version(edited)
         except self._save_error as exc:
             log.warning("cannot take back message %s after a failed send: %s", sent.message_id, exc)
             return
-        if sent in self.chat.messages():
+        if edited is not None:
+            self._show_chosen_versions()
+        elif sent in self.chat.messages():
             self.chat.remove_from(self.chat.index_of(sent))
 
-    def _start_generation(self, resume: MessageData | None = None) -> None:
-        """Start the answer to the chat's last message, or go on with ``resume`` (the last answer, reopened in the
-        store: ``ChatStore.reopen_message``), which the engine continues (``continue_final_message``)."""
+    def _start_generation(self, resume: MessageData | None = None, version_of: int | None = None) -> None:
+        """Start the answer to the chat's last message (with ``version_of``: a new version of that answer, which
+        stays), or go on with ``resume`` (the last answer, reopened in the store: ``ChatStore.reopen_message``),
+        which the engine continues (``continue_final_message``)."""
         cid = self.conversation_id
         assert cid is not None
         settings = self.drawer.settings()
         params = settings.to_params()
-        messages = self.long_chats.messages_to_send(cid)  # without the reopened answer: it is streaming
         self.reply_mode = settings.mode
         if resume is None:
-            saved = self.store.add_message(cid, "assistant", "", status="streaming", stats={"mode": settings.mode})
+            saved = self.store.add_message(cid, "assistant", "", status="streaming", stats={"mode": settings.mode},
+                                           version_of=version_of)
+            versions = len(self.store.versions(saved.id)) if version_of is not None else 1
             self.reply = StreamingReply()
             self.reply_data = MessageData("assistant", status="streaming", stats={"mode": settings.mode},
-                                          message_id=saved.id)
+                                          message_id=saved.id, version=versions, versions=versions)
             self.chat.add_message(self.reply_data)
-        else:
+        # the chat as the store now has it, the chosen versions: without the new answer or the reopened one (both
+        # are streaming); the engine's prompt cache reads only what differs from what it read last
+        messages = self.long_chats.messages_to_send(cid)
+        if resume is not None:
             assert resume.message_id is not None
             messages = [*messages, {"role": "assistant", "content": resume.content,
                                     "reasoning_content": resume.thinking}]
@@ -905,11 +955,11 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(self._why_not_ready(), 4000)
             return
         try:
-            self.store.truncate_after(data.message_id, include=True)
             self.chat.remove_from(self.chat.index_of(data))
-            self._start_generation()
+            self._start_generation(version_of=data.message_id)  # the answer stays, as the version before
         except self._save_error as exc:
             self.show_save_error(exc, "The answer was not regenerated")
+            self._show_chosen_versions()
 
     def on_continue_last(self) -> None:
         answer = self._answer_to_continue()

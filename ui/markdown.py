@@ -1,8 +1,9 @@
 """A small Markdown → HTML renderer for chat messages, aimed at Qt's rich-text subset (QTextBrowser).
 
 Supports headings, paragraphs, emphasis (``**bold**``, ``*italic*``, ``~~strike~~``), inline code, links,
-bullet / numbered / task lists, block quotes, horizontal rules, pipe tables and fenced code blocks. Every fenced
-block gets a header with its language and a ``copy:N`` link (and ``preview:N`` for HTML), which the message
+bullet / numbered / task lists, block quotes, horizontal rules, pipe tables and fenced code blocks (syntax
+highlighted by ``ui.highlight`` once the fence closes: the fence's language, guessed only for a long block without
+one). Every fenced block gets a header with its language and a ``copy:N`` link (and ``preview:N`` for HTML), which the message
 widget turns into clipboard / preview actions. Raw HTML in the text is escaped, never rendered: model output is
 untrusted and HTML apps are shown only in the sandboxed preview.
 
@@ -22,6 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ui.highlight import highlight
 from ui.latex import to_html as math_html
 from ui.theme import COLORS
 
@@ -177,7 +179,7 @@ class _Renderer:
             f' font-size: small;">{links}</td></tr>'
             f'<tr><td colspan="2" style="padding: 8px 10px;">'
             f'<pre style="font-family: {MONO}; margin: 0; color: {COLORS["text"]}; white-space: pre-wrap;">'
-            f"{html.escape(code)}</pre>"
+            f"{code_html(block)}</pre>"
             f"</td></tr></table>"
         )
         return i
@@ -265,6 +267,13 @@ class _Renderer:
         out.append("</table>")
         self.parts.append("".join(out))
         return i
+
+
+def code_html(block: CodeBlock) -> str:
+    """A code block's text as HTML for its ``<pre>``: highlighted (``ui.highlight``: escaped, coloured spans) once
+    its fence is closed, else (still streaming, unknown language) plain escaped text."""
+    coloured = highlight(block.code, block.lang) if block.closed else None
+    return html.escape(block.code) if coloured is None else coloured
 
 
 def display_math(lines: list[str], i: int) -> tuple[str, int] | None:

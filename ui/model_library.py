@@ -39,6 +39,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ui.model_paths import library_paths
 from ui.theme import set_style_class
 from ui.thread_bridge import ThreadBridge
 from ui.widgets import ElidedLabel, accessible
@@ -200,34 +201,6 @@ def gguf_type(path: Path) -> str:
         kind = gguf.GGMLQuantizationType(tensor.qtype).name
         by_type[kind] = by_type.get(kind, 0) + tensor.nbytes
     return max(by_type, key=by_type.__getitem__) if by_type else "unknown type"
-
-
-def library_paths(models_dir: Path, recent: Sequence[str]) -> list[str]:
-    """The models to list: the recent ones still on disk first, then the folders and GGUF files in ``models_dir``
-    (each once)."""
-    found: list[str] = [p for p in recent if Path(p).exists()]
-    if models_dir.is_dir():
-        for child in sorted(models_dir.iterdir()):
-            if child.name.startswith("."):
-                continue
-            if child.is_dir() and (child / "config.json").is_file():
-                found.append(str(child))
-            elif child.is_dir():
-                found += [str(g) for g in sorted(child.glob("*.gguf")) if _first_part(g)]
-            elif child.suffix.lower() == ".gguf" and _first_part(child):
-                found.append(str(child))
-    seen: set[str] = set()
-    out = []
-    for path in found:
-        key = os.path.realpath(path)
-        if key not in seen:
-            seen.add(key)
-            out.append(path)
-    return out
-
-
-def _first_part(path: Path) -> bool:
-    return "-of-" not in path.stem or "-00001-of-" in path.stem
 
 
 def delete_entry(entry: LibraryEntry) -> None:

@@ -1,6 +1,12 @@
-"""The settings drawer: system prompt and generation settings of the chat on show (saved with it)."""
+"""The settings drawer: system prompt and generation settings of the chat on show (saved with it), the default
+system prompt of new chats and named presets (saved with the app's settings: ``ui.chat_presets``).
+
+The numeric ranges are the engine's (``engine.decode.limits.GENERATION_LIMITS``: what the worker accepts); a
+setting that has no meaning in the chosen mode, or without sampling, is disabled and says why."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -11,6 +17,7 @@ from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
@@ -18,11 +25,37 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.decode.limits import GENERATION_LIMITS, INT32_MAX, Limit
+from ui.chat_presets import ChatPresets
 from ui.generation import MAX_TOKENS_LIMIT, GenerationSettings
 from ui.theme import set_style_class
 from ui.widgets import accessible
 
 BLOCK_SIZES = (8, 16, 32, 64)
+MAX_CONTEXT = 16_777_216  # config.json's largest max_position_embeddings (engine.model.config)
+SAMPLING_ONLY = "Only when sampling (temperature above 0): at 0 every step takes the likeliest token."
+MODE_NOTES = {
+    "diffusion": (
+        "<b>In block diffusion</b> every pass proposes a token for each masked slot: temperature, top-p and top-k "
+        "shape each slot's proposal, and the penalties are applied to each slot's proposal too (presence: the "
+        "answer so far; repetition: prompt and answer). Then the slots above the threshold commit."
+    ),
+    "ar": (
+        "<b>Autoregressive</b> writes one token per step: temperature, top-p, top-k and the penalties shape each "
+        "next token. Block size and threshold belong to block diffusion and are off."
+    ),
+}
+
+
+def double_spin(limit: Limit, decimals: int, step: float, name: str, tip: str) -> QDoubleSpinBox:
+    """A spin box over ``limit``'s range (an open lower end starts one step above it)."""
+    box = QDoubleSpinBox()
+    box.setObjectName(name)
+    box.setDecimals(decimals)
+    box.setRange(limit.lo + (10 ** -decimals if limit.lo_open else 0.0), limit.hi)
+    box.setSingleStep(step)
+    box.setToolTip(f"{tip} Allowed: {limit.allowed}.")
+    return box
 
 
 class SettingsDrawer(QFrame):
@@ -88,6 +121,8 @@ class SettingsDrawer(QFrame):
         self.defaults_label = QLabel()
         set_style_class(self.defaults_label, "faint")
         self.defaults_label.setWordWrap(True)
+        self._build_sampling()
+        self._build_presets()
         form = QFormLayout()
         form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft)
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
@@ -97,6 +132,12 @@ class SettingsDrawer(QFrame):
         form.addRow("&Block size", self.block_size)
         form.addRow("T&hreshold", self.threshold)
         form.addRow("Max to&kens", self.max_tokens)
+        form.addRow("Top-&p", self.top_p)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Presence penalty", self.presence_penalty)
+        form.addRow("Repetition penalty", self.repetition_penalty)
+        form.addRow("&Seed", self.seed)
+        form.addRow("&Context length", self.context_length)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(16, 16, 16, 16)
         layout.setSpacing(10)
@@ -120,6 +161,7 @@ class SettingsDrawer(QFrame):
         layout.addLayout(form)
         layout.addWidget(self.thinking)
         layout.addWidget(self.expand_thinking)
+        layout.addWidget(self.mode_note)
         hints = QLabel(
             "<b>Block diffusion</b> fills a block of masked slots per pass; a pass commits every slot whose "
             "confidence is above the <b>threshold</b> (at least one), so lower is faster and riskier. "
@@ -130,7 +172,20 @@ class SettingsDrawer(QFrame):
         hints.setWordWrap(True)
         layout.addWidget(hints)
         layout.addWidget(self.defaults_label)
+        presets_title = QLabel("PRESETS AND NEW CHATS")
+        set_style_class(presets_title, "sectionTitle")
+        layout.addWidget(presets_title)
+        layout.addLayout(self.presets_row)
+        layout.addLayout(self.preset_save_row)
+        layout.addWidget(self.preset_status)
+        default_label = QLabel("Default system prompt for new chats")
+        default_label.setBuddy(self.default_system_prompt)
+        set_style_class(default_label, "muted")
+        layout.addWidget(default_label)
+        layout.addWidget(self.default_system_prompt)
         layout.addStretch(1)
+        self.presets = ChatPresets(None)
+        self.model_context = 0  # the loaded model's context (0: unknown)
         self.set_settings(GenerationSettings(), "")
         self._connect_signals()
 
@@ -144,13 +199,24 @@ class SettingsDrawer(QFrame):
             self.thinking.toggled,
             self.expand_thinking.toggled,
             self.system_prompt.textChanged,
+            self.top_p.valueChanged,
+            self.top_k.valueChanged,
+            self.presence_penalty.valueChanged,
+            self.repetition_penalty.valueChanged,
+            self.context_length.valueChanged,
         ):
             sig.connect(self.on_any_changed)
+        self.seed.textChanged.connect(self.on_seed_edited)
         self.done_button.clicked.connect(self.closeRequested)
+        self.preset_load.clicked.connect(self.on_load_preset)
+        self.preset_save.clicked.connect(self.on_save_preset)
+        self.preset_delete.clicked.connect(self.on_delete_preset)
+        self.default_system_prompt.textChanged.connect(self.on_default_prompt_edited)
 
     def _widgets(self) -> tuple[QWidget, ...]:
         return (self.mode, self.block_size, self.temperature, self.threshold, self.max_tokens, self.thinking,
-                self.expand_thinking, self.system_prompt)
+                self.expand_thinking, self.system_prompt, self.top_p, self.top_k, self.presence_penalty,
+                self.repetition_penalty, self.seed, self.context_length)
 
     def set_settings(self, s: GenerationSettings, system_prompt: str) -> None:
         """Show ``s`` without emitting :attr:`changed` (it is not a user edit). Block diffusion shows as
@@ -167,6 +233,13 @@ class SettingsDrawer(QFrame):
         self.max_tokens.setValue(s.max_new_tokens)
         self.thinking.setChecked(s.enable_thinking)
         self.expand_thinking.setChecked(s.expand_thinking)
+        self.top_p.setValue(s.top_p)
+        self.top_k.setValue(min(s.top_k, self.top_k.maximum()))
+        self.presence_penalty.setValue(s.presence_penalty)
+        self.repetition_penalty.setValue(s.repetition_penalty)
+        self.seed.setText("" if s.seed is None else str(s.seed))
+        self._seed_value = s.seed
+        self.context_length.setValue(s.context_length)
         self.system_prompt.setPlainText(system_prompt)
         for w in self._widgets():
             w.blockSignals(False)
@@ -211,16 +284,189 @@ class SettingsDrawer(QFrame):
             max_new_tokens=int(self.max_tokens.value()),
             enable_thinking=self.thinking.isChecked(),
             expand_thinking=self.expand_thinking.isChecked(),
+            top_p=float(self.top_p.value()),
+            top_k=int(self.top_k.value()),
+            presence_penalty=float(self.presence_penalty.value()),
+            repetition_penalty=float(self.repetition_penalty.value()),
+            seed=self._seed_value,
+            context_length=int(self.context_length.value()),
         )
 
     def system_prompt_text(self) -> str:
         return self.system_prompt.toPlainText().strip()
 
     def _update_enabled(self) -> None:
-        diffusion = self.mode.currentData() == "diffusion"
+        mode = str(self.mode.currentData())
+        diffusion = mode == "diffusion"
         self.block_size.setEnabled(diffusion)
         self.threshold.setEnabled(diffusion)
+        sampling = self.temperature.value() > 0
+        for box in (self.top_p, self.top_k, self.seed):
+            box.setEnabled(sampling)
+        self.mode_note.setText(MODE_NOTES.get(mode, ""))
 
     def on_any_changed(self, *_args: object) -> None:
         self._update_enabled()
         self.changed.emit()
+
+    # -- the sampling settings
+    def _build_sampling(self) -> None:
+        limits = GENERATION_LIMITS
+        self.top_p = double_spin(limits["top_p"], 2, 0.05, "topP",
+                                 f"Sample only from the likeliest tokens whose probabilities add up to this (1: all). "
+                                 f"{SAMPLING_ONLY}")
+        accessible(self.top_p, "Top-p")
+        self.top_k = QSpinBox()
+        self.top_k.setObjectName("topK")
+        self.top_k.setRange(int(limits["top_k"].lo), int(min(limits["top_k"].hi, INT32_MAX)))
+        self.top_k.setSpecialValueText("off")
+        self.top_k.setToolTip(f"Sample only from the k likeliest tokens (0: off). {SAMPLING_ONLY} "
+                              f"Allowed: {limits['top_k'].allowed}.")
+        accessible(self.top_k, "Top-k")
+        self.presence_penalty = double_spin(limits["presence_penalty"], 2, 0.1, "presencePenalty",
+                                            "Subtracted from the score of every token the answer already holds: "
+                                            "higher repeats less (0: off).")
+        accessible(self.presence_penalty, "Presence penalty")
+        self.repetition_penalty = double_spin(limits["repetition_penalty"], 2, 0.01, "repetitionPenalty",
+                                              "Divides the score of every token seen in the prompt or the answer: "
+                                              "above 1 repeats less (1: off).")
+        accessible(self.repetition_penalty, "Repetition penalty")
+        self.seed = QLineEdit()
+        self.seed.setObjectName("seed")
+        self.seed.setPlaceholderText("random")
+        self.seed.setToolTip(f"The same seed gives the same sampled answer; empty: a new one each time. "
+                             f"{SAMPLING_ONLY} Allowed: {limits['seed'].allowed}.")
+        accessible(self.seed, "Seed")
+        self._seed_value: int | None = None
+        self.context_length = QSpinBox()
+        self.context_length.setObjectName("contextLength")
+        self.context_length.setRange(0, MAX_CONTEXT)
+        self.context_length.setSingleStep(1024)
+        self.context_length.setGroupSeparatorShown(True)
+        self.context_length.setSpecialValueText("the model's")
+        self.context_length.setToolTip(
+            "The most tokens of this chat (prompt and answer) Clover reads; a longer chat leaves its oldest turns "
+            "out or is summarized, as at the model's own limit (0: the loaded model's context). The model's "
+            "context itself is set in the VRAM panel (it reloads the model).")
+        accessible(self.context_length, "Context length")
+        self.mode_note = QLabel()
+        self.mode_note.setObjectName("modeNote")
+        set_style_class(self.mode_note, "muted")
+        self.mode_note.setWordWrap(True)
+
+    def set_model_context(self, tokens: int | None) -> None:
+        """The loaded model's context: the most a chat may ask for, and what 0 stands for."""
+        self.model_context = int(tokens or 0)
+        top = self.model_context or MAX_CONTEXT
+        self.context_length.blockSignals(True)
+        self.context_length.setMaximum(top)
+        self.context_length.blockSignals(False)
+        self.context_length.setSpecialValueText(f"the model's ({self.model_context:,})" if self.model_context
+                                                else "the model's")
+
+    def on_seed_edited(self, text: str) -> None:
+        """A whole number in the engine's range, or empty (random); anything else is named and not used."""
+        text = text.strip()
+        try:
+            self._seed_value = int(GENERATION_LIMITS["seed"].parse(text)) if text else None
+            self.seed.setProperty("invalid", False)
+            self.seed.setToolTip(self.seed.toolTip().split(" Not used: ")[0])
+        except ValueError as exc:
+            self._seed_value = None
+            self.seed.setProperty("invalid", True)
+            self.seed.setToolTip(self.seed.toolTip().split(" Not used: ")[0] + f" Not used: seed {exc}.")
+        self.seed.style().unpolish(self.seed)  # the style sheet's [invalid="true"] border follows the property
+        self.seed.style().polish(self.seed)
+        self.on_any_changed()
+
+    # -- presets and the default system prompt
+    def _build_presets(self) -> None:
+        self.preset_choice = QComboBox()
+        self.preset_choice.setObjectName("presetChoice")
+        accessible(self.preset_choice, "Preset")
+        self.preset_load = QPushButton("Load")
+        self.preset_load.setObjectName("presetLoad")
+        self.preset_load.setToolTip("Apply this preset's settings and system prompt to the chat on show")
+        self.preset_delete = QPushButton("Delete")
+        self.preset_delete.setObjectName("presetDelete")
+        accessible(self.preset_load, "Load the preset")
+        accessible(self.preset_delete, "Delete the preset")
+        for b in (self.preset_load, self.preset_delete):
+            set_style_class(b, "ghost")
+        self.presets_row = QHBoxLayout()
+        self.presets_row.addWidget(self.preset_choice, 1)
+        self.presets_row.addWidget(self.preset_load)
+        self.presets_row.addWidget(self.preset_delete)
+        self.preset_name = QLineEdit()
+        self.preset_name.setObjectName("presetName")
+        self.preset_name.setPlaceholderText("Preset name")
+        accessible(self.preset_name, "Preset name")
+        self.preset_save = QPushButton("Save as preset")
+        self.preset_save.setObjectName("presetSave")
+        self.preset_save.setToolTip("Keep this chat's settings and system prompt under that name (for any chat)")
+        accessible(self.preset_save, "Save as preset")
+        set_style_class(self.preset_save, "ghost")
+        self.preset_save_row = QHBoxLayout()
+        self.preset_save_row.addWidget(self.preset_name, 1)
+        self.preset_save_row.addWidget(self.preset_save)
+        self.preset_status = QLabel()
+        self.preset_status.setObjectName("presetStatus")
+        set_style_class(self.preset_status, "faint")
+        self.preset_status.setWordWrap(True)
+        self.default_system_prompt = QPlainTextEdit()
+        self.default_system_prompt.setObjectName("defaultSystemPrompt")
+        self.default_system_prompt.setPlaceholderText("Empty: new chats start without one")
+        self.default_system_prompt.setFixedHeight(64)
+        self.default_system_prompt.setTabChangesFocus(True)
+        accessible(self.default_system_prompt, "Default system prompt for new chats")
+
+    def set_preset_store(self, presets: ChatPresets) -> None:
+        """Where presets and the default system prompt are kept (the app's settings)."""
+        self.presets = presets
+        self.default_system_prompt.blockSignals(True)
+        self.default_system_prompt.setPlainText(presets.default_system_prompt())
+        self.default_system_prompt.blockSignals(False)
+        self._refresh_presets()
+
+    def new_chat_system_prompt(self) -> str:
+        return self.presets.default_system_prompt()
+
+    def _refresh_presets(self, select: str = "") -> None:
+        names = self.presets.names()
+        self.preset_choice.clear()
+        self.preset_choice.addItems(names)
+        if select in names:
+            self.preset_choice.setCurrentIndex(names.index(select))
+        for w in (self.preset_choice, self.preset_load, self.preset_delete):
+            w.setEnabled(bool(names))
+        if not names:
+            self.preset_choice.setPlaceholderText("No presets yet")
+
+    def on_save_preset(self) -> None:
+        try:
+            name = self.presets.save(self.preset_name.text(), self.settings(), self.system_prompt_text())
+        except ValueError as exc:
+            self.preset_status.setText(f"Not saved: {exc}.")
+            return
+        self.preset_name.clear()
+        self._refresh_presets(select=name)
+        self.preset_status.setText(f"Saved “{name}”.")
+
+    def on_load_preset(self) -> None:
+        name = self.preset_choice.currentText()
+        found = self.presets.get(name, self.settings()) if name else None
+        if found is None:
+            return
+        settings, prompt = found
+        self.set_settings(replace(settings, expand_thinking=self.expand_thinking.isChecked()), prompt)
+        self.preset_status.setText(f"Loaded “{name}” into this chat.")
+        self.changed.emit()
+
+    def on_delete_preset(self) -> None:
+        name = self.preset_choice.currentText()
+        if name and self.presets.delete(name):
+            self._refresh_presets()
+            self.preset_status.setText(f"Deleted “{name}”.")
+
+    def on_default_prompt_edited(self) -> None:
+        self.presets.set_default_system_prompt(self.default_system_prompt.toPlainText())

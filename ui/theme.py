@@ -75,6 +75,17 @@ DARK: dict[str, str] = {
     "code_bg": "#0c0e12",
     "inline_code": "#f0c987",  # `code` in prose
     "mask": "#343a46",
+    # code blocks' syntax colours (ui.highlight)
+    "syn_keyword": "#c792ea",
+    "syn_string": "#a5d6a7",
+    "syn_number": "#f78c6c",
+    "syn_comment": "#6f7a8c",
+    "syn_function": "#82aaff",
+    "syn_builtin": "#ffcb6b",
+    "syn_type": "#ffcb6b",
+    "syn_constant": "#f78c6c",
+    "syn_deleted": "#ef6161",
+    "syn_inserted": "#46c98b",
     **_SEGMENTS,
 }
 
@@ -105,6 +116,16 @@ LIGHT: dict[str, str] = {
     "code_bg": "#f1f3f6",
     "inline_code": "#9a4d00",
     "mask": "#dde1e8",
+    "syn_keyword": "#8839b8",
+    "syn_string": "#2f7d32",
+    "syn_number": "#b5501c",
+    "syn_comment": "#6b7485",
+    "syn_function": "#2456b8",
+    "syn_builtin": "#8a5a00",
+    "syn_type": "#8a5a00",
+    "syn_constant": "#b5501c",
+    "syn_deleted": "#c62828",
+    "syn_inserted": "#17915a",
     **_SEGMENTS,
 }
 

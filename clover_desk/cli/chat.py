@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.model is None:
             raise ConfigError("--model DIR is required (or --remote URL)")
         else:
+            args.model = cmd_generate.resolve_model(args.model)
             cmd_generate.check_ctx(args)
             backend = cmd_generate.apply_cache_ram(cmd_generate.load_engine(args, "chat"), args)
     except CloverError as exc:

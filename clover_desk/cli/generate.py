@@ -12,6 +12,7 @@ from typing import Any, TextIO
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 from clover_desk.cli import flags
+from clover_desk.cli.models import resolve_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
     """--model, and --remote / --api-key to ``verb`` a server instead (``generate`` and ``chat``)."""
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="model folder (config.json, weights, tokenizer) or a .gguf file; with --remote, the "
-                             "server's model name (default: the first it lists)")
+    parser.add_argument("--model", default=None, metavar="DIR|NAME",
+                        help="model folder (config.json, weights, tokenizer) or a .gguf file, or the name of a model "
+                             "the window knows (clover-desk models); with --remote, the server's model name "
+                             "(default: the first it lists)")
     parser.add_argument("--remote", metavar="URL", default=None,
                         help=f"{verb} an OpenAI-compatible server (clover-desk serve, SGLang ...) at URL, e.g. "
                              "http://127.0.0.1:8000/v1, instead of loading a model here")
@@ -194,6 +196,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.model is None:
         print("clover-desk generate: error: --model DIR is required (or --remote URL)", file=sys.stderr)
         return 2
+    args.model = resolve_model(args.model)
     check_ctx(args)
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     prompt = _prompt_text(args)  # before the model is read: a bad prompt costs nothing

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("clover_desk.cli.generate", "generate text from a model folder"),
     "chat": ("clover_desk.cli.chat", "chat with a model folder in the terminal"),
     "gguf-fix": ("clover_desk.cli.gguf_fix", "copy an official Clover GGUF into the layout upstream llama.cpp loads"),
+    "models": ("clover_desk.cli.models", "list the models the window knows, by the names --model takes"),
     "make-tiny": ("clover_desk.cli.make_tiny", "write a tiny random Clover checkpoint (its output is noise)"),
     "plan": ("clover_desk.cli.plan", "plan VRAM/RAM placement for a model and a budget"),
     "preview": ("clover_desk.cli.preview", "open an HTML file in the sandboxed preview"),

@@ -17,13 +17,16 @@ from typing import Any
 
 from clover_desk.cli import generate as cmd_generate
 from clover_desk.cli import flags
+from clover_desk.cli.models import resolve_model
 
 API_KEY_ENV = "CLOVER_DESK_API_KEY"
 PORT = flags.integer(0, 65535, "a port number from 0 (any free port) to 65535")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="model folder (config.json, weights, tokenizer)")
+    parser.add_argument("--model", required=True, metavar="DIR|NAME",
+                        help="model folder (config.json, weights, tokenizer) or .gguf file, or the name of a model the "
+                             "window knows (clover-desk models)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     parser.add_argument("--port", type=PORT, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -64,6 +67,7 @@ def _is_loopback(host: str) -> bool:
 def _run(args: argparse.Namespace) -> int:
     from clover_desk.worker.server import OpenAIServer
 
+    args.model = resolve_model(args.model)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         server = OpenAIServer(None, host=args.host, port=args.port, api_key=api_key, ctx_tokens=args.ctx)
