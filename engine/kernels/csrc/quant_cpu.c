@@ -503,11 +503,145 @@ static float dot_q4_0(const uint8_t *w, const a8_t *a, int64_t nb) {
 }
 
 /* ------------------------------------------------------------------------------------------------------------ */
-/* dispatch                                                                                                     */
+/* many activation rows against one weight row (prefill, diffusion passes, experts with several tokens)         */
+/*                                                                                                              */
+/* A K-format block is decoded once into a common form, then dotted with every activation row:                  */
+/*   q[256]     unsigned values in block order (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63),                            */
+/*   sc[i][16]  int16 multipliers for values 32i..32i+31 as maddubs leaves them: lanes 0-7 the 16-value group 2i,*/
+/*              lanes 8-15 group 2i+1,                                                                           */
+/*   mn[16]     int16 offset per 16-value group, applied through the activation's 16-value sums,                */
+/*   x = d * sc * q - dmin * mn   (Q6_K: mn = 32 * scale, dmin = d).                                            */
+/* Decoding costs about one direct dot, so it pays from a few rows on.                                          */
 /* ------------------------------------------------------------------------------------------------------------ */
+
+#define DEC_MIN_ROWS 3 /* fewer activation rows than this: direct dots */
+#define DEC_TILE 64    /* activation rows per accumulator tile */
+
+#if CLOVER_AVX2
+typedef struct {
+    uint8_t q[QK];
+    int16_t sc[8][16];
+    int16_t mn[16];
+    float d, dmin;
+} kdec_t;
+
+/* Q4_K (hb = NULL) or Q5_K (hb = the 32 qh bytes) nibbles and scales -> kdec */
+static void decode_q45k(const uint8_t *w, const uint8_t *qs, const uint8_t *hb, kdec_t *o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+    uint8_t sc[8], m[8];
+    o->d = load_f16(w);
+    o->dmin = load_f16(w + 2);
+    unpack_k4_scales(w + 4, sc, m);
+    const __m256i qh = hb ? _mm256_loadu_si256((const __m256i *)hb) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if (hb) {
+            __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c))), m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
+        }
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
+    }
+    for (int j = 0; j < 8; j++) {
+        _mm256_storeu_si256((__m256i *)o->sc[j], _mm256_set1_epi16((short)sc[j]));
+        o->mn[2 * j] = o->mn[2 * j + 1] = (int16_t)m[j];
+    }
+}
+
+/* Q6_K -> kdec (value order as in dot_q6k) */
+static void decode_q6k(const uint8_t *w, kdec_t *o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
+    const int8_t *sc = (const int8_t *)(w + 192);
+    o->d = o->dmin = load_f16(w + 208);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+        __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+        uint8_t *q = o->q + 128 * h;
+        _mm256_storeu_si256((__m256i *)q,
+                            _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4)));
+        _mm256_storeu_si256((__m256i *)(q + 32),
+                            _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m0c), 2)));
+        _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                                                 _mm256_and_si256(hb, m30)));
+        _mm256_storeu_si256((__m256i *)(q + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+    }
+    for (int i = 0; i < 8; i++) {
+        __m128i a = _mm_set1_epi16(sc[2 * i]), b = _mm_set1_epi16(sc[2 * i + 1]);
+        _mm256_storeu_si256((__m256i *)o->sc[i], _mm256_set_m128i(b, a));
+    }
+    for (int g = 0; g < 16; g++) o->mn[g] = (int16_t)(32 * sc[g]);
+}
+
+static void decode_k(int qt, const uint8_t *w, kdec_t *o) {
+    if (qt == T_Q4_K) decode_q45k(w, w + 16, NULL, o);
+    else if (qt == T_Q5_K) decode_q45k(w, w + 48, w + 16, o);
+    else decode_q6k(w, o);
+}
+
+/* acc += the decoded block . one activation block (8 fp32 lanes, summed at the end of the row) */
+static inline __m256 dot_dec(const kdec_t *k, const a8k_t *a, __m256 acc) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+        __m256i p0 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(k->q + 32 * i)),
+                                          _mm256_loadu_si256((const __m256i *)(a->q + 32 * i)));
+        __m256i p1 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(k->q + 32 * i + 32)),
+                                          _mm256_loadu_si256((const __m256i *)(a->q + 32 * i + 32)));
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, _mm256_loadu_si256((const __m256i *)k->sc[i])));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, _mm256_loadu_si256((const __m256i *)k->sc[i + 1])));
+    }
+    __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)k->mn),
+                                     _mm256_loadu_si256((const __m256i *)a->bsums));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(k->d * a->d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+    return _mm256_fnmadd_ps(_mm256_set1_ps(k->dmin * a->d), _mm256_cvtepi32_ps(mins), acc);
+}
+#endif
 
 /* dot of one weight row (nb blocks of type qt) with one quantized activation row */
 typedef float (*dot_fn)(const uint8_t *w, const void *a, int64_t nb);
+static dot_fn dot_for(int qt);
+
+/*
+ * out[i * ostride] = dot(weight row wr, activation row tidx[i] (or i when tidx is NULL)) for i < n; activation
+ * row t at act + t * arow. Direct dots for a few rows or non-K types; the decoded path otherwise.
+ */
+static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, size_t arow, const int64_t *tidx,
+                     int64_t n, float *out, int64_t ostride) {
+#if CLOVER_AVX2
+    if (n >= DEC_MIN_ROWS && is_k_type(qt)) {
+        const int bb = block_bytes(qt);
+        kdec_t dec;
+        __m256 acc[DEC_TILE];
+        for (int64_t i0 = 0; i0 < n; i0 += DEC_TILE) {
+            const int64_t m = n - i0 < DEC_TILE ? n - i0 : DEC_TILE;
+            for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                decode_k(qt, wr + b * bb, &dec);
+                for (int64_t i = 0; i < m; i++) {
+                    const int64_t t = tidx ? tidx[i0 + i] : i0 + i;
+                    acc[i] = dot_dec(&dec, (const a8k_t *)(act + (size_t)t * arow) + b, acc[i]);
+                }
+            }
+            for (int64_t i = 0; i < m; i++) out[(i0 + i) * ostride] = hsum_ps(acc[i]);
+        }
+        return;
+    }
+#endif
+    dot_fn dot = dot_for(qt);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = tidx ? tidx[i] : i;
+        out[i * ostride] = dot(wr, act + (size_t)t * arow, nb);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* dispatch                                                                                                     */
+/* ------------------------------------------------------------------------------------------------------------ */
 
 static dot_fn dot_for(int qt) {
     switch (qt) {
@@ -561,8 +695,7 @@ int clover_openmp(void) {
  */
 int clover_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t row_stride, int qt,
                    const int64_t *rows, int64_t R, float *out, int nth) {
-    dot_fn dot = dot_for(qt);
-    if (!dot) return ERR_TYPE;
+    if (!dot_for(qt)) return ERR_TYPE;
     if (K % block_values(qt)) return ERR_SHAPE;
     const int64_t nb = K / block_values(qt);
     const size_t arow = act_block_size(qt) * (size_t)nb;
@@ -570,8 +703,7 @@ int clover_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int64
     if (!act) return ERR_ALLOC;
 #pragma omp parallel for num_threads(threads_for(nth, R)) schedule(static)
     for (int64_t r = 0; r < R; r++) {
-        const uint8_t *wr = w + (rows ? rows[r] : r) * row_stride;
-        for (int64_t t = 0; t < T; t++) out[t * R + r] = dot(wr, act + (size_t)t * arow, nb);
+        row_dots(qt, w + (rows ? rows[r] : r) * row_stride, nb, act, arow, NULL, T, out + r, R);
     }
     free(act);
     return OK;
@@ -589,8 +721,7 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
                const uint8_t *up, int64_t u_es, int64_t u_rs, int qu,
                const uint8_t *down, int64_t d_es, int64_t d_rs, int qd,
                const int64_t *topk_idx, const float *topk_w, float *out, int nth) {
-    dot_fn dg = dot_for(qg), du = dot_for(qu), dd = dot_for(qd);
-    if (!dg || !du || !dd) return ERR_TYPE;
+    if (!dot_for(qg) || !dot_for(qu) || !dot_for(qd)) return ERR_TYPE;
     if (D % block_values(qg) || D % block_values(qu) || I % block_values(qd)) return ERR_SHAPE;
     const int64_t P = T * k; /* (token, slot) pairs */
     for (int64_t p = 0; p < P; p++)
@@ -601,16 +732,17 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
 
     /* group the pairs by expert (counting sort, stable: token order within an expert) */
     int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
-    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1)); /* sorted slot -> pair */
     int64_t *slot_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1)); /* pair -> sorted slot */
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1));     /* sorted slot -> token */
     int64_t *used = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));     /* used experts, ascending */
     float *h = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));            /* [P sorted, I] */
+    float *hu = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));           /* [P sorted, I] up outputs */
     float *y = (float *)malloc(sizeof(float) * (size_t)(P * D + 1));            /* [P sorted, D] */
     char *ag = (char *)quantize_rows(qg, x, T, D, nth);
     char *au = (is_k_type(qu) == is_k_type(qg)) ? ag : (char *)quantize_rows(qu, x, T, D, nth);
     char *ah = NULL;
     int rc = OK;
-    if (!count || !order || !slot_of || !used || !h || !y || !ag || !au) {
+    if (!count || !slot_of || !tok || !used || !h || !hu || !y || !ag || !au) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -629,23 +761,19 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
         memcpy(fill, count, sizeof(int64_t) * (size_t)E);
         for (int64_t p = 0; p < P; p++) {
             int64_t s = fill[topk_idx[p]]++;
-            order[s] = p;
             slot_of[p] = s;
+            tok[s] = p / k;
         }
         free(fill);
     }
 
-    /* gate and up: one task per (used expert, row i); h[s, i] = silu(g) * u for each of the expert's pairs */
+    /* gate and up: one task per (used expert, row i); h[s, i] = silu(g) * u for each of the expert's slots s */
 #pragma omp parallel for num_threads(threads_for(nth, U * I)) schedule(static)
     for (int64_t task = 0; task < U * I; task++) {
-        const int64_t e = used[task / I], i = task % I;
-        const uint8_t *gr = gate + e * g_es + i * g_rs, *ur = up + e * u_es + i * u_rs;
-        for (int64_t s = count[e]; s < count[e + 1]; s++) {
-            const int64_t t = order[s] / k;
-            float g = dg(gr, ag + (size_t)t * arow_g, nbg);
-            float u = du(ur, au + (size_t)t * arow_u, nbu);
-            h[s * I + i] = silu(g) * u;
-        }
+        const int64_t e = used[task / I], i = task % I, s0 = count[e], n = count[e + 1] - s0;
+        row_dots(qg, gate + e * g_es + i * g_rs, nbg, ag, arow_g, tok + s0, n, h + s0 * I + i, I);
+        row_dots(qu, up + e * u_es + i * u_rs, nbu, au, arow_u, tok + s0, n, hu + s0 * I + i, I);
+        for (int64_t s = s0; s < s0 + n; s++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
     }
 
     ah = (char *)quantize_rows(qd, h, P, I, nth);
@@ -654,12 +782,12 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
         goto done;
     }
 
-    /* down: one task per (used expert, row j); y[s, j] */
+    /* down: one task per (used expert, row j); y[s, j] for the expert's slots s (their rows of ah are adjacent) */
 #pragma omp parallel for num_threads(threads_for(nth, U * D)) schedule(static)
     for (int64_t task = 0; task < U * D; task++) {
-        const int64_t e = used[task / D], j = task % D;
-        const uint8_t *dr = down + e * d_es + j * d_rs;
-        for (int64_t s = count[e]; s < count[e + 1]; s++) y[s * D + j] = dd(dr, ah + (size_t)s * arow_d, nbd);
+        const int64_t e = used[task / D], j = task % D, s0 = count[e];
+        row_dots(qd, down + e * d_es + j * d_rs, nbd, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0,
+                 y + s0 * D + j, D);
     }
 
     /* weighted sum over each token's slots, in slot order */
@@ -679,10 +807,11 @@ done:
     free(ag);
     free(ah);
     free(count);
-    free(order);
     free(slot_of);
+    free(tok);
     free(used);
     free(h);
+    free(hu);
     free(y);
     return rc;
 }
