@@ -600,6 +600,26 @@ static inline __m256 dot_dec(const kdec_t *k, const a8k_t *a, __m256 acc) {
     acc = _mm256_fmadd_ps(_mm256_set1_ps(k->d * a->d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
     return _mm256_fnmadd_ps(_mm256_set1_ps(k->dmin * a->d), _mm256_cvtepi32_ps(mins), acc);
 }
+
+/* as dot_dec for two activation blocks at once: each decoded vector and scale is loaded once for both */
+static inline void dot_dec2(const kdec_t *k, const a8k_t *a, const a8k_t *b, __m256 *acc_a, __m256 *acc_b) {
+    __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(k->q + 32 * i));
+        const __m256i sc = _mm256_loadu_si256((const __m256i *)k->sc[i]);
+        __m256i pa = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a->q + 32 * i)));
+        __m256i pb = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(b->q + 32 * i)));
+        sa = _mm256_add_epi32(sa, _mm256_madd_epi16(pa, sc));
+        sb = _mm256_add_epi32(sb, _mm256_madd_epi16(pb, sc));
+    }
+    const __m256i mn = _mm256_loadu_si256((const __m256i *)k->mn);
+    __m256i ma = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)a->bsums));
+    __m256i mb = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)b->bsums));
+    __m256 x = _mm256_fmadd_ps(_mm256_set1_ps(k->d * a->d), _mm256_cvtepi32_ps(sa), *acc_a);
+    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(k->d * b->d), _mm256_cvtepi32_ps(sb), *acc_b);
+    *acc_a = _mm256_fnmadd_ps(_mm256_set1_ps(k->dmin * a->d), _mm256_cvtepi32_ps(ma), x);
+    *acc_b = _mm256_fnmadd_ps(_mm256_set1_ps(k->dmin * b->d), _mm256_cvtepi32_ps(mb), y);
+}
 #endif
 
 /* dot of one weight row (nb blocks of type qt) with one quantized activation row */
@@ -622,7 +642,13 @@ static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, siz
             for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 decode_k(qt, wr + b * bb, &dec);
-                for (int64_t i = 0; i < m; i++) {
+                int64_t i = 0;
+                for (; i + 1 < m; i += 2) { /* two activation rows per pass over the decoded block */
+                    const int64_t t0 = tidx ? tidx[i0 + i] : i0 + i, t1 = tidx ? tidx[i0 + i + 1] : i0 + i + 1;
+                    dot_dec2(&dec, (const a8k_t *)(act + (size_t)t0 * arow) + b,
+                             (const a8k_t *)(act + (size_t)t1 * arow) + b, &acc[i], &acc[i + 1]);
+                }
+                if (i < m) {
                     const int64_t t = tidx ? tidx[i0 + i] : i0 + i;
                     acc[i] = dot_dec(&dec, (const a8k_t *)(act + (size_t)t * arow) + b, acc[i]);
                 }
@@ -658,6 +684,15 @@ static int threads_for(int nth, int64_t work) {
     if (nth < 1) nth = 1;
     if (work < nth) nth = (int)(work > 0 ? work : 1);
     return nth;
+}
+
+/*
+ * Rows per dynamically scheduled chunk: about 32 chunks per thread, so a thread the OS preempts (a busy or shared
+ * machine) holds back at most a small piece of the call, while each chunk still streams >= 16 adjacent rows.
+ */
+static int chunk_for(int64_t work, int nth) {
+    int64_t c = work / ((int64_t)(nth > 0 ? nth : 1) * 32);
+    return (int)(c < 16 ? 16 : c);
 }
 
 /* x [T, K] fp32 rows -> quantized activation rows for type qt, in a fresh buffer (NULL on failure) */
@@ -701,7 +736,7 @@ int clover_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int64
     const size_t arow = act_block_size(qt) * (size_t)nb;
     char *act = (char *)quantize_rows(qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
-#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(static)
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
     for (int64_t r = 0; r < R; r++) {
         row_dots(qt, w + (rows ? rows[r] : r) * row_stride, nb, act, arow, NULL, T, out + r, R);
     }
@@ -768,7 +803,7 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
     }
 
     /* gate and up: one task per (used expert, row i); h[s, i] = silu(g) * u for each of the expert's slots s */
-#pragma omp parallel for num_threads(threads_for(nth, U * I)) schedule(static)
+#pragma omp parallel for num_threads(threads_for(nth, U * I)) schedule(dynamic, chunk_for(U * I, nth))
     for (int64_t task = 0; task < U * I; task++) {
         const int64_t e = used[task / I], i = task % I, s0 = count[e], n = count[e + 1] - s0;
         row_dots(qg, gate + e * g_es + i * g_rs, nbg, ag, arow_g, tok + s0, n, h + s0 * I + i, I);
@@ -783,7 +818,7 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
     }
 
     /* down: one task per (used expert, row j); y[s, j] for the expert's slots s (their rows of ah are adjacent) */
-#pragma omp parallel for num_threads(threads_for(nth, U * D)) schedule(static)
+#pragma omp parallel for num_threads(threads_for(nth, U * D)) schedule(dynamic, chunk_for(U * D, nth))
     for (int64_t task = 0; task < U * D; task++) {
         const int64_t e = used[task / D], j = task % D, s0 = count[e];
         row_dots(qd, down + e * d_es + j * d_rs, nbd, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0,
