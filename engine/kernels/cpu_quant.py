@@ -286,6 +286,8 @@ _default: Optional[Kernels] = None
 def kernels() -> Kernels:
     """The process-wide build (scalar when ``CLOVER_DESK_KERNEL_SCALAR=1``), built on first call."""
     global _default
+    if _default is not None:  # built already: no lock
+        return _default
     with _lock:
         if _default is None:
             _default = Kernels(scalar=os.environ.get("CLOVER_DESK_KERNEL_SCALAR", "") == "1")
@@ -358,13 +360,20 @@ def _(x: Tensor, packed: Tensor, intermediate: int, qtypes: list[int], topk_idx:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# public API (through the ops, so the same calls work eagerly and under torch.compile)
+# public API: the custom ops while torch.compile traces (opaque calls in the graph), the library directly in eager
+# code (a custom op's Python dispatch costs ~30 us a call, as much as a 512 x 2048 Q4_K GEMV)
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _eager() -> bool:
+    return not torch.compiler.is_compiling()
 
 
 def qmatmul(x: Tensor, w: Tensor, qtype: int, rows: Optional[Tensor] = None) -> Tensor:
     """x float [T, K], w uint8 [N, row_bytes] of ggml type ``qtype`` -> float32 [T, N] = x @ dequantize(w).T with
     x rounded to int8 blocks. ``rows`` int64 [R]: only those output rows -> [T, R] (same as :func:`qmatmul_rows`)."""
+    if _eager():
+        return kernels().qmatmul(x, w, qtype, rows)
     if rows is not None:
         return torch.ops.clover.qmatmul_rows(x, w, qtype, rows)
     return torch.ops.clover.qmatmul(x, w, qtype)
@@ -373,6 +382,8 @@ def qmatmul(x: Tensor, w: Tensor, qtype: int, rows: Optional[Tensor] = None) -> 
 def qmatmul_rows(x: Tensor, w: Tensor, qtype: int, rows: Tensor) -> Tensor:
     """x float [T, K], w uint8 [N, row_bytes], rows int64 [R] -> float32 [T, R] (output column r = weight row
     rows[r]; only those rows are read)."""
+    if _eager():
+        return kernels().qmatmul(x, w, qtype, rows)
     return torch.ops.clover.qmatmul_rows(x, w, qtype, rows)
 
 
@@ -381,6 +392,8 @@ def moe(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: tuple[int, in
     """Routed experts: x float [T, D]; gate, up uint8 [E, I, row_bytes(D)]; down uint8 [E, D, row_bytes(I)];
     qtypes (gate, up, down) ggml ids; topk_idx int64 [T, k]; topk_w float [T, k] -> float32 [T, D] =
     sum_j topk_w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)). Each used expert's blocks are read once."""
+    if _eager():
+        return kernels().moe(x, gate, up, down, qtypes, topk_idx, topk_w)
     return torch.ops.clover.moe(x, gate, up, down, list(qtypes), topk_idx, topk_w)
 
 
@@ -388,4 +401,6 @@ def moe_packed(x: Tensor, packed: Tensor, intermediate: int, qtypes: tuple[int, 
                topk_idx: Tensor, topk_w: Tensor) -> Tensor:
     """As :func:`moe` with the experts as one packed uint8 row each, [E, nbytes] = [gate | up | down] blocks
     (``GGUFExpertBank.packed`` / ``GGUFExpertLayout``)."""
+    if _eager():
+        return kernels().moe_packed(x, packed, intermediate, qtypes, topk_idx, topk_w)
     return torch.ops.clover.moe_packed(x, packed, intermediate, list(qtypes), topk_idx, topk_w)
