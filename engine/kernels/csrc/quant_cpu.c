@@ -544,10 +544,13 @@ static void decode_q45k(const uint8_t *w, const uint8_t *qs, const uint8_t *hb, 
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
     }
-    for (int j = 0; j < 8; j++) {
-        _mm256_storeu_si256((__m256i *)o->sc[j], _mm256_set1_epi16((short)sc[j]));
-        o->mn[2 * j] = o->mn[2 * j + 1] = (int16_t)m[j];
-    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)o->sc[j], _mm256_set1_epi16((short)sc[j]));
+    /* mn[2j] = mn[2j+1] = m[j], written with one 32-byte store: the dots read it back with one 32-byte load, which
+       store-to-load forwarding serves only from a single store of that size (16 small stores stall it) */
+    uint64_t m64;
+    memcpy(&m64, m, 8);
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64));
+    _mm256_storeu_si256((__m256i *)o->mn, _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16)));
 }
 
 /* Q6_K -> kdec (value order as in dot_q6k) */
@@ -575,7 +578,9 @@ static void decode_q6k(const uint8_t *w, kdec_t *o) {
         __m128i a = _mm_set1_epi16(sc[2 * i]), b = _mm_set1_epi16(sc[2 * i + 1]);
         _mm256_storeu_si256((__m256i *)o->sc[i], _mm256_set_m128i(b, a));
     }
-    for (int g = 0; g < 16; g++) o->mn[g] = (int16_t)(32 * sc[g]);
+    /* mn = 32 * scale, one 32-byte store (see decode_q45k) */
+    _mm256_storeu_si256((__m256i *)o->mn,
+                        _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192))), 5));
 }
 
 static void decode_k(int qt, const uint8_t *w, kdec_t *o) {
