@@ -133,12 +133,6 @@ static inline float hsum_ps(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
-static inline int32_t hsum_epi32_128(__m128i v) {
-    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
-    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1));
-    return _mm_cvtsi128_si32(v);
-}
 #endif
 
 /* ------------------------------------------------------------------------------------------------------------ */
@@ -228,7 +222,7 @@ static float dot_q4k(const uint8_t *w, const a8k_t *a, int64_t nb) {
 #if CLOVER_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps();
-    float acc_min = 0.0f;
+    __m128 acc_min = _mm_setzero_ps(); /* the mins' part, kept in 4 lanes until the end of the row */
     for (int64_t b = 0; b < nb; b++, w += 144, a++) {
         const float da = a->d;
         const float d = load_f16(w) * da, dmin = load_f16(w + 2) * da;
@@ -241,7 +235,7 @@ static float dot_q4k(const uint8_t *w, const a8k_t *a, int64_t nb) {
         __m256i bs = _mm256_loadu_si256((const __m256i *)a->bsums);
         __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
         __m128i mins = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64)));
-        acc_min += dmin * (float)hsum_epi32_128(mins);
+        acc_min = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins), acc_min);
         /* scales as int16 so each sub-block's can be broadcast */
         uint16_t sc16[8];
         _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
@@ -259,7 +253,7 @@ static float dot_q4k(const uint8_t *w, const a8k_t *a, int64_t nb) {
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return hsum_ps(acc) - acc_min;
+    return hsum_ps(_mm256_sub_ps(acc, _mm256_set_m128(_mm_setzero_ps(), acc_min)));
 #else
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 144, a++) {
@@ -294,7 +288,7 @@ static float dot_q5k(const uint8_t *w, const a8k_t *a, int64_t nb) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
     __m256 acc = _mm256_setzero_ps();
-    float acc_min = 0.0f;
+    __m128 acc_min = _mm_setzero_ps(); /* the mins' part, kept in 4 lanes until the end of the row */
     for (int64_t b = 0; b < nb; b++, w += 176, a++) {
         const float da = a->d;
         const float d = load_f16(w) * da, dmin = load_f16(w + 2) * da;
@@ -306,7 +300,7 @@ static float dot_q5k(const uint8_t *w, const a8k_t *a, int64_t nb) {
         __m256i bs = _mm256_loadu_si256((const __m256i *)a->bsums);
         __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
         __m128i mins = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64)));
-        acc_min += dmin * (float)hsum_epi32_128(mins);
+        acc_min = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins), acc_min);
         uint16_t sc16[8];
         _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
@@ -329,7 +323,7 @@ static float dot_q5k(const uint8_t *w, const a8k_t *a, int64_t nb) {
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return hsum_ps(acc) - acc_min;
+    return hsum_ps(_mm256_sub_ps(acc, _mm256_set_m128(_mm_setzero_ps(), acc_min)));
 #else
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 176, a++) {
