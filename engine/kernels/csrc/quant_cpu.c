@@ -737,6 +737,10 @@ int clover_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int64
     if (!act) return ERR_ALLOC;
 #pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
     for (int64_t r = 0; r < R; r++) {
+        if (rows && r + 1 < R) { /* selected rows jump around: fetch the next one while this one computes */
+            const char *next = (const char *)(w + rows[r + 1] * row_stride);
+            for (int64_t o = 0; o < nb * block_bytes(qt); o += 64) __builtin_prefetch(next + o, 0, 0);
+        }
         row_dots(qt, w + (rows ? rows[r] : r) * row_stride, nb, act, arow, NULL, T, out + r, R);
     }
     free(act);
