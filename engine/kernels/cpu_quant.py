@@ -31,6 +31,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -80,7 +81,7 @@ def _compiler() -> Optional[str]:
 
 def _compiler_version(cc: str) -> str:
     try:
-        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"unknown ({exc})"
     return done.stdout.strip() or f"unknown (exit {done.returncode})"
@@ -88,7 +89,10 @@ def _compiler_version(cc: str) -> str:
 
 def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Optional[Path], str]:
     """Compile SOURCE with ``flags`` unless a cached library exists -> (path, "") or (None, one-line reason)."""
-    src = SOURCE.read_bytes()
+    try:
+        src = SOURCE.read_bytes()
+    except OSError as exc:
+        return None, f"kernel source missing: {exc}"
     key = hashlib.sha256(src + "\0".join((cc, *flags)).encode() + _compiler_version(cc).encode()).hexdigest()[:20]
     target = out_dir / f"quant_cpu-{key}.so"
     if target.exists():
@@ -99,7 +103,7 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Optional[Pat
         os.close(fd)
     except OSError as exc:
         return None, f"cannot write the kernel cache {out_dir}: {exc}"
-    cmd = [cc, *flags, str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [*shlex.split(cc), *flags, str(SOURCE), "-o", tmp, "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -107,8 +111,9 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Optional[Pat
         return None, f"{cc} failed to run: {exc}"
     if done.returncode != 0:
         os.unlink(tmp)
-        first = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[0]
-        return None, f"{' '.join(cmd[:1] + list(flags))} failed: {first}"
+        lines = done.stderr.strip().splitlines()
+        first = next((ln for ln in lines if "error" in ln), lines[0] if lines else f"exit status {done.returncode}")
+        return None, f"{cc} {' '.join(flags)} failed: {first.strip()}"
     os.replace(tmp, target)  # atomic: a concurrent builder finds either nothing or the whole library
     return target, ""
 
@@ -142,6 +147,8 @@ class Kernels:
                 continue
             self._bind(lib)
             self._lib, self.path, self.flags, self.ok = lib, path, flags, True
+            if reasons:
+                log.warning("cpu_quant built with %s after: %s", " ".join(extra) or "no extra flags", reasons[0])
             return
         self.reason = reasons[0] if reasons else "build failed"
         log.info("cpu_quant kernels unavailable: %s", self.reason)
