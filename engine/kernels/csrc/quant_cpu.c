@@ -218,7 +218,8 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
 /*   dot = d*da * sum_j sc[j] * sum(q*a) - dmin*da * sum_j m[j] * (bsums[2j] + bsums[2j+1])                      */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-static float dot_q4k(const uint8_t *w, const a8k_t *a, int64_t nb) {
+static float dot_q4k(const uint8_t *w, const void *av, int64_t nb) {
+    const a8k_t *a = (const a8k_t *)av;
 #if CLOVER_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps();
@@ -283,7 +284,8 @@ static float dot_q4k(const uint8_t *w, const a8k_t *a, int64_t nb) {
 /*   Value l (0..31) of sub-block j: low 4 bits from the nibbles, bit 4 = bit j of qh[l]. x = d*sc*q - dmin*m.  */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-static float dot_q5k(const uint8_t *w, const a8k_t *a, int64_t nb) {
+static float dot_q5k(const uint8_t *w, const void *av, int64_t nb) {
+    const a8k_t *a = (const a8k_t *)av;
 #if CLOVER_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
@@ -359,7 +361,8 @@ static float dot_q5k(const uint8_t *w, const a8k_t *a, int64_t nb) {
 /*   x = d * scale[v / 16] * (q - 32); the -32 is taken out through the activation's 16-value sums.             */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-static float dot_q6k(const uint8_t *w, const a8k_t *a, int64_t nb) {
+static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
+    const a8k_t *a = (const a8k_t *)av;
 #if CLOVER_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
@@ -437,7 +440,8 @@ static float dot_q6k(const uint8_t *w, const a8k_t *a, int64_t nb) {
 /* Q8_0: 34 bytes per 32 values: [0:2] fp16 d, [2:34] int8 q; x = d * q                                         */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-static float dot_q8_0(const uint8_t *w, const a8_t *a, int64_t nb) {
+static float dot_q8_0(const uint8_t *w, const void *av, int64_t nb) {
+    const a8_t *a = (const a8_t *)av;
 #if CLOVER_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
@@ -467,7 +471,8 @@ static float dot_q8_0(const uint8_t *w, const a8_t *a, int64_t nb) {
 /*   16 + i in its high nibble; x = d * (q - 8). dot = d*da*sum(q*a) - 8*d*s (s = da*sum(a)).                   */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-static float dot_q4_0(const uint8_t *w, const a8_t *a, int64_t nb) {
+static float dot_q4_0(const uint8_t *w, const void *av, int64_t nb) {
+    const a8_t *a = (const a8_t *)av;
 #if CLOVER_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
@@ -670,15 +675,16 @@ static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, siz
 
 static dot_fn dot_for(int qt) {
     switch (qt) {
-    case T_Q4_K: return (dot_fn)dot_q4k;
-    case T_Q5_K: return (dot_fn)dot_q5k;
-    case T_Q6_K: return (dot_fn)dot_q6k;
-    case T_Q8_0: return (dot_fn)dot_q8_0;
-    case T_Q4_0: return (dot_fn)dot_q4_0;
+    case T_Q4_K: return dot_q4k;
+    case T_Q5_K: return dot_q5k;
+    case T_Q6_K: return dot_q6k;
+    case T_Q8_0: return dot_q8_0;
+    case T_Q4_0: return dot_q4_0;
     default: return NULL;
     }
 }
 
+#ifdef _OPENMP /* used in the pragmas only */
 static int threads_for(int nth, int64_t work) {
     if (nth < 1) nth = 1;
     if (work < nth) nth = (int)(work > 0 ? work : 1);
@@ -693,6 +699,7 @@ static int chunk_for(int64_t work, int nth) {
     int64_t c = work / ((int64_t)(nth > 0 ? nth : 1) * 32);
     return (int)(c < 16 ? 16 : c);
 }
+#endif
 
 /* x [T, K] fp32 rows -> quantized activation rows for type qt, in a fresh buffer (NULL on failure) */
 static void *quantize_rows(int qt, const float *x, int64_t T, int64_t K, int nth) {
