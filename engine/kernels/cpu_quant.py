@@ -313,6 +313,22 @@ def available() -> bool:
     return kernels().ok
 
 
+def usable(*qtypes: int) -> bool:
+    """Whether weights of these ggml types, on the CPU, go through these kernels: every type supported and the
+    library built here (else the caller dequantizes, as before). The engine's one switch for the CPU path."""
+    return all(q in BLOCK for q in qtypes) and _enabled and available()
+
+
+_enabled = True  # tests of the dequantizing reference path turn the kernels off (``set_enabled(False)``)
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the kernels on or off for this process; returns the previous setting."""
+    global _enabled
+    before, _enabled = _enabled, bool(on)
+    return before
+
+
 def reason() -> str:
     """Why :func:`available` is False, in one line ("" when it is True)."""
     return kernels().reason
