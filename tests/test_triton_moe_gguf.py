@@ -29,6 +29,9 @@ COMMON = r'''
 import torch
 from engine.weights.gguf import quants as gq
 from engine.weights.gguf.model import GGUFExpertLayout
+from engine.kernels import cpu_quant
+
+cpu_quant.set_enabled(False)  # the references here are the dequantizing path
 
 F16_FIELDS = {gq.Q8_0: (0,), gq.Q4_0: (0,), gq.Q4_K: (0, 2), gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kernels import triton_linear, triton_moe
+from engine.kernels import cpu_quant, triton_linear, triton_moe
 from engine.errors import CheckpointError, ConfigError
 from engine.weights.formats import (
     NF4_CODE,
@@ -491,7 +491,11 @@ def routed_forward(
     [E] long on source's device; None: row e), which needs no host sync to find an expert; or ``row_of(e)`` -> row
     [nbytes], which needs the expert ids on the host (a sync per group on a GPU) and copies each used row once."""
     if source is not None:
-
+        qtypes = getattr(layout, "qtypes", None)  # GGUF rows: [gate | up | down] blocks in the file's types
+        if x.device.type == "cpu" and qtypes is not None and cpu_quant.usable(*qtypes):
+            rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] source row of each pair
+            y = cpu_quant.moe_packed(x, source, layout.intermediate_size, qtypes, rows, topk_w)  # [T, D] fp32
+            return y.to(x.dtype)
         if triton_moe.enabled_for(x, layout):  # the fused NF4 / GGUF kernel (opt-in on CUDA until measured there)
             rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] pool row of each pair
             return triton_moe.fused_moe(x, source, layout, rows, topk_w)
@@ -536,8 +540,11 @@ def routed_reference(bank: "QuantExpertBank", x: Tensor, topk_idx: Tensor, topk_
 def rows_sync_free(pairs: int, device: torch.device, layout: RowLayout) -> bool:
     """Whether :func:`routed_forward` from a byte-row source over ``pairs`` (token, slot) pairs reads nothing on
     the host: few pairs gather one expert each; more need the fused kernel (``engine.kernels.triton_moe``), which sorts
-    them on the device, where the dequantizing path sizes its groups on the host."""
-
+    them on the device, where the dequantizing path sizes its groups on the host; on the CPU, GGUF rows through
+    the CPU kernels (``engine.kernels.cpu_quant``: one opaque call)."""
+    qtypes = getattr(layout, "qtypes", None)
+    if device.type == "cpu" and qtypes is not None and cpu_quant.usable(*qtypes):
+        return True
     return pairs <= SMALL_SLOTS or triton_moe.enabled_on(device, layout)
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.kernels import cpu_quant
 from engine.weights.gguf import quants as gq
 from engine.placement import offload
 from engine.weights.checkpoint import LoadPlan, TensorEntry, _as_dtype, plan_load, sanitize_tensor
@@ -202,6 +203,10 @@ class GGUFLinear(nn.Module):
             hk, hv = self.in_heads
             # [.., Hk, r, dv] grouped by key head -> [.., r, Hk, dv]: the stored (tiled) column order
             x = x.unflatten(-1, (hk, hv // hk, self.in_features // hv)).transpose(-3, -2).flatten(-3)
+        if x.device.type == "cpu" and cpu_quant.usable(self.qtype):
+            # straight from the blocks: each row read once per call, x rounded to int8 blocks as llama.cpp does
+            y = cpu_quant.qmatmul(x.reshape(-1, self.in_features), self.raw, self.qtype)  # [T, O] fp32
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         step = max(1, self.chunk_elems // self.in_features)
         if step >= self.out_features:
             return F.linear(x, self.dequantized(x.dtype))  # [.., O]
@@ -504,6 +509,9 @@ def load_gguf_model(
         place_options.setdefault("host_embedding", False)
     source = GGUFPlacement(src, lplan, fills, progress, cancel)
     offload.place_model(model, plan, device, source, **place_options)
+    if keep_quantized and torch.device(device).type == "cpu" and not cpu_quant.available():  # built (or found) now,
+        log.warning("CPU kernels unavailable (%s): GGUF blocks are dequantized per forward, ~30x slower",
+                    cpu_quant.reason())  # not in the first forward; without them every forward dequantizes
     if progress is not None:
         progress(LoadProgress(stage="done", done_bytes=source.total, total_bytes=source.total, current=""))
     log.info("loaded %s (%s layout, %d tensors kept as GGUF blocks)", gf.path, gf.layout, len(fills))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -71,10 +72,14 @@ def _to_tiled(t: Tensor, leaf: str, cfg: CloverConfig) -> Tensor:
 
 def gguf_tensors(model_dir: str | Path, layout: str = "fork") -> tuple[CloverConfig, dict[str, Tensor]]:
     """(config, {gguf name: fp32 tensor in GGUF order, torch shape}) of a model folder, transforms applied."""
+    cfg = load_config(model_dir)
+    return cfg, dict(iter_gguf_tensors(model_dir, cfg, layout))
+
+
+def iter_gguf_tensors(model_dir: str | Path, cfg: CloverConfig, layout: str = "fork") -> Iterator[tuple[str, Tensor]]:
+    """(gguf name, fp32 tensor in GGUF order) one at a time: a writer holds one fp32 tensor at once, not the model."""
     if layout not in ("fork", "upstream"):
         raise ConfigError(f"GGUF layout {layout!r} is not 'fork' or 'upstream'")
-    cfg = load_config(model_dir)
-    out: dict[str, Tensor] = {}
     for target, tensor in iter_model_tensors(model_dir, cfg):
         name, t = target.name, tensor.to(torch.float32)
         if target.index is not None:
@@ -83,10 +88,10 @@ def gguf_tensors(model_dir: str | Path, layout: str = "fork") -> tuple[CloverCon
             layer = name.split(".")[1]
             if name.endswith("gate_up_proj"):
                 inter = t.shape[1] // 2
-                out[f"blk.{layer}.ffn_gate_exps.weight"] = t[:, :inter].contiguous()
-                out[f"blk.{layer}.ffn_up_exps.weight"] = t[:, inter:].contiguous()
+                yield f"blk.{layer}.ffn_gate_exps.weight", t[:, :inter].contiguous()
+                yield f"blk.{layer}.ffn_up_exps.weight", t[:, inter:].contiguous()
             else:
-                out[f"blk.{layer}.ffn_down_exps.weight"] = t
+                yield f"blk.{layer}.ffn_down_exps.weight", t
             continue
         gname = _gguf_name(name)
         if gname is None:
@@ -103,8 +108,7 @@ def gguf_tensors(model_dir: str | Path, layout: str = "fork") -> tuple[CloverCon
             t = t.reshape(t.shape[0], t.shape[-1])
         if leaf == "ffn_gate_inp_shexp.weight":
             t = t.reshape(-1)
-        out[gname] = _to_tiled(t, leaf, cfg).contiguous()
-    return cfg, out
+        yield gname, _to_tiled(t, leaf, cfg).contiguous()
 
 
 def _gguf_name(hf_name: str) -> str | None:
@@ -164,14 +168,14 @@ def write_gguf(
     requested = TYPE_OF_NAME[qtype] if isinstance(qtype, str) else int(qtype)
     if requested not in gq.BLOCK:
         raise ConfigError(f"cannot write ggml type {qtype!r} (known: {', '.join(TYPE_OF_NAME)})")
-    cfg, tensors = gguf_tensors(model_dir, layout)
+    cfg = load_config(model_dir)
+    drop: tuple[str, ...] = ()
     if diffusion_tensors is None or diffusion_tensors == (layout == "fork"):
         pass
     elif diffusion_tensors:
         raise ConfigError("the upstream layout has no diffusion tensors to keep")
     else:
-        suffixes = ("ssm_bd_history.weight", "ssm_bd_history.bias", "ssm_bd_logit_scale.weight", "ssm_conv1d.weight_right")
-        tensors = {n: t for n, t in tensors.items() if not n.endswith(suffixes)}
+        drop = ("ssm_bd_history.weight", "ssm_bd_history.bias", "ssm_bd_logit_scale.weight", "ssm_conv1d.weight_right")
     arch = arch or "clover_moe"
     w = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
@@ -217,7 +221,11 @@ def write_gguf(
         if cfg.mask_token_id is not None:
             w.add_mask_token_id(cfg.mask_token_id)
         w.add_bool("diffusion.shift_logits", cfg.shift_logits)
-    for name, t in tensors.items():
+    count = 0
+    for name, t in iter_gguf_tensors(model_dir, cfg, layout):  # each converted to its type as it comes
+        if name.endswith(drop) and drop:
+            continue
+        count += 1
         kind = (types or {}).get(name, tensor_type(name, tuple(t.shape), requested))
         if kind == gq.F32:
             w.add_tensor(name, t.numpy())
@@ -234,5 +242,5 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     files = w.format_shard_names(out)
-    log.info("wrote %s (%s, %s layout, %d tensors)", files[0], gq.TYPE_NAMES[requested], layout, len(tensors))
+    log.info("wrote %s (%s, %s layout, %d tensors)", files[0], gq.TYPE_NAMES[requested], layout, count)
     return files

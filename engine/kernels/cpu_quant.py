@@ -1,0 +1,429 @@
+"""CPU matmuls straight from GGUF (ggml) quantized blocks: a small C library (``csrc/quant_cpu.c``) built on first use
+with the system C compiler, loaded with ctypes, and exposed as torch custom ops (``clover::qmatmul``,
+``clover::qmatmul_rows``, ``clover::moe``, ``clover::moe_packed``) that ``torch.compile`` treats as opaque calls.
+
+Each activation row is quantized once per call to int8 blocks (256 values with an fp32 scale and int16 sums per 16
+for Q4_K / Q5_K / Q6_K weights; 32 values with an fp32 scale for Q8_0 / Q4_0), then each output is an integer dot
+product with the weight blocks, accumulated in fp32 (what llama.cpp's CPU backend does). Float weights (F32 / F16 /
+BF16) are not handled here: keep them on torch.
+
+Build: ``$CC`` (else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp -shared -fPIC`` into
+``$CLOVER_DESK_KERNEL_CACHE`` (else ``~/.cache/clover-desk/kernels``), one ``.so`` per hash of source, flags and
+compiler version, written under a temporary name and renamed. ``CLOVER_DESK_KERNEL_SCALAR=1`` builds the portable
+scalar dots instead of the AVX2 ones. When no compiler works, :func:`available` is False and :func:`reason` says why;
+nothing here raises at import.
+
+Layouts (all CPU, contiguous):
+
+* ``x`` float32 ``[T, K]`` (other float dtypes are converted; the result is float32),
+* ``w`` uint8 ``[N, row_bytes]``: one ggml row of K values per output row, whole blocks,
+* expert banks: ``gate`` / ``up`` uint8 ``[E, I, row_bytes(D)]`` and ``down`` uint8 ``[E, D, row_bytes(I)]``, or
+  one packed row per expert ``[E, nbytes]`` = gate blocks, then up blocks, then down blocks (``moe_packed``,
+  the layout of ``GGUFExpertBank.packed``).
+
+Letters: T activation rows, K input width, N output rows, E experts, I expert width, D hidden width, k experts per
+token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# ggml type ids (gguf.GGMLQuantizationType values; fixed by the file format)
+F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
+TYPE_NAMES = {Q4_0: "Q4_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+# type -> (values per block, bytes per block), for the types the kernels compute
+BLOCK = {Q8_0: (32, 34), Q4_0: (32, 18), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+SUPPORTED = tuple(BLOCK)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_cpu.c"
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
+# tried in order: the first that builds is used (a compiler without -march=native or OpenMP still gets a library)
+FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+_ERRORS = {1: "unsupported ggml type", 2: "bad shape (width not a whole number of blocks, or expert index out of "
+           "range)", 3: "out of memory"}
+
+
+def row_bytes(qtype: int, ncols: int) -> int:
+    """Bytes of one row of ``ncols`` values of type ``qtype`` (whole blocks)."""
+    elems, nbytes = BLOCK[qtype]
+    if ncols % elems:
+        raise ValueError(f"{TYPE_NAMES[qtype]} rows need a multiple of {elems} values, got {ncols}")
+    return ncols // elems * nbytes
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CLOVER_DESK_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "clover-desk" / "kernels"
+
+
+def _compiler() -> Optional[str]:
+    cc = os.environ.get("CC")
+    if cc:
+        return cc
+    return shutil.which("gcc") or shutil.which("cc")
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        done = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({exc})"
+    return done.stdout.strip() or f"unknown (exit {done.returncode})"
+
+
+def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Optional[Path], str]:
+    """Compile SOURCE with ``flags`` unless a cached library exists -> (path, "") or (None, one-line reason)."""
+    try:
+        src = SOURCE.read_bytes()
+    except OSError as exc:
+        return None, f"kernel source missing: {exc}"
+    key = hashlib.sha256(src + "\0".join((cc, *flags)).encode() + _compiler_version(cc).encode()).hexdigest()[:20]
+    target = out_dir / f"quant_cpu-{key}.so"
+    if target.exists():
+        return target, ""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".quant_cpu-", suffix=".so", dir=out_dir)
+        os.close(fd)
+    except OSError as exc:
+        return None, f"cannot write the kernel cache {out_dir}: {exc}"
+    cmd = [*shlex.split(cc), *flags, str(SOURCE), "-o", tmp, "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        os.unlink(tmp)
+        return None, f"{cc} failed to run: {exc}"
+    if done.returncode != 0:
+        os.unlink(tmp)
+        lines = done.stderr.strip().splitlines()
+        first = next((ln for ln in lines if "error" in ln), lines[0] if lines else f"exit status {done.returncode}")
+        return None, f"{cc} {' '.join(flags)} failed: {first.strip()}"
+    os.replace(tmp, target)  # atomic: a concurrent builder finds either nothing or the whole library
+    return target, ""
+
+
+class Kernels:
+    """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why."""
+
+    def __init__(self, *, scalar: bool = False, cc: Optional[str] = None, out_dir: Optional[Path] = None) -> None:
+        self.scalar = scalar
+        self.ok = False
+        self.reason = ""
+        self.path: Optional[Path] = None
+        self.flags: tuple[str, ...] = ()
+        self._lib: Optional[ctypes.CDLL] = None
+        cc = cc or _compiler()
+        if not cc:
+            self.reason = "no C compiler found (set CC or install gcc)"
+            return
+        out_dir = out_dir or cache_dir()
+        reasons = []
+        for extra in FLAG_SETS:
+            flags = (*BASE_FLAGS, *extra, *(("-DCLOVER_FORCE_SCALAR",) if scalar else ()))
+            path, why = _build(cc, flags, out_dir)
+            if path is None:
+                reasons.append(why)
+                continue
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as exc:
+                reasons.append(f"cannot load {path}: {exc}")
+                continue
+            self._bind(lib)
+            self._lib, self.path, self.flags, self.ok = lib, path, flags, True
+            if reasons:
+                log.warning("cpu_quant built with %s after: %s", " ".join(extra) or "no extra flags", reasons[0])
+            return
+        self.reason = reasons[0] if reasons else "build failed"
+        log.info("cpu_quant kernels unavailable: %s", self.reason)
+
+    @staticmethod
+    def _bind(lib: ctypes.CDLL) -> None:
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.clover_simd.restype = i32
+        lib.clover_openmp.restype = i32
+        lib.clover_qmatmul.restype = i32
+        lib.clover_qmatmul.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, i64, ptr, i32]
+        lib.clover_moe.restype = i32
+        lib.clover_moe.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i32, ptr, i64, i64, i32,
+                                   ptr, i64, i64, i32, ptr, ptr, ptr, i32]
+
+    @property
+    def simd(self) -> bool:
+        """True when the AVX2 dots are compiled in."""
+        return bool(self._lib and self._lib.clover_simd())
+
+    def _need(self) -> ctypes.CDLL:
+        if self._lib is None:
+            raise RuntimeError(f"cpu_quant kernels are unavailable: {self.reason}")
+        return self._lib
+
+    # -- the computations (plain tensors in, a new float32 tensor out) ------------------------------------------
+
+    def qmatmul(self, x: Tensor, w: Tensor, qtype: int, rows: Optional[Tensor] = None) -> Tensor:
+        """x [T, K] float, w uint8 [N, row_bytes] -> float32 [T, N] (or [T, R] for rows int64 [R])."""
+        lib = self._need()
+        x = _as_f32_2d(x)
+        w = _check_weights(w, qtype, x.shape[1], 2)
+        n = w.shape[0]
+        if rows is not None:
+            rows = rows.to(torch.int64).contiguous()
+            if rows.dim() != 1:
+                raise ValueError(f"rows must be 1-D, got {tuple(rows.shape)}")
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+                raise IndexError(f"rows out of range for {n} weight rows")
+        r = n if rows is None else rows.numel()
+        out = torch.empty(x.shape[0], r, dtype=torch.float32)
+        if x.shape[0] == 0 or r == 0:
+            return out
+        rc = lib.clover_qmatmul(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.stride(0), qtype,
+                                None if rows is None else rows.data_ptr(), r, out.data_ptr(), torch.get_num_threads())
+        _raise_for(rc, "qmatmul")
+        return out
+
+    def moe(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: tuple[int, int, int] | list[int],
+            topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        """Routed SiLU-gated experts: gate/up uint8 [E, I, row_bytes(D)], down uint8 [E, D, row_bytes(I)]."""
+        x = _as_f32_2d(x)
+        qg, qu, qd = (int(q) for q in qtypes)
+        if gate.dim() != 3 or up.dim() != 3 or down.dim() != 3:
+            raise ValueError("moe: gate, up and down must be [E, rows, row_bytes]")
+        e, i, d = gate.shape[0], gate.shape[1], x.shape[1]
+        gate = _check_weights(gate, qg, d, 3)
+        up = _check_weights(up, qu, d, 3)
+        down = _check_weights(down, qd, i, 3)
+        if up.shape[:2] != (e, i) or down.shape[:2] != (e, d):
+            raise ValueError(f"moe: banks gate {tuple(gate.shape)} up {tuple(up.shape)} down {tuple(down.shape)} "
+                             f"disagree for D={d}")
+        segs = ((gate.data_ptr(), gate.stride(0), gate.stride(1)), (up.data_ptr(), up.stride(0), up.stride(1)),
+                (down.data_ptr(), down.stride(0), down.stride(1)))
+        return self._moe(x, e, i, segs, (qg, qu, qd), topk_idx, topk_w, (gate, up, down))
+
+    def moe_packed(self, x: Tensor, packed: Tensor, intermediate: int, qtypes: tuple[int, int, int] | list[int],
+                   topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        """Routed experts from one row per expert: packed uint8 [E, nbytes] = [gate [I, D] | up [I, D] | down [D, I]]
+        blocks (the layout of GGUFExpertBank)."""
+        x = _as_f32_2d(x)
+        qg, qu, qd = (int(q) for q in qtypes)
+        d, i = x.shape[1], int(intermediate)
+        for q in (qg, qu, qd):
+            if q not in BLOCK:
+                raise ValueError(f"ggml type {q} has no cpu_quant kernel (supported: {sorted(TYPE_NAMES.values())})")
+        rg, ru, rd = row_bytes(qg, d), row_bytes(qu, d), row_bytes(qd, i)
+        nbytes = i * rg + i * ru + d * rd
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != nbytes:
+            raise ValueError(f"moe_packed: packed must be uint8 [E, {nbytes}], got {tuple(packed.shape)} "
+                             f"{packed.dtype}")
+        if packed.stride(1) != 1:
+            packed = packed.contiguous()
+        base, es = packed.data_ptr(), packed.stride(0)
+        segs = ((base, es, rg), (base + i * rg, es, ru), (base + i * (rg + ru), es, rd))
+        return self._moe(x, packed.shape[0], i, segs, (qg, qu, qd), topk_idx, topk_w, (packed,))
+
+    def _moe(self, x: Tensor, e: int, i: int, segs: tuple[tuple[int, int, int], ...], qtypes: tuple[int, int, int],
+             topk_idx: Tensor, topk_w: Tensor, keep: tuple[Tensor, ...]) -> Tensor:
+        lib = self._need()
+        t, d = x.shape
+        idx = topk_idx.to(torch.int64).contiguous()
+        wts = topk_w.to(torch.float32).contiguous()
+        if idx.dim() != 2 or idx.shape[0] != t or wts.shape != idx.shape:
+            raise ValueError(f"moe: topk_idx {tuple(idx.shape)} / topk_w {tuple(wts.shape)} must be [T={t}, k]")
+        out = torch.empty(t, d, dtype=torch.float32)
+        if t == 0:
+            return out
+        (g, ges, grs), (u, ues, urs), (dn, des, drs) = segs
+        rc = lib.clover_moe(x.data_ptr(), t, d, i, e, idx.shape[1], g, ges, grs, qtypes[0], u, ues, urs, qtypes[1],
+                            dn, des, drs, qtypes[2], idx.data_ptr(), wts.data_ptr(), out.data_ptr(),
+                            torch.get_num_threads())
+        del keep  # the banks stayed alive for the call
+        _raise_for(rc, "moe")
+        return out
+
+
+def _as_f32_2d(x: Tensor) -> Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, K], got {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"cpu_quant runs on CPU tensors, got {x.device}")
+    return x.to(torch.float32).contiguous()
+
+
+def _check_weights(w: Tensor, qtype: int, ncols: int, dims: int) -> Tensor:
+    if qtype not in BLOCK:
+        raise ValueError(f"ggml type {qtype} has no cpu_quant kernel (supported: {sorted(TYPE_NAMES.values())})")
+    if w.dtype != torch.uint8 or w.dim() != dims or w.device.type != "cpu":
+        raise ValueError(f"weights must be CPU uint8 with {dims} dims, got {tuple(w.shape)} {w.dtype} {w.device}")
+    if w.shape[-1] != row_bytes(qtype, ncols):
+        raise ValueError(f"{TYPE_NAMES[qtype]} rows of {ncols} values take {row_bytes(qtype, ncols)} bytes, "
+                         f"weights have {w.shape[-1]}")
+    if w.stride(-1) != 1 or (dims == 3 and w.stride(1) != w.shape[2]):
+        w = w.contiguous()
+    return w
+
+
+def _raise_for(rc: int, what: str) -> None:
+    if rc:
+        raise RuntimeError(f"cpu_quant {what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the process-wide library (built lazily, once)
+# ---------------------------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_default: Optional[Kernels] = None
+
+
+def kernels() -> Kernels:
+    """The process-wide build (scalar when ``CLOVER_DESK_KERNEL_SCALAR=1``), built on first call."""
+    global _default
+    if _default is not None:  # built already: no lock
+        return _default
+    with _lock:
+        if _default is None:
+            _default = Kernels(scalar=os.environ.get("CLOVER_DESK_KERNEL_SCALAR", "") == "1")
+        return _default
+
+
+def _reset() -> None:
+    """Forget the process-wide build (tests: a changed environment is read again on the next call)."""
+    global _default
+    with _lock:
+        _default = None
+
+
+def available() -> bool:
+    """True when the library built and loaded (callers keep their dequantizing path otherwise)."""
+    return kernels().ok
+
+
+def usable(*qtypes: int) -> bool:
+    """Whether weights of these ggml types, on the CPU, go through these kernels: every type supported and the
+    library built here (else the caller dequantizes, as before). The engine's one switch for the CPU path."""
+    return all(q in BLOCK for q in qtypes) and _enabled and available()
+
+
+_enabled = True  # tests of the dequantizing reference path turn the kernels off (``set_enabled(False)``)
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the kernels on or off for this process; returns the previous setting."""
+    global _enabled
+    before, _enabled = _enabled, bool(on)
+    return before
+
+
+def reason() -> str:
+    """Why :func:`available` is False, in one line ("" when it is True)."""
+    return kernels().reason
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch custom ops: opaque to torch.compile, shapes from the fake implementations
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("clover::qmatmul", mutates_args=())
+def _qmatmul_op(x: Tensor, w: Tensor, qtype: int) -> Tensor:
+    return kernels().qmatmul(x, w, qtype)
+
+
+@_qmatmul_op.register_fake
+def _(x: Tensor, w: Tensor, qtype: int) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("clover::qmatmul_rows", mutates_args=())
+def _qmatmul_rows_op(x: Tensor, w: Tensor, qtype: int, rows: Tensor) -> Tensor:
+    return kernels().qmatmul(x, w, qtype, rows)
+
+
+@_qmatmul_rows_op.register_fake
+def _(x: Tensor, w: Tensor, qtype: int, rows: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], rows.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("clover::moe", mutates_args=())
+def _moe_op(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: list[int], topk_idx: Tensor,
+            topk_w: Tensor) -> Tensor:
+    return kernels().moe(x, gate, up, down, qtypes, topk_idx, topk_w)
+
+
+@_moe_op.register_fake
+def _(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: list[int], topk_idx: Tensor,
+      topk_w: Tensor) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("clover::moe_packed", mutates_args=())
+def _moe_packed_op(x: Tensor, packed: Tensor, intermediate: int, qtypes: list[int], topk_idx: Tensor,
+                   topk_w: Tensor) -> Tensor:
+    return kernels().moe_packed(x, packed, intermediate, qtypes, topk_idx, topk_w)
+
+
+@_moe_packed_op.register_fake
+def _(x: Tensor, packed: Tensor, intermediate: int, qtypes: list[int], topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# public API: the custom ops while torch.compile traces (opaque calls in the graph), the library directly in eager
+# code (a custom op's Python dispatch costs ~30 us a call, as much as a 512 x 2048 Q4_K GEMV)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _eager() -> bool:
+    return not torch.compiler.is_compiling()
+
+
+def qmatmul(x: Tensor, w: Tensor, qtype: int, rows: Optional[Tensor] = None) -> Tensor:
+    """x float [T, K], w uint8 [N, row_bytes] of ggml type ``qtype`` -> float32 [T, N] = x @ dequantize(w).T with
+    x rounded to int8 blocks. ``rows`` int64 [R]: only those output rows -> [T, R] (same as :func:`qmatmul_rows`)."""
+    if _eager():
+        return kernels().qmatmul(x, w, qtype, rows)
+    if rows is not None:
+        return torch.ops.clover.qmatmul_rows(x, w, qtype, rows)
+    return torch.ops.clover.qmatmul(x, w, qtype)
+
+
+def qmatmul_rows(x: Tensor, w: Tensor, qtype: int, rows: Tensor) -> Tensor:
+    """x float [T, K], w uint8 [N, row_bytes], rows int64 [R] -> float32 [T, R] (output column r = weight row
+    rows[r]; only those rows are read)."""
+    if _eager():
+        return kernels().qmatmul(x, w, qtype, rows)
+    return torch.ops.clover.qmatmul_rows(x, w, qtype, rows)
+
+
+def moe(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: tuple[int, int, int] | list[int],
+        topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    """Routed experts: x float [T, D]; gate, up uint8 [E, I, row_bytes(D)]; down uint8 [E, D, row_bytes(I)];
+    qtypes (gate, up, down) ggml ids; topk_idx int64 [T, k]; topk_w float [T, k] -> float32 [T, D] =
+    sum_j topk_w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)). Each used expert's blocks are read once."""
+    if _eager():
+        return kernels().moe(x, gate, up, down, qtypes, topk_idx, topk_w)
+    return torch.ops.clover.moe(x, gate, up, down, list(qtypes), topk_idx, topk_w)
+
+
+def moe_packed(x: Tensor, packed: Tensor, intermediate: int, qtypes: tuple[int, int, int] | list[int],
+               topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    """As :func:`moe` with the experts as one packed uint8 row each, [E, nbytes] = [gate | up | down] blocks
+    (``GGUFExpertBank.packed`` / ``GGUFExpertLayout``)."""
+    if _eager():
+        return kernels().moe_packed(x, packed, intermediate, qtypes, topk_idx, topk_w)
+    return torch.ops.clover.moe_packed(x, packed, intermediate, list(qtypes), topk_idx, topk_w)

@@ -1,0 +1,862 @@
+/*
+ * CPU matmul kernels over GGUF (ggml) quantized weight blocks, read in place.
+ *
+ * Each activation row is quantized once per call into int8 blocks, then every output value is an integer dot
+ * product of those blocks with the weight blocks of one weight row, scaled and accumulated in fp32:
+ *
+ *   - K formats (Q4_K, Q5_K, Q6_K): activations as "A8K" blocks of 256 values (fp32 d, int8 q[256], int16 sums of
+ *     each 16 values) so a weight block's offsets (the mins of Q4_K/Q5_K, the -32 of Q6_K) cost one small dot with
+ *     the sums instead of touching every value.
+ *   - Q8_0 / Q4_0: activations as "A8" blocks of 32 values (fp32 d, fp32 s = d * sum(q), int8 q[32]).
+ *
+ * Weights: uint8 rows of whole blocks, one ggml row (K values) per output row, `row_stride` bytes apart.
+ * Output rows are split across OpenMP threads; for T > 1 activation rows the loop over T sits inside the loop over
+ * weight rows, so each weight row is read from memory once per call and reused from L1 for every activation row.
+ *
+ * Two implementations of every dot: AVX2 (+FMA, F16C) when compiled with -march=native on such a CPU, and a
+ * portable scalar one (also forced with -DCLOVER_FORCE_SCALAR, which the tests use to compare both).
+ * Integer parts are exact in both, so the two agree up to the order of fp32 additions.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(CLOVER_FORCE_SCALAR)
+#define CLOVER_AVX2 1
+#include <immintrin.h>
+#else
+#define CLOVER_AVX2 0
+#endif
+
+/* ggml type ids (fixed by the file format) */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+
+/* error codes returned to Python */
+enum { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_ALLOC = 3 };
+
+#define QK 256   /* values per K-format block */
+#define QS 32    /* values per Q8_0 / Q4_0 block */
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* activation blocks                                                                                            */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+/* 256 activation values: x ~ d * q; bsums[j] = sum of q[16j .. 16j+15] */
+typedef struct {
+    float d;
+    int8_t q[QK];
+    int16_t bsums[QK / 16];
+} a8k_t;
+
+/* 32 activation values: x ~ d * q; s = d * sum(q) (for Q4_0's -8 offset) */
+typedef struct {
+    float d;
+    float s;
+    int8_t q[QS];
+} a8_t;
+
+static inline int is_k_type(int qt) { return qt == T_Q4_K || qt == T_Q5_K || qt == T_Q6_K; }
+
+static inline int block_values(int qt) { return is_k_type(qt) ? QK : QS; }
+
+static inline int block_bytes(int qt) {
+    switch (qt) {
+    case T_Q4_0: return 18;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* bytes of one quantized activation block for weights of type qt */
+static inline size_t act_block_size(int qt) { return is_k_type(qt) ? sizeof(a8k_t) : sizeof(a8_t); }
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* small helpers                                                                                                */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+/* little-endian fp16 at p -> fp32 */
+static inline float load_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__) && !defined(CLOVER_FORCE_SCALAR)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        float f = ldexpf((float)man, -24); /* zero or subnormal */
+        return sign ? -f : f;
+    }
+    if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 112u) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/*
+ * Q4_K / Q5_K packed scales: 12 bytes -> eight 6-bit scales sc[0..7] and mins m[0..7].
+ * bytes 0-3: sc[0..3] in the low 6 bits, the top 2 bits of sc[4..7];
+ * bytes 4-7: m[0..3] in the low 6 bits, the top 2 bits of m[4..7];
+ * bytes 8-11: low nibble = low 4 bits of sc[4..7], high nibble = low 4 bits of m[4..7].
+ * Done on 32-bit words: four values per operation.
+ */
+static inline void unpack_k4_scales(const uint8_t *p, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t s0, s1, s2, v;
+    memcpy(&s0, p, 4);
+    memcpy(&s1, p + 4, 4);
+    memcpy(&s2, p + 8, 4);
+    v = s0 & 0x3f3f3f3fu;
+    memcpy(sc, &v, 4);
+    v = (s2 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u);
+    memcpy(sc + 4, &v, 4);
+    v = s1 & 0x3f3f3f3fu;
+    memcpy(m, &v, 4);
+    v = ((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u);
+    memcpy(m + 4, &v, 4);
+}
+
+#if CLOVER_AVX2
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* activation quantization                                                                                      */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+/* n values -> int8 with scale amax/127 (round half to even in both paths, so both give the same bytes) */
+static void quantize_block(const float *x, int n, int8_t *q, float *d_out) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    if (amax == 0.0f) {
+        memset(q, 0, (size_t)n);
+        *d_out = 0.0f;
+        return;
+    }
+    const float iscale = 127.0f / amax;
+#if CLOVER_AVX2
+    const __m256 vs = _mm256_set1_ps(iscale);
+    for (int i = 0; i < n; i += 32) { /* n is 32 or 256 */
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vs),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16), vs),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 24), vs),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        /* packs work per 128-bit lane: fix the order with one dword permute at the end */
+        __m256i p01 = _mm256_packs_epi32(i0, i1);
+        __m256i p23 = _mm256_packs_epi32(i2, i3);
+        __m256i p = _mm256_packs_epi16(p01, p23);
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + i), p);
+    }
+#else
+    for (int i = 0; i < n; i++) {
+        float v = nearbyintf(x[i] * iscale);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[i] = (int8_t)v;
+    }
+#endif
+    *d_out = amax / 127.0f;
+}
+
+/* one activation row of K values -> K/256 A8K blocks */
+static void quantize_row_a8k(const float *x, int64_t K, a8k_t *out) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        a8k_t *blk = out + b;
+        quantize_block(x + b * QK, QK, blk->q, &blk->d);
+        for (int j = 0; j < QK / 16; j++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += blk->q[16 * j + l];
+            blk->bsums[j] = (int16_t)s;
+        }
+    }
+}
+
+/* one activation row of K values -> K/32 A8 blocks */
+static void quantize_row_a8(const float *x, int64_t K, a8_t *out) {
+    for (int64_t b = 0; b < K / QS; b++) {
+        a8_t *blk = out + b;
+        quantize_block(x + b * QS, QS, blk->q, &blk->d);
+        int s = 0;
+        for (int l = 0; l < QS; l++) s += blk->q[l];
+        blk->s = blk->d * (float)s;
+    }
+}
+
+/* a row in the activation form of weight type qt, written at dst (act_block_size(qt) * K / block_values bytes) */
+static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
+    if (is_k_type(qt)) quantize_row_a8k(x, K, (a8k_t *)dst);
+    else quantize_row_a8(x, K, (a8_t *)dst);
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* Q4_K: 144 bytes per 256 values                                                                               */
+/*   [0:2] fp16 d, [2:4] fp16 dmin, [4:16] packed 6-bit scales/mins (unpack_k4_scales), [16:144] nibbles:      */
+/*   32-byte chunk c holds sub-block 2c (32 values) in its low nibbles and sub-block 2c+1 in its high nibbles.  */
+/*   x = d * sc[j] * q - dmin * m[j] for a value q of sub-block j.                                              */
+/*   dot = d*da * sum_j sc[j] * sum(q*a) - dmin*da * sum_j m[j] * (bsums[2j] + bsums[2j+1])                      */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+static float dot_q4k(const uint8_t *w, const void *av, int64_t nb) {
+    const a8k_t *a = (const a8k_t *)av;
+#if CLOVER_AVX2
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps(); /* the mins' part, kept in 4 lanes until the end of the row */
+    for (int64_t b = 0; b < nb; b++, w += 144, a++) {
+        const float da = a->d;
+        const float d = load_f16(w) * da, dmin = load_f16(w + 2) * da;
+        uint8_t sc8[8], m8[8];
+        unpack_k4_scales(w + 4, sc8, m8);
+        uint64_t sc64, m64;
+        memcpy(&sc64, sc8, 8);
+        memcpy(&m64, m8, 8);
+        /* mins: eight pair sums of bsums times m */
+        __m256i bs = _mm256_loadu_si256((const __m256i *)a->bsums);
+        __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        __m128i mins = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64)));
+        acc_min = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins), acc_min);
+        /* scales as int16 so each sub-block's can be broadcast */
+        uint16_t sc16[8];
+        _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
+        const uint8_t *qs = w + 16;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(q, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
+            __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
+            p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc16[2 * c]));
+            p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(_mm256_sub_ps(acc, _mm256_set_m128(_mm_setzero_ps(), acc_min)));
+#else
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 144, a++) {
+        const float d = load_f16(w) * a->d, dmin = load_f16(w + 2) * a->d;
+        uint8_t sc[8], m[8];
+        unpack_k4_scales(w + 4, sc, m);
+        const uint8_t *qs = w + 16;
+        int32_t sumi = 0, summ = 0;
+        for (int j = 0; j < 8; j++) summ += m[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
+        for (int c = 0; c < 4; c++) {
+            int32_t s0 = 0, s1 = 0;
+            for (int l = 0; l < 32; l++) {
+                s0 += (qs[32 * c + l] & 0x0f) * a->q[64 * c + l];
+                s1 += (qs[32 * c + l] >> 4) * a->q[64 * c + 32 + l];
+            }
+            sumi += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
+        }
+        acc += d * (float)sumi - dmin * (float)summ;
+    }
+    return acc;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* Q5_K: 176 bytes per 256 values                                                                               */
+/*   [0:2] fp16 d, [2:4] fp16 dmin, [4:16] packed scales/mins as Q4_K, [16:48] qh, [48:176] nibbles as Q4_K.    */
+/*   Value l (0..31) of sub-block j: low 4 bits from the nibbles, bit 4 = bit j of qh[l]. x = d*sc*q - dmin*m.  */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+static float dot_q5k(const uint8_t *w, const void *av, int64_t nb) {
+    const a8k_t *a = (const a8k_t *)av;
+#if CLOVER_AVX2
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps(); /* the mins' part, kept in 4 lanes until the end of the row */
+    for (int64_t b = 0; b < nb; b++, w += 176, a++) {
+        const float da = a->d;
+        const float d = load_f16(w) * da, dmin = load_f16(w + 2) * da;
+        uint8_t sc8[8], m8[8];
+        unpack_k4_scales(w + 4, sc8, m8);
+        uint64_t sc64, m64;
+        memcpy(&sc64, sc8, 8);
+        memcpy(&m64, m8, 8);
+        __m256i bs = _mm256_loadu_si256((const __m256i *)a->bsums);
+        __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        __m128i mins = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64)));
+        acc_min = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins), acc_min);
+        uint16_t sc16[8];
+        _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+        const uint8_t *qs = w + 48;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c)));
+            __m256i m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+            /* bit 4 where bit j of qh is set */
+            __m256i h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4);
+            __m256i h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4);
+            __m256i lo = _mm256_or_si256(_mm256_and_si256(q, low4), h0);
+            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), h1);
+            __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
+            __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
+            p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc16[2 * c]));
+            p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(_mm256_sub_ps(acc, _mm256_set_m128(_mm_setzero_ps(), acc_min)));
+#else
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 176, a++) {
+        const float d = load_f16(w) * a->d, dmin = load_f16(w + 2) * a->d;
+        uint8_t sc[8], m[8];
+        unpack_k4_scales(w + 4, sc, m);
+        const uint8_t *qh = w + 16, *qs = w + 48;
+        int32_t sumi = 0, summ = 0;
+        for (int j = 0; j < 8; j++) summ += m[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
+        for (int j = 0; j < 8; j++) {
+            int32_t s = 0;
+            for (int l = 0; l < 32; l++) {
+                int lowq = (j & 1) ? (qs[32 * (j / 2) + l] >> 4) : (qs[32 * (j / 2) + l] & 0x0f);
+                int q = lowq | (((qh[l] >> j) & 1) << 4);
+                s += q * a->q[32 * j + l];
+            }
+            sumi += sc[j] * s;
+        }
+        acc += d * (float)sumi - dmin * (float)summ;
+    }
+    return acc;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* Q6_K: 210 bytes per 256 values                                                                               */
+/*   [0:128] ql low nibbles, [128:192] qh 2-bit highs, [192:208] int8 scales (one per 16 values), [208:210] d.  */
+/*   Half h (values 128h..128h+127) uses ql[64h..], qh[32h..]; for l < 32:                                       */
+/*     value l      = ql[l] & 15      | (qh[l] >> 0 & 3) << 4                                                    */
+/*     value l + 32 = ql[l + 32] & 15 | (qh[l] >> 2 & 3) << 4                                                    */
+/*     value l + 64 = ql[l] >> 4      | (qh[l] >> 4 & 3) << 4                                                    */
+/*     value l + 96 = ql[l + 32] >> 4 | (qh[l] >> 6 & 3) << 4                                                    */
+/*   x = d * scale[v / 16] * (q - 32); the -32 is taken out through the activation's 16-value sums.             */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
+    const a8k_t *a = (const a8k_t *)av;
+#if CLOVER_AVX2
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
+    /* pshufb masks over 8 int16 scales broadcast to both lanes: vector i takes scale 2i (low lane), 2i+1 (high) */
+    const __m256i pick[4] = {
+        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
+        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10,
+                         11, 10, 11, 10, 11),
+        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14,
+                         15, 14, 15, 14, 15, 14, 15, 14, 15),
+    };
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 210, a++) {
+        const float d = load_f16(w + 208) * a->d;
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
+        /* offset: 32 * sum_j scale[j] * bsums[j] */
+        __m256i sc16all = _mm256_cvtepi8_epi16(sc8);
+        __m256i offs = _mm256_madd_epi16(sc16all, _mm256_loadu_si256((const __m256i *)a->bsums));
+        __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offs, 5));
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const int8_t *aq = a->q + 128 * h;
+            __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h))));
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i v0 = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4));
+            __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m0c), 2));
+            __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30));
+            __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+            __m256i p0 = _mm256_maddubs_epi16(v0, _mm256_loadu_si256((const __m256i *)aq));
+            __m256i p1 = _mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)(aq + 32)));
+            __m256i p2 = _mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)(aq + 64)));
+            __m256i p3 = _mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)(aq + 96)));
+            p0 = _mm256_madd_epi16(p0, _mm256_shuffle_epi8(scv, pick[0]));
+            p1 = _mm256_madd_epi16(p1, _mm256_shuffle_epi8(scv, pick[1]));
+            p2 = _mm256_madd_epi16(p2, _mm256_shuffle_epi8(scv, pick[2]));
+            p3 = _mm256_madd_epi16(p3, _mm256_shuffle_epi8(scv, pick[3]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(acc);
+#else
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 210, a++) {
+        const float d = load_f16(w + 208) * a->d;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        int32_t sumi = 0;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const int8_t *aq = a->q + 128 * h;
+            int32_t s[8] = {0}; /* per 16-value group of this half */
+            for (int l = 0; l < 32; l++) {
+                int q0 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                int q1 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                int q2 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                int q3 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                s[0 + l / 16] += q0 * aq[l];
+                s[2 + l / 16] += q1 * aq[l + 32];
+                s[4 + l / 16] += q2 * aq[l + 64];
+                s[6 + l / 16] += q3 * aq[l + 96];
+            }
+            for (int g = 0; g < 8; g++) sumi += sc[8 * h + g] * s[g];
+        }
+        acc += d * (float)sumi;
+    }
+    return acc;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* Q8_0: 34 bytes per 32 values: [0:2] fp16 d, [2:34] int8 q; x = d * q                                         */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+static float dot_q8_0(const uint8_t *w, const void *av, int64_t nb) {
+    const a8_t *a = (const a8_t *)av;
+#if CLOVER_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 34, a++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        __m256i x = _mm256_loadu_si256((const __m256i *)a->q);
+        /* signed x signed through maddubs: |q| as unsigned, sign of q moved onto x */
+        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+        __m256i s = _mm256_madd_epi16(p, ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(load_f16(w) * a->d), _mm256_cvtepi32_ps(s), acc);
+    }
+    return hsum_ps(acc);
+#else
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 34, a++) {
+        const int8_t *q = (const int8_t *)(w + 2);
+        int32_t s = 0;
+        for (int l = 0; l < QS; l++) s += q[l] * a->q[l];
+        acc += load_f16(w) * a->d * (float)s;
+    }
+    return acc;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* Q4_0: 18 bytes per 32 values: [0:2] fp16 d, [2:18] nibbles: value i < 16 in the low nibble of byte i, value */
+/*   16 + i in its high nibble; x = d * (q - 8). dot = d*da*sum(q*a) - 8*d*s (s = da*sum(a)).                   */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+static float dot_q4_0(const uint8_t *w, const void *av, int64_t nb) {
+    const a8_t *a = (const a8_t *)av;
+#if CLOVER_AVX2
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    float acc_off = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 18, a++) {
+        const float d = load_f16(w);
+        __m128i raw = _mm_loadu_si128((const __m128i *)(w + 2));
+        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+        __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)a->q));
+        __m256i s = _mm256_madd_epi16(p, ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(s), acc);
+        acc_off += d * a->s;
+    }
+    return hsum_ps(acc) - 8.0f * acc_off;
+#else
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 18, a++) {
+        const uint8_t *qs = w + 2;
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++) s += (qs[l] & 0x0f) * a->q[l] + (qs[l] >> 4) * a->q[l + 16];
+        const float d = load_f16(w);
+        acc += d * a->d * (float)s - 8.0f * d * a->s;
+    }
+    return acc;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* many activation rows against one weight row (prefill, diffusion passes, experts with several tokens)         */
+/*                                                                                                              */
+/* A K-format block is decoded once into a common form, then dotted with every activation row:                  */
+/*   q[256]     unsigned values in block order (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63),                            */
+/*   sc[i][16]  int16 multipliers for values 32i..32i+31 as maddubs leaves them: lanes 0-7 the 16-value group 2i,*/
+/*              lanes 8-15 group 2i+1,                                                                           */
+/*   mn[16]     int16 offset per 16-value group, applied through the activation's 16-value sums,                */
+/*   x = d * sc * q - dmin * mn   (Q6_K: mn = 32 * scale, dmin = d).                                            */
+/* Decoding costs about one direct dot, so it pays from a few rows on.                                          */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+#define DEC_MIN_ROWS 3 /* fewer activation rows than this: direct dots */
+#define DEC_TILE 64    /* activation rows per accumulator tile */
+
+#if CLOVER_AVX2
+typedef struct {
+    uint8_t q[QK];
+    int16_t sc[8][16];
+    int16_t mn[16];
+    float d, dmin;
+} kdec_t;
+
+/* Q4_K (hb = NULL) or Q5_K (hb = the 32 qh bytes) nibbles and scales -> kdec */
+static void decode_q45k(const uint8_t *w, const uint8_t *qs, const uint8_t *hb, kdec_t *o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+    uint8_t sc[8], m[8];
+    o->d = load_f16(w);
+    o->dmin = load_f16(w + 2);
+    unpack_k4_scales(w + 4, sc, m);
+    const __m256i qh = hb ? _mm256_loadu_si256((const __m256i *)hb) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if (hb) {
+            __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c))), m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
+        }
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
+    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)o->sc[j], _mm256_set1_epi16((short)sc[j]));
+    /* mn[2j] = mn[2j+1] = m[j], written with one 32-byte store: the dots read it back with one 32-byte load, which
+       store-to-load forwarding serves only from a single store of that size (16 small stores stall it) */
+    uint64_t m64;
+    memcpy(&m64, m, 8);
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64));
+    _mm256_storeu_si256((__m256i *)o->mn, _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16)));
+}
+
+/* Q6_K -> kdec (value order as in dot_q6k) */
+static void decode_q6k(const uint8_t *w, kdec_t *o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
+    const int8_t *sc = (const int8_t *)(w + 192);
+    o->d = o->dmin = load_f16(w + 208);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+        __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+        uint8_t *q = o->q + 128 * h;
+        _mm256_storeu_si256((__m256i *)q,
+                            _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4)));
+        _mm256_storeu_si256((__m256i *)(q + 32),
+                            _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m0c), 2)));
+        _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                                                 _mm256_and_si256(hb, m30)));
+        _mm256_storeu_si256((__m256i *)(q + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+    }
+    for (int i = 0; i < 8; i++) {
+        __m128i a = _mm_set1_epi16(sc[2 * i]), b = _mm_set1_epi16(sc[2 * i + 1]);
+        _mm256_storeu_si256((__m256i *)o->sc[i], _mm256_set_m128i(b, a));
+    }
+    /* mn = 32 * scale, one 32-byte store (see decode_q45k) */
+    _mm256_storeu_si256((__m256i *)o->mn,
+                        _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192))), 5));
+}
+
+static void decode_k(int qt, const uint8_t *w, kdec_t *o) {
+    if (qt == T_Q4_K) decode_q45k(w, w + 16, NULL, o);
+    else if (qt == T_Q5_K) decode_q45k(w, w + 48, w + 16, o);
+    else decode_q6k(w, o);
+}
+
+/* acc += the decoded block . one activation block (8 fp32 lanes, summed at the end of the row) */
+static inline __m256 dot_dec(const kdec_t *k, const a8k_t *a, __m256 acc) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+        __m256i p0 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(k->q + 32 * i)),
+                                          _mm256_loadu_si256((const __m256i *)(a->q + 32 * i)));
+        __m256i p1 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(k->q + 32 * i + 32)),
+                                          _mm256_loadu_si256((const __m256i *)(a->q + 32 * i + 32)));
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, _mm256_loadu_si256((const __m256i *)k->sc[i])));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, _mm256_loadu_si256((const __m256i *)k->sc[i + 1])));
+    }
+    __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)k->mn),
+                                     _mm256_loadu_si256((const __m256i *)a->bsums));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(k->d * a->d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+    return _mm256_fnmadd_ps(_mm256_set1_ps(k->dmin * a->d), _mm256_cvtepi32_ps(mins), acc);
+}
+
+/* as dot_dec for two activation blocks at once: each decoded vector and scale is loaded once for both */
+static inline void dot_dec2(const kdec_t *k, const a8k_t *a, const a8k_t *b, __m256 *acc_a, __m256 *acc_b) {
+    __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(k->q + 32 * i));
+        const __m256i sc = _mm256_loadu_si256((const __m256i *)k->sc[i]);
+        __m256i pa = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a->q + 32 * i)));
+        __m256i pb = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(b->q + 32 * i)));
+        sa = _mm256_add_epi32(sa, _mm256_madd_epi16(pa, sc));
+        sb = _mm256_add_epi32(sb, _mm256_madd_epi16(pb, sc));
+    }
+    const __m256i mn = _mm256_loadu_si256((const __m256i *)k->mn);
+    __m256i ma = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)a->bsums));
+    __m256i mb = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)b->bsums));
+    __m256 x = _mm256_fmadd_ps(_mm256_set1_ps(k->d * a->d), _mm256_cvtepi32_ps(sa), *acc_a);
+    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(k->d * b->d), _mm256_cvtepi32_ps(sb), *acc_b);
+    *acc_a = _mm256_fnmadd_ps(_mm256_set1_ps(k->dmin * a->d), _mm256_cvtepi32_ps(ma), x);
+    *acc_b = _mm256_fnmadd_ps(_mm256_set1_ps(k->dmin * b->d), _mm256_cvtepi32_ps(mb), y);
+}
+#endif
+
+/* dot of one weight row (nb blocks of type qt) with one quantized activation row */
+typedef float (*dot_fn)(const uint8_t *w, const void *a, int64_t nb);
+static dot_fn dot_for(int qt);
+
+/*
+ * out[i * ostride] = dot(weight row wr, activation row tidx[i] (or i when tidx is NULL)) for i < n; activation
+ * row t at act + t * arow. Direct dots for a few rows or non-K types; the decoded path otherwise.
+ */
+static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, size_t arow, const int64_t *tidx,
+                     int64_t n, float *out, int64_t ostride) {
+#if CLOVER_AVX2
+    if (n >= DEC_MIN_ROWS && is_k_type(qt)) {
+        const int bb = block_bytes(qt);
+        kdec_t dec;
+        __m256 acc[DEC_TILE];
+        for (int64_t i0 = 0; i0 < n; i0 += DEC_TILE) {
+            const int64_t m = n - i0 < DEC_TILE ? n - i0 : DEC_TILE;
+            for (int64_t i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                decode_k(qt, wr + b * bb, &dec);
+                int64_t i = 0;
+                for (; i + 1 < m; i += 2) { /* two activation rows per pass over the decoded block */
+                    const int64_t t0 = tidx ? tidx[i0 + i] : i0 + i, t1 = tidx ? tidx[i0 + i + 1] : i0 + i + 1;
+                    dot_dec2(&dec, (const a8k_t *)(act + (size_t)t0 * arow) + b,
+                             (const a8k_t *)(act + (size_t)t1 * arow) + b, &acc[i], &acc[i + 1]);
+                }
+                if (i < m) {
+                    const int64_t t = tidx ? tidx[i0 + i] : i0 + i;
+                    acc[i] = dot_dec(&dec, (const a8k_t *)(act + (size_t)t * arow) + b, acc[i]);
+                }
+            }
+            for (int64_t i = 0; i < m; i++) out[(i0 + i) * ostride] = hsum_ps(acc[i]);
+        }
+        return;
+    }
+#endif
+    dot_fn dot = dot_for(qt);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = tidx ? tidx[i] : i;
+        out[i * ostride] = dot(wr, act + (size_t)t * arow, nb);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* dispatch                                                                                                     */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+static dot_fn dot_for(int qt) {
+    switch (qt) {
+    case T_Q4_K: return dot_q4k;
+    case T_Q5_K: return dot_q5k;
+    case T_Q6_K: return dot_q6k;
+    case T_Q8_0: return dot_q8_0;
+    case T_Q4_0: return dot_q4_0;
+    default: return NULL;
+    }
+}
+
+#ifdef _OPENMP /* used in the pragmas only */
+static int threads_for(int nth, int64_t work) {
+    if (nth < 1) nth = 1;
+    if (work < nth) nth = (int)(work > 0 ? work : 1);
+    return nth;
+}
+
+/*
+ * Rows per dynamically scheduled chunk: about 32 chunks per thread, so a thread the OS preempts (a busy or shared
+ * machine) holds back at most a small piece of the call, while each chunk still streams >= 16 adjacent rows.
+ */
+static int chunk_for(int64_t work, int nth) {
+    int64_t c = work / ((int64_t)(nth > 0 ? nth : 1) * 32);
+    return (int)(c < 16 ? 16 : c);
+}
+#endif
+
+/* x [T, K] fp32 rows -> quantized activation rows for type qt, in a fresh buffer (NULL on failure) */
+static void *quantize_rows(int qt, const float *x, int64_t T, int64_t K, int nth) {
+    const int64_t nb = K / block_values(qt);
+    const size_t row_size = act_block_size(qt) * (size_t)nb;
+    char *buf = (char *)malloc(row_size * (size_t)(T > 0 ? T : 1));
+    if (!buf) return NULL;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, T / 4)) schedule(static) if (T >= 8)
+    for (int64_t t = 0; t < T; t++) quantize_row_for(qt, x + t * K, K, buf + (size_t)t * row_size);
+    return buf;
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* public entry points                                                                                          */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+/* 1 when the AVX2 dots were compiled in, 0 for the scalar ones */
+int clover_simd(void) { return CLOVER_AVX2; }
+
+/* 1 when built with OpenMP */
+int clover_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/*
+ * out[t, r] = dot(x[t, :], W[row r, :]) for t < T, r < R, where row r is rows[r] (or r when rows is NULL).
+ * x: fp32 [T, K] contiguous; w: uint8, row n at w + n * row_stride, K / block_values blocks of type qt;
+ * out: fp32 [T, R] contiguous. Returns 0 or an error code.
+ */
+int clover_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t row_stride, int qt,
+                   const int64_t *rows, int64_t R, float *out, int nth) {
+    if (!dot_for(qt)) return ERR_TYPE;
+    if (K % block_values(qt)) return ERR_SHAPE;
+    const int64_t nb = K / block_values(qt);
+    const size_t arow = act_block_size(qt) * (size_t)nb;
+    char *act = (char *)quantize_rows(qt, x, T, K, nth);
+    if (!act) return ERR_ALLOC;
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
+    for (int64_t r = 0; r < R; r++) {
+        if (rows && r + 1 < R) { /* selected rows jump around: fetch the next one while this one computes */
+            const char *next = (const char *)(w + rows[r + 1] * row_stride);
+            for (int64_t o = 0; o < nb * block_bytes(qt); o += 64) __builtin_prefetch(next + o, 0, 0);
+        }
+        row_dots(qt, w + (rows ? rows[r] : r) * row_stride, nb, act, arow, NULL, T, out + r, R);
+    }
+    free(act);
+    return OK;
+}
+
+/*
+ * Routed MoE: out[t] = sum_j topk_w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_idx[t, j].
+ * Expert e's gate matrix [I, D] has row i at gate + e * g_es + i * g_rs (likewise up [I, D], down [D, I]);
+ * the banks may be three tensors [E, rows, row_bytes] or one packed row per expert (only the strides differ).
+ * Each used expert's blocks are read once: the loops run over (expert, weight row) with the expert's tokens inside.
+ * x: fp32 [T, D]; topk_idx: int64 [T, k] in [0, E); topk_w: fp32 [T, k]; out: fp32 [T, D]. Returns 0 or an error.
+ */
+int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k,
+               const uint8_t *gate, int64_t g_es, int64_t g_rs, int qg,
+               const uint8_t *up, int64_t u_es, int64_t u_rs, int qu,
+               const uint8_t *down, int64_t d_es, int64_t d_rs, int qd,
+               const int64_t *topk_idx, const float *topk_w, float *out, int nth) {
+    if (!dot_for(qg) || !dot_for(qu) || !dot_for(qd)) return ERR_TYPE;
+    if (D % block_values(qg) || D % block_values(qu) || I % block_values(qd)) return ERR_SHAPE;
+    const int64_t P = T * k; /* (token, slot) pairs */
+    for (int64_t p = 0; p < P; p++)
+        if (topk_idx[p] < 0 || topk_idx[p] >= E) return ERR_SHAPE;
+    const int64_t nbg = D / block_values(qg), nbu = D / block_values(qu), nbd = I / block_values(qd);
+    const size_t arow_g = act_block_size(qg) * (size_t)nbg, arow_u = act_block_size(qu) * (size_t)nbu;
+    const size_t arow_d = act_block_size(qd) * (size_t)nbd;
+
+    /* group the pairs by expert (counting sort, stable: token order within an expert) */
+    int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *slot_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1)); /* pair -> sorted slot */
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1));     /* sorted slot -> token */
+    int64_t *used = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));     /* used experts, ascending */
+    float *h = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));            /* [P sorted, I] */
+    float *hu = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));           /* [P sorted, I] up outputs */
+    float *y = (float *)malloc(sizeof(float) * (size_t)(P * D + 1));            /* [P sorted, D] */
+    char *ag = (char *)quantize_rows(qg, x, T, D, nth);
+    char *au = (is_k_type(qu) == is_k_type(qg)) ? ag : (char *)quantize_rows(qu, x, T, D, nth);
+    char *ah = NULL;
+    int rc = OK;
+    if (!count || !slot_of || !tok || !used || !h || !hu || !y || !ag || !au) {
+        rc = ERR_ALLOC;
+        goto done;
+    }
+    for (int64_t p = 0; p < P; p++) count[topk_idx[p] + 1]++;
+    int64_t U = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (count[e + 1]) used[U++] = e;
+        count[e + 1] += count[e]; /* count[e] = first sorted slot of expert e */
+    }
+    {
+        int64_t *fill = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
+        if (!fill) {
+            rc = ERR_ALLOC;
+            goto done;
+        }
+        memcpy(fill, count, sizeof(int64_t) * (size_t)E);
+        for (int64_t p = 0; p < P; p++) {
+            int64_t s = fill[topk_idx[p]]++;
+            slot_of[p] = s;
+            tok[s] = p / k;
+        }
+        free(fill);
+    }
+
+    /* gate and up: one task per (used expert, row i); h[s, i] = silu(g) * u for each of the expert's slots s */
+#pragma omp parallel for num_threads(threads_for(nth, U * I)) schedule(dynamic, chunk_for(U * I, nth))
+    for (int64_t task = 0; task < U * I; task++) {
+        const int64_t e = used[task / I], i = task % I, s0 = count[e], n = count[e + 1] - s0;
+        row_dots(qg, gate + e * g_es + i * g_rs, nbg, ag, arow_g, tok + s0, n, h + s0 * I + i, I);
+        row_dots(qu, up + e * u_es + i * u_rs, nbu, au, arow_u, tok + s0, n, hu + s0 * I + i, I);
+        for (int64_t s = s0; s < s0 + n; s++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
+    }
+
+    ah = (char *)quantize_rows(qd, h, P, I, nth);
+    if (!ah) {
+        rc = ERR_ALLOC;
+        goto done;
+    }
+
+    /* down: one task per (used expert, row j); y[s, j] for the expert's slots s (their rows of ah are adjacent) */
+#pragma omp parallel for num_threads(threads_for(nth, U * D)) schedule(dynamic, chunk_for(U * D, nth))
+    for (int64_t task = 0; task < U * D; task++) {
+        const int64_t e = used[task / D], j = task % D, s0 = count[e];
+        row_dots(qd, down + e * d_es + j * d_rs, nbd, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0,
+                 y + s0 * D + j, D);
+    }
+
+    /* weighted sum over each token's slots, in slot order */
+#pragma omp parallel for num_threads(threads_for(nth, T)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * D;
+        for (int64_t j = 0; j < D; j++) o[j] = 0.0f;
+        for (int64_t c = 0; c < k; c++) {
+            const float wt = topk_w[t * k + c];
+            const float *ys = y + slot_of[t * k + c] * D;
+            for (int64_t j = 0; j < D; j++) o[j] += wt * ys[j];
+        }
+    }
+
+done:
+    if (au != ag) free(au);
+    free(ag);
+    free(ah);
+    free(count);
+    free(slot_of);
+    free(tok);
+    free(used);
+    free(h);
+    free(hu);
+    free(y);
+    return rc;
+}
