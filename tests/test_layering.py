@@ -203,10 +203,11 @@ def test_each_module_is_loaded_under_one_name() -> None:
         "files = {}\n"
         "for name, mod in list(sys.modules.items()):\n"
         "    f = getattr(mod, '__file__', None)\n"
-        "    if f and f.startswith(sys.argv[1]): files.setdefault(f, []).append(name)\n"
+        "    if f and f.startswith(tuple(sys.argv[1:])): files.setdefault(f, []).append(name)\n"
         "print(json.dumps({f: n for f, n in files.items() if len(n) > 1}))\n"
     )
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=ROOT, env=env, capture_output=True, text=True,
+    homes = [str(ROOT / package) + os.sep for package in PACKAGES]  # the project's files (not a venv inside ROOT)
+    out = subprocess.run([sys.executable, "-c", code, *homes], cwd=ROOT, env=env, capture_output=True, text=True,
                          check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
