@@ -294,3 +294,10 @@ def test_spec_equals_ar_over_many_random_cases(engine: Engine) -> None:
     for path in ("full_accepts", "partial_accepts", "rejections", "catch_ups"):
         assert counts[path] > 0, counts
     assert time.monotonic() - started < 300
+
+
+def test_the_window_sends_spec_greedy_with_its_block_settings() -> None:
+    from ui.generation import GenerationSettings
+
+    p = GenerationSettings(mode="spec", temperature=0.7, block_size=16, threshold=0.5).to_params()
+    assert (p.mode, p.do_sample, p.temperature, p.block_size, p.threshold) == ("spec", False, 0.0, 16, 0.5)

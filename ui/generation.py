@@ -26,7 +26,7 @@ class GenerationSettings:
 
     The field defaults are only a fallback for a model that says nothing (no config read yet)."""
 
-    mode: str = "diffusion"  # "diffusion" | "ar"
+    mode: str = "diffusion"  # "diffusion" | "ar" | "spec" (greedy: the temperature is not sent)
     temperature: float = 0.0
     block_size: int = 32
     threshold: float = 0.95  # commit every masked slot whose confidence is strictly above this
@@ -38,10 +38,10 @@ class GenerationSettings:
         return GenerationParams(
             mode=self.mode,
             max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            do_sample=self.temperature > 0,
-            block_size=self.block_size if self.mode == "diffusion" else None,
-            threshold=self.threshold if self.mode == "diffusion" else None,
+            temperature=0.0 if self.mode == "spec" else self.temperature,
+            do_sample=self.mode != "spec" and self.temperature > 0,
+            block_size=self.block_size if self.mode in ("diffusion", "spec") else None,
+            threshold=self.threshold if self.mode in ("diffusion", "spec") else None,
             enable_thinking=self.enable_thinking,
         )
 

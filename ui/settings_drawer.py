@@ -50,6 +50,7 @@ class SettingsDrawer(QFrame):
         self.mode.setObjectName("modeChoice")
         self.mode.addItem("Block diffusion", "diffusion")
         self.mode.addItem("Autoregressive", "ar")
+        self.mode.addItem("Self-speculative (AR's tokens, diffusion drafts)", "spec")
         accessible(self.mode, "Decoding mode")
         self.diffusion_unavailable = ""  # why the loaded model cannot decode by block diffusion ("" when it can)
         self.temperature = QDoubleSpinBox()
@@ -177,14 +178,15 @@ class SettingsDrawer(QFrame):
         tensors): the diffusion choice is disabled with the reason as its tooltip and the mode shows AR, without
         changing what the chat saved. "": diffusion is offered again."""
         self.diffusion_unavailable = reason
-        index = self.mode.findData("diffusion")
-        item = self.mode.model().item(index) if hasattr(self.mode.model(), "item") else None
-        if item is not None:
-            item.setEnabled(not reason)
         text = f"Block diffusion is unavailable for this model: {reason}" if reason else ""
-        self.mode.setItemData(index, text or None, Qt.ItemDataRole.ToolTipRole)
+        for data in ("diffusion", "spec"):  # spec mode drafts by diffusion
+            index = self.mode.findData(data)
+            item = self.mode.model().item(index) if hasattr(self.mode.model(), "item") else None
+            if item is not None:
+                item.setEnabled(not reason)
+            self.mode.setItemData(index, text or None, Qt.ItemDataRole.ToolTipRole)
         self.mode.setToolTip(text)
-        if reason and self.mode.currentData() == "diffusion":
+        if reason and self.mode.currentData() in ("diffusion", "spec"):
             self.mode.blockSignals(True)
             self.mode.setCurrentIndex(self.mode.findData("ar"))
             self.mode.blockSignals(False)
@@ -217,9 +219,10 @@ class SettingsDrawer(QFrame):
         return self.system_prompt.toPlainText().strip()
 
     def _update_enabled(self) -> None:
-        diffusion = self.mode.currentData() == "diffusion"
-        self.block_size.setEnabled(diffusion)
-        self.threshold.setEnabled(diffusion)
+        mode = self.mode.currentData()
+        self.block_size.setEnabled(mode in ("diffusion", "spec"))
+        self.threshold.setEnabled(mode in ("diffusion", "spec"))
+        self.temperature.setEnabled(mode != "spec")  # spec mode is greedy: its tokens are AR greedy's
 
     def on_any_changed(self, *_args: object) -> None:
         self._update_enabled()

@@ -418,8 +418,8 @@ def _clover(body: dict[str, Any]) -> tuple[str | None, int | None, float | None]
             raise ApiError(400, f"clover.{unknown[0]} is not a Clover setting; they are: {', '.join(_CLOVER_FIELDS)}",
                            param=f"clover.{unknown[0]}", code="unknown_parameter")
         if clover.get("mode") is not None:
-            if clover["mode"] not in ("diffusion", "ar"):
-                raise _bad("clover.mode", '"diffusion" or "ar"', clover["mode"])
+            if clover["mode"] not in ("diffusion", "ar", "spec"):
+                raise _bad("clover.mode", '"diffusion", "ar" or "spec"', clover["mode"])
             mode = clover["mode"]
         block_size = _limited(clover, "block_size", "block_size", "clover.block_size")
         threshold = _limited(clover, "threshold", "threshold", "clover.threshold")
