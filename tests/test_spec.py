@@ -301,3 +301,26 @@ def test_the_window_sends_spec_greedy_with_its_block_settings() -> None:
 
     p = GenerationSettings(mode="spec", temperature=0.7, block_size=16, threshold=0.5).to_params()
     assert (p.mode, p.do_sample, p.temperature, p.block_size, p.threshold) == ("spec", False, 0.0, 16, 0.5)
+
+
+def test_spec_is_a_mode_the_server_and_the_worker_accept() -> None:
+    from clover_desk.worker.process import check_params
+    from clover_desk.worker.server import ApiError, parse_chat_request
+
+    hi = [{"role": "user", "content": "hi"}]
+    assert parse_chat_request({"messages": hi, "clover": {"mode": "spec"}}).mode == "spec"
+    with pytest.raises(ApiError, match="spec"):
+        parse_chat_request({"messages": hi, "clover": {"mode": "fast"}})
+    assert check_params({"mode": "spec"}).mode == "spec"
+
+
+def test_a_spec_answer_s_figures_in_the_window() -> None:
+    from ui.chat_view import stats_line
+    from ui.generation import finished_stats
+
+    done = Finished((1, 2, 3), "x", "", "eos", 3, 4, 0.75, 9.0, 0.1, 5, 0.01, 0.3, verify_passes=2,
+                    accepted_per_verify=0.5, forwards_per_token=4 / 3)
+    stats = finished_stats(done, "spec")
+    assert (stats["verify_passes"], stats["accepted_per_verify"]) == (2, 0.5)
+    assert "0.5 drafts accepted/verify" in stats_line(stats)
+    assert "drafts" not in stats_line(finished_stats(done, "ar"))

@@ -99,6 +99,9 @@ def finished_stats(event: Finished, mode: str) -> dict[str, Any]:
         "decode_s": round(event.decode_s, 4),
         "stop_reason": event.stop_reason,
     }
+    if mode == "spec":
+        stats.update(verify_passes=event.verify_passes, accepted_per_verify=round(event.accepted_per_verify, 3),
+                     forwards_per_token=round(event.forwards_per_token, 3))
     rate = expert_hit_rate(event.accounting)
     if rate is not None:
         stats["expert_hit_rate"] = rate
