@@ -559,8 +559,9 @@ class DenoiseView(QWidget):
         self.throttle.request()
 
     def start(self, mode: str = "diffusion") -> None:
-        """A new answer begins (``mode`` "diffusion" | "ar"): clear the view and follow its live pass."""
-        self.model.reset(mode)
+        """A new answer begins (``mode`` "diffusion" | "ar" | "spec", whose drafting and verify passes show as
+        blocks): clear the view and follow its live pass."""
+        self.model.reset("ar" if mode == "ar" else "diffusion")
         self._set_following(True)
         self.throttle.request()
 
