@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import random
-import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -269,13 +268,13 @@ def test_a_shorter_budget_gives_a_prefix_of_a_longer_one(engine: Engine, mode: s
 
 @pytest.mark.slow
 def test_spec_equals_ar_over_many_random_cases(engine: Engine) -> None:
-    """Time budget: about 90 s on one core. Random prompts (ids), block sizes 1-33, thresholds 0-1, error rates,
+    """Time budget: about 60 s of one core (63 s measured on an idle core, 176 s with the 2 cores shared by
+    eight jobs; not asserted, the machine's load decides the wall time). Random prompts (ids), block sizes 1-33, thresholds 0-1, error rates,
     penalties, with and without the prompt cache, both drafters: spec's tokens are always AR greedy's."""
     rng = random.Random(1234)
     vocab, mask = engine.config.vocab_size, engine.tokenizer.mask_token_id
     counts: Counter[str] = Counter()
     cache = PromptCache()
-    started = time.monotonic()
     for case in range(40):
         base = engine.prompt_ids(prompt=rng.choice(PROMPTS))
         ids = base + [rng.randrange(10, 200) for _ in range(rng.randrange(0, 40))]
@@ -293,7 +292,6 @@ def test_spec_equals_ar_over_many_random_cases(engine: Engine) -> None:
         counts.update(done.spec)
     for path in ("full_accepts", "partial_accepts", "rejections", "catch_ups"):
         assert counts[path] > 0, counts
-    assert time.monotonic() - started < 300
 
 
 def test_the_window_sends_spec_greedy_with_its_block_settings() -> None:
