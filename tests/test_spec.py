@@ -157,6 +157,12 @@ def test_spec_with_the_denoising_drafter_equals_ar(engine: Engine) -> None:
         assert not steps[0].verdict and steps[0].prompt_slots == len(ids) % B
         if threshold == 0.0:  # every open slot drafted in one pass: one drafting pass per verify pass
             assert done.spec["draft_passes"] == done.spec["verify_passes"]
+    # blocks of one slot: nothing to draft, the verify pass alone is an AR step (one forward per token)
+    ids = engine.prompt_ids(prompt=PROMPTS[0])
+    s = _settings(engine, "spec", 8, block_size=1)
+    _, done = _spec(engine.model, ids, s)
+    assert done.token_ids == _ar(engine.model, ids, s).token_ids
+    assert done.spec["draft_passes"] == 0 and done.passes == done.tokens - 1
 
 
 def test_the_scripted_model_drafts_what_ar_writes(chat_model) -> None:  # noqa: ANN001, F811

@@ -1068,6 +1068,8 @@ class _SpecLoop:
         can be output are drafted (or an EOS drafted with every slot before it)."""
         B, a = self.B, len(block)
         hooks = self.hooks
+        if a >= needed:  # nothing open to draft (a block of 1): the verify pass alone gives the next token
+            return block + [self.mask_id] * (B - a), [1.0] * B, 0
         if self.drafter is not None:
             tokens = [int(t) for t in self.drafter(pos0, block + [self.mask_id] * (B - a), a, needed)]
             if len(tokens) != B or tokens[:a] != block:
