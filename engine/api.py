@@ -433,8 +433,8 @@ class Engine:
         their own). ``prefill_only``: :meth:`read_chat`."""
         params = params or GenerationParams()
         check_generation_params(params)  # the ranges the CLI's flags and the worker check too (engine.decode.limits)
-        if self.ar_only and params.mode == "diffusion":
-            raise PromptError(f"diffusion mode is not available: {self.ar_only} (use --mode ar)")
+        if self.ar_only and params.mode in ("diffusion", "spec"):
+            raise PromptError(f"{params.mode} mode is not available: {self.ar_only} (use --mode ar)")
         ids, own = self.encode_request(messages, prompt, prompt_ids, raw, tools, params.enable_thinking,
                                        params.continue_final_message)
         if written and prompt_ids is None:

@@ -47,7 +47,7 @@ def test_turns_commands_and_what_the_prompt_cache_read(chat_model) -> None:  # n
     assert cached[2] > cached[1] and prompts[2] > prompts[1]  # the two-line message, thinking off
     assert cached[3] == 0 and "(a new chat)" in proc.stderr  # /reset, then AR mode
     assert "clover-desk chat: unknown command /bogus (/help lists them)" in proc.stderr
-    assert "clover-desk chat: /mode takes one of diffusion, ar (got 'fast')" in proc.stderr
+    assert "clover-desk chat: /mode takes one of diffusion, ar, spec (got 'fast')" in proc.stderr
 
 
 def test_a_message_the_context_cannot_hold_is_one_line_and_the_chat_goes_on(chat_model) -> None:  # noqa: ANN001, F811

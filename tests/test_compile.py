@@ -119,7 +119,7 @@ def test_the_denoising_policy_traces_as_one_graph() -> None:
     seen = (decoding.seen_mask([9, 10], V), torch.zeros(V, dtype=torch.bool))
 
     def policy(logits: torch.Tensor, x: torch.Tensor, conf: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return denoise_policy(logits, x, conf, s, start=1, needed=7, seen=seen, n_at_entry=3, thinking_at_entry=True)
+        return denoise_policy(logits, x, conf, s, start=1, seen=seen, n_at_entry=3, thinking_at_entry=True)
 
     torch._dynamo.reset()
     explained = torch._dynamo.explain(policy)(logits, x, conf)

@@ -294,7 +294,7 @@ def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(m
         before = logits.clone()
         row = _penalize(logits[-1:], s, *seen)  # the AR loop's call: without penalties, forbid_tokens copies
         assert torch.equal(logits, before) and row is not logits[-1:]
-        args = dict(start=2, needed=b, seen=seen, n_at_entry=20, thinking_at_entry=True)
+        args = dict(start=2, seen=seen, n_at_entry=20, thinking_at_entry=True)
         got = denoise_policy(logits, x, torch.zeros(b), s, **args)
         assert torch.equal(logits, before)
         with monkeypatch.context() as m:

@@ -127,3 +127,32 @@ def test_flood_of_steps_is_coalesced(qtbot) -> None:
     assert paints <= 10
     assert view.model.step_count() == 64 * 8  # history bounded
     assert view.slider.maximum() == 64 * 8 - 1
+
+
+def test_a_verify_pass_shows_accepted_verifier_and_rejected_slots(qtbot) -> None:
+    """Spec mode: after the drafting passes, the verify pass's slots are painted by their verdict: accepted drafts
+    green, rejected ones red (the verifier's own token in between), the legend naming both."""
+    view = DenoiseView(fps=60)
+    qtbot.addWidget(view)
+    view.resize(440, 560)
+    view.show()
+    view.add_event(PromptInfo(10, 8, 1, 2))
+    tokens = tuple(range(8))
+    texts = tuple(f"t{i}" for i in range(8))
+    view.add_event(BlockStep(1, 0, tokens, texts, (False,) * 8, (1.0,) * 8, (False, False) + (True,) * 6, 2))
+    verdict = ("", "", "accepted", "accepted", "verifier", "rejected", "rejected", "rejected")
+    view.add_event(BlockStep(1, 1, tokens, texts, (False,) * 8, (1.0,) * 8,
+                             tuple(v in ("accepted", "verifier") for v in verdict), 2, verdict))
+    qtbot.waitUntil(lambda: view.canvas.shown is not None and view.canvas.shown[1] == 1, timeout=2000)
+    assert committed_per_pass(view.model.blocks[-1]) == [6, 3]
+    image = view.canvas.grab().toImage()
+    width = view.canvas.width() - 28
+    cell_w = (width - 5 * 7) / 8
+
+    def fill(slot: int) -> tuple[int, int, int]:
+        c = image.pixelColor(int(14 + slot * (cell_w + 5) + 6), int(14 + 54 + 6))
+        return c.red(), c.green(), c.blue()
+
+    accepted, rejected = fill(2), fill(6)
+    assert accepted[1] > accepted[0] + 40, accepted  # green
+    assert rejected[0] > rejected[1] + 20, rejected  # red

@@ -180,13 +180,18 @@ def test_max_new_tokens_ends_inside_a_block() -> None:
     assert len([e for e in events if isinstance(e, BlockStep)]) == 1  # slots past the budget are not waited for
 
 
-def test_fallback_never_spends_a_pass_on_slots_that_cannot_be_output() -> None:
-    # slots past the budget are the most confident, but the fallback must pick inside the budget
+def test_slots_past_the_budget_compete_so_a_shorter_budget_only_cuts() -> None:
+    # slots past the budget are the most confident: they commit first, as they do with a longer budget, and the
+    # shorter run stops as soon as its own slots are committed (the same passes, cut)
     model = ScriptedModel(letters, margin=lambda p: 0.5 if p < 11 else 4.0)
     events = run(model, [letters(p) for p in range(8)], settings(max_new_tokens=3))
     steps = [e for e in events if isinstance(e, BlockStep)]
-    assert len(steps) == 3 and all(s.committed_now.index(True) < 3 for s in steps)
-    # after a committed EOS, the slots behind it do not compete either
+    assert len(steps) == 8 and sorted(s.committed_now.index(True) for s in steps[:5]) == [3, 4, 5, 6, 7]
+    longer = run(ScriptedModel(letters, margin=lambda p: 0.5 if p < 11 else 4.0), [letters(p) for p in range(8)],
+                 settings(max_new_tokens=20))
+    assert [e for e in longer if isinstance(e, BlockStep)][:8] == steps
+    assert finished(longer).token_ids[:3] == finished(events).token_ids
+    # after a committed EOS, the slots behind it do not compete
     eos_model = ScriptedModel(lambda p: EOS if p == 10 else letters(p), margin=lambda p: {10: 12.0}.get(p, 0.5 if p < 10 else 4.0))
     steps = [e for e in run(eos_model, [letters(p) for p in range(8)], settings()) if isinstance(e, BlockStep)]
     assert len(steps) == 3  # EOS at slot 2, then slots 0 and 1

@@ -321,6 +321,13 @@ def test_settings_drawer_feeds_generation_params(qtbot, store) -> None:
     assert params.mode == "ar" and params.block_size is None
     saved = GenerationSettings.from_dict(store.get_conversation(window.conversation_id).settings)
     assert saved.mode == "ar" and saved.temperature == 0.7
+    # self-speculative: greedy (the temperature is off), with the block settings
+    d.mode.setCurrentIndex(d.mode.findData("spec"))
+    assert d.block_size.isEnabled() and d.threshold.isEnabled() and not d.temperature.isEnabled()
+    assert window.composer.mode_label.text() == "self-speculative"
+    send(qtbot, window, "exactly")
+    params = client.requests[-1][1]
+    assert (params.mode, params.do_sample, params.temperature, params.block_size) == ("spec", False, 0.0, 16)
 
 
 def test_sidebar_new_rename_search_delete(qtbot, store, monkeypatch) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from clover_desk.worker.server import AnswerParser, parse_chat_request
+from clover_desk.worker.server import AnswerParser, parse_chat_request, parse_completion_request
 from server_fixtures import (  # noqa: F401 - fixtures
     NO_THINKING,
     TOOL_JSON,
@@ -370,6 +370,21 @@ def test_answer_parser_keeps_what_is_not_a_call_as_text(text: str) -> None:
     plain = AnswerParser(False)
     assert plain.feed(f"<tool_call>{TOOL_JSON}</tool_call>") + plain.finish() == [
         ("content", f"<tool_call>{TOOL_JSON}</tool_call>")]
+
+
+@pytest.mark.parametrize("parse", [parse_chat_request, parse_completion_request])
+@pytest.mark.parametrize("stream", [None, False])
+def test_stream_options_without_stream_is_a_400(parse, stream: bool | None) -> None:  # noqa: ANN001
+    from clover_desk.worker.server import ApiError
+
+    body = {"model": "m", "messages": HI, "prompt": "hi", "stream_options": {"include_usage": True}}
+    if stream is not None:
+        body["stream"] = stream
+    with pytest.raises(ApiError) as exc:
+        parse(body)
+    assert (exc.value.status, exc.value.param) == (400, "stream_options") and "stream" in str(exc.value)
+    assert parse({**body, "stream": True}).include_usage  # with a stream they are read
+    assert not parse({**body, "stream_options": None}).stream  # null is no options
 
 
 def test_request_messages_in_template_form() -> None:

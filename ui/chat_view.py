@@ -239,7 +239,8 @@ def stats_details(stats: dict[str, Any]) -> str:
         lines.append(read)
     answer = f"answer: {stats['tokens']:,} tokens"
     if stats.get("passes"):
-        answer += f" in {stats['passes']:,} " + ("passes" if stats.get("mode", "diffusion") == "diffusion" else "steps")
+        answer += f" in {stats['passes']:,} " + {"diffusion": "passes", "spec": "forwards"}.get(
+            stats.get("mode", "diffusion"), "steps")
     if stats.get("decode_s"):
         answer += f", {float(stats['decode_s']):.2f} s"
     lines.append(answer)
@@ -259,6 +260,8 @@ def stats_line(stats: dict[str, Any]) -> str:
         parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
     if stats.get("tokens_per_pass") and stats.get("mode", "diffusion") == "diffusion":
         parts.append(f"{stats['tokens_per_pass']:.1f} tok/pass")
+    if stats.get("mode") == "spec" and stats.get("verify_passes"):  # self-speculative: AR's tokens, drafted
+        parts.append(f"{float(stats.get('accepted_per_verify') or 0):.1f} drafts accepted/verify")
     if stats.get("time_to_first_token_s"):
         parts.append(f"first token {stats['time_to_first_token_s']:.2f} s")
     if stats.get("continued"):

@@ -255,6 +255,10 @@ class DenoiseCanvas(QWidget):
                 continue
             conf = step.confidence[i] if i < len(step.confidence) else 0.0
             text = ""
+            verdict = step.verdict[i] if i < len(step.verdict) else ""
+            if verdict:  # spec mode's verify pass: accepted drafts, the verifier's own token, rejected drafts
+                self._paint_verdict(p, rect, verdict, step.texts[i] if i < len(step.texts) else "", fm)
+                continue
             if i < step.prompt_slots:  # prompt tail: context, not generated
                 fill, fg, pen = color("surface2"), color("faint"), QPen(color("border"), 1)
                 text = step.texts[i] if i < len(step.texts) else ""
@@ -284,6 +288,27 @@ class DenoiseCanvas(QWidget):
             p.setPen(fg if step.committed_now[i] else color("muted"))
             p.drawText(rect.adjusted(3, 0, -4, -2), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignBottom, f"{conf:.2f}")
             p.setFont(self._cell_font)
+
+    def _paint_verdict(self, p: QPainter, rect: QRectF, verdict: str, text: str, fm: QFontMetricsF) -> None:
+        """One slot of a verify pass (spec mode): "accepted" green, "verifier" the accent outlined, "rejected" red
+        and struck through (it is drafted again)."""
+        base = color("danger" if verdict == "rejected" else "accent")
+        fill = QColor(base)
+        fill.setAlpha(200 if verdict == "accepted" else 90)
+        p.setPen(QPen(color("text"), 2) if verdict == "verifier" else QPen(base.darker(115), 1))
+        p.setBrush(fill)
+        p.drawRoundedRect(rect.adjusted(1, 1, -1, -1), 5, 5)
+        p.setPen(color("text"))
+        label = fm.elidedText(display_text(text), Qt.TextElideMode.ElideRight, rect.width() - 6)
+        p.drawText(rect.adjusted(3, 2, -3, -10), Qt.AlignmentFlag.AlignCenter, label)
+        p.setFont(self._small)
+        p.setPen(color("muted"))
+        p.drawText(rect.adjusted(3, 0, -4, -2), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignBottom,
+                   {"accepted": "ok", "verifier": "AR", "rejected": "x"}[verdict])
+        if verdict == "rejected":
+            p.setPen(QPen(base, 1.5))
+            p.drawLine(rect.left() + 4, rect.center().y(), rect.right() - 4, rect.center().y())
+        p.setFont(self._cell_font)
 
     def _paint_chart(self, p: QPainter, area: QRectF) -> None:
         p.setFont(self._small)
@@ -429,6 +454,8 @@ class DenoiseCanvas(QWidget):
             (confidence_color(0.95), "committed this pass"),
             (QColor(70, 201, 139, 70), "committed earlier"),
         ]
+        if any(r.steps and any(st.verdict for st in r.steps) for r in self._model.blocks):  # spec mode's verify
+            items += [(color("accent"), "draft accepted"), (color("danger"), "draft rejected")]
         left, right = x, self.width() - 14.0
         for swatch, label in items:  # an item that does not fit goes to the next line (narrow panels)
             w = QFontMetricsF(self._small).horizontalAdvance(label)
@@ -532,8 +559,9 @@ class DenoiseView(QWidget):
         self.throttle.request()
 
     def start(self, mode: str = "diffusion") -> None:
-        """A new answer begins (``mode`` "diffusion" | "ar"): clear the view and follow its live pass."""
-        self.model.reset(mode)
+        """A new answer begins (``mode`` "diffusion" | "ar" | "spec", whose drafting and verify passes show as
+        blocks): clear the view and follow its live pass."""
+        self.model.reset("ar" if mode == "ar" else "diffusion")
         self._set_following(True)
         self.throttle.request()
 

@@ -27,7 +27,7 @@ class GenerationSettings:
 
     The field defaults are only a fallback for a model that says nothing (no config read yet)."""
 
-    mode: str = "diffusion"  # "diffusion" | "ar"
+    mode: str = "diffusion"  # "diffusion" | "ar" | "spec" (greedy: the temperature is not sent)
     temperature: float = 0.0
     block_size: int = 32
     threshold: float = 0.95  # commit every masked slot whose confidence is strictly above this
@@ -42,14 +42,14 @@ class GenerationSettings:
     context_length: int = 0  # the most tokens of this chat the model reads (0: the loaded model's context)
 
     def to_params(self) -> GenerationParams:
-        sampling = self.temperature > 0
+        sampling = self.mode != "spec" and self.temperature > 0  # spec mode is greedy
         return GenerationParams(
             mode=self.mode,
             max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
+            temperature=0.0 if self.mode == "spec" else self.temperature,
             do_sample=sampling,
-            block_size=self.block_size if self.mode == "diffusion" else None,
-            threshold=self.threshold if self.mode == "diffusion" else None,
+            block_size=self.block_size if self.mode in ("diffusion", "spec") else None,
+            threshold=self.threshold if self.mode in ("diffusion", "spec") else None,
             enable_thinking=self.enable_thinking,
             top_p=self.top_p if sampling else None,
             top_k=self.top_k if sampling else None,
@@ -116,6 +116,9 @@ def finished_stats(event: Finished, mode: str) -> dict[str, Any]:
         "decode_s": round(event.decode_s, 4),
         "stop_reason": event.stop_reason,
     }
+    if mode == "spec":
+        stats.update(verify_passes=event.verify_passes, accepted_per_verify=round(event.accepted_per_verify, 3),
+                     forwards_per_token=round(event.forwards_per_token, 3))
     rate = expert_hit_rate(event.accounting)
     if rate is not None:
         stats["expert_hit_rate"] = rate

@@ -694,7 +694,7 @@ class MainWindow(QMainWindow):
         self.composer.think_button.setChecked(settings.enable_thinking)
         self.composer.think_button.blockSignals(False)
         self.chat.set_expand_thinking(settings.expand_thinking)
-        self.composer.mode_label.setText("" if settings.mode == "diffusion" else "autoregressive")
+        self.composer.mode_label.setText({"diffusion": "", "spec": "self-speculative"}.get(settings.mode, "autoregressive"))
 
     def _ensure_conversation(self, first_text: str) -> int:
         if self.conversation_id is None:

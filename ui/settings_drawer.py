@@ -44,6 +44,11 @@ MODE_NOTES = {
         "<b>Autoregressive</b> writes one token per step: temperature, top-p, top-k and the penalties shape each "
         "next token. Block size and threshold belong to block diffusion and are off."
     ),
+    "spec": (
+        "<b>Self-speculative</b>: block diffusion drafts a block, one causal pass checks it, and the tokens are exactly "
+        "autoregressive greedy's. Greedy only: temperature, top-p, top-k and seed are off; the penalties apply as in "
+        "autoregressive; block size and threshold shape the drafts."
+    ),
 }
 
 
@@ -83,6 +88,7 @@ class SettingsDrawer(QFrame):
         self.mode.setObjectName("modeChoice")
         self.mode.addItem("Block diffusion", "diffusion")
         self.mode.addItem("Autoregressive", "ar")
+        self.mode.addItem("Self-speculative (AR's tokens, diffusion drafts)", "spec")
         accessible(self.mode, "Decoding mode")
         self.diffusion_unavailable = ""  # why the loaded model cannot decode by block diffusion ("" when it can)
         self.temperature = QDoubleSpinBox()
@@ -250,14 +256,15 @@ class SettingsDrawer(QFrame):
         tensors): the diffusion choice is disabled with the reason as its tooltip and the mode shows AR, without
         changing what the chat saved. "": diffusion is offered again."""
         self.diffusion_unavailable = reason
-        index = self.mode.findData("diffusion")
-        item = self.mode.model().item(index) if hasattr(self.mode.model(), "item") else None
-        if item is not None:
-            item.setEnabled(not reason)
         text = f"Block diffusion is unavailable for this model: {reason}" if reason else ""
-        self.mode.setItemData(index, text or None, Qt.ItemDataRole.ToolTipRole)
+        for data in ("diffusion", "spec"):  # spec mode drafts by diffusion
+            index = self.mode.findData(data)
+            item = self.mode.model().item(index) if hasattr(self.mode.model(), "item") else None
+            if item is not None:
+                item.setEnabled(not reason)
+            self.mode.setItemData(index, text or None, Qt.ItemDataRole.ToolTipRole)
         self.mode.setToolTip(text)
-        if reason and self.mode.currentData() == "diffusion":
+        if reason and self.mode.currentData() in ("diffusion", "spec"):
             self.mode.blockSignals(True)
             self.mode.setCurrentIndex(self.mode.findData("ar"))
             self.mode.blockSignals(False)
@@ -297,10 +304,11 @@ class SettingsDrawer(QFrame):
 
     def _update_enabled(self) -> None:
         mode = str(self.mode.currentData())
-        diffusion = mode == "diffusion"
-        self.block_size.setEnabled(diffusion)
-        self.threshold.setEnabled(diffusion)
-        sampling = self.temperature.value() > 0
+        blocks = mode in ("diffusion", "spec")
+        self.block_size.setEnabled(blocks)
+        self.threshold.setEnabled(blocks)
+        self.temperature.setEnabled(mode != "spec")  # spec mode is greedy: its tokens are AR greedy's
+        sampling = mode != "spec" and self.temperature.value() > 0
         for box in (self.top_p, self.top_k, self.seed):
             box.setEnabled(sampling)
         self.mode_note.setText(MODE_NOTES.get(mode, ""))

@@ -76,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=flags.integer(1, MAX_BENCH_PROMPT), default=None, help="prefill length (default 256 mid, 1024 full)")
     parser.add_argument("--decode-tokens", type=flags.integer(1, MAX_BENCH_TOKENS), default=32, help="AR tokens to time")
     parser.add_argument("--diffusion-tokens", type=flags.integer(1, MAX_BENCH_TOKENS), default=64, help="tokens of the real diffusion run")
+    parser.add_argument("--mode", choices=("ar-diffusion", "spec"), default="ar-diffusion",
+                        help="spec: also a self-speculative run beside AR and diffusion (its tokens checked against AR's)")
     parser.add_argument("--repeats", type=flags.integer(1, MAX_REPEATS), default=5, help="timed repeats of the prefill and block passes")
     parser.add_argument("--layers", type=flags.integer(1, MAX_LAYERS), default=None, help="override the shape's layer count (smoke runs)")
     parser.add_argument("--seed", type=flags.SEED, default=0)
@@ -465,7 +467,7 @@ def _engine_figures(
     import torch
 
     from engine.placement import offload
-    from engine.decode.generate import generate_ar, generate_diffusion, loop_hooks
+    from engine.decode.generate import generate_ar, generate_diffusion, generate_spec, loop_hooks
 
     B = config.block_size
     P = len(prompt)
@@ -527,6 +529,15 @@ def _engine_figures(
     figures["diffusion_tok_s"] = done.tokens_per_s
     figures["diffusion_passes"] = done.passes
     figures["diffusion_tokens"] = done.tokens
+    if getattr(args, "mode", "ar-diffusion") == "spec":  # greedy AR's tokens, drafted by diffusion
+        ar = _finished(generate_ar(model, prompt, _settings(config, "ar", args.diffusion_tokens)))
+        done = _finished(generate_spec(model, prompt, _settings(config, "spec", args.diffusion_tokens),
+                                       hooks=loop_hooks(model)))
+        figures.update(spec_tok_s=done.tokens_per_s, spec_tokens=done.tokens, spec_passes=done.passes,
+                       spec_forwards_per_token=done.forwards_per_token,
+                       spec_accepted_per_verify=done.accepted_per_verify, spec_verify_passes=done.verify_passes,
+                       spec_equals_ar=float(done.token_ids == ar.token_ids), ar_forwards_per_token=1.0,
+                       diffusion_forwards_per_token=figures["diffusion_passes"] / max(figures["diffusion_tokens"], 1))
     return figures
 
 
@@ -666,6 +677,14 @@ def _print_figures(title: str, f: dict[str, float], block: int, prompt_tokens: i
         f"diffusion run ({int(f['diffusion_tokens'])} tokens, {int(f['diffusion_passes'])} passes): "
         f"{f['diffusion_tokens_per_pass']:.2f} tokens/pass, {f['diffusion_tok_s']:.1f} tok/s"
     )
+    if "spec_tok_s" in f:
+        print(
+            f"spec run ({int(f['spec_tokens'])} tokens, {int(f['spec_passes'])} forwards, "
+            f"{int(f['spec_verify_passes'])} verify passes): {f['spec_accepted_per_verify']:.2f} drafts accepted per "
+            f"verify pass, {f['spec_tok_s']:.1f} tok/s, tokens {'equal to' if f['spec_equals_ar'] else 'NOT equal to'} AR's"
+        )
+        print(f"forwards per token: AR {f['ar_forwards_per_token']:.2f}, diffusion "
+              f"{f['diffusion_forwards_per_token']:.2f}, spec {f['spec_forwards_per_token']:.2f}")
     # a trained model commits ~3 tokens per pass (a random one ~1): a block then takes block/3 passes and a commit
     at3 = f["diffusion_passes_s"] * block / (block / 3 + 1)
     print(f"diffusion at 3 committed tokens per pass (from the pass rate, with the commit pass): {at3:.1f} tok/s")

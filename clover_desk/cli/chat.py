@@ -25,7 +25,7 @@ from clover_desk.cli import generate as cmd_generate
 
 log = logging.getLogger(__name__)
 
-HELP = """commands: /bye (or Ctrl-D) ends the chat, /reset starts a new one, /think on|off, /mode diffusion|ar, /help;
+HELP = """commands: /bye (or Ctrl-D) ends the chat, /reset starts a new one, /think on|off, /mode diffusion|ar|spec, /help;
 a line ending in \\ goes on to the next; Ctrl-C stops an answer"""
 
 
@@ -156,11 +156,11 @@ class Chat:
         elif name == "/think" and arg in ("on", "off"):
             self.params = dataclasses.replace(self.params, enable_thinking=arg == "on")
             print(f"(thinking {arg})", file=err)
-        elif name == "/mode" and arg in ("diffusion", "ar"):
+        elif name == "/mode" and arg in ("diffusion", "ar", "spec"):
             self.params = dataclasses.replace(self.params, mode=arg)
             print(f"(mode {arg})", file=err)
         elif name in ("/think", "/mode"):
-            allowed = "on, off" if name == "/think" else "diffusion, ar"
+            allowed = "on, off" if name == "/think" else "diffusion, ar, spec"
             print(f"clover-desk chat: {name} takes one of {allowed} (got {arg or 'nothing'!r})", file=err)
         else:
             print(f"clover-desk chat: unknown command {name} (/help lists them)", file=err)

@@ -42,7 +42,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
 
 def add_local_arguments(parser: argparse.ArgumentParser) -> None:
     """How a model is loaded here (``generate`` and ``chat``), and its decoding mode and thinking switch."""
-    parser.add_argument("--mode", choices=("diffusion", "ar"), default="diffusion", help="decoding mode")
+    parser.add_argument("--mode", choices=("diffusion", "ar", "spec"), default="diffusion",
+                        help="decoding mode (spec: self-speculative, AR greedy's tokens drafted by diffusion)")
     parser.add_argument("--max-new-tokens", type=flags.MAX_NEW_TOKENS, default=None, metavar="N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")

@@ -272,7 +272,7 @@ def _limited(name: str) -> tuple[Check, str]:
 
 # GenerationParams' fields (engine/decode/events.py) with their types and the ranges the engine accepts.
 PARAM_FIELDS: dict[str, tuple[Check, str]] = {
-    "mode": (_one_of("diffusion", "ar"), '"diffusion" or "ar"'),
+    "mode": (_one_of("diffusion", "ar", "spec"), '"diffusion", "ar" or "spec"'),
     "max_new_tokens": _limited("max_new_tokens"),
     "temperature": _limited("temperature"),
     "top_p": _limited("top_p"),

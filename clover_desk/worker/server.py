@@ -378,7 +378,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 
 def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
-    """(stream, stream_options.include_usage) of a request."""
+    """(stream, stream_options.include_usage) of a request; ``stream_options`` without ``stream: true`` is a 400,
+    as OpenAI's."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("stream", "true, false or null", stream)
@@ -386,6 +387,8 @@ def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
     if options is not None and (not isinstance(options, dict) or
                                 not isinstance(options.get("include_usage", False), bool)):
         raise _bad("stream_options", 'null or {"include_usage": true | false}', options)
+    if options is not None and stream is not True:  # as OpenAI answers: the options are for a stream only
+        raise _bad("stream_options", 'null unless "stream" is true', options)
     return bool(stream), bool(options and options.get("include_usage"))
 
 
@@ -415,8 +418,8 @@ def _clover(body: dict[str, Any]) -> tuple[str | None, int | None, float | None]
             raise ApiError(400, f"clover.{unknown[0]} is not a Clover setting; they are: {', '.join(_CLOVER_FIELDS)}",
                            param=f"clover.{unknown[0]}", code="unknown_parameter")
         if clover.get("mode") is not None:
-            if clover["mode"] not in ("diffusion", "ar"):
-                raise _bad("clover.mode", '"diffusion" or "ar"', clover["mode"])
+            if clover["mode"] not in ("diffusion", "ar", "spec"):
+                raise _bad("clover.mode", '"diffusion", "ar" or "spec"', clover["mode"])
             mode = clover["mode"]
         block_size = _limited(clover, "block_size", "block_size", "clover.block_size")
         threshold = _limited(clover, "threshold", "threshold", "clover.threshold")

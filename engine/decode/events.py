@@ -16,7 +16,7 @@ from typing import Any
 class GenerationParams:
     """What the caller asks for. ``None`` means: take the model's generation_config.json default."""
 
-    mode: str = "diffusion"  # "diffusion" | "ar"
+    mode: str = "diffusion"  # "diffusion" | "ar" | "spec" (self-speculative: AR greedy's tokens, drafted by diffusion)
     max_new_tokens: int | None = None
     temperature: float | None = None  # 0 or None with do_sample False = greedy
     top_p: float | None = None
@@ -74,12 +74,19 @@ class PrefillProgress:
 
 @dataclass(frozen=True)
 class BlockStep:
-    """One denoising pass over the current block (diffusion mode only).
+    """One denoising pass over the current block (diffusion and spec modes).
 
     ``tokens`` are the slot token ids (mask id where still masked), ``texts`` their decoded pieces,
     ``masked`` which slots are still masked after this pass, ``confidence`` the model's confidence for each slot
     (for committed-earlier slots the confidence they were committed with), ``committed_now`` the slots committed
     by this pass. Prompt-tail slots count as committed earlier with confidence 1.
+
+    Spec mode (self-speculative) sends these for its drafting passes, and one for each verify pass with
+    ``verdict`` set, one entry per slot: "accepted" (a drafted token AR greedy writes there too), "verifier" (the
+    verify pass's own token: where the first draft was wrong, or the next block's first slot, not in this block),
+    "rejected" (drafted after the first wrong one: drafted again), "" (committed before this verify). ``tokens``
+    are then the drafted ones with the verifier's token in its slot, and ``committed_now`` the accepted slots and
+    the verifier's.
     """
 
     block_index: int
@@ -90,6 +97,7 @@ class BlockStep:
     confidence: tuple[float, ...]
     committed_now: tuple[bool, ...]
     prompt_slots: int = 0  # leading slots that belong to the prompt tail
+    verdict: tuple[str, ...] = ()  # spec mode's verify pass (see above); () for a denoising / drafting pass
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ class Finished:
     thinking: str
     stop_reason: str  # "eos" | "max_new_tokens" | "context" | "cancelled"
     tokens: int
-    passes: int  # model forwards spent decoding (denoise + commit passes, or AR steps)
+    passes: int  # model forwards spent decoding (denoise + commit passes, AR steps, or drafting + verify passes)
     tokens_per_pass: float
     tokens_per_s: float
     time_to_first_token_s: float | None
@@ -127,6 +135,15 @@ class Finished:
     decode_s: float
     accounting: dict[str, Any] = field(default_factory=dict)  # expert streaming statistics, when offloading
     cached_tokens: int = 0  # of prompt_tokens, those read from the prompt cache instead of prefilled
+    forwards_per_token: float = 0.0  # passes / tokens (AR: about 1)
+    # spec mode: causal verify passes, and drafted tokens each accepted on average (the verifier's own next token,
+    # which every verify pass adds as well, not counted)
+    verify_passes: int = 0
+    accepted_per_verify: float = 0.0
+    # spec mode's counts: draft_passes, verify_passes, drafted, accepted, full_accepts (every drafted slot right),
+    # partial_accepts (a wrong draft: the states rolled back), catch_ups (a block completed by the verifier's own
+    # token in its last slot: one causal pass writes it)
+    spec: dict[str, int] = field(default_factory=dict)
 
 
 def continued_stats(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:

@@ -168,6 +168,20 @@ class ModelCache:
         assert first is not None and second is not None
         return first, second
 
+    def gdn_snapshot(self) -> list[Tensor]:
+        """Copies of the Gated DeltaNet conv and recurrent states: with ``length``, all that a cache-writing pass
+        changes which later passes read (key and value rows past ``length`` are scratch). For :meth:`roll_back`."""
+        return [t.clone() for group in (self.conv, self.state) for t in group if t is not None]
+
+    def roll_back(self, snapshot: list[Tensor], length: int) -> None:
+        """Back to what :meth:`gdn_snapshot` saw, at ``length`` committed tokens (the length then): the states
+        copied back in place (a recorded CUDA graph keeps its addresses); the key and value rows past ``length``
+        become scratch again."""
+        live = [t for group in (self.conv, self.state) for t in group if t is not None]
+        for t, saved in zip(live, snapshot, strict=True):
+            t.copy_(saved)
+        self.length = length
+
     def clone(self) -> "ModelCache":
         """A deep copy (tests, snapshots)."""
         other = object.__new__(ModelCache)
