@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bookkeeping")
     parser.add_argument("--compile", action="store_true",
                         help="also time the engine with its decoder layers compiled (engine.kernels.fastpath), same tokens")
+    parser.add_argument("--real-width", action="store_true",
+                        help="the engine and llama.cpp on the same Q4_K_M file at Clover's real widths (--layers, default "
+                             "4; built once, ~14 GB in ~/.cache/clover-desk/bench; needs llama-cpp-python)")
     parser.add_argument("--compare-llama-cpp", action="store_true",
                         help="also run the same weights as an F32 GGUF (upstream qwen35moe layout) through llama.cpp "
                              "(llama-cpp-python, built from source: not a dependency) and compare greedy tokens")
@@ -117,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
     from engine.errors import CloverError
 
     try:
+        if args.real_width:
+            from clover_desk.bench.real_width import run_real_width
+
+            return run_real_width(args)
         return _run(args)
     except CloverError as exc:
         print(f"clover-desk bench speed: error: {exc}", file=sys.stderr)
