@@ -40,6 +40,7 @@ from ui.main_window import MainWindow
 from engine.placement import planner
 from ui.vram_panel import VramPanel
 from ui.preview import PreviewPane
+from ui.widgets import PreviewOff
 from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
 from ui.model_manager import ModelManagerPanel
 from engine.placement.preflight import EXCLUSIVE, OPT_IN
@@ -139,12 +140,15 @@ class CloverDeskApp(QObject):
         settings: AppSettings | None = None,
         hardware: Any = None,
         with_preview: bool = True,
+        preview_off: str | None = None,
         with_model_manager: bool = True,
         start_engine: bool = True,
         style: bool = True,
         parent: QObject | None = None,
     ) -> None:
-        """``style``: apply the window's theme (light / dark / following the system) to the application."""
+        """``style``: apply the window's theme (light / dark / following the system) to the application.
+        ``preview_off``: why the HTML preview cannot run here (as root without the sandbox): its tab says so and no
+        web engine starts."""
         super().__init__(parent)
 
         self.home = Path(home) if home is not None else paths.app_data_dir()
@@ -158,7 +162,7 @@ class CloverDeskApp(QObject):
         self.device = self.settings.device or ("cuda" if self.hardware.gpu_name else "cpu")
         self.dtype = self.settings.dtype or ("bfloat16" if self.device == "cuda" else "float32")
         self.vram_panel = self._build_vram_panel()
-        self.preview = self._build_preview() if with_preview else None
+        self.preview = self._build_preview(preview_off) if with_preview else None
         self.model_manager = self._build_model_manager() if with_model_manager else None
         self.model_library = self._build_model_library() if self.model_manager is not None else None
         self.token_counter = TokenCounter(self)  # the context meter: the model folder's tokenizer, no worker needed
@@ -233,8 +237,8 @@ class CloverDeskApp(QObject):
                 log.warning("cannot read %s for planning (%s); planning for clover-35b-a3b", self.settings.model_dir, exc)
         return planner.model_manifest(planner.SHAPE_PREFIX + "clover-35b-a3b")
 
-    def _build_preview(self) -> QWidget | None:
-        return PreviewPane()
+    def _build_preview(self, off_reason: str | None = None) -> QWidget | None:
+        return PreviewOff(off_reason) if off_reason else PreviewPane()
 
     def _build_model_manager(self) -> QWidget | None:
         return ModelManagerPanel(

@@ -216,6 +216,7 @@ class MainWindow(QMainWindow):
         self.denoise = DenoiseView()
         self.vram_panel = vram_panel
         self.preview = preview
+        self.preview_off: str | None = getattr(preview, "off_reason", None)  # why the preview cannot run here
         self.model_manager = model_manager
         self.model_library = model_library
         self.title_label = ElidedLabel("New chat", "title")
@@ -276,6 +277,9 @@ class MainWindow(QMainWindow):
             self.open_conversation(conversations[0].id)
         if model_dir is None and model_manager is not None:
             self.show_models_page()
+        if self.preview_off:
+            self.info_banner.action.setVisible(False)
+            self.info_banner.show_message(self.preview_off[:1].upper() + self.preview_off[1:] + ".")
         self.refresh_status()
 
     # ----------------------------------------------------------------- construction

@@ -59,3 +59,25 @@ def accessible(widget: QWidget, name: str, description: str = "") -> QWidget:
     if description:
         widget.setAccessibleDescription(description)
     return widget
+
+
+class PreviewOff(QLabel):
+    """The preview tab when the HTML preview cannot run here (as root, Chromium's sandbox cannot): the one line
+    saying why, in place of the web view. It takes the pages the window hands a preview and shows none of them."""
+
+    def __init__(self, reason: str, parent: QWidget | None = None) -> None:
+        super().__init__(reason[:1].upper() + reason[1:] + ".", parent)
+        self.off_reason = reason
+        self.setObjectName("previewOff")
+        self.setWordWrap(True)
+        self.setTextFormat(Qt.TextFormat.PlainText)
+        self.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.setMargin(16)
+        set_style_class(self, "muted")
+        accessible(self, "Preview off", reason)
+
+    def set_html(self, text: str, document_id: str | None = None) -> None:
+        """Nothing to show the page in (the HtmlPreview contract)."""
+
+    def flush(self) -> None:
+        """Nothing to flush (the HtmlPreview contract)."""
