@@ -208,3 +208,14 @@ def test_gui_without_a_display_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "no display" in lines[0] and "QT_QPA_PLATFORM=offscreen" in lines[0]
+
+
+def test_a_library_qtwebengine_lacks_is_named_too(fake_qt: dict[str, Path]) -> None:
+    """The window imports QtWebEngine on every platform plugin (offscreen too): a module whose libraries are missing
+    (libnspr4 on a minimal Debian) is one line naming the packages, as for the xcb plugin."""
+    module = write_elf(fake_qt["root"] / "PySide6" / "QtWebEngineCore.abi3.so", ["libnss3.so", "libnspr4.so",
+                                                                                 "libxcb.so.1"])
+    line = qt_deps.webengine_problem({}, [module], [str(fake_qt["system"])])
+    assert line is not None and line.startswith("QtWebEngine (the HTML preview) needs libnss3.so (libnss3), ")
+    assert line.endswith("sudo apt install libnss3 libnspr4")
+    assert qt_deps.webengine_problem({}, [], [str(fake_qt["system"])]) is None  # a PySide6 without QtWebEngine

@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from clover_desk.cli import flags
-from clover_desk.cli.qt_deps import xcb_problem
+from clover_desk.cli.qt_deps import webengine_problem, xcb_problem
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if args.home:
         os.environ["CLOVER_DESK_HOME"] = args.home
     problem = display_problem(dict(os.environ), sys.platform, xcb_problem)
+    if problem is None and sys.platform.startswith("linux"):
+        problem = webengine_problem(dict(os.environ))  # imported by the window whatever the platform plugin
     if problem is not None:
         print(f"clover-desk gui: {problem}", file=sys.stderr)
         return EXIT_DATA_DIR

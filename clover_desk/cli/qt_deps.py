@@ -1,7 +1,9 @@
-"""Which shared libraries Qt's X11 platform plugin needs and this machine lacks, found before Qt starts.
+"""Which shared libraries Qt's X11 platform plugin (and QtWebEngine) need and this machine lacks, found before Qt
+starts.
 
-Without one of them Qt aborts the process (SIGABRT, "could not load the Qt platform plugin xcb") before Python can
-say anything, so ``clover-desk gui`` reads the plugin's ELF dynamic section (``DT_NEEDED``, ``DT_RUNPATH``/
+Without one of the xcb plugin's Qt aborts the process (SIGABRT, "could not load the Qt platform plugin xcb") before
+Python can say anything, and without one of QtWebEngine's the window's first import fails with a traceback naming a
+file, not a package. So ``clover-desk gui`` reads the plugin's ELF dynamic section (``DT_NEEDED``, ``DT_RUNPATH``/
 ``DT_RPATH``) itself, follows every needed library the way the dynamic loader looks for it (``LD_LIBRARY_PATH``, the
 object's run path with ``$ORIGIN``, the folders of ``/etc/ld.so.conf``, the default folders), and names each library
 it cannot find with the Debian package that ships it (:data:`DEBIAN_PACKAGES`). Nothing is loaded or executed: a
@@ -17,9 +19,36 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-# soname -> the Debian 12 package that ships it: every library outside PySide6 that libqxcb.so loads, directly or
-# through Qt's own libraries (checked with dpkg -S / apt-file search on Debian 12, PySide6 6.x).
+# soname -> the Debian 12 package that ships it: every library outside PySide6 that libqxcb.so and PySide6's
+# QtWebEngine modules load, directly or through Qt's own libraries (checked with dpkg -S / apt-file search on
+# Debian 12, PySide6 6.12).
 DEBIAN_PACKAGES = {
+    "libXcomposite.so.1": "libxcomposite1",
+    "libXdamage.so.1": "libxdamage1",
+    "libXext.so.6": "libxext6",
+    "libXfixes.so.3": "libxfixes3",
+    "libXrandr.so.2": "libxrandr2",
+    "libXrender.so.1": "libxrender1",
+    "libXtst.so.6": "libxtst6",
+    "libasound.so.2": "libasound2",
+    "libcap.so.2": "libcap2",
+    "libcom_err.so.2": "libcom-err2",
+    "libdrm.so.2": "libdrm2",
+    "libffi.so.8": "libffi8",
+    "libgbm.so.1": "libgbm1",
+    "libgssapi_krb5.so.2": "libgssapi-krb5-2",
+    "libk5crypto.so.3": "libk5crypto3",
+    "libkeyutils.so.1": "libkeyutils1",
+    "libkrb5.so.3": "libkrb5-3",
+    "libkrb5support.so.0": "libkrb5support0",
+    "libnspr4.so": "libnspr4",
+    "libnss3.so": "libnss3",
+    "libnssutil3.so": "libnss3",
+    "libplc4.so": "libnspr4",
+    "libplds4.so": "libnspr4",
+    "libsmime3.so": "libnss3",
+    "libudev.so.1": "libudev1",
+    "libwayland-server.so.0": "libwayland-server0",
     "libEGL.so.1": "libegl1",
     "libGL.so.1": "libgl1",
     "libGLX.so.0": "libglx0",
@@ -56,6 +85,7 @@ DEBIAN_PACKAGES = {
     "libxcb.so.1": "libxcb1",
     "libxkbcommon-x11.so.0": "libxkbcommon-x11-0",
     "libxkbcommon.so.0": "libxkbcommon0",
+    "libxkbfile.so.1": "libxkbfile1",
     "libz.so.1": "zlib1g",
     "libzstd.so.1": "libzstd1",
 }
@@ -167,13 +197,14 @@ def ld_so_conf_dirs(conf: Path = Path("/etc/ld.so.conf")) -> list[str]:
     return dirs
 
 
-def missing_libraries(plugin: Path, env: dict[str, str], system_dirs: list[str]) -> list[str]:
-    """The sonames that ``plugin`` needs, directly or through the libraries it loads, and that the loader would not
+def missing_libraries(objects: "list[Path] | Path", env: dict[str, str], system_dirs: list[str]) -> list[str]:
+    """The sonames that ``objects`` need, directly or through the libraries they load, and that the loader would not
     find (in the order met). ``system_dirs``: the loader's folders after the run paths (ld.so.conf's, the defaults)."""
-    top = read_elf_deps(plugin)
+    objects = [Path(objects)] if isinstance(objects, (str, Path)) else [Path(o) for o in objects]
+    queue: list[tuple[Path, ElfDeps]] = [(path, read_elf_deps(path)) for path in objects]
+    kind = queue[0][1].kind if queue else (0, 0, 0)
     env_dirs = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
     found: dict[str, Path | None] = {}
-    queue: list[tuple[Path, ElfDeps]] = [(Path(plugin), top)]
     while queue:
         path, deps = queue.pop(0)
         origin = str(path.resolve().parent)
@@ -181,7 +212,7 @@ def missing_libraries(plugin: Path, env: dict[str, str], system_dirs: list[str])
         for soname in deps.needed:
             if soname in found:
                 continue
-            hit = _find(soname, [*env_dirs, *runpath, *system_dirs], top.kind)
+            hit = _find(soname, [*env_dirs, *runpath, *system_dirs], kind)
             found[soname] = hit[0] if hit else None
             if hit:
                 queue.append(hit)
@@ -204,12 +235,15 @@ def _find(soname: str, dirs: list[str], kind: tuple[int, int, int]) -> tuple[Pat
     return None
 
 
+def _pyside_dirs() -> list[Path]:
+    spec = importlib.util.find_spec("PySide6")
+    return [Path(loc) for loc in (spec.submodule_search_locations or [])] if spec is not None else []
+
+
 def xcb_plugin(env: dict[str, str]) -> Path | None:
     """PySide6's ``libqxcb.so`` (QT_PLUGIN_PATH's first, as Qt looks there first), or None when there is none."""
     roots = [d for d in env.get("QT_PLUGIN_PATH", "").split(os.pathsep) if d]
-    spec = importlib.util.find_spec("PySide6")
-    if spec is not None and spec.submodule_search_locations:
-        roots += [str(Path(loc) / "Qt" / "plugins") for loc in spec.submodule_search_locations]
+    roots += [str(folder / "Qt" / "plugins") for folder in _pyside_dirs()]
     for root in roots:
         candidate = Path(root) / "platforms" / "libqxcb.so"
         if candidate.is_file():
@@ -217,15 +251,20 @@ def xcb_plugin(env: dict[str, str]) -> Path | None:
     return None
 
 
-def xcb_problem(env: dict[str, str], plugin: Path | None = None, system_dirs: list[str] | None = None) -> str | None:
-    """One line naming every library Qt's X11 plugin lacks here with its Debian package; None when nothing is
-    missing or the plugin is not found (nothing to tell)."""
-    plugin = plugin if plugin is not None else xcb_plugin(env)
-    if plugin is None:
+def webengine_modules() -> list[Path]:
+    """PySide6's QtWebEngine extension modules (the preview's imports), none when PySide6 has no QtWebEngine."""
+    return [module for folder in _pyside_dirs() for name in ("QtWebEngineCore", "QtWebEngineWidgets")
+            for module in sorted(folder.glob(f"{name}.*so"))[:1]]
+
+
+def problem_line(what: str, objects: list[Path], env: dict[str, str], system_dirs: list[str] | None = None) -> str | None:
+    """One line naming every library ``objects`` lack here, each with its Debian package, and the apt command;
+    None when nothing is missing or nothing could be read (nothing to tell)."""
+    if not objects:
         return None
     dirs = system_dirs if system_dirs is not None else [*ld_so_conf_dirs(), *DEFAULT_DIRS]
     try:
-        missing = missing_libraries(plugin, env, dirs)
+        missing = missing_libraries(objects, env, dirs)
     except (OSError, NotELF):
         return None
     if not missing:
@@ -233,4 +272,19 @@ def xcb_problem(env: dict[str, str], plugin: Path | None = None, system_dirs: li
     packages = list(dict.fromkeys(DEBIAN_PACKAGES[s] for s in missing if s in DEBIAN_PACKAGES))
     named = ", ".join(f"{s} ({DEBIAN_PACKAGES.get(s, 'package unknown: apt-file search ' + s)})" for s in missing)
     install = f"; Debian/Ubuntu: sudo apt install {' '.join(packages)}" if packages else ""
-    return f"Qt's X11 platform plugin {plugin} needs {named}, not installed{install}"
+    return f"{what} needs {named}, not installed{install}"
+
+
+def xcb_problem(env: dict[str, str], plugin: Path | None = None, system_dirs: list[str] | None = None) -> str | None:
+    """What Qt's X11 plugin lacks here (:func:`problem_line`); None when nothing or the plugin is not found."""
+    plugin = plugin if plugin is not None else xcb_plugin(env)
+    if plugin is None:
+        return None
+    return problem_line(f"Qt's X11 platform plugin {plugin}", [plugin], env, system_dirs)
+
+
+def webengine_problem(env: dict[str, str], modules: list[Path] | None = None,
+                      system_dirs: list[str] | None = None) -> str | None:
+    """What QtWebEngine (the window imports it for the preview, on every platform plugin) lacks here."""
+    modules = modules if modules is not None else webengine_modules()
+    return problem_line("QtWebEngine (the HTML preview)", modules, env, system_dirs)
