@@ -106,7 +106,7 @@ from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
 from ui.throttle import Throttle
-from ui.widgets import ElidedLabel, accessible
+from ui.widgets import ElidedLabel, accessible, install_wheel_guard
 
 READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
 
@@ -170,6 +170,8 @@ class MainWindow(QMainWindow):
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle(APP_NAME)
+        if QApplication.instance() is not None:
+            install_wheel_guard(QApplication.instance())  # no value changes under a passing mouse wheel, app-wide
         self.client = client
         self.store = store
         self._save_error: type[Exception] = getattr(store, "Error", OSError)

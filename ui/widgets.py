@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize, Qt
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, Qt
 from PySide6.QtGui import QResizeEvent
-from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
+from PySide6.QtWidgets import QAbstractScrollArea, QAbstractSpinBox, QComboBox, QLabel, QSizePolicy, QWidget
 
 from ui.theme import set_style_class
 
@@ -81,3 +81,31 @@ class PreviewOff(QLabel):
 
     def flush(self) -> None:
         """Nothing to flush (the HtmlPreview contract)."""
+
+
+class WheelGuard(QObject):
+    """Application-wide event filter: the mouse wheel over a combo box or spin box that does not have the keyboard
+    focus scrolls what is around it (the page) instead of changing the value the pointer happens to pass over.
+    Click (or Tab to) the box first and the wheel changes it as before."""
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:  # noqa: N802 (Qt override)
+        if (event.type() == QEvent.Type.Wheel and isinstance(watched, (QComboBox, QAbstractSpinBox))
+                and not watched.hasFocus()):
+            area = watched.parentWidget()
+            while area is not None and not isinstance(area, QAbstractScrollArea):
+                area = area.parentWidget()
+            event.ignore()
+            if area is not None:  # (Qt propagates no synthesized wheel event: hand it to the scroll area itself)
+                QCoreApplication.sendEvent(area.viewport(), event)
+            return True
+        return False
+
+
+def install_wheel_guard(app: QCoreApplication) -> WheelGuard:
+    """Install one :class:`WheelGuard` on ``app`` (again: the one already there)."""
+    guard = app.findChild(WheelGuard, "wheelGuard")
+    if guard is None:
+        guard = WheelGuard(app)
+        guard.setObjectName("wheelGuard")
+        app.installEventFilter(guard)
+    return guard
