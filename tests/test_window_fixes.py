@@ -79,3 +79,109 @@ def test_the_wheel_leaves_unfocused_choosers_alone_on_the_models_page(qtbot, tmp
     _wheel(spin, steps=1)
     assert spin.value() == 1.0
     desk.shutdown()
+
+
+def test_the_serve_dialogs_key_label_is_a_mnemonic_not_an_ampersand(qtbot) -> None:
+    """Before: the label read "API &key" (a row that is a layout gets no buddy, so the "&" showed)."""
+    from PySide6.QtWidgets import QLabel
+
+    from ui.serve_panel import ServeDialog
+
+    dialog = ServeDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    (label,) = [w for w in dialog.findChildren(QLabel) if w.text() == "API &key"]
+    assert label.buddy() is dialog.api_key  # Alt+K focuses the key; the "&" is drawn as an underline
+
+
+def test_a_download_error_and_what_to_do_are_two_sentences(qtbot, tmp_path) -> None:
+    """Before: "... Name or service not known Press Resume to try again"."""
+    from ui.model_manager import ModelManagerPanel
+
+    panel = ModelManagerPanel(models_dir=tmp_path / "models")
+    qtbot.addWidget(panel)
+    panel._on_download_failed("cannot reach huggingface.co: Name or service not known", False)
+    assert "not known. Press Resume to try again" in panel.download_status.text()
+    panel._on_download_failed("disk full.", False)
+    assert "disk full. Press Resume" in panel.download_status.text()
+
+
+def test_f2_renames_the_chat_while_the_composer_has_focus(qtbot, tmp_path) -> None:
+    """Before: F2 did nothing unless the chat list had the focus, though Edit ▸ Rename chat advertises it."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QAbstractItemView
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from fakes_ui import FakeEngineClient
+    from ui.main_window import MainWindow
+
+    store = ChatStore(tmp_path / "chats.db")
+    conversation = store.create_conversation("Lighthouses")
+    window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
+    qtbot.addWidget(window)
+    window.show()
+    window.open_conversation(conversation.id)
+    window.composer.input.setFocus()
+    qtbot.waitUntil(window.composer.input.hasFocus)
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_F2)
+    assert window.sidebar.list.state() == QAbstractItemView.State.EditingState
+    window.close()
+    store.close()
+
+
+def test_a_second_demo_model_gets_a_new_folder(qtbot, tmp_path) -> None:
+    """Before: "Create demo model" again wrote over the first demo (perhaps the model loaded)."""
+    from ui.model_manager import DEMO_FOLDER_NAME, ModelManagerPanel
+
+    models = tmp_path / "models"
+    (models / DEMO_FOLDER_NAME).mkdir(parents=True)
+    (models / f"{DEMO_FOLDER_NAME}-2").mkdir()
+    panel = ModelManagerPanel(models_dir=models, python="true")  # (a child that makes nothing: the folder is the test)
+    qtbot.addWidget(panel)
+    with qtbot.waitSignal(panel.demoEnded, timeout=30_000):
+        panel.demo_button.click()
+    assert panel._demo_dir == models / f"{DEMO_FOLDER_NAME}-3"
+    assert sorted(p.name for p in models.iterdir()) == [DEMO_FOLDER_NAME, f"{DEMO_FOLDER_NAME}-2"]
+
+
+def test_make_tiny_files_all_follow_the_umask(tmp_path) -> None:
+    """Before: the safetensors shards were 0600 (the library's own mode) and every other file 0644."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "clover_desk.cli.main", "make-tiny", str(tmp_path / "m")], cwd=root,
+                          capture_output=True, text=True, timeout=300, umask=0o027)
+    assert done.returncode == 0, done.stderr[-2000:]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir() if p.is_file()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {0o640}, {n: oct(m) for n, m in modes.items()}
+
+
+def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -> None:
+    """Before: "Send works once it is re…" at 1024 px wide."""
+    from PySide6.QtCore import Qt
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from fakes_ui import FakeEngineClient
+    from ui.contracts import EngineState
+    from ui.main_window import MainWindow
+
+    store = ChatStore(tmp_path / "chats.db")
+    window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
+    qtbot.addWidget(window)
+    window.resize(1024, 640)
+    window.show()
+    window._set_state(EngineState.LOADING)
+    window._update_send_state()
+    label = window.composer.blocked_label
+    qtbot.waitUntil(label.isVisible)
+    qtbot.wait(50)  # (one layout pass)
+    rect = label.contentsRect()
+    flags = Qt.TextFlag.TextWordWrap if label.wordWrap() else Qt.TextFlag(0)
+    needed = label.fontMetrics().boundingRect(rect, flags, label.text())
+    assert needed.width() <= rect.width() and needed.height() <= rect.height(), (label.text(), rect, needed)
+    window.close()
+    store.close()

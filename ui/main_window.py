@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-from PySide6.QtCore import QSettings, QSize, QStandardPaths, Qt, QTimer, Signal
+from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import (
     QAction,
     QActionGroup,
@@ -106,7 +106,7 @@ from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
 from ui.throttle import Throttle
-from ui.widgets import ElidedLabel, accessible, install_wheel_guard
+from ui.widgets import ElidedLabel, accessible, documents_dir, install_wheel_guard
 
 READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
 
@@ -131,12 +131,6 @@ COMFORT_CHAT_WIDTH = 480  # below this the side panel, then the sidebar, give wa
 def ask_save_path(parent: QWidget, caption: str, start: str, filters: list[str], selected: str) -> tuple[str, str]:
     """The save dialog (a seam: tests replace it). Returns (path or "", the filter chosen)."""
     return QFileDialog.getSaveFileName(parent, caption, start, ";;".join(filters), selected)
-
-
-def documents_dir() -> Path:
-    """The user's Documents folder (home when the platform has none)."""
-    location = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
-    return Path(location) if location else Path.home()
 
 
 class MainWindow(QMainWindow):
@@ -435,7 +429,8 @@ class MainWindow(QMainWindow):
         self.focus_action = self._action(edit_menu, "Go to the &message box", self.on_focus_composer, "Ctrl+L")
         edit_menu.addSeparator()
         self.rename_action = self._action(edit_menu, "&Rename chat", self.on_rename_current, "F2")
-        self.rename_action.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)  # F2 itself: the chat list's key
+        # F2 anywhere in the window (the composer's focus included) renames the open chat, as the menu says
+        self.rename_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
         self.delete_action = self._action(edit_menu, "&Delete chat…", self.on_delete_current)
         edit_menu.addSeparator()
         self.regenerate_action = self._action(edit_menu, "Re&generate last answer", self.on_regenerate_last,

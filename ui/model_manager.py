@@ -66,6 +66,16 @@ PARTIAL_STATE_DIR = ".clover-download"  # = clover_desk.downloads.STATE_DIR: par
 MAX_RECENT = 10
 
 
+def free_folder(parent: Path, name: str) -> Path:
+    """``parent / name``, or with the first free ``-2``, ``-3``… suffix when that exists: a second demo model is a
+    new folder, never written over the first (which may be loaded, or chatted with)."""
+    candidate, n = parent / name, 1
+    while candidate.exists():
+        n += 1
+        candidate = parent / f"{name}-{n}"
+    return candidate
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Checking a folder (no Qt)
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,7 +449,7 @@ class ModelManagerPanel(QWidget):
     def create_demo_model(self, folder: str | Path | None = None) -> None:
         if self._process is not None:
             return
-        self._demo_dir = Path(folder) if folder else self.models_dir / DEMO_FOLDER_NAME
+        self._demo_dir = Path(folder) if folder else free_folder(self.models_dir, DEMO_FOLDER_NAME)
         self._demo_output = []
         process = QProcess(self)
         process.setProgram(self._python)
@@ -602,7 +612,10 @@ class ModelManagerPanel(QWidget):
         if cancelled:
             text = "Cancelled. The bytes downloaded so far are kept: press Resume to continue."
         else:
-            text = f"<b>Download stopped:</b> {_escape(message)}"
+            said = message.strip()
+            text = f"<b>Download stopped:</b> {_escape(said)}"
+            if said and said[-1] not in ".!?":
+                text += "."  # (the next sentence started right after the error's last word)
             if "resume" not in message.lower() and "again" not in message.lower():
                 text += " Press Resume to try again; finished files are not fetched twice."
         self.download_status.setText(text)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, Qt
+from pathlib import Path
+
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt
 from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import QAbstractScrollArea, QAbstractSpinBox, QComboBox, QLabel, QSizePolicy, QWidget
 
@@ -51,6 +53,12 @@ class ElidedLabel(QLabel):
 
     def is_elided(self) -> bool:
         return super().text() != self._full
+
+
+def documents_dir() -> Path:
+    """The user's Documents folder (home when the platform has none): where save dialogs start the first time."""
+    location = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    return Path(location) if location else Path.home()
 
 
 def accessible(widget: QWidget, name: str, description: str = "") -> QWidget:
