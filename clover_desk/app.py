@@ -187,7 +187,7 @@ class CloverDeskApp(QObject):
         self.window.set_remote_factory(RemoteBackend)  # Model ▸ Backend…: (url, api_key, model) -> RemoteBackend
         info = model_info_from_folder(self.settings.model_dir)
         if info is not None:
-            self.window.set_model_info(info)
+            self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})  # the context it will load with
         if style:
             self.window.apply_theme_preference()
         self._connect_signals()
@@ -321,7 +321,11 @@ class CloverDeskApp(QObject):
                 return
         self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
         compile_layers = {"compile": True} if self.settings.compile_layers else {}  # the engine says if it cannot
-        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan, **compile_layers)
+        # without a plan the context still travels: the engine holds requests to it and the composer's meter
+        # counts against it (the VRAM panel's applied context, one context size everywhere)
+        context = {"ctx_tokens": ctx} if plan is None and ctx else {}
+        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan, **compile_layers,
+                         **context)
 
     def on_engine_ready(self) -> None:
         self.load_model()
@@ -341,7 +345,7 @@ class CloverDeskApp(QObject):
         self.vram_panel.set_planner(self._plan)
         info = model_info_from_folder(model_dir)
         if info is not None:
-            self.window.set_model_info(info)
+            self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})
         if self.client.state in ("idle",) and not self._apply_gpu_paths():  # (the worker has the chosen paths)
             self.load_model()
         else:

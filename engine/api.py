@@ -144,6 +144,7 @@ class Engine:
         self.compile_skipped = compile_skipped  # why compile=True left the model uncompiled, or None
         # the last prompt's prefill, for a chat's next turn (it starts with the same tokens): engine.decode.generate
         self.prompt_cache = PromptCache()
+        self.ctx_limit: int = getattr(plan, "ctx_tokens", 0) or 0  # requests are held to it (0: the model's own)
 
     @property
     def compiled(self) -> bool:
@@ -256,6 +257,8 @@ class Engine:
                     progress(LoadProgress(stage="compile-skipped", done_bytes=0, total_bytes=0,
                                           current=compile_skipped))
         engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped)
+        if plan is None and ctx_tokens:  # no plan (system RAM): the context the load was asked for, all the same
+            engine.ctx_limit = int(ctx_tokens)
         if compile and not compile_skipped:
             if cancel is not None and cancel.is_set():
                 raise CancelledError(f"loading {folder} was cancelled")
@@ -348,7 +351,7 @@ class Engine:
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
         block = settings.block_size
         new = WARM_UP_AR_TOKENS if ar else -(-prompt_tokens // block) * block - prompt_tokens + 1
-        planned_ctx = getattr(self.plan, "ctx_tokens", 0)
+        planned_ctx = self.ctx_limit
         return dataclasses.replace(
             settings, max_new_tokens=new, eos_token_ids=(), threshold=0.0,
             max_positions=min(settings.max_positions, planned_ctx) if planned_ctx else settings.max_positions,
@@ -442,9 +445,8 @@ class Engine:
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
         if prefill_only:
             settings = dataclasses.replace(settings, prefill_only=True)
-        planned_ctx = getattr(self.plan, "ctx_tokens", 0)
-        if planned_ctx:
-            settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, planned_ctx))
+        if self.ctx_limit:
+            settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, self.ctx_limit))
         return generate(
             self.model, ids, settings, self.tokenizer, cancel, vocab_size=self.config.vocab_size, hooks=self._hooks,
             written=written or own, prompt_cache=self.prompt_cache,

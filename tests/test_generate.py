@@ -652,3 +652,15 @@ def test_stop_inside_the_first_block_keeps_its_committed_text() -> None:
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == done.text != ""
     (block,) = [e for e in events if isinstance(e, BlockCommitted)]
     assert block.token_ids == tuple(lead)
+
+
+def test_without_a_plan_the_engine_holds_requests_to_the_context_it_was_loaded_with(tiny_clover_dir,
+                                                                                    one_torch_thread) -> None:
+    """Before: a load without a plan (system RAM) took up to max_position_embeddings (131,072) while the window's VRAM
+    panel and the load said 16K: two context sizes."""
+    engine = Engine.load(tiny_clover_dir, ctx_tokens=48)
+    assert engine.ctx_limit == 48
+    done = [e for e in engine.generate(prompt="hello there", params=GenerationParams(mode="ar", max_new_tokens=200))
+            if isinstance(e, Finished)][-1]
+    assert done.stop_reason == "context" and done.prompt_tokens + done.tokens <= 48
+    assert Engine.load(tiny_clover_dir).ctx_limit == 0  # nothing asked: the model's own context

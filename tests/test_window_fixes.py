@@ -3,6 +3,7 @@ the mouse wheel over unfocused choosers, and the small ones (labels, shortcuts, 
 
 from __future__ import annotations
 
+from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from ui.chat_view import ChatView, MessageData
 
 
@@ -185,3 +186,25 @@ def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -
     assert needed.width() <= rect.width() and needed.height() <= rect.height(), (label.text(), rect, needed)
     window.close()
     store.close()
+
+
+def test_one_context_size_the_loaded_one_capped_by_the_model(qtbot, tmp_path, tiny_clover_dir) -> None:  # noqa: F811
+    """Before: the composer said "x / 131,072 tokens" (the model's max_position_embeddings) while the VRAM panel's
+    applied context was 16K and a CPU load sent no context at all."""
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from fakes_ui import FakeEngineClient
+
+    client = FakeEngineClient(loaded=False)
+    settings = AppSettings(model_dir=str(tiny_clover_dir), device="cpu", ctx_tokens=16_384)
+    desk = CloverDeskApp(tmp_path, client=client, settings=settings, with_preview=False, with_model_manager=False)
+    qtbot.addWidget(desk.window)
+    assert desk.window.long_chats.limit == 16_384  # before the load: the context it will load with
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        desk.load_model()
+    assert client.ctx_loads[-1] == 16_384  # the load carries it (no plan on the CPU)
+    assert desk.window.long_chats.limit == 16_384 == desk.vram_panel.ctx_tokens()
+    desk.settings.ctx_tokens = 262_144  # more than the model takes: capped by max_position_embeddings
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        desk.load_model()
+    assert desk.window.long_chats.limit == 131_072
+    desk.shutdown()
