@@ -208,3 +208,97 @@ def test_one_context_size_the_loaded_one_capped_by_the_model(qtbot, tmp_path, ti
         desk.load_model()
     assert desk.window.long_chats.limit == 131_072
     desk.shutdown()
+
+
+def _remote_window(qtbot, tmp_path, client):  # noqa: ANN001, ANN202
+    """A window on ``client`` whose saved backend is a remote server asking for "remote-model"."""
+    from PySide6.QtCore import QSettings
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.worker.remote import RemoteBackend
+    from ui.main_window import MainWindow
+
+    settings = QSettings(str(tmp_path / "window.ini"), QSettings.Format.IniFormat)
+    for key, value in (("backend", "local"), ("remote_url", "http://127.0.0.1:9/v1"), ("remote_model", "remote-model")):
+        settings.setValue(key, value)
+    store = ChatStore(tmp_path / "chats.db")
+    window = MainWindow(client, store, StreamRecorder, model_dir="/models/clover-tiny-demo", ui_settings=settings)
+    qtbot.addWidget(window)
+    window.set_remote_factory(RemoteBackend)
+    window.show()
+    return window, store
+
+
+def test_no_stale_figures_or_names_after_switching_to_the_remote(qtbot, tmp_path) -> None:
+    """Before: the status bar showed the local engine's "41.5 tok/s (remote)" before any remote answer, and the chat
+    header named the local demo model while the answers came from the remote one."""
+    from PySide6.QtCore import Qt
+
+    from fakes_ui import FakeEngineClient
+
+    window, store = _remote_window(qtbot, tmp_path, FakeEngineClient(blocks=2, pass_ms=2))
+    window.composer.input.setPlainText("Hello")
+    with qtbot.waitSignal(window.generationFinished, timeout=5000):
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert window.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
+    dialog = window.remote.dialog
+    dialog.remote.click()  # Model ▸ Backend…: the remote server
+    window.refresh_status()
+    assert window.speed_label.text() == "tok/s unavailable (remote)"
+    assert window.model_label.text() == "remote-model"
+    dialog.local.click()
+    window.refresh_status()
+    assert window.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
+    window.close()
+    store.close()
+
+
+def test_loading_cancelled_goes_with_another_chat_backend_or_load(qtbot, tmp_path) -> None:
+    """Before: "Loading cancelled." stayed over every chat and backend afterwards."""
+    from engine.decode.events import LoadProgress
+    from fakes_ui import FakeEngineClient
+
+    window, store = _remote_window(qtbot, tmp_path, FakeEngineClient())
+    other = store.create_conversation("Another chat")
+
+    def cancelled() -> None:
+        window.on_engine_error_message("CancelledError", "loading was cancelled")
+        assert window.info_banner.isVisible() and window.info_banner.label.text() == "Loading cancelled."
+
+    cancelled()
+    window.open_conversation(other.id)
+    assert not window.info_banner.isVisible()
+    cancelled()
+    window.remote.dialog.remote.click()
+    assert not window.info_banner.isVisible()
+    cancelled()
+    window.on_load_progress(LoadProgress("reading", 0, 10))
+    assert not window.info_banner.isVisible()
+    window.close()
+    store.close()
+
+
+def test_reload_now_goes_once_reloaded_and_deleted_models_leave_recent(qtbot, tmp_path, tiny_clover_dir) -> None:  # noqa: F811
+    """Before: "Reload now" stayed after the reload; Recent models listed a model deleted since."""
+    import json
+
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from fakes_ui import FakeEngineClient
+
+    gone = tmp_path / "models" / "deleted-model"
+    (tmp_path / "recent_models.json").write_text(json.dumps([str(gone), str(tiny_clover_dir)]), encoding="utf-8")
+    client = FakeEngineClient()
+    desk = CloverDeskApp(tmp_path, client=client, settings=AppSettings(model_dir=str(tiny_clover_dir)),
+                         with_preview=False)
+    qtbot.addWidget(desk.window)
+    desk.window.show()
+    desk.window.show_models_page()
+    manager, library = desk.model_manager, desk.model_library
+    assert manager.recent_models() == [str(tiny_clover_dir)]
+    assert [manager.recent_list.item(i).data(256) for i in range(manager.recent_list.count())] == [str(tiny_clover_dir)]
+    library.compile_choice.setChecked(not library.compile_choice.isChecked())  # an option for the next load
+    assert library.reload_button.isVisible()
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        library.reload_button.click()
+    assert library.reload_button.isHidden()  # (hidden itself, whichever page shows now)
+    desk.shutdown()

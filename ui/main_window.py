@@ -120,6 +120,7 @@ ABOUT_TEXT = (
     "denoised, fit the model to your GPU's memory, and preview the HTML apps it writes in a sandbox.</p>"
     "<p>The model runs on this computer, in its own process. Nothing is sent anywhere.</p>"
 )
+LOAD_CANCELLED = "Loading cancelled."
 EXPORT_FILTERS = {"markdown": "Markdown (*.md)", "json": "JSON (*.json)"}
 DEFAULT_SIZE = QSize(1480, 900)
 MIN_CHAT_WIDTH = 360
@@ -192,6 +193,7 @@ class MainWindow(QMainWindow):
         else:
             self.engine_state = EngineState.STARTING
         self.last_tok_s: float | None = None
+        self.last_tok_s_remote = False  # whose figure last_tok_s is: the remote server's (True) or the local engine's
         self.gpu_paths_in_use: list[str] = []  # the experimental GPU paths the loaded engine runs with (its answer)
         self.last_hit_rate: float | None = None
         self.theme_preference = str(self._setting("theme", "system"))
@@ -625,6 +627,7 @@ class MainWindow(QMainWindow):
         if self.is_generating():
             self.on_stop_requested()
         self.conversation_id = conversation_id
+        self.clear_load_notice()
         self.composer.end_edit()
         self.sidebar.select(conversation_id)
         if conversation_id is None:
@@ -1075,6 +1078,7 @@ class MainWindow(QMainWindow):
         data.status = status
         data.stats = stats
         self.last_tok_s = event.tokens_per_s
+        self.last_tok_s_remote = False
         self.last_hit_rate = stats.get("expert_hit_rate", self.last_hit_rate)
         self._end_generation(event.stop_reason)
 
@@ -1090,6 +1094,7 @@ class MainWindow(QMainWindow):
         data.status = "stopped" if event.finish_reason == "cancelled" else "complete"
         data.stats = stats
         self.last_tok_s = stats.get("tokens_per_s")
+        self.last_tok_s_remote = True
         self._end_generation(str(stats.get("stop_reason") or "eos"))
 
     def _fail(self, message: str, reason: str) -> None:
@@ -1163,6 +1168,7 @@ class MainWindow(QMainWindow):
         self.refresh_status()
 
     def on_load_progress(self, event: LoadProgress) -> None:
+        self.clear_load_notice()
         self.engine_state = EngineState.LOADING
         self.load_banner.set_progress(event)
         self.status_throttle.request()
@@ -1228,13 +1234,18 @@ class MainWindow(QMainWindow):
         """The app restarts the worker (another model, another VRAM plan): no Send until it has loaded again."""
         self._set_state(EngineState.STARTING)
 
+    def clear_load_notice(self) -> None:
+        """The "Loading cancelled." notice is about that load: another chat, backend or load takes it away."""
+        if self.info_banner.label.text() == LOAD_CANCELLED:
+            self.info_banner.hide()
+
     def on_engine_error_message(self, kind: str, message: str) -> None:
         self.load_banner.hide()
         if self.is_generating() and self._request_source is self.client:
             self._fail(f"{kind}: {message}", "error")
         if kind in ("CancelledError",):
             self.info_banner.action.setVisible(False)
-            self.info_banner.show_message("Loading cancelled.")
+            self.info_banner.show_message(LOAD_CANCELLED)
             if self.engine_state is EngineState.LOADING:
                 self.engine_state = EngineState.NO_MODEL
         else:
@@ -1299,6 +1310,7 @@ class MainWindow(QMainWindow):
         self.remote = RemoteBackendControl(factory, self.ui_settings, self)
         self.remote.runner.event.connect(self.on_engine_event)
         self.remote.changed.connect(self.refresh_status)
+        self.remote.changed.connect(self.clear_load_notice)
         self.backend_action = QAction("&Backend: local or remote…", self)
         self.backend_action.setObjectName("backendAction")
         self.backend_action.setStatusTip("Answer with the local engine or a remote OpenAI-compatible server")
@@ -1365,7 +1377,10 @@ class MainWindow(QMainWindow):
             if self.long_chats.summary is not None:
                 state_text = "● Summarizing the chat…"
         self.engine_label.setText(state_text)
-        self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
+        if self._uses_remote() and self.remote is not None:  # the header names what answers
+            self.model_label.setText(self.remote.model_name() or f"remote: {self.remote.host() or 'no URL set'}")
+        else:
+            self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
         paths = self.gpu_paths_in_use
         self.gpu_label.setText((self.gpu_name or "No GPU (CPU)")
                                + (f" · {len(paths)} experimental path{'s' if len(paths) > 1 else ''}" if paths else ""))
@@ -1381,14 +1396,15 @@ class MainWindow(QMainWindow):
         else:
             self.ram_label.setText("RAM –")
         live = self.denoise.model.tokens_per_s() if self.is_generating() else None
-        tok_s = live or self.last_tok_s
+        tok_s = live or (self.last_tok_s if not self.last_tok_s_remote else None)
         self.speed_label.setText(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s")
         rate = self.last_hit_rate
         self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
         if self._uses_remote() and self.remote is not None:  # figures a remote does not report: said so, not guessed
             if not self.is_generating():
                 self.engine_label.setText(f"● Remote: {self.remote.host() or 'no URL set'}")
-            rate_s = None if self.is_generating() else self.last_tok_s  # the server's figure, once it reported one
+            # the server's figure, once it reported one (not the local engine's last)
+            rate_s = None if self.is_generating() or not self.last_tok_s_remote else self.last_tok_s
             self.speed_label.setText(f"{rate_s:.1f} tok/s (remote)" if rate_s else "tok/s unavailable (remote)")
             self.hit_label.setText("Expert cache unavailable (remote)")
         self._update_send_state()

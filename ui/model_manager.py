@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from PySide6.QtCore import QProcess, QStandardPaths, Qt, Signal
-from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -464,7 +463,8 @@ class ModelManagerPanel(QWidget):
         process.start()
 
     def recent_models(self) -> list[str]:
-        return list(self._recent)
+        """The recent models still on disk (one deleted, or on a drive gone, is not offered)."""
+        return [p for p in self._recent if Path(p).exists()]
 
     def set_recent_models(self, paths: Sequence[str]) -> None:
         self._recent = list(dict.fromkeys(str(p) for p in paths))[:MAX_RECENT]
@@ -652,12 +652,9 @@ class ModelManagerPanel(QWidget):
 
     def _refresh_recent(self) -> None:
         self.recent_list.clear()
-        for path in self._recent:
+        for path in self.recent_models():  # a deleted model is not listed (it stays remembered, should it return)
             item = QListWidgetItem(f"{Path(path).name} — {path}")
             item.setData(Qt.ItemDataRole.UserRole, path)
-            if not Path(path).exists():
-                item.setToolTip("this model no longer exists")
-                item.setForeground(QColor(Qt.GlobalColor.gray))
             self.recent_list.addItem(item)
 
     def _load_recent(self) -> None:
