@@ -320,7 +320,9 @@ class CloverDeskApp(QObject):
                 self.window.on_engine_error_message(type(exc).__name__, str(exc))
                 return
         self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
-        compile_layers = {"compile": True} if self.settings.compile_layers else {}  # the engine says if it cannot
+        # the engine says if it cannot compile; answers from a remote server need no compiled local model
+        remote = self.window.remote is not None and self.window.remote.selected
+        compile_layers = {"compile": True} if self.settings.compile_layers and not remote else {}
         # without a plan the context still travels: the engine holds requests to it and the composer's meter
         # counts against it (the VRAM panel's applied context, one context size everywhere)
         context = {"ctx_tokens": ctx} if plan is None and ctx else {}
@@ -331,8 +333,16 @@ class CloverDeskApp(QObject):
         self.load_model()
 
     def on_model_loaded(self, info: dict[str, Any]) -> None:
-        """The panel shows the plan the engine placed (None: no plan, the model runs from system RAM)."""
+        """The panel shows the plan the engine placed (None: no plan, the model runs from system RAM). A compile the
+        user cancelled unticks "Compile the layers" (saved): the next start does not compile again."""
         self.vram_panel.set_in_use(info.get("plan") or None, str(info.get("device") or self.device))
+        if info.get("compile_cancelled") and self.settings.compile_layers:
+            self.settings.compile_layers = False
+            self.save_settings()
+            if self.model_library is not None:
+                self.model_library.compile_choice.blockSignals(True)  # (no "Reload now": this is the model's state)
+                self.model_library.compile_choice.setChecked(False)
+                self.model_library.compile_choice.blockSignals(False)
 
     def on_model_chosen(self, model_dir: str) -> None:
         self.settings.model_dir = model_dir

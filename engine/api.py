@@ -39,6 +39,7 @@ from engine.weights import quant_cache
 from engine.weights.gguf.model import load_gguf_engine
 from engine.weights.checkpoint import load_model
 
+COMPILE_CANCELLED = "compiling was cancelled: the model runs uncompiled"
 log = logging.getLogger(__name__)
 
 # What a compiled load runs before it returns (Engine.warm_up): AR decoding of a few tokens (the prefill, the first
@@ -145,6 +146,7 @@ class Engine:
         # the last prompt's prefill, for a chat's next turn (it starts with the same tokens): engine.decode.generate
         self.prompt_cache = PromptCache()
         self.ctx_limit: int = getattr(plan, "ctx_tokens", 0) or 0  # requests are held to it (0: the model's own)
+        self.compile_cancelled = False  # Cancel came during the compile's warm-up: loaded, running uncompiled
 
     @property
     def compiled(self) -> bool:
@@ -263,7 +265,13 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 raise CancelledError(f"loading {folder} was cancelled")
             fastpath.compile_layers(model, backend=compile_backend)
-            engine.warm_up(progress, cancel)
+            try:
+                engine.warm_up(progress, cancel)
+            except CancelledError:  # the weights are in place: a cancelled compile leaves the model, uncompiled
+                fastpath.uncompile_layers(model)
+                engine.compile_skipped = COMPILE_CANCELLED
+                engine.compile_cancelled = True
+                log.warning("compiling %s was cancelled: the model runs uncompiled", folder.name)
         return engine
 
     # ---- warm-up ----

@@ -3,7 +3,7 @@ the mouse wheel over unfocused choosers, and the small ones (labels, shortcuts, 
 
 from __future__ import annotations
 
-from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
+from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401 (session fixtures)
 from ui.chat_view import ChatView, MessageData
 
 
@@ -301,4 +301,80 @@ def test_reload_now_goes_once_reloaded_and_deleted_models_leave_recent(qtbot, tm
     with qtbot.waitSignal(client.loaded, timeout=5000):
         library.reload_button.click()
     assert library.reload_button.isHidden()  # (hidden itself, whichever page shows now)
+    desk.shutdown()
+
+
+def test_the_compile_warm_up_shows_its_elapsed_time(qtbot) -> None:
+    """Before: "one-time warm-up 1 of 2" sat unchanged for 7+ minutes, with no elapsed time."""
+    from engine.decode.events import LoadProgress
+    from ui.banners import LoadBanner
+
+    now = [100.0]
+    banner = LoadBanner(clock=lambda: now[0])
+    qtbot.addWidget(banner)
+    what = "one-time warm-up 1 of 2: 32 tokens of AR decoding"
+    banner.set_progress(LoadProgress("compiling-ar", 0, 0, what))
+    assert banner.detail.text() == f"{what} · 0 s" and banner.ticker.isActive()
+    now[0] += 125
+    qtbot.waitUntil(lambda: banner.detail.text() == f"{what} · 2 min 05 s", timeout=3000)  # the ticker, by itself
+    banner.set_progress(LoadProgress("compiling-ar", 0, 0, what))  # the same stage again: the clock runs on
+    assert banner.detail.text().endswith("2 min 05 s")
+    banner.hide()
+    assert not banner.ticker.isActive()
+
+
+def test_a_cancelled_compile_leaves_the_model_loaded_uncompiled(tiny_clover_dir, one_torch_thread) -> None:  # noqa: F811
+    """Before: Cancel during "Compile the layers" ended in "No model". Now the warm-up stops at its next pass and the
+    model stays loaded, running eagerly, with the same tokens as an uncompiled load."""
+    import threading
+
+    from engine.api import Engine
+    from engine.decode.events import Finished, GenerationParams
+    from engine.kernels import fastpath
+
+    if fastpath.unavailable("cpu"):
+        import pytest
+
+        pytest.skip(f"no CPU compile here: {fastpath.unavailable('cpu')}")
+    cancel = threading.Event()
+
+    def progress(event) -> None:  # noqa: ANN001
+        if event.stage.startswith("compiling"):
+            cancel.set()  # the user presses Cancel as the warm-up starts
+
+    engine = Engine.load(tiny_clover_dir, compile=True, progress=progress, cancel=cancel)
+    assert engine.compile_cancelled and not engine.compiled and "cancelled" in (engine.compile_skipped or "")
+    params = GenerationParams(mode="ar", max_new_tokens=8, do_sample=False)
+    ours = [e for e in engine.generate(prompt="hello", params=params) if isinstance(e, Finished)][-1]
+    eager = [e for e in Engine.load(tiny_clover_dir).generate(prompt="hello", params=params)
+             if isinstance(e, Finished)][-1]
+    assert ours.token_ids == eager.token_ids
+
+
+def test_after_a_cancelled_compile_the_box_is_unticked_and_remote_never_compiles(qtbot, tmp_path,
+                                                                                 tiny_clover_dir) -> None:  # noqa: F811
+    """Before: the box stayed ticked (the next start compiled again), even with the remote backend selected."""
+    import json
+
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from fakes_ui import FakeEngineClient
+
+    client = FakeEngineClient(loaded=False)
+    settings = AppSettings(model_dir=str(tiny_clover_dir), device="cpu", compile_layers=True)
+    desk = CloverDeskApp(tmp_path, client=client, settings=settings, with_preview=False)
+    qtbot.addWidget(desk.window)
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        desk.load_model()
+    assert client.compiles[-1] is True
+    info = {"model_dir": str(tiny_clover_dir), "device": "cpu", "compile_cancelled": True,
+            "compile_skipped": "compiling was cancelled: the model runs uncompiled"}
+    client.loaded.emit(info)  # what the worker answers when Cancel came during the warm-up
+    assert not desk.settings.compile_layers and not desk.model_library.compile_choice.isChecked()
+    assert json.loads((tmp_path / "settings.json").read_text(encoding="utf-8"))["compile_layers"] is False
+    assert "uncompiled" in desk.window.info_banner.label.text() and desk.model_library.reload_button.isHidden()
+    desk.settings.compile_layers = True  # ticked again, but the remote server answers
+    desk.window.remote.dialog.remote.click()
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        desk.load_model()
+    assert client.compiles[-1] is False
     desk.shutdown()

@@ -1181,7 +1181,13 @@ class MainWindow(QMainWindow):
             self.set_model_info(info)
             self.gpu_paths_in_use = [str(p) for p in info.get("gpu_paths") or ()]
             self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
-            self.say_compile_skipped(str(info.get("compile_skipped") or ""), after_notice=bool(info.get("ar_only")))
+            if info.get("compile_cancelled"):
+                self.info_banner.action.setVisible(False)
+                self.info_banner.show_message("Compiling was cancelled: the model is loaded and runs uncompiled; "
+                                              "“Compile the layers” is now off.")
+            else:
+                self.say_compile_skipped(str(info.get("compile_skipped") or ""),
+                                         after_notice=bool(info.get("ar_only")))
         self._set_state(EngineState.READY)
         self.read_ahead_timer.start()
 

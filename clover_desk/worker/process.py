@@ -772,7 +772,9 @@ class Worker:
             self._set_idle()
             self._report(exc, op="load")
             return
-        if cancel.is_set():  # the engine may finish its last step after the flag was set: honour the cancel
+        if cancel.is_set() and not getattr(engine, "compile_cancelled", False):
+            # the engine may finish its last step after the flag was set: honour the cancel (a cancel during the
+            # compile's warm-up kept the model, uncompiled: that is what the cancel asked for)
             del engine
             self._release_engine()
             self._set_idle()
@@ -797,6 +799,7 @@ class Worker:
                 "ctx_tokens": getattr(engine, "ctx_limit", None) or None,  # the context requests are held to
                 "ar_only": _json_safe(getattr(engine, "ar_only", None)),  # why diffusion is refused, or null
                 "compiled": bool(getattr(engine, "compiled", False)),
+                "compile_cancelled": bool(getattr(engine, "compile_cancelled", False)),
                 "compile_skipped": _json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
                 "gpu_paths": opt_in_from_env(),  # the experimental GPU paths this process runs with (switches at 1)
             }
