@@ -188,7 +188,10 @@ class Engine:
         paid here, reported through ``progress`` (``engine.decode.events.COMPILE_STAGES``) and stopped by ``cancel``
         between its stages, rather than by the first request. Where compiling cannot work on this machine (no C++
         compiler for the CPU, no Triton for CUDA: ``engine.kernels.fastpath.unavailable``) the load says so (a warning, a
-        "compile-skipped" progress event, ``Engine.compile_skipped``) and runs the model uncompiled.
+        "compile-skipped" progress event, ``Engine.compile_skipped``) and runs the model uncompiled. A ``cancel``
+        during the warm-up (the weights are in place by then) stops the compile, not the load: the layers are
+        uncompiled (``engine.kernels.fastpath.uncompile_layers``) and the engine returned with ``compile_cancelled``.
+        ``ctx_tokens`` without a plan: the context requests are held to (``Engine.ctx_limit``; a plan's own otherwise).
         ``compile_backend``: the ``torch.compile`` backend (tests pass a cheap one that runs the traced graphs).
 
         ``dtype``: the compute dtype (default: the plan's, else float32); a plan made for another dtype is refused,

@@ -121,13 +121,14 @@ class LoadBanner(QFrame):
         self.show()
 
     def on_tick(self) -> None:
-        """The busy stage's detail with the time it has run ("… · 2 min 05 s"), refreshed every second."""
+        """The busy stage's detail after the time it has run ("2 min 05 s · …": first, so eliding keeps it),
+        refreshed every second."""
         if self._busy is None:
             return
         stage, current, since = self._busy
         seconds = int(self.clock() - since)
         elapsed = f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
-        self.detail.setText(f"{current} · {elapsed}" if current and stage != "done" else current)
+        self.detail.setText(f"{elapsed} · {current}" if current and stage != "done" else current)
 
     def hideEvent(self, event: QHideEvent) -> None:  # noqa: N802 (Qt override)
         self.ticker.stop()
