@@ -157,7 +157,7 @@ def test_the_worker_loads_compiled_and_the_window_shows_the_warm_up(
     banner = LoadBanner()
     banner.set_progress(progress[-1])
     assert banner.label.text() == "Compiling the layers…"
-    assert banner.detail.text() == "one-time warm-up 2 of 2: 2 blocks of block diffusion"
+    assert banner.detail.text().endswith(" s · one-time warm-up 2 of 2: 2 blocks of block diffusion")  # elapsed first
 
 
 def test_serve_compile_loads_the_model_compiled(tiny_clover_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
