@@ -196,7 +196,8 @@ def test_one_context_size_the_loaded_one_capped_by_the_model(qtbot, tmp_path, ti
 
     client = FakeEngineClient(loaded=False)
     settings = AppSettings(model_dir=str(tiny_clover_dir), device="cpu", ctx_tokens=16_384)
-    desk = CloverDeskApp(tmp_path, client=client, settings=settings, with_preview=False, with_model_manager=False)
+    desk = CloverDeskApp(tmp_path, client=client, settings=settings, with_preview=False, with_model_manager=False,
+                         start_engine=False)  # (a started client's "ready" would load once more, in between)
     qtbot.addWidget(desk.window)
     assert desk.window.long_chats.limit == 16_384  # before the load: the context it will load with
     with qtbot.waitSignal(client.loaded, timeout=5000):
@@ -361,7 +362,7 @@ def test_after_a_cancelled_compile_the_box_is_unticked_and_remote_never_compiles
 
     client = FakeEngineClient(loaded=False)
     settings = AppSettings(model_dir=str(tiny_clover_dir), device="cpu", compile_layers=True)
-    desk = CloverDeskApp(tmp_path, client=client, settings=settings, with_preview=False)
+    desk = CloverDeskApp(tmp_path, client=client, settings=settings, with_preview=False, start_engine=False)
     qtbot.addWidget(desk.window)
     with qtbot.waitSignal(client.loaded, timeout=5000):
         desk.load_model()
