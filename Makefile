@@ -28,7 +28,7 @@ $(PACKAGING_STAMP): pyproject.toml | $(BIN)/python
 install: $(APP_STAMP)
 
 run: $(APP_STAMP)
-	$(BIN)/clover-desk
+	$(BIN)/clover-desk $(ARGS)
 
 test: $(TEST_STAMP)
 	QT_QPA_PLATFORM=offscreen QTWEBENGINE_DISABLE_SANDBOX=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)

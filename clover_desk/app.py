@@ -40,6 +40,7 @@ from ui.main_window import MainWindow
 from engine.placement import planner
 from ui.vram_panel import VramPanel
 from ui.preview import PreviewPane
+from ui.widgets import PreviewOff
 from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
 from ui.model_manager import ModelManagerPanel
 from engine.placement.preflight import EXCLUSIVE, OPT_IN
@@ -140,12 +141,15 @@ class CloverDeskApp(QObject):
         settings: AppSettings | None = None,
         hardware: Any = None,
         with_preview: bool = True,
+        preview_off: str | None = None,
         with_model_manager: bool = True,
         start_engine: bool = True,
         style: bool = True,
         parent: QObject | None = None,
     ) -> None:
-        """``style``: apply the window's theme (light / dark / following the system) to the application."""
+        """``style``: apply the window's theme (light / dark / following the system) to the application.
+        ``preview_off``: why the HTML preview cannot run here (as root without the sandbox): its tab says so and no
+        web engine starts."""
         super().__init__(parent)
 
         self.home = Path(home) if home is not None else paths.app_data_dir()
@@ -159,7 +163,7 @@ class CloverDeskApp(QObject):
         self.device = self.settings.device or ("cuda" if self.hardware.gpu_name else "cpu")
         self.dtype = self.settings.dtype or ("bfloat16" if self.device == "cuda" else "float32")
         self.vram_panel = self._build_vram_panel()
-        self.preview = self._build_preview() if with_preview else None
+        self.preview = self._build_preview(preview_off) if with_preview else None
         self.model_manager = self._build_model_manager() if with_model_manager else None
         self.model_library = self._build_model_library() if self.model_manager is not None else None
         self.token_counter = TokenCounter(self)  # the context meter: the model folder's tokenizer, no worker needed
@@ -184,7 +188,7 @@ class CloverDeskApp(QObject):
         self.window.set_remote_factory(RemoteBackend)  # Model ▸ Backend…: (url, api_key, model) -> RemoteBackend
         info = model_info_from_folder(self.settings.model_dir)
         if info is not None:
-            self.window.set_model_info(info)
+            self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})  # the context it will load with
         if style:
             self.window.apply_theme_preference()
         self._connect_signals()
@@ -234,8 +238,8 @@ class CloverDeskApp(QObject):
                 log.warning("cannot read %s for planning (%s); planning for clover-35b-a3b", self.settings.model_dir, exc)
         return planner.model_manifest(planner.SHAPE_PREFIX + "clover-35b-a3b")
 
-    def _build_preview(self) -> QWidget | None:
-        return PreviewPane()
+    def _build_preview(self, off_reason: str | None = None) -> QWidget | None:
+        return PreviewOff(off_reason) if off_reason else PreviewPane()
 
     def _build_model_manager(self) -> QWidget | None:
         return ModelManagerPanel(
@@ -317,15 +321,29 @@ class CloverDeskApp(QObject):
                 self.window.on_engine_error_message(type(exc).__name__, str(exc))
                 return
         self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
-        compile_layers = {"compile": True} if self.settings.compile_layers else {}  # the engine says if it cannot
-        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan, **compile_layers)
+        # the engine says if it cannot compile; answers from a remote server need no compiled local model
+        remote = self.window.remote is not None and self.window.remote.selected
+        compile_layers = {"compile": True} if self.settings.compile_layers and not remote else {}
+        # without a plan the context still travels: the engine holds requests to it and the composer's meter
+        # counts against it (the VRAM panel's applied context, one context size everywhere)
+        context = {"ctx_tokens": ctx} if plan is None and ctx else {}
+        self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan, **compile_layers,
+                         **context)
 
     def on_engine_ready(self) -> None:
         self.load_model()
 
     def on_model_loaded(self, info: dict[str, Any]) -> None:
-        """The panel shows the plan the engine placed (None: no plan, the model runs from system RAM)."""
+        """The panel shows the plan the engine placed (None: no plan, the model runs from system RAM). A compile the
+        user cancelled unticks "Compile the layers" (saved): the next start does not compile again."""
         self.vram_panel.set_in_use(info.get("plan") or None, str(info.get("device") or self.device))
+        if info.get("compile_cancelled") and self.settings.compile_layers:
+            self.settings.compile_layers = False
+            self.save_settings()
+            if self.model_library is not None:
+                self.model_library.compile_choice.blockSignals(True)  # (no "Reload now": this is the model's state)
+                self.model_library.compile_choice.setChecked(False)
+                self.model_library.compile_choice.blockSignals(False)
 
     def on_model_chosen(self, model_dir: str) -> None:
         self.settings.model_dir = model_dir
@@ -338,7 +356,7 @@ class CloverDeskApp(QObject):
         self.vram_panel.set_planner(self._plan)
         info = model_info_from_folder(model_dir)
         if info is not None:
-            self.window.set_model_info(info)
+            self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})
         if self.client.state in ("idle",) and not self._apply_gpu_paths():  # (the worker has the chosen paths)
             self.load_model()
         else:

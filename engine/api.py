@@ -39,6 +39,7 @@ from engine.weights import quant_cache
 from engine.weights.gguf.model import load_gguf_engine
 from engine.weights.checkpoint import load_model
 
+COMPILE_CANCELLED = "compiling was cancelled: the model runs uncompiled"
 log = logging.getLogger(__name__)
 
 # What a compiled load runs before it returns (Engine.warm_up): AR decoding of a few tokens (the prefill, the first
@@ -144,6 +145,8 @@ class Engine:
         self.compile_skipped = compile_skipped  # why compile=True left the model uncompiled, or None
         # the last prompt's prefill, for a chat's next turn (it starts with the same tokens): engine.decode.generate
         self.prompt_cache = PromptCache()
+        self.ctx_limit: int = getattr(plan, "ctx_tokens", 0) or 0  # requests are held to it (0: the model's own)
+        self.compile_cancelled = False  # Cancel came during the compile's warm-up: loaded, running uncompiled
 
     @property
     def compiled(self) -> bool:
@@ -185,7 +188,10 @@ class Engine:
         paid here, reported through ``progress`` (``engine.decode.events.COMPILE_STAGES``) and stopped by ``cancel``
         between its stages, rather than by the first request. Where compiling cannot work on this machine (no C++
         compiler for the CPU, no Triton for CUDA: ``engine.kernels.fastpath.unavailable``) the load says so (a warning, a
-        "compile-skipped" progress event, ``Engine.compile_skipped``) and runs the model uncompiled.
+        "compile-skipped" progress event, ``Engine.compile_skipped``) and runs the model uncompiled. A ``cancel``
+        during the warm-up (the weights are in place by then) stops the compile, not the load: the layers are
+        uncompiled (``engine.kernels.fastpath.uncompile_layers``) and the engine returned with ``compile_cancelled``.
+        ``ctx_tokens`` without a plan: the context requests are held to (``Engine.ctx_limit``; a plan's own otherwise).
         ``compile_backend``: the ``torch.compile`` backend (tests pass a cheap one that runs the traced graphs).
 
         ``dtype``: the compute dtype (default: the plan's, else float32); a plan made for another dtype is refused,
@@ -256,11 +262,19 @@ class Engine:
                     progress(LoadProgress(stage="compile-skipped", done_bytes=0, total_bytes=0,
                                           current=compile_skipped))
         engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped)
+        if plan is None and ctx_tokens:  # no plan (system RAM): the context the load was asked for, all the same
+            engine.ctx_limit = int(ctx_tokens)
         if compile and not compile_skipped:
             if cancel is not None and cancel.is_set():
                 raise CancelledError(f"loading {folder} was cancelled")
             fastpath.compile_layers(model, backend=compile_backend)
-            engine.warm_up(progress, cancel)
+            try:
+                engine.warm_up(progress, cancel)
+            except CancelledError:  # the weights are in place: a cancelled compile leaves the model, uncompiled
+                fastpath.uncompile_layers(model)
+                engine.compile_skipped = COMPILE_CANCELLED
+                engine.compile_cancelled = True
+                log.warning("compiling %s was cancelled: the model runs uncompiled", folder.name)
         return engine
 
     # ---- warm-up ----
@@ -348,7 +362,7 @@ class Engine:
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
         block = settings.block_size
         new = WARM_UP_AR_TOKENS if ar else -(-prompt_tokens // block) * block - prompt_tokens + 1
-        planned_ctx = getattr(self.plan, "ctx_tokens", 0)
+        planned_ctx = self.ctx_limit
         return dataclasses.replace(
             settings, max_new_tokens=new, eos_token_ids=(), threshold=0.0,
             max_positions=min(settings.max_positions, planned_ctx) if planned_ctx else settings.max_positions,
@@ -442,9 +456,8 @@ class Engine:
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
         if prefill_only:
             settings = dataclasses.replace(settings, prefill_only=True)
-        planned_ctx = getattr(self.plan, "ctx_tokens", 0)
-        if planned_ctx:
-            settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, planned_ctx))
+        if self.ctx_limit:
+            settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, self.ctx_limit))
         return generate(
             self.model, ids, settings, self.tokenizer, cancel, vocab_size=self.config.vocab_size, hooks=self._hooks,
             written=written or own, prompt_cache=self.prompt_cache,

@@ -184,6 +184,7 @@ class FakeEngineClient(QObject):
         self.ctx_loads.append(ctx_tokens if plan is None else plan.get("ctx_tokens"))
         self.plans.append(plan)
         info = {"model_dir": str(model_dir), "device": device, "plan": plan,
+                "ctx_tokens": (plan or {}).get("ctx_tokens") or ctx_tokens,  # as the worker reports it
                 "gpu_paths": [k for k, v in self.started_env.items() if v == "1"]}  # as the worker reports its own
         self.model_info = None
 

@@ -3,6 +3,7 @@ tiny real checkpoints through :class:`engine.api.Engine`."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -632,3 +633,39 @@ def test_tokens_committed_in_this_block_count_for_the_presence_penalty() -> None
     assert steps[0].committed_now[:3] == (True, False, False)
     assert steps[1].committed_now[1:3] == (False, True)  # Y, already in the block, is penalized: 0.93 < 0.95
     assert 0.9 < steps[1].confidence[1] < 0.95
+
+
+def test_stop_inside_the_first_block_keeps_its_committed_text() -> None:
+    """Before: Esc a few passes into a diffusion answer's first block gave an empty answer ("stopped", no text, no
+    Continue) while the denoising view showed the committed tokens. The tokens committed from the block's start on
+    are the answer so far: streamed as text, in Finished, and in a BlockCommitted for the recorder."""
+    model = ScriptedModel(letters, margin=lambda p: 1.0)  # one slot per pass: many passes per block
+    cancel = threading.Event()
+    events: list = []
+    prompt = [letters(p) for p in range(8)]
+    shown: tuple[int, ...] = ()
+    for event in generate(model, prompt, settings(max_new_tokens=64), LetterTokenizer(), cancel):
+        events.append(event)
+        if isinstance(event, BlockStep) and event.pass_index == 2:
+            cancel.set()
+            shown = event.tokens[event.prompt_slots:]
+    done = finished(events)
+    committed = [t for t in shown if t != MASK]
+    assert done.stop_reason == "cancelled" and len(committed) == 3
+    lead = list(itertools.takewhile(lambda t: t != MASK, shown))
+    assert lead and done.token_ids == tuple(lead) and done.tokens == len(lead)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == done.text != ""
+    (block,) = [e for e in events if isinstance(e, BlockCommitted)]
+    assert block.token_ids == tuple(lead)
+
+
+def test_without_a_plan_the_engine_holds_requests_to_the_context_it_was_loaded_with(tiny_clover_dir,
+                                                                                    one_torch_thread) -> None:
+    """Before: a load without a plan (system RAM) took up to max_position_embeddings (131,072) while the window's VRAM
+    panel and the load said 16K: two context sizes."""
+    engine = Engine.load(tiny_clover_dir, ctx_tokens=48)
+    assert engine.ctx_limit == 48
+    done = [e for e in engine.generate(prompt="hello there", params=GenerationParams(mode="ar", max_new_tokens=200))
+            if isinstance(e, Finished)][-1]
+    assert done.stop_reason == "context" and done.prompt_tokens + done.tokens <= 48
+    assert Engine.load(tiny_clover_dir).ctx_limit == 0  # nothing asked: the model's own context

@@ -100,3 +100,23 @@ def test_make_run_installs_only_the_app_and_make_test_the_test_extra() -> None:
     assert "pip install -q -e .\n" in run and "[test]" not in run and "[packaging]" not in run
     assert "pip install -q -e '.[test]'" in dry("test")
     assert "packaging/build.sh" in dry("package")
+
+
+@pytest.mark.slow
+def test_the_wheel_builds_quietly_with_all_its_data(tmp_path: Path) -> None:
+    """``pip install -e .`` once flooded setuptools warnings ("Package 'clover_desk_assets.icons' is absent from the
+    `packages` configuration"): every data folder is a listed package, and its files are in the wheel."""
+    import zipfile
+
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
+                                                                "dist", "tests", "docs"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    output = done.stdout + done.stderr
+    assert "absent from" not in output and "_Warning" not in output, output[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"clover_desk_assets/style.qss", "clover_desk_assets/icons/clover-desk.svg",
+            "engine/data/chat_template.jinja"} <= names

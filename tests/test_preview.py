@@ -329,3 +329,26 @@ def test_a_crashed_renderer_is_reported_and_reload_brings_the_page_back(qtbot, p
         pane.reload_button.click()
     assert js(qtbot, pane, "document.getElementById('p').textContent") == "alive"
     assert pane.page.renderProcessPid() not in (0, pid)
+
+
+def test_save_page_starts_in_documents_then_in_the_last_folder(qtbot, pane, tmp_path, monkeypatch) -> None:
+    """Before: "Save page as" opened in the working directory (wherever the app was started from)."""
+    import ui.preview as preview_module
+
+    starts: list[str] = []
+    answers = [str(tmp_path / "elsewhere" / "app.html")]
+
+    def fake_dialog(_parent, start: str) -> str:  # noqa: ANN001
+        starts.append(start)
+        return answers.pop(0) if answers else ""
+
+    monkeypatch.setattr(preview_module, "ask_page_path", fake_dialog)
+    monkeypatch.setattr(preview_module, "documents_dir", lambda: tmp_path / "Documents")
+    (tmp_path / "elsewhere").mkdir()
+    pane.save_dir = None
+    show(qtbot, pane, "<html><body><p>saved</p></body></html>", "save-doc")
+    pane.save_button.click()
+    assert starts == [str(tmp_path / "Documents" / "page.html")]
+    assert "saved" in (tmp_path / "elsewhere" / "app.html").read_text(encoding="utf-8")
+    pane.save_button.click()  # cancelled this time: the folder stays
+    assert starts[1] == str(tmp_path / "elsewhere" / "page.html") and pane.save_dir == tmp_path / "elsewhere"

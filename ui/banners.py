@@ -3,7 +3,11 @@ and the model-loading progress with Cancel."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
+import time
+from collections.abc import Callable
+
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtGui import QHideEvent
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
 from engine.decode.events import LoadProgress
@@ -67,9 +71,14 @@ class LoadBanner(QFrame):
 
     cancelRequested = Signal()  # stop loading the model
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(parent)
         self.setObjectName("loadBanner")
+        self.clock = clock
+        self._busy: tuple[str, str, float] | None = None  # (stage, detail, since) of a stage with no byte counts
+        self.ticker = QTimer(self)  # a warm-up says nothing for minutes: its elapsed time runs on each second
+        self.ticker.setInterval(1000)
+        self.ticker.timeout.connect(self.on_tick)
         self.label = QLabel("Loading model…")
         self.detail = ElidedLabel("", "muted")
         self.bar = QProgressBar()
@@ -100,7 +109,28 @@ class LoadBanner(QFrame):
             if event.eta_s:
                 detail += f" · {int(event.eta_s)} s left"
             self.detail.setText(detail)
+            self._busy = None
+            self.ticker.stop()
         else:
             self.bar.setRange(0, 0)  # busy indicator
-            self.detail.setText(event.current)
+            if self._busy is None or self._busy[:2] != (event.stage, event.current):
+                self._busy = (event.stage, event.current, self.clock())
+            self.on_tick()
+            if event.stage != "done":
+                self.ticker.start()
         self.show()
+
+    def on_tick(self) -> None:
+        """The busy stage's detail after the time it has run ("2 min 05 s · …": first, so eliding keeps it),
+        refreshed every second."""
+        if self._busy is None:
+            return
+        stage, current, since = self._busy
+        seconds = int(self.clock() - since)
+        elapsed = f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
+        self.detail.setText(f"{elapsed} · {current}" if current and stage != "done" else current)
+
+    def hideEvent(self, event: QHideEvent) -> None:  # noqa: N802 (Qt override)
+        self.ticker.stop()
+        self._busy = None
+        super().hideEvent(event)

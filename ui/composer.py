@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 from ui.attachments import LANGUAGES, AttachmentError, read_attachment
 from ui.chat_view import MessageData
 from ui.theme import set_style_class
-from ui.widgets import ElidedLabel, accessible
+from ui.widgets import accessible
 
 
 ATTACH_FILTERS = ("Text files (" + " ".join(f"*{ext}" for ext in sorted({".txt", ".log", *LANGUAGES})) + ")",
@@ -139,7 +139,10 @@ class Composer(QFrame):
         accessible(self.think_button, "Think before answering")
         self.mode_label = QLabel()
         set_style_class(self.mode_label, "faint")
-        self.blocked_label = ElidedLabel("", "muted")
+        self.blocked_label = QLabel("")  # wraps: cut to "Send works once it is re…" it said too little
+        set_style_class(self.blocked_label, "muted")
+        self.blocked_label.setTextFormat(Qt.TextFormat.PlainText)
+        self.blocked_label.setWordWrap(True)
         self.blocked_label.setObjectName("sendBlockedReason")
         accessible(self.blocked_label, "Why Send is unavailable")
         self.send_button = QPushButton("Send")

@@ -33,12 +33,13 @@ SUMMARY_HEADER = "Summary of an earlier conversation that this chat continues:"
 def context_limit(info: Mapping[str, Any] | None) -> int | None:
     """The context the engine holds a request to, from a ``loaded`` record (or the same keys read from the model
     folder): the plan's ``ctx_tokens`` when it runs under a plan, capped by the config's
-    ``max_position_embeddings``. None when neither is known."""
+    ``max_position_embeddings``; without a plan, the ``ctx_tokens`` the model was loaded with (the VRAM panel's
+    applied context, which the engine holds requests to as well). None when none is known."""
     if not info:
         return None
     config = info.get("config") if isinstance(info.get("config"), Mapping) else {}
     plan = info.get("plan") if isinstance(info.get("plan"), Mapping) else {}
-    limits = [v for v in (config.get("max_position_embeddings"), plan.get("ctx_tokens"))
+    limits = [v for v in (config.get("max_position_embeddings"), plan.get("ctx_tokens"), info.get("ctx_tokens"))
               if isinstance(v, int) and not isinstance(v, bool) and v > 0]
     return min(limits) if limits else None
 

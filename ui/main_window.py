@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-from PySide6.QtCore import QSettings, QSize, QStandardPaths, Qt, QTimer, Signal
+from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import (
     QAction,
     QActionGroup,
@@ -108,7 +108,7 @@ from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
 from ui.throttle import Throttle
-from ui.widgets import ElidedLabel, accessible
+from ui.widgets import ElidedLabel, accessible, documents_dir, install_wheel_guard
 
 READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
 
@@ -122,6 +122,7 @@ ABOUT_TEXT = (
     "denoised, fit the model to your GPU's memory, and preview the HTML apps it writes in a sandbox.</p>"
     "<p>The model runs on this computer, in its own process. Nothing is sent anywhere.</p>"
 )
+LOAD_CANCELLED = "Loading cancelled."
 EXPORT_FILTERS = {"markdown": "Markdown (*.md)", "json": "JSON (*.json)"}
 DEFAULT_SIZE = QSize(1480, 900)
 MIN_CHAT_WIDTH = 360
@@ -133,12 +134,6 @@ COMFORT_CHAT_WIDTH = 480  # below this the side panel, then the sidebar, give wa
 def ask_save_path(parent: QWidget, caption: str, start: str, filters: list[str], selected: str) -> tuple[str, str]:
     """The save dialog (a seam: tests replace it). Returns (path or "", the filter chosen)."""
     return QFileDialog.getSaveFileName(parent, caption, start, ";;".join(filters), selected)
-
-
-def documents_dir() -> Path:
-    """The user's Documents folder (home when the platform has none)."""
-    location = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
-    return Path(location) if location else Path.home()
 
 
 class MainWindow(QMainWindow):
@@ -172,6 +167,8 @@ class MainWindow(QMainWindow):
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle(APP_NAME)
+        if QApplication.instance() is not None:
+            install_wheel_guard(QApplication.instance())  # no value changes under a passing mouse wheel, app-wide
         self.client = client
         self.store = store
         self._save_error: type[Exception] = getattr(store, "Error", OSError)
@@ -198,6 +195,7 @@ class MainWindow(QMainWindow):
         else:
             self.engine_state = EngineState.STARTING
         self.last_tok_s: float | None = None
+        self.last_tok_s_remote = False  # whose figure last_tok_s is: the remote server's (True) or the local engine's
         self.gpu_paths_in_use: list[str] = []  # the experimental GPU paths the loaded engine runs with (its answer)
         self.last_hit_rate: float | None = None
         self.theme_preference = str(self._setting("theme", "system"))
@@ -219,6 +217,7 @@ class MainWindow(QMainWindow):
         self.denoise = DenoiseView()
         self.vram_panel = vram_panel
         self.preview = preview
+        self.preview_off: str | None = getattr(preview, "off_reason", None)  # why the preview cannot run here
         self.model_manager = model_manager
         self.model_library = model_library
         self.title_label = ElidedLabel("New chat", "title")
@@ -279,6 +278,9 @@ class MainWindow(QMainWindow):
             self.open_conversation(conversations[0].id)
         if model_dir is None and model_manager is not None:
             self.show_models_page()
+        if self.preview_off:
+            self.info_banner.action.setVisible(False)
+            self.info_banner.show_message(self.preview_off[:1].upper() + self.preview_off[1:] + ".")
         self.refresh_status()
 
     # ----------------------------------------------------------------- construction
@@ -432,7 +434,8 @@ class MainWindow(QMainWindow):
         self.focus_action = self._action(edit_menu, "Go to the &message box", self.on_focus_composer, "Ctrl+L")
         edit_menu.addSeparator()
         self.rename_action = self._action(edit_menu, "&Rename chat", self.on_rename_current, "F2")
-        self.rename_action.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)  # F2 itself: the chat list's key
+        # F2 anywhere in the window (the composer's focus included) renames the open chat, as the menu says
+        self.rename_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
         self.delete_action = self._action(edit_menu, "&Delete chat…", self.on_delete_current)
         edit_menu.addSeparator()
         self.regenerate_action = self._action(edit_menu, "Re&generate last answer", self.on_regenerate_last,
@@ -628,6 +631,7 @@ class MainWindow(QMainWindow):
         if self.is_generating():
             self.on_stop_requested()
         self.conversation_id = conversation_id
+        self.clear_load_notice()
         self.composer.end_edit()
         self.sidebar.select(conversation_id)
         if conversation_id is None:
@@ -1124,6 +1128,7 @@ class MainWindow(QMainWindow):
         data.status = status
         data.stats = stats
         self.last_tok_s = event.tokens_per_s
+        self.last_tok_s_remote = False
         self.last_hit_rate = stats.get("expert_hit_rate", self.last_hit_rate)
         self._end_generation(event.stop_reason)
 
@@ -1139,6 +1144,7 @@ class MainWindow(QMainWindow):
         data.status = "stopped" if event.finish_reason == "cancelled" else "complete"
         data.stats = stats
         self.last_tok_s = stats.get("tokens_per_s")
+        self.last_tok_s_remote = True
         self._end_generation(str(stats.get("stop_reason") or "eos"))
 
     def _fail(self, message: str, reason: str) -> None:
@@ -1212,6 +1218,7 @@ class MainWindow(QMainWindow):
         self.refresh_status()
 
     def on_load_progress(self, event: LoadProgress) -> None:
+        self.clear_load_notice()
         self.engine_state = EngineState.LOADING
         self.load_banner.set_progress(event)
         self.status_throttle.request()
@@ -1224,7 +1231,13 @@ class MainWindow(QMainWindow):
             self.set_model_info(info)
             self.gpu_paths_in_use = [str(p) for p in info.get("gpu_paths") or ()]
             self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
-            self.say_compile_skipped(str(info.get("compile_skipped") or ""), after_notice=bool(info.get("ar_only")))
+            if info.get("compile_cancelled"):
+                self.info_banner.action.setVisible(False)
+                self.info_banner.show_message("Compiling was cancelled: the model is loaded and runs uncompiled; "
+                                              "“Compile the layers” is now off.")
+            else:
+                self.say_compile_skipped(str(info.get("compile_skipped") or ""),
+                                         after_notice=bool(info.get("ar_only")))
         self._set_state(EngineState.READY)
         self.read_ahead_timer.start()
 
@@ -1277,13 +1290,18 @@ class MainWindow(QMainWindow):
         """The app restarts the worker (another model, another VRAM plan): no Send until it has loaded again."""
         self._set_state(EngineState.STARTING)
 
+    def clear_load_notice(self) -> None:
+        """The "Loading cancelled." notice is about that load: another chat, backend or load takes it away."""
+        if self.info_banner.label.text() == LOAD_CANCELLED:
+            self.info_banner.hide()
+
     def on_engine_error_message(self, kind: str, message: str) -> None:
         self.load_banner.hide()
         if self.is_generating() and self._request_source is self.client:
             self._fail(f"{kind}: {message}", "error")
         if kind in ("CancelledError",):
             self.info_banner.action.setVisible(False)
-            self.info_banner.show_message("Loading cancelled.")
+            self.info_banner.show_message(LOAD_CANCELLED)
             if self.engine_state is EngineState.LOADING:
                 self.engine_state = EngineState.NO_MODEL
         else:
@@ -1348,6 +1366,7 @@ class MainWindow(QMainWindow):
         self.remote = RemoteBackendControl(factory, self.ui_settings, self)
         self.remote.runner.event.connect(self.on_engine_event)
         self.remote.changed.connect(self.refresh_status)
+        self.remote.changed.connect(self.clear_load_notice)
         self.backend_action = QAction("&Backend: local or remote…", self)
         self.backend_action.setObjectName("backendAction")
         self.backend_action.setStatusTip("Answer with the local engine or a remote OpenAI-compatible server")
@@ -1414,7 +1433,10 @@ class MainWindow(QMainWindow):
             if self.long_chats.summary is not None:
                 state_text = "● Summarizing the chat…"
         self.engine_label.setText(state_text)
-        self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
+        if self._uses_remote() and self.remote is not None:  # the header names what answers
+            self.model_label.setText(self.remote.model_name() or f"remote: {self.remote.host() or 'no URL set'}")
+        else:
+            self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
         paths = self.gpu_paths_in_use
         self.gpu_label.setText((self.gpu_name or "No GPU (CPU)")
                                + (f" · {len(paths)} experimental path{'s' if len(paths) > 1 else ''}" if paths else ""))
@@ -1430,14 +1452,15 @@ class MainWindow(QMainWindow):
         else:
             self.ram_label.setText("RAM –")
         live = self.denoise.model.tokens_per_s() if self.is_generating() else None
-        tok_s = live or self.last_tok_s
+        tok_s = live or (self.last_tok_s if not self.last_tok_s_remote else None)
         self.speed_label.setText(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s")
         rate = self.last_hit_rate
         self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
         if self._uses_remote() and self.remote is not None:  # figures a remote does not report: said so, not guessed
             if not self.is_generating():
                 self.engine_label.setText(f"● Remote: {self.remote.host() or 'no URL set'}")
-            rate_s = None if self.is_generating() else self.last_tok_s  # the server's figure, once it reported one
+            # the server's figure, once it reported one (not the local engine's last)
+            rate_s = None if self.is_generating() or not self.last_tok_s_remote else self.last_tok_s
             self.speed_label.setText(f"{rate_s:.1f} tok/s (remote)" if rate_s else "tok/s unavailable (remote)")
             self.hit_label.setText("Expert cache unavailable (remote)")
         self._update_send_state()

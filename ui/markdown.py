@@ -353,7 +353,10 @@ def _closing_dollar(text: str, i: int) -> int | None:
 
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 _LINK = re.compile(r"\[([^\]\n]+)\]\(\s*([^)\s]+)(?:\s+&quot;[^)]*&quot;)?\s*\)")
-_AUTOLINK = re.compile(r"&lt;(https?://[^\s&]+)&gt;|(?<![\"'=\w/])(https?://[^\s<]+[^\s<.,;:!?)\]'\"])")
+# Runs on escaped text, where "&" only starts an entity (&quot; &lt; &gt; &#x27; &amp;): a URL takes no entity but
+# &amp; (a query's "&"), so a quote or "<" after it ends it instead of ending up in the link ("...a&quot;").
+_URL = r"https?://(?:[^\s<&]|&amp;)*[^\s<&.,;:!?)\]]"
+_AUTOLINK = re.compile(rf"&lt;({_URL})&gt;|(?<![\w/])({_URL})")
 _BOLD = re.compile(r"(\*\*|__)(?=\S)(.+?)(?<=\S)\1")
 _ITALIC = re.compile(r"(?<![\w*])\*(?=[^\s*])(.+?)(?<=[^\s*])\*(?!\*)|(?<![\w_])_(?=\S)(.+?)(?<=\S)_(?![\w_])")
 _STRIKE = re.compile(r"~~(?=\S)(.+?)(?<=\S)~~")
@@ -389,8 +392,9 @@ def inline(text: str) -> str:
     text = _LINK.sub(link, text)
 
     def autolink(m: re.Match[str]) -> str:
-        url = m.group(1) or m.group(2)
-        return keep(f'<a href="{url}" style="color: {COLORS["accent2"]};">{url}</a>')
+        shown = m.group(1) or m.group(2)  # escaped already
+        href = html.escape(html.unescape(shown), quote=True)
+        return keep(f'<a href="{href}" style="color: {COLORS["accent2"]};">{shown}</a>')
 
     text = _AUTOLINK.sub(autolink, text)
     text = _BOLD.sub(r"<b>\2</b>", text)

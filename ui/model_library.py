@@ -419,7 +419,7 @@ class ModelLibrary(QFrame):
         self.device_choice.currentIndexChanged.connect(self.on_options_changed)
         self.dtype_choice.currentIndexChanged.connect(self.on_options_changed)
         self.compile_choice.toggled.connect(self.on_options_changed)
-        self.reload_button.clicked.connect(self.reloadRequested)
+        self.reload_button.clicked.connect(self.on_reload_clicked)
 
     # ---- public API ----------------------------------------------------------------------------------------
 
@@ -513,6 +513,11 @@ class ModelLibrary(QFrame):
         if self._again:
             self._again = False
             self.refresh()
+
+    def on_reload_clicked(self) -> None:
+        """The options are being applied: nothing is left to reload (the button showed after the reload)."""
+        self.reload_button.setVisible(False)
+        self.reloadRequested.emit()
 
     def on_options_changed(self, *_args: object) -> None:
         device, dtype, compile_layers = self.load_options()

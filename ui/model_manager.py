@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from PySide6.QtCore import QProcess, QStandardPaths, Qt, Signal
-from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -64,6 +63,16 @@ GGUF_MAGIC = b"GGUF"
 DEMO_FOLDER_NAME = "clover-tiny-demo"
 PARTIAL_STATE_DIR = ".clover-download"  # = clover_desk.downloads.STATE_DIR: partial bytes live there
 MAX_RECENT = 10
+
+
+def free_folder(parent: Path, name: str) -> Path:
+    """``parent / name``, or with the first free ``-2``, ``-3``… suffix when that exists: a second demo model is a
+    new folder, never written over the first (which may be loaded, or chatted with)."""
+    candidate, n = parent / name, 1
+    while candidate.exists():
+        n += 1
+        candidate = parent / f"{name}-{n}"
+    return candidate
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,7 +448,7 @@ class ModelManagerPanel(QWidget):
     def create_demo_model(self, folder: str | Path | None = None) -> None:
         if self._process is not None:
             return
-        self._demo_dir = Path(folder) if folder else self.models_dir / DEMO_FOLDER_NAME
+        self._demo_dir = Path(folder) if folder else free_folder(self.models_dir, DEMO_FOLDER_NAME)
         self._demo_output = []
         process = QProcess(self)
         process.setProgram(self._python)
@@ -454,7 +463,8 @@ class ModelManagerPanel(QWidget):
         process.start()
 
     def recent_models(self) -> list[str]:
-        return list(self._recent)
+        """The recent models still on disk (one deleted, or on a drive gone, is not offered)."""
+        return [p for p in self._recent if Path(p).exists()]
 
     def set_recent_models(self, paths: Sequence[str]) -> None:
         self._recent = list(dict.fromkeys(str(p) for p in paths))[:MAX_RECENT]
@@ -602,7 +612,10 @@ class ModelManagerPanel(QWidget):
         if cancelled:
             text = "Cancelled. The bytes downloaded so far are kept: press Resume to continue."
         else:
-            text = f"<b>Download stopped:</b> {_escape(message)}"
+            said = message.strip()
+            text = f"<b>Download stopped:</b> {_escape(said)}"
+            if said and said[-1] not in ".!?":
+                text += "."  # (the next sentence started right after the error's last word)
             if "resume" not in message.lower() and "again" not in message.lower():
                 text += " Press Resume to try again; finished files are not fetched twice."
         self.download_status.setText(text)
@@ -639,12 +652,9 @@ class ModelManagerPanel(QWidget):
 
     def _refresh_recent(self) -> None:
         self.recent_list.clear()
-        for path in self._recent:
+        for path in self.recent_models():  # a deleted model is not listed (it stays remembered, should it return)
             item = QListWidgetItem(f"{Path(path).name} — {path}")
             item.setData(Qt.ItemDataRole.UserRole, path)
-            if not Path(path).exists():
-                item.setToolTip("this model no longer exists")
-                item.setForeground(QColor(Qt.GlobalColor.gray))
             self.recent_list.addItem(item)
 
     def _load_recent(self) -> None:

@@ -104,6 +104,7 @@ from PySide6.QtWidgets import (
 
 from ui.html_extract import extract_html  # noqa: F401 (the one rule; re-exported)
 from ui.throttle import Throttle
+from ui.widgets import documents_dir
 
 log = logging.getLogger(__name__)
 
@@ -802,6 +803,12 @@ def _lock_down(settings: QWebEngineSettings) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def ask_page_path(parent: QWidget, start: str) -> str:
+    """The "Save page as" dialog (a seam: tests replace it): the path chosen, or ""."""
+    path, _ = QFileDialog.getSaveFileName(parent, "Save page as", start, "HTML files (*.html *.htm)")
+    return path
+
+
 class PreviewPane(QWidget):
     """Preview (or source) of one HTML document, with a strip of blocked attempts, dialogs and console messages.
 
@@ -824,6 +831,7 @@ class PreviewPane(QWidget):
         self._html = ""
         self._shown_html: str | None = None
         self._document_id = "untitled"
+        self.save_dir: Path | None = None  # where the last "Save page as" saved (its dialog starts there)
         self._revision = 0
         self._hosts: dict[str, str] = {}  # document id -> its random host, for this pane's life
         self._page_host: str | None = None  # the document the current page is for (None: a fresh page)
@@ -1153,12 +1161,17 @@ class PreviewPane(QWidget):
         self.reload()
 
     def on_save_clicked(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Save page as", "page.html", "HTML files (*.html *.htm)")
+        """Save the page: the dialog starts in the folder of the last save, else Documents (it was the working
+        directory, wherever the app was started from)."""
+        start = (self.save_dir or documents_dir()) / "page.html"
+        path = ask_page_path(self, str(start))
         if path:
             try:
                 self.save_to(path)
             except OSError as exc:
                 QMessageBox.warning(self, "Could not save", f"Could not save {path}: {exc.strerror or exc}")
+                return
+            self.save_dir = Path(path).parent
 
     def on_open_in_browser_clicked(self) -> None:
         self.open_in_browser(confirm=True)

@@ -334,6 +334,10 @@ class RemoteBackendControl(QObject):
             return "Set the remote server's URL first (Model ▸ Backend…), or switch back to the local engine."
         return ""
 
+    def model_name(self) -> str:
+        """The model asked of the server ("" when the server picks)."""
+        return self.dialog.values()["remote_model"]
+
     def host(self) -> str:
         url = self.dialog.values()["remote_url"]
         return urlsplit(url).netloc or url

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize, Qt
+from pathlib import Path
+
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt
 from PySide6.QtGui import QResizeEvent
-from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
+from PySide6.QtWidgets import QAbstractScrollArea, QAbstractSpinBox, QComboBox, QLabel, QSizePolicy, QWidget
 
 from ui.theme import set_style_class
 
@@ -53,9 +55,65 @@ class ElidedLabel(QLabel):
         return super().text() != self._full
 
 
+def documents_dir() -> Path:
+    """The user's Documents folder (home when the platform has none): where save dialogs start the first time."""
+    location = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    return Path(location) if location else Path.home()
+
+
 def accessible(widget: QWidget, name: str, description: str = "") -> QWidget:
     """Set ``widget``'s accessible name (and description): what a screen reader says for it."""
     widget.setAccessibleName(name)
     if description:
         widget.setAccessibleDescription(description)
     return widget
+
+
+class PreviewOff(QLabel):
+    """The preview tab when the HTML preview cannot run here (as root, Chromium's sandbox cannot): the one line
+    saying why, in place of the web view. It takes the pages the window hands a preview and shows none of them."""
+
+    def __init__(self, reason: str, parent: QWidget | None = None) -> None:
+        super().__init__(reason[:1].upper() + reason[1:] + ".", parent)
+        self.off_reason = reason
+        self.setObjectName("previewOff")
+        self.setWordWrap(True)
+        self.setTextFormat(Qt.TextFormat.PlainText)
+        self.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.setMargin(16)
+        set_style_class(self, "muted")
+        accessible(self, "Preview off", reason)
+
+    def set_html(self, text: str, document_id: str | None = None) -> None:
+        """Nothing to show the page in (the HtmlPreview contract)."""
+
+    def flush(self) -> None:
+        """Nothing to flush (the HtmlPreview contract)."""
+
+
+class WheelGuard(QObject):
+    """Application-wide event filter: the mouse wheel over a combo box or spin box that does not have the keyboard
+    focus scrolls what is around it (the page) instead of changing the value the pointer happens to pass over.
+    Click (or Tab to) the box first and the wheel changes it as before."""
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:  # noqa: N802 (Qt override)
+        if (event.type() == QEvent.Type.Wheel and isinstance(watched, (QComboBox, QAbstractSpinBox))
+                and not watched.hasFocus()):
+            area = watched.parentWidget()
+            while area is not None and not isinstance(area, QAbstractScrollArea):
+                area = area.parentWidget()
+            event.ignore()
+            if area is not None:  # (Qt propagates no synthesized wheel event: hand it to the scroll area itself)
+                QCoreApplication.sendEvent(area.viewport(), event)
+            return True
+        return False
+
+
+def install_wheel_guard(app: QCoreApplication) -> WheelGuard:
+    """Install one :class:`WheelGuard` on ``app`` (again: the one already there)."""
+    guard = app.findChild(WheelGuard, "wheelGuard")
+    if guard is None:
+        guard = WheelGuard(app)
+        guard.setObjectName("wheelGuard")
+        app.installEventFilter(guard)
+    return guard

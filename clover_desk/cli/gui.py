@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from clover_desk.cli import flags
+from clover_desk.cli.qt_deps import webengine_problem, xcb_problem
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,15 +38,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights dtype for the engine (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--vram-gb", type=flags.GIB, help="VRAM budget in GiB (default: the last applied one)")
     parser.add_argument("--home", metavar="DIR", help="app-data folder (default: $CLOVER_DESK_HOME or per-OS)")
+    parser.add_argument("--preview-without-sandbox", action="store_true",
+                        help="as root, run the HTML preview without Chromium's sandbox (weaker isolation of the "
+                             "pages the model writes; sets QTWEBENGINE_DISABLE_SANDBOX=1); without it, root gets "
+                             "no preview")
 
 
-# Qt's X11 platform plugin needs these at start; without one, Qt aborts the process before Python can say anything.
-XCB_LIBRARIES = {"xcb-cursor": "libxcb-cursor0", "xkbcommon-x11": "libxkbcommon-x11-0", "EGL": "libegl1"}
+def preview_off_reason(euid: int | None, env: dict[str, str], without_sandbox: bool) -> str | None:
+    """Why the HTML preview stays off, in one line; None when it can run. As root Chromium's sandbox cannot run and
+    QtWebEngine aborts the process at its first page, so root gets no preview unless the weaker isolation was asked
+    for by name: ``--preview-without-sandbox``, or QTWEBENGINE_DISABLE_SANDBOX / ``--no-sandbox`` in
+    QTWEBENGINE_CHROMIUM_FLAGS already in the environment. ``euid``: None where there are no user ids (Windows)."""
+    if euid != 0 or without_sandbox or env.get("QTWEBENGINE_DISABLE_SANDBOX"):
+        return None
+    if "--no-sandbox" in env.get("QTWEBENGINE_CHROMIUM_FLAGS", "").split():
+        return None
+    return ("the HTML preview is off: Clover Desk runs as root, where Chromium's sandbox cannot run (start it as a "
+            "normal user, or pass --preview-without-sandbox to preview with weaker isolation)")
 
 
-def display_problem(env: dict[str, str], platform: str, find_library: "Callable[[str], str | None]") -> str | None:
+def display_problem(env: dict[str, str], platform: str,
+                    xcb_check: "Callable[[dict[str, str]], str | None]") -> str | None:
     """Why the window cannot open here, as one line naming what to install or set; None when it can (as far as can
-    be told before Qt starts). ``find_library`` is ``ctypes.util.find_library``."""
+    be told before Qt starts). ``xcb_check`` is :func:`clover_desk.cli.qt_deps.xcb_problem`: the libraries Qt's
+    X11 plugin links and this machine lacks, with their Debian packages."""
     chosen = env.get("QT_QPA_PLATFORM", "")
     if chosen.startswith(("offscreen", "minimal", "vnc", "eglfs", "linuxfb", "wayland")) or not platform.startswith("linux"):
         return None
@@ -54,22 +70,24 @@ def display_problem(env: dict[str, str], platform: str, find_library: "Callable[
     if not env.get("DISPLAY"):
         return ("no display: DISPLAY and WAYLAND_DISPLAY are unset (a headless machine runs the window with "
                 "QT_QPA_PLATFORM=offscreen, as `make test` does)")
-    missing = [pkg for lib, pkg in XCB_LIBRARIES.items() if find_library(lib) is None]
-    if missing:
-        return (f"Qt's X11 platform needs the system package(s) {', '.join(missing)} "
-                f"(Debian/Ubuntu: sudo apt install {' '.join(missing)})")
-    return None
+    return xcb_check(env)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.home:
         os.environ["CLOVER_DESK_HOME"] = args.home
-    import ctypes.util
-
-    problem = display_problem(dict(os.environ), sys.platform, ctypes.util.find_library)
+    problem = display_problem(dict(os.environ), sys.platform, xcb_problem)
+    if problem is None and sys.platform.startswith("linux"):
+        problem = webengine_problem(dict(os.environ))  # imported by the window whatever the platform plugin
     if problem is not None:
         print(f"clover-desk gui: {problem}", file=sys.stderr)
         return EXIT_DATA_DIR
+    preview_off = preview_off_reason(os.geteuid() if hasattr(os, "geteuid") else None, dict(os.environ),
+                                     args.preview_without_sandbox)
+    if preview_off is not None:
+        print(f"clover-desk gui: {preview_off}", file=sys.stderr)
+    elif args.preview_without_sandbox:
+        os.environ["QTWEBENGINE_DISABLE_SANDBOX"] = "1"  # read by QtWebEngine when it starts (the first page)
     # PySide6 6.12 on CPython < 3.12 leaks references to None/True on void calls (see guard's docstring); the
     # preview's URL scheme must be registered before the QApplication exists.
     from clover_desk.qt_compat import guard_pyside_bool_refcounts
@@ -105,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if args.vram_gb:
         settings.vram_budget_bytes = int(args.vram_gb * 1024**3)
     try:
-        desk = CloverDeskApp(home, settings=settings, store=store)
+        desk = CloverDeskApp(home, settings=settings, store=store, preview_off=preview_off)
     except BaseException:
         store.close()
         raise
@@ -161,7 +179,8 @@ def _smoke_shown(window: QWidget, app: QApplication) -> None:
         print("clover-desk smoke: the main window is not visible", file=sys.stderr)
         app.exit(1)
         return
-    print(f"{SMOKE_MARKER} ({window.width()}x{window.height()}, {type(window).__name__})", flush=True)
+    preview = "preview off" if getattr(window, "preview_off", None) else "preview on"
+    print(f"{SMOKE_MARKER} ({window.width()}x{window.height()}, {type(window).__name__}, {preview})", flush=True)
     app.quit()
 
 

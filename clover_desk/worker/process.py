@@ -771,6 +771,8 @@ class Worker:
                 extra["gguf_layout"] = command["gguf_layout"]
             if command.get("compile"):  # only when asked: an --engine-factory need not know the keyword
                 extra["compile"] = True
+            if plan is None and command.get("ctx_tokens"):  # no plan: the context asked for still holds
+                extra["ctx_tokens"] = int(command["ctx_tokens"])
             engine = self._engine_factory(
                 model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, **extra
             )
@@ -778,7 +780,9 @@ class Worker:
             self._set_idle()
             self._report(exc, op="load")
             return
-        if cancel.is_set():  # the engine may finish its last step after the flag was set: honour the cancel
+        if cancel.is_set() and not getattr(engine, "compile_cancelled", False):
+            # the engine may finish its last step after the flag was set: honour the cancel (a cancel during the
+            # compile's warm-up kept the model, uncompiled: that is what the cancel asked for)
             del engine
             self._release_engine()
             self._set_idle()
@@ -800,8 +804,10 @@ class Worker:
                 "config": _json_safe(getattr(engine, "config", None)),
                 "generation_defaults": _json_safe(getattr(engine, "generation_defaults", None)),
                 "plan": _json_safe(_plan_dict(getattr(engine, "plan", None))),
+                "ctx_tokens": getattr(engine, "ctx_limit", None) or None,  # the context requests are held to
                 "ar_only": _json_safe(getattr(engine, "ar_only", None)),  # why diffusion is refused, or null
                 "compiled": bool(getattr(engine, "compiled", False)),
+                "compile_cancelled": bool(getattr(engine, "compile_cancelled", False)),
                 "compile_skipped": _json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
                 "gpu_paths": opt_in_from_env(),  # the experimental GPU paths this process runs with (switches at 1)
             }

@@ -17,6 +17,7 @@ shows progress and can be stopped before the first block.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -724,6 +725,15 @@ def _diffusion_loop(
             if hooks is not None and hooks.end_block is not None:
                 hooks.end_block()
             reason = "cancelled"
+            if pass_index:  # Stop inside a block keeps what its passes committed from the block's start on (the
+                # text up to the first slot still masked): the answer so far, which Continue goes on from
+                kept = list(itertools.takewhile(lambda t: t != mask_id, tokens[start:needed]))
+                block_ids, _ = decoding.truncate_at_eos(kept, eos)
+                if block_ids:
+                    generated.extend(block_ids)
+                    clock.mark_first_token()
+                    yield from channels.feed(block_ids)
+                    yield BlockCommitted(block_index=block_index, passes=pass_index, token_ids=tuple(block_ids))
             break
         block_ids, hit_eos = decoding.truncate_at_eos(tokens[start:needed], eos)
         final = hit_eos or len(generated) + len(block_ids) >= max_new

@@ -101,6 +101,21 @@ def compile_layers(
     return n
 
 
+def uncompile_layers(model: Any) -> None:
+    """Undo :func:`compile_layers`: the layers, the head and the step run eagerly again (a compile cancelled half way
+    leaves a usable model, the same numbers as before it was compiled)."""
+    for layer in model.layers:
+        layer._compiled_call_impl = None  # what nn.Module.compile set
+    if "head" in vars(model):  # the compiled head was set on the instance, over the class's method
+        del model.head
+    if hasattr(model, "step_graph"):
+        model.step_graph = None
+    if hasattr(model, "pass_graph"):
+        model.pass_graph = None
+    model.compiled = False
+    log.info("decoder layers uncompiled: running eagerly")
+
+
 def is_compiled(model: Any) -> bool:
     return bool(getattr(model, "compiled", False))
 

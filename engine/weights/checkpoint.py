@@ -593,12 +593,12 @@ def write_checkpoint(
     paths: list[Path] = []
     if len(shards) == 1:
         paths.append(model_dir / SINGLE_NAME)
-        save_file(shards[0], str(paths[0]), metadata={"format": "pt"})
+        _save_shard(shards[0], paths[0])
     else:
         weight_map: dict[str, str] = {}
         for k, shard in enumerate(shards, 1):
             fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(model_dir / fname), metadata={"format": "pt"})
+            _save_shard(shard, model_dir / fname)
             paths.append(model_dir / fname)
             weight_map.update({n: fname for n in shard})
         total = sum(t.numel() * t.element_size() for t in named.values())
@@ -607,6 +607,26 @@ def write_checkpoint(
     if config_dict is not None:
         (model_dir / "config.json").write_text(json.dumps(config_dict, indent=2), encoding="utf-8")
     return paths
+
+
+def _save_shard(tensors: dict[str, Tensor], path: Path) -> None:
+    """safetensors' ``save_file``, its file then given the mode every other file gets (0666 less the umask): the
+    library creates it 0600, so a model folder was half private (the shards) and half not."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """This process's umask (Linux: read from /proc, without changing it; elsewhere set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def iter_model_tensors(model_dir: str | Path, config: CloverConfig) -> Iterator[tuple[Target, Tensor]]:

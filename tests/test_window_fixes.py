@@ -1,0 +1,381 @@
+"""The window's bugs of issue 32 (part A), each through the real widgets with pytest-qt: links in message text,
+the mouse wheel over unfocused choosers, and the small ones (labels, shortcuts, dialogs, elided status texts)."""
+
+from __future__ import annotations
+
+from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401 (session fixtures)
+from ui.chat_view import ChatView, MessageData
+
+
+def _anchors(browser) -> list[tuple[str, str]]:  # noqa: ANN001
+    """(text, href) of each link in a QTextBrowser's document."""
+    found: list[tuple[str, str]] = []
+    block = browser.document().begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            fragment = it.fragment()
+            if fragment.charFormat().isAnchor():
+                found.append((fragment.text(), fragment.charFormat().anchorHref()))
+            it += 1
+        block = block.next()
+    return found
+
+
+def test_links_in_user_and_model_text_keep_the_text_around_them(qtbot) -> None:
+    """Before: `link "http://example.com/a" then x` showed `"http://example.com/a&quot; then x` with `&quot` in the
+    link target, and a URL before `</html>` showed a literal `&gt;`."""
+    view = ChatView()
+    qtbot.addWidget(view)
+    text = 'link "http://example.com/a" then x; page at http://example.com/p</html> and http://x.org/?a=1&b=2.'
+    user = view.add_message(MessageData(role="user", content=text))
+    model = view.add_message(MessageData(role="assistant", content=text))
+    for widget in (user, model):
+        shown = widget.body.toPlainText()
+        assert shown == text, shown
+        assert _anchors(widget.body) == [("http://example.com/a", "http://example.com/a"),
+                                         ("http://example.com/p", "http://example.com/p"),
+                                         ("http://x.org/?a=1&b=2", "http://x.org/?a=1&b=2")]
+
+
+def _wheel(widget, steps: int = -1) -> None:  # noqa: ANN001
+    """One real wheel notch over ``widget``'s centre, delivered as Qt delivers it (through the application)."""
+    from PySide6.QtCore import QPoint, QPointF, Qt
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+
+    centre = QPointF(widget.rect().center())
+    event = QWheelEvent(centre, QPointF(widget.mapToGlobal(centre.toPoint())), QPoint(0, 0), QPoint(0, 120 * steps),
+                        Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)
+    QApplication.sendEvent(widget, event)
+
+
+def test_the_wheel_leaves_unfocused_choosers_alone_on_the_models_page(qtbot, tmp_path) -> None:
+    """Before: scrolling the models page changed the download choice when the pointer passed over "What"."""
+    from PySide6.QtWidgets import QDoubleSpinBox
+
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from fakes_ui import FakeEngineClient
+
+    desk = CloverDeskApp(tmp_path, client=FakeEngineClient(), settings=AppSettings(), with_preview=False)
+    qtbot.addWidget(desk.window)
+    desk.window.resize(1000, 500)
+    desk.window.show()
+    desk.window.show_models_page()
+    combo = desk.model_manager.download_choice
+    assert combo.count() > 1
+    combo.setCurrentIndex(0)
+    page = desk.window.pages.currentWidget()
+    page.verticalScrollBar().setValue(0)
+    desk.window.sidebar.setFocus()
+    _wheel(combo)
+    assert combo.currentIndex() == 0  # the choice stays
+    assert page.verticalScrollBar().value() > 0  # the page scrolled instead
+    combo.setFocus()
+    qtbot.waitUntil(combo.hasFocus)
+    _wheel(combo)
+    assert combo.currentIndex() == 1  # focused on purpose: the wheel picks
+    spin = QDoubleSpinBox(desk.window.drawer)  # any spin box in the app
+    spin.setValue(1.0)
+    _wheel(spin, steps=1)
+    assert spin.value() == 1.0
+    desk.shutdown()
+
+
+def test_the_serve_dialogs_key_label_is_a_mnemonic_not_an_ampersand(qtbot) -> None:
+    """Before: the label read "API &key" (a row that is a layout gets no buddy, so the "&" showed)."""
+    from PySide6.QtWidgets import QLabel
+
+    from ui.serve_panel import ServeDialog
+
+    dialog = ServeDialog()
+    qtbot.addWidget(dialog)
+    dialog.show()
+    (label,) = [w for w in dialog.findChildren(QLabel) if w.text() == "API &key"]
+    assert label.buddy() is dialog.api_key  # Alt+K focuses the key; the "&" is drawn as an underline
+
+
+def test_a_download_error_and_what_to_do_are_two_sentences(qtbot, tmp_path) -> None:
+    """Before: "... Name or service not known Press Resume to try again"."""
+    from ui.model_manager import ModelManagerPanel
+
+    panel = ModelManagerPanel(models_dir=tmp_path / "models")
+    qtbot.addWidget(panel)
+    panel._on_download_failed("cannot reach huggingface.co: Name or service not known", False)
+    assert "not known. Press Resume to try again" in panel.download_status.text()
+    panel._on_download_failed("disk full.", False)
+    assert "disk full. Press Resume" in panel.download_status.text()
+
+
+def test_f2_renames_the_chat_while_the_composer_has_focus(qtbot, tmp_path) -> None:
+    """Before: F2 did nothing unless the chat list had the focus, though Edit ▸ Rename chat advertises it."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QAbstractItemView
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from fakes_ui import FakeEngineClient
+    from ui.main_window import MainWindow
+
+    store = ChatStore(tmp_path / "chats.db")
+    conversation = store.create_conversation("Lighthouses")
+    window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
+    qtbot.addWidget(window)
+    window.show()
+    window.open_conversation(conversation.id)
+    window.composer.input.setFocus()
+    qtbot.waitUntil(window.composer.input.hasFocus)
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_F2)
+    assert window.sidebar.list.state() == QAbstractItemView.State.EditingState
+    window.close()
+    store.close()
+
+
+def test_a_second_demo_model_gets_a_new_folder(qtbot, tmp_path) -> None:
+    """Before: "Create demo model" again wrote over the first demo (perhaps the model loaded)."""
+    from ui.model_manager import DEMO_FOLDER_NAME, ModelManagerPanel
+
+    models = tmp_path / "models"
+    (models / DEMO_FOLDER_NAME).mkdir(parents=True)
+    (models / f"{DEMO_FOLDER_NAME}-2").mkdir()
+    panel = ModelManagerPanel(models_dir=models, python="true")  # (a child that makes nothing: the folder is the test)
+    qtbot.addWidget(panel)
+    with qtbot.waitSignal(panel.demoEnded, timeout=30_000):
+        panel.demo_button.click()
+    assert panel._demo_dir == models / f"{DEMO_FOLDER_NAME}-3"
+    assert sorted(p.name for p in models.iterdir()) == [DEMO_FOLDER_NAME, f"{DEMO_FOLDER_NAME}-2"]
+
+
+def test_make_tiny_files_all_follow_the_umask(tmp_path) -> None:
+    """Before: the safetensors shards were 0600 (the library's own mode) and every other file 0644."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "clover_desk.cli.main", "make-tiny", str(tmp_path / "m")], cwd=root,
+                          capture_output=True, text=True, timeout=300, umask=0o027)
+    assert done.returncode == 0, done.stderr[-2000:]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir() if p.is_file()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {0o640}, {n: oct(m) for n, m in modes.items()}
+
+
+def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -> None:
+    """Before: "Send works once it is re…" at 1024 px wide."""
+    from PySide6.QtCore import Qt
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from fakes_ui import FakeEngineClient
+    from ui.contracts import EngineState
+    from ui.main_window import MainWindow
+
+    store = ChatStore(tmp_path / "chats.db")
+    window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
+    qtbot.addWidget(window)
+    window.resize(1024, 640)
+    window.show()
+    window._set_state(EngineState.LOADING)
+    window._update_send_state()
+    label = window.composer.blocked_label
+    qtbot.waitUntil(label.isVisible)
+    qtbot.wait(50)  # (one layout pass)
+    rect = label.contentsRect()
+    flags = Qt.TextFlag.TextWordWrap if label.wordWrap() else Qt.TextFlag(0)
+    needed = label.fontMetrics().boundingRect(rect, flags, label.text())
+    assert needed.width() <= rect.width() and needed.height() <= rect.height(), (label.text(), rect, needed)
+    window.close()
+    store.close()
+
+
+def test_one_context_size_the_loaded_one_capped_by_the_model(qtbot, tmp_path, tiny_clover_dir) -> None:  # noqa: F811
+    """Before: the composer said "x / 131,072 tokens" (the model's max_position_embeddings) while the VRAM panel's
+    applied context was 16K and a CPU load sent no context at all."""
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from fakes_ui import FakeEngineClient
+
+    client = FakeEngineClient(loaded=False)
+    settings = AppSettings(model_dir=str(tiny_clover_dir), device="cpu", ctx_tokens=16_384)
+    desk = CloverDeskApp(tmp_path, client=client, settings=settings, with_preview=False, with_model_manager=False,
+                         start_engine=False)  # (a started client's "ready" would load once more, in between)
+    qtbot.addWidget(desk.window)
+    assert desk.window.long_chats.limit == 16_384  # before the load: the context it will load with
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        desk.load_model()
+    assert client.ctx_loads[-1] == 16_384  # the load carries it (no plan on the CPU)
+    assert desk.window.long_chats.limit == 16_384 == desk.vram_panel.ctx_tokens()
+    desk.settings.ctx_tokens = 262_144  # more than the model takes: capped by max_position_embeddings
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        desk.load_model()
+    assert desk.window.long_chats.limit == 131_072
+    desk.shutdown()
+
+
+def _remote_window(qtbot, tmp_path, client):  # noqa: ANN001, ANN202
+    """A window on ``client`` whose saved backend is a remote server asking for "remote-model"."""
+    from PySide6.QtCore import QSettings
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.worker.remote import RemoteBackend
+    from ui.main_window import MainWindow
+
+    settings = QSettings(str(tmp_path / "window.ini"), QSettings.Format.IniFormat)
+    for key, value in (("backend", "local"), ("remote_url", "http://127.0.0.1:9/v1"), ("remote_model", "remote-model")):
+        settings.setValue(key, value)
+    store = ChatStore(tmp_path / "chats.db")
+    window = MainWindow(client, store, StreamRecorder, model_dir="/models/clover-tiny-demo", ui_settings=settings)
+    qtbot.addWidget(window)
+    window.set_remote_factory(RemoteBackend)
+    window.show()
+    return window, store
+
+
+def test_no_stale_figures_or_names_after_switching_to_the_remote(qtbot, tmp_path) -> None:
+    """Before: the status bar showed the local engine's "41.5 tok/s (remote)" before any remote answer, and the chat
+    header named the local demo model while the answers came from the remote one."""
+    from PySide6.QtCore import Qt
+
+    from fakes_ui import FakeEngineClient
+
+    window, store = _remote_window(qtbot, tmp_path, FakeEngineClient(blocks=2, pass_ms=2))
+    window.composer.input.setPlainText("Hello")
+    with qtbot.waitSignal(window.generationFinished, timeout=5000):
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert window.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
+    dialog = window.remote.dialog
+    dialog.remote.click()  # Model ▸ Backend…: the remote server
+    window.refresh_status()
+    assert window.speed_label.text() == "tok/s unavailable (remote)"
+    assert window.model_label.text() == "remote-model"
+    dialog.local.click()
+    window.refresh_status()
+    assert window.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
+    window.close()
+    store.close()
+
+
+def test_loading_cancelled_goes_with_another_chat_backend_or_load(qtbot, tmp_path) -> None:
+    """Before: "Loading cancelled." stayed over every chat and backend afterwards."""
+    from engine.decode.events import LoadProgress
+    from fakes_ui import FakeEngineClient
+
+    window, store = _remote_window(qtbot, tmp_path, FakeEngineClient())
+    other = store.create_conversation("Another chat")
+
+    def cancelled() -> None:
+        window.on_engine_error_message("CancelledError", "loading was cancelled")
+        assert window.info_banner.isVisible() and window.info_banner.label.text() == "Loading cancelled."
+
+    cancelled()
+    window.open_conversation(other.id)
+    assert not window.info_banner.isVisible()
+    cancelled()
+    window.remote.dialog.remote.click()
+    assert not window.info_banner.isVisible()
+    cancelled()
+    window.on_load_progress(LoadProgress("reading", 0, 10))
+    assert not window.info_banner.isVisible()
+    window.close()
+    store.close()
+
+
+def test_reload_now_goes_once_reloaded_and_deleted_models_leave_recent(qtbot, tmp_path, tiny_clover_dir) -> None:  # noqa: F811
+    """Before: "Reload now" stayed after the reload; Recent models listed a model deleted since."""
+    import json
+
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from fakes_ui import FakeEngineClient
+
+    gone = tmp_path / "models" / "deleted-model"
+    (tmp_path / "recent_models.json").write_text(json.dumps([str(gone), str(tiny_clover_dir)]), encoding="utf-8")
+    client = FakeEngineClient()
+    desk = CloverDeskApp(tmp_path, client=client, settings=AppSettings(model_dir=str(tiny_clover_dir)),
+                         with_preview=False)
+    qtbot.addWidget(desk.window)
+    desk.window.show()
+    desk.window.show_models_page()
+    manager, library = desk.model_manager, desk.model_library
+    assert manager.recent_models() == [str(tiny_clover_dir)]
+    assert [manager.recent_list.item(i).data(256) for i in range(manager.recent_list.count())] == [str(tiny_clover_dir)]
+    library.compile_choice.setChecked(not library.compile_choice.isChecked())  # an option for the next load
+    assert library.reload_button.isVisible()
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        library.reload_button.click()
+    assert library.reload_button.isHidden()  # (hidden itself, whichever page shows now)
+    desk.shutdown()
+
+
+def test_the_compile_warm_up_shows_its_elapsed_time(qtbot) -> None:
+    """Before: "one-time warm-up 1 of 2" sat unchanged for 7+ minutes, with no elapsed time."""
+    from engine.decode.events import LoadProgress
+    from ui.banners import LoadBanner
+
+    now = [100.0]
+    banner = LoadBanner(clock=lambda: now[0])
+    qtbot.addWidget(banner)
+    what = "one-time warm-up 1 of 2: 32 tokens of AR decoding"
+    banner.set_progress(LoadProgress("compiling-ar", 0, 0, what))
+    assert banner.detail.text() == f"0 s · {what}" and banner.ticker.isActive()
+    now[0] += 125
+    qtbot.waitUntil(lambda: banner.detail.text() == f"2 min 05 s · {what}", timeout=3000)  # the ticker, by itself
+    banner.set_progress(LoadProgress("compiling-ar", 0, 0, what))  # the same stage again: the clock runs on
+    assert banner.detail.text().startswith("2 min 05 s")
+    banner.hide()
+    assert not banner.ticker.isActive()
+
+
+def test_a_cancelled_compile_leaves_the_model_loaded_uncompiled(tiny_clover_dir, one_torch_thread) -> None:  # noqa: F811
+    """Before: Cancel during "Compile the layers" ended in "No model". Now the warm-up stops at its next pass and the
+    model stays loaded, running eagerly, with the same tokens as an uncompiled load."""
+    import threading
+
+    from engine.api import Engine
+    from engine.decode.events import Finished, GenerationParams
+    from engine.kernels import fastpath
+
+    if fastpath.unavailable("cpu"):
+        import pytest
+
+        pytest.skip(f"no CPU compile here: {fastpath.unavailable('cpu')}")
+    cancel = threading.Event()
+
+    def progress(event) -> None:  # noqa: ANN001
+        if event.stage.startswith("compiling"):
+            cancel.set()  # the user presses Cancel as the warm-up starts
+
+    engine = Engine.load(tiny_clover_dir, compile=True, progress=progress, cancel=cancel)
+    assert engine.compile_cancelled and not engine.compiled and "cancelled" in (engine.compile_skipped or "")
+    params = GenerationParams(mode="ar", max_new_tokens=8, do_sample=False)
+    ours = [e for e in engine.generate(prompt="hello", params=params) if isinstance(e, Finished)][-1]
+    eager = [e for e in Engine.load(tiny_clover_dir).generate(prompt="hello", params=params)
+             if isinstance(e, Finished)][-1]
+    assert ours.token_ids == eager.token_ids
+
+
+def test_after_a_cancelled_compile_the_box_is_unticked_and_remote_never_compiles(qtbot, tmp_path,
+                                                                                 tiny_clover_dir) -> None:  # noqa: F811
+    """Before: the box stayed ticked (the next start compiled again), even with the remote backend selected."""
+    import json
+
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from fakes_ui import FakeEngineClient
+
+    client = FakeEngineClient(loaded=False)
+    settings = AppSettings(model_dir=str(tiny_clover_dir), device="cpu", compile_layers=True)
+    desk = CloverDeskApp(tmp_path, client=client, settings=settings, with_preview=False, start_engine=False)
+    qtbot.addWidget(desk.window)
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        desk.load_model()
+    assert client.compiles[-1] is True
+    info = {"model_dir": str(tiny_clover_dir), "device": "cpu", "compile_cancelled": True,
+            "compile_skipped": "compiling was cancelled: the model runs uncompiled"}
+    client.loaded.emit(info)  # what the worker answers when Cancel came during the warm-up
+    assert not desk.settings.compile_layers and not desk.model_library.compile_choice.isChecked()
+    assert json.loads((tmp_path / "settings.json").read_text(encoding="utf-8"))["compile_layers"] is False
+    assert "uncompiled" in desk.window.info_banner.label.text() and desk.model_library.reload_button.isHidden()
+    desk.settings.compile_layers = True  # ticked again, but the remote server answers
+    desk.window.remote.dialog.remote.click()
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        desk.load_model()
+    assert client.compiles[-1] is False
+    desk.shutdown()
