@@ -47,8 +47,8 @@ Decisions:
   (:mod:`clover_desk.worker.http_guards`), 404 / 405 for other paths and methods, 408 for a body that does not
   come in time, 411 without a Content-Length, 413 for a body over ``max_body_bytes`` (told by its Content-Length,
   before any of it is read), 415 for a POST body that is not ``application/json``, 503 while the model loads, when
-  too many requests wait or are in progress, and for an answer cut short by the server (shutdown, the model
-  unloaded: a stream then ends with an error event, never a ``finish_reason``).
+  too many requests wait or are in progress, and for an answer cut short by the server's shutdown (a stream then
+  ends with an error event, never a ``finish_reason``).
 * One engine runs one generation at a time. Requests wait their turn in arrival order (at most ``max_waiting``);
   a client that goes away while waiting leaves the queue, and one that closes its stream (or connection) during
   generation cancels it within a denoising pass. Nothing a client sends stops the server.
@@ -282,12 +282,12 @@ class ChatService:
         return _Prepared(request, engine, ids, params, written, markers, cache_scope(identity, request.cache_salt),
                          id=("cmpl-" if request.completion else "chatcmpl-") + uuid.uuid4().hex)
 
-    def cancel_all(self, reason: str = "the model was unloaded while answering; try again once it has loaded") -> None:
-        """Cut every running generation short; their answers end with an error saying ``reason`` (a cancel that is a
-        :class:`~clover_desk.worker.answers.CutShort` keeps it)."""
+    def cancel_all(self, reason: str | None = None) -> None:
+        """Cancel every running generation (within a pass). With a ``reason`` (the server shuts down) their answers
+        end with an error saying it; without (the model is unloaded) they end as cancelled answers do."""
         with self._active_lock:
             for cancel in self._active:
-                if isinstance(cancel, CutShort):
+                if reason is not None and isinstance(cancel, CutShort):
                     cancel.cut(reason)
                 else:
                     cancel.set()
@@ -711,9 +711,9 @@ class OpenAIServer:
         self.guard = ConnectionGuard(max_connections, header_timeout_s)
         self._http = _Http(self.service, tuple(k for k in keys if k), self.policy, max_body_bytes, body_timeout_s,
                            max_in_flight)
-        config = uvicorn.Config(self._http, http=self.guard.protocol(), ws="none", lifespan="off", log_config=None,
-                                access_log=False, proxy_headers=False, server_header=False, timeout_keep_alive=5,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(self._http, http=self.guard.protocol(), ws="none", lifespan="off", loop="asyncio",
+                                log_config=None, access_log=False, proxy_headers=False, server_header=False,
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         if engine is not None:
