@@ -42,6 +42,9 @@ from engine.weights.checkpoint import load_model
 COMPILE_CANCELLED = "compiling was cancelled: the model runs uncompiled"
 log = logging.getLogger(__name__)
 
+# the prompt cache scope of this process's own chats (the window's, the CLI's); the HTTP server's clients have their own
+LOCAL_SCOPE = "local"
+
 # What a compiled load runs before it returns (Engine.warm_up): AR decoding of a few tokens (the prefill, the first
 # steps, and a step in the steady stance of engine.kernels.fastpath.steady_state), then two diffusion blocks after a prompt
 # one block and a few tokens long (a prefill of whole blocks, a denoising pass over a block holding the prompt's
@@ -440,11 +443,14 @@ class Engine:
         written: int = 0,
         *,
         prefill_only: bool = False,
+        cache_scope: str = LOCAL_SCOPE,
     ) -> Iterator[Event]:
         """Check the request now (PromptError), then return the event iterator (PromptInfo ... Finished).
         ``written``: with ``prompt_ids``, how many of its last ids are the model's answer so far (what
         :meth:`encode_request` says of a continued answer; ``messages`` with ``continue_final_message`` count
-        their own). ``prefill_only``: :meth:`read_chat`."""
+        their own). ``prefill_only``: :meth:`read_chat`. ``cache_scope``: whose prompt cache entries the request
+        may go on from (:meth:`engine.decode.prompt_cache.PromptCache.scoped`; the HTTP server gives each client
+        its own, the window's and the CLI's chats are :data:`LOCAL_SCOPE`)."""
         params = params or GenerationParams()
         check_generation_params(params)  # the ranges the CLI's flags and the worker check too (engine.decode.limits)
         if self.ar_only and params.mode in ("diffusion", "spec"):
@@ -460,7 +466,8 @@ class Engine:
             settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, self.ctx_limit))
         return generate(
             self.model, ids, settings, self.tokenizer, cancel, vocab_size=self.config.vocab_size, hooks=self._hooks,
-            written=written or own, prompt_cache=self.prompt_cache,
+            written=written or own,
+            prompt_cache=None if self.prompt_cache is None else self.prompt_cache.scoped(cache_scope),
         )
 
     def read_chat(

@@ -7,8 +7,11 @@ Use with ``from server_fixtures import chat_server, ...  # noqa: F401``. Models 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ WEATHER_TOOL = {
     },
 }
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -104,3 +108,23 @@ def wait_idle(server: Any, timeout_s: float = 5.0) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise AssertionError(f"the server is still busy after {timeout_s} s: {health}")
         time.sleep(0.02)
+
+
+def serve_process(*args: str, preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[str]:
+    """``clover-desk serve`` with ``args`` as a child process (stdout and stderr piped, as text)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "clover_desk.cli.main", "serve", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+
+
+@contextlib.contextmanager
+def served(*args: str, preexec_fn: Callable[[], None] | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``clover-desk serve`` with ``args`` until the block ends (killed if it still runs): the process and the line
+    it printed first ("listening on URL")."""
+    proc = serve_process(*args, preexec_fn=preexec_fn)
+    try:
+        yield proc, proc.stdout.readline()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -24,9 +24,10 @@ def engines(tiny_clover_dir: Path) -> tuple[Any, Any]:  # noqa: F811
     return Engine.load(tiny_clover_dir), plain
 
 
-def _run(engine: Any, ids: list[int], mode: str, max_new: int = 12, block: int = 8) -> tuple[tuple[int, ...], int]:
+def _run(engine: Any, ids: list[int], mode: str, max_new: int = 12, block: int = 8,
+         **kwargs: Any) -> tuple[tuple[int, ...], int]:
     params = GenerationParams(mode=mode, max_new_tokens=max_new, do_sample=False, block_size=block)
-    events = list(engine.generate(prompt_ids=ids, params=params))
+    events = list(engine.generate(prompt_ids=ids, params=params, **kwargs))
     info = next(e for e in events if isinstance(e, PromptInfo))
     done = events[-1]
     assert isinstance(done, Finished) and done.cached_tokens == info.cached_tokens
@@ -190,6 +191,28 @@ def test_a_chat_switched_back_to_goes_on_from_its_entry_in_host_memory(engines: 
     assert [(e.ids[0], len(e.ids)) for e in store.saved] == [(500, longer), (600, longer), (500, kept_a)]
     a3 = a2 + [1, 2, 3]
     assert _run(cached_engine, a3, mode) == (_run(plain, a3, mode)[0], longer)
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_scopes_never_share_entries(engines: tuple[Any, Any], mode: str) -> None:
+    """Issue 31: a request of another scope (another HTTP client) reads a prompt whole even when the same tokens are
+    cached, live or saved in host memory, and each scope still finds its own entries afterwards."""
+    from engine.decode.prompt_cache import PromptCache
+
+    cached_engine, plain = engines
+    cached_engine.prompt_cache = store = PromptCache()
+    a = list(range(500, 575))
+    longer = a + list(range(700, 730))
+    assert _run(cached_engine, a, mode, cache_scope="alice")[1] == 0
+    kept = _run(cached_engine, longer, mode, cache_scope="alice")[1]
+    assert kept > 0  # her own next turn
+    tokens, cached = _run(cached_engine, longer, mode, cache_scope="bob")  # her entry is live: not his
+    assert cached == 0 and tokens == _run(plain, longer, mode)[0]
+    assert [e.scope for e in store.saved] == ["alice"]  # hers moved to host memory, as another chat's
+    assert _run(cached_engine, longer, mode, cache_scope="carol")[1] == 0  # saved, live: neither is hers
+    assert _run(cached_engine, longer, mode, cache_scope="alice")[1] > 0  # alice's own, back from host memory
+    assert _run(cached_engine, longer, mode, cache_scope="bob")[1] > 0  # bob's own, saved meanwhile
+    assert _run(cached_engine, longer, mode)[1] == 0  # the engine's own chats (LOCAL_SCOPE) are apart too
 
 
 def test_saved_entries_stay_within_their_budget_least_recently_used_first(engines: tuple[Any, Any]) -> None:

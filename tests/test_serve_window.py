@@ -102,6 +102,8 @@ def test_serve_from_the_window_answers_http_and_takes_turns_with_the_window(qtbo
     qtbot.mouseClick(window.serve.button, Qt.MouseButton.LeftButton)
     assert QGuiApplication.clipboard().text() == url
     assert not window.serve.dialog.warning.isVisible()  # loopback: nothing to warn about
+    policy = window.serve.dialog.policy  # whom it answers (issue 31), as the worker says
+    assert policy.isVisible() and "loopback names" in policy.text() and "pages on this machine" in policy.text()
 
     # an HTTP answer streams while the window is open ...
     http: dict[str, Any] = {"times": [], "text": [], "error": None}

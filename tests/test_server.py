@@ -3,14 +3,10 @@ client would never send such bytes), on scripted tiny models that write known te
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,22 +27,24 @@ from server_fixtures import (  # noqa: F401 - fixtures
     endless_model,
     endless_server,
     running_server,
+    serve_process as _serve,
+    served as _served,
     tools_model,
     tools_server,
     wait_idle,
 )
 
 HI = [{"role": "user", "content": "Hello there"}]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _raw(server: Any, method: str, path: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+         headers: dict[str, str] | None = None) -> tuple[int, Any, bytes]:
+    """(status, headers (names in any case, as HTTP has them), body)."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
     try:
         conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
+        return response.status, response.headers, response.read()
     finally:
         conn.close()
 
@@ -451,7 +449,7 @@ def test_a_client_that_hangs_up_on_a_plain_request_cancels_it(endless_server) ->
     before = wait_idle(endless_server)
     body = json.dumps({"model": "x", "messages": HI, **NO_THINKING}).encode()
     sock = socket.create_connection((endless_server.host, endless_server.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     deadline = time.monotonic() + 5
     while not endless_server.health()["busy"]:
@@ -606,7 +604,7 @@ def test_oversized_body_is_a_413(strict_server) -> None:  # noqa: ANN001
     assert status == 413 and _error_of(raw)["code"] == "request_too_large"
     assert headers.get("Connection") == "close"
     sock = socket.create_connection((strict_server.host, strict_server.port))  # no Content-Length at all
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     reply = b""
     while chunk := sock.recv(65536):  # the server closes the connection after refusing
         reply += chunk
@@ -782,25 +780,6 @@ def test_turns_are_first_come_first_served_and_bounded() -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # the real command
-
-
-def _serve(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "clover_desk.cli.main", "serve", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-@contextlib.contextmanager
-def _served(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """``clover-desk serve`` with ``args`` until the block ends (killed if it still runs): the process and the line
-    it printed first ("listening on URL")."""
-    proc = _serve(*args)
-    try:
-        yield proc, proc.stdout.readline()  # type: ignore[union-attr]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_command(chat_model) -> None:  # noqa: ANN001

@@ -109,8 +109,21 @@ def test_a_port_in_use_is_one_error_naming_it_and_the_worker_keeps_serving() -> 
             assert error["kind"] == "ServeError" and error["fatal"] is False
             assert str(port) in error["message"] and "127.0.0.1" in error["message"]
             assert "\n" not in error["message"]
-        w.send(cmd="serve", host="127.0.0.1", port=0)
+        # issue 31: beyond this machine only with a key (or said explicitly); the same Host / Origin policy
+        w.send(cmd="serve", host="0.0.0.0", port=0, api_key=None)
+        error = w.expect_event("error", op="serve")
+        assert error["kind"] == "ServeError" and "API key" in error["message"] and "0.0.0.0" in error["message"]
+        w.send(cmd="serve", host="127.0.0.1", port=0, allowed_origins=["app.example.com"])
+        error = w.expect_event("error", op="serve")
+        assert error["kind"] == "ServeError" and "app.example.com" in error["message"]
+        w.send(cmd="serve", host="127.0.0.1", port=0, allowed_hosts=["llm.lan"])
         first = w.expect_event("serving")
+        assert "llm.lan" in first["policy"] and "pages on this machine" in first["policy"]
+        request = urllib.request.Request(first["url"].removesuffix("/v1") + "/health",
+                                         headers={"Host": "rebind.attacker.example"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 403
         w.send(cmd="serve", host="127.0.0.1", port=0)  # one server at a time
         again = w.expect_event("error", op="serve")
         assert again["kind"] == "AlreadyServing" and first["url"] in again["message"]

@@ -51,8 +51,8 @@ def exposure_warning(host: str, api_key: str) -> str:
     """The warning for a server other machines can reach without a key ("" when there is none to give)."""
     if not host.strip() or is_loopback(host) or api_key.strip():
         return ""
-    return (f"Listening on {host.strip()} without an API key: anyone who can reach this computer can use the model. "
-            "Set a key, or listen on 127.0.0.1 (this computer only).")
+    return (f"Listening on {host.strip()} needs an API key: without one, anyone who can reach this computer could use "
+            "the model. Set a key (New key), or listen on 127.0.0.1 (this computer only).")
 
 
 class ServeDialog(QDialog):
@@ -94,6 +94,10 @@ class ServeDialog(QDialog):
         self.warning.setObjectName("serveWarning")
         self.warning.setWordWrap(True)
         set_style_class(self.warning, "warnText")
+        self.policy = QLabel()  # whom the server answers (its Host / Origin policy), while it serves
+        self.policy.setObjectName("servePolicy")
+        self.policy.setWordWrap(True)
+        self.policy.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.status = QLabel("Not serving.")
         self.status.setObjectName("serveStatus")
         self.status.setWordWrap(True)
@@ -138,6 +142,7 @@ class ServeDialog(QDialog):
         layout.addLayout(form)
         layout.addWidget(self.warning)
         layout.addWidget(self.status)
+        layout.addWidget(self.policy)
         layout.addLayout(buttons)
         self._connect_signals()
         self.set_state("stopped")
@@ -152,8 +157,11 @@ class ServeDialog(QDialog):
         self.stop_button.clicked.connect(self.stopRequested)
         self.close_button.clicked.connect(self.hide)
 
-    def set_state(self, state: str, text: str = "", url: str = "") -> None:
-        """``state``: "stopped" | "starting" | "serving" | "stopping"; ``text`` replaces the default status line."""
+    def set_state(self, state: str, text: str = "", url: str = "", policy: str = "") -> None:
+        """``state``: "stopped" | "starting" | "serving" | "stopping"; ``text`` replaces the default status line;
+        ``policy``: whom the server answers (shown while serving)."""
+        self.policy.setText(f"Answers: {policy}" if state == "serving" and policy else "")
+        self.policy.setVisible(state == "serving" and bool(policy))
         editable = state == "stopped"
         for widget in (self.host, self.port, self.api_key, self.new_key_button):
             widget.setEnabled(editable)
@@ -240,7 +248,7 @@ class ServeController(QObject):
         self.control.stop_server()
 
     def on_serving(self, url: str) -> None:
-        self.dialog.set_state("serving", url=url)
+        self.dialog.set_state("serving", url=url, policy=self.control.server_policy)
         warning = exposure_warning(*self._asked)
         self.button.setText(f"⇄ Serving {url}" + ("  (no API key)" if warning else ""))
         self.button.setToolTip(f"{warning}\n\nClick to copy the address." if warning else

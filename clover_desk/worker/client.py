@@ -110,6 +110,7 @@ class EngineClient(QObject):
         self._pid: int | None = None
         self._serve: dict[str, Any] | None = None  # the serve command asked for (sent again after a restart)
         self._server_url: str | None = None
+        self._server_policy = ""  # whom the server answers (its "serving" record's policy line)
 
     # ----------------------------------------------------------------- properties
 
@@ -136,6 +137,11 @@ class EngineClient(QObject):
     def server_url(self) -> str | None:
         """The HTTP server's base URL while the worker serves, else None."""
         return self._server_url
+
+    @property
+    def server_policy(self) -> str:
+        """Whom the HTTP server answers (its Host / Origin policy), one line; "" while it does not serve."""
+        return self._server_policy if self._server_url else ""
 
     @property
     def last_stderr(self) -> list[str]:
@@ -537,6 +543,7 @@ class EngineClient(QObject):
                 self.planReady.emit(record.get("plan") or {})
         elif name == "serving":
             self._server_url = str(record.get("url") or "")
+            self._server_policy = str(record.get("policy") or "")
             self.serving.emit(self._server_url)
         elif name == "serve_stopped":  # also the answer to a stop sent before the server was up
             self._server_url = None

@@ -20,8 +20,10 @@ Commands, one JSON object per line on stdin::
         answer, a load, another read_chat. Answered by one "chat_read" record, never an error record)
     {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16 | null, "ram_gb": 64 | null, "ctx": 16384, ...}
         (engine.placement.planner.plan_model; null budgets: what this machine has free; other keys go to make_plan)
-    {"cmd": "serve", "host": "127.0.0.1", "port": 8000, "api_key": "KEY" | null}
-        (clover_desk.worker.server.OpenAIServer over the loaded model, serving from a thread of this process)
+    {"cmd": "serve", "host": "127.0.0.1", "port": 8000, "api_key": "KEY" | null, ["allowed_hosts": [..],
+     "allowed_origins": [..], "insecure_no_api_key": false]}
+        (clover_desk.worker.server.OpenAIServer over the loaded model, serving from a thread of this process, with
+        the same Host / Origin policy as ``clover-desk serve``; a non-loopback host needs a key or insecure_no_api_key)
     {"cmd": "serve_stop"}
     {"cmd": "shutdown"}
 
@@ -39,7 +41,8 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
     {"event": "plan", "op": "load", "plan": {Plan.to_dict()}}  a load under a plan: the plan being placed, before
                                                                the weights are read (same form as plan --json)
     {"event": "error", "kind": .., "message": .., "fatal": false, ["id": "r1" | "op": "load" | "plan"]}
-    {"event": "serving", "url": .., "host": .., "port": .., "auth": bool}   the HTTP server listens
+    {"event": "serving", "url": .., "host": .., "port": .., "auth": bool, "policy": ..}   the HTTP server listens
+                                                               (policy: whom it answers, one line for people)
     {"event": "serve_stopped"}                                 it stopped (serve_stop, shutdown); the port is free
     {"event": "bye"}                                           after "shutdown", just before exiting
 
@@ -94,6 +97,7 @@ from engine.decode.events import EngineError, Finished, GenerationParams, LoadPr
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from engine.placement.preflight import opt_in_from_env
 from clover_desk.worker.hangup import HangUpLog, is_hang_up
+from clover_desk.worker.http_guards import is_loopback
 from clover_desk.worker.server import OpenAIServer
 from engine.defaults import DEFAULT_CTX_TOKENS
 
@@ -251,6 +255,10 @@ def _is_host(v: Any) -> bool:
     return isinstance(v, str) and 0 < len(v) <= 253 and all(0x21 <= ord(c) <= 0x7E for c in v)
 
 
+def _is_host_list(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 64 and all(_is_host(item) for item in v)
+
+
 def _is_api_key(v: Any) -> bool:
     """An API key travels in an HTTP header (``Authorization: Bearer KEY``): printable ASCII, no spaces."""
     return isinstance(v, str) and 0 < len(v) <= 4096 and all(0x21 <= ord(c) <= 0x7E for c in v)
@@ -260,6 +268,10 @@ SERVE_FIELDS: dict[str, tuple[Check, str]] = {
     "host": (_is_host, 'a host name or address to listen on, e.g. "127.0.0.1" or "0.0.0.0" (no spaces)'),
     "port": (_int_in(0, 65535), "a port number from 0 (any free port) to 65535"),
     "api_key": (_nullable(_is_api_key), "null (no key) or a key of printable ASCII characters without spaces"),
+    "allowed_hosts": (_nullable(_is_host_list), "null or a list of host names or addresses (e.g. [\"llm.lan\"])"),
+    "allowed_origins": (_nullable(_is_host_list), 'null or a list of origins (e.g. ["https://app.example.com"])'),
+    "insecure_no_api_key": (_nullable(_is_bool), "true to listen on a non-loopback address without a key, else "
+                                                 "false or null"),
 }
 
 
@@ -699,10 +711,19 @@ class Worker:
             return
 
         host, port = command["host"], command["port"]
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if not is_loopback(host) and not command.get("api_key") and not command.get("insecure_no_api_key"):
+            self._error("ServeError", f"{host} is reachable from other machines: set an API key to serve there",
+                        op="serve")
+            return
         try:
-            server = OpenAIServer(None, host=host, port=port, api_key=command.get("api_key"), lock=self.engine_lock)
+            server = OpenAIServer(None, host=host, port=port, api_key=command.get("api_key"), lock=self.engine_lock,
+                                  allowed_hosts=command.get("allowed_hosts") or (),
+                                  allowed_origins=command.get("allowed_origins") or ())
+        except ValueError as exc:  # a bad allowed host or origin
+            self._error("ServeError", str(exc), op="serve")
+            return
         except OSError as exc:  # in use, not an address of this machine, a name that does not resolve
-            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             self._error("ServeError", f"cannot listen on {where} (port {port}): {exc.strerror or exc}", op="serve")
             return
         with self._lock:
@@ -711,6 +732,7 @@ class Worker:
         server.start()
         log.info("serving %s", server.url)
         self._emit({"event": "serving", "url": server.url, "host": server.host, "port": server.port,
+                    "policy": server.policy.describe(),
                     "auth": bool(command.get("api_key"))})
 
     def _cmd_serve_stop(self, command: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over one :class:`engine.api.Engine` (``clover-desk serve``).
 
-    server = OpenAIServer(engine, host="127.0.0.1", port=0, api_key=None).start()
+    server = OpenAIServer(engine, host="127.0.0.1", port=0, api_key=None).start()   # api_key: a key, keys or None
     print(server.url)          # http://127.0.0.1:PORT/v1
     ...
     server.close()
@@ -43,20 +43,31 @@ Decisions:
   anything: the server has one model, and answers with its id.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON and
   bad fields (``param`` names the field), ``context_length_exceeded`` for a prompt (plus ``max_tokens``) over the
-  context, 401 for a missing or wrong key, 404 / 405 for other paths and methods, 411 without a Content-Length,
-  413 for a body over ``max_body_bytes``, 503 while the model loads or when too many requests wait.
+  context, 401 for a missing or wrong key, 403 for a ``Host`` or ``Origin`` outside the policy
+  (:mod:`clover_desk.worker.http_guards`), 404 / 405 for other paths and methods, 408 for a body that does not
+  come in time, 411 without a Content-Length, 413 for a body over ``max_body_bytes`` (told by its Content-Length,
+  before any of it is read), 415 for a POST body that is not ``application/json``, 503 while the model loads, when
+  too many requests wait or are in progress, and for an answer cut short by the server's shutdown (a stream then
+  ends with an error event, never a ``finish_reason``).
 * One engine runs one generation at a time. Requests wait their turn in arrival order (at most ``max_waiting``);
   a client that goes away while waiting leaves the queue, and one that closes its stream (or connection) during
   generation cancels it within a denoising pass. Nothing a client sends stops the server.
+* The prompt cache is kept per client: the scope of a request is its API key's hash (with no key configured, that
+  of the bearer token it sends, or "http" without one) plus its ``cache_salt`` (vLLM's field), and a request never
+  goes on from another scope's entries (:class:`engine.decode.prompt_cache.PromptCache`), so ``cached_tokens`` and
+  the time to the first token reveal nothing of other clients' prompts.
+* HTTP: uvicorn (h11) serves a Starlette app from a thread with its own event loop; each generating request runs
+  on a worker thread of its own (:mod:`clover_desk.worker.answers`) that holds the engine's turn. Host, Origin,
+  connection caps and deadlines: :mod:`clover_desk.worker.http_guards`. One line per request goes to the
+  ``clover_desk.access`` log (client, method, path, status, tokens, seconds; never the prompt).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
-import json
 import logging
-import math
-import select
 import socket
 import threading
 import time
@@ -64,580 +75,51 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import uvicorn
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.decode.events import Finished, GenerationParams
 from engine.errors import CloverError, PromptError
-from engine.decode.events import BlockCommitted, Finished, GenerationParams, TextDelta
-from engine.decode.limits import GENERATION_LIMITS
+from clover_desk.worker.answers import Answer, CutShort, Outlet
+from clover_desk.worker.http_guards import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_IN_FLIGHT,
+    ConnectionGuard,
+    HangupLog,
+    RequestPolicy,
+    log_access,
+)
+from clover_desk.worker.openai_schema import (  # noqa: F401 - AnswerParser, StopScanner ...: this module's names too
+    AnswerParser,
+    ApiError,
+    ChatRequest,
+    ClientGone,
+    StopScanner,
+    _markers,
+    cache_scope,
+    decode_json,
+    parse_chat_request,
+    parse_completion_request,
+    parse_tool_call,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: a 128k-token conversation is ~0.5 MB of JSON
 MAX_WAITING = 32
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
-MAX_STOP_CHARS = 256
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-
-# OpenAI fields the server reads, and OpenAI fields with no effect here that are accepted without a note.
-_READ_FIELDS = {
-    "messages", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "top_k", "seed", "presence_penalty", "repetition_penalty", "frequency_penalty", "n", "logprobs", "top_logprobs",
-    "logit_bias", "stop", "response_format", "tools", "tool_choice", "functions", "function_call",
-    "chat_template_kwargs", "clover", "continue_final_message", "add_generation_prompt",
-}
-_COMPLETION_FIELDS = {
-    "prompt", "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
-    "presence_penalty", "repetition_penalty", "frequency_penalty", "n", "best_of", "logprobs", "echo", "suffix",
-    "logit_bias", "stop", "clover",
-}
-_NO_EFFECT_FIELDS = {"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
-                     "safety_identifier"}
-_CLOVER_FIELDS = ("mode", "block_size", "threshold")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# errors
-
-
-class ApiError(Exception):
-    """An answer in OpenAI's error shape with its HTTP status."""
-
-    def __init__(
-        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _bad(param: str, allowed: str, value: Any) -> ApiError:
-    shown = json.dumps(value, ensure_ascii=True, default=str)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return ApiError(400, f"{param} must be {allowed}, got {shown}", param=param, code="invalid_value")
-
-
-def _unsupported(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
-
-
-class _ClientGone(Exception):
-    """The client closed its connection; nothing more can be sent."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the request
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """A checked ``/v1/chat/completions`` (or ``/v1/completions``) body, in the engine's terms."""
-
-    messages: list[dict[str, Any]]  # chat-template form
-    tools: list[dict[str, Any]] | None  # as the template renders them (None: no tools in the prompt)
-    params: GenerationParams  # max_new_tokens is the caller's max_tokens (None: as much as fits)
-    mode: str | None = None  # "diffusion" | "ar"; None: diffusion, or AR on a model without diffusion
-    stream: bool = False
-    include_usage: bool = False
-    ignored_fields: tuple[str, ...] = ()
-    continue_final: bool = False  # go on with the last message, an assistant answer (continue_final_message)
-    stop: tuple[str, ...] = ()  # stop sequences: the answer ends before the first one it writes
-    # /v1/completions: a raw prompt (no chat template) as text or token ids; messages and tools are then empty
-    prompt: str | None = None
-    prompt_ids: tuple[int, ...] | None = None
-
-    @property
-    def completion(self) -> bool:
-        """A /v1/completions request (a raw prompt, text out), not a chat."""
-        return self.prompt is not None or self.prompt_ids is not None
-
-    @property
-    def parse_tool_calls(self) -> bool:
-        return bool(self.tools)
-
-    @property
-    def continued(self) -> str | None:
-        """The channel a continued answer goes on writing ("content", or "reasoning" while no content came yet):
-        its leading whitespace is the model's, not the space after a marker, and is kept."""
-        if not self.continue_final:
-            return None
-        last = self.messages[-1]
-        return "content" if last.get("content") else "reasoning"
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _limited(body: dict[str, Any], name: str, limit: str, where: str | None = None) -> Any:
-    """``body[name]`` checked against the engine's range for ``limit`` (:data:`engine.decode.limits.GENERATION_LIMITS`,
-    the table the CLI flags and the worker use too); None when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return None
-    rule = GENERATION_LIMITS[limit]
-    if not rule.accepts(value):
-        raise _bad(where or name, rule.allowed, value)
-    return int(value) if rule.kind == "int" else float(value)
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A message's content as text: a string, null, or a list of ``{"type": "text", "text": ...}`` parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise _bad(f"{where}[{i}]", "a content part object with a 'type'", part)
-            if part["type"] != "text":
-                raise _unsupported(f"{where}[{i}]", f"content parts of type {part['type']!r} are not supported: "
-                                                    "the model reads text only")
-            if not isinstance(part.get("text"), str):
-                raise _bad(f"{where}[{i}].text", "a string", part.get("text"))
-            out.append(part["text"])
-        return "".join(out)
-    raise _bad(where, "a string, a list of text parts or null", content)
-
-
-def _tool_calls_in(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls`` in the template's form (``{"function": {"name", "arguments"}}``)."""
-    if not isinstance(calls, list):
-        raise _bad(where, "a list of tool calls", calls)
-    out = []
-    for i, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise _bad(f"{where}[{i}]", 'a {"type": "function", "function": {"name", "arguments"}} object', call)
-        arguments = fn.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                raise _bad(f"{where}[{i}].function.arguments", "a JSON object (as a string)", arguments) from None
-        if not isinstance(arguments, dict):
-            raise _bad(f"{where}[{i}].function.arguments", "a JSON object (as a string)", arguments)
-        out.append({"type": "function", "function": {"name": fn["name"], "arguments": arguments}})
-    return out
-
-
-def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise _bad("messages", "a non-empty list of message objects", value)
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _bad(where, "an object with 'role' and 'content'", message)
-        role = message.get("role")
-        if role in ("system", "developer", "user", "tool"):
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_of(message.get("content"), f"{where}.content")})
-        elif role == "assistant":
-            turn: dict[str, Any] = {"role": "assistant", "content": _text_of(message.get("content"), f"{where}.content")}
-            if message.get("tool_calls") is not None:
-                turn["tool_calls"] = _tool_calls_in(message["tool_calls"], f"{where}.tool_calls")
-            reasoning = message.get("reasoning_content")
-            if reasoning is not None:
-                if not isinstance(reasoning, str):
-                    raise _bad(f"{where}.reasoning_content", "a string or null", reasoning)
-                turn["reasoning_content"] = reasoning
-            out.append(turn)
-        elif role == "function":
-            raise _unsupported(f"{where}.role", "'function' messages are the deprecated form: use 'tool'")
-        else:
-            raise _bad(f"{where}.role", "one of system, developer, user, assistant, tool", role)
-    return out
-
-
-def _tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise _bad("tools", "a list of tool objects or null", value)
-    for i, tool in enumerate(value):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise _bad(f"tools[{i}]", 'a {"type": "function", "function": {...}} object', tool)
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise _bad(f"tools[{i}].function.name", "a non-empty string", fn.get("name"))
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise _bad(f"tools[{i}].function.parameters", "a JSON schema object", fn["parameters"])
-    return value or None
-
-
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    """Known OpenAI fields whose value asks for something this server cannot do."""
-    if body.get("n") not in (None, 1):
-        raise _unsupported("n", "only one choice per request (n = 1) is supported")
-    if body.get("logprobs") not in (None, False):
-        raise _unsupported("logprobs", "log probabilities are not reported")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _unsupported("top_logprobs", "log probabilities are not reported")
-    if body.get("logit_bias") not in (None, {}):
-        raise _unsupported("logit_bias", "logit bias is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", 'only {"type": "text"} is supported')
-    penalty = body.get("frequency_penalty")
-    if penalty is not None and (not _is_number(penalty) or penalty != 0):
-        raise _unsupported("frequency_penalty", "not supported: use presence_penalty or repetition_penalty")
-    if body.get("functions") is not None or body.get("function_call") is not None:
-        raise _unsupported("functions", "the deprecated functions API is not supported: use tools")
-
-
-def _stop_sequences(value: Any) -> tuple[str, ...]:
-    """OpenAI's ``stop``: null, a string or a list of at most :data:`MAX_STOP_SEQUENCES` non-empty strings ("" and []
-    mean none, as OpenAI takes them)."""
-    if value is None or value == "" or value == []:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    allowed = (f"a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings of at most "
-               f"{MAX_STOP_CHARS} characters")
-    if not isinstance(items, list) or len(items) > MAX_STOP_SEQUENCES or not all(
-            isinstance(item, str) and 0 < len(item) <= MAX_STOP_CHARS for item in items):
-        raise _bad("stop", allowed, value)
-    return tuple(dict.fromkeys(items))
-
-
-def parse_chat_request(body: Any) -> ChatRequest:
-    """Check a decoded JSON body; raise :class:`ApiError` (400) naming the first bad field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    _refuse_unsupported(body)
-    ignored = [name for name in body if name not in _READ_FIELDS and name not in _NO_EFFECT_FIELDS]
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise _bad("model", "a string", body["model"])
-    stream, include_usage = _streaming(body)
-    messages = _messages(body.get("messages"))
-    tools = _tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        if choice == "required" or isinstance(choice, dict):
-            raise _unsupported("tool_choice", "only 'auto' and 'none' are supported")
-        raise _bad("tool_choice", '"auto" or "none"', choice)
-    if choice == "none":
-        tools = None
-
-    max_tokens = _limited(body, "max_completion_tokens", "max_new_tokens")
-    if max_tokens is None:
-        max_tokens = _limited(body, "max_tokens", "max_new_tokens")
-    sampling = _sampling(body)
-
-    kwargs = body.get("chat_template_kwargs")
-    enable_thinking = True
-    if kwargs is not None:
-        if not isinstance(kwargs, dict):
-            raise _bad("chat_template_kwargs", "an object or null", kwargs)
-        if kwargs.get("enable_thinking") is not None:
-            if not isinstance(kwargs["enable_thinking"], bool):
-                raise _bad("chat_template_kwargs.enable_thinking", "true or false", kwargs["enable_thinking"])
-            enable_thinking = kwargs["enable_thinking"]
-        ignored += [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"]
-
-    stop = _stop_sequences(body.get("stop"))
-    continue_final = body.get("continue_final_message")
-    if continue_final is not None and not isinstance(continue_final, bool):
-        raise _bad("continue_final_message", "true, false or null", continue_final)
-    add_prompt = body.get("add_generation_prompt")
-    if add_prompt is not None and not isinstance(add_prompt, bool):
-        raise _bad("add_generation_prompt", "true, false or null", add_prompt)
-    if continue_final and add_prompt:
-        raise _bad("add_generation_prompt", "false or left out with continue_final_message (vLLM's rule: a "
-                   "continued answer gets no new generation prompt)", add_prompt)
-    if add_prompt is False and not continue_final:
-        raise _unsupported("add_generation_prompt", "false only with continue_final_message: true (a request "
-                           "without either starts a new answer)")
-    if continue_final and messages[-1]["role"] != "assistant":
-        raise _bad(f"messages[{len(messages) - 1}].role", '"assistant" with continue_final_message (the answer it '
-                   'continues)', messages[-1]["role"])
-
-    mode, block_size, threshold = _clover(body)
-    params = GenerationParams(max_new_tokens=max_tokens, block_size=block_size, threshold=threshold,
-                              enable_thinking=enable_thinking, **sampling)
-    return ChatRequest(
-        messages=messages, tools=tools, params=params, mode=mode, stream=stream, include_usage=include_usage,
-        ignored_fields=tuple(ignored), continue_final=bool(continue_final), stop=stop,
-    )
-
-
-def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
-    """(stream, stream_options.include_usage) of a request; ``stream_options`` without ``stream: true`` is a 400,
-    as OpenAI's."""
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _bad("stream", "true, false or null", stream)
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or
-                                not isinstance(options.get("include_usage", False), bool)):
-        raise _bad("stream_options", 'null or {"include_usage": true | false}', options)
-    if options is not None and stream is not True:  # as OpenAI answers: the options are for a stream only
-        raise _bad("stream_options", 'null unless "stream" is true', options)
-    return bool(stream), bool(options and options.get("include_usage"))
-
-
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """The sampling fields of a request as GenerationParams keywords (None: the model's default)."""
-    top_k = body.get("top_k")
-    return {
-        "temperature": _limited(body, "temperature", "temperature"),
-        "top_p": _limited(body, "top_p", "top_p"),
-        "top_k": 0 if top_k == -1 and not isinstance(top_k, bool) else _limited(body, "top_k", "top_k"),  # -1: off
-        "seed": _limited(body, "seed", "seed"),
-        "presence_penalty": _limited(body, "presence_penalty", "presence_penalty"),
-        "repetition_penalty": _limited(body, "repetition_penalty", "repetition_penalty"),
-    }
-
-
-def _clover(body: dict[str, Any]) -> tuple[str | None, int | None, float | None]:
-    """(mode, block_size, threshold) from the request's ``clover`` object (our namespace: an unknown key is an
-    error)."""
-    clover = body.get("clover")
-    mode, block_size, threshold = None, None, None
-    if clover is not None:
-        if not isinstance(clover, dict):
-            raise _bad("clover", "an object or null", clover)
-        unknown = [k for k in clover if k not in _CLOVER_FIELDS]
-        if unknown:
-            raise ApiError(400, f"clover.{unknown[0]} is not a Clover setting; they are: {', '.join(_CLOVER_FIELDS)}",
-                           param=f"clover.{unknown[0]}", code="unknown_parameter")
-        if clover.get("mode") is not None:
-            if clover["mode"] not in ("diffusion", "ar", "spec"):
-                raise _bad("clover.mode", '"diffusion", "ar" or "spec"', clover["mode"])
-            mode = clover["mode"]
-        block_size = _limited(clover, "block_size", "block_size", "clover.block_size")
-        threshold = _limited(clover, "threshold", "threshold", "clover.threshold")
-    return mode, block_size, threshold
-
-
-def _raw_prompt(value: Any) -> tuple[str | None, tuple[int, ...] | None]:
-    """/v1/completions' ``prompt``: a non-empty string or a list of token ids, either alone in a list too (one
-    prompt per request)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str) and value:
-        return value, None
-    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        return None, tuple(value)
-    raise _bad("prompt", "a non-empty string or a list of token ids (one prompt per request)", value)
-
-
-def parse_completion_request(body: Any) -> ChatRequest:
-    """Check a decoded ``/v1/completions`` body (the legacy text API: a raw prompt, no chat template); raise
-    :class:`ApiError` (400) naming the first bad field. ``max_tokens`` defaults to 16, as OpenAI's does."""
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    _refuse_unsupported(body)
-    if body.get("best_of") not in (None, 1):
-        raise _unsupported("best_of", "only one completion per request (best_of = 1) is supported")
-    if body.get("echo") not in (None, False):
-        raise _unsupported("echo", "the prompt is not echoed back")
-    if body.get("suffix") not in (None, ""):
-        raise _unsupported("suffix", "fill-in-the-middle (a suffix) is not supported")
-    ignored = [name for name in body if name not in _COMPLETION_FIELDS and name not in _NO_EFFECT_FIELDS]
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise _bad("model", "a string", body["model"])
-    stream, include_usage = _streaming(body)
-    prompt, prompt_ids = _raw_prompt(body.get("prompt"))
-    max_tokens = _limited(body, "max_tokens", "max_new_tokens")
-    mode, block_size, threshold = _clover(body)
-    params = GenerationParams(max_new_tokens=16 if max_tokens is None else max_tokens, block_size=block_size,
-                              threshold=threshold, **_sampling(body))
-    return ChatRequest(
-        messages=[], tools=None, params=params, mode=mode, stream=stream, include_usage=include_usage,
-        ignored_fields=tuple(ignored), stop=_stop_sequences(body.get("stop")), prompt=prompt, prompt_ids=prompt_ids,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the answer: reasoning and content apart, tool calls out of the content
-
-
-def _new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def parse_tool_call(inner: str) -> dict[str, Any] | None:
-    """The OpenAI tool call for the text between ``<tool_call>`` and ``</tool_call>``, or None when it is not a
-    ``{"name": str, "arguments": object}`` JSON object (then the text stays content: nothing is made up)."""
-    try:
-        data = json.loads(inner)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
-        return None
-    arguments = data.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return {"id": _new_call_id(), "type": "function",
-            "function": {"name": data["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
-
-
-class _Trimmed:
-    """Text released in order with its outer whitespace dropped: leading whitespace never comes out (unless
-    ``keep_leading``: the channel of a continued answer, whose text goes on from the client's), and a
-    whitespace-only run waits until more text follows (so trailing whitespace never comes out either)."""
-
-    def __init__(self, keep_leading: bool = False) -> None:
-        self._started = keep_leading
-        self._held = ""
-
-    def push(self, text: str) -> str:
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._started = True
-        text = self._held + text
-        body = text.rstrip()
-        self._held = text[len(body):]
-        return body
-
-
-class AnswerParser:
-    """Splits the answer channel into content and tool calls as it streams.
-
-    ``feed(text)`` and ``finish()`` return ``("content", str)`` and ``("tool_call", dict)`` items. Text that might
-    be the start of ``<tool_call>`` is held until it is known; a call is released whole at ``</tool_call>``; an
-    unterminated or malformed call is released as the content it is."""
-
-    def __init__(self, parse_tools: bool, keep_leading: bool = False) -> None:
-        self.parse_tools = parse_tools
-        self._buf = ""
-        self._in_call = False
-        self._content = _Trimmed(keep_leading)
-        self.calls = 0
-
-    def _text(self, text: str, out: list[tuple[str, Any]]) -> None:
-        released = self._content.push(text)
-        if released:
-            out.append(("content", released))
-
-    def feed(self, text: str) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        if not self.parse_tools:
-            self._text(text, out)
-            return out
-        self._buf += text
-        while True:
-            if self._in_call:
-                end = self._buf.find(TOOL_CALL_END)
-                if end < 0:
-                    return out
-                inner, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_END):]
-                self._in_call = False
-                call = parse_tool_call(inner.strip())
-                if call is None:
-                    self._text(TOOL_CALL_START + inner + TOOL_CALL_END, out)
-                else:
-                    self.calls += 1
-                    out.append(("tool_call", call))
-                continue
-            start = self._buf.find(TOOL_CALL_START)
-            if start >= 0:
-                self._text(self._buf[:start], out)
-                self._buf = self._buf[start + len(TOOL_CALL_START):]
-                self._in_call = True
-                continue
-            keep = _partial_suffix(self._buf, TOOL_CALL_START)
-            self._text(self._buf[: len(self._buf) - keep], out)
-            self._buf = self._buf[len(self._buf) - keep:]
-            return out
-
-    def finish(self) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        rest = (TOOL_CALL_START if self._in_call else "") + self._buf
-        self._buf, self._in_call = "", False
-        if rest:
-            self._text(rest, out)
-        return out
-
-
-def _markers(tokenizer: Any, ids: Sequence[int]) -> tuple[str | None, str | None, bool]:
-    """(``<think>``, ``</think>``, whether the prompt ``ids`` end inside a thinking section) for :class:`RawText`."""
-    start_id = getattr(tokenizer, "think_start_id", None)
-    end_id = getattr(tokenizer, "think_end_id", None)
-    if start_id is None or end_id is None:
-        return None, None, False
-    last = next((i for i in reversed(ids) if i in (start_id, end_id)), None)
-    return tokenizer.id_to_token(start_id), tokenizer.id_to_token(end_id), last == start_id
-
-
-class RawText:
-    """A completion's text as the model wrote it: the engine's two channels joined in order, with the thinking
-    markers put back where the channel changes (the engine's deltas leave them out). Its end-of-text tokens stay
-    out, as other OpenAI-compatible servers leave special tokens out."""
-
-    def __init__(self, start: str | None, end: str | None, thinking: bool) -> None:
-        self.start, self.end, self.thinking = start, end, thinking
-
-    def push(self, text: str, channel: str) -> str:
-        thinking = channel == "thinking"
-        marker = ""
-        if thinking != self.thinking and self.start is not None and self.end is not None:
-            marker = self.start if thinking else self.end
-        self.thinking = thinking
-        return marker + text
-
-
-class StopScanner:
-    """Ends the answer channel before the first stop sequence it holds, as it streams.
-
-    ``feed(text)`` returns the text that can go out: everything before a stop sequence, holding back an end that
-    may still become one (``" to"`` while ``" tock"`` is a stop). Once a stop sequence is found, ``hit`` names it and
-    nothing more comes out; ``finish()`` releases what was held when none came."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.hit: str | None = None
-        self._held = ""
-
-    def feed(self, text: str) -> str:
-        if self.hit is not None or not self.stops:
-            return "" if self.hit is not None else text
-        buf = self._held + text
-        found = [(buf.find(stop), stop) for stop in self.stops if stop in buf]
-        if found:
-            at, self.hit = min(found)
-            self._held = ""
-            return buf[:at]
-        keep = max(_partial_suffix(buf, stop) for stop in self.stops)
-        self._held = buf[len(buf) - keep:]
-        return buf[: len(buf) - keep]
-
-    def finish(self) -> str:
-        rest, self._held = self._held, ""
-        return "" if self.hit is not None else rest
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
+_ClientGone = ClientGone  # its earlier name
+_ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
+_METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
+_BUSY = ApiError(503, "the server is busy: too many requests are in progress; try again later", type="server_error",
+                 code="server_busy")
 
 # ---------------------------------------------------------------------------------------------------------------
 # one generation at a time
@@ -665,7 +147,7 @@ class Turns:
         return self._busy
 
     def acquire(self, abandoned: Callable[[], bool], poll_s: float = 0.2) -> None:
-        """Wait for the turn; ApiError 503 when the queue is full, _ClientGone when ``abandoned()`` turns true."""
+        """Wait for the turn; ApiError 503 when the queue is full, ClientGone when ``abandoned()`` turns true."""
         me = object()
         with self._cond:
             if len(self._queue) >= self.max_waiting:
@@ -676,7 +158,7 @@ class Turns:
                 while self._busy or self._queue[0] is not me:
                     self._cond.wait(poll_s)
                     if abandoned():
-                        raise _ClientGone()
+                        raise ClientGone()
                 self._busy = True
             finally:
                 self._queue.remove(me)
@@ -685,7 +167,7 @@ class Turns:
             while not self._lock.acquire(timeout=poll_s):
                 if abandoned():
                     self._release_turn()
-                    raise _ClientGone()
+                    raise ClientGone()
 
     def release(self) -> None:
         if self._lock is not None:
@@ -722,6 +204,7 @@ class _Prepared:
     params: GenerationParams  # max_new_tokens resolved
     written: int = 0  # the prompt's last ids that are the model's own answer (continue_final_message)
     markers: tuple[str | None, str | None, bool] = (None, None, False)  # a completion's: RawText's arguments
+    scope: str = "http"  # the prompt cache scope (the client's identity and cache_salt: openai_schema.cache_scope)
     id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -761,8 +244,9 @@ class ChatService:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "clover-desk",
                 "max_model_len": self._ctx_of(engine)}
 
-    def prepare(self, request: ChatRequest) -> _Prepared:
-        """Render and count the prompt, fit the answer in the context; ApiError 400 otherwise."""
+    def prepare(self, request: ChatRequest, identity: str = "http") -> _Prepared:
+        """Render and count the prompt, fit the answer in the context; ApiError 400 otherwise. ``identity``: the
+        client's, for the prompt cache (with the request's cache_salt)."""
         engine = self.engine
         if engine is None:
             raise ApiError(503, "the model is still loading", type="server_error", code="model_loading")
@@ -795,13 +279,18 @@ class ChatService:
         params = replace(request.params, mode=mode,
                          max_new_tokens=asked if asked is not None else min(default, room))
         markers = _markers(engine.tokenizer, ids) if request.completion else (None, None, False)
-        return _Prepared(request, engine, ids, params, written, markers,
+        return _Prepared(request, engine, ids, params, written, markers, cache_scope(identity, request.cache_salt),
                          id=("cmpl-" if request.completion else "chatcmpl-") + uuid.uuid4().hex)
 
-    def cancel_all(self) -> None:
+    def cancel_all(self, reason: str | None = None) -> None:
+        """Cancel every running generation (within a pass). With a ``reason`` (the server shuts down) their answers
+        end with an error saying it; without (the model is unloaded) they end as cancelled answers do."""
         with self._active_lock:
             for cancel in self._active:
-                cancel.set()
+                if reason is not None and isinstance(cancel, CutShort):
+                    cancel.cut(reason)
+                else:
+                    cancel.set()
 
     def run(self, prepared: _Prepared, cancel: threading.Event) -> Iterator[Any]:
         """The engine's events for a prepared request (the caller holds the turn). PromptError -> ApiError 400;
@@ -814,7 +303,8 @@ class ChatService:
                                type="server_error", code="model_loading")
             try:
                 events = prepared.engine.generate(prompt_ids=prepared.prompt_ids, params=prepared.params,
-                                                  cancel=cancel, written=prepared.written)
+                                                  cancel=cancel, written=prepared.written,
+                                                  cache_scope=prepared.scope)
             except PromptError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
             yield from events
@@ -847,407 +337,19 @@ class ChatService:
         }
 
 
-def usage_of(done: Finished) -> dict[str, Any]:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt's first tokens the engine's
-    prompt cache held already (a chat's next turn, engine.decode.prompt_cache.PromptCache)."""
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.tokens,
-            "total_tokens": done.prompt_tokens + done.tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-
-def finish_reason(done: Finished, tool_calls: int, stopped: str | None = None) -> str:
-    if tool_calls:
-        return "tool_calls"
-    if stopped is not None:
-        return "stop"
-    return "length" if done.stop_reason in ("max_new_tokens", "context") else "stop"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# HTTP
+# HTTP: a Starlette app behind the guards, served by uvicorn from a thread
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "clover-desk"
-    timeout = 120  # seconds a socket read or write may block (a client that stops reading is dropped)
-    server: "_HTTPServer"
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()[:16]
 
-    # ---- plumbing ----
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
-        log.debug("%s %s", self.address_string(), format % args)
 
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """The base class's own refusals (bad request line, headers too long ...) in OpenAI's error shape."""
-        self.close_connection = True
-        try:
-            phrase = HTTPStatus(code).phrase
-        except ValueError:
-            phrase = "error"
-        self._send_json(code, ApiError(code, message or phrase).body())
-
-    def _send_json(self, status: int, body: dict[str, Any], headers: Sequence[tuple[str, str]] = ()) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        self._answer_started = True
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        self.wfile.flush()
-
-    def _error(self, err: ApiError) -> None:
-        headers = [("WWW-Authenticate", "Bearer")] if err.status == 401 else []
-        if err.code != "generation_failed":  # those are counted as failed
-            with self.server.lock:
-                self.server.service.counters.rejected += 1
-        self._send_json(err.status, err.body(), headers)
-
-    def _client_gone(self) -> bool:
-        """Whether the client closed its side (checked without blocking: readable and nothing to read)."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            if not readable:
-                return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    # ---- routing ----
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
-
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._dispatch("DELETE")
-
-    def do_PATCH(self) -> None:  # noqa: N802
-        self._dispatch("PATCH")
-
-    def _dispatch(self, method: str) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        self._body_read = False
-        self._answer_started = False
-        try:
-            if method != "POST" and self.headers.get("Content-Length", "0").strip() not in ("", "0"):
-                self.close_connection = True  # a body nobody reads must not be taken for the next request
-            if path == "/health":
-                if method != "GET":
-                    raise ApiError(405, f"{method} {path} is not allowed; use GET", code="method_not_allowed")
-                self._send_json(200, self.server.health())
-                return
-            routes = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
-            expected = routes.get(path) or ("GET" if path.startswith("/v1/models/") else None)
-            if expected is None:
-                raise ApiError(404, f"no such endpoint: {method} {path} (this server has /v1/models, "
-                                    "/v1/chat/completions, /v1/completions and /health)", code="not_found")
-            if method != expected:
-                raise ApiError(405, f"{method} {path} is not allowed; use {expected}", code="method_not_allowed")
-            self._authorize()
-            if not self.server.service.ready:
-                raise ApiError(503, "the model is still loading", type="server_error", code="model_loading")
-            if path == "/v1/models":
-                self._send_json(200, {"object": "list", "data": [self.server.service.model_card()]})
-            elif path.startswith("/v1/models/"):
-                card = self.server.service.model_card()
-                if path[len("/v1/models/"):] != card["id"]:
-                    raise ApiError(404, f"the model {path[len('/v1/models/'):]!r} does not exist; this server has "
-                                        f"{card['id']!r}", param="model", code="model_not_found")
-                self._send_json(200, card)
-            else:
-                self._chat(completion=path == "/v1/completions")
-        except ApiError as err:
-            if method == "POST" and not self._body_read:
-                self.close_connection = True
-            self._error(err)
-        except _ClientGone:
-            self.close_connection = True
-        except (BrokenPipeError, ConnectionResetError, socket.timeout):
-            self.close_connection = True
-        except Exception:  # a bug here: answer 500 (unless the answer had begun) and keep serving
-            log.exception("unexpected error in %s %s", method, path)
-            self.close_connection = True
-            if not self._answer_started:
-                self._error(ApiError(500, "internal server error (see the server's log)", type="server_error",
-                                     code="internal_error"))
-
-    def _authorize(self) -> None:
-        key = self.server.api_key
-        if key is None:
-            return
-        given = self.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'" if given
-                           else "this server needs an API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
-
-    def _read_json(self) -> Any:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            raise ApiError(411, "send the body with a Content-Length (chunked request bodies are not read)",
-                           code="length_required")
-        length_text = self.headers.get("Content-Length")
-        if length_text is None:
-            raise ApiError(411, "a Content-Length header is required", code="length_required")
-        try:
-            length = int(length_text)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            raise ApiError(400, f"Content-Length {length_text!r} is not a byte count", code="invalid_request") from None
-        limit = self.server.max_body_bytes
-        if length > limit:
-            raise ApiError(413, f"the request body is {length} bytes; this server takes at most {limit}",
-                           code="request_too_large")
-        raw = self.rfile.read(length)
-        self._body_read = True
-        if len(raw) != length:
-            raise _ClientGone()
-        try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
-            detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) \
-                else str(exc) or type(exc).__name__
-            raise ApiError(400, f"the request body is not valid JSON ({detail})", code="invalid_json") from None
-
-    # ---- chat ----
-    def _chat(self, completion: bool = False) -> None:
-        service = self.server.service
-        body = self._read_json()
-        request = parse_completion_request(body) if completion else parse_chat_request(body)
-        prepared = service.prepare(request)
-        service.turns.acquire(self._client_gone)
-        self._turn_held = True
-        cancel = threading.Event()
-        try:
-            events = service.run(prepared, cancel)
-            first = next(events)  # PromptError is raised here, before any byte of the answer is sent
-            if request.stream:
-                self._stream(prepared, _chain(first, events), cancel)
-            else:
-                self._answer(prepared, _chain(first, events), cancel)
-        finally:
-            self._release_turn()
-
-    def _release_turn(self) -> None:
-        if getattr(self, "_turn_held", False):
-            self._turn_held = False
-            self.server.service.turns.release()
-
-    def _count(self, done: Finished | None, failed: bool = False, stopped: bool = False) -> None:
-        """The generation is over: count how it ended and hand the engine to the next request (before the last
-        bytes of this answer are written). ``stopped``: a stop sequence ended it (the engine was cancelled, the
-        answer is complete)."""
-        self._release_turn()
-        with self.server.lock:
-            counters = self.server.service.counters
-            if failed or done is None:
-                counters.failed += 1
-            elif done.stop_reason == "cancelled" and not stopped:
-                counters.cancelled += 1
-            else:
-                counters.completed += 1
-
-    def _drain(self, events: Iterator[Any], cancel: threading.Event) -> Finished | None:
-        """Cancel and run the generation to its end (it stops within a pass; hooks close their block)."""
-        cancel.set()
-        done = None
-        for event in events:
-            if isinstance(event, Finished):
-                done = event
-        return done
-
-    def _answer(self, prepared: _Prepared, events: Iterator[Any], cancel: threading.Event) -> None:
-        service = self.server.service
-        done: Finished | None = None
-        blocks = 0
-        scanner = StopScanner(prepared.request.stop)
-        answer: list[str] = []  # the answer channel up to a stop sequence (with stop sequences only)
-        raw = RawText(*prepared.markers)  # a completion's text: both channels
-        last_check = time.monotonic()
-        try:
-            for event in events:
-                if isinstance(event, Finished):
-                    done = event
-                elif isinstance(event, BlockCommitted):
-                    blocks += 1
-                elif isinstance(event, TextDelta) and prepared.request.completion:
-                    answer.append(scanner.feed(raw.push(event.text, event.channel)))
-                    if scanner.hit is not None:
-                        cancel.set()
-                elif isinstance(event, TextDelta) and event.channel != "thinking" and scanner.stops:
-                    answer.append(scanner.feed(event.text))
-                    if scanner.hit is not None:
-                        cancel.set()  # the engine stops within a pass; the rest of its text is dropped
-                now = time.monotonic()
-                if now - last_check > 0.05:
-                    last_check = now
-                    if self._client_gone():
-                        done = self._drain(events, cancel)
-                        self._count(done)
-                        raise _ClientGone()
-        except _ClientGone:
-            raise
-        except Exception as exc:  # an engine bug or a device error: answer 500, keep serving
-            self._count(None, failed=True)
-            log.exception("generation failed")
-            raise ApiError(500, f"generation failed: {exc}", type="server_error", code="generation_failed") from None
-        assert done is not None
-        stopped = scanner.hit
-        self._count(done, stopped=stopped is not None)
-        if prepared.request.completion:  # the text as written, thinking included (the <think> markers are not text)
-            self._send_json(200, {
-                "id": prepared.id, "object": "text_completion", "created": prepared.created,
-                "model": service.model_id,
-                "choices": [{"index": 0, "text": "".join(answer) + scanner.finish(), "logprobs": None,
-                             "finish_reason": finish_reason(done, 0, stopped)}],
-                "usage": usage_of(done),
-                "clover": service.extras(prepared, done, blocks, stopped),
-            })
-            return
-        continued = prepared.request.continued
-        parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
-        text = "".join(answer) + scanner.finish() if scanner.stops else done.text
-        items = parser.feed(text) + parser.finish()
-        content = "".join(text for kind, text in items if kind == "content")
-        calls = [call for kind, call in items if kind == "tool_call"]
-        reasoning = _Trimmed(continued == "reasoning").push(done.thinking)
-        message: dict[str, Any] = {"role": "assistant", "content": content or None,
-                                   "reasoning_content": reasoning or None}
-        if calls:
-            message["tool_calls"] = calls
-        self._send_json(200, {
-            "id": prepared.id, "object": "chat.completion", "created": prepared.created, "model": service.model_id,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(done, len(calls), stopped),
-                         "logprobs": None}],
-            "usage": usage_of(done),
-            "clover": service.extras(prepared, done, blocks, stopped),
-        })
-
-    def _stream(self, prepared: _Prepared, events: Iterator[Any], cancel: threading.Event) -> None:
-        service = self.server.service
-        self._answer_started = True
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("X-Accel-Buffering", "no")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-
-        completion = prepared.request.completion
-        kind = "text_completion" if completion else "chat.completion.chunk"
-        raw = RawText(*prepared.markers)
-
-        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-            choice = ({"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish}
-                      if completion else {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
-            return {"id": prepared.id, "object": kind, "created": prepared.created, "model": service.model_id,
-                    "choices": [choice], **extra}
-
-        continued = prepared.request.continued
-        parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
-        reasoning = _Trimmed(continued == "reasoning")
-        scanner = StopScanner(prepared.request.stop)
-        calls = 0
-        blocks = 0
-        done: Finished | None = None
-
-        def send_items(items: list[tuple[str, Any]]) -> None:
-            nonlocal calls
-            for kind, value in items:
-                if kind == "content":
-                    self._sse(chunk({"content": value}))
-                else:
-                    self._sse(chunk({"tool_calls": [{"index": calls, **value}]}))
-                    calls += 1
-
-        last_check = time.monotonic()
-        counted = False
-        try:
-            if not completion:
-                self._sse(chunk({"role": "assistant", "content": ""}))
-            for event in events:
-                if isinstance(event, TextDelta) and scanner.hit is None:
-                    if completion:
-                        text = scanner.feed(raw.push(event.text, event.channel))
-                        if text:
-                            self._sse(chunk({"text": text}))
-                        if scanner.hit is not None:
-                            cancel.set()
-                    elif event.channel == "thinking":
-                        text = reasoning.push(event.text)
-                        if text:
-                            self._sse(chunk({"reasoning_content": text}))
-                    else:
-                        send_items(parser.feed(scanner.feed(event.text)))
-                        if scanner.hit is not None:
-                            cancel.set()  # the engine stops within a pass; the rest of its text is dropped
-                elif isinstance(event, BlockCommitted):
-                    blocks += 1
-                elif isinstance(event, Finished):
-                    done = event
-                now = time.monotonic()
-                if done is None and now - last_check > 0.05:
-                    last_check = now
-                    if self._client_gone():
-                        raise _ClientGone()
-            assert done is not None
-            stopped = scanner.hit
-            self._count(done, stopped=stopped is not None)
-            counted = True
-            rest = scanner.finish()
-            if completion:
-                if rest:
-                    self._sse(chunk({"text": rest}))
-            else:
-                send_items(parser.feed(rest) + parser.finish())
-            self._sse(chunk({}, finish_reason(done, calls, stopped),
-                            clover=service.extras(prepared, done, blocks, stopped)))
-            if prepared.request.include_usage:
-                self._sse({"id": prepared.id, "object": kind, "created": prepared.created,
-                           "model": service.model_id, "choices": [], "usage": usage_of(done)})
-            self._write_chunk(b"data: [DONE]\n\n")
-            self._write_chunk(b"")
-        except (_ClientGone, BrokenPipeError, ConnectionResetError, socket.timeout):
-            if not counted:
-                self._count(self._drain(events, cancel))
-            self.close_connection = True
-        except Exception as exc:  # an engine bug or a device error: say so in the stream, keep serving
-            log.exception("generation failed")
-            if not counted:
-                self._drain_quietly(events, cancel)
-                self._count(None, failed=True)
-            self.close_connection = True
-            try:
-                error = ApiError(500, f"generation failed: {exc}", type="server_error", code="generation_failed")
-                self._sse(error.body())
-                self._write_chunk(b"data: [DONE]\n\n")
-                self._write_chunk(b"")
-            except OSError:
-                pass
-
-    def _drain_quietly(self, events: Iterator[Any], cancel: threading.Event) -> Finished | None:
-        try:
-            return self._drain(events, cancel)
-        except Exception:  # the engine failed again while stopping; the error was reported already
-            return None
-
-    def _sse(self, payload: dict[str, Any]) -> None:
-        self._write_chunk(b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
-
-    def _write_chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
+def _client(scope: dict[str, Any]) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
@@ -1255,53 +357,90 @@ def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield from rest
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+class _Http:
+    """The ASGI app: the request policy and the in-flight cap in front, then the routes (one catch-all Starlette
+    route, so that every refusal has OpenAI's error shape)."""
 
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 64
-
-    def __init__(self, address: tuple[str, int], service: ChatService, api_key: str | None,
-                 max_body_bytes: int) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
+    def __init__(self, service: ChatService, keys: tuple[str, ...], policy: RequestPolicy, max_body_bytes: int,
+                 body_timeout_s: float, max_in_flight: int) -> None:
         self.service = service
-        self.api_key = api_key
+        self.keys = keys
+        self.policy = policy
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
         self.lock = threading.Lock()
-        self._connections: dict[Any, threading.Thread] = {}  # open client sockets and the threads serving them
+        self.hangups = HangupLog()
+        self.app = Starlette(routes=[Route("/{path:path}", self.endpoint, methods=_METHODS)])
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """One thread per connection, remembered so that :meth:`close_connections` can end them."""
-        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
-                                  name="clover-openai-connection", daemon=True)
-        with self.lock:
-            self._connections[request] = thread
-        thread.start()
+    # ---- the guard ----
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        started = time.monotonic()
+        state = scope.setdefault("state", {})
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        status = [0]
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")] \
+            if origin is not None and self.policy.origin_allowed(origin) else []
 
-    def shutdown_request(self, request: Any) -> None:
-        with self.lock:
-            self._connections.pop(request, None)
-        super().shutdown_request(request)
+        async def send_logged(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
 
-    def close_connections(self, timeout_s: float = 5.0) -> None:
-        """End every open connection (a keep-alive client must not be served after the server stopped) and wait
-        for the threads serving them."""
-        with self.lock:
-            open_now = list(self._connections.items())
-        for sock, _ in open_now:
+        try:
+            early = self._screen(method, path, headers, origin)
+            if early is not None:
+                await early(scope, receive, send_logged)
+                return
+            counted = path != "/health"
+            if counted and self.in_flight >= self.max_in_flight:
+                await self._error(_BUSY, close=method == "POST")(scope, receive, send_logged)
+                return
+            self.in_flight += counted
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        deadline = time.monotonic() + timeout_s
-        for _, thread in open_now:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+                await self.app(scope, receive, send_logged)
+            finally:
+                self.in_flight -= counted
+        finally:
+            log_access(_client(scope), method, path, status[0], state.get("tokens"), time.monotonic() - started)
+
+    def _screen(self, method: str, path: str, headers: Headers, origin: str | None) -> Response | None:
+        """The answer to a request refused (or a preflight answered) before any work, else None."""
+        if not self.policy.host_allowed(headers.get("host")):
+            return self._error(ApiError(403, f"Host {headers.get('host', '(none)')!r} is not allowed: this server "
+                                             "answers requests addressed to this machine (--allowed-hosts adds names)",
+                                        type="permission_error", code="host_not_allowed"), close=True)
+        if origin is not None and not self.policy.origin_allowed(origin):
+            return self._error(ApiError(403, f"requests from pages at {origin!r} are not allowed (--allowed-origins "
+                                             "adds origins)", type="permission_error", code="origin_not_allowed"),
+                               close=True)
+        if method not in _METHODS:
+            return self._error(ApiError(501, f"the method {method} is not supported", code="not_implemented"),
+                               close=True)
+        if method == "OPTIONS":
+            allow = {"Allow": "GET, POST, OPTIONS"}
+            if origin is not None:
+                allow.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS", "Access-Control-Max-Age": "600",
+                              "Access-Control-Allow-Headers": headers.get("access-control-request-headers",
+                                                                          "authorization, content-type")})
+            return Response(status_code=204, headers=allow)
+        return None
+
+    def _error(self, err: ApiError, close: bool = False) -> Response:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
+        if close:
+            headers["Connection"] = "close"  # a body nobody reads must not be taken for the next request
+        if err.code not in ("generation_failed", "generation_cut"):  # those are counted as failed or cancelled
+            with self.lock:
+                self.service.counters.rejected += 1
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     def health(self) -> dict[str, Any]:
         service = self.service
@@ -1310,8 +449,227 @@ class _HTTPServer(ThreadingHTTPServer):
         return {"status": "ok" if service.ready else "loading", "model": service.model_id if service.ready else None,
                 "busy": service.turns.busy, "waiting": service.turns.waiting, **counters}
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.exception("unexpected error while serving %s", client_address)
+    # ---- the routes ----
+    async def endpoint(self, request: Request) -> Response:
+        method, path = request.method, request.url.path.rstrip("/") or "/"
+        body_read = method != "POST"
+        try:
+            expected = _ROUTES.get(path) or ("GET" if path.startswith("/v1/models/") else None)
+            if expected is None:
+                raise ApiError(404, f"no such endpoint: {method} {path} (this server has /v1/models, "
+                                    "/v1/chat/completions, /v1/completions and /health)", code="not_found")
+            if method != expected:
+                raise ApiError(405, f"{method} {path} is not allowed; use {expected}", code="method_not_allowed")
+            if path == "/health":
+                return JSONResponse(self.health(), headers=self._closing(request))
+            identity = self._identity(request)
+            if not self.service.ready:
+                raise ApiError(503, "the model is still loading", type="server_error", code="model_loading")
+            if path.startswith("/v1/models"):
+                return JSONResponse(self._models(path), headers=self._closing(request))
+            body = await self._read_body(request)
+            body_read = True
+            return _GenerationResponse(self, body, path == "/v1/completions", identity)
+        except ApiError as err:
+            return self._error(err, close=not body_read)
+        except ClientGone:
+            self.hangups.note(_client(request.scope), method, path)
+            return Response(status_code=499)  # nginx's "client closed request": for the access log only
+
+    @staticmethod
+    def _closing(request: Request) -> dict[str, str]:
+        """A GET with a body: the body is not read, so the connection must not go on."""
+        return {"Connection": "close"} if request.headers.get("content-length", "0").strip() not in ("", "0") else {}
+
+    def _models(self, path: str) -> dict[str, Any]:
+        card = self.service.model_card()
+        if path == "/v1/models":
+            return {"object": "list", "data": [card]}
+        if path[len("/v1/models/"):] != card["id"]:
+            raise ApiError(404, f"the model {path[len('/v1/models/'):]!r} does not exist; this server has "
+                                f"{card['id']!r}", param="model", code="model_not_found")
+        return card
+
+    def _identity(self, request: Request) -> str:
+        """Who the client is, for the prompt cache: its key's hash (ApiError 401 without a right one, when the server
+        has keys), else its bearer token's hash, else "http"."""
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if not self.keys:
+            return f"http:{_digest(token)}" if token else "http"
+        match = None
+        for key in self.keys:  # every key compared, in constant time each
+            if hmac.compare_digest(token.encode(), key.encode()):
+                match = key
+        if match is None:
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'" if given
+                           else "this server needs an API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+        return f"key:{_digest(match)}"
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body of a POST, its size checked before any of it is read, within ``body_timeout_s``."""
+        headers = request.headers
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            raise ApiError(411, "send the body with a Content-Length (chunked request bodies are not read)",
+                           code="length_required")
+        length_text = headers.get("content-length")
+        if length_text is None:
+            raise ApiError(411, "a Content-Length header is required", code="length_required")
+        try:
+            length = int(length_text)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            raise ApiError(400, f"Content-Length {length_text!r} is not a byte count", code="invalid_request") from None
+        if length > self.max_body_bytes:
+            raise ApiError(413, f"the request body is {length} bytes; this server takes at most {self.max_body_bytes}",
+                           code="request_too_large")
+        kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if kind != "application/json":
+            raise ApiError(415, f"the request body must be application/json, not {kind or 'untyped'!r}",
+                           code="unsupported_media_type")
+        try:
+            return await asyncio.wait_for(request.body(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not come within {self.body_timeout_s:g} s",
+                           code="request_timeout") from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+
+    # ---- a generation, on a thread of its own ----
+    def job(self, body: bytes, completion: bool, identity: str, out: Outlet) -> None:
+        """Parse, count, wait for the engine's turn, generate: what :class:`_GenerationResponse` runs off the loop."""
+        try:
+            try:
+                request = (parse_completion_request if completion else parse_chat_request)(decode_json(body))
+                prepared = self.service.prepare(request, identity)
+                self.service.turns.acquire(out.gone.is_set)
+            except ApiError as err:
+                self._error(err)
+                out.json(err.status, err.body())
+                return
+            self._generate(prepared, out)
+        except ClientGone:
+            pass
+        except Exception:  # a bug here: answer 500 (unless the answer had begun) and keep serving
+            log.exception("unexpected error while answering")
+            if not out.started:
+                err = ApiError(500, "internal server error (see the server's log)", type="server_error",
+                               code="internal_error")
+                self._error(err)
+                out.json(500, err.body())
+        finally:
+            out.close()
+
+    def _generate(self, prepared: _Prepared, out: Outlet) -> None:
+        service = self.service
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                service.turns.release()
+
+        def count(done: Finished | None, failed: bool, stopped: bool) -> None:
+            release()  # the next request starts before the last bytes of this answer are written
+            with self.lock:
+                if failed or done is None:
+                    service.counters.failed += 1
+                elif done.stop_reason == "cancelled" and not stopped:
+                    service.counters.cancelled += 1
+                else:
+                    service.counters.completed += 1
+
+        cancel = CutShort()
+        answer = Answer(service, prepared, cancel, out, count)
+        try:
+            events = service.run(prepared, cancel)
+            first = next(events)  # PromptError is raised here, before any byte of the answer is sent
+            (answer.stream if prepared.request.stream else answer.plain)(_chain(first, events))
+        except ApiError as err:
+            self._error(err)
+            if not out.started:
+                out.json(err.status, err.body())
+        finally:
+            release()
+
+
+async def _watch(receive: Any, gone: threading.Event, done: asyncio.Event) -> None:
+    """Set ``gone`` when the client disconnects (uvicorn says so as soon as the connection closes)."""
+    while not done.is_set():
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+    if not done.is_set():
+        gone.set()
+
+
+class _GenerationResponse(Response):
+    """The answer of a generating request: the worker thread's pieces (:class:`Outlet`) written as they come."""
+
+    def __init__(self, http: _Http, body: bytes, completion: bool, identity: str) -> None:
+        self.http, self.body_bytes, self.completion, self.identity = http, body, completion, identity
+        self.status_code = 200
+        self.background = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        gone, finished = threading.Event(), asyncio.Event()
+        out = Outlet(loop, queue, gone)
+        watcher = asyncio.create_task(_watch(receive, gone, finished))
+        threading.Thread(target=self.http.job, args=(self.body_bytes, self.completion, self.identity, out),
+                         name="clover-openai-request", daemon=True).start()
+        try:
+            while (item := await queue.get()) is not None:
+                out.consumed()
+                if gone.is_set():
+                    continue  # the thread sees it and ends; what it sent meanwhile goes nowhere
+                await self._send(item, send, finished)
+        except BaseException:
+            gone.set()  # the server shuts down: the thread cancels its generation
+            raise
+        finally:
+            watcher.cancel()
+            scope.setdefault("state", {})["tokens"] = out.tokens
+        if gone.is_set() and not finished.is_set():
+            self.http.hangups.note(_client(scope), scope["method"], scope["path"])
+        elif out.started and not finished.is_set():
+            finished.set()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _send(item: tuple[Any, ...], send: Any, finished: asyncio.Event) -> None:
+        kind = item[0]
+        if kind == "json":
+            response = JSONResponse(item[2], status_code=item[1], headers=dict(item[3]))
+            finished.set()
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": response.raw_headers})
+            await send({"type": "http.response.body", "body": response.body, "more_body": False})
+        elif kind == "stream":
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
+        else:
+            await send({"type": "http.response.body", "body": item[1], "more_body": True})
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port`` (OSError when it cannot be had: in use, not this machine's)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _model_id(engine: Any) -> str:
@@ -1321,7 +679,9 @@ def _model_id(engine: Any) -> str:
 
 class OpenAIServer:
     """The HTTP server. ``engine`` may be None at first (requests get 503 "loading" and ``/health`` says so) and
-    set later with :meth:`attach`; ``lock`` is shared with any other user of the same engine."""
+    set later with :meth:`attach`; ``lock`` is shared with any other user of the same engine. ``api_key``: a key,
+    several (each client its own: their prompt caches are apart) or None. ``allowed_hosts`` / ``allowed_origins``:
+    :class:`~clover_desk.worker.http_guards.RequestPolicy` (ValueError naming a bad entry)."""
 
     def __init__(
         self,
@@ -1329,16 +689,32 @@ class OpenAIServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        api_key: str | None = None,
+        api_key: str | Sequence[str] | None = None,
         model_id: str | None = None,
         ctx_tokens: int | None = None,
         lock: Any = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_waiting: int = MAX_WAITING,
+        allowed_hosts: Sequence[str] = (),
+        allowed_origins: Sequence[str] = (),
+        max_connections: int = MAX_CONNECTIONS,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        self.policy = RequestPolicy.make(host, allowed_hosts, allowed_origins)
         self.service = ChatService(None, model_id or "clover", ctx_tokens, lock, max_waiting)
         self._model_id_given = model_id is not None
-        self._httpd = _HTTPServer((host, port), self.service, api_key or None, max_body_bytes)
+        self._sock = _listen(host, port)
+        self._address = self._sock.getsockname()  # (host, port, ...): kept for after close
+        self.guard = ConnectionGuard(max_connections, header_timeout_s)
+        self._http = _Http(self.service, tuple(k for k in keys if k), self.policy, max_body_bytes, body_timeout_s,
+                           max_in_flight)
+        config = uvicorn.Config(self._http, http=self.guard.protocol(), ws="none", lifespan="off", loop="asyncio",
+                                log_config=None, access_log=False, proxy_headers=False, server_header=False,
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+        self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         if engine is not None:
             self.attach(engine)
@@ -1352,11 +728,11 @@ class OpenAIServer:
 
     @property
     def host(self) -> str:
-        return str(self._httpd.server_address[0])
+        return str(self._address[0])
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return int(self._address[1])
 
     @property
     def url(self) -> str:
@@ -1365,28 +741,29 @@ class OpenAIServer:
         return f"http://{host}:{self.port}/v1"
 
     def health(self) -> dict[str, Any]:
-        return self._httpd.health()
+        return self._http.health()
 
-    def serve_forever(self) -> None:
-        self._httpd.serve_forever(poll_interval=0.2)
-
-    def start(self) -> "OpenAIServer":
-        """Serve in a background thread; returns self."""
-        self._thread = threading.Thread(target=self.serve_forever, name="clover-openai-server", daemon=True)
+    def start(self) -> OpenAIServer:
+        """Serve from a background thread (its own event loop); returns self once it accepts connections."""
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]},
+                                        name="clover-openai-server", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
         return self
 
-    def close(self) -> None:
-        """Stop accepting, cancel the generation in progress, end the open connections, release the port."""
-        self.service.cancel_all()
+    def close(self, reason: str = "the server is shutting down; the answer was cut short") -> None:
+        """Stop accepting, cut the generations in progress short (their answers end with an error saying
+        ``reason``), end the open connections, release the port."""
+        self.service.cancel_all(reason)
         if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join(timeout=5)
+            self._uvicorn.should_exit = True
+            self._thread.join(timeout=10)
             self._thread = None
-        self._httpd.server_close()
-        self._httpd.close_connections()
+        self._sock.close()
 
-    def __enter__(self) -> "OpenAIServer":
+    def __enter__(self) -> OpenAIServer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

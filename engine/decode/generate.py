@@ -43,7 +43,7 @@ from engine.decode.events import (
     PromptInfo,
     TextDelta,
 )
-from engine.decode.prompt_cache import PromptCache
+from engine.decode.prompt_cache import PromptCache, ScopedPromptCache
 from engine.decode.tokenizer import StreamDecoder
 from engine.placement import offload
 
@@ -478,7 +478,7 @@ def generate_ar(
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
     written: int = 0,
-    prompt_cache: PromptCache | None = None,
+    prompt_cache: PromptCache | ScopedPromptCache | None = None,
 ) -> Iterator[Event]:
     """Causal decoding: one prefill forward, then one cached forward per token."""
     prompt = [int(i) for i in prompt_ids]
@@ -504,7 +504,7 @@ def _ar_loop(
     limit_reason: str,
     hooks: LoopHooks | None = None,
     written: int = 0,
-    prompt_cache: PromptCache | None = None,
+    prompt_cache: PromptCache | ScopedPromptCache | None = None,
 ) -> Iterator[Event]:
     P = len(prompt)
     device = _device_of(model)
@@ -589,7 +589,7 @@ def generate_diffusion(
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
     written: int = 0,
-    prompt_cache: PromptCache | None = None,
+    prompt_cache: PromptCache | ScopedPromptCache | None = None,
 ) -> Iterator[Event]:
     """Block diffusion. Checks the request before returning the event iterator."""
     prompt = [int(i) for i in prompt_ids]
@@ -623,7 +623,7 @@ def _diffusion_loop(
     limit_reason: str,
     hooks: LoopHooks | None = None,
     written: int = 0,
-    prompt_cache: PromptCache | None = None,
+    prompt_cache: PromptCache | ScopedPromptCache | None = None,
 ) -> Iterator[Event]:
     B, P, mask_id = s.block_size, len(prompt), int(s.mask_token_id)  # type: ignore[arg-type]
     n_full = (P // B) * B
@@ -1183,7 +1183,7 @@ def generate(
     vocab_size: int | None = None,
     hooks: LoopHooks | None = None,
     written: int = 0,
-    prompt_cache: PromptCache | None = None,
+    prompt_cache: PromptCache | ScopedPromptCache | None = None,
 ) -> Iterator[Event]:
     """Dispatch on ``s.mode``; request errors (:class:`PromptError`) are raised here, before any event.
 

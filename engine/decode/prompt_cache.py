@@ -32,6 +32,7 @@ class _Saved:
     row: Tensor | None
     nbytes: int  # its own and its checkpoints'
     backs: list[_Saved] = field(default_factory=list)  # shorter first
+    scope: str = ""  # whose entry it is (PromptCache.scoped): only requests of the same scope use it
 
 
 def _nbytes(pairs: list[tuple[int, Tensor, Tensor]], row: Tensor | None = None) -> int:
@@ -71,13 +72,19 @@ class PromptCache:
 
     With a model that hands every request the same cache for its CUDA graphs (``CloverModel.new_cache``), the kept
     cache is that one: a request that goes on from it replays the graphs recorded for it; one that does not gets it
-    back emptied (or filled from a saved entry), as without a prompt cache."""
+    back emptied (or filled from a saved entry), as without a prompt cache.
+
+    Scopes: every entry belongs to the scope of the request that made it (:meth:`scoped`: the HTTP server's client
+    identity and ``cache_salt``, or the process's own chats), and only requests of that scope go on from it or from
+    its checkpoints. To a request of another scope an entry is another chat's: it reads its whole prompt, so neither
+    its ``cached_tokens`` nor its time to first token tells whether someone else sent the same prompt before."""
 
     def __init__(self, host_bytes: int = SAVED_BYTES, checkpoints: int = CHECKPOINTS) -> None:
         self.host_bytes = host_bytes
         self.checkpoints = checkpoints
         self.ids: tuple[int, ...] = ()
         self.block_size: int | None = None
+        self.scope = ""  # the last prompt's entry's scope
         self._cache: ModelCache | None = None
         self._gdn: list[tuple[int, Tensor, Tensor]] = []  # (layer, conv, state) copies at len(ids)
         self._row: Tensor | None = None  # [V] logits of the last kept position
@@ -85,7 +92,8 @@ class PromptCache:
         self.saved: list[_Saved] = []  # in host memory, least recently used first
 
     @staticmethod
-    def for_model(prompt_cache: PromptCache | None, model: Any) -> PromptCache | None:
+    def for_model(prompt_cache: PromptCache | ScopedPromptCache | None,
+                  model: Any) -> PromptCache | ScopedPromptCache | None:
         """``prompt_cache`` where ``model`` can use one (a CloverModel), else None: the loops then neither look it
         up nor keep copies for it."""
         return prompt_cache if isinstance(model, CloverModel) else None
@@ -99,25 +107,29 @@ class PromptCache:
         """How many tokens each of the last prompt's checkpoints holds, shorter first."""
         return [len(b.ids) for b in self._backs]
 
+    def scoped(self, scope: str) -> ScopedPromptCache:
+        """This cache as the requests of ``scope`` see it (what the decoding loops are handed)."""
+        return ScopedPromptCache(self, scope)
+
     def take(self, model: Any, prompt: Sequence[int], limit: int, max_len: int,
-             block_size: int | None) -> tuple[Any, int, Tensor | None]:
+             block_size: int | None, scope: str = "") -> tuple[Any, int, Tensor | None]:
         """(a cache for ``max_len`` positions, how many of ``prompt``'s first positions it holds already, at most
-        ``limit``, and the logit row after them), or a new empty cache, 0 and None."""
+        ``limit``, and the logit row after them), or a new empty cache, 0 and None. Only entries of ``scope`` count."""
         prompt = tuple(prompt)
 
-        def usable(ids: tuple[int, ...], mode: int | None) -> int:
+        def usable(ids: tuple[int, ...], mode: int | None, owner: str) -> int:
             """How many first tokens of an entry of ``ids`` kept in ``mode`` can start the prompt: its checkpoints
             are prefixes of it, so one comparison per entry, not per point."""
-            return min(_shared(prompt, ids), limit) if mode == block_size else 0
+            return min(_shared(prompt, ids), limit) if mode == block_size and owner == scope else 0
 
         kept = self._cache
-        live = usable(self.ids, self.block_size) if kept is not None else 0
+        live = usable(self.ids, self.block_size, self.scope) if kept is not None else 0
         here = 0 < len(self.ids) <= live
         back = None if here else max((b for b in self._backs if 0 < len(b.ids) <= live), key=lambda b: len(b.ids),
                                      default=None)
         found: list[tuple[_Saved, _Saved]] = []  # (a point, the saved entry it belongs to)
         for e in self.saved:
-            n = usable(e.ids, e.block_size)
+            n = usable(e.ids, e.block_size, e.scope)
             found += [(p, e) for p in (e, *e.backs) if 0 < len(p.ids) <= n]
         point, entry = max(found, key=lambda pe: len(pe[0].ids), default=(None, None))
         reach = len(self.ids) if here else len(back.ids) if back is not None else 0  # in place (0: not at all)
@@ -150,7 +162,8 @@ class PromptCache:
         _put_states(kept, self._gdn, n)
         return kept, n, self._row
 
-    def keep(self, prompt: Sequence[int], cache: Any, row: Tensor | None, block_size: int | None) -> None:
+    def keep(self, prompt: Sequence[int], cache: Any, row: Tensor | None, block_size: int | None,
+             scope: str = "") -> None:
         """Remember ``cache`` as it is now, holding ``prompt`` (its length), whose last logit row is ``row``. When
         that goes on from the entry kept before in the same cache (a chat's next turn, a chat read ahead, the next
         turn start of a prefill), the earlier point becomes a checkpoint: its states are copied to host memory."""
@@ -159,19 +172,19 @@ class PromptCache:
             return
         ids = tuple(int(i) for i in prompt)
         n = len(self.ids)
-        if cache is self._cache and 0 < n <= len(ids) and ids[:n] == self.ids:
+        if cache is self._cache and 0 < n <= len(ids) and ids[:n] == self.ids and scope == self.scope:
             if n < len(ids):
                 self._checkpoint()
         else:
             self._backs = []
-        self.ids, self.block_size, self._cache = ids, block_size, cache
+        self.ids, self.block_size, self._cache, self.scope = ids, block_size, cache, scope
         self._gdn = [(i, c.clone(), st.clone()) for i, (c, st) in enumerate(zip(cache.conv, cache.state))
                      if c is not None and st is not None]
         self._row = None if row is None else row.detach().clone()
 
     def clear(self) -> None:
         """Forget the last prompt's entry and its checkpoints (the saved entries stay)."""
-        self.ids, self._cache, self._gdn, self._row, self._backs = (), None, [], None, []
+        self.ids, self._cache, self._gdn, self._row, self._backs, self.scope = (), None, [], None, [], ""
 
     def _checkpoint(self) -> None:
         """Make the entry's point a checkpoint (the oldest goes past ``checkpoints``)."""
@@ -230,7 +243,7 @@ class PromptCache:
         del self.saved[:evict]
         self.saved.append(_Saved(ids=self.ids, block_size=self.block_size, kv=_moved(rows, _HOST, True),
                                  gdn=_moved(self._gdn, _HOST, True), row=_moved_row(self._row, _HOST, True),
-                                 nbytes=need, backs=backs))
+                                 nbytes=need, backs=backs, scope=self.scope))
 
     def _restore(self, model: Any, entry: _Saved | None, point: _Saved | None,
                  max_len: int) -> tuple[Any, int, Tensor | None]:
@@ -243,9 +256,28 @@ class PromptCache:
         _put_rows(cache, [(i, k[:, :n], v[:, :n]) for i, k, v in entry.kv])
         self._gdn, self._row = _moved(point.gdn, dev), _moved_row(point.row, dev)
         _put_states(cache, self._gdn, n)
-        self.ids, self.block_size, self._cache = point.ids, point.block_size, cache
+        self.ids, self.block_size, self._cache, self.scope = point.ids, point.block_size, cache, entry.scope
         self._backs = [b for b in entry.backs if len(b.ids) < n]
         return cache, n, self._row
+
+
+class ScopedPromptCache:
+    """A :class:`PromptCache` as the requests of one scope see it: what the decoding loops take and keep."""
+
+    def __init__(self, cache: PromptCache, scope: str) -> None:
+        self.cache = cache
+        self.scope = scope
+
+    @property
+    def checkpoints(self) -> int:
+        return self.cache.checkpoints
+
+    def take(self, model: Any, prompt: Sequence[int], limit: int, max_len: int,
+             block_size: int | None) -> tuple[Any, int, Tensor | None]:
+        return self.cache.take(model, prompt, limit, max_len, block_size, self.scope)
+
+    def keep(self, prompt: Sequence[int], cache: Any, row: Tensor | None, block_size: int | None) -> None:
+        self.cache.keep(prompt, cache, row, block_size, self.scope)
 
 
 def _shared(prompt: tuple[int, ...], ids: tuple[int, ...]) -> int:
