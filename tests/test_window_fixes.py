@@ -55,6 +55,7 @@ def test_the_wheel_leaves_unfocused_choosers_alone_on_the_models_page(qtbot, tmp
     from PySide6.QtWidgets import QDoubleSpinBox
 
     from clover_desk.app import AppSettings, CloverDeskApp
+    from ui.widgets import install_wheel_guard
     from fakes_ui import FakeEngineClient
 
     desk = CloverDeskApp(tmp_path, client=FakeEngineClient(), settings=AppSettings(), with_preview=False)
@@ -75,7 +76,8 @@ def test_the_wheel_leaves_unfocused_choosers_alone_on_the_models_page(qtbot, tmp
     qtbot.waitUntil(combo.hasFocus)
     _wheel(combo)
     assert combo.currentIndex() == 1  # focused on purpose: the wheel picks
-    spin = QDoubleSpinBox(desk.window.drawer)  # any spin box in the app
+    spin = QDoubleSpinBox(desk.window.drawer)  # a box added after the window was built: guarded when asked again
+    install_wheel_guard(desk.window)
     spin.setValue(1.0)
     _wheel(spin, steps=1)
     assert spin.value() == 1.0

@@ -167,8 +167,6 @@ class MainWindow(QMainWindow):
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle(APP_NAME)
-        if QApplication.instance() is not None:
-            install_wheel_guard(QApplication.instance())  # no value changes under a passing mouse wheel, app-wide
         self.client = client
         self.store = store
         self._save_error: type[Exception] = getattr(store, "Error", OSError)
@@ -281,6 +279,7 @@ class MainWindow(QMainWindow):
         if self.preview_off:
             self.info_banner.action.setVisible(False)
             self.info_banner.show_message(self.preview_off[:1].upper() + self.preview_off[1:] + ".")
+        install_wheel_guard(self)  # no value changes under a passing mouse wheel, in every box the window holds
         self.refresh_status()
 
     # ----------------------------------------------------------------- construction

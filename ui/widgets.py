@@ -92,13 +92,14 @@ class PreviewOff(QLabel):
 
 
 class WheelGuard(QObject):
-    """Application-wide event filter: the mouse wheel over a combo box or spin box that does not have the keyboard
-    focus scrolls what is around it (the page) instead of changing the value the pointer happens to pass over.
-    Click (or Tab to) the box first and the wheel changes it as before."""
+    """Event filter on the window's combo boxes and spin boxes: the mouse wheel over one that does not have the
+    keyboard focus scrolls what is around it (the page) instead of changing the value the pointer happens to pass
+    over. Click (or Tab to) the box first and the wheel changes it as before. (Installed on the boxes themselves, not
+    on the application: an application-wide Python filter sees every event of every object, QtWebEngine's own and
+    objects being destroyed included, and crashed the preview's pages.)"""
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:  # noqa: N802 (Qt override)
-        if (event.type() == QEvent.Type.Wheel and isinstance(watched, (QComboBox, QAbstractSpinBox))
-                and not watched.hasFocus()):
+        if event.type() == QEvent.Type.Wheel and isinstance(watched, QWidget) and not watched.hasFocus():
             area = watched.parentWidget()
             while area is not None and not isinstance(area, QAbstractScrollArea):
                 area = area.parentWidget()
@@ -109,11 +110,14 @@ class WheelGuard(QObject):
         return False
 
 
-def install_wheel_guard(app: QCoreApplication) -> WheelGuard:
-    """Install one :class:`WheelGuard` on ``app`` (again: the one already there)."""
-    guard = app.findChild(WheelGuard, "wheelGuard")
+def install_wheel_guard(root: QWidget) -> WheelGuard:
+    """Guard every combo box and spin box under ``root`` (again: the guard already there, boxes added since too)."""
+    guard = root.findChild(WheelGuard, "wheelGuard")
     if guard is None:
-        guard = WheelGuard(app)
+        guard = WheelGuard(root)
         guard.setObjectName("wheelGuard")
-        app.installEventFilter(guard)
+    for box in [*root.findChildren(QComboBox), *root.findChildren(QAbstractSpinBox)]:
+        box.setFocusPolicy(Qt.FocusPolicy.StrongFocus)  # the wheel alone no longer gives them the focus
+        box.removeEventFilter(guard)  # (installed once per box)
+        box.installEventFilter(guard)
     return guard
