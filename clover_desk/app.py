@@ -24,32 +24,28 @@ from PySide6.QtCore import QObject, QSettings
 from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk import paths
+from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
+from clover_desk.storage import ChatStore, StreamRecorder, atomic_write_text
 from clover_desk.worker.client import EngineClient
 from clover_desk.worker.remote import RemoteBackend
-from clover_desk.storage import ChatStore, StreamRecorder, atomic_write_text
 from clover_desk.worker.token_counter import TokenCounter
-from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.decode.events import LoadProgress
-from engine.weights.formats import FORMAT_OF_TORCH_NAME
-from engine.placement.preflight import opt_in_env
-from engine.placement.hardware import probe_hardware
-from engine.model.config import load_config, load_generation_defaults
+from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import CloverError
-from engine.placement.hardware import MemoryMonitor
-from ui.main_window import MainWindow
+from engine.model.config import load_config, load_generation_defaults
 from engine.placement import planner
-from ui.vram_panel import VramPanel
-from ui.preview import PreviewPane
-from ui.widgets import PreviewOff
-from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
-from ui.model_manager import ModelManagerPanel
-from engine.placement.preflight import EXCLUSIVE, OPT_IN
-from ui.model_library import ModelLibrary
-from ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME
-from ui.html_extract import extract_html
-from engine.placement.preflight import opt_in_from_env
-from engine.placement.hardware import DEFAULT_HARDWARE
+from engine.placement.hardware import DEFAULT_HARDWARE, MemoryMonitor, probe_hardware
+from engine.placement.preflight import EXCLUSIVE, OPT_IN, opt_in_env, opt_in_from_env
+from engine.weights.formats import FORMAT_OF_TORCH_NAME
 from engine.weights.gguf.file import open_gguf
+from ui.html_extract import extract_html
+from ui.main_window import MainWindow
+from ui.model_library import ModelLibrary
+from ui.model_manager import ModelManagerPanel
+from ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME
+from ui.preview import PreviewPane
+from ui.vram_panel import VramPanel
+from ui.widgets import PreviewOff
 
 log = logging.getLogger(__name__)
 

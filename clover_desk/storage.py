@@ -533,7 +533,7 @@ class ChatStore:
         try:
             self._conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            raise write_error(self.path, exc) or exc
+            raise (write_error(self.path, exc) or exc) from exc
         try:
             yield self._conn
             self._conn.execute("COMMIT")

@@ -20,24 +20,22 @@ from typing import Any
 
 import torch
 
-from engine.kernels import fastpath
-from engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
-from engine.defaults import DEFAULT_CTX_TOKENS, GIB
-from engine.errors import CancelledError, ConfigError, PlanError, PromptError
-from engine.weights.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
 from engine.decode.events import Event, Finished, GenerationParams, LoadProgress
 from engine.decode.generate import LoopHooks, generate, loop_hooks, resolve_settings
 from engine.decode.limits import check_generation_params
 from engine.decode.prompt_cache import PromptCache
 from engine.decode.tokenizer import CloverTokenizer
-from engine.placement.planner import plan_model, probe_hardware
+from engine.defaults import DEFAULT_CTX_TOKENS, GIB
+from engine.errors import CancelledError, ConfigError, PlanError, PromptError
+from engine.kernels import fastpath
+from engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
+from engine.placement import offload, planner
 from engine.placement.manifest import manifest_from_gguf
-from engine.placement import planner
-from engine.placement.planner import Plan
-from engine.placement import offload
+from engine.placement.planner import Plan, plan_model, probe_hardware
 from engine.weights import quant_cache
-from engine.weights.gguf.model import load_gguf_engine
 from engine.weights.checkpoint import load_model
+from engine.weights.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
+from engine.weights.gguf.model import load_gguf_engine
 
 COMPILE_CANCELLED = "compiling was cancelled: the model runs uncompiled"
 log = logging.getLogger(__name__)

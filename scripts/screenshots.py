@@ -31,7 +31,7 @@ register_schemes()
 from PySide6.QtCore import QEventLoop, QObject, QTimer, Signal  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from engine.decode.events import (
+from engine.decode.events import (  # noqa: E402
     BlockCommitted,
     BlockStep,
     Finished,

@@ -12,9 +12,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from screenshots import GIB, ROOT, ReplayClient, settle, shot  # noqa: E402  (sets the headless environment)
-
 from PySide6.QtWidgets import QApplication  # noqa: E402
+from screenshots import GIB, ROOT, ReplayClient, settle, shot  # noqa: E402  (sets the headless environment)
 
 from engine.placement.hardware import Hardware  # noqa: E402
 

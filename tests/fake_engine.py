@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import CancelledError, CheckpointError, PromptError
 from engine.decode.events import (
     BlockCommitted,
     BlockStep,
@@ -29,6 +28,7 @@ from engine.decode.events import (
     PromptInfo,
     TextDelta,
 )
+from engine.errors import CancelledError, CheckpointError, PromptError
 
 BLOCK = 4
 PASS_S = 0.02

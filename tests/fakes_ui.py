@@ -66,7 +66,7 @@ def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> FakePlan:
 
 from PySide6.QtCore import QObject, QTimer, Signal  # noqa: E402
 
-from engine.decode.events import (
+from engine.decode.events import (  # noqa: E402
     BlockCommitted,
     BlockStep,
     Finished,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from engine.weights.checkpoint import model_from_state_dict, random_state_dict
-from engine.model.config import CloverConfig, parse_config
 from engine.model.clover import CloverModel
+from engine.model.config import CloverConfig, parse_config
+from engine.weights.checkpoint import model_from_state_dict, random_state_dict
 
 BLOCK = 8  # block size used by the block-mode tests (small so several blocks fit in a short sequence)
 

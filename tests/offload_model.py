@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.placement import offload
-from engine.weights.checkpoint import random_state_dict
-from engine.model.config import CloverConfig, parse_config
 from engine.decode.events import Finished
 from engine.decode.generate import DecodeSettings, LoopHooks, generate
 from engine.model.clover import CloverModel
+from engine.model.config import CloverConfig, parse_config
+from engine.placement import offload
+from engine.weights.checkpoint import random_state_dict
 from engine.weights.quant import make_policy, quantize_model_
 from engine.weights.tiny import config_dict_for, tiny_text_config
 

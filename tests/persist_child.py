@@ -18,8 +18,8 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication
 
-from clover_desk.worker.client import EngineClient
 from clover_desk.storage import ChatStore, StreamRecorder
+from clover_desk.worker.client import EngineClient
 from engine.decode.events import BlockCommitted, GenerationParams
 
 PROMPT = "Tell me a long story about a dragon."

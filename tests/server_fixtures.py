@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from scripted_model import ScriptedModel, build_scripted_model
 
 TOOL_JSON = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

@@ -12,11 +12,11 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from fakes_ui import FakeEngineClient
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import SCHEMA_VERSION, ChatStore, StreamRecorder
-from fakes_ui import FakeEngineClient
 from ui.main_window import READ_AHEAD_MS, MainWindow
 
 guard_pyside_bool_refcounts()

@@ -72,8 +72,9 @@ def test_a_huge_file_is_refused_without_reading_it(tmp_path: Path) -> None:
 
 @pytest.fixture
 def window(qtbot, tmp_path):  # noqa: ANN001, ANN201
-    from clover_desk.storage import ChatStore, StreamRecorder
     from fakes_ui import FakeEngineClient
+
+    from clover_desk.storage import ChatStore, StreamRecorder
     from ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from clover_desk.cli import main as cli
 from clover_desk.bench.speed import _forward_ops
+from clover_desk.cli import main as cli
 
 
 def test_the_count_sees_ops_reads_and_the_bytes_each_op_writes() -> None:

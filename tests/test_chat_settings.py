@@ -5,12 +5,12 @@ restart (window.ini). The real window over a real ChatStore with a scripted engi
 from __future__ import annotations
 
 import pytest
+from fakes_ui import FakeEngineClient
 from PySide6.QtCore import QSettings, Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import ChatStore, StreamRecorder
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
-from fakes_ui import FakeEngineClient
 from ui.generation import GenerationSettings, defaults_from_model
 from ui.main_window import MainWindow
 from ui.settings_drawer import SettingsDrawer

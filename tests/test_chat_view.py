@@ -7,6 +7,7 @@ import re
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from ui.chat_view import (
     ChatView,
     HtmlWatch,
@@ -19,8 +20,6 @@ from ui.chat_view import (
 )
 from ui.html_extract import extract_html
 from ui.markdown import inline, render
-
-from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 
 # PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
 # without this the process aborts after some thousands of paints. Must run before the first widget exists.

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures_tiny import copy_model, one_torch_thread, tiny_clover_dir  # noqa: F401
 
 from clover_desk.cli import main as cli
-from fixtures_tiny import copy_model, one_torch_thread, tiny_clover_dir  # noqa: F401
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # 2 shared cores: no spinning thread pools

@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from engine.decode.tokenizer import CloverTokenizer
 from server_fixtures import chat_model, chat_server, endless_model  # noqa: F401 - fixtures
+
+from engine.decode.tokenizer import CloverTokenizer
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

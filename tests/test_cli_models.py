@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 from clover_desk import paths
 from clover_desk.cli import main as cli
 from clover_desk.cli.models import known_models
-from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

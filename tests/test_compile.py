@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.weights.checkpoint import random_state_dict
-from engine.model.config import parse_config
 from engine.model.clover import CloverModel
+from engine.model.config import parse_config
+from engine.weights.checkpoint import random_state_dict
 from engine.weights.tiny import config_dict_for, tiny_text_config
 
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}

@@ -20,12 +20,11 @@ from typing import Any
 
 import pytest
 import torch
-
-from engine.api import Engine
-from engine.decode.events import COMPILE_STAGES, Finished, GenerationParams, LoadProgress
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from helpers_model import CountingBackend
 
+from engine.api import Engine
+from engine.decode.events import COMPILE_STAGES, Finished, GenerationParams, LoadProgress
 
 BACKEND = CountingBackend()
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.config import load_config, load_generation_defaults, parse_config
 from engine.errors import ConfigError
+from engine.model.config import load_config, load_generation_defaults, parse_config
 
 TEXT = {
     "vocab_size": 320,

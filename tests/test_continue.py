@@ -9,15 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from clover_desk.worker.server import parse_chat_request
-from clover_desk.worker.process import ProtocolError, check_params
-from engine.errors import PromptError
-from engine.decode.events import Finished, GenerationParams
-from engine.decode.tokenizer import continuation_text
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from scripted_model import ScriptedModel, build_scripted_model
 from server_fixtures import client, running_server
+
+from clover_desk.worker.process import ProtocolError, check_params
+from clover_desk.worker.server import parse_chat_request
+from engine.decode.events import Finished, GenerationParams
+from engine.decode.tokenizer import continuation_text
+from engine.errors import PromptError
 
 WORDS = ["Alpha", " Bravo", " Charlie", " Delta", "Echo", " Foxtrot", " Golf", " Hotel", "India", " Juliet", " Kilo"]
 THINKING = "Alpha Bravo Charlie Delta</think>Echo Foxtrot Golf Hotel<|im_end|>"

@@ -11,19 +11,20 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.placement import offload
-from engine.kernels import step_graphs
-from engine.weights.checkpoint import random_state_dict
-from engine.model.config import parse_config
-from engine.placement.device_pool import DeviceSlotTables
-from engine.errors import PlanError
 from engine.decode.generate import DecodeSettings, loop_hooks
+from engine.errors import PlanError
+from engine.kernels import step_graphs
 from engine.model.clover import CloverModel
+from engine.model.config import parse_config
+from engine.placement import offload
+from engine.placement.device_pool import DeviceSlotTables
 from engine.placement.offload import HostExpertStore, SimplePlan, SlotPool, apply_plan
+from engine.weights.checkpoint import random_state_dict
 from engine.weights.quant import make_policy, quantize_model_
 from engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
 from tests.triton_child import run_interpreted
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
@@ -579,8 +580,9 @@ def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverMo
 
 def test_step_graph_pieces_run_device_table_steps_whole() -> None:
     """Through engine.kernels.step_graphs' pieces (as on a GPU, not recorded): an AR step is one piece, with the tokens."""
-    from tests.test_step_graphs import PROMPT as SG_PROMPT, _quantized, _settings, _tokens
     from engine.decode.generate import generate_ar
+    from tests.test_step_graphs import PROMPT as SG_PROMPT
+    from tests.test_step_graphs import _quantized, _settings, _tokens
 
     model = _quantized((1, 2))
     want = _tokens(model, 40)
@@ -601,8 +603,9 @@ def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.Mon
     GPU, stood in for here): the host pool's pass leaves the graphs at each streamed layer's fetch, the device
     tables' pass is one piece, however the cuts are asked for (outside a block too). Diffusion through that one
     piece (run eagerly) decodes the host pool's tokens; after the prompt no forward fetches on the host."""
-    from tests.test_step_graphs import PROMPT as SG_PROMPT, _quantized
     from engine.decode.generate import generate_diffusion
+    from tests.test_step_graphs import PROMPT as SG_PROMPT
+    from tests.test_step_graphs import _quantized
 
     def _diffusion(model: CloverModel, n: int) -> tuple[list[int], int]:  # (as the engine runs it: with the hooks)
         s = DecodeSettings(mode="diffusion", max_new_tokens=n, block_size=model.config.block_size, threshold=0.9,
@@ -850,7 +853,8 @@ def test_device_table_block_passes_are_one_cuda_graph_without_a_sync(monkeypatch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
-    from tests.test_step_graphs import PROMPT as SG_PROMPT, tiny_config, tiny_model
+    from tests.test_step_graphs import PROMPT as SG_PROMPT
+    from tests.test_step_graphs import tiny_config, tiny_model
 
     monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
     gpu = torch.device("cuda")

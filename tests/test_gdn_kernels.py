@@ -138,9 +138,9 @@ gdn_lines("cpu", torch.float32, 1, shape="mid", prompt=70)
 
 def gdn_model(hidden: int) -> Any:
     """A 3-layer Clover model, two of them Gated DeltaNet (fp32, eval), for the kernels' token tests."""
-    from engine.weights.checkpoint import random_state_dict
-    from engine.model.config import parse_config
     from engine.model.clover import CloverModel
+    from engine.model.config import parse_config
+    from engine.weights.checkpoint import random_state_dict
     from engine.weights.tiny import config_dict_for, tiny_text_config
 
     special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.errors import PromptError
 from engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
 from engine.decode.generate import DecodeSettings, generate, generate_ar, generate_diffusion
+from engine.errors import PromptError
 
 V = 64
 MASK = 63
@@ -553,8 +553,9 @@ def test_length_penalty_in_the_loop_ends_the_answer() -> None:
 def test_planned_engine_keeps_the_embedding_in_ram_and_holds_to_the_planned_context(  # type: ignore[no-untyped-def]
     tiny_clover_dir, tmp_path, one_torch_thread
 ) -> None:
-    from engine.placement.offload import runtime_of
     from fixtures_tiny import copy_model
+
+    from engine.placement.offload import runtime_of
 
     folder = copy_model(tiny_clover_dir, tmp_path / "m")
     engine = Engine.load(folder, device="cpu", vram_gb=2.0, ctx_tokens=96)

@@ -14,20 +14,20 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
+from helpers_model import greedy
 
-from engine.kernels import cpu_quant
 from engine.api import Engine
-from engine.weights.checkpoint import load_model, model_from_state_dict
-from engine.errors import ConfigError, PromptError
 from engine.decode.events import BlockStep, Finished, GenerationParams
+from engine.errors import ConfigError, PromptError
+from engine.kernels import cpu_quant
 from engine.placement.manifest import manifest_from_gguf
+from engine.placement.planner import plan_model
+from engine.weights.checkpoint import load_model, model_from_state_dict
 from engine.weights.gguf.file import hf_to_tiled_heads, open_gguf, tiled_to_hf_heads
 from engine.weights.gguf.model import GGUFEmbedding, GGUFExpertBank, GGUFLinear, gguf_state_dict, load_gguf_model
 from engine.weights.gguf.writer import write_gguf
-from engine.placement.planner import plan_model
 from engine.weights.tiny import make_tiny
-from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
-from helpers_model import greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = torch.tensor([5, 17, 300, 41, 9, 250, 7, 66, 12, 3, 99, 140])
@@ -198,8 +198,8 @@ def test_split_set_loads_like_one_file(tiny_clover_dir: Path, files, tmp_path: P
 
 
 def test_embedded_tokenizer_and_template(tiny_clover_dir: Path, files) -> None:  # type: ignore[no-untyped-def]
-    from engine.weights.gguf.file import load_tokenizer
     from engine.decode.tokenizer import CloverTokenizer
+    from engine.weights.gguf.file import load_tokenizer
 
     want = CloverTokenizer.from_dir(tiny_clover_dir)
     got = load_tokenizer(open_gguf(files[("Q8_0", "fork")]))

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 from clover_desk.cli.main import main
 from engine.errors import ConfigError
@@ -16,7 +17,6 @@ from engine.weights.gguf.file import DIFFUSION_SUFFIXES
 from engine.weights.gguf.fix import fix_gguf
 from engine.weights.gguf.model import load_gguf_model
 from engine.weights.gguf.writer import write_gguf
-from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -19,19 +19,19 @@ from typing import Any
 import gguf
 import pytest
 import torch
+from fixtures_tiny import one_torch_thread  # noqa: F401
 
+from engine.api import Engine
+from engine.decode.events import Finished, GenerationParams, LoadProgress
+from engine.errors import CancelledError, ConfigError, PlanError
 from engine.kernels import cpu_quant
 from engine.placement import planner
-from engine.api import Engine
-from engine.errors import CancelledError, ConfigError, PlanError
-from engine.decode.events import Finished, GenerationParams, LoadProgress
+from engine.placement.hardware import Hardware, probe_hardware
+from engine.placement.offload import StreamedExpertBank, runtime_of
 from engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout, load_gguf_model
 from engine.weights.gguf.quants import Q4_0, Q4_K, Q6_K
 from engine.weights.gguf.writer import write_gguf
-from engine.placement.hardware import Hardware, probe_hardware
-from engine.placement.offload import StreamedExpertBank, runtime_of
 from engine.weights.tiny import make_tiny
-from fixtures_tiny import one_torch_thread  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

@@ -3,8 +3,6 @@ shown in the dialog; a check that prints something else, fails to start, or hang
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
@@ -89,8 +87,9 @@ def test_summarize_counts_errors_and_warnings() -> None:
 
 
 def test_the_help_menu_opens_the_check(qtbot, tmp_path) -> None:
-    from clover_desk.storage import ChatStore, StreamRecorder
     from fakes_ui import FakeEngineClient
+
+    from clover_desk.storage import ChatStore, StreamRecorder
     from ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")

@@ -6,11 +6,11 @@ answer as if it had never been cut."""
 from __future__ import annotations
 
 import pytest
+from gui_desk import running_desk
 from PySide6.QtCore import Qt
+from scripted_model import build_scripted_model
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from gui_desk import running_desk
-from scripted_model import build_scripted_model
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
 

@@ -6,12 +6,11 @@ cannot run: the window opens with the preview off and one line saying why, unles
 from __future__ import annotations
 
 import os
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
-
-import shutil
-import struct
 from types import SimpleNamespace
 
 import pytest
@@ -157,8 +156,9 @@ def test_root_gets_no_preview_unless_the_weaker_isolation_is_named() -> None:
 
 
 def test_the_window_factory_builds_the_preview_off_tab(qtbot, tmp_path: Path) -> None:
-    from clover_desk.app import AppSettings, CloverDeskApp
     from fakes_ui import FakeEngineClient
+
+    from clover_desk.app import AppSettings, CloverDeskApp
 
     reason = preview_off_reason(0, {}, without_sandbox=False)
     desk = CloverDeskApp(tmp_path, client=FakeEngineClient(), settings=AppSettings(model_dir="/models/tiny"),

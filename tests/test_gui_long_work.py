@@ -5,11 +5,11 @@ loading and quantizing a model (the real engine), and cancelling a load (the wor
 from __future__ import annotations
 
 import pytest
+from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from engine.decode.events import BlockStep, Finished, LoadProgress, PrefillProgress, TextDelta
-from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from ui.contracts import EngineState
 
 guard_pyside_bool_refcounts()

@@ -6,12 +6,12 @@ stats (its tooltip, the store) say how much was cached."""
 from __future__ import annotations
 
 import pytest
+from gui_desk import running_desk
 from PySide6.QtCore import Qt
+from scripted_model import build_scripted_model
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from engine.decode.tokenizer import CloverTokenizer
-from gui_desk import running_desk
-from scripted_model import build_scripted_model
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 
 ROOT = Path(__file__).resolve().parents[1]

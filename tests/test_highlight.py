@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from fakes_ui import FakeEngineClient
 from PySide6.QtGui import QTextCursor
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import ChatStore, StreamRecorder
-from fakes_ui import FakeEngineClient
 from ui import highlight as hl
 from ui.main_window import MainWindow
 from ui.markdown import render

@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures_tiny import copy_model, one_torch_thread, tiny_clover_dir  # noqa: F401
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_worker import WorkerProc
 
 from clover_desk.cli import main as cli
 from engine.decode.limits import GENERATION_LIMITS, MAX_PROMPT_BYTES
-from fixtures_tiny import copy_model, one_torch_thread, tiny_clover_dir  # noqa: F401
-from test_worker import WorkerProc
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

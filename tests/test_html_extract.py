@@ -3,9 +3,8 @@ streaming follow all use it."""
 
 from __future__ import annotations
 
-from ui.html_extract import extract_html
-
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
+from ui.html_extract import extract_html
 
 guard_pyside_bool_refcounts()
 

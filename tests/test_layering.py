@@ -211,3 +211,11 @@ def test_each_module_is_loaded_under_one_name() -> None:
     out = subprocess.run([sys.executable, "-c", code, *homes], cwd=ROOT, env=env, capture_output=True, text=True,
                          check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_ruff_is_clean() -> None:
+    """The lint the project keeps (pyproject.toml [tool.ruff]: pyflakes, pycodestyle errors, import sorting, bugbear,
+    pyupgrade) finds nothing."""
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]

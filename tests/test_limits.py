@@ -13,14 +13,14 @@ import math
 from pathlib import Path
 
 import pytest
+from test_worker import FAKE, WorkerProc
 
 from clover_desk.cli import main as cli
 from clover_desk.worker.process import PARAM_FIELDS, ProtocolError, check_params
-from engine.model.config import load_generation_defaults
-from engine.errors import ConfigError, PromptError
 from engine.decode.events import GenerationParams
 from engine.decode.limits import GENERATION_LIMITS, Limit, check_generation_params
-from test_worker import FAKE, WorkerProc
+from engine.errors import ConfigError, PromptError
+from engine.model.config import load_generation_defaults
 
 REQUEST_FIELDS = [f.name for f in dataclasses.fields(GenerationParams) if f.name in GENERATION_LIMITS]
 GENERATE = ["generate", "--model", "/nonexistent", "--prompt", "hi"]

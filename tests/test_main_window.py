@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from fakes_ui import FakeEngineClient, fake_plan
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QApplication, QWidget
 
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.storage import ChatStore, StreamRecorder
-from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.decode.events import EngineError, Finished, LoadProgress, TextDelta
-from fakes_ui import FakeEngineClient, fake_plan
-from ui.html_extract import extract_html
+from engine.defaults import DEFAULT_CTX_TOKENS
 from ui.generation import GenerationSettings, expert_hit_rate
+from ui.html_extract import extract_html
 from ui.main_window import MainWindow
 from ui.vram_panel import VramPanel
-
-from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 
 # PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
 # without this the process aborts after some thousands of paints. Must run before the first widget exists.

@@ -12,13 +12,17 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
+from fixtures_tiny import one_torch_thread  # noqa: F401
 from safetensors import safe_open
 
+from engine.errors import ConfigError
+from engine.model.config import load_config
 from engine.weights.checkpoint import (
     CheckpointReader,
     TensorSpec,
@@ -27,10 +31,7 @@ from engine.weights.checkpoint import (
     write_checkpoint_streaming,
     write_safetensors_streaming,
 )
-from engine.model.config import load_config
-from engine.errors import ConfigError
 from engine.weights.tiny import config_dict_for, make_real_shape, tiny_text_config, write_random_checkpoint
-from fixtures_tiny import one_torch_thread  # noqa: F401
 
 GiB = 1 << 30
 REPO = Path(__file__).resolve().parents[1]
@@ -236,8 +237,8 @@ def real1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_real_widths_one_layer(real1: dict[str, Any]) -> None:
-    from engine.weights.checkpoint import plan_load
     from engine.model.clover import CloverModel
+    from engine.weights.checkpoint import plan_load
 
     folder: Path = real1["dir"]
     assert real1["rc"] == 0, real1["err"]

@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from engine.weights.checkpoint import model_from_state_dict, random_state_dict
-from engine.model.experts import DenseExpertBank
 from engine.model.clover import block_coreset_topk, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from engine.model.experts import DenseExpertBank
+from engine.weights.checkpoint import model_from_state_dict, random_state_dict
 from tests.helpers_model import BLOCK, greedy, one_thread, tiny_config, tiny_model
 
 _single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fakes_ui import FakeEngineClient
+from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401 (session fixture)
+from hostile_gguf import huge_array, huge_tensor, nested_arrays
 from PySide6.QtCore import QObject, QUrl, Slot
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QAbstractButton
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.weights.formats import checkpoint_files, read_safetensors_header
 from engine.placement.hardware import Hardware
-from fakes_ui import FakeEngineClient
-from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401 (session fixture)
-from hostile_gguf import huge_array, huge_tensor, nested_arrays
+from engine.weights.formats import checkpoint_files, read_safetensors_header
 from ui.model_library import (
-    ModelLibrary,
     CACHE_DIRNAME,
+    ModelLibrary,
     external_cache_dir,
     library_paths,
     scan_entry,

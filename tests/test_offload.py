@@ -8,13 +8,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.placement import offload
-from engine.weights.checkpoint import random_state_dict
-from engine.errors import PlanError
-from engine.decode.generate import generate
 from engine.decode.events import Finished
+from engine.decode.generate import generate
+from engine.errors import PlanError
 from engine.model.clover import CloverModel
+from engine.placement import offload
 from engine.placement.offload import OutOfMemory, SimplePlan, apply_plan
+from engine.weights.checkpoint import random_state_dict
 from engine.weights.quant import QuantExpertBank
 from tests.offload_model import EXPERTS, LAYERS, MASK, quantized_model, settings, tiny_config, tokens
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from engine.placement import manifest as manifest_mod
-from engine.placement import planner
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import PlanError
+from engine.placement import manifest as manifest_mod
+from engine.placement import planner
 from engine.placement.hardware import Hardware, probe_hardware
 from engine.weights.tiny import config_dict_for, tiny_text_config
 
@@ -312,8 +312,8 @@ def test_a_meta_skeleton_holds_no_memory() -> None:
     for a 4-layer model whose quantized cache is 3.2 GiB)."""
     import torch
 
-    from engine.model.config import parse_config
     from engine.model.clover import CloverModel
+    from engine.model.config import parse_config
 
     text = tiny_text_config(vocab_size=512, layers=4, hidden=64, experts=16, experts_per_tok=4)
     special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}

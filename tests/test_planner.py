@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from engine.errors import CheckpointError, ConfigError, PlanError
 from engine.placement import manifest as manifest_mod
 from engine.placement import planner
-from engine.errors import CheckpointError, ConfigError, PlanError
 from engine.placement.hardware import Hardware, pcie_gbps, probe_hardware, vram_gbps_for_name
-from engine.weights.formats import FORMAT_BYTES, make_policy, placed_bytes
 from engine.placement.planner import (
     SHAPES,
     GiB,
@@ -38,6 +37,7 @@ from engine.placement.planner import (
     manifest_from_dict,
     manifest_from_quantized_cache,
 )
+from engine.weights.formats import FORMAT_BYTES, make_policy, placed_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX = 16 * 1024
@@ -686,8 +686,8 @@ def test_the_workspace_counts_a_chunk_of_a_quantized_projection_not_the_whole_we
     """engine.weights.quant.QuantLinear dequantizes DEQUANT_CHUNK_ELEMS weights at a time (the 0.95 GiB lm_head of the
     35B in 16 MiB chunks), engine.model.experts one group of experts at a time; the planner's constants are the engine's."""
     pytest.importorskip("torch")
-    from engine.model import experts
     from engine.model import clover as model
+    from engine.model import experts
     from engine.weights import quant
 
     assert planner.DEQUANT_CHUNK_ELEMS == quant.DEQUANT_CHUNK_ELEMS
@@ -719,10 +719,10 @@ def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
     """manifest_for_geometry (stdlib arithmetic) against a real tiny model quantized by engine.weights.quant and counted by
     engine.placement.offload: the same tensor names, shapes and, for every quantized tensor, the same bytes."""
     torch = pytest.importorskip("torch")
+    from engine.model.clover import CloverModel
+    from engine.model.config import parse_config
     from engine.placement import offload
     from engine.weights.checkpoint import random_state_dict
-    from engine.model.config import parse_config
-    from engine.model.clover import CloverModel
     from engine.weights.quant import make_policy, quantize_model_
     from engine.weights.tiny import config_dict_for, tiny_text_config
 
@@ -749,10 +749,10 @@ def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> 
     engine.model.experts.GROUP_BYTES on a GPU, the layer's experts, a block's pairs)."""
     torch = pytest.importorskip("torch")
     from engine.model import experts
+    from engine.model.clover import CloverModel
+    from engine.model.config import parse_config
     from engine.placement import offload
     from engine.weights.checkpoint import random_state_dict
-    from engine.model.config import parse_config
-    from engine.model.clover import CloverModel
     from engine.weights.tiny import config_dict_for, tiny_text_config
 
     text = tiny_text_config(vocab_size=128, layers=2, hidden=64, experts=16, experts_per_tok=4, moe_intermediate=32)
@@ -774,8 +774,7 @@ def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> 
 
 def test_one_policy_table_for_the_quantizer_and_the_planner() -> None:
     pytest.importorskip("torch")
-    from engine.weights import formats
-    from engine.weights import quant
+    from engine.weights import formats, quant
 
     assert quant.make_policy is formats.make_policy and quant.QuantPolicy is formats.QuantPolicy
     assert planner.make_policy is formats.make_policy

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model.config import parse_config
 from engine.placement import offload
 from engine.weights import quant_cache
 from engine.weights.checkpoint import random_state_dict, write_checkpoint
-from engine.model.config import parse_config
 from engine.weights.quant import make_policy
 from engine.weights.quant_cache import DATA_NAME, MANIFEST_NAME, build_cache, load_from_cache
 from engine.weights.tiny import config_dict_for, tiny_text_config

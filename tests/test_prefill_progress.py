@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401 (fixtures)
 
 from engine.api import Engine
 from engine.decode.events import (
@@ -21,7 +22,6 @@ from engine.decode.events import (
     to_dict,
 )
 from engine.decode.generate import _prefill
-from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401 (fixtures)
 
 SEGMENT = 64  # max_pass_tokens for these tests: a few hundred prompt tokens make several segments
 LONG = "The quick brown fox jumps over the lazy dog. " * 40

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from clover_desk.cli import main as cli
 from clover_desk.cli import doctor as cmd_doctor
+from clover_desk.cli import main as cli
 from engine.placement import preflight
 from engine.placement.preflight import Finding, GpuFacts, arch_support, check, torch_index_for
 
@@ -211,8 +211,7 @@ def test_the_opt_in_switches_are_checked() -> None:
 def test_every_opt_in_switch_is_read_where_it_acts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The doctor's list is the engine's: each switch is read by an engine module (not only listed), the two
     placement switches are the constants engine.placement.offload and engine.placement.device_pool read, and gather_facts sees them."""
-    from engine.placement import device_pool
-    from engine.placement import offload
+    from engine.placement import device_pool, offload
 
     sources = "".join(p.read_text() for p in (ROOT / "engine").rglob("*.py") if p.name != "preflight.py")
     for name in preflight.OPT_IN:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 
 from engine.decode.events import Finished, GenerationParams, PromptInfo
-from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +112,9 @@ def test_passes_replayed_from_cuda_graphs_go_on_from_the_cache_the_model_keeps(m
     belong to it): the prompt cache keeps that one, so a chat's next turn both skips what it read and replays the
     graphs recorded for it. The pieces run eagerly here (``record=False``, the CPU) through the buffers a recording
     reads; the tokens are those of a model without graphs or prompt cache."""
-    from engine.kernels import step_graphs
     from engine.decode.generate import DecodeSettings, generate
     from engine.decode.prompt_cache import PromptCache
+    from engine.kernels import step_graphs
     from tests.helpers_model import tiny_config, tiny_model
 
     model = tiny_model(tiny_config(), seed=5)

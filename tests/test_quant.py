@@ -18,13 +18,13 @@ from engine.weights.quant import (
     dequantize_int8_reference,
     dequantize_nf4,
     dequantize_nf4_reference,
+    dequantize_tensor,
     error_bound,
     make_policy,
     quantize_int8,
     quantize_model_,
     quantize_nf4,
     quantize_tensor,
-    dequantize_tensor,
 )
 
 
@@ -318,11 +318,11 @@ def test_bench_line_of_torchs_int8_matmul_times_it_and_reports_its_difference() 
 
 
 def test_fused_int8_gemv_leaves_greedy_tokens_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.weights import quant
-    from engine.weights.checkpoint import random_state_dict
-    from engine.model.config import parse_config
     from engine.decode.generate import DecodeSettings, generate
     from engine.model.clover import CloverModel
+    from engine.model.config import parse_config
+    from engine.weights import quant
+    from engine.weights.checkpoint import random_state_dict
     from engine.weights.quant import make_policy, quantize_model_
     from engine.weights.tiny import config_dict_for, tiny_text_config
 

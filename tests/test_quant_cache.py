@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
-from engine.model.config import parse_config
-from engine.errors import CancelledError
 from engine.decode.events import LoadProgress
+from engine.errors import CancelledError
+from engine.model.config import parse_config
+from engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
 from engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
 from engine.weights.quant_cache import (
     DATA_NAME,

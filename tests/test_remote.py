@@ -11,9 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-
-from clover_desk.worker.remote import RemoteBackend, RemoteError, RemoteFinished, request_body
-from engine.decode.events import GenerationParams, TextDelta
 from server_fixtures import (  # noqa: F401 - fixtures
     WEATHER_TOOL,
     chat_model,
@@ -25,6 +22,9 @@ from server_fixtures import (  # noqa: F401 - fixtures
     tools_server,
     wait_idle,
 )
+
+from clover_desk.worker.remote import RemoteBackend, RemoteError, RemoteFinished, request_body
+from engine.decode.events import GenerationParams, TextDelta
 
 HI = [{"role": "user", "content": "Hello there"}]
 

@@ -16,10 +16,6 @@ from typing import Any
 
 import pytest
 from PySide6.QtCore import QSettings, Qt
-
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.worker.remote import RemoteFinished
-from engine.decode.events import TextDelta
 from server_fixtures import (  # noqa: F401 (session fixtures)
     chat_model,
     chat_server,
@@ -28,6 +24,10 @@ from server_fixtures import (  # noqa: F401 (session fixtures)
     running_server,
     wait_idle,
 )
+
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
+from clover_desk.worker.remote import RemoteFinished
+from engine.decode.events import TextDelta
 from ui.chat_view import stats_line
 from ui.contracts import EngineState
 from ui.remote_chat import DENOISING_UNAVAILABLE, remote_stats_line

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from scripted_model import build_scripted_model, distinct_tokenization, scripted_state_dict
 from server_fixtures import CHAT_PLAIN, CHAT_THINKING, TOOL_JSON, chat_model, endless_model, tools_model  # noqa: F401
 

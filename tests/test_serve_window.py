@@ -15,13 +15,13 @@ import time
 from typing import Any
 
 import pytest
+from gui_desk import running_desk
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
+from server_fixtures import endless_model  # noqa: F401 (session fixture)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from engine.decode.events import Finished, PromptInfo, TextDelta
-from gui_desk import running_desk
-from server_fixtures import endless_model  # noqa: F401 (session fixture)
 from ui.serve_panel import ServeDialog, exposure_warning, is_loopback
 
 guard_pyside_bool_refcounts()

@@ -15,8 +15,6 @@ from typing import Any
 
 import openai
 import pytest
-
-from clover_desk.worker.server import AnswerParser, parse_chat_request, parse_completion_request
 from server_fixtures import (  # noqa: F401 - fixtures
     NO_THINKING,
     TOOL_JSON,
@@ -27,12 +25,18 @@ from server_fixtures import (  # noqa: F401 - fixtures
     endless_model,
     endless_server,
     running_server,
-    serve_process as _serve,
-    served as _served,
     tools_model,
     tools_server,
     wait_idle,
 )
+from server_fixtures import (
+    serve_process as _serve,
+)
+from server_fixtures import (
+    served as _served,
+)
+
+from clover_desk.worker.server import AnswerParser, parse_chat_request, parse_completion_request
 
 HI = [{"role": "user", "content": "Hello there"}]
 

@@ -18,16 +18,16 @@ from typing import Any
 
 import openai
 import pytest
-
-from clover_desk.worker.http_guards import RequestPolicy, normalize_origin, split_host
 from server_fixtures import (  # noqa: F401 - fixtures
     NO_THINKING,
     chat_model,
     endless_model,
     running_server,
-    served,
     serve_process,
+    served,
 )
+
+from clover_desk.worker.http_guards import RequestPolicy, normalize_origin, split_host
 
 HI = [{"role": "user", "content": "Hello there"}]
 JSON = {"Content-Type": "application/json"}

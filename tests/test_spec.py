@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 from server_fixtures import CHAT_PLAIN, chat_model  # noqa: F401
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
 from engine.kernels import step_graphs
 from engine.kernels.fastpath import compile_layers
-from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
 from tests.helpers_model import CountingBackend, tiny_config, tiny_model
 
 PROMPT = [5, 9, 17, 33, 65, 129, 7, 11, 13, 19, 23]

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from clover_desk import paths
-from engine.decode.events import BlockCommitted, EngineError, Finished, PromptInfo, TextDelta
 from clover_desk.storage import (
     MIGRATIONS,
     SCHEMA_VERSION,
@@ -22,6 +21,7 @@ from clover_desk.storage import (
     atomic_write_text,
     title_from_text,
 )
+from engine.decode.events import BlockCommitted, EngineError, Finished, PromptInfo, TextDelta
 
 
 @pytest.fixture

@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from test_worker import WorkerProc
 
-from engine.errors import ConfigError, PromptError
 from engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, TEMPLATE_TIMEOUT_S
 from engine.decode.tokenizer import CloverTokenizer, shipped_file, train_tiny_tokenizer
-from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401
-from test_worker import WorkerProc
+from engine.errors import ConfigError, PromptError
 
 ROOT = Path(__file__).resolve().parents[1]
 USER = [{"role": "user", "content": "hello " * 100}]
@@ -81,7 +81,7 @@ BIG = {
     "list-growing": "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = ns.l + ['x' * 100000] %}"
                     "{% endfor %}{{ ns.l | length }}",
     "block-set-doubling": "{% set a0 %}{{ 'x' * 1000 }}{% endset %}"
-                          + "".join("{%% set a%d %%}{{ a%d }}{{ a%d }}{%% endset %%}" % (i + 1, i, i) for i in range(40))
+                          + "".join(f"{{% set a{i + 1} %}}{{{{ a{i} }}}}{{{{ a{i} }}}}{{% endset %}}" for i in range(40))
                           + "{{ a40 | length }}",
     "macro-doubling": "{% macro twice(n) %}{% if n %}{{ twice(n - 1) }}{{ twice(n - 1) }}{% else %}xxxxxxxx"
                       "{% endif %}{% endmacro %}{{ twice(40) | length }}",

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures_tiny import one_torch_thread, tiny_clover_dir, tiny_qwen_dir  # noqa: F401
 from safetensors import safe_open
 
 from engine.model.config import load_config, load_generation_defaults
 from engine.weights.tiny import make_tiny
-from fixtures_tiny import one_torch_thread, tiny_clover_dir, tiny_qwen_dir  # noqa: F401
 
 
 def _tensor_names(folder: Path) -> dict[str, str]:

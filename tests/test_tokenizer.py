@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ConfigError, PromptError
 from engine.decode.tokenizer import (
     IM_END,
     MASK,
@@ -19,6 +18,7 @@ from engine.decode.tokenizer import (
     StreamDecoder,
     train_tiny_tokenizer,
 )
+from engine.errors import ConfigError, PromptError
 
 MULTIBYTE = "Zürich — 你好，世界 🚀🌍 café ∑∞"
 

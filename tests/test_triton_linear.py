@@ -10,7 +10,6 @@ import torch
 
 from tests.triton_child import run_interpreted
 
-
 CHILD = r'''
 import torch
 from engine.weights.quant import dequantize_int8_reference, quantize_int8

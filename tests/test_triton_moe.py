@@ -9,7 +9,6 @@ import pytest
 
 from tests.triton_child import run_interpreted
 
-
 CHILD = r'''
 import torch
 from engine.weights.quant import QuantExpertBank, routed_forward_reference
@@ -89,8 +88,8 @@ def test_fused_nf4_moe_on_cuda_in_bf16_without_a_sync(t: int) -> None:
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
     pytest.importorskip("bitsandbytes")
-    from engine.weights.quant import QuantExpertBank, routed_forward
     from engine.kernels.triton_moe import GROUPED_MIN_PAIRS, fused_nf4_moe
+    from engine.weights.quant import QuantExpertBank, routed_forward
 
     e, d, i, k = 64, 256, 128, 8
     gen = torch.Generator().manual_seed(2)

@@ -18,11 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.weights.gguf import quants as gq
 from engine.kernels import triton_moe
+from engine.weights.gguf import quants as gq
 from engine.weights.gguf.model import GGUFExpertLayout
 from tests.triton_child import run_interpreted
-
 
 # shared by the child scripts: random GGUF block bytes and a packed expert bank
 COMMON = r'''

@@ -4,6 +4,7 @@ the mouse wheel over unfocused choosers, and the small ones (labels, shortcuts, 
 from __future__ import annotations
 
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401 (session fixtures)
+
 from ui.chat_view import ChatView, MessageData
 
 
@@ -52,11 +53,11 @@ def _wheel(widget, steps: int = -1) -> None:  # noqa: ANN001
 
 def test_the_wheel_leaves_unfocused_choosers_alone_on_the_models_page(qtbot, tmp_path) -> None:
     """Before: scrolling the models page changed the download choice when the pointer passed over "What"."""
+    from fakes_ui import FakeEngineClient
     from PySide6.QtWidgets import QDoubleSpinBox
 
     from clover_desk.app import AppSettings, CloverDeskApp
     from ui.widgets import install_wheel_guard
-    from fakes_ui import FakeEngineClient
 
     desk = CloverDeskApp(tmp_path, client=FakeEngineClient(), settings=AppSettings(), with_preview=False)
     qtbot.addWidget(desk.window)
@@ -111,11 +112,11 @@ def test_a_download_error_and_what_to_do_are_two_sentences(qtbot, tmp_path) -> N
 
 def test_f2_renames_the_chat_while_the_composer_has_focus(qtbot, tmp_path) -> None:
     """Before: F2 did nothing unless the chat list had the focus, though Edit ▸ Rename chat advertises it."""
+    from fakes_ui import FakeEngineClient
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QAbstractItemView
 
     from clover_desk.storage import ChatStore, StreamRecorder
-    from fakes_ui import FakeEngineClient
     from ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.db")
@@ -149,7 +150,6 @@ def test_a_second_demo_model_gets_a_new_folder(qtbot, tmp_path) -> None:
 
 def test_make_tiny_files_all_follow_the_umask(tmp_path) -> None:
     """Before: the safetensors shards were 0600 (the library's own mode) and every other file 0644."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -165,10 +165,10 @@ def test_make_tiny_files_all_follow_the_umask(tmp_path) -> None:
 
 def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -> None:
     """Before: "Send works once it is re…" at 1024 px wide."""
+    from fakes_ui import FakeEngineClient
     from PySide6.QtCore import Qt
 
     from clover_desk.storage import ChatStore, StreamRecorder
-    from fakes_ui import FakeEngineClient
     from ui.contracts import EngineState
     from ui.main_window import MainWindow
 
@@ -193,8 +193,9 @@ def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -
 def test_one_context_size_the_loaded_one_capped_by_the_model(qtbot, tmp_path, tiny_clover_dir) -> None:  # noqa: F811
     """Before: the composer said "x / 131,072 tokens" (the model's max_position_embeddings) while the VRAM panel's
     applied context was 16K and a CPU load sent no context at all."""
-    from clover_desk.app import AppSettings, CloverDeskApp
     from fakes_ui import FakeEngineClient
+
+    from clover_desk.app import AppSettings, CloverDeskApp
 
     client = FakeEngineClient(loaded=False)
     settings = AppSettings(model_dir=str(tiny_clover_dir), device="cpu", ctx_tokens=16_384)
@@ -235,9 +236,8 @@ def _remote_window(qtbot, tmp_path, client):  # noqa: ANN001, ANN202
 def test_no_stale_figures_or_names_after_switching_to_the_remote(qtbot, tmp_path) -> None:
     """Before: the status bar showed the local engine's "41.5 tok/s (remote)" before any remote answer, and the chat
     header named the local demo model while the answers came from the remote one."""
-    from PySide6.QtCore import Qt
-
     from fakes_ui import FakeEngineClient
+    from PySide6.QtCore import Qt
 
     window, store = _remote_window(qtbot, tmp_path, FakeEngineClient(blocks=2, pass_ms=2))
     window.composer.input.setPlainText("Hello")
@@ -258,8 +258,9 @@ def test_no_stale_figures_or_names_after_switching_to_the_remote(qtbot, tmp_path
 
 def test_loading_cancelled_goes_with_another_chat_backend_or_load(qtbot, tmp_path) -> None:
     """Before: "Loading cancelled." stayed over every chat and backend afterwards."""
-    from engine.decode.events import LoadProgress
     from fakes_ui import FakeEngineClient
+
+    from engine.decode.events import LoadProgress
 
     window, store = _remote_window(qtbot, tmp_path, FakeEngineClient())
     other = store.create_conversation("Another chat")
@@ -285,8 +286,9 @@ def test_reload_now_goes_once_reloaded_and_deleted_models_leave_recent(qtbot, tm
     """Before: "Reload now" stayed after the reload; Recent models listed a model deleted since."""
     import json
 
-    from clover_desk.app import AppSettings, CloverDeskApp
     from fakes_ui import FakeEngineClient
+
+    from clover_desk.app import AppSettings, CloverDeskApp
 
     gone = tmp_path / "models" / "deleted-model"
     (tmp_path / "recent_models.json").write_text(json.dumps([str(gone), str(tiny_clover_dir)]), encoding="utf-8")
@@ -359,8 +361,9 @@ def test_after_a_cancelled_compile_the_box_is_unticked_and_remote_never_compiles
     """Before: the box stayed ticked (the next start compiled again), even with the remote backend selected."""
     import json
 
-    from clover_desk.app import AppSettings, CloverDeskApp
     from fakes_ui import FakeEngineClient
+
+    from clover_desk.app import AppSettings, CloverDeskApp
 
     client = FakeEngineClient(loaded=False)
     settings = AppSettings(model_dir=str(tiny_clover_dir), device="cpu", compile_layers=True)

@@ -6,14 +6,14 @@ never a bare refusal. The real engine: test_gui_long_work.py."""
 from __future__ import annotations
 
 import pytest
+from fakes_ui import FakeEngineClient
+from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import ChatStore, StreamRecorder
 from clover_desk.worker.token_counter import TokenCounter
 from engine.decode.tokenizer import CloverTokenizer
-from fakes_ui import FakeEngineClient
-from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from ui.context_meter import ContextFullDialog, meter_text
 from ui.context_window import (
     DROP_OLDEST,
@@ -330,7 +330,6 @@ def test_a_quick_prompt_never_flashes_the_reading_strip(qtbot, store) -> None:  
 
 def test_a_slow_single_pass_prompt_shows_the_strip_after_a_moment(qtbot, store) -> None:  # noqa: ANN001
     from engine.decode.events import PromptInfo
-
     from ui.prompt_progress import SHOW_AFTER_MS
 
     client = FakeEngineClient(blocks=1, pass_ms=2)

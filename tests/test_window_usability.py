@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from fakes_ui import FakeEngineClient, fake_plan
 from PySide6.QtCore import QEvent, QSettings, Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QKeySequence
 from PySide6.QtWidgets import (
@@ -26,7 +27,6 @@ from PySide6.QtWidgets import (
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import ChatStore, StreamRecorder
 from engine.decode.events import GenerationParams
-from fakes_ui import FakeEngineClient, fake_plan
 from ui import main_window as main_window_module
 from ui import theme as theme_module
 from ui.contracts import EngineState
@@ -584,6 +584,7 @@ def test_the_preview_view_is_found_by_name_and_named_for_screen_readers(qtbot, s
     finally:
         window.close()
         window.deleteLater()
-        from PySide6.QtCore import QCoreApplication, QEvent as _QEvent
+        from PySide6.QtCore import QCoreApplication
+        from PySide6.QtCore import QEvent as _QEvent
 
         QCoreApplication.sendPostedEvents(None, _QEvent.Type.DeferredDelete.value)

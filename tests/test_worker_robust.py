@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from test_worker import FAKE, TIMEOUT, WorkerProc
 
 from clover_desk.worker.process import MAX_LINE_BYTES, MAX_NESTING, PARAM_FIELDS, read_lines
 from engine.decode.events import GenerationParams
-from test_worker import FAKE, TIMEOUT, WorkerProc
 
 USER = [{"role": "user", "content": "hi"}]
 

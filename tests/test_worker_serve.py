@@ -16,7 +16,6 @@ import urllib.request
 from typing import Any
 
 import pytest
-
 from server_fixtures import chat_model, endless_model, tools_model  # noqa: F401 (session fixtures)
 from test_worker import FAKE, WorkerProc
 

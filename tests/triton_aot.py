@@ -53,10 +53,8 @@ def launches() -> Iterator[Launch]:
     import engine.kernels.triton_copy_kernels as copy_kernels
     import engine.kernels.triton_linear_kernels as linear_kernels
     import engine.kernels.triton_moe_kernels as moe_kernels
+    from engine.kernels import triton_copy, triton_linear, triton_moe
     from engine.weights.gguf import quants as gq
-    from engine.kernels import triton_copy
-    from engine.kernels import triton_linear
-    from engine.kernels import triton_moe
     from engine.weights.gguf.model import GGUFExpertLayout
     from engine.weights.quant import ExpertLayout
 

@@ -23,7 +23,6 @@ from ui.chat_view import MessageData
 from ui.theme import set_style_class
 from ui.widgets import accessible
 
-
 ATTACH_FILTERS = ("Text files (" + " ".join(f"*{ext}" for ext in sorted({".txt", ".log", *LANGUAGES})) + ")",
                   "All files (*)")
 

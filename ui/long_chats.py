@@ -46,7 +46,6 @@ from ui.context_window import (
 from ui.contracts import ChatStoreLike, EngineClientLike, TokenCounterLike
 from ui.throttle import Throttle
 
-
 log = logging.getLogger(__name__)
 
 COUNT_DELAY_MS = 300  # the meter recounts at most this often while the user types

@@ -73,6 +73,7 @@ from engine.decode.events import (
     continued_stats,
 )
 from ui.banners import Banner, LoadBanner
+from ui.chat_presets import ChatPresets
 from ui.chat_view import (
     ChatView,
     HtmlExtractor,
@@ -83,6 +84,7 @@ from ui.chat_view import (
     preview_document_id,
 )
 from ui.composer import Composer
+from ui.context_window import context_limit
 from ui.contracts import (
     ChatStoreLike,
     EngineClientLike,
@@ -102,8 +104,6 @@ from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
 from ui.remote_chat import DENOISING_UNAVAILABLE, RemoteBackendControl, is_remote_finished
 from ui.serve_panel import ServeController, ServeDialog
-from ui.chat_presets import ChatPresets
-from ui.context_window import context_limit
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class

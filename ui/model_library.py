@@ -39,14 +39,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.model_paths import library_paths
-from ui.theme import set_style_class
-from ui.thread_bridge import ThreadBridge
-from ui.widgets import ElidedLabel, accessible
 from engine.errors import CloverError
 from engine.weights.formats import checkpoint_files, read_safetensors_header
 from engine.weights.gguf.file import split_parts
 from engine.weights.gguf.header import read_header
+from ui.model_paths import library_paths
+from ui.theme import set_style_class
+from ui.thread_bridge import ThreadBridge
+from ui.widgets import ElidedLabel, accessible
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.model.config import SUPPORTED_MODEL_TYPES, load_config
 from engine.errors import CancelledError, CloverError
+from engine.model.config import SUPPORTED_MODEL_TYPES, load_config
 from engine.weights.gguf.file import split_parts  # file names only (no numpy, no gguf package)
 from ui.thread_bridge import ThreadBridge
 

@@ -39,8 +39,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.errors import CloverError
 from engine.decode.events import EngineError, GenerationParams
+from engine.errors import CloverError
 from ui.contracts import RemoteFactory
 from ui.theme import set_style_class
 from ui.thread_bridge import ThreadBridge

@@ -35,8 +35,8 @@ from PySide6.QtWidgets import (
 )
 
 from engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_BYTES, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
-from ui.theme import COLORS, color, set_style_class
 from engine.placement import planner
+from ui.theme import COLORS, color, set_style_class
 
 log = logging.getLogger(__name__)
 

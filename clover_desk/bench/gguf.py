@@ -36,9 +36,9 @@ def _expert_bytes(gate: int, up: int, down: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.weights.gguf import quants as gq
     from engine.errors import CloverError
     from engine.weights.formats import expert_row_layout
+    from engine.weights.gguf import quants as gq
 
     manifest = None
     if args.model is not None:  # read first: a file that cannot be read costs no timing runs

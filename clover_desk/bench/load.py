@@ -102,8 +102,8 @@ def _stage(argv: list[str]) -> int:
 
 def measure(model: Path, vram_gb: float, ctx: int, device: str, dtype: str, keep_cache: bool) -> dict[str, Any]:
     """Plan, convert, load; every figure the command prints."""
-    from engine.weights import quant_cache
     from engine.placement.planner import plan_model, probe_hardware
+    from engine.weights import quant_cache
 
     plan = plan_model(model, int(vram_gb * GIB), ctx, probe_hardware())
     result: dict[str, Any] = {"plan": plan.to_dict()}

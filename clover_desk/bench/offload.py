@@ -327,10 +327,10 @@ def run_simulation(args: argparse.Namespace) -> int:
 def run_tiny(args: argparse.Namespace) -> int:
     import torch
 
+    from engine.decode.generate import DecodeSettings, generate
+    from engine.model.config import parse_config
     from engine.placement import offload
     from engine.weights.checkpoint import random_state_dict, write_checkpoint
-    from engine.model.config import parse_config
-    from engine.decode.generate import DecodeSettings, generate
     from engine.weights.quant import make_policy
     from engine.weights.quant_cache import load_quantized
     from engine.weights.tiny import config_dict_for, tiny_text_config

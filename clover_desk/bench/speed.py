@@ -367,10 +367,10 @@ def _count_device_tables(model: Any, config: Any) -> None:
 
 def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dict[str, Any]]:
     """(context, workspace parts, details) the planner counts for ``model`` at the default context."""
-    from engine.placement import planner
     from engine.defaults import DEFAULT_CTX_TOKENS
-    from engine.weights.formats import format_of_torch_dtype
+    from engine.placement import planner
     from engine.placement.offload import manifest_from_model
+    from engine.weights.formats import format_of_torch_dtype
 
     ctx = min(DEFAULT_CTX_TOKENS, model.config.max_position_embeddings or DEFAULT_CTX_TOKENS) // block * block
     # in the dtype the forwards it is compared with ran in
@@ -473,8 +473,8 @@ def _engine_figures(
 ) -> dict[str, float]:
     import torch
 
-    from engine.placement import offload
     from engine.decode.generate import generate_ar, generate_diffusion, generate_spec, loop_hooks
+    from engine.placement import offload
 
     B = config.block_size
     P = len(prompt)
@@ -806,8 +806,8 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
     flags' combinations and ``--stream``'s range were checked before the model was built (``_run``)."""
     import torch
 
-    from engine.placement import offload
     from engine.errors import ConfigError
+    from engine.placement import offload
 
     n = config.num_hidden_layers
     if args.stream is not None:
@@ -841,8 +841,8 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
 def _compiled_figures(
     model: Any, config: Any, prompt: list[int], args: argparse.Namespace, device: str, eager: dict[str, float]
 ) -> None:
-    from engine.kernels.fastpath import compile_layers
     from engine.decode.generate import generate_ar
+    from engine.kernels.fastpath import compile_layers
 
     eager_tokens = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens))).token_ids
     compile_layers(model)
@@ -906,8 +906,8 @@ def _compare_llama_cpp(args: argparse.Namespace, device: str, dtype: Any, prompt
         ) from None
     if device != "cpu" or dtype != torch.float32:
         raise ConfigError("--compare-llama-cpp compares float32 on the CPU (the GGUF is written as F32)")
-    from engine.weights.checkpoint import write_checkpoint
     from engine.decode.generate import generate_ar
+    from engine.weights.checkpoint import write_checkpoint
     from engine.weights.gguf.writer import write_gguf
     from engine.weights.tiny import train_tiny_tokenizer
 
@@ -957,7 +957,7 @@ def _compare_llama_cpp(args: argparse.Namespace, device: str, dtype: Any, prompt
             compile_layers(model)
             rows.append(("engine, compiled layers", *best_engine_run()))
         llama_tokens, t_llama = llama_runs[0][0], min(t for _, t in llama_runs)
-        del llm
+        llm.close()  # its memory back before the engine's figures are printed
     llama_rate = n_new / t_llama
     print(f"== same weights as GGUF F32 (qwen35moe), greedy AR, {n_new} tokens after {len(prompt)}, "
           f"{threads} threads, best of {len(llama_runs)} / {runs} runs, interleaved: llama.cpp {llama_cpp.__version__} (llama-cpp-python)")
@@ -986,8 +986,8 @@ def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, pro
         raise ConfigError(
             "--compare-transformers needs the test dependency transformers (pip install -e '.[test]')"
         ) from None
-    from engine.weights.checkpoint import load_model
     from engine.decode.generate import generate_ar
+    from engine.weights.checkpoint import load_model
 
     data, _ = _config(args.shape, "qwen3_5_moe", args.layers)
     text = {k: v for k, v in data["text_config"].items() if k not in ("model_type", "eos_token_id", "dtype")}
@@ -1360,8 +1360,8 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
 
     import torch
 
-    from engine.placement import offload
     from engine.kernels import triton_moe
+    from engine.placement import offload
 
     dev = torch.device(device)
     layout = bank.layout

@@ -236,8 +236,8 @@ class Chat:
         """Ask with ``text`` as the next user message and stream the answer; the answer joins the chat (what it
         wrote of it when stopped), a request the engine refuses leaves the chat as it was."""
         from clover_desk.worker.remote import RemoteFinished
-        from engine.errors import CloverError
         from engine.decode.events import Finished, TextDelta
+        from engine.errors import CloverError
 
         turn = [*self.messages, {"role": "user", "content": text}]
         cancel = threading.Event()

@@ -9,10 +9,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-DIM, RESET = "\x1b[2m", "\x1b[0m"
-
 from clover_desk.cli import flags
 from clover_desk.cli.models import resolve_model
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,8 +123,8 @@ def _parse_ids(text: str) -> list[int]:
 def _prompt_text(args: argparse.Namespace) -> str | None:
     """The prompt of ``--prompt`` or ``--prompt-file`` (read whole, at most ``MAX_PROMPT_BYTES``), checked to be
     UTF-8 text: undecodable bytes are one line naming the flag, the byte and where it is."""
-    from engine.errors import PromptError
     from engine.decode.limits import MAX_PROMPT_BYTES, check_text, decode_utf8
+    from engine.errors import PromptError
 
     if args.prompt is not None:
         return check_text(args.prompt, "--prompt")

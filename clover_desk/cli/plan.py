@@ -22,11 +22,10 @@ import logging
 import sys
 from pathlib import Path
 
-
 from clover_desk.cli import flags
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import CloverError
-from engine.weights.formats import make_policy
+from engine.placement.hardware import DEFAULT_HARDWARE
 from engine.placement.planner import (
     SHAPE_PREFIX,
     SHAPES,
@@ -39,7 +38,7 @@ from engine.placement.planner import (
     plan_model,
     probe_hardware,
 )
-from engine.placement.hardware import DEFAULT_HARDWARE
+from engine.weights.formats import make_policy
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import sys
 import threading
 from typing import Any
 
-from clover_desk.cli import generate as cmd_generate
 from clover_desk.cli import flags
+from clover_desk.cli import generate as cmd_generate
 from clover_desk.cli.models import resolve_model
 
 API_KEY_ENV = "CLOVER_DESK_API_KEY"

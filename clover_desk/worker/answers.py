@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from engine.decode.events import BlockCommitted, Finished, TextDelta
 from clover_desk.worker.openai_schema import (
     AnswerParser,
     ApiError,
@@ -24,6 +23,7 @@ from clover_desk.worker.openai_schema import (
     finish_reason,
     usage_of,
 )
+from engine.decode.events import BlockCommitted, Finished, TextDelta
 
 log = logging.getLogger(__name__)
 

@@ -39,6 +39,7 @@ from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signa
 from engine.decode.events import EngineError, Finished, GenerationParams, from_dict
 
 log = logging.getLogger(__name__)
+DEFAULT_PARAMS = GenerationParams()  # frozen: one shared default is safe
 worker_log = logging.getLogger("clover_desk.worker.process.stderr")
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds clover_desk/ and engine/
@@ -237,7 +238,7 @@ class EngineClient(QObject):
     def generate(
         self,
         messages: list[dict[str, Any]],
-        params: GenerationParams = GenerationParams(),
+        params: GenerationParams = DEFAULT_PARAMS,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Start a chat generation; returns its request id. Its events arrive as ``event(request_id, ...)``."""
@@ -267,7 +268,7 @@ class EngineClient(QObject):
         )
         return request_id
 
-    def read_chat(self, messages: list[dict[str, Any]], params: GenerationParams = GenerationParams()) -> str:
+    def read_chat(self, messages: list[dict[str, Any]], params: GenerationParams = DEFAULT_PARAMS) -> str:
         """Have the idle engine read a chat so far into its prompt cache (``Engine.read_chat``), so that the chat's
         next turn reads only the new message; a generate (or anything else needing the engine) stops it at once.
         Returns its id ("" when the engine is not idle with a model: nothing is sent); ``chatRead`` answers."""

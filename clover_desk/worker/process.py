@@ -92,14 +92,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
-from engine.errors import CancelledError, CloverError
-from engine.decode.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
-from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
-from engine.placement.preflight import opt_in_from_env
 from clover_desk.worker.hangup import HangUpLog, is_hang_up
 from clover_desk.worker.http_guards import is_loopback
 from clover_desk.worker.server import OpenAIServer
+from engine.decode.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
+from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from engine.defaults import DEFAULT_CTX_TOKENS
+from engine.errors import CancelledError, CloverError
+from engine.placement.preflight import opt_in_from_env
 
 log = logging.getLogger("clover_desk.worker.process")
 hang_ups = HangUpLog(log)  # the window hung up (it closed or stopped reading): one short line, not a traceback

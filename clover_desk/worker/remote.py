@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from engine.errors import CloverError
 from engine.decode.events import GenerationParams, TextDelta
+from engine.errors import CloverError
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +224,7 @@ class RemoteBackend:
             for payload in _sse_payloads(response):
                 if cancel.is_set():
                     break
-                for event in state.take(payload, time.perf_counter() - started):
-                    yield event
+                yield from state.take(payload, time.perf_counter() - started)
                 if state.done:
                     break
         except (OSError, http.client.HTTPException, ValueError) as exc:

@@ -84,8 +84,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.decode.events import Finished, GenerationParams
-from engine.errors import CloverError, PromptError
 from clover_desk.worker.answers import Answer, CutShort, Outlet
 from clover_desk.worker.http_guards import (
     BODY_TIMEOUT_S,
@@ -110,6 +108,8 @@ from clover_desk.worker.openai_schema import (  # noqa: F401 - AnswerParser, Sto
     parse_completion_request,
     parse_tool_call,
 )
+from engine.decode.events import Finished, GenerationParams
+from engine.errors import CloverError, PromptError
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, Signal
-from engine.errors import CloverError
+
 from engine.decode.tokenizer import CloverTokenizer
+from engine.errors import CloverError
 from engine.weights.gguf.file import load_tokenizer, open_gguf
 
 log = logging.getLogger(__name__)

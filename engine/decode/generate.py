@@ -29,10 +29,6 @@ import torch
 from torch import Tensor
 
 from engine.decode import decoding
-from engine.kernels import fastpath
-from engine.model.config import CloverConfig, GenerationDefaults
-from engine.errors import PromptError
-from engine.model.clover import GDN_CHUNK
 from engine.decode.events import (
     BlockCommitted,
     BlockStep,
@@ -45,6 +41,10 @@ from engine.decode.events import (
 )
 from engine.decode.prompt_cache import PromptCache, ScopedPromptCache
 from engine.decode.tokenizer import StreamDecoder
+from engine.errors import PromptError
+from engine.kernels import fastpath
+from engine.model.clover import GDN_CHUNK
+from engine.model.config import CloverConfig, GenerationDefaults
 from engine.placement import offload
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError, PromptError
+from engine.decode.chat_template import LimitedSandbox, TemplateLimit
 from engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, check_text, decode_utf8
-from engine.decode.chat_template import TemplateLimit
-from engine.decode.chat_template import LimitedSandbox
+from engine.errors import ConfigError, PromptError
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,6 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -72,7 +71,7 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "clover-desk" / "kernels"
 
 
-def _compiler() -> Optional[str]:
+def _compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
         return cc
@@ -87,7 +86,7 @@ def _compiler_version(cc: str) -> str:
     return done.stdout.strip() or f"unknown (exit {done.returncode})"
 
 
-def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Optional[Path], str]:
+def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Path | None, str]:
     """Compile SOURCE with ``flags`` unless a cached library exists -> (path, "") or (None, one-line reason)."""
     try:
         src = SOURCE.read_bytes()
@@ -121,13 +120,13 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Optional[Pat
 class Kernels:
     """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why."""
 
-    def __init__(self, *, scalar: bool = False, cc: Optional[str] = None, out_dir: Optional[Path] = None) -> None:
+    def __init__(self, *, scalar: bool = False, cc: str | None = None, out_dir: Path | None = None) -> None:
         self.scalar = scalar
         self.ok = False
         self.reason = ""
-        self.path: Optional[Path] = None
+        self.path: Path | None = None
         self.flags: tuple[str, ...] = ()
-        self._lib: Optional[ctypes.CDLL] = None
+        self._lib: ctypes.CDLL | None = None
         cc = cc or _compiler()
         if not cc:
             self.reason = "no C compiler found (set CC or install gcc)"
@@ -176,7 +175,7 @@ class Kernels:
 
     # -- the computations (plain tensors in, a new float32 tensor out) ------------------------------------------
 
-    def qmatmul(self, x: Tensor, w: Tensor, qtype: int, rows: Optional[Tensor] = None) -> Tensor:
+    def qmatmul(self, x: Tensor, w: Tensor, qtype: int, rows: Tensor | None = None) -> Tensor:
         """x [T, K] float, w uint8 [N, row_bytes] -> float32 [T, N] (or [T, R] for rows int64 [R])."""
         lib = self._need()
         x = _as_f32_2d(x)
@@ -287,7 +286,7 @@ def _raise_for(rc: int, what: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_default: Optional[Kernels] = None
+_default: Kernels | None = None
 
 
 def kernels() -> Kernels:
@@ -392,7 +391,7 @@ def _eager() -> bool:
     return not torch.compiler.is_compiling()
 
 
-def qmatmul(x: Tensor, w: Tensor, qtype: int, rows: Optional[Tensor] = None) -> Tensor:
+def qmatmul(x: Tensor, w: Tensor, qtype: int, rows: Tensor | None = None) -> Tensor:
     """x float [T, K], w uint8 [N, row_bytes] of ggml type ``qtype`` -> float32 [T, N] = x @ dequantize(w).T with
     x rounded to int8 blocks. ``rows`` int64 [R]: only those output rows -> [T, R] (same as :func:`qmatmul_rows`)."""
     if _eager():

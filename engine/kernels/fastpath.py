@@ -25,9 +25,10 @@ import logging
 from typing import Any
 
 import torch
-from engine.model.experts import grouped_mm_supported
-from engine.model.clover import Linear
+
 from engine.kernels import step_graphs
+from engine.model.clover import Linear
+from engine.model.experts import grouped_mm_supported
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ import os
 import torch
 from torch import Tensor
 
+from engine.kernels.triton_linear import available  # one Triton check for both kernel modules
 from engine.model.experts import RowLayout
 from engine.weights.formats import NF4_CODE
-from engine.kernels.triton_linear import available  # one Triton check for both kernel modules
 
 BLOCK_I = 32  # intermediate rows per gate/up program
 BLOCK_D = 64  # hidden columns per step of the gate/up reduction

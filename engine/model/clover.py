@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.errors import PromptError
 from engine.kernels import gdn_kernels
 from engine.model.config import CloverConfig
-from engine.errors import PromptError
 from engine.model.experts import DenseExpertBank, ExpertBank
 from engine.weights.formats import FP32_PARAMS
 
@@ -589,7 +589,7 @@ class GatedDeltaNet(nn.Module):
         """``st``: this layer's (conv state [K-1, C], recurrent state [Hv, dk, dv] fp32) (None without a cache)."""
         cfg = self.config
         t, dtype = x.shape[0], x.dtype
-        hv, hk, dk, dv = self.num_v_heads, self.num_k_heads, self.dk, self.dv
+        hv, dk, dv = self.num_v_heads, self.dk, self.dv
         mixed = self.in_proj_qkv(x)  # [T, C] raw (pre-conv)
         z = self.in_proj_z(x).view(t, hv, dv)  # [T, Hv, dv]
         beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, Hv]

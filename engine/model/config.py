@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
 from engine.decode.limits import GENERATION_LIMITS, decode_utf8
+from engine.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("clover_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 

@@ -51,8 +51,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from engine.kernels.triton_linear import available
+
 from engine.kernels.triton_copy import BIG, STAMP_STRIDE, copy_rows, place, place_set
+from engine.kernels.triton_linear import available
 
 DEVICE_POOL_ENV = "CLOVER_DESK_DEVICE_POOL"
 # the device counters, in order; merged into engine.placement.offload.Stats (same names) by merge_counts

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError, ConfigError, PlanError
+from engine.model.config import load_config
 from engine.weights.formats import (
     COMPUTE_DTYPES,
     DEFAULT_POLICY,
@@ -37,7 +38,6 @@ from engine.weights.formats import (
     quantized_sizes,
     read_safetensors_header,
 )
-from engine.model.config import load_config
 from engine.weights.gguf.file import FORMAT_OF_TYPE, open_gguf, tensor_map
 
 MiB = 1 << 20

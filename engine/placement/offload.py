@@ -55,9 +55,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from engine.placement.device_pool import COUNTS, DEVICE_POOL_ENV, DeviceSlotTables
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
 from engine.model.experts import SMALL_SLOTS, DenseExpertBank, ExpertBank, present
+from engine.placement.device_pool import COUNTS, DEVICE_POOL_ENV, DeviceSlotTables
 from engine.weights.formats import format_of_torch_dtype
 from engine.weights.quant import (
     QuantExpertBank,

@@ -55,7 +55,6 @@ from typing import Any
 
 from engine.defaults import DEFAULT_CARD_BYTES, DEFAULT_CTX_TOKENS
 from engine.errors import PlanError
-from engine.weights.formats import COMPUTE_DTYPES, DEFAULT_POLICY, QuantPolicy, make_policy
 from engine.placement.hardware import DEFAULT_HARDWARE, Hardware, probe_hardware
 from engine.placement.manifest import (
     KINDS,
@@ -78,6 +77,7 @@ from engine.placement.manifest import (
     quantize_manifest,
 )
 from engine.placement.speed import CORESET_DISTINCT_EXPERTS_PER_PASS, DEQUANT_GROUP_EXPERTS, Roofline, predict
+from engine.weights.formats import COMPUTE_DTYPES, DEFAULT_POLICY, QuantPolicy, make_policy
 
 __all__ = [
     "DEFAULT_CARD_BYTES",

@@ -19,18 +19,20 @@ import secrets
 import struct
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from engine.model.config import CloverConfig, load_config
+from engine.decode.events import LoadProgress
 from engine.errors import CancelledError, CheckpointError
+from engine.model.clover import CloverModel, GatedDeltaNet, ParamHolder
+from engine.model.config import CloverConfig, load_config
 from engine.weights.formats import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
@@ -40,8 +42,6 @@ from engine.weights.formats import (
     checkpoint_files,
 )
 from engine.weights.formats import read_safetensors_header as read_safetensors_header_raw
-from engine.decode.events import LoadProgress
-from engine.model.clover import CloverModel, GatedDeltaNet, ParamHolder
 
 log = logging.getLogger(__name__)
 

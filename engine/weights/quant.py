@@ -39,25 +39,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kernels import cpu_quant, triton_linear, triton_moe
 from engine.errors import CheckpointError, ConfigError
+from engine.kernels import cpu_quant, triton_linear, triton_moe
+from engine.model.experts import SMALL_SLOTS, ExpertBank, RowLayout, group_by_expert, moe_grouped
 from engine.weights.formats import (
-    NF4_CODE,
     DEFAULT_POLICY,
-    FORMATS,
-    PLAIN_FORMATS,
+    NF4_CODE,
     QUANT_FORMATS,
     QuantPolicy,
-    Rule,
     expert_row_layout,
     format_of_torch_dtype,
-    int8_sizes,
-    is_expert_tensor,
-    make_policy,
-    nf4_sizes,
     quantized_sizes,
 )
-from engine.model.experts import SMALL_SLOTS, ExpertBank, RowLayout, group_by_expert, moe_grouped
 
 log = logging.getLogger(__name__)
 

@@ -55,6 +55,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from engine.decode.events import LoadProgress
+from engine.errors import CancelledError, CheckpointError
+from engine.model.clover import CloverModel
+from engine.model.config import CloverConfig, load_config
+from engine.placement import offload
+from engine.weights import checkpoint
 from engine.weights.checkpoint import (
     TORCH_DTYPES,
     Target,
@@ -65,10 +71,7 @@ from engine.weights.checkpoint import (
     sanitize_shape,
     sanitize_tensor,
 )
-from engine.model.config import CloverConfig, load_config
-from engine.errors import CancelledError, CheckpointError
 from engine.weights.formats import SAFETENSORS_DTYPES, TAG_OF_FORMAT, checkpoint_files
-from engine.decode.events import LoadProgress
 from engine.weights.quant import (
     DEFAULT_POLICY,
     QUANT_FORMATS,
@@ -80,9 +83,6 @@ from engine.weights.quant import (
     quantized_sizes,
     set_submodule,
 )
-from engine.placement import offload
-from engine.model.clover import CloverModel
-from engine.weights import checkpoint
 
 log = logging.getLogger(__name__)
 

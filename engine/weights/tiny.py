@@ -25,17 +25,21 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from engine.model.config import CloverConfig, parse_config
-from engine.errors import ConfigError
 from engine.decode.tokenizer import ENDOFTEXT, IM_END, MASK, THINK_END, train_tiny_tokenizer
-from engine.weights.checkpoint import random_state_dict, write_checkpoint
-from engine.weights.checkpoint import TensorSpec
+from engine.errors import ConfigError
+from engine.model.config import CloverConfig, parse_config
 from engine.placement.manifest import ModelGeometry, _text_tensors
-from engine.weights.checkpoint import write_checkpoint_streaming
-from engine.weights.checkpoint import SHARD_NAME
+from engine.weights.checkpoint import (
+    SHARD_NAME,
+    TensorSpec,
+    random_state_dict,
+    write_checkpoint,
+    write_checkpoint_streaming,
+)
 from engine.weights.formats import INDEX_NAME, SINGLE_NAME
 
 if TYPE_CHECKING:  # torch is imported only by the functions that write weights
@@ -293,7 +297,7 @@ def _random_init(name: str, shape: tuple[int, ...]) -> RandomInit:
 def _tensor_seed(seed: int, name: str) -> int:
     """A generator seed per tensor: a tensor's values depend on (seed, name) only, so layer 0 of a 1-layer model
     equals layer 0 of a 4-layer one and the order of writing does not matter."""
-    digest = hashlib.blake2b(f"{seed}:{name}".encode("utf-8"), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 

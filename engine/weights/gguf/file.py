@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.model.config import CloverConfig, parse_config
-from engine.errors import ConfigError
 from engine.decode.tokenizer import CloverTokenizer
+from engine.errors import ConfigError
+from engine.model.config import CloverConfig, parse_config
 from engine.weights.gguf.header import read_header
 
 log = logging.getLogger(__name__)

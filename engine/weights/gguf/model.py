@@ -27,34 +27,35 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.decode.events import LoadProgress
+from engine.errors import CancelledError, CheckpointError
 from engine.kernels import cpu_quant
-from engine.weights.gguf import quants as gq
+from engine.model.clover import CloverModel
+from engine.model.config import GenerationDefaults, load_generation_defaults
 from engine.placement import offload
 from engine.weights.checkpoint import LoadPlan, TensorEntry, _as_dtype, plan_load, sanitize_tensor
-from engine.errors import CancelledError, CheckpointError
-from engine.decode.events import LoadProgress
+from engine.weights.gguf import quants as gq
 from engine.weights.gguf.file import (
     FLOAT_TYPES,
     FORMAT_OF_TYPE,
     GGUFModelFile,
     TensorMap,
+    load_tokenizer,
     open_gguf,
     tensor_map,
     tiled_to_hf_heads,
 )
-from engine.model.clover import CloverModel
 from engine.weights.quant import RowExpertBank, set_submodule
-from engine.model.config import GenerationDefaults, load_generation_defaults
-from engine.weights.gguf.file import load_tokenizer
 from engine.weights.tiny import CLOVER_GENERATION_DEFAULTS
 
 log = logging.getLogger(__name__)

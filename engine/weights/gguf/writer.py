@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from engine.weights.gguf import quants as gq
-from engine.weights.checkpoint import iter_model_tensors
-from engine.model.config import CloverConfig, load_config
 from engine.errors import ConfigError
+from engine.model.config import CloverConfig, load_config
+from engine.weights.checkpoint import iter_model_tensors
+from engine.weights.gguf import quants as gq
 from engine.weights.gguf.file import GGUF_OF_HF, hf_to_tiled_heads
 
 log = logging.getLogger(__name__)
