@@ -208,8 +208,8 @@ def run_real_width(args: argparse.Namespace) -> int:
     print(f"== real widths, {layers} layers, one Q4_K file ({path.stat().st_size / 2**30:.2f} GiB), {threads} threads, "
           f"best of {repeats} interleaved runs; {who}")
     print(f"prompt {prompt_len} tokens, {n_new} greedy AR tokens; weights read per AR token {b['ar_total'] / 1e6:.0f} MB "
-          f"(head {b['head'] / 1e6:.0f} MB, dense {b['dense'] / 1e6:.0f} MB, 8 experts x {layers} layers "
-          f"{per_expert_layer * 8 / 1e6:.0f} MB)")
+          f"(head {b['head'] / 1e6:.0f} MB, dense {b['dense'] / 1e6:.0f} MB, 8 experts in each of {layers} layers "
+          f"{per_expert_layer * 8 * layers / 1e6:.0f} MB)")
     ar_e, pf_e = n_new / best["engine_ar"], prompt_len / best["engine_prefill"]
     if llm is not None:
         ar_l, pf_l = n_new / best["llama_ar"], prompt_len / best["llama_prefill"]
@@ -224,7 +224,8 @@ def run_real_width(args: argparse.Namespace) -> int:
         print(f"prefill     engine {pf_e:8.1f} tok/s")
         print("(for llama.cpp side by side: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install --no-binary llama-cpp-python "
               "llama-cpp-python)")
-    print(f"block pass  engine {best['engine_pass'] * 1e3:8.1f} ms per 32-slot pass; distinct experts per layer "
+    print(f"block pass  engine {best['engine_pass'] * 1e3:8.1f} ms per 32-slot pass (32 masks after the prompt: "
+          f"random weights route them alike); distinct experts per layer "
           f"{pass_experts}; reads {pass_bytes / 1e6:.0f} MB ({pass_bytes / best['engine_pass'] / 1e9:.1f} GB/s; an AR "
           f"step {b['ar_total'] * ar_e / 1e9:.1f} GB/s)")
     print(f"peak RSS of this process: {rss:.2f} GiB")
