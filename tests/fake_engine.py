@@ -54,6 +54,7 @@ def make(
     cancel: threading.Event | None = None,
     plan: dict | None = None,
     compile: bool = False,
+    ctx_tokens: int | None = None,  # the context a load without a plan holds requests to (the app sends it)
 ) -> FakeEngine:
     total = 1000
     if model_dir.endswith("fail"):

@@ -160,8 +160,9 @@ def test_bench_speed_runs_the_placed_path(capsys: pytest.CaptureFixture[str]) ->
     assert streamed, out
     assert 0 < float(streamed[7]) <= 100
     # one read per forward of the streamed layer: the prefill and 7 steps for 8 tokens; a pass per committed token
-    # or fewer, plus the commit passes
-    assert float(streamed[3]) == 1.0 and 1.0 <= float(streamed[6]) < 1.5
+    # or fewer, plus the commit passes, plus the passes that fill slots past the budget (they compete for commits so
+    # that a shorter budget only cuts the text: 1.6 here)
+    assert float(streamed[3]) == 1.0 and 1.0 <= float(streamed[6]) < 2.0
     assert re.search(r"diffusion at 3 committed tokens per pass .*: [\d.]+ tok/s", out)
     code = cli.main(["bench", "speed", "--shape", "tiny", "--quant", "card", "--stream", "1", "--repeats", "1",
                      "--decode-tokens", "8", "--diffusion-tokens", "32", "--prompt-tokens", "40", "--device-pool"])

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from engine.decode.events import Finished
@@ -202,7 +202,7 @@ def run_real_width(args: argparse.Namespace) -> int:
     b = step_bytes(path, config.num_experts_per_tok)
     per_expert_layer = b["per_expert_all_layers"] / layers
     pass_bytes = b["head"] + b["dense"] + sum(pass_experts) * per_expert_layer
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
+    rss = psutil.Process().memory_info().rss / 2**30  # GiB
 
     who = f"llama.cpp {llama_cpp.__version__} (llama-cpp-python)" if llama_cpp else "llama.cpp not installed"
     print(f"== real widths, {layers} layers, one Q4_K file ({path.stat().st_size / 2**30:.2f} GiB), {threads} threads, "
@@ -228,5 +228,5 @@ def run_real_width(args: argparse.Namespace) -> int:
           f"random weights route them alike); distinct experts per layer "
           f"{pass_experts}; reads {pass_bytes / 1e6:.0f} MB ({pass_bytes / best['engine_pass'] / 1e9:.1f} GB/s; an AR "
           f"step {b['ar_total'] * ar_e / 1e9:.1f} GB/s)")
-    print(f"peak RSS of this process: {rss:.2f} GiB")
+    print(f"RSS of this process at the end (the engine{' and llama.cpp' if llm is not None else ''} loaded): {rss:.2f} GiB")
     return 0

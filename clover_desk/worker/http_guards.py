@@ -21,7 +21,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import resource
+
+try:
+    import resource  # POSIX: the open-files limit
+except ImportError:  # Windows: no such limit to raise
+    resource = None  # type: ignore[assignment]
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -159,7 +163,10 @@ class RequestPolicy:
 
 
 def raise_open_file_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit (as servers do); returns the soft limit."""
+    """Raise this process's soft limit on open files to its hard limit (as servers do); returns the soft limit (0
+    where there is no such limit: Windows)."""
+    if resource is None:
+        return 0
     try:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if hard == resource.RLIM_INFINITY or hard > soft:

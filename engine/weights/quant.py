@@ -42,13 +42,23 @@ from torch import Tensor, nn
 from engine.errors import CheckpointError, ConfigError
 from engine.kernels import cpu_quant, triton_linear, triton_moe
 from engine.model.experts import SMALL_SLOTS, ExpertBank, RowLayout, group_by_expert, moe_grouped
-from engine.weights.formats import (
+
+# The policy table is weights.formats' (stdlib only, shared with the planner); the quantizer's callers reach it here
+# too, as the same objects (tests/test_planner.py checks the identity).
+from engine.weights.formats import (  # noqa: F401
     DEFAULT_POLICY,
+    FORMATS,
     NF4_CODE,
+    PLAIN_FORMATS,
     QUANT_FORMATS,
     QuantPolicy,
+    Rule,
     expert_row_layout,
     format_of_torch_dtype,
+    int8_sizes,
+    is_expert_tensor,
+    make_policy,
+    nf4_sizes,
     quantized_sizes,
 )
 
