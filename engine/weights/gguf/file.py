@@ -41,6 +41,7 @@ Assumptions where the reference is silent (each round-trips against :mod:`engine
 from __future__ import annotations
 
 import logging
+import mmap
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,27 @@ class GGUFTensor:
     @property
     def type_name(self) -> str:
         return SUPPORTED_TYPES.get(self.qtype, f"type {self.qtype}")
+
+
+def release_pages(view: Any) -> bool:
+    """Drop the pages under ``view`` (a contiguous numpy view of a read-only memory-mapped file) from this process's
+    resident set once they have been copied out: the OS keeps them in its page cache, the process stops counting
+    them, so a load that copies the file into memory peaks near the copy's size instead of twice it. Anything else (an
+    array not backed by a read-only map, a platform without ``madvise``) is left alone; returns whether pages went."""
+    if not hasattr(mmap.mmap, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or not view.flags.c_contiguous:
+        return False
+    root, base = view, view.base
+    while base is not None and not isinstance(base, mmap.mmap):
+        root, base = base, getattr(base, "base", None)
+    if base is None or getattr(root, "mode", None) != "r" or view.nbytes == 0:
+        return False  # only a read-only file map: DONTNEED on anonymous or writable memory would lose data
+    offset = getattr(root, "offset", 0)
+    start = root.ctypes.data - (offset - offset % mmap.ALLOCATIONGRANULARITY)
+    rel = view.ctypes.data - start
+    lo = rel - rel % mmap.PAGESIZE
+    hi = min(rel + view.nbytes, len(base))
+    base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    return True
 
 
 def split_parts(path: Path) -> list[Path]:

@@ -52,6 +52,7 @@ from engine.weights.gguf.file import (
     TensorMap,
     load_tokenizer,
     open_gguf,
+    release_pages,
     tensor_map,
     tiled_to_hf_heads,
 )
@@ -342,7 +343,9 @@ def _copy_rows(dst: Tensor, src: np.ndarray) -> None:
     pieces of at most :data:`COPY_CHUNK_BYTES`: each piece is copied out of the map once, then into its place."""
     step = max(1, COPY_CHUNK_BYTES // max(src.shape[1], 1))
     for r0 in range(0, src.shape[0], step):
-        dst[r0 : r0 + step].copy_(torch.from_numpy(np.array(src[r0 : r0 + step], copy=True)))
+        piece = src[r0 : r0 + step]
+        dst[r0 : r0 + step].copy_(torch.from_numpy(np.array(piece, copy=True)))
+        release_pages(piece)  # copied: the map's pages leave this process (a load peaks near its size, not twice)
 
 
 def _fill_blocks(gf: GGUFModelFile, tm: TensorMap, dst: Tensor) -> None:
