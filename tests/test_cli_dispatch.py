@@ -33,3 +33,18 @@ def test_bench_without_a_suite_names_the_suites_and_exits_2(capsys: pytest.Captu
 def test_gui_options_without_the_subcommand() -> None:
     args = parse_args(["--model", "/models/clover", "--vram-gb", "12"])
     assert (args.command, args.model, args.vram_gb) == ("gui", "/models/clover", 12.0)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """``clover-desk plan --json | head -1``: no BrokenPipeError traceback, SIGPIPE's status."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from clover_desk.cli.main import main; "
+                             "sys.exit(main(['plan', '--shape', 'clover-35b-a3b', '--json']))"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # gone before the command (still importing) writes a byte
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""

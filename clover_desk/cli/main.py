@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -91,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = f"bench {args.suite}" if args.command == "bench" else args.command
         print(f"\nclover-desk {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (``plan --json | head``): stop quietly, as a shell tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not raise again
+        return 128 + 13  # SIGPIPE's shell status
 
 
 if __name__ == "__main__":
