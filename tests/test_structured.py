@@ -1,0 +1,221 @@
+"""Structured output (engine/decode/grammar.py) in the AR, block-diffusion and spec loops, on the tiny random
+checkpoint: whatever the random weights prefer, the answer is JSON the schema accepts (unless the budget ran
+out), diffusion commits only a grammar-valid left prefix, spec equals constrained AR greedy.
+
+Default run: ~25 s on the 2-core test machine. The ``slow`` property tests (many more random schemas, sampled
+and greedy, spec included) take ~3 min there."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jsonschema
+import pytest
+from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
+
+from engine.api import Engine
+from engine.decode import grammar
+from engine.decode.events import BlockStep, Finished, GenerationParams
+from engine.decode.grammar import structured_spec
+from engine.errors import PromptError
+
+NAMES = ("name", "city", "count", "ok", "tags", "color", "score", "id")
+WORDS = ("red", "green", "blue", "a b", "zürich", "x")
+
+
+def random_schema(rng: random.Random) -> dict[str, Any]:
+    """An object schema of the small family: string (bounded), integer (bounded), boolean, enum and array fields,
+    some of them required, no other keys."""
+    props: dict[str, Any] = {}
+    for i in range(rng.randint(1, 4)):
+        kind = rng.choice(("string", "integer", "boolean", "enum", "array"))
+        if kind == "string":
+            field: dict[str, Any] = {"type": "string", "maxLength": rng.randint(1, 8)}
+            if rng.random() < 0.3:
+                field["minLength"] = 1
+        elif kind == "integer":
+            field = {"type": "integer", "minimum": rng.randint(-50, 0), "maximum": rng.randint(1, 500)}
+        elif kind == "boolean":
+            field = {"type": "boolean"}
+        elif kind == "enum":
+            field = {"enum": rng.sample(WORDS, rng.randint(1, 4))}
+        else:
+            items = rng.choice(({"type": "integer", "minimum": 0, "maximum": 9},
+                                {"type": "string", "maxLength": 3}, {"type": "boolean"}))
+            field = {"type": "array", "items": items, "maxItems": rng.randint(1, 4)}
+        props[f"{rng.choice(NAMES)}{i}"] = field
+    required = rng.sample(sorted(props), rng.randint(0, len(props)))
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_clover_dir, one_torch_thread) -> Engine:  # noqa: ANN001, F811
+    return Engine.load(tiny_clover_dir)
+
+
+def _run(engine: Engine, schema: dict[str, Any], mode: str, n: int = 96, content: str = "Answer in JSON.",
+         **params: Any) -> tuple[list[object], Finished]:
+    events = list(engine.generate(
+        messages=[{"role": "user", "content": content}],
+        params=GenerationParams(mode=mode, max_new_tokens=n, enable_thinking=False,
+                                structured=structured_spec(schema), **params)))
+    done = events[-1]
+    assert isinstance(done, Finished)
+    return events, done
+
+
+def _check_answer(done: Finished, schema: dict[str, Any]) -> bool:
+    """The answer validates unless the budget ran out; True when it ended on its own."""
+    if done.stop_reason == "max_new_tokens":
+        return False
+    assert done.stop_reason == "eos", done
+    jsonschema.validate(json.loads(done.text), schema)
+    return True
+
+
+def _left_prefix_steps(events: list[object]) -> int:
+    """Every pass of a constrained diffusion block commits at least one slot, and its committed slots are a left
+    prefix of the block; returns how many passes were checked."""
+    steps = [e for e in events if isinstance(e, BlockStep)]
+    for step in steps:
+        open_slots = list(step.masked[step.prompt_slots:])
+        first_open = open_slots.index(True) if True in open_slots else len(open_slots)
+        assert not any(open_slots[:first_open]) and all(open_slots[first_open:]), step.masked
+        assert any(step.committed_now), step
+        now = [i for i, c in enumerate(step.committed_now) if c]
+        assert now == list(range(now[0], now[-1] + 1)), step.committed_now  # one run, with no gap
+    return len(steps)
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_random_schemas_always_validate(engine: Engine, mode: str) -> None:
+    rng = random.Random(33)
+    runs = 6
+    ended = 0
+    for case in range(runs):
+        schema = random_schema(rng)
+        sampled = case % 2 == 1
+        events, done = _run(engine, schema, mode, temperature=0.8 if sampled else 0.0, seed=case)
+        ended += _check_answer(done, schema)
+        if mode == "diffusion":
+            assert _left_prefix_steps(events) >= 1
+    assert ended >= runs - 1, f"only {ended} of {runs} answers ended before the budget: the test would be vacuous"
+
+
+def test_spec_equals_constrained_ar_greedy(engine: Engine) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    _, ar = _run(engine, schema, "ar", n=24, temperature=0.0)
+    _, spec = _run(engine, schema, "spec", n=24, temperature=0.0)
+    assert spec.token_ids == ar.token_ids
+    assert _check_answer(spec, schema)
+
+
+def test_json_object_is_an_object(engine: Engine) -> None:
+    """``{"type": "object"}`` (response_format json_object) bounds nothing, so random weights write long keys: two
+    prompts whose greedy answers end within the budget."""
+    ended = 0
+    for case in (4, 5):
+        _, done = _run(engine, {"type": "object"}, "ar", n=160, content=f"Some JSON please ({case}).",
+                       temperature=0.0)
+        assert done.text.startswith("{")
+        if done.stop_reason == "eos":
+            ended += 1
+            assert isinstance(json.loads(done.text), dict)
+    assert ended >= 2
+
+
+def test_the_grammar_changes_the_answer(engine: Engine) -> None:
+    """Without the constraint the same request is not JSON: the mask is what makes it so."""
+    schema = random_schema(random.Random(1))
+    _, constrained = _run(engine, schema, "ar", temperature=0.0)
+    events = list(engine.generate(messages=[{"role": "user", "content": "Answer in JSON."}],
+                                  params=GenerationParams(mode="ar", max_new_tokens=96, enable_thinking=False,
+                                                          temperature=0.0)))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(events[-1].text)
+    assert _check_answer(constrained, schema)
+
+
+def test_a_schema_the_engine_cannot_enforce_is_refused_before_any_event(engine: Engine) -> None:
+    assert grammar.schema_problem({"type": "object", "properties": {"a": {"type": "string"}}}) is None
+    assert "not" in (grammar.schema_problem({"not": {"type": "string"}}) or "")
+    assert "look-around" in (grammar.schema_problem({"type": "string", "pattern": "(?=a)"}) or "")
+    with pytest.raises(PromptError, match="uniqueItems"):
+        engine.generate(messages=[{"role": "user", "content": "x"}],
+                        params=GenerationParams(mode="ar", structured=structured_spec(
+                            {"type": "array", "uniqueItems": True})))
+    with pytest.raises(PromptError, match="structured output"):
+        engine.generate(prompt_ids=[1, 2, 3], params=GenerationParams(mode="ar", structured="[1]"))
+
+
+def test_open_thinking_is_free_then_the_answer_is_constrained(engine: Engine) -> None:
+    """A prompt that ends inside <think>: the grammar takes any text, </think>, blanks, then the JSON."""
+    tok = engine.tokenizer
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    c = grammar.COMPILER.constraint(structured_spec(schema), tok, engine.config.vocab_size, (2,), tok.think_end_id)
+    thinking = tok.encode("Hmm, { not json at all")
+    answer = tok.encode('{"a": 7}')
+    ids = thinking + [tok.think_end_id] + tok.encode("\n\n") + answer
+    assert c.accepts(ids + [2]) == len(ids) + 1
+    c.advance(ids)
+    assert c.finished and c.accepting
+    closed = grammar.COMPILER.constraint(structured_spec(schema), tok, engine.config.vocab_size, (2,))
+    assert closed.accepts(thinking) == 0  # without an open thinking section the answer starts at once
+    assert not bool(closed.allowed()[tok.think_end_id])
+
+
+def test_before_and_after_use_the_tokenizer_s_own_tokens(engine: Engine) -> None:
+    tok = engine.tokenizer
+    start, end = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+    spec = structured_spec({"type": "object", "properties": {"name": {"const": "f"}}, "required": ["name"]},
+                           before="<tool_call>\n", after="\n</tool_call>")
+    c = grammar.COMPILER.constraint(spec, tok, engine.config.vocab_size, (2,))
+    allowed = c.allowed()
+    assert bool(allowed[start]) and int(allowed.sum()) == 1
+    ids = [start] + tok.encode('\n{"name": "f"}\n') + [end, 2]
+    assert c.accepts(ids) == len(ids)
+    assert c.accepts(tok.encode('{"name":"f"}')) == 0
+
+
+def test_masks_along_a_draft_and_the_state_after(engine: Engine) -> None:
+    tok = engine.tokenizer
+    c = grammar.COMPILER.constraint(structured_spec({"type": "boolean"}), tok, engine.config.vocab_size, (2,))
+    before = c.allowed().clone()
+    good = tok.encode("true")
+    masks = c.masks_along(good + [2, 9])
+    assert len(masks) == len(good) + 1  # one before each token of "true"; the EOS ends the run
+    assert bool(masks[-1][2]) and int(masks[-1].sum()) == 1  # after "true": only the end
+    assert bool((c.allowed() == before).all())  # left as it was
+    assert c.accepts(tok.encode("nope")) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_many_random_schemas_always_validate(engine: Engine, mode: str) -> None:
+    """~80 s per mode on the test machine."""
+    rng = random.Random(2033)
+    runs, ended = 40, 0
+    for case in range(runs):
+        schema = random_schema(rng)
+        events, done = _run(engine, schema, mode, content=f"Case {case}: JSON.",
+                            temperature=0.0 if case % 3 == 0 else 1.0, seed=case)
+        ended += _check_answer(done, schema)
+        if mode == "diffusion":
+            _left_prefix_steps(events)
+    assert ended >= runs * 0.85, f"{ended} of {runs} ended before the budget"
+
+
+@pytest.mark.slow
+def test_spec_equals_constrained_ar_over_random_schemas(engine: Engine) -> None:
+    """~60 s on the test machine (random weights: spec's drafts are mostly wrong, ~16 passes a token)."""
+    rng = random.Random(7)
+    for case in range(4):
+        schema = random_schema(rng)
+        _, ar = _run(engine, schema, "ar", n=40, content=f"Spec case {case}.", temperature=0.0)
+        _, spec = _run(engine, schema, "spec", n=40, content=f"Spec case {case}.", temperature=0.0)
+        assert spec.token_ids == ar.token_ids
+        _check_answer(spec, schema)
