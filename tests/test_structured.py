@@ -13,11 +13,13 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 from engine.api import Engine
 from engine.decode import grammar
 from engine.decode.events import BlockStep, Finished, GenerationParams
+from engine.decode.generate import DecodeSettings, generate
 from engine.decode.grammar import structured_spec
 from engine.errors import PromptError
 
@@ -168,6 +170,20 @@ def test_open_thinking_is_free_then_the_answer_is_constrained(engine: Engine) ->
     assert not bool(closed.allowed()[tok.think_end_id])
 
 
+def test_ar_thinks_freely_when_the_prompt_leaves_thinking_open(engine: Engine) -> None:
+    tok = engine.tokenizer
+    prompt = tok.encode("ab") + [tok.think_start_id]
+    thinking = tok.encode("Hmm { no JSON here")
+    script = thinking + [tok.think_end_id] + tok.encode('\n\n{"a": 1}') + [2]
+    model = ScriptedJsonModel(script, len(prompt), engine.config.vocab_size)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    s = DecodeSettings(mode="ar", max_new_tokens=40, mask_token_id=5, eos_token_ids=(2,), think_start_id=3,
+                       think_end_id=4, structured=structured_spec(schema))
+    done = list(generate(model, prompt, s, tok, vocab_size=engine.config.vocab_size))[-1]
+    assert list(done.token_ids) == script
+    assert done.thinking == "Hmm { no JSON here" and json.loads(done.text) == {"a": 1}
+
+
 def test_before_and_after_use_the_tokenizer_s_own_tokens(engine: Engine) -> None:
     tok = engine.tokenizer
     start, end = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
@@ -191,6 +207,77 @@ def test_masks_along_a_draft_and_the_state_after(engine: Engine) -> None:
     assert bool(masks[-1][2]) and int(masks[-1].sum()) == 1  # after "true": only the end
     assert bool((c.allowed() == before).all())  # left as it was
     assert c.accepts(tok.encode("nope")) == 0
+
+
+class ScriptedJsonModel:
+    """A fake model whose row for absolute position p peaks at ``script[p - prompt_len]`` (logit ``margin``, or
+    ``low`` at the positions in ``unsure``): random weights never propose several grammar-valid tokens in one pass,
+    this does."""
+
+    def __init__(self, script: list[int], prompt_len: int, vocab: int, unsure: tuple[int, ...] = (),
+                 margin: float = 30.0, low: float = 0.5) -> None:
+        self.script, self.prompt_len, self.vocab = script, prompt_len, vocab
+        self.unsure, self.margin, self.low = unsure, margin, low
+
+    def new_cache(self, max_len: int) -> list[int]:
+        return []
+
+    def forward(self, ids: torch.Tensor, start_pos: int, cache: list[int], block_size: int | None = None,
+                write_cache: bool = True, last_only: bool = False, prefill: bool = False) -> torch.Tensor:
+        logits = torch.zeros(ids.shape[0], self.vocab)
+        for i in range(ids.shape[0]):
+            k = start_pos + i + 1 - self.prompt_len if block_size is None else start_pos + i - self.prompt_len
+            if 0 <= k < len(self.script):
+                logits[i, self.script[k]] = self.low if k in self.unsure else self.margin
+        if write_cache:
+            cache.extend(ids.tolist())
+        return logits[-1:] if last_only else logits
+
+
+def _scripted(engine: Engine, answer: str | list[int], schema: dict[str, Any], unsure: tuple[int, ...] = (),
+              n: int = 24) -> tuple[list[int], list[BlockStep], Finished]:
+    tok = engine.tokenizer
+    prompt = tok.encode("ab")  # inside the first block: its slots start at len(prompt)
+    script = (tok.encode(answer) if isinstance(answer, str) else answer) + [2]
+    model = ScriptedJsonModel(script, len(prompt), engine.config.vocab_size, unsure)
+    s = DecodeSettings(mode="diffusion", max_new_tokens=n, block_size=32, threshold=0.9, mask_token_id=5,
+                       eos_token_ids=(2,), structured=structured_spec(schema))
+    events = list(generate(model, prompt, s, tok, vocab_size=engine.config.vocab_size))
+    assert isinstance(events[-1], Finished)
+    return script, [e for e in events if isinstance(e, BlockStep)], events[-1]
+
+
+def test_diffusion_commits_the_whole_valid_left_prefix_in_one_pass(engine: Engine) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}
+    script, steps, done = _scripted(engine, '{"a": 7, "b": true}', schema)
+    assert len(steps) == 1 and sum(steps[0].committed_now) == len(script)  # every slot, the EOS too, at once
+    assert list(done.token_ids) == script and json.loads(done.text) == {"a": 7, "b": True}
+
+
+def test_diffusion_stops_at_the_first_slot_the_grammar_refuses(engine: Engine) -> None:
+    """``{"a": oops}``: the pass commits ``{"a": `` only; later passes write what the grammar allows."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    valid = engine.tokenizer.encode('{"a": ')
+    script, steps, done = _scripted(engine, valid + engine.tokenizer.encode("oops}"), schema)
+    first = [i for i, c in enumerate(steps[0].committed_now) if c]
+    assert len(first) == len(valid)
+    assert list(done.token_ids[: len(valid)]) == valid and done.stop_reason == "eos"
+    jsonschema.validate(json.loads(done.text), schema)
+    _left_prefix_steps(steps)
+
+
+def test_diffusion_stops_at_the_first_slot_the_threshold_leaves_open(engine: Engine) -> None:
+    """A slot the threshold rule leaves open stops the run even when the confident ones after it would be valid
+    without it (the string's next word)."""
+    tok = engine.tokenizer
+    head = tok.encode('{"s": "hello')
+    answer = head + tok.encode(" world") + tok.encode('"}')
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}}
+    script, steps, done = _scripted(engine, answer, schema, unsure=(len(head),))
+    assert [i for i, c in enumerate(steps[0].committed_now) if c] == list(range(2, 2 + len(head)))
+    assert list(done.token_ids) == script and json.loads(done.text) == {"s": "hello world"}
+    assert len(steps) == 2
 
 
 @pytest.mark.slow
