@@ -16,6 +16,7 @@ import pytest
 import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
+from clover_desk.cli import main as cli
 from engine.api import Engine
 from engine.decode import grammar
 from engine.decode.events import BlockStep, Finished, GenerationParams
@@ -306,3 +307,24 @@ def test_spec_equals_constrained_ar_over_random_schemas(engine: Engine) -> None:
         _, spec = _run(engine, schema, "spec", n=40, content=f"Spec case {case}.", temperature=0.0)
         assert spec.token_ids == ar.token_ids
         _check_answer(spec, schema)
+
+
+def test_generate_json_schema_flag(tiny_clover_dir, tmp_path, capsys) -> None:  # noqa: ANN001, F811
+    """``clover-desk generate --json-schema FILE`` (in-process): the answer validates; a file that is not JSON and a
+    schema that cannot be enforced are one line each, exit 2, before the model loads."""
+    schema = random_schema(random.Random(5))
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema), encoding="utf-8")
+    code = cli.main(["generate", "--model", str(tiny_clover_dir), "--prompt", "Answer in JSON.", "--mode", "ar",
+                     "--no-think", "--max-new-tokens", "96", "--json-schema", str(path), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    done = json.loads(out.splitlines()[-1])
+    assert done["event"] == "finished" and done["stop_reason"] == "eos"
+    jsonschema.validate(json.loads(done["text"]), schema)
+    for text, words in (("{nope", ("not JSON", "line 1")), ('{"type": "object", "not": {}}', ('"not"',))):
+        path.write_text(text, encoding="utf-8")
+        code = cli.main(["generate", "--model", str(tiny_clover_dir), "--prompt", "x", "--json-schema", str(path)])
+        out, err = capsys.readouterr()
+        assert code == 2 and err.count("\n") == 1 and f"--json-schema {path}" in err, err
+        assert all(w in err for w in words), err
