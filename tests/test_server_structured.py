@@ -105,6 +105,8 @@ def test_a_schema_the_engine_cannot_enforce_is_a_400_naming_the_field(server: An
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice.function.name"),
     ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
     ({"tool_choice": "required", "tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "continue_final_message": True,
+      "messages": [*ASK, {"role": "assistant", "content": "{"}]}, "continue_final_message"),
 ])
 def test_bad_structured_fields_name_the_field(extra: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as exc:

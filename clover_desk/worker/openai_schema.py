@@ -301,6 +301,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if add_prompt is False and not continue_final:
         raise _unsupported("add_generation_prompt", "false only with continue_final_message: true (a request "
                            "without either starts a new answer)")
+    if continue_final and structured is not None:
+        raise _unsupported("continue_final_message", "a continued answer cannot be held to a response_format "
+                           "schema or a forced tool_choice (the grammar would start again mid-answer)")
     if continue_final and messages[-1]["role"] != "assistant":
         raise _bad(f"messages[{len(messages) - 1}].role", '"assistant" with continue_final_message (the answer it '
                    'continues)', messages[-1]["role"])
