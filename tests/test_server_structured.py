@@ -1,6 +1,6 @@
 """Structured output through the HTTP server (``response_format``, ``tool_choice`` required / named) with the
 official ``openai`` client, on the tiny random checkpoint: random weights write JSON only because every token is
-masked by the grammar. ~25 s on the 2-core test machine (spec mode, marked slow, ~30 s more)."""
+masked by the grammar. ~20 s on the shared 2-core test machine (spec mode, marked slow, ~20-30 s more)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _create(server: Any, mode: str, **kwargs: Any) -> Any:
         model="x", temperature=0, max_tokens=64, extra_body={**NO_THINKING, "clover": {"mode": mode}}, **kwargs)
 
 
-@pytest.mark.parametrize("mode", ["ar", "diffusion", pytest.param("spec", marks=pytest.mark.slow)])  # spec: ~30 s
+@pytest.mark.parametrize("mode", ["ar", "diffusion", pytest.param("spec", marks=pytest.mark.slow)])  # spec: ~20-30 s
 def test_json_schema_answers_validate(server: Any, mode: str) -> None:
     answer = _create(server, mode, messages=ASK, response_format={
         "type": "json_schema", "json_schema": {"name": "result", "schema": SCHEMA, "strict": True}})
