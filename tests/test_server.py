@@ -625,7 +625,7 @@ def test_unknown_fields_are_ignored_and_listed(strict_server) -> None:  # noqa: 
     assert answer.clover["ignored_fields"] == ["frobnicate", "best_of"]
 
 
-_UNSUPPORTED = {"n", "logprobs", "response_format", "frequency_penalty", "tool_choice", "messages[0].content[0]"}
+_UNSUPPORTED = {"n", "logprobs", "response_format", "frequency_penalty", "messages[0].content[0]"}
 
 
 @pytest.mark.parametrize(("extra", "param"), [
@@ -662,7 +662,8 @@ _UNSUPPORTED = {"n", "logprobs", "response_format", "frequency_penalty", "tool_c
     ({"stop": ["ok", ""]}, "stop"),
     ({"stop": 5}, "stop"),
     ({"stop": ["x" * 257]}, "stop"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "tools": [WEATHER_TOOL], "tool_choice": "required"},
+     "response_format"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
 ])
 def test_bad_fields_are_a_400_naming_the_field(strict_server, extra: dict[str, Any], param: str) -> None:  # noqa: ANN001

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -24,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     add_local_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object per event per line")
+    parser.add_argument("--json-schema", metavar="FILE", default=None,
+                        help="structured output: the answer is JSON that this JSON schema (a UTF-8 file) accepts, "
+                             "every token masked by it (a local --model only)")
     add_decoding_arguments(parser)
 
 
@@ -202,6 +206,8 @@ def _run(args: argparse.Namespace) -> int:
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     prompt = _prompt_text(args)  # before the model is read: a bad prompt costs nothing
     params = params_from(args)
+    if args.json_schema is not None:
+        params = dataclasses.replace(params, structured=structured_from_file(args.json_schema))
     engine = load_engine(args, "generate")
     cancel = threading.Event()
     if prompt_ids is not None:
@@ -209,6 +215,29 @@ def _run(args: argparse.Namespace) -> int:
     else:
         events = engine.generate(prompt=prompt, raw=args.raw, params=params, cancel=cancel)
     return _print_events(events, args.json, cancel, to_dict, Finished, summary_line)
+
+
+def structured_from_file(path: str) -> str:
+    """``--json-schema FILE`` as the request's grammar (``GenerationParams.structured``); a PromptError naming the
+    flag, the file and what is wrong with it (not readable, not JSON, a schema the engine cannot enforce)."""
+    from engine.decode.grammar import schema_problem, structured_spec
+    from engine.decode.limits import decode_utf8
+    from engine.errors import PromptError
+
+    where = f"--json-schema {path}"
+    try:
+        with open(path, "rb") as f:
+            text = decode_utf8(f.read(1 << 20), where)
+    except OSError as exc:
+        raise PromptError(f"{where}: cannot read ({exc.strerror or exc})") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PromptError(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise PromptError(f"{where}: this JSON schema cannot be enforced: {problem}")
+    return structured_spec(schema)
 
 
 def check_ctx(args: argparse.Namespace) -> None:
@@ -270,7 +299,8 @@ def summary_line(done: Any) -> str:
 # the flags only a model loaded here uses, with the value that means "not given" (remote_backend refuses the others)
 LOCAL_ONLY = (("vram_gb", "--vram-gb", None), ("ctx", "--ctx", None), ("dtype", "--dtype", None),
               ("device", "--device", "cpu"))
-_GENERATE_LOCAL_ONLY = (("prompt_ids", "--prompt-ids", None), ("raw", "--raw", False), *LOCAL_ONLY)
+_GENERATE_LOCAL_ONLY = (("prompt_ids", "--prompt-ids", None), ("raw", "--raw", False), ("json_schema", "--json-schema", None),
+                        *LOCAL_ONLY)
 
 
 def remote_backend(args: argparse.Namespace, local_only: Sequence[tuple[str, str, Any]] = LOCAL_ONLY) -> Any:

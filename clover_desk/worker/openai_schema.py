@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.decode.events import Finished, GenerationParams
+from engine.decode.grammar import schema_problem, structured_spec
 from engine.decode.limits import GENERATION_LIMITS
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
@@ -234,9 +235,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise _unsupported("top_logprobs", "log probabilities are not reported")
     if body.get("logit_bias") not in (None, {}):
         raise _unsupported("logit_bias", "logit bias is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", 'only {"type": "text"} is supported')
     penalty = body.get("frequency_penalty")
     if penalty is not None and (not _is_number(penalty) or penalty != 0):
         raise _unsupported("frequency_penalty", "not supported: use presence_penalty or repetition_penalty")
@@ -270,10 +268,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = _messages(body.get("messages"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        if choice == "required" or isinstance(choice, dict):
-            raise _unsupported("tool_choice", "only 'auto' and 'none' are supported")
-        raise _bad("tool_choice", '"auto" or "none"', choice)
+    structured = structured_output(body.get("response_format"), choice, tools)
     if choice == "none":
         tools = None
 
@@ -306,18 +301,98 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if add_prompt is False and not continue_final:
         raise _unsupported("add_generation_prompt", "false only with continue_final_message: true (a request "
                            "without either starts a new answer)")
+    if continue_final and structured is not None:
+        raise _unsupported("continue_final_message", "a continued answer cannot be held to a response_format "
+                           "schema or a forced tool_choice (the grammar would start again mid-answer)")
     if continue_final and messages[-1]["role"] != "assistant":
         raise _bad(f"messages[{len(messages) - 1}].role", '"assistant" with continue_final_message (the answer it '
                    'continues)', messages[-1]["role"])
 
     mode, block_size, threshold = _clover(body)
     params = GenerationParams(max_new_tokens=max_tokens, block_size=block_size, threshold=threshold,
-                              enable_thinking=enable_thinking, **sampling)
+                              enable_thinking=enable_thinking, structured=structured, **sampling)
     return ChatRequest(
         messages=messages, tools=tools, params=params, mode=mode, stream=stream, include_usage=include_usage,
         ignored_fields=tuple(ignored), continue_final=bool(continue_final), stop=stop,
         cache_salt=_cache_salt(body.get("cache_salt")),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# structured output: response_format and a forced tool call, as the engine's grammar (engine.decode.grammar)
+
+
+def _enforceable(schema: Any, param: str) -> dict[str, Any]:
+    """``schema`` when the engine can enforce it, else a 400 naming ``param`` and what it cannot do."""
+    if not isinstance(schema, dict):
+        raise _bad(param, "a JSON schema object", schema)
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise ApiError(400, f"{param}: this JSON schema cannot be enforced: {problem}", param=param,
+                       code="unsupported_schema")
+    return schema
+
+
+def _response_schema(fmt: Any) -> dict[str, Any] | None:
+    """The JSON schema a ``response_format`` asks for (``json_object``: any object), or None for free text."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise _bad("response_format", '{"type": "text" | "json_object" | "json_schema", ...}', fmt)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _bad("response_format.json_schema", 'an object with a "name" and a "schema"', spec)
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _bad("response_format.json_schema.strict", "true, false or null", spec["strict"])
+    # strict or not, the answer follows the schema: the engine masks every token by it
+    return _enforceable(spec.get("schema", {}), "response_format.json_schema.schema")
+
+
+def _call_schema(tools: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """The schema of one ``{"name": ..., "arguments": ...}`` call of one of the tools named ``names``."""
+    options = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if fn["name"] not in names:
+            continue
+        arguments = fn.get("parameters") or {"type": "object"}
+        _enforceable(arguments, f"tools[{i}].function.parameters")
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": arguments},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def structured_output(fmt: Any, choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
+    """The engine's grammar (``GenerationParams.structured``) for a chat request's ``response_format`` and
+    ``tool_choice``, or None for free text. ``tool_choice`` "required" or ``{"type": "function", "function":
+    {"name"}}``: the answer is one tool call (of any of the tools, or of that one) whose arguments follow the
+    tool's ``parameters``, in the model's ``<tool_call>`` form; "auto" and "none" change nothing here."""
+    schema = _response_schema(fmt)
+    if choice in (None, "auto", "none"):
+        return None if schema is None else structured_spec(schema)
+    if choice == "required":
+        names = [t["function"]["name"] for t in tools or []]
+    elif isinstance(choice, dict) and choice.get("type", "function") == "function" and isinstance(
+            choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+        names = [choice["function"]["name"]]
+    else:
+        raise _bad("tool_choice", '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+                   choice)
+    if not tools:
+        raise _bad("tool_choice", "auto or none when the request has no tools", choice)
+    known = [t["function"]["name"] for t in tools]
+    if names[0] not in known:
+        raise _bad("tool_choice.function.name", f"the name of one of the request's tools ({', '.join(known)})",
+                   names[0])
+    if schema is not None:
+        raise _unsupported("response_format", "a JSON response_format cannot go with tool_choice "
+                           f"{json.dumps(choice)}: the answer is then a tool call")
+    return structured_spec(_call_schema(tools, names), before=TOOL_CALL_START + "\n", after="\n" + TOOL_CALL_END)
 
 
 def _cache_salt(value: Any) -> str | None:
@@ -423,6 +498,8 @@ def parse_completion_request(body: Any) -> ChatRequest:
         raise _unsupported("echo", "the prompt is not echoed back")
     if body.get("suffix") not in (None, ""):
         raise _unsupported("suffix", "fill-in-the-middle (a suffix) is not supported")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise _unsupported("response_format", "structured output is for /v1/chat/completions")
     ignored = [name for name in body if name not in _COMPLETION_FIELDS and name not in _NO_EFFECT_FIELDS]
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise _bad("model", "a string", body["model"])

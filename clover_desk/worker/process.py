@@ -297,6 +297,7 @@ PARAM_FIELDS: dict[str, tuple[Check, str]] = {
     "enable_thinking": (_is_bool, "true or false"),
     "seed": _limited("seed"),
     "continue_final_message": (_is_bool, "true or false"),
+    "structured": (_nullable(lambda v: isinstance(v, str)), "a structured output spec (JSON text) or null"),
 }
 GENERATE_FIELDS = ("cmd", "id", "messages", "prompt", "prompt_ids", "raw", "tools", "params")
 PLAN_BUDGETS: dict[str, tuple[Check, str]] = {

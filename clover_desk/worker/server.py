@@ -17,7 +17,12 @@ What a request may hold, and what the server does with it:
   ``tool_calls`` and ``reasoning_content`` and the ``tool`` messages go back through the model's chat template.
 * tools (``type: function``) are written into the prompt in the Qwen format; a ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>`` the model writes comes back as OpenAI ``tool_calls`` (finish_reason
-  ``tool_calls``). ``tool_choice``: ``auto`` (default) or ``none`` (tools left out of the prompt, nothing parsed).
+  ``tool_calls``). ``tool_choice``: ``auto`` (default), ``none`` (tools left out of the prompt, nothing parsed),
+  ``required`` or ``{"type": "function", "function": {"name"}}`` (the answer is one such call, its arguments held
+  to the tool's ``parameters`` by the engine's grammar).
+* ``response_format``: ``text``, ``json_object`` or ``json_schema`` (the answer is JSON the schema accepts: every
+  token is masked by a grammar, engine/decode/grammar.py; a schema it cannot enforce is a 400 naming the field;
+  docs/SERVER.md "Structured output").
 * ``chat_template_kwargs.enable_thinking`` (default true) per request; the model's ``<think>...</think>`` comes
   back as ``reasoning_content``, apart from ``content``.
 * ``continue_final_message: true`` (vLLM's field; ``add_generation_prompt`` false or left out): the last message is
@@ -37,8 +42,8 @@ Decisions:
 
 * Unknown top-level fields are ignored, never silently: they are listed in ``clover.ignored_fields`` of the answer
   (clients and SDKs add vendor fields freely, and refusing them would break them). Known OpenAI fields asking for
-  something the engine cannot do (``n`` > 1, ``logprobs``, ``logit_bias``, a JSON ``response_format``,
-  non-zero ``frequency_penalty``, ``tool_choice: required``, legacy ``functions``) are refused with 400, as is an
+  something the engine cannot do (``n`` > 1, ``logprobs``, ``logit_bias``, a JSON schema it cannot enforce,
+  non-zero ``frequency_penalty``, legacy ``functions``) are refused with 400, as is an
   unknown key inside ``clover`` (our own namespace: a typo there is an error). The ``model`` field may name
   anything: the server has one model, and answers with its id.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON and

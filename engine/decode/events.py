@@ -31,6 +31,9 @@ class GenerationParams:
     # Go on with the last message (an assistant answer cut short) instead of starting a new answer; only with
     # ``messages`` (engine.decode.tokenizer.CloverTokenizer.continuation_prompt). vLLM's request field of the same name.
     continue_final_message: bool = False
+    # Structured output: the answer must follow a grammar (a JSON text made by
+    # engine.decode.grammar.structured_spec: before, one JSON value a schema accepts, after). None: free text.
+    structured: str | None = None
 
 
 # The stages of a compiled load after its weights are read (``Engine.load(compile=True)``): one short generation per

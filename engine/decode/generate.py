@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from engine.decode import decoding
+from engine.decode import decoding, grammar
 from engine.decode.events import (
     BlockCommitted,
     BlockStep,
@@ -118,6 +118,8 @@ class DecodeSettings:
     max_positions: int = 131_072
     # read the prompt (into the prompt cache) and stop: Finished with stop_reason "prefilled" (Engine.read_chat)
     prefill_only: bool = False
+    # the answer's grammar (GenerationParams.structured, engine.decode.grammar); None: free text
+    structured: str | None = None
 
 
 def resolve_settings(
@@ -192,6 +194,7 @@ def resolve_settings(
         think_end_bias_window=defaults.dllm_think_end_bias_window,
         shift_logits=config.shift_logits,
         max_positions=config.max_position_embeddings,
+        structured=params.structured,
     )
 
 
@@ -394,6 +397,20 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None, written: in
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
 
 
+def _constraint_for(s: DecodeSettings, tokenizer: Any, vocab_size: int | None,
+                    prompt: Sequence[int]) -> grammar.Constraint | None:
+    """The request's grammar (``s.structured``), or None for free text; PromptError when it cannot be enforced.
+    A prompt that leaves a thinking section open gets free thinking before the constrained answer."""
+    if s.structured is None:
+        return None
+    vocab = vocab_size if vocab_size is not None else getattr(tokenizer, "vocab_size", None)
+    if vocab is None:
+        raise PromptError("structured output needs the vocabulary size")
+    thinking = thinking_open_after(prompt, s.think_start_id, s.think_end_id)
+    return grammar.COMPILER.constraint(s.structured, tokenizer, int(vocab), [i for i in s.eos_token_ids if i < vocab],
+                                       s.think_end_id if thinking else None)
+
+
 def _output_seen(prompt: list[int], written: int, vocab: int, device: torch.device) -> Tensor:
     """[V] the tokens already output: the prompt's last ``written`` (a continued answer's), for the presence
     penalty."""
@@ -491,7 +508,9 @@ def generate_ar(
         )
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache)
+    constraint = _constraint_for(s, tokenizer, vocab_size, prompt)
+    return _ar_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache,
+                    constraint)
 
 
 def _ar_loop(
@@ -505,6 +524,7 @@ def _ar_loop(
     hooks: LoopHooks | None = None,
     written: int = 0,
     prompt_cache: PromptCache | ScopedPromptCache | None = None,
+    constraint: grammar.Constraint | None = None,
 ) -> Iterator[Event]:
     P = len(prompt)
     device = _device_of(model)
@@ -550,10 +570,14 @@ def _ar_loop(
     reason = limit_reason
     while True:
         row = _penalize(logits[-1:].float(), s, rep_seen, out_seen)  # [1, V]
+        if constraint is not None:  # structured output: only what the grammar takes next
+            row = constraint.mask(row)
         token, _ = decoding.propose(
             row, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen
         )
         tok = int(token[0])
+        if constraint is not None:
+            constraint.advance([tok])
         generated.append(tok)
         rep_seen[tok] = True
         out_seen[tok] = True
@@ -610,7 +634,9 @@ def generate_diffusion(
     room = (s.max_positions // B) * B - P  # generated slots that fit in whole blocks
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache)
+    constraint = _constraint_for(s, tokenizer, vocab_size, prompt)
+    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache,
+                           constraint)
 
 
 def _diffusion_loop(
@@ -624,6 +650,7 @@ def _diffusion_loop(
     hooks: LoopHooks | None = None,
     written: int = 0,
     prompt_cache: PromptCache | ScopedPromptCache | None = None,
+    constraint: grammar.Constraint | None = None,
 ) -> Iterator[Event]:
     B, P, mask_id = s.block_size, len(prompt), int(s.mask_token_id)  # type: ignore[arg-type]
     n_full = (P // B) * B
@@ -701,7 +728,7 @@ def _diffusion_loop(
                 out_seen = _output_seen(prompt, written, vocab, device)
             x, conf, shown, commit = denoise_policy(
                 logits, x, conf, s, start=start, seen=(rep_seen, out_seen),  # type: ignore[arg-type]
-                n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen,
+                n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen, constraint=constraint,
             )
             # The one device-to-host read of the pass: tokens, confidences and commits in one copy (ids are exact
             # in float32 up to 2**24, far past any vocabulary)
@@ -778,12 +805,72 @@ def denoise_policy(
     n_at_entry: int,
     thinking_at_entry: bool,
     generator: torch.Generator | None = None,
+    constraint: grammar.Constraint | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One denoising pass's policy, on the device with no host read: penalties (the prompt and output so far in
     ``seen`` = (repetition, presence) [V] masks, plus this block's committed slots), the length and think-end
     biases, the proposal and the commit rule. logits [B, V] (already shifted), x [B] slot tokens (masks where
     open), conf [B] the confidence each slot was committed with. Returns (x, conf, shown, commit): the block after
-    this pass, the confidences, what the view shows (still-masked slots: this pass's confidence), the commits."""
+    this pass, the confidences, what the view shows (still-masked slots: this pass's confidence), the commits.
+
+    With a ``constraint`` (structured output) only a grammar-valid left prefix commits: :func:`_grammar_commit`."""
+    if constraint is not None:
+        return _grammar_commit(logits, x, conf, s, constraint, start=start, seen=seen, n_at_entry=n_at_entry,
+                               thinking_at_entry=thinking_at_entry, generator=generator)
+    proposal, p, useful = _proposals(logits, x, s, start=start, seen=seen, n_at_entry=n_at_entry,
+                                     thinking_at_entry=thinking_at_entry, generator=generator)
+    masked = x == int(s.mask_token_id)  # type: ignore[arg-type]
+    commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
+    x = torch.where(commit, proposal, x)
+    conf = torch.where(commit, p, conf)
+    shown = torch.where(masked & ~commit, p, conf)
+    return x, conf, shown, commit
+
+
+def _grammar_commit(
+    logits: Tensor, x: Tensor, conf: Tensor, s: DecodeSettings, constraint: grammar.Constraint, *, start: int,
+    seen: tuple[Tensor, Tensor], n_at_entry: int, thinking_at_entry: bool, generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`denoise_policy` under a grammar. The committed slots of a block are always a left prefix (the
+    grammar state is the output so far plus that prefix). The leftmost open slot's logits are masked by the
+    grammar and it commits every pass (so each pass commits at least one token); after it, the slots the threshold
+    rule would commit commit too while they follow one another without a gap and the grammar takes each after the
+    ones to its left; the first that does not, and every slot right of it, stay open. Reads the proposals to the
+    host (the grammar runs there)."""
+    mask_id = int(s.mask_token_id)  # type: ignore[arg-type]
+    open_slots = (x == mask_id).tolist()
+    first = next((i for i in range(start, len(open_slots)) if open_slots[i]), None)
+    if first is None:  # nothing open: nothing commits
+        none = torch.zeros_like(x, dtype=torch.bool)
+        return x, conf, conf, none
+    logits = logits.clone()
+    logits[first] = constraint.mask(logits[first])
+    proposal, p, useful = _proposals(logits, x, s, start=start, seen=seen, n_at_entry=n_at_entry,
+                                     thinking_at_entry=thinking_at_entry, generator=generator)
+    wanted = decoding.threshold_commit(p, useful, s.threshold).tolist()
+    tokens = proposal.tolist()
+    run = [tokens[first]]
+    for i in range(first + 1, len(tokens)):
+        if not (open_slots[i] and wanted[i]):
+            break
+        run.append(tokens[i])
+    n = max(1, constraint.accepts(run))  # the first slot's token is the grammar's by its mask
+    constraint.advance(run[:n])
+    commit = torch.zeros_like(x, dtype=torch.bool)
+    commit[first:first + n] = True
+    masked = x == mask_id
+    x = torch.where(commit, proposal, x)
+    conf = torch.where(commit, p, conf)
+    shown = torch.where(masked & ~commit, p, conf)
+    return x, conf, shown, commit
+
+
+def _proposals(
+    logits: Tensor, x: Tensor, s: DecodeSettings, *, start: int, seen: tuple[Tensor, Tensor], n_at_entry: int,
+    thinking_at_entry: bool, generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A denoising pass's proposals before the commit rule: (proposal [B], its probability [B], the slots that
+    compete to commit [B] bool)."""
     mask_id = int(s.mask_token_id)  # type: ignore[arg-type]
     rep_seen, out_seen = seen
     masked = x == mask_id  # [B]
@@ -807,11 +894,7 @@ def denoise_policy(
     # same passes and only stops sooner, so its output is a prefix of a longer budget's ("max_tokens only cuts").
     slot_index = torch.arange(x.shape[0], device=x.device)
     useful = masked & (slot_index < decoding.output_limit(x, start, x.shape[0], s.eos_token_ids))  # [B]
-    commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
-    x = torch.where(commit, proposal, x)
-    conf = torch.where(commit, p, conf)
-    shown = torch.where(masked & ~commit, p, conf)
-    return x, conf, shown, commit
+    return proposal, p, useful
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -878,8 +961,9 @@ def generate_spec(
     room = (s.max_positions // B) * B - P  # a verify pass writes a whole block
     max_new = min(s.max_new_tokens, room)
     limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
+    constraint = _constraint_for(s, tokenizer, vocab_size, prompt)
     return _SpecLoop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache,
-                     drafter).run()
+                     drafter, constraint).run()
 
 
 def greedy_rows(rows: Tensor, drafted: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Tensor) -> Tensor:
@@ -912,9 +996,10 @@ class _SpecLoop:
     def __init__(
         self, model: DecodingModel, prompt: list[int], s: DecodeSettings, tokenizer: TextDecoder | None,
         cancel: threading.Event | None, max_new: int, limit_reason: str, hooks: LoopHooks | None, written: int,
-        prompt_cache: PromptCache | None, drafter: Drafter | None,
+        prompt_cache: PromptCache | None, drafter: Drafter | None, constraint: grammar.Constraint | None = None,
     ) -> None:
         self.model, self.prompt, self.s, self.cancel = model, prompt, s, cancel
+        self.constraint = constraint  # structured output: AR greedy under the grammar (drafts stay free)
         self.max_new, self.limit_reason, self.hooks, self.written = max_new, limit_reason, hooks, written
         self.prompt_cache = PromptCache.for_model(prompt_cache, model)
         self.drafter = drafter
@@ -949,6 +1034,8 @@ class _SpecLoop:
     def _greedy(self, row: Tensor) -> int:
         """AR greedy's token after everything committed, from its causal row [V]."""
         rep, out = self._seen(row.shape[-1])
+        if self.constraint is not None:
+            row = self.constraint.mask(row)
         return int(greedy_rows(row.view(1, -1), row.new_zeros(0, dtype=torch.long), self.s, rep, out)[0])
 
     def _commit(self, tokens: list[int]) -> tuple[list[int], str | None]:
@@ -964,6 +1051,8 @@ class _SpecLoop:
                 reason = self.limit_reason
                 break
         self.generated.extend(out)
+        if self.constraint is not None:
+            self.constraint.advance(out)
         if out and self.rep_seen is not None and self.out_seen is not None:
             ids = torch.tensor(out, dtype=torch.long, device=self.device)
             self.rep_seen[ids] = True
@@ -1136,7 +1225,12 @@ class _SpecLoop:
         counts = self.counts
         counts["verify_passes"] += 1
         rep, out = self._seen(rows.shape[-1])
-        target = greedy_rows(rows[a - 1:], ids[a:], self.s, rep, out).tolist()  # [B - a + 1]: slots a..B
+        checked = rows[a - 1:]  # [B - a + 1, V]: the rows that give slots a..B
+        if self.constraint is not None:  # each row masked by the grammar after the drafts before it
+            masks = self.constraint.masks_along(tokens[a:], checked.device)
+            checked = checked.clone()
+            checked[: len(masks)] = checked[: len(masks)].masked_fill(~torch.stack(masks), float("-inf"))
+        target = greedy_rows(checked, ids[a:], self.s, rep, out).tolist()  # [B - a + 1]: slots a..B
         k = a
         ended = False  # an accepted EOS: the output ends there, nothing after it is verified or rolled back
         while k < B and tokens[k] == target[k - a] and not ended:

@@ -116,6 +116,15 @@ class CloverTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def backend_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what llguidance builds its token tables from:
+        :mod:`engine.decode.grammar`)."""
+        return str(self._tok.to_str())
+
+    def added_tokens(self) -> dict[str, int]:
+        """The added tokens (special or not) by their text: ``{"<|im_end|>": id, "<tool_call>": id, ...}``."""
+        return {str(t.content): int(i) for i, t in self._tok.get_added_tokens_decoder().items()}
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` as written (special tokens in the text are recognised, nothing is added); text that
         cannot be UTF-8 (a lone surrogate) is a PromptError."""
