@@ -302,9 +302,10 @@ class ChatService:
                 raise ApiError(503, "the model was unloaded while the request waited; try again once it has loaded",
                                type="server_error", code="model_loading")
             try:
+                asked = {} if prepared.request.logprobs is None else {"logprobs": prepared.request.logprobs}
                 events = prepared.engine.generate(prompt_ids=prepared.prompt_ids, params=prepared.params,
                                                   cancel=cancel, written=prepared.written,
-                                                  cache_scope=prepared.scope)
+                                                  cache_scope=prepared.scope, **asked)
             except PromptError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
             yield from events
