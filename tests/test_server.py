@@ -19,6 +19,7 @@ from server_fixtures import (  # noqa: F401 - fixtures
     NO_THINKING,
     TOOL_JSON,
     WEATHER_TOOL,
+    assembled_tool_calls,
     chat_model,
     chat_server,
     client,
@@ -313,9 +314,9 @@ def test_tool_call_streamed_and_with_reasoning(tools_server) -> None:  # noqa: A
     c = client(tools_server)
     chunks = list(c.chat.completions.create(model="clover", messages=HI, tools=[WEATHER_TOOL], stream=True,
                                             extra_body=NO_THINKING))
-    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
-    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    calls = assembled_tool_calls(chunks)
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
+    assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
     assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
 

@@ -24,6 +24,7 @@ from clover_desk.worker.openai_schema import (
     finish_reason,
     usage_of,
 )
+from clover_desk.worker.tool_stream import StreamingAnswerParser
 from engine.decode.events import BlockCommitted, Finished, TextDelta, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class Answer:
         completion = prepared.request.completion
         raw = RawText(*prepared.markers)
         continued = prepared.request.continued
-        parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
+        parser = StreamingAnswerParser(prepared.request.parse_tool_calls, continued == "content")
         reasoning = _Trimmed(continued == "reasoning")
         scanner = StopScanner(prepared.request.stop)
         calls = 0
@@ -260,7 +261,10 @@ class Answer:
             for kind, value in items:
                 if kind == "content":
                     out.sse(self._chunk({"content": value}, logprobs=pending()))
-                else:
+                elif kind == "tool_call_arguments":  # a piece of the arguments of the call begun last
+                    out.sse(self._chunk({"tool_calls": [{"index": calls - 1, "function": {"arguments": value}}]},
+                                        logprobs=pending()))
+                else:  # a call whole, or a call's first delta ("tool_call_begin")
                     out.sse(self._chunk({"tool_calls": [{"index": calls, **value}]}, logprobs=pending()))
                     calls += 1
 
