@@ -19,7 +19,7 @@ from server_fixtures import (  # noqa: F401 - fixtures
 )
 from test_server import HI, _error_of, _raw, _template
 
-from engine.decode.events import GenerationParams, TokenLogprobs
+from engine.decode.events import Finished, GenerationParams, TokenLogprobs
 
 MODES = ["diffusion", "ar", "spec"]
 
@@ -162,3 +162,29 @@ def test_bad_logprobs_fields_are_a_400_naming_the_field(chat_server, path: str, 
     error = _error_of(raw)
     assert (status, error["param"], error["code"]) == (400, param, "invalid_value"), error
     assert param in error["message"]
+
+
+def test_spec_mode_reports_its_verify_figures(chat_server) -> None:  # noqa: ANN001
+    """The ``clover`` object of a spec answer (plain and streamed): accepted tokens per verify pass, forwards per
+    token and the counts, as the engine's Finished has them; the other modes do not carry them."""
+    c = client(chat_server)
+    engine = chat_server.service.engine
+    ids, _ = engine.encode_request(messages=HI)
+    done = [e for e in engine.generate(prompt_ids=ids, params=GenerationParams(mode="spec", temperature=0.0))
+            if isinstance(e, Finished)][0]
+    assert done.verify_passes > 0 and done.accepted_per_verify > 0
+    plain = c.chat.completions.create(model="x", messages=HI, extra_body={"clover": {"mode": "spec"}})
+    chunks = list(c.chat.completions.create(model="x", messages=HI, stream=True,
+                                            extra_body={"clover": {"mode": "spec"}}))
+    streamed = [ch.clover for ch in chunks if getattr(ch, "clover", None)]
+    for extras in (plain.clover, streamed[-1]):
+        assert extras["mode"] == "spec"
+        assert extras["verify_passes"] == done.verify_passes == done.spec["verify_passes"]
+        assert extras["accepted_per_verify"] == pytest.approx(done.spec["accepted"] / done.spec["verify_passes"],
+                                                              abs=1e-4)
+        assert extras["forwards_per_token"] == pytest.approx(extras["passes"] / plain.usage.completion_tokens,
+                                                             abs=1e-4)
+        assert extras["spec"] == done.spec
+    for mode in ("ar", "diffusion"):
+        other = c.chat.completions.create(model="x", messages=HI, extra_body={"clover": {"mode": mode}})
+        assert "accepted_per_verify" not in other.clover and "verify_passes" not in other.clover

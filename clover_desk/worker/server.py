@@ -334,10 +334,19 @@ class ChatService:
             "time_to_first_token_s": None if done.time_to_first_token_s is None else round(done.time_to_first_token_s, 4),
             "stop_reason": "stop_sequence" if stopped is not None else done.stop_reason,
             **({"stop_sequence": stopped} if stopped is not None else {}),
+            **(spec_extras(done) if params.mode == "spec" else {}),
             "ignored_fields": list(prepared.request.ignored_fields),
         }
 
 
+
+
+def spec_extras(done: Finished) -> dict[str, Any]:
+    """What spec mode adds to the ``clover`` object: its causal verify passes, the drafted tokens each accepted on
+    average (the verifier's own token, which every verify pass adds too, not counted), the model forwards per
+    token written, and the engine's counts (``Finished.spec``)."""
+    return {"verify_passes": done.verify_passes, "accepted_per_verify": round(done.accepted_per_verify, 4),
+            "forwards_per_token": round(done.forwards_per_token, 4), "spec": dict(done.spec)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
