@@ -18,6 +18,11 @@ What a request may hold, and what the server does with it:
 * tools (``type: function``) are written into the prompt in the Qwen format; a ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>`` the model writes comes back as OpenAI ``tool_calls`` (finish_reason
   ``tool_calls``). ``tool_choice``: ``auto`` (default) or ``none`` (tools left out of the prompt, nothing parsed).
+  Streamed, a call's name goes out as soon as it is written and its arguments in pieces after it
+  (:mod:`clover_desk.worker.tool_stream`).
+* ``logprobs`` (chat: true, with ``top_logprobs`` 0-20; completions: 0-5): each token's log probability under the
+  model's own distribution (raw logits) and its best alternatives, in OpenAI's shapes, streamed per chunk too
+  (:mod:`clover_desk.worker.logprobs`; which row per mode: docs/SERVER.md).
 * ``chat_template_kwargs.enable_thinking`` (default true) per request; the model's ``<think>...</think>`` comes
   back as ``reasoning_content``, apart from ``content``.
 * ``continue_final_message: true`` (vLLM's field; ``add_generation_prompt`` false or left out): the last message is
@@ -31,13 +36,14 @@ What a request may hold, and what the server does with it:
 * every answer carries ``usage`` (prompt, completion, total tokens, and ``prompt_tokens_details.cached_tokens``: the
   prompt's first tokens the engine had read already, a chat's earlier turns; streaming: with
   ``stream_options.include_usage`` as OpenAI does) and a ``"clover"`` object: mode, passes, tokens per pass, block
-  size, timings, stop reason and ``ignored_fields``.
+  size, timings, stop reason and ``ignored_fields``; in spec mode also ``verify_passes``, ``accepted_per_verify``,
+  ``forwards_per_token`` and ``spec`` (the engine's counts).
 
 Decisions:
 
 * Unknown top-level fields are ignored, never silently: they are listed in ``clover.ignored_fields`` of the answer
   (clients and SDKs add vendor fields freely, and refusing them would break them). Known OpenAI fields asking for
-  something the engine cannot do (``n`` > 1, ``logprobs``, ``logit_bias``, a JSON ``response_format``,
+  something the engine cannot do (``n`` > 1, ``logit_bias``, a JSON ``response_format``,
   non-zero ``frequency_penalty``, ``tool_choice: required``, legacy ``functions``) are refused with 400, as is an
   unknown key inside ``clover`` (our own namespace: a typo there is an error). The ``model`` field may name
   anything: the server has one model, and answers with its id.
