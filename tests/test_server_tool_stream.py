@@ -149,3 +149,19 @@ def test_streamed_call_after_reasoning(pieces_server) -> None:  # noqa: ANN001
     assert "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices) == "Need it"
     (streamed,) = assembled_tool_calls(chunks)
     assert streamed["arguments"] == ARGUMENTS and streamed["pieces"] >= 4
+
+
+def test_a_stream_cut_short_inside_a_call_ends_with_length(pieces_server) -> None:  # noqa: ANN001
+    """max_tokens ends the answer inside the call: the plain answer gives its text as content, the stream has sent
+    the call's first pieces; both say "length", not "tool_calls"."""
+    c = client(pieces_server)
+    body = {"model": "x", "messages": QUESTION, "tools": [WEATHER_TOOL], "max_tokens": 4,
+            "extra_body": {**NO_THINKING, "clover": {"mode": "ar"}}}  # <tool_call> and 3 pieces
+    plain = c.chat.completions.create(**body)
+    assert plain.choices[0].finish_reason == "length" and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content == "<tool_call>" + "".join(PIECES[:3]).rstrip()
+    chunks = list(c.chat.completions.create(stream=True, **body))
+    (streamed,) = assembled_tool_calls(chunks)
+    assert streamed["name"] == "get_weather" and ARGUMENTS.startswith(streamed["arguments"])
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == ["length"]

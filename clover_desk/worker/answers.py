@@ -309,7 +309,8 @@ class Answer:
                     out.sse(self._chunk({"text": rest}, logprobs=pending()))
             else:
                 send_items(parser.feed(rest) + parser.finish())
-            out.sse(self._chunk({}, finish_reason(done, calls, stopped), logprobs=pending(),
+            closed = 0 if parser.unfinished else calls  # a call cut short: the answer did not end on its calls
+            out.sse(self._chunk({}, finish_reason(done, closed, stopped), logprobs=pending(),
                                 clover=service.extras(prepared, done, blocks, stopped)))
             if prepared.request.include_usage:
                 out.sse({"id": prepared.id, "object": "text_completion" if completion else "chat.completion.chunk",

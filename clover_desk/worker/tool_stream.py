@@ -8,7 +8,8 @@ piece.
 A call written otherwise (``arguments`` before ``name``, or not an object or a JSON string) is held and released
 whole at ``</tool_call>``, as :class:`~clover_desk.worker.openai_schema.AnswerParser` does. Once a call's name went
 out it stays a call: if its text then turns out not to be one (malformed JSON, never closed), the pieces sent stand
-and the server logs a warning; the plain answer would hold that text as content instead.
+and the server logs a warning; the plain answer would hold that text as content instead. A stream cut short inside
+such a call (``max_tokens``) ends with the finish_reason the plain answer has (``length``), not ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ class StreamingAnswerParser(AnswerParser):
     def __init__(self, parse_tools: bool, keep_leading: bool = False) -> None:
         super().__init__(parse_tools, keep_leading)
         self._call: _CallStream | None = None
+        self.unfinished = False  # a call began going out and never closed (the answer was cut short in it)
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         if not self.parse_tools:
@@ -262,7 +264,7 @@ class StreamingAnswerParser(AnswerParser):
     def finish(self) -> list[tuple[str, Any]]:
         if self._in_call and self._call is not None and self._call.started:
             log.warning("a streamed tool call never closed; its pieces were sent as they came")
-            self._buf, self._in_call, self._call = "", False, None
+            self._buf, self._in_call, self._call, self.unfinished = "", False, None, True
             return []
         self._call = None
         return super().finish()
