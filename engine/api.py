@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 # the prompt cache scope of this process's own chats (the window's, the CLI's); the HTTP server's clients have their own
 LOCAL_SCOPE = "local"
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 
 # What a compiled load runs before it returns (Engine.warm_up): AR decoding of a few tokens (the prefill, the first
 # steps, and a step in the steady stance of engine.kernels.fastpath.steady_state), then two diffusion blocks after a prompt
@@ -442,13 +443,16 @@ class Engine:
         *,
         prefill_only: bool = False,
         cache_scope: str = LOCAL_SCOPE,
+        logprobs: int | None = None,
     ) -> Iterator[Event]:
         """Check the request now (PromptError), then return the event iterator (PromptInfo ... Finished).
         ``written``: with ``prompt_ids``, how many of its last ids are the model's answer so far (what
         :meth:`encode_request` says of a continued answer; ``messages`` with ``continue_final_message`` count
         their own). ``prefill_only``: :meth:`read_chat`. ``cache_scope``: whose prompt cache entries the request
         may go on from (:meth:`engine.decode.prompt_cache.PromptCache.scoped`; the HTTP server gives each client
-        its own, the window's and the CLI's chats are :data:`LOCAL_SCOPE`)."""
+        its own, the window's and the CLI's chats are :data:`LOCAL_SCOPE`). ``logprobs``: None (nothing computed), or
+        send a :class:`~engine.decode.events.TokenLogprobs` before each commit's text, with that many alternatives
+        (0 to :data:`MAX_TOP_LOGPROBS`) per token."""
         params = params or GenerationParams()
         check_generation_params(params)  # the ranges the CLI's flags and the worker check too (engine.decode.limits)
         if self.ar_only and params.mode in ("diffusion", "spec"):
@@ -460,6 +464,11 @@ class Engine:
         settings = resolve_settings(params, self.generation_defaults, self.config, self.tokenizer)
         if prefill_only:
             settings = dataclasses.replace(settings, prefill_only=True)
+        if logprobs is not None:
+            if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise PromptError(f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS} (alternatives per "
+                                  f"token), got {logprobs!r}")
+            settings = dataclasses.replace(settings, logprobs=logprobs)
         if self.ctx_limit:
             settings = dataclasses.replace(settings, max_positions=min(settings.max_positions, self.ctx_limit))
         return generate(

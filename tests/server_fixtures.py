@@ -127,3 +127,26 @@ def served(*args: str, preexec_fn: Callable[[], None] | None = None) -> Iterator
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def assembled_tool_calls(chunks: list[Any]) -> list[dict[str, Any]]:
+    """The tool calls of a streamed chat answer (the openai client's chunks), put together as a client does: by
+    index, the first delta's id, type and name, the arguments' pieces joined; ``pieces`` counts each call's deltas
+    that carried arguments text."""
+    calls: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            call = calls.setdefault(delta.index, {"index": delta.index, "id": None, "type": None, "name": None,
+                                                  "arguments": "", "pieces": 0})
+            for key in ("id", "type"):
+                if getattr(delta, key):
+                    assert call[key] is None, f"a second {key} for call {delta.index}"
+                    call[key] = getattr(delta, key)
+            if delta.function is not None:
+                if delta.function.name:
+                    assert call["name"] is None, f"a second name for call {delta.index}"
+                    call["name"] = delta.function.name
+                if delta.function.arguments:
+                    call["arguments"] += delta.function.arguments
+                    call["pieces"] += 1
+    return [calls[i] for i in sorted(calls)]

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from clover_desk.worker.logprobs import LogprobTrack
 from clover_desk.worker.openai_schema import (
     AnswerParser,
     ApiError,
@@ -23,7 +24,8 @@ from clover_desk.worker.openai_schema import (
     finish_reason,
     usage_of,
 )
-from engine.decode.events import BlockCommitted, Finished, TextDelta
+from clover_desk.worker.tool_stream import StreamingAnswerParser
+from engine.decode.events import BlockCommitted, Finished, TextDelta, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,13 @@ class Answer:
             return None
         return done
 
+    def _track(self) -> LogprobTrack | None:
+        """Where the answer's log probabilities gather, when the request asked for them."""
+        prepared = self.prepared
+        if prepared.request.logprobs is None:
+            return None
+        return LogprobTrack(prepared.engine.tokenizer, prepared.request.completion)
+
     def _cut(self, done: Finished, stopped: str | None) -> str | None:
         """Why the generation was cut short by the server (shutdown, the model unloaded), or None."""
         if done.stop_reason != "cancelled" or stopped is not None:
@@ -141,11 +150,14 @@ class Answer:
         scanner = StopScanner(prepared.request.stop)
         answer: list[str] = []  # the answer channel up to a stop sequence (with stop sequences only)
         raw = RawText(*prepared.markers)  # a completion's text: both channels
+        track = self._track()
         last_check = time.monotonic()
         try:
             for event in events:
                 if isinstance(event, Finished):
                     done = event
+                elif isinstance(event, TokenLogprobs) and track is not None:
+                    track.add(event)
                 elif isinstance(event, BlockCommitted):
                     blocks += 1
                 elif isinstance(event, TextDelta) and prepared.request.completion:
@@ -175,11 +187,13 @@ class Answer:
         if cut is not None:
             raise ApiError(503, cut, type="server_error", code="generation_cut")
         extras = service.extras(prepared, done, blocks, stopped)
+        entries = track.take(len("".join(answer)) if stopped is not None else None) if track is not None else []
         if prepared.request.completion:  # the text as written, thinking included (the <think> markers are not text)
             self.out.json(200, {
                 "id": prepared.id, "object": "text_completion", "created": prepared.created,
                 "model": service.model_id,
-                "choices": [{"index": 0, "text": "".join(answer) + scanner.finish(), "logprobs": None,
+                "choices": [{"index": 0, "text": "".join(answer) + scanner.finish(),
+                             "logprobs": track.legacy(entries) if track is not None else None,
                              "finish_reason": finish_reason(done, 0, stopped)}],
                 "usage": usage_of(done), "clover": extras,
             })
@@ -198,16 +212,17 @@ class Answer:
         self.out.json(200, {
             "id": prepared.id, "object": "chat.completion", "created": prepared.created, "model": service.model_id,
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(done, len(calls), stopped),
-                         "logprobs": None}],
+                         "logprobs": track.chat(entries) if track is not None else None}],
             "usage": usage_of(done), "clover": extras,
         })
 
     # ---- server-sent events ----
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None,
+               **extra: Any) -> dict[str, Any]:
         prepared = self.prepared
         completion = prepared.request.completion
-        choice = ({"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish}
-                  if completion else {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
+        choice = ({"index": 0, "text": delta.get("text", ""), "logprobs": logprobs, "finish_reason": finish}
+                  if completion else {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs})
         return {"id": prepared.id, "object": "text_completion" if completion else "chat.completion.chunk",
                 "created": prepared.created, "model": self.service.model_id, "choices": [choice], **extra}
 
@@ -217,31 +232,53 @@ class Answer:
         completion = prepared.request.completion
         raw = RawText(*prepared.markers)
         continued = prepared.request.continued
-        parser = AnswerParser(prepared.request.parse_tool_calls, continued == "content")
+        parser = StreamingAnswerParser(prepared.request.parse_tool_calls, continued == "content")
         reasoning = _Trimmed(continued == "reasoning")
         scanner = StopScanner(prepared.request.stop)
         calls = 0
         blocks = 0
         done: Finished | None = None
+        track = self._track()
+        released = 0  # characters of the answer channel (a completion's text) let through the stop scanner
+
+        def pending() -> dict[str, Any] | None:
+            """The log probabilities not sent yet, for the chunk about to go (None: none asked, or none new)."""
+            if track is None:
+                return None
+            entries = track.take(released if scanner.hit is not None else None)
+            if not entries:
+                return None
+            return track.legacy(entries) if completion else track.chat(entries)
+
+        def let_through(text: str) -> str:
+            nonlocal released
+            text = scanner.feed(text)
+            released += len(text)
+            return text
 
         def send_items(items: list[tuple[str, Any]]) -> None:
             nonlocal calls
             for kind, value in items:
                 if kind == "content":
-                    out.sse(self._chunk({"content": value}))
-                else:
-                    out.sse(self._chunk({"tool_calls": [{"index": calls, **value}]}))
+                    out.sse(self._chunk({"content": value}, logprobs=pending()))
+                elif kind == "tool_call_arguments":  # a piece of the arguments of the call begun last
+                    out.sse(self._chunk({"tool_calls": [{"index": calls - 1, "function": {"arguments": value}}]},
+                                        logprobs=pending()))
+                else:  # a call whole, or a call's first delta ("tool_call_begin")
+                    out.sse(self._chunk({"tool_calls": [{"index": calls, **value}]}, logprobs=pending()))
                     calls += 1
 
         try:
             if not completion:
                 out.sse(self._chunk({"role": "assistant", "content": ""}))
             for event in events:
-                if isinstance(event, TextDelta) and scanner.hit is None:
+                if isinstance(event, TokenLogprobs) and track is not None:
+                    track.add(event)
+                elif isinstance(event, TextDelta) and scanner.hit is None:
                     if completion:
-                        text = scanner.feed(raw.push(event.text, event.channel))
+                        text = let_through(raw.push(event.text, event.channel))
                         if text:
-                            out.sse(self._chunk({"text": text}))
+                            out.sse(self._chunk({"text": text}, logprobs=pending()))
                         if scanner.hit is not None:
                             self.cancel.set()
                     elif event.channel == "thinking":
@@ -249,7 +286,7 @@ class Answer:
                         if text:
                             out.sse(self._chunk({"reasoning_content": text}))
                     else:
-                        send_items(parser.feed(scanner.feed(event.text)))
+                        send_items(parser.feed(let_through(event.text)))
                         if scanner.hit is not None:
                             self.cancel.set()  # the engine stops within a pass; the rest of its text is dropped
                 elif isinstance(event, BlockCommitted):
@@ -269,10 +306,11 @@ class Answer:
             rest = scanner.finish()
             if completion:
                 if rest:
-                    out.sse(self._chunk({"text": rest}))
+                    out.sse(self._chunk({"text": rest}, logprobs=pending()))
             else:
                 send_items(parser.feed(rest) + parser.finish())
-            out.sse(self._chunk({}, finish_reason(done, calls, stopped),
+            closed = 0 if parser.unfinished else calls  # a call cut short: the answer did not end on its calls
+            out.sse(self._chunk({}, finish_reason(done, closed, stopped), logprobs=pending(),
                                 clover=service.extras(prepared, done, blocks, stopped)))
             if prepared.request.include_usage:
                 out.sse({"id": prepared.id, "object": "text_completion" if completion else "chat.completion.chunk",

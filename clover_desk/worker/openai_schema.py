@@ -20,6 +20,8 @@ from engine.decode.limits import GENERATION_LIMITS
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (the engine's too: engine.api.MAX_TOP_LOGPROBS)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy limit
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
@@ -97,6 +99,7 @@ class ChatRequest:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None  # vLLM's field: prompt cache entries are shared only by requests with the same one
+    logprobs: int | None = None  # None: no log probabilities; N: each token's, with N alternatives (logprobs.py)
 
     @property
     def completion(self) -> bool:
@@ -229,10 +232,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     """Known OpenAI fields whose value asks for something this server cannot do."""
     if body.get("n") not in (None, 1):
         raise _unsupported("n", "only one choice per request (n = 1) is supported")
-    if body.get("logprobs") not in (None, False):
-        raise _unsupported("logprobs", "log probabilities are not reported")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _unsupported("top_logprobs", "log probabilities are not reported")
     if body.get("logit_bias") not in (None, {}):
         raise _unsupported("logit_bias", "logit bias is not supported")
     penalty = body.get("frequency_penalty")
@@ -314,7 +313,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=messages, tools=tools, params=params, mode=mode, stream=stream, include_usage=include_usage,
         ignored_fields=tuple(ignored), continue_final=bool(continue_final), stop=stop,
-        cache_salt=_cache_salt(body.get("cache_salt")),
+        cache_salt=_cache_salt(body.get("cache_salt")), logprobs=chat_logprobs(body),
     )
 
 
@@ -393,6 +392,32 @@ def structured_output(fmt: Any, choice: Any, tools: list[dict[str, Any]] | None)
         raise _unsupported("response_format", "a JSON response_format cannot go with tool_choice "
                            f"{json.dumps(choice)}: the answer is then a tool call")
     return structured_spec(_call_schema(tools, names), before=TOOL_CALL_START + "\n", after="\n" + TOOL_CALL_END)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def chat_logprobs(body: dict[str, Any]) -> int | None:
+    """The alternatives per token a chat request asks for (``logprobs``, ``top_logprobs``), or None for none."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise _bad("logprobs", "true, false or null", asked)
+    if top is not None and not (_whole(top) and 0 <= top <= MAX_TOP_LOGPROBS):
+        raise _bad("top_logprobs", f"a whole number from 0 to {MAX_TOP_LOGPROBS}, or null", top)
+    if top and not asked:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return (top or 0) if asked else None
+
+
+def completion_logprobs(body: dict[str, Any]) -> int | None:
+    """A ``/v1/completions`` request's ``logprobs`` (alternatives per token, 0 to 5), or None for none."""
+    value = body.get("logprobs")
+    if value is None:
+        return None
+    if not (_whole(value) and 0 <= value <= MAX_COMPLETION_LOGPROBS):
+        raise _bad("logprobs", f"a whole number from 0 to {MAX_COMPLETION_LOGPROBS}, or null", value)
+    return int(value)
 
 
 def _cache_salt(value: Any) -> str | None:
@@ -512,7 +537,7 @@ def parse_completion_request(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=[], tools=None, params=params, mode=mode, stream=stream, include_usage=include_usage,
         ignored_fields=tuple(ignored), stop=_stop_sequences(body.get("stop")), prompt=prompt, prompt_ids=prompt_ids,
-        cache_salt=_cache_salt(body.get("cache_salt")),
+        cache_salt=_cache_salt(body.get("cache_salt")), logprobs=completion_logprobs(body),
     )
 
 

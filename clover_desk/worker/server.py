@@ -19,10 +19,14 @@ What a request may hold, and what the server does with it:
   "arguments": {...}}</tool_call>`` the model writes comes back as OpenAI ``tool_calls`` (finish_reason
   ``tool_calls``). ``tool_choice``: ``auto`` (default), ``none`` (tools left out of the prompt, nothing parsed),
   ``required`` or ``{"type": "function", "function": {"name"}}`` (the answer is one such call, its arguments held
-  to the tool's ``parameters`` by the engine's grammar).
+  to the tool's ``parameters`` by the engine's grammar). Streamed, a call's name goes out as soon as it is written
+  and its arguments in pieces after it (:mod:`clover_desk.worker.tool_stream`).
 * ``response_format``: ``text``, ``json_object`` or ``json_schema`` (the answer is JSON the schema accepts: every
   token is masked by a grammar, engine/decode/grammar.py; a schema it cannot enforce is a 400 naming the field;
   docs/SERVER.md "Structured output").
+* ``logprobs`` (chat: true, with ``top_logprobs`` 0-20; completions: 0-5): each token's log probability under the
+  model's own distribution (raw logits) and its best alternatives, in OpenAI's shapes, streamed per chunk too
+  (:mod:`clover_desk.worker.logprobs`; which row per mode: docs/SERVER.md).
 * ``chat_template_kwargs.enable_thinking`` (default true) per request; the model's ``<think>...</think>`` comes
   back as ``reasoning_content``, apart from ``content``.
 * ``continue_final_message: true`` (vLLM's field; ``add_generation_prompt`` false or left out): the last message is
@@ -36,13 +40,14 @@ What a request may hold, and what the server does with it:
 * every answer carries ``usage`` (prompt, completion, total tokens, and ``prompt_tokens_details.cached_tokens``: the
   prompt's first tokens the engine had read already, a chat's earlier turns; streaming: with
   ``stream_options.include_usage`` as OpenAI does) and a ``"clover"`` object: mode, passes, tokens per pass, block
-  size, timings, stop reason and ``ignored_fields``.
+  size, timings, stop reason and ``ignored_fields``; in spec mode also ``verify_passes``, ``accepted_per_verify``,
+  ``forwards_per_token`` and ``spec`` (the engine's counts).
 
 Decisions:
 
 * Unknown top-level fields are ignored, never silently: they are listed in ``clover.ignored_fields`` of the answer
   (clients and SDKs add vendor fields freely, and refusing them would break them). Known OpenAI fields asking for
-  something the engine cannot do (``n`` > 1, ``logprobs``, ``logit_bias``, a JSON schema it cannot enforce,
+  something the engine cannot do (``n`` > 1, ``logit_bias``, a JSON schema it cannot enforce,
   non-zero ``frequency_penalty``, legacy ``functions``) are refused with 400, as is an
   unknown key inside ``clover`` (our own namespace: a typo there is an error). The ``model`` field may name
   anything: the server has one model, and answers with its id.
@@ -307,9 +312,10 @@ class ChatService:
                 raise ApiError(503, "the model was unloaded while the request waited; try again once it has loaded",
                                type="server_error", code="model_loading")
             try:
+                asked = {} if prepared.request.logprobs is None else {"logprobs": prepared.request.logprobs}
                 events = prepared.engine.generate(prompt_ids=prepared.prompt_ids, params=prepared.params,
                                                   cancel=cancel, written=prepared.written,
-                                                  cache_scope=prepared.scope)
+                                                  cache_scope=prepared.scope, **asked)
             except PromptError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
             yield from events
@@ -338,10 +344,19 @@ class ChatService:
             "time_to_first_token_s": None if done.time_to_first_token_s is None else round(done.time_to_first_token_s, 4),
             "stop_reason": "stop_sequence" if stopped is not None else done.stop_reason,
             **({"stop_sequence": stopped} if stopped is not None else {}),
+            **(spec_extras(done) if params.mode == "spec" else {}),
             "ignored_fields": list(prepared.request.ignored_fields),
         }
 
 
+
+
+def spec_extras(done: Finished) -> dict[str, Any]:
+    """What spec mode adds to the ``clover`` object: its causal verify passes, the drafted tokens each accepted on
+    average (the verifier's own token, which every verify pass adds too, not counted), the model forwards per
+    token written, and the engine's counts (``Finished.spec``)."""
+    return {"verify_passes": done.verify_passes, "accepted_per_verify": round(done.accepted_per_verify, 4),
+            "forwards_per_token": round(done.forwards_per_token, 4), "spec": dict(done.spec)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -121,6 +121,33 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The log probabilities of tokens just committed, sent right before their :class:`TextDelta` (and before
+    :class:`Finished` for tokens that are not text), only when the request asked for them
+    (``Engine.generate(logprobs=N)``; without it the loops compute nothing of this).
+
+    Each token's value is the natural log of its probability under the distribution it was committed from: the
+    model's own (the raw logits, fp32 ``log_softmax``: before the penalties, the biases, the temperature and the
+    top-k / top-p filters). AR: the causal row before the token; spec mode: the verify pass's causal row (the same
+    row AR greedy reads); diffusion: the token's slot at the pass that committed it. ``channels`` says where each
+    token went: "thinking", "answer", "marker" (``<think>`` / ``</think>``) or "eos". ``top`` alternatives per token
+    (best first) are flattened into ``top_ids`` / ``top_logprobs`` (``top`` entries per token), so the
+    event stays a flat JSON object."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    channels: tuple[str, ...]
+    top: int = 0
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def alternatives(self, i: int) -> list[tuple[int, float]]:
+        """Token ``i``'s ``top`` alternatives as (id, log probability), best first."""
+        span = slice(i * self.top, (i + 1) * self.top)
+        return list(zip(self.top_ids[span], self.top_logprobs[span]))
+
+
+@dataclass(frozen=True)
 class Finished:
     """Last event of a generation."""
 
@@ -185,12 +212,14 @@ EVENT_TYPES: dict[str, type] = {
     "block_step": BlockStep,
     "block_committed": BlockCommitted,
     "delta": TextDelta,
+    "logprobs": TokenLogprobs,
     "finished": Finished,
     "error": EngineError,
 }
 _NAME_OF = {cls: name for name, cls in EVENT_TYPES.items()}
 
-Event = LoadProgress | PromptInfo | PrefillProgress | BlockStep | BlockCommitted | TextDelta | Finished | EngineError
+Event = (LoadProgress | PromptInfo | PrefillProgress | BlockStep | BlockCommitted | TextDelta | TokenLogprobs | Finished
+         | EngineError)
 
 
 def to_dict(event: Event) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from engine.decode.events import (
     PrefillProgress,
     PromptInfo,
     TextDelta,
+    TokenLogprobs,
 )
 from engine.decode.prompt_cache import PromptCache, ScopedPromptCache
 from engine.decode.tokenizer import StreamDecoder
@@ -120,6 +121,8 @@ class DecodeSettings:
     prefill_only: bool = False
     # the answer's grammar (GenerationParams.structured, engine.decode.grammar); None: free text
     structured: str | None = None
+    # None: no log probabilities (nothing computed); N: a TokenLogprobs event per commit, with N alternatives a token
+    logprobs: int | None = None
 
 
 def resolve_settings(
@@ -262,6 +265,73 @@ class ChannelText:
     def text(self, channel: str) -> str:
         stream = self._streams[channel]
         return stream.text if stream is not None else ""
+
+    def kinds(self, ids: Sequence[int]) -> tuple[str, ...]:
+        """Where :meth:`feed` will put each of ``ids`` (call it before): "thinking", "answer", "marker" or "eos"."""
+        thinking, out = self.thinking_open, []
+        for tok in ids:
+            if tok == self._s.think_start_id or tok == self._s.think_end_id:
+                out.append("marker")
+                thinking = tok == self._s.think_start_id
+            else:
+                out.append("eos" if tok in self._eos else "thinking" if thinking else "answer")
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# log probabilities (only for a request that asks: DecodeSettings.logprobs)
+
+
+def _top_of(lp: Tensor, top: int) -> tuple[Tensor, Tensor]:
+    """The ``top`` best log probabilities of each row of ``lp`` [T, V] and their ids, best first: ([T, top] x2)."""
+    if top <= 0:
+        return lp.new_zeros(lp.shape[0], 0), torch.zeros(lp.shape[0], 0, dtype=torch.long, device=lp.device)
+    values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+    return values, ids
+
+
+def _logprob_event(picked: Tensor, top_lp: Tensor, top_ids: Tensor, ids: Sequence[int],
+                   channels: tuple[str, ...]) -> TokenLogprobs:
+    """One host read of what :func:`row_logprobs` or :class:`_SlotLogprobs` gathered for ``ids``."""
+    host = torch.cat([picked.view(-1, 1).float(), top_lp.float(), top_ids.float()], dim=1).tolist()  # [T, 1 + 2k]
+    top = top_lp.shape[1]
+    return TokenLogprobs(
+        token_ids=tuple(int(t) for t in ids), logprobs=tuple(row[0] for row in host), channels=channels, top=top,
+        top_ids=tuple(int(v) for row in host for v in row[1 + top:]),
+        top_logprobs=tuple(v for row in host for v in row[1:1 + top]),
+    )
+
+
+def row_logprobs(rows: Tensor, ids: Sequence[int], top: int, channels: tuple[str, ...]) -> TokenLogprobs:
+    """The event for tokens ``ids`` [T] each chosen from its row of the raw logits ``rows`` [T, V] (AR, spec)."""
+    lp = torch.log_softmax(rows.float(), dim=-1)  # [T, V]
+    chosen = torch.tensor(list(ids), dtype=torch.long, device=rows.device).view(-1, 1)
+    values, top_ids = _top_of(lp, top)
+    return _logprob_event(lp.gather(-1, chosen).squeeze(-1), values, top_ids, ids, channels)
+
+
+class _SlotLogprobs:
+    """A diffusion block's log probabilities, slot by slot, as the passes commit them: kept on the device (no host
+    read per pass), read once when the block's tokens go out."""
+
+    def __init__(self, block_size: int, top: int, device: torch.device) -> None:
+        self.top = top
+        self.picked = torch.zeros(block_size, device=device)  # [B]
+        self.top_lp = torch.zeros(block_size, top, device=device)  # [B, top]
+        self.top_ids = torch.zeros(block_size, top, dtype=torch.long, device=device)  # [B, top]
+
+    def update(self, logits: Tensor, x: Tensor, commit: Tensor) -> None:
+        """A pass's (shifted) raw logits [B, V], the block after it x [B] and its commits [B]."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        self.picked = torch.where(commit, lp.gather(-1, x.view(-1, 1)).squeeze(-1), self.picked)
+        values, ids = _top_of(lp, self.top)
+        self.top_lp = torch.where(commit[:, None], values, self.top_lp)
+        self.top_ids = torch.where(commit[:, None], ids, self.top_ids)
+
+    def event(self, start: int, ids: Sequence[int], channels: tuple[str, ...]) -> TokenLogprobs:
+        """The event for the block's output ``ids``, slots ``start`` on."""
+        span = slice(start, start + len(ids))
+        return _logprob_event(self.picked[span], self.top_lp[span], self.top_ids[span], ids, channels)
 
 
 def _forward(model: DecodingModel, *args: Any, **kwargs: Any) -> Tensor:
@@ -576,6 +646,8 @@ def _ar_loop(
             row, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen
         )
         tok = int(token[0])
+        if s.logprobs is not None:
+            yield row_logprobs(logits[-1:], [tok], s.logprobs, channels.kinds([tok]))
         if constraint is not None:
             constraint.advance([tok])
         generated.append(tok)
@@ -712,6 +784,7 @@ def _diffusion_loop(
         thinking_at_entry = channels.thinking_open
         pass_index = 0
         cancelled = False
+        slot_lp = _SlotLogprobs(B, s.logprobs, device) if s.logprobs is not None else None
         if hooks is not None and hooks.begin_block is not None:
             hooks.begin_block()
         while True:
@@ -730,6 +803,8 @@ def _diffusion_loop(
                 logits, x, conf, s, start=start, seen=(rep_seen, out_seen),  # type: ignore[arg-type]
                 n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen, constraint=constraint,
             )
+            if slot_lp is not None:
+                slot_lp.update(logits, x, commit)
             # The one device-to-host read of the pass: tokens, confidences and commits in one copy (ids are exact
             # in float32 up to 2**24, far past any vocabulary)
             host = torch.stack([x.float(), shown.float(), commit.float()]).tolist()
@@ -757,6 +832,8 @@ def _diffusion_loop(
                 kept = list(itertools.takewhile(lambda t: t != mask_id, tokens[start:needed]))
                 block_ids, _ = decoding.truncate_at_eos(kept, eos)
                 if block_ids:
+                    if slot_lp is not None:
+                        yield slot_lp.event(start, block_ids, channels.kinds(block_ids))
                     generated.extend(block_ids)
                     clock.mark_first_token()
                     yield from channels.feed(block_ids)
@@ -783,6 +860,8 @@ def _diffusion_loop(
         rep_seen |= out_seen  # type: ignore[operator]
         if block_ids:
             clock.mark_first_token()
+            if slot_lp is not None:
+                yield slot_lp.event(start, block_ids, channels.kinds(block_ids))
         yield from channels.feed(block_ids)
         yield BlockCommitted(block_index=block_index, passes=pass_index, token_ids=tuple(block_ids))
         if final:
@@ -1016,6 +1095,9 @@ class _SpecLoop:
         self.rep_seen: Tensor | None = None  # [V]
         self.out_seen: Tensor | None = None  # [V]
         self.prev_row: Tensor | None = None  # [V] the causal row that predicts the open block's first slot
+        # with logprobs asked: the causal rows [T, V] the next tokens to commit were chosen from, and their event
+        self.lp_rows: Tensor | None = None
+        self.lp_event: TokenLogprobs | None = None
 
     def _cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
@@ -1034,6 +1116,8 @@ class _SpecLoop:
     def _greedy(self, row: Tensor) -> int:
         """AR greedy's token after everything committed, from its causal row [V]."""
         rep, out = self._seen(row.shape[-1])
+        if self.s.logprobs is not None:
+            self.lp_rows = row.view(1, -1)
         if self.constraint is not None:
             row = self.constraint.mask(row)
         return int(greedy_rows(row.view(1, -1), row.new_zeros(0, dtype=torch.long), self.s, rep, out)[0])
@@ -1050,6 +1134,8 @@ class _SpecLoop:
             if len(self.generated) + len(out) >= self.max_new:
                 reason = self.limit_reason
                 break
+        if out and self.s.logprobs is not None and self.lp_rows is not None:
+            self.lp_event = row_logprobs(self.lp_rows[: len(out)], out, self.s.logprobs, self.channels.kinds(out))
         self.generated.extend(out)
         if self.constraint is not None:
             self.constraint.advance(out)
@@ -1060,6 +1146,13 @@ class _SpecLoop:
         if out:
             self.clock.mark_first_token()
         return out, reason
+
+    def _emit(self, out: list[int]) -> Iterator[Event]:
+        """The events of tokens just output (:meth:`_commit`): their log probabilities when asked, their text."""
+        if self.lp_event is not None:
+            yield self.lp_event
+            self.lp_event = None
+        yield from self.channels.feed(out)
 
     def _prefill(self, cache: Any, cached: int, n_full: int) -> Generator[Event, None, bool]:
         """The prompt's whole blocks, causally (AR's prefill: the prompt cache's causal entries serve both);
@@ -1113,7 +1206,7 @@ class _SpecLoop:
             assert self.prev_row is not None
             out, reason = self._commit([self._greedy(self.prev_row)])
             block = out
-            yield from self.channels.feed(out)
+            yield from self._emit(out)
         pos0, block_index, block_passes = n_full, n_full // B, 0
         block_out: list[int] = list(block[start:])  # this block's output so far
         while reason is None:
@@ -1133,7 +1226,7 @@ class _SpecLoop:
             out, reason = self._commit(accepted + [verifier])
             block_out += out[: B - len(block)]
             yield self._verify_step(block_index, block_passes - 1, block, tokens, conf, k, verifier, start)
-            yield from self.channels.feed(out)
+            yield from self._emit(out)
             if k == B:  # every draft right: the verify pass wrote the block; its last row gave the next block's first
                 yield BlockCommitted(block_index=block_index, passes=block_passes, token_ids=tuple(block_out))
                 block_out = out[B - len(block):]  # the verifier's token, unless the output ended before it
@@ -1151,7 +1244,7 @@ class _SpecLoop:
                 self.prev_row = row
                 yield BlockCommitted(block_index=block_index, passes=block_passes, token_ids=tuple(block_out))
                 out, reason = self._commit([self._greedy(row)])
-                yield from self.channels.feed(out)
+                yield from self._emit(out)
                 pos0, block_index, block, start, block_out, block_passes = pos0 + B, block_index + 1, out, 0, list(out), 0
         if block_out or block_passes:
             yield BlockCommitted(block_index=block_index, passes=block_passes, token_ids=tuple(block_out))
@@ -1221,6 +1314,8 @@ class _SpecLoop:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [B]
         snapshot = cache.gdn_snapshot()
         rows = _forward(self.model, ids, pos0, cache, block_size=None, write_cache=True)  # [B, V]
+        if self.s.logprobs is not None:
+            self.lp_rows = rows[a - 1:]  # row a - 1 + i chose the i-th token output from here
         self.passes += 1
         counts = self.counts
         counts["verify_passes"] += 1

@@ -125,6 +125,17 @@ class CloverTokenizer:
         """The added tokens (special or not) by their text: ``{"<|im_end|>": id, "<tool_call>": id, ...}``."""
         return {str(t.content): int(i) for i, t in self._tok.get_added_tokens_decoder().items()}
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for: a byte-level piece may hold part of a UTF-8 character (its text alone
+        then decodes to U+FFFD), so OpenAI's ``logprobs`` give the bytes too. An added token's are its text's."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_of_char()
+        if token_id in self._tok.get_added_tokens_decoder() or not all(ch in table for ch in piece):
+            return piece.encode("utf-8")
+        return bytes(table[ch] for ch in piece)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` as written (special tokens in the text are recognised, nothing is added); text that
         cannot be UTF-8 (a lone surrogate) is a PromptError."""
@@ -254,6 +265,21 @@ def continuation_text(head: str, thinking: str, answer: str, start: str | None, 
     elif answer and open_at_head:
         text += end  # the model closed its thinking at once
     return text + answer
+
+
+_BYTE_OF_CHAR: dict[str, int] = {}
+
+
+def _byte_of_char() -> dict[str, int]:
+    """The byte-level BPE alphabet read backwards: a vocabulary piece's character -> the byte it stands for. Bytes
+    that print as themselves (``!`` to ``~``, ``\u00a1`` to ``\u00ac``, ``\u00ae`` to ``\u00ff``) keep their code point;
+    the others (controls, space, ...) are written as U+0100 on, in byte order."""
+    if not _BYTE_OF_CHAR:
+        kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        moved = [b for b in range(256) if b not in kept]
+        _BYTE_OF_CHAR.update({chr(b): b for b in kept})
+        _BYTE_OF_CHAR.update({chr(0x100 + n): b for n, b in enumerate(moved)})
+    return _BYTE_OF_CHAR
 
 
 def _read_bytes(path: Path) -> bytes:
