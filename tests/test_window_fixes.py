@@ -384,3 +384,72 @@ def test_after_a_cancelled_compile_the_box_is_unticked_and_remote_never_compiles
         desk.load_model()
     assert client.compiles[-1] is False
     desk.shutdown()
+
+
+def _one_turn(qtbot) -> None:  # noqa: ANN001
+    """Let the event loop turn once (what was posted before runs), without sleeping."""
+    from PySide6.QtCore import QTimer
+
+    timer = QTimer()
+    timer.setSingleShot(True)
+    with qtbot.waitSignal(timer.timeout, timeout=2000):
+        timer.start(0)
+
+
+def test_the_wheel_guard_covers_dialogs_created_after_the_window(qtbot, tmp_path) -> None:
+    """Issue 32: the guard was installed once, on the boxes the window held when it was built; a dialog opened
+    later (Model ▸ Serve over HTTP…, any dialog the window owns) let a passing wheel change its boxes."""
+    from fakes_ui import FakeEngineClient
+    from PySide6.QtCore import QObject, Signal
+    from PySide6.QtWidgets import QComboBox, QDialog, QLineEdit, QSpinBox, QVBoxLayout
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from ui.main_window import MainWindow
+
+    class FakeServer(QObject):  # the ServerControl contract, serving nothing
+        serving = Signal(str)
+        serveStopped = Signal()
+        serveFailed = Signal(str)
+        server_url = None
+        server_policy = ""
+
+        def start_server(self, host: str, port: int, api_key: str | None = None) -> None: ...
+
+        def stop_server(self) -> None: ...
+
+    store = ChatStore(tmp_path / "chats.db")
+    window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
+    qtbot.addWidget(window)
+    window.show()
+    dialog = QDialog(window)  # built after the window, opened later
+    layout = QVBoxLayout(dialog)
+    first, combo, spin = QLineEdit(), QComboBox(), QSpinBox()
+    combo.addItems(["one", "two", "three"])
+    spin.setValue(5)
+    for widget in (first, combo, spin):
+        layout.addWidget(widget)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    _one_turn(qtbot)  # of the event loop, as between a dialog opening and the user's first wheel
+    first.setFocus()
+    _wheel(combo)
+    _wheel(spin, steps=1)
+    assert (combo.currentIndex(), spin.value()) == (0, 5)  # the wheel passed over them: nothing changed
+    combo.setFocus()
+    qtbot.waitUntil(combo.hasFocus)
+    _wheel(combo)
+    assert combo.currentIndex() == 1  # focused on purpose: the wheel picks
+    dialog.close()
+
+    window.set_server_control(FakeServer())  # a real dialog of the window, created after it was built
+    window.serve.open()
+    port = window.serve.dialog.port
+    qtbot.waitExposed(window.serve.dialog)
+    _one_turn(qtbot)
+    before = port.value()
+    window.serve.dialog.host.setFocus()
+    _wheel(port, steps=1)
+    assert port.value() == before
+    window.serve.dialog.close()
+    window.close()
+    store.close()
