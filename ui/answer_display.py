@@ -42,6 +42,7 @@ class AnswerWindowLike(Protocol):
     read_ahead_timer: Any
     generationStarted: Any  # noqa: N815 - Qt signal names
     generationFinished: Any  # noqa: N815
+    conversations: Any  # ui.conversations.Conversations
 
     def request_source(self) -> Any: ...
 
@@ -52,8 +53,6 @@ class AnswerWindowLike(Protocol):
     def show_save_error(self, error: BaseException, what: str) -> None: ...
 
     def show_panel(self, widget: QWidget | None) -> None: ...
-
-    def reload_conversations(self) -> None: ...
 
     def refresh_status(self) -> None: ...
 
@@ -156,7 +155,7 @@ class AnswerDisplay:
         w.long_chats.throttle.request()  # the chat grew: count it again
         w.composer.set_generating(False)
         w.stop_action.setEnabled(False)
-        w.reload_conversations()
+        w.conversations.reload()
         w.refresh_status()
         w.read_ahead_timer.start()
         w.generationFinished.emit(request_id, reason)

@@ -43,8 +43,6 @@ from PySide6.QtGui import (
     QShowEvent,
 )
 from PySide6.QtWidgets import (
-    QApplication,
-    QFileDialog,
     QFrame,
     QHBoxLayout,
     QMainWindow,
@@ -85,8 +83,9 @@ from ui.contracts import (
     ServerControl,
     TokenCounterLike,
 )
+from ui.conversations import Conversations
 from ui.denoise_view import DenoiseView
-from ui.generation import GenerationSettings, defaults_from_model, export_file_name
+from ui.generation import GenerationSettings, defaults_from_model
 from ui.gpu_check import GpuCheckDialog
 from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
@@ -94,9 +93,10 @@ from ui.remote_chat import RemoteBackendControl
 from ui.serve_panel import ServeController, ServeDialog
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
-from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
+from ui.theme import SCHEMES, set_style_class
 from ui.throttle import Throttle
-from ui.widgets import ElidedLabel, accessible, documents_dir, install_wheel_guard
+from ui.widgets import ElidedLabel, accessible, install_wheel_guard
+from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
 
 READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
 
@@ -111,17 +111,6 @@ ABOUT_TEXT = (
     "<p>The model runs on this computer, in its own process. Nothing is sent anywhere.</p>"
 )
 LOAD_CANCELLED = "Loading cancelled."
-EXPORT_FILTERS = {"markdown": "Markdown (*.md)", "json": "JSON (*.json)"}
-DEFAULT_SIZE = QSize(1480, 900)
-MIN_CHAT_WIDTH = 360
-MIN_SIDE_WIDTH = 320
-MIN_SIDEBAR_WIDTH = 190
-COMFORT_CHAT_WIDTH = 480  # below this the side panel, then the sidebar, give way (down to their minimum + a bit)
-
-
-def ask_save_path(parent: QWidget, caption: str, start: str, filters: list[str], selected: str) -> tuple[str, str]:
-    """The save dialog (a seam: tests replace it). Returns (path or "", the filter chosen)."""
-    return QFileDialog.getSaveFileName(parent, caption, start, ";;".join(filters), selected)
 
 
 class MainWindow(QMainWindow):
@@ -175,7 +164,8 @@ class MainWindow(QMainWindow):
         else:
             self.engine_state = EngineState.STARTING
         self.gpu_paths_in_use: list[str] = []  # the experimental GPU paths the loaded engine runs with (its answer)
-        self.theme_preference = str(self._setting("theme", "system"))
+        self.state = WindowState(self, ui_settings)  # size, columns, tab, theme, export folder: remembered
+        self.conversations = Conversations(self)  # the list, rename, delete, export
 
         # -- views
         self.sidebar = ConversationSidebar()
@@ -248,8 +238,8 @@ class MainWindow(QMainWindow):
         self._sync_from_settings()
         if self.monitor is not None:
             self.monitor_timer.start()
-        self._restore_window_state()
-        self.reload_conversations()
+        self.state.restore()
+        self.conversations.reload()
         conversations = self.store.list_conversations(limit=1)
         if conversations:
             self.open_conversation(conversations[0].id)
@@ -366,7 +356,6 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 3)
         self.splitter.setStretchFactor(2, 0)
-        self._preferred_widths = (260, 460)  # (sidebar, panels) when there is room; see _fit_splitter
         self.splitter.setSizes([260, 760, 460])
         central = QWidget()
         central.setObjectName("centralArea")
@@ -420,23 +409,23 @@ class MainWindow(QMainWindow):
         self.new_action = self._action(file_menu, "&New chat", self.on_new_conversation, "Ctrl+N")
         file_menu.addSeparator()
         self.export_md_action = self._action(file_menu, "&Export chat as Markdown…",
-                                             lambda: self.on_export_current("markdown"), "Ctrl+E",
+                                             lambda: self.conversations.on_export_current("markdown"), "Ctrl+E",
                                              "Save the chat on show as a Markdown file")
         self.export_json_action = self._action(file_menu, "Export chat as &JSON…",
-                                               lambda: self.on_export_current("json"), "Ctrl+Shift+E",
+                                               lambda: self.conversations.on_export_current("json"), "Ctrl+Shift+E",
                                                "Save the chat on show as JSON (messages, thinking, statistics)")
         file_menu.addSeparator()
         self.quit_action = self._action(file_menu, "&Quit", self.close, "Ctrl+Q")
         self.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
 
         edit_menu = bar.addMenu("&Edit")
-        self.find_action = self._action(edit_menu, "&Find chats…", self.on_find_chats, "Ctrl+K")
+        self.find_action = self._action(edit_menu, "&Find chats…", self.conversations.on_find_chats, "Ctrl+K")
         self.focus_action = self._action(edit_menu, "Go to the &message box", self.on_focus_composer, "Ctrl+L")
         edit_menu.addSeparator()
-        self.rename_action = self._action(edit_menu, "&Rename chat", self.on_rename_current, "F2")
+        self.rename_action = self._action(edit_menu, "&Rename chat", self.conversations.on_rename_current, "F2")
         # F2 anywhere in the window (the composer's focus included) renames the open chat, as the menu says
         self.rename_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-        self.delete_action = self._action(edit_menu, "&Delete chat…", self.on_delete_current)
+        self.delete_action = self._action(edit_menu, "&Delete chat…", self.conversations.on_delete_current)
         edit_menu.addSeparator()
         self.regenerate_action = self._action(edit_menu, "Re&generate last answer", self.on_regenerate_last,
                                               "Ctrl+Shift+R")
@@ -466,11 +455,11 @@ class MainWindow(QMainWindow):
         self.theme_group = QActionGroup(self)
         self.theme_actions: dict[str, QAction] = {}
         for scheme, label in zip(SCHEMES, ("Follow the &system", "&Light", "&Dark")):
-            action = self._action(theme_menu, label, lambda _=False, s=scheme: self.set_theme_preference(s),
+            action = self._action(theme_menu, label, lambda _=False, s=scheme: self.state.set_theme_preference(s),
                                   checkable=True)
             self.theme_group.addAction(action)
             self.theme_actions[scheme] = action
-        self.theme_actions.get(self.theme_preference, self.theme_actions["system"]).setChecked(True)
+        self.theme_actions.get(self.state.theme_preference, self.theme_actions["system"]).setChecked(True)
 
         model_menu = bar.addMenu("&Model")
         self.models_action = self._action(model_menu, "&Models…", self.show_models_page, "Ctrl+Shift+M",
@@ -515,10 +504,10 @@ class MainWindow(QMainWindow):
         # sidebar
         self.sidebar.newRequested.connect(self.on_new_conversation)
         self.sidebar.selected.connect(self.on_conversation_selected)
-        self.sidebar.renameRequested.connect(self.on_rename_requested)
-        self.sidebar.deleteRequested.connect(self.on_delete_requested)
-        self.sidebar.exportRequested.connect(self.on_export_requested)
-        self.sidebar.searchChanged.connect(self.on_search_changed)
+        self.sidebar.renameRequested.connect(self.conversations.on_rename_requested)
+        self.sidebar.deleteRequested.connect(self.conversations.on_delete_requested)
+        self.sidebar.exportRequested.connect(self.conversations.on_export_requested)
+        self.sidebar.searchChanged.connect(self.conversations.on_search_changed)
         self.sidebar.modelsRequested.connect(self.show_models_page)
         # chat
         self.composer.sendRequested.connect(self.on_send_requested)
@@ -548,85 +537,13 @@ class MainWindow(QMainWindow):
         if self.model_manager is not None and hasattr(self.model_manager, "modelChosen"):
             self.model_manager.modelChosen.connect(self.on_model_chosen)
         self.monitor_timer.timeout.connect(self.refresh_status)
-        self.splitter.splitterMoved.connect(self.on_splitter_moved)
+        self.splitter.splitterMoved.connect(self.state.on_splitter_moved)
         hints = QGuiApplication.styleHints()
-        hints.colorSchemeChanged.connect(self.on_system_scheme_changed)
+        hints.colorSchemeChanged.connect(self.state.on_system_scheme_changed)
 
     # ----------------------------------------------------------------- remembered state
-    def _setting(self, key: str, default: Any = None) -> Any:
-        return self.ui_settings.value(key, default) if self.ui_settings is not None else default
-
-    def _set_setting(self, key: str, value: Any) -> None:
-        if self.ui_settings is not None:
-            self.ui_settings.setValue(key, value)
-
-    def _restore_window_state(self) -> None:
-        geometry = self._setting("window/geometry")
-        if geometry is None or not self.restoreGeometry(geometry):
-            screen = self.screen().availableGeometry() if self.screen() is not None else None
-            size = DEFAULT_SIZE
-            if screen is not None and screen.width() > 0:
-                size = size.boundedTo(QSize(int(screen.width() * 0.92), int(screen.height() * 0.92)))
-            self.resize(size)
-        splitter = self._setting("window/splitter")
-        if splitter is not None and self.splitter.restoreState(splitter):
-            sizes = self.splitter.sizes()
-            self._preferred_widths = (sizes[0], sizes[2])
-        preferred = self._setting("window/preferredWidths")
-        if isinstance(preferred, (list, tuple)) and len(preferred) == 2:
-            self._preferred_widths = (int(preferred[0]), int(preferred[1]))
-        tab = self._setting("window/sideTab")
-        if tab is not None and 0 <= int(tab) < self.tabs.count():
-            self.tabs.setCurrentIndex(int(tab))
-        panels = self._setting("window/panels")
-        if panels is not None:
-            self.panel_button.setChecked(str(panels).lower() in ("true", "1"))
-
-    def save_window_state(self) -> None:
-        """Remember size, position, splitter and side tab (called on close)."""
-        if self.ui_settings is None:
-            return
-        self._set_setting("window/geometry", self.saveGeometry())
-        self._set_setting("window/splitter", self.splitter.saveState())
-        self._set_setting("window/preferredWidths", list(self._preferred_widths))
-        self._set_setting("window/sideTab", self.tabs.currentIndex())
-        self._set_setting("window/panels", self.panel_button.isChecked())
-        self.ui_settings.sync()
-
     # ----------------------------------------------------------------- theme
-    def apply_theme_preference(self) -> str:
-        """Apply the remembered theme ("system" follows the desktop) to the application; returns the palette."""
-        app = QApplication.instance()
-        if not isinstance(app, QApplication):
-            return "dark"
-        scheme = apply_theme(app, self.theme_preference)
-        self.chat.restyle()
-        self.denoise.canvas.update()
-        self.themeChanged.emit(scheme)
-        return scheme
-
-    def set_theme_preference(self, preference: str) -> None:
-        if preference not in SCHEMES:
-            raise ValueError(f"theme must be one of {', '.join(SCHEMES)}, got {preference!r}")
-        self.theme_preference = preference
-        self._set_setting("theme", preference)
-        self.theme_actions[preference].setChecked(True)
-        self.apply_theme_preference()
-
-    def on_system_scheme_changed(self, *_args: object) -> None:
-        # the application's theme, last set by any window: a window that still says "system" (an older one, or
-        # one whose choice another window has since overridden) does not take it back
-        if self.theme_preference == "system" and current_preference() == "system":
-            self.apply_theme_preference()
-
     # ----------------------------------------------------------------- conversations
-    def reload_conversations(self, query: str = "") -> None:
-        if query.strip():
-            items = [(h.conversation.id, h.conversation.title, h.snippet) for h in self.store.search(query)]
-        else:
-            items = [(c.id, c.title, "") for c in self.store.list_conversations()]
-        self.sidebar.set_items(items, self.conversation_id)
-
     def open_conversation(self, conversation_id: int | None) -> None:
         if self.is_generating():
             self.on_stop_requested()
@@ -704,83 +621,10 @@ class MainWindow(QMainWindow):
     def on_conversation_created(self, conversation_id: int, title: str) -> None:
         """The session saved the first message of a new chat in a new conversation."""
         self.title_label.setText(title)
-        self.reload_conversations(self.sidebar.search.text())
+        self.conversations.reload()
         self.conversationChanged.emit(conversation_id)
 
-    def on_rename_requested(self, conversation_id: int, title: str) -> None:
-        try:
-            self.store.rename_conversation(conversation_id, title)
-        except self._save_error as exc:
-            self.show_save_error(exc, "The chat was not renamed")
-            QTimer.singleShot(0, lambda: self.reload_conversations(self.sidebar.search.text()))
-            return
-        if conversation_id == self.conversation_id:
-            self.title_label.setText(title)
-        QTimer.singleShot(0, lambda: self.reload_conversations(self.sidebar.search.text()))
-
-    def on_rename_current(self) -> None:
-        if self.conversation_id is not None:
-            self.sidebar.start_rename(self.conversation_id)
-
-    def on_delete_current(self) -> None:
-        if self.conversation_id is not None:
-            self.on_delete_requested(self.conversation_id)
-
-    def on_delete_requested(self, conversation_id: int) -> None:
-        answer = QMessageBox.question(self, "Delete chat", "Delete this chat and all its messages?")
-        if answer == QMessageBox.StandardButton.Yes:
-            self.delete_conversation(conversation_id)
-
-    def delete_conversation(self, conversation_id: int) -> None:
-        if conversation_id == self.conversation_id and self.is_generating():
-            self.session.drop_recorder()  # its message is about to go: nothing more to save
-        if conversation_id == self.conversation_id:
-            self.open_conversation(None)
-        try:
-            self.store.delete_conversation(conversation_id)
-        except self._save_error as exc:
-            self.show_save_error(exc, "The chat was not deleted")
-        self.reload_conversations(self.sidebar.search.text())
-
     # ----------------------------------------------------------------- export
-    def on_export_current(self, fmt: str) -> None:
-        if self.conversation_id is None:
-            self.statusBar().showMessage("Nothing to export yet: send a message first", 4000)
-            return
-        self.on_export_requested(self.conversation_id, fmt)
-
-    def on_export_requested(self, conversation_id: int, fmt: str) -> None:
-        """Ask where to save (the last folder used, else Documents; a file name from the title) and export."""
-        title = self.store.get_conversation(conversation_id).title
-        folder = Path(str(self._setting("export/dir", "") or documents_dir()))
-        start = folder / export_file_name(title, fmt)
-        filters = [EXPORT_FILTERS[fmt], EXPORT_FILTERS["json" if fmt == "markdown" else "markdown"], "All files (*)"]
-        path, chosen = ask_save_path(self, "Export chat", str(start), filters, EXPORT_FILTERS[fmt])
-        if not path:
-            return
-        chosen_fmt = next((f for f, label in EXPORT_FILTERS.items() if label == chosen), fmt)
-        suffix = ".md" if chosen_fmt == "markdown" else ".json"
-        if not Path(path).suffix:
-            path += suffix
-        if self.export_conversation(conversation_id, chosen_fmt, path) is not None:
-            self._set_setting("export/dir", str(Path(path).parent))
-
-    def export_conversation(self, conversation_id: int, fmt: str, path: str) -> Path | None:
-        try:
-            out = (self.store.export_markdown if fmt == "markdown" else self.store.export_json)(conversation_id, path)
-        except (OSError, self._save_error) as exc:
-            self.show_save_error(exc, f"The chat was not exported to {path}")
-            return None
-        self.statusBar().showMessage(f"Exported to {out}", 5000)
-        return out
-
-    def on_search_changed(self, text: str) -> None:
-        self.reload_conversations(text)
-
-    def on_find_chats(self) -> None:
-        self.sidebar.search.setFocus()
-        self.sidebar.search.selectAll()
-
     def on_focus_composer(self) -> None:
         self.show_chat_page()
         self.composer.input.setFocus()
@@ -889,7 +733,7 @@ class MainWindow(QMainWindow):
         if branch is None:
             return
         self.open_conversation(branch.id)
-        self.reload_conversations(self.sidebar.search.text())
+        self.conversations.reload()
         self.statusBar().showMessage(f"Branched into “{branch.title}”: the original chat is unchanged", 5000)
 
     def on_edit_requested(self, data: MessageData) -> None:
@@ -1127,7 +971,7 @@ class MainWindow(QMainWindow):
     def show_chat_page(self) -> None:
         self.pages.setCurrentIndex(0)
         self.side.setVisible(self.panel_button.isChecked())
-        self._fit_splitter()
+        self.state.fit_splitter()
         if self.conversation_id is None:
             self.title_label.setText("New chat")
         else:
@@ -1237,10 +1081,10 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.session.flush()  # keep what streamed so far; the store marks it interrupted on next open
-        self.save_window_state()
+        self.state.save()
         self.monitor_timer.stop()
         try:  # the theme is the application's: a closed window no longer follows the desktop's scheme
-            QGuiApplication.styleHints().colorSchemeChanged.disconnect(self.on_system_scheme_changed)
+            QGuiApplication.styleHints().colorSchemeChanged.disconnect(self.state.on_system_scheme_changed)
         except (RuntimeError, TypeError):
             pass
         super().closeEvent(event)
@@ -1250,29 +1094,9 @@ class MainWindow(QMainWindow):
 
     def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
         super().resizeEvent(event)
-        self._fit_splitter()
+        self.state.fit_splitter()
 
     def showEvent(self, event: QShowEvent) -> None:  # noqa: N802
         super().showEvent(event)
-        QTimer.singleShot(0, self, self._fit_splitter)  # once laid out (and never after the window is gone)
+        QTimer.singleShot(0, self, self.state.fit_splitter)  # once laid out (and never after the window is gone)
 
-    def on_splitter_moved(self, *_args: object) -> None:
-        """The user dragged a handle: these are the widths the side columns return to when there is room."""
-        sizes = self.splitter.sizes()
-        if len(sizes) == 3 and sizes[2] > 0:
-            self._preferred_widths = (sizes[0], sizes[2])
-
-    def _fit_splitter(self) -> None:
-        """Keep the chat at least COMFORT_CHAT_WIDTH wide by narrowing the panels, then the sidebar (a 1,024 px
-        window), and give them back their preferred widths when the window grows again."""
-        sizes = self.splitter.sizes()
-        total = sum(sizes)
-        if len(sizes) != 3 or total <= 0 or not self.side.isVisible():
-            return
-        pref_bar, pref_side = self._preferred_widths
-        room = total - COMFORT_CHAT_WIDTH  # for the sidebar and the panels together
-        side = max(MIN_SIDE_WIDTH + 20, min(pref_side, room - (MIN_SIDEBAR_WIDTH + 20)))
-        bar = max(MIN_SIDEBAR_WIDTH + 20, min(pref_bar, room - side))
-        fitted = [bar, total - bar - side, side]
-        if fitted != sizes:
-            self.splitter.setSizes(fitted)
