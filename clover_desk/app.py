@@ -186,7 +186,7 @@ class CloverDeskApp(QObject):
         if info is not None:
             self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})  # the context it will load with
         if style:
-            self.window.apply_theme_preference()
+            self.window.state.apply_theme_preference()
         self._connect_signals()
         if start_engine:
             self.client.start()

@@ -211,7 +211,7 @@ def main() -> int:
     desk = CloverDeskApp(home, client=client, settings=AppSettings(model_dir="/models/Clover-35B-A3B-Preview"),
                          hardware=hardware, with_model_manager=False)
     window = desk.window
-    window.set_theme_preference("dark")
+    window.state.set_theme_preference("dark")
     window.resize(width, height)
     window.show()
 
@@ -223,7 +223,7 @@ def main() -> int:
     desk.store.add_message(older.id, "assistant", SECOND_A, stats={"tokens": 96, "tokens_per_s": 41.2})
     for title in ("Refactor the SQLite schema", "Trip plan: Lisbon in 3 days", "Regex for ISO dates"):
         desk.store.create_conversation(title=title)
-    window.reload_conversations()
+    window.conversations.reload()
     window.on_new_conversation()
     client.script = diffusion_script(ANSWER, THINKING, blocks=9)
     window.composer.input.setPlainText(QUESTION)
@@ -256,7 +256,7 @@ def main() -> int:
         window.close()
         desk.store.close()
         return 0
-    window.set_theme_preference("dark")
+    window.state.set_theme_preference("dark")
     window.resize(width, height)
     settle(300)
 
@@ -323,7 +323,7 @@ def matrix(window, out: Path) -> None:
     """The whole window at the two sizes that must work, in both themes: the chat with its page in the preview,
     and the denoising panel over the same chat (``window-<theme>-<W>x<H>.png``, ``...-denoising.png``)."""
     for theme in ("light", "dark"):
-        window.set_theme_preference(theme)
+        window.state.set_theme_preference(theme)
         for w, h in MATRIX_SIZES:
             window.resize(w, h)
             window.show_panel(window.preview)

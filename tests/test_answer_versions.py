@@ -230,7 +230,7 @@ def test_editing_an_older_message_keeps_the_old_branch_behind_the_user_arrows(qt
     assert client.requests[-1][0] == [{"role": "user", "content": "q1 edited"}]
     user.version_prev.click()
     assert shown(window) == [("user", "q1"), ("assistant", "first"), ("user", "q2"), ("assistant", "second")]
-    out = window.export_conversation(window.conversation_id, "markdown", str(tmp_path / "chat.md"))
+    out = window.conversations.export(window.conversation_id, "markdown", str(tmp_path / "chat.md"))
     md = out.read_text(encoding="utf-8")
     assert "q2" in md and "edited" not in md
 

@@ -347,7 +347,7 @@ def test_sidebar_new_rename_search_delete(qtbot, store, monkeypatch) -> None:
     window.sidebar.list.setCurrentRow(0)
     assert window.conversation_id == first and window.chat.widgets[0].data.content == "apples and pears"
     window.sidebar.search.clear()
-    window.delete_conversation(first)
+    window.conversations.delete(first)
     assert [c.id for c in store.list_conversations()] == [second]
     assert window.conversation_id is None
 
@@ -360,7 +360,7 @@ def test_deleting_the_chat_being_answered(qtbot, store) -> None:
     qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
     cid = window.conversation_id
     with qtbot.waitSignal(window.generationFinished, timeout=3000):
-        window.delete_conversation(cid)
+        window.conversations.delete(cid)
     assert store.list_conversations() == [] and client.cancelled
     assert not window.is_generating() and window.chat.widgets == []
 
@@ -522,8 +522,8 @@ def test_reopening_a_conversation_restores_messages(qtbot, store) -> None:
 def test_export_markdown_and_json(qtbot, store, tmp_path) -> None:
     window, _ = make_window(qtbot, store)
     send(qtbot, window, "export me")
-    md = window.export_conversation(window.conversation_id, "markdown", str(tmp_path / "chat.md"))
-    js = window.export_conversation(window.conversation_id, "json", str(tmp_path / "chat.json"))
+    md = window.conversations.export(window.conversation_id, "markdown", str(tmp_path / "chat.md"))
+    js = window.conversations.export(window.conversation_id, "json", str(tmp_path / "chat.json"))
     assert "export me" in md.read_text() and '"export me"' in js.read_text()
     assert "Exported to" in window.statusBar().currentMessage()
 

@@ -534,15 +534,15 @@ def test_failed_edit_keeps_the_edit_and_other_failed_saves_say_why(
         assert [m.content for m in store.messages(cid)][0] == "first question"
         # every other write of the window says why instead of raising out of the slot
         window.info_banner.hide()
-        window.on_rename_requested(cid, "renamed")
+        window.conversations.on_rename_requested(cid, "renamed")
         assert "not renamed" in window.info_banner.label.text() and store.get_conversation(cid).title != "renamed"
         window.drawer.temperature.setValue(1.5)
         assert "settings were not saved" in window.info_banner.label.text()
-        assert window.export_conversation(cid, "markdown", str(small_fs / "chat.md")) is None
+        assert window.conversations.export(cid, "markdown", str(small_fs / "chat.md")) is None
         assert "not exported" in window.info_banner.label.text() and "No space left" in window.info_banner.label.text()
         window.on_regenerate_requested(window.chat.messages()[-1])
         assert "not regenerated" in window.info_banner.label.text() and not window.is_generating()
-        window.delete_conversation(cid)
+        window.conversations.delete(cid)
         assert "not deleted" in window.info_banner.label.text() and store.get_conversation(cid).id == cid
         filler.unlink()
         with qtbot.waitSignal(window.generationFinished, timeout=30_000):

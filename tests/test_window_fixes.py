@@ -384,3 +384,149 @@ def test_after_a_cancelled_compile_the_box_is_unticked_and_remote_never_compiles
         desk.load_model()
     assert client.compiles[-1] is False
     desk.shutdown()
+
+
+def _one_turn(qtbot) -> None:  # noqa: ANN001
+    """Let the event loop turn once (what was posted before runs), without sleeping."""
+    from PySide6.QtCore import QTimer
+
+    timer = QTimer()
+    timer.setSingleShot(True)
+    with qtbot.waitSignal(timer.timeout, timeout=2000):
+        timer.start(0)
+
+
+def test_the_wheel_guard_covers_dialogs_created_after_the_window(qtbot, tmp_path) -> None:
+    """Issue 32: the guard was installed once, on the boxes the window held when it was built; a dialog opened
+    later (Model ▸ Serve over HTTP…, any dialog the window owns) let a passing wheel change its boxes."""
+    from fakes_ui import FakeEngineClient
+    from PySide6.QtCore import QObject, Signal
+    from PySide6.QtWidgets import QComboBox, QDialog, QLineEdit, QSpinBox, QVBoxLayout
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from ui.main_window import MainWindow
+
+    class FakeServer(QObject):  # the ServerControl contract, serving nothing
+        serving = Signal(str)
+        serveStopped = Signal()
+        serveFailed = Signal(str)
+        server_url = None
+        server_policy = ""
+
+        def start_server(self, host: str, port: int, api_key: str | None = None) -> None: ...
+
+        def stop_server(self) -> None: ...
+
+    store = ChatStore(tmp_path / "chats.db")
+    window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
+    qtbot.addWidget(window)
+    window.show()
+    dialog = QDialog(window)  # built after the window, opened later
+    layout = QVBoxLayout(dialog)
+    first, combo, spin = QLineEdit(), QComboBox(), QSpinBox()
+    combo.addItems(["one", "two", "three"])
+    spin.setValue(5)
+    for widget in (first, combo, spin):
+        layout.addWidget(widget)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    _one_turn(qtbot)  # of the event loop, as between a dialog opening and the user's first wheel
+    first.setFocus()
+    _wheel(combo)
+    _wheel(spin, steps=1)
+    assert (combo.currentIndex(), spin.value()) == (0, 5)  # the wheel passed over them: nothing changed
+    combo.setFocus()
+    qtbot.waitUntil(combo.hasFocus)
+    _wheel(combo)
+    assert combo.currentIndex() == 1  # focused on purpose: the wheel picks
+    dialog.close()
+
+    window.set_server_control(FakeServer())  # a real dialog of the window, created after it was built
+    window.serve.open()
+    port = window.serve.dialog.port
+    qtbot.waitExposed(window.serve.dialog)
+    _one_turn(qtbot)
+    before = port.value()
+    window.serve.dialog.host.setFocus()
+    _wheel(port, steps=1)
+    assert port.value() == before
+    window.serve.dialog.close()
+    window.close()
+    store.close()
+
+
+def test_stop_in_the_first_block_keeps_the_committed_text_and_offers_continue(qtbot, tmp_path) -> None:
+    """Issue 32, bug 3, through the real window: Esc a few passes into the first block of a diffusion answer left an
+    empty bubble ("stopped", no text, no Continue) while the denoising panel showed the committed tokens. The client
+    here runs the real decode loop (engine.decode.generate, the scripted model of test_generate.py: one slot
+    committed per pass) one event per step, in the window's thread, as the worker would stream it."""
+    import itertools
+    import threading
+
+    from fakes_ui import FakeEngineClient
+    from PySide6.QtCore import Qt
+    from test_generate import MASK, LetterTokenizer, ScriptedModel, letters, settings
+
+    from clover_desk.storage import ChatStore, StreamRecorder
+    from engine.decode.events import BlockStep, Finished, TextDelta
+    from engine.decode.generate import generate
+    from ui.main_window import MainWindow
+
+    class DecodingClient(FakeEngineClient):
+        """The engine client's contract over the real decode loop, stepped by the test."""
+
+        def generate(self, messages, params, tools=None) -> str:  # noqa: ANN001
+            self._n += 1
+            self._rid = f"r{self._n}"
+            self.requests.append((list(messages), params))
+            self.stop = threading.Event()
+            model = ScriptedModel(letters, margin=lambda p: 1.0)  # one slot per pass: many passes per block
+            self.events = generate(model, [letters(p) for p in range(8)], settings(max_new_tokens=64),
+                                   LetterTokenizer(), self.stop)
+            return self._rid
+
+        def step(self) -> object:
+            event = next(self.events)
+            self.event.emit(self._rid, event)
+            return event
+
+        def cancel(self, request_id: str | None = None) -> None:
+            self.cancelled.append(request_id or self._rid)
+            self.stop.set()  # as the worker's cancel: the loop ends at its next pass
+
+        def drain(self) -> list[object]:
+            rest = list(self.events)
+            for event in rest:
+                self.event.emit(self._rid, event)
+            return rest
+
+    store = ChatStore(tmp_path / "chats.db")
+    client = DecodingClient()
+    window = MainWindow(client, store, StreamRecorder, model_dir="/models/tiny")
+    qtbot.addWidget(window)
+    window.show()
+    window.composer.input.setPlainText("Spell something")
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    assert window.is_generating()
+    event = client.step()
+    while not (isinstance(event, BlockStep) and event.pass_index == 2):  # three passes into the first block
+        assert not isinstance(event, (TextDelta, Finished))
+        event = client.step()
+    shown = event.tokens[event.prompt_slots:]
+    committed = LetterTokenizer().decode(list(itertools.takewhile(lambda t: t != MASK, shown)))  # the text so far
+    assert len(committed) == 3
+    bubble = window.chat.widgets[-1]
+    assert bubble.data.content == ""  # no block committed yet: only the denoising panel shows the tokens
+
+    with qtbot.waitSignal(window.generationFinished, timeout=5000) as ended:
+        qtbot.keyClick(window.composer.input, Qt.Key.Key_Escape)
+        assert client.cancelled == ["r1"]
+        rest = client.drain()
+    assert ended.args[1] == "cancelled" and isinstance(rest[-1], Finished)
+    assert (bubble.data.status, bubble.data.content) == ("stopped", committed)
+    assert committed in bubble.body.toPlainText()
+    assert bubble.continue_button.isVisible() and window.continue_action.isEnabled()
+    saved = store.messages(window.conversation_id)[-1]
+    assert (saved.status, saved.content) == ("stopped", committed)
+    window.close()
+    store.close()

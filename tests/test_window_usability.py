@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import ChatStore, StreamRecorder
 from engine.decode.events import GenerationParams
-from ui import main_window as main_window_module
+from ui import conversations as conversations_module
 from ui import theme as theme_module
 from ui.contracts import EngineState
 from ui.generation import GenerationSettings, defaults_from_model, export_file_name
@@ -293,8 +293,8 @@ def test_export_from_the_file_menu(qtbot, store, tmp_path, monkeypatch, ui_setti
         asked.append((start, filters, selected))
         return str(target / Path(start).name), selected
 
-    monkeypatch.setattr(main_window_module, "ask_save_path", fake_dialog)
-    monkeypatch.setattr(main_window_module, "documents_dir", lambda: tmp_path / "Documents")
+    monkeypatch.setattr(conversations_module, "ask_save_path", fake_dialog)
+    monkeypatch.setattr(conversations_module, "documents_dir", lambda: tmp_path / "Documents")
     window = make_window(qtbot, store, ui_settings=ui_settings)
     send(qtbot, window, "Hello, who are you?")
     old = os.umask(0o022)
@@ -504,14 +504,14 @@ def test_light_and_dark_themes_switch_from_view_and_follow_the_system(qtbot, sto
         QGuiApplication.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Dark)
     assert changed.args == ["dark"] and header_colour() == DARK["bg"]
     other = make_window(qtbot, store, ui_settings=ui_settings)  # a second window, still following the desktop
-    assert other.theme_preference == "system"
+    assert other.state.theme_preference == "system"
     window.theme_actions["light"].trigger()  # a forced theme ignores the desktop, in every window
     with qtbot.assertNotEmitted(window.themeChanged), qtbot.assertNotEmitted(other.themeChanged):
         QGuiApplication.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Dark)
     assert current_scheme() == "light"
     window.theme_actions["system"].trigger()
     again = make_window(qtbot, store, ui_settings=ui_settings)
-    assert again.theme_preference == "system" and again.theme_actions["system"].isChecked()
+    assert again.state.theme_preference == "system" and again.theme_actions["system"].isChecked()
 
 
 # ---------------------------------------------------------------------------------------------- D. shared pieces

@@ -340,6 +340,6 @@ class LongChats(QObject):
             w.show_save_error(exc, "The new chat was not created (your message is still in the box)")
             return
         self._end_summary("done")
-        w.reload_conversations(w.sidebar.search.text())
+        w.conversations.reload()
         w.open_conversation(new.id)
         w.on_send_requested(summary.text)

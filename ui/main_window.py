@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import (
@@ -44,8 +43,6 @@ from PySide6.QtGui import (
     QShowEvent,
 )
 from PySide6.QtWidgets import (
-    QApplication,
-    QFileDialog,
     QFrame,
     QHBoxLayout,
     QMainWindow,
@@ -62,26 +59,17 @@ from PySide6.QtWidgets import (
 )
 
 from engine.decode.events import (
-    BlockCommitted,
-    BlockStep,
-    EngineError,
-    Finished,
     LoadProgress,
-    PrefillProgress,
-    PromptInfo,
-    TextDelta,
-    continued_stats,
 )
+from ui.answer_display import AnswerDisplay
 from ui.banners import Banner, LoadBanner
 from ui.chat_presets import ChatPresets
+from ui.chat_session import ChatSession
 from ui.chat_view import (
     ChatView,
     HtmlExtractor,
     MessageData,
     PreviewRequest,
-    StreamingReply,
-    continuable,
-    preview_document_id,
 )
 from ui.composer import Composer
 from ui.context_window import context_limit
@@ -89,26 +77,26 @@ from ui.contracts import (
     ChatStoreLike,
     EngineClientLike,
     EngineState,
-    HtmlPreview,
     MemoryMonitor,
-    Recorder,
     RecorderFactory,
     RemoteFactory,
     ServerControl,
     TokenCounterLike,
 )
+from ui.conversations import Conversations
 from ui.denoise_view import DenoiseView
-from ui.generation import GenerationSettings, defaults_from_model, export_file_name, finished_stats
+from ui.generation import GenerationSettings, defaults_from_model
 from ui.gpu_check import GpuCheckDialog
 from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
-from ui.remote_chat import DENOISING_UNAVAILABLE, RemoteBackendControl, is_remote_finished
+from ui.remote_chat import RemoteBackendControl
 from ui.serve_panel import ServeController, ServeDialog
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
-from ui.theme import SCHEMES, apply_theme, current_preference, set_style_class
+from ui.theme import SCHEMES, set_style_class
 from ui.throttle import Throttle
-from ui.widgets import ElidedLabel, accessible, documents_dir, install_wheel_guard
+from ui.widgets import ElidedLabel, accessible, install_wheel_guard
+from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
 
 READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
 
@@ -123,17 +111,6 @@ ABOUT_TEXT = (
     "<p>The model runs on this computer, in its own process. Nothing is sent anywhere.</p>"
 )
 LOAD_CANCELLED = "Loading cancelled."
-EXPORT_FILTERS = {"markdown": "Markdown (*.md)", "json": "JSON (*.json)"}
-DEFAULT_SIZE = QSize(1480, 900)
-MIN_CHAT_WIDTH = 360
-MIN_SIDE_WIDTH = 320
-MIN_SIDEBAR_WIDTH = 190
-COMFORT_CHAT_WIDTH = 480  # below this the side panel, then the sidebar, give way (down to their minimum + a bit)
-
-
-def ask_save_path(parent: QWidget, caption: str, start: str, filters: list[str], selected: str) -> tuple[str, str]:
-    """The save dialog (a seam: tests replace it). Returns (path or "", the filter chosen)."""
-    return QFileDialog.getSaveFileName(parent, caption, start, ";;".join(filters), selected)
 
 
 class MainWindow(QMainWindow):
@@ -170,33 +147,25 @@ class MainWindow(QMainWindow):
         self.client = client
         self.store = store
         self._save_error: type[Exception] = getattr(store, "Error", OSError)
-        self._new_recorder = recorder_factory
-        self.recorder: Recorder | None = None  # saves the streaming answer
         self.model_dir = model_dir
         self.monitor = monitor
         self.gpu_name = gpu_name
         self.ui_settings = ui_settings
         self.model_defaults = model_defaults or GenerationSettings()
         self._fresh_touched = False  # the user edited a new chat's settings: model defaults no longer replace them
-        self.conversation_id: int | None = None
-        self.request_id: str | None = None
-        self.reply: StreamingReply | None = None
-        self.reply_data: MessageData | None = None
-        self.reply_mode = "diffusion"
-        self.preview_follows: MessageData | None = None  # the streaming answer the preview shows as it grows
         self.remote: RemoteBackendControl | None = None  # Model ▸ Backend…: a remote server (set_remote_factory)
-        self._request_source: Any = client  # what answers the request in flight: the engine client or the remote
+        # the chat's controller (no widgets) and where its calls land on screen
+        self.answers = AnswerDisplay(self)
+        self.session = ChatSession(client, store, recorder_factory, self.answers)
         if model_dir is None:
             self.engine_state = EngineState.NO_MODEL
         elif getattr(client, "model_info", None):  # handed a client whose model is already loaded
             self.engine_state = EngineState.READY
         else:
             self.engine_state = EngineState.STARTING
-        self.last_tok_s: float | None = None
-        self.last_tok_s_remote = False  # whose figure last_tok_s is: the remote server's (True) or the local engine's
         self.gpu_paths_in_use: list[str] = []  # the experimental GPU paths the loaded engine runs with (its answer)
-        self.last_hit_rate: float | None = None
-        self.theme_preference = str(self._setting("theme", "system"))
+        self.state = WindowState(self, ui_settings)  # size, columns, tab, theme, export folder: remembered
+        self.conversations = Conversations(self)  # the list, rename, delete, export
 
         # -- views
         self.sidebar = ConversationSidebar()
@@ -269,8 +238,8 @@ class MainWindow(QMainWindow):
         self._sync_from_settings()
         if self.monitor is not None:
             self.monitor_timer.start()
-        self._restore_window_state()
-        self.reload_conversations()
+        self.state.restore()
+        self.conversations.reload()
         conversations = self.store.list_conversations(limit=1)
         if conversations:
             self.open_conversation(conversations[0].id)
@@ -281,6 +250,28 @@ class MainWindow(QMainWindow):
             self.info_banner.show_message(self.preview_off[:1].upper() + self.preview_off[1:] + ".")
         install_wheel_guard(self)  # no value changes under a passing mouse wheel, in every box the window holds
         self.refresh_status()
+
+    # ----------------------------------------------------------------- the session's state, as the window's
+    @property
+    def conversation_id(self) -> int | None:
+        return self.session.conversation_id
+
+    @conversation_id.setter
+    def conversation_id(self, value: int | None) -> None:
+        self.session.conversation_id = value
+
+    @property
+    def request_id(self) -> str | None:
+        return self.session.request_id
+
+    @property
+    def reply_data(self) -> MessageData | None:
+        return self.session.reply_data
+
+    @property
+    def preview_follows(self) -> MessageData | None:
+        return self.answers.preview_follows
+
 
     # ----------------------------------------------------------------- construction
     def _build_chat_page(self) -> QWidget:
@@ -365,7 +356,6 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 3)
         self.splitter.setStretchFactor(2, 0)
-        self._preferred_widths = (260, 460)  # (sidebar, panels) when there is room; see _fit_splitter
         self.splitter.setSizes([260, 760, 460])
         central = QWidget()
         central.setObjectName("centralArea")
@@ -419,23 +409,23 @@ class MainWindow(QMainWindow):
         self.new_action = self._action(file_menu, "&New chat", self.on_new_conversation, "Ctrl+N")
         file_menu.addSeparator()
         self.export_md_action = self._action(file_menu, "&Export chat as Markdown…",
-                                             lambda: self.on_export_current("markdown"), "Ctrl+E",
+                                             lambda: self.conversations.on_export_current("markdown"), "Ctrl+E",
                                              "Save the chat on show as a Markdown file")
         self.export_json_action = self._action(file_menu, "Export chat as &JSON…",
-                                               lambda: self.on_export_current("json"), "Ctrl+Shift+E",
+                                               lambda: self.conversations.on_export_current("json"), "Ctrl+Shift+E",
                                                "Save the chat on show as JSON (messages, thinking, statistics)")
         file_menu.addSeparator()
         self.quit_action = self._action(file_menu, "&Quit", self.close, "Ctrl+Q")
         self.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
 
         edit_menu = bar.addMenu("&Edit")
-        self.find_action = self._action(edit_menu, "&Find chats…", self.on_find_chats, "Ctrl+K")
+        self.find_action = self._action(edit_menu, "&Find chats…", self.conversations.on_find_chats, "Ctrl+K")
         self.focus_action = self._action(edit_menu, "Go to the &message box", self.on_focus_composer, "Ctrl+L")
         edit_menu.addSeparator()
-        self.rename_action = self._action(edit_menu, "&Rename chat", self.on_rename_current, "F2")
+        self.rename_action = self._action(edit_menu, "&Rename chat", self.conversations.on_rename_current, "F2")
         # F2 anywhere in the window (the composer's focus included) renames the open chat, as the menu says
         self.rename_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-        self.delete_action = self._action(edit_menu, "&Delete chat…", self.on_delete_current)
+        self.delete_action = self._action(edit_menu, "&Delete chat…", self.conversations.on_delete_current)
         edit_menu.addSeparator()
         self.regenerate_action = self._action(edit_menu, "Re&generate last answer", self.on_regenerate_last,
                                               "Ctrl+Shift+R")
@@ -465,11 +455,11 @@ class MainWindow(QMainWindow):
         self.theme_group = QActionGroup(self)
         self.theme_actions: dict[str, QAction] = {}
         for scheme, label in zip(SCHEMES, ("Follow the &system", "&Light", "&Dark")):
-            action = self._action(theme_menu, label, lambda _=False, s=scheme: self.set_theme_preference(s),
+            action = self._action(theme_menu, label, lambda _=False, s=scheme: self.state.set_theme_preference(s),
                                   checkable=True)
             self.theme_group.addAction(action)
             self.theme_actions[scheme] = action
-        self.theme_actions.get(self.theme_preference, self.theme_actions["system"]).setChecked(True)
+        self.theme_actions.get(self.state.theme_preference, self.theme_actions["system"]).setChecked(True)
 
         model_menu = bar.addMenu("&Model")
         self.models_action = self._action(model_menu, "&Models…", self.show_models_page, "Ctrl+Shift+M",
@@ -514,10 +504,10 @@ class MainWindow(QMainWindow):
         # sidebar
         self.sidebar.newRequested.connect(self.on_new_conversation)
         self.sidebar.selected.connect(self.on_conversation_selected)
-        self.sidebar.renameRequested.connect(self.on_rename_requested)
-        self.sidebar.deleteRequested.connect(self.on_delete_requested)
-        self.sidebar.exportRequested.connect(self.on_export_requested)
-        self.sidebar.searchChanged.connect(self.on_search_changed)
+        self.sidebar.renameRequested.connect(self.conversations.on_rename_requested)
+        self.sidebar.deleteRequested.connect(self.conversations.on_delete_requested)
+        self.sidebar.exportRequested.connect(self.conversations.on_export_requested)
+        self.sidebar.searchChanged.connect(self.conversations.on_search_changed)
         self.sidebar.modelsRequested.connect(self.show_models_page)
         # chat
         self.composer.sendRequested.connect(self.on_send_requested)
@@ -547,85 +537,13 @@ class MainWindow(QMainWindow):
         if self.model_manager is not None and hasattr(self.model_manager, "modelChosen"):
             self.model_manager.modelChosen.connect(self.on_model_chosen)
         self.monitor_timer.timeout.connect(self.refresh_status)
-        self.splitter.splitterMoved.connect(self.on_splitter_moved)
+        self.splitter.splitterMoved.connect(self.state.on_splitter_moved)
         hints = QGuiApplication.styleHints()
-        hints.colorSchemeChanged.connect(self.on_system_scheme_changed)
+        hints.colorSchemeChanged.connect(self.state.on_system_scheme_changed)
 
     # ----------------------------------------------------------------- remembered state
-    def _setting(self, key: str, default: Any = None) -> Any:
-        return self.ui_settings.value(key, default) if self.ui_settings is not None else default
-
-    def _set_setting(self, key: str, value: Any) -> None:
-        if self.ui_settings is not None:
-            self.ui_settings.setValue(key, value)
-
-    def _restore_window_state(self) -> None:
-        geometry = self._setting("window/geometry")
-        if geometry is None or not self.restoreGeometry(geometry):
-            screen = self.screen().availableGeometry() if self.screen() is not None else None
-            size = DEFAULT_SIZE
-            if screen is not None and screen.width() > 0:
-                size = size.boundedTo(QSize(int(screen.width() * 0.92), int(screen.height() * 0.92)))
-            self.resize(size)
-        splitter = self._setting("window/splitter")
-        if splitter is not None and self.splitter.restoreState(splitter):
-            sizes = self.splitter.sizes()
-            self._preferred_widths = (sizes[0], sizes[2])
-        preferred = self._setting("window/preferredWidths")
-        if isinstance(preferred, (list, tuple)) and len(preferred) == 2:
-            self._preferred_widths = (int(preferred[0]), int(preferred[1]))
-        tab = self._setting("window/sideTab")
-        if tab is not None and 0 <= int(tab) < self.tabs.count():
-            self.tabs.setCurrentIndex(int(tab))
-        panels = self._setting("window/panels")
-        if panels is not None:
-            self.panel_button.setChecked(str(panels).lower() in ("true", "1"))
-
-    def save_window_state(self) -> None:
-        """Remember size, position, splitter and side tab (called on close)."""
-        if self.ui_settings is None:
-            return
-        self._set_setting("window/geometry", self.saveGeometry())
-        self._set_setting("window/splitter", self.splitter.saveState())
-        self._set_setting("window/preferredWidths", list(self._preferred_widths))
-        self._set_setting("window/sideTab", self.tabs.currentIndex())
-        self._set_setting("window/panels", self.panel_button.isChecked())
-        self.ui_settings.sync()
-
     # ----------------------------------------------------------------- theme
-    def apply_theme_preference(self) -> str:
-        """Apply the remembered theme ("system" follows the desktop) to the application; returns the palette."""
-        app = QApplication.instance()
-        if not isinstance(app, QApplication):
-            return "dark"
-        scheme = apply_theme(app, self.theme_preference)
-        self.chat.restyle()
-        self.denoise.canvas.update()
-        self.themeChanged.emit(scheme)
-        return scheme
-
-    def set_theme_preference(self, preference: str) -> None:
-        if preference not in SCHEMES:
-            raise ValueError(f"theme must be one of {', '.join(SCHEMES)}, got {preference!r}")
-        self.theme_preference = preference
-        self._set_setting("theme", preference)
-        self.theme_actions[preference].setChecked(True)
-        self.apply_theme_preference()
-
-    def on_system_scheme_changed(self, *_args: object) -> None:
-        # the application's theme, last set by any window: a window that still says "system" (an older one, or
-        # one whose choice another window has since overridden) does not take it back
-        if self.theme_preference == "system" and current_preference() == "system":
-            self.apply_theme_preference()
-
     # ----------------------------------------------------------------- conversations
-    def reload_conversations(self, query: str = "") -> None:
-        if query.strip():
-            items = [(h.conversation.id, h.conversation.title, h.snippet) for h in self.store.search(query)]
-        else:
-            items = [(c.id, c.title, "") for c in self.store.list_conversations()]
-        self.sidebar.set_items(items, self.conversation_id)
-
     def open_conversation(self, conversation_id: int | None) -> None:
         if self.is_generating():
             self.on_stop_requested()
@@ -663,7 +581,7 @@ class MainWindow(QMainWindow):
             if m.role in ("user", "assistant")
         ]
 
-    def _show_chosen_versions(self) -> None:
+    def show_chosen_versions(self) -> None:
         """Show the open chat again as the store has it now (another version chosen, an edit taken back); the
         engine reads the chat it now shows ahead of the next message."""
         if self.conversation_id is None:
@@ -674,21 +592,11 @@ class MainWindow(QMainWindow):
 
     def on_version_requested(self, data: MessageData, step: int) -> None:
         """‹ / › on a message: show its previous / next version, and below it the chat that version led to."""
-        if data.message_id is None:
-            return
-        if self.is_generating():
+        if data.message_id is not None and self.is_generating():
             self.statusBar().showMessage("Wait for the answer (or stop it) before switching versions", 4000)
             return
-        try:
-            ids = self.store.versions(data.message_id)
-            at = ids.index(data.message_id) + step
-            if not 0 <= at < len(ids):
-                return
-            self.store.select_version(ids[at])
-        except self._save_error as exc:
-            self.show_save_error(exc, "The other version was not shown")
-            return
-        self._show_chosen_versions()
+        if self.session.step_version(data, step):
+            self.show_chosen_versions()
 
     def _sync_from_settings(self) -> None:
         """The composer's Think switch and mode note, and the chat's thinking sections, follow the drawer."""
@@ -698,20 +606,6 @@ class MainWindow(QMainWindow):
         self.composer.think_button.blockSignals(False)
         self.chat.set_expand_thinking(settings.expand_thinking)
         self.composer.mode_label.setText({"diffusion": "", "spec": "self-speculative"}.get(settings.mode, "autoregressive"))
-
-    def _ensure_conversation(self, first_text: str) -> int:
-        if self.conversation_id is None:
-            title_for = getattr(self.store, "title_for", None)
-            conv = self.store.create_conversation(
-                title=title_for(first_text) if title_for else first_text.strip()[:60] or "New chat",
-                system_prompt=self.drawer.system_prompt_text(),
-                settings=self.drawer.settings().to_dict(),
-            )
-            self.conversation_id = conv.id
-            self.title_label.setText(conv.title)
-            self.reload_conversations(self.sidebar.search.text())
-            self.conversationChanged.emit(conv.id)
-        return self.conversation_id
 
     def on_new_conversation(self) -> None:
         self.open_conversation(None)
@@ -724,80 +618,13 @@ class MainWindow(QMainWindow):
         else:
             self.show_chat_page()
 
-    def on_rename_requested(self, conversation_id: int, title: str) -> None:
-        try:
-            self.store.rename_conversation(conversation_id, title)
-        except self._save_error as exc:
-            self.show_save_error(exc, "The chat was not renamed")
-            QTimer.singleShot(0, lambda: self.reload_conversations(self.sidebar.search.text()))
-            return
-        if conversation_id == self.conversation_id:
-            self.title_label.setText(title)
-        QTimer.singleShot(0, lambda: self.reload_conversations(self.sidebar.search.text()))
-
-    def on_rename_current(self) -> None:
-        if self.conversation_id is not None:
-            self.sidebar.start_rename(self.conversation_id)
-
-    def on_delete_current(self) -> None:
-        if self.conversation_id is not None:
-            self.on_delete_requested(self.conversation_id)
-
-    def on_delete_requested(self, conversation_id: int) -> None:
-        answer = QMessageBox.question(self, "Delete chat", "Delete this chat and all its messages?")
-        if answer == QMessageBox.StandardButton.Yes:
-            self.delete_conversation(conversation_id)
-
-    def delete_conversation(self, conversation_id: int) -> None:
-        if conversation_id == self.conversation_id and self.is_generating():
-            self.recorder = None  # its message is about to go: nothing more to save
-        if conversation_id == self.conversation_id:
-            self.open_conversation(None)
-        try:
-            self.store.delete_conversation(conversation_id)
-        except self._save_error as exc:
-            self.show_save_error(exc, "The chat was not deleted")
-        self.reload_conversations(self.sidebar.search.text())
+    def on_conversation_created(self, conversation_id: int, title: str) -> None:
+        """The session saved the first message of a new chat in a new conversation."""
+        self.title_label.setText(title)
+        self.conversations.reload()
+        self.conversationChanged.emit(conversation_id)
 
     # ----------------------------------------------------------------- export
-    def on_export_current(self, fmt: str) -> None:
-        if self.conversation_id is None:
-            self.statusBar().showMessage("Nothing to export yet: send a message first", 4000)
-            return
-        self.on_export_requested(self.conversation_id, fmt)
-
-    def on_export_requested(self, conversation_id: int, fmt: str) -> None:
-        """Ask where to save (the last folder used, else Documents; a file name from the title) and export."""
-        title = self.store.get_conversation(conversation_id).title
-        folder = Path(str(self._setting("export/dir", "") or documents_dir()))
-        start = folder / export_file_name(title, fmt)
-        filters = [EXPORT_FILTERS[fmt], EXPORT_FILTERS["json" if fmt == "markdown" else "markdown"], "All files (*)"]
-        path, chosen = ask_save_path(self, "Export chat", str(start), filters, EXPORT_FILTERS[fmt])
-        if not path:
-            return
-        chosen_fmt = next((f for f, label in EXPORT_FILTERS.items() if label == chosen), fmt)
-        suffix = ".md" if chosen_fmt == "markdown" else ".json"
-        if not Path(path).suffix:
-            path += suffix
-        if self.export_conversation(conversation_id, chosen_fmt, path) is not None:
-            self._set_setting("export/dir", str(Path(path).parent))
-
-    def export_conversation(self, conversation_id: int, fmt: str, path: str) -> Path | None:
-        try:
-            out = (self.store.export_markdown if fmt == "markdown" else self.store.export_json)(conversation_id, path)
-        except (OSError, self._save_error) as exc:
-            self.show_save_error(exc, f"The chat was not exported to {path}")
-            return None
-        self.statusBar().showMessage(f"Exported to {out}", 5000)
-        return out
-
-    def on_search_changed(self, text: str) -> None:
-        self.reload_conversations(text)
-
-    def on_find_chats(self) -> None:
-        self.sidebar.search.setFocus()
-        self.sidebar.search.selectAll()
-
     def on_focus_composer(self) -> None:
         self.show_chat_page()
         self.composer.input.setFocus()
@@ -844,7 +671,7 @@ class MainWindow(QMainWindow):
     # ----------------------------------------------------------------- sending
     def is_generating(self) -> bool:
         """An answer streams, or the summary for a new chat is being written."""
-        return self.request_id is not None or self.long_chats.summary is not None
+        return self.session.generating or self.long_chats.summary is not None
 
     def on_send_requested(self, text: str) -> None:
         """Save the message (or the edit) and start the answer; the composer is cleared only when both were saved.
@@ -854,96 +681,18 @@ class MainWindow(QMainWindow):
         if self.long_chats.blocks_send(text):
             return  # it does not fit: the choice is offered, the text stays in the box
         editing = self.composer.editing
-        sent: MessageData | None = None
-        edited: int | None = None  # the message an edit is a new version of (it stays, as the older version)
-        try:
-            if editing is not None and editing.message_id is not None and editing in self.chat.messages():
-                edited = editing.message_id
-                cid = self._ensure_conversation(text)
-                saved = self.store.add_message(cid, "user", text, version_of=edited)
-                versions = len(self.store.versions(saved.id))
-                self.chat.remove_from(self.chat.index_of(editing))
-                sent = MessageData("user", text, message_id=saved.id, version=versions, versions=versions)
-                self.chat.add_message(sent)
-            else:
-                if editing is not None:
-                    self.composer.end_edit()
-                cid = self._ensure_conversation(text)
-                saved = self.store.add_message(cid, "user", text)
-                sent = MessageData("user", text, message_id=saved.id)
-                self.chat.add_message(sent)
-            self._start_generation()
-        except self._save_error as exc:
-            if sent is not None:  # saved, but no answer could be started: take it back so a retry sends it once
-                self._take_back(sent, edited)
-            self.show_save_error(exc, "Your message was not sent (it is still in the box)")
-            return
-        self.composer.end_edit()
-        self.composer.input.clear()
-
-    def _take_back(self, sent: MessageData, edited: int | None = None) -> None:
-        """Delete a message that could not be answered; for an edit (a new version of ``edited``), show the
-        version that was edited again."""
-        assert sent.message_id is not None
-        try:
-            self.store.truncate_after(sent.message_id, include=True)
-            if edited is not None:
-                self.store.select_version(edited)
-        except self._save_error as exc:
-            log.warning("cannot take back message %s after a failed send: %s", sent.message_id, exc)
-            return
-        if edited is not None:
-            self._show_chosen_versions()
-        elif sent in self.chat.messages():
-            self.chat.remove_from(self.chat.index_of(sent))
-
-    def _start_generation(self, resume: MessageData | None = None, version_of: int | None = None) -> None:
-        """Start the answer to the chat's last message (with ``version_of``: a new version of that answer, which
-        stays), or go on with ``resume`` (the last answer, reopened in the store: ``ChatStore.reopen_message``),
-        which the engine continues (``continue_final_message``)."""
-        cid = self.conversation_id
-        assert cid is not None
-        settings = self.drawer.settings()
-        params = settings.to_params()
-        self.reply_mode = settings.mode
-        if resume is None:
-            saved = self.store.add_message(cid, "assistant", "", status="streaming", stats={"mode": settings.mode},
-                                           version_of=version_of)
-            versions = len(self.store.versions(saved.id)) if version_of is not None else 1
-            self.reply = StreamingReply()
-            self.reply_data = MessageData("assistant", status="streaming", stats={"mode": settings.mode},
-                                          message_id=saved.id, version=versions, versions=versions)
-            self.chat.add_message(self.reply_data)
-        # the chat as the store now has it, the chosen versions: without the new answer or the reopened one (both
-        # are streaming); the engine's prompt cache reads only what differs from what it read last
-        messages = self.long_chats.messages_to_send(cid)
-        if resume is not None:
-            assert resume.message_id is not None
-            messages = [*messages, {"role": "assistant", "content": resume.content,
-                                    "reasoning_content": resume.thinking}]
-            params = replace(params, continue_final_message=True)
-            self.reply = StreamingReply.resuming(resume)
-            self.reply_data = resume
-            self.chat.resume_stream(resume)
-        self.recorder = self._new_recorder(self.store, self.reply_data.message_id)
-        self.denoise.start(settings.mode)  # a new answer: the view follows its live pass
-        remote = self._uses_remote()
-        self.denoise.set_unavailable(DENOISING_UNAVAILABLE if remote else "")
-        self._request_source = self.remote.runner if remote and self.remote is not None else self.client
-        self.request_id = str(self._request_source.generate(messages, params, None))
-        self.composer.set_generating(True)
-        self.stop_action.setEnabled(True)
-        if self.side.currentWidget() is self.tabs and self.tabs.currentWidget() is not self.preview:
-            self.tabs.setCurrentWidget(self.denoise)
-        self.generationStarted.emit(self.request_id)
-        self.refresh_status()
+        if editing is not None and not self.session.editable(editing):
+            self.composer.end_edit()
+            editing = None
+        if self.session.send(text, editing):
+            self.composer.end_edit()
+            self.composer.input.clear()
 
     def on_stop_requested(self) -> None:
         if self.long_chats.summary is not None:
             self.long_chats.cancel_summary()
             self.engine_label.setText("● Stopping…")
-        if self.request_id is not None:
-            self._request_source.cancel(self.request_id)
+        if self.session.stop():
             self.engine_label.setText("● Stopping…")
 
     def on_regenerate_last(self) -> None:
@@ -957,27 +706,16 @@ class MainWindow(QMainWindow):
         if not self._can_send():
             self.statusBar().showMessage(self._why_not_ready(), 4000)
             return
-        try:
-            self.chat.remove_from(self.chat.index_of(data))
-            self._start_generation(version_of=data.message_id)  # the answer stays, as the version before
-        except self._save_error as exc:
-            self.show_save_error(exc, "The answer was not regenerated")
-            self._show_chosen_versions()
+        self.session.regenerate(data)
 
     def on_continue_last(self) -> None:
-        answer = self._answer_to_continue()
+        answer = self.session.answer_to_continue()
         if answer is not None:
             self.on_continue_requested(answer)
 
-    def _answer_to_continue(self) -> MessageData | None:
-        """The chat's last message when it is an answer Continue can go on with (``continuable``), else None."""
-        messages = self.chat.messages()
-        last = messages[-1] if messages else None
-        return last if last is not None and continuable(last) else None
-
     def on_continue_requested(self, data: MessageData) -> None:
         """Go on writing an answer that was cut short (the last one: its Continue button, Edit ▸ Continue)."""
-        if self.is_generating() or self._answer_to_continue() is not data:
+        if self.is_generating() or self.session.answer_to_continue() is not data:
             return
         if self._uses_remote():
             self.statusBar().showMessage("Continue needs the local engine: a remote server starts a new answer", 5000)
@@ -985,25 +723,17 @@ class MainWindow(QMainWindow):
         if not self._can_send():
             self.statusBar().showMessage(self._why_not_ready(), 4000)
             return
-        assert data.message_id is not None
-        try:
-            self.store.reopen_message(data.message_id)
-        except self._save_error as exc:
-            self.show_save_error(exc, "The answer was not continued")
-            return
-        self._start_generation(resume=data)
+        self.session.continue_answer(data)
 
     def on_branch_requested(self, data: MessageData) -> None:
         """A new chat with this one's messages up to ``data`` and its settings; it opens, the original stays."""
-        if self.is_generating() or data.message_id is None:
+        if self.is_generating():
             return
-        try:
-            branch = self.store.branch_conversation(data.message_id)
-        except self._save_error as exc:
-            self.show_save_error(exc, "The chat was not branched")
+        branch = self.session.branch(data)
+        if branch is None:
             return
         self.open_conversation(branch.id)
-        self.reload_conversations(self.sidebar.search.text())
+        self.conversations.reload()
         self.statusBar().showMessage(f"Branched into “{branch.title}”: the original chat is unchanged", 5000)
 
     def on_edit_requested(self, data: MessageData) -> None:
@@ -1011,18 +741,8 @@ class MainWindow(QMainWindow):
             return
         self.composer.begin_edit(data)
 
-    def _html_preview(self) -> HtmlPreview | None:
-        return cast("HtmlPreview | None", self.preview)
-
     def on_preview_requested(self, request: PreviewRequest) -> None:
-        preview = self._html_preview()
-        if preview is None:
-            return
-        streaming = self.reply_data is not None and request.message is self.reply_data
-        self.preview_follows = request.message if streaming and request.block is None else None
-        preview.set_html(request.html, request.document_id)
-        preview.flush()
-        self.show_panel(self.preview)
+        self.answers.on_preview_requested(request)
 
     def show_panel(self, widget: QWidget | None) -> None:
         """Show one of the side tabs (the drawer closes, the panels open)."""
@@ -1051,165 +771,21 @@ class MainWindow(QMainWindow):
 
     # ----------------------------------------------------------------- engine events
     def on_engine_event(self, request_id: str, event: object) -> None:
+        """Every event of the engine client (and the remote runner): the summary's, or the answer's."""
         if self.long_chats.owns(request_id):
             self.long_chats.on_summary_event(event)
             return
-        if request_id != self.request_id or self.reply is None or self.reply_data is None:
-            return
-        save_error: Exception | None = None
-        if self.recorder is not None:
-            try:
-                self.recorder.on_event(event)  # the store first: what is saved never lags what is shown
-            except self._save_error as exc:
-                save_error = exc
-        if save_error is not None:
-            self._stop_unsaved(event, save_error)
-            return
-        if self.prompt_progress.active and isinstance(event, (TextDelta, BlockStep, BlockCommitted)):
-            self.prompt_progress.end()  # the prompt is read: the answer has started
-            self.status_throttle.request()
-        if isinstance(event, TextDelta):
-            self.reply.add(event.text, event.channel)
-            self._sync_reply()
-            self.denoise.add_event(event)  # autoregressive mode shows the token stream
-            if event.channel != "thinking" and self.preview_follows is self.reply_data:
-                self._feed_preview()
-        elif isinstance(event, BlockStep):
-            self.denoise.add_event(event)
-        elif isinstance(event, BlockCommitted):
-            self.denoise.add_event(event)
-            self.status_throttle.request()
-        elif isinstance(event, PromptInfo):
-            self.denoise.add_event(event)
-            self.prompt_progress.begin(event.prompt_tokens)
-            self.refresh_status()  # "Reading your message…" (once per answer)
-        elif isinstance(event, PrefillProgress):
-            self.prompt_progress.set_progress(event)
-            self.status_throttle.request()
-        elif isinstance(event, Finished):
-            self.denoise.add_event(event)
-            self._finish(event)
-        elif is_remote_finished(event):
-            self._finish_remote(event)
-        elif isinstance(event, EngineError):  # a restart or a cancel ends it stopped, as the recorder saves it
-            stopped = event.kind in ("CancelledError", "WorkerStopped")
-            self._fail(f"{event.kind}: {event.message}", "cancelled" if stopped else "error")
+        self.session.on_event(request_id, event)
 
-    def _sync_reply(self) -> None:
-        assert self.reply is not None and self.reply_data is not None
-        self.reply_data.content = self.reply.answer
-        self.reply_data.thinking = self.reply.thinking
-        self.reply_data.thinking_seconds = self.reply.thinking_seconds()
-        self.chat.stream_changed()
-
-    def _feed_preview(self) -> None:
-        """Hand the followed answer's page so far to the preview (throttled there)."""
-        data, preview = self.preview_follows, self._html_preview()
-        if data is None or preview is None:
-            return
-        html = self.chat.extract_html(data.content)
-        if html is not None:
-            preview.set_html(html, preview_document_id(data))
-
-    def _finish(self, event: Finished) -> None:
-        assert self.reply is not None and self.reply_data is not None
-        self.reply.finish()
-        reply = self.reply
-        stats = finished_stats(event, self.reply_mode)
-        if reply.carried_stats is not None:  # a continued answer: the figures of both generations together
-            stats = continued_stats(reply.carried_stats, stats)
-        status = "stopped" if event.stop_reason == "cancelled" else "complete"
-        data = self.reply_data
-        # The deltas are authoritative for what was shown; Finished carries the same text (used if they differ).
-        data.content = reply.carried_answer + event.text if event.text else reply.answer
-        data.thinking = reply.carried_thinking + event.thinking if event.thinking else reply.thinking
-        data.thinking_seconds = self.reply.thinking_seconds()
-        data.status = status
-        data.stats = stats
-        self.last_tok_s = event.tokens_per_s
-        self.last_tok_s_remote = False
-        self.last_hit_rate = stats.get("expert_hit_rate", self.last_hit_rate)
-        self._end_generation(event.stop_reason)
-
-    def _finish_remote(self, event: Any) -> None:
-        """A remote answer ended (``RemoteFinished``): its figures as the server reported them, None elsewhere."""
-        assert self.reply is not None and self.reply_data is not None
-        self.reply.finish()
-        stats = event.stats()
-        data = self.reply_data
-        data.content = event.text or self.reply.answer
-        data.thinking = event.thinking or self.reply.thinking
-        data.thinking_seconds = self.reply.thinking_seconds()
-        data.status = "stopped" if event.finish_reason == "cancelled" else "complete"
-        data.stats = stats
-        self.last_tok_s = stats.get("tokens_per_s")
-        self.last_tok_s_remote = True
-        self._end_generation(str(stats.get("stop_reason") or "eos"))
-
-    def _fail(self, message: str, reason: str) -> None:
-        if self.reply is None or self.reply_data is None:
-            return
-        if self.recorder is not None and not self.recorder.done:  # e.g. a crash reported before its EngineError
-            self.recorder.on_event(EngineError("WorkerCrashed" if reason == "crashed" else "Error", message))
-        data = self.reply_data
-        if self.reply.carried_stats is not None:  # a continuation failed: the answer stays as it was, cut short
-            data.status = "stopped"  # (as the recorder saved it: clover_desk.storage.StreamRecorder)
-            data.stats = {**data.stats, "error": message,
-                          "stop_reason": {"crashed": "interrupted", "cancelled": "cancelled"}.get(reason, "error")}
-            self.info_banner.action.setVisible(False)
-            self.info_banner.show_message(f"The answer was not continued: {message}")
-        else:
-            data.status = "stopped" if reason == "cancelled" else "error"
-            data.stats = {**data.stats, "error": message, "stop_reason": reason}
-        self._end_generation(reason)
-
-    def _stop_unsaved(self, event: object, error: Exception) -> None:
-        """A save failed mid-answer: stop the generation (cancel sent unless this event ended it), back to idle,
-        and keep the answer on screen (this event's text included) marked as not saved."""
-        assert self.reply is not None and self.reply_data is not None
-        ended = isinstance(event, (Finished, EngineError))
-        if not ended and self.request_id is not None:
-            self._request_source.cancel(self.request_id)  # its remaining events are ignored: the request ends here
-        if isinstance(event, TextDelta):
-            self.reply.add(event.text, event.channel)
-        self.reply.finish()
-        data, reply = self.reply_data, self.reply
-        finished = isinstance(event, Finished)
-        data.content = reply.carried_answer + event.text if finished and event.text else reply.answer
-        data.thinking = reply.carried_thinking + event.thinking if finished and event.thinking else reply.thinking
-        data.thinking_seconds = self.reply.thinking_seconds()
-        data.status = "error"
-        data.stats = {**data.stats, "stop_reason": "not-saved", "error": f"not saved: {error}"}
-        self.recorder = None
-        self.show_save_error(error, "The answer is shown but was not saved; generation stopped")
-        self._end_generation("not-saved")
+    def request_source(self) -> Any:
+        """What answers the next request: the remote runner (Model ▸ Backend…) or the engine client."""
+        return self.remote.runner if self._uses_remote() and self.remote is not None else self.client
 
     def show_save_error(self, error: BaseException, what: str) -> None:
         """One clear message in the info banner for a failed save."""
         log.warning("%s: %s", what, error)
         self.info_banner.action.setVisible(False)
         self.info_banner.show_message(f"{what}: {error}")
-
-    def _end_generation(self, reason: str) -> None:
-        request_id = self.request_id or ""
-        preview = self._html_preview()
-        if preview is not None and self.preview_follows is not None and self.preview_follows is self.reply_data:
-            self._feed_preview()  # the final text (Finished's, when it differs from the deltas)
-            preview.flush()
-        self.preview_follows = None
-        self.prompt_progress.end()
-        self.request_id = None
-        self.reply = None
-        self.reply_data = None
-        self.recorder = None
-        self.chat.end_stream()
-        self.long_chats.throttle.request()  # the chat grew: count it again
-        self.composer.set_generating(False)
-        self.stop_action.setEnabled(False)
-        self.reload_conversations(self.sidebar.search.text())
-        self.refresh_status()
-        self.read_ahead_timer.start()
-        self.generationFinished.emit(request_id, reason)
 
     # ----------------------------------------------------------------- engine life
     def _set_state(self, state: EngineState) -> None:
@@ -1296,8 +872,8 @@ class MainWindow(QMainWindow):
 
     def on_engine_error_message(self, kind: str, message: str) -> None:
         self.load_banner.hide()
-        if self.is_generating() and self._request_source is self.client:
-            self._fail(f"{kind}: {message}", "error")
+        if self.session.local_request():
+            self.session.fail(f"{kind}: {message}", "error")
         if kind in ("CancelledError",):
             self.info_banner.action.setVisible(False)
             self.info_banner.show_message(LOAD_CANCELLED)
@@ -1318,8 +894,8 @@ class MainWindow(QMainWindow):
     def on_engine_crashed(self, reason: str) -> None:
         self.engine_state = EngineState.CRASHED
         self.load_banner.hide()
-        if self.is_generating() and self._request_source is self.client:
-            self._fail(f"the engine stopped: {reason}", "crashed")
+        if self.session.local_request():
+            self.session.fail(f"the engine stopped: {reason}", "crashed")
         self.crash_banner.show_message(f"The engine stopped: {reason}. Your chats are saved.")
         self.refresh_status()
 
@@ -1395,7 +971,7 @@ class MainWindow(QMainWindow):
     def show_chat_page(self) -> None:
         self.pages.setCurrentIndex(0)
         self.side.setVisible(self.panel_button.isChecked())
-        self._fit_splitter()
+        self.state.fit_splitter()
         if self.conversation_id is None:
             self.title_label.setText("New chat")
         else:
@@ -1422,7 +998,7 @@ class MainWindow(QMainWindow):
         self.composer.set_blocked(self._why_not_ready())
         self.regenerate_action.setEnabled(ready)
         self.continue_action.setEnabled(ready and not self._uses_remote() and not self.is_generating()
-                                        and self._answer_to_continue() is not None)
+                                        and self.session.answer_to_continue() is not None)
         self.cancel_load_action.setEnabled(self.engine_state is EngineState.LOADING)
 
     def refresh_status(self) -> None:
@@ -1451,15 +1027,15 @@ class MainWindow(QMainWindow):
         else:
             self.ram_label.setText("RAM –")
         live = self.denoise.model.tokens_per_s() if self.is_generating() else None
-        tok_s = live or (self.last_tok_s if not self.last_tok_s_remote else None)
+        tok_s = live or (self.session.last_tok_s if not self.session.last_tok_s_remote else None)
         self.speed_label.setText(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s")
-        rate = self.last_hit_rate
+        rate = self.session.last_hit_rate
         self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
         if self._uses_remote() and self.remote is not None:  # figures a remote does not report: said so, not guessed
             if not self.is_generating():
                 self.engine_label.setText(f"● Remote: {self.remote.host() or 'no URL set'}")
             # the server's figure, once it reported one (not the local engine's last)
-            rate_s = None if self.is_generating() or not self.last_tok_s_remote else self.last_tok_s
+            rate_s = None if self.is_generating() or not self.session.last_tok_s_remote else self.session.last_tok_s
             self.speed_label.setText(f"{rate_s:.1f} tok/s (remote)" if rate_s else "tok/s unavailable (remote)")
             self.hit_label.setText("Expert cache unavailable (remote)")
         self._update_send_state()
@@ -1504,17 +1080,11 @@ class MainWindow(QMainWindow):
         box.exec()
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
-        if self.is_generating() and self.recorder is not None:
-            try:
-                flush = getattr(self.recorder, "flush", None)
-                if flush is not None:
-                    flush()  # keep what streamed so far; the store marks it interrupted on next open
-            except self._save_error as exc:
-                log.warning("the answer being generated was not saved at close: %s", exc)
-        self.save_window_state()
+        self.session.flush()  # keep what streamed so far; the store marks it interrupted on next open
+        self.state.save()
         self.monitor_timer.stop()
         try:  # the theme is the application's: a closed window no longer follows the desktop's scheme
-            QGuiApplication.styleHints().colorSchemeChanged.disconnect(self.on_system_scheme_changed)
+            QGuiApplication.styleHints().colorSchemeChanged.disconnect(self.state.on_system_scheme_changed)
         except (RuntimeError, TypeError):
             pass
         super().closeEvent(event)
@@ -1524,29 +1094,9 @@ class MainWindow(QMainWindow):
 
     def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
         super().resizeEvent(event)
-        self._fit_splitter()
+        self.state.fit_splitter()
 
     def showEvent(self, event: QShowEvent) -> None:  # noqa: N802
         super().showEvent(event)
-        QTimer.singleShot(0, self, self._fit_splitter)  # once laid out (and never after the window is gone)
+        QTimer.singleShot(0, self, self.state.fit_splitter)  # once laid out (and never after the window is gone)
 
-    def on_splitter_moved(self, *_args: object) -> None:
-        """The user dragged a handle: these are the widths the side columns return to when there is room."""
-        sizes = self.splitter.sizes()
-        if len(sizes) == 3 and sizes[2] > 0:
-            self._preferred_widths = (sizes[0], sizes[2])
-
-    def _fit_splitter(self) -> None:
-        """Keep the chat at least COMFORT_CHAT_WIDTH wide by narrowing the panels, then the sidebar (a 1,024 px
-        window), and give them back their preferred widths when the window grows again."""
-        sizes = self.splitter.sizes()
-        total = sum(sizes)
-        if len(sizes) != 3 or total <= 0 or not self.side.isVisible():
-            return
-        pref_bar, pref_side = self._preferred_widths
-        room = total - COMFORT_CHAT_WIDTH  # for the sidebar and the panels together
-        side = max(MIN_SIDE_WIDTH + 20, min(pref_side, room - (MIN_SIDEBAR_WIDTH + 20)))
-        bar = max(MIN_SIDEBAR_WIDTH + 20, min(pref_bar, room - side))
-        fitted = [bar, total - bar - side, side]
-        if fitted != sizes:
-            self.splitter.setSizes(fitted)

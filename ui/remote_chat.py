@@ -42,6 +42,7 @@ from PySide6.QtWidgets import (
 from engine.decode.events import EngineError, GenerationParams
 from engine.errors import CloverError
 from ui.contracts import RemoteFactory
+from ui.messages import is_remote_finished  # noqa: F401 (re-exported; it moved there)
 from ui.theme import set_style_class
 from ui.thread_bridge import ThreadBridge
 from ui.widgets import accessible
@@ -53,12 +54,6 @@ KEYS = ("backend", "remote_url", "remote_api_key", "remote_model")  # in the win
 DENOISING_UNAVAILABLE = ("Denoising unavailable (remote): a remote server sends the answer's text only; its "
                          "passes never cross the API.")
 UNAVAILABLE = "unavailable"
-
-
-def is_remote_finished(event: object) -> bool:
-    """Whether ``event`` is the last event of a remote answer (``RemoteFinished``: it has no engine counterpart)."""
-    return hasattr(event, "finish_reason") and hasattr(event, "denoising_available") and callable(
-        getattr(event, "stats", None))
 
 
 def remote_stats_line(stats: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt, QTimer
 from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import QAbstractScrollArea, QAbstractSpinBox, QComboBox, QLabel, QSizePolicy, QWidget
 
@@ -96,28 +96,64 @@ class WheelGuard(QObject):
     keyboard focus scrolls what is around it (the page) instead of changing the value the pointer happens to pass
     over. Click (or Tab to) the box first and the wheel changes it as before. (Installed on the boxes themselves, not
     on the application: an application-wide Python filter sees every event of every object, QtWebEngine's own and
-    objects being destroyed included, and crashed the preview's pages.)"""
+    objects being destroyed included, and crashed the preview's pages.)
+
+    It also watches the window itself (``root``) and the dialogs it owns: a child added to the window later (a dialog,
+    a panel) has its boxes guarded once it is built (on the next turn of the event loop, not while it is still being
+    constructed), and a window or dialog being shown guards every box it holds then (boxes added since included)."""
+
+    def __init__(self, root: QWidget) -> None:
+        super().__init__(root)
+        self.root = root
+        self._scan_pending = False
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:  # noqa: N802 (Qt override)
-        if event.type() == QEvent.Type.Wheel and isinstance(watched, QWidget) and not watched.hasFocus():
-            area = watched.parentWidget()
-            while area is not None and not isinstance(area, QAbstractScrollArea):
-                area = area.parentWidget()
-            event.ignore()
-            if area is not None:  # (Qt propagates no synthesized wheel event: hand it to the scroll area itself)
-                QCoreApplication.sendEvent(area.viewport(), event)
-            return True
+        kind = event.type()
+        if kind == QEvent.Type.Wheel:
+            return self._on_wheel(watched, event)
+        if kind == QEvent.Type.ChildAdded and watched is self.root and not self._scan_pending:
+            self._scan_pending = True  # (the child is still being constructed: look at it once it is built)
+            QTimer.singleShot(0, self, self.guard_all)
+        elif kind == QEvent.Type.Show and isinstance(watched, QWidget):
+            guard_boxes(watched, self)
         return False
 
+    def _on_wheel(self, watched: QObject, event: QEvent) -> bool:
+        if not isinstance(watched, (QComboBox, QAbstractSpinBox)) or watched.hasFocus():
+            return False
+        area = watched.parentWidget()
+        while area is not None and not isinstance(area, QAbstractScrollArea):
+            area = area.parentWidget()
+        event.ignore()
+        if area is not None:  # (Qt propagates no synthesized wheel event: hand it to the scroll area itself)
+            QCoreApplication.sendEvent(area.viewport(), event)
+        return True
 
-def install_wheel_guard(root: QWidget) -> WheelGuard:
-    """Guard every combo box and spin box under ``root`` (again: the guard already there, boxes added since too)."""
-    guard = root.findChild(WheelGuard, "wheelGuard")
-    if guard is None:
-        guard = WheelGuard(root)
-        guard.setObjectName("wheelGuard")
+    def guard_all(self) -> None:
+        """Guard every box under the root, and watch the dialogs it owns (they are guarded again when shown)."""
+        self._scan_pending = False
+        guard_boxes(self.root, self)
+        for child in self.root.children():
+            if isinstance(child, QWidget) and child.isWindow():
+                child.removeEventFilter(self)  # (installed once per dialog)
+                child.installEventFilter(self)
+
+
+def guard_boxes(root: QWidget, guard: WheelGuard) -> None:
+    """Install ``guard`` on every combo box and spin box under ``root`` (once each)."""
     for box in [*root.findChildren(QComboBox), *root.findChildren(QAbstractSpinBox)]:
         box.setFocusPolicy(Qt.FocusPolicy.StrongFocus)  # the wheel alone no longer gives them the focus
         box.removeEventFilter(guard)  # (installed once per box)
         box.installEventFilter(guard)
+
+
+def install_wheel_guard(root: QWidget) -> WheelGuard:
+    """Guard every combo box and spin box under ``root``, now and as boxes, panels and dialogs are added later
+    (again: the guard already there)."""
+    guard = root.findChild(WheelGuard, "wheelGuard")
+    if guard is None:
+        guard = WheelGuard(root)
+        guard.setObjectName("wheelGuard")
+        root.installEventFilter(guard)
+    guard.guard_all()
     return guard
