@@ -75,6 +75,7 @@ from engine.decode.events import (  # noqa: E402
     PromptInfo,
     TextDelta,
 )
+from engine.settings import GpuPaths  # noqa: E402
 
 WORDS = (
     "Block diffusion fills thirty-two masked slots at once and commits every slot the model is sure of "
@@ -185,7 +186,7 @@ class FakeEngineClient(QObject):
         self.plans.append(plan)
         info = {"model_dir": str(model_dir), "device": device, "plan": plan,
                 "ctx_tokens": (plan or {}).get("ctx_tokens") or ctx_tokens,  # as the worker reports it
-                "gpu_paths": [k for k, v in self.started_env.items() if v == "1"]}  # as the worker reports its own
+                "gpu_paths": GpuPaths.from_env(self.started_env).opt_in()}  # as the worker reports its own
         self.model_info = None
 
         def done() -> None:

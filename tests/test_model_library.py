@@ -288,15 +288,15 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
 ) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.storage import ChatStore
-    from engine.placement.preflight import OPT_IN
+    from engine.settings import OPT_IN, GpuPaths
 
     folder, first, second = models
-    monkeypatch.delenv("CLOVER_DESK_FUSED_MOE", raising=False)
-    monkeypatch.setenv("CLOVER_DESK_FUSED_INT8", "1")  # set where the app starts: shown until a choice is made
+    # what `clover-desk gui` read where the app started (CLOVER_DESK_FUSED_INT8=1): shown until a choice is made
+    started = GpuPaths(fused_int8=True)
     gpu = Hardware(gpu_name="NVIDIA GeForce RTX 4080", vram_total_bytes=16 * 1024**3, ram_total_bytes=64 * 1024**3)
     app = CloverDeskApp(folder.parent, client=FakeEngineClient(loaded=False), store=ChatStore(tmp_path / "c.db"),
                         settings=AppSettings(model_dir=str(first), device="cpu"), hardware=gpu, with_preview=False,
-                        style=False)
+                        style=False, gpu_paths=started)
     try:
         library, client, window = app.model_library, app.client, app.window
         window.show()
@@ -320,7 +320,7 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
         with qtbot.waitSignal(client.loaded, timeout=5000):
             library.row_for(str(second)).load_button.click()
         assert client.restarts == 1  # the worker reads the switches when it starts
-        assert [k for k, v in client.started_env.items() if v == "1"] == chosen
+        assert GpuPaths.from_env(client.started_env).opt_in() == chosen
         qtbot.waitUntil(lambda: window.gpu_label.text() == "NVIDIA GeForce RTX 4080 · 2 experimental paths",
                         timeout=5000)
         with qtbot.waitSignal(client.loaded, timeout=5000):

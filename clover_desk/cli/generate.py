@@ -242,7 +242,8 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
         if not plan.fits:
             raise PlanError(plan.reason)
     return Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, gguf_layout=args.gguf_layout,
-                       compile=args.compile, progress=compile_stage_printer(command) if args.compile else None)
+                       compile=args.compile, progress=compile_stage_printer(command) if args.compile else None,
+                       gpu_paths=args.gpu_paths)
 
 
 def _plan_line(plan: Any) -> str:

@@ -70,6 +70,10 @@ misspelt option is refused, never silently ignored), so a refused load never lea
 
 ``--engine-factory MODULE:CALLABLE`` replaces ``engine.api:Engine.load`` (same signature); the tests use it to
 inject failures the real engine cannot be made to produce on demand. The default is the real engine.
+
+The GPU paths and kernel switches (``engine.settings.GpuPaths``) are read from the environment once, when the
+worker starts (the window writes them: ``GpuPaths.to_env``), and passed to every load (``gpu_paths=``); a refused
+value ends the worker at once with a fatal StartupError naming the switch.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ from engine.decode.events import EngineError, Finished, GenerationParams, LoadPr
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import CancelledError, CloverError
-from engine.placement.preflight import opt_in_from_env
+from engine.settings import GpuPaths, SettingsError
 
 log = logging.getLogger("clover_desk.worker.process")
 hang_ups = HangUpLog(log)  # the window hung up (it closed or stopped reading): one short line, not a traceback
@@ -489,9 +493,13 @@ class _PreemptingLock:
 class Worker:
     """Command dispatch and the load / generate threads. ``emit`` writes one record (thread-safe)."""
 
-    def __init__(self, emit: Callable[[dict[str, Any]], None], engine_factory: Callable[..., Any]) -> None:
+    def __init__(
+        self, emit: Callable[[dict[str, Any]], None], engine_factory: Callable[..., Any],
+        gpu_paths: GpuPaths | None = None,
+    ) -> None:
         self._emit = emit
         self._engine_factory = engine_factory
+        self._gpu_paths = gpu_paths or GpuPaths()  # what this process was started with (main: GpuPaths.from_env)
         self._lock = threading.Lock()  # guards the fields below
         self._engine: Any = None
         self._state = "idle"  # idle | loading | generating; back to idle *before* the final record goes out
@@ -796,7 +804,8 @@ class Worker:
             if plan is None and command.get("ctx_tokens"):  # no plan: the context asked for still holds
                 extra["ctx_tokens"] = int(command["ctx_tokens"])
             engine = self._engine_factory(
-                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, **extra
+                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, gpu_paths=self._gpu_paths,
+                **extra,
             )
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             self._set_idle()
@@ -831,7 +840,7 @@ class Worker:
                 "compiled": bool(getattr(engine, "compiled", False)),
                 "compile_cancelled": bool(getattr(engine, "compile_cancelled", False)),
                 "compile_skipped": _json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
-                "gpu_paths": opt_in_from_env(),  # the experimental GPU paths this process runs with (switches at 1)
+                "gpu_paths": self._gpu_paths.opt_in(),  # the experimental GPU paths this process runs with
             }
         )
 
@@ -1082,12 +1091,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     emit = LineWriter(_take_stdout())
     try:
+        gpu_paths = GpuPaths.from_env()  # once, here: every load gets this object
+    except SettingsError as exc:
+        log.critical("%s", exc)
+        emit({"event": "error", "kind": "StartupError", "message": str(exc), "fatal": True})
+        return FATAL_EXIT_CODE
+    try:
         factory = resolve(args.engine_factory)
     except (ImportError, AttributeError, ValueError) as exc:
         log.critical("cannot use engine factory %s: %s", args.engine_factory, exc)
         emit({"event": "error", "kind": "StartupError", "message": str(exc), "fatal": True})
         return FATAL_EXIT_CODE
-    worker = Worker(emit, factory)
+    worker = Worker(emit, factory, gpu_paths)
     try:
         _serve_commands(worker, emit)
     except OSError as exc:
