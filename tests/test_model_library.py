@@ -355,9 +355,13 @@ def test_gpu_paths_cannot_be_chosen_without_a_gpu_and_a_bad_choice_on_disk_is_dr
     assert AppSettings.load(path).gpu_paths == ["CLOVER_DESK_FUSED_MOE"]
 
 
-def test_an_environment_with_both_exclusive_switches_still_starts_the_app(qtbot, models, tmp_path, monkeypatch) -> None:  # noqa: ANN001, E501
+def test_the_app_reads_no_switch_itself_it_is_handed_the_settings(qtbot, models, tmp_path, monkeypatch) -> None:  # noqa: ANN001, E501
+    """The app never reads the GPU switches from its environment (`clover-desk gui` read them once and refuses both
+    exclusive ones, tests/test_settings.py): without the object it gives its worker the defaults, every switch
+    written, so the environment it inherited cannot add a path either."""
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.storage import ChatStore
+    from engine.settings import SWITCHES, GpuPaths
 
     folder, first, _second = models
     monkeypatch.setenv("CLOVER_DESK_ZERO_COPY", "1")
@@ -368,10 +372,10 @@ def test_an_environment_with_both_exclusive_switches_still_starts_the_app(qtbot,
                         start_engine=False, style=False)
     try:
         library = app.model_library
-        assert app.client.env == {}  # left as the environment says: the engine's load says what is wrong
-        assert library.gpu_paths() == ["CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL"]  # shown as they are
-        library.gpu_paths_actions["CLOVER_DESK_ZERO_COPY"].trigger()  # one unticked: a valid choice from now on
-        assert app.client.env["CLOVER_DESK_ZERO_COPY"] == "0" and app.client.env["CLOVER_DESK_DEVICE_POOL"] == "1"
+        assert app.client.env == GpuPaths().to_env() and set(app.client.env) == set(SWITCHES)
+        assert library.gpu_paths() == []
+        library.gpu_paths_actions["CLOVER_DESK_ZERO_COPY"].trigger()
+        assert GpuPaths.from_env(app.client.env) == GpuPaths(expert_fetch="zero_copy")
     finally:
         app.shutdown(wait_ms=0)
         app.window.close()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.decode.tokenizer import ENDOFTEXT, IM_END, MASK, THINK_END, train_tiny_tokenizer
+from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 from engine.errors import ConfigError
 from engine.model.config import CloverConfig, parse_config
 from engine.placement.manifest import ModelGeometry, _text_tensors
@@ -116,7 +117,8 @@ def tiny_text_config(
 
 
 def config_dict_for(
-    model_type: str, text: dict[str, Any], special: dict[str, int], *, block_size: int = 32, threshold: float = 0.95
+    model_type: str, text: dict[str, Any], special: dict[str, int], *, block_size: int = DEFAULT_BLOCK_SIZE,
+    threshold: float = DEFAULT_THRESHOLD,
 ) -> dict[str, Any]:
     """A full config.json dict for ``model_type`` around the text fields ``text``."""
     eos = [special[IM_END], special[ENDOFTEXT]]

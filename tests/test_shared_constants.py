@@ -1,0 +1,72 @@
+"""Shared constants are defined once (``engine.defaults``): the block-diffusion defaults (block size 32, threshold
+0.95) are not written again as literals where a config, a GGUF header, the loop, the planner or the window falls
+back to them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from engine import defaults
+from engine.decode.generate import DecodeSettings
+from engine.model.config import CloverConfig
+from engine.placement import planner
+from ui.generation import GenerationSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "clover_desk", "ui")
+# 0.95 written for another meaning: the denoising view's legend colour, the offload simulation's AR stand-in
+OTHER_095 = {"ui/denoise_view.py", "clover_desk/bench/offload.py"}
+
+
+def _code_files() -> list[tuple[str, ast.AST]]:
+    out = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            out.append((path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(encoding="utf-8"))))
+    return out
+
+
+def _literal_defaults(tree: ast.AST, names: set[str]) -> list[tuple[int, str, object]]:
+    """(line, name, value) of each numeric literal given as the default of a parameter or class field named in
+    ``names``, or as the fallback of a ``get("name", literal)`` / ``opt("name", literal)`` call."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            positional = args.posonlyargs + args.args
+            pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults))
+            pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            found += [(d.lineno, a.arg, d.value) for a, d in pairs
+                      if a.arg in names and isinstance(d, ast.Constant) and isinstance(d.value, (int, float))]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in names:
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, (int, float)):
+                found.append((node.lineno, node.target.id, node.value.value))
+        elif isinstance(node, ast.Call) and len(node.args) == 2 and isinstance(node.args[0], ast.Constant):
+            key, fallback = node.args[0].value, node.args[1]
+            if isinstance(key, str) and key.rsplit(".", 1)[-1] in names and isinstance(fallback, ast.Constant) \
+                    and isinstance(fallback.value, (int, float)):
+                found.append((node.lineno, key, fallback.value))
+    return found
+
+
+def test_the_diffusion_defaults_are_read_from_one_place() -> None:
+    assert (defaults.DEFAULT_BLOCK_SIZE, defaults.DEFAULT_THRESHOLD) == (32, 0.95)
+    for owner in (CloverConfig, DecodeSettings, GenerationSettings):
+        fields = owner.__dataclass_fields__
+        assert fields["block_size"].default == defaults.DEFAULT_BLOCK_SIZE, owner
+        assert fields["threshold"].default == defaults.DEFAULT_THRESHOLD, owner
+    written = [f"{rel}:{line} {name}={value}" for rel, tree in _code_files() if rel != "engine/defaults.py"
+               for line, name, value in _literal_defaults(tree, {"block_size", "threshold"})]
+    assert written == []
+    assert planner.make_plan.__kwdefaults__["block_size"] == defaults.DEFAULT_BLOCK_SIZE
+
+
+def test_the_threshold_literal_is_written_nowhere_else() -> None:
+    """0.95 as a number (docstrings and comments aside) only in engine/defaults.py and the listed other meanings."""
+    places = sorted(
+        f"{rel}:{node.lineno}" for rel, tree in _code_files() if rel != "engine/defaults.py" and rel not in OTHER_095
+        for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value == 0.95
+        and not isinstance(node.value, bool)
+    )
+    assert places == []
