@@ -7,10 +7,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from clover_desk.bench import speed
 from engine import defaults
 from engine.decode.generate import DecodeSettings
-from engine.model.config import CloverConfig
+from engine.model.config import CloverConfig, parse_config
 from engine.placement import planner
+from engine.placement.manifest import SHAPES, ModelGeometry
+from engine.weights.tiny import MAX_LAYERS, clover_35b_a3b_text_config, config_dict_for, tiny_text_config
 from ui.generation import GenerationSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,5 +71,25 @@ def test_the_threshold_literal_is_written_nowhere_else() -> None:
         f"{rel}:{node.lineno}" for rel, tree in _code_files() if rel != "engine/defaults.py" and rel not in OTHER_095
         for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value == 0.95
         and not isinstance(node.value, bool)
+    )
+    assert places == []
+
+
+def test_the_35b_shape_is_defined_once() -> None:
+    """The planner's shape (engine.placement.manifest.SHAPES), the real-width random checkpoints' config.json
+    (engine.weights.tiny) and the benchmarks' shape are one definition: the config read back gives the geometry,
+    and the widths are written as literals nowhere else."""
+    special = {"<|im_end|>": 2, "<|endoftext|>": 0, "<|mask|>": 5, "</think>": 4}
+    data = config_dict_for("clover_moe", clover_35b_a3b_text_config(), special)
+    assert ModelGeometry.from_config(parse_config(data, source="35b")) == SHAPES["clover-35b-a3b"]
+    assert MAX_LAYERS == SHAPES["clover-35b-a3b"].num_hidden_layers
+    assert tiny_text_config(**speed.SHAPES["clover-35b-a3b"]) == clover_35b_a3b_text_config()
+    geo = SHAPES["clover-35b-a3b"]
+    assert speed.HEAD_SHAPE == (geo.vocab_size, geo.hidden_size)
+    assert speed.MOE_SHAPE == dict(experts=geo.num_experts, top_k=geo.num_experts_per_tok, hidden=geo.hidden_size,
+                                   intermediate=geo.moe_intermediate_size)
+    places = sorted(
+        f"{rel}:{node.lineno}" for rel, tree in _code_files() if rel != "engine/placement/manifest.py"
+        for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value == geo.vocab_size
     )
     assert places == []

@@ -168,11 +168,31 @@ _QWEN35_35B_A3B = ModelGeometry(
     max_position_embeddings=131_072,
 )
 
-# Known shapes for `manifest_for_shape` / `clover-desk plan --shape`.
+# Known shapes for `manifest_for_shape` / `clover-desk plan --shape`: the one definition of the 35B-A3B widths (the
+# real-width checkpoints of engine.weights.tiny and the benchmarks' clover-35b-a3b shape are made from it: shape_fields).
 SHAPES: dict[str, ModelGeometry] = {
     "clover-35b-a3b": ModelGeometry(**{**asdict(_QWEN35_35B_A3B), "clover_extras": True}),
     "qwen3.5-35b-a3b": _QWEN35_35B_A3B,
 }
+
+
+def shape_fields(shape: str = "clover-35b-a3b") -> dict[str, int]:
+    """A known shape (:data:`SHAPES`) as the arguments of ``engine.weights.tiny.tiny_text_config`` (its widths,
+    depth, vocabulary and full-attention interval), so a random checkpoint or a benchmark at that shape restates
+    none of them."""
+    geo = SHAPES[shape]
+    interval = geo.full_attention_layers[0] + 1
+    if geo.full_attention_layers != tuple(range(interval - 1, geo.num_hidden_layers, interval)) \
+            or geo.linear_key_head_dim != geo.linear_value_head_dim:
+        raise ValueError(f"shape {shape!r} is not one tiny_text_config can make")
+    return dict(
+        vocab_size=geo.vocab_size, layers=geo.num_hidden_layers, hidden=geo.hidden_size, experts=geo.num_experts,
+        experts_per_tok=geo.num_experts_per_tok, heads=geo.num_attention_heads, kv_heads=geo.num_key_value_heads,
+        head_dim=geo.head_dim, linear_key_heads=geo.linear_num_key_heads,
+        linear_value_heads=geo.linear_num_value_heads, linear_head_dim=geo.linear_key_head_dim,
+        moe_intermediate=geo.moe_intermediate_size, shared_intermediate=geo.shared_expert_intermediate_size,
+        full_attention_interval=interval, max_position_embeddings=geo.max_position_embeddings,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
