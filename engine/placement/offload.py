@@ -60,6 +60,7 @@ from torch import Tensor, nn
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
 from engine.model.experts import SMALL_SLOTS, DenseExpertBank, ExpertBank, present
 from engine.placement.device_pool import COUNTS, DeviceSlotTables
+from engine.placement.planner import Plan
 from engine.settings import EXPERT_FETCH
 from engine.weights.formats import format_of_torch_dtype
 from engine.weights.quant import (
@@ -83,19 +84,10 @@ WINDOWS_PIN_BUDGET = 2 * GiB  # pinned host memory a loaded process can usually 
 _LAYER_RX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 
-class PlanLike(Protocol):
-    """The fields of ``engine.placement.planner.Plan`` this module reads."""
-
-    resident_expert_layers: Any
-    streamed_expert_layers: Any
-    slot_pool_experts: int
-    vram_breakdown: dict[str, int]
-    fits: bool
-
-
 @dataclass
 class SimplePlan:
-    """A plan written by hand (tests, benchmarks); same fields as ``engine.placement.planner.Plan`` that we read."""
+    """A plan written by hand (tests, benchmarks): the placement fields of ``engine.placement.planner.Plan``, under
+    the same names, without the byte counts a planner makes."""
 
     resident_expert_layers: tuple[int, ...]
     streamed_expert_layers: tuple[int, ...]
@@ -874,7 +866,7 @@ def alloc_host_rows(shape: tuple[int, int], pin: bool, budget: PinBudget, layer:
 
 def place_model(
     model: nn.Module,
-    plan: PlanLike,
+    plan: Plan | SimplePlan,
     device: torch.device | str,
     source: TensorSource,
     *,
@@ -1011,7 +1003,7 @@ def place_model(
     return runtime
 
 
-def apply_plan(model: nn.Module, plan: PlanLike, device: torch.device | str = "cuda", **kwargs: Any) -> OffloadRuntime:
+def apply_plan(model: nn.Module, plan: Plan | SimplePlan, device: torch.device | str = "cuda", **kwargs: Any) -> OffloadRuntime:
     """:func:`place_model` for a model already in memory (its tensors are the source). ``plan`` is a planner
     :class:`~engine.placement.planner.Plan` or a :class:`SimplePlan`; this function never plans."""
     if isinstance(plan, (int, float)):
