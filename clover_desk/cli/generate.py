@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from clover_desk.cli import flags
 from clover_desk.cli.models import resolve_model
+from engine.decode.events import MODES
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -42,7 +43,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
 
 def add_local_arguments(parser: argparse.ArgumentParser) -> None:
     """How a model is loaded here (``generate`` and ``chat``), and its decoding mode and thinking switch."""
-    parser.add_argument("--mode", choices=("diffusion", "ar", "spec"), default="diffusion",
+    parser.add_argument("--mode", choices=MODES, default="diffusion",
                         help="decoding mode (spec: self-speculative, AR greedy's tokens drafted by diffusion)")
     parser.add_argument("--max-new-tokens", type=flags.MAX_NEW_TOKENS, default=None, metavar="N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,

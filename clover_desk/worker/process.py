@@ -99,7 +99,7 @@ from typing import IO, Any
 from clover_desk.worker.hangup import HangUpLog, is_hang_up
 from clover_desk.worker.http_guards import is_loopback
 from clover_desk.worker.server import OpenAIServer
-from engine.decode.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
+from engine.decode.events import MODES, EngineError, Finished, GenerationParams, LoadProgress, to_dict
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import CancelledError, CloverError
@@ -286,22 +286,22 @@ def _limited(name: str) -> tuple[Check, str]:
     return _nullable(limit.accepts), f"{limit.allowed}, or null"
 
 
-# GenerationParams' fields (engine/decode/events.py) with their types and the ranges the engine accepts.
-PARAM_FIELDS: dict[str, tuple[Check, str]] = {
-    "mode": (_one_of("diffusion", "ar", "spec"), '"diffusion", "ar" or "spec"'),
-    "max_new_tokens": _limited("max_new_tokens"),
-    "temperature": _limited("temperature"),
-    "top_p": _limited("top_p"),
-    "top_k": _limited("top_k"),
-    "do_sample": (_nullable(_is_bool), "true, false or null"),
-    "presence_penalty": _limited("presence_penalty"),
-    "repetition_penalty": _limited("repetition_penalty"),
-    "block_size": _limited("block_size"),
-    "threshold": _limited("threshold"),  # 0 is allowed: commit every slot in one pass
-    "enable_thinking": (_is_bool, "true or false"),
-    "seed": _limited("seed"),
-    "continue_final_message": (_is_bool, "true or false"),
-}
+def _param_field(f: dataclasses.Field) -> tuple[Check, str]:  # type: ignore[type-arg]
+    """The wire check of one GenerationParams field: a numeric one's type and range from GENERATION_LIMITS (the
+    threshold's 0 included: commit every slot in one pass), the mode from MODES, a flag true or false (or null when
+    its default is None: the model's default)."""
+    if f.name in GENERATION_LIMITS:
+        return _limited(f.name)
+    if f.name == "mode":
+        return _one_of(*MODES), " or ".join(", ".join(f'"{m}"' for m in MODES).rsplit(", ", 1))
+    if f.type in ("bool", "bool | None"):
+        return (_nullable(_is_bool), "true, false or null") if f.default is None else (_is_bool, "true or false")
+    raise TypeError(f"GenerationParams.{f.name}: no wire check (add it to GENERATION_LIMITS or here)")
+
+
+# GenerationParams' fields (engine/decode/events.py), each with the check of its type and range, made from the
+# dataclass and the limits table: a new field gets its check there, not restated here.
+PARAM_FIELDS: dict[str, tuple[Check, str]] = {f.name: _param_field(f) for f in dataclasses.fields(GenerationParams)}
 GENERATE_FIELDS = ("cmd", "id", "messages", "prompt", "prompt_ids", "raw", "tools", "params")
 PLAN_BUDGETS: dict[str, tuple[Check, str]] = {
     "id": (_nullable(lambda v: isinstance(v, str)), "a string or null"),

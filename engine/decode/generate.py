@@ -30,6 +30,7 @@ from torch import Tensor
 
 from engine.decode import decoding
 from engine.decode.events import (
+    MODES,
     BlockCommitted,
     BlockStep,
     Event,
@@ -49,9 +50,6 @@ from engine.model.config import CloverConfig, GenerationDefaults
 from engine.placement import offload
 
 log = logging.getLogger(__name__)
-
-
-MODES = ("diffusion", "ar", "spec")
 
 
 class DecodingModel(Protocol):
