@@ -5,6 +5,7 @@ back to them."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 from clover_desk.bench import speed
@@ -12,7 +13,7 @@ from engine import defaults
 from engine.decode.generate import DecodeSettings
 from engine.model.config import CloverConfig, parse_config
 from engine.placement import planner
-from engine.placement.manifest import SHAPES, ModelGeometry
+from engine.placement.manifest import CONFIG_FIELDS, DERIVED_FIELDS, SHAPES, ModelGeometry
 from engine.weights.tiny import MAX_LAYERS, clover_35b_a3b_text_config, config_dict_for, tiny_text_config
 from ui.generation import GenerationSettings
 
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "clover_desk", "ui")
 # 0.95 written for another meaning: the denoising view's legend colour, the offload simulation's AR stand-in
 OTHER_095 = {"ui/denoise_view.py", "clover_desk/bench/offload.py"}
+SPECIAL_IDS = {"<|im_end|>": 2, "<|endoftext|>": 0, "<|mask|>": 5, "</think>": 4}
 
 
 def _code_files() -> list[tuple[str, ast.AST]]:
@@ -79,8 +81,7 @@ def test_the_35b_shape_is_defined_once() -> None:
     """The planner's shape (engine.placement.manifest.SHAPES), the real-width random checkpoints' config.json
     (engine.weights.tiny) and the benchmarks' shape are one definition: the config read back gives the geometry,
     and the widths are written as literals nowhere else."""
-    special = {"<|im_end|>": 2, "<|endoftext|>": 0, "<|mask|>": 5, "</think>": 4}
-    data = config_dict_for("clover_moe", clover_35b_a3b_text_config(), special)
+    data = config_dict_for("clover_moe", clover_35b_a3b_text_config(), SPECIAL_IDS)
     assert ModelGeometry.from_config(parse_config(data, source="35b")) == SHAPES["clover-35b-a3b"]
     assert MAX_LAYERS == SHAPES["clover-35b-a3b"].num_hidden_layers
     assert tiny_text_config(**speed.SHAPES["clover-35b-a3b"]) == clover_35b_a3b_text_config()
@@ -93,3 +94,19 @@ def test_the_35b_shape_is_defined_once() -> None:
         for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value == geo.vocab_size
     )
     assert places == []
+
+
+def test_model_geometry_takes_the_configs_fields_as_they_are() -> None:
+    """ModelGeometry restates no CloverConfig field: each of its fields is either CloverConfig's of the same name
+    and type (copied by from_config) or one of the few it derives."""
+    config_fields = {f.name: f for f in dataclasses.fields(CloverConfig)}
+    geometry_fields = {f.name: f for f in dataclasses.fields(ModelGeometry)}
+    assert set(CONFIG_FIELDS) | set(DERIVED_FIELDS) == set(geometry_fields)
+    for name in CONFIG_FIELDS:
+        assert name in config_fields, name
+        assert geometry_fields[name].type == config_fields[name].type, name
+    assert not set(DERIVED_FIELDS) & set(config_fields)
+    cfg = parse_config(config_dict_for("clover_moe", clover_35b_a3b_text_config(layers=8), SPECIAL_IDS), source="8")
+    geo = ModelGeometry.from_config(cfg)
+    assert all(getattr(geo, name) == getattr(cfg, name) for name in CONFIG_FIELDS)
+    assert geo.full_attention_layers == (3, 7) and geo.clover_extras

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError, ConfigError, PlanError
-from engine.model.config import load_config
+from engine.model.config import CloverConfig, load_config
 from engine.weights.formats import (
     COMPUTE_DTYPES,
     DEFAULT_POLICY,
@@ -122,31 +122,22 @@ class ModelGeometry:
         return len(self.gdn_layers) * self.conv_dim * (self.linear_conv_kernel_dim - 1) * 2
 
     @classmethod
-    def from_config(cls, cfg: Any, clover_extras: bool | None = None) -> "ModelGeometry":
-        """From an :class:`engine.model.config.CloverConfig`."""
+    def from_config(cls, cfg: CloverConfig, clover_extras: bool | None = None) -> "ModelGeometry":
+        """From an :class:`engine.model.config.CloverConfig`: every field of the same name (:data:`CONFIG_FIELDS`)
+        is the config's, the rest are derived from it (:data:`DERIVED_FIELDS`)."""
         full = tuple(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
         return cls(
-            num_hidden_layers=cfg.num_hidden_layers,
+            **{name: getattr(cfg, name) for name in CONFIG_FIELDS},
             full_attention_layers=full,
-            hidden_size=cfg.hidden_size,
-            vocab_size=cfg.vocab_size,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            linear_num_key_heads=cfg.linear_num_key_heads,
-            linear_num_value_heads=cfg.linear_num_value_heads,
-            linear_key_head_dim=cfg.linear_key_head_dim,
-            linear_value_head_dim=cfg.linear_value_head_dim,
-            linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            moe_intermediate_size=cfg.moe_intermediate_size,
-            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-            tie_word_embeddings=cfg.tie_word_embeddings,
             clover_extras=cfg.is_diffusion if clover_extras is None else clover_extras,
-            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 0) or 0),
         )
 
+
+# What ModelGeometry takes from CloverConfig as it is (the same names and meanings: config.json's), and what it
+# derives: the full-attention layers from layer_types, the Clover extras from is_diffusion (or the tensors), and the
+# output gate, which the planner reads from q_proj's rows (CloverConfig has it always).
+DERIVED_FIELDS = ("full_attention_layers", "clover_extras", "attn_output_gate")
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ModelGeometry) if f.name not in DERIVED_FIELDS)
 
 _QWEN35_35B_A3B = ModelGeometry(
     num_hidden_layers=40,
