@@ -35,7 +35,7 @@ from engine.errors import CloverError
 from engine.model.config import load_config, load_generation_defaults
 from engine.placement import planner
 from engine.placement.hardware import DEFAULT_HARDWARE, MemoryMonitor, probe_hardware
-from engine.placement.preflight import EXCLUSIVE, OPT_IN, opt_in_env, opt_in_from_env
+from engine.settings import EXCLUSIVE, OPT_IN, GpuPaths, SettingsError, opt_in_env
 from engine.weights.formats import FORMAT_OF_TORCH_NAME
 from engine.weights.gguf.file import open_gguf
 from ui.html_extract import extract_html
@@ -64,8 +64,8 @@ class AppSettings:
     vram_budget_bytes: int | None = None  # the VRAM panel's applied budget (None: load without a plan)
     ctx_tokens: int = DEFAULT_CTX_TOKENS
     compile_layers: bool = False  # compile the decoder layers at load (engine.kernels.fastpath; a warm-up while loading)
-    # the experimental GPU paths chosen on the models page (engine.placement.preflight.OPT_IN switch names); None: never chosen,
-    # the worker inherits the app's environment (CLOVER_DESK_FUSED_MOE=1 ...)
+    # the experimental GPU paths chosen on the models page (engine.settings.OPT_IN switch names); None: never chosen,
+    # the worker runs those of the settings the app started with (CloverDeskApp's gpu_paths: CLOVER_DESK_FUSED_MOE=1 ...)
     gpu_paths: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -141,11 +141,14 @@ class CloverDeskApp(QObject):
         with_model_manager: bool = True,
         start_engine: bool = True,
         style: bool = True,
+        gpu_paths: GpuPaths | None = None,
         parent: QObject | None = None,
     ) -> None:
         """``style``: apply the window's theme (light / dark / following the system) to the application.
         ``preview_off``: why the HTML preview cannot run here (as root without the sandbox): its tab says so and no
-        web engine starts."""
+        web engine starts. ``gpu_paths``: the GPU paths and kernel switches the app was started with (what
+        ``clover-desk gui`` read from its environment; default: the defaults), the engine process's unless the models
+        page chose other opt-in paths."""
         super().__init__(parent)
 
         self.home = Path(home) if home is not None else paths.app_data_dir()
@@ -155,6 +158,7 @@ class CloverDeskApp(QObject):
         self.hardware = hardware if hardware is not None else _probe()
         self.store = store or ChatStore(self.home / paths.CHATS_DB_NAME)
         self.client = client or EngineClient()
+        self.started_gpu_paths = gpu_paths or GpuPaths()
         self._apply_gpu_paths()
         self.device = self.settings.device or ("cuda" if self.hardware.gpu_name else "cpu")
         self.dtype = self.settings.dtype or ("bfloat16" if self.device == "cuda" else "float32")
@@ -277,23 +281,21 @@ class CloverDeskApp(QObject):
             app.aboutToQuit.connect(self.on_about_to_quit)
 
     def gpu_paths(self) -> list[str]:
-        """The experimental GPU paths the worker runs with: the models page's choice, or (never chosen) the switches
-        set to 1 in the app's own environment."""
-
-        return list(self.settings.gpu_paths) if self.settings.gpu_paths is not None else opt_in_from_env()
+        """The experimental GPU paths the worker runs with: the models page's choice, or (never chosen) those of
+        the settings the app started with."""
+        return list(self.settings.gpu_paths) if self.settings.gpu_paths is not None else self.started_gpu_paths.opt_in()
 
     def _apply_gpu_paths(self) -> bool:
-        """Give the worker exactly the chosen paths (every switch, 1 or 0, over the app's environment); returns
-        whether a running worker has to restart for them."""
+        """Give the worker exactly the chosen paths (every switch, 1 or 0, over the app's environment: the started
+        settings with the models page's opt-in choice); returns whether a running worker has to restart for them."""
         if not hasattr(self.client, "set_env"):
             return False
-
         try:
-            env = opt_in_env(self.gpu_paths())
-        except ValueError as exc:  # the app's own environment sets both exclusive switches: the engine says so
-            log.warning("GPU paths from the environment: %s", exc)  # at load, as before any choice was made here
+            paths = GpuPaths.from_opt_in(self.gpu_paths(), base=self.started_gpu_paths)
+        except SettingsError as exc:  # a hand-edited choice (AppSettings.load drops one that is refused)
+            log.warning("GPU paths: %s", exc)
             return False
-        return bool(self.client.set_env(env))
+        return bool(self.client.set_env(paths.to_env()))
 
     # ----------------------------------------------------------------- slots
     def load_model(self) -> None:

@@ -27,11 +27,12 @@ from engine.decode.prompt_cache import PromptCache
 from engine.decode.tokenizer import CloverTokenizer
 from engine.defaults import DEFAULT_CTX_TOKENS, GIB
 from engine.errors import CancelledError, ConfigError, PlanError, PromptError
-from engine.kernels import fastpath
+from engine.kernels import fastpath, switches
 from engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
 from engine.placement import offload, planner
 from engine.placement.manifest import manifest_from_gguf
 from engine.placement.planner import Plan, plan_model, probe_hardware
+from engine.settings import GpuPaths
 from engine.weights import quant_cache
 from engine.weights.checkpoint import load_model
 from engine.weights.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
@@ -110,6 +111,7 @@ def _load_planned(
     dtype: torch.dtype,
     progress: Callable[[LoadProgress], None] | None,
     cancel: threading.Event | None,
+    expert_fetch: str = "pool",
 ) -> tuple[Any, Any]:
     """Check ``plan`` against the model's quantized cache (built first when needed: it streams tensor by tensor)
     and this machine, then read each tensor once into its planned place. Returns (plan, model)."""
@@ -117,7 +119,8 @@ def _load_planned(
     report = quant_cache.ensure_cache(folder, progress=progress, cancel=cancel)
     log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
     _check_plan_here(plan, planner.manifest_from_quantized_cache(report.manifest_path), device)
-    model = quant_cache.load_from_cache(report.path, folder, dtype, progress, cancel, plan=plan, device=device)
+    model = quant_cache.load_from_cache(report.path, folder, dtype, progress, cancel, plan=plan, device=device,
+                                        expert_fetch=expert_fetch)
     return plan, model
 
 
@@ -135,6 +138,7 @@ class Engine:
         hooks: LoopHooks | None = None,
         ar_only: str | None = None,
         compile_skipped: str | None = None,
+        gpu_paths: GpuPaths | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -149,6 +153,7 @@ class Engine:
         self.prompt_cache = PromptCache()
         self.ctx_limit: int = getattr(plan, "ctx_tokens", 0) or 0  # requests are held to it (0: the model's own)
         self.compile_cancelled = False  # Cancel came during the compile's warm-up: loaded, running uncompiled
+        self.gpu_paths = gpu_paths or switches.current()  # the GPU paths and kernel switches it runs with
 
     @property
     def compiled(self) -> bool:
@@ -169,6 +174,7 @@ class Engine:
         gguf_layout: str = "auto",
         compile: bool = False,
         compile_backend: Any = "inductor",
+        gpu_paths: GpuPaths | None = None,
     ) -> "Engine":
         """Read a model folder (config, generation config, tokenizer, weights) onto ``device``.
 
@@ -198,6 +204,11 @@ class Engine:
 
         ``dtype``: the compute dtype (default: the plan's, else float32); a plan made for another dtype is refused,
         since it counted the device's weights and KV cache in its own.
+
+        ``gpu_paths``: the GPU paths and kernel switches (``engine.settings.GpuPaths``, read once where the process
+        started: ``GpuPaths.from_env()``): the kernels' switches are set from it (``engine.kernels.switches.use``)
+        and streamed experts are fetched as its ``expert_fetch`` says. None: the process's switches as they are
+        (the defaults unless something set them) and the slot pool.
         """
         folder = Path(model_dir)
         is_gguf = folder.suffix == ".gguf"  # a GGUF file (or the first part of a split set): engine.weights.gguf.model
@@ -216,6 +227,9 @@ class Engine:
             raise ConfigError(f"device {device!r} was asked for, but CUDA is not available here")
         hooks = None
         ar_only = None
+        if gpu_paths is not None:
+            switches.use(gpu_paths)
+        fetch = gpu_paths.expert_fetch if gpu_paths is not None else "pool"
         if plan is None and vram_gb is not None:
             plan = plan_for(folder, vram_gb, ctx_tokens, dtype or "float32", gguf_layout)
         if isinstance(plan, dict):
@@ -238,7 +252,7 @@ class Engine:
                 _check_plan_here(plan, manifest_from_gguf(folder, gguf_layout), device)
             model, config, defaults, tokenizer, ar_only = load_gguf_engine(
                 folder, device=device, dtype=torch_dtype, layout=gguf_layout, progress=progress, cancel=cancel,
-                plan=plan,
+                plan=plan, expert_fetch=fetch,
             )
         elif plan is None:
 
@@ -246,7 +260,7 @@ class Engine:
                 folder, dtype=torch_dtype, device=device, progress=progress, cancel=cancel, config=config
             )
         else:
-            plan, model = _load_planned(folder, plan, device, torch_dtype, progress, cancel)
+            plan, model = _load_planned(folder, plan, device, torch_dtype, progress, cancel, fetch)
         if plan is not None:
             if plan.prefill_chunk_tokens:
                 model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
@@ -263,7 +277,8 @@ class Engine:
                 if progress is not None:
                     progress(LoadProgress(stage="compile-skipped", done_bytes=0, total_bytes=0,
                                           current=compile_skipped))
-        engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped)
+        engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped,
+                     dataclasses.replace(switches.current(), expert_fetch=fetch))
         if plan is None and ctx_tokens:  # no plan (system RAM): the context the load was asked for, all the same
             engine.ctx_limit = int(ctx_tokens)
         if compile and not compile_skipped:

@@ -55,6 +55,7 @@ def make(
     plan: dict | None = None,
     compile: bool = False,
     ctx_tokens: int | None = None,  # the context a load without a plan holds requests to (the app sends it)
+    gpu_paths: Any = None,  # the worker's engine.settings.GpuPaths (every load gets it)
 ) -> FakeEngine:
     total = 1000
     if model_dir.endswith("fail"):

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from engine.placement.planner import Plan
 
 GIB = 1024**3
 
 
-@dataclass(frozen=True)
-class FakePlan:
-    resident_expert_layers: int
-    streamed_expert_layers: int
-    slot_pool_experts: int
-    vram_bytes: int
-    vram_breakdown: dict[str, int]
-    ram_bytes: int
-    fits: bool
-    reason: str
-    min_vram_bytes: int
-    predicted_tok_s: dict[str, float] = field(default_factory=dict)
-
-
-def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> FakePlan:
+def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> Plan:
+    """A real ``Plan`` with made-up numbers (the budget and context left unset, as a hand-made plan has them)."""
     non_expert = int(2.6 * GIB)
     per_layer = int(0.42 * GIB)
     slots = int(0.9 * GIB)
@@ -48,9 +35,9 @@ def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> FakePlan:
         "workspace": workspace,
         "reserve": reserve,
     }
-    return FakePlan(
-        resident_expert_layers=resident,
-        streamed_expert_layers=streamed,
+    return Plan(
+        resident_expert_layers=list(range(resident)),
+        streamed_expert_layers=list(range(resident, layers)),
         slot_pool_experts=64 if streamed else 0,
         vram_bytes=sum(breakdown.values()),
         vram_breakdown=breakdown,
@@ -59,6 +46,7 @@ def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> FakePlan:
         reason="" if fits else f"needs at least {minimum / GIB:.1f} GiB: non-expert weights, KV cache at {ctx_tokens} tokens and the expert slot pool",
         min_vram_bytes=minimum,
         predicted_tok_s={"diffusion": 12 + 1.6 * resident, "ar": 6 + 0.5 * resident},
+        assumptions={},
     )
 
 
@@ -75,6 +63,7 @@ from engine.decode.events import (  # noqa: E402
     PromptInfo,
     TextDelta,
 )
+from engine.settings import GpuPaths  # noqa: E402
 
 WORDS = (
     "Block diffusion fills thirty-two masked slots at once and commits every slot the model is sure of "
@@ -185,7 +174,7 @@ class FakeEngineClient(QObject):
         self.plans.append(plan)
         info = {"model_dir": str(model_dir), "device": device, "plan": plan,
                 "ctx_tokens": (plan or {}).get("ctx_tokens") or ctx_tokens,  # as the worker reports it
-                "gpu_paths": [k for k, v in self.started_env.items() if v == "1"]}  # as the worker reports its own
+                "gpu_paths": GpuPaths.from_env(self.started_env).opt_in()}  # as the worker reports its own
         self.model_info = None
 
         def done() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from engine.decode.generate import DecodeSettings, loop_hooks
 from engine.errors import PlanError
-from engine.kernels import step_graphs
+from engine.kernels import step_graphs, triton_moe
 from engine.model.clover import CloverModel
 from engine.model.config import parse_config
 from engine.placement import offload
@@ -274,7 +274,7 @@ def test_a_broken_victim_choice_is_caught() -> None:
     assert differs
 
 
-def test_refusals_and_what_excludes_what(qmodel: CloverModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refusals_and_what_excludes_what(qmodel: CloverModel) -> None:
     pool = _pool(7, 8)
     assert "at least 8" in str(DeviceSlotTables.refusal(pool, 4, torch.device("cpu")))
     assert DeviceSlotTables.refusal(_pool(8, 8), 4, torch.device("cpu")) is None
@@ -292,8 +292,8 @@ def test_refusals_and_what_excludes_what(qmodel: CloverModel, monkeypatch: pytes
     model = placed(qmodel, (1, 3), EXPERTS, device_pool=True)
     with pytest.raises(PlanError, match="exclude each other"):
         offload.set_zero_copy(model, True)
-    monkeypatch.setenv(offload.DEVICE_POOL_ENV, "1")  # the environment asks on CUDA only
-    rt = offload.runtime_of(placed(qmodel, (1, 3), EXPERTS))
+    # the settings' expert fetch (engine.settings.GpuPaths.expert_fetch) asks on CUDA only
+    rt = offload.runtime_of(placed(qmodel, (1, 3), EXPERTS, expert_fetch="device_tables"))
     assert rt is not None and rt.tables is None
 
 
@@ -856,7 +856,7 @@ def test_device_table_block_passes_are_one_cuda_graph_without_a_sync(monkeypatch
     from tests.test_step_graphs import PROMPT as SG_PROMPT
     from tests.test_step_graphs import tiny_config, tiny_model
 
-    monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
+    monkeypatch.setattr(triton_moe, "_enabled", True)
     gpu = torch.device("cuda")
 
     def first_pass(device_pool: bool) -> tuple[CloverModel, object, torch.Tensor, torch.Tensor]:

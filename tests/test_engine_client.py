@@ -376,7 +376,7 @@ def test_gpu_paths_reach_the_worker_from_its_next_start(
 ) -> None:
     """The window's choice of experimental GPU paths is the worker's environment: every switch 1 or 0 (so the
     app's own environment cannot add one), read when the worker starts; the worker says which it runs with."""
-    from engine.placement.preflight import opt_in_env
+    from engine.settings import opt_in_env
 
     c = fake_client
     monkeypatch.setenv("CLOVER_DESK_FLA_GDN", "1")  # set where the app was started: the choice overrides it

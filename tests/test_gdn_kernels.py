@@ -45,8 +45,11 @@ chunk_delta_h.range = _range
 
 OPS = SHIMS + r'''
 import torch
-from engine.kernels import gdn_kernels
+from engine.kernels import gdn_kernels, switches
 from engine.model.clover import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from engine.settings import GpuPaths
+
+switches.use(GpuPaths.from_env())  # as an engine process starts: CLOVER_DESK_FLA_GDN=1 in this child's environment
 
 assert gdn_kernels.enabled(torch.zeros(1)), "the switch should be on under the interpreter"
 torch.manual_seed(0)

@@ -40,7 +40,7 @@ def test_the_opt_in_switches_reach_the_dialog(qtbot, monkeypatch: pytest.MonkeyP
     assert run_check(qtbot, dialog) is False
     assert "exclude each other" in dialog.findings.toPlainText() and "#c62828" in dialog.findings.toHtml()
     assert dialog.headline.text().startswith("1 problem to fix")
-    assert "opt-in paths   CLOVER_DESK_ZERO_COPY, CLOVER_DESK_DEVICE_POOL" in dialog.report.toPlainText()
+    assert "refused: CLOVER_DESK_ZERO_COPY and CLOVER_DESK_DEVICE_POOL exclude each other" in dialog.report.toPlainText()
 
 
 @pytest.mark.parametrize("script,said", [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clover_desk.cli import main as cli
-from engine.placement.preflight import OPT_IN
+from engine.settings import OPT_IN
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"

@@ -56,7 +56,7 @@ def test_plain_data_modules_are_torch_free() -> None:
     """The UI sees the engine only through these modules, so they must not pull torch in either."""
     # the planner and the low-level tables it shares with the torch side (one header parser, dtype table, policy)
     plain = ["engine.decode.events", "engine.errors", "engine.model.config", "engine.defaults", "engine.weights.formats", "engine.placement.manifest",
-             "engine.placement.speed", "engine.placement.planner"]
+             "engine.placement.speed", "engine.placement.planner", "engine.settings"]
     loaded = _loaded_after_import(plain)
     assert not any(m == "torch" or m.startswith("torch.") for m in loaded)
 

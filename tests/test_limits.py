@@ -16,8 +16,8 @@ import pytest
 from test_worker import FAKE, WorkerProc
 
 from clover_desk.cli import main as cli
-from clover_desk.worker.process import PARAM_FIELDS, ProtocolError, check_params
-from engine.decode.events import GenerationParams
+from clover_desk.worker.process import PARAM_FIELDS, ProtocolError, _param_field, check_params
+from engine.decode.events import MODES, GenerationParams
 from engine.decode.limits import GENERATION_LIMITS, Limit, check_generation_params
 from engine.errors import ConfigError, PromptError
 from engine.model.config import load_generation_defaults
@@ -118,3 +118,17 @@ def test_the_worker_process_refuses_the_same_values() -> None:
         assert w.expect(lambda r: r.get("id") == "ok" and r["event"] in ("finished", "error"))["event"] == "finished"
     finally:
         w.close()
+
+
+def test_the_wire_schema_is_made_from_generation_params() -> None:
+    """The worker's checks of ``params`` are generated from GenerationParams' fields: the numeric ones from the
+    table, the mode from engine.decode.events.MODES (the CLI's --mode choices too), the flags by their default; a
+    field with no rule is refused when the table is built, not left unchecked."""
+    assert list(PARAM_FIELDS) == [f.name for f in dataclasses.fields(GenerationParams)]
+    assert PARAM_FIELDS["mode"][1] == '"diffusion", "ar" or "spec"' and MODES == ("diffusion", "ar", "spec")
+    assert all(PARAM_FIELDS["mode"][0](m) for m in MODES) and not PARAM_FIELDS["mode"][0]("fast")
+    assert PARAM_FIELDS["do_sample"][1] == "true, false or null" and PARAM_FIELDS["enable_thinking"][1] == "true or false"
+    assert cli.parse_args(GENERATE).mode == "diffusion"
+    odd = dataclasses.make_dataclass("Odd", [("style", str, "plain")])
+    with pytest.raises(TypeError, match="GenerationParams.style: no wire check"):
+        _param_field(dataclasses.fields(odd)[0])

@@ -288,15 +288,15 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
 ) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.storage import ChatStore
-    from engine.placement.preflight import OPT_IN
+    from engine.settings import OPT_IN, GpuPaths
 
     folder, first, second = models
-    monkeypatch.delenv("CLOVER_DESK_FUSED_MOE", raising=False)
-    monkeypatch.setenv("CLOVER_DESK_FUSED_INT8", "1")  # set where the app starts: shown until a choice is made
+    # what `clover-desk gui` read where the app started (CLOVER_DESK_FUSED_INT8=1): shown until a choice is made
+    started = GpuPaths(fused_int8=True)
     gpu = Hardware(gpu_name="NVIDIA GeForce RTX 4080", vram_total_bytes=16 * 1024**3, ram_total_bytes=64 * 1024**3)
     app = CloverDeskApp(folder.parent, client=FakeEngineClient(loaded=False), store=ChatStore(tmp_path / "c.db"),
                         settings=AppSettings(model_dir=str(first), device="cpu"), hardware=gpu, with_preview=False,
-                        style=False)
+                        style=False, gpu_paths=started)
     try:
         library, client, window = app.model_library, app.client, app.window
         window.show()
@@ -320,7 +320,7 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
         with qtbot.waitSignal(client.loaded, timeout=5000):
             library.row_for(str(second)).load_button.click()
         assert client.restarts == 1  # the worker reads the switches when it starts
-        assert [k for k, v in client.started_env.items() if v == "1"] == chosen
+        assert GpuPaths.from_env(client.started_env).opt_in() == chosen
         qtbot.waitUntil(lambda: window.gpu_label.text() == "NVIDIA GeForce RTX 4080 · 2 experimental paths",
                         timeout=5000)
         with qtbot.waitSignal(client.loaded, timeout=5000):
@@ -355,9 +355,13 @@ def test_gpu_paths_cannot_be_chosen_without_a_gpu_and_a_bad_choice_on_disk_is_dr
     assert AppSettings.load(path).gpu_paths == ["CLOVER_DESK_FUSED_MOE"]
 
 
-def test_an_environment_with_both_exclusive_switches_still_starts_the_app(qtbot, models, tmp_path, monkeypatch) -> None:  # noqa: ANN001, E501
+def test_the_app_reads_no_switch_itself_it_is_handed_the_settings(qtbot, models, tmp_path, monkeypatch) -> None:  # noqa: ANN001, E501
+    """The app never reads the GPU switches from its environment (`clover-desk gui` read them once and refuses both
+    exclusive ones, tests/test_settings.py): without the object it gives its worker the defaults, every switch
+    written, so the environment it inherited cannot add a path either."""
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.storage import ChatStore
+    from engine.settings import SWITCHES, GpuPaths
 
     folder, first, _second = models
     monkeypatch.setenv("CLOVER_DESK_ZERO_COPY", "1")
@@ -368,10 +372,10 @@ def test_an_environment_with_both_exclusive_switches_still_starts_the_app(qtbot,
                         start_engine=False, style=False)
     try:
         library = app.model_library
-        assert app.client.env == {}  # left as the environment says: the engine's load says what is wrong
-        assert library.gpu_paths() == ["CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL"]  # shown as they are
-        library.gpu_paths_actions["CLOVER_DESK_ZERO_COPY"].trigger()  # one unticked: a valid choice from now on
-        assert app.client.env["CLOVER_DESK_ZERO_COPY"] == "0" and app.client.env["CLOVER_DESK_DEVICE_POOL"] == "1"
+        assert app.client.env == GpuPaths().to_env() and set(app.client.env) == set(SWITCHES)
+        assert library.gpu_paths() == []
+        library.gpu_paths_actions["CLOVER_DESK_ZERO_COPY"].trigger()
+        assert GpuPaths.from_env(app.client.env) == GpuPaths(expert_fetch="zero_copy")
     finally:
         app.shutdown(wait_ms=0)
         app.window.close()

@@ -323,10 +323,9 @@ def test_zero_copy_ar_steps_neither_fetch_nor_read_the_host(qmodel: CloverModel,
     assert reads and offload.accounting(model)["host_reads"] == prompt["host_reads"] + 3
 
 
-def test_zero_copy_follows_the_environment_on_cuda_only(qmodel: CloverModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(offload.ZERO_COPY_ENV, "1")
+def test_zero_copy_follows_the_expert_fetch_on_cuda_only(qmodel: CloverModel) -> None:
     model = fresh(qmodel)
-    rt = apply_plan(model, SimplePlan((0,), (1, 2, 3), EXPERTS), "cpu")
+    rt = apply_plan(model, SimplePlan((0,), (1, 2, 3), EXPERTS), "cpu", expert_fetch="zero_copy")
     assert not rt.zero_copy  # the CPU tests emulate a GPU's copies unless asked
     assert all(model.layers[i].mlp.experts.in_place is None for i in (1, 2, 3))
     rows = torch.zeros(4, 8, dtype=torch.uint8)

@@ -190,9 +190,8 @@ def test_doctor_exits_1_on_an_error(monkeypatch: pytest.MonkeyPatch, capsys: pyt
 
 
 def test_the_opt_in_switches_are_checked() -> None:
-    """The opt-in GPU paths' switches: which are on (and that without a CUDA GPU they do nothing), a value the
-    engine ignores (anything but exactly "1" or "0"), and the two that exclude each other (an error: a model with
-    streamed experts would fail to load)."""
+    """The GPU-path switches: which opt-in paths are on (and that without a CUDA GPU they do nothing), and a
+    value an engine refuses (anything but "1" or "0"; both expert fetches), an error in engine.settings' words."""
     assert [f for f in check(GOOD) if f.key == "opt-in"] == []
     on = [f for f in check(replace(GOOD, opt_in=(("CLOVER_DESK_FUSED_MOE", "1"), ("CLOVER_DESK_FLA_GDN", "0"))))
           if f.key == "opt-in"]
@@ -200,26 +199,28 @@ def test_the_opt_in_switches_are_checked() -> None:
         ("info", "experimental GPU paths on: CLOVER_DESK_FUSED_MOE (not yet measured on a GPU)")]
     cpu = GpuFacts(torch_version="2.13.0+cpu", bnb_version="0.50.2", opt_in=(("CLOVER_DESK_DEVICE_POOL", "1"),))
     assert any("do nothing without a CUDA GPU" in f.message for f in check(cpu) if f.key == "opt-in")
+    assert [f for f in check(replace(GOOD, opt_in=(("CLOVER_DESK_CPU_KERNELS", "0"),))) if f.key == "opt-in"] == []
     bad = [f for f in check(replace(GOOD, opt_in=(("CLOVER_DESK_ZERO_COPY", "true"),))) if f.key == "opt-in"]
-    assert [f.level for f in bad] == ["warning"]
-    assert "CLOVER_DESK_ZERO_COPY='true' is ignored: set it to 1 for" in bad[0].message
+    assert [f.level for f in bad] == ["error"]
+    assert bad[0].message.startswith("CLOVER_DESK_ZERO_COPY='true' is not allowed: set it to 1 (on) or 0 (off)")
     both = replace(GOOD, opt_in=(("CLOVER_DESK_ZERO_COPY", "1"), ("CLOVER_DESK_DEVICE_POOL", "1")))
     (clash,) = errors(check(both))
     assert clash.key == "opt-in" and "exclude each other" in clash.message
 
 
-def test_every_opt_in_switch_is_read_where_it_acts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The doctor's list is the engine's: each switch is read by an engine module (not only listed), the two
-    placement switches are the constants engine.placement.offload and engine.placement.device_pool read, and gather_facts sees them."""
-    from engine.placement import device_pool, offload
-
-    sources = "".join(p.read_text() for p in (ROOT / "engine").rglob("*.py") if p.name != "preflight.py")
-    for name in preflight.OPT_IN:
-        assert f'"{name}"' in sources, name
-    assert {offload.ZERO_COPY_ENV, device_pool.DEVICE_POOL_ENV} == set(preflight.EXCLUSIVE)
+def test_the_doctor_reads_the_switches_the_engine_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gather_facts sees the switches as set (engine.settings.switches_set), and the doctor prints the settings
+    object they make (engine.settings.GpuPaths), the same one generate, serve and the window's worker get."""
     monkeypatch.setenv("CLOVER_DESK_FUSED_INT8", "1")
+    monkeypatch.setenv("CLOVER_DESK_CPU_KERNELS", "0")
     monkeypatch.delenv("CLOVER_DESK_FUSED_MOE", raising=False)
     facts = preflight.gather_facts()
     assert ("CLOVER_DESK_FUSED_INT8", "1") in facts.opt_in and "CLOVER_DESK_FUSED_MOE" not in dict(facts.opt_in)
     lines = cmd_doctor.report_lines(facts, [])
     assert any(line.startswith("opt-in paths   CLOVER_DESK_FUSED_INT8 (of CLOVER_DESK_FUSED_MOE, ") for line in lines)
+    assert "  fused_int8     on  (changed)" in lines and "  cpu_kernels    off  (changed)" in lines
+    assert "  expert_fetch   pool" in lines
+    refused = cmd_doctor.report_lines(replace(facts, opt_in=(("CLOVER_DESK_FLA_GDN", "2"),)), [])
+    assert any(line.startswith("  refused: CLOVER_DESK_FLA_GDN='2' is not allowed") for line in refused)
+
+

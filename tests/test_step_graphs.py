@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
-from engine.kernels import step_graphs
+from engine.kernels import step_graphs, triton_moe
 from engine.kernels.fastpath import compile_layers
 from tests.helpers_model import CountingBackend, tiny_config, tiny_model
 
@@ -239,9 +239,9 @@ def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatc
     nf4 = placed.layers[0].mlp.experts
     assert isinstance(nf4, QuantExpertBank) and nf4.layout.fmt == "nf4"
     gpu = torch.device("cuda")
-    monkeypatch.delenv("CLOVER_DESK_FUSED_MOE", raising=False)
+    monkeypatch.setattr(triton_moe, "_enabled", False)
     assert not nf4.sync_free(256, gpu, torch.bfloat16)
-    monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
+    monkeypatch.setattr(triton_moe, "_enabled", True)  # GpuPaths.fused_moe (engine.kernels.switches.use)
     assert nf4.sync_free(256, gpu, torch.bfloat16)  # (the kernels' own tests: tests/test_triton_moe.py)
     assert streamed.compute_sync_free(256, gpu, torch.bfloat16)
     assert not nf4.sync_free(256, torch.device("cpu"), torch.float32) and nf4.sync_free(8, gpu, torch.bfloat16)
@@ -580,7 +580,7 @@ def test_a_block_pass_with_fused_nf4_experts_is_recorded_around_its_fetches(
     from engine.placement import offload
     from engine.weights.quant import make_policy, quantize_model_
 
-    monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
+    monkeypatch.setattr(triton_moe, "_enabled", True)
     model = tiny_model(tiny_config(moe_block_coreset_enabled=True), seed=5, dtype=torch.bfloat16)
     quantize_model_(model, make_policy())
     resident = tuple(i for i in range(len(model.layers)) if i not in streamed)

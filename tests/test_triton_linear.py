@@ -41,7 +41,7 @@ def test_the_fused_kernel_is_taken_only_on_cuda_when_opted_in(monkeypatch: pytes
     from engine.kernels import triton_linear
 
     codes = torch.zeros(8, 16, dtype=torch.int8)
-    monkeypatch.setenv("CLOVER_DESK_FUSED_INT8", "1")
+    monkeypatch.setattr(triton_linear, "_enabled", True)
     assert not triton_linear.enabled_for(torch.zeros(1, 16), "int8", codes)  # a CPU tensor: never
 
 
@@ -57,7 +57,7 @@ def test_quant_linear_takes_the_fused_kernel_on_cuda(monkeypatch: pytest.MonkeyP
     x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
     q.bias.data = q.bias.data.to(torch.bfloat16)
     chunked = q(x).float()
-    monkeypatch.setenv("CLOVER_DESK_FUSED_INT8", "1")
+    monkeypatch.setattr(triton_linear, "_enabled", True)
     assert triton_linear.enabled_for(x, "int8", q.codes)
     fused = q(x).float()
     assert (fused - chunked).abs().max().item() < 2e-2 * chunked.abs().max().item()

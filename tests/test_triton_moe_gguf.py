@@ -129,7 +129,7 @@ def test_fused_gguf_moe_equals_the_dequantize_then_matmul_reference() -> None:
 def test_fused_kernel_selection_for_gguf_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """GGUF layouts with decodable types are supported (Q4_K_M's mix, float experts), any other type is not (the
     reference path takes it); CPU activations never select a fused kernel."""
-    monkeypatch.setenv("CLOVER_DESK_FUSED_MOE", "1")
+    monkeypatch.setattr(triton_moe, "_enabled", True)
     assert triton_moe.supports(GGUFExpertLayout(8, 256, 256, (gq.Q4_K, gq.Q4_K, gq.Q6_K)))
     assert triton_moe.supports(GGUFExpertLayout(8, 256, 256, (gq.F16, gq.F16, gq.F16)))
     q2_k = 10  # a ggml type without a decode here

@@ -128,9 +128,9 @@ def test_in_use_takes_plan_objects_and_no_plan(qtbot) -> None:
     panel = VramPanel(fake_plan, CARD, "RTX", None)
     qtbot.addWidget(panel)
     placed = fake_plan(12 * GIB, 8192)
-    panel.set_in_use(placed, "cuda")  # a dataclass without to_dict(), nor a budget or context
+    panel.set_in_use(placed, "cuda")  # a Plan made without a budget or context
     assert panel.in_use_label.text() == (
-        f"In use: {placed.resident_expert_layers} resident / {placed.streamed_expert_layers} streamed layers, "
+        f"In use: {len(placed.resident_expert_layers)} resident / {len(placed.streamed_expert_layers)} streamed layers, "
         f"64 slots, {placed.vram_bytes / GIB:.2f} GiB"
     )
     assert panel.applied == (0, 0) and panel.is_dirty()  # a plan without a budget never matches the slider
@@ -153,11 +153,8 @@ def test_in_use_words() -> None:
         "In use: 18 resident / 22 streamed layers, 2,096 slots, 15.99 GiB of 16.00 GiB, 16K context"
     )
     assert plan_as_dict(split) == split and plan_as_dict(None) is None
-
-    class Bare:  # neither a dict, a dataclass nor a Plan: read by attribute
-        resident_expert_layers, streamed_expert_layers, ctx_tokens = 3, 1, 4096
-
-    assert plan_as_dict(Bare()) == {"resident_expert_layers": 3, "streamed_expert_layers": 1, "ctx_tokens": 4096}
+    placed = fake_plan(12 * GIB, 8192)  # the planner's own Plan: the panel reads no restatement of its fields
+    assert isinstance(placed, planner.Plan) and plan_as_dict(placed) == placed.to_dict()
 
 
 def test_without_gpu_the_panel_plans_for_a_chosen_card(qtbot, plan_fn) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.decode.events import Finished, GenerationParams
 from engine.decode.limits import GENERATION_LIMITS
+from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,8 @@ class GenerationSettings:
 
     mode: str = "diffusion"  # "diffusion" | "ar" | "spec" (greedy: the temperature is not sent)
     temperature: float = 0.0
-    block_size: int = 32
-    threshold: float = 0.95  # commit every masked slot whose confidence is strictly above this
+    block_size: int = DEFAULT_BLOCK_SIZE
+    threshold: float = DEFAULT_THRESHOLD  # commit every masked slot whose confidence is strictly above this
     max_new_tokens: int = 1024
     enable_thinking: bool = True
     expand_thinking: bool = False  # display only: show the thinking section open by default

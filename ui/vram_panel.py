@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPaintEvent, QPen
@@ -57,42 +57,11 @@ SEGMENTS: tuple[tuple[str, str, str], ...] = (
     ("reserve", "Reserve", "seg_reserve"),
 )
 
-# the keys of ``engine.placement.planner.Plan.to_dict()`` the panel reads (a plan in use may be any object with these)
-PLAN_KEYS = (
-    "resident_expert_layers",
-    "streamed_expert_layers",
-    "slot_pool_experts",
-    "vram_bytes",
-    "vram_breakdown",
-    "ram_bytes",
-    "ctx_tokens",
-    "budget_vram_bytes",
-    "fits",
-    "reason",
-    "min_vram_bytes",
-    "predicted_tok_s",
-)
-
 NO_GPU_UNSAVED_TEXT = "No GPU here: the model runs from system RAM. Apply saves this budget for a GPU."
 NO_GPU_SAVED_TEXT = "No GPU here: the model runs from system RAM; this budget is saved for a GPU."
 
 
-class PlanLike(Protocol):
-    """The fields of ``engine.placement.planner.Plan`` the panel reads."""
-
-    resident_expert_layers: Any  # a count, or the layer indices
-    streamed_expert_layers: Any
-    slot_pool_experts: int
-    vram_bytes: int
-    vram_breakdown: dict[str, int]
-    ram_bytes: int
-    fits: bool
-    reason: str
-    min_vram_bytes: int | None
-    predicted_tok_s: dict[str, float]
-
-
-PlanFunction = Callable[[int, int], PlanLike]  # (vram_bytes, ctx_tokens) -> plan
+PlanFunction = Callable[[int, int], planner.Plan]  # (vram_bytes, ctx_tokens) -> plan (stdlib-only module: no torch)
 
 
 def layer_count(value: Any) -> int:
@@ -124,17 +93,14 @@ def ctx_words(ctx_tokens: int) -> str:
     return f"{ctx_tokens // 1024}K" if ctx_tokens and ctx_tokens % 1024 == 0 else f"{ctx_tokens:,} tokens"
 
 
-def plan_as_dict(plan: Any) -> dict[str, Any] | None:
-    """A plan as the flat dict ``engine.placement.planner.Plan.to_dict()`` gives, from a dict, a ``Plan`` or any object
-    carrying the :data:`PLAN_KEYS` attributes (a test's dataclass; missing ones are left out)."""
+def plan_as_dict(plan: planner.Plan | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A plan as the flat dict ``engine.placement.planner.Plan.to_dict()`` gives, from a ``Plan`` or that dict (the
+    worker's ``plan`` and ``loaded`` records carry it)."""
     if plan is None:
         return None
-    if isinstance(plan, Mapping):
-        return dict(plan)
-    to_dict = getattr(plan, "to_dict", None)
-    if callable(to_dict):
-        return dict(to_dict())
-    return {key: getattr(plan, key) for key in PLAN_KEYS if hasattr(plan, key)}
+    if isinstance(plan, planner.Plan):
+        return plan.to_dict()
+    return dict(plan)
 
 
 def in_use_line(plan: Mapping[str, Any] | None, device: str) -> str:
@@ -173,7 +139,7 @@ class PlanSummary:
 
 
 def summarize(
-    plan: PlanLike, budget_bytes: int, ram_total_bytes: int | None, *, plan_card_bytes: int | None = None
+    plan: planner.Plan, budget_bytes: int, ram_total_bytes: int | None, *, plan_card_bytes: int | None = None
 ) -> PlanSummary:
     """``plan_card_bytes``: no GPU was found and this is a plan for a card of that size. The headline says so and
     there is no speed line (the planner's roofline figure would read as a measurement of a card that is not here).
@@ -302,7 +268,7 @@ class VramPanel(QWidget):
         self._card_bytes = int(card_bytes) if card_bytes else DEFAULT_CARD_BYTES
         self.gpu_name = gpu_name
         self.ram_total_bytes = ram_total_bytes
-        self.plan: PlanLike | None = None
+        self.plan: planner.Plan | None = None
         self.summary: PlanSummary | None = None
         self._in_use_known = False  # set_in_use was called since the last model switch
         self._in_use: dict[str, Any] | None = None  # the plan the engine placed (None: it runs without one)
@@ -530,7 +496,7 @@ class VramPanel(QWidget):
             self.set_card_bytes(n)
         self.slider.setValue(round(n / STEP_BYTES))
 
-    def plan_for(self, budget_bytes: int, ctx_tokens: int) -> PlanLike:
+    def plan_for(self, budget_bytes: int, ctx_tokens: int) -> planner.Plan:
         """What the panel's planner makes of this budget and context (``engine.placement.planner.Plan`` in the app)."""
         return self._planner(budget_bytes, ctx_tokens)
 
@@ -564,8 +530,8 @@ class VramPanel(QWidget):
                 else choices[0]
         self.ctx_combo.setCurrentIndex(choices.index(want))
 
-    def set_in_use(self, plan: Any, device: str) -> None:
-        """The plan the engine placed after a load (``Plan.to_dict()``, a ``Plan`` or a like object), on ``device``
+    def set_in_use(self, plan: planner.Plan | Mapping[str, Any] | None, device: str) -> None:
+        """The plan the engine placed after a load (``Plan.to_dict()`` or a ``Plan``), on ``device``
         ("cuda" / "cpu"); None: it runs without a plan (on the CPU everything is in RAM)."""
         self._in_use_known = True
         self._in_use = plan_as_dict(plan)
@@ -700,7 +666,7 @@ class VramPanel(QWidget):
 def planner_from_engine(manifest: Any, ram_bytes: int | None) -> PlanFunction:
     """A :data:`PlanFunction` over ``engine.placement.planner.make_plan`` for one model manifest."""
 
-    def plan(vram_bytes: int, ctx_tokens: int) -> PlanLike:
+    def plan(vram_bytes: int, ctx_tokens: int) -> planner.Plan:
         return planner.make_plan(manifest, vram_bytes, ctx_tokens, ram_bytes)
 
     return plan

@@ -24,6 +24,7 @@ from typing import Any
 
 from clover_desk.cli import flags
 from engine.defaults import DEFAULT_CTX_TOKENS
+from engine.settings import GpuPaths
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -83,7 +84,7 @@ def _stage(argv: list[str]) -> int:
     from engine.placement.offload import runtime_of
 
     plan = json.loads(Path(argv[2]).read_text(encoding="utf-8"))
-    engine = Engine.load(argv[1], device=argv[3], dtype=argv[4], plan=plan)
+    engine = Engine.load(argv[1], device=argv[3], dtype=argv[4], plan=plan, gpu_paths=GpuPaths.from_env())
     rt = runtime_of(engine.model)
     assert rt is not None
     embed = engine.model.embed_tokens.weight  # kept in host RAM by the plan unless tied to lm_head

@@ -33,7 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from clover_desk.cli import flags
+from engine.placement.manifest import SHAPES as MODEL_SHAPES
+from engine.placement.manifest import shape_fields
 
+_35B = MODEL_SHAPES["clover-35b-a3b"]
 SHAPES: dict[str, dict[str, Any]] = {
     "mid": dict(
         vocab_size=4096, layers=8, hidden=512, experts=64, experts_per_tok=8, heads=8, kv_heads=2, head_dim=64,
@@ -48,18 +51,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=512, layers=4, hidden=64, experts=8, experts_per_tok=2, heads=4, kv_heads=2, head_dim=16,
         linear_key_heads=2, linear_value_heads=4, linear_head_dim=16, moe_intermediate=32, shared_intermediate=32,
     ),
-    "clover-35b-a3b": dict(
-        vocab_size=248_320, layers=40, hidden=2048, experts=256, experts_per_tok=8, heads=16, kv_heads=2,
-        head_dim=256, linear_key_heads=16, linear_value_heads=32, linear_head_dim=128, moe_intermediate=512,
-        shared_intermediate=512,
-    ),
+    "clover-35b-a3b": shape_fields("clover-35b-a3b"),  # the planner's shape (engine.placement.manifest.SHAPES)
 }
 # Special ids for the random vocabularies (any ids work for speed; these mirror the tiny tokenizer's order).
 SPECIAL = {"<|endoftext|>": 0, "<|im_end|>": 2, "</think>": 4, "<|mask|>": 5}
 
 
 # --moe-only times one layer of the 35B shape's routed experts
-MOE_SHAPE = dict(experts=256, top_k=8, hidden=2048, intermediate=512)
+MOE_SHAPE = dict(experts=_35B.num_experts, top_k=_35B.num_experts_per_tok, hidden=_35B.hidden_size,
+                 intermediate=_35B.moe_intermediate_size)
 # Bounds of the sizing flags: a benchmark's runs fit in memory and end (a typo such as --decode-tokens 10000000 is
 # refused in one line instead of running for days)
 MAX_BENCH_PROMPT = 65_536
@@ -1198,7 +1198,7 @@ def _run_moe_only(args: argparse.Namespace) -> int:
     return 0
 
 
-HEAD_SHAPE = (248_320, 2_048)  # the 35B shape's LM head, int8 on the card
+HEAD_SHAPE = (_35B.vocab_size, _35B.hidden_size)  # the 35B shape's LM head, int8 on the card
 
 
 def _int8_head_lines(args: argparse.Namespace, device: str, dtype: Any, gen: Any) -> None:

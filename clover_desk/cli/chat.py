@@ -22,6 +22,7 @@ import threading
 from typing import Any, TextIO
 
 from clover_desk.cli import generate as cmd_generate
+from engine.decode.events import MODES
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class Chat:
         elif name == "/think" and arg in ("on", "off"):
             self.params = dataclasses.replace(self.params, enable_thinking=arg == "on")
             print(f"(thinking {arg})", file=err)
-        elif name == "/mode" and arg in ("diffusion", "ar", "spec"):
+        elif name == "/mode" and arg in MODES:
             self.params = dataclasses.replace(self.params, mode=arg)
             print(f"(mode {arg})", file=err)
         elif name in ("/think", "/mode"):

@@ -3,12 +3,16 @@
     clover-desk doctor [--json]
 
 Prints what was found (torch and its CUDA build, the GPU and its compute capability, the NVIDIA driver,
-bitsandbytes' CUDA libraries), then one line per finding (``engine.placement.preflight``): errors first, each naming what to
+bitsandbytes' CUDA libraries) and the GPU paths and kernel switches an engine would run with
+(``engine.settings.GpuPaths``, read from the same switches as ``generate``, ``serve`` and the window), then one line
+per finding (``engine.placement.preflight``): errors first, each naming what to
 install. ``--json`` prints ``{"facts": {...}, "findings": [{"level", "key", "message"}, ...], "report": [lines]}``
-instead (``report``: the facts as printed above): the window's Help ▸ Check this machine's GPU runs this command in
+instead (``report``: the facts as printed above; ``facts.gpu_settings``: the settings' fields, or null when
+a switch is refused): the window's Help ▸ Check this machine's GPU runs this command in
 a child process (its own process never imports torch) and shows both (``ui/gpu_check.py``).
 
-Exit status: 0 no error found (the engine can run, on the GPU or on the CPU), 1 at least one error.
+Exit status: 0 no error found (the engine can run, on the GPU or on the CPU), 1 at least one error (a refused
+switch is one: the other commands exit 2 on it).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import argparse
 import json
 import sys
 
-from engine.placement.preflight import OPT_IN, Finding, GpuFacts, check, gather_facts, opt_in_on
+from engine.placement.preflight import Finding, GpuFacts, check, gather_facts, opt_in_on, settings_of
+from engine.settings import OPT_IN, SettingsError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,12 +44,16 @@ def report_lines(facts: GpuFacts, findings: list[Finding], frozen: bool = False)
         cuda_libs = ", ".join(f"{a}.{b}" for a, b in facts.bnb_cuda_libs)
         bnb += f" (CUDA libraries: {cuda_libs or 'none'})"
     on = opt_in_on(facts)
+    paths = settings_of(facts)
+    settings = [f"refused: {paths}"] if isinstance(paths, SettingsError) else paths.lines()
     lines = [
         f"torch          {torch}" + (f", {build}" if facts.torch_version else ""),
         f"GPU            {gpu}",
         f"NVIDIA driver  {driver}",
         f"bitsandbytes   {bnb}",
         f"opt-in paths   {', '.join(on) if on else 'none on'} (of {', '.join(OPT_IN)}: =1 turns one on)",
+        "GPU paths and kernel switches (engine.settings.GpuPaths):",
+        *(f"  {line}" for line in settings),
         "",
         *(f.line() for f in findings),
     ]
@@ -60,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         frozen = bool(getattr(sys, "frozen", False))
         report = [line for line in report_lines(facts, [], frozen=frozen) if line]  # the facts as the CLI prints them
-        print(json.dumps({"facts": facts.to_dict(), "findings": [f.to_dict() for f in findings], "report": report}))
+        paths = settings_of(facts)
+        settings = None if isinstance(paths, SettingsError) else paths.to_dict()
+        print(json.dumps({"facts": {**facts.to_dict(), "gpu_settings": settings}, "findings": [f.to_dict() for f in findings], "report": report}))
     else:
         print("\n".join(report_lines(facts, findings, frozen=bool(getattr(sys, "frozen", False)))))
     return 1 if any(f.level == "error" for f in findings) else 0

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from clover_desk.cli import flags
 from clover_desk.cli.models import resolve_model
+from engine.decode.events import MODES
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -46,7 +47,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
 
 def add_local_arguments(parser: argparse.ArgumentParser) -> None:
     """How a model is loaded here (``generate`` and ``chat``), and its decoding mode and thinking switch."""
-    parser.add_argument("--mode", choices=("diffusion", "ar", "spec"), default="diffusion",
+    parser.add_argument("--mode", choices=MODES, default="diffusion",
                         help="decoding mode (spec: self-speculative, AR greedy's tokens drafted by diffusion)")
     parser.add_argument("--max-new-tokens", type=flags.MAX_NEW_TOKENS, default=None, metavar="N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -271,7 +272,8 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
         if not plan.fits:
             raise PlanError(plan.reason)
     return Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, gguf_layout=args.gguf_layout,
-                       compile=args.compile, progress=compile_stage_printer(command) if args.compile else None)
+                       compile=args.compile, progress=compile_stage_printer(command) if args.compile else None,
+                       gpu_paths=args.gpu_paths)
 
 
 def _plan_line(plan: Any) -> str:

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if args.vram_gb:
         settings.vram_budget_bytes = int(args.vram_gb * 1024**3)
     try:
-        desk = CloverDeskApp(home, settings=settings, store=store, preview_off=preview_off)
+        desk = CloverDeskApp(home, settings=settings, store=store, preview_off=preview_off, gpu_paths=args.gpu_paths)
     except BaseException:
         store.close()
         raise

@@ -3,6 +3,12 @@
 Each subcommand lives in its own module ``clover_desk.cmd_<name>`` exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; ``bench <suite>`` maps to ``clover_desk.cmd_bench_<suite>``. Modules are imported only when
 their command runs, so ``clover-desk plan`` never pays for Qt and ``clover-desk preview`` never pays for torch.
+
+The GPU paths and kernel switches (``engine.settings.GpuPaths``) are read from the environment here, once, into
+``args.gpu_paths``: a bad switch is one line and exit 2 for the commands that run an engine (:data:`ENGINE_COMMANDS`;
+``doctor`` reports it as a finding, the others leave ``args.gpu_paths`` None). The commands
+that load a model pass the object on (``Engine.load(gpu_paths=...)``; a benchmark sets the kernels' switches from
+it), the window hands it to its engine process.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+
+from engine.settings import GpuPaths, SettingsError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "gui": ("clover_desk.cli.gui", "open the Clover Desk window (the default)"),
@@ -32,7 +40,8 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "load": ("clover_desk.bench.load", "convert and load under a plan: peak RSS and placed bytes next to the plan"),
     "gguf": ("clover_desk.bench.gguf", "GGUF dequantize throughput per type, bytes per streamed expert per file type"),
 }
-
+# the commands that run an engine (or, the window, start its process): a refused GPU-path switch stops them
+ENGINE_COMMANDS = ("gui", "generate", "chat", "serve", "bench")
 
 _TOP_LEVEL_FLAGS = ("-v", "--verbose")
 
@@ -78,6 +87,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.command == "bench" and args.suite is None:  # not a usage block: which suites there are, exit 2
         parser.exit(2, f"clover-desk bench: name a suite: {', '.join(BENCH_SUITES)} "
                        "(e.g. clover-desk bench speed --shape tiny; see clover-desk bench SUITE --help)\n")
+    try:
+        args.gpu_paths = GpuPaths.from_env()
+    except SettingsError as exc:
+        if args.command in ENGINE_COMMANDS:  # (the doctor reports it as a finding; the rest run no engine)
+            parser.exit(2, f"clover-desk {args.command}: {exc}\n")
+        args.gpu_paths = None
     return args
 
 
@@ -86,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     module = BENCH_SUITES[args.suite][0] if args.command == "bench" else COMMANDS[args.command][0]
     try:
+        if args.command == "bench":  # benchmarks build their models by hand: the kernels' switches are set here
+            from engine.kernels import switches  # torch: only for the benchmarks
+
+            switches.use(args.gpu_paths)
         return int(importlib.import_module(module).run(args) or 0)
     except KeyboardInterrupt:  # Ctrl+C: one line and the shell's status for it, not a traceback (what a command
         # writes goes to a temporary file renamed into place, so nothing half-written is left where a good file was)

@@ -157,5 +157,6 @@ def _load(args: argparse.Namespace) -> Any:
             raise PlanError(plan.reason)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, compile=args.compile,
-                         progress=cmd_generate.compile_stage_printer("serve") if args.compile else None)
+                         progress=cmd_generate.compile_stage_printer("serve") if args.compile else None,
+                         gpu_paths=args.gpu_paths)
     return cmd_generate.apply_cache_ram(engine, args)

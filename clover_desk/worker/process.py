@@ -70,6 +70,10 @@ misspelt option is refused, never silently ignored), so a refused load never lea
 
 ``--engine-factory MODULE:CALLABLE`` replaces ``engine.api:Engine.load`` (same signature); the tests use it to
 inject failures the real engine cannot be made to produce on demand. The default is the real engine.
+
+The GPU paths and kernel switches (``engine.settings.GpuPaths``) are read from the environment once, when the
+worker starts (the window writes them: ``GpuPaths.to_env``), and passed to every load (``gpu_paths=``); a refused
+value ends the worker at once with a fatal StartupError naming the switch.
 """
 
 from __future__ import annotations
@@ -95,11 +99,11 @@ from typing import IO, Any
 from clover_desk.worker.hangup import HangUpLog, is_hang_up
 from clover_desk.worker.http_guards import is_loopback
 from clover_desk.worker.server import OpenAIServer
-from engine.decode.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
+from engine.decode.events import MODES, EngineError, Finished, GenerationParams, LoadProgress, to_dict
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import CancelledError, CloverError
-from engine.placement.preflight import opt_in_from_env
+from engine.settings import GpuPaths, SettingsError
 
 log = logging.getLogger("clover_desk.worker.process")
 hang_ups = HangUpLog(log)  # the window hung up (it closed or stopped reading): one short line, not a traceback
@@ -282,23 +286,24 @@ def _limited(name: str) -> tuple[Check, str]:
     return _nullable(limit.accepts), f"{limit.allowed}, or null"
 
 
-# GenerationParams' fields (engine/decode/events.py) with their types and the ranges the engine accepts.
-PARAM_FIELDS: dict[str, tuple[Check, str]] = {
-    "mode": (_one_of("diffusion", "ar", "spec"), '"diffusion", "ar" or "spec"'),
-    "max_new_tokens": _limited("max_new_tokens"),
-    "temperature": _limited("temperature"),
-    "top_p": _limited("top_p"),
-    "top_k": _limited("top_k"),
-    "do_sample": (_nullable(_is_bool), "true, false or null"),
-    "presence_penalty": _limited("presence_penalty"),
-    "repetition_penalty": _limited("repetition_penalty"),
-    "block_size": _limited("block_size"),
-    "threshold": _limited("threshold"),  # 0 is allowed: commit every slot in one pass
-    "enable_thinking": (_is_bool, "true or false"),
-    "seed": _limited("seed"),
-    "continue_final_message": (_is_bool, "true or false"),
-    "structured": (_nullable(lambda v: isinstance(v, str)), "a structured output spec (JSON text) or null"),
-}
+def _param_field(f: dataclasses.Field) -> tuple[Check, str]:  # type: ignore[type-arg]
+    """The wire check of one GenerationParams field: a numeric one's type and range from GENERATION_LIMITS (the
+    threshold's 0 included: commit every slot in one pass), the mode from MODES, a flag true or false (or null when
+    its default is None: the model's default)."""
+    if f.name in GENERATION_LIMITS:
+        return _limited(f.name)
+    if f.name == "mode":
+        return _one_of(*MODES), " or ".join(", ".join(f'"{m}"' for m in MODES).rsplit(", ", 1))
+    if f.type in ("bool", "bool | None"):
+        return (_nullable(_is_bool), "true, false or null") if f.default is None else (_is_bool, "true or false")
+    if f.type == "str | None":  # the structured output spec (JSON text)
+        return _nullable(lambda v: isinstance(v, str)), "a string or null"
+    raise TypeError(f"GenerationParams.{f.name}: no wire check (add it to GENERATION_LIMITS or here)")
+
+
+# GenerationParams' fields (engine/decode/events.py), each with the check of its type and range, made from the
+# dataclass and the limits table: a new field gets its check there, not restated here.
+PARAM_FIELDS: dict[str, tuple[Check, str]] = {f.name: _param_field(f) for f in dataclasses.fields(GenerationParams)}
 GENERATE_FIELDS = ("cmd", "id", "messages", "prompt", "prompt_ids", "raw", "tools", "params")
 PLAN_BUDGETS: dict[str, tuple[Check, str]] = {
     "id": (_nullable(lambda v: isinstance(v, str)), "a string or null"),
@@ -490,9 +495,13 @@ class _PreemptingLock:
 class Worker:
     """Command dispatch and the load / generate threads. ``emit`` writes one record (thread-safe)."""
 
-    def __init__(self, emit: Callable[[dict[str, Any]], None], engine_factory: Callable[..., Any]) -> None:
+    def __init__(
+        self, emit: Callable[[dict[str, Any]], None], engine_factory: Callable[..., Any],
+        gpu_paths: GpuPaths | None = None,
+    ) -> None:
         self._emit = emit
         self._engine_factory = engine_factory
+        self._gpu_paths = gpu_paths or GpuPaths()  # what this process was started with (main: GpuPaths.from_env)
         self._lock = threading.Lock()  # guards the fields below
         self._engine: Any = None
         self._state = "idle"  # idle | loading | generating; back to idle *before* the final record goes out
@@ -797,7 +806,8 @@ class Worker:
             if plan is None and command.get("ctx_tokens"):  # no plan: the context asked for still holds
                 extra["ctx_tokens"] = int(command["ctx_tokens"])
             engine = self._engine_factory(
-                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, **extra
+                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, gpu_paths=self._gpu_paths,
+                **extra,
             )
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             self._set_idle()
@@ -832,7 +842,7 @@ class Worker:
                 "compiled": bool(getattr(engine, "compiled", False)),
                 "compile_cancelled": bool(getattr(engine, "compile_cancelled", False)),
                 "compile_skipped": _json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
-                "gpu_paths": opt_in_from_env(),  # the experimental GPU paths this process runs with (switches at 1)
+                "gpu_paths": self._gpu_paths.opt_in(),  # the experimental GPU paths this process runs with
             }
         )
 
@@ -1083,12 +1093,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     emit = LineWriter(_take_stdout())
     try:
+        gpu_paths = GpuPaths.from_env()  # once, here: every load gets this object
+    except SettingsError as exc:
+        log.critical("%s", exc)
+        emit({"event": "error", "kind": "StartupError", "message": str(exc), "fatal": True})
+        return FATAL_EXIT_CODE
+    try:
         factory = resolve(args.engine_factory)
     except (ImportError, AttributeError, ValueError) as exc:
         log.critical("cannot use engine factory %s: %s", args.engine_factory, exc)
         emit({"event": "error", "kind": "StartupError", "message": str(exc), "fatal": True})
         return FATAL_EXIT_CODE
-    worker = Worker(emit, factory)
+    worker = Worker(emit, factory, gpu_paths)
     try:
         _serve_commands(worker, emit)
     except OSError as exc:

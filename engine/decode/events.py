@@ -11,6 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The decoding modes (GenerationParams.mode): block diffusion, autoregressive, and self-speculative (diffusion
+# drafts, one causal pass verifies: AR greedy's tokens).
+MODES = ("diffusion", "ar", "spec")
+
 
 @dataclass(frozen=True)
 class GenerationParams:

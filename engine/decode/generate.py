@@ -30,6 +30,7 @@ from torch import Tensor
 
 from engine.decode import decoding, grammar
 from engine.decode.events import (
+    MODES,
     BlockCommitted,
     BlockStep,
     Event,
@@ -42,6 +43,7 @@ from engine.decode.events import (
 )
 from engine.decode.prompt_cache import PromptCache, ScopedPromptCache
 from engine.decode.tokenizer import StreamDecoder
+from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 from engine.errors import PromptError
 from engine.kernels import fastpath
 from engine.model.clover import GDN_CHUNK
@@ -49,9 +51,6 @@ from engine.model.config import CloverConfig, GenerationDefaults
 from engine.placement import offload
 
 log = logging.getLogger(__name__)
-
-
-MODES = ("diffusion", "ar", "spec")
 
 
 class DecodingModel(Protocol):
@@ -100,8 +99,8 @@ class DecodeSettings:
     seed: int | None = None
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    block_size: int = 32
-    threshold: float = 0.95
+    block_size: int = DEFAULT_BLOCK_SIZE
+    threshold: float = DEFAULT_THRESHOLD
     mask_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     think_start_id: int | None = None

@@ -9,9 +9,10 @@ BF16) are not handled here: keep them on torch.
 
 Build: ``$CC`` (else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp -shared -fPIC`` into
 ``$CLOVER_DESK_KERNEL_CACHE`` (else ``~/.cache/clover-desk/kernels``), one ``.so`` per hash of source, flags and
-compiler version, written under a temporary name and renamed. ``CLOVER_DESK_KERNEL_SCALAR=1`` builds the portable
-scalar dots instead of the AVX2 ones. When no compiler works, :func:`available` is False and :func:`reason` says why;
-nothing here raises at import.
+compiler version, written under a temporary name and renamed. ``engine.settings.GpuPaths.scalar_kernels``
+(the switch ``CLOVER_DESK_KERNEL_SCALAR=1``; :func:`set_scalar`) builds the portable scalar dots instead of the
+AVX2 ones, and ``GpuPaths.cpu_kernels`` off (:func:`set_enabled`) keeps the dequantizing path. When no compiler
+works, :func:`available` is False and :func:`reason` says why; nothing here raises at import.
 
 Layouts (all CPU, contiguous):
 
@@ -290,18 +291,31 @@ _default: Kernels | None = None
 
 
 def kernels() -> Kernels:
-    """The process-wide build (scalar when ``CLOVER_DESK_KERNEL_SCALAR=1``), built on first call."""
+    """The process-wide build (scalar after ``set_scalar(True)``), built on first call."""
     global _default
     if _default is not None:  # built already: no lock
         return _default
     with _lock:
         if _default is None:
-            _default = Kernels(scalar=os.environ.get("CLOVER_DESK_KERNEL_SCALAR", "") == "1")
+            _default = Kernels(scalar=_scalar)
         return _default
 
 
+_scalar = False  # engine.settings.GpuPaths.scalar_kernels, set by engine.kernels.switches.use at load
+
+
+def set_scalar(on: bool) -> bool:
+    """Build the portable scalar kernels (True) or the SIMD ones (False) from the next call on; a change forgets
+    the build made so far. Returns the previous setting (``GpuPaths.scalar_kernels``)."""
+    global _scalar
+    before, _scalar = _scalar, bool(on)
+    if before != _scalar:
+        _reset()
+    return before
+
+
 def _reset() -> None:
-    """Forget the process-wide build (tests: a changed environment is read again on the next call)."""
+    """Forget the process-wide build (the next call builds again, as :func:`set_scalar` says)."""
     global _default
     with _lock:
         _default = None
@@ -318,7 +332,7 @@ def usable(*qtypes: int) -> bool:
     return all(q in BLOCK for q in qtypes) and _enabled and available()
 
 
-_enabled = True  # tests of the dequantizing reference path turn the kernels off (``set_enabled(False)``)
+_enabled = True  # engine.settings.GpuPaths.cpu_kernels (set by engine.kernels.switches.use at load; tests too)
 
 
 def set_enabled(on: bool) -> bool:

@@ -18,7 +18,7 @@ records them like any kernel.
 
 Status: tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_gdn_kernels.py``: equal to the PyTorch rule
 within float32 rounding, greedy tokens identical on a tiny model, a compiled layer traces with ``fullgraph=True``);
-**not measured on a GPU**, so it is opt-in: ``CLOVER_DESK_FLA_GDN=1`` with ``fla-core`` installed
+**not measured on a GPU**, so it is opt-in: ``engine.settings.GpuPaths.fla_gdn`` (the switch ``CLOVER_DESK_FLA_GDN=1``) with ``fla-core`` installed
 (``pip install 'clover-desk[cuda]'``). Under Triton's interpreter (``TRITON_INTERPRET=1``) the same switch takes the
 kernels on the CPU too, which is how the tests run them. ``clover-desk bench speed --moe-only`` on CUDA times one GDN
 layer's AR step and prefill both ways at the 35B shape.
@@ -32,10 +32,19 @@ import os
 import torch
 from torch import Tensor
 
-OPTED_IN = os.environ.get("CLOVER_DESK_FLA_GDN") == "1"
+# engine.settings.GpuPaths.fla_gdn, set by engine.kernels.switches.use at load (set_enabled): a module constant, so a
+# compiled layer sees a constant, not a lookup per forward. TRITON_INTERPRET is Triton's own switch, read as Triton does.
+OPTED_IN = False
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Read once at import: a compiled layer sees constants, not an environment lookup per forward.
+# Read once at import: a compiled layer sees constants.
 AVAILABLE = importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn fla's kernels on or off for this process (``GpuPaths.fla_gdn``); returns the previous setting."""
+    global OPTED_IN
+    before, OPTED_IN = OPTED_IN, bool(on)
+    return before
 
 
 def enabled(x: Tensor) -> bool:

@@ -10,13 +10,12 @@ Accumulated in float32; fp32 activations use IEEE products (no TF32).
 
 Status: tested on the CPU with ``TRITON_INTERPRET=1`` against the dequantize-then-matmul reference
 (``tests/test_triton_linear.py``); **not measured on a GPU**, so it is opt-in: ``QuantLinear`` takes it on CUDA
-for up to :data:`MAX_ROWS` rows only with ``CLOVER_DESK_FUSED_INT8=1``. ``clover-desk bench speed --moe-only`` on
+for up to :data:`MAX_ROWS` rows only when the engine's settings turn it on
+(``engine.settings.GpuPaths.fused_int8``, the switch ``CLOVER_DESK_FUSED_INT8=1``; :func:`set_enabled`). ``clover-desk bench speed --moe-only`` on
 CUDA times it against the chunked path at the LM head's shape (``scripts/gpu_check.sh``).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import Tensor
@@ -32,12 +31,22 @@ def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+_enabled = False  # engine.settings.GpuPaths.fused_int8, set by engine.kernels.switches.use at load
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the fused INT8 kernel on or off for this process (``GpuPaths.fused_int8``); returns the previous one."""
+    global _enabled
+    before, _enabled = _enabled, bool(on)
+    return before
+
+
 def enabled_for(x: Tensor, fmt: str, codes: Tensor) -> bool:
     """Whether ``QuantLinear`` takes the fused kernel: CUDA activations, int8 codes [O, N], at most MAX_ROWS rows,
     opted in (see module)."""
     return (
         x.is_cuda and fmt == "int8" and codes.dim() == 2 and x.numel() // x.shape[-1] <= MAX_ROWS
-        and os.environ.get("CLOVER_DESK_FUSED_INT8") == "1" and available()
+        and _enabled and available()
     )
 
 

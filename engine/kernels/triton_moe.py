@@ -25,7 +25,8 @@ Status: written and tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_
 rounding, and the
 GGUF element decode equal to ``engine.weights.gguf.quants.dequantize`` bit for bit); **not yet measured on a GPU**, so
 nothing selects it by default: :func:`routed_forward <engine.weights.quant.routed_forward>` uses it (:func:`fused_moe`) on
-CUDA only when ``CLOVER_DESK_FUSED_MOE=1``, and ``clover-desk bench speed --moe-only`` on CUDA times the NF4 one
+CUDA only when the engine's settings turn it on (``engine.settings.GpuPaths.fused_moe``, the switch
+``CLOVER_DESK_FUSED_MOE=1``; :func:`set_enabled`), and ``clover-desk bench speed --moe-only`` on CUDA times the NF4 one
 next to the dequantize-then-matmul path (``scripts/gpu_check.sh``; nothing times the GGUF one yet). On a GPU the
 GGUF decode may differ from ``gguf_quants.dequantize`` in the last bit where the compiler fuses a multiply-add.
 Triton is not a dependency of the CPU install (CUDA builds of torch bring it).
@@ -36,7 +37,6 @@ Letters: T tokens, K experts per token, P = T*K (token, expert) pairs, S pool ro
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
@@ -77,6 +77,16 @@ def supports(layout: RowLayout) -> bool:
     return layout.fmt == "nf4"
 
 
+_enabled = False  # engine.settings.GpuPaths.fused_moe, set by engine.kernels.switches.use at load
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the fused kernels on or off for this process (``GpuPaths.fused_moe``); returns the previous setting."""
+    global _enabled
+    before, _enabled = _enabled, bool(on)
+    return before
+
+
 def enabled_for(x: Tensor, layout: RowLayout) -> bool:
     """Whether :func:`engine.weights.quant.routed_forward` takes the fused kernel: CUDA activations, NF4 or supported GGUF
     experts, opted in (see module)."""
@@ -85,7 +95,7 @@ def enabled_for(x: Tensor, layout: RowLayout) -> bool:
 
 def enabled_on(device: torch.device, layout: RowLayout) -> bool:
     """:func:`enabled_for` activations on ``device``."""
-    return device.type == "cuda" and os.environ.get("CLOVER_DESK_FUSED_MOE") == "1" and supports(layout) and available()
+    return device.type == "cuda" and _enabled and supports(layout) and available()
 
 
 def fused_moe(x: Tensor, pool: Tensor, layout: RowLayout, rows: Tensor, topk_w: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.decode.limits import GENERATION_LIMITS, decode_utf8
+from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 from engine.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("clover_moe", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -83,8 +84,8 @@ class CloverConfig:
     eos_token_ids: tuple[int, ...] = QWEN_EOS_IDS
     # --- block diffusion (Clover) ---
     is_diffusion: bool = False  # True for clover_moe: block mode is the model's native mode
-    block_size: int = 32
-    threshold: float = 0.95
+    block_size: int = DEFAULT_BLOCK_SIZE
+    threshold: float = DEFAULT_THRESHOLD
     mask_token_id: int | None = None
     think_end_token_id: int | None = QWEN_THINK_END_ID
     shift_logits: bool = False  # logit row i predicts token i (False) or token i+1 (True)
@@ -313,8 +314,8 @@ def parse_config(data: dict[str, Any], source: str = "config.json") -> CloverCon
         weight_prefix=prefix,
         eos_token_ids=eos,
         is_diffusion=is_clover,
-        block_size=_checked_int(source, "block_size", opt("block_size", 32), int(_BLOCK.lo), int(_BLOCK.hi)),
-        threshold=_checked_float(source, "threshold", opt("threshold", 0.95), _THRESHOLD.lo, _THRESHOLD.hi),
+        block_size=_checked_int(source, "block_size", opt("block_size", DEFAULT_BLOCK_SIZE), int(_BLOCK.lo), int(_BLOCK.hi)),
+        threshold=_checked_float(source, "threshold", opt("threshold", DEFAULT_THRESHOLD), _THRESHOLD.lo, _THRESHOLD.hi),
         mask_token_id=opt("mask_token_id", None),
         think_end_token_id=opt("think_end_token_id", QWEN_THINK_END_ID),
         shift_logits=bool(opt("shift_logits", False)),

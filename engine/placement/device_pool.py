@@ -36,7 +36,7 @@ slot and counter. A miss that was not prefetched is read serially, as in the hos
 Ownership: host and device tables are never both live. The device's are written from the host pool (``push``,
 no host read, the open block's pins included) before the first AR step or block pass that uses them; a forward
 that goes through the host pool (a prompt) first reads them back (``pull``: one host read). Opt-in
-(``CLOVER_DESK_DEVICE_POOL=1``, or ``engine.placement.offload.set_device_pool``) until a GPU run measures it against the host
+(``engine.settings.GpuPaths.expert_fetch`` "device_tables", or ``engine.placement.offload.set_device_pool``) until a GPU run measures it against the host
 pool.
 
 Letters: E experts, L streamed layers, S slots, R row bytes, k experts per token.
@@ -55,7 +55,6 @@ from torch import Tensor
 from engine.kernels.triton_copy import BIG, STAMP_STRIDE, copy_rows, place, place_set
 from engine.kernels.triton_linear import available
 
-DEVICE_POOL_ENV = "CLOVER_DESK_DEVICE_POOL"
 # the device counters, in order; merged into engine.placement.offload.Stats (same names) by merge_counts
 COUNTS = ("slot_hits", "slot_misses", "prefetched", "prefetch_hits", "prefetch_wasted", "evictions", "passes",
           "block_pin_evictions")

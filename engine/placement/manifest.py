@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError, ConfigError, PlanError
-from engine.model.config import load_config
+from engine.model.config import CloverConfig, load_config
 from engine.weights.formats import (
     COMPUTE_DTYPES,
     DEFAULT_POLICY,
@@ -122,31 +122,22 @@ class ModelGeometry:
         return len(self.gdn_layers) * self.conv_dim * (self.linear_conv_kernel_dim - 1) * 2
 
     @classmethod
-    def from_config(cls, cfg: Any, clover_extras: bool | None = None) -> "ModelGeometry":
-        """From an :class:`engine.model.config.CloverConfig`."""
+    def from_config(cls, cfg: CloverConfig, clover_extras: bool | None = None) -> "ModelGeometry":
+        """From an :class:`engine.model.config.CloverConfig`: every field of the same name (:data:`CONFIG_FIELDS`)
+        is the config's, the rest are derived from it (:data:`DERIVED_FIELDS`)."""
         full = tuple(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
         return cls(
-            num_hidden_layers=cfg.num_hidden_layers,
+            **{name: getattr(cfg, name) for name in CONFIG_FIELDS},
             full_attention_layers=full,
-            hidden_size=cfg.hidden_size,
-            vocab_size=cfg.vocab_size,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            linear_num_key_heads=cfg.linear_num_key_heads,
-            linear_num_value_heads=cfg.linear_num_value_heads,
-            linear_key_head_dim=cfg.linear_key_head_dim,
-            linear_value_head_dim=cfg.linear_value_head_dim,
-            linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            moe_intermediate_size=cfg.moe_intermediate_size,
-            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-            tie_word_embeddings=cfg.tie_word_embeddings,
             clover_extras=cfg.is_diffusion if clover_extras is None else clover_extras,
-            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 0) or 0),
         )
 
+
+# What ModelGeometry takes from CloverConfig as it is (the same names and meanings: config.json's), and what it
+# derives: the full-attention layers from layer_types, the Clover extras from is_diffusion (or the tensors), and the
+# output gate, which the planner reads from q_proj's rows (CloverConfig has it always).
+DERIVED_FIELDS = ("full_attention_layers", "clover_extras", "attn_output_gate")
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ModelGeometry) if f.name not in DERIVED_FIELDS)
 
 _QWEN35_35B_A3B = ModelGeometry(
     num_hidden_layers=40,
@@ -168,11 +159,31 @@ _QWEN35_35B_A3B = ModelGeometry(
     max_position_embeddings=131_072,
 )
 
-# Known shapes for `manifest_for_shape` / `clover-desk plan --shape`.
+# Known shapes for `manifest_for_shape` / `clover-desk plan --shape`: the one definition of the 35B-A3B widths (the
+# real-width checkpoints of engine.weights.tiny and the benchmarks' clover-35b-a3b shape are made from it: shape_fields).
 SHAPES: dict[str, ModelGeometry] = {
     "clover-35b-a3b": ModelGeometry(**{**asdict(_QWEN35_35B_A3B), "clover_extras": True}),
     "qwen3.5-35b-a3b": _QWEN35_35B_A3B,
 }
+
+
+def shape_fields(shape: str = "clover-35b-a3b") -> dict[str, int]:
+    """A known shape (:data:`SHAPES`) as the arguments of ``engine.weights.tiny.tiny_text_config`` (its widths,
+    depth, vocabulary and full-attention interval), so a random checkpoint or a benchmark at that shape restates
+    none of them."""
+    geo = SHAPES[shape]
+    interval = geo.full_attention_layers[0] + 1
+    if geo.full_attention_layers != tuple(range(interval - 1, geo.num_hidden_layers, interval)) \
+            or geo.linear_key_head_dim != geo.linear_value_head_dim:
+        raise ValueError(f"shape {shape!r} is not one tiny_text_config can make")
+    return dict(
+        vocab_size=geo.vocab_size, layers=geo.num_hidden_layers, hidden=geo.hidden_size, experts=geo.num_experts,
+        experts_per_tok=geo.num_experts_per_tok, heads=geo.num_attention_heads, kv_heads=geo.num_key_value_heads,
+        head_dim=geo.head_dim, linear_key_heads=geo.linear_num_key_heads,
+        linear_value_heads=geo.linear_num_value_heads, linear_head_dim=geo.linear_key_head_dim,
+        moe_intermediate=geo.moe_intermediate_size, shared_intermediate=geo.shared_expert_intermediate_size,
+        full_attention_interval=interval, max_position_embeddings=geo.max_position_embeddings,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ this layer's input (a speculative guess, as in mixtral-offloading), and its top-
 unpinned slots as soon as this layer's own copies are issued (``ready``), so they overlap this layer's compute.
 Under CUDA graphs (``engine.kernels.step_graphs``) only that fetch runs eagerly: the compute reads a fixed slot table.
 
-Zero-copy (opt-in: ``CLOVER_DESK_ZERO_COPY=1``, or ``place_model(zero_copy=True)``): a forward of at most
+Zero-copy (opt-in: ``place_model(expert_fetch="zero_copy")`` on CUDA, from ``engine.settings.GpuPaths``, or
+``place_model(zero_copy=True)``): a forward of at most
 :data:`ZERO_COPY_PAIRS` (token, expert) pairs, an AR step, reads its streamed experts where they lie. On CUDA the
 page-locked rows are mapped into the device's address space (:func:`in_place_view`), so the routed compute gathers
 its k rows over PCIe itself: no fetch, no host read, no pool slot, and the step is one CUDA graph. Each step then
@@ -31,7 +32,8 @@ reads all its streamed experts over PCIe (the pool's hits are lost), against a h
 layer; ``bench speed --moe-only`` times both on a GPU, which decides. Block passes always go through the pool,
 whose slots their passes share.
 
-Device tables (opt-in: ``CLOVER_DESK_DEVICE_POOL=1``, or ``place_model(device_pool=True)``): AR steps keep the
+Device tables (opt-in: ``place_model(expert_fetch="device_tables")`` on CUDA, or
+``place_model(device_pool=True)``): AR steps keep the
 pool, its hits and its prefetch, but do its bookkeeping on the device (``engine.placement.device_pool``): no host read, and
 the step is one CUDA graph. A prompt or block pass reads the tables back first. Exclusive with zero-copy.
 
@@ -57,7 +59,9 @@ from torch import Tensor, nn
 
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
 from engine.model.experts import SMALL_SLOTS, DenseExpertBank, ExpertBank, present
-from engine.placement.device_pool import COUNTS, DEVICE_POOL_ENV, DeviceSlotTables
+from engine.placement.device_pool import COUNTS, DeviceSlotTables
+from engine.placement.planner import Plan
+from engine.settings import EXPERT_FETCH
 from engine.weights.formats import format_of_torch_dtype
 from engine.weights.quant import (
     QuantExpertBank,
@@ -73,7 +77,6 @@ from engine.weights.quant import (
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
-ZERO_COPY_ENV = "CLOVER_DESK_ZERO_COPY"
 # A forward with at most this many (token, expert) pairs reads streamed experts in place when zero-copy is on: an AR
 # step's top-8. Its compute gathers one row per pair (engine.model.experts.SMALL_SLOTS), so it needs no sort and no sync.
 ZERO_COPY_PAIRS = SMALL_SLOTS
@@ -81,19 +84,10 @@ WINDOWS_PIN_BUDGET = 2 * GiB  # pinned host memory a loaded process can usually 
 _LAYER_RX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 
-class PlanLike(Protocol):
-    """The fields of ``engine.placement.planner.Plan`` this module reads."""
-
-    resident_expert_layers: Any
-    streamed_expert_layers: Any
-    slot_pool_experts: int
-    vram_breakdown: dict[str, int]
-    fits: bool
-
-
 @dataclass
 class SimplePlan:
-    """A plan written by hand (tests, benchmarks); same fields as ``engine.placement.planner.Plan`` that we read."""
+    """A plan written by hand (tests, benchmarks): the placement fields of ``engine.placement.planner.Plan``, under
+    the same names, without the byte counts a planner makes."""
 
     resident_expert_layers: tuple[int, ...]
     streamed_expert_layers: tuple[int, ...]
@@ -872,7 +866,7 @@ def alloc_host_rows(shape: tuple[int, int], pin: bool, budget: PinBudget, layer:
 
 def place_model(
     model: nn.Module,
-    plan: PlanLike,
+    plan: Plan | SimplePlan,
     device: torch.device | str,
     source: TensorSource,
     *,
@@ -885,6 +879,7 @@ def place_model(
     staging: bool | None = None,
     zero_copy: bool | None = None,
     device_pool: bool | None = None,
+    expert_fetch: str = "pool",
 ) -> OffloadRuntime:
     """Place ``model`` exactly as ``plan`` says, reading every tensor once from ``source`` straight into its final
     place: the device (non-expert weights, resident experts, the slot pool), a host row store per streamed layer
@@ -895,9 +890,10 @@ def place_model(
     model is changed only when all succeeded, so an out-of-memory (real, or past ``device_cap_bytes``) leaves it as
     it was and raises :class:`OutOfMemory`. Never plans: the plan is placed as given.
 
-    ``zero_copy``: AR steps read the streamed experts in place (:func:`set_zero_copy`); None: as
-    ``CLOVER_DESK_ZERO_COPY=1`` says, on CUDA only. ``device_pool``: AR steps fetch through device tables
-    (:func:`set_device_pool`); None: as ``CLOVER_DESK_DEVICE_POOL=1`` says, on CUDA only. Not both."""
+    ``zero_copy``: AR steps read the streamed experts in place (:func:`set_zero_copy`); None: as ``expert_fetch``
+    says ("zero_copy"), on CUDA only. ``device_pool``: AR steps fetch through device tables (:func:`set_device_pool`);
+    None: as ``expert_fetch`` says ("device_tables"), on CUDA only. Not both. ``expert_fetch``: one of
+    ``engine.settings.EXPERT_FETCH`` (``GpuPaths.expert_fetch``, what ``engine.api.Engine.load`` passes)."""
     dev = torch.device(device)
     if not getattr(plan, "fits", True):
         raise PlanError(f"the plan does not fit: {getattr(plan, 'reason', '') or 'budget below the minimum'}")
@@ -983,13 +979,14 @@ def place_model(
             new_banks[a].next_router = router
             new_banks[a].next_layer = b
     model._offload_runtime = runtime  # plain attribute (not a submodule)
+    if expert_fetch not in EXPERT_FETCH:
+        raise PlanError(f"expert_fetch {expert_fetch!r} is not one of {', '.join(EXPERT_FETCH)}")
     if zero_copy is None:
-        zero_copy = dev.type == "cuda" and os.environ.get(ZERO_COPY_ENV) == "1"
+        zero_copy = dev.type == "cuda" and expert_fetch == "zero_copy"
     if device_pool is None:
-        device_pool = dev.type == "cuda" and os.environ.get(DEVICE_POOL_ENV) == "1"
+        device_pool = dev.type == "cuda" and expert_fetch == "device_tables"
     if zero_copy and device_pool:
-        raise PlanError(f"zero-copy reads and device slot tables exclude each other: set {ZERO_COPY_ENV} or "
-                        f"{DEVICE_POOL_ENV}, not both")
+        raise PlanError("zero-copy reads and device slot tables exclude each other: choose one expert fetch")
     if zero_copy and streamed:
         set_zero_copy(model, True)
     if device_pool and streamed:
@@ -1006,7 +1003,7 @@ def place_model(
     return runtime
 
 
-def apply_plan(model: nn.Module, plan: PlanLike, device: torch.device | str = "cuda", **kwargs: Any) -> OffloadRuntime:
+def apply_plan(model: nn.Module, plan: Plan | SimplePlan, device: torch.device | str = "cuda", **kwargs: Any) -> OffloadRuntime:
     """:func:`place_model` for a model already in memory (its tensors are the source). ``plan`` is a planner
     :class:`~engine.placement.planner.Plan` or a :class:`SimplePlan`; this function never plans."""
     if isinstance(plan, (int, float)):

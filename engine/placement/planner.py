@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.defaults import DEFAULT_CARD_BYTES, DEFAULT_CTX_TOKENS
+from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CARD_BYTES, DEFAULT_CTX_TOKENS
 from engine.errors import PlanError
 from engine.placement.hardware import DEFAULT_HARDWARE, Hardware, probe_hardware
 from engine.placement.manifest import (
@@ -359,7 +359,7 @@ def make_plan(
     ctx_tokens: int,
     ram_bytes: int | None = None,
     *,
-    block_size: int = 32,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     min_slot_experts: int | None = None,
     hardware: Hardware | None = None,
     roofline: Roofline | dict[str, Any] | None = None,

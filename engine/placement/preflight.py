@@ -19,9 +19,9 @@ Rules (each a pure function of the facts, tested with made-up ones):
   equal or higher minor (sm_86 runs sm_80 code); PTX (``compute_XY``) can be compiled for any newer card when first
   used (slow start); otherwise no kernel runs. RTX 50-series cards are sm_120 and need a CUDA 12.8+ build.
 * bitsandbytes (NF4 experts, CPU and GPU): missing, or shipping no native library for torch's CUDA major version.
-* the opt-in GPU paths (:data:`OPT_IN`, environment switches, each "1" to turn on): which are on, a value that is
-  neither "1" nor "0" (ignored: said), switches that exclude each other (zero-copy and device slot tables: loading
-  a model with streamed layers would fail), and switches that do nothing without a CUDA GPU.
+* the GPU-path switches (``engine.settings.SWITCHES``, each "1" or "0"; the opt-in paths are
+  ``engine.settings.OPT_IN``): which opt-in paths are on and that they do nothing without a CUDA GPU; a value the
+  engine refuses (neither "1" nor "0", or both expert fetches) is an error, in ``GpuPaths.from_env``'s words.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from engine.settings import GpuPaths, SettingsError, switches_set
 
 LEVELS = ("ok", "info", "warning", "error")
 TORCH_INDEX = "https://download.pytorch.org/whl"
@@ -50,16 +51,6 @@ MIN_CUDA_FOR_CAPABILITY: dict[tuple[int, int], tuple[int, int]] = {
     (11, 0): (13, 0),
     (12, 0): (12, 8),
 }
-# The opt-in GPU paths: environment switch -> what "1" turns on. Each is read where it acts (engine.kernels.triton_moe,
-# engine.kernels.triton_linear, engine.kernels.gdn_kernels, engine.placement.offload, engine.placement.device_pool); none is measured on a GPU yet.
-OPT_IN: dict[str, str] = {
-    "CLOVER_DESK_FUSED_MOE": "routed experts through the fused Triton MoE kernels (NF4 rows, GGUF blocks)",
-    "CLOVER_DESK_FUSED_INT8": "INT8 projections and the LM head through the fused Triton kernel",
-    "CLOVER_DESK_FLA_GDN": "Gated DeltaNet steps and causal prefills through flash-linear-attention",
-    "CLOVER_DESK_ZERO_COPY": "AR steps reading streamed experts in place from page-locked memory",
-    "CLOVER_DESK_DEVICE_POOL": "AR steps and diffusion passes fetching streamed experts through slot tables on the GPU",
-}
-EXCLUSIVE = ("CLOVER_DESK_ZERO_COPY", "CLOVER_DESK_DEVICE_POOL")
 # PyTorch wheel indexes by CUDA version (download.pytorch.org/whl/<tag>); the newest the driver and card allow wins.
 TORCH_CUDA_TAGS: dict[tuple[int, int], str] = {(11, 8): "cu118", (12, 6): "cu126", (12, 8): "cu128", (13, 0): "cu130"}
 
@@ -84,7 +75,7 @@ class GpuFacts:
     bnb_version: str | None = None  # None: bitsandbytes is not installed
     bnb_cuda_libs: tuple[tuple[int, int], ...] = ()  # CUDA versions bitsandbytes ships native libraries for
     bnb_cuda_override: str | None = None  # $BNB_CUDA_VERSION when set
-    opt_in: tuple[tuple[str, str], ...] = ()  # (switch, value) of the OPT_IN switches that are set
+    opt_in: tuple[tuple[str, str], ...] = ()  # (switch, value) of the engine.settings.SWITCHES that are set
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -278,47 +269,32 @@ def _check_bitsandbytes_cuda(facts: GpuFacts) -> list[Finding]:
     return [Finding("ok", "bitsandbytes", f"bitsandbytes {facts.bnb_version} has a CUDA {torch_cuda[0]}.x library")]
 
 
+def settings_of(facts: GpuFacts) -> GpuPaths | SettingsError:
+    """The :class:`engine.settings.GpuPaths` the switches in ``facts`` give, or the error they are refused with."""
+    try:
+        return GpuPaths.from_env(dict(facts.opt_in))
+    except SettingsError as exc:
+        return exc
+
+
 def opt_in_on(facts: GpuFacts) -> list[str]:
-    """The opt-in switches that are on: exactly "1", as the engine reads them."""
-    return [name for name, value in facts.opt_in if value == "1"]
-
-
-def opt_in_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The :data:`OPT_IN` switches set to "1" in ``environ`` (default: this process's), in the table's order: what
-    the engine runs with (each is read where it acts, as exactly "1")."""
-    env = os.environ if environ is None else environ
-    return [name for name in OPT_IN if env.get(name) == "1"]
-
-
-def opt_in_env(on: Iterable[str]) -> dict[str, str]:
-    """Every :data:`OPT_IN` switch, "1" for those in ``on`` and "0" for the rest: the environment a worker is given
-    so that it runs exactly the chosen paths, whatever the parent's environment says. An unknown name, or both of
-    :data:`EXCLUSIVE`, is a ValueError naming it."""
-    chosen = set(on)
-    unknown = sorted(chosen - set(OPT_IN))
-    if unknown:
-        raise ValueError(f"unknown GPU path {unknown[0]!r} (allowed: {', '.join(OPT_IN)})")
-    if all(name in chosen for name in EXCLUSIVE):
-        raise ValueError(f"{' and '.join(EXCLUSIVE)} exclude each other: choose one")
-    return {name: "1" if name in chosen else "0" for name in OPT_IN}
+    """The opt-in paths (:data:`engine.settings.OPT_IN`) that are on (none when the switches are refused)."""
+    paths = settings_of(facts)
+    return [] if isinstance(paths, SettingsError) else paths.opt_in()
 
 
 def check_opt_in(facts: GpuFacts) -> list[Finding]:
-    """The opt-in GPU paths' switches (:data:`OPT_IN`): bad values, a clash, which are on and whether they can act."""
-    out: list[Finding] = []
-    on = opt_in_on(facts)
-    for name, value in facts.opt_in:
-        if value not in ("", "0", "1"):
-            out.append(Finding("warning", "opt-in", f"{name}={value!r} is ignored: set it to 1 for "
-                                                    f"{OPT_IN[name]}, or to 0 (or unset it)"))
-    if all(name in on for name in EXCLUSIVE):
-        out.append(Finding("error", "opt-in", f"{' and '.join(EXCLUSIVE)} exclude each other: loading a model whose "
-                                              "experts are streamed fails while both are 1; unset one"))
-    if on:
-        gpu = facts.cuda_available and facts.torch_cuda is not None
-        out.append(Finding("info", "opt-in", f"experimental GPU paths on: {', '.join(on)} (not yet measured on a GPU)"
-                                             + ("" if gpu else "; they do nothing without a CUDA GPU")))
-    return out
+    """The GPU-path switches: refused values (as an engine process would refuse them), which opt-in paths are on
+    and whether they can act."""
+    paths = settings_of(facts)
+    if isinstance(paths, SettingsError):
+        return [Finding("error", "opt-in", f"{paths}: an engine refuses to start with it")]
+    on = paths.opt_in()
+    if not on:
+        return []
+    gpu = facts.cuda_available and facts.torch_cuda is not None
+    return [Finding("info", "opt-in", f"experimental GPU paths on: {', '.join(on)} (not yet measured on a GPU)"
+                                      + ("" if gpu else "; they do nothing without a CUDA GPU"))]
 
 
 def _sorted(findings: list[Finding]) -> list[Finding]:
@@ -410,7 +386,7 @@ def gather_facts(index: int = 0) -> GpuFacts:
         "platform": sys.platform,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "bnb_cuda_override": os.environ.get("BNB_CUDA_VERSION"),
-        "opt_in": tuple((name, os.environ[name]) for name in OPT_IN if name in os.environ),
+        "opt_in": switches_set(),
     }
     facts.update(_nvml_facts(index))
     nvml_name, nvml_cap = facts.get("gpu_name"), facts.get("capability")

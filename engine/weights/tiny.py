@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.decode.tokenizer import ENDOFTEXT, IM_END, MASK, THINK_END, train_tiny_tokenizer
+from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 from engine.errors import ConfigError
 from engine.model.config import CloverConfig, parse_config
-from engine.placement.manifest import ModelGeometry, _text_tensors
+from engine.placement.manifest import SHAPES, ModelGeometry, _text_tensors, shape_fields
 from engine.weights.checkpoint import (
     SHARD_NAME,
     TensorSpec,
@@ -116,7 +117,8 @@ def tiny_text_config(
 
 
 def config_dict_for(
-    model_type: str, text: dict[str, Any], special: dict[str, int], *, block_size: int = 32, threshold: float = 0.95
+    model_type: str, text: dict[str, Any], special: dict[str, int], *, block_size: int = DEFAULT_BLOCK_SIZE,
+    threshold: float = DEFAULT_THRESHOLD,
 ) -> dict[str, Any]:
     """A full config.json dict for ``model_type`` around the text fields ``text``."""
     eos = [special[IM_END], special[ENDOFTEXT]]
@@ -212,35 +214,20 @@ def write_generation_config(out_dir: str | Path, model_type: str, special: dict[
 # ----------------------------------------------------------------------------------------------------------------
 
 REAL_SHAPES = ("clover-35b-a3b",)
-MAX_LAYERS = 40  # the real model's depth; more would be a model that does not exist
+MAX_LAYERS = SHAPES["clover-35b-a3b"].num_hidden_layers  # the real model's depth; more would be a model that does not exist
 GiB = 1 << 30
 _CHUNK_ELEMENTS = 1 << 24  # 32 MiB of bf16 per generated chunk: big enough for speed, small for memory
 
 
-def clover_35b_a3b_text_config(*, layers: int = 40, vocab_size: int = 248_320) -> dict[str, Any]:
+def clover_35b_a3b_text_config(*, layers: int = MAX_LAYERS, vocab_size: int | None = None) -> dict[str, Any]:
     """The text fields of Clover-35B-A3B-Preview's config.json with ``layers`` layers (real widths).
 
     The layer pattern is the real one: layer i is full attention when (i + 1) % 4 == 0. With fewer than 4 layers
     there is no full-attention layer at all; the engine loads and runs such a model (only Gated DeltaNet layers,
     no KV cache), so the pattern is kept rather than bent.
     """
-    return tiny_text_config(
-        vocab_size=vocab_size,
-        layers=layers,
-        hidden=2048,
-        experts=256,
-        experts_per_tok=8,
-        heads=16,
-        kv_heads=2,
-        head_dim=256,
-        linear_key_heads=16,
-        linear_value_heads=32,
-        linear_head_dim=128,
-        moe_intermediate=512,
-        shared_intermediate=512,
-        full_attention_interval=4,
-        max_position_embeddings=131_072,
-    )
+    fields = shape_fields("clover-35b-a3b")  # the widths are engine.placement.manifest.SHAPES'
+    return tiny_text_config(**{**fields, "layers": layers, "vocab_size": vocab_size or fields["vocab_size"]})
 
 
 class RandomInit(NamedTuple):

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.decode.tokenizer import CloverTokenizer
+from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 from engine.errors import ConfigError
 from engine.model.config import CloverConfig, parse_config
 from engine.weights.gguf.header import read_header
@@ -355,8 +356,8 @@ def config_from_metadata(
         if mask is not None:
             data["mask_token_id"] = int(mask)
         data["shift_logits"] = bool(md.get("diffusion.shift_logits", False))
-        data["block_size"] = int(md.get(f"{arch}.diffusion.block_size", md.get("diffusion.block_size", 32)))
-        data["threshold"] = f32(md.get(f"{arch}.diffusion.threshold", md.get("diffusion.threshold", 0.95)))
+        data["block_size"] = int(md.get(f"{arch}.diffusion.block_size", md.get("diffusion.block_size", DEFAULT_BLOCK_SIZE)))
+        data["threshold"] = f32(md.get(f"{arch}.diffusion.threshold", md.get("diffusion.threshold", DEFAULT_THRESHOLD)))
     return parse_config(data, source=str(source))
 
 

@@ -531,13 +531,15 @@ def load_gguf_engine(
     progress: Callable[[LoadProgress], None] | None = None,
     cancel: threading.Event | None = None,
     plan: Any = None,
+    expert_fetch: str = "pool",
 ) -> tuple[CloverModel, Any, Any, Any, str | None]:
     """What :class:`engine.api.Engine` needs of a GGUF file: (model, config, generation defaults, tokenizer, why
     diffusion is refused or None), placed under ``plan`` when given (see :func:`load_gguf_model`). Generation
     defaults come from a ``generation_config.json`` next to the file, else Clover's published ones for the fork
-    layout, else plain greedy."""
+    layout, else plain greedy. ``expert_fetch``: how streamed experts reach the GPU (``engine.settings.EXPERT_FETCH``)."""
 
-    loaded = load_gguf_model(path, dtype, device, layout=layout, progress=progress, cancel=cancel, plan=plan)
+    loaded = load_gguf_model(path, dtype, device, layout=layout, progress=progress, cancel=cancel, plan=plan,
+                             expert_fetch=expert_fetch)
     gf, config = loaded.file, loaded.file.config
     tokenizer = load_tokenizer(gf)
     folder = Path(path).parent
