@@ -527,33 +527,54 @@ static const int8_t NF4_I8[16] = {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20,
 /* the scale walk: value v0 starts the row; each 32-value step moves to the next scale every bs values */
 typedef float (*sdot_fn)(const uint8_t *q, const float *s, int64_t v0, int64_t bs, const a8_t *a, int64_t nb);
 
+#if CLOVER_AVX2
+/* 32 NF4 codes (16 bytes, high nibble first) -> their int8 table values in value order */
+static inline __m256i nf4_values(const uint8_t *q, __m256i lut) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4), lo = _mm_and_si128(raw, low4);
+    return _mm256_shuffle_epi8(lut, _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo)));
+}
+
+/* signed int8 w . signed int8 x over 32 values -> 8 int32 partial sums */
+static inline __m256i dot32_i8(__m256i w, const int8_t *xq) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                             _mm256_set1_epi16(1));
+}
+#endif
+
+/* the scale of the next 32-value step, then the walk moves on */
+static inline float next_scale(const float *s, int64_t bs, int64_t *blk, int64_t *rem) {
+    const float v = s[*blk];
+    *rem += 32;
+    if (*rem == bs) *rem = 0, (*blk)++;
+    return v;
+}
+
 static float dot_nf4(const uint8_t *q, const float *s, int64_t v0, int64_t bs, const a8_t *a, int64_t nb) {
     int64_t blk = v0 / bs, rem = v0 % bs;
 #if CLOVER_AVX2
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, q += 16, a++) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)q);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4), lo = _mm_and_si128(raw, low4);
-        /* value order: high nibble first */
-        const __m256i w = _mm256_shuffle_epi8(lut, _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo)));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)a->q);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[blk] * a->d), _mm256_cvtepi32_ps(p), acc);
-        rem += 32;
-        if (rem == bs) rem = 0, blk++;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two chains: the FMA latency overlaps */
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, q += 32, a += 2) {
+        const __m256i p0 = dot32_i8(nf4_values(q, lut), a[0].q), p1 = dot32_i8(nf4_values(q + 16, lut), a[1].q);
+        const float s0 = next_scale(s, bs, &blk, &rem), s1 = next_scale(s, bs, &blk, &rem);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0 * a[0].d), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1 * a[1].d), _mm256_cvtepi32_ps(p1), acc1);
     }
-    return hsum_ps(acc) * (1.0f / 127.0f);
+    if (b < nb) {
+        const __m256i p0 = dot32_i8(nf4_values(q, lut), a->q);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(next_scale(s, bs, &blk, &rem) * a->d), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum_ps(_mm256_add_ps(acc0, acc1)) * (1.0f / 127.0f);
 #else
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, q += 16, a++) {
         int32_t sum = 0;
         for (int l = 0; l < 16; l++) sum += NF4_I8[q[l] >> 4] * a->q[2 * l] + NF4_I8[q[l] & 0x0f] * a->q[2 * l + 1];
-        acc += s[blk] * a->d * (float)sum;
-        rem += 32;
-        if (rem == bs) rem = 0, blk++;
+        acc += next_scale(s, bs, &blk, &rem) * a->d * (float)sum;
     }
     return acc * (1.0f / 127.0f);
 #endif
@@ -562,26 +583,27 @@ static float dot_nf4(const uint8_t *q, const float *s, int64_t v0, int64_t bs, c
 static float dot_i8(const uint8_t *q, const float *s, int64_t v0, int64_t bs, const a8_t *a, int64_t nb) {
     int64_t blk = v0 / bs, rem = v0 % bs;
 #if CLOVER_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, q += 32, a++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)q);
-        const __m256i x = _mm256_loadu_si256((const __m256i *)a->q);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[blk] * a->d), _mm256_cvtepi32_ps(p), acc);
-        rem += 32;
-        if (rem == bs) rem = 0, blk++;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, q += 64, a += 2) {
+        const __m256i p0 = dot32_i8(_mm256_loadu_si256((const __m256i *)q), a[0].q);
+        const __m256i p1 = dot32_i8(_mm256_loadu_si256((const __m256i *)(q + 32)), a[1].q);
+        const float s0 = next_scale(s, bs, &blk, &rem), s1 = next_scale(s, bs, &blk, &rem);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0 * a[0].d), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1 * a[1].d), _mm256_cvtepi32_ps(p1), acc1);
     }
-    return hsum_ps(acc);
+    if (b < nb) {
+        const __m256i p0 = dot32_i8(_mm256_loadu_si256((const __m256i *)q), a->q);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(next_scale(s, bs, &blk, &rem) * a->d), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum_ps(_mm256_add_ps(acc0, acc1));
 #else
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, q += 32, a++) {
         const int8_t *w = (const int8_t *)q;
         int32_t sum = 0;
         for (int l = 0; l < QS; l++) sum += w[l] * a->q[l];
-        acc += s[blk] * a->d * (float)sum;
-        rem += 32;
-        if (rem == bs) rem = 0, blk++;
+        acc += next_scale(s, bs, &blk, &rem) * a->d * (float)sum;
     }
     return acc;
 #endif
