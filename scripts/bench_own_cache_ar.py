@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--skip-off", action="store_true", help="do not time the dequantizing path")
+    ap.add_argument("--skip-eager", action="store_true", help="do not time the eager model (with --compile)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -73,9 +74,10 @@ def main() -> None:
     kern = cpu_quant.kernels()
     print(f"CPU kernels: {'on (' + ('AVX2' if kern.simd else 'scalar') + ')' if kern.ok else 'off: ' + kern.reason}")
     with torch.no_grad():
-        on, toks_on = best(model, prompt, settings, args.repeats)
-        print(f"own cache AR, kernels on : {on:7.2f} tok/s (best of {args.repeats})", flush=True)
-        if not args.skip_off:
+        if not args.skip_eager:
+            on, toks_on = best(model, prompt, settings, args.repeats)
+            print(f"own cache AR, kernels on : {on:7.2f} tok/s (best of {args.repeats})", flush=True)
+        if not args.skip_off and not args.skip_eager:
             before = cpu_quant.set_enabled(False)
             try:
                 off, toks_off = best(model, prompt, settings, 1)
