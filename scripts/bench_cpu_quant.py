@@ -1,11 +1,13 @@
 """Microbenchmark of engine.kernels.cpu_quant at Clover-35B-A3B's widths, against the current path (dequantize the
 GGUF blocks to fp32 with torch ops, then a matmul).
 
-    PYTHONPATH=. python scripts/bench_cpu_quant.py [--threads 2] [--reps 5] [--quick]
+    PYTHONPATH=. python scripts/bench_cpu_quant.py [--threads 2] [--reps 5] [--quick] [--only gguf|own]
 
 Prints, per case: best-of-reps milliseconds of the kernel and of the current path, the weight bytes read per
 second (bytes of the blocks the call reads / time) and the speed-up; the machine's read bandwidth for scale; and the
-kernels' max error relative to an fp64 reference at K = 2048 for each format.
+kernels' max error relative to an fp64 reference at K = 2048 for each format. ``--only own``: the engine's own cache
+formats (NF4 experts, per-row INT8 head and projections) against that cache's current path (bitsandbytes NF4
+dequantize + matmul; ``_weight_int8pack_mm`` for a few INT8 rows, dequantize + matmul for more).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from engine import gguf_quants as gq
 from engine.kernels import cpu_quant as cq
+from engine.weights import quant as wq
+from engine.weights.gguf import quants as gq
 
 HIDDEN, EXPERT_I, VOCAB, EXPERTS, TOP_K = 2048, 512, 248_320, 256, 8
 
@@ -103,11 +106,104 @@ def accuracy() -> None:
               f"median elementwise rel {float((err / exact.abs()).median()):.2e}")
 
 
+def own_linear_old(x: Tensor, layer: wq.QuantLinear) -> Tensor:
+    """The own cache's QuantLinear path before the kernels (cpu_quant switched off for the call)."""
+    before = cq.set_enabled(False)
+    try:
+        return layer(x)
+    finally:
+        cq.set_enabled(before)
+
+
+def own_layer(fmt: str, n: int, k: int, seed: int) -> wq.QuantLinear:
+    """A QuantLinear [n, k] of random weights; big ones repeat 2048 quantized rows (distinct memory)."""
+    g = torch.Generator().manual_seed(seed)
+    base = min(n, 2048)
+    small = wq.QuantLinear(k, base, fmt)
+    small.set_weight(torch.randn(base, k, generator=g) * 0.02)
+    layer = wq.QuantLinear(k, n, fmt)
+    reps = -(-n // base)
+    if fmt == "nf4":
+        layer.codes = small.codes.view(base, -1).repeat(reps, 1)[:n].reshape(-1).contiguous()
+        layer.scales = small.scales.view(base, -1).repeat(reps, 1)[:n].reshape(-1).contiguous()
+    else:
+        layer.codes = small.codes.repeat(reps, 1)[:n].contiguous()
+        layer.scales = small.scales.repeat(reps)[:n].contiguous()
+    return layer
+
+
+def own_head(args: argparse.Namespace) -> None:
+    """The INT8 output head (508 MB): its own function, so it is freed before the next cases."""
+    reps = args.reps
+    head = own_layer("int8", VOCAB, HIDDEN, 1)
+    nbytes = head.codes.numel() + head.scales.numel() * 4
+    for t in (1, 32):
+        x = torch.randn(t, HIDDEN)
+        ms = best_ms(lambda: head(x), reps, 0.0)
+        if args.quick:
+            old = None
+        elif t <= wq.INT8_GEMV_MAX_ROWS:
+            old = best_ms(lambda: own_linear_old(x, head), reps, 0.0)
+        else:
+            part = own_layer("int8", VOCAB // 8, HIDDEN, 1)
+            old = best_ms(lambda: own_linear_old(x, part), 1, 0.0) * 8
+        row(f"head {VOCAB}x{HIDDEN} INT8 T={t}", nbytes, ms, old)
+
+
+def own_cache(args: argparse.Namespace) -> None:
+    reps = args.reps
+    print("\nthe engine's own cache (NF4 / INT8 codes + fp32 scales):")
+    print(f"{'case':<44} {'MB read':>9} {'ms':>9} {'GB/s':>8} {'old ms':>10} {'speed-up':>9}")
+    own_head(args)
+    cases = (("expert gate/up 1024x2048 NF4", "nf4", 2 * EXPERT_I, HIDDEN),
+             ("expert down 2048x512 NF4", "nf4", HIDDEN, EXPERT_I),
+             ("attention-ish 2048x4096 INT8", "int8", 2048, 4096),
+             ("attention-ish 2048x4096 NF4", "nf4", 2048, 4096))
+    for name, fmt, n, kk in cases:
+        layer = own_layer(fmt, n, kk, 2)
+        nbytes = layer.codes.numel() + layer.scales.numel() * 4
+        for t in (1, 32):
+            x = torch.randn(t, kk)
+            ms = best_ms(lambda: layer(x), reps * 4)
+            old = best_ms(lambda: own_linear_old(x, layer), reps)
+            row(f"{name} T={t}", nbytes, ms, old, "(hot in cache)")
+    g = torch.Generator().manual_seed(0)
+    layout = wq.ExpertLayout.build(EXPERTS, HIDDEN, EXPERT_I, "nf4", 64)
+    one = wq.QuantExpertBank.from_dense(torch.randn(1, 2 * EXPERT_I, HIDDEN, generator=g) * 0.02,
+                                        torch.randn(1, HIDDEN, EXPERT_I, generator=g) * 0.02)
+    bank = wq.QuantExpertBank(layout, packed=one.packed.repeat(EXPERTS, 1))  # 256 rows, distinct memory
+    for t in (1, 32):
+        idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(t)])
+        wts = torch.softmax(torch.randn(t, TOP_K, generator=g), -1)
+        x = torch.randn(t, HIDDEN, generator=g)
+        used = idx.unique().numel()
+        ms = best_ms(lambda: bank(x, idx, wts), reps * 2)
+
+        def old_path() -> Tensor:
+            before = cq.set_enabled(False)
+            try:
+                return bank(x, idx, wts)
+            finally:
+                cq.set_enabled(before)
+
+        old = best_ms(old_path, max(1, reps // 2), 0.0)
+        row(f"moe E={EXPERTS} k={TOP_K} T={t} NF4 ({used} experts used)", used * layout.nbytes, ms, old)
+    print("\nmax |y - exact| / max |exact| vs fp64 (x @ dequantize(w).T, unrounded x), K = 2048, N = 256, T = 8:")
+    x = torch.randn(8, HIDDEN, generator=g)
+    for fmt in ("nf4", "int8"):
+        layer = own_layer(fmt, 256, HIDDEN, 3)
+        exact = x.double() @ layer.dequantized(torch.float32).double().T
+        err = (layer(x).double() - exact).abs()
+        print(f"  {fmt.upper():<5} max rel (of max |exact|) {float(err.max() / exact.abs().max()):.2e}   "
+              f"median elementwise rel {float((err / exact.abs()).median()):.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="skip the slow current-path timings of the big cases")
+    ap.add_argument("--only", choices=("gguf", "own"), help="only the GGUF formats, or only the own cache's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     k = cq.kernels()
@@ -117,6 +213,11 @@ def main() -> None:
           f"threads={torch.get_num_threads()}")
     print("load average at start (other processes share these cores): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     bandwidth(args.reps)
+    if args.only != "gguf":
+        own_cache(args)
+    if args.only == "own":
+        print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+        return
     print(f"\n{'case':<44} {'MB read':>9} {'ms':>9} {'GB/s':>8} {'old ms':>10} {'speed-up':>9}")
     reps = args.reps
 

@@ -4,12 +4,24 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from clover_desk.bench.speed import _forward_ops
 from clover_desk.cli import main as cli
+from engine.kernels import cpu_quant
+
+
+@pytest.fixture(autouse=True)
+def dequantizing_path() -> Iterator[None]:
+    """The counts here are those of the portable dequantizing path (what a GPU runs). The CPU
+    kernels, which read the codes in place and round activations to int8 blocks, are tested in
+    tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py."""
+    before = cpu_quant.set_enabled(False)
+    yield
+    cpu_quant.set_enabled(before)
 
 
 def test_the_count_sees_ops_reads_and_the_bytes_each_op_writes() -> None:
@@ -278,8 +290,9 @@ def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
 FUSED_LINE_CHILD = r'''
 import torch
 from clover_desk.bench.speed import FUSED_WARPS, _fused_line, _moe_routing, _random_nf4_bank
-from engine.kernels import triton_moe
+from engine.kernels import cpu_quant, triton_moe
 
+cpu_quant.set_enabled(False)  # the line's reference is the grouped dequantize-then-matmul path, not the CPU kernels
 gen = torch.Generator().manual_seed(0)
 bank = _random_nf4_bank(16, 64, 64, gen)
 before = dict(triton_moe.NUM_WARPS)

@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+from engine.kernels import cpu_quant
 from engine.model.clover import CloverModel
 from engine.model.config import parse_config
 from engine.weights.checkpoint import random_state_dict
+from engine.weights.quant import make_policy, quantize_model_
 from engine.weights.tiny import config_dict_for, tiny_text_config
 
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
@@ -60,6 +62,28 @@ def test_the_forward_traces_as_one_graph(primed: tuple[CloverModel, Any], name: 
     # (traced, a pass gathers one expert per (token, slot) pair instead of grouping by expert: same math, other
     # summation order)
     assert (compiled(*args) - fn(*args)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["ar_step", "denoise_pass"])
+def test_the_quantized_forward_traces_as_one_graph(primed: tuple[CloverModel, Any], name: str) -> None:
+    """The engine's own quantized weights (NF4 experts, INT8 projections and head) on the CPU go through the
+    cpu_quant custom ops: no ``.item()`` where the dequantizing experts sized their groups on the host (the denoising
+    pass's 16 pairs are past the pairwise gather), so no graph break and no recompilation of a second call."""
+    if not cpu_quant.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_quant.reason()}")
+    model, cache = primed
+    quantized = copy.deepcopy(model)
+    quantize_model_(quantized, make_policy())
+    fn, args = _forwards(quantized, cache)[name]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [str(b.reason)[:200] for b in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    want = fn(*args)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(compiled(*args), want)  # the same library calls, through the ops
+        assert torch.equal(compiled(*args), want)  # a second call: guards hold, nothing recompiles
 
 
 @pytest.mark.slow

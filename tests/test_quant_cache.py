@@ -15,6 +15,7 @@ import torch
 
 from engine.decode.events import LoadProgress
 from engine.errors import CancelledError
+from engine.kernels import cpu_quant
 from engine.model.config import parse_config
 from engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
 from engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
@@ -98,6 +99,31 @@ def test_second_load_uses_the_cache(ckpt: Path, tmp_path: Path) -> None:
     _, report = load_quantized(ckpt, POLICY, cache_root=tmp_path)
     assert not report.rebuilt and report.reason == ""
     assert (report.path / DATA_NAME).stat().st_mtime_ns == mtime
+
+
+def mean_kl(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Mean over positions of KL(softmax(want) || softmax(got)) in nats: logits [T, V]."""
+    logp_want, logp_got = want.double().log_softmax(-1), got.double().log_softmax(-1)
+    return float((logp_want.exp() * (logp_want - logp_got)).sum(-1).mean())
+
+
+def test_the_cpu_kernels_read_the_cache_within_the_kl_bound(ckpt: Path, tmp_path: Path) -> None:
+    """The CPU kernels read the cache's NF4 experts and INT8 projections / head in place, activations rounded to
+    int8 blocks (as the GGUF path, tests/test_gguf.py): next-token distributions over a fixed text stay within
+    1e-3 nats per token of the dequantizing path's."""
+    if not cpu_quant.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_quant.reason()}")
+    model, _ = load_quantized(ckpt, POLICY, cache_root=tmp_path)
+    ids = torch.tensor([5, 17, 30, 41, 9, 25, 7, 66, 12, 3, 99, 114, 8, 61, 2, 77])
+    with torch.no_grad():
+        got = model(ids, 0, None).float()
+        before = cpu_quant.set_enabled(False)
+        try:
+            want = model(ids, 0, None).float()
+        finally:
+            cpu_quant.set_enabled(before)
+    assert mean_kl(got, want) <= 1e-3, mean_kl(got, want)
+    assert not torch.equal(got, want)  # the kernels did run (their int8 activations round)
 
 
 def test_default_location_is_beside_the_model(tmp_path: Path) -> None:

@@ -1,11 +1,15 @@
 """CPU matmuls straight from GGUF (ggml) quantized blocks: a small C library (``csrc/quant_cpu.c``) built on first use
 with the system C compiler, loaded with ctypes, and exposed as torch custom ops (``clover::qmatmul``,
 ``clover::qmatmul_rows``, ``clover::moe``, ``clover::moe_packed``) that ``torch.compile`` treats as opaque calls.
+The same kernels read the engine's own quantized cache (``engine.weights.quant``): NF4 (bitsandbytes layout) and
+per-row INT8 weights, whose codes and fp32 scales lie in separate arrays ("split" formats: ``smatmul``,
+``moe_rows``; ops ``clover::smatmul``, ``clover::moe_rows``).
 
 Each activation row is quantized once per call to int8 blocks (256 values with an fp32 scale and int16 sums per 16
 for Q4_K / Q5_K / Q6_K weights; 32 values with an fp32 scale for Q8_0 / Q4_0), then each output is an integer dot
 product with the weight blocks, accumulated in fp32 (what llama.cpp's CPU backend does). Float weights (F32 / F16 /
-BF16) are not handled here: keep them on torch.
+BF16) are not handled here: keep them on torch. The split formats use the 32-value activation blocks too: NF4 codes
+go through a 16-entry int8 table (round(127 * code), the 1/127 applied per output), INT8 codes are used as they are.
 
 Build: ``$CC`` (else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp -shared -fPIC`` into
 ``$CLOVER_DESK_KERNEL_CACHE`` (else ``~/.cache/clover-desk/kernels``), one ``.so`` per hash of source, flags and
@@ -50,6 +54,12 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_
 # type -> (values per block, bytes per block), for the types the kernels compute
 BLOCK = {Q8_0: (32, 34), Q4_0: (32, 18), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 SUPPORTED = tuple(BLOCK)
+# the engine's own formats (private ids, outside ggml's): codes + a separate fp32 scale per ``blocksize`` values of
+# the flattened matrix (NF4: bitsandbytes' absmax blocks, high nibble first; INT8: one scale per row)
+NF4, INT8 = 200, 201
+SPLIT_NAMES = {NF4: "NF4", INT8: "INT8"}
+SPLIT_OF_FORMAT = {"nf4": NF4, "int8": INT8}
+SPLIT_STEP = 32  # values per activation block: rows and NF4 blocksizes must be multiples of it
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_cpu.c"
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
@@ -163,6 +173,11 @@ class Kernels:
         lib.clover_moe.restype = i32
         lib.clover_moe.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i32, ptr, i64, i64, i32,
                                    ptr, i64, i64, i32, ptr, ptr, ptr, i32]
+        lib.clover_smatmul.restype = i32
+        lib.clover_smatmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, ptr, i64, ptr, i32]
+        lib.clover_moe_split.restype = i32
+        lib.clover_moe_split.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i32, i64, i64,
+                                         ptr, ptr, ptr, i32]
 
     @property
     def simd(self) -> bool:
@@ -195,6 +210,62 @@ class Kernels:
         rc = lib.clover_qmatmul(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.stride(0), qtype,
                                 None if rows is None else rows.data_ptr(), r, out.data_ptr(), torch.get_num_threads())
         _raise_for(rc, "qmatmul")
+        return out
+
+    def smatmul(self, x: Tensor, codes: Tensor, scales: Tensor, qtype: int, blocksize: int) -> Tensor:
+        """x [T, K] float; codes of a split-format matrix [N, K] (NF4: uint8, any shape, N * K / 2 bytes; INT8: int8
+        [N, K]); scales fp32, one per ``blocksize`` values of the flattened matrix -> float32 [T, N]."""
+        lib = self._need()
+        x = _as_f32_2d(x)
+        k = x.shape[1]
+        codes, n = _split_codes(codes, qtype, k)
+        scales = _split_scales(scales, n * k, blocksize, "smatmul")
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        if x.shape[0] == 0 or n == 0:
+            return out
+        rc = lib.clover_smatmul(x.data_ptr(), x.shape[0], k, codes.data_ptr(), codes.stride(0), scales.data_ptr(),
+                                blocksize, qtype, None, n, out.data_ptr(), torch.get_num_threads())
+        _raise_for(rc, "smatmul")
+        return out
+
+    def moe_rows(self, x: Tensor, packed: Tensor, offsets: tuple[int, int, int, int] | list[int], intermediate: int,
+                 qtype: int, blocksizes: tuple[int, int] | list[int], topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        """Routed experts from the engine's own expert rows: packed uint8 [E, nbytes], each row
+        [gate_up codes [2I, D] | down codes [D, I] | gate_up scales | down scales] at byte ``offsets`` (the
+        ``ExpertLayout`` segments), all of split type ``qtype``; ``blocksizes`` (gate_up, down) values per scale."""
+        x = _as_f32_2d(x)
+        d, i = x.shape[1], int(intermediate)
+        if qtype not in SPLIT_NAMES:
+            raise ValueError(f"moe_rows: type {qtype} is not a split format (supported: {sorted(SPLIT_NAMES.values())})")
+        bs_gu, bs_dn = (int(b) for b in blocksizes)
+        for width, bs in ((d, bs_gu), (i, bs_dn)):
+            if width % SPLIT_STEP or bs <= 0 or bs % SPLIT_STEP:
+                raise ValueError(f"moe_rows: widths and blocksizes must be multiples of {SPLIT_STEP}, got width "
+                                 f"{width}, blocksize {bs}")
+        gu_c, dn_c, gu_s, dn_s = (int(o) for o in offsets)
+        per = 1 if qtype == INT8 else 2  # values per code byte
+        ends = (gu_c + 2 * i * d // per, dn_c + d * i // per, gu_s + 4 * -(-2 * i * d // bs_gu),
+                dn_s + 4 * -(-d * i // bs_dn))
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or max(ends) > packed.shape[1] or min(offsets) < 0:
+            raise ValueError(f"moe_rows: packed must be uint8 [E, >= {max(ends)}], got {tuple(packed.shape)} "
+                             f"{packed.dtype}")
+        if any(o % 4 for o in (gu_s, dn_s)):
+            raise ValueError(f"moe_rows: scale offsets must be 4-byte aligned, got {gu_s}, {dn_s}")
+        if packed.stride(1) != 1 or packed.stride(0) % 4 or packed.data_ptr() % 4:
+            packed = packed.contiguous()
+        lib = self._need()
+        t = x.shape[0]
+        idx = topk_idx.to(torch.int64).contiguous()
+        wts = topk_w.to(torch.float32).contiguous()
+        if idx.dim() != 2 or idx.shape[0] != t or wts.shape != idx.shape:
+            raise ValueError(f"moe: topk_idx {tuple(idx.shape)} / topk_w {tuple(wts.shape)} must be [T={t}, k]")
+        out = torch.empty(t, d, dtype=torch.float32)
+        if t == 0:
+            return out
+        rc = lib.clover_moe_split(x.data_ptr(), t, d, i, packed.shape[0], idx.shape[1], packed.data_ptr(),
+                                  packed.stride(0), gu_c, dn_c, gu_s, dn_s, qtype, bs_gu, bs_dn, idx.data_ptr(),
+                                  wts.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        _raise_for(rc, "moe_rows")
         return out
 
     def moe(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: tuple[int, int, int] | list[int],
@@ -277,6 +348,37 @@ def _check_weights(w: Tensor, qtype: int, ncols: int, dims: int) -> Tensor:
     return w
 
 
+def _split_codes(codes: Tensor, qtype: int, k: int) -> tuple[Tensor, int]:
+    """A split-format matrix's codes as uint8 [N, row bytes] (a view when contiguous) and N."""
+    if qtype not in SPLIT_NAMES:
+        raise ValueError(f"type {qtype} is not a split format (supported: {sorted(SPLIT_NAMES.values())})")
+    if codes.device.type != "cpu" or codes.dtype not in (torch.uint8, torch.int8):
+        raise ValueError(f"codes must be CPU uint8 / int8, got {codes.dtype} {codes.device}")
+    if k % SPLIT_STEP:
+        raise ValueError(f"{SPLIT_NAMES[qtype]} rows need a multiple of {SPLIT_STEP} values, got {k}")
+    rb = k if qtype == INT8 else k // 2
+    flat = codes.contiguous().view(torch.uint8).reshape(-1)
+    if flat.numel() % rb:
+        raise ValueError(f"{SPLIT_NAMES[qtype]} codes of {flat.numel()} bytes are not whole rows of {k} values")
+    return flat.view(-1, rb), flat.numel() // rb
+
+
+def _split_scales(scales: Tensor, numel: int, blocksize: int, what: str) -> Tensor:
+    if blocksize <= 0 or blocksize % SPLIT_STEP:
+        raise ValueError(f"{what}: blocksize must be a positive multiple of {SPLIT_STEP}, got {blocksize}")
+    need = -(-numel // blocksize)
+    if scales.dtype != torch.float32 or scales.device.type != "cpu" or scales.numel() < need:
+        raise ValueError(f"{what}: scales must be CPU float32 with >= {need} values, got {scales.numel()} "
+                         f"{scales.dtype} {scales.device}")
+    return scales.contiguous()
+
+
+def split_usable(qtype: int, *widths: int, blocksize: int | None = None) -> bool:
+    """Whether a split-format matrix with rows of these widths (and NF4 ``blocksize``) goes through the kernels."""
+    ok = all(w % SPLIT_STEP == 0 for w in widths) and (blocksize is None or blocksize % SPLIT_STEP == 0)
+    return ok and usable(qtype)
+
+
 def _raise_for(rc: int, what: str) -> None:
     if rc:
         raise RuntimeError(f"cpu_quant {what}: {_ERRORS.get(rc, f'error {rc}')}")
@@ -327,9 +429,9 @@ def available() -> bool:
 
 
 def usable(*qtypes: int) -> bool:
-    """Whether weights of these ggml types, on the CPU, go through these kernels: every type supported and the
+    """Whether weights of these ggml types (or split formats, :data:`NF4` / :data:`INT8`), on the CPU, go through these kernels: every type supported and the
     library built here (else the caller dequantizes, as before). The engine's one switch for the CPU path."""
-    return all(q in BLOCK for q in qtypes) and _enabled and available()
+    return all(q in BLOCK or q in SPLIT_NAMES for q in qtypes) and _enabled and available()
 
 
 _enabled = True  # engine.settings.GpuPaths.cpu_kernels (set by engine.kernels.switches.use at load; tests too)
@@ -395,6 +497,28 @@ def _(x: Tensor, packed: Tensor, intermediate: int, qtypes: list[int], topk_idx:
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
+@torch.library.custom_op("clover::smatmul", mutates_args=())
+def _smatmul_op(x: Tensor, codes: Tensor, scales: Tensor, qtype: int, blocksize: int, n: int) -> Tensor:
+    return kernels().smatmul(x, codes, scales, qtype, blocksize)
+
+
+@_smatmul_op.register_fake
+def _(x: Tensor, codes: Tensor, scales: Tensor, qtype: int, blocksize: int, n: int) -> Tensor:
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+@torch.library.custom_op("clover::moe_rows", mutates_args=())
+def _moe_rows_op(x: Tensor, packed: Tensor, offsets: list[int], intermediate: int, qtype: int,
+                 blocksizes: list[int], topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    return kernels().moe_rows(x, packed, offsets, intermediate, qtype, blocksizes, topk_idx, topk_w)
+
+
+@_moe_rows_op.register_fake
+def _(x: Tensor, packed: Tensor, offsets: list[int], intermediate: int, qtype: int, blocksizes: list[int],
+      topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # public API: the custom ops while torch.compile traces (opaque calls in the graph), the library directly in eager
 # code (a custom op's Python dispatch costs ~30 us a call, as much as a 512 x 2048 Q4_K GEMV)
@@ -440,3 +564,20 @@ def moe_packed(x: Tensor, packed: Tensor, intermediate: int, qtypes: tuple[int, 
     if _eager():
         return kernels().moe_packed(x, packed, intermediate, qtypes, topk_idx, topk_w)
     return torch.ops.clover.moe_packed(x, packed, intermediate, list(qtypes), topk_idx, topk_w)
+
+
+def smatmul(x: Tensor, codes: Tensor, scales: Tensor, qtype: int, blocksize: int, n: int) -> Tensor:
+    """x float [T, K]; a split-format matrix [n, K] (``codes`` + ``scales``, one per ``blocksize`` values of the
+    flattened matrix; INT8 rows: blocksize = K) -> float32 [T, n] = x @ dequantize(W).T with x rounded to int8."""
+    if _eager():
+        return kernels().smatmul(x, codes, scales, qtype, blocksize)
+    return torch.ops.clover.smatmul(x, codes, scales, qtype, blocksize, n)
+
+
+def moe_rows(x: Tensor, packed: Tensor, offsets: tuple[int, int, int, int] | list[int], intermediate: int,
+             qtype: int, blocksizes: tuple[int, int] | list[int], topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+    """As :func:`moe` over the engine's own expert rows (:meth:`Kernels.moe_rows`); topk_idx holds row numbers."""
+    if _eager():
+        return kernels().moe_rows(x, packed, offsets, intermediate, qtype, blocksizes, topk_idx, topk_w)
+    return torch.ops.clover.moe_rows(x, packed, list(offsets), intermediate, qtype, list(blocksizes), topk_idx,
+                                     topk_w)

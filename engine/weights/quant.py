@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -222,6 +222,16 @@ DEQUANT_CHUNK_ELEMS = 8 << 20  # QuantLinear dequantizes at most this many weigh
 INT8_GEMV_MAX_ROWS = 4
 
 
+def _cpu_kernel_type(layer: "QuantLinear", x: Tensor) -> int | None:
+    """The split-format id when this layer's matmul runs through the CPU kernels (``engine.kernels.cpu_quant``:
+    reads the NF4 / INT8 codes in place, activations rounded to int8 blocks), else None."""
+    qtype = cpu_quant.SPLIT_OF_FORMAT.get(layer.fmt)
+    if qtype is None or x.device.type != "cpu" or layer.codes.device.type != "cpu":
+        return None
+    blocksize = layer.blocksize if layer.fmt == "nf4" else None
+    return qtype if cpu_quant.split_usable(qtype, layer.in_features, blocksize=blocksize) else None
+
+
 def _int8_gemv_applies(layer: "QuantLinear", x: Tensor) -> bool:
     return (
         layer.fmt == "int8"
@@ -312,6 +322,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        qtype = _cpu_kernel_type(self, x)
+        if qtype is not None:  # the codes read in place, no dequantized weight written
+            bs = self.blocksize if self.fmt == "nf4" else self.in_features
+            rows = x.reshape(-1, self.in_features)  # [R, N]
+            out = cpu_quant.smatmul(rows, self.codes, self.scales, qtype, bs, self.out_features).to(x.dtype)
+            out = out.reshape(*x.shape[:-1], self.out_features)
+            return out + bias if bias is not None else out
         if _int8_gemv_applies(self, x):
             # fused weight-only int8 matmul: reads the int8 codes, never writes a dequantized weight
             rows = x.reshape(-1, self.in_features)  # [R, N]
@@ -494,6 +511,12 @@ def routed_forward(
     [E] long on source's device; None: row e), which needs no host sync to find an expert; or ``row_of(e)`` -> row
     [nbytes], which needs the expert ids on the host (a sync per group on a GPU) and copies each used row once."""
     if source is not None:
+        if x.device.type == "cpu" and _own_rows_usable(layout):  # the engine's own NF4 / INT8 rows, read in place
+            own = cast(ExpertLayout, layout)
+            rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] source row of each pair
+            y = cpu_quant.moe_rows(x, source, _own_offsets(own), own.intermediate_size,
+                                   cpu_quant.SPLIT_OF_FORMAT[own.fmt], _own_blocksizes(own), rows, topk_w)
+            return y.to(x.dtype)
         qtypes = getattr(layout, "qtypes", None)  # GGUF rows: [gate | up | down] blocks in the file's types
         if x.device.type == "cpu" and qtypes is not None and cpu_quant.usable(*qtypes):
             rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] source row of each pair
@@ -515,6 +538,26 @@ def routed_forward(
     # dequantizing weights: a compiled pass's many pairs take the grouped path, each used expert dequantized once
     return moe_grouped(x, topk_idx, topk_w, num_experts, weights, 3 * layout.intermediate_size,
                        compiled_pairwise=False)
+
+
+def _own_rows_usable(layout: RowLayout) -> bool:
+    """Whether the engine's own expert rows (:class:`ExpertLayout`) go through the CPU kernels."""
+    if not isinstance(layout, ExpertLayout) or layout.fmt not in cpu_quant.SPLIT_OF_FORMAT:
+        return False
+    blocksize = layout.blocksize if layout.fmt == "nf4" else None
+    return cpu_quant.split_usable(cpu_quant.SPLIT_OF_FORMAT[layout.fmt], layout.hidden_size,
+                                  layout.intermediate_size, blocksize=blocksize)
+
+
+def _own_offsets(layout: ExpertLayout) -> tuple[int, int, int, int]:
+    return (layout.gate_up_codes[0], layout.down_codes[0], layout.gate_up_scales[0], layout.down_scales[0])
+
+
+def _own_blocksizes(layout: ExpertLayout) -> tuple[int, int]:
+    """Values per scale of (gate_up, down): the NF4 blocksize, or INT8's one scale per row."""
+    if layout.fmt == "nf4":
+        return layout.blocksize, layout.blocksize
+    return layout.hidden_size, layout.intermediate_size
 
 
 def routed_forward_reference(
@@ -547,6 +590,8 @@ def rows_sync_free(pairs: int, device: torch.device, layout: RowLayout) -> bool:
     the CPU kernels (``engine.kernels.cpu_quant``: one opaque call)."""
     qtypes = getattr(layout, "qtypes", None)
     if device.type == "cpu" and qtypes is not None and cpu_quant.usable(*qtypes):
+        return True
+    if device.type == "cpu" and _own_rows_usable(layout):
         return True
     return pairs <= SMALL_SLOTS or triton_moe.enabled_on(device, layout)
 

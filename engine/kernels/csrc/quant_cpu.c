@@ -35,6 +35,18 @@
 /* ggml type ids (fixed by the file format) */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
+/*
+ * "Split" formats: the engine's own quantized cache (engine/weights/quant.py). Codes and fp32 scales lie in two
+ * separate arrays; value v of a flattened matrix (row r, column j: v = r * K + j) has the scale s[v / bs]. Private
+ * ids, outside ggml's range:
+ *   - T_NF4: bitsandbytes NF4, two 4-bit codes per byte (value 2i in the HIGH nibble of byte i, 2i+1 in the low),
+ *     x = NF4_CODE[q] * absmax of its block (bs values, blocks over the flattened matrix, no nested absmax);
+ *   - T_I8:  int8 codes, x = q * scale (the cache's per-row int8: bs = K, one scale per row).
+ * Activations are A8 blocks of 32 values (as for Q8_0); bs must be a multiple of 32, so a 32-value chunk never
+ * straddles two scales even where an NF4 block straddles two rows.
+ */
+enum { T_NF4 = 200, T_I8 = 201 };
+
 /* error codes returned to Python */
 enum { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_ALLOC = 3 };
 
@@ -60,6 +72,8 @@ typedef struct {
 } a8_t;
 
 static inline int is_k_type(int qt) { return qt == T_Q4_K || qt == T_Q5_K || qt == T_Q6_K; }
+
+static inline int is_split_type(int qt) { return qt == T_NF4 || qt == T_I8; }
 
 static inline int block_values(int qt) { return is_k_type(qt) ? QK : QS; }
 
@@ -501,6 +515,100 @@ static float dot_q4_0(const uint8_t *w, const void *av, int64_t nb) {
 #endif
 }
 
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* split formats (NF4, I8): 32 values per step, one fp32 scale per bs values (see T_NF4 / T_I8 above)            */
+/*   NF4 codes go through a 16-entry int8 table, NF4_I8[c] = round(127 * NF4_CODE[c]) (the 1/127 is applied at  */
+/*   the end of the row), so the dot is the same signed int8 dot as Q8_0's.                                     */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+static const int8_t NF4_I8[16] = {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127};
+
+/* the scale walk: value v0 starts the row; each 32-value step moves to the next scale every bs values */
+typedef float (*sdot_fn)(const uint8_t *q, const float *s, int64_t v0, int64_t bs, const a8_t *a, int64_t nb);
+
+#if CLOVER_AVX2
+/* 32 NF4 codes (16 bytes, high nibble first) -> their int8 table values in value order */
+static inline __m256i nf4_values(const uint8_t *q, __m256i lut) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4), lo = _mm_and_si128(raw, low4);
+    return _mm256_shuffle_epi8(lut, _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo)));
+}
+
+/* signed int8 w . signed int8 x over 32 values -> 8 int32 partial sums */
+static inline __m256i dot32_i8(__m256i w, const int8_t *xq) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                             _mm256_set1_epi16(1));
+}
+#endif
+
+/* the scale of the next 32-value step, then the walk moves on */
+static inline float next_scale(const float *s, int64_t bs, int64_t *blk, int64_t *rem) {
+    const float v = s[*blk];
+    *rem += 32;
+    if (*rem == bs) *rem = 0, (*blk)++;
+    return v;
+}
+
+static float dot_nf4(const uint8_t *q, const float *s, int64_t v0, int64_t bs, const a8_t *a, int64_t nb) {
+    int64_t blk = v0 / bs, rem = v0 % bs;
+#if CLOVER_AVX2
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two chains: the FMA latency overlaps */
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, q += 32, a += 2) {
+        const __m256i p0 = dot32_i8(nf4_values(q, lut), a[0].q), p1 = dot32_i8(nf4_values(q + 16, lut), a[1].q);
+        const float s0 = next_scale(s, bs, &blk, &rem), s1 = next_scale(s, bs, &blk, &rem);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0 * a[0].d), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1 * a[1].d), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    if (b < nb) {
+        const __m256i p0 = dot32_i8(nf4_values(q, lut), a->q);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(next_scale(s, bs, &blk, &rem) * a->d), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum_ps(_mm256_add_ps(acc0, acc1)) * (1.0f / 127.0f);
+#else
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, q += 16, a++) {
+        int32_t sum = 0;
+        for (int l = 0; l < 16; l++) sum += NF4_I8[q[l] >> 4] * a->q[2 * l] + NF4_I8[q[l] & 0x0f] * a->q[2 * l + 1];
+        acc += next_scale(s, bs, &blk, &rem) * a->d * (float)sum;
+    }
+    return acc * (1.0f / 127.0f);
+#endif
+}
+
+static float dot_i8(const uint8_t *q, const float *s, int64_t v0, int64_t bs, const a8_t *a, int64_t nb) {
+    int64_t blk = v0 / bs, rem = v0 % bs;
+#if CLOVER_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, q += 64, a += 2) {
+        const __m256i p0 = dot32_i8(_mm256_loadu_si256((const __m256i *)q), a[0].q);
+        const __m256i p1 = dot32_i8(_mm256_loadu_si256((const __m256i *)(q + 32)), a[1].q);
+        const float s0 = next_scale(s, bs, &blk, &rem), s1 = next_scale(s, bs, &blk, &rem);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s0 * a[0].d), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s1 * a[1].d), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    if (b < nb) {
+        const __m256i p0 = dot32_i8(_mm256_loadu_si256((const __m256i *)q), a->q);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(next_scale(s, bs, &blk, &rem) * a->d), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum_ps(_mm256_add_ps(acc0, acc1));
+#else
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, q += 32, a++) {
+        const int8_t *w = (const int8_t *)q;
+        int32_t sum = 0;
+        for (int l = 0; l < QS; l++) sum += w[l] * a->q[l];
+        acc += next_scale(s, bs, &blk, &rem) * a->d * (float)sum;
+    }
+    return acc;
+#endif
+}
+
 /* ------------------------------------------------------------------------------------------------------------ */
 /* many activation rows against one weight row (prefill, diffusion passes, experts with several tokens)         */
 /*                                                                                                              */
@@ -729,6 +837,70 @@ int clover_openmp(void) {
 #endif
 }
 
+/* ------------------------------------------------------------------------------------------------------------ */
+/* one weight matrix, either family                                                                             */
+/* ------------------------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int qt;           /* ggml type, or T_NF4 / T_I8 */
+    const uint8_t *w; /* row r of expert e at w + e * es + r * rs (ggml: whole blocks; split: the codes) */
+    int64_t es, rs;
+    const uint8_t *s; /* split formats: expert e's fp32 scales at s + e * ses, one per bs values from value v0 on */
+    int64_t ses, bs, v0;
+} mat_t;
+
+static sdot_fn sdot_for(int qt) { return qt == T_NF4 ? dot_nf4 : qt == T_I8 ? dot_i8 : NULL; }
+
+/* whether rows of K values of this matrix can be computed here */
+static int mat_ok(const mat_t *m, int64_t K) {
+    if (is_split_type(m->qt)) return K % QS == 0 && m->bs > 0 && m->bs % QS == 0;
+    return dot_for(m->qt) != NULL && K % block_values(m->qt) == 0;
+}
+
+/* bytes of one row of K values (what a row's prefetch touches) */
+static int64_t mat_row_bytes(const mat_t *m, int64_t K) {
+    if (m->qt == T_NF4) return K / 2;
+    if (m->qt == T_I8) return K;
+    return K / block_values(m->qt) * block_bytes(m->qt);
+}
+
+/* row_dots for row r of expert e of matrix m (K values per row) */
+static void mat_row_dots(const mat_t *m, int64_t e, int64_t r, int64_t K, const char *act, size_t arow,
+                         const int64_t *tidx, int64_t n, float *out, int64_t ostride) {
+    const uint8_t *wr = m->w + e * m->es + r * m->rs;
+    if (!is_split_type(m->qt)) {
+        row_dots(m->qt, wr, K / block_values(m->qt), act, arow, tidx, n, out, ostride);
+        return;
+    }
+    const sdot_fn dot = sdot_for(m->qt);
+    const float *sc = (const float *)(m->s + e * m->ses);
+    const int64_t v0 = m->v0 + r * K;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = tidx ? tidx[i] : i;
+        out[i * ostride] = dot(wr, sc, v0, m->bs, (const a8_t *)(act + (size_t)t * arow), K / QS);
+    }
+}
+
+static int qmatmul_run(const float *x, int64_t T, int64_t K, const mat_t *m, const int64_t *rows, int64_t R,
+                       float *out, int nth) {
+    if (!is_split_type(m->qt) && !dot_for(m->qt)) return ERR_TYPE;
+    if (!mat_ok(m, K)) return ERR_SHAPE;
+    const size_t arow = act_block_size(m->qt) * (size_t)(K / block_values(m->qt));
+    const int64_t rb = mat_row_bytes(m, K);
+    char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
+    if (!act) return ERR_ALLOC;
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
+    for (int64_t r = 0; r < R; r++) {
+        if (rows && r + 1 < R) { /* selected rows jump around: fetch the next one while this one computes */
+            const char *next = (const char *)(m->w + rows[r + 1] * m->rs);
+            for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(next + o, 0, 0);
+        }
+        mat_row_dots(m, 0, rows ? rows[r] : r, K, act, arow, NULL, T, out + r, R);
+    }
+    free(act);
+    return OK;
+}
+
 /*
  * out[t, r] = dot(x[t, :], W[row r, :]) for t < T, r < R, where row r is rows[r] (or r when rows is NULL).
  * x: fp32 [T, K] contiguous; w: uint8, row n at w + n * row_stride, K / block_values blocks of type qt;
@@ -736,44 +908,43 @@ int clover_openmp(void) {
  */
 int clover_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t row_stride, int qt,
                    const int64_t *rows, int64_t R, float *out, int nth) {
-    if (!dot_for(qt)) return ERR_TYPE;
-    if (K % block_values(qt)) return ERR_SHAPE;
-    const int64_t nb = K / block_values(qt);
-    const size_t arow = act_block_size(qt) * (size_t)nb;
-    char *act = (char *)quantize_rows(qt, x, T, K, nth);
-    if (!act) return ERR_ALLOC;
-#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
-    for (int64_t r = 0; r < R; r++) {
-        if (rows && r + 1 < R) { /* selected rows jump around: fetch the next one while this one computes */
-            const char *next = (const char *)(w + rows[r + 1] * row_stride);
-            for (int64_t o = 0; o < nb * block_bytes(qt); o += 64) __builtin_prefetch(next + o, 0, 0);
-        }
-        row_dots(qt, w + (rows ? rows[r] : r) * row_stride, nb, act, arow, NULL, T, out + r, R);
-    }
-    free(act);
-    return OK;
+    if (is_split_type(qt)) return ERR_TYPE; /* those need their scales: clover_smatmul */
+    const mat_t m = {qt, w, 0, row_stride, NULL, 0, 0, 0};
+    return qmatmul_run(x, T, K, &m, rows, R, out, nth);
 }
 
 /*
- * Routed MoE: out[t] = sum_j topk_w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_idx[t, j].
- * Expert e's gate matrix [I, D] has row i at gate + e * g_es + i * g_rs (likewise up [I, D], down [D, I]);
- * the banks may be three tensors [E, rows, row_bytes] or one packed row per expert (only the strides differ).
- * Each used expert's blocks are read once: the loops run over (expert, weight row) with the expert's tokens inside.
+ * As clover_qmatmul for a split-format matrix (T_NF4 / T_I8): codes row n at codes + n * row_stride, the fp32
+ * scales of the whole matrix at scales (one per bs values of the flattened [N, K] matrix).
+ */
+int clover_smatmul(const float *x, int64_t T, int64_t K, const uint8_t *codes, int64_t row_stride,
+                   const float *scales, int64_t bs, int qt, const int64_t *rows, int64_t R, float *out, int nth) {
+    if (!is_split_type(qt)) return ERR_TYPE;
+    const mat_t m = {qt, codes, 0, row_stride, (const uint8_t *)scales, 0, bs, 0};
+    return qmatmul_run(x, T, K, &m, rows, R, out, nth);
+}
+
+/*
+ * Routed MoE: out[t] = sum_j topk_w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_idx[t, j], over the
+ * matrices g [I, D], u [I, D], dn [D, I] of each expert. Each used expert's blocks are read once: the loops run
+ * over (expert, weight row) with the expert's tokens inside.
  * x: fp32 [T, D]; topk_idx: int64 [T, k] in [0, E); topk_w: fp32 [T, k]; out: fp32 [T, D]. Returns 0 or an error.
  */
-int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k,
-               const uint8_t *gate, int64_t g_es, int64_t g_rs, int qg,
-               const uint8_t *up, int64_t u_es, int64_t u_rs, int qu,
-               const uint8_t *down, int64_t d_es, int64_t d_rs, int qd,
-               const int64_t *topk_idx, const float *topk_w, float *out, int nth) {
-    if (!dot_for(qg) || !dot_for(qu) || !dot_for(qd)) return ERR_TYPE;
-    if (D % block_values(qg) || D % block_values(qu) || I % block_values(qd)) return ERR_SHAPE;
+static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k, const mat_t *g,
+                   const mat_t *u, const mat_t *dn, const int64_t *topk_idx, const float *topk_w, float *out,
+                   int nth) {
+    const int qg = g->qt, qu = u->qt, qd = dn->qt;
+    for (int j = 0; j < 3; j++) {
+        const int q = j == 0 ? qg : j == 1 ? qu : qd;
+        if (!is_split_type(q) && !dot_for(q)) return ERR_TYPE;
+    }
+    if (!mat_ok(g, D) || !mat_ok(u, D) || !mat_ok(dn, I)) return ERR_SHAPE;
     const int64_t P = T * k; /* (token, slot) pairs */
     for (int64_t p = 0; p < P; p++)
         if (topk_idx[p] < 0 || topk_idx[p] >= E) return ERR_SHAPE;
-    const int64_t nbg = D / block_values(qg), nbu = D / block_values(qu), nbd = I / block_values(qd);
-    const size_t arow_g = act_block_size(qg) * (size_t)nbg, arow_u = act_block_size(qu) * (size_t)nbu;
-    const size_t arow_d = act_block_size(qd) * (size_t)nbd;
+    const size_t arow_g = act_block_size(qg) * (size_t)(D / block_values(qg));
+    const size_t arow_u = act_block_size(qu) * (size_t)(D / block_values(qu));
+    const size_t arow_d = act_block_size(qd) * (size_t)(I / block_values(qd));
 
     /* group the pairs by expert (counting sort, stable: token order within an expert) */
     int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
@@ -816,8 +987,8 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
 #pragma omp parallel for num_threads(threads_for(nth, U * I)) schedule(dynamic, chunk_for(U * I, nth))
     for (int64_t task = 0; task < U * I; task++) {
         const int64_t e = used[task / I], i = task % I, s0 = count[e], n = count[e + 1] - s0;
-        row_dots(qg, gate + e * g_es + i * g_rs, nbg, ag, arow_g, tok + s0, n, h + s0 * I + i, I);
-        row_dots(qu, up + e * u_es + i * u_rs, nbu, au, arow_u, tok + s0, n, hu + s0 * I + i, I);
+        mat_row_dots(g, e, i, D, ag, arow_g, tok + s0, n, h + s0 * I + i, I);
+        mat_row_dots(u, e, i, D, au, arow_u, tok + s0, n, hu + s0 * I + i, I);
         for (int64_t s = s0; s < s0 + n; s++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
     }
 
@@ -831,8 +1002,7 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
 #pragma omp parallel for num_threads(threads_for(nth, U * D)) schedule(dynamic, chunk_for(U * D, nth))
     for (int64_t task = 0; task < U * D; task++) {
         const int64_t e = used[task / D], j = task % D, s0 = count[e];
-        row_dots(qd, down + e * d_es + j * d_rs, nbd, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0,
-                 y + s0 * D + j, D);
+        mat_row_dots(dn, e, j, I, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0, y + s0 * D + j, D);
     }
 
     /* weighted sum over each token's slots, in slot order */
@@ -859,4 +1029,38 @@ done:
     free(hu);
     free(y);
     return rc;
+}
+
+/*
+ * moe_run over ggml banks: expert e's gate matrix [I, D] has row i at gate + e * g_es + i * g_rs (likewise up
+ * [I, D], down [D, I]); the banks may be three tensors [E, rows, row_bytes] or one packed row per expert (only the
+ * strides differ).
+ */
+int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k,
+               const uint8_t *gate, int64_t g_es, int64_t g_rs, int qg,
+               const uint8_t *up, int64_t u_es, int64_t u_rs, int qu,
+               const uint8_t *down, int64_t d_es, int64_t d_rs, int qd,
+               const int64_t *topk_idx, const float *topk_w, float *out, int nth) {
+    if (is_split_type(qg) || is_split_type(qu) || is_split_type(qd)) return ERR_TYPE;
+    const mat_t g = {qg, gate, g_es, g_rs, NULL, 0, 0, 0}, u = {qu, up, u_es, u_rs, NULL, 0, 0, 0};
+    const mat_t dn = {qd, down, d_es, d_rs, NULL, 0, 0, 0};
+    return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, nth);
+}
+
+/*
+ * moe_run over the engine's own expert rows (engine.weights.quant.ExpertLayout): expert e is the byte row
+ * base + e * es = [gate_up codes [2I, D] | down codes [D, I] | gate_up scales | down scales] at the given byte
+ * offsets, all of split type qt; gate is gate_up's rows 0..I-1, up its rows I..2I-1. bs_gu / bs_dn: values per
+ * scale of gate_up / down (NF4: the blocksize; I8: the row width, D / I).
+ */
+int clover_moe_split(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k, const uint8_t *base,
+                     int64_t es, int64_t gu_codes, int64_t dn_codes, int64_t gu_scales, int64_t dn_scales, int qt,
+                     int64_t bs_gu, int64_t bs_dn, const int64_t *topk_idx, const float *topk_w, float *out,
+                     int nth) {
+    if (!is_split_type(qt)) return ERR_TYPE;
+    const int64_t rg = qt == T_NF4 ? D / 2 : D, rd = qt == T_NF4 ? I / 2 : I; /* code bytes per row */
+    const mat_t g = {qt, base + gu_codes, es, rg, base + gu_scales, es, bs_gu, 0};
+    const mat_t u = {qt, base + gu_codes + I * rg, es, rg, base + gu_scales, es, bs_gu, I * D};
+    const mat_t dn = {qt, base + dn_codes, es, rd, base + dn_scales, es, bs_dn, 0};
+    return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, nth);
 }

@@ -1,0 +1,231 @@
+"""engine.kernels.cpu_quant on the engine's own cache formats (NF4 and per-row INT8: codes + separate fp32 scales),
+against fp64 references, and the real-width smoke of every CPU kernel path.
+
+References (as in test_cpu_quant.py):
+
+* tight: x rounded to int8 blocks of 32 exactly as the kernel does, times the weights the kernel multiplies by
+  (INT8: the codes times the row scale; NF4: each code's int8 table value round(127 * code) / 127 times the block
+  absmax), in fp64. Integer dots are exact, so only fp32 rounding remains: <= 1e-5 * (|xq| @ |W|.T).
+* bound: the unrounded x and the true dequantized weights. The activation rounding moves each value by at most
+  d/2 per block; NF4's table moves each code by at most 0.5/127 of its block's absmax.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+from torch import Tensor
+
+from engine.kernels import cpu_quant as cq
+from engine.weights import quant as wq
+from engine.weights.formats import NF4_CODE
+from tests.engine.test_cpu_quant import (
+    assert_moe_close,
+    check_qmatmul,
+    make_bank,
+    make_weights,
+    moe_reference,
+    round_like_kernel,
+    routing,
+)
+
+NF4_TABLE = torch.round(torch.tensor(NF4_CODE, dtype=torch.float64) * 127) / 127  # what the kernel multiplies by
+
+
+@pytest.fixture(scope="module")
+def kern() -> cq.Kernels:
+    if not (shutil.which("gcc") or shutil.which("cc")):
+        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
+    k = cq.kernels()
+    assert k.ok, k.reason
+    return k
+
+
+@pytest.fixture(scope="module")
+def scalar() -> cq.Kernels:
+    if not (shutil.which("gcc") or shutil.which("cc")):
+        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
+    k = cq.Kernels(scalar=True)
+    assert k.ok and not k.simd, k.reason
+    return k
+
+
+def quantized(fmt: str, n: int, k: int, blocksize: int = 64, seed: int = 0) -> tuple[Tensor, Tensor, int]:
+    """Random rows of varied magnitude -> (codes, scales, values per scale) in the cache's layout."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g).add(0.1)
+    codes, scales = wq.quantize_tensor(w, fmt, blocksize)
+    return codes, scales, (blocksize if fmt == "nf4" else k)
+
+
+def weights_as_kernel(codes: Tensor, scales: Tensor, fmt: str, n: int, k: int, bs: int) -> tuple[Tensor, Tensor]:
+    """(the weights the kernel multiplies by, the true dequantized weights), fp64 [n, k]."""
+    exact = wq.dequantize_reference(codes, scales, (n, k), fmt, bs, torch.float64)
+    if fmt == "int8":
+        return exact, exact
+    b = codes.view(torch.uint8).to(torch.int64).reshape(-1)
+    idx = torch.stack([b >> 4, b & 0x0F], dim=1).reshape(-1)
+    scale = scales.double().repeat_interleave(bs)[: n * k]
+    return (NF4_TABLE[idx] * scale).reshape(n, k), exact
+
+
+def check_smatmul(y: Tensor, x: Tensor, codes: Tensor, scales: Tensor, fmt: str, bs: int) -> float:
+    """Assert both references hold; return the max error relative to max |exact result|."""
+    n, k = y.shape[1], x.shape[1]
+    w_kernel, w_exact = weights_as_kernel(codes, scales, fmt, n, k, bs)
+    xq, step = round_like_kernel(x, 32)
+    slack = 1e-5 * (xq.double().abs() @ w_kernel.abs().T) + 1e-30
+    tight = xq.double() @ w_kernel.T
+    assert y.dtype == torch.float32 and y.shape == tight.shape
+    excess = (y.double() - tight).abs() - slack
+    assert torch.all(excess <= 0), f"tight: max excess {excess.max()}"
+    exact = x.double() @ w_exact.T
+    table_err = 0.0 if fmt == "int8" else 0.5 / 127
+    absmax = scales.double().repeat_interleave(bs)[: n * k].reshape(n, k) if fmt == "nf4" else torch.zeros(n, k, dtype=torch.float64)
+    bound = (step.double() / 2) @ w_exact.abs().T * 1.001 + table_err * (x.double().abs() @ absmax.T) * 1.001 + slack
+    assert torch.all((y.double() - exact).abs() <= bound)
+    return float((y.double() - exact).abs().max() / exact.abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+@pytest.mark.parametrize("t", [1, 3, 32])
+def test_smatmul_matches_reference(kern: cq.Kernels, fmt: str, t: int) -> None:
+    codes, scales, bs = quantized(fmt, 37, 96, seed=t)  # 96 = 1.5 NF4 blocks: blocks straddle rows
+    x = torch.randn(t, 96, generator=torch.Generator().manual_seed(t))
+    check_smatmul(kern.smatmul(x, codes, scales, cq.SPLIT_OF_FORMAT[fmt], bs), x, codes, scales, fmt, bs)
+
+
+def test_nf4_blocksize_128_and_nibble_order(kern: cq.Kernels) -> None:
+    codes, scales, bs = quantized("nf4", 10, 256, blocksize=128, seed=5)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    check_smatmul(kern.smatmul(x, codes, scales, cq.NF4, bs), x, codes, scales, "nf4", bs)
+    # one code, by hand: value 0 of row 0 is the HIGH nibble of byte 0
+    one = torch.zeros(16, dtype=torch.uint8)
+    one[0] = 0xF0  # value 0 -> code 15 (+1.0), value 1 -> code 0 (-1.0)
+    e0 = torch.zeros(1, 32)
+    e0[0, 0] = 1.0
+    y = kern.smatmul(e0, one, torch.tensor([2.0]), cq.NF4, 32)
+    assert float(y) == pytest.approx(2.0, rel=1e-6)
+    e0[0, 0], e0[0, 1] = 0.0, 1.0
+    assert float(kern.smatmul(e0, one, torch.tensor([2.0]), cq.NF4, 32)) == pytest.approx(-2.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_scalar_path_agrees(kern: cq.Kernels, scalar: cq.Kernels, fmt: str) -> None:
+    codes, scales, bs = quantized(fmt, 19, 128, seed=1)
+    for t in (1, 5):
+        x = torch.randn(t, 128, generator=torch.Generator().manual_seed(t))
+        qt = cq.SPLIT_OF_FORMAT[fmt]
+        ys, y = scalar.smatmul(x, codes, scales, qt, bs), kern.smatmul(x, codes, scales, qt, bs)
+        check_smatmul(ys, x, codes, scales, fmt, bs)
+        assert torch.allclose(ys, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
+
+
+def own_bank_reference(bank: wq.QuantExpertBank, x: Tensor, idx: Tensor, wts: Tensor) -> Tensor:
+    """moe_reference on the bank's experts as the kernel sees them (NF4 through the int8 table)."""
+    lay = bank.layout
+    d, i, e = lay.hidden_size, lay.intermediate_size, lay.num_experts
+    gates, ups, downs = [], [], []
+    for r in range(e):
+        gu_c, dn_c, gu_s, dn_s = lay.views(bank.packed[r])
+        bs_gu, bs_dn = (lay.blocksize, lay.blocksize) if lay.fmt == "nf4" else (d, i)
+        gu = weights_as_kernel(gu_c, gu_s, lay.fmt, 2 * i, d, bs_gu)[0]
+        gates.append(gu[:i])
+        ups.append(gu[i:])
+        downs.append(weights_as_kernel(dn_c, dn_s, lay.fmt, d, i, bs_dn)[0])
+    xq = round_like_kernel(x, 32)[0].double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for r in idx.unique().tolist():
+        tok, slot = (idx == r).nonzero(as_tuple=True)
+        h = (torch.nn.functional.silu(xq[tok] @ gates[r].T) * (xq[tok] @ ups[r].T)).float()
+        y = round_like_kernel(h, 32)[0].double() @ downs[r].T
+        out.index_add_(0, tok, y * wts[tok, slot].double()[:, None])
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_own_expert_rows_match_reference(kern: cq.Kernels, fmt: str) -> None:
+    e, d, i = 6, 128, 64
+    g = torch.Generator().manual_seed(0)
+    bank = wq.QuantExpertBank.from_dense(torch.randn(e, 2 * i, d, generator=g), torch.randn(e, d, i, generator=g), fmt)
+    for t, k in ((1, 2), (5, 4), (32, 3)):
+        idx, wts = routing(t, e, k, seed=t)
+        x = torch.randn(t, d, generator=torch.Generator().manual_seed(t))
+        y = bank(x, idx, wts)  # routed_forward: the kernels (on by default)
+        assert_moe_close(y, own_bank_reference(bank, x, idx, wts))
+        before = cq.set_enabled(False)
+        try:
+            old = bank(x, idx, wts)  # the dequantizing path
+        finally:
+            cq.set_enabled(before)
+        assert not torch.equal(y, old)  # the kernels ran
+        assert float((y - old).abs().max() / old.abs().max()) < 3e-2
+        # a streamed layer finds its experts through a row index: the same rows, the same numbers
+        perm = torch.randperm(e, generator=g)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(e)
+        y2 = wq.routed_forward(x, idx, wts, e, bank.layout, source=bank.packed[perm], row_index=inv)
+        assert torch.equal(y2, y)
+
+
+def test_kernels_off_or_odd_widths_keep_the_dequantizing_path(kern: cq.Kernels) -> None:
+    lin = torch.nn.Linear(48, 8)  # 48 is not a multiple of 32
+    q = wq.QuantLinear.from_linear(lin, "int8")
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(q(x), torch.nn.functional.linear(x, q.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert not wq.rows_sync_free(64, torch.device("cpu"), wq.ExpertLayout.build(4, 48, 32, "nf4"))
+    assert wq.rows_sync_free(64, torch.device("cpu"), wq.ExpertLayout.build(4, 64, 32, "nf4"))
+    before = cq.set_enabled(False)
+    try:
+        assert not wq.rows_sync_free(64, torch.device("cpu"), wq.ExpertLayout.build(4, 64, 32, "nf4"))
+    finally:
+        cq.set_enabled(before)
+
+
+@pytest.mark.parametrize("qtype", [cq.Q4_K, cq.Q5_K, cq.Q6_K, cq.Q8_0, cq.Q4_0, cq.NF4, cq.INT8],
+                         ids=lambda q: cq.TYPE_NAMES.get(q) or cq.SPLIT_NAMES[q])
+def test_real_width_smoke(kern: cq.Kernels, qtype: int) -> None:
+    """CI smoke of each CPU kernel path at the model's widths (hidden 2048, expert width 512): 64 rows of an
+    expert's gate [512, 2048] and of its down [2048, 512] for T = 1 and 32, and a one-layer bank of 4 real-width
+    experts, against the references."""
+    for n, k in ((64, 2048), (64, 512)):
+        for t in (1, 32):
+            x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+            if qtype in cq.SPLIT_NAMES:
+                fmt = "nf4" if qtype == cq.NF4 else "int8"
+                codes, scales, bs = quantized(fmt, n, k, seed=t)
+                assert check_smatmul(cq.smatmul(x, codes, scales, qtype, bs, n), x, codes, scales, fmt, bs) < 2e-2
+            else:
+                w = make_weights(qtype, n, k, seed=t)
+                assert check_qmatmul(cq.qmatmul(x, w, qtype), x, w, qtype) < 2e-2
+    e, d, i = 4, 2048, 512
+    idx, wts = routing(32, e, 2, seed=1)
+    x = torch.randn(32, d, generator=torch.Generator().manual_seed(3))
+    if qtype in cq.SPLIT_NAMES:
+        g = torch.Generator().manual_seed(7)
+        fmt = "nf4" if qtype == cq.NF4 else "int8"
+        bank = wq.QuantExpertBank.from_dense(torch.randn(e, 2 * i, d, generator=g) * 0.02,
+                                             torch.randn(e, d, i, generator=g) * 0.02, fmt)
+        assert_moe_close(bank(x, idx, wts), own_bank_reference(bank, x, idx, wts))
+    else:
+        banks = make_bank((qtype,) * 3, e, d, i)
+        assert_moe_close(cq.moe(x, *banks, (qtype,) * 3, idx, wts), moe_reference(x, banks, (qtype,) * 3, idx, wts))
+
+
+def test_split_validation_errors(kern: cq.Kernels) -> None:
+    codes, scales, bs = quantized("nf4", 4, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kern.smatmul(torch.randn(1, 48), codes, scales, cq.NF4, bs)
+    with pytest.raises(ValueError, match="blocksize"):
+        kern.smatmul(torch.randn(1, 64), codes, scales, cq.NF4, 48)
+    with pytest.raises(ValueError, match="scales"):
+        kern.smatmul(torch.randn(1, 64), codes, scales[:2], cq.NF4, bs)
+    with pytest.raises(ValueError, match="split format"):
+        kern.smatmul(torch.randn(1, 64), codes, scales, cq.Q4_K, bs)
+    with pytest.raises(RuntimeError, match="unsupported"):  # the ggml entry refuses a split type
+        cq._raise_for(kern._need().clover_qmatmul(0, 0, 64, 0, 0, cq.NF4, None, 0, 0, 1), "qmatmul")
+    assert math.isfinite(float(kern.smatmul(torch.randn(2, 64, dtype=torch.bfloat16), codes, scales, cq.NF4,
+                                            bs).sum()))
