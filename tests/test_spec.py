@@ -24,6 +24,7 @@ from engine.decode.events import BlockCommitted, BlockStep, Finished, Generation
 from engine.decode.generate import DecodeSettings, generate, generate_spec, loop_hooks, resolve_settings
 from engine.decode.prompt_cache import PromptCache
 from engine.errors import PromptError
+from engine.kernels.fastpath import compile_layers
 from engine.placement import offload
 from engine.placement.offload import SimplePlan, apply_plan
 from tests.offload_model import EXPERTS, LAYERS, PROMPT, quantized_model
@@ -228,6 +229,26 @@ def test_spec_with_streamed_experts_equals_ar(qmodel: torch.nn.Module) -> None:
         assert real.token_ids == reference.token_ids, streamed
         acc = offload.accounting(model)
         assert acc["h2d_bytes"] > 0 and acc["slot_misses"] > 0
+
+
+def test_spec_with_compiled_layers_equals_ar(engine: Engine) -> None:
+    """The compiled layers (``compile_layers``: each layer a dynamo graph, the AR step one graph over all of them;
+    the eager backend here, inductor's code generation would only add minutes): spec's verify and draft passes and
+    its rollbacks give the uncompiled AR's tokens, with the injected drafter and with the denoising one."""
+    model = copy.deepcopy(engine.model)
+    assert compile_layers(model, backend="eager") == len(model.layers)
+    torch._dynamo.utils.counters.clear()
+    vocab, mask = engine.config.vocab_size, engine.tokenizer.mask_token_id
+    ids = engine.prompt_ids(prompt=PROMPTS[1])
+    for B, wrong in ((4, 0.2), (8, 0.3)):
+        s = _settings(engine, "spec", 20, block_size=B)
+        reference = _ar(engine.model, ids, s)
+        _, done = _spec(model, ids, s, drafter=OracleDrafter(reference.token_ids, len(ids), wrong, B, vocab, mask))
+        assert done.token_ids == reference.token_ids, B
+        assert done.spec["rollbacks"] > 0 and done.spec["full_accepts"] + done.spec["partial_accepts"] > 0
+        _, real = _spec(model, ids, s)
+        assert real.token_ids == reference.token_ids, B
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the compiled graphs ran: layers and step
 
 
 def test_spec_is_greedy_and_needs_a_mask(engine: Engine) -> None:

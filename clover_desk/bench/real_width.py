@@ -372,6 +372,8 @@ def run_real_width(args: argparse.Namespace) -> int:
             tokens[name], dt = side.decode()
             decode_t[name] = min(decode_t[name], dt)
 
+    if ref_side := sides.get("llama.cpp, the file"):
+        ref_side.llm.close()  # its memory back before the KL and peak runs load more
     file_bytes, cache_bytes = model_bytes(gguf_model), model_bytes(cache_model)
     k = gguf_model.config.num_experts_per_tok
     step = {n: (cache_bytes if "cache" in n else file_bytes).ar(k) for n in sides}
