@@ -61,7 +61,7 @@ NUMBERS = [(n, v) for n, v in OUTSIDE if not isinstance(v, (str, bool, list))]  
 def test_the_table_covers_every_numeric_request_parameter() -> None:
     """(and each has a ``generate`` flag: the accept test below gives every one on the command line)"""
     numeric = {f.name for f in dataclasses.fields(GenerationParams)} - {"mode", "do_sample", "enable_thinking",
-                                                                       "continue_final_message"}
+                                                                       "continue_final_message", "structured"}
     assert set(REQUEST_FIELDS) == numeric
 
 
