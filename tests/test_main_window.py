@@ -101,8 +101,8 @@ def test_send_streams_saves_each_block_and_shows_stats(qtbot, store) -> None:
     # the views
     assert window.denoise.model.blocks_committed == 3
     assert window.chat.widgets[-1].thinking_toggle.text().startswith("Thought for")
-    assert window.speed_label.text() == "41.5 tok/s"
-    assert window.hit_label.text() == "Expert cache 93% hits"
+    assert window.engine_status.speed_label.text() == "41.5 tok/s"
+    assert window.engine_status.hit_label.text() == "Expert cache 93% hits"
     assert client.requests[0][0] == [{"role": "user", "content": "Explain block diffusion"}]
     assert not window.composer.generating
 
@@ -395,7 +395,7 @@ def test_load_progress_and_cancel(qtbot, store) -> None:
     assert not window.load_banner.isVisible() and window.info_banner.isVisible()
     client.loadProgress.emit(LoadProgress("reading", 1, 2))
     client.loaded.emit({"model_dir": "/models/tiny"})
-    assert not window.load_banner.isVisible() and window.engine_label.text() == "● Ready"
+    assert not window.load_banner.isVisible() and window.engine_status.engine_label.text() == "● Ready"
 
 
 def test_out_of_memory_on_load_points_to_the_vram_tab(qtbot, store) -> None:
@@ -404,7 +404,7 @@ def test_out_of_memory_on_load_points_to_the_vram_tab(qtbot, store) -> None:
     client.loadProgress.emit(LoadProgress("placing", 1, 2))
     client.errorMessage.emit("OutOfMemory", "CUDA out of memory while placing layer 12")
     assert window.info_banner.isVisible() and "smaller VRAM budget" in window.info_banner.label.text()
-    assert window.engine_label.text() == "● Model failed to load"
+    assert window.engine_status.engine_label.text() == "● Model failed to load"
     window.info_banner.action.click()
     assert window.tabs.currentWidget() is panel and not window.info_banner.isVisible()
 
@@ -413,7 +413,7 @@ def test_no_model_opens_the_model_manager(qtbot, store) -> None:
     manager = FakeModelManager()
     window, _ = make_window(qtbot, store, model_dir=None, model_manager=manager)
     assert window.pages.currentIndex() == 1 and manager.isVisible()
-    assert "No model" in window.engine_label.text()
+    assert "No model" in window.engine_status.engine_label.text()
     with qtbot.waitSignal(window.modelChosen, timeout=1000) as blocker:
         manager.modelChosen.emit("/models/clover")
     assert blocker.args == ["/models/clover"]
@@ -567,8 +567,8 @@ def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
     assert client.plans == [shown] and shown["budget_vram_bytes"] == proposed
     assert client.ctx_loads == [desk.vram_panel.ctx_tokens()]
     assert desk.vram_panel.applied == (proposed, desk.vram_panel.ctx_tokens())
-    assert desk.window.engine_label.text() == "● Ready"
-    assert "RTX 4070 Ti SUPER" in desk.window.gpu_label.text()
+    assert desk.window.engine_status.engine_label.text() == "● Ready"
+    assert "RTX 4070 Ti SUPER" in desk.window.engine_status.gpu_label.text()
     with qtbot.waitSignal(client.loaded, timeout=2000):
         desk.window.on_model_chosen("/models/second")
     assert client.loads[-1][0] == "/models/second"
@@ -629,7 +629,7 @@ def test_the_idle_engine_reads_the_open_chat_ahead(qtbot, store) -> None:
     window.open_conversation(cid)
     qtbot.waitUntil(lambda: len(client.reads) == 2, timeout=READ_AHEAD_MS + 2000)
     assert client.reads[1][0] == chat
-    window.on_engine_loaded({"model_dir": "/models/tiny"})  # a model (re)loaded: its prompt cache is empty
+    window.engine_status.on_engine_loaded({"model_dir": "/models/tiny"})  # a model (re)loaded: its prompt cache is empty
     qtbot.waitUntil(lambda: len(client.reads) == 3, timeout=READ_AHEAD_MS + 2000)
     lone = store.create_conversation("Asked, never answered")
     store.add_message(lone.id, "user", "Hello?")

@@ -177,8 +177,8 @@ def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -
     qtbot.addWidget(window)
     window.resize(1024, 640)
     window.show()
-    window._set_state(EngineState.LOADING)
-    window._update_send_state()
+    window.engine_status.set_state(EngineState.LOADING)
+    window.update_send_state()
     label = window.composer.blocked_label
     qtbot.waitUntil(label.isVisible)
     qtbot.wait(50)  # (one layout pass)
@@ -243,15 +243,15 @@ def test_no_stale_figures_or_names_after_switching_to_the_remote(qtbot, tmp_path
     window.composer.input.setPlainText("Hello")
     with qtbot.waitSignal(window.generationFinished, timeout=5000):
         qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
-    assert window.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
+    assert window.engine_status.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
     dialog = window.remote.dialog
     dialog.remote.click()  # Model ▸ Backend…: the remote server
-    window.refresh_status()
-    assert window.speed_label.text() == "tok/s unavailable (remote)"
+    window.engine_status.refresh()
+    assert window.engine_status.speed_label.text() == "tok/s unavailable (remote)"
     assert window.model_label.text() == "remote-model"
     dialog.local.click()
-    window.refresh_status()
-    assert window.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
+    window.engine_status.refresh()
+    assert window.engine_status.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
     window.close()
     store.close()
 
@@ -266,7 +266,7 @@ def test_loading_cancelled_goes_with_another_chat_backend_or_load(qtbot, tmp_pat
     other = store.create_conversation("Another chat")
 
     def cancelled() -> None:
-        window.on_engine_error_message("CancelledError", "loading was cancelled")
+        window.engine_status.on_engine_error_message("CancelledError", "loading was cancelled")
         assert window.info_banner.isVisible() and window.info_banner.label.text() == "Loading cancelled."
 
     cancelled()
@@ -276,7 +276,7 @@ def test_loading_cancelled_goes_with_another_chat_backend_or_load(qtbot, tmp_pat
     window.remote.dialog.remote.click()
     assert not window.info_banner.isVisible()
     cancelled()
-    window.on_load_progress(LoadProgress("reading", 0, 10))
+    window.engine_status.on_load_progress(LoadProgress("reading", 0, 10))
     assert not window.info_banner.isVisible()
     window.close()
     store.close()

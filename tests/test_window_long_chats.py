@@ -209,7 +209,7 @@ def test_a_new_chat_carrying_a_summary_then_sends_the_message(qtbot, store, coun
     with qtbot.waitSignal(window.long_chats.summaryEnded, timeout=5000) as ended:
         dialog.summary_button.click()
         assert window.prompt_progress.isVisible() and "Summarizing" in window.prompt_progress.label.text()
-        assert window.composer.send_button.text() == "Stop" and window.engine_label.text() == "● Summarizing the chat…"
+        assert window.composer.send_button.text() == "Stop" and window.engine_status.engine_label.text() == "● Summarizing the chat…"
     assert ended.args == ["done"]
     summary_request, summary_params = client.requests[0]
     assert summary_request[-1] == {"role": "user", "content": SUMMARY_INSTRUCTION}

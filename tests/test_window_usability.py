@@ -121,7 +121,7 @@ def test_send_waits_for_the_model_and_says_why(qtbot, store) -> None:
     client = FakeEngineClient(loaded=False)
     window = make_window(qtbot, store, client)
     send_button, composer = window.composer.send_button, window.composer
-    assert window.engine_state is EngineState.STARTING
+    assert window.engine_status.state is EngineState.STARTING
     assert not send_button.isEnabled()
     assert composer.blocked_label.isVisible() and "once the model has loaded" in composer.blocked_label.text()
     assert "once the model has loaded" in send_button.toolTip()
@@ -130,7 +130,7 @@ def test_send_waits_for_the_model_and_says_why(qtbot, store) -> None:
     assert client.requests == [] and store.list_conversations() == []  # nothing saved, no "Error: NotLoaded"
     assert composer.input.toPlainText() == "hello before the model is there"
     client.emit_load(1, 4)
-    assert window.engine_state is EngineState.LOADING and not send_button.isEnabled()
+    assert window.engine_status.state is EngineState.LOADING and not send_button.isEnabled()
     assert "loading" in composer.blocked_label.text()
     client.loaded.emit({"model_dir": "/models/tiny"})
     assert send_button.isEnabled() and not composer.blocked_label.isVisible()
@@ -522,7 +522,7 @@ def test_the_status_bar_uses_the_shared_memory_probe(qtbot, store) -> None:
 
     pytest.importorskip("psutil")
     window = make_window(qtbot, store, monitor=MemoryMonitor())
-    assert window.ram_label.text().startswith("RAM ") and "GiB" in window.ram_label.text()
+    assert window.engine_status.ram_label.text().startswith("RAM ") and "GiB" in window.engine_status.ram_label.text()
 
 
 def test_one_title_rule_the_stores(qtbot, store) -> None:

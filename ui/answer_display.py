@@ -38,7 +38,7 @@ class AnswerWindowLike(Protocol):
     tabs: Any
     side: Any
     stop_action: Any
-    status_throttle: Any
+    engine_status: Any  # ui.engine_status.EngineStatus: .refresh(), .throttle
     read_ahead_timer: Any
     generationStarted: Any  # noqa: N815 - Qt signal names
     generationFinished: Any  # noqa: N815
@@ -53,8 +53,6 @@ class AnswerWindowLike(Protocol):
     def show_save_error(self, error: BaseException, what: str) -> None: ...
 
     def show_panel(self, widget: QWidget | None) -> None: ...
-
-    def refresh_status(self) -> None: ...
 
 
 class AnswerDisplay:
@@ -115,14 +113,14 @@ class AnswerDisplay:
         if w.side.currentWidget() is w.tabs and w.tabs.currentWidget() is not w.preview:
             w.tabs.setCurrentWidget(w.denoise)
         w.generationStarted.emit(request_id)
-        w.refresh_status()
+        w.engine_status.refresh()
 
     def answer_event(self, event: object) -> None:
         """The answer took ``event`` in: repaint it and feed the panels."""
         w = self.window
         if w.prompt_progress.active and isinstance(event, (TextDelta, BlockStep, BlockCommitted)):
             w.prompt_progress.end()  # the prompt is read: the answer has started
-            w.status_throttle.request()
+            w.engine_status.throttle.request()
         if isinstance(event, TextDelta):
             w.chat.stream_changed()
             w.denoise.add_event(event)  # autoregressive mode shows the token stream
@@ -133,14 +131,14 @@ class AnswerDisplay:
             w.denoise.add_event(event)
         elif isinstance(event, BlockCommitted):
             w.denoise.add_event(event)
-            w.status_throttle.request()
+            w.engine_status.throttle.request()
         elif isinstance(event, PromptInfo):
             w.denoise.add_event(event)
             w.prompt_progress.begin(event.prompt_tokens)
-            w.refresh_status()  # "Reading your message…" (once per answer)
+            w.engine_status.refresh()  # "Reading your message…" (once per answer)
         elif isinstance(event, PrefillProgress):
             w.prompt_progress.set_progress(event)
-            w.status_throttle.request()
+            w.engine_status.throttle.request()
 
     def answer_ended(self, request_id: str, reason: str, data: MessageData) -> None:
         w = self.window
@@ -156,7 +154,7 @@ class AnswerDisplay:
         w.composer.set_generating(False)
         w.stop_action.setEnabled(False)
         w.conversations.reload()
-        w.refresh_status()
+        w.engine_status.refresh()
         w.read_ahead_timer.start()
         w.generationFinished.emit(request_id, reason)
 

@@ -288,7 +288,7 @@ class LongChats(QObject):
         w.composer.set_generating(True)
         w.stop_action.setEnabled(True)
         w.prompt_progress.busy("Summarizing this chat for a new one…")
-        w.refresh_status()
+        w.engine_status.refresh()
         self.summaryStarted.emit(self.summary.request_id)
 
     def owns(self, request_id: str) -> bool:
@@ -324,7 +324,7 @@ class LongChats(QObject):
         if message:
             w.info_banner.action.setVisible(False)
             w.info_banner.show_message(message)
-        w.refresh_status()
+        w.engine_status.refresh()
         self.summaryEnded.emit(how)
 
     def _open_continued_chat(self, summary: PendingSummary, text: str) -> None:

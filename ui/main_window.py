@@ -52,15 +52,11 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QSplitter,
     QStackedWidget,
-    QStatusBar,
     QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
-from engine.decode.events import (
-    LoadProgress,
-)
 from ui.answer_display import AnswerDisplay
 from ui.banners import Banner, LoadBanner
 from ui.chat_presets import ChatPresets
@@ -85,6 +81,7 @@ from ui.contracts import (
 )
 from ui.conversations import Conversations
 from ui.denoise_view import DenoiseView
+from ui.engine_status import EngineStatus
 from ui.generation import GenerationSettings, defaults_from_model
 from ui.gpu_check import GpuCheckDialog
 from ui.long_chats import LongChats
@@ -94,7 +91,6 @@ from ui.serve_panel import ServeController, ServeDialog
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import SCHEMES, set_style_class
-from ui.throttle import Throttle
 from ui.widgets import ElidedLabel, accessible, install_wheel_guard
 from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
 
@@ -102,7 +98,6 @@ READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it o
 
 log = logging.getLogger(__name__)
 
-GIB = 1024**3
 APP_NAME = "Clover Desk"
 ABOUT_TEXT = (
     "<h3>Clover Desk</h3>"
@@ -110,7 +105,6 @@ ABOUT_TEXT = (
     "denoised, fit the model to your GPU's memory, and preview the HTML apps it writes in a sandbox.</p>"
     "<p>The model runs on this computer, in its own process. Nothing is sent anywhere.</p>"
 )
-LOAD_CANCELLED = "Loading cancelled."
 
 
 class MainWindow(QMainWindow):
@@ -157,13 +151,6 @@ class MainWindow(QMainWindow):
         # the chat's controller (no widgets) and where its calls land on screen
         self.answers = AnswerDisplay(self)
         self.session = ChatSession(client, store, recorder_factory, self.answers)
-        if model_dir is None:
-            self.engine_state = EngineState.NO_MODEL
-        elif getattr(client, "model_info", None):  # handed a client whose model is already loaded
-            self.engine_state = EngineState.READY
-        else:
-            self.engine_state = EngineState.STARTING
-        self.gpu_paths_in_use: list[str] = []  # the experimental GPU paths the loaded engine runs with (its answer)
         self.state = WindowState(self, ui_settings)  # size, columns, tab, theme, export folder: remembered
         self.conversations = Conversations(self)  # the list, rename, delete, export
 
@@ -221,23 +208,19 @@ class MainWindow(QMainWindow):
         self.pages.addWidget(self.chat_page)
         if model_manager is not None:
             self.pages.addWidget(self._build_models_page(model_manager))
-        self._build_status_bar()
+        self.engine_status = EngineStatus(self, self)  # the engine's state, its banners, the status bar
         self._build_layout()
         self._build_menus()
         self._build_tab_order()
-        self.status_throttle = Throttle(self.refresh_status, 250, self)
         # the open chat read ahead while the engine is idle (after an answer, on opening it, once a model loads)
         self.read_ahead_timer = QTimer(self)
         self.read_ahead_timer.setSingleShot(True)
         self.read_ahead_timer.setInterval(READ_AHEAD_MS)
         self.read_ahead_timer.timeout.connect(self.read_ahead)
         self.read_ahead_id = ""  # the last read_chat request sent
-        self.monitor_timer = QTimer(self)
-        self.monitor_timer.setInterval(2000)
         self._connect_signals()
-        self._sync_from_settings()
-        if self.monitor is not None:
-            self.monitor_timer.start()
+        self.sync_from_settings()
+        self.engine_status.start()
         self.state.restore()
         self.conversations.reload()
         conversations = self.store.list_conversations(limit=1)
@@ -249,7 +232,7 @@ class MainWindow(QMainWindow):
             self.info_banner.action.setVisible(False)
             self.info_banner.show_message(self.preview_off[:1].upper() + self.preview_off[1:] + ".")
         install_wheel_guard(self)  # no value changes under a passing mouse wheel, in every box the window holds
-        self.refresh_status()
+        self.engine_status.refresh()
 
     # ----------------------------------------------------------------- the session's state, as the window's
     @property
@@ -365,28 +348,6 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.splitter, 1)
         self.setCentralWidget(central)
 
-    def _build_status_bar(self) -> None:
-        bar = QStatusBar()
-        bar.setSizeGripEnabled(False)
-        self.setStatusBar(bar)
-        self.engine_label = ElidedLabel()
-        self.engine_label.setObjectName("engineStatus")
-        self.gpu_label = ElidedLabel()
-        self.gpu_label.setObjectName("gpuStatus")
-        self.gpu_label.setMaximumWidth(260)
-        self.vram_label = ElidedLabel()
-        self.ram_label = ElidedLabel()
-        self.speed_label = ElidedLabel()
-        self.speed_label.setObjectName("speedStatus")
-        self.hit_label = ElidedLabel()
-        for label, name in ((self.engine_label, "Engine"), (self.gpu_label, "GPU"), (self.vram_label, "VRAM in use"),
-                            (self.ram_label, "RAM in use"), (self.speed_label, "Speed"),
-                            (self.hit_label, "Expert cache")):
-            accessible(label, name)
-        bar.addWidget(self.engine_label, 1)
-        for w in (self.gpu_label, self.vram_label, self.ram_label, self.speed_label, self.hit_label):
-            bar.addPermanentWidget(w)
-
     def _action(self, menu: QMenu, text: str, slot: Any, shortcut: str | QKeySequence.StandardKey | None = None,
                 tip: str = "", checkable: bool = False) -> QAction:
         action = QAction(text, self)
@@ -465,11 +426,11 @@ class MainWindow(QMainWindow):
         self.models_action = self._action(model_menu, "&Models…", self.show_models_page, "Ctrl+Shift+M",
                                           "Open, download or create a model")
         self.models_action.setEnabled(self.model_manager is not None)
-        self.vram_action = self._action(model_menu, "&VRAM budget…", self.on_open_vram_tab)
+        self.vram_action = self._action(model_menu, "&VRAM budget…", self.engine_status.on_open_vram_tab)
         self.vram_action.setEnabled(self.vram_panel is not None)
         model_menu.addSeparator()
-        self.cancel_load_action = self._action(model_menu, "&Cancel loading", self.on_cancel_load)
-        self.restart_action = self._action(model_menu, "&Restart engine", self.on_restart_clicked)
+        self.cancel_load_action = self._action(model_menu, "&Cancel loading", self.engine_status.on_cancel_load)
+        self.restart_action = self._action(model_menu, "&Restart engine", self.engine_status.on_restart_clicked)
 
         help_menu = bar.addMenu("&Help")
         self.shortcuts_action = self._action(help_menu, "&Keyboard shortcuts", self.on_show_shortcuts, "F1")
@@ -496,11 +457,11 @@ class MainWindow(QMainWindow):
     def _connect_signals(self) -> None:
         # engine
         self.client.event.connect(self.on_engine_event)
-        self.client.loadProgress.connect(self.on_load_progress)
-        self.client.loaded.connect(self.on_engine_loaded)
-        self.client.ready.connect(self.on_engine_ready)
-        self.client.errorMessage.connect(self.on_engine_error_message)
-        self.client.crashed.connect(self.on_engine_crashed)
+        self.client.loadProgress.connect(self.engine_status.on_load_progress)
+        self.client.loaded.connect(self.engine_status.on_engine_loaded)
+        self.client.ready.connect(self.engine_status.on_engine_ready)
+        self.client.errorMessage.connect(self.engine_status.on_engine_error_message)
+        self.client.crashed.connect(self.engine_status.on_engine_crashed)
         # sidebar
         self.sidebar.newRequested.connect(self.on_new_conversation)
         self.sidebar.selected.connect(self.on_conversation_selected)
@@ -528,15 +489,14 @@ class MainWindow(QMainWindow):
         self.settings_button.toggled.connect(self.on_settings_toggled)
         self.panel_button.toggled.connect(self.on_panels_toggled)
         # banners
-        self.crash_banner.actionClicked.connect(self.on_restart_clicked)
-        self.load_banner.cancelRequested.connect(self.on_cancel_load)
-        self.info_banner.actionClicked.connect(self.on_open_vram_tab)
+        self.crash_banner.actionClicked.connect(self.engine_status.on_restart_clicked)
+        self.load_banner.cancelRequested.connect(self.engine_status.on_cancel_load)
+        self.info_banner.actionClicked.connect(self.engine_status.on_open_vram_tab)
         # panels
         if self.vram_panel is not None and hasattr(self.vram_panel, "applyRequested"):
             self.vram_panel.applyRequested.connect(self.on_apply_plan)
         if self.model_manager is not None and hasattr(self.model_manager, "modelChosen"):
             self.model_manager.modelChosen.connect(self.on_model_chosen)
-        self.monitor_timer.timeout.connect(self.refresh_status)
         self.splitter.splitterMoved.connect(self.state.on_splitter_moved)
         hints = QGuiApplication.styleHints()
         hints.colorSchemeChanged.connect(self.state.on_system_scheme_changed)
@@ -548,25 +508,25 @@ class MainWindow(QMainWindow):
         if self.is_generating():
             self.on_stop_requested()
         self.conversation_id = conversation_id
-        self.clear_load_notice()
+        self.engine_status.clear_load_notice()
         self.composer.end_edit()
         self.sidebar.select(conversation_id)
         if conversation_id is None:
             self.chat.clear()
             self._fresh_touched = False
             self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
-            self._sync_from_settings()
+            self.sync_from_settings()
             self.title_label.setText("New chat")
             self.long_chats.on_conversation_opened(None)
-            self._update_send_state()
+            self.update_send_state()
             return
         conv = self.store.get_conversation(conversation_id)
         self.title_label.setText(conv.title)
         self.drawer.set_settings(GenerationSettings.from_dict(conv.settings, self.model_defaults), conv.system_prompt)
-        self._sync_from_settings()
+        self.sync_from_settings()
         self.chat.set_messages(self._shown_messages(conversation_id))
         self.long_chats.on_conversation_opened(conv.settings)
-        self._update_send_state()  # Continue: whether this chat's last answer was cut short
+        self.update_send_state()  # Continue: whether this chat's last answer was cut short
         self.show_chat_page()
         self.read_ahead_timer.start()
         self.conversationChanged.emit(conversation_id)
@@ -587,7 +547,7 @@ class MainWindow(QMainWindow):
         if self.conversation_id is None:
             return
         self.chat.set_messages(self._shown_messages(self.conversation_id))
-        self._update_send_state()
+        self.update_send_state()
         self.read_ahead_timer.start()
 
     def on_version_requested(self, data: MessageData, step: int) -> None:
@@ -598,7 +558,7 @@ class MainWindow(QMainWindow):
         if self.session.step_version(data, step):
             self.show_chosen_versions()
 
-    def _sync_from_settings(self) -> None:
+    def sync_from_settings(self) -> None:
         """The composer's Think switch and mode note, and the chat's thinking sections, follow the drawer."""
         settings = self.drawer.settings()
         self.composer.think_button.blockSignals(True)
@@ -632,7 +592,7 @@ class MainWindow(QMainWindow):
     # ----------------------------------------------------------------- settings
     def on_settings_changed(self) -> None:
         settings = self.drawer.settings()
-        self._sync_from_settings()
+        self.sync_from_settings()
         if self.conversation_id is None:
             self._fresh_touched = True
             return
@@ -655,7 +615,7 @@ class MainWindow(QMainWindow):
         self.drawer.set_model_defaults_text(model_name, defaults)
         if self.conversation_id is None and not self._fresh_touched:
             self.drawer.set_settings(defaults, self.drawer.system_prompt.toPlainText())
-            self._sync_from_settings()
+            self.sync_from_settings()
 
     def set_model_info(self, info: Mapping[str, Any]) -> None:
         """Take the model's defaults and context from a ``loaded`` record (or the same keys read from its folder)."""
@@ -691,9 +651,9 @@ class MainWindow(QMainWindow):
     def on_stop_requested(self) -> None:
         if self.long_chats.summary is not None:
             self.long_chats.cancel_summary()
-            self.engine_label.setText("● Stopping…")
+            self.engine_status.engine_label.setText("● Stopping…")
         if self.session.stop():
-            self.engine_label.setText("● Stopping…")
+            self.engine_status.engine_label.setText("● Stopping…")
 
     def on_regenerate_last(self) -> None:
         last = self.chat.last_assistant()
@@ -717,7 +677,7 @@ class MainWindow(QMainWindow):
         """Go on writing an answer that was cut short (the last one: its Continue button, Edit ▸ Continue)."""
         if self.is_generating() or self.session.answer_to_continue() is not data:
             return
-        if self._uses_remote():
+        if self.uses_remote():
             self.statusBar().showMessage("Continue needs the local engine: a remote server starts a new answer", 5000)
             return
         if not self._can_send():
@@ -779,7 +739,7 @@ class MainWindow(QMainWindow):
 
     def request_source(self) -> Any:
         """What answers the next request: the remote runner (Model ▸ Backend…) or the engine client."""
-        return self.remote.runner if self._uses_remote() and self.remote is not None else self.client
+        return self.remote.runner if self.uses_remote() and self.remote is not None else self.client
 
     def show_save_error(self, error: BaseException, what: str) -> None:
         """One clear message in the info banner for a failed save."""
@@ -788,34 +748,6 @@ class MainWindow(QMainWindow):
         self.info_banner.show_message(f"{what}: {error}")
 
     # ----------------------------------------------------------------- engine life
-    def _set_state(self, state: EngineState) -> None:
-        self.engine_state = state
-        self.refresh_status()
-
-    def on_load_progress(self, event: LoadProgress) -> None:
-        self.clear_load_notice()
-        self.engine_state = EngineState.LOADING
-        self.load_banner.set_progress(event)
-        self.status_throttle.request()
-        self._update_send_state()
-
-    def on_engine_loaded(self, info: object = None) -> None:
-        self.load_banner.hide()
-        self.crash_banner.hide()
-        if isinstance(info, Mapping):
-            self.set_model_info(info)
-            self.gpu_paths_in_use = [str(p) for p in info.get("gpu_paths") or ()]
-            self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
-            if info.get("compile_cancelled"):
-                self.info_banner.action.setVisible(False)
-                self.info_banner.show_message("Compiling was cancelled: the model is loaded and runs uncompiled; "
-                                              "“Compile the layers” is now off.")
-            else:
-                self.say_compile_skipped(str(info.get("compile_skipped") or ""),
-                                         after_notice=bool(info.get("ar_only")))
-        self._set_state(EngineState.READY)
-        self.read_ahead_timer.start()
-
     def read_ahead(self) -> None:
         """Have the idle local engine read the open chat, its last answer included, into its prompt cache
         (``EngineClient.read_chat``), so that the next message is all it reads when it is sent: the first token
@@ -823,8 +755,8 @@ class MainWindow(QMainWindow):
         once. Only for a chat whose last message is a finished answer."""
         read = getattr(self.client, "read_chat", None)
         cid = self.conversation_id
-        if (read is None or cid is None or self.is_generating() or self._uses_remote()
-                or self.engine_state is not EngineState.READY):
+        if (read is None or cid is None or self.is_generating() or self.uses_remote()
+                or self.engine_status.state is not EngineState.READY):
             return
         try:
             messages = self.long_chats.messages_to_read(cid)
@@ -836,93 +768,15 @@ class MainWindow(QMainWindow):
             return
         self.read_ahead_id = str(read(messages, self.drawer.settings().to_params()))
 
-    def say_compile_skipped(self, reason: str, after_notice: bool = False) -> None:
-        """"Compile the layers" was on but the engine could not compile this model (``Engine.compile_skipped``: no
-        C++ compiler for the CPU, no Triton for CUDA): say so in the notice banner (after the notice already there when ``after_notice``)."""
-        if not reason:
-            return
-        before = self.info_banner.label.text() + " " if after_notice else ""
-        self.info_banner.action.setVisible(False)
-        self.info_banner.show_message(f"{before}“Compile the layers” is on, but {reason}.")
-
-    def set_diffusion_unavailable(self, reason: str) -> None:
-        """The loaded model decodes autoregressively only (``Engine.ar_only``: a GGUF file without the diffusion
-        tensors): say so plainly, and answer in AR mode with the diffusion choice disabled (its tooltip says why)."""
-        self.drawer.set_diffusion_available(reason)
-        self._sync_from_settings()
-        if reason:
-            self.info_banner.action.setVisible(False)
-            self.info_banner.show_message(f"Block diffusion is unavailable for this file, so answers use "
-                                          f"autoregressive mode: {reason}.")
-
-    def on_engine_ready(self, *_info: object) -> None:
-        if self.engine_state in (EngineState.STARTING, EngineState.CRASHED, EngineState.READY):
-            self.engine_state = EngineState.STARTING if self.model_dir else EngineState.NO_MODEL
-        self.crash_banner.hide()
-        self.refresh_status()
-
-    def on_engine_restarting(self) -> None:
-        """The app restarts the worker (another model, another VRAM plan): no Send until it has loaded again."""
-        self._set_state(EngineState.STARTING)
-
-    def clear_load_notice(self) -> None:
-        """The "Loading cancelled." notice is about that load: another chat, backend or load takes it away."""
-        if self.info_banner.label.text() == LOAD_CANCELLED:
-            self.info_banner.hide()
-
-    def on_engine_error_message(self, kind: str, message: str) -> None:
-        self.load_banner.hide()
-        if self.session.local_request():
-            self.session.fail(f"{kind}: {message}", "error")
-        if kind in ("CancelledError",):
-            self.info_banner.action.setVisible(False)
-            self.info_banner.show_message(LOAD_CANCELLED)
-            if self.engine_state is EngineState.LOADING:
-                self.engine_state = EngineState.NO_MODEL
-        else:
-            text = f"{kind}: {message}"
-            oom = "OutOfMemory" in kind or "out of memory" in message.lower()
-            if oom:
-                text += "  Try a smaller VRAM budget or a shorter context in the VRAM tab."
-            self.info_banner.set_action("Open VRAM tab")
-            self.info_banner.action.setVisible(oom and self.vram_panel is not None)
-            self.info_banner.show_message(text)
-            if self.engine_state in (EngineState.LOADING, EngineState.STARTING):
-                self.engine_state = EngineState.ERROR
-        self.refresh_status()
-
-    def on_engine_crashed(self, reason: str) -> None:
-        self.engine_state = EngineState.CRASHED
-        self.load_banner.hide()
-        if self.session.local_request():
-            self.session.fail(f"the engine stopped: {reason}", "crashed")
-        self.crash_banner.show_message(f"The engine stopped: {reason}. Your chats are saved.")
-        self.refresh_status()
-
-    def on_restart_clicked(self) -> None:
-        self.crash_banner.hide()
-        self.engine_state = EngineState.STARTING
-        self.client.restart()
-        self.refresh_status()
-
-    def on_cancel_load(self) -> None:
-        self.client.cancel_load()
-        self.load_banner.label.setText("Cancelling…")
-
-    def on_open_vram_tab(self) -> None:
-        if self.vram_panel is not None:
-            self.show_panel(self.vram_panel)
-        self.info_banner.hide()
-
     def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
         self.applyPlanRequested.emit(vram_bytes, ctx_tokens)
 
     def on_model_chosen(self, path: str) -> None:
         self.model_dir = path
-        self.engine_state = EngineState.STARTING  # the app loads it (restarting the worker when one runs)
+        self.engine_status.state = EngineState.STARTING  # the app loads it (restarting the worker when one runs)
         self.show_chat_page()
         self.modelChosen.emit(path)
-        self.refresh_status()
+        self.engine_status.refresh()
 
     def set_server_control(self, control: ServerControl) -> None:
         """Model ▸ Serve over HTTP…: the engine worker's OpenAI-compatible server (:mod:`ui.serve_panel`); its
@@ -940,14 +794,14 @@ class MainWindow(QMainWindow):
         (:mod:`ui.remote_chat`; the choice and the server are remembered in the window's settings)."""
         self.remote = RemoteBackendControl(factory, self.ui_settings, self)
         self.remote.runner.event.connect(self.on_engine_event)
-        self.remote.changed.connect(self.refresh_status)
-        self.remote.changed.connect(self.clear_load_notice)
+        self.remote.changed.connect(self.engine_status.refresh)
+        self.remote.changed.connect(self.engine_status.clear_load_notice)
         self.backend_action = QAction("&Backend: local or remote…", self)
         self.backend_action.setObjectName("backendAction")
         self.backend_action.setStatusTip("Answer with the local engine or a remote OpenAI-compatible server")
         self.backend_action.triggered.connect(self.remote.open)
         self._add_model_action(self.backend_action)
-        self.refresh_status()
+        self.engine_status.refresh()
 
     def _add_model_action(self, action: QAction) -> None:
         """An action of the Model menu, after "VRAM budget…" (before Cancel loading / Restart engine)."""
@@ -980,65 +834,26 @@ class MainWindow(QMainWindow):
             except self._save_error as exc:  # the chat is gone (deleted elsewhere): nothing to title
                 log.warning("cannot read chat %s: %s", self.conversation_id, exc)
 
-    def _uses_remote(self) -> bool:
+    def uses_remote(self) -> bool:
         """Send goes to the remote server (Model ▸ Backend…), not the local engine."""
         return self.remote is not None and self.remote.selected
 
     def _why_not_ready(self) -> str:
         """Why Send is disabled ("" when it is not): the remote's settings, else the engine's state."""
-        if self._uses_remote() and self.remote is not None:
+        if self.uses_remote() and self.remote is not None:
             return self.remote.why_not_ready()
-        return self.engine_state.why_not_ready
+        return self.engine_status.state.why_not_ready
 
     def _can_send(self) -> bool:
         return not self._why_not_ready()
 
-    def _update_send_state(self) -> None:
+    def update_send_state(self) -> None:
         ready = self._can_send()
         self.composer.set_blocked(self._why_not_ready())
         self.regenerate_action.setEnabled(ready)
-        self.continue_action.setEnabled(ready and not self._uses_remote() and not self.is_generating()
+        self.continue_action.setEnabled(ready and not self.uses_remote() and not self.is_generating()
                                         and self.session.answer_to_continue() is not None)
-        self.cancel_load_action.setEnabled(self.engine_state is EngineState.LOADING)
-
-    def refresh_status(self) -> None:
-        state_text = self.engine_state.status_text
-        if self.is_generating():
-            state_text = "● Reading your message…" if self.prompt_progress.active else "● Generating…"
-            if self.long_chats.summary is not None:
-                state_text = "● Summarizing the chat…"
-        self.engine_label.setText(state_text)
-        if self._uses_remote() and self.remote is not None:  # the header names what answers
-            self.model_label.setText(self.remote.model_name() or f"remote: {self.remote.host() or 'no URL set'}")
-        else:
-            self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
-        paths = self.gpu_paths_in_use
-        self.gpu_label.setText((self.gpu_name or "No GPU (CPU)")
-                               + (f" · {len(paths)} experimental path{'s' if len(paths) > 1 else ''}" if paths else ""))
-        sample = self.monitor.sample() if self.monitor is not None else {}
-        vram_used, vram_total = sample.get("vram_used"), sample.get("vram_total")
-        if vram_used is not None and vram_total:
-            self.vram_label.setText(f"VRAM {vram_used / GIB:.1f}/{vram_total / GIB:.0f} GiB")
-        else:
-            self.vram_label.setText("VRAM –")
-        ram_used, ram_total = sample.get("ram_used"), sample.get("ram_total")
-        if ram_used is not None and ram_total:
-            self.ram_label.setText(f"RAM {ram_used / GIB:.1f}/{ram_total / GIB:.0f} GiB")
-        else:
-            self.ram_label.setText("RAM –")
-        live = self.denoise.model.tokens_per_s() if self.is_generating() else None
-        tok_s = live or (self.session.last_tok_s if not self.session.last_tok_s_remote else None)
-        self.speed_label.setText(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s")
-        rate = self.session.last_hit_rate
-        self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
-        if self._uses_remote() and self.remote is not None:  # figures a remote does not report: said so, not guessed
-            if not self.is_generating():
-                self.engine_label.setText(f"● Remote: {self.remote.host() or 'no URL set'}")
-            # the server's figure, once it reported one (not the local engine's last)
-            rate_s = None if self.is_generating() or not self.session.last_tok_s_remote else self.session.last_tok_s
-            self.speed_label.setText(f"{rate_s:.1f} tok/s (remote)" if rate_s else "tok/s unavailable (remote)")
-            self.hit_label.setText("Expert cache unavailable (remote)")
-        self._update_send_state()
+        self.cancel_load_action.setEnabled(self.engine_status.state is EngineState.LOADING)
 
     # ----------------------------------------------------------------- help
     def shortcuts(self) -> list[tuple[str, str]]:
@@ -1082,7 +897,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.session.flush()  # keep what streamed so far; the store marks it interrupted on next open
         self.state.save()
-        self.monitor_timer.stop()
+        self.engine_status.monitor_timer.stop()
         try:  # the theme is the application's: a closed window no longer follows the desktop's scheme
             QGuiApplication.styleHints().colorSchemeChanged.disconnect(self.state.on_system_scheme_changed)
         except (RuntimeError, TypeError):
