@@ -147,7 +147,7 @@ def test_stop_then_continue_goes_on_with_the_same_answer(qtbot, store) -> None:
     widget = window.chat.widgets[-1]
     before = store.messages(window.conversation_id)[-1]
     assert before.stats["stop_reason"] == "cancelled" and widget.continue_button.isVisible()
-    assert window.continue_action.isEnabled()
+    assert window.menus.continue_action.isEnabled()
 
     client.blocks = 2
     with qtbot.waitSignal(window.generationFinished, timeout=5000) as blocker:
@@ -166,7 +166,7 @@ def test_stop_then_continue_goes_on_with_the_same_answer(qtbot, store) -> None:
     assert after.thinking == before.thinking + finished.thinking == widget.data.thinking
     assert after.status == "complete" and after.stats["continued"] == 1 == widget.data.stats["continued"]
     assert after.stats["tokens"] == before.stats["tokens"] + finished.tokens == widget.data.stats["tokens"]
-    assert not widget.continue_button.isVisible() and not window.continue_action.isEnabled()  # it ended: eos
+    assert not widget.continue_button.isVisible() and not window.menus.continue_action.isEnabled()  # it ended: eos
 
 
 def test_a_continuation_the_engine_refuses_leaves_the_answer_as_it_was(qtbot, store) -> None:
@@ -226,7 +226,7 @@ def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) ->
     window.open_conversation(c.id)
     widgets = window.chat.widgets
     assert not widgets[1].continue_button.isVisible()  # not the last answer
-    assert widgets[3].continue_button.isVisible() and window.continue_action.isEnabled()
+    assert widgets[3].continue_button.isVisible() and window.menus.continue_action.isEnabled()
     widgets[1].continueRequested.emit(widgets[1])  # an older answer cannot be continued
     assert client.requests == [] and store.get_message(old.id).status == "complete"
     window.activateWindow()
@@ -241,8 +241,8 @@ def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) ->
     assert window.composer.input.toPlainText() == "typed, not sent"
     store.finish_message(last.id, "complete", stats={"stop_reason": "context"})  # the context is full: no room
     window.open_conversation(c.id)
-    assert not window.chat.widgets[3].continue_button.isVisible() and not window.continue_action.isEnabled()
-    window.continue_action.trigger()
+    assert not window.chat.widgets[3].continue_button.isVisible() and not window.menus.continue_action.isEnabled()
+    window.menus.continue_action.trigger()
     assert len(client.requests) == 1
 
 

@@ -56,7 +56,7 @@ def desk(qapp, tmp_path) -> Iterator[Any]:
 
 
 def _choose_remote(qtbot, window, url: str, key: str = "", model: str = "") -> Any:
-    window.backend_action.trigger()
+    window.menus.backend_action.trigger()
     dialog = window.remote.dialog
     assert dialog.isVisible()
     qtbot.mouseClick(dialog.remote, Qt.MouseButton.LeftButton)
@@ -170,8 +170,8 @@ def test_esc_cancels_a_remote_answer_and_the_server_stops(qtbot, desk, endless_s
     # Continue is the local engine's (a remote server would start a new answer): not offered for this one
     widget = window.chat.widgets[-1]
     assert widget.regen_button.isVisible() and not widget.continue_button.isVisible()
-    assert not window.continue_action.isEnabled()
-    window.continue_action.trigger()
+    assert not window.menus.continue_action.isEnabled()
+    window.menus.continue_action.trigger()
     widget.continueRequested.emit(widget)
     assert not window.is_generating() and desk.store.messages(window.conversation_id)[-1].status == "stopped"
 

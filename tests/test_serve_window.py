@@ -68,7 +68,7 @@ def desk(qapp, endless_model, tmp_path_factory):  # noqa: F811
 
 def _start(qtbot, window, port: int = 0, key: str = "", host: str = "127.0.0.1") -> str:
     dialog = window.serve.dialog
-    window.serve_action.trigger()
+    window.menus.serve_action.trigger()
     assert dialog.isVisible()
     dialog.host.setText(host)
     dialog.port.setValue(port)
@@ -163,7 +163,7 @@ def test_a_port_in_use_is_said_plainly(qtbot, desk) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        window.serve_action.trigger()
+        window.menus.serve_action.trigger()
         dialog.port.setValue(port)
         with qtbot.waitSignal(window.client.serveFailed, timeout=30_000):
             qtbot.mouseClick(dialog.start_button, Qt.MouseButton.LeftButton)

@@ -525,7 +525,7 @@ def test_stop_in_the_first_block_keeps_the_committed_text_and_offers_continue(qt
     assert ended.args[1] == "cancelled" and isinstance(rest[-1], Finished)
     assert (bubble.data.status, bubble.data.content) == ("stopped", committed)
     assert committed in bubble.body.toPlainText()
-    assert bubble.continue_button.isVisible() and window.continue_action.isEnabled()
+    assert bubble.continue_button.isVisible() and window.menus.continue_action.isEnabled()
     saved = store.messages(window.conversation_id)[-1]
     assert (saved.status, saved.content) == ("stopped", committed)
     window.close()

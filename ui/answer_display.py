@@ -37,7 +37,7 @@ class AnswerWindowLike(Protocol):
     preview: QWidget | None
     tabs: Any
     side: Any
-    stop_action: Any
+    menus: Any  # ui.window_menus.WindowMenus: .stop_action
     engine_status: Any  # ui.engine_status.EngineStatus: .refresh(), .throttle
     read_ahead_timer: Any
     generationStarted: Any  # noqa: N815 - Qt signal names
@@ -109,7 +109,7 @@ class AnswerDisplay:
         w.denoise.start(mode)  # a new answer: the view follows its live pass
         w.denoise.set_unavailable(DENOISING_UNAVAILABLE if remote else "")
         w.composer.set_generating(True)
-        w.stop_action.setEnabled(True)
+        w.menus.stop_action.setEnabled(True)
         if w.side.currentWidget() is w.tabs and w.tabs.currentWidget() is not w.preview:
             w.tabs.setCurrentWidget(w.denoise)
         w.generationStarted.emit(request_id)
@@ -152,7 +152,7 @@ class AnswerDisplay:
         w.chat.end_stream()
         w.long_chats.throttle.request()  # the chat grew: count it again
         w.composer.set_generating(False)
-        w.stop_action.setEnabled(False)
+        w.menus.stop_action.setEnabled(False)
         w.conversations.reload()
         w.engine_status.refresh()
         w.read_ahead_timer.start()

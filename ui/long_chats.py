@@ -286,7 +286,7 @@ class LongChats(QObject):
         self.summary = PendingSummary(text, source)
         self.summary.request_id = str(w.client.generate(fitted[0], params, None))
         w.composer.set_generating(True)
-        w.stop_action.setEnabled(True)
+        w.menus.stop_action.setEnabled(True)
         w.prompt_progress.busy("Summarizing this chat for a new one…")
         w.engine_status.refresh()
         self.summaryStarted.emit(self.summary.request_id)
@@ -320,7 +320,7 @@ class LongChats(QObject):
         self.summary = None
         w.prompt_progress.end()
         w.composer.set_generating(False)
-        w.stop_action.setEnabled(False)
+        w.menus.stop_action.setEnabled(False)
         if message:
             w.info_banner.action.setVisible(False)
             w.info_banner.show_message(message)

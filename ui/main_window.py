@@ -34,11 +34,8 @@ from typing import Any
 
 from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import (
-    QAction,
-    QActionGroup,
     QCloseEvent,
     QGuiApplication,
-    QKeySequence,
     QResizeEvent,
     QShowEvent,
 )
@@ -46,8 +43,6 @@ from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
     QMainWindow,
-    QMenu,
-    QMessageBox,
     QPushButton,
     QScrollArea,
     QSplitter,
@@ -83,28 +78,21 @@ from ui.conversations import Conversations
 from ui.denoise_view import DenoiseView
 from ui.engine_status import EngineStatus
 from ui.generation import GenerationSettings, defaults_from_model
-from ui.gpu_check import GpuCheckDialog
 from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
 from ui.remote_chat import RemoteBackendControl
 from ui.serve_panel import ServeController, ServeDialog
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
-from ui.theme import SCHEMES, set_style_class
+from ui.theme import set_style_class
 from ui.widgets import ElidedLabel, accessible, install_wheel_guard
+from ui.window_menus import APP_NAME, WindowMenus
 from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
 
 READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
 
 log = logging.getLogger(__name__)
 
-APP_NAME = "Clover Desk"
-ABOUT_TEXT = (
-    "<h3>Clover Desk</h3>"
-    "<p>A desktop app for the Clover block-diffusion mixture-of-experts model: chat, watch each block being "
-    "denoised, fit the model to your GPU's memory, and preview the HTML apps it writes in a sandbox.</p>"
-    "<p>The model runs on this computer, in its own process. Nothing is sent anywhere.</p>"
-)
 
 
 class MainWindow(QMainWindow):
@@ -210,7 +198,7 @@ class MainWindow(QMainWindow):
             self.pages.addWidget(self._build_models_page(model_manager))
         self.engine_status = EngineStatus(self, self)  # the engine's state, its banners, the status bar
         self._build_layout()
-        self._build_menus()
+        self.menus = WindowMenus(self)  # the menu bar, its actions and shortcuts, the Help dialogs
         self._build_tab_order()
         # the open chat read ahead while the engine is idle (after an answer, on opening it, once a model loads)
         self.read_ahead_timer = QTimer(self)
@@ -347,102 +335,6 @@ class MainWindow(QMainWindow):
         layout.setSpacing(0)
         layout.addWidget(self.splitter, 1)
         self.setCentralWidget(central)
-
-    def _action(self, menu: QMenu, text: str, slot: Any, shortcut: str | QKeySequence.StandardKey | None = None,
-                tip: str = "", checkable: bool = False) -> QAction:
-        action = QAction(text, self)
-        if shortcut is not None:
-            action.setShortcut(QKeySequence(shortcut))
-            action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-        if tip:
-            action.setStatusTip(tip)
-            action.setToolTip(tip)
-        action.setCheckable(checkable)
-        action.triggered.connect(slot)
-        menu.addAction(action)
-        self.addAction(action)  # shortcuts work with the menu bar hidden (and on every platform)
-        return action
-
-    def _build_menus(self) -> None:
-        bar = self.menuBar()
-        bar.setObjectName("menuBar")
-        file_menu = bar.addMenu("&File")
-        self.new_action = self._action(file_menu, "&New chat", self.on_new_conversation, "Ctrl+N")
-        file_menu.addSeparator()
-        self.export_md_action = self._action(file_menu, "&Export chat as Markdown…",
-                                             lambda: self.conversations.on_export_current("markdown"), "Ctrl+E",
-                                             "Save the chat on show as a Markdown file")
-        self.export_json_action = self._action(file_menu, "Export chat as &JSON…",
-                                               lambda: self.conversations.on_export_current("json"), "Ctrl+Shift+E",
-                                               "Save the chat on show as JSON (messages, thinking, statistics)")
-        file_menu.addSeparator()
-        self.quit_action = self._action(file_menu, "&Quit", self.close, "Ctrl+Q")
-        self.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
-
-        edit_menu = bar.addMenu("&Edit")
-        self.find_action = self._action(edit_menu, "&Find chats…", self.conversations.on_find_chats, "Ctrl+K")
-        self.focus_action = self._action(edit_menu, "Go to the &message box", self.on_focus_composer, "Ctrl+L")
-        edit_menu.addSeparator()
-        self.rename_action = self._action(edit_menu, "&Rename chat", self.conversations.on_rename_current, "F2")
-        # F2 anywhere in the window (the composer's focus included) renames the open chat, as the menu says
-        self.rename_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-        self.delete_action = self._action(edit_menu, "&Delete chat…", self.conversations.on_delete_current)
-        edit_menu.addSeparator()
-        self.regenerate_action = self._action(edit_menu, "Re&generate last answer", self.on_regenerate_last,
-                                              "Ctrl+Shift+R")
-        self.continue_action = self._action(edit_menu, "Co&ntinue last answer", self.on_continue_last,
-                                            "Ctrl+Shift+Return", "Go on writing the last answer where the token "
-                                            "limit or Stop cut it off")
-        self.continue_action.setEnabled(False)  # only while the last answer was cut short (_update_send_state)
-        self.stop_action = self._action(edit_menu, "&Stop generating", self.on_stop_requested, "Esc")
-        self.stop_action.setEnabled(False)  # enabled only while an answer streams (Esc is free otherwise)
-
-        view_menu = bar.addMenu("&View")
-        self.settings_action = self._action(
-            view_menu, "Chat &settings", lambda: self.settings_button.setChecked(self.settings_action.isChecked()),
-            "Ctrl+,", checkable=True)
-        self.panels_action = self._action(
-            view_menu, "Side &panels", lambda: self.panel_button.setChecked(self.panels_action.isChecked()),
-            "Ctrl+Shift+P", checkable=True)
-        self.panels_action.setChecked(True)
-        view_menu.addSeparator()
-        self.tab_actions: list[QAction] = []
-        for i in range(self.tabs.count()):
-            widget = self.tabs.widget(i)
-            self.tab_actions.append(self._action(view_menu, f"&{i + 1}  {self.tabs.tabText(i)} panel",
-                                                 lambda _=False, w=widget: self.show_panel(w), f"Ctrl+{i + 1}"))
-        view_menu.addSeparator()
-        theme_menu = view_menu.addMenu("&Theme")
-        self.theme_group = QActionGroup(self)
-        self.theme_actions: dict[str, QAction] = {}
-        for scheme, label in zip(SCHEMES, ("Follow the &system", "&Light", "&Dark")):
-            action = self._action(theme_menu, label, lambda _=False, s=scheme: self.state.set_theme_preference(s),
-                                  checkable=True)
-            self.theme_group.addAction(action)
-            self.theme_actions[scheme] = action
-        self.theme_actions.get(self.state.theme_preference, self.theme_actions["system"]).setChecked(True)
-
-        model_menu = bar.addMenu("&Model")
-        self.models_action = self._action(model_menu, "&Models…", self.show_models_page, "Ctrl+Shift+M",
-                                          "Open, download or create a model")
-        self.models_action.setEnabled(self.model_manager is not None)
-        self.vram_action = self._action(model_menu, "&VRAM budget…", self.engine_status.on_open_vram_tab)
-        self.vram_action.setEnabled(self.vram_panel is not None)
-        model_menu.addSeparator()
-        self.cancel_load_action = self._action(model_menu, "&Cancel loading", self.engine_status.on_cancel_load)
-        self.restart_action = self._action(model_menu, "&Restart engine", self.engine_status.on_restart_clicked)
-
-        help_menu = bar.addMenu("&Help")
-        self.shortcuts_action = self._action(help_menu, "&Keyboard shortcuts", self.on_show_shortcuts, "F1")
-        self.gpu_check_action = self._action(help_menu, "Check this machine's &GPU…", self.on_check_gpu,
-                                             tip="What torch, the NVIDIA driver and bitsandbytes allow here, and what "
-                                                 "to install if the GPU cannot be used")
-        self.gpu_check_dialog: GpuCheckDialog | None = None
-        self.about_action = self._action(help_menu, f"&About {APP_NAME}", self.on_about)
-        self.about_action.setMenuRole(QAction.MenuRole.AboutRole)
-        self.menus = {"File": file_menu, "Edit": edit_menu, "View": view_menu, "Model": model_menu,
-                      "Help": help_menu}
-        self.composer.input.set_window_shortcuts([a.shortcut() for a in self.actions() if not a.shortcut().isEmpty()])
 
     def _build_tab_order(self) -> None:
         """Keyboard-only use: Tab goes sidebar → header → message box → Think → Attach → Send → panels."""
@@ -716,13 +608,13 @@ class MainWindow(QMainWindow):
 
     def on_settings_toggled(self, shown: bool) -> None:
         self.side.setCurrentWidget(self.drawer_scroll if shown else self.tabs)
-        self.settings_action.setChecked(shown)
+        self.menus.settings_action.setChecked(shown)
         if shown:
             self.panel_button.setChecked(True)
 
     def on_panels_toggled(self, shown: bool) -> None:
         self.side.setVisible(shown and self.pages.currentIndex() == 0)
-        self.panels_action.setChecked(shown)
+        self.menus.panels_action.setChecked(shown)
         if not shown:
             self.settings_button.setChecked(False)
 
@@ -783,11 +675,7 @@ class MainWindow(QMainWindow):
         address shows in the status bar while it serves."""
         self.serve = ServeController(control, ServeDialog(self), QPushButton(), self.ui_settings, self)
         self.statusBar().addPermanentWidget(self.serve.button)
-        self.serve_action = QAction("Serve over &HTTP…", self)
-        self.serve_action.setObjectName("serveAction")
-        self.serve_action.setStatusTip("Let other programs use the model through an OpenAI-compatible API")
-        self.serve_action.triggered.connect(self.serve.open)
-        self._add_model_action(self.serve_action)
+        self.menus.add_serve_action(self.serve.open)
 
     def set_remote_factory(self, factory: RemoteFactory) -> None:
         """Model ▸ Backend…: answer from a remote OpenAI-compatible server instead of the local engine
@@ -796,23 +684,8 @@ class MainWindow(QMainWindow):
         self.remote.runner.event.connect(self.on_engine_event)
         self.remote.changed.connect(self.engine_status.refresh)
         self.remote.changed.connect(self.engine_status.clear_load_notice)
-        self.backend_action = QAction("&Backend: local or remote…", self)
-        self.backend_action.setObjectName("backendAction")
-        self.backend_action.setStatusTip("Answer with the local engine or a remote OpenAI-compatible server")
-        self.backend_action.triggered.connect(self.remote.open)
-        self._add_model_action(self.backend_action)
+        self.menus.add_backend_action(self.remote.open)
         self.engine_status.refresh()
-
-    def _add_model_action(self, action: QAction) -> None:
-        """An action of the Model menu, after "VRAM budget…" (before Cancel loading / Restart engine)."""
-        menu = self.menus["Model"]
-        actions = menu.actions()
-        position = actions.index(self.vram_action) + 1 if self.vram_action in actions else len(actions)
-        if position < len(actions):
-            menu.insertAction(actions[position], action)
-        else:
-            menu.addAction(action)
-        self.addAction(action)
 
     # ----------------------------------------------------------------- pages and status
     def show_models_page(self) -> None:
@@ -850,49 +723,10 @@ class MainWindow(QMainWindow):
     def update_send_state(self) -> None:
         ready = self._can_send()
         self.composer.set_blocked(self._why_not_ready())
-        self.regenerate_action.setEnabled(ready)
-        self.continue_action.setEnabled(ready and not self.uses_remote() and not self.is_generating()
+        self.menus.regenerate_action.setEnabled(ready)
+        self.menus.continue_action.setEnabled(ready and not self.uses_remote() and not self.is_generating()
                                         and self.session.answer_to_continue() is not None)
-        self.cancel_load_action.setEnabled(self.engine_status.state is EngineState.LOADING)
-
-    # ----------------------------------------------------------------- help
-    def shortcuts(self) -> list[tuple[str, str]]:
-        """(action, key) for every menu action that has a shortcut, in menu order."""
-        out = []
-        for menu in self.menus.values():
-            for action in menu.actions():
-                children = action.menu().actions() if action.menu() is not None else [action]
-                for a in children:
-                    if not a.shortcut().isEmpty():
-                        text = a.text().replace("&", "").split("  ", 1)[-1]
-                        out.append((text, a.shortcut().toString(QKeySequence.SequenceFormat.NativeText)))
-        out.append(("Send the message", "Enter"))
-        out.append(("New line in the message", "Shift+Enter"))
-        return out
-
-    def on_show_shortcuts(self) -> None:
-        rows = "".join(f"<tr><td>{what}</td><td>&nbsp;&nbsp;<b>{key}</b></td></tr>" for what, key in self.shortcuts())
-        box = QMessageBox(QMessageBox.Icon.NoIcon, "Keyboard shortcuts", f"<table>{rows}</table>",
-                          QMessageBox.StandardButton.Close, self)
-        box.setObjectName("shortcutsBox")
-        box.exec()
-
-    def on_check_gpu(self) -> None:
-        """Help ▸ Check this machine's GPU: ``clover-desk doctor`` in a child process, shown in a dialog (kept, so
-        that reopening it shows the last result; "Check again" reruns it)."""
-        if self.gpu_check_dialog is None:
-            # the check sees the engine's switches (the GPU paths chosen on the models page), not only the app's
-            self.gpu_check_dialog = GpuCheckDialog(self, env=lambda: dict(getattr(self.client, "env", None) or {}))
-        self.gpu_check_dialog.show()
-        self.gpu_check_dialog.raise_()
-
-    def on_about(self) -> None:
-        box = QMessageBox(QMessageBox.Icon.NoIcon, f"About {APP_NAME}", ABOUT_TEXT, QMessageBox.StandardButton.Ok, self)
-        box.setObjectName("aboutBox")
-        icon = self.windowIcon()
-        if not icon.isNull():
-            box.setIconPixmap(icon.pixmap(64, 64))
-        box.exec()
+        self.menus.cancel_load_action.setEnabled(self.engine_status.state is EngineState.LOADING)
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.session.flush()  # keep what streamed so far; the store marks it interrupted on next open
