@@ -55,7 +55,7 @@ def test_going_back_to_a_chat_reads_only_its_new_message(qtbot, desk) -> None:  
     _send(qtbot, window, B)
     assert window.chat.widgets[-1].data.stats["cached_tokens"] == 0  # another chat: nothing of it was read
     with qtbot.waitSignal(desk.client.chatRead, timeout=GEN_MS,
-                          check_params_cb=lambda rid, record: rid == window.read_ahead_id) as read:
+                          check_params_cb=lambda rid, record: rid == window.chat_actions.read_ahead_id) as read:
         window.open_conversation(a_id)  # the engine reads chat A, its answer included, while nothing else runs
     assert read.args[1]["stop_reason"] == "prefilled"
     _send(qtbot, window, "And their children?")

@@ -614,14 +614,14 @@ def test_the_idle_engine_reads_the_open_chat_ahead(qtbot, store) -> None:
     """After an answer, on opening a chat and once a model loads, the window has the idle local engine read the
     chat (its last answer included) into its prompt cache, so the next message is all a send reads; not while an
     answer streams, not for a chat whose last message is not a finished answer."""
-    from ui.main_window import READ_AHEAD_MS
+    from ui.chat_actions import READ_AHEAD_MS
 
     window, client = make_window(qtbot, store)
     send(qtbot, window, "Explain block diffusion")
     qtbot.waitUntil(lambda: len(client.reads) == 1, timeout=READ_AHEAD_MS + 2000)
     chat = store.chat_messages(window.conversation_id)
     assert client.reads[0][0] == chat and [m["role"] for m in chat] == ["user", "assistant"]
-    assert client.reads[0][1] == window.drawer.settings().to_params() and window.read_ahead_id == "read-1"
+    assert client.reads[0][1] == window.drawer.settings().to_params() and window.chat_actions.read_ahead_id == "read-1"
     cid = window.conversation_id
     window.open_conversation(None)
     qtbot.wait(READ_AHEAD_MS + 100)

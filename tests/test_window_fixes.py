@@ -178,7 +178,7 @@ def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -
     window.resize(1024, 640)
     window.show()
     window.engine_status.set_state(EngineState.LOADING)
-    window.update_send_state()
+    window.chat_actions.update_send_state()
     label = window.composer.blocked_label
     qtbot.waitUntil(label.isVisible)
     qtbot.wait(50)  # (one layout pass)

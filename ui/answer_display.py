@@ -39,12 +39,10 @@ class AnswerWindowLike(Protocol):
     side: Any
     menus: Any  # ui.window_menus.WindowMenus: .stop_action
     engine_status: Any  # ui.engine_status.EngineStatus: .refresh(), .throttle
-    read_ahead_timer: Any
+    chat_actions: Any  # ui.chat_actions.ChatActions: .request_source(), .read_ahead_timer
     generationStarted: Any  # noqa: N815 - Qt signal names
     generationFinished: Any  # noqa: N815
     conversations: Any  # ui.conversations.Conversations
-
-    def request_source(self) -> Any: ...
 
     def show_chosen_versions(self) -> None: ...
 
@@ -74,7 +72,7 @@ class AnswerDisplay:
         return cast(Messages, self.window.long_chats.messages_to_send(conversation_id))
 
     def request_source(self) -> Any:
-        return self.window.request_source()
+        return self.window.chat_actions.request_source()
 
     def shown_messages(self) -> list[MessageData]:
         return cast("list[MessageData]", self.window.chat.messages())
@@ -155,7 +153,7 @@ class AnswerDisplay:
         w.menus.stop_action.setEnabled(False)
         w.conversations.reload()
         w.engine_status.refresh()
-        w.read_ahead_timer.start()
+        w.chat_actions.read_ahead_timer.start()
         w.generationFinished.emit(request_id, reason)
 
     # ----------------------------------------------------------------- the preview

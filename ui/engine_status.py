@@ -48,13 +48,9 @@ class EngineWindowLike(Protocol):
     crash_banner: Any  # ui.banners.Banner
     info_banner: Any  # ui.banners.Banner
     load_banner: Any  # ui.banners.LoadBanner
-    read_ahead_timer: Any
+    chat_actions: Any  # ui.chat_actions.ChatActions: .uses_remote(), .update_send_state(), .read_ahead_timer
 
     def is_generating(self) -> bool: ...
-
-    def uses_remote(self) -> bool: ...
-
-    def update_send_state(self) -> None: ...
 
     def set_model_info(self, info: Mapping[str, Any]) -> None: ...
 
@@ -118,7 +114,7 @@ class EngineStatus:
         self.state = EngineState.LOADING
         self.window.load_banner.set_progress(event)
         self.throttle.request()
-        self.window.update_send_state()
+        self.window.chat_actions.update_send_state()
 
     def on_engine_loaded(self, info: object = None) -> None:
         w = self.window
@@ -136,7 +132,7 @@ class EngineStatus:
                 self.say_compile_skipped(str(info.get("compile_skipped") or ""),
                                          after_notice=bool(info.get("ar_only")))
         self.set_state(EngineState.READY)
-        w.read_ahead_timer.start()
+        w.chat_actions.read_ahead_timer.start()
 
     def say_compile_skipped(self, reason: str, after_notice: bool = False) -> None:
         """"Compile the layers" was on but the engine could not compile this model (``Engine.compile_skipped``: no
@@ -230,7 +226,7 @@ class EngineStatus:
             if w.long_chats.summary is not None:
                 state_text = "● Summarizing the chat…"
         self.engine_label.setText(state_text)
-        if w.uses_remote() and w.remote is not None:  # the header names what answers
+        if w.chat_actions.uses_remote() and w.remote is not None:  # the header names what answers
             w.model_label.setText(w.remote.model_name() or f"remote: {w.remote.host() or 'no URL set'}")
         else:
             w.model_label.setText(Path(w.model_dir).name if w.model_dir else "no model")
@@ -243,14 +239,14 @@ class EngineStatus:
         self.speed_label.setText(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s")
         rate = w.session.last_hit_rate
         self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
-        if w.uses_remote() and w.remote is not None:  # figures a remote does not report: said so, not guessed
+        if w.chat_actions.uses_remote() and w.remote is not None:  # figures a remote does not report: said so, not guessed
             if not generating:
                 self.engine_label.setText(f"● Remote: {w.remote.host() or 'no URL set'}")
             # the server's figure, once it reported one (not the local engine's last)
             rate_s = None if generating or not w.session.last_tok_s_remote else w.session.last_tok_s
             self.speed_label.setText(f"{rate_s:.1f} tok/s (remote)" if rate_s else "tok/s unavailable (remote)")
             self.hit_label.setText("Expert cache unavailable (remote)")
-        w.update_send_state()
+        w.chat_actions.update_send_state()
 
     def _show_memory(self, sample: Mapping[str, Any]) -> None:
         vram_used, vram_total = sample.get("vram_used"), sample.get("vram_total")

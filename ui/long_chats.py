@@ -225,7 +225,7 @@ class LongChats(QObject):
                                                 settings=self.chat_settings(w.drawer.settings().to_dict()))
                 except self._save_error as exc:
                     w.show_save_error(exc, "The choice was not saved with the chat")
-            w.on_send_requested(text)
+            w.chat_actions.on_send_requested(text)
         elif answer == SUMMARY:
             self.start_summary(text)
         else:
@@ -233,7 +233,7 @@ class LongChats(QObject):
             w.composer.input.setFocus()
 
     def messages_to_read(self, conversation_id: int) -> Messages:
-        """What the chat's next send will start with, to read ahead (``MainWindow.read_ahead``): the chat as
+        """What the chat's next send will start with, to read ahead (``ChatActions.read_ahead``): the chat as
         :meth:`messages_to_send` gives it, from the start its last send used; nothing changes here."""
         messages = self.window.store.chat_messages(conversation_id)
         start = self._starts.get(conversation_id, 0)
@@ -342,4 +342,4 @@ class LongChats(QObject):
         self._end_summary("done")
         w.conversations.reload()
         w.open_conversation(new.id)
-        w.on_send_requested(summary.text)
+        w.chat_actions.on_send_requested(summary.text)

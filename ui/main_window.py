@@ -54,13 +54,13 @@ from PySide6.QtWidgets import (
 
 from ui.answer_display import AnswerDisplay
 from ui.banners import Banner, LoadBanner
+from ui.chat_actions import ChatActions
 from ui.chat_presets import ChatPresets
 from ui.chat_session import ChatSession
 from ui.chat_view import (
     ChatView,
     HtmlExtractor,
     MessageData,
-    PreviewRequest,
 )
 from ui.composer import Composer
 from ui.context_window import context_limit
@@ -88,8 +88,6 @@ from ui.theme import set_style_class
 from ui.widgets import ElidedLabel, accessible, install_wheel_guard
 from ui.window_menus import APP_NAME, WindowMenus
 from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
-
-READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +137,7 @@ class MainWindow(QMainWindow):
         # the chat's controller (no widgets) and where its calls land on screen
         self.answers = AnswerDisplay(self)
         self.session = ChatSession(client, store, recorder_factory, self.answers)
+        self.chat_actions = ChatActions(self, self)  # the user's actions, each when it may; the read-ahead
         self.state = WindowState(self, ui_settings)  # size, columns, tab, theme, export folder: remembered
         self.conversations = Conversations(self)  # the list, rename, delete, export
 
@@ -200,12 +199,6 @@ class MainWindow(QMainWindow):
         self._build_layout()
         self.menus = WindowMenus(self)  # the menu bar, its actions and shortcuts, the Help dialogs
         self._build_tab_order()
-        # the open chat read ahead while the engine is idle (after an answer, on opening it, once a model loads)
-        self.read_ahead_timer = QTimer(self)
-        self.read_ahead_timer.setSingleShot(True)
-        self.read_ahead_timer.setInterval(READ_AHEAD_MS)
-        self.read_ahead_timer.timeout.connect(self.read_ahead)
-        self.read_ahead_id = ""  # the last read_chat request sent
         self._connect_signals()
         self.sync_from_settings()
         self.engine_status.start()
@@ -363,18 +356,18 @@ class MainWindow(QMainWindow):
         self.sidebar.searchChanged.connect(self.conversations.on_search_changed)
         self.sidebar.modelsRequested.connect(self.show_models_page)
         # chat
-        self.composer.sendRequested.connect(self.on_send_requested)
-        self.composer.stopRequested.connect(self.on_stop_requested)
-        self.prompt_progress.stopRequested.connect(self.on_stop_requested)
+        self.composer.sendRequested.connect(self.chat_actions.on_send_requested)
+        self.composer.stopRequested.connect(self.chat_actions.on_stop_requested)
+        self.prompt_progress.stopRequested.connect(self.chat_actions.on_stop_requested)
         self.composer.thinkToggled.connect(self.on_think_toggled)
         self.composer.input.textChanged.connect(self.long_chats.throttle.request)
         self.drawer.changed.connect(self.long_chats.throttle.request)
-        self.chat.editRequested.connect(self.on_edit_requested)
-        self.chat.regenerateRequested.connect(self.on_regenerate_requested)
-        self.chat.continueRequested.connect(self.on_continue_requested)
-        self.chat.branchRequested.connect(self.on_branch_requested)
-        self.chat.versionRequested.connect(self.on_version_requested)
-        self.chat.previewRequested.connect(self.on_preview_requested)
+        self.chat.editRequested.connect(self.chat_actions.on_edit_requested)
+        self.chat.regenerateRequested.connect(self.chat_actions.on_regenerate_requested)
+        self.chat.continueRequested.connect(self.chat_actions.on_continue_requested)
+        self.chat.branchRequested.connect(self.chat_actions.on_branch_requested)
+        self.chat.versionRequested.connect(self.chat_actions.on_version_requested)
+        self.chat.previewRequested.connect(self.answers.on_preview_requested)
         self.chat.copied.connect(self.on_copied)
         self.drawer.changed.connect(self.on_settings_changed)
         self.drawer.closeRequested.connect(lambda: self.settings_button.setChecked(False))
@@ -398,7 +391,7 @@ class MainWindow(QMainWindow):
     # ----------------------------------------------------------------- conversations
     def open_conversation(self, conversation_id: int | None) -> None:
         if self.is_generating():
-            self.on_stop_requested()
+            self.chat_actions.on_stop_requested()
         self.conversation_id = conversation_id
         self.engine_status.clear_load_notice()
         self.composer.end_edit()
@@ -410,7 +403,7 @@ class MainWindow(QMainWindow):
             self.sync_from_settings()
             self.title_label.setText("New chat")
             self.long_chats.on_conversation_opened(None)
-            self.update_send_state()
+            self.chat_actions.update_send_state()
             return
         conv = self.store.get_conversation(conversation_id)
         self.title_label.setText(conv.title)
@@ -418,9 +411,9 @@ class MainWindow(QMainWindow):
         self.sync_from_settings()
         self.chat.set_messages(self._shown_messages(conversation_id))
         self.long_chats.on_conversation_opened(conv.settings)
-        self.update_send_state()  # Continue: whether this chat's last answer was cut short
+        self.chat_actions.update_send_state()  # Continue: whether this chat's last answer was cut short
         self.show_chat_page()
-        self.read_ahead_timer.start()
+        self.chat_actions.read_ahead_timer.start()
         self.conversationChanged.emit(conversation_id)
 
     def _shown_messages(self, conversation_id: int) -> list[MessageData]:
@@ -439,16 +432,8 @@ class MainWindow(QMainWindow):
         if self.conversation_id is None:
             return
         self.chat.set_messages(self._shown_messages(self.conversation_id))
-        self.update_send_state()
-        self.read_ahead_timer.start()
-
-    def on_version_requested(self, data: MessageData, step: int) -> None:
-        """‹ / › on a message: show its previous / next version, and below it the chat that version led to."""
-        if data.message_id is not None and self.is_generating():
-            self.statusBar().showMessage("Wait for the answer (or stop it) before switching versions", 4000)
-            return
-        if self.session.step_version(data, step):
-            self.show_chosen_versions()
+        self.chat_actions.update_send_state()
+        self.chat_actions.read_ahead_timer.start()
 
     def sync_from_settings(self) -> None:
         """The composer's Think switch and mode note, and the chat's thinking sections, follow the drawer."""
@@ -525,77 +510,6 @@ class MainWindow(QMainWindow):
         """An answer streams, or the summary for a new chat is being written."""
         return self.session.generating or self.long_chats.summary is not None
 
-    def on_send_requested(self, text: str) -> None:
-        """Save the message (or the edit) and start the answer; the composer is cleared only when both were saved.
-        A failed save leaves the typed text (and edit mode) in the composer and says why in the banner."""
-        if self.is_generating() or not self._can_send():
-            return
-        if self.long_chats.blocks_send(text):
-            return  # it does not fit: the choice is offered, the text stays in the box
-        editing = self.composer.editing
-        if editing is not None and not self.session.editable(editing):
-            self.composer.end_edit()
-            editing = None
-        if self.session.send(text, editing):
-            self.composer.end_edit()
-            self.composer.input.clear()
-
-    def on_stop_requested(self) -> None:
-        if self.long_chats.summary is not None:
-            self.long_chats.cancel_summary()
-            self.engine_status.engine_label.setText("● Stopping…")
-        if self.session.stop():
-            self.engine_status.engine_label.setText("● Stopping…")
-
-    def on_regenerate_last(self) -> None:
-        last = self.chat.last_assistant()
-        if last is not None:
-            self.on_regenerate_requested(last.data)
-
-    def on_regenerate_requested(self, data: MessageData) -> None:
-        if self.is_generating() or data.message_id is None:
-            return
-        if not self._can_send():
-            self.statusBar().showMessage(self._why_not_ready(), 4000)
-            return
-        self.session.regenerate(data)
-
-    def on_continue_last(self) -> None:
-        answer = self.session.answer_to_continue()
-        if answer is not None:
-            self.on_continue_requested(answer)
-
-    def on_continue_requested(self, data: MessageData) -> None:
-        """Go on writing an answer that was cut short (the last one: its Continue button, Edit ▸ Continue)."""
-        if self.is_generating() or self.session.answer_to_continue() is not data:
-            return
-        if self.uses_remote():
-            self.statusBar().showMessage("Continue needs the local engine: a remote server starts a new answer", 5000)
-            return
-        if not self._can_send():
-            self.statusBar().showMessage(self._why_not_ready(), 4000)
-            return
-        self.session.continue_answer(data)
-
-    def on_branch_requested(self, data: MessageData) -> None:
-        """A new chat with this one's messages up to ``data`` and its settings; it opens, the original stays."""
-        if self.is_generating():
-            return
-        branch = self.session.branch(data)
-        if branch is None:
-            return
-        self.open_conversation(branch.id)
-        self.conversations.reload()
-        self.statusBar().showMessage(f"Branched into “{branch.title}”: the original chat is unchanged", 5000)
-
-    def on_edit_requested(self, data: MessageData) -> None:
-        if self.is_generating():
-            return
-        self.composer.begin_edit(data)
-
-    def on_preview_requested(self, request: PreviewRequest) -> None:
-        self.answers.on_preview_requested(request)
-
     def show_panel(self, widget: QWidget | None) -> None:
         """Show one of the side tabs (the drawer closes, the panels open)."""
         if widget is None:
@@ -629,10 +543,6 @@ class MainWindow(QMainWindow):
             return
         self.session.on_event(request_id, event)
 
-    def request_source(self) -> Any:
-        """What answers the next request: the remote runner (Model ▸ Backend…) or the engine client."""
-        return self.remote.runner if self.uses_remote() and self.remote is not None else self.client
-
     def show_save_error(self, error: BaseException, what: str) -> None:
         """One clear message in the info banner for a failed save."""
         log.warning("%s: %s", what, error)
@@ -640,26 +550,6 @@ class MainWindow(QMainWindow):
         self.info_banner.show_message(f"{what}: {error}")
 
     # ----------------------------------------------------------------- engine life
-    def read_ahead(self) -> None:
-        """Have the idle local engine read the open chat, its last answer included, into its prompt cache
-        (``EngineClient.read_chat``), so that the next message is all it reads when it is sent: the first token
-        comes as fast as in a chat that never paused. Sending (or anything else that needs the engine) stops it at
-        once. Only for a chat whose last message is a finished answer."""
-        read = getattr(self.client, "read_chat", None)
-        cid = self.conversation_id
-        if (read is None or cid is None or self.is_generating() or self.uses_remote()
-                or self.engine_status.state is not EngineState.READY):
-            return
-        try:
-            messages = self.long_chats.messages_to_read(cid)
-        except Exception as exc:  # noqa: BLE001 - best effort: a chat deleted elsewhere, a store closing at exit
-            log.info("not reading chat %s ahead: %s", cid, exc)
-            return
-        last = self.chat.messages()[-1] if self.chat.messages() else None
-        if not messages or messages[-1]["role"] != "assistant" or last is None or last.status != "complete":
-            return
-        self.read_ahead_id = str(read(messages, self.drawer.settings().to_params()))
-
     def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
         self.applyPlanRequested.emit(vram_bytes, ctx_tokens)
 
@@ -706,27 +596,6 @@ class MainWindow(QMainWindow):
                 self.title_label.setText(self.store.get_conversation(self.conversation_id).title)
             except self._save_error as exc:  # the chat is gone (deleted elsewhere): nothing to title
                 log.warning("cannot read chat %s: %s", self.conversation_id, exc)
-
-    def uses_remote(self) -> bool:
-        """Send goes to the remote server (Model ▸ Backend…), not the local engine."""
-        return self.remote is not None and self.remote.selected
-
-    def _why_not_ready(self) -> str:
-        """Why Send is disabled ("" when it is not): the remote's settings, else the engine's state."""
-        if self.uses_remote() and self.remote is not None:
-            return self.remote.why_not_ready()
-        return self.engine_status.state.why_not_ready
-
-    def _can_send(self) -> bool:
-        return not self._why_not_ready()
-
-    def update_send_state(self) -> None:
-        ready = self._can_send()
-        self.composer.set_blocked(self._why_not_ready())
-        self.menus.regenerate_action.setEnabled(ready)
-        self.menus.continue_action.setEnabled(ready and not self.uses_remote() and not self.is_generating()
-                                        and self.session.answer_to_continue() is not None)
-        self.menus.cancel_load_action.setEnabled(self.engine_status.state is EngineState.LOADING)
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.session.flush()  # keep what streamed so far; the store marks it interrupted on next open

@@ -37,6 +37,7 @@ class MenusWindowLike(Protocol):
     client: Any  # ui.contracts.EngineClientLike (its ``env``: the engine's switches, for the GPU check)
     composer: Any  # ui.composer.Composer
     conversations: Any  # ui.conversations.Conversations
+    chat_actions: Any  # ui.chat_actions.ChatActions
     engine_status: Any  # ui.engine_status.EngineStatus
     state: Any  # ui.window_state.WindowState
     tabs: Any  # the side tabs
@@ -48,12 +49,6 @@ class MenusWindowLike(Protocol):
     def on_new_conversation(self) -> None: ...
 
     def on_focus_composer(self) -> None: ...
-
-    def on_regenerate_last(self) -> None: ...
-
-    def on_continue_last(self) -> None: ...
-
-    def on_stop_requested(self) -> None: ...
 
     def show_panel(self, widget: QWidget | None) -> None: ...
 
@@ -130,13 +125,13 @@ class WindowMenus:
         self.rename_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
         self.delete_action = self._action(edit_menu, "&Delete chat…", w.conversations.on_delete_current)
         edit_menu.addSeparator()
-        self.regenerate_action = self._action(edit_menu, "Re&generate last answer", w.on_regenerate_last,
+        self.regenerate_action = self._action(edit_menu, "Re&generate last answer", w.chat_actions.on_regenerate_last,
                                               "Ctrl+Shift+R")
-        self.continue_action = self._action(edit_menu, "Co&ntinue last answer", w.on_continue_last,
+        self.continue_action = self._action(edit_menu, "Co&ntinue last answer", w.chat_actions.on_continue_last,
                                             "Ctrl+Shift+Return", "Go on writing the last answer where the token "
                                             "limit or Stop cut it off")
-        self.continue_action.setEnabled(False)  # only while the last answer was cut short (MainWindow.update_send_state)
-        self.stop_action = self._action(edit_menu, "&Stop generating", w.on_stop_requested, "Esc")
+        self.continue_action.setEnabled(False)  # only while the last answer was cut short (ChatActions.update_send_state)
+        self.stop_action = self._action(edit_menu, "&Stop generating", w.chat_actions.on_stop_requested, "Esc")
         self.stop_action.setEnabled(False)  # enabled only while an answer streams (Esc is free otherwise)
 
     def _build_view(self, view_menu: QMenu) -> None:
