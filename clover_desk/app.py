@@ -184,7 +184,7 @@ class CloverDeskApp(QObject):
         self.window.set_remote_factory(RemoteBackend)  # Model ▸ Backend…: (url, api_key, model) -> RemoteBackend
         info = model_info_from_folder(self.settings.model_dir)
         if info is not None:
-            self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})  # the context it will load with
+            self.window.chat_settings.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})  # the context it will load with
         if style:
             self.window.state.apply_theme_preference()
         self._connect_signals()
@@ -352,7 +352,7 @@ class CloverDeskApp(QObject):
         self.vram_panel.set_planner(self._plan)
         info = model_info_from_folder(model_dir)
         if info is not None:
-            self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})
+            self.window.chat_settings.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})
         if self.client.state in ("idle",) and not self._apply_gpu_paths():  # (the worker has the chosen paths)
             self.load_model()
         else:

@@ -141,7 +141,7 @@ def test_presets_and_the_default_system_prompt_survive_a_restart(qtbot, tmp_path
 
 def test_context_length_caps_what_a_send_may_hold(qtbot, store, tmp_path) -> None:
     window, _ = make_window(qtbot, store, tmp_path / "window.ini")
-    window.set_model_info({"config": {"max_position_embeddings": 4096}})
+    window.chat_settings.set_model_info({"config": {"max_position_embeddings": 4096}})
     d = window.drawer
     assert d.context_length.maximum() == 4096 and d.context_length.specialValueText() == "the model's (4,096)"
     assert window.long_chats.model_limit == 4096

@@ -203,8 +203,8 @@ def test_new_chats_start_from_the_tiny_models_own_settings(qtbot, desk) -> None:
     them with its load answer and as the app read them before: nothing hard-coded in the window."""
     window = desk.window
     assert desk.client.model_info["config"]["threshold"] == OWN_THRESHOLD  # what the worker said
-    assert window.model_defaults.threshold == OWN_THRESHOLD
-    assert window.model_defaults.max_new_tokens == OWN_MAX_NEW_TOKENS
+    assert window.chat_settings.model_defaults.threshold == OWN_THRESHOLD
+    assert window.chat_settings.model_defaults.max_new_tokens == OWN_MAX_NEW_TOKENS
     window.on_new_conversation()
     d = window.drawer
     assert d.threshold.value() == pytest.approx(OWN_THRESHOLD) and d.max_tokens.value() == OWN_MAX_NEW_TOKENS

@@ -59,7 +59,7 @@ def make_window(qtbot, store, counter, client=None, limit: int = LIMIT) -> MainW
     window = MainWindow(client, store, StreamRecorder, model_dir="/models/tiny", token_counter=counter)
     qtbot.addWidget(window)
     window.show()
-    window.set_model_info({"config": {"max_position_embeddings": 131072}, "plan": {"ctx_tokens": limit}})
+    window.chat_settings.set_model_info({"config": {"max_position_embeddings": 131072}, "plan": {"ctx_tokens": limit}})
     return window
 
 

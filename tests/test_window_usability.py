@@ -184,7 +184,7 @@ def test_new_chats_start_from_the_models_own_settings(qtbot, store) -> None:
     # an AR-only model: a new chat starts in AR mode, greedy
     info = {"model_dir": "/models/qwen", "config": {"is_diffusion": False, "block_size": 32, "threshold": 0.95},
             "generation_defaults": {"do_sample": False, "temperature": 1.0, "max_new_tokens": 100_000}}
-    window.set_model_info(info)
+    window.chat_settings.set_model_info(info)
     window.on_new_conversation()
     assert d.mode.currentData() == "ar" and d.temperature.value() == 0 and d.max_tokens.value() == 32768
 
@@ -195,7 +195,7 @@ def test_the_users_own_edits_to_a_new_chat_are_kept_when_the_model_loads(qtbot, 
     window.drawer.threshold.setValue(0.5)
     client.loaded.emit(LOADED_INFO)
     assert window.drawer.threshold.value() == pytest.approx(0.5)
-    assert window.model_defaults.threshold == pytest.approx(0.8)
+    assert window.chat_settings.model_defaults.threshold == pytest.approx(0.8)
 
 
 def test_defaults_from_model_words() -> None:

@@ -42,6 +42,7 @@ class EngineWindowLike(Protocol):
     session: Any  # ui.chat_session.ChatSession
     long_chats: Any  # ui.long_chats.LongChats
     drawer: Any  # ui.settings_drawer.SettingsDrawer
+    chat_settings: Any  # ui.chat_settings.ChatSettings: .set_model_info(), .sync()
     denoise: Any  # ui.denoise_view.DenoiseView
     prompt_progress: Any  # ui.prompt_progress.PromptProgress
     model_label: Any
@@ -51,10 +52,6 @@ class EngineWindowLike(Protocol):
     chat_actions: Any  # ui.chat_actions.ChatActions: .uses_remote(), .update_send_state(), .read_ahead_timer
 
     def is_generating(self) -> bool: ...
-
-    def set_model_info(self, info: Mapping[str, Any]) -> None: ...
-
-    def sync_from_settings(self) -> None: ...
 
     def show_panel(self, widget: QWidget | None) -> None: ...
 
@@ -121,7 +118,7 @@ class EngineStatus:
         w.load_banner.hide()
         w.crash_banner.hide()
         if isinstance(info, Mapping):
-            w.set_model_info(info)
+            w.chat_settings.set_model_info(info)
             self.gpu_paths_in_use = [str(p) for p in info.get("gpu_paths") or ()]
             self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
             if info.get("compile_cancelled"):
@@ -149,7 +146,7 @@ class EngineStatus:
         tensors): say so plainly, and answer in AR mode with the diffusion choice disabled (its tooltip says why)."""
         w = self.window
         w.drawer.set_diffusion_available(reason)
-        w.sync_from_settings()
+        w.chat_settings.sync()
         if reason:
             w.info_banner.action.setVisible(False)
             w.info_banner.show_message(f"Block diffusion is unavailable for this file, so answers use "

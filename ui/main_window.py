@@ -28,9 +28,6 @@ Window size and position, the splitter, the side tab, the theme and the last exp
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import (
@@ -57,13 +54,13 @@ from ui.banners import Banner, LoadBanner
 from ui.chat_actions import ChatActions
 from ui.chat_presets import ChatPresets
 from ui.chat_session import ChatSession
+from ui.chat_settings import ChatSettings
 from ui.chat_view import (
     ChatView,
     HtmlExtractor,
     MessageData,
 )
 from ui.composer import Composer
-from ui.context_window import context_limit
 from ui.contracts import (
     ChatStoreLike,
     EngineClientLike,
@@ -77,7 +74,7 @@ from ui.contracts import (
 from ui.conversations import Conversations
 from ui.denoise_view import DenoiseView
 from ui.engine_status import EngineStatus
-from ui.generation import GenerationSettings, defaults_from_model
+from ui.generation import GenerationSettings
 from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
 from ui.remote_chat import RemoteBackendControl
@@ -131,13 +128,12 @@ class MainWindow(QMainWindow):
         self.monitor = monitor
         self.gpu_name = gpu_name
         self.ui_settings = ui_settings
-        self.model_defaults = model_defaults or GenerationSettings()
-        self._fresh_touched = False  # the user edited a new chat's settings: model defaults no longer replace them
         self.remote: RemoteBackendControl | None = None  # Model ▸ Backend…: a remote server (set_remote_factory)
         # the chat's controller (no widgets) and where its calls land on screen
         self.answers = AnswerDisplay(self)
         self.session = ChatSession(client, store, recorder_factory, self.answers)
         self.chat_actions = ChatActions(self, self)  # the user's actions, each when it may; the read-ahead
+        self.chat_settings = ChatSettings(self, model_defaults)  # the chat's settings: drawer, composer, store
         self.state = WindowState(self, ui_settings)  # size, columns, tab, theme, export folder: remembered
         self.conversations = Conversations(self)  # the list, rename, delete, export
 
@@ -149,7 +145,7 @@ class MainWindow(QMainWindow):
         self.prompt_progress = PromptProgress()  # reading a long prompt, before the answer's first pass
         self.drawer = SettingsDrawer()
         self.drawer.set_preset_store(ChatPresets(self.ui_settings))  # presets, new chats' system prompt: window.ini
-        self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
+        self.drawer.set_settings(self.chat_settings.model_defaults, self.drawer.new_chat_system_prompt())
         self.long_chats = LongChats(self, token_counter)  # the context meter and what to do when a chat outgrows it
         self.composer.add_status_widget(self.long_chats.meter)
         self.crash_banner = Banner("crashBanner", "Restart engine", "Engine stopped")
@@ -200,7 +196,7 @@ class MainWindow(QMainWindow):
         self.menus = WindowMenus(self)  # the menu bar, its actions and shortcuts, the Help dialogs
         self._build_tab_order()
         self._connect_signals()
-        self.sync_from_settings()
+        self.chat_settings.sync()
         self.engine_status.start()
         self.state.restore()
         self.conversations.reload()
@@ -359,7 +355,7 @@ class MainWindow(QMainWindow):
         self.composer.sendRequested.connect(self.chat_actions.on_send_requested)
         self.composer.stopRequested.connect(self.chat_actions.on_stop_requested)
         self.prompt_progress.stopRequested.connect(self.chat_actions.on_stop_requested)
-        self.composer.thinkToggled.connect(self.on_think_toggled)
+        self.composer.thinkToggled.connect(self.chat_settings.on_think_toggled)
         self.composer.input.textChanged.connect(self.long_chats.throttle.request)
         self.drawer.changed.connect(self.long_chats.throttle.request)
         self.chat.editRequested.connect(self.chat_actions.on_edit_requested)
@@ -369,7 +365,7 @@ class MainWindow(QMainWindow):
         self.chat.versionRequested.connect(self.chat_actions.on_version_requested)
         self.chat.previewRequested.connect(self.answers.on_preview_requested)
         self.chat.copied.connect(self.on_copied)
-        self.drawer.changed.connect(self.on_settings_changed)
+        self.drawer.changed.connect(self.chat_settings.on_settings_changed)
         self.drawer.closeRequested.connect(lambda: self.settings_button.setChecked(False))
         self.settings_button.toggled.connect(self.on_settings_toggled)
         self.panel_button.toggled.connect(self.on_panels_toggled)
@@ -398,17 +394,14 @@ class MainWindow(QMainWindow):
         self.sidebar.select(conversation_id)
         if conversation_id is None:
             self.chat.clear()
-            self._fresh_touched = False
-            self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
-            self.sync_from_settings()
+            self.chat_settings.show_new_chat()
             self.title_label.setText("New chat")
             self.long_chats.on_conversation_opened(None)
             self.chat_actions.update_send_state()
             return
         conv = self.store.get_conversation(conversation_id)
         self.title_label.setText(conv.title)
-        self.drawer.set_settings(GenerationSettings.from_dict(conv.settings, self.model_defaults), conv.system_prompt)
-        self.sync_from_settings()
+        self.chat_settings.show_saved(conv.settings, conv.system_prompt)
         self.chat.set_messages(self._shown_messages(conversation_id))
         self.long_chats.on_conversation_opened(conv.settings)
         self.chat_actions.update_send_state()  # Continue: whether this chat's last answer was cut short
@@ -435,15 +428,6 @@ class MainWindow(QMainWindow):
         self.chat_actions.update_send_state()
         self.chat_actions.read_ahead_timer.start()
 
-    def sync_from_settings(self) -> None:
-        """The composer's Think switch and mode note, and the chat's thinking sections, follow the drawer."""
-        settings = self.drawer.settings()
-        self.composer.think_button.blockSignals(True)
-        self.composer.think_button.setChecked(settings.enable_thinking)
-        self.composer.think_button.blockSignals(False)
-        self.chat.set_expand_thinking(settings.expand_thinking)
-        self.composer.mode_label.setText({"diffusion": "", "spec": "self-speculative"}.get(settings.mode, "autoregressive"))
-
     def on_new_conversation(self) -> None:
         self.open_conversation(None)
         self.show_chat_page()
@@ -465,45 +449,6 @@ class MainWindow(QMainWindow):
     def on_focus_composer(self) -> None:
         self.show_chat_page()
         self.composer.input.setFocus()
-
-    # ----------------------------------------------------------------- settings
-    def on_settings_changed(self) -> None:
-        settings = self.drawer.settings()
-        self.sync_from_settings()
-        if self.conversation_id is None:
-            self._fresh_touched = True
-            return
-        try:
-            self.store.update_conversation(
-                self.conversation_id, system_prompt=self.drawer.system_prompt_text(),
-                settings=self.long_chats.chat_settings(settings.to_dict()),
-            )
-        except self._save_error as exc:
-            self.show_save_error(exc, "The chat settings were not saved")
-
-    def on_think_toggled(self, on: bool) -> None:
-        """The composer's Think is the chat's setting: the drawer's box follows (and the chat saves it)."""
-        self.drawer.thinking.setChecked(on)
-
-    def set_model_defaults(self, defaults: GenerationSettings, model_name: str = "") -> None:
-        """The settings a new chat starts from (the model folder's own). A new chat on show takes them unless the
-        user already changed its settings; saved chats keep theirs."""
-        self.model_defaults = defaults
-        self.drawer.set_model_defaults_text(model_name, defaults)
-        if self.conversation_id is None and not self._fresh_touched:
-            self.drawer.set_settings(defaults, self.drawer.system_prompt.toPlainText())
-            self.sync_from_settings()
-
-    def set_model_info(self, info: Mapping[str, Any]) -> None:
-        """Take the model's defaults and context from a ``loaded`` record (or the same keys read from its folder)."""
-        self.long_chats.set_model_info(info)
-        self.drawer.set_model_context(context_limit(info))
-        config = info.get("config") if isinstance(info.get("config"), Mapping) else None
-        generation = info.get("generation_defaults") if isinstance(info.get("generation_defaults"), Mapping) else None
-        if config is None and generation is None:
-            return
-        name = Path(str(info.get("model_dir") or self.model_dir or "")).name
-        self.set_model_defaults(defaults_from_model(config, generation), name)
 
     # ----------------------------------------------------------------- sending
     def is_generating(self) -> bool:
