@@ -203,7 +203,7 @@ def test_regenerate_twice_then_switch_with_the_arrows_and_after_a_restart(qtbot,
 
     store = ChatStore(path)  # the app again
     window, _ = make_window(qtbot, store)
-    window.open_conversation(store.list_conversations()[0].id)
+    window.conversations.open(store.list_conversations()[0].id)
     assert shown(window) == [("user", "hello"), ("assistant", "answer one"), ("user", "and then?"),
                              ("assistant", "follow-up answer")]
     assert window.chat.widgets[1].version_label.text() == "1/3"

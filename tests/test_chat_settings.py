@@ -130,7 +130,7 @@ def test_presets_and_the_default_system_prompt_survive_a_restart(qtbot, tmp_path
     send(qtbot, window, "ahoy")
     assert client.requests[-1][0][0] == {"role": "system", "content": "You are a pirate."}
     assert client.requests[-1][1].top_k == 20
-    window.on_new_conversation()
+    window.conversations.on_new()
     assert d.system_prompt.toPlainText() == "Answer in French."
     send(qtbot, window, "bonjour")
     assert client.requests[-1][0][0] == {"role": "system", "content": "Answer in French."}

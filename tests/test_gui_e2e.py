@@ -205,7 +205,7 @@ def test_new_chats_start_from_the_tiny_models_own_settings(qtbot, desk) -> None:
     assert desk.client.model_info["config"]["threshold"] == OWN_THRESHOLD  # what the worker said
     assert window.chat_settings.model_defaults.threshold == OWN_THRESHOLD
     assert window.chat_settings.model_defaults.max_new_tokens == OWN_MAX_NEW_TOKENS
-    window.on_new_conversation()
+    window.conversations.on_new()
     d = window.drawer
     assert d.threshold.value() == pytest.approx(OWN_THRESHOLD) and d.max_tokens.value() == OWN_MAX_NEW_TOKENS
     assert "threshold 0.85" in d.defaults_label.text() and "model" in d.defaults_label.text()

@@ -157,7 +157,7 @@ def test_a_chat_longer_than_the_planned_context_goes_on_in_a_new_chat_with_a_sum
     for _ in range(3):
         store.add_message(conv.id, "user", LONG[:600])
         store.add_message(conv.id, "assistant", LONG[:400])
-    window.open_conversation(conv.id)
+    window.conversations.open(conv.id)
     qtbot.waitUntil(lambda: window.long_chats.meter.level == "over", timeout=10_000)
     window.composer.input.setPlainText("What did the keepers eat?")
     with qtbot.waitSignal(window.long_chats.dialogOpened, timeout=10_000) as opened:

@@ -177,7 +177,7 @@ def test_a_continuation_the_engine_refuses_leaves_the_answer_as_it_was(qtbot, st
     cut = store.add_message(c.id, "assistant", "so far", thinking="hmm", status="complete",
                             stats={"stop_reason": "max_new_tokens", "tokens": 16})
     window, client = make_window(qtbot, store)
-    window.open_conversation(c.id)
+    window.conversations.open(c.id)
     client.paused = True
     widget = window.chat.widgets[-1]
     widget.continue_button.click()
@@ -223,7 +223,7 @@ def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) ->
     last = store.add_message(c.id, "assistant", "", thinking="hmm", status="stopped",
                              stats={"stop_reason": "interrupted"})
     window, client = make_window(qtbot, store)
-    window.open_conversation(c.id)
+    window.conversations.open(c.id)
     widgets = window.chat.widgets
     assert not widgets[1].continue_button.isVisible()  # not the last answer
     assert widgets[3].continue_button.isVisible() and window.menus.continue_action.isEnabled()
@@ -240,7 +240,7 @@ def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) ->
     assert client.requests[0][0][-1] == {"role": "assistant", "content": "", "reasoning_content": "hmm"}
     assert window.composer.input.toPlainText() == "typed, not sent"
     store.finish_message(last.id, "complete", stats={"stop_reason": "context"})  # the context is full: no room
-    window.open_conversation(c.id)
+    window.conversations.open(c.id)
     assert not window.chat.widgets[3].continue_button.isVisible() and not window.menus.continue_action.isEnabled()
     window.menus.continue_action.trigger()
     assert len(client.requests) == 1
@@ -623,20 +623,20 @@ def test_the_idle_engine_reads_the_open_chat_ahead(qtbot, store) -> None:
     assert client.reads[0][0] == chat and [m["role"] for m in chat] == ["user", "assistant"]
     assert client.reads[0][1] == window.drawer.settings().to_params() and window.chat_actions.read_ahead_id == "read-1"
     cid = window.conversation_id
-    window.open_conversation(None)
+    window.conversations.open(None)
     qtbot.wait(READ_AHEAD_MS + 100)
     assert len(client.reads) == 1  # a new chat: nothing to read
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     qtbot.waitUntil(lambda: len(client.reads) == 2, timeout=READ_AHEAD_MS + 2000)
     assert client.reads[1][0] == chat
     window.engine_status.on_engine_loaded({"model_dir": "/models/tiny"})  # a model (re)loaded: its prompt cache is empty
     qtbot.waitUntil(lambda: len(client.reads) == 3, timeout=READ_AHEAD_MS + 2000)
     lone = store.create_conversation("Asked, never answered")
     store.add_message(lone.id, "user", "Hello?")
-    window.open_conversation(lone.id)
+    window.conversations.open(lone.id)
     qtbot.wait(READ_AHEAD_MS + 100)
     client.paused = True  # an answer streams: the engine is not idle
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     window.composer.input.setPlainText("And then?")
     qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
     assert window.is_generating()

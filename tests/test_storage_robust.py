@@ -546,7 +546,7 @@ def test_failed_edit_keeps_the_edit_and_other_failed_saves_say_why(
         assert "not deleted" in window.info_banner.label.text() and store.get_conversation(cid).id == cid
         filler.unlink()
         with qtbot.waitSignal(window.generationFinished, timeout=30_000):
-            window.open_conversation(cid)
+            window.conversations.open(cid)
             edited = next(m for m in window.chat.messages() if m.role == "user")
             window.chat_actions.on_edit_requested(edited)
             window.composer.input.setPlainText("better question")

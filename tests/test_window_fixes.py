@@ -124,7 +124,7 @@ def test_f2_renames_the_chat_while_the_composer_has_focus(qtbot, tmp_path) -> No
     window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
     qtbot.addWidget(window)
     window.show()
-    window.open_conversation(conversation.id)
+    window.conversations.open(conversation.id)
     window.composer.input.setFocus()
     qtbot.waitUntil(window.composer.input.hasFocus)
     qtbot.keyClick(window.composer.input, Qt.Key.Key_F2)
@@ -270,7 +270,7 @@ def test_loading_cancelled_goes_with_another_chat_backend_or_load(qtbot, tmp_pat
         assert window.info_banner.isVisible() and window.info_banner.label.text() == "Loading cancelled."
 
     cancelled()
-    window.open_conversation(other.id)
+    window.conversations.open(other.id)
     assert not window.info_banner.isVisible()
     cancelled()
     window.remote.dialog.remote.click()

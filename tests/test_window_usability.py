@@ -185,7 +185,7 @@ def test_new_chats_start_from_the_models_own_settings(qtbot, store) -> None:
     info = {"model_dir": "/models/qwen", "config": {"is_diffusion": False, "block_size": 32, "threshold": 0.95},
             "generation_defaults": {"do_sample": False, "temperature": 1.0, "max_new_tokens": 100_000}}
     window.chat_settings.set_model_info(info)
-    window.on_new_conversation()
+    window.conversations.on_new()
     assert d.mode.currentData() == "ar" and d.temperature.value() == 0 and d.max_tokens.value() == 32768
 
 

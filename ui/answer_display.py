@@ -44,10 +44,6 @@ class AnswerWindowLike(Protocol):
     generationFinished: Any  # noqa: N815
     conversations: Any  # ui.conversations.Conversations
 
-    def show_chosen_versions(self) -> None: ...
-
-    def on_conversation_created(self, conversation_id: int, title: str) -> None: ...
-
     def show_save_error(self, error: BaseException, what: str) -> None: ...
 
     def show_panel(self, widget: QWidget | None) -> None: ...
@@ -88,10 +84,10 @@ class AnswerDisplay:
         self.window.chat.resume_stream(data)
 
     def show_chosen_versions(self) -> None:
-        self.window.show_chosen_versions()
+        self.window.conversations.show_chosen_versions()
 
     def conversation_created(self, conversation_id: int, title: str) -> None:
-        self.window.on_conversation_created(conversation_id, title)
+        self.window.conversations.on_created(conversation_id, title)
 
     def save_failed(self, error: BaseException, what: str) -> None:
         self.window.show_save_error(error, what)

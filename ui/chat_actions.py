@@ -34,16 +34,12 @@ class ActionsWindowLike(Protocol):
     composer: Any  # ui.composer.Composer
     chat: Any  # ui.chat_view.ChatView
     drawer: Any  # ui.settings_drawer.SettingsDrawer
-    conversations: Any  # ui.conversations.Conversations
+    conversations: Any  # ui.conversations.Conversations: .open(), .reload(), .show_chosen_versions()
     engine_status: Any  # ui.engine_status.EngineStatus: .state, .engine_label
     menus: Any  # ui.window_menus.WindowMenus: .regenerate_action, .continue_action, .cancel_load_action
     conversation_id: int | None
 
     def is_generating(self) -> bool: ...
-
-    def open_conversation(self, conversation_id: int | None) -> None: ...
-
-    def show_chosen_versions(self) -> None: ...
 
     def statusBar(self) -> QStatusBar: ...  # noqa: N802 - Qt's name
 
@@ -153,7 +149,7 @@ class ChatActions:
         branch = w.session.branch(data)
         if branch is None:
             return
-        w.open_conversation(branch.id)
+        w.conversations.open(branch.id)
         w.conversations.reload()
         w.statusBar().showMessage(f"Branched into “{branch.title}”: the original chat is unchanged", 5000)
 
@@ -169,7 +165,7 @@ class ChatActions:
             w.statusBar().showMessage("Wait for the answer (or stop it) before switching versions", 4000)
             return
         if w.session.step_version(data, step):
-            w.show_chosen_versions()
+            w.conversations.show_chosen_versions()
 
     # ----------------------------------------------------------------- the engine's idle time
     def read_ahead(self) -> None:

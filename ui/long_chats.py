@@ -341,5 +341,5 @@ class LongChats(QObject):
             return
         self._end_summary("done")
         w.conversations.reload()
-        w.open_conversation(new.id)
+        w.conversations.open(new.id)
         w.chat_actions.on_send_requested(summary.text)

@@ -202,7 +202,7 @@ class MainWindow(QMainWindow):
         self.conversations.reload()
         conversations = self.store.list_conversations(limit=1)
         if conversations:
-            self.open_conversation(conversations[0].id)
+            self.conversations.open(conversations[0].id)
         if model_dir is None and model_manager is not None:
             self.show_models_page()
         if self.preview_off:
@@ -344,8 +344,8 @@ class MainWindow(QMainWindow):
         self.client.errorMessage.connect(self.engine_status.on_engine_error_message)
         self.client.crashed.connect(self.engine_status.on_engine_crashed)
         # sidebar
-        self.sidebar.newRequested.connect(self.on_new_conversation)
-        self.sidebar.selected.connect(self.on_conversation_selected)
+        self.sidebar.newRequested.connect(self.conversations.on_new)
+        self.sidebar.selected.connect(self.conversations.on_selected)
         self.sidebar.renameRequested.connect(self.conversations.on_rename_requested)
         self.sidebar.deleteRequested.connect(self.conversations.on_delete_requested)
         self.sidebar.exportRequested.connect(self.conversations.on_export_requested)
@@ -381,69 +381,6 @@ class MainWindow(QMainWindow):
         self.splitter.splitterMoved.connect(self.state.on_splitter_moved)
         hints = QGuiApplication.styleHints()
         hints.colorSchemeChanged.connect(self.state.on_system_scheme_changed)
-
-    # ----------------------------------------------------------------- remembered state
-    # ----------------------------------------------------------------- theme
-    # ----------------------------------------------------------------- conversations
-    def open_conversation(self, conversation_id: int | None) -> None:
-        if self.is_generating():
-            self.chat_actions.on_stop_requested()
-        self.conversation_id = conversation_id
-        self.engine_status.clear_load_notice()
-        self.composer.end_edit()
-        self.sidebar.select(conversation_id)
-        if conversation_id is None:
-            self.chat.clear()
-            self.chat_settings.show_new_chat()
-            self.title_label.setText("New chat")
-            self.long_chats.on_conversation_opened(None)
-            self.chat_actions.update_send_state()
-            return
-        conv = self.store.get_conversation(conversation_id)
-        self.title_label.setText(conv.title)
-        self.chat_settings.show_saved(conv.settings, conv.system_prompt)
-        self.chat.set_messages(self._shown_messages(conversation_id))
-        self.long_chats.on_conversation_opened(conv.settings)
-        self.chat_actions.update_send_state()  # Continue: whether this chat's last answer was cut short
-        self.show_chat_page()
-        self.chat_actions.read_ahead_timer.start()
-        self.conversationChanged.emit(conversation_id)
-
-    def _shown_messages(self, conversation_id: int) -> list[MessageData]:
-        """The chat as the view shows it: the chosen version of each message, each knowing how many there are."""
-        counts = self.store.version_counts(conversation_id)
-        return [
-            MessageData(m.role, m.content, m.thinking, m.thinking_seconds, m.status, dict(m.stats), m.id,
-                        *counts.get(m.id, (1, 1)))
-            for m in self.store.messages(conversation_id)
-            if m.role in ("user", "assistant")
-        ]
-
-    def show_chosen_versions(self) -> None:
-        """Show the open chat again as the store has it now (another version chosen, an edit taken back); the
-        engine reads the chat it now shows ahead of the next message."""
-        if self.conversation_id is None:
-            return
-        self.chat.set_messages(self._shown_messages(self.conversation_id))
-        self.chat_actions.update_send_state()
-        self.chat_actions.read_ahead_timer.start()
-
-    def on_new_conversation(self) -> None:
-        self.open_conversation(None)
-        self.show_chat_page()
-        self.composer.input.setFocus()
-
-    def on_conversation_selected(self, conversation_id: int) -> None:
-        if conversation_id != self.conversation_id:
-            self.open_conversation(conversation_id)
-        else:
-            self.show_chat_page()
-
-    def on_conversation_created(self, conversation_id: int, title: str) -> None:
-        """The session saved the first message of a new chat in a new conversation."""
-        self.title_label.setText(title)
-        self.conversations.reload()
-        self.conversationChanged.emit(conversation_id)
 
     # ----------------------------------------------------------------- export
     def on_focus_composer(self) -> None:

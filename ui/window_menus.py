@@ -46,8 +46,6 @@ class MenusWindowLike(Protocol):
     model_manager: QWidget | None
     vram_panel: QWidget | None
 
-    def on_new_conversation(self) -> None: ...
-
     def on_focus_composer(self) -> None: ...
 
     def show_panel(self, widget: QWidget | None) -> None: ...
@@ -102,7 +100,7 @@ class WindowMenus:
     def _build_file(self, file_menu: QMenu) -> None:
         w = self.window
         self.by_name["File"] = file_menu
-        self.new_action = self._action(file_menu, "&New chat", w.on_new_conversation, "Ctrl+N")
+        self.new_action = self._action(file_menu, "&New chat", w.conversations.on_new, "Ctrl+N")
         file_menu.addSeparator()
         self.export_md_action = self._action(file_menu, "&Export chat as Markdown…",
                                              lambda: w.conversations.on_export_current("markdown"), "Ctrl+E",
