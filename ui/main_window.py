@@ -2,27 +2,25 @@
 
 The window talks to the engine only through an engine client (:class:`~ui.contracts.EngineClientLike`, a worker
 process behind Qt signals) and to the disk only through a chat store (:class:`~ui.contracts.ChatStoreLike`); both
-are passed in (see ``clover_desk.app``). Every engine event lands in :meth:`MainWindow.on_engine_event`, which updates
-plain state (:class:`~ui.chat_view.StreamingReply`, :class:`~ui.denoise_view.DenoiseModel`) and asks throttled
-views to repaint: the GUI thread only paints.
+are passed in (see ``clover_desk.app``). :class:`MainWindow` is a view: it builds and lays out the widgets and wires
+their signals to the plain classes it owns, each with one job (see docs/DESIGN.md, "The window as a view"):
 
-A reply is saved as it streams: each committed block appends its text to the store in one transaction
-(``append_streaming``), so a crash of the engine or of the app loses at most the block in flight.
+* :class:`~ui.chat_session.ChatSession` (the chat's controller, no widgets) and :class:`~ui.answer_display.AnswerDisplay`
+  (where its calls land on screen): every engine event of an answer goes there (:meth:`MainWindow.on_engine_event`);
+  a reply is saved as it streams, each committed block in one transaction, so a crash loses at most that block;
+* :class:`~ui.chat_actions.ChatActions`: the user's chat actions, each only when it may (Send waits for a model and
+  keeps the text, says why otherwise; Continue is the local engine's only), what answers, the read-ahead;
+* :class:`~ui.chat_settings.ChatSettings`: the chat's settings in the drawer, the composer and the store, and the
+  model's own defaults a new chat starts from;
+* :class:`~ui.conversations.Conversations`: opening a chat, the list and search, rename, delete, export;
+* :class:`~ui.engine_status.EngineStatus`: the engine's load / error / crash states, its banners, the status bar;
+* :class:`~ui.window_menus.WindowMenus`: the menus, their shortcuts, the Help dialogs;
+* :class:`~ui.window_state.WindowState`: size, columns, side tab, theme, export folder, remembered in the
+  ``QSettings`` handed in (none: nothing is remembered); :class:`~ui.long_chats.LongChats`: chats longer than the
+  context.
 
-A save that fails (a full disk, a read-only folder: the store's ``Error``) is shown in the info banner and never
-loses what the user typed: the composer is cleared only once a send is saved. A per-block save that fails
-mid-answer stops the generation (cancel sent, back to idle) and keeps the answer on screen, marked as not saved.
-
-Send works only while a model is loaded (:class:`~ui.contracts.EngineState`); otherwise it is disabled and the
-composer says why, keeping the text. A new chat starts from the model's own generation settings (handed in by the
-composition root from the model folder, and again with the engine's ``loaded`` answer).
-
-When the user opens the preview of the answer being streamed, the preview follows it: every answer delta hands the
-page so far to the preview (whose own throttle coalesces the reloads) and the end of the answer flushes the last
-one. Opening another message's preview shows that page and stops following.
-
-Window size and position, the splitter, the side tab, the theme and the last export folder are remembered in the
-``QSettings`` handed in (none: nothing is remembered).
+A save that fails (a full disk, a read-only folder: the store's ``Error``) is shown in the info banner
+(:meth:`MainWindow.show_save_error`) and never loses what the user typed.
 """
 
 from __future__ import annotations
@@ -88,6 +86,27 @@ from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, Window
 
 log = logging.getLogger(__name__)
 
+
+
+def models_page(manager: QWidget, library: QWidget | None) -> QWidget:
+    """The models page: the library (the models on disk) above the ways to get another one, scrolling."""
+    page = QScrollArea()  # the manager is taller than a 640 px window: it scrolls
+    page.setObjectName("modelsPage")
+    page.setWidgetResizable(True)
+    page.setFrameShape(QFrame.Shape.NoFrame)
+    page.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    if library is None:
+        page.setWidget(manager)
+        return page
+    column = QWidget()
+    column.setObjectName("modelsColumn")
+    layout = QVBoxLayout(column)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.setSpacing(0)
+    layout.addWidget(library)
+    layout.addWidget(manager, 1)
+    page.setWidget(column)
+    return page
 
 
 class MainWindow(QMainWindow):
@@ -190,7 +209,7 @@ class MainWindow(QMainWindow):
         self.chat_page = self._build_chat_page()
         self.pages.addWidget(self.chat_page)
         if model_manager is not None:
-            self.pages.addWidget(self._build_models_page(model_manager))
+            self.pages.addWidget(models_page(model_manager, model_library))
         self.engine_status = EngineStatus(self, self)  # the engine's state, its banners, the status bar
         self._build_layout()
         self.menus = WindowMenus(self)  # the menu bar, its actions and shortcuts, the Help dialogs
@@ -232,7 +251,6 @@ class MainWindow(QMainWindow):
     def preview_follows(self) -> MessageData | None:
         return self.answers.preview_follows
 
-
     # ----------------------------------------------------------------- construction
     def _build_chat_page(self) -> QWidget:
         page = QWidget()
@@ -270,25 +288,6 @@ class MainWindow(QMainWindow):
         layout.setSpacing(0)
         layout.addWidget(header)
         layout.addWidget(center, 1)
-        return page
-
-    def _build_models_page(self, manager: QWidget) -> QWidget:
-        page = QScrollArea()  # the manager is taller than a 640 px window: it scrolls
-        page.setObjectName("modelsPage")
-        page.setWidgetResizable(True)
-        page.setFrameShape(QFrame.Shape.NoFrame)
-        page.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        if self.model_library is None:
-            page.setWidget(manager)
-            return page
-        column = QWidget()  # the library (the models on disk) above the ways to get another one
-        column.setObjectName("modelsColumn")
-        layout = QVBoxLayout(column)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.setSpacing(0)
-        layout.addWidget(self.model_library)
-        layout.addWidget(manager, 1)
-        page.setWidget(column)
         return page
 
     def _build_layout(self) -> None:
@@ -375,23 +374,23 @@ class MainWindow(QMainWindow):
         self.info_banner.actionClicked.connect(self.engine_status.on_open_vram_tab)
         # panels
         if self.vram_panel is not None and hasattr(self.vram_panel, "applyRequested"):
-            self.vram_panel.applyRequested.connect(self.on_apply_plan)
+            self.vram_panel.applyRequested.connect(self.applyPlanRequested)
         if self.model_manager is not None and hasattr(self.model_manager, "modelChosen"):
             self.model_manager.modelChosen.connect(self.on_model_chosen)
         self.splitter.splitterMoved.connect(self.state.on_splitter_moved)
         hints = QGuiApplication.styleHints()
         hints.colorSchemeChanged.connect(self.state.on_system_scheme_changed)
 
-    # ----------------------------------------------------------------- export
+    # ----------------------------------------------------------------- what the helpers share
     def on_focus_composer(self) -> None:
         self.show_chat_page()
         self.composer.input.setFocus()
 
-    # ----------------------------------------------------------------- sending
     def is_generating(self) -> bool:
         """An answer streams, or the summary for a new chat is being written."""
         return self.session.generating or self.long_chats.summary is not None
 
+    # ----------------------------------------------------------------- the side column
     def show_panel(self, widget: QWidget | None) -> None:
         """Show one of the side tabs (the drawer closes, the panels open)."""
         if widget is None:
@@ -417,7 +416,6 @@ class MainWindow(QMainWindow):
     def on_copied(self, what: str) -> None:
         self.statusBar().showMessage("Code copied" if what == "code" else "Message copied", 2000)
 
-    # ----------------------------------------------------------------- engine events
     def on_engine_event(self, request_id: str, event: object) -> None:
         """Every event of the engine client (and the remote runner): the summary's, or the answer's."""
         if self.long_chats.owns(request_id):
@@ -431,10 +429,7 @@ class MainWindow(QMainWindow):
         self.info_banner.action.setVisible(False)
         self.info_banner.show_message(f"{what}: {error}")
 
-    # ----------------------------------------------------------------- engine life
-    def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
-        self.applyPlanRequested.emit(vram_bytes, ctx_tokens)
-
+    # ----------------------------------------------------------------- the model and its backends
     def on_model_chosen(self, path: str) -> None:
         self.model_dir = path
         self.engine_status.state = EngineState.STARTING  # the app loads it (restarting the worker when one runs)
@@ -459,7 +454,7 @@ class MainWindow(QMainWindow):
         self.menus.add_backend_action(self.remote.open)
         self.engine_status.refresh()
 
-    # ----------------------------------------------------------------- pages and status
+    # ----------------------------------------------------------------- pages, and the window's own events
     def show_models_page(self) -> None:
         """The model manager, full width (the chat's panels have nothing to show for it)."""
         if self.model_manager is not None:
