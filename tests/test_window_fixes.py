@@ -143,8 +143,8 @@ def test_a_second_demo_model_gets_a_new_folder(qtbot, tmp_path) -> None:
     panel = ModelManagerPanel(models_dir=models, python="true")  # (a child that makes nothing: the folder is the test)
     qtbot.addWidget(panel)
     with qtbot.waitSignal(panel.demoEnded, timeout=30_000):
-        panel.demo_button.click()
-    assert panel._demo_dir == models / f"{DEMO_FOLDER_NAME}-3"
+        panel.demo.button.click()
+    assert panel.demo.folder == models / f"{DEMO_FOLDER_NAME}-3"
     assert sorted(p.name for p in models.iterdir()) == [DEMO_FOLDER_NAME, f"{DEMO_FOLDER_NAME}-2"]
 
 
