@@ -188,7 +188,7 @@ class CloverDeskApp(QObject):
         self.window.set_remote_factory(RemoteBackend)  # Model ▸ Backend…: (url, api_key, model) -> RemoteBackend
         info = model_info_from_folder(self.settings.model_dir)
         if info is not None:
-            self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})  # the context it will load with
+            self.window.chat_settings.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})  # the context it will load with
         if style:
             self.window.state.apply_theme_preference()
         self._connect_signals()
@@ -316,9 +316,9 @@ class CloverDeskApp(QObject):
                 plan = self._plan(budget, ctx).to_dict()
             except Exception as exc:  # noqa: BLE001 - e.g. a context over the model's limit: say so, load nothing
                 log.warning("cannot plan %s: %s", self.settings.model_dir, exc)
-                self.window.on_engine_error_message(type(exc).__name__, str(exc))
+                self.window.engine_status.on_engine_error_message(type(exc).__name__, str(exc))
                 return
-        self.window.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
+        self.window.engine_status.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
         # the engine says if it cannot compile; answers from a remote server need no compiled local model
         remote = self.window.remote is not None and self.window.remote.selected
         compile_layers = {"compile": True} if self.settings.compile_layers and not remote else {}
@@ -354,11 +354,11 @@ class CloverDeskApp(QObject):
         self.vram_panel.set_planner(self._plan)
         info = model_info_from_folder(model_dir)
         if info is not None:
-            self.window.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})
+            self.window.chat_settings.set_model_info({**info, "ctx_tokens": self.settings.ctx_tokens})
         if self.client.state in ("idle",) and not self._apply_gpu_paths():  # (the worker has the chosen paths)
             self.load_model()
         else:
-            self.window.on_engine_restarting()
+            self.window.engine_status.on_engine_restarting()
             self.client.restart()  # ready → load_model
 
     def on_load_options_changed(self, device: str, dtype: str, compile_layers: bool | None = None) -> None:
@@ -395,7 +395,7 @@ class CloverDeskApp(QObject):
         if self.client.state == "idle" and not self._apply_gpu_paths():
             self.load_model()
         else:
-            self.window.on_engine_restarting()
+            self.window.engine_status.on_engine_restarting()
             self.client.restart()
 
     def save_settings(self) -> None:

@@ -17,7 +17,8 @@ from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage import SCHEMA_VERSION, ChatStore, StreamRecorder
-from ui.main_window import READ_AHEAD_MS, MainWindow
+from ui.chat_actions import READ_AHEAD_MS
+from ui.main_window import MainWindow
 
 guard_pyside_bool_refcounts()
 
@@ -202,7 +203,7 @@ def test_regenerate_twice_then_switch_with_the_arrows_and_after_a_restart(qtbot,
 
     store = ChatStore(path)  # the app again
     window, _ = make_window(qtbot, store)
-    window.open_conversation(store.list_conversations()[0].id)
+    window.conversations.open(store.list_conversations()[0].id)
     assert shown(window) == [("user", "hello"), ("assistant", "answer one"), ("user", "and then?"),
                              ("assistant", "follow-up answer")]
     assert window.chat.widgets[1].version_label.text() == "1/3"
@@ -242,6 +243,6 @@ def test_no_switching_while_an_answer_streams(qtbot, store) -> None:
     with qtbot.waitSignal(window.generationFinished, timeout=5000):
         window.chat.widgets[-1].regen_button.click()
         assert not window.chat.widgets[-1].version_prev.isEnabled()  # the streaming one
-        window.on_version_requested(window.chat.widgets[0].data, 1)  # nothing to switch on a one-version message
+        window.chat_actions.on_version_requested(window.chat.widgets[0].data, 1)  # nothing to switch on a one-version message
         assert window.chat.widgets[-1].data.status == "streaming"
     assert window.chat.widgets[-1].version_label.text() == "2/2"

@@ -106,16 +106,16 @@ def test_presets_and_the_default_system_prompt_survive_a_restart(qtbot, tmp_path
     store = ChatStore(path)
     window, client = make_window(qtbot, store, ini)
     d = window.drawer
-    assert not d.preset_load.isEnabled()  # none yet
+    assert not d.preset_box.preset_load.isEnabled()  # none yet
     d.system_prompt.setPlainText("You are a pirate.")
     d.temperature.setValue(0.8)
     d.top_k.setValue(20)
-    d.preset_save.click()
-    assert "Not saved: a preset needs a name" in d.preset_status.text()
-    d.preset_name.setText("  Pirate   mode ")
-    d.preset_save.click()
-    assert [d.preset_choice.itemText(i) for i in range(d.preset_choice.count())] == ["Pirate mode"]
-    d.default_system_prompt.setPlainText("Answer in French.")
+    d.preset_box.preset_save.click()
+    assert "Not saved: a preset needs a name" in d.preset_box.preset_status.text()
+    d.preset_box.preset_name.setText("  Pirate   mode ")
+    d.preset_box.preset_save.click()
+    assert [d.preset_box.preset_choice.itemText(i) for i in range(d.preset_box.preset_choice.count())] == ["Pirate mode"]
+    d.preset_box.default_system_prompt.setPlainText("Answer in French.")
     window.close()
     store.close()
 
@@ -124,24 +124,24 @@ def test_presets_and_the_default_system_prompt_survive_a_restart(qtbot, tmp_path
     d = window.drawer
     assert d.system_prompt.toPlainText() == "Answer in French."  # a new chat starts from the default
     assert d.temperature.value() == 0.0
-    d.preset_choice.setCurrentIndex(d.preset_choice.findText("Pirate mode"))
-    d.preset_load.click()
+    d.preset_box.preset_choice.setCurrentIndex(d.preset_box.preset_choice.findText("Pirate mode"))
+    d.preset_box.preset_load.click()
     assert (d.temperature.value(), d.top_k.value(), d.system_prompt.toPlainText()) == (0.8, 20, "You are a pirate.")
     send(qtbot, window, "ahoy")
     assert client.requests[-1][0][0] == {"role": "system", "content": "You are a pirate."}
     assert client.requests[-1][1].top_k == 20
-    window.on_new_conversation()
+    window.conversations.on_new()
     assert d.system_prompt.toPlainText() == "Answer in French."
     send(qtbot, window, "bonjour")
     assert client.requests[-1][0][0] == {"role": "system", "content": "Answer in French."}
-    d.preset_delete.click()
-    assert d.preset_choice.count() == 0 and not d.preset_load.isEnabled()
+    d.preset_box.preset_delete.click()
+    assert d.preset_box.preset_choice.count() == 0 and not d.preset_box.preset_load.isEnabled()
     store.close()
 
 
 def test_context_length_caps_what_a_send_may_hold(qtbot, store, tmp_path) -> None:
     window, _ = make_window(qtbot, store, tmp_path / "window.ini")
-    window.set_model_info({"config": {"max_position_embeddings": 4096}})
+    window.chat_settings.set_model_info({"config": {"max_position_embeddings": 4096}})
     d = window.drawer
     assert d.context_length.maximum() == 4096 and d.context_length.specialValueText() == "the model's (4,096)"
     assert window.long_chats.model_limit == 4096

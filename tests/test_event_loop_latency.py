@@ -83,7 +83,7 @@ def test_latency_during_a_real_generation(qtbot, tiny_clover_dir, tmp_path) -> N
         qtbot.waitUntil(lambda: not window.is_generating() or time.monotonic() > deadline, timeout=60_000)
         if window.is_generating():
             with qtbot.waitSignal(window.generationFinished, timeout=30_000):
-                window.on_stop_requested()
+                window.chat_actions.on_stop_requested()
         probe.stop()
         assert steps, "the generation produced no denoising passes"
         p95, worst = probe.report(f"real engine, {len(steps)} passes")

@@ -104,7 +104,7 @@ def _open(qtbot, desk, path: Path, monkeypatch) -> dict[str, Any]:
 def test_an_upstream_gguf_runs_in_ar_and_the_window_says_why(qtbot, desk, ggufs, monkeypatch) -> None:
     window = desk.window
     info = _open(qtbot, desk, ggufs["upstream"], monkeypatch)
-    assert info["model_dir"] == str(ggufs["upstream"]) and window.engine_state is EngineState.READY
+    assert info["model_dir"] == str(ggufs["upstream"]) and window.engine_status.state is EngineState.READY
     assert desk.settings.model_dir == str(ggufs["upstream"])  # remembered like a folder
     banner = window.info_banner.label.text()
     assert window.info_banner.isVisible() and "Block diffusion is unavailable for this file" in banner

@@ -99,16 +99,16 @@ def test_the_help_menu_opens_the_check(qtbot, tmp_path) -> None:
         window = MainWindow(client, store, StreamRecorder, model_dir="/models/tiny")
         qtbot.addWidget(window)
         window.show()
-        assert window.gpu_check_action in window.menus["Help"].actions()
-        window.gpu_check_action.trigger()
-        dialog = window.gpu_check_dialog
+        assert window.menus.gpu_check_action in window.menus.by_name["Help"].actions()
+        window.menus.gpu_check_action.trigger()
+        dialog = window.menus.gpu_check_dialog
         assert dialog is not None and dialog.isVisible()
         with qtbot.waitSignal(dialog.checked, timeout=120_000):
             pass
         assert dialog.report.toPlainText().startswith("torch ")
         assert "opt-in paths   CLOVER_DESK_FUSED_MOE (of" in dialog.report.toPlainText()  # the engine's switches
-        window.gpu_check_action.trigger()  # reopened: the same dialog, its last result kept
-        assert window.gpu_check_dialog is dialog and dialog.report.toPlainText().startswith("torch ")
+        window.menus.gpu_check_action.trigger()  # reopened: the same dialog, its last result kept
+        assert window.menus.gpu_check_dialog is dialog and dialog.report.toPlainText().startswith("torch ")
         dialog.close()
     finally:
         store.close()

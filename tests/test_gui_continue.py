@@ -41,22 +41,22 @@ def test_continue_twice_gives_the_whole_answer(qtbot, desk) -> None:  # noqa: AN
     assert blocker.args[1] == "max_new_tokens"
     widget = window.chat.widgets[-1]
     assert (widget.data.thinking, widget.data.content) == ("".join(THINK[:16]), "")
-    assert widget.continue_button.isVisible() and window.continue_action.isEnabled()
+    assert widget.continue_button.isVisible() and window.menus.continue_action.isEnabled()
     assert "Continue lets it think on" in widget.note.text()
 
     with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS) as blocker:
         widget.continue_button.click()
-        assert window.is_generating() and not window.continue_action.isEnabled()
+        assert window.is_generating() and not window.menus.continue_action.isEnabled()
     assert blocker.args[1] == "max_new_tokens"
     assert window.chat.widgets[-1] is widget  # the same message grew: no new one
     assert (widget.data.thinking, widget.data.content) == (THINKING, "".join(ANSWER[:11]))
     assert not widget.note.isVisible()
 
     with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS) as blocker:
-        window.continue_action.trigger()  # Edit ▸ Continue last answer
+        window.menus.continue_action.trigger()  # Edit ▸ Continue last answer
     assert blocker.args[1] == "eos"
     assert (widget.data.thinking, widget.data.content) == (THINKING, TEXT)
-    assert not widget.continue_button.isVisible() and not window.continue_action.isEnabled()  # it ended on its own
+    assert not widget.continue_button.isVisible() and not window.menus.continue_action.isEnabled()  # it ended on its own
     stats = widget.data.stats
     assert (stats["tokens"], stats["continued"], stats["stop_reason"]) == (42, 2, "eos")  # 40 words, 2 markers
     assert "continued 2×" in widget.meta_label.text()

@@ -172,7 +172,7 @@ def test_the_window_factory_builds_the_preview_off_tab(qtbot, tmp_path: Path) ->
     assert "--preview-without-sandbox" in window.preview.text() and not window.info_banner.isHidden()
     assert "root" in window.info_banner.label.text()
     request = SimpleNamespace(html="<html></html>", document_id="d", message=None, block=None)  # a Preview click
-    window.on_preview_requested(request)
+    window.answers.on_preview_requested(request)
     assert window.tabs.currentWidget() is window.preview  # asking for a preview shows why there is none
     desk.shutdown()
 

@@ -91,7 +91,7 @@ def of_request(desk, rid: str, kind: type) -> list:
 
 def test_prompt_streams_into_chat_store_and_denoise_view(qtbot, desk) -> None:
     window = desk.window
-    assert window.engine_label.text() == "● Ready"
+    assert window.engine_status.engine_label.text() == "● Ready"
     window.composer.input.setPlainText("Say something")
     with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS) as blocker:
         qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
@@ -118,7 +118,7 @@ def test_prompt_streams_into_chat_store_and_denoise_view(qtbot, desk) -> None:
     assert view.model.total_steps == len(steps)
     assert view.model.finished is not None and view.canvas.shown is not None
     assert view.slider.maximum() == view.model.step_count() - 1
-    assert "tok/s" in window.speed_label.text() and window.speed_label.text() != "– tok/s"
+    assert "tok/s" in window.engine_status.speed_label.text() and window.engine_status.speed_label.text() != "– tok/s"
 
 
 def test_stop_ends_within_one_pass(qtbot, desk) -> None:
@@ -189,9 +189,9 @@ def test_worker_crash_keeps_chat_and_restarts(qtbot, desk) -> None:
     qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
     assert window.request_id is None and window.composer.input.toPlainText() == "too early"
     assert len(window.chat.widgets) == count
-    qtbot.waitUntil(lambda: window.engine_state is EngineState.READY, timeout=LOAD_MS)
+    qtbot.waitUntil(lambda: window.engine_status.state is EngineState.READY, timeout=LOAD_MS)
     assert window.composer.send_button.isEnabled() and not window.composer.blocked_label.isVisible()
-    assert not window.crash_banner.isVisible() and window.engine_label.text() == "● Ready"
+    assert not window.crash_banner.isVisible() and window.engine_status.engine_label.text() == "● Ready"
     with qtbot.waitSignal(window.generationFinished, timeout=GEN_MS) as blocker:
         window.composer.input.setPlainText("still there?")
         qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
@@ -203,9 +203,9 @@ def test_new_chats_start_from_the_tiny_models_own_settings(qtbot, desk) -> None:
     them with its load answer and as the app read them before: nothing hard-coded in the window."""
     window = desk.window
     assert desk.client.model_info["config"]["threshold"] == OWN_THRESHOLD  # what the worker said
-    assert window.model_defaults.threshold == OWN_THRESHOLD
-    assert window.model_defaults.max_new_tokens == OWN_MAX_NEW_TOKENS
-    window.on_new_conversation()
+    assert window.chat_settings.model_defaults.threshold == OWN_THRESHOLD
+    assert window.chat_settings.model_defaults.max_new_tokens == OWN_MAX_NEW_TOKENS
+    window.conversations.on_new()
     d = window.drawer
     assert d.threshold.value() == pytest.approx(OWN_THRESHOLD) and d.max_tokens.value() == OWN_MAX_NEW_TOKENS
     assert "threshold 0.85" in d.defaults_label.text() and "model" in d.defaults_label.text()

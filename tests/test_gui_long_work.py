@@ -72,7 +72,7 @@ def test_a_long_prompt_shows_reading_progress_then_the_answer(qtbot, desk) -> No
 
     def watch(_rid: str, event: object) -> None:
         if isinstance(event, PrefillProgress) and event.done:
-            seen.append((strip.isVisible(), strip.label.text(), window.engine_label.text()))
+            seen.append((strip.isVisible(), strip.label.text(), window.engine_status.engine_label.text()))
 
     desk.client.event.connect(watch)
     try:
@@ -90,7 +90,7 @@ def test_a_long_prompt_shows_reading_progress_then_the_answer(qtbot, desk) -> No
     assert visible and text == f"Reading your message… {progress[1].done:,} / {total:,} tokens"
     assert status == "● Reading your message…"
     assert seen[-1][1] == f"Reading your message… {total:,} / {total:,} tokens"
-    assert not strip.isVisible() and window.engine_label.text() == "● Ready"
+    assert not strip.isVisible() and window.engine_status.engine_label.text() == "● Ready"
     assert of_request(desk, rid, BlockStep)
 
 
@@ -135,7 +135,7 @@ def test_quantizing_for_a_plan_shows_in_the_load_banner(qtbot, desk, tiny_clover
     stages = {stage: (text, visible) for stage, text, visible in shown}
     assert stages["quantizing"] == ("Quantizing…", True)
     assert "reading" in stages and stages["reading"] == ("Reading weights…", True)
-    assert not window.load_banner.isVisible() and window.engine_state is EngineState.READY
+    assert not window.load_banner.isVisible() and window.engine_status.state is EngineState.READY
 
 
 def test_a_chat_longer_than_the_planned_context_goes_on_in_a_new_chat_with_a_summary(
@@ -157,7 +157,7 @@ def test_a_chat_longer_than_the_planned_context_goes_on_in_a_new_chat_with_a_sum
     for _ in range(3):
         store.add_message(conv.id, "user", LONG[:600])
         store.add_message(conv.id, "assistant", LONG[:400])
-    window.open_conversation(conv.id)
+    window.conversations.open(conv.id)
     qtbot.waitUntil(lambda: window.long_chats.meter.level == "over", timeout=10_000)
     window.composer.input.setPlainText("What did the keepers eat?")
     with qtbot.waitSignal(window.long_chats.dialogOpened, timeout=10_000) as opened:
@@ -204,13 +204,13 @@ def test_a_load_shows_progress_and_cancel_stops_it(qtbot, qapp, tmp_path) -> Non
         banner = window.load_banner
         assert banner.isVisible() and banner.label.text() == "Reading weights…"
         assert banner.bar.value() > 0 and "GiB" in banner.detail.text()
-        assert window.engine_state is EngineState.LOADING and not window.composer.send_button.isEnabled()
+        assert window.engine_status.state is EngineState.LOADING and not window.composer.send_button.isEnabled()
         with qtbot.waitSignal(client.loadFailed, timeout=LOAD_MS) as failed:
             banner.cancel.click()
         assert failed.args[0] == "CancelledError"
         qtbot.waitUntil(lambda: window.info_banner.isVisible(), timeout=5000)
         assert window.info_banner.label.text() == "Loading cancelled."
-        assert not banner.isVisible() and window.engine_state is EngineState.NO_MODEL
+        assert not banner.isVisible() and window.engine_status.state is EngineState.NO_MODEL
         assert client.state == "idle"  # the worker keeps serving: another model can be chosen
     finally:
         app.shutdown(wait_ms=5000)

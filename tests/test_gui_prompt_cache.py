@@ -47,16 +47,16 @@ def _kept(tokenizer: CloverTokenizer, chat: list) -> int:
 
 def test_going_back_to_a_chat_reads_only_its_new_message(qtbot, desk) -> None:  # noqa: ANN001
     window = desk.window
-    window.open_conversation(None)
+    window.conversations.open(None)
     _send(qtbot, window, A)
     first = window.chat.widgets[-1].data.stats
     a_id = window.conversation_id
-    window.open_conversation(None)
+    window.conversations.open(None)
     _send(qtbot, window, B)
     assert window.chat.widgets[-1].data.stats["cached_tokens"] == 0  # another chat: nothing of it was read
     with qtbot.waitSignal(desk.client.chatRead, timeout=GEN_MS,
-                          check_params_cb=lambda rid, record: rid == window.read_ahead_id) as read:
-        window.open_conversation(a_id)  # the engine reads chat A, its answer included, while nothing else runs
+                          check_params_cb=lambda rid, record: rid == window.chat_actions.read_ahead_id) as read:
+        window.conversations.open(a_id)  # the engine reads chat A, its answer included, while nothing else runs
     assert read.args[1]["stop_reason"] == "prefilled"
     _send(qtbot, window, "And their children?")
     widget = window.chat.widgets[-1]
@@ -75,7 +75,7 @@ def test_an_older_message_edited_and_sent_again_reads_from_the_turn_before_it(qt
     """Three turns, then the second question edited: the engine goes back to its checkpoint at that question's
     turn (the prompt cache keeps the state at the chat's recent turn starts) instead of reading the chat again."""
     window = desk.window
-    window.open_conversation(None)
+    window.conversations.open(None)
     for text in (A, B, "And then? " + A):  # (each turn's kept point further on)
         _send(qtbot, window, text)
     chat = desk.store.chat_messages(window.conversation_id)

@@ -60,7 +60,7 @@ def test_regenerate_twice_switch_and_restart(qtbot, qapp, tmp_path_factory) -> N
 
     with running_desk(home, settings, load_ms=LOAD_MS, with_model_manager=False) as app:  # the app again
         window = app.window
-        window.open_conversation(cid)
+        window.conversations.open(cid)
         assert [w.data.role for w in window.chat.widgets] == ["user", "assistant", "user", "assistant"]
         assert window.chat.widgets[1].data.message_id == first_id
         assert window.chat.widgets[1].version_label.text() == "1/3"

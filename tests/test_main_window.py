@@ -101,8 +101,8 @@ def test_send_streams_saves_each_block_and_shows_stats(qtbot, store) -> None:
     # the views
     assert window.denoise.model.blocks_committed == 3
     assert window.chat.widgets[-1].thinking_toggle.text().startswith("Thought for")
-    assert window.speed_label.text() == "41.5 tok/s"
-    assert window.hit_label.text() == "Expert cache 93% hits"
+    assert window.engine_status.speed_label.text() == "41.5 tok/s"
+    assert window.engine_status.hit_label.text() == "Expert cache 93% hits"
     assert client.requests[0][0] == [{"role": "user", "content": "Explain block diffusion"}]
     assert not window.composer.generating
 
@@ -147,7 +147,7 @@ def test_stop_then_continue_goes_on_with_the_same_answer(qtbot, store) -> None:
     widget = window.chat.widgets[-1]
     before = store.messages(window.conversation_id)[-1]
     assert before.stats["stop_reason"] == "cancelled" and widget.continue_button.isVisible()
-    assert window.continue_action.isEnabled()
+    assert window.menus.continue_action.isEnabled()
 
     client.blocks = 2
     with qtbot.waitSignal(window.generationFinished, timeout=5000) as blocker:
@@ -166,7 +166,7 @@ def test_stop_then_continue_goes_on_with_the_same_answer(qtbot, store) -> None:
     assert after.thinking == before.thinking + finished.thinking == widget.data.thinking
     assert after.status == "complete" and after.stats["continued"] == 1 == widget.data.stats["continued"]
     assert after.stats["tokens"] == before.stats["tokens"] + finished.tokens == widget.data.stats["tokens"]
-    assert not widget.continue_button.isVisible() and not window.continue_action.isEnabled()  # it ended: eos
+    assert not widget.continue_button.isVisible() and not window.menus.continue_action.isEnabled()  # it ended: eos
 
 
 def test_a_continuation_the_engine_refuses_leaves_the_answer_as_it_was(qtbot, store) -> None:
@@ -177,7 +177,7 @@ def test_a_continuation_the_engine_refuses_leaves_the_answer_as_it_was(qtbot, st
     cut = store.add_message(c.id, "assistant", "so far", thinking="hmm", status="complete",
                             stats={"stop_reason": "max_new_tokens", "tokens": 16})
     window, client = make_window(qtbot, store)
-    window.open_conversation(c.id)
+    window.conversations.open(c.id)
     client.paused = True
     widget = window.chat.widgets[-1]
     widget.continue_button.click()
@@ -223,10 +223,10 @@ def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) ->
     last = store.add_message(c.id, "assistant", "", thinking="hmm", status="stopped",
                              stats={"stop_reason": "interrupted"})
     window, client = make_window(qtbot, store)
-    window.open_conversation(c.id)
+    window.conversations.open(c.id)
     widgets = window.chat.widgets
     assert not widgets[1].continue_button.isVisible()  # not the last answer
-    assert widgets[3].continue_button.isVisible() and window.continue_action.isEnabled()
+    assert widgets[3].continue_button.isVisible() and window.menus.continue_action.isEnabled()
     widgets[1].continueRequested.emit(widgets[1])  # an older answer cannot be continued
     assert client.requests == [] and store.get_message(old.id).status == "complete"
     window.activateWindow()
@@ -240,9 +240,9 @@ def test_continue_is_offered_for_the_last_answer_cut_short_only(qtbot, store) ->
     assert client.requests[0][0][-1] == {"role": "assistant", "content": "", "reasoning_content": "hmm"}
     assert window.composer.input.toPlainText() == "typed, not sent"
     store.finish_message(last.id, "complete", stats={"stop_reason": "context"})  # the context is full: no room
-    window.open_conversation(c.id)
-    assert not window.chat.widgets[3].continue_button.isVisible() and not window.continue_action.isEnabled()
-    window.continue_action.trigger()
+    window.conversations.open(c.id)
+    assert not window.chat.widgets[3].continue_button.isVisible() and not window.menus.continue_action.isEnabled()
+    window.menus.continue_action.trigger()
     assert len(client.requests) == 1
 
 
@@ -395,7 +395,7 @@ def test_load_progress_and_cancel(qtbot, store) -> None:
     assert not window.load_banner.isVisible() and window.info_banner.isVisible()
     client.loadProgress.emit(LoadProgress("reading", 1, 2))
     client.loaded.emit({"model_dir": "/models/tiny"})
-    assert not window.load_banner.isVisible() and window.engine_label.text() == "● Ready"
+    assert not window.load_banner.isVisible() and window.engine_status.engine_label.text() == "● Ready"
 
 
 def test_out_of_memory_on_load_points_to_the_vram_tab(qtbot, store) -> None:
@@ -404,7 +404,7 @@ def test_out_of_memory_on_load_points_to_the_vram_tab(qtbot, store) -> None:
     client.loadProgress.emit(LoadProgress("placing", 1, 2))
     client.errorMessage.emit("OutOfMemory", "CUDA out of memory while placing layer 12")
     assert window.info_banner.isVisible() and "smaller VRAM budget" in window.info_banner.label.text()
-    assert window.engine_label.text() == "● Model failed to load"
+    assert window.engine_status.engine_label.text() == "● Model failed to load"
     window.info_banner.action.click()
     assert window.tabs.currentWidget() is panel and not window.info_banner.isVisible()
 
@@ -413,7 +413,7 @@ def test_no_model_opens_the_model_manager(qtbot, store) -> None:
     manager = FakeModelManager()
     window, _ = make_window(qtbot, store, model_dir=None, model_manager=manager)
     assert window.pages.currentIndex() == 1 and manager.isVisible()
-    assert "No model" in window.engine_label.text()
+    assert "No model" in window.engine_status.engine_label.text()
     with qtbot.waitSignal(window.modelChosen, timeout=1000) as blocker:
         manager.modelChosen.emit("/models/clover")
     assert blocker.args == ["/models/clover"]
@@ -567,8 +567,8 @@ def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
     assert client.plans == [shown] and shown["budget_vram_bytes"] == proposed
     assert client.ctx_loads == [desk.vram_panel.ctx_tokens()]
     assert desk.vram_panel.applied == (proposed, desk.vram_panel.ctx_tokens())
-    assert desk.window.engine_label.text() == "● Ready"
-    assert "RTX 4070 Ti SUPER" in desk.window.gpu_label.text()
+    assert desk.window.engine_status.engine_label.text() == "● Ready"
+    assert "RTX 4070 Ti SUPER" in desk.window.engine_status.gpu_label.text()
     with qtbot.waitSignal(client.loaded, timeout=2000):
         desk.window.on_model_chosen("/models/second")
     assert client.loads[-1][0] == "/models/second"
@@ -614,29 +614,29 @@ def test_the_idle_engine_reads_the_open_chat_ahead(qtbot, store) -> None:
     """After an answer, on opening a chat and once a model loads, the window has the idle local engine read the
     chat (its last answer included) into its prompt cache, so the next message is all a send reads; not while an
     answer streams, not for a chat whose last message is not a finished answer."""
-    from ui.main_window import READ_AHEAD_MS
+    from ui.chat_actions import READ_AHEAD_MS
 
     window, client = make_window(qtbot, store)
     send(qtbot, window, "Explain block diffusion")
     qtbot.waitUntil(lambda: len(client.reads) == 1, timeout=READ_AHEAD_MS + 2000)
     chat = store.chat_messages(window.conversation_id)
     assert client.reads[0][0] == chat and [m["role"] for m in chat] == ["user", "assistant"]
-    assert client.reads[0][1] == window.drawer.settings().to_params() and window.read_ahead_id == "read-1"
+    assert client.reads[0][1] == window.drawer.settings().to_params() and window.chat_actions.read_ahead_id == "read-1"
     cid = window.conversation_id
-    window.open_conversation(None)
+    window.conversations.open(None)
     qtbot.wait(READ_AHEAD_MS + 100)
     assert len(client.reads) == 1  # a new chat: nothing to read
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     qtbot.waitUntil(lambda: len(client.reads) == 2, timeout=READ_AHEAD_MS + 2000)
     assert client.reads[1][0] == chat
-    window.on_engine_loaded({"model_dir": "/models/tiny"})  # a model (re)loaded: its prompt cache is empty
+    window.engine_status.on_engine_loaded({"model_dir": "/models/tiny"})  # a model (re)loaded: its prompt cache is empty
     qtbot.waitUntil(lambda: len(client.reads) == 3, timeout=READ_AHEAD_MS + 2000)
     lone = store.create_conversation("Asked, never answered")
     store.add_message(lone.id, "user", "Hello?")
-    window.open_conversation(lone.id)
+    window.conversations.open(lone.id)
     qtbot.wait(READ_AHEAD_MS + 100)
     client.paused = True  # an answer streams: the engine is not idle
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     window.composer.input.setPlainText("And then?")
     qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
     assert window.is_generating()

@@ -278,7 +278,7 @@ def test_compile_the_layers_is_remembered_and_sent_with_the_next_load(
 
 def test_a_model_left_uncompiled_is_said_so(qtbot, desk) -> None:  # noqa: ANN001
     reason = "torch.compile on the CPU needs a C++ compiler (g++, clang++ or MSVC's cl), and none was found"
-    desk.window.on_engine_loaded({"model_dir": "/models/tiny", "compile_skipped": reason})
+    desk.window.engine_status.on_engine_loaded({"model_dir": "/models/tiny", "compile_skipped": reason})
     banner = desk.window.info_banner
     assert not banner.isHidden() and banner.label.text() == f"“Compile the layers” is on, but {reason}."
 
@@ -301,9 +301,9 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
         library, client, window = app.model_library, app.client, app.window
         window.show()
         qtbot.waitUntil(lambda: len(client.loads) == 1, timeout=5000)  # the first load, with the inherited switch
-        qtbot.waitUntil(lambda: window.engine_state.name == "READY", timeout=5000)
+        qtbot.waitUntil(lambda: window.engine_status.state.name == "READY", timeout=5000)
         assert client.started_env["CLOVER_DESK_FUSED_INT8"] == "1" and client.started_env["CLOVER_DESK_FUSED_MOE"] == "0"
-        assert window.gpu_label.text() == "NVIDIA GeForce RTX 4080 · 1 experimental path"
+        assert window.engine_status.gpu_label.text() == "NVIDIA GeForce RTX 4080 · 1 experimental path"
         window.show_models_page()
         button, actions = library.gpu_paths_button, library.gpu_paths_actions
         assert button.isEnabled() and button.text() == "GPU paths: 1 on" and list(actions) == list(OPT_IN)
@@ -321,7 +321,7 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
             library.row_for(str(second)).load_button.click()
         assert client.restarts == 1  # the worker reads the switches when it starts
         assert GpuPaths.from_env(client.started_env).opt_in() == chosen
-        qtbot.waitUntil(lambda: window.gpu_label.text() == "NVIDIA GeForce RTX 4080 · 2 experimental paths",
+        qtbot.waitUntil(lambda: window.engine_status.gpu_label.text() == "NVIDIA GeForce RTX 4080 · 2 experimental paths",
                         timeout=5000)
         with qtbot.waitSignal(client.loaded, timeout=5000):
             library.reload_button.click()  # nothing changed since: loaded again without a restart

@@ -181,20 +181,20 @@ def test_demo_model_is_created_with_make_tiny_and_chosen(qtbot, panel, tmp_path:
     repo_root = Path(__file__).resolve().parents[1]
     if not (repo_root / "clover_desk" / "cli" / "make_tiny.py").exists():
         pytest.skip("clover-desk make-tiny is not there yet")
-    assert "random noise" in panel.demo_status.text()
+    assert "random noise" in panel.demo.status.text()
     with qtbot.waitSignal(panel.modelChosen, timeout=180_000) as chosen:
-        panel.demo_button.click()
+        panel.demo.button.click()
     folder = Path(chosen.args[0])
     assert folder == tmp_path / "models" / "clover-tiny-demo"
     assert check_model_dir(folder).ok
-    assert "random noise" in panel.demo_status.text() and "ready" in panel.demo_status.text()
-    assert panel.demo_button.isEnabled()
+    assert "random noise" in panel.demo.status.text() and "ready" in panel.demo.status.text()
+    assert panel.demo.button.isEnabled()
 
 
 def test_demo_failure_is_reported(qtbot, panel, tmp_path: Path) -> None:
     blocker_file = tmp_path / "not-a-folder"
     blocker_file.write_text("x")
     with qtbot.waitSignal(panel.demoEnded, timeout=180_000) as ended:
-        panel.create_demo_model(blocker_file / "demo")  # a folder inside a file: make-tiny must fail
+        panel.demo.create(blocker_file / "demo")  # a folder inside a file: make-tiny must fail
     assert ended.args[0] is False
-    assert "Could not create the demo model" in panel.demo_status.text()
+    assert "Could not create the demo model" in panel.demo.status.text()

@@ -56,7 +56,7 @@ def desk(qapp, tmp_path) -> Iterator[Any]:
 
 
 def _choose_remote(qtbot, window, url: str, key: str = "", model: str = "") -> Any:
-    window.backend_action.trigger()
+    window.menus.backend_action.trigger()
     dialog = window.remote.dialog
     assert dialog.isVisible()
     qtbot.mouseClick(dialog.remote, Qt.MouseButton.LeftButton)
@@ -85,7 +85,7 @@ def test_remote_settings_are_remembered_and_tested(qtbot, tmp_path, chat_server,
     home = tmp_path / "home"
     app = _make_app(home)
     window = app.window
-    assert window.engine_state is EngineState.NO_MODEL and not window.composer.send_button.isEnabled()
+    assert window.engine_status.state is EngineState.NO_MODEL and not window.composer.send_button.isEnabled()
     dialog = _choose_remote(qtbot, window, chat_server.url, key="k1", model="")
     ok, status = _test_connection(qtbot, window)
     assert ok and "Connected: 1 model" in status and chat_model.path.name in status
@@ -95,7 +95,7 @@ def test_remote_settings_are_remembered_and_tested(qtbot, tmp_path, chat_server,
     assert (ini.value("backend"), ini.value("remote_url"), ini.value("remote_api_key"), ini.value("remote_model")) \
         == ("remote", chat_server.url, "k1", chat_model.path.name)
     # no local model, yet Send works: the remote answers
-    assert window.composer.send_button.isEnabled() and window.engine_label.text().startswith("● Remote: 127.0.0.1:")
+    assert window.composer.send_button.isEnabled() and window.engine_status.engine_label.text().startswith("● Remote: 127.0.0.1:")
     app.shutdown(wait_ms=2000)
     window.close()
 
@@ -146,8 +146,8 @@ def test_a_message_streams_from_the_remote_server(qtbot, desk, chat_server) -> N
     assert isinstance(stats["passes"], int) and isinstance(stats["tokens"], int) and stats["tokens"] > 0
     assert window.chat.widgets[-1].data.stats == stats
     assert window.denoise.position_label.text() == DENOISING_UNAVAILABLE
-    assert window.speed_label.text().endswith("tok/s (remote)")
-    assert window.hit_label.text() == "Expert cache unavailable (remote)"
+    assert window.engine_status.speed_label.text().endswith("tok/s (remote)")
+    assert window.engine_status.hit_label.text() == "Expert cache unavailable (remote)"
     assert stats_line(stats).startswith("remote (") and "unavailable" not in stats_line(stats)
 
 
@@ -170,8 +170,8 @@ def test_esc_cancels_a_remote_answer_and_the_server_stops(qtbot, desk, endless_s
     # Continue is the local engine's (a remote server would start a new answer): not offered for this one
     widget = window.chat.widgets[-1]
     assert widget.regen_button.isVisible() and not widget.continue_button.isVisible()
-    assert not window.continue_action.isEnabled()
-    window.continue_action.trigger()
+    assert not window.menus.continue_action.isEnabled()
+    window.menus.continue_action.trigger()
     widget.continueRequested.emit(widget)
     assert not window.is_generating() and desk.store.messages(window.conversation_id)[-1].status == "stopped"
 
@@ -239,7 +239,7 @@ def test_figures_a_server_does_not_report_show_as_unavailable(qtbot, desk) -> No
         assert stats[key] is None, key  # not reported: never estimated
     line = stats_line(stats)
     assert "tokens unavailable" in line and "tok/s unavailable" in line and "tok/pass unavailable" in line
-    assert window.speed_label.text() == "tok/s unavailable (remote)"
+    assert window.engine_status.speed_label.text() == "tok/s unavailable (remote)"
     assert window.denoise.position_label.text() == DENOISING_UNAVAILABLE
 
 

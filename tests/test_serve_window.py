@@ -68,7 +68,7 @@ def desk(qapp, endless_model, tmp_path_factory):  # noqa: F811
 
 def _start(qtbot, window, port: int = 0, key: str = "", host: str = "127.0.0.1") -> str:
     dialog = window.serve.dialog
-    window.serve_action.trigger()
+    window.menus.serve_action.trigger()
     assert dialog.isVisible()
     dialog.host.setText(host)
     dialog.port.setValue(port)
@@ -163,13 +163,13 @@ def test_a_port_in_use_is_said_plainly(qtbot, desk) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        window.serve_action.trigger()
+        window.menus.serve_action.trigger()
         dialog.port.setValue(port)
         with qtbot.waitSignal(window.client.serveFailed, timeout=30_000):
             qtbot.mouseClick(dialog.start_button, Qt.MouseButton.LeftButton)
     assert dialog.isVisible() and str(port) in dialog.status.text() and "Not serving" in dialog.status.text()
     assert dialog.start_button.isEnabled() and not window.serve.button.isVisible()
-    assert window.engine_label.text() == "● Ready"  # the engine itself is fine
+    assert window.engine_status.engine_label.text() == "● Ready"  # the engine itself is fine
 
 
 def test_a_restarted_engine_serves_again(qtbot, desk) -> None:
@@ -178,7 +178,7 @@ def test_a_restarted_engine_serves_again(qtbot, desk) -> None:
     url = _start(qtbot, window, port=port)
     with qtbot.waitSignal(window.client.loaded, timeout=LOAD_MS):
         with qtbot.waitSignals([window.client.serveStopped, window.client.serving], timeout=LOAD_MS, order="strict"):
-            window.on_restart_clicked()
+            window.engine_status.on_restart_clicked()
     assert window.client.server_url == url and window.serve.button.isVisible()
     assert [m.id for m in _openai(url).models.list().data] == [desk.settings.model_dir.rsplit("/", 1)[1]]
     _stop(qtbot, window)

@@ -524,7 +524,7 @@ def test_failed_edit_keeps_the_edit_and_other_failed_saves_say_why(
         _send(qtbot, window, "first question")
         cid = window.conversation_id
         question = window.chat.messages()[0]
-        window.on_edit_requested(question)
+        window.chat_actions.on_edit_requested(question)
         _empty_wal(db)
         filler = _fill(small_fs)
         window.composer.input.setPlainText("better question")
@@ -540,15 +540,15 @@ def test_failed_edit_keeps_the_edit_and_other_failed_saves_say_why(
         assert "settings were not saved" in window.info_banner.label.text()
         assert window.conversations.export(cid, "markdown", str(small_fs / "chat.md")) is None
         assert "not exported" in window.info_banner.label.text() and "No space left" in window.info_banner.label.text()
-        window.on_regenerate_requested(window.chat.messages()[-1])
+        window.chat_actions.on_regenerate_requested(window.chat.messages()[-1])
         assert "not regenerated" in window.info_banner.label.text() and not window.is_generating()
         window.conversations.delete(cid)
         assert "not deleted" in window.info_banner.label.text() and store.get_conversation(cid).id == cid
         filler.unlink()
         with qtbot.waitSignal(window.generationFinished, timeout=30_000):
-            window.open_conversation(cid)
+            window.conversations.open(cid)
             edited = next(m for m in window.chat.messages() if m.role == "user")
-            window.on_edit_requested(edited)
+            window.chat_actions.on_edit_requested(edited)
             window.composer.input.setPlainText("better question")
             qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
         assert window.composer.editing is None and window.composer.input.toPlainText() == ""

@@ -31,8 +31,8 @@ def plan_fn():
 
 
 def resident_of(panel: VramPanel) -> int:
-    m = re.match(r"(\d+) of (\d+) layers|All (\d+) layers", panel.layers_label.text())
-    assert m, panel.layers_label.text()
+    m = re.match(r"(\d+) of (\d+) layers|All (\d+) layers", panel.breakdown.layers_label.text())
+    assert m, panel.breakdown.layers_label.text()
     return int(m.group(1) or m.group(3))
 
 
@@ -50,17 +50,17 @@ def test_slider_spans_minimum_to_card_and_updates_plan(qtbot, plan_fn) -> None:
     low_plan = blocker.args[0]
     assert low_plan.fits and panel.plan is low_plan
     low = resident_of(panel)
-    assert "streamed from RAM" in panel.layers_label.text()
+    assert "streamed from RAM" in panel.breakdown.layers_label.text()
     assert panel.budget_label.text() == "6.0 GiB"
-    assert panel.ram_label.text().startswith("RAM needed:")
-    assert "tok/s diffusion" in panel.speed_label.text()
-    assert panel.speed_label.text().startswith("≈ ") and panel.speed_label.text().endswith("(estimate)")
-    assert panel.speed_label.isVisibleTo(panel)
+    assert panel.breakdown.ram_label.text().startswith("RAM needed:")
+    assert "tok/s diffusion" in panel.breakdown.speed_label.text()
+    assert panel.breakdown.speed_label.text().startswith("≈ ") and panel.breakdown.speed_label.text().endswith("(estimate)")
+    assert panel.breakdown.speed_label.isVisibleTo(panel)
 
     panel.set_budget_bytes(15 * GIB)
     high = resident_of(panel)
     assert high > low  # a bigger budget keeps more layers' experts on the GPU
-    assert panel.bar.budget_bytes == 15 * GIB
+    assert panel.breakdown.bar.budget_bytes == 15 * GIB
     legend_total = sum(n for *_rest, n in panel.summary.segments)
     assert legend_total == sum(panel.plan.vram_breakdown.get(k, 0) for k in panel.plan.vram_breakdown)
     assert panel.apply_button.isEnabled()
@@ -89,7 +89,7 @@ def test_wont_fit_shows_reason_and_blocks_apply(qtbot, plan_fn) -> None:
     assert plan_fn(small, 131072).min_vram_bytes > small
     assert not panel.plan.fits
     assert "Won't fit" in panel.state_label.text()
-    assert panel.reason_label.isVisible() and panel.reason_label.text()
+    assert panel.breakdown.reason_label.isVisible() and panel.breakdown.reason_label.text()
     assert not panel.apply_button.isEnabled()
 
 
@@ -196,7 +196,7 @@ def test_without_gpu_no_speed_is_shown(qtbot, plan_fn) -> None:
         assert panel.plan.predicted_tok_s  # the planner has a roofline figure; the panel does not show it
         texts = [label.text() for label in panel.findChildren(QLabel)]
         assert not [t for t in texts if "tok/s" in t], texts
-        assert not panel.speed_label.isVisible()
+        assert not panel.breakdown.speed_label.isVisible()
     assert panel.summary.speed_line == ""
 
 
@@ -244,7 +244,7 @@ def test_planner_failure_is_shown_not_raised(qtbot) -> None:
 
     panel = VramPanel(broken, CARD, "RTX", None)
     qtbot.addWidget(panel)
-    assert "no expert layers" in panel.reason_label.text()
+    assert "no expert layers" in panel.breakdown.reason_label.text()
     assert not panel.apply_button.isEnabled()
 
 

@@ -124,7 +124,7 @@ def test_f2_renames_the_chat_while_the_composer_has_focus(qtbot, tmp_path) -> No
     window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
     qtbot.addWidget(window)
     window.show()
-    window.open_conversation(conversation.id)
+    window.conversations.open(conversation.id)
     window.composer.input.setFocus()
     qtbot.waitUntil(window.composer.input.hasFocus)
     qtbot.keyClick(window.composer.input, Qt.Key.Key_F2)
@@ -143,8 +143,8 @@ def test_a_second_demo_model_gets_a_new_folder(qtbot, tmp_path) -> None:
     panel = ModelManagerPanel(models_dir=models, python="true")  # (a child that makes nothing: the folder is the test)
     qtbot.addWidget(panel)
     with qtbot.waitSignal(panel.demoEnded, timeout=30_000):
-        panel.demo_button.click()
-    assert panel._demo_dir == models / f"{DEMO_FOLDER_NAME}-3"
+        panel.demo.button.click()
+    assert panel.demo.folder == models / f"{DEMO_FOLDER_NAME}-3"
     assert sorted(p.name for p in models.iterdir()) == [DEMO_FOLDER_NAME, f"{DEMO_FOLDER_NAME}-2"]
 
 
@@ -177,8 +177,8 @@ def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -
     qtbot.addWidget(window)
     window.resize(1024, 640)
     window.show()
-    window._set_state(EngineState.LOADING)
-    window._update_send_state()
+    window.engine_status.set_state(EngineState.LOADING)
+    window.chat_actions.update_send_state()
     label = window.composer.blocked_label
     qtbot.waitUntil(label.isVisible)
     qtbot.wait(50)  # (one layout pass)
@@ -243,15 +243,15 @@ def test_no_stale_figures_or_names_after_switching_to_the_remote(qtbot, tmp_path
     window.composer.input.setPlainText("Hello")
     with qtbot.waitSignal(window.generationFinished, timeout=5000):
         qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
-    assert window.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
+    assert window.engine_status.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
     dialog = window.remote.dialog
     dialog.remote.click()  # Model ▸ Backend…: the remote server
-    window.refresh_status()
-    assert window.speed_label.text() == "tok/s unavailable (remote)"
+    window.engine_status.refresh()
+    assert window.engine_status.speed_label.text() == "tok/s unavailable (remote)"
     assert window.model_label.text() == "remote-model"
     dialog.local.click()
-    window.refresh_status()
-    assert window.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
+    window.engine_status.refresh()
+    assert window.engine_status.speed_label.text() == "41.5 tok/s" and window.model_label.text() == "clover-tiny-demo"
     window.close()
     store.close()
 
@@ -266,17 +266,17 @@ def test_loading_cancelled_goes_with_another_chat_backend_or_load(qtbot, tmp_pat
     other = store.create_conversation("Another chat")
 
     def cancelled() -> None:
-        window.on_engine_error_message("CancelledError", "loading was cancelled")
+        window.engine_status.on_engine_error_message("CancelledError", "loading was cancelled")
         assert window.info_banner.isVisible() and window.info_banner.label.text() == "Loading cancelled."
 
     cancelled()
-    window.open_conversation(other.id)
+    window.conversations.open(other.id)
     assert not window.info_banner.isVisible()
     cancelled()
     window.remote.dialog.remote.click()
     assert not window.info_banner.isVisible()
     cancelled()
-    window.on_load_progress(LoadProgress("reading", 0, 10))
+    window.engine_status.on_load_progress(LoadProgress("reading", 0, 10))
     assert not window.info_banner.isVisible()
     window.close()
     store.close()
@@ -525,7 +525,7 @@ def test_stop_in_the_first_block_keeps_the_committed_text_and_offers_continue(qt
     assert ended.args[1] == "cancelled" and isinstance(rest[-1], Finished)
     assert (bubble.data.status, bubble.data.content) == ("stopped", committed)
     assert committed in bubble.body.toPlainText()
-    assert bubble.continue_button.isVisible() and window.continue_action.isEnabled()
+    assert bubble.continue_button.isVisible() and window.menus.continue_action.isEnabled()
     saved = store.messages(window.conversation_id)[-1]
     assert (saved.status, saved.content) == ("stopped", committed)
     window.close()

@@ -59,7 +59,7 @@ def make_window(qtbot, store, counter, client=None, limit: int = LIMIT) -> MainW
     window = MainWindow(client, store, StreamRecorder, model_dir="/models/tiny", token_counter=counter)
     qtbot.addWidget(window)
     window.show()
-    window.set_model_info({"config": {"max_position_embeddings": 131072}, "plan": {"ctx_tokens": limit}})
+    window.chat_settings.set_model_info({"config": {"max_position_embeddings": 131072}, "plan": {"ctx_tokens": limit}})
     return window
 
 
@@ -92,7 +92,7 @@ def test_the_counter_counts_what_the_engine_prefills(qtbot, counter, tokenizer) 
 def test_the_meter_beside_send_counts_the_chat_and_the_draft(qtbot, store, counter, tokenizer) -> None:  # noqa: ANN001
     cid = long_chat(store, 1)
     window = make_window(qtbot, store, counter)
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     meter = window.long_chats.meter
     assert meter.isVisible() and meter.parentWidget() is window.composer
     chat = store.chat_messages(cid)
@@ -118,7 +118,7 @@ def test_a_message_that_does_not_fit_is_not_sent_and_the_choice_is_offered(qtbot
     cid = long_chat(store, 4)
     client = FakeEngineClient(blocks=1, pass_ms=2, answer="Fine.")
     window = make_window(qtbot, store, counter, client)
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     qtbot.waitUntil(lambda: window.long_chats.meter.level == "over", timeout=5000)
     assert window.long_chats.meter.property("class") == "dangerText"
     dialog = open_dialog(qtbot, window, "One more question about the keepers?")
@@ -142,7 +142,7 @@ def test_leaving_the_oldest_turns_out_sends_what_fits_and_is_remembered(qtbot, s
     cid = long_chat(store, 4)
     client = FakeEngineClient(blocks=1, pass_ms=2, answer="Fine.")
     window = make_window(qtbot, store, counter, client)
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     dialog = open_dialog(qtbot, window, "One more question about the keepers?")
     with qtbot.waitSignal(window.generationFinished, timeout=5000):
         dialog.drop_button.click()
@@ -162,8 +162,8 @@ def test_leaving_the_oldest_turns_out_sends_what_fits_and_is_remembered(qtbot, s
     assert window.composer.input.toPlainText() == ""
     # remembered with the chat (also across a settings edit): the next long message goes without asking
     window.drawer.temperature.setValue(0.3)
-    window.open_conversation(None)
-    window.open_conversation(cid)
+    window.conversations.open(None)
+    window.conversations.open(cid)
     window.composer.input.setPlainText("And their children?")
     with qtbot.assertNotEmitted(window.long_chats.dialogOpened):
         with qtbot.waitSignal(window.generationFinished, timeout=5000):
@@ -180,7 +180,7 @@ def test_a_chat_past_its_context_starts_where_its_last_send_did_while_it_fits(qt
     cid = long_chat(store, 5)
     client = FakeEngineClient(blocks=1, pass_ms=2, answer="Fine.")
     window = make_window(qtbot, store, counter, client, limit=1400)
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     dialog = open_dialog(qtbot, window, "One more question about the keepers?")
     with qtbot.waitSignal(window.generationFinished, timeout=5000):
         dialog.drop_button.click()
@@ -189,8 +189,8 @@ def test_a_chat_past_its_context_starts_where_its_last_send_did_while_it_fits(qt
     reserve = answer_reserve(1400, window.drawer.settings().max_new_tokens)
     assert len(first) == 1 + 3 * 2 + 1  # 3 of 5 turns: 4 would fit (as far as needed) but leave < a quarter free
     assert count(first) + reserve + shift_slack(1400, reserve) <= 1400
-    window.open_conversation(None)
-    window.open_conversation(cid)
+    window.conversations.open(None)
+    window.conversations.open(cid)
     window.composer.input.setPlainText(TURN)  # a long one: from a start moved as that rule says it would move again
     with qtbot.waitSignal(window.generationFinished, timeout=5000):
         qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
@@ -204,12 +204,12 @@ def test_a_new_chat_carrying_a_summary_then_sends_the_message(qtbot, store, coun
     cid = long_chat(store, 4)
     client = FakeEngineClient(blocks=1, pass_ms=2, answer="Keepers rowed ashore monthly.")
     window = make_window(qtbot, store, counter, client)
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     dialog = open_dialog(qtbot, window, "One more question about the keepers?")
     with qtbot.waitSignal(window.long_chats.summaryEnded, timeout=5000) as ended:
         dialog.summary_button.click()
         assert window.prompt_progress.isVisible() and "Summarizing" in window.prompt_progress.label.text()
-        assert window.composer.send_button.text() == "Stop" and window.engine_label.text() == "● Summarizing the chat…"
+        assert window.composer.send_button.text() == "Stop" and window.engine_status.engine_label.text() == "● Summarizing the chat…"
     assert ended.args == ["done"]
     summary_request, summary_params = client.requests[0]
     assert summary_request[-1] == {"role": "user", "content": SUMMARY_INSTRUCTION}
@@ -234,7 +234,7 @@ def test_stopping_the_summary_keeps_the_message_in_the_box(qtbot, store, counter
     client = FakeEngineClient(blocks=1, pass_ms=2, answer="unused")
     client.paused = True
     window = make_window(qtbot, store, counter, client)
-    window.open_conversation(cid)
+    window.conversations.open(cid)
     dialog = open_dialog(qtbot, window, "One more question?")
     dialog.summary_button.click()
     with qtbot.waitSignal(window.long_chats.summaryEnded, timeout=5000) as ended:

@@ -121,7 +121,7 @@ def test_send_waits_for_the_model_and_says_why(qtbot, store) -> None:
     client = FakeEngineClient(loaded=False)
     window = make_window(qtbot, store, client)
     send_button, composer = window.composer.send_button, window.composer
-    assert window.engine_state is EngineState.STARTING
+    assert window.engine_status.state is EngineState.STARTING
     assert not send_button.isEnabled()
     assert composer.blocked_label.isVisible() and "once the model has loaded" in composer.blocked_label.text()
     assert "once the model has loaded" in send_button.toolTip()
@@ -130,7 +130,7 @@ def test_send_waits_for_the_model_and_says_why(qtbot, store) -> None:
     assert client.requests == [] and store.list_conversations() == []  # nothing saved, no "Error: NotLoaded"
     assert composer.input.toPlainText() == "hello before the model is there"
     client.emit_load(1, 4)
-    assert window.engine_state is EngineState.LOADING and not send_button.isEnabled()
+    assert window.engine_status.state is EngineState.LOADING and not send_button.isEnabled()
     assert "loading" in composer.blocked_label.text()
     client.loaded.emit({"model_dir": "/models/tiny"})
     assert send_button.isEnabled() and not composer.blocked_label.isVisible()
@@ -184,8 +184,8 @@ def test_new_chats_start_from_the_models_own_settings(qtbot, store) -> None:
     # an AR-only model: a new chat starts in AR mode, greedy
     info = {"model_dir": "/models/qwen", "config": {"is_diffusion": False, "block_size": 32, "threshold": 0.95},
             "generation_defaults": {"do_sample": False, "temperature": 1.0, "max_new_tokens": 100_000}}
-    window.set_model_info(info)
-    window.on_new_conversation()
+    window.chat_settings.set_model_info(info)
+    window.conversations.on_new()
     assert d.mode.currentData() == "ar" and d.temperature.value() == 0 and d.max_tokens.value() == 32768
 
 
@@ -195,7 +195,7 @@ def test_the_users_own_edits_to_a_new_chat_are_kept_when_the_model_loads(qtbot, 
     window.drawer.threshold.setValue(0.5)
     client.loaded.emit(LOADED_INFO)
     assert window.drawer.threshold.value() == pytest.approx(0.5)
-    assert window.model_defaults.threshold == pytest.approx(0.8)
+    assert window.chat_settings.model_defaults.threshold == pytest.approx(0.8)
 
 
 def test_defaults_from_model_words() -> None:
@@ -248,12 +248,12 @@ def test_page_title_follows_the_page_and_the_reopened_chat_is_highlighted(qtbot,
     again = make_window(qtbot, store, model_manager=manager)
     assert again.conversation_id == cid
     assert again.sidebar.current_id() == cid and again.sidebar.list.currentItem().isSelected()
-    again.models_action.trigger()
+    again.menus.models_action.trigger()
     assert again.title_label.text() == "Models"
-    again.new_action.trigger()  # a fresh chat: its own title, not "Models"
+    again.menus.new_action.trigger()  # a fresh chat: its own title, not "Models"
     assert again.pages.currentIndex() == 0 and again.title_label.text() == "New chat"
     assert again.sidebar.current_id() is None
-    again.models_action.trigger()
+    again.menus.models_action.trigger()
     again.sidebar.list.setCurrentRow(0)
     assert again.title_label.text() == "remember me" and again.pages.currentIndex() == 0
 
@@ -299,7 +299,7 @@ def test_export_from_the_file_menu(qtbot, store, tmp_path, monkeypatch, ui_setti
     send(qtbot, window, "Hello, who are you?")
     old = os.umask(0o022)
     try:
-        window.export_md_action.trigger()
+        window.menus.export_md_action.trigger()
     finally:
         os.umask(old)
     start, filters, selected = asked[0]
@@ -309,10 +309,10 @@ def test_export_from_the_file_menu(qtbot, store, tmp_path, monkeypatch, ui_setti
     assert "Hello, who are you?" in written.read_text()
     assert stat.S_IMODE(written.stat().st_mode) == 0o644  # a normal document, not a private 0600 file
     assert "Exported to" in window.statusBar().currentMessage()
-    window.export_json_action.trigger()  # the last folder used, and the JSON filter first
+    window.menus.export_json_action.trigger()  # the last folder used, and the JSON filter first
     assert asked[1][0] == str(target / "hello-who-are-you.json") and asked[1][2] == "JSON (*.json)"
     assert (target / "hello-who-are-you.json").exists()
-    assert "Ctrl+E" in [k for _, k in window.shortcuts()]
+    assert "Ctrl+E" in [k for _, k in window.menus.shortcuts()]
 
 
 def test_export_file_names() -> None:
@@ -414,7 +414,7 @@ def test_keyboard_only_use(qtbot, store) -> None:
     qtbot.keyClick(window.sidebar.search, Qt.Key.Key_Tab)  # Tab: the chat list
     assert window.sidebar.list.hasFocus()
     qtbot.keyClick(window, Qt.Key.Key_Comma, Qt.KeyboardModifier.ControlModifier)  # Ctrl+,: settings
-    assert window.side.currentWidget() is window.drawer_scroll and window.settings_action.isChecked()
+    assert window.side.currentWidget() is window.drawer_scroll and window.menus.settings_action.isChecked()
     qtbot.keyClick(window, Qt.Key.Key_Comma, Qt.KeyboardModifier.ControlModifier)
     assert window.side.currentWidget() is window.tabs
     with qtbot.waitSignal(window.generationFinished, timeout=10_000):
@@ -435,7 +435,7 @@ def test_menu_bar_lists_the_shortcuts_and_has_an_about_box(qtbot, store) -> None
     window = make_window(qtbot, store)
     titles = [a.text().replace("&", "") for a in window.menuBar().actions()]
     assert titles == ["File", "Edit", "View", "Model", "Help"]
-    keys = {key for _, key in window.shortcuts()}
+    keys = {key for _, key in window.menus.shortcuts()}
     for key in ("Ctrl+N", "Ctrl+K", "Ctrl+,", "Ctrl+Shift+R", "Esc", "Ctrl+E", "Ctrl+Q", "F1"):
         assert key in keys, key
     seen: dict[str, str] = {}
@@ -446,10 +446,10 @@ def test_menu_bar_lists_the_shortcuts_and_has_an_about_box(qtbot, store) -> None
         box.accept()
 
     QTimer.singleShot(50, read_and_close)
-    window.about_action.trigger()
+    window.menus.about_action.trigger()
     assert seen["title"] == "About Clover Desk" and "runs on this computer" in seen["text"]
     QTimer.singleShot(50, read_and_close)
-    window.shortcuts_action.trigger()
+    window.menus.shortcuts_action.trigger()
     assert "Ctrl+Shift+R" in seen["text"] and "Regenerate last answer" in seen["text"]
 
 
@@ -488,16 +488,16 @@ def test_light_and_dark_themes_switch_from_view_and_follow_the_system(qtbot, sto
         image = header.grab().toImage()
         return image.pixelColor(image.width() // 2, 2).name()
 
-    window.theme_actions["light"].trigger()
+    window.menus.theme_actions["light"].trigger()
     assert current_scheme() == "light" and COLORS == LIGHT and header_colour() == LIGHT["bg"]
     assert ui_settings.value("theme") == "light"
-    window.theme_actions["dark"].trigger()
+    window.menus.theme_actions["dark"].trigger()
     assert current_scheme() == "dark" and header_colour() == DARK["bg"]
     # "Follow the system": the desktop's scheme (QStyleHints.colorScheme; the test platform has none, so the
     # probe is replaced) decides, and a change of it is followed at once
     desktop = {"scheme": "light"}
     monkeypatch.setattr(theme_module, "system_scheme", lambda app: desktop["scheme"])
-    window.theme_actions["system"].trigger()
+    window.menus.theme_actions["system"].trigger()
     assert current_scheme() == "light" and header_colour() == LIGHT["bg"]
     desktop["scheme"] = "dark"
     with qtbot.waitSignal(window.themeChanged, timeout=2000) as changed:
@@ -505,13 +505,13 @@ def test_light_and_dark_themes_switch_from_view_and_follow_the_system(qtbot, sto
     assert changed.args == ["dark"] and header_colour() == DARK["bg"]
     other = make_window(qtbot, store, ui_settings=ui_settings)  # a second window, still following the desktop
     assert other.state.theme_preference == "system"
-    window.theme_actions["light"].trigger()  # a forced theme ignores the desktop, in every window
+    window.menus.theme_actions["light"].trigger()  # a forced theme ignores the desktop, in every window
     with qtbot.assertNotEmitted(window.themeChanged), qtbot.assertNotEmitted(other.themeChanged):
         QGuiApplication.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Dark)
     assert current_scheme() == "light"
-    window.theme_actions["system"].trigger()
+    window.menus.theme_actions["system"].trigger()
     again = make_window(qtbot, store, ui_settings=ui_settings)
-    assert again.state.theme_preference == "system" and again.theme_actions["system"].isChecked()
+    assert again.state.theme_preference == "system" and again.menus.theme_actions["system"].isChecked()
 
 
 # ---------------------------------------------------------------------------------------------- D. shared pieces
@@ -522,7 +522,7 @@ def test_the_status_bar_uses_the_shared_memory_probe(qtbot, store) -> None:
 
     pytest.importorskip("psutil")
     window = make_window(qtbot, store, monitor=MemoryMonitor())
-    assert window.ram_label.text().startswith("RAM ") and "GiB" in window.ram_label.text()
+    assert window.engine_status.ram_label.text().startswith("RAM ") and "GiB" in window.engine_status.ram_label.text()
 
 
 def test_one_title_rule_the_stores(qtbot, store) -> None:

@@ -37,24 +37,16 @@ class AnswerWindowLike(Protocol):
     preview: QWidget | None
     tabs: Any
     side: Any
-    stop_action: Any
-    status_throttle: Any
-    read_ahead_timer: Any
+    menus: Any  # ui.window_menus.WindowMenus: .stop_action
+    engine_status: Any  # ui.engine_status.EngineStatus: .refresh(), .throttle
+    chat_actions: Any  # ui.chat_actions.ChatActions: .request_source(), .read_ahead_timer
     generationStarted: Any  # noqa: N815 - Qt signal names
     generationFinished: Any  # noqa: N815
     conversations: Any  # ui.conversations.Conversations
 
-    def request_source(self) -> Any: ...
-
-    def show_chosen_versions(self) -> None: ...
-
-    def on_conversation_created(self, conversation_id: int, title: str) -> None: ...
-
     def show_save_error(self, error: BaseException, what: str) -> None: ...
 
     def show_panel(self, widget: QWidget | None) -> None: ...
-
-    def refresh_status(self) -> None: ...
 
 
 class AnswerDisplay:
@@ -76,7 +68,7 @@ class AnswerDisplay:
         return cast(Messages, self.window.long_chats.messages_to_send(conversation_id))
 
     def request_source(self) -> Any:
-        return self.window.request_source()
+        return self.window.chat_actions.request_source()
 
     def shown_messages(self) -> list[MessageData]:
         return cast("list[MessageData]", self.window.chat.messages())
@@ -92,10 +84,10 @@ class AnswerDisplay:
         self.window.chat.resume_stream(data)
 
     def show_chosen_versions(self) -> None:
-        self.window.show_chosen_versions()
+        self.window.conversations.show_chosen_versions()
 
     def conversation_created(self, conversation_id: int, title: str) -> None:
-        self.window.on_conversation_created(conversation_id, title)
+        self.window.conversations.on_created(conversation_id, title)
 
     def save_failed(self, error: BaseException, what: str) -> None:
         self.window.show_save_error(error, what)
@@ -111,18 +103,18 @@ class AnswerDisplay:
         w.denoise.start(mode)  # a new answer: the view follows its live pass
         w.denoise.set_unavailable(DENOISING_UNAVAILABLE if remote else "")
         w.composer.set_generating(True)
-        w.stop_action.setEnabled(True)
+        w.menus.stop_action.setEnabled(True)
         if w.side.currentWidget() is w.tabs and w.tabs.currentWidget() is not w.preview:
             w.tabs.setCurrentWidget(w.denoise)
         w.generationStarted.emit(request_id)
-        w.refresh_status()
+        w.engine_status.refresh()
 
     def answer_event(self, event: object) -> None:
         """The answer took ``event`` in: repaint it and feed the panels."""
         w = self.window
         if w.prompt_progress.active and isinstance(event, (TextDelta, BlockStep, BlockCommitted)):
             w.prompt_progress.end()  # the prompt is read: the answer has started
-            w.status_throttle.request()
+            w.engine_status.throttle.request()
         if isinstance(event, TextDelta):
             w.chat.stream_changed()
             w.denoise.add_event(event)  # autoregressive mode shows the token stream
@@ -133,14 +125,14 @@ class AnswerDisplay:
             w.denoise.add_event(event)
         elif isinstance(event, BlockCommitted):
             w.denoise.add_event(event)
-            w.status_throttle.request()
+            w.engine_status.throttle.request()
         elif isinstance(event, PromptInfo):
             w.denoise.add_event(event)
             w.prompt_progress.begin(event.prompt_tokens)
-            w.refresh_status()  # "Reading your message…" (once per answer)
+            w.engine_status.refresh()  # "Reading your message…" (once per answer)
         elif isinstance(event, PrefillProgress):
             w.prompt_progress.set_progress(event)
-            w.status_throttle.request()
+            w.engine_status.throttle.request()
 
     def answer_ended(self, request_id: str, reason: str, data: MessageData) -> None:
         w = self.window
@@ -154,10 +146,10 @@ class AnswerDisplay:
         w.chat.end_stream()
         w.long_chats.throttle.request()  # the chat grew: count it again
         w.composer.set_generating(False)
-        w.stop_action.setEnabled(False)
+        w.menus.stop_action.setEnabled(False)
         w.conversations.reload()
-        w.refresh_status()
-        w.read_ahead_timer.start()
+        w.engine_status.refresh()
+        w.chat_actions.read_ahead_timer.start()
         w.generationFinished.emit(request_id, reason)
 
     # ----------------------------------------------------------------- the preview

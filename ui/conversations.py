@@ -1,7 +1,8 @@
-"""The window's conversations: the list in the sidebar (and its search), rename, delete and export.
+"""The window's conversations: opening one, the list in the sidebar (and its search), rename, delete and export.
 
-:class:`Conversations` acts on the chat store for :class:`ui.main_window.MainWindow`, which opens the chats (the
-list hands it the one chosen) and wires the sidebar's and the menus' signals here. Export asks where to save with
+:class:`Conversations` acts on the chat store for :class:`ui.main_window.MainWindow`, which wires the sidebar's and
+the menus' signals here. Opening a chat (:meth:`Conversations.open`; none: a new chat) stops an answer in flight,
+shows the chosen version of each message, the chat's settings and title, and has the engine read it ahead. Export asks where to save with
 :func:`ask_save_path` (a seam: tests replace it) in the folder used last (remembered in the window's settings,
 :class:`ui.window_state.WindowState`), else Documents.
 """
@@ -17,6 +18,7 @@ from PySide6.QtWidgets import QFileDialog, QMessageBox, QStatusBar, QWidget
 
 from ui.contracts import ChatStoreLike
 from ui.generation import export_file_name
+from ui.messages import MessageData
 from ui.widgets import documents_dir
 
 log = logging.getLogger(__name__)
@@ -38,10 +40,17 @@ class ConversationsWindowLike(Protocol):
     conversation_id: int | None
     session: Any  # ui.chat_session.ChatSession
     state: Any  # ui.window_state.WindowState
+    chat: Any  # ui.chat_view.ChatView
+    composer: Any  # ui.composer.Composer
+    long_chats: Any  # ui.long_chats.LongChats
+    chat_actions: Any  # ui.chat_actions.ChatActions
+    chat_settings: Any  # ui.chat_settings.ChatSettings
+    engine_status: Any  # ui.engine_status.EngineStatus
+    conversationChanged: Any  # noqa: N815 - a Qt signal
 
     def is_generating(self) -> bool: ...
 
-    def open_conversation(self, conversation_id: int | None) -> None: ...
+    def show_chat_page(self) -> None: ...
 
     def show_save_error(self, error: BaseException, what: str) -> None: ...
 
@@ -54,6 +63,71 @@ class Conversations:
     def __init__(self, window: ConversationsWindowLike) -> None:
         self.window = window
         self._save_error: type[Exception] = getattr(window.store, "Error", OSError)
+
+    # ----------------------------------------------------------------- opening one
+    def open(self, conversation_id: int | None) -> None:
+        """Show a chat (None: a new one), stopping the answer in flight."""
+        w = self.window
+        if w.is_generating():
+            w.chat_actions.on_stop_requested()
+        w.conversation_id = conversation_id
+        w.engine_status.clear_load_notice()
+        w.composer.end_edit()
+        w.sidebar.select(conversation_id)
+        if conversation_id is None:
+            w.chat.clear()
+            w.chat_settings.show_new_chat()
+            w.title_label.setText("New chat")
+            w.long_chats.on_conversation_opened(None)
+            w.chat_actions.update_send_state()
+            return
+        conv = w.store.get_conversation(conversation_id)
+        w.title_label.setText(conv.title)
+        w.chat_settings.show_saved(conv.settings, conv.system_prompt)
+        w.chat.set_messages(self.shown_messages(conversation_id))
+        w.long_chats.on_conversation_opened(conv.settings)
+        w.chat_actions.update_send_state()  # Continue: whether this chat's last answer was cut short
+        w.show_chat_page()
+        w.chat_actions.read_ahead_timer.start()
+        w.conversationChanged.emit(conversation_id)
+
+    def shown_messages(self, conversation_id: int) -> list[MessageData]:
+        """The chat as the view shows it: the chosen version of each message, each knowing how many there are."""
+        store = self.window.store
+        counts = store.version_counts(conversation_id)
+        return [
+            MessageData(m.role, m.content, m.thinking, m.thinking_seconds, m.status, dict(m.stats), m.id,
+                        *counts.get(m.id, (1, 1)))
+            for m in store.messages(conversation_id)
+            if m.role in ("user", "assistant")
+        ]
+
+    def show_chosen_versions(self) -> None:
+        """Show the open chat again as the store has it now (another version chosen, an edit taken back); the
+        engine reads the chat it now shows ahead of the next message."""
+        w = self.window
+        if w.conversation_id is None:
+            return
+        w.chat.set_messages(self.shown_messages(w.conversation_id))
+        w.chat_actions.update_send_state()
+        w.chat_actions.read_ahead_timer.start()
+
+    def on_new(self) -> None:
+        self.open(None)
+        self.window.show_chat_page()
+        self.window.composer.input.setFocus()
+
+    def on_selected(self, conversation_id: int) -> None:
+        if conversation_id != self.window.conversation_id:
+            self.open(conversation_id)
+        else:
+            self.window.show_chat_page()
+
+    def on_created(self, conversation_id: int, title: str) -> None:
+        """The session saved the first message of a new chat in a new conversation."""
+        self.window.title_label.setText(title)
+        self.reload()
+        self.window.conversationChanged.emit(conversation_id)
 
     # ----------------------------------------------------------------- the list
     def reload(self, query: str | None = None) -> None:
@@ -105,7 +179,7 @@ class Conversations:
         if conversation_id == w.conversation_id and w.is_generating():
             w.session.drop_recorder()  # its message is about to go: nothing more to save
         if conversation_id == w.conversation_id:
-            w.open_conversation(None)
+            self.open(None)
         try:
             w.store.delete_conversation(conversation_id)
         except self._save_error as exc:

@@ -225,7 +225,7 @@ class LongChats(QObject):
                                                 settings=self.chat_settings(w.drawer.settings().to_dict()))
                 except self._save_error as exc:
                     w.show_save_error(exc, "The choice was not saved with the chat")
-            w.on_send_requested(text)
+            w.chat_actions.on_send_requested(text)
         elif answer == SUMMARY:
             self.start_summary(text)
         else:
@@ -233,7 +233,7 @@ class LongChats(QObject):
             w.composer.input.setFocus()
 
     def messages_to_read(self, conversation_id: int) -> Messages:
-        """What the chat's next send will start with, to read ahead (``MainWindow.read_ahead``): the chat as
+        """What the chat's next send will start with, to read ahead (``ChatActions.read_ahead``): the chat as
         :meth:`messages_to_send` gives it, from the start its last send used; nothing changes here."""
         messages = self.window.store.chat_messages(conversation_id)
         start = self._starts.get(conversation_id, 0)
@@ -286,9 +286,9 @@ class LongChats(QObject):
         self.summary = PendingSummary(text, source)
         self.summary.request_id = str(w.client.generate(fitted[0], params, None))
         w.composer.set_generating(True)
-        w.stop_action.setEnabled(True)
+        w.menus.stop_action.setEnabled(True)
         w.prompt_progress.busy("Summarizing this chat for a new one…")
-        w.refresh_status()
+        w.engine_status.refresh()
         self.summaryStarted.emit(self.summary.request_id)
 
     def owns(self, request_id: str) -> bool:
@@ -320,11 +320,11 @@ class LongChats(QObject):
         self.summary = None
         w.prompt_progress.end()
         w.composer.set_generating(False)
-        w.stop_action.setEnabled(False)
+        w.menus.stop_action.setEnabled(False)
         if message:
             w.info_banner.action.setVisible(False)
             w.info_banner.show_message(message)
-        w.refresh_status()
+        w.engine_status.refresh()
         self.summaryEnded.emit(how)
 
     def _open_continued_chat(self, summary: PendingSummary, text: str) -> None:
@@ -341,5 +341,5 @@ class LongChats(QObject):
             return
         self._end_summary("done")
         w.conversations.reload()
-        w.open_conversation(new.id)
-        w.on_send_requested(summary.text)
+        w.conversations.open(new.id)
+        w.chat_actions.on_send_requested(summary.text)

@@ -2,43 +2,35 @@
 
 The window talks to the engine only through an engine client (:class:`~ui.contracts.EngineClientLike`, a worker
 process behind Qt signals) and to the disk only through a chat store (:class:`~ui.contracts.ChatStoreLike`); both
-are passed in (see ``clover_desk.app``). Every engine event lands in :meth:`MainWindow.on_engine_event`, which updates
-plain state (:class:`~ui.chat_view.StreamingReply`, :class:`~ui.denoise_view.DenoiseModel`) and asks throttled
-views to repaint: the GUI thread only paints.
+are passed in (see ``clover_desk.app``). :class:`MainWindow` is a view: it builds and lays out the widgets and wires
+their signals to the plain classes it owns, each with one job (see docs/DESIGN.md, "The window as a view"):
 
-A reply is saved as it streams: each committed block appends its text to the store in one transaction
-(``append_streaming``), so a crash of the engine or of the app loses at most the block in flight.
+* :class:`~ui.chat_session.ChatSession` (the chat's controller, no widgets) and :class:`~ui.answer_display.AnswerDisplay`
+  (where its calls land on screen): every engine event of an answer goes there (:meth:`MainWindow.on_engine_event`);
+  a reply is saved as it streams, each committed block in one transaction, so a crash loses at most that block;
+* :class:`~ui.chat_actions.ChatActions`: the user's chat actions, each only when it may (Send waits for a model and
+  keeps the text, says why otherwise; Continue is the local engine's only), what answers, the read-ahead;
+* :class:`~ui.chat_settings.ChatSettings`: the chat's settings in the drawer, the composer and the store, and the
+  model's own defaults a new chat starts from;
+* :class:`~ui.conversations.Conversations`: opening a chat, the list and search, rename, delete, export;
+* :class:`~ui.engine_status.EngineStatus`: the engine's load / error / crash states, its banners, the status bar;
+* :class:`~ui.window_menus.WindowMenus`: the menus, their shortcuts, the Help dialogs;
+* :class:`~ui.window_state.WindowState`: size, columns, side tab, theme, export folder, remembered in the
+  ``QSettings`` handed in (none: nothing is remembered); :class:`~ui.long_chats.LongChats`: chats longer than the
+  context.
 
-A save that fails (a full disk, a read-only folder: the store's ``Error``) is shown in the info banner and never
-loses what the user typed: the composer is cleared only once a send is saved. A per-block save that fails
-mid-answer stops the generation (cancel sent, back to idle) and keeps the answer on screen, marked as not saved.
-
-Send works only while a model is loaded (:class:`~ui.contracts.EngineState`); otherwise it is disabled and the
-composer says why, keeping the text. A new chat starts from the model's own generation settings (handed in by the
-composition root from the model folder, and again with the engine's ``loaded`` answer).
-
-When the user opens the preview of the answer being streamed, the preview follows it: every answer delta hands the
-page so far to the preview (whose own throttle coalesces the reloads) and the end of the answer flushes the last
-one. Opening another message's preview shows that page and stops following.
-
-Window size and position, the splitter, the side tab, the theme and the last export folder are remembered in the
-``QSettings`` handed in (none: nothing is remembered).
+A save that fails (a full disk, a read-only folder: the store's ``Error``) is shown in the info banner
+(:meth:`MainWindow.show_save_error`) and never loses what the user typed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import (
-    QAction,
-    QActionGroup,
     QCloseEvent,
     QGuiApplication,
-    QKeySequence,
     QResizeEvent,
     QShowEvent,
 )
@@ -46,33 +38,27 @@ from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
     QMainWindow,
-    QMenu,
-    QMessageBox,
     QPushButton,
     QScrollArea,
     QSplitter,
     QStackedWidget,
-    QStatusBar,
     QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
-from engine.decode.events import (
-    LoadProgress,
-)
 from ui.answer_display import AnswerDisplay
 from ui.banners import Banner, LoadBanner
+from ui.chat_actions import ChatActions
 from ui.chat_presets import ChatPresets
 from ui.chat_session import ChatSession
+from ui.chat_settings import ChatSettings
 from ui.chat_view import (
     ChatView,
     HtmlExtractor,
     MessageData,
-    PreviewRequest,
 )
 from ui.composer import Composer
-from ui.context_window import context_limit
 from ui.contracts import (
     ChatStoreLike,
     EngineClientLike,
@@ -85,32 +71,42 @@ from ui.contracts import (
 )
 from ui.conversations import Conversations
 from ui.denoise_view import DenoiseView
-from ui.generation import GenerationSettings, defaults_from_model
-from ui.gpu_check import GpuCheckDialog
+from ui.engine_status import EngineStatus
+from ui.generation import GenerationSettings
 from ui.long_chats import LongChats
 from ui.prompt_progress import PromptProgress
 from ui.remote_chat import RemoteBackendControl
 from ui.serve_panel import ServeController, ServeDialog
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
-from ui.theme import SCHEMES, set_style_class
-from ui.throttle import Throttle
+from ui.theme import set_style_class
 from ui.widgets import ElidedLabel, accessible, install_wheel_guard
+from ui.window_menus import APP_NAME, WindowMenus
 from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
-
-READ_AHEAD_MS = 400  # the engine reads the open chat ahead this long after it opens or an answer ends (read_ahead)
 
 log = logging.getLogger(__name__)
 
-GIB = 1024**3
-APP_NAME = "Clover Desk"
-ABOUT_TEXT = (
-    "<h3>Clover Desk</h3>"
-    "<p>A desktop app for the Clover block-diffusion mixture-of-experts model: chat, watch each block being "
-    "denoised, fit the model to your GPU's memory, and preview the HTML apps it writes in a sandbox.</p>"
-    "<p>The model runs on this computer, in its own process. Nothing is sent anywhere.</p>"
-)
-LOAD_CANCELLED = "Loading cancelled."
+
+
+def models_page(manager: QWidget, library: QWidget | None) -> QWidget:
+    """The models page: the library (the models on disk) above the ways to get another one, scrolling."""
+    page = QScrollArea()  # the manager is taller than a 640 px window: it scrolls
+    page.setObjectName("modelsPage")
+    page.setWidgetResizable(True)
+    page.setFrameShape(QFrame.Shape.NoFrame)
+    page.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    if library is None:
+        page.setWidget(manager)
+        return page
+    column = QWidget()
+    column.setObjectName("modelsColumn")
+    layout = QVBoxLayout(column)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.setSpacing(0)
+    layout.addWidget(library)
+    layout.addWidget(manager, 1)
+    page.setWidget(column)
+    return page
 
 
 class MainWindow(QMainWindow):
@@ -151,19 +147,12 @@ class MainWindow(QMainWindow):
         self.monitor = monitor
         self.gpu_name = gpu_name
         self.ui_settings = ui_settings
-        self.model_defaults = model_defaults or GenerationSettings()
-        self._fresh_touched = False  # the user edited a new chat's settings: model defaults no longer replace them
         self.remote: RemoteBackendControl | None = None  # Model ▸ Backend…: a remote server (set_remote_factory)
         # the chat's controller (no widgets) and where its calls land on screen
         self.answers = AnswerDisplay(self)
         self.session = ChatSession(client, store, recorder_factory, self.answers)
-        if model_dir is None:
-            self.engine_state = EngineState.NO_MODEL
-        elif getattr(client, "model_info", None):  # handed a client whose model is already loaded
-            self.engine_state = EngineState.READY
-        else:
-            self.engine_state = EngineState.STARTING
-        self.gpu_paths_in_use: list[str] = []  # the experimental GPU paths the loaded engine runs with (its answer)
+        self.chat_actions = ChatActions(self, self)  # the user's actions, each when it may; the read-ahead
+        self.chat_settings = ChatSettings(self, model_defaults)  # the chat's settings: drawer, composer, store
         self.state = WindowState(self, ui_settings)  # size, columns, tab, theme, export folder: remembered
         self.conversations = Conversations(self)  # the list, rename, delete, export
 
@@ -175,7 +164,7 @@ class MainWindow(QMainWindow):
         self.prompt_progress = PromptProgress()  # reading a long prompt, before the answer's first pass
         self.drawer = SettingsDrawer()
         self.drawer.set_preset_store(ChatPresets(self.ui_settings))  # presets, new chats' system prompt: window.ini
-        self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
+        self.drawer.set_settings(self.chat_settings.model_defaults, self.drawer.new_chat_system_prompt())
         self.long_chats = LongChats(self, token_counter)  # the context meter and what to do when a chat outgrows it
         self.composer.add_status_widget(self.long_chats.meter)
         self.crash_banner = Banner("crashBanner", "Restart engine", "Engine stopped")
@@ -220,36 +209,26 @@ class MainWindow(QMainWindow):
         self.chat_page = self._build_chat_page()
         self.pages.addWidget(self.chat_page)
         if model_manager is not None:
-            self.pages.addWidget(self._build_models_page(model_manager))
-        self._build_status_bar()
+            self.pages.addWidget(models_page(model_manager, model_library))
+        self.engine_status = EngineStatus(self, self)  # the engine's state, its banners, the status bar
         self._build_layout()
-        self._build_menus()
+        self.menus = WindowMenus(self)  # the menu bar, its actions and shortcuts, the Help dialogs
         self._build_tab_order()
-        self.status_throttle = Throttle(self.refresh_status, 250, self)
-        # the open chat read ahead while the engine is idle (after an answer, on opening it, once a model loads)
-        self.read_ahead_timer = QTimer(self)
-        self.read_ahead_timer.setSingleShot(True)
-        self.read_ahead_timer.setInterval(READ_AHEAD_MS)
-        self.read_ahead_timer.timeout.connect(self.read_ahead)
-        self.read_ahead_id = ""  # the last read_chat request sent
-        self.monitor_timer = QTimer(self)
-        self.monitor_timer.setInterval(2000)
         self._connect_signals()
-        self._sync_from_settings()
-        if self.monitor is not None:
-            self.monitor_timer.start()
+        self.chat_settings.sync()
+        self.engine_status.start()
         self.state.restore()
         self.conversations.reload()
         conversations = self.store.list_conversations(limit=1)
         if conversations:
-            self.open_conversation(conversations[0].id)
+            self.conversations.open(conversations[0].id)
         if model_dir is None and model_manager is not None:
             self.show_models_page()
         if self.preview_off:
             self.info_banner.action.setVisible(False)
             self.info_banner.show_message(self.preview_off[:1].upper() + self.preview_off[1:] + ".")
         install_wheel_guard(self)  # no value changes under a passing mouse wheel, in every box the window holds
-        self.refresh_status()
+        self.engine_status.refresh()
 
     # ----------------------------------------------------------------- the session's state, as the window's
     @property
@@ -271,7 +250,6 @@ class MainWindow(QMainWindow):
     @property
     def preview_follows(self) -> MessageData | None:
         return self.answers.preview_follows
-
 
     # ----------------------------------------------------------------- construction
     def _build_chat_page(self) -> QWidget:
@@ -312,25 +290,6 @@ class MainWindow(QMainWindow):
         layout.addWidget(center, 1)
         return page
 
-    def _build_models_page(self, manager: QWidget) -> QWidget:
-        page = QScrollArea()  # the manager is taller than a 640 px window: it scrolls
-        page.setObjectName("modelsPage")
-        page.setWidgetResizable(True)
-        page.setFrameShape(QFrame.Shape.NoFrame)
-        page.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        if self.model_library is None:
-            page.setWidget(manager)
-            return page
-        column = QWidget()  # the library (the models on disk) above the ways to get another one
-        column.setObjectName("modelsColumn")
-        layout = QVBoxLayout(column)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.setSpacing(0)
-        layout.addWidget(self.model_library)
-        layout.addWidget(manager, 1)
-        page.setWidget(column)
-        return page
-
     def _build_layout(self) -> None:
         # one splitter: chats | chat | panels (each remembered; none can be squeezed to nothing)
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
@@ -365,124 +324,6 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.splitter, 1)
         self.setCentralWidget(central)
 
-    def _build_status_bar(self) -> None:
-        bar = QStatusBar()
-        bar.setSizeGripEnabled(False)
-        self.setStatusBar(bar)
-        self.engine_label = ElidedLabel()
-        self.engine_label.setObjectName("engineStatus")
-        self.gpu_label = ElidedLabel()
-        self.gpu_label.setObjectName("gpuStatus")
-        self.gpu_label.setMaximumWidth(260)
-        self.vram_label = ElidedLabel()
-        self.ram_label = ElidedLabel()
-        self.speed_label = ElidedLabel()
-        self.speed_label.setObjectName("speedStatus")
-        self.hit_label = ElidedLabel()
-        for label, name in ((self.engine_label, "Engine"), (self.gpu_label, "GPU"), (self.vram_label, "VRAM in use"),
-                            (self.ram_label, "RAM in use"), (self.speed_label, "Speed"),
-                            (self.hit_label, "Expert cache")):
-            accessible(label, name)
-        bar.addWidget(self.engine_label, 1)
-        for w in (self.gpu_label, self.vram_label, self.ram_label, self.speed_label, self.hit_label):
-            bar.addPermanentWidget(w)
-
-    def _action(self, menu: QMenu, text: str, slot: Any, shortcut: str | QKeySequence.StandardKey | None = None,
-                tip: str = "", checkable: bool = False) -> QAction:
-        action = QAction(text, self)
-        if shortcut is not None:
-            action.setShortcut(QKeySequence(shortcut))
-            action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-        if tip:
-            action.setStatusTip(tip)
-            action.setToolTip(tip)
-        action.setCheckable(checkable)
-        action.triggered.connect(slot)
-        menu.addAction(action)
-        self.addAction(action)  # shortcuts work with the menu bar hidden (and on every platform)
-        return action
-
-    def _build_menus(self) -> None:
-        bar = self.menuBar()
-        bar.setObjectName("menuBar")
-        file_menu = bar.addMenu("&File")
-        self.new_action = self._action(file_menu, "&New chat", self.on_new_conversation, "Ctrl+N")
-        file_menu.addSeparator()
-        self.export_md_action = self._action(file_menu, "&Export chat as Markdown…",
-                                             lambda: self.conversations.on_export_current("markdown"), "Ctrl+E",
-                                             "Save the chat on show as a Markdown file")
-        self.export_json_action = self._action(file_menu, "Export chat as &JSON…",
-                                               lambda: self.conversations.on_export_current("json"), "Ctrl+Shift+E",
-                                               "Save the chat on show as JSON (messages, thinking, statistics)")
-        file_menu.addSeparator()
-        self.quit_action = self._action(file_menu, "&Quit", self.close, "Ctrl+Q")
-        self.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
-
-        edit_menu = bar.addMenu("&Edit")
-        self.find_action = self._action(edit_menu, "&Find chats…", self.conversations.on_find_chats, "Ctrl+K")
-        self.focus_action = self._action(edit_menu, "Go to the &message box", self.on_focus_composer, "Ctrl+L")
-        edit_menu.addSeparator()
-        self.rename_action = self._action(edit_menu, "&Rename chat", self.conversations.on_rename_current, "F2")
-        # F2 anywhere in the window (the composer's focus included) renames the open chat, as the menu says
-        self.rename_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-        self.delete_action = self._action(edit_menu, "&Delete chat…", self.conversations.on_delete_current)
-        edit_menu.addSeparator()
-        self.regenerate_action = self._action(edit_menu, "Re&generate last answer", self.on_regenerate_last,
-                                              "Ctrl+Shift+R")
-        self.continue_action = self._action(edit_menu, "Co&ntinue last answer", self.on_continue_last,
-                                            "Ctrl+Shift+Return", "Go on writing the last answer where the token "
-                                            "limit or Stop cut it off")
-        self.continue_action.setEnabled(False)  # only while the last answer was cut short (_update_send_state)
-        self.stop_action = self._action(edit_menu, "&Stop generating", self.on_stop_requested, "Esc")
-        self.stop_action.setEnabled(False)  # enabled only while an answer streams (Esc is free otherwise)
-
-        view_menu = bar.addMenu("&View")
-        self.settings_action = self._action(
-            view_menu, "Chat &settings", lambda: self.settings_button.setChecked(self.settings_action.isChecked()),
-            "Ctrl+,", checkable=True)
-        self.panels_action = self._action(
-            view_menu, "Side &panels", lambda: self.panel_button.setChecked(self.panels_action.isChecked()),
-            "Ctrl+Shift+P", checkable=True)
-        self.panels_action.setChecked(True)
-        view_menu.addSeparator()
-        self.tab_actions: list[QAction] = []
-        for i in range(self.tabs.count()):
-            widget = self.tabs.widget(i)
-            self.tab_actions.append(self._action(view_menu, f"&{i + 1}  {self.tabs.tabText(i)} panel",
-                                                 lambda _=False, w=widget: self.show_panel(w), f"Ctrl+{i + 1}"))
-        view_menu.addSeparator()
-        theme_menu = view_menu.addMenu("&Theme")
-        self.theme_group = QActionGroup(self)
-        self.theme_actions: dict[str, QAction] = {}
-        for scheme, label in zip(SCHEMES, ("Follow the &system", "&Light", "&Dark")):
-            action = self._action(theme_menu, label, lambda _=False, s=scheme: self.state.set_theme_preference(s),
-                                  checkable=True)
-            self.theme_group.addAction(action)
-            self.theme_actions[scheme] = action
-        self.theme_actions.get(self.state.theme_preference, self.theme_actions["system"]).setChecked(True)
-
-        model_menu = bar.addMenu("&Model")
-        self.models_action = self._action(model_menu, "&Models…", self.show_models_page, "Ctrl+Shift+M",
-                                          "Open, download or create a model")
-        self.models_action.setEnabled(self.model_manager is not None)
-        self.vram_action = self._action(model_menu, "&VRAM budget…", self.on_open_vram_tab)
-        self.vram_action.setEnabled(self.vram_panel is not None)
-        model_menu.addSeparator()
-        self.cancel_load_action = self._action(model_menu, "&Cancel loading", self.on_cancel_load)
-        self.restart_action = self._action(model_menu, "&Restart engine", self.on_restart_clicked)
-
-        help_menu = bar.addMenu("&Help")
-        self.shortcuts_action = self._action(help_menu, "&Keyboard shortcuts", self.on_show_shortcuts, "F1")
-        self.gpu_check_action = self._action(help_menu, "Check this machine's &GPU…", self.on_check_gpu,
-                                             tip="What torch, the NVIDIA driver and bitsandbytes allow here, and what "
-                                                 "to install if the GPU cannot be used")
-        self.gpu_check_dialog: GpuCheckDialog | None = None
-        self.about_action = self._action(help_menu, f"&About {APP_NAME}", self.on_about)
-        self.about_action.setMenuRole(QAction.MenuRole.AboutRole)
-        self.menus = {"File": file_menu, "Edit": edit_menu, "View": view_menu, "Model": model_menu,
-                      "Help": help_menu}
-        self.composer.input.set_window_shortcuts([a.shortcut() for a in self.actions() if not a.shortcut().isEmpty()])
-
     def _build_tab_order(self) -> None:
         """Keyboard-only use: Tab goes sidebar → header → message box → Think → Attach → Send → panels."""
         chain: list[QWidget] = [
@@ -496,254 +337,60 @@ class MainWindow(QMainWindow):
     def _connect_signals(self) -> None:
         # engine
         self.client.event.connect(self.on_engine_event)
-        self.client.loadProgress.connect(self.on_load_progress)
-        self.client.loaded.connect(self.on_engine_loaded)
-        self.client.ready.connect(self.on_engine_ready)
-        self.client.errorMessage.connect(self.on_engine_error_message)
-        self.client.crashed.connect(self.on_engine_crashed)
+        self.client.loadProgress.connect(self.engine_status.on_load_progress)
+        self.client.loaded.connect(self.engine_status.on_engine_loaded)
+        self.client.ready.connect(self.engine_status.on_engine_ready)
+        self.client.errorMessage.connect(self.engine_status.on_engine_error_message)
+        self.client.crashed.connect(self.engine_status.on_engine_crashed)
         # sidebar
-        self.sidebar.newRequested.connect(self.on_new_conversation)
-        self.sidebar.selected.connect(self.on_conversation_selected)
+        self.sidebar.newRequested.connect(self.conversations.on_new)
+        self.sidebar.selected.connect(self.conversations.on_selected)
         self.sidebar.renameRequested.connect(self.conversations.on_rename_requested)
         self.sidebar.deleteRequested.connect(self.conversations.on_delete_requested)
         self.sidebar.exportRequested.connect(self.conversations.on_export_requested)
         self.sidebar.searchChanged.connect(self.conversations.on_search_changed)
         self.sidebar.modelsRequested.connect(self.show_models_page)
         # chat
-        self.composer.sendRequested.connect(self.on_send_requested)
-        self.composer.stopRequested.connect(self.on_stop_requested)
-        self.prompt_progress.stopRequested.connect(self.on_stop_requested)
-        self.composer.thinkToggled.connect(self.on_think_toggled)
+        self.composer.sendRequested.connect(self.chat_actions.on_send_requested)
+        self.composer.stopRequested.connect(self.chat_actions.on_stop_requested)
+        self.prompt_progress.stopRequested.connect(self.chat_actions.on_stop_requested)
+        self.composer.thinkToggled.connect(self.chat_settings.on_think_toggled)
         self.composer.input.textChanged.connect(self.long_chats.throttle.request)
         self.drawer.changed.connect(self.long_chats.throttle.request)
-        self.chat.editRequested.connect(self.on_edit_requested)
-        self.chat.regenerateRequested.connect(self.on_regenerate_requested)
-        self.chat.continueRequested.connect(self.on_continue_requested)
-        self.chat.branchRequested.connect(self.on_branch_requested)
-        self.chat.versionRequested.connect(self.on_version_requested)
-        self.chat.previewRequested.connect(self.on_preview_requested)
+        self.chat.editRequested.connect(self.chat_actions.on_edit_requested)
+        self.chat.regenerateRequested.connect(self.chat_actions.on_regenerate_requested)
+        self.chat.continueRequested.connect(self.chat_actions.on_continue_requested)
+        self.chat.branchRequested.connect(self.chat_actions.on_branch_requested)
+        self.chat.versionRequested.connect(self.chat_actions.on_version_requested)
+        self.chat.previewRequested.connect(self.answers.on_preview_requested)
         self.chat.copied.connect(self.on_copied)
-        self.drawer.changed.connect(self.on_settings_changed)
+        self.drawer.changed.connect(self.chat_settings.on_settings_changed)
         self.drawer.closeRequested.connect(lambda: self.settings_button.setChecked(False))
         self.settings_button.toggled.connect(self.on_settings_toggled)
         self.panel_button.toggled.connect(self.on_panels_toggled)
         # banners
-        self.crash_banner.actionClicked.connect(self.on_restart_clicked)
-        self.load_banner.cancelRequested.connect(self.on_cancel_load)
-        self.info_banner.actionClicked.connect(self.on_open_vram_tab)
+        self.crash_banner.actionClicked.connect(self.engine_status.on_restart_clicked)
+        self.load_banner.cancelRequested.connect(self.engine_status.on_cancel_load)
+        self.info_banner.actionClicked.connect(self.engine_status.on_open_vram_tab)
         # panels
         if self.vram_panel is not None and hasattr(self.vram_panel, "applyRequested"):
-            self.vram_panel.applyRequested.connect(self.on_apply_plan)
+            self.vram_panel.applyRequested.connect(self.applyPlanRequested)
         if self.model_manager is not None and hasattr(self.model_manager, "modelChosen"):
             self.model_manager.modelChosen.connect(self.on_model_chosen)
-        self.monitor_timer.timeout.connect(self.refresh_status)
         self.splitter.splitterMoved.connect(self.state.on_splitter_moved)
         hints = QGuiApplication.styleHints()
         hints.colorSchemeChanged.connect(self.state.on_system_scheme_changed)
 
-    # ----------------------------------------------------------------- remembered state
-    # ----------------------------------------------------------------- theme
-    # ----------------------------------------------------------------- conversations
-    def open_conversation(self, conversation_id: int | None) -> None:
-        if self.is_generating():
-            self.on_stop_requested()
-        self.conversation_id = conversation_id
-        self.clear_load_notice()
-        self.composer.end_edit()
-        self.sidebar.select(conversation_id)
-        if conversation_id is None:
-            self.chat.clear()
-            self._fresh_touched = False
-            self.drawer.set_settings(self.model_defaults, self.drawer.new_chat_system_prompt())
-            self._sync_from_settings()
-            self.title_label.setText("New chat")
-            self.long_chats.on_conversation_opened(None)
-            self._update_send_state()
-            return
-        conv = self.store.get_conversation(conversation_id)
-        self.title_label.setText(conv.title)
-        self.drawer.set_settings(GenerationSettings.from_dict(conv.settings, self.model_defaults), conv.system_prompt)
-        self._sync_from_settings()
-        self.chat.set_messages(self._shown_messages(conversation_id))
-        self.long_chats.on_conversation_opened(conv.settings)
-        self._update_send_state()  # Continue: whether this chat's last answer was cut short
-        self.show_chat_page()
-        self.read_ahead_timer.start()
-        self.conversationChanged.emit(conversation_id)
-
-    def _shown_messages(self, conversation_id: int) -> list[MessageData]:
-        """The chat as the view shows it: the chosen version of each message, each knowing how many there are."""
-        counts = self.store.version_counts(conversation_id)
-        return [
-            MessageData(m.role, m.content, m.thinking, m.thinking_seconds, m.status, dict(m.stats), m.id,
-                        *counts.get(m.id, (1, 1)))
-            for m in self.store.messages(conversation_id)
-            if m.role in ("user", "assistant")
-        ]
-
-    def show_chosen_versions(self) -> None:
-        """Show the open chat again as the store has it now (another version chosen, an edit taken back); the
-        engine reads the chat it now shows ahead of the next message."""
-        if self.conversation_id is None:
-            return
-        self.chat.set_messages(self._shown_messages(self.conversation_id))
-        self._update_send_state()
-        self.read_ahead_timer.start()
-
-    def on_version_requested(self, data: MessageData, step: int) -> None:
-        """‹ / › on a message: show its previous / next version, and below it the chat that version led to."""
-        if data.message_id is not None and self.is_generating():
-            self.statusBar().showMessage("Wait for the answer (or stop it) before switching versions", 4000)
-            return
-        if self.session.step_version(data, step):
-            self.show_chosen_versions()
-
-    def _sync_from_settings(self) -> None:
-        """The composer's Think switch and mode note, and the chat's thinking sections, follow the drawer."""
-        settings = self.drawer.settings()
-        self.composer.think_button.blockSignals(True)
-        self.composer.think_button.setChecked(settings.enable_thinking)
-        self.composer.think_button.blockSignals(False)
-        self.chat.set_expand_thinking(settings.expand_thinking)
-        self.composer.mode_label.setText({"diffusion": "", "spec": "self-speculative"}.get(settings.mode, "autoregressive"))
-
-    def on_new_conversation(self) -> None:
-        self.open_conversation(None)
-        self.show_chat_page()
-        self.composer.input.setFocus()
-
-    def on_conversation_selected(self, conversation_id: int) -> None:
-        if conversation_id != self.conversation_id:
-            self.open_conversation(conversation_id)
-        else:
-            self.show_chat_page()
-
-    def on_conversation_created(self, conversation_id: int, title: str) -> None:
-        """The session saved the first message of a new chat in a new conversation."""
-        self.title_label.setText(title)
-        self.conversations.reload()
-        self.conversationChanged.emit(conversation_id)
-
-    # ----------------------------------------------------------------- export
+    # ----------------------------------------------------------------- what the helpers share
     def on_focus_composer(self) -> None:
         self.show_chat_page()
         self.composer.input.setFocus()
 
-    # ----------------------------------------------------------------- settings
-    def on_settings_changed(self) -> None:
-        settings = self.drawer.settings()
-        self._sync_from_settings()
-        if self.conversation_id is None:
-            self._fresh_touched = True
-            return
-        try:
-            self.store.update_conversation(
-                self.conversation_id, system_prompt=self.drawer.system_prompt_text(),
-                settings=self.long_chats.chat_settings(settings.to_dict()),
-            )
-        except self._save_error as exc:
-            self.show_save_error(exc, "The chat settings were not saved")
-
-    def on_think_toggled(self, on: bool) -> None:
-        """The composer's Think is the chat's setting: the drawer's box follows (and the chat saves it)."""
-        self.drawer.thinking.setChecked(on)
-
-    def set_model_defaults(self, defaults: GenerationSettings, model_name: str = "") -> None:
-        """The settings a new chat starts from (the model folder's own). A new chat on show takes them unless the
-        user already changed its settings; saved chats keep theirs."""
-        self.model_defaults = defaults
-        self.drawer.set_model_defaults_text(model_name, defaults)
-        if self.conversation_id is None and not self._fresh_touched:
-            self.drawer.set_settings(defaults, self.drawer.system_prompt.toPlainText())
-            self._sync_from_settings()
-
-    def set_model_info(self, info: Mapping[str, Any]) -> None:
-        """Take the model's defaults and context from a ``loaded`` record (or the same keys read from its folder)."""
-        self.long_chats.set_model_info(info)
-        self.drawer.set_model_context(context_limit(info))
-        config = info.get("config") if isinstance(info.get("config"), Mapping) else None
-        generation = info.get("generation_defaults") if isinstance(info.get("generation_defaults"), Mapping) else None
-        if config is None and generation is None:
-            return
-        name = Path(str(info.get("model_dir") or self.model_dir or "")).name
-        self.set_model_defaults(defaults_from_model(config, generation), name)
-
-    # ----------------------------------------------------------------- sending
     def is_generating(self) -> bool:
         """An answer streams, or the summary for a new chat is being written."""
         return self.session.generating or self.long_chats.summary is not None
 
-    def on_send_requested(self, text: str) -> None:
-        """Save the message (or the edit) and start the answer; the composer is cleared only when both were saved.
-        A failed save leaves the typed text (and edit mode) in the composer and says why in the banner."""
-        if self.is_generating() or not self._can_send():
-            return
-        if self.long_chats.blocks_send(text):
-            return  # it does not fit: the choice is offered, the text stays in the box
-        editing = self.composer.editing
-        if editing is not None and not self.session.editable(editing):
-            self.composer.end_edit()
-            editing = None
-        if self.session.send(text, editing):
-            self.composer.end_edit()
-            self.composer.input.clear()
-
-    def on_stop_requested(self) -> None:
-        if self.long_chats.summary is not None:
-            self.long_chats.cancel_summary()
-            self.engine_label.setText("● Stopping…")
-        if self.session.stop():
-            self.engine_label.setText("● Stopping…")
-
-    def on_regenerate_last(self) -> None:
-        last = self.chat.last_assistant()
-        if last is not None:
-            self.on_regenerate_requested(last.data)
-
-    def on_regenerate_requested(self, data: MessageData) -> None:
-        if self.is_generating() or data.message_id is None:
-            return
-        if not self._can_send():
-            self.statusBar().showMessage(self._why_not_ready(), 4000)
-            return
-        self.session.regenerate(data)
-
-    def on_continue_last(self) -> None:
-        answer = self.session.answer_to_continue()
-        if answer is not None:
-            self.on_continue_requested(answer)
-
-    def on_continue_requested(self, data: MessageData) -> None:
-        """Go on writing an answer that was cut short (the last one: its Continue button, Edit ▸ Continue)."""
-        if self.is_generating() or self.session.answer_to_continue() is not data:
-            return
-        if self._uses_remote():
-            self.statusBar().showMessage("Continue needs the local engine: a remote server starts a new answer", 5000)
-            return
-        if not self._can_send():
-            self.statusBar().showMessage(self._why_not_ready(), 4000)
-            return
-        self.session.continue_answer(data)
-
-    def on_branch_requested(self, data: MessageData) -> None:
-        """A new chat with this one's messages up to ``data`` and its settings; it opens, the original stays."""
-        if self.is_generating():
-            return
-        branch = self.session.branch(data)
-        if branch is None:
-            return
-        self.open_conversation(branch.id)
-        self.conversations.reload()
-        self.statusBar().showMessage(f"Branched into “{branch.title}”: the original chat is unchanged", 5000)
-
-    def on_edit_requested(self, data: MessageData) -> None:
-        if self.is_generating():
-            return
-        self.composer.begin_edit(data)
-
-    def on_preview_requested(self, request: PreviewRequest) -> None:
-        self.answers.on_preview_requested(request)
-
+    # ----------------------------------------------------------------- the side column
     def show_panel(self, widget: QWidget | None) -> None:
         """Show one of the side tabs (the drawer closes, the panels open)."""
         if widget is None:
@@ -756,20 +403,19 @@ class MainWindow(QMainWindow):
 
     def on_settings_toggled(self, shown: bool) -> None:
         self.side.setCurrentWidget(self.drawer_scroll if shown else self.tabs)
-        self.settings_action.setChecked(shown)
+        self.menus.settings_action.setChecked(shown)
         if shown:
             self.panel_button.setChecked(True)
 
     def on_panels_toggled(self, shown: bool) -> None:
         self.side.setVisible(shown and self.pages.currentIndex() == 0)
-        self.panels_action.setChecked(shown)
+        self.menus.panels_action.setChecked(shown)
         if not shown:
             self.settings_button.setChecked(False)
 
     def on_copied(self, what: str) -> None:
         self.statusBar().showMessage("Code copied" if what == "code" else "Message copied", 2000)
 
-    # ----------------------------------------------------------------- engine events
     def on_engine_event(self, request_id: str, event: object) -> None:
         """Every event of the engine client (and the remote runner): the summary's, or the answer's."""
         if self.long_chats.owns(request_id):
@@ -777,190 +423,38 @@ class MainWindow(QMainWindow):
             return
         self.session.on_event(request_id, event)
 
-    def request_source(self) -> Any:
-        """What answers the next request: the remote runner (Model ▸ Backend…) or the engine client."""
-        return self.remote.runner if self._uses_remote() and self.remote is not None else self.client
-
     def show_save_error(self, error: BaseException, what: str) -> None:
         """One clear message in the info banner for a failed save."""
         log.warning("%s: %s", what, error)
         self.info_banner.action.setVisible(False)
         self.info_banner.show_message(f"{what}: {error}")
 
-    # ----------------------------------------------------------------- engine life
-    def _set_state(self, state: EngineState) -> None:
-        self.engine_state = state
-        self.refresh_status()
-
-    def on_load_progress(self, event: LoadProgress) -> None:
-        self.clear_load_notice()
-        self.engine_state = EngineState.LOADING
-        self.load_banner.set_progress(event)
-        self.status_throttle.request()
-        self._update_send_state()
-
-    def on_engine_loaded(self, info: object = None) -> None:
-        self.load_banner.hide()
-        self.crash_banner.hide()
-        if isinstance(info, Mapping):
-            self.set_model_info(info)
-            self.gpu_paths_in_use = [str(p) for p in info.get("gpu_paths") or ()]
-            self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
-            if info.get("compile_cancelled"):
-                self.info_banner.action.setVisible(False)
-                self.info_banner.show_message("Compiling was cancelled: the model is loaded and runs uncompiled; "
-                                              "“Compile the layers” is now off.")
-            else:
-                self.say_compile_skipped(str(info.get("compile_skipped") or ""),
-                                         after_notice=bool(info.get("ar_only")))
-        self._set_state(EngineState.READY)
-        self.read_ahead_timer.start()
-
-    def read_ahead(self) -> None:
-        """Have the idle local engine read the open chat, its last answer included, into its prompt cache
-        (``EngineClient.read_chat``), so that the next message is all it reads when it is sent: the first token
-        comes as fast as in a chat that never paused. Sending (or anything else that needs the engine) stops it at
-        once. Only for a chat whose last message is a finished answer."""
-        read = getattr(self.client, "read_chat", None)
-        cid = self.conversation_id
-        if (read is None or cid is None or self.is_generating() or self._uses_remote()
-                or self.engine_state is not EngineState.READY):
-            return
-        try:
-            messages = self.long_chats.messages_to_read(cid)
-        except Exception as exc:  # noqa: BLE001 - best effort: a chat deleted elsewhere, a store closing at exit
-            log.info("not reading chat %s ahead: %s", cid, exc)
-            return
-        last = self.chat.messages()[-1] if self.chat.messages() else None
-        if not messages or messages[-1]["role"] != "assistant" or last is None or last.status != "complete":
-            return
-        self.read_ahead_id = str(read(messages, self.drawer.settings().to_params()))
-
-    def say_compile_skipped(self, reason: str, after_notice: bool = False) -> None:
-        """"Compile the layers" was on but the engine could not compile this model (``Engine.compile_skipped``: no
-        C++ compiler for the CPU, no Triton for CUDA): say so in the notice banner (after the notice already there when ``after_notice``)."""
-        if not reason:
-            return
-        before = self.info_banner.label.text() + " " if after_notice else ""
-        self.info_banner.action.setVisible(False)
-        self.info_banner.show_message(f"{before}“Compile the layers” is on, but {reason}.")
-
-    def set_diffusion_unavailable(self, reason: str) -> None:
-        """The loaded model decodes autoregressively only (``Engine.ar_only``: a GGUF file without the diffusion
-        tensors): say so plainly, and answer in AR mode with the diffusion choice disabled (its tooltip says why)."""
-        self.drawer.set_diffusion_available(reason)
-        self._sync_from_settings()
-        if reason:
-            self.info_banner.action.setVisible(False)
-            self.info_banner.show_message(f"Block diffusion is unavailable for this file, so answers use "
-                                          f"autoregressive mode: {reason}.")
-
-    def on_engine_ready(self, *_info: object) -> None:
-        if self.engine_state in (EngineState.STARTING, EngineState.CRASHED, EngineState.READY):
-            self.engine_state = EngineState.STARTING if self.model_dir else EngineState.NO_MODEL
-        self.crash_banner.hide()
-        self.refresh_status()
-
-    def on_engine_restarting(self) -> None:
-        """The app restarts the worker (another model, another VRAM plan): no Send until it has loaded again."""
-        self._set_state(EngineState.STARTING)
-
-    def clear_load_notice(self) -> None:
-        """The "Loading cancelled." notice is about that load: another chat, backend or load takes it away."""
-        if self.info_banner.label.text() == LOAD_CANCELLED:
-            self.info_banner.hide()
-
-    def on_engine_error_message(self, kind: str, message: str) -> None:
-        self.load_banner.hide()
-        if self.session.local_request():
-            self.session.fail(f"{kind}: {message}", "error")
-        if kind in ("CancelledError",):
-            self.info_banner.action.setVisible(False)
-            self.info_banner.show_message(LOAD_CANCELLED)
-            if self.engine_state is EngineState.LOADING:
-                self.engine_state = EngineState.NO_MODEL
-        else:
-            text = f"{kind}: {message}"
-            oom = "OutOfMemory" in kind or "out of memory" in message.lower()
-            if oom:
-                text += "  Try a smaller VRAM budget or a shorter context in the VRAM tab."
-            self.info_banner.set_action("Open VRAM tab")
-            self.info_banner.action.setVisible(oom and self.vram_panel is not None)
-            self.info_banner.show_message(text)
-            if self.engine_state in (EngineState.LOADING, EngineState.STARTING):
-                self.engine_state = EngineState.ERROR
-        self.refresh_status()
-
-    def on_engine_crashed(self, reason: str) -> None:
-        self.engine_state = EngineState.CRASHED
-        self.load_banner.hide()
-        if self.session.local_request():
-            self.session.fail(f"the engine stopped: {reason}", "crashed")
-        self.crash_banner.show_message(f"The engine stopped: {reason}. Your chats are saved.")
-        self.refresh_status()
-
-    def on_restart_clicked(self) -> None:
-        self.crash_banner.hide()
-        self.engine_state = EngineState.STARTING
-        self.client.restart()
-        self.refresh_status()
-
-    def on_cancel_load(self) -> None:
-        self.client.cancel_load()
-        self.load_banner.label.setText("Cancelling…")
-
-    def on_open_vram_tab(self) -> None:
-        if self.vram_panel is not None:
-            self.show_panel(self.vram_panel)
-        self.info_banner.hide()
-
-    def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
-        self.applyPlanRequested.emit(vram_bytes, ctx_tokens)
-
+    # ----------------------------------------------------------------- the model and its backends
     def on_model_chosen(self, path: str) -> None:
         self.model_dir = path
-        self.engine_state = EngineState.STARTING  # the app loads it (restarting the worker when one runs)
+        self.engine_status.state = EngineState.STARTING  # the app loads it (restarting the worker when one runs)
         self.show_chat_page()
         self.modelChosen.emit(path)
-        self.refresh_status()
+        self.engine_status.refresh()
 
     def set_server_control(self, control: ServerControl) -> None:
         """Model ▸ Serve over HTTP…: the engine worker's OpenAI-compatible server (:mod:`ui.serve_panel`); its
         address shows in the status bar while it serves."""
         self.serve = ServeController(control, ServeDialog(self), QPushButton(), self.ui_settings, self)
         self.statusBar().addPermanentWidget(self.serve.button)
-        self.serve_action = QAction("Serve over &HTTP…", self)
-        self.serve_action.setObjectName("serveAction")
-        self.serve_action.setStatusTip("Let other programs use the model through an OpenAI-compatible API")
-        self.serve_action.triggered.connect(self.serve.open)
-        self._add_model_action(self.serve_action)
+        self.menus.add_serve_action(self.serve.open)
 
     def set_remote_factory(self, factory: RemoteFactory) -> None:
         """Model ▸ Backend…: answer from a remote OpenAI-compatible server instead of the local engine
         (:mod:`ui.remote_chat`; the choice and the server are remembered in the window's settings)."""
         self.remote = RemoteBackendControl(factory, self.ui_settings, self)
         self.remote.runner.event.connect(self.on_engine_event)
-        self.remote.changed.connect(self.refresh_status)
-        self.remote.changed.connect(self.clear_load_notice)
-        self.backend_action = QAction("&Backend: local or remote…", self)
-        self.backend_action.setObjectName("backendAction")
-        self.backend_action.setStatusTip("Answer with the local engine or a remote OpenAI-compatible server")
-        self.backend_action.triggered.connect(self.remote.open)
-        self._add_model_action(self.backend_action)
-        self.refresh_status()
+        self.remote.changed.connect(self.engine_status.refresh)
+        self.remote.changed.connect(self.engine_status.clear_load_notice)
+        self.menus.add_backend_action(self.remote.open)
+        self.engine_status.refresh()
 
-    def _add_model_action(self, action: QAction) -> None:
-        """An action of the Model menu, after "VRAM budget…" (before Cancel loading / Restart engine)."""
-        menu = self.menus["Model"]
-        actions = menu.actions()
-        position = actions.index(self.vram_action) + 1 if self.vram_action in actions else len(actions)
-        if position < len(actions):
-            menu.insertAction(actions[position], action)
-        else:
-            menu.addAction(action)
-        self.addAction(action)
-
-    # ----------------------------------------------------------------- pages and status
+    # ----------------------------------------------------------------- pages, and the window's own events
     def show_models_page(self) -> None:
         """The model manager, full width (the chat's panels have nothing to show for it)."""
         if self.model_manager is not None:
@@ -980,109 +474,10 @@ class MainWindow(QMainWindow):
             except self._save_error as exc:  # the chat is gone (deleted elsewhere): nothing to title
                 log.warning("cannot read chat %s: %s", self.conversation_id, exc)
 
-    def _uses_remote(self) -> bool:
-        """Send goes to the remote server (Model ▸ Backend…), not the local engine."""
-        return self.remote is not None and self.remote.selected
-
-    def _why_not_ready(self) -> str:
-        """Why Send is disabled ("" when it is not): the remote's settings, else the engine's state."""
-        if self._uses_remote() and self.remote is not None:
-            return self.remote.why_not_ready()
-        return self.engine_state.why_not_ready
-
-    def _can_send(self) -> bool:
-        return not self._why_not_ready()
-
-    def _update_send_state(self) -> None:
-        ready = self._can_send()
-        self.composer.set_blocked(self._why_not_ready())
-        self.regenerate_action.setEnabled(ready)
-        self.continue_action.setEnabled(ready and not self._uses_remote() and not self.is_generating()
-                                        and self.session.answer_to_continue() is not None)
-        self.cancel_load_action.setEnabled(self.engine_state is EngineState.LOADING)
-
-    def refresh_status(self) -> None:
-        state_text = self.engine_state.status_text
-        if self.is_generating():
-            state_text = "● Reading your message…" if self.prompt_progress.active else "● Generating…"
-            if self.long_chats.summary is not None:
-                state_text = "● Summarizing the chat…"
-        self.engine_label.setText(state_text)
-        if self._uses_remote() and self.remote is not None:  # the header names what answers
-            self.model_label.setText(self.remote.model_name() or f"remote: {self.remote.host() or 'no URL set'}")
-        else:
-            self.model_label.setText(Path(self.model_dir).name if self.model_dir else "no model")
-        paths = self.gpu_paths_in_use
-        self.gpu_label.setText((self.gpu_name or "No GPU (CPU)")
-                               + (f" · {len(paths)} experimental path{'s' if len(paths) > 1 else ''}" if paths else ""))
-        sample = self.monitor.sample() if self.monitor is not None else {}
-        vram_used, vram_total = sample.get("vram_used"), sample.get("vram_total")
-        if vram_used is not None and vram_total:
-            self.vram_label.setText(f"VRAM {vram_used / GIB:.1f}/{vram_total / GIB:.0f} GiB")
-        else:
-            self.vram_label.setText("VRAM –")
-        ram_used, ram_total = sample.get("ram_used"), sample.get("ram_total")
-        if ram_used is not None and ram_total:
-            self.ram_label.setText(f"RAM {ram_used / GIB:.1f}/{ram_total / GIB:.0f} GiB")
-        else:
-            self.ram_label.setText("RAM –")
-        live = self.denoise.model.tokens_per_s() if self.is_generating() else None
-        tok_s = live or (self.session.last_tok_s if not self.session.last_tok_s_remote else None)
-        self.speed_label.setText(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s")
-        rate = self.session.last_hit_rate
-        self.hit_label.setText(f"Expert cache {rate * 100:.0f}% hits" if rate is not None else "Expert cache –")
-        if self._uses_remote() and self.remote is not None:  # figures a remote does not report: said so, not guessed
-            if not self.is_generating():
-                self.engine_label.setText(f"● Remote: {self.remote.host() or 'no URL set'}")
-            # the server's figure, once it reported one (not the local engine's last)
-            rate_s = None if self.is_generating() or not self.session.last_tok_s_remote else self.session.last_tok_s
-            self.speed_label.setText(f"{rate_s:.1f} tok/s (remote)" if rate_s else "tok/s unavailable (remote)")
-            self.hit_label.setText("Expert cache unavailable (remote)")
-        self._update_send_state()
-
-    # ----------------------------------------------------------------- help
-    def shortcuts(self) -> list[tuple[str, str]]:
-        """(action, key) for every menu action that has a shortcut, in menu order."""
-        out = []
-        for menu in self.menus.values():
-            for action in menu.actions():
-                children = action.menu().actions() if action.menu() is not None else [action]
-                for a in children:
-                    if not a.shortcut().isEmpty():
-                        text = a.text().replace("&", "").split("  ", 1)[-1]
-                        out.append((text, a.shortcut().toString(QKeySequence.SequenceFormat.NativeText)))
-        out.append(("Send the message", "Enter"))
-        out.append(("New line in the message", "Shift+Enter"))
-        return out
-
-    def on_show_shortcuts(self) -> None:
-        rows = "".join(f"<tr><td>{what}</td><td>&nbsp;&nbsp;<b>{key}</b></td></tr>" for what, key in self.shortcuts())
-        box = QMessageBox(QMessageBox.Icon.NoIcon, "Keyboard shortcuts", f"<table>{rows}</table>",
-                          QMessageBox.StandardButton.Close, self)
-        box.setObjectName("shortcutsBox")
-        box.exec()
-
-    def on_check_gpu(self) -> None:
-        """Help ▸ Check this machine's GPU: ``clover-desk doctor`` in a child process, shown in a dialog (kept, so
-        that reopening it shows the last result; "Check again" reruns it)."""
-        if self.gpu_check_dialog is None:
-            # the check sees the engine's switches (the GPU paths chosen on the models page), not only the app's
-            self.gpu_check_dialog = GpuCheckDialog(self, env=lambda: dict(getattr(self.client, "env", None) or {}))
-        self.gpu_check_dialog.show()
-        self.gpu_check_dialog.raise_()
-
-    def on_about(self) -> None:
-        box = QMessageBox(QMessageBox.Icon.NoIcon, f"About {APP_NAME}", ABOUT_TEXT, QMessageBox.StandardButton.Ok, self)
-        box.setObjectName("aboutBox")
-        icon = self.windowIcon()
-        if not icon.isNull():
-            box.setIconPixmap(icon.pixmap(64, 64))
-        box.exec()
-
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.session.flush()  # keep what streamed so far; the store marks it interrupted on next open
         self.state.save()
-        self.monitor_timer.stop()
+        self.engine_status.monitor_timer.stop()
         try:  # the theme is the application's: a closed window no longer follows the desktop's scheme
             QGuiApplication.styleHints().colorSchemeChanged.disconnect(self.state.on_system_scheme_changed)
         except (RuntimeError, TypeError):

@@ -234,6 +234,95 @@ class _DownloadJob:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class DemoPanelLike(Protocol):
+    """What :class:`DemoModelMaker` uses of its panel (:class:`ModelManagerPanel`)."""
+
+    models_dir: Path
+    demoEnded: Any  # noqa: N815 - a Qt signal: (ok, message or the folder)
+
+    def choose(self, folder: str) -> None: ...
+
+
+class DemoModelMaker:
+    """The "Demo model" box of :class:`ModelManagerPanel`: ``clover-desk make-tiny`` in a child process, into a free
+    folder of the models folder; a model that passes its check is chosen."""
+
+    def __init__(self, panel: DemoPanelLike, python: str) -> None:
+        self.panel = panel
+        self.python = python
+        self.process: QProcess | None = None
+        self.folder: Path | None = None
+        self.output: list[str] = []
+        self.button = QPushButton("Create demo model")
+        self.button.setAccessibleName("Create a demo model")
+        self.status = QLabel("A tiny model with random weights (a few MB, made on this computer in seconds). It "
+                             "exercises the whole app, but its output is random noise, not language.")
+        self.status.setWordWrap(True)
+        self.box = QGroupBox("Demo model")
+        layout = QVBoxLayout(self.box)
+        layout.addWidget(self.button, 0, Qt.AlignmentFlag.AlignLeft)
+        layout.addWidget(self.status)
+        self.button.clicked.connect(self.on_clicked)
+
+    def on_clicked(self) -> None:
+        self.create()
+
+    def create(self, folder: str | Path | None = None) -> None:
+        if self.process is not None:
+            return
+        self.folder = Path(folder) if folder else free_folder(self.panel.models_dir, DEMO_FOLDER_NAME)
+        self.output = []
+        process = QProcess(self.box)
+        process.setProgram(self.python)
+        process.setArguments(["-m", "clover_desk.cli.main", "make-tiny", str(self.folder)])
+        process.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
+        process.readyReadStandardOutput.connect(self.on_output)
+        process.finished.connect(self.on_finished)
+        process.errorOccurred.connect(self.on_error)
+        self.process = process
+        self.button.setEnabled(False)
+        self.status.setText(f"Creating a demo model in {_escape(str(self.folder))}…")
+        process.start()
+
+    def shutdown(self, timeout_s: float) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.waitForFinished(int(timeout_s * 1000))
+
+    def on_output(self) -> None:
+        if self.process is not None:
+            self.output.append(bytes(self.process.readAllStandardOutput().data()).decode(errors="replace"))
+
+    def _ended(self, ok: bool, message: str) -> None:
+        self.status.setText(_escape(message))
+        self.panel.demoEnded.emit(ok, message)
+
+    def on_finished(self, exit_code: int, exit_status: QProcess.ExitStatus) -> None:
+        self.on_output()
+        self.process = None
+        self.button.setEnabled(True)
+        output = "".join(self.output).strip()
+        folder = self.folder
+        if exit_status != QProcess.ExitStatus.NormalExit or exit_code != 0 or folder is None:
+            last = output.splitlines()[-1] if output else f"exit code {exit_code}"
+            self._ended(False, f"Could not create the demo model: {last}")
+            return
+        check = check_model_dir(folder)
+        if not check.ok:
+            self._ended(False, f"The demo model is not usable: {check.message}")
+            return
+        self.status.setText(_escape(f"Demo model ready in {folder}. Remember: its weights are random, so its output "
+                                    "is random noise; it shows how the app works, not what Clover can do."))
+        self.panel.demoEnded.emit(True, str(folder))
+        self.panel.choose(str(folder))
+
+    def on_error(self, error: QProcess.ProcessError) -> None:
+        if error == QProcess.ProcessError.FailedToStart and self.process is not None:
+            self.process = None
+            self.button.setEnabled(True)
+            self._ended(False, f"Could not start {self.python}: {error.name}")
+
+
 class ModelManagerPanel(QWidget):
     """Choose, download or create the model. Emits :attr:`modelChosen` with a folder that passed the check."""
 
@@ -270,15 +359,11 @@ class ModelManagerPanel(QWidget):
             models_dir = Path(base or Path.home() / ".clover-desk") / "models"
         self.models_dir = Path(models_dir)
         self._recent_file = Path(recent_file) if recent_file else None
-        self._python = python
         self._job: _DownloadJob | None = None
         # Progress snapshots come from the downloader's threads (huggingface_hub's workers among them, which can
         # still report after the job ended), the job's end from its thread: they only ever post to this bridge,
         # drained on the GUI thread in order, so no thread can reach a Qt object that was already deleted.
         self.bridge = ThreadBridge(self)
-        self._process: QProcess | None = None
-        self._demo_dir: Path | None = None
-        self._demo_output: list[str] = []
         self._recent: list[str] = []
 
         title = QLabel("<h2>Choose a model</h2>Clover Desk needs a model folder (Hugging Face layout: config.json and "
@@ -344,14 +429,7 @@ class ModelManagerPanel(QWidget):
         form.addRow(self.download_status)
 
         # --- demo ---
-        self.demo_button = QPushButton("Create demo model")
-        self.demo_status = QLabel("A tiny model with random weights (a few MB, made on this computer in seconds). It "
-                                  "exercises the whole app, but its output is random noise, not language.")
-        self.demo_status.setWordWrap(True)
-        demo_box = QGroupBox("Demo model")
-        demo_layout = QVBoxLayout(demo_box)
-        demo_layout.addWidget(self.demo_button, 0, Qt.AlignmentFlag.AlignLeft)
-        demo_layout.addWidget(self.demo_status)
+        self.demo = DemoModelMaker(self, python)  # its box, and make-tiny in a child process
 
         # --- recent ---
         self.recent_list = QListWidget()
@@ -365,7 +443,7 @@ class ModelManagerPanel(QWidget):
             (self.download_choice, "What to download"), (self.repo_edit, "Hub repository to download"),
             (self.target_edit, "Download into folder"), (self.browse_button, "Choose the download folder"),
             (self.download_button, "Download"), (self.cancel_button, "Cancel the download"),
-            (self.resume_button, "Resume the download"), (self.demo_button, "Create a demo model"),
+            (self.resume_button, "Resume the download"),
             (self.recent_list, "Recent models"), (self.progress_bar, "Download progress"),
         ):
             widget.setAccessibleName(name)
@@ -373,7 +451,7 @@ class ModelManagerPanel(QWidget):
         layout.addWidget(title)
         layout.addWidget(open_box)
         layout.addWidget(download_box)
-        layout.addWidget(demo_box)
+        layout.addWidget(self.demo.box)
         layout.addWidget(recent_box, 1)
 
         self._load_recent()
@@ -392,7 +470,6 @@ class ModelManagerPanel(QWidget):
         self.download_button.clicked.connect(self.on_download_clicked)
         self.resume_button.clicked.connect(self.on_download_clicked)
         self.cancel_button.clicked.connect(self.on_cancel_clicked)
-        self.demo_button.clicked.connect(self.on_demo_clicked)
         self.recent_list.itemActivated.connect(self.on_recent_activated)
 
     # ---- public API ----------------------------------------------------------------------------------------
@@ -406,7 +483,7 @@ class ModelManagerPanel(QWidget):
             self.open_status.setText(f"<b>Cannot use this {what}:</b> {_escape(check.message)}")
             return False
         self.open_status.setText(f"Opened {_escape(str(path))}: {_escape(check.message)}")
-        self._choose(str(model_path(path)))
+        self.choose(str(model_path(path)))
         return True
 
     def open_folder(self, path: str | Path) -> bool:
@@ -445,23 +522,6 @@ class ModelManagerPanel(QWidget):
             self.download_status.setText("Cancelling… (the bytes downloaded so far are kept)")
             self.cancel_button.setEnabled(False)
 
-    def create_demo_model(self, folder: str | Path | None = None) -> None:
-        if self._process is not None:
-            return
-        self._demo_dir = Path(folder) if folder else free_folder(self.models_dir, DEMO_FOLDER_NAME)
-        self._demo_output = []
-        process = QProcess(self)
-        process.setProgram(self._python)
-        process.setArguments(["-m", "clover_desk.cli.main", "make-tiny", str(self._demo_dir)])
-        process.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
-        process.readyReadStandardOutput.connect(self.on_demo_output)
-        process.finished.connect(self.on_demo_finished)
-        process.errorOccurred.connect(self.on_demo_error)
-        self._process = process
-        self.demo_button.setEnabled(False)
-        self.demo_status.setText(f"Creating a demo model in {_escape(str(self._demo_dir))}…")
-        process.start()
-
     def recent_models(self) -> list[str]:
         """The recent models still on disk (one deleted, or on a drive gone, is not offered)."""
         return [p for p in self._recent if Path(p).exists()]
@@ -471,7 +531,7 @@ class ModelManagerPanel(QWidget):
         self._refresh_recent()
 
     def is_busy(self) -> bool:
-        return self._job is not None or self._process is not None
+        return self._job is not None or self.demo.process is not None
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop a running download or demo creation (call when the app quits)."""
@@ -479,9 +539,7 @@ class ModelManagerPanel(QWidget):
             self._job.cancel.set()
             if self._job.thread is not None:
                 self._job.thread.join(timeout_s)
-        if self._process is not None:
-            self._process.kill()
-            self._process.waitForFinished(int(timeout_s * 1000))
+        self.demo.shutdown(timeout_s)
 
     # ---- slots ---------------------------------------------------------------------------------------------
 
@@ -528,9 +586,6 @@ class ModelManagerPanel(QWidget):
     def on_cancel_clicked(self) -> None:
         self.cancel_download()
 
-    def on_demo_clicked(self) -> None:
-        self.create_demo_model()
-
     def on_download_progress(self, p: Any) -> None:
         self.progress_bar.setValue(int(1000 * p.done_bytes / p.total_bytes) if p.total_bytes else 0)
         what = {"planning": "planning", "checking": "checking", "downloading": "downloading",
@@ -553,46 +608,10 @@ class ModelManagerPanel(QWidget):
             return
         self.download_status.setText(f"Downloaded into {_escape(folder)}: {_escape(check.message)}")
         self.downloadEnded.emit(True, folder)
-        self._choose(folder)
+        self.choose(folder)
 
     def on_download_failed(self, message: str, cancelled: bool) -> None:
         self._on_download_failed(message, cancelled)
-
-    def on_demo_output(self) -> None:
-        if self._process is not None:
-            self._demo_output.append(bytes(self._process.readAllStandardOutput().data()).decode(errors="replace"))
-
-    def on_demo_finished(self, exit_code: int, exit_status: QProcess.ExitStatus) -> None:
-        self.on_demo_output()
-        self._process = None
-        self.demo_button.setEnabled(True)
-        output = "".join(self._demo_output).strip()
-        folder = self._demo_dir
-        if exit_status != QProcess.ExitStatus.NormalExit or exit_code != 0 or folder is None:
-            last = output.splitlines()[-1] if output else f"exit code {exit_code}"
-            message = f"Could not create the demo model: {last}"
-            self.demo_status.setText(_escape(message))
-            self.demoEnded.emit(False, message)
-            return
-        check = check_model_dir(folder)
-        if not check.ok:
-            message = f"The demo model is not usable: {check.message}"
-            self.demo_status.setText(_escape(message))
-            self.demoEnded.emit(False, message)
-            return
-        message = (f"Demo model ready in {folder}. Remember: its weights are random, so its output is random "
-                   "noise; it shows how the app works, not what Clover can do.")
-        self.demo_status.setText(_escape(message))
-        self.demoEnded.emit(True, str(folder))
-        self._choose(str(folder))
-
-    def on_demo_error(self, error: QProcess.ProcessError) -> None:
-        if error == QProcess.ProcessError.FailedToStart and self._process is not None:
-            self._process = None
-            self.demo_button.setEnabled(True)
-            message = f"Could not start {self._python}: {error.name}"
-            self.demo_status.setText(_escape(message))
-            self.demoEnded.emit(False, message)
 
     def on_recent_activated(self, item: QListWidgetItem) -> None:
         self.open_folder(item.data(Qt.ItemDataRole.UserRole))
@@ -643,7 +662,8 @@ class ModelManagerPanel(QWidget):
     def _update_free_space(self) -> None:
         self.free_label.setText(free_space_text(self.target_edit.text() or self.models_dir))
 
-    def _choose(self, folder: str) -> None:
+    def choose(self, folder: str) -> None:
+        """A model that passed its check: first in the recent list, and chosen (:attr:`modelChosen`)."""
         self._recent = [folder, *[p for p in self._recent if p != folder]][:MAX_RECENT]
         self._refresh_recent()
         self._save_recent()

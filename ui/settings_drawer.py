@@ -6,8 +6,6 @@ setting that has no meaning in the chosen mode, or without sampling, is disabled
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -27,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX, Limit
 from ui.chat_presets import ChatPresets
+from ui.drawer_presets import DrawerPresets
 from ui.generation import MAX_TOKENS_LIMIT, GenerationSettings
 from ui.theme import set_style_class
 from ui.widgets import accessible
@@ -128,7 +127,7 @@ class SettingsDrawer(QFrame):
         set_style_class(self.defaults_label, "faint")
         self.defaults_label.setWordWrap(True)
         self._build_sampling()
-        self._build_presets()
+        self.preset_box = DrawerPresets(self)  # presets and the new chats' system prompt
         form = QFormLayout()
         form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft)
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
@@ -178,19 +177,8 @@ class SettingsDrawer(QFrame):
         hints.setWordWrap(True)
         layout.addWidget(hints)
         layout.addWidget(self.defaults_label)
-        presets_title = QLabel("PRESETS AND NEW CHATS")
-        set_style_class(presets_title, "sectionTitle")
-        layout.addWidget(presets_title)
-        layout.addLayout(self.presets_row)
-        layout.addLayout(self.preset_save_row)
-        layout.addWidget(self.preset_status)
-        default_label = QLabel("Default system prompt for new chats")
-        default_label.setBuddy(self.default_system_prompt)
-        set_style_class(default_label, "muted")
-        layout.addWidget(default_label)
-        layout.addWidget(self.default_system_prompt)
+        self.preset_box.add_to(layout)
         layout.addStretch(1)
-        self.presets = ChatPresets(None)
         self.model_context = 0  # the loaded model's context (0: unknown)
         self.set_settings(GenerationSettings(), "")
         self._connect_signals()
@@ -214,10 +202,6 @@ class SettingsDrawer(QFrame):
             sig.connect(self.on_any_changed)
         self.seed.textChanged.connect(self.on_seed_edited)
         self.done_button.clicked.connect(self.closeRequested)
-        self.preset_load.clicked.connect(self.on_load_preset)
-        self.preset_save.clicked.connect(self.on_save_preset)
-        self.preset_delete.clicked.connect(self.on_delete_preset)
-        self.default_system_prompt.textChanged.connect(self.on_default_prompt_edited)
 
     def _widgets(self) -> tuple[QWidget, ...]:
         return (self.mode, self.block_size, self.temperature, self.threshold, self.max_tokens, self.thinking,
@@ -388,93 +372,9 @@ class SettingsDrawer(QFrame):
         self.on_any_changed()
 
     # -- presets and the default system prompt
-    def _build_presets(self) -> None:
-        self.preset_choice = QComboBox()
-        self.preset_choice.setObjectName("presetChoice")
-        accessible(self.preset_choice, "Preset")
-        self.preset_load = QPushButton("Load")
-        self.preset_load.setObjectName("presetLoad")
-        self.preset_load.setToolTip("Apply this preset's settings and system prompt to the chat on show")
-        self.preset_delete = QPushButton("Delete")
-        self.preset_delete.setObjectName("presetDelete")
-        accessible(self.preset_load, "Load the preset")
-        accessible(self.preset_delete, "Delete the preset")
-        for b in (self.preset_load, self.preset_delete):
-            set_style_class(b, "ghost")
-        self.presets_row = QHBoxLayout()
-        self.presets_row.addWidget(self.preset_choice, 1)
-        self.presets_row.addWidget(self.preset_load)
-        self.presets_row.addWidget(self.preset_delete)
-        self.preset_name = QLineEdit()
-        self.preset_name.setObjectName("presetName")
-        self.preset_name.setPlaceholderText("Preset name")
-        accessible(self.preset_name, "Preset name")
-        self.preset_save = QPushButton("Save as preset")
-        self.preset_save.setObjectName("presetSave")
-        self.preset_save.setToolTip("Keep this chat's settings and system prompt under that name (for any chat)")
-        accessible(self.preset_save, "Save as preset")
-        set_style_class(self.preset_save, "ghost")
-        self.preset_save_row = QHBoxLayout()
-        self.preset_save_row.addWidget(self.preset_name, 1)
-        self.preset_save_row.addWidget(self.preset_save)
-        self.preset_status = QLabel()
-        self.preset_status.setObjectName("presetStatus")
-        set_style_class(self.preset_status, "faint")
-        self.preset_status.setWordWrap(True)
-        self.default_system_prompt = QPlainTextEdit()
-        self.default_system_prompt.setObjectName("defaultSystemPrompt")
-        self.default_system_prompt.setPlaceholderText("Empty: new chats start without one")
-        self.default_system_prompt.setFixedHeight(64)
-        self.default_system_prompt.setTabChangesFocus(True)
-        accessible(self.default_system_prompt, "Default system prompt for new chats")
-
     def set_preset_store(self, presets: ChatPresets) -> None:
-        """Where presets and the default system prompt are kept (the app's settings)."""
-        self.presets = presets
-        self.default_system_prompt.blockSignals(True)
-        self.default_system_prompt.setPlainText(presets.default_system_prompt())
-        self.default_system_prompt.blockSignals(False)
-        self._refresh_presets()
+        """Where presets and the default system prompt are kept (the app's settings: ``ui.drawer_presets``)."""
+        self.preset_box.set_store(presets)
 
     def new_chat_system_prompt(self) -> str:
-        return self.presets.default_system_prompt()
-
-    def _refresh_presets(self, select: str = "") -> None:
-        names = self.presets.names()
-        self.preset_choice.clear()
-        self.preset_choice.addItems(names)
-        if select in names:
-            self.preset_choice.setCurrentIndex(names.index(select))
-        for w in (self.preset_choice, self.preset_load, self.preset_delete):
-            w.setEnabled(bool(names))
-        if not names:
-            self.preset_choice.setPlaceholderText("No presets yet")
-
-    def on_save_preset(self) -> None:
-        try:
-            name = self.presets.save(self.preset_name.text(), self.settings(), self.system_prompt_text())
-        except ValueError as exc:
-            self.preset_status.setText(f"Not saved: {exc}.")
-            return
-        self.preset_name.clear()
-        self._refresh_presets(select=name)
-        self.preset_status.setText(f"Saved “{name}”.")
-
-    def on_load_preset(self) -> None:
-        name = self.preset_choice.currentText()
-        found = self.presets.get(name, self.settings()) if name else None
-        if found is None:
-            return
-        settings, prompt = found
-        self.set_settings(replace(settings, expand_thinking=self.expand_thinking.isChecked()), prompt)
-        self.preset_status.setText(f"Loaded “{name}” into this chat.")
-        self.changed.emit()
-
-    def on_delete_preset(self) -> None:
-        name = self.preset_choice.currentText()
-        if name and self.presets.delete(name):
-            self._refresh_presets()
-            self.preset_status.setText(f"Deleted “{name}”.")
-
-    def on_default_prompt_edited(self) -> None:
-        self.presets.set_default_system_prompt(self.default_system_prompt.toPlainText())
+        return self.preset_box.new_chat_system_prompt()

@@ -239,6 +239,77 @@ class BudgetBar(QWidget):
         p.end()
 
 
+class PlanBreakdown:
+    """Where one plan's bytes go (the bar and its legend), how many layers' experts stay on the GPU, RAM needed, the
+    speed estimate, or why the plan does not fit: the part of :class:`VramPanel` that shows one plan."""
+
+    def __init__(self) -> None:
+        self.bar = BudgetBar()
+        self.bar.setAccessibleName("Where the VRAM goes")
+        self.legend = QGridLayout()
+        self.legend.setHorizontalSpacing(10)
+        self.legend.setVerticalSpacing(4)
+        self._legend_values: dict[str, QLabel] = {}
+        for row, (key, label, col) in enumerate(SEGMENTS):
+            swatch = QLabel()
+            swatch.setFixedSize(12, 12)
+            swatch.setStyleSheet(f"background: {COLORS[col]}; border-radius: 3px;")
+            name = QLabel(label)
+            value = QLabel("–")
+            value.setAlignment(Qt.AlignmentFlag.AlignRight)
+            value.setAccessibleName(label)
+            self._legend_values[key] = value
+            self.legend.addWidget(swatch, row, 0)
+            self.legend.addWidget(name, row, 1)
+            self.legend.addWidget(value, row, 2)
+        self.layers_label = QLabel()
+        self.layers_label.setWordWrap(True)
+        self.layers_label.setAccessibleName("Expert layers")
+        self.ram_label = QLabel()
+        self.ram_label.setAccessibleName("RAM needed")
+        self.speed_label = QLabel()
+        self.speed_label.setAccessibleName("Speed estimate")
+        self.speed_label.setToolTip("The planner's roofline estimate for this card, not a measurement")
+        self.reason_label = QLabel()
+        self.reason_label.setWordWrap(True)
+        set_style_class(self.reason_label, "dangerText")
+        self.reason_label.setAccessibleName("Why it won't fit")
+
+    def add_to(self, col: QVBoxLayout, has_gpu: bool) -> None:
+        """The bar, the legend in a card, the figures and the reason, down the panel's column (no speed without a
+        GPU: there is nothing to estimate it for)."""
+        col.addWidget(self.bar)
+        card = QFrame()
+        set_style_class(card, "card")
+        card_layout = QVBoxLayout(card)
+        card_layout.setContentsMargins(12, 10, 12, 10)
+        card_layout.addLayout(self.legend)
+        col.addWidget(card)
+        col.addWidget(self.layers_label)
+        col.addWidget(self.ram_label)
+        col.addWidget(self.speed_label)
+        self.speed_label.setVisible(has_gpu)
+        col.addWidget(self.reason_label)
+
+    def show(self, s: PlanSummary, budget_bytes: int, card_bytes: int, caption: str) -> None:
+        self.bar.card_caption = caption
+        self.bar.set_plan(s, budget_bytes, card_bytes)
+        for key, _label, _col, n in s.segments:
+            self._legend_values[key].setText(gib(n))
+        self.layers_label.setText(s.layers_line)
+        self.ram_label.setText(s.ram_line)
+        self.speed_label.setText(s.speed_line)
+        self.reason_label.setText(s.reason if not s.fits else "")
+        self.reason_label.setVisible(not s.fits)
+        for label in (self.layers_label, self.ram_label, self.speed_label):
+            label.setEnabled(s.fits)  # greyed: these figures describe a plan that cannot run
+
+    def show_failure(self, message: str) -> None:
+        """The planner failed: its message, as a "won't fit"."""
+        self.reason_label.setText(message)
+        self.reason_label.show()
+
+
 class VramPanel(QWidget):
     """Budget slider + context selector + plan display + the plan in use + Apply.
 
@@ -311,36 +382,7 @@ class VramPanel(QWidget):
         self.ctx_combo.setObjectName("contextChoice")
         self.ctx_combo.setAccessibleName("Context length")
         self._fill_contexts(ctx_limit, ctx_tokens)
-        self.bar = BudgetBar()
-        self.bar.setAccessibleName("Where the VRAM goes")
-        self.legend = QGridLayout()
-        self.legend.setHorizontalSpacing(10)
-        self.legend.setVerticalSpacing(4)
-        self._legend_values: dict[str, QLabel] = {}
-        for row, (key, label, col) in enumerate(SEGMENTS):
-            swatch = QLabel()
-            swatch.setFixedSize(12, 12)
-            swatch.setStyleSheet(f"background: {COLORS[col]}; border-radius: 3px;")
-            name = QLabel(label)
-            value = QLabel("–")
-            value.setAlignment(Qt.AlignmentFlag.AlignRight)
-            value.setAccessibleName(label)
-            self._legend_values[key] = value
-            self.legend.addWidget(swatch, row, 0)
-            self.legend.addWidget(name, row, 1)
-            self.legend.addWidget(value, row, 2)
-        self.layers_label = QLabel()
-        self.layers_label.setWordWrap(True)
-        self.layers_label.setAccessibleName("Expert layers")
-        self.ram_label = QLabel()
-        self.ram_label.setAccessibleName("RAM needed")
-        self.speed_label = QLabel()
-        self.speed_label.setAccessibleName("Speed estimate")
-        self.speed_label.setToolTip("The planner's roofline estimate for this card, not a measurement")
-        self.reason_label = QLabel()
-        self.reason_label.setWordWrap(True)
-        set_style_class(self.reason_label, "dangerText")
-        self.reason_label.setAccessibleName("Why it won't fit")
+        self.breakdown = PlanBreakdown()  # where the plan's bytes go, layers, RAM, speed, why it won't fit
         self.apply_button = QPushButton()
         self.apply_button.setObjectName("applyButton")
         set_style_class(self.apply_button, "primary")  # the theme's primary-button look (assets/style.qss)
@@ -395,18 +437,7 @@ class VramPanel(QWidget):
         ends.addStretch(1)
         ends.addWidget(self.max_label)
         col.addLayout(ends)
-        col.addWidget(self.bar)
-        card = QFrame()
-        set_style_class(card, "card")
-        card_layout = QVBoxLayout(card)
-        card_layout.setContentsMargins(12, 10, 12, 10)
-        card_layout.addLayout(self.legend)
-        col.addWidget(card)
-        col.addWidget(self.layers_label)
-        col.addWidget(self.ram_label)
-        col.addWidget(self.speed_label)
-        self.speed_label.setVisible(self.has_gpu)
-        col.addWidget(self.reason_label)
+        self.breakdown.add_to(col, self.has_gpu)
         col.addStretch(1)
 
         self.scroll = QScrollArea()
@@ -599,8 +630,7 @@ class VramPanel(QWidget):
             self.summary = None
             self.budget_label.setText(gib(budget))
             self._set_state(False)
-            self.reason_label.setText(str(exc))
-            self.reason_label.show()
+            self.breakdown.show_failure(str(exc))
             self._update_apply_state()
             return
         self.plan = plan
@@ -609,17 +639,8 @@ class VramPanel(QWidget):
         s = self.summary
         self.budget_label.setText(gib(budget))
         self._set_state(s.fits)
-        self.bar.card_caption = "" if self.has_gpu else f"planned {card_words(self._card_bytes)} card"
-        self.bar.set_plan(s, budget, self._card_bytes)
-        for key, _label, _col, n in s.segments:
-            self._legend_values[key].setText(gib(n))
-        self.layers_label.setText(s.layers_line)
-        self.ram_label.setText(s.ram_line)
-        self.speed_label.setText(s.speed_line)
-        self.reason_label.setText(s.reason if not s.fits else "")
-        self.reason_label.setVisible(not s.fits)
-        for label in (self.layers_label, self.ram_label, self.speed_label):
-            label.setEnabled(s.fits)  # greyed: these figures describe a plan that cannot run
+        caption = "" if self.has_gpu else f"planned {card_words(self._card_bytes)} card"
+        self.breakdown.show(s, budget, self._card_bytes, caption)
         self._update_apply_state()
         self.planChanged.emit(plan)
 

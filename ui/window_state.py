@@ -33,7 +33,7 @@ class StateWindowLike(Protocol):
     side: Any  # the right column (panels or settings drawer)
     tabs: Any  # the side tabs
     panel_button: Any
-    theme_actions: dict[str, Any]
+    menus: Any  # ui.window_menus.WindowMenus: .theme_actions
     chat: Any
     denoise: Any
     themeChanged: Any  # noqa: N815 - a Qt signal
@@ -138,7 +138,7 @@ class WindowState:
             raise ValueError(f"theme must be one of {', '.join(SCHEMES)}, got {preference!r}")
         self.theme_preference = preference
         self.set_value("theme", preference)
-        self.window.theme_actions[preference].setChecked(True)
+        self.window.menus.theme_actions[preference].setChecked(True)
         self.apply_theme_preference()
 
     def on_system_scheme_changed(self, *_args: object) -> None:
