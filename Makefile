@@ -7,7 +7,7 @@ APP_STAMP := $(VENV)/.installed-app
 TEST_STAMP := $(VENV)/.installed-test
 PACKAGING_STAMP := $(VENV)/.installed-packaging
 
-.PHONY: run test install bench package clean
+.PHONY: run test test-heavy install bench package clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,8 +30,12 @@ install: $(APP_STAMP)
 run: $(APP_STAMP)
 	$(BIN)/clover-desk $(ARGS)
 
+# the suite CI runs (under 20 minutes on 2 cores); the few tests marked heavy (a minute or more each) run with test-heavy
 test: $(TEST_STAMP)
-	QT_QPA_PLATFORM=offscreen QTWEBENGINE_DISABLE_SANDBOX=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
+	QT_QPA_PLATFORM=offscreen QTWEBENGINE_DISABLE_SANDBOX=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not heavy" $(PYTEST_ARGS)
+
+test-heavy: $(TEST_STAMP)
+	QT_QPA_PLATFORM=offscreen QTWEBENGINE_DISABLE_SANDBOX=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m heavy $(PYTEST_ARGS)
 
 # make bench SUITE=speed ARGS="--shape tiny"; without SUITE it lists the suites and fails (exit 2)
 bench: $(APP_STAMP)

@@ -293,6 +293,7 @@ def test_real_widths_one_layer(real1: dict[str, Any]) -> None:
         assert abs(last_expert.std().item() - 2048**-0.5) < 1e-3  # the init scale, to the end of a chunked tensor
 
 
+@pytest.mark.heavy  # ~1.5-2.5 min on 2 cores: make test-heavy
 @pytest.mark.slow
 def test_loading_a_real_width_model_under_a_streaming_plan_stays_near_the_cache_size(real1: dict[str, Any]) -> None:
     """The one-plan bounds, measured by ``clover-desk bench load`` in its own processes (peak RSS of each stage via

@@ -43,6 +43,7 @@ def _nvidia_backend() -> str | None:
     return None if ptxas.exists() else f"Triton has no NVIDIA backend with ptxas ({ptxas})"
 
 
+@pytest.mark.heavy  # ~1.5-2.5 min on 2 cores: make test-heavy
 def test_every_kernel_launch_compiles_for_the_target_gpus(tmp_path: Path) -> None:
     why = _nvidia_backend()
     if why is not None:

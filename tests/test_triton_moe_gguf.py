@@ -121,6 +121,7 @@ def test_gguf_element_decode_equals_gguf_quants_dequantize_bit_for_bit() -> None
     run_interpreted(HELPERS)
 
 
+@pytest.mark.heavy  # ~1.5-2.5 min on 2 cores: make test-heavy
 def test_fused_gguf_moe_equals_the_dequantize_then_matmul_reference() -> None:
     pytest.importorskip("triton")
     run_interpreted(FUSED)
