@@ -232,6 +232,13 @@ class LayerClock:
 
 
 def _peak_rss_bytes() -> int | None:
+    """This process's peak resident set: Linux's VmHWM (its own address space's high-water mark; ``ru_maxrss`` would
+    carry the parent's peak across fork and exec), else ``ru_maxrss`` (macOS), else None (Windows)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
     if resource is None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
