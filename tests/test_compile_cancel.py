@@ -26,7 +26,10 @@ guard_pyside_bool_refcounts()
 
 START_MS = 120_000  # a worker importing torch and tracing the tiny model's first pass on two busy cores
 GRACE_MS = 2000
-RELOAD_LIMIT_S = 45.0  # Cancel to the uncompiled model loaded: the grace, a worker's start and a tiny model's load
+# Cancel to the uncompiled model loaded: the grace, a fresh worker's start and a tiny model's load (27 s measured
+# with the 2 cores at load average 12, where importing torch alone took up to 39 s); the compile hangs for 600 s
+RELOAD_LIMIT_S = 120.0
+END_SLACK_S = 5.0  # the compiling worker ends within the grace plus this (2.1 s measured)
 
 
 def _running(pid: int) -> bool:
@@ -74,11 +77,11 @@ def test_cancel_during_a_hanging_compile_loads_the_model_uncompiled_within_secon
         with qtbot.waitSignal(client.loaded, timeout=int(RELOAD_LIMIT_S * 1000)) as done:
             window.load_banner.cancel.click()
         elapsed = time.monotonic() - clicked
-        print(f"Cancel to the uncompiled model loaded: {elapsed:.1f} s")  # noqa: T201 - the figure, with -s
-
         # the compiling worker was ended once the grace ran out, not when its compile would have finished
         ended_at = next(t for t, state in states if state == "stopping" and t >= clicked)
-        assert ended_at - clicked < GRACE_MS / 1000 + 2.0
+        print(f"Cancel: worker ended after {ended_at - clicked:.1f} s, "  # noqa: T201 - the figures, with -s
+              f"the uncompiled model loaded after {elapsed:.1f} s")
+        assert ended_at - clicked < GRACE_MS / 1000 + END_SLACK_S
         assert elapsed < RELOAD_LIMIT_S
         # ... with its compile helper: nothing left running, nothing orphaned
         assert not _running(compiling_worker) and not _running(helper)
