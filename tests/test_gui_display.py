@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from clover_desk.cli import qt_deps
-from clover_desk.cli.gui import display_problem, preview_off_reason
+from clover_desk.cli.gui import display_problem, preview_off_reason, shared_memory_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 X86_64, I386 = 62, 3
@@ -153,6 +153,18 @@ def test_root_gets_no_preview_unless_the_weaker_isolation_is_named() -> None:
     assert preview_off_reason(0, {"QTWEBENGINE_CHROMIUM_FLAGS": "--foo --no-sandbox"}, without_sandbox=False) is None
     assert preview_off_reason(1000, {}, without_sandbox=False) is None
     assert preview_off_reason(None, {}, without_sandbox=False) is None  # Windows
+
+
+def test_a_dev_shm_chromium_cannot_write_turns_the_preview_off(tmp_path: Path) -> None:
+    """Issue 32, in a Debian 12 chroot: /dev/shm a plain root-owned folder, so a normal user's window died at start
+    (Chromium: "Creating shared memory in /dev/shm ... Permission denied", FATAL, SIGTRAP). Now the window opens
+    with the preview off and one line naming the folder and the fix."""
+    assert shared_memory_problem(str(tmp_path)) is None  # a folder this user can write
+    missing = shared_memory_problem(str(tmp_path / "absent"))
+    assert missing is not None and missing.startswith("the HTML preview is off: ") and str(tmp_path / "absent") in missing
+    denied = shared_memory_problem("/dev/shm", usable=lambda path: False)  # what a normal user met in the chroot
+    assert denied is not None and "sudo chmod 1777 /dev/shm" in denied and "\n" not in denied
+    assert shared_memory_problem(str(tmp_path / "absent"), platform="win32") is None  # no /dev/shm to need
 
 
 def test_the_window_factory_builds_the_preview_off_tab(qtbot, tmp_path: Path) -> None:

@@ -57,6 +57,24 @@ def preview_off_reason(euid: int | None, env: dict[str, str], without_sandbox: b
             "normal user, or pass --preview-without-sandbox to preview with weaker isolation)")
 
 
+SHM_DIR = "/dev/shm"
+
+
+def shared_memory_problem(shm_dir: str = SHM_DIR, platform: str = sys.platform,
+                          usable: "Callable[[str], bool] | None" = None) -> str | None:
+    """Why the HTML preview stays off on this Linux machine, in one line; None when it can run. Chromium keeps its
+    shared memory in /dev/shm and aborts the whole process (SIGTRAP, a FATAL line) when it cannot write there, as
+    in a chroot whose /dev/shm is a plain root-owned folder (a booted system mounts a tmpfs with mode 1777).
+    ``usable``: whether a folder can be written and entered by this user (default: ``os.access``)."""
+    if not platform.startswith("linux"):
+        return None
+    check = usable or (lambda path: os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK))
+    if check(shm_dir):
+        return None
+    return (f"the HTML preview is off: {shm_dir} is missing or not writable by this user, and Chromium keeps its "
+            f"shared memory there (a normal system mounts it as a tmpfs with mode 1777: sudo chmod 1777 {shm_dir})")
+
+
 def display_problem(env: dict[str, str], platform: str,
                     xcb_check: "Callable[[dict[str, str]], str | None]") -> str | None:
     """Why the window cannot open here, as one line naming what to install or set; None when it can (as far as can
@@ -83,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"clover-desk gui: {problem}", file=sys.stderr)
         return EXIT_DATA_DIR
     preview_off = preview_off_reason(os.geteuid() if hasattr(os, "geteuid") else None, dict(os.environ),
-                                     args.preview_without_sandbox)
+                                     args.preview_without_sandbox) or shared_memory_problem()
     if preview_off is not None:
         print(f"clover-desk gui: {preview_off}", file=sys.stderr)
     elif args.preview_without_sandbox:

@@ -15,6 +15,13 @@ Lifecycle of :attr:`EngineClient.state` (announced by ``stateChanged``)::
     idle --generate()--> generating --event(id, Finished | EngineError)--> idle
     any --crashed--> stopped          any --shutdown()--> stopping --stopped--> stopped
 
+A cancel during a compiled load's warm-up (``cancel_load()`` while a ``compiling-*`` stage runs) keeps the model,
+uncompiled. The worker checks the cancel between passes, but a pass that inductor is compiling cannot be interrupted
+(30 s to minutes): when the worker has not answered within ``compile_cancel_grace_ms`` the client ends it, with the
+compile workers it started (its process group), and starts a fresh worker that loads the same model uncompiled. To
+the window that is one load going on: no ``ready`` from that worker, and the load ends with ``loaded`` whose record
+says ``"compiled": false, "compile_cancelled": true`` as the worker's own cancelled warm-up does.
+
 Every ``generate`` request ends with exactly one ``event(request_id, Finished)`` or
 ``event(request_id, EngineError)``, also when the worker dies (kind ``"WorkerCrashed"``) or was not running
 (kind ``"WorkerStopped"``), so a chat view has one place to end its streaming state.
@@ -36,7 +43,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
-from engine.decode.events import EngineError, Finished, GenerationParams, from_dict
+from engine.decode.events import COMPILE_STAGES, EngineError, Finished, GenerationParams, from_dict
 
 log = logging.getLogger(__name__)
 DEFAULT_PARAMS = GenerationParams()  # frozen: one shared default is safe
@@ -45,6 +52,12 @@ worker_log = logging.getLogger("clover_desk.worker.process.stderr")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds clover_desk/ and engine/
 STDERR_LINES_KEPT = 40
 CRASH_REASON_STDERR_LINES = 12
+# How long a cancel during the compile's warm-up waits for the worker to stop at a pass boundary before it ends the
+# worker and loads the model again uncompiled (a pass being compiled does not stop: 30 s to minutes with inductor).
+COMPILE_CANCEL_GRACE_MS = 3000
+WARM_UP_STAGES = tuple(stage for stage in COMPILE_STAGES if stage.startswith("compiling-"))
+# engine.api.COMPILE_CANCELLED, the engine's own words for it (the window's process does not import engine.api)
+COMPILE_CANCELLED = "compiling was cancelled: the model runs uncompiled"
 
 
 def _signal_name(number: int) -> str:
@@ -84,10 +97,13 @@ class EngineClient(QObject):
         worker_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         grace_ms: int = 3000,
+        compile_cancel_grace_ms: int = COMPILE_CANCEL_GRACE_MS,
     ) -> None:
         """``python``: interpreter for the worker (default: this one). ``worker_args``: extra worker command-line
         arguments. ``env``: extra environment variables for the worker (e.g. CUDA_VISIBLE_DEVICES). ``grace_ms``:
-        how long shutdown() lets the worker exit cleanly before killing it."""
+        how long shutdown() lets the worker exit cleanly before killing it. ``compile_cancel_grace_ms``: how long a
+        cancel during the compile's warm-up waits for the worker before loading the model again uncompiled in a
+        fresh one."""
         super().__init__(parent)
         self._python = python or sys.executable
         self._worker_args = list(worker_args)
@@ -112,6 +128,14 @@ class EngineClient(QObject):
         self._serve: dict[str, Any] | None = None  # the serve command asked for (sent again after a restart)
         self._server_url: str | None = None
         self._server_policy = ""  # whom the server answers (its "serving" record's policy line)
+        self._load_command: dict[str, Any] | None = None  # the load in flight as sent
+        self._warming_up = False  # its latest progress is a compile warm-up stage (a cancel may not stop it soon)
+        self._uncompiled_again: dict[str, Any] | None = None  # the load to send the worker started in its place
+        self._compile_fallback = False  # the load in flight is that one: its "loaded" says the compile was cancelled
+        self._compile_cancel_timer = QTimer(self)
+        self._compile_cancel_timer.setSingleShot(True)
+        self._compile_cancel_timer.setInterval(compile_cancel_grace_ms)
+        self._compile_cancel_timer.timeout.connect(self.on_compile_cancel_overdue)
 
     # ----------------------------------------------------------------- properties
 
@@ -193,6 +217,8 @@ class EngineClient(QObject):
         self._model_info = None
         self._current_request = None
         self._load_pending = False
+        self._warming_up = False
+        self._compile_cancel_timer.stop()
         self._set_state("starting")
         log.info("starting engine worker: %s %s", self._python, " ".join(proc.arguments()))
         proc.start()
@@ -229,11 +255,21 @@ class EngineClient(QObject):
             command["gguf_layout"] = gguf_layout
         if compile:
             command["compile"] = True
+        self._compile_fallback = False
+        self._send_load(command)
+
+    def _send_load(self, command: dict[str, Any]) -> None:
+        self._load_command = command
+        self._warming_up = False
         self._send(command, new_state="loading")
 
     def cancel_load(self) -> None:
-        """Stop a load in progress (it ends with ``loadFailed("CancelledError", ...)``)."""
+        """Stop a load in progress (it ends with ``loadFailed("CancelledError", ...)``). During the compile's
+        warm-up the model stays, uncompiled (``loaded`` with ``"compile_cancelled": true``), within
+        ``compile_cancel_grace_ms`` plus an uncompiled load's time (see the module's docstring)."""
         self._send({"cmd": "cancel_load"})
+        if self._load_pending and self._warming_up and self._proc is not None:
+            self._compile_cancel_timer.start()
 
     def generate(
         self,
@@ -332,7 +368,7 @@ class EngineClient(QObject):
         self._restart_after_exit = True
         self._end_pending("WorkerStopped", "the engine was restarted")
         self._set_state("stopping")
-        self._proc.kill()
+        _kill_group(self._proc)
 
     def shutdown(self, wait_ms: int = 0) -> None:
         """Ask the worker to exit (cancelling what runs); kill it after ``grace_ms``. ``stopped`` follows.
@@ -343,6 +379,8 @@ class EngineClient(QObject):
         if proc is None:
             return
         self._expected_exit = True
+        self._restart_after_exit = False  # (a worker ended for an uncompiled load is not started again)
+        self._uncompiled_again = None
         self._end_pending("WorkerStopped", "the engine was shut down")
         self._set_state("stopping")
         if proc.state() == QProcess.ProcessState.Running:
@@ -351,7 +389,7 @@ class EngineClient(QObject):
         QTimer.singleShot(self._grace_ms, lambda p=proc: self._kill_if_running(p))
         if wait_ms > 0:
             if not proc.waitForFinished(wait_ms):
-                proc.kill()
+                _kill_group(proc)
                 proc.waitForFinished(1000)
 
     # ----------------------------------------------------------------- process signals
@@ -401,10 +439,31 @@ class EngineClient(QObject):
             self._set_state("stopped")
             if restart:
                 self.start()
+                again, self._uncompiled_again = self._uncompiled_again, None
+                if again is not None:  # the compile cancelled by ending the worker: the same model, uncompiled
+                    self._load_pending = True
+                    self._compile_fallback = True
+                    self._send_load(again)
             else:
                 self.stopped.emit()
             return
         self._crash(self._describe_exit(exit_code, exit_status))
+
+    def on_compile_cancel_overdue(self) -> None:
+        """A cancel during the compile's warm-up got no answer in time (inductor is compiling a pass, which nothing
+        interrupts): end the worker and its compile workers, and load the same model uncompiled in a fresh one."""
+        if not (self._load_pending and self._warming_up and self._proc is not None and self._state == "loading"):
+            return  # the worker answered (loaded, uncompiled, or the load ended) in the meantime
+        assert self._load_command is not None
+        log.warning("the compile's warm-up did not stop within %d ms of Cancel: ending the engine worker and "
+                    "loading %s again, uncompiled", self._compile_cancel_timer.interval(),
+                    self._load_command.get("model_dir"))
+        self._uncompiled_again = {k: v for k, v in self._load_command.items() if k != "compile"}
+        self._expected_exit = True
+        self._restart_after_exit = True
+        self._queued.clear()
+        self._set_state("stopping")
+        _kill_group(self._proc)
 
     def on_process_error(self, error: QProcess.ProcessError) -> None:
         proc = self._proc
@@ -465,6 +524,8 @@ class EngineClient(QObject):
             self.event.emit(request_id, EngineError(kind=kind, message=message))
         if self._load_pending:
             self._load_pending = False
+            self._compile_cancel_timer.stop()
+            self._compile_fallback = False
             self.loadFailed.emit(kind, message)
         self._queued.clear()
 
@@ -475,6 +536,8 @@ class EngineClient(QObject):
 
     def _load_failed(self, kind: str, message: str, show: bool = True) -> None:
         self._load_pending = False
+        self._compile_cancel_timer.stop()
+        self._compile_fallback = False
         if show:
             self.errorMessage.emit(kind, message)
         self.loadFailed.emit(kind, message)
@@ -488,7 +551,7 @@ class EngineClient(QObject):
     def _kill_if_running(self, proc: QProcess) -> None:
         if proc is self._proc and proc.state() != QProcess.ProcessState.NotRunning:
             log.warning("engine worker did not exit within %d ms; killing it", self._grace_ms)
-            proc.kill()
+            _kill_group(proc)
 
     def _describe_exit(self, exit_code: int, exit_status: QProcess.ExitStatus) -> str:
         if exit_status == QProcess.ExitStatus.CrashExit:
@@ -529,11 +592,18 @@ class EngineClient(QObject):
             queued, self._queued = self._queued, []
             for command in queued:
                 self._write(command)
-            self.ready.emit()
+            if not self._compile_fallback:  # (a worker started for the uncompiled load: to the window, a load going on)
+                self.ready.emit()
         elif name == "load_progress":
+            self._warming_up = record.get("stage") in WARM_UP_STAGES
             self.loadProgress.emit(from_dict(record))
         elif name == "loaded":
             self._load_pending = False
+            self._compile_cancel_timer.stop()
+            self._warming_up = False
+            if self._compile_fallback:  # what the worker's own cancelled warm-up says
+                self._compile_fallback = False
+                record = {**record, "compiled": False, "compile_cancelled": True, "compile_skipped": COMPILE_CANCELLED}
             self._model_info = record
             self._set_state("idle")
             self.loaded.emit(record)
@@ -605,3 +675,19 @@ class EngineClient(QObject):
             return
         if not record.get("fatal"):
             self.errorMessage.emit(kind, message)
+
+
+def _kill_group(proc: QProcess) -> None:
+    """SIGKILL the worker and every process it started: it leads its own process group
+    (``clover_desk.worker.process.lead_own_process_group``), so inductor's compile workers and their compilers go
+    with it instead of outliving it. Only the worker itself where it leads no group (Windows, a worker of an older
+    version)."""
+    pid = int(proc.processId())
+    if pid > 0 and hasattr(os, "killpg"):
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+                return
+        except OSError as exc:  # it is gone already, or not ours to signal
+            log.debug("cannot end the worker's process group %d: %s", pid, exc)
+    proc.kill()

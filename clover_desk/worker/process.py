@@ -1077,6 +1077,19 @@ def _take_stdout() -> IO[bytes]:
     return os.fdopen(protocol_fd, "wb")
 
 
+def lead_own_process_group() -> None:
+    """Become the leader of a process group of its own (POSIX), before "ready": the window can then end this worker
+    together with every process it started (inductor's compile workers and the compilers they run, which would
+    otherwise outlive it by up to a minute) with one signal to the group (``EngineClient``'s forced ends: a compile
+    that does not stop when cancelled, a restart, a shutdown that ran past its grace)."""
+    if not hasattr(os, "setpgid"):
+        return
+    try:
+        os.setpgid(0, 0)
+    except OSError as exc:  # e.g. already a session leader: the window then ends this process alone
+        log.info("cannot lead a process group of its own (%s): a forced end stops this process only", exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clover_desk.worker.process", description=__doc__.split("\n")[0])
     parser.add_argument("--engine-factory", default=DEFAULT_ENGINE_FACTORY, help="MODULE:CALLABLE that loads a model")
@@ -1091,6 +1104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    lead_own_process_group()
     emit = LineWriter(_take_stdout())
     try:
         gpu_paths = GpuPaths.from_env()  # once, here: every load gets this object
