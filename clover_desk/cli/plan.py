@@ -27,6 +27,7 @@ from engine.defaults import DEFAULT_CTX_TOKENS
 from engine.errors import CloverError
 from engine.placement.hardware import DEFAULT_HARDWARE
 from engine.placement.planner import (
+    CPU_EXPERTS,
     SHAPE_PREFIX,
     SHAPES,
     GiB,
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coreset", action="store_true", help="predict with Clover's block expert coreset (~30 distinct experts per pass instead of ~70)")
     parser.add_argument("--attention", choices=("efficient", "math"), default="efficient", help="prefill attention kernel to plan for: 'efficient' is the engine's (SDPA's memory-efficient kernel, no score matrix), 'math' SDPA's fallback with fp32 score scratch")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype the device part is counted in (default bfloat16, as on a GPU)")
+    parser.add_argument("--cpu-experts", choices=CPU_EXPERTS, default="auto", help="compute the streamed layers' experts on the CPU where they lie, as llama.cpp's --n-cpu-moe: 'auto' where the speed model predicts more tok/s, per mode (AR steps, diffusion passes); 'never'; 'always' (default auto)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict())")
     parser.add_argument("--budget-table", action="store_true",
                         help="print the README's per-card table for --shape (8/12/16/24 GB cards, the default card's "
@@ -144,6 +146,14 @@ def format_plan(plan: Plan) -> str:
                f"{tok['diffusion_graphs_device_pool']:.1f}"
                if plan.streamed_expert_layers and "ar_graphs_device_pool" in tok else "")
         )
+    if plan.streamed_expert_layers:
+        where = {"ar": "AR steps", "pass": "diffusion passes"}
+        chosen = " and ".join(where[m] for m in plan.cpu_experts) or "neither mode"
+        lines.append(
+            f"  streamed layers' experts on the CPU (as llama.cpp's --n-cpu-moe): {chosen}; predicted AR "
+            f"{tok['ar_cpu_experts']:.1f} tok/s, diffusion {tok['diffusion_cpu_experts']:.1f} that way "
+            f"(CPU {a['cpu_expert_gbps']:g} GB/s, {a['cpu_gflops']:g} GFLOP/s assumed)"
+        )
     gpu = a["gpu_name"] or "no GPU detected: assumed 16 GB RTX card"
     lines.append(
         f"  inputs: {gpu}; PCIe {a['pcie_gbps']:.1f} GB/s, VRAM {a['vram_gbps']:.0f} GB/s; {a['tokens_per_pass']:g} tokens/pass; "
@@ -204,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         policy = make_policy(attention=args.dense, shared_expert=args.dense)
         plan = plan_model(
             _model(args), vram, args.ctx, hardware, policy=policy, roofline=roofline, attention=args.attention,
-            compute_dtype="bf16" if args.dtype == "bfloat16" else "fp32",
+            compute_dtype="bf16" if args.dtype == "bfloat16" else "fp32", cpu_experts=args.cpu_experts,
         )
     except (CloverError, OSError, ValueError) as exc:
         print(f"clover-desk plan: error: {exc}", file=sys.stderr)

@@ -37,6 +37,11 @@ Device tables (opt-in: ``place_model(expert_fetch="device_tables")`` on CUDA, or
 pool, its hits and its prefetch, but do its bookkeeping on the device (``engine.placement.device_pool``): no host read, and
 the step is one CUDA graph. A prompt or block pass reads the tables back first. Exclusive with zero-copy.
 
+CPU experts (the plan's ``cpu_experts``, chosen per mode by the planner's speed model, as llama.cpp's
+``--n-cpu-moe`` keeps some layers' experts on the CPU): in the modes named ("ar": AR steps, "pass": a block's
+passes) a streamed layer computes its routed experts on the CPU from its host rows (``engine.kernels.cpu_quant``),
+sending only the layer's input and output across; no fetch, no pool slot. Prompts always stream.
+
 Accounting (``accounting(model)``) is a JSON-safe dict for ``Finished.accounting``.
 
 Letters: E experts, S slots, R row bytes per expert, T tokens, K top-k, D hidden size.
@@ -60,7 +65,7 @@ from torch import Tensor, nn
 from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
 from engine.model.experts import SMALL_SLOTS, DenseExpertBank, ExpertBank, present
 from engine.placement.device_pool import COUNTS, DeviceSlotTables
-from engine.placement.planner import Plan
+from engine.placement.planner import CPU_EXPERT_MODES, Plan
 from engine.settings import EXPERT_FETCH
 from engine.weights.formats import format_of_torch_dtype
 from engine.weights.quant import (
@@ -276,6 +281,7 @@ class Stats:
     # blocks closed on the device tables (engine.placement.device_pool): their distinct experts summed, and (block, layer) pairs
     distinct_device_total: int = 0
     distinct_device_count: int = 0
+    host_computes: int = 0  # streamed layers' forwards whose experts ran on the CPU from the host rows (cpu_experts)
 
 
 class SlotPool:
@@ -458,6 +464,17 @@ class StreamedExpertBank(ExpertBank):
         self.slot_table: Tensor | None = None  # [E] long on the pool's device: expert -> pool row (ready)
         self.in_place: Tensor | None = None  # [E, R] the host rows as the device reads them (zero-copy), or None
 
+    def computes_on_host(self, pairs: int, in_block: bool | None = None) -> bool:
+        """Whether a forward over ``pairs`` (token, expert) pairs runs this layer's experts on the CPU from the host
+        rows (the plan's ``cpu_experts``: "ar" for an AR step's few pairs, "pass" for a block's passes; a prompt
+        always streams): no fetch, no pool slot, only the layer's input and output cross."""
+        modes = self.runtime.cpu_experts
+        if not modes:
+            return False
+        if self.runtime.in_block if in_block is None else in_block:
+            return "pass" in modes
+        return "ar" in modes and pairs <= ZERO_COPY_PAIRS
+
     def reads_in_place(self, pairs: int) -> bool:
         """Whether a forward over ``pairs`` (token, expert) pairs reads this layer's experts where they lie in host
         memory, with no fetch (zero-copy on, this layer's rows mapped, an AR step's few pairs)."""
@@ -476,11 +493,12 @@ class StreamedExpertBank(ExpertBank):
     def fetches(self, pairs: int, in_block: bool | None = None) -> bool:
         """Whether a forward over ``pairs`` pairs fetches its experts into the pool on the host first (a host
         read): not where it reads them in place, nor where the device tables fetch them."""
-        return not (self.reads_in_place(pairs) or self.device_fetches(pairs, in_block))
+        return not (self.computes_on_host(pairs, in_block) or self.reads_in_place(pairs)
+                    or self.device_fetches(pairs, in_block))
 
     def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
         """The whole bank reads nothing on the host only where no host fetch runs (see :meth:`fetches`)."""
-        return not self.fetches(pairs) and rows_sync_free(pairs, device, self.layout)
+        return not self.fetches(pairs) and self.compute_sync_free(pairs, device, dtype)
 
     # Never traced (``torch.compiler.disable``), like engine.model.experts._moe_sorted: the slot bookkeeping is host-side
     # Python state that changes every step; traced, it would be baked into a compiled layer as constants (and the
@@ -537,7 +555,10 @@ class StreamedExpertBank(ExpertBank):
 
     def compute_sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether :meth:`compute` over ``pairs`` (token, slot) pairs reads nothing on the host (the same compute
-        as a resident bank's: :func:`engine.weights.quant.rows_sync_free`)."""
+        as a resident bank's: :func:`engine.weights.quant.rows_sync_free`). Experts computed on the CPU for a GPU's
+        forward read the host (their input and output cross)."""
+        if device.type != "cpu" and self.computes_on_host(pairs):
+            return False
         return rows_sync_free(pairs, device, self.layout)
 
     @torch.compiler.disable
@@ -547,6 +568,8 @@ class StreamedExpertBank(ExpertBank):
         self._slots = {}
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        if self.computes_on_host(topk_idx.numel()):  # CPU experts: computed where they lie, nothing fetched
+            return self._host_forward(x, topk_idx, topk_w)
         if self.reads_in_place(topk_idx.numel()):  # zero-copy: traced and recorded like a resident bank
             assert self.in_place is not None
             return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.in_place)
@@ -579,6 +602,23 @@ class StreamedExpertBank(ExpertBank):
                 tables.prefetch(self.next_layer, guess)  # type: ignore[arg-type]
         return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=rt.pool.buf,
                               row_index=tables.row_index(self.layer))
+
+    @torch.compiler.disable
+    def _host_forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
+        """The routed experts on the CPU from this layer's host rows (llama.cpp's ``--n-cpu-moe``): the CPU kernels
+        read only the routed experts' rows (engine.kernels.cpu_quant, through the same
+        :func:`engine.weights.quant.routed_forward` as every bank, so the numbers are a resident bank's on the CPU);
+        a GPU's forward sends the layer's input and routing over and takes the [T, D] result back."""
+        rt = self.runtime
+        rt.stats.host_computes += 1
+        rt.on_layer_start(self.layer)  # passes and blocks are counted as the pool's forwards count them
+        idx = topk_idx if x.device.type == "cpu" else topk_idx.cpu()
+        if rt.in_block:  # the block's distinct experts (the ids are on the host already)
+            rt.note_experts(self.layer, present(idx, self.num_experts).nonzero().flatten().tolist())
+        if x.device.type == "cpu":
+            return routed_forward(x, idx, topk_w, self.num_experts, self.layout, source=self.store.rows)
+        y = routed_forward(x.cpu(), idx, topk_w.cpu(), self.num_experts, self.layout, source=self.store.rows)
+        return y.to(x.device)
 
     @torch.compiler.disable
     def _fetch_and_compute(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
@@ -615,6 +655,8 @@ class OffloadRuntime:
         self.tables: DeviceSlotTables | None = None  # AR steps' bookkeeping on the device (set_device_pool)
         self.device_pool_refused = ""  # why device tables were refused, when they were asked for
         self.block_prefetch = True  # this block pass prefetches (its block's first; set by before_pass)
+        # the modes whose streamed experts run on the CPU where they lie ("ar", "pass": the plan's cpu_experts)
+        self.cpu_experts: frozenset[str] = frozenset()
 
     @property
     def stats(self) -> Stats:
@@ -733,6 +775,8 @@ class OffloadRuntime:
             "zero_copy_layers": [i for i in self.streamed_layers if i not in self.zero_copy_refused]
             if self.zero_copy else [],
             "device_pool": self.tables is not None,
+            "cpu_experts": sorted(self.cpu_experts),
+            "host_computes": st.host_computes,
             "blocks": st.blocks,
             "passes": st.passes,
             "passes_per_block": sum(st.passes_per_block) / len(st.passes_per_block) if st.passes_per_block else 0.0,
@@ -880,6 +924,7 @@ def place_model(
     zero_copy: bool | None = None,
     device_pool: bool | None = None,
     expert_fetch: str = "pool",
+    cpu_experts: list[str] | tuple[str, ...] | None = None,
 ) -> OffloadRuntime:
     """Place ``model`` exactly as ``plan`` says, reading every tensor once from ``source`` straight into its final
     place: the device (non-expert weights, resident experts, the slot pool), a host row store per streamed layer
@@ -893,7 +938,9 @@ def place_model(
     ``zero_copy``: AR steps read the streamed experts in place (:func:`set_zero_copy`); None: as ``expert_fetch``
     says ("zero_copy"), on CUDA only. ``device_pool``: AR steps fetch through device tables (:func:`set_device_pool`);
     None: as ``expert_fetch`` says ("device_tables"), on CUDA only. Not both. ``expert_fetch``: one of
-    ``engine.settings.EXPERT_FETCH`` (``GpuPaths.expert_fetch``, what ``engine.api.Engine.load`` passes)."""
+    ``engine.settings.EXPERT_FETCH`` (``GpuPaths.expert_fetch``, what ``engine.api.Engine.load`` passes).
+    ``cpu_experts``: the modes whose streamed experts run on the CPU where they lie (:func:`set_cpu_experts`);
+    None: the plan's ``cpu_experts`` (none for a plan without the field)."""
     dev = torch.device(device)
     if not getattr(plan, "fits", True):
         raise PlanError(f"the plan does not fit: {getattr(plan, 'reason', '') or 'budget below the minimum'}")
@@ -991,6 +1038,7 @@ def place_model(
         set_zero_copy(model, True)
     if device_pool and streamed:
         set_device_pool(model, True)
+    set_cpu_experts(model, getattr(plan, "cpu_experts", []) if cpu_experts is None else cpu_experts)
     log.info(
         "plan placed: %d resident, %d streamed layers, %d slots, %.1f MiB on %s (+%.1f MiB kept on host)",
         len(resident),
@@ -1036,6 +1084,24 @@ def set_zero_copy(model: nn.Module, on: bool) -> dict[int, str]:
         if callable(forget):
             forget()
     return dict(rt.zero_copy_refused)
+
+
+def set_cpu_experts(model: nn.Module, modes: list[str] | tuple[str, ...] | frozenset[str]) -> None:
+    """The modes ("ar": AR steps, "pass": diffusion block passes; engine.placement.planner.CPU_EXPERT_MODES) in which
+    ``model``'s streamed layers compute their experts on the CPU from the host rows instead of fetching them into
+    the pool (:meth:`StreamedExpertBank.computes_on_host`). Graphs recorded before are dropped."""
+    rt = runtime_of(model)
+    if rt is None:
+        raise PlanError("CPU experts need a placed model (engine.placement.offload.place_model / apply_plan)")
+    wanted = frozenset(modes)
+    unknown = sorted(wanted - set(CPU_EXPERT_MODES))
+    if unknown:
+        raise PlanError(f"cpu_experts {', '.join(unknown)} unknown: the modes are {', '.join(CPU_EXPERT_MODES)}")
+    if rt.cpu_experts != wanted:
+        rt.cpu_experts = wanted
+        forget = getattr(getattr(model, "step_graph", None), "forget", None)
+        if callable(forget):
+            forget()
 
 
 def set_device_pool(model: nn.Module, on: bool) -> str:

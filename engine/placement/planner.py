@@ -137,6 +137,8 @@ DEQUANT_CHUNK_ELEMS = 8 << 20  # engine.weights.quant.DEQUANT_CHUNK_ELEMS: Quant
 # torch's fused grouped mm (every card but 9.x / 10.x in bf16): a block pass's or a prefill's group by expert
 GATHER_GROUP_BYTES = 96 * MiB
 
+CPU_EXPERTS = ("auto", "never", "always")  # make_plan's cpu_experts choices
+CPU_EXPERT_MODES = ("ar", "pass")  # Plan.cpu_experts' modes: decode steps, diffusion block passes
 BREAKDOWN_KEYS = ("non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve")
 
 
@@ -172,6 +174,10 @@ class Plan:
     policy_hash: str = ""  # the quantization policy the bytes were counted under ("" for as-stored bytes)
     gpu_name: str | None = None  # the card planned for (None: no NVIDIA GPU found; planned for budget_vram_bytes)
     compute_dtype: str = "bf16"  # weights, KV cache and activations on the device ("bf16" on a GPU)
+    # The modes in which the streamed layers' experts are computed on the CPU from host RAM instead of streamed to the
+    # device (engine.placement.offload): "ar" (decode steps), "pass" (diffusion block passes); chosen per mode by the
+    # speed model (predicted_tok_s "ar_cpu_experts" against "ar", "diffusion_cpu_experts" against "diffusion").
+    cpu_experts: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat and JSON-safe: what ``clover-desk plan --json`` prints and the ``plan`` events carry."""
@@ -195,6 +201,9 @@ class Plan:
             breakdown = {str(k): int(v) for k, v in dict(plan.vram_breakdown).items()}
         except (TypeError, ValueError):
             raise PlanError("the plan has a malformed layer list, slot count, context or VRAM breakdown") from None
+        modes = plan.cpu_experts
+        if not isinstance(modes, list) or any(m not in CPU_EXPERT_MODES for m in modes):
+            raise PlanError(f"the plan's cpu_experts must be a list of {', '.join(CPU_EXPERT_MODES)}, got {modes!r}")
         return dataclasses.replace(plan, vram_breakdown=breakdown)
 
 
@@ -368,6 +377,7 @@ def make_plan(
     coreset: bool = False,
     tokens_per_pass: float | None = None,
     compute_dtype: str = "bf16",
+    cpu_experts: str = "auto",
 ) -> Plan:
     """Place ``manifest`` into ``vram_bytes`` of GPU memory (and ``ram_bytes`` of free host RAM, when given) for
     ``ctx_tokens`` of context; see the module docstring for the rules.
@@ -381,6 +391,9 @@ def make_plan(
     ``attention``: "efficient" is what engine.model.clover's block-mode prefill runs (see :func:`_prefill_parts`); "math"
     plans for SDPA's fallback kernel with fp32 score scratch. The plan's ``prefill_chunk_tokens`` is the longest
     prefill forward the engine may run within this plan.
+    ``cpu_experts`` (one of :data:`CPU_EXPERTS`): "auto" lets the speed model choose, per mode, whether the streamed
+    layers' experts are streamed to the device or computed on the CPU where they lie (the plan's ``cpu_experts``);
+    "never" always streams; "always" computes them on the CPU in AR steps and block passes alike.
     """
     vram_budget = _check_int("vram_bytes", vram_bytes)
     ctx = _check_int("ctx_tokens", ctx_tokens, 1)
@@ -391,6 +404,8 @@ def make_plan(
         _check_int("min_slot_experts", min_slot_experts, 1)
     if optimize_for not in ("diffusion", "ar"):
         raise PlanError(f"optimize_for must be 'diffusion' or 'ar', got {optimize_for!r}")
+    if cpu_experts not in CPU_EXPERTS:
+        raise PlanError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, got {cpu_experts!r}")
     if attention not in ATTENTION_PATHS:
         raise PlanError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {attention!r}")
     if isinstance(roofline, dict):
@@ -490,6 +505,7 @@ def make_plan(
         else:
             reason += f"; the smallest VRAM budget that fits is {format_bytes(min_vram)} ({min_vram:,} bytes)"
 
+    cpu_modes = _cpu_expert_modes(cpu_experts, chosen.streamed, tok)
     breakdown = {
         "non_expert": fixed["non_expert"],
         "resident_experts": chosen.resident_bytes,
@@ -519,6 +535,8 @@ def make_plan(
         "resident_rule": "count: best hardware-bound tok/s (ties: more resident); streamed layers spread evenly",
         "slot_rule": "at least 2 x experts per layer (a block pass can touch all, double-buffered), at most the "
         "streamed experts; leftover VRAM adds cache slots",
+        "cpu_experts_rule": f"{cpu_experts}: per mode, the CPU computes the streamed layers' experts where the speed "
+        "model predicts more tok/s that way (eager figures: ar_cpu_experts vs ar, diffusion_cpu_experts vs diffusion)",
         **derived,
     }
     log.debug("plan %s @ %d B: fits=%s, %d resident", manifest.source, vram_budget, fits, len(chosen.resident))
@@ -544,7 +562,18 @@ def make_plan(
         policy_hash=str((manifest.policy or {}).get("hash", "")),
         gpu_name=hw.gpu_name,
         compute_dtype=compute_dtype,
+        cpu_experts=cpu_modes,
     )
+
+
+def _cpu_expert_modes(choice: str, streamed: list[int], tok: dict[str, float]) -> list[str]:
+    """The modes whose streamed experts run on the CPU: none without streamed layers; per ``choice``."""
+    if not streamed or choice == "never":
+        return []
+    if choice == "always":
+        return list(CPU_EXPERT_MODES)
+    pairs = {"ar": ("ar_cpu_experts", "ar"), "pass": ("diffusion_cpu_experts", "diffusion")}
+    return [mode for mode in CPU_EXPERT_MODES if tok[pairs[mode][0]] > tok[pairs[mode][1]]]
 
 
 def format_bytes(n: int | float) -> str:

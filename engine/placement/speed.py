@@ -69,6 +69,16 @@ class Roofline:
     device_table_kernels: float = 2.0
     graph_kernel_us: float = 3.0
     l2_bytes: int = 48 * MiB  # a dequantized weight larger than this round-trips through VRAM (4070 Ti S: 48 MB)
+    # Streamed layers' experts computed on the CPU from host RAM (engine.placement.offload CPU experts, as llama.cpp's
+    # --n-cpu-moe): the CPU kernels (engine.kernels.cpu_quant) read an AR step's k experts per layer at
+    # ``cpu_expert_gbps`` and multiply a block pass's tokens at ``cpu_gflops``; each such layer adds a device-to-host
+    # round trip of its input and output (a sync) of ``host_roundtrip_us``. [assumption] an 8-core desktop with
+    # dual-channel DDR5: 25 GB/s (~40% of its read bandwidth; on this 2-core test machine the routed-expert kernels read
+    # 6-8 GB/s at real width) and 200 GFLOP/s of int8 dots (measured here: 2 AVX2 cores, 107 GFLOP/s on the head at
+    # 32 rows); 40 us a round trip (two small copies and a stream sync). Calibrate with `bench speed --real-width`.
+    cpu_expert_gbps: float = 25.0
+    cpu_gflops: float = 200.0
+    host_roundtrip_us: float = 40.0
 
     @classmethod
     def with_coreset(cls, **kwargs: Any) -> "Roofline":
@@ -76,14 +86,15 @@ class Roofline:
         return cls(**{"distinct_experts_per_pass": CORESET_DISTINCT_EXPERTS_PER_PASS, **kwargs})
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_pass", "distinct_experts_per_pass", "block_reuse_factor", "compute_tflops"):
+        for name in ("tokens_per_pass", "distinct_experts_per_pass", "block_reuse_factor", "compute_tflops",
+                     "cpu_expert_gbps", "cpu_gflops"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise PlanError(f"Roofline.{name} must be positive, got {value!r}")
         if self.block_reuse_factor < 1:
             raise PlanError(f"Roofline.block_reuse_factor must be >= 1, got {self.block_reuse_factor!r}")
         for name in ("ar_launches_per_layer", "pass_launches_per_layer", "launch_us", "l2_bytes", "fetch_launches",
-                     "bank_launches", "device_table_kernels", "graph_kernel_us"):
+                     "bank_launches", "device_table_kernels", "graph_kernel_us", "host_roundtrip_us"):
             if getattr(self, name) < 0:
                 raise PlanError(f"Roofline.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -198,6 +209,24 @@ def predict(
     t_pre_bound = max(pre_read / vram_bw, s * dc * eb_str / pcie_bw, pre_flops / flops)
     t_pre = t_pre_bound + pass_oh
 
+    # CPU experts: the streamed layers' routed experts run on the CPU from the host rows, the device computes the
+    # rest and waits for each such layer (no overlap: the next layer needs its output). Nothing crosses PCIe but the
+    # layer's input and output; the pool is not used. AR: the k experts of a token read at cpu_expert_gbps. A block
+    # pass: its union of experts read, its block x k (token, expert) products computed, whichever takes longer.
+    cpu_bw, cpu_flops = rl.cpu_expert_gbps * GB, rl.cpu_gflops * 1e9
+    roundtrips = s * rl.host_roundtrip_us * 1e-6
+    streamed_share = s / n_moe if n_moe else 0.0
+    ar_dev_read = ar_read - s * k * eb_str
+    ar_dev_flops = (2 * (active - s * k * f.expert_params) + attn_flops_per_token) / flops
+    t_ar_cpu = (max((ar_dev_read + ar_deq * (1.0 - streamed_share)) / vram_bw, ar_dev_flops)
+                + s * k * eb_str / cpu_bw + roundtrips + ar_oh)
+    pass_dev_read = pass_read - s * dp * eb_str
+    pass_dev_flops = block * (2 * (active - s * k * f.expert_params) + attn_flops_per_token) / flops
+    pass_cpu = s * max(dp * eb_str / cpu_bw, block * k * 2 * f.expert_params / cpu_flops) + roundtrips
+    t_pass_cpu = (max((pass_dev_read + pass_deq * (1.0 - streamed_share)) / vram_bw, pass_dev_flops) + pass_cpu
+                  + pass_oh)
+    t_block_cpu = n_pass * t_pass_cpu
+
     tiny = 1e-12  # a pass always takes some time; guards a zero-byte, zero-overhead toy model
     tok = {
         "ar": 1.0 / max(t_ar, tiny),
@@ -212,6 +241,9 @@ def predict(
         "diffusion_graphs": block / max(t_block_unfused + n_pass * graph_bank_oh, tiny),
         "diffusion_graphs_fused": block / max(t_block_bound + n_pass * graph_fetch_oh, tiny),
         "diffusion_graphs_device_pool": block / max(t_block_bound + n_pass * graph_table_oh, tiny),
+        # the streamed layers' experts on the CPU (eager, as "ar" / "diffusion" are): engine.placement.offload
+        "ar_cpu_experts": 1.0 / max(t_ar_cpu, tiny),
+        "diffusion_cpu_experts": block / max(t_block_cpu, tiny),
     }
     derived = {
         "ar_expert_hit_rate": round(hit, 4),
@@ -233,6 +265,8 @@ def predict(
         "prefill_chunk_tokens": c,
         "prefill_distinct_experts_per_layer": round(dc, 2),
         "prefill_pcie_bytes_per_forward": int(s * dc * eb_str),
+        "ar_cpu_expert_bytes_per_token": int(s * k * eb_str),
+        "diffusion_cpu_expert_ms_per_pass": round(pass_cpu * 1e3, 3),
     }
     return tok, derived
 
