@@ -10,6 +10,9 @@ for Q4_K / Q5_K / Q6_K weights; 32 values with an fp32 scale for Q8_0 / Q4_0), t
 product with the weight blocks, accumulated in fp32 (what llama.cpp's CPU backend does). Float weights (F32 / F16 /
 BF16) are not handled here: keep them on torch. The split formats use the 32-value activation blocks too: NF4 codes
 go through a 16-entry int8 table (round(127 * code), the 1/127 applied per output), INT8 codes are used as they are.
+With several activation rows (diffusion passes, prefill) each K-format block and, from 8 rows of one matrix on, each
+NF4 row is decoded once and multiplied with all of them (:func:`set_tiled` switches the NF4 part off, for
+comparisons: the results are the same bits).
 
 Build: ``$CC`` (else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp -shared -fPIC`` into
 ``$CLOVER_DESK_KERNEL_CACHE`` (else ``~/.cache/clover-desk/kernels``), one ``.so`` per hash of source, flags and
