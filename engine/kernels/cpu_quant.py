@@ -10,6 +10,9 @@ for Q4_K / Q5_K / Q6_K weights; 32 values with an fp32 scale for Q8_0 / Q4_0), t
 product with the weight blocks, accumulated in fp32 (what llama.cpp's CPU backend does). Float weights (F32 / F16 /
 BF16) are not handled here: keep them on torch. The split formats use the 32-value activation blocks too: NF4 codes
 go through a 16-entry int8 table (round(127 * code), the 1/127 applied per output), INT8 codes are used as they are.
+With several activation rows (diffusion passes, prefill) each K-format block and, from 8 rows of one matrix on, each
+NF4 row is decoded once and multiplied with all of them (:func:`set_tiled` switches the NF4 part off, for
+comparisons: the results are the same bits).
 
 Build: ``$CC`` (else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp -shared -fPIC`` into
 ``$CLOVER_DESK_KERNEL_CACHE`` (else ``~/.cache/clover-desk/kernels``), one ``.so`` per hash of source, flags and
@@ -178,6 +181,10 @@ class Kernels:
         lib.clover_moe_split.restype = i32
         lib.clover_moe_split.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i32, i64, i64,
                                          ptr, ptr, ptr, i32]
+        lib.clover_smatmul_tiled.restype = i32
+        lib.clover_smatmul_tiled.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, i64, ptr, i32]
+        lib.clover_moe_split_tiled.restype = i32
+        lib.clover_moe_split_tiled.argtypes = lib.clover_moe_split.argtypes
 
     @property
     def simd(self) -> bool:
@@ -223,8 +230,14 @@ class Kernels:
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         if x.shape[0] == 0 or n == 0:
             return out
-        rc = lib.clover_smatmul(x.data_ptr(), x.shape[0], k, codes.data_ptr(), codes.stride(0), scales.data_ptr(),
-                                blocksize, qtype, None, n, out.data_ptr(), torch.get_num_threads())
+        if qtype == NF4 and _use_tiled(x.shape[0]):
+            rc = lib.clover_smatmul_tiled(x.data_ptr(), x.shape[0], k, codes.data_ptr(), codes.stride(0),
+                                          scales.data_ptr(), blocksize, qtype, n, out.data_ptr(),
+                                          torch.get_num_threads())
+        else:
+            rc = lib.clover_smatmul(x.data_ptr(), x.shape[0], k, codes.data_ptr(), codes.stride(0),
+                                    scales.data_ptr(), blocksize, qtype, None, n, out.data_ptr(),
+                                    torch.get_num_threads())
         _raise_for(rc, "smatmul")
         return out
 
@@ -262,9 +275,10 @@ class Kernels:
         out = torch.empty(t, d, dtype=torch.float32)
         if t == 0:
             return out
-        rc = lib.clover_moe_split(x.data_ptr(), t, d, i, packed.shape[0], idx.shape[1], packed.data_ptr(),
-                                  packed.stride(0), gu_c, dn_c, gu_s, dn_s, qtype, bs_gu, bs_dn, idx.data_ptr(),
-                                  wts.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        run = lib.clover_moe_split_tiled if qtype == NF4 and _use_tiled(t) else lib.clover_moe_split
+        rc = run(x.data_ptr(), t, d, i, packed.shape[0], idx.shape[1], packed.data_ptr(), packed.stride(0), gu_c,
+                 dn_c, gu_s, dn_s, qtype, bs_gu, bs_dn, idx.data_ptr(), wts.data_ptr(), out.data_ptr(),
+                 torch.get_num_threads())
         _raise_for(rc, "moe_rows")
         return out
 
@@ -442,6 +456,26 @@ def set_enabled(on: bool) -> bool:
     global _enabled
     before, _enabled = _enabled, bool(on)
     return before
+
+
+# NF4 with several activation rows: each weight row decoded once for all of them (issue 30; the C side does so from 8
+# rows of one matrix on, so an expert with fewer tokens keeps the per-row dots); off: decoded again per activation
+# row (the same results, kept for comparisons and tests). INT8 codes need no decoding and keep their path.
+_tiled = True
+TILED_MIN_ROWS = 2  # activation rows from which an NF4 call goes through the decode-once driver (1 row: the AR path)
+
+
+def set_tiled(on: bool) -> bool:
+    """NF4 calls (:meth:`Kernels.smatmul`, :meth:`Kernels.moe_rows`) of :data:`TILED_MIN_ROWS` or more activation
+    rows decode each weight row once for all rows (True, the default) or once per row (False); both give the same
+    results. Returns the previous setting."""
+    global _tiled
+    before, _tiled = _tiled, bool(on)
+    return before
+
+
+def _use_tiled(rows: int) -> bool:
+    return _tiled and rows >= TILED_MIN_ROWS
 
 
 def reason() -> str:

@@ -1064,3 +1064,233 @@ int clover_moe_split(const float *x, int64_t T, int64_t D, int64_t I, int64_t E,
     const mat_t dn = {qt, base + dn_codes, es, rd, base + dn_scales, es, bs_dn, 0};
     return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, nth);
 }
+
+/* ============================================================================================================ */
+/* Issue 30: NF4 (the own cache's experts) for many activation rows (diffusion passes, prefill segments).      */
+/* This section only calls the helpers above (mat_row_dots, nf4_values, quantize_rows, threads_for, chunk_for,  */
+/* silu, ...) and changes none of them.                                                                         */
+/*                                                                                                              */
+/* For T > 1 activation rows the K formats already decode each weight block once and reuse it for every row    */
+/* (row_dots' decoded path); NF4 did not: dot_nf4 unpacked the nibbles through the table again for every       */
+/* activation row (~8 of its ~18 instructions per 32 values). Here an NF4 weight row is decoded once into |w|   */
+/* (uint8) and w (int8, for the signs) per 32 values with its fp32 scale, then multiplied with every           */
+/* activation row. The fp32 operations per (weight row, activation row) are dot_nf4's, in the same order (even  */
+/* steps in one accumulator, odd steps in another, summed at the end, times 1/127), and the integer dots are    */
+/* exact, so the results are bit-identical to dot_nf4's. INT8 codes need no decoding: they stay on dot_i8.      */
+/* Tried and left out (bit-identical, not faster, see docs/STATUS.md): a 2 x 4 / 4 x 2 register tile of decoded */
+/* K-format blocks, so each activation block is loaded once per 2-4 weight rows (35-38 GMAC/s per core at      */
+/* T = 32 either way), and the decoded copy for INT8 (0.6-0.85x).                                               */
+/* ============================================================================================================ */
+
+#define SPLIT_DEC_MAX 8192    /* widest row decoded on the stack (16 KB + scales); wider rows: mat_row_dots */
+#define SPLIT_DEC_MIN_ROWS 8 /* fewer activation rows: decoding the whole row first does not pay (measured) */
+
+#if CLOVER_AVX2
+/*
+ * Row r of expert e of split matrix m (K values) against n >= 1 activation rows (A8 blocks, row tidx[i] or i):
+ * out[i * ostride]. K <= SPLIT_DEC_MAX.
+ */
+static void split_row_tiled(const mat_t *m, int64_t e, int64_t r, int64_t K, const char *act, size_t arow,
+                            const int64_t *tidx, int64_t n, float *out, int64_t ostride) {
+    const int64_t nb = K / QS;
+    __m256i wabs[SPLIT_DEC_MAX / QS], wsgn[SPLIT_DEC_MAX / QS];
+    float sc[SPLIT_DEC_MAX / QS];
+    const uint8_t *wr = m->w + e * m->es + r * m->rs;
+    const float *s = (const float *)(m->s + e * m->ses);
+    const int64_t v0 = m->v0 + r * K;
+    const int nf4 = m->qt == T_NF4;
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
+    for (int64_t b = 0; b < nb; b++) { /* decode once: the table values (NF4) or the codes (INT8), and scales */
+        const __m256i w = nf4 ? nf4_values(wr + 16 * b, lut) : _mm256_loadu_si256((const __m256i *)(wr + 32 * b));
+        wabs[b] = _mm256_sign_epi8(w, w);
+        wsgn[b] = w;
+        sc[b] = s[(v0 + QS * b) / m->bs];
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    const float post = nf4 ? 1.0f / 127.0f : 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const a8_t *a = (const a8_t *)(act + (size_t)(tidx ? tidx[i] : i) * arow);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)a[b].q);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)a[b + 1].q);
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[b], _mm256_sign_epi8(x0, wsgn[b])), ones);
+            const __m256i p1 =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[b + 1], _mm256_sign_epi8(x1, wsgn[b + 1])), ones);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[b] * a[b].d), _mm256_cvtepi32_ps(p0), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(sc[b + 1] * a[b + 1].d), _mm256_cvtepi32_ps(p1), acc1);
+        }
+        if (b < nb) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)a[b].q);
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[b], _mm256_sign_epi8(x0, wsgn[b])), ones);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[b] * a[b].d), _mm256_cvtepi32_ps(p0), acc0);
+        }
+        const float v = hsum_ps(_mm256_add_ps(acc0, acc1));
+        out[i * ostride] = nf4 ? v * post : v;
+    }
+}
+#endif
+
+/*
+ * Rows r0 .. r0 + nr - 1 of expert e of matrix m (K values each) against n activation rows: out[r + i * ostride]
+ * for row r0 + r. NF4 with >= SPLIT_DEC_MIN_ROWS activation rows: split_row_tiled; everything else (INT8 too:
+ * its codes need no decoding, and the decoded copy measured 0.6-0.85x) mat_row_dots.
+ */
+static void mat_rows_tiled(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const char *act,
+                           size_t arow, const int64_t *tidx, int64_t n, float *out, int64_t ostride) {
+#if CLOVER_AVX2
+    if (m->qt == T_NF4 && n >= SPLIT_DEC_MIN_ROWS && K <= SPLIT_DEC_MAX) {
+        for (int64_t r = 0; r < nr; r++) split_row_tiled(m, e, r0 + r, K, act, arow, tidx, n, out + r, ostride);
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < nr; r++) mat_row_dots(m, e, r0 + r, K, act, arow, tidx, n, out + r, ostride);
+}
+
+#define TILE_R 4 /* weight rows per task */
+
+/* as qmatmul_run over all N rows (no row selection), through mat_rows_tiled */
+static int qmatmul_tiled_run(const float *x, int64_t T, int64_t K, const mat_t *m, int64_t N, float *out, int nth) {
+    if (!is_split_type(m->qt) && !dot_for(m->qt)) return ERR_TYPE;
+    if (!mat_ok(m, K)) return ERR_SHAPE;
+    const size_t arow = act_block_size(m->qt) * (size_t)(K / block_values(m->qt));
+    char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
+    if (!act) return ERR_ALLOC;
+    const int64_t G = (N + TILE_R - 1) / TILE_R; /* row tiles */
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, G)) schedule(dynamic, chunk_for(G, nth))
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t r0 = g * TILE_R, nr = N - r0 < TILE_R ? N - r0 : TILE_R;
+        mat_rows_tiled(m, 0, r0, nr, K, act, arow, NULL, T, out + r0, N);
+    }
+    free(act);
+    return OK;
+}
+
+/* clover_smatmul without row selection, each weight row decoded once for all rows of x (same results) */
+int clover_smatmul_tiled(const float *x, int64_t T, int64_t K, const uint8_t *codes, int64_t row_stride,
+                         const float *scales, int64_t bs, int qt, int64_t N, float *out, int nth) {
+    if (!is_split_type(qt)) return ERR_TYPE;
+    const mat_t m = {qt, codes, 0, row_stride, (const uint8_t *)scales, 0, bs, 0};
+    return qmatmul_tiled_run(x, T, K, &m, N, out, nth);
+}
+
+/*
+ * moe_run with mat_rows_tiled: the same grouping by expert (each used expert's rows read once per call), in tasks
+ * of TILE_R weight rows of one expert. Copied from moe_run and adapted (only the two task loops differ); results
+ * are bit-identical to moe_run's.
+ */
+static int moe_tiled_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k, const mat_t *g,
+                         const mat_t *u, const mat_t *dn, const int64_t *topk_idx, const float *topk_w, float *out,
+                         int nth) {
+    const int qg = g->qt, qu = u->qt, qd = dn->qt;
+    for (int j = 0; j < 3; j++) {
+        const int q = j == 0 ? qg : j == 1 ? qu : qd;
+        if (!is_split_type(q) && !dot_for(q)) return ERR_TYPE;
+    }
+    if (!mat_ok(g, D) || !mat_ok(u, D) || !mat_ok(dn, I)) return ERR_SHAPE;
+    const int64_t P = T * k;
+    for (int64_t p = 0; p < P; p++)
+        if (topk_idx[p] < 0 || topk_idx[p] >= E) return ERR_SHAPE;
+    const size_t arow_g = act_block_size(qg) * (size_t)(D / block_values(qg));
+    const size_t arow_u = act_block_size(qu) * (size_t)(D / block_values(qu));
+    const size_t arow_d = act_block_size(qd) * (size_t)(I / block_values(qd));
+    const int64_t GI = (I + TILE_R - 1) / TILE_R, GD = (D + TILE_R - 1) / TILE_R; /* row tiles per matrix */
+
+    int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *slot_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1));
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1));
+    int64_t *used = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
+    int64_t *fill = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
+    float *h = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));
+    float *hu = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));
+    float *y = (float *)malloc(sizeof(float) * (size_t)(P * D + 1));
+    char *ag = (char *)quantize_rows(qg, x, T, D, nth);
+    char *au = (is_k_type(qu) == is_k_type(qg)) ? ag : (char *)quantize_rows(qu, x, T, D, nth);
+    char *ah = NULL;
+    int rc = OK;
+    if (!count || !slot_of || !tok || !used || !fill || !h || !hu || !y || !ag || !au) {
+        rc = ERR_ALLOC;
+        goto done;
+    }
+    for (int64_t p = 0; p < P; p++) count[topk_idx[p] + 1]++;
+    int64_t U = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (count[e + 1]) used[U++] = e;
+        count[e + 1] += count[e];
+    }
+    memcpy(fill, count, sizeof(int64_t) * (size_t)E);
+    for (int64_t p = 0; p < P; p++) {
+        int64_t s = fill[topk_idx[p]]++;
+        slot_of[p] = s;
+        tok[s] = p / k;
+    }
+
+    /* gate and up: one task per (used expert, tile of TILE_R rows) */
+#pragma omp parallel for num_threads(threads_for(nth, U * GI)) schedule(dynamic, chunk_for(U * GI, nth) / TILE_R + 1)
+    for (int64_t task = 0; task < U * GI; task++) {
+        const int64_t e = used[task / GI], i0 = (task % GI) * TILE_R, s0 = count[e], n = count[e + 1] - s0;
+        const int64_t nr = I - i0 < TILE_R ? I - i0 : TILE_R;
+        mat_rows_tiled(g, e, i0, nr, D, ag, arow_g, tok + s0, n, h + s0 * I + i0, I);
+        mat_rows_tiled(u, e, i0, nr, D, au, arow_u, tok + s0, n, hu + s0 * I + i0, I);
+        for (int64_t s = s0; s < s0 + n; s++)
+            for (int64_t i = i0; i < i0 + nr; i++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
+    }
+
+    ah = (char *)quantize_rows(qd, h, P, I, nth);
+    if (!ah) {
+        rc = ERR_ALLOC;
+        goto done;
+    }
+
+    /* down: one task per (used expert, tile of TILE_R rows) */
+#pragma omp parallel for num_threads(threads_for(nth, U * GD)) schedule(dynamic, chunk_for(U * GD, nth) / TILE_R + 1)
+    for (int64_t task = 0; task < U * GD; task++) {
+        const int64_t e = used[task / GD], j0 = (task % GD) * TILE_R, s0 = count[e];
+        const int64_t nr = D - j0 < TILE_R ? D - j0 : TILE_R;
+        mat_rows_tiled(dn, e, j0, nr, I, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0,
+                       y + s0 * D + j0, D);
+    }
+
+#pragma omp parallel for num_threads(threads_for(nth, T)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * D;
+        for (int64_t j = 0; j < D; j++) o[j] = 0.0f;
+        for (int64_t c = 0; c < k; c++) {
+            const float wt = topk_w[t * k + c];
+            const float *ys = y + slot_of[t * k + c] * D;
+            for (int64_t j = 0; j < D; j++) o[j] += wt * ys[j];
+        }
+    }
+
+done:
+    if (au != ag) free(au);
+    free(ag);
+    free(ah);
+    free(count);
+    free(slot_of);
+    free(tok);
+    free(used);
+    free(fill);
+    free(h);
+    free(hu);
+    free(y);
+    return rc;
+}
+
+/* clover_moe_split with each expert's weight rows decoded once for all its tokens (same arguments, same results) */
+int clover_moe_split_tiled(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k,
+                           const uint8_t *base, int64_t es, int64_t gu_codes, int64_t dn_codes, int64_t gu_scales,
+                           int64_t dn_scales, int qt, int64_t bs_gu, int64_t bs_dn, const int64_t *topk_idx,
+                           const float *topk_w, float *out, int nth) {
+    if (!is_split_type(qt)) return ERR_TYPE;
+    const int64_t rg = qt == T_NF4 ? D / 2 : D, rd = qt == T_NF4 ? I / 2 : I; /* code bytes per row */
+    const mat_t g = {qt, base + gu_codes, es, rg, base + gu_scales, es, bs_gu, 0};
+    const mat_t u = {qt, base + gu_codes + I * rg, es, rg, base + gu_scales, es, bs_gu, I * D};
+    const mat_t dn = {qt, base + dn_codes, es, rd, base + dn_scales, es, bs_dn, 0};
+    return moe_tiled_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, nth);
+}
+/* ============================================================================================================ */
+/* end of issue 30's section                                                                                     */
+/* ============================================================================================================ */

@@ -1,0 +1,133 @@
+"""NF4 with many activation rows (issue 30): each weight row decoded once for all rows of x (``cpu_quant.set_tiled``,
+on by default) instead of once per row. The per-(row, token) fp32 operations are the same, in the same order, so
+both paths must give bit-identical results; against the fp64 references of test_cpu_quant_own.py as well, at tiny
+widths and at the model's real widths (hidden 2048, expert width 512), on the AVX2 build and the scalar one.
+
+The C side decodes once from 8 activation rows of one matrix on (``SPLIT_DEC_MIN_ROWS``), so the cases below mix
+experts with more and fewer tokens than that, and widths whose NF4 blocks straddle rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+from engine.kernels import cpu_quant as cq
+from engine.weights import quant as wq
+from tests.engine.test_cpu_quant import assert_moe_close
+from tests.engine.test_cpu_quant_own import check_smatmul, own_bank_reference, quantized
+
+
+@pytest.fixture(scope="module")
+def kern() -> cq.Kernels:
+    if not (shutil.which("gcc") or shutil.which("cc")):
+        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
+    k = cq.kernels()
+    assert k.ok, k.reason
+    return k
+
+
+@pytest.fixture(scope="module")
+def scalar() -> cq.Kernels:
+    if not (shutil.which("gcc") or shutil.which("cc")):
+        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
+    k = cq.Kernels(scalar=True)
+    assert k.ok and not k.simd, k.reason
+    return k
+
+
+@pytest.fixture(autouse=True)
+def tiled_restored() -> Iterator[None]:
+    before = cq.set_tiled(True)
+    yield
+    cq.set_tiled(before)
+
+
+def both_paths(fn: Callable[[], Tensor]) -> tuple[Tensor, Tensor]:
+    """(decoded once, decoded per row) results of the same call."""
+    cq.set_tiled(True)
+    once = fn()
+    cq.set_tiled(False)
+    per_row = fn()
+    cq.set_tiled(True)
+    return once, per_row
+
+
+def skewed_routing(t: int, e: int, k: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Expert 0 in every token's top-k (>= 8 tokens: decoded once), the rest spread (some with fewer than 8)."""
+    g = torch.Generator().manual_seed(seed)
+    rest = torch.stack([torch.randperm(e - 1, generator=g)[: k - 1] + 1 for _ in range(t)])
+    idx = torch.cat([torch.zeros(t, 1, dtype=torch.int64), rest], dim=1)
+    wts = torch.softmax(torch.randn(t, k, generator=g), -1)
+    return idx, wts
+
+
+@pytest.mark.parametrize("t", [2, 8, 9, 33, 70])
+@pytest.mark.parametrize(("n", "k", "bs"), [(37, 128, 64), (5, 96, 32), (3, 64, 128)])
+def test_nf4_decoded_once_is_bit_identical(kern: cq.Kernels, t: int, n: int, k: int, bs: int) -> None:
+    """Odd row counts, odd activation-step counts (96 = 3 steps: the odd step goes to the first accumulator) and
+    blocks straddling rows (64-wide rows of 128-value blocks); T across the 8-row threshold and the 64-row tile."""
+    codes, scales, bs = quantized("nf4", n, k, blocksize=bs, seed=t)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(100 + t))
+    once, per_row = both_paths(lambda: kern.smatmul(x, codes, scales, cq.NF4, bs))
+    assert torch.equal(once, per_row)
+    check_smatmul(once, x, codes, scales, "nf4", bs)
+
+
+def test_int8_keeps_its_path(kern: cq.Kernels) -> None:
+    codes, scales, bs = quantized("int8", 19, 128, seed=2)
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(2))
+    once, per_row = both_paths(lambda: kern.smatmul(x, codes, scales, cq.INT8, bs))
+    assert torch.equal(once, per_row)
+    check_smatmul(once, x, codes, scales, "int8", bs)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_own_expert_rows_decoded_once(kern: cq.Kernels, fmt: str) -> None:
+    """moe_rows through the tiled driver: bit-identical to the per-row path and close to the fp64 reference."""
+    e, d, i, t = 12, 256, 96, 24
+    g = torch.Generator().manual_seed(11)
+    bank = wq.QuantExpertBank.from_dense(torch.randn(e, 2 * i, d, generator=g) * 0.05,
+                                         torch.randn(e, d, i, generator=g) * 0.05, fmt)
+    x = torch.randn(t, d, generator=g)
+    idx, wts = skewed_routing(t, e, 3, seed=4)
+    assert int((idx == 0).sum()) >= 8 and int(torch.bincount(idx.reshape(-1), minlength=e).min()) < 8
+    once, per_row = both_paths(lambda: bank(x, idx, wts))
+    assert torch.equal(once, per_row)
+    assert_moe_close(once, own_bank_reference(bank, x, idx, wts))
+
+
+def test_scalar_build_agrees(kern: cq.Kernels, scalar: cq.Kernels) -> None:
+    """The scalar build has no decoded path: the driver must still give its per-row results, close to AVX2's."""
+    codes, scales, bs = quantized("nf4", 21, 128, seed=5)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
+    once, per_row = both_paths(lambda: scalar.smatmul(x, codes, scales, cq.NF4, bs))
+    assert torch.equal(once, per_row)
+    check_smatmul(once, x, codes, scales, "nf4", bs)
+    y = kern.smatmul(x, codes, scales, cq.NF4, bs)
+    assert torch.allclose(once, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
+
+
+def test_real_width_smoke(kern: cq.Kernels) -> None:
+    """CI smoke at the model's widths: 64 rows of an expert's gate [512, 2048] and of its down [2048, 512] for
+    T = 32, and a one-layer bank of 4 real-width NF4 experts at T = 32 (every expert past the 8-row threshold)."""
+    for n, k in ((64, 2048), (64, 512)):
+        codes, scales, bs = quantized("nf4", n, k, seed=n + k)
+        x = torch.randn(32, k, generator=torch.Generator().manual_seed(k))
+        once, per_row = both_paths(lambda: kern.smatmul(x, codes, scales, cq.NF4, bs))
+        assert torch.equal(once, per_row)
+        assert check_smatmul(once, x, codes, scales, "nf4", bs) < 2e-2
+    e, d, i = 4, 2048, 512
+    g = torch.Generator().manual_seed(7)
+    bank = wq.QuantExpertBank.from_dense(torch.randn(e, 2 * i, d, generator=g) * 0.02,
+                                         torch.randn(e, d, i, generator=g) * 0.02, "nf4")
+    x = torch.randn(32, d, generator=g)
+    idx, wts = skewed_routing(32, e, 2, seed=1)
+    assert int(torch.bincount(idx.reshape(-1), minlength=e).max()) >= 8
+    once, per_row = both_paths(lambda: bank(x, idx, wts))
+    assert torch.equal(once, per_row)
+    assert_moe_close(once, own_bank_reference(bank, x, idx, wts))
