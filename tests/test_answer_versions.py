@@ -16,7 +16,9 @@ from fakes_ui import FakeEngineClient
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.storage import SCHEMA_VERSION, ChatStore, StreamRecorder
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.schema import SCHEMA_VERSION
+from clover_desk.storage.store import ChatStore
 from ui.chat_actions import READ_AHEAD_MS
 from ui.main_window import MainWindow
 

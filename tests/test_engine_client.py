@@ -332,7 +332,7 @@ def test_a_worker_that_cannot_start_is_reported(qtbot: Any) -> None:
 def test_the_gui_side_never_imports_torch() -> None:
     code = (
         "import json, sys\n"
-        "import clover_desk.worker.client, clover_desk.storage, clover_desk.paths\n"
+        "import clover_desk.worker.client, clover_desk.storage.store, clover_desk.storage.recorder, clover_desk.paths\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

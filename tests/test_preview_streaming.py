@@ -10,7 +10,8 @@ from fakes_ui import FakeEngineClient  # noqa: E402
 from PySide6.QtCore import QCoreApplication, QEvent, Qt  # noqa: E402
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from clover_desk.storage import ChatStore, StreamRecorder  # noqa: E402
+from clover_desk.storage.recorder import StreamRecorder  # noqa: E402
+from clover_desk.storage.store import ChatStore  # noqa: E402
 from engine.decode.events import Finished, TextDelta  # noqa: E402
 from ui.main_window import MainWindow  # noqa: E402
 from ui.preview import PreviewPane, extract_html, register_schemes  # noqa: E402

@@ -23,14 +23,10 @@ from typing import Any
 import pytest
 
 from clover_desk.paths import CHATS_DB_NAME, DataDirError, writable_app_data_dir
-from clover_desk.storage import (
-    LOCK_SUFFIX,
-    ChatStore,
-    StorageWriteError,
-    StoreLockedError,
-    StreamRecorder,
-    write_failure_reason,
-)
+from clover_desk.storage.errors import StorageWriteError, StoreLockedError, write_failure_reason
+from clover_desk.storage.lock import LOCK_SUFFIX
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from engine.decode.events import BlockCommitted, PromptInfo, TextDelta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +36,7 @@ GUI_ENV = {"QT_QPA_PLATFORM": "offscreen", "QTWEBENGINE_DISABLE_SANDBOX": "1"}
 # A second Clover Desk as a real process: opens the store, streams one block of an answer, then obeys stdin.
 HOLDER = r"""
 import subprocess, sys
-from clover_desk.storage import ChatStore
+from clover_desk.storage.store import ChatStore
 store = ChatStore(sys.argv[1])
 c = store.create_conversation("live")
 store.add_message(c.id, "user", "hi")

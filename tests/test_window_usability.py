@@ -25,7 +25,8 @@ from PySide6.QtWidgets import (
 )
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.storage import ChatStore, StreamRecorder
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from engine.decode.events import GenerationParams
 from ui import conversations as conversations_module
 from ui import theme as theme_module

@@ -100,7 +100,7 @@ class SearchHitLike(Protocol):
 
 
 class ChatStoreLike(Protocol):
-    """``clover_desk.storage.ChatStore`` as the window uses it. ``Error`` is the exception class every failed save
+    """``clover_desk.storage.store.ChatStore`` as the window uses it. ``Error`` is the exception class every failed save
     raises (``StorageError``): the window catches it, shows it and keeps the user's text."""
 
     Error: type[Exception]
@@ -129,7 +129,7 @@ class ChatStoreLike(Protocol):
 
 
 class Recorder(Protocol):
-    """Saves one streaming answer from its events (``clover_desk.storage.StreamRecorder``)."""
+    """Saves one streaming answer from its events (``clover_desk.storage.recorder.StreamRecorder``)."""
 
     done: bool
 

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.paths import CHATS_DB_NAME, DataDirError, writable_app_data_dir
-    from clover_desk.storage import ChatStore, StorageError
+    from clover_desk.storage.errors import StorageError
+    from clover_desk.storage.store import ChatStore
     from ui.theme import apply_theme, icon
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
