@@ -12,11 +12,10 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import (  # noqa: E402
+from ui.preview import PreviewPane, atomic_write_text
+from ui.preview_sandbox import (
     OFFLINE_CHROMIUM_FLAGS,
     PREVIEW_CSP,
-    PreviewPane,
-    atomic_write_text,
     new_document_host,
     register_schemes,
     split_chromium_flags,

@@ -220,7 +220,7 @@ def child_main(out_path: str) -> int:
     from clover_desk.qt_compat import guard_pyside_bool_refcounts
 
     guard_pyside_bool_refcounts()
-    from ui.preview import GUARD_REPORT_ORIGIN, register_schemes
+    from ui.preview_sandbox import GUARD_REPORT_ORIGIN, register_schemes
 
     register_schemes()  # the app's one place for the engine's switches
     from PySide6.QtCore import QCoreApplication, QEvent, QEventLoop, QTimer

@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import PreviewPane, register_schemes  # noqa: E402
+from ui.preview import PreviewPane  # noqa: E402
+from ui.preview_sandbox import register_schemes  # noqa: E402
 
 guard_pyside_bool_refcounts()
 register_schemes()  # before pytest-qt creates the QApplication (modules are imported at collection)

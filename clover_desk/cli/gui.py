@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     # PySide6 6.12 on CPython < 3.12 leaks references to None/True on void calls (see guard's docstring); the
     # preview's URL scheme must be registered before the QApplication exists.
     from clover_desk.qt_compat import guard_pyside_bool_refcounts
-    from ui.preview import register_schemes
+    from ui.preview_sandbox import register_schemes
 
     guard_pyside_bool_refcounts()
     register_schemes()

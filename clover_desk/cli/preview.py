@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     width, height = _parse_size(args.size)
     guard_pyside_bool_refcounts()
 
-    from ui.preview import register_schemes  # Qt only when this command runs
+    from ui.preview_sandbox import register_schemes  # Qt only when this command runs
 
     register_schemes()
     from PySide6.QtWidgets import QApplication
