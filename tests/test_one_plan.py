@@ -50,7 +50,7 @@ def write_header_only_checkpoint(folder: Path, geo: planner.ModelGeometry, shard
     hole (sparse file), so the real 69 GB model costs a few KiB of disk."""
     import torch
 
-    from engine.weights.checkpoint import TensorSpec, plan_shards, safetensors_header
+    from engine.weights.streaming_writer import TensorSpec, plan_shards, safetensors_header
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     specs = [
