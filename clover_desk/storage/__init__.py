@@ -1,5 +1,10 @@
 """Chat persistence in SQLite: conversations, messages, search, export, crash recovery.
 
+Modules by job: :mod:`~clover_desk.storage.store` (:class:`ChatStore`, the one entry), :mod:`.database` (open, lock,
+migrate, recover, transactions), :mod:`.schema` (the migrations), :mod:`.tree` (answer versions: the chosen path),
+:mod:`.search`, :mod:`.export`, :mod:`.recorder` (:class:`StreamRecorder`), :mod:`.records` (the row types),
+:mod:`.errors`, :mod:`.lock`, :mod:`.files` (atomic writes).
+
 Durability model
     The database runs in WAL mode with ``synchronous=NORMAL``: every committed transaction survives a crash or a
     ``kill -9`` of the application (only a power cut can lose the last few). :meth:`ChatStore.append_streaming` is
@@ -21,7 +26,7 @@ Threading
     however it ends, so a crash or ``kill -9`` never leaves a stale lock.
 
 Write failures
-    Every change runs in one transaction (:meth:`ChatStore._tx`). When the disk is full (``database or disk is
+    Every change runs in one transaction (:meth:`Database.transaction`). When the disk is full (``database or disk is
     full``, ``ENOSPC``), the folder is read-only or the disk reports an I/O error, the transaction is rolled back
     (nothing of that change is kept, the database stays usable) and :class:`StorageWriteError` is raised with one
     line that names the file and what to do; :class:`StreamRecorder` stops saving the answer on the first failure.

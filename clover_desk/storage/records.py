@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+import sqlite3
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,18 +72,29 @@ def branch_title(title: str) -> str:
     return f"{match[1]} (branch {int(match[2] or 1) + 1})"
 
 
-def _chosen_path(rows: Iterable[tuple[int, int | None, int]]) -> list[int]:
-    """The ids of the chosen path through a chat's message tree, from ``(id, parent_id, selected)`` rows in id
-    order: from the first message, at each place the chosen version (the newest chosen one should two be; the
-    newest when none is), until a message with nothing after it."""
-    children: dict[int | None, list[tuple[int, int]]] = {}
-    for message_id, parent_id, selected in rows:
-        children.setdefault(parent_id, []).append((message_id, int(selected)))
-    path: list[int] = []
-    at: int | None = None
-    while at in children:
-        options = children[at]
-        chosen = [i for i, sel in options if sel]
-        at = chosen[-1] if chosen else options[-1][0]
-        path.append(at)
-    return path
+def conversation_from_row(row: sqlite3.Row) -> Conversation:
+    """A conversations row as a :class:`Conversation`."""
+    return Conversation(
+        id=int(row["id"]),
+        title=row["title"],
+        created=float(row["created"]),
+        updated=float(row["updated"]),
+        system_prompt=row["system_prompt"],
+        settings=json.loads(row["settings"] or "{}"),
+    )
+
+
+def message_from_row(row: sqlite3.Row) -> Message:
+    """A messages row as a :class:`Message`."""
+    return Message(
+        id=int(row["id"]),
+        conversation_id=int(row["conversation_id"]),
+        role=row["role"],
+        content=row["content"],
+        thinking=row["thinking"],
+        thinking_seconds=None if row["thinking_seconds"] is None else float(row["thinking_seconds"]),
+        status=row["status"],
+        stats=json.loads(row["stats"] or "{}"),
+        created=float(row["created"]),
+        parent_id=None if row["parent_id"] is None else int(row["parent_id"]),
+    )

@@ -7,20 +7,15 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from clover_desk.storage import export, search
+from clover_desk.storage.database import Database
 from clover_desk.storage.errors import (
     NotFoundError,
     StorageError,
-    StorageWriteError,
-    write_error,
 )
-from clover_desk.storage.files import atomic_write_text
-from clover_desk.storage.lock import LOCK_SUFFIX, StoreLock
 from clover_desk.storage.records import (
     DEFAULT_TITLE,
     FINAL_STATUSES,
@@ -29,37 +24,14 @@ from clover_desk.storage.records import (
     Conversation,
     Message,
     SearchHit,
-    _chosen_path,
     branch_title,
+    conversation_from_row,
+    message_from_row,
     title_from_text,
 )
-from clover_desk.storage.schema import MIGRATIONS, SCHEMA_VERSION
+from clover_desk.storage.tree import delete_below, read_chosen_path
 
 log = logging.getLogger(__name__)
-
-
-EXPORT_FORMAT = "clover-desk-chat"
-EXPORT_VERSION = 1
-EXPORT_MODE = 0o666  # exported files: a normal document (less the umask), not a private 0600 file
-
-
-def _escape_like(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-
-
-def _snippet(text: str, query: str, width: int = 80) -> str:
-    """About ``width`` characters of ``text`` around the first case-insensitive occurrence of ``query``."""
-    flat = " ".join(text.split())
-    at = flat.casefold().find(query.casefold())
-    if at < 0:
-        return flat[:width]
-    start = max(0, at - width // 3)
-    end = min(len(flat), start + width)
-    return ("…" if start > 0 else "") + flat[start:end] + ("…" if end < len(flat) else "")
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
 
 
 class ChatStore:
@@ -75,89 +47,26 @@ class ChatStore:
 
         Raises StoreLockedError when another running instance holds it, StorageWriteError when its folder is
         read-only (or the disk is full while creating or migrating it), StorageError when it is unreadable."""
-        self.path = Path(path)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise write_error(self.path, exc, "create") or StorageError(
-                f"cannot create the folder of the chat database {self.path}: {exc}"
-            ) from exc
-        # First the lock: nothing below (crash recovery least of all) may touch a database another instance holds.
-        self._lock = StoreLock(self.path.with_name(self.path.name + LOCK_SUFFIX))
-        self._lock.acquire()
-        try:
-            self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
-        except sqlite3.Error as exc:
-            self._lock.release()
-            raise write_error(self.path, exc, "open") or StorageError(
-                f"cannot open chat database {self.path}: {exc}"
-            ) from exc
-        self._conn.row_factory = sqlite3.Row
+        self._db = Database(path)
+        self.path = self._db.path
+        self._conn = self._db.conn
+        self._tx = self._db.transaction
+        self.recovered_message_ids: tuple[int, ...] = self._db.recovered_message_ids
         self._last_ts = 0.0
         # Each chat's chosen path (message ids), once read: this store is the only writer of its database (the
         # lock), so it stays right until this store changes the chat's tree (dropped there, or extended by an
         # append). Appending a message then costs no walk of the whole chat.
         self._paths: dict[int, list[int]] = {}
-        try:
-            self._conn.execute("PRAGMA foreign_keys = ON")
-            mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                log.warning("chat database %s runs in %s journal mode (WAL unavailable)", self.path, mode)
-            self._conn.execute("PRAGMA synchronous = NORMAL")
-            self._migrate()
-            self.recovered_message_ids: tuple[int, ...] = self._recover_interrupted()
-        except sqlite3.DatabaseError as exc:
-            self._conn.close()
-            self._lock.release()
-            raise write_error(self.path, exc, "open") or StorageError(
-                f"chat database {self.path} is unreadable: {exc}"
-            ) from exc
-        except BaseException:
-            self._conn.close()
-            self._lock.release()
-            raise
-
-    # ----------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
         """Close the database and release its lock (idempotent)."""
-        self._conn.close()
-        self._lock.release()
+        self._db.close()
 
     def __enter__(self) -> ChatStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, committed on success and rolled back on any exception (the COMMIT's included).
-
-        A disk-full / read-only / I/O failure becomes :class:`StorageWriteError`; the store stays usable."""
-        try:
-            self._conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise (write_error(self.path, exc) or exc) from exc
-        try:
-            yield self._conn
-            self._conn.execute("COMMIT")
-        except BaseException as exc:
-            self._rollback()
-            error = write_error(self.path, exc) if isinstance(exc, (sqlite3.Error, OSError)) else None
-            if error is not None:
-                log.warning("%s", error)
-                raise error from exc
-            raise
-
-    def _rollback(self) -> None:
-        """Roll back the open transaction, if any (SQLite may already have rolled it back itself on SQLITE_FULL)."""
-        if not self._conn.in_transaction:
-            return
-        try:
-            self._conn.execute("ROLLBACK")
-        except sqlite3.Error as exc:
-            log.error("chat database %s: rollback failed: %s", self.path, exc)
 
     def _now(self) -> float:
         """Wall-clock seconds, strictly increasing within this store (so "most recent first" has no ties)."""
@@ -167,79 +76,7 @@ class ChatStore:
 
     @property
     def schema_version(self) -> int:
-        row = self._conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
-        return int(row[0] or 0)
-
-    def _migrate(self) -> None:
-        self._conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations ("
-            "version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied REAL NOT NULL)"
-        )
-        current = self.schema_version
-        if current > SCHEMA_VERSION:
-            raise StorageError(
-                f"chat database {self.path} has schema version {current}, newer than this Clover Desk "
-                f"understands ({SCHEMA_VERSION}); open it with a newer version"
-            )
-        for version, description, statements in MIGRATIONS:
-            if version <= current:
-                continue
-            log.info("chat database %s: migrating to schema %d (%s)", self.path, version, description)
-            with self._tx() as conn:
-                for statement in statements:
-                    conn.execute(statement)
-                conn.execute(
-                    "INSERT INTO schema_migrations (version, description, applied) VALUES (?, ?, ?)",
-                    (version, description, time.time()),
-                )
-                conn.execute(f"PRAGMA user_version = {int(version)}")
-
-    def _recover_interrupted(self) -> tuple[int, ...]:
-        rows = self._conn.execute("SELECT id, stats FROM messages WHERE status = 'streaming' ORDER BY id").fetchall()
-        if not rows:
-            return ()
-        try:
-            with self._tx() as conn:
-                for row in rows:
-                    stats = json.loads(row["stats"] or "{}")
-                    stats["stop_reason"] = "interrupted"
-                    conn.execute(
-                        "UPDATE messages SET status = 'stopped', stats = ? WHERE id = ?", (json.dumps(stats), row["id"])
-                    )
-        except StorageWriteError as exc:  # e.g. a full disk: open anyway (chats stay readable); next open retries
-            log.warning("chat database %s: cannot mark interrupted answers as stopped yet: %s", self.path, exc)
-            return ()
-        ids = tuple(int(r["id"]) for r in rows)
-        log.warning("chat database %s: %d message(s) interrupted by a crash kept as stopped", self.path, len(ids))
-        return ids
-
-    # ----------------------------------------------------------------- rows -> objects
-
-    @staticmethod
-    def _conversation(row: sqlite3.Row) -> Conversation:
-        return Conversation(
-            id=int(row["id"]),
-            title=row["title"],
-            created=float(row["created"]),
-            updated=float(row["updated"]),
-            system_prompt=row["system_prompt"],
-            settings=json.loads(row["settings"] or "{}"),
-        )
-
-    @staticmethod
-    def _message(row: sqlite3.Row) -> Message:
-        return Message(
-            id=int(row["id"]),
-            conversation_id=int(row["conversation_id"]),
-            role=row["role"],
-            content=row["content"],
-            thinking=row["thinking"],
-            thinking_seconds=None if row["thinking_seconds"] is None else float(row["thinking_seconds"]),
-            status=row["status"],
-            stats=json.loads(row["stats"] or "{}"),
-            created=float(row["created"]),
-            parent_id=None if row["parent_id"] is None else int(row["parent_id"]),
-        )
+        return self._db.schema_version
 
     # ----------------------------------------------------------------- conversations
 
@@ -283,7 +120,7 @@ class ChatStore:
         row = self._conn.execute("SELECT * FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
         if row is None:
             raise NotFoundError(f"no conversation with id {conversation_id}")
-        return self._conversation(row)
+        return conversation_from_row(row)
 
     def update_conversation(
         self,
@@ -328,44 +165,11 @@ class ChatStore:
             "SELECT * FROM conversations ORDER BY updated DESC, id DESC LIMIT ? OFFSET ?",
             (-1 if limit is None else limit, offset),
         ).fetchall()
-        return [self._conversation(r) for r in rows]
+        return [conversation_from_row(r) for r in rows]
 
     def search(self, query: str, limit: int = 50) -> list[SearchHit]:
-        """Conversations whose title or message text (answer or thinking) contains ``query``, most recent first.
-
-        Case-insensitive substring match (SQLite LIKE: case folding covers ASCII only). A blank query lists every
-        conversation.
-        """
-        query = query.strip()
-        if not query:
-            return [SearchHit(c, None, "") for c in self.list_conversations(limit=limit)]
-        pattern = f"%{_escape_like(query)}%"
-        rows = self._conn.execute(
-            """
-            SELECT c.*, (
-                SELECT m.id FROM messages m
-                WHERE m.conversation_id = c.id
-                  AND (m.content LIKE :p ESCAPE '\\' OR m.thinking LIKE :p ESCAPE '\\')
-                ORDER BY m.id LIMIT 1
-            ) AS hit_id
-            FROM conversations c
-            WHERE c.title LIKE :p ESCAPE '\\' OR hit_id IS NOT NULL
-            ORDER BY c.updated DESC, c.id DESC
-            LIMIT :limit
-            """,
-            {"p": pattern, "limit": limit},
-        ).fetchall()
-        hits: list[SearchHit] = []
-        for row in rows:
-            conversation = self._conversation(row)
-            hit_id = row["hit_id"]
-            if query.casefold() in conversation.title.casefold() or hit_id is None:
-                hits.append(SearchHit(conversation, None if hit_id is None else int(hit_id), conversation.title))
-                continue
-            message = self.get_message(int(hit_id))
-            text = message.content if query.casefold() in message.content.casefold() else message.thinking
-            hits.append(SearchHit(conversation, message.id, _snippet(text, query)))
-        return hits
+        """Conversations whose title or message text contains ``query``, most recent first (:func:`search.search`)."""
+        return search.search(self._conn, query, limit)
 
     # ----------------------------------------------------------------- messages
 
@@ -422,7 +226,7 @@ class ChatStore:
         row = self._conn.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
         if row is None:
             raise NotFoundError(f"no message with id {message_id}")
-        return self._message(row)
+        return message_from_row(row)
 
     def messages(self, conversation_id: int) -> list[Message]:
         """A conversation's messages in order: the chosen version of each (the path :meth:`select_version` set)."""
@@ -430,50 +234,21 @@ class ChatStore:
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         ).fetchall()
         by_id = {int(r["id"]): r for r in rows}
-        return [self._message(by_id[i]) for i in self._path_ids(conversation_id)]
+        return [message_from_row(by_id[i]) for i in self._path_ids(conversation_id)]
 
     def all_messages(self, conversation_id: int) -> list[Message]:
         """Every message of a conversation, every version, in the order they were written."""
         rows = self._conn.execute(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         ).fetchall()
-        return [self._message(r) for r in rows]
+        return [message_from_row(r) for r in rows]
 
     def _path_ids(self, conversation_id: int) -> list[int]:
-        """The chosen path's ids (a copy of the cached list, else read: :meth:`_read_path`)."""
+        """The chosen path's ids (a copy of the cached list, else read: :func:`tree.read_chosen_path`)."""
         path = self._paths.get(conversation_id)
         if path is None:
-            path = self._paths[conversation_id] = self._read_path(conversation_id)
+            path = self._paths[conversation_id] = read_chosen_path(self._conn, conversation_id)
         return list(path)
-
-    def _read_path(self, conversation_id: int) -> list[int]:
-        """The chosen path's ids, followed in SQLite (one index lookup per message); should the tree break the rule
-        of one chosen version per place (two, or none), it is walked in Python instead (:func:`_chosen_path`)."""
-        rows = self._conn.execute(
-            "WITH RECURSIVE path(id, depth) AS ("
-            "SELECT id, 0 FROM messages WHERE conversation_id = :c AND parent_id IS NULL AND selected = 1 "
-            "UNION ALL SELECT m.id, path.depth + 1 FROM path JOIN messages m "
-            "ON m.conversation_id = :c AND m.parent_id = path.id AND m.selected = 1"
-            ") SELECT id, depth FROM path ORDER BY depth",
-            {"c": conversation_id},
-        ).fetchall()
-        ids = [int(r[0]) for r in rows]
-        forked = any(r[1] != n for n, r in enumerate(rows))
-        ends_early = ids and self._conn.execute(
-            "SELECT 1 FROM messages WHERE conversation_id = ? AND parent_id = ? LIMIT 1", (conversation_id, ids[-1])
-        ).fetchone() is not None  # (children, none of them chosen)
-        if not forked and not ends_early and (ids or not self._has_messages(conversation_id)):
-            return ids
-        log.warning("chat %s: its versions are not one chosen per place; showing the newest", conversation_id)
-        every = self._conn.execute(
-            "SELECT id, parent_id, selected FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
-        ).fetchall()
-        return _chosen_path((int(r[0]), r[1], r[2]) for r in every)
-
-    def _has_messages(self, conversation_id: int) -> bool:
-        return self._conn.execute(
-            "SELECT 1 FROM messages WHERE conversation_id = ? LIMIT 1", (conversation_id,)
-        ).fetchone() is not None
 
     def _ancestors(self, message: Message) -> list[Message]:
         """The messages that lead to ``message``, from the chat's first, ``message`` last."""
@@ -590,7 +365,7 @@ class ChatStore:
         self._paths.pop(current.conversation_id, None)
         with self._tx() as conn:
             conn.execute("UPDATE messages SET content = ?, status = 'complete' WHERE id = ?", (content, message_id))
-            deleted = self._delete_below(conn, current.conversation_id, message_id)
+            deleted = delete_below(conn, current.conversation_id, message_id)
             conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._now(), current.conversation_id))
         return deleted
 
@@ -601,7 +376,7 @@ class ChatStore:
         current = self.get_message(message_id)
         self._paths.pop(current.conversation_id, None)
         with self._tx() as conn:
-            deleted = self._delete_below(conn, current.conversation_id, message_id)
+            deleted = delete_below(conn, current.conversation_id, message_id)
             if include:
                 deleted += conn.execute("DELETE FROM messages WHERE id = ?", (message_id,)).rowcount
                 conn.execute(
@@ -612,18 +387,6 @@ class ChatStore:
                 )
             conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._now(), current.conversation_id))
         return int(deleted)
-
-    @staticmethod
-    def _delete_below(conn: sqlite3.Connection, conversation_id: int, message_id: int) -> int:
-        """Delete every message under ``message_id`` (all versions, all depths); returns how many."""
-        cur = conn.execute(
-            "DELETE FROM messages WHERE id IN (WITH RECURSIVE below(id) AS ("
-            "SELECT id FROM messages WHERE conversation_id = :c AND parent_id = :m "
-            "UNION ALL SELECT m.id FROM messages m JOIN below ON m.conversation_id = :c AND m.parent_id = below.id"
-            ") SELECT id FROM below)",
-            {"c": conversation_id, "m": message_id},
-        )
-        return int(cur.rowcount)
 
     def chat_messages(self, conversation_id: int) -> list[dict[str, str]]:
         """The conversation as engine ``messages`` (system prompt first; failed answers left out)."""
@@ -637,66 +400,12 @@ class ChatStore:
             out.append({"role": m.role, "content": m.content})
         return out
 
-    # ----------------------------------------------------------------- export
-
-    def conversation_to_dict(self, conversation_id: int) -> dict[str, Any]:
-        """A self-describing JSON-safe dict of a conversation and its messages."""
-        c = self.get_conversation(conversation_id)
-        return {
-            "format": EXPORT_FORMAT,
-            "version": EXPORT_VERSION,
-            "exported": _iso(time.time()),
-            "conversation": {
-                "id": c.id,
-                "title": c.title,
-                "created": _iso(c.created),
-                "updated": _iso(c.updated),
-                "system_prompt": c.system_prompt,
-                "settings": c.settings,
-            },
-            "messages": [
-                {
-                    "id": m.id,
-                    "role": m.role,
-                    "content": m.content,
-                    "thinking": m.thinking,
-                    "thinking_seconds": m.thinking_seconds,
-                    "status": m.status,
-                    "stats": m.stats,
-                    "created": _iso(m.created),
-                }
-                for m in self.messages(conversation_id)
-            ],
-        }
-
-    def conversation_to_markdown(self, conversation_id: int) -> str:
-        """The conversation as Markdown: one ``##`` section per message, thinking in a collapsed ``<details>``."""
-        c = self.get_conversation(conversation_id)
-        parts = [f"# {c.title}", "", f"*Clover Desk chat, created {_iso(c.created)}, updated {_iso(c.updated)}.*", ""]
-        if c.system_prompt:
-            parts += ["**System prompt**", ""]
-            parts += [f"> {line}" if line else ">" for line in c.system_prompt.splitlines()]
-            parts.append("")
-        for m in self.messages(conversation_id):
-            parts += [f"## {m.role.capitalize()}", ""]
-            if m.thinking:
-                took = f" ({m.thinking_seconds:.1f} s)" if m.thinking_seconds is not None else ""
-                parts += ["<details>", f"<summary>Thinking{took}</summary>", "", m.thinking.strip("\n"), "", "</details>", ""]
-            if m.content:
-                parts += [m.content.strip("\n"), ""]
-            if m.status != "complete":
-                reason = m.stats.get("stop_reason") or m.stats.get("error")
-                parts += [f"*[{m.status}{f': {reason}' if reason else ''}]*", ""]
-        return "\n".join(parts)
+    # ----------------------------------------------------------------- export (clover_desk.storage.export)
 
     def export_json(self, conversation_id: int, path: str | os.PathLike[str]) -> Path:
-        """Write :meth:`conversation_to_dict` to ``path`` atomically; returns the path."""
-        text = json.dumps(self.conversation_to_dict(conversation_id), ensure_ascii=False, indent=2) + "\n"
-        atomic_write_text(path, text, mode=EXPORT_MODE)
-        return Path(path)
+        """Write the chat as JSON to ``path`` atomically (:func:`export.write_json`); returns the path."""
+        return export.write_json(self.get_conversation(conversation_id), self.messages(conversation_id), path)
 
     def export_markdown(self, conversation_id: int, path: str | os.PathLike[str]) -> Path:
-        """Write :meth:`conversation_to_markdown` to ``path`` atomically; returns the path."""
-        atomic_write_text(path, self.conversation_to_markdown(conversation_id), mode=EXPORT_MODE)
-        return Path(path)
-
+        """Write the chat as Markdown to ``path`` atomically (:func:`export.write_markdown`); returns the path."""
+        return export.write_markdown(self.get_conversation(conversation_id), self.messages(conversation_id), path)
