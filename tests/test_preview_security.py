@@ -102,7 +102,7 @@ def pane(qapp) -> Iterator[PreviewPane]:
 
 def load(qtbot, pane: PreviewPane, html: str, document_id: str) -> None:
     """Show ``html`` and wait for *its* load: a late loadFinished of the shared pane's previous page must not count."""
-    pane.clear_strip()
+    pane.strip.clear()
     host = pane.document_host(document_id)
     with qtbot.waitSignal(
         pane.loadFinished, timeout=TIMEOUT_MS, check_params_cb=lambda ok: pane.page.url().host() == host
@@ -120,7 +120,7 @@ def js(qtbot, pane: PreviewPane, source: str, world: int = 0):
 
 
 def blocked_texts(pane: PreviewPane) -> list[str]:
-    return [e.text for e in pane.entries if e.kind == "blocked"]
+    return [e.text for e in pane.strip.entries if e.kind == "blocked"]
 
 
 def hostile_page(port: int) -> str:
@@ -206,10 +206,10 @@ def test_hostile_page_makes_no_connection_and_every_attempt_is_listed(qtbot, pan
     assert f"blocked plugin content from http://127.0.0.1:{server.port}" in texts
     assert "blocked connection to file" in texts
     # A dedicated worker's refusals are not reported to report-uri by the engine: only its console says so.
-    assert any(f"127.0.0.1:{server.port}/worker" in e.text for e in pane.entries if e.source == "console")
+    assert any(f"127.0.0.1:{server.port}/worker" in e.text for e in pane.strip.entries if e.source == "console")
     # Blocked entries come from the engine's side only (CSP reports, the interceptor, the page's refusals).
-    assert all(e.source == "blocked" for e in pane.entries if e.kind == "blocked")
-    qtbot.waitUntil(lambda: pane.strip.count() == len(pane.entries) >= 10, timeout=TIMEOUT_MS)
+    assert all(e.source == "blocked" for e in pane.strip.entries if e.kind == "blocked")
+    qtbot.waitUntil(lambda: pane.strip.list.count() == len(pane.strip.entries) >= 10, timeout=TIMEOUT_MS)
 
 
 @pytest.mark.webengine

@@ -578,7 +578,7 @@ def test_the_preview_view_is_found_by_name_and_named_for_screen_readers(qtbot, s
     try:
         views = window.findChildren(QWidget, "previewView")
         assert len(views) == 1 and views[0] is pane.view and views[0].accessibleName()
-        strip = pane.strip
+        strip = pane.strip.list
         assert strip.wordWrap() and strip.horizontalScrollBarPolicy() == Qt.ScrollBarPolicy.ScrollBarAlwaysOff
         unnamed = [b.text() for b in pane.findChildren(QAbstractButton) if not b.accessibleName()]
         assert unnamed == []

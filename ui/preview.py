@@ -14,8 +14,6 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-import time
-from collections import Counter
 from pathlib import Path
 
 import shiboken6
@@ -36,23 +34,16 @@ from PySide6.QtWebEngineWidgets import QWebEngineView
 from PySide6.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
-    QLabel,
-    QListWidget,
-    QListWidgetItem,
     QMessageBox,
     QPlainTextEdit,
     QSplitter,
     QStackedWidget,
-    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from ui.preview_page import PreviewPage
 from ui.preview_sandbox import (
-    FLOOD_MESSAGES_PER_S,
-    FLOOD_WINDOW_S,
-    FLOOD_WINDOWS,
     HANG_TIMEOUT_MS,
     INDEX_PATH,
     MAX_ESCAPE_RESTORES,
@@ -62,20 +53,11 @@ from ui.preview_sandbox import (
     new_document_host,
 )
 from ui.preview_strip import (
-    _KIND_MARK,
-    MAX_BLOCKED_ENTRIES,
-    MAX_CONSOLE_ENTRIES,
-    MAX_DIALOG_ENTRIES,
-    MAX_NOTICE_ENTRIES,
-    STRIP_REPAINT_MS,
-    BoundedLog,
-    StripEntry,
-    _entry_sequence,
-    _plural,
+    PreviewStrip,
     clip_line,
 )
 from ui.throttle import Throttle
-from ui.widgets import documents_dir
+from ui.widgets import documents_dir, tool_button
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -98,6 +80,15 @@ def atomic_write_text(path: Path, text: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def open_outside_sandbox(html: str, host: str) -> bool:
+    """Open ``html`` in the system browser from a file in the temporary folder named after its document's host."""
+    folder = Path(tempfile.gettempdir()) / "clover-desk-preview"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{host}.html"
+    atomic_write_text(path, html)
+    return QDesktopServices.openUrl(QUrl.fromLocalFile(str(path)))
+
+
 def ask_page_path(parent: QWidget, start: str) -> str:
     """The "Save page as" dialog (a seam: tests replace it): the path chosen, or ""."""
     path, _ = QFileDialog.getSaveFileName(parent, "Save page as", start, "HTML files (*.html *.htm)")
@@ -116,7 +107,7 @@ class PreviewPane(QWidget):
     # while it loads (location.hash, history.replaceState) still counts as that document's load.
     loadFinished = Signal(bool)
     # A line was added to the strip (kind, text): "blocked" | "dialog" | "error" | "warning".
-    stripEntryAdded = Signal(str, str)
+    stripEntryAdded = Signal(str, str)  # (forwarded from the strip's entryAdded)
     # The HTML was saved to this path.
     saved = Signal(str)
 
@@ -139,29 +130,12 @@ class PreviewPane(QWidget):
         self._ping_pending = False
         self._ping_generation = 0
         self.pages_replaced = 0  # pages stopped and replaced (diagnostics, tests)
-        # Flood detection: entries from the page since the window started, and how many windows in a row were full.
-        self._activity_start = time.monotonic()
-        self._activity_count = 0
-        self._flood_windows = 0
-
-        # Bounded lists, one per source (see the module docstring), and the totals per kind.
-        self.logs: dict[str, BoundedLog] = {
-            "blocked": BoundedLog(MAX_BLOCKED_ENTRIES),
-            "dialogs": BoundedLog(MAX_DIALOG_ENTRIES),
-            "console": BoundedLog(MAX_CONSOLE_ENTRIES),
-            "pane": BoundedLog(MAX_NOTICE_ENTRIES),
-        }
-        self.counts: Counter[str] = Counter()
-
         self.view = QWebEngineView(self)
         self.view.setObjectName("previewView")
         self.view.setAccessibleName("Page preview (sandboxed)")
         # The profile is given to the pane last of all (end of __init__): children are destroyed in order, and the
         # pages (children of the view) must go before their profile (Qt warns and may crash the other way round).
         self.profile, self.scheme_handler, self.interceptor = make_preview_profile()
-        self.page = self._make_page()
-        self.view.setPage(self.page)
-        self.view.setContextMenuPolicy(Qt.ContextMenuPolicy.NoContextMenu)
 
         self.source = QPlainTextEdit(self)
         self.source.setReadOnly(True)
@@ -171,27 +145,21 @@ class PreviewPane(QWidget):
         self.stack.addWidget(self.view)
         self.stack.addWidget(self.source)
 
-        self.strip = QListWidget(self)
-        self.strip.setObjectName("previewStrip")
-        self.strip.setAccessibleName("What the page tried, and its console")
-        self.strip.setAlternatingRowColors(True)
-        # long lines wrap inside the panel (no line is cut at its edge; the full text is also the tooltip)
-        self.strip.setWordWrap(True)
-        self.strip.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.strip.setResizeMode(QListWidget.ResizeMode.Adjust)
-        self.strip_label = QLabel(self)
-        self.strip_label.setProperty("class", "muted")
         # Short labels, the whole story in the tooltips: the side panel can be as narrow as 400 px, and the four
-        # buttons must fit there without eliding. The strip's counts and Clear sit over the strip they describe.
-        self.source_button = self._tool_button("Source", "Show the HTML source instead of the rendered page")
+        # buttons must fit there without eliding.
+        self.source_button = tool_button(self, "Source", "Show the HTML source instead of the rendered page")
         self.source_button.setCheckable(True)
-        self.reload_button = self._tool_button("Reload", "Load the page again (a fresh start, same storage)")
-        self.save_button = self._tool_button("Save…", "Save the page as an HTML file…")
-        self.open_button = self._tool_button(
+        self.reload_button = tool_button(self, "Reload", "Load the page again (a fresh start, same storage)")
+        self.save_button = tool_button(self, "Save…", "Save the page as an HTML file…")
+        self.open_button = tool_button(self,
             "Browser…", "Open the page in your web browser, outside the sandbox (asks first)"
         )
-        self.clear_button = self._tool_button("Clear", "Clear the list of blocked attempts, dialogs and console messages")
-        self.clear_button.setProperty("class", "ghost")
+        # The strip of what the page tried (its pages report there, so it comes first); a page that floods it is
+        # stopped.
+        self.strip = PreviewStrip(self, on_flood=self._stop_page)
+        self.page = self._make_page()
+        self.view.setPage(self.page)
+        self.view.setContextMenuPolicy(Qt.ContextMenuPolicy.NoContextMenu)
 
         toolbar = QHBoxLayout()
         toolbar.setContentsMargins(6, 6, 6, 4)
@@ -199,20 +167,10 @@ class PreviewPane(QWidget):
         for button in (self.source_button, self.reload_button, self.save_button, self.open_button):
             toolbar.addWidget(button)
         toolbar.addStretch(1)
-        strip_box = QWidget(self)
-        strip_header = QHBoxLayout()
-        strip_header.setContentsMargins(2, 2, 0, 0)
-        strip_header.addWidget(self.strip_label, 1)
-        strip_header.addWidget(self.clear_button)
-        strip_layout = QVBoxLayout(strip_box)
-        strip_layout.setContentsMargins(0, 0, 0, 0)
-        strip_layout.setSpacing(2)
-        strip_layout.addLayout(strip_header)
-        strip_layout.addWidget(self.strip, 1)
         splitter = QSplitter(self)
         splitter.setOrientation(Qt.Orientation.Vertical)
         splitter.addWidget(self.stack)
-        splitter.addWidget(strip_box)
+        splitter.addWidget(self.strip)
         splitter.setStretchFactor(0, 5)
         splitter.setStretchFactor(1, 1)
         layout = QVBoxLayout(self)
@@ -222,22 +180,12 @@ class PreviewPane(QWidget):
 
         # Coalesces set_html() calls into page loads (public for diagnostics and tests: its ``calls`` count loads).
         self.reload_throttle = Throttle(self._show_pending, reload_interval_ms, self)
-        # The one place the strip is redrawn: however fast entries arrive, at most every STRIP_REPAINT_MS.
-        self.strip_throttle = Throttle(self._repaint_strip, STRIP_REPAINT_MS, self)
         self._ping_timer = QTimer(self)
         self._ping_timer.setSingleShot(True)
         self._ping_timer.timeout.connect(self.on_ping_timeout)
-        self._update_strip_label()
         self._update_buttons()
         self._connect_signals()
         self.profile.setParent(self)  # the pane's last child (see above)
-
-    def _tool_button(self, text: str, tip: str) -> QToolButton:
-        button = QToolButton(self)
-        button.setText(text)
-        button.setToolTip(tip)
-        button.setAccessibleName(tip)
-        return button
 
     def _connect_signals(self) -> None:
         self.interceptor.requestBlocked.connect(self.on_request_blocked)
@@ -247,10 +195,10 @@ class PreviewPane(QWidget):
         self.reload_button.clicked.connect(self.on_reload_clicked)
         self.save_button.clicked.connect(self.on_save_clicked)
         self.open_button.clicked.connect(self.on_open_in_browser_clicked)
-        self.clear_button.clicked.connect(self.on_clear_clicked)
+        self.strip.entryAdded.connect(self.stripEntryAdded)
 
     def _make_page(self) -> PreviewPage:
-        page = PreviewPage(self.profile, self.view, report=self._add_entry)
+        page = PreviewPage(self.profile, self.view, report=self.strip.add)
         # Bound to the page: a replaced page's late signals are recognised and dropped.
         page.loadingChanged.connect(functools.partial(self.on_loading_changed, page))
         page.urlChanged.connect(functools.partial(self.on_url_changed, page))
@@ -258,13 +206,6 @@ class PreviewPane(QWidget):
         return page
 
     # ---- public API ----------------------------------------------------------------------------------------
-
-    @property
-    def entries(self) -> list[StripEntry]:
-        """Every entry the strip lists, oldest first (each source keeps its own last entries)."""
-        merged = [e for log_ in self.logs.values() for e in log_.entries]
-        merged.sort(key=lambda e: e.seq)
-        return merged
 
     def html(self) -> str:
         """The latest text given to :meth:`set_html` (the view may still show an older one: reloads are throttled)."""
@@ -309,18 +250,6 @@ class PreviewPane(QWidget):
         self.reload_throttle.cancel()
         self._show_pending()
 
-    def clear_strip(self) -> None:
-        for log_ in self.logs.values():
-            log_.clear()
-        self.counts.clear()
-        self.strip_throttle.cancel()
-        self._repaint_strip()
-
-    def flush_strip(self) -> None:
-        """Redraw the strip now (it is otherwise redrawn at most every :data:`STRIP_REPAINT_MS`)."""
-        self.strip_throttle.cancel()
-        self._repaint_strip()
-
     def show_source(self, on: bool) -> None:
         self.source_button.setChecked(on)
 
@@ -348,25 +277,21 @@ class PreviewPane(QWidget):
             )
             if answer != QMessageBox.StandardButton.Open:
                 return False
-        folder = Path(tempfile.gettempdir()) / "clover-desk-preview"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{self.document_host()}.html"
-        atomic_write_text(path, self._html)
-        return QDesktopServices.openUrl(QUrl.fromLocalFile(str(path)))
+        return open_outside_sandbox(self._html, self.document_host())
 
     # ---- slots ---------------------------------------------------------------------------------------------
 
     def on_request_blocked(self, url: str, kind: str) -> None:
-        self._add_entry("blocked", "blocked", f"blocked {kind} request to {clip_line(url)}")
+        self.strip.add("blocked", "blocked", f"blocked {kind} request to {clip_line(url)}")
 
     def on_csp_violation(self, host: str, text: str) -> None:
         if host == self._page_host:  # not a late report of a document no longer shown
-            self._add_entry("blocked", "blocked", clip_line(text))
+            self.strip.add("blocked", "blocked", clip_line(text))
 
     def on_console_message(self, level: str, text: str) -> None:
         """A console line (the page's own words: never counted as a blocked attempt, whatever it says)."""
         if level in ("error", "warning"):
-            self._add_entry("console", level, clip_line(text))
+            self.strip.add("console", level, clip_line(text))
 
     def on_loading_changed(self, page: PreviewPage, info: QWebEngineLoadingInfo) -> None:
         if page is not self.page:
@@ -389,7 +314,7 @@ class PreviewPane(QWidget):
         elif status == QWebEngineLoadingInfo.LoadStatus.LoadStoppedStatus:
             self._finish_load(self._load_committed)  # window.stop() after the document arrived is a load
         else:
-            self._add_entry("pane", "error", f"the page failed to load: {info.errorString() or info.errorCode()}")
+            self.strip.add("pane", "error", f"the page failed to load: {info.errorString() or info.errorCode()}")
             self._finish_load(False)
 
     def _finish_load(self, ok: bool) -> None:
@@ -423,11 +348,11 @@ class PreviewPane(QWidget):
         if page is not self.page:
             return  # a page the pane stopped on purpose
         self._renderer_dead = True
-        self._add_entry("pane", "error", f"the page's renderer stopped ({status.name}, code {code}); press Reload")
+        self.strip.add("pane", "error", f"the page's renderer stopped ({status.name}, code {code}); press Reload")
         self._on_sign_of_life()  # a pending revision loads at once (in a new renderer)
 
     def on_download_requested(self, download: QWebEngineDownloadRequest) -> None:
-        self._add_entry("blocked", "blocked", f"blocked download of {clip_line(download.suggestedFileName())}")
+        self.strip.add("blocked", "blocked", f"blocked download of {clip_line(download.suggestedFileName())}")
         download.cancel()
 
     def on_ping_answer(self, generation: int) -> None:
@@ -439,7 +364,7 @@ class PreviewPane(QWidget):
             return
         self._ping_pending = False
         seconds = self._hang_timeout_ms / 1000
-        self._add_entry("pane", "error", f"the page stopped responding (no answer in {seconds:g} s): it was stopped "
+        self.strip.add("pane", "error", f"the page stopped responding (no answer in {seconds:g} s): it was stopped "
                                          "as unresponsive and the new version is shown in a fresh page")
         self._replace_page()
         self._navigate()
@@ -470,9 +395,6 @@ class PreviewPane(QWidget):
 
     def on_open_in_browser_clicked(self) -> None:
         self.open_in_browser(confirm=True)
-
-    def on_clear_clicked(self) -> None:
-        self.clear_strip()
 
     # ---- internals -----------------------------------------------------------------------------------------
 
@@ -542,79 +464,27 @@ class PreviewPane(QWidget):
 
     def _on_escape(self, url: QUrl) -> None:
         """The page navigated itself to about:blank (Qt never submits that for approval): list it, put it back."""
-        self._add_entry("blocked", "blocked", f"blocked navigation to {clip_line(url.toString())}")
+        self.strip.add("blocked", "blocked", f"blocked navigation to {clip_line(url.toString())}")
         if self._escape_restores < MAX_ESCAPE_RESTORES:
             self._escape_restores += 1
             QTimer.singleShot(0, self._restore_document)
             return
-        self._add_entry("pane", "error", "the page keeps navigating away to about:blank; press Reload to run it again")
+        self.strip.add("pane", "error", "the page keeps navigating away to about:blank; press Reload to run it again")
         self._finish_load(False)
 
     def _restore_document(self) -> None:
         self._cancel_ping()
         self._navigate()
 
-    def _add_entry(self, source: str, kind: str, text: str) -> None:
-        # Called for every console line of a page that may log in a loop: O(1), and the strip only marked dirty.
-        if source != "pane" and self._flooded():
-            return
-        entry = StripEntry(kind, text, source, next(_entry_sequence))
-        self.logs[source].add(entry)
-        self.counts[kind] += 1
-        self.strip_throttle.request()
-        self.stripEntryAdded.emit(kind, text)
-
-    def _flooded(self) -> bool:
-        """Count one entry from the page; True when it ends a flood (the page has then been stopped)."""
-        self._activity_count += 1
-        if self._activity_count < FLOOD_MESSAGES_PER_S * FLOOD_WINDOW_S:
-            return False  # cheap: the clock is read only once a window's worth of entries has arrived
-        now = time.monotonic()
-        elapsed = now - self._activity_start
-        flooding = elapsed <= FLOOD_WINDOW_S
-        self._activity_start, self._activity_count = now, 0
-        self._flood_windows = self._flood_windows + 1 if flooding else 0
-        if self._flood_windows < FLOOD_WINDOWS:
-            return False
-        self._flood_windows = 0
-        self._stop_page(f"the page flooded the strip (over {FLOOD_MESSAGES_PER_S:,} messages a second): it was "
-                        "stopped; press Reload to run it again")
-        return True
-
     def _stop_page(self, why: str) -> None:
         """Stop the page on show (its renderer goes with it) and leave a blank one; Reload or a new revision runs
         the document again."""
-        self._add_entry("pane", "error", why)
+        self.strip.add("pane", "error", why)
         loading = self._expected_url is not None
         self._replace_page()
         self._expected_url = None
         if loading:
             self.loadFinished.emit(False)
-
-    def _repaint_strip(self) -> None:
-        entries = self.entries
-        self.strip.setUpdatesEnabled(False)
-        try:
-            self.strip.clear()
-            for entry in entries:
-                item = QListWidgetItem(f"{_KIND_MARK.get(entry.kind, '[info]')} {entry.text}")
-                item.setData(Qt.ItemDataRole.UserRole, entry.kind)
-                item.setToolTip(entry.text)
-                self.strip.addItem(item)
-        finally:
-            self.strip.setUpdatesEnabled(True)
-        self.strip.scrollToBottom()
-        self._update_strip_label()
-
-    def _update_strip_label(self) -> None:
-        c = self.counts
-        parts = [f"{c['blocked']} blocked", _plural(c["error"], "error"), _plural(c["warning"], "warning")]
-        if c["dialog"]:
-            parts.append(_plural(c["dialog"], "dialog"))
-        hidden = sum(log_.dropped for log_ in self.logs.values())
-        if hidden:
-            parts.append(f"{hidden} more not listed")
-        self.strip_label.setText(" · ".join(parts))
 
     def _update_buttons(self) -> None:
         has = bool(self._html)

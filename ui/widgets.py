@@ -6,7 +6,15 @@ from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt, QTimer
 from PySide6.QtGui import QResizeEvent
-from PySide6.QtWidgets import QAbstractScrollArea, QAbstractSpinBox, QComboBox, QLabel, QSizePolicy, QWidget
+from PySide6.QtWidgets import (
+    QAbstractScrollArea,
+    QAbstractSpinBox,
+    QComboBox,
+    QLabel,
+    QSizePolicy,
+    QToolButton,
+    QWidget,
+)
 
 from ui.theme import set_style_class
 
@@ -67,6 +75,15 @@ def accessible(widget: QWidget, name: str, description: str = "") -> QWidget:
     if description:
         widget.setAccessibleDescription(description)
     return widget
+
+
+def tool_button(parent: QWidget, text: str, tip: str) -> QToolButton:
+    """A short-labelled tool button whose tooltip (and accessible name) tells the whole story."""
+    button = QToolButton(parent)
+    button.setText(text)
+    button.setToolTip(tip)
+    button.setAccessibleName(tip)
+    return button
 
 
 class PreviewOff(QLabel):
