@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt, QTimer
 from PySide6.QtGui import QResizeEvent
@@ -17,6 +18,8 @@ from PySide6.QtWidgets import (
 )
 
 from ui.theme import set_style_class
+
+W = TypeVar("W", bound=QWidget)
 
 
 class ElidedLabel(QLabel):
@@ -74,6 +77,15 @@ def accessible(widget: QWidget, name: str, description: str = "") -> QWidget:
     widget.setAccessibleName(name)
     if description:
         widget.setAccessibleDescription(description)
+    return widget
+
+
+def named(widget: W, object_name: str, name: str, tip: str = "") -> W:
+    """``widget`` with its object name (for styles and tests), its accessible name and, if given, its tooltip."""
+    widget.setObjectName(object_name)
+    accessible(widget, name)
+    if tip:
+        widget.setToolTip(tip)
     return widget
 
 
