@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
+from tests.qt_helpers import shown  # noqa: E402
 from ui.preview import PreviewPane  # noqa: E402
 from ui.preview_sandbox import register_schemes  # noqa: E402
 
@@ -89,15 +90,7 @@ def server() -> Iterator[CountingServer]:
 
 @pytest.fixture(scope="module")
 def pane(qapp) -> Iterator[PreviewPane]:
-    from PySide6.QtCore import QCoreApplication, QEvent
-
-    widget = PreviewPane(reload_interval_ms=100)
-    widget.resize(800, 600)
-    widget.show()
-    yield widget
-    widget.close()
-    widget.deleteLater()
-    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+    yield from shown(PreviewPane(reload_interval_ms=100), 800, 600)
 
 
 def load(qtbot, pane: PreviewPane, html: str, document_id: str) -> None:
@@ -232,18 +225,11 @@ def test_isolated_world_fetch_is_stopped_by_the_interceptor(qtbot, pane, server)
 def unguarded_pane(qapp) -> Iterator[PreviewPane]:
     """A pane whose profile lacks the guard script: only the engine's own switches stand between a page and the
     network (what a frame that escaped the guard would have)."""
-    from PySide6.QtCore import QCoreApplication, QEvent
-
     widget = PreviewPane(reload_interval_ms=100)
     for script in widget.profile.scripts().find("clover-preview-guard"):
         widget.profile.scripts().remove(script)
     assert widget.profile.scripts().find("clover-preview-guard") == []
-    widget.resize(400, 300)
-    widget.show()
-    yield widget
-    widget.close()
-    widget.deleteLater()
-    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+    yield from shown(widget, 400, 300)
 
 
 @pytest.mark.webengine

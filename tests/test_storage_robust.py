@@ -131,26 +131,25 @@ def _remount_read_only(path: Path) -> None:
         pytest.skip(f"cannot remount {path} read-only here ({done.stderr.strip()})")
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB file system (tmpfs), unmounted afterwards."""
-    mount_point = tmp_path / "small"
-    _mount(mount_point, "size=1m,mode=0755")
+def _tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` at ``mount_point`` while the caller holds it, unmounted afterwards."""
+    _mount(mount_point, f"size={size},mode=0755")
     try:
         yield mount_point
     finally:
         _umount(mount_point)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB file system (tmpfs), unmounted afterwards."""
+    yield from _tmpfs(tmp_path / "small", "1m")
 
 
 @pytest.fixture
 def read_only_fs(tmp_path: Path) -> Iterator[Path]:
     """A real tmpfs, populated by the test and then remounted read-only with :func:`_remount_read_only`."""
-    mount_point = tmp_path / "ro"
-    _mount(mount_point, "size=4m,mode=0755")
-    try:
-        yield mount_point
-    finally:
-        _umount(mount_point)
+    yield from _tmpfs(tmp_path / "ro", "4m")
 
 
 def _empty_wal(db: Path) -> None:
