@@ -25,7 +25,9 @@ from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk import paths
 from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
-from clover_desk.storage import ChatStore, StreamRecorder, atomic_write_text
+from clover_desk.storage.files import atomic_write_text
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from clover_desk.worker.client import EngineClient
 from clover_desk.worker.remote import RemoteBackend
 from clover_desk.worker.token_counter import TokenCounter

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import register_schemes  # noqa: E402
+from ui.preview_sandbox import register_schemes  # noqa: E402
 
 guard_pyside_bool_refcounts()
 register_schemes()

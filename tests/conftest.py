@@ -28,7 +28,7 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
 
     guard_pyside_bool_refcounts()
     try:
-        from ui.preview import register_schemes
+        from ui.preview_sandbox import register_schemes
     except ImportError:
         return  # no QtWebEngine: the webengine-marked tests skip
     register_schemes()

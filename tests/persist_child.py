@@ -18,7 +18,8 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication
 
-from clover_desk.storage import ChatStore, StreamRecorder
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from clover_desk.worker.client import EngineClient
 from engine.decode.events import BlockCommitted, GenerationParams
 

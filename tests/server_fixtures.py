@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -150,3 +151,16 @@ def assembled_tool_calls(chunks: list[Any]) -> list[dict[str, Any]]:
                     call["arguments"] += delta.function.arguments
                     call["pieces"] += 1
     return [calls[i] for i in sorted(calls)]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` now (SO_REUSEADDR, as servers set it: the closed connections'
+    TIME_WAIT entries do not count, a socket still listening does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True

@@ -16,7 +16,11 @@ from fakes_ui import FakeEngineClient
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.storage import SCHEMA_VERSION, ChatStore, StreamRecorder
+from clover_desk.storage.export import conversation_to_markdown
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.schema import SCHEMA_VERSION
+from clover_desk.storage.store import ChatStore
+from clover_desk.storage.tree import read_chosen_path
 from ui.chat_actions import READ_AHEAD_MS
 from ui.main_window import MainWindow
 
@@ -33,7 +37,7 @@ def store(tmp_path):
 
 
 def texts(store: ChatStore, cid: int) -> list[str]:
-    assert store._path_ids(cid) == store._read_path(cid)  # the store's cached path is the one on disk
+    assert store._path_ids(cid) == read_chosen_path(store._conn, cid)  # the store's cached path is the one on disk
     return [m.content for m in store.messages(cid)]
 
 
@@ -85,7 +89,7 @@ def test_exports_hold_the_chosen_branch(store, tmp_path) -> None:
     store.add_message(c.id, "user", "q")
     a = store.add_message(c.id, "assistant", "first answer")
     b = store.add_message(c.id, "assistant", "second answer", version_of=a.id)
-    md = store.conversation_to_markdown(c.id)
+    md = conversation_to_markdown(store.get_conversation(c.id), store.messages(c.id))
     assert "second answer" in md and "first answer" not in md
     store.select_version(a.id)
     data = json.loads(store.export_json(c.id, tmp_path / "x.json").read_text(encoding="utf-8"))

@@ -74,7 +74,8 @@ def test_a_huge_file_is_refused_without_reading_it(tmp_path: Path) -> None:
 def window(qtbot, tmp_path):  # noqa: ANN001, ANN201
     from fakes_ui import FakeEngineClient
 
-    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from clover_desk.cli.main import main
+from tests.helpers_model import one_thread
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest
 
 
 def test_simulation_prints_calibrated_trace_and_bytes_per_token(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from clover_desk.storage import ChatStore, StorageError, StreamRecorder
+from clover_desk.storage.errors import StorageError
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from engine.decode.events import BlockCommitted, EngineError, Finished, GenerationParams, TextDelta
 from ui.chat_session import ChatSession, Ending
 from ui.generation import GenerationSettings

@@ -9,7 +9,8 @@ from fakes_ui import FakeEngineClient
 from PySide6.QtCore import QSettings, Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.storage import ChatStore, StreamRecorder
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from ui.generation import GenerationSettings, defaults_from_model
 from ui.main_window import MainWindow

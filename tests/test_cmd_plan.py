@@ -11,22 +11,9 @@ import pytest
 
 from clover_desk.cli import main as cli
 from engine.placement.planner import GiB, manifest_for_shape
+from tests.plan_contract import BREAKDOWN_KEYS, CONTRACT_KEYS
 
 ENTRY = Path(sys.executable).with_name("clover-desk")
-CONTRACT_KEYS = {
-    "resident_expert_layers",
-    "streamed_expert_layers",
-    "slot_pool_experts",
-    "vram_bytes",
-    "vram_breakdown",
-    "ram_bytes",
-    "fits",
-    "reason",
-    "min_vram_bytes",
-    "predicted_tok_s",
-    "assumptions",
-}
-BREAKDOWN_KEYS = {"non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve"}
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from engine.decode.generate import DecodeSettings, loop_hooks
 from engine.errors import PlanError
-from engine.kernels import cpu_quant, step_graphs, triton_moe
+from engine.kernels import step_graphs, triton_moe
 from engine.model.clover import CloverModel
 from engine.model.config import parse_config
 from engine.placement import offload
@@ -22,26 +21,15 @@ from engine.placement.offload import HostExpertStore, SimplePlan, SlotPool, appl
 from engine.weights.checkpoint import random_state_dict
 from engine.weights.quant import make_policy, quantize_model_
 from engine.weights.tiny import config_dict_for, tiny_text_config
+from tests.helpers_model import cpu_kernels_off, one_thread
 from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
 from tests.triton_child import run_interpreted
 
-
-@pytest.fixture(autouse=True)
-def card_path_on_the_cpu() -> Iterator[None]:
-    """These tests model the card's device tables, pieces and syncs with the dequantizing expert path, as a GPU runs
-    it. On the CPU the C kernels read host expert rows without a sync, which changes what a step traces (a CPU-only
-    behaviour, tested in tests/engine/test_cpu_quant_own.py): off here."""
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
+# These tests model the card's device tables, pieces and syncs with the dequantizing expert path, as a GPU runs it
+_card_path_on_the_cpu = pytest.fixture(autouse=True)(cpu_kernels_off)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest
 
 
 @pytest.fixture(scope="module")

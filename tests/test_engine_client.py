@@ -151,7 +151,8 @@ def test_load_generate_with_the_real_engine_gui_stays_responsive(qtbot: Any, cli
     assert len(ticks) >= 3 and max(gaps) < 1500, f"GUI thread stalled: longest gap {max(gaps)} ms"
 
 
-def test_cancel_stops_within_one_pass(qtbot: Any, client: EngineClient, tiny_model: Path) -> None:
+def _generating(qtbot: Any, client: EngineClient, tiny_model: Path) -> tuple[Recorder, str]:
+    """A long answer under way (its first denoising pass seen), recorded: (the recorder, the request id)."""
     _ready_with_model(qtbot, client, tiny_model)
     rec = Recorder(client)
     request_id = client.generate(USER, LONG)
@@ -159,6 +160,11 @@ def test_cancel_stops_within_one_pass(qtbot: Any, client: EngineClient, tiny_mod
         client.event, timeout=GEN_MS, check_params_cb=lambda rid, ev: rid == request_id and isinstance(ev, BlockStep)
     ):
         pass
+    return rec, request_id
+
+
+def test_cancel_stops_within_one_pass(qtbot: Any, client: EngineClient, tiny_model: Path) -> None:
+    rec, request_id = _generating(qtbot, client, tiny_model)
     client.cancel(request_id)
     sent_at = len(rec.items)
     with qtbot.waitSignal(client.event, timeout=GEN_MS, check_params_cb=_is_end(request_id)):
@@ -207,13 +213,7 @@ def test_load_error_from_the_real_engine_keeps_the_worker(
 
 
 def test_kill_9_mid_generation_emits_crashed_and_restart_works(qtbot: Any, client: EngineClient, tiny_model: Path) -> None:
-    _ready_with_model(qtbot, client, tiny_model)
-    rec = Recorder(client)
-    request_id = client.generate(USER, LONG)
-    with qtbot.waitSignal(
-        client.event, timeout=GEN_MS, check_params_cb=lambda rid, ev: rid == request_id and isinstance(ev, BlockStep)
-    ):
-        pass
+    rec, request_id = _generating(qtbot, client, tiny_model)
     assert client.pid is not None
     with qtbot.waitSignal(client.crashed, timeout=15_000) as crashed:
         os.kill(client.pid, signal.SIGKILL)
@@ -332,7 +332,7 @@ def test_a_worker_that_cannot_start_is_reported(qtbot: Any) -> None:
 def test_the_gui_side_never_imports_torch() -> None:
     code = (
         "import json, sys\n"
-        "import clover_desk.worker.client, clover_desk.storage, clover_desk.paths\n"
+        "import clover_desk.worker.client, clover_desk.storage.store, clover_desk.storage.recorder, clover_desk.paths\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -94,7 +94,8 @@ def test_latency_during_a_real_generation(qtbot, tiny_clover_dir, tmp_path) -> N
 
 def test_latency_under_a_flood_of_steps(qtbot, tmp_path) -> None:
     """A scripted engine that sends a pass every millisecond (far faster than any real one)."""
-    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")

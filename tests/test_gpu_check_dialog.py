@@ -89,7 +89,8 @@ def test_summarize_counts_errors_and_warnings() -> None:
 def test_the_help_menu_opens_the_check(qtbot, tmp_path) -> None:
     from fakes_ui import FakeEngineClient
 
-    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")

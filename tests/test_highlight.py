@@ -9,7 +9,8 @@ from fakes_ui import FakeEngineClient
 from PySide6.QtGui import QTextCursor
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.storage import ChatStore, StreamRecorder
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from ui import highlight as hl
 from ui.main_window import MainWindow
 from ui.markdown import render

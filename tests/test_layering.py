@@ -221,17 +221,30 @@ def test_ruff_is_clean() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
 
 
-# the window as a view (issue 29, item 6): no ui class over 400 lines, no ui module over 800; ui/preview.py is left
-# as it is (its own issue)
-MAX_UI_CLASS_LINES = 400
-MAX_UI_MODULE_LINES = 800
-UI_SIZE_EXCEPTIONS = frozenset({"ui/preview.py"})
+# the house rule (issue 29): no module over 800 lines, no class over 400, in engine/, clover_desk/ and ui/ alike
+MAX_CLASS_LINES = 400
+MAX_MODULE_LINES = 800
+# Known exceptions, each being split by its own piece of issue 29 at the time of writing; a split that lands
+# takes its line out (test_size_exceptions_are_still_needed fails until it does). A module listed here is
+# excepted for its classes too.
+SIZE_EXCEPTIONS = frozenset({
+    "engine/decode/generate.py",
+    "engine/model/clover.py",
+    "engine/placement/offload.py",
+    "engine/weights/quant_cache.py",
+    "clover_desk/bench/speed.py",
+    "clover_desk/worker/process.py",
+})
+CLASS_SIZE_EXCEPTIONS = frozenset({
+    "clover_desk/worker/client.py:EngineClient",  # the window's engine client, being split with the worker
+})
 
 
-def _ui_sizes() -> tuple[dict[str, int], dict[str, int]]:
-    """(lines of each ui module, lines of each ui class from its ``class`` line to its last) by relative path."""
+def _sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """(lines of each module, lines of each class from its ``class`` line to its last) by path relative to the
+    repository, for every module of the three packages."""
     modules, classes = {}, {}
-    for path in sorted((ROOT / "ui").glob("*.py")):
+    for path in _project_modules().values():
         rel = path.relative_to(ROOT).as_posix()
         text = path.read_text(encoding="utf-8")
         modules[rel] = len(text.splitlines())
@@ -241,10 +254,29 @@ def _ui_sizes() -> tuple[dict[str, int], dict[str, int]]:
     return modules, classes
 
 
-def test_ui_classes_and_modules_stay_small() -> None:
-    modules, classes = _ui_sizes()
-    assert classes["ui/main_window.py:MainWindow"] > 100  # the sizes are the real ones
-    big_modules = {m: n for m, n in modules.items() if n > MAX_UI_MODULE_LINES and m not in UI_SIZE_EXCEPTIONS}
-    big_classes = {c: n for c, n in classes.items()
-                   if n > MAX_UI_CLASS_LINES and c.split(":")[0] not in UI_SIZE_EXCEPTIONS}
-    assert big_modules == {} and big_classes == {}
+def _too_big(modules: dict[str, int], classes: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    big_modules = {m: n for m, n in modules.items() if n > MAX_MODULE_LINES and m not in SIZE_EXCEPTIONS}
+    big_classes = {c: n for c, n in classes.items() if n > MAX_CLASS_LINES and c not in CLASS_SIZE_EXCEPTIONS
+                   and c.split(":")[0] not in SIZE_EXCEPTIONS}
+    return big_modules, big_classes
+
+
+def test_the_size_check_sees_every_package() -> None:
+    modules, classes = _sizes()
+    assert {m.split("/")[0] for m in modules} == set(PACKAGES)
+    assert classes["ui/main_window.py:MainWindow"] > 100 and classes["clover_desk/storage/store.py:ChatStore"] > 100
+    # it would catch a module or class over the limit anywhere
+    assert _too_big({"engine/x.py": MAX_MODULE_LINES + 1}, {"ui/y.py:Y": MAX_CLASS_LINES + 1}) == (
+        {"engine/x.py": MAX_MODULE_LINES + 1}, {"ui/y.py:Y": MAX_CLASS_LINES + 1})
+
+
+def test_classes_and_modules_stay_small() -> None:
+    assert _too_big(*_sizes()) == ({}, {})
+
+
+def test_size_exceptions_are_still_needed() -> None:
+    """An exception whose module (or class) has come under the limit, or is gone, is taken off the list."""
+    modules, classes = _sizes()
+    stale = sorted(m for m in SIZE_EXCEPTIONS if modules.get(m, 0) <= MAX_MODULE_LINES)
+    stale += sorted(c for c in CLASS_SIZE_EXCEPTIONS if classes.get(c, 0) <= MAX_CLASS_LINES)
+    assert stale == []

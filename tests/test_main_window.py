@@ -8,7 +8,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from clover_desk.storage import ChatStore, StreamRecorder
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from engine.decode.events import EngineError, Finished, LoadProgress, TextDelta
 from engine.defaults import DEFAULT_CTX_TOKENS
 from ui.generation import GenerationSettings, expert_hit_rate

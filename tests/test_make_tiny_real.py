@@ -23,10 +23,9 @@ from safetensors import safe_open
 
 from engine.errors import ConfigError
 from engine.model.config import load_config
-from engine.weights.checkpoint import (
-    CheckpointReader,
+from engine.weights.checkpoint import CheckpointReader, load_model
+from engine.weights.streaming_writer import (
     TensorSpec,
-    load_model,
     plan_shards,
     write_checkpoint_streaming,
     write_safetensors_streaming,

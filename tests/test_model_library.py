@@ -243,7 +243,7 @@ def test_compile_the_layers_is_remembered_and_sent_with_the_next_load(
     qtbot, desk, models, tmp_path,  # noqa: ANN001
 ) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.storage import ChatStore
+    from clover_desk.storage.store import ChatStore
 
     folder, _first, second = models
     library, client = desk.model_library, desk.client
@@ -287,7 +287,7 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
     qtbot, models, tmp_path, monkeypatch,  # noqa: ANN001
 ) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.storage import ChatStore
+    from clover_desk.storage.store import ChatStore
     from engine.settings import OPT_IN, GpuPaths
 
     folder, first, second = models
@@ -360,7 +360,7 @@ def test_the_app_reads_no_switch_itself_it_is_handed_the_settings(qtbot, models,
     exclusive ones, tests/test_settings.py): without the object it gives its worker the defaults, every switch
     written, so the environment it inherited cannot add a path either."""
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.storage import ChatStore
+    from clover_desk.storage.store import ChatStore
     from engine.settings import SWITCHES, GpuPaths
 
     folder, first, _second = models

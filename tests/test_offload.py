@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,16 +15,10 @@ from engine.placement import offload
 from engine.placement.offload import OutOfMemory, SimplePlan, apply_plan
 from engine.weights.checkpoint import random_state_dict
 from engine.weights.quant import QuantExpertBank
+from tests.helpers_model import one_thread
 from tests.offload_model import EXPERTS, LAYERS, MASK, quantized_model, settings, tiny_config, tokens
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one intra-op thread is many times faster than two on a shared 2-core CI box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest
 
 
 @pytest.fixture(scope="module")

@@ -22,22 +22,13 @@ from engine.placement import manifest as manifest_mod
 from engine.placement import planner
 from engine.placement.hardware import Hardware, probe_hardware
 from engine.weights.tiny import config_dict_for, tiny_text_config
+from tests.plan_contract import PLACEMENT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 CLI = [sys.executable, "-m", "clover_desk.cli.main"]
 # what must agree between every place a plan is shown or used
-PLACEMENT_FIELDS = (
-    "resident_expert_layers",
-    "streamed_expert_layers",
-    "slot_pool_experts",
-    "vram_bytes",
-    "vram_breakdown",
-    "ram_bytes",
-    "fits",
-    "ctx_tokens",
-    "model_fingerprint",
-)
+PLACEMENT_FIELDS = (*PLACEMENT_KEYS, "ctx_tokens", "model_fingerprint")
 
 
 def placement(plan: Any) -> dict[str, Any]:
@@ -50,7 +41,7 @@ def write_header_only_checkpoint(folder: Path, geo: planner.ModelGeometry, shard
     hole (sparse file), so the real 69 GB model costs a few KiB of disk."""
     import torch
 
-    from engine.weights.checkpoint import TensorSpec, plan_shards, safetensors_header
+    from engine.weights.streaming_writer import TensorSpec, plan_shards, safetensors_header
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     specs = [

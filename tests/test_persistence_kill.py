@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from clover_desk.storage import ChatStore
+from clover_desk.storage.store import ChatStore
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS_BEFORE_KILL = 3

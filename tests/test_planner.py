@@ -38,6 +38,7 @@ from engine.placement.planner import (
     manifest_from_quantized_cache,
 )
 from engine.weights.formats import FORMAT_BYTES, make_policy, placed_bytes
+from tests.plan_contract import BREAKDOWN_KEYS, CONTRACT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX = 16 * 1024
@@ -53,21 +54,6 @@ CLOVER_EXTRA_PARAMS = 2_951_040
 EMBED_PARAMS = 508_559_360
 KV_BYTES_PER_TOKEN = 20_480
 GDN_STATE_BYTES = 30 * 32 * 128 * 128 * 4 + 30 * 8192 * 3 * 2
-
-CONTRACT_KEYS = {
-    "resident_expert_layers",
-    "streamed_expert_layers",
-    "slot_pool_experts",
-    "vram_bytes",
-    "vram_breakdown",
-    "ram_bytes",
-    "fits",
-    "reason",
-    "min_vram_bytes",
-    "predicted_tok_s",
-    "assumptions",
-}
-BREAKDOWN_KEYS = {"non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve"}
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,10 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import (  # noqa: E402
+from ui.preview import PreviewPane, atomic_write_text
+from ui.preview_sandbox import (
     OFFLINE_CHROMIUM_FLAGS,
     PREVIEW_CSP,
-    PreviewPane,
-    atomic_write_text,
     new_document_host,
     register_schemes,
     split_chromium_flags,
@@ -121,7 +120,7 @@ def test_three_megabyte_page_renders(qtbot, pane: PreviewPane) -> None:
 
 @pytest.mark.webengine
 def test_console_errors_reach_the_strip(qtbot, pane: PreviewPane) -> None:
-    pane.clear_strip()
+    pane.strip.clear()
     html = ("<!DOCTYPE html><html><body><script>console.error('custom failure 17');"
             "console.warn('careful 23'); console.log('quiet');"
             "setTimeout(() => { undefinedFunctionCall(); }, 0);</script></body></html>")
@@ -129,13 +128,13 @@ def test_console_errors_reach_the_strip(qtbot, pane: PreviewPane) -> None:
                           check_params_cb=lambda kind, text: "undefinedFunctionCall" in text):
         pane.set_html(html, "console")
         pane.flush()
-    kinds = {e.text.split(" (line")[0]: e.kind for e in pane.entries}
+    kinds = {e.text.split(" (line")[0]: e.kind for e in pane.strip.entries}
     assert kinds["custom failure 17"] == "error"
     assert kinds["careful 23"] == "warning"
-    assert not any("quiet" in e.text for e in pane.entries)  # console.log is not an error, not shown
-    assert any(e.kind == "error" and "undefinedFunctionCall is not defined" in e.text for e in pane.entries)
-    qtbot.waitUntil(lambda: pane.strip.count() == len(pane.entries), timeout=2000)  # repainted through its throttle
-    assert "errors" in pane.strip_label.text() and pane.strip_label.text() != "0 blocked · 0 errors · 0 warnings"
+    assert not any("quiet" in e.text for e in pane.strip.entries)  # console.log is not an error, not shown
+    assert any(e.kind == "error" and "undefinedFunctionCall is not defined" in e.text for e in pane.strip.entries)
+    qtbot.waitUntil(lambda: pane.strip.list.count() == len(pane.strip.entries), timeout=2000)  # repainted through its throttle
+    assert "errors" in pane.strip.label.text() and pane.strip.label.text() != "0 blocked · 0 errors · 0 warnings"
 
 
 @pytest.mark.webengine
@@ -171,16 +170,16 @@ def test_toolbar_fits_a_narrow_side_panel(qtbot) -> None:
     try:
         narrow.on_console_message("warning", "careful")
         buttons = (narrow.source_button, narrow.reload_button, narrow.save_button, narrow.open_button,
-                   narrow.clear_button)
+                   narrow.strip.clear_button)
         for width in (420, 700):  # the side panel's usual width, and a wide one
             narrow.setFixedSize(width, 320)
             narrow.show()
             narrow.layout().activate()
-            for widget in (*buttons, narrow.strip_label):
+            for widget in (*buttons, narrow.strip.label):
                 # never squeezed below its size hint (that is when Qt elides "Save as…" to "S……")
                 assert widget.isVisible() and widget.width() >= widget.sizeHint().width(), (width, widget.text())
                 assert narrow.rect().contains(QRect(widget.mapTo(narrow, QPoint(0, 0)), widget.size()))
-        assert narrow.strip_label.text() == "0 blocked · 0 errors · 1 warning"
+        assert narrow.strip.label.text() == "0 blocked · 0 errors · 1 warning"
         assert all(b.toolTip() for b in buttons)  # the short labels are explained
         assert "browser" in narrow.open_button.toolTip() and "asks first" in narrow.open_button.toolTip()
     finally:
@@ -324,7 +323,7 @@ def test_a_crashed_renderer_is_reported_and_reload_brings_the_page_back(qtbot, p
     assert pid > 0
     with qtbot.waitSignal(pane.page.renderProcessTerminated, timeout=20_000):
         os.kill(pid, signal.SIGKILL)
-    qtbot.waitUntil(lambda: any("renderer stopped" in e.text for e in pane.entries if e.kind == "error"), timeout=5000)
+    qtbot.waitUntil(lambda: any("renderer stopped" in e.text for e in pane.strip.entries if e.kind == "error"), timeout=5000)
     with qtbot.waitSignal(pane.loadFinished, timeout=20_000):
         pane.reload_button.click()
     assert js(qtbot, pane, "document.getElementById('p').textContent") == "alive"

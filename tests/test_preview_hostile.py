@@ -21,14 +21,9 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import (  # noqa: E402
-    MAX_CONSOLE_ENTRIES,
-    MAX_DIALOG_ENTRIES,
-    MAX_LINE_CHARS,
-    MAX_STRIP_ENTRIES,
-    PreviewPane,
-    register_schemes,
-)
+from ui.preview import PreviewPane
+from ui.preview_sandbox import register_schemes
+from ui.preview_strip import MAX_CONSOLE_ENTRIES, MAX_DIALOG_ENTRIES, MAX_LINE_CHARS, MAX_STRIP_ENTRIES
 
 guard_pyside_bool_refcounts()
 register_schemes()  # before pytest-qt creates the QApplication (conftest does it too; idempotent)
@@ -132,7 +127,7 @@ def modal_watch(qapp) -> Iterator[list[str]]:
 def load(qtbot, pane: PreviewPane, html: str, document_id: str, *, clear: bool = True) -> None:
     """Show ``html`` as ``document_id`` and wait for *its* load (matched by the document's host)."""
     if clear:
-        pane.clear_strip()
+        pane.strip.clear()
     host = pane.document_host(document_id)
     with qtbot.waitSignal(pane.loadFinished, timeout=TIMEOUT_MS,
                           check_params_cb=lambda ok: pane.page.url().host() == host) as blocker:
@@ -143,7 +138,7 @@ def load(qtbot, pane: PreviewPane, html: str, document_id: str, *, clear: bool =
 
 def start(qtbot, pane: PreviewPane, html: str, document_id: str, title: str) -> None:
     """Show a page whose load may never finish (it spins or floods): wait for the title it sets instead."""
-    pane.clear_strip()
+    pane.strip.clear()
     pane.set_html(html, document_id)
     pane.flush()
     wait_title(qtbot, pane, title)
@@ -160,7 +155,7 @@ def wait_title(qtbot, pane: PreviewPane, title: str) -> None:
 
 
 def texts(pane: PreviewPane, source: str) -> list[str]:
-    return [e.text for e in pane.logs[source].entries]
+    return [e.text for e in pane.strip.logs[source].entries]
 
 
 def rss_mb() -> float:
@@ -287,16 +282,16 @@ def test_console_text_never_poses_as_blocked_and_cannot_push_blocked_out(qtbot, 
 
     blocked = texts(pane, "blocked")
     assert sorted(blocked) == [f"blocked connection to {base}/real-fetch", f"blocked image from {base}/real-image"]
-    assert pane.counts["blocked"] == 2  # none of the page's own lines was counted as a blocked attempt
-    assert all(e.source == "blocked" for e in pane.entries if e.kind == "blocked")
-    console = pane.logs["console"]
+    assert pane.strip.counts["blocked"] == 2  # none of the page's own lines was counted as a blocked attempt
+    assert all(e.source == "blocked" for e in pane.strip.entries if e.kind == "blocked")
+    console = pane.strip.logs["console"]
     assert len(console.entries) == MAX_CONSOLE_ENTRIES and console.total > MAX_CONSOLE_ENTRIES
     assert console.total < 1000  # the flood stopped in the page, not in the app
     assert all(len(t) <= MAX_LINE_CHARS + 40 for t in texts(pane, "console"))
     assert {e.kind for e in console.entries} <= {"error", "warning"}  # log/info/debug are not listed
-    pane.flush_strip()
-    assert pane.strip.count() == len(pane.entries) <= MAX_STRIP_ENTRIES
-    assert "more not listed" in pane.strip_label.text() and pane.strip_label.text().startswith("2 blocked")
+    pane.strip.flush()
+    assert pane.strip.list.count() == len(pane.strip.entries) <= MAX_STRIP_ENTRIES
+    assert "more not listed" in pane.strip.label.text() and pane.strip.label.text().startswith("2 blocked")
     assert listener.hits == []
 
 
@@ -310,9 +305,9 @@ def test_the_fake_lines_are_listed_as_the_pages_own(qtbot, pane) -> None:
     load(qtbot, pane, html, "console-fake")
     wait_title(qtbot, pane, "faked")
     qtbot.waitUntil(lambda: len(texts(pane, "console")) == 2, timeout=TIMEOUT_MS)
-    kinds = {e.kind for e in pane.logs["console"].entries}
+    kinds = {e.kind for e in pane.strip.logs["console"].entries}
     assert kinds == {"error", "warning"}
-    assert pane.counts["blocked"] == 0 and texts(pane, "blocked") == []
+    assert pane.strip.counts["blocked"] == 0 and texts(pane, "blocked") == []
 
 
 FLOODS = {
@@ -343,12 +338,12 @@ def test_a_flooding_page_cannot_grow_the_app_or_freeze_it(qtbot, pane, flood: st
     # Before the fix: ~65 MB a second (the engine queues what the window has not read yet), 100-660 ms lags.
     assert grown < 120, f"the app grew by {grown:.0f} MB in 2.5 s of flood"
     assert watch.worst_ms < 300, f"the event loop stalled for {watch.worst_ms:.0f} ms"
-    assert len(pane.logs["console"].entries) <= MAX_CONSOLE_ENTRIES
-    pane.flush_strip()
-    assert pane.strip.count() == len(pane.entries) <= MAX_STRIP_ENTRIES
+    assert len(pane.strip.logs["console"].entries) <= MAX_CONSOLE_ENTRIES
+    pane.strip.flush()
+    assert pane.strip.list.count() == len(pane.strip.entries) <= MAX_STRIP_ENTRIES
     if flood == "console":
-        assert pane.logs["console"].total > 0
-        assert pane.counts["blocked"] == 0  # "Refused to connect ..." from console.error is the page's own text
+        assert pane.strip.logs["console"].total > 0
+        assert pane.strip.counts["blocked"] == 0  # "Refused to connect ..." from console.error is the page's own text
         assert all(len(t) <= MAX_LINE_CHARS + 40 for t in texts(pane, "console"))  # long lines cut
     else:
         assert any("flooded" in t for t in texts(pane, "pane"))  # stopped, and the strip says why
@@ -377,11 +372,11 @@ def test_dialogs_are_answered_and_never_shown(qtbot, pane, modal_watch) -> None:
     wait_title(qtbot, pane, "asked")
     assert json.loads(js(qtbot, pane, "JSON.stringify(window.answers)")) == [False, None]  # Cancel, and null
     qtbot.waitUntil(lambda: any("print()" in t for t in texts(pane, "dialogs")), timeout=TIMEOUT_MS)
-    dialogs = pane.logs["dialogs"]
+    dialogs = pane.strip.logs["dialogs"]
     assert dialogs.total == 1 + 1 + 1 + 300 + 1 and len(dialogs.entries) == MAX_DIALOG_ENTRIES
     assert {e.kind for e in dialogs.entries} == {"dialog"}
-    assert pane.counts["dialog"] == dialogs.total and pane.counts["blocked"] == 0
-    pane.clear_strip()
+    assert pane.strip.counts["dialog"] == dialogs.total and pane.strip.counts["blocked"] == 0
+    pane.strip.clear()
     # The first ones fell out of the bounded list; a new document lists them again, each kind once.
     html2 = """<!DOCTYPE html><html><body><script>alert('a'); confirm('c'); prompt('p'); document.title = 'again';
     </script></body></html>"""
@@ -402,7 +397,7 @@ def test_an_endless_alert_loop_does_not_trap_the_app(qtbot, pane, modal_watch) -
     qtbot.wait(1000)
     watch.stop()
     assert watch.worst_ms < 300
-    assert len(pane.logs["dialogs"].entries) <= MAX_DIALOG_ENTRIES
+    assert len(pane.strip.logs["dialogs"].entries) <= MAX_DIALOG_ENTRIES
     load(qtbot, pane, "<!DOCTYPE html><html><body><p id=p>free</p></body></html>", "after-alert-loop")
     assert js(qtbot, pane, "document.getElementById('p').textContent") == "free"
     assert modal_watch == []

@@ -220,7 +220,7 @@ def child_main(out_path: str) -> int:
     from clover_desk.qt_compat import guard_pyside_bool_refcounts
 
     guard_pyside_bool_refcounts()
-    from ui.preview import GUARD_REPORT_ORIGIN, register_schemes
+    from ui.preview_sandbox import GUARD_REPORT_ORIGIN, register_schemes
 
     register_schemes()  # the app's one place for the engine's switches
     from PySide6.QtCore import QCoreApplication, QEvent, QEventLoop, QTimer
@@ -267,8 +267,8 @@ def child_main(out_path: str) -> int:
     result["candidates"] = json.loads(run_js(unguarded, "JSON.stringify(window.candidates)") or "null")
     result["unguarded_type"] = run_js(unguarded, "typeof RTCPeerConnection")
     wait_for(lambda: False, 1.5)  # late attempts (a retry, a second TURN allocation) would land here
-    guarded.flush_strip()
-    result["blocked"] = [e.text for e in guarded.entries if e.kind == "blocked"]
+    guarded.strip.flush()
+    result["blocked"] = [e.text for e in guarded.strip.entries if e.kind == "blocked"]
     result["guard_origin"] = GUARD_REPORT_ORIGIN
     result["during_preview"] = watchers.snapshot_and_clear()
     for pane in (guarded, unguarded):

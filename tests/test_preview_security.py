@@ -18,7 +18,9 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import PreviewPane, register_schemes  # noqa: E402
+from tests.qt_helpers import shown  # noqa: E402
+from ui.preview import PreviewPane  # noqa: E402
+from ui.preview_sandbox import register_schemes  # noqa: E402
 
 guard_pyside_bool_refcounts()
 register_schemes()  # before pytest-qt creates the QApplication (modules are imported at collection)
@@ -88,20 +90,12 @@ def server() -> Iterator[CountingServer]:
 
 @pytest.fixture(scope="module")
 def pane(qapp) -> Iterator[PreviewPane]:
-    from PySide6.QtCore import QCoreApplication, QEvent
-
-    widget = PreviewPane(reload_interval_ms=100)
-    widget.resize(800, 600)
-    widget.show()
-    yield widget
-    widget.close()
-    widget.deleteLater()
-    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+    yield from shown(PreviewPane(reload_interval_ms=100), 800, 600)
 
 
 def load(qtbot, pane: PreviewPane, html: str, document_id: str) -> None:
     """Show ``html`` and wait for *its* load: a late loadFinished of the shared pane's previous page must not count."""
-    pane.clear_strip()
+    pane.strip.clear()
     host = pane.document_host(document_id)
     with qtbot.waitSignal(
         pane.loadFinished, timeout=TIMEOUT_MS, check_params_cb=lambda ok: pane.page.url().host() == host
@@ -119,7 +113,7 @@ def js(qtbot, pane: PreviewPane, source: str, world: int = 0):
 
 
 def blocked_texts(pane: PreviewPane) -> list[str]:
-    return [e.text for e in pane.entries if e.kind == "blocked"]
+    return [e.text for e in pane.strip.entries if e.kind == "blocked"]
 
 
 def hostile_page(port: int) -> str:
@@ -205,10 +199,10 @@ def test_hostile_page_makes_no_connection_and_every_attempt_is_listed(qtbot, pan
     assert f"blocked plugin content from http://127.0.0.1:{server.port}" in texts
     assert "blocked connection to file" in texts
     # A dedicated worker's refusals are not reported to report-uri by the engine: only its console says so.
-    assert any(f"127.0.0.1:{server.port}/worker" in e.text for e in pane.entries if e.source == "console")
+    assert any(f"127.0.0.1:{server.port}/worker" in e.text for e in pane.strip.entries if e.source == "console")
     # Blocked entries come from the engine's side only (CSP reports, the interceptor, the page's refusals).
-    assert all(e.source == "blocked" for e in pane.entries if e.kind == "blocked")
-    qtbot.waitUntil(lambda: pane.strip.count() == len(pane.entries) >= 10, timeout=TIMEOUT_MS)
+    assert all(e.source == "blocked" for e in pane.strip.entries if e.kind == "blocked")
+    qtbot.waitUntil(lambda: pane.strip.list.count() == len(pane.strip.entries) >= 10, timeout=TIMEOUT_MS)
 
 
 @pytest.mark.webengine
@@ -231,18 +225,11 @@ def test_isolated_world_fetch_is_stopped_by_the_interceptor(qtbot, pane, server)
 def unguarded_pane(qapp) -> Iterator[PreviewPane]:
     """A pane whose profile lacks the guard script: only the engine's own switches stand between a page and the
     network (what a frame that escaped the guard would have)."""
-    from PySide6.QtCore import QCoreApplication, QEvent
-
     widget = PreviewPane(reload_interval_ms=100)
     for script in widget.profile.scripts().find("clover-preview-guard"):
         widget.profile.scripts().remove(script)
     assert widget.profile.scripts().find("clover-preview-guard") == []
-    widget.resize(400, 300)
-    widget.show()
-    yield widget
-    widget.close()
-    widget.deleteLater()
-    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+    yield from shown(widget, 400, 300)
 
 
 @pytest.mark.webengine

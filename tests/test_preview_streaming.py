@@ -7,13 +7,17 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from fakes_ui import FakeEngineClient  # noqa: E402
-from PySide6.QtCore import QCoreApplication, QEvent, Qt  # noqa: E402
+from PySide6.QtCore import Qt  # noqa: E402
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from clover_desk.storage import ChatStore, StreamRecorder  # noqa: E402
+from clover_desk.storage.recorder import StreamRecorder  # noqa: E402
+from clover_desk.storage.store import ChatStore  # noqa: E402
 from engine.decode.events import Finished, TextDelta  # noqa: E402
+from tests.qt_helpers import shown  # noqa: E402
+from ui.html_extract import extract_html  # noqa: E402
 from ui.main_window import MainWindow  # noqa: E402
-from ui.preview import PreviewPane, extract_html, register_schemes  # noqa: E402
+from ui.preview import PreviewPane  # noqa: E402
+from ui.preview_sandbox import register_schemes  # noqa: E402
 
 # Before the QApplication exists (conftest does it too; idempotent).
 guard_pyside_bool_refcounts()
@@ -36,13 +40,8 @@ def window(qtbot, tmp_path):
     pane = PreviewPane(reload_interval_ms=RELOAD_MS)
     win = MainWindow(client, store, StreamRecorder, model_dir="/models/tiny", preview=pane,
                      html_extractor=extract_html)
-    win.resize(1300, 800)
-    win.show()
-    yield win
-    # Destroy the window (and with it the pane, its page and profile) while the QApplication is alive.
-    win.close()
-    win.deleteLater()
-    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+    # the window (and with it the pane, its page and profile) is destroyed while the QApplication is alive
+    yield from shown(win, 1300, 800)
     store.close()
 
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
 
-from engine.kernels import cpu_quant
 from engine.model.experts import DenseExpertBank
 from engine.weights.quant import (
     DEFAULT_POLICY,
@@ -29,16 +26,10 @@ from engine.weights.quant import (
     quantize_nf4,
     quantize_tensor,
 )
+from tests.helpers_model import cpu_kernels_off
 
-
-@pytest.fixture(autouse=True)
-def dequantizing_path() -> Iterator[None]:
-    """These tests pin the dequantizing path's numbers and op counts on the CPU. The CPU
-    kernels, which read the codes in place and round activations to int8 blocks, are tested in
-    tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py."""
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
+# These tests pin the dequantizing path's numbers and op counts on the CPU
+_dequantizing_path = pytest.fixture(autouse=True)(cpu_kernels_off)
 
 
 @pytest.mark.parametrize("shape", [(8, 128), (8, 96), (3, 50), (64, 64, 2), (1000,)])

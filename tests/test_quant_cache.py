@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,17 +28,13 @@ from engine.weights.quant_cache import (
     read_header,
 )
 from engine.weights.tiny import config_dict_for, tiny_text_config
+from tests.helpers_model import one_thread
 
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
 POLICY = make_policy()  # experts NF4, projections and lm_head INT8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest
 
 
 def write_tiny(

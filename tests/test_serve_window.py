@@ -18,7 +18,7 @@ import pytest
 from gui_desk import running_desk
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
-from server_fixtures import endless_model  # noqa: F401 (session fixture)
+from server_fixtures import endless_model, port_is_free  # noqa: F401 (session fixture)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from engine.decode.events import Finished, PromptInfo, TextDelta
@@ -30,17 +30,6 @@ LOAD_MS = 90_000
 GEN_MS = 90_000
 USER = [{"role": "user", "content": "hello"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-    return True
 
 
 def _free_port() -> int:
@@ -151,7 +140,7 @@ def test_serve_from_the_window_answers_http_and_takes_turns_with_the_window(qtbo
     _stop(qtbot, window)
     assert not window.serve.button.isVisible() and window.serve.dialog.address.text() == ""
     assert window.client.server_url is None
-    assert _port_is_free(port)
+    assert port_is_free(port)
     with pytest.raises(openai.APIConnectionError):
         _openai(url, "k3y").models.list()
 
@@ -182,7 +171,7 @@ def test_a_restarted_engine_serves_again(qtbot, desk) -> None:
     assert window.client.server_url == url and window.serve.button.isVisible()
     assert [m.id for m in _openai(url).models.list().data] == [desk.settings.model_dir.rsplit("/", 1)[1]]
     _stop(qtbot, window)
-    assert _port_is_free(port)
+    assert port_is_free(port)
 
 
 def test_listening_beyond_this_machine_without_a_key_is_warned_about(qtbot) -> None:

@@ -23,14 +23,10 @@ from typing import Any
 import pytest
 
 from clover_desk.paths import CHATS_DB_NAME, DataDirError, writable_app_data_dir
-from clover_desk.storage import (
-    LOCK_SUFFIX,
-    ChatStore,
-    StorageWriteError,
-    StoreLockedError,
-    StreamRecorder,
-    write_failure_reason,
-)
+from clover_desk.storage.errors import StorageWriteError, StoreLockedError, write_failure_reason
+from clover_desk.storage.lock import LOCK_SUFFIX
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from engine.decode.events import BlockCommitted, PromptInfo, TextDelta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +36,7 @@ GUI_ENV = {"QT_QPA_PLATFORM": "offscreen", "QTWEBENGINE_DISABLE_SANDBOX": "1"}
 # A second Clover Desk as a real process: opens the store, streams one block of an answer, then obeys stdin.
 HOLDER = r"""
 import subprocess, sys
-from clover_desk.storage import ChatStore
+from clover_desk.storage.store import ChatStore
 store = ChatStore(sys.argv[1])
 c = store.create_conversation("live")
 store.add_message(c.id, "user", "hi")
@@ -135,26 +131,25 @@ def _remount_read_only(path: Path) -> None:
         pytest.skip(f"cannot remount {path} read-only here ({done.stderr.strip()})")
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB file system (tmpfs), unmounted afterwards."""
-    mount_point = tmp_path / "small"
-    _mount(mount_point, "size=1m,mode=0755")
+def _tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` at ``mount_point`` while the caller holds it, unmounted afterwards."""
+    _mount(mount_point, f"size={size},mode=0755")
     try:
         yield mount_point
     finally:
         _umount(mount_point)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB file system (tmpfs), unmounted afterwards."""
+    yield from _tmpfs(tmp_path / "small", "1m")
 
 
 @pytest.fixture
 def read_only_fs(tmp_path: Path) -> Iterator[Path]:
     """A real tmpfs, populated by the test and then remounted read-only with :func:`_remount_read_only`."""
-    mount_point = tmp_path / "ro"
-    _mount(mount_point, "size=4m,mode=0755")
-    try:
-        yield mount_point
-    finally:
-        _umount(mount_point)
+    yield from _tmpfs(tmp_path / "ro", "4m")
 
 
 def _empty_wal(db: Path) -> None:

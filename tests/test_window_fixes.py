@@ -116,7 +116,8 @@ def test_f2_renames_the_chat_while_the_composer_has_focus(qtbot, tmp_path) -> No
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QAbstractItemView
 
-    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.db")
@@ -168,7 +169,8 @@ def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -
     from fakes_ui import FakeEngineClient
     from PySide6.QtCore import Qt
 
-    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from ui.contracts import EngineState
     from ui.main_window import MainWindow
 
@@ -218,7 +220,8 @@ def _remote_window(qtbot, tmp_path, client):  # noqa: ANN001, ANN202
     """A window on ``client`` whose saved backend is a remote server asking for "remote-model"."""
     from PySide6.QtCore import QSettings
 
-    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from clover_desk.worker.remote import RemoteBackend
     from ui.main_window import MainWindow
 
@@ -403,7 +406,8 @@ def test_the_wheel_guard_covers_dialogs_created_after_the_window(qtbot, tmp_path
     from PySide6.QtCore import QObject, Signal
     from PySide6.QtWidgets import QComboBox, QDialog, QLineEdit, QSpinBox, QVBoxLayout
 
-    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from ui.main_window import MainWindow
 
     class FakeServer(QObject):  # the ServerControl contract, serving nothing
@@ -467,7 +471,8 @@ def test_stop_in_the_first_block_keeps_the_committed_text_and_offers_continue(qt
     from PySide6.QtCore import Qt
     from test_generate import MASK, LetterTokenizer, ScriptedModel, letters, settings
 
-    from clover_desk.storage import ChatStore, StreamRecorder
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from engine.decode.events import BlockStep, Finished, TextDelta
     from engine.decode.generate import generate
     from ui.main_window import MainWindow

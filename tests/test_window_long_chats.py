@@ -11,7 +11,8 @@ from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.storage import ChatStore, StreamRecorder
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from clover_desk.worker.token_counter import TokenCounter
 from engine.decode.tokenizer import CloverTokenizer
 from ui.context_meter import ContextFullDialog, meter_text

@@ -25,7 +25,8 @@ from PySide6.QtWidgets import (
 )
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.storage import ChatStore, StreamRecorder
+from clover_desk.storage.recorder import StreamRecorder
+from clover_desk.storage.store import ChatStore
 from engine.decode.events import GenerationParams
 from ui import conversations as conversations_module
 from ui import theme as theme_module
@@ -577,7 +578,7 @@ def test_the_preview_view_is_found_by_name_and_named_for_screen_readers(qtbot, s
     try:
         views = window.findChildren(QWidget, "previewView")
         assert len(views) == 1 and views[0] is pane.view and views[0].accessibleName()
-        strip = pane.strip
+        strip = pane.strip.list
         assert strip.wordWrap() and strip.horizontalScrollBarPolicy() == Qt.ScrollBarPolicy.ScrollBarAlwaysOff
         unnamed = [b.text() for b in pane.findChildren(QAbstractButton) if not b.accessibleName()]
         assert unnamed == []

@@ -16,7 +16,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from server_fixtures import chat_model, endless_model, tools_model  # noqa: F401 (session fixtures)
+from server_fixtures import chat_model, endless_model, port_is_free, tools_model  # noqa: F401 (session fixtures)
 from test_worker import FAKE, WorkerProc
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -32,19 +32,6 @@ def _openai(url: str, api_key: str = "unused") -> Any:
 def _health(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as response:
         return json.loads(response.read())
-
-
-def _port_is_free(port: int) -> bool:
-    """Whether a server could listen on ``port`` now (SO_REUSEADDR, as servers set it: the closed connections'
-    TIME_WAIT entries do not count, a socket still listening does)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture
@@ -87,7 +74,7 @@ def test_serve_before_load_then_answers_the_loaded_model_and_follows_a_reload(
 
     w.send(cmd="serve_stop")
     w.expect_event("serve_stopped")
-    assert _port_is_free(port)
+    assert port_is_free(port)
     with pytest.raises(openai.APIConnectionError):
         client.models.list()
     # the worker itself still answers
@@ -130,7 +117,7 @@ def test_a_port_in_use_is_one_error_naming_it_and_the_worker_keeps_serving() -> 
         w.expect_event("serve_stopped")
         w.expect_event("bye")
         assert w.proc.wait(10) == 0
-        assert _port_is_free(first["port"])
+        assert port_is_free(first["port"])
     finally:
         w.close()
 
@@ -267,6 +254,6 @@ def test_closing_stdin_stops_the_server(worker: WorkerProc) -> None:
     assert w.proc.stdin is not None
     w.proc.stdin.close()
     assert w.proc.wait(20) == 0
-    assert _port_is_free(port)
+    assert port_is_free(port)
     with pytest.raises(urllib.error.URLError):
         _health(f"http://127.0.0.1:{port}/v1")

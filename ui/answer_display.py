@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QWidget
 
 from engine.decode.events import BlockCommitted, BlockStep, Finished, PrefillProgress, PromptInfo, TextDelta
 from ui.context_window import Messages
-from ui.contracts import HtmlPreview
+from ui.contracts import ChatWindowParts, HtmlPreview
 from ui.generation import GenerationSettings
 from ui.messages import MessageData, PreviewRequest, preview_document_id
 from ui.remote_chat import DENOISING_UNAVAILABLE
@@ -24,27 +24,20 @@ from ui.remote_chat import DENOISING_UNAVAILABLE
 log = logging.getLogger(__name__)
 
 
-class AnswerWindowLike(Protocol):
-    """What :class:`AnswerDisplay` uses of its window (``ui.main_window.MainWindow``)."""
+class AnswerWindowLike(ChatWindowParts, Protocol):
+    """What :class:`AnswerDisplay` uses of its window (``ui.main_window.MainWindow``), besides its shared parts."""
 
-    chat: Any  # ui.chat_view.ChatView
-    composer: Any  # ui.composer.Composer
     drawer: Any  # ui.settings_drawer.SettingsDrawer
     denoise: Any  # ui.denoise_view.DenoiseView
     prompt_progress: Any  # ui.prompt_progress.PromptProgress
-    long_chats: Any  # ui.long_chats.LongChats
     info_banner: Any  # ui.banners.Banner
     preview: QWidget | None
     tabs: Any
     side: Any
     menus: Any  # ui.window_menus.WindowMenus: .stop_action
-    engine_status: Any  # ui.engine_status.EngineStatus: .refresh(), .throttle
-    chat_actions: Any  # ui.chat_actions.ChatActions: .request_source(), .read_ahead_timer
     generationStarted: Any  # noqa: N815 - Qt signal names
     generationFinished: Any  # noqa: N815
     conversations: Any  # ui.conversations.Conversations
-
-    def show_save_error(self, error: BaseException, what: str) -> None: ...
 
     def show_panel(self, widget: QWidget | None) -> None: ...
 

@@ -100,7 +100,7 @@ class SearchHitLike(Protocol):
 
 
 class ChatStoreLike(Protocol):
-    """``clover_desk.storage.ChatStore`` as the window uses it. ``Error`` is the exception class every failed save
+    """``clover_desk.storage.store.ChatStore`` as the window uses it. ``Error`` is the exception class every failed save
     raises (``StorageError``): the window catches it, shows it and keeps the user's text."""
 
     Error: type[Exception]
@@ -129,7 +129,7 @@ class ChatStoreLike(Protocol):
 
 
 class Recorder(Protocol):
-    """Saves one streaming answer from its events (``clover_desk.storage.StreamRecorder``)."""
+    """Saves one streaming answer from its events (``clover_desk.storage.recorder.StreamRecorder``)."""
 
     done: bool
 
@@ -205,3 +205,16 @@ class RemoteChat(Protocol):
 
 
 RemoteFactory = Callable[..., RemoteChat]  # (url, api_key, model) -> a remote; CloverError for a bad URL
+
+
+class ChatWindowParts(Protocol):
+    """The chat window's parts (``ui.main_window.MainWindow``) that its helpers (the answer display, the
+    conversations) share; each helper's own Protocol adds what else it uses."""
+
+    chat: Any  # ui.chat_view.ChatView
+    composer: Any  # ui.composer.Composer
+    long_chats: Any  # ui.long_chats.LongChats
+    chat_actions: Any  # ui.chat_actions.ChatActions: .request_source(), .read_ahead_timer
+    engine_status: Any  # ui.engine_status.EngineStatus: .refresh(), .throttle
+
+    def show_save_error(self, error: BaseException, what: str) -> None: ...

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QFileDialog, QMessageBox, QStatusBar, QWidget
 
-from ui.contracts import ChatStoreLike
+from ui.contracts import ChatStoreLike, ChatWindowParts
 from ui.generation import export_file_name
 from ui.messages import MessageData
 from ui.widgets import documents_dir
@@ -31,8 +31,8 @@ def ask_save_path(parent: QWidget, caption: str, start: str, filters: list[str],
     return QFileDialog.getSaveFileName(parent, caption, start, ";;".join(filters), selected)
 
 
-class ConversationsWindowLike(Protocol):
-    """What :class:`Conversations` uses of its window (``ui.main_window.MainWindow``)."""
+class ConversationsWindowLike(ChatWindowParts, Protocol):
+    """What :class:`Conversations` uses of its window (``ui.main_window.MainWindow``), besides its shared parts."""
 
     store: ChatStoreLike
     sidebar: Any  # ui.sidebar.ConversationSidebar
@@ -40,19 +40,12 @@ class ConversationsWindowLike(Protocol):
     conversation_id: int | None
     session: Any  # ui.chat_session.ChatSession
     state: Any  # ui.window_state.WindowState
-    chat: Any  # ui.chat_view.ChatView
-    composer: Any  # ui.composer.Composer
-    long_chats: Any  # ui.long_chats.LongChats
-    chat_actions: Any  # ui.chat_actions.ChatActions
     chat_settings: Any  # ui.chat_settings.ChatSettings
-    engine_status: Any  # ui.engine_status.EngineStatus
     conversationChanged: Any  # noqa: N815 - a Qt signal
 
     def is_generating(self) -> bool: ...
 
     def show_chat_page(self) -> None: ...
-
-    def show_save_error(self, error: BaseException, what: str) -> None: ...
 
     def statusBar(self) -> QStatusBar: ...  # noqa: N802 - Qt's name
 

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QPlainT
 from ui.chat_presets import ChatPresets
 from ui.generation import GenerationSettings
 from ui.theme import set_style_class
-from ui.widgets import accessible
+from ui.widgets import accessible, named
 
 
 class PresetsDrawerLike(Protocol):
@@ -45,9 +45,7 @@ class DrawerPresets:
         self.default_system_prompt.textChanged.connect(self.on_default_prompt_edited)
 
     def _build(self) -> None:
-        self.preset_choice = QComboBox()
-        self.preset_choice.setObjectName("presetChoice")
-        accessible(self.preset_choice, "Preset")
+        self.preset_choice = named(QComboBox(), "presetChoice", "Preset")
         self.preset_load = QPushButton("Load")
         self.preset_load.setObjectName("presetLoad")
         self.preset_load.setToolTip("Apply this preset's settings and system prompt to the chat on show")
@@ -61,14 +59,11 @@ class DrawerPresets:
         self.presets_row.addWidget(self.preset_choice, 1)
         self.presets_row.addWidget(self.preset_load)
         self.presets_row.addWidget(self.preset_delete)
-        self.preset_name = QLineEdit()
-        self.preset_name.setObjectName("presetName")
+        self.preset_name = named(QLineEdit(), "presetName", "Preset name")
         self.preset_name.setPlaceholderText("Preset name")
-        accessible(self.preset_name, "Preset name")
-        self.preset_save = QPushButton("Save as preset")
-        self.preset_save.setObjectName("presetSave")
-        self.preset_save.setToolTip("Keep this chat's settings and system prompt under that name (for any chat)")
-        accessible(self.preset_save, "Save as preset")
+        self.preset_save = named(
+            QPushButton("Save as preset"), "presetSave", "Save as preset", tip="Keep this chat's settings and system prompt under that name (for any chat)",
+        )
         set_style_class(self.preset_save, "ghost")
         self.preset_save_row = QHBoxLayout()
         self.preset_save_row.addWidget(self.preset_name, 1)
@@ -77,12 +72,12 @@ class DrawerPresets:
         self.preset_status.setObjectName("presetStatus")
         set_style_class(self.preset_status, "faint")
         self.preset_status.setWordWrap(True)
-        self.default_system_prompt = QPlainTextEdit()
-        self.default_system_prompt.setObjectName("defaultSystemPrompt")
+        self.default_system_prompt = named(
+            QPlainTextEdit(), "defaultSystemPrompt", "Default system prompt for new chats",
+        )
         self.default_system_prompt.setPlaceholderText("Empty: new chats start without one")
         self.default_system_prompt.setFixedHeight(64)
         self.default_system_prompt.setTabChangesFocus(True)
-        accessible(self.default_system_prompt, "Default system prompt for new chats")
 
     def add_to(self, layout: QVBoxLayout) -> None:
         """The section, under its title, at the end of the drawer's column."""

@@ -80,7 +80,7 @@ from ui.serve_panel import ServeController, ServeDialog
 from ui.settings_drawer import SettingsDrawer
 from ui.sidebar import ConversationSidebar
 from ui.theme import set_style_class
-from ui.widgets import ElidedLabel, accessible, install_wheel_guard
+from ui.widgets import ElidedLabel, accessible, install_wheel_guard, named
 from ui.window_menus import APP_NAME, WindowMenus
 from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
 
@@ -176,12 +176,8 @@ class MainWindow(QMainWindow):
         self.preview_off: str | None = getattr(preview, "off_reason", None)  # why the preview cannot run here
         self.model_manager = model_manager
         self.model_library = model_library
-        self.title_label = ElidedLabel("New chat", "title")
-        self.title_label.setObjectName("pageTitle")
-        accessible(self.title_label, "Page title")
-        self.model_label = ElidedLabel("", "muted")
-        self.model_label.setObjectName("modelName")
-        accessible(self.model_label, "Model")
+        self.title_label = named(ElidedLabel("New chat", "title"), "pageTitle", "Page title")
+        self.model_label = named(ElidedLabel("", "muted"), "modelName", "Model")
         self.settings_button = QPushButton("Settings")
         self.settings_button.setObjectName("settingsButton")
         set_style_class(self.settings_button, "ghost")

@@ -104,7 +104,7 @@ class HtmlWatch:
 class StreamingReply:
     """Accumulates one reply's deltas for display: text per channel and how long the thinking took.
 
-    (Saving is the store's recorder's job: ``clover_desk.storage.StreamRecorder``.)
+    (Saving is the store's recorder's job: ``clover_desk.storage.recorder.StreamRecorder``.)
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:

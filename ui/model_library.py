@@ -46,7 +46,7 @@ from engine.weights.gguf.header import read_header
 from ui.model_paths import library_paths
 from ui.theme import set_style_class
 from ui.thread_bridge import ThreadBridge
-from ui.widgets import ElidedLabel, accessible
+from ui.widgets import ElidedLabel, accessible, named
 
 log = logging.getLogger(__name__)
 
@@ -346,10 +346,10 @@ class ModelLibrary(QFrame):
             self.dtype_choice.addItem(label, value)
         self.dtype_choice.setToolTip("bfloat16 halves the memory of the weights; float32 is exact on any CPU")
         accessible(self.dtype_choice, "Precision of the weights")
-        self.compile_choice = QCheckBox("Compile the layers")
-        self.compile_choice.setObjectName("compileChoice")
+        self.compile_choice = named(
+            QCheckBox("Compile the layers"), "compileChoice", "Compile the model's layers when it loads",
+        )
         self.compile_choice.setToolTip(COMPILE_TOOLTIP)
-        accessible(self.compile_choice, "Compile the model's layers when it loads")
         self.gpu_paths_button = QToolButton()
         self.gpu_paths_button.setObjectName("gpuPathsChoice")
         self.gpu_paths_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)

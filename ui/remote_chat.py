@@ -45,7 +45,7 @@ from ui.contracts import RemoteFactory
 from ui.messages import is_remote_finished  # noqa: F401 (re-exported; it moved there)
 from ui.theme import set_style_class
 from ui.thread_bridge import ThreadBridge
-from ui.widgets import accessible
+from ui.widgets import named
 
 log = logging.getLogger(__name__)
 
@@ -202,20 +202,14 @@ class RemoteSettingsDialog(QDialog):
         self.group.addButton(self.local)
         self.group.addButton(self.remote)
         self.local.setChecked(True)
-        self.url = QLineEdit()
-        self.url.setObjectName("remoteUrl")
+        self.url = named(QLineEdit(), "remoteUrl", "Remote server URL")
         self.url.setPlaceholderText("http://127.0.0.1:30000/v1")
-        accessible(self.url, "Remote server URL")
-        self.api_key = QLineEdit()
-        self.api_key.setObjectName("remoteKey")
+        self.api_key = named(QLineEdit(), "remoteKey", "Remote API key")
         self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.api_key.setPlaceholderText("none")
-        accessible(self.api_key, "Remote API key")
-        self.model = QComboBox()
-        self.model.setObjectName("remoteModel")
+        self.model = named(QComboBox(), "remoteModel", "Remote model")
         self.model.setEditable(True)
         self.model.lineEdit().setPlaceholderText("the first model the server lists")
-        accessible(self.model, "Remote model")
         self.test_button = QPushButton("Test connection")
         self.test_button.setObjectName("remoteTest")
         self.status = QLabel()

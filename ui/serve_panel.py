@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 
 from ui.contracts import ServerControl
 from ui.theme import set_style_class
-from ui.widgets import accessible
+from ui.widgets import accessible, named
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -70,22 +70,18 @@ class ServeDialog(QDialog):
                        "(<code>/v1/chat/completions</code>, <code>/v1/completions</code>, <code>/v1/models</code>) "
                        "while this window stays open. The window's answers and theirs take turns.")
         intro.setWordWrap(True)
-        self.host = QLineEdit(DEFAULT_HOST)
-        self.host.setObjectName("serveHost")
-        self.host.setToolTip("127.0.0.1: this computer only; 0.0.0.0: every network interface")
-        accessible(self.host, "Listen on host")
-        self.port = QSpinBox()
-        self.port.setObjectName("servePort")
+        self.host = named(
+            QLineEdit(DEFAULT_HOST), "serveHost", "Listen on host", tip="127.0.0.1: this computer only; 0.0.0.0: every network interface",
+        )
+        self.port = named(QSpinBox(), "servePort", "Port")
         self.port.setRange(0, 65535)
         self.port.setValue(DEFAULT_PORT)
         self.port.setSpecialValueText("any free port")
-        accessible(self.port, "Port")
-        self.api_key = QLineEdit()
-        self.api_key.setObjectName("serveKey")
+        self.api_key = named(
+            QLineEdit(), "serveKey", "API key", tip="Clients then send 'Authorization: Bearer KEY' (the api_key of the openai client)",
+        )
         self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.api_key.setPlaceholderText("none")
-        self.api_key.setToolTip("Clients then send 'Authorization: Bearer KEY' (the api_key of the openai client)")
-        accessible(self.api_key, "API key")
         self.new_key_button = QPushButton("New key")
         self.new_key_button.setObjectName("serveNewKey")
         set_style_class(self.new_key_button, "ghost")
@@ -102,14 +98,10 @@ class ServeDialog(QDialog):
         self.status.setObjectName("serveStatus")
         self.status.setWordWrap(True)
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.address = QLineEdit()
-        self.address.setObjectName("serveAddress")
+        self.address = named(QLineEdit(), "serveAddress", "Server address")
         self.address.setReadOnly(True)
         self.address.setPlaceholderText("the base URL appears here once serving")
-        accessible(self.address, "Server address")
-        self.copy_button = QPushButton("Copy")
-        self.copy_button.setObjectName("serveCopy")
-        accessible(self.copy_button, "Copy the server address")
+        self.copy_button = named(QPushButton("Copy"), "serveCopy", "Copy the server address")
         self.start_button = QPushButton("Start serving")
         self.start_button.setObjectName("serveStart")
         set_style_class(self.start_button, "primary")

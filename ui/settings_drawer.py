@@ -28,7 +28,7 @@ from ui.chat_presets import ChatPresets
 from ui.drawer_presets import DrawerPresets
 from ui.generation import MAX_TOKENS_LIMIT, GenerationSettings
 from ui.theme import set_style_class
-from ui.widgets import accessible
+from ui.widgets import accessible, named
 
 BLOCK_SIZES = (8, 16, 32, 64)
 MAX_CONTEXT = 16_777_216  # config.json's largest max_position_embeddings (engine.model.config)
@@ -77,25 +77,18 @@ class SettingsDrawer(QFrame):
         self.done_button.setObjectName("settingsDone")
         set_style_class(self.done_button, "ghost")
         accessible(self.done_button, "Close chat settings")
-        self.system_prompt = QPlainTextEdit()
-        self.system_prompt.setObjectName("systemPrompt")
+        self.system_prompt = named(QPlainTextEdit(), "systemPrompt", "System prompt")
         self.system_prompt.setPlaceholderText("You are a helpful assistant…")
         self.system_prompt.setFixedHeight(96)
         self.system_prompt.setTabChangesFocus(True)
-        accessible(self.system_prompt, "System prompt")
-        self.mode = QComboBox()
-        self.mode.setObjectName("modeChoice")
+        self.mode = named(QComboBox(), "modeChoice", "Decoding mode")
         self.mode.addItem("Block diffusion", "diffusion")
         self.mode.addItem("Autoregressive", "ar")
         self.mode.addItem("Self-speculative (AR's tokens, diffusion drafts)", "spec")
-        accessible(self.mode, "Decoding mode")
         self.diffusion_unavailable = ""  # why the loaded model cannot decode by block diffusion ("" when it can)
-        self.temperature = QDoubleSpinBox()
-        self.temperature.setObjectName("temperature")
+        self.temperature = named(QDoubleSpinBox(), "temperature", "Temperature", tip="0 = greedy (deterministic)")
         self.temperature.setRange(0.0, 2.0)
         self.temperature.setSingleStep(0.05)
-        self.temperature.setToolTip("0 = greedy (deterministic)")
-        accessible(self.temperature, "Temperature")
         self.block_size = QComboBox()
         self.block_size.setObjectName("blockSize")
         for n in BLOCK_SIZES:
@@ -111,18 +104,13 @@ class SettingsDrawer(QFrame):
             "least one slot"
         )
         accessible(self.threshold, "Commit threshold")
-        self.max_tokens = QSpinBox()
-        self.max_tokens.setObjectName("maxTokens")
+        self.max_tokens = named(QSpinBox(), "maxTokens", "Maximum new tokens")
         self.max_tokens.setRange(16, MAX_TOKENS_LIMIT)
         self.max_tokens.setSingleStep(128)
-        accessible(self.max_tokens, "Maximum new tokens")
-        self.thinking = QCheckBox("Think before answering")
-        self.thinking.setObjectName("thinkSetting")
-        accessible(self.thinking, "Think before answering")
-        self.expand_thinking = QCheckBox("Show thinking expanded")
-        self.expand_thinking.setObjectName("expandThinking")
-        self.expand_thinking.setToolTip("Open the thinking section of answers by default (it can always be toggled)")
-        accessible(self.expand_thinking, "Show thinking expanded")
+        self.thinking = named(QCheckBox("Think before answering"), "thinkSetting", "Think before answering")
+        self.expand_thinking = named(
+            QCheckBox("Show thinking expanded"), "expandThinking", "Show thinking expanded", tip="Open the thinking section of answers by default (it can always be toggled)",
+        )
         self.defaults_label = QLabel()
         set_style_class(self.defaults_label, "faint")
         self.defaults_label.setWordWrap(True)

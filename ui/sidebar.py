@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from ui.theme import set_style_class
-from ui.widgets import accessible
+from ui.widgets import accessible, named
 
 
 class ChatList(QListWidget):
@@ -52,15 +52,10 @@ class ConversationSidebar(QFrame):
         self.setMinimumWidth(190)  # = main_window.MIN_SIDEBAR_WIDTH
         title = QLabel("☘ Clover Desk")
         title.setObjectName("appTitle")
-        self.new_button = QPushButton("+  New chat")
-        self.new_button.setObjectName("newChat")
-        self.new_button.setToolTip("New chat (Ctrl+N)")
-        accessible(self.new_button, "New chat")
-        self.search = QLineEdit()
-        self.search.setObjectName("chatSearch")
+        self.new_button = named(QPushButton("+  New chat"), "newChat", "New chat", tip="New chat (Ctrl+N)")
+        self.search = named(QLineEdit(), "chatSearch", "Search chats")
         self.search.setPlaceholderText("Search chats  (Ctrl+K)")
         self.search.setClearButtonEnabled(True)
-        accessible(self.search, "Search chats")
         self.list = ChatList()
         self.list.setObjectName("chatList")
         accessible(self.list, "Chats", "F2 renames, Delete deletes, the context menu (Menu key) exports")

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt, QTimer
 from PySide6.QtGui import QResizeEvent
-from PySide6.QtWidgets import QAbstractScrollArea, QAbstractSpinBox, QComboBox, QLabel, QSizePolicy, QWidget
+from PySide6.QtWidgets import (
+    QAbstractScrollArea,
+    QAbstractSpinBox,
+    QComboBox,
+    QLabel,
+    QSizePolicy,
+    QToolButton,
+    QWidget,
+)
 
 from ui.theme import set_style_class
+
+W = TypeVar("W", bound=QWidget)
 
 
 class ElidedLabel(QLabel):
@@ -67,6 +78,24 @@ def accessible(widget: QWidget, name: str, description: str = "") -> QWidget:
     if description:
         widget.setAccessibleDescription(description)
     return widget
+
+
+def named(widget: W, object_name: str, name: str, tip: str = "") -> W:
+    """``widget`` with its object name (for styles and tests), its accessible name and, if given, its tooltip."""
+    widget.setObjectName(object_name)
+    accessible(widget, name)
+    if tip:
+        widget.setToolTip(tip)
+    return widget
+
+
+def tool_button(parent: QWidget, text: str, tip: str) -> QToolButton:
+    """A short-labelled tool button whose tooltip (and accessible name) tells the whole story."""
+    button = QToolButton(parent)
+    button.setText(text)
+    button.setToolTip(tip)
+    button.setAccessibleName(tip)
+    return button
 
 
 class PreviewOff(QLabel):

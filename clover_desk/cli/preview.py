@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     width, height = _parse_size(args.size)
     guard_pyside_bool_refcounts()
 
-    from ui.preview import register_schemes  # Qt only when this command runs
+    from ui.preview_sandbox import register_schemes  # Qt only when this command runs
 
     register_schemes()
     from PySide6.QtWidgets import QApplication
@@ -101,12 +101,12 @@ def _show(app, pane, path: Path, html: str, args: argparse.Namespace, width: int
         QTimer.singleShot(args.wait_ms, save)
 
     def save() -> None:
-        pane.flush_strip()  # the screenshot shows the strip as it is now
+        pane.strip.flush()  # the screenshot shows the strip as it is now
         if not pane.grab().save(str(out), "PNG"):
             print(f"clover-desk preview: cannot write {out}", file=sys.stderr)
             app.exit(2)
             return
-        for entry in pane.entries:
+        for entry in pane.strip.entries:
             important = entry.kind == "blocked" or entry.source == "pane"
             log.log(logging.WARNING if important else logging.INFO, "preview %s: %s", entry.kind, entry.text)
         print(f"saved {out}")

@@ -13,7 +13,7 @@ What it writes, as a real Clover / Qwen3.5-MoE release would have it:
 
 :func:`make_real_shape` writes the same folder with the real Clover-35B-A3B widths (hidden 2048, vocab 248,320,
 256 experts of 512, ...) and fewer layers: a few GB per layer, so it is streamed to disk tensor by tensor in
-chunks (:func:`engine.weights.checkpoint.write_checkpoint_streaming`) and never held in memory. It exists to exercise the
+chunks (:func:`engine.weights.streaming_writer.write_checkpoint_streaming`) and never held in memory. It exists to exercise the
 loading, quantizing, offloading and planning paths at full width without the 67 GB download.
 """
 
@@ -34,17 +34,12 @@ from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 from engine.errors import ConfigError
 from engine.model.config import CloverConfig, parse_config
 from engine.placement.manifest import SHAPES, ModelGeometry, _text_tensors, shape_fields
-from engine.weights.checkpoint import (
-    SHARD_NAME,
-    TensorSpec,
-    random_state_dict,
-    write_checkpoint,
-    write_checkpoint_streaming,
-)
+from engine.weights.checkpoint import random_state_dict, write_checkpoint
 from engine.weights.formats import INDEX_NAME, SINGLE_NAME
+from engine.weights.streaming_writer import SHARD_NAME, TensorSpec, write_checkpoint_streaming
 
 if TYPE_CHECKING:  # torch is imported only by the functions that write weights
-    from engine.weights.checkpoint import FillFn, TensorSpec
+    from engine.weights.streaming_writer import FillFn, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +284,7 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def random_fill(inits: dict[str, RandomInit], seed: int, chunk_elements: int = _CHUNK_ELEMENTS) -> FillFn:
-    """A fill for :func:`engine.weights.checkpoint.write_safetensors_streaming` that draws each tensor's values in chunks
+    """A fill for :func:`engine.weights.streaming_writer.write_safetensors_streaming` that draws each tensor's values in chunks
     of ``chunk_elements`` from its own ``torch.Generator`` (see :func:`_tensor_seed`), deterministic in ``seed``.
 
     Each chunk is a fresh tensor (the writer may still be writing the previous one), so memory is a few chunks
