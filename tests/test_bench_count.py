@@ -4,26 +4,15 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from clover_desk.bench.speed import _forward_ops
 from clover_desk.cli import main as cli
-from engine.kernels import cpu_quant
 
 
-@pytest.fixture(autouse=True)
-def dequantizing_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The counts here are those of the portable dequantizing path (what a GPU runs). The CPU
-    kernels, which read the codes in place and round activations to int8 blocks, are tested in
-    tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py. Off for
-    this process and for the commands run here (they read the switch from GpuPaths)."""
-    monkeypatch.setenv("CLOVER_DESK_CPU_KERNELS", "0")
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 
 def test_the_count_sees_ops_reads_and_the_bytes_each_op_writes() -> None:

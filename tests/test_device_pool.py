@@ -13,7 +13,7 @@ import torch
 
 from engine.decode.generate import DecodeSettings, loop_hooks
 from engine.errors import PlanError
-from engine.kernels import cpu_quant, step_graphs, triton_moe
+from engine.kernels import step_graphs, triton_moe
 from engine.model.clover import CloverModel
 from engine.model.config import parse_config
 from engine.placement import offload
@@ -26,14 +26,7 @@ from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model,
 from tests.triton_child import run_interpreted
 
 
-@pytest.fixture(autouse=True)
-def card_path_on_the_cpu() -> Iterator[None]:
-    """These tests model the card's device tables, pieces and syncs with the dequantizing expert path, as a GPU runs
-    it. On the CPU the C kernels read host expert rows without a sync, which changes what a step traces (a CPU-only
-    behaviour, tested in tests/engine/test_cpu_quant_own.py): off here."""
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,20 +10,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.kernels import cpu_quant
 from engine.model import experts as ex
 from engine.model.experts import DenseExpertBank, moe_grouped, routed_reference
 from engine.weights.quant import QuantExpertBank, routed_forward, routed_forward_reference, unpack_rows
 
 
-@pytest.fixture(autouse=True)
-def dequantizing_path() -> Iterator[None]:
-    """These tests pin the dequantizing grouped compute's numbers on the CPU. The CPU
-    kernels, which read the codes in place and round activations to int8 blocks, are tested in
-    tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py."""
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 E, D, I, K = 16, 64, 32, 4  # NF4: 2I*D and D*I are whole blocks of 64 -> one dequantize call per group
 GROUPS = [None, 1, 3, 64]  # default (CPU: 1), small, uneven, all used experts at once

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
-from engine.kernels import cpu_quant
 from engine.model.experts import DenseExpertBank
 from engine.weights.quant import (
     DEFAULT_POLICY,
@@ -31,14 +29,7 @@ from engine.weights.quant import (
 )
 
 
-@pytest.fixture(autouse=True)
-def dequantizing_path() -> Iterator[None]:
-    """These tests pin the dequantizing path's numbers and op counts on the CPU. The CPU
-    kernels, which read the codes in place and round activations to int8 blocks, are tested in
-    tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py."""
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 
 @pytest.mark.parametrize("shape", [(8, 128), (8, 96), (3, 50), (64, 64, 2), (1000,)])

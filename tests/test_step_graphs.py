@@ -8,26 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
-from engine.kernels import cpu_quant, step_graphs, triton_moe
+from engine.kernels import step_graphs, triton_moe
 from engine.kernels.fastpath import compile_layers
 from tests.helpers_model import CountingBackend, tiny_config, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def card_path_on_the_cpu() -> Iterator[None]:
-    """These tests model the card's piece cutting and syncs with the dequantizing expert path, as a GPU runs it. On
-    the CPU the C kernels read host expert rows without a sync, which moves the cuts (a CPU-only behaviour, tested in
-    tests/engine/test_cpu_quant_own.py): off here."""
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 PROMPT = [5, 9, 17, 33, 65, 129, 7, 11, 13, 19, 23]
 
