@@ -25,7 +25,6 @@ from engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
 from tests.triton_child import run_interpreted
 
-
 pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 
