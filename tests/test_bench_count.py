@@ -197,7 +197,7 @@ def test_the_peak_vram_line_sets_what_torch_held_against_what_the_plan_counted()
     from engine.placement.planner import CUDA_CONTEXT_BYTES, plan_model
 
     plan = plan_model("shape:clover-35b-a3b", 16 * 2**30, 4096)
-    counted = plan.vram_bytes - CUDA_CONTEXT_BYTES
+    counted = plan.vram_used_bytes - CUDA_CONTEXT_BYTES
     line = _peak_vram_line(counted // 2, counted // 4 * 3, plan)
     assert line.startswith("peak GPU memory (torch): ") and "reserved is 75% of that" in line, line
     assert f"the plan counts {counted / 2**30:.2f} GiB" in line

@@ -209,9 +209,9 @@ def _peak_vram_line(allocated: int, reserved: int, plan: Any) -> str:
         return line
     from engine.placement.planner import CUDA_CONTEXT_BYTES
 
-    counted = plan.vram_bytes - CUDA_CONTEXT_BYTES
+    counted = plan.vram_used_bytes - CUDA_CONTEXT_BYTES
     ws = plan.vram_breakdown["workspace"]
-    return (f"{line}; the plan counts {counted / 2**30:.2f} GiB for them (its {plan.vram_bytes / 2**30:.2f} GiB less "
+    return (f"{line}; the plan counts {counted / 2**30:.2f} GiB for them (its {plan.vram_used_bytes / 2**30:.2f} GiB less "
             f"the CUDA context; workspace {ws / 2**30:.2f} GiB): reserved is {reserved / counted:.0%} of that")
 
 
