@@ -199,7 +199,7 @@ class CloverDeskApp(QObject):
 
     # ----------------------------------------------------------------- parts
     def _plan_function(self) -> Any:
-        """``(vram_bytes, ctx_tokens) -> Plan`` for the configured model on this machine: ``engine.placement.planner.
+        """``(vram_budget_bytes, ctx_tokens) -> Plan`` for the configured model on this machine: ``engine.placement.planner.
         plan_model``, the one planning function (the worker checks and places the plan it is sent)."""
 
         manifest = self._manifest(planner)
@@ -210,8 +210,8 @@ class CloverDeskApp(QObject):
         # which would run in bf16 (a CPU load places nothing by a plan)
         compute = FORMAT_OF_TORCH_NAME.get(self.dtype, "bf16") if self.device == "cuda" else "bf16"
 
-        def plan(vram_bytes: int, ctx_tokens: int) -> Any:
-            return planner.plan_model(manifest, vram_bytes, ctx_tokens, hardware, compute_dtype=compute)
+        def plan(vram_budget_bytes: int, ctx_tokens: int) -> Any:
+            return planner.plan_model(manifest, vram_budget_bytes, ctx_tokens, hardware, compute_dtype=compute)
 
         return plan
 
@@ -227,7 +227,7 @@ class CloverDeskApp(QObject):
             ctx_limit=self._ctx_limit,
         )
         if self.settings.vram_budget_bytes:
-            panel.set_budget_bytes(self.settings.vram_budget_bytes)
+            panel.set_vram_budget_bytes(self.settings.vram_budget_bytes)
         return panel
 
     def _manifest(self, planner: Any) -> Any:
@@ -307,19 +307,21 @@ class CloverDeskApp(QObject):
         if self.device == "cuda" and not budget:
             # nothing applied yet: plan for what the VRAM panel proposes (the card less one step) rather than
             # trying to put the whole BF16 model on the GPU
-            budget, ctx = self.vram_panel.budget_bytes(), self.vram_panel.ctx_tokens()
+            budget, ctx = self.vram_panel.vram_budget_bytes(), self.vram_panel.ctx_tokens()
         if self._ctx_limit:  # a model with a shorter context than the one chosen runs at its whole context
             ctx = min(ctx, self._ctx_limit)
         # the plan the panel shows for this budget and context travels with the load and is placed as is; without
         # a GPU there is no plan: everything runs from system RAM (the budget is kept for later)
+        # (the panel's own plan: the window plans once between the slider and the load)
         plan = None
         if budget and self.device == "cuda":
-            try:
-                plan = self._plan(budget, ctx).to_dict()
-            except Exception as exc:  # noqa: BLE001 - e.g. a context over the model's limit: say so, load nothing
-                log.warning("cannot plan %s: %s", self.settings.model_dir, exc)
-                self.window.engine_status.on_engine_error_message(type(exc).__name__, str(exc))
+            shown = self.vram_panel.plan_to_load(budget, ctx)
+            if shown is None:  # e.g. a context over the model's limit: say so, load nothing
+                log.warning("cannot plan %s for %d bytes, %d tokens", self.settings.model_dir, budget, ctx)
+                self.window.engine_status.on_engine_error_message(
+                    "PlanError", f"no plan for a {budget / 2**30:.2f} GiB budget and {ctx:,} tokens of context")
                 return
+            plan = shown.to_dict()
         self.window.engine_status.on_load_progress(LoadProgress("reading", 0, 0, Path(self.settings.model_dir).name))
         # the engine says if it cannot compile; answers from a remote server need no compiled local model
         remote = self.window.remote is not None and self.window.remote.selected
@@ -327,8 +329,10 @@ class CloverDeskApp(QObject):
         # without a plan the context still travels: the engine holds requests to it and the composer's meter
         # counts against it (the VRAM panel's applied context, one context size everywhere)
         context = {"ctx_tokens": ctx} if plan is None and ctx else {}
+        # a plan places the quantized cache (a .gguf file: its own blocks): said, not implied (Engine.load)
+        precision = {"precision": "nf4"} if plan is not None and Path(self.settings.model_dir).suffix != ".gguf" else {}
         self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan, **compile_layers,
-                         **context)
+                         **context, **precision)
 
     def on_engine_ready(self) -> None:
         self.load_model()
@@ -386,10 +390,10 @@ class CloverDeskApp(QObject):
         if self.settings.model_dir:
             self.window.on_model_chosen(self.settings.model_dir)
 
-    def on_apply_plan(self, vram_bytes: int, ctx_tokens: int) -> None:
+    def on_apply_plan(self, vram_budget_bytes: int, ctx_tokens: int) -> None:
         """Reload under the panel's plan. Without a GPU there is nothing to reload: the choice is saved for later
         (the panel says the model runs from system RAM)."""
-        self.settings.vram_budget_bytes = vram_bytes
+        self.settings.vram_budget_bytes = vram_budget_bytes
         self.settings.ctx_tokens = ctx_tokens
         self.save_settings()
         if self.device != "cuda":

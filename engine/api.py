@@ -1,6 +1,7 @@
 """``Engine``: the one entry point the CLI and the worker process use.
 
-    engine = Engine.load(model_dir, device="cpu", dtype="float32")
+    engine = Engine.load(model_dir, device="cpu", precision="f32")
+    engine = Engine.load(model_dir, device="cuda", precision="nf4", placement=plan_for(model_dir, 14 * GIB))
     for event in engine.generate(messages=[{"role": "user", "content": "hi"}], params=GenerationParams()):
         ...
 
@@ -25,7 +26,7 @@ from engine.decode.generate import LoopHooks, generate, loop_hooks, resolve_sett
 from engine.decode.limits import check_generation_params
 from engine.decode.prompt_cache import PromptCache
 from engine.decode.tokenizer import CloverTokenizer
-from engine.defaults import DEFAULT_CTX_TOKENS, GIB
+from engine.defaults import DEFAULT_CTX_TOKENS, DTYPE_OF_PRECISION, PRECISIONS
 from engine.errors import CancelledError, ConfigError, PlanError, PromptError
 from engine.kernels import fastpath, switches
 from engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
@@ -56,6 +57,9 @@ _WARM_UP_TEXT = "Hello! These few tokens warm up the compiled layers before the 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TORCH_NAME_OF_FORMAT = {fmt: name for fmt, name in TORCH_DTYPE_NAMES.items() if name in DTYPES}
+_NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPES.items()}
+
+_PRECISION_OF_DTYPE = {name: precision for precision, name in DTYPE_OF_PRECISION.items()}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -67,25 +71,63 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def plan_for(
-    model_dir: str | Path,
-    vram_gb: float,
+    source: str | Path,
+    vram_budget_bytes: int,
     ctx_tokens: int | None = None,
     dtype: str | torch.dtype = "bfloat16",
     gguf_layout: str = "auto",
-) -> Any:
-    """The plan for a model folder (or a .gguf file, read in ``gguf_layout``) under a VRAM budget in GiB on this
-    machine, for compute in ``dtype``: ``engine.placement.planner.plan_model`` with the probed hardware (what ``generate
-    --vram-gb`` prints and then loads)."""
+) -> Plan:
+    """The plan for a model folder (its quantized cache, precision "nf4") or a .gguf file (read in ``gguf_layout``)
+    under a VRAM budget of ``vram_budget_bytes`` on this machine, for compute in ``dtype``:
+    ``engine.placement.planner.plan_model`` with the probed hardware (what ``generate --vram-gb`` prints and then
+    hands to :meth:`Engine.load` as its ``placement``)."""
 
-    model: Any = model_dir
-    if Path(model_dir).suffix == ".gguf" and gguf_layout != "auto":
-
-        model = manifest_from_gguf(model_dir, gguf_layout)  # the header read as the load will read it
+    model: Any = source
+    if Path(source).suffix == ".gguf" and gguf_layout != "auto":
+        model = manifest_from_gguf(source, gguf_layout)  # the header read as the load will read it
     compute = format_of_torch_dtype(parse_dtype(dtype))
     return plan_model(
-        model, int(float(vram_gb) * GIB), int(ctx_tokens or DEFAULT_CTX_TOKENS), probe_hardware(),
-        compute_dtype=compute,
+        model, int(vram_budget_bytes), int(ctx_tokens or DEFAULT_CTX_TOKENS), probe_hardware(), compute_dtype=compute,
     )
+
+
+def resolve_precision(
+    source: Path, precision: str | None, dtype: str | torch.dtype | None, plan: Plan | None
+) -> tuple[str, str]:
+    """(precision, compute dtype name) of a load (:meth:`Engine.load`), or one line saying why the combination is
+    refused: a precision not in :data:`PRECISIONS`; "gguf" with a folder, or another precision with a ``.gguf``
+    file; an unquantized precision with a dtype of its own or with a placement; a placement made for another
+    dtype."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    wanted = None if dtype is None else _NAME_OF_DTYPE[parse_dtype(dtype)]
+    if source.suffix == ".gguf":
+        if precision not in (None, "gguf"):
+            raise ConfigError(f"{source}: a .gguf file loads as precision 'gguf' (its own blocks), not {precision!r}")
+        precision = "gguf"
+    elif precision == "gguf":
+        raise ConfigError(f"{source}: precision 'gguf' goes with a .gguf file; for a model folder use one of "
+                          f"{', '.join(p for p in PRECISIONS if p != 'gguf')}")
+    elif precision is None:
+        precision = _PRECISION_OF_DTYPE[wanted or "float32"]
+    if precision in DTYPE_OF_PRECISION:
+        if wanted is not None and wanted != DTYPE_OF_PRECISION[precision]:
+            raise ConfigError(f"precision {precision!r} computes in {DTYPE_OF_PRECISION[precision]}, not {wanted}: "
+                              "give one of the two")
+        if plan is not None:
+            raise PlanError(f"a placement places quantized weights (the plan counts the quantized cache's bytes), "
+                            f"but precision {precision!r} keeps them unquantized: load with precision 'nf4', or "
+                            "without a placement")
+        return precision, DTYPE_OF_PRECISION[precision]
+    if plan is not None:
+        planned = _TORCH_NAME_OF_FORMAT.get(plan.compute_dtype, plan.compute_dtype)
+        if wanted is not None and wanted != _NAME_OF_DTYPE[parse_dtype(planned)]:
+            raise PlanError(
+                f"the plan counts the device's weights and KV cache in {planned}, but dtype {wanted} was asked "
+                f"for: plan again for {wanted}"
+            )
+        return precision, _NAME_OF_DTYPE[parse_dtype(planned)]
+    return precision, wanted or "float32"
 
 
 def _check_plan_here(plan: Any, manifest: Any, device: str) -> None:
@@ -104,24 +146,25 @@ def _check_plan_here(plan: Any, manifest: Any, device: str) -> None:
     planner.check_plan(plan, manifest, ram_available_bytes=ram_free, vram_available_bytes=vram_free)
 
 
-def _load_planned(
+def _load_quantized_placed(
     folder: Path,
-    plan: Any,
+    plan: Plan | None,
     device: str,
     dtype: torch.dtype,
     progress: Callable[[LoadProgress], None] | None,
     cancel: threading.Event | None,
     expert_fetch: str = "pool",
-) -> tuple[Any, Any]:
-    """Check ``plan`` against the model's quantized cache (built first when needed: it streams tensor by tensor)
-    and this machine, then read each tensor once into its planned place. Returns (plan, model)."""
+) -> Any:
+    """Precision "nf4": the model's quantized cache (built first when needed: it streams tensor by tensor), each
+    tensor read once into its place: where ``plan`` puts it (checked first against the cache and this machine), or
+    on ``device`` without a plan."""
 
     report = quant_cache.ensure_cache(folder, progress=progress, cancel=cancel)
     log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
-    _check_plan_here(plan, planner.manifest_from_quantized_cache(report.manifest_path), device)
-    model = quant_cache.load_from_cache(report.path, folder, dtype, progress, cancel, plan=plan, device=device,
-                                        expert_fetch=expert_fetch)
-    return plan, model
+    if plan is not None:
+        _check_plan_here(plan, planner.manifest_from_quantized_cache(report.manifest_path), device)
+    return quant_cache.load_from_cache(report.path, folder, dtype, progress, cancel, plan=plan, device=device,
+                                       expert_fetch=expert_fetch)
 
 
 class Engine:
@@ -154,6 +197,7 @@ class Engine:
         self.ctx_limit: int = getattr(plan, "ctx_tokens", 0) or 0  # requests are held to it (0: the model's own)
         self.compile_cancelled = False  # Cancel came during the compile's warm-up: loaded, running uncompiled
         self.gpu_paths = gpu_paths or switches.current()  # the GPU paths and kernel switches it runs with
+        self.precision = "f32"  # how the weights are held (PRECISIONS; Engine.load sets it)
 
     @property
     def compiled(self) -> bool:
@@ -163,32 +207,47 @@ class Engine:
     @classmethod
     def load(
         cls,
-        model_dir: str | Path,
+        source: str | Path,
+        *,
         device: str = "cpu",
+        precision: str | None = None,
+        placement: Plan | dict[str, Any] | None = None,
         dtype: str | torch.dtype | None = None,
-        vram_gb: float | None = None,
+        ctx_tokens: int | None = None,
         progress: Callable[[LoadProgress], None] | None = None,
         cancel: threading.Event | None = None,
-        ctx_tokens: int | None = None,
-        plan: Any = None,
         gguf_layout: str = "auto",
         compile: bool = False,
         compile_backend: Any = "inductor",
         gpu_paths: GpuPaths | None = None,
-    ) -> "Engine":
-        """Read a model folder (config, generation config, tokenizer, weights) onto ``device``.
+    ) -> Engine:
+        """Load a model: the one way the CLI, the worker, the benches and the tests build an engine
+        (docs/loading.md). ``source`` is a model folder (config, generation config, tokenizer, safetensors) or a
+        ``.gguf`` file (or any part of a split set).
 
-        A ``.gguf`` file (or any part of a split set) loads through :mod:`engine.weights.gguf.model`, quantized tensors kept
-        as GGUF blocks; ``gguf_layout`` ("auto" | "fork" | "upstream") overrides the layout detection. A plan for a
-        GGUF file is checked against the file's own header (``engine.placement.manifest.manifest_from_gguf``: no conversion,
-        no cache) and streamed layers move each expert's GGUF bytes as the file stores them.
+        ``precision`` says how the weights are held, never implied by anything else (:data:`PRECISIONS`):
 
-        ``plan`` (an ``engine.placement.planner.Plan`` or its dict, as ``clover-desk plan --json`` and the VRAM panel make
-        it): load the quantized model placed exactly as planned (expert streaming, :mod:`engine.placement.offload`). The plan
-        is checked against the model and the machine first (a stale one is refused with one line) and never
-        re-made. ``vram_gb`` is a shortcut that makes the plan with ``engine.placement.planner.plan_model`` (the same
-        function) for ``ctx_tokens`` of context (default ``engine.defaults.DEFAULT_CTX_TOKENS``). Requests are then
-        held to the planned context: the KV cache and the prefill scratch were sized for it.
+        * ``"f32"`` / ``"bf16"`` / ``"f16"``: a folder's weights as they are, cast to that dtype, computing in it
+          (None for a folder: ``dtype``'s, else ``"f32"``);
+        * ``"nf4"``: a folder's own quantized cache (NF4 routed experts, INT8 projections, shared experts and LM head;
+          built next to the model on first use, :mod:`engine.weights.quant_cache`): what the app loads for a card;
+        * ``"gguf"``: a ``.gguf`` file's own blocks (:mod:`engine.weights.gguf.model`), implied by such a source
+          (None means it; any other precision for a ``.gguf`` source is refused). ``gguf_layout`` ("auto" | "fork"
+          | "upstream") overrides the layout detection.
+
+        ``placement``: an ``engine.placement.planner.Plan`` (or its dict, as ``clover-desk plan --json`` and the VRAM
+        panel make it), placed exactly as planned (expert streaming, :mod:`engine.placement.offload`) after a check
+        against the model and the machine (a stale one is refused with one line; never re-made); None: everything on
+        ``device``. Plans place quantized weights (the planner counts the quantized cache's bytes, or the GGUF file's):
+        a placement goes with ``"nf4"`` or ``"gguf"``, and with an unquantized precision (or none, for a folder) it is
+        refused with one line (:class:`~engine.errors.PlanError`), never a switch to quantization. Requests are then
+        held to the planned context: the KV cache and the prefill scratch were sized for it. To plan under a budget,
+        :func:`plan_for` (what ``generate --vram-gb`` prints and then loads).
+
+        ``dtype``: the compute dtype ("float32" | "bfloat16" | "float16"). With ``"f32"``/``"bf16"``/``"f16"`` it is
+        the precision's (a different one is refused); with ``"nf4"``/``"gguf"`` it defaults to the placement's, else
+        float32, and a placement made for another dtype is refused, since it counted the device's weights and KV
+        cache in its own.
 
         ``compile``: compile the decoder layers (:mod:`engine.kernels.fastpath`), then :meth:`warm_up` them, so the compile
         time (two to three minutes on a 2-core CPU the first time, measured on the demo model; under a minute once
@@ -199,19 +258,19 @@ class Engine:
         "compile-skipped" progress event, ``Engine.compile_skipped``) and runs the model uncompiled. A ``cancel``
         during the warm-up (the weights are in place by then) stops the compile, not the load: the layers are
         uncompiled (``engine.kernels.fastpath.uncompile_layers``) and the engine returned with ``compile_cancelled``.
-        ``ctx_tokens`` without a plan: the context requests are held to (``Engine.ctx_limit``; a plan's own otherwise).
-        ``compile_backend``: the ``torch.compile`` backend (tests pass a cheap one that runs the traced graphs).
-
-        ``dtype``: the compute dtype (default: the plan's, else float32); a plan made for another dtype is refused,
-        since it counted the device's weights and KV cache in its own.
+        ``ctx_tokens`` without a placement: the context requests are held to (``Engine.ctx_limit``; a plan's own
+        otherwise). ``compile_backend``: the ``torch.compile`` backend (tests pass a cheap one that runs the traced
+        graphs).
 
         ``gpu_paths``: the GPU paths and kernel switches (``engine.settings.GpuPaths``, read once where the process
         started: ``GpuPaths.from_env()``): the kernels' switches are set from it (``engine.kernels.switches.use``)
         and streamed experts are fetched as its ``expert_fetch`` says. None: the process's switches as they are
         (the defaults unless something set them) and the slot pool.
         """
-        folder = Path(model_dir)
+        folder = Path(source)
         is_gguf = folder.suffix == ".gguf"  # a GGUF file (or the first part of a split set): engine.weights.gguf.model
+        plan = Plan.from_dict(placement) if isinstance(placement, dict) else placement
+        precision, dtype = resolve_precision(folder, precision, dtype, plan)
         if not is_gguf:
             if not folder.is_dir():
                 raise ConfigError(f"{folder}: model folder not found")
@@ -230,44 +289,27 @@ class Engine:
         if gpu_paths is not None:
             switches.use(gpu_paths)
         fetch = gpu_paths.expert_fetch if gpu_paths is not None else "pool"
-        if plan is None and vram_gb is not None:
-            plan = plan_for(folder, vram_gb, ctx_tokens, dtype or "float32", gguf_layout)
-        if isinstance(plan, dict):
-
-            plan = Plan.from_dict(plan)
-        if plan is not None:
-            planned = _TORCH_NAME_OF_FORMAT.get(plan.compute_dtype, plan.compute_dtype)
-            if dtype is not None and parse_dtype(dtype) != parse_dtype(planned):
-                raise PlanError(
-                    f"the plan counts the device's weights and KV cache in {planned}, but dtype {dtype} was asked "
-                    f"for: plan again for {dtype}"
-                )
-            dtype = planned
-        dtype = dtype or "float32"
         torch_dtype = parse_dtype(dtype)
         if is_gguf:
-
             if plan is not None:
-
                 _check_plan_here(plan, manifest_from_gguf(folder, gguf_layout), device)
             model, config, defaults, tokenizer, ar_only = load_gguf_engine(
                 folder, device=device, dtype=torch_dtype, layout=gguf_layout, progress=progress, cancel=cancel,
                 plan=plan, expert_fetch=fetch,
             )
-        elif plan is None:
-
+        elif precision == "nf4":
+            model = _load_quantized_placed(folder, plan, device, torch_dtype, progress, cancel, fetch)
+        else:
             model = load_model(
                 folder, dtype=torch_dtype, device=device, progress=progress, cancel=cancel, config=config
             )
-        else:
-            plan, model = _load_planned(folder, plan, device, torch_dtype, progress, cancel, fetch)
-        if plan is not None:
-            if plan.prefill_chunk_tokens:
-                model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
-
+        if plan is not None and plan.prefill_chunk_tokens:
+            model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
+        if plan is not None or offload.runtime_of(model) is not None:  # placed (the quantized cache always is)
             hooks = loop_hooks(model)
         log.info(
-            "loaded %s (%s, %d layers) on %s as %s", folder, config.model_type, config.num_hidden_layers, device, dtype
+            "loaded %s (%s, %d layers) on %s, precision %s, computing in %s", folder, config.model_type,
+            config.num_hidden_layers, device, precision, dtype,
         )
         compile_skipped = None
         if compile and compile_backend == "inductor":
@@ -279,6 +321,7 @@ class Engine:
                                           current=compile_skipped))
         engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped,
                      dataclasses.replace(switches.current(), expert_fetch=fetch))
+        engine.precision = precision
         if plan is None and ctx_tokens:  # no plan (system RAM): the context the load was asked for, all the same
             engine.ctx_limit = int(ctx_tokens)
         if compile and not compile_skipped:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from clover_desk.bench.speed import _build_random_model, _config  # noqa: E402
+from clover_desk.bench.random_model import _build_random_model, _config  # noqa: E402
 from engine.api import Engine  # noqa: E402
 from engine.decode.events import GenerationParams, PromptInfo  # noqa: E402
 from engine.decode.prompt_cache import PromptCache  # noqa: E402

@@ -277,7 +277,7 @@ def main() -> int:
 
     # 3. the VRAM panel
     window.tabs.setCurrentWidget(desk.vram_panel)
-    desk.vram_panel.set_budget_bytes(int(13.5 * GIB))
+    desk.vram_panel.set_vram_budget_bytes(int(13.5 * GIB))
     # the engine runs under a 12 GiB / 8K plan; the slider proposes another one ("Apply to reload under this plan")
     desk.vram_panel.set_in_use(desk.vram_panel.plan_for(int(12 * GIB), 8192).to_dict(), "cuda")
     settle(200)

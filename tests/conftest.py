@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+
+import pytest
 
 # transformers 5.23 takes flash-linear-attention's GDN kernels whenever `fla` imports, whatever the device, and they
 # cannot run on a CPU outside Triton's interpreter: the numerical reference must stay on its PyTorch path. (The fla
@@ -32,3 +35,19 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
     except ImportError:
         return  # no QtWebEngine: the webengine-marked tests skip
     register_schemes()
+
+
+@pytest.fixture
+def cpu_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The portable dequantizing expert path (what a GPU runs) in place of the CPU kernels, for tests that pin its
+    numbers, op counts, piece cuts or syncs. The CPU kernels read the codes in place and round activations to int8
+    blocks (tested in tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py). Off for
+    this process and, through CLOVER_DESK_CPU_KERNELS=0, for whatever re-reads ``GpuPaths.from_env()`` (Engine.load's
+    callers, the CLI commands and subprocesses a test runs). Use it with
+    ``pytestmark = pytest.mark.usefixtures("cpu_kernels_off")``."""
+    from engine.kernels import cpu_quant
+
+    monkeypatch.setenv("CLOVER_DESK_CPU_KERNELS", "0")
+    before = cpu_quant.set_enabled(False)
+    yield
+    cpu_quant.set_enabled(before)

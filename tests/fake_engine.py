@@ -47,12 +47,13 @@ class FakeConfig:
 
 def make(
     model_dir: str,
+    *,
     device: str = "cpu",
+    precision: str | None = None,
+    placement: dict | None = None,
     dtype: str = "float32",
-    vram_gb: float | None = None,
     progress: Callable[[LoadProgress], None] | None = None,
     cancel: threading.Event | None = None,
-    plan: dict | None = None,
     compile: bool = False,
     ctx_tokens: int | None = None,  # the context a load without a plan holds requests to (the app sends it)
     gpu_paths: Any = None,  # the worker's engine.settings.GpuPaths (every load gets it)

@@ -7,7 +7,7 @@ from engine.placement.planner import Plan
 GIB = 1024**3
 
 
-def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> Plan:
+def fake_plan(vram_budget_bytes: int, ctx_tokens: int, layers: int = 40) -> Plan:
     """A real ``Plan`` with made-up numbers (the budget and context left unset, as a hand-made plan has them)."""
     non_expert = int(2.6 * GIB)
     per_layer = int(0.42 * GIB)
@@ -18,14 +18,14 @@ def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> Plan:
     reserve = int(0.6 * GIB)
     fixed = non_expert + kv + state + workspace + reserve
     minimum = fixed + slots
-    room = vram_bytes - fixed
+    room = vram_budget_bytes - fixed
     resident = max(0, min(layers, room // per_layer))
     streamed = layers - resident
     use_slots = slots if streamed else 0
     if streamed and resident * per_layer + use_slots > room:
         resident = max(0, (room - use_slots) // per_layer)
         streamed = layers - resident
-    fits = vram_bytes >= minimum
+    fits = vram_budget_bytes >= minimum
     breakdown = {
         "non_expert": non_expert,
         "resident_experts": resident * per_layer,
@@ -39,7 +39,7 @@ def fake_plan(vram_bytes: int, ctx_tokens: int, layers: int = 40) -> Plan:
         resident_expert_layers=list(range(resident)),
         streamed_expert_layers=list(range(resident, layers)),
         slot_pool_experts=64 if streamed else 0,
-        vram_bytes=sum(breakdown.values()),
+        vram_used_bytes=sum(breakdown.values()),
         vram_breakdown=breakdown,
         ram_bytes=streamed * per_layer + int(1.5 * GIB),
         fits=fits,
@@ -106,6 +106,7 @@ class FakeEngineClient(QObject):
         self.loads: list[tuple[str, str, str, float | None]] = []
         self.ctx_loads: list[int | None] = []  # the planned context sent with each load
         self.plans: list[dict | None] = []  # the plan sent with each load (None: no plan)
+        self.precisions: list[str | None] = []  # the precision sent with each load (None: the dtype's)
         self.compiles: list[bool] = []  # whether each load asked for compiled layers
         self.env: dict[str, str] = {}  # set_env: the next worker's extra environment
         self.started_env: dict[str, str] = {}  # the running worker's (set at start / restart, as the real client)
@@ -167,8 +168,10 @@ class FakeEngineClient(QObject):
         self.state = "stopped"
 
     def load(self, model_dir, device: str = "cpu", dtype: str = "float32", vram_gb: float | None = None,  # noqa: ANN001
-             ctx_tokens: int | None = None, plan: dict | None = None, compile: bool = False) -> None:
+             ctx_tokens: int | None = None, plan: dict | None = None, compile: bool = False,
+             precision: str | None = None) -> None:
         self.loads.append((str(model_dir), device, dtype, vram_gb))
+        self.precisions.append(precision)
         self.compiles.append(compile)
         self.ctx_loads.append(ctx_tokens if plan is None else plan.get("ctx_tokens"))
         self.plans.append(plan)

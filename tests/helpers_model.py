@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from engine.kernels import cpu_quant
 from engine.model.clover import CloverModel
 from engine.model.config import CloverConfig, parse_config
 from engine.weights.checkpoint import model_from_state_dict, random_state_dict
@@ -77,15 +76,6 @@ def greedy(model: CloverModel, prompt: torch.Tensor, steps: int) -> list[int]:
         out.append(nxt)
         logits = model(torch.tensor([nxt]), cache.length, cache)
     return out
-
-
-def cpu_kernels_off() -> Iterator[None]:
-    """Fixture body: the expert path is the portable dequantizing one, as a GPU runs it (the CPU kernels, which read
-    the codes in place and round activations to int8 blocks, are tested in tests/engine/test_cpu_quant_own.py and
-    by the KL bound in tests/test_quant_cache.py)."""
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
 
 
 def one_thread() -> Iterator[None]:

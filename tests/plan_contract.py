@@ -8,7 +8,7 @@ PLACEMENT_KEYS = (
     "resident_expert_layers",
     "streamed_expert_layers",
     "slot_pool_experts",
-    "vram_bytes",
+    "vram_used_bytes",
     "vram_breakdown",
     "ram_bytes",
     "fits",

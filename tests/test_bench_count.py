@@ -4,26 +4,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from clover_desk.bench.speed import _forward_ops
+from clover_desk.bench.count import _forward_ops
 from clover_desk.cli import main as cli
-from engine.kernels import cpu_quant
 
-
-@pytest.fixture(autouse=True)
-def dequantizing_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The counts here are those of the portable dequantizing path (what a GPU runs). The CPU
-    kernels, which read the codes in place and round activations to int8 blocks, are tested in
-    tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py. Off for
-    this process and for the commands run here (they read the switch from GpuPaths)."""
-    monkeypatch.setenv("CLOVER_DESK_CPU_KERNELS", "0")
-    before = cpu_quant.set_enabled(False)
-    yield
-    cpu_quant.set_enabled(before)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 
 def test_the_count_sees_ops_reads_and_the_bytes_each_op_writes() -> None:
@@ -137,7 +125,7 @@ def test_bench_count_with_device_tables_leaves_an_ar_step_whole(capsys: pytest.C
 def test_a_cpu_count_can_dispatch_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU an expert group is one expert named by a host read of its id (cheap there, not what a GPU runs):
     the count sees those reads, and counted as on a GPU (the card's group size, no CPU int8 GEMV) there are none."""
-    from clover_desk.bench.speed import _build_random_model, _config, _dispatch_as_on_a_gpu
+    from clover_desk.bench.random_model import _build_random_model, _config, _dispatch_as_on_a_gpu
     from engine.model import experts
     from engine.weights import quant
 
@@ -195,7 +183,7 @@ def test_bench_speed_runs_the_placed_path(capsys: pytest.CaptureFixture[str]) ->
 def test_the_implied_launch_cost_is_the_time_above_the_bound_per_op() -> None:
     """What a GPU run of the card's path gives the planner's one assumption (Roofline.launch_us): 20 tok/s against a
     bound of 100 tok/s over 4,000 ops is (50 ms - 10 ms) / 4,000 = 10 us."""
-    from clover_desk.bench.speed import _launch_cost_line
+    from clover_desk.bench.timing import _launch_cost_line
 
     line = _launch_cost_line(100.0, {"ar_decode_tok_s": 20.0, "ar_step_ops": 4000})
     assert line.startswith("implied cost of one eager launch: 10.0 us = (1 / 20.0 tok/s - 1 / 100 tok/s"), line
@@ -205,11 +193,11 @@ def test_the_implied_launch_cost_is_the_time_above_the_bound_per_op() -> None:
 def test_the_peak_vram_line_sets_what_torch_held_against_what_the_plan_counted() -> None:
     """gpu_check's card_path prints it: the plan's total less the CUDA context (which torch's allocator never sees)
     is what the allocator may reserve; a GPU run says whether the planner's workspace holds."""
-    from clover_desk.bench.speed import _peak_vram_line
+    from clover_desk.bench.timing import _peak_vram_line
     from engine.placement.planner import CUDA_CONTEXT_BYTES, plan_model
 
     plan = plan_model("shape:clover-35b-a3b", 16 * 2**30, 4096)
-    counted = plan.vram_bytes - CUDA_CONTEXT_BYTES
+    counted = plan.vram_used_bytes - CUDA_CONTEXT_BYTES
     line = _peak_vram_line(counted // 2, counted // 4 * 3, plan)
     assert line.startswith("peak GPU memory (torch): ") and "reserved is 75% of that" in line, line
     assert f"the plan counts {counted / 2**30:.2f} GiB" in line
@@ -219,7 +207,7 @@ def test_the_peak_vram_line_sets_what_torch_held_against_what_the_plan_counted()
 def test_the_group_sweep_times_each_group_size_and_puts_group_bytes_back() -> None:
     """--moe-only's sweep: the dequantize-then-matmul pass at 4, 8 and 16 experts per group (what a GPU run picks
     engine.model.experts.GROUP_BYTES by), the module's setting as it was afterwards."""
-    from clover_desk.bench.speed import _group_sweep_line, _moe_routing, _random_nf4_bank
+    from clover_desk.bench.moe_only import _group_sweep_line, _moe_routing, _random_nf4_bank
     from engine.model import experts
 
     gen = torch.Generator().manual_seed(0)
@@ -243,7 +231,7 @@ def test_the_zero_copy_line_times_a_streamed_ar_step_four_ways() -> None:
     """--moe-only's AR step of one streamed layer: through a k-slot pool (fresh routing every step, so nearly every
     expert misses), through device slot tables (a 2k-slot pool), in place (zero-copy) and resident, the device tables'
     and in-place outputs equal to the resident one. On the CPU the "mapping" is the host rows themselves."""
-    from clover_desk.bench.speed import ZERO_COPY_STEPS, _random_nf4_bank, _zero_copy_line
+    from clover_desk.bench.moe_only import ZERO_COPY_STEPS, _random_nf4_bank, _zero_copy_line
 
     gen = torch.Generator().manual_seed(0)
     e, k, d, i = 32, 4, 64, 64
@@ -268,7 +256,7 @@ def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
     """--moe-only's bitsandbytes GEMV line: per expert, gate_up and down addressed in the NF4 row (codes and absmax
     segments, shapes [2I, D] and [D, I]). On the CPU bitsandbytes' own GEMV reads a repacked layout, so the
     addressing is checked with a reference GEMV (dequantize the segment, then multiply): the engine's output."""
-    from clover_desk.bench.speed import _bnb_gemv_line, _moe_routing, _random_nf4_bank, bnb_gemv_moe
+    from clover_desk.bench.moe_only import _bnb_gemv_line, _moe_routing, _random_nf4_bank, bnb_gemv_moe
     from engine.weights.quant import dequantize_nf4_reference
 
     gen = torch.Generator().manual_seed(0)
@@ -291,7 +279,7 @@ def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
 
 FUSED_LINE_CHILD = r'''
 import torch
-from clover_desk.bench.speed import FUSED_WARPS, _fused_line, _moe_routing, _random_nf4_bank
+from clover_desk.bench.moe_only import FUSED_WARPS, _fused_line, _moe_routing, _random_nf4_bank
 from engine.kernels import cpu_quant, triton_moe
 
 cpu_quant.set_enabled(False)  # the line's reference is the grouped dequantize-then-matmul path, not the CPU kernels

@@ -29,7 +29,7 @@ def test_json_contract_through_the_entry_point() -> None:
     assert CONTRACT_KEYS <= set(plan)
     assert plan["fits"] is True and plan["reason"] == ""
     assert set(plan["vram_breakdown"]) == BREAKDOWN_KEYS
-    assert plan["vram_bytes"] == sum(plan["vram_breakdown"].values()) <= 16 * GiB
+    assert plan["vram_used_bytes"] == sum(plan["vram_breakdown"].values()) <= 16 * GiB
     assert sorted(plan["resident_expert_layers"] + plan["streamed_expert_layers"]) == list(range(40))
     assert plan["vram_breakdown"]["kv_cache"] == 20_480 * 16_384  # default --ctx 16384
     assert plan["predicted_tok_s"]["ar"] > 0 and plan["predicted_tok_s"]["diffusion"] > 0

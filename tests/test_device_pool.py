@@ -21,12 +21,11 @@ from engine.placement.offload import HostExpertStore, SimplePlan, SlotPool, appl
 from engine.weights.checkpoint import random_state_dict
 from engine.weights.quant import make_policy, quantize_model_
 from engine.weights.tiny import config_dict_for, tiny_text_config
-from tests.helpers_model import cpu_kernels_off, one_thread
+from tests.helpers_model import one_thread
 from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
 from tests.triton_child import run_interpreted
 
-# These tests model the card's device tables, pieces and syncs with the dequantizing expert path, as a GPU runs it
-_card_path_on_the_cpu = pytest.fixture(autouse=True)(cpu_kernels_off)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 
 _single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest

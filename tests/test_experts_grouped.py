@@ -13,10 +13,8 @@ import torch
 from engine.model import experts as ex
 from engine.model.experts import DenseExpertBank, moe_grouped, routed_reference
 from engine.weights.quant import QuantExpertBank, routed_forward, routed_forward_reference, unpack_rows
-from tests.helpers_model import cpu_kernels_off
 
-# These tests pin the dequantizing grouped compute's numbers on the CPU
-_dequantizing_path = pytest.fixture(autouse=True)(cpu_kernels_off)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 E, D, I, K = 16, 64, 32, 4  # NF4: 2I*D and D*I are whole blocks of 64 -> one dequantize call per group
 GROUPS = [None, 1, 3, 64]  # default (CPU: 1), small, uneven, all used experts at once
@@ -174,7 +172,7 @@ def test_one_group_of_dequantized_weights_is_alive_at_a_time(t: int) -> None:
     """Each group's weights are dropped before the next group's are dequantized: the caching allocator then reuses
     the block, so a 32-slot pass holds one group (96 MiB for the 35B on a GPU), not two (found with bench speed
     --count's scratch line). Groups of 6 experts then hold 3 experts' weights more than groups of 3, not 6 more."""
-    from clover_desk.bench.speed import _forward_ops
+    from clover_desk.bench.count import _forward_ops
 
     bank = _qbank("nf4")
     idx, w = _routing(t)

@@ -134,7 +134,7 @@ print("ok")
 
 BENCH = SHIMS + r'''
 import torch
-from clover_desk.bench.speed import gdn_lines
+from clover_desk.bench.moe_only import gdn_lines
 gdn_lines("cpu", torch.float32, 1, shape="mid", prompt=70)
 '''
 

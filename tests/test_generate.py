@@ -377,8 +377,9 @@ def test_deltas_are_only_emitted_for_committed_blocks() -> None:
 
 from fixtures_tiny import one_torch_thread, tiny_clover_dir, tiny_qwen_dir  # noqa: E402,F401
 
-from engine.api import Engine  # noqa: E402
+from engine.api import Engine, plan_for  # noqa: E402
 from engine.decode.events import GenerationParams  # noqa: E402
+from engine.defaults import GIB  # noqa: E402
 
 PLAIN = dict(presence_penalty=0.0, repetition_penalty=1.0)  # penalties off where a reference is recomputed by hand
 
@@ -518,7 +519,7 @@ def test_engine_under_a_vram_budget_uses_the_offload_plan(tiny_clover_dir, tmp_p
     from fixtures_tiny import copy_model
 
     folder = copy_model(tiny_clover_dir, tmp_path / "m")  # the quantized cache is written beside the model
-    engine = Engine.load(folder, device="cpu", vram_gb=2.0)
+    engine = Engine.load(folder, device="cpu", precision="nf4", placement=plan_for(folder, 2 * GIB, dtype="float32"))
     assert engine.plan is not None and engine.plan.fits
     done = finished(list(engine.generate(prompt="hi", params=GenerationParams(max_new_tokens=6, block_size=8))))
     assert done.tokens >= 1
@@ -558,7 +559,7 @@ def test_planned_engine_keeps_the_embedding_in_ram_and_holds_to_the_planned_cont
     from engine.placement.offload import runtime_of
 
     folder = copy_model(tiny_clover_dir, tmp_path / "m")
-    engine = Engine.load(folder, device="cpu", vram_gb=2.0, ctx_tokens=96)
+    engine = Engine.load(folder, device="cpu", precision="nf4", placement=plan_for(folder, 2 * GIB, 96, "float32"))
     plan, model = engine.plan, engine.model
     assert plan.ctx_tokens == 96
     assert model.max_pass_tokens == plan.prefill_chunk_tokens > 0

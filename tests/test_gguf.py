@@ -17,8 +17,9 @@ import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 from helpers_model import greedy
 
-from engine.api import Engine
+from engine.api import Engine, plan_for
 from engine.decode.events import BlockStep, Finished, GenerationParams
+from engine.defaults import GIB
 from engine.errors import ConfigError, PromptError
 from engine.kernels import cpu_quant
 from engine.placement.manifest import manifest_from_gguf
@@ -241,7 +242,8 @@ def test_engine_refuses_diffusion_for_the_upstream_layout(files) -> None:  # typ
         engine.generate(prompt="Hi", params=GenerationParams(mode="diffusion", max_new_tokens=4))
     events = list(engine.generate(prompt="Hi", params=GenerationParams(mode="ar", max_new_tokens=4)))
     assert isinstance(events[-1], Finished) and events[-1].tokens == 4
-    planned = Engine.load(files[("Q8_0", "upstream")], vram_gb=8)  # a plan works for an AR-only file too
+    upstream = files[("Q8_0", "upstream")]
+    planned = Engine.load(upstream, placement=plan_for(upstream, 8 * GIB, dtype="float32"))  # an AR-only file too
     assert planned.plan is not None and planned.ar_only
     with pytest.raises(PromptError, match="upstream llama.cpp's layout"):
         planned.generate(prompt="Hi", params=GenerationParams(mode="diffusion", max_new_tokens=4))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from fixtures_tiny import one_torch_thread  # noqa: F401
 
-from engine.api import Engine
+from engine.api import Engine, plan_for
 from engine.decode.events import Finished, GenerationParams, LoadProgress
 from engine.errors import CancelledError, ConfigError, PlanError
 from engine.kernels import cpu_quant
@@ -138,7 +138,7 @@ def test_placed_bytes_are_the_planned_bytes(files: dict[str, Path], qtype: str) 
     path = files[qtype]
     per_expert, _ = file_bytes_per_expert(path, 0)
     for name, plan in plans_for(path).items():
-        engine = Engine.load(path, plan=plan.to_dict())  # the dict a plan event carries
+        engine = Engine.load(path, placement=plan.to_dict())  # the dict a plan event carries
         rt = runtime_of(engine.model)
         assert rt is not None and engine.plan is not None
         for kind in ("non_expert", "resident_experts", "expert_slots"):  # every device byte, as planned
@@ -173,7 +173,7 @@ def test_streaming_never_changes_a_token(files: dict[str, Path], qtype: str) -> 
     reference = load_gguf_model(path, keep_quantized=False).model  # every tensor dequantized, dense banks
     ids = torch.tensor(PROMPT)
     for name, plan in plans_for(path).items():
-        engine = Engine.load(path, plan=plan)
+        engine = Engine.load(path, placement=plan)
         for mode in ("ar", "diffusion"):
             assert tokens(engine, mode) == want[mode], (name, mode)
         acc = runtime_of(engine.model).accounting()  # type: ignore[union-attr]
@@ -195,7 +195,7 @@ def test_loading_under_a_plan_reports_progress_and_can_be_cancelled(files: dict[
     path = files["Q4_0"]
     plan = plans_for(path)["some"]
     seen: list[LoadProgress] = []
-    Engine.load(path, plan=plan, progress=seen.append)
+    Engine.load(path, placement=plan, progress=seen.append)
     assert seen[-1].stage == "done" and seen[-1].done_bytes == seen[-1].total_bytes > 0
     reading = [p for p in seen if p.stage == "reading"]
     assert reading[-1].done_bytes == reading[-1].total_bytes
@@ -205,7 +205,7 @@ def test_loading_under_a_plan_reports_progress_and_can_be_cancelled(files: dict[
         cancel.set()
 
     with pytest.raises(CancelledError, match="cancelled"):
-        Engine.load(path, plan=plan, progress=stop, cancel=cancel)
+        Engine.load(path, placement=plan, progress=stop, cancel=cancel)
 
 
 # ---- a plan for another model is refused ---------------------------------------------------------------------
@@ -215,15 +215,15 @@ def test_a_plan_for_another_file_or_the_folder_is_refused_in_one_line(files: dic
     q8, q4 = plans_for(files["Q8_0"])["some"], plans_for(files["Q4_0"])["some"]
     assert q8.model_fingerprint != q4.model_fingerprint
     with pytest.raises(PlanError, match="made for another model") as err:
-        Engine.load(files["Q4_0"], plan=q8)
+        Engine.load(files["Q4_0"], placement=q8)
     assert "\n" not in str(err.value)
     folder_plan = planner.plan_model(wide_dir, 4 * GIB, CTX, machine(), compute_dtype="fp32")
     assert folder_plan.fits
     with pytest.raises(PlanError, match="made for another model") as err:  # NF4 cache bytes, not the file's
-        Engine.load(files["Q4_0"], plan=folder_plan)
+        Engine.load(files["Q4_0"], placement=folder_plan)
     assert "\n" not in str(err.value)
     with pytest.raises(PlanError, match="made for another model"):
-        Engine.load(wide_dir, plan=q4)
+        Engine.load(wide_dir, precision="nf4", placement=q4)
 
 
 def test_the_layout_override_plans_and_loads(wide_dir: Path, tmp_path: Path) -> None:
@@ -231,8 +231,8 @@ def test_the_layout_override_plans_and_loads(wide_dir: Path, tmp_path: Path) -> 
     from the header read that way too."""
     path = write_gguf(wide_dir, tmp_path / "stripped.gguf", "Q8_0", layout="fork", diffusion_tensors=False)[0]
     with pytest.raises(ConfigError, match="layout 'fork'"):
-        Engine.load(path, vram_gb=4, ctx_tokens=CTX)
-    engine = Engine.load(path, vram_gb=4, ctx_tokens=CTX, gguf_layout="fork")
+        Engine.load(path, placement=plan_for(path, 4 * GIB, CTX, "float32"))
+    engine = Engine.load(path, placement=plan_for(path, 4 * GIB, CTX, "float32", "fork"), gguf_layout="fork")
     assert engine.plan is not None and engine.plan.fits
     assert tokens(engine, "ar") == tokens(Engine.load(path, gguf_layout="fork"), "ar")
 
@@ -268,7 +268,7 @@ def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str,
 
     path = files["Q4_K"]
     plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)
-    engine = Engine.load(path, plan=plan)
+    engine = Engine.load(path, placement=plan)
     want = tokens(engine, "ar")
     assert offload.set_zero_copy(engine.model, True) == {}
     rt = runtime_of(engine.model)
@@ -286,7 +286,7 @@ def test_device_tables_fetch_a_gguf_files_streamed_experts(files: dict[str, Path
 
     path = files["Q4_K"]
     plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)
-    engine = Engine.load(path, plan=plan)
+    engine = Engine.load(path, placement=plan)
     want = tokens(engine, "ar")
     assert offload.set_device_pool(engine.model, True) == ""
     rt = runtime_of(engine.model)

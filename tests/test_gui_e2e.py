@@ -163,12 +163,12 @@ def test_vram_apply_on_the_cpu_saves_the_budget_and_says_the_model_runs_from_ram
     The reload under a plan is tested with a GPU's hardware facts in test_main_window and in test_worker."""
     window, panel = desk.window, desk.vram_panel
     window.tabs.setCurrentWidget(panel)
-    panel.set_budget_bytes(panel.slider.maximum() * 128 * 1024**2 - 1024**3)
+    panel.set_vram_budget_bytes(panel.slider.maximum() * 128 * 1024**2 - 1024**3)
     assert panel.plan.fits and panel.apply_button.isEnabled()
     pid, state = desk.client.pid, desk.client.state
     with qtbot.assertNotEmitted(desk.client.loaded, wait=300):
         panel.apply_button.click()
-    assert desk.settings.vram_budget_bytes == panel.budget_bytes()
+    assert desk.settings.vram_budget_bytes == panel.vram_budget_bytes()
     assert desk.client.pid == pid and desk.client.state == state
     assert "system RAM" in panel.status_label.text() and "runs under this plan" not in panel.status_label.text()
     assert '"vram_budget_bytes"' in desk.settings_path.read_text()

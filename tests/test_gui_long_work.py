@@ -131,7 +131,7 @@ def test_quantizing_for_a_plan_shows_in_the_load_banner(qtbot, desk, tiny_clover
     floor = plan_model(tiny_clover_dir, 0, 512).min_vram_bytes
     plan = plan_model(tiny_clover_dir, floor, 512).to_dict()
     with qtbot.waitSignal(desk.client.loaded, timeout=LOAD_MS):
-        desk.client.load(str(tiny_clover_dir), device="cpu", dtype="bfloat16", plan=plan)
+        desk.client.load(str(tiny_clover_dir), device="cpu", dtype="bfloat16", precision="nf4", plan=plan)
     stages = {stage: (text, visible) for stage, text, visible in shown}
     assert stages["quantizing"] == ("Quantizing…", True)
     assert "reading" in stages and stages["reading"] == ("Reading weights…", True)
@@ -148,7 +148,7 @@ def test_a_chat_longer_than_the_planned_context_goes_on_in_a_new_chat_with_a_sum
     window, store = desk.window, desk.store
     floor = plan_model(tiny_clover_dir, 0, 512).min_vram_bytes
     with qtbot.waitSignal(desk.client.loaded, timeout=LOAD_MS):
-        desk.client.load(str(tiny_clover_dir), device="cpu", dtype="bfloat16",
+        desk.client.load(str(tiny_clover_dir), device="cpu", dtype="bfloat16", precision="nf4",
                          plan=plan_model(tiny_clover_dir, floor, 512).to_dict())
     assert window.long_chats.limit == 512
     conv = store.create_conversation("Keepers", system_prompt="Answer briefly.",

@@ -232,7 +232,6 @@ SIZE_EXCEPTIONS = frozenset({
     "engine/model/clover.py",
     "engine/placement/offload.py",
     "engine/weights/quant_cache.py",
-    "clover_desk/bench/speed.py",
     "clover_desk/worker/process.py",
 })
 CLASS_SIZE_EXCEPTIONS = frozenset({

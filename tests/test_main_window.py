@@ -436,7 +436,7 @@ def test_preview_and_vram_tabs(qtbot, store) -> None:
     assert window.tabs.currentWidget() is preview
     assert window.preview_follows is None  # a finished answer: nothing to follow
     with qtbot.waitSignal(window.applyPlanRequested, timeout=1000) as blocker:
-        panel.set_budget_bytes(12 * 1024**3)
+        panel.set_vram_budget_bytes(12 * 1024**3)
         panel.apply_button.click()
     assert blocker.args == [12 * 1024**3, DEFAULT_CTX_TOKENS]
 
@@ -559,13 +559,13 @@ def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
                              hardware=gpu, with_preview=False, with_model_manager=False)
     qtbot.addWidget(desk.window)
     # nothing applied yet: the first load on a GPU is planned for the panel's proposal, never the whole BF16 model
-    proposed = desk.vram_panel.budget_bytes()
+    proposed = desk.vram_panel.vram_budget_bytes()
     assert 0 < proposed < 16 * 1024**3
     # the load carries the plan the panel shows (the worker places it as is); the folder does not exist here, so
     # the panel plans for the published model's shape
     assert client.loads == [("/models/first", "cuda", "bfloat16", None)]
     shown = desk.vram_panel.plan_for(proposed, desk.vram_panel.ctx_tokens()).to_dict()
-    assert client.plans == [shown] and shown["budget_vram_bytes"] == proposed
+    assert client.plans == [shown] and shown["vram_budget_bytes"] == proposed
     assert client.ctx_loads == [desk.vram_panel.ctx_tokens()]
     assert desk.vram_panel.applied == (proposed, desk.vram_panel.ctx_tokens())
     assert desk.window.engine_status.engine_label.text() == "● Ready"
@@ -574,7 +574,7 @@ def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
         desk.window.on_model_chosen("/models/second")
     assert client.loads[-1][0] == "/models/second"
     panel = desk.vram_panel
-    panel.set_budget_bytes(12 * 1024**3)
+    panel.set_vram_budget_bytes(12 * 1024**3)
     with qtbot.waitSignal(client.loaded, timeout=2000):
         panel.apply_button.click()
     assert client.plans[-1] == panel.plan_for(12 * 1024**3, panel.ctx_tokens()).to_dict()

@@ -384,7 +384,7 @@ def test_a_prefill_over_many_blocks_holds_no_mask_of_its_keys() -> None:
     up to its own end (engine.model._attention_by_rows): its scratch does not grow with the context. A [T, S] mask
     (bool, and repeated for the folded heads) grew by T bytes per key, and on a GPU SDPA made a padded bf16 bias of
     it: ~280 MB for a 416-token prefill segment at a 16K context with the 35B's heads."""
-    from clover_desk.bench.speed import _forward_ops
+    from clover_desk.bench.count import _forward_ops
 
     model = tiny_model(tiny_config("clover_moe"), seed=13)
     t = 8 * BLOCK

@@ -169,7 +169,7 @@ def test_one_default_context_and_card() -> None:
     # no budget and no GPU: a plan for the default card
     no_gpu = Hardware(ram_available_bytes=64 * GIB)
     plan = planner.plan_model(planner.SHAPE_PREFIX + "clover-35b-a3b", None, hardware=no_gpu)
-    assert plan.budget_vram_bytes == 16 * GIB and plan.ctx_tokens == DEFAULT_CTX_TOKENS and plan.gpu_name is None
+    assert plan.vram_budget_bytes == 16 * GIB and plan.ctx_tokens == DEFAULT_CTX_TOKENS and plan.gpu_name is None
 
 
 def test_a_context_over_the_models_limit_is_refused_with_the_limit(clover35: Path) -> None:
@@ -222,7 +222,7 @@ def test_the_engine_places_exactly_the_plan_and_never_plans_again(
     from engine.placement.offload import StreamedExpertBank, runtime_of
 
     folder, plans = tiny_streaming
-    assert {len(p.streamed_expert_layers) for p in plans} >= {0, 4} and len({p.to_dict()["vram_bytes"] for p in plans}) == 4
+    assert {len(p.streamed_expert_layers) for p in plans} >= {0, 4} and len({p.to_dict()["vram_used_bytes"] for p in plans}) == 4
 
     def no_planning(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the engine planned again")
@@ -230,7 +230,7 @@ def test_the_engine_places_exactly_the_plan_and_never_plans_again(
     monkeypatch.setattr(planner, "make_plan", no_planning)
     for plan in plans:
         assert plan.fits, plan.reason
-        engine = Engine.load(folder, device="cpu", plan=plan.to_dict())  # the dict a plan event carries
+        engine = Engine.load(folder, device="cpu", precision="nf4", placement=plan.to_dict())  # the dict a plan event carries
         rt = runtime_of(engine.model)
         assert rt is not None and placement(engine.plan) == placement(plan)
         assert list(rt.streamed_layers) == plan.streamed_expert_layers
@@ -252,7 +252,7 @@ def test_streaming_under_the_plan_never_changes_a_token(tiny_streaming: tuple[Pa
     folder, plans = tiny_streaming
     outputs = set()
     for plan in plans:
-        engine = Engine.load(folder, device="cpu", plan=plan)
+        engine = Engine.load(folder, device="cpu", precision="nf4", placement=plan)
         for mode in ("diffusion", "ar"):
             params = GenerationParams(mode=mode, max_new_tokens=24, block_size=8, threshold=0.3)
             done = [e for e in engine.generate(prompt_ids=[5, 9, 14, 3, 22], params=params) if isinstance(e, Finished)]
@@ -270,17 +270,17 @@ def test_a_stale_plan_is_refused_with_one_line(tiny_streaming: tuple[Path, list[
     cfg["num_experts_per_tok"] = 2  # another routing: not the model the plan was made for
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(PlanError, match="made for another model") as err:
-        Engine.load(other, device="cpu", plan=plans[1])
+        Engine.load(other, device="cpu", precision="nf4", placement=plans[1])
     assert "\n" not in str(err.value)
     with pytest.raises(PlanError, match="does not fit"):
-        Engine.load(folder, device="cpu", plan=planner.plan_model(folder, 1000, 96, machine(16)))
+        Engine.load(folder, device="cpu", precision="nf4", placement=planner.plan_model(folder, 1000, 96, machine(16)))
     with pytest.raises(PlanError, match="missing field"):
-        Engine.load(folder, device="cpu", plan={"fits": True})
+        Engine.load(folder, device="cpu", precision="nf4", placement={"fits": True})
 
 
 def test_generate_announces_the_plan_that_plan_json_prints(tiny_streaming: tuple[Path, list[planner.Plan]]) -> None:
     folder, plans = tiny_streaming
-    budget_gib = plans[1].budget_vram_bytes / GIB
+    budget_gib = plans[1].vram_budget_bytes / GIB
     gen = subprocess.run(
         [*CLI, "generate", "--model", str(folder), "--prompt-ids", "5,9,14", "--max-new-tokens", "4",
          "--vram-gb", repr(budget_gib), "--ctx", "128", "--dtype", "bfloat16", "--json"],
@@ -378,7 +378,7 @@ def test_a_read_ahead_adds_forwards_for_turn_checkpoints_only_when_no_expert_is_
     params = GenerationParams(mode="diffusion", max_new_tokens=4, do_sample=False, block_size=8)
     seen = {}
     for name, plan in (("streamed", streamed), ("resident", resident)):
-        engine = Engine.load(folder, plan=plan)
+        engine = Engine.load(folder, precision="nf4", placement=plan)
         calls: list[int] = []
         forward = engine.model.forward
 

@@ -162,7 +162,7 @@ def test_unknown_shape_and_bad_policy_are_named() -> None:
 def _check_accounting(plan: Plan, manifest: planner.Manifest, ctx: int) -> None:
     b = plan.vram_breakdown
     assert set(b) == BREAKDOWN_KEYS
-    assert plan.vram_bytes == sum(b.values())
+    assert plan.vram_used_bytes == sum(b.values())
     on_gpu = [e for e in manifest if e.kind not in ("expert", "embed")]
     # placed for bf16 compute: plain float tensors in bf16, A_log / dt_bias in fp32, quantized ones as stored
     assert b["non_expert"] == sum(placed_bytes(e.name, e.shape, e.format, e.bytes, "bf16") for e in on_gpu)
@@ -186,11 +186,11 @@ def test_35b_plans_fit_and_account_for_every_byte(m35: planner.Manifest, gib: in
     plan = make_plan(m35, gib * GiB, CTX)
     assert plan.fits and plan.reason == ""
     _check_accounting(plan, m35, CTX)
-    assert plan.vram_bytes <= gib * GiB
+    assert plan.vram_used_bytes <= gib * GiB
     if plan.streamed_expert_layers:
         assert plan.slot_pool_experts >= 2 * 256
         # leftover VRAM goes to slots: less than one slot is unused (unless every streamed expert has one)
-        unused = gib * GiB - plan.vram_bytes
+        unused = gib * GiB - plan.vram_used_bytes
         capped = plan.slot_pool_experts == 256 * len(plan.streamed_expert_layers)
         assert capped or unused < EXPERT_BYTES_4_5_BIT
     assert plan.vram_breakdown["kv_cache"] == KV_BYTES_PER_TOKEN * CTX
@@ -223,9 +223,9 @@ def test_below_the_minimum_refuses_and_the_minimum_fits(m35: planner.Manifest) -
     assert "VRAM" in small.reason and "smallest VRAM budget" in small.reason
     minimum = small.min_vram_bytes
     assert minimum is not None and minimum > 2 * GiB
-    assert small.vram_bytes == minimum  # the layout shown is the minimum one
+    assert small.vram_used_bytes == minimum  # the layout shown is the minimum one
     at_min = make_plan(m35, minimum, CTX)
-    assert at_min.fits and at_min.vram_bytes == minimum
+    assert at_min.fits and at_min.vram_used_bytes == minimum
     assert at_min.min_vram_bytes == minimum
     _check_accounting(at_min, m35, CTX)
     below = make_plan(m35, minimum - 1, CTX)
@@ -265,7 +265,7 @@ def test_context_is_held_in_whole_blocks(m35: planner.Manifest) -> None:
 
 
 def test_bad_arguments_are_named(m35: planner.Manifest) -> None:
-    with pytest.raises(PlanError, match="vram_bytes.*-1"):
+    with pytest.raises(PlanError, match="vram_budget_bytes.*-1"):
         make_plan(m35, -1, CTX)
     with pytest.raises(PlanError, match="ctx_tokens.*0"):
         make_plan(m35, GiB, 0)

@@ -26,10 +26,8 @@ from engine.weights.quant import (
     quantize_nf4,
     quantize_tensor,
 )
-from tests.helpers_model import cpu_kernels_off
 
-# These tests pin the dequantizing path's numbers and op counts on the CPU
-_dequantizing_path = pytest.fixture(autouse=True)(cpu_kernels_off)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 
 @pytest.mark.parametrize("shape", [(8, 128), (8, 96), (3, 50), (64, 64, 2), (1000,)])
@@ -92,7 +90,7 @@ def test_int8_reference_and_fast_dequantize_agree() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_dequantize_rounds_once_and_writes_only_its_result(dtype: torch.dtype) -> None:
     """Bit for bit the widen-to-fp32, multiply, cast form, in one op that writes only the result (no fp32 copy)."""
-    from clover_desk.bench.speed import _forward_ops
+    from clover_desk.bench.count import _forward_ops
 
     torch.manual_seed(4)
     q, s = quantize_int8(torch.randn(64, 96))
@@ -308,7 +306,7 @@ def test_bench_line_of_torchs_int8_matmul_times_it_and_reports_its_difference() 
     is named, not a traceback."""
     import re
 
-    from clover_desk.bench.speed import _torch_int8pack_line
+    from clover_desk.bench.moe_only import _torch_int8pack_line
     from engine.weights.quant import QuantLinear
 
     head = QuantLinear.from_linear(nn.Linear(256, 300, bias=False), "int8")  # an LM head: no bias

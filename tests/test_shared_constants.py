@@ -8,7 +8,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from clover_desk.bench import speed
+from clover_desk.bench import moe_only, random_model
 from engine import defaults
 from engine.decode.generate import DecodeSettings
 from engine.model.config import CloverConfig, parse_config
@@ -84,10 +84,10 @@ def test_the_35b_shape_is_defined_once() -> None:
     data = config_dict_for("clover_moe", clover_35b_a3b_text_config(), SPECIAL_IDS)
     assert ModelGeometry.from_config(parse_config(data, source="35b")) == SHAPES["clover-35b-a3b"]
     assert MAX_LAYERS == SHAPES["clover-35b-a3b"].num_hidden_layers
-    assert tiny_text_config(**speed.SHAPES["clover-35b-a3b"]) == clover_35b_a3b_text_config()
+    assert tiny_text_config(**random_model.SHAPES["clover-35b-a3b"]) == clover_35b_a3b_text_config()
     geo = SHAPES["clover-35b-a3b"]
-    assert speed.HEAD_SHAPE == (geo.vocab_size, geo.hidden_size)
-    assert speed.MOE_SHAPE == dict(experts=geo.num_experts, top_k=geo.num_experts_per_tok, hidden=geo.hidden_size,
+    assert moe_only.HEAD_SHAPE == (geo.vocab_size, geo.hidden_size)
+    assert moe_only.MOE_SHAPE == dict(experts=geo.num_experts, top_k=geo.num_experts_per_tok, hidden=geo.hidden_size,
                                    intermediate=geo.moe_intermediate_size)
     places = sorted(
         f"{rel}:{node.lineno}" for rel, tree in _code_files() if rel != "engine/placement/manifest.py"

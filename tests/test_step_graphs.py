@@ -16,10 +16,9 @@ import torch
 from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
 from engine.kernels import step_graphs, triton_moe
 from engine.kernels.fastpath import compile_layers
-from tests.helpers_model import CountingBackend, cpu_kernels_off, tiny_config, tiny_model
+from tests.helpers_model import CountingBackend, tiny_config, tiny_model
 
-# These tests model the card's piece cutting and syncs with the dequantizing expert path, as a GPU runs it
-_card_path_on_the_cpu = pytest.fixture(autouse=True)(cpu_kernels_off)
+pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 
 PROMPT = [5, 9, 17, 33, 65, 129, 7, 11, 13, 19, 23]
 
@@ -200,7 +199,7 @@ def test_block_passes_run_in_pieces_through_static_buffers_decode_the_same_token
         rt = offload.runtime_of(model)
         assert rt is not None and rt.pool is not None and not rt.pool.in_use
     if cut == {0: "bank", 2: "bank"}:  # what bench speed --compile prints of it
-        from clover_desk.bench.speed import _step_graph_line
+        from clover_desk.bench.timing import _step_graph_line
 
         model.step_graph = runner
         assert _step_graph_line(model).startswith(

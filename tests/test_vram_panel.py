@@ -24,8 +24,8 @@ CARD = 16 * GIB
 def plan_fn():
     manifest = planner.manifest_for_shape("clover-35b-a3b")
 
-    def plan(vram_bytes: int, ctx_tokens: int):
-        return planner.make_plan(manifest, vram_bytes, ctx_tokens, 64 * GIB)
+    def plan(vram_budget_bytes: int, ctx_tokens: int):
+        return planner.make_plan(manifest, vram_budget_bytes, ctx_tokens, 64 * GIB)
 
     return plan
 
@@ -46,7 +46,7 @@ def test_slider_spans_minimum_to_card_and_updates_plan(qtbot, plan_fn) -> None:
     assert panel.slider.maximum() * STEP_MIB * MIB == CARD
 
     with qtbot.waitSignal(panel.planChanged, timeout=1000) as blocker:
-        panel.set_budget_bytes(6 * GIB)
+        panel.set_vram_budget_bytes(6 * GIB)
     low_plan = blocker.args[0]
     assert low_plan.fits and panel.plan is low_plan
     low = resident_of(panel)
@@ -57,10 +57,10 @@ def test_slider_spans_minimum_to_card_and_updates_plan(qtbot, plan_fn) -> None:
     assert panel.breakdown.speed_label.text().startswith("≈ ") and panel.breakdown.speed_label.text().endswith("(estimate)")
     assert panel.breakdown.speed_label.isVisibleTo(panel)
 
-    panel.set_budget_bytes(15 * GIB)
+    panel.set_vram_budget_bytes(15 * GIB)
     high = resident_of(panel)
     assert high > low  # a bigger budget keeps more layers' experts on the GPU
-    assert panel.breakdown.bar.budget_bytes == 15 * GIB
+    assert panel.breakdown.bar.vram_budget_bytes == 15 * GIB
     legend_total = sum(n for *_rest, n in panel.summary.segments)
     assert legend_total == sum(panel.plan.vram_breakdown.get(k, 0) for k in panel.plan.vram_breakdown)
     assert panel.apply_button.isEnabled()
@@ -97,7 +97,7 @@ def test_apply_emits_budget_and_context_and_the_plan_in_use_is_shown(qtbot, plan
     panel = VramPanel(plan_fn, CARD, "RTX", 64 * GIB)
     qtbot.addWidget(panel)
     assert "nothing yet" in panel.in_use_label.text() and panel.apply_button.isEnabled()
-    panel.set_budget_bytes(10 * GIB)
+    panel.set_vram_budget_bytes(10 * GIB)
     panel.ctx_combo.setCurrentIndex(panel.ctx_combo.findData(8192))
     with qtbot.waitSignal(panel.applyRequested, timeout=1000) as blocker:
         panel.apply_button.click()
@@ -108,17 +108,17 @@ def test_apply_emits_budget_and_context_and_the_plan_in_use_is_shown(qtbot, plan
     assert streamed  # 10 GiB streams some layers' experts, so the line names slots too
     assert panel.in_use_label.text() == (
         f"In use: {resident} resident / {streamed} streamed layers, {placed.slot_pool_experts:,} slots, "
-        f"{placed.vram_bytes / GIB:.2f} GiB of 10.00 GiB, 8K context"
+        f"{placed.vram_used_bytes / GIB:.2f} GiB of 10.00 GiB, 8K context"
     )
     assert panel.applied == (10 * GIB, 8192) and panel.in_use()["slot_pool_experts"] == placed.slot_pool_experts
     assert not panel.is_dirty() and not panel.apply_button.isEnabled()  # nothing new to apply
     assert "plan in use" in panel.status_label.text() and "Apply" not in panel.status_label.text()
 
-    panel.set_budget_bytes(12 * GIB)  # the slider moves away from the plan in use
+    panel.set_vram_budget_bytes(12 * GIB)  # the slider moves away from the plan in use
     assert panel.is_dirty() and panel.apply_button.isEnabled()
     assert "Apply to reload under this plan" in panel.status_label.text()
     assert panel.in_use_label.text().startswith(f"In use: {resident} resident")  # still the placed plan
-    panel.set_budget_bytes(10 * GIB)
+    panel.set_vram_budget_bytes(10 * GIB)
     assert not panel.is_dirty()
     panel.ctx_combo.setCurrentIndex(panel.ctx_combo.findData(16384))  # the context counts too
     assert panel.is_dirty() and "Apply to reload" in panel.status_label.text()
@@ -131,7 +131,7 @@ def test_in_use_takes_plan_objects_and_no_plan(qtbot) -> None:
     panel.set_in_use(placed, "cuda")  # a Plan made without a budget or context
     assert panel.in_use_label.text() == (
         f"In use: {len(placed.resident_expert_layers)} resident / {len(placed.streamed_expert_layers)} streamed layers, "
-        f"64 slots, {placed.vram_bytes / GIB:.2f} GiB"
+        f"64 slots, {placed.vram_used_bytes / GIB:.2f} GiB"
     )
     assert panel.applied == (0, 0) and panel.is_dirty()  # a plan without a budget never matches the slider
     panel.set_in_use(None, "cpu")
@@ -145,7 +145,7 @@ def test_in_use_takes_plan_objects_and_no_plan(qtbot) -> None:
 
 def test_in_use_words() -> None:
     whole = {"resident_expert_layers": list(range(40)), "streamed_expert_layers": [], "slot_pool_experts": 0,
-             "vram_bytes": int(15.99 * GIB), "budget_vram_bytes": 16 * GIB, "ctx_tokens": 16384}
+             "vram_used_bytes": int(15.99 * GIB), "vram_budget_bytes": 16 * GIB, "ctx_tokens": 16384}
     assert in_use_line(whole, "cuda") == "In use: all 40 layers resident, 15.99 GiB of 16.00 GiB, 16K context"
     split = dict(whole, resident_expert_layers=list(range(18)), streamed_expert_layers=list(range(18, 40)),
                  slot_pool_experts=2096)
@@ -175,16 +175,16 @@ def test_without_gpu_the_panel_plans_for_a_chosen_card(qtbot, plan_fn) -> None:
         card.setCurrentIndex(card.findData(24))
     assert blocker.args == [24 * GIB] and panel.card_bytes() == 24 * GIB
     assert panel.slider.maximum() * STEP_MIB * MIB == 24 * GIB
-    assert panel.budget_bytes() == 24 * GIB - STEP_MIB * MIB  # a new card: the whole card less one step
+    assert panel.vram_budget_bytes() == 24 * GIB - STEP_MIB * MIB  # a new card: the whole card less one step
     assert "Plan for a 24 GB card" in panel.plan_for_label.text() and "24 GB card" in panel.max_label.text()
     card.setCurrentIndex(card.findData(8))
     assert panel.slider.maximum() * STEP_MIB * MIB == 8 * GIB
     assert "Plan for an 8 GB card" in panel.plan_for_label.text()
 
-    panel.set_budget_bytes(20 * GIB)  # a saved budget above the card picks the smallest card that holds it
-    assert panel.card_bytes() == 24 * GIB and panel.budget_bytes() == 20 * GIB
+    panel.set_vram_budget_bytes(20 * GIB)  # a saved budget above the card picks the smallest card that holds it
+    assert panel.card_bytes() == 24 * GIB and panel.vram_budget_bytes() == 20 * GIB
     panel.set_card_bytes(12 * GIB)
-    assert card.currentData() == 12 and panel.budget_bytes() <= 12 * GIB
+    assert card.currentData() == 12 and panel.vram_budget_bytes() <= 12 * GIB
 
 
 def test_without_gpu_no_speed_is_shown(qtbot, plan_fn) -> None:
@@ -192,7 +192,7 @@ def test_without_gpu_no_speed_is_shown(qtbot, plan_fn) -> None:
     qtbot.addWidget(panel)
     panel.show()
     for budget in (6 * GIB, 12 * GIB):
-        panel.set_budget_bytes(budget)
+        panel.set_vram_budget_bytes(budget)
         assert panel.plan.predicted_tok_s  # the planner has a roofline figure; the panel does not show it
         texts = [label.text() for label in panel.findChildren(QLabel)]
         assert not [t for t in texts if "tok/s" in t], texts
@@ -205,7 +205,7 @@ def test_without_gpu_apply_saves_and_says_the_model_runs_from_ram(qtbot, plan_fn
     qtbot.addWidget(panel)
     panel.set_in_use(None, "cpu")
     assert "RAM" in panel.in_use_label.text()
-    panel.set_budget_bytes(12 * GIB)
+    panel.set_vram_budget_bytes(12 * GIB)
     assert panel.apply_button.isEnabled() and "GPU" in panel.apply_button.text()
     with qtbot.waitSignal(panel.applyRequested, timeout=1000) as blocker:
         panel.apply_button.click()
@@ -215,7 +215,7 @@ def test_without_gpu_apply_saves_and_says_the_model_runs_from_ram(qtbot, plan_fn
     assert not panel.apply_button.isEnabled()  # already saved
     texts = [label.text() for label in panel.findChildren(QLabel)]
     assert not [t for t in texts if "runs under this plan" in t], texts
-    panel.set_budget_bytes(10 * GIB)
+    panel.set_vram_budget_bytes(10 * GIB)
     assert panel.apply_button.isEnabled() and "saved for a GPU" not in panel.status_label.text()
     assert "system RAM" in panel.status_label.text()
 
@@ -251,13 +251,13 @@ def test_planner_failure_is_shown_not_raised(qtbot) -> None:
 def test_set_planner_switches_model(qtbot, plan_fn) -> None:
     panel = VramPanel(plan_fn, CARD, "RTX", 64 * GIB)
     qtbot.addWidget(panel)
-    panel.set_budget_bytes(10 * GIB)
+    panel.set_vram_budget_bytes(10 * GIB)
     panel.set_in_use(panel.plan_for(10 * GIB, 8192).to_dict(), "cuda")
     assert panel.applied == (10 * GIB, 8192)
     with qtbot.waitSignal(panel.planChanged, timeout=1000) as blocker:
         panel.set_planner(fake_plan)  # another model: its own minimum, the budget kept
     assert blocker.args[0].min_vram_bytes == fake_plan(CARD, DEFAULT_CTX_TOKENS).min_vram_bytes
-    assert panel.budget_bytes() == 10 * GIB and panel.applied is None  # the plan in use was the old model's
+    assert panel.vram_budget_bytes() == 10 * GIB and panel.applied is None  # the plan in use was the old model's
     assert "nothing yet" in panel.in_use_label.text()
     assert panel.slider.minimum() * STEP_MIB * MIB >= fake_plan(CARD, DEFAULT_CTX_TOKENS).min_vram_bytes
 
@@ -276,9 +276,9 @@ def test_summary_words() -> None:
 def test_context_choices_stop_at_the_models_limit(qtbot) -> None:
     asked: list[int] = []
 
-    def plan(vram_bytes: int, ctx_tokens: int):  # noqa: ANN202
+    def plan(vram_budget_bytes: int, ctx_tokens: int):  # noqa: ANN202
         asked.append(ctx_tokens)
-        return planner.make_plan(planner.manifest_for_shape("clover-35b-a3b"), vram_bytes, ctx_tokens, 64 * GIB)
+        return planner.make_plan(planner.manifest_for_shape("clover-35b-a3b"), vram_budget_bytes, ctx_tokens, 64 * GIB)
 
     panel = VramPanel(plan, CARD, "NVIDIA GeForce RTX 4080", 64 * GIB, ctx_tokens=65_536, ctx_limit=20_000)
     qtbot.addWidget(panel)

@@ -241,7 +241,8 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
     w = WorkerProc()
     try:
         w.expect_event("ready")
-        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", vram_gb=2.0, ctx_tokens=4096)
+        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", precision="nf4", vram_gb=2.0,
+               ctx_tokens=4096)
         announced = w.expect_event("plan")  # made here with the one planning function, before the weights
         loaded = w.expect_event("loaded")
         assert loaded["plan"]["ctx_tokens"] == 4096 and loaded["plan"]["fits"] is True
@@ -252,12 +253,16 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
         floor = plan_model(folder, 0, 512).min_vram_bytes
         shown = plan_model(folder, floor, 512).to_dict()
         assert shown["fits"] and len(shown["streamed_expert_layers"]) == 4
-        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="bfloat16", plan=shown)
+        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="bfloat16", precision="nf4", plan=shown)
         assert w.expect_event("plan")["plan"] == shown
         assert w.expect_event("loaded")["plan"] == shown
         w.send(cmd="generate", id="g", messages=[{"role": "user", "content": "hi"}], params={"max_new_tokens": 4})
         done = w.expect(lambda r: r.get("id") == "g" and r["event"] in ("finished", "error"))
         assert done["event"] == "finished" and "h2d_bytes" in done["accounting"]
+        # a plan without a precision is refused in one line: it never switches the load to the quantized cache
+        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="bfloat16", plan=shown)
+        refused = w.expect(lambda r: r.get("event") == "error" and r.get("op") == "load")
+        assert refused["kind"] == "PlanError" and "precision 'nf4'" in refused["message"], refused
     finally:
         w.close()
 

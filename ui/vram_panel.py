@@ -61,7 +61,7 @@ NO_GPU_UNSAVED_TEXT = "No GPU here: the model runs from system RAM. Apply saves 
 NO_GPU_SAVED_TEXT = "No GPU here: the model runs from system RAM; this budget is saved for a GPU."
 
 
-PlanFunction = Callable[[int, int], planner.Plan]  # (vram_bytes, ctx_tokens) -> plan (stdlib-only module: no torch)
+PlanFunction = Callable[[int, int], planner.Plan]  # (vram_budget_bytes, ctx_tokens) -> plan (stdlib-only module: no torch)
 
 
 def layer_count(value: Any) -> int:
@@ -116,8 +116,8 @@ def in_use_line(plan: Mapping[str, Any] | None, device: str) -> str:
         parts = [f"{resident} resident / {streamed} streamed layers", f"{slots:,} slots"]
     else:
         parts = [f"all {resident} layers resident"]
-    used = int(plan.get("vram_bytes") or 0)
-    budget = int(plan.get("budget_vram_bytes") or 0)
+    used = int(plan.get("vram_used_bytes") or 0)
+    budget = int(plan.get("vram_budget_bytes") or 0)
     parts.append(f"{used / GIB:.2f} GiB of {budget / GIB:.2f} GiB" if budget else f"{used / GIB:.2f} GiB")
     ctx = int(plan.get("ctx_tokens") or 0)
     if ctx:
@@ -139,7 +139,7 @@ class PlanSummary:
 
 
 def summarize(
-    plan: planner.Plan, budget_bytes: int, ram_total_bytes: int | None, *, plan_card_bytes: int | None = None
+    plan: planner.Plan, vram_budget_bytes: int, ram_total_bytes: int | None, *, plan_card_bytes: int | None = None
 ) -> PlanSummary:
     """``plan_card_bytes``: no GPU was found and this is a plan for a card of that size. The headline says so and
     there is no speed line (the planner's roofline figure would read as a measurement of a card that is not here).
@@ -150,7 +150,7 @@ def summarize(
     breakdown = dict(plan.vram_breakdown or {})
     segments = tuple((k, label, col, int(breakdown.get(k, 0))) for k, label, col in SEGMENTS)
     used = sum(s[3] for s in segments)
-    headline = f"Fits: {gib(used)} of {gib(budget_bytes)}" if plan.fits else "Won't fit"
+    headline = f"Fits: {gib(used)} of {gib(vram_budget_bytes)}" if plan.fits else "Won't fit"
     if plan_card_bytes is not None:
         headline = f"Plan for {a_card(plan_card_bytes)}: " + headline[0].lower() + headline[1:]
     if streamed:
@@ -181,7 +181,7 @@ class BudgetBar(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.segments: tuple[tuple[str, str, str, int], ...] = ()
-        self.budget_bytes = 0
+        self.vram_budget_bytes = 0
         self.card_bytes = 16 * GIB
         self.card_caption = ""  # the right-hand caption under the bar; "" draws "card <size>"
         self.fits = True
@@ -191,15 +191,15 @@ class BudgetBar(QWidget):
     def sizeHint(self) -> QSize:
         return QSize(360, 46)
 
-    def set_plan(self, summary: PlanSummary, budget_bytes: int, card_bytes: int) -> None:
-        self.segments, self.budget_bytes, self.card_bytes, self.fits = summary.segments, budget_bytes, card_bytes, summary.fits
+    def set_plan(self, summary: PlanSummary, vram_budget_bytes: int, card_bytes: int) -> None:
+        self.segments, self.vram_budget_bytes, self.card_bytes, self.fits = summary.segments, vram_budget_bytes, card_bytes, summary.fits
         self.update()
 
     def paintEvent(self, event: QPaintEvent) -> None:  # noqa: N802
         p = QPainter(self)
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
         bar = QRectF(0.5, 6.5, self.width() - 1.0, 22.0)
-        scale_bytes = max(self.card_bytes, self.budget_bytes, sum(s[3] for s in self.segments), 1)
+        scale_bytes = max(self.card_bytes, self.vram_budget_bytes, sum(s[3] for s in self.segments), 1)
         p.setPen(Qt.PenStyle.NoPen)
         p.setBrush(color("surface2"))
         p.drawRoundedRect(bar, 5, 5)
@@ -216,7 +216,7 @@ class BudgetBar(QWidget):
         used_x = x
         p.restore()
         # what does not fit: the part of the bar past the budget, tinted red
-        bx0 = bar.x() + bar.width() * self.budget_bytes / scale_bytes
+        bx0 = bar.x() + bar.width() * self.vram_budget_bytes / scale_bytes
         if used_x > bx0 + 1:
             over = QColor(COLORS["danger"])
             over.setAlpha(110)
@@ -224,7 +224,7 @@ class BudgetBar(QWidget):
             p.setPen(Qt.PenStyle.NoPen)
             p.drawRect(QRectF(bx0, bar.y(), used_x - bx0, bar.height()))
         # budget marker
-        bx = bar.x() + bar.width() * self.budget_bytes / scale_bytes
+        bx = bar.x() + bar.width() * self.vram_budget_bytes / scale_bytes
         p.setPen(QPen(color("text") if self.fits else color("danger"), 2))
         p.drawLine(int(bx), int(bar.y() - 5), int(bx), int(bar.bottom() + 5))
         small = QFont(self.font())
@@ -291,9 +291,9 @@ class PlanBreakdown:
         self.speed_label.setVisible(has_gpu)
         col.addWidget(self.reason_label)
 
-    def show(self, s: PlanSummary, budget_bytes: int, card_bytes: int, caption: str) -> None:
+    def show(self, s: PlanSummary, vram_budget_bytes: int, card_bytes: int, caption: str) -> None:
         self.bar.card_caption = caption
-        self.bar.set_plan(s, budget_bytes, card_bytes)
+        self.bar.set_plan(s, vram_budget_bytes, card_bytes)
         for key, _label, _col, n in s.segments:
             self._legend_values[key].setText(gib(n))
         self.layers_label.setText(s.layers_line)
@@ -502,7 +502,7 @@ class VramPanel(QWidget):
         return "No NVIDIA GPU found. Pick a card size to see how the model would be placed on it."
 
     # ----------------------------------------------------------------- API
-    def budget_bytes(self) -> int:
+    def vram_budget_bytes(self) -> int:
         return self.slider.value() * STEP_BYTES
 
     def ctx_tokens(self) -> int:
@@ -521,19 +521,41 @@ class VramPanel(QWidget):
         fits = [g for g in CARD_CHOICES_GIB if g * GIB >= n]
         self.card_combo.setCurrentIndex(self.card_combo.findData(min(fits) if fits else max(CARD_CHOICES_GIB)))
 
-    def set_budget_bytes(self, n: int) -> None:
+    def set_vram_budget_bytes(self, n: int) -> None:
         """Move the slider to ``n`` (a step of 128 MiB); without a GPU a budget above the card picks a larger card."""
         if not self.has_gpu and n > self._card_bytes:
             self.set_card_bytes(n)
         self.slider.setValue(round(n / STEP_BYTES))
 
-    def plan_for(self, budget_bytes: int, ctx_tokens: int) -> planner.Plan:
+    def plan_for(self, vram_budget_bytes: int, ctx_tokens: int) -> planner.Plan:
         """What the panel's planner makes of this budget and context (``engine.placement.planner.Plan`` in the app)."""
-        return self._planner(budget_bytes, ctx_tokens)
+        return self._planner(vram_budget_bytes, ctx_tokens)
+
+    def plan_to_load(self, vram_budget_bytes: int, ctx_tokens: int) -> planner.Plan | None:
+        """The plan to load for this budget and context: the one the panel shows, handed to the load as is (the
+        window plans once between the slider and the load). When the panel shows another budget or context it is
+        moved there first, so what is loaded is what it shows; a budget or context it cannot show (off the slider's
+        steps, a context it does not offer) is planned once here. None: the planner failed (the panel says why)."""
+        if not self._shows(vram_budget_bytes, ctx_tokens):
+            index = self.ctx_combo.findData(ctx_tokens)
+            if index >= 0:
+                self.ctx_combo.setCurrentIndex(index)  # replans for the new context
+            self.set_vram_budget_bytes(vram_budget_bytes)  # replans when the slider moves
+        if self._shows(vram_budget_bytes, ctx_tokens):
+            return self.plan
+        try:
+            return self._planner(vram_budget_bytes, ctx_tokens)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as no plan, logged
+            log.warning("planner failed for %d bytes, %d tokens: %s", vram_budget_bytes, ctx_tokens, exc)
+            return None
+
+    def _shows(self, vram_budget_bytes: int, ctx_tokens: int) -> bool:
+        plan = self.plan
+        return plan is not None and plan.vram_budget_bytes == vram_budget_bytes and plan.ctx_tokens == ctx_tokens
 
     def set_planner(self, planner: PlanFunction) -> None:
         """Plan for another model (a new folder was chosen): new minimum, same budget where it still fits."""
-        budget = self.budget_bytes()
+        budget = self.vram_budget_bytes()
         self._planner = planner
         self._in_use_known, self._in_use, self._in_use_device, self._saved = False, None, "", None
         self.slider.blockSignals(True)
@@ -578,7 +600,7 @@ class VramPanel(QWidget):
         """``(budget bytes, context tokens)`` of the plan in use, or None (read-only; see :meth:`set_in_use`)."""
         if self._in_use is None:
             return None
-        return int(self._in_use.get("budget_vram_bytes") or 0), int(self._in_use.get("ctx_tokens") or 0)
+        return int(self._in_use.get("vram_budget_bytes") or 0), int(self._in_use.get("ctx_tokens") or 0)
 
     def is_dirty(self) -> bool:
         """True when the slider's plan is not the one in use (compared by budget, to a slider step, and context)."""
@@ -615,12 +637,12 @@ class VramPanel(QWidget):
         if self.plan is None or not self.plan.fits:
             return
         if self.runs_on_cpu():
-            self._saved = (self.budget_bytes(), self.ctx_tokens())
+            self._saved = (self.vram_budget_bytes(), self.ctx_tokens())
             self._update_apply_state()
-        self.applyRequested.emit(self.budget_bytes(), self.ctx_tokens())
+        self.applyRequested.emit(self.vram_budget_bytes(), self.ctx_tokens())
 
     def replan(self) -> None:
-        budget = self.budget_bytes()
+        budget = self.vram_budget_bytes()
         self.plan_for_label.setText(f"Plan for {a_card(self._card_bytes)} (no GPU here to measure on)")
         try:
             plan = self._planner(budget, self.ctx_tokens())
@@ -654,7 +676,7 @@ class VramPanel(QWidget):
 
     def _update_apply_state(self) -> None:
         fits = self.plan is not None and bool(self.plan.fits)
-        current = (self.budget_bytes(), self.ctx_tokens())
+        current = (self.vram_budget_bytes(), self.ctx_tokens())
         if not self._in_use_known:
             self.in_use_label.setText("In use: nothing yet (no model loaded)")
         else:
@@ -687,7 +709,7 @@ class VramPanel(QWidget):
 def planner_from_engine(manifest: Any, ram_bytes: int | None) -> PlanFunction:
     """A :data:`PlanFunction` over ``engine.placement.planner.make_plan`` for one model manifest."""
 
-    def plan(vram_bytes: int, ctx_tokens: int) -> planner.Plan:
-        return planner.make_plan(manifest, vram_bytes, ctx_tokens, ram_bytes)
+    def plan(vram_budget_bytes: int, ctx_tokens: int) -> planner.Plan:
+        return planner.make_plan(manifest, vram_budget_bytes, ctx_tokens, ram_bytes)
 
     return plan

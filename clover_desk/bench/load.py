@@ -84,7 +84,8 @@ def _stage(argv: list[str]) -> int:
     from engine.placement.offload import runtime_of
 
     plan = json.loads(Path(argv[2]).read_text(encoding="utf-8"))
-    engine = Engine.load(argv[1], device=argv[3], dtype=argv[4], plan=plan, gpu_paths=GpuPaths.from_env())
+    engine = Engine.load(argv[1], device=argv[3], precision="nf4", placement=plan, dtype=argv[4],
+                         gpu_paths=GpuPaths.from_env())
     rt = runtime_of(engine.model)
     assert rt is not None
     embed = engine.model.embed_tokens.weight  # kept in host RAM by the plan unless tied to lm_head
@@ -144,7 +145,7 @@ def format_result(r: dict[str, Any]) -> str:
     lines = [
         f"plan: {len(p['resident_expert_layers'])} expert layers resident {p['resident_expert_layers']}, "
         f"{len(p['streamed_expert_layers'])} streamed {p['streamed_expert_layers']}, {p['slot_pool_experts']} slots; "
-        f"VRAM {p['vram_bytes'] / GIB:.3f} of {p['budget_vram_bytes'] / GIB:.3f} GiB; RAM {p['ram_bytes'] / GIB:.3f} GiB",
+        f"VRAM {p['vram_used_bytes'] / GIB:.3f} of {p['vram_budget_bytes'] / GIB:.3f} GiB; RAM {p['ram_bytes'] / GIB:.3f} GiB",
     ]
     if not p["fits"]:
         return "\n".join([*lines, f"does not fit: {p['reason']}"])

@@ -8,6 +8,7 @@ import json
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from clover_desk.cli import flags
@@ -56,7 +57,7 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-layout", choices=("auto", "fork", "upstream"), default="auto",
                         help="a .gguf --model: official fork layout (diffusion) or upstream llama.cpp's (AR only); "
                              "default: detected from the file")
-    parser.add_argument("--vram-gb", type=flags.GIB, default=None, help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
+    parser.add_argument("--vram-gb", type=flags.GIB, default=None, help="VRAM budget in GiB: load the quantized cache (NF4 experts, INT8 dense; a .gguf file its own blocks), placed or streamed by the planner's plan")
     parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
                         help="with --vram-gb: context (prompt + answer) the plan reserves KV cache for (default 16384)")
     parser.add_argument("--compile", action="store_true",
@@ -263,7 +264,7 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
     if args.vram_gb is not None:
-        plan = plan_for(args.model, args.vram_gb, args.ctx, dtype, args.gguf_layout)
+        plan = plan_for(args.model, gib_to_bytes(args.vram_gb), args.ctx, dtype, args.gguf_layout)
         if getattr(args, "json", False):
             sys.stdout.write(json.dumps({"event": "plan", **plan.to_dict()}, ensure_ascii=False) + "\n")
             sys.stdout.flush()
@@ -271,17 +272,31 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
             print(_plan_line(plan), file=sys.stderr)
         if not plan.fits:
             raise PlanError(plan.reason)
-    return Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, gguf_layout=args.gguf_layout,
-                       compile=args.compile, progress=compile_stage_printer(command) if args.compile else None,
+    return Engine.load(args.model, device=args.device, precision=precision_of(args.model, plan), placement=plan,
+                       dtype=dtype, gguf_layout=args.gguf_layout, compile=args.compile, progress=compile_stage_printer(command) if args.compile else None,
                        gpu_paths=args.gpu_paths)
+
+
+def gib_to_bytes(gib: float) -> int:
+    """A ``--vram-gb`` value (GiB, the CLI's unit) as the engine's budget unit, bytes."""
+    return int(float(gib) * 1024**3)
+
+
+def precision_of(model: str | Path, plan: Any) -> str | None:
+    """The precision ``--vram-gb`` asks for (its help says so: quantize, then place): a model folder's quantized
+    cache ("nf4") placed by the plan; a .gguf file loads its own blocks (implied by the file); without a plan the
+    weights as stored, in ``--dtype`` (None: Engine.load's default for the dtype)."""
+    if plan is None or Path(model).suffix == ".gguf":
+        return None
+    return "nf4"
 
 
 def _plan_line(plan: Any) -> str:
     gib = 1024**3
     return (
         f"plan: {len(plan.resident_expert_layers)} expert layers resident, {len(plan.streamed_expert_layers)} "
-        f"streamed, {plan.slot_pool_experts} slots; VRAM {plan.vram_bytes / gib:.2f} of "
-        f"{plan.budget_vram_bytes / gib:.2f} GiB, RAM {plan.ram_bytes / gib:.2f} GiB, context {plan.ctx_tokens:,}"
+        f"streamed, {plan.slot_pool_experts} slots; VRAM {plan.vram_used_bytes / gib:.2f} of "
+        f"{plan.vram_budget_bytes / gib:.2f} GiB, RAM {plan.ram_bytes / gib:.2f} GiB, context {plan.ctx_tokens:,}"
     )
 
 

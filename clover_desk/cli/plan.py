@@ -110,7 +110,7 @@ def format_plan(plan: Plan) -> str:
     """The human table of one plan."""
     a = plan.assumptions
     lines = [
-        f"Plan for {plan.model}: VRAM budget {plan.budget_vram_bytes / GiB:.2f} GiB, context {plan.ctx_tokens:,} tokens",
+        f"Plan for {plan.model}: VRAM budget {plan.vram_budget_bytes / GiB:.2f} GiB, context {plan.ctx_tokens:,} tokens",
         "",
         f"  {'part':<36}{'MiB':>12}{'GiB':>10}",
     ]
@@ -119,7 +119,7 @@ def format_plan(plan: Plan) -> str:
         if key == "expert_slots":
             label = f"{label} ({plan.slot_pool_experts} x {a['expert_slot_bytes'] / MiB:.4g} MiB)"
         lines.append(f"  {label:<36}{n / MiB:>12,.1f}{n / GiB:>10.3f}")
-    lines.append(f"  {'total':<36}{plan.vram_bytes / MiB:>12,.1f}{plan.vram_bytes / GiB:>10.3f}")
+    lines.append(f"  {'total':<36}{plan.vram_used_bytes / MiB:>12,.1f}{plan.vram_used_bytes / GiB:>10.3f}")
     lines.append("")
     n_res, n_str = len(plan.resident_expert_layers), len(plan.streamed_expert_layers)
     lines.append(f"Experts: {n_res} layers resident [{_layers(plan.resident_expert_layers)}]")

@@ -152,11 +152,12 @@ def _load(args: argparse.Namespace) -> Any:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
     if args.vram_gb is not None:
-        plan = plan_for(args.model, args.vram_gb, args.ctx, dtype)
+        plan = plan_for(args.model, cmd_generate.gib_to_bytes(args.vram_gb), args.ctx, dtype)
         if not plan.fits:
             raise PlanError(plan.reason)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = Engine.load(args.model, device=args.device, dtype=dtype, plan=plan, compile=args.compile,
+    engine = Engine.load(args.model, device=args.device, precision=cmd_generate.precision_of(args.model, plan),
+                         placement=plan, dtype=dtype, compile=args.compile,
                          progress=cmd_generate.compile_stage_printer("serve") if args.compile else None,
                          gpu_paths=args.gpu_paths)
     return cmd_generate.apply_cache_ram(engine, args)

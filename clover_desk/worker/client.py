@@ -235,11 +235,14 @@ class EngineClient(QObject):
         plan: dict[str, Any] | None = None,
         gguf_layout: str | None = None,
         compile: bool = False,
+        precision: str | None = None,
     ) -> None:
         """Load a model folder or a ``.gguf`` file (replacing the loaded model). Progress: ``loadProgress``; end:
         ``loaded`` or ``loadFailed``. May be called right after start(): it is sent once the worker is ready.
 
-        ``plan`` (``Plan.to_dict()``, as the VRAM panel showed it) is placed as is; ``vram_gb`` / ``ctx_tokens``
+        ``precision``: how the weights are held (engine.api.Engine.load; "nf4" with a plan for a model folder; None:
+        ``dtype``'s, or a .gguf file's own blocks). ``plan`` (``Plan.to_dict()``, as the VRAM panel showed it) is
+        placed as is; ``vram_gb`` / ``ctx_tokens``
         without a plan let the worker make it with the same planning function. ``gguf_layout`` ("auto" | "fork" |
         "upstream"; None: auto) overrides a GGUF file's layout detection. ``compile``: compile the decoder layers
         and warm them up before ``loaded`` (the warm-up's stages arrive as ``loadProgress``; see Engine.load)."""
@@ -253,6 +256,8 @@ class EngineClient(QObject):
                    "ctx_tokens": ctx_tokens, "plan": plan}
         if gguf_layout is not None:
             command["gguf_layout"] = gguf_layout
+        if precision is not None:
+            command["precision"] = precision
         if compile:
             command["compile"] = True
         self._compile_fallback = False

@@ -5,8 +5,10 @@ it in JSON lines, so a crash, a CUDA error or an out-of-memory kills only the wo
 
 Commands, one JSON object per line on stdin::
 
-    {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "plan": {Plan.to_dict()} | null}
-        (the plan the user saw, placed as is after a check against the model and the machine; "vram_gb": 14.0 and
+    {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "precision": "nf4",
+     "plan": {Plan.to_dict()} | null}
+        ("precision": Engine.load's, "nf4" with a plan for a folder; the plan the user saw, placed as is after a
+        check against the model and the machine; "vram_gb": 14.0 and
         "ctx_tokens": 16384 instead of a plan make it here with engine.placement.planner.plan_model; "model_dir" may be a
         .gguf file, with "gguf_layout": "auto" | "fork" | "upstream"; "compile": true compiles the decoder layers
         and warms them up before "loaded", its stages reported as load_progress: engine.decode.events.COMPILE_STAGES)
@@ -101,7 +103,7 @@ from clover_desk.worker.http_guards import is_loopback
 from clover_desk.worker.server import OpenAIServer
 from engine.decode.events import MODES, EngineError, Finished, GenerationParams, LoadProgress, to_dict
 from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
-from engine.defaults import DEFAULT_CTX_TOKENS
+from engine.defaults import DEFAULT_CTX_TOKENS, PRECISIONS
 from engine.errors import CancelledError, CloverError
 from engine.settings import GpuPaths, SettingsError
 
@@ -249,6 +251,7 @@ LOAD_FIELDS: dict[str, tuple[Check, str]] = {
     "ctx_tokens": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
     "ctx": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
     "plan": (_nullable(lambda v: isinstance(v, dict)), "an object (Plan.to_dict()) or null"),
+    "precision": (_nullable(_one_of(*PRECISIONS)), f"one of {', '.join(PRECISIONS)} (Engine.load), or null"),
     "gguf_layout": (_nullable(_one_of(*GGUF_LAYOUTS)), '"auto", "fork" or "upstream" (a .gguf file), or null (auto)'),
     "compile": (_nullable(_is_bool), "true (compile the decoder layers), false or null (not compiled)"),
 }
@@ -795,10 +798,12 @@ class Worker:
             if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
                 layout = {"gguf_layout": command["gguf_layout"]} if command.get("gguf_layout") is not None else {}
                 plan = importlib.import_module("engine.api").plan_for(
-                    model_dir, float(vram_gb), _ctx(command), dtype, **layout)
+                    model_dir, int(float(vram_gb) * 1024**3), _ctx(command), dtype, **layout)
             if plan is not None:
                 self._emit({"event": "plan", "op": "load", "plan": _json_safe(_plan_dict(plan))})
-            extra: dict[str, Any] = {"plan": plan} if plan is not None else {}
+            extra: dict[str, Any] = {"placement": plan} if plan is not None else {}
+            if command.get("precision") is not None:  # how the weights are held (Engine.load): never implied by a plan
+                extra["precision"] = command["precision"]
             if command.get("gguf_layout") is not None:
                 extra["gguf_layout"] = command["gguf_layout"]
             if command.get("compile"):  # only when asked: an --engine-factory need not know the keyword

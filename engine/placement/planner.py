@@ -142,9 +142,14 @@ CPU_EXPERT_MODES = ("ar", "pass")  # Plan.cpu_experts' modes: decode steps, diff
 BREAKDOWN_KEYS = ("non_expert", "resident_experts", "expert_slots", "kv_cache", "gdn_state", "workspace", "reserve")
 
 
+# Plan keys as plans written before issue 29 named them (``clover-desk plan --json``, saved plan files) -> today's:
+# the memory a plan uses had the name the budget has everywhere else, and the budget a name of its own.
+_RENAMED_PLAN_KEYS = {"vram_bytes": "vram_used_bytes", "budget_vram_bytes": "vram_budget_bytes"}
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Where every byte goes for one model, budget and context. ``vram_bytes == sum(vram_breakdown.values())``.
+    """Where every byte goes for one model, budget and context. ``vram_used_bytes == sum(vram_breakdown.values())``.
 
     When ``fits`` is False the layout is the one the budget was measured against (the minimum layout when VRAM is
     short, the layout VRAM alone would pick when RAM is short) and ``reason`` says why. ``min_vram_bytes`` is the
@@ -155,7 +160,7 @@ class Plan:
     resident_expert_layers: list[int]
     streamed_expert_layers: list[int]
     slot_pool_experts: int
-    vram_bytes: int
+    vram_used_bytes: int  # the GPU memory the plan uses (at most vram_budget_bytes when it fits)
     vram_breakdown: dict[str, int]
     ram_bytes: int
     fits: bool
@@ -164,7 +169,7 @@ class Plan:
     predicted_tok_s: dict[str, float]
     assumptions: dict[str, Any]
     # Beyond the DESIGN.md contract:
-    budget_vram_bytes: int = 0
+    vram_budget_bytes: int = 0  # the VRAM budget it was made for
     ram_available_bytes: int | None = None
     ram_breakdown: dict[str, int] = field(default_factory=dict)
     ctx_tokens: int = 0
@@ -172,7 +177,7 @@ class Plan:
     model: str = ""
     model_fingerprint: str = ""  # engine.placement.manifest.ModelFacts.fingerprint() of the model planned
     policy_hash: str = ""  # the quantization policy the bytes were counted under ("" for as-stored bytes)
-    gpu_name: str | None = None  # the card planned for (None: no NVIDIA GPU found; planned for budget_vram_bytes)
+    gpu_name: str | None = None  # the card planned for (None: no NVIDIA GPU found; planned for vram_budget_bytes)
     compute_dtype: str = "bf16"  # weights, KV cache and activations on the device ("bf16" on a GPU)
     # The modes in which the streamed layers' experts are computed on the CPU from host RAM instead of streamed to the
     # device (engine.placement.offload): "ar" (decode steps), "pass" (diffusion block passes); chosen per mode by the
@@ -185,9 +190,12 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Plan":
-        """The plan a ``plan`` event or ``plan --json`` carried (the window's load command sends it back)."""
+        """The plan a ``plan`` event or ``plan --json`` carried (the window's load command sends it back). Plans
+        written before the budget's one name (issue 29) are read too: their keys :data:`_RENAMED_PLAN_KEYS`."""
         if not isinstance(data, dict):
             raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        data = {**{_RENAMED_PLAN_KEYS.get(k, k): v for k, v in data.items()},
+                **{k: v for k, v in data.items() if k not in _RENAMED_PLAN_KEYS}}
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         missing = sorted(required - set(data))
@@ -364,7 +372,7 @@ class _Option:
 
 def make_plan(
     manifest: Manifest | dict[str, Any],
-    vram_bytes: int,
+    vram_budget_bytes: int,
     ctx_tokens: int,
     ram_bytes: int | None = None,
     *,
@@ -379,7 +387,7 @@ def make_plan(
     compute_dtype: str = "bf16",
     cpu_experts: str = "auto",
 ) -> Plan:
-    """Place ``manifest`` into ``vram_bytes`` of GPU memory (and ``ram_bytes`` of free host RAM, when given) for
+    """Place ``manifest`` into ``vram_budget_bytes`` of GPU memory (and ``ram_bytes`` of free host RAM, when given) for
     ``ctx_tokens`` of context; see the module docstring for the rules.
 
     ``manifest`` may also be the cache-manifest dict (``engine.placement.offload.manifest_from_model``).
@@ -395,7 +403,7 @@ def make_plan(
     layers' experts are streamed to the device or computed on the CPU where they lie (the plan's ``cpu_experts``);
     "never" always streams; "always" computes them on the CPU in AR steps and block passes alike.
     """
-    vram_budget = _check_int("vram_bytes", vram_bytes)
+    vram_budget = _check_int("vram_budget_bytes", vram_budget_bytes)
     ctx = _check_int("ctx_tokens", ctx_tokens, 1)
     block = _check_int("block_size", block_size, 1)
     if ram_bytes is not None:
@@ -544,7 +552,7 @@ def make_plan(
         resident_expert_layers=list(chosen.resident),
         streamed_expert_layers=list(chosen.streamed),
         slot_pool_experts=slots,
-        vram_bytes=sum(breakdown.values()),
+        vram_used_bytes=sum(breakdown.values()),
         vram_breakdown=breakdown,
         ram_bytes=chosen.ram_total,
         fits=fits,
@@ -552,7 +560,7 @@ def make_plan(
         min_vram_bytes=min_vram,
         predicted_tok_s={mode: round(v, 2) for mode, v in tok.items()},
         assumptions=assumptions,
-        budget_vram_bytes=vram_budget,
+        vram_budget_bytes=vram_budget,
         ram_available_bytes=ram_bytes,
         ram_breakdown=dict(chosen.ram),
         ctx_tokens=ctx,
@@ -604,7 +612,7 @@ def model_manifest(model: str | Path | Manifest, policy: QuantPolicy = DEFAULT_P
 
 def plan_model(
     model: str | Path | Manifest,
-    vram_bytes: int | None = None,
+    vram_budget_bytes: int | None = None,
     ctx_tokens: int = DEFAULT_CTX_TOKENS,
     hardware: Hardware | None = None,
     *,
@@ -615,15 +623,15 @@ def plan_model(
     on a machine. The CLI (``plan``, ``generate --vram-gb``), the VRAM panel, the worker and the benchmarks call it;
     the engine places the plan it is handed and only checks it (:func:`check_plan`).
 
-    ``vram_bytes=None``: the card's free VRAM, else its total, else :data:`DEFAULT_CARD_BYTES`. ``hardware`` (default:
+    ``vram_budget_bytes=None``: the card's free VRAM, else its total, else :data:`DEFAULT_CARD_BYTES`. ``hardware`` (default:
     probed now) gives the GPU facts for the speed model and the free RAM the plan must fit in
     (``ram_available_bytes``; None skips the RAM check). ``options`` go to :func:`make_plan` (``block_size``,
     ``optimize_for``, ``attention``, ``coreset``, ``tokens_per_pass``, ``roofline``, ``min_slot_experts``)."""
     hw = hardware if hardware is not None else probe_hardware()
-    if vram_bytes is None:
-        vram_bytes = hw.vram_free_bytes or hw.vram_total_bytes or DEFAULT_CARD_BYTES
+    if vram_budget_bytes is None:
+        vram_budget_bytes = hw.vram_free_bytes or hw.vram_total_bytes or DEFAULT_CARD_BYTES
     manifest = model_manifest(model, policy)
-    return make_plan(manifest, int(vram_bytes), ctx_tokens, hw.ram_available_bytes, hardware=hw, **options)
+    return make_plan(manifest, int(vram_budget_bytes), ctx_tokens, hw.ram_available_bytes, hardware=hw, **options)
 
 
 def check_plan(
@@ -656,9 +664,9 @@ def check_plan(
             f"staging) but {format_bytes(ram_available_bytes)} is free now: close other programs, or plan with a "
             f"larger VRAM budget so fewer layers stream"
         )
-    if vram_available_bytes is not None and plan.vram_bytes > vram_available_bytes:
+    if vram_available_bytes is not None and plan.vram_used_bytes > vram_available_bytes:
         raise PlanError(
-            f"the plan needs {format_bytes(plan.vram_bytes)} of GPU memory but {format_bytes(vram_available_bytes)} "
+            f"the plan needs {format_bytes(plan.vram_used_bytes)} of GPU memory but {format_bytes(vram_available_bytes)} "
             f"is free now: plan again with a budget of at most {vram_available_bytes / GiB:.2f} GiB"
         )
     return plan

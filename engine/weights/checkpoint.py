@@ -430,6 +430,9 @@ def load_model(
 ) -> CloverModel:
     """Read a Hugging Face model folder into a :class:`CloverModel` on ``device`` in ``dtype``.
 
+    Internal: the layer ``engine.api.Engine.load`` reads an unquantized precision with ("f32", "bf16", "f16");
+    engines are built by ``Engine.load`` (docs/loading.md), this is called by it and by the tests of this layer.
+
     Every expected tensor must be present with the right shape (else CheckpointError naming tensor, file and
     shapes); ``progress`` gets LoadProgress(stage="reading", bytes done/total, tensor name) per tensor, then
     stage "done"; setting ``cancel`` raises CancelledError between tensors.

@@ -771,8 +771,11 @@ def load_quantized(
     cache_root: str | Path | None = None,
     verify: str = "header",
 ) -> tuple[nn.Module, CacheReport]:
-    """The quantized model of ``model_dir`` whole on the CPU, through the cache (see :func:`ensure_cache`). The
-    engine loads under a plan with :func:`load_from_cache` instead, which places every tensor directly."""
+    """The quantized model of ``model_dir`` whole on the CPU, through the cache (see :func:`ensure_cache`).
+
+    Internal, as :func:`load_from_cache` is: engines are built by ``engine.api.Engine.load(precision="nf4")``
+    (docs/loading.md), which places every tensor directly with :func:`load_from_cache`; this is for the tests of
+    this layer and the benchmarks that compare the cache with another format."""
     report = ensure_cache(model_dir, policy, progress, cancel, cache_root, verify)
     model = load_from_cache(report.path, model_dir, dtype, progress, cancel)
     return model, report
@@ -853,7 +856,9 @@ def load_from_cache(
     rebuild_on_damage: bool = True,
     **place_options: Any,
 ) -> nn.Module:
-    """Build a CloverModel from a (checked) cache: a skeleton with the quantized modules swapped in, then every
+    """Internal: what ``engine.api.Engine.load(precision="nf4")`` reads the cache with (docs/loading.md).
+
+    Build a CloverModel from a (checked) cache: a skeleton with the quantized modules swapped in, then every
     tensor read once from the file straight into where ``plan`` puts it (``engine.placement.offload.place_model``; with no
     plan, everything on ``device``). Peak memory is the placed model plus one read chunk.
 
