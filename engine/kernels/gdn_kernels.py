@@ -7,9 +7,10 @@ the pure-PyTorch rule in :mod:`engine.model.clover` for the forwards that have n
   the PyTorch loop over 32-token chunks (one iteration per chunk, each a few kernels).
 
 On the CPU, an AR step (eager, the CPU kernels built) takes one C call instead (:func:`cpu_step`,
-``clover_gdn_step`` in ``csrc/quant_cpu.c``): the decay, S^T k, the delta update and the read in one read of each
-head's state, the update written in place into the cache. At the real widths (32 heads of 128 x 128, a 2 MiB fp32
-state) the torch rule made ~8 passes over the state, each into a fresh 2 MiB temporary.
+``clover_gdn_step`` in ``csrc/quant_cpu.c``): the decay, S^T k, the delta update and the read in two sweeps over
+each head's state (in the rule's order of operations), the update written in place into the cache. At the real
+widths (32 heads of 128 x 128, a 2 MiB fp32 state) the torch rule made ~8 passes over the state, each into a
+fresh 2 MiB temporary.
 
 Block-mode forwards (the diffusion prompt, the 32-slot denoising and commit passes) keep the PyTorch rule: they need
 each block's start state and its pure read for the history unit, and the right convolution's state path, which

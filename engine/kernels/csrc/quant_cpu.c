@@ -1054,11 +1054,12 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
 
 /*
  * One token, H heads: q, k [H, dk] (q normed and scaled, k normed), v [H, dv], g (log decay) and beta [H],
- * state [H, dk, dv], all fp32 and contiguous. The rule S' = e^g S + k delta^T, delta = (v - e^g S^T k) beta,
- * o = S'^T q is computed as o = e^g S^T q + delta (k . q): S^T k and S^T q in one read of S, then (when
- * state_out is not NULL) S' written in a second sweep over the head's S (64 KiB at dk = dv = 128: still in L2).
- * state_out may be state (in place) or NULL (the final state is not needed: a forward that writes no cache).
- * out [H, dv]. Heads are split over nth threads.
+ * state [H, dk, dv], all fp32 and contiguous. The rule in the torch rule's order of operations (each sum over dk
+ * taken in order, so the rounding follows the rule's formulas, not a rewrite of them):
+ *   S1 = e^g S;  kv = S1^T k;  delta = (v - kv) beta;  S2 = S1 + k delta^T;  o = S2^T q.
+ * Two sweeps over the head's S (64 KiB at dk = dv = 128: the second one from L2): kv, then S2 (written to state_out
+ * unless it is NULL) and o. state_out may be state (in place) or NULL (the final state is not needed: a forward that
+ * writes no cache). out [H, dv]. Heads are split over nth threads.
  */
 int clover_gdn_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
                     const float *state, float *state_out, float *out, int64_t H, int64_t dk, int64_t dv,
@@ -1066,33 +1067,33 @@ int clover_gdn_step(const float *q, const float *k, const float *v, const float 
     if (H < 1 || dk < 1 || dv < 1 || dv > 1024) return ERR_SHAPE;
 #pragma omp parallel for num_threads(threads_for(nth, H)) schedule(static)
     for (int64_t h = 0; h < H; h++) {
-        float sk[1024], sq[1024];
+        float kv[1024], delta[1024];
         const float *S = state + h * dk * dv, *kh = k + h * dk, *qh = q + h * dk, *vh = v + h * dv;
         float *oh = out + h * dv;
-        for (int64_t j = 0; j < dv; j++) sk[j] = sq[j] = 0.0f;
-        float kq = 0.0f;
+        const float decay = expf(g[h]), b = beta[h];
+        for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
+        for (int64_t i = 0; i < dk; i++) {
+            const float ki = kh[i];
+            const float *row = S + i * dv;
+            for (int64_t j = 0; j < dv; j++) kv[j] += (decay * row[j]) * ki;
+        }
+        for (int64_t j = 0; j < dv; j++) {
+            delta[j] = (vh[j] - kv[j]) * b;
+            oh[j] = 0.0f;
+        }
+        float *D = state_out ? state_out + h * dk * dv : NULL;
         for (int64_t i = 0; i < dk; i++) {
             const float ki = kh[i], qi = qh[i];
             const float *row = S + i * dv;
-            kq += ki * qi;
-            for (int64_t j = 0; j < dv; j++) {
-                sk[j] += row[j] * ki;
-                sq[j] += row[j] * qi;
-            }
-        }
-        const float decay = expf(g[h]), b = beta[h];
-        for (int64_t j = 0; j < dv; j++) {
-            const float delta = (vh[j] - decay * sk[j]) * b;
-            sk[j] = delta;
-            oh[j] = decay * sq[j] + delta * kq;
-        }
-        if (state_out) {
-            float *D = state_out + h * dk * dv;
-            for (int64_t i = 0; i < dk; i++) {
-                const float ki = kh[i];
-                const float *row = S + i * dv;
+            if (D) {
                 float *drow = D + i * dv;
-                for (int64_t j = 0; j < dv; j++) drow[j] = decay * row[j] + ki * sk[j];
+                for (int64_t j = 0; j < dv; j++) {
+                    const float s2 = decay * row[j] + ki * delta[j];
+                    drow[j] = s2;
+                    oh[j] += s2 * qi;
+                }
+            } else {
+                for (int64_t j = 0; j < dv; j++) oh[j] += (decay * row[j] + ki * delta[j]) * qi;
             }
         }
     }
