@@ -1061,6 +1061,8 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
  * unless it is NULL) and o. state_out may be state (in place) or NULL (the final state is not needed: a forward that
  * writes no cache). out [H, dv]. Heads are split over nth threads.
  */
+/* no fused multiply-adds here: each product rounded on its own, as the torch rule's separate ops round it */
+__attribute__((optimize("fp-contract=off")))
 int clover_gdn_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
                     const float *state, float *state_out, float *out, int64_t H, int64_t dk, int64_t dv,
                     int nth) {
