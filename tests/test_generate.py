@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from engine.decode import decoding
 from engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
 from engine.decode.generate import DecodeSettings, generate, generate_ar, generate_diffusion
 from engine.errors import PromptError
@@ -324,6 +325,54 @@ def test_ar_sampling_is_seeded() -> None:
         outs.append(finished(run(model, [10], settings(mode="ar", do_sample=True, temperature=1.0, seed=7,
                                                        max_new_tokens=12))).token_ids)
     assert outs[0] == outs[1] and outs[0] != tuple(letters(p) for p in range(1, 13))
+
+
+def test_ar_greedy_never_outputs_the_mask_and_takes_the_runner_up() -> None:
+    # the mask wins outright where the next position is even (9 against the letter's 5) and ties it elsewhere
+    class MaskFirst(ScriptedModel):
+        def forward(self, ids, start_pos, cache, block_size=None, write_cache=True, last_only=False):  # type: ignore[no-untyped-def]
+            out = super().forward(ids, start_pos, cache, block_size, write_cache, last_only)
+            p = start_pos + ids.shape[0]  # the position the last row predicts
+            out[:, MASK] = 9.0 if p % 2 == 0 else 5.0
+            return out
+
+    done = finished(run(MaskFirst(letters, margin=lambda p: 5.0, shift=True), [letters(0)] * 3,
+                        settings(mode="ar", max_new_tokens=6)))
+    assert MASK not in done.token_ids
+    assert done.token_ids == tuple(letters(p) for p in range(3, 9))
+
+
+def test_ar_greedy_equals_the_full_policy_on_random_logits() -> None:
+    # random rows, the mask often on top, penalties on: the fast greedy path picks what penalties, the forbidden
+    # mask and the softmax's argmax (decoding.propose) pick
+    table = torch.randn(64, V, generator=torch.Generator().manual_seed(5)) * 3
+    table[::3, MASK] = 50.0
+
+    class Random(ScriptedModel):
+        def forward(self, ids, start_pos, cache, block_size=None, write_cache=True, last_only=False):  # type: ignore[no-untyped-def]
+            super().forward(ids, start_pos, cache, block_size, write_cache, last_only)
+            rows = table[start_pos : start_pos + ids.shape[0]].clone()
+            return rows[-1:] if last_only else rows
+
+    prompt = [11, 12, 13]
+    for kw in ({}, {"repetition_penalty": 1.3, "presence_penalty": 0.7}):
+        s = settings(mode="ar", max_new_tokens=20, eos_token_ids=(), **kw)
+        got = finished(run(Random(letters), prompt, s)).token_ids
+        seq, want = list(prompt), []
+        for _ in range(20):
+            row = table[len(seq) - 1 : len(seq)].clone()
+            seen = torch.zeros(V, dtype=torch.bool)
+            seen[seq] = True
+            out_seen = torch.zeros(V, dtype=torch.bool)
+            out_seen[want] = True
+            row = decoding.apply_repetition_penalty(row, seen, s.repetition_penalty)
+            row = decoding.apply_presence_penalty(row, out_seen, s.presence_penalty)
+            row = decoding.forbid_tokens(row, [MASK])
+            tok = int(decoding.propose(row)[0][0])
+            seq.append(tok)
+            want.append(tok)
+        assert got == tuple(want)
+        assert MASK not in got
 
 
 # ---- text channels -----------------------------------------------------------------------------------------------

@@ -582,6 +582,26 @@ def generate_ar(
                     constraint)
 
 
+def _ar_next(logits: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Tensor,
+             constraint: grammar.Constraint | None, gen: torch.Generator | None) -> Tensor:
+    """The next AR token [1] from the last row of ``logits`` [*, V]. Greedy without a grammar: the argmax of the
+    penalized row, with no softmax nor mask-forbidding copy of the 248k logits (the argmax of the logits
+    is the argmax of their softmax; the mask id is forbidden only in the rare step it wins, by the full path).
+    Otherwise the full policy (penalties, the forbidden mask, the grammar, :func:`decoding.propose`)."""
+    if (not s.do_sample or s.temperature <= 0.0) and constraint is None:
+        row = decoding.apply_repetition_penalty(logits[-1:].float(), rep_seen, s.repetition_penalty)
+        token = decoding.apply_presence_penalty(row, out_seen, s.presence_penalty).argmax(-1)  # [1]
+        if s.mask_token_id is None or int(token[0]) != s.mask_token_id:
+            return token
+    row = _penalize(logits[-1:].float(), s, rep_seen, out_seen)  # [1, V]
+    if constraint is not None:  # structured output: only what the grammar takes next
+        row = constraint.mask(row)
+    token, _ = decoding.propose(
+        row, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen
+    )
+    return token
+
+
 def _ar_loop(
     model: DecodingModel,
     prompt: list[int],
@@ -638,12 +658,7 @@ def _ar_loop(
     gen = _generator(s, device)
     reason = limit_reason
     while True:
-        row = _penalize(logits[-1:].float(), s, rep_seen, out_seen)  # [1, V]
-        if constraint is not None:  # structured output: only what the grammar takes next
-            row = constraint.mask(row)
-        token, _ = decoding.propose(
-            row, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen
-        )
+        token = _ar_next(logits, s, rep_seen, out_seen, constraint, gen)  # [1] on the device
         tok = int(token[0])
         if s.logprobs is not None:
             yield row_logprobs(logits[-1:], [tok], s.logprobs, channels.kinds([tok]))

@@ -185,6 +185,8 @@ class Kernels:
         lib.clover_smatmul_tiled.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, i64, ptr, i32]
         lib.clover_moe_split_tiled.restype = i32
         lib.clover_moe_split_tiled.argtypes = lib.clover_moe_split.argtypes
+        lib.clover_gdn_step.restype = i32
+        lib.clover_gdn_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
 
     @property
     def simd(self) -> bool:
@@ -338,6 +340,31 @@ class Kernels:
                             torch.get_num_threads())
         del keep  # the banks stayed alive for the call
         _raise_for(rc, "moe")
+        return out
+
+
+    def gdn_step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                 state_out: Tensor | None) -> Tensor:
+        """One Gated DeltaNet AR step (``clover_gdn_step``): q, k [H, dk], v [H, dv], g, beta [H], state
+        [H, dk, dv], all float32 -> o [H, dv]; the updated state is written into ``state_out`` (``state`` itself
+        for in place; None: not computed). Same rule as ``engine.model.clover.recurrent_gated_delta_rule``."""
+        lib = self._need()
+        h, dk, dv = state.shape
+        args = [t.to(torch.float32).contiguous() for t in (q, k, v, g, beta)]
+        for name, t, shape in zip(("q", "k", "v", "g", "beta"), args, ((h, dk), (h, dk), (h, dv), (h,), (h,))):
+            if t.numel() != h * (shape[1] if len(shape) > 1 else 1):
+                raise ValueError(f"gdn_step: {name} has shape {tuple(t.shape)}, the state [{h}, {dk}, {dv}] needs "
+                                 f"{list(shape)}")
+        if state.dtype != torch.float32 or not state.is_contiguous():
+            raise ValueError(f"gdn_step: the state must be contiguous float32, got {state.dtype}")
+        if state_out is not None and (state_out.shape != state.shape or state_out.dtype != torch.float32
+                                      or not state_out.is_contiguous()):
+            raise ValueError(f"gdn_step: state_out must be contiguous float32 {tuple(state.shape)}")
+        out = torch.empty(h, dv, dtype=torch.float32)
+        rc = lib.clover_gdn_step(*(t.data_ptr() for t in args), state.data_ptr(),
+                                 None if state_out is None else state_out.data_ptr(), out.data_ptr(), h, dk, dv,
+                                 torch.get_num_threads())
+        _raise_for(rc, "gdn_step")
         return out
 
 
@@ -615,3 +642,9 @@ def moe_rows(x: Tensor, packed: Tensor, offsets: tuple[int, int, int, int] | lis
         return kernels().moe_rows(x, packed, offsets, intermediate, qtype, blocksizes, topk_idx, topk_w)
     return torch.ops.clover.moe_rows(x, packed, list(offsets), intermediate, qtype, list(blocksizes), topk_idx,
                                      topk_w)
+
+
+def gdn_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+             state_out: Tensor | None) -> Tensor:
+    """One Gated DeltaNet AR step on the CPU (:meth:`Kernels.gdn_step`; eager callers only: no custom op)."""
+    return kernels().gdn_step(q, k, v, g, beta, state, state_out)

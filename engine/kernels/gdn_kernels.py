@@ -6,6 +6,12 @@ the pure-PyTorch rule in :mod:`engine.model.clover` for the forwards that have n
 - a causal prefill (an AR prompt): ``chunk_gated_delta_rule``, a handful of kernels for the whole prompt, instead of
   the PyTorch loop over 32-token chunks (one iteration per chunk, each a few kernels).
 
+On the CPU, an AR step (eager, the CPU kernels built) takes one C call instead (:func:`cpu_step`,
+``clover_gdn_step`` in ``csrc/quant_cpu.c``): the decay, S^T k, the delta update and the read in two sweeps over
+each head's state (in the rule's order of operations), the update written in place into the cache. At the real
+widths (32 heads of 128 x 128, a 2 MiB fp32 state) the torch rule made ~8 passes over the state, each into a
+fresh 2 MiB temporary.
+
 Block-mode forwards (the diffusion prompt, the 32-slot denoising and commit passes) keep the PyTorch rule: they need
 each block's start state and its pure read for the history unit, and the right convolution's state path, which
 fla's kernels do not return. The PyTorch rule stays the CPU path and the reference.
@@ -32,6 +38,8 @@ import os
 import torch
 from torch import Tensor
 
+from engine.kernels import cpu_quant
+
 # engine.settings.GpuPaths.fla_gdn, set by engine.kernels.switches.use at load (set_enabled): a module constant, so a
 # compiled layer sees a constant, not a lookup per forward. TRITON_INTERPRET is Triton's own switch, read as Triton does.
 OPTED_IN = False
@@ -51,6 +59,22 @@ def enabled(x: Tensor) -> bool:
     """Whether a GDN forward on ``x``'s device takes fla's kernels (see the module: opted in, fla installed, and
     CUDA, or the CPU under Triton's interpreter)."""
     return OPTED_IN and AVAILABLE and (x.is_cuda or INTERPRETED)
+
+
+def cpu_step_enabled(x: Tensor) -> bool:
+    """Whether a GDN AR step on ``x`` takes the fused C step (``cpu_quant.gdn_step``): the CPU, eager (a compiled
+    layer keeps the torch rule, which inductor fuses itself), and the CPU kernels on and built
+    (``GpuPaths.cpu_kernels``)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_quant.usable()
+
+
+def cpu_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+             in_place: bool) -> Tensor:
+    """One token through the gated delta rule on the CPU in one C call (q, k [1, H, dk], v [1, H, dv], g, beta
+    [1, H], state [H, dk, dv] fp32) -> O [1, H, dv]. ``in_place``: the state is updated where it lies (an AR step
+    that writes its cache); else it is left as it is and the final state is not computed (a forward that writes
+    no cache). Equal to :func:`engine.model.clover.recurrent_gated_delta_rule` within float32 rounding."""
+    return cpu_quant.gdn_step(q[0], k[0], v[0], g[0], beta[0], state, state if in_place else None)[None]
 
 
 def _fla():  # imported on first use only: fla warns on import where no GPU backend is active

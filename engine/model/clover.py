@@ -617,7 +617,11 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._qkv(act)  # [T, Hv, dk], [T, Hv, dk], [T, Hv, dv] fp32
         history_form = cfg.bd_history_form if p.block_mode else "history_only"
         fla = gdn_kernels.enabled(x)  # fla's CUDA kernels for the causal forwards (opt-in, engine.kernels.gdn_kernels)
-        if not p.block_mode and t == 1 and st is not None:
+        if not p.block_mode and t == 1 and st is not None and not fla and gdn_kernels.cpu_step_enabled(x) \
+                and state0.dtype == torch.float32 and state0.is_contiguous():
+            # one C pass over the state, updated in place when the cache is written (then nothing to copy below)
+            out, final = gdn_kernels.cpu_step(q, k, v, g, beta, state0, in_place=p.write_cache), state0
+        elif not p.block_mode and t == 1 and st is not None:
             out, final = (gdn_kernels.recurrent if fla else recurrent_gated_delta_rule)(q, k, v, g, beta, state0)
         elif not p.block_mode and fla:
             out, final = gdn_kernels.chunked(q, k, v, g, beta, state0)  # [T, Hv, dv]
@@ -640,7 +644,8 @@ class GatedDeltaNet(nn.Module):
         if st is not None and p.write_cache:
             conv_buf, state_buf = st
             conv_buf.copy_(xpad[-(self.kernel - 1) :])  # last K-1 raw rows, in place
-            state_buf.copy_(final)
+            if final is not state_buf:
+                state_buf.copy_(final)
         y = self.norm(out.reshape(t * hv, dv), z.reshape(t * hv, dv), dtype)  # [T*Hv, dv]
         return self.out_proj(y.view(t, self.value_dim))
 

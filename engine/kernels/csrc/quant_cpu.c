@@ -1047,6 +1047,65 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
     return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, nth);
 }
 
+/* ============================================================================================================ */
+/* Gated DeltaNet AR step (issue 30, AR decode): one token's recurrent update in one pass over each head's state */
+/* (engine.kernels.gdn_kernels.cpu_step; the torch rule is engine.model.clover.recurrent_gated_delta_rule)        */
+/* ============================================================================================================ */
+
+/*
+ * One token, H heads: q, k [H, dk] (q normed and scaled, k normed), v [H, dv], g (log decay) and beta [H],
+ * state [H, dk, dv], all fp32 and contiguous. The rule in the torch rule's order of operations (each sum over dk
+ * taken in order, so the rounding follows the rule's formulas, not a rewrite of them):
+ *   S1 = e^g S;  kv = S1^T k;  delta = (v - kv) beta;  S2 = S1 + k delta^T;  o = S2^T q.
+ * Two sweeps over the head's S (64 KiB at dk = dv = 128: the second one from L2): kv, then S2 (written to state_out
+ * unless it is NULL) and o. state_out may be state (in place) or NULL (the final state is not needed: a forward that
+ * writes no cache). out [H, dv]. Heads are split over nth threads.
+ */
+/* no fused multiply-adds here: each product rounded on its own, as the torch rule's separate ops round it */
+__attribute__((optimize("fp-contract=off")))
+int clover_gdn_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                    const float *state, float *state_out, float *out, int64_t H, int64_t dk, int64_t dv,
+                    int nth) {
+    if (H < 1 || dk < 1 || dv < 1 || dv > 1024) return ERR_SHAPE;
+#pragma omp parallel for num_threads(threads_for(nth, H)) schedule(static)
+    for (int64_t h = 0; h < H; h++) {
+        float kv[1024], delta[1024];
+        const float *S = state + h * dk * dv, *kh = k + h * dk, *qh = q + h * dk, *vh = v + h * dv;
+        float *oh = out + h * dv;
+        const float decay = expf(g[h]), b = beta[h];
+        for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
+        for (int64_t i = 0; i < dk; i++) {
+            const float ki = kh[i];
+            const float *row = S + i * dv;
+            for (int64_t j = 0; j < dv; j++) kv[j] += (decay * row[j]) * ki;
+        }
+        for (int64_t j = 0; j < dv; j++) {
+            delta[j] = (vh[j] - kv[j]) * b;
+            oh[j] = 0.0f;
+        }
+        float *D = state_out ? state_out + h * dk * dv : NULL;
+        for (int64_t i = 0; i < dk; i++) {
+            const float ki = kh[i], qi = qh[i];
+            const float *row = S + i * dv;
+            if (D) {
+                float *drow = D + i * dv;
+                for (int64_t j = 0; j < dv; j++) {
+                    const float s2 = decay * row[j] + ki * delta[j];
+                    drow[j] = s2;
+                    oh[j] += s2 * qi;
+                }
+            } else {
+                for (int64_t j = 0; j < dv; j++) oh[j] += (decay * row[j] + ki * delta[j]) * qi;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ============================================================================================================ */
+/* end of the Gated DeltaNet AR step                                                                             */
+/* ============================================================================================================ */
+
 /*
  * moe_run over the engine's own expert rows (engine.weights.quant.ExpertLayout): expert e is the byte row
  * base + e * es = [gate_up codes [2I, D] | down codes [D, I] | gate_up scales | down scales] at the given byte
