@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from engine.kernels import cpu_quant as cq
-from engine.weights import quant as wq
-from engine.weights.gguf import quants as gq
+from clover_desk.engine.kernels import cpu_quant as cq
+from clover_desk.engine.weights import quant as wq
+from clover_desk.engine.weights.gguf import quants as gq
 
 HIDDEN, EXPERT_I, VOCAB, EXPERTS, TOP_K = 2048, 512, 248_320, 256, 8
 

@@ -23,10 +23,10 @@ from typing import Any
 import jsonschema
 import torch
 
-from engine.api import Engine
-from engine.decode.events import Finished, GenerationParams
-from engine.decode.grammar import structured_spec
-from engine.weights.tiny import make_tiny
+from clover_desk.engine.api import Engine
+from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.engine.decode.grammar import structured_spec
+from clover_desk.engine.weights.tiny import make_tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_structured import random_schema  # noqa: E402 - the tests' schema family

@@ -31,7 +31,7 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
 
     guard_pyside_bool_refcounts()
     try:
-        from ui.preview_sandbox import register_schemes
+        from clover_desk.ui.preview_sandbox import register_schemes
     except ImportError:
         return  # no QtWebEngine: the webengine-marked tests skip
     register_schemes()
@@ -45,7 +45,7 @@ def cpu_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     this process and, through CLOVER_DESK_CPU_KERNELS=0, for whatever re-reads ``GpuPaths.from_env()`` (Engine.load's
     callers, the CLI commands and subprocesses a test runs). Use it with
     ``pytestmark = pytest.mark.usefixtures("cpu_kernels_off")``."""
-    from engine.kernels import cpu_quant
+    from clover_desk.engine.kernels import cpu_quant
 
     monkeypatch.setenv("CLOVER_DESK_CPU_KERNELS", "0")
     before = cpu_quant.set_enabled(False)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.api import Engine
+from clover_desk.engine.api import Engine
 
 COMPILE_S = 600.0  # far longer than any test waits: only ending the worker stops it
 HELPER_PID_ENV = "CLOVER_TEST_COMPILE_HELPER_PID_FILE"

@@ -21,8 +21,8 @@ from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.schema import SCHEMA_VERSION
 from clover_desk.storage.store import ChatStore
 from clover_desk.storage.tree import read_chosen_path
-from ui.chat_actions import READ_AHEAD_MS
-from ui.main_window import MainWindow
+from clover_desk.ui.chat_actions import READ_AHEAD_MS
+from clover_desk.ui.main_window import MainWindow
 
 guard_pyside_bool_refcounts()
 

@@ -12,8 +12,8 @@ from PySide6.QtGui import QDragEnterEvent, QDropEvent, QGuiApplication
 from PySide6.QtWidgets import QApplication
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from ui import composer as composer_module
-from ui.attachments import ATTACH_MAX_BYTES, AttachmentError, attachment_markdown, read_attachment
+from clover_desk.ui import composer as composer_module
+from clover_desk.ui.attachments import ATTACH_MAX_BYTES, AttachmentError, attachment_markdown, read_attachment
 
 guard_pyside_bool_refcounts()
 
@@ -76,7 +76,7 @@ def window(qtbot, tmp_path):  # noqa: ANN001, ANN201
 
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
-    from ui.main_window import MainWindow
+    from clover_desk.ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")
     w = MainWindow(FakeEngineClient(blocks=2, pass_ms=2), store, StreamRecorder, model_dir="/models/tiny")

@@ -126,8 +126,8 @@ def test_a_cpu_count_can_dispatch_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -
     """On the CPU an expert group is one expert named by a host read of its id (cheap there, not what a GPU runs):
     the count sees those reads, and counted as on a GPU (the card's group size, no CPU int8 GEMV) there are none."""
     from clover_desk.bench.random_model import _build_random_model, _config, _dispatch_as_on_a_gpu
-    from engine.model import experts
-    from engine.weights import quant
+    from clover_desk.engine.model import experts
+    from clover_desk.engine.weights import quant
 
     _, config = _config("tiny", "clover_moe")
     model = _build_random_model(config, torch.float32, "cpu", 0, "card")
@@ -194,7 +194,7 @@ def test_the_peak_vram_line_sets_what_torch_held_against_what_the_plan_counted()
     """gpu_check's card_path prints it: the plan's total less the CUDA context (which torch's allocator never sees)
     is what the allocator may reserve; a GPU run says whether the planner's workspace holds."""
     from clover_desk.bench.timing import _peak_vram_line
-    from engine.placement.planner import CUDA_CONTEXT_BYTES, plan_model
+    from clover_desk.engine.placement.planner import CUDA_CONTEXT_BYTES, plan_model
 
     plan = plan_model("shape:clover-35b-a3b", 16 * 2**30, 4096)
     counted = plan.vram_used_bytes - CUDA_CONTEXT_BYTES
@@ -208,7 +208,7 @@ def test_the_group_sweep_times_each_group_size_and_puts_group_bytes_back() -> No
     """--moe-only's sweep: the dequantize-then-matmul pass at 4, 8 and 16 experts per group (what a GPU run picks
     engine.model.experts.GROUP_BYTES by), the module's setting as it was afterwards."""
     from clover_desk.bench.moe_only import _group_sweep_line, _moe_routing, _random_nf4_bank
-    from engine.model import experts
+    from clover_desk.engine.model import experts
 
     gen = torch.Generator().manual_seed(0)
     e, k, d, i = 32, 4, 64, 64
@@ -257,7 +257,7 @@ def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
     segments, shapes [2I, D] and [D, I]). On the CPU bitsandbytes' own GEMV reads a repacked layout, so the
     addressing is checked with a reference GEMV (dequantize the segment, then multiply): the engine's output."""
     from clover_desk.bench.moe_only import _bnb_gemv_line, _moe_routing, _random_nf4_bank, bnb_gemv_moe
-    from engine.weights.quant import dequantize_nf4_reference
+    from clover_desk.engine.weights.quant import dequantize_nf4_reference
 
     gen = torch.Generator().manual_seed(0)
     e, k, d, i = 32, 4, 64, 96
@@ -280,7 +280,7 @@ def test_the_bnb_gemv_path_reads_each_experts_matrices_from_its_row() -> None:
 FUSED_LINE_CHILD = r'''
 import torch
 from clover_desk.bench.moe_only import FUSED_WARPS, _fused_line, _moe_routing, _random_nf4_bank
-from engine.kernels import cpu_quant, triton_moe
+from clover_desk.engine.kernels import cpu_quant, triton_moe
 
 cpu_quant.set_enabled(False)  # the line's reference is the grouped dequantize-then-matmul path, not the CPU kernels
 gen = torch.Generator().manual_seed(0)

@@ -13,9 +13,9 @@ import torch
 from fixtures_tiny import tiny_clover_dir  # noqa: F401
 
 from clover_desk.bench.real_width import LayerClock, kl_stats, model_bytes, type_mix
-from engine.weights.gguf.file import open_gguf
-from engine.weights.gguf.model import load_gguf_model
-from engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.gguf.file import open_gguf
+from clover_desk.engine.weights.gguf.model import load_gguf_model
+from clover_desk.engine.weights.gguf.writer import write_gguf
 
 
 @pytest.fixture(scope="module")

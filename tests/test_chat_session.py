@@ -15,10 +15,10 @@ import pytest
 from clover_desk.storage.errors import StorageError
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from engine.decode.events import BlockCommitted, EngineError, Finished, GenerationParams, TextDelta
-from ui.chat_session import ChatSession, Ending
-from ui.generation import GenerationSettings
-from ui.messages import MessageData
+from clover_desk.engine.decode.events import BlockCommitted, EngineError, Finished, GenerationParams, TextDelta
+from clover_desk.ui.chat_session import ChatSession, Ending
+from clover_desk.ui.generation import GenerationSettings
+from clover_desk.ui.messages import MessageData
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,12 +152,12 @@ def answer(store: ChatStore, session: ChatSession):  # noqa: ANN201
 
 def test_the_controller_imports_no_widget_module() -> None:
     """This module and the controller load without QtWidgets (a fresh interpreter)."""
-    code = ("import json, sys; sys.path.insert(0, 'tests'); import ui.chat_session, test_chat_session; "
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import clover_desk.ui.chat_session, test_chat_session; "
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, QT_QPA_PLATFORM="offscreen"),
                          capture_output=True, text=True, check=True)
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert "ui.chat_session" in loaded
+    assert "clover_desk.ui.chat_session" in loaded
     assert "PySide6.QtWidgets" not in loaded and "PySide6.QtGui" not in loaded
 
 

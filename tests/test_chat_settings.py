@@ -11,10 +11,10 @@ from PySide6.QtCore import QSettings, Qt
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
-from ui.generation import GenerationSettings, defaults_from_model
-from ui.main_window import MainWindow
-from ui.settings_drawer import SettingsDrawer
+from clover_desk.engine.decode.limits import GENERATION_LIMITS, INT32_MAX
+from clover_desk.ui.generation import GenerationSettings, defaults_from_model
+from clover_desk.ui.main_window import MainWindow
+from clover_desk.ui.settings_drawer import SettingsDrawer
 
 guard_pyside_bool_refcounts()
 

@@ -8,7 +8,7 @@ from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.chat_view import (
+from clover_desk.ui.chat_view import (
     ChatView,
     HtmlWatch,
     MessageData,
@@ -18,8 +18,8 @@ from ui.chat_view import (
     stats_details,
     stats_line,
 )
-from ui.html_extract import extract_html
-from ui.markdown import inline, render
+from clover_desk.ui.html_extract import extract_html
+from clover_desk.ui.markdown import inline, render
 
 # PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
 # without this the process aborts after some thousands of paints. Must run before the first widget exists.

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.decode.events import LoadProgress
-from engine.errors import CancelledError, CheckpointError
-from engine.model.config import parse_config
-from engine.weights.checkpoint import (
+from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.engine.errors import CancelledError, CheckpointError
+from clover_desk.engine.model.config import parse_config
+from clover_desk.engine.weights.checkpoint import (
     CheckpointReader,
     load_model,
     model_from_state_dict,
@@ -208,8 +208,8 @@ def test_tied_embeddings_need_no_lm_head(tmp_path: Path) -> None:
 
 
 def test_consume_hook_takes_expert_tensors_instead_of_the_model(tmp_path: Path) -> None:
-    from engine.model.clover import CloverModel
-    from engine.weights.checkpoint import CheckpointReader, load_state, materialize, plan_load
+    from clover_desk.engine.model.clover import CloverModel
+    from clover_desk.engine.weights.checkpoint import CheckpointReader, load_state, materialize, plan_load
 
     path, sd = _write(tmp_path, {"model_type": "qwen3_5_moe_text", **tiny_text_dict()})
     cfg = parse_config(json.loads((path / "config.json").read_text()))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from server_fixtures import chat_model, chat_server, endless_model  # noqa: F401 - fixtures
 
-from engine.decode.tokenizer import CloverTokenizer
+from clover_desk.engine.decode.tokenizer import CloverTokenizer
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -27,7 +27,7 @@ def chat(model: Path, text: str, *flags: str) -> subprocess.CompletedProcess[str
 
 
 def test_turns_commands_and_what_the_prompt_cache_read(chat_model) -> None:  # noqa: ANN001, F811
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     script = "Hello there\nAnd then?\n/think off\nOne more\\\nline\n/bogus\n/mode fast\n/reset\n/mode ar\nHi\n"
     proc = chat(chat_model.path, script, "--system", SYSTEM)

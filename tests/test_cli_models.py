@@ -56,7 +56,7 @@ def test_models_lists_what_the_window_knows(capsys, home: Path) -> None:
 
 def test_the_app_and_the_command_line_read_the_same_files(home: Path) -> None:
     from clover_desk import app
-    from ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME
+    from clover_desk.ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME
 
     assert app.SETTINGS_NAME == paths.SETTINGS_NAME
     source = Path(app.__file__).read_text(encoding="utf-8")

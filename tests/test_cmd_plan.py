@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from clover_desk.cli import main as cli
-from engine.placement.planner import GiB, manifest_for_shape
+from clover_desk.engine.placement.planner import GiB, manifest_for_shape
 from tests.plan_contract import BREAKDOWN_KEYS, CONTRACT_KEYS
 
 ENTRY = Path(sys.executable).with_name("clover-desk")

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from engine.kernels import cpu_quant
-from engine.model.clover import CloverModel
-from engine.model.config import parse_config
-from engine.weights.checkpoint import random_state_dict
-from engine.weights.quant import make_policy, quantize_model_
-from engine.weights.tiny import config_dict_for, tiny_text_config
+from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.model.config import parse_config
+from clover_desk.engine.weights.checkpoint import random_state_dict
+from clover_desk.engine.weights.quant import make_policy, quantize_model_
+from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
 BLOCK = 8
@@ -102,7 +102,7 @@ def test_no_host_sync_in_the_forward_on_cuda(primed: tuple[CloverModel, Any]) ->
     elsewhere the pass's group sizes still come back to the host (the fused grouped kernel of the fast-path issue)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from engine.model.experts import grouped_mm_supported
+    from clover_desk.engine.model.experts import grouped_mm_supported
 
     gpu = torch.device("cuda")
     model = copy.deepcopy(primed[0]).to(gpu, torch.bfloat16)  # the fixture's model stays on the CPU
@@ -126,8 +126,8 @@ def test_no_host_sync_in_the_forward_on_cuda(primed: tuple[CloverModel, Any]) ->
 def test_the_denoising_policy_traces_as_one_graph() -> None:
     """The decode policy of a pass (penalties, length and think-end biases, proposal, commit rule, EOS limit) reads
     nothing back to the host: on a GPU it queues behind the forward and the loop reads its outcome once."""
-    from engine.decode import decoding
-    from engine.decode.generate import DecodeSettings, denoise_policy
+    from clover_desk.engine.decode import decoding
+    from clover_desk.engine.decode.generate import DecodeSettings, denoise_policy
 
     V, B, mask = 64, 8, 63
     s = DecodeSettings(

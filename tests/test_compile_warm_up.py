@@ -23,8 +23,8 @@ import torch
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from helpers_model import CountingBackend
 
-from engine.api import Engine
-from engine.decode.events import COMPILE_STAGES, Finished, GenerationParams, LoadProgress
+from clover_desk.engine.api import Engine
+from clover_desk.engine.decode.events import COMPILE_STAGES, Finished, GenerationParams, LoadProgress
 
 BACKEND = CountingBackend()
 
@@ -111,7 +111,7 @@ def test_cancel_during_the_warm_up_keeps_the_model_uncompiled(tiny_clover_dir: P
 def test_a_gguf_file_compiles_and_warms_up_in_its_modes(tiny_clover_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     """GGUF modules (blocks dequantized in the forward) compile like the others; measured on a small Q4_0 model,
     compiled AR decoding ran ~2.8x faster than eager on 2 CPU cores."""
-    from engine.weights.gguf.writer import write_gguf
+    from clover_desk.engine.weights.gguf.writer import write_gguf
 
     gguf = write_gguf(tiny_clover_dir, tmp_path / "tiny-Q8_0.gguf", "Q8_0", layout="upstream")[0]
     events: list[LoadProgress] = []
@@ -126,7 +126,7 @@ def test_without_a_cpp_compiler_the_model_loads_uncompiled_and_says_why(
     monkeypatch.setenv("PATH", "/nonexistent")  # no g++, c++, clang++ or cl to be found
     monkeypatch.delenv("CXX", raising=False)
     events: list[LoadProgress] = []
-    with caplog.at_level("WARNING", logger="engine.api"):
+    with caplog.at_level("WARNING", logger="clover_desk.engine.api"):
         engine = Engine.load(tiny_clover_dir, compile=True, progress=events.append)  # the real inductor backend
     assert not engine.compiled and "needs a C++ compiler" in (engine.compile_skipped or "")
     assert [e.current for e in events if e.stage in COMPILE_STAGES] == [engine.compile_skipped]
@@ -137,8 +137,8 @@ def test_the_worker_loads_compiled_and_the_window_shows_the_warm_up(
     qapp: Any, tiny_clover_dir: Path,  # noqa: F811
 ) -> None:
     from clover_desk.worker.process import Worker
-    from engine.decode.events import from_dict
-    from ui.banners import LoadBanner
+    from clover_desk.engine.decode.events import from_dict
+    from clover_desk.ui.banners import LoadBanner
 
     records: list[dict[str, Any]] = []
     worker = Worker(records.append, functools.partial(Engine.load, compile_backend=BACKEND))

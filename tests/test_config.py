@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ConfigError
-from engine.model.config import load_config, load_generation_defaults, parse_config
+from clover_desk.engine.errors import ConfigError
+from clover_desk.engine.model.config import load_config, load_generation_defaults, parse_config
 
 TEXT = {
     "vocab_size": 320,

@@ -15,9 +15,9 @@ from server_fixtures import client, running_server
 
 from clover_desk.worker.process import ProtocolError, check_params
 from clover_desk.worker.server import parse_chat_request
-from engine.decode.events import Finished, GenerationParams
-from engine.decode.tokenizer import continuation_text
-from engine.errors import PromptError
+from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.engine.decode.tokenizer import continuation_text
+from clover_desk.engine.errors import PromptError
 
 WORDS = ["Alpha", " Bravo", " Charlie", " Delta", "Echo", " Foxtrot", " Golf", " Hotel", "India", " Juliet", " Kilo"]
 THINKING = "Alpha Bravo Charlie Delta</think>Echo Foxtrot Golf Hotel<|im_end|>"
@@ -33,7 +33,7 @@ def words_model(tmp_path_factory: pytest.TempPathFactory) -> ScriptedModel:
 
 @pytest.fixture(scope="module")
 def engine(words_model: ScriptedModel) -> Any:
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     return Engine.load(words_model.path)
 
@@ -145,7 +145,7 @@ def test_the_worker_protocol_carries_the_flag() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_clover_dir: Path) -> Any:  # noqa: F811
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     return Engine.load(tiny_clover_dir)
 
@@ -167,7 +167,7 @@ def test_ar_continuation_keeps_the_presence_penalty_of_what_was_written(tiny: An
 
 
 def test_diffusion_continuation_keeps_the_length_ramp_where_it_was(tiny: Any) -> None:
-    from engine.decode.generate import DecodeSettings, generate, resolve_settings
+    from clover_desk.engine.decode.generate import DecodeSettings, generate, resolve_settings
 
     base = resolve_settings(GenerationParams(block_size=8, threshold=0.9, do_sample=False), tiny.generation_defaults,
                             tiny.config, tiny.tokenizer)

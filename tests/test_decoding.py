@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.decode import decoding
+from clover_desk.engine.decode import decoding
 
 
 def _logits_with_probs(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:
@@ -201,7 +201,7 @@ def test_eos_resolved_needs_every_earlier_slot_committed() -> None:
 
 
 def test_block_coreset_is_the_smallest_prefix_covering_top_p() -> None:
-    from engine.model.clover import block_coreset_topk
+    from clover_desk.engine.model.clover import block_coreset_topk
 
     probs = torch.tensor([[0.50, 0.30, 0.10, 0.10, 0.00], [0.60, 0.00, 0.20, 0.10, 0.10]])
     # top-2 mass per expert: e0 1.1, e1 0.3, e2 0.2 -> total 1.6; 0.9 of it is 1.44 -> {e0, e1, e2}
@@ -214,7 +214,7 @@ def test_block_coreset_is_the_smallest_prefix_covering_top_p() -> None:
 
 @pytest.mark.parametrize("restrict", ["R-a", "R-b"])
 def test_a_block_whose_router_rows_agree_still_routes_every_token_to_k_experts(restrict: str) -> None:
-    from engine.model.clover import block_coreset_topk
+    from clover_desk.engine.model.clover import block_coreset_topk
 
     e, k, block = 64, 8, 32
     gen = torch.Generator().manual_seed(3)
@@ -246,7 +246,7 @@ def _limit_reference(tokens: list[int], start: int, needed: int, eos: set[int]) 
 
 
 def test_device_policy_helpers_equal_their_plain_statements() -> None:
-    from engine.decode.decoding import output_limit, seen_mask_of, thinking_open_in
+    from clover_desk.engine.decode.decoding import output_limit, seen_mask_of, thinking_open_in
 
     gen = torch.Generator().manual_seed(7)
     for trial in range(300):
@@ -275,7 +275,7 @@ def test_threshold_commit_is_strictly_greater_and_falls_back_to_one_slot() -> No
 def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(monkeypatch: pytest.MonkeyPatch) -> None:
     """The biases after the penalties change the penalized tensor in place (one [B, V] copy less each); the logits
     the loop hands in stay as they were, and every output equals the copying path's bit for bit."""
-    from engine.decode.generate import DecodeSettings, _penalize, denoise_policy
+    from clover_desk.engine.decode.generate import DecodeSettings, _penalize, denoise_policy
 
     v, b, mask = 64, 8, 63
     gen = torch.Generator().manual_seed(0)

@@ -10,17 +10,17 @@ import random
 import pytest
 import torch
 
-from engine.decode.generate import DecodeSettings, loop_hooks
-from engine.errors import PlanError
-from engine.kernels import step_graphs, triton_moe
-from engine.model.clover import CloverModel
-from engine.model.config import parse_config
-from engine.placement import offload
-from engine.placement.device_pool import DeviceSlotTables
-from engine.placement.offload import HostExpertStore, SimplePlan, SlotPool, apply_plan
-from engine.weights.checkpoint import random_state_dict
-from engine.weights.quant import make_policy, quantize_model_
-from engine.weights.tiny import config_dict_for, tiny_text_config
+from clover_desk.engine.decode.generate import DecodeSettings, loop_hooks
+from clover_desk.engine.errors import PlanError
+from clover_desk.engine.kernels import step_graphs, triton_moe
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.model.config import parse_config
+from clover_desk.engine.placement import offload
+from clover_desk.engine.placement.device_pool import DeviceSlotTables
+from clover_desk.engine.placement.offload import HostExpertStore, SimplePlan, SlotPool, apply_plan
+from clover_desk.engine.weights.checkpoint import random_state_dict
+from clover_desk.engine.weights.quant import make_policy, quantize_model_
+from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.helpers_model import one_thread
 from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
 from tests.triton_child import run_interpreted
@@ -538,7 +538,7 @@ def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
 def test_compile_layers_runs_device_table_steps_as_one_graph(qmodel: CloverModel) -> None:
     """compile_layers gives a model with device tables the whole-step graph (a fetching one gets none), and its
     tokens, prompt by prompt: each prompt takes the tables back to the host and the steps hand them over again."""
-    from engine.kernels.fastpath import compile_layers
+    from clover_desk.engine.kernels.fastpath import compile_layers
 
     want = tokens(qmodel, "ar", 12)
     model = placed(qmodel, (0, 2), EXPERTS, device_pool=True)
@@ -558,7 +558,7 @@ def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverMo
     """A diffusion run through the compiled layers with a streamed layer on the device tables (the first pass of a
     block prefetches, the later ones not: two variants of the layer, no host read in either): the uncompiled
     tokens, the block's pins released, no host read from the first block on."""
-    from engine.kernels.fastpath import compile_layers
+    from clover_desk.engine.kernels.fastpath import compile_layers
 
     want = tokens(qmodel, "diffusion", 32)
     model = placed(qmodel, (2, 3), EXPERTS, device_pool=True)
@@ -577,7 +577,7 @@ def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverMo
 
 def test_step_graph_pieces_run_device_table_steps_whole() -> None:
     """Through engine.kernels.step_graphs' pieces (as on a GPU, not recorded): an AR step is one piece, with the tokens."""
-    from engine.decode.generate import generate_ar
+    from clover_desk.engine.decode.generate import generate_ar
     from tests.test_step_graphs import PROMPT as SG_PROMPT
     from tests.test_step_graphs import _quantized, _settings, _tokens
 
@@ -600,7 +600,7 @@ def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.Mon
     GPU, stood in for here): the host pool's pass leaves the graphs at each streamed layer's fetch, the device
     tables' pass is one piece, however the cuts are asked for (outside a block too). Diffusion through that one
     piece (run eagerly) decodes the host pool's tokens; after the prompt no forward fetches on the host."""
-    from engine.decode.generate import generate_diffusion
+    from clover_desk.engine.decode.generate import generate_diffusion
     from tests.test_step_graphs import PROMPT as SG_PROMPT
     from tests.test_step_graphs import _quantized
 
@@ -614,7 +614,7 @@ def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.Mon
     assert offload.set_device_pool(model, True) == ""
     b = model.config.block_size
     with monkeypatch.context() as m:
-        for mod in ("engine.weights.quant", "engine.placement.offload"):
+        for mod in ("clover_desk.engine.weights.quant", "clover_desk.engine.placement.offload"):
             m.setattr(f"{mod}.rows_sync_free", lambda pairs, device, layout: True)
         assert step_graphs.cuts(host, b) == {1: "fetch", 2: "fetch"}
         assert step_graphs.cuts(model, b) == {}
@@ -638,7 +638,7 @@ def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.Mon
 
 CHILD = r'''
 import torch
-from engine.kernels.triton_copy import copy_rows
+from clover_desk.engine.kernels.triton_copy import copy_rows
 
 torch.manual_seed(0)
 for r in (40, 4099 * 4, 37):  # 4-byte words (one full and a partial chunk), bytes
@@ -664,8 +664,8 @@ def test_the_copy_kernel_copies_only_the_missing_rows() -> None:
 PLACE_CHILD = r'''
 import random
 import torch
-from engine.placement.device_pool import DeviceSlotTables
-from engine.placement.offload import DeviceLedger, SlotPool
+from clover_desk.engine.placement.device_pool import DeviceSlotTables
+from clover_desk.engine.placement.offload import DeviceLedger, SlotPool
 
 class Layout:
     nbytes = 40
@@ -706,8 +706,8 @@ def test_the_place_kernel_makes_the_tensor_ops_decisions() -> None:
 PLACE_SET_CHILD = r'''
 import random
 import torch
-from engine.placement.device_pool import DeviceSlotTables
-from engine.placement.offload import DeviceLedger, SlotPool
+from clover_desk.engine.placement.device_pool import DeviceSlotTables
+from clover_desk.engine.placement.offload import DeviceLedger, SlotPool
 
 class Layout:
     nbytes = 40
@@ -767,13 +767,13 @@ def test_the_set_place_kernel_makes_the_tensor_ops_decisions() -> None:
 MODEL_CHILD = r'''
 import copy
 import torch
-from engine.placement import offload
-from engine.weights.checkpoint import random_state_dict
-from engine.model.config import parse_config
-from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion, loop_hooks
-from engine.model.clover import CloverModel
-from engine.weights.quant import make_policy, quantize_model_
-from engine.weights.tiny import config_dict_for, tiny_text_config
+from clover_desk.engine.placement import offload
+from clover_desk.engine.weights.checkpoint import random_state_dict
+from clover_desk.engine.model.config import parse_config
+from clover_desk.engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion, loop_hooks
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.weights.quant import make_policy, quantize_model_
+from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
 text = tiny_text_config(vocab_size=128, layers=4, hidden=64, experts=16, experts_per_tok=4)
 special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}

@@ -22,7 +22,7 @@ from clover_desk.downloads import (  # noqa: E402
     DownloadProgress,
     ModelDownloader,
 )
-from engine.errors import CancelledError  # noqa: E402
+from clover_desk.engine.errors import CancelledError  # noqa: E402
 from tests.hf_test_server import FakeHub  # noqa: E402
 
 REPO = "Diffuspace/Clover-Test"

@@ -18,7 +18,7 @@ import pytest
 from PySide6.QtCore import QElapsedTimer, QTimer
 
 from clover_desk.worker.client import EngineClient
-from engine.decode.events import (
+from clover_desk.engine.decode.events import (
     BlockCommitted,
     BlockStep,
     EngineError,
@@ -40,7 +40,7 @@ LONG = GenerationParams(max_new_tokens=512, block_size=4, do_sample=True, temper
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.weights.tiny import make_tiny  # torch: test process only, never the GUI client under test
+    from clover_desk.engine.weights.tiny import make_tiny  # torch: test process only, never the GUI client under test
 
     return make_tiny(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -376,7 +376,7 @@ def test_gpu_paths_reach_the_worker_from_its_next_start(
 ) -> None:
     """The window's choice of experimental GPU paths is the worker's environment: every switch 1 or 0 (so the
     app's own environment cannot add one), read when the worker starts; the worker says which it runs with."""
-    from engine.settings import opt_in_env
+    from clover_desk.engine.settings import opt_in_env
 
     c = fake_client
     monkeypatch.setenv("CLOVER_DESK_FLA_GDN", "1")  # set where the app was started: the choice overrides it

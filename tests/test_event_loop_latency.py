@@ -15,7 +15,7 @@ from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import QObject, Qt, QTimer
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.decode.events import BlockStep
+from clover_desk.engine.decode.events import BlockStep
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
 
@@ -96,7 +96,7 @@ def test_latency_under_a_flood_of_steps(qtbot, tmp_path) -> None:
     """A scripted engine that sends a pass every millisecond (far faster than any real one)."""
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
-    from ui.main_window import MainWindow
+    from clover_desk.ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")
     client = FakeEngineClient(blocks=60, pass_ms=1)

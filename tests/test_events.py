@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.decode.events import BlockStep, Finished, TextDelta, from_dict, to_dict
+from clover_desk.engine.decode.events import BlockStep, Finished, TextDelta, from_dict, to_dict
 
 
 def test_round_trip_through_json() -> None:

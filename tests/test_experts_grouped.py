@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.model import experts as ex
-from engine.model.experts import DenseExpertBank, moe_grouped, routed_reference
-from engine.weights.quant import QuantExpertBank, routed_forward, routed_forward_reference, unpack_rows
+from clover_desk.engine.model import experts as ex
+from clover_desk.engine.model.experts import DenseExpertBank, moe_grouped, routed_reference
+from clover_desk.engine.weights.quant import QuantExpertBank, routed_forward, routed_forward_reference, unpack_rows
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
-from engine.kernels.fastpath import compile_layers, is_compiled
+from clover_desk.engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
+from clover_desk.engine.kernels.fastpath import compile_layers, is_compiled
 from tests.helpers_model import BLOCK, CountingBackend, tiny_config, tiny_model
 
 PROMPT = [5, 9, 17, 33, 65, 129, 7, 11, 13, 19, 23]

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from engine.errors import CheckpointError
-from engine.weights.formats import read_safetensors_header
+from clover_desk.engine.errors import CheckpointError
+from clover_desk.engine.weights.formats import read_safetensors_header
 
 
 def _write(path: Path, entry: Any, data: int = 16) -> Path:

@@ -45,9 +45,9 @@ chunk_delta_h.range = _range
 
 OPS = SHIMS + r'''
 import torch
-from engine.kernels import gdn_kernels, switches
-from engine.model.clover import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
-from engine.settings import GpuPaths
+from clover_desk.engine.kernels import gdn_kernels, switches
+from clover_desk.engine.model.clover import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from clover_desk.engine.settings import GpuPaths
 
 switches.use(GpuPaths.from_env())  # as an engine process starts: CLOVER_DESK_FLA_GDN=1 in this child's environment
 
@@ -74,7 +74,7 @@ print("ok")
 MODEL = SHIMS + r'''
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from engine.kernels import gdn_kernels
+from clover_desk.engine.kernels import gdn_kernels
 from tests.test_gdn_kernels import gdn_model
 
 model = gdn_model(64)
@@ -141,10 +141,10 @@ gdn_lines("cpu", torch.float32, 1, shape="mid", prompt=70)
 
 def gdn_model(hidden: int) -> Any:
     """A 3-layer Clover model, two of them Gated DeltaNet (fp32, eval), for the kernels' token tests."""
-    from engine.model.clover import CloverModel
-    from engine.model.config import parse_config
-    from engine.weights.checkpoint import random_state_dict
-    from engine.weights.tiny import config_dict_for, tiny_text_config
+    from clover_desk.engine.model.clover import CloverModel
+    from clover_desk.engine.model.config import parse_config
+    from clover_desk.engine.weights.checkpoint import random_state_dict
+    from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
     special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
     text = tiny_text_config(vocab_size=256, layers=3, hidden=hidden, experts=8, experts_per_tok=2)
@@ -182,7 +182,7 @@ def test_bench_times_a_gdn_layer_both_ways() -> None:
 
 
 def test_the_kernels_are_taken_only_when_opted_in_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.kernels import gdn_kernels
+    from clover_desk.engine.kernels import gdn_kernels
 
     monkeypatch.setattr(gdn_kernels, "OPTED_IN", True)
     monkeypatch.setattr(gdn_kernels, "AVAILABLE", True)
@@ -200,7 +200,7 @@ def test_fla_kernels_on_cuda_decode_the_same_tokens(monkeypatch: pytest.MonkeyPa
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _needs_fla()
-    from engine.kernels import gdn_kernels
+    from clover_desk.engine.kernels import gdn_kernels
 
     model = gdn_model(128).to("cuda")
     prompt = torch.randint(5, 256, (200,), generator=torch.Generator().manual_seed(0)).cuda()

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.decode import decoding
-from engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
-from engine.decode.generate import DecodeSettings, generate, generate_ar, generate_diffusion
-from engine.errors import PromptError
+from clover_desk.engine.decode import decoding
+from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
+from clover_desk.engine.decode.generate import DecodeSettings, generate, generate_ar, generate_diffusion
+from clover_desk.engine.errors import PromptError
 
 V = 64
 MASK = 63
@@ -426,9 +426,9 @@ def test_deltas_are_only_emitted_for_committed_blocks() -> None:
 
 from fixtures_tiny import one_torch_thread, tiny_clover_dir, tiny_qwen_dir  # noqa: E402,F401
 
-from engine.api import Engine, plan_for  # noqa: E402
-from engine.decode.events import GenerationParams  # noqa: E402
-from engine.defaults import GIB  # noqa: E402
+from clover_desk.engine.api import Engine, plan_for  # noqa: E402
+from clover_desk.engine.decode.events import GenerationParams  # noqa: E402
+from clover_desk.engine.defaults import GIB  # noqa: E402
 
 PLAIN = dict(presence_penalty=0.0, repetition_penalty=1.0)  # penalties off where a reference is recomputed by hand
 
@@ -605,7 +605,7 @@ def test_planned_engine_keeps_the_embedding_in_ram_and_holds_to_the_planned_cont
 ) -> None:
     from fixtures_tiny import copy_model
 
-    from engine.placement.offload import runtime_of
+    from clover_desk.engine.placement.offload import runtime_of
 
     folder = copy_model(tiny_clover_dir, tmp_path / "m")
     engine = Engine.load(folder, device="cpu", precision="nf4", placement=plan_for(folder, 2 * GIB, 96, "float32"))

@@ -17,18 +17,18 @@ import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 from helpers_model import greedy
 
-from engine.api import Engine, plan_for
-from engine.decode.events import BlockStep, Finished, GenerationParams
-from engine.defaults import GIB
-from engine.errors import ConfigError, PromptError
-from engine.kernels import cpu_quant
-from engine.placement.manifest import manifest_from_gguf
-from engine.placement.planner import plan_model
-from engine.weights.checkpoint import load_model, model_from_state_dict
-from engine.weights.gguf.file import hf_to_tiled_heads, open_gguf, tiled_to_hf_heads
-from engine.weights.gguf.model import GGUFEmbedding, GGUFExpertBank, GGUFLinear, gguf_state_dict, load_gguf_model
-from engine.weights.gguf.writer import write_gguf
-from engine.weights.tiny import make_tiny
+from clover_desk.engine.api import Engine, plan_for
+from clover_desk.engine.decode.events import BlockStep, Finished, GenerationParams
+from clover_desk.engine.defaults import GIB
+from clover_desk.engine.errors import ConfigError, PromptError
+from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.placement.manifest import manifest_from_gguf
+from clover_desk.engine.placement.planner import plan_model
+from clover_desk.engine.weights.checkpoint import load_model, model_from_state_dict
+from clover_desk.engine.weights.gguf.file import hf_to_tiled_heads, open_gguf, tiled_to_hf_heads
+from clover_desk.engine.weights.gguf.model import GGUFEmbedding, GGUFExpertBank, GGUFLinear, gguf_state_dict, load_gguf_model
+from clover_desk.engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = torch.tensor([5, 17, 300, 41, 9, 250, 7, 66, 12, 3, 99, 140])
@@ -199,8 +199,8 @@ def test_split_set_loads_like_one_file(tiny_clover_dir: Path, files, tmp_path: P
 
 
 def test_embedded_tokenizer_and_template(tiny_clover_dir: Path, files) -> None:  # type: ignore[no-untyped-def]
-    from engine.decode.tokenizer import CloverTokenizer
-    from engine.weights.gguf.file import load_tokenizer
+    from clover_desk.engine.decode.tokenizer import CloverTokenizer
+    from clover_desk.engine.weights.gguf.file import load_tokenizer
 
     want = CloverTokenizer.from_dir(tiny_clover_dir)
     got = load_tokenizer(open_gguf(files[("Q8_0", "fork")]))
@@ -214,7 +214,7 @@ def test_embedded_tokenizer_and_template(tiny_clover_dir: Path, files) -> None: 
 
 
 def test_config_from_metadata(tiny_clover_dir: Path, files) -> None:  # type: ignore[no-untyped-def]
-    from engine.model.config import load_config
+    from clover_desk.engine.model.config import load_config
 
     want = load_config(tiny_clover_dir)
     fork = open_gguf(files[("Q8_0", "fork")]).config

@@ -17,11 +17,11 @@ import pytest
 from fixtures_tiny import tiny_clover_dir  # noqa: F401
 from hostile_gguf import huge_array, huge_string, huge_tensor, nested_arrays
 
-from engine.errors import CheckpointError, CloverError
-from engine.weights.gguf.file import open_gguf
-from engine.weights.gguf.fix import fix_gguf
-from engine.weights.gguf.header import MAX_NESTING, ArrayInfo, GGUFFormatError, read_header
-from engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.errors import CheckpointError, CloverError
+from clover_desk.engine.weights.gguf.file import open_gguf
+from clover_desk.engine.weights.gguf.fix import fix_gguf
+from clover_desk.engine.weights.gguf.header import MAX_NESTING, ArrayInfo, GGUFFormatError, read_header
+from clover_desk.engine.weights.gguf.writer import write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = {"huge_array": (huge_array, "elements of 'tokenizer.ggml.token_type'"),

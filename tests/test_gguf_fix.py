@@ -12,11 +12,11 @@ import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 from clover_desk.cli.main import main
-from engine.errors import ConfigError
-from engine.weights.gguf.file import DIFFUSION_SUFFIXES
-from engine.weights.gguf.fix import fix_gguf
-from engine.weights.gguf.model import load_gguf_model
-from engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.errors import ConfigError
+from clover_desk.engine.weights.gguf.file import DIFFUSION_SUFFIXES
+from clover_desk.engine.weights.gguf.fix import fix_gguf
+from clover_desk.engine.weights.gguf.model import load_gguf_model
+from clover_desk.engine.weights.gguf.writer import write_gguf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -77,7 +77,7 @@ def test_fix_without_kernel_copy(official: Path, tmp_path: Path, monkeypatch: py
     def refuse(*args: object) -> int:
         raise OSError(18, "Invalid cross-device link")
 
-    monkeypatch.setattr("engine.weights.gguf.fix.os.copy_file_range", refuse, raising=False)
+    monkeypatch.setattr("clover_desk.engine.weights.gguf.fix.os.copy_file_range", refuse, raising=False)
     out = fix_gguf(official, tmp_path / "fixed.gguf", chunk_bytes=1000).outputs[0]
     _check_fixed([official], [out])
 
@@ -93,7 +93,7 @@ def test_fix_with_short_kernel_copies(official: Path, tmp_path: Path, monkeypatc
     def short(src: int, dst: int, count: int, offset_src: int | None = None, offset_dst: int | None = None) -> int:
         return real(src, dst, min(count, 100), offset_src, offset_dst)
 
-    monkeypatch.setattr("engine.weights.gguf.fix.os.copy_file_range", short)
+    monkeypatch.setattr("clover_desk.engine.weights.gguf.fix.os.copy_file_range", short)
     out = fix_gguf(official, tmp_path / "fixed.gguf").outputs[0]
     _check_fixed([official], [out])
 
@@ -142,7 +142,7 @@ def test_a_failed_fix_never_replaces_a_good_file(official: Path, tmp_path: Path,
     def no_disk(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("engine.weights.gguf.fix.os.fsync", no_disk)
+    monkeypatch.setattr("clover_desk.engine.weights.gguf.fix.os.fsync", no_disk)
     with pytest.raises(OSError, match="No space"):
         fix_gguf(official, out)
     assert out.read_bytes() == b"a good earlier file"

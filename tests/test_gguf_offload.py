@@ -2,7 +2,7 @@
 GGUF expert banks on the device, streamed layers' experts stay in host rows and stream through the slot pool), one
 streamed expert moving exactly its bytes in the file, and the same tokens whatever the plan streams.
 
-Tiny models from engine.weights.tiny.make_tiny written as GGUF (fork layout) with engine.weights.gguf.writer; hidden 256 so that the
+Tiny models from clover_desk.engine.weights.tiny.make_tiny written as GGUF (fork layout) with engine.weights.gguf.writer; hidden 256 so that the
 gate / up banks hold whole Q4_K blocks (the down bank's 32-wide rows fall back to Q8_0: a mixed-type expert row).
 The CPU is the device.
 """
@@ -21,17 +21,17 @@ import pytest
 import torch
 from fixtures_tiny import one_torch_thread  # noqa: F401
 
-from engine.api import Engine, plan_for
-from engine.decode.events import Finished, GenerationParams, LoadProgress
-from engine.errors import CancelledError, ConfigError, PlanError
-from engine.kernels import cpu_quant
-from engine.placement import planner
-from engine.placement.hardware import Hardware, probe_hardware
-from engine.placement.offload import StreamedExpertBank, runtime_of
-from engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout, load_gguf_model
-from engine.weights.gguf.quants import Q4_0, Q4_K, Q6_K
-from engine.weights.gguf.writer import write_gguf
-from engine.weights.tiny import make_tiny
+from clover_desk.engine.api import Engine, plan_for
+from clover_desk.engine.decode.events import Finished, GenerationParams, LoadProgress
+from clover_desk.engine.errors import CancelledError, ConfigError, PlanError
+from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.placement import planner
+from clover_desk.engine.placement.hardware import Hardware, probe_hardware
+from clover_desk.engine.placement.offload import StreamedExpertBank, runtime_of
+from clover_desk.engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout, load_gguf_model
+from clover_desk.engine.weights.gguf.quants import Q4_0, Q4_K, Q6_K
+from clover_desk.engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -264,7 +264,7 @@ def test_generate_with_a_vram_budget_prints_the_plan_then_streams(files: dict[st
 def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str, Path]) -> None:
     """A streamed GGUF layer's rows (one expert's blocks in the file's types each) read in place by AR steps
     (engine.placement.offload.set_zero_copy): the tokens of the pool, and no AR step fetches."""
-    from engine.placement import offload
+    from clover_desk.engine.placement import offload
 
     path = files["Q4_K"]
     plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)
@@ -282,7 +282,7 @@ def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str,
 def test_device_tables_fetch_a_gguf_files_streamed_experts(files: dict[str, Path]) -> None:
     """A streamed GGUF layer's rows through device slot tables (engine.placement.offload.set_device_pool): the host pool's
     tokens, the experts found where the tables say, and only the prompt's forward reading the host."""
-    from engine.placement import offload
+    from clover_desk.engine.placement import offload
 
     path = files["Q4_K"]
     plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)

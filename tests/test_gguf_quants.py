@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.weights.gguf import quants as gq
+from clover_desk.engine.weights.gguf import quants as gq
 
 QUANT_TYPES = (gq.Q8_0, gq.Q4_0, gq.Q4_K, gq.Q5_K, gq.Q6_K)
 # byte offsets of the fp16 scale fields in one block (random bytes there could be NaN / inf, which never compare)

@@ -21,10 +21,10 @@ from test_worker import WorkerProc  # noqa: E402
 
 from clover_desk.downloads import GGUF_REPO_ID, GgufChoice, ModelDownloader  # noqa: E402
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from engine.decode.events import Finished  # noqa: E402
+from clover_desk.engine.decode.events import Finished  # noqa: E402
 from tests.hf_test_server import FakeHub  # noqa: E402
-from ui.contracts import EngineState  # noqa: E402
-from ui.model_manager import ModelManagerPanel, check_gguf_file, check_model_path  # noqa: E402
+from clover_desk.ui.contracts import EngineState  # noqa: E402
+from clover_desk.ui.model_manager import ModelManagerPanel, check_gguf_file, check_model_path  # noqa: E402
 
 guard_pyside_bool_refcounts()
 
@@ -34,7 +34,7 @@ GEN_MS = 90_000
 
 @pytest.fixture(scope="module")
 def ggufs(tiny_clover_dir, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
-    from engine.weights.gguf.writer import write_gguf
+    from clover_desk.engine.weights.gguf.writer import write_gguf
 
     out = tmp_path_factory.mktemp("ggufs")
     return {

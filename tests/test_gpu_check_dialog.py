@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from ui.gpu_check import GpuCheckDialog, summarize
+from clover_desk.ui.gpu_check import GpuCheckDialog, summarize
 
 guard_pyside_bool_refcounts()
 
@@ -91,7 +91,7 @@ def test_the_help_menu_opens_the_check(qtbot, tmp_path) -> None:
 
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
-    from ui.main_window import MainWindow
+    from clover_desk.ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.sqlite3")
     try:

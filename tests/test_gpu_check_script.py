@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clover_desk.cli import main as cli
-from engine.settings import OPT_IN
+from clover_desk.engine.settings import OPT_IN
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"

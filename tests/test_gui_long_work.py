@@ -9,8 +9,8 @@ from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import Qt
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.decode.events import BlockStep, Finished, LoadProgress, PrefillProgress, TextDelta
-from ui.contracts import EngineState
+from clover_desk.engine.decode.events import BlockStep, Finished, LoadProgress, PrefillProgress, TextDelta
+from clover_desk.ui.contracts import EngineState
 
 guard_pyside_bool_refcounts()
 
@@ -122,7 +122,7 @@ def test_stop_while_the_prompt_is_read_ends_it_before_the_answer(qtbot, desk) ->
 
 def test_quantizing_for_a_plan_shows_in_the_load_banner(qtbot, desk, tiny_clover_dir) -> None:  # noqa: ANN001, F811
     """A load under a VRAM plan converts the model to its quantized cache first: the banner says so, with bytes."""
-    from engine.placement.planner import plan_model
+    from clover_desk.engine.placement.planner import plan_model
 
     window = desk.window
     shown: list[tuple[str, str, bool]] = []
@@ -142,8 +142,8 @@ def test_a_chat_longer_than_the_planned_context_goes_on_in_a_new_chat_with_a_sum
         qtbot, desk, tiny_clover_dir) -> None:  # noqa: ANN001, F811
     """The real engine under a 512-token plan: the meter counts what the engine prefills, a message that does not fit
     is held back with the choice, and the summary (written by the model) starts a new chat that sends it."""
-    from engine.placement.planner import plan_model
-    from ui.context_window import SUMMARY_HEADER
+    from clover_desk.engine.placement.planner import plan_model
+    from clover_desk.ui.context_window import SUMMARY_HEADER
 
     window, store = desk.window, desk.store
     floor = plan_model(tiny_clover_dir, 0, 512).min_vram_bytes

@@ -11,10 +11,10 @@ from PySide6.QtGui import QTextCursor
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from ui import highlight as hl
-from ui.main_window import MainWindow
-from ui.markdown import render
-from ui.theme import COLORS, DARK, LIGHT
+from clover_desk.ui import highlight as hl
+from clover_desk.ui.main_window import MainWindow
+from clover_desk.ui.markdown import render
+from clover_desk.ui.theme import COLORS, DARK, LIGHT
 
 guard_pyside_bool_refcounts()
 

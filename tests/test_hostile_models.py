@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from test_worker import WorkerProc
 
 from clover_desk.cli import main as cli
-from engine.decode.limits import GENERATION_LIMITS, MAX_PROMPT_BYTES
+from clover_desk.engine.decode.limits import GENERATION_LIMITS, MAX_PROMPT_BYTES
 
 CLOVER_DESK = str(Path(sys.executable).with_name("clover-desk"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -115,7 +115,7 @@ def test_generation_config_values_are_checked_before_use(
 
 
 def test_the_shipped_generation_config_passes(model: Path, one_torch_thread: None) -> None:  # noqa: F811
-    from engine.model.config import load_config, load_generation_defaults
+    from clover_desk.engine.model.config import load_config, load_generation_defaults
 
     defaults = load_generation_defaults(model, load_config(model))
     assert defaults.presence_penalty == 0.9 and defaults.dllm_length_penalty == 10.0

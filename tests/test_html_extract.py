@@ -4,7 +4,7 @@ streaming follow all use it."""
 from __future__ import annotations
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.html_extract import extract_html
+from clover_desk.ui.html_extract import extract_html
 
 guard_pyside_bool_refcounts()
 
@@ -45,7 +45,7 @@ def test_the_longest_block_wins_even_when_it_comes_first() -> None:
 
 def test_the_chat_preview_button_uses_the_same_rule(qtbot) -> None:
     """A chat view built without an extractor (as in tests and the CLI) sends the page the pane would pick."""
-    from ui.chat_view import ChatView, MessageData
+    from clover_desk.ui.chat_view import ChatView, MessageData
 
     view = ChatView()
     qtbot.addWidget(view)

@@ -48,15 +48,15 @@ def test_ui_never_imports_torch() -> None:
 def test_engine_never_imports_qt() -> None:
     modules = _modules_of("engine")
     loaded = _loaded_after_import(modules)
-    assert "engine.model.config" in loaded
+    assert "clover_desk.engine.model.config" in loaded
     assert not any(m == "PySide6" or m.startswith("PySide6.") for m in loaded), "engine/ pulled in PySide6"
 
 
 def test_plain_data_modules_are_torch_free() -> None:
     """The UI sees the engine only through these modules, so they must not pull torch in either."""
     # the planner and the low-level tables it shares with the torch side (one header parser, dtype table, policy)
-    plain = ["engine.decode.events", "engine.errors", "engine.model.config", "engine.defaults", "engine.weights.formats", "engine.placement.manifest",
-             "engine.placement.speed", "engine.placement.planner", "engine.settings"]
+    plain = ["clover_desk.engine.decode.events", "clover_desk.engine.errors", "clover_desk.engine.model.config", "clover_desk.engine.defaults", "clover_desk.engine.weights.formats", "clover_desk.engine.placement.manifest",
+             "clover_desk.engine.placement.speed", "clover_desk.engine.placement.planner", "clover_desk.engine.settings"]
     loaded = _loaded_after_import(plain)
     assert not any(m == "torch" or m.startswith("torch.") for m in loaded)
 
@@ -64,7 +64,7 @@ def test_plain_data_modules_are_torch_free() -> None:
 def test_ui_never_imports_clover_desk() -> None:
     """ui/ is handed its services (engine client, chat store, downloader) by clover_desk.app; it never reaches up."""
     loaded = _loaded_after_import(_modules_of("ui"))
-    assert "ui.main_window" in loaded
+    assert "clover_desk.ui.main_window" in loaded
     assert not any(m == "clover_desk" or m.startswith("clover_desk.") for m in loaded), sorted(
         m for m in loaded if m.startswith("clover_desk")
     )
@@ -78,7 +78,7 @@ PACKAGES = ("engine", "clover_desk", "ui")
 # Triton programs: imported where a kernel is launched, since ``triton`` is an optional dependency (the test extra and
 # CUDA installs have it, a plain CPU install does not)
 OPTIONAL_BACKENDS = frozenset(
-    {"engine.kernels.triton_copy_kernels", "engine.kernels.triton_linear_kernels", "engine.kernels.triton_moe_kernels"}
+    {"clover_desk.engine.kernels.triton_copy_kernels", "clover_desk.engine.kernels.triton_linear_kernels", "clover_desk.engine.kernels.triton_moe_kernels"}
 )
 # command modules import their engine side when their command runs, so `clover-desk plan` never pays for torch and
 # `--help` stays fast (the lazy registry in clover_desk.cli.main)
@@ -178,7 +178,7 @@ def test_no_import_cycles() -> None:
     for importer, imported, _line, _local in _imports(modules):
         if imported not in OPTIONAL_BACKENDS:
             edges[importer].add(imported)
-    assert "engine.placement.offload" in edges["engine.decode.generate"]  # the graph is the real one
+    assert "clover_desk.engine.placement.offload" in edges["clover_desk.engine.decode.generate"]  # the graph is the real one
     assert _cycles(edges) == []
 
 

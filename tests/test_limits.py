@@ -17,10 +17,10 @@ from test_worker import FAKE, WorkerProc
 
 from clover_desk.cli import main as cli
 from clover_desk.worker.process import PARAM_FIELDS, ProtocolError, _param_field, check_params
-from engine.decode.events import MODES, GenerationParams
-from engine.decode.limits import GENERATION_LIMITS, Limit, check_generation_params
-from engine.errors import ConfigError, PromptError
-from engine.model.config import load_generation_defaults
+from clover_desk.engine.decode.events import MODES, GenerationParams
+from clover_desk.engine.decode.limits import GENERATION_LIMITS, Limit, check_generation_params
+from clover_desk.engine.errors import ConfigError, PromptError
+from clover_desk.engine.model.config import load_generation_defaults
 
 REQUEST_FIELDS = [f.name for f in dataclasses.fields(GenerationParams) if f.name in GENERATION_LIMITS]
 GENERATE = ["generate", "--model", "/nonexistent", "--prompt", "hi"]
@@ -122,7 +122,7 @@ def test_the_worker_process_refuses_the_same_values() -> None:
 
 def test_the_wire_schema_is_made_from_generation_params() -> None:
     """The worker's checks of ``params`` are generated from GenerationParams' fields: the numeric ones from the
-    table, the mode from engine.decode.events.MODES (the CLI's --mode choices too), the flags by their default; a
+    table, the mode from clover_desk.engine.decode.events.MODES (the CLI's --mode choices too), the flags by their default; a
     field with no rule is refused when the table is built, not left unchecked."""
     assert list(PARAM_FIELDS) == [f.name for f in dataclasses.fields(GenerationParams)]
     assert PARAM_FIELDS["mode"][1] == '"diffusion", "ar" or "spec"' and MODES == ("diffusion", "ar", "spec")

@@ -15,9 +15,9 @@ import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 from test_spec import OracleDrafter
 
-from engine.api import MAX_TOP_LOGPROBS, Engine
-from engine.decode import decoding
-from engine.decode.events import (
+from clover_desk.engine.api import MAX_TOP_LOGPROBS, Engine
+from clover_desk.engine.decode import decoding
+from clover_desk.engine.decode.events import (
     BlockStep,
     Finished,
     GenerationParams,
@@ -26,8 +26,8 @@ from engine.decode.events import (
     from_dict,
     to_dict,
 )
-from engine.decode.generate import DecodeSettings, generate, generate_spec, resolve_settings
-from engine.errors import PromptError
+from clover_desk.engine.decode.generate import DecodeSettings, generate, generate_spec, resolve_settings
+from clover_desk.engine.errors import PromptError
 
 PROMPT = "Write a haiku about the sea."
 TOL = 1e-4

@@ -10,12 +10,12 @@ from PySide6.QtWidgets import QApplication, QWidget
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from engine.decode.events import EngineError, Finished, LoadProgress, TextDelta
-from engine.defaults import DEFAULT_CTX_TOKENS
-from ui.generation import GenerationSettings, expert_hit_rate
-from ui.html_extract import extract_html
-from ui.main_window import MainWindow
-from ui.vram_panel import VramPanel
+from clover_desk.engine.decode.events import EngineError, Finished, LoadProgress, TextDelta
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
+from clover_desk.ui.generation import GenerationSettings, expert_hit_rate
+from clover_desk.ui.html_extract import extract_html
+from clover_desk.ui.main_window import MainWindow
+from clover_desk.ui.vram_panel import VramPanel
 
 # PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);
 # without this the process aborts after some thousands of paints. Must run before the first widget exists.
@@ -538,7 +538,7 @@ def test_gui_process_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "import clover_desk.app, clover_desk.cli.gui, ui.main_window, ui.vram_panel, ui.denoise_view\n"
-        "from engine.placement import planner\n"
+        "from clover_desk.engine.placement import planner\n"
         "planner.make_plan(planner.manifest_for_shape('clover-35b-a3b'), 12 << 30, 8192)\n"
         "print('torch' in sys.modules)\n"
     )
@@ -549,7 +549,7 @@ def test_gui_process_never_imports_torch() -> None:
 
 def test_composition_root_loads_remembers_and_applies(qtbot, tmp_path) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
-    from engine.placement.hardware import Hardware
+    from clover_desk.engine.placement.hardware import Hardware
 
     client = FakeEngineClient()
     gpu = Hardware(gpu_name="NVIDIA GeForce RTX 4070 Ti SUPER", vram_total_bytes=16 * 1024**3,
@@ -600,7 +600,7 @@ def test_helpers() -> None:
 def test_first_run_opens_on_the_real_model_manager(qtbot, tmp_path) -> None:
     """No model configured yet: the composition root shows the model manager page, not an error."""
     from clover_desk.app import AppSettings, CloverDeskApp
-    from ui.model_manager import ModelManagerPanel
+    from clover_desk.ui.model_manager import ModelManagerPanel
 
     client = FakeEngineClient()
     desk = CloverDeskApp(tmp_path, client=client, settings=AppSettings(), with_preview=False)
@@ -615,7 +615,7 @@ def test_the_idle_engine_reads_the_open_chat_ahead(qtbot, store) -> None:
     """After an answer, on opening a chat and once a model loads, the window has the idle local engine read the
     chat (its last answer included) into its prompt cache, so the next message is all a send reads; not while an
     answer streams, not for a chat whose last message is not a finished answer."""
-    from ui.chat_actions import READ_AHEAD_MS
+    from clover_desk.ui.chat_actions import READ_AHEAD_MS
 
     window, client = make_window(qtbot, store)
     send(qtbot, window, "Explain block diffusion")

@@ -21,16 +21,16 @@ import torch
 from fixtures_tiny import one_torch_thread  # noqa: F401
 from safetensors import safe_open
 
-from engine.errors import ConfigError
-from engine.model.config import load_config
-from engine.weights.checkpoint import CheckpointReader, load_model
-from engine.weights.streaming_writer import (
+from clover_desk.engine.errors import ConfigError
+from clover_desk.engine.model.config import load_config
+from clover_desk.engine.weights.checkpoint import CheckpointReader, load_model
+from clover_desk.engine.weights.streaming_writer import (
     TensorSpec,
     plan_shards,
     write_checkpoint_streaming,
     write_safetensors_streaming,
 )
-from engine.weights.tiny import config_dict_for, make_real_shape, tiny_text_config, write_random_checkpoint
+from clover_desk.engine.weights.tiny import config_dict_for, make_real_shape, tiny_text_config, write_random_checkpoint
 
 GiB = 1 << 30
 REPO = Path(__file__).resolve().parents[1]
@@ -236,8 +236,8 @@ def real1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_real_widths_one_layer(real1: dict[str, Any]) -> None:
-    from engine.model.clover import CloverModel
-    from engine.weights.checkpoint import plan_load
+    from clover_desk.engine.model.clover import CloverModel
+    from clover_desk.engine.weights.checkpoint import plan_load
 
     folder: Path = real1["dir"]
     assert real1["rc"] == 0, real1["err"]
@@ -300,7 +300,7 @@ def test_loading_a_real_width_model_under_a_streaming_plan_stays_near_the_cache_
     part is placed with exactly the planned bytes. With one layer the plan keeps its experts resident at any budget
     (a streamed layer needs a pool of E slots, as many bytes as the layer itself); the streamed placement of the
     same reads is measured on the 4-layer model by the benchmark and byte-checked on tiny models in test_one_plan."""
-    from engine.placement.planner import plan_model
+    from clover_desk.engine.placement.planner import plan_model
 
     folder: Path = real1["dir"]
     assert real1["rc"] == 0, real1["err"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from PySide6.QtGui import QTextTable
 
-from ui.chat_view import MessageData, MessageWidget
-from ui.html_extract import extract_html
-from ui.latex import MATH_FONT, to_html
-from ui.markdown import render
+from clover_desk.ui.chat_view import MessageData, MessageWidget
+from clover_desk.ui.html_extract import extract_html
+from clover_desk.ui.latex import MATH_FONT, to_html
+from clover_desk.ui.markdown import render
 
 MATH = f"font-family: {MATH_FONT}"
 

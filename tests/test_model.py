@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from engine.model.clover import block_coreset_topk, chunk_gated_delta_rule, recurrent_gated_delta_rule
-from engine.model.experts import DenseExpertBank
-from engine.weights.checkpoint import model_from_state_dict, random_state_dict
+from clover_desk.engine.model.clover import block_coreset_topk, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from clover_desk.engine.model.experts import DenseExpertBank
+from clover_desk.engine.weights.checkpoint import model_from_state_dict, random_state_dict
 from tests.helpers_model import BLOCK, greedy, one_thread, tiny_config, tiny_model
 
 _single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
@@ -118,7 +118,7 @@ def test_block_mode_with_neutral_extras_and_causal_attention_is_the_causal_model
 def test_missing_extras_behave_neutral(caplog: pytest.LogCaptureFixture) -> None:
     cfg = tiny_config("clover_moe", moe_block_coreset_enabled=False)
     sd = random_state_dict(cfg, seed=3, clover_extras=False)
-    with caplog.at_level(logging.INFO, logger="engine.weights.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="clover_desk.engine.weights.checkpoint"):
         model = model_from_state_dict(cfg, sd)
     assert any("no Clover block-mode tensors" in r.message for r in caplog.records)
     assert not model.layers[0].linear_attn.has_extras()
@@ -407,7 +407,7 @@ def test_a_prefill_over_many_blocks_holds_no_mask_of_its_keys() -> None:
 def test_attention_by_rows_is_the_masked_attention() -> None:
     """Each group of rows against its key prefix (and its slice of a causal mask) == one call over all keys under
     the whole mask, for block-causal and causal passes after cached keys, with query heads folded per KV head."""
-    from engine.model.clover import CloverModel, _attention_by_rows, _Pass
+    from clover_desk.engine.model.clover import CloverModel, _attention_by_rows, _Pass
 
     gen = torch.Generator().manual_seed(3)
     hkv, g, hd, start, t = 2, 3, 16, 64, 3 * BLOCK + 5
@@ -488,7 +488,7 @@ def test_clover_gdn_block_mode_matches_the_written_out_formulas() -> None:
     cache.conv[0].normal_(generator=gen)
     cache.length = BLOCK  # pretend one block is committed (only layer 0's state is read here)
     x = torch.randn(BLOCK + 5, cfg.hidden_size, generator=gen)
-    from engine.model.clover import _Pass, rope_cos_sin
+    from clover_desk.engine.model.clover import _Pass, rope_cos_sin
 
     cos, sin = rope_cos_sin(torch.arange(BLOCK, 2 * BLOCK + 5), cfg.rotary_dim, cfg.rope_theta)
     p = _Pass(BLOCK, x.shape[0], BLOCK, cache, False, cos, sin, None, False, False)

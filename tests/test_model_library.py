@@ -17,9 +17,9 @@ from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QAbstractButton
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.placement.hardware import Hardware
-from engine.weights.formats import checkpoint_files, read_safetensors_header
-from ui.model_library import (
+from clover_desk.engine.placement.hardware import Hardware
+from clover_desk.engine.weights.formats import checkpoint_files, read_safetensors_header
+from clover_desk.ui.model_library import (
     CACHE_DIRNAME,
     ModelLibrary,
     external_cache_dir,
@@ -73,7 +73,7 @@ def test_facts_of_a_model_folder(models) -> None:  # noqa: ANN001
 
 
 def test_the_cache_outside_a_read_only_model_is_where_the_engine_puts_it(models, monkeypatch) -> None:  # noqa: ANN001
-    from engine.weights import quant_cache
+    from clover_desk.engine.weights import quant_cache
 
     _folder, first, _second = models
     monkeypatch.setattr(quant_cache, "_writable", lambda _path: False)
@@ -288,7 +288,7 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
 ) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.storage.store import ChatStore
-    from engine.settings import OPT_IN, GpuPaths
+    from clover_desk.engine.settings import OPT_IN, GpuPaths
 
     folder, first, second = models
     # what `clover-desk gui` read where the app started (CLOVER_DESK_FUSED_INT8=1): shown until a choice is made
@@ -361,7 +361,7 @@ def test_the_app_reads_no_switch_itself_it_is_handed_the_settings(qtbot, models,
     written, so the environment it inherited cannot add a path either."""
     from clover_desk.app import AppSettings, CloverDeskApp
     from clover_desk.storage.store import ChatStore
-    from engine.settings import SWITCHES, GpuPaths
+    from clover_desk.engine.settings import SWITCHES, GpuPaths
 
     folder, first, _second = models
     monkeypatch.setenv("CLOVER_DESK_ZERO_COPY", "1")

@@ -7,14 +7,14 @@ import copy
 import pytest
 import torch
 
-from engine.decode.events import Finished
-from engine.decode.generate import generate
-from engine.errors import PlanError
-from engine.model.clover import CloverModel
-from engine.placement import offload
-from engine.placement.offload import OutOfMemory, SimplePlan, apply_plan
-from engine.weights.checkpoint import random_state_dict
-from engine.weights.quant import QuantExpertBank
+from clover_desk.engine.decode.events import Finished
+from clover_desk.engine.decode.generate import generate
+from clover_desk.engine.errors import PlanError
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.placement import offload
+from clover_desk.engine.placement.offload import OutOfMemory, SimplePlan, apply_plan
+from clover_desk.engine.weights.checkpoint import random_state_dict
+from clover_desk.engine.weights.quant import QuantExpertBank
 from tests.helpers_model import one_thread
 from tests.offload_model import EXPERTS, LAYERS, MASK, quantized_model, settings, tiny_config, tokens
 
@@ -66,7 +66,7 @@ def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
 
 
 def test_loop_hooks_give_the_same_tokens_and_fill_finished_accounting(qmodel: CloverModel) -> None:
-    from engine.decode.generate import LoopHooks
+    from clover_desk.engine.decode.generate import LoopHooks
 
     reference = tokens(qmodel, "diffusion", 32)
     model = fresh(qmodel)
@@ -171,7 +171,7 @@ def test_a_streamed_layer_reads_the_host_once_per_forward(qmodel: CloverModel, m
 
 
 def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> None:
-    from engine.placement.planner import ModelGeometry, make_plan, manifest_from_dict
+    from clover_desk.engine.placement.planner import ModelGeometry, make_plan, manifest_from_dict
 
     model = fresh(qmodel)
     geo = ModelGeometry.from_config(model.config)
@@ -248,7 +248,7 @@ def test_compiled_layers_stream_the_same_tokens(qmodel: CloverModel, mode: str, 
     as constants and, in the AR loop's steady steps (guards skipped), reused for the wrong experts."""
     import torch._dynamo
 
-    from engine.kernels.fastpath import compile_layers
+    from clover_desk.engine.kernels.fastpath import compile_layers
 
     def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
         return gm.forward
@@ -366,7 +366,7 @@ def test_compile_layers_runs_zero_copy_ar_steps_as_one_graph(qmodel: CloverModel
     every step); with zero-copy nothing in an AR step fetches, so it gets one, with the eager tokens."""
     import torch._dynamo
 
-    from engine.kernels.fastpath import compile_layers
+    from clover_desk.engine.kernels.fastpath import compile_layers
 
     def run_traced(gm: torch.fx.GraphModule, example_inputs: object) -> object:
         return gm.forward

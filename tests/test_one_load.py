@@ -15,15 +15,15 @@ import pytest
 import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
-from engine.api import Engine, plan_for
-from engine.decode.events import Finished, GenerationParams
-from engine.defaults import GIB, PRECISIONS
-from engine.errors import ConfigError, PlanError
-from engine.placement import planner
-from engine.placement.hardware import Hardware
-from engine.placement.offload import runtime_of
-from engine.weights.gguf.writer import write_gguf
-from engine.weights.quant import QuantExpertBank
+from clover_desk.engine.api import Engine, plan_for
+from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.engine.defaults import GIB, PRECISIONS
+from clover_desk.engine.errors import ConfigError, PlanError
+from clover_desk.engine.placement import planner
+from clover_desk.engine.placement.hardware import Hardware
+from clover_desk.engine.placement.offload import runtime_of
+from clover_desk.engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.quant import QuantExpertBank
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from engine.defaults import DEFAULT_CTX_TOKENS
-from engine.errors import PlanError
-from engine.placement import manifest as manifest_mod
-from engine.placement import planner
-from engine.placement.hardware import Hardware, probe_hardware
-from engine.weights.tiny import config_dict_for, tiny_text_config
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
+from clover_desk.engine.errors import PlanError
+from clover_desk.engine.placement import manifest as manifest_mod
+from clover_desk.engine.placement import planner
+from clover_desk.engine.placement.hardware import Hardware, probe_hardware
+from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.plan_contract import PLACEMENT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def write_header_only_checkpoint(folder: Path, geo: planner.ModelGeometry, shard
     hole (sparse file), so the real 69 GB model costs a few KiB of disk."""
     import torch
 
-    from engine.weights.streaming_writer import TensorSpec, plan_shards, safetensors_header
+    from clover_desk.engine.weights.streaming_writer import TensorSpec, plan_shards, safetensors_header
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     specs = [
@@ -199,7 +199,7 @@ def test_not_enough_ram_for_the_streamed_experts_names_both_numbers(clover35: Pa
 @pytest.fixture(scope="module")
 def tiny_streaming(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[planner.Plan]]:
     """A tiny Clover folder and plans over a range of budgets: none / some / all expert layers streamed."""
-    from engine.weights.tiny import make_tiny
+    from clover_desk.engine.weights.tiny import make_tiny
 
     folder = make_tiny(tmp_path_factory.mktemp("one-plan-tiny"), model_type="clover_moe", seed=3)
     hw = machine(16)
@@ -218,8 +218,8 @@ def tiny_streaming(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list
 def test_the_engine_places_exactly_the_plan_and_never_plans_again(
     tiny_streaming: tuple[Path, list[planner.Plan]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.api import Engine
-    from engine.placement.offload import StreamedExpertBank, runtime_of
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.placement.offload import StreamedExpertBank, runtime_of
 
     folder, plans = tiny_streaming
     assert {len(p.streamed_expert_layers) for p in plans} >= {0, 4} and len({p.to_dict()["vram_used_bytes"] for p in plans}) == 4
@@ -246,8 +246,8 @@ def test_the_engine_places_exactly_the_plan_and_never_plans_again(
 
 
 def test_streaming_under_the_plan_never_changes_a_token(tiny_streaming: tuple[Path, list[planner.Plan]]) -> None:
-    from engine.api import Engine
-    from engine.decode.events import Finished, GenerationParams
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.decode.events import Finished, GenerationParams
 
     folder, plans = tiny_streaming
     outputs = set()
@@ -261,8 +261,8 @@ def test_streaming_under_the_plan_never_changes_a_token(tiny_streaming: tuple[Pa
 
 
 def test_a_stale_plan_is_refused_with_one_line(tiny_streaming: tuple[Path, list[planner.Plan]], tmp_path: Path) -> None:
-    from engine.api import Engine
-    from engine.weights.tiny import make_tiny
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.weights.tiny import make_tiny
 
     folder, plans = tiny_streaming
     other = make_tiny(tmp_path / "other", model_type="clover_moe", seed=3)
@@ -303,8 +303,8 @@ def test_a_meta_skeleton_holds_no_memory() -> None:
     for a 4-layer model whose quantized cache is 3.2 GiB)."""
     import torch
 
-    from engine.model.clover import CloverModel
-    from engine.model.config import parse_config
+    from clover_desk.engine.model.clover import CloverModel
+    from clover_desk.engine.model.config import parse_config
 
     text = tiny_text_config(vocab_size=512, layers=4, hidden=64, experts=16, experts_per_tok=4)
     special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
@@ -337,7 +337,7 @@ def test_a_model_with_a_shorter_context_is_offered_and_loaded_at_most_its_own(tm
     context and plans at 8K (it used to plan 32K, log a planner traceback and show "won't fit"), the load's plan
     is for 8K (it used to load nothing, with an error), and a longer model gets the applied 32K back."""
     from clover_desk.app import AppSettings, CloverDeskApp
-    from engine.weights.tiny import make_tiny
+    from clover_desk.engine.weights.tiny import make_tiny
     from tests.fakes_ui import FakeEngineClient
 
     short = make_tiny(tmp_path / "short", model_type="clover_moe", max_position_embeddings=8192)
@@ -368,8 +368,8 @@ def test_a_read_ahead_adds_forwards_for_turn_checkpoints_only_when_no_expert_is_
         tiny_streaming: tuple[Path, list[planner.Plan]]) -> None:
     """A read-ahead ends a forward at each chat turn start for a checkpoint there, but not under a plan that streams
     experts: every forward would stream its layers' experts again (~0.3 s at the 35B shape on a 16 GB card)."""
-    from engine.api import Engine
-    from engine.decode.events import GenerationParams
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.decode.events import GenerationParams
 
     folder, plans = tiny_streaming
     streamed = next(p for p in plans if p.streamed_expert_layers and p.ctx_tokens >= 96)

@@ -9,9 +9,9 @@ import pytest
 from fakes_ui import FakeEngineClient
 
 from clover_desk.app import AppSettings, CloverDeskApp
-from engine.defaults import GIB
-from engine.placement import planner
-from engine.placement.hardware import Hardware
+from clover_desk.engine.defaults import GIB
+from clover_desk.engine.placement import planner
+from clover_desk.engine.placement.hardware import Hardware
 
 GPU = Hardware(gpu_name="NVIDIA GeForce RTX 4070 Ti SUPER", vram_total_bytes=16 * GIB, ram_total_bytes=64 * GIB,
                ram_available_bytes=48 * GIB)

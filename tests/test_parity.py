@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.weights.checkpoint import load_model
+from clover_desk.engine.weights.checkpoint import load_model
 from tests.helpers_model import greedy, one_thread, tiny_text_dict
 
 _single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)

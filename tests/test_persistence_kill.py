@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs PO
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.weights.tiny import make_tiny
+    from clover_desk.engine.weights.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from engine.errors import CheckpointError, ConfigError, PlanError
-from engine.placement import manifest as manifest_mod
-from engine.placement import planner
-from engine.placement.hardware import Hardware, pcie_gbps, probe_hardware, vram_gbps_for_name
-from engine.placement.planner import (
+from clover_desk.engine.errors import CheckpointError, ConfigError, PlanError
+from clover_desk.engine.placement import manifest as manifest_mod
+from clover_desk.engine.placement import planner
+from clover_desk.engine.placement.hardware import Hardware, pcie_gbps, probe_hardware, vram_gbps_for_name
+from clover_desk.engine.placement.planner import (
     SHAPES,
     GiB,
     MiB,
@@ -37,7 +37,7 @@ from engine.placement.planner import (
     manifest_from_dict,
     manifest_from_quantized_cache,
 )
-from engine.weights.formats import FORMAT_BYTES, make_policy, placed_bytes
+from clover_desk.engine.weights.formats import FORMAT_BYTES, make_policy, placed_bytes
 from tests.plan_contract import BREAKDOWN_KEYS, CONTRACT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_byte_rules() -> None:
 def test_byte_rules_match_engine_quant() -> None:
     """The planner's table (stdlib) and the quantizer (torch) must agree on every shape."""
     pytest.importorskip("torch")
-    from engine.weights import quant
+    from clover_desk.engine.weights import quant
 
     for shape in [(1024, 2048), (2048, 512), (248_320, 2048), (32, 2048), (7, 96), (3, 64, 40)]:
         for fmt in ("nf4", "int8"):
@@ -446,7 +446,7 @@ def write_safetensors_by_hand(path: Path, tensors: dict[str, tuple[str, tuple[in
 
 
 def _tiny_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
-    from engine.model.config import parse_config
+    from clover_desk.engine.model.config import parse_config
 
     geo = ModelGeometry.from_config(parse_config(TINY_CONFIG))
     out = {}
@@ -539,7 +539,7 @@ def _cache_json(manifest: planner.Manifest) -> dict[str, Any]:
 
 
 def test_manifest_from_quantized_cache(tmp_path: Path) -> None:
-    from engine.model.config import parse_config
+    from clover_desk.engine.model.config import parse_config
 
     geo = ModelGeometry.from_config(parse_config(TINY_CONFIG))
     expected = manifest_for_geometry(geo, make_policy())
@@ -672,9 +672,9 @@ def test_the_workspace_counts_a_chunk_of_a_quantized_projection_not_the_whole_we
     """engine.weights.quant.QuantLinear dequantizes DEQUANT_CHUNK_ELEMS weights at a time (the 0.95 GiB lm_head of the
     35B in 16 MiB chunks), engine.model.experts one group of experts at a time; the planner's constants are the engine's."""
     pytest.importorskip("torch")
-    from engine.model import clover as model
-    from engine.model import experts
-    from engine.weights import quant
+    from clover_desk.engine.model import clover as model
+    from clover_desk.engine.model import experts
+    from clover_desk.engine.weights import quant
 
     assert planner.DEQUANT_CHUNK_ELEMS == quant.DEQUANT_CHUNK_ELEMS
     assert planner.ATTENTION_ROWS == model.ATTENTION_ROWS
@@ -705,12 +705,12 @@ def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
     """manifest_for_geometry (stdlib arithmetic) against a real tiny model quantized by engine.weights.quant and counted by
     engine.placement.offload: the same tensor names, shapes and, for every quantized tensor, the same bytes."""
     torch = pytest.importorskip("torch")
-    from engine.model.clover import CloverModel
-    from engine.model.config import parse_config
-    from engine.placement import offload
-    from engine.weights.checkpoint import random_state_dict
-    from engine.weights.quant import make_policy, quantize_model_
-    from engine.weights.tiny import config_dict_for, tiny_text_config
+    from clover_desk.engine.model.clover import CloverModel
+    from clover_desk.engine.model.config import parse_config
+    from clover_desk.engine.placement import offload
+    from clover_desk.engine.weights.checkpoint import random_state_dict
+    from clover_desk.engine.weights.quant import make_policy, quantize_model_
+    from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
     text = tiny_text_config(vocab_size=128, layers=4, hidden=64, experts=16, experts_per_tok=4)
     cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
@@ -734,12 +734,12 @@ def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> 
     holds what the bank gathers at once: the top-k experts of an AR step, a block pass's group by expert (at most
     engine.model.experts.GROUP_BYTES on a GPU, the layer's experts, a block's pairs)."""
     torch = pytest.importorskip("torch")
-    from engine.model import experts
-    from engine.model.clover import CloverModel
-    from engine.model.config import parse_config
-    from engine.placement import offload
-    from engine.weights.checkpoint import random_state_dict
-    from engine.weights.tiny import config_dict_for, tiny_text_config
+    from clover_desk.engine.model import experts
+    from clover_desk.engine.model.clover import CloverModel
+    from clover_desk.engine.model.config import parse_config
+    from clover_desk.engine.placement import offload
+    from clover_desk.engine.weights.checkpoint import random_state_dict
+    from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
     text = tiny_text_config(vocab_size=128, layers=2, hidden=64, experts=16, experts_per_tok=4, moe_intermediate=32)
     cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
@@ -760,7 +760,7 @@ def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> 
 
 def test_one_policy_table_for_the_quantizer_and_the_planner() -> None:
     pytest.importorskip("torch")
-    from engine.weights import formats, quant
+    from clover_desk.engine.weights import formats, quant
 
     assert quant.make_policy is formats.make_policy and quant.QuantPolicy is formats.QuantPolicy
     assert planner.make_policy is formats.make_policy

@@ -10,8 +10,8 @@ import pytest
 import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401 (fixtures)
 
-from engine.api import Engine
-from engine.decode.events import (
+from clover_desk.engine.api import Engine
+from clover_desk.engine.decode.events import (
     BlockStep,
     Finished,
     GenerationParams,
@@ -21,7 +21,7 @@ from engine.decode.events import (
     from_dict,
     to_dict,
 )
-from engine.decode.generate import _prefill
+from clover_desk.engine.decode.generate import _prefill
 
 SEGMENT = 64  # max_pass_tokens for these tests: a few hundred prompt tokens make several segments
 LONG = "The quick brown fox jumps over the lazy dog. " * 40

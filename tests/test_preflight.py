@@ -14,8 +14,8 @@ import pytest
 
 from clover_desk.cli import doctor as cmd_doctor
 from clover_desk.cli import main as cli
-from engine.placement import preflight
-from engine.placement.preflight import Finding, GpuFacts, arch_support, check, torch_index_for
+from clover_desk.engine.placement import preflight
+from clover_desk.engine.placement.preflight import Finding, GpuFacts, arch_support, check, torch_index_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import PreviewPane, atomic_write_text
-from ui.preview_sandbox import (
+from clover_desk.ui.preview import PreviewPane, atomic_write_text
+from clover_desk.ui.preview_sandbox import (
     OFFLINE_CHROMIUM_FLAGS,
     PREVIEW_CSP,
     new_document_host,
@@ -201,15 +201,15 @@ def test_open_in_browser_asks_first(qtbot, pane: PreviewPane, monkeypatch, tmp_p
     from PySide6.QtWidgets import QMessageBox
 
     opened: list[str] = []
-    monkeypatch.setattr("ui.preview.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()) or True)
-    monkeypatch.setattr("ui.preview.tempfile.gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr("clover_desk.ui.preview.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()) or True)
+    monkeypatch.setattr("clover_desk.ui.preview.tempfile.gettempdir", lambda: str(tmp_path))
     show(qtbot, pane, "<html><body>outside</body></html>", "browser")
 
-    monkeypatch.setattr("ui.preview.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Cancel)
+    monkeypatch.setattr("clover_desk.ui.preview.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Cancel)
     assert pane.open_in_browser() is False
     assert opened == []
 
-    monkeypatch.setattr("ui.preview.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Open)
+    monkeypatch.setattr("clover_desk.ui.preview.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Open)
     assert pane.open_in_browser() is True
     assert len(opened) == 1
     assert Path(opened[0]).read_text(encoding="utf-8") == "<html><body>outside</body></html>"
@@ -332,7 +332,7 @@ def test_a_crashed_renderer_is_reported_and_reload_brings_the_page_back(qtbot, p
 
 def test_save_page_starts_in_documents_then_in_the_last_folder(qtbot, pane, tmp_path, monkeypatch) -> None:
     """Before: "Save page as" opened in the working directory (wherever the app was started from)."""
-    import ui.preview as preview_module
+    import clover_desk.ui.preview as preview_module
 
     starts: list[str] = []
     answers = [str(tmp_path / "elsewhere" / "app.html")]

@@ -21,9 +21,9 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview import PreviewPane
-from ui.preview_sandbox import register_schemes
-from ui.preview_strip import MAX_CONSOLE_ENTRIES, MAX_DIALOG_ENTRIES, MAX_LINE_CHARS, MAX_STRIP_ENTRIES
+from clover_desk.ui.preview import PreviewPane
+from clover_desk.ui.preview_sandbox import register_schemes
+from clover_desk.ui.preview_strip import MAX_CONSOLE_ENTRIES, MAX_DIALOG_ENTRIES, MAX_LINE_CHARS, MAX_STRIP_ENTRIES
 
 guard_pyside_bool_refcounts()
 register_schemes()  # before pytest-qt creates the QApplication (conftest does it too; idempotent)

@@ -220,14 +220,14 @@ def child_main(out_path: str) -> int:
     from clover_desk.qt_compat import guard_pyside_bool_refcounts
 
     guard_pyside_bool_refcounts()
-    from ui.preview_sandbox import GUARD_REPORT_ORIGIN, register_schemes
+    from clover_desk.ui.preview_sandbox import GUARD_REPORT_ORIGIN, register_schemes
 
     register_schemes()  # the app's one place for the engine's switches
     from PySide6.QtCore import QCoreApplication, QEvent, QEventLoop, QTimer
     from PySide6.QtWebEngineCore import QWebEngineScript
     from PySide6.QtWidgets import QApplication
 
-    from ui.preview import PreviewPane
+    from clover_desk.ui.preview import PreviewPane
 
     app = QApplication([sys.argv[0]])
 

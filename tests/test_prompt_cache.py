@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 
-from engine.decode.events import Finished, GenerationParams, PromptInfo
+from clover_desk.engine.decode.events import Finished, GenerationParams, PromptInfo
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_clover_dir: Path) -> tuple[Any, Any]:  # noqa: F811
     """(an engine with its prompt cache, one without)."""
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     plain = Engine.load(tiny_clover_dir)
     plain.prompt_cache = None
@@ -89,8 +89,8 @@ def test_a_chats_next_turn_starts_from_the_last_turns_prompt(engines: tuple[Any,
 def test_a_long_prompt_after_a_cached_start_reports_only_what_it_reads(tiny_clover_dir: Path) -> None:  # noqa: F811
     """The prefill's progress counts the tokens left to read; the point kept for the next turn is one more forward
     boundary, not one more progress event."""
-    from engine.api import Engine
-    from engine.decode.events import PrefillProgress
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.decode.events import PrefillProgress
 
     engine = Engine.load(tiny_clover_dir)
     engine.model.max_pass_tokens = 64
@@ -112,9 +112,9 @@ def test_passes_replayed_from_cuda_graphs_go_on_from_the_cache_the_model_keeps(m
     belong to it): the prompt cache keeps that one, so a chat's next turn both skips what it read and replays the
     graphs recorded for it. The pieces run eagerly here (``record=False``, the CPU) through the buffers a recording
     reads; the tokens are those of a model without graphs or prompt cache."""
-    from engine.decode.generate import DecodeSettings, generate
-    from engine.decode.prompt_cache import PromptCache
-    from engine.kernels import step_graphs
+    from clover_desk.engine.decode.generate import DecodeSettings, generate
+    from clover_desk.engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.kernels import step_graphs
     from tests.helpers_model import tiny_config, tiny_model
 
     model = tiny_model(tiny_config(), seed=5)
@@ -170,7 +170,7 @@ def test_a_chat_switched_back_to_goes_on_from_its_entry_in_host_memory(engines: 
                                                                         kept_a: int, kept_b: int) -> None:
     """Two chats taking turns: each request that starts otherwise moves the last prompt's entry to host memory,
     and a chat's next turn finds its own there (the longest entry it starts with)."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     cached_engine.prompt_cache = store = PromptCache()
@@ -197,7 +197,7 @@ def test_a_chat_switched_back_to_goes_on_from_its_entry_in_host_memory(engines: 
 def test_scopes_never_share_entries(engines: tuple[Any, Any], mode: str) -> None:
     """Issue 31: a request of another scope (another HTTP client) reads a prompt whole even when the same tokens are
     cached, live or saved in host memory, and each scope still finds its own entries afterwards."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     cached_engine.prompt_cache = store = PromptCache()
@@ -216,7 +216,7 @@ def test_scopes_never_share_entries(engines: tuple[Any, Any], mode: str) -> None
 
 
 def test_saved_entries_stay_within_their_budget_least_recently_used_first(engines: tuple[Any, Any]) -> None:
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     chats = {name: list(range(base, base + 75)) for name, base in zip("abcd", (300, 400, 500, 600))}
@@ -243,7 +243,7 @@ def test_no_entry_is_saved_that_would_leave_the_machine_short_of_memory(engines:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
 
-    from engine.decode import prompt_cache
+    from clover_desk.engine.decode import prompt_cache
 
     cached_engine, _ = engines
     a, b, c = (list(range(base, base + 75)) for base in (300, 400, 500))
@@ -266,7 +266,7 @@ def test_what_is_kept_stops_before_the_generation_prompt(engines: tuple[Any, Any
     """The generation prompt ("<|im_start|>assistant\\n<think>\\n", more with thinking off) is where a chat's next
     turn writes the answer instead: a point kept past its start would never match again. A first turn whose whole
     blocks (GDN chunks in AR mode) reach into it: the next turn still goes on from the blocks before it."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     tok = cached_engine.tokenizer
@@ -295,7 +295,7 @@ def test_reading_a_chat_ahead_leaves_only_the_new_message_to_read(engines: tuple
     """Engine.read_chat (what the window runs while the engine is idle): the chat so far, its last answer
     included, is read into the prompt cache and nothing is generated; the next turn then reads only its new message,
     with the tokens of an engine that reads everything."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     cached_engine.prompt_cache = PromptCache()
@@ -322,8 +322,8 @@ def test_reading_a_chat_ahead_leaves_only_the_new_message_to_read(engines: tuple
 def test_a_prefill_stopped_part_way_keeps_what_it_read(tiny_clover_dir: Path, mode: str) -> None:  # noqa: F811
     """A read-ahead stopped by a send (or an answer stopped while its prompt was read) keeps the whole segments
     it read: the request after it goes on from there, with the tokens of an engine that reads everything."""
-    from engine.api import Engine
-    from engine.decode.events import PrefillProgress
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.decode.events import PrefillProgress
 
     engine, plain = Engine.load(tiny_clover_dir), Engine.load(tiny_clover_dir)
     plain.prompt_cache = None
@@ -353,7 +353,7 @@ def test_regenerate_after_a_read_ahead_goes_back_to_the_point_before_the_answer(
     """The read-ahead extends the entry over the answer; Regenerate then sends the prompt that had it written,
     which stops before the answer: the entry goes back to the point kept before (its states were copied to host
     memory; the rows below it are the same), so Regenerate does not read the chat again."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     cached_engine.prompt_cache = PromptCache()
@@ -390,7 +390,7 @@ def test_an_older_message_edited_goes_back_to_the_checkpoint_before_it(engines: 
     """A chat read in one prefill (opened from disk and read ahead) leaves checkpoints at its turn starts: an older
     message edited and sent again reads from the turn start before it, not the whole chat, with the tokens of an
     engine that reads everything; without checkpoints it reads everything."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     unit = 32 if mode == "ar" else 8
@@ -414,7 +414,7 @@ def test_turn_by_turn_every_point_gone_on_from_stays_reachable_up_to_the_limit(e
     """The window's rhythm: a send, then a read-ahead of the answer, turn after turn. Each point a later request
     went on from becomes a checkpoint, so Regenerate two turns back still reads only its last message; past
     ``checkpoints`` the oldest go."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     unit = 32 if mode == "ar" else 8
@@ -446,7 +446,7 @@ def test_a_saved_chat_branched_from_an_older_answer_starts_from_its_checkpoint(e
                                                                                 mode: str) -> None:
     """A chat moved to host memory (another chat was opened) keeps its checkpoints: a branch from one of its
     older answers starts from the checkpoint there, and the chat's own entry stays saved for it."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, plain = engines
     unit = 32 if mode == "ar" else 8
@@ -480,7 +480,7 @@ def test_checkpoints_stay_within_the_memory_limits(engines: tuple[Any, Any], mon
     that would leave the machine short of memory."""
     import psutil
 
-    from engine.decode import prompt_cache
+    from clover_desk.engine.decode import prompt_cache
 
     cached_engine, _ = engines
     params = GenerationParams(mode="diffusion", max_new_tokens=6, do_sample=False, block_size=8)
@@ -509,8 +509,8 @@ def test_a_request_waiting_for_its_answer_gets_checkpoints_only_where_its_forwar
     """A send's prefill makes no extra forward for checkpoints (with streamed experts each forward streams its
     layers' experts again): it keeps the points where its segments end anyway. A read-ahead, run while the engine
     is idle, also stops at the chat's turn starts."""
-    from engine.api import Engine
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     engine = Engine.load(tiny_clover_dir)
     engine.model.max_pass_tokens = 64  # segments of 64
@@ -547,7 +547,7 @@ def test_other_chats_checkpoints_make_room_before_whole_chats_do(engines: tuple[
     """Saved entries within ``host_bytes``: a new one makes room by the checkpoints of the least recently used
     entries first, then by its own oldest, and only then by whole entries, so that going back to a chat (common)
     still finds it when editing an older message of it (rarer) would not."""
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     cached_engine, _ = engines
     params = GenerationParams(mode="diffusion", max_new_tokens=6, do_sample=False, block_size=8)
@@ -575,7 +575,7 @@ def test_other_chats_checkpoints_make_room_before_whole_chats_do(engines: tuple[
 def test_the_shared_start_of_two_prompts_is_found_exactly() -> None:
     import random
 
-    from engine.decode.prompt_cache import _shared
+    from clover_desk.engine.decode.prompt_cache import _shared
 
     rng = random.Random(0)
     for _ in range(300):  # within the first window of 64 tokens and past several doubled ones

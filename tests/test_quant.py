@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model.experts import DenseExpertBank
-from engine.weights.quant import (
+from clover_desk.engine.model.experts import DenseExpertBank
+from clover_desk.engine.weights.quant import (
     DEFAULT_POLICY,
     NF4_CODE,
     ExpertLayout,
@@ -140,8 +140,8 @@ def test_policy_table_formats_for_real_tensor_names() -> None:
 
 
 def test_policy_rejects_unknown_format() -> None:
-    from engine.errors import ConfigError
-    from engine.weights.quant import QuantPolicy, Rule
+    from clover_desk.engine.errors import ConfigError
+    from clover_desk.engine.weights.quant import QuantPolicy, Rule
 
     with pytest.raises(ConfigError, match="int3"):
         QuantPolicy("bad", (Rule("x", "int3"),))
@@ -254,7 +254,7 @@ def test_nf4_dequantize_works_in_a_fresh_process() -> None:
 
     code = (
         "import torch\n"
-        "from engine.weights.quant import dequantize_nf4\n"
+        "from clover_desk.engine.weights.quant import dequantize_nf4\n"
         "codes = torch.full((32,), 0x7F, dtype=torch.uint8); absmax = torch.ones(1)\n"
         "out = dequantize_nf4(codes, absmax, (64,), 64, torch.float32)\n"
         "print(out.shape[0], float(out.abs().max()))\n"
@@ -270,8 +270,8 @@ def test_nf4_dequantize_works_in_a_fresh_process() -> None:
 def test_fused_int8_gemv_matches_the_reference_dequantize_and_matmul(
     rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.weights import quant
-    from engine.weights.quant import QuantLinear, dequantize_reference
+    from clover_desk.engine.weights import quant
+    from clover_desk.engine.weights.quant import QuantLinear, dequantize_reference
 
     gen = torch.Generator().manual_seed(5)
     layer = QuantLinear.from_linear(nn.Linear(96, 200, bias=True), "int8")
@@ -293,7 +293,7 @@ def test_bitsandbytes_kernel_warning_we_cannot_use_is_not_shown() -> None:
     import subprocess
     import sys
 
-    code = ("import logging; logging.basicConfig(); import torch; from engine.weights.quant import quantize_nf4; "
+    code = ("import logging; logging.basicConfig(); import torch; from clover_desk.engine.weights.quant import quantize_nf4; "
             "quantize_nf4(torch.randn(128)); logging.getLogger('bitsandbytes.backends.cpu.ops').warning('other')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -307,7 +307,7 @@ def test_bench_line_of_torchs_int8_matmul_times_it_and_reports_its_difference() 
     import re
 
     from clover_desk.bench.moe_only import _torch_int8pack_line
-    from engine.weights.quant import QuantLinear
+    from clover_desk.engine.weights.quant import QuantLinear
 
     head = QuantLinear.from_linear(nn.Linear(256, 300, bias=False), "int8")  # an LM head: no bias
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
@@ -320,13 +320,13 @@ def test_bench_line_of_torchs_int8_matmul_times_it_and_reports_its_difference() 
 
 
 def test_fused_int8_gemv_leaves_greedy_tokens_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.decode.generate import DecodeSettings, generate
-    from engine.model.clover import CloverModel
-    from engine.model.config import parse_config
-    from engine.weights import quant
-    from engine.weights.checkpoint import random_state_dict
-    from engine.weights.quant import make_policy, quantize_model_
-    from engine.weights.tiny import config_dict_for, tiny_text_config
+    from clover_desk.engine.decode.generate import DecodeSettings, generate
+    from clover_desk.engine.model.clover import CloverModel
+    from clover_desk.engine.model.config import parse_config
+    from clover_desk.engine.weights import quant
+    from clover_desk.engine.weights.checkpoint import random_state_dict
+    from clover_desk.engine.weights.quant import make_policy, quantize_model_
+    from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
     text = tiny_text_config(vocab_size=128, layers=4, hidden=64, experts=16, experts_per_tok=4)
     cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
@@ -346,7 +346,7 @@ def test_fused_int8_gemv_leaves_greedy_tokens_unchanged(monkeypatch: pytest.Monk
 def test_nf4_dequantize_runs_inside_an_inductor_graph() -> None:
     """torch.compile plans the op's output by its fake, which follows the shape asked; the CPU kernel returned
     [1, numel] for a flat shape, so every compiled NF4 forward failed there (a one-row shape now, same blocks)."""
-    from engine.weights.quant import dequantize_nf4, quantize_nf4
+    from clover_desk.engine.weights.quant import dequantize_nf4, quantize_nf4
 
     w = torch.randn(6, 40)  # 240 values: 3 blocks of 64 and a partial one
     codes, absmax = quantize_nf4(w, 64)

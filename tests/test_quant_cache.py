@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.decode.events import LoadProgress
-from engine.errors import CancelledError
-from engine.kernels import cpu_quant
-from engine.model.config import parse_config
-from engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
-from engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
-from engine.weights.quant_cache import (
+from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.engine.errors import CancelledError
+from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.model.config import parse_config
+from clover_desk.engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
+from clover_desk.engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
+from clover_desk.engine.weights.quant_cache import (
     DATA_NAME,
     MANIFEST_NAME,
     build_cache,
@@ -27,7 +27,7 @@ from engine.weights.quant_cache import (
     load_quantized,
     read_header,
 )
-from engine.weights.tiny import config_dict_for, tiny_text_config
+from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.helpers_model import one_thread
 
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
@@ -129,7 +129,7 @@ def test_default_location_is_beside_the_model(tmp_path: Path) -> None:
 
 
 def test_manifest_is_what_the_planner_reads(ckpt: Path, tmp_path: Path) -> None:
-    from engine.placement.planner import manifest_from_quantized_cache
+    from clover_desk.engine.placement.planner import manifest_from_quantized_cache
 
     path = build_cache(ckpt, POLICY, tmp_path / "c")
     m = json.loads((path / MANIFEST_NAME).read_text())
@@ -221,8 +221,8 @@ def test_cancel_leaves_nothing_behind(ckpt: Path, tmp_path: Path) -> None:
 
 _KILLED_SCRIPT = """
 import os, signal, sys
-from engine.weights.quant import make_policy
-from engine.weights.quant_cache import build_cache
+from clover_desk.engine.weights.quant import make_policy
+from clover_desk.engine.weights.quant_cache import build_cache
 n = 0
 def progress(p):
     global n
@@ -254,8 +254,8 @@ def test_killed_conversion_leaves_no_cache_that_looks_complete(ckpt: Path, tmp_p
 _RSS_SCRIPT = """
 import sys, threading, time, psutil, torch
 torch.set_num_threads(1)
-from engine.weights.quant import make_policy, quantize_tensor
-from engine.weights.quant_cache import build_cache
+from clover_desk.engine.weights.quant import make_policy, quantize_tensor
+from clover_desk.engine.weights.quant_cache import build_cache
 quantize_tensor(torch.randn(64, 64), "nf4")  # load bitsandbytes' libraries before the baseline (a constant)
 quantize_tensor(torch.randn(64, 64), "int8")
 proc = psutil.Process()
@@ -301,7 +301,7 @@ def test_altered_cache_bytes_are_caught_on_load_and_rebuilt(ckpt: Path, tmp_path
     it equals the one from the intact cache."""
     import shutil
 
-    from engine.weights.quant_cache import CacheDamaged, check_cache, load_from_cache
+    from clover_desk.engine.weights.quant_cache import CacheDamaged, check_cache, load_from_cache
 
     src = shutil.copytree(ckpt, tmp_path / "model")
     root = tmp_path / "cache"
@@ -354,8 +354,8 @@ def _as_written_before_the_check(cache: Path) -> None:
 def test_a_cache_written_before_the_finite_check_holding_a_nan_is_rebuilt_and_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import engine.weights.quant_cache as quant_cache
-    from engine.errors import CheckpointError
+    import clover_desk.engine.weights.quant_cache as quant_cache
+    from clover_desk.engine.errors import CheckpointError
 
     src, name = _nan_checkpoint(tmp_path / "model")
     root = tmp_path / "cache"

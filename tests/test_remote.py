@@ -24,7 +24,7 @@ from server_fixtures import (  # noqa: F401 - fixtures
 )
 
 from clover_desk.worker.remote import RemoteBackend, RemoteError, RemoteFinished, request_body
-from engine.decode.events import GenerationParams, TextDelta
+from clover_desk.engine.decode.events import GenerationParams, TextDelta
 
 HI = [{"role": "user", "content": "Hello there"}]
 
@@ -38,7 +38,7 @@ def _split(events: list[Any]) -> tuple[str, str, RemoteFinished]:
 
 
 def test_streams_reasoning_and_answer_with_the_servers_figures(chat_server, chat_model) -> None:  # noqa: ANN001
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     backend = RemoteBackend(chat_server.url)
     assert backend.models() == [chat_model.path.name]

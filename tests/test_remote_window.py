@@ -27,10 +27,10 @@ from server_fixtures import (  # noqa: F401 (session fixtures)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.worker.remote import RemoteFinished
-from engine.decode.events import TextDelta
-from ui.chat_view import stats_line
-from ui.contracts import EngineState
-from ui.remote_chat import DENOISING_UNAVAILABLE, remote_stats_line
+from clover_desk.engine.decode.events import TextDelta
+from clover_desk.ui.chat_view import stats_line
+from clover_desk.ui.contracts import EngineState
+from clover_desk.ui.remote_chat import DENOISING_UNAVAILABLE, remote_stats_line
 
 guard_pyside_bool_refcounts()
 

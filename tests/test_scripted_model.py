@@ -11,8 +11,8 @@ from server_fixtures import CHAT_PLAIN, CHAT_THINKING, TOOL_JSON, chat_model, en
 
 
 def _run(model_dir: Path, enable_thinking: bool, mode: str, max_new_tokens: int = 200):  # noqa: ANN202
-    from engine.api import Engine
-    from engine.decode.events import BlockStep, Finished, GenerationParams
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.decode.events import BlockStep, Finished, GenerationParams
 
     engine = Engine.load(model_dir)
     params = GenerationParams(mode=mode, enable_thinking=enable_thinking, max_new_tokens=max_new_tokens)
@@ -52,7 +52,7 @@ def test_a_looping_script_never_ends(endless_model) -> None:  # noqa: ANN001
 
 
 def test_distinct_tokenization_spells_the_text_with_no_token_twice(chat_model) -> None:  # noqa: ANN001
-    from engine.decode.tokenizer import CloverTokenizer
+    from clover_desk.engine.decode.tokenizer import CloverTokenizer
 
     tok = CloverTokenizer.from_dir(chat_model.path)
     text = "Paris, Paris"
@@ -67,7 +67,7 @@ def test_distinct_tokenization_spells_the_text_with_no_token_twice(chat_model) -
 
 
 def test_conflicting_scripts_are_refused(chat_model, tmp_path: Path) -> None:  # noqa: ANN001
-    from engine.model.config import load_config
+    from clover_desk.engine.model.config import load_config
 
     config = load_config(chat_model.path)
     with pytest.raises(ValueError, match="two successors"):

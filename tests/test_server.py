@@ -86,7 +86,7 @@ def test_models_and_health(chat_server, chat_model) -> None:  # noqa: ANN001
 
 
 def test_non_streaming_answer_with_reasoning_usage_and_clover_extras(chat_server, chat_model) -> None:  # noqa: ANN001
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     answer = client(chat_server).chat.completions.create(model="clover", messages=HI)
     choice = answer.choices[0]
@@ -151,7 +151,7 @@ def test_thinking_off_and_ar_mode(chat_server) -> None:  # noqa: ANN001
 def test_usage_counts_the_prompt_tokens_a_chats_next_turn_had_cached(chat_server, chat_model) -> None:  # noqa: ANN001
     """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: what the engine's prompt cache held of the prompt
     (the last turn's whole 32-token blocks before its generation prompt), 0 for a prompt it has not seen."""
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     c = client(chat_server)
     question = [{"role": "user", "content": " ".join(f"point {i} of the plan" for i in range(40))}]
@@ -226,7 +226,7 @@ def test_stop_scanner_finds_a_sequence_split_anywhere(cut: int) -> None:
 
 
 def _template(model_dir: Any, enable_thinking: bool = True) -> str:
-    from engine.decode.tokenizer import CloverTokenizer
+    from clover_desk.engine.decode.tokenizer import CloverTokenizer
 
     return CloverTokenizer.from_dir(model_dir).apply_chat_template(HI, enable_thinking=enable_thinking)
 
@@ -238,7 +238,7 @@ def test_a_raw_completion_returns_the_text_as_written(chat_server, chat_model) -
     choice = answer.choices[0]
     assert choice.text == "Let me think</think>Sure thing." and choice.finish_reason == "stop"  # markers kept
     assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
-    from engine.decode.tokenizer import CloverTokenizer
+    from clover_desk.engine.decode.tokenizer import CloverTokenizer
 
     ids = CloverTokenizer.from_dir(chat_model.path).encode(prompt)
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), 13)
@@ -282,7 +282,7 @@ def test_a_bad_completion_request_is_a_400_naming_the_field(chat_server, extra: 
 
 
 def test_tool_call_round_trip(tools_server, tools_model) -> None:  # noqa: ANN001
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     c = client(tools_server)
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -521,7 +521,7 @@ class _CountingEngine:
 
 
 def test_concurrent_clients_are_served_one_at_a_time_without_mixing(chat_model) -> None:  # noqa: ANN001
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     engine = _CountingEngine(Engine.load(chat_model.path))
     with running_server(chat_model.path, engine=engine) as server:
@@ -565,7 +565,7 @@ class _FailingEngine(_CountingEngine):
 
 
 def test_an_engine_failure_is_a_500_and_the_server_keeps_serving(chat_model) -> None:  # noqa: ANN001
-    from engine.api import Engine
+    from clover_desk.engine.api import Engine
 
     engine = _FailingEngine(Engine.load(chat_model.path))
     with running_server(chat_model.path, engine=engine) as server:

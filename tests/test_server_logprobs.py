@@ -19,7 +19,7 @@ from server_fixtures import (  # noqa: F401 - fixtures
 )
 from test_server import HI, _error_of, _raw, _template
 
-from engine.decode.events import Finished, GenerationParams, TokenLogprobs
+from clover_desk.engine.decode.events import Finished, GenerationParams, TokenLogprobs
 
 MODES = ["diffusion", "ar", "spec"]
 

@@ -16,12 +16,12 @@ import torch
 from fixtures_tiny import one_torch_thread  # noqa: F401
 
 from clover_desk.cli import main as cli
-from engine.api import Engine
-from engine.kernels import cpu_quant, gdn_kernels, switches, triton_linear, triton_moe
-from engine.settings import EXCLUSIVE, OPT_IN, SWITCHES, GpuPaths, SettingsError, opt_in_env
-from engine.weights.gguf.model import load_gguf_model
-from engine.weights.gguf.writer import write_gguf
-from engine.weights.tiny import make_tiny
+from clover_desk.engine.api import Engine
+from clover_desk.engine.kernels import cpu_quant, gdn_kernels, switches, triton_linear, triton_moe
+from clover_desk.engine.settings import EXCLUSIVE, OPT_IN, SWITCHES, GpuPaths, SettingsError, opt_in_env
+from clover_desk.engine.weights.gguf.model import load_gguf_model
+from clover_desk.engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,14 +19,14 @@ import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 from server_fixtures import CHAT_PLAIN, chat_model  # noqa: F401
 
-from engine.api import Engine
-from engine.decode.events import BlockCommitted, BlockStep, Finished, GenerationParams, TextDelta
-from engine.decode.generate import DecodeSettings, generate, generate_spec, loop_hooks, resolve_settings
-from engine.decode.prompt_cache import PromptCache
-from engine.errors import PromptError
-from engine.kernels.fastpath import compile_layers
-from engine.placement import offload
-from engine.placement.offload import SimplePlan, apply_plan
+from clover_desk.engine.api import Engine
+from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, GenerationParams, TextDelta
+from clover_desk.engine.decode.generate import DecodeSettings, generate, generate_spec, loop_hooks, resolve_settings
+from clover_desk.engine.decode.prompt_cache import PromptCache
+from clover_desk.engine.errors import PromptError
+from clover_desk.engine.kernels.fastpath import compile_layers
+from clover_desk.engine.placement import offload
+from clover_desk.engine.placement.offload import SimplePlan, apply_plan
 from tests.offload_model import EXPERTS, LAYERS, PROMPT, quantized_model
 
 PROMPTS = ["Hello there", "Write a haiku about the sea.", "x", "What is 2 + 2? Answer in one word, please."]
@@ -321,7 +321,7 @@ def test_spec_equals_ar_over_many_random_cases(engine: Engine) -> None:
 
 
 def test_the_window_sends_spec_greedy_with_its_block_settings() -> None:
-    from ui.generation import GenerationSettings
+    from clover_desk.ui.generation import GenerationSettings
 
     p = GenerationSettings(mode="spec", temperature=0.7, block_size=16, threshold=0.5).to_params()
     assert (p.mode, p.do_sample, p.temperature, p.block_size, p.threshold) == ("spec", False, 0.0, 16, 0.5)
@@ -339,8 +339,8 @@ def test_spec_is_a_mode_the_server_and_the_worker_accept() -> None:
 
 
 def test_a_spec_answer_s_figures_in_the_window() -> None:
-    from ui.chat_view import stats_line
-    from ui.generation import finished_stats
+    from clover_desk.ui.chat_view import stats_line
+    from clover_desk.ui.generation import finished_stats
 
     done = Finished((1, 2, 3), "x", "", "eos", 3, 4, 0.75, 9.0, 0.1, 5, 0.01, 0.3, verify_passes=2,
                     accepted_per_verify=0.5, forwards_per_token=4 / 3)

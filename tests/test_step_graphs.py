@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
-from engine.kernels import step_graphs, triton_moe
-from engine.kernels.fastpath import compile_layers
+from clover_desk.engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
+from clover_desk.engine.kernels import step_graphs, triton_moe
+from clover_desk.engine.kernels.fastpath import compile_layers
 from tests.helpers_model import CountingBackend, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
@@ -194,7 +194,7 @@ def test_block_passes_run_in_pieces_through_static_buffers_decode_the_same_token
     assert got == want and got_passes == passes
     assert runner.pass_replays == passes and runner.failed is None  # (the prompt's prefill is not a decode pass)
     if streamed:  # every fetched expert went back to the pool once its compute was issued
-        from engine.placement import offload
+        from clover_desk.engine.placement import offload
 
         rt = offload.runtime_of(model)
         assert rt is not None and rt.pool is not None and not rt.pool.in_use
@@ -228,7 +228,7 @@ def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatc
     """Dense experts: an AR step's 4 pairs gather one expert each (no read); a block's 32 pairs are grouped on the
     host on the CPU. Streamed banks fetch on the host at any size. A quantized NF4 bank is sync-free over a block
     only with the fused kernel on a GPU."""
-    from engine.weights.quant import QuantExpertBank
+    from clover_desk.engine.weights.quant import QuantExpertBank
 
     dense = tiny_model(tiny_config(), seed=5)
     assert step_graphs.cuts(dense, 1) == {}
@@ -250,8 +250,8 @@ def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatc
 
 
 def _quantized(streamed: tuple[int, ...]) -> Any:
-    from engine.placement import offload
-    from engine.weights.quant import make_policy, quantize_model_
+    from clover_desk.engine.placement import offload
+    from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     model = tiny_model(tiny_config(), seed=5)
     quantize_model_(model, make_policy())
@@ -265,7 +265,7 @@ def test_steps_run_in_pieces_through_static_buffers_decode_the_same_tokens(strea
     """The pieces run eagerly (``record=False``, the CPU) through the buffers a recording reads: the tokens of
     ordinary steps, across two key buckets (the 256-key graph and the cache's), with streamed layers fetching as
     they do in an ordinary step."""
-    from engine.placement import offload
+    from clover_desk.engine.placement import offload
 
     model = _quantized(streamed)
     want = _tokens(model, 260)  # positions 11..270: buckets 256 and the cache's 271
@@ -289,7 +289,7 @@ def test_zero_copy_ar_steps_are_one_piece_and_decode_the_same_tokens() -> None:
     """With zero-copy reads an AR step has nothing to cut (its streamed layers read their experts in place), so it
     is one graph; a block pass is still cut at every bank. Run through the pieces: the tokens of ordinary steps,
     and no streamed layer looks its experts up in the pool."""
-    from engine.placement import offload
+    from clover_desk.engine.placement import offload
 
     model = _quantized((1, 2))
     want = _tokens(model, 40)
@@ -387,7 +387,7 @@ def test_the_warm_up_before_a_recording_is_not_counted_as_passes(monkeypatch: py
     """A recording first runs the pass twice eagerly. Those runs are not the request's passes: the streaming
     accounting (passes, passes per block, and the block's pass number that decides prefetching) is that of an
     uncaptured run. Here on the CPU, CUDA's streams are stand-ins and the capture itself fails, after the warm-up."""
-    from engine.placement import offload
+    from clover_desk.engine.placement import offload
 
     want_tokens, _ = _diffusion(_quantized((1,)), 20)
     model = _quantized((1,))
@@ -451,8 +451,8 @@ def test_cuda_graph_steps_go_on_from_the_prompt_cache_replaying_their_graphs() -
     prompt cache (the same prefill splits)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from engine.decode.events import PromptInfo
-    from engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.events import PromptInfo
+    from clover_desk.engine.decode.prompt_cache import PromptCache
 
     gpu = torch.device("cuda")
     ref = tiny_model(tiny_config(), seed=9).to(gpu, torch.bfloat16)
@@ -502,8 +502,8 @@ def test_cuda_graph_pieces_around_streamed_layers_decode_the_uncaptured_tokens()
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("bitsandbytes")
-    from engine.placement import offload
-    from engine.weights.quant import make_policy, quantize_model_
+    from clover_desk.engine.placement import offload
+    from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     def placed() -> Any:
         model = tiny_model(tiny_config(), seed=5)
@@ -528,8 +528,8 @@ def test_zero_copy_streamed_steps_are_one_cuda_graph_without_a_sync() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("bitsandbytes")
-    from engine.placement import offload
-    from engine.weights.quant import make_policy, quantize_model_
+    from clover_desk.engine.placement import offload
+    from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     def placed(zero_copy: bool) -> Any:
         model = tiny_model(tiny_config(), seed=5)
@@ -579,8 +579,8 @@ def test_a_block_pass_with_fused_nf4_experts_is_recorded_around_its_fetches(
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
-    from engine.placement import offload
-    from engine.weights.quant import make_policy, quantize_model_
+    from clover_desk.engine.placement import offload
+    from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     monkeypatch.setattr(triton_moe, "_enabled", True)
     model = tiny_model(tiny_config(moe_block_coreset_enabled=True), seed=5, dtype=torch.bfloat16)

@@ -17,7 +17,7 @@ from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.records import title_from_text
 from clover_desk.storage.schema import MIGRATIONS, SCHEMA_VERSION
 from clover_desk.storage.store import ChatStore
-from engine.decode.events import BlockCommitted, EngineError, Finished, PromptInfo, TextDelta
+from clover_desk.engine.decode.events import BlockCommitted, EngineError, Finished, PromptInfo, TextDelta
 
 
 @pytest.fixture

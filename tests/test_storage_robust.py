@@ -27,7 +27,7 @@ from clover_desk.storage.errors import StorageWriteError, StoreLockedError, writ
 from clover_desk.storage.lock import LOCK_SUFFIX
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from engine.decode.events import BlockCommitted, PromptInfo, TextDelta
+from clover_desk.engine.decode.events import BlockCommitted, PromptInfo, TextDelta
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ["--engine-factory", "tests.fake_engine:make"]
@@ -419,7 +419,7 @@ def worker_client(qtbot: Any) -> Iterator[Any]:
 
 
 def _window(qtbot: Any, client: Any, store: ChatStore) -> Any:
-    from ui.main_window import MainWindow
+    from clover_desk.ui.main_window import MainWindow
 
     window = MainWindow(client, store, StreamRecorder, model_dir="/models/fake")
     qtbot.addWidget(window)

@@ -17,12 +17,12 @@ import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 from clover_desk.cli import main as cli
-from engine.api import Engine
-from engine.decode import grammar
-from engine.decode.events import BlockStep, Finished, GenerationParams
-from engine.decode.generate import DecodeSettings, generate
-from engine.decode.grammar import structured_spec
-from engine.errors import PromptError
+from clover_desk.engine.api import Engine
+from clover_desk.engine.decode import grammar
+from clover_desk.engine.decode.events import BlockStep, Finished, GenerationParams
+from clover_desk.engine.decode.generate import DecodeSettings, generate
+from clover_desk.engine.decode.grammar import structured_spec
+from clover_desk.engine.errors import PromptError
 
 NAMES = ("name", "city", "count", "ok", "tags", "color", "score", "id")
 WORDS = ("red", "green", "blue", "a b", "zürich", "x")

@@ -21,9 +21,9 @@ from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from test_worker import WorkerProc
 
-from engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, TEMPLATE_TIMEOUT_S
-from engine.decode.tokenizer import CloverTokenizer, shipped_file, train_tiny_tokenizer
-from engine.errors import ConfigError, PromptError
+from clover_desk.engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, TEMPLATE_TIMEOUT_S
+from clover_desk.engine.decode.tokenizer import CloverTokenizer, shipped_file, train_tiny_tokenizer
+from clover_desk.engine.errors import ConfigError, PromptError
 
 ROOT = Path(__file__).resolve().parents[1]
 USER = [{"role": "user", "content": "hello " * 100}]
@@ -122,8 +122,8 @@ AMPLIFY = {
 CHILD = textwrap.dedent("""
     import json, resource, sys, time
     from pathlib import Path
-    from engine.errors import PromptError
-    from engine.decode.tokenizer import CloverTokenizer
+    from clover_desk.engine.errors import PromptError
+    from clover_desk.engine.decode.tokenizer import CloverTokenizer
     cases, folder, messages = json.loads(sys.stdin.read())
     results = {}
     for name, template in cases.items():

@@ -21,8 +21,8 @@ import shiboken6
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, QThread, Signal
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from engine.decode.events import EngineError, GenerationParams, TextDelta
-from ui.thread_bridge import ThreadBridge
+from clover_desk.engine.decode.events import EngineError, GenerationParams, TextDelta
+from clover_desk.ui.thread_bridge import ThreadBridge
 
 guard_pyside_bool_refcounts()
 
@@ -190,7 +190,7 @@ class GatedRemote:
 
 
 def test_remote_tokens_arrive_in_order_then_the_finish_on_the_gui_thread(qtbot, thread_errors) -> None:  # noqa: ANN001
-    from ui.remote_chat import RemoteRunner
+    from clover_desk.ui.remote_chat import RemoteRunner
 
     gate = threading.Event()
     gate.set()
@@ -228,7 +228,7 @@ def test_remote_tokens_arrive_in_order_then_the_finish_on_the_gui_thread(qtbot, 
 
 @pytest.mark.parametrize("how", ["delete", "deleteLater"])
 def test_a_remote_runner_deleted_mid_answer_drops_the_rest(qtbot, thread_errors, how: str) -> None:  # noqa: ANN001
-    from ui.remote_chat import RemoteRunner
+    from clover_desk.ui.remote_chat import RemoteRunner
 
     gate = threading.Event()
     runner = RemoteRunner(GatedRemote(gate, 50))
@@ -258,7 +258,7 @@ def test_a_remote_runner_deleted_mid_answer_drops_the_rest(qtbot, thread_errors,
 @pytest.mark.parametrize("how", ["delete", "deleteLater"])
 def test_a_model_library_deleted_mid_scan_drops_the_result(qtbot, thread_errors, tmp_path: Path,  # noqa: ANN001
                                                            monkeypatch, how: str) -> None:  # noqa: ANN001
-    import ui.model_library as model_library
+    import clover_desk.ui.model_library as model_library
 
     gate = threading.Event()
 
@@ -283,7 +283,7 @@ def test_a_model_library_deleted_mid_scan_drops_the_result(qtbot, thread_errors,
 
 def test_the_model_library_scans_on_a_thread_and_shows_on_the_gui_thread(qtbot, tmp_path: Path,  # noqa: ANN001
                                                                          monkeypatch) -> None:  # noqa: ANN001
-    import ui.model_library as model_library
+    import clover_desk.ui.model_library as model_library
 
     shown_on: list[bool] = []
     show = model_library.ModelLibrary._show
@@ -314,7 +314,7 @@ class GatedDownloader:
 @pytest.mark.parametrize("how", ["delete", "deleteLater"])
 def test_a_model_manager_deleted_mid_download_drops_the_rest(qtbot, thread_errors, tmp_path: Path,  # noqa: ANN001
                                                              how: str) -> None:
-    from ui.model_manager import ModelManagerPanel
+    from clover_desk.ui.model_manager import ModelManagerPanel
 
     gate = threading.Event()
 
@@ -337,7 +337,7 @@ def test_a_model_manager_deleted_mid_download_drops_the_rest(qtbot, thread_error
 
 
 def test_download_progress_comes_before_the_end_on_the_gui_thread(qtbot, tmp_path: Path) -> None:  # noqa: ANN001
-    from ui.model_manager import ModelManagerPanel
+    from clover_desk.ui.model_manager import ModelManagerPanel
 
     gate = threading.Event()
     gate.set()

@@ -9,8 +9,8 @@ import pytest
 from fixtures_tiny import one_torch_thread, tiny_clover_dir, tiny_qwen_dir  # noqa: F401
 from safetensors import safe_open
 
-from engine.model.config import load_config, load_generation_defaults
-from engine.weights.tiny import make_tiny
+from clover_desk.engine.model.config import load_config, load_generation_defaults
+from clover_desk.engine.weights.tiny import make_tiny
 
 
 def _tensor_names(folder: Path) -> dict[str, str]:
@@ -78,7 +78,7 @@ def test_qwen_folder_is_the_base_layout(tiny_qwen_dir: Path) -> None:
 def test_tiny_models_load_and_run(tiny_clover_dir: Path, tiny_qwen_dir: Path, one_torch_thread: None) -> None:
     import torch
 
-    from engine.weights.checkpoint import load_model
+    from clover_desk.engine.weights.checkpoint import load_model
 
     for folder in (tiny_clover_dir, tiny_qwen_dir):
         model = load_model(folder)
@@ -102,7 +102,7 @@ def test_seed_decides_the_weights(tmp_path: Path, tiny_clover_dir: Path) -> None
 
 
 def test_unknown_model_type_is_refused(tmp_path: Path) -> None:
-    from engine.errors import ConfigError
+    from clover_desk.engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match="llama"):
         make_tiny(tmp_path, model_type="llama")

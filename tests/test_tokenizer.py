@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.decode.tokenizer import (
+from clover_desk.engine.decode.tokenizer import (
     IM_END,
     MASK,
     THINK_END,
@@ -18,7 +18,7 @@ from engine.decode.tokenizer import (
     StreamDecoder,
     train_tiny_tokenizer,
 )
-from engine.errors import ConfigError, PromptError
+from clover_desk.engine.errors import ConfigError, PromptError
 
 MULTIBYTE = "Zürich — 你好，世界 🚀🌍 café ∑∞"
 

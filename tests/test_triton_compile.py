@@ -68,7 +68,7 @@ def test_every_kernel_launch_compiles_for_the_target_gpus(tmp_path: Path) -> Non
     got = {(r["launch"], r["kernel"], r["target"]) for r in rows}
     want = {(launch, kernel, target) for launch, kernels in LAUNCHES.items() for kernel in kernels for target in TARGETS}
     assert got == want
-    from engine.kernels.triton_moe import NUM_WARPS
+    from clover_desk.engine.kernels.triton_moe import NUM_WARPS
 
     for r in rows:
         assert 0 < r["registers"] <= 255, r

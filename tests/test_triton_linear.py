@@ -12,8 +12,8 @@ from tests.triton_child import run_interpreted
 
 CHILD = r'''
 import torch
-from engine.weights.quant import dequantize_int8_reference, quantize_int8
-from engine.kernels.triton_linear import int8_linear
+from clover_desk.engine.weights.quant import dequantize_int8_reference, quantize_int8
+from clover_desk.engine.kernels.triton_linear import int8_linear
 
 torch.manual_seed(0)
 for r, n, o, bias, dtype in ((1, 64, 96, False, torch.float32), (5, 130, 70, True, torch.float32),
@@ -38,7 +38,7 @@ def test_fused_int8_linear_equals_the_dequantize_then_matmul_reference() -> None
 
 
 def test_the_fused_kernel_is_taken_only_on_cuda_when_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.kernels import triton_linear
+    from clover_desk.engine.kernels import triton_linear
 
     codes = torch.zeros(8, 16, dtype=torch.int8)
     monkeypatch.setattr(triton_linear, "_enabled", True)
@@ -49,8 +49,8 @@ def test_the_fused_kernel_is_taken_only_on_cuda_when_opted_in(monkeypatch: pytes
 def test_quant_linear_takes_the_fused_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from engine.kernels import triton_linear
-    from engine.weights.quant import QuantLinear
+    from clover_desk.engine.kernels import triton_linear
+    from clover_desk.engine.weights.quant import QuantLinear
 
     lin = torch.nn.Linear(256, 1000, bias=True)
     q = QuantLinear.from_linear(lin, "int8").to("cuda")

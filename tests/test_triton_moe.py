@@ -11,8 +11,8 @@ from tests.triton_child import run_interpreted
 
 CHILD = r'''
 import torch
-from engine.weights.quant import QuantExpertBank, routed_forward_reference
-from engine.kernels.triton_moe import fused_nf4_moe
+from clover_desk.engine.weights.quant import QuantExpertBank, routed_forward_reference
+from clover_desk.engine.kernels.triton_moe import fused_nf4_moe
 
 torch.manual_seed(0)
 # the last two have >= GROUPED_MIN_PAIRS pairs: the grouped kernels (one expert's pairs per block, tl.dot); the
@@ -49,7 +49,7 @@ def test_group_pairs_puts_every_pair_once_in_blocks_of_one_row(skew: bool) -> No
     all of the block's row, padding only at a group's end, and the blocks past the real ones marked -1."""
     import torch
 
-    from engine.kernels.triton_moe import group_pairs
+    from clover_desk.engine.kernels.triton_moe import group_pairs
 
     gen = torch.Generator().manual_seed(1)
     n_rows, bm = 40, 16
@@ -88,8 +88,8 @@ def test_fused_nf4_moe_on_cuda_in_bf16_without_a_sync(t: int) -> None:
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
     pytest.importorskip("bitsandbytes")
-    from engine.kernels.triton_moe import GROUPED_MIN_PAIRS, fused_nf4_moe
-    from engine.weights.quant import QuantExpertBank, routed_forward
+    from clover_desk.engine.kernels.triton_moe import GROUPED_MIN_PAIRS, fused_nf4_moe
+    from clover_desk.engine.weights.quant import QuantExpertBank, routed_forward
 
     e, d, i, k = 64, 256, 128, 8
     gen = torch.Generator().manual_seed(2)

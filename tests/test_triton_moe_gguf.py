@@ -18,17 +18,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import triton_moe
-from engine.weights.gguf import quants as gq
-from engine.weights.gguf.model import GGUFExpertLayout
+from clover_desk.engine.kernels import triton_moe
+from clover_desk.engine.weights.gguf import quants as gq
+from clover_desk.engine.weights.gguf.model import GGUFExpertLayout
 from tests.triton_child import run_interpreted
 
 # shared by the child scripts: random GGUF block bytes and a packed expert bank
 COMMON = r'''
 import torch
-from engine.weights.gguf import quants as gq
-from engine.weights.gguf.model import GGUFExpertLayout
-from engine.kernels import cpu_quant
+from clover_desk.engine.weights.gguf import quants as gq
+from clover_desk.engine.weights.gguf.model import GGUFExpertLayout
+from clover_desk.engine.kernels import cpu_quant
 
 cpu_quant.set_enabled(False)  # the references here are the dequantizing path
 
@@ -60,7 +60,7 @@ def packed_bank(e: int, d: int, i: int, qtypes: tuple[int, int, int]) -> tuple[G
 '''
 
 HELPERS = COMMON + r'''
-from engine.kernels.triton_moe import gguf_dequantize
+from clover_desk.engine.kernels.triton_moe import gguf_dequantize
 
 torch.manual_seed(0)
 for qt in (gq.Q8_0, gq.Q4_0, gq.Q4_K, gq.Q5_K, gq.Q6_K, gq.F16, gq.BF16, gq.F32):
@@ -74,8 +74,8 @@ print("ok")
 '''
 
 FUSED = COMMON + r'''
-from engine.weights.quant import routed_forward
-from engine.kernels.triton_moe import fused_gguf_moe, fused_moe
+from clover_desk.engine.weights.quant import routed_forward
+from clover_desk.engine.kernels.triton_moe import fused_gguf_moe, fused_moe
 
 CASES = (  # (gate, up, down) types, E, D, I, T, K
     ((gq.Q8_0,) * 3, 6, 256, 256, 2, 2),

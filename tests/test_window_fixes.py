@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401 (session fixtures)
 
-from ui.chat_view import ChatView, MessageData
+from clover_desk.ui.chat_view import ChatView, MessageData
 
 
 def _anchors(browser) -> list[tuple[str, str]]:  # noqa: ANN001
@@ -57,7 +57,7 @@ def test_the_wheel_leaves_unfocused_choosers_alone_on_the_models_page(qtbot, tmp
     from PySide6.QtWidgets import QDoubleSpinBox
 
     from clover_desk.app import AppSettings, CloverDeskApp
-    from ui.widgets import install_wheel_guard
+    from clover_desk.ui.widgets import install_wheel_guard
 
     desk = CloverDeskApp(tmp_path, client=FakeEngineClient(), settings=AppSettings(), with_preview=False)
     qtbot.addWidget(desk.window)
@@ -89,7 +89,7 @@ def test_the_serve_dialogs_key_label_is_a_mnemonic_not_an_ampersand(qtbot) -> No
     """Before: the label read "API &key" (a row that is a layout gets no buddy, so the "&" showed)."""
     from PySide6.QtWidgets import QLabel
 
-    from ui.serve_panel import ServeDialog
+    from clover_desk.ui.serve_panel import ServeDialog
 
     dialog = ServeDialog()
     qtbot.addWidget(dialog)
@@ -100,7 +100,7 @@ def test_the_serve_dialogs_key_label_is_a_mnemonic_not_an_ampersand(qtbot) -> No
 
 def test_a_download_error_and_what_to_do_are_two_sentences(qtbot, tmp_path) -> None:
     """Before: "... Name or service not known Press Resume to try again"."""
-    from ui.model_manager import ModelManagerPanel
+    from clover_desk.ui.model_manager import ModelManagerPanel
 
     panel = ModelManagerPanel(models_dir=tmp_path / "models")
     qtbot.addWidget(panel)
@@ -118,7 +118,7 @@ def test_f2_renames_the_chat_while_the_composer_has_focus(qtbot, tmp_path) -> No
 
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
-    from ui.main_window import MainWindow
+    from clover_desk.ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.db")
     conversation = store.create_conversation("Lighthouses")
@@ -136,7 +136,7 @@ def test_f2_renames_the_chat_while_the_composer_has_focus(qtbot, tmp_path) -> No
 
 def test_a_second_demo_model_gets_a_new_folder(qtbot, tmp_path) -> None:
     """Before: "Create demo model" again wrote over the first demo (perhaps the model loaded)."""
-    from ui.model_manager import DEMO_FOLDER_NAME, ModelManagerPanel
+    from clover_desk.ui.model_manager import DEMO_FOLDER_NAME, ModelManagerPanel
 
     models = tmp_path / "models"
     (models / DEMO_FOLDER_NAME).mkdir(parents=True)
@@ -171,8 +171,8 @@ def test_why_send_waits_is_shown_whole_at_the_smallest_window(qtbot, tmp_path) -
 
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
-    from ui.contracts import EngineState
-    from ui.main_window import MainWindow
+    from clover_desk.ui.contracts import EngineState
+    from clover_desk.ui.main_window import MainWindow
 
     store = ChatStore(tmp_path / "chats.db")
     window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny")
@@ -223,7 +223,7 @@ def _remote_window(qtbot, tmp_path, client):  # noqa: ANN001, ANN202
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
     from clover_desk.worker.remote import RemoteBackend
-    from ui.main_window import MainWindow
+    from clover_desk.ui.main_window import MainWindow
 
     settings = QSettings(str(tmp_path / "window.ini"), QSettings.Format.IniFormat)
     for key, value in (("backend", "local"), ("remote_url", "http://127.0.0.1:9/v1"), ("remote_model", "remote-model")):
@@ -263,7 +263,7 @@ def test_loading_cancelled_goes_with_another_chat_backend_or_load(qtbot, tmp_pat
     """Before: "Loading cancelled." stayed over every chat and backend afterwards."""
     from fakes_ui import FakeEngineClient
 
-    from engine.decode.events import LoadProgress
+    from clover_desk.engine.decode.events import LoadProgress
 
     window, store = _remote_window(qtbot, tmp_path, FakeEngineClient())
     other = store.create_conversation("Another chat")
@@ -314,8 +314,8 @@ def test_reload_now_goes_once_reloaded_and_deleted_models_leave_recent(qtbot, tm
 
 def test_the_compile_warm_up_shows_its_elapsed_time(qtbot) -> None:
     """Before: "one-time warm-up 1 of 2" sat unchanged for 7+ minutes, with no elapsed time."""
-    from engine.decode.events import LoadProgress
-    from ui.banners import LoadBanner
+    from clover_desk.engine.decode.events import LoadProgress
+    from clover_desk.ui.banners import LoadBanner
 
     now = [100.0]
     banner = LoadBanner(clock=lambda: now[0])
@@ -336,9 +336,9 @@ def test_a_cancelled_compile_leaves_the_model_loaded_uncompiled(tiny_clover_dir,
     model stays loaded, running eagerly, with the same tokens as an uncompiled load."""
     import threading
 
-    from engine.api import Engine
-    from engine.decode.events import Finished, GenerationParams
-    from engine.kernels import fastpath
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.decode.events import Finished, GenerationParams
+    from clover_desk.engine.kernels import fastpath
 
     if fastpath.unavailable("cpu"):
         import pytest
@@ -408,7 +408,7 @@ def test_the_wheel_guard_covers_dialogs_created_after_the_window(qtbot, tmp_path
 
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
-    from ui.main_window import MainWindow
+    from clover_desk.ui.main_window import MainWindow
 
     class FakeServer(QObject):  # the ServerControl contract, serving nothing
         serving = Signal(str)
@@ -473,9 +473,9 @@ def test_stop_in_the_first_block_keeps_the_committed_text_and_offers_continue(qt
 
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
-    from engine.decode.events import BlockStep, Finished, TextDelta
-    from engine.decode.generate import generate
-    from ui.main_window import MainWindow
+    from clover_desk.engine.decode.events import BlockStep, Finished, TextDelta
+    from clover_desk.engine.decode.generate import generate
+    from clover_desk.ui.main_window import MainWindow
 
     class DecodingClient(FakeEngineClient):
         """The engine client's contract over the real decode loop, stepped by the test."""

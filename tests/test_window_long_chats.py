@@ -14,9 +14,9 @@ from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
 from clover_desk.worker.token_counter import TokenCounter
-from engine.decode.tokenizer import CloverTokenizer
-from ui.context_meter import ContextFullDialog, meter_text
-from ui.context_window import (
+from clover_desk.engine.decode.tokenizer import CloverTokenizer
+from clover_desk.ui.context_meter import ContextFullDialog, meter_text
+from clover_desk.ui.context_window import (
     DROP_OLDEST,
     OVERFLOW_KEY,
     SUMMARY_HEADER,
@@ -26,7 +26,7 @@ from ui.context_window import (
     fit_messages,
     shift_slack,
 )
-from ui.main_window import MainWindow
+from clover_desk.ui.main_window import MainWindow
 
 guard_pyside_bool_refcounts()
 
@@ -312,7 +312,7 @@ def test_without_a_counter_there_is_no_meter_and_send_is_not_held(qtbot, store) 
 
 
 def test_a_quick_prompt_never_flashes_the_reading_strip(qtbot, store) -> None:  # noqa: ANN001
-    from engine.decode.events import BlockStep, PromptInfo
+    from clover_desk.engine.decode.events import BlockStep, PromptInfo
 
     client = FakeEngineClient(blocks=1, pass_ms=2)
     client.paused = True
@@ -330,8 +330,8 @@ def test_a_quick_prompt_never_flashes_the_reading_strip(qtbot, store) -> None:  
 
 
 def test_a_slow_single_pass_prompt_shows_the_strip_after_a_moment(qtbot, store) -> None:  # noqa: ANN001
-    from engine.decode.events import PromptInfo
-    from ui.prompt_progress import SHOW_AFTER_MS
+    from clover_desk.engine.decode.events import PromptInfo
+    from clover_desk.ui.prompt_progress import SHOW_AFTER_MS
 
     client = FakeEngineClient(blocks=1, pass_ms=2)
     client.paused = True

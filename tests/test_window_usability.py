@@ -27,14 +27,14 @@ from PySide6.QtWidgets import (
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from engine.decode.events import GenerationParams
-from ui import conversations as conversations_module
-from ui import theme as theme_module
-from ui.contracts import EngineState
-from ui.generation import GenerationSettings, defaults_from_model, export_file_name
-from ui.main_window import MainWindow
-from ui.theme import COLORS, DARK, LIGHT, apply_theme, current_scheme
-from ui.vram_panel import VramPanel
+from clover_desk.engine.decode.events import GenerationParams
+from clover_desk.ui import conversations as conversations_module
+from clover_desk.ui import theme as theme_module
+from clover_desk.ui.contracts import EngineState
+from clover_desk.ui.generation import GenerationSettings, defaults_from_model, export_file_name
+from clover_desk.ui.main_window import MainWindow
+from clover_desk.ui.theme import COLORS, DARK, LIGHT, apply_theme, current_scheme
+from clover_desk.ui.vram_panel import VramPanel
 
 guard_pyside_bool_refcounts()
 
@@ -232,7 +232,7 @@ def test_ar_mode_shows_the_token_stream_not_a_grey_cell(qtbot, store, tmp_path) 
 
 
 def test_page_title_follows_the_page_and_the_reopened_chat_is_highlighted(qtbot, store, tmp_path) -> None:
-    from ui.model_manager import ModelManagerPanel
+    from clover_desk.ui.model_manager import ModelManagerPanel
 
     # first run: no model, the Models page; once one is chosen the fresh chat is titled as one
     first = make_window(qtbot, store, model_dir=None,
@@ -328,7 +328,7 @@ def test_export_file_names() -> None:
 
 
 def test_object_names_are_unique_and_style_classes_are_properties(qtbot, store, tmp_path) -> None:
-    from ui.model_manager import ModelManagerPanel
+    from clover_desk.ui.model_manager import ModelManagerPanel
 
     panel = VramPanel(fake_plan, 16 * 1024**3, "RTX", None)
     manager = ModelManagerPanel(models_dir=tmp_path / "models")
@@ -363,7 +363,7 @@ INTERACTIVE = (QAbstractButton, QLineEdit, QPlainTextEdit, QTextEdit, QComboBox,
 
 
 def test_every_interactive_widget_has_an_accessible_name(qtbot, store, tmp_path) -> None:
-    from ui.model_manager import ModelManagerPanel
+    from clover_desk.ui.model_manager import ModelManagerPanel
 
     panel = VramPanel(fake_plan, 16 * 1024**3, "RTX", None)
     manager = ModelManagerPanel(models_dir=tmp_path / "models")
@@ -519,7 +519,7 @@ def test_light_and_dark_themes_switch_from_view_and_follow_the_system(qtbot, sto
 
 
 def test_the_status_bar_uses_the_shared_memory_probe(qtbot, store) -> None:
-    from engine.placement.hardware import MemoryMonitor
+    from clover_desk.engine.placement.hardware import MemoryMonitor
 
     pytest.importorskip("psutil")
     window = make_window(qtbot, store, monitor=MemoryMonitor())
@@ -560,7 +560,7 @@ def test_the_preview_command_wears_the_apps_theme(tmp_path) -> None:
 
 def test_the_model_manager_is_handed_its_downloader(qtbot, tmp_path) -> None:
     """ui never imports clover_desk: without a downloader handed in, Download says it is unavailable."""
-    from ui.model_manager import ModelManagerPanel
+    from clover_desk.ui.model_manager import ModelManagerPanel
 
     panel = ModelManagerPanel(models_dir=tmp_path / "models")
     qtbot.addWidget(panel)
@@ -571,7 +571,7 @@ def test_the_model_manager_is_handed_its_downloader(qtbot, tmp_path) -> None:
 
 @pytest.mark.webengine
 def test_the_preview_view_is_found_by_name_and_named_for_screen_readers(qtbot, store) -> None:
-    preview_module = pytest.importorskip("ui.preview", exc_type=ImportError)
+    preview_module = pytest.importorskip("clover_desk.ui.preview", exc_type=ImportError)
     pane = preview_module.PreviewPane()
     window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny", preview=pane)
     window.show()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from clover_desk.worker.process import FATAL_EXIT_CODE, classify_fatal
-from engine.decode.events import from_dict
+from clover_desk.engine.decode.events import from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ["--engine-factory", "tests.fake_engine:make"]
@@ -235,7 +235,7 @@ def test_classify_fatal() -> None:
 
 def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Path) -> None:
     """The worker hands the load's context to the real engine: the plan it reports is sized for it."""
-    from engine.weights.tiny import make_tiny
+    from clover_desk.engine.weights.tiny import make_tiny
 
     folder = make_tiny(tmp_path / "m", model_type="clover_moe", seed=3)
     w = WorkerProc()
@@ -248,7 +248,7 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
         assert loaded["plan"]["ctx_tokens"] == 4096 and loaded["plan"]["fits"] is True
         assert announced["op"] == "load" and announced["plan"] == loaded["plan"]
         # the plan the window saw travels with the load and is placed as is (here one that streams every layer)
-        from engine.placement.planner import plan_model
+        from clover_desk.engine.placement.planner import plan_model
 
         floor = plan_model(folder, 0, 512).min_vram_bytes
         shown = plan_model(folder, floor, 512).to_dict()

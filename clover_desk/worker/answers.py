@@ -25,7 +25,7 @@ from clover_desk.worker.openai_schema import (
     usage_of,
 )
 from clover_desk.worker.tool_stream import StreamingAnswerParser
-from engine.decode.events import BlockCommitted, Finished, TextDelta, TokenLogprobs
+from clover_desk.engine.decode.events import BlockCommitted, Finished, TextDelta, TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -118,8 +118,8 @@ from clover_desk.worker.openai_schema import (  # noqa: F401 - AnswerParser, Sto
     parse_completion_request,
     parse_tool_call,
 )
-from engine.decode.events import Finished, GenerationParams
-from engine.errors import CloverError, PromptError
+from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.engine.errors import CloverError, PromptError
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from engine.decode.chat_template import LimitedSandbox, TemplateLimit
-from engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, check_text, decode_utf8
-from engine.errors import ConfigError, PromptError
+from clover_desk.engine.decode.chat_template import LimitedSandbox, TemplateLimit
+from clover_desk.engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, check_text, decode_utf8
+from clover_desk.engine.errors import ConfigError, PromptError
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import os
 import torch
 from torch import Tensor
 
-from engine.kernels import cpu_quant
+from clover_desk.engine.kernels import cpu_quant
 
 # engine.settings.GpuPaths.fla_gdn, set by engine.kernels.switches.use at load (set_enabled): a module constant, so a
 # compiled layer sees a constant, not a lookup per forward. TRITON_INTERPRET is Triton's own switch, read as Triton does.

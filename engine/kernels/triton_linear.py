@@ -53,7 +53,7 @@ def enabled_for(x: Tensor, fmt: str, codes: Tensor) -> bool:
 def int8_linear(x: Tensor, codes: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x`` [..., N] times the weight ``codes`` [O, N] int8 * ``scales`` [O] (per output row), plus ``bias`` [O].
     Returns [..., O] in x's dtype."""
-    from engine.kernels.triton_linear_kernels import int8_linear_kernel
+    from clover_desk.engine.kernels.triton_linear_kernels import int8_linear_kernel
 
     n_out, n_in = codes.shape
     if x.shape[-1] != n_in or codes.dtype != torch.int8:

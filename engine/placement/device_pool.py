@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.kernels.triton_copy import BIG, STAMP_STRIDE, copy_rows, place, place_set
-from engine.kernels.triton_linear import available
+from clover_desk.engine.kernels.triton_copy import BIG, STAMP_STRIDE, copy_rows, place, place_set
+from clover_desk.engine.kernels.triton_linear import available
 
 # the device counters, in order; merged into engine.placement.offload.Stats (same names) by merge_counts
 COUNTS = ("slot_hits", "slot_misses", "prefetched", "prefetch_hits", "prefetch_wasted", "evictions", "passes",
