@@ -2,7 +2,7 @@
 CPU kernels (``engine.kernels.cpu_quant``) and without them (the dequantizing path), on a real-width checkpoint:
 by default the 4-layer one ``clover-desk bench speed --real-width`` builds.
 
-    PYTHONPATH=. python scripts/bench_own_cache_ar.py [--checkpoint DIR] [--cache-root DIR] [--new 32] [--repeats 3]
+    .venv/bin/python scripts/bench_own_cache_ar.py [--checkpoint DIR] [--cache-root DIR] [--new 32] [--repeats 3]
         [--compile]
 
 Prints best-of-repeats tokens per second (the machine is shared: the best run is the least disturbed one) and the

@@ -1,7 +1,7 @@
 """What structured output costs in denoising passes: block diffusion with and without a JSON-schema grammar, on a
 tiny random checkpoint (made into a temporary folder), plus AR and spec for scale.
 
-    PYTHONPATH=. python scripts/bench_structured.py [--cases 12] [--max-new 96] [--threads 1]
+    .venv/bin/python scripts/bench_structured.py [--cases 12] [--max-new 96] [--threads 1]
 
 Prints one line per mode: requests, tokens, passes, passes per token, the requests that ended on their own (EOS)
 and, for the constrained runs, how many answers the schema accepted (jsonschema). Under a grammar only a

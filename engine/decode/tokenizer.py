@@ -47,7 +47,7 @@ REPLACEMENT = "\ufffd"
 
 def shipped_file(name: str) -> str:
     """Text of a file shipped in ``engine/data``."""
-    return resources.files("engine").joinpath("data", name).read_text(encoding="utf-8")
+    return resources.files("clover_desk.engine").joinpath("data", name).read_text(encoding="utf-8")
 
 
 class CloverTokenizer:
