@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from clover_desk.engine.decode.events import BlockCommitted, EngineError, Finished, GenerationParams, TextDelta
 from clover_desk.storage.errors import StorageError
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from clover_desk.engine.decode.events import BlockCommitted, EngineError, Finished, GenerationParams, TextDelta
 from clover_desk.ui.chat_session import ChatSession, Ending
 from clover_desk.ui.generation import GenerationSettings
 from clover_desk.ui.messages import MessageData

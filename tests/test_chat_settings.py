@@ -8,10 +8,10 @@ import pytest
 from fakes_ui import FakeEngineClient
 from PySide6.QtCore import QSettings, Qt
 
+from clover_desk.engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from clover_desk.engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from clover_desk.ui.generation import GenerationSettings, defaults_from_model
 from clover_desk.ui.main_window import MainWindow
 from clover_desk.ui.settings_drawer import SettingsDrawer

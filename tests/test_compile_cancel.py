@@ -18,8 +18,8 @@ import psutil
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from slow_compile_engine import HELPER_PID_ENV
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.ui.contracts import EngineState
 
 guard_pyside_bool_refcounts()

@@ -136,9 +136,9 @@ def test_without_a_cpp_compiler_the_model_loads_uncompiled_and_says_why(
 def test_the_worker_loads_compiled_and_the_window_shows_the_warm_up(
     qapp: Any, tiny_clover_dir: Path,  # noqa: F811
 ) -> None:
-    from clover_desk.worker.process import Worker
     from clover_desk.engine.decode.events import from_dict
     from clover_desk.ui.banners import LoadBanner
+    from clover_desk.worker.process import Worker
 
     records: list[dict[str, Any]] = []
     worker = Worker(records.append, functools.partial(Engine.load, compile_backend=BACKEND))

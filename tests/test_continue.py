@@ -13,11 +13,11 @@ from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from scripted_model import ScriptedModel, build_scripted_model
 from server_fixtures import client, running_server
 
-from clover_desk.worker.process import ProtocolError, check_params
-from clover_desk.worker.server import parse_chat_request
 from clover_desk.engine.decode.events import Finished, GenerationParams
 from clover_desk.engine.decode.tokenizer import continuation_text
 from clover_desk.engine.errors import PromptError
+from clover_desk.worker.process import ProtocolError, check_params
+from clover_desk.worker.server import parse_chat_request
 
 WORDS = ["Alpha", " Bravo", " Charlie", " Delta", "Echo", " Foxtrot", " Golf", " Hotel", "India", " Juliet", " Kilo"]
 THINKING = "Alpha Bravo Charlie Delta</think>Echo Foxtrot Golf Hotel<|im_end|>"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QPoint, Qt
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.ui.denoise_view import DenoiseModel, DenoiseView, committed_per_pass, display_text
 
 # PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from PySide6.QtCore import QElapsedTimer, QTimer
 
-from clover_desk.worker.client import EngineClient
 from clover_desk.engine.decode.events import (
     BlockCommitted,
     BlockStep,
@@ -28,6 +27,7 @@ from clover_desk.engine.decode.events import (
     PromptInfo,
     TextDelta,
 )
+from clover_desk.worker.client import EngineClient
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ["--engine-factory", "tests.fake_engine:make"]

@@ -14,8 +14,8 @@ from fakes_ui import FakeEngineClient
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import QObject, Qt, QTimer
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.engine.decode.events import BlockStep
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
 

@@ -26,7 +26,13 @@ from clover_desk.engine.placement.manifest import manifest_from_gguf
 from clover_desk.engine.placement.planner import plan_model
 from clover_desk.engine.weights.checkpoint import load_model, model_from_state_dict
 from clover_desk.engine.weights.gguf.file import hf_to_tiled_heads, open_gguf, tiled_to_hf_heads
-from clover_desk.engine.weights.gguf.model import GGUFEmbedding, GGUFExpertBank, GGUFLinear, gguf_state_dict, load_gguf_model
+from clover_desk.engine.weights.gguf.model import (
+    GGUFEmbedding,
+    GGUFExpertBank,
+    GGUFLinear,
+    gguf_state_dict,
+    load_gguf_model,
+)
 from clover_desk.engine.weights.gguf.writer import write_gguf
 from clover_desk.engine.weights.tiny import make_tiny
 

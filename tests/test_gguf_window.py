@@ -20,11 +20,11 @@ from gui_desk import running_desk  # noqa: E402
 from test_worker import WorkerProc  # noqa: E402
 
 from clover_desk.downloads import GGUF_REPO_ID, GgufChoice, ModelDownloader  # noqa: E402
-from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.engine.decode.events import Finished  # noqa: E402
-from tests.hf_test_server import FakeHub  # noqa: E402
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.ui.contracts import EngineState  # noqa: E402
 from clover_desk.ui.model_manager import ModelManagerPanel, check_gguf_file, check_model_path  # noqa: E402
+from tests.hf_test_server import FakeHub  # noqa: E402
 
 guard_pyside_bool_refcounts()
 

@@ -8,8 +8,8 @@ import pytest
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import Qt
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.engine.decode.events import BlockStep, Finished, LoadProgress, PrefillProgress, TextDelta
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.ui.contracts import EngineState
 
 guard_pyside_bool_refcounts()

@@ -10,8 +10,8 @@ from gui_desk import running_desk
 from PySide6.QtCore import Qt
 from scripted_model import build_scripted_model
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.engine.decode.tokenizer import CloverTokenizer
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 refcount leak on CPython < 3.12 (see there)
 

@@ -7,11 +7,11 @@ from fakes_ui import FakeEngineClient, fake_plan
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QApplication, QWidget
 
+from clover_desk.engine.decode.events import EngineError, Finished, LoadProgress, TextDelta
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from clover_desk.engine.decode.events import EngineError, Finished, LoadProgress, TextDelta
-from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
 from clover_desk.ui.generation import GenerationSettings, expert_hit_rate
 from clover_desk.ui.html_extract import extract_html
 from clover_desk.ui.main_window import MainWindow

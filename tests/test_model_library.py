@@ -16,9 +16,9 @@ from PySide6.QtCore import QObject, QUrl, Slot
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QAbstractButton
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.engine.placement.hardware import Hardware
 from clover_desk.engine.weights.formats import checkpoint_files, read_safetensors_header
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.ui.model_library import (
     CACHE_DIRNAME,
     ModelLibrary,
@@ -287,8 +287,8 @@ def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_ne
     qtbot, models, tmp_path, monkeypatch,  # noqa: ANN001
 ) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.storage.store import ChatStore
     from clover_desk.engine.settings import OPT_IN, GpuPaths
+    from clover_desk.storage.store import ChatStore
 
     folder, first, second = models
     # what `clover-desk gui` read where the app started (CLOVER_DESK_FUSED_INT8=1): shown until a choice is made
@@ -360,8 +360,8 @@ def test_the_app_reads_no_switch_itself_it_is_handed_the_settings(qtbot, models,
     exclusive ones, tests/test_settings.py): without the object it gives its worker the defaults, every switch
     written, so the environment it inherited cannot add a path either."""
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.storage.store import ChatStore
     from clover_desk.engine.settings import SWITCHES, GpuPaths
+    from clover_desk.storage.store import ChatStore
 
     folder, first, _second = models
     monkeypatch.setenv("CLOVER_DESK_ZERO_COPY", "1")

@@ -13,8 +13,8 @@ os.environ["HF_HUB_OFFLINE"] = "0"
 
 from clover_desk.downloads import ModelDownloader  # noqa: E402
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from tests.hf_test_server import FakeHub  # noqa: E402
 from clover_desk.ui.model_manager import ModelManagerPanel, check_model_dir, progress_text  # noqa: E402
+from tests.hf_test_server import FakeHub  # noqa: E402
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 on CPython 3.11: see the guard's docstring
 

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from tests.qt_helpers import shown  # noqa: E402
 from clover_desk.ui.preview import PreviewPane  # noqa: E402
 from clover_desk.ui.preview_sandbox import register_schemes  # noqa: E402
+from tests.qt_helpers import shown  # noqa: E402
 
 guard_pyside_bool_refcounts()
 register_schemes()  # before pytest-qt creates the QApplication (modules are imported at collection)

@@ -9,15 +9,15 @@ pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 from fakes_ui import FakeEngineClient  # noqa: E402
 from PySide6.QtCore import Qt  # noqa: E402
 
+from clover_desk.engine.decode.events import Finished, TextDelta  # noqa: E402
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.storage.recorder import StreamRecorder  # noqa: E402
 from clover_desk.storage.store import ChatStore  # noqa: E402
-from clover_desk.engine.decode.events import Finished, TextDelta  # noqa: E402
-from tests.qt_helpers import shown  # noqa: E402
 from clover_desk.ui.html_extract import extract_html  # noqa: E402
 from clover_desk.ui.main_window import MainWindow  # noqa: E402
 from clover_desk.ui.preview import PreviewPane  # noqa: E402
 from clover_desk.ui.preview_sandbox import register_schemes  # noqa: E402
+from tests.qt_helpers import shown  # noqa: E402
 
 # Before the QApplication exists (conftest does it too; idempotent).
 guard_pyside_bool_refcounts()

@@ -23,8 +23,8 @@ from server_fixtures import (  # noqa: F401 - fixtures
     wait_idle,
 )
 
-from clover_desk.worker.remote import RemoteBackend, RemoteError, RemoteFinished, request_body
 from clover_desk.engine.decode.events import GenerationParams, TextDelta
+from clover_desk.worker.remote import RemoteBackend, RemoteError, RemoteFinished, request_body
 
 HI = [{"role": "user", "content": "Hello there"}]
 

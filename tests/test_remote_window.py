@@ -25,12 +25,12 @@ from server_fixtures import (  # noqa: F401 (session fixtures)
     wait_idle,
 )
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.worker.remote import RemoteFinished
 from clover_desk.engine.decode.events import TextDelta
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.ui.chat_view import stats_line
 from clover_desk.ui.contracts import EngineState
 from clover_desk.ui.remote_chat import DENOISING_UNAVAILABLE, remote_stats_line
+from clover_desk.worker.remote import RemoteFinished
 
 guard_pyside_bool_refcounts()
 

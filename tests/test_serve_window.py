@@ -20,8 +20,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 from server_fixtures import endless_model, port_is_free  # noqa: F401 (session fixture)
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.engine.decode.events import Finished, PromptInfo, TextDelta
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.ui.serve_panel import ServeDialog, exposure_warning, is_loopback
 
 guard_pyside_bool_refcounts()

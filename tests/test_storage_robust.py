@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
+from clover_desk.engine.decode.events import BlockCommitted, PromptInfo, TextDelta
 from clover_desk.paths import CHATS_DB_NAME, DataDirError, writable_app_data_dir
 from clover_desk.storage.errors import StorageWriteError, StoreLockedError, write_failure_reason
 from clover_desk.storage.lock import LOCK_SUFFIX
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from clover_desk.engine.decode.events import BlockCommitted, PromptInfo, TextDelta
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ["--engine-factory", "tests.fake_engine:make"]

@@ -20,8 +20,8 @@ import pytest
 import shiboken6
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, QThread, Signal
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.engine.decode.events import EngineError, GenerationParams, TextDelta
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.ui.thread_bridge import ThreadBridge
 
 guard_pyside_bool_refcounts()

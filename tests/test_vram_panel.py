@@ -8,9 +8,9 @@ import pytest
 from fakes_ui import fake_plan
 from PySide6.QtWidgets import QComboBox, QLabel, QPushButton, QSlider
 
-from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
 from clover_desk.engine.placement import planner
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.ui.vram_panel import GIB, MIB, STEP_MIB, VramPanel, in_use_line, layer_count, plan_as_dict, summarize
 
 # PySide6 6.12 on CPython < 3.12 drops a reference to None/True on every void call or emit (see there);

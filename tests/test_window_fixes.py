@@ -222,8 +222,8 @@ def _remote_window(qtbot, tmp_path, client):  # noqa: ANN001, ANN202
 
     from clover_desk.storage.recorder import StreamRecorder
     from clover_desk.storage.store import ChatStore
-    from clover_desk.worker.remote import RemoteBackend
     from clover_desk.ui.main_window import MainWindow
+    from clover_desk.worker.remote import RemoteBackend
 
     settings = QSettings(str(tmp_path / "window.ini"), QSettings.Format.IniFormat)
     for key, value in (("backend", "local"), ("remote_url", "http://127.0.0.1:9/v1"), ("remote_model", "remote-model")):
@@ -471,10 +471,10 @@ def test_stop_in_the_first_block_keeps_the_committed_text_and_offers_continue(qt
     from PySide6.QtCore import Qt
     from test_generate import MASK, LetterTokenizer, ScriptedModel, letters, settings
 
-    from clover_desk.storage.recorder import StreamRecorder
-    from clover_desk.storage.store import ChatStore
     from clover_desk.engine.decode.events import BlockStep, Finished, TextDelta
     from clover_desk.engine.decode.generate import generate
+    from clover_desk.storage.recorder import StreamRecorder
+    from clover_desk.storage.store import ChatStore
     from clover_desk.ui.main_window import MainWindow
 
     class DecodingClient(FakeEngineClient):

@@ -10,11 +10,10 @@ from fakes_ui import FakeEngineClient
 from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import Qt
 
+from clover_desk.engine.decode.tokenizer import CloverTokenizer
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from clover_desk.worker.token_counter import TokenCounter
-from clover_desk.engine.decode.tokenizer import CloverTokenizer
 from clover_desk.ui.context_meter import ContextFullDialog, meter_text
 from clover_desk.ui.context_window import (
     DROP_OLDEST,
@@ -27,6 +26,7 @@ from clover_desk.ui.context_window import (
     shift_slack,
 )
 from clover_desk.ui.main_window import MainWindow
+from clover_desk.worker.token_counter import TokenCounter
 
 guard_pyside_bool_refcounts()
 

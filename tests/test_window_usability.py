@@ -24,10 +24,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from clover_desk.engine.decode.events import GenerationParams
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
-from clover_desk.engine.decode.events import GenerationParams
 from clover_desk.ui import conversations as conversations_module
 from clover_desk.ui import theme as theme_module
 from clover_desk.ui.contracts import EngineState

@@ -236,9 +236,9 @@ class Chat:
     def send(self, text: str, out: TextIO, err: TextIO) -> None:
         """Ask with ``text`` as the next user message and stream the answer; the answer joins the chat (what it
         wrote of it when stopped), a request the engine refuses leaves the chat as it was."""
-        from clover_desk.worker.remote import RemoteFinished
         from clover_desk.engine.decode.events import Finished, TextDelta
         from clover_desk.engine.errors import CloverError
+        from clover_desk.worker.remote import RemoteFinished
 
         turn = [*self.messages, {"role": "user", "content": text}]
         cancel = threading.Event()

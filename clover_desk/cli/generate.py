@@ -325,8 +325,8 @@ def remote_backend(args: argparse.Namespace, local_only: Sequence[tuple[str, str
     ``local_only`` given with it is a ConfigError naming it."""
     import os
 
-    from clover_desk.worker.remote import RemoteBackend
     from clover_desk.engine.errors import ConfigError
+    from clover_desk.worker.remote import RemoteBackend
 
     for attr, flag, unset in local_only:
         if getattr(args, attr) != unset:
@@ -337,8 +337,8 @@ def remote_backend(args: argparse.Namespace, local_only: Sequence[tuple[str, str
 
 def _run_remote(args: argparse.Namespace) -> int:
     """Stream the answer from ``--remote``; what the server does not report is printed as unavailable."""
-    from clover_desk.worker.remote import RemoteFinished
     from clover_desk.engine.decode.events import TextDelta, to_dict
+    from clover_desk.worker.remote import RemoteFinished
 
     backend = remote_backend(args, _GENERATE_LOCAL_ONLY)
     prompt = _prompt_text(args)

@@ -70,7 +70,7 @@ when known) whose message names the field and what is allowed, and the worker ke
 misspelt option is refused, never silently ignored), so a refused load never leaves the worker "loading".
 ``cancel``, ``cancel_load`` and ``shutdown`` ignore extra fields.
 
-``--engine-factory MODULE:CALLABLE`` replaces ``engine.api:Engine.load`` (same signature); the tests use it to
+``--engine-factory MODULE:CALLABLE`` replaces ``clover_desk.engine.api:Engine.load`` (same signature); the tests use it to
 inject failures the real engine cannot be made to produce on demand. The default is the real engine.
 
 The GPU paths and kernel switches (``engine.settings.GpuPaths``) are read from the environment once, when the
@@ -98,14 +98,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
-from clover_desk.worker.hangup import HangUpLog, is_hang_up
-from clover_desk.worker.http_guards import is_loopback
-from clover_desk.worker.server import OpenAIServer
 from clover_desk.engine.decode.events import MODES, EngineError, Finished, GenerationParams, LoadProgress, to_dict
 from clover_desk.engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS, PRECISIONS
 from clover_desk.engine.errors import CancelledError, CloverError
 from clover_desk.engine.settings import GpuPaths, SettingsError
+from clover_desk.worker.hangup import HangUpLog, is_hang_up
+from clover_desk.worker.http_guards import is_loopback
+from clover_desk.worker.server import OpenAIServer
 
 log = logging.getLogger("clover_desk.worker.process")
 hang_ups = HangUpLog(log)  # the window hung up (it closed or stopped reading): one short line, not a traceback

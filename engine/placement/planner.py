@@ -76,7 +76,12 @@ from clover_desk.engine.placement.manifest import (
     model_facts,
     quantize_manifest,
 )
-from clover_desk.engine.placement.speed import CORESET_DISTINCT_EXPERTS_PER_PASS, DEQUANT_GROUP_EXPERTS, Roofline, predict
+from clover_desk.engine.placement.speed import (
+    CORESET_DISTINCT_EXPERTS_PER_PASS,
+    DEQUANT_GROUP_EXPERTS,
+    Roofline,
+    predict,
+)
 from clover_desk.engine.weights.formats import COMPUTE_DTYPES, DEFAULT_POLICY, QuantPolicy, make_policy
 
 __all__ = [
