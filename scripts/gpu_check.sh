@@ -35,9 +35,9 @@ $py -c "import bitsandbytes" 2>/dev/null && bnb=1 || echo "== bitsandbytes is no
 # diffusion figures, with the host pool and with device slot tables).
 # The GPU-marked tests: grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps and block passes
 # (whole and in pieces around the banks that read the host), the int8 kernel, fla's GDN kernels.
-step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py \
-  tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py \
-  tests/test_triton_moe.py tests/test_offload.py tests/test_device_pool.py
+step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/engine/test_experts_grouped.py \
+  tests/app/test_cli.py tests/engine/test_compile.py tests/engine/test_step_graphs.py tests/engine/test_triton_linear.py tests/engine/test_gdn_kernels.py \
+  tests/engine/test_triton_moe.py tests/engine/test_offload.py tests/engine/test_device_pool.py
 if [ $bnb = 1 ]; then
   # Issue 8: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's 16 GiB
   # placement: streamed layers in pinned host memory, the process capped at 16 GiB) with the fast path on: fused NF4

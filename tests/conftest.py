@@ -41,7 +41,7 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
 def cpu_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The portable dequantizing expert path (what a GPU runs) in place of the CPU kernels, for tests that pin its
     numbers, op counts, piece cuts or syncs. The CPU kernels read the codes in place and round activations to int8
-    blocks (tested in tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py). Off for
+    blocks (tested in tests/engine/test_cpu_quant_own.py and by the KL bound in tests/engine/test_quant_cache.py). Off for
     this process and, through CLOVER_DESK_CPU_KERNELS=0, for whatever re-reads ``GpuPaths.from_env()`` (Engine.load's
     callers, the CLI commands and subprocesses a test runs). Use it with
     ``pytestmark = pytest.mark.usefixtures("cpu_kernels_off")``."""

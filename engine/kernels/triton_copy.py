@@ -12,7 +12,7 @@ block pass, whose grids do not depend on the routing (so a CUDA graph records th
 present returns at once, so only the missing rows cross PCIe. Rows are copied as 4-byte words when their size
 allows (fewer, wider loads over the link), else byte by byte.
 
-Tested on the CPU with ``TRITON_INTERPRET=1`` against the tensor ops (``tests/test_device_pool.py``: the same
+Tested on the CPU with ``TRITON_INTERPRET=1`` against the tensor ops (``tests/engine/test_device_pool.py``: the same
 tables, counters and slots over random steps); not measured on a GPU.
 """
 

@@ -9,7 +9,7 @@ One program per (16 token rows, 64 output rows) tile; the reduction over the inp
 Accumulated in float32; fp32 activations use IEEE products (no TF32).
 
 Status: tested on the CPU with ``TRITON_INTERPRET=1`` against the dequantize-then-matmul reference
-(``tests/test_triton_linear.py``); **not measured on a GPU**, so it is opt-in: ``QuantLinear`` takes it on CUDA
+(``tests/engine/test_triton_linear.py``); **not measured on a GPU**, so it is opt-in: ``QuantLinear`` takes it on CUDA
 for up to :data:`MAX_ROWS` rows only when the engine's settings turn it on
 (``engine.settings.GpuPaths.fused_int8``, the switch ``CLOVER_DESK_FUSED_INT8=1``; :func:`set_enabled`). ``clover-desk bench speed --moe-only`` on
 CUDA times it against the chunked path at the LM head's shape (``scripts/gpu_check.sh``).

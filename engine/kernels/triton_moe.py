@@ -20,8 +20,8 @@ blocks of ``BLOCK_M``, and one program per (block, output tile) decoding the exp
 and multiplying with ``tl.dot`` (tensor cores on a GPU; fp32 activations use IEEE products). The GEMV kernels
 re-read an expert's bytes once per pair; the grouped ones once per block of up to 16 pairs.
 
-Status: written and tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_triton_moe.py``,
-``tests/test_triton_moe_gguf.py``: both variants equal to the dequantize-then-matmul reference within float32
+Status: written and tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_triton_moe.py``,
+``tests/engine/test_triton_moe_gguf.py``: both variants equal to the dequantize-then-matmul reference within float32
 rounding, and the
 GGUF element decode equal to ``engine.weights.gguf.quants.dequantize`` bit for bit); **not yet measured on a GPU**, so
 nothing selects it by default: :func:`routed_forward <engine.weights.quant.routed_forward>` uses it (:func:`fused_moe`) on
