@@ -152,7 +152,7 @@ def answer(store: ChatStore, session: ChatSession):  # noqa: ANN201
 
 def test_the_controller_imports_no_widget_module() -> None:
     """This module and the controller load without QtWidgets (a fresh interpreter)."""
-    code = ("import json, sys; sys.path.insert(0, 'tests'); import clover_desk.ui.chat_session, test_chat_session; "
+    code = ("import json, sys; sys.path.insert(0, 'tests/ui'); import clover_desk.ui.chat_session, test_chat_session; "
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, QT_QPA_PLATFORM="offscreen"),
                          capture_output=True, text=True, check=True)

@@ -44,7 +44,7 @@ def test_cancel_during_a_hanging_compile_loads_the_model_uncompiled_within_secon
     qtbot, tmp_path: Path, tiny_clover_dir: Path,  # noqa: ANN001, F811
 ) -> None:
     from clover_desk.app import AppSettings, CloverDeskApp
-    from clover_desk.storage import ChatStore
+    from clover_desk.storage.store import ChatStore
     from clover_desk.worker.client import EngineClient
 
     home = tmp_path / "home"
