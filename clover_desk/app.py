@@ -25,29 +25,29 @@ from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk import paths
 from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
+from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
+from clover_desk.engine.errors import CloverError
+from clover_desk.engine.model.config import load_config, load_generation_defaults
+from clover_desk.engine.placement import planner
+from clover_desk.engine.placement.hardware import DEFAULT_HARDWARE, MemoryMonitor, probe_hardware
+from clover_desk.engine.settings import EXCLUSIVE, OPT_IN, GpuPaths, SettingsError, opt_in_env
+from clover_desk.engine.weights.formats import FORMAT_OF_TORCH_NAME
+from clover_desk.engine.weights.gguf.file import open_gguf
 from clover_desk.storage.files import atomic_write_text
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
+from clover_desk.ui.html_extract import extract_html
+from clover_desk.ui.main_window import MainWindow
+from clover_desk.ui.model_library import ModelLibrary
+from clover_desk.ui.model_manager import ModelManagerPanel
+from clover_desk.ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME
+from clover_desk.ui.preview import PreviewPane
+from clover_desk.ui.vram_panel import VramPanel
+from clover_desk.ui.widgets import PreviewOff
 from clover_desk.worker.client import EngineClient
 from clover_desk.worker.remote import RemoteBackend
 from clover_desk.worker.token_counter import TokenCounter
-from engine.decode.events import LoadProgress
-from engine.defaults import DEFAULT_CTX_TOKENS
-from engine.errors import CloverError
-from engine.model.config import load_config, load_generation_defaults
-from engine.placement import planner
-from engine.placement.hardware import DEFAULT_HARDWARE, MemoryMonitor, probe_hardware
-from engine.settings import EXCLUSIVE, OPT_IN, GpuPaths, SettingsError, opt_in_env
-from engine.weights.formats import FORMAT_OF_TORCH_NAME
-from engine.weights.gguf.file import open_gguf
-from ui.html_extract import extract_html
-from ui.main_window import MainWindow
-from ui.model_library import ModelLibrary
-from ui.model_manager import ModelManagerPanel
-from ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME
-from ui.preview import PreviewPane
-from ui.vram_panel import VramPanel
-from ui.widgets import PreviewOff
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from engine.errors import CancelledError, CloverError
+from clover_desk.engine.errors import CancelledError, CloverError
 
 log = logging.getLogger(__name__)
 

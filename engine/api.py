@@ -21,23 +21,23 @@ from typing import Any
 
 import torch
 
-from engine.decode.events import Event, Finished, GenerationParams, LoadProgress
-from engine.decode.generate import LoopHooks, generate, loop_hooks, resolve_settings
-from engine.decode.limits import check_generation_params
-from engine.decode.prompt_cache import PromptCache
-from engine.decode.tokenizer import CloverTokenizer
-from engine.defaults import DEFAULT_CTX_TOKENS, DTYPE_OF_PRECISION, PRECISIONS
-from engine.errors import CancelledError, ConfigError, PlanError, PromptError
-from engine.kernels import fastpath, switches
-from engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
-from engine.placement import offload, planner
-from engine.placement.manifest import manifest_from_gguf
-from engine.placement.planner import Plan, plan_model, probe_hardware
-from engine.settings import GpuPaths
-from engine.weights import quant_cache
-from engine.weights.checkpoint import load_model
-from engine.weights.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
-from engine.weights.gguf.model import load_gguf_engine
+from clover_desk.engine.decode.events import Event, Finished, GenerationParams, LoadProgress
+from clover_desk.engine.decode.generate import LoopHooks, generate, loop_hooks, resolve_settings
+from clover_desk.engine.decode.limits import check_generation_params
+from clover_desk.engine.decode.prompt_cache import PromptCache
+from clover_desk.engine.decode.tokenizer import CloverTokenizer
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS, DTYPE_OF_PRECISION, PRECISIONS
+from clover_desk.engine.errors import CancelledError, ConfigError, PlanError, PromptError
+from clover_desk.engine.kernels import fastpath, switches
+from clover_desk.engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
+from clover_desk.engine.placement import offload, planner
+from clover_desk.engine.placement.manifest import manifest_from_gguf
+from clover_desk.engine.placement.planner import Plan, plan_model, probe_hardware
+from clover_desk.engine.settings import GpuPaths
+from clover_desk.engine.weights import quant_cache
+from clover_desk.engine.weights.checkpoint import load_model
+from clover_desk.engine.weights.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
+from clover_desk.engine.weights.gguf.model import load_gguf_engine
 
 COMPILE_CANCELLED = "compiling was cancelled: the model runs uncompiled"
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from engine.errors import ConfigError
+from clover_desk.engine.errors import ConfigError
 
 # How AR steps (and, with device tables, diffusion passes) reach the experts of a streamed layer
 # (engine.placement.offload): "pool": copied into the device slot pool; "zero_copy": read in place from page-locked

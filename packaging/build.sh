@@ -13,6 +13,9 @@ export QT_QPA_PLATFORM=offscreen  # the build imports the ui package to list its
 "$PYTHON" packaging/make_icons.py --check 2>/dev/null || "$PYTHON" packaging/make_icons.py >/dev/null
 
 start=$(date +%s)
+# the project as a wheel installs it (clover_desk with its engine and ui inside): what the spec analyses and bundles
+rm -rf build/pyinstaller/site
+"$PYTHON" -m pip install -q --no-deps --no-build-isolation --target build/pyinstaller/site .
 "$PYTHON" -m PyInstaller --noconfirm --clean --log-level WARN \
     --distpath dist --workpath build/pyinstaller packaging/clover-desk.spec
 

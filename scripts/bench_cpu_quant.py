@@ -1,7 +1,7 @@
 """Microbenchmark of engine.kernels.cpu_quant at Clover-35B-A3B's widths, against the current path (dequantize the
 GGUF blocks to fp32 with torch ops, then a matmul).
 
-    PYTHONPATH=. python scripts/bench_cpu_quant.py [--threads 2] [--reps 5] [--quick] [--only gguf|own]
+    .venv/bin/python scripts/bench_cpu_quant.py [--threads 2] [--reps 5] [--quick] [--only gguf|own]
 
 Prints, per case: best-of-reps milliseconds of the kernel and of the current path, the weight bytes read per
 second (bytes of the blocks the call reads / time) and the speed-up; the machine's read bandwidth for scale; and the
@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from engine.kernels import cpu_quant as cq
-from engine.weights import quant as wq
-from engine.weights.gguf import quants as gq
+from clover_desk.engine.kernels import cpu_quant as cq
+from clover_desk.engine.weights import quant as wq
+from clover_desk.engine.weights.gguf import quants as gq
 
 HIDDEN, EXPERT_I, VOCAB, EXPERTS, TOP_K = 2048, 512, 248_320, 256, 8
 

@@ -2,7 +2,7 @@
 CPU kernels (``engine.kernels.cpu_quant``) and without them (the dequantizing path), on a real-width checkpoint:
 by default the 4-layer one ``clover-desk bench speed --real-width`` builds.
 
-    PYTHONPATH=. python scripts/bench_own_cache_ar.py [--checkpoint DIR] [--cache-root DIR] [--new 32] [--repeats 3]
+    .venv/bin/python scripts/bench_own_cache_ar.py [--checkpoint DIR] [--cache-root DIR] [--new 32] [--repeats 3]
         [--compile]
 
 Prints best-of-repeats tokens per second (the machine is shared: the best run is the least disturbed one) and the
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from engine.decode.events import Finished
-from engine.decode.generate import DecodeSettings, generate_ar
-from engine.kernels import cpu_quant, fastpath
-from engine.weights.quant import DEFAULT_POLICY
-from engine.weights.quant_cache import load_quantized
+from clover_desk.engine.decode.events import Finished
+from clover_desk.engine.decode.generate import DecodeSettings, generate_ar
+from clover_desk.engine.kernels import cpu_quant, fastpath
+from clover_desk.engine.weights.quant import DEFAULT_POLICY
+from clover_desk.engine.weights.quant_cache import load_quantized
 
 DEFAULT_CKPT = Path.home() / ".cache" / "clover-desk" / "bench" / "real-width-4L" / "checkpoint"
 

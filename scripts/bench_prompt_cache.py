@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from clover_desk.bench.random_model import _build_random_model, _config  # noqa: E402
-from engine.api import Engine  # noqa: E402
-from engine.decode.events import GenerationParams, PromptInfo  # noqa: E402
-from engine.decode.prompt_cache import PromptCache  # noqa: E402
-from engine.model.config import GenerationDefaults  # noqa: E402
+from clover_desk.engine.api import Engine  # noqa: E402
+from clover_desk.engine.decode.events import GenerationParams, PromptInfo  # noqa: E402
+from clover_desk.engine.decode.prompt_cache import PromptCache  # noqa: E402
+from clover_desk.engine.model.config import GenerationDefaults  # noqa: E402
 
 
 def main() -> int:
@@ -92,8 +92,8 @@ def main() -> int:
 
 def edit(args: argparse.Namespace, model: Any, config: Any, draw: Any) -> int:
     """The ``edit`` scenario (module docstring)."""
-    from engine.decode.tokenizer import CloverTokenizer
-    from engine.weights.tiny import make_tiny
+    from clover_desk.engine.decode.tokenizer import CloverTokenizer
+    from clover_desk.engine.weights.tiny import make_tiny
 
     with tempfile.TemporaryDirectory() as tmp:  # the chat template's special tokens (a tiny model's tokenizer)
         tokenizer = CloverTokenizer.from_dir(make_tiny(Path(tmp), model_type="clover_moe", seed=0))

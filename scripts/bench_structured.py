@@ -1,7 +1,7 @@
 """What structured output costs in denoising passes: block diffusion with and without a JSON-schema grammar, on a
 tiny random checkpoint (made into a temporary folder), plus AR and spec for scale.
 
-    PYTHONPATH=. python scripts/bench_structured.py [--cases 12] [--max-new 96] [--threads 1]
+    .venv/bin/python scripts/bench_structured.py [--cases 12] [--max-new 96] [--threads 1]
 
 Prints one line per mode: requests, tokens, passes, passes per token, the requests that ended on their own (EOS)
 and, for the constrained runs, how many answers the schema accepted (jsonschema). Under a grammar only a
@@ -23,10 +23,10 @@ from typing import Any
 import jsonschema
 import torch
 
-from engine.api import Engine
-from engine.decode.events import Finished, GenerationParams
-from engine.decode.grammar import structured_spec
-from engine.weights.tiny import make_tiny
+from clover_desk.engine.api import Engine
+from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.engine.decode.grammar import structured_spec
+from clover_desk.engine.weights.tiny import make_tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_structured import random_schema  # noqa: E402 - the tests' schema family

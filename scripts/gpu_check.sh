@@ -2,18 +2,21 @@
 # The prepared GPU checks of issues 2 and 3, as ONE script for a lent device machine (15 minutes in all).
 # Not run by CI (there is no GPU there). Run from the repository root on the GPU machine:
 #   bash scripts/gpu_check.sh [STEP...]  (logs go to $OUT, or ./gpu-check-out when OUT is unset; STEPs: only those)
-# That machine has torch but not bitsandbytes or fla-core: `bash scripts/gpu_wheels.sh` here puts their wheels in
-# .whl/ (carry it) for the NF4 offload and count steps, skipped otherwise, and the flash-linear-attention GDN figures
-# and test. Each step has its own time limit so one hang cannot eat the lease.
+# That machine has torch but not bitsandbytes or fla-core: `bash scripts/gpu_wheels.sh` here puts their wheels and
+# this checkout's own wheel in .whl/ (carry it): the NF4 offload and count steps, and the flash-linear-attention GDN
+# figures and test. Each step has its own time limit so one hang cannot eat the lease.
 set -u
 out="${OUT:-./gpu-check-out}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 py=python3
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+if ! ls .whl/clover_desk-*.whl >/dev/null 2>&1; then
+  echo "gpu_check.sh: no .whl/clover_desk-*.whl: run bash scripts/gpu_wheels.sh here first and carry .whl" >&2
+  exit 2
 fi
+# this checkout's wheel (clover_desk with its engine and ui) and the wheels the image lacks, first on the path
+$py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 only=" $* "  # step names given as arguments: run only those (a second call finishes what a first one left)
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -32,9 +35,9 @@ $py -c "import bitsandbytes" 2>/dev/null && bnb=1 || echo "== bitsandbytes is no
 # diffusion figures, with the host pool and with device slot tables).
 # The GPU-marked tests: grouped expert compute on CUDA, the CLI's CUDA path, CUDA-graph AR steps and block passes
 # (whole and in pieces around the banks that read the host), the int8 kernel, fla's GDN kernels.
-step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/test_experts_grouped.py \
-  tests/test_cli.py tests/test_compile.py tests/test_step_graphs.py tests/test_triton_linear.py tests/test_gdn_kernels.py \
-  tests/test_triton_moe.py tests/test_offload.py tests/test_device_pool.py
+step pytest_gpu 100 $py -m pytest -q -m gpu -o addopts="" -p no:cacheprovider tests/engine/test_experts_grouped.py \
+  tests/app/test_cli.py tests/engine/test_compile.py tests/engine/test_step_graphs.py tests/engine/test_triton_linear.py tests/engine/test_gdn_kernels.py \
+  tests/engine/test_triton_moe.py tests/engine/test_offload.py tests/engine/test_device_pool.py
 if [ $bnb = 1 ]; then
   # Issue 8: the 35B shape on the code path a 16 GB card takes (NF4 experts, INT8 dense, the planner's 16 GiB
   # placement: streamed layers in pinned host memory, the process capped at 16 GiB) with the fast path on: fused NF4

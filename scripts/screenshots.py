@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from ui.preview_sandbox import register_schemes  # noqa: E402
+from clover_desk.ui.preview_sandbox import register_schemes  # noqa: E402
 
 guard_pyside_bool_refcounts()
 register_schemes()
@@ -31,7 +31,7 @@ register_schemes()
 from PySide6.QtCore import QEventLoop, QObject, QTimer, Signal  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from engine.decode.events import (  # noqa: E402
+from clover_desk.engine.decode.events import (  # noqa: E402
     BlockCommitted,
     BlockStep,
     Finished,
@@ -40,7 +40,7 @@ from engine.decode.events import (  # noqa: E402
     PromptInfo,
     TextDelta,
 )
-from engine.placement.hardware import Hardware  # noqa: E402
+from clover_desk.engine.placement.hardware import Hardware  # noqa: E402
 
 log = logging.getLogger("screenshots")
 GIB = 1024**3
@@ -201,7 +201,7 @@ def main() -> int:
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     from clover_desk.app import AppSettings, CloverDeskApp
-    from ui.theme import apply_theme
+    from clover_desk.ui.theme import apply_theme
 
     apply_theme(app, "dark")
     home = Path(tempfile.mkdtemp(prefix="clover-shots-"))
@@ -300,7 +300,7 @@ def main() -> int:
     settle(200)
     shot(window, out / "engine-crash-and-load.png")
     # a 6 GiB card asked for a 128K context: the slider's floor is above the card, so the plan cannot fit
-    from ui.vram_panel import VramPanel
+    from clover_desk.ui.vram_panel import VramPanel
 
     small = VramPanel(desk._plan_function(), 6 * GIB, "NVIDIA GeForce RTX 2060", hardware.ram_total_bytes)
     small.resize(desk.vram_panel.size())

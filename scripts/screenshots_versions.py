@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from PySide6.QtWidgets import QApplication  # noqa: E402
 from screenshots import GIB, ROOT, ReplayClient, settle, shot  # noqa: E402  (sets the headless environment)
 
-from engine.placement.hardware import Hardware  # noqa: E402
+from clover_desk.engine.placement.hardware import Hardware  # noqa: E402
 
 log = logging.getLogger("screenshots")
 
@@ -54,7 +54,7 @@ def main() -> int:
     out = ROOT / "docs" / "screenshots"
     app = QApplication.instance() or QApplication(sys.argv[:1])
     from clover_desk.app import AppSettings, CloverDeskApp
-    from ui.theme import apply_theme
+    from clover_desk.ui.theme import apply_theme
 
     apply_theme(app, "dark")
     home = Path(tempfile.mkdtemp(prefix="clover-shots-"))

@@ -31,7 +31,7 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
 
     guard_pyside_bool_refcounts()
     try:
-        from ui.preview_sandbox import register_schemes
+        from clover_desk.ui.preview_sandbox import register_schemes
     except ImportError:
         return  # no QtWebEngine: the webengine-marked tests skip
     register_schemes()
@@ -41,11 +41,11 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest hook signature
 def cpu_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The portable dequantizing expert path (what a GPU runs) in place of the CPU kernels, for tests that pin its
     numbers, op counts, piece cuts or syncs. The CPU kernels read the codes in place and round activations to int8
-    blocks (tested in tests/engine/test_cpu_quant_own.py and by the KL bound in tests/test_quant_cache.py). Off for
+    blocks (tested in tests/engine/test_cpu_quant_own.py and by the KL bound in tests/engine/test_quant_cache.py). Off for
     this process and, through CLOVER_DESK_CPU_KERNELS=0, for whatever re-reads ``GpuPaths.from_env()`` (Engine.load's
     callers, the CLI commands and subprocesses a test runs). Use it with
     ``pytestmark = pytest.mark.usefixtures("cpu_kernels_off")``."""
-    from engine.kernels import cpu_quant
+    from clover_desk.engine.kernels import cpu_quant
 
     monkeypatch.setenv("CLOVER_DESK_CPU_KERNELS", "0")
     before = cpu_quant.set_enabled(False)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.decode.events import (
+from clover_desk.engine.decode.events import (
     BlockCommitted,
     BlockStep,
     Event,
@@ -28,7 +28,7 @@ from engine.decode.events import (
     PromptInfo,
     TextDelta,
 )
-from engine.errors import CancelledError, CheckpointError, PromptError
+from clover_desk.engine.errors import CancelledError, CheckpointError, PromptError
 
 BLOCK = 4
 PASS_S = 0.02

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.placement.planner import Plan
+from clover_desk.engine.placement.planner import Plan
 
 GIB = 1024**3
 
@@ -54,7 +54,7 @@ def fake_plan(vram_budget_bytes: int, ctx_tokens: int, layers: int = 40) -> Plan
 
 from PySide6.QtCore import QObject, QTimer, Signal  # noqa: E402
 
-from engine.decode.events import (  # noqa: E402
+from clover_desk.engine.decode.events import (  # noqa: E402
     BlockCommitted,
     BlockStep,
     Finished,
@@ -63,7 +63,7 @@ from engine.decode.events import (  # noqa: E402
     PromptInfo,
     TextDelta,
 )
-from engine.settings import GpuPaths  # noqa: E402
+from clover_desk.engine.settings import GpuPaths  # noqa: E402
 
 WORDS = (
     "Block diffusion fills thirty-two masked slots at once and commits every slot the model is sure of "

@@ -16,7 +16,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_clover_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random ``clover_moe`` folder (4 layers, hidden 64, 16 experts, 3+ shards, tokenizer, templates)."""
-    from engine.weights.tiny import make_tiny
+    from clover_desk.engine.weights.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_clover"), model_type="clover_moe", seed=0)
 
@@ -24,7 +24,7 @@ def tiny_clover_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random ``qwen3_5_moe`` folder (the non-diffusion base layout: nested text_config, no mask id)."""
-    from engine.weights.tiny import make_tiny
+    from clover_desk.engine.weights.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_qwen"), model_type="qwen3_5_moe", seed=1)
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from engine.model.clover import CloverModel
-from engine.model.config import CloverConfig, parse_config
-from engine.weights.checkpoint import model_from_state_dict, random_state_dict
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.model.config import CloverConfig, parse_config
+from clover_desk.engine.weights.checkpoint import model_from_state_dict, random_state_dict
 
 BLOCK = 8  # block size used by the block-mode tests (small so several blocks fit in a short sequence)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.decode.events import Finished
-from engine.decode.generate import DecodeSettings, LoopHooks, generate
-from engine.model.clover import CloverModel
-from engine.model.config import CloverConfig, parse_config
-from engine.placement import offload
-from engine.weights.checkpoint import random_state_dict
-from engine.weights.quant import make_policy, quantize_model_
-from engine.weights.tiny import config_dict_for, tiny_text_config
+from clover_desk.engine.decode.events import Finished
+from clover_desk.engine.decode.generate import DecodeSettings, LoopHooks, generate
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.model.config import CloverConfig, parse_config
+from clover_desk.engine.placement import offload
+from clover_desk.engine.weights.checkpoint import random_state_dict
+from clover_desk.engine.weights.quant import make_policy, quantize_model_
+from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
 MASK = 3
 SPECIAL = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": MASK, "</think>": 4}

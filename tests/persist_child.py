@@ -18,10 +18,10 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication
 
+from clover_desk.engine.decode.events import BlockCommitted, GenerationParams
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
 from clover_desk.worker.client import EngineClient
-from engine.decode.events import BlockCommitted, GenerationParams
 
 PROMPT = "Tell me a long story about a dragon."
 MAX_ATTEMPTS = 5

@@ -1,5 +1,5 @@
 """The plan's contract as the tests pin it: restated here, not imported from the planner, so that a change to it
-fails a test (shared by tests/test_planner.py, tests/test_cmd_plan.py and tests/test_one_plan.py)."""
+fails a test (shared by tests/engine/test_planner.py, tests/app/test_cmd_plan.py and tests/engine/test_one_plan.py)."""
 
 from __future__ import annotations
 

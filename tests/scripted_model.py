@@ -118,7 +118,7 @@ def scripted_state_dict(
     ``loops`` go back to their first token after their last. Names without the prefix."""
     import torch
 
-    from engine.weights.checkpoint import random_state_dict
+    from clover_desk.engine.weights.checkpoint import random_state_dict
 
     successor = _successors(chains, loops)
     if successor is None:
@@ -192,10 +192,17 @@ def build_scripted_model(
     tokenizer as plain tokens first (see :func:`add_plain_tokens`). The scripts named in ``loop`` ("thinking",
     "no_thinking") start over after their last token instead of ending: such a model writes forever (end them
     without ``<|im_end|>``)."""
-    from engine.decode.tokenizer import ENDOFTEXT, IM_END, MASK, THINK_END, CloverTokenizer, train_tiny_tokenizer
-    from engine.model.config import parse_config
-    from engine.weights.checkpoint import write_checkpoint
-    from engine.weights.tiny import config_dict_for, tiny_text_config, write_generation_config
+    from clover_desk.engine.decode.tokenizer import (
+        ENDOFTEXT,
+        IM_END,
+        MASK,
+        THINK_END,
+        CloverTokenizer,
+        train_tiny_tokenizer,
+    )
+    from clover_desk.engine.model.config import parse_config
+    from clover_desk.engine.weights.checkpoint import write_checkpoint
+    from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config, write_generation_config
 
     out = Path(out_dir)
     tokenizer = train_tiny_tokenizer(out, 1024)

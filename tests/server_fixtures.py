@@ -62,8 +62,8 @@ def endless_model(tmp_path_factory: pytest.TempPathFactory) -> ScriptedModel:
 @contextlib.contextmanager
 def running_server(model_dir: Path, **kwargs: Any) -> Iterator[Any]:
     """An OpenAIServer over the model in ``model_dir``, serving from a thread until the block ends."""
+    from clover_desk.engine.api import Engine
     from clover_desk.worker.server import OpenAIServer
-    from engine.api import Engine
 
     engine = kwargs.pop("engine", None) or Engine.load(model_dir)
     server = OpenAIServer(engine, host="127.0.0.1", port=0, **kwargs).start()

@@ -1,5 +1,5 @@
 """The real engine on a tiny checkpoint whose compile hangs in the warm-up the way inductor's does, for the test of
-Cancel during "Compile the layers" (tests/test_compile_cancel.py).
+Cancel during "Compile the layers" (tests/ui/test_compile_cancel.py).
 
 Selected by the worker's ``--engine-factory tests.slow_compile_engine:load``. ``Engine.load`` as is; a compiled load
 gets :func:`hanging_backend` as its ``torch.compile`` backend: the first pass of the warm-up calls it, and it starts a
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.api import Engine
+from clover_desk.engine.api import Engine
 
 COMPILE_S = 600.0  # far longer than any test waits: only ending the worker stops it
 HELPER_PID_ENV = "CLOVER_TEST_COMPILE_HELPER_PID_FILE"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.api import Engine
+from clover_desk.engine.api import Engine
 
 PASS_TOKENS = 32
 PASS_S = 0.02

@@ -15,15 +15,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# the one installed name: engine/ and ui/ are the subpackages clover_desk.engine and clover_desk.ui (pyproject.toml's
+# package-dir), so a module's name is clover_desk.<path> for every folder but clover_desk/ itself
+INSTALLED_AS = {"engine": "clover_desk.engine", "ui": "clover_desk.ui", "clover_desk": "clover_desk"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([INSTALLED_AS[parts[0]], *parts[1:]])
+
+
 def _modules_of(package: str) -> list[str]:
-    names = []
-    for path in sorted((ROOT / package).rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        names.append(".".join(parts))
-    return names
+    return [_module_name(path) for path in sorted((ROOT / package).rglob("*.py"))]
 
 
 def _loaded_after_import(modules: list[str]) -> set[str]:
@@ -39,7 +44,7 @@ def _loaded_after_import(modules: list[str]) -> set[str]:
 
 def test_ui_never_imports_torch() -> None:
     modules = _modules_of("ui")
-    assert "ui" in modules
+    assert "clover_desk.ui" in modules
     loaded = _loaded_after_import(modules)
     assert "PySide6" in loaded or len(modules) == 1  # the check ran against real Qt code once ui has widgets
     assert not any(m == "torch" or m.startswith("torch.") for m in loaded), "ui/ pulled in torch"
@@ -48,26 +53,27 @@ def test_ui_never_imports_torch() -> None:
 def test_engine_never_imports_qt() -> None:
     modules = _modules_of("engine")
     loaded = _loaded_after_import(modules)
-    assert "engine.model.config" in loaded
+    assert "clover_desk.engine.model.config" in loaded
     assert not any(m == "PySide6" or m.startswith("PySide6.") for m in loaded), "engine/ pulled in PySide6"
 
 
 def test_plain_data_modules_are_torch_free() -> None:
     """The UI sees the engine only through these modules, so they must not pull torch in either."""
     # the planner and the low-level tables it shares with the torch side (one header parser, dtype table, policy)
-    plain = ["engine.decode.events", "engine.errors", "engine.model.config", "engine.defaults", "engine.weights.formats", "engine.placement.manifest",
-             "engine.placement.speed", "engine.placement.planner", "engine.settings"]
+    plain = ["clover_desk.engine.decode.events", "clover_desk.engine.errors", "clover_desk.engine.model.config", "clover_desk.engine.defaults", "clover_desk.engine.weights.formats", "clover_desk.engine.placement.manifest",
+             "clover_desk.engine.placement.speed", "clover_desk.engine.placement.planner", "clover_desk.engine.settings"]
     loaded = _loaded_after_import(plain)
     assert not any(m == "torch" or m.startswith("torch.") for m in loaded)
 
 
 def test_ui_never_imports_clover_desk() -> None:
-    """ui/ is handed its services (engine client, chat store, downloader) by clover_desk.app; it never reaches up."""
+    """ui/ is handed its services (engine client, chat store, downloader) by clover_desk.app; it never reaches up
+    into the application side of clover_desk (the cli, worker, storage...)."""
     loaded = _loaded_after_import(_modules_of("ui"))
-    assert "ui.main_window" in loaded
-    assert not any(m == "clover_desk" or m.startswith("clover_desk.") for m in loaded), sorted(
-        m for m in loaded if m.startswith("clover_desk")
-    )
+    assert "clover_desk.ui.main_window" in loaded
+    # clover_desk itself is only the package both live in (its __init__ holds a version string)
+    app = sorted(m for m in loaded if m.startswith("clover_desk.") and m.split(".")[1] not in ("ui", "engine"))
+    assert app == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,7 +84,7 @@ PACKAGES = ("engine", "clover_desk", "ui")
 # Triton programs: imported where a kernel is launched, since ``triton`` is an optional dependency (the test extra and
 # CUDA installs have it, a plain CPU install does not)
 OPTIONAL_BACKENDS = frozenset(
-    {"engine.kernels.triton_copy_kernels", "engine.kernels.triton_linear_kernels", "engine.kernels.triton_moe_kernels"}
+    {"clover_desk.engine.kernels.triton_copy_kernels", "clover_desk.engine.kernels.triton_linear_kernels", "clover_desk.engine.kernels.triton_moe_kernels"}
 )
 # command modules import their engine side when their command runs, so `clover-desk plan` never pays for torch and
 # `--help` stays fast (the lazy registry in clover_desk.cli.main)
@@ -89,10 +95,7 @@ def _project_modules() -> dict[str, Path]:
     modules = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            modules[".".join(parts)] = path
+            modules[_module_name(path)] = path
     return modules
 
 
@@ -113,9 +116,9 @@ def _imports(modules: dict[str, Path]) -> list[tuple[str, str, int, bool]]:
             for child in ast.iter_child_nodes(node):
                 targets: list[str | None] = []
                 if isinstance(child, ast.Import):
-                    targets = [resolve(a.name) for a in child.names if a.name.split(".")[0] in PACKAGES]
+                    targets = [resolve(a.name) for a in child.names if a.name.split(".")[0] == "clover_desk"]
                 elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                    if child.module.split(".")[0] in PACKAGES:
+                    if child.module.split(".")[0] == "clover_desk":
                         targets = [resolve(child.module, a.name) for a in child.names]
                 found.extend((module, t, child.lineno, in_function) for t in targets if t and t != module)
                 visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
@@ -178,7 +181,7 @@ def test_no_import_cycles() -> None:
     for importer, imported, _line, _local in _imports(modules):
         if imported not in OPTIONAL_BACKENDS:
             edges[importer].add(imported)
-    assert "engine.placement.offload" in edges["engine.decode.generate"]  # the graph is the real one
+    assert "clover_desk.engine.placement.offload" in edges["clover_desk.engine.decode.generate"]  # the graph is the real one
     assert _cycles(edges) == []
 
 
@@ -194,7 +197,8 @@ def test_project_imports_sit_at_the_top_of_their_module() -> None:
 
 
 def test_each_module_is_loaded_under_one_name() -> None:
-    """Every module imported in one interpreter: no file of the project is loaded twice under two names."""
+    """Every module imported in one interpreter: no file of the project is loaded twice under two names, and none
+    under the old top-level names ``engine`` / ``ui`` (the installed name is ``clover_desk`` alone)."""
     modules = sorted(_project_modules())
     code = (
         "import importlib, json, sys\n"
@@ -204,13 +208,17 @@ def test_each_module_is_loaded_under_one_name() -> None:
         "for name, mod in list(sys.modules.items()):\n"
         "    f = getattr(mod, '__file__', None)\n"
         "    if f and f.startswith(tuple(sys.argv[1:])): files.setdefault(f, []).append(name)\n"
-        "print(json.dumps({f: n for f, n in files.items() if len(n) > 1}))\n"
+        "twice = {f: n for f, n in files.items() if len(n) > 1}\n"
+        "old = sorted(n for n in sys.modules if n.split('.')[0] in ('engine', 'ui'))\n"
+        "print(json.dumps([twice, old]))\n"
     )
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
     homes = [str(ROOT / package) + os.sep for package in PACKAGES]  # the project's files (not a venv inside ROOT)
     out = subprocess.run([sys.executable, "-c", code, *homes], cwd=ROOT, env=env, capture_output=True, text=True,
                          check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
+    twice, old_names = json.loads(out.stdout.strip().splitlines()[-1])
+    assert twice == {}
+    assert old_names == []  # the top-level names engine and ui are never used (issue 29: one installed name)
 
 
 def test_ruff_is_clean() -> None:

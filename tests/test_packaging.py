@@ -104,7 +104,7 @@ def test_make_run_installs_only_the_app_and_make_test_the_test_extra() -> None:
 
 @pytest.mark.slow
 def test_the_wheel_builds_quietly_with_all_its_data(tmp_path: Path) -> None:
-    """``pip install -e .`` once flooded setuptools warnings ("Package 'clover_desk_assets.icons' is absent from the
+    """``pip install -e .`` once flooded setuptools warnings ("Package 'clover_desk.assets.icons' is absent from the
     `packages` configuration"): every data folder is a listed package, and its files are in the wheel."""
     import zipfile
 
@@ -118,5 +118,8 @@ def test_the_wheel_builds_quietly_with_all_its_data(tmp_path: Path) -> None:
     assert "absent from" not in output and "_Warning" not in output, output[-3000:]
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"clover_desk_assets/style.qss", "clover_desk_assets/icons/clover-desk.svg",
-            "engine/data/chat_template.jinja"} <= names
+    assert {"clover_desk/assets/style.qss", "clover_desk/assets/icons/clover-desk.svg",
+            "clover_desk/engine/data/chat_template.jinja", "clover_desk/engine/kernels/csrc/quant_cpu.c",
+            "clover_desk/ui/main_window.py", "clover_desk/engine/api.py"} <= names
+    # one installed import name (issue 29): everything but the metadata lies under clover_desk/
+    assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == {"clover_desk"}

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.config import parse_config
-from engine.placement import offload
-from engine.weights import quant_cache
-from engine.weights.checkpoint import random_state_dict, write_checkpoint
-from engine.weights.quant import make_policy
-from engine.weights.quant_cache import DATA_NAME, MANIFEST_NAME, build_cache, load_from_cache
-from engine.weights.tiny import config_dict_for, tiny_text_config
+from clover_desk.engine.model.config import parse_config
+from clover_desk.engine.placement import offload
+from clover_desk.engine.weights import quant_cache
+from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint
+from clover_desk.engine.weights.quant import make_policy
+from clover_desk.engine.weights.quant_cache import DATA_NAME, MANIFEST_NAME, build_cache, load_from_cache
+from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.helpers_model import one_thread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def pinning_refused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 def test_expert_rows_fall_back_to_pageable_memory_when_pinning_fails(
     pinning_refused: list[tuple[int, ...]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.placement.offload"):
+    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.offload"):
         rows, pinned = offload.alloc_host_rows((4, 32), True, offload.PinBudget(None), layer=3)
     assert pinning_refused == [(4, 32)]  # it was asked for, and refused
     assert not pinned and tuple(rows.shape) == (4, 32) and not rows.is_pinned()
@@ -148,7 +148,7 @@ def test_expert_rows_fall_back_to_pageable_memory_when_pinning_fails(
 def test_staging_ring_falls_back_to_pageable_buffers_when_pinning_fails(
     pinning_refused: list[tuple[int, ...]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.placement.offload"):
+    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.offload"):
         ring = offload.StagingRing(64, 3, torch.device("cpu"), pin=True)
     assert pinning_refused and not ring.pinned and len(ring.buffers) == 3
     assert any("staging" in r.getMessage() for r in caplog.records)

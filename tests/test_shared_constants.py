@@ -9,13 +9,13 @@ import dataclasses
 from pathlib import Path
 
 from clover_desk.bench import moe_only, random_model
-from engine import defaults
-from engine.decode.generate import DecodeSettings
-from engine.model.config import CloverConfig, parse_config
-from engine.placement import planner
-from engine.placement.manifest import CONFIG_FIELDS, DERIVED_FIELDS, SHAPES, ModelGeometry
-from engine.weights.tiny import MAX_LAYERS, clover_35b_a3b_text_config, config_dict_for, tiny_text_config
-from ui.generation import GenerationSettings
+from clover_desk.engine import defaults
+from clover_desk.engine.decode.generate import DecodeSettings
+from clover_desk.engine.model.config import CloverConfig, parse_config
+from clover_desk.engine.placement import planner
+from clover_desk.engine.placement.manifest import CONFIG_FIELDS, DERIVED_FIELDS, SHAPES, ModelGeometry
+from clover_desk.engine.weights.tiny import MAX_LAYERS, clover_35b_a3b_text_config, config_dict_for, tiny_text_config
+from clover_desk.ui.generation import GenerationSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "clover_desk", "ui")

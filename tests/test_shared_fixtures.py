@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from engine.kernels import cpu_quant
-from engine.settings import GpuPaths
+from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.settings import GpuPaths
 
 
 @pytest.mark.usefixtures("cpu_kernels_off")

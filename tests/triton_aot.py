@@ -50,13 +50,13 @@ def launches() -> Iterator[Launch]:
     (per pair) and a 32-slot pass (grouped; bf16, and fp32 with IEEE products), the GGUF expert types of the
     official files (Q4_0; Q4_K_M: Q4_K gate/up, Q6_K down; Q8_0) and Q5_K, the int8 LM head at 1 and 32 rows,
     and the GGUF dequantize kernel."""
-    import engine.kernels.triton_copy_kernels as copy_kernels
-    import engine.kernels.triton_linear_kernels as linear_kernels
-    import engine.kernels.triton_moe_kernels as moe_kernels
-    from engine.kernels import triton_copy, triton_linear, triton_moe
-    from engine.weights.gguf import quants as gq
-    from engine.weights.gguf.model import GGUFExpertLayout
-    from engine.weights.quant import ExpertLayout
+    import clover_desk.engine.kernels.triton_copy_kernels as copy_kernels
+    import clover_desk.engine.kernels.triton_linear_kernels as linear_kernels
+    import clover_desk.engine.kernels.triton_moe_kernels as moe_kernels
+    from clover_desk.engine.kernels import triton_copy, triton_linear, triton_moe
+    from clover_desk.engine.weights.gguf import quants as gq
+    from clover_desk.engine.weights.gguf.model import GGUFExpertLayout
+    from clover_desk.engine.weights.quant import ExpertLayout
 
     recorded: list[Launch] = []
     label = [""]

@@ -14,12 +14,12 @@ from typing import Any, Protocol, cast
 
 from PySide6.QtWidgets import QWidget
 
-from engine.decode.events import BlockCommitted, BlockStep, Finished, PrefillProgress, PromptInfo, TextDelta
-from ui.context_window import Messages
-from ui.contracts import ChatWindowParts, HtmlPreview
-from ui.generation import GenerationSettings
-from ui.messages import MessageData, PreviewRequest, preview_document_id
-from ui.remote_chat import DENOISING_UNAVAILABLE
+from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, PrefillProgress, PromptInfo, TextDelta
+from clover_desk.ui.context_window import Messages
+from clover_desk.ui.contracts import ChatWindowParts, HtmlPreview
+from clover_desk.ui.generation import GenerationSettings
+from clover_desk.ui.messages import MessageData, PreviewRequest, preview_document_id
+from clover_desk.ui.remote_chat import DENOISING_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from PySide6.QtCore import QTimer, Signal
 from PySide6.QtGui import QHideEvent
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from engine.decode.events import LoadProgress
-from ui.theme import set_style_class
-from ui.widgets import ElidedLabel, accessible
+from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import ElidedLabel, accessible
 
 GIB = 1024**3
 

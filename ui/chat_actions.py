@@ -16,8 +16,8 @@ from typing import Any, Protocol
 from PySide6.QtCore import QObject, QTimer
 from PySide6.QtWidgets import QStatusBar
 
-from ui.contracts import EngineState
-from ui.messages import MessageData
+from clover_desk.ui.contracts import EngineState
+from clover_desk.ui.messages import MessageData
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ui.generation import GenerationSettings
+from clover_desk.ui.generation import GenerationSettings
 
 log = logging.getLogger(__name__)
 

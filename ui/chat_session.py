@@ -20,11 +20,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from engine.decode.events import EngineError, Finished, TextDelta, continued_stats
-from ui.context_window import Messages
-from ui.contracts import ChatStoreLike, EngineClientLike, Recorder, RecorderFactory
-from ui.generation import GenerationSettings, finished_stats
-from ui.messages import MessageData, StreamingReply, continuable, is_remote_finished
+from clover_desk.engine.decode.events import EngineError, Finished, TextDelta, continued_stats
+from clover_desk.ui.context_window import Messages
+from clover_desk.ui.contracts import ChatStoreLike, EngineClientLike, Recorder, RecorderFactory
+from clover_desk.ui.generation import GenerationSettings, finished_stats
+from clover_desk.ui.messages import MessageData, StreamingReply, continuable, is_remote_finished
 
 log = logging.getLogger(__name__)
 

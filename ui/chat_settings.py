@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ui.context_window import context_limit
-from ui.contracts import ChatStoreLike
-from ui.generation import GenerationSettings, defaults_from_model
+from clover_desk.ui.context_window import context_limit
+from clover_desk.ui.contracts import ChatStoreLike
+from clover_desk.ui.generation import GenerationSettings, defaults_from_model
 
 log = logging.getLogger(__name__)
 

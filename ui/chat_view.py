@@ -29,9 +29,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.html_extract import extract_html
-from ui.markdown import CodeBlock, RenderedMarkdown, render
-from ui.messages import (  # the plain data (re-exported: callers import it from here too)
+from clover_desk.ui.html_extract import extract_html
+from clover_desk.ui.markdown import CodeBlock, RenderedMarkdown, render
+from clover_desk.ui.messages import (  # the plain data (re-exported: callers import it from here too)
     CONTINUABLE_REASONS,  # noqa: F401
     HtmlExtractor,
     HtmlWatch,
@@ -43,10 +43,10 @@ from ui.messages import (  # the plain data (re-exported: callers import it from
     preview_document_id,  # noqa: F401
     thinking_only_note,
 )
-from ui.remote_chat import remote_stats_line
-from ui.theme import set_style_class
-from ui.throttle import Throttle
-from ui.widgets import ElidedLabel, accessible
+from clover_desk.ui.remote_chat import remote_stats_line
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.throttle import Throttle
+from clover_desk.ui.widgets import ElidedLabel, accessible
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.attachments import LANGUAGES, AttachmentError, read_attachment
-from ui.chat_view import MessageData
-from ui.theme import set_style_class
-from ui.widgets import accessible
+from clover_desk.ui.attachments import LANGUAGES, AttachmentError, read_attachment
+from clover_desk.ui.chat_view import MessageData
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import accessible
 
 ATTACH_FILTERS = ("Text files (" + " ".join(f"*{ext}" for ext in sorted({".txt", ".log", *LANGUAGES})) + ")",
                   "All files (*)")

@@ -7,8 +7,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QCommandLinkButton, QDialog, QLabel, QVBoxLayout, QWidget
 
-from ui.theme import set_style_class
-from ui.widgets import accessible
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import accessible
 
 WARN_SHARE = 0.8  # the meter turns amber past this share of the room left for the prompt
 

@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
-from engine.decode.events import GenerationParams
+from clover_desk.engine.decode.events import GenerationParams
 
 
 class EngineState(Enum):

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QFileDialog, QMessageBox, QStatusBar, QWidget
 
-from ui.contracts import ChatStoreLike, ChatWindowParts
-from ui.generation import export_file_name
-from ui.messages import MessageData
-from ui.widgets import documents_dir
+from clover_desk.ui.contracts import ChatStoreLike, ChatWindowParts
+from clover_desk.ui.generation import export_file_name
+from clover_desk.ui.messages import MessageData
+from clover_desk.ui.widgets import documents_dir
 
 log = logging.getLogger(__name__)
 

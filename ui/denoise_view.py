@@ -20,10 +20,10 @@ from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPaintEvent, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QSlider, QVBoxLayout, QWidget
 
-from engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
-from ui.theme import color, confidence_color, mono_font, set_style_class
-from ui.throttle import Throttle
-from ui.widgets import accessible
+from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
+from clover_desk.ui.theme import color, confidence_color, mono_font, set_style_class
+from clover_desk.ui.throttle import Throttle
+from clover_desk.ui.widgets import accessible
 
 AR_PIECES_KEPT = 400  # autoregressive mode: the latest text pieces shown in the token stream
 

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QVBoxLayout
 
-from ui.chat_presets import ChatPresets
-from ui.generation import GenerationSettings
-from ui.theme import set_style_class
-from ui.widgets import accessible, named
+from clover_desk.ui.chat_presets import ChatPresets
+from clover_desk.ui.generation import GenerationSettings
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import accessible, named
 
 
 class PresetsDrawerLike(Protocol):

@@ -18,10 +18,10 @@ from typing import Any, Protocol
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QStatusBar, QWidget
 
-from engine.decode.events import LoadProgress
-from ui.contracts import EngineState, MemoryMonitor
-from ui.throttle import Throttle
-from ui.widgets import ElidedLabel, accessible
+from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.ui.contracts import EngineState, MemoryMonitor
+from clover_desk.ui.throttle import Throttle
+from clover_desk.ui.widgets import ElidedLabel, accessible
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from engine.decode.events import Finished, GenerationParams
-from engine.decode.limits import GENERATION_LIMITS
-from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
+from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.engine.decode.limits import GENERATION_LIMITS
+from clover_desk.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from pygments.token import (
 )
 from pygments.util import ClassNotFound
 
-from ui.theme import COLORS
+from clover_desk.ui.theme import COLORS
 
 log = logging.getLogger(__name__)
 

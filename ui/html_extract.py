@@ -1,6 +1,6 @@
 """Finding the HTML page in a model answer: one rule for the chat's Preview button and the preview pane.
 
-Pure functions (no Qt), tested in tests/test_html_extract.py. The rule: a fenced ```html block, the **longest** when
+Pure functions (no Qt), tested in tests/ui/test_html_extract.py. The rule: a fenced ```html block, the **longest** when
 there are several (that is the page; the shorter ones are snippets an answer quotes before or after it), an
 unfinished fence counting as what has arrived so far; otherwise a bare ``<!DOCTYPE html>`` / ``<html>`` page that
 starts a line.

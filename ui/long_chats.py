@@ -27,9 +27,9 @@ from typing import Any, Protocol
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QStatusBar
 
-from engine.decode.events import EngineError, Finished, TextDelta
-from ui.context_meter import CANCEL, DROP, SUMMARY, ContextFullDialog, ContextMeter
-from ui.context_window import (
+from clover_desk.engine.decode.events import EngineError, Finished, TextDelta
+from clover_desk.ui.context_meter import CANCEL, DROP, SUMMARY, ContextFullDialog, ContextMeter
+from clover_desk.ui.context_window import (
     DROP_OLDEST,
     OVERFLOW_KEY,
     SUMMARY_TOKENS,
@@ -43,8 +43,8 @@ from ui.context_window import (
     shift_slack,
     summary_request,
 )
-from ui.contracts import ChatStoreLike, EngineClientLike, TokenCounterLike
-from ui.throttle import Throttle
+from clover_desk.ui.contracts import ChatStoreLike, EngineClientLike, TokenCounterLike
+from clover_desk.ui.throttle import Throttle
 
 log = logging.getLogger(__name__)
 

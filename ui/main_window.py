@@ -47,19 +47,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.answer_display import AnswerDisplay
-from ui.banners import Banner, LoadBanner
-from ui.chat_actions import ChatActions
-from ui.chat_presets import ChatPresets
-from ui.chat_session import ChatSession
-from ui.chat_settings import ChatSettings
-from ui.chat_view import (
+from clover_desk.ui.answer_display import AnswerDisplay
+from clover_desk.ui.banners import Banner, LoadBanner
+from clover_desk.ui.chat_actions import ChatActions
+from clover_desk.ui.chat_presets import ChatPresets
+from clover_desk.ui.chat_session import ChatSession
+from clover_desk.ui.chat_settings import ChatSettings
+from clover_desk.ui.chat_view import (
     ChatView,
     HtmlExtractor,
     MessageData,
 )
-from ui.composer import Composer
-from ui.contracts import (
+from clover_desk.ui.composer import Composer
+from clover_desk.ui.contracts import (
     ChatStoreLike,
     EngineClientLike,
     EngineState,
@@ -69,20 +69,20 @@ from ui.contracts import (
     ServerControl,
     TokenCounterLike,
 )
-from ui.conversations import Conversations
-from ui.denoise_view import DenoiseView
-from ui.engine_status import EngineStatus
-from ui.generation import GenerationSettings
-from ui.long_chats import LongChats
-from ui.prompt_progress import PromptProgress
-from ui.remote_chat import RemoteBackendControl
-from ui.serve_panel import ServeController, ServeDialog
-from ui.settings_drawer import SettingsDrawer
-from ui.sidebar import ConversationSidebar
-from ui.theme import set_style_class
-from ui.widgets import ElidedLabel, accessible, install_wheel_guard, named
-from ui.window_menus import APP_NAME, WindowMenus
-from ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
+from clover_desk.ui.conversations import Conversations
+from clover_desk.ui.denoise_view import DenoiseView
+from clover_desk.ui.engine_status import EngineStatus
+from clover_desk.ui.generation import GenerationSettings
+from clover_desk.ui.long_chats import LongChats
+from clover_desk.ui.prompt_progress import PromptProgress
+from clover_desk.ui.remote_chat import RemoteBackendControl
+from clover_desk.ui.serve_panel import ServeController, ServeDialog
+from clover_desk.ui.settings_drawer import SettingsDrawer
+from clover_desk.ui.sidebar import ConversationSidebar
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import ElidedLabel, accessible, install_wheel_guard, named
+from clover_desk.ui.window_menus import APP_NAME, WindowMenus
+from clover_desk.ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ui.highlight import highlight
-from ui.latex import to_html as math_html
-from ui.theme import COLORS
+from clover_desk.ui.highlight import highlight
+from clover_desk.ui.latex import to_html as math_html
+from clover_desk.ui.theme import COLORS
 
 MONO = "'JetBrains Mono','Cascadia Code','DejaVu Sans Mono','Menlo','Consolas',monospace"
 

@@ -39,14 +39,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.errors import CloverError
-from engine.weights.formats import checkpoint_files, read_safetensors_header
-from engine.weights.gguf.file import split_parts
-from engine.weights.gguf.header import read_header
-from ui.model_paths import library_paths
-from ui.theme import set_style_class
-from ui.thread_bridge import ThreadBridge
-from ui.widgets import ElidedLabel, accessible, named
+from clover_desk.engine.errors import CloverError
+from clover_desk.engine.weights.formats import checkpoint_files, read_safetensors_header
+from clover_desk.engine.weights.gguf.file import split_parts
+from clover_desk.engine.weights.gguf.header import read_header
+from clover_desk.ui.model_paths import library_paths
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.thread_bridge import ThreadBridge
+from clover_desk.ui.widgets import ElidedLabel, accessible, named
 
 log = logging.getLogger(__name__)
 

@@ -50,10 +50,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.errors import CancelledError, CloverError
-from engine.model.config import SUPPORTED_MODEL_TYPES, load_config
-from engine.weights.gguf.file import split_parts  # file names only (no numpy, no gguf package)
-from ui.thread_bridge import ThreadBridge
+from clover_desk.engine.errors import CancelledError, CloverError
+from clover_desk.engine.model.config import SUPPORTED_MODEL_TYPES, load_config
+from clover_desk.engine.weights.gguf.file import split_parts  # file names only (no numpy, no gguf package)
+from clover_desk.ui.thread_bridge import ThreadBridge
 
 log = logging.getLogger(__name__)
 

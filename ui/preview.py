@@ -42,8 +42,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.preview_page import PreviewPage
-from ui.preview_sandbox import (
+from clover_desk.ui.preview_page import PreviewPage
+from clover_desk.ui.preview_sandbox import (
     HANG_TIMEOUT_MS,
     INDEX_PATH,
     MAX_ESCAPE_RESTORES,
@@ -52,12 +52,12 @@ from ui.preview_sandbox import (
     make_preview_profile,
     new_document_host,
 )
-from ui.preview_strip import (
+from clover_desk.ui.preview_strip import (
     PreviewStrip,
     clip_line,
 )
-from ui.throttle import Throttle
-from ui.widgets import documents_dir, tool_button
+from clover_desk.ui.throttle import Throttle
+from clover_desk.ui.widgets import documents_dir, tool_button
 
 
 def atomic_write_text(path: Path, text: str) -> None:

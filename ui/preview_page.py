@@ -17,8 +17,8 @@ from PySide6.QtWebEngineCore import (
     QWebEngineProfile,
 )
 
-from ui.preview_sandbox import GUARD_REPORT_ORIGIN, SCHEME
-from ui.preview_strip import clip_line
+from clover_desk.ui.preview_sandbox import GUARD_REPORT_ORIGIN, SCHEME
+from clover_desk.ui.preview_strip import clip_line
 
 # The text QtWebEngine passes to javaScriptConfirm() for a beforeunload dialog (qwebenginepage.cpp).
 _LEAVE_PAGE_TEXT = "Are you sure you want to leave this page? Changes that you made may not be saved."

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
-from ui.preview_sandbox import FLOOD_MESSAGES_PER_S, FLOOD_WINDOW_S, FLOOD_WINDOWS
-from ui.throttle import Throttle
-from ui.widgets import tool_button
+from clover_desk.ui.preview_sandbox import FLOOD_MESSAGES_PER_S, FLOOD_WINDOW_S, FLOOD_WINDOWS
+from clover_desk.ui.throttle import Throttle
+from clover_desk.ui.widgets import tool_button
 
 STRIP_REPAINT_MS = 200  # the strip is redrawn at most this often, however fast entries arrive
 MAX_LINE_CHARS = 500  # longer strip lines are cut (a page can log megabytes in one message)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from engine.decode.events import PrefillProgress
-from ui.theme import set_style_class
-from ui.widgets import accessible
+from clover_desk.engine.decode.events import PrefillProgress
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import accessible
 
 SHOW_AFTER_MS = 400
 

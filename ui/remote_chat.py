@@ -39,13 +39,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.decode.events import EngineError, GenerationParams
-from engine.errors import CloverError
-from ui.contracts import RemoteFactory
-from ui.messages import is_remote_finished  # noqa: F401 (re-exported; it moved there)
-from ui.theme import set_style_class
-from ui.thread_bridge import ThreadBridge
-from ui.widgets import named
+from clover_desk.engine.decode.events import EngineError, GenerationParams
+from clover_desk.engine.errors import CloverError
+from clover_desk.ui.contracts import RemoteFactory
+from clover_desk.ui.messages import is_remote_finished  # noqa: F401 (re-exported; it moved there)
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.thread_bridge import ThreadBridge
+from clover_desk.ui.widgets import named
 
 log = logging.getLogger(__name__)
 

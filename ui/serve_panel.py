@@ -28,9 +28,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.contracts import ServerControl
-from ui.theme import set_style_class
-from ui.widgets import accessible, named
+from clover_desk.ui.contracts import ServerControl
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import accessible, named
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

@@ -23,12 +23,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.decode.limits import GENERATION_LIMITS, INT32_MAX, Limit
-from ui.chat_presets import ChatPresets
-from ui.drawer_presets import DrawerPresets
-from ui.generation import MAX_TOKENS_LIMIT, GenerationSettings
-from ui.theme import set_style_class
-from ui.widgets import accessible, named
+from clover_desk.engine.decode.limits import GENERATION_LIMITS, INT32_MAX, Limit
+from clover_desk.ui.chat_presets import ChatPresets
+from clover_desk.ui.drawer_presets import DrawerPresets
+from clover_desk.ui.generation import MAX_TOKENS_LIMIT, GenerationSettings
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import accessible, named
 
 BLOCK_SIZES = (8, 16, 32, 64)
 MAX_CONTEXT = 16_777_216  # config.json's largest max_position_embeddings (engine.model.config)

@@ -19,8 +19,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.theme import set_style_class
-from ui.widgets import accessible, named
+from clover_desk.ui.theme import set_style_class
+from clover_desk.ui.widgets import accessible, named
 
 
 class ChatList(QListWidget):

@@ -11,7 +11,6 @@ accessibility tools): ``set_style_class(button, "ghost")`` and ``[class~="ghost"
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
@@ -25,14 +24,9 @@ SCHEMES = ("system", "light", "dark")
 
 
 def _assets_dir() -> Path:
-    """The repository's assets/ folder, or the installed ``clover_desk_assets`` data package (a wheel install)."""
-    source = Path(__file__).resolve().parent.parent / "assets"
-    if source.is_dir():
-        return source
-    spec = importlib.util.find_spec("clover_desk_assets")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    return source  # missing: callers log and fall back to Qt's defaults
+    """The assets folder beside the ui package: the repository's assets/ (an editable install) or the installed
+    ``clover_desk.assets`` data package (a wheel, the bundle), which sit in the same place relative to ui."""
+    return Path(__file__).resolve().parent.parent / "assets"
 
 
 ASSETS = _assets_dir()

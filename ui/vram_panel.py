@@ -34,9 +34,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_BYTES, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
-from engine.placement import planner
-from ui.theme import COLORS, color, set_style_class
+from clover_desk.engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_BYTES, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
+from clover_desk.engine.placement import planner
+from clover_desk.ui.theme import COLORS, color, set_style_class
 
 log = logging.getLogger(__name__)
 

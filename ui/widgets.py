@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.theme import set_style_class
+from clover_desk.ui.theme import set_style_class
 
 W = TypeVar("W", bound=QWidget)
 

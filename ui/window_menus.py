@@ -16,8 +16,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QMenu, QMenuBar, QMessageBox, QWidget
 
-from ui.gpu_check import GpuCheckDialog
-from ui.theme import SCHEMES
+from clover_desk.ui.gpu_check import GpuCheckDialog
+from clover_desk.ui.theme import SCHEMES
 
 log = logging.getLogger(__name__)
 

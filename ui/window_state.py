@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from PySide6.QtCore import QSettings, QSize
 from PySide6.QtWidgets import QApplication
 
-from ui.theme import SCHEMES, apply_theme, current_preference
+from clover_desk.ui.theme import SCHEMES, apply_theme, current_preference
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ def _compare_llama_cpp(args: argparse.Namespace, device: str, dtype: Any, prompt
     with --compile), in this process, one after the other."""
     import torch
 
-    from engine.errors import ConfigError
+    from clover_desk.engine.errors import ConfigError
 
     try:
         import llama_cpp
@@ -37,10 +37,10 @@ def _compare_llama_cpp(args: argparse.Namespace, device: str, dtype: Any, prompt
         ) from None
     if device != "cpu" or dtype != torch.float32:
         raise ConfigError("--compare-llama-cpp compares float32 on the CPU (the GGUF is written as F32)")
-    from engine.decode.generate import generate_ar
-    from engine.weights.checkpoint import write_checkpoint
-    from engine.weights.gguf.writer import write_gguf
-    from engine.weights.tiny import train_tiny_tokenizer
+    from clover_desk.engine.decode.generate import generate_ar
+    from clover_desk.engine.weights.checkpoint import write_checkpoint
+    from clover_desk.engine.weights.gguf.writer import write_gguf
+    from clover_desk.engine.weights.tiny import train_tiny_tokenizer
 
     data, config = _config(args.shape, "qwen3_5_moe", args.layers)
     model = _build_random_model(config, dtype, device, args.seed)
@@ -83,7 +83,7 @@ def _compare_llama_cpp(args: argparse.Namespace, device: str, dtype: Any, prompt
 
         rows = [("engine, eager", *best_engine_run())]
         if args.compile:
-            from engine.kernels.fastpath import compile_layers
+            from clover_desk.engine.kernels.fastpath import compile_layers
 
             compile_layers(model)
             rows.append(("engine, compiled layers", *best_engine_run()))
@@ -106,7 +106,7 @@ def _compare_llama_cpp(args: argparse.Namespace, device: str, dtype: Any, prompt
 def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, prompt: list[int]) -> None:
     import torch
 
-    from engine.errors import ConfigError
+    from clover_desk.engine.errors import ConfigError
 
     if device != "cuda":
         # transformers takes fla's GDN kernels whenever fla imports, and they need a GPU: keep it on its own path
@@ -117,8 +117,8 @@ def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, pro
         raise ConfigError(
             "--compare-transformers needs the test dependency transformers (pip install -e '.[test]')"
         ) from None
-    from engine.decode.generate import generate_ar
-    from engine.weights.checkpoint import load_model
+    from clover_desk.engine.decode.generate import generate_ar
+    from clover_desk.engine.weights.checkpoint import load_model
 
     data, _ = _config(args.shape, "qwen3_5_moe", args.layers)
     text = {k: v for k, v in data["text_config"].items() if k not in ("model_type", "eos_token_id", "dtype")}
@@ -176,7 +176,7 @@ def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, pro
         done = best_of_runs()
         compiled = None
         if args.compile:  # the same checkpoint with its layers compiled, next to transformers in this one run
-            from engine.kernels.fastpath import compile_layers
+            from clover_desk.engine.kernels.fastpath import compile_layers
 
             compile_layers(ours)
             compiled = best_of_runs()

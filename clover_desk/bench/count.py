@@ -106,7 +106,7 @@ def _count_device_tables(model: Any, config: Any) -> None:
     CUDA path's two programs)."""
     import torch
 
-    from engine.placement import offload
+    from clover_desk.engine.placement import offload
 
     rt = offload.runtime_of(model)
     if rt is None or rt.tables is None:
@@ -130,7 +130,7 @@ def _count_device_tables(model: Any, config: Any) -> None:
         reads += guess["reads"]
     print(f"{line}: {total} launches, {reads} host reads, recorded in the step's one graph")
     # a diffusion block's pass: the layer's whole set (a 32-slot pass routes to up to E experts), its pins
-    from engine.model.experts import present
+    from clover_desk.engine.model.experts import present
 
     B = config.block_size
     block_idx = torch.randint(0, config.num_experts, (B, k), device=model.device)
@@ -153,10 +153,10 @@ def _count_device_tables(model: Any, config: Any) -> None:
 
 def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dict[str, Any]]:
     """(context, workspace parts, details) the planner counts for ``model`` at the default context."""
-    from engine.defaults import DEFAULT_CTX_TOKENS
-    from engine.placement import planner
-    from engine.placement.offload import manifest_from_model
-    from engine.weights.formats import format_of_torch_dtype
+    from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
+    from clover_desk.engine.placement import planner
+    from clover_desk.engine.placement.offload import manifest_from_model
+    from clover_desk.engine.weights.formats import format_of_torch_dtype
 
     ctx = min(DEFAULT_CTX_TOKENS, model.config.max_position_embeddings or DEFAULT_CTX_TOKENS) // block * block
     # in the dtype the forwards it is compared with ran in
@@ -185,7 +185,7 @@ def _count_graph_cuts(model: Any, config: Any, full: Any, cache: Any, step: Any,
     """What a GPU's CUDA graphs leave to the host (``engine.kernels.step_graphs``): the pieces of an AR step and of a
     denoising pass as a GPU cuts them, each piece counted on its own: the ops recorded (replayed as one launch per
     graph) and the ops and host reads of the eager pieces, per streamed layer's fetch and per eager bank."""
-    from engine.kernels.step_graphs import StepGraphs, streamed_layers
+    from clover_desk.engine.kernels.step_graphs import StepGraphs, streamed_layers
 
     n, n_full, B = config.num_hidden_layers, full.num_hidden_layers, config.block_size
     streamed = streamed_layers(model)

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _expert_bytes(gate: int, up: int, down: int) -> int:
-    from engine.weights.gguf import quants as gq
+    from clover_desk.engine.weights.gguf import quants as gq
 
     return INTER * gq.row_bytes(gate, HIDDEN) + INTER * gq.row_bytes(up, HIDDEN) + HIDDEN * gq.row_bytes(down, INTER)
 
@@ -36,13 +36,13 @@ def _expert_bytes(gate: int, up: int, down: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.errors import CloverError
-    from engine.weights.formats import expert_row_layout
-    from engine.weights.gguf import quants as gq
+    from clover_desk.engine.errors import CloverError
+    from clover_desk.engine.weights.formats import expert_row_layout
+    from clover_desk.engine.weights.gguf import quants as gq
 
     manifest = None
     if args.model is not None:  # read first: a file that cannot be read costs no timing runs
-        from engine.placement.manifest import manifest_from_gguf
+        from clover_desk.engine.placement.manifest import manifest_from_gguf
 
         try:
             manifest = manifest_from_gguf(args.model)

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from clover_desk.cli import flags
-from engine.defaults import DEFAULT_CTX_TOKENS
-from engine.settings import GpuPaths
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
+from clover_desk.engine.settings import GpuPaths
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -67,12 +67,12 @@ def _stage(argv: list[str]) -> int:
     """The child side: ``baseline``, ``convert DIR`` or ``load DIR PLAN.json DEVICE DTYPE``."""
     import torch
 
-    from engine.weights import quant_cache
+    from clover_desk.engine.weights import quant_cache
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     stage = argv[0]
     if stage == "baseline":
-        from engine.api import Engine  # noqa: F401 - what the other stages import before their work
+        from clover_desk.engine.api import Engine  # noqa: F401 - what the other stages import before their work
 
         print(json.dumps({}))
         return 0
@@ -80,8 +80,8 @@ def _stage(argv: list[str]) -> int:
         report = quant_cache.ensure_cache(Path(argv[1]))
         print(json.dumps({"cache": str(report.path), "rebuilt": report.rebuilt}))
         return 0
-    from engine.api import Engine
-    from engine.placement.offload import runtime_of
+    from clover_desk.engine.api import Engine
+    from clover_desk.engine.placement.offload import runtime_of
 
     plan = json.loads(Path(argv[2]).read_text(encoding="utf-8"))
     engine = Engine.load(argv[1], device=argv[3], precision="nf4", placement=plan, dtype=argv[4],
@@ -104,8 +104,8 @@ def _stage(argv: list[str]) -> int:
 
 def measure(model: Path, vram_gb: float, ctx: int, device: str, dtype: str, keep_cache: bool) -> dict[str, Any]:
     """Plan, convert, load; every figure the command prints."""
-    from engine.placement.planner import plan_model, probe_hardware
-    from engine.weights import quant_cache
+    from clover_desk.engine.placement.planner import plan_model, probe_hardware
+    from clover_desk.engine.weights import quant_cache
 
     plan = plan_model(model, int(vram_gb * GIB), ctx, probe_hardware())
     result: dict[str, Any] = {"plan": plan.to_dict()}
@@ -172,7 +172,7 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import CloverError
+    from clover_desk.engine.errors import CloverError
 
     if not args.model.is_dir():
         print(f"clover-desk bench load: error: --model {args.model}: not a model folder", file=sys.stderr)

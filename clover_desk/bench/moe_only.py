@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clover_desk.bench.random_model import _best, _config, _device_dtype, _sync
-from engine.placement.manifest import SHAPES as MODEL_SHAPES
+from clover_desk.engine.placement.manifest import SHAPES as MODEL_SHAPES
 
 _35B = MODEL_SHAPES["clover-35b-a3b"]
 # --moe-only times one layer of the 35B shape's routed experts
@@ -39,7 +39,7 @@ def _random_nf4_bank(e: int, d: int, i: int, gen: Any) -> Any:
     bitsandbytes would take minutes on 2 cores; speed does not depend on the values)."""
     import torch
 
-    from engine.weights.quant import ExpertLayout, QuantExpertBank
+    from clover_desk.engine.weights.quant import ExpertLayout, QuantExpertBank
 
     layout = ExpertLayout.build(e, d, i, "nf4", 64)
     packed = torch.randint(0, 256, (e, layout.nbytes), dtype=torch.uint8, generator=gen)  # [E, R]
@@ -54,8 +54,8 @@ def _random_gguf_q4_0_bank(e: int, d: int, i: int, gen: Any) -> Any:
     nibbles and an fp16 scale in a realistic range in every block."""
     import torch
 
-    from engine.weights.gguf import quants as gq
-    from engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout
+    from clover_desk.engine.weights.gguf import quants as gq
+    from clover_desk.engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout
 
     layout = GGUFExpertLayout(e, d, i, (gq.Q4_0, gq.Q4_0, gq.Q4_0))
     packed = torch.randint(0, 256, (e, layout.nbytes), dtype=torch.uint8, generator=gen)  # [E, R]
@@ -68,7 +68,7 @@ def _random_gguf_q4_0_bank(e: int, d: int, i: int, gen: Any) -> Any:
 def run_moe_only(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.model.experts import DenseExpertBank
+    from clover_desk.engine.model.experts import DenseExpertBank
 
     device, dtype = _device_dtype(args)
     e, k, d, i = MOE_SHAPE["experts"], MOE_SHAPE["top_k"], MOE_SHAPE["hidden"], MOE_SHAPE["intermediate"]
@@ -85,8 +85,8 @@ def run_moe_only(args: argparse.Namespace) -> int:
     _sync(device)
     print(f"banks built in {time.perf_counter() - t0:.1f} s")
     try:
-        from engine.model.experts import routed_reference as dense_reference
-        from engine.weights.quant import routed_reference as quant_reference
+        from clover_desk.engine.model.experts import routed_reference as dense_reference
+        from clover_desk.engine.weights.quant import routed_reference as quant_reference
     except ImportError:  # before the grouped compute existed: the bank itself is the loop
         dense_reference = quant_reference = None
     for t in (1, 32):
@@ -132,8 +132,8 @@ def _int8_head_lines(args: argparse.Namespace, device: str, dtype: Any, gen: Any
     (engine.kernels.triton_linear), 1 and 32 rows; CUDA only (the CPU has its own int8 GEMV)."""
     import torch
 
-    from engine.kernels import triton_linear
-    from engine.weights.quant import QuantLinear
+    from clover_desk.engine.kernels import triton_linear
+    from clover_desk.engine.weights.quant import QuantLinear
 
     if device != "cuda" or not triton_linear.available():
         print(f"LM head int8 fused (Triton): not run ({'no Triton' if device == 'cuda' else 'CUDA only'})")
@@ -180,8 +180,8 @@ def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3
     flash-linear-attention's kernels (engine.kernels.gdn_kernels), with the larger difference between their outputs."""
     import torch
 
-    from engine.kernels import gdn_kernels
-    from engine.model.clover import GatedDeltaNet, _Pass
+    from clover_desk.engine.kernels import gdn_kernels
+    from clover_desk.engine.model.clover import GatedDeltaNet, _Pass
 
     _, config = _config(shape, "qwen3_5_moe", layers=1)
     layer = GatedDeltaNet(config, 0, clover_extras=False).to(device=device, dtype=dtype)
@@ -236,7 +236,7 @@ def bnb_gemv_moe(bank: Any, x: Any, idx: Any, w: Any, gemv: Any = None) -> Any:
     import torch
     import torch.nn.functional as F
 
-    from engine.weights.quant import _bnb_functional
+    from clover_desk.engine.weights.quant import _bnb_functional
 
     lay = bank.layout
     inter, hidden = lay.intermediate_size, lay.hidden_size
@@ -286,8 +286,8 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
 
     import torch
 
-    from engine.kernels import triton_moe
-    from engine.placement import offload
+    from clover_desk.engine.kernels import triton_moe
+    from clover_desk.engine.placement import offload
 
     dev = torch.device(device)
     layout = bank.layout
@@ -341,7 +341,7 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
 def _one_streamed_layer(store: Any, layout: Any, slots: int, dev: Any) -> tuple[Any, Any]:
     """(runtime, bank): one streamed layer (layer 0, rows in ``store``) over a pool of ``slots``, no prefetch,
     wired by hand: engine.placement.offload.place_model places whole models."""
-    from engine.placement import offload
+    from clover_desk.engine.placement import offload
 
     ledger = offload.DeviceLedger(dev)
     runtime = offload.OffloadRuntime(dev, offload.SlotPool(slots, layout, dev, ledger), ledger, prefetch=False)
@@ -354,7 +354,7 @@ def _device_tables_part(resident: Any, store: Any, view: Any, why: str, x: Any, 
     """The same AR steps through device slot tables (engine.placement.device_pool) in a pool of 2k slots: the placing and the
     copy of the missing rows on the device (two Triton programs on CUDA), no host read, then the compute; its output
     against the resident bank's."""
-    from engine.placement.device_pool import DeviceSlotTables
+    from clover_desk.engine.placement.device_pool import DeviceSlotTables
 
     layout, e, k = resident.layout, resident.num_experts, routings[0][0].shape[-1]
     runtime, bank = _one_streamed_layer(store, layout, 2 * k, dev)
@@ -381,7 +381,7 @@ def _group_sweep_line(bank: Any, x: Any, idx: Any, w: Any, repeats: int, device:
     of the 35B shape are 96 MiB of bf16, 4 are 24 MiB); the measurement picks GROUP_BYTES for the device."""
     import torch
 
-    from engine.model import experts
+    from clover_desk.engine.model import experts
 
     kind = torch.device(device).type
     expert_bytes = 3 * d * i * torch.tensor([], dtype=dtype).element_size()
@@ -412,7 +412,7 @@ def _fused_line(
     grouped dequantize-then-matmul path."""
     import torch
 
-    from engine.kernels import triton_moe
+    from clover_desk.engine.kernels import triton_moe
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (the tests run it on the CPU through the interpreter)
     if (device != "cuda" and not interpreted) or not triton_moe.available():
@@ -447,8 +447,8 @@ def _op_counts(bank: Any, name: str, x: Any, idx: Any, w: Any, reference: Callab
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from engine.model.experts import GROUP_BYTES, moe_grouped
-    from engine.weights.quant import unpack_rows
+    from clover_desk.engine.model.experts import GROUP_BYTES, moe_grouped
+    from clover_desk.engine.weights.quant import unpack_rows
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:

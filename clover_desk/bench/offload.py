@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from clover_desk.cli import flags
-from engine.defaults import DEFAULT_CTX_TOKENS
-from engine.placement.hardware import DEFAULT_HARDWARE
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
+from clover_desk.engine.placement.hardware import DEFAULT_HARDWARE
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class RoutingTrace:
         """Distinct experts per layer for one pass: logits [L, T, E] -> [[expert ids] per layer]."""
         import torch
 
-        from engine.model.clover import block_coreset_topk
+        from clover_desk.engine.model.clover import block_coreset_topk
 
         out = []
         for layer_logits in logits:
@@ -177,8 +177,8 @@ def calibrate(target: float, base: TraceModel, reuse: float, passes: int) -> Tra
 def _sim_pool(slots: int, experts: int, layers: list[int]) -> tuple[Any, dict[int, Any]]:
     import torch
 
-    from engine.placement.offload import DeviceLedger, HostExpertStore, SlotPool
-    from engine.weights.quant import ExpertLayout
+    from clover_desk.engine.placement.offload import DeviceLedger, HostExpertStore, SlotPool
+    from clover_desk.engine.weights.quant import ExpertLayout
 
     layout = ExpertLayout.build(experts, 16, 8, "nf4", 64)  # a stand-in row of a few hundred bytes
     pool = SlotPool(slots, layout, torch.device("cpu"), DeviceLedger(torch.device("cpu")))
@@ -260,10 +260,10 @@ def simulate_diffusion(
 def run_simulation(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.errors import CloverError
+    from clover_desk.engine.errors import CloverError
 
     torch.set_num_threads(1)  # tiny [32, 256] ops: threads only add contention
-    from engine.placement.planner import manifest_for_shape, plan_model
+    from clover_desk.engine.placement.planner import manifest_for_shape, plan_model
 
     try:
         manifest = manifest_for_shape(args.shape)
@@ -327,13 +327,13 @@ def run_simulation(args: argparse.Namespace) -> int:
 def run_tiny(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.decode.generate import DecodeSettings, generate
-    from engine.model.config import parse_config
-    from engine.placement import offload
-    from engine.weights.checkpoint import random_state_dict, write_checkpoint
-    from engine.weights.quant import make_policy
-    from engine.weights.quant_cache import load_quantized
-    from engine.weights.tiny import config_dict_for, tiny_text_config
+    from clover_desk.engine.decode.generate import DecodeSettings, generate
+    from clover_desk.engine.model.config import parse_config
+    from clover_desk.engine.placement import offload
+    from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint
+    from clover_desk.engine.weights.quant import make_policy
+    from clover_desk.engine.weights.quant_cache import load_quantized
+    from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
     torch.set_num_threads(1)
     special = {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}
@@ -396,9 +396,9 @@ def run_gpu_check(args: argparse.Namespace) -> int:
             f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU only'}); nothing measured"
         )
         return 2
-    from engine.placement import offload
-    from engine.placement.planner import SHAPE_PREFIX, manifest_for_shape, plan_model, probe_hardware
-    from engine.weights.quant import ExpertLayout, QuantExpertBank, routed_forward
+    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement.planner import SHAPE_PREFIX, manifest_for_shape, plan_model, probe_hardware
+    from clover_desk.engine.weights.quant import ExpertLayout, QuantExpertBank, routed_forward
 
     dev = torch.device("cuda")
     total = torch.cuda.get_device_properties(dev).total_memory
@@ -466,7 +466,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         for layer in range(geo.num_hidden_layers):
             logits = x @ routers[layer].T  # [T, E]
             if coreset:
-                from engine.model.clover import block_coreset_topk
+                from clover_desk.engine.model.clover import block_coreset_topk
 
                 w, idx = block_coreset_topk(torch.softmax(logits.float(), -1), t, k, 0.9)
             else:

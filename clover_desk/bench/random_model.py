@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from engine.placement.manifest import shape_fields
+from clover_desk.engine.placement.manifest import shape_fields
 
 SHAPES: dict[str, dict[str, Any]] = {
     "mid": dict(
@@ -35,8 +35,8 @@ MIB = 2**20
 
 
 def _config(shape: str, model_type: str, layers: int | None = None) -> tuple[dict[str, Any], Any]:
-    from engine.model.config import parse_config
-    from engine.weights.tiny import config_dict_for, tiny_text_config
+    from clover_desk.engine.model.config import parse_config
+    from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
     fields = dict(SHAPES[shape])
     if layers is not None:
@@ -91,12 +91,12 @@ def _random_init_(model: Any, seed: int) -> None:
 
 
 def _build_random_model(config: Any, dtype: Any, device: str, seed: int, quant: str = "none") -> Any:
-    from engine.model.clover import CloverModel
+    from clover_desk.engine.model.clover import CloverModel
 
     model = CloverModel(config, dtype=dtype, device=device)
     _random_init_(model, seed)
     if quant == "card":
-        from engine.weights.quant import quantize_model_
+        from clover_desk.engine.weights.quant import quantize_model_
 
         quantize_model_(model)  # the default policy: NF4 experts, INT8 projections / shared experts / LM head
     return model.eval()
@@ -108,8 +108,8 @@ def _dispatch_as_on_a_gpu() -> Iterator[None]:
     card's forward: expert groups sized by ``engine.model.experts.GROUP_BYTES["cuda"]`` (on the CPU a group is one expert,
     named by a host read of its id), and no CPU int8 GEMV (``engine.weights.quant.INT8_GEMV_MAX_ROWS``) for projections
     and the LM head, which a GPU dequantizes in chunks."""
-    from engine.model import experts
-    from engine.weights import quant
+    from clover_desk.engine.model import experts
+    from clover_desk.engine.weights import quant
 
     groups, gemv = experts.GROUP_BYTES["cpu"], quant.INT8_GEMV_MAX_ROWS
     experts.GROUP_BYTES["cpu"], quant.INT8_GEMV_MAX_ROWS = experts.GROUP_BYTES["cuda"], 0
@@ -124,8 +124,8 @@ def _device_dtype(args: argparse.Namespace) -> tuple[str, Any]:
     fp32 on the CPU)."""
     import torch
 
-    from engine.api import parse_dtype
-    from engine.errors import ConfigError
+    from clover_desk.engine.api import parse_dtype
+    from clover_desk.engine.errors import ConfigError
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but CUDA is not available here")
@@ -134,7 +134,7 @@ def _device_dtype(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def _settings(config: Any, mode: str, max_new: int) -> Any:
-    from engine.decode.generate import DecodeSettings
+    from clover_desk.engine.decode.generate import DecodeSettings
 
     return DecodeSettings(
         mode=mode, max_new_tokens=max_new, block_size=config.block_size, threshold=config.threshold,
@@ -144,7 +144,7 @@ def _settings(config: Any, mode: str, max_new: int) -> Any:
 
 
 def _finished(events: Any) -> Any:
-    from engine.decode.events import Finished
+    from clover_desk.engine.decode.events import Finished
 
     last = None
     for event in events:
@@ -157,7 +157,7 @@ def _finished(events: Any) -> Any:
 
 def _check_stream(args: argparse.Namespace, config: Any) -> None:
     """``--stream N`` names at most the model's layers (checked from the config, before the model is built)."""
-    from engine.errors import ConfigError
+    from clover_desk.engine.errors import ConfigError
 
     n = config.num_hidden_layers
     if args.stream is not None and args.stream > n:
@@ -170,8 +170,8 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
     flags' combinations and ``--stream``'s range were checked before the model was built (``_run``)."""
     import torch
 
-    from engine.errors import ConfigError
-    from engine.placement import offload
+    from clover_desk.engine.errors import ConfigError
+    from clover_desk.engine.placement import offload
 
     n = config.num_hidden_layers
     if args.stream is not None:
@@ -180,7 +180,7 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
         # two tokens' experts per streamed layer, and at least one whole layer's (a prompt or a pass may touch all)
         slots = max(2 * config.num_experts_per_tok * len(streamed), config.num_experts)
     else:
-        from engine.placement.planner import SHAPE_PREFIX, plan_model, probe_hardware
+        from clover_desk.engine.placement.planner import SHAPE_PREFIX, plan_model, probe_hardware
 
         plan = plan_model(SHAPE_PREFIX + args.shape, int(args.vram_gb * 2**30), 4096, probe_hardware())
         if not plan.fits:

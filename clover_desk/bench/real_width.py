@@ -41,15 +41,15 @@ try:
 except ImportError:  # Windows: no peak RSS figure
     resource = None  # type: ignore[assignment]
 
-from engine.decode.events import Finished
-from engine.decode.generate import DecodeSettings, generate_ar
-from engine.kernels import cpu_quant
-from engine.model.clover import CloverModel
-from engine.weights.gguf.file import open_gguf
-from engine.weights.gguf.model import load_gguf_model
-from engine.weights.gguf.writer import write_gguf
-from engine.weights.quant_cache import load_quantized
-from engine.weights.tiny import make_real_shape
+from clover_desk.engine.decode.events import Finished
+from clover_desk.engine.decode.generate import DecodeSettings, generate_ar
+from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.weights.gguf.file import open_gguf
+from clover_desk.engine.weights.gguf.model import load_gguf_model
+from clover_desk.engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.quant_cache import load_quantized
+from clover_desk.engine.weights.tiny import make_real_shape
 
 BLOCK = 32
 log = logging.getLogger(__name__)

@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import CloverError
+    from clover_desk.engine.errors import CloverError
 
     try:
         if args.real_width:
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """The placing flags' combinations, refused before a model is built (the 35B shape takes minutes to build)."""
-    from engine.errors import ConfigError
+    from clover_desk.engine.errors import ConfigError
 
     if args.device_pool and args.vram_gb is None and args.stream is None:
         raise ConfigError("--device-pool changes how streamed experts are fetched: add --vram-gb G or --stream N")

@@ -28,8 +28,8 @@ def _engine_figures(
 ) -> dict[str, float]:
     import torch
 
-    from engine.decode.generate import generate_ar, generate_diffusion, generate_spec, loop_hooks
-    from engine.placement import offload
+    from clover_desk.engine.decode.generate import generate_ar, generate_diffusion, generate_spec, loop_hooks
+    from clover_desk.engine.placement import offload
 
     B = config.block_size
     P = len(prompt)
@@ -207,7 +207,7 @@ def _peak_vram_line(allocated: int, reserved: int, plan: Any) -> str:
     line = f"peak GPU memory (torch): {allocated / 2**30:.2f} GiB allocated, {reserved / 2**30:.2f} GiB reserved"
     if plan is None:
         return line
-    from engine.placement.planner import CUDA_CONTEXT_BYTES
+    from clover_desk.engine.placement.planner import CUDA_CONTEXT_BYTES
 
     counted = plan.vram_used_bytes - CUDA_CONTEXT_BYTES
     ws = plan.vram_breakdown["workspace"]
@@ -218,8 +218,8 @@ def _peak_vram_line(allocated: int, reserved: int, plan: Any) -> str:
 def _compiled_figures(
     model: Any, config: Any, prompt: list[int], args: argparse.Namespace, device: str, eager: dict[str, float]
 ) -> None:
-    from engine.decode.generate import generate_ar
-    from engine.kernels.fastpath import compile_layers
+    from clover_desk.engine.decode.generate import generate_ar
+    from clover_desk.engine.kernels.fastpath import compile_layers
 
     eager_tokens = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens))).token_ids
     compile_layers(model)
@@ -239,7 +239,7 @@ def _compiled_figures(
 
 def _step_graph_line(model: Any) -> str:
     """How the compiled model ran its AR steps (CloverModel.step_graph)."""
-    from engine.kernels.step_graphs import StepGraphs
+    from clover_desk.engine.kernels.step_graphs import StepGraphs
 
     runner = getattr(model, "step_graph", None)
     if isinstance(runner, StepGraphs):

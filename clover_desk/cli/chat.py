@@ -22,7 +22,7 @@ import threading
 from typing import Any, TextIO
 
 from clover_desk.cli import generate as cmd_generate
-from engine.decode.events import MODES
+from clover_desk.engine.decode.events import MODES
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ _CHAT_LOCAL_ONLY = (*cmd_generate.LOCAL_ONLY, ("compile", "--compile", False), (
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import CloverError, ConfigError
+    from clover_desk.engine.errors import CloverError, ConfigError
 
     try:
         system = _system(args.system)
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _system(text: str | None) -> str | None:
-    from engine.decode.limits import check_text
+    from clover_desk.engine.decode.limits import check_text
 
     if text is None or not text.strip():
         return None
@@ -204,7 +204,7 @@ class Chat:
         on until a quarter of the room is free, so that successive sends start alike and the prompt cache reads only
         what is new (``ui.context_window.fit_messages``, as in the window). A message that does not fit even alone
         is sent whole: the engine refuses it with its one line."""
-        from ui.context_window import answer_reserve, fit_messages, shift_slack
+        from clover_desk.ui.context_window import answer_reserve, fit_messages, shift_slack
 
         limit = self._context()
         if limit is None:
@@ -236,9 +236,9 @@ class Chat:
     def send(self, text: str, out: TextIO, err: TextIO) -> None:
         """Ask with ``text`` as the next user message and stream the answer; the answer joins the chat (what it
         wrote of it when stopped), a request the engine refuses leaves the chat as it was."""
+        from clover_desk.engine.decode.events import Finished, TextDelta
+        from clover_desk.engine.errors import CloverError
         from clover_desk.worker.remote import RemoteFinished
-        from engine.decode.events import Finished, TextDelta
-        from engine.errors import CloverError
 
         turn = [*self.messages, {"role": "user", "content": text}]
         cancel = threading.Event()

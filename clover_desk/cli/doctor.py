@@ -21,8 +21,8 @@ import argparse
 import json
 import sys
 
-from engine.placement.preflight import Finding, GpuFacts, check, gather_facts, opt_in_on, settings_of
-from engine.settings import OPT_IN, SettingsError
+from clover_desk.engine.placement.preflight import Finding, GpuFacts, check, gather_facts, opt_in_on, settings_of
+from clover_desk.engine.settings import OPT_IN, SettingsError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

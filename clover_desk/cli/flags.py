@@ -10,7 +10,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
+from clover_desk.engine.decode.limits import GENERATION_LIMITS, INT32_MAX
 
 MAX_GIB = 65_536.0  # 64 TiB: a budget above is a typo, and would overflow byte counts downstream
 

@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from clover_desk.cli import flags
 from clover_desk.cli.models import resolve_model
-from engine.decode.events import MODES
+from clover_desk.engine.decode.events import MODES
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -69,7 +69,7 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
 def add_cache_ram_argument(parser: argparse.ArgumentParser) -> None:
     """``--cache-ram`` (``chat`` and ``serve``, as llama.cpp's server spells it): the host memory the prompt cache
     may fill with other chats' states."""
-    from engine.defaults import PROMPT_CACHE_RAM_MIB
+    from clover_desk.engine.defaults import PROMPT_CACHE_RAM_MIB
 
     parser.add_argument("--cache-ram", type=flags.CACHE_RAM, default=None, metavar="MIB",
                         help="system RAM the prompt cache may hold other chats' states in, in MiB, so that going "
@@ -100,7 +100,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 def params_from(args: argparse.Namespace) -> Any:
     """The request's GenerationParams from the decoding flags."""
-    from engine.decode.events import GenerationParams
+    from clover_desk.engine.decode.events import GenerationParams
 
     return GenerationParams(
         mode=args.mode,
@@ -118,7 +118,7 @@ def params_from(args: argparse.Namespace) -> Any:
 
 
 def _parse_ids(text: str) -> list[int]:
-    from engine.errors import PromptError
+    from clover_desk.engine.errors import PromptError
 
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
@@ -129,8 +129,8 @@ def _parse_ids(text: str) -> list[int]:
 def _prompt_text(args: argparse.Namespace) -> str | None:
     """The prompt of ``--prompt`` or ``--prompt-file`` (read whole, at most ``MAX_PROMPT_BYTES``), checked to be
     UTF-8 text: undecodable bytes are one line naming the flag, the byte and where it is."""
-    from engine.decode.limits import MAX_PROMPT_BYTES, check_text, decode_utf8
-    from engine.errors import PromptError
+    from clover_desk.engine.decode.limits import MAX_PROMPT_BYTES, check_text, decode_utf8
+    from clover_desk.engine.errors import PromptError
 
     if args.prompt is not None:
         return check_text(args.prompt, "--prompt")
@@ -188,7 +188,7 @@ class _Printer:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import CloverError
+    from clover_desk.engine.errors import CloverError
 
     try:
         return _run_remote(args) if args.remote is not None else _run(args)
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.decode.events import Finished, to_dict
+    from clover_desk.engine.decode.events import Finished, to_dict
 
     if args.model is None:
         print("clover-desk generate: error: --model DIR is required (or --remote URL)", file=sys.stderr)
@@ -222,9 +222,9 @@ def _run(args: argparse.Namespace) -> int:
 def structured_from_file(path: str) -> str:
     """``--json-schema FILE`` as the request's grammar (``GenerationParams.structured``); a PromptError naming the
     flag, the file and what is wrong with it (not readable, not JSON, a schema the engine cannot enforce)."""
-    from engine.decode.grammar import schema_problem, structured_spec
-    from engine.decode.limits import decode_utf8
-    from engine.errors import PromptError
+    from clover_desk.engine.decode.grammar import schema_problem, structured_spec
+    from clover_desk.engine.decode.limits import decode_utf8
+    from clover_desk.engine.errors import PromptError
 
     where = f"--json-schema {path}"
     try:
@@ -244,7 +244,7 @@ def structured_from_file(path: str) -> str:
 
 def check_ctx(args: argparse.Namespace) -> None:
     """``--ctx`` goes with ``--vram-gb`` only (a ConfigError otherwise)."""
-    from engine.errors import ConfigError
+    from clover_desk.engine.errors import ConfigError
 
     if args.ctx is not None and args.vram_gb is None:  # (serve's --ctx caps requests; here the answer's length is
         # bounded by --max-new-tokens already: without a plan there is no KV reservation for --ctx to size)
@@ -255,11 +255,11 @@ def check_ctx(args: argparse.Namespace) -> None:
 def load_engine(args: argparse.Namespace, command: str) -> Any:
     """The Engine the local flags ask for: with ``--vram-gb``, the plan first, from the headers alone (before any
     conversion or load), printed (a JSON record with ``--json``), then that plan placed."""
-    from engine.weights.gguf.file import check_gguf_model
+    from clover_desk.engine.weights.gguf.file import check_gguf_model
 
     check_gguf_model(args.model)  # a damaged GGUF file is one line before torch is even imported
-    from engine.api import Engine, plan_for
-    from engine.errors import PlanError
+    from clover_desk.engine.api import Engine, plan_for
+    from clover_desk.engine.errors import PlanError
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
@@ -325,8 +325,8 @@ def remote_backend(args: argparse.Namespace, local_only: Sequence[tuple[str, str
     ``local_only`` given with it is a ConfigError naming it."""
     import os
 
+    from clover_desk.engine.errors import ConfigError
     from clover_desk.worker.remote import RemoteBackend
-    from engine.errors import ConfigError
 
     for attr, flag, unset in local_only:
         if getattr(args, attr) != unset:
@@ -337,8 +337,8 @@ def remote_backend(args: argparse.Namespace, local_only: Sequence[tuple[str, str
 
 def _run_remote(args: argparse.Namespace) -> int:
     """Stream the answer from ``--remote``; what the server does not report is printed as unavailable."""
+    from clover_desk.engine.decode.events import TextDelta, to_dict
     from clover_desk.worker.remote import RemoteFinished
-    from engine.decode.events import TextDelta, to_dict
 
     backend = remote_backend(args, _GENERATE_LOCAL_ONLY)
     prompt = _prompt_text(args)
@@ -357,7 +357,7 @@ def _print_events(
 ) -> int:
     """Stream a generation's events: JSON lines (``record(event)``), or the text with the ``summary`` of its
     ``finished_type`` event on stderr. Ctrl-C cancels (exit 130)."""
-    from engine.decode.events import TextDelta
+    from clover_desk.engine.decode.events import TextDelta
 
     printer = _Printer(sys.stdout)
     try:
@@ -399,7 +399,7 @@ def remote_summary(done: Any) -> str:
 def compile_stage_printer(command: str) -> Any:
     """A load ``progress`` callback that prints the compile stages (``engine.decode.events.COMPILE_STAGES``: the warm-up
     a compiled load runs, or why a model is not compiled) to stderr, one line each; the other stages stay silent."""
-    from engine.decode.events import COMPILE_STAGES
+    from clover_desk.engine.decode.events import COMPILE_STAGES
 
     def progress(p: Any) -> None:
         if p.stage in COMPILE_STAGES:

@@ -42,8 +42,8 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import CloverError
-    from engine.weights.gguf.fix import fix_gguf
+    from clover_desk.engine.errors import CloverError
+    from clover_desk.engine.weights.gguf.fix import fix_gguf
 
     progress = _Progress(args.quiet)
     try:

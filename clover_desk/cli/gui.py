@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     # PySide6 6.12 on CPython < 3.12 leaks references to None/True on void calls (see guard's docstring); the
     # preview's URL scheme must be registered before the QApplication exists.
     from clover_desk.qt_compat import guard_pyside_bool_refcounts
-    from ui.preview_sandbox import register_schemes
+    from clover_desk.ui.preview_sandbox import register_schemes
 
     guard_pyside_bool_refcounts()
     register_schemes()
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from clover_desk.paths import CHATS_DB_NAME, DataDirError, writable_app_data_dir
     from clover_desk.storage.errors import StorageError
     from clover_desk.storage.store import ChatStore
-    from ui.theme import apply_theme, icon
+    from clover_desk.ui.theme import apply_theme, icon
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Clover Desk")

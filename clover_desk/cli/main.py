@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from engine.settings import GpuPaths, SettingsError
+from clover_desk.engine.settings import GpuPaths, SettingsError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "gui": ("clover_desk.cli.gui", "open the Clover Desk window (the default)"),
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = BENCH_SUITES[args.suite][0] if args.command == "bench" else COMMANDS[args.command][0]
     try:
         if args.command == "bench":  # benchmarks build their models by hand: the kernels' switches are set here
-            from engine.kernels import switches  # torch: only for the benchmarks
+            from clover_desk.engine.kernels import switches  # torch: only for the benchmarks
 
             switches.use(args.gpu_paths)
         return int(importlib.import_module(module).run(args) or 0)

@@ -107,7 +107,7 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import CloverError
+    from clover_desk.engine.errors import CloverError
 
     layers = _parse_layers(args.layers)
     if layers is None:
@@ -116,11 +116,11 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress() if args.shape != "tiny" else None
     try:
         if args.shape == "tiny":
-            from engine.weights.tiny import make_tiny
+            from clover_desk.engine.weights.tiny import make_tiny
 
             out = make_tiny(out_dir, model_type=args.model_type, seed=args.seed, layers=layers)
         else:
-            from engine.weights.tiny import make_real_shape
+            from clover_desk.engine.weights.tiny import make_real_shape
 
             out = make_real_shape(out_dir, shape=args.shape, layers=layers, model_type=args.model_type, seed=args.seed,
                                   progress=progress)

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from clover_desk import paths
-from engine.errors import ConfigError
-from ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME, library_paths, model_name, read_recent
+from clover_desk.engine.errors import ConfigError
+from clover_desk.ui.model_paths import MODELS_DIR_NAME, RECENT_FILE_NAME, library_paths, model_name, read_recent
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ import sys
 from pathlib import Path
 
 from clover_desk.cli import flags
-from engine.defaults import DEFAULT_CTX_TOKENS
-from engine.errors import CloverError
-from engine.placement.hardware import DEFAULT_HARDWARE
-from engine.placement.planner import (
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
+from clover_desk.engine.errors import CloverError
+from clover_desk.engine.placement.hardware import DEFAULT_HARDWARE
+from clover_desk.engine.placement.planner import (
     CPU_EXPERTS,
     SHAPE_PREFIX,
     SHAPES,
@@ -39,7 +39,7 @@ from engine.placement.planner import (
     plan_model,
     probe_hardware,
 )
-from engine.weights.formats import make_policy
+from clover_desk.engine.weights.formats import make_policy
 
 log = logging.getLogger(__name__)
 

@@ -55,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
     width, height = _parse_size(args.size)
     guard_pyside_bool_refcounts()
 
-    from ui.preview_sandbox import register_schemes  # Qt only when this command runs
+    from clover_desk.ui.preview_sandbox import register_schemes  # Qt only when this command runs
 
     register_schemes()
     from PySide6.QtWidgets import QApplication
 
-    from ui.preview import PreviewPane
-    from ui.theme import apply_theme
+    from clover_desk.ui.preview import PreviewPane
+    from clover_desk.ui.theme import apply_theme
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     apply_theme(app, "system")  # the app's own look (light or dark, as the desktop), not Qt's default style

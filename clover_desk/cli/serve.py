@@ -91,7 +91,7 @@ def _origins(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import CloverError
+    from clover_desk.engine.errors import CloverError
 
     try:
         return _run(args)
@@ -146,8 +146,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from engine.api import Engine, plan_for
-    from engine.errors import PlanError
+    from clover_desk.engine.api import Engine, plan_for
+    from clover_desk.engine.errors import PlanError
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None

@@ -6,12 +6,20 @@ import logging
 import time
 from typing import Any
 
+from clover_desk.engine.decode.events import (
+    BlockCommitted,
+    EngineError,
+    Event,
+    Finished,
+    PromptInfo,
+    TextDelta,
+    continued_stats,
+)
 from clover_desk.storage.errors import (
     StorageError,
 )
 from clover_desk.storage.store import ChatStore
 from clover_desk.worker.remote import RemoteFinished
-from engine.decode.events import BlockCommitted, EngineError, Event, Finished, PromptInfo, TextDelta, continued_stats
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from clover_desk.engine.decode.events import BlockCommitted, Finished, TextDelta, TokenLogprobs
 from clover_desk.worker.logprobs import LogprobTrack
 from clover_desk.worker.openai_schema import (
     AnswerParser,
@@ -25,7 +26,6 @@ from clover_desk.worker.openai_schema import (
     usage_of,
 )
 from clover_desk.worker.tool_stream import StreamingAnswerParser
-from engine.decode.events import BlockCommitted, Finished, TextDelta, TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
-from engine.decode.events import COMPILE_STAGES, EngineError, Finished, GenerationParams, from_dict
+from clover_desk.engine.decode.events import COMPILE_STAGES, EngineError, Finished, GenerationParams, from_dict
 
 log = logging.getLogger(__name__)
 DEFAULT_PARAMS = GenerationParams()  # frozen: one shared default is safe

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.decode.events import TokenLogprobs
+from clover_desk.engine.decode.events import TokenLogprobs
 
 FLOOR = -9999.0  # OpenAI's stand-in for the log of 0 (JSON has no -Infinity)
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.decode.events import Finished, GenerationParams
-from engine.decode.grammar import schema_problem, structured_spec
-from engine.decode.limits import GENERATION_LIMITS
+from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.engine.decode.grammar import schema_problem, structured_spec
+from clover_desk.engine.decode.limits import GENERATION_LIMITS
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256

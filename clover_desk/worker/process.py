@@ -70,7 +70,7 @@ when known) whose message names the field and what is allowed, and the worker ke
 misspelt option is refused, never silently ignored), so a refused load never leaves the worker "loading".
 ``cancel``, ``cancel_load`` and ``shutdown`` ignore extra fields.
 
-``--engine-factory MODULE:CALLABLE`` replaces ``engine.api:Engine.load`` (same signature); the tests use it to
+``--engine-factory MODULE:CALLABLE`` replaces ``clover_desk.engine.api:Engine.load`` (same signature); the tests use it to
 inject failures the real engine cannot be made to produce on demand. The default is the real engine.
 
 The GPU paths and kernel switches (``engine.settings.GpuPaths``) are read from the environment once, when the
@@ -98,21 +98,21 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
+from clover_desk.engine.decode.events import MODES, EngineError, Finished, GenerationParams, LoadProgress, to_dict
+from clover_desk.engine.decode.limits import GENERATION_LIMITS, INT32_MAX
+from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS, PRECISIONS
+from clover_desk.engine.errors import CancelledError, CloverError
+from clover_desk.engine.settings import GpuPaths, SettingsError
 from clover_desk.worker.hangup import HangUpLog, is_hang_up
 from clover_desk.worker.http_guards import is_loopback
 from clover_desk.worker.server import OpenAIServer
-from engine.decode.events import MODES, EngineError, Finished, GenerationParams, LoadProgress, to_dict
-from engine.decode.limits import GENERATION_LIMITS, INT32_MAX
-from engine.defaults import DEFAULT_CTX_TOKENS, PRECISIONS
-from engine.errors import CancelledError, CloverError
-from engine.settings import GpuPaths, SettingsError
 
 log = logging.getLogger("clover_desk.worker.process")
 hang_ups = HangUpLog(log)  # the window hung up (it closed or stopped reading): one short line, not a traceback
 
 PROTOCOL_VERSION = 1
 FATAL_EXIT_CODE = 3
-DEFAULT_ENGINE_FACTORY = "engine.api:Engine.load"
+DEFAULT_ENGINE_FACTORY = "clover_desk.engine.api:Engine.load"
 LOAD_PROGRESS_INTERVAL_S = 0.05  # at most ~20 load_progress records a second (stage changes always go out)
 _JOIN_ON_EXIT_S = 5.0
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a longer command line is refused (and skipped without being held in memory)
@@ -283,7 +283,7 @@ SERVE_FIELDS: dict[str, tuple[Check, str]] = {
 
 
 def _limited(name: str) -> tuple[Check, str]:
-    """A numeric generation parameter: its type and range from engine.decode.limits (the table the CLI's flags and
+    """A numeric generation parameter: its type and range from clover_desk.engine.decode.limits (the table the CLI's flags and
     generation_config.json's validation use too), or null for the model's default."""
     limit = GENERATION_LIMITS[name]
     return _nullable(limit.accepts), f"{limit.allowed}, or null"
@@ -797,7 +797,7 @@ class Worker:
         try:
             if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
                 layout = {"gguf_layout": command["gguf_layout"]} if command.get("gguf_layout") is not None else {}
-                plan = importlib.import_module("engine.api").plan_for(
+                plan = importlib.import_module("clover_desk.engine.api").plan_for(
                     model_dir, int(float(vram_gb) * 1024**3), _ctx(command), dtype, **layout)
             if plan is not None:
                 self._emit({"event": "plan", "op": "load", "plan": _json_safe(_plan_dict(plan))})
@@ -914,7 +914,7 @@ class Worker:
     def _run_plan(self, command: dict[str, Any]) -> None:
         request_id = command.get("id")
         try:
-            planner = importlib.import_module("engine.placement.planner")
+            planner = importlib.import_module("clover_desk.engine.placement.planner")
             args = {k: v for k, v in command.items() if k not in ("cmd", "id", "model_dir")}
             plan, hardware = _make_plan(planner, command.get("model_dir"), args)
         except BaseException as exc:  # noqa: BLE001 - reported; fatal ones end the process

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from engine.decode.events import GenerationParams, TextDelta
-from engine.errors import CloverError
+from clover_desk.engine.decode.events import GenerationParams, TextDelta
+from clover_desk.engine.errors import CloverError
 
 log = logging.getLogger(__name__)
 

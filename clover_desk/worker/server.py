@@ -94,6 +94,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from clover_desk.engine.decode.events import Finished, GenerationParams
+from clover_desk.engine.errors import CloverError, PromptError
 from clover_desk.worker.answers import Answer, CutShort, Outlet
 from clover_desk.worker.http_guards import (
     BODY_TIMEOUT_S,
@@ -118,8 +120,6 @@ from clover_desk.worker.openai_schema import (  # noqa: F401 - AnswerParser, Sto
     parse_completion_request,
     parse_tool_call,
 )
-from engine.decode.events import Finished, GenerationParams
-from engine.errors import CloverError, PromptError
 
 log = logging.getLogger(__name__)
 

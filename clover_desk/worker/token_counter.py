@@ -17,9 +17,9 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.decode.tokenizer import CloverTokenizer
-from engine.errors import CloverError
-from engine.weights.gguf.file import load_tokenizer, open_gguf
+from clover_desk.engine.decode.tokenizer import CloverTokenizer
+from clover_desk.engine.errors import CloverError
+from clover_desk.engine.weights.gguf.file import load_tokenizer, open_gguf
 
 log = logging.getLogger(__name__)
 

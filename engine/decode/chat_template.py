@@ -47,7 +47,7 @@ from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from engine.decode import limits
+from clover_desk.engine.decode import limits
 
 _TEMPLATE_FILE = "<template>"  # co_filename of the code Jinja2 compiles from a string
 _PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")

@@ -3,7 +3,7 @@
 Nothing here knows about a model, a cache or a tokenizer; every function takes tensors (and plain numbers) and
 returns tensors, so each rule is unit-tested on scripted logits. None of them reads a device value back to the
 host (no ``.item()``, ``bool(tensor)``, ``nonzero()`` or data-dependent shape): on a GPU the whole policy of a
-denoising pass queues behind the forward, and the loop reads the outcome once (``tests/test_compile.py`` traces it
+denoising pass queues behind the forward, and the loop reads the outcome once (``tests/engine/test_compile.py`` traces it
 as one graph).
 
 Legend: T = slots (block positions, or 1 for an AR step), V = vocabulary, E = experts, K = experts per token.

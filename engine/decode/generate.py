@@ -28,8 +28,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from engine.decode import decoding, grammar
-from engine.decode.events import (
+from clover_desk.engine.decode import decoding, grammar
+from clover_desk.engine.decode.events import (
     MODES,
     BlockCommitted,
     BlockStep,
@@ -41,14 +41,14 @@ from engine.decode.events import (
     TextDelta,
     TokenLogprobs,
 )
-from engine.decode.prompt_cache import PromptCache, ScopedPromptCache
-from engine.decode.tokenizer import StreamDecoder
-from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
-from engine.errors import PromptError
-from engine.kernels import fastpath
-from engine.model.clover import GDN_CHUNK
-from engine.model.config import CloverConfig, GenerationDefaults
-from engine.placement import offload
+from clover_desk.engine.decode.prompt_cache import PromptCache, ScopedPromptCache
+from clover_desk.engine.decode.tokenizer import StreamDecoder
+from clover_desk.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
+from clover_desk.engine.errors import PromptError
+from clover_desk.engine.kernels import fastpath
+from clover_desk.engine.model.clover import GDN_CHUNK
+from clover_desk.engine.model.config import CloverConfig, GenerationDefaults
+from clover_desk.engine.placement import offload
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.errors import PromptError
+from clover_desk.engine.errors import PromptError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import CloverError, PromptError
+from clover_desk.engine.errors import CloverError, PromptError
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.defaults import PROMPT_CACHE_RAM_MIB
-from engine.model.clover import CloverModel, ModelCache
+from clover_desk.engine.defaults import PROMPT_CACHE_RAM_MIB
+from clover_desk.engine.model.clover import CloverModel, ModelCache
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from engine.decode.chat_template import LimitedSandbox, TemplateLimit
-from engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, check_text, decode_utf8
-from engine.errors import ConfigError, PromptError
+from clover_desk.engine.decode.chat_template import LimitedSandbox, TemplateLimit
+from clover_desk.engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, check_text, decode_utf8
+from clover_desk.engine.errors import ConfigError, PromptError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ REPLACEMENT = "\ufffd"
 
 def shipped_file(name: str) -> str:
     """Text of a file shipped in ``engine/data``."""
-    return resources.files("engine").joinpath("data", name).read_text(encoding="utf-8")
+    return resources.files("clover_desk.engine").joinpath("data", name).read_text(encoding="utf-8")
 
 
 class CloverTokenizer:

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from engine.kernels import step_graphs
-from engine.model.clover import Linear
-from engine.model.experts import grouped_mm_supported
+from clover_desk.engine.kernels import step_graphs
+from clover_desk.engine.model.clover import Linear
+from clover_desk.engine.model.experts import grouped_mm_supported
 
 log = logging.getLogger(__name__)
 

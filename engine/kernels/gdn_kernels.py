@@ -22,7 +22,7 @@ beta [T, Hv], state [Hv, dk, dv], all float32; fla's add a batch dimension in fr
 implementations, so a compiled layer traces through them as one opaque op each (no graph break), and a CUDA graph
 records them like any kernel.
 
-Status: tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_gdn_kernels.py``: equal to the PyTorch rule
+Status: tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_gdn_kernels.py``: equal to the PyTorch rule
 within float32 rounding, greedy tokens identical on a tiny model, a compiled layer traces with ``fullgraph=True``);
 **not measured on a GPU**, so it is opt-in: ``engine.settings.GpuPaths.fla_gdn`` (the switch ``CLOVER_DESK_FLA_GDN=1``) with ``fla-core`` installed
 (``pip install 'clover-desk[cuda]'``). Under Triton's interpreter (``TRITON_INTERPRET=1``) the same switch takes the
@@ -38,7 +38,7 @@ import os
 import torch
 from torch import Tensor
 
-from engine.kernels import cpu_quant
+from clover_desk.engine.kernels import cpu_quant
 
 # engine.settings.GpuPaths.fla_gdn, set by engine.kernels.switches.use at load (set_enabled): a module constant, so a
 # compiled layer sees a constant, not a lookup per forward. TRITON_INTERPRET is Triton's own switch, read as Triton does.

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from engine.kernels import cpu_quant, gdn_kernels, triton_linear, triton_moe
-from engine.settings import GpuPaths
+from clover_desk.engine.kernels import cpu_quant, gdn_kernels, triton_linear, triton_moe
+from clover_desk.engine.settings import GpuPaths
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ block pass, whose grids do not depend on the routing (so a CUDA graph records th
 present returns at once, so only the missing rows cross PCIe. Rows are copied as 4-byte words when their size
 allows (fewer, wider loads over the link), else byte by byte.
 
-Tested on the CPU with ``TRITON_INTERPRET=1`` against the tensor ops (``tests/test_device_pool.py``: the same
+Tested on the CPU with ``TRITON_INTERPRET=1`` against the tensor ops (``tests/engine/test_device_pool.py``: the same
 tables, counters and slots over random steps); not measured on a GPU.
 """
 
@@ -48,7 +48,7 @@ BLOCK = 4096  # words per program: 16 KiB of a row at 4-byte words
 def copy_rows(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, need: Tensor) -> None:
     """``dst[dst_rows[j]] = src[src_rows[j]]`` for every ``j`` with ``need[j]``: ``src`` [E, R] / ``dst`` [S, R]
     uint8 (rows contiguous), the three index tensors [k]."""
-    from engine.kernels.triton_copy_kernels import copy_rows_kernel
+    from clover_desk.engine.kernels.triton_copy_kernels import copy_rows_kernel
 
     if (src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != torch.uint8
             or dst.dtype != torch.uint8):
@@ -67,7 +67,7 @@ def copy_rows(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, need
 def place(tables: SlotTables, lp: int, idx: Tensor, touch: bool) -> tuple[Tensor, Tensor, Tensor]:
     """:meth:`engine.placement.device_pool.DeviceSlotTables._place` as one Triton program (``place_kernel``): the same tables,
     counters and result as its tensor ops, in one launch instead of ~45."""
-    from engine.kernels.triton_copy_kernels import place_kernel
+    from clover_desk.engine.kernels.triton_copy_kernels import place_kernel
 
     k = idx.shape[0]
     block_k = max(2, 1 << (k - 1).bit_length())
@@ -85,7 +85,7 @@ def place(tables: SlotTables, lp: int, idx: Tensor, touch: bool) -> tuple[Tensor
 def place_set(tables: SlotTables, lp: int, present: Tensor, fetch: bool) -> tuple[Tensor, Tensor]:
     """:meth:`engine.placement.device_pool.DeviceSlotTables._place_set` as one Triton program (``place_set_kernel``): the
     same tables, counters and result as its ~70 tensor ops, in one launch (a prefetch reads the tables' gate)."""
-    from engine.kernels.triton_copy_kernels import place_set_kernel
+    from clover_desk.engine.kernels.triton_copy_kernels import place_set_kernel
 
     E, S = tables.E, tables.S
     block_e = max(16, 1 << (E - 1).bit_length())

@@ -9,7 +9,7 @@ One program per (16 token rows, 64 output rows) tile; the reduction over the inp
 Accumulated in float32; fp32 activations use IEEE products (no TF32).
 
 Status: tested on the CPU with ``TRITON_INTERPRET=1`` against the dequantize-then-matmul reference
-(``tests/test_triton_linear.py``); **not measured on a GPU**, so it is opt-in: ``QuantLinear`` takes it on CUDA
+(``tests/engine/test_triton_linear.py``); **not measured on a GPU**, so it is opt-in: ``QuantLinear`` takes it on CUDA
 for up to :data:`MAX_ROWS` rows only when the engine's settings turn it on
 (``engine.settings.GpuPaths.fused_int8``, the switch ``CLOVER_DESK_FUSED_INT8=1``; :func:`set_enabled`). ``clover-desk bench speed --moe-only`` on
 CUDA times it against the chunked path at the LM head's shape (``scripts/gpu_check.sh``).
@@ -53,7 +53,7 @@ def enabled_for(x: Tensor, fmt: str, codes: Tensor) -> bool:
 def int8_linear(x: Tensor, codes: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x`` [..., N] times the weight ``codes`` [O, N] int8 * ``scales`` [O] (per output row), plus ``bias`` [O].
     Returns [..., O] in x's dtype."""
-    from engine.kernels.triton_linear_kernels import int8_linear_kernel
+    from clover_desk.engine.kernels.triton_linear_kernels import int8_linear_kernel
 
     n_out, n_in = codes.shape
     if x.shape[-1] != n_in or codes.dtype != torch.int8:

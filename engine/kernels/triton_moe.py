@@ -20,8 +20,8 @@ blocks of ``BLOCK_M``, and one program per (block, output tile) decoding the exp
 and multiplying with ``tl.dot`` (tensor cores on a GPU; fp32 activations use IEEE products). The GEMV kernels
 re-read an expert's bytes once per pair; the grouped ones once per block of up to 16 pairs.
 
-Status: written and tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/test_triton_moe.py``,
-``tests/test_triton_moe_gguf.py``: both variants equal to the dequantize-then-matmul reference within float32
+Status: written and tested on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_triton_moe.py``,
+``tests/engine/test_triton_moe_gguf.py``: both variants equal to the dequantize-then-matmul reference within float32
 rounding, and the
 GGUF element decode equal to ``engine.weights.gguf.quants.dequantize`` bit for bit); **not yet measured on a GPU**, so
 nothing selects it by default: :func:`routed_forward <engine.weights.quant.routed_forward>` uses it (:func:`fused_moe`) on
@@ -41,9 +41,9 @@ import functools
 import torch
 from torch import Tensor
 
-from engine.kernels.triton_linear import available  # one Triton check for both kernel modules
-from engine.model.experts import RowLayout
-from engine.weights.formats import NF4_CODE
+from clover_desk.engine.kernels.triton_linear import available  # one Triton check for both kernel modules
+from clover_desk.engine.model.experts import RowLayout
+from clover_desk.engine.weights.formats import NF4_CODE
 
 BLOCK_I = 32  # intermediate rows per gate/up program
 BLOCK_D = 64  # hidden columns per step of the gate/up reduction
@@ -119,7 +119,7 @@ def _launch(
 ) -> Tensor:
     """The two kernels over every (token, expert) pair of ``rows`` [T, K]; ``gate`` / ``down`` = (byte offset,
     scales offset, format), ``up`` = the same and its first row. Returns [T, D] in x's dtype."""
-    from engine.kernels.triton_moe_kernels import down_kernel, gate_up_kernel
+    from clover_desk.engine.kernels.triton_moe_kernels import down_kernel, gate_up_kernel
 
     t, k = rows.shape
     pairs = t * k
@@ -171,7 +171,7 @@ def _launch_grouped(
     gate: tuple[int, int, int], up: tuple[int, int, int, int], down: tuple[int, int, int],
 ) -> Tensor:
     """:func:`_launch` for many pairs: the grouped kernels over blocks of BLOCK_M pairs of one expert row."""
-    from engine.kernels.triton_moe_kernels import grouped_down_kernel, grouped_gate_up_kernel
+    from clover_desk.engine.kernels.triton_moe_kernels import grouped_down_kernel, grouped_gate_up_kernel
 
     t, k = rows.shape
     block_rows, pair_ids = group_pairs(rows, pool.shape[0])
@@ -227,7 +227,7 @@ def fused_gguf_moe(x: Tensor, pool: Tensor, layout: RowLayout, rows: Tensor, top
 def gguf_dequantize(raw: Tensor, qtype: int, ncols: int) -> Tensor:
     """raw uint8 [R, row_bytes] (R whole ggml rows of ``ncols`` values) -> fp32 [R, ncols], decoded by the kernels'
     element helpers (what ``engine.weights.gguf.quants.dequantize`` gives: the tests compare the two)."""
-    from engine.kernels.triton_moe_kernels import gguf_dequant_kernel
+    from clover_desk.engine.kernels.triton_moe_kernels import gguf_dequant_kernel
 
     if qtype not in GGUF_TYPES:
         raise ValueError(f"ggml type {qtype} has no kernel decode")

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.errors import PromptError
-from engine.kernels import gdn_kernels
-from engine.model.config import CloverConfig
-from engine.model.experts import DenseExpertBank, ExpertBank
-from engine.weights.formats import FP32_PARAMS
+from clover_desk.engine.errors import PromptError
+from clover_desk.engine.kernels import gdn_kernels
+from clover_desk.engine.model.config import CloverConfig
+from clover_desk.engine.model.experts import DenseExpertBank, ExpertBank
+from clover_desk.engine.weights.formats import FP32_PARAMS
 
 log = logging.getLogger(__name__)
 

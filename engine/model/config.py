@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from engine.decode.limits import GENERATION_LIMITS, decode_utf8
-from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
-from engine.errors import ConfigError
+from clover_desk.engine.decode.limits import GENERATION_LIMITS, decode_utf8
+from clover_desk.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
+from clover_desk.engine.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("clover_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 

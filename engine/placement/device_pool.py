@@ -30,7 +30,7 @@ Here the same bookkeeping runs on the device, two kernels per streamed layer tha
 
 The bookkeeping is the host pool's, decision for decision: experts taken in ascending order, free slots lowest
 first, then least recently used; hits refresh their place; a prefetched slot counts a hit when first used and a
-waste when evicted unused. ``tests/test_device_pool.py`` runs the same sequence through both and compares every
+waste when evicted unused. ``tests/engine/test_device_pool.py`` runs the same sequence through both and compares every
 slot and counter. A miss that was not prefetched is read serially, as in the host pool (there, after a sync).
 
 Ownership: host and device tables are never both live. The device's are written from the host pool (``push``,
@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.kernels.triton_copy import BIG, STAMP_STRIDE, copy_rows, place, place_set
-from engine.kernels.triton_linear import available
+from clover_desk.engine.kernels.triton_copy import BIG, STAMP_STRIDE, copy_rows, place, place_set
+from clover_desk.engine.kernels.triton_linear import available
 
 # the device counters, in order; merged into engine.placement.offload.Stats (same names) by merge_counts
 COUNTS = ("slot_hits", "slot_misses", "prefetched", "prefetch_hits", "prefetch_wasted", "evictions", "passes",

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import CheckpointError, ConfigError, PlanError
-from engine.model.config import CloverConfig, load_config
-from engine.weights.formats import (
+from clover_desk.engine.errors import CheckpointError, ConfigError, PlanError
+from clover_desk.engine.model.config import CloverConfig, load_config
+from clover_desk.engine.weights.formats import (
     COMPUTE_DTYPES,
     DEFAULT_POLICY,
     FORMAT_BYTES,
@@ -38,7 +38,7 @@ from engine.weights.formats import (
     quantized_sizes,
     read_safetensors_header,
 )
-from engine.weights.gguf.file import FORMAT_OF_TYPE, open_gguf, tensor_map
+from clover_desk.engine.weights.gguf.file import FORMAT_OF_TYPE, open_gguf, tensor_map
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -62,13 +62,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
-from engine.model.experts import SMALL_SLOTS, DenseExpertBank, ExpertBank, present
-from engine.placement.device_pool import COUNTS, DeviceSlotTables
-from engine.placement.planner import CPU_EXPERT_MODES, Plan
-from engine.settings import EXPERT_FETCH
-from engine.weights.formats import format_of_torch_dtype
-from engine.weights.quant import (
+from clover_desk.engine.errors import OutOfMemory, PlanError  # noqa: F401 (OutOfMemory re-exported: callers import it from here too)
+from clover_desk.engine.model.experts import SMALL_SLOTS, DenseExpertBank, ExpertBank, present
+from clover_desk.engine.placement.device_pool import COUNTS, DeviceSlotTables
+from clover_desk.engine.placement.planner import CPU_EXPERT_MODES, Plan
+from clover_desk.engine.settings import EXPERT_FETCH
+from clover_desk.engine.weights.formats import format_of_torch_dtype
+from clover_desk.engine.weights.quant import (
     QuantExpertBank,
     QuantLinear,
     QuantPolicy,

@@ -53,10 +53,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CARD_BYTES, DEFAULT_CTX_TOKENS
-from engine.errors import PlanError
-from engine.placement.hardware import DEFAULT_HARDWARE, Hardware, probe_hardware
-from engine.placement.manifest import (
+from clover_desk.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CARD_BYTES, DEFAULT_CTX_TOKENS
+from clover_desk.engine.errors import PlanError
+from clover_desk.engine.placement.hardware import DEFAULT_HARDWARE, Hardware, probe_hardware
+from clover_desk.engine.placement.manifest import (
     KINDS,
     QUANT_MANIFEST_NAME,
     SHAPES,
@@ -76,8 +76,13 @@ from engine.placement.manifest import (
     model_facts,
     quantize_manifest,
 )
-from engine.placement.speed import CORESET_DISTINCT_EXPERTS_PER_PASS, DEQUANT_GROUP_EXPERTS, Roofline, predict
-from engine.weights.formats import COMPUTE_DTYPES, DEFAULT_POLICY, QuantPolicy, make_policy
+from clover_desk.engine.placement.speed import (
+    CORESET_DISTINCT_EXPERTS_PER_PASS,
+    DEQUANT_GROUP_EXPERTS,
+    Roofline,
+    predict,
+)
+from clover_desk.engine.weights.formats import COMPUTE_DTYPES, DEFAULT_POLICY, QuantPolicy, make_policy
 
 __all__ = [
     "DEFAULT_CARD_BYTES",

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.settings import GpuPaths, SettingsError, switches_set
+from clover_desk.engine.settings import GpuPaths, SettingsError, switches_set
 
 LEVELS = ("ok", "info", "warning", "error")
 TORCH_INDEX = "https://download.pytorch.org/whl"

@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import PlanError
-from engine.placement.hardware import GB, Hardware
-from engine.placement.manifest import MiB, ModelFacts
+from clover_desk.engine.errors import PlanError
+from clover_desk.engine.placement.hardware import GB, Hardware
+from clover_desk.engine.placement.manifest import MiB, ModelFacts
 
 CORESET_DISTINCT_EXPERTS_PER_PASS = 30.0  # [assumption] DES / MoE-Spec: 30-50 % of the raw union
 # Experts a quantized bank dequantizes at once without the fused MoE kernel (engine.model.experts.GROUP_BYTES on CUDA:

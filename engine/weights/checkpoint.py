@@ -26,11 +26,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from engine.decode.events import LoadProgress
-from engine.errors import CancelledError, CheckpointError
-from engine.model.clover import CloverModel, GatedDeltaNet, ParamHolder
-from engine.model.config import CloverConfig, load_config
-from engine.weights.formats import (
+from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.engine.errors import CancelledError, CheckpointError
+from clover_desk.engine.model.clover import CloverModel, GatedDeltaNet, ParamHolder
+from clover_desk.engine.model.config import CloverConfig, load_config
+from clover_desk.engine.weights.formats import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
     SINGLE_NAME,
@@ -38,7 +38,7 @@ from engine.weights.formats import (
     HeaderEntry,
     checkpoint_files,
 )
-from engine.weights.formats import read_safetensors_header as read_safetensors_header_raw
+from clover_desk.engine.weights.formats import read_safetensors_header as read_safetensors_header_raw
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import CheckpointError, ConfigError
+from clover_desk.engine.errors import CheckpointError, ConfigError
 
 __all__ = [
     "DEFAULT_POLICY",

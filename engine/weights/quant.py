@@ -39,13 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.errors import CheckpointError, ConfigError
-from engine.kernels import cpu_quant, triton_linear, triton_moe
-from engine.model.experts import SMALL_SLOTS, ExpertBank, RowLayout, group_by_expert, moe_grouped
+from clover_desk.engine.errors import CheckpointError, ConfigError
+from clover_desk.engine.kernels import cpu_quant, triton_linear, triton_moe
+from clover_desk.engine.model.experts import SMALL_SLOTS, ExpertBank, RowLayout, group_by_expert, moe_grouped
 
 # The policy table is weights.formats' (stdlib only, shared with the planner); the quantizer's callers reach it here
-# too, as the same objects (tests/test_planner.py checks the identity).
-from engine.weights.formats import (  # noqa: F401
+# too, as the same objects (tests/engine/test_planner.py checks the identity).
+from clover_desk.engine.weights.formats import (  # noqa: F401
     DEFAULT_POLICY,
     FORMATS,
     NF4_CODE,

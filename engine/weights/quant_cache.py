@@ -55,13 +55,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.decode.events import LoadProgress
-from engine.errors import CancelledError, CheckpointError
-from engine.model.clover import CloverModel
-from engine.model.config import CloverConfig, load_config
-from engine.placement import offload
-from engine.weights import checkpoint
-from engine.weights.checkpoint import (
+from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.engine.errors import CancelledError, CheckpointError
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.model.config import CloverConfig, load_config
+from clover_desk.engine.placement import offload
+from clover_desk.engine.weights import checkpoint
+from clover_desk.engine.weights.checkpoint import (
     TORCH_DTYPES,
     Target,
     check_checkpoint,
@@ -71,8 +71,8 @@ from engine.weights.checkpoint import (
     sanitize_shape,
     sanitize_tensor,
 )
-from engine.weights.formats import SAFETENSORS_DTYPES, TAG_OF_FORMAT, checkpoint_files
-from engine.weights.quant import (
+from clover_desk.engine.weights.formats import SAFETENSORS_DTYPES, TAG_OF_FORMAT, checkpoint_files
+from clover_desk.engine.weights.quant import (
     DEFAULT_POLICY,
     QUANT_FORMATS,
     ExpertLayout,

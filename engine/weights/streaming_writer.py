@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from engine.errors import CheckpointError
-from engine.weights.checkpoint import TORCH_DTYPES
-from engine.weights.formats import INDEX_NAME, SINGLE_NAME
+from clover_desk.engine.errors import CheckpointError
+from clover_desk.engine.weights.checkpoint import TORCH_DTYPES
+from clover_desk.engine.weights.formats import INDEX_NAME, SINGLE_NAME
 
 log = logging.getLogger(__name__)
 

@@ -29,17 +29,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from engine.decode.tokenizer import ENDOFTEXT, IM_END, MASK, THINK_END, train_tiny_tokenizer
-from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
-from engine.errors import ConfigError
-from engine.model.config import CloverConfig, parse_config
-from engine.placement.manifest import SHAPES, ModelGeometry, _text_tensors, shape_fields
-from engine.weights.checkpoint import random_state_dict, write_checkpoint
-from engine.weights.formats import INDEX_NAME, SINGLE_NAME
-from engine.weights.streaming_writer import SHARD_NAME, TensorSpec, write_checkpoint_streaming
+from clover_desk.engine.decode.tokenizer import ENDOFTEXT, IM_END, MASK, THINK_END, train_tiny_tokenizer
+from clover_desk.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
+from clover_desk.engine.errors import ConfigError
+from clover_desk.engine.model.config import CloverConfig, parse_config
+from clover_desk.engine.placement.manifest import SHAPES, ModelGeometry, _text_tensors, shape_fields
+from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint
+from clover_desk.engine.weights.formats import INDEX_NAME, SINGLE_NAME
+from clover_desk.engine.weights.streaming_writer import SHARD_NAME, TensorSpec, write_checkpoint_streaming
 
 if TYPE_CHECKING:  # torch is imported only by the functions that write weights
-    from engine.weights.streaming_writer import FillFn, TensorSpec
+    from clover_desk.engine.weights.streaming_writer import FillFn, TensorSpec
 
 log = logging.getLogger(__name__)
 

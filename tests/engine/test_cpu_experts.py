@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from clover_desk.cli import main as cli
-from engine.errors import PlanError
-from engine.model.clover import CloverModel
-from engine.placement import offload
-from engine.placement.hardware import Hardware
-from engine.placement.manifest import manifest_for_shape
-from engine.placement.offload import SimplePlan, apply_plan
-from engine.placement.planner import CPU_EXPERT_MODES, Plan, make_plan
-from engine.placement.speed import Roofline
+from clover_desk.engine.errors import PlanError
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.placement import offload
+from clover_desk.engine.placement.hardware import Hardware
+from clover_desk.engine.placement.manifest import manifest_for_shape
+from clover_desk.engine.placement.offload import SimplePlan, apply_plan
+from clover_desk.engine.placement.planner import CPU_EXPERT_MODES, Plan, make_plan
+from clover_desk.engine.placement.speed import Roofline
 from tests.offload_model import EXPERTS, quantized_model, tokens
 
 GIB = 1024**3

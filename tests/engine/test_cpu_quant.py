@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.kernels import cpu_quant as cq
-from engine.weights.gguf import quants as gq
+from clover_desk.engine.kernels import cpu_quant as cq
+from clover_desk.engine.weights.gguf import quants as gq
 
 K_TYPES = (cq.Q4_K, cq.Q6_K, cq.Q5_K)
 ALL_TYPES = (cq.Q4_K, cq.Q6_K, cq.Q8_0, cq.Q5_K, cq.Q4_0)

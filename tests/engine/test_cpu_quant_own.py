@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.kernels import cpu_quant as cq
-from engine.weights import quant as wq
-from engine.weights.formats import NF4_CODE
+from clover_desk.engine.kernels import cpu_quant as cq
+from clover_desk.engine.weights import quant as wq
+from clover_desk.engine.weights.formats import NF4_CODE
 from tests.engine.test_cpu_quant import (
     assert_moe_close,
     check_qmatmul,

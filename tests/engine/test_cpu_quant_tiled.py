@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.kernels import cpu_quant as cq
-from engine.weights import quant as wq
+from clover_desk.engine.kernels import cpu_quant as cq
+from clover_desk.engine.weights import quant as wq
 from tests.engine.test_cpu_quant import assert_moe_close
 from tests.engine.test_cpu_quant_own import check_smatmul, own_bank_reference, quantized
 

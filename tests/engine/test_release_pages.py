@@ -10,7 +10,7 @@ import numpy as np
 import psutil
 import pytest
 
-from engine.weights.gguf.file import release_pages
+from clover_desk.engine.weights.gguf.file import release_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap.mmap, "madvise") or sys.platform == "win32",
                                 reason="madvise is POSIX")

@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.decode.tokenizer import CloverTokenizer
-from engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
-from engine.errors import ConfigError
-from engine.model.config import CloverConfig, parse_config
-from engine.weights.gguf.header import read_header
+from clover_desk.engine.decode.tokenizer import CloverTokenizer
+from clover_desk.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
+from clover_desk.engine.errors import ConfigError
+from clover_desk.engine.model.config import CloverConfig, parse_config
+from clover_desk.engine.weights.gguf.header import read_header
 
 log = logging.getLogger(__name__)
 

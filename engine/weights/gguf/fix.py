@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError
-from engine.weights.gguf.file import ARCHITECTURES, DIFFUSION_SUFFIXES, SPLIT_RE, _reader, split_parts
+from clover_desk.engine.errors import ConfigError
+from clover_desk.engine.weights.gguf.file import ARCHITECTURES, DIFFUSION_SUFFIXES, SPLIT_RE, _reader, split_parts
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import CheckpointError, ConfigError
+from clover_desk.engine.errors import CheckpointError, ConfigError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)

@@ -37,15 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.decode.events import LoadProgress
-from engine.errors import CancelledError, CheckpointError
-from engine.kernels import cpu_quant
-from engine.model.clover import CloverModel
-from engine.model.config import GenerationDefaults, load_generation_defaults
-from engine.placement import offload
-from engine.weights.checkpoint import LoadPlan, TensorEntry, _as_dtype, plan_load, sanitize_tensor
-from engine.weights.gguf import quants as gq
-from engine.weights.gguf.file import (
+from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.engine.errors import CancelledError, CheckpointError
+from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.model.clover import CloverModel
+from clover_desk.engine.model.config import GenerationDefaults, load_generation_defaults
+from clover_desk.engine.placement import offload
+from clover_desk.engine.weights.checkpoint import LoadPlan, TensorEntry, _as_dtype, plan_load, sanitize_tensor
+from clover_desk.engine.weights.gguf import quants as gq
+from clover_desk.engine.weights.gguf.file import (
     FLOAT_TYPES,
     FORMAT_OF_TYPE,
     GGUFModelFile,
@@ -56,8 +56,8 @@ from engine.weights.gguf.file import (
     tensor_map,
     tiled_to_hf_heads,
 )
-from engine.weights.quant import RowExpertBank, set_submodule
-from engine.weights.tiny import CLOVER_GENERATION_DEFAULTS
+from clover_desk.engine.weights.quant import RowExpertBank, set_submodule
+from clover_desk.engine.weights.tiny import CLOVER_GENERATION_DEFAULTS
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.errors import ConfigError
-from engine.model.config import CloverConfig, load_config
-from engine.weights.checkpoint import iter_model_tensors
-from engine.weights.gguf import quants as gq
-from engine.weights.gguf.file import GGUF_OF_HF, hf_to_tiled_heads
+from clover_desk.engine.errors import ConfigError
+from clover_desk.engine.model.config import CloverConfig, load_config
+from clover_desk.engine.weights.checkpoint import iter_model_tensors
+from clover_desk.engine.weights.gguf import quants as gq
+from clover_desk.engine.weights.gguf.file import GGUF_OF_HF, hf_to_tiled_heads
 
 log = logging.getLogger(__name__)
 

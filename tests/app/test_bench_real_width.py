@@ -1,0 +1,73 @@
+"""The real-width bench's measuring parts on a tiny model (the bench itself needs ~20 GB of inputs and never runs in
+CI): the bytes a step reads, the KL figures, the per-layer clock and a child's peak RSS."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures_tiny import tiny_clover_dir  # noqa: F401
+
+from clover_desk.bench.real_width import LayerClock, kl_stats, model_bytes, type_mix
+from clover_desk.engine.weights.gguf.file import open_gguf
+from clover_desk.engine.weights.gguf.model import load_gguf_model
+from clover_desk.engine.weights.gguf.writer import write_gguf
+
+
+@pytest.fixture(scope="module")
+def q8_file(tiny_clover_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+    return write_gguf(tiny_clover_dir, tmp_path_factory.mktemp("rw") / "tiny-Q8_0.gguf", "Q8_0", layout="fork")[0]
+
+
+def test_step_bytes_match_the_files_header(q8_file: Path) -> None:
+    model = load_gguf_model(q8_file).model
+    sb = model_bytes(model)
+    gf = open_gguf(q8_file)
+    e, k = gf.config.num_experts, gf.config.num_experts_per_tok
+    head = gf.tensors["output.weight"].nbytes
+    experts = sum(t.nbytes for n, t in gf.tensors.items() if "_exps." in n)
+    rest = sum(t.nbytes for n, t in gf.tensors.items()
+               if n not in ("output.weight", "token_embd.weight") and "_exps." not in n)
+    assert sb.head == head
+    assert sum(sb.per_expert) * e == experts
+    assert sb.ar(k) == head + rest + k * experts // e  # the embedding is a look-up: not counted
+    assert sb.layer(0, 3) - sb.layer(0, 1) == 2 * sb.per_expert[0]
+    assert type_mix(q8_file).startswith("Q8_0 ")
+
+
+def test_kl_stats() -> None:
+    base = torch.tensor([[0.0, 0.0], [3.0, 1.0]])
+    assert kl_stats(base, base) == pytest.approx((0.0, 0.0, 1.0), abs=1e-12)
+    other = torch.tensor([[math.log(3.0), 0.0], [1.0, 3.0]])  # row 0: q = (3/4, 1/4); row 1: the top token flips
+    kl0 = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)
+    p1 = torch.softmax(base[1].double(), -1)
+    q1 = torch.softmax(other[1].double(), -1)
+    kl1 = float((p1 * (p1.log() - q1.log())).sum())
+    mean, worst, agree = kl_stats(base, other)
+    assert mean == pytest.approx((kl0 + kl1) / 2)
+    assert worst == pytest.approx(max(kl0, kl1))
+    assert agree == pytest.approx(0.5)
+
+
+def test_layer_clock_times_every_layer_and_the_head(q8_file: Path) -> None:
+    model = load_gguf_model(q8_file).model
+    ids = torch.arange(5, 13)
+    times = LayerClock(model).run(lambda: model.forward(ids, 0, model.new_cache(8)), 2)
+    assert len(times) == len(model.layers) + 1
+    assert all(0 < t < 10 for t in times)
+
+
+def test_a_child_reports_its_peak_rss(q8_file: Path, tiny_clover_dir: Path) -> None:  # noqa: F811
+    if sys.platform == "win32":
+        pytest.skip("peak RSS is POSIX")
+    ballast = bytearray(1 << 30)  # a big parent: the child's figure must be its own peak, not inherited
+    ballast[:: 1 << 12] = b"\x01" * len(range(0, 1 << 30, 1 << 12))
+    out = subprocess.run([sys.executable, "-m", "clover_desk.bench.real_width", "--peak", "gguf", str(q8_file),
+                          str(tiny_clover_dir), "8"], capture_output=True, text=True, timeout=300)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("peak_rss_bytes ")]
+    assert line and 50 * 2**20 < int(line[0].split()[1]) < 0.9 * 2**30, out.stdout + out.stderr
+    del ballast

@@ -1,0 +1,56 @@
+"""One rule for the HTML page of an answer (ui.html_extract): the chat's Preview button, the preview pane and the
+streaming follow all use it."""
+
+from __future__ import annotations
+
+from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
+from clover_desk.ui.html_extract import extract_html
+
+guard_pyside_bool_refcounts()
+
+def test_extract_fenced_block() -> None:
+    answer = "Here you go:\n\n```html\n<!DOCTYPE html>\n<html><body>hi</body></html>\n```\n\nEnjoy."
+    assert extract_html(answer) == "<!DOCTYPE html>\n<html><body>hi</body></html>"
+
+
+def test_extract_picks_longest_block_and_accepts_tildes() -> None:
+    answer = "```html\n<b>x</b>\n```\ntext\n~~~HTML\n<html><body>the whole app</body></html>\n~~~\n"
+    assert extract_html(answer) == "<html><body>the whole app</body></html>"
+
+
+def test_extract_unfinished_fence_while_streaming() -> None:
+    answer = "Sure!\n```html\n<!DOCTYPE html>\n<html><body><h1>Desk"
+    assert extract_html(answer) == "<!DOCTYPE html>\n<html><body><h1>Desk"
+
+
+def test_extract_bare_page_and_its_end() -> None:
+    answer = "Some words.\n<!doctype html>\n<html><body>x</body></html>\nAfterword."
+    assert extract_html(answer) == "<!doctype html>\n<html><body>x</body></html>"
+    assert extract_html("<html lang='en'><body>streaming") == "<html lang='en'><body>streaming"
+
+
+def test_extract_none_when_no_document() -> None:
+    assert extract_html("Use a <div> and an <html> element inline in prose.") is None
+    assert extract_html("```python\nprint('<html>')\n```") is None
+    assert extract_html("") is None
+
+
+TWO_BLOCKS = ("First the page:\n\n```html\n<!DOCTYPE html>\n<html><body><h1>The whole app</h1><p>with a body</p>"
+              "</body></html>\n```\n\nand the one line to change:\n\n```html\n<b>x</b>\n```\n")
+
+
+def test_the_longest_block_wins_even_when_it_comes_first() -> None:
+    assert extract_html(TWO_BLOCKS).startswith("<!DOCTYPE html>")
+
+
+def test_the_chat_preview_button_uses_the_same_rule(qtbot) -> None:
+    """A chat view built without an extractor (as in tests and the CLI) sends the page the pane would pick."""
+    from clover_desk.ui.chat_view import ChatView, MessageData
+
+    view = ChatView()
+    qtbot.addWidget(view)
+    widget = view.add_message(MessageData("assistant", TWO_BLOCKS))
+    with qtbot.waitSignal(view.previewRequested, timeout=1000) as blocker:
+        widget.preview_button.click()
+    assert blocker.args[0].html == extract_html(TWO_BLOCKS)
+    assert "The whole app" in blocker.args[0].html
