@@ -54,6 +54,7 @@ def _generate(engine: Engine, ids: list[int], mode: str, n: int) -> Finished:
     return done
 
 
+@pytest.mark.heavy  # ~90 s of inductor compiles on 2 cores: make test-heavy (the GGUF warm-up below stays in make test)
 def test_a_compiled_load_warms_up_ar_then_diffusion_and_the_first_requests_compile_nothing(
     tiny_clover_dir: Path,  # noqa: F811
 ) -> None:

@@ -554,6 +554,7 @@ def test_compile_layers_runs_device_table_steps_as_one_graph(qmodel: CloverModel
         torch._dynamo.reset()
 
 
+@pytest.mark.heavy  # ~55 s of inductor compiles: make test-heavy (the AR-step graph test stays in make test)
 def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverModel) -> None:
     """A diffusion run through the compiled layers with a streamed layer on the device tables (the first pass of a
     block prefetches, the later ones not: two variants of the layer, no host read in either): the uncompiled

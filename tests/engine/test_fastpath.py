@@ -52,6 +52,7 @@ def _compiled_run(layers: int, diffusion: bool) -> tuple[int, list[int], list[in
     return graphs, eager_ar, ar, eager_dd, dd
 
 
+@pytest.mark.heavy  # ~65 s of inductor compiles: make test-heavy (test_inductor_compiled_layers_match_eager_logits stays)
 def test_compiled_layers_decode_the_eager_tokens_and_share_their_graphs() -> None:
     shallow = _compiled_run(2, diffusion=True)
     deep = _compiled_run(6, diffusion=False)
