@@ -22,7 +22,7 @@ pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.ui.preview import PreviewPane
-from clover_desk.ui.preview_sandbox import register_schemes
+from clover_desk.ui.preview_sandbox import FLOOD_MESSAGES_PER_S, register_schemes
 from clover_desk.ui.preview_strip import MAX_CONSOLE_ENTRIES, MAX_DIALOG_ENTRIES, MAX_LINE_CHARS, MAX_STRIP_ENTRIES
 
 guard_pyside_bool_refcounts()
@@ -156,6 +156,15 @@ def wait_title(qtbot, pane: PreviewPane, title: str) -> None:
 
 def texts(pane: PreviewPane, source: str) -> list[str]:
     return [e.text for e in pane.strip.logs[source].entries]
+
+
+def wait_for(qtbot, condition, timeout_ms: int) -> bool:  # noqa: ANN001
+    """Whether ``condition()`` came true within ``timeout_ms`` (waiting on the event loop)."""
+    try:
+        qtbot.waitUntil(condition, timeout=timeout_ms)
+    except qtbot.TimeoutError:
+        return False
+    return True
 
 
 def rss_mb() -> float:
@@ -346,7 +355,16 @@ def test_a_flooding_page_cannot_grow_the_app_or_freeze_it(qtbot, pane, flood: st
         assert pane.strip.counts["blocked"] == 0  # "Refused to connect ..." from console.error is the page's own text
         assert all(len(t) <= MAX_LINE_CHARS + 40 for t in texts(pane, "console"))  # long lines cut
     else:
-        assert any("flooded" in t for t in texts(pane, "pane"))  # stopped, and the strip says why
+        # A page past FLOOD_MESSAGES_PER_S is stopped and the strip says why. How fast the engine writes refusals
+        # depends on the machine: on a loaded one it can stay under the threshold (no flood, nothing owed), so
+        # the test waits, and if the page still runs, measures its rate and requires it to be under the threshold.
+        stopped = lambda: any("flooded" in t for t in texts(pane, "pane"))  # noqa: E731
+        if not wait_for(qtbot, stopped, 8000):
+            sent = lambda: sum(log_.total for name, log_ in pane.strip.logs.items() if name != "pane")  # noqa: E731
+            before_n, t0 = sent(), time.monotonic()
+            qtbot.wait(1000)
+            rate = (sent() - before_n) / (time.monotonic() - t0)
+            assert not stopped() and rate < FLOOD_MESSAGES_PER_S, f"{rate:.0f} messages/s and not stopped"
     # Another document can be shown at once.
     started = time.monotonic()
     load(qtbot, pane, "<!DOCTYPE html><html><body><p id=p>calm</p></body></html>", f"after-flood-{flood}")
