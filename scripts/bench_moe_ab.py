@@ -3,7 +3,7 @@
 512, 256 experts, top-8), for one token (AR step) and 32 tokens (a diffusion pass), on GGUF Q4_K expert rows
 (``moe_packed``) and the engine's own NF4 / INT8 rows (``moe_rows``).
 
-    python scripts/bench_moe_ab.py [--base main] [--rounds 9] [--calls 5] [--threads 1]
+    python scripts/bench_moe_ab.py [--base main] [--rounds 9] [--calls 5] [--threads 1] [--only T=1]
 
 The two builds run interleaved (the order alternating each round), each round timing ``--calls`` calls and keeping
 the best; the table gives the median over rounds in ms per call and new / old. On a shared machine take the medians,
@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default="", help="only the cases whose name contains this")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,6 +121,8 @@ def main() -> None:
           f"best of {args.calls} calls per round")
     print(f"{'case':28s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}  same bits")
     for name, call in cases():
+        if args.only not in name:
+            continue
         same = torch.equal(call(builds["old"]), call(builds["new"]))  # also the warm-up
         times: dict[str, list[float]] = {"old": [], "new": []}
         for r in range(args.rounds):

@@ -180,11 +180,9 @@ class Kernels:
         lib.clover_smatmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, ptr, i64, ptr, i32]
         lib.clover_moe_split.restype = i32
         lib.clover_moe_split.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i32, i64, i64,
-                                         ptr, ptr, ptr, i32]
+                                         ptr, ptr, ptr, i32, i32]
         lib.clover_smatmul_tiled.restype = i32
         lib.clover_smatmul_tiled.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, i64, ptr, i32]
-        lib.clover_moe_split_tiled.restype = i32
-        lib.clover_moe_split_tiled.argtypes = lib.clover_moe_split.argtypes
         lib.clover_gdn_step.restype = i32
         lib.clover_gdn_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
 
@@ -277,10 +275,10 @@ class Kernels:
         out = torch.empty(t, d, dtype=torch.float32)
         if t == 0:
             return out
-        run = lib.clover_moe_split_tiled if qtype == NF4 and _use_tiled(t) else lib.clover_moe_split
-        rc = run(x.data_ptr(), t, d, i, packed.shape[0], idx.shape[1], packed.data_ptr(), packed.stride(0), gu_c,
-                 dn_c, gu_s, dn_s, qtype, bs_gu, bs_dn, idx.data_ptr(), wts.data_ptr(), out.data_ptr(),
-                 torch.get_num_threads())
+        rc = lib.clover_moe_split(x.data_ptr(), t, d, i, packed.shape[0], idx.shape[1], packed.data_ptr(),
+                                  packed.stride(0), gu_c, dn_c, gu_s, dn_s, qtype, bs_gu, bs_dn, idx.data_ptr(),
+                                  wts.data_ptr(), out.data_ptr(), int(qtype == NF4 and _use_tiled(t)),
+                                  torch.get_num_threads())
         _raise_for(rc, "moe_rows")
         return out
 

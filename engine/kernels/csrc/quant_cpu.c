@@ -925,14 +925,39 @@ int clover_smatmul(const float *x, int64_t T, int64_t K, const uint8_t *codes, i
 }
 
 /*
+ * Rows r0 .. r0 + nr - 1 of expert e of matrix m (K values each) against n activation rows (row tidx[i], or i when
+ * tidx is NULL): out[r + i * ostride] for row r0 + r. Tiled: mat_rows_tiled (issue 30's section below: NF4 rows
+ * decoded once for many activation rows); else nr is 1 and the row goes straight to mat_row_dots. The flag stays
+ * the same for a whole call, so the branch is predicted; measured at T = 1 (down tasks of one 512-value row are
+ * ~100 instructions), a function pointer with a loop over nr here cost Q4_K ~15%, this branch nothing measurable.
+ */
+static void mat_rows_tiled(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const char *act,
+                           size_t arow, const int64_t *tidx, int64_t n, float *out, int64_t ostride);
+
+static inline void mat_rows(int tiled, const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const char *act,
+                            size_t arow, const int64_t *tidx, int64_t n, float *out, int64_t ostride) {
+    if (tiled) mat_rows_tiled(m, e, r0, nr, K, act, arow, tidx, n, out, ostride);
+    else mat_row_dots(m, e, r0, K, act, arow, tidx, n, out, ostride);
+}
+
+#define TILE_R 4 /* weight rows per task of the tiled drivers */
+
+#ifdef _OPENMP /* used in the pragmas only */
+/* tasks per dynamically scheduled chunk for tasks of `tile` weight rows (one row: chunk_for's rows) */
+static int moe_chunk(int64_t tasks, int nth, int64_t tile) {
+    return tile == 1 ? chunk_for(tasks, nth) : chunk_for(tasks, nth) / (int)tile + 1;
+}
+#endif
+
+/*
  * Routed MoE: out[t] = sum_j topk_w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_idx[t, j], over the
  * matrices g [I, D], u [I, D], dn [D, I] of each expert. Each used expert's blocks are read once: the loops run
- * over (expert, weight row) with the expert's tokens inside.
+ * over (expert, tile of weight rows: one, or TILE_R when tiled) with the expert's tokens inside.
  * x: fp32 [T, D]; topk_idx: int64 [T, k] in [0, E); topk_w: fp32 [T, k]; out: fp32 [T, D]. Returns 0 or an error.
  */
 static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k, const mat_t *g,
                    const mat_t *u, const mat_t *dn, const int64_t *topk_idx, const float *topk_w, float *out,
-                   int nth) {
+                   int tiled, int nth) {
     const int qg = g->qt, qu = u->qt, qd = dn->qt;
     for (int j = 0; j < 3; j++) {
         const int q = j == 0 ? qg : j == 1 ? qu : qd;
@@ -945,12 +970,15 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     const size_t arow_g = act_block_size(qg) * (size_t)(D / block_values(qg));
     const size_t arow_u = act_block_size(qu) * (size_t)(D / block_values(qu));
     const size_t arow_d = act_block_size(qd) * (size_t)(I / block_values(qd));
+    const int64_t tile = tiled ? TILE_R : 1;
+    const int64_t GI = (I + tile - 1) / tile, GD = (D + tile - 1) / tile; /* row tiles per matrix */
 
     /* group the pairs by expert (counting sort, stable: token order within an expert) */
     int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
     int64_t *slot_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1)); /* pair -> sorted slot */
     int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1));     /* sorted slot -> token */
     int64_t *used = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));     /* used experts, ascending */
+    int64_t *fill = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));     /* next free slot per expert */
     float *h = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));            /* [P sorted, I] */
     float *hu = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));           /* [P sorted, I] up outputs */
     float *y = (float *)malloc(sizeof(float) * (size_t)(P * D + 1));            /* [P sorted, D] */
@@ -958,7 +986,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     char *au = (is_k_type(qu) == is_k_type(qg)) ? ag : (char *)quantize_rows(qu, x, T, D, nth);
     char *ah = NULL;
     int rc = OK;
-    if (!count || !slot_of || !tok || !used || !h || !hu || !y || !ag || !au) {
+    if (!count || !slot_of || !tok || !used || !fill || !h || !hu || !y || !ag || !au) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -968,28 +996,22 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         if (count[e + 1]) used[U++] = e;
         count[e + 1] += count[e]; /* count[e] = first sorted slot of expert e */
     }
-    {
-        int64_t *fill = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
-        if (!fill) {
-            rc = ERR_ALLOC;
-            goto done;
-        }
-        memcpy(fill, count, sizeof(int64_t) * (size_t)E);
-        for (int64_t p = 0; p < P; p++) {
-            int64_t s = fill[topk_idx[p]]++;
-            slot_of[p] = s;
-            tok[s] = p / k;
-        }
-        free(fill);
+    memcpy(fill, count, sizeof(int64_t) * (size_t)E);
+    for (int64_t p = 0; p < P; p++) {
+        int64_t s = fill[topk_idx[p]]++;
+        slot_of[p] = s;
+        tok[s] = p / k;
     }
 
-    /* gate and up: one task per (used expert, row i); h[s, i] = silu(g) * u for each of the expert's slots s */
-#pragma omp parallel for num_threads(threads_for(nth, U * I)) schedule(dynamic, chunk_for(U * I, nth))
-    for (int64_t task = 0; task < U * I; task++) {
-        const int64_t e = used[task / I], i = task % I, s0 = count[e], n = count[e + 1] - s0;
-        mat_row_dots(g, e, i, D, ag, arow_g, tok + s0, n, h + s0 * I + i, I);
-        mat_row_dots(u, e, i, D, au, arow_u, tok + s0, n, hu + s0 * I + i, I);
-        for (int64_t s = s0; s < s0 + n; s++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
+    /* gate and up: one task per (used expert, tile of rows i); h[s, i] = silu(g) * u for the expert's slots s */
+#pragma omp parallel for num_threads(threads_for(nth, U * GI)) schedule(dynamic, moe_chunk(U * GI, nth, tile))
+    for (int64_t task = 0; task < U * GI; task++) {
+        const int64_t e = used[task / GI], i0 = (task % GI) * tile, s0 = count[e], n = count[e + 1] - s0;
+        const int64_t nr = I - i0 < tile ? I - i0 : tile;
+        mat_rows(tiled, g, e, i0, nr, D, ag, arow_g, tok + s0, n, h + s0 * I + i0, I);
+        mat_rows(tiled, u, e, i0, nr, D, au, arow_u, tok + s0, n, hu + s0 * I + i0, I);
+        for (int64_t s = s0; s < s0 + n; s++)
+            for (int64_t i = i0; i < i0 + nr; i++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
     }
 
     ah = (char *)quantize_rows(qd, h, P, I, nth);
@@ -998,11 +1020,13 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         goto done;
     }
 
-    /* down: one task per (used expert, row j); y[s, j] for the expert's slots s (their rows of ah are adjacent) */
-#pragma omp parallel for num_threads(threads_for(nth, U * D)) schedule(dynamic, chunk_for(U * D, nth))
-    for (int64_t task = 0; task < U * D; task++) {
-        const int64_t e = used[task / D], j = task % D, s0 = count[e];
-        mat_row_dots(dn, e, j, I, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0, y + s0 * D + j, D);
+    /* down: one task per (used expert, tile of rows j); y[s, j] for the expert's slots s (adjacent rows of ah) */
+#pragma omp parallel for num_threads(threads_for(nth, U * GD)) schedule(dynamic, moe_chunk(U * GD, nth, tile))
+    for (int64_t task = 0; task < U * GD; task++) {
+        const int64_t e = used[task / GD], j0 = (task % GD) * tile, s0 = count[e];
+        const int64_t nr = D - j0 < tile ? D - j0 : tile;
+        mat_rows(tiled, dn, e, j0, nr, I, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0,
+                 y + s0 * D + j0, D);
     }
 
     /* weighted sum over each token's slots, in slot order */
@@ -1025,6 +1049,7 @@ done:
     free(slot_of);
     free(tok);
     free(used);
+    free(fill);
     free(h);
     free(hu);
     free(y);
@@ -1044,7 +1069,7 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
     if (is_split_type(qg) || is_split_type(qu) || is_split_type(qd)) return ERR_TYPE;
     const mat_t g = {qg, gate, g_es, g_rs, NULL, 0, 0, 0}, u = {qu, up, u_es, u_rs, NULL, 0, 0, 0};
     const mat_t dn = {qd, down, d_es, d_rs, NULL, 0, 0, 0};
-    return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, nth);
+    return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, 0, nth);
 }
 
 /* ============================================================================================================ */
@@ -1106,28 +1131,10 @@ int clover_gdn_step(const float *q, const float *k, const float *v, const float 
 /* end of the Gated DeltaNet AR step                                                                             */
 /* ============================================================================================================ */
 
-/*
- * moe_run over the engine's own expert rows (engine.weights.quant.ExpertLayout): expert e is the byte row
- * base + e * es = [gate_up codes [2I, D] | down codes [D, I] | gate_up scales | down scales] at the given byte
- * offsets, all of split type qt; gate is gate_up's rows 0..I-1, up its rows I..2I-1. bs_gu / bs_dn: values per
- * scale of gate_up / down (NF4: the blocksize; I8: the row width, D / I).
- */
-int clover_moe_split(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k, const uint8_t *base,
-                     int64_t es, int64_t gu_codes, int64_t dn_codes, int64_t gu_scales, int64_t dn_scales, int qt,
-                     int64_t bs_gu, int64_t bs_dn, const int64_t *topk_idx, const float *topk_w, float *out,
-                     int nth) {
-    if (!is_split_type(qt)) return ERR_TYPE;
-    const int64_t rg = qt == T_NF4 ? D / 2 : D, rd = qt == T_NF4 ? I / 2 : I; /* code bytes per row */
-    const mat_t g = {qt, base + gu_codes, es, rg, base + gu_scales, es, bs_gu, 0};
-    const mat_t u = {qt, base + gu_codes + I * rg, es, rg, base + gu_scales, es, bs_gu, I * D};
-    const mat_t dn = {qt, base + dn_codes, es, rd, base + dn_scales, es, bs_dn, 0};
-    return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, nth);
-}
-
 /* ============================================================================================================ */
 /* Issue 30: NF4 (the own cache's experts) for many activation rows (diffusion passes, prefill segments).      */
-/* This section only calls the helpers above (mat_row_dots, nf4_values, quantize_rows, threads_for, chunk_for,  */
-/* silu, ...) and changes none of them.                                                                         */
+/* Its row function, mat_rows_tiled, plugs into the one routed-MoE driver above (moe_run) in tasks of TILE_R    */
+/* rows; the rest calls the helpers above (mat_row_dots, nf4_values, quantize_rows, threads_for, chunk_for, ...). */
 /*                                                                                                              */
 /* For T > 1 activation rows the K formats already decode each weight block once and reuse it for every row    */
 /* (row_dots' decoded path); NF4 did not: dot_nf4 unpacked the nibbles through the table again for every       */
@@ -1207,8 +1214,6 @@ static void mat_rows_tiled(const mat_t *m, int64_t e, int64_t r0, int64_t nr, in
     for (int64_t r = 0; r < nr; r++) mat_row_dots(m, e, r0 + r, K, act, arow, tidx, n, out + r, ostride);
 }
 
-#define TILE_R 4 /* weight rows per task */
-
 /* as qmatmul_run over all N rows (no row selection), through mat_rows_tiled */
 static int qmatmul_tiled_run(const float *x, int64_t T, int64_t K, const mat_t *m, int64_t N, float *out, int nth) {
     if (!is_split_type(m->qt) && !dot_for(m->qt)) return ERR_TYPE;
@@ -1236,119 +1241,23 @@ int clover_smatmul_tiled(const float *x, int64_t T, int64_t K, const uint8_t *co
 }
 
 /*
- * moe_run with mat_rows_tiled: the same grouping by expert (each used expert's rows read once per call), in tasks
- * of TILE_R weight rows of one expert. Copied from moe_run and adapted (only the two task loops differ); results
- * are bit-identical to moe_run's.
+ * moe_run over the engine's own expert rows (engine.weights.quant.ExpertLayout): expert e is the byte row
+ * base + e * es = [gate_up codes [2I, D] | down codes [D, I] | gate_up scales | down scales] at the given byte
+ * offsets, all of split type qt; gate is gate_up's rows 0..I-1, up its rows I..2I-1. bs_gu / bs_dn: values per
+ * scale of gate_up / down (NF4: the blocksize; I8: the row width, D / I). tiled: tasks of TILE_R rows through
+ * mat_rows_tiled (each expert's NF4 rows decoded once for all its tokens), else one row per task through
+ * mat_rows_direct; both give the same bits.
  */
-static int moe_tiled_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k, const mat_t *g,
-                         const mat_t *u, const mat_t *dn, const int64_t *topk_idx, const float *topk_w, float *out,
-                         int nth) {
-    const int qg = g->qt, qu = u->qt, qd = dn->qt;
-    for (int j = 0; j < 3; j++) {
-        const int q = j == 0 ? qg : j == 1 ? qu : qd;
-        if (!is_split_type(q) && !dot_for(q)) return ERR_TYPE;
-    }
-    if (!mat_ok(g, D) || !mat_ok(u, D) || !mat_ok(dn, I)) return ERR_SHAPE;
-    const int64_t P = T * k;
-    for (int64_t p = 0; p < P; p++)
-        if (topk_idx[p] < 0 || topk_idx[p] >= E) return ERR_SHAPE;
-    const size_t arow_g = act_block_size(qg) * (size_t)(D / block_values(qg));
-    const size_t arow_u = act_block_size(qu) * (size_t)(D / block_values(qu));
-    const size_t arow_d = act_block_size(qd) * (size_t)(I / block_values(qd));
-    const int64_t GI = (I + TILE_R - 1) / TILE_R, GD = (D + TILE_R - 1) / TILE_R; /* row tiles per matrix */
-
-    int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
-    int64_t *slot_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1));
-    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(P + 1));
-    int64_t *used = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
-    int64_t *fill = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
-    float *h = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));
-    float *hu = (float *)malloc(sizeof(float) * (size_t)(P * I + 1));
-    float *y = (float *)malloc(sizeof(float) * (size_t)(P * D + 1));
-    char *ag = (char *)quantize_rows(qg, x, T, D, nth);
-    char *au = (is_k_type(qu) == is_k_type(qg)) ? ag : (char *)quantize_rows(qu, x, T, D, nth);
-    char *ah = NULL;
-    int rc = OK;
-    if (!count || !slot_of || !tok || !used || !fill || !h || !hu || !y || !ag || !au) {
-        rc = ERR_ALLOC;
-        goto done;
-    }
-    for (int64_t p = 0; p < P; p++) count[topk_idx[p] + 1]++;
-    int64_t U = 0;
-    for (int64_t e = 0; e < E; e++) {
-        if (count[e + 1]) used[U++] = e;
-        count[e + 1] += count[e];
-    }
-    memcpy(fill, count, sizeof(int64_t) * (size_t)E);
-    for (int64_t p = 0; p < P; p++) {
-        int64_t s = fill[topk_idx[p]]++;
-        slot_of[p] = s;
-        tok[s] = p / k;
-    }
-
-    /* gate and up: one task per (used expert, tile of TILE_R rows) */
-#pragma omp parallel for num_threads(threads_for(nth, U * GI)) schedule(dynamic, chunk_for(U * GI, nth) / TILE_R + 1)
-    for (int64_t task = 0; task < U * GI; task++) {
-        const int64_t e = used[task / GI], i0 = (task % GI) * TILE_R, s0 = count[e], n = count[e + 1] - s0;
-        const int64_t nr = I - i0 < TILE_R ? I - i0 : TILE_R;
-        mat_rows_tiled(g, e, i0, nr, D, ag, arow_g, tok + s0, n, h + s0 * I + i0, I);
-        mat_rows_tiled(u, e, i0, nr, D, au, arow_u, tok + s0, n, hu + s0 * I + i0, I);
-        for (int64_t s = s0; s < s0 + n; s++)
-            for (int64_t i = i0; i < i0 + nr; i++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
-    }
-
-    ah = (char *)quantize_rows(qd, h, P, I, nth);
-    if (!ah) {
-        rc = ERR_ALLOC;
-        goto done;
-    }
-
-    /* down: one task per (used expert, tile of TILE_R rows) */
-#pragma omp parallel for num_threads(threads_for(nth, U * GD)) schedule(dynamic, chunk_for(U * GD, nth) / TILE_R + 1)
-    for (int64_t task = 0; task < U * GD; task++) {
-        const int64_t e = used[task / GD], j0 = (task % GD) * TILE_R, s0 = count[e];
-        const int64_t nr = D - j0 < TILE_R ? D - j0 : TILE_R;
-        mat_rows_tiled(dn, e, j0, nr, I, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0,
-                       y + s0 * D + j0, D);
-    }
-
-#pragma omp parallel for num_threads(threads_for(nth, T)) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        float *o = out + t * D;
-        for (int64_t j = 0; j < D; j++) o[j] = 0.0f;
-        for (int64_t c = 0; c < k; c++) {
-            const float wt = topk_w[t * k + c];
-            const float *ys = y + slot_of[t * k + c] * D;
-            for (int64_t j = 0; j < D; j++) o[j] += wt * ys[j];
-        }
-    }
-
-done:
-    if (au != ag) free(au);
-    free(ag);
-    free(ah);
-    free(count);
-    free(slot_of);
-    free(tok);
-    free(used);
-    free(fill);
-    free(h);
-    free(hu);
-    free(y);
-    return rc;
-}
-
-/* clover_moe_split with each expert's weight rows decoded once for all its tokens (same arguments, same results) */
-int clover_moe_split_tiled(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k,
-                           const uint8_t *base, int64_t es, int64_t gu_codes, int64_t dn_codes, int64_t gu_scales,
-                           int64_t dn_scales, int qt, int64_t bs_gu, int64_t bs_dn, const int64_t *topk_idx,
-                           const float *topk_w, float *out, int nth) {
+int clover_moe_split(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t k, const uint8_t *base,
+                     int64_t es, int64_t gu_codes, int64_t dn_codes, int64_t gu_scales, int64_t dn_scales, int qt,
+                     int64_t bs_gu, int64_t bs_dn, const int64_t *topk_idx, const float *topk_w, float *out,
+                     int tiled, int nth) {
     if (!is_split_type(qt)) return ERR_TYPE;
     const int64_t rg = qt == T_NF4 ? D / 2 : D, rd = qt == T_NF4 ? I / 2 : I; /* code bytes per row */
     const mat_t g = {qt, base + gu_codes, es, rg, base + gu_scales, es, bs_gu, 0};
     const mat_t u = {qt, base + gu_codes + I * rg, es, rg, base + gu_scales, es, bs_gu, I * D};
     const mat_t dn = {qt, base + dn_codes, es, rd, base + dn_scales, es, bs_dn, 0};
-    return moe_tiled_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, nth);
+    return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, tiled != 0, nth);
 }
 /* ============================================================================================================ */
 /* end of issue 30's section                                                                                     */
