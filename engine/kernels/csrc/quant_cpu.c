@@ -230,15 +230,23 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
 /*   32-byte chunk c holds sub-block 2c (32 values) in its low nibbles and sub-block 2c+1 in its high nibbles.  */
 /*   x = d * sc[j] * q - dmin * m[j] for a value q of sub-block j.                                              */
 /*   dot = d*da * sum_j sc[j] * sum(q*a) - dmin*da * sum_j m[j] * (bsums[2j] + bsums[2j+1])                      */
+/* Q5_K: 176 bytes per 256 values                                                                               */
+/*   [0:2] fp16 d, [2:4] fp16 dmin, [4:16] packed scales/mins as Q4_K, [16:48] qh, [48:176] nibbles as Q4_K.    */
+/*   Value l (0..31) of sub-block j: low 4 bits from the nibbles, bit 4 = bit j of qh[l]. x = d*sc*q - dmin*m.  */
+/* One body for both (q5: the qh bits), inlined into dot_q4k / dot_q5k with q5 a constant, so each compiles to    */
+/* its own loop with no test of q5 inside.                                                                      */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-static float dot_q4k(const uint8_t *w, const void *av, int64_t nb) {
+static inline __attribute__((always_inline)) float dot_q45k(const uint8_t *w, const void *av, int64_t nb,
+                                                            const int q5) {
     const a8k_t *a = (const a8k_t *)av;
+    const int64_t bb = q5 ? 176 : 144, qs_at = q5 ? 48 : 16; /* block bytes, offset of the nibbles */
 #if CLOVER_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
     __m256 acc = _mm256_setzero_ps();
     __m128 acc_min = _mm_setzero_ps(); /* the mins' part, kept in 4 lanes until the end of the row */
-    for (int64_t b = 0; b < nb; b++, w += 144, a++) {
+    for (int64_t b = 0; b < nb; b++, w += bb, a++) {
         const float da = a->d;
         const float d = load_f16(w) * da, dmin = load_f16(w + 2) * da;
         uint8_t sc8[8], m8[8];
@@ -254,12 +262,19 @@ static float dot_q4k(const uint8_t *w, const void *av, int64_t nb) {
         /* scales as int16 so each sub-block's can be broadcast */
         uint16_t sc16[8];
         _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
-        const uint8_t *qs = w + 16;
+        const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+        const uint8_t *qs = w + qs_at;
         __m256i sumi = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
             __m256i lo = _mm256_and_si256(q, low4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            if (q5) { /* bit 4 where bit j of qh is set */
+                __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c)));
+                __m256i m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
+            }
             __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
             __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
             p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc16[2 * c]));
@@ -271,18 +286,23 @@ static float dot_q4k(const uint8_t *w, const void *av, int64_t nb) {
     return hsum_ps(_mm256_sub_ps(acc, _mm256_set_m128(_mm_setzero_ps(), acc_min)));
 #else
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 144, a++) {
+    for (int64_t b = 0; b < nb; b++, w += bb, a++) {
         const float d = load_f16(w) * a->d, dmin = load_f16(w + 2) * a->d;
         uint8_t sc[8], m[8];
         unpack_k4_scales(w + 4, sc, m);
-        const uint8_t *qs = w + 16;
+        const uint8_t *qh = w + 16, *qs = w + qs_at;
         int32_t sumi = 0, summ = 0;
         for (int j = 0; j < 8; j++) summ += m[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
         for (int c = 0; c < 4; c++) {
             int32_t s0 = 0, s1 = 0;
             for (int l = 0; l < 32; l++) {
-                s0 += (qs[32 * c + l] & 0x0f) * a->q[64 * c + l];
-                s1 += (qs[32 * c + l] >> 4) * a->q[64 * c + 32 + l];
+                int lo = qs[32 * c + l] & 0x0f, hi = qs[32 * c + l] >> 4;
+                if (q5) {
+                    lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                }
+                s0 += lo * a->q[64 * c + l];
+                s1 += hi * a->q[64 * c + 32 + l];
             }
             sumi += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
         }
@@ -292,77 +312,9 @@ static float dot_q4k(const uint8_t *w, const void *av, int64_t nb) {
 #endif
 }
 
-/* ------------------------------------------------------------------------------------------------------------ */
-/* Q5_K: 176 bytes per 256 values                                                                               */
-/*   [0:2] fp16 d, [2:4] fp16 dmin, [4:16] packed scales/mins as Q4_K, [16:48] qh, [48:176] nibbles as Q4_K.    */
-/*   Value l (0..31) of sub-block j: low 4 bits from the nibbles, bit 4 = bit j of qh[l]. x = d*sc*q - dmin*m.  */
-/* ------------------------------------------------------------------------------------------------------------ */
+static float dot_q4k(const uint8_t *w, const void *av, int64_t nb) { return dot_q45k(w, av, nb, 0); }
 
-static float dot_q5k(const uint8_t *w, const void *av, int64_t nb) {
-    const a8k_t *a = (const a8k_t *)av;
-#if CLOVER_AVX2
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_min = _mm_setzero_ps(); /* the mins' part, kept in 4 lanes until the end of the row */
-    for (int64_t b = 0; b < nb; b++, w += 176, a++) {
-        const float da = a->d;
-        const float d = load_f16(w) * da, dmin = load_f16(w + 2) * da;
-        uint8_t sc8[8], m8[8];
-        unpack_k4_scales(w + 4, sc8, m8);
-        uint64_t sc64, m64;
-        memcpy(&sc64, sc8, 8);
-        memcpy(&m64, m8, 8);
-        __m256i bs = _mm256_loadu_si256((const __m256i *)a->bsums);
-        __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        __m128i mins = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64)));
-        acc_min = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins), acc_min);
-        uint16_t sc16[8];
-        _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
-        const uint8_t *qs = w + 48;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c)));
-            __m256i m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-            /* bit 4 where bit j of qh is set */
-            __m256i h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4);
-            __m256i h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4);
-            __m256i lo = _mm256_or_si256(_mm256_and_si256(q, low4), h0);
-            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), h1);
-            __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
-            __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
-            p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc16[2 * c]));
-            p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-    }
-    return hsum_ps(_mm256_sub_ps(acc, _mm256_set_m128(_mm_setzero_ps(), acc_min)));
-#else
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 176, a++) {
-        const float d = load_f16(w) * a->d, dmin = load_f16(w + 2) * a->d;
-        uint8_t sc[8], m[8];
-        unpack_k4_scales(w + 4, sc, m);
-        const uint8_t *qh = w + 16, *qs = w + 48;
-        int32_t sumi = 0, summ = 0;
-        for (int j = 0; j < 8; j++) summ += m[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
-        for (int j = 0; j < 8; j++) {
-            int32_t s = 0;
-            for (int l = 0; l < 32; l++) {
-                int lowq = (j & 1) ? (qs[32 * (j / 2) + l] >> 4) : (qs[32 * (j / 2) + l] & 0x0f);
-                int q = lowq | (((qh[l] >> j) & 1) << 4);
-                s += q * a->q[32 * j + l];
-            }
-            sumi += sc[j] * s;
-        }
-        acc += d * (float)sumi - dmin * (float)summ;
-    }
-    return acc;
-#endif
-}
+static float dot_q5k(const uint8_t *w, const void *av, int64_t nb) { return dot_q45k(w, av, nb, 1); }
 
 /* ------------------------------------------------------------------------------------------------------------ */
 /* Q6_K: 210 bytes per 256 values                                                                               */
