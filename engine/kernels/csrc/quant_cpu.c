@@ -147,6 +147,14 @@ static inline float hsum_ps(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* signed int8 w . signed int8 x over 32 values -> 8 int32 partial sums (maddubs takes |w| as unsigned, the sign
+   of w moved onto x) */
+static inline __m256i dot32_i8(__m256i w, const int8_t *xq) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                             _mm256_set1_epi16(1));
+}
 #endif
 
 /* ------------------------------------------------------------------------------------------------------------ */
@@ -409,14 +417,9 @@ static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
 static float dot_q8_0(const uint8_t *w, const void *av, int64_t nb) {
     const a8_t *a = (const a8_t *)av;
 #if CLOVER_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 34, a++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i x = _mm256_loadu_si256((const __m256i *)a->q);
-        /* signed x signed through maddubs: |q| as unsigned, sign of q moved onto x */
-        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-        __m256i s = _mm256_madd_epi16(p, ones);
+        const __m256i s = dot32_i8(_mm256_loadu_si256((const __m256i *)(w + 2)), a->q);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(load_f16(w) * a->d), _mm256_cvtepi32_ps(s), acc);
     }
     return hsum_ps(acc);
@@ -486,13 +489,6 @@ static inline __m256i nf4_values(const uint8_t *q, __m256i lut) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)q);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4), lo = _mm_and_si128(raw, low4);
     return _mm256_shuffle_epi8(lut, _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo)));
-}
-
-/* signed int8 w . signed int8 x over 32 values -> 8 int32 partial sums */
-static inline __m256i dot32_i8(__m256i w, const int8_t *xq) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
-                             _mm256_set1_epi16(1));
 }
 #endif
 
