@@ -268,11 +268,7 @@ class Kernels:
             packed = packed.contiguous()
         lib = self._need()
         t = x.shape[0]
-        idx = topk_idx.to(torch.int64).contiguous()
-        wts = topk_w.to(torch.float32).contiguous()
-        if idx.dim() != 2 or idx.shape[0] != t or wts.shape != idx.shape:
-            raise ValueError(f"moe: topk_idx {tuple(idx.shape)} / topk_w {tuple(wts.shape)} must be [T={t}, k]")
-        out = torch.empty(t, d, dtype=torch.float32)
+        idx, wts, out = _routing(x, topk_idx, topk_w)
         if t == 0:
             return out
         rc = lib.clover_moe_split(x.data_ptr(), t, d, i, packed.shape[0], idx.shape[1], packed.data_ptr(),
@@ -325,11 +321,7 @@ class Kernels:
              topk_idx: Tensor, topk_w: Tensor, keep: tuple[Tensor, ...]) -> Tensor:
         lib = self._need()
         t, d = x.shape
-        idx = topk_idx.to(torch.int64).contiguous()
-        wts = topk_w.to(torch.float32).contiguous()
-        if idx.dim() != 2 or idx.shape[0] != t or wts.shape != idx.shape:
-            raise ValueError(f"moe: topk_idx {tuple(idx.shape)} / topk_w {tuple(wts.shape)} must be [T={t}, k]")
-        out = torch.empty(t, d, dtype=torch.float32)
+        idx, wts, out = _routing(x, topk_idx, topk_w)
         if t == 0:
             return out
         (g, ges, grs), (u, ues, urs), (dn, des, drs) = segs
@@ -385,6 +377,17 @@ def _check_weights(w: Tensor, qtype: int, ncols: int, dims: int) -> Tensor:
     if w.stride(-1) != 1 or (dims == 3 and w.stride(1) != w.shape[2]):
         w = w.contiguous()
     return w
+
+
+def _routing(x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A routed call's (topk_idx int64, topk_w float32), contiguous and checked against x [T, D], and its output,
+    an empty float32 [T, D]."""
+    t = x.shape[0]
+    idx = topk_idx.to(torch.int64).contiguous()
+    wts = topk_w.to(torch.float32).contiguous()
+    if idx.dim() != 2 or idx.shape[0] != t or wts.shape != idx.shape:
+        raise ValueError(f"moe: topk_idx {tuple(idx.shape)} / topk_w {tuple(wts.shape)} must be [T={t}, k]")
+    return idx, wts, torch.empty(t, x.shape[1], dtype=torch.float32)
 
 
 def _split_codes(codes: Tensor, qtype: int, k: int) -> tuple[Tensor, int]:

@@ -215,6 +215,26 @@ def test_real_width_smoke(kern: cq.Kernels, qtype: int) -> None:
         assert_moe_close(cq.moe(x, *banks, (qtype,) * 3, idx, wts), moe_reference(x, banks, (qtype,) * 3, idx, wts))
 
 
+def test_routing_checked_for_both_expert_layouts(kern: cq.Kernels) -> None:
+    """moe (GGUF banks) and moe_rows (own rows) check topk_idx / topk_w against x the same way, and a call with no
+    tokens returns an empty float32 [0, D] without running the kernel."""
+    e, d, i = 2, 256, 256
+    banks = make_bank((cq.Q4_K,) * 3, e, d, i)
+    bank = wq.QuantExpertBank.from_dense(torch.randn(e, 2 * i, d) * 0.02, torch.randn(e, d, i) * 0.02, "nf4")
+    lay = bank.layout
+    offsets = (lay.gate_up_codes[0], lay.down_codes[0], lay.gate_up_scales[0], lay.down_scales[0])
+    calls = (lambda x, idx, wts: kern.moe(x, *banks, (cq.Q4_K,) * 3, idx, wts),
+             lambda x, idx, wts: kern.moe_rows(x, bank.packed, offsets, i, cq.NF4, (lay.blocksize,) * 2, idx, wts))
+    idx, wts = routing(3, e, 2, seed=0)
+    for call in calls:
+        with pytest.raises(ValueError, match="topk_idx"):
+            call(torch.randn(2, d), idx, wts)  # 3 rows of routing for 2 tokens
+        with pytest.raises(ValueError, match="topk_idx"):
+            call(torch.randn(3, d), idx, wts[:, :1])
+        empty = call(torch.randn(0, d), idx[:0], wts[:0])
+        assert empty.shape == (0, d) and empty.dtype == torch.float32
+
+
 def test_split_validation_errors(kern: cq.Kernels) -> None:
     codes, scales, bs = quantized("nf4", 4, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
