@@ -1,6 +1,7 @@
 """Quantization: formats, the policy table, and module swaps.
 
-Formats (one ``quantize`` / fast ``dequantize`` / slow ``dequantize_reference`` triple each):
+Formats (one ``quantize_x`` / fast ``dequantize_x`` / slow ``dequantize_x_reference`` triple each, picked by format
+in ``quantize_tensor`` / ``dequantize_tensor``):
 
 * ``nf4``: bitsandbytes NF4, blockwise absmax over the *flattened* tensor (blocksize 64 by default), fp32 absmax,
   no double quantization. Two 4-bit codes per byte, the first element in the high nibble. Quantize and fast
@@ -169,22 +170,22 @@ def quantize_tensor(w: Tensor, fmt: str, blocksize: int = 64) -> tuple[Tensor, T
 
 
 def dequantize_tensor(
-    codes: Tensor, scales: Tensor, shape: tuple[int, ...], fmt: str, blocksize: int, dtype: torch.dtype
+    codes: Tensor,
+    scales: Tensor,
+    shape: tuple[int, ...],
+    fmt: str,
+    blocksize: int,
+    dtype: torch.dtype = torch.float32,
+    reference: bool = False,
 ) -> Tensor:
+    """``codes`` and ``scales`` of ``fmt`` -> the tensor ``shape`` in ``dtype``; ``reference``: the format's slow
+    element-by-element reference instead of its fast path."""
     if fmt == "nf4":
-        return dequantize_nf4(codes, scales, shape, blocksize, dtype)
+        nf4 = dequantize_nf4_reference if reference else dequantize_nf4
+        return nf4(codes, scales, shape, blocksize, dtype)
     if fmt == "int8":
-        return dequantize_int8(codes, scales, shape, dtype)
-    raise ValueError(f"not a quantized format: {fmt!r}")
-
-
-def dequantize_reference(
-    codes: Tensor, scales: Tensor, shape: tuple[int, ...], fmt: str, blocksize: int, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    if fmt == "nf4":
-        return dequantize_nf4_reference(codes, scales, shape, blocksize, dtype)
-    if fmt == "int8":
-        return dequantize_int8_reference(codes, scales, shape, dtype)
+        int8 = dequantize_int8_reference if reference else dequantize_int8
+        return int8(codes, scales, shape, dtype)
     raise ValueError(f"not a quantized format: {fmt!r}")
 
 
@@ -433,9 +434,8 @@ class ExpertLayout:
     def unpack(self, row: Tensor, dtype: torch.dtype, reference: bool = False) -> tuple[Tensor, Tensor]:
         """row -> (gate_up [2I, D], down [D, I]) in ``dtype``."""
         gu_c, dn_c, gu_s, dn_s = self.views(row)
-        deq = dequantize_reference if reference else dequantize_tensor
-        gate_up = deq(gu_c, gu_s, self.gate_up_shape, self.fmt, self.blocksize, dtype)
-        down = deq(dn_c, dn_s, self.down_shape, self.fmt, self.blocksize, dtype)
+        gate_up = dequantize_tensor(gu_c, gu_s, self.gate_up_shape, self.fmt, self.blocksize, dtype, reference)
+        down = dequantize_tensor(dn_c, dn_s, self.down_shape, self.fmt, self.blocksize, dtype, reference)
         return gate_up, down
 
     def unpack_rows(self, source: Tensor, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

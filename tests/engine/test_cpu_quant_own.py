@@ -63,7 +63,7 @@ def quantized(fmt: str, n: int, k: int, blocksize: int = 64, seed: int = 0) -> t
 
 def weights_as_kernel(codes: Tensor, scales: Tensor, fmt: str, n: int, k: int, bs: int) -> tuple[Tensor, Tensor]:
     """(the weights the kernel multiplies by, the true dequantized weights), fp64 [n, k]."""
-    exact = wq.dequantize_reference(codes, scales, (n, k), fmt, bs, torch.float64)
+    exact = wq.dequantize_tensor(codes, scales, (n, k), fmt, bs, torch.float64, reference=True)
     if fmt == "int8":
         return exact, exact
     b = codes.view(torch.uint8).to(torch.int64).reshape(-1)

@@ -271,13 +271,13 @@ def test_fused_int8_gemv_matches_the_reference_dequantize_and_matmul(
     rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from clover_desk.engine.weights import quant
-    from clover_desk.engine.weights.quant import QuantLinear, dequantize_reference
+    from clover_desk.engine.weights.quant import QuantLinear, dequantize_tensor
 
     gen = torch.Generator().manual_seed(5)
     layer = QuantLinear.from_linear(nn.Linear(96, 200, bias=True), "int8")
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     assert quant._int8_gemv_applies(layer, x)  # the fused kernel runs for these shapes
-    w = dequantize_reference(layer.codes, layer.scales, (200, 96), "int8", 64, torch.float32)
+    w = dequantize_tensor(layer.codes, layer.scales, (200, 96), "int8", 64, torch.float32, reference=True)
     want = x.float() @ w.T + layer.bias.float()
     got = layer(x)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # fp32 summation order; bf16 output rounding (8 bits)
