@@ -1,5 +1,7 @@
 """Reference builders for the CPU quantized kernels' tests (engine.kernels.cpu_quant): random quantized weights, the
-activation rounding the kernels do, fp64 references for matmuls and routed experts, and the checks against them.
+activation rounding the kernels do, fp64 references for matmuls and routed experts, and the checks against them; and
+the fixtures ``kern`` (the process-wide build) and ``scalar`` (a build of the portable scalar dots), which the test
+modules import (skipped where no C compiler is found).
 
 Two references per case (the tests' module docstrings say more):
 
@@ -12,8 +14,12 @@ Two references per case (the tests' module docstrings say more):
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import gguf
 import numpy as np
+import pytest
 import torch
 from torch import Tensor
 
@@ -21,6 +27,26 @@ from clover_desk.engine.kernels import cpu_quant as cq
 from clover_desk.engine.weights import quant as wq
 from clover_desk.engine.weights.formats import NF4_CODE
 from clover_desk.engine.weights.gguf import quants as gq
+
+
+def built_kernels(scalar: bool = False) -> cq.Kernels:
+    """The process-wide build, or (``scalar``) one of the portable scalar dots; skips the test without a compiler."""
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")):
+        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
+    k = cq.Kernels(scalar=True) if scalar else cq.kernels()
+    assert k.ok, k.reason
+    assert not (scalar and k.simd)
+    return k
+
+
+@pytest.fixture(scope="module")
+def kern() -> cq.Kernels:
+    return built_kernels()
+
+
+@pytest.fixture(scope="module")
+def scalar() -> cq.Kernels:
+    return built_kernels(scalar=True)
 
 K_TYPES = (cq.Q4_K, cq.Q6_K, cq.Q5_K)
 

@@ -12,89 +12,26 @@ Two references per case:
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
 from clover_desk.engine.kernels import cpu_quant as cq
-from clover_desk.engine.weights.gguf import quants as gq
+from tests.quant_reference import (
+    K_TYPES,
+    assert_moe_close,
+    check_qmatmul,
+    kern,  # noqa: F401 - a fixture
+    make_bank,
+    make_weights,
+    moe_reference,
+    routing,
+    scalar,  # noqa: F401 - a fixture
+)
 
-K_TYPES = (cq.Q4_K, cq.Q6_K, cq.Q5_K)
 ALL_TYPES = (cq.Q4_K, cq.Q6_K, cq.Q8_0, cq.Q5_K, cq.Q4_0)
-
-
-def _have_compiler() -> bool:
-    import os
-
-    return bool(os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc"))
-
-
-@pytest.fixture(scope="module")
-def kern() -> cq.Kernels:
-    if not _have_compiler():
-        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
-    k = cq.kernels()
-    assert k.ok, k.reason
-    return k
-
-
-@pytest.fixture(scope="module")
-def scalar() -> cq.Kernels:
-    if not _have_compiler():
-        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
-    k = cq.Kernels(scalar=True)
-    assert k.ok, k.reason
-    assert not k.simd
-    return k
-
-
-def make_weights(qtype: int, n: int, k: int, seed: int = 0) -> Tensor:
-    """Random rows (varied magnitudes per row) quantized to ``qtype`` -> uint8 [n, row_bytes]."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g).add(0.1)
-    if qtype in (cq.Q8_0, cq.Q4_0):
-        raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(qtype))
-        return torch.from_numpy(np.ascontiguousarray(raw))
-    return gq.quantize(w, qtype)
-
-
-def act_block(qtype: int) -> int:
-    return 256 if qtype in K_TYPES else 32
-
-
-def round_like_kernel(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """x fp32 [T, K] -> (x rounded as the kernel rounds it, the step d of each value's block), both fp32 [T, K]."""
-    t, k = x.shape
-    b = x.float().reshape(t, k // block, block)
-    amax = b.abs().amax(-1, keepdim=True)
-    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    iscale = torch.tensor(127.0, dtype=torch.float32) / safe
-    q = torch.round(b * iscale).clamp(-127, 127)
-    d = torch.where(amax > 0, amax / torch.tensor(127.0, dtype=torch.float32), torch.zeros_like(amax))
-    return (q * d).reshape(t, k), d.expand_as(b).reshape(t, k)
-
-
-def check_qmatmul(y: Tensor, x: Tensor, w: Tensor, qtype: int, rows: Tensor | None = None) -> float:
-    """Assert both references hold; return the max error relative to max |exact result|."""
-    k = x.shape[1]
-    deq = gq.dequantize(w, qtype, k).double()  # [N, K]
-    if rows is not None:
-        deq = deq[rows]
-    xq, step = round_like_kernel(x, act_block(qtype))
-    absw = deq.abs()
-    slack = 1e-5 * (xq.double().abs() @ absw.T) + 1e-30
-    tight = xq.double() @ deq.T
-    assert y.shape == tight.shape and y.dtype == torch.float32
-    assert torch.all((y.double() - tight).abs() <= slack), f"tight: max excess {((y.double() - tight).abs() - slack).max()}"
-    exact = x.double() @ deq.T
-    bound = (step.double() / 2) @ absw.T * 1.001 + slack
-    assert torch.all((y.double() - exact).abs() <= bound)
-    return float((y.double() - exact).abs().max() / exact.abs().max())
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: cq.TYPE_NAMES[q])
@@ -140,49 +77,6 @@ def test_qmatmul_rows(kern: cq.Kernels, qtype: int) -> None:
         assert torch.allclose(y, cq.qmatmul(x, w, qtype)[:, rows], rtol=1e-6, atol=1e-6)
     with pytest.raises(IndexError):
         kern.qmatmul(x, w, qtype, torch.tensor([50]))
-
-
-def moe_reference(x: Tensor, banks: tuple[Tensor, Tensor, Tensor], qtypes: tuple[int, int, int], idx: Tensor,
-                  wts: Tensor) -> Tensor:
-    """Loop over the used experts in fp64, activations rounded as the kernel rounds them (x and the hidden h)."""
-    gate, up, down = banks
-    d, i = x.shape[1], gate.shape[1]
-    xg = round_like_kernel(x, act_block(qtypes[0]))[0].double()
-    xu = round_like_kernel(x, act_block(qtypes[1]))[0].double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for e in idx.unique().tolist():
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        g = xg[tok] @ gq.dequantize(gate[e], qtypes[0], d).double().T
-        u = xu[tok] @ gq.dequantize(up[e], qtypes[1], d).double().T
-        h = (torch.nn.functional.silu(g) * u).float()
-        hq = round_like_kernel(h, act_block(qtypes[2]))[0].double()
-        y = hq @ gq.dequantize(down[e], qtypes[2], i).double().T
-        out.index_add_(0, tok, y * wts[tok, slot].double()[:, None])
-    return out
-
-
-def assert_moe_close(y: Tensor, ref: Tensor) -> None:
-    """Tight (1e-5 of max |ref|) on all but a few tokens. The hidden h = silu(g) * u is rounded to int8 blocks
-    after fp32 sums whose order differs from the reference's, so now and then one h value lands on the other side
-    of a rounding midpoint (about 1e-4 odds per value at these sizes); that token's whole output row then moves
-    by one activation step times one down column (measured up to 5e-4 of max |ref|)."""
-    rel = (y.double() - ref).abs().amax(-1) / ref.abs().max()  # [T] worst per token
-    assert float(rel.max()) <= 2e-3, rel
-    assert int((rel > 1e-5).sum()) <= max(1, y.shape[0] // 8), rel
-
-
-def make_bank(qtypes: tuple[int, int, int], e: int, d: int, i: int) -> tuple[Tensor, Tensor, Tensor]:
-    gate = make_weights(qtypes[0], e * i, d, seed=10).reshape(e, i, -1)
-    up = make_weights(qtypes[1], e * i, d, seed=11).reshape(e, i, -1)
-    down = make_weights(qtypes[2], e * d, i, seed=12).reshape(e, d, -1)
-    return gate, up, down
-
-
-def routing(t: int, e: int, k: int, seed: int) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    wts = torch.softmax(torch.randn(t, k, generator=g), -1)
-    return idx, wts
 
 
 @pytest.mark.parametrize("qtypes", [(cq.Q4_K, cq.Q4_K, cq.Q6_K), (cq.Q5_K, cq.Q5_K, cq.Q8_0),

@@ -13,81 +13,25 @@ References (as in test_cpu_quant.py):
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
-from torch import Tensor
 
 from clover_desk.engine.kernels import cpu_quant as cq
 from clover_desk.engine.weights import quant as wq
-from clover_desk.engine.weights.formats import NF4_CODE
-from tests.engine.test_cpu_quant import (
+from tests.quant_reference import (
     assert_moe_close,
     check_qmatmul,
+    check_smatmul,
+    kern,  # noqa: F401 - a fixture
     make_bank,
     make_weights,
     moe_reference,
-    round_like_kernel,
+    own_bank_reference,
+    quantized,
     routing,
+    scalar,  # noqa: F401 - a fixture
 )
-
-NF4_TABLE = torch.round(torch.tensor(NF4_CODE, dtype=torch.float64) * 127) / 127  # what the kernel multiplies by
-
-
-@pytest.fixture(scope="module")
-def kern() -> cq.Kernels:
-    if not (shutil.which("gcc") or shutil.which("cc")):
-        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
-    k = cq.kernels()
-    assert k.ok, k.reason
-    return k
-
-
-@pytest.fixture(scope="module")
-def scalar() -> cq.Kernels:
-    if not (shutil.which("gcc") or shutil.which("cc")):
-        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
-    k = cq.Kernels(scalar=True)
-    assert k.ok and not k.simd, k.reason
-    return k
-
-
-def quantized(fmt: str, n: int, k: int, blocksize: int = 64, seed: int = 0) -> tuple[Tensor, Tensor, int]:
-    """Random rows of varied magnitude -> (codes, scales, values per scale) in the cache's layout."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g).add(0.1)
-    codes, scales = wq.quantize_tensor(w, fmt, blocksize)
-    return codes, scales, (blocksize if fmt == "nf4" else k)
-
-
-def weights_as_kernel(codes: Tensor, scales: Tensor, fmt: str, n: int, k: int, bs: int) -> tuple[Tensor, Tensor]:
-    """(the weights the kernel multiplies by, the true dequantized weights), fp64 [n, k]."""
-    exact = wq.dequantize_tensor(codes, scales, (n, k), fmt, bs, torch.float64, reference=True)
-    if fmt == "int8":
-        return exact, exact
-    b = codes.view(torch.uint8).to(torch.int64).reshape(-1)
-    idx = torch.stack([b >> 4, b & 0x0F], dim=1).reshape(-1)
-    scale = scales.double().repeat_interleave(bs)[: n * k]
-    return (NF4_TABLE[idx] * scale).reshape(n, k), exact
-
-
-def check_smatmul(y: Tensor, x: Tensor, codes: Tensor, scales: Tensor, fmt: str, bs: int) -> float:
-    """Assert both references hold; return the max error relative to max |exact result|."""
-    n, k = y.shape[1], x.shape[1]
-    w_kernel, w_exact = weights_as_kernel(codes, scales, fmt, n, k, bs)
-    xq, step = round_like_kernel(x, 32)
-    slack = 1e-5 * (xq.double().abs() @ w_kernel.abs().T) + 1e-30
-    tight = xq.double() @ w_kernel.T
-    assert y.dtype == torch.float32 and y.shape == tight.shape
-    excess = (y.double() - tight).abs() - slack
-    assert torch.all(excess <= 0), f"tight: max excess {excess.max()}"
-    exact = x.double() @ w_exact.T
-    table_err = 0.0 if fmt == "int8" else 0.5 / 127
-    absmax = scales.double().repeat_interleave(bs)[: n * k].reshape(n, k) if fmt == "nf4" else torch.zeros(n, k, dtype=torch.float64)
-    bound = (step.double() / 2) @ w_exact.abs().T * 1.001 + table_err * (x.double().abs() @ absmax.T) * 1.001 + slack
-    assert torch.all((y.double() - exact).abs() <= bound)
-    return float((y.double() - exact).abs().max() / exact.abs().max())
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])
@@ -122,28 +66,6 @@ def test_scalar_path_agrees(kern: cq.Kernels, scalar: cq.Kernels, fmt: str) -> N
         ys, y = scalar.smatmul(x, codes, scales, qt, bs), kern.smatmul(x, codes, scales, qt, bs)
         check_smatmul(ys, x, codes, scales, fmt, bs)
         assert torch.allclose(ys, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
-
-
-def own_bank_reference(bank: wq.QuantExpertBank, x: Tensor, idx: Tensor, wts: Tensor) -> Tensor:
-    """moe_reference on the bank's experts as the kernel sees them (NF4 through the int8 table)."""
-    lay = bank.layout
-    d, i, e = lay.hidden_size, lay.intermediate_size, lay.num_experts
-    gates, ups, downs = [], [], []
-    for r in range(e):
-        gu_c, dn_c, gu_s, dn_s = lay.views(bank.packed[r])
-        bs_gu, bs_dn = (lay.blocksize, lay.blocksize) if lay.fmt == "nf4" else (d, i)
-        gu = weights_as_kernel(gu_c, gu_s, lay.fmt, 2 * i, d, bs_gu)[0]
-        gates.append(gu[:i])
-        ups.append(gu[i:])
-        downs.append(weights_as_kernel(dn_c, dn_s, lay.fmt, d, i, bs_dn)[0])
-    xq = round_like_kernel(x, 32)[0].double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for r in idx.unique().tolist():
-        tok, slot = (idx == r).nonzero(as_tuple=True)
-        h = (torch.nn.functional.silu(xq[tok] @ gates[r].T) * (xq[tok] @ ups[r].T)).float()
-        y = round_like_kernel(h, 32)[0].double() @ downs[r].T
-        out.index_add_(0, tok, y * wts[tok, slot].double()[:, None])
-    return out
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])

@@ -9,7 +9,6 @@ experts with more and fewer tokens than that, and widths whose NF4 blocks stradd
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,26 +17,14 @@ from torch import Tensor
 
 from clover_desk.engine.kernels import cpu_quant as cq
 from clover_desk.engine.weights import quant as wq
-from tests.engine.test_cpu_quant import assert_moe_close
-from tests.engine.test_cpu_quant_own import check_smatmul, own_bank_reference, quantized
-
-
-@pytest.fixture(scope="module")
-def kern() -> cq.Kernels:
-    if not (shutil.which("gcc") or shutil.which("cc")):
-        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
-    k = cq.kernels()
-    assert k.ok, k.reason
-    return k
-
-
-@pytest.fixture(scope="module")
-def scalar() -> cq.Kernels:
-    if not (shutil.which("gcc") or shutil.which("cc")):
-        pytest.skip("no C compiler: cpu_quant kernels cannot be built")
-    k = cq.Kernels(scalar=True)
-    assert k.ok and not k.simd, k.reason
-    return k
+from tests.quant_reference import (
+    assert_moe_close,
+    check_smatmul,
+    kern,  # noqa: F401 - a fixture
+    own_bank_reference,
+    quantized,
+    scalar,  # noqa: F401 - a fixture
+)
 
 
 @pytest.fixture(autouse=True)
