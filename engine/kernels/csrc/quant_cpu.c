@@ -876,8 +876,10 @@ int clover_smatmul(const float *x, int64_t T, int64_t K, const uint8_t *codes, i
  * Rows r0 .. r0 + nr - 1 of expert e of matrix m (K values each) against n activation rows (row tidx[i], or i when
  * tidx is NULL): out[r + i * ostride] for row r0 + r. Tiled: mat_rows_tiled (issue 30's section below: NF4 rows
  * decoded once for many activation rows); else nr is 1 and the row goes straight to mat_row_dots. The flag stays
- * the same for a whole call, so the branch is predicted; measured at T = 1 (down tasks of one 512-value row are
- * ~100 instructions), a function pointer with a loop over nr here cost Q4_K ~15%, this branch nothing measurable.
+ * the same for a whole call, so the branch is predicted. Measured on Q4_K experts at T = 1, where a down task is one
+ * 512-value row (~100 instructions): a function pointer with a loop over nr here took 1.14-1.19x the time of the
+ * two copied drivers, this branch with a loop over nr 1.07-1.09x, this branch straight to mat_row_dots 1.01-1.02x
+ * (noise: the same build against itself reads 0.97-1.01x) (scripts/bench_moe_ab.py).
  */
 static void mat_rows_tiled(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const char *act,
                            size_t arow, const int64_t *tidx, int64_t n, float *out, int64_t ostride);
