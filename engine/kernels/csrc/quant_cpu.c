@@ -872,23 +872,8 @@ int clover_smatmul(const float *x, int64_t T, int64_t K, const uint8_t *codes, i
     return qmatmul_run(x, T, K, &m, rows, R, out, nth);
 }
 
-/*
- * Rows r0 .. r0 + nr - 1 of expert e of matrix m (K values each) against n activation rows (row tidx[i], or i when
- * tidx is NULL): out[r + i * ostride] for row r0 + r. Tiled: mat_rows_tiled (issue 30's section below: NF4 rows
- * decoded once for many activation rows); else nr is 1 and the row goes straight to mat_row_dots. The flag stays
- * the same for a whole call, so the branch is predicted. Measured on Q4_K experts at T = 1, where a down task is one
- * 512-value row (~100 instructions): a function pointer with a loop over nr here took 1.14-1.19x the time of the
- * two copied drivers, this branch with a loop over nr 1.07-1.09x, this branch straight to mat_row_dots 1.01-1.02x
- * (noise: the same build against itself reads 0.97-1.01x) (scripts/bench_moe_ab.py).
- */
 static void mat_rows_tiled(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const char *act,
                            size_t arow, const int64_t *tidx, int64_t n, float *out, int64_t ostride);
-
-static inline void mat_rows(int tiled, const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const char *act,
-                            size_t arow, const int64_t *tidx, int64_t n, float *out, int64_t ostride) {
-    if (tiled) mat_rows_tiled(m, e, r0, nr, K, act, arow, tidx, n, out, ostride);
-    else mat_row_dots(m, e, r0, K, act, arow, tidx, n, out, ostride);
-}
 
 #define TILE_R 4 /* weight rows per task of the tiled drivers */
 
@@ -953,13 +938,27 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         tok[s] = p / k;
     }
 
-    /* gate and up: one task per (used expert, tile of rows i); h[s, i] = silu(g) * u for the expert's slots s */
+    /*
+     * gate and up: one task per (used expert, tile of rows i); h[s, i] = silu(g) * u for the expert's slots s. The
+     * branch on tiled is the same for the whole call (predicted); untiled tasks go straight to mat_row_dots, because
+     * at T = 1 a task is one short row and anything more per task shows (measured on Q4_K at T = 1 against the two
+     * copied drivers this replaces: a rows-function pointer with a loop over the tile 1.14-1.19x the time, one
+     * mat_rows(tiled, ...) helper with that loop 1.07-1.09x, this 1.02-1.03x, where the same build against itself
+     * reads 0.97-1.01x on this shared machine; scripts/bench_moe_ab.py).
+     */
 #pragma omp parallel for num_threads(threads_for(nth, U * GI)) schedule(dynamic, moe_chunk(U * GI, nth, tile))
     for (int64_t task = 0; task < U * GI; task++) {
-        const int64_t e = used[task / GI], i0 = (task % GI) * tile, s0 = count[e], n = count[e + 1] - s0;
-        const int64_t nr = I - i0 < tile ? I - i0 : tile;
-        mat_rows(tiled, g, e, i0, nr, D, ag, arow_g, tok + s0, n, h + s0 * I + i0, I);
-        mat_rows(tiled, u, e, i0, nr, D, au, arow_u, tok + s0, n, hu + s0 * I + i0, I);
+        const int64_t e = used[task / GI], s0 = count[e], n = count[e + 1] - s0;
+        if (!tiled) {
+            const int64_t i = task % GI;
+            mat_row_dots(g, e, i, D, ag, arow_g, tok + s0, n, h + s0 * I + i, I);
+            mat_row_dots(u, e, i, D, au, arow_u, tok + s0, n, hu + s0 * I + i, I);
+            for (int64_t s = s0; s < s0 + n; s++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
+            continue;
+        }
+        const int64_t i0 = (task % GI) * tile, nr = I - i0 < tile ? I - i0 : tile;
+        mat_rows_tiled(g, e, i0, nr, D, ag, arow_g, tok + s0, n, h + s0 * I + i0, I);
+        mat_rows_tiled(u, e, i0, nr, D, au, arow_u, tok + s0, n, hu + s0 * I + i0, I);
         for (int64_t s = s0; s < s0 + n; s++)
             for (int64_t i = i0; i < i0 + nr; i++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
     }
@@ -973,10 +972,15 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     /* down: one task per (used expert, tile of rows j); y[s, j] for the expert's slots s (adjacent rows of ah) */
 #pragma omp parallel for num_threads(threads_for(nth, U * GD)) schedule(dynamic, moe_chunk(U * GD, nth, tile))
     for (int64_t task = 0; task < U * GD; task++) {
-        const int64_t e = used[task / GD], j0 = (task % GD) * tile, s0 = count[e];
-        const int64_t nr = D - j0 < tile ? D - j0 : tile;
-        mat_rows(tiled, dn, e, j0, nr, I, ah + (size_t)s0 * arow_d, arow_d, NULL, count[e + 1] - s0,
-                 y + s0 * D + j0, D);
+        const int64_t e = used[task / GD], s0 = count[e], n = count[e + 1] - s0;
+        const char *as = ah + (size_t)s0 * arow_d;
+        if (!tiled) {
+            const int64_t j = task % GD;
+            mat_row_dots(dn, e, j, I, as, arow_d, NULL, n, y + s0 * D + j, D);
+            continue;
+        }
+        const int64_t j0 = (task % GD) * tile, nr = D - j0 < tile ? D - j0 : tile;
+        mat_rows_tiled(dn, e, j0, nr, I, as, arow_d, NULL, n, y + s0 * D + j0, D);
     }
 
     /* weighted sum over each token's slots, in slot order */
