@@ -12,7 +12,6 @@ stopped (its renderer goes with it) and the revision shown in a fresh page.
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from clover_desk.engine.files import atomic_write_text
 from clover_desk.ui.preview_page import PreviewPage
 from clover_desk.ui.preview_sandbox import (
     HANG_TIMEOUT_MS,
@@ -58,22 +58,6 @@ from clover_desk.ui.preview_strip import (
 )
 from clover_desk.ui.throttle import Throttle
 from clover_desk.ui.widgets import documents_dir, tool_button
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one, never half."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The widget

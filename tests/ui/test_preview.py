@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from clover_desk.ui.preview import PreviewPane, atomic_write_text
+from clover_desk.ui.preview import PreviewPane
 from clover_desk.ui.preview_sandbox import (
     OFFLINE_CHROMIUM_FLAGS,
     PREVIEW_CSP,
@@ -85,14 +85,6 @@ def test_the_engine_of_this_session_runs_offline() -> None:
     # conftest (like every entry point) calls register_schemes() before the QApplication: the switches are in force.
     args = split_chromium_flags(os.environ.get("QTWEBENGINE_CHROMIUM_FLAGS", ""))
     assert set(OFFLINE_CHROMIUM_FLAGS) <= set(args)
-
-
-def test_atomic_write_replaces_whole_file(tmp_path: Path) -> None:
-    target = tmp_path / "page.html"
-    target.write_text("old")
-    atomic_write_text(target, "<p>new</p>")
-    assert target.read_text() == "<p>new</p>"
-    assert [p.name for p in tmp_path.iterdir()] == ["page.html"]  # no temporary file left behind
 
 
 # ---- the widget (real QtWebEngine) -----------------------------------------------------------------------------
