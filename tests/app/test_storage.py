@@ -20,13 +20,6 @@ from clover_desk.storage.schema import MIGRATIONS, SCHEMA_VERSION
 from clover_desk.storage.store import ChatStore
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> ChatStore:
-    s = ChatStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
-
-
 def _old_database(path: Path, version: int) -> None:
     """A database as an older Clover Desk left it: migrations up to ``version`` only."""
     conn = sqlite3.connect(path, isolation_level=None)

@@ -63,9 +63,8 @@ class FakeModelManager(QWidget):
 
 @pytest.fixture
 def store(tmp_path):
-    s = CountingStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
+    with CountingStore(tmp_path / "chats.sqlite3") as s:
+        yield s
 
 
 def make_window(qtbot, store, client=None, **kwargs) -> tuple[MainWindow, FakeEngineClient]:

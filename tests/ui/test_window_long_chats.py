@@ -36,13 +36,6 @@ ANSWER = "The keepers lived in small stone houses beside the towers and rowed to
 
 
 @pytest.fixture
-def store(tmp_path):  # noqa: ANN001, ANN201
-    s = ChatStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def counter(qapp, tiny_clover_dir):  # noqa: ANN001, ANN201, F811
     c = TokenCounter()
     c.set_model(str(tiny_clover_dir))
