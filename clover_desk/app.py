@@ -28,13 +28,13 @@ from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
 from clover_desk.engine.decode.events import LoadProgress
 from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
 from clover_desk.engine.errors import CloverError
+from clover_desk.engine.files import atomic_write_text
 from clover_desk.engine.model.config import load_config, load_generation_defaults
 from clover_desk.engine.placement import planner
 from clover_desk.engine.placement.hardware import DEFAULT_HARDWARE, MemoryMonitor, probe_hardware
 from clover_desk.engine.settings import EXCLUSIVE, OPT_IN, GpuPaths, SettingsError, opt_in_env
 from clover_desk.engine.weights.formats import FORMAT_OF_TORCH_NAME
 from clover_desk.engine.weights.gguf.file import open_gguf
-from clover_desk.storage.files import atomic_write_text
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.store import ChatStore
 from clover_desk.ui.html_extract import extract_html

@@ -5,8 +5,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from clover_desk.storage.store import ChatStore
 
 # transformers 5.23 takes flash-linear-attention's GDN kernels whenever `fla` imports, whatever the device, and they
 # cannot run on a CPU outside Triton's interpreter: the numerical reference must stay on its PyTorch path. (The fla
@@ -51,3 +56,13 @@ def cpu_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     before = cpu_quant.set_enabled(False)
     yield
     cpu_quant.set_enabled(before)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ChatStore]:
+    """A new chat store (real SQLite) in the test's folder, closed after the test. (A test module that needs a
+    subclass, one that fails on purpose or counts, defines its own ``store``.)"""
+    from clover_desk.storage.store import ChatStore
+
+    with ChatStore(tmp_path / "chats.sqlite3") as s:
+        yield s

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 from clover_desk.ui.attachments import LANGUAGES, AttachmentError, read_attachment
 from clover_desk.ui.chat_view import MessageData
 from clover_desk.ui.theme import set_style_class
-from clover_desk.ui.widgets import accessible
+from clover_desk.ui.widgets import accessible, push_button
 
 ATTACH_FILTERS = ("Text files (" + " ".join(f"*{ext}" for ext in sorted({".txt", ".log", *LANGUAGES})) + ")",
                   "All files (*)")
@@ -123,19 +123,14 @@ class Composer(QFrame):
         self.attach_note.setWordWrap(True)
         self.attach_note.setVisible(False)
         accessible(self.attach_note, "Files not attached")
-        self.attach_button = QPushButton("Attach")
-        self.attach_button.setObjectName("attachButton")
-        set_style_class(self.attach_button, "chip")
-        self.attach_button.setToolTip("Add text files (code, Markdown, HTML, CSV) to the message; dropping them on the "
-                                      "box works too")
-        accessible(self.attach_button, "Attach text files")
-        self.think_button = QPushButton("Think")
-        self.think_button.setObjectName("thinkToggle")
-        set_style_class(self.think_button, "chip")
-        self.think_button.setCheckable(True)
-        self.think_button.setChecked(True)
-        self.think_button.setToolTip("Let the model think before answering (saved with this chat, as in Settings)")
-        accessible(self.think_button, "Think before answering")
+        self.attach_button = push_button(
+            "Attach", "attachButton", style="chip", name="Attach text files", clicked=self.on_attach_clicked,
+            tip="Add text files (code, Markdown, HTML, CSV) to the message; dropping them on the box works too",
+        )
+        self.think_button = push_button(
+            "Think", "thinkToggle", style="chip", checked=True, name="Think before answering",
+            tip="Let the model think before answering (saved with this chat, as in Settings)", toggled=self.thinkToggled,
+        )
         self.mode_label = QLabel()
         set_style_class(self.mode_label, "faint")
         self.blocked_label = QLabel("")  # wraps: cut to "Send works once it is re…" it said too little
@@ -172,8 +167,6 @@ class Composer(QFrame):
         self.input.submitted.connect(self.on_submit)
         self.input.escapePressed.connect(self.on_escape)
         self.send_button.clicked.connect(self.on_send_clicked)
-        self.think_button.toggled.connect(self.thinkToggled)
-        self.attach_button.clicked.connect(self.on_attach_clicked)
         self.input.filesDropped.connect(self.attach_files)
         self.input.textChanged.connect(self.on_text_changed)
 

@@ -27,26 +27,24 @@ class EngineState(Enum):
 
     @property
     def status_text(self) -> str:
-        return {
-            EngineState.STARTING: "● Starting engine…",
-            EngineState.LOADING: "● Loading model…",
-            EngineState.READY: "● Ready",
-            EngineState.CRASHED: "● Engine stopped",
-            EngineState.NO_MODEL: "● No model: choose one in Models",
-            EngineState.ERROR: "● Model failed to load",
-        }[self]
+        return _STATE_TEXTS[self][0]
 
     @property
     def why_not_ready(self) -> str:
         """Why Send is disabled in this state ("" when it is not)."""
-        return {
-            EngineState.STARTING: "The engine is starting; Send works once the model has loaded.",
-            EngineState.LOADING: "The model is loading; Send works once it is ready.",
-            EngineState.READY: "",
-            EngineState.CRASHED: "The engine stopped. Restart it to send (your text stays here).",
-            EngineState.NO_MODEL: "Choose a model first (Model ▸ Models…).",
-            EngineState.ERROR: "The model failed to load. Choose another model or a smaller VRAM budget.",
-        }[self]
+        return _STATE_TEXTS[self][1]
+
+
+# Each state's status-bar line and why Send is disabled in it ("" when it is not): one entry a state.
+_STATE_TEXTS: dict[EngineState, tuple[str, str]] = {
+    EngineState.STARTING: ("● Starting engine…", "The engine is starting; Send works once the model has loaded."),
+    EngineState.LOADING: ("● Loading model…", "The model is loading; Send works once it is ready."),
+    EngineState.READY: ("● Ready", ""),
+    EngineState.CRASHED: ("● Engine stopped", "The engine stopped. Restart it to send (your text stays here)."),
+    EngineState.NO_MODEL: ("● No model: choose one in Models", "Choose a model first (Model ▸ Models…)."),
+    EngineState.ERROR: ("● Model failed to load",
+                        "The model failed to load. Choose another model or a smaller VRAM budget."),
+}
 
 
 class SignalLike(Protocol):

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPaintEvent, QPen
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QSlider, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QSlider, QVBoxLayout, QWidget
 
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
 from clover_desk.ui.theme import color, confidence_color, mono_font, set_style_class
 from clover_desk.ui.throttle import Throttle
-from clover_desk.ui.widgets import accessible
+from clover_desk.ui.widgets import accessible, push_button
 
 AR_PIECES_KEPT = 400  # autoregressive mode: the latest text pieces shown in the token stream
 
@@ -502,13 +502,8 @@ class DenoiseView(QWidget):
         self.slider.setEnabled(False)
         self.slider.setToolTip("Replay the recorded passes of the last blocks (the end follows the live pass)")
         accessible(self.slider, "Replay position")
-        self.live_button = QPushButton("Live")
-        self.live_button.setObjectName("liveToggle")
-        set_style_class(self.live_button, "chip")
-        self.live_button.setCheckable(True)
-        self.live_button.setChecked(True)
-        self.live_button.setToolTip("Follow the newest pass (each new answer starts live)")
-        accessible(self.live_button, "Follow the live pass")
+        self.live_button = push_button("Live", "liveToggle", style="chip", checked=True, name="Follow the live pass",
+                                       tip="Follow the newest pass (each new answer starts live)")
         self.position_label = QLabel("waiting for a generation")
         self.position_label.setObjectName("denoisePosition")
         self.position_label.setWordWrap(True)  # never cut at the panel's edge

@@ -79,8 +79,7 @@ from clover_desk.ui.remote_chat import RemoteBackendControl
 from clover_desk.ui.serve_panel import ServeController, ServeDialog
 from clover_desk.ui.settings_drawer import SettingsDrawer
 from clover_desk.ui.sidebar import ConversationSidebar
-from clover_desk.ui.theme import set_style_class
-from clover_desk.ui.widgets import ElidedLabel, accessible, install_wheel_guard, named
+from clover_desk.ui.widgets import ElidedLabel, accessible, install_wheel_guard, named, push_button
 from clover_desk.ui.window_menus import APP_NAME, WindowMenus
 from clover_desk.ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
 
@@ -178,19 +177,12 @@ class MainWindow(QMainWindow):
         self.model_library = model_library
         self.title_label = named(ElidedLabel("New chat", "title"), "pageTitle", "Page title")
         self.model_label = named(ElidedLabel("", "muted"), "modelName", "Model")
-        self.settings_button = QPushButton("Settings")
-        self.settings_button.setObjectName("settingsButton")
-        set_style_class(self.settings_button, "ghost")
-        self.settings_button.setCheckable(True)
-        self.settings_button.setToolTip("System prompt, temperature, block size, threshold… (Ctrl+,)")
-        accessible(self.settings_button, "Chat settings")
-        self.panel_button = QPushButton("Panels")
-        self.panel_button.setObjectName("panelsButton")
-        set_style_class(self.panel_button, "ghost")
-        self.panel_button.setCheckable(True)
-        self.panel_button.setChecked(True)
-        self.panel_button.setToolTip("Show or hide the denoising / VRAM / preview panels (Ctrl+Shift+P)")
-        accessible(self.panel_button, "Side panels")
+        self.settings_button = push_button("Settings", "settingsButton", style="ghost", checked=False,
+                                           tip="System prompt, temperature, block size, threshold… (Ctrl+,)",
+                                           name="Chat settings")
+        self.panel_button = push_button("Panels", "panelsButton", style="ghost", checked=True,
+                                        tip="Show or hide the denoising / VRAM / preview panels (Ctrl+Shift+P)",
+                                        name="Side panels")
         self.tabs = QTabWidget()
         self.tabs.setObjectName("sideTabs")
         self.tabs.setDocumentMode(True)

@@ -46,7 +46,7 @@ from clover_desk.engine.weights.gguf.header import read_header
 from clover_desk.ui.model_paths import library_paths
 from clover_desk.ui.theme import set_style_class
 from clover_desk.ui.thread_bridge import ThreadBridge
-from clover_desk.ui.widgets import ElidedLabel, accessible, named
+from clover_desk.ui.widgets import ElidedLabel, accessible, connect_each, named, push_button, spread_row
 
 log = logging.getLogger(__name__)
 
@@ -329,9 +329,8 @@ class ModelLibrary(QFrame):
         self.bridge = ThreadBridge(self)
         title = QLabel("Your models")
         set_style_class(title, "title")
-        self.refresh_button = QPushButton("Refresh")
-        set_style_class(self.refresh_button, "ghost")
-        accessible(self.refresh_button, "Refresh the list of models")
+        self.refresh_button = push_button("Refresh", style="ghost", name="Refresh the list of models",
+                                          clicked=self.refresh)
         self.device_choice = QComboBox()
         self.device_choice.setObjectName("deviceChoice")
         for value, label in DEVICES:
@@ -372,10 +371,9 @@ class ModelLibrary(QFrame):
         self.set_gpu_paths(gpu_paths_on)
         self.options_note = QLabel("Used the next time a model loads.")
         set_style_class(self.options_note, "muted")
-        self.reload_button = QPushButton("Reload now")
-        self.reload_button.setObjectName("reloadWithOptions")
-        set_style_class(self.reload_button, "ghost")
-        accessible(self.reload_button, "Reload the current model with these settings")
+        self.reload_button = push_button("Reload now", "reloadWithOptions", style="ghost",
+                                         name="Reload the current model with these settings",
+                                         clicked=self.on_reload_clicked)
         self.reload_button.setVisible(False)
         self.status = QLabel()
         self.status.setObjectName("libraryStatus")
@@ -383,10 +381,6 @@ class ModelLibrary(QFrame):
         self.status.setWordWrap(True)
         self.empty = QLabel("No models yet: open, download or create one below.")
         set_style_class(self.empty, "muted")
-        header = QHBoxLayout()
-        header.addWidget(title)
-        header.addStretch(1)
-        header.addWidget(self.refresh_button)
         options = QHBoxLayout()
         options.addWidget(QLabel("Device"))
         options.addWidget(self.device_choice)
@@ -405,7 +399,7 @@ class ModelLibrary(QFrame):
         self.rows_layout.setSpacing(6)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(10, 10, 10, 4)
-        layout.addLayout(header)
+        layout.addLayout(spread_row(title, self.refresh_button))
         layout.addLayout(options)
         layout.addLayout(note)
         layout.addWidget(self.status)
@@ -415,11 +409,8 @@ class ModelLibrary(QFrame):
         self._connect_signals()
 
     def _connect_signals(self) -> None:
-        self.refresh_button.clicked.connect(self.refresh)
-        self.device_choice.currentIndexChanged.connect(self.on_options_changed)
-        self.dtype_choice.currentIndexChanged.connect(self.on_options_changed)
-        self.compile_choice.toggled.connect(self.on_options_changed)
-        self.reload_button.clicked.connect(self.on_reload_clicked)
+        connect_each(self.on_options_changed, self.device_choice.currentIndexChanged,
+                     self.dtype_choice.currentIndexChanged, self.compile_choice.toggled)
 
     # ---- public API ----------------------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from clover_desk.engine.errors import CancelledError, CloverError
 from clover_desk.engine.model.config import SUPPORTED_MODEL_TYPES, load_config
 from clover_desk.engine.weights.gguf.file import split_parts  # file names only (no numpy, no gguf package)
 from clover_desk.ui.thread_bridge import ThreadBridge
+from clover_desk.ui.widgets import push_button
 
 log = logging.getLogger(__name__)
 
@@ -372,10 +373,9 @@ class ModelManagerPanel(QWidget):
         title.setWordWrap(True)
 
         # --- open ---
-        self.open_button = QPushButton("Open folder…")
-        self.open_gguf_button = QPushButton("Open GGUF file…")
-        self.open_gguf_button.setObjectName("openGgufButton")
-        self.open_gguf_button.setToolTip("A .gguf file (for a split set, any of its parts)")
+        self.open_button = push_button("Open folder…", clicked=self.on_open_clicked)
+        self.open_gguf_button = push_button("Open GGUF file…", "openGgufButton", clicked=self.on_open_gguf_clicked,
+                                            tip="A .gguf file (for a split set, any of its parts)")
         self.open_status = QLabel()
         self.open_status.setWordWrap(True)
         self.open_status.setObjectName("openStatus")
@@ -397,11 +397,11 @@ class ModelManagerPanel(QWidget):
         self.repo_edit = QLineEdit(default_repo_id)
         self.repo_edit.setPlaceholderText("owner/name")
         self.target_edit = QLineEdit(str(self.models_dir / default_repo_id.split("/")[-1]))
-        self.browse_button = QPushButton("Browse…")
+        self.browse_button = push_button("Browse…", clicked=self.on_browse_clicked)
         self.free_label = QLabel()
-        self.download_button = QPushButton("Download")
-        self.cancel_button = QPushButton("Cancel")
-        self.resume_button = QPushButton("Resume")
+        self.download_button = push_button("Download", clicked=self.on_download_clicked)
+        self.cancel_button = push_button("Cancel", clicked=self.on_cancel_clicked)
+        self.resume_button = push_button("Resume", clicked=self.on_download_clicked)
         self.progress_bar = QProgressBar()
         self.progress_bar.setRange(0, 1000)
         self.progress_bar.setValue(0)
@@ -461,15 +461,9 @@ class ModelManagerPanel(QWidget):
         self._connect_signals()
 
     def _connect_signals(self) -> None:
-        self.open_button.clicked.connect(self.on_open_clicked)
-        self.open_gguf_button.clicked.connect(self.on_open_gguf_clicked)
         self.download_choice.currentIndexChanged.connect(self.on_download_choice_changed)
-        self.browse_button.clicked.connect(self.on_browse_clicked)
         self.target_edit.editingFinished.connect(self.on_target_edited)
         self.repo_edit.textEdited.connect(self.on_repo_edited)
-        self.download_button.clicked.connect(self.on_download_clicked)
-        self.resume_button.clicked.connect(self.on_download_clicked)
-        self.cancel_button.clicked.connect(self.on_cancel_clicked)
         self.recent_list.itemActivated.connect(self.on_recent_activated)
 
     # ---- public API ----------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ stopped (its renderer goes with it) and the revision shown in a fresh page.
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from clover_desk.engine.files import atomic_write_text
 from clover_desk.ui.preview_page import PreviewPage
 from clover_desk.ui.preview_sandbox import (
     HANG_TIMEOUT_MS,
@@ -58,22 +58,6 @@ from clover_desk.ui.preview_strip import (
 )
 from clover_desk.ui.throttle import Throttle
 from clover_desk.ui.widgets import documents_dir, tool_button
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one, never half."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The widget
@@ -147,13 +131,14 @@ class PreviewPane(QWidget):
 
         # Short labels, the whole story in the tooltips: the side panel can be as narrow as 400 px, and the four
         # buttons must fit there without eliding.
-        self.source_button = tool_button(self, "Source", "Show the HTML source instead of the rendered page")
-        self.source_button.setCheckable(True)
-        self.reload_button = tool_button(self, "Reload", "Load the page again (a fresh start, same storage)")
-        self.save_button = tool_button(self, "Save…", "Save the page as an HTML file…")
-        self.open_button = tool_button(self,
-            "Browser…", "Open the page in your web browser, outside the sandbox (asks first)"
-        )
+        self.source_button = tool_button(self, "Source", "Show the HTML source instead of the rendered page",
+                                         toggled=self.on_source_toggled)
+        self.reload_button = tool_button(self, "Reload", "Load the page again (a fresh start, same storage)",
+                                         clicked=self.on_reload_clicked)
+        self.save_button = tool_button(self, "Save…", "Save the page as an HTML file…", clicked=self.on_save_clicked)
+        self.open_button = tool_button(self, "Browser…",
+                                       "Open the page in your web browser, outside the sandbox (asks first)",
+                                       clicked=self.on_open_in_browser_clicked)
         # The strip of what the page tried (its pages report there, so it comes first); a page that floods it is
         # stopped.
         self.strip = PreviewStrip(self, on_flood=self._stop_page)
@@ -191,10 +176,6 @@ class PreviewPane(QWidget):
         self.interceptor.requestBlocked.connect(self.on_request_blocked)
         self.interceptor.cspViolation.connect(self.on_csp_violation)
         self.profile.downloadRequested.connect(self.on_download_requested)
-        self.source_button.toggled.connect(self.on_source_toggled)
-        self.reload_button.clicked.connect(self.on_reload_clicked)
-        self.save_button.clicked.connect(self.on_save_clicked)
-        self.open_button.clicked.connect(self.on_open_in_browser_clicked)
         self.strip.entryAdded.connect(self.stripEntryAdded)
 
     def _make_page(self) -> PreviewPage:

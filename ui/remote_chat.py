@@ -33,7 +33,6 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
-    QPushButton,
     QRadioButton,
     QVBoxLayout,
     QWidget,
@@ -45,7 +44,7 @@ from clover_desk.ui.contracts import RemoteFactory
 from clover_desk.ui.messages import is_remote_finished  # noqa: F401 (re-exported; it moved there)
 from clover_desk.ui.theme import set_style_class
 from clover_desk.ui.thread_bridge import ThreadBridge
-from clover_desk.ui.widgets import named
+from clover_desk.ui.widgets import connect_each, named, push_button
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +209,7 @@ class RemoteSettingsDialog(QDialog):
         self.model = named(QComboBox(), "remoteModel", "Remote model")
         self.model.setEditable(True)
         self.model.lineEdit().setPlaceholderText("the first model the server lists")
-        self.test_button = QPushButton("Test connection")
-        self.test_button.setObjectName("remoteTest")
+        self.test_button = push_button("Test connection", "remoteTest", clicked=self.testRequested)
         self.status = QLabel()
         self.status.setObjectName("remoteStatus")
         self.status.setWordWrap(True)
@@ -219,9 +217,7 @@ class RemoteSettingsDialog(QDialog):
                       "report (passes, tokens per pass, speed) show as unavailable.")
         note.setWordWrap(True)
         set_style_class(note, "muted")
-        self.close_button = QPushButton("Close")
-        self.close_button.setObjectName("remoteClose")
-        set_style_class(self.close_button, "ghost")
+        self.close_button = push_button("Close", "remoteClose", style="ghost", clicked=self.hide)
         form = QFormLayout()
         form.addRow("&URL", self.url)
         form.addRow("API &key", self.api_key)
@@ -241,12 +237,8 @@ class RemoteSettingsDialog(QDialog):
         self._update_enabled()
 
     def _connect_signals(self) -> None:
-        self.remote.toggled.connect(self.on_any_changed)
-        self.url.editingFinished.connect(self.on_any_changed)
-        self.api_key.editingFinished.connect(self.on_any_changed)
-        self.model.currentTextChanged.connect(self.on_any_changed)
-        self.test_button.clicked.connect(self.testRequested)
-        self.close_button.clicked.connect(self.hide)
+        connect_each(self.on_any_changed, self.remote.toggled, self.url.editingFinished, self.api_key.editingFinished,
+                     self.model.currentTextChanged)
 
     def values(self) -> dict[str, str]:
         return {"backend": "remote" if self.remote.isChecked() else "local", "remote_url": self.url.text().strip(),

@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 
 from clover_desk.ui.contracts import ServerControl
 from clover_desk.ui.theme import set_style_class
-from clover_desk.ui.widgets import accessible, named
+from clover_desk.ui.widgets import accessible, connect_each, named, push_button
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -82,10 +82,8 @@ class ServeDialog(QDialog):
         )
         self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.api_key.setPlaceholderText("none")
-        self.new_key_button = QPushButton("New key")
-        self.new_key_button.setObjectName("serveNewKey")
-        set_style_class(self.new_key_button, "ghost")
-        accessible(self.new_key_button, "Make a random API key")
+        self.new_key_button = push_button("New key", "serveNewKey", style="ghost", name="Make a random API key",
+                                          clicked=self.on_new_key)
         self.warning = QLabel()
         self.warning.setObjectName("serveWarning")
         self.warning.setWordWrap(True)
@@ -101,15 +99,10 @@ class ServeDialog(QDialog):
         self.address = named(QLineEdit(), "serveAddress", "Server address")
         self.address.setReadOnly(True)
         self.address.setPlaceholderText("the base URL appears here once serving")
-        self.copy_button = named(QPushButton("Copy"), "serveCopy", "Copy the server address")
-        self.start_button = QPushButton("Start serving")
-        self.start_button.setObjectName("serveStart")
-        set_style_class(self.start_button, "primary")
-        self.stop_button = QPushButton("Stop")
-        self.stop_button.setObjectName("serveStop")
-        self.close_button = QPushButton("Close")
-        self.close_button.setObjectName("serveClose")
-        set_style_class(self.close_button, "ghost")
+        self.copy_button = push_button("Copy", "serveCopy", name="Copy the server address", clicked=self.on_copy)
+        self.start_button = push_button("Start serving", "serveStart", style="primary", clicked=self.on_start_clicked)
+        self.stop_button = push_button("Stop", "serveStop", clicked=self.stopRequested)
+        self.close_button = push_button("Close", "serveClose", style="ghost", clicked=self.hide)
 
         key_row = QHBoxLayout()
         key_row.addWidget(self.api_key, 1)
@@ -141,13 +134,7 @@ class ServeDialog(QDialog):
         self.on_fields_changed()
 
     def _connect_signals(self) -> None:
-        self.host.textChanged.connect(self.on_fields_changed)
-        self.api_key.textChanged.connect(self.on_fields_changed)
-        self.new_key_button.clicked.connect(self.on_new_key)
-        self.copy_button.clicked.connect(self.on_copy)
-        self.start_button.clicked.connect(self.on_start_clicked)
-        self.stop_button.clicked.connect(self.stopRequested)
-        self.close_button.clicked.connect(self.hide)
+        connect_each(self.on_fields_changed, self.host.textChanged, self.api_key.textChanged)
 
     def set_state(self, state: str, text: str = "", url: str = "", policy: str = "") -> None:
         """``state``: "stopped" | "starting" | "serving" | "stopping"; ``text`` replaces the default status line;

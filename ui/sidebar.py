@@ -14,13 +14,12 @@ from PySide6.QtWidgets import (
     QListWidget,
     QListWidgetItem,
     QMenu,
-    QPushButton,
     QVBoxLayout,
     QWidget,
 )
 
 from clover_desk.ui.theme import set_style_class
-from clover_desk.ui.widgets import accessible, named
+from clover_desk.ui.widgets import accessible, named, push_button
 
 
 class ChatList(QListWidget):
@@ -52,7 +51,8 @@ class ConversationSidebar(QFrame):
         self.setMinimumWidth(190)  # = main_window.MIN_SIDEBAR_WIDTH
         title = QLabel("☘ Clover Desk")
         title.setObjectName("appTitle")
-        self.new_button = named(QPushButton("+  New chat"), "newChat", "New chat", tip="New chat (Ctrl+N)")
+        self.new_button = push_button("+  New chat", "newChat", tip="New chat (Ctrl+N)", name="New chat",
+                                      clicked=self.newRequested)
         self.search = named(QLineEdit(), "chatSearch", "Search chats")
         self.search.setPlaceholderText("Search chats  (Ctrl+K)")
         self.search.setClearButtonEnabled(True)
@@ -66,11 +66,9 @@ class ConversationSidebar(QFrame):
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list.setResizeMode(QListWidget.ResizeMode.Adjust)
-        self.models_button = QPushButton("Models")
-        self.models_button.setObjectName("modelsButton")
-        set_style_class(self.models_button, "ghost")
-        self.models_button.setToolTip("Download, choose and quantize models (Ctrl+Shift+M)")
-        accessible(self.models_button, "Models")
+        self.models_button = push_button("Models", "modelsButton", style="ghost", name="Models",
+                                         tip="Download, choose and quantize models (Ctrl+Shift+M)",
+                                         clicked=self.modelsRequested)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 14, 12, 10)
         layout.setSpacing(10)
@@ -86,8 +84,6 @@ class ConversationSidebar(QFrame):
         self._connect_signals()
 
     def _connect_signals(self) -> None:
-        self.new_button.clicked.connect(self.newRequested)
-        self.models_button.clicked.connect(self.modelsRequested)
         self.search.textChanged.connect(self.searchChanged)
         self.list.currentItemChanged.connect(self.on_current_changed)
         self.list.itemChanged.connect(self.on_item_changed)

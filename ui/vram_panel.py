@@ -24,7 +24,6 @@ from PySide6.QtWidgets import (
     QComboBox,
     QFrame,
     QGridLayout,
-    QHBoxLayout,
     QLabel,
     QPushButton,
     QScrollArea,
@@ -37,6 +36,7 @@ from PySide6.QtWidgets import (
 from clover_desk.engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_BYTES, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
 from clover_desk.engine.placement import planner
 from clover_desk.ui.theme import COLORS, color, set_style_class
+from clover_desk.ui.widgets import spread_row
 
 log = logging.getLogger(__name__)
 
@@ -410,33 +410,17 @@ class VramPanel(QWidget):
         col.setSpacing(10)
         col.addWidget(self.title)
         col.addWidget(self.gpu_label)
-        card_row = QHBoxLayout()
-        card_row.addWidget(self.card_label)
-        card_row.addStretch(1)
-        card_row.addWidget(self.card_combo)
-        col.addLayout(card_row)
+        col.addLayout(spread_row(self.card_label, self.card_combo))
         self.card_label.setVisible(not self.has_gpu)
         self.card_combo.setVisible(not self.has_gpu)
-        ctx_row = QHBoxLayout()
         ctx_label = QLabel("Context length")
         ctx_label.setBuddy(self.ctx_combo)
-        ctx_row.addWidget(ctx_label)
-        ctx_row.addStretch(1)
-        ctx_row.addWidget(self.ctx_combo)
-        col.addLayout(ctx_row)
+        col.addLayout(spread_row(ctx_label, self.ctx_combo))
         col.addWidget(self.plan_for_label)
         self.plan_for_label.setVisible(not self.has_gpu)
-        top = QHBoxLayout()
-        top.addWidget(self.budget_label)
-        top.addStretch(1)
-        top.addWidget(self.state_label)
-        col.addLayout(top)
+        col.addLayout(spread_row(self.budget_label, self.state_label))
         col.addWidget(self.slider)
-        ends = QHBoxLayout()
-        ends.addWidget(self.min_label)
-        ends.addStretch(1)
-        ends.addWidget(self.max_label)
-        col.addLayout(ends)
+        col.addLayout(spread_row(self.min_label, self.max_label))
         self.breakdown.add_to(col, self.has_gpu)
         col.addStretch(1)
 

@@ -1,17 +1,21 @@
-"""Small shared widgets and helpers: a label that elides instead of widening the window, accessible names."""
+"""Small shared widgets and helpers: a label that elides instead of widening the window, accessible names, buttons
+made and wired in one place, one slot for several signals."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt, QTimer
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSize, QStandardPaths, Qt, QTimer, SignalInstance
 from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import (
     QAbstractScrollArea,
     QAbstractSpinBox,
     QComboBox,
+    QHBoxLayout,
     QLabel,
+    QPushButton,
     QSizePolicy,
     QToolButton,
     QWidget,
@@ -20,6 +24,7 @@ from PySide6.QtWidgets import (
 from clover_desk.ui.theme import set_style_class
 
 W = TypeVar("W", bound=QWidget)
+Slot = Callable[..., object] | SignalInstance  # what a signal connects to: a callable, or a signal it relays to
 
 
 class ElidedLabel(QLabel):
@@ -89,13 +94,60 @@ def named(widget: W, object_name: str, name: str, tip: str = "") -> W:
     return widget
 
 
-def tool_button(parent: QWidget, text: str, tip: str) -> QToolButton:
-    """A short-labelled tool button whose tooltip (and accessible name) tells the whole story."""
+def spread_row(left: QWidget, right: QWidget) -> QHBoxLayout:
+    """A row with ``left`` at its start and ``right`` at its end (a stretch takes the room between them)."""
+    row = QHBoxLayout()
+    row.addWidget(left)
+    row.addStretch(1)
+    row.addWidget(right)
+    return row
+
+
+def connect_each(slot: Slot, *signals: SignalInstance) -> None:
+    """Connect every one of ``signals`` to ``slot``: the several edits that mean one thing to a widget, said once."""
+    for signal in signals:
+        signal.connect(slot)
+
+
+def push_button(text: str, object_name: str = "", *, style: str = "", checked: bool | None = None, tip: str = "",
+                name: str = "", clicked: Slot | None = None, toggled: Slot | None = None) -> QPushButton:
+    """A push button made and wired in one place: its object name (for styles and tests), QSS style class, tooltip
+    and accessible name where given; ``checked`` (True or False) makes it checkable, in that state. ``clicked`` and
+    ``toggled`` are connected last, so setting the initial state calls neither."""
+    button = QPushButton(text)
+    if object_name:
+        button.setObjectName(object_name)
+    if style:
+        set_style_class(button, style)
+    if checked is not None:
+        button.setCheckable(True)
+        button.setChecked(checked)
+    if tip:
+        button.setToolTip(tip)
+    if name:
+        accessible(button, name)
+    _wire(button, clicked, toggled)
+    return button
+
+
+def tool_button(parent: QWidget, text: str, tip: str, *, clicked: Slot | None = None,
+                toggled: Slot | None = None) -> QToolButton:
+    """A short-labelled tool button whose tooltip (and accessible name) tells the whole story; ``toggled`` makes it
+    checkable. ``clicked`` / ``toggled`` are connected to it."""
     button = QToolButton(parent)
     button.setText(text)
     button.setToolTip(tip)
     button.setAccessibleName(tip)
+    button.setCheckable(toggled is not None)
+    _wire(button, clicked, toggled)
     return button
+
+
+def _wire(button: QPushButton | QToolButton, clicked: Slot | None, toggled: Slot | None) -> None:
+    if clicked is not None:
+        button.clicked.connect(clicked)
+    if toggled is not None:
+        button.toggled.connect(toggled)
 
 
 class PreviewOff(QLabel):

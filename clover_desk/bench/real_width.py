@@ -85,22 +85,22 @@ def build_inputs(layers: int, say: Callable[[str], None], llama_cpp: Any = None)
     if llama_cpp is not None:
         q4km = root / "model-Q4_K_M-llama.gguf"
         if not q4km.is_file():
-            f16 = root / "model-F16-upstream.gguf"
-            if not f16.is_file():
-                say(f"writing {f16.name} (once)")
-                tmp = f16.with_suffix(".part.gguf")
-                write_gguf(folder, tmp, "F16", layout="upstream", arch="qwen35moe")
-                tmp.replace(f16)
+            f16 = _upstream_gguf(folder, root / "model-F16-upstream.gguf", "F16", say)
             say(f"quantizing to {q4km.name} with llama.cpp's quantizer (once)")
             _llama_quantize(llama_cpp, f16, q4km)
         return folder, q4km
-    q4k = root / "model-Q4_K-upstream.gguf"
-    if not q4k.is_file():
-        say(f"writing {q4k.name} (once)")
-        tmp = q4k.with_suffix(".part.gguf")
-        write_gguf(folder, tmp, "Q4_K", layout="upstream", arch="qwen35moe")
-        tmp.replace(q4k)
-    return folder, q4k
+    return folder, _upstream_gguf(folder, root / "model-Q4_K-upstream.gguf", "Q4_K", say)
+
+
+def _upstream_gguf(folder: Path, path: Path, quant: str, say: Callable[[str], None]) -> Path:
+    """``path``: the checkpoint in ``folder`` as a ``quant`` GGUF in upstream llama.cpp's layout, written once
+    (through a temporary name: an interrupted write is never taken for the file)."""
+    if not path.is_file():
+        say(f"writing {path.name} (once)")
+        tmp = path.with_suffix(".part.gguf")
+        write_gguf(folder, tmp, quant, layout="upstream", arch="qwen35moe")
+        tmp.replace(path)
+    return path
 
 
 def _llama_quantize(llama_cpp: Any, src: Path, dst: Path) -> None:

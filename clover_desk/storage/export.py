@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from clover_desk.storage.files import atomic_write_text
+from clover_desk.engine.files import atomic_write_text
 from clover_desk.storage.records import Conversation, Message
 
 EXPORT_FORMAT = "clover-desk-chat"

@@ -20,6 +20,7 @@ from typing import Any
 from clover_desk.engine.decode.chat_template import LimitedSandbox, TemplateLimit
 from clover_desk.engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, check_text, decode_utf8
 from clover_desk.engine.errors import ConfigError, PromptError
+from clover_desk.engine.model.config import read_json
 
 log = logging.getLogger(__name__)
 
@@ -312,13 +313,7 @@ def _input_chars(messages: Sequence[Any], tools: Sequence[Any] | None) -> int:
 
 
 def _template_from_config(path: Path) -> str | None:
-    text = decode_utf8(_read_bytes(path), str(path), ConfigError)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
+    data = read_json(path)
     template = data.get("chat_template") if isinstance(data, dict) else None
     if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

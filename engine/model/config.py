@@ -147,7 +147,9 @@ class GenerationDefaults:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> Any:
+    """The JSON value in ``path`` (UTF-8): a missing, unreadable, undecodable or malformed file is a ConfigError
+    that names it (the model folder's config.json, generation_config.json, tokenizer_config.json)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -156,11 +158,15 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     text = decode_utf8(raw, str(path), ConfigError)
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:
         raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top level")
     return data

@@ -84,16 +84,13 @@ class ModelGeometry:
     max_position_embeddings: int = field(default=0, compare=False)
 
     @property
-    def key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
     def value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
+        """in_proj_qkv's output width (what the short convolution runs over): q and k, then v."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
 
     @property
     def q_dim(self) -> int:

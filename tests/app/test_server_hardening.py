@@ -287,7 +287,7 @@ def test_a_header_sent_a_byte_at_a_time_meets_its_deadline(chat_model) -> None: 
         sock.close()
         assert closed_at is not None and 0.9 < closed_at < 2.5, closed_at
         assert server.guard.timed_out >= 1
-        assert client_health(server)["status"] == "ok"
+        assert _health(server.port)["status"] == "ok"
 
 
 def test_requests_past_the_in_flight_cap_are_503_but_health_answers(endless_model) -> None:  # noqa: ANN001
@@ -297,18 +297,9 @@ def test_requests_past_the_in_flight_cap_are_503_but_health_answers(endless_mode
         next(_events(response))  # generating now: one request in flight
         status, _, raw = _request(server.port, "POST", "/v1/chat/completions", _chat_body(), JSON)
         assert status == 503 and _code(raw) == "server_busy"
-        assert client_health(server)["busy"] is True
-        conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-        conn.close()
-        deadline = time.monotonic() + 10
-        while client_health(server)["busy"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert _health(server.port)["busy"] is True
+        _hang_up(conn, server.port)
         assert _request(server.port, "POST", "/v1/chat/completions", _chat_body(), JSON)[0] == 200
-
-
-def client_health(server: Any) -> dict[str, Any]:
-    return json.loads(_request(server.port, "GET", "/health")[2])
 
 
 def test_a_body_is_refused_by_its_length_before_it_is_read_and_must_come_in_time(chat_model) -> None:  # noqa: ANN001
@@ -368,6 +359,16 @@ def _stream(port: int, max_tokens: int = 3000) -> tuple[http.client.HTTPConnecti
     return conn, response
 
 
+def _hang_up(conn: http.client.HTTPConnection, port: int) -> None:
+    """Drop a streaming request as a client that goes away, then wait (10 s at most) until the server is idle."""
+    conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    conn.close()
+    deadline = time.monotonic() + 10
+    while _health(port)["busy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def _events(response: Any) -> Iterator[str]:
     for raw in response:
         line = raw.decode().strip()
@@ -381,12 +382,7 @@ def test_clients_that_hang_up_are_one_short_line_not_tracebacks(endless_model) -
         for _ in range(4):
             conn, response = _stream(port)
             next(_events(response))
-            conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-            conn.close()
-            deadline = time.monotonic() + 10
-            while _health(port)["busy"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            _hang_up(conn, port)
         assert _health(port)["cancelled"] == 4
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)

@@ -12,19 +12,12 @@ import pytest
 
 from clover_desk import paths
 from clover_desk.engine.decode.events import BlockCommitted, EngineError, Finished, PromptInfo, TextDelta
+from clover_desk.engine.files import atomic_write_text
 from clover_desk.storage.errors import NotFoundError, StorageError
-from clover_desk.storage.files import atomic_write_text
 from clover_desk.storage.recorder import StreamRecorder
 from clover_desk.storage.records import title_from_text
 from clover_desk.storage.schema import MIGRATIONS, SCHEMA_VERSION
 from clover_desk.storage.store import ChatStore
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> ChatStore:
-    s = ChatStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
 
 
 def _old_database(path: Path, version: int) -> None:

@@ -9,22 +9,14 @@ import pytest
 
 from clover_desk.engine.errors import ConfigError
 from clover_desk.engine.model.config import load_config, load_generation_defaults, parse_config
+from tests.helpers_model import tiny_text_dict
 
+# The tiny text config (tests/helpers_model.py) less what parse_config must default: the layer types (from the
+# full-attention interval), the conv kernel, the context, the norm epsilon and the mrope fields.
+DEFAULTED = ("layer_types", "linear_conv_kernel_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters")
 TEXT = {
-    "vocab_size": 320,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
+    **{k: v for k, v in tiny_text_dict(vocab_size=320, num_experts=8, num_experts_per_tok=2).items()
+       if k not in DEFAULTED},
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }
 

@@ -29,13 +29,6 @@ guard_pyside_bool_refcounts()
 SCHEMA3 = Path(__file__).parent.parent / "data" / "chats_schema3.sql"
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
-
-
 def texts(store: ChatStore, cid: int) -> list[str]:
     assert store._path_ids(cid) == read_chosen_path(store._conn, cid)  # the store's cached path is the one on disk
     return [m.content for m in store.messages(cid)]

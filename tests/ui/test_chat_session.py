@@ -128,9 +128,8 @@ class FlakyStore(ChatStore):
 
 @pytest.fixture
 def store(tmp_path):
-    s = FlakyStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
+    with FlakyStore(tmp_path / "chats.sqlite3") as s:
+        yield s
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ restart (window.ini). The real window over a real ChatStore with a scripted engi
 
 from __future__ import annotations
 
-import pytest
 from fakes_ui import FakeEngineClient
 from PySide6.QtCore import QSettings, Qt
 
@@ -17,13 +16,6 @@ from clover_desk.ui.main_window import MainWindow
 from clover_desk.ui.settings_drawer import SettingsDrawer
 
 guard_pyside_bool_refcounts()
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
 
 
 def make_window(qtbot, store, ini) -> tuple[MainWindow, FakeEngineClient]:  # noqa: ANN001

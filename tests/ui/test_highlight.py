@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from fakes_ui import FakeEngineClient
 from PySide6.QtGui import QTextCursor
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
 from clover_desk.storage.recorder import StreamRecorder
-from clover_desk.storage.store import ChatStore
 from clover_desk.ui import highlight as hl
 from clover_desk.ui.main_window import MainWindow
 from clover_desk.ui.markdown import render
@@ -78,13 +76,6 @@ def test_a_finished_block_is_highlighted_once_while_a_long_answer_streams() -> N
     info = hl._highlight_cached.cache_info()
     assert info.misses == 1 and info.hits == 20
     assert again < first
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
 
 
 def _colours_of(browser, word: str) -> set[str]:

@@ -3,24 +3,24 @@ streaming follow all use it."""
 
 from __future__ import annotations
 
+import pytest
+
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.ui.html_extract import extract_html
 
 guard_pyside_bool_refcounts()
 
-def test_extract_fenced_block() -> None:
-    answer = "Here you go:\n\n```html\n<!DOCTYPE html>\n<html><body>hi</body></html>\n```\n\nEnjoy."
-    assert extract_html(answer) == "<!DOCTYPE html>\n<html><body>hi</body></html>"
 
-
-def test_extract_picks_longest_block_and_accepts_tildes() -> None:
-    answer = "```html\n<b>x</b>\n```\ntext\n~~~HTML\n<html><body>the whole app</body></html>\n~~~\n"
-    assert extract_html(answer) == "<html><body>the whole app</body></html>"
-
-
-def test_extract_unfinished_fence_while_streaming() -> None:
-    answer = "Sure!\n```html\n<!DOCTYPE html>\n<html><body><h1>Desk"
-    assert extract_html(answer) == "<!DOCTYPE html>\n<html><body><h1>Desk"
+@pytest.mark.parametrize(("answer", "page"), [
+    pytest.param("Here you go:\n\n```html\n<!DOCTYPE html>\n<html><body>hi</body></html>\n```\n\nEnjoy.",
+                 "<!DOCTYPE html>\n<html><body>hi</body></html>", id="fenced block"),
+    pytest.param("```html\n<b>x</b>\n```\ntext\n~~~HTML\n<html><body>the whole app</body></html>\n~~~\n",
+                 "<html><body>the whole app</body></html>", id="the longest block, tildes too"),
+    pytest.param("Sure!\n```html\n<!DOCTYPE html>\n<html><body><h1>Desk",
+                 "<!DOCTYPE html>\n<html><body><h1>Desk", id="an unfinished fence while streaming"),
+])
+def test_extract_the_page_of_a_fence(answer: str, page: str) -> None:
+    assert extract_html(answer) == page
 
 
 def test_extract_bare_page_and_its_end() -> None:

@@ -63,9 +63,8 @@ class FakeModelManager(QWidget):
 
 @pytest.fixture
 def store(tmp_path):
-    s = CountingStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
+    with CountingStore(tmp_path / "chats.sqlite3") as s:
+        yield s
 
 
 def make_window(qtbot, store, client=None, **kwargs) -> tuple[MainWindow, FakeEngineClient]:
@@ -74,6 +73,16 @@ def make_window(qtbot, store, client=None, **kwargs) -> tuple[MainWindow, FakeEn
     window = MainWindow(client, store, StreamRecorder, **kwargs)
     qtbot.addWidget(window)
     window.show()
+    return window, client
+
+
+def answering(qtbot, store, text: str, **client_kwargs) -> tuple[MainWindow, FakeEngineClient]:
+    """A window (its fake engine at 5 ms a pass) answering ``text`` sent with Enter: a block committed, not done."""
+    client = FakeEngineClient(pass_ms=5, **client_kwargs)
+    window, _ = make_window(qtbot, store, client)
+    window.composer.input.setPlainText(text)
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
     return window, client
 
 
@@ -138,11 +147,7 @@ def test_escape_stops_and_keeps_the_partial_answer(qtbot, store) -> None:
 
 
 def test_stop_then_continue_goes_on_with_the_same_answer(qtbot, store) -> None:
-    client = FakeEngineClient(blocks=20, pass_ms=5, thinking="plan the answer")
-    window, _ = make_window(qtbot, store, client)
-    window.composer.input.setPlainText("long answer please")
-    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
+    window, client = answering(qtbot, store, "long answer please", blocks=20, thinking="plan the answer")
     with qtbot.waitSignal(window.generationFinished, timeout=3000):
         qtbot.keyClick(window.composer.input, Qt.Key.Key_Escape)
     widget = window.chat.widgets[-1]
@@ -354,11 +359,7 @@ def test_sidebar_new_rename_search_delete(qtbot, store, monkeypatch) -> None:
 
 
 def test_deleting_the_chat_being_answered(qtbot, store) -> None:
-    client = FakeEngineClient(blocks=30, pass_ms=5)
-    window, _ = make_window(qtbot, store, client)
-    window.composer.input.setPlainText("doomed")
-    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
+    window, client = answering(qtbot, store, "doomed", blocks=30)
     cid = window.conversation_id
     with qtbot.waitSignal(window.generationFinished, timeout=3000):
         window.conversations.delete(cid)
@@ -367,11 +368,7 @@ def test_deleting_the_chat_being_answered(qtbot, store) -> None:
 
 
 def test_crash_banner_keeps_chat_and_restarts(qtbot, store) -> None:
-    client = FakeEngineClient(blocks=30, pass_ms=5)
-    window, _ = make_window(qtbot, store, client)
-    window.composer.input.setPlainText("will crash")
-    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: window.denoise.model.blocks_committed >= 1, timeout=3000)
+    window, client = answering(qtbot, store, "will crash", blocks=30)
     with qtbot.waitSignal(window.generationFinished, timeout=3000) as blocker:
         client.crashed.emit("worker exited with SIGKILL")
     assert blocker.args[1] == "crashed"

@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from PySide6.QtGui import QImage
 
 pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from clover_desk.ui.preview import PreviewPane, atomic_write_text
+from clover_desk.ui.preview import PreviewPane
 from clover_desk.ui.preview_sandbox import (
     OFFLINE_CHROMIUM_FLAGS,
     PREVIEW_CSP,
@@ -85,14 +86,6 @@ def test_the_engine_of_this_session_runs_offline() -> None:
     # conftest (like every entry point) calls register_schemes() before the QApplication: the switches are in force.
     args = split_chromium_flags(os.environ.get("QTWEBENGINE_CHROMIUM_FLAGS", ""))
     assert set(OFFLINE_CHROMIUM_FLAGS) <= set(args)
-
-
-def test_atomic_write_replaces_whole_file(tmp_path: Path) -> None:
-    target = tmp_path / "page.html"
-    target.write_text("old")
-    atomic_write_text(target, "<p>new</p>")
-    assert target.read_text() == "<p>new</p>"
-    assert [p.name for p in tmp_path.iterdir()] == ["page.html"]  # no temporary file left behind
 
 
 # ---- the widget (real QtWebEngine) -----------------------------------------------------------------------------
@@ -249,16 +242,19 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def _screenshot(tmp_path: Path, html: str, wait_ms: int, size: str) -> tuple[subprocess.CompletedProcess, QImage]:
+    """``clover-desk preview PAGE --screenshot`` of ``html``: the finished command and the picture it saved."""
+    page = tmp_path / "page.html"
+    page.write_text(html, encoding="utf-8")
+    out = tmp_path / "page.png"
+    result = _run_cli(str(page), "--screenshot", str(out), "--wait-ms", str(wait_ms), "--size", size)
+    assert result.returncode == 0, result.stderr
+    return result, QImage(str(out))
+
+
 @pytest.mark.webengine
 def test_cli_screenshot(tmp_path: Path) -> None:
-    from PySide6.QtGui import QImage
-
-    page = tmp_path / "calc.html"
-    page.write_text(CALCULATOR, encoding="utf-8")
-    out = tmp_path / "calc.png"
-    result = _run_cli(str(page), "--screenshot", str(out), "--wait-ms", "200", "--size", "800x600")
-    assert result.returncode == 0, result.stderr
-    image = QImage(str(out))
+    _, image = _screenshot(tmp_path, CALCULATOR, 200, "800x600")
     assert (image.width(), image.height()) == (800, 600)
     # The page background (#1e2230) fills the middle-left of the view: the page really rendered.
     assert image.pixelColor(40, 300).name() == "#1e2230"
@@ -279,31 +275,18 @@ document.getElementById('app').textContent = 'routed';
 @pytest.mark.webengine
 def test_cli_screenshot_of_a_single_page_app(tmp_path: Path) -> None:
     """A page that changes its own URL while it loads is still "loaded" (it used to time out after 60 s)."""
-    from PySide6.QtGui import QImage
-
-    page = tmp_path / "spa.html"
-    page.write_text(SPA, encoding="utf-8")
-    out = tmp_path / "spa.png"
-    result = _run_cli(str(page), "--screenshot", str(out), "--wait-ms", "300", "--size", "400x300")
-    assert result.returncode == 0, result.stderr
+    result, image = _screenshot(tmp_path, SPA, 300, "400x300")
     assert "did not finish loading" not in result.stderr
-    image = QImage(str(out))
     assert image.pixelColor(200, 120).name() == "#204060"  # the page's own background: it rendered
 
 
 @pytest.mark.webengine
 def test_cli_lists_a_jump_to_about_blank_and_shows_the_page(tmp_path: Path) -> None:
-    page = tmp_path / "leaver.html"
-    page.write_text("""<!DOCTYPE html><html><body style="background:#604020"><script>
+    result, image = _screenshot(tmp_path, """<!DOCTYPE html><html><body style="background:#604020"><script>
     if (window.name !== 'left') { window.name = 'left'; location = 'about:blank'; }
-    </script></body></html>""", encoding="utf-8")
-    out = tmp_path / "leaver.png"
-    result = _run_cli(str(page), "--screenshot", str(out), "--wait-ms", "300", "--size", "400x300")
-    assert result.returncode == 0, result.stderr
+    </script></body></html>""", 300, "400x300")
     assert "blocked navigation to about:blank" in result.stderr  # listed (as a warning), not silent
-    from PySide6.QtGui import QImage
-
-    assert QImage(str(out)).pixelColor(200, 120).name() == "#604020"  # and the document was put back
+    assert image.pixelColor(200, 120).name() == "#604020"  # and the document was put back
 
 
 def test_cli_missing_file_is_exit_2(tmp_path: Path) -> None:

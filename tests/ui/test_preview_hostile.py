@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
@@ -24,6 +22,7 @@ from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.ui.preview import PreviewPane
 from clover_desk.ui.preview_sandbox import FLOOD_MESSAGES_PER_S, register_schemes
 from clover_desk.ui.preview_strip import MAX_CONSOLE_ENTRIES, MAX_DIALOG_ENTRIES, MAX_LINE_CHARS, MAX_STRIP_ENTRIES
+from tests.net_helpers import LoopbackListener
 
 guard_pyside_bool_refcounts()
 register_schemes()  # before pytest-qt creates the QApplication (conftest does it too; idempotent)
@@ -33,55 +32,9 @@ HANG_MS = 1000  # the test pane's unresponsive-page timeout (the app's is 2 s)
 GRACE_MS = 500  # proving that something does *not* happen needs a window of time
 
 
-class Listener:
-    """Counts every TCP connection and UDP datagram on one 127.0.0.1 port (reaching it at all is a failure)."""
-
-    def __init__(self) -> None:
-        self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._tcp.bind(("127.0.0.1", 0))
-        self._tcp.listen(16)
-        self._tcp.settimeout(0.1)
-        self.port: int = self._tcp.getsockname()[1]
-        self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._udp.bind(("127.0.0.1", self.port))
-        self._udp.settimeout(0.1)
-        self.hits: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(self._accept,), daemon=True),
-                         threading.Thread(target=self._loop, args=(self._receive,), daemon=True)]
-        for thread in self._threads:
-            thread.start()
-
-    def _accept(self) -> None:
-        conn, _ = self._tcp.accept()
-        self.hits.append("tcp")
-        conn.close()
-
-    def _receive(self) -> None:
-        self._udp.recvfrom(4096)
-        self.hits.append("udp")
-
-    def _loop(self, step) -> None:  # noqa: ANN001
-        while not self._stop.is_set():
-            try:
-                step()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=5)
-        self._tcp.close()
-        self._udp.close()
-
-
 @pytest.fixture(scope="module")
-def listener() -> Iterator[Listener]:
-    srv = Listener()
+def listener() -> Iterator[LoopbackListener]:
+    srv = LoopbackListener(backlog=16)
     yield srv
     srv.close()
 
@@ -301,7 +254,7 @@ def test_console_text_never_poses_as_blocked_and_cannot_push_blocked_out(qtbot, 
     pane.strip.flush()
     assert pane.strip.list.count() == len(pane.strip.entries) <= MAX_STRIP_ENTRIES
     assert "more not listed" in pane.strip.label.text() and pane.strip.label.text().startswith("2 blocked")
-    assert listener.hits == []
+    assert listener.accepted == [] and listener.datagrams == []
 
 
 @pytest.mark.webengine

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +20,7 @@ pytest.importorskip("PySide6.QtWebEngineWidgets", exc_type=ImportError)
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.ui.preview import PreviewPane  # noqa: E402
 from clover_desk.ui.preview_sandbox import register_schemes  # noqa: E402
+from tests.net_helpers import LoopbackListener  # noqa: E402
 from tests.qt_helpers import shown  # noqa: E402
 
 guard_pyside_bool_refcounts()
@@ -31,61 +32,27 @@ TIMEOUT_MS = 30_000
 GRACE_MS = 700
 
 
-class CountingServer:
-    """Accepts TCP connections on 127.0.0.1 and counts them (then hangs up); counts UDP datagrams on the same port."""
-
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self._sock.settimeout(0.1)
-        self.port: int = self._sock.getsockname()[1]
-        self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._udp.bind(("127.0.0.1", self.port))
-        self._udp.settimeout(0.1)
-        self.accepted: list[tuple[str, int]] = []
-        self.datagrams: list[tuple[str, int]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._serve, name="counting-server", daemon=True),
-                         threading.Thread(target=self._serve_udp, name="counting-server-udp", daemon=True)]
-        for thread in self._threads:
-            thread.start()
-
-    def _serve_udp(self) -> None:
-        while not self._stop.is_set():
-            try:
-                _, addr = self._udp.recvfrom(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.datagrams.append(addr)
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, addr = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.accepted.append(addr)
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=5)
-        self._sock.close()
-        self._udp.close()
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[CountingServer]:
-    srv = CountingServer()
+def server() -> Iterator[LoopbackListener]:
+    srv = LoopbackListener()
     yield srv
     srv.close()
+
+
+def test_the_listener_counts_what_reaches_it() -> None:
+    """The tests below prove a page reached nothing by an empty listener: one that heard nothing would prove nothing."""
+    listener = LoopbackListener()
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5):
+            pass
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.sendto(b"x", ("127.0.0.1", listener.port))
+        deadline = time.monotonic() + 5
+        while not (listener.accepted and listener.datagrams) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(listener.accepted) == 1 and len(listener.datagrams) == 1
+    finally:
+        listener.close()
 
 
 @pytest.fixture(scope="module")

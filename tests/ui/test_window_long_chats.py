@@ -36,13 +36,6 @@ ANSWER = "The keepers lived in small stone houses beside the towers and rowed to
 
 
 @pytest.fixture
-def store(tmp_path):  # noqa: ANN001, ANN201
-    s = ChatStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def counter(qapp, tiny_clover_dir):  # noqa: ANN001, ANN201, F811
     c = TokenCounter()
     c.set_model(str(tiny_clover_dir))
@@ -311,14 +304,20 @@ def test_without_a_counter_there_is_no_meter_and_send_is_not_held(qtbot, store) 
 # ---- reading the prompt (scripted events; the real engine: test_gui_long_work.py) -------------------------------
 
 
-def test_a_quick_prompt_never_flashes_the_reading_strip(qtbot, store) -> None:  # noqa: ANN001
-    from clover_desk.engine.decode.events import BlockStep, PromptInfo
-
+def sent_and_held(qtbot, store) -> tuple[MainWindow, FakeEngineClient]:  # noqa: ANN001
+    """A window that has sent "hi" to a fake engine holding its events back (``emit_until`` lets them out)."""
     client = FakeEngineClient(blocks=1, pass_ms=2)
     client.paused = True
     window = make_window(qtbot, store, None, client)
     window.composer.input.setPlainText("hi")
     qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    return window, client
+
+
+def test_a_quick_prompt_never_flashes_the_reading_strip(qtbot, store) -> None:  # noqa: ANN001
+    from clover_desk.engine.decode.events import BlockStep, PromptInfo
+
+    window, client = sent_and_held(qtbot, store)
     strip = window.prompt_progress
     client.emit_until(PromptInfo)
     assert strip.active and strip.isHidden()
@@ -333,11 +332,7 @@ def test_a_slow_single_pass_prompt_shows_the_strip_after_a_moment(qtbot, store) 
     from clover_desk.engine.decode.events import PromptInfo
     from clover_desk.ui.prompt_progress import SHOW_AFTER_MS
 
-    client = FakeEngineClient(blocks=1, pass_ms=2)
-    client.paused = True
-    window = make_window(qtbot, store, None, client)
-    window.composer.input.setPlainText("hi")
-    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    window, client = sent_and_held(qtbot, store)
     client.emit_until(PromptInfo)
     strip = window.prompt_progress
     assert strip.isHidden()

@@ -48,13 +48,6 @@ STYLE_CLASSES = {"ghost", "muted", "chip", "primary", "faint", "danger", "warnTe
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = ChatStore(tmp_path / "chats.sqlite3")
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def ui_settings(tmp_path) -> QSettings:
     return QSettings(str(tmp_path / "window.ini"), QSettings.Format.IniFormat)
 

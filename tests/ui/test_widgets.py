@@ -1,0 +1,67 @@
+"""The small widget helpers every panel builds with (ui.widgets): buttons made and wired in one place, one slot for
+several signals, a row spread to both ends."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QLabel, QWidget
+
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
+from clover_desk.ui.widgets import connect_each, push_button, spread_row, tool_button
+
+guard_pyside_bool_refcounts()
+
+
+class Edits(QObject):
+    first = Signal(str)
+    second = Signal(str)
+
+
+def test_push_button_is_named_styled_and_set_before_it_is_wired(qtbot) -> None:  # noqa: ANN001
+    clicks: list[str] = []
+    toggles: list[bool] = []
+    button = push_button("Think", "thinkToggle", style="chip", checked=True, tip="Think first", name="Think",
+                         clicked=lambda: clicks.append("click"), toggled=lambda on: toggles.append(on))
+    qtbot.addWidget(button)
+    assert (button.objectName(), button.property("class"), button.toolTip(), button.accessibleName()) == (
+        "thinkToggle", "chip", "Think first", "Think")
+    assert button.isCheckable() and button.isChecked()
+    assert toggles == []  # the initial state called nothing
+    button.click()
+    assert clicks == ["click"] and toggles == [False]
+
+
+def test_a_plain_push_button_is_not_checkable(qtbot) -> None:  # noqa: ANN001
+    button = push_button("Close")
+    qtbot.addWidget(button)
+    assert not button.isCheckable() and button.objectName() == "" and button.property("class") is None
+
+
+def test_tool_button_is_checkable_when_it_toggles(qtbot) -> None:  # noqa: ANN001
+    parent = QWidget()
+    qtbot.addWidget(parent)
+    shown: list[bool] = []
+    reloads: list[str] = []
+    source = tool_button(parent, "Source", "Show the source", toggled=lambda on: shown.append(on))
+    reload = tool_button(parent, "Reload", "Load again", clicked=lambda: reloads.append("reload"))
+    assert source.isCheckable() and not reload.isCheckable()
+    assert (source.toolTip(), source.accessibleName()) == ("Show the source", "Show the source")
+    source.click()
+    reload.click()
+    assert shown == [True] and reloads == ["reload"]
+
+
+def test_connect_each_sends_every_signal_to_the_one_slot() -> None:
+    edits = Edits()
+    seen: list[str] = []
+    connect_each(seen.append, edits.first, edits.second)
+    edits.first.emit("a")
+    edits.second.emit("b")
+    assert seen == ["a", "b"]
+
+
+def test_spread_row_puts_a_stretch_between_its_two_ends(qtbot) -> None:  # noqa: ANN001
+    left, right = QLabel("left"), QLabel("right")
+    row = spread_row(left, right)
+    assert [row.itemAt(i).widget() for i in range(row.count())] == [left, None, right]
+    assert row.stretch(1) == 1
