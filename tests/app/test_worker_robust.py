@@ -19,7 +19,7 @@ import pytest
 from test_worker import FAKE, TIMEOUT, WorkerProc
 
 from clover_desk.engine.decode.events import GenerationParams
-from clover_desk.worker.process import MAX_LINE_BYTES, MAX_NESTING, PARAM_FIELDS, read_lines
+from clover_desk.worker.protocol import MAX_LINE_BYTES, MAX_NESTING, PARAM_FIELDS, read_lines
 
 USER = [{"role": "user", "content": "hi"}]
 
