@@ -240,7 +240,6 @@ SIZE_EXCEPTIONS = frozenset({
     "engine/model/clover.py",
     "engine/placement/offload.py",
     "engine/weights/quant_cache.py",
-    "clover_desk/worker/process.py",
 })
 CLASS_SIZE_EXCEPTIONS = frozenset({
     "clover_desk/worker/client.py:EngineClient",  # the window's engine client, being split with the worker

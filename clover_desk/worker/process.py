@@ -51,7 +51,7 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
 Every generate request ends with exactly one ``finished`` or ``error`` record carrying its id. A
 :class:`~engine.errors.CloverError` (bad prompt, bad checkpoint, cancelled load...) is reported and the worker keeps
 serving. An out-of-memory or CUDA error leaves the device unusable: the worker reports it with ``"fatal": true`` and
-exits with :data:`FATAL_EXIT_CODE`; the client then offers a restart. Loading and generating run on their own
+exits with :data:`~clover_desk.worker.reports.FATAL_EXIT_CODE`; the client then offers a restart. Loading and generating run on their own
 threads, so ``cancel`` / ``cancel_load`` are read while they work (the engine checks its flag between passes).
 
 ``serve`` puts the OpenAI-compatible server in this process, over the same engine (a second process would load a
@@ -81,11 +81,9 @@ value ends the worker at once with a fatal StartupError naming the switch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
 import gc
 import importlib
-import inspect
 import json
 import logging
 import os
@@ -96,37 +94,33 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from clover_desk.engine.decode.events import EngineError, Finished, GenerationParams, LoadProgress, to_dict
-from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
-from clover_desk.engine.errors import CancelledError, CloverError
+from clover_desk.engine.decode.events import EngineError, Finished, GenerationParams, to_dict
+from clover_desk.engine.errors import CloverError
 from clover_desk.engine.settings import GpuPaths, SettingsError
-from clover_desk.worker.hangup import HangUpLog, is_hang_up
-from clover_desk.worker.http_guards import is_loopback
+from clover_desk.worker.hangup import is_hang_up
+from clover_desk.worker.loading import load_engine, loaded_record, plan_record
 from clover_desk.worker.protocol import (
     COMMANDS,
     MAX_LINE_BYTES,
     ProtocolError,
-    _refused,
-    _request_id,
-    _show,
     check_generate,
     check_load,
     check_plan_command,
     check_prompt_ids,
     check_read_chat,
-    check_serve,
     parse_command,
     read_lines,
+    refused,
+    request_id_of,
+    show_value,
 )
-from clover_desk.worker.server import OpenAIServer
+from clover_desk.worker.reports import FATAL_EXIT_CODE, ErrorRecords, classify_fatal, hang_up_safe, hang_ups
+from clover_desk.worker.serving import WorkerServer
 
 log = logging.getLogger("clover_desk.worker.process")
-hang_ups = HangUpLog(log)  # the window hung up (it closed or stopped reading): one short line, not a traceback
 
 PROTOCOL_VERSION = 1
-FATAL_EXIT_CODE = 3
 DEFAULT_ENGINE_FACTORY = "clover_desk.engine.api:Engine.load"
-LOAD_PROGRESS_INTERVAL_S = 0.05  # at most ~20 load_progress records a second (stage changes always go out)
 _JOIN_ON_EXIT_S = 5.0
 _LOCK_POLL_S = 0.05  # a generate waiting for the engine (held by an HTTP answer) checks its cancel flag this often
 
@@ -140,39 +134,6 @@ def resolve(spec: str) -> Callable[..., Any]:
     for part in attr_path.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def classify_fatal(exc: BaseException) -> str | None:
-    """The error kind when ``exc`` leaves the process or its device unusable (so the worker must exit), else None.
-
-    Judged by type name and message, so this module does not import torch: ``torch.cuda.OutOfMemoryError`` and
-    ``MemoryError`` are "OutOfMemory"; ``torch.AcceleratorError`` and RuntimeErrors from CUDA / cuBLAS / cuDNN are
-    "CudaError".
-    """
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    text = str(exc)
-    if "OutOfMemoryError" in names or isinstance(exc, MemoryError):
-        return "OutOfMemory"
-    if isinstance(exc, RuntimeError) and ("out of memory" in text.lower() and "CUDA" in text):
-        return "OutOfMemory"
-    if "AcceleratorError" in names:
-        return "CudaError"
-    if isinstance(exc, RuntimeError) and any(k in text for k in ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error")):
-        return "CudaError"
-    return None
-
-
-def _json_safe(value: Any) -> Any:
-    """Dataclasses, mappings and sequences of JSON scalars, recursively; anything else becomes its ``str``."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _json_safe(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 class _PreemptingLock:
@@ -221,7 +182,8 @@ class Worker:
         self.engine_lock = _PreemptingLock(self._engine_lock, self._stop_reading)
         self._read_thread: threading.Thread | None = None
         self._read_cancel = threading.Event()
-        self._server: Any = None  # clover_desk.worker.server.OpenAIServer while serving
+        self._errors = ErrorRecords(emit)
+        self._serving = WorkerServer(emit, self._errors, self.engine_lock, self._lock)  # the HTTP server, if any
 
     # ----------------------------------------------------------------- dispatch (main thread)
 
@@ -244,10 +206,10 @@ class Worker:
         }
         handler = handlers.get(name) if isinstance(name, str) else None
         if handler is None:
-            what = "missing" if "cmd" not in command else f"got {_show(name)}"
-            self._error(
+            what = "missing" if "cmd" not in command else f"got {show_value(name)}"
+            self._errors.error(
                 "ProtocolError", f"field 'cmd' must be one of {', '.join(repr(c) for c in COMMANDS)}; {what}",
-                request_id=_request_id(command),
+                request_id=request_id_of(command),
             )
             return True
         try:
@@ -256,12 +218,12 @@ class Worker:
             if is_hang_up(exc):
                 raise  # the window is gone: main() says so in one line and exits
             log.error("command %s failed (the worker keeps running)", name, exc_info=exc)
-            self._error(type(exc).__name__, f"internal error: {exc}", request_id=_request_id(command))
+            self._errors.error(type(exc).__name__, f"internal error: {exc}", request_id=request_id_of(command))
         return True
 
     def stop(self) -> None:
         """Stop serving, cancel what runs and wait (briefly) for it to end."""
-        self._stop_server()
+        self._serving.stop()
         self._load_cancel.set()
         self._gen_cancel.set()
         self._read_cancel.set()
@@ -285,17 +247,17 @@ class Worker:
         try:
             check_load(command)  # refused whole before anything starts: the state never sticks at "loading"
         except ProtocolError as exc:
-            self._error("ProtocolError", str(exc), op="load")
+            self._errors.error("ProtocolError", str(exc), op="load")
             return
         with self._lock:
             busy = self._busy()
             if busy:
-                self._error("Busy", f"cannot load: {busy}", op="load")
+                self._errors.error("Busy", f"cannot load: {busy}", op="load")
                 return
             self._state = "loading"
             self._load_cancel = threading.Event()
             self._load_thread = threading.Thread(
-                target=_hang_up_safe(self._run_load, "loading"), args=(command, self._load_cancel), name="clover-load", daemon=True
+                target=hang_up_safe(self._run_load, "loading"), args=(command, self._load_cancel), name="clover-load", daemon=True
             )
             try:
                 self._load_thread.start()
@@ -310,32 +272,32 @@ class Worker:
     def _cmd_generate(self, command: dict[str, Any]) -> None:
         request_id = command.get("id")
         if not isinstance(request_id, str) or not request_id:
-            self._error("ProtocolError", str(_refused("generate: field 'id'", "a non-empty string", request_id)))
+            self._errors.error("ProtocolError", str(refused("generate: field 'id'", "a non-empty string", request_id)))
             return
         try:
             params = check_generate(command)  # types and ranges first: a malformed request is refused as such
         except ProtocolError as exc:
-            self._error("ProtocolError", str(exc), request_id=request_id)
+            self._errors.error("ProtocolError", str(exc), request_id=request_id)
             return
         with self._lock:
             busy = self._busy()
             if busy:
-                self._error("Busy", f"cannot generate: {busy}", request_id=request_id)
+                self._errors.error("Busy", f"cannot generate: {busy}", request_id=request_id)
                 return
             if self._engine is None:
-                self._error("NotLoaded", "no model is loaded", request_id=request_id)
+                self._errors.error("NotLoaded", "no model is loaded", request_id=request_id)
                 return
             try:  # the loaded model's vocabulary bounds prompt_ids (past it: a device-side assert on a GPU)
                 vocab_size = getattr(getattr(self._engine, "config", None), "vocab_size", None)
                 check_prompt_ids(command.get("prompt_ids"), vocab_size)
             except ProtocolError as exc:
-                self._error("ProtocolError", str(exc), request_id=request_id)
+                self._errors.error("ProtocolError", str(exc), request_id=request_id)
                 return
             self._state = "generating"
             self._gen_id = request_id
             self._gen_cancel = threading.Event()
             self._gen_thread = threading.Thread(
-                target=_hang_up_safe(self._run_generate, "generating"),
+                target=hang_up_safe(self._run_generate, "generating"),
                 args=(self._engine, request_id, command, params, self._gen_cancel),
                 name=f"clover-generate-{request_id}",
                 daemon=True,
@@ -348,7 +310,7 @@ class Worker:
                 raise
 
     def _cmd_read_chat(self, command: dict[str, Any]) -> None:
-        request_id = _request_id(command) or ""
+        request_id = request_id_of(command) or ""
         try:
             params = check_read_chat(command)
         except ProtocolError as exc:
@@ -363,7 +325,7 @@ class Worker:
             self._read_cancel = cancel = threading.Event()
             previous = self._read_thread
             self._read_thread = threading.Thread(
-                target=_hang_up_safe(self._run_read_chat, "reading a chat ahead"), args=(engine, request_id, command, params, cancel, previous),
+                target=hang_up_safe(self._run_read_chat, "reading a chat ahead"), args=(engine, request_id, command, params, cancel, previous),
                 name=f"clover-read-{request_id}", daemon=True)
             self._read_thread.start()
 
@@ -388,7 +350,7 @@ class Worker:
             record.update(stop_reason="refused", message=str(exc))
         except BaseException as exc:  # noqa: BLE001
             if classify_fatal(exc) is not None or not isinstance(exc, Exception):
-                self._report(exc, op="read_chat")  # OOM, CUDA: the process ends here, as in a generate
+                self._errors.report(exc, op="read_chat")  # OOM, CUDA: the process ends here, as in a generate
             if is_hang_up(exc):
                 hang_ups("reading a chat ahead", exc)
                 return
@@ -401,7 +363,7 @@ class Worker:
     def _cmd_cancel(self, command: dict[str, Any]) -> None:
         request_id = command.get("id")
         if not isinstance(request_id, str):
-            self._error("ProtocolError", str(_refused("cancel: field 'id'", "the string id of a generate", request_id)))
+            self._errors.error("ProtocolError", str(refused("cancel: field 'id'", "the string id of a generate", request_id)))
             return
         with self._lock:
             if request_id == self._gen_id:
@@ -411,59 +373,16 @@ class Worker:
         try:
             check_plan_command(command)
         except ProtocolError as exc:
-            self._error("ProtocolError", str(exc), request_id=_request_id(command), op="plan")
+            self._errors.error("ProtocolError", str(exc), request_id=request_id_of(command), op="plan")
             return
-        threading.Thread(target=_hang_up_safe(self._run_plan, "planning"), args=(command,), name="clover-plan", daemon=True).start()
+        threading.Thread(target=hang_up_safe(self._run_plan, "planning"), args=(command,), name="clover-plan", daemon=True).start()
 
     def _cmd_serve(self, command: dict[str, Any]) -> None:
-        try:
-            check_serve(command)
-        except ProtocolError as exc:
-            self._error("ProtocolError", str(exc), op="serve")
-            return
-        if self._server is not None:
-            self._error("AlreadyServing", f"already serving at {self._server.url}; send serve_stop first", op="serve")
-            return
-
-        host, port = command["host"], command["port"]
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if not is_loopback(host) and not command.get("api_key") and not command.get("insecure_no_api_key"):
-            self._error("ServeError", f"{host} is reachable from other machines: set an API key to serve there",
-                        op="serve")
-            return
-        try:
-            server = OpenAIServer(None, host=host, port=port, api_key=command.get("api_key"), lock=self.engine_lock,
-                                  allowed_hosts=command.get("allowed_hosts") or (),
-                                  allowed_origins=command.get("allowed_origins") or ())
-        except ValueError as exc:  # a bad allowed host or origin
-            self._error("ServeError", str(exc), op="serve")
-            return
-        except OSError as exc:  # in use, not an address of this machine, a name that does not resolve
-            self._error("ServeError", f"cannot listen on {where} (port {port}): {exc.strerror or exc}", op="serve")
-            return
-        with self._lock:
-            self._server = server
-            server.attach(self._engine)  # None while no model is loaded (or one loads): requests get 503
-        server.start()
-        log.info("serving %s", server.url)
-        self._emit({"event": "serving", "url": server.url, "host": server.host, "port": server.port,
-                    "policy": server.policy.describe(),
-                    "auth": bool(command.get("api_key"))})
+        self._serving.start(command, lambda: self._engine)
 
     def _cmd_serve_stop(self, command: dict[str, Any]) -> None:
-        if not self._stop_server():
+        if not self._serving.stop():
             self._emit({"event": "serve_stopped"})  # nothing was serving: already stopped
-
-    def _stop_server(self) -> bool:
-        """Close the HTTP server (its generation in progress is cancelled, its port freed); False when none ran."""
-        with self._lock:
-            server, self._server = self._server, None
-        if server is None:
-            return False
-        server.close()
-        log.info("stopped serving %s", server.url)
-        self._emit({"event": "serve_stopped"})
-        return True
 
     # ----------------------------------------------------------------- work (own threads)
 
@@ -477,48 +396,16 @@ class Worker:
                     self._state = "idle"
 
     def _load(self, command: dict[str, Any], cancel: threading.Event) -> None:
-        model_dir = command["model_dir"]
-        device = command.get("device") or "cpu"
-        dtype = command.get("dtype") or "float32"
-        vram_gb = command.get("vram_gb")
-        plan = command.get("plan")
-        last = [0.0, ""]
-
-        def progress(p: LoadProgress) -> None:
-            now = time.monotonic()
-            done = p.stage == "done" or (p.total_bytes > 0 and p.done_bytes >= p.total_bytes)
-            if p.stage != last[1] or done or now - last[0] >= LOAD_PROGRESS_INTERVAL_S:
-                last[0], last[1] = now, p.stage
-                self._emit(to_dict(p))
-
-        self._detach_server()
+        self._serving.detach()
         self._release_engine()
         started = time.monotonic()
-        log.info("loading %s on %s as %s (vram_gb=%s, compile=%s)", model_dir, device, dtype, vram_gb,
-                 bool(command.get("compile")))
+        log.info("loading %s (%s, vram_gb=%s, compile=%s)", command["model_dir"], command.get("device") or "cpu",
+                 command.get("vram_gb"), bool(command.get("compile")))
         try:
-            if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
-                layout = {"gguf_layout": command["gguf_layout"]} if command.get("gguf_layout") is not None else {}
-                plan = importlib.import_module("clover_desk.engine.api").plan_for(
-                    model_dir, int(float(vram_gb) * 1024**3), _ctx(command), dtype, **layout)
-            if plan is not None:
-                self._emit({"event": "plan", "op": "load", "plan": _json_safe(_plan_dict(plan))})
-            extra: dict[str, Any] = {"placement": plan} if plan is not None else {}
-            if command.get("precision") is not None:  # how the weights are held (Engine.load): never implied by a plan
-                extra["precision"] = command["precision"]
-            if command.get("gguf_layout") is not None:
-                extra["gguf_layout"] = command["gguf_layout"]
-            if command.get("compile"):  # only when asked: an --engine-factory need not know the keyword
-                extra["compile"] = True
-            if plan is None and command.get("ctx_tokens"):  # no plan: the context asked for still holds
-                extra["ctx_tokens"] = int(command["ctx_tokens"])
-            engine = self._engine_factory(
-                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, gpu_paths=self._gpu_paths,
-                **extra,
-            )
+            engine = load_engine(command, cancel, self._engine_factory, self._gpu_paths, self._emit)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             self._set_idle()
-            self._report(exc, op="load")
+            self._errors.report(exc, op="load")
             return
         if cancel.is_set() and not getattr(engine, "compile_cancelled", False):
             # the engine may finish its last step after the flag was set: honour the cancel (a cancel during the
@@ -526,32 +413,13 @@ class Worker:
             del engine
             self._release_engine()
             self._set_idle()
-            self._error("CancelledError", "loading was cancelled", op="load")
+            self._errors.error("CancelledError", "loading was cancelled", op="load")
             return
         with self._lock:
             self._engine = engine
             self._state = "idle"
-            if self._server is not None:
-                self._server.attach(engine)
-        self._emit(
-            {
-                "event": "loaded",
-                "model_dir": str(model_dir),
-                "device": device,
-                "dtype": dtype,
-                "vram_gb": vram_gb,
-                "load_s": round(time.monotonic() - started, 3),
-                "config": _json_safe(getattr(engine, "config", None)),
-                "generation_defaults": _json_safe(getattr(engine, "generation_defaults", None)),
-                "plan": _json_safe(_plan_dict(getattr(engine, "plan", None))),
-                "ctx_tokens": getattr(engine, "ctx_limit", None) or None,  # the context requests are held to
-                "ar_only": _json_safe(getattr(engine, "ar_only", None)),  # why diffusion is refused, or null
-                "compiled": bool(getattr(engine, "compiled", False)),
-                "compile_cancelled": bool(getattr(engine, "compile_cancelled", False)),
-                "compile_skipped": _json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
-                "gpu_paths": self._gpu_paths.opt_in(),  # the experimental GPU paths this process runs with
-            }
-        )
+            self._serving.attach_locked(engine)
+        self._emit(loaded_record(command, engine, time.monotonic() - started, self._gpu_paths))
 
     def _run_generate(
         self,
@@ -602,7 +470,7 @@ class Worker:
                 self._emit(record)
             if not finished:
                 self._set_idle()
-                self._error("InternalError", "generation ended without a finished event", request_id=request_id)
+                self._errors.error("InternalError", "generation ended without a finished event", request_id=request_id)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             if finished:
                 if is_hang_up(exc):
@@ -611,29 +479,15 @@ class Worker:
                     log.warning("error after the final event of %s", request_id, exc_info=exc)
                 return
             self._set_idle()
-            self._report(exc, request_id=request_id)
+            self._errors.report(exc, request_id=request_id)
 
     def _run_plan(self, command: dict[str, Any]) -> None:
-        request_id = command.get("id")
         try:
-            planner = importlib.import_module("clover_desk.engine.placement.planner")
-            args = {k: v for k, v in command.items() if k not in ("cmd", "id", "model_dir")}
-            plan, hardware = _make_plan(planner, command.get("model_dir"), args)
+            record = plan_record(command)
         except BaseException as exc:  # noqa: BLE001 - reported; fatal ones end the process
-            self._report(exc, request_id=request_id, op="plan")
+            self._errors.report(exc, request_id=command.get("id"), op="plan")
             return
-        self._emit(
-            {"event": "plan", "id": request_id, "plan": _json_safe(_plan_dict(plan)), "hardware": _json_safe(hardware)}
-        )
-
-    def _detach_server(self) -> None:
-        """Before the model is dropped: the server answers 503 "loading" and its answer in progress is cancelled (it
-        ends within a pass and hands back the engine lock, which :meth:`_release_engine` waits for)."""
-        with self._lock:
-            server = self._server
-        if server is not None:
-            server.attach(None)
-            server.service.cancel_all()
+        self._emit(record)
 
     def _release_engine(self) -> None:
         """Drop the loaded model before loading another, so two never sit in VRAM at once (an HTTP answer still
@@ -647,56 +501,6 @@ class Worker:
             if torch is not None and torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    # ----------------------------------------------------------------- errors
-
-    def _error(
-        self, kind: str, message: str, *, request_id: str | None = None, op: str | None = None, fatal: bool = False
-    ) -> None:
-        record: dict[str, Any] = {"event": "error", "kind": kind, "message": message, "fatal": fatal}
-        if request_id is not None:
-            record["id"] = request_id
-        if op is not None:
-            record["op"] = op
-        self._emit(record)
-
-    def _report(self, exc: BaseException, *, request_id: str | None = None, op: str | None = None) -> None:
-        """Report ``exc``; exit the process when it is fatal (OOM / CUDA) or not an Exception (e.g. SystemExit)."""
-        fatal_kind = classify_fatal(exc)
-        if fatal_kind is not None or not isinstance(exc, Exception):
-            log.critical("fatal error, the worker exits", exc_info=exc)
-            kind = fatal_kind or type(exc).__name__
-            self._error(kind, str(exc) or kind, request_id=request_id, op=op, fatal=True)
-            logging.shutdown()
-            os._exit(FATAL_EXIT_CODE)
-        if is_hang_up(exc):  # the window stopped reading: nothing can reach it, and nothing here is wrong
-            hang_ups(f"request {request_id}" if request_id is not None else op or "a command", exc)
-            return
-        if isinstance(exc, ProtocolError):
-            self._error("ProtocolError", str(exc), request_id=request_id, op=op)
-            return
-        if isinstance(exc, CloverError):
-            log.info("%s: %s", type(exc).__name__, exc)
-            kind = "CancelledError" if isinstance(exc, CancelledError) else type(exc).__name__
-            self._error(kind, str(exc), request_id=request_id, op=op)
-            return
-        log.error("unexpected error (the worker keeps running)", exc_info=exc)
-        self._error(type(exc).__name__, f"internal error: {exc}", request_id=request_id, op=op)
-
-
-def _hang_up_safe(run: Callable[..., None], what: str) -> Callable[..., None]:
-    """``run`` as a thread's target that ends in one short line when the window hangs up, not a traceback."""
-
-    def target(*args: Any) -> None:
-        try:
-            run(*args)
-        except OSError as exc:
-            if not is_hang_up(exc):
-                raise
-            hang_ups(what, exc)
-
-    return target
-
-
 def _cancelled_before_start() -> Finished:
     """The end of a request cancelled before it had the engine: nothing generated, nothing measured."""
     return Finished(token_ids=(), text="", thinking="", stop_reason="cancelled", tokens=0, passes=0,
@@ -704,56 +508,10 @@ def _cancelled_before_start() -> Finished:
                     prefill_s=0.0, decode_s=0.0)
 
 
-def _plan_dict(plan: Any) -> Any:
-    if plan is None:
-        return None
-    to_dict_method = getattr(plan, "to_dict", None)
-    return to_dict_method() if callable(to_dict_method) else plan
-
-
-def _ctx(command: dict[str, Any]) -> int:
-    """The context a command plans for (``ctx`` or ``ctx_tokens``; default engine.defaults.DEFAULT_CTX_TOKENS)."""
-
-    value = command.get("ctx", command.get("ctx_tokens"))
-    if value is None:
-        return DEFAULT_CTX_TOKENS
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ctx_tokens must be a positive number of tokens, got {value!r}")
-    return value
-
-
-def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tuple[Any, Any]:
-    """``engine.placement.planner.plan_model`` for ``model_dir`` under the command's budgets (GiB; ``None``: what this
-    machine has free). Returns ``(plan, hardware)``; keys other than the budgets and the context go to
-    ``make_plan`` as is (``block_size``, ``coreset``, ``optimize_for``...)."""
-    if not model_dir:
-        raise ProtocolError("plan needs field 'model_dir': a non-empty folder path or shape name (string)")
-    options = [
-        p.name for p in inspect.signature(planner.make_plan).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "hardware"
-    ]
-    for key in args:
-        if key not in (*options, "vram_gb", "ram_gb", "ctx", "ctx_tokens"):
-            raise ProtocolError(
-                f"plan has unknown field {_show(key)}; its fields are: id, model_dir, vram_gb, ram_gb, ctx, "
-                f"ctx_tokens, {', '.join(options)}"
-            )
-    hardware = planner.probe_hardware()
-    ctx = _ctx(args)
-    vram_gb, ram_gb = args.pop("vram_gb", None), args.pop("ram_gb", None)
-    for key in ("ctx", "ctx_tokens"):
-        args.pop(key, None)
-    if ram_gb is not None:
-        hardware = dataclasses.replace(hardware, ram_available_bytes=int(float(ram_gb) * 1024**3))
-    vram_bytes = int(float(vram_gb) * 1024**3) if vram_gb is not None else None
-    plan = planner.plan_model(model_dir, vram_bytes, ctx, hardware, **args)
-    return plan, hardware
-
-
 class LineWriter:
     """Writes one JSON record per line to the protocol stream, flushing each; safe from any thread. Once the window
     has hung up (a write failed with a broken pipe), every later record raises the same at once, unwritten: the
-    thread that emits it stops, and says so in one line (:data:`hang_ups`)."""
+    thread that emits it stops, and says so in one line (:data:`~clover_desk.worker.reports.hang_ups`)."""
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream

@@ -37,7 +37,7 @@ GGUF_LAYOUTS = ("auto", "fork", "upstream")
 _CUDA_INDEX = re.compile(r"cuda:[0-9]{1,3}")
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     """A bad value as a short JSON snippet for an error message."""
     try:
         text = json.dumps(value, ensure_ascii=True)
@@ -46,9 +46,9 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _refused(where: str, allowed: str, value: Any) -> ProtocolError:
+def refused(where: str, allowed: str, value: Any) -> ProtocolError:
     """``<where> must be <allowed>, got <value>``: the one-line refusal every check raises."""
-    return ProtocolError(f"{where} must be {allowed}, got {_show(value)}")
+    return ProtocolError(f"{where} must be {allowed}, got {show_value(value)}")
 
 
 def _is_int(value: Any) -> bool:
@@ -187,10 +187,10 @@ def _check_fields(
     if known is not None:
         for name in command:
             if name not in known:
-                raise ProtocolError(f"{what} has unknown field {_show(name)}; its fields are: {', '.join(known)}")
+                raise ProtocolError(f"{what} has unknown field {show_value(name)}; its fields are: {', '.join(known)}")
     for name, (check, allowed) in fields.items():
         if name in command and not check(command[name]):
-            raise _refused(f"{what}: field {name!r}", allowed, command[name])
+            raise refused(f"{what}: field {name!r}", allowed, command[name])
 
 
 def check_load(command: dict[str, Any]) -> None:
@@ -209,7 +209,7 @@ def check_params(params: Any) -> GenerationParams:
     if params is None:
         return GenerationParams()
     if not isinstance(params, dict):
-        raise _refused("generate: field 'params'", "an object of generation parameters or null", params)
+        raise refused("generate: field 'params'", "an object of generation parameters or null", params)
     _check_fields(params, "generate params", PARAM_FIELDS, known=tuple(PARAM_FIELDS))
     return GenerationParams(**params)
 
@@ -220,28 +220,28 @@ def check_generate(command: dict[str, Any], vocab_size: int | None = None) -> Ge
     unknown = [k for k in command if k not in GENERATE_FIELDS]
     if unknown:
         fields = ", ".join(GENERATE_FIELDS)
-        raise ProtocolError(f"generate has unknown field {_show(unknown[0])}; its fields are: {fields}")
+        raise ProtocolError(f"generate has unknown field {show_value(unknown[0])}; its fields are: {fields}")
     messages = command.get("messages")
     if messages is not None:
         if not isinstance(messages, list):
-            raise _refused("generate: field 'messages'", "a list of message objects or null", messages)
+            raise refused("generate: field 'messages'", "a list of message objects or null", messages)
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
-                raise _refused(f"generate: messages[{i}]", "an object with 'role' and 'content'", message)
+                raise refused(f"generate: messages[{i}]", "an object with 'role' and 'content'", message)
             if not isinstance(message.get("role"), str) or not message["role"]:
-                raise _refused(f"generate: messages[{i}].role", "a non-empty string", message.get("role"))
+                raise refused(f"generate: messages[{i}].role", "a non-empty string", message.get("role"))
             content = message.get("content")
             if content is not None and not isinstance(content, (str, list)):
-                raise _refused(f"generate: messages[{i}].content", "a string, a list of parts or null", content)
+                raise refused(f"generate: messages[{i}].content", "a string, a list of parts or null", content)
     prompt = command.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
-        raise _refused("generate: field 'prompt'", "a string or null", prompt)
+        raise refused("generate: field 'prompt'", "a string or null", prompt)
     check_prompt_ids(command.get("prompt_ids"), vocab_size)
     if "raw" in command and not isinstance(command["raw"], bool):
-        raise _refused("generate: field 'raw'", "true or false", command["raw"])
+        raise refused("generate: field 'raw'", "true or false", command["raw"])
     tools = command.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise _refused("generate: field 'tools'", "a list of tool objects or null", tools)
+        raise refused("generate: field 'tools'", "a list of tool objects or null", tools)
     return check_params(command.get("params"))
 
 
@@ -252,10 +252,10 @@ def check_read_chat(command: dict[str, Any]) -> GenerationParams:
     """Refuse a ``read_chat`` with a missing, unknown or mistyped field; returns the params."""
     unknown = [k for k in command if k not in READ_CHAT_FIELDS]
     if unknown:
-        raise ProtocolError(f"read_chat has unknown field {_show(unknown[0])}; its fields are: "
+        raise ProtocolError(f"read_chat has unknown field {show_value(unknown[0])}; its fields are: "
                             f"{', '.join(READ_CHAT_FIELDS)}")
     if not isinstance(command.get("messages"), list) or not command["messages"]:
-        raise _refused("read_chat: field 'messages'", "a non-empty list of message objects", command.get("messages"))
+        raise refused("read_chat: field 'messages'", "a non-empty list of message objects", command.get("messages"))
     return check_generate(command)
 
 
@@ -264,11 +264,11 @@ def check_prompt_ids(prompt_ids: Any, vocab_size: int | None = None) -> None:
     if prompt_ids is None:
         return
     if not isinstance(prompt_ids, list):
-        raise _refused("generate: field 'prompt_ids'", "a list of token ids or null", prompt_ids)
+        raise refused("generate: field 'prompt_ids'", "a list of token ids or null", prompt_ids)
     top = (vocab_size if _is_int(vocab_size) and vocab_size > 0 else INT32_MAX + 1) - 1  # type: ignore[operator]
     for i, token in enumerate(prompt_ids):
         if not _is_int(token) or not 0 <= token <= top:
-            raise _refused(f"generate: prompt_ids[{i}]", f"a token id from 0 to {top}", token)
+            raise refused(f"generate: prompt_ids[{i}]", f"a token id from 0 to {top}", token)
 
 
 def check_plan_command(command: dict[str, Any]) -> None:
@@ -303,7 +303,7 @@ def parse_command(line: bytes) -> dict[str, Any]:
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer with too many digits
         raise ProtocolError(f"bad command line: not JSON ({exc}); send one JSON object per line") from None
     if not isinstance(command, dict):
-        raise ProtocolError(f"bad command line: a command is a JSON object with a 'cmd' field, got {_show(command)}")
+        raise ProtocolError(f"bad command line: a command is a JSON object with a 'cmd' field, got {show_value(command)}")
     if _nesting_depth(command, MAX_NESTING) > MAX_NESTING:
         raise ProtocolError(f"bad command line: nested more than {MAX_NESTING} levels deep")
     return command
@@ -326,6 +326,6 @@ def read_lines(stream: IO[bytes], limit: int = MAX_LINE_BYTES) -> Iterator[bytes
         yield line.rstrip(b"\r\n")
 
 
-def _request_id(command: dict[str, Any]) -> str | None:
+def request_id_of(command: dict[str, Any]) -> str | None:
     value = command.get("id")
     return value if isinstance(value, str) else None

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from clover_desk.engine.decode.events import from_dict
-from clover_desk.worker.process import FATAL_EXIT_CODE, classify_fatal
+from clover_desk.worker.reports import FATAL_EXIT_CODE, classify_fatal
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = ["--engine-factory", "tests.fake_engine:make"]

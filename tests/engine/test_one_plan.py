@@ -158,10 +158,10 @@ def test_one_default_context_and_card() -> None:
     from clover_desk import app
     from clover_desk.bench import offload as cmd_bench_offload
     from clover_desk.cli import plan as cmd_plan
-    from clover_desk.worker import process as worker
+    from clover_desk.worker import loading
 
     assert app.AppSettings().ctx_tokens == DEFAULT_CTX_TOKENS
-    assert worker._ctx({}) == DEFAULT_CTX_TOKENS
+    assert loading.command_ctx({}) == DEFAULT_CTX_TOKENS
     for module in (cmd_plan, cmd_bench_offload):
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
