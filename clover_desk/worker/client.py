@@ -53,8 +53,8 @@ class EngineClient(QObject):
     ready = Signal()  # the worker started and accepts commands (after start() or restart())
     stateChanged = Signal(str)  # new state: "stopped" | "starting" | "idle" | "loading" | "generating" | "stopping"
     loadProgress = Signal(object)  # engine.decode.events.LoadProgress while a model loads
-    loaded = Signal(dict)  # the model is ready: {"model_dir", "device", "dtype", "vram_gb", "load_s", "config",
-    #                        "generation_defaults", "plan"} (config & co. as JSON dicts)
+    loaded = Signal(dict)  # the model is ready: {"model_dir", "device", "dtype", "vram_budget_bytes", "load_s",
+    #                        "config", "generation_defaults", "plan"} (config & co. as JSON dicts)
     loadFailed = Signal(str, str)  # (kind, message): a load ended without a model (also sent as errorMessage)
     event = Signal(str, object)  # (request_id, engine event): PromptInfo, PrefillProgress, BlockStep, TextDelta,
     #                              BlockCommitted, Finished, or EngineError (the request failed; always its last event)
@@ -165,7 +165,7 @@ class EngineClient(QObject):
         model_dir: str | os.PathLike[str],
         device: str = "cpu",
         dtype: str = "float32",
-        vram_gb: float | None = None,
+        vram_budget_bytes: int | None = None,
         ctx_tokens: int | None = None,
         plan: dict[str, Any] | None = None,
         gguf_layout: str | None = None,
@@ -177,7 +177,7 @@ class EngineClient(QObject):
 
         ``precision``: how the weights are held (engine.api.Engine.load; "nf4" with a plan for a model folder; None:
         ``dtype``'s, or a .gguf file's own blocks). ``plan`` (``Plan.to_dict()``, as the VRAM panel showed it) is
-        placed as is; ``vram_gb`` / ``ctx_tokens`` without a plan let the worker make it with the same planning
+        placed as is; ``vram_budget_bytes`` / ``ctx_tokens`` without a plan let the worker make it with the same planning
         function. ``gguf_layout`` ("auto" | "fork" | "upstream"; None: auto) overrides a GGUF file's layout
         detection. ``compile``: compile the decoder layers and warm them up before ``loaded`` (the warm-up's stages
         arrive as ``loadProgress``; see Engine.load)."""
@@ -186,8 +186,8 @@ class EngineClient(QObject):
             self._later(lambda: self._refuse_load("Busy", f"cannot load: {busy}"))
             return
         self._model_info = None
-        command = {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype, "vram_gb": vram_gb,
-                   "ctx_tokens": ctx_tokens, "plan": plan}
+        command = {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype,
+                   "vram_budget_bytes": vram_budget_bytes, "ctx_tokens": ctx_tokens, "plan": plan}
         if gguf_layout is not None:
             command["gguf_layout"] = gguf_layout
         if precision is not None:
@@ -257,16 +257,14 @@ class EngineClient(QObject):
             return
         self._send({"cmd": "serve_stop"})
 
-    def request_plan(self, model_dir: str | os.PathLike[str], vram_gb: float | None = None,
+    def request_plan(self, model_dir: str | os.PathLike[str], vram_budget_bytes: int | None = None,
                      ram_gb: float | None = None, **options: Any) -> str:
         """Ask the worker's planner for a placement plan (``None`` budgets: probe this machine). Answer:
         ``planReady`` for the latest request only; failures: ``errorMessage``. ``options`` go to ``make_plan``
         (e.g. ``ctx=8192``)."""
         request_id = self._latest_plan = new_request_id()
-        self._send(
-            {"cmd": "plan", "id": request_id, "model_dir": str(model_dir), "vram_gb": vram_gb, "ram_gb": ram_gb,
-             **options}
-        )
+        self._send({"cmd": "plan", "id": request_id, "model_dir": str(model_dir),
+                    "vram_budget_bytes": vram_budget_bytes, "ram_gb": ram_gb, **options})
         return request_id
 
     def restart(self) -> None:

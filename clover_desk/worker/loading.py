@@ -55,11 +55,11 @@ def load_engine(
     model_dir = command["model_dir"]
     device, dtype = device_and_dtype(command)
     plan = command.get("plan")
-    vram_gb = command.get("vram_gb")
-    if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
+    vram_budget_bytes = command.get("vram_budget_bytes")
+    if plan is None and vram_budget_bytes is not None:  # a budget without the plan: make it here, the same way
         layout = {"gguf_layout": command["gguf_layout"]} if command.get("gguf_layout") is not None else {}
         plan = importlib.import_module("clover_desk.engine.api").plan_for(
-            model_dir, int(float(vram_gb) * 1024**3), command_ctx(command), dtype, **layout)
+            model_dir, vram_budget_bytes, command_ctx(command), dtype, **layout)
     if plan is not None:
         emit({"event": "plan", "op": "load", "plan": json_safe(plan_dict(plan))})
     extra: dict[str, Any] = {"placement": plan} if plan is not None else {}
@@ -83,7 +83,7 @@ def loaded_record(command: dict[str, Any], engine: Any, load_s: float, gpu_paths
         "model_dir": str(command["model_dir"]),
         "device": device,
         "dtype": dtype,
-        "vram_gb": command.get("vram_gb"),
+        "vram_budget_bytes": command.get("vram_budget_bytes"),
         "load_s": round(load_s, 3),
         "config": json_safe(getattr(engine, "config", None)),
         "generation_defaults": json_safe(getattr(engine, "generation_defaults", None)),
@@ -118,8 +118,8 @@ def command_ctx(command: dict[str, Any]) -> int:
 
 
 def make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tuple[Any, Any]:
-    """``engine.placement.planner.plan_model`` for ``model_dir`` under the command's budgets (GiB; ``None``: what this
-    machine has free). Returns ``(plan, hardware)``; keys other than the budgets and the context go to
+    """``engine.placement.planner.plan_model`` for ``model_dir`` under the command's budgets (VRAM in bytes, RAM in
+    GiB; ``None``: what this machine has free). Returns ``(plan, hardware)``; keys other than the budgets and the context go to
     ``make_plan`` as is (``block_size``, ``coreset``, ``optimize_for``...)."""
     if not model_dir:
         raise ProtocolError("plan needs field 'model_dir': a non-empty folder path or shape name (string)")
@@ -128,18 +128,17 @@ def make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tupl
         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "hardware"
     ]
     for key in args:
-        if key not in (*options, "vram_gb", "ram_gb", "ctx", "ctx_tokens"):
+        if key not in (*options, "vram_budget_bytes", "ram_gb", "ctx", "ctx_tokens"):
             raise ProtocolError(
-                f"plan has unknown field {show_value(key)}; its fields are: id, model_dir, vram_gb, ram_gb, ctx, "
-                f"ctx_tokens, {', '.join(options)}"
+                f"plan has unknown field {show_value(key)}; its fields are: id, model_dir, vram_budget_bytes, ram_gb, "
+                f"ctx, ctx_tokens, {', '.join(options)}"
             )
     hardware = planner.probe_hardware()
     ctx = command_ctx(args)
-    vram_gb, ram_gb = args.pop("vram_gb", None), args.pop("ram_gb", None)
+    vram_budget_bytes, ram_gb = args.pop("vram_budget_bytes", None), args.pop("ram_gb", None)
     for key in ("ctx", "ctx_tokens"):
         args.pop(key, None)
     if ram_gb is not None:
         hardware = dataclasses.replace(hardware, ram_available_bytes=int(float(ram_gb) * 1024**3))
-    vram_bytes = int(float(vram_gb) * 1024**3) if vram_gb is not None else None
-    plan = planner.plan_model(model_dir, vram_bytes, ctx, hardware, **args)
+    plan = planner.plan_model(model_dir, vram_budget_bytes, ctx, hardware, **args)
     return plan, hardware

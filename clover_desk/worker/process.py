@@ -8,7 +8,7 @@ Commands, one JSON object per line on stdin::
     {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "precision": "nf4",
      "plan": {Plan.to_dict()} | null}
         ("precision": Engine.load's, "nf4" with a plan for a folder; the plan the user saw, placed as is after a
-        check against the model and the machine; "vram_gb": 14.0 and
+        check against the model and the machine; "vram_budget_bytes": 15032385536 (bytes) and
         "ctx_tokens": 16384 instead of a plan make it here with engine.placement.planner.plan_model; "model_dir" may be a
         .gguf file, with "gguf_layout": "auto" | "fork" | "upstream"; "compile": true compiles the decoder layers
         and warms them up before "loaded", its stages reported as load_progress: engine.decode.events.COMPILE_STAGES)
@@ -20,7 +20,7 @@ Commands, one JSON object per line on stdin::
         (engine.api.Engine.read_chat: a chat so far read into the prompt cache while the engine is idle, so its
         next turn reads only the new message; anything that needs the engine stops it first: a generate, an HTTP
         answer, a load, another read_chat. Answered by one "chat_read" record, never an error record)
-    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16 | null, "ram_gb": 64 | null, "ctx": 16384, ...}
+    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_budget_bytes": 17179869184 | null, "ram_gb": 64 | null, "ctx": 16384, ...}
         (engine.placement.planner.plan_model; null budgets: what this machine has free; other keys go to make_plan)
     {"cmd": "serve", "host": "127.0.0.1", "port": 8000, "api_key": "KEY" | null, ["allowed_hosts": [..],
      "allowed_origins": [..], "insecure_no_api_key": false]}
@@ -399,8 +399,8 @@ class Worker:
         self._serving.detach()
         self._release_engine()
         started = time.monotonic()
-        log.info("loading %s (%s, vram_gb=%s, compile=%s)", command["model_dir"], command.get("device") or "cpu",
-                 command.get("vram_gb"), bool(command.get("compile")))
+        log.info("loading %s (%s, vram_budget_bytes=%s, compile=%s)", command["model_dir"],
+                 command.get("device") or "cpu", command.get("vram_budget_bytes"), bool(command.get("compile")))
         try:
             engine = load_engine(command, cancel, self._engine_factory, self._gpu_paths, self._emit)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process

@@ -35,6 +35,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 COMMANDS = ("load", "cancel_load", "generate", "cancel", "read_chat", "plan", "serve", "serve_stop", "shutdown")
 GGUF_LAYOUTS = ("auto", "fork", "upstream")
 _CUDA_INDEX = re.compile(r"cuda:[0-9]{1,3}")
+MAX_BUDGET_BYTES = 1 << 46  # 64 TiB (the CLI's --vram-gb cap): a budget above is a mistake
 
 
 def show_value(value: Any) -> str:
@@ -105,7 +106,8 @@ LOAD_FIELDS: dict[str, tuple[Check, str]] = {
     "model_dir": (_is_path, "a non-empty folder path (string)"),
     "device": (_nullable(_is_device), f"{DEVICES_TEXT}, or null (cpu)"),
     "dtype": (_nullable(_one_of(*DTYPES)), '"float32", "bfloat16" or "float16", or null (float32)'),
-    "vram_gb": (_nullable(_number_in(0, math.inf, lo_open=True)), "a finite number of GiB > 0, or null"),
+    "vram_budget_bytes": (_nullable(_int_in(1, MAX_BUDGET_BYTES)),
+                          f"a whole number of bytes from 1 to {MAX_BUDGET_BYTES}, or null"),
     "ctx_tokens": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
     "ctx": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
     "plan": (_nullable(lambda v: isinstance(v, dict)), "an object (Plan.to_dict()) or null"),
@@ -169,7 +171,8 @@ GENERATE_FIELDS = ("cmd", "id", "messages", "prompt", "prompt_ids", "raw", "tool
 PLAN_BUDGETS: dict[str, tuple[Check, str]] = {
     "id": (_nullable(lambda v: isinstance(v, str)), "a string or null"),
     "model_dir": (_is_path, "a non-empty folder path or shape name (string)"),
-    "vram_gb": (_nullable(_number_in(0, math.inf)), "a finite number of GiB >= 0, or null (what is free)"),
+    "vram_budget_bytes": (_nullable(_int_in(0, MAX_BUDGET_BYTES)),
+                          f"a whole number of bytes from 0 to {MAX_BUDGET_BYTES}, or null (what is free)"),
     "ram_gb": (_nullable(_number_in(0, math.inf, lo_open=True)), "a finite number of GiB > 0, or null (what is free)"),
     "ctx": LOAD_FIELDS["ctx"],
     "ctx_tokens": LOAD_FIELDS["ctx_tokens"],

@@ -241,7 +241,7 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
     w = WorkerProc()
     try:
         w.expect_event("ready")
-        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", precision="nf4", vram_gb=2.0,
+        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", precision="nf4", vram_budget_bytes=2 << 30,
                ctx_tokens=4096)
         announced = w.expect_event("plan")  # made here with the one planning function, before the weights
         loaded = w.expect_event("loaded")

@@ -90,12 +90,15 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("load-dtype-number", _load(dtype=32), "'dtype'"),
     ("load-precision-unknown", _load(precision="int4"), "'precision'"),
     ("load-precision-dtype", _load(precision="bfloat16"), "'precision'"),
-    ("load-vram-string", _load(vram_gb="x"), "'vram_gb'"),
-    ("load-vram-negative", _load(vram_gb=-1), "'vram_gb'"),
-    ("load-vram-zero", _load(vram_gb=0), "'vram_gb'"),
-    ("load-vram-bool", _load(vram_gb=True), "'vram_gb'"),
-    ("load-vram-nan", b'{"cmd": "load", "model_dir": "/m", "vram_gb": NaN}', "'vram_gb'"),
-    ("load-vram-inf", b'{"cmd": "load", "model_dir": "/m", "vram_gb": 1e999}', "'vram_gb'"),
+    ("load-vram-string", _load(vram_budget_bytes="x"), "'vram_budget_bytes'"),
+    ("load-vram-negative", _load(vram_budget_bytes=-1), "'vram_budget_bytes'"),
+    ("load-vram-zero", _load(vram_budget_bytes=0), "'vram_budget_bytes'"),
+    ("load-vram-bool", _load(vram_budget_bytes=True), "'vram_budget_bytes'"),
+    ("load-vram-gib", _load(vram_budget_bytes=2.5), "'vram_budget_bytes'"),  # bytes are whole: not GiB
+    ("load-vram-huge", _load(vram_budget_bytes=2**70), "'vram_budget_bytes'"),
+    ("load-vram-nan", b'{"cmd": "load", "model_dir": "/m", "vram_budget_bytes": NaN}', "'vram_budget_bytes'"),
+    ("load-vram-inf", b'{"cmd": "load", "model_dir": "/m", "vram_budget_bytes": 1e999}', "'vram_budget_bytes'"),
+    ("load-vram-old-gib-key", _load(vram_gb=2.0), '"vram_gb"'),  # the GiB field before issue 29: named, refused
     ("load-ctx-string", _load(ctx_tokens="x"), "'ctx_tokens'"),
     ("load-ctx-zero", _load(ctx_tokens=0), "'ctx_tokens'"),
     ("load-ctx-negative", _load(ctx_tokens=-5), "'ctx_tokens'"),
@@ -183,8 +186,12 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("cancel-no-id", _line({"cmd": "cancel"}), "'id'"),
     ("plan-no-model_dir", _line({"cmd": "plan", "id": "p"}), "'model_dir'"),
     ("plan-model_dir-number", _line({"cmd": "plan", "id": "p", "model_dir": 5}), "'model_dir'"),
-    ("plan-vram-string", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_gb": "x"}), "'vram_gb'"),
-    ("plan-vram-negative", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_gb": -1}), "'vram_gb'"),
+    ("plan-vram-string", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_budget_bytes": "x"}),
+     "'vram_budget_bytes'"),
+    ("plan-vram-negative", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_budget_bytes": -1}),
+     "'vram_budget_bytes'"),
+    ("plan-vram-gib", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_budget_bytes": 12.5}),
+     "'vram_budget_bytes'"),
     ("plan-ram-zero", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "ram_gb": 0}), "'ram_gb'"),
     ("plan-ctx-string", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "ctx": "x"}), "'ctx'"),
     ("plan-id-list", _line({"cmd": "plan", "id": [], "model_dir": "/m"}), "'id'"),
@@ -310,7 +317,7 @@ def test_refused_load_never_leaves_the_worker_loading() -> None:
     w = WorkerProc(*FAKE)
     try:
         w.expect_event("ready")
-        for bad in ({"ctx_tokens": "x"}, {"ctx_tokens": "x", "vram_gb": 2.0}, {"vram_gb": "x"}, {"device": []}):
+        for bad in ({"ctx_tokens": "x"}, {"ctx_tokens": "x", "vram_budget_bytes": 2 << 30}, {"vram_budget_bytes": "x"}, {"device": []}):
             w.send(cmd="load", model_dir="/models/fake", **bad)
             refused = w.expect_event("error", op="load")
             assert refused["kind"] == "ProtocolError", refused
@@ -340,7 +347,7 @@ def test_read_lines_bounds_each_line() -> None:
 def test_a_valid_plan_with_make_plan_options_is_answered(loaded_worker: WorkerProc) -> None:
     """The plan checks refuse only what is wrong: budgets, context and make_plan's own options pass."""
     w = loaded_worker
-    w.send(cmd="plan", id="ok", model_dir="shape:clover-35b-a3b", vram_gb=12, ram_gb=64, ctx=4096, block_size=32,
+    w.send(cmd="plan", id="ok", model_dir="shape:clover-35b-a3b", vram_budget_bytes=12 << 30, ram_gb=64, ctx=4096, block_size=32,
            optimize_for="diffusion")
     answer = w.expect(lambda r: r.get("id") == "ok")
     assert answer["event"] == "plan", answer
