@@ -254,17 +254,8 @@ class Worker:
             if busy:
                 self._errors.error("Busy", f"cannot load: {busy}", op="load")
                 return
-            self._state = "loading"
             self._load_cancel = threading.Event()
-            self._load_thread = threading.Thread(
-                target=hang_up_safe(self._run_load, "loading"), args=(command, self._load_cancel), name="clover-load", daemon=True
-            )
-            try:
-                self._load_thread.start()
-            except BaseException:
-                self._state = "idle"
-                self._load_thread = None
-                raise
+            self._load_thread = self._start_locked("loading", self._run_load, (command, self._load_cancel), "clover-load")
 
     def _cmd_cancel_load(self, command: dict[str, Any]) -> None:
         self._load_cancel.set()
@@ -293,21 +284,23 @@ class Worker:
             except ProtocolError as exc:
                 self._errors.error("ProtocolError", str(exc), request_id=request_id)
                 return
-            self._state = "generating"
-            self._gen_id = request_id
             self._gen_cancel = threading.Event()
-            self._gen_thread = threading.Thread(
-                target=hang_up_safe(self._run_generate, "generating"),
-                args=(self._engine, request_id, command, params, self._gen_cancel),
-                name=f"clover-generate-{request_id}",
-                daemon=True,
-            )
-            try:
-                self._gen_thread.start()
-            except BaseException:
-                self._state = "idle"
-                self._gen_id = None
-                raise
+            self._gen_thread = self._start_locked(
+                "generating", self._run_generate, (self._engine, request_id, command, params, self._gen_cancel),
+                f"clover-generate-{request_id}", gen_id=request_id)
+
+    def _start_locked(self, state: str, run: Callable[..., None], args: tuple[Any, ...], name: str,
+                      gen_id: str | None = None) -> threading.Thread:
+        """Enter ``state`` and run ``run(*args)`` on a daemon thread of its own (the caller holds the lock); a thread
+        that cannot start leaves the worker idle, never stuck in ``state``."""
+        self._state, self._gen_id = state, gen_id
+        thread = threading.Thread(target=hang_up_safe(run, state), args=args, name=name, daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            self._state, self._gen_id = "idle", None
+            raise
+        return thread
 
     def _cmd_read_chat(self, command: dict[str, Any]) -> None:
         request_id = request_id_of(command) or ""
@@ -421,14 +414,8 @@ class Worker:
             self._serving.attach_locked(engine)
         self._emit(loaded_record(command, engine, time.monotonic() - started, self._gpu_paths))
 
-    def _run_generate(
-        self,
-        engine: Any,
-        request_id: str,
-        command: dict[str, Any],
-        params: GenerationParams,
-        cancel: threading.Event,
-    ) -> None:
+    def _run_generate(self, engine: Any, request_id: str, command: dict[str, Any], params: GenerationParams,
+                      cancel: threading.Event) -> None:
         """Wait for the engine (an HTTP answer may hold it), then generate holding it to the end."""
         while not self.engine_lock.acquire(timeout=_LOCK_POLL_S):
             if cancel.is_set():  # cancelled while an HTTP answer ran: it ends here, as cancelled, having done nothing
@@ -440,14 +427,8 @@ class Worker:
         finally:
             self.engine_lock.release()
 
-    def _generate(
-        self,
-        engine: Any,
-        request_id: str,
-        command: dict[str, Any],
-        params: GenerationParams,
-        cancel: threading.Event,
-    ) -> None:
+    def _generate(self, engine: Any, request_id: str, command: dict[str, Any], params: GenerationParams,
+                  cancel: threading.Event) -> None:
         finished = False
         try:
             events = engine.generate(

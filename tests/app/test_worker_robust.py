@@ -58,19 +58,12 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("unterminated-string", b'{"cmd": "load', "not JSON"),
     ("invalid-utf8", b'{"cmd": "\xff\xfe"}', "not JSON"),
     ("huge-integer", b'{"cmd": "load", "model_dir": "/m", "ctx_tokens": ' + b"9" * 5000 + b"}", "not JSON"),
-    ("array", b"[]", "JSON object"),
-    ("string", b'"load"', "JSON object"),
-    ("number", b"42", "JSON object"),
-    ("null", b"null", "JSON object"),
-    ("nan-literal", b"NaN", "JSON object"),
+    *((name, line, "JSON object") for name, line in (
+        ("array", b"[]"), ("string", b'"load"'), ("number", b"42"), ("null", b"null"), ("nan-literal", b"NaN"))),
     # cmd
-    ("cmd-missing", b"{}", "'cmd'"),
-    ("cmd-list", b'{"cmd": []}', "'cmd'"),
-    ("cmd-object", b'{"cmd": {"a": 1}}', "'cmd'"),
-    ("cmd-number", b'{"cmd": 1}', "'cmd'"),
-    ("cmd-null", b'{"cmd": null}', "'cmd'"),
-    ("cmd-unknown", b'{"cmd": "dance"}', "'cmd'"),
-    ("cmd-wrong-case", b'{"cmd": "LOAD"}', "'cmd'"),
+    *((f"cmd-{name}", line, "'cmd'") for name, line in (
+        ("missing", b"{}"), ("list", b'{"cmd": []}'), ("object", b'{"cmd": {"a": 1}}'), ("number", b'{"cmd": 1}'),
+        ("null", b'{"cmd": null}'), ("unknown", b'{"cmd": "dance"}'), ("wrong-case", b'{"cmd": "LOAD"}'))),
     # nesting
     ("200k-open-brackets", b"[" * 200_000, "nested"),
     ("200k-open-objects", b'{"a":' * 200_000, "nested"),
