@@ -91,7 +91,7 @@ class EngineClient(QObject):
         self._process.crashed.connect(self.on_crashed)
         self._process.failedToStart.connect(self.on_failed_to_start)
         self._state = "stopped"
-        self._requests = GenerationRequests(self.event.emit)  # the generate request in flight
+        self._requests = GenerationRequests(self.event.emit, lambda: self._set_state("idle"))  # the one in flight
         self._loads = LoadTracker(self, compile_cancel_grace_ms)  # the load in flight
         self._loads.overdue.connect(self.on_compile_cancel_overdue)
         self._latest_plan: str | None = None
@@ -416,8 +416,7 @@ class EngineClient(QObject):
         elif name == "chat_read":
             self.chatRead.emit(str(record.get("id") or ""), record)
         elif "id" in record:
-            if self._requests.on_event(record):
-                self._set_state("idle")
+            self._requests.on_event(record)
         else:
             log.warning("engine worker sent an unknown record %r", name)
 
@@ -427,8 +426,7 @@ class EngineClient(QObject):
             self._process.fatal = (kind, message)  # the exit that follows is reported by crashed, with this reason
         request_id = record.get("id")
         if request_id is not None and record.get("op") != "plan":
-            if self._requests.on_error(request_id, kind, message) and not record.get("fatal"):
-                self._set_state("idle")
+            self._requests.on_error(request_id, kind, message, fatal=bool(record.get("fatal")))
             return
         if record.get("op") == "serve":
             self._serve.refused(kind)

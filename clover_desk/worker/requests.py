@@ -38,10 +38,13 @@ def generate_command(request_id: str, messages: list[dict[str, Any]], params: Ge
 
 
 class GenerationRequests:
-    """The generate request in flight (``current``); ``emit(request_id, event)`` hands each event to the window."""
+    """The generate request in flight (``current``); ``emit(request_id, event)`` hands each event to the window, and
+    ``ended()`` runs just before a request's end from the worker goes out (the client is idle again by the time the
+    window hears of it, and may send the next generate at once)."""
 
-    def __init__(self, emit: Callable[[str, object], None]) -> None:
+    def __init__(self, emit: Callable[[str, object], None], ended: Callable[[], None]) -> None:
         self._emit = emit
+        self._ended = ended
         self.current: str | None = None
 
     @staticmethod
@@ -58,30 +61,29 @@ class GenerationRequests:
         if request_id is not None:
             self._emit(request_id, EngineError(kind=kind, message=message))
 
-    def on_event(self, record: dict[str, Any]) -> bool:
-        """An engine event record of a request: to the window unless undecodable or late. True when it ended the
-        request in flight (Finished)."""
+    def on_event(self, record: dict[str, Any]) -> None:
+        """An engine event record of a request: to the window unless undecodable or late (a Finished ends it)."""
         request_id = str(record["id"])
         try:
             event = from_dict(record)
         except (ValueError, TypeError) as exc:
             log.warning("engine worker sent an undecodable event: %s", exc)
-            return False
+            return
         if request_id != self.current:  # ended already (e.g. restart): one end per request
             log.debug("dropped a late %s event of request %s", record["event"], request_id)
-            return False
-        finished = isinstance(event, Finished)
-        if finished:
+            return
+        if isinstance(event, Finished):
             self.current = None
+            self._ended()
         self._emit(request_id, event)
-        return finished
 
-    def on_error(self, request_id: Any, kind: str, message: str) -> bool:
-        """An error record of a request: the request's end unless it ended already. True when it ended the request
-        in flight."""
+    def on_error(self, request_id: Any, kind: str, message: str, fatal: bool) -> None:
+        """An error record of a request: its end unless it ended already (a fatal one: the worker's crash follows,
+        and says the rest)."""
         if request_id != self.current:
             log.debug("dropped a late error of request %s: %s", request_id, kind)
-            return False
+            return
         self.current = None
+        if not fatal:
+            self._ended()
         self._emit(str(request_id), EngineError(kind=kind, message=message))
-        return True
