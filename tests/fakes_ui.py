@@ -167,10 +167,10 @@ class FakeEngineClient(QObject):
     def shutdown(self, wait_ms: int = 0) -> None:
         self.state = "stopped"
 
-    def load(self, model_dir, device: str = "cpu", dtype: str = "float32", vram_gb: float | None = None,  # noqa: ANN001
+    def load(self, model_dir, device: str = "cpu", dtype: str = "float32", vram_budget_bytes: int | None = None,  # noqa: ANN001
              ctx_tokens: int | None = None, plan: dict | None = None, compile: bool = False,
              precision: str | None = None) -> None:
-        self.loads.append((str(model_dir), device, dtype, vram_gb))
+        self.loads.append((str(model_dir), device, dtype, vram_budget_bytes))
         self.precisions.append(precision)
         self.compiles.append(compile)
         self.ctx_loads.append(ctx_tokens if plan is None else plan.get("ctx_tokens"))

@@ -240,11 +240,8 @@ SIZE_EXCEPTIONS = frozenset({
     "engine/model/clover.py",
     "engine/placement/offload.py",
     "engine/weights/quant_cache.py",
-    "clover_desk/worker/process.py",
 })
-CLASS_SIZE_EXCEPTIONS = frozenset({
-    "clover_desk/worker/client.py:EngineClient",  # the window's engine client, being split with the worker
-})
+CLASS_SIZE_EXCEPTIONS: frozenset[str] = frozenset()  # "path:Class", as above
 
 
 def _sizes() -> tuple[dict[str, int], dict[str, int]]:

@@ -34,7 +34,7 @@ def run_count(args: argparse.Namespace) -> int:
     print(f"bench speed --count: shape {args.shape}, {config.num_hidden_layers} of {full.num_hidden_layers} layers "
           f"built, quant {args.quant}, device {device}{' (dispatched as on a GPU)' if device == 'cpu' else ''}, "
           f"{str(dtype).replace('torch.', '')} ({time.perf_counter() - t0:.1f} s to build)")
-    if args.vram_gb is not None or args.stream is not None:
+    if args.vram_budget_bytes is not None or args.stream is not None:
         _place(model, config, args, device)
     B = config.block_size
     prompt = torch.randint(16, config.vocab_size, (4 * B,), generator=torch.Generator().manual_seed(args.seed))

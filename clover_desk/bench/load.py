@@ -35,7 +35,7 @@ _PARTS = ("non_expert", "resident_experts", "expert_slots")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, metavar="DIR", help="a Hugging Face model folder")
-    parser.add_argument("--vram-gb", type=flags.GIB, required=True, metavar="N", help="VRAM budget in GiB to plan for")
+    parser.add_argument("--vram-gb", dest="vram_budget_bytes", type=flags.vram_budget, required=True, metavar="N", help="VRAM budget in GiB to plan for")
     parser.add_argument("--ctx", type=flags.TOKENS, default=DEFAULT_CTX_TOKENS, metavar="N", help=f"context (default {DEFAULT_CTX_TOKENS})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the plan's device part goes")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -102,12 +102,12 @@ def _stage(argv: list[str]) -> int:
     return 0
 
 
-def measure(model: Path, vram_gb: float, ctx: int, device: str, dtype: str, keep_cache: bool) -> dict[str, Any]:
+def measure(model: Path, vram_budget_bytes: int, ctx: int, device: str, dtype: str, keep_cache: bool) -> dict[str, Any]:
     """Plan, convert, load; every figure the command prints."""
     from clover_desk.engine.placement.planner import plan_model, probe_hardware
     from clover_desk.engine.weights import quant_cache
 
-    plan = plan_model(model, int(vram_gb * GIB), ctx, probe_hardware())
+    plan = plan_model(model, vram_budget_bytes, ctx, probe_hardware())
     result: dict[str, Any] = {"plan": plan.to_dict()}
     if not plan.fits:
         return result
@@ -177,11 +177,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.model.is_dir():
         print(f"clover-desk bench load: error: --model {args.model}: not a model folder", file=sys.stderr)
         return 2
-    if not args.vram_gb > 0 or args.ctx <= 0:
+    if not args.vram_budget_bytes > 0 or args.ctx <= 0:
         print("clover-desk bench load: error: --vram-gb and --ctx must be positive", file=sys.stderr)
         return 2
     try:
-        result = measure(args.model, args.vram_gb, args.ctx, args.device, args.dtype, args.keep_cache)
+        result = measure(args.model, args.vram_budget_bytes, args.ctx, args.device, args.dtype, args.keep_cache)
     except (CloverError, RuntimeError) as exc:
         print(f"clover-desk bench load: error: {exc}", file=sys.stderr)
         return 2

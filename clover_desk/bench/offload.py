@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shape", default="clover-35b-a3b", help="model shape for the planner (default clover-35b-a3b)"
     )
-    parser.add_argument("--vram-gb", type=flags.GIB, default=16.0, help="VRAM budget in GiB (default 16)")
+    parser.add_argument("--vram-gb", dest="vram_budget_bytes", type=flags.vram_budget, default=16 * flags.GIB_BYTES, help="VRAM budget in GiB (default 16)")
     parser.add_argument("--ctx", type=flags.TOKENS, default=DEFAULT_CTX_TOKENS, help=f"context tokens the plan reserves (default {DEFAULT_CTX_TOKENS})")
     parser.add_argument("--tokens-per-pass", type=flags.number(0.0, 32.0, lo_open=True), default=3.0, help="committed tokens per denoising pass (TPF)")
     parser.add_argument(
@@ -267,19 +267,19 @@ def run_simulation(args: argparse.Namespace) -> int:
 
     try:
         manifest = manifest_for_shape(args.shape)
-        plan = plan_model(manifest, int(args.vram_gb * GiB), args.ctx, DEFAULT_HARDWARE)
+        plan = plan_model(manifest, args.vram_budget_bytes, args.ctx, DEFAULT_HARDWARE)
     except CloverError as exc:
         print(f"error: {exc}")
         return 2
     if not plan.fits:
-        print(f"plan does not fit {args.vram_gb} GiB: {plan.reason}")
+        print(f"plan does not fit {args.vram_budget_bytes / GiB:g} GiB: {plan.reason}")
         return 2
     geo = manifest.geometry
     row = max(-(-b // geo.num_experts) for b in manifest.expert_layer_bytes().values())
     n_layers = geo.num_hidden_layers
     passes = int(round(32 / args.tokens_per_pass)) + 1  # denoising passes + the commit pass
     print(
-        f"plan: {args.shape} at {args.vram_gb:g} GiB, ctx {args.ctx}: {len(plan.resident_expert_layers)} resident, "
+        f"plan: {args.shape} at {args.vram_budget_bytes / GiB:g} GiB, ctx {args.ctx}: {len(plan.resident_expert_layers)} resident, "
         f"{len(plan.streamed_expert_layers)} streamed expert layers, slot pool {plan.slot_pool_experts} experts "
         f"({plan.slot_pool_experts * row / GiB:.2f} GiB), expert row {row:,} B"
     )
@@ -407,7 +407,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     print(f"gpu: {torch.cuda.get_device_name(dev)}, capped at {cap * total / GiB:.1f} of {total / GiB:.1f} GiB")
     manifest = manifest_for_shape(args.shape)
     geo = manifest.geometry
-    plan = plan_model(SHAPE_PREFIX + args.shape, int(args.vram_gb * GiB), args.ctx, probe_hardware())
+    plan = plan_model(SHAPE_PREFIX + args.shape, args.vram_budget_bytes, args.ctx, probe_hardware())
     e, d, i, k = geo.num_experts, geo.hidden_size, geo.moe_intermediate_size, geo.num_experts_per_tok
     lay = ExpertLayout.build(e, d, i, "nf4", 64)
     streamed = list(plan.streamed_expert_layers)

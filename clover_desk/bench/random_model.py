@@ -182,23 +182,23 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
     else:
         from clover_desk.engine.placement.planner import SHAPE_PREFIX, plan_model, probe_hardware
 
-        plan = plan_model(SHAPE_PREFIX + args.shape, int(args.vram_gb * 2**30), 4096, probe_hardware())
+        plan = plan_model(SHAPE_PREFIX + args.shape, args.vram_budget_bytes, 4096, probe_hardware())
         if not plan.fits:
-            raise ConfigError(f"--vram-gb {args.vram_gb}: {plan.reason}")
+            raise ConfigError(f"--vram-gb {args.vram_budget_bytes / 2**30:g}: {plan.reason}")
         streamed = [i for i in plan.streamed_expert_layers if i < n]
         slots = plan.slot_pool_experts
     resident = [i for i in range(n) if i not in streamed]
     # the planner keeps the embedding table in host memory (a lookup sends T rows): so does the card's path
     rt = offload.apply_plan(model, offload.SimplePlan(tuple(resident), tuple(streamed), slots), device,
-                            host_embedding=args.vram_gb is not None, device_pool=args.device_pool)
+                            host_embedding=args.vram_budget_bytes is not None, device_pool=args.device_pool)
     print(f"placed: {len(resident)} resident / {len(streamed)} streamed expert layers, slot pool of {slots} experts")
     if args.device_pool:
         print(f"device slot tables: {'on' if rt.tables is not None else 'refused: ' + rt.device_pool_refused}")
-    if device == "cuda" and args.vram_gb is not None:
+    if device == "cuda" and args.vram_budget_bytes is not None:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 2**30 / total))
-        print(f"process capped at {args.vram_gb:g} GiB of {total / 2**30:.0f} GiB")
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_budget_bytes / total))
+        print(f"process capped at {args.vram_budget_bytes / 2**30:g} GiB of {total / 2**30:.0f} GiB")
     return plan
 
 

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", choices=("none", "card"), default="none",
                         help="card: quantize the random model as the app does for a 16 GB card (NF4 experts, INT8 "
                              "projections, shared experts and LM head) before measuring")
-    parser.add_argument("--vram-gb", type=flags.GIB, default=None, metavar="G",
+    parser.add_argument("--vram-gb", dest="vram_budget_bytes", type=flags.vram_budget, default=None, metavar="G",
                         help="with --quant card: place the experts as the planner does for a G GiB card (the "
                              "clover-35b-a3b shape: streamed layers in pinned host memory, a slot pool), and on CUDA "
                              "cap the process at G GiB: the card's code path")
@@ -111,9 +111,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     """The placing flags' combinations, refused before a model is built (the 35B shape takes minutes to build)."""
     from clover_desk.engine.errors import ConfigError
 
-    if args.device_pool and args.vram_gb is None and args.stream is None:
+    if args.device_pool and args.vram_budget_bytes is None and args.stream is None:
         raise ConfigError("--device-pool changes how streamed experts are fetched: add --vram-gb G or --stream N")
-    if (args.vram_gb is not None or args.stream is not None) and args.quant != "card":
+    if (args.vram_budget_bytes is not None or args.stream is not None) and args.quant != "card":
         raise ConfigError("--vram-gb / --stream place quantized experts: add --quant card")
-    if args.vram_gb is not None and args.stream is None and args.shape != "clover-35b-a3b":
+    if args.vram_budget_bytes is not None and args.stream is None and args.shape != "clover-35b-a3b":
         raise ConfigError(f"--vram-gb plans the clover-35b-a3b shape, not {args.shape!r} (use --stream N)")

@@ -167,7 +167,7 @@ def run_timing(args: argparse.Namespace) -> int:
     held = "quantized: NF4 experts, INT8 dense" if args.quant == "card" else f"{n_params / 1e9:.2f} B parameters"
     print(f"random model built on {device} in {time.perf_counter() - t0:.1f} s ({held})")
     plan = None
-    if args.vram_gb is not None or args.stream is not None:
+    if args.vram_budget_bytes is not None or args.stream is not None:
         plan = _place(model, config, args, device)
     if device == "cuda":
         print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")

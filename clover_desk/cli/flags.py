@@ -63,6 +63,14 @@ def generation(name: str) -> Callable[[str], int | float]:
 
 
 GIB = number(0.0, MAX_GIB, lo_open=True, what=f"a finite number of GiB > 0 and <= {MAX_GIB:g}")
+GIB_BYTES = 1 << 30
+
+
+def vram_budget(text: str) -> int:
+    """``--vram-gb``: GiB for people, bytes from here on (``dest="vram_budget_bytes"``; the engine's one unit)."""
+    return max(1, int(round(GIB(text) * GIB_BYTES)))  # a positive budget stays positive
+
+
 TOKENS = integer(1, INT32_MAX, f"a whole number of tokens from 1 to {INT32_MAX}")
 MAX_CACHE_RAM_MIB = 1 << 24  # 16 TiB: more is a typo
 CACHE_RAM = integer(0, MAX_CACHE_RAM_MIB, f"a whole number of MiB from 0 to {MAX_CACHE_RAM_MIB}")
@@ -78,5 +86,6 @@ BLOCK = generation("block_size")
 PRESENCE_PENALTY = generation("presence_penalty")
 REPETITION_PENALTY = generation("repetition_penalty")
 
-__all__ = ["BLOCK", "GIB", "MAX_NEW_TOKENS", "PRESENCE_PENALTY", "REPETITION_PENALTY", "SEED", "THRESHOLD", "TOKENS",
-           "TOKENS_PER_PASS", "TOP_K", "TOP_P", "generation", "integer", "number", "temperature"]
+__all__ = ["BLOCK", "GIB", "GIB_BYTES", "MAX_NEW_TOKENS", "PRESENCE_PENALTY", "REPETITION_PENALTY", "SEED", "THRESHOLD", "TOKENS",
+           "TOKENS_PER_PASS", "TOP_K", "TOP_P", "generation", "integer", "number", "temperature",
+           "vram_budget"]

@@ -57,7 +57,7 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-layout", choices=("auto", "fork", "upstream"), default="auto",
                         help="a .gguf --model: official fork layout (diffusion) or upstream llama.cpp's (AR only); "
                              "default: detected from the file")
-    parser.add_argument("--vram-gb", type=flags.GIB, default=None, help="VRAM budget in GiB: load the quantized cache (NF4 experts, INT8 dense; a .gguf file its own blocks), placed or streamed by the planner's plan")
+    parser.add_argument("--vram-gb", dest="vram_budget_bytes", type=flags.vram_budget, default=None, help="VRAM budget in GiB: load the quantized cache (NF4 experts, INT8 dense; a .gguf file its own blocks), placed or streamed by the planner's plan")
     parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
                         help="with --vram-gb: context (prompt + answer) the plan reserves KV cache for (default 16384)")
     parser.add_argument("--compile", action="store_true",
@@ -246,7 +246,7 @@ def check_ctx(args: argparse.Namespace) -> None:
     """``--ctx`` goes with ``--vram-gb`` only (a ConfigError otherwise)."""
     from clover_desk.engine.errors import ConfigError
 
-    if args.ctx is not None and args.vram_gb is None:  # (serve's --ctx caps requests; here the answer's length is
+    if args.ctx is not None and args.vram_budget_bytes is None:  # (serve's --ctx caps requests; here the answer's length is
         # bounded by --max-new-tokens already: without a plan there is no KV reservation for --ctx to size)
         raise ConfigError("--ctx sizes the KV cache a --vram-gb plan reserves: add --vram-gb G (without a plan the "
                           "cache holds the prompt and --max-new-tokens)")
@@ -263,8 +263,8 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
-    if args.vram_gb is not None:
-        plan = plan_for(args.model, gib_to_bytes(args.vram_gb), args.ctx, dtype, args.gguf_layout)
+    if args.vram_budget_bytes is not None:
+        plan = plan_for(args.model, args.vram_budget_bytes, args.ctx, dtype, args.gguf_layout)
         if getattr(args, "json", False):
             sys.stdout.write(json.dumps({"event": "plan", **plan.to_dict()}, ensure_ascii=False) + "\n")
             sys.stdout.flush()
@@ -275,11 +275,6 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
     return Engine.load(args.model, device=args.device, precision=precision_of(args.model, plan), placement=plan,
                        dtype=dtype, gguf_layout=args.gguf_layout, compile=args.compile, progress=compile_stage_printer(command) if args.compile else None,
                        gpu_paths=args.gpu_paths)
-
-
-def gib_to_bytes(gib: float) -> int:
-    """A ``--vram-gb`` value (GiB, the CLI's unit) as the engine's budget unit, bytes."""
-    return int(float(gib) * 1024**3)
 
 
 def precision_of(model: str | Path, plan: Any) -> str | None:
@@ -314,7 +309,7 @@ def summary_line(done: Any) -> str:
 # ---- --remote: an OpenAI-compatible server instead of a local model ----
 
 # the flags only a model loaded here uses, with the value that means "not given" (remote_backend refuses the others)
-LOCAL_ONLY = (("vram_gb", "--vram-gb", None), ("ctx", "--ctx", None), ("dtype", "--dtype", None),
+LOCAL_ONLY = (("vram_budget_bytes", "--vram-gb", None), ("ctx", "--ctx", None), ("dtype", "--dtype", None),
               ("device", "--device", "cpu"))
 _GENERATE_LOCAL_ONLY = (("prompt_ids", "--prompt-ids", None), ("raw", "--raw", False), ("json_schema", "--json-schema", None),
                         *LOCAL_ONLY)

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), help="where the engine runs (default: cuda if found)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="weights dtype for the engine (default: bfloat16 on cuda, float32 on cpu)")
-    parser.add_argument("--vram-gb", type=flags.GIB, help="VRAM budget in GiB (default: the last applied one)")
+    parser.add_argument("--vram-gb", dest="vram_budget_bytes", type=flags.vram_budget, help="VRAM budget in GiB (default: the last applied one)")
     parser.add_argument("--home", metavar="DIR", help="app-data folder (default: $CLOVER_DESK_HOME or per-OS)")
     parser.add_argument("--preview-without-sandbox", action="store_true",
                         help="as root, run the HTML preview without Chromium's sandbox (weaker isolation of the "
@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
         settings.device = args.device
     if args.dtype:
         settings.dtype = args.dtype
-    if args.vram_gb:
-        settings.vram_budget_bytes = int(args.vram_gb * 1024**3)
+    if args.vram_budget_bytes:
+        settings.vram_budget_bytes = args.vram_budget_bytes
     try:
         desk = CloverDeskApp(home, settings=settings, store=store, preview_off=preview_off, gpu_paths=args.gpu_paths)
     except BaseException:

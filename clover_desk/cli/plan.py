@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, metavar="DIR", help="model folder, quantized cache folder, its manifest.json, or a .gguf file (planned as stored)")
     source.add_argument("--shape", choices=sorted(SHAPES), help="plan a known model shape without its files")
-    parser.add_argument("--vram-gb", type=flags.GIB, metavar="N", help="VRAM budget in GiB (default: the card's free memory, or 16 without a GPU)")
+    parser.add_argument("--vram-gb", dest="vram_budget_bytes", type=flags.vram_budget, metavar="N", help="VRAM budget in GiB (default: the card's free memory, or 16 without a GPU)")
     parser.add_argument("--ctx", type=flags.TOKENS, default=DEFAULT_CTX_TOKENS, metavar="N", help=f"context tokens to hold (default {DEFAULT_CTX_TOKENS})")
     parser.add_argument("--ram-gb", type=flags.GIB, metavar="N", help="free system RAM in GiB (default: what is free now)")
     parser.add_argument("--dense", choices=("nf4", "int8"), default="int8", help="format of the attention, GDN and shared-expert projections when quantizing (--shape, or a checkpoint folder; default int8)")
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FITS
     try:
         # the flags' types (clover_desk.cli.flags) already refused non-finite, out-of-range and non-positive values
-        vram = None if args.vram_gb is None else int(round(args.vram_gb * GiB))
+        vram = args.vram_budget_bytes
         ram = None if args.ram_gb is None else int(round(args.ram_gb * GiB))
         hardware = probe_hardware()
         if ram is not None:

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--vram-gb", type=flags.GIB, default=None,
+    parser.add_argument("--vram-gb", dest="vram_budget_bytes", type=flags.vram_budget, default=None,
                         help="VRAM budget in GiB: quantize, then place or stream experts by the planner")
     parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
                         help="context (prompt + answer) a request may use; with --vram-gb the plan reserves KV cache "
@@ -151,8 +151,8 @@ def _load(args: argparse.Namespace) -> Any:
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
-    if args.vram_gb is not None:
-        plan = plan_for(args.model, cmd_generate.gib_to_bytes(args.vram_gb), args.ctx, dtype)
+    if args.vram_budget_bytes is not None:
+        plan = plan_for(args.model, args.vram_budget_bytes, args.ctx, dtype)
         if not plan.fits:
             raise PlanError(plan.reason)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)

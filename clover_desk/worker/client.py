@@ -30,41 +30,21 @@ Every ``generate`` request ends with exactly one ``event(request_id, Finished)``
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import signal
-import sys
-import uuid
-from collections import deque
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 
-from clover_desk.engine.decode.events import COMPILE_STAGES, EngineError, Finished, GenerationParams, from_dict
+from clover_desk.engine.decode.events import EngineError, GenerationParams, from_dict
+from clover_desk.worker.load_tracker import COMPILE_CANCEL_GRACE_MS, LoadTracker
+from clover_desk.worker.process_handle import WorkerProcess
+from clover_desk.worker.requests import GenerationRequests, generate_command, new_request_id
+from clover_desk.worker.serve_request import ServeRequest
 
 log = logging.getLogger(__name__)
 DEFAULT_PARAMS = GenerationParams()  # frozen: one shared default is safe
-worker_log = logging.getLogger("clover_desk.worker.process.stderr")
-
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds clover_desk/ and engine/
-STDERR_LINES_KEPT = 40
-CRASH_REASON_STDERR_LINES = 12
-# How long a cancel during the compile's warm-up waits for the worker to stop at a pass boundary before it ends the
-# worker and loads the model again uncompiled (a pass being compiled does not stop: 30 s to minutes with inductor).
-COMPILE_CANCEL_GRACE_MS = 3000
-WARM_UP_STAGES = tuple(stage for stage in COMPILE_STAGES if stage.startswith("compiling-"))
-# engine.api.COMPILE_CANCELLED, the engine's own words for it (the window's process does not import engine.api)
-COMPILE_CANCELLED = "compiling was cancelled: the model runs uncompiled"
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 class EngineClient(QObject):
@@ -73,8 +53,8 @@ class EngineClient(QObject):
     ready = Signal()  # the worker started and accepts commands (after start() or restart())
     stateChanged = Signal(str)  # new state: "stopped" | "starting" | "idle" | "loading" | "generating" | "stopping"
     loadProgress = Signal(object)  # engine.decode.events.LoadProgress while a model loads
-    loaded = Signal(dict)  # the model is ready: {"model_dir", "device", "dtype", "vram_gb", "load_s", "config",
-    #                        "generation_defaults", "plan"} (config & co. as JSON dicts)
+    loaded = Signal(dict)  # the model is ready: {"model_dir", "device", "dtype", "vram_budget_bytes", "load_s",
+    #                        "config", "generation_defaults", "plan"} (config & co. as JSON dicts)
     loadFailed = Signal(str, str)  # (kind, message): a load ended without a model (also sent as errorMessage)
     event = Signal(str, object)  # (request_id, engine event): PromptInfo, PrefillProgress, BlockStep, TextDelta,
     #                              BlockCommitted, Finished, or EngineError (the request failed; always its last event)
@@ -105,37 +85,18 @@ class EngineClient(QObject):
         cancel during the compile's warm-up waits for the worker before loading the model again uncompiled in a
         fresh one."""
         super().__init__(parent)
-        self._python = python or sys.executable
-        self._worker_args = list(worker_args)
-        self._env = dict(env or {})
-        self._started_env = dict(self._env)  # the extra environment of the running worker (set_env: the next one's)
-        self._grace_ms = grace_ms
-        self._proc: QProcess | None = None
+        self._process = WorkerProcess(self, python=python, worker_args=worker_args, env=env, grace_ms=grace_ms)
+        self._process.record.connect(self._on_record)
+        self._process.ended.connect(self.on_ended)
+        self._process.crashed.connect(self.on_crashed)
+        self._process.failedToStart.connect(self.on_failed_to_start)
         self._state = "stopped"
-        self._stdout_buf = bytearray()
-        self._stderr_buf = bytearray()
-        self._stderr_lines: deque[str] = deque(maxlen=STDERR_LINES_KEPT)
-        self._ready = False  # the worker said "ready": commands before that wait in _queued
-        self._queued: list[dict[str, Any]] = []
-        self._expected_exit = False  # shutdown() / restart() asked for the exit: not a crash
-        self._restart_after_exit = False
-        self._fatal: tuple[str, str] | None = None  # the fatal error the worker reported before exiting
-        self._current_request: str | None = None
-        self._load_pending = False  # a load was sent and has not ended (loaded / loadFailed) yet
+        self._requests = GenerationRequests(self.event.emit, lambda: self._set_state("idle"))  # the one in flight
+        self._loads = LoadTracker(self, compile_cancel_grace_ms)  # the load in flight
+        self._loads.overdue.connect(self.on_compile_cancel_overdue)
         self._latest_plan: str | None = None
         self._model_info: dict[str, Any] | None = None
-        self._pid: int | None = None
-        self._serve: dict[str, Any] | None = None  # the serve command asked for (sent again after a restart)
-        self._server_url: str | None = None
-        self._server_policy = ""  # whom the server answers (its "serving" record's policy line)
-        self._load_command: dict[str, Any] | None = None  # the load in flight as sent
-        self._warming_up = False  # its latest progress is a compile warm-up stage (a cancel may not stop it soon)
-        self._uncompiled_again: dict[str, Any] | None = None  # the load to send the worker started in its place
-        self._compile_fallback = False  # the load in flight is that one: its "loaded" says the compile was cancelled
-        self._compile_cancel_timer = QTimer(self)
-        self._compile_cancel_timer.setSingleShot(True)
-        self._compile_cancel_timer.setInterval(compile_cancel_grace_ms)
-        self._compile_cancel_timer.timeout.connect(self.on_compile_cancel_overdue)
+        self._serve = ServeRequest()  # the HTTP server asked for, and where it listens
 
     # ----------------------------------------------------------------- properties
 
@@ -151,32 +112,32 @@ class EngineClient(QObject):
     @property
     def current_request(self) -> str | None:
         """The id of the generation in progress, if any."""
-        return self._current_request
+        return self._requests.current
 
     @property
     def pid(self) -> int | None:
         """The worker's process id while it runs."""
-        return self._pid
+        return self._process.pid
 
     @property
     def server_url(self) -> str | None:
         """The HTTP server's base URL while the worker serves, else None."""
-        return self._server_url
+        return self._serve.url
 
     @property
     def server_policy(self) -> str:
         """Whom the HTTP server answers (its Host / Origin policy), one line; "" while it does not serve."""
-        return self._server_policy if self._server_url else ""
+        return self._serve.policy
 
     @property
     def last_stderr(self) -> list[str]:
         """The worker's last stderr lines (its log), newest last."""
-        return list(self._stderr_lines)
+        return self._process.last_stderr
 
     @property
     def env(self) -> dict[str, str]:
         """The extra environment the worker starts with."""
-        return dict(self._env)
+        return self._process.env
 
     # ----------------------------------------------------------------- commands
 
@@ -184,53 +145,27 @@ class EngineClient(QObject):
         """Set extra environment variables for the worker's next start (a running worker keeps its own); returns
         whether that changes the environment a running worker was started with, i.e. whether it must be restarted
         for them to apply."""
-        self._env.update(env)
-        return self._proc is not None and self._env != self._started_env
+        return self._process.set_env(env)
 
     def start(self) -> None:
         """Start the worker (no-op when one is running). ``ready`` follows once it accepts commands."""
-        if self._proc is not None:
+        if self._process.running:
             return
-        proc = QProcess(self)
-        environment = QProcessEnvironment.systemEnvironment()
-        python_path = environment.value("PYTHONPATH", "")
-        root = str(_PACKAGE_ROOT)
-        # The worker imports the very clover_desk/engine this GUI runs, installed or from a source checkout.
-        environment.insert("PYTHONPATH", root + (os.pathsep + python_path if python_path else ""))
-        for key, value in self._env.items():
-            environment.insert(key, value)
-        self._started_env = dict(self._env)
-        proc.setProcessEnvironment(environment)
-        proc.setWorkingDirectory(root)
-        proc.setProgram(self._python)
-        proc.setArguments(["-m", "clover_desk.worker.process", *self._worker_args])
-        self._connect_signals(proc)
-        self._proc = proc
-        self._ready = False
-        self._queued.clear()
-        self._stdout_buf.clear()
-        self._stderr_buf.clear()
-        self._stderr_lines.clear()
-        self._expected_exit = False
-        self._restart_after_exit = False
-        self._fatal = None
         self._model_info = None
-        self._current_request = None
-        self._load_pending = False
-        self._warming_up = False
-        self._compile_cancel_timer.stop()
+        self._requests.current = None
+        self._loads.ended()
         self._set_state("starting")
-        log.info("starting engine worker: %s %s", self._python, " ".join(proc.arguments()))
-        proc.start()
-        if self._serve is not None:  # serving was on when the last worker ended (a restart): serve again
-            self._queued.append(dict(self._serve))
+        self._process.start()
+        again = self._serve.again()
+        if again is not None:  # serving was on when the last worker ended (a restart): serve again
+            self._process.send(again)
 
     def load(
         self,
         model_dir: str | os.PathLike[str],
         device: str = "cpu",
         dtype: str = "float32",
-        vram_gb: float | None = None,
+        vram_budget_bytes: int | None = None,
         ctx_tokens: int | None = None,
         plan: dict[str, Any] | None = None,
         gguf_layout: str | None = None,
@@ -242,30 +177,24 @@ class EngineClient(QObject):
 
         ``precision``: how the weights are held (engine.api.Engine.load; "nf4" with a plan for a model folder; None:
         ``dtype``'s, or a .gguf file's own blocks). ``plan`` (``Plan.to_dict()``, as the VRAM panel showed it) is
-        placed as is; ``vram_gb`` / ``ctx_tokens``
-        without a plan let the worker make it with the same planning function. ``gguf_layout`` ("auto" | "fork" |
-        "upstream"; None: auto) overrides a GGUF file's layout detection. ``compile``: compile the decoder layers
-        and warm them up before ``loaded`` (the warm-up's stages arrive as ``loadProgress``; see Engine.load)."""
+        placed as is; ``vram_budget_bytes`` / ``ctx_tokens`` without a plan let the worker make it with the same planning
+        function. ``gguf_layout`` ("auto" | "fork" | "upstream"; None: auto) overrides a GGUF file's layout
+        detection. ``compile``: compile the decoder layers and warm them up before ``loaded`` (the warm-up's stages
+        arrive as ``loadProgress``; see Engine.load)."""
         if self._state in ("loading", "generating"):
             busy = "a model is loading" if self._state == "loading" else "a generation is running; cancel it first"
             self._later(lambda: self._refuse_load("Busy", f"cannot load: {busy}"))
             return
         self._model_info = None
-        self._load_pending = True
-        command = {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype, "vram_gb": vram_gb,
-                   "ctx_tokens": ctx_tokens, "plan": plan}
+        command = {"cmd": "load", "model_dir": str(model_dir), "device": device, "dtype": dtype,
+                   "vram_budget_bytes": vram_budget_bytes, "ctx_tokens": ctx_tokens, "plan": plan}
         if gguf_layout is not None:
             command["gguf_layout"] = gguf_layout
         if precision is not None:
             command["precision"] = precision
         if compile:
             command["compile"] = True
-        self._compile_fallback = False
-        self._send_load(command)
-
-    def _send_load(self, command: dict[str, Any]) -> None:
-        self._load_command = command
-        self._warming_up = False
+        self._loads.sent(command)
         self._send(command, new_state="loading")
 
     def cancel_load(self) -> None:
@@ -273,8 +202,7 @@ class EngineClient(QObject):
         warm-up the model stays, uncompiled (``loaded`` with ``"compile_cancelled": true``), within
         ``compile_cancel_grace_ms`` plus an uncompiled load's time (see the module's docstring)."""
         self._send({"cmd": "cancel_load"})
-        if self._load_pending and self._warming_up and self._proc is not None:
-            self._compile_cancel_timer.start()
+        self._loads.cancel_asked(self._process.running)
 
     def generate(
         self,
@@ -283,47 +211,31 @@ class EngineClient(QObject):
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Start a chat generation; returns its request id. Its events arrive as ``event(request_id, ...)``."""
-        request_id = uuid.uuid4().hex[:12]
-        refusal = {
-            "stopped": ("WorkerStopped", "the engine is not running; restart it"),
-            "stopping": ("WorkerStopped", "the engine is shutting down"),
-            "starting": ("NotLoaded", "no model is loaded yet"),
-            "loading": ("Busy", "a model is loading"),
-            "generating": ("Busy", "another answer is being generated"),
-        }.get(self._state)
-        if refusal is None and self._model_info is None:
-            refusal = ("NotLoaded", "no model is loaded")
+        request_id = new_request_id()
+        refusal = self._requests.refusal(self._state, self._model_info is not None)
         if refusal is not None:
-            self._fail_later(request_id, *refusal)
+            kind, message = refusal
+            self._later(lambda: self.event.emit(request_id, EngineError(kind=kind, message=message)))
             return request_id
-        self._current_request = request_id
-        self._send(
-            {
-                "cmd": "generate",
-                "id": request_id,
-                "messages": messages,
-                "params": dataclasses.asdict(params),
-                "tools": tools,
-            },
-            new_state="generating",
-        )
+        self._requests.current = request_id
+        self._send(generate_command(request_id, messages, params, tools), new_state="generating")
         return request_id
 
     def read_chat(self, messages: list[dict[str, Any]], params: GenerationParams = DEFAULT_PARAMS) -> str:
         """Have the idle engine read a chat so far into its prompt cache (``Engine.read_chat``), so that the chat's
         next turn reads only the new message; a generate (or anything else needing the engine) stops it at once.
         Returns its id ("" when the engine is not idle with a model: nothing is sent); ``chatRead`` answers."""
-        if self._state != "idle" or self._model_info is None or self._proc is None:
+        if self._state != "idle" or self._model_info is None or not self._process.running:
             return ""
-        request_id = "read-" + uuid.uuid4().hex[:12]
+        request_id = new_request_id("read-")
         self._send({"cmd": "read_chat", "id": request_id, "messages": messages, "params": dataclasses.asdict(params)})
         return request_id
 
     def cancel(self, request_id: str | None = None) -> None:
         """Ask a generation (default: the current one) to stop; the engine stops within one pass and sends
         ``Finished`` with stop_reason "cancelled". A request that already ended is left alone."""
-        request_id = request_id or self._current_request
-        if request_id is None or self._proc is None:
+        request_id = request_id or self._requests.current
+        if request_id is None or not self._process.running:
             return
         self._send({"cmd": "cancel", "id": request_id})
 
@@ -331,164 +243,88 @@ class EngineClient(QObject):
         """Serve the loaded model over HTTP from the worker (OpenAI-compatible; ``clover_desk.worker.server``). Answer:
         ``serving(url)`` or ``serveFailed(message)``. Serving goes on across model loads (requests get 503 while one
         loads) and is started again after a restart, until :meth:`stop_server`."""
-        if self._proc is None or self._state == "stopping":
+        if not self._process.running or self._state == "stopping":
             self._later(lambda: self.serveFailed.emit("the engine is not running; restart it"))
             return
-        self._serve = {"cmd": "serve", "host": host, "port": int(port), "api_key": api_key or None}
-        self._send(dict(self._serve))
+        self._send(self._serve.ask(host, port, api_key))
 
     def stop_server(self) -> None:
         """Stop serving (``serveStopped`` follows once the port is free)."""
-        self._serve = None
-        if self._proc is None or self._state == "stopping":  # no worker: nothing serves
-            self._server_url = None
+        self._serve.command = None
+        if not self._process.running or self._state == "stopping":  # no worker: nothing serves
+            self._serve.stopped()
             self._later(self.serveStopped.emit)
             return
         self._send({"cmd": "serve_stop"})
 
-    def request_plan(
-        self,
-        model_dir: str | os.PathLike[str],
-        vram_gb: float | None = None,
-        ram_gb: float | None = None,
-        **options: Any,
-    ) -> str:
+    def request_plan(self, model_dir: str | os.PathLike[str], vram_budget_bytes: int | None = None,
+                     ram_gb: float | None = None, **options: Any) -> str:
         """Ask the worker's planner for a placement plan (``None`` budgets: probe this machine). Answer:
         ``planReady`` for the latest request only; failures: ``errorMessage``. ``options`` go to ``make_plan``
         (e.g. ``ctx=8192``)."""
-        request_id = uuid.uuid4().hex[:12]
-        self._latest_plan = request_id
-        self._send(
-            {"cmd": "plan", "id": request_id, "model_dir": str(model_dir), "vram_gb": vram_gb, "ram_gb": ram_gb,
-             **options}
-        )
+        request_id = self._latest_plan = new_request_id()
+        self._send({"cmd": "plan", "id": request_id, "model_dir": str(model_dir),
+                    "vram_budget_bytes": vram_budget_bytes, "ram_gb": ram_gb, **options})
         return request_id
 
     def restart(self) -> None:
         """Kill the worker if it runs (no ``crashed``), then start a fresh one (``ready`` follows)."""
-        if self._proc is None:
+        if not self._process.running:
             self.start()
             return
-        self._expected_exit = True
-        self._restart_after_exit = True
         self._end_pending("WorkerStopped", "the engine was restarted")
         self._set_state("stopping")
-        _kill_group(self._proc)
+        self._process.end(restart=True)
 
     def shutdown(self, wait_ms: int = 0) -> None:
         """Ask the worker to exit (cancelling what runs); kill it after ``grace_ms``. ``stopped`` follows.
 
         ``wait_ms`` > 0 blocks up to that long for the exit, then kills: for application exit (aboutToQuit) only.
         """
-        proc = self._proc
-        if proc is None:
+        if not self._process.running:
             return
-        self._expected_exit = True
-        self._restart_after_exit = False  # (a worker ended for an uncompiled load is not started again)
-        self._uncompiled_again = None
+        self._loads.forget_uncompiled()  # (a worker ended for an uncompiled load is not started again)
         self._end_pending("WorkerStopped", "the engine was shut down")
         self._set_state("stopping")
-        if proc.state() == QProcess.ProcessState.Running:
-            proc.write(b'{"cmd": "shutdown"}\n')
-            proc.closeWriteChannel()
-        QTimer.singleShot(self._grace_ms, lambda p=proc: self._kill_if_running(p))
-        if wait_ms > 0:
-            if not proc.waitForFinished(wait_ms):
-                _kill_group(proc)
-                proc.waitForFinished(1000)
+        self._process.shutdown(wait_ms)
 
     # ----------------------------------------------------------------- process signals
 
-    def on_stdout(self) -> None:
-        if self._proc is None:
+    def on_ended(self, restart: bool) -> None:
+        """The worker exited as asked (its last records were read): stopped, or started again."""
+        self._worker_gone()
+        self._set_state("stopped")
+        if not restart:
+            self.stopped.emit()
             return
-        self._stdout_buf += bytes(self._proc.readAllStandardOutput().data())
-        while True:
-            end = self._stdout_buf.find(b"\n")
-            if end < 0:
-                break
-            line = bytes(self._stdout_buf[:end]).strip()
-            del self._stdout_buf[: end + 1]
-            if line:
-                self._on_line(line)
+        self.start()
+        again = self._loads.take_uncompiled()
+        if again is not None:  # the compile cancelled by ending the worker: the same model, uncompiled
+            self._loads.sent(again, fallback=True)
+            self._send(again, new_state="loading")
 
-    def on_stderr(self) -> None:
-        if self._proc is None:
-            return
-        self._stderr_buf += bytes(self._proc.readAllStandardError().data())
-        *lines, rest = bytes(self._stderr_buf).split(b"\n")
-        self._stderr_buf = bytearray(rest)
-        for raw in lines:
-            text = raw.decode("utf-8", "replace").rstrip()
-            if text:
-                self._stderr_lines.append(text)
-                worker_log.debug("%s", text)
-
-    def on_finished(self, exit_code: int, exit_status: QProcess.ExitStatus) -> None:
-        proc = self._proc
-        if proc is None or self.sender() is not proc:
-            return
-        self.on_stdout()  # the last records (e.g. a fatal error) may still be unread
-        self.on_stderr()
-        if self._stderr_buf:
-            self._stderr_lines.append(self._stderr_buf.decode("utf-8", "replace").rstrip())
-            self._stderr_buf.clear()
-        self._proc = None
-        self._pid = None
-        self._model_info = None
-        proc.deleteLater()
-        self._server_gone()
-        if self._expected_exit:
-            log.info("engine worker exited (code %d)", exit_code)
-            restart = self._restart_after_exit
-            self._set_state("stopped")
-            if restart:
-                self.start()
-                again, self._uncompiled_again = self._uncompiled_again, None
-                if again is not None:  # the compile cancelled by ending the worker: the same model, uncompiled
-                    self._load_pending = True
-                    self._compile_fallback = True
-                    self._send_load(again)
-            else:
-                self.stopped.emit()
-            return
-        self._crash(self._describe_exit(exit_code, exit_status))
+    def on_crashed(self, reason: str) -> None:
+        self._worker_gone()
+        self._crash(reason)
 
     def on_compile_cancel_overdue(self) -> None:
         """A cancel during the compile's warm-up got no answer in time (inductor is compiling a pass, which nothing
         interrupts): end the worker and its compile workers, and load the same model uncompiled in a fresh one."""
-        if not (self._load_pending and self._warming_up and self._proc is not None and self._state == "loading"):
+        if not (self._loads.stuck_in_warm_up() and self._process.running and self._state == "loading"):
             return  # the worker answered (loaded, uncompiled, or the load ended) in the meantime
-        assert self._load_command is not None
         log.warning("the compile's warm-up did not stop within %d ms of Cancel: ending the engine worker and "
-                    "loading %s again, uncompiled", self._compile_cancel_timer.interval(),
-                    self._load_command.get("model_dir"))
-        self._uncompiled_again = {k: v for k, v in self._load_command.items() if k != "compile"}
-        self._expected_exit = True
-        self._restart_after_exit = True
-        self._queued.clear()
+                    "loading %s again, uncompiled", self._loads.grace_ms, self._loads.model_dir)
+        self._loads.replace_uncompiled()
+        self._process.drop_queued()
         self._set_state("stopping")
-        _kill_group(self._proc)
+        self._process.end(restart=True)
 
-    def on_process_error(self, error: QProcess.ProcessError) -> None:
-        proc = self._proc
-        if proc is None or self.sender() is not proc:
-            return
-        if error == QProcess.ProcessError.FailedToStart:  # no finished() will follow
-            self._proc = None
-            proc.deleteLater()
-            if self._serve is not None:
-                self.serveFailed.emit("the engine worker could not start")
-            self._crash(f"the engine worker could not start ({self._python}): {proc.errorString()}")
+    def on_failed_to_start(self, message: str) -> None:
+        if self._serve.command is not None:
+            self.serveFailed.emit("the engine worker could not start")
+        self._crash(message)
 
     # ----------------------------------------------------------------- internals
-
-    def _connect_signals(self, proc: QProcess) -> None:
-        """Wire one worker process (a fresh QProcess per start; slots ignore a process that is not current)."""
-        proc.readyReadStandardOutput.connect(self.on_stdout)
-        proc.readyReadStandardError.connect(self.on_stderr)
-        proc.finished.connect(self.on_finished)
-        proc.errorOccurred.connect(self.on_process_error)
 
     def _set_state(self, state: str) -> None:
         if state != self._state:
@@ -496,7 +332,7 @@ class EngineClient(QObject):
             self.stateChanged.emit(state)
 
     def _send(self, command: dict[str, Any], new_state: str | None = None) -> None:
-        if self._proc is None or self._state == "stopping":
+        if not self._process.running or self._state == "stopping":
             log.warning("engine worker not running; dropped command %s", command.get("cmd"))
             message = "the engine is not running; restart it"
             if command.get("cmd") == "load":
@@ -506,33 +342,19 @@ class EngineClient(QObject):
             return
         if new_state is not None:
             self._set_state(new_state)
-        if not self._ready:
-            self._queued.append(command)
-            return
-        self._write(command)
-
-    def _write(self, command: dict[str, Any]) -> None:
-        assert self._proc is not None
-        self._proc.write((json.dumps(command, ensure_ascii=True) + "\n").encode("ascii"))
+        self._process.send(command)
 
     def _later(self, fn: Any) -> None:
         """Run ``fn`` from the event loop, after the current call returns (so callers can connect first)."""
         QTimer.singleShot(0, self, fn)
 
-    def _fail_later(self, request_id: str, kind: str, message: str) -> None:
-        self._later(lambda: self.event.emit(request_id, EngineError(kind=kind, message=message)))
-
     def _end_pending(self, kind: str, message: str) -> None:
         """End the generation and load in flight (the worker will not answer them any more)."""
-        request_id, self._current_request = self._current_request, None
-        if request_id is not None:
-            self.event.emit(request_id, EngineError(kind=kind, message=message))
-        if self._load_pending:
-            self._load_pending = False
-            self._compile_cancel_timer.stop()
-            self._compile_fallback = False
+        self._requests.end(kind, message)
+        if self._loads.pending:
+            self._loads.ended()
             self.loadFailed.emit(kind, message)
-        self._queued.clear()
+        self._process.drop_queued()
 
     def _refuse_load(self, kind: str, message: str) -> None:
         """A load() that was never sent (the one in progress, if any, goes on)."""
@@ -540,75 +362,40 @@ class EngineClient(QObject):
         self.loadFailed.emit(kind, message)
 
     def _load_failed(self, kind: str, message: str, show: bool = True) -> None:
-        self._load_pending = False
-        self._compile_cancel_timer.stop()
-        self._compile_fallback = False
+        self._loads.ended()
         if show:
             self.errorMessage.emit(kind, message)
         self.loadFailed.emit(kind, message)
 
-    def _server_gone(self) -> None:
-        """The worker ended: its server went with it (a restart serves again when serving was asked for)."""
-        if self._server_url is not None:
-            self._server_url = None
+    def _worker_gone(self) -> None:
+        """The worker ended: its model and its server went with it (a restart serves again if serving was on)."""
+        self._model_info = None
+        if self._serve.stopped():
             self.serveStopped.emit()
-
-    def _kill_if_running(self, proc: QProcess) -> None:
-        if proc is self._proc and proc.state() != QProcess.ProcessState.NotRunning:
-            log.warning("engine worker did not exit within %d ms; killing it", self._grace_ms)
-            _kill_group(proc)
-
-    def _describe_exit(self, exit_code: int, exit_status: QProcess.ExitStatus) -> str:
-        if exit_status == QProcess.ExitStatus.CrashExit:
-            # On POSIX, Qt reports the terminating signal as the exit code of a crashed process.
-            how = f"was killed by {_signal_name(exit_code)}" if os.name == "posix" and exit_code else "crashed"
-        else:
-            how = f"exited with code {exit_code}"
-        parts = [f"The engine worker {how}."]
-        if self._fatal is not None:
-            parts.append(f"{self._fatal[0]}: {self._fatal[1]}")
-        tail = list(self._stderr_lines)[-CRASH_REASON_STDERR_LINES:]
-        if tail:
-            parts.append("Last log lines:\n" + "\n".join(tail))
-        return "\n".join(parts)
 
     def _crash(self, reason: str) -> None:
         log.error("engine worker crashed: %s", reason)
         self._end_pending("WorkerCrashed", reason.splitlines()[0])
-        self._pid = None
         self._set_state("stopped")
         self.crashed.emit(reason)
 
-    def _on_line(self, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-            name = record["event"]
-        except (ValueError, KeyError, TypeError):
-            log.warning("engine worker sent a line that is not a record: %r", line[:200])
-            return
+    def _on_record(self, record: dict[str, Any]) -> None:
+        name = record["event"]
         if self._state == "stopping":  # shutdown()/restart() already ended what was pending
             log.debug("engine worker is stopping; ignored %s", name)
             return
         if name == "ready":
-            self._pid = record.get("pid")
-            self._ready = True
+            self._process.pid = record.get("pid")
             if self._state == "starting":  # else a queued load already moved it on
                 self._set_state("idle")
-            queued, self._queued = self._queued, []
-            for command in queued:
-                self._write(command)
-            if not self._compile_fallback:  # (a worker started for the uncompiled load: to the window, a load going on)
+            self._process.mark_ready()
+            if not self._loads.fallback:  # (a worker started for the uncompiled load: to the window, a load going on)
                 self.ready.emit()
         elif name == "load_progress":
-            self._warming_up = record.get("stage") in WARM_UP_STAGES
+            self._loads.progress(record.get("stage"))
             self.loadProgress.emit(from_dict(record))
         elif name == "loaded":
-            self._load_pending = False
-            self._compile_cancel_timer.stop()
-            self._warming_up = False
-            if self._compile_fallback:  # what the worker's own cancelled warm-up says
-                self._compile_fallback = False
-                record = {**record, "compiled": False, "compile_cancelled": True, "compile_skipped": COMPILE_CANCELLED}
+            record = self._loads.loaded(record)
             self._model_info = record
             self._set_state("idle")
             self.loaded.emit(record)
@@ -618,11 +405,9 @@ class EngineClient(QObject):
             elif record.get("id") == self._latest_plan:
                 self.planReady.emit(record.get("plan") or {})
         elif name == "serving":
-            self._server_url = str(record.get("url") or "")
-            self._server_policy = str(record.get("policy") or "")
-            self.serving.emit(self._server_url)
+            self.serving.emit(self._serve.listening(record))
         elif name == "serve_stopped":  # also the answer to a stop sent before the server was up
-            self._server_url = None
+            self._serve.stopped()
             self.serveStopped.emit()
         elif name == "bye":
             log.info("engine worker said goodbye")
@@ -631,43 +416,20 @@ class EngineClient(QObject):
         elif name == "chat_read":
             self.chatRead.emit(str(record.get("id") or ""), record)
         elif "id" in record:
-            self._on_event(record)
+            self._requests.on_event(record)
         else:
             log.warning("engine worker sent an unknown record %r", name)
 
-    def _on_event(self, record: dict[str, Any]) -> None:
-        request_id = str(record["id"])
-        try:
-            event = from_dict(record)
-        except (ValueError, TypeError) as exc:
-            log.warning("engine worker sent an undecodable event: %s", exc)
-            return
-        if request_id != self._current_request:  # ended already (e.g. restart): one end per request
-            log.debug("dropped a late %s event of request %s", record["event"], request_id)
-            return
-        if isinstance(event, Finished):
-            self._current_request = None
-            self._set_state("idle")
-        self.event.emit(request_id, event)
-
     def _on_error(self, record: dict[str, Any]) -> None:
-        kind = str(record.get("kind", "Error"))
-        message = str(record.get("message", ""))
+        kind, message = str(record.get("kind", "Error")), str(record.get("message", ""))
         if record.get("fatal"):
-            self._fatal = (kind, message)  # the exit that follows is reported by crashed, with this reason
+            self._process.fatal = (kind, message)  # the exit that follows is reported by crashed, with this reason
         request_id = record.get("id")
         if request_id is not None and record.get("op") != "plan":
-            if request_id != self._current_request:
-                log.debug("dropped a late error of request %s: %s", request_id, kind)
-                return
-            self._current_request = None
-            if not record.get("fatal"):
-                self._set_state("idle")
-            self.event.emit(str(request_id), EngineError(kind=kind, message=message))
+            self._requests.on_error(request_id, kind, message, fatal=bool(record.get("fatal")))
             return
         if record.get("op") == "serve":
-            if record.get("kind") != "AlreadyServing":
-                self._serve = None  # not listening: nothing to start again after a restart
+            self._serve.refused(kind)
             self.serveFailed.emit(message)
             return
         if record.get("op") == "load":
@@ -681,18 +443,3 @@ class EngineClient(QObject):
         if not record.get("fatal"):
             self.errorMessage.emit(kind, message)
 
-
-def _kill_group(proc: QProcess) -> None:
-    """SIGKILL the worker and every process it started: it leads its own process group
-    (``clover_desk.worker.process.lead_own_process_group``), so inductor's compile workers and their compilers go
-    with it instead of outliving it. Only the worker itself where it leads no group (Windows, a worker of an older
-    version)."""
-    pid = int(proc.processId())
-    if pid > 0 and hasattr(os, "killpg"):
-        try:
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-                return
-        except OSError as exc:  # it is gone already, or not ours to signal
-            log.debug("cannot end the worker's process group %d: %s", pid, exc)
-    proc.kill()

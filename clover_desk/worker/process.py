@@ -8,7 +8,7 @@ Commands, one JSON object per line on stdin::
     {"cmd": "load", "model_dir": "...", "device": "cuda", "dtype": "bfloat16", "precision": "nf4",
      "plan": {Plan.to_dict()} | null}
         ("precision": Engine.load's, "nf4" with a plan for a folder; the plan the user saw, placed as is after a
-        check against the model and the machine; "vram_gb": 14.0 and
+        check against the model and the machine; "vram_budget_bytes": 15032385536 (bytes) and
         "ctx_tokens": 16384 instead of a plan make it here with engine.placement.planner.plan_model; "model_dir" may be a
         .gguf file, with "gguf_layout": "auto" | "fork" | "upstream"; "compile": true compiles the decoder layers
         and warms them up before "loaded", its stages reported as load_progress: engine.decode.events.COMPILE_STAGES)
@@ -20,7 +20,7 @@ Commands, one JSON object per line on stdin::
         (engine.api.Engine.read_chat: a chat so far read into the prompt cache while the engine is idle, so its
         next turn reads only the new message; anything that needs the engine stops it first: a generate, an HTTP
         answer, a load, another read_chat. Answered by one "chat_read" record, never an error record)
-    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_gb": 16 | null, "ram_gb": 64 | null, "ctx": 16384, ...}
+    {"cmd": "plan", "id": "p1", "model_dir": "...", "vram_budget_bytes": 17179869184 | null, "ram_gb": 64 | null, "ctx": 16384, ...}
         (engine.placement.planner.plan_model; null budgets: what this machine has free; other keys go to make_plan)
     {"cmd": "serve", "host": "127.0.0.1", "port": 8000, "api_key": "KEY" | null, ["allowed_hosts": [..],
      "allowed_origins": [..], "insecure_no_api_key": false]}
@@ -51,7 +51,7 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
 Every generate request ends with exactly one ``finished`` or ``error`` record carrying its id. A
 :class:`~engine.errors.CloverError` (bad prompt, bad checkpoint, cancelled load...) is reported and the worker keeps
 serving. An out-of-memory or CUDA error leaves the device unusable: the worker reports it with ``"fatal": true`` and
-exits with :data:`FATAL_EXIT_CODE`; the client then offers a restart. Loading and generating run on their own
+exits with :data:`~clover_desk.worker.reports.FATAL_EXIT_CODE`; the client then offers a restart. Loading and generating run on their own
 threads, so ``cancel`` / ``cancel_load`` are read while they work (the engine checks its flag between passes).
 
 ``serve`` puts the OpenAI-compatible server in this process, over the same engine (a second process would load a
@@ -62,7 +62,7 @@ get 503 "loading", an HTTP answer in progress is cancelled) and attaches the new
 cannot be bound is an ``error`` record with ``"op": "serve"`` naming the address.
 
 Every line gets an answer, however malformed: a line that is not JSON, not an object, nested deeper than
-:data:`MAX_NESTING` levels, longer than :data:`MAX_LINE_BYTES` (the rest of such a line is skipped unread into
+:data:`~clover_desk.worker.protocol.MAX_NESTING` levels, longer than :data:`~clover_desk.worker.protocol.MAX_LINE_BYTES` (the rest of such a line is skipped unread into
 memory), with an unknown or non-string ``cmd``, or with a field of the wrong type or out of range is refused with
 one ``{"event": "error", "kind": "ProtocolError", "message": .., "fatal": false}`` record (plus ``id`` / ``op``
 when known) whose message names the field and what is allowed, and the worker keeps serving. ``load``,
@@ -81,43 +81,47 @@ value ends the worker at once with a fatal StartupError naming the switch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
 import gc
 import importlib
-import inspect
 import json
 import logging
-import math
 import os
-import re
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from clover_desk.engine.decode.events import MODES, EngineError, Finished, GenerationParams, LoadProgress, to_dict
-from clover_desk.engine.decode.limits import GENERATION_LIMITS, INT32_MAX
-from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS, PRECISIONS
-from clover_desk.engine.errors import CancelledError, CloverError
+from clover_desk.engine.decode.events import EngineError, Finished, GenerationParams, to_dict
+from clover_desk.engine.errors import CloverError
 from clover_desk.engine.settings import GpuPaths, SettingsError
-from clover_desk.worker.hangup import HangUpLog, is_hang_up
-from clover_desk.worker.http_guards import is_loopback
-from clover_desk.worker.server import OpenAIServer
+from clover_desk.worker.hangup import is_hang_up
+from clover_desk.worker.loading import load_engine, loaded_record, plan_record
+from clover_desk.worker.protocol import (
+    COMMANDS,
+    MAX_LINE_BYTES,
+    ProtocolError,
+    check_generate,
+    check_load,
+    check_plan_command,
+    check_prompt_ids,
+    check_read_chat,
+    parse_command,
+    read_lines,
+    refused,
+    request_id_of,
+    show_value,
+)
+from clover_desk.worker.reports import FATAL_EXIT_CODE, ErrorRecords, classify_fatal, hang_up_safe, hang_ups
+from clover_desk.worker.serving import WorkerServer
 
 log = logging.getLogger("clover_desk.worker.process")
-hang_ups = HangUpLog(log)  # the window hung up (it closed or stopped reading): one short line, not a traceback
 
 PROTOCOL_VERSION = 1
-FATAL_EXIT_CODE = 3
 DEFAULT_ENGINE_FACTORY = "clover_desk.engine.api:Engine.load"
-LOAD_PROGRESS_INTERVAL_S = 0.05  # at most ~20 load_progress records a second (stage changes always go out)
 _JOIN_ON_EXIT_S = 5.0
-MAX_LINE_BYTES = 16 * 1024 * 1024  # a longer command line is refused (and skipped without being held in memory)
-MAX_NESTING = 64  # JSON nesting a command may have (plans, messages and tool schemas need far less)
-_SKIP_CHUNK = 1 << 20
 _LOCK_POLL_S = 0.05  # a generate waiting for the engine (held by an HTTP answer) checks its cancel flag this often
 
 
@@ -130,347 +134,6 @@ def resolve(spec: str) -> Callable[..., Any]:
     for part in attr_path.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def classify_fatal(exc: BaseException) -> str | None:
-    """The error kind when ``exc`` leaves the process or its device unusable (so the worker must exit), else None.
-
-    Judged by type name and message, so this module does not import torch: ``torch.cuda.OutOfMemoryError`` and
-    ``MemoryError`` are "OutOfMemory"; ``torch.AcceleratorError`` and RuntimeErrors from CUDA / cuBLAS / cuDNN are
-    "CudaError".
-    """
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    text = str(exc)
-    if "OutOfMemoryError" in names or isinstance(exc, MemoryError):
-        return "OutOfMemory"
-    if isinstance(exc, RuntimeError) and ("out of memory" in text.lower() and "CUDA" in text):
-        return "OutOfMemory"
-    if "AcceleratorError" in names:
-        return "CudaError"
-    if isinstance(exc, RuntimeError) and any(k in text for k in ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error")):
-        return "CudaError"
-    return None
-
-
-def _json_safe(value: Any) -> Any:
-    """Dataclasses, mappings and sequences of JSON scalars, recursively; anything else becomes its ``str``."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _json_safe(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
-# --------------------------------------------------------------------------------------------- command checks
-
-
-class ProtocolError(ValueError):
-    """A command refused as sent; the message names the field and what is allowed."""
-
-
-DEVICES_TEXT = '"cpu", "cuda" or "cuda:N"'
-DTYPES = ("float32", "bfloat16", "float16")
-COMMANDS = ("load", "cancel_load", "generate", "cancel", "read_chat", "plan", "serve", "serve_stop", "shutdown")
-GGUF_LAYOUTS = ("auto", "fork", "upstream")
-_CUDA_INDEX = re.compile(r"cuda:[0-9]{1,3}")
-
-
-def _show(value: Any) -> str:
-    """A bad value as a short JSON snippet for an error message."""
-    try:
-        text = json.dumps(value, ensure_ascii=True)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _refused(where: str, allowed: str, value: Any) -> ProtocolError:
-    """``<where> must be <allowed>, got <value>``: the one-line refusal every check raises."""
-    return ProtocolError(f"{where} must be {allowed}, got {_show(value)}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite_number(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
-Check = Callable[[Any], bool]
-
-
-def _nullable(check: Check) -> Check:
-    return lambda v: v is None or check(v)
-
-
-def _int_in(lo: int, hi: int) -> Check:
-    return lambda v: _is_int(v) and lo <= v <= hi
-
-
-def _number_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Check:
-    def check(v: Any) -> bool:
-        if not _is_finite_number(v):
-            return False
-        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-
-    return check
-
-
-def _one_of(*choices: str) -> Check:
-    return lambda v: isinstance(v, str) and v in choices
-
-
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def _is_path(v: Any) -> bool:
-    return isinstance(v, str) and bool(v.strip()) and "\x00" not in v
-
-
-def _is_device(v: Any) -> bool:
-    return isinstance(v, str) and (v in ("cpu", "cuda") or _CUDA_INDEX.fullmatch(v) is not None)
-
-
-# field -> (check, what is allowed). Nullable fields take null for "the default".
-LOAD_FIELDS: dict[str, tuple[Check, str]] = {
-    "model_dir": (_is_path, "a non-empty folder path (string)"),
-    "device": (_nullable(_is_device), f"{DEVICES_TEXT}, or null (cpu)"),
-    "dtype": (_nullable(_one_of(*DTYPES)), '"float32", "bfloat16" or "float16", or null (float32)'),
-    "vram_gb": (_nullable(_number_in(0, math.inf, lo_open=True)), "a finite number of GiB > 0, or null"),
-    "ctx_tokens": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
-    "ctx": (_nullable(_int_in(1, INT32_MAX)), f"a whole number of tokens from 1 to {INT32_MAX}, or null"),
-    "plan": (_nullable(lambda v: isinstance(v, dict)), "an object (Plan.to_dict()) or null"),
-    "precision": (_nullable(_one_of(*PRECISIONS)), f"one of {', '.join(PRECISIONS)} (Engine.load), or null"),
-    "gguf_layout": (_nullable(_one_of(*GGUF_LAYOUTS)), '"auto", "fork" or "upstream" (a .gguf file), or null (auto)'),
-    "compile": (_nullable(_is_bool), "true (compile the decoder layers), false or null (not compiled)"),
-}
-
-
-def _is_host(v: Any) -> bool:
-    """A host name or address to bind: no spaces or control characters (``"0.0.0.0"``, ``"::1"``, ``"localhost"``)."""
-    return isinstance(v, str) and 0 < len(v) <= 253 and all(0x21 <= ord(c) <= 0x7E for c in v)
-
-
-def _is_host_list(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= 64 and all(_is_host(item) for item in v)
-
-
-def _is_api_key(v: Any) -> bool:
-    """An API key travels in an HTTP header (``Authorization: Bearer KEY``): printable ASCII, no spaces."""
-    return isinstance(v, str) and 0 < len(v) <= 4096 and all(0x21 <= ord(c) <= 0x7E for c in v)
-
-
-SERVE_FIELDS: dict[str, tuple[Check, str]] = {
-    "host": (_is_host, 'a host name or address to listen on, e.g. "127.0.0.1" or "0.0.0.0" (no spaces)'),
-    "port": (_int_in(0, 65535), "a port number from 0 (any free port) to 65535"),
-    "api_key": (_nullable(_is_api_key), "null (no key) or a key of printable ASCII characters without spaces"),
-    "allowed_hosts": (_nullable(_is_host_list), "null or a list of host names or addresses (e.g. [\"llm.lan\"])"),
-    "allowed_origins": (_nullable(_is_host_list), 'null or a list of origins (e.g. ["https://app.example.com"])'),
-    "insecure_no_api_key": (_nullable(_is_bool), "true to listen on a non-loopback address without a key, else "
-                                                 "false or null"),
-}
-
-
-def _limited(name: str) -> tuple[Check, str]:
-    """A numeric generation parameter: its type and range from clover_desk.engine.decode.limits (the table the CLI's flags and
-    generation_config.json's validation use too), or null for the model's default."""
-    limit = GENERATION_LIMITS[name]
-    return _nullable(limit.accepts), f"{limit.allowed}, or null"
-
-
-def _param_field(f: dataclasses.Field) -> tuple[Check, str]:  # type: ignore[type-arg]
-    """The wire check of one GenerationParams field: a numeric one's type and range from GENERATION_LIMITS (the
-    threshold's 0 included: commit every slot in one pass), the mode from MODES, a flag true or false (or null when
-    its default is None: the model's default)."""
-    if f.name in GENERATION_LIMITS:
-        return _limited(f.name)
-    if f.name == "mode":
-        return _one_of(*MODES), " or ".join(", ".join(f'"{m}"' for m in MODES).rsplit(", ", 1))
-    if f.type in ("bool", "bool | None"):
-        return (_nullable(_is_bool), "true, false or null") if f.default is None else (_is_bool, "true or false")
-    if f.type == "str | None":  # the structured output spec (JSON text)
-        return _nullable(lambda v: isinstance(v, str)), "a string or null"
-    raise TypeError(f"GenerationParams.{f.name}: no wire check (add it to GENERATION_LIMITS or here)")
-
-
-# GenerationParams' fields (engine/decode/events.py), each with the check of its type and range, made from the
-# dataclass and the limits table: a new field gets its check there, not restated here.
-PARAM_FIELDS: dict[str, tuple[Check, str]] = {f.name: _param_field(f) for f in dataclasses.fields(GenerationParams)}
-GENERATE_FIELDS = ("cmd", "id", "messages", "prompt", "prompt_ids", "raw", "tools", "params")
-PLAN_BUDGETS: dict[str, tuple[Check, str]] = {
-    "id": (_nullable(lambda v: isinstance(v, str)), "a string or null"),
-    "model_dir": (_is_path, "a non-empty folder path or shape name (string)"),
-    "vram_gb": (_nullable(_number_in(0, math.inf)), "a finite number of GiB >= 0, or null (what is free)"),
-    "ram_gb": (_nullable(_number_in(0, math.inf, lo_open=True)), "a finite number of GiB > 0, or null (what is free)"),
-    "ctx": LOAD_FIELDS["ctx"],
-    "ctx_tokens": LOAD_FIELDS["ctx_tokens"],
-}
-
-
-def _check_fields(
-    command: dict[str, Any], what: str, fields: dict[str, tuple[Check, str]], *, required: Sequence[str] = (),
-    known: Sequence[str] | None = None,
-) -> None:
-    """Raise ProtocolError naming the first field of ``command`` that is missing, unknown or not allowed."""
-    for name in required:
-        if name not in command:
-            raise ProtocolError(f"{what} needs field {name!r}: {fields[name][1]}")
-    if known is not None:
-        for name in command:
-            if name not in known:
-                raise ProtocolError(f"{what} has unknown field {_show(name)}; its fields are: {', '.join(known)}")
-    for name, (check, allowed) in fields.items():
-        if name in command and not check(command[name]):
-            raise _refused(f"{what}: field {name!r}", allowed, command[name])
-
-
-def check_load(command: dict[str, Any]) -> None:
-    """Refuse a ``load`` whose fields are missing, unknown, of the wrong type or out of range."""
-    _check_fields(command, "load", LOAD_FIELDS, required=("model_dir",), known=("cmd", *LOAD_FIELDS))
-
-
-def check_serve(command: dict[str, Any]) -> None:
-    """Refuse a ``serve`` whose fields are missing, unknown, of the wrong type or out of range."""
-    _check_fields(command, "serve", SERVE_FIELDS, required=("host", "port"), known=("cmd", *SERVE_FIELDS))
-
-
-def check_params(params: Any) -> GenerationParams:
-    """``generate``'s ``params`` (null or an object of GenerationParams fields) as GenerationParams, else
-    ProtocolError."""
-    if params is None:
-        return GenerationParams()
-    if not isinstance(params, dict):
-        raise _refused("generate: field 'params'", "an object of generation parameters or null", params)
-    _check_fields(params, "generate params", PARAM_FIELDS, known=tuple(PARAM_FIELDS))
-    return GenerationParams(**params)
-
-
-def check_generate(command: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:
-    """Refuse a ``generate`` with a field of the wrong type (the engine judges the prompt itself); returns the
-    params. ``vocab_size`` bounds ``prompt_ids`` (an id past the vocabulary is a device-side assert on a GPU)."""
-    unknown = [k for k in command if k not in GENERATE_FIELDS]
-    if unknown:
-        fields = ", ".join(GENERATE_FIELDS)
-        raise ProtocolError(f"generate has unknown field {_show(unknown[0])}; its fields are: {fields}")
-    messages = command.get("messages")
-    if messages is not None:
-        if not isinstance(messages, list):
-            raise _refused("generate: field 'messages'", "a list of message objects or null", messages)
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise _refused(f"generate: messages[{i}]", "an object with 'role' and 'content'", message)
-            if not isinstance(message.get("role"), str) or not message["role"]:
-                raise _refused(f"generate: messages[{i}].role", "a non-empty string", message.get("role"))
-            content = message.get("content")
-            if content is not None and not isinstance(content, (str, list)):
-                raise _refused(f"generate: messages[{i}].content", "a string, a list of parts or null", content)
-    prompt = command.get("prompt")
-    if prompt is not None and not isinstance(prompt, str):
-        raise _refused("generate: field 'prompt'", "a string or null", prompt)
-    check_prompt_ids(command.get("prompt_ids"), vocab_size)
-    if "raw" in command and not isinstance(command["raw"], bool):
-        raise _refused("generate: field 'raw'", "true or false", command["raw"])
-    tools = command.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise _refused("generate: field 'tools'", "a list of tool objects or null", tools)
-    return check_params(command.get("params"))
-
-
-READ_CHAT_FIELDS = ("cmd", "id", "messages", "tools", "params")
-
-
-def check_read_chat(command: dict[str, Any]) -> GenerationParams:
-    """Refuse a ``read_chat`` with a missing, unknown or mistyped field; returns the params."""
-    unknown = [k for k in command if k not in READ_CHAT_FIELDS]
-    if unknown:
-        raise ProtocolError(f"read_chat has unknown field {_show(unknown[0])}; its fields are: "
-                            f"{', '.join(READ_CHAT_FIELDS)}")
-    if not isinstance(command.get("messages"), list) or not command["messages"]:
-        raise _refused("read_chat: field 'messages'", "a non-empty list of message objects", command.get("messages"))
-    return check_generate(command)
-
-
-def check_prompt_ids(prompt_ids: Any, vocab_size: int | None = None) -> None:
-    """``prompt_ids``: null or a list of token ids below ``vocab_size`` (when known), else ProtocolError."""
-    if prompt_ids is None:
-        return
-    if not isinstance(prompt_ids, list):
-        raise _refused("generate: field 'prompt_ids'", "a list of token ids or null", prompt_ids)
-    top = (vocab_size if _is_int(vocab_size) and vocab_size > 0 else INT32_MAX + 1) - 1  # type: ignore[operator]
-    for i, token in enumerate(prompt_ids):
-        if not _is_int(token) or not 0 <= token <= top:
-            raise _refused(f"generate: prompt_ids[{i}]", f"a token id from 0 to {top}", token)
-
-
-def check_plan_command(command: dict[str, Any]) -> None:
-    """Refuse a ``plan`` whose budgets or context are of the wrong type or out of range (other keys: make_plan's
-    options, checked against its signature when the plan is made)."""
-    _check_fields(command, "plan", PLAN_BUDGETS, required=("model_dir",))
-
-
-def _nesting_depth(value: Any, limit: int) -> int:
-    """How deep ``value`` nests (iteratively; stops counting past ``limit``)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return deepest
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
-def parse_command(line: bytes) -> dict[str, Any]:
-    """One protocol line as a JSON object, or ProtocolError saying what is wrong with it (``cmd`` itself is
-    checked by :meth:`Worker.handle`, which can then answer with the command's ``id``)."""
-    try:
-        command = json.loads(line)
-    except RecursionError:
-        raise ProtocolError(
-            f"bad command line: nested too deeply to parse; a command nests at most {MAX_NESTING} levels"
-        ) from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer with too many digits
-        raise ProtocolError(f"bad command line: not JSON ({exc}); send one JSON object per line") from None
-    if not isinstance(command, dict):
-        raise ProtocolError(f"bad command line: a command is a JSON object with a 'cmd' field, got {_show(command)}")
-    if _nesting_depth(command, MAX_NESTING) > MAX_NESTING:
-        raise ProtocolError(f"bad command line: nested more than {MAX_NESTING} levels deep")
-    return command
-
-
-def read_lines(stream: IO[bytes], limit: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
-    """The lines of ``stream`` without their line ends; ``None`` for a line longer than ``limit`` bytes, whose
-    rest is read and dropped in chunks (never held in memory)."""
-    while True:
-        line = stream.readline(limit + 1)
-        if not line:
-            return
-        if len(line) > limit and not line.endswith(b"\n"):
-            while True:
-                rest = stream.readline(_SKIP_CHUNK)
-                if not rest or rest.endswith(b"\n"):
-                    break
-            yield None
-            continue
-        yield line.rstrip(b"\r\n")
-
-
-def _request_id(command: dict[str, Any]) -> str | None:
-    value = command.get("id")
-    return value if isinstance(value, str) else None
 
 
 class _PreemptingLock:
@@ -519,7 +182,8 @@ class Worker:
         self.engine_lock = _PreemptingLock(self._engine_lock, self._stop_reading)
         self._read_thread: threading.Thread | None = None
         self._read_cancel = threading.Event()
-        self._server: Any = None  # clover_desk.worker.server.OpenAIServer while serving
+        self._errors = ErrorRecords(emit)
+        self._serving = WorkerServer(emit, self._errors, self.engine_lock, self._lock)  # the HTTP server, if any
 
     # ----------------------------------------------------------------- dispatch (main thread)
 
@@ -542,10 +206,10 @@ class Worker:
         }
         handler = handlers.get(name) if isinstance(name, str) else None
         if handler is None:
-            what = "missing" if "cmd" not in command else f"got {_show(name)}"
-            self._error(
+            what = "missing" if "cmd" not in command else f"got {show_value(name)}"
+            self._errors.error(
                 "ProtocolError", f"field 'cmd' must be one of {', '.join(repr(c) for c in COMMANDS)}; {what}",
-                request_id=_request_id(command),
+                request_id=request_id_of(command),
             )
             return True
         try:
@@ -554,12 +218,12 @@ class Worker:
             if is_hang_up(exc):
                 raise  # the window is gone: main() says so in one line and exits
             log.error("command %s failed (the worker keeps running)", name, exc_info=exc)
-            self._error(type(exc).__name__, f"internal error: {exc}", request_id=_request_id(command))
+            self._errors.error(type(exc).__name__, f"internal error: {exc}", request_id=request_id_of(command))
         return True
 
     def stop(self) -> None:
         """Stop serving, cancel what runs and wait (briefly) for it to end."""
-        self._stop_server()
+        self._serving.stop()
         self._load_cancel.set()
         self._gen_cancel.set()
         self._read_cancel.set()
@@ -583,24 +247,15 @@ class Worker:
         try:
             check_load(command)  # refused whole before anything starts: the state never sticks at "loading"
         except ProtocolError as exc:
-            self._error("ProtocolError", str(exc), op="load")
+            self._errors.error("ProtocolError", str(exc), op="load")
             return
         with self._lock:
             busy = self._busy()
             if busy:
-                self._error("Busy", f"cannot load: {busy}", op="load")
+                self._errors.error("Busy", f"cannot load: {busy}", op="load")
                 return
-            self._state = "loading"
             self._load_cancel = threading.Event()
-            self._load_thread = threading.Thread(
-                target=_hang_up_safe(self._run_load, "loading"), args=(command, self._load_cancel), name="clover-load", daemon=True
-            )
-            try:
-                self._load_thread.start()
-            except BaseException:
-                self._state = "idle"
-                self._load_thread = None
-                raise
+            self._load_thread = self._start_locked("loading", self._run_load, (command, self._load_cancel), "clover-load")
 
     def _cmd_cancel_load(self, command: dict[str, Any]) -> None:
         self._load_cancel.set()
@@ -608,45 +263,47 @@ class Worker:
     def _cmd_generate(self, command: dict[str, Any]) -> None:
         request_id = command.get("id")
         if not isinstance(request_id, str) or not request_id:
-            self._error("ProtocolError", str(_refused("generate: field 'id'", "a non-empty string", request_id)))
+            self._errors.error("ProtocolError", str(refused("generate: field 'id'", "a non-empty string", request_id)))
             return
         try:
             params = check_generate(command)  # types and ranges first: a malformed request is refused as such
         except ProtocolError as exc:
-            self._error("ProtocolError", str(exc), request_id=request_id)
+            self._errors.error("ProtocolError", str(exc), request_id=request_id)
             return
         with self._lock:
             busy = self._busy()
             if busy:
-                self._error("Busy", f"cannot generate: {busy}", request_id=request_id)
+                self._errors.error("Busy", f"cannot generate: {busy}", request_id=request_id)
                 return
             if self._engine is None:
-                self._error("NotLoaded", "no model is loaded", request_id=request_id)
+                self._errors.error("NotLoaded", "no model is loaded", request_id=request_id)
                 return
             try:  # the loaded model's vocabulary bounds prompt_ids (past it: a device-side assert on a GPU)
                 vocab_size = getattr(getattr(self._engine, "config", None), "vocab_size", None)
                 check_prompt_ids(command.get("prompt_ids"), vocab_size)
             except ProtocolError as exc:
-                self._error("ProtocolError", str(exc), request_id=request_id)
+                self._errors.error("ProtocolError", str(exc), request_id=request_id)
                 return
-            self._state = "generating"
-            self._gen_id = request_id
             self._gen_cancel = threading.Event()
-            self._gen_thread = threading.Thread(
-                target=_hang_up_safe(self._run_generate, "generating"),
-                args=(self._engine, request_id, command, params, self._gen_cancel),
-                name=f"clover-generate-{request_id}",
-                daemon=True,
-            )
-            try:
-                self._gen_thread.start()
-            except BaseException:
-                self._state = "idle"
-                self._gen_id = None
-                raise
+            self._gen_thread = self._start_locked(
+                "generating", self._run_generate, (self._engine, request_id, command, params, self._gen_cancel),
+                f"clover-generate-{request_id}", gen_id=request_id)
+
+    def _start_locked(self, state: str, run: Callable[..., None], args: tuple[Any, ...], name: str,
+                      gen_id: str | None = None) -> threading.Thread:
+        """Enter ``state`` and run ``run(*args)`` on a daemon thread of its own (the caller holds the lock); a thread
+        that cannot start leaves the worker idle, never stuck in ``state``."""
+        self._state, self._gen_id = state, gen_id
+        thread = threading.Thread(target=hang_up_safe(run, state), args=args, name=name, daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            self._state, self._gen_id = "idle", None
+            raise
+        return thread
 
     def _cmd_read_chat(self, command: dict[str, Any]) -> None:
-        request_id = _request_id(command) or ""
+        request_id = request_id_of(command) or ""
         try:
             params = check_read_chat(command)
         except ProtocolError as exc:
@@ -661,7 +318,7 @@ class Worker:
             self._read_cancel = cancel = threading.Event()
             previous = self._read_thread
             self._read_thread = threading.Thread(
-                target=_hang_up_safe(self._run_read_chat, "reading a chat ahead"), args=(engine, request_id, command, params, cancel, previous),
+                target=hang_up_safe(self._run_read_chat, "reading a chat ahead"), args=(engine, request_id, command, params, cancel, previous),
                 name=f"clover-read-{request_id}", daemon=True)
             self._read_thread.start()
 
@@ -686,7 +343,7 @@ class Worker:
             record.update(stop_reason="refused", message=str(exc))
         except BaseException as exc:  # noqa: BLE001
             if classify_fatal(exc) is not None or not isinstance(exc, Exception):
-                self._report(exc, op="read_chat")  # OOM, CUDA: the process ends here, as in a generate
+                self._errors.report(exc, op="read_chat")  # OOM, CUDA: the process ends here, as in a generate
             if is_hang_up(exc):
                 hang_ups("reading a chat ahead", exc)
                 return
@@ -699,7 +356,7 @@ class Worker:
     def _cmd_cancel(self, command: dict[str, Any]) -> None:
         request_id = command.get("id")
         if not isinstance(request_id, str):
-            self._error("ProtocolError", str(_refused("cancel: field 'id'", "the string id of a generate", request_id)))
+            self._errors.error("ProtocolError", str(refused("cancel: field 'id'", "the string id of a generate", request_id)))
             return
         with self._lock:
             if request_id == self._gen_id:
@@ -709,59 +366,16 @@ class Worker:
         try:
             check_plan_command(command)
         except ProtocolError as exc:
-            self._error("ProtocolError", str(exc), request_id=_request_id(command), op="plan")
+            self._errors.error("ProtocolError", str(exc), request_id=request_id_of(command), op="plan")
             return
-        threading.Thread(target=_hang_up_safe(self._run_plan, "planning"), args=(command,), name="clover-plan", daemon=True).start()
+        threading.Thread(target=hang_up_safe(self._run_plan, "planning"), args=(command,), name="clover-plan", daemon=True).start()
 
     def _cmd_serve(self, command: dict[str, Any]) -> None:
-        try:
-            check_serve(command)
-        except ProtocolError as exc:
-            self._error("ProtocolError", str(exc), op="serve")
-            return
-        if self._server is not None:
-            self._error("AlreadyServing", f"already serving at {self._server.url}; send serve_stop first", op="serve")
-            return
-
-        host, port = command["host"], command["port"]
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if not is_loopback(host) and not command.get("api_key") and not command.get("insecure_no_api_key"):
-            self._error("ServeError", f"{host} is reachable from other machines: set an API key to serve there",
-                        op="serve")
-            return
-        try:
-            server = OpenAIServer(None, host=host, port=port, api_key=command.get("api_key"), lock=self.engine_lock,
-                                  allowed_hosts=command.get("allowed_hosts") or (),
-                                  allowed_origins=command.get("allowed_origins") or ())
-        except ValueError as exc:  # a bad allowed host or origin
-            self._error("ServeError", str(exc), op="serve")
-            return
-        except OSError as exc:  # in use, not an address of this machine, a name that does not resolve
-            self._error("ServeError", f"cannot listen on {where} (port {port}): {exc.strerror or exc}", op="serve")
-            return
-        with self._lock:
-            self._server = server
-            server.attach(self._engine)  # None while no model is loaded (or one loads): requests get 503
-        server.start()
-        log.info("serving %s", server.url)
-        self._emit({"event": "serving", "url": server.url, "host": server.host, "port": server.port,
-                    "policy": server.policy.describe(),
-                    "auth": bool(command.get("api_key"))})
+        self._serving.start(command, lambda: self._engine)
 
     def _cmd_serve_stop(self, command: dict[str, Any]) -> None:
-        if not self._stop_server():
+        if not self._serving.stop():
             self._emit({"event": "serve_stopped"})  # nothing was serving: already stopped
-
-    def _stop_server(self) -> bool:
-        """Close the HTTP server (its generation in progress is cancelled, its port freed); False when none ran."""
-        with self._lock:
-            server, self._server = self._server, None
-        if server is None:
-            return False
-        server.close()
-        log.info("stopped serving %s", server.url)
-        self._emit({"event": "serve_stopped"})
-        return True
 
     # ----------------------------------------------------------------- work (own threads)
 
@@ -775,48 +389,16 @@ class Worker:
                     self._state = "idle"
 
     def _load(self, command: dict[str, Any], cancel: threading.Event) -> None:
-        model_dir = command["model_dir"]
-        device = command.get("device") or "cpu"
-        dtype = command.get("dtype") or "float32"
-        vram_gb = command.get("vram_gb")
-        plan = command.get("plan")
-        last = [0.0, ""]
-
-        def progress(p: LoadProgress) -> None:
-            now = time.monotonic()
-            done = p.stage == "done" or (p.total_bytes > 0 and p.done_bytes >= p.total_bytes)
-            if p.stage != last[1] or done or now - last[0] >= LOAD_PROGRESS_INTERVAL_S:
-                last[0], last[1] = now, p.stage
-                self._emit(to_dict(p))
-
-        self._detach_server()
+        self._serving.detach()
         self._release_engine()
         started = time.monotonic()
-        log.info("loading %s on %s as %s (vram_gb=%s, compile=%s)", model_dir, device, dtype, vram_gb,
-                 bool(command.get("compile")))
+        log.info("loading %s (%s, vram_budget_bytes=%s, compile=%s)", command["model_dir"],
+                 command.get("device") or "cpu", command.get("vram_budget_bytes"), bool(command.get("compile")))
         try:
-            if plan is None and vram_gb is not None:  # a budget without the plan: make it here, the same way
-                layout = {"gguf_layout": command["gguf_layout"]} if command.get("gguf_layout") is not None else {}
-                plan = importlib.import_module("clover_desk.engine.api").plan_for(
-                    model_dir, int(float(vram_gb) * 1024**3), _ctx(command), dtype, **layout)
-            if plan is not None:
-                self._emit({"event": "plan", "op": "load", "plan": _json_safe(_plan_dict(plan))})
-            extra: dict[str, Any] = {"placement": plan} if plan is not None else {}
-            if command.get("precision") is not None:  # how the weights are held (Engine.load): never implied by a plan
-                extra["precision"] = command["precision"]
-            if command.get("gguf_layout") is not None:
-                extra["gguf_layout"] = command["gguf_layout"]
-            if command.get("compile"):  # only when asked: an --engine-factory need not know the keyword
-                extra["compile"] = True
-            if plan is None and command.get("ctx_tokens"):  # no plan: the context asked for still holds
-                extra["ctx_tokens"] = int(command["ctx_tokens"])
-            engine = self._engine_factory(
-                model_dir, device=device, dtype=dtype, progress=progress, cancel=cancel, gpu_paths=self._gpu_paths,
-                **extra,
-            )
+            engine = load_engine(command, cancel, self._engine_factory, self._gpu_paths, self._emit)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             self._set_idle()
-            self._report(exc, op="load")
+            self._errors.report(exc, op="load")
             return
         if cancel.is_set() and not getattr(engine, "compile_cancelled", False):
             # the engine may finish its last step after the flag was set: honour the cancel (a cancel during the
@@ -824,41 +406,16 @@ class Worker:
             del engine
             self._release_engine()
             self._set_idle()
-            self._error("CancelledError", "loading was cancelled", op="load")
+            self._errors.error("CancelledError", "loading was cancelled", op="load")
             return
         with self._lock:
             self._engine = engine
             self._state = "idle"
-            if self._server is not None:
-                self._server.attach(engine)
-        self._emit(
-            {
-                "event": "loaded",
-                "model_dir": str(model_dir),
-                "device": device,
-                "dtype": dtype,
-                "vram_gb": vram_gb,
-                "load_s": round(time.monotonic() - started, 3),
-                "config": _json_safe(getattr(engine, "config", None)),
-                "generation_defaults": _json_safe(getattr(engine, "generation_defaults", None)),
-                "plan": _json_safe(_plan_dict(getattr(engine, "plan", None))),
-                "ctx_tokens": getattr(engine, "ctx_limit", None) or None,  # the context requests are held to
-                "ar_only": _json_safe(getattr(engine, "ar_only", None)),  # why diffusion is refused, or null
-                "compiled": bool(getattr(engine, "compiled", False)),
-                "compile_cancelled": bool(getattr(engine, "compile_cancelled", False)),
-                "compile_skipped": _json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
-                "gpu_paths": self._gpu_paths.opt_in(),  # the experimental GPU paths this process runs with
-            }
-        )
+            self._serving.attach_locked(engine)
+        self._emit(loaded_record(command, engine, time.monotonic() - started, self._gpu_paths))
 
-    def _run_generate(
-        self,
-        engine: Any,
-        request_id: str,
-        command: dict[str, Any],
-        params: GenerationParams,
-        cancel: threading.Event,
-    ) -> None:
+    def _run_generate(self, engine: Any, request_id: str, command: dict[str, Any], params: GenerationParams,
+                      cancel: threading.Event) -> None:
         """Wait for the engine (an HTTP answer may hold it), then generate holding it to the end."""
         while not self.engine_lock.acquire(timeout=_LOCK_POLL_S):
             if cancel.is_set():  # cancelled while an HTTP answer ran: it ends here, as cancelled, having done nothing
@@ -870,14 +427,8 @@ class Worker:
         finally:
             self.engine_lock.release()
 
-    def _generate(
-        self,
-        engine: Any,
-        request_id: str,
-        command: dict[str, Any],
-        params: GenerationParams,
-        cancel: threading.Event,
-    ) -> None:
+    def _generate(self, engine: Any, request_id: str, command: dict[str, Any], params: GenerationParams,
+                  cancel: threading.Event) -> None:
         finished = False
         try:
             events = engine.generate(
@@ -900,7 +451,7 @@ class Worker:
                 self._emit(record)
             if not finished:
                 self._set_idle()
-                self._error("InternalError", "generation ended without a finished event", request_id=request_id)
+                self._errors.error("InternalError", "generation ended without a finished event", request_id=request_id)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported; fatal ones end the process
             if finished:
                 if is_hang_up(exc):
@@ -909,29 +460,15 @@ class Worker:
                     log.warning("error after the final event of %s", request_id, exc_info=exc)
                 return
             self._set_idle()
-            self._report(exc, request_id=request_id)
+            self._errors.report(exc, request_id=request_id)
 
     def _run_plan(self, command: dict[str, Any]) -> None:
-        request_id = command.get("id")
         try:
-            planner = importlib.import_module("clover_desk.engine.placement.planner")
-            args = {k: v for k, v in command.items() if k not in ("cmd", "id", "model_dir")}
-            plan, hardware = _make_plan(planner, command.get("model_dir"), args)
+            record = plan_record(command)
         except BaseException as exc:  # noqa: BLE001 - reported; fatal ones end the process
-            self._report(exc, request_id=request_id, op="plan")
+            self._errors.report(exc, request_id=command.get("id"), op="plan")
             return
-        self._emit(
-            {"event": "plan", "id": request_id, "plan": _json_safe(_plan_dict(plan)), "hardware": _json_safe(hardware)}
-        )
-
-    def _detach_server(self) -> None:
-        """Before the model is dropped: the server answers 503 "loading" and its answer in progress is cancelled (it
-        ends within a pass and hands back the engine lock, which :meth:`_release_engine` waits for)."""
-        with self._lock:
-            server = self._server
-        if server is not None:
-            server.attach(None)
-            server.service.cancel_all()
+        self._emit(record)
 
     def _release_engine(self) -> None:
         """Drop the loaded model before loading another, so two never sit in VRAM at once (an HTTP answer still
@@ -945,56 +482,6 @@ class Worker:
             if torch is not None and torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    # ----------------------------------------------------------------- errors
-
-    def _error(
-        self, kind: str, message: str, *, request_id: str | None = None, op: str | None = None, fatal: bool = False
-    ) -> None:
-        record: dict[str, Any] = {"event": "error", "kind": kind, "message": message, "fatal": fatal}
-        if request_id is not None:
-            record["id"] = request_id
-        if op is not None:
-            record["op"] = op
-        self._emit(record)
-
-    def _report(self, exc: BaseException, *, request_id: str | None = None, op: str | None = None) -> None:
-        """Report ``exc``; exit the process when it is fatal (OOM / CUDA) or not an Exception (e.g. SystemExit)."""
-        fatal_kind = classify_fatal(exc)
-        if fatal_kind is not None or not isinstance(exc, Exception):
-            log.critical("fatal error, the worker exits", exc_info=exc)
-            kind = fatal_kind or type(exc).__name__
-            self._error(kind, str(exc) or kind, request_id=request_id, op=op, fatal=True)
-            logging.shutdown()
-            os._exit(FATAL_EXIT_CODE)
-        if is_hang_up(exc):  # the window stopped reading: nothing can reach it, and nothing here is wrong
-            hang_ups(f"request {request_id}" if request_id is not None else op or "a command", exc)
-            return
-        if isinstance(exc, ProtocolError):
-            self._error("ProtocolError", str(exc), request_id=request_id, op=op)
-            return
-        if isinstance(exc, CloverError):
-            log.info("%s: %s", type(exc).__name__, exc)
-            kind = "CancelledError" if isinstance(exc, CancelledError) else type(exc).__name__
-            self._error(kind, str(exc), request_id=request_id, op=op)
-            return
-        log.error("unexpected error (the worker keeps running)", exc_info=exc)
-        self._error(type(exc).__name__, f"internal error: {exc}", request_id=request_id, op=op)
-
-
-def _hang_up_safe(run: Callable[..., None], what: str) -> Callable[..., None]:
-    """``run`` as a thread's target that ends in one short line when the window hangs up, not a traceback."""
-
-    def target(*args: Any) -> None:
-        try:
-            run(*args)
-        except OSError as exc:
-            if not is_hang_up(exc):
-                raise
-            hang_ups(what, exc)
-
-    return target
-
-
 def _cancelled_before_start() -> Finished:
     """The end of a request cancelled before it had the engine: nothing generated, nothing measured."""
     return Finished(token_ids=(), text="", thinking="", stop_reason="cancelled", tokens=0, passes=0,
@@ -1002,56 +489,10 @@ def _cancelled_before_start() -> Finished:
                     prefill_s=0.0, decode_s=0.0)
 
 
-def _plan_dict(plan: Any) -> Any:
-    if plan is None:
-        return None
-    to_dict_method = getattr(plan, "to_dict", None)
-    return to_dict_method() if callable(to_dict_method) else plan
-
-
-def _ctx(command: dict[str, Any]) -> int:
-    """The context a command plans for (``ctx`` or ``ctx_tokens``; default engine.defaults.DEFAULT_CTX_TOKENS)."""
-
-    value = command.get("ctx", command.get("ctx_tokens"))
-    if value is None:
-        return DEFAULT_CTX_TOKENS
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ctx_tokens must be a positive number of tokens, got {value!r}")
-    return value
-
-
-def _make_plan(planner: Any, model_dir: str | None, args: dict[str, Any]) -> tuple[Any, Any]:
-    """``engine.placement.planner.plan_model`` for ``model_dir`` under the command's budgets (GiB; ``None``: what this
-    machine has free). Returns ``(plan, hardware)``; keys other than the budgets and the context go to
-    ``make_plan`` as is (``block_size``, ``coreset``, ``optimize_for``...)."""
-    if not model_dir:
-        raise ProtocolError("plan needs field 'model_dir': a non-empty folder path or shape name (string)")
-    options = [
-        p.name for p in inspect.signature(planner.make_plan).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "hardware"
-    ]
-    for key in args:
-        if key not in (*options, "vram_gb", "ram_gb", "ctx", "ctx_tokens"):
-            raise ProtocolError(
-                f"plan has unknown field {_show(key)}; its fields are: id, model_dir, vram_gb, ram_gb, ctx, "
-                f"ctx_tokens, {', '.join(options)}"
-            )
-    hardware = planner.probe_hardware()
-    ctx = _ctx(args)
-    vram_gb, ram_gb = args.pop("vram_gb", None), args.pop("ram_gb", None)
-    for key in ("ctx", "ctx_tokens"):
-        args.pop(key, None)
-    if ram_gb is not None:
-        hardware = dataclasses.replace(hardware, ram_available_bytes=int(float(ram_gb) * 1024**3))
-    vram_bytes = int(float(vram_gb) * 1024**3) if vram_gb is not None else None
-    plan = planner.plan_model(model_dir, vram_bytes, ctx, hardware, **args)
-    return plan, hardware
-
-
 class LineWriter:
     """Writes one JSON record per line to the protocol stream, flushing each; safe from any thread. Once the window
     has hung up (a write failed with a broken pipe), every later record raises the same at once, unwritten: the
-    thread that emits it stops, and says so in one line (:data:`hang_ups`)."""
+    thread that emits it stops, and says so in one line (:data:`~clover_desk.worker.reports.hang_ups`)."""
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream

@@ -16,7 +16,7 @@ def test_no_subcommand_is_the_gui_with_its_options() -> None:
 
 def test_subcommands_get_their_own_options() -> None:
     args = parse_args(["plan", "--shape", "clover-35b-a3b", "--vram-gb", "16"])
-    assert args.command == "plan" and args.vram_gb == 16
+    assert args.command == "plan" and args.vram_budget_bytes == 16 << 30  # GiB on the command line, bytes after
     args = parse_args(["bench", "offload", "--tiny"])
     assert (args.command, args.suite, args.tiny) == ("bench", "offload", True)
 
@@ -32,7 +32,7 @@ def test_bench_without_a_suite_names_the_suites_and_exits_2(capsys: pytest.Captu
 
 def test_gui_options_without_the_subcommand() -> None:
     args = parse_args(["--model", "/models/clover", "--vram-gb", "12"])
-    assert (args.command, args.model, args.vram_gb) == ("gui", "/models/clover", 12.0)
+    assert (args.command, args.model, args.vram_budget_bytes) == ("gui", "/models/clover", 12 << 30)
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:

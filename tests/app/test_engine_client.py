@@ -185,15 +185,15 @@ def test_plan_answers_only_the_latest_request(qtbot: Any, client: EngineClient, 
     _ready_with_model(qtbot, client, tiny_model)
     plans: list[dict[str, Any]] = []
     client.planReady.connect(plans.append)
-    client.request_plan(tiny_model, vram_gb=0.001, ram_gb=8, ctx=1024)  # superseded before it is answered
+    client.request_plan(tiny_model, vram_budget_bytes=1 << 20, ram_gb=8, ctx=1024)  # superseded before it is answered
     with qtbot.waitSignal(client.planReady, timeout=LOAD_MS) as blocker:
-        client.request_plan(tiny_model, vram_gb=2, ram_gb=8, ctx=1024)
+        client.request_plan(tiny_model, vram_budget_bytes=2 << 30, ram_gb=8, ctx=1024)
     plan = blocker.args[0]
     assert plan["fits"] is True and plan["ctx_tokens"] == 1024
     errors: list[tuple[str, str]] = []
     client.errorMessage.connect(lambda k, m: errors.append((k, m)))
     with qtbot.waitSignal(client.errorMessage, timeout=LOAD_MS):
-        client.request_plan(tiny_model.parent / "missing", vram_gb=2, ram_gb=8)
+        client.request_plan(tiny_model.parent / "missing", vram_budget_bytes=2 << 30, ram_gb=8)
     assert len(plans) == 1 and errors and errors[0][0] != "PlanOK"
 
 

@@ -31,10 +31,18 @@ def test_generate_refuses_out_of_range_numbers(flag: str, value: str, capsys: py
 
 
 @pytest.mark.parametrize("flag, value", [("--temperature", "0"), ("--temperature", "0.7"), ("--top-p", "1"),
-                                         ("--seed", str(2**63 - 1)), ("--threshold", "0.95"), ("--vram-gb", "0.5")])
+                                         ("--seed", str(2**63 - 1)), ("--threshold", "0.95")])
 def test_edge_values_are_accepted(flag: str, value: str) -> None:
     args = cli.parse_args([*GENERATE, flag, value])
     assert getattr(args, flag.lstrip("-").replace("-", "_")) == pytest.approx(float(value))
+
+
+@pytest.mark.parametrize("value, budget", [("0.5", 1 << 29), ("16", 16 << 30), ("65536", 1 << 46), ("1e-9", 1)])
+def test_vram_gb_is_read_as_bytes(value: str, budget: int) -> None:
+    """--vram-gb is GiB for people, and bytes (vram_budget_bytes, a whole number) from the moment it is parsed."""
+    args = cli.parse_args([*GENERATE, "--vram-gb", value])
+    assert args.vram_budget_bytes == budget and isinstance(args.vram_budget_bytes, int)
+    assert not hasattr(args, "vram_gb")
 
 
 # The other commands' sizing flags: refused at parse time, before a model is built or a file is read

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from clover_desk.engine.decode.events import from_dict
-from clover_desk.worker.process import FATAL_EXIT_CODE, classify_fatal
+from clover_desk.worker.reports import FATAL_EXIT_CODE, classify_fatal
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = ["--engine-factory", "tests.fake_engine:make"]
@@ -71,6 +71,11 @@ class WorkerProc:
 
     def expect_event(self, name: str, **fields: Any) -> Record:
         return self.expect(lambda r: r["event"] == name and all(r.get(k) == v for k, v in fields.items()))
+
+    def load(self, model_dir: str = "/models/fake") -> Record:
+        """Load ``model_dir`` (by default the fake engine's model) and wait for its ``loaded`` record."""
+        self.send(cmd="load", model_dir=model_dir)
+        return self.expect_event("loaded")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -130,8 +135,7 @@ def test_load_generate_and_back_to_back_requests(fake_worker: WorkerProc) -> Non
 
 def test_cancel_takes_effect_within_one_pass(fake_worker: WorkerProc) -> None:
     w = fake_worker
-    w.send(cmd="load", model_dir="/models/fake")
-    w.expect_event("loaded")
+    w.load()
     w.send(cmd="generate", id="e", messages=[{"role": "user", "content": "endless"}])
     for _ in range(6):
         w.expect_event("block_step", id="e")
@@ -165,8 +169,7 @@ def test_clover_errors_and_bugs_are_reported_and_survived(fake_worker: WorkerPro
     w.send(cmd="load", model_dir="/models/fail")
     err = w.expect_event("error", op="load")
     assert err["kind"] == "CheckpointError" and "lm_head.weight" in err["message"] and not err["fatal"]
-    w.send(cmd="load", model_dir="/models/fake")
-    w.expect_event("loaded")
+    w.load()
     w.send(cmd="generate", id="p", messages=[{"role": "user", "content": "prompt-error"}])
     assert w.expect_event("error", id="p")["kind"] == "PromptError"
     w.send(cmd="generate", id="q", messages=[{"role": "user", "content": "bug"}])
@@ -178,8 +181,7 @@ def test_clover_errors_and_bugs_are_reported_and_survived(fake_worker: WorkerPro
 
 def test_out_of_memory_while_generating_is_fatal(fake_worker: WorkerProc) -> None:
     w = fake_worker
-    w.send(cmd="load", model_dir="/models/fake")
-    w.expect_event("loaded")
+    w.load()
     w.send(cmd="generate", id="o", messages=[{"role": "user", "content": "oom"}])
     err = w.expect_event("error", id="o")
     assert err["kind"] == "OutOfMemory" and err["fatal"] is True and "out of memory" in err["message"]
@@ -197,8 +199,7 @@ def test_out_of_memory_while_loading_is_fatal(fake_worker: WorkerProc) -> None:
 def test_stdin_closed_mid_generation_ends_the_worker(fake_worker: WorkerProc) -> None:
     """The GUI died: the worker must not linger as an orphan holding the GPU."""
     w = fake_worker
-    w.send(cmd="load", model_dir="/models/fake")
-    w.expect_event("loaded")
+    w.load()
     w.send(cmd="generate", id="e", messages=[{"role": "user", "content": "endless"}])
     w.expect_event("block_step", id="e")
     assert w.proc.stdin is not None
@@ -241,7 +242,7 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
     w = WorkerProc()
     try:
         w.expect_event("ready")
-        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", precision="nf4", vram_gb=2.0,
+        w.send(cmd="load", model_dir=str(folder), device="cpu", dtype="float32", precision="nf4", vram_budget_bytes=2 << 30,
                ctx_tokens=4096)
         announced = w.expect_event("plan")  # made here with the one planning function, before the weights
         loaded = w.expect_event("loaded")
@@ -274,8 +275,7 @@ def test_reading_a_chat_ahead_yields_to_whatever_needs_the_engine(fake_worker: W
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     w.send(cmd="read_chat", id="w0", messages=chat)
     assert w.expect_event("chat_read", id="w0")["stop_reason"] == "busy"  # no model yet
-    w.send(cmd="load", model_dir="/models/fake")
-    w.expect_event("loaded")
+    w.load()
     w.send(cmd="read_chat", id="w1", messages=chat)
     assert w.expect_event("chat_read", id="w1")["stop_reason"] == "prefilled"
     endless = [*chat, {"role": "user", "content": "endless"}]

@@ -19,7 +19,7 @@ import pytest
 from test_worker import FAKE, TIMEOUT, WorkerProc
 
 from clover_desk.engine.decode.events import GenerationParams
-from clover_desk.worker.process import MAX_LINE_BYTES, MAX_NESTING, PARAM_FIELDS, read_lines
+from clover_desk.worker.protocol import MAX_LINE_BYTES, MAX_NESTING, PARAM_FIELDS, read_lines
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -58,19 +58,12 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("unterminated-string", b'{"cmd": "load', "not JSON"),
     ("invalid-utf8", b'{"cmd": "\xff\xfe"}', "not JSON"),
     ("huge-integer", b'{"cmd": "load", "model_dir": "/m", "ctx_tokens": ' + b"9" * 5000 + b"}", "not JSON"),
-    ("array", b"[]", "JSON object"),
-    ("string", b'"load"', "JSON object"),
-    ("number", b"42", "JSON object"),
-    ("null", b"null", "JSON object"),
-    ("nan-literal", b"NaN", "JSON object"),
+    *((name, line, "JSON object") for name, line in (
+        ("array", b"[]"), ("string", b'"load"'), ("number", b"42"), ("null", b"null"), ("nan-literal", b"NaN"))),
     # cmd
-    ("cmd-missing", b"{}", "'cmd'"),
-    ("cmd-list", b'{"cmd": []}', "'cmd'"),
-    ("cmd-object", b'{"cmd": {"a": 1}}', "'cmd'"),
-    ("cmd-number", b'{"cmd": 1}', "'cmd'"),
-    ("cmd-null", b'{"cmd": null}', "'cmd'"),
-    ("cmd-unknown", b'{"cmd": "dance"}', "'cmd'"),
-    ("cmd-wrong-case", b'{"cmd": "LOAD"}', "'cmd'"),
+    *((f"cmd-{name}", line, "'cmd'") for name, line in (
+        ("missing", b"{}"), ("list", b'{"cmd": []}'), ("object", b'{"cmd": {"a": 1}}'), ("number", b'{"cmd": 1}'),
+        ("null", b'{"cmd": null}'), ("unknown", b'{"cmd": "dance"}'), ("wrong-case", b'{"cmd": "LOAD"}'))),
     # nesting
     ("200k-open-brackets", b"[" * 200_000, "nested"),
     ("200k-open-objects", b'{"a":' * 200_000, "nested"),
@@ -90,12 +83,15 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("load-dtype-number", _load(dtype=32), "'dtype'"),
     ("load-precision-unknown", _load(precision="int4"), "'precision'"),
     ("load-precision-dtype", _load(precision="bfloat16"), "'precision'"),
-    ("load-vram-string", _load(vram_gb="x"), "'vram_gb'"),
-    ("load-vram-negative", _load(vram_gb=-1), "'vram_gb'"),
-    ("load-vram-zero", _load(vram_gb=0), "'vram_gb'"),
-    ("load-vram-bool", _load(vram_gb=True), "'vram_gb'"),
-    ("load-vram-nan", b'{"cmd": "load", "model_dir": "/m", "vram_gb": NaN}', "'vram_gb'"),
-    ("load-vram-inf", b'{"cmd": "load", "model_dir": "/m", "vram_gb": 1e999}', "'vram_gb'"),
+    ("load-vram-string", _load(vram_budget_bytes="x"), "'vram_budget_bytes'"),
+    ("load-vram-negative", _load(vram_budget_bytes=-1), "'vram_budget_bytes'"),
+    ("load-vram-zero", _load(vram_budget_bytes=0), "'vram_budget_bytes'"),
+    ("load-vram-bool", _load(vram_budget_bytes=True), "'vram_budget_bytes'"),
+    ("load-vram-gib", _load(vram_budget_bytes=2.5), "'vram_budget_bytes'"),  # bytes are whole: not GiB
+    ("load-vram-huge", _load(vram_budget_bytes=2**70), "'vram_budget_bytes'"),
+    ("load-vram-nan", b'{"cmd": "load", "model_dir": "/m", "vram_budget_bytes": NaN}', "'vram_budget_bytes'"),
+    ("load-vram-inf", b'{"cmd": "load", "model_dir": "/m", "vram_budget_bytes": 1e999}', "'vram_budget_bytes'"),
+    ("load-vram-old-gib-key", _load(vram_gb=2.0), '"vram_gb"'),  # the GiB field before issue 29: named, refused
     ("load-ctx-string", _load(ctx_tokens="x"), "'ctx_tokens'"),
     ("load-ctx-zero", _load(ctx_tokens=0), "'ctx_tokens'"),
     ("load-ctx-negative", _load(ctx_tokens=-5), "'ctx_tokens'"),
@@ -183,8 +179,12 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("cancel-no-id", _line({"cmd": "cancel"}), "'id'"),
     ("plan-no-model_dir", _line({"cmd": "plan", "id": "p"}), "'model_dir'"),
     ("plan-model_dir-number", _line({"cmd": "plan", "id": "p", "model_dir": 5}), "'model_dir'"),
-    ("plan-vram-string", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_gb": "x"}), "'vram_gb'"),
-    ("plan-vram-negative", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_gb": -1}), "'vram_gb'"),
+    ("plan-vram-string", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_budget_bytes": "x"}),
+     "'vram_budget_bytes'"),
+    ("plan-vram-negative", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_budget_bytes": -1}),
+     "'vram_budget_bytes'"),
+    ("plan-vram-gib", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "vram_budget_bytes": 12.5}),
+     "'vram_budget_bytes'"),
     ("plan-ram-zero", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "ram_gb": 0}), "'ram_gb'"),
     ("plan-ctx-string", _line({"cmd": "plan", "id": "p", "model_dir": "/m", "ctx": "x"}), "'ctx'"),
     ("plan-id-list", _line({"cmd": "plan", "id": [], "model_dir": "/m"}), "'id'"),
@@ -310,7 +310,7 @@ def test_refused_load_never_leaves_the_worker_loading() -> None:
     w = WorkerProc(*FAKE)
     try:
         w.expect_event("ready")
-        for bad in ({"ctx_tokens": "x"}, {"ctx_tokens": "x", "vram_gb": 2.0}, {"vram_gb": "x"}, {"device": []}):
+        for bad in ({"ctx_tokens": "x"}, {"ctx_tokens": "x", "vram_budget_bytes": 2 << 30}, {"vram_budget_bytes": "x"}, {"device": []}):
             w.send(cmd="load", model_dir="/models/fake", **bad)
             refused = w.expect_event("error", op="load")
             assert refused["kind"] == "ProtocolError", refused
@@ -340,7 +340,7 @@ def test_read_lines_bounds_each_line() -> None:
 def test_a_valid_plan_with_make_plan_options_is_answered(loaded_worker: WorkerProc) -> None:
     """The plan checks refuse only what is wrong: budgets, context and make_plan's own options pass."""
     w = loaded_worker
-    w.send(cmd="plan", id="ok", model_dir="shape:clover-35b-a3b", vram_gb=12, ram_gb=64, ctx=4096, block_size=32,
+    w.send(cmd="plan", id="ok", model_dir="shape:clover-35b-a3b", vram_budget_bytes=12 << 30, ram_gb=64, ctx=4096, block_size=32,
            optimize_for="diffusion")
     answer = w.expect(lambda r: r.get("id") == "ok")
     assert answer["event"] == "plan", answer

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,6 +123,19 @@ def test_a_port_in_use_is_one_error_naming_it_and_the_worker_keeps_serving() -> 
         w.close()
 
 
+def _serving_and_streaming(w: WorkerProc, model_dir: Path, max_tokens: int) -> tuple[str, threading.Thread,
+                                                                                     dict[str, Any]]:
+    """Load ``model_dir``, serve it, and have one HTTP answer streaming (its first chunk arrived) on a thread:
+    ``(url, thread, its results)``."""
+    w.send(cmd="load", model_dir=str(model_dir))
+    w.expect_event("loaded")
+    w.send(cmd="serve", host="127.0.0.1", port=0)
+    url = w.expect_event("serving")["url"]
+    thread, http = _stream_in_thread(url, max_tokens=max_tokens)
+    assert http["first"].wait(60) and http["error"] is None
+    return url, thread, http
+
+
 def _stream_in_thread(url: str, max_tokens: int, **extra: Any) -> tuple[threading.Thread, dict[str, Any]]:
     """Stream one answer on a thread; ``out["times"]`` gets the arrival time of each content chunk."""
     out: dict[str, Any] = {"times": [], "text": [], "error": None, "first": threading.Event()}
@@ -153,13 +167,7 @@ def test_window_and_http_generations_take_turns(worker: WorkerProc, endless_mode
     """A worker generate sent while an HTTP answer streams waits for it: its first record comes after the HTTP
     answer's text, and neither answer has anything of the other's."""
     w = worker
-    w.send(cmd="load", model_dir=str(endless_model.path))
-    w.expect_event("loaded")
-    w.send(cmd="serve", host="127.0.0.1", port=0)
-    url = w.expect_event("serving")["url"]
-
-    thread, http = _stream_in_thread(url, max_tokens=80)
-    assert http["first"].wait(60) and http["error"] is None
+    _, thread, http = _serving_and_streaming(w, endless_model.path, max_tokens=80)
     w.send(cmd="generate", id="win", messages=USER,
            params={"max_new_tokens": 6, "enable_thinking": False, "mode": "ar"})
     w.expect(lambda r: r.get("id") == "win" and r["event"] == "prompt")
@@ -224,12 +232,7 @@ def test_a_window_generate_waiting_for_the_http_answer_can_be_cancelled(
     worker: WorkerProc, endless_model  # noqa: F811
 ) -> None:
     w = worker
-    w.send(cmd="load", model_dir=str(endless_model.path))
-    w.expect_event("loaded")
-    w.send(cmd="serve", host="127.0.0.1", port=0)
-    url = w.expect_event("serving")["url"]
-    thread, http = _stream_in_thread(url, max_tokens=2000)
-    assert http["first"].wait(60) and http["error"] is None
+    url, thread, http = _serving_and_streaming(w, endless_model.path, max_tokens=2000)
     w.send(cmd="generate", id="waits", messages=USER, params={"max_new_tokens": 6, "enable_thinking": False})
     w.send(cmd="cancel", id="waits")
     finished = w.expect_event("finished", id="waits")

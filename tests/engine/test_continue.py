@@ -16,7 +16,7 @@ from server_fixtures import client, running_server
 from clover_desk.engine.decode.events import Finished, GenerationParams
 from clover_desk.engine.decode.tokenizer import continuation_text
 from clover_desk.engine.errors import PromptError
-from clover_desk.worker.process import ProtocolError, check_params
+from clover_desk.worker.protocol import ProtocolError, check_params
 from clover_desk.worker.server import parse_chat_request
 
 WORDS = ["Alpha", " Bravo", " Charlie", " Delta", "Echo", " Foxtrot", " Golf", " Hotel", "India", " Juliet", " Kilo"]

@@ -20,7 +20,7 @@ from clover_desk.engine.decode.events import MODES, GenerationParams
 from clover_desk.engine.decode.limits import GENERATION_LIMITS, Limit, check_generation_params
 from clover_desk.engine.errors import ConfigError, PromptError
 from clover_desk.engine.model.config import load_generation_defaults
-from clover_desk.worker.process import PARAM_FIELDS, ProtocolError, _param_field, check_params
+from clover_desk.worker.protocol import PARAM_FIELDS, ProtocolError, _param_field, check_params
 
 REQUEST_FIELDS = [f.name for f in dataclasses.fields(GenerationParams) if f.name in GENERATION_LIMITS]
 GENERATE = ["generate", "--model", "/nonexistent", "--prompt", "hi"]

@@ -157,11 +157,11 @@ GIB_NAME = "vram_gb"
 # path -> why an old name may stay there
 ALLOWED = {
     "engine/placement/planner.py": "Plan.from_dict's migration of old plan keys (_RENAMED_PLAN_KEYS)",
-    # the worker's JSON protocol takes GiB ("vram_gb" in load and plan commands) and names a local budget
-    # vram_bytes; its file is another engineer's while compile-cancel is reworked (only the load call changed here)
-    "clover_desk/worker/process.py": "the worker protocol's GiB fields (left)",
 }
-GIB_EDGES = ("clover_desk/cli/", "clover_desk/bench/", "clover_desk/worker/process.py", "clover_desk/worker/client.py")
+# GiB is for people only: the flags say --vram-gb and turn it into bytes as argparse reads it
+# (clover_desk.cli.flags.vram_budget, dest "vram_budget_bytes"); no code names a budget in GiB, the worker's
+# protocol included (its load and plan commands take vram_budget_bytes)
+GIB_EDGES: tuple[str, ...] = ()
 # modules where a VRAM budget is the only budget there is: no parameter, keyword or attribute named plain `budget`
 BUDGET_MODULES = ("engine/api.py", "engine/placement/planner.py", "ui/vram_panel.py", "clover_desk/app.py")
 

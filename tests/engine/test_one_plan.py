@@ -82,9 +82,9 @@ def machine(ram_gib: float) -> Hardware:
     return dataclasses.replace(probe_hardware(), ram_available_bytes=int(ram_gib * GIB))
 
 
-def cli_plan(model: Path, vram_gb: float, ctx: int, ram_gb: float) -> dict[str, Any]:
+def cli_plan(model: Path, vram_gib: float, ctx: int, ram_gb: float) -> dict[str, Any]:
     out = subprocess.run(
-        [*CLI, "plan", "--model", str(model), "--vram-gb", str(vram_gb), "--ctx", str(ctx), "--ram-gb", str(ram_gb),
+        [*CLI, "plan", "--model", str(model), "--vram-gb", str(vram_gib), "--ctx", str(ctx), "--ram-gb", str(ram_gb),
          "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
@@ -134,7 +134,7 @@ def test_the_worker_plans_with_the_same_function(clover35: Path) -> None:
     )
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        command = {"cmd": "plan", "id": "p1", "model_dir": str(clover35), "vram_gb": 12, "ram_gb": 48, "ctx": 16_384}
+        command = {"cmd": "plan", "id": "p1", "model_dir": str(clover35), "vram_budget_bytes": 12 * GIB, "ram_gb": 48, "ctx": 16_384}
         proc.stdin.write(json.dumps(command) + "\n")
         proc.stdin.flush()
         record: dict[str, Any] = {}
@@ -158,10 +158,10 @@ def test_one_default_context_and_card() -> None:
     from clover_desk import app
     from clover_desk.bench import offload as cmd_bench_offload
     from clover_desk.cli import plan as cmd_plan
-    from clover_desk.worker import process as worker
+    from clover_desk.worker import loading
 
     assert app.AppSettings().ctx_tokens == DEFAULT_CTX_TOKENS
-    assert worker._ctx({}) == DEFAULT_CTX_TOKENS
+    assert loading.command_ctx({}) == DEFAULT_CTX_TOKENS
     for module in (cmd_plan, cmd_bench_offload):
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)

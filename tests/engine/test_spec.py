@@ -328,7 +328,7 @@ def test_the_window_sends_spec_greedy_with_its_block_settings() -> None:
 
 
 def test_spec_is_a_mode_the_server_and_the_worker_accept() -> None:
-    from clover_desk.worker.process import check_params
+    from clover_desk.worker.protocol import check_params
     from clover_desk.worker.server import ApiError, parse_chat_request
 
     hi = [{"role": "user", "content": "hi"}]
