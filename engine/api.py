@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from clover_desk.engine.decode.events import Event, Finished, GenerationParams, LoadProgress
-from clover_desk.engine.decode.generate import LoopHooks, generate, loop_hooks, resolve_settings
+from clover_desk.engine.decode.generate import generate
 from clover_desk.engine.decode.limits import check_generation_params
+from clover_desk.engine.decode.loop_parts import LoopHooks, loop_hooks
 from clover_desk.engine.decode.prompt_cache import PromptCache
+from clover_desk.engine.decode.settings import resolve_settings
 from clover_desk.engine.decode.tokenizer import CloverTokenizer
 from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS, DTYPE_OF_PRECISION, PRECISIONS
 from clover_desk.engine.errors import CancelledError, ConfigError, PlanError, PromptError

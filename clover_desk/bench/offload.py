@@ -327,7 +327,8 @@ def run_simulation(args: argparse.Namespace) -> int:
 def run_tiny(args: argparse.Namespace) -> int:
     import torch
 
-    from clover_desk.engine.decode.generate import DecodeSettings, generate
+    from clover_desk.engine.decode.generate import generate
+    from clover_desk.engine.decode.settings import DecodeSettings
     from clover_desk.engine.model.config import parse_config
     from clover_desk.engine.placement import offload
     from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint

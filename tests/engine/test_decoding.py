@@ -275,7 +275,9 @@ def test_threshold_commit_is_strictly_greater_and_falls_back_to_one_slot() -> No
 def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(monkeypatch: pytest.MonkeyPatch) -> None:
     """The biases after the penalties change the penalized tensor in place (one [B, V] copy less each); the logits
     the loop hands in stay as they were, and every output equals the copying path's bit for bit."""
-    from clover_desk.engine.decode.generate import DecodeSettings, _penalize, denoise_policy
+    from clover_desk.engine.decode.diffusion import denoise_policy
+    from clover_desk.engine.decode.loop_parts import _penalize
+    from clover_desk.engine.decode.settings import DecodeSettings
 
     v, b, mask = 64, 8, 63
     gen = torch.Generator().manual_seed(0)

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from clover_desk.engine.decode import decoding
+from clover_desk.engine.decode.ar import generate_ar
+from clover_desk.engine.decode.diffusion import generate_diffusion
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
-from clover_desk.engine.decode.generate import DecodeSettings, generate, generate_ar, generate_diffusion
+from clover_desk.engine.decode.generate import generate
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.errors import PromptError
 
 V = 64

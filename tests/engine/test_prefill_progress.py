@@ -1,4 +1,4 @@
-"""A long prompt's prefill reports progress and can be cancelled between its segments (engine.decode.generate._prefill),
+"""A long prompt's prefill reports progress and can be cancelled between its segments (engine.decode.loop_parts._prefill),
 on a tiny real Clover checkpoint: the segments are the model's own (``segment_tokens``), the cache they write is the
 one a single forward writes, and a cancel set during the prefill ends the request before any denoising pass."""
 
@@ -21,7 +21,7 @@ from clover_desk.engine.decode.events import (
     from_dict,
     to_dict,
 )
-from clover_desk.engine.decode.generate import _prefill
+from clover_desk.engine.decode.loop_parts import _prefill
 
 SEGMENT = 64  # max_pass_tokens for these tests: a few hundred prompt tokens make several segments
 LONG = "The quick brown fox jumps over the lazy dog. " * 40
