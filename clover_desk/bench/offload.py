@@ -112,7 +112,7 @@ class RoutingTrace:
         """Distinct experts per layer for one pass: logits [L, T, E] -> [[expert ids] per layer]."""
         import torch
 
-        from clover_desk.engine.model.clover import block_coreset_topk
+        from clover_desk.engine.model.moe import block_coreset_topk
 
         out = []
         for layer_logits in logits:
@@ -467,7 +467,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         for layer in range(geo.num_hidden_layers):
             logits = x @ routers[layer].T  # [T, E]
             if coreset:
-                from clover_desk.engine.model.clover import block_coreset_topk
+                from clover_desk.engine.model.moe import block_coreset_topk
 
                 w, idx = block_coreset_topk(torch.softmax(logits.float(), -1), t, k, 0.9)
             else:

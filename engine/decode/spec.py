@@ -35,7 +35,7 @@ from clover_desk.engine.decode.outputs import ChannelText, row_logprobs, thinkin
 from clover_desk.engine.decode.prompt_cache import PromptCache
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.errors import PromptError
-from clover_desk.engine.model.clover import GDN_CHUNK
+from clover_desk.engine.model.gdn import GDN_CHUNK
 
 
 class Drafter(Protocol):

@@ -201,7 +201,7 @@ def test_eos_resolved_needs_every_earlier_slot_committed() -> None:
 
 
 def test_block_coreset_is_the_smallest_prefix_covering_top_p() -> None:
-    from clover_desk.engine.model.clover import block_coreset_topk
+    from clover_desk.engine.model.moe import block_coreset_topk
 
     probs = torch.tensor([[0.50, 0.30, 0.10, 0.10, 0.00], [0.60, 0.00, 0.20, 0.10, 0.10]])
     # top-2 mass per expert: e0 1.1, e1 0.3, e2 0.2 -> total 1.6; 0.9 of it is 1.44 -> {e0, e1, e2}
@@ -214,7 +214,7 @@ def test_block_coreset_is_the_smallest_prefix_covering_top_p() -> None:
 
 @pytest.mark.parametrize("restrict", ["R-a", "R-b"])
 def test_a_block_whose_router_rows_agree_still_routes_every_token_to_k_experts(restrict: str) -> None:
-    from clover_desk.engine.model.clover import block_coreset_topk
+    from clover_desk.engine.model.moe import block_coreset_topk
 
     e, k, block = 64, 8, 32
     gen = torch.Generator().manual_seed(3)
