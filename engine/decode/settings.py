@@ -13,6 +13,11 @@ from clover_desk.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 from clover_desk.engine.errors import PromptError
 from clover_desk.engine.model.config import CloverConfig, GenerationDefaults
 
+# the length penalty's and the think-end bias's ramps: generation_config.json's dllm_<name> fields
+# (GenerationDefaults), as they are
+RAMPS = ("length_penalty", "length_penalty_start", "length_penalty_window",
+         "think_end_bias", "think_end_bias_start", "think_end_bias_window")
+
 
 @dataclass(frozen=True)
 class DecodeSettings:
@@ -116,13 +121,8 @@ def resolve_settings(
         think_start_id=think_start,
         think_end_id=think_end,
         turn_start_id=turn_start,
-        length_penalty=defaults.dllm_length_penalty,
-        length_penalty_start=defaults.dllm_length_penalty_start,
-        length_penalty_window=defaults.dllm_length_penalty_window,
-        think_end_bias=defaults.dllm_think_end_bias,
-        think_end_bias_start=defaults.dllm_think_end_bias_start,
-        think_end_bias_window=defaults.dllm_think_end_bias_window,
         shift_logits=config.shift_logits,
         max_positions=config.max_position_embeddings,
         structured=params.structured,
+        **{name: getattr(defaults, f"dllm_{name}") for name in RAMPS},
     )
