@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from clover_desk.engine.decode.ar import generate_ar
 from clover_desk.engine.decode.events import Finished
+from clover_desk.engine.decode.generate import generate_ar
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant, fastpath
 from clover_desk.engine.weights.quant import DEFAULT_POLICY

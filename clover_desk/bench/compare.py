@@ -37,7 +37,7 @@ def _compare_llama_cpp(args: argparse.Namespace, device: str, dtype: Any, prompt
         ) from None
     if device != "cpu" or dtype != torch.float32:
         raise ConfigError("--compare-llama-cpp compares float32 on the CPU (the GGUF is written as F32)")
-    from clover_desk.engine.decode.ar import generate_ar
+    from clover_desk.engine.decode.generate import generate_ar
     from clover_desk.engine.weights.checkpoint import write_checkpoint
     from clover_desk.engine.weights.gguf.writer import write_gguf
     from clover_desk.engine.weights.tiny import train_tiny_tokenizer
@@ -117,7 +117,7 @@ def _compare_transformers(args: argparse.Namespace, device: str, dtype: Any, pro
         raise ConfigError(
             "--compare-transformers needs the test dependency transformers (pip install -e '.[test]')"
         ) from None
-    from clover_desk.engine.decode.ar import generate_ar
+    from clover_desk.engine.decode.generate import generate_ar
     from clover_desk.engine.weights.checkpoint import load_model
 
     data, _ = _config(args.shape, "qwen3_5_moe", args.layers)

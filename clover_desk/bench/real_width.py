@@ -41,8 +41,8 @@ try:
 except ImportError:  # Windows: no peak RSS figure
     resource = None  # type: ignore[assignment]
 
-from clover_desk.engine.decode.ar import generate_ar
 from clover_desk.engine.decode.events import Finished
+from clover_desk.engine.decode.generate import generate_ar
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.clover import CloverModel

@@ -28,10 +28,8 @@ def _engine_figures(
 ) -> dict[str, float]:
     import torch
 
-    from clover_desk.engine.decode.ar import generate_ar
-    from clover_desk.engine.decode.diffusion import generate_diffusion
+    from clover_desk.engine.decode.generate import generate_ar, generate_diffusion, generate_spec
     from clover_desk.engine.decode.loop_parts import loop_hooks
-    from clover_desk.engine.decode.spec import generate_spec
     from clover_desk.engine.placement import offload
 
     B = config.block_size
@@ -221,7 +219,7 @@ def _peak_vram_line(allocated: int, reserved: int, plan: Any) -> str:
 def _compiled_figures(
     model: Any, config: Any, prompt: list[int], args: argparse.Namespace, device: str, eager: dict[str, float]
 ) -> None:
-    from clover_desk.engine.decode.ar import generate_ar
+    from clover_desk.engine.decode.generate import generate_ar
     from clover_desk.engine.kernels.fastpath import compile_layers
 
     eager_tokens = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens))).token_ids

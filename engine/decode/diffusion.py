@@ -9,134 +9,58 @@ cache.
 from __future__ import annotations
 
 import itertools
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from clover_desk.engine.decode import decoding, grammar
+from clover_desk.engine.decode import decoding, grammar, loop_parts
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Event, PromptInfo
-from clover_desk.engine.decode.loop_parts import (
-    DecodingModel,
-    LoopHooks,
-    TextDecoder,
-    _check_prompt,
-    _Clock,
-    _constraint_for,
-    _device_of,
-    _finished,
-    _forward,
-    _generator,
-    _keep_points,
-    _output_seen,
-    _penalize,
-    _pieces,
-    _prefill,
-    _turn_checkpoints,
-    _turn_start,
-)
-from clover_desk.engine.decode.outputs import ChannelText, _SlotLogprobs, thinking_open_after
-from clover_desk.engine.decode.prompt_cache import PromptCache, ScopedPromptCache
+from clover_desk.engine.decode.loop_parts import Request, loop_start, prefill_keep
+from clover_desk.engine.decode.outputs import _SlotLogprobs
 from clover_desk.engine.decode.settings import DecodeSettings
-from clover_desk.engine.errors import PromptError
 
 
-def generate_diffusion(
-    model: DecodingModel,
-    prompt_ids: Sequence[int],
-    s: DecodeSettings,
-    tokenizer: TextDecoder | None = None,
-    cancel: threading.Event | None = None,
-    vocab_size: int | None = None,
-    hooks: LoopHooks | None = None,
-    written: int = 0,
-    prompt_cache: PromptCache | ScopedPromptCache | None = None,
-) -> Iterator[Event]:
-    """Block diffusion. Checks the request before returning the event iterator."""
-    prompt = [int(i) for i in prompt_ids]
-    _check_prompt(prompt, vocab_size, written)
-    if s.mask_token_id is None:
-        raise PromptError(
-            "diffusion mode needs a mask token: the model's config.json has no mask_token_id and the tokenizer has "
-            "no <|mask|> token (use --mode ar)"
-        )
-    B = s.block_size
-    P = len(prompt)
-    first_block_end = (P // B + 1) * B  # the block holding the prompt tail must fit whole
-    if first_block_end > s.max_positions:
-        raise PromptError(
-            f"prompt is {P} tokens; with room to finish its last {B}-token block it needs {first_block_end} "
-            f"positions, but the context holds {s.max_positions}"
-        )
-    room = (s.max_positions // B) * B - P  # generated slots that fit in whole blocks
-    max_new = min(s.max_new_tokens, room)
-    limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    constraint = _constraint_for(s, tokenizer, vocab_size, prompt)
-    return _diffusion_loop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache,
-                           constraint)
-
-
-def _diffusion_loop(
-    model: DecodingModel,
-    prompt: list[int],
-    s: DecodeSettings,
-    tokenizer: TextDecoder | None,
-    cancel: threading.Event | None,
-    max_new: int,
-    limit_reason: str,
-    hooks: LoopHooks | None = None,
-    written: int = 0,
-    prompt_cache: PromptCache | ScopedPromptCache | None = None,
-    constraint: grammar.Constraint | None = None,
-) -> Iterator[Event]:
+def diffusion_loop(r: Request) -> Iterator[Event]:
+    """Block diffusion, as the module says, for a checked request (:func:`engine.decode.loop_parts.check_request`)."""
+    model, prompt, s, cancel, hooks, prompt_cache = r.model, r.prompt, r.s, r.cancel, r.hooks, r.prompt_cache
+    max_new, written = r.max_new, r.written
     B, P, mask_id = s.block_size, len(prompt), int(s.mask_token_id)  # type: ignore[arg-type]
     n_full = (P // B) * B
-    device = _device_of(model)
-    clock = _Clock()
-    thinking = thinking_open_after(prompt, s.think_start_id, s.think_end_id)
-    channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking)
-    piece = _pieces(tokenizer)
+    device, clock, channels = loop_start(r)
+    piece = loop_parts.token_pieces(r.tokenizer)
     generated: list[int] = []
     passes = 0
     end = min(s.max_positions, -(-(P + max_new) // B) * B)  # last position any block can reach, block-aligned
     # the prompt's whole blocks before its last turn (the generation prompt) are kept for the next request that
     # starts with them (a chat's next turn: PromptCache)
-    prompt_cache = PromptCache.for_model(prompt_cache, model)
-    keep_at = min(n_full, _turn_start(prompt, s) // B * B) if prompt_cache is not None else 0
+    keep_at = min(n_full, loop_parts.turn_start(prompt, s) // B * B) if prompt_cache is not None else 0
     cache, cached, prev_row = (prompt_cache.take(model, prompt, n_full, end, B) if prompt_cache is not None
                                else (model.new_cache(end), 0, None))  # prev_row [V]: last logit row before a block
     clock.cached = cached
     yield PromptInfo(prompt_tokens=P, block_size=B, first_block=n_full // B, tail=P - n_full, cached_tokens=cached)
-    if cancel is not None and cancel.is_set():
-        yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
+    if r.cancelled():
+        yield loop_parts.finished(generated, channels, "cancelled", passes, P, clock, hooks)
         return
 
     eos = set(s.eos_token_ids)
-    reason = limit_reason
+    reason = r.limit_reason
     if cached < n_full:
         ids = torch.tensor(prompt[cached:n_full], dtype=torch.long, device=device)  # [n_full - cached]
         # prefill=True: the model may treat the prompt differently (the MoE coreset is off in prefill by default)
-        keep = None
-        if prompt_cache is not None and cached < keep_at:  # forwards end at the points kept for later turns
-            def keep_here(end: int, out: Tensor) -> None:
-                prompt_cache.keep(prompt[: cached + end], cache, out[-1], B)
-
-            points = _keep_points(prompt, s, cached, keep_at, B, model.segment_tokens(B), prompt_cache.checkpoints,
-                                  _turn_checkpoints(model, s))
-            keep = ([p - cached for p in points], keep_here)
-        out = yield from _prefill(model, ids, cache, B, cancel, at=cached, keep=keep, prefill=True)  # [1, V]
+        keep = prefill_keep(r, cache, cached, keep_at, B)  # forwards end at the points kept for later turns
+        out = yield from loop_parts.prefill(model, ids, cache, B, cancel, at=cached, keep=keep, prefill=True)  # [1, V]
         if out is None:  # cancelled between two prefill segments
-            yield _finished(generated, channels, "cancelled", passes, P, clock, hooks)
+            yield loop_parts.finished(generated, channels, "cancelled", passes, P, clock, hooks)
             return
         prev_row = out[-1]
     clock.prefill_done = clock.now()
     if s.prefill_only:
-        yield _finished(generated, channels, "prefilled", passes, P, clock, hooks)
+        yield loop_parts.finished(generated, channels, "prefilled", passes, P, clock, hooks)
         return
     vocab: int | None = None
     rep_seen = out_seen = None
-    gen = _generator(s, device)
+    gen = loop_parts.sampling_generator(s, device)
     block_index = n_full // B
     tail = prompt[n_full:]
     while True:
@@ -154,20 +78,20 @@ def _diffusion_loop(
         if hooks is not None and hooks.begin_block is not None:
             hooks.begin_block()
         while True:
-            if cancel is not None and cancel.is_set():
+            if r.cancelled():
                 cancelled = True
                 break
-            logits = _forward(model, x, pos0, cache, block_size=B, write_cache=False).float()  # [B, V]
+            logits = loop_parts.forward(model, x, pos0, cache, block_size=B, write_cache=False).float()  # [B, V]
             passes += 1
             if s.shift_logits:
                 logits = decoding.shift_logits(logits, prev_row)
             if vocab is None:
                 vocab = logits.shape[-1]
                 rep_seen = decoding.seen_mask(prompt, vocab, device)
-                out_seen = _output_seen(prompt, written, vocab, device)
+                out_seen = loop_parts.output_seen(prompt, written, vocab, device)
             x, conf, shown, commit = denoise_policy(
                 logits, x, conf, s, start=start, seen=(rep_seen, out_seen),  # type: ignore[arg-type]
-                n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen, constraint=constraint,
+                n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen, constraint=r.constraint,
             )
             if slot_lp is not None:
                 slot_lp.update(logits, x, commit)
@@ -210,12 +134,12 @@ def _diffusion_loop(
         if not final:
             # The commit pass: the finished block becomes causal prefix. Skipped for the last block, whose
             # cache entries nothing would read.
-            if cancel is not None and cancel.is_set():
+            if r.cancelled():
                 if hooks is not None and hooks.end_block is not None:
                     hooks.end_block()
                 reason = "cancelled"
                 break
-            out = _forward(model, x, pos0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
+            out = loop_parts.forward(model, x, pos0, cache, block_size=B, write_cache=True, last_only=True)  # [1, V]
             prev_row = out[-1]
             passes += 1
             pass_index += 1
@@ -231,12 +155,12 @@ def _diffusion_loop(
         yield from channels.feed(block_ids)
         yield BlockCommitted(block_index=block_index, passes=pass_index, token_ids=tuple(block_ids))
         if final:
-            reason = "eos" if hit_eos else limit_reason
+            reason = "eos" if hit_eos else r.limit_reason
             break
         block_index += 1
         tail = []
     yield from channels.finish()
-    yield _finished(generated, channels, reason, passes, P, clock, hooks)
+    yield loop_parts.finished(generated, channels, reason, passes, P, clock, hooks)
 
 
 def denoise_policy(
@@ -320,7 +244,7 @@ def _proposals(
     rep_seen, out_seen = seen
     masked = x == mask_id  # [B]
     in_block = decoding.seen_mask_of(x[start:], logits.shape[-1], skip_id=mask_id)  # [V] committed in this block
-    penalized = _penalize(logits, s, rep_seen | in_block, out_seen | in_block)
+    penalized = loop_parts.penalize(logits, s, rep_seen | in_block, out_seen | in_block)
     own = penalized is not logits  # the biases below may then change it in place (one [B, V] copy less each)
     logits = decoding.apply_length_penalty(
         penalized, masked, s.eos_token_ids, s.length_penalty, n_at_entry, s.length_penalty_start,

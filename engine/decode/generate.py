@@ -15,19 +15,23 @@ text and log probabilities they emit in :mod:`engine.decode.outputs`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from clover_desk.engine.decode.ar import generate_ar
-from clover_desk.engine.decode.diffusion import generate_diffusion
+from clover_desk.engine.decode.ar import ar_loop
+from clover_desk.engine.decode.diffusion import diffusion_loop
 from clover_desk.engine.decode.events import Event
-from clover_desk.engine.decode.loop_parts import DecodingModel, LoopHooks, TextDecoder
+from clover_desk.engine.decode.loop_parts import DecodingModel, LoopHooks, Request, TextDecoder, check_request
 from clover_desk.engine.decode.prompt_cache import PromptCache, ScopedPromptCache
 from clover_desk.engine.decode.settings import DecodeSettings
-from clover_desk.engine.decode.spec import generate_spec
+from clover_desk.engine.decode.spec import Drafter, spec_loop
 
 log = logging.getLogger(__name__)
+
+LOOPS: dict[str, Callable[[Request], Iterator[Event]]] = {"ar": ar_loop, "diffusion": diffusion_loop, "spec": spec_loop}
 
 
 def generate(
@@ -40,6 +44,7 @@ def generate(
     hooks: LoopHooks | None = None,
     written: int = 0,
     prompt_cache: PromptCache | ScopedPromptCache | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[Event]:
     """Dispatch on ``s.mode``; request errors (:class:`PromptError`) are raised here, before any event.
 
@@ -47,6 +52,21 @@ def generate(
     ``GenerationParams.continue_final_message``): they count as output for the presence penalty and the length
     and think-end ramps, as they did when it wrote them. ``prompt_cache``: start from what the last request's
     prefill left when this prompt begins with the same tokens, and keep this one's for the next
-    (:class:`PromptCache`)."""
-    loop = {"diffusion": generate_diffusion, "spec": generate_spec}.get(s.mode, generate_ar)
-    return loop(model, prompt_ids, s, tokenizer, cancel, vocab_size, hooks, written, prompt_cache)
+    (:class:`PromptCache`). ``drafter``: spec mode's drafts from elsewhere than its denoising passes (tests)."""
+    request = check_request(model, prompt_ids, s, tokenizer, cancel, vocab_size, hooks, written, prompt_cache, drafter)
+    return LOOPS.get(s.mode, ar_loop)(request)
+
+
+def _in_mode(mode: str) -> Callable[..., Iterator[Event]]:
+    def run(model: DecodingModel, prompt_ids: Sequence[int], s: DecodeSettings, *args: Any,
+            **kwargs: Any) -> Iterator[Event]:
+        return generate(model, prompt_ids, dataclasses.replace(s, mode=mode), *args, **kwargs)
+
+    run.__name__ = run.__qualname__ = f"generate_{mode}"
+    run.__doc__ = f":func:`generate` in {mode} mode, whatever ``s.mode`` says."
+    return run
+
+
+generate_ar = _in_mode("ar")
+generate_diffusion = _in_mode("diffusion")
+generate_spec = _in_mode("spec")

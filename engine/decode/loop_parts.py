@@ -6,7 +6,7 @@ Finished event.
 Policy (penalties, biases, the commit rule, sampling) comes from :mod:`engine.decode.decoding`; the model is anything
 with ``new_cache(max_len)`` and ``forward(ids, start_pos, cache, block_size, write_cache, last_only)``.
 
-A prompt longer than the model's longest pass (``segment_tokens``) is prefilled segment by segment (:func:`_prefill`):
+A prompt longer than the model's longest pass (``segment_tokens``) is prefilled segment by segment (:func:`prefill`):
 the loops yield :class:`~engine.decode.events.PrefillProgress` between segments and check the cancel flag there, so
 a long pasted document shows progress and can be stopped before the first block.
 """
@@ -26,8 +26,10 @@ from torch import Tensor
 from clover_desk.engine.decode import decoding, grammar
 from clover_desk.engine.decode.events import Finished, PrefillProgress
 from clover_desk.engine.decode.outputs import ChannelText, thinking_open_after
+from clover_desk.engine.decode.prompt_cache import PromptCache, ScopedPromptCache
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.errors import PromptError
+from clover_desk.engine.model.gdn import GDN_CHUNK
 from clover_desk.engine.placement import offload
 
 
@@ -64,14 +66,103 @@ def loop_hooks(model: torch.nn.Module) -> LoopHooks:
     )
 
 
-def _forward(model: DecodingModel, *args: Any, **kwargs: Any) -> Tensor:
+# what spec and diffusion say when the model has no mask token
+_NEEDS_MASK = {"diffusion": "diffusion mode needs a mask token",
+               "spec": "spec mode drafts by diffusion and needs a mask token"}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One checked request, what each loop runs (:func:`check_request`; the inputs are
+    :func:`engine.decode.generate.generate`'s)."""
+
+    model: DecodingModel
+    prompt: list[int]
+    s: DecodeSettings
+    tokenizer: TextDecoder | None
+    cancel: threading.Event | None
+    hooks: LoopHooks | None
+    written: int  # the prompt's last ``written`` tokens are the model's own answer so far
+    prompt_cache: PromptCache | ScopedPromptCache | None  # None where the model can use none
+    max_new: int  # how many tokens may be output: max_new_tokens, or fewer where the context ends first
+    limit_reason: str  # why the output stops at max_new: "max_new_tokens" or "context"
+    constraint: grammar.Constraint | None  # structured output's grammar, None for free text
+    drafter: Any = None  # spec mode: drafts from elsewhere than denoising passes (engine.decode.spec.Drafter)
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+
+def check_request(model: DecodingModel, prompt_ids: Sequence[int], s: DecodeSettings, tokenizer: TextDecoder | None,
+                  cancel: threading.Event | None, vocab_size: int | None, hooks: LoopHooks | None, written: int,
+                  prompt_cache: PromptCache | ScopedPromptCache | None, drafter: Any = None) -> Request:
+    """The request's checks, before any event (:class:`PromptError`): the prompt, what ``s.mode`` needs (diffusion
+    and spec a mask token, spec greedy decoding), the room the context leaves, the grammar."""
+    prompt = [int(i) for i in prompt_ids]
+    _check_prompt(prompt, vocab_size, written)
+    if s.mode in _NEEDS_MASK and s.mask_token_id is None:
+        raise PromptError(f"{_NEEDS_MASK[s.mode]}: the model's config.json has no mask_token_id and the tokenizer "
+                          "has no <|mask|> token (use --mode ar)")
+    if s.mode == "spec" and s.do_sample:
+        raise PromptError("mode 'spec' decodes greedily (its tokens are AR greedy's): sample with mode 'ar' or "
+                          "'diffusion'")
+    max_new = min(s.max_new_tokens, _room(prompt, s))
+    return Request(model, prompt, s, tokenizer, cancel, hooks, written, PromptCache.for_model(prompt_cache, model),
+                   max_new, "context" if max_new < s.max_new_tokens else "max_new_tokens",
+                   _constraint_for(s, tokenizer, vocab_size, prompt), drafter)
+
+
+def _room(prompt: list[int], s: DecodeSettings) -> int:
+    """How many tokens the context leaves to generate: every position after the prompt (AR), or the slots that fit
+    in whole blocks (diffusion, spec: a pass writes a whole block); PromptError when there is none."""
+    P = len(prompt)
+    if s.mode not in _NEEDS_MASK:
+        if s.max_positions - P < 1:
+            raise PromptError(
+                f"prompt is {P} tokens; the context holds {s.max_positions} positions, leaving no room to generate")
+        return s.max_positions - P
+    B = s.block_size
+    first_block_end = (P // B + 1) * B  # the block holding the prompt tail must fit whole
+    if first_block_end > s.max_positions:
+        raise PromptError(
+            f"prompt is {P} tokens; with room to finish its last {B}-token block it needs {first_block_end} "
+            f"positions, but the context holds {s.max_positions}"
+        )
+    return (s.max_positions // B) * B - P
+
+
+def loop_start(r: Request) -> tuple[torch.device, _Clock, ChannelText]:
+    """What every loop starts with: the model's device, the clock, the text channels (thinking open when the prompt
+    leaves it so)."""
+    thinking = thinking_open_after(r.prompt, r.s.think_start_id, r.s.think_end_id)
+    return _device_of(r.model), _Clock(), ChannelText(r.tokenizer.decode if r.tokenizer else None, r.s, thinking)
+
+
+def prefill_keep(r: Request, cache: Any, cached: int, keep_at: int,
+                 block_size: int | None) -> tuple[list[int], Callable[[int, Tensor], None]] | None:
+    """The ``keep`` of :func:`prefill` from ``cached`` (block mode with ``block_size``, causal without): where its
+    forwards end for the prompt cache (:func:`_keep_points`, ``keep_at`` last) and the callback that keeps a copy
+    there. None without a prompt cache or with nothing to keep."""
+    pc = r.prompt_cache
+    if pc is None or cached >= keep_at:
+        return None
+
+    def keep_here(end: int, out: Tensor) -> None:
+        pc.keep(r.prompt[: cached + end], cache, out[-1], block_size)
+
+    points = _keep_points(r.prompt, r.s, cached, keep_at, block_size or GDN_CHUNK, r.model.segment_tokens(block_size),
+                          pc.checkpoints, _turn_checkpoints(r.model, r.s))
+    return [p - cached for p in points], keep_here
+
+
+def forward(model: DecodingModel, *args: Any, **kwargs: Any) -> Tensor:
     """One model forward without autograd. (No ``inference_mode`` around the loops: it would stay switched on in
     the caller's code while the generator is suspended at a ``yield``.)"""
     with torch.no_grad():
         return model.forward(*args, **kwargs)
 
 
-def _prefill(
+def prefill(
     model: DecodingModel,
     ids: Tensor,
     cache: Any,
@@ -109,7 +200,7 @@ def _prefill(
             if keep is not None and points and kept < start < points[-1] and out is not None:
                 keep[1](start, out)  # what was read is kept: the request that stopped this one goes on from it
             return None
-        out = _forward(  # [1, V]
+        out = forward(  # [1, V]
             model, ids[start:end], at + start, cache, block_size=block_size, write_cache=True, last_only=True,
             **kwargs,
         )
@@ -122,7 +213,7 @@ def _prefill(
     return out
 
 
-def _turn_start(prompt: Sequence[int], s: DecodeSettings) -> int:
+def turn_start(prompt: Sequence[int], s: DecodeSettings) -> int:
     """Where the prompt's last chat turn starts (``s.turn_start_id``), or its length when it has none (a raw
     prompt): what a chat's next turn renders the same."""
     if s.turn_start_id is not None:
@@ -164,7 +255,7 @@ def _device_of(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
-def _generator(s: DecodeSettings, device: torch.device) -> torch.Generator | None:
+def sampling_generator(s: DecodeSettings, device: torch.device) -> torch.Generator | None:
     if not s.do_sample:
         return None
     gen = torch.Generator(device=device)
@@ -175,7 +266,7 @@ def _generator(s: DecodeSettings, device: torch.device) -> torch.Generator | Non
     return gen
 
 
-def _penalize(logits: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Tensor) -> Tensor:
+def penalize(logits: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Tensor) -> Tensor:
     """The penalties and the forbidden mask id: a new tensor, ``logits`` untouched (a penalty's output is changed
     in place, not copied again)."""
     out = decoding.apply_repetition_penalty(logits, rep_seen, s.repetition_penalty)
@@ -211,7 +302,7 @@ def _constraint_for(s: DecodeSettings, tokenizer: Any, vocab_size: int | None,
                                        s.think_end_id if thinking else None)
 
 
-def _output_seen(prompt: list[int], written: int, vocab: int, device: torch.device) -> Tensor:
+def output_seen(prompt: list[int], written: int, vocab: int, device: torch.device) -> Tensor:
     """[V] the tokens already output: the prompt's last ``written`` (a continued answer's), for the presence
     penalty."""
     return decoding.seen_mask(prompt[len(prompt) - written:], vocab, device)
@@ -232,7 +323,7 @@ class _Clock:
             self.first_token = time.perf_counter()
 
 
-def _pieces(tokenizer: TextDecoder | None) -> Callable[[int], str]:
+def token_pieces(tokenizer: TextDecoder | None) -> Callable[[int], str]:
     """Each token's own text for the denoising view, decoded once per token id ("" without a tokenizer)."""
     cache: dict[int, str] = {}
 
@@ -246,7 +337,7 @@ def _pieces(tokenizer: TextDecoder | None) -> Callable[[int], str]:
     return piece
 
 
-def _finished(
+def finished(
     generated: list[int],
     channels: ChannelText,
     reason: str,

@@ -1,40 +1,21 @@
 """Self-speculative decoding (spec mode): diffusion drafts a block, one causal pass verifies it, the output is
-AR greedy's tokens (:func:`generate_spec`).
+AR greedy's tokens (:func:`spec_loop`, run by :func:`engine.decode.generate.generate_spec`).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from clover_desk.engine.decode import decoding, grammar
+from clover_desk.engine.decode import decoding, loop_parts
 from clover_desk.engine.decode.diffusion import denoise_policy
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Event, Finished, PromptInfo, TokenLogprobs
-from clover_desk.engine.decode.loop_parts import (
-    DecodingModel,
-    LoopHooks,
-    TextDecoder,
-    _check_prompt,
-    _Clock,
-    _constraint_for,
-    _device_of,
-    _finished,
-    _forward,
-    _keep_points,
-    _output_seen,
-    _pieces,
-    _prefill,
-    _turn_checkpoints,
-    _turn_start,
-)
-from clover_desk.engine.decode.outputs import ChannelText, row_logprobs, thinking_open_after
-from clover_desk.engine.decode.prompt_cache import PromptCache
+from clover_desk.engine.decode.loop_parts import Request, loop_start, prefill_keep
+from clover_desk.engine.decode.outputs import row_logprobs
 from clover_desk.engine.decode.settings import DecodeSettings
-from clover_desk.engine.errors import PromptError
 from clover_desk.engine.model.gdn import GDN_CHUNK
 
 
@@ -50,20 +31,9 @@ SPEC_COUNTS = ("draft_passes", "verify_passes", "drafted", "accepted", "full_acc
                "rejections", "rollbacks", "catch_ups")
 
 
-def generate_spec(
-    model: DecodingModel,
-    prompt_ids: Sequence[int],
-    s: DecodeSettings,
-    tokenizer: TextDecoder | None = None,
-    cancel: threading.Event | None = None,
-    vocab_size: int | None = None,
-    hooks: LoopHooks | None = None,
-    written: int = 0,
-    prompt_cache: PromptCache | None = None,
-    drafter: Drafter | None = None,
-) -> Iterator[Event]:
-    """Self-speculative decoding: the tokens of AR greedy, drafted a block at a time by diffusion. Checks the
-    request before returning the event iterator.
+def spec_loop(r: Request) -> Iterator[Event]:
+    """Self-speculative decoding: the tokens of AR greedy, drafted a block at a time by diffusion. For a checked
+    request (:func:`engine.decode.loop_parts.check_request`).
 
     The cache holds the causal prefix (as AR's) up to the open block's start, a block boundary. The block's open
     slots are drafted by denoising passes over it (block mode, read-only, the diffusion loop's policy), then ONE
@@ -78,29 +48,7 @@ def generate_spec(
     drafter's passes must start at a block boundary anyway, as Clover's blocks are aligned to position 0).
     Greedy only: accepting sampled drafts needs each drafted token's left-to-right probability, which a
     denoising pass does not give."""
-    prompt = [int(i) for i in prompt_ids]
-    _check_prompt(prompt, vocab_size, written)
-    if s.mask_token_id is None:
-        raise PromptError(
-            "spec mode drafts by diffusion and needs a mask token: the model's config.json has no mask_token_id and "
-            "the tokenizer has no <|mask|> token (use --mode ar)"
-        )
-    if s.do_sample:
-        raise PromptError("mode 'spec' decodes greedily (its tokens are AR greedy's): sample with mode 'ar' or "
-                          "'diffusion'")
-    B, P = s.block_size, len(prompt)
-    first_block_end = (P // B + 1) * B
-    if first_block_end > s.max_positions:
-        raise PromptError(
-            f"prompt is {P} tokens; with room to finish its last {B}-token block it needs {first_block_end} "
-            f"positions, but the context holds {s.max_positions}"
-        )
-    room = (s.max_positions // B) * B - P  # a verify pass writes a whole block
-    max_new = min(s.max_new_tokens, room)
-    limit_reason = "context" if max_new < s.max_new_tokens else "max_new_tokens"
-    constraint = _constraint_for(s, tokenizer, vocab_size, prompt)
-    return _SpecLoop(model, prompt, s, tokenizer, cancel, max_new, limit_reason, hooks, written, prompt_cache,
-                     drafter, constraint).run()
+    return _SpecLoop(r).run()
 
 
 def greedy_rows(rows: Tensor, drafted: Tensor, s: DecodeSettings, rep_seen: Tensor, out_seen: Tensor) -> Tensor:
@@ -128,24 +76,19 @@ def greedy_rows(rows: Tensor, drafted: Tensor, s: DecodeSettings, rep_seen: Tens
 
 
 class _SpecLoop:
-    """The state of one spec-mode generation (see :func:`generate_spec`); :meth:`run` yields its events."""
+    """The state of one spec-mode generation (see :func:`spec_loop`); :meth:`run` yields its events."""
 
-    def __init__(
-        self, model: DecodingModel, prompt: list[int], s: DecodeSettings, tokenizer: TextDecoder | None,
-        cancel: threading.Event | None, max_new: int, limit_reason: str, hooks: LoopHooks | None, written: int,
-        prompt_cache: PromptCache | None, drafter: Drafter | None, constraint: grammar.Constraint | None = None,
-    ) -> None:
-        self.model, self.prompt, self.s, self.cancel = model, prompt, s, cancel
-        self.constraint = constraint  # structured output: AR greedy under the grammar (drafts stay free)
-        self.max_new, self.limit_reason, self.hooks, self.written = max_new, limit_reason, hooks, written
-        self.prompt_cache = PromptCache.for_model(prompt_cache, model)
-        self.drafter = drafter
+    def __init__(self, r: Request) -> None:
+        self.request = r
+        self.model, self.prompt, self.s, self.cancel = r.model, r.prompt, r.s, r.cancel
+        self.constraint = r.constraint  # structured output: AR greedy under the grammar (drafts stay free)
+        self.max_new, self.limit_reason, self.hooks, self.written = r.max_new, r.limit_reason, r.hooks, r.written
+        self.prompt_cache = r.prompt_cache
+        self.drafter: Drafter | None = r.drafter
+        s = r.s
         self.B, self.mask_id = s.block_size, int(s.mask_token_id)  # type: ignore[arg-type]
-        self.device = _device_of(model)
-        self.clock = _Clock()
-        thinking = thinking_open_after(prompt, s.think_start_id, s.think_end_id)
-        self.channels = ChannelText(tokenizer.decode if tokenizer else None, s, thinking)
-        self.piece = _pieces(tokenizer)
+        self.device, self.clock, self.channels = loop_start(r)
+        self.piece = loop_parts.token_pieces(r.tokenizer)
         self.eos = set(s.eos_token_ids)
         self.generated: list[int] = []
         self.passes = 0
@@ -158,16 +101,16 @@ class _SpecLoop:
         self.lp_event: TokenLogprobs | None = None
 
     def _cancelled(self) -> bool:
-        return self.cancel is not None and self.cancel.is_set()
+        return self.request.cancelled()
 
     def _finish(self, reason: str) -> Finished:
-        return _finished(self.generated, self.channels, reason, self.passes, len(self.prompt), self.clock,
+        return loop_parts.finished(self.generated, self.channels, reason, self.passes, len(self.prompt), self.clock,
                          self.hooks, self.counts)
 
     def _seen(self, vocab: int) -> tuple[Tensor, Tensor]:
         if self.rep_seen is None or self.out_seen is None:
             self.rep_seen = decoding.seen_mask(self.prompt + self.generated, vocab, self.device)
-            self.out_seen = _output_seen(self.prompt, self.written, vocab, self.device)
+            self.out_seen = loop_parts.output_seen(self.prompt, self.written, vocab, self.device)
             self.out_seen |= decoding.seen_mask(self.generated, vocab, self.device)
         return self.rep_seen, self.out_seen
 
@@ -217,17 +160,11 @@ class _SpecLoop:
         False when cancelled."""
         prompt, s = self.prompt, self.s
         pc = self.prompt_cache
-        keep = None
-        keep_at = min(self._limit(n_full), _turn_start(prompt, s)) // GDN_CHUNK * GDN_CHUNK if pc is not None else 0
-        if pc is not None and cached < keep_at:
-            def keep_here(end: int, out: Tensor) -> None:
-                pc.keep(prompt[: cached + end], cache, out[-1], None)
-
-            points = _keep_points(prompt, s, cached, keep_at, GDN_CHUNK, self.model.segment_tokens(None),
-                                  pc.checkpoints, _turn_checkpoints(self.model, s))
-            keep = ([p - cached for p in points], keep_here)
+        turn = loop_parts.turn_start(prompt, s)
+        keep_at = min(self._limit(n_full), turn) // GDN_CHUNK * GDN_CHUNK if pc is not None else 0
+        keep = prefill_keep(self.request, cache, cached, keep_at, None)
         ids = torch.tensor(prompt[cached:n_full], dtype=torch.long, device=self.device)
-        out = yield from _prefill(self.model, ids, cache, None, self.cancel, at=cached, keep=keep)  # [1, V]
+        out = yield from loop_parts.prefill(self.model, ids, cache, None, self.cancel, at=cached, keep=keep)  # [1, V]
         if out is None:
             return False
         self.prev_row = out[-1]
@@ -294,8 +231,9 @@ class _SpecLoop:
                 break
             block = tokens[:k] + [verifier]
             if len(block) == B:  # the verifier's token filled the block: one causal pass writes it (checks nothing)
-                row = _forward(self.model, torch.tensor(block, dtype=torch.long, device=self.device), pos0, cache,
-                               block_size=None, write_cache=True, last_only=True)[-1]  # [V]
+                ids = torch.tensor(block, dtype=torch.long, device=self.device)
+                row = loop_parts.forward(self.model, ids, pos0, cache, block_size=None, write_cache=True,
+                                         last_only=True)[-1]  # [V]
                 self.passes += 1
                 self.counts["catch_ups"] += 1
                 block_passes += 1
@@ -337,7 +275,8 @@ class _SpecLoop:
             while True:
                 if self._cancelled():
                     return None
-                logits = _forward(self.model, x, pos0, cache, block_size=B, write_cache=False).float()  # [B, V]
+                logits = loop_parts.forward(self.model, x, pos0, cache, block_size=B,
+                                            write_cache=False).float()  # [B, V]
                 self.passes += 1
                 self.counts["draft_passes"] += 1
                 n += 1
@@ -371,7 +310,7 @@ class _SpecLoop:
         assert a >= 1, "a verified block holds at least one committed slot (its first token is always known)"
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [B]
         snapshot = cache.gdn_snapshot()
-        rows = _forward(self.model, ids, pos0, cache, block_size=None, write_cache=True)  # [B, V]
+        rows = loop_parts.forward(self.model, ids, pos0, cache, block_size=None, write_cache=True)  # [B, V]
         if self.s.logprobs is not None:
             self.lp_rows = rows[a - 1:]  # row a - 1 + i chose the i-th token output from here
         self.passes += 1

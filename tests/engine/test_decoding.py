@@ -276,7 +276,7 @@ def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(m
     """The biases after the penalties change the penalized tensor in place (one [B, V] copy less each); the logits
     the loop hands in stay as they were, and every output equals the copying path's bit for bit."""
     from clover_desk.engine.decode.diffusion import denoise_policy
-    from clover_desk.engine.decode.loop_parts import _penalize
+    from clover_desk.engine.decode.loop_parts import penalize
     from clover_desk.engine.decode.settings import DecodeSettings
 
     v, b, mask = 64, 8, 63
@@ -292,7 +292,7 @@ def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(m
                            **penalties)
         logits = torch.randn(b, v, generator=gen)
         before = logits.clone()
-        row = _penalize(logits[-1:], s, *seen)  # the AR loop's call: without penalties, forbid_tokens copies
+        row = penalize(logits[-1:], s, *seen)  # the AR loop's call: without penalties, forbid_tokens copies
         assert torch.equal(logits, before) and row is not logits[-1:]
         args = dict(start=2, seen=seen, n_at_entry=20, thinking_at_entry=True)
         got = denoise_policy(logits, x, torch.zeros(b), s, **args)

@@ -579,7 +579,7 @@ def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverMo
 
 def test_step_graph_pieces_run_device_table_steps_whole() -> None:
     """Through engine.kernels.step_graphs' pieces (as on a GPU, not recorded): an AR step is one piece, with the tokens."""
-    from clover_desk.engine.decode.ar import generate_ar
+    from clover_desk.engine.decode.generate import generate_ar
     from tests.engine.test_step_graphs import PROMPT as SG_PROMPT
     from tests.engine.test_step_graphs import _quantized, _settings, _tokens
 
@@ -602,7 +602,7 @@ def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.Mon
     GPU, stood in for here): the host pool's pass leaves the graphs at each streamed layer's fetch, the device
     tables' pass is one piece, however the cuts are asked for (outside a block too). Diffusion through that one
     piece (run eagerly) decodes the host pool's tokens; after the prompt no forward fetches on the host."""
-    from clover_desk.engine.decode.diffusion import generate_diffusion
+    from clover_desk.engine.decode.generate import generate_diffusion
     from tests.engine.test_step_graphs import PROMPT as SG_PROMPT
     from tests.engine.test_step_graphs import _quantized
 
@@ -772,8 +772,8 @@ import torch
 from clover_desk.engine.placement import offload
 from clover_desk.engine.weights.checkpoint import random_state_dict
 from clover_desk.engine.model.config import parse_config
-from clover_desk.engine.decode.ar import generate_ar
-from clover_desk.engine.decode.diffusion import generate_diffusion
+from clover_desk.engine.decode.generate import generate_ar
+from clover_desk.engine.decode.generate import generate_diffusion
 from clover_desk.engine.decode.loop_parts import loop_hooks
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.model.clover import CloverModel

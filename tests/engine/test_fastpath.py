@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from clover_desk.engine.decode.ar import generate_ar
-from clover_desk.engine.decode.diffusion import generate_diffusion
+from clover_desk.engine.decode.generate import generate_ar, generate_diffusion
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels.fastpath import compile_layers, is_compiled
 from tests.helpers_model import BLOCK, CountingBackend, tiny_config, tiny_model

@@ -18,8 +18,8 @@ import torch
 from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 from clover_desk.engine.api import Engine
-from clover_desk.engine.decode.ar import generate_ar
 from clover_desk.engine.decode.events import Finished
+from clover_desk.engine.decode.generate import generate_ar
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant, gdn_kernels
 from clover_desk.engine.model.cache import _Pass
