@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from clover_desk.engine.decode.events import Event, Finished, GenerationParams, LoadProgress
-from clover_desk.engine.decode.generate import LoopHooks, generate, loop_hooks, resolve_settings
+from clover_desk.engine.decode.generate import generate
 from clover_desk.engine.decode.limits import check_generation_params
+from clover_desk.engine.decode.loop_parts import LoopHooks, loop_hooks
 from clover_desk.engine.decode.prompt_cache import PromptCache
+from clover_desk.engine.decode.settings import resolve_settings
 from clover_desk.engine.decode.tokenizer import CloverTokenizer
 from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS, DTYPE_OF_PRECISION, PRECISIONS
 from clover_desk.engine.errors import CancelledError, ConfigError, PlanError, PromptError
@@ -429,19 +431,10 @@ class Engine:
         )
 
     # ---- prompts ----
-    def prompt_ids(
-        self,
-        messages: Sequence[dict[str, Any]] | None = None,
-        prompt: str | None = None,
-        prompt_ids: Sequence[int] | None = None,
-        raw: bool = False,
-        tools: Sequence[dict[str, Any]] | None = None,
-        enable_thinking: bool = True,
-        continue_final: bool = False,
-    ) -> list[int]:
-        """The token ids a request decodes from. ``raw`` sends ``prompt`` as is (no chat template); ``continue_final``
-        goes on with the last of ``messages``, an assistant answer (``GenerationParams.continue_final_message``)."""
-        return self.encode_request(messages, prompt, prompt_ids, raw, tools, enable_thinking, continue_final)[0]
+    def prompt_ids(self, *args: Any, **kwargs: Any) -> list[int]:
+        """The token ids a request decodes from: :meth:`encode_request`'s (the same arguments) without the count of
+        the model's own."""
+        return self.encode_request(*args, **kwargs)[0]
 
     def encode_request(
         self,
@@ -453,8 +446,10 @@ class Engine:
         enable_thinking: bool = True,
         continue_final: bool = False,
     ) -> tuple[list[int], int]:
-        """:meth:`prompt_ids`, and how many of its last ids the model wrote itself (a continued answer's: the
-        ``written`` of :meth:`generate`; 0 otherwise)."""
+        """The token ids a request decodes from, and how many of its last ids the model wrote itself (a continued
+        answer's: the ``written`` of :meth:`generate`; 0 otherwise). ``raw`` sends ``prompt`` as is (no chat
+        template); ``continue_final`` goes on with the last of ``messages``, an assistant answer
+        (``GenerationParams.continue_final_message``)."""
         sources = (("messages", messages), ("prompt", prompt), ("prompt_ids", prompt_ids))
         given = [name for name, value in sources if value is not None]
         if len(given) != 1:

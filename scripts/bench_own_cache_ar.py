@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from clover_desk.engine.decode.events import Finished
-from clover_desk.engine.decode.generate import DecodeSettings, generate_ar
+from clover_desk.engine.decode.generate import generate_ar
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant, fastpath
 from clover_desk.engine.weights.quant import DEFAULT_POLICY
 from clover_desk.engine.weights.quant_cache import load_quantized

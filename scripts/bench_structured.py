@@ -5,7 +5,7 @@ tiny random checkpoint (made into a temporary folder), plus AR and spec for scal
 
 Prints one line per mode: requests, tokens, passes, passes per token, the requests that ended on their own (EOS)
 and, for the constrained runs, how many answers the schema accepted (jsonschema). Under a grammar only a
-grammar-valid left prefix of a block commits (engine/decode/generate.py, ``_grammar_commit``), so diffusion is at
+grammar-valid left prefix of a block commits (engine/decode/diffusion.py, ``_grammar_commit``), so diffusion is at
 most as parallel as the model's confident left-to-right runs; on random weights that is one token a pass.
 """
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from clover_desk.engine.decode.events import Finished
-from clover_desk.engine.decode.generate import DecodeSettings, LoopHooks, generate
+from clover_desk.engine.decode.generate import generate
+from clover_desk.engine.decode.loop_parts import LoopHooks
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import CloverConfig, parse_config
 from clover_desk.engine.placement import offload

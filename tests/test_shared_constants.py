@@ -10,7 +10,7 @@ from pathlib import Path
 
 from clover_desk.bench import moe_only, random_model
 from clover_desk.engine import defaults
-from clover_desk.engine.decode.generate import DecodeSettings
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.model.config import CloverConfig, parse_config
 from clover_desk.engine.placement import planner
 from clover_desk.engine.placement.manifest import CONFIG_FIELDS, DERIVED_FIELDS, SHAPES, ModelGeometry

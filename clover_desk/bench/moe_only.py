@@ -181,7 +181,8 @@ def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3
     import torch
 
     from clover_desk.engine.kernels import gdn_kernels
-    from clover_desk.engine.model.clover import GatedDeltaNet, _Pass
+    from clover_desk.engine.model.cache import _Pass
+    from clover_desk.engine.model.gdn import GatedDeltaNet
 
     _, config = _config(shape, "qwen3_5_moe", layers=1)
     layer = GatedDeltaNet(config, 0, clover_extras=False).to(device=device, dtype=dtype)

@@ -112,7 +112,7 @@ class RoutingTrace:
         """Distinct experts per layer for one pass: logits [L, T, E] -> [[expert ids] per layer]."""
         import torch
 
-        from clover_desk.engine.model.clover import block_coreset_topk
+        from clover_desk.engine.model.moe import block_coreset_topk
 
         out = []
         for layer_logits in logits:
@@ -327,7 +327,8 @@ def run_simulation(args: argparse.Namespace) -> int:
 def run_tiny(args: argparse.Namespace) -> int:
     import torch
 
-    from clover_desk.engine.decode.generate import DecodeSettings, generate
+    from clover_desk.engine.decode.generate import generate
+    from clover_desk.engine.decode.settings import DecodeSettings
     from clover_desk.engine.model.config import parse_config
     from clover_desk.engine.placement import offload
     from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint
@@ -466,7 +467,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         for layer in range(geo.num_hidden_layers):
             logits = x @ routers[layer].T  # [T, E]
             if coreset:
-                from clover_desk.engine.model.clover import block_coreset_topk
+                from clover_desk.engine.model.moe import block_coreset_topk
 
                 w, idx = block_coreset_topk(torch.softmax(logits.float(), -1), t, k, 0.9)
             else:

@@ -134,7 +134,7 @@ def _device_dtype(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def _settings(config: Any, mode: str, max_new: int) -> Any:
-    from clover_desk.engine.decode.generate import DecodeSettings
+    from clover_desk.engine.decode.settings import DecodeSettings
 
     return DecodeSettings(
         mode=mode, max_new_tokens=max_new, block_size=config.block_size, threshold=config.threshold,

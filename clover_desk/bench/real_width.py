@@ -42,7 +42,8 @@ except ImportError:  # Windows: no peak RSS figure
     resource = None  # type: ignore[assignment]
 
 from clover_desk.engine.decode.events import Finished
-from clover_desk.engine.decode.generate import DecodeSettings, generate_ar
+from clover_desk.engine.decode.generate import generate_ar
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.weights.gguf.file import open_gguf

@@ -28,7 +28,8 @@ def _engine_figures(
 ) -> dict[str, float]:
     import torch
 
-    from clover_desk.engine.decode.generate import generate_ar, generate_diffusion, generate_spec, loop_hooks
+    from clover_desk.engine.decode.generate import generate_ar, generate_diffusion, generate_spec
+    from clover_desk.engine.decode.loop_parts import loop_hooks
     from clover_desk.engine.placement import offload
 
     B = config.block_size

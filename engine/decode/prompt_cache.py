@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from clover_desk.engine.defaults import PROMPT_CACHE_RAM_MIB
-from clover_desk.engine.model.clover import CloverModel, ModelCache
+from clover_desk.engine.model.cache import ModelCache
+from clover_desk.engine.model.clover import CloverModel
 
 log = logging.getLogger(__name__)
 

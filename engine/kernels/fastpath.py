@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from clover_desk.engine.kernels import step_graphs
-from clover_desk.engine.model.clover import Linear
 from clover_desk.engine.model.experts import grouped_mm_supported
+from clover_desk.engine.model.layers import Linear
 
 log = logging.getLogger(__name__)
 

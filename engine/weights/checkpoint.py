@@ -28,8 +28,9 @@ from torch import Tensor
 
 from clover_desk.engine.decode.events import LoadProgress
 from clover_desk.engine.errors import CancelledError, CheckpointError
-from clover_desk.engine.model.clover import CloverModel, GatedDeltaNet, ParamHolder
+from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import CloverConfig, load_config
+from clover_desk.engine.model.gdn import GatedDeltaNet, ParamHolder
 from clover_desk.engine.weights.formats import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,

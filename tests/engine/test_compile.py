@@ -127,7 +127,8 @@ def test_the_denoising_policy_traces_as_one_graph() -> None:
     """The decode policy of a pass (penalties, length and think-end biases, proposal, commit rule, EOS limit) reads
     nothing back to the host: on a GPU it queues behind the forward and the loop reads its outcome once."""
     from clover_desk.engine.decode import decoding
-    from clover_desk.engine.decode.generate import DecodeSettings, denoise_policy
+    from clover_desk.engine.decode.diffusion import denoise_policy
+    from clover_desk.engine.decode.settings import DecodeSettings
 
     V, B, mask = 64, 8, 63
     s = DecodeSettings(

@@ -167,7 +167,8 @@ def test_ar_continuation_keeps_the_presence_penalty_of_what_was_written(tiny: An
 
 
 def test_diffusion_continuation_keeps_the_length_ramp_where_it_was(tiny: Any) -> None:
-    from clover_desk.engine.decode.generate import DecodeSettings, generate, resolve_settings
+    from clover_desk.engine.decode.generate import generate
+    from clover_desk.engine.decode.settings import DecodeSettings, resolve_settings
 
     base = resolve_settings(GenerationParams(block_size=8, threshold=0.9, do_sample=False), tiny.generation_defaults,
                             tiny.config, tiny.tokenizer)

@@ -201,7 +201,7 @@ def test_eos_resolved_needs_every_earlier_slot_committed() -> None:
 
 
 def test_block_coreset_is_the_smallest_prefix_covering_top_p() -> None:
-    from clover_desk.engine.model.clover import block_coreset_topk
+    from clover_desk.engine.model.moe import block_coreset_topk
 
     probs = torch.tensor([[0.50, 0.30, 0.10, 0.10, 0.00], [0.60, 0.00, 0.20, 0.10, 0.10]])
     # top-2 mass per expert: e0 1.1, e1 0.3, e2 0.2 -> total 1.6; 0.9 of it is 1.44 -> {e0, e1, e2}
@@ -214,7 +214,7 @@ def test_block_coreset_is_the_smallest_prefix_covering_top_p() -> None:
 
 @pytest.mark.parametrize("restrict", ["R-a", "R-b"])
 def test_a_block_whose_router_rows_agree_still_routes_every_token_to_k_experts(restrict: str) -> None:
-    from clover_desk.engine.model.clover import block_coreset_topk
+    from clover_desk.engine.model.moe import block_coreset_topk
 
     e, k, block = 64, 8, 32
     gen = torch.Generator().manual_seed(3)
@@ -275,7 +275,9 @@ def test_threshold_commit_is_strictly_greater_and_falls_back_to_one_slot() -> No
 def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(monkeypatch: pytest.MonkeyPatch) -> None:
     """The biases after the penalties change the penalized tensor in place (one [B, V] copy less each); the logits
     the loop hands in stay as they were, and every output equals the copying path's bit for bit."""
-    from clover_desk.engine.decode.generate import DecodeSettings, _penalize, denoise_policy
+    from clover_desk.engine.decode.diffusion import denoise_policy
+    from clover_desk.engine.decode.loop_parts import penalize
+    from clover_desk.engine.decode.settings import DecodeSettings
 
     v, b, mask = 64, 8, 63
     gen = torch.Generator().manual_seed(0)
@@ -290,7 +292,7 @@ def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(m
                            **penalties)
         logits = torch.randn(b, v, generator=gen)
         before = logits.clone()
-        row = _penalize(logits[-1:], s, *seen)  # the AR loop's call: without penalties, forbid_tokens copies
+        row = penalize(logits[-1:], s, *seen)  # the AR loop's call: without penalties, forbid_tokens copies
         assert torch.equal(logits, before) and row is not logits[-1:]
         args = dict(start=2, seen=seen, n_at_entry=20, thinking_at_entry=True)
         got = denoise_policy(logits, x, torch.zeros(b), s, **args)

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from clover_desk.engine.decode.generate import DecodeSettings, loop_hooks
+from clover_desk.engine.decode.loop_parts import loop_hooks
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.errors import PlanError
 from clover_desk.engine.kernels import step_graphs, triton_moe
 from clover_desk.engine.model.clover import CloverModel
@@ -771,7 +772,10 @@ import torch
 from clover_desk.engine.placement import offload
 from clover_desk.engine.weights.checkpoint import random_state_dict
 from clover_desk.engine.model.config import parse_config
-from clover_desk.engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion, loop_hooks
+from clover_desk.engine.decode.generate import generate_ar
+from clover_desk.engine.decode.generate import generate_diffusion
+from clover_desk.engine.decode.loop_parts import loop_hooks
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.weights.quant import make_policy, quantize_model_
 from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from clover_desk.engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
+from clover_desk.engine.decode.generate import generate_ar, generate_diffusion
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels.fastpath import compile_layers, is_compiled
 from tests.helpers_model import BLOCK, CountingBackend, tiny_config, tiny_model
 

@@ -19,10 +19,12 @@ from fixtures_tiny import one_torch_thread, tiny_clover_dir  # noqa: F401
 
 from clover_desk.engine.api import Engine
 from clover_desk.engine.decode.events import Finished
-from clover_desk.engine.decode.generate import DecodeSettings, generate_ar
+from clover_desk.engine.decode.generate import generate_ar
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant, gdn_kernels
-from clover_desk.engine.model.clover import GatedDeltaNet, _Pass, l2norm, recurrent_gated_delta_rule
+from clover_desk.engine.model.cache import _Pass
 from clover_desk.engine.model.config import parse_config
+from clover_desk.engine.model.gdn import GatedDeltaNet, l2norm, recurrent_gated_delta_rule
 from clover_desk.engine.weights.tiny import clover_35b_a3b_text_config
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler for the CPU kernels")

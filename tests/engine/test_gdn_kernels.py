@@ -46,7 +46,7 @@ chunk_delta_h.range = _range
 OPS = SHIMS + r'''
 import torch
 from clover_desk.engine.kernels import gdn_kernels, switches
-from clover_desk.engine.model.clover import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from clover_desk.engine.model.gdn import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from clover_desk.engine.settings import GpuPaths
 
 switches.use(GpuPaths.from_env())  # as an engine process starts: CLOVER_DESK_FLA_GDN=1 in this child's environment

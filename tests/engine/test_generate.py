@@ -13,7 +13,8 @@ import torch
 
 from clover_desk.engine.decode import decoding
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, PromptInfo, TextDelta
-from clover_desk.engine.decode.generate import DecodeSettings, generate, generate_ar, generate_diffusion
+from clover_desk.engine.decode.generate import generate, generate_ar, generate_diffusion
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.errors import PromptError
 
 V = 64
@@ -253,6 +254,15 @@ def test_max_new_tokens_is_clamped_to_the_context() -> None:
     assert ar.stop_reason == "context" and ar.tokens == 14
     with pytest.raises(PromptError, match="no room"):
         generate_ar(ScriptedModel(letters), [letters(p) for p in range(64)], settings(mode="ar", max_positions=64))
+
+
+def test_each_mode_entry_decodes_in_its_mode_whatever_the_settings_say() -> None:
+    """generate_ar and generate_diffusion are generate in their mode: the settings' own mode does not pick the loop."""
+    prompt = [letters(p) for p in range(10)]
+    ar_info = next(iter(generate_ar(ScriptedModel(letters), prompt, settings(mode="diffusion"))))
+    block_info = next(iter(generate_diffusion(ScriptedModel(letters), prompt, settings(mode="ar"))))
+    assert isinstance(ar_info, PromptInfo) and ar_info.block_size == 1
+    assert isinstance(block_info, PromptInfo) and block_info.block_size == 8
 
 
 def test_empty_prompt_and_out_of_vocab_ids_are_refused() -> None:

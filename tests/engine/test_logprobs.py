@@ -26,7 +26,8 @@ from clover_desk.engine.decode.events import (
     from_dict,
     to_dict,
 )
-from clover_desk.engine.decode.generate import DecodeSettings, generate, generate_spec, resolve_settings
+from clover_desk.engine.decode.generate import generate, generate_spec
+from clover_desk.engine.decode.settings import DecodeSettings, resolve_settings
 from clover_desk.engine.errors import PromptError
 
 PROMPT = "Write a haiku about the sea."

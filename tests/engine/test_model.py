@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from clover_desk.engine.model.clover import block_coreset_topk, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from clover_desk.engine.model.experts import DenseExpertBank
+from clover_desk.engine.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from clover_desk.engine.model.moe import block_coreset_topk
 from clover_desk.engine.weights.checkpoint import model_from_state_dict, random_state_dict
 from tests.helpers_model import BLOCK, greedy, one_thread, tiny_config, tiny_model
 
@@ -407,7 +408,9 @@ def test_a_prefill_over_many_blocks_holds_no_mask_of_its_keys() -> None:
 def test_attention_by_rows_is_the_masked_attention() -> None:
     """Each group of rows against its key prefix (and its slice of a causal mask) == one call over all keys under
     the whole mask, for block-causal and causal passes after cached keys, with query heads folded per KV head."""
-    from clover_desk.engine.model.clover import CloverModel, _attention_by_rows, _Pass
+    from clover_desk.engine.model.attention import _attention_by_rows
+    from clover_desk.engine.model.cache import _Pass
+    from clover_desk.engine.model.clover import CloverModel
 
     gen = torch.Generator().manual_seed(3)
     hkv, g, hd, start, t = 2, 3, 16, 64, 3 * BLOCK + 5
@@ -488,7 +491,8 @@ def test_clover_gdn_block_mode_matches_the_written_out_formulas() -> None:
     cache.conv[0].normal_(generator=gen)
     cache.length = BLOCK  # pretend one block is committed (only layer 0's state is read here)
     x = torch.randn(BLOCK + 5, cfg.hidden_size, generator=gen)
-    from clover_desk.engine.model.clover import _Pass, rope_cos_sin
+    from clover_desk.engine.model.attention import rope_cos_sin
+    from clover_desk.engine.model.cache import _Pass
 
     cos, sin = rope_cos_sin(torch.arange(BLOCK, 2 * BLOCK + 5), cfg.rotary_dim, cfg.rope_theta)
     p = _Pass(BLOCK, x.shape[0], BLOCK, cache, False, cos, sin, None, False, False)

@@ -66,7 +66,7 @@ def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
 
 
 def test_loop_hooks_give_the_same_tokens_and_fill_finished_accounting(qmodel: CloverModel) -> None:
-    from clover_desk.engine.decode.generate import LoopHooks
+    from clover_desk.engine.decode.loop_parts import LoopHooks
 
     reference = tokens(qmodel, "diffusion", 32)
     model = fresh(qmodel)

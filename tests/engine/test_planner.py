@@ -672,12 +672,11 @@ def test_the_workspace_counts_a_chunk_of_a_quantized_projection_not_the_whole_we
     """engine.weights.quant.QuantLinear dequantizes DEQUANT_CHUNK_ELEMS weights at a time (the 0.95 GiB lm_head of the
     35B in 16 MiB chunks), engine.model.experts one group of experts at a time; the planner's constants are the engine's."""
     pytest.importorskip("torch")
-    from clover_desk.engine.model import clover as model
-    from clover_desk.engine.model import experts
+    from clover_desk.engine.model import attention, experts
     from clover_desk.engine.weights import quant
 
     assert planner.DEQUANT_CHUNK_ELEMS == quant.DEQUANT_CHUNK_ELEMS
-    assert planner.ATTENTION_ROWS == model.ATTENTION_ROWS
+    assert planner.ATTENTION_ROWS == attention.ATTENTION_ROWS
     facts = planner.model_facts(m35)
     expert_bf16 = facts.expert_params * 2
     assert planner.EXPERT_DEQUANT_EXPERTS == experts.GROUP_BYTES["cuda"] // expert_bf16

@@ -1,4 +1,4 @@
-"""A long prompt's prefill reports progress and can be cancelled between its segments (engine.decode.generate._prefill),
+"""A long prompt's prefill reports progress and can be cancelled between its segments (engine.decode.loop_parts.prefill),
 on a tiny real Clover checkpoint: the segments are the model's own (``segment_tokens``), the cache they write is the
 one a single forward writes, and a cancel set during the prefill ends the request before any denoising pass."""
 
@@ -21,7 +21,7 @@ from clover_desk.engine.decode.events import (
     from_dict,
     to_dict,
 )
-from clover_desk.engine.decode.generate import _prefill
+from clover_desk.engine.decode.loop_parts import prefill
 
 SEGMENT = 64  # max_pass_tokens for these tests: a few hundred prompt tokens make several segments
 LONG = "The quick brown fox jumps over the lazy dog. " * 40
@@ -84,7 +84,7 @@ def test_segments_write_the_cache_the_models_own_split_writes(clover: Engine) ->
     ids = torch.tensor(clover.tokenizer.encode(LONG)[: 5 * SEGMENT], dtype=torch.long)  # [T]
     whole_cache = model.new_cache(ids.numel())
     whole = model.forward(ids, 0, whole_cache, block_size=8, write_cache=True, last_only=True, prefill=True)
-    steps = _prefill(model, ids, model.new_cache(ids.numel()), 8, None, prefill=True)
+    steps = prefill(model, ids, model.new_cache(ids.numel()), 8, None, prefill=True)
     seen = []
     try:
         while True:

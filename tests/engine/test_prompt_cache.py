@@ -112,8 +112,9 @@ def test_passes_replayed_from_cuda_graphs_go_on_from_the_cache_the_model_keeps(m
     belong to it): the prompt cache keeps that one, so a chat's next turn both skips what it read and replays the
     graphs recorded for it. The pieces run eagerly here (``record=False``, the CPU) through the buffers a recording
     reads; the tokens are those of a model without graphs or prompt cache."""
-    from clover_desk.engine.decode.generate import DecodeSettings, generate
+    from clover_desk.engine.decode.generate import generate
     from clover_desk.engine.decode.prompt_cache import PromptCache
+    from clover_desk.engine.decode.settings import DecodeSettings
     from clover_desk.engine.kernels import step_graphs
     from tests.helpers_model import tiny_config, tiny_model
 

@@ -320,7 +320,8 @@ def test_bench_line_of_torchs_int8_matmul_times_it_and_reports_its_difference() 
 
 
 def test_fused_int8_gemv_leaves_greedy_tokens_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    from clover_desk.engine.decode.generate import DecodeSettings, generate
+    from clover_desk.engine.decode.generate import generate
+    from clover_desk.engine.decode.settings import DecodeSettings
     from clover_desk.engine.model.clover import CloverModel
     from clover_desk.engine.model.config import parse_config
     from clover_desk.engine.weights import quant

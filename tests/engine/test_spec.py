@@ -21,8 +21,10 @@ from server_fixtures import CHAT_PLAIN, chat_model  # noqa: F401
 
 from clover_desk.engine.api import Engine
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Finished, GenerationParams, TextDelta
-from clover_desk.engine.decode.generate import DecodeSettings, generate, generate_spec, loop_hooks, resolve_settings
+from clover_desk.engine.decode.generate import generate, generate_spec
+from clover_desk.engine.decode.loop_parts import loop_hooks
 from clover_desk.engine.decode.prompt_cache import PromptCache
+from clover_desk.engine.decode.settings import DecodeSettings, resolve_settings
 from clover_desk.engine.errors import PromptError
 from clover_desk.engine.kernels.fastpath import compile_layers
 from clover_desk.engine.placement import offload

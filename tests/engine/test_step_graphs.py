@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from clover_desk.engine.decode.generate import DecodeSettings, generate_ar, generate_diffusion
+from clover_desk.engine.decode.generate import generate_ar, generate_diffusion
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import step_graphs, triton_moe
 from clover_desk.engine.kernels.fastpath import compile_layers
 from tests.helpers_model import CountingBackend, tiny_config, tiny_model

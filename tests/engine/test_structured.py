@@ -20,8 +20,9 @@ from clover_desk.cli import main as cli
 from clover_desk.engine.api import Engine
 from clover_desk.engine.decode import grammar
 from clover_desk.engine.decode.events import BlockStep, Finished, GenerationParams
-from clover_desk.engine.decode.generate import DecodeSettings, generate
+from clover_desk.engine.decode.generate import generate
 from clover_desk.engine.decode.grammar import structured_spec
+from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.errors import PromptError
 
 NAMES = ("name", "city", "count", "ok", "tags", "color", "score", "id")
