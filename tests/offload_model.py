@@ -9,7 +9,7 @@ from clover_desk.engine.decode.events import Finished
 from clover_desk.engine.decode.generate import DecodeSettings, LoopHooks, generate
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import CloverConfig, parse_config
-from clover_desk.engine.placement import offload
+from clover_desk.engine.placement import offload_runtime
 from clover_desk.engine.weights.checkpoint import random_state_dict
 from clover_desk.engine.weights.quant import make_policy, quantize_model_
 from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
@@ -43,7 +43,8 @@ def settings(mode: str, n: int) -> DecodeSettings:
 
 def tokens(model: CloverModel, mode: str, n: int) -> tuple[int, ...]:
     """Greedy tokens, with the block hooks the engine passes (offload sees block boundaries only through them)."""
-    hooks = LoopHooks(begin_block=lambda: offload.begin_block(model), end_block=lambda: offload.end_block(model))
+    hooks = LoopHooks(begin_block=lambda: offload_runtime.begin_block(model),
+                      end_block=lambda: offload_runtime.end_block(model))
     fin = list(generate(model, PROMPT, settings(mode, n), hooks=hooks))[-1]
     assert isinstance(fin, Finished)
     return fin.token_ids

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from clover_desk.engine.model.config import parse_config
-from clover_desk.engine.placement import offload
+from clover_desk.engine.placement import expert_store
 from clover_desk.engine.weights import quant_cache
 from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint
 from clover_desk.engine.weights.quant import make_policy
@@ -138,8 +138,8 @@ def pinning_refused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 def test_expert_rows_fall_back_to_pageable_memory_when_pinning_fails(
     pinning_refused: list[tuple[int, ...]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.offload"):
-        rows, pinned = offload.alloc_host_rows((4, 32), True, offload.PinBudget(None), layer=3)
+    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.expert_store"):
+        rows, pinned = expert_store.alloc_host_rows((4, 32), True, expert_store.PinBudget(None), layer=3)
     assert pinning_refused == [(4, 32)]  # it was asked for, and refused
     assert not pinned and tuple(rows.shape) == (4, 32) and not rows.is_pinned()
     assert any("layer 3" in r.getMessage() and "pinning" in r.getMessage() for r in caplog.records)
@@ -148,8 +148,8 @@ def test_expert_rows_fall_back_to_pageable_memory_when_pinning_fails(
 def test_staging_ring_falls_back_to_pageable_buffers_when_pinning_fails(
     pinning_refused: list[tuple[int, ...]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.offload"):
-        ring = offload.StagingRing(64, 3, torch.device("cpu"), pin=True)
+    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.expert_store"):
+        ring = expert_store.StagingRing(64, 3, torch.device("cpu"), pin=True)
     assert pinning_refused and not ring.pinned and len(ring.buffers) == 3
     assert any("staging" in r.getMessage() for r in caplog.records)
     row = torch.arange(64, dtype=torch.uint8)

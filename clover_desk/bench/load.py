@@ -81,7 +81,7 @@ def _stage(argv: list[str]) -> int:
         print(json.dumps({"cache": str(report.path), "rebuilt": report.rebuilt}))
         return 0
     from clover_desk.engine.api import Engine
-    from clover_desk.engine.placement.offload import runtime_of
+    from clover_desk.engine.placement.offload_runtime import runtime_of
 
     plan = json.loads(Path(argv[2]).read_text(encoding="utf-8"))
     engine = Engine.load(argv[1], device=argv[3], precision="nf4", placement=plan, dtype=argv[4],

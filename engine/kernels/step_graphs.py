@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clover_desk.engine.placement.offload import uncounted_passes
+from clover_desk.engine.placement.offload_runtime import uncounted_passes
 
 log = logging.getLogger(__name__)
 

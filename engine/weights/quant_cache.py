@@ -18,7 +18,7 @@ What: ``weights.safetensors`` (a real safetensors file) + ``manifest.json``::
 Stored keys are the quantized model's state-dict names: a quantized linear ``X.weight`` is ``X.codes`` +
 ``X.scales`` (the :class:`QuantLinear` buffers); an expert bank
 ``layers.N.mlp.experts`` is ``layers.N.mlp.experts.packed`` uint8 [E, R] (one contiguous row per expert, exactly the
-host-store layout of ``engine/placement/offload.py``); anything else keeps its name.
+host-store layout of ``engine/placement/expert_store.py``); anything else keeps its name.
 
 Conversion streams: tensor by tensor, and big tensors in row chunks (experts one at a time), read with ``pread``
 (no mmap, so resident memory stays at one chunk) and written with ``pwrite`` at precomputed offsets (where the OS has
@@ -59,7 +59,7 @@ from clover_desk.engine.decode.events import LoadProgress
 from clover_desk.engine.errors import CancelledError, CheckpointError
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import CloverConfig, load_config
-from clover_desk.engine.placement import offload
+from clover_desk.engine.placement import placer
 from clover_desk.engine.weights import checkpoint
 from clover_desk.engine.weights.checkpoint import (
     TORCH_DTYPES,
@@ -786,7 +786,7 @@ class CacheDamaged(CheckpointError):
 
 
 class CacheSource:
-    """The cache's ``weights.safetensors`` as a placement source (``engine.placement.offload.TensorSource``): each tensor is
+    """The cache's ``weights.safetensors`` as a placement source (``engine.placement.placer.TensorSource``): each tensor is
     read once, straight into the tensor placement allocated for it (in bounded chunks when it lives on a GPU or
     needs a dtype cast), with progress and cancel between chunks."""
 
@@ -859,7 +859,7 @@ def load_from_cache(
     """Internal: what ``engine.api.Engine.load(precision="nf4")`` reads the cache with (docs/loading.md).
 
     Build a CloverModel from a (checked) cache: a skeleton with the quantized modules swapped in, then every
-    tensor read once from the file straight into where ``plan`` puts it (``engine.placement.offload.place_model``; with no
+    tensor read once from the file straight into where ``plan`` puts it (``engine.placement.placer.place_model``; with no
     plan, everything on ``device``). Peak memory is the placed model plus one read chunk.
 
     Every tensor's bytes are checked against the crc32 written with the cache as they are read (~4 GB/s); a
@@ -895,12 +895,12 @@ def load_from_cache(
         )
         set_submodule(model, mod_name, new)
     if plan is None:  # everything on `device`, the embedding too
-        plan = offload.SimplePlan(tuple(offload.expert_banks(model)), (), 0)
+        plan = placer.SimplePlan(tuple(placer.expert_banks(model)), (), 0)
         place_options.setdefault("host_embedding", False)
     crcs = manifest.get("files", {}).get(DATA_NAME, {}).get("crc32")
     source = CacheSource(cache_dir / DATA_NAME, progress, cancel, crcs)
     try:
-        offload.place_model(model, plan, device, source, **place_options)
+        placer.place_model(model, plan, device, source, **place_options)
         source.check_complete()
     except CacheDamaged as exc:
         if not rebuild_on_damage:
