@@ -24,10 +24,12 @@ import torch
 
 from clover_desk.engine.model.config import parse_config
 from clover_desk.engine.placement import expert_store
-from clover_desk.engine.weights import quant_cache
+from clover_desk.engine.weights import quant_cache_build, quant_cache_files
 from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint
 from clover_desk.engine.weights.quant import make_policy
-from clover_desk.engine.weights.quant_cache import DATA_NAME, MANIFEST_NAME, build_cache, load_from_cache
+from clover_desk.engine.weights.quant_cache import load_from_cache
+from clover_desk.engine.weights.quant_cache_build import build_cache
+from clover_desk.engine.weights.quant_cache_files import DATA_NAME, MANIFEST_NAME
 from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.helpers_model import one_thread
 
@@ -89,15 +91,15 @@ def test_fallback_reads_and_writes_at_offsets_from_many_threads(
     path = tmp_path / "f.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
     try:
-        quant_cache._write_all(fd, data[8000:], 8000)  # written back to front, at their offsets
-        quant_cache._write_all(fd, data[:8000], 0)
+        quant_cache_files.write_all(fd, data[8000:], 8000)  # written back to front, at their offsets
+        quant_cache_files.write_all(fd, data[:8000], 0)
         assert path.read_bytes() == data
         errors: list[str] = []
 
         def reader(seed: int) -> None:
             for i in range(2000):
                 offset = (seed * 997 + i * 131) % (len(data) - 300)
-                got = quant_cache._pread(fd, offset, 300, "test")
+                got = quant_cache_files.pread_all(fd, offset, 300, "test")
                 if bytes(got) != data[offset : offset + 300]:
                     errors.append(f"thread {seed} read wrong bytes at {offset}")
 
@@ -161,10 +163,10 @@ def test_staging_ring_falls_back_to_pageable_buffers_when_pinning_fails(
 
 
 def test_pid_alive_tells_a_running_process_from_a_finished_one() -> None:
-    assert quant_cache._pid_alive(os.getpid())
+    assert quant_cache_build._pid_alive(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert not quant_cache._pid_alive(child.pid)
+    assert not quant_cache_build._pid_alive(child.pid)
 
 
 def test_make_tiny_peak_memory_without_the_resource_module(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -105,18 +105,18 @@ def _stage(argv: list[str]) -> int:
 def measure(model: Path, vram_gb: float, ctx: int, device: str, dtype: str, keep_cache: bool) -> dict[str, Any]:
     """Plan, convert, load; every figure the command prints."""
     from clover_desk.engine.placement.planner import plan_model, probe_hardware
-    from clover_desk.engine.weights import quant_cache
+    from clover_desk.engine.weights import quant_cache_files
 
     plan = plan_model(model, int(vram_gb * GIB), ctx, probe_hardware())
     result: dict[str, Any] = {"plan": plan.to_dict()}
     if not plan.fits:
         return result
-    cdir = quant_cache.cache_dir_for(model)
+    cdir = quant_cache_files.cache_dir_for(model)
     if not keep_cache and cdir.exists():
         shutil.rmtree(cdir)
     _, baseline_rss, _ = _child(["baseline"])
     conv, convert_rss, convert_s = _child(["convert", str(model)])
-    cache_bytes = (Path(conv["cache"]) / quant_cache.DATA_NAME).stat().st_size
+    cache_bytes = (Path(conv["cache"]) / quant_cache_files.DATA_NAME).stat().st_size
     with tempfile.TemporaryDirectory() as tmp:
         plan_file = Path(tmp) / "plan.json"
         plan_file.write_text(json.dumps(plan.to_dict()), encoding="utf-8")
