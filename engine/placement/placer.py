@@ -55,8 +55,6 @@ from clover_desk.engine.weights.quant import (
 
 log = logging.getLogger(__name__)
 
-_LAYER_RX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
-
 
 @dataclass
 class SimplePlan:
@@ -69,6 +67,9 @@ class SimplePlan:
     vram_breakdown: dict[str, int] = field(default_factory=dict)
     fits: bool = True
     reason: str = ""
+
+
+_LAYER_RX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 
 def expert_banks(model: nn.Module) -> dict[int, tuple[str, ExpertBank]]:
