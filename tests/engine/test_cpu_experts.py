@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,19 +23,21 @@ from clover_desk.engine.placement.manifest import manifest_for_shape
 from clover_desk.engine.placement.placer import SimplePlan, apply_plan
 from clover_desk.engine.placement.planner import CPU_EXPERT_MODES, Plan, make_plan
 from clover_desk.engine.placement.speed import Roofline
-from tests.offload_model import EXPERTS, quantized_model, tokens
+from tests.helpers_model import one_thread
+from tests.offload_model import (
+    EXPERTS,
+    ar_steps_counting_host_reads,
+    assert_fetched_nothing,
+    quantized_model,
+    tokens,
+)
 
 GIB = 1024**3
 STREAMED = (1, 2, 3)
 PLAN = SimplePlan((0,), STREAMED, 4 * EXPERTS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +74,10 @@ def test_cpu_ar_steps_neither_fetch_nor_read_the_host(qmodel: CloverModel, monke
     model(torch.arange(5, 12), 0, cache)  # a 7-token prompt: through the pool
     prompt = offload_runtime.accounting(model)
     assert prompt["host_reads"] == len(STREAMED) and prompt["slot_misses"] > 0 and prompt["host_computes"] == 0
-    reads: list[tuple[int, ...]] = []
-    plain = torch.Tensor.cpu
-
-    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        reads.append(tuple(t.shape))
-        return plain(t, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", counted)
-    for pos in range(7, 10):
-        model(torch.tensor([pos]), pos, cache)
+    reads = ar_steps_counting_host_reads(model, cache, range(7, 10), monkeypatch)
     after = offload_runtime.accounting(model)
     assert reads == []  # on a CPU device nothing crosses; on a GPU only the layer's input and output would
-    for key in ("host_reads", "h2d_bytes", "slot_hits", "slot_misses", "prefetched"):
-        assert after[key] == prompt[key], key
+    assert_fetched_nothing(prompt, after)
     assert after["host_computes"] == 3 * len(STREAMED)
     placer.set_cpu_experts(model, [])
     model(torch.tensor([10]), 10, cache)

@@ -24,7 +24,7 @@ from clover_desk.engine.weights.checkpoint import random_state_dict
 from clover_desk.engine.weights.quant import make_policy, quantize_model_
 from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.helpers_model import one_thread
-from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
+from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, assert_one_graph, quantized_model, tokens
 from tests.triton_child import run_interpreted
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
@@ -518,14 +518,7 @@ def test_an_ar_step_through_device_tables_traces_as_one_graph(qmodel: CloverMode
     tok = torch.tensor([9])
     step(tok)  # the tables go to the device here (CloverModel.forward), outside any trace
     try:
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(step)(tok)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
-            str(b.reason)[:200] for b in explained.break_reasons
-        ]
-        torch._dynamo.reset()
-        compiled = torch.compile(step, backend="eager", fullgraph=True)
-        assert (compiled(tok) - step(tok)).abs().max() < 1e-5
+        assert_one_graph(step, tok)
         rt = offload_runtime.runtime_of(model)
         assert rt is not None and rt.tables is not None and rt.tables.check() == []
     finally:

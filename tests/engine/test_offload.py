@@ -16,7 +16,18 @@ from clover_desk.engine.placement.placer import SimplePlan, apply_plan
 from clover_desk.engine.weights.checkpoint import random_state_dict
 from clover_desk.engine.weights.quant import QuantExpertBank
 from tests.helpers_model import one_thread
-from tests.offload_model import EXPERTS, LAYERS, MASK, quantized_model, settings, tiny_config, tokens
+from tests.offload_model import (
+    EXPERTS,
+    LAYERS,
+    MASK,
+    ar_steps_counting_host_reads,
+    assert_fetched_nothing,
+    assert_one_graph,
+    quantized_model,
+    settings,
+    tiny_config,
+    tokens,
+)
 
 _single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest
 
@@ -297,20 +308,10 @@ def test_zero_copy_ar_steps_neither_fetch_nor_read_the_host(qmodel: CloverModel,
     model(torch.arange(5, 12), 0, cache)  # 7 tokens x top-4: through the pool
     prompt = offload_runtime.accounting(model)
     assert prompt["host_reads"] == 3 and prompt["slot_misses"] > 0
-    reads: list[tuple[int, ...]] = []
-    plain = torch.Tensor.cpu
-
-    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        reads.append(tuple(t.shape))
-        return plain(t, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", counted)
-    for pos in range(7, 10):
-        model(torch.tensor([pos]), pos, cache)
+    reads = ar_steps_counting_host_reads(model, cache, range(7, 10), monkeypatch)
     after = offload_runtime.accounting(model)
     assert reads == []
-    for key in ("host_reads", "h2d_bytes", "slot_hits", "slot_misses", "prefetched"):
-        assert after[key] == prompt[key], key
+    assert_fetched_nothing(prompt, after)
     assert not rt.pool.in_use
     assert placer.set_zero_copy(model, False) == {}
     model(torch.tensor([10]), 10, cache)
@@ -350,14 +351,7 @@ def test_a_zero_copy_ar_step_traces_as_one_graph(qmodel: CloverModel) -> None:
         through_pool = torch._dynamo.explain(step)(tok)
         assert through_pool.graph_break_count > 0
         placer.set_zero_copy(model, True)
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(step)(tok)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
-            str(b.reason)[:200] for b in explained.break_reasons
-        ]
-        torch._dynamo.reset()
-        compiled = torch.compile(step, backend="eager", fullgraph=True)
-        assert (compiled(tok) - step(tok)).abs().max() < 1e-5  # (traced: another summation order)
+        assert_one_graph(step, tok)
     finally:
         torch._dynamo.reset()
 
