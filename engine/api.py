@@ -32,7 +32,7 @@ from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS, DTYPE_OF_PRECISION, 
 from clover_desk.engine.errors import CancelledError, ConfigError, PlanError, PromptError
 from clover_desk.engine.kernels import fastpath, switches
 from clover_desk.engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
-from clover_desk.engine.placement import offload, planner
+from clover_desk.engine.placement import offload_runtime, planner
 from clover_desk.engine.placement.manifest import manifest_from_gguf
 from clover_desk.engine.placement.planner import Plan, plan_model, probe_hardware
 from clover_desk.engine.settings import GpuPaths
@@ -307,7 +307,7 @@ class Engine:
             )
         if plan is not None and plan.prefill_chunk_tokens:
             model.max_pass_tokens = plan.prefill_chunk_tokens  # the planned attention scratch
-        if plan is not None or offload.runtime_of(model) is not None:  # placed (the quantized cache always is)
+        if plan is not None or offload_runtime.runtime_of(model) is not None:  # placed (the quantized cache always is)
             hooks = loop_hooks(model)
         log.info(
             "loaded %s (%s, %d layers) on %s, precision %s, computing in %s", folder, config.model_type,
@@ -378,7 +378,7 @@ class Engine:
                     raise CancelledError(f"loading {self.model_dir} was cancelled (while compiling)")
             log.info("warm-up %s: %.1f s", stage, time.perf_counter() - started)
 
-        runtime = offload.runtime_of(self.model)
+        runtime = offload_runtime.runtime_of(self.model)
         if runtime is not None:  # the first request's expert-streaming figures count that request alone
             runtime.reset_stats()
         return stages

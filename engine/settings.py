@@ -25,7 +25,7 @@ from typing import Any
 from clover_desk.engine.errors import ConfigError
 
 # How AR steps (and, with device tables, diffusion passes) reach the experts of a streamed layer
-# (engine.placement.offload): "pool": copied into the device slot pool; "zero_copy": read in place from page-locked
+# (engine.placement.streamed_bank): "pool": copied into the device slot pool; "zero_copy": read in place from page-locked
 # host memory; "device_tables": fetched through slot tables kept on the GPU (engine.placement.device_pool).
 EXPERT_FETCH = ("pool", "zero_copy", "device_tables")
 

@@ -23,11 +23,13 @@ import pytest
 import torch
 
 from clover_desk.engine.model.config import parse_config
-from clover_desk.engine.placement import offload
-from clover_desk.engine.weights import quant_cache
+from clover_desk.engine.placement import expert_store
+from clover_desk.engine.weights import quant_cache_build, quant_cache_files
 from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint
 from clover_desk.engine.weights.quant import make_policy
-from clover_desk.engine.weights.quant_cache import DATA_NAME, MANIFEST_NAME, build_cache, load_from_cache
+from clover_desk.engine.weights.quant_cache import load_from_cache
+from clover_desk.engine.weights.quant_cache_build import build_cache
+from clover_desk.engine.weights.quant_cache_files import DATA_NAME, MANIFEST_NAME
 from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.helpers_model import one_thread
 
@@ -89,15 +91,15 @@ def test_fallback_reads_and_writes_at_offsets_from_many_threads(
     path = tmp_path / "f.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
     try:
-        quant_cache._write_all(fd, data[8000:], 8000)  # written back to front, at their offsets
-        quant_cache._write_all(fd, data[:8000], 0)
+        quant_cache_files.write_all(fd, data[8000:], 8000)  # written back to front, at their offsets
+        quant_cache_files.write_all(fd, data[:8000], 0)
         assert path.read_bytes() == data
         errors: list[str] = []
 
         def reader(seed: int) -> None:
             for i in range(2000):
                 offset = (seed * 997 + i * 131) % (len(data) - 300)
-                got = quant_cache._pread(fd, offset, 300, "test")
+                got = quant_cache_files.pread_all(fd, offset, 300, "test")
                 if bytes(got) != data[offset : offset + 300]:
                     errors.append(f"thread {seed} read wrong bytes at {offset}")
 
@@ -138,8 +140,8 @@ def pinning_refused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 def test_expert_rows_fall_back_to_pageable_memory_when_pinning_fails(
     pinning_refused: list[tuple[int, ...]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.offload"):
-        rows, pinned = offload.alloc_host_rows((4, 32), True, offload.PinBudget(None), layer=3)
+    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.expert_store"):
+        rows, pinned = expert_store.alloc_host_rows((4, 32), True, expert_store.PinBudget(None), layer=3)
     assert pinning_refused == [(4, 32)]  # it was asked for, and refused
     assert not pinned and tuple(rows.shape) == (4, 32) and not rows.is_pinned()
     assert any("layer 3" in r.getMessage() and "pinning" in r.getMessage() for r in caplog.records)
@@ -148,8 +150,8 @@ def test_expert_rows_fall_back_to_pageable_memory_when_pinning_fails(
 def test_staging_ring_falls_back_to_pageable_buffers_when_pinning_fails(
     pinning_refused: list[tuple[int, ...]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.offload"):
-        ring = offload.StagingRing(64, 3, torch.device("cpu"), pin=True)
+    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.placement.expert_store"):
+        ring = expert_store.StagingRing(64, 3, torch.device("cpu"), pin=True)
     assert pinning_refused and not ring.pinned and len(ring.buffers) == 3
     assert any("staging" in r.getMessage() for r in caplog.records)
     row = torch.arange(64, dtype=torch.uint8)
@@ -161,10 +163,10 @@ def test_staging_ring_falls_back_to_pageable_buffers_when_pinning_fails(
 
 
 def test_pid_alive_tells_a_running_process_from_a_finished_one() -> None:
-    assert quant_cache._pid_alive(os.getpid())
+    assert quant_cache_build._pid_alive(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert not quant_cache._pid_alive(child.pid)
+    assert not quant_cache_build._pid_alive(child.pid)
 
 
 def test_make_tiny_peak_memory_without_the_resource_module(monkeypatch: pytest.MonkeyPatch) -> None:

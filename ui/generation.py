@@ -127,7 +127,7 @@ def finished_stats(event: Finished, mode: str) -> dict[str, Any]:
 
 
 def expert_hit_rate(accounting: dict[str, Any] | None) -> float | None:
-    """Expert slot-pool hit rate from ``Finished.accounting`` (engine.placement.offload: ``hit_rate``, ``slot_hits`` /
+    """Expert slot-pool hit rate from ``Finished.accounting`` (engine.placement.offload_runtime: ``hit_rate``, ``slot_hits`` /
     ``slot_misses``), or None when nothing was streamed."""
     if not accounting:
         return None

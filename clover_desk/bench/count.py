@@ -106,9 +106,9 @@ def _count_device_tables(model: Any, config: Any) -> None:
     CUDA path's two programs)."""
     import torch
 
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import offload_runtime
 
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     if rt is None or rt.tables is None:
         return
     tables, k = rt.tables, config.num_experts_per_tok
@@ -155,7 +155,7 @@ def _planned_workspace(model: Any, block: int) -> tuple[int, dict[str, int], dic
     """(context, workspace parts, details) the planner counts for ``model`` at the default context."""
     from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
     from clover_desk.engine.placement import planner
-    from clover_desk.engine.placement.offload import manifest_from_model
+    from clover_desk.engine.placement.placer import manifest_from_model
     from clover_desk.engine.weights.formats import format_of_torch_dtype
 
     ctx = min(DEFAULT_CTX_TOKENS, model.config.max_position_embeddings or DEFAULT_CTX_TOKENS) // block * block

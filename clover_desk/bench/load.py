@@ -81,7 +81,7 @@ def _stage(argv: list[str]) -> int:
         print(json.dumps({"cache": str(report.path), "rebuilt": report.rebuilt}))
         return 0
     from clover_desk.engine.api import Engine
-    from clover_desk.engine.placement.offload import runtime_of
+    from clover_desk.engine.placement.offload_runtime import runtime_of
 
     plan = json.loads(Path(argv[2]).read_text(encoding="utf-8"))
     engine = Engine.load(argv[1], device=argv[3], precision="nf4", placement=plan, dtype=argv[4],
@@ -105,18 +105,18 @@ def _stage(argv: list[str]) -> int:
 def measure(model: Path, vram_budget_bytes: int, ctx: int, device: str, dtype: str, keep_cache: bool) -> dict[str, Any]:
     """Plan, convert, load; every figure the command prints."""
     from clover_desk.engine.placement.planner import plan_model, probe_hardware
-    from clover_desk.engine.weights import quant_cache
+    from clover_desk.engine.weights import quant_cache_files
 
     plan = plan_model(model, vram_budget_bytes, ctx, probe_hardware())
     result: dict[str, Any] = {"plan": plan.to_dict()}
     if not plan.fits:
         return result
-    cdir = quant_cache.cache_dir_for(model)
+    cdir = quant_cache_files.cache_dir_for(model)
     if not keep_cache and cdir.exists():
         shutil.rmtree(cdir)
     _, baseline_rss, _ = _child(["baseline"])
     conv, convert_rss, convert_s = _child(["convert", str(model)])
-    cache_bytes = (Path(conv["cache"]) / quant_cache.DATA_NAME).stat().st_size
+    cache_bytes = (Path(conv["cache"]) / quant_cache_files.DATA_NAME).stat().st_size
     with tempfile.TemporaryDirectory() as tmp:
         plan_file = Path(tmp) / "plan.json"
         plan_file.write_text(json.dumps(plan.to_dict()), encoding="utf-8")

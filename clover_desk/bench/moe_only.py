@@ -280,7 +280,7 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
     """One streamed layer's AR step three ways, each step with fresh routing (k experts drawn at random): through
     the slot pool when its experts miss (a pool of k slots: the step reads back which experts, copies their rows,
     then computes: a miss's whole cost), in place (zero-copy: the compute gathers its k rows from the page-locked
-    host rows mapped into the device, engine.placement.offload.in_place_view), and resident (the rows already in device
+    host rows mapped into the device, engine.placement.expert_store.in_place_view), and resident (the rows already in device
     memory: the floor). The rows' bytes over the time give each path's effective rate; on a GPU this decides
     whether AR steps read streamed experts in place (CLOVER_DESK_ZERO_COPY). On the CPU host and device memory are
     one: the three differ by the copies only."""
@@ -288,15 +288,15 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
     import torch
 
     from clover_desk.engine.kernels import triton_moe
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import expert_store
 
     dev = torch.device(device)
     layout = bank.layout
-    rows, pinned = offload.alloc_host_rows(tuple(bank.packed.shape), dev.type == "cuda", offload.PinBudget(None), 0)
+    rows, pinned = expert_store.alloc_host_rows(tuple(bank.packed.shape), dev.type == "cuda", expert_store.PinBudget(None), 0)
     rows.copy_(bank.packed.cpu())
-    store = offload.HostExpertStore(0, rows, pinned)
+    store = expert_store.HostExpertStore(0, rows, pinned)
     runtime, streamed = _one_streamed_layer(store, layout, k, dev)
-    view, why = offload.in_place_view(rows, dev)
+    view, why = expert_store.in_place_view(rows, dev)
     e = bank.num_experts
     routings = []
     for _ in range(ZERO_COPY_STEPS):
@@ -341,13 +341,13 @@ def _zero_copy_line(bank: Any, x: Any, k: int, repeats: int, device: str, gen: A
 
 def _one_streamed_layer(store: Any, layout: Any, slots: int, dev: Any) -> tuple[Any, Any]:
     """(runtime, bank): one streamed layer (layer 0, rows in ``store``) over a pool of ``slots``, no prefetch,
-    wired by hand: engine.placement.offload.place_model places whole models."""
-    from clover_desk.engine.placement import offload
+    wired by hand: engine.placement.placer.place_model places whole models."""
+    from clover_desk.engine.placement import offload_runtime, slot_pool, streamed_bank
 
-    ledger = offload.DeviceLedger(dev)
-    runtime = offload.OffloadRuntime(dev, offload.SlotPool(slots, layout, dev, ledger), ledger, prefetch=False)
+    ledger = slot_pool.DeviceLedger(dev)
+    runtime = offload_runtime.OffloadRuntime(dev, slot_pool.SlotPool(slots, layout, dev, ledger), ledger, prefetch=False)
     runtime.stores, runtime.streamed_layers = {0: store}, (0,)
-    return runtime, offload.StreamedExpertBank(0, layout, store, runtime)
+    return runtime, streamed_bank.StreamedExpertBank(0, layout, store, runtime)
 
 
 def _device_tables_part(resident: Any, store: Any, view: Any, why: str, x: Any, routings: list[Any], dev: Any,

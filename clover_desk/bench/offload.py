@@ -4,7 +4,7 @@ Default: the 35B-A3B shapes (``engine.placement.planner.manifest_for_shape``) pl
 trace (Zipf-like expert popularity per layer, a per-block topic, per-position noise that persists across the
 denoising passes of a block) is calibrated so one 32-position pass touches ~70 of 256 experts per layer (the
 measured LLaDA2.0-mini figure) and is run through the real slot pool / LRU / block-pin code of
-``engine.placement.offload``, with rows of a few bytes standing in for the 1.77 MB experts (bytes are counted at full size).
+``engine.placement.slot_pool``, with rows of a few bytes standing in for the 1.77 MB experts (bytes are counted at full size).
 
 Modes: ``--tiny`` runs a tiny random model end to end on the CPU (real quantized weights, real streaming, real
 generation loop); ``--gpu`` runs the prepared device check (full-size INT4 experts in pinned memory, 16 GiB cap,
@@ -177,7 +177,8 @@ def calibrate(target: float, base: TraceModel, reuse: float, passes: int) -> Tra
 def _sim_pool(slots: int, experts: int, layers: list[int]) -> tuple[Any, dict[int, Any]]:
     import torch
 
-    from clover_desk.engine.placement.offload import DeviceLedger, HostExpertStore, SlotPool
+    from clover_desk.engine.placement.expert_store import HostExpertStore
+    from clover_desk.engine.placement.slot_pool import DeviceLedger, SlotPool
     from clover_desk.engine.weights.quant import ExpertLayout
 
     layout = ExpertLayout.build(experts, 16, 8, "nf4", 64)  # a stand-in row of a few hundred bytes
@@ -330,7 +331,7 @@ def run_tiny(args: argparse.Namespace) -> int:
     from clover_desk.engine.decode.generate import generate
     from clover_desk.engine.decode.settings import DecodeSettings
     from clover_desk.engine.model.config import parse_config
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import offload_runtime, placer
     from clover_desk.engine.weights.checkpoint import random_state_dict, write_checkpoint
     from clover_desk.engine.weights.quant import make_policy
     from clover_desk.engine.weights.quant_cache import load_quantized
@@ -361,12 +362,12 @@ def run_tiny(args: argparse.Namespace) -> int:
             )
             ref = list(generate(base, prompt, s))[-1]
             model = copy.deepcopy(base)
-            plan = offload.SimplePlan((0, 2), (1, 3), cfg.num_experts)
-            offload.apply_plan(model, plan, "cpu")
+            plan = placer.SimplePlan((0, 2), (1, 3), cfg.num_experts)
+            placer.apply_plan(model, plan, "cpu")
             t0 = time.perf_counter()
             fin = list(generate(model, prompt, s))[-1]
             dt = time.perf_counter() - t0
-            acc = offload.accounting(model)
+            acc = offload_runtime.accounting(model)
             same = "identical" if fin.token_ids == ref.token_ids else "DIFFERENT"
             print(
                 f"{mode}: {fin.tokens} tokens in {fin.passes} passes ({dt:.2f} s), tokens {same} to all-resident; "
@@ -397,7 +398,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
             f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU only'}); nothing measured"
         )
         return 2
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import expert_store, slot_pool
     from clover_desk.engine.placement.planner import SHAPE_PREFIX, manifest_for_shape, plan_model, probe_hardware
     from clover_desk.engine.weights.quant import ExpertLayout, QuantExpertBank, routed_forward
 
@@ -425,16 +426,16 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         gu = torch.randn(2 * i, d, device=dev, dtype=torch.bfloat16) * d**-0.5
         dn = torch.randn(d, i, device=dev, dtype=torch.bfloat16) * i**-0.5
         seed_rows[j] = lay.pack(gu, dn, out=torch.zeros(lay.nbytes, dtype=torch.uint8, device=dev)).cpu()
-    ledger = offload.DeviceLedger(dev)
-    pool = offload.SlotPool(plan.slot_pool_experts, lay, dev, ledger)
-    budget = offload.PinBudget(None)
+    ledger = slot_pool.DeviceLedger(dev)
+    pool = slot_pool.SlotPool(plan.slot_pool_experts, lay, dev, ledger)
+    budget = expert_store.PinBudget(None)
     stores = {}
     for layer in streamed:
-        rows, pinned = offload.alloc_host_rows((e, lay.nbytes), True, budget, layer)
+        rows, pinned = expert_store.alloc_host_rows((e, lay.nbytes), True, budget, layer)
         rows.copy_(seed_rows.repeat((e + 15) // 16, 1)[:e])
-        stores[layer] = offload.HostExpertStore(layer, rows, pinned)
+        stores[layer] = expert_store.HostExpertStore(layer, rows, pinned)
     if any(not s.pinned for s in stores.values()):
-        pool.staging = offload.StagingRing(lay.nbytes, 4, dev)
+        pool.staging = expert_store.StagingRing(lay.nbytes, 4, dev)
     banks = {
         layer: QuantExpertBank(lay, device=dev, packed=seed_rows.repeat((e + 15) // 16, 1)[:e].to(dev))
         for layer in resident

@@ -171,7 +171,7 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
     import torch
 
     from clover_desk.engine.errors import ConfigError
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import placer
 
     n = config.num_hidden_layers
     if args.stream is not None:
@@ -189,7 +189,7 @@ def _place(model: Any, config: Any, args: argparse.Namespace, device: str) -> An
         slots = plan.slot_pool_experts
     resident = [i for i in range(n) if i not in streamed]
     # the planner keeps the embedding table in host memory (a lookup sends T rows): so does the card's path
-    rt = offload.apply_plan(model, offload.SimplePlan(tuple(resident), tuple(streamed), slots), device,
+    rt = placer.apply_plan(model, placer.SimplePlan(tuple(resident), tuple(streamed), slots), device,
                             host_embedding=args.vram_budget_bytes is not None, device_pool=args.device_pool)
     print(f"placed: {len(resident)} resident / {len(streamed)} streamed expert layers, slot pool of {slots} experts")
     if args.device_pool:

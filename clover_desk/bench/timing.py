@@ -30,7 +30,7 @@ def _engine_figures(
 
     from clover_desk.engine.decode.generate import generate_ar, generate_diffusion, generate_spec
     from clover_desk.engine.decode.loop_parts import loop_hooks
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import offload_runtime
 
     B = config.block_size
     P = len(prompt)
@@ -53,14 +53,14 @@ def _engine_figures(
         model.forward(ids[:aligned], 0, cache, block_size=B, write_cache=True, last_only=True, prefill=True)
         block = torch.full((B,), config.mask_token_id, dtype=torch.long, device=device)
         block[: B // 4] = ids[: B // 4]
-        offload.begin_block(model)  # the passes of one block, as the loop runs them (streamed: the block's pins)
+        offload_runtime.begin_block(model)  # the passes of one block, as the loop runs them (streamed: the block's pins)
         t = _best(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False), args.repeats, device)
         figures["diffusion_passes_s"] = 1.0 / t
         if count_ops:  # (a compiled forward runs generated kernels, not torch ops: not counted)
             count = _forward_ops(lambda: model.forward(block, aligned, cache, block_size=B, write_cache=False))
             figures["pass_ops"], figures["pass_scalar_reads"] = count["ops"], count["reads"]
             figures["pass_written"] = count["written"]
-        offload.end_block(model)
+        offload_runtime.end_block(model)
         if count_ops:
             step = ids[aligned - 1 : aligned]
             count = _forward_ops(lambda: model.forward(step, aligned, cache, block_size=None, write_cache=False))
@@ -71,19 +71,19 @@ def _engine_figures(
         _finished(generate_ar(model, prompt, _settings(config, "ar", 3)))
         _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", 2 * B)))
 
-    before = offload.accounting(model)
+    before = offload_runtime.accounting(model)
     done = _finished(generate_ar(model, prompt, _settings(config, "ar", args.decode_tokens), hooks=loop_hooks(model)))
     figures["ar_decode_tok_s"] = done.tokens_per_s
     figures["ar_tokens"] = done.tokens
     if before:  # streamed layers: bytes over PCIe, slot misses and host reads (syncs on a GPU) per AR token
-        after = offload.accounting(model)
+        after = offload_runtime.accounting(model)
         for key in ("h2d_bytes", "slot_misses", "host_reads"):
             figures[f"ar_{key}_per_token"] = (after[key] - before[key]) / max(done.tokens, 1)
-    before = offload.accounting(model)
+    before = offload_runtime.accounting(model)
     done = _finished(generate_diffusion(model, prompt, _settings(config, "diffusion", args.diffusion_tokens),
                                         hooks=loop_hooks(model)))
     if before:
-        after = offload.accounting(model)
+        after = offload_runtime.accounting(model)
         for key in ("h2d_bytes", "slot_misses", "host_reads"):
             figures[f"diffusion_{key}_per_token"] = (after[key] - before[key]) / max(done.tokens, 1)
         looked = after["slot_hits"] + after["slot_misses"] - before["slot_hits"] - before["slot_misses"]

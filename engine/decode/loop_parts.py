@@ -30,7 +30,7 @@ from clover_desk.engine.decode.prompt_cache import PromptCache, ScopedPromptCach
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.errors import PromptError
 from clover_desk.engine.model.gdn import GDN_CHUNK
-from clover_desk.engine.placement import offload
+from clover_desk.engine.placement import offload_runtime
 
 
 class DecodingModel(Protocol):
@@ -57,12 +57,12 @@ class LoopHooks:
 
 
 def loop_hooks(model: torch.nn.Module) -> LoopHooks:
-    """This model's placement hooks (:mod:`engine.placement.offload`): block boundaries and the streaming statistics
+    """This model's placement hooks (:mod:`engine.placement.offload_runtime`): block boundaries and the streaming statistics
     (no-ops and {} for a model no plan was applied to)."""
     return LoopHooks(
-        begin_block=lambda: offload.begin_block(model),
-        end_block=lambda: offload.end_block(model),
-        accounting=lambda: offload.accounting(model),
+        begin_block=lambda: offload_runtime.begin_block(model),
+        end_block=lambda: offload_runtime.end_block(model),
+        accounting=lambda: offload_runtime.accounting(model),
     )
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clover_desk.engine.placement.offload import uncounted_passes
+from clover_desk.engine.placement.offload_runtime import uncounted_passes
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ EAGER_STAGES = ("bank", "fetch")  # the stages that read the host
 def streamed_layers(model: Any, pairs: int | None = None) -> list[int]:
     """The layers whose experts are streamed from host memory; with ``pairs``, only those whose bank fetches its
     experts on the host for a pass of that many (token, expert) pairs (a zero-copy bank reads an AR step's in place:
-    ``engine.placement.offload.StreamedExpertBank.fetches``)."""
+    ``engine.placement.streamed_bank.StreamedExpertBank.fetches``)."""
     return [i for i, moe in enumerate(model.moe_layers())
             if getattr(moe.experts, "needs_prepare", False) and (pairs is None or moe.experts.fetches(pairs))]
 
@@ -76,7 +76,7 @@ def cuts(model: Any, t: int) -> dict[int, str]:
     """Where a pass of ``t`` tokens must leave its graphs: layer -> ``"bank"`` when its routed experts read the
     host (:meth:`engine.model.experts.ExpertBank.sync_free`: a quantized bank sizing its dequantizing groups on the
     host), ``"fetch"`` for a streamed bank whose compute reads nothing (only the fetch runs eagerly: it decides on
-    the host which experts to copy; :meth:`engine.placement.offload.StreamedExpertBank.compute_sync_free`), and ``"bank"``
+    the host which experts to copy; :meth:`engine.placement.streamed_bank.StreamedExpertBank.compute_sync_free`), and ``"bank"``
     for a streamed bank whose compute reads the host too. Layers not named are recorded whole, a streamed bank that
     reads this pass's experts in place (zero-copy) included."""
     pairs = t * model.config.num_experts_per_tok

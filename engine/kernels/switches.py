@@ -3,7 +3,7 @@ benchmark that builds its model by hand) calls with the settings its process sta
 
 The optional kernels are chosen per process (one engine a process; a compiled layer sees the choice as a constant),
 so each kernel module keeps its own switch, off or on as the settings say, and none reads the environment.
-The expert fetch (``GpuPaths.expert_fetch``) is per model: ``engine.placement.offload.place_model`` takes it.
+The expert fetch (``GpuPaths.expert_fetch``) is per model: ``engine.placement.placer.place_model`` takes it.
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ class CloverModel(nn.Module):
                 for s in range(0, t, seg)
             ]
             return outs[-1] if last_only else torch.cat(outs)
-        placement = getattr(self, "_offload_runtime", None)  # engine.placement.offload's runtime: its device tables
+        placement = getattr(self, "_offload_runtime", None)  # engine.placement.offload_runtime's runtime: its device tables
         if placement is not None:
             placement.before_pass(t, block_size)
         run = self._forward_pass

@@ -69,7 +69,7 @@ class ExpertBank(nn.Module):
 
     def fetches(self, pairs: int) -> bool:
         """Whether a forward over ``pairs`` (token, expert) pairs calls :meth:`prepare_for` first: a streamed bank
-        does unless it reads those pairs' experts in place (``engine.placement.offload``)."""
+        does unless it reads those pairs' experts in place (``engine.placement.streamed_bank``)."""
         return self.needs_prepare
 
     def sync_free(self, pairs: int, device: torch.device, dtype: torch.dtype) -> bool:
@@ -375,7 +375,7 @@ def _moe_sorted(
 
 
 class RowLayout(Protocol):
-    """What the expert offload (``engine.placement.offload``) and ``engine.weights.quant.routed_forward`` need of a
+    """What the expert offload (``engine.placement.streamed_bank``) and ``engine.weights.quant.routed_forward`` need of a
     row layout: one contiguous byte row of ``nbytes`` per expert, and the dequantize of a group of rows for the
     compute. ``engine.weights.quant.ExpertLayout`` (NF4 / INT8 rows) and ``engine.weights.gguf.model.GGUFExpertLayout``
     (GGUF blocks as the file stores them) are two."""

@@ -1,11 +1,11 @@
 """The slot pool's bookkeeping as device tensors: AR steps and diffusion passes that fetch their streamed experts
 with no host read.
 
-An AR step over streamed layers goes through the slot pool (``engine.placement.offload.SlotPool``), whose bookkeeping is
+An AR step over streamed layers goes through the slot pool (``engine.placement.slot_pool.SlotPool``), whose bookkeeping is
 host Python: each streamed layer reads its router's choice back to the host (a sync), looks the experts up, copies
 the missing ones, and guesses the next streamed layer's experts to prefetch. On a GPU the step is then cut around
 every streamed layer (``engine.kernels.step_graphs``: at 16 GiB, 17 eager fetches between 18 CUDA graphs), and each cut
-drains the GPU while Python runs. Zero-copy reads (``engine.placement.offload.in_place_view``) remove the cuts but give up
+drains the GPU while Python runs. Zero-copy reads (``engine.placement.expert_store.in_place_view``) remove the cuts but give up
 the pool's hits and its prefetch overlap.
 
 Here the same bookkeeping runs on the device, two kernels per streamed layer that a CUDA graph records:
@@ -36,7 +36,7 @@ slot and counter. A miss that was not prefetched is read serially, as in the hos
 Ownership: host and device tables are never both live. The device's are written from the host pool (``push``,
 no host read, the open block's pins included) before the first AR step or block pass that uses them; a forward
 that goes through the host pool (a prompt) first reads them back (``pull``: one host read). Opt-in
-(``engine.settings.GpuPaths.expert_fetch`` "device_tables", or ``engine.placement.offload.set_device_pool``) until a GPU run measures it against the host
+(``engine.settings.GpuPaths.expert_fetch`` "device_tables", or ``engine.placement.placer.set_device_pool``) until a GPU run measures it against the host
 pool.
 
 Letters: E experts, L streamed layers, S slots, R row bytes, k experts per token.
@@ -55,7 +55,7 @@ from torch import Tensor
 from clover_desk.engine.kernels.triton_copy import BIG, STAMP_STRIDE, copy_rows, place, place_set
 from clover_desk.engine.kernels.triton_linear import available
 
-# the device counters, in order; merged into engine.placement.offload.Stats (same names) by merge_counts
+# the device counters, in order; merged into engine.placement.slot_pool.Stats (same names) by merge_counts
 COUNTS = ("slot_hits", "slot_misses", "prefetched", "prefetch_hits", "prefetch_wasted", "evictions", "passes",
           "block_pin_evictions")
 # the block pass's one-program placing (engine.kernels.triton_copy.place_set) holds and sorts the slots in registers, and
@@ -68,9 +68,9 @@ PIN_OFFSET = 1 << 52  # added to a pinned slot's stamp by a block fetch: it is a
 class DeviceSlotTables:
     """The slot pool's tables on its device, for AR steps of ``top_k`` experts per streamed layer.
 
-    ``pool`` is the host :class:`engine.placement.offload.SlotPool` (its ``buf`` holds the rows; its Python state is the
+    ``pool`` is the host :class:`engine.placement.slot_pool.SlotPool` (its ``buf`` holds the rows; its Python state is the
     other owner, see the module), ``layers`` the streamed layers in order, ``sources`` {layer: [E, R] uint8} the
-    host rows as the device reads them (``engine.placement.offload.in_place_view``)."""
+    host rows as the device reads them (``engine.placement.expert_store.in_place_view``)."""
 
     def __init__(self, pool: Any, layers: tuple[int, ...], sources: dict[int, Tensor], num_experts: int,
                  top_k: int) -> None:
@@ -285,7 +285,7 @@ class DeviceSlotTables:
         """Make the experts ``present`` [E] bool of ``layer`` resident for a pass of a diffusion block and pin them
         until :meth:`end_block`; the compute reads :meth:`row_index`. The host pool's block fetch, decision for
         decision: hits refresh their place, the misses take free slots, then unpinned ones, oldest first, and only
-        then the block's own pins (counted); needs S >= E (``engine.placement.offload.min_slot_pool`` makes it so)."""
+        then the block's own pins (counted); needs S >= E (``engine.placement.placer.min_slot_pool`` makes it so)."""
         self.join()
         lp = self.pos[layer]
         target, need = self._place_set(lp, present, fetch=True)

@@ -17,7 +17,7 @@ How a plan is made (:func:`make_plan`); every VRAM byte is in ``Plan.vram_breakd
   from pinned host RAM into a pool of expert-sized slots. The pool is at least ``2 x E`` slots (E experts per
   layer) when any layer streams: one 32-token pass can touch all E experts of a layer, and the next streamed
   layer loads while this one computes (double buffering); ``min_slot_experts`` lowers it for a bank that computes
-  in chunks (engine.placement.offload accepts E). It never exceeds the streamed experts. VRAM left over after the layers
+  in chunks (engine.placement.placer accepts E). It never exceeds the streamed experts. VRAM left over after the layers
   becomes extra slots: they hold streamed layers' block working sets across a block's denoising passes.
 * Which layers stay resident: the count R with the best hardware-bound tok/s for ``optimize_for`` (ties: more
   resident); the streamed layers are spread evenly over the depth, so resident layers sit between streamed ones
@@ -185,7 +185,7 @@ class Plan:
     gpu_name: str | None = None  # the card planned for (None: no NVIDIA GPU found; planned for vram_budget_bytes)
     compute_dtype: str = "bf16"  # weights, KV cache and activations on the device ("bf16" on a GPU)
     # The modes in which the streamed layers' experts are computed on the CPU from host RAM instead of streamed to the
-    # device (engine.placement.offload): "ar" (decode steps), "pass" (diffusion block passes); chosen per mode by the
+    # device (engine.placement.streamed_bank): "ar" (decode steps), "pass" (diffusion block passes); chosen per mode by the
     # speed model (predicted_tok_s "ar_cpu_experts" against "ar", "diffusion_cpu_experts" against "diffusion").
     cpu_experts: list[str] = field(default_factory=list)
 
@@ -395,7 +395,7 @@ def make_plan(
     """Place ``manifest`` into ``vram_budget_bytes`` of GPU memory (and ``ram_bytes`` of free host RAM, when given) for
     ``ctx_tokens`` of context; see the module docstring for the rules.
 
-    ``manifest`` may also be the cache-manifest dict (``engine.placement.offload.manifest_from_model``).
+    ``manifest`` may also be the cache-manifest dict (``engine.placement.placer.manifest_from_model``).
     ``hardware`` (default :data:`engine.placement.hardware.DEFAULT_HARDWARE`, the assumed 16 GB RTX card; this function
     never probes) and ``roofline`` only feed the speed prediction, which picks the resident layer count for
     ``optimize_for`` ("diffusion" | "ar"). ``ram_bytes=None`` skips the RAM check. ``coreset`` and

@@ -69,7 +69,7 @@ class Roofline:
     device_table_kernels: float = 2.0
     graph_kernel_us: float = 3.0
     l2_bytes: int = 48 * MiB  # a dequantized weight larger than this round-trips through VRAM (4070 Ti S: 48 MB)
-    # Streamed layers' experts computed on the CPU from host RAM (engine.placement.offload CPU experts, as llama.cpp's
+    # Streamed layers' experts computed on the CPU from host RAM (engine.placement.streamed_bank CPU experts, as llama.cpp's
     # --n-cpu-moe): the CPU kernels (engine.kernels.cpu_quant) read an AR step's k experts per layer at
     # ``cpu_expert_gbps`` and multiply a block pass's tokens at ``cpu_gflops``; each such layer adds a device-to-host
     # round trip of its input and output (a sync) of ``host_roundtrip_us``. [assumption] an 8-core desktop with
@@ -148,7 +148,7 @@ def predict(
     ar_deq = expert_dequant(k, k)
     t_ar_unfused = max((ar_read + ar_deq) / vram_bw, ar_pcie / pcie_bw, ar_flops)
     t_ar = t_ar_unfused + ar_oh
-    # AR reading the streamed experts in place (engine.placement.offload zero-copy): nothing fetches, so the step is one graph,
+    # AR reading the streamed experts in place (engine.placement.streamed_bank zero-copy): nothing fetches, so the step is one graph,
     # but every step reads all its streamed experts over PCIe (no pool hits), and no read overlaps compute: a layer's
     # router decides what it reads, and the layer waits for it. (The pool's misses above are taken as overlapped,
     # which its prefetch guesses make true only in part: this comparison favours the pool.)
@@ -167,7 +167,7 @@ def predict(
     dp = min(float(e), float(block * k), rl.distinct_experts_per_pass)
     db = min(float(e), dp * rl.block_reuse_factor)
     n_pass = block / rl.tokens_per_pass + (1.0 if rl.commit_pass else 0.0)
-    # Streamed layers whose block working set stays pinned in the pool for the whole block (engine.placement.offload pins
+    # Streamed layers whose block working set stays pinned in the pool for the whole block (engine.placement.slot_pool pins
     # a block's slots); the rest reload their per-pass union every pass, with two unions in flight.
     if s == 0 or slots >= s * math.ceil(db):
         cached = s
@@ -241,7 +241,7 @@ def predict(
         "diffusion_graphs": block / max(t_block_unfused + n_pass * graph_bank_oh, tiny),
         "diffusion_graphs_fused": block / max(t_block_bound + n_pass * graph_fetch_oh, tiny),
         "diffusion_graphs_device_pool": block / max(t_block_bound + n_pass * graph_table_oh, tiny),
-        # the streamed layers' experts on the CPU (eager, as "ar" / "diffusion" are): engine.placement.offload
+        # the streamed layers' experts on the CPU (eager, as "ar" / "diffusion" are): engine.placement.streamed_bank
         "ar_cpu_experts": 1.0 / max(t_ar_cpu, tiny),
         "diffusion_cpu_experts": block / max(t_block_cpu, tiny),
     }

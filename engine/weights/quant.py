@@ -598,7 +598,7 @@ def rows_sync_free(pairs: int, device: torch.device, layout: RowLayout) -> bool:
 
 class RowExpertBank(ExpertBank):
     """A bank whose experts are one contiguous byte row each: ``packed`` uint8 [E, layout.nbytes] under a
-    :class:`RowLayout`, computed by :func:`routed_forward`. ``engine.placement.offload`` streams any such bank: a streamed
+    :class:`RowLayout`, computed by :func:`routed_forward`. ``engine.placement.streamed_bank`` streams any such bank: a streamed
     layer's rows go to host memory and one copy fills one slot."""
 
     layout: RowLayout

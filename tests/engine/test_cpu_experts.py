@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,25 +17,27 @@ import torch
 from clover_desk.cli import main as cli
 from clover_desk.engine.errors import PlanError
 from clover_desk.engine.model.clover import CloverModel
-from clover_desk.engine.placement import offload
+from clover_desk.engine.placement import offload_runtime, placer, streamed_bank
 from clover_desk.engine.placement.hardware import Hardware
 from clover_desk.engine.placement.manifest import manifest_for_shape
-from clover_desk.engine.placement.offload import SimplePlan, apply_plan
+from clover_desk.engine.placement.placer import SimplePlan, apply_plan
 from clover_desk.engine.placement.planner import CPU_EXPERT_MODES, Plan, make_plan
 from clover_desk.engine.placement.speed import Roofline
-from tests.offload_model import EXPERTS, quantized_model, tokens
+from tests.helpers_model import one_thread
+from tests.offload_model import (
+    EXPERTS,
+    ar_steps_counting_host_reads,
+    assert_fetched_nothing,
+    quantized_model,
+    tokens,
+)
 
 GIB = 1024**3
 STREAMED = (1, 2, 3)
 PLAN = SimplePlan((0,), STREAMED, 4 * EXPERTS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_cpu_experts_never_change_the_tokens(qmodel: CloverModel, mode: str, n: 
     reference = tokens(qmodel, mode, n)
     model = placed(qmodel, modes)
     assert tokens(model, mode, n) == reference
-    acc = offload.accounting(model)
+    acc = offload_runtime.accounting(model)
     assert acc["cpu_experts"] == sorted(modes)
     used = ("ar" in modes and mode == "ar") or ("pass" in modes and mode == "diffusion")
     assert (acc["host_computes"] > 0) == used, acc["host_computes"]
@@ -71,26 +72,16 @@ def test_cpu_ar_steps_neither_fetch_nor_read_the_host(qmodel: CloverModel, monke
     model = placed(qmodel, ["ar"])
     cache = model.new_cache(32)
     model(torch.arange(5, 12), 0, cache)  # a 7-token prompt: through the pool
-    prompt = offload.accounting(model)
+    prompt = offload_runtime.accounting(model)
     assert prompt["host_reads"] == len(STREAMED) and prompt["slot_misses"] > 0 and prompt["host_computes"] == 0
-    reads: list[tuple[int, ...]] = []
-    plain = torch.Tensor.cpu
-
-    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        reads.append(tuple(t.shape))
-        return plain(t, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", counted)
-    for pos in range(7, 10):
-        model(torch.tensor([pos]), pos, cache)
-    after = offload.accounting(model)
+    reads = ar_steps_counting_host_reads(model, cache, range(7, 10), monkeypatch)
+    after = offload_runtime.accounting(model)
     assert reads == []  # on a CPU device nothing crosses; on a GPU only the layer's input and output would
-    for key in ("host_reads", "h2d_bytes", "slot_hits", "slot_misses", "prefetched"):
-        assert after[key] == prompt[key], key
+    assert_fetched_nothing(prompt, after)
     assert after["host_computes"] == 3 * len(STREAMED)
-    offload.set_cpu_experts(model, [])
+    placer.set_cpu_experts(model, [])
     model(torch.tensor([10]), 10, cache)
-    assert offload.accounting(model)["host_reads"] == prompt["host_reads"] + len(STREAMED)
+    assert offload_runtime.accounting(model)["host_reads"] == prompt["host_reads"] + len(STREAMED)
 
 
 def test_a_gpu_forward_cuts_its_graphs_around_cpu_experts(qmodel: CloverModel) -> None:
@@ -98,15 +89,15 @@ def test_a_gpu_forward_cuts_its_graphs_around_cpu_experts(qmodel: CloverModel) -
     on the CPU it is the same compute as a resident bank's. (The device is only named: no GPU is needed.)"""
     model = placed(qmodel, ["ar"])
     bank = model.layers[STREAMED[0]].mlp.experts
-    assert isinstance(bank, offload.StreamedExpertBank)
+    assert isinstance(bank, streamed_bank.StreamedExpertBank)
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     k = model.config.num_experts_per_tok
     assert bank.computes_on_host(k) and not bank.fetches(k)
     assert not bank.compute_sync_free(k, gpu, torch.bfloat16) and not bank.sync_free(k, gpu, torch.bfloat16)
-    assert bank.compute_sync_free(k, cpu, torch.float32) == offload.rows_sync_free(k, cpu, bank.layout)
+    assert bank.compute_sync_free(k, cpu, torch.float32) == streamed_bank.rows_sync_free(k, cpu, bank.layout)
     assert not bank.computes_on_host(7 * k)  # a prompt streams
     assert not bank.computes_on_host(k, in_block=True)  # "pass" not chosen: a block's passes stream
-    offload.set_cpu_experts(model, ["pass"])
+    placer.set_cpu_experts(model, ["pass"])
     assert bank.computes_on_host(k, in_block=True) and not bank.computes_on_host(k, in_block=False)
 
 
@@ -122,13 +113,13 @@ def test_the_plan_carries_the_choice_to_the_placement(qmodel: CloverModel) -> No
         Plan.from_dict({**plan.to_dict(), "cpu_experts": ["gpu"]})
     model = copy.deepcopy(qmodel)
     # a plan's own choice (SimplePlan has no field: none) and the placement's argument over it
-    assert offload.runtime_of(model) is None
+    assert offload_runtime.runtime_of(model) is None
     rt = apply_plan(model, PLAN, "cpu")
     assert rt.cpu_experts == frozenset()
-    offload.set_cpu_experts(model, ["ar"])
+    placer.set_cpu_experts(model, ["ar"])
     assert rt.cpu_experts == {"ar"}
     with pytest.raises(PlanError, match="unknown"):
-        offload.set_cpu_experts(model, ["prefill"])
+        placer.set_cpu_experts(model, ["prefill"])
 
 
 def _hardware(pcie_gbps: float) -> Hardware:

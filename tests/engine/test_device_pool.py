@@ -16,14 +16,16 @@ from clover_desk.engine.errors import PlanError
 from clover_desk.engine.kernels import step_graphs, triton_moe
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import parse_config
-from clover_desk.engine.placement import offload
+from clover_desk.engine.placement import offload_runtime, placer, slot_pool
 from clover_desk.engine.placement.device_pool import DeviceSlotTables
-from clover_desk.engine.placement.offload import HostExpertStore, SimplePlan, SlotPool, apply_plan
+from clover_desk.engine.placement.expert_store import HostExpertStore
+from clover_desk.engine.placement.placer import SimplePlan, apply_plan
+from clover_desk.engine.placement.slot_pool import SlotPool
 from clover_desk.engine.weights.checkpoint import random_state_dict
 from clover_desk.engine.weights.quant import make_policy, quantize_model_
 from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 from tests.helpers_model import one_thread
-from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, quantized_model, tokens
+from tests.offload_model import EXPERTS, LAYERS, SPECIAL, TOPK, assert_one_graph, quantized_model, tokens
 from tests.triton_child import run_interpreted
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_off")
@@ -53,7 +55,7 @@ class _Layout:
 
 
 def _pool(slots: int, row_bytes: int) -> SlotPool:
-    return SlotPool(slots, _Layout(row_bytes), torch.device("cpu"), offload.DeviceLedger(torch.device("cpu")))
+    return SlotPool(slots, _Layout(row_bytes), torch.device("cpu"), slot_pool.DeviceLedger(torch.device("cpu")))
 
 
 @pytest.mark.parametrize("slots", [8, 11, 20, 64])
@@ -281,17 +283,17 @@ def test_refusals_and_what_excludes_what(qmodel: CloverModel) -> None:
     with pytest.raises(ValueError, match="top_k"):
         DeviceSlotTables(_pool(8, 8), (0,), {0: torch.zeros(16, 8, dtype=torch.uint8)}, 16, 0)
     with pytest.raises(PlanError, match="placed model"):
-        offload.set_device_pool(copy.deepcopy(qmodel), True)
+        placer.set_device_pool(copy.deepcopy(qmodel), True)
     with pytest.raises(PlanError, match="exclude each other"):
         placed(qmodel, (1, 3), EXPERTS, zero_copy=True, device_pool=True)
     model = placed(qmodel, (1, 3), EXPERTS, zero_copy=True)
     with pytest.raises(PlanError, match="exclude each other"):
-        offload.set_device_pool(model, True)
+        placer.set_device_pool(model, True)
     model = placed(qmodel, (1, 3), EXPERTS, device_pool=True)
     with pytest.raises(PlanError, match="exclude each other"):
-        offload.set_zero_copy(model, True)
+        placer.set_zero_copy(model, True)
     # the settings' expert fetch (engine.settings.GpuPaths.expert_fetch) asks on CUDA only
-    rt = offload.runtime_of(placed(qmodel, (1, 3), EXPERTS, expert_fetch="device_tables"))
+    rt = offload_runtime.runtime_of(placed(qmodel, (1, 3), EXPERTS, expert_fetch="device_tables"))
     assert rt is not None and rt.tables is None
 
 
@@ -303,11 +305,11 @@ def test_a_pool_too_small_is_refused_and_keeps_fetching_on_the_host(qmodel: Clov
     quantize_model_(model, make_policy())
     rt = apply_plan(model, SimplePlan((0,), (1,), 8), "cpu", device_pool=True)
     assert rt.tables is None and "at least 12" in rt.device_pool_refused
-    assert offload.accounting(model)["device_pool"] is False
+    assert offload_runtime.accounting(model)["device_pool"] is False
     cache = model.new_cache(16)
     model(torch.arange(5, 9), 0, cache)
     model(torch.tensor([3]), 4, cache)
-    assert offload.accounting(model)["host_reads"] == 2  # the prompt and the step both fetched on the host
+    assert offload_runtime.accounting(model)["host_reads"] == 2  # the prompt and the step both fetched on the host
 
 
 # --- AR steps of a model ---
@@ -322,13 +324,13 @@ def test_device_tables_never_change_the_tokens(qmodel: CloverModel, streamed: tu
     ar, diffusion = tokens(qmodel, "ar", 12), tokens(qmodel, "diffusion", 32)
     model = placed(qmodel, streamed, slots, device_pool=True)
     host = placed(qmodel, streamed, slots)
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     assert rt is not None and rt.tables is not None
     for mode, want in (("ar", ar), ("diffusion", diffusion), ("ar", ar)):
         assert tokens(model, mode, len(want)) == want, mode
         assert tokens(host, mode, len(want)) == want, mode
         assert rt.tables.check() == []
-    got, ref = offload.accounting(model), offload.accounting(host)
+    got, ref = offload_runtime.accounting(model), offload_runtime.accounting(host)
     assert got["device_pool"] and not ref["device_pool"]
     for key in ("slot_hits", "slot_misses", "evictions", "block_pin_evictions", "prefetched", "prefetch_hits",
                 "prefetch_wasted", "h2d_bytes", "passes", "blocks", "passes_per_block",
@@ -345,7 +347,7 @@ def test_device_ar_steps_read_nothing_on_the_host(qmodel: CloverModel, monkeypat
     model = placed(qmodel, (1, 2, 3), 2 * EXPERTS, device_pool=True, prefetch=True)
     cache = model.new_cache(32)
     model(torch.arange(5, 12), 0, cache)
-    prompt = offload.accounting(model)
+    prompt = offload_runtime.accounting(model)
     assert prompt["host_reads"] == 3
     reads: list[str] = []
     for name in ("cpu", "tolist", "item"):
@@ -356,16 +358,16 @@ def test_device_ar_steps_read_nothing_on_the_host(qmodel: CloverModel, monkeypat
         model(torch.tensor([pos]), pos, cache)
     assert reads == []
     monkeypatch.undo()
-    after = offload.accounting(model)
+    after = offload_runtime.accounting(model)
     assert after["host_reads"] == prompt["host_reads"]
     looked = lambda a: a["slot_hits"] + a["slot_misses"]  # noqa: E731
     assert looked(after) - looked(prompt) == 3 * 3 * TOPK  # 3 steps x 3 streamed layers x top-4
     assert after["prefetched"] > prompt["prefetched"] and after["passes"] == prompt["passes"] + 3
-    assert offload.set_device_pool(model, False) == ""
-    rt = offload.runtime_of(model)
-    assert rt is not None and rt.tables is None and not offload.accounting(model)["device_pool"]
+    assert placer.set_device_pool(model, False) == ""
+    rt = offload_runtime.runtime_of(model)
+    assert rt is not None and rt.tables is None and not offload_runtime.accounting(model)["device_pool"]
     model(torch.tensor([10]), 10, cache)
-    assert offload.accounting(model)["host_reads"] == prompt["host_reads"] + 3
+    assert offload_runtime.accounting(model)["host_reads"] == prompt["host_reads"] + 3
 
 
 def test_a_blocks_passes_run_on_the_device_tables_with_its_pins(qmodel: CloverModel,
@@ -385,31 +387,31 @@ def test_a_blocks_passes_run_on_the_device_tables_with_its_pins(qmodel: CloverMo
                 plain = getattr(torch.Tensor, name)
                 m.setattr(torch.Tensor, name,
                           lambda t, *a, _p=plain, _n=name, **kw: (reads.append(_n), _p(t, *a, **kw))[1])
-            offload.begin_block(model)
+            offload_runtime.begin_block(model)
             model(torch.arange(40, 72), 32, cache, block_size=32, write_cache=False)
             model(torch.tensor([3]), 32, cache, block_size=32, write_cache=False)
             model(torch.arange(40, 72), 32, cache, block_size=32, write_cache=False)
-            rt = offload.runtime_of(model)
+            rt = offload_runtime.runtime_of(model)
             if rt is not None and rt.tables is not None:
                 assert rt.block_passes == 3 and not rt.tables._gate_on  # (prefetch on the block's first pass only)
                 assert int(rt.tables.pinned.sum()) > 0
-            offload.end_block(model)
+            offload_runtime.end_block(model)
         return reads
 
     resident = placed(qmodel, (), EXPERTS)
     host = placed(qmodel, (1, 3), EXPERTS + 4)
     model = placed(qmodel, (1, 3), EXPERTS + 4, device_pool=True)
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     assert rt is not None and rt.tables is not None and rt.pool is not None
     want = block_reads(resident)
     assert len(block_reads(host)) > len(want)  # its fetches' reads (and their lists)
-    assert offload.accounting(host)["host_reads"] == 2 + 3 * 2  # the prompt's, and one per streamed layer and pass
+    assert offload_runtime.accounting(host)["host_reads"] == 2 + 3 * 2  # the prompt's, and one per streamed layer and pass
     assert block_reads(model) == want
     assert rt.tables.on_device and not rt.tables.pinned.any() and rt.tables.check() == []
-    acc = offload.accounting(model)
+    acc = offload_runtime.accounting(model)
     assert acc["host_reads"] == 2 and acc["blocks"] == 1 and acc["passes_per_block"] == 3.0  # (the prompt's)
     assert 0 < acc["distinct_experts_per_layer_block"] <= EXPERTS
-    assert acc["distinct_experts_per_layer_block"] == offload.accounting(host)["distinct_experts_per_layer_block"]
+    assert acc["distinct_experts_per_layer_block"] == offload_runtime.accounting(host)["distinct_experts_per_layer_block"]
     model(torch.arange(5, 12), 0, model.new_cache(32))  # a prompt: the tables come back, with no pin
     assert not rt.tables.on_device and not rt.pool.block_pins
 
@@ -420,7 +422,7 @@ def test_a_forward_that_raised_leaves_no_expert_marked_in_use(qmodel: CloverMode
     could evict them (here the next prompt's layer found the 16-slot pool too small). Every forward now starts by
     releasing them; the prompt and an AR step through the device tables then run."""
     model = placed(qmodel, (1, 3), EXPERTS, device_pool=device_pool)
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     assert rt is not None and rt.pool is not None
     cache = model.new_cache(32)
     bank = model.layers[3].mlp.experts
@@ -447,11 +449,11 @@ def test_an_abandoned_block_is_closed_by_the_next_causal_forward(qmodel: CloverM
     would stay, and every later AR step would count as inside the block (pinning all it touches, never on the
     device tables). The next causal forward closes it."""
     model = placed(qmodel, (1, 3), EXPERTS, device_pool=True)
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     assert rt is not None and rt.pool is not None and rt.tables is not None
     cache = model.new_cache(64)
     model(torch.arange(5, 37), 0, cache, block_size=32, prefill=True)
-    offload.begin_block(model)
+    offload_runtime.begin_block(model)
     model(torch.arange(40, 72), 32, cache, block_size=32, write_cache=False)
     assert rt.in_block and rt.tables.pinned.any()  # ... and the generator is dropped here
     cache = model.new_cache(32)
@@ -483,7 +485,7 @@ def test_the_prefetch_stream_is_forked_and_joined_once_per_streamed_layer(
 
     want = tokens(qmodel, "ar", 8)
     model = placed(qmodel, (0, 1, 3), EXPERTS, device_pool=True)
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     assert rt is not None and rt.tables is not None
     log: list[tuple[str, str]] = []
     main, side = _Stream("main", log), _Stream("side", log)
@@ -517,15 +519,8 @@ def test_an_ar_step_through_device_tables_traces_as_one_graph(qmodel: CloverMode
     tok = torch.tensor([9])
     step(tok)  # the tables go to the device here (CloverModel.forward), outside any trace
     try:
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(step)(tok)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
-            str(b.reason)[:200] for b in explained.break_reasons
-        ]
-        torch._dynamo.reset()
-        compiled = torch.compile(step, backend="eager", fullgraph=True)
-        assert (compiled(tok) - step(tok)).abs().max() < 1e-5
-        rt = offload.runtime_of(model)
+        assert_one_graph(step, tok)
+        rt = offload_runtime.runtime_of(model)
         assert rt is not None and rt.tables is not None and rt.tables.check() == []
     finally:
         torch._dynamo.reset()
@@ -549,7 +544,7 @@ def test_compile_layers_runs_device_table_steps_as_one_graph(qmodel: CloverModel
         assert model.step_graph is not None
         assert tokens(model, "ar", 12) == want
         assert tokens(model, "ar", 12) == want
-        rt = offload.runtime_of(model)
+        rt = offload_runtime.runtime_of(model)
         assert rt is not None and rt.tables is not None and rt.tables.check() == []
     finally:
         torch._dynamo.reset()
@@ -568,10 +563,10 @@ def test_compiled_layers_run_block_passes_through_device_tables(qmodel: CloverMo
     try:
         compile_layers(model, backend=run_traced)
         assert tokens(model, "diffusion", 32) == want
-        rt = offload.runtime_of(model)
+        rt = offload_runtime.runtime_of(model)
         assert rt is not None and rt.tables is not None
         assert rt.tables.on_device and rt.tables.check() == [] and not rt.tables.pinned.any()
-        acc = offload.accounting(model)
+        acc = offload_runtime.accounting(model)
         assert acc["blocks"] >= 1 and acc["host_reads"] == 0 and acc["slot_misses"] > 0
     finally:
         torch._dynamo.reset()
@@ -585,7 +580,7 @@ def test_step_graph_pieces_run_device_table_steps_whole() -> None:
 
     model = _quantized((1, 2))
     want = _tokens(model, 40)
-    assert offload.set_device_pool(model, True) == ""
+    assert placer.set_device_pool(model, True) == ""
     runner = step_graphs.StepGraphs(model, record=False)
     assert runner.pieces == step_graphs.pieces_of(4, {})
     model.step_graph = runner
@@ -613,10 +608,10 @@ def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.Mon
         return list(done.token_ids), done.passes
 
     host, model = _quantized((1, 2)), _quantized((1, 2))
-    assert offload.set_device_pool(model, True) == ""
+    assert placer.set_device_pool(model, True) == ""
     b = model.config.block_size
     with monkeypatch.context() as m:
-        for mod in ("clover_desk.engine.weights.quant", "clover_desk.engine.placement.offload"):
+        for mod in ("clover_desk.engine.weights.quant", "clover_desk.engine.placement.streamed_bank"):
             m.setattr(f"{mod}.rows_sync_free", lambda pairs, device, layout: True)
         assert step_graphs.cuts(host, b) == {1: "fetch", 2: "fetch"}
         assert step_graphs.cuts(model, b) == {}
@@ -629,7 +624,7 @@ def test_a_block_pass_through_device_tables_is_one_piece(monkeypatch: pytest.Mon
     finally:
         model.pass_graph = None
     assert got == want and got_passes == passes and runner.pass_replays == passes
-    acc, ref = offload.accounting(model), offload.accounting(host)
+    acc, ref = offload_runtime.accounting(model), offload_runtime.accounting(host)
     assert acc["host_reads"] == 2 and acc["blocks"] == ref["blocks"] > 1  # the prompt's prefill (one per layer)
     for key in ("slot_hits", "slot_misses", "evictions", "prefetched", "h2d_bytes", "passes"):
         assert acc[key] == ref[key], key
@@ -667,7 +662,7 @@ PLACE_CHILD = r'''
 import random
 import torch
 from clover_desk.engine.placement.device_pool import DeviceSlotTables
-from clover_desk.engine.placement.offload import DeviceLedger, SlotPool
+from clover_desk.engine.placement.slot_pool import DeviceLedger, SlotPool
 
 class Layout:
     nbytes = 40
@@ -709,7 +704,7 @@ PLACE_SET_CHILD = r'''
 import random
 import torch
 from clover_desk.engine.placement.device_pool import DeviceSlotTables
-from clover_desk.engine.placement.offload import DeviceLedger, SlotPool
+from clover_desk.engine.placement.slot_pool import DeviceLedger, SlotPool
 
 class Layout:
     nbytes = 40
@@ -769,7 +764,7 @@ def test_the_set_place_kernel_makes_the_tensor_ops_decisions() -> None:
 MODEL_CHILD = r'''
 import copy
 import torch
-from clover_desk.engine.placement import offload
+from clover_desk.engine.placement import offload_runtime, placer
 from clover_desk.engine.weights.checkpoint import random_state_dict
 from clover_desk.engine.model.config import parse_config
 from clover_desk.engine.decode.generate import generate_ar
@@ -790,7 +785,7 @@ settings = DecodeSettings(mode="ar", max_new_tokens=10, mask_token_id=3, eos_tok
 prompt = [5, 17, 33, 9, 60, 61, 2, 40]
 want = list(generate_ar(base, prompt, settings))[-1].token_ids
 model = copy.deepcopy(base)
-rt = offload.apply_plan(model, offload.SimplePlan((0,), (1, 2, 3), 16), "cpu", device_pool=True)
+rt = placer.apply_plan(model, placer.SimplePlan((0,), (1, 2, 3), 16), "cpu", device_pool=True)
 rt.tables.use_kernel = rt.tables.set_kernel = True  # the three kernels, interpreted, in every AR step and pass
 got = list(generate_ar(model, prompt, settings))[-1].token_ids
 assert got == want, (got, want)
@@ -803,7 +798,7 @@ want = list(generate_diffusion(base, prompt, diffusion))[-1].token_ids
 got = list(generate_diffusion(model, prompt, diffusion, hooks=loop_hooks(model)))[-1].token_ids
 assert got == want, (got, want)
 assert rt.tables.on_device and rt.tables.check() == [] and not rt.tables.pinned.any()
-acc = offload.accounting(model)
+acc = offload_runtime.accounting(model)
 assert acc["blocks"] == 1 and acc["passes_per_block"] > 1 and acc["slot_misses"] > misses, acc
 print("ok")
 '''
@@ -836,7 +831,7 @@ def test_device_table_steps_are_one_cuda_graph_without_a_sync() -> None:
 
     want = _tokens(on_gpu(False), 300)
     graphed = on_gpu(True)
-    rt = offload.runtime_of(graphed)
+    rt = offload_runtime.runtime_of(graphed)
     assert rt is not None and rt.tables is not None, rt.device_pool_refused if rt else None
     runner = step_graphs.StepGraphs(graphed)
     assert runner.pieces == step_graphs.pieces_of(4, {})
@@ -868,13 +863,13 @@ def test_device_table_block_passes_are_one_cuda_graph_without_a_sync(monkeypatch
         b = model.config.block_size
         cache = model.new_cache(64)
         model(torch.tensor(SG_PROMPT[:b], device=gpu), 0, cache, block_size=b, write_cache=True)
-        offload.begin_block(model)
+        offload_runtime.begin_block(model)
         block = torch.tensor((SG_PROMPT * 2)[b : 2 * b], device=gpu)
         return model, cache, block, model(block, b, cache, block_size=b, write_cache=False)
 
     *_, want = first_pass(False)
     model, cache, block, _ = first_pass(True)
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     assert rt is not None and rt.tables is not None and rt.tables.on_device, rt.device_pool_refused if rt else None
     b = model.config.block_size
     runner = step_graphs.StepGraphs(model)
@@ -889,5 +884,5 @@ def test_device_table_block_passes_are_one_cuda_graph_without_a_sync(monkeypatch
         torch.cuda.set_sync_debug_mode("default")
     assert runner.failed is None and runner.recorded == 1 and runner.pass_replays == 2
     assert (got - want).abs().max() < 2e-2 * want.abs().max()
-    offload.end_block(model)
+    offload_runtime.end_block(model)
     assert not rt.tables.pinned.any() and rt.tables.check() == []

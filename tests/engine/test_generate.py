@@ -615,7 +615,7 @@ def test_planned_engine_keeps_the_embedding_in_ram_and_holds_to_the_planned_cont
 ) -> None:
     from fixtures_tiny import copy_model
 
-    from clover_desk.engine.placement.offload import runtime_of
+    from clover_desk.engine.placement.offload_runtime import runtime_of
 
     folder = copy_model(tiny_clover_dir, tmp_path / "m")
     engine = Engine.load(folder, device="cpu", precision="nf4", placement=plan_for(folder, 2 * GIB, 96, "float32"))

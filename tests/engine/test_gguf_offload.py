@@ -27,7 +27,8 @@ from clover_desk.engine.errors import CancelledError, ConfigError, PlanError
 from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.placement import planner
 from clover_desk.engine.placement.hardware import Hardware, probe_hardware
-from clover_desk.engine.placement.offload import StreamedExpertBank, runtime_of
+from clover_desk.engine.placement.offload_runtime import runtime_of
+from clover_desk.engine.placement.streamed_bank import StreamedExpertBank
 from clover_desk.engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout, load_gguf_model
 from clover_desk.engine.weights.gguf.quants import Q4_0, Q4_K, Q6_K
 from clover_desk.engine.weights.gguf.writer import write_gguf
@@ -263,14 +264,14 @@ def test_generate_with_a_vram_budget_prints_the_plan_then_streams(files: dict[st
 
 def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str, Path]) -> None:
     """A streamed GGUF layer's rows (one expert's blocks in the file's types each) read in place by AR steps
-    (engine.placement.offload.set_zero_copy): the tokens of the pool, and no AR step fetches."""
-    from clover_desk.engine.placement import offload
+    (engine.placement.placer.set_zero_copy): the tokens of the pool, and no AR step fetches."""
+    from clover_desk.engine.placement import placer
 
     path = files["Q4_K"]
     plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)
     engine = Engine.load(path, placement=plan)
     want = tokens(engine, "ar")
-    assert offload.set_zero_copy(engine.model, True) == {}
+    assert placer.set_zero_copy(engine.model, True) == {}
     rt = runtime_of(engine.model)
     assert rt is not None
     rt.reset_stats()
@@ -280,15 +281,15 @@ def test_zero_copy_reads_a_gguf_files_streamed_experts_in_place(files: dict[str,
 
 
 def test_device_tables_fetch_a_gguf_files_streamed_experts(files: dict[str, Path]) -> None:
-    """A streamed GGUF layer's rows through device slot tables (engine.placement.offload.set_device_pool): the host pool's
+    """A streamed GGUF layer's rows through device slot tables (engine.placement.placer.set_device_pool): the host pool's
     tokens, the experts found where the tables say, and only the prompt's forward reading the host."""
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import placer
 
     path = files["Q4_K"]
     plan = next(p for p in plans_for(path).values() if p.streamed_expert_layers)
     engine = Engine.load(path, placement=plan)
     want = tokens(engine, "ar")
-    assert offload.set_device_pool(engine.model, True) == ""
+    assert placer.set_device_pool(engine.model, True) == ""
     rt = runtime_of(engine.model)
     assert rt is not None and rt.tables is not None
     rt.reset_stats()

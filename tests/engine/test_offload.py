@@ -1,4 +1,4 @@
-"""Expert streaming (engine/placement/offload.py) on a tiny quantized Clover model, with the CPU as the device."""
+"""Expert streaming (engine/placement/: expert_store, slot_pool, streamed_bank, offload_runtime, placer) on a tiny quantized Clover model, with the CPU as the device."""
 
 from __future__ import annotations
 
@@ -9,14 +9,25 @@ import torch
 
 from clover_desk.engine.decode.events import Finished
 from clover_desk.engine.decode.generate import generate
-from clover_desk.engine.errors import PlanError
+from clover_desk.engine.errors import OutOfMemory, PlanError
 from clover_desk.engine.model.clover import CloverModel
-from clover_desk.engine.placement import offload
-from clover_desk.engine.placement.offload import OutOfMemory, SimplePlan, apply_plan
+from clover_desk.engine.placement import expert_store, offload_runtime, placer, streamed_bank
+from clover_desk.engine.placement.placer import SimplePlan, apply_plan
 from clover_desk.engine.weights.checkpoint import random_state_dict
 from clover_desk.engine.weights.quant import QuantExpertBank
 from tests.helpers_model import one_thread
-from tests.offload_model import EXPERTS, LAYERS, MASK, quantized_model, settings, tiny_config, tokens
+from tests.offload_model import (
+    EXPERTS,
+    LAYERS,
+    MASK,
+    ar_steps_counting_host_reads,
+    assert_fetched_nothing,
+    assert_one_graph,
+    quantized_model,
+    settings,
+    tiny_config,
+    tokens,
+)
 
 _single_thread = pytest.fixture(autouse=True, scope="module")(one_thread)  # tiny matmuls: one thread is fastest
 
@@ -49,7 +60,7 @@ def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
         rt = apply_plan(model, SimplePlan(resident, streamed, slots), "cpu")
         got = tokens(model, mode, n)
         assert got == reference, f"plan {name} changed the output"
-        acc = offload.accounting(model)
+        acc = offload_runtime.accounting(model)
         if streamed:
             assert acc["h2d_bytes"] > 0 and acc["slot_misses"] > 0, name
             # blocks come from the loop's hooks only: diffusion blocks span several passes; AR steps open none
@@ -58,7 +69,7 @@ def test_streaming_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
             else:
                 assert acc["blocks"] == 0 and acc["passes"] >= n, name
             assert acc["h2d_bytes"] == (acc["slot_misses"] + acc["prefetched"]) * rt.pool.layout.nbytes
-            assert isinstance(model.layers[streamed[0]].mlp.experts, offload.StreamedExpertBank)
+            assert isinstance(model.layers[streamed[0]].mlp.experts, streamed_bank.StreamedExpertBank)
         else:
             assert acc["h2d_bytes"] == 0
         for i in resident:
@@ -72,9 +83,9 @@ def test_loop_hooks_give_the_same_tokens_and_fill_finished_accounting(qmodel: Cl
     model = fresh(qmodel)
     apply_plan(model, SimplePlan((0,), (1, 2, 3), EXPERTS), "cpu")
     hooks = LoopHooks(
-        begin_block=lambda: offload.begin_block(model),
-        end_block=lambda: offload.end_block(model),
-        accounting=lambda: offload.accounting(model),
+        begin_block=lambda: offload_runtime.begin_block(model),
+        end_block=lambda: offload_runtime.end_block(model),
+        accounting=lambda: offload_runtime.accounting(model),
     )
     events = list(generate(model, [5, 17, 33, 9, 60, 61, 2, 40], settings("diffusion", 32), hooks=hooks))
     fin = events[-1]
@@ -91,30 +102,30 @@ def test_forward_logits_are_bit_identical_under_streaming(qmodel: CloverModel) -
     apply_plan(model, SimplePlan((0, 2), (1, 3), EXPERTS), "cpu", staging=True, pin_budget_bytes=0)
     out = model(ids, 0, None, block_size=32)
     assert torch.equal(out, ref)
-    acc = offload.accounting(model)
+    acc = offload_runtime.accounting(model)
     assert acc["staged_copies"] > 0  # pageable rows went through the staging ring
 
 
 def test_block_working_set_is_loaded_once_and_reused_across_passes(qmodel: CloverModel) -> None:
     model = fresh(qmodel)
     apply_plan(model, SimplePlan((), (0, 1, 2, 3), 4 * EXPERTS), "cpu", prefetch=False)
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     assert rt is not None
     prompt = torch.tensor([5, 17, 33, 9] * 8)  # one committed block of 32
     cache = model.new_cache(64)
     model(prompt, 0, cache, block_size=32)
     rt.reset_stats()
     block = torch.full((32,), MASK)
-    offload.begin_block(model)
+    offload_runtime.begin_block(model)
     model(block, 32, cache, block_size=32, write_cache=False)
-    after_first = offload.accounting(model)["h2d_bytes"]
+    after_first = offload_runtime.accounting(model)["h2d_bytes"]
     for _ in range(3):
         model(block, 32, cache, block_size=32, write_cache=False)
-    acc = offload.accounting(model)
+    acc = offload_runtime.accounting(model)
     assert acc["h2d_bytes"] == after_first  # passes 2..4 hit the block's pinned slots: no new copies
     assert acc["slot_hits"] >= 3 * acc["slot_misses"]
-    offload.end_block(model)
-    acc = offload.accounting(model)
+    offload_runtime.end_block(model)
+    acc = offload_runtime.accounting(model)
     assert acc["blocks"] == 1 and acc["passes_per_block"] == 4.0
     assert 0 < acc["distinct_experts_per_layer_block"] <= EXPERTS
 
@@ -124,20 +135,20 @@ def test_minimum_pool_evicts_other_layers_block_pins_without_changing_numbers(qm
     ref = qmodel(ids, 0, None, block_size=32)
     model = fresh(qmodel)
     apply_plan(model, SimplePlan((), (0, 1, 2, 3), EXPERTS), "cpu")
-    offload.begin_block(model)
+    offload_runtime.begin_block(model)
     for _ in range(2):
         assert torch.equal(model(ids, 0, None, block_size=32), ref)
-    offload.end_block(model)
-    acc = offload.accounting(model)
+    offload_runtime.end_block(model)
+    acc = offload_runtime.accounting(model)
     assert acc["block_pin_evictions"] > 0
-    assert acc["slot_misses"] > offload.min_slot_pool(model)
+    assert acc["slot_misses"] > placer.min_slot_pool(model)
 
 
 def test_prefetch_guesses_the_next_layer(qmodel: CloverModel) -> None:
     model = fresh(qmodel)
     apply_plan(model, SimplePlan((), (0, 1, 2, 3), 4 * EXPERTS), "cpu", prefetch=True)
     tokens(model, "ar", 6)
-    acc = offload.accounting(model)
+    acc = offload_runtime.accounting(model)
     assert acc["prefetched"] > 0
     assert acc["prefetch_hits"] > 0
 
@@ -161,11 +172,11 @@ def test_a_streamed_layer_reads_the_host_once_per_forward(qmodel: CloverModel, m
 
     monkeypatch.setattr(torch.Tensor, "cpu", counted)
     monkeypatch.setattr(torch, "unique", no_unique)
-    before = offload.accounting(model)
+    before = offload_runtime.accounting(model)
     model(torch.tensor([3]), cache.length, cache)
     e = model.config.num_experts
     assert reads == [(2, e), (2, e), (1, e)]  # layers 1 and 2 guess the next streamed layer's experts, 3 has none
-    after = offload.accounting(model)
+    after = offload_runtime.accounting(model)
     assert after["prefetched"] > before["prefetched"]
     assert after["host_reads"] - before["host_reads"] == 3  # what the accounting reports: one per streamed layer
 
@@ -175,7 +186,7 @@ def test_plan_from_the_planner_allocates_what_it_says(qmodel: CloverModel) -> No
 
     model = fresh(qmodel)
     geo = ModelGeometry.from_config(model.config)
-    manifest = manifest_from_dict(offload.manifest_from_model(model), geometry=geo)
+    manifest = manifest_from_dict(placer.manifest_from_model(model), geometry=geo)
     probe = make_plan(manifest, 0, 256, compute_dtype="fp32")  # this model computes in fp32
     assert not probe.fits and probe.min_vram_bytes
     budget = probe.min_vram_bytes + 2 * (manifest.expert_layer_bytes()[0] // EXPERTS)
@@ -206,7 +217,7 @@ def test_out_of_memory_during_placement_leaves_the_model_unchanged(qmodel: Clove
     banks_before = {i: type(model.layers[i].mlp.experts) for i in range(LAYERS)}
     with pytest.raises(OutOfMemory, match="out of device memory placing .*cap"):
         apply_plan(model, SimplePlan((0,), (1, 2, 3), 2 * EXPERTS), "cpu", device_cap_bytes=50_000)
-    assert offload.runtime_of(model) is None
+    assert offload_runtime.runtime_of(model) is None
     assert {i: type(model.layers[i].mlp.experts) for i in range(LAYERS)} == banks_before
     assert all(p is before[n] for n, p in model.named_parameters())
     ids = torch.tensor([1, 2, 3, 4])
@@ -229,15 +240,15 @@ def test_plan_naming_a_missing_layer_is_refused(qmodel: CloverModel) -> None:
 
 
 def test_pinning_falls_back_to_pageable_rows_when_refused_or_over_budget() -> None:
-    budget = offload.PinBudget(64)
-    rows, pinned = offload.alloc_host_rows((4, 32), True, budget, 0)  # 128 B > 64 B budget: not pinned
+    budget = expert_store.PinBudget(64)
+    rows, pinned = expert_store.alloc_host_rows((4, 32), True, budget, 0)  # 128 B > 64 B budget: not pinned
     assert not pinned and budget.left == 64 and tuple(rows.shape) == (4, 32) and not rows.is_pinned()
-    rows, pinned = offload.alloc_host_rows((2, 32), True, budget, 1)  # within budget
+    rows, pinned = expert_store.alloc_host_rows((2, 32), True, budget, 1)  # within budget
     assert budget.left == 0
     if not torch.cuda.is_available():  # pinning is refused without a CUDA driver: pageable fallback
         assert not pinned
     assert pinned == rows.is_pinned()
-    rows, pinned = offload.alloc_host_rows((2, 32), False, offload.PinBudget(None), 2)
+    rows, pinned = expert_store.alloc_host_rows((2, 32), False, expert_store.PinBudget(None), 2)
     assert not pinned
 
 
@@ -262,12 +273,12 @@ def test_compiled_layers_stream_the_same_tokens(qmodel: CloverModel, mode: str, 
         compile_layers(model, backend=run_traced)
         assert tokens(model, mode, n) == reference
         assert tokens(model, mode, n) == reference  # a second request: every variant already compiled
-        assert offload.accounting(model)["slot_misses"] > 0
+        assert offload_runtime.accounting(model)["slot_misses"] > 0
     finally:
         torch._dynamo.reset()
 
 
-# --- zero-copy: AR steps read streamed experts where they lie (engine.placement.offload.in_place_view) ---
+# --- zero-copy: AR steps read streamed experts where they lie (engine.placement.expert_store.in_place_view) ---
 
 
 @pytest.mark.parametrize("mode,n", [("ar", 12), ("diffusion", 32)])
@@ -280,7 +291,7 @@ def test_zero_copy_never_changes_the_tokens(qmodel: CloverModel, mode: str, n: i
                         "cpu", zero_copy=True)
         assert rt.zero_copy and all(model.layers[i].mlp.experts.in_place is not None for i in streamed)
         assert tokens(model, mode, n) == reference, name
-        acc = offload.accounting(model)
+        acc = offload_runtime.accounting(model)
         assert acc["zero_copy"] and acc["zero_copy_layers"] == list(streamed)
         if mode == "diffusion":  # block passes go through the pool as before
             assert acc["slot_misses"] > 0 and acc["blocks"] >= 1
@@ -291,30 +302,20 @@ def test_zero_copy_ar_steps_neither_fetch_nor_read_the_host(qmodel: CloverModel,
     a prompt's forward (more pairs) still fetches through the pool. Turned off, the step fetches again."""
     model = fresh(qmodel)
     apply_plan(model, SimplePlan((0,), (1, 2, 3), 4 * EXPERTS), "cpu", zero_copy=True, prefetch=True)
-    rt = offload.runtime_of(model)
+    rt = offload_runtime.runtime_of(model)
     assert rt is not None
     cache = model.new_cache(32)
     model(torch.arange(5, 12), 0, cache)  # 7 tokens x top-4: through the pool
-    prompt = offload.accounting(model)
+    prompt = offload_runtime.accounting(model)
     assert prompt["host_reads"] == 3 and prompt["slot_misses"] > 0
-    reads: list[tuple[int, ...]] = []
-    plain = torch.Tensor.cpu
-
-    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        reads.append(tuple(t.shape))
-        return plain(t, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", counted)
-    for pos in range(7, 10):
-        model(torch.tensor([pos]), pos, cache)
-    after = offload.accounting(model)
+    reads = ar_steps_counting_host_reads(model, cache, range(7, 10), monkeypatch)
+    after = offload_runtime.accounting(model)
     assert reads == []
-    for key in ("host_reads", "h2d_bytes", "slot_hits", "slot_misses", "prefetched"):
-        assert after[key] == prompt[key], key
+    assert_fetched_nothing(prompt, after)
     assert not rt.pool.in_use
-    assert offload.set_zero_copy(model, False) == {}
+    assert placer.set_zero_copy(model, False) == {}
     model(torch.tensor([10]), 10, cache)
-    assert reads and offload.accounting(model)["host_reads"] == prompt["host_reads"] + 3
+    assert reads and offload_runtime.accounting(model)["host_reads"] == prompt["host_reads"] + 3
 
 
 def test_zero_copy_follows_the_expert_fetch_on_cuda_only(qmodel: CloverModel) -> None:
@@ -323,14 +324,14 @@ def test_zero_copy_follows_the_expert_fetch_on_cuda_only(qmodel: CloverModel) ->
     assert not rt.zero_copy  # the CPU tests emulate a GPU's copies unless asked
     assert all(model.layers[i].mlp.experts.in_place is None for i in (1, 2, 3))
     rows = torch.zeros(4, 8, dtype=torch.uint8)
-    assert offload.in_place_view(rows, torch.device("cpu"))[0] is rows
-    view, why = offload.in_place_view(rows, torch.device("meta"))
+    assert expert_store.in_place_view(rows, torch.device("cpu"))[0] is rows
+    view, why = expert_store.in_place_view(rows, torch.device("meta"))
     assert view is None and "meta" in why
     if not torch.cuda.is_available():  # pageable rows have no device address
-        view, why = offload.in_place_view(rows, torch.device("cuda"))
+        view, why = expert_store.in_place_view(rows, torch.device("cuda"))
         assert view is None and "pageable" in why
     with pytest.raises(PlanError, match="placed model"):
-        offload.set_zero_copy(fresh(qmodel), True)
+        placer.set_zero_copy(fresh(qmodel), True)
 
 
 def test_a_zero_copy_ar_step_traces_as_one_graph(qmodel: CloverModel) -> None:
@@ -349,15 +350,8 @@ def test_a_zero_copy_ar_step_traces_as_one_graph(qmodel: CloverModel) -> None:
         torch._dynamo.reset()
         through_pool = torch._dynamo.explain(step)(tok)
         assert through_pool.graph_break_count > 0
-        offload.set_zero_copy(model, True)
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(step)(tok)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
-            str(b.reason)[:200] for b in explained.break_reasons
-        ]
-        torch._dynamo.reset()
-        compiled = torch.compile(step, backend="eager", fullgraph=True)
-        assert (compiled(tok) - step(tok)).abs().max() < 1e-5  # (traced: another summation order)
+        placer.set_zero_copy(model, True)
+        assert_one_graph(step, tok)
     finally:
         torch._dynamo.reset()
 
@@ -397,7 +391,7 @@ def test_page_locked_rows_are_read_in_place_by_the_gpu() -> None:
         pytest.skip("needs a CUDA GPU")
     gpu = torch.device("cuda")
     rows = torch.randint(0, 256, (16, 4096), dtype=torch.uint8).pin_memory()
-    view, why = offload.in_place_view(rows, gpu)
+    view, why = expert_store.in_place_view(rows, gpu)
     assert view is not None, why
     assert view.device.type == "cuda" and view.data_ptr() == rows.data_ptr()
     picked = torch.tensor([3, 15, 0], device=gpu)
@@ -405,4 +399,4 @@ def test_page_locked_rows_are_read_in_place_by_the_gpu() -> None:
     rows[15, :8] = 7  # the host writes; the GPU reads the new bytes, no copy in between
     torch.cuda.synchronize()
     assert torch.equal(view[picked].cpu()[1, :8], torch.full((8,), 7, dtype=torch.uint8))
-    assert offload.in_place_view(torch.zeros(2, 8, dtype=torch.uint8), gpu)[1].startswith("the rows are pageable")
+    assert expert_store.in_place_view(torch.zeros(2, 8, dtype=torch.uint8), gpu)[1].startswith("the rows are pageable")

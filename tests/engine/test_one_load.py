@@ -21,7 +21,7 @@ from clover_desk.engine.defaults import GIB, PRECISIONS
 from clover_desk.engine.errors import ConfigError, PlanError
 from clover_desk.engine.placement import planner
 from clover_desk.engine.placement.hardware import Hardware
-from clover_desk.engine.placement.offload import runtime_of
+from clover_desk.engine.placement.offload_runtime import runtime_of
 from clover_desk.engine.weights.gguf.writer import write_gguf
 from clover_desk.engine.weights.quant import QuantExpertBank
 

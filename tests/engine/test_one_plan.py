@@ -219,7 +219,8 @@ def test_the_engine_places_exactly_the_plan_and_never_plans_again(
     tiny_streaming: tuple[Path, list[planner.Plan]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from clover_desk.engine.api import Engine
-    from clover_desk.engine.placement.offload import StreamedExpertBank, runtime_of
+    from clover_desk.engine.placement.offload_runtime import runtime_of
+    from clover_desk.engine.placement.streamed_bank import StreamedExpertBank
 
     folder, plans = tiny_streaming
     assert {len(p.streamed_expert_layers) for p in plans} >= {0, 4} and len({p.to_dict()["vram_used_bytes"] for p in plans}) == 4

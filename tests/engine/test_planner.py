@@ -336,7 +336,7 @@ def test_replayed_passes_pay_only_for_the_launches_left_eager(m35: planner.Manif
 
 
 def test_zero_copy_ar_reads_every_streamed_expert_over_pcie_and_waits_for_it(m35: planner.Manifest) -> None:
-    """AR reading streamed experts in place (engine.placement.offload zero-copy) pays no fetch and is one graph, but reads all
+    """AR reading streamed experts in place (engine.placement.streamed_bank zero-copy) pays no fetch and is one graph, but reads all
     k experts of every streamed layer over PCIe each step (no pool hits) and cannot overlap that read with compute:
     on a 16 GB card at 16 GiB it is predicted well below the pool's replayed figure; with nothing streamed it is the
     replayed step itself, less the fetches that no longer exist."""
@@ -554,7 +554,7 @@ def test_manifest_from_quantized_cache(tmp_path: Path) -> None:
     assert with_config.geometry == geo and with_config.policy == {"name": "test"}
     assert with_config.total_bytes() == expected.total_bytes()
     assert make_plan(with_config, GiB, 256).fits
-    # make_plan also takes the dict itself (engine.placement.offload's manifest_from_model form)
+    # make_plan also takes the dict itself (engine.placement.placer's manifest_from_model form)
     assert make_plan(_cache_json(expected), GiB, 256).vram_breakdown == make_plan(shapes_only, GiB, 256).vram_breakdown
 
 
@@ -702,11 +702,11 @@ def test_default_policy_numbers(m35: planner.Manifest) -> None:
 @pytest.mark.parametrize("dense", ["int8", "nf4"])
 def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
     """manifest_for_geometry (stdlib arithmetic) against a real tiny model quantized by engine.weights.quant and counted by
-    engine.placement.offload: the same tensor names, shapes and, for every quantized tensor, the same bytes."""
+    engine.placement.placer: the same tensor names, shapes and, for every quantized tensor, the same bytes."""
     torch = pytest.importorskip("torch")
     from clover_desk.engine.model.clover import CloverModel
     from clover_desk.engine.model.config import parse_config
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import placer
     from clover_desk.engine.weights.checkpoint import random_state_dict
     from clover_desk.engine.weights.quant import make_policy, quantize_model_
     from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
@@ -716,7 +716,7 @@ def test_shape_manifest_matches_what_the_quantizer_builds(dense: str) -> None:
     model = CloverModel(cfg, dtype=torch.float32, device="cpu")
     model.load_state_dict(random_state_dict(cfg, seed=3), strict=True)
     quantize_model_(model, make_policy(attention=dense, shared_expert=dense))
-    counted = manifest_from_dict(offload.manifest_from_model(model))
+    counted = manifest_from_dict(placer.manifest_from_model(model))
     planned = manifest_for_geometry(ModelGeometry.from_config(cfg), make_policy(attention=dense, shared_expert=dense))
     got, want = counted.by_name(), planned.by_name()
     assert set(got) == set(want)
@@ -736,7 +736,7 @@ def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> 
     from clover_desk.engine.model import experts
     from clover_desk.engine.model.clover import CloverModel
     from clover_desk.engine.model.config import parse_config
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import placer
     from clover_desk.engine.weights.checkpoint import random_state_dict
     from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
 
@@ -744,7 +744,7 @@ def test_an_unquantized_model_is_planned_with_its_experts_and_their_gather() -> 
     cfg = parse_config(config_dict_for("clover_moe", text, {"<|endoftext|>": 1, "<|im_end|>": 2, "<|mask|>": 3, "</think>": 4}))
     model = CloverModel(cfg, dtype=torch.float32, device="cpu")
     model.load_state_dict(random_state_dict(cfg, seed=3), strict=True)
-    counted = manifest_from_dict(offload.manifest_from_model(model))
+    counted = manifest_from_dict(placer.manifest_from_model(model))
     per_expert = 3 * 64 * 32 * 4  # fp32
     assert counted.expert_layer_bytes() == {0: 16 * per_expert, 1: 16 * per_expert}
     facts = planner.model_facts(counted, "fp32")

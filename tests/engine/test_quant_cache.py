@@ -1,4 +1,4 @@
-"""Quantized weight cache (engine/weights/quant_cache.py): streaming conversion, manifest, atomicity, staleness, loading."""
+"""Quantized weight cache (engine/weights/quant_cache*.py): streaming conversion, manifest, atomicity, staleness, loading."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.config import parse_config
 from clover_desk.engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
 from clover_desk.engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
-from clover_desk.engine.weights.quant_cache import (
+from clover_desk.engine.weights.quant_cache import load_quantized
+from clover_desk.engine.weights.quant_cache_build import build_cache
+from clover_desk.engine.weights.quant_cache_files import (
     DATA_NAME,
     MANIFEST_NAME,
-    build_cache,
     cache_dir_for,
     check_cache,
-    load_quantized,
     read_header,
 )
 from clover_desk.engine.weights.tiny import config_dict_for, tiny_text_config
@@ -222,7 +222,7 @@ def test_cancel_leaves_nothing_behind(ckpt: Path, tmp_path: Path) -> None:
 _KILLED_SCRIPT = """
 import os, signal, sys
 from clover_desk.engine.weights.quant import make_policy
-from clover_desk.engine.weights.quant_cache import build_cache
+from clover_desk.engine.weights.quant_cache_build import build_cache
 n = 0
 def progress(p):
     global n
@@ -255,7 +255,7 @@ _RSS_SCRIPT = """
 import sys, threading, time, psutil, torch
 torch.set_num_threads(1)
 from clover_desk.engine.weights.quant import make_policy, quantize_tensor
-from clover_desk.engine.weights.quant_cache import build_cache
+from clover_desk.engine.weights.quant_cache_build import build_cache
 quantize_tensor(torch.randn(64, 64), "nf4")  # load bitsandbytes' libraries before the baseline (a constant)
 quantize_tensor(torch.randn(64, 64), "int8")
 proc = psutil.Process()
@@ -301,7 +301,7 @@ def test_altered_cache_bytes_are_caught_on_load_and_rebuilt(ckpt: Path, tmp_path
     it equals the one from the intact cache."""
     import shutil
 
-    from clover_desk.engine.weights.quant_cache import CacheDamaged, check_cache, load_from_cache
+    from clover_desk.engine.weights.quant_cache import CacheDamaged, load_from_cache
 
     src = shutil.copytree(ckpt, tmp_path / "model")
     root = tmp_path / "cache"
@@ -354,14 +354,14 @@ def _as_written_before_the_check(cache: Path) -> None:
 def test_a_cache_written_before_the_finite_check_holding_a_nan_is_rebuilt_and_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import clover_desk.engine.weights.quant_cache as quant_cache
+    import clover_desk.engine.weights.quant_cache_files as quant_cache_files
     from clover_desk.engine.errors import CheckpointError
 
     src, name = _nan_checkpoint(tmp_path / "model")
     root = tmp_path / "cache"
     cache = cache_dir_for(src, POLICY, root)
     with monkeypatch.context() as old:  # the converter as it was: no check of the values
-        old.setattr(quant_cache, "check_finite", lambda *args, **kwargs: None)
+        old.setattr(quant_cache_files, "check_finite", lambda *args, **kwargs: None)
         build_cache(src, POLICY, cache)
     _as_written_before_the_check(cache)
     reason = check_cache(cache, src, POLICY)

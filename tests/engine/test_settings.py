@@ -33,7 +33,7 @@ ENGINE_ENV_READS = {
     "engine/kernels/fastpath.py": {"CXX"},
     "engine/kernels/cpu_quant.py": {"CC", "CLOVER_DESK_KERNEL_CACHE"},
     "engine/kernels/gdn_kernels.py": {"TRITON_INTERPRET"},
-    "engine/weights/quant_cache.py": {"XDG_CACHE_HOME"},
+    "engine/weights/quant_cache_files.py": {"XDG_CACHE_HOME"},
     "engine/placement/preflight.py": {"CUDA_VISIBLE_DEVICES", "BNB_CUDA_VERSION"},
 }
 

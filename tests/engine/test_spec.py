@@ -27,8 +27,8 @@ from clover_desk.engine.decode.prompt_cache import PromptCache
 from clover_desk.engine.decode.settings import DecodeSettings, resolve_settings
 from clover_desk.engine.errors import PromptError
 from clover_desk.engine.kernels.fastpath import compile_layers
-from clover_desk.engine.placement import offload
-from clover_desk.engine.placement.offload import SimplePlan, apply_plan
+from clover_desk.engine.placement import offload_runtime
+from clover_desk.engine.placement.placer import SimplePlan, apply_plan
 from tests.offload_model import EXPERTS, LAYERS, PROMPT, quantized_model
 
 PROMPTS = ["Hello there", "Write a haiku about the sea.", "x", "What is 2 + 2? Answer in one word, please."]
@@ -229,7 +229,7 @@ def test_spec_with_streamed_experts_equals_ar(qmodel: torch.nn.Module) -> None:
         assert done.spec["rollbacks"] > 0 and done.spec["full_accepts"] + done.spec["partial_accepts"] > 0
         _, real = _spec(model, PROMPT, s, hooks=loop_hooks(model))
         assert real.token_ids == reference.token_ids, streamed
-        acc = offload.accounting(model)
+        acc = offload_runtime.accounting(model)
         assert acc["h2d_bytes"] > 0 and acc["slot_misses"] > 0
 
 

@@ -195,9 +195,9 @@ def test_block_passes_run_in_pieces_through_static_buffers_decode_the_same_token
     assert got == want and got_passes == passes
     assert runner.pass_replays == passes and runner.failed is None  # (the prompt's prefill is not a decode pass)
     if streamed:  # every fetched expert went back to the pool once its compute was issued
-        from clover_desk.engine.placement import offload
+        from clover_desk.engine.placement import offload_runtime
 
-        rt = offload.runtime_of(model)
+        rt = offload_runtime.runtime_of(model)
         assert rt is not None and rt.pool is not None and not rt.pool.in_use
     if cut == {0: "bank", 2: "bank"}:  # what bench speed --compile prints of it
         from clover_desk.bench.timing import _step_graph_line
@@ -251,13 +251,13 @@ def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatc
 
 
 def _quantized(streamed: tuple[int, ...]) -> Any:
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import placer
     from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     model = tiny_model(tiny_config(), seed=5)
     quantize_model_(model, make_policy())
     resident = tuple(i for i in range(len(model.layers)) if i not in streamed)
-    offload.apply_plan(model, offload.SimplePlan(resident, streamed, 2 * model.config.num_experts), "cpu")
+    placer.apply_plan(model, placer.SimplePlan(resident, streamed, 2 * model.config.num_experts), "cpu")
     return model
 
 
@@ -266,14 +266,14 @@ def test_steps_run_in_pieces_through_static_buffers_decode_the_same_tokens(strea
     """The pieces run eagerly (``record=False``, the CPU) through the buffers a recording reads: the tokens of
     ordinary steps, across two key buckets (the 256-key graph and the cache's), with streamed layers fetching as
     they do in an ordinary step."""
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import offload_runtime
 
     model = _quantized(streamed)
     want = _tokens(model, 260)  # positions 11..270: buckets 256 and the cache's 271
     runner = step_graphs.StepGraphs(model, record=False)
     assert [kind for kind, _ in runner.pieces].count("eager") == len(streamed)
     model.step_graph = runner
-    looked = lambda: sum(offload.accounting(model).get(k, 0) for k in ("slot_hits", "slot_misses"))  # noqa: E731
+    looked = lambda: sum(offload_runtime.accounting(model).get(k, 0) for k in ("slot_hits", "slot_misses"))  # noqa: E731
     before = looked()
     try:
         assert _tokens(model, 260) == want
@@ -282,7 +282,7 @@ def test_steps_run_in_pieces_through_static_buffers_decode_the_same_tokens(strea
     assert runner.replays == 259 and runner.failed is None and runner.recorded == 0
     if streamed:
         assert looked() >= before + 259 * len(streamed)  # each streamed layer looked its experts up in each step
-        rt = offload.runtime_of(model)
+        rt = offload_runtime.runtime_of(model)
         assert rt is not None and rt.pool is not None and not rt.pool.in_use  # and gave them back
 
 
@@ -290,19 +290,19 @@ def test_zero_copy_ar_steps_are_one_piece_and_decode_the_same_tokens() -> None:
     """With zero-copy reads an AR step has nothing to cut (its streamed layers read their experts in place), so it
     is one graph; a block pass is still cut at every bank. Run through the pieces: the tokens of ordinary steps,
     and no streamed layer looks its experts up in the pool."""
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import offload_runtime, placer
 
     model = _quantized((1, 2))
     want = _tokens(model, 40)
     runner = step_graphs.StepGraphs(model, record=False)
     assert [kind for kind, _ in runner.pieces].count("eager") == 2
     model.step_graph = runner
-    offload.set_zero_copy(model, True)  # drops how the passes were cut
+    placer.set_zero_copy(model, True)  # drops how the passes were cut
     assert step_graphs.cuts(model, 1) == {} and runner.pieces == step_graphs.pieces_of(4, {})
     assert step_graphs.cuts(model, 8) == dict.fromkeys(range(4), "bank")
     assert step_graphs.streamed_layers(model) == [1, 2] and step_graphs.streamed_layers(model, pairs=4) == []
-    looked = lambda: sum(offload.accounting(model)[k] for k in ("slot_hits", "slot_misses"))  # noqa: E731
-    offload.runtime_of(model).reset_stats()
+    looked = lambda: sum(offload_runtime.accounting(model)[k] for k in ("slot_hits", "slot_misses"))  # noqa: E731
+    offload_runtime.runtime_of(model).reset_stats()
     try:
         *_, done = generate_ar(model, PROMPT, _settings(model.config, 40))
         prompt_only = looked()
@@ -388,13 +388,13 @@ def test_the_warm_up_before_a_recording_is_not_counted_as_passes(monkeypatch: py
     """A recording first runs the pass twice eagerly. Those runs are not the request's passes: the streaming
     accounting (passes, passes per block, and the block's pass number that decides prefetching) is that of an
     uncaptured run. Here on the CPU, CUDA's streams are stand-ins and the capture itself fails, after the warm-up."""
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import offload_runtime
 
     want_tokens, _ = _diffusion(_quantized((1,)), 20)
     model = _quantized((1,))
-    plain = offload.accounting(model)
+    plain = offload_runtime.accounting(model)
     _diffusion(model, 20)
-    want = {k: v for k, v in offload.accounting(model).items() if k in ("passes", "passes_per_block")}
+    want = {k: v for k, v in offload_runtime.accounting(model).items() if k in ("passes", "passes_per_block")}
     assert plain["passes"] == 0 < want["passes"]
 
     class Stream:
@@ -417,7 +417,7 @@ def test_the_warm_up_before_a_recording_is_not_counted_as_passes(monkeypatch: py
     monkeypatch.setattr(step_graphs._Step, "run", lambda self, eager=False: warm.append(eager) or run(self, eager))
     tokens, _ = _diffusion(model, 20)
     assert runner.failed is not None and "no capture on the CPU" in runner.failed and warm == [True, True]
-    got = {k: v for k, v in offload.accounting(model).items() if k in ("passes", "passes_per_block")}
+    got = {k: v for k, v in offload_runtime.accounting(model).items() if k in ("passes", "passes_per_block")}
     assert tokens == want_tokens and got == want
 
 
@@ -503,13 +503,13 @@ def test_cuda_graph_pieces_around_streamed_layers_decode_the_uncaptured_tokens()
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("bitsandbytes")
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import placer
     from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     def placed() -> Any:
         model = tiny_model(tiny_config(), seed=5)
         quantize_model_(model, make_policy())
-        offload.apply_plan(model, offload.SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda")
+        placer.apply_plan(model, placer.SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda")
         return model
 
     want = _tokens(placed(), 300)
@@ -523,25 +523,25 @@ def test_cuda_graph_pieces_around_streamed_layers_decode_the_uncaptured_tokens()
 
 @pytest.mark.gpu
 def test_zero_copy_streamed_steps_are_one_cuda_graph_without_a_sync() -> None:
-    """Streamed layers whose page-locked rows are mapped into the GPU's address space (engine.placement.offload zero-copy): an
+    """Streamed layers whose page-locked rows are mapped into the GPU's address space (engine.placement.streamed_bank zero-copy): an
     AR step is one recorded graph that reads those rows over PCIe, with the tokens of the uncaptured steps through
     the pool and no sync."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("bitsandbytes")
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import offload_runtime, placer
     from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     def placed(zero_copy: bool) -> Any:
         model = tiny_model(tiny_config(), seed=5)
         quantize_model_(model, make_policy())
-        offload.apply_plan(model, offload.SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda",
+        placer.apply_plan(model, placer.SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda",
                            zero_copy=zero_copy)
         return model
 
     want = _tokens(placed(False), 300)
     graphed = placed(True)
-    rt = offload.runtime_of(graphed)
+    rt = offload_runtime.runtime_of(graphed)
     assert rt is not None and rt.zero_copy and rt.zero_copy_refused == {}
     view = graphed.layers[1].mlp.experts.in_place
     assert view.device.type == "cuda" and torch.equal(view.cpu(), rt.stores[1].rows)  # the host bytes, mapped
@@ -580,14 +580,14 @@ def test_a_block_pass_with_fused_nf4_experts_is_recorded_around_its_fetches(
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
-    from clover_desk.engine.placement import offload
+    from clover_desk.engine.placement import placer
     from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     monkeypatch.setattr(triton_moe, "_enabled", True)
     model = tiny_model(tiny_config(moe_block_coreset_enabled=True), seed=5, dtype=torch.bfloat16)
     quantize_model_(model, make_policy())
     resident = tuple(i for i in range(len(model.layers)) if i not in streamed)
-    offload.apply_plan(model, offload.SimplePlan(resident, streamed, 2 * model.config.num_experts), "cuda")
+    placer.apply_plan(model, placer.SimplePlan(resident, streamed, 2 * model.config.num_experts), "cuda")
     runner = step_graphs.StepGraphs(model)
     b = model.config.block_size
     assert runner.pieces_for(b) == step_graphs.pieces_of(len(model.layers), dict.fromkeys(streamed, "fetch"))

@@ -73,12 +73,12 @@ def test_facts_of_a_model_folder(models) -> None:  # noqa: ANN001
 
 
 def test_the_cache_outside_a_read_only_model_is_where_the_engine_puts_it(models, monkeypatch) -> None:  # noqa: ANN001
-    from clover_desk.engine.weights import quant_cache
+    from clover_desk.engine.weights import quant_cache_files
 
     _folder, first, _second = models
-    monkeypatch.setattr(quant_cache, "_writable", lambda _path: False)
-    assert quant_cache.cache_dir_for(first).parent == external_cache_dir(first)
-    assert quant_cache.CACHE_DIRNAME == CACHE_DIRNAME
+    monkeypatch.setattr(quant_cache_files, "_writable", lambda _path: False)
+    assert quant_cache_files.cache_dir_for(first).parent == external_cache_dir(first)
+    assert quant_cache_files.CACHE_DIRNAME == CACHE_DIRNAME
 
 
 def test_a_gguf_file_says_its_type(tmp_path) -> None:  # noqa: ANN001

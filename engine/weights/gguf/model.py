@@ -7,13 +7,13 @@ reference path; a fused kernel can replace the module later with the same interf
   activations with a reshape and a transpose, since a K-quant block spans two value heads and cannot be reordered);
 * :class:`GGUFExpertBank` replaces the dense expert bank: one contiguous byte row per expert holding its gate, up and
   down blocks in the file's types (:class:`GGUFExpertLayout`), computed by :func:`engine.weights.quant.routed_forward`
-  like the NF4 banks, so :mod:`engine.placement.offload` streams it like them and a streamed expert moves the file's bytes;
+  like the NF4 banks, so :mod:`engine.placement.placer` streams it like them and a streamed expert moves the file's bytes;
 * :class:`GGUFEmbedding` replaces the embedding table (only the looked-up rows are dequantized).
 
 Float tensors (F32 / F16 / BF16) become ordinary parameters in the model dtype, so an F32 GGUF of the fork layout
 gives the very model its safetensors checkpoint gives. Names, shapes and Clover extras are checked by
 :mod:`engine.weights.checkpoint`'s plan_load against :class:`GGUFSource`; then the model is a meta-device skeleton with the
-GGUF modules swapped in, and :func:`engine.placement.offload.place_model` reads every tensor once from the file
+GGUF modules swapped in, and :func:`engine.placement.placer.place_model` reads every tensor once from the file
 (:class:`GGUFPlacement`) into the place a VRAM plan gives it (no plan: everything on the device). Under a plan the
 streamed layers' rows are copied out of the memory-mapped file into (pinned) host rows: the file keeps an expert's
 gate, up and down blocks in three tensors, so one contiguous row per expert is what lets one copy fill one slot,
@@ -42,7 +42,7 @@ from clover_desk.engine.errors import CancelledError, CheckpointError
 from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import GenerationDefaults, load_generation_defaults
-from clover_desk.engine.placement import offload
+from clover_desk.engine.placement import placer
 from clover_desk.engine.weights.checkpoint import LoadPlan, TensorEntry, _as_dtype, plan_load, sanitize_tensor
 from clover_desk.engine.weights.gguf import quants as gq
 from clover_desk.engine.weights.gguf.file import (
@@ -294,7 +294,7 @@ class GGUFExpertBank(RowExpertBank):
     """The routed experts of one layer as GGUF blocks: ``packed`` uint8 [E, layout.nbytes], one row per expert
     (:class:`GGUFExpertLayout`). Used experts are dequantized per group and run through
     :func:`engine.model.experts.moe_grouped` (:func:`engine.weights.quant.routed_forward`), so it equals a dense bank holding the
-    dequantized weights, and a streamed layer (:mod:`engine.placement.offload`) computes the same numbers from its slots."""
+    dequantized weights, and a streamed layer (:mod:`engine.placement.streamed_bank`) computes the same numbers from its slots."""
 
     def __init__(self, layout: GGUFExpertLayout, packed: Tensor) -> None:
         super().__init__()
@@ -436,7 +436,7 @@ _TORCH_OF_FLOAT_TYPE = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: t
 
 
 class GGUFPlacement:
-    """A GGUF model as an :class:`engine.placement.offload.TensorSource` for :func:`engine.placement.offload.place_model`, under the
+    """A GGUF model as an :class:`engine.placement.placer.TensorSource` for :func:`engine.placement.placer.place_model`, under the
     skeleton's state names: GGUF block buffers (``*.raw``, ``*.packed``) are filled with the file's bytes, every
     other tensor dequantized and put in Hugging Face order (:class:`GGUFSource`), with progress and cancel."""
 
@@ -492,7 +492,7 @@ def load_gguf_model(
     **place_options: Any,
 ) -> GGUFLoad:
     """Read a GGUF model (a file, or any part of a split set) into a :class:`CloverModel`, every tensor read once
-    from the file into its place (:func:`engine.placement.offload.place_model`).
+    from the file into its place (:func:`engine.placement.placer.place_model`).
 
     ``plan`` (an ``engine.placement.planner.Plan``, checked by the caller against :func:`engine.placement.manifest.manifest_from_gguf`):
     resident expert layers keep their :class:`GGUFExpertBank` on ``device``, streamed layers' rows go to (pinned)
@@ -509,10 +509,10 @@ def load_gguf_model(
         raise CancelledError(f"loading {gf.path} was cancelled")
     fills = _swap_gguf_modules(model, src, lplan, dtype) if keep_quantized else {}
     if plan is None:
-        plan = offload.SimplePlan(tuple(offload.expert_banks(model)), (), 0)
+        plan = placer.SimplePlan(tuple(placer.expert_banks(model)), (), 0)
         place_options.setdefault("host_embedding", False)
     source = GGUFPlacement(src, lplan, fills, progress, cancel)
-    offload.place_model(model, plan, device, source, **place_options)
+    placer.place_model(model, plan, device, source, **place_options)
     if keep_quantized and torch.device(device).type == "cpu" and not cpu_quant.available():  # built (or found) now,
         log.warning("CPU kernels unavailable (%s): GGUF blocks are dequantized per forward, ~30x slower",
                     cpu_quant.reason())  # not in the first forward; without them every forward dequantizes
