@@ -224,7 +224,7 @@ def main() -> int:
     for title in ("Refactor the SQLite schema", "Trip plan: Lisbon in 3 days", "Regex for ISO dates"):
         desk.store.create_conversation(title=title)
     window.conversations.reload()
-    window.on_new_conversation()
+    window.conversations.on_new()
     client.script = diffusion_script(ANSWER, THINKING, blocks=9)
     window.composer.input.setPlainText(QUESTION)
     finished = QEventLoop()
@@ -261,7 +261,7 @@ def main() -> int:
     settle(300)
 
     # 2. the denoising view mid-block
-    window.on_conversation_selected(older.id)
+    window.conversations.on_selected(older.id)
     client.script = diffusion_script(SECOND_A, "", blocks=6, seed=11)
     window.composer.input.setPlainText("And what does the threshold slider change?")
     window.composer.on_submit()

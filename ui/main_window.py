@@ -79,7 +79,7 @@ from clover_desk.ui.remote_chat import RemoteBackendControl
 from clover_desk.ui.serve_panel import ServeController, ServeDialog
 from clover_desk.ui.settings_drawer import SettingsDrawer
 from clover_desk.ui.sidebar import ConversationSidebar
-from clover_desk.ui.widgets import ElidedLabel, accessible, install_wheel_guard, named, push_button
+from clover_desk.ui.widgets import ElidedLabel, accessible, install_wheel_guard, named, push_button, vbox
 from clover_desk.ui.window_menus import APP_NAME, WindowMenus
 from clover_desk.ui.window_state import DEFAULT_SIZE, MIN_CHAT_WIDTH, MIN_SIDE_WIDTH, WindowState
 
@@ -254,17 +254,8 @@ class MainWindow(QMainWindow):
         h.addWidget(self.settings_button)
         h.addWidget(self.panel_button)
         center = QWidget()
-        c = QVBoxLayout(center)
-        c.setContentsMargins(0, 0, 0, 0)
-        c.setSpacing(0)
-        banners = QVBoxLayout()
-        banners.setContentsMargins(20, 8, 20, 0)
-        banners.setSpacing(6)
-        banners.addWidget(self.crash_banner)
-        banners.addWidget(self.info_banner)
-        banners.addWidget(self.load_banner)
-        c.addLayout(banners)
-        c.addWidget(self.chat, 1)
+        banners = vbox(self.crash_banner, self.info_banner, self.load_banner, margins=(20, 8, 20, 0), spacing=6)
+        c = vbox(banners, (self.chat, 1), spacing=0, parent=center)
         composer_row = QVBoxLayout()
         composer_row.setContentsMargins(20, 6, 20, 14)
         composer_row.setSpacing(6)

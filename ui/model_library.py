@@ -46,7 +46,7 @@ from clover_desk.engine.weights.gguf.header import read_header
 from clover_desk.ui.model_paths import library_paths
 from clover_desk.ui.theme import set_style_class
 from clover_desk.ui.thread_bridge import ThreadBridge
-from clover_desk.ui.widgets import ElidedLabel, accessible, connect_each, named, push_button, spread_row
+from clover_desk.ui.widgets import ElidedLabel, accessible, connect_each, named, push_button, spread_row, vbox
 
 log = logging.getLogger(__name__)
 
@@ -280,12 +280,7 @@ class ModelRow(QFrame):
         top.addStretch(1)
         for button in (self.load_button, self.reveal_button, self.delete_button):
             top.addWidget(button)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(12, 8, 8, 8)
-        layout.setSpacing(2)
-        layout.addLayout(top)
-        layout.addWidget(self.facts_label)
-        layout.addWidget(self.path_label)
+        vbox(top, self.facts_label, self.path_label, margins=(12, 8, 8, 8), spacing=2, parent=self)
         accessible(self, f"Model {entry.name}" + (" (current)" if current else ""))
 
 

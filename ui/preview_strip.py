@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QListWidget, QListWidgetItem, QWidget
 
 from clover_desk.ui.preview_sandbox import FLOOD_MESSAGES_PER_S, FLOOD_WINDOW_S, FLOOD_WINDOWS
 from clover_desk.ui.throttle import Throttle
-from clover_desk.ui.widgets import tool_button
+from clover_desk.ui.widgets import hbox, tool_button, vbox
 
 STRIP_REPAINT_MS = 200  # the strip is redrawn at most this often, however fast entries arrive
 MAX_LINE_CHARS = 500  # longer strip lines are cut (a page can log megabytes in one message)
@@ -130,15 +130,8 @@ class PreviewStrip(QWidget):
         self.clear_button.clicked.connect(self.on_clear_clicked)
 
     def _lay_out(self) -> None:
-        header = QHBoxLayout()
-        header.setContentsMargins(2, 2, 0, 0)
-        header.addWidget(self.label, 1)
-        header.addWidget(self.clear_button)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.setSpacing(2)
-        layout.addLayout(header)
-        layout.addWidget(self.list, 1)
+        header = hbox((self.label, 1), self.clear_button, margins=(2, 2, 0, 0))
+        vbox(header, (self.list, 1), spacing=2, parent=self)
 
     @property
     def entries(self) -> list[StripEntry]:

@@ -10,11 +10,11 @@ answer never flashes it.
 from __future__ import annotations
 
 from PySide6.QtCore import QTimer, Signal
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QLabel, QProgressBar, QPushButton, QWidget
 
 from clover_desk.engine.decode.events import PrefillProgress
 from clover_desk.ui.theme import set_style_class
-from clover_desk.ui.widgets import accessible
+from clover_desk.ui.widgets import accessible, hbox, vbox
 
 SHOW_AFTER_MS = 400
 
@@ -50,15 +50,8 @@ class PromptProgress(QFrame):
         set_style_class(self.stop_button, "ghost")
         self.stop_button.setToolTip("Stop before the answer starts (Esc)")
         accessible(self.stop_button, "Stop reading the message")
-        top = QHBoxLayout()
-        top.setContentsMargins(0, 0, 0, 0)
-        top.addWidget(self.label, 1)
-        top.addWidget(self.stop_button)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(12, 6, 8, 8)
-        layout.setSpacing(4)
-        layout.addLayout(top)
-        layout.addWidget(self.bar)
+        top = hbox((self.label, 1), self.stop_button)
+        vbox(top, self.bar, margins=(12, 6, 8, 8), spacing=4, parent=self)
         self.show_timer = QTimer(self)
         self.show_timer.setSingleShot(True)
         self.show_timer.setInterval(SHOW_AFTER_MS)

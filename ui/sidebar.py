@@ -14,12 +14,11 @@ from PySide6.QtWidgets import (
     QListWidget,
     QListWidgetItem,
     QMenu,
-    QVBoxLayout,
     QWidget,
 )
 
 from clover_desk.ui.theme import set_style_class
-from clover_desk.ui.widgets import accessible, named, push_button
+from clover_desk.ui.widgets import accessible, named, push_button, vbox
 
 
 class ChatList(QListWidget):
@@ -69,12 +68,7 @@ class ConversationSidebar(QFrame):
         self.models_button = push_button("Models", "modelsButton", style="ghost", name="Models",
                                          tip="Download, choose and quantize models (Ctrl+Shift+M)",
                                          clicked=self.modelsRequested)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(12, 14, 12, 10)
-        layout.setSpacing(10)
-        layout.addWidget(title)
-        layout.addWidget(self.new_button)
-        layout.addWidget(self.search)
+        layout = vbox(title, self.new_button, self.search, margins=(12, 14, 12, 10), spacing=10, parent=self)
         recent = QLabel("CHATS")
         set_style_class(recent, "sectionTitle")
         layout.addWidget(recent)

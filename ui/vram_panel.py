@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (
 from clover_desk.engine.defaults import CARD_CHOICES_GIB, DEFAULT_CARD_BYTES, DEFAULT_CARD_GIB, DEFAULT_CTX_TOKENS
 from clover_desk.engine.placement import planner
 from clover_desk.ui.theme import COLORS, color, set_style_class
-from clover_desk.ui.widgets import spread_row
+from clover_desk.ui.widgets import spread_row, vbox
 
 log = logging.getLogger(__name__)
 
@@ -433,12 +433,7 @@ class VramPanel(QWidget):
         self.scroll.viewport().setAutoFillBackground(False)
         self.scroll.setWidget(body)
 
-        footer = QVBoxLayout()
-        footer.setContentsMargins(16, 6, 16, 14)
-        footer.setSpacing(8)
-        footer.addWidget(self.in_use_label)
-        footer.addWidget(self.status_label)
-        footer.addWidget(self.apply_button)
+        footer = vbox(self.in_use_label, self.status_label, self.apply_button, margins=(16, 6, 16, 14), spacing=8)
 
         self._footer = footer
         root = QVBoxLayout(self)

@@ -1,5 +1,5 @@
 """Small shared widgets and helpers: a label that elides instead of widening the window, accessible names, buttons
-made and wired in one place, one slot for several signals."""
+made and wired in one place, one slot for several signals, box layouts built from one list of what they hold."""
 
 from __future__ import annotations
 
@@ -12,19 +12,26 @@ from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import (
     QAbstractScrollArea,
     QAbstractSpinBox,
+    QBoxLayout,
     QComboBox,
     QHBoxLayout,
     QLabel,
+    QLayout,
     QPushButton,
     QSizePolicy,
     QToolButton,
+    QVBoxLayout,
     QWidget,
 )
 
 from clover_desk.ui.theme import set_style_class
 
 W = TypeVar("W", bound=QWidget)
+B = TypeVar("B", bound=QBoxLayout)
 Slot = Callable[..., object] | SignalInstance  # what a signal connects to: a callable, or a signal it relays to
+# What a box holds: a widget or a nested layout, with its stretch factor when given as (item, stretch).
+BoxItem = QWidget | QLayout | tuple[QWidget | QLayout, int]
+Margins = tuple[int, int, int, int]  # left, top, right, bottom
 
 
 class ElidedLabel(QLabel):
@@ -101,6 +108,31 @@ def spread_row(left: QWidget, right: QWidget) -> QHBoxLayout:
     row.addStretch(1)
     row.addWidget(right)
     return row
+
+
+def _fill(box: B, items: tuple[BoxItem, ...], margins: Margins, spacing: int | None) -> B:
+    box.setContentsMargins(*margins)
+    if spacing is not None:
+        box.setSpacing(spacing)
+    for item in items:
+        thing, stretch = item if isinstance(item, tuple) else (item, 0)
+        if isinstance(thing, QLayout):
+            box.addLayout(thing, stretch)
+        else:
+            box.addWidget(thing, stretch)
+    return box
+
+
+def vbox(*items: BoxItem, margins: Margins = (0, 0, 0, 0), spacing: int | None = None,
+         parent: QWidget | None = None) -> QVBoxLayout:
+    """A column of ``items`` top to bottom (set on ``parent`` when given); more can be added to it afterwards."""
+    return _fill(QVBoxLayout(parent) if parent is not None else QVBoxLayout(), items, margins, spacing)
+
+
+def hbox(*items: BoxItem, margins: Margins = (0, 0, 0, 0), spacing: int | None = None,
+         parent: QWidget | None = None) -> QHBoxLayout:
+    """A row of ``items`` left to right (set on ``parent`` when given)."""
+    return _fill(QHBoxLayout(parent) if parent is not None else QHBoxLayout(), items, margins, spacing)
 
 
 def connect_each(slot: Slot, *signals: SignalInstance) -> None:

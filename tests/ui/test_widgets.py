@@ -4,10 +4,10 @@ several signals, a row spread to both ends."""
 from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal
-from PySide6.QtWidgets import QLabel, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.ui.widgets import connect_each, push_button, spread_row, tool_button
+from clover_desk.ui.widgets import connect_each, hbox, push_button, spread_row, tool_button, vbox
 
 guard_pyside_bool_refcounts()
 
@@ -65,3 +65,21 @@ def test_spread_row_puts_a_stretch_between_its_two_ends(qtbot) -> None:  # noqa:
     row = spread_row(left, right)
     assert [row.itemAt(i).widget() for i in range(row.count())] == [left, None, right]
     assert row.stretch(1) == 1
+
+
+def test_boxes_hold_their_items_in_order_with_stretch_margins_and_spacing(qtbot) -> None:  # noqa: ANN001
+    host = QWidget()
+    qtbot.addWidget(host)
+    a, b, c = QLabel("a"), QLabel("b"), QLabel("c")
+    row = hbox((a, 2), b, margins=(1, 2, 3, 4), spacing=5)
+    column = vbox(row, (c, 1), spacing=7, parent=host)
+    assert isinstance(row, QHBoxLayout) and isinstance(column, QVBoxLayout)
+    assert host.layout() is column  # set on the parent
+    assert [row.itemAt(i).widget() for i in range(row.count())] == [a, b]
+    assert (row.stretch(0), row.stretch(1)) == (2, 0)
+    m = row.contentsMargins()
+    assert (m.left(), m.top(), m.right(), m.bottom(), row.spacing()) == (1, 2, 3, 4, 5)
+    assert column.itemAt(0).layout() is row and column.itemAt(1).widget() is c and column.stretch(1) == 1
+    m = column.contentsMargins()
+    assert (m.left(), m.top(), m.right(), m.bottom(), column.spacing()) == (0, 0, 0, 0, 7)
+    assert hbox().parent() is None
