@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_worker import FAKE, TIMEOUT, WorkerProc
+from worker_proc import FAKE, TIMEOUT, WorkerProc
 
 from clover_desk.engine.decode.events import GenerationParams
 from clover_desk.worker.protocol import MAX_LINE_BYTES, MAX_NESTING, PARAM_FIELDS, read_lines

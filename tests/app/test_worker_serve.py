@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from server_fixtures import chat_model, endless_model, port_is_free, tools_model  # noqa: F401 (session fixtures)
-from test_worker import FAKE, WorkerProc
+from worker_proc import FAKE, WorkerProc
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 USER = [{"role": "user", "content": "hello"}]

@@ -24,7 +24,7 @@ import torch
 from fixtures_tiny import copy_model, one_torch_thread, tiny_clover_dir  # noqa: F401
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_worker import WorkerProc
+from worker_proc import WorkerProc
 
 from clover_desk.cli import main as cli
 from clover_desk.engine.decode.limits import GENERATION_LIMITS, MAX_PROMPT_BYTES

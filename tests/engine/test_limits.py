@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_worker import FAKE, WorkerProc
+from worker_proc import FAKE, WorkerProc
 
 from clover_desk.cli import main as cli
 from clover_desk.engine.decode.events import MODES, GenerationParams

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from test_worker import WorkerProc
+from worker_proc import WorkerProc
 
 from clover_desk.engine.decode.limits import TEMPLATE_MAX_SOURCE_CHARS, TEMPLATE_TIMEOUT_S
 from clover_desk.engine.decode.tokenizer import CloverTokenizer, shipped_file, train_tiny_tokenizer

@@ -17,7 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "0"
 
 from fixtures_tiny import tiny_clover_dir  # noqa: E402,F401 (session fixture)
 from gui_desk import running_desk  # noqa: E402
-from test_worker import WorkerProc  # noqa: E402
+from worker_proc import WorkerProc  # noqa: E402
 
 from clover_desk.downloads import GGUF_REPO_ID, GgufChoice, ModelDownloader  # noqa: E402
 from clover_desk.engine.decode.events import Finished  # noqa: E402

@@ -462,14 +462,14 @@ def test_the_wheel_guard_covers_dialogs_created_after_the_window(qtbot, tmp_path
 def test_stop_in_the_first_block_keeps_the_committed_text_and_offers_continue(qtbot, tmp_path) -> None:
     """Issue 32, bug 3, through the real window: Esc a few passes into the first block of a diffusion answer left an
     empty bubble ("stopped", no text, no Continue) while the denoising panel showed the committed tokens. The client
-    here runs the real decode loop (engine.decode.generate, the scripted model of test_generate.py: one slot
+    here runs the real decode loop (engine.decode.generate, the scripted model of tests/letter_model.py: one slot
     committed per pass) one event per step, in the window's thread, as the worker would stream it."""
     import itertools
     import threading
 
     from fakes_ui import FakeEngineClient
+    from letter_model import MASK, LetterTokenizer, ScriptedModel, letters, settings
     from PySide6.QtCore import Qt
-    from test_generate import MASK, LetterTokenizer, ScriptedModel, letters, settings
 
     from clover_desk.engine.decode.events import BlockStep, Finished, TextDelta
     from clover_desk.engine.decode.generate import generate
