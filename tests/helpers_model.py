@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,3 +96,17 @@ class CountingBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         self.graphs += 1
         return gm.forward
+
+
+class CancelAfter:
+    """A progress callback for long work: it keeps every event in ``seen`` and sets ``cancel`` on the ``n``-th."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seen: list[Any] = []
+        self.cancel = threading.Event()
+
+    def __call__(self, event: Any) -> None:
+        self.seen.append(event)
+        if len(self.seen) == self.n:
+            self.cancel.set()

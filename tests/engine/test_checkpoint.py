@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_model import CancelAfter
 from safetensors.torch import save_file
 
 from clover_desk.engine.decode.events import LoadProgress
@@ -150,17 +150,10 @@ def test_progress_reports_bytes_and_names_then_done(tmp_path: Path) -> None:
 
 def test_cancel_stops_loading(tmp_path: Path) -> None:
     path, _ = _write(tmp_path)
-    cancel = threading.Event()
-    seen: list[LoadProgress] = []
-
-    def progress(event: LoadProgress) -> None:
-        seen.append(event)
-        if len(seen) == 3:
-            cancel.set()
-
+    progress = CancelAfter(3)
     with pytest.raises(CancelledError):
-        load_model(path, progress=progress, cancel=cancel)
-    assert len(seen) == 3
+        load_model(path, progress=progress, cancel=progress.cancel)
+    assert len(progress.seen) == 3
 
 
 def test_bf16_load_keeps_decay_parameters_in_fp32(tmp_path: Path) -> None:

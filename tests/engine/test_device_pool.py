@@ -658,7 +658,9 @@ def test_the_copy_kernel_copies_only_the_missing_rows() -> None:
     run_interpreted(CHILD)
 
 
-PLACE_CHILD = r'''
+# What both placing children start from: random expert rows of three layers and a pair of slot tables (tensor ops,
+# kernel) over two fresh pools of the same size.
+PLACE_SETUP = r'''
 import random
 import torch
 from clover_desk.engine.placement.device_pool import DeviceSlotTables
@@ -669,9 +671,15 @@ class Layout:
 
 E, K, LAYERS = 16, 4, (1, 2, 3)
 rows = {i: torch.randint(0, 256, (E, 40), dtype=torch.uint8) for i in LAYERS}
-for slots in (8, 11, 37):
+
+def table_pair(slots):
     pools = [SlotPool(slots, Layout(), torch.device("cpu"), DeviceLedger(torch.device("cpu"))) for _ in range(2)]
-    ops, kernel = (DeviceSlotTables(p, LAYERS, rows, E, K) for p in pools)
+    return (DeviceSlotTables(p, LAYERS, rows, E, K) for p in pools)
+'''
+
+PLACE_CHILD = PLACE_SETUP + r'''
+for slots in (8, 11, 37):
+    ops, kernel = table_pair(slots)
     kernel.use_kernel = True
     ops.push()
     kernel.push()
@@ -700,21 +708,10 @@ def test_the_place_kernel_makes_the_tensor_ops_decisions() -> None:
     run_interpreted(PLACE_CHILD)
 
 
-PLACE_SET_CHILD = r'''
-import random
-import torch
-from clover_desk.engine.placement.device_pool import DeviceSlotTables
-from clover_desk.engine.placement.slot_pool import DeviceLedger, SlotPool
-
-class Layout:
-    nbytes = 40
-
-E, K, LAYERS = 16, 4, (1, 2, 3)
-rows = {i: torch.randint(0, 256, (E, 40), dtype=torch.uint8) for i in LAYERS}
+PLACE_SET_CHILD = PLACE_SETUP + r'''
 TABLES = ("slot_of", "key_of", "stamp", "fresh", "pinned", "seen", "tick", "counts", "distinct")
 for slots in (16, 21, 64):
-    pools = [SlotPool(slots, Layout(), torch.device("cpu"), DeviceLedger(torch.device("cpu"))) for _ in range(2)]
-    ops, kernel = (DeviceSlotTables(p, LAYERS, rows, E, K) for p in pools)
+    ops, kernel = table_pair(slots)
     kernel.use_kernel = kernel.set_kernel = True
     ops.push()
     kernel.push()

@@ -6,11 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_model import CancelAfter
 
 from clover_desk.engine.decode.events import LoadProgress
 from clover_desk.engine.errors import CancelledError
@@ -204,17 +204,10 @@ def test_stale_corrupt_other_policy_and_other_checkpoint_are_reported_and_rebuil
 
 
 def test_cancel_leaves_nothing_behind(ckpt: Path, tmp_path: Path) -> None:
-    cancel = threading.Event()
-    seen: list[LoadProgress] = []
-
-    def progress(p: LoadProgress) -> None:
-        seen.append(p)
-        if len(seen) == 5:
-            cancel.set()
-
+    progress = CancelAfter(5)
     target = tmp_path / "root" / POLICY.hash
     with pytest.raises(CancelledError, match="cancelled"):
-        build_cache(ckpt, POLICY, target, progress=progress, cancel=cancel)
+        build_cache(ckpt, POLICY, target, progress=progress, cancel=progress.cancel)
     assert not target.exists()
     assert list((tmp_path / "root").iterdir()) == []
 
