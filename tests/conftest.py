@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 sys.modules.setdefault("fla", None)
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("QTWEBENGINE_DISABLE_SANDBOX", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "0")
+# The download tests run the real huggingface_hub client against a Hub stand-in on 127.0.0.1: online mode, whatever
+# the environment says, and no telemetry (set before any test module imports huggingface_hub, which reads them once).
+os.environ["HF_HUB_OFFLINE"] = "0"
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # Tiny models on a 2-core machine: one torch thread per process is several times faster than the default
 # (inherited by the worker and CLI subprocesses the tests start).
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -5,17 +5,13 @@ downloader against the Hub stand-in."""
 from __future__ import annotations
 
 import ntpath
-import os
 import posixpath
 from pathlib import PurePosixPath, PureWindowsPath
 
 import pytest
 
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ["HF_HUB_OFFLINE"] = "0"
-
-from clover_desk.downloads import DownloadError, ModelDownloader, _safe_relative, unsafe_name_reason  # noqa: E402
-from tests.hf_test_server import FakeHub  # noqa: E402
+from clover_desk.downloads import DownloadError, ModelDownloader, _safe_relative, unsafe_name_reason
+from tests.hf_test_server import FakeHub
 
 BAD = [
     "..\\..\\AppData\\Roaming\\Microsoft\\Windows\\Start Menu\\Programs\\Startup\\x.bat",

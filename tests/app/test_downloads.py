@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ["HF_HUB_OFFLINE"] = "0"
-
-from clover_desk.downloads import (  # noqa: E402
+from clover_desk.downloads import (
     STATE_DIR,
     ChecksumError,
     DiskSpaceError,
@@ -22,8 +18,8 @@ from clover_desk.downloads import (  # noqa: E402
     DownloadProgress,
     ModelDownloader,
 )
-from clover_desk.engine.errors import CancelledError  # noqa: E402
-from tests.hf_test_server import FakeHub  # noqa: E402
+from clover_desk.engine.errors import CancelledError
+from tests.hf_test_server import FakeHub
 
 REPO = "Diffuspace/Clover-Test"
 CONFIG = json.dumps({"model_type": "clover_moe"}).encode()

@@ -5,14 +5,10 @@ against the Hub's sha256 and, where published, the published size and sha256."""
 from __future__ import annotations
 
 import hashlib
-import os
 
 import pytest
 
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ["HF_HUB_OFFLINE"] = "0"
-
-from clover_desk.downloads import (  # noqa: E402
+from clover_desk.downloads import (
     GGUF_REPO_ID,
     OFFICIAL_GGUF,
     ChecksumError,
@@ -20,7 +16,7 @@ from clover_desk.downloads import (  # noqa: E402
     GgufChoice,
     ModelDownloader,
 )
-from tests.hf_test_server import FakeHub  # noqa: E402
+from tests.hf_test_server import FakeHub
 
 Q4_0 = b"GGUF" + bytes(range(256)) * 2000  # ~0.5 MB each, LFS
 Q4_K_M = b"GGUF" + hashlib.sha256(b"k").digest() * 9000

@@ -6,25 +6,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
+from gui_desk import running_desk
 from PySide6.QtCore import Qt
+from worker_proc import WorkerProc
 
-os.environ["HF_HUB_OFFLINE"] = "0"
-
-from fixtures_tiny import tiny_clover_dir  # noqa: E402,F401 (session fixture)
-from gui_desk import running_desk  # noqa: E402
-from worker_proc import WorkerProc  # noqa: E402
-
-from clover_desk.downloads import GGUF_REPO_ID, GgufChoice, ModelDownloader  # noqa: E402
-from clover_desk.engine.decode.events import Finished  # noqa: E402
-from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
-from clover_desk.ui.contracts import EngineState  # noqa: E402
-from clover_desk.ui.model_manager import ModelManagerPanel, check_gguf_file, check_model_path  # noqa: E402
-from tests.hf_test_server import FakeHub  # noqa: E402
+from clover_desk.downloads import GGUF_REPO_ID, GgufChoice, ModelDownloader
+from clover_desk.engine.decode.events import Finished
+from clover_desk.qt_compat import guard_pyside_bool_refcounts
+from clover_desk.ui.contracts import EngineState
+from clover_desk.ui.model_manager import ModelManagerPanel, check_gguf_file, check_model_path
+from tests.hf_test_server import FakeHub
 
 guard_pyside_bool_refcounts()
 
