@@ -818,23 +818,15 @@ def test_device_table_steps_are_one_cuda_graph_without_a_sync() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("bitsandbytes")
-    from tests.engine.test_step_graphs import _steps_never_sync, _tokens, tiny_config, tiny_model
+    from tests.engine.test_step_graphs import _quantized, _replays_decode, _steps_never_sync, _tokens
 
-    def on_gpu(device_pool: bool) -> CloverModel:
-        model = tiny_model(tiny_config(), seed=5)
-        quantize_model_(model, make_policy())
-        apply_plan(model, SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda", device_pool=device_pool)
-        return model
-
-    want = _tokens(on_gpu(False), 300)
-    graphed = on_gpu(True)
+    want = _tokens(_quantized((1, 3), "cuda", pool_layers=1, device_pool=False), 300)
+    graphed = _quantized((1, 3), "cuda", pool_layers=1, device_pool=True)
     rt = offload_runtime.runtime_of(graphed)
     assert rt is not None and rt.tables is not None, rt.device_pool_refused if rt else None
     runner = step_graphs.StepGraphs(graphed)
     assert runner.pieces == step_graphs.pieces_of(4, {})
-    graphed.step_graph = runner
-    assert _tokens(graphed, 300) == want
-    assert runner.failed is None and runner.recorded == 2 and runner.replays == 299
+    _replays_decode(graphed, runner, want, recorded=2)
     assert rt.tables.check() == []
     _steps_never_sync(graphed)
 

@@ -250,15 +250,26 @@ def test_the_banks_that_read_the_host_are_cut_out(monkeypatch: pytest.MonkeyPatc
     assert not nf4.sync_free(256, torch.device("cpu"), torch.float32) and nf4.sync_free(8, gpu, torch.bfloat16)
 
 
-def _quantized(streamed: tuple[int, ...]) -> Any:
+def _quantized(streamed: tuple[int, ...], device: str = "cpu", pool_layers: int = 2, **apply: Any) -> Any:
+    """The tiny model (seed 5) with NF4 experts, ``streamed`` layers' experts streamed through a pool of
+    ``pool_layers`` layers' worth of slots, placed on ``device`` (``apply``: placer.apply_plan's switches)."""
     from clover_desk.engine.placement import placer
     from clover_desk.engine.weights.quant import make_policy, quantize_model_
 
     model = tiny_model(tiny_config(), seed=5)
     quantize_model_(model, make_policy())
     resident = tuple(i for i in range(len(model.layers)) if i not in streamed)
-    placer.apply_plan(model, placer.SimplePlan(resident, streamed, 2 * model.config.num_experts), "cpu")
+    placer.apply_plan(model, placer.SimplePlan(resident, streamed, pool_layers * model.config.num_experts), device,
+                      **apply)
     return model
+
+
+def _replays_decode(graphed: Any, runner: step_graphs.StepGraphs, want: list[int], recorded: int) -> None:
+    """``graphed``, stepping through ``runner``'s CUDA graphs, decodes ``want`` (300 tokens): ``recorded`` graphs
+    recorded, every later step replayed, none failed."""
+    graphed.step_graph = runner
+    assert _tokens(graphed, 300) == want
+    assert runner.failed is None and runner.recorded == recorded and runner.replays == 299
 
 
 @pytest.mark.parametrize("streamed", [(), (1,), (0, 3)])
@@ -437,10 +448,7 @@ def test_cuda_graph_steps_decode_the_uncaptured_tokens_without_a_sync() -> None:
     ref.dtype = torch.bfloat16
     want = _tokens(ref, 300)  # crosses the 256-key bucket: two graphs
     graphed = copy.deepcopy(ref)
-    runner = step_graphs.StepGraphs(graphed)
-    graphed.step_graph = runner
-    assert _tokens(graphed, 300) == want
-    assert runner.failed is None and runner.recorded == 2 and runner.replays == 299
+    _replays_decode(graphed, step_graphs.StepGraphs(graphed), want, recorded=2)
     _steps_never_sync(graphed)
 
 
@@ -503,22 +511,11 @@ def test_cuda_graph_pieces_around_streamed_layers_decode_the_uncaptured_tokens()
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("bitsandbytes")
-    from clover_desk.engine.placement import placer
-    from clover_desk.engine.weights.quant import make_policy, quantize_model_
-
-    def placed() -> Any:
-        model = tiny_model(tiny_config(), seed=5)
-        quantize_model_(model, make_policy())
-        placer.apply_plan(model, placer.SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda")
-        return model
-
-    want = _tokens(placed(), 300)
-    graphed = placed()
+    want = _tokens(_quantized((1, 3), "cuda", pool_layers=1), 300)
+    graphed = _quantized((1, 3), "cuda", pool_layers=1)
     runner = step_graphs.StepGraphs(graphed)
     assert runner.pieces == step_graphs.pieces_of(4, {1: "fetch", 3: "fetch"})  # 3 graphs around 2 eager fetches
-    graphed.step_graph = runner
-    assert _tokens(graphed, 300) == want
-    assert runner.failed is None and runner.recorded == 3 * 2 and runner.replays == 299  # 3 graphs, 2 buckets
+    _replays_decode(graphed, runner, want, recorded=3 * 2)  # 3 graphs, 2 buckets
 
 
 @pytest.mark.gpu
@@ -529,27 +526,17 @@ def test_zero_copy_streamed_steps_are_one_cuda_graph_without_a_sync() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("bitsandbytes")
-    from clover_desk.engine.placement import offload_runtime, placer
-    from clover_desk.engine.weights.quant import make_policy, quantize_model_
+    from clover_desk.engine.placement import offload_runtime
 
-    def placed(zero_copy: bool) -> Any:
-        model = tiny_model(tiny_config(), seed=5)
-        quantize_model_(model, make_policy())
-        placer.apply_plan(model, placer.SimplePlan((0, 2), (1, 3), model.config.num_experts), "cuda",
-                           zero_copy=zero_copy)
-        return model
-
-    want = _tokens(placed(False), 300)
-    graphed = placed(True)
+    want = _tokens(_quantized((1, 3), "cuda", pool_layers=1, zero_copy=False), 300)
+    graphed = _quantized((1, 3), "cuda", pool_layers=1, zero_copy=True)
     rt = offload_runtime.runtime_of(graphed)
     assert rt is not None and rt.zero_copy and rt.zero_copy_refused == {}
     view = graphed.layers[1].mlp.experts.in_place
     assert view.device.type == "cuda" and torch.equal(view.cpu(), rt.stores[1].rows)  # the host bytes, mapped
     runner = step_graphs.StepGraphs(graphed)
     assert runner.pieces == step_graphs.pieces_of(4, {})
-    graphed.step_graph = runner
-    assert _tokens(graphed, 300) == want
-    assert runner.failed is None and runner.recorded == 2 and runner.replays == 299
+    _replays_decode(graphed, runner, want, recorded=2)
     _steps_never_sync(graphed)
 
 
