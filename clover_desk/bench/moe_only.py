@@ -181,7 +181,7 @@ def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3
     import torch
 
     from clover_desk.engine.kernels import gdn_kernels
-    from clover_desk.engine.model.cache import _Pass
+    from clover_desk.engine.model.cache import PassContext
     from clover_desk.engine.model.gdn import GatedDeltaNet
 
     _, config = _config(shape, "qwen3_5_moe", layers=1)
@@ -196,7 +196,7 @@ def gdn_lines(device: str, dtype: Any, repeats: int, shape: str = "clover-35b-a3
 
     def run(x: Any, start: int, state: Any) -> Any:
         conv = torch.zeros(layer.kernel - 1, layer.conv_dim, device=device, dtype=dtype)
-        p = _Pass(start_pos=start, length=x.shape[0], block_size=None, cache=None, write_cache=False, cos=empty,
+        p = PassContext(start_pos=start, length=x.shape[0], block_size=None, cache=None, write_cache=False, cos=empty,
                   sin=empty, attn_mask=None, attn_causal=True, coreset=False)
         return layer(x, p, (conv, state.clone()))
 

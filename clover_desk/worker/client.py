@@ -130,11 +130,6 @@ class EngineClient(QObject):
         return self._serve.policy
 
     @property
-    def last_stderr(self) -> list[str]:
-        """The worker's last stderr lines (its log), newest last."""
-        return self._process.last_stderr
-
-    @property
     def env(self) -> dict[str, str]:
         """The extra environment the worker starts with."""
         return self._process.env

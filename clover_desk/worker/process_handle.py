@@ -73,11 +73,6 @@ class WorkerProcess(QObject):
         return self._proc is not None
 
     @property
-    def last_stderr(self) -> list[str]:
-        """The worker's last stderr lines (its log), newest last."""
-        return list(self._stderr_lines)
-
-    @property
     def env(self) -> dict[str, str]:
         """The extra environment the worker starts with."""
         return dict(self._env)

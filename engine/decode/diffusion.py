@@ -17,7 +17,7 @@ from torch import Tensor
 from clover_desk.engine.decode import decoding, grammar, loop_parts
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Event, PromptInfo
 from clover_desk.engine.decode.loop_parts import Request, loop_start, prefill_keep
-from clover_desk.engine.decode.outputs import _SlotLogprobs
+from clover_desk.engine.decode.outputs import SlotLogprobs
 from clover_desk.engine.decode.settings import DecodeSettings
 
 
@@ -74,7 +74,7 @@ def diffusion_loop(r: Request) -> Iterator[Event]:
         thinking_at_entry = channels.thinking_open
         pass_index = 0
         cancelled = False
-        slot_lp = _SlotLogprobs(B, s.logprobs, device) if s.logprobs is not None else None
+        slot_lp = SlotLogprobs(B, s.logprobs, device) if s.logprobs is not None else None
         if hooks is not None and hooks.begin_block is not None:
             hooks.begin_block()
         while True:

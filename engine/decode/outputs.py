@@ -1,6 +1,6 @@
 """What a decoding loop's commits turn into: text by channel (thinking or answer,
 :class:`ChannelText`) and, for a request that asks, log probabilities (:func:`row_logprobs` for causal rows,
-:class:`_SlotLogprobs` for a diffusion block's slots).
+:class:`SlotLogprobs` for a diffusion block's slots).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _top_of(lp: Tensor, top: int) -> tuple[Tensor, Tensor]:
 
 def _logprob_event(picked: Tensor, top_lp: Tensor, top_ids: Tensor, ids: Sequence[int],
                    channels: tuple[str, ...]) -> TokenLogprobs:
-    """One host read of what :func:`row_logprobs` or :class:`_SlotLogprobs` gathered for ``ids``."""
+    """One host read of what :func:`row_logprobs` or :class:`SlotLogprobs` gathered for ``ids``."""
     host = torch.cat([picked.view(-1, 1).float(), top_lp.float(), top_ids.float()], dim=1).tolist()  # [T, 1 + 2k]
     top = top_lp.shape[1]
     return TokenLogprobs(
@@ -116,7 +116,7 @@ def row_logprobs(rows: Tensor, ids: Sequence[int], top: int, channels: tuple[str
     return _logprob_event(lp.gather(-1, chosen).squeeze(-1), values, top_ids, ids, channels)
 
 
-class _SlotLogprobs:
+class SlotLogprobs:
     """A diffusion block's log probabilities, slot by slot, as the passes commit them: kept on the device (no host
     read per pass), read once when the block's tokens go out."""
 

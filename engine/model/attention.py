@@ -1,5 +1,5 @@
 """Gated full attention with partial RoPE, q/k norms and GQA (:class:`Attention`), the rotary helpers, and the
-attention by groups of query rows that bounds a long pass's mask and activation memory (:func:`_attention_by_rows`).
+attention by groups of query rows that bounds a long pass's mask and activation memory (:func:`attention_by_rows`).
 Shape letters: :mod:`engine.model.clover`.
 """
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from clover_desk.engine.model.cache import _Pass
+from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.layers import Linear, RMSNorm
 
@@ -54,7 +54,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``st``: this layer's (key, value) cache buffers [Hkv, max_len, hd] (None without a cache)."""
         t, hd = x.shape[0], self.head_dim
         qg = self.q_proj(x).view(t, self.num_heads, 2 * hd)  # [T, Hq, 2hd]
@@ -99,7 +99,7 @@ class Attention(nn.Module):
             o = (probs[..., None] * values.float()[:, None, :, :]).sum(-2)  # [Hkv, G, hd]
             o = o.to(q.dtype).reshape(self.num_heads, 1, hd)  # [Hq, 1, hd]
         elif p.by_rows:  # a pass over several blocks (a prefill segment): a group of rows at a time
-            o = _attention_by_rows(q, keys, values, p, g)
+            o = attention_by_rows(q, keys, values, p, g)
         elif p.attn_causal:  # keys == queries, plain causal: SDPA's own causal mask (it handles GQA itself)
             o = F.scaled_dot_product_attention(
                 q[None], keys[None], values[None], is_causal=True, scale=hd**-0.5, enable_gqa=g > 1
@@ -127,7 +127,7 @@ ATTENTION_ROWS = 64  # query rows per attention call in a causal pass over many 
 
 
 @torch.compiler.disable
-def _attention_by_rows(q: Tensor, keys: Tensor, values: Tensor, p: _Pass, g: int) -> Tensor:
+def attention_by_rows(q: Tensor, keys: Tensor, values: Tensor, p: PassContext, g: int) -> Tensor:
     """Attention of q [Hq, T, hd] over keys / values [Hkv, S, hd], one group of query rows at a time
     (``p.attn_rows``): each group reads the keys up to its own key end, so a block of a block-causal pass needs no
     mask at all (every row of a block sees the whole prefix and the whole block), and a causal pass only its group's

@@ -1,5 +1,5 @@
 """A sequence's state and one forward pass's facts: :class:`ModelCache` (the full-attention layers' keys and
-values, the Gated DeltaNet conv and recurrent states) and :class:`_Pass` (what every layer needs to know about the
+values, the Gated DeltaNet conv and recurrent states) and :class:`PassContext` (what every layer needs to know about the
 pass it runs in: positions, mode, mask, cache). Shape letters: :mod:`engine.model.clover`.
 """
 
@@ -88,7 +88,7 @@ class ModelCache:
 
 
 @dataclass
-class _Pass:
+class PassContext:
     start_pos: int
     length: int  # T
     block_size: int | None  # None = causal (AR)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from clover_desk.engine.errors import PromptError
 from clover_desk.engine.model.attention import ATTENTION_ROWS, Attention, rope_cos_sin
-from clover_desk.engine.model.cache import ModelCache, _Pass
+from clover_desk.engine.model.cache import ModelCache, PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.gdn import GDN_CHUNK, GatedDeltaNet
 from clover_desk.engine.model.layers import Linear, RMSNorm
@@ -48,12 +48,12 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoe(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, h: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``st``: this layer's cache tensors (``ModelCache.layer``), None without a cache."""
         h, x, w, idx = self.front(h, p, st)
         return self.back(h, x, self.mlp.routed(x, w, idx))
 
-    def front(self, h: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def front(self, h: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The layer up to its routed experts: the token mixer and its residual, the MoE input norm and the routing.
         Returns (h [T, D] after the mixer, x [T, D] the MoE input, w [T, k] fp32, idx [T, k] long)."""
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
@@ -238,7 +238,7 @@ class CloverModel(nn.Module):
         coreset = (
             block_size is not None and cfg.moe_block_coreset_enabled and (not prefill or cfg.coreset_in_prefill)
         )
-        p = _Pass(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset, attn_rows=rows,
+        p = PassContext(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset, attn_rows=rows,
                   by_rows=bool(rows))
         h = self.embed(ids)  # [T, D]
         for i, layer in enumerate(self.layers):
@@ -273,7 +273,7 @@ class CloverModel(nn.Module):
     def static_pass(
         self, pos: Tensor, cache: ModelCache, kv_len: int, t: int = 1, block_size: int | None = None,
         write_cache: bool = True,
-    ) -> _Pass:
+    ) -> PassContext:
         """The pass of :meth:`static_step`, or of a whole block (``t == block_size``: a denoising pass with
         ``write_cache=False``, a commit pass with True), with nothing that depends on a host int: ``pos`` [1] long is
         the first position on the device, the rotary angles and the key mask [T, kv_len] are computed from it there.
@@ -290,10 +290,10 @@ class CloverModel(nn.Module):
         else:  # the prefix and the whole block
             mask = (keys[None, :] // block_size) <= (positions[:, None] // block_size)  # [T, S]
         coreset = block_size is not None and cfg.moe_block_coreset_enabled
-        return _Pass(0, t, block_size, cache, write_cache, cos, sin, mask, False, coreset, pos=positions,
+        return PassContext(0, t, block_size, cache, write_cache, cos, sin, mask, False, coreset, pos=positions,
                      kv_len=kv_len)
 
-    def static_layers(self, h: Tensor, p: _Pass, cache: ModelCache, lo: int, hi: int) -> Tensor:
+    def static_layers(self, h: Tensor, p: PassContext, cache: ModelCache, lo: int, hi: int) -> Tensor:
         """Layers ``lo``..``hi - 1`` of a static pass (``p`` from :meth:`static_pass`): h [T, D] -> [T, D]."""
         for i in range(lo, hi):
             h = self.layers[i](h, p, cache.layer(i))
@@ -309,7 +309,7 @@ class CloverModel(nn.Module):
     def _attention_rows(
         start_pos: int, t: int, first_key: int, block_size: int | None
     ) -> tuple[tuple[int, int, int], ...]:
-        """The query row groups of a masked pass (see :func:`_attention_by_rows`): blocks in block mode, groups of
+        """The query row groups of a masked pass (see :func:`attention_by_rows`): blocks in block mode, groups of
         :data:`ATTENTION_ROWS` in a causal one; (first row, end row, end of the keys any row of the group sees) each,
         keys counted from ``first_key``, the first key the pass reads."""
         size = block_size or ATTENTION_ROWS

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from clover_desk.engine.kernels import gdn_kernels
-from clover_desk.engine.model.cache import _Pass
+from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.layers import Linear
 
@@ -268,7 +268,7 @@ class GatedDeltaNet(nn.Module):
         return self.bd_history is not None or self.bd_logit_scale is not None or self.conv1d.weight_right is not None
 
     # ---- forward ----
-    def forward(self, x: Tensor, p: _Pass, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``st``: this layer's (conv state [K-1, C], recurrent state [Hv, dk, dv] fp32) (None without a cache)."""
         cfg = self.config
         t, dtype = x.shape[0], x.dtype

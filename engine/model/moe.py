@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from clover_desk.engine.model.cache import _Pass
+from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.experts import DenseExpertBank, ExpertBank
 from clover_desk.engine.model.layers import Linear
@@ -97,7 +97,7 @@ class SparseMoe(nn.Module):
         self.last_topk_idx: Tensor | None = None
         self.last_topk_w: Tensor | None = None
 
-    def route(self, x: Tensor, p: _Pass) -> tuple[Tensor, Tensor]:
+    def route(self, x: Tensor, p: PassContext) -> tuple[Tensor, Tensor]:
         """x [T, D] -> (weights [T, k] fp32, ids [T, k])."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] fp32
         if p.coreset and p.block_size is not None:
@@ -108,7 +108,7 @@ class SparseMoe(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         return w, idx
 
-    def forward(self, x: Tensor, p: _Pass) -> Tensor:
+    def forward(self, x: Tensor, p: PassContext) -> Tensor:
         w, idx = self.route(x, p)
         return self.combine(x, self.routed(x, w, idx))
 

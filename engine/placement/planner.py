@@ -260,7 +260,7 @@ def _prefill_parts(
 ) -> dict[str, int]:
     """Scratch of one prefill forward of ``chunk`` tokens whose last token sees ``ctx`` keys.
 
-    engine.model.clover attends a group of query rows at a time (``_attention_by_rows``), with the G query heads that
+    engine.model.clover attends a group of query rows at a time (``attention_by_rows``), with the G query heads that
     share a KV head folded into rows: a block of a block-causal prefill needs no mask at all, so SDPA takes flash
     attention. A causal (AR-mode) prefill after cached keys keeps one bool mask [chunk, ctx], and each group of
     :data:`ATTENTION_ROWS` rows repeats its slice G times, which SDPA's memory-efficient kernel turns into a bias in

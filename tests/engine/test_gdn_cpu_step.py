@@ -22,7 +22,7 @@ from clover_desk.engine.decode.events import Finished
 from clover_desk.engine.decode.generate import generate_ar
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant, gdn_kernels
-from clover_desk.engine.model.cache import _Pass
+from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import parse_config
 from clover_desk.engine.model.gdn import GatedDeltaNet, l2norm, recurrent_gated_delta_rule
 from clover_desk.engine.weights.tiny import clover_35b_a3b_text_config
@@ -91,8 +91,8 @@ def _real_width_layer() -> GatedDeltaNet:
     return layer
 
 
-def _ar_pass(pos: int, write_cache: bool) -> _Pass:
-    return _Pass(start_pos=pos, length=1, block_size=None, cache=None, write_cache=write_cache,
+def _ar_pass(pos: int, write_cache: bool) -> PassContext:
+    return PassContext(start_pos=pos, length=1, block_size=None, cache=None, write_cache=write_cache,
                  cos=torch.zeros(1, 0), sin=torch.zeros(1, 0), attn_mask=None, attn_causal=False, coreset=False)
 
 

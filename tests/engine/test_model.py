@@ -382,7 +382,7 @@ def test_long_cached_pass_is_split_into_segments_with_the_same_result(block_size
 
 def test_a_prefill_over_many_blocks_holds_no_mask_of_its_keys() -> None:
     """A block-mode pass over many blocks after a long cache attends a block of rows at a time, each reading the keys
-    up to its own end (engine.model._attention_by_rows): its scratch does not grow with the context. A [T, S] mask
+    up to its own end (engine.model.attention_by_rows): its scratch does not grow with the context. A [T, S] mask
     (bool, and repeated for the folded heads) grew by T bytes per key, and on a GPU SDPA made a padded bf16 bias of
     it: ~280 MB for a 416-token prefill segment at a 16K context with the 35B's heads."""
     from clover_desk.bench.count import _forward_ops
@@ -408,8 +408,8 @@ def test_a_prefill_over_many_blocks_holds_no_mask_of_its_keys() -> None:
 def test_attention_by_rows_is_the_masked_attention() -> None:
     """Each group of rows against its key prefix (and its slice of a causal mask) == one call over all keys under
     the whole mask, for block-causal and causal passes after cached keys, with query heads folded per KV head."""
-    from clover_desk.engine.model.attention import _attention_by_rows
-    from clover_desk.engine.model.cache import _Pass
+    from clover_desk.engine.model.attention import attention_by_rows
+    from clover_desk.engine.model.cache import PassContext
     from clover_desk.engine.model.clover import CloverModel
 
     gen = torch.Generator().manual_seed(3)
@@ -426,8 +426,8 @@ def test_attention_by_rows_is_the_masked_attention() -> None:
         expect = torch.nn.functional.scaled_dot_product_attention(
             q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], attn_mask=full, scale=hd**-0.5
         )[0]
-        p = _Pass(start, t, block, None, True, q, q, mask, causal, False, attn_rows=rows, by_rows=True)
-        got = _attention_by_rows(q, k, v, p, g)
+        p = PassContext(start, t, block, None, True, q, q, mask, causal, False, attn_rows=rows, by_rows=True)
+        got = attention_by_rows(q, k, v, p, g)
         assert (got - expect).abs().max() < 1e-5, block
 
 
@@ -492,10 +492,10 @@ def test_clover_gdn_block_mode_matches_the_written_out_formulas() -> None:
     cache.length = BLOCK  # pretend one block is committed (only layer 0's state is read here)
     x = torch.randn(BLOCK + 5, cfg.hidden_size, generator=gen)
     from clover_desk.engine.model.attention import rope_cos_sin
-    from clover_desk.engine.model.cache import _Pass
+    from clover_desk.engine.model.cache import PassContext
 
     cos, sin = rope_cos_sin(torch.arange(BLOCK, 2 * BLOCK + 5), cfg.rotary_dim, cfg.rope_theta)
-    p = _Pass(BLOCK, x.shape[0], BLOCK, cache, False, cos, sin, None, False, False)
+    p = PassContext(BLOCK, x.shape[0], BLOCK, cache, False, cos, sin, None, False, False)
     ours = gdn(x, p, cache.layer(0))
     ref = _naive_clover_gdn(gdn, x, BLOCK, cache.state[0], cache.conv[0])
     assert (ours.double() - ref).abs().max() < 1e-4
