@@ -8,11 +8,16 @@ offload possible / partial offload / likely too large" badges do.
 
 from __future__ import annotations
 
+import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from clover_desk.engine.errors import CloverError
+
+log = logging.getLogger(__name__)
 
 BADGES = {
     "gpu": "full GPU offload",
@@ -85,6 +90,20 @@ class ChoiceFit:
     def rank(self) -> tuple[int, int, int]:
         place = RANKS.get(self.run.place, 0) if self.run is not None else 0
         return (self.fits_disk is not False, place, -(self.run.disk_bytes or 0) if self.run is not None else 0)
+
+
+def choice_fits(estimate: Callable[[Any], RunFitLike], choices: Sequence[Any], free: int | None) -> list[ChoiceFit]:
+    """Each choice as ``estimate`` judges it, with the free bytes of the download folder. A choice the planner
+    refuses (e.g. a context over the model's limit) gets no badge, and the others still do."""
+    fits = []
+    for choice in choices:
+        try:
+            run: RunFitLike | None = estimate(choice)
+        except CloverError as exc:
+            log.warning("cannot judge the download %s: %s", choice, exc)
+            run = None
+        fits.append(ChoiceFit(run, free))
+    return fits
 
 
 def best_choice(fits: Sequence[ChoiceFit]) -> int:

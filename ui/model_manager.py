@@ -54,7 +54,7 @@ from PySide6.QtWidgets import (
 from clover_desk.engine.errors import CancelledError, CloverError
 from clover_desk.engine.model.config import SUPPORTED_MODEL_TYPES, load_config
 from clover_desk.engine.weights.gguf.file import split_parts  # file names only (no numpy, no gguf package)
-from clover_desk.ui.download_fit import ChoiceFit, RunFitLike, best_choice, existing_parent, free_bytes
+from clover_desk.ui.download_fit import ChoiceFit, RunFitLike, best_choice, choice_fits, existing_parent, free_bytes
 from clover_desk.ui.thread_bridge import ThreadBridge
 from clover_desk.ui.widgets import push_button
 
@@ -673,9 +673,8 @@ class ModelManagerPanel(QWidget):
         under the list. Never changes the choice. (Without a fit estimator: nothing to show.)"""
         if self._fit_estimator is None:
             return []
-        free = free_bytes(self.target_edit.text() or self.models_dir)
-        fits = [ChoiceFit(self._estimate(self.download_choice.itemData(i)), free)
-                for i in range(self.download_choice.count())]
+        choices = [self.download_choice.itemData(i) for i in range(self.download_choice.count())]
+        fits = choice_fits(self._fit_estimator, choices, free_bytes(self.target_edit.text() or self.models_dir))
         for i, fit in enumerate(fits):
             badge = fit.badge()
             self.download_choice.setItemText(i, f"{self._choice_names[i]} — {badge}" if badge else self._choice_names[i])
@@ -683,13 +682,6 @@ class ModelManagerPanel(QWidget):
         current = fits[self.download_choice.currentIndex()] if fits else None
         self.fit_label.setText(_escape(current.details()).replace("\n", "<br>") if current is not None else "")
         return fits
-
-    def _estimate(self, choice: Any) -> RunFitLike | None:
-        try:
-            return self._fit_estimator(choice) if self._fit_estimator is not None else None
-        except CloverError as exc:  # the planner refused (e.g. a context over the model's limit): no badge
-            log.warning("cannot estimate the download %s: %s", choice, exc)
-            return None
 
     def choose(self, folder: str) -> None:
         """A model that passed its check: first in the recent list, and chosen (:attr:`modelChosen`)."""

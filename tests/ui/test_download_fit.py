@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from clover_desk.downloads import RunFit
-from clover_desk.ui.download_fit import ChoiceFit, best_choice, existing_parent, free_bytes
+from clover_desk.engine.errors import PlanError
+from clover_desk.ui.download_fit import ChoiceFit, best_choice, choice_fits, existing_parent, free_bytes
 
 
 def fit(place: str, disk: int | None, free: int | None = 100) -> ChoiceFit:
@@ -31,3 +32,13 @@ def test_the_default_is_the_best_place_that_fits_the_disk_then_the_smaller_downl
 def test_free_bytes_of_a_folder_not_made_yet(tmp_path) -> None:  # noqa: ANN001
     assert existing_parent(tmp_path / "a" / "b") == tmp_path
     assert free_bytes(tmp_path / "a" / "b") is not None
+
+
+def test_a_choice_the_planner_refuses_gets_no_badge_and_the_others_still_do() -> None:
+    def estimate(choice):  # noqa: ANN001, ANN202
+        if choice == "long context":
+            raise PlanError("context 300,000 tokens is over the model's limit")
+        return RunFit("gpu", 10, "line")
+
+    refused, fine = choice_fits(estimate, ["long context", "q4"], 100)
+    assert refused.run is None and refused.badge() == "" and fine.badge() == "full GPU offload · fits the disk"
