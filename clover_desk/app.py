@@ -24,7 +24,7 @@ from PySide6.QtCore import QObject, QSettings
 from PySide6.QtWidgets import QApplication, QWidget
 
 from clover_desk import paths
-from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader
+from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader, RunFit, run_fit
 from clover_desk.engine.decode.events import LoadProgress
 from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS
 from clover_desk.engine.errors import CloverError
@@ -250,7 +250,19 @@ class CloverDeskApp(QObject):
             recent_file=self.home / RECENT_FILE_NAME,
             gguf_choices=OFFICIAL_GGUF,
             gguf_repo_id=GGUF_REPO_ID,
+            fit_estimator=self.download_fit,
         )
+
+    def download_fit(self, choice: Any) -> RunFit:
+        """How a download choice (None: the safetensors folder) would run here, by the planner: at the VRAM budget
+        and context the window loads with (the applied ones, else the VRAM panel's), or from RAM without a GPU."""
+        compute = FORMAT_OF_TORCH_NAME.get(self.dtype, "bf16")
+        if self.device != "cuda":
+            return run_fit(choice, None, self.settings.ctx_tokens, self.hardware, compute)
+        budget, ctx = self.settings.vram_budget_bytes, self.settings.ctx_tokens
+        if not budget:  # nothing applied yet: what load_model would plan for (the panel's proposal)
+            budget, ctx = self.vram_panel.vram_budget_bytes(), self.vram_panel.ctx_tokens()
+        return run_fit(choice, budget, ctx, self.hardware, compute)
 
     def _build_model_library(self) -> QWidget:
         """The models on disk (the recent ones and the models folder's), with the device and precision of the next
@@ -377,6 +389,12 @@ class CloverDeskApp(QObject):
         self.device, self.dtype = device, dtype
         self._plan = self._plan_function()
         self.vram_panel.set_planner(self._plan)
+        self._refresh_download_fits()
+
+    def _refresh_download_fits(self) -> None:
+        """The models page's download choices say how they fit the budget, context and precision now chosen."""
+        if self.model_manager is not None:
+            self.model_manager.refresh_fits()
 
     def on_gpu_paths_changed(self, on: list[str]) -> None:
         """The models page's experimental GPU paths: remembered, and in force from the next load (the worker reads
@@ -396,6 +414,7 @@ class CloverDeskApp(QObject):
         self.settings.vram_budget_bytes = vram_budget_bytes
         self.settings.ctx_tokens = ctx_tokens
         self.save_settings()
+        self._refresh_download_fits()
         if self.device != "cuda":
             return
         if self.client.state == "idle" and not self._apply_gpu_paths():

@@ -42,6 +42,9 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from clover_desk.engine.errors import CancelledError, CloverError
+from clover_desk.engine.placement import planner
+from clover_desk.engine.placement.hardware import Hardware
+from clover_desk.engine.weights.formats import COMPUTE_DTYPES, DEFAULT_POLICY, QuantPolicy, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,98 @@ OFFICIAL_GGUF = (
     GgufChoice("Q4_K_M", 22_998_009_248),
     GgufChoice("Q8_0", 37_863_343_264),
 )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whether a choice fits this machine, before a byte of it exists: the planner's count where it can make one
+# ---------------------------------------------------------------------------------------------------------------
+
+SHAPE_NAME = "clover-35b-a3b"  # the published model's shape (engine.placement.manifest.SHAPES)
+CLOVER_SHAPE = planner.SHAPE_PREFIX + SHAPE_NAME
+# A GGUF choice is planned as the 35B shape under a policy whose bytes are the file's own: Q4_0's blocks (18 bytes
+# per 32 weights) and NF4 at block size 64 (half a byte a weight + a 4-byte scale per 64) are both 4.5 bits a
+# weight. Q4_K_M (4.5- and 6.5-bit blocks mixed) and Q8_0 (8.5 bits, against int8's 8 and a scale per row) have no
+# such policy: the planner counts them only once the file is on disk, and until then their published size speaks.
+PLANNED_AS: dict[str, QuantPolicy] = {"Q4_0": make_policy("nf4", "nf4", "nf4", "nf4", name="gguf-q4_0-as-nf4")}
+RUN_PLACES = ("gpu", "partial", "ram", "unknown", "over_budget", "too_large")
+
+
+@dataclass(frozen=True)
+class RunFit:
+    """How one download choice would run here (``clover_desk.app`` hands these to the model manager's choices)."""
+
+    place: str  # RUN_PLACES: the whole model on the card, some expert layers streamed from RAM, no GPU and the model
+    # fits the RAM; not counted by the planner before it is on disk (its size: within the budget, or over it); too large
+    disk_bytes: int | None  # what it takes on disk once downloaded (None: not published)
+    text: str  # the figure behind ``place`` and where it comes from, one line
+
+
+def _gb(n: int | float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def folder_disk_bytes() -> int:
+    """The safetensors folder on disk: its BF16 weights and the quantized cache the first load writes beside them."""
+    return planner.manifest_for_shape(SHAPE_NAME, None).total_bytes() + planner.model_manifest(CLOVER_SHAPE).total_bytes()
+
+
+def run_fit(choice: GgufChoice | None, vram_budget_bytes: int | None, ctx_tokens: int, hardware: Hardware,
+            compute_dtype: str = "bf16") -> RunFit:
+    """How ``choice`` (None: the safetensors folder, loaded through the NF4 / INT8 cache) runs on ``hardware``
+    with ``vram_budget_bytes`` of the card and ``ctx_tokens`` of context (``vram_budget_bytes=None``: no GPU, the
+    model runs from system RAM in ``compute_dtype``)."""
+    disk = folder_disk_bytes() if choice is None else choice.size
+    if not vram_budget_bytes:
+        place, text = _ram_fit(choice, hardware.ram_total_bytes, compute_dtype)
+        return RunFit(place, disk, text)
+    policy = DEFAULT_POLICY if choice is None else PLANNED_AS.get(choice.quant)
+    if policy is None:
+        place, text = _size_fit(choice, vram_budget_bytes, hardware.ram_available_bytes)
+        return RunFit(place, disk, text)
+    plan = planner.plan_model(CLOVER_SHAPE, vram_budget_bytes, ctx_tokens, hardware, policy=policy,
+                              compute_dtype=compute_dtype)
+    how = ("the planner, the 35B shape as the quantized cache will hold it" if choice is None else
+           f"the planner, the 35B shape at {choice.quant}'s 4.5 bits a weight")
+    layers = len(plan.resident_expert_layers) + len(plan.streamed_expert_layers)
+    if not plan.fits:
+        return RunFit("too_large", disk, f"Too large here: {plan.reason} ({how})")
+    used = f"{planner.format_bytes(plan.vram_used_bytes)} of the {planner.format_bytes(vram_budget_bytes)} budget"
+    if not plan.streamed_expert_layers:
+        return RunFit("gpu", disk, f"Full GPU offload: all {layers} expert layers on the card, {used} ({how})")
+    return RunFit("partial", disk, f"Partial offload: {len(plan.resident_expert_layers)} of {layers} expert layers "
+                                   f"on the card, {len(plan.streamed_expert_layers)} streamed from "
+                                   f"{planner.format_bytes(plan.ram_bytes)} of RAM; {used} ({how})")
+
+
+def _ram_fit(choice: GgufChoice | None, ram_bytes: int | None, compute_dtype: str) -> tuple[str, str]:
+    """No GPU: the weights are held in system RAM (the folder unquantized in the compute dtype, a GGUF file as
+    stored)."""
+    if choice is None:
+        need = planner.manifest_for_shape(SHAPE_NAME, None).total_bytes() * COMPUTE_DTYPES.get(compute_dtype, 4) // 2
+        what = f"the 35B weights unquantized in {compute_dtype} (the planner's count)"
+    elif choice.size is None:
+        return "unknown", "No NVIDIA GPU: it would run from RAM; its size is not published"
+    else:
+        need, what = choice.size, "the file's blocks as stored (its published size)"
+    if ram_bytes is None:
+        return "unknown", f"No NVIDIA GPU: it would run from RAM, about {_gb(need)} for {what}; RAM size unknown"
+    place = "ram" if need <= ram_bytes else "too_large"
+    verdict = "runs from RAM" if place == "ram" else "too large for the RAM"
+    return place, f"No NVIDIA GPU: {verdict}: about {_gb(need)} for {what}, {_gb(ram_bytes)} of RAM here"
+
+
+def _size_fit(choice: GgufChoice, vram_budget_bytes: int, ram_available: int | None) -> tuple[str, str]:
+    """No policy has this file's bytes: what its published size alone says, and that the planner has not counted."""
+    later = "the planner counts it once the file is on disk"
+    if choice.size is None:
+        return "unknown", f"Its size is not published; {later}"
+    size, budget = _gb(choice.size), planner.format_bytes(vram_budget_bytes)
+    if ram_available is not None and choice.size > vram_budget_bytes + ram_available:
+        return "too_large", (f"Likely too large: the file's {size} is more than the {budget} budget and the "
+                             f"{_gb(ram_available)} of free RAM together; {later}")
+    if choice.size > vram_budget_bytes:
+        return "over_budget", f"The file's {size} is more than the {budget} budget: part of it would stream from RAM; {later}"
+    return "unknown", f"The file's {size} is within the {budget} budget; whether the context fits too, {later}"
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ Plain data (:class:`MessageData`, :class:`StreamingReply`) carries the state; th
 reply streams, its widget is re-rendered through one :class:`~ui.throttle.Throttle` (Markdown → HTML of a growing
 text is the expensive part), so deltas arriving faster than the screen refreshes cost almost nothing.
 
-A message that contains an HTML document gets a Preview button, the streaming one too, as soon as the document
-starts (:class:`HtmlWatch` decides that cheaply); the button asks for the page with a :class:`PreviewRequest`.
+A message that contains an HTML document gets a Preview button (an answer's, or a page the user pasted, fenced or
+not), the streaming one too, as soon as the document starts (:class:`HtmlWatch` decides that cheaply); the button
+asks for the page with a :class:`PreviewRequest`.
 """
 
 from __future__ import annotations
@@ -336,7 +337,7 @@ class MessageWidget(QFrame):
 
     def _has_html(self) -> bool:
         d = self.data
-        if d.role != "assistant":
+        if d.role not in ("assistant", "user"):  # a page the model wrote, or one the user pasted (fenced or not)
             return False
         if d.status == "streaming":
             return self.html_watch.check(d.content)  # cheap: runs the extractor only until a document shows up

@@ -46,6 +46,7 @@ from PySide6.QtWidgets import (
     QListWidgetItem,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -53,6 +54,7 @@ from PySide6.QtWidgets import (
 from clover_desk.engine.errors import CancelledError, CloverError
 from clover_desk.engine.model.config import SUPPORTED_MODEL_TYPES, load_config
 from clover_desk.engine.weights.gguf.file import split_parts  # file names only (no numpy, no gguf package)
+from clover_desk.ui.download_fit import ChoiceFit, RunFitLike, best_choice, choice_fits, existing_parent, free_bytes
 from clover_desk.ui.thread_bridge import ThreadBridge
 from clover_desk.ui.widgets import push_button
 
@@ -153,9 +155,7 @@ def model_path(path: str | Path) -> Path:
 
 
 def free_space_text(folder: str | Path) -> str:
-    target = Path(folder).absolute()
-    while not target.exists() and target != target.parent:
-        target = target.parent
+    target = existing_parent(folder)
     try:
         free = shutil.disk_usage(target).free
     except OSError as exc:
@@ -186,6 +186,7 @@ class Downloader(Protocol):
 
 
 DownloaderFactory = Callable[..., Downloader]  # (target_dir, repo_id, *, progress, cancel) -> Downloader
+FitEstimator = Callable[[Any], RunFitLike]  # a choice (None: the safetensors folder) -> how it would run here
 
 
 class GgufChoiceLike(Protocol):
@@ -350,9 +351,11 @@ class ModelManagerPanel(QWidget):
         default_repo_id: str = DEFAULT_REPO_ID,
         gguf_choices: Sequence[GgufChoiceLike] = (),
         gguf_repo_id: str = DEFAULT_GGUF_REPO_ID,
+        fit_estimator: FitEstimator | None = None,
     ) -> None:
         super().__init__(parent)
         self._factory = downloader_factory
+        self._fit_estimator = fit_estimator
         self._default_repo_id = default_repo_id
         self._gguf_repo_id = gguf_repo_id
         if models_dir is None:
@@ -399,6 +402,11 @@ class ModelManagerPanel(QWidget):
         self.target_edit = QLineEdit(str(self.models_dir / default_repo_id.split("/")[-1]))
         self.browse_button = push_button("Browse…", clicked=self.on_browse_clicked)
         self.free_label = QLabel()
+        self.fit_label = QLabel()  # the chosen item's fit: the card (or RAM) and the disk, with the figures
+        self.fit_label.setObjectName("downloadFit")
+        self.fit_label.setWordWrap(True)
+        self.fit_label.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
+        self._choice_names = [self.download_choice.itemText(i) for i in range(self.download_choice.count())]
         self.download_button = push_button("Download", clicked=self.on_download_clicked)
         self.cancel_button = push_button("Cancel", clicked=self.on_cancel_clicked)
         self.resume_button = push_button("Resume", clicked=self.on_download_clicked)
@@ -420,6 +428,7 @@ class ModelManagerPanel(QWidget):
         download_box = QGroupBox("Download from the Hugging Face Hub")
         form = QFormLayout(download_box)
         form.addRow("What", self.download_choice)
+        form.addRow("", self.fit_label)
         form.addRow("Repository", self.repo_edit)
         form.addRow("Into folder", target_row)
         form.addRow("", self.free_label)
@@ -459,6 +468,8 @@ class ModelManagerPanel(QWidget):
         self._set_downloading(False)
         self._update_resume()
         self._connect_signals()
+        if fit_estimator is not None:  # offered first: the best that fits (set once, before the user chooses)
+            self.download_choice.setCurrentIndex(best_choice(self.refresh_fits()))
 
     def _connect_signals(self) -> None:
         self.download_choice.currentIndexChanged.connect(self.on_download_choice_changed)
@@ -655,6 +666,22 @@ class ModelManagerPanel(QWidget):
 
     def _update_free_space(self) -> None:
         self.free_label.setText(free_space_text(self.target_edit.text() or self.models_dir))
+        self.refresh_fits()
+
+    def refresh_fits(self) -> list[ChoiceFit]:
+        """Each choice's fit on this machine in its item (name, badge, figures as tooltip) and, for the chosen one,
+        under the list. Never changes the choice. (Without a fit estimator: nothing to show.)"""
+        if self._fit_estimator is None:
+            return []
+        choices = [self.download_choice.itemData(i) for i in range(self.download_choice.count())]
+        fits = choice_fits(self._fit_estimator, choices, free_bytes(self.target_edit.text() or self.models_dir))
+        for i, fit in enumerate(fits):
+            badge = fit.badge()
+            self.download_choice.setItemText(i, f"{self._choice_names[i]} — {badge}" if badge else self._choice_names[i])
+            self.download_choice.setItemData(i, fit.details(), Qt.ItemDataRole.ToolTipRole)
+        current = fits[self.download_choice.currentIndex()] if fits else None
+        self.fit_label.setText(_escape(current.details()).replace("\n", "<br>") if current is not None else "")
+        return fits
 
     def choose(self, folder: str) -> None:
         """A model that passed its check: first in the recent list, and chosen (:attr:`modelChosen`)."""

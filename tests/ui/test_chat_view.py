@@ -315,3 +315,18 @@ def test_streaming_updates_are_throttled(qtbot) -> None:
     view.end_stream()
     assert w.meta_label.text() == "200 tokens · 12.5 tok/s" and w.meta_label.toolTip() == "answer: 200 tokens"
     assert shown(w.regen_button)
+
+
+def test_a_page_the_user_pasted_gets_the_preview_button_too(qtbot) -> None:
+    """Before: only answers had it (a page pasted into a question could only be previewed by hand)."""
+    view = make_view(qtbot)
+    pasted = view.add_message(MessageData("user", "Why is the title not red?\n\n<!DOCTYPE html>\n<html><head><style>"
+                                                  "h1 {color: red}</style></head><body><h1>Hi</h1></body></html>"))
+    fenced = view.add_message(MessageData("user", "Fix this:\n" + HTML_ANSWER))
+    question = view.add_message(MessageData("user", "what is an <html> element?"))
+    assert shown(pasted.preview_button) and shown(fenced.preview_button)
+    assert not shown(question.preview_button)
+    with qtbot.waitSignal(view.previewRequested, timeout=1000) as blocker:
+        pasted.preview_button.click()
+    request = blocker.args[0]
+    assert request.message is pasted.data and request.block is None and request.html.startswith("<!DOCTYPE html>")

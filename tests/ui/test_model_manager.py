@@ -8,12 +8,16 @@ import os
 from pathlib import Path
 
 import pytest
+from PySide6.QtCore import Qt
 
 os.environ["HF_HUB_OFFLINE"] = "0"
 
-from clover_desk.downloads import ModelDownloader  # noqa: E402
+from clover_desk.app import AppSettings, CloverDeskApp  # noqa: E402
+from clover_desk.downloads import GGUF_REPO_ID, OFFICIAL_GGUF, ModelDownloader, run_fit  # noqa: E402
+from clover_desk.engine.placement.hardware import Hardware  # noqa: E402
 from clover_desk.qt_compat import guard_pyside_bool_refcounts  # noqa: E402
 from clover_desk.ui.model_manager import ModelManagerPanel, check_model_dir, progress_text  # noqa: E402
+from tests.fakes_ui import FakeEngineClient  # noqa: E402
 from tests.hf_test_server import FakeHub  # noqa: E402
 
 guard_pyside_bool_refcounts()  # PySide6 6.12 on CPython 3.11: see the guard's docstring
@@ -198,3 +202,76 @@ def test_demo_failure_is_reported(qtbot, panel, tmp_path: Path) -> None:
         panel.demo.create(blocker_file / "demo")  # a folder inside a file: make-tiny must fail
     assert ended.args[0] is False
     assert "Could not create the demo model" in panel.demo.status.text()
+
+
+# ---- downloads that fit ----------------------------------------------------------------------------------------
+
+GIB = 1024**3
+CARD_16 = Hardware(gpu_name="NVIDIA GeForce RTX 4080", vram_total_bytes=16 * GIB, ram_total_bytes=64 * GIB,
+                   ram_available_bytes=48 * GIB)
+
+
+def fits_panel(qtbot, tmp_path: Path, budget: int | None, hardware: Hardware = CARD_16) -> ModelManagerPanel:  # noqa: ANN001
+    """The panel as the app builds it: the official choices, each judged by run_fit at ``budget`` (None: no GPU)."""
+    def estimate(choice):  # noqa: ANN001, ANN202
+        return run_fit(choice, budget, 16384, hardware, "bf16" if budget else "fp32")
+
+    widget = ModelManagerPanel(models_dir=tmp_path / "models", gguf_choices=OFFICIAL_GGUF, gguf_repo_id=GGUF_REPO_ID,
+                               fit_estimator=estimate)
+    qtbot.addWidget(widget)
+    return widget
+
+
+def items(panel: ModelManagerPanel) -> list[str]:
+    return [panel.download_choice.itemText(i) for i in range(panel.download_choice.count())]
+
+
+def test_a_16_gb_card_is_offered_a_gguf_file_first_not_the_69_gb_folder(qtbot, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("clover_desk.ui.model_manager.free_bytes", lambda _folder: 2000 * 10**9)
+    panel = fits_panel(qtbot, tmp_path, 15 * GIB)
+    assert panel.download_choice.currentData() is OFFICIAL_GGUF[0]  # Q4_0: partial offload, the smallest download
+    assert panel.repo_edit.text() == GGUF_REPO_ID  # the repository and folder follow the default
+    assert panel.target_edit.text().endswith("Clover-35B-A3B-Preview-GGUF")
+    folder, q4_0, q4_k_m, q8_0 = items(panel)
+    assert folder == "Safetensors model folder (BF16, about 69 GB) — partial offload · fits the disk"
+    assert q4_0 == "GGUF Q4_0 (19.6 GB): that file only — partial offload · fits the disk"
+    assert "partial offload at best (by size)" in q8_0 and "partial offload at best (by size)" in q4_k_m
+    tip = panel.download_choice.itemData(0, Qt.ItemDataRole.ToolTipRole)
+    assert "expert layers on the card" in tip and "Disk: needs 90.4 GB" in tip
+    assert "(the planner, the 35B shape at Q4_0's 4.5 bits a weight)" in panel.fit_label.text()
+    panel.download_choice.setCurrentIndex(3)  # the line under the list follows the choice
+    assert "the planner counts it once the file is on disk" in panel.fit_label.text()
+
+
+def test_a_small_disk_marks_the_big_choices_as_not_fitting(qtbot, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("clover_desk.ui.model_manager.free_bytes", lambda _folder: 30 * 10**9)
+    panel = fits_panel(qtbot, tmp_path, 24 * GIB)  # a 24 GB card: the folder would run whole on it
+    folder, q4_0, q4_k_m, q8_0 = items(panel)
+    assert folder.endswith("full GPU offload · too big for the disk") and q8_0.endswith("too big for the disk")
+    assert q4_0.endswith("full GPU offload · fits the disk") and q4_k_m.endswith("fits the disk")
+    assert panel.download_choice.currentData() is OFFICIAL_GGUF[0]
+    assert "30.0 GB free there: fits" in panel.fit_label.text()
+
+
+def test_without_a_gpu_the_folder_is_too_large_and_a_file_that_fits_the_ram_is_offered(qtbot, tmp_path) -> None:
+    panel = fits_panel(qtbot, tmp_path, None, Hardware(gpu_name=None, ram_total_bytes=32 * GIB))
+    folder, q4_0, _, q8_0 = items(panel)
+    assert "likely too large" in folder and "likely too large" in q8_0 and "runs from RAM" in q4_0
+    assert panel.download_choice.currentData() is OFFICIAL_GGUF[0]
+    assert "No NVIDIA GPU: runs from RAM" in panel.fit_label.text()
+
+
+def test_the_fits_follow_the_budget_but_never_change_the_users_choice(qtbot, tmp_path) -> None:
+    """The app refreshes the fits when the VRAM budget is applied; the choice the user made stays."""
+    desk = CloverDeskApp(tmp_path, client=FakeEngineClient(), settings=AppSettings(), hardware=CARD_16, with_preview=False,
+                         start_engine=False, style=False)
+    qtbot.addWidget(desk.window)
+    combo = desk.model_manager.download_choice
+    assert combo.currentData() is OFFICIAL_GGUF[0]  # a 16 GB card: not the folder
+    assert "partial offload" in combo.itemText(1)
+    combo.setCurrentIndex(0)  # the user wants the folder
+    desk.on_apply_plan(40 * GIB, 16384)  # (no GPU reload here: a fake client) the budget the window now uses
+    assert combo.currentIndex() == 0
+    assert "full GPU offload" in combo.itemText(1)
+    assert desk.model_manager.repo_edit.text() == "Diffuspace/Clover-35B-A3B-Preview"
+    desk.shutdown()

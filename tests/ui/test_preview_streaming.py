@@ -15,6 +15,7 @@ from clover_desk.storage.recorder import StreamRecorder  # noqa: E402
 from clover_desk.storage.store import ChatStore  # noqa: E402
 from clover_desk.ui.html_extract import extract_html  # noqa: E402
 from clover_desk.ui.main_window import MainWindow  # noqa: E402
+from clover_desk.ui.messages import preview_document_id  # noqa: E402
 from clover_desk.ui.preview import PreviewPane  # noqa: E402
 from clover_desk.ui.preview_sandbox import register_schemes  # noqa: E402
 from tests.qt_helpers import shown  # noqa: E402
@@ -91,3 +92,37 @@ def test_preview_follows_a_streaming_html_answer(qtbot, window: MainWindow) -> N
     assert js(qtbot, pane, "document.title") == "done"
     assert js(qtbot, pane, "document.querySelectorAll('li').length") == 4
     assert window.preview_follows is None and message.data.status == "complete"
+
+
+PASTED = ("Why is my heading not red?\n\n<!DOCTYPE html>\n<html><head><style>h1 {color: red}</style></head>"
+          "<body><h1 id=u>mine</h1></body></html>")
+
+
+@pytest.mark.webengine
+def test_a_page_the_user_pasted_previews_and_the_streaming_answer_does_not_take_it_over(qtbot, window) -> None:
+    """Before: a user message had no Preview button. Opening it stops the preview following the answer in flight;
+    the answer's next deltas and its end leave the user's page in place."""
+    pane: PreviewPane = window.preview  # type: ignore[assignment]
+    client: FakeEngineClient = window.client
+    window.composer.input.setPlainText(PASTED)
+    qtbot.keyClick(window.composer.input, Qt.Key.Key_Return)
+    question, answer = window.chat.widgets[-2], window.chat.widgets[-1]
+    assert question.data.role == "user" and answer.data.status == "streaming"
+    qtbot.waitUntil(question.preview_button.isVisible, timeout=2000)
+    client.emit_until(TextDelta, 3)  # the answer's page has started
+    window.chat.on_stream_refresh()
+    qtbot.waitUntil(answer.preview_button.isVisible, timeout=2000)
+    with qtbot.waitSignal(pane.loadFinished, timeout=LOAD_TIMEOUT_MS):
+        answer.preview_button.click()
+    assert window.preview_follows is answer.data
+
+    with qtbot.waitSignal(pane.loadFinished, timeout=LOAD_TIMEOUT_MS) as blocker:
+        question.preview_button.click()
+    assert blocker.args == [True] and window.tabs.currentWidget() is pane
+    assert window.preview_follows is None  # the user's page, not the answer, from now on
+    assert pane.document_id() == preview_document_id(question.data) != preview_document_id(answer.data)
+    assert js(qtbot, pane, "document.getElementById('u').innerText") == "mine"
+    client.emit_until(TextDelta)
+    with qtbot.waitSignal(window.generationFinished, timeout=2000):
+        client.emit_until(Finished)
+    assert pane.html() == extract_html(PASTED) and pane.document_id() == preview_document_id(question.data)
