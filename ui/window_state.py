@@ -1,5 +1,6 @@
 """What the window remembers and how its columns give way: size and position, the splitter and the widths the side
-columns return to, the side tab, the panels shown or not, the theme, and the last export folder.
+columns return to, the side tab, the panels shown or not, the height of the preview's log under its page, the theme,
+and the last export folder.
 
 :class:`WindowState` keeps them in the ``QSettings`` handed to the window (none: nothing is remembered) for
 :class:`ui.main_window.MainWindow`, which calls it on start, on close, when the splitter moves or the window
@@ -36,6 +37,7 @@ class StateWindowLike(Protocol):
     menus: Any  # ui.window_menus.WindowMenus: .theme_actions
     chat: Any
     denoise: Any
+    preview: Any  # the HTML preview (ui.preview.PreviewPane: its log_splitter, the page over the log), or None
     themeChanged: Any  # noqa: N815 - a Qt signal
 
     def saveGeometry(self) -> Any: ...  # noqa: N802 - Qt's names
@@ -80,6 +82,10 @@ class WindowState:
         preferred = self.value("window/preferredWidths")
         if isinstance(preferred, (list, tuple)) and len(preferred) == 2:
             self.preferred_widths = (int(preferred[0]), int(preferred[1]))
+        log = self._preview_log_splitter()
+        log_sizes = self.value("window/previewLogSplitter")
+        if log is not None and log_sizes is not None:
+            log.restoreState(log_sizes)
         tab = self.value("window/sideTab")
         if tab is not None and 0 <= int(tab) < w.tabs.count():
             w.tabs.setCurrentIndex(int(tab))
@@ -95,9 +101,17 @@ class WindowState:
         self.set_value("window/geometry", w.saveGeometry())
         self.set_value("window/splitter", w.splitter.saveState())
         self.set_value("window/preferredWidths", list(self.preferred_widths))
+        log = self._preview_log_splitter()
+        if log is not None:
+            self.set_value("window/previewLogSplitter", log.saveState())
         self.set_value("window/sideTab", w.tabs.currentIndex())
         self.set_value("window/panels", w.panel_button.isChecked())
         self.settings.sync()
+
+    def _preview_log_splitter(self) -> Any:
+        """The preview's page | log splitter, or None (no preview, or the one-line placeholder of a preview that is
+        off)."""
+        return getattr(self.window.preview, "log_splitter", None)
 
     def on_splitter_moved(self, *_args: object) -> None:
         """The user dragged a handle: these are the widths the side columns return to when there is room."""

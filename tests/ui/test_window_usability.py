@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fakes_ui import FakeEngineClient, fake_plan
-from PySide6.QtCore import QEvent, QSettings, Qt, QTimer
+from PySide6.QtCore import QCoreApplication, QEvent, QSettings, Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QKeySequence
 from PySide6.QtWidgets import (
     QAbstractButton,
@@ -582,3 +583,34 @@ def test_the_preview_view_is_found_by_name_and_named_for_screen_readers(qtbot, s
         from PySide6.QtCore import QEvent as _QEvent
 
         QCoreApplication.sendPostedEvents(None, _QEvent.Type.DeferredDelete.value)
+
+
+@pytest.mark.webengine
+def test_the_preview_log_can_take_most_of_the_pane_and_keeps_its_height(qtbot, store, ui_settings) -> None:
+    """The log under the preview (what the page tried, its console) grows when its handle is dragged, past the
+    page's own height, and a window opened later shows it at that height."""
+    preview_module = pytest.importorskip("clover_desk.ui.preview", exc_type=ImportError)
+
+    def open_window() -> tuple[MainWindow, Any]:
+        pane = preview_module.PreviewPane()
+        window = MainWindow(FakeEngineClient(), store, StreamRecorder, model_dir="/models/tiny", preview=pane,
+                            ui_settings=ui_settings)
+        window.show()
+        window.tabs.setCurrentWidget(pane)
+        qtbot.waitUntil(lambda: pane.log_splitter.height() > 300, timeout=2000)
+        return window, pane
+
+    window, pane = open_window()
+    page, log = pane.log_splitter.sizes()
+    assert log < page  # the page first
+    total = page + log
+    pane.log_splitter.setSizes([total // 4, total - total // 4])
+    page, log = pane.log_splitter.sizes()
+    assert log > 2 * page and pane.strip.list.height() > page
+    window.close()
+    again, pane_again = open_window()
+    assert pane_again.log_splitter.sizes()[1] > 2 * pane_again.log_splitter.sizes()[0]
+    again.close()
+    for w in (window, again):  # the pages go before the test's end (as the screen-reader test above does)
+        w.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
