@@ -312,8 +312,42 @@ def main() -> int:
 
     window.close()
     desk.store.close()
+    download_fits(home / "models-page", hardware, out / "download-fits.png")
     log.info("wrote %s", ", ".join(sorted(p.name for p in out.glob("*.png"))))
     return 0
+
+
+def download_fits(home: Path, hardware: Hardware, path: Path) -> None:
+    """The models page on the 16 GB card, its download choices each marked with how it fits the card and the disk,
+    with the list of choices opened under it (a popup is a window of its own, so it is grabbed on its own)."""
+    from PySide6.QtGui import QColor, QPainter, QPixmap
+
+    from clover_desk.app import AppSettings, CloverDeskApp
+
+    desk = CloverDeskApp(home, client=ReplayClient(), settings=AppSettings(), hardware=hardware, with_preview=False,
+                         start_engine=False)
+    page = desk.model_manager
+    page.resize(900, 780)
+    page.show()
+    settle(200)
+    picture = page.grab()
+    page.download_choice.showPopup()
+    settle(100)
+    popup = page.download_choice.view().window().grab()
+    page.download_choice.hidePopup()
+    out = QPixmap(picture.width(), picture.height() + popup.height() + 40)
+    out.fill(QColor("#15161a"))
+    painter = QPainter(out)
+    painter.drawPixmap(0, 0, picture)
+    painter.setPen(QColor("#dddddd"))
+    painter.drawText(12, picture.height() + 24, "The list of choices, opened (each item's tooltip has the figures "
+                                                "shown under the list for the chosen one):")
+    painter.drawPixmap(12, picture.height() + 34, popup)
+    painter.end()
+    if not out.save(str(path)):
+        raise SystemExit(f"could not write {path}")
+    log.info("%s", path)
+    desk.shutdown()
 
 
 MATRIX_SIZES = ((1024, 640), (1920, 1080))

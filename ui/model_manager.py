@@ -46,7 +46,6 @@ from PySide6.QtWidgets import (
     QListWidgetItem,
     QProgressBar,
     QPushButton,
-    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -56,7 +55,7 @@ from clover_desk.engine.model.config import SUPPORTED_MODEL_TYPES, load_config
 from clover_desk.engine.weights.gguf.file import split_parts  # file names only (no numpy, no gguf package)
 from clover_desk.ui.download_fit import ChoiceFit, RunFitLike, best_choice, choice_fits, existing_parent, free_bytes
 from clover_desk.ui.thread_bridge import ThreadBridge
-from clover_desk.ui.widgets import push_button
+from clover_desk.ui.widgets import WrapLabel, push_button
 
 log = logging.getLogger(__name__)
 
@@ -257,9 +256,8 @@ class DemoModelMaker:
         self.output: list[str] = []
         self.button = QPushButton("Create demo model")
         self.button.setAccessibleName("Create a demo model")
-        self.status = QLabel("A tiny model with random weights (a few MB, made on this computer in seconds). It "
-                             "exercises the whole app, but its output is random noise, not language.")
-        self.status.setWordWrap(True)
+        self.status = WrapLabel("A tiny model with random weights (a few MB, made on this computer in seconds). It "
+                                "exercises the whole app, but its output is random noise, not language.")
         self.box = QGroupBox("Demo model")
         layout = QVBoxLayout(self.box)
         layout.addWidget(self.button, 0, Qt.AlignmentFlag.AlignLeft)
@@ -370,17 +368,15 @@ class ModelManagerPanel(QWidget):
         self.bridge = ThreadBridge(self)
         self._recent: list[str] = []
 
-        title = QLabel("<h2>Choose a model</h2>Clover Desk needs a model folder (Hugging Face layout: config.json and "
-                       "*.safetensors) or a GGUF file. Open one you have, download Clover, or make a demo model to "
-                       "try the app.")
-        title.setWordWrap(True)
+        title = WrapLabel("<h2>Choose a model</h2>Clover Desk needs a model folder (Hugging Face layout: config.json "
+                          "and *.safetensors) or a GGUF file. Open one you have, download Clover, or make a demo model "
+                          "to try the app.")
 
         # --- open ---
         self.open_button = push_button("Open folder…", clicked=self.on_open_clicked)
         self.open_gguf_button = push_button("Open GGUF file…", "openGgufButton", clicked=self.on_open_gguf_clicked,
                                             tip="A .gguf file (for a split set, any of its parts)")
-        self.open_status = QLabel()
-        self.open_status.setWordWrap(True)
+        self.open_status = WrapLabel()
         self.open_status.setObjectName("openStatus")
         open_box = QGroupBox("A model on this computer")
         open_layout = QVBoxLayout(open_box)
@@ -402,10 +398,8 @@ class ModelManagerPanel(QWidget):
         self.target_edit = QLineEdit(str(self.models_dir / default_repo_id.split("/")[-1]))
         self.browse_button = push_button("Browse…", clicked=self.on_browse_clicked)
         self.free_label = QLabel()
-        self.fit_label = QLabel()  # the chosen item's fit: the card (or RAM) and the disk, with the figures
+        self.fit_label = WrapLabel()  # the chosen item's fit: the card (or RAM) and the disk, with the figures
         self.fit_label.setObjectName("downloadFit")
-        self.fit_label.setWordWrap(True)
-        self.fit_label.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self._choice_names = [self.download_choice.itemText(i) for i in range(self.download_choice.count())]
         self.download_button = push_button("Download", clicked=self.on_download_clicked)
         self.cancel_button = push_button("Cancel", clicked=self.on_cancel_clicked)
@@ -413,11 +407,9 @@ class ModelManagerPanel(QWidget):
         self.progress_bar = QProgressBar()
         self.progress_bar.setRange(0, 1000)
         self.progress_bar.setValue(0)
-        self.progress_label = QLabel()
-        self.progress_label.setWordWrap(True)
-        self.download_status = QLabel("A safetensors folder skips the repository's GGUF files; a GGUF choice fetches "
-                                      "that one file. The download continues where it stopped if interrupted.")
-        self.download_status.setWordWrap(True)
+        self.progress_label = WrapLabel()
+        self.download_status = WrapLabel("A safetensors folder skips the repository's GGUF files; a GGUF choice "
+                                         "fetches that one file. The download continues where it stopped if interrupted.")
         target_row = QHBoxLayout()
         target_row.addWidget(self.target_edit, 1)
         target_row.addWidget(self.browse_button)

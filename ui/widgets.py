@@ -1,5 +1,6 @@
-"""Small shared widgets and helpers: a label that elides instead of widening the window, accessible names, buttons
-made and wired in one place, one slot for several signals, box layouts built from one list of what they hold."""
+"""Small shared widgets and helpers: a label that elides instead of widening the window, one whose wrapped text sets
+its height, accessible names, buttons made and wired in one place, one slot for several signals, box layouts built
+from one list of what they hold."""
 
 from __future__ import annotations
 
@@ -76,6 +77,36 @@ class ElidedLabel(QLabel):
 
     def is_elided(self) -> bool:
         return super().text() != self._full
+
+
+class WrapLabel(QLabel):
+    """Word-wrapped text whose height is what its width needs. A plain wrapped QLabel in a form row is given the
+    height of its preferred (narrow) width, several empty lines' worth of gap under the text at the width it gets."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(text, parent)
+        self.setWordWrap(True)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
+
+    def _fit(self, hint: QSize) -> QSize:
+        if self.width() > 0 and self.text():
+            return QSize(hint.width(), self.heightForWidth(self.width()))
+        return hint
+
+    def sizeHint(self) -> QSize:  # noqa: N802
+        return self._fit(super().sizeHint())
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802
+        return self._fit(super().minimumSizeHint())
+
+    def setText(self, text: str) -> None:  # noqa: N802 (Qt name)
+        super().setText(text)
+        self.updateGeometry()
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        if event.size().width() != event.oldSize().width():
+            self.updateGeometry()  # the height follows the new width at the layout's next pass
 
 
 def documents_dir() -> Path:

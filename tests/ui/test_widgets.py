@@ -4,10 +4,10 @@ several signals, a row spread to both ends."""
 from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QLineEdit, QVBoxLayout, QWidget
 
 from clover_desk.qt_compat import guard_pyside_bool_refcounts
-from clover_desk.ui.widgets import connect_each, hbox, push_button, spread_row, tool_button, vbox
+from clover_desk.ui.widgets import WrapLabel, connect_each, hbox, push_button, spread_row, tool_button, vbox
 
 guard_pyside_bool_refcounts()
 
@@ -83,3 +83,25 @@ def test_boxes_hold_their_items_in_order_with_stretch_margins_and_spacing(qtbot)
     m = column.contentsMargins()
     assert (m.left(), m.top(), m.right(), m.bottom(), column.spacing()) == (0, 0, 0, 0, 7)
     assert hbox().parent() is None
+
+
+def test_a_wrapped_label_in_a_form_row_is_as_tall_as_its_lines(qtbot) -> None:  # noqa: ANN001
+    """Two lines' worth of text in a form row 800 px wide: the label is as tall as those lines at that width, not
+    the height of its narrow preferred width (a plain wrapped QLabel's several empty lines under the text)."""
+    text = ("Partial offload: 25 of 40 expert layers on the card, 15 streamed from 7.34 GiB of RAM; 15.87 GiB of the "
+            "15.88 GiB budget (the planner, the 35B shape at Q4_0's 4.5 bits a weight)<br>Disk: needs 19.6 GB, "
+            "37.3 GB free there: fits.")
+    form_widget = QWidget()
+    qtbot.addWidget(form_widget)
+    form = QFormLayout(form_widget)
+    form.addRow("What", QLineEdit())
+    label = WrapLabel(text)
+    form.addRow("", label)
+    form_widget.resize(800, 600)
+    form_widget.show()
+    qtbot.waitUntil(lambda: label.width() > 600, timeout=2000)
+    qtbot.waitUntil(lambda: label.height() == label.heightForWidth(label.width()), timeout=2000)
+    lines = label.height() / label.fontMetrics().lineSpacing()
+    assert 2.5 <= lines <= 3.5  # three lines at this width (two of text, one after the break)
+    label.setText("One short line.")
+    qtbot.waitUntil(lambda: label.height() <= label.fontMetrics().lineSpacing() + 4, timeout=2000)
