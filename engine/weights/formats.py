@@ -25,6 +25,7 @@ from typing import Any
 from clover_desk.engine.errors import CheckpointError, ConfigError
 
 __all__ = [
+    "CPU_POLICY",
     "DEFAULT_POLICY",
     "FORMAT_BYTES",
     "HeaderEntry",
@@ -36,6 +37,7 @@ __all__ = [
     "checkpoint_files",
     "expert_row_layout",
     "make_policy",
+    "policy_for",
     "quantized_sizes",
     "read_safetensors_header",
 ]
@@ -389,7 +391,8 @@ def make_policy(
       0.95 confidence, so noise here costs tokens per pass; expert error is averaged over 8 experts and a shared
       one. ``attention="nf4", shared_expert="nf4"`` is the small-card option.
     * lm_head int8: 0.51 GB instead of 1.02 GB bf16, above 4 bits as llama.cpp's Q4_K_M keeps its output head.
-      ``lm_head="q6_k"`` (llama.cpp's Q6_K blocks, 6.56 bits): 0.42 GB, read by the CPU kernels.
+      ``lm_head="q6_k"`` (llama.cpp's Q6_K blocks, 6.56 bits): 0.42 GB, read by the CPU kernels; the CPU default
+      (:func:`policy_for`).
     """
     if experts not in EXPERT_FORMATS + PLAIN_FORMATS:
         raise ConfigError(f"expert format must be one of {EXPERT_FORMATS + PLAIN_FORMATS}, got {experts!r}")
@@ -416,6 +419,17 @@ def make_policy(
 
 
 DEFAULT_POLICY = make_policy()
+# The CPU's default: the head in Q6_K blocks, read in place by the CPU kernels (engine.kernels.cpu_quant) as the GGUF
+# path reads llama.cpp's Q6_K head: 417 MB a token at Clover's vocabulary against INT8's 509 (docs/STATUS.md, "The
+# engine's own cache on the same kernels"). GPUs keep DEFAULT_POLICY's INT8 head (fused int8 kernel, opt-in; a Q6_K
+# head there would be dequantized per forward) and the planner, which plans cards, counts it.
+CPU_POLICY = make_policy(lm_head="q6_k")
+
+
+def policy_for(device: object = "cpu") -> QuantPolicy:
+    """The default policy of the quantized cache for a model placed on ``device`` ("cpu", "cuda:0", a torch device):
+    :data:`CPU_POLICY` on the CPU, :data:`DEFAULT_POLICY` elsewhere. Each policy has its own cache folder."""
+    return CPU_POLICY if str(device).split(":")[0] == "cpu" else DEFAULT_POLICY
 
 
 def is_expert_tensor(name: str) -> bool:

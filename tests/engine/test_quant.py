@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from clover_desk.engine.model.experts import DenseExpertBank
+from clover_desk.engine.weights.formats import policy_for
 from clover_desk.engine.weights.quant import (
     DEFAULT_POLICY,
     NF4_CODE,
@@ -117,12 +118,19 @@ def test_q6_k_quant_linear_without_the_kernels_dequantizes_in_row_chunks() -> No
         assert 0 < float((whole - lin(x)).abs().max()) < 0.05
 
 
-def test_q6_k_is_for_dense_matrices_of_whole_blocks() -> None:
+def test_the_cpu_default_policy_keeps_the_head_in_q6_k_and_gpus_keep_int8() -> None:
     from clover_desk.engine.errors import ConfigError
 
-    head = make_policy(lm_head="q6_k")
-    assert head.format_of("lm_head.weight", (248320, 2048)) == "q6_k"
-    assert head.format_of("lm_head.weight", (128, 64)) == "int8"  # not whole blocks (the tiny models' heads)
+    assert policy_for("cpu").format_of("lm_head.weight", (248320, 2048)) == "q6_k"
+    assert policy_for(torch.device("cpu")).hash == policy_for("cpu").hash != DEFAULT_POLICY.hash
+    assert policy_for("cuda:0") is DEFAULT_POLICY
+    assert DEFAULT_POLICY.format_of("lm_head.weight", (248320, 2048)) == "int8"
+    # rows that are not whole Q6_K blocks (the tiny models' heads) fall back to int8
+    assert policy_for("cpu").format_of("lm_head.weight", (128, 64)) == "int8"
+    # everything else is the GPU policy's
+    p = "model.language_model.layers.3."
+    for name in (f"{p}mlp.experts.gate_up_proj", f"{p}self_attn.q_proj.weight", f"{p}mlp.gate.weight"):
+        assert policy_for("cpu").format_of(name, (512, 2048)) == DEFAULT_POLICY.format_of(name, (512, 2048))
     with pytest.raises(ConfigError, match="expert format"):
         make_policy(experts="q6_k")
     with pytest.raises(ValueError, match="expert format"):
