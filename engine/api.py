@@ -161,7 +161,7 @@ def _load_quantized_placed(
     tensor read once into its place: where ``plan`` puts it (checked first against the cache and this machine), or
     on ``device`` without a plan."""
 
-    report = quant_cache.ensure_cache(folder, progress=progress, cancel=cancel)
+    report = quant_cache.ensure_cache(folder, progress=progress, cancel=cancel, device=device)  # its policy
     log.info("quantized cache %s (%s)", report.path, "rebuilt" if report.rebuilt else "reused")
     if plan is not None:
         _check_plan_here(plan, planner.manifest_from_quantized_cache(report.manifest_path), device)

@@ -25,6 +25,7 @@ from typing import Any
 from clover_desk.engine.errors import CheckpointError, ConfigError
 
 __all__ = [
+    "CPU_POLICY",
     "DEFAULT_POLICY",
     "FORMAT_BYTES",
     "HeaderEntry",
@@ -36,6 +37,7 @@ __all__ = [
     "checkpoint_files",
     "expert_row_layout",
     "make_policy",
+    "policy_for",
     "quantized_sizes",
     "read_safetensors_header",
 ]
@@ -215,8 +217,10 @@ def checkpoint_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None
 # Byte rules
 # ---------------------------------------------------------------------------------------------------------------
 
-QUANT_FORMATS = ("nf4", "int8")
+QUANT_FORMATS = ("nf4", "int8", "q6_k")
+EXPERT_FORMATS = ("nf4", "int8")  # the formats of an expert row (q6_k is for dense matrices: the head)
 PLAIN_FORMATS = ("bf16", "fp32", "keep")
+Q6_K_BLOCK = (256, 210)  # ggml's Q6_K: values and bytes per block (16 int8 sub-scales and the fp16 d inside)
 FORMATS = QUANT_FORMATS + PLAIN_FORMATS
 ROW_ALIGN = 16  # bytes; expert-row segments start aligned so fp32 views are legal (and GPU vector loads aligned)
 
@@ -232,12 +236,21 @@ def int8_sizes(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape), rows * 4
 
 
+def q6_k_sizes(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Bytes of the Q6_K blocks of a [..., N] weight (N a multiple of 256) and of its separate scales (none: each
+    block holds its own)."""
+    elems, nbytes = Q6_K_BLOCK
+    return math.prod(shape) // elems * nbytes, 0
+
+
 def quantized_sizes(shape: tuple[int, ...], fmt: str, blocksize: int = 64) -> tuple[int, int]:
     """(code bytes, scale bytes) of a tensor of ``shape`` in ``fmt``."""
     if fmt == "nf4":
         return nf4_sizes(math.prod(shape), blocksize)
     if fmt == "int8":
         return int8_sizes(shape)
+    if fmt == "q6_k":
+        return q6_k_sizes(shape)
     raise ValueError(f"not a quantized format: {fmt!r}")
 
 
@@ -277,6 +290,7 @@ def _elems(shape: tuple[int, ...]) -> int:
 FORMAT_BYTES: dict[str, Callable[[tuple[int, ...]], int]] = {
     "nf4": lambda s: sum(nf4_sizes(_elems(s), 64)),
     "int8": lambda s: sum(int8_sizes(s)),
+    "q6_k": lambda s: sum(q6_k_sizes(s)),
     "bf16": lambda s: 2 * _elems(s),
     "fp16": lambda s: 2 * _elems(s),
     "fp32": lambda s: 4 * _elems(s),
@@ -293,7 +307,7 @@ class Rule:
     """One row of the policy table: tensors whose name matches ``pattern`` (``re.search``) get ``fmt``."""
 
     pattern: str
-    fmt: str  # "nf4" | "int8" | "bf16" | "fp32" | "keep"
+    fmt: str  # "nf4" | "int8" | "q6_k" | "bf16" | "fp32" | "keep"
     placement: str = "device"  # "device" | "host" (the embedding lookup can stay in system RAM)
     why: str = ""
 
@@ -324,11 +338,14 @@ class QuantPolicy:
         return None
 
     def format_of(self, name: str, shape: tuple[int, ...] | None = None) -> str:
-        """Format for a tensor. Quantized formats apply only to tensors with >= 2 dims and an even size."""
+        """Format for a tensor. Quantized formats apply only to tensors with >= 2 dims and an even size; q6_k only
+        to 2-D rows of whole 256-value blocks (else int8: the tiny models' narrow heads)."""
         rule = self.rule_for(name)
         fmt = rule.fmt if rule else "keep"
         if fmt in QUANT_FORMATS and shape is not None and (len(shape) < 2 or math.prod(shape) % 2):
             return "keep"
+        if fmt == "q6_k" and shape is not None and (len(shape) != 2 or shape[-1] % Q6_K_BLOCK[0]):
+            return "int8"
         return fmt
 
     def stored_format(self, name: str, shape: tuple[int, ...], stored: str) -> str:
@@ -374,7 +391,11 @@ def make_policy(
       0.95 confidence, so noise here costs tokens per pass; expert error is averaged over 8 experts and a shared
       one. ``attention="nf4", shared_expert="nf4"`` is the small-card option.
     * lm_head int8: 0.51 GB instead of 1.02 GB bf16, above 4 bits as llama.cpp's Q4_K_M keeps its output head.
+      ``lm_head="q6_k"`` (llama.cpp's Q6_K blocks, 6.56 bits): 0.42 GB, read by the CPU kernels; the CPU default
+      (:func:`policy_for`).
     """
+    if experts not in EXPERT_FORMATS + PLAIN_FORMATS:
+        raise ConfigError(f"expert format must be one of {EXPERT_FORMATS + PLAIN_FORMATS}, got {experts!r}")
     rules = (
         # --- kept precise: small, and errors here change routing or recurrence decay ---
         Rule(r"mlp\.gate\.weight$", "keep", why="router: top-k choice is sensitive"),
@@ -398,6 +419,17 @@ def make_policy(
 
 
 DEFAULT_POLICY = make_policy()
+# The CPU's default: the head in Q6_K blocks, read in place by the CPU kernels (engine.kernels.cpu_quant) as the GGUF
+# path reads llama.cpp's Q6_K head: 417 MB a token at Clover's vocabulary against INT8's 509 (docs/STATUS.md, "The
+# engine's own cache on the same kernels"). GPUs keep DEFAULT_POLICY's INT8 head (fused int8 kernel, opt-in; a Q6_K
+# head there would be dequantized per forward) and the planner, which plans cards, counts it.
+CPU_POLICY = make_policy(lm_head="q6_k")
+
+
+def policy_for(device: object = "cpu") -> QuantPolicy:
+    """The default policy of the quantized cache for a model placed on ``device`` ("cpu", "cuda:0", a torch device):
+    :data:`CPU_POLICY` on the CPU, :data:`DEFAULT_POLICY` elsewhere. Each policy has its own cache folder."""
+    return CPU_POLICY if str(device).split(":")[0] == "cpu" else DEFAULT_POLICY
 
 
 def is_expert_tensor(name: str) -> bool:

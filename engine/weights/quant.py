@@ -7,6 +7,9 @@ in ``quantize_tensor`` / ``dequantize_tensor``):
   no double quantization. Two 4-bit codes per byte, the first element in the high nibble. Quantize and fast
   dequantize go through ``bitsandbytes`` (CUDA or CPU); the reference is pure torch.
 * ``int8``: symmetric per-row absmax (scale = absmax / 127), pure torch.
+* ``q6_k``: llama.cpp's Q6_K blocks (256 values in 210 bytes, scales inside; ``engine.weights.gguf.quants``), codes
+  uint8 [O, row bytes] and no separate scales (an empty fp32 buffer): the head on the CPU, where the kernels read
+  the blocks in place as they read a GGUF file's Q6_K head. Rows must be whole blocks (2-D, N % 256 == 0).
 * ``bf16`` / ``fp32`` / ``keep``: not quantized (``keep`` leaves the checkpoint dtype).
 
 The policy table (:class:`QuantPolicy`) is a list of regex rules on checkpoint tensor names, first match wins.
@@ -48,6 +51,7 @@ from clover_desk.engine.model.experts import SMALL_SLOTS, ExpertBank, RowLayout,
 # too, as the same objects (tests/engine/test_planner.py checks the identity).
 from clover_desk.engine.weights.formats import (  # noqa: F401
     DEFAULT_POLICY,
+    EXPERT_FORMATS,
     FORMATS,
     NF4_CODE,
     PLAIN_FORMATS,
@@ -62,6 +66,7 @@ from clover_desk.engine.weights.formats import (  # noqa: F401
     nf4_sizes,
     quantized_sizes,
 )
+from clover_desk.engine.weights.gguf import quants as gq
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +165,27 @@ def dequantize_int8_reference(
     return torch.stack(rows).reshape(shape).to(dtype)
 
 
+def quantize_q6_k(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [O, N] (N a multiple of 256) -> (Q6_K blocks uint8 [O, N / 256 * 210], no scales: fp32 [0])."""
+    if w.dim() != 2 or w.shape[1] % gq.QK_K:
+        raise ValueError(f"Q6_K needs 2-D rows of whole {gq.QK_K}-value blocks, got shape {tuple(w.shape)}")
+    return gq.quantize(w, gq.Q6_K), torch.zeros(0, dtype=torch.float32)
+
+
+def dequantize_q6_k(codes: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Q6_K blocks [O, row bytes] (or flat) -> [O, N] in ``dtype``, on the codes' device (torch ops only)."""
+    rb = gq.row_bytes(gq.Q6_K, shape[-1])
+    return gq.dequantize(codes.view(torch.uint8).reshape(-1, rb), gq.Q6_K, shape[-1]).reshape(shape).to(dtype)
+
+
 def quantize_tensor(w: Tensor, fmt: str, blocksize: int = 64) -> tuple[Tensor, Tensor]:
-    """(codes, scales) of ``w`` in ``fmt`` ("nf4" | "int8")."""
+    """(codes, scales) of ``w`` in ``fmt`` ("nf4" | "int8" | "q6_k")."""
     if fmt == "nf4":
         return quantize_nf4(w, blocksize)
     if fmt == "int8":
         return quantize_int8(w)
+    if fmt == "q6_k":
+        return quantize_q6_k(w)
     raise ValueError(f"not a quantized format: {fmt!r} (expected one of {QUANT_FORMATS})")
 
 
@@ -186,6 +206,8 @@ def dequantize_tensor(
     if fmt == "int8":
         int8 = dequantize_int8_reference if reference else dequantize_int8
         return int8(codes, scales, shape, dtype)
+    if fmt == "q6_k":  # one implementation (bit for bit gguf-py's, tests/engine/test_gguf_quants.py)
+        return dequantize_q6_k(codes, shape, dtype)
     raise ValueError(f"not a quantized format: {fmt!r}")
 
 
@@ -274,6 +296,8 @@ class QuantLinear(nn.Module):
         n_codes, n_scales = quantized_sizes(shape, fmt, blocksize)
         if fmt == "nf4":
             codes = torch.zeros(n_codes, dtype=torch.uint8, device=device)  # [O*N/2] two codes per byte
+        elif fmt == "q6_k":
+            codes = torch.zeros(out_features, n_codes // out_features, dtype=torch.uint8, device=device)  # blocks
         else:
             codes = torch.zeros(shape, dtype=torch.int8, device=device)  # [O, N]
         self.register_buffer("codes", codes)
@@ -307,6 +331,8 @@ class QuantLinear(nn.Module):
         if self.fmt == "nf4":  # r0 * N is a whole number of blocks (see _chunk_rows)
             codes = self.codes[r0 * n // 2 : r1 * n // 2]
             scales = self.scales[r0 * n // self.blocksize : -(-r1 * n // self.blocksize)]
+        elif self.fmt == "q6_k":
+            codes, scales = self.codes[r0:r1], self.scales
         else:
             codes, scales = self.codes[r0:r1], self.scales[r0:r1]
         return dequantize_tensor(codes, scales, (r1 - r0, n), self.fmt, self.blocksize, dtype)
@@ -321,20 +347,25 @@ class QuantLinear(nn.Module):
         align = self.blocksize // math.gcd(self.in_features, self.blocksize) if self.fmt == "nf4" else 1
         return max(align, rows // align * align)
 
+    def _in_place(self, x: Tensor) -> Tensor | None:
+        """x [R, N] -> [R, O] from the codes read in place (no dequantized weight written), or None where no
+        kernel applies: the CPU kernels (NF4 / INT8 split formats; Q6_K blocks through the GGUF path's kernel, as
+        ``GGUFLinear`` reads them), else torch's fused weight-only int8 GEMV for a few rows."""
+        qtype = _cpu_kernel_type(self, x)
+        if qtype is not None:
+            bs = self.blocksize if self.fmt == "nf4" else self.in_features
+            return cpu_quant.smatmul(x, self.codes, self.scales, qtype, bs, self.out_features)
+        if self.fmt == "q6_k" and x.device.type == self.codes.device.type == "cpu" and cpu_quant.usable(gq.Q6_K):
+            return cpu_quant.qmatmul(x, self.codes, gq.Q6_K)  # x rounded to int8 blocks of 256, as llama.cpp does
+        if _int8_gemv_applies(self, x):
+            return torch._weight_int8pack_mm(x, self.codes, self.scales.to(x.dtype))
+        return None
+
     def forward(self, x: Tensor) -> Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        qtype = _cpu_kernel_type(self, x)
-        if qtype is not None:  # the codes read in place, no dequantized weight written
-            bs = self.blocksize if self.fmt == "nf4" else self.in_features
-            rows = x.reshape(-1, self.in_features)  # [R, N]
-            out = cpu_quant.smatmul(rows, self.codes, self.scales, qtype, bs, self.out_features).to(x.dtype)
-            out = out.reshape(*x.shape[:-1], self.out_features)
-            return out + bias if bias is not None else out
-        if _int8_gemv_applies(self, x):
-            # fused weight-only int8 matmul: reads the int8 codes, never writes a dequantized weight
-            rows = x.reshape(-1, self.in_features)  # [R, N]
-            out = torch._weight_int8pack_mm(rows, self.codes, self.scales.to(x.dtype))  # [R, O]
-            out = out.reshape(*x.shape[:-1], self.out_features)
+        out = self._in_place(x.reshape(-1, self.in_features))  # [R, O] or None
+        if out is not None:
+            out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
             return out + bias if bias is not None else out
         if triton_linear.enabled_for(x, self.fmt, self.codes):  # a GPU, opted in: the fused int8 kernel
             return triton_linear.int8_linear(x, self.codes, self.scales, bias)
@@ -381,8 +412,8 @@ class ExpertLayout:
     def build(
         cls, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str = "nf4", blocksize: int = 64
     ) -> "ExpertLayout":
-        if fmt not in QUANT_FORMATS:
-            raise ValueError(f"expert format must be one of {QUANT_FORMATS}, got {fmt!r}")
+        if fmt not in EXPERT_FORMATS:
+            raise ValueError(f"expert format must be one of {EXPERT_FORMATS}, got {fmt!r}")
         segs, off = expert_row_layout(hidden_size, intermediate_size, fmt, blocksize)
         return cls(num_experts, hidden_size, intermediate_size, fmt, blocksize, *segs, nbytes=off)
 

@@ -9,14 +9,15 @@ What: ``weights.safetensors`` (a real safetensors file) + ``manifest.json``::
     {"version": 2,
      "policy": {...QuantPolicy.to_dict(), "hash": ...},
      "source": {"model_dir", "config_sha256", "files": {name: {"size", "mtime_ns", "header_sha256"}}},
-     "tensors": {model name: {"shape", "format": "nf4"|"int8"|"bf16"|"fp32"|"fp16", "bytes", "stored": [keys]}},
+     "tensors": {model name: {"shape", "format": "nf4"|"int8"|"q6_k"|"bf16"|"fp32"|"fp16", "bytes", "stored": [keys]}},
      "experts": {bank name: ExpertLayout dict},
      "files": {"weights.safetensors": {"size", "header_sha256", "sha256", "crc32": {key: crc}}},
      "complete": true,
      "checks": ["finite"]}
 
 Stored keys are the quantized model's state-dict names: a quantized linear ``X.weight`` is ``X.codes`` +
-``X.scales`` (the :class:`QuantLinear` buffers); an expert bank
+``X.scales`` (the :class:`QuantLinear` buffers; a Q6_K matrix's scales are an empty tensor: its blocks hold them);
+an expert bank
 ``layers.N.mlp.experts`` is ``layers.N.mlp.experts.packed`` uint8 [E, R] (one contiguous row per expert, exactly the
 host-store layout of ``engine/placement/expert_store.py``); anything else keeps its name.
 
@@ -27,6 +28,12 @@ On load the cache is checked: missing, incomplete, another policy, another check
 size / mtime / header changed), corrupt (size or hash mismatch) or unchecked (written before the conversion refused
 NaN / infinite weights: no ``"checks"`` in its manifest) -> the reason is logged, returned, and the cache is rebuilt;
 it is never used silently.
+
+Which policy: the caller's, else the device's default (:func:`engine.weights.formats.policy_for`: on the CPU the head
+in Q6_K blocks, elsewhere INT8). A cache folder is named by its policy's hash, so a folder built under another policy
+(the CPU's INT8 head before the Q6_K default) is never read as this one: it still loads under its own policy (its
+manifest names every format), and when this policy's folder is missing the build logs which other caches lie beside
+it (left in place: another device may use them; delete them to free the disk).
 """
 
 from __future__ import annotations
@@ -49,8 +56,8 @@ from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import load_config
 from clover_desk.engine.placement import placer
 from clover_desk.engine.weights import checkpoint
+from clover_desk.engine.weights.formats import policy_for
 from clover_desk.engine.weights.quant import (
-    DEFAULT_POLICY,
     QUANT_FORMATS,
     ExpertLayout,
     QuantExpertBank,
@@ -96,36 +103,58 @@ class CacheReport:
 
 def ensure_cache(
     model_dir: str | Path,
-    policy: QuantPolicy = DEFAULT_POLICY,
+    policy: QuantPolicy | None = None,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     cache_root: str | Path | None = None,
     verify: str = "header",
+    device: torch.device | str = "cpu",
 ) -> CacheReport:
-    """The checked cache of ``model_dir`` under ``policy``, built (or rebuilt, with the reason logged and returned)
-    when needed. Conversion streams tensor by tensor; nothing is loaded."""
+    """The checked cache of ``model_dir`` under ``policy`` (None: ``device``'s default, :func:`policy_for`), built
+    (or rebuilt, with the reason logged and returned) when needed. Conversion streams tensor by tensor; nothing is
+    loaded."""
     model_dir = Path(model_dir)
+    policy = policy or policy_for(device)
     cdir = cache_dir_for(model_dir, policy, cache_root)
     reason = check_cache(cdir, model_dir, policy, verify)
     rebuilt = False
     if reason is not None:
         if not reason.startswith("missing"):
             log.warning("quantized cache %s not used: %s; rebuilding", cdir, reason)
+        else:
+            _log_other_policies(cdir, policy)
         build_cache(model_dir, policy, cdir, progress, cancel)
         rebuilt = True
     return CacheReport(cdir, rebuilt, reason or "", cdir / MANIFEST_NAME)
 
 
+def _log_other_policies(cdir: Path, policy: QuantPolicy) -> None:
+    """Say which caches of other policies lie beside ``cdir`` when this policy's is built (why a model that had a
+    cache is converted again: the default policy changed, or another device's default is asked for)."""
+    for other in sorted(cdir.parent.glob("*/" + MANIFEST_NAME)) if cdir.parent.is_dir() else ():
+        if other.parent.name.startswith("."):  # a conversion under way or interrupted
+            continue
+        try:
+            name = json.loads(other.read_text(encoding="utf-8"))["policy"]["name"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        size = sum(f.stat().st_size for f in other.parent.iterdir() if f.is_file())
+        log.warning("building the quantized cache of policy %r; the cache %s of policy %r (%.2f GiB) is left in "
+                    "place (it still loads under its own policy; delete it to free the disk)", policy.name,
+                    other.parent, name, size / 2**30)
+
+
 def load_quantized(
     model_dir: str | Path,
-    policy: QuantPolicy = DEFAULT_POLICY,
+    policy: QuantPolicy | None = None,
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     cache_root: str | Path | None = None,
     verify: str = "header",
 ) -> tuple[nn.Module, CacheReport]:
-    """The quantized model of ``model_dir`` whole on the CPU, through the cache (see :func:`ensure_cache`).
+    """The quantized model of ``model_dir`` whole on the CPU, through the cache (see :func:`ensure_cache`; no
+    ``policy``: the CPU's default).
 
     Internal, as :func:`load_from_cache` is: engines are built by ``engine.api.Engine.load(precision="nf4")``
     (docs/loading.md), which places every tensor directly with :func:`load_from_cache`; this is for the tests of

@@ -175,9 +175,7 @@ def build_cache(
         if fmt in QUANT_FORMATS and len(shape) == 2:
             n_codes, n_scales = quantized_sizes(shape, fmt, bs)
             mod = target.name[: -len(".weight")] if target.name.endswith(".weight") else target.name
-            codes = _Out(
-                f"{mod}.codes", torch.uint8 if fmt == "nf4" else torch.int8, (n_codes,) if fmt == "nf4" else shape
-            )
+            codes = _Out(f"{mod}.codes", *_codes_type(fmt, shape, n_codes))
             scales = _Out(f"{mod}.scales", torch.float32, (n_scales // 4,))
             outs[codes.key], outs[scales.key] = codes, scales
             tensors[target.name] = {
@@ -294,6 +292,16 @@ def build_cache(
     return final
 
 
+def _codes_type(fmt: str, shape: tuple[int, ...], n_codes: int) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, shape) of a quantized matrix's stored codes, as :class:`QuantLinear` holds them: NF4 flat uint8
+    (two per byte), INT8 int8 [O, N], Q6_K uint8 blocks [O, row bytes]."""
+    if fmt == "nf4":
+        return torch.uint8, (n_codes,)
+    if fmt == "q6_k":
+        return torch.uint8, (shape[0], n_codes // shape[0])
+    return torch.int8, shape
+
+
 def _plain_dtype(fmt: str, stored: torch.dtype) -> torch.dtype:
     """The dtype a plain tensor is stored in under the policy format ``fmt`` ("keep": as it came)."""
     return TORCH_DTYPES[TAG_OF_FORMAT[fmt]] if fmt in ("bf16", "fp32", "fp16") else stored
@@ -350,7 +358,7 @@ def _convert_one(
         return
     mod = target.name[: -len(".weight")] if target.name.endswith(".weight") else target.name
     codes, scales = outs[f"{mod}.codes"], outs[f"{mod}.scales"]
-    fmt = "nf4" if codes.dtype == torch.uint8 else "int8"
+    fmt = policy.format_of(target.name, shape)
     cols = shape[1]
     align = bs // math.gcd(cols, bs) if fmt == "nf4" else 1  # chunk numel must be a whole number of NF4 blocks
     rows = _rows_per_chunk(src, align)
@@ -362,6 +370,8 @@ def _convert_one(
         if fmt == "nf4":
             write_tensor(fd, codes.offset + r0 * cols // 2, c)
             write_tensor(fd, scales.offset + (r0 * cols // bs) * 4, s)
+        elif fmt == "q6_k":  # whole rows of blocks; no separate scales
+            write_tensor(fd, codes.offset + r0 * codes.shape[1], c)
         else:
             write_tensor(fd, codes.offset + r0 * cols, c)
             write_tensor(fd, scales.offset + r0 * 4, s)

@@ -19,6 +19,8 @@ import torch
 
 from clover_desk.engine.kernels import cpu_quant as cq
 from clover_desk.engine.weights import quant as wq
+from clover_desk.engine.weights.gguf import quants as gq
+from clover_desk.engine.weights.gguf.model import GGUFLinear
 from tests.quant_reference import (
     assert_moe_close,
     check_qmatmul,
@@ -135,6 +137,30 @@ def test_real_width_smoke(kern: cq.Kernels, qtype: int) -> None:
     else:
         banks = make_bank((qtype,) * 3, e, d, i)
         assert_moe_close(cq.moe(x, *banks, (qtype,) * 3, idx, wts), moe_reference(x, banks, (qtype,) * 3, idx, wts))
+
+
+@pytest.mark.parametrize("t", [1, 32])
+def test_q6_k_head_at_real_width_is_the_gguf_paths_product(kern: cq.Kernels, t: int) -> None:
+    """The own cache's Q6_K head (a QuantLinear of format q6_k) at Clover's width (K = 2048; 64 of the head's
+    rows): the same blocks through the GGUF path's GGUFLinear give the same bits (one kernel), and both hold the
+    references against the dequantized blocks (tests/quant_reference.py)."""
+    g = torch.Generator().manual_seed(t)
+    lin = torch.nn.Linear(2048, 64, bias=False)
+    lin.weight.data = torch.randn(64, 2048, generator=g) * 0.02
+    own = wq.QuantLinear.from_linear(lin, "q6_k")
+    file = GGUFLinear(gq.quantize(lin.weight.data, gq.Q6_K), gq.Q6_K, 2048)
+    assert torch.equal(own.codes, file.raw)
+    x = torch.randn(t, 2048, generator=g)
+    with torch.no_grad():
+        y = own(x)
+        assert torch.equal(y, file(x))
+    assert check_qmatmul(y, x, own.codes, cq.Q6_K) < 2e-2
+    before = cq.set_enabled(False)  # the kernels did run: the dequantizing path does not round x to int8 blocks
+    try:
+        with torch.no_grad():
+            assert not torch.equal(own(x), y)
+    finally:
+        cq.set_enabled(before)
 
 
 def test_routing_checked_for_both_expert_layouts(kern: cq.Kernels) -> None:

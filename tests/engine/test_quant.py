@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from clover_desk.engine.model.experts import DenseExpertBank
+from clover_desk.engine.weights.formats import policy_for
 from clover_desk.engine.weights.quant import (
     DEFAULT_POLICY,
     NF4_CODE,
@@ -76,6 +79,62 @@ def test_quantization_error_is_within_the_format_bound(fmt: str) -> None:
     assert err.max().item() > 0  # it did quantize
     # a wrong bound (a quarter of it) would be violated: the check can fail
     assert not bool((err <= bound / 4).all())
+
+
+def test_q6_k_round_trip_is_llama_cpps_format_within_its_step() -> None:
+    """q6_k codes are ggml Q6_K blocks [O, N / 256 * 210]: gguf-py's reference dequantize (numpy, independent of
+    the engine) reads them to the values the engine's dequantize gives, bit for bit, and each value lies within
+    ~one step (1/32 of its 256-block's absmax) of the weight; a 4x tighter bound fails, so the check can."""
+    torch.manual_seed(3)
+    w = torch.randn(40, 512) * torch.logspace(-1, 0, 40)[:, None]  # rows of different scale (fp16 d stays normal)
+    codes, scales = quantize_tensor(w, "q6_k")
+    assert codes.dtype == torch.uint8 and tuple(codes.shape) == (40, 2 * 210) and scales.numel() == 0
+    back = dequantize_tensor(codes, scales, (40, 512), "q6_k", 64, torch.float32)
+    ref = gguf.quants.dequantize(codes.numpy(), gguf.GGMLQuantizationType.Q6_K)
+    assert np.array_equal(back.numpy(), ref.reshape(40, 512))
+    assert torch.equal(dequantize_tensor(codes, scales, (40, 512), "q6_k", 64, reference=True), back)
+    bound = w.reshape(-1, 256).abs().amax(-1, keepdim=True).expand(-1, 256).reshape(40, 512) / 32 * 1.15
+    err = (back - w).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+    assert not bool((err <= bound / 4).all())
+    with pytest.raises(ValueError, match="256"):
+        quantize_tensor(torch.randn(4, 96), "q6_k")
+
+
+def test_q6_k_quant_linear_without_the_kernels_dequantizes_in_row_chunks() -> None:
+    """The path a GPU (or a CPU without the kernels) runs for a q6_k QuantLinear: the blocks dequantized with the
+    GGUF path's torch dequantize in row chunks, then F.linear: equal to the whole weight's product."""
+    torch.manual_seed(8)
+    lin = nn.Linear(256, 37, bias=True)
+    q = QuantLinear.from_linear(lin, "q6_k")
+    assert tuple(q.codes.shape) == (37, 210) and q.scales.numel() == 0
+    x = torch.randn(3, 256)
+    whole = q(x)
+    torch.testing.assert_close(whole, nn.functional.linear(x, q.weight, lin.bias), rtol=1e-6, atol=1e-6)
+    q.chunk_elems = 5 * 256
+    assert q._chunk_rows() == 5
+    torch.testing.assert_close(q(x), whole, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert 0 < float((whole - lin(x)).abs().max()) < 0.05
+
+
+def test_the_cpu_default_policy_keeps_the_head_in_q6_k_and_gpus_keep_int8() -> None:
+    from clover_desk.engine.errors import ConfigError
+
+    assert policy_for("cpu").format_of("lm_head.weight", (248320, 2048)) == "q6_k"
+    assert policy_for(torch.device("cpu")).hash == policy_for("cpu").hash != DEFAULT_POLICY.hash
+    assert policy_for("cuda:0") is DEFAULT_POLICY
+    assert DEFAULT_POLICY.format_of("lm_head.weight", (248320, 2048)) == "int8"
+    # rows that are not whole Q6_K blocks (the tiny models' heads) fall back to int8
+    assert policy_for("cpu").format_of("lm_head.weight", (128, 64)) == "int8"
+    # everything else is the GPU policy's
+    p = "model.language_model.layers.3."
+    for name in (f"{p}mlp.experts.gate_up_proj", f"{p}self_attn.q_proj.weight", f"{p}mlp.gate.weight"):
+        assert policy_for("cpu").format_of(name, (512, 2048)) == DEFAULT_POLICY.format_of(name, (512, 2048))
+    with pytest.raises(ConfigError, match="expert format"):
+        make_policy(experts="q6_k")
+    with pytest.raises(ValueError, match="expert format"):
+        ExpertLayout.build(4, 256, 256, "q6_k")
 
 
 def test_int8_reference_and_fast_dequantize_agree() -> None:

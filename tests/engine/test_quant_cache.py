@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,9 +17,13 @@ from clover_desk.engine.decode.events import LoadProgress
 from clover_desk.engine.errors import CancelledError
 from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.config import parse_config
+from clover_desk.engine.weights import quant_cache_build
 from clover_desk.engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
+from clover_desk.engine.weights.formats import CPU_POLICY
+from clover_desk.engine.weights.gguf import quants as gq
+from clover_desk.engine.weights.gguf.model import GGUFLinear
 from clover_desk.engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
-from clover_desk.engine.weights.quant_cache import load_quantized
+from clover_desk.engine.weights.quant_cache import ensure_cache, load_from_cache, load_quantized
 from clover_desk.engine.weights.quant_cache_build import build_cache
 from clover_desk.engine.weights.quant_cache_files import (
     DATA_NAME,
@@ -201,6 +206,66 @@ def test_stale_corrupt_other_policy_and_other_checkpoint_are_reported_and_rebuil
     # another checkpoint
     other_ckpt = write_tiny(tmp_path / "other", seed=9, hidden=32)
     assert (check_cache(path, other_ckpt, POLICY) or "").startswith("other checkpoint")
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose head rows are whole Q6_K blocks (hidden 256)."""
+    return write_tiny(tmp_path_factory.mktemp("wide"), seed=4, hidden=256, shards=2)
+
+
+def test_a_q6_k_head_cache_is_the_gguf_paths_q6_k_head(
+    wide_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU's default policy stores the head as ggml Q6_K blocks ([V, N / 256 * 210] uint8, no separate
+    scales; converted in chunks of rows here); the loaded head multiplies like the GGUF path's GGUFLinear on the
+    blocks of the same weight (same kernel: the same bits, or the same dequantized product without the kernels),
+    the whole model equals quantizing in memory, and the planner reads the manifest's bytes."""
+    from clover_desk.engine.placement.planner import manifest_from_quantized_cache
+
+    monkeypatch.setattr(quant_cache_build, "CHUNK_BYTES", 16 * 256 * 2)  # 16 bf16 rows of the head per chunk
+    model, report = load_quantized(wide_ckpt, cache_root=tmp_path)  # no policy: the CPU's default
+    assert report.path.name == CPU_POLICY.hash
+    m = json.loads((report.path / MANIFEST_NAME).read_text())
+    head = m["tensors"]["lm_head.weight"]
+    header, _, _ = read_header(report.path / DATA_NAME)
+    assert head["format"] == "q6_k" and head["bytes"] == 128 * 210
+    assert header["lm_head.codes"].shape == (128, 210) and header["lm_head.scales"].shape == (0,)
+    assert m["tensors"]["layers.0.linear_attn.in_proj_qkv.weight"]["format"] == "int8"
+    assert manifest_from_quantized_cache(report.path / MANIFEST_NAME).total_bytes() == sum(
+        h.nbytes for h in header.values())
+    ref = load_model(wide_ckpt, dtype=torch.float32)
+    file_head = GGUFLinear(gq.quantize(ref.lm_head.weight.data, gq.Q6_K), gq.Q6_K, 256)
+    quantize_model_(ref, CPU_POLICY)
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.fmt == "q6_k"
+    assert torch.equal(model.lm_head.codes, file_head.raw)
+    h = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    with torch.no_grad():
+        assert torch.equal(model.lm_head(h), file_head(h))
+        assert torch.equal(model(ids, 0, None), ref(ids, 0, None))
+        before = cpu_quant.set_enabled(False)
+        try:
+            torch.testing.assert_close(model.lm_head(h), file_head(h), rtol=1e-6, atol=1e-6)
+        finally:
+            cpu_quant.set_enabled(before)
+
+
+def test_a_cache_of_the_old_policy_still_loads_and_the_new_one_says_why_it_is_built(
+    wide_ckpt: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache built when the CPU's default head was INT8 (``make_policy()``) keeps its folder: it loads under its
+    own policy, unchanged; the CPU default builds its own folder beside it and the log names the old one."""
+    old = build_cache(wide_ckpt, POLICY, cache_dir_for(wide_ckpt, POLICY, tmp_path))
+    model, report = load_quantized(wide_ckpt, POLICY, cache_root=tmp_path)
+    assert not report.rebuilt and report.path == old and model.lm_head.fmt == "int8"
+    with caplog.at_level(logging.WARNING, logger="clover_desk.engine.weights.quant_cache"):
+        new = ensure_cache(wide_ckpt, cache_root=tmp_path, device="cpu")
+    assert new.rebuilt and new.reason.startswith("missing") and new.path.name == CPU_POLICY.hash
+    assert str(old) in caplog.text and POLICY.name in caplog.text
+    assert ensure_cache(wide_ckpt, cache_root=tmp_path, device="cuda:0").path == old  # a GPU's default: INT8
+    assert load_from_cache(old, wide_ckpt).lm_head.fmt == "int8"
+    assert load_from_cache(new.path, wide_ckpt).lm_head.fmt == "q6_k"
 
 
 def test_cancel_leaves_nothing_behind(ckpt: Path, tmp_path: Path) -> None:
