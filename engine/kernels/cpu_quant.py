@@ -185,6 +185,11 @@ class Kernels:
         lib.clover_smatmul_tiled.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, i64, ptr, i32]
         lib.clover_gdn_step.restype = i32
         lib.clover_gdn_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+        lib.clover_gdn_conv.restype = i32
+        lib.clover_gdn_conv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
+        lib.clover_gdn_token.restype = i32
+        lib.clover_gdn_token.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64, i64,
+                                         i32, i32]
 
     @property
     def simd(self) -> bool:
@@ -356,6 +361,44 @@ class Kernels:
                                  torch.get_num_threads())
         _raise_for(rc, "gdn_step")
         return out
+
+    def gdn_conv(self, x: Tensor, weight: Tensor, state: Tensor, state_out: Tensor | None) -> Tensor:
+        """A GDN layer's causal short convolution of one token, before its SiLU (``clover_gdn_conv``): x [C] raw,
+        weight [C, K], state [K-1, C] (the previous raw rows), all float32 contiguous -> [C]; the new state (the
+        last K-1 rows) goes into ``state_out`` (``state`` itself for in place; None: not written)."""
+        lib = self._need()
+        c, kernel = weight.shape
+        _need_f32("gdn_conv", x=(x, c), weight=(weight, c * kernel), state=(state, (kernel - 1) * c),
+                  state_out=(state_out, (kernel - 1) * c))
+        out = torch.empty(c, dtype=torch.float32)
+        rc = lib.clover_gdn_conv(x.data_ptr(), state.data_ptr(), weight.data_ptr(),
+                                 None if state_out is None else state_out.data_ptr(), out.data_ptr(), c, kernel)
+        _raise_for(rc, "gdn_conv")
+        return out
+
+    def gdn_token(self, act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tensor, float], state: Tensor,
+                  state_out: Tensor | None, lanes: int) -> Tensor:
+        """The rest of a GDN layer's one-token mixer after the convolution's SiLU (``clover_gdn_token``): act [C]
+        (q | k | v channels), zs [Hv * dv] = SiLU(z), beta, g [Hv], ``norm`` (the gated RMSNorm's weight [dv] and
+        eps), state [Hv, dk, dv], all float32 contiguous -> y [Hv * dv]: the l2norms, the delta rule and the gated
+        RMSNorm, in the torch forward's order of operations (sums as torch's over ``lanes``-float vectors); the
+        updated state goes into ``state_out`` (``state`` for in place; None: not computed)."""
+        lib = self._need()
+        hv, dk, dv = state.shape
+        c = act.numel()
+        hk = (c - hv * dv) // (2 * dk)
+        if hk < 1 or c != 2 * hk * dk + hv * dv:
+            raise ValueError(f"gdn_token: act has {c} channels, not 2 Hk {dk} + {hv} x {dv} for the state "
+                             f"{tuple(state.shape)}")
+        weight, eps = norm
+        _need_f32("gdn_token", act=(act, c), zs=(zs, hv * dv), beta=(beta, hv), g=(g, hv), norm=(weight, dv),
+                  state=(state, hv * dk * dv), state_out=(state_out, hv * dk * dv))
+        y = torch.empty(hv * dv, dtype=torch.float32)
+        rc = lib.clover_gdn_token(act.data_ptr(), zs.data_ptr(), beta.data_ptr(), g.data_ptr(), weight.data_ptr(), eps,
+                                  state.data_ptr(), None if state_out is None else state_out.data_ptr(), y.data_ptr(),
+                                  hk, hv, dk, dv, lanes, torch.get_num_threads())
+        _raise_for(rc, "gdn_token")
+        return y
 
 
 def _as_f32_2d(x: Tensor) -> Tensor:
@@ -649,3 +692,22 @@ def gdn_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Te
              state_out: Tensor | None) -> Tensor:
     """One Gated DeltaNet AR step on the CPU (:meth:`Kernels.gdn_step`; eager callers only: no custom op)."""
     return kernels().gdn_step(q, k, v, g, beta, state, state_out)
+
+
+def gdn_conv(x: Tensor, weight: Tensor, state: Tensor, state_out: Tensor | None) -> Tensor:
+    """A GDN layer's one-token convolution on the CPU (:meth:`Kernels.gdn_conv`; eager callers only)."""
+    return kernels().gdn_conv(x, weight, state, state_out)
+
+
+def gdn_token(act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tensor, float], state: Tensor,
+              state_out: Tensor | None, lanes: int) -> Tensor:
+    """A GDN layer's one-token mixer after the convolution on the CPU (:meth:`Kernels.gdn_token`; eager callers
+    only: no custom op)."""
+    return kernels().gdn_token(act, zs, beta, g, norm, state, state_out, lanes)
+
+
+def _need_f32(what: str, **tensors: tuple[Tensor | None, int]) -> None:
+    """Raise ValueError unless each named tensor (None: absent, allowed) is float32, contiguous, of n values."""
+    for name, (t, n) in tensors.items():
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n):
+            raise ValueError(f"{what}: {name} must be {n} contiguous float32 values, got {tuple(t.shape)} {t.dtype}")
