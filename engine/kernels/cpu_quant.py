@@ -131,6 +131,12 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Path | None,
     return target, ""
 
 
+# Floats per vector in torch's CPU kernels (its sums over a contiguous dim run over such vectors): 16 under AVX-512,
+# else 8 (AVX2 and the generic 32-byte vectors). The GDN and RMSNorm kernels sum in the same order: bit for bit where
+# this is right; elsewhere (e.g. 4-lane NEON) it is a valid order too, equal within float32 rounding.
+TORCH_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
 class Kernels:
     """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why."""
 
@@ -187,6 +193,8 @@ class Kernels:
         lib.clover_gdn_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
         lib.clover_gdn_conv.restype = i32
         lib.clover_gdn_conv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
+        lib.clover_rms_norm.restype = i32
+        lib.clover_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, ptr, i64, i64, i32]
         lib.clover_gdn_token.restype = i32
         lib.clover_gdn_token.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64, i64,
                                          i32, i32]
@@ -375,6 +383,17 @@ class Kernels:
                                  None if state_out is None else state_out.data_ptr(), out.data_ptr(), c, kernel)
         _raise_for(rc, "gdn_conv")
         return out
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, lanes: int) -> Tensor:
+        """The model's zero-centred RMSNorm (``clover_rms_norm``) over the last dim of x [..., n] with weight [n],
+        float32 contiguous -> a new tensor like x: the torch forward's bits (sums over ``lanes``-float vectors)."""
+        lib = self._need()
+        n = x.shape[-1]
+        _need_f32("rms_norm", x=(x, x.numel()), weight=(weight, n))
+        y = torch.empty_like(x)
+        rc = lib.clover_rms_norm(x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), x.numel() // max(n, 1), n, lanes)
+        _raise_for(rc, "rms_norm")
+        return y
 
     def gdn_token(self, act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tensor, float], state: Tensor,
                   state_out: Tensor | None, lanes: int) -> Tensor:
@@ -705,6 +724,10 @@ def gdn_token(act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tens
     only: no custom op)."""
     return kernels().gdn_token(act, zs, beta, g, norm, state, state_out, lanes)
 
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The model's RMSNorm on the CPU (:meth:`Kernels.rms_norm`; eager callers only: no custom op)."""
+    return kernels().rms_norm(x, weight, eps, TORCH_LANES)
 
 def _need_f32(what: str, **tensors: tuple[Tensor | None, int]) -> None:
     """Raise ValueError unless each named tensor (None: absent, allowed) is float32, contiguous, of n values."""

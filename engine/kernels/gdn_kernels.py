@@ -51,10 +51,6 @@ OPTED_IN = False
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Read once at import: a compiled layer sees constants.
 AVAILABLE = importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None
-# Floats per vector in torch's CPU kernels (its sums over a contiguous dim run over such vectors): 16 under AVX-512,
-# else 8 (AVX2 and the generic 32-byte vectors). :func:`cpu_token` sums in the same order, bit for bit where this
-# is right; elsewhere (e.g. 4-lane NEON) it is a valid order too, equal within float32 rounding.
-TORCH_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
 
 
 def set_enabled(on: bool) -> bool:
@@ -100,12 +96,12 @@ def cpu_token(mixed: Tensor, z: Tensor, beta: Tensor, g: Tensor, conv: tuple[Ten
     gates (beta, g [1, Hv]) and ``out_proj``: the short convolution (``conv``: weight [C, K], state [K-1, C]; one C
     call), its SiLU and SiLU(z) (torch), then the l2norms, the delta rule and the gated RMSNorm (``norm``: weight
     [dv], eps; one C call) -> y [1, Hv * dv]. Every sum and product in the torch forward's order, so the results are
-    its bits where torch's vectors are :data:`TORCH_LANES` floats wide. ``in_place``: the recurrent state and the
+    its bits where torch's vectors are ``cpu_quant.TORCH_LANES`` floats wide. ``in_place``: the recurrent state and the
     conv state are updated where they lie (an AR step that writes its cache); else both are left as they are."""
     weight, conv_state = conv
     left = cpu_quant.gdn_conv(mixed.reshape(-1), weight, conv_state, conv_state if in_place else None)
     y = cpu_quant.gdn_token(F.silu(left), F.silu(z.reshape(-1)), beta.reshape(-1), g.reshape(-1), norm, state,
-                            state if in_place else None, TORCH_LANES)
+                            state if in_place else None, cpu_quant.TORCH_LANES)
     return y[None]
 
 

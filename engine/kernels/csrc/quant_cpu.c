@@ -1207,6 +1207,26 @@ int clover_gdn_token(const float *act, const float *zs, const float *beta, const
     return 0;
 }
 
+/*
+ * The model's zero-centred RMSNorm over rows of n values (engine.model.layers.RMSNorm, float32):
+ * y = (x * (1 / sqrt(sum(x^2) / n + eps))) * (1 + w), each operation rounded as the torch forward's (sums:
+ * torch_sum with torch's `lanes`), so y equals its bits. For a step's few rows (one token: the layers' two norms,
+ * the attention's q / k norms); rows run in order on the calling thread. n <= 8192.
+ */
+__attribute__((optimize("fp-contract=off")))
+int clover_rms_norm(const float *x, const float *w, float eps, float *y, int64_t rows, int64_t n, int lanes) {
+    if (n < lanes || n > 8192 || lanes < 1 || lanes > 16 || rows < 0) return ERR_SHAPE;
+    float sq[8192];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        for (int64_t i = 0; i < n; i++) sq[i] = xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(torch_sum(sq, n, lanes) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) yr[i] = (xr[i] * inv) * (1.0f + w[i]);
+    }
+    return 0;
+}
+
 /* ============================================================================================================ */
 /* end of the Gated DeltaNet AR step                                                                             */
 /* ============================================================================================================ */
