@@ -195,6 +195,8 @@ class Kernels:
         lib.clover_gdn_conv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
         lib.clover_rms_norm.restype = i32
         lib.clover_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, ptr, i64, i64, i32]
+        lib.clover_rope.restype = i32
+        lib.clover_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
         lib.clover_gdn_token.restype = i32
         lib.clover_gdn_token.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64, i64,
                                          i32, i32]
@@ -393,6 +395,17 @@ class Kernels:
         y = torch.empty_like(x)
         rc = lib.clover_rms_norm(x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), x.numel() // max(n, 1), n, lanes)
         _raise_for(rc, "rms_norm")
+        return y
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Partial rotary embedding of one token (``clover_rope``): x [..., hd], cos / sin [1, rd] (one position),
+        float32 contiguous -> a new tensor like x, the torch forward's bits (NeoX pairs over the first rd dims)."""
+        lib = self._need()
+        hd, rd = x.shape[-1], cos.shape[-1]
+        _need_f32("rope", x=(x, x.numel()), cos=(cos, rd), sin=(sin, rd))
+        y = torch.empty_like(x)
+        rc = lib.clover_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // max(hd, 1), hd, rd)
+        _raise_for(rc, "rope")
         return y
 
     def gdn_token(self, act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tensor, float], state: Tensor,
@@ -728,6 +741,11 @@ def gdn_token(act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tens
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The model's RMSNorm on the CPU (:meth:`Kernels.rms_norm`; eager callers only: no custom op)."""
     return kernels().rms_norm(x, weight, eps, TORCH_LANES)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """One token's partial rotary embedding on the CPU (:meth:`Kernels.rope`; eager callers only: no custom op)."""
+    return kernels().rope(x, cos, sin)
 
 def _need_f32(what: str, **tensors: tuple[Tensor | None, int]) -> None:
     """Raise ValueError unless each named tensor (None: absent, allowed) is float32, contiguous, of n values."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.layers import Linear, RMSNorm
@@ -30,11 +31,20 @@ def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tens
 
 def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, H, hd]: rotate the first rd dims (cos/sin [T, rd]); the remaining dims pass through."""
+    if _one_token_rope(x, cos, sin):
+        return cpu_quant.rope(x, cos, sin)
     rd = cos.shape[-1]
     xr, xp = x[..., :rd].float(), x[..., rd:]
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, rd]
     xr = xr * c + rotate_half(xr) * s
     return torch.cat((xr.to(x.dtype), xp), dim=-1)
+
+
+def _one_token_rope(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether :func:`apply_partial_rope` is one C call (``cpu_quant.rope``, the same bits as the torch ops): one
+    position, eager, on the CPU with its kernels on, all float32 and contiguous."""
+    return (cos.shape[0] == 1 and x.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_quant.usable()
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (x, cos, sin)))
 
 
 class Attention(nn.Module):

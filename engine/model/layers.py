@@ -25,15 +25,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._one_call(x):
-            return cpu_quant.rms_norm(x, self.weight, self.eps)
+            return cpu_quant.rms_norm(x.contiguous(), self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
     def _one_call(self, x: Tensor) -> bool:
-        """Whether this norm is one C call (see :data:`ONE_CALL_VALUES`): eager, the CPU kernels on, float32."""
+        """Whether this norm is one C call (see :data:`ONE_CALL_VALUES`; a strided x, such as the attention's q
+        heads, copied first): eager, the CPU kernels on, float32."""
         return (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-                and x.is_contiguous() and x.numel() <= ONE_CALL_VALUES and x.shape[-1] >= cpu_quant.TORCH_LANES
+                and x.numel() <= ONE_CALL_VALUES and x.shape[-1] >= cpu_quant.TORCH_LANES
                 and not torch.compiler.is_compiling() and cpu_quant.usable())
 
 

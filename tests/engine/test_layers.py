@@ -1,7 +1,8 @@
 """The model's zero-centred RMSNorm (``engine.model.layers.RMSNorm``): an eager float32 norm of a step's few rows on
 the CPU is one C call (``clover_rms_norm`` through ``engine.kernels.cpu_quant.rms_norm``), equal bit for bit to the
 torch formula it replaces, at tiny widths (hidden 48 and 24, not powers of two) and at the real ones (hidden 2048, 16
-attention heads of 256); other inputs (non-contiguous, bfloat16, many rows) keep the torch ops.
+attention heads of 256, also strided as the attention's q heads lie); other inputs (bfloat16, many rows) keep the
+torch ops.
 """
 
 from __future__ import annotations
@@ -51,13 +52,19 @@ def test_the_c_norm_equals_the_torch_formula_bit_for_bit(shape: tuple[int, ...],
     assert norm_calls == [shape] * 3
 
 
+def test_strided_heads_take_the_c_norm_too(norm_calls: list[tuple[int, ...]]) -> None:
+    norm = RMSNorm(256, 1e-6)
+    norm.weight.data = torch.randn(256) * 0.3
+    q = torch.randn(1, 16, 512)[..., :256]  # the attention's q heads: [query | gate] per head
+    assert torch.equal(norm(q), _torch_norm(norm, q))
+    assert norm_calls == [(1, 16, 256)]
+
+
 def test_other_inputs_keep_the_torch_ops(norm_calls: list[tuple[int, ...]]) -> None:
     norm = RMSNorm(64, 1e-6)
     norm.weight.data = torch.randn(64) * 0.3
-    wide = torch.randn(2, 64, 3).transpose(1, 2)  # [2, 3, 64], not contiguous
     many = torch.randn(ONE_CALL_VALUES // 64 + 1, 64)
-    for x in (wide, many):
-        assert torch.equal(norm(x), _torch_norm(norm, x))
+    assert torch.equal(norm(many), _torch_norm(norm, many))
     half = RMSNorm(64, 1e-6)
     half.weight.data = norm.weight.data.bfloat16()
     x = torch.randn(1, 64).bfloat16()

@@ -1227,6 +1227,26 @@ int clover_rms_norm(const float *x, const float *w, float eps, float *y, int64_t
     return 0;
 }
 
+/*
+ * Partial rotary embedding of one token's heads (engine.model.attention.apply_partial_rope, float32, NeoX pairs
+ * (i, i + rd/2)): x [rows, hd], cos / sin [rd] -> y: y[i] = x[i] cos[i] + r[i] sin[i] for i < rd, with
+ * r = (-x[rd/2 ..  rd), x[0 .. rd/2)), each product rounded on its own (the torch forward's bits); y[i] = x[i] past rd.
+ */
+__attribute__((optimize("fp-contract=off")))
+int clover_rope(const float *x, const float *cosv, const float *sinv, float *y, int64_t rows, int64_t hd,
+                int64_t rd) {
+    if (rd < 2 || rd % 2 || rd > hd || rows < 0) return ERR_SHAPE;
+    const int64_t half = rd / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * hd;
+        float *yr = y + r * hd;
+        for (int64_t i = 0; i < half; i++) yr[i] = xr[i] * cosv[i] + (-xr[i + half]) * sinv[i];
+        for (int64_t i = half; i < rd; i++) yr[i] = xr[i] * cosv[i] + xr[i - half] * sinv[i];
+        memcpy(yr + rd, xr + rd, (size_t)(hd - rd) * sizeof(float));
+    }
+    return 0;
+}
+
 /* ============================================================================================================ */
 /* end of the Gated DeltaNet AR step                                                                             */
 /* ============================================================================================================ */
