@@ -1157,11 +1157,12 @@ __attribute__((optimize("fp-contract=off")))
 int clover_gdn_conv(const float *x, const float *conv_state, const float *w, float *conv_out, float *out, int64_t C,
                     int64_t K) {
     if (C < 1 || K < 1) return ERR_SHAPE;
-    for (int64_t c = 0; c < C; c++) {
-        const float *wc = w + c * K;
-        float s = (K > 1 ? conv_state[c] : x[c]) * wc[0];
-        for (int64_t j = 1; j < K; j++) s += (j < K - 1 ? conv_state[j * C + c] : x[c]) * wc[j];
-        out[c] = s;
+    for (int64_t j = 0; j < K; j++) { /* tap by tap over all channels: the same order per channel, vectorized */
+        const float *row = j < K - 1 ? conv_state + j * C : x;
+        if (j == 0)
+            for (int64_t c = 0; c < C; c++) out[c] = row[c] * w[c * K];
+        else
+            for (int64_t c = 0; c < C; c++) out[c] += row[c] * w[c * K + j];
     }
     if (conv_out && K > 1) {
         memmove(conv_out, conv_state + C, (size_t)((K - 2) * C) * sizeof(float));
