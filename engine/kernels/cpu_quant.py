@@ -197,6 +197,8 @@ class Kernels:
         lib.clover_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, ptr, i64, i64, i32]
         lib.clover_rope.restype = i32
         lib.clover_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+        lib.clover_qmatmul_many.restype = i32
+        lib.clover_qmatmul_many.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, ptr, ptr, i32]
         lib.clover_gdn_token.restype = i32
         lib.clover_gdn_token.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64, i64,
                                          i32, i32]
@@ -407,6 +409,23 @@ class Kernels:
         rc = lib.clover_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // max(hd, 1), hd, rd)
         _raise_for(rc, "rope")
         return y
+
+    def qmatmul_many(self, x: Tensor, ws: list[Tensor], qtype: int) -> list[Tensor]:
+        """x [T, K] float and n <= 8 weight matrices ``ws`` (uint8 [N_i, row_bytes], ggml type ``qtype``) ->
+        [x @ dequantize(W_i).T] float32 [T, N_i] each (``clover_qmatmul_many``): x rounded to int8 blocks once for
+        all; the same bits as one :meth:`qmatmul` per matrix."""
+        lib = self._need()
+        x = _as_f32_2d(x)
+        ws = [_check_weights(w, qtype, x.shape[1], 2) for w in ws]
+        outs = [torch.empty(x.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
+        n = len(ws)
+        vp, i64 = ctypes.c_void_p * n, ctypes.c_int64 * n
+        rc = lib.clover_qmatmul_many(x.data_ptr(), x.shape[0], x.shape[1], qtype, n,
+                                     vp(*(w.data_ptr() for w in ws)), i64(*(w.stride(0) for w in ws)),
+                                     i64(*(w.shape[0] for w in ws)), vp(*(o.data_ptr() for o in outs)),
+                                     torch.get_num_threads())
+        _raise_for(rc, "qmatmul_many")
+        return outs
 
     def gdn_token(self, act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tensor, float], state: Tensor,
                   state_out: Tensor | None, lanes: int) -> Tensor:
@@ -746,6 +765,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """One token's partial rotary embedding on the CPU (:meth:`Kernels.rope`; eager callers only: no custom op)."""
     return kernels().rope(x, cos, sin)
+
+
+def blocks_of(x: Tensor, *mods: object) -> tuple[list[Tensor], int] | None:
+    """The GGUF blocks of several linear layers that read the same input x [T, K] (``raw`` uint8 rows and
+    ``qtype``, as ``engine.weights.gguf.model.GGUFLinear`` holds them, no input reordering), when x and they are on
+    the CPU and all of one type these kernels take: (blocks, type) for :func:`qmatmul_many`, else None (a plain or
+    otherwise stored layer, another device, a compiled forward)."""
+    if x.device.type != "cpu" or x.dim() != 2 or torch.compiler.is_compiling():
+        return None
+    raws = [getattr(m, "raw", None) for m in mods]
+    qtypes = {getattr(m, "qtype", None) for m in mods}
+    if any(not isinstance(r, Tensor) or r.device.type != "cpu" for r in raws) or len(qtypes) != 1 \
+            or any(getattr(m, "in_heads", None) is not None for m in mods):
+        return None
+    qtype = qtypes.pop()
+    return (raws, qtype) if qtype in BLOCK and usable(qtype) else None  # type: ignore[return-value]
+
+
+def qmatmul_many(x: Tensor, ws: list[Tensor], qtype: int) -> list[Tensor]:
+    """Several GGUF matrices of one type against the same x on the CPU (:meth:`Kernels.qmatmul_many`; eager callers
+    only: no custom op)."""
+    return kernels().qmatmul_many(x, ws, qtype)
 
 def _need_f32(what: str, **tensors: tuple[Tensor | None, int]) -> None:
     """Raise ValueError unless each named tensor (None: absent, allowed) is float32, contiguous, of n values."""

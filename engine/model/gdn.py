@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from clover_desk.engine.kernels import gdn_kernels
+from clover_desk.engine.kernels import cpu_quant, gdn_kernels
 from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.layers import Linear
@@ -278,7 +278,7 @@ class GatedDeltaNet(nn.Module):
         hv, dk, dv = self.num_v_heads, self.dk, self.dv
         mixed = self.in_proj_qkv(x)  # [T, C] raw (pre-conv)
         z = self.in_proj_z(x).view(t, hv, dv)  # [T, Hv, dv]
-        beta, g = self._gates(x)
+        beta, g = self._gates(self.in_proj_b(x), self.in_proj_a(x))
 
         if st is not None:
             conv0, state0 = st
@@ -334,18 +334,22 @@ class GatedDeltaNet(nn.Module):
         y = self.norm(out.reshape(t * hv, dv), z.reshape(t * hv, dv), dtype)  # [T*Hv, dv]
         return self.out_proj(y.view(t, self.value_dim))
 
-    def _gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, D] -> (beta [T, Hv] in (0, 1), g [T, Hv] <= 0 the log decay), fp32."""
-        beta = torch.sigmoid(self.in_proj_b(x).float())
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+    def _gates(self, b: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+        """in_proj_b's and in_proj_a's outputs [T, Hv] -> (beta [T, Hv] in (0, 1), g [T, Hv] <= 0 the log decay),
+        fp32."""
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return beta, g
 
     def _cpu_token(self, x: Tensor, p: PassContext, st: tuple[Tensor, Tensor]) -> Tensor:
-        """A causal one-token step on the CPU, float32 (``gdn_kernels.cpu_token``): the projections and the gates,
-        two C calls for the rest of the mixer (the caches updated in place when ``p.write_cache``), ``out_proj``."""
+        """A causal one-token step on the CPU, float32 (``gdn_kernels.cpu_token``): the four input projections (one
+        C call for GGUF blocks of one type: ``cpu_quant.qmatmul_many``, the same bits as four) and the gates, two C
+        calls for the rest of the mixer (the caches updated in place when ``p.write_cache``), ``out_proj``."""
         conv_buf, state_buf = st
-        mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        beta, g = self._gates(x)
+        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        blocks = cpu_quant.blocks_of(x, *projections)
+        mixed, z, b, a = cpu_quant.qmatmul_many(x, *blocks) if blocks else (m(x) for m in projections)
+        beta, g = self._gates(b, a)
         conv = (self.conv1d.weight.view(self.conv_dim, self.kernel), conv_buf)
         y = gdn_kernels.cpu_token(mixed, z, beta, g, conv, (self.norm.weight, self.norm.eps), state_buf,
                                   in_place=p.write_cache)

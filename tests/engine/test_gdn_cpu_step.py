@@ -8,13 +8,16 @@ whole one-token mixer in C (``gdn_kernels.cpu_token``: ``clover_gdn_conv`` and `
   tiny widths (Hv = Hk, dk not a multiple of the vector width, dv = 1024 whose norm sums cascade) and at the real
   width (hidden 2048): the same output, state and conv state bit for bit, and a step that writes no cache leaves the
   cache as it was; with the torch rule instead of the C step, equal within float32 rounding;
-- a tiny model's greedy AR generation takes the C mixer (counted) and decodes the same tokens as the rule.
+- a tiny model's greedy AR generation takes the C mixer (counted) and decodes the same tokens as the rule;
+- the layer's four input projections (and a shared expert's gate and up) in one C call over GGUF blocks of one type
+  (``cpu_quant.qmatmul_many``) give the bits of one call each, at a tiny and at the real width.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from clover_desk.engine.kernels import cpu_quant, gdn_kernels
 from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import parse_config
 from clover_desk.engine.model.gdn import GatedDeltaNet, l2norm, recurrent_gated_delta_rule
+from clover_desk.engine.weights.gguf import quants as gq
 from clover_desk.engine.weights.tiny import clover_35b_a3b_text_config
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler for the CPU kernels")
@@ -184,3 +188,30 @@ def test_a_tiny_model_decodes_the_same_tokens_through_the_kernel(
     monkeypatch.setattr(gdn_kernels, "cpu_step_enabled", lambda t: False)
     assert tokens() == with_kernel
     assert len(kernel_calls) == gdn_layers * 11
+
+
+@pytest.mark.parametrize("k,rows", [(256, (24, 8, 3)), (2048, (8192, 4096, 32, 32))], ids=["tiny", "real"])
+def test_projections_of_one_input_in_one_call_give_the_bits_of_one_call_each(k: int, rows: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(k)
+    mats = [gq.quantize(torch.randn(n, k, generator=gen) * 0.02, cpu_quant.Q4_K) for n in rows]
+    layers = [SimpleNamespace(raw=m, qtype=cpu_quant.Q4_K, in_heads=None) for m in mats]
+    x = torch.randn(1, k, generator=gen)
+    blocks = cpu_quant.blocks_of(x, *layers)
+    assert blocks is not None
+    outs = cpu_quant.qmatmul_many(x, *blocks)
+    for out, m in zip(outs, mats, strict=True):
+        assert torch.equal(out, cpu_quant.qmatmul(x, m, cpu_quant.Q4_K))
+    x3 = torch.randn(3, k, generator=gen)  # several rows (a prefill's shared expert) alike
+    for out, m in zip(cpu_quant.qmatmul_many(x3, *blocks), mats, strict=True):
+        assert torch.equal(out, cpu_quant.qmatmul(x3, m, cpu_quant.Q4_K))
+
+
+def test_only_cpu_blocks_of_one_type_go_in_one_call() -> None:
+    q4 = gq.quantize(torch.randn(8, 256) * 0.02, cpu_quant.Q4_K)
+    q8 = gq.quantize(torch.randn(8, 256) * 0.02, cpu_quant.Q8_0)
+    x = torch.randn(1, 256)
+    layer = SimpleNamespace(raw=q4, qtype=cpu_quant.Q4_K, in_heads=None)
+    assert cpu_quant.blocks_of(x, layer, SimpleNamespace(raw=q8, qtype=cpu_quant.Q8_0, in_heads=None)) is None
+    assert cpu_quant.blocks_of(x, layer, torch.nn.Linear(256, 8)) is None  # a plain layer
+    assert cpu_quant.blocks_of(x, layer, SimpleNamespace(raw=q4, qtype=cpu_quant.Q4_K, in_heads=(2, 4))) is None
+    assert cpu_quant.blocks_of(x.to("meta"), layer) is None

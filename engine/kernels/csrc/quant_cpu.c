@@ -1248,6 +1248,41 @@ int clover_rope(const float *x, const float *cosv, const float *sinv, float *y, 
     return 0;
 }
 
+/*
+ * n GGUF matrices of one type qt against the same activation rows x [T, K] (a GDN layer's four input projections, a
+ * shared expert's gate and up): x quantized once, then the rows of all n matrices in one parallel loop; matrix i
+ * (ns[i] rows at ws[i], row_strides[i] bytes apart) into outs[i] [T, ns[i]]. The same bits as one clover_qmatmul
+ * per matrix (each output row's dot is computed alike), without n - 1 quantizations and calls. n <= 8.
+ */
+int clover_qmatmul_many(const float *x, int64_t T, int64_t K, int qt, int n, const uint8_t *const *ws,
+                        const int64_t *row_strides, const int64_t *ns, float *const *outs, int nth) {
+    if (is_split_type(qt) || !dot_for(qt)) return ERR_TYPE;
+    if (n < 1 || n > 8) return ERR_SHAPE;
+    mat_t m[8];
+    int64_t first[9];
+    first[0] = 0;
+    for (int i = 0; i < n; i++) {
+        const mat_t mi = {qt, ws[i], 0, row_strides[i], NULL, 0, 0, 0};
+        m[i] = mi;
+        if (!mat_ok(&m[i], K) || ns[i] < 0) return ERR_SHAPE;
+        first[i + 1] = first[i] + ns[i];
+    }
+    const int64_t R = first[n];
+    const size_t arow = act_block_size(qt) * (size_t)(K / block_values(qt));
+    char *act = (char *)quantize_rows(qt, x, T, K, nth);
+    if (!act) return ERR_ALLOC;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
+    for (int64_t r = 0; r < R; r++) {
+        int i = 0;
+        while (r >= first[i + 1]) i++;
+        const int64_t lr = r - first[i];
+        mat_row_dots(&m[i], 0, lr, K, act, arow, NULL, T, outs[i] + lr, ns[i]);
+    }
+    free(act);
+    return OK;
+}
+
 /* ============================================================================================================ */
 /* end of the Gated DeltaNet AR step                                                                             */
 /* ============================================================================================================ */
