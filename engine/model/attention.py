@@ -67,10 +67,13 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``st``: this layer's (key, value) cache buffers [Hkv, max_len, hd] (None without a cache)."""
         t, hd = x.shape[0], self.head_dim
-        qg = self.q_proj(x).view(t, self.num_heads, 2 * hd)  # [T, Hq, 2hd]
+        blocks = cpu_quant.blocks_of(x, self.q_proj, self.k_proj)
+        # GGUF blocks of one type on the CPU: q and k in one C call, x quantized once (the same bits as two)
+        qg, k = cpu_quant.qmatmul_many(x, *blocks) if blocks else (self.q_proj(x), self.k_proj(x))
+        qg = qg.view(t, self.num_heads, 2 * hd)  # [T, Hq, 2hd]
         q, gate = qg[..., :hd], qg[..., hd:].reshape(t, self.num_heads * hd)  # [T, Hq, hd], [T, Hq*hd]
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, hd))  # [T, Hkv, hd]
+        k = self.k_norm(k.view(t, self.num_kv_heads, hd))  # [T, Hkv, hd]
         v = self.v_proj(x).view(t, self.num_kv_heads, hd)  # [T, Hkv, hd]
         q, k = apply_partial_rope(q, p.cos, p.sin), apply_partial_rope(k, p.cos, p.sin)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, hd]
