@@ -131,6 +131,12 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Path | None,
     return target, ""
 
 
+# Floats per vector in torch's CPU kernels (its sums over a contiguous dim run over such vectors): 16 under AVX-512,
+# else 8 (AVX2 and the generic 32-byte vectors). The GDN and RMSNorm kernels sum in the same order: bit for bit where
+# this is right; elsewhere (e.g. 4-lane NEON) it is a valid order too, equal within float32 rounding.
+TORCH_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
 class Kernels:
     """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why."""
 
@@ -185,6 +191,17 @@ class Kernels:
         lib.clover_smatmul_tiled.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, i64, ptr, i32]
         lib.clover_gdn_step.restype = i32
         lib.clover_gdn_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+        lib.clover_gdn_conv.restype = i32
+        lib.clover_gdn_conv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
+        lib.clover_rms_norm.restype = i32
+        lib.clover_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, ptr, i64, i64, i32]
+        lib.clover_rope.restype = i32
+        lib.clover_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+        lib.clover_qmatmul_many.restype = i32
+        lib.clover_qmatmul_many.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, ptr, ptr, i32]
+        lib.clover_gdn_token.restype = i32
+        lib.clover_gdn_token.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64, i64,
+                                         i32, i32]
 
     @property
     def simd(self) -> bool:
@@ -356,6 +373,83 @@ class Kernels:
                                  torch.get_num_threads())
         _raise_for(rc, "gdn_step")
         return out
+
+    def gdn_conv(self, x: Tensor, weight: Tensor, state: Tensor, state_out: Tensor | None) -> Tensor:
+        """A GDN layer's causal short convolution of one token, before its SiLU (``clover_gdn_conv``): x [C] raw,
+        weight [C, K], state [K-1, C] (the previous raw rows), all float32 contiguous -> [C]; the new state (the
+        last K-1 rows) goes into ``state_out`` (``state`` itself for in place; None: not written)."""
+        lib = self._need()
+        c, kernel = weight.shape
+        _need_f32("gdn_conv", x=(x, c), weight=(weight, c * kernel), state=(state, (kernel - 1) * c),
+                  state_out=(state_out, (kernel - 1) * c))
+        out = torch.empty(c, dtype=torch.float32)
+        rc = lib.clover_gdn_conv(x.data_ptr(), state.data_ptr(), weight.data_ptr(),
+                                 None if state_out is None else state_out.data_ptr(), out.data_ptr(), c, kernel)
+        _raise_for(rc, "gdn_conv")
+        return out
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, lanes: int) -> Tensor:
+        """The model's zero-centred RMSNorm (``clover_rms_norm``) over the last dim of x [..., n] with weight [n],
+        float32 contiguous -> a new tensor like x: the torch forward's bits (sums over ``lanes``-float vectors)."""
+        lib = self._need()
+        n = x.shape[-1]
+        _need_f32("rms_norm", x=(x, x.numel()), weight=(weight, n))
+        y = torch.empty_like(x)
+        rc = lib.clover_rms_norm(x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), x.numel() // max(n, 1), n, lanes)
+        _raise_for(rc, "rms_norm")
+        return y
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Partial rotary embedding of one token (``clover_rope``): x [..., hd], cos / sin [1, rd] (one position),
+        float32 contiguous -> a new tensor like x, the torch forward's bits (NeoX pairs over the first rd dims)."""
+        lib = self._need()
+        hd, rd = x.shape[-1], cos.shape[-1]
+        _need_f32("rope", x=(x, x.numel()), cos=(cos, rd), sin=(sin, rd))
+        y = torch.empty_like(x)
+        rc = lib.clover_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // max(hd, 1), hd, rd)
+        _raise_for(rc, "rope")
+        return y
+
+    def qmatmul_many(self, x: Tensor, ws: list[Tensor], qtype: int) -> list[Tensor]:
+        """x [T, K] float and n <= 8 weight matrices ``ws`` (uint8 [N_i, row_bytes], ggml type ``qtype``) ->
+        [x @ dequantize(W_i).T] float32 [T, N_i] each (``clover_qmatmul_many``): x rounded to int8 blocks once for
+        all; the same bits as one :meth:`qmatmul` per matrix."""
+        lib = self._need()
+        x = _as_f32_2d(x)
+        ws = [_check_weights(w, qtype, x.shape[1], 2) for w in ws]
+        outs = [torch.empty(x.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
+        n = len(ws)
+        vp, i64 = ctypes.c_void_p * n, ctypes.c_int64 * n
+        rc = lib.clover_qmatmul_many(x.data_ptr(), x.shape[0], x.shape[1], qtype, n,
+                                     vp(*(w.data_ptr() for w in ws)), i64(*(w.stride(0) for w in ws)),
+                                     i64(*(w.shape[0] for w in ws)), vp(*(o.data_ptr() for o in outs)),
+                                     torch.get_num_threads())
+        _raise_for(rc, "qmatmul_many")
+        return outs
+
+    def gdn_token(self, act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tensor, float], state: Tensor,
+                  state_out: Tensor | None, lanes: int) -> Tensor:
+        """The rest of a GDN layer's one-token mixer after the convolution's SiLU (``clover_gdn_token``): act [C]
+        (q | k | v channels), zs [Hv * dv] = SiLU(z), beta, g [Hv], ``norm`` (the gated RMSNorm's weight [dv] and
+        eps), state [Hv, dk, dv], all float32 contiguous -> y [Hv * dv]: the l2norms, the delta rule and the gated
+        RMSNorm, in the torch forward's order of operations (sums as torch's over ``lanes``-float vectors); the
+        updated state goes into ``state_out`` (``state`` for in place; None: not computed)."""
+        lib = self._need()
+        hv, dk, dv = state.shape
+        c = act.numel()
+        hk = (c - hv * dv) // (2 * dk)
+        if hk < 1 or c != 2 * hk * dk + hv * dv:
+            raise ValueError(f"gdn_token: act has {c} channels, not 2 Hk {dk} + {hv} x {dv} for the state "
+                             f"{tuple(state.shape)}")
+        weight, eps = norm
+        _need_f32("gdn_token", act=(act, c), zs=(zs, hv * dv), beta=(beta, hv), g=(g, hv), norm=(weight, dv),
+                  state=(state, hv * dk * dv), state_out=(state_out, hv * dk * dv))
+        y = torch.empty(hv * dv, dtype=torch.float32)
+        rc = lib.clover_gdn_token(act.data_ptr(), zs.data_ptr(), beta.data_ptr(), g.data_ptr(), weight.data_ptr(), eps,
+                                  state.data_ptr(), None if state_out is None else state_out.data_ptr(), y.data_ptr(),
+                                  hk, hv, dk, dv, lanes, torch.get_num_threads())
+        _raise_for(rc, "gdn_token")
+        return y
 
 
 def _as_f32_2d(x: Tensor) -> Tensor:
@@ -649,3 +743,53 @@ def gdn_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Te
              state_out: Tensor | None) -> Tensor:
     """One Gated DeltaNet AR step on the CPU (:meth:`Kernels.gdn_step`; eager callers only: no custom op)."""
     return kernels().gdn_step(q, k, v, g, beta, state, state_out)
+
+
+def gdn_conv(x: Tensor, weight: Tensor, state: Tensor, state_out: Tensor | None) -> Tensor:
+    """A GDN layer's one-token convolution on the CPU (:meth:`Kernels.gdn_conv`; eager callers only)."""
+    return kernels().gdn_conv(x, weight, state, state_out)
+
+
+def gdn_token(act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tensor, float], state: Tensor,
+              state_out: Tensor | None, lanes: int) -> Tensor:
+    """A GDN layer's one-token mixer after the convolution on the CPU (:meth:`Kernels.gdn_token`; eager callers
+    only: no custom op)."""
+    return kernels().gdn_token(act, zs, beta, g, norm, state, state_out, lanes)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The model's RMSNorm on the CPU (:meth:`Kernels.rms_norm`; eager callers only: no custom op)."""
+    return kernels().rms_norm(x, weight, eps, TORCH_LANES)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """One token's partial rotary embedding on the CPU (:meth:`Kernels.rope`; eager callers only: no custom op)."""
+    return kernels().rope(x, cos, sin)
+
+
+def blocks_of(x: Tensor, *mods: object) -> tuple[list[Tensor], int] | None:
+    """The GGUF blocks of several linear layers that read the same input x [T, K] (``raw`` uint8 rows and
+    ``qtype``, as ``engine.weights.gguf.model.GGUFLinear`` holds them, no input reordering), when x and they are on
+    the CPU and all of one type these kernels take: (blocks, type) for :func:`qmatmul_many`, else None (a plain or
+    otherwise stored layer, another device, a compiled forward)."""
+    if x.device.type != "cpu" or x.dim() != 2 or torch.compiler.is_compiling():
+        return None
+    raws = [getattr(m, "raw", None) for m in mods]
+    qtypes = {getattr(m, "qtype", None) for m in mods}
+    if any(not isinstance(r, Tensor) or r.device.type != "cpu" for r in raws) or len(qtypes) != 1 \
+            or any(getattr(m, "in_heads", None) is not None for m in mods):
+        return None
+    qtype = qtypes.pop()
+    return (raws, qtype) if qtype in BLOCK and usable(qtype) else None  # type: ignore[return-value]
+
+
+def qmatmul_many(x: Tensor, ws: list[Tensor], qtype: int) -> list[Tensor]:
+    """Several GGUF matrices of one type against the same x on the CPU (:meth:`Kernels.qmatmul_many`; eager callers
+    only: no custom op)."""
+    return kernels().qmatmul_many(x, ws, qtype)
+
+def _need_f32(what: str, **tensors: tuple[Tensor | None, int]) -> None:
+    """Raise ValueError unless each named tensor (None: absent, allowed) is float32, contiguous, of n values."""
+    for name, (t, n) in tensors.items():
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n):
+            raise ValueError(f"{what}: {name} must be {n} contiguous float32 values, got {tuple(t.shape)} {t.dtype}")

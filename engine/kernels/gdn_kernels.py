@@ -10,7 +10,11 @@ On the CPU, an AR step (eager, the CPU kernels built) takes one C call instead (
 ``clover_gdn_step`` in ``csrc/quant_cpu.c``): the decay, S^T k, the delta update and the read in two sweeps over
 each head's state (in the rule's order of operations), the update written in place into the cache. At the real
 widths (32 heads of 128 x 128, a 2 MiB fp32 state) the torch rule made ~8 passes over the state, each into a
-fresh 2 MiB temporary.
+fresh 2 MiB temporary. A float32 layer goes further (:func:`cpu_token`, ``clover_gdn_conv`` and
+``clover_gdn_token``): between its input projections and ``out_proj``, the short convolution is one C call and
+the l2norms, the step and the gated RMSNorm another, around four torch ops (the SiLUs, the gates), in place of
+~60 small torch ops (each a few microseconds of dispatch and a fresh tensor). Both follow the torch forward's
+order of operations, sums included (:func:`cpu_token`), so the tokens are the torch forward's.
 
 Block-mode forwards (the diffusion prompt, the 32-slot denoising and commit passes) keep the PyTorch rule: they need
 each block's start state and its pure read for the history unit, and the right convolution's state path, which
@@ -36,6 +40,7 @@ import importlib.util
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from clover_desk.engine.kernels import cpu_quant
@@ -75,6 +80,29 @@ def cpu_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Te
     that writes its cache); else it is left as it is and the final state is not computed (a forward that writes
     no cache). Equal to :func:`engine.model.clover.recurrent_gated_delta_rule` within float32 rounding."""
     return cpu_quant.gdn_step(q[0], k[0], v[0], g[0], beta[0], state, state if in_place else None)[None]
+
+
+def cpu_token_ready(x: Tensor, *tensors: Tensor) -> bool:
+    """Whether a GDN layer's one-token mixer on ``x`` takes the C calls (:func:`cpu_token`): the C step's conditions
+    (:func:`cpu_step_enabled`), fla's kernels not taken, and ``x`` and every one of ``tensors`` (its states and
+    parameters) contiguous float32."""
+    return not enabled(x) and cpu_step_enabled(x) and all(
+        t.dtype == torch.float32 and t.is_contiguous() for t in (x, *tensors))
+
+
+def cpu_token(mixed: Tensor, z: Tensor, beta: Tensor, g: Tensor, conv: tuple[Tensor, Tensor],
+              norm: tuple[Tensor, float], state: Tensor, in_place: bool) -> Tensor:
+    """A GDN layer's one-token mixer between its input projections (mixed [1, C] raw, z [1, Hv * dv]) and its
+    gates (beta, g [1, Hv]) and ``out_proj``: the short convolution (``conv``: weight [C, K], state [K-1, C]; one C
+    call), its SiLU and SiLU(z) (torch), then the l2norms, the delta rule and the gated RMSNorm (``norm``: weight
+    [dv], eps; one C call) -> y [1, Hv * dv]. Every sum and product in the torch forward's order, so the results are
+    its bits where torch's vectors are ``cpu_quant.TORCH_LANES`` floats wide. ``in_place``: the recurrent state and the
+    conv state are updated where they lie (an AR step that writes its cache); else both are left as they are."""
+    weight, conv_state = conv
+    left = cpu_quant.gdn_conv(mixed.reshape(-1), weight, conv_state, conv_state if in_place else None)
+    y = cpu_quant.gdn_token(F.silu(left), F.silu(z.reshape(-1)), beta.reshape(-1), g.reshape(-1), norm, state,
+                            state if in_place else None, cpu_quant.TORCH_LANES)
+    return y[None]
 
 
 def _fla():  # imported on first use only: fla warns on import where no GPU backend is active

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.layers import Linear, RMSNorm
@@ -30,11 +31,20 @@ def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tens
 
 def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, H, hd]: rotate the first rd dims (cos/sin [T, rd]); the remaining dims pass through."""
+    if _one_token_rope(x, cos, sin):
+        return cpu_quant.rope(x, cos, sin)
     rd = cos.shape[-1]
     xr, xp = x[..., :rd].float(), x[..., rd:]
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, rd]
     xr = xr * c + rotate_half(xr) * s
     return torch.cat((xr.to(x.dtype), xp), dim=-1)
+
+
+def _one_token_rope(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether :func:`apply_partial_rope` is one C call (``cpu_quant.rope``, the same bits as the torch ops): one
+    position, eager, on the CPU with its kernels on, all float32 and contiguous."""
+    return (cos.shape[0] == 1 and x.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_quant.usable()
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (x, cos, sin)))
 
 
 class Attention(nn.Module):
@@ -57,10 +67,13 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``st``: this layer's (key, value) cache buffers [Hkv, max_len, hd] (None without a cache)."""
         t, hd = x.shape[0], self.head_dim
-        qg = self.q_proj(x).view(t, self.num_heads, 2 * hd)  # [T, Hq, 2hd]
+        blocks = cpu_quant.blocks_of(x, self.q_proj, self.k_proj)
+        # GGUF blocks of one type on the CPU: q and k in one C call, x quantized once (the same bits as two)
+        qg, k = cpu_quant.qmatmul_many(x, *blocks) if blocks else (self.q_proj(x), self.k_proj(x))
+        qg = qg.view(t, self.num_heads, 2 * hd)  # [T, Hq, 2hd]
         q, gate = qg[..., :hd], qg[..., hd:].reshape(t, self.num_heads * hd)  # [T, Hq, hd], [T, Hq*hd]
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, hd))  # [T, Hkv, hd]
+        k = self.k_norm(k.view(t, self.num_kv_heads, hd))  # [T, Hkv, hd]
         v = self.v_proj(x).view(t, self.num_kv_heads, hd)  # [T, Hkv, hd]
         q, k = apply_partial_rope(q, p.cos, p.sin), apply_partial_rope(k, p.cos, p.sin)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, hd]

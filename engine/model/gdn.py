@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from clover_desk.engine.kernels import gdn_kernels
+from clover_desk.engine.kernels import cpu_quant, gdn_kernels
 from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.layers import Linear
@@ -270,13 +270,15 @@ class GatedDeltaNet(nn.Module):
     # ---- forward ----
     def forward(self, x: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``st``: this layer's (conv state [K-1, C], recurrent state [Hv, dk, dv] fp32) (None without a cache)."""
+        if st is not None and not p.block_mode and x.shape[0] == 1 and gdn_kernels.cpu_token_ready(
+                x, *st, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight):
+            return self._cpu_token(x, p, st)
         cfg = self.config
         t, dtype = x.shape[0], x.dtype
         hv, dk, dv = self.num_v_heads, self.dk, self.dv
         mixed = self.in_proj_qkv(x)  # [T, C] raw (pre-conv)
         z = self.in_proj_z(x).view(t, hv, dv)  # [T, Hv, dv]
-        beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, Hv] <= 0
+        beta, g = self._gates(self.in_proj_b(x), self.in_proj_a(x))
 
         if st is not None:
             conv0, state0 = st
@@ -331,6 +333,27 @@ class GatedDeltaNet(nn.Module):
                 state_buf.copy_(final)
         y = self.norm(out.reshape(t * hv, dv), z.reshape(t * hv, dv), dtype)  # [T*Hv, dv]
         return self.out_proj(y.view(t, self.value_dim))
+
+    def _gates(self, b: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+        """in_proj_b's and in_proj_a's outputs [T, Hv] -> (beta [T, Hv] in (0, 1), g [T, Hv] <= 0 the log decay),
+        fp32."""
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return beta, g
+
+    def _cpu_token(self, x: Tensor, p: PassContext, st: tuple[Tensor, Tensor]) -> Tensor:
+        """A causal one-token step on the CPU, float32 (``gdn_kernels.cpu_token``): the four input projections (one
+        C call for GGUF blocks of one type: ``cpu_quant.qmatmul_many``, the same bits as four) and the gates, two C
+        calls for the rest of the mixer (the caches updated in place when ``p.write_cache``), ``out_proj``."""
+        conv_buf, state_buf = st
+        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        blocks = cpu_quant.blocks_of(x, *projections)
+        mixed, z, b, a = cpu_quant.qmatmul_many(x, *blocks) if blocks else (m(x) for m in projections)
+        beta, g = self._gates(b, a)
+        conv = (self.conv1d.weight.view(self.conv_dim, self.kernel), conv_buf)
+        y = gdn_kernels.cpu_token(mixed, z, beta, g, conv, (self.norm.weight, self.norm.eps), state_buf,
+                                  in_place=p.write_cache)
+        return self.out_proj(y)
 
     def _qkv(self, act: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Split conv outputs, repeat q/k to v-heads (HF layout: v-head h uses k-head h // (Hv/Hk)), l2norm, scale."""

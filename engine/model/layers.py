@@ -8,6 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clover_desk.engine.kernels import cpu_quant
+
+# At most this many values (a step's rows: one token's hidden state, its attention heads), an eager float32 RMSNorm on
+# the CPU is one C call (cpu_quant.rms_norm, the torch forward's bits) instead of ~8 small torch ops.
+ONE_CALL_VALUES = 32768
+
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32, cast back."""
@@ -18,9 +24,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._one_call(x):
+            return cpu_quant.rms_norm(x.contiguous(), self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+    def _one_call(self, x: Tensor) -> bool:
+        """Whether this norm is one C call (see :data:`ONE_CALL_VALUES`; a strided x, such as the attention's q
+        heads, copied first): eager, the CPU kernels on, float32."""
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and x.numel() <= ONE_CALL_VALUES and x.shape[-1] >= cpu_quant.TORCH_LANES
+                and not torch.compiler.is_compiling() and cpu_quant.usable())
 
 
 class Linear(nn.Linear):

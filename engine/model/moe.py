@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.experts import DenseExpertBank, ExpertBank
@@ -25,7 +26,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        blocks = cpu_quant.blocks_of(x, self.gate_proj, self.up_proj)
+        # GGUF blocks of one type on the CPU: gate and up in one C call, x quantized once (the same bits as two)
+        gate, up = cpu_quant.qmatmul_many(x, *blocks) if blocks else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def block_coreset_topk(

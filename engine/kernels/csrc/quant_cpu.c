@@ -1028,57 +1028,259 @@ int clover_moe(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64
 
 /* ============================================================================================================ */
 /* Gated DeltaNet AR step (issue 30, AR decode): one token's recurrent update in one pass over each head's state */
-/* (engine.kernels.gdn_kernels.cpu_step; the torch rule is engine.model.clover.recurrent_gated_delta_rule)        */
+/* (engine.kernels.gdn_kernels.cpu_step; the torch rule is engine.model.gdn.recurrent_gated_delta_rule), and the */
+/* whole token mixer between the input projections and out_proj (gdn_kernels.cpu_token)                        */
 /* ============================================================================================================ */
 
 /*
- * One token, H heads: q, k [H, dk] (q normed and scaled, k normed), v [H, dv], g (log decay) and beta [H],
- * state [H, dk, dv], all fp32 and contiguous. The rule in the torch rule's order of operations (each sum over dk
- * taken in order, so the rounding follows the rule's formulas, not a rewrite of them):
+ * One head of one token: q, k [dk] (q normed and scaled, k normed), v [dv], decay = e^g, beta b, S [dk, dv];
+ * o [dv], the updated state written to D [dk, dv] unless it is NULL. The rule in the torch rule's order of
+ * operations (each sum over dk taken in order, so the rounding follows the rule's formulas, not a rewrite of them):
  *   S1 = e^g S;  kv = S1^T k;  delta = (v - kv) beta;  S2 = S1 + k delta^T;  o = S2^T q.
- * Two sweeps over the head's S (64 KiB at dk = dv = 128: the second one from L2): kv, then S2 (written to state_out
- * unless it is NULL) and o. state_out may be state (in place) or NULL (the final state is not needed: a forward that
- * writes no cache). out [H, dv]. Heads are split over nth threads.
+ * Two sweeps over the head's S (64 KiB at dk = dv = 128: the second one from L2): kv, then S2 and o. dv <= 1024.
  */
 /* no fused multiply-adds here: each product rounded on its own, as the torch rule's separate ops round it */
 __attribute__((optimize("fp-contract=off")))
+static void gdn_head(const float *qh, const float *kh, const float *vh, float decay, float b, const float *S,
+                     float *D, float *oh, int64_t dk, int64_t dv) {
+    float kv[1024], delta[1024];
+    for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        const float ki = kh[i];
+        const float *row = S + i * dv;
+        for (int64_t j = 0; j < dv; j++) kv[j] += (decay * row[j]) * ki;
+    }
+    for (int64_t j = 0; j < dv; j++) {
+        delta[j] = (vh[j] - kv[j]) * b;
+        oh[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < dk; i++) {
+        const float ki = kh[i], qi = qh[i];
+        const float *row = S + i * dv;
+        if (D) {
+            float *drow = D + i * dv;
+            for (int64_t j = 0; j < dv; j++) {
+                const float s2 = decay * row[j] + ki * delta[j];
+                drow[j] = s2;
+                oh[j] += s2 * qi;
+            }
+        } else {
+            for (int64_t j = 0; j < dv; j++) oh[j] += (decay * row[j] + ki * delta[j]) * qi;
+        }
+    }
+}
+
+/*
+ * One token, H heads: q, k [H, dk], v [H, dv], g (log decay) and beta [H], state [H, dk, dv], all fp32 and
+ * contiguous (gdn_head per head). state_out may be state (in place) or NULL (the final state is not needed: a
+ * forward that writes no cache). out [H, dv]. Heads are split over nth threads.
+ */
 int clover_gdn_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
                     const float *state, float *state_out, float *out, int64_t H, int64_t dk, int64_t dv,
                     int nth) {
     if (H < 1 || dk < 1 || dv < 1 || dv > 1024) return ERR_SHAPE;
+    (void)nth;
 #pragma omp parallel for num_threads(threads_for(nth, H)) schedule(static)
-    for (int64_t h = 0; h < H; h++) {
-        float kv[1024], delta[1024];
-        const float *S = state + h * dk * dv, *kh = k + h * dk, *qh = q + h * dk, *vh = v + h * dv;
-        float *oh = out + h * dv;
-        const float decay = expf(g[h]), b = beta[h];
-        for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
-        for (int64_t i = 0; i < dk; i++) {
-            const float ki = kh[i];
-            const float *row = S + i * dv;
-            for (int64_t j = 0; j < dv; j++) kv[j] += (decay * row[j]) * ki;
-        }
-        for (int64_t j = 0; j < dv; j++) {
-            delta[j] = (vh[j] - kv[j]) * b;
-            oh[j] = 0.0f;
-        }
-        float *D = state_out ? state_out + h * dk * dv : NULL;
-        for (int64_t i = 0; i < dk; i++) {
-            const float ki = kh[i], qi = qh[i];
-            const float *row = S + i * dv;
-            if (D) {
-                float *drow = D + i * dv;
-                for (int64_t j = 0; j < dv; j++) {
-                    const float s2 = decay * row[j] + ki * delta[j];
-                    drow[j] = s2;
-                    oh[j] += s2 * qi;
+    for (int64_t h = 0; h < H; h++)
+        gdn_head(q + h * dk, k + h * dk, v + h * dv, expf(g[h]), beta[h], state + h * dk * dv,
+                 state_out ? state_out + h * dk * dv : NULL, out + h * dv, dk, dv);
+    return 0;
+}
+
+/*
+ * sum(x[0 .. n-1]) in the order of torch's CPU sum over a contiguous last dim (ATen's cascade_sum:
+ * vectorized_inner_sum, row_sum, multi_row_sum), with torch's vector width of `lanes` floats (8 where it runs its
+ * AVX2 kernels, 16 under AVX-512): so a sum here rounds as the torch forward's. n >= lanes, lanes <= 16.
+ * Vector V_i = x[lanes i ..]; four accumulators take V_{4r + c} (rows of four, cascaded every 16 rows), the
+ * leftover vectors go to the first, the four are folded in order, then the scalar tail, then the lanes in order.
+ */
+__attribute__((optimize("fp-contract=off")))
+static float torch_sum(const float *x, int64_t n, int lanes) {
+    enum { LEVELS = 4, ILP = 4, MAXL = 16 };
+    const int64_t nvec = n / lanes, rows = nvec / ILP;
+    int64_t power = 4; /* multi_row_sum: level_power = max(4, ceil(log2(rows)) / LEVELS) */
+    int64_t lg = 0;
+    while (((int64_t)1 << lg) < rows) lg++;
+    if (lg / LEVELS > power) power = lg / LEVELS;
+    const int64_t step = (int64_t)1 << power, mask = step - 1;
+    float acc[LEVELS][ILP][MAXL];
+    memset(acc, 0, sizeof(acc));
+    int64_t i = 0;
+    for (; i + step <= rows;) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int c = 0; c < ILP; c++)
+                for (int l = 0; l < lanes; l++) acc[0][c][l] += x[((i * ILP) + c) * lanes + l];
+        for (int j = 1; j < LEVELS; j++) {
+            for (int c = 0; c < ILP; c++)
+                for (int l = 0; l < lanes; l++) {
+                    acc[j][c][l] += acc[j - 1][c][l];
+                    acc[j - 1][c][l] = 0.0f;
                 }
-            } else {
-                for (int64_t j = 0; j < dv; j++) oh[j] += (decay * row[j] + ki * delta[j]) * qi;
-            }
+            if (i & (mask << (j * power))) break;
         }
     }
+    for (; i < rows; i++)
+        for (int c = 0; c < ILP; c++)
+            for (int l = 0; l < lanes; l++) acc[0][c][l] += x[((i * ILP) + c) * lanes + l];
+    for (int j = 1; j < LEVELS; j++)
+        for (int c = 0; c < ILP; c++)
+            for (int l = 0; l < lanes; l++) acc[0][c][l] += acc[j][c][l];
+    for (int64_t v = rows * ILP; v < nvec; v++) /* row_sum: vectors left over after the rows of four */
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += x[v * lanes + l];
+    for (int c = 1; c < ILP; c++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][c][l];
+    float total = 0.0f;
+    for (int64_t k = nvec * lanes; k < n; k++) total += x[k];
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* x [n] -> (x * (1 / sqrt(sum(x^2) + eps))) * scale: the model's l2norm (eps 1e-6; scale dk^-0.5 for q, else 1)
+ * and, with scale 1, the RMS part of the gated norm with sum / n (n a power of two: the same as torch's mean) */
+__attribute__((optimize("fp-contract=off")))
+static void norm_scaled(float *x, int64_t n, float divisor, float eps, float scale, int lanes) {
+    float sq[1024];
+    for (int64_t i = 0; i < n; i++) sq[i] = x[i] * x[i];
+    const float r = 1.0f / sqrtf(torch_sum(sq, n, lanes) / divisor + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * r;
+    if (scale != 1.0f)
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] * scale;
+}
+
+/*
+ * The causal short convolution of one token, before its SiLU: conv_state [K-1, C] (the K-1 previous raw rows),
+ * x [C] (this token's raw row), w [C, K] -> out[c] = sum_j row_j[c] w[c, j] with rows = [conv_state; x], each
+ * product rounded on its own and summed in order j = 0 .. K-1 (the torch forward's). conv_out: the new state
+ * [K-1, C] (the last K-1 rows; conv_state itself for in place, NULL: not written), written after the sums.
+ */
+__attribute__((optimize("fp-contract=off")))
+int clover_gdn_conv(const float *x, const float *conv_state, const float *w, float *conv_out, float *out, int64_t C,
+                    int64_t K) {
+    if (C < 1 || K < 1) return ERR_SHAPE;
+    for (int64_t j = 0; j < K; j++) { /* tap by tap over all channels: the same order per channel, vectorized */
+        const float *row = j < K - 1 ? conv_state + j * C : x;
+        if (j == 0)
+            for (int64_t c = 0; c < C; c++) out[c] = row[c] * w[c * K];
+        else
+            for (int64_t c = 0; c < C; c++) out[c] += row[c] * w[c * K + j];
+    }
+    if (conv_out && K > 1) {
+        memmove(conv_out, conv_state + C, (size_t)((K - 2) * C) * sizeof(float));
+        memcpy(conv_out + (K - 2) * C, x, (size_t)C * sizeof(float));
+    }
     return 0;
+}
+
+/*
+ * The rest of a GDN layer's T = 1 token mixer after its convolution's SiLU (engine.model.gdn.GatedDeltaNet,
+ * causal, one token), one C call for what the torch forward does in ~40 small ops:
+ *   act [C] = [q (Hk dk) | k (Hk dk) | v (Hv dv)] (SiLU of the convolution), zs [Hv dv] = SiLU(z), beta, g [Hv];
+ *   norm_w [dv], eps; state [Hv, dk, dv].
+ * Per v-head h (k-head h / (Hv / Hk), as repeat_interleave): l2norm of q (then times dk^-0.5) and of k, the delta
+ * rule (gdn_head), then the gated RMSNorm y = (norm_w * (o / sqrt(mean(o^2) + eps))) * zs into y [Hv dv]. Every
+ * product, sum and quotient in the torch forward's order (sums: torch_sum with torch's `lanes`), so y and the state
+ * equal the torch forward's bit for bit. state_out: the updated state (state itself: in place; NULL: not computed).
+ */
+__attribute__((optimize("fp-contract=off")))
+int clover_gdn_token(const float *act, const float *zs, const float *beta, const float *g, const float *norm_w,
+                     float eps, const float *state, float *state_out, float *y, int64_t Hk, int64_t Hv, int64_t dk,
+                     int64_t dv, int lanes, int nth) {
+    if (Hk < 1 || Hv < Hk || Hv % Hk || dk < lanes || dk > 1024 || dv < lanes || dv > 1024 || lanes < 1
+        || lanes > 16) return ERR_SHAPE;
+    const int64_t rep = Hv / Hk;
+    const float qscale = (float)pow((double)dk, -0.5); /* the float Python's dk**-0.5 rounds to */
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, Hv)) schedule(static)
+    for (int64_t h = 0; h < Hv; h++) {
+        float q[1024], k[1024], o[1024];
+        const int64_t kh = h / rep;
+        memcpy(q, act + kh * dk, (size_t)dk * sizeof(float));
+        memcpy(k, act + (Hk + kh) * dk, (size_t)dk * sizeof(float));
+        norm_scaled(q, dk, 1.0f, 1e-6f, qscale, lanes);
+        norm_scaled(k, dk, 1.0f, 1e-6f, 1.0f, lanes);
+        gdn_head(q, k, act + 2 * Hk * dk + h * dv, expf(g[h]), beta[h], state + h * dk * dv,
+                 state_out ? state_out + h * dk * dv : NULL, o, dk, dv);
+        norm_scaled(o, dv, (float)dv, eps, 1.0f, lanes);
+        const float *zh = zs + h * dv;
+        float *yh = y + h * dv;
+        for (int64_t j = 0; j < dv; j++) yh[j] = (norm_w[j] * o[j]) * zh[j];
+    }
+    return 0;
+}
+
+/*
+ * The model's zero-centred RMSNorm over rows of n values (engine.model.layers.RMSNorm, float32):
+ * y = (x * (1 / sqrt(sum(x^2) / n + eps))) * (1 + w), each operation rounded as the torch forward's (sums:
+ * torch_sum with torch's `lanes`), so y equals its bits. For a step's few rows (one token: the layers' two norms,
+ * the attention's q / k norms); rows run in order on the calling thread. n <= 8192.
+ */
+__attribute__((optimize("fp-contract=off")))
+int clover_rms_norm(const float *x, const float *w, float eps, float *y, int64_t rows, int64_t n, int lanes) {
+    if (n < lanes || n > 8192 || lanes < 1 || lanes > 16 || rows < 0) return ERR_SHAPE;
+    float sq[8192];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        for (int64_t i = 0; i < n; i++) sq[i] = xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(torch_sum(sq, n, lanes) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) yr[i] = (xr[i] * inv) * (1.0f + w[i]);
+    }
+    return 0;
+}
+
+/*
+ * Partial rotary embedding of one token's heads (engine.model.attention.apply_partial_rope, float32, NeoX pairs
+ * (i, i + rd/2)): x [rows, hd], cos / sin [rd] -> y: y[i] = x[i] cos[i] + r[i] sin[i] for i < rd, with
+ * r = (-x[rd/2 ..  rd), x[0 .. rd/2)), each product rounded on its own (the torch forward's bits); y[i] = x[i] past rd.
+ */
+__attribute__((optimize("fp-contract=off")))
+int clover_rope(const float *x, const float *cosv, const float *sinv, float *y, int64_t rows, int64_t hd,
+                int64_t rd) {
+    if (rd < 2 || rd % 2 || rd > hd || rows < 0) return ERR_SHAPE;
+    const int64_t half = rd / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * hd;
+        float *yr = y + r * hd;
+        for (int64_t i = 0; i < half; i++) yr[i] = xr[i] * cosv[i] + (-xr[i + half]) * sinv[i];
+        for (int64_t i = half; i < rd; i++) yr[i] = xr[i] * cosv[i] + xr[i - half] * sinv[i];
+        memcpy(yr + rd, xr + rd, (size_t)(hd - rd) * sizeof(float));
+    }
+    return 0;
+}
+
+/*
+ * n GGUF matrices of one type qt against the same activation rows x [T, K] (a GDN layer's four input projections, a
+ * shared expert's gate and up): x quantized once, then the rows of all n matrices in one parallel loop; matrix i
+ * (ns[i] rows at ws[i], row_strides[i] bytes apart) into outs[i] [T, ns[i]]. The same bits as one clover_qmatmul
+ * per matrix (each output row's dot is computed alike), without n - 1 quantizations and calls. n <= 8.
+ */
+int clover_qmatmul_many(const float *x, int64_t T, int64_t K, int qt, int n, const uint8_t *const *ws,
+                        const int64_t *row_strides, const int64_t *ns, float *const *outs, int nth) {
+    if (is_split_type(qt) || !dot_for(qt)) return ERR_TYPE;
+    if (n < 1 || n > 8) return ERR_SHAPE;
+    mat_t m[8];
+    int64_t first[9];
+    first[0] = 0;
+    for (int i = 0; i < n; i++) {
+        const mat_t mi = {qt, ws[i], 0, row_strides[i], NULL, 0, 0, 0};
+        m[i] = mi;
+        if (!mat_ok(&m[i], K) || ns[i] < 0) return ERR_SHAPE;
+        first[i + 1] = first[i] + ns[i];
+    }
+    const int64_t R = first[n];
+    const size_t arow = act_block_size(qt) * (size_t)(K / block_values(qt));
+    char *act = (char *)quantize_rows(qt, x, T, K, nth);
+    if (!act) return ERR_ALLOC;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
+    for (int64_t r = 0; r < R; r++) {
+        int i = 0;
+        while (r >= first[i + 1]) i++;
+        const int64_t lr = r - first[i];
+        mat_row_dots(&m[i], 0, lr, K, act, arow, NULL, T, outs[i] + lr, ns[i]);
+    }
+    free(act);
+    return OK;
 }
 
 /* ============================================================================================================ */
