@@ -84,12 +84,13 @@ def main() -> None:
     ap.add_argument("--heads", action="store_true", help="INT8 against Q6_K head: time, tok/s, bytes, KL from BF16")
     ap.add_argument("--policies", action="store_true",
                     help="INT8 against Q6_K projections: bytes, layer ms, tok/s, KL from BF16 (medians)")
+    ap.add_argument("--no-kl", action="store_true", help="with --policies: skip the BF16 reference (~9 GB, minutes)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.policies:
-        compare_policies(args.checkpoint, args.cache_root, args.prompt, args.new, args.repeats)
+        compare_policies(args.checkpoint, args.cache_root, args.prompt, args.new, args.repeats, not args.no_kl)
         print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         return
     t0 = time.perf_counter()
@@ -274,14 +275,16 @@ def timed_layers(model: torch.nn.Module, ms: dict[str, list[float]]) -> list[tor
     return handles
 
 
-def compare_policies(checkpoint: Path, cache_root: Path | None, n_prompt: int, n_new: int, repeats: int) -> None:
+def compare_policies(checkpoint: Path, cache_root: Path | None, n_prompt: int, n_new: int, repeats: int,
+                     with_kl: bool = True) -> None:
     """``--policies``: INT8 against Q6_K projections (both with the Q6_K head), interleaved medians."""
     policies: dict[str, QuantPolicy] = {"int8 proj": make_policy(lm_head="q6_k"), "q6_k proj": CPU_Q6_DENSE_POLICY}
     config = load_quantized(checkpoint, policies["int8 proj"], cache_root=cache_root)[0].config
     prompt, settings = fixed_text(config, n_prompt, n_new)
     t0 = time.perf_counter()
-    base = bf16_reference_logits(checkpoint, prompt)  # [T, V]
-    print(f"BF16 reference logits (fp32 compute) in {time.perf_counter() - t0:.1f} s", flush=True)
+    base = bf16_reference_logits(checkpoint, prompt) if with_kl else None  # [T, V]
+    if base is not None:
+        print(f"BF16 reference logits (fp32 compute) in {time.perf_counter() - t0:.1f} s", flush=True)
     models, kl = {}, {}
     for n, policy in policies.items():
         t0 = time.perf_counter()
@@ -290,7 +293,7 @@ def compare_policies(checkpoint: Path, cache_root: Path | None, n_prompt: int, n
         print(f"{n}: {policy.name} ({report.path.name}) loaded in {time.perf_counter() - t0:.1f} s"
               f"{' (built: ' + report.reason + ')' if report.rebuilt else ''}", flush=True)
         with torch.no_grad():
-            kl[n] = kl_from(base, model(torch.tensor(prompt), 0, None).float())
+            kl[n] = kl_from(base, model(torch.tensor(prompt), 0, None).float()) if base is not None else None
     runs: dict[str, list[float]] = {n: [] for n in models}
     layer_ms: dict[str, dict[str, list[float]]] = {n: {} for n in models}
     loads = []
@@ -308,12 +311,11 @@ def compare_policies(checkpoint: Path, cache_root: Path | None, n_prompt: int, n
     print(f"policies, AR {n_prompt} + {n_new}, {repeats} interleaved rounds (1-min load average per round: "
           f"{' '.join(f'{x:.2f}' for x in loads)}); KL from the BF16 weights over {len(prompt)} positions")
     for n, model in models.items():
-        mean, worst, agree = kl[n]
+        kl_text = "KL {:.2e} / {:.2e}, top-1 {:.1%}".format(*kl[n]) if kl[n] else "KL not measured"
         layers = " ".join(f"{k} {statistics.median(layer_ms[n][k]):6.2f}" for k in sorted(layer_ms[n], key=lambda k: (
             k == "head", k)))
         print(f"  {n}: {model_bytes_per_token(model) / 1e6:5.0f} MB/token | AR median {statistics.median(runs[n]):6.2f}"
-              f" tok/s (runs {' '.join(f'{r:.2f}' for r in runs[n])}) | median ms: {layers} | KL {mean:.2e} / "
-              f"{worst:.2e}, top-1 {agree:.1%}", flush=True)
+              f" tok/s (runs {' '.join(f'{r:.2f}' for r in runs[n])}) | median ms: {layers} | {kl_text}", flush=True)
 
 
 if __name__ == "__main__":
