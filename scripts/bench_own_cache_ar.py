@@ -12,6 +12,10 @@ steps, then the first 32-slot denoising pass, as ``--compile`` compiles the laye
 the head alone (ms and GB/s of one token), AR tok/s and bytes per token with the INT8 head (the GPU policy's, and
 the CPU's before the Q6_K default) and with the Q6_K head, interleaved, and each head's KL divergence from the
 checkpoint's BF16 head over the prompt's next-token distributions (the same hidden states: the head's own cost).
+``--policies``: the INT8-projection policy (the head in Q6_K) against the Q6_K-projection one
+(``formats.CPU_Q6_DENSE_POLICY``), each from its own cache folder (built once): bytes per AR token, per-layer and
+head ms of the decode steps, AR tok/s, interleaved medians, and each whole model's KL from the BF16 weights (fp32
+compute) over the prompt's next-token distributions.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -30,11 +35,23 @@ from clover_desk.engine.decode.events import Finished
 from clover_desk.engine.decode.generate import generate_ar
 from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant, fastpath
-from clover_desk.engine.weights.formats import checkpoint_files
+from clover_desk.engine.model.experts import DenseExpertBank, moe_grouped
+from clover_desk.engine.weights.checkpoint import load_model
+from clover_desk.engine.weights.formats import CPU_Q6_DENSE_POLICY, QuantPolicy, checkpoint_files, make_policy
 from clover_desk.engine.weights.quant import QuantLinear, quantize_tensor
 from clover_desk.engine.weights.quant_cache import load_quantized
 
 DEFAULT_CKPT = Path.home() / ".cache" / "clover-desk" / "bench" / "real-width-4L" / "checkpoint"
+
+
+def fixed_text(config: object, n_prompt: int, n_new: int) -> tuple[list[int], DecodeSettings]:
+    """The bench's fixed prompt (seeded random ids) and its greedy AR settings."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(16, min(240_000, config.vocab_size), (n_prompt,), generator=gen).tolist()
+    settings = DecodeSettings(mode="ar", max_new_tokens=n_new, block_size=config.block_size,
+                              threshold=config.threshold, mask_token_id=config.mask_token_id, eos_token_ids=(),
+                              max_positions=config.max_position_embeddings, shift_logits=config.shift_logits)
+    return prompt, settings
 
 
 def ar_tok_s(model: torch.nn.Module, prompt: list[int], settings: DecodeSettings) -> tuple[float, tuple[int, ...]]:
@@ -65,20 +82,22 @@ def main() -> None:
     ap.add_argument("--skip-off", action="store_true", help="do not time the dequantizing path")
     ap.add_argument("--skip-eager", action="store_true", help="do not time the eager model (with --compile)")
     ap.add_argument("--heads", action="store_true", help="INT8 against Q6_K head: time, tok/s, bytes, KL from BF16")
+    ap.add_argument("--policies", action="store_true",
+                    help="INT8 against Q6_K projections: bytes, layer ms, tok/s, KL from BF16 (medians)")
+    ap.add_argument("--no-kl", action="store_true", help="with --policies: skip the BF16 reference (~9 GB, minutes)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    if args.policies:
+        compare_policies(args.checkpoint, args.cache_root, args.prompt, args.new, args.repeats, not args.no_kl)
+        print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+        return
     t0 = time.perf_counter()
     model, report = load_quantized(args.checkpoint, cache_root=args.cache_root)  # the CPU's default policy
     model.eval()
     print(f"loaded in {time.perf_counter() - t0:.1f} s (cache {'rebuilt: ' + report.reason if report.rebuilt else 'used'})")
-    config = model.config
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(16, min(240_000, config.vocab_size), (args.prompt,), generator=gen).tolist()
-    settings = DecodeSettings(mode="ar", max_new_tokens=args.new, block_size=config.block_size,
-                              threshold=config.threshold, mask_token_id=config.mask_token_id, eos_token_ids=(),
-                              max_positions=config.max_position_embeddings, shift_logits=config.shift_logits)
+    prompt, settings = fixed_text(model.config, args.prompt, args.new)
     kern = cpu_quant.kernels()
     print(f"CPU kernels: {'on (' + ('AVX2' if kern.simd else 'scalar') + ')' if kern.ok else 'off: ' + kern.reason}")
     with torch.no_grad():
@@ -211,6 +230,93 @@ def compiled_ar(model: torch.nn.Module, prompt: list[int], settings: DecodeSetti
         print(f"own cache AR, compiled, kernels on: {tps:7.2f} tok/s (best of {repeats})", flush=True)
     finally:
         fastpath.uncompile_layers(model)
+
+
+class _UpcastBank(DenseExpertBank):
+    """A BF16 expert bank computed in fp32: the experts an input uses are cast when gathered (the reference keeps
+    its 256 experts a layer in BF16 so that the whole checkpoint fits beside nothing else)."""
+
+    def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = super().gather(ids)
+        return gate_up.float(), down.float()
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        return moe_grouped(x, topk_idx, topk_w, self.num_experts, self.gather, 3 * self.intermediate_size)
+
+
+def bf16_reference_logits(checkpoint: Path, prompt: list[int]) -> torch.Tensor:
+    """Logits [T, V] of the checkpoint's BF16 weights over ``prompt``, computed in fp32 (experts cast as used)."""
+    model = load_model(checkpoint, dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, DenseExpertBank):
+            module.__class__ = _UpcastBank
+            continue
+        for p in module.parameters(recurse=False):
+            p.data = p.data.float()
+    model.dtype = torch.float32
+    with torch.no_grad():
+        logits = model(torch.tensor(prompt), 0, None).float()
+    del model
+    return logits
+
+
+def timed_layers(model: torch.nn.Module, ms: dict[str, list[float]]) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks appending each decoder layer's and the head's ms of every one-token forward to ``ms``."""
+    handles, start = [], {}
+    for name, mod in [*((f"layer {i}", m) for i, m in enumerate(model.layers)), ("head", model.lm_head)]:
+        def pre(_m: torch.nn.Module, args: tuple, name: str = name) -> None:
+            start[name] = time.perf_counter() if args[0].reshape(-1, args[0].shape[-1]).shape[0] == 1 else None
+
+        def post(_m: torch.nn.Module, _args: tuple, _out: object, name: str = name) -> None:
+            if start.get(name) is not None:
+                ms.setdefault(name, []).append((time.perf_counter() - start[name]) * 1e3)
+
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    return handles
+
+
+def compare_policies(checkpoint: Path, cache_root: Path | None, n_prompt: int, n_new: int, repeats: int,
+                     with_kl: bool = True) -> None:
+    """``--policies``: INT8 against Q6_K projections (both with the Q6_K head), interleaved medians."""
+    policies: dict[str, QuantPolicy] = {"int8 proj": make_policy(lm_head="q6_k"), "q6_k proj": CPU_Q6_DENSE_POLICY}
+    config = load_quantized(checkpoint, policies["int8 proj"], cache_root=cache_root)[0].config
+    prompt, settings = fixed_text(config, n_prompt, n_new)
+    t0 = time.perf_counter()
+    base = bf16_reference_logits(checkpoint, prompt) if with_kl else None  # [T, V]
+    if base is not None:
+        print(f"BF16 reference logits (fp32 compute) in {time.perf_counter() - t0:.1f} s", flush=True)
+    models, kl = {}, {}
+    for n, policy in policies.items():
+        t0 = time.perf_counter()
+        model, report = load_quantized(checkpoint, policy, cache_root=cache_root)
+        models[n] = model.eval()
+        print(f"{n}: {policy.name} ({report.path.name}) loaded in {time.perf_counter() - t0:.1f} s"
+              f"{' (built: ' + report.reason + ')' if report.rebuilt else ''}", flush=True)
+        with torch.no_grad():
+            kl[n] = kl_from(base, model(torch.tensor(prompt), 0, None).float()) if base is not None else None
+    runs: dict[str, list[float]] = {n: [] for n in models}
+    layer_ms: dict[str, dict[str, list[float]]] = {n: {} for n in models}
+    loads = []
+    with torch.no_grad():
+        for i in range(repeats + 1):  # interleaved; the first round warms up
+            for n, model in models.items():
+                handles = timed_layers(model, layer_ms[n]) if i else []
+                try:
+                    tps = ar_tok_s(model, prompt, settings)[0]
+                finally:
+                    for h in handles:
+                        h.remove()
+                runs[n] += [tps] if i else []
+            loads.append(os.getloadavg()[0])
+    print(f"policies, AR {n_prompt} + {n_new}, {repeats} interleaved rounds (1-min load average per round: "
+          f"{' '.join(f'{x:.2f}' for x in loads)}); KL from the BF16 weights over {len(prompt)} positions")
+    for n, model in models.items():
+        kl_text = "KL {:.2e} / {:.2e}, top-1 {:.1%}".format(*kl[n]) if kl[n] else "KL not measured"
+        layers = " ".join(f"{k} {statistics.median(layer_ms[n][k]):6.2f}" for k in sorted(layer_ms[n], key=lambda k: (
+            k == "head", k)))
+        print(f"  {n}: {model_bytes_per_token(model) / 1e6:5.0f} MB/token | AR median {statistics.median(runs[n]):6.2f}"
+              f" tok/s (runs {' '.join(f'{r:.2f}' for r in runs[n])}) | median ms: {layers} | {kl_text}", flush=True)
+
 
 if __name__ == "__main__":
     main()

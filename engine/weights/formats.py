@@ -26,6 +26,7 @@ from clover_desk.engine.errors import CheckpointError, ConfigError
 
 __all__ = [
     "CPU_POLICY",
+    "CPU_Q6_DENSE_POLICY",
     "DEFAULT_POLICY",
     "FORMAT_BYTES",
     "HeaderEntry",
@@ -424,6 +425,12 @@ DEFAULT_POLICY = make_policy()
 # engine's own cache on the same kernels"). GPUs keep DEFAULT_POLICY's INT8 head (fused int8 kernel, opt-in; a Q6_K
 # head there would be dequantized per forward) and the planner, which plans cards, counts it.
 CPU_POLICY = make_policy(lm_head="q6_k")
+# The head and the dense projections (attention, Gated DeltaNet, shared experts) in Q6_K blocks, all read by the same
+# CPU kernel: ~6.56 bits a weight against INT8's 8 + a per-row scale. Rows that are not whole 256-value blocks stay
+# INT8 (QuantPolicy.format_of). Not the default: at 4 real-width layers it reads 601 MB a token against 626 and AR
+# runs ~1.06x, but its KL from the BF16 weights is 1.89e-3 against 1.54e-3, further above the 1e-3 bound
+# (docs/STATUS.md, "The dense projections in Q6_K too").
+CPU_Q6_DENSE_POLICY = make_policy(attention="q6_k", shared_expert="q6_k", lm_head="q6_k")
 
 
 def policy_for(device: object = "cpu") -> QuantPolicy:

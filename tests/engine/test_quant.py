@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from clover_desk.engine.model.experts import DenseExpertBank
-from clover_desk.engine.weights.formats import policy_for
+from clover_desk.engine.weights.formats import CPU_POLICY, CPU_Q6_DENSE_POLICY, policy_for
 from clover_desk.engine.weights.quant import (
     DEFAULT_POLICY,
     NF4_CODE,
@@ -135,6 +135,27 @@ def test_the_cpu_default_policy_keeps_the_head_in_q6_k_and_gpus_keep_int8() -> N
         make_policy(experts="q6_k")
     with pytest.raises(ValueError, match="expert format"):
         ExpertLayout.build(4, 256, 256, "q6_k")
+
+
+def test_the_q6_k_dense_policy_puts_every_projection_in_q6_k_where_rows_are_whole_blocks() -> None:
+    """``CPU_Q6_DENSE_POLICY``: the CPU default plus the attention, Gated DeltaNet and shared-expert projections in
+    Q6_K at Clover's real widths; rows that are not whole 256-value blocks stay INT8; experts, the router and the
+    GDN a / b inputs are the CPU default's."""
+    p = "model.language_model.layers.3."
+    real = {  # Clover-35B-A3B's shapes
+        f"{p}self_attn.q_proj.weight": (8192, 2048), f"{p}self_attn.o_proj.weight": (2048, 4096),
+        f"{p}linear_attn.in_proj_qkv.weight": (8192, 2048), f"{p}linear_attn.in_proj_z.weight": (4096, 2048),
+        f"{p}linear_attn.out_proj.weight": (2048, 4096), f"{p}mlp.shared_expert.down_proj.weight": (2048, 512),
+        f"{p}mlp.shared_expert.gate_proj.weight": (512, 2048), "lm_head.weight": (248320, 2048),
+    }
+    for name, shape in real.items():
+        assert CPU_Q6_DENSE_POLICY.format_of(name, shape) == "q6_k", name
+    assert CPU_Q6_DENSE_POLICY.format_of(f"{p}mlp.shared_expert.down_proj.weight", (64, 32)) == "int8"
+    assert CPU_Q6_DENSE_POLICY.format_of(f"{p}self_attn.o_proj.weight", (2048, 4096 + 64)) == "int8"
+    for name, shape in ((f"{p}mlp.experts.gate_up_proj", (256, 1024, 2048)), (f"{p}mlp.gate.weight", (256, 2048)),
+                        (f"{p}linear_attn.in_proj_a.weight", (32, 2048))):
+        assert CPU_Q6_DENSE_POLICY.format_of(name, shape) == CPU_POLICY.format_of(name, shape), name
+    assert len({CPU_Q6_DENSE_POLICY.hash, CPU_POLICY.hash, DEFAULT_POLICY.hash}) == 3  # each its own cache folder
 
 
 def test_int8_reference_and_fast_dequantize_agree() -> None:

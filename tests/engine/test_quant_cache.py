@@ -19,7 +19,7 @@ from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.config import parse_config
 from clover_desk.engine.weights import quant_cache_build
 from clover_desk.engine.weights.checkpoint import load_model, random_state_dict, write_checkpoint
-from clover_desk.engine.weights.formats import CPU_POLICY
+from clover_desk.engine.weights.formats import CPU_POLICY, CPU_Q6_DENSE_POLICY
 from clover_desk.engine.weights.gguf import quants as gq
 from clover_desk.engine.weights.gguf.model import GGUFLinear
 from clover_desk.engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
@@ -50,8 +50,9 @@ def write_tiny(
     experts: int = 8,
     inter: int = 32,
     shards: int = 3,
+    **widths: int,
 ) -> Path:
-    text = tiny_text_config(vocab_size=128, layers=4, hidden=hidden, experts=experts, experts_per_tok=2)
+    text = tiny_text_config(vocab_size=128, layers=4, hidden=hidden, experts=experts, experts_per_tok=2, **widths)
     text["moe_intermediate_size"] = inter
     cd = config_dict_for("clover_moe", text, SPECIAL)
     cfg = parse_config(cd)
@@ -249,6 +250,50 @@ def test_a_q6_k_head_cache_is_the_gguf_paths_q6_k_head(
             torch.testing.assert_close(model.lm_head(h), file_head(h), rtol=1e-6, atol=1e-6)
         finally:
             cpu_quant.set_enabled(before)
+
+
+@pytest.fixture(scope="module")
+def dense_wide_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose every dense projection has rows of whole Q6_K blocks: hidden 256, attention and
+    Gated DeltaNet values 4 x 64, shared expert 256 wide."""
+    return write_tiny(tmp_path_factory.mktemp("dense-wide"), seed=5, hidden=256, shards=2, head_dim=64,
+                      linear_head_dim=64, shared_intermediate=256)
+
+
+def test_the_q6_k_dense_policy_stores_every_projection_as_the_gguf_paths_q6_k(dense_wide_ckpt: Path,
+                                                                              tmp_path: Path) -> None:
+    """``CPU_Q6_DENSE_POLICY`` stores the attention, Gated DeltaNet and shared-expert projections (and the head) as
+    ggml Q6_K blocks: each loaded projection holds the blocks gguf-py's quantizer writes for the same weight and
+    multiplies like the GGUF path's GGUFLinear on them (same kernel, same bits); the whole model equals quantizing
+    in memory with that policy; experts stay NF4, the router and GDN a/b projections unquantized."""
+    model, report = load_quantized(dense_wide_ckpt, CPU_Q6_DENSE_POLICY, cache_root=tmp_path)
+    assert report.path.name == CPU_Q6_DENSE_POLICY.hash != CPU_POLICY.hash
+    formats = {k: v["format"] for k, v in json.loads((report.path / MANIFEST_NAME).read_text())["tensors"].items()}
+    kept = ("in_proj_a.weight", "in_proj_b.weight")  # GDN beta / decay inputs: [Hv, D], unquantized
+    projections = [k for k in formats if "_proj" in k and ("attn." in k or "shared_expert." in k)]
+    assert len(projections) == 3 * 5 + 4 + 4 * 3  # GDN qkv, z, a, b, out; q, k, v, o; shared gate, up, down
+    assert {k: formats[k] for k in projections if not k.endswith(kept)} == {
+        k: "q6_k" for k in projections if not k.endswith(kept)}
+    assert formats["lm_head.weight"] == "q6_k" and formats["layers.0.mlp.experts.gate_up_proj"] == "nf4"
+    assert {formats["layers.0.mlp.gate.weight"], formats["layers.0.linear_attn.in_proj_a.weight"]} == {"bf16"}
+    ref = load_model(dense_wide_ckpt, dtype=torch.float32)
+    refs = dict(ref.named_modules())
+    h = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    checked = 0
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if not isinstance(mod, QuantLinear) or mod.fmt != "q6_k":
+                continue
+            w = refs[name].weight.data  # [O, N], N a multiple of 256
+            file_linear = GGUFLinear(gq.quantize(w, gq.Q6_K), gq.Q6_K, w.shape[1])
+            assert torch.equal(mod.codes, file_linear.raw), name
+            x = h.repeat(1, w.shape[1] // 256)  # [5, N]
+            assert torch.equal(mod(x), file_linear(x)), name
+            checked += 1
+        assert checked == 3 * 3 + 4 + 4 * 3 + 1  # the projections above and the head
+        quantize_model_(ref, CPU_Q6_DENSE_POLICY)
+        ids = torch.tensor([5, 6, 7, 8, 9, 10])
+        assert torch.equal(model(ids, 0, None), ref(ids, 0, None))
 
 
 def test_a_cache_of_the_old_policy_still_loads_and_the_new_one_says_why_it_is_built(
