@@ -131,12 +131,6 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Path | None,
     return target, ""
 
 
-# Floats per vector in torch's CPU kernels (its sums over a contiguous dim run over such vectors): 16 under AVX-512,
-# else 8 (AVX2 and the generic 32-byte vectors). The GDN and RMSNorm kernels sum in the same order: bit for bit where
-# this is right; elsewhere (e.g. 4-lane NEON) it is a valid order too, equal within float32 rounding.
-TORCH_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
-
-
 class Kernels:
     """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why."""
 
@@ -757,9 +751,10 @@ def gdn_token(act: Tensor, zs: Tensor, beta: Tensor, g: Tensor, norm: tuple[Tens
     return kernels().gdn_token(act, zs, beta, g, norm, state, state_out, lanes)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """The model's RMSNorm on the CPU (:meth:`Kernels.rms_norm`; eager callers only: no custom op)."""
-    return kernels().rms_norm(x, weight, eps, TORCH_LANES)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, lanes: int) -> Tensor:
+    """The model's RMSNorm on the CPU (:meth:`Kernels.rms_norm`, sums over ``lanes``-float vectors:
+    ``engine.kernels.torch_lanes``; eager callers only: no custom op)."""
+    return kernels().rms_norm(x, weight, eps, lanes)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

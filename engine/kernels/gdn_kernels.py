@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.kernels.torch_lanes import torch_lanes
 
 # engine.settings.GpuPaths.fla_gdn, set by engine.kernels.switches.use at load (set_enabled): a module constant, so a
 # compiled layer sees a constant, not a lookup per forward. TRITON_INTERPRET is Triton's own switch, read as Triton does.
@@ -96,12 +97,12 @@ def cpu_token(mixed: Tensor, z: Tensor, beta: Tensor, g: Tensor, conv: tuple[Ten
     gates (beta, g [1, Hv]) and ``out_proj``: the short convolution (``conv``: weight [C, K], state [K-1, C]; one C
     call), its SiLU and SiLU(z) (torch), then the l2norms, the delta rule and the gated RMSNorm (``norm``: weight
     [dv], eps; one C call) -> y [1, Hv * dv]. Every sum and product in the torch forward's order, so the results are
-    its bits where torch's vectors are ``cpu_quant.TORCH_LANES`` floats wide. ``in_place``: the recurrent state and the
+    its bits where torch's sums run over vectors of ``torch_lanes()`` floats. ``in_place``: the recurrent state and the
     conv state are updated where they lie (an AR step that writes its cache); else both are left as they are."""
     weight, conv_state = conv
     left = cpu_quant.gdn_conv(mixed.reshape(-1), weight, conv_state, conv_state if in_place else None)
     y = cpu_quant.gdn_token(F.silu(left), F.silu(z.reshape(-1)), beta.reshape(-1), g.reshape(-1), norm, state,
-                            state if in_place else None, cpu_quant.TORCH_LANES)
+                            state if in_place else None, torch_lanes())
     return y[None]
 
 

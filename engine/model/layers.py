@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.kernels.torch_lanes import torch_lanes
 
 # At most this many values (a step's rows: one token's hidden state, its attention heads), an eager float32 RMSNorm on
 # the CPU is one C call (cpu_quant.rms_norm, the torch forward's bits) instead of ~8 small torch ops.
@@ -25,7 +26,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._one_call(x):
-            return cpu_quant.rms_norm(x.contiguous(), self.weight, self.eps)
+            return cpu_quant.rms_norm(x.contiguous(), self.weight, self.eps, torch_lanes())
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
@@ -34,7 +35,7 @@ class RMSNorm(nn.Module):
         """Whether this norm is one C call (see :data:`ONE_CALL_VALUES`; a strided x, such as the attention's q
         heads, copied first): eager, the CPU kernels on, float32."""
         return (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-                and x.numel() <= ONE_CALL_VALUES and x.shape[-1] >= cpu_quant.TORCH_LANES
+                and x.numel() <= ONE_CALL_VALUES and x.shape[-1] >= torch_lanes()
                 and not torch.compiler.is_compiling() and cpu_quant.usable())
 
 

@@ -24,9 +24,9 @@ def norm_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, ...]
     calls: list[tuple[int, ...]] = []
     real = cpu_quant.rms_norm
 
-    def counted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def counted(x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         calls.append(tuple(x.shape))
-        return real(x, weight, eps)
+        return real(x, weight, eps, lanes)
 
     monkeypatch.setattr(cpu_quant, "rms_norm", counted)
     yield calls
