@@ -75,16 +75,17 @@ def diffusion_loop(r: Request) -> Iterator[Event]:
         pass_index = 0
         cancelled = False
         slot_lp = SlotLogprobs(B, s.logprobs, device) if s.logprobs is not None else None
+        still = [j >= start for j in range(B)]  # the slots still masked (on the host, from each pass's one read)
+        raw: Tensor | None = None  # [B, V] the last pass's logits (rows of committed slots may be older)
         if hooks is not None and hooks.begin_block is not None:
             hooks.begin_block()
         while True:
             if r.cancelled():
                 cancelled = True
                 break
-            logits = loop_parts.forward(model, x, pos0, cache, block_size=B, write_cache=False).float()  # [B, V]
+            raw = _pass_logits(model, x, pos0, cache, B, head_rows(model, still, s.shift_logits), raw)  # [B, V]
             passes += 1
-            if s.shift_logits:
-                logits = decoding.shift_logits(logits, prev_row)
+            logits = decoding.shift_logits(raw, prev_row) if s.shift_logits else raw
             if vocab is None:
                 vocab = logits.shape[-1]
                 rep_seen = decoding.seen_mask(prompt, vocab, device)
@@ -161,6 +162,32 @@ def diffusion_loop(r: Request) -> Iterator[Event]:
         tail = []
     yield from channels.finish()
     yield loop_parts.finished(generated, channels, reason, passes, P, clock, hooks)
+
+
+def head_rows(model: object, still: list[bool], shift: bool) -> list[int] | None:
+    """The rows of a denoising pass whose logits propose a still-masked slot (``still`` [B]): slot j's own row, or
+    row j - 1 when the model's row i predicts token i + 1 (``shift``; slot 0 then takes the row before the block),
+    or None for every row (all are needed, or the model computes every row anyway). Committed slots need no
+    proposal, and the LM head is a pass's largest product: a block's later passes compute it for fewer rows."""
+    if not getattr(model, "computes_head_rows", False):
+        return None
+    rows = [j - 1 if shift else j for j, masked in enumerate(still) if masked and not (shift and j == 0)]
+    return None if len(rows) == len(still) else rows
+
+
+def _pass_logits(model: loop_parts.DecodingModel, x: Tensor, pos0: int, cache: object, block: int,
+                 rows: list[int] | None, raw: Tensor | None) -> Tensor:
+    """A denoising pass's logits [B, V] in fp32: every row (``rows`` None), else ``raw`` (the block's previous
+    pass; zeros before the first) with ``rows`` replaced by this pass's."""
+    if rows is None:
+        return loop_parts.forward(model, x, pos0, cache, block_size=block, write_cache=False).float()  # [B, V]
+    index = torch.tensor(rows, dtype=torch.long)  # [R] on the host (the model moves it)
+    part = loop_parts.forward(model, x, pos0, cache, block_size=block, write_cache=False,
+                              head_rows=index).float()  # [R, V]
+    if raw is None:
+        raw = part.new_zeros(block, part.shape[-1])
+    raw[index.to(raw.device)] = part
+    return raw
 
 
 def denoise_policy(

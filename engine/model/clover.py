@@ -76,6 +76,9 @@ class CloverModel(nn.Module):
     four Clover GDN tensors per linear-attention layer.
     """
 
+    # forward takes ``head_rows`` (the decoding loops ask only models that say so; test fakes compute every row)
+    computes_head_rows = True
+
     def __init__(
         self,
         config: CloverConfig,
@@ -163,6 +166,7 @@ class CloverModel(nn.Module):
         *,
         prefill: bool = False,
         causal_inside_block: bool = False,
+        head_rows: Tensor | None = None,
     ) -> Tensor:
         """Run ``ids`` [T] at absolute positions start_pos..start_pos+T-1 after the cached prefix.
 
@@ -173,11 +177,16 @@ class CloverModel(nn.Module):
         last_only: return only the last position's logits.
         prefill (keyword): this pass is the prompt prefill; the coreset applies only if config.coreset_in_prefill.
         causal_inside_block (keyword, for tests): causal attention inside blocks in block mode.
-        Returns fp32 logits [T, V] (or [1, V]).
+        head_rows (keyword): long [R], the only positions whose logits are wanted (a denoising pass's rows that still
+          propose a masked slot): the final norm and the head run on those R rows alone (the head is the largest
+          product of a pass; each row's logits are those of the full pass). Not with ``last_only``.
+        Returns fp32 logits [T, V] (or [1, V], or [R, V]).
         """
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"ids must be a non-empty 1-D tensor, got shape {tuple(ids.shape)}")
         t = ids.shape[0]
+        if head_rows is not None:
+            self._check_head_rows(head_rows, t, last_only)
         if cache is not None:
             if start_pos != cache.length:
                 raise ValueError(f"start_pos {start_pos} != cache.length {cache.length}")
@@ -195,17 +204,32 @@ class CloverModel(nn.Module):
                                    causal_inside_block)
                 for s in range(0, t, seg)
             ]
-            return outs[-1] if last_only else torch.cat(outs)
+            logits = outs[-1] if last_only else torch.cat(outs)
+            return logits if head_rows is None else logits.index_select(0, head_rows.to(logits.device))
         placement = getattr(self, "_offload_runtime", None)  # engine.placement.offload_runtime's runtime: its device tables
         if placement is not None:
             placement.before_pass(t, block_size)
-        run = self._forward_pass
+        graph = None
         if self.step_graph is not None and cache is not None and self.is_hot_pass(t, block_size, write_cache):
-            run = self.step_graph
+            graph = self.step_graph
         elif (self.pass_graph is not None and cache is not None and block_size == t and not prefill
               and not causal_inside_block):
-            run = self.pass_graph
-        return run(ids, start_pos, cache, block_size, write_cache, last_only, prefill, causal_inside_block)
+            graph = self.pass_graph
+        if graph is None:
+            return self._forward_pass(ids, start_pos, cache, block_size, write_cache, last_only, prefill,
+                                      causal_inside_block, head_rows)
+        logits = graph(ids, start_pos, cache, block_size, write_cache, last_only, prefill, causal_inside_block)
+        # a recorded pass has fixed shapes: it computes every row, of which the wanted ones are taken
+        return logits if head_rows is None else logits.index_select(0, head_rows.to(logits.device))
+
+    @staticmethod
+    def _check_head_rows(head_rows: Tensor, t: int, last_only: bool) -> None:
+        if last_only:
+            raise ValueError("head_rows and last_only exclude each other")
+        if head_rows.dim() != 1 or head_rows.dtype != torch.long:
+            raise ValueError(f"head_rows must be a 1-D long tensor, got {tuple(head_rows.shape)} {head_rows.dtype}")
+        if head_rows.numel() and (int(head_rows.min()) < 0 or int(head_rows.max()) >= t):
+            raise ValueError(f"head_rows must lie in 0..{t - 1}")
 
     @staticmethod
     def is_hot_pass(t: int, block_size: int | None, write_cache: bool) -> bool:
@@ -225,6 +249,7 @@ class CloverModel(nn.Module):
         last_only: bool,
         prefill: bool,
         causal_inside_block: bool,
+        head_rows: Tensor | None = None,
     ) -> Tensor:
         t = ids.shape[0]
         cfg = self.config
@@ -251,7 +276,9 @@ class CloverModel(nn.Module):
                 h = layer(h, p, st)
         if last_only:
             h = h[-1:]
-        logits = self.head(h)  # [T, V]
+        elif head_rows is not None:
+            h = h.index_select(0, head_rows.to(h.device))  # [R, D]
+        logits = self.head(h)  # [T, V] (or [1, V], [R, V])
         if cache is not None and write_cache:
             cache.length = start_pos + t
         return logits
