@@ -134,7 +134,8 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Path | None,
 class Kernels:
     """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why."""
 
-    def __init__(self, *, scalar: bool = False, cc: str | None = None, out_dir: Path | None = None) -> None:
+    def __init__(self, *, scalar: bool = False, vnni: bool = True, cc: str | None = None,
+                 out_dir: Path | None = None) -> None:
         self.scalar = scalar
         self.ok = False
         self.reason = ""
@@ -148,7 +149,8 @@ class Kernels:
         out_dir = out_dir or cache_dir()
         reasons = []
         for extra in FLAG_SETS:
-            flags = (*BASE_FLAGS, *extra, *(("-DCLOVER_FORCE_SCALAR",) if scalar else ()))
+            flags = (*BASE_FLAGS, *extra, *(("-DCLOVER_FORCE_SCALAR",) if scalar else ()),
+                     *(() if vnni else ("-DCLOVER_NO_VNNI",)))
             path, why = _build(cc, flags, out_dir)
             if path is None:
                 reasons.append(why)
@@ -170,6 +172,7 @@ class Kernels:
     def _bind(lib: ctypes.CDLL) -> None:
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.clover_simd.restype = i32
+        lib.clover_vnni.restype = i32
         lib.clover_openmp.restype = i32
         lib.clover_qmatmul.restype = i32
         lib.clover_qmatmul.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, i64, ptr, i32]
@@ -201,6 +204,11 @@ class Kernels:
     def simd(self) -> bool:
         """True when the AVX2 dots are compiled in."""
         return bool(self._lib and self._lib.clover_simd())
+
+    @property
+    def vnni(self) -> bool:
+        """True when they add their int16 products with AVX-512 VNNI (``vnni=False`` builds them without)."""
+        return bool(self._lib and self._lib.clover_vnni())
 
     def _need(self) -> ctypes.CDLL:
         if self._lib is None:

@@ -165,3 +165,23 @@ def test_failed_build_is_reported_not_raised(tmp_path: Path, monkeypatch: pytest
         assert cq.reason()
     finally:
         cq._reset()
+
+
+def test_the_vnni_build_gives_the_avx2_build_s_bits(kern: cq.Kernels) -> None:
+    """Where the compiler targets AVX-512 VNNI, the K formats add their int16 products with vpdpwssd: the same
+    integers as AVX2's madd + add, so the same bits at every row count (direct dots and the decoded path) and in the
+    routed experts. Elsewhere both builds are the AVX2 one and agree trivially."""
+    plain = cq.Kernels(vnni=False)
+    assert plain.ok and not plain.vnni
+    if not kern.simd:
+        pytest.skip("no AVX2 here: both builds are the scalar dots")
+    for qtype in K_TYPES:
+        w = make_weights(qtype, 33, 1024, seed=qtype)
+        for t in (1, 2, 5, 32):
+            x = torch.randn(t, 1024, generator=torch.Generator().manual_seed(t))
+            assert torch.equal(kern.qmatmul(x, w, qtype), plain.qmatmul(x, w, qtype)), (cq.TYPE_NAMES[qtype], t)
+    qtypes = (cq.Q4_K, cq.Q4_K, cq.Q6_K)
+    banks = make_bank(qtypes, 6, 512, 256)
+    idx, wts = routing(12, 6, 3, seed=1)
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(kern.moe(x, *banks, qtypes, idx, wts), plain.moe(x, *banks, qtypes, idx, wts))

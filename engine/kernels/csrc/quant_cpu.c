@@ -31,6 +31,13 @@
 #else
 #define CLOVER_AVX2 0
 #endif
+/* AVX-512 VNNI (256-bit forms, AVX512VL): vpdpwssd adds the int16 pair products to the int32 sums in one
+   instruction where AVX2 needs madd + add; the same integers (both wrap mod 2^32; these sums stay far inside) */
+#if CLOVER_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(CLOVER_NO_VNNI)
+#define CLOVER_VNNI 1
+#else
+#define CLOVER_VNNI 0
+#endif
 
 /* ggml type ids (fixed by the file format) */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
@@ -141,6 +148,15 @@ static inline void unpack_k4_scales(const uint8_t *p, uint8_t sc[8], uint8_t m[8
 }
 
 #if CLOVER_AVX2
+/* acc + madd(p, s): int32 sums of the int16 pair products p * s */
+static inline __m256i madd_acc(__m256i acc, __m256i p, __m256i s) {
+#if CLOVER_VNNI
+    return _mm256_dpwssd_epi32(acc, p, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -285,9 +301,8 @@ static inline __attribute__((always_inline)) float dot_q45k(const uint8_t *w, co
             }
             __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
             __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
-            p0 = _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc16[2 * c]));
-            p1 = _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+            sumi = madd_acc(sumi, p0, _mm256_set1_epi16((short)sc16[2 * c]));
+            sumi = madd_acc(sumi, p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
@@ -373,11 +388,10 @@ static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
             __m256i p1 = _mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)(aq + 32)));
             __m256i p2 = _mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)(aq + 64)));
             __m256i p3 = _mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)(aq + 96)));
-            p0 = _mm256_madd_epi16(p0, _mm256_shuffle_epi8(scv, pick[0]));
-            p1 = _mm256_madd_epi16(p1, _mm256_shuffle_epi8(scv, pick[1]));
-            p2 = _mm256_madd_epi16(p2, _mm256_shuffle_epi8(scv, pick[2]));
-            p3 = _mm256_madd_epi16(p3, _mm256_shuffle_epi8(scv, pick[3]));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+            sumi = madd_acc(sumi, p0, _mm256_shuffle_epi8(scv, pick[0]));
+            sumi = madd_acc(sumi, p1, _mm256_shuffle_epi8(scv, pick[1]));
+            sumi = madd_acc(sumi, p2, _mm256_shuffle_epi8(scv, pick[2]));
+            sumi = madd_acc(sumi, p3, _mm256_shuffle_epi8(scv, pick[3]));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
@@ -652,8 +666,8 @@ static inline __m256 dot_dec(const kdec_t *k, const a8k_t *a, __m256 acc) {
                                           _mm256_loadu_si256((const __m256i *)(a->q + 32 * i)));
         __m256i p1 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(k->q + 32 * i + 32)),
                                           _mm256_loadu_si256((const __m256i *)(a->q + 32 * i + 32)));
-        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, _mm256_loadu_si256((const __m256i *)k->sc[i])));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, _mm256_loadu_si256((const __m256i *)k->sc[i + 1])));
+        s0 = madd_acc(s0, p0, _mm256_loadu_si256((const __m256i *)k->sc[i]));
+        s1 = madd_acc(s1, p1, _mm256_loadu_si256((const __m256i *)k->sc[i + 1]));
     }
     __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)k->mn),
                                      _mm256_loadu_si256((const __m256i *)a->bsums));
@@ -669,8 +683,8 @@ static inline void dot_dec2(const kdec_t *k, const a8k_t *a, const a8k_t *b, __m
         const __m256i sc = _mm256_loadu_si256((const __m256i *)k->sc[i]);
         __m256i pa = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a->q + 32 * i)));
         __m256i pb = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(b->q + 32 * i)));
-        sa = _mm256_add_epi32(sa, _mm256_madd_epi16(pa, sc));
-        sb = _mm256_add_epi32(sb, _mm256_madd_epi16(pb, sc));
+        sa = madd_acc(sa, pa, sc);
+        sb = madd_acc(sb, pb, sc);
     }
     const __m256i mn = _mm256_loadu_si256((const __m256i *)k->mn);
     __m256i ma = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)a->bsums));
@@ -775,6 +789,8 @@ static void *quantize_rows(int qt, const float *x, int64_t T, int64_t K, int nth
 
 /* 1 when the AVX2 dots were compiled in, 0 for the scalar ones */
 int clover_simd(void) { return CLOVER_AVX2; }
+
+int clover_vnni(void) { return CLOVER_VNNI; }
 
 /* 1 when built with OpenMP */
 int clover_openmp(void) {
