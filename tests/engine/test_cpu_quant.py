@@ -27,6 +27,7 @@ from tests.quant_reference import (
     make_bank,
     make_weights,
     moe_reference,
+    quantized,
     routing,
     scalar,  # noqa: F401 - a fixture
 )
@@ -168,18 +169,26 @@ def test_failed_build_is_reported_not_raised(tmp_path: Path, monkeypatch: pytest
 
 
 def test_the_vnni_build_gives_the_avx2_build_s_bits(kern: cq.Kernels) -> None:
-    """Where the compiler targets AVX-512 VNNI, the K formats add their int16 products with vpdpwssd: the same
-    integers as AVX2's madd + add, so the same bits at every row count (direct dots and the decoded path) and in the
-    routed experts. Elsewhere both builds are the AVX2 one and agree trivially."""
+    """Where the compiler targets AVX-512 VNNI, the dots add their products with vpdpwssd (the K formats' scaled
+    int16 pairs) and vpdpbusd (Q8_0, Q4_0, NF4, INT8): the same integers as AVX2's maddubs / madd / add, so the same
+    bits at every row count (direct dots, the decoded and the decode-once paths) and in the routed experts.
+    Elsewhere both builds are the AVX2 one and agree trivially."""
     plain = cq.Kernels(vnni=False)
     assert plain.ok and not plain.vnni
     if not kern.simd:
         pytest.skip("no AVX2 here: both builds are the scalar dots")
-    for qtype in K_TYPES:
+    for qtype in ALL_TYPES:
         w = make_weights(qtype, 33, 1024, seed=qtype)
         for t in (1, 2, 5, 32):
             x = torch.randn(t, 1024, generator=torch.Generator().manual_seed(t))
             assert torch.equal(kern.qmatmul(x, w, qtype), plain.qmatmul(x, w, qtype)), (cq.TYPE_NAMES[qtype], t)
+    for fmt in ("nf4", "int8"):
+        codes, scales, bs = quantized(fmt, 33, 1024, seed=3)
+        qtype = cq.SPLIT_OF_FORMAT[fmt]
+        for t in (1, 5, 32):  # 32 rows: NF4 decodes each weight row once (the tiled driver)
+            x = torch.randn(t, 1024, generator=torch.Generator().manual_seed(t))
+            assert torch.equal(kern.smatmul(x, codes, scales, qtype, bs), plain.smatmul(x, codes, scales, qtype, bs)), \
+                (fmt, t)
     qtypes = (cq.Q4_K, cq.Q4_K, cq.Q6_K)
     banks = make_bank(qtypes, 6, 512, 256)
     idx, wts = routing(12, 6, 3, seed=1)

@@ -164,12 +164,21 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* signed int8 w . signed int8 x over 32 values -> 8 int32 partial sums (maddubs takes |w| as unsigned, the sign
-   of w moved onto x) */
+/* unsigned u . signed s over 32 bytes -> 8 int32 sums of 4 products each: maddubs + madd by ones, or one vpdpbusd
+   (the same integers: no pair of products here reaches maddubs' int16 saturation, |u| <= 128, |s| <= 127) */
+static inline __m256i dot_us(__m256i u, __m256i s) {
+#if CLOVER_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* signed int8 w . signed int8 x over 32 values -> 8 int32 partial sums (|w| as the unsigned side, the sign of w
+   moved onto x) */
 static inline __m256i dot32_i8(__m256i w, const int8_t *xq) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
-                             _mm256_set1_epi16(1));
+    return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 #endif
 
@@ -458,15 +467,13 @@ static float dot_q4_0(const uint8_t *w, const void *av, int64_t nb) {
     const a8_t *a = (const a8_t *)av;
 #if CLOVER_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     float acc_off = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 18, a++) {
         const float d = load_f16(w);
         __m128i raw = _mm_loadu_si128((const __m128i *)(w + 2));
         __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-        __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)a->q));
-        __m256i s = _mm256_madd_epi16(p, ones);
+        __m256i s = dot_us(q, _mm256_loadu_si256((const __m256i *)a->q));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(s), acc);
         acc_off += d * a->s;
     }
@@ -1344,7 +1351,6 @@ static void split_row_tiled(const mat_t *m, int64_t e, int64_t r, int64_t K, con
         wsgn[b] = w;
         sc[b] = s[(v0 + QS * b) / m->bs];
     }
-    const __m256i ones = _mm256_set1_epi16(1);
     const float post = nf4 ? 1.0f / 127.0f : 1.0f;
     for (int64_t i = 0; i < n; i++) {
         const a8_t *a = (const a8_t *)(act + (size_t)(tidx ? tidx[i] : i) * arow);
@@ -1353,15 +1359,14 @@ static void split_row_tiled(const mat_t *m, int64_t e, int64_t r, int64_t K, con
         for (; b + 1 < nb; b += 2) {
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)a[b].q);
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)a[b + 1].q);
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[b], _mm256_sign_epi8(x0, wsgn[b])), ones);
-            const __m256i p1 =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[b + 1], _mm256_sign_epi8(x1, wsgn[b + 1])), ones);
+            const __m256i p0 = dot_us(wabs[b], _mm256_sign_epi8(x0, wsgn[b]));
+            const __m256i p1 = dot_us(wabs[b + 1], _mm256_sign_epi8(x1, wsgn[b + 1]));
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[b] * a[b].d), _mm256_cvtepi32_ps(p0), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_set1_ps(sc[b + 1] * a[b + 1].d), _mm256_cvtepi32_ps(p1), acc1);
         }
         if (b < nb) {
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)a[b].q);
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[b], _mm256_sign_epi8(x0, wsgn[b])), ones);
+            const __m256i p0 = dot_us(wabs[b], _mm256_sign_epi8(x0, wsgn[b]));
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[b] * a[b].d), _mm256_cvtepi32_ps(p0), acc0);
         }
         const float v = hsum_ps(_mm256_add_ps(acc0, acc1));
