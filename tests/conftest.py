@@ -62,6 +62,28 @@ def cpu_kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
+def sigint_deliverable() -> Iterator[None]:
+    """SIGINT reaches the child processes this test starts as a terminal's Ctrl+C reaches a command: a child inherits
+    an ignored SIGINT and the forking thread's signal mask, and native code loaded earlier in this long-lived test
+    process could have left either behind (once, three Ctrl+C tests of one full run saw their child ignore SIGINT
+    and finish normally; they pass alone). Python's handler is installed again at the OS level (exec resets it to
+    the default) and SIGINT unblocked in this thread, both as before afterwards."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    forced = handler in (signal.SIG_IGN, None)
+    signal.signal(signal.SIGINT, signal.default_int_handler if forced else handler)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        if forced:
+            signal.signal(signal.SIGINT, signal.SIG_IGN if handler == signal.SIG_IGN else signal.SIG_DFL)
+
+
+@pytest.fixture
 def store(tmp_path: Path) -> Iterator[ChatStore]:
     """A new chat store (real SQLite) in the test's folder, closed after the test. (A test module that needs a
     subclass, one that fails on purpose or counts, defines its own ``store``.)"""

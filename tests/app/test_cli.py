@@ -161,6 +161,7 @@ def test_cuda_device_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture
                   "CUDA is not available")
 
 
+@pytest.mark.usefixtures("sigint_deliverable")
 def test_ctrl_c_is_one_line_and_status_130_not_a_traceback() -> None:
     """Ctrl+C (SIGINT) during a long command: one line naming it, exit status 130 (the shell's for SIGINT)."""
     import signal

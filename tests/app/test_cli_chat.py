@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from server_fixtures import chat_model, chat_server, endless_model  # noqa: F401 - fixtures
 
 from clover_desk.engine.decode.tokenizer import CloverTokenizer
@@ -94,6 +95,7 @@ def test_cache_ram_zero_keeps_only_the_last_chats_state(chat_model) -> None:  # 
     assert cached[()][2] > 0 and cached[("--cache-ram", "0")][2] == 0, cached
 
 
+@pytest.mark.usefixtures("sigint_deliverable")
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(endless_model) -> None:  # noqa: ANN001, F811
     """The endless model writes "tick tock ..." until stopped: SIGINT stops that answer (what it wrote stays in the
     chat), at the prompt it drops the line being typed, and the chat ends only with /bye."""

@@ -392,6 +392,7 @@ def test_clients_that_hang_up_are_one_short_line_not_tracebacks(endless_model) -
     assert len(hangups) == 1 and len(hangups[0]) < 200, err  # the next three within 10 s: counted, not logged
 
 
+@pytest.mark.usefixtures("sigint_deliverable")
 def test_ctrl_c_ends_the_streams_in_progress_with_an_error_and_exits_130(endless_model) -> None:  # noqa: ANN001
     proc = serve_process("--model", str(endless_model.path), "--port", "0")
     try:
