@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from clover_desk.engine.decode import decoding, loop_parts
-from clover_desk.engine.decode.diffusion import denoise_policy
+from clover_desk.engine.decode.diffusion import denoise_policy, head_rows, pass_logits
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Event, Finished, PromptInfo, TokenLogprobs
 from clover_desk.engine.decode.loop_parts import Request, loop_start, prefill_keep
 from clover_desk.engine.decode.outputs import row_logprobs
@@ -269,19 +269,19 @@ class _SpecLoop:
         n_at_entry = self.written + len(self.generated)
         thinking_at_entry = self.channels.thinking_open
         n = 0
+        still = [j >= a for j in range(B)]  # the slots still masked
+        raw: Tensor | None = None  # [B, V] the last pass's logits (engine.decode.diffusion.pass_logits)
         if hooks is not None and hooks.begin_block is not None:
             hooks.begin_block()
         try:
             while True:
                 if self._cancelled():
                     return None
-                logits = loop_parts.forward(self.model, x, pos0, cache, block_size=B,
-                                            write_cache=False).float()  # [B, V]
+                raw = pass_logits(self.model, x, pos0, cache, B, head_rows(self.model, still, self.s.shift_logits), raw)
                 self.passes += 1
                 self.counts["draft_passes"] += 1
                 n += 1
-                if self.s.shift_logits:
-                    logits = decoding.shift_logits(logits, self.prev_row)
+                logits = decoding.shift_logits(raw, self.prev_row) if self.s.shift_logits else raw
                 seen = self._seen(logits.shape[-1])
                 x, conf, shown, commit = denoise_policy(
                     logits, x, conf, self.s, start=a, seen=seen, n_at_entry=n_at_entry,

@@ -128,3 +128,23 @@ def test_diffusion_decodes_the_same_with_fewer_head_rows(clover: Engine, q8: Eng
     # passes with fewer rows
     assert len(rows_fewer) == len(rows_every) and sum(rows_fewer) < sum(rows_every)
     assert all(f <= e for f, e in zip(rows_fewer, rows_every))
+
+
+def test_spec_drafts_the_same_with_fewer_head_rows(clover: Engine) -> None:
+    """Self-speculative decoding drafts by denoising passes too: the same tokens and passes, fewer head rows."""
+    params = GenerationParams(mode="spec", max_new_tokens=16, block_size=8, threshold=0.5)
+    _events(clover, params, None, rows_on=False)
+    counter = _Rows(clover.model)
+    try:
+        every = _events(clover, params, None, rows_on=False)
+        rows_every = list(counter.rows)
+        counter.rows.clear()
+        fewer = _events(clover, params, None, rows_on=True)
+        rows_fewer = list(counter.rows)
+    finally:
+        counter.close()
+    assert isinstance(every[-1], Finished) and isinstance(fewer[-1], Finished)
+    assert fewer[-1].token_ids == every[-1].token_ids and fewer[-1].passes == every[-1].passes
+    steps = [(e.tokens, e.masked) for e in fewer if isinstance(e, BlockStep)]
+    assert steps and steps == [(e.tokens, e.masked) for e in every if isinstance(e, BlockStep)]
+    assert len(rows_fewer) == len(rows_every) and sum(rows_fewer) < sum(rows_every)
