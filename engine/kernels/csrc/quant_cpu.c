@@ -776,6 +776,25 @@ static int chunk_for(int64_t work, int nth) {
     int64_t c = work / ((int64_t)(nth > 0 ? nth : 1) * 32);
     return (int)(c < 16 ? 16 : c);
 }
+
+/*
+ * chunk_for for rows of `row_bytes` each, read from memory: equal chunks, 2 to 32 per thread, each of at least
+ * CHUNK_MIN_BYTES where the matrix allows. Every chunk starts a new stream the hardware prefetcher must pick up
+ * again: a 4,096 x 2,048 Q4_K matrix (4.7 MB, 2 threads) read in chunks of 64 rows at 21 GB/s, in four chunks of
+ * 1,024 at 26-27 (the 248,320-row head, 32 chunks a thread of ~3,900 rows, at 29-34). Rows that jump around, and
+ * products of more than STREAM_MAX_T activation rows (bound by their multiplies, where small chunks keep the threads
+ * balanced), pass row_bytes 0: chunk_for.
+ */
+#define CHUNK_MIN_BYTES (1 << 20)
+#define STREAM_MAX_T 4 /* activation rows up to which a product is bound by its reads (more: by its multiplies) */
+static int chunk_rows(int64_t work, int nth, int64_t row_bytes) {
+    if (row_bytes <= 0) return chunk_for(work, nth);
+    if (nth < 1) nth = 1;
+    int64_t per = work * row_bytes / ((int64_t)nth * CHUNK_MIN_BYTES); /* chunks per thread at the minimum size */
+    per = per < 2 ? 2 : per > 32 ? 32 : per;
+    const int64_t c = (work + nth * per - 1) / (nth * per);
+    return (int)(c < 1 ? 1 : c);
+}
 #endif
 
 /* x [T, K] fp32 rows -> quantized activation rows for type qt, in a fresh buffer (NULL on failure) */
@@ -860,7 +879,7 @@ static int qmatmul_run(const float *x, int64_t T, int64_t K, const mat_t *m, con
     const int64_t rb = mat_row_bytes(m, K);
     char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
-#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_rows(R, nth, rows || T > STREAM_MAX_T ? 0 : rb))
     for (int64_t r = 0; r < R; r++) {
         if (rows && r + 1 < R) { /* selected rows jump around: fetch the next one while this one computes */
             const char *next = (const char *)(m->w + rows[r + 1] * m->rs);
@@ -901,9 +920,9 @@ static void mat_rows_tiled(const mat_t *m, int64_t e, int64_t r0, int64_t nr, in
 #define TILE_R 4 /* weight rows per task of the tiled drivers */
 
 #ifdef _OPENMP /* used in the pragmas only */
-/* tasks per dynamically scheduled chunk for tasks of `tile` weight rows (one row: chunk_for's rows) */
-static int moe_chunk(int64_t tasks, int nth, int64_t tile) {
-    return tile == 1 ? chunk_for(tasks, nth) : chunk_for(tasks, nth) / (int)tile + 1;
+/* tasks per dynamically scheduled chunk for tasks of `tile` weight rows (one row of `row_bytes`: chunk_rows) */
+static int moe_chunk(int64_t tasks, int nth, int64_t tile, int64_t row_bytes) {
+    return tile == 1 ? chunk_rows(tasks, nth, row_bytes) : chunk_for(tasks, nth) / (int)tile + 1;
 }
 #endif
 
@@ -969,7 +988,10 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
      * mat_rows(tiled, ...) helper with that loop 1.07-1.09x, this 1.02-1.03x, where the same build against itself
      * reads 0.97-1.01x on this shared machine; scripts/bench_moe_ab.py).
      */
-#pragma omp parallel for num_threads(threads_for(nth, U * GI)) schedule(dynamic, moe_chunk(U * GI, nth, tile))
+    const int stream = T <= STREAM_MAX_T; /* few tokens: tasks bound by their reads, chunked by bytes */
+    const int64_t gu_bytes = stream ? mat_row_bytes(g, D) + mat_row_bytes(u, D) : 0;
+    const int64_t dn_bytes = stream ? mat_row_bytes(dn, I) : 0;
+#pragma omp parallel for num_threads(threads_for(nth, U * GI)) schedule(dynamic, moe_chunk(U * GI, nth, tile, gu_bytes))
     for (int64_t task = 0; task < U * GI; task++) {
         const int64_t e = used[task / GI], s0 = count[e], n = count[e + 1] - s0;
         if (!tiled) {
@@ -993,7 +1015,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     }
 
     /* down: one task per (used expert, tile of rows j); y[s, j] for the expert's slots s (adjacent rows of ah) */
-#pragma omp parallel for num_threads(threads_for(nth, U * GD)) schedule(dynamic, moe_chunk(U * GD, nth, tile))
+#pragma omp parallel for num_threads(threads_for(nth, U * GD)) schedule(dynamic, moe_chunk(U * GD, nth, tile, dn_bytes))
     for (int64_t task = 0; task < U * GD; task++) {
         const int64_t e = used[task / GD], s0 = count[e], n = count[e + 1] - s0;
         const char *as = ah + (size_t)s0 * arow_d;
@@ -1295,7 +1317,8 @@ int clover_qmatmul_many(const float *x, int64_t T, int64_t K, int qt, int n, con
     char *act = (char *)quantize_rows(qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
     (void)nth;
-#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
+    const int64_t rb = T <= STREAM_MAX_T ? mat_row_bytes(&m[0], K) : 0;
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_rows(R, nth, rb))
     for (int64_t r = 0; r < R; r++) {
         int i = 0;
         while (r >= first[i + 1]) i++;
