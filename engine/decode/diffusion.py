@@ -83,7 +83,7 @@ def diffusion_loop(r: Request) -> Iterator[Event]:
             if r.cancelled():
                 cancelled = True
                 break
-            raw = pass_logits(model, x, pos0, cache, B, head_rows(model, still, s.shift_logits), raw)  # [B, V]
+            raw = pass_logits(model, x, pos0, cache, still, s.shift_logits, raw)  # [B, V]
             passes += 1
             logits = decoding.shift_logits(raw, prev_row) if s.shift_logits else raw
             if vocab is None:
@@ -175,10 +175,12 @@ def head_rows(model: object, still: list[bool], shift: bool) -> list[int] | None
     return None if len(rows) == len(still) else rows
 
 
-def pass_logits(model: loop_parts.DecodingModel, x: Tensor, pos0: int, cache: object, block: int,
-                 rows: list[int] | None, raw: Tensor | None) -> Tensor:
-    """A denoising pass's logits [B, V] in fp32: every row (``rows`` None), else ``raw`` (the block's previous
-    pass; zeros before the first) with ``rows`` replaced by this pass's."""
+def pass_logits(model: loop_parts.DecodingModel, x: Tensor, pos0: int, cache: object, still: list[bool], shift: bool,
+                raw: Tensor | None) -> Tensor:
+    """A denoising pass's logits [B, V] in fp32: every row where :func:`head_rows` asks for all, else ``raw`` (the
+    block's previous pass; zeros before the first) with the rows that propose a slot in ``still`` replaced."""
+    block = len(still)
+    rows = head_rows(model, still, shift)
     if rows is None:
         return loop_parts.forward(model, x, pos0, cache, block_size=block, write_cache=False).float()  # [B, V]
     index = torch.tensor(rows, dtype=torch.long)  # [R] on the host (the model moves it)

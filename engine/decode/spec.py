@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from clover_desk.engine.decode import decoding, loop_parts
-from clover_desk.engine.decode.diffusion import denoise_policy, head_rows, pass_logits
+from clover_desk.engine.decode.diffusion import denoise_policy, pass_logits
 from clover_desk.engine.decode.events import BlockCommitted, BlockStep, Event, Finished, PromptInfo, TokenLogprobs
 from clover_desk.engine.decode.loop_parts import Request, loop_start, prefill_keep
 from clover_desk.engine.decode.outputs import row_logprobs
@@ -277,7 +277,7 @@ class _SpecLoop:
             while True:
                 if self._cancelled():
                     return None
-                raw = pass_logits(self.model, x, pos0, cache, B, head_rows(self.model, still, self.s.shift_logits), raw)
+                raw = pass_logits(self.model, x, pos0, cache, still, self.s.shift_logits, raw)  # [B, V]
                 self.passes += 1
                 self.counts["draft_passes"] += 1
                 n += 1

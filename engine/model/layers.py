@@ -35,8 +35,8 @@ class RMSNorm(nn.Module):
         """Whether this norm is one C call (see :data:`ONE_CALL_VALUES`; a strided x, such as the attention's q
         heads, copied first): eager, the CPU kernels on, float32."""
         return (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-                and x.numel() <= ONE_CALL_VALUES and x.shape[-1] >= torch_lanes()
-                and not torch.compiler.is_compiling() and cpu_quant.usable())
+                and x.numel() <= ONE_CALL_VALUES and not torch.compiler.is_compiling() and cpu_quant.usable()
+                and x.shape[-1] >= torch_lanes())  # last: measured on first use, never inside a compiled trace
 
 
 class Linear(nn.Linear):

@@ -39,6 +39,22 @@ class _Rows:
         self._hook.remove()
 
 
+def _every_and_fewer(engine: Engine, params: GenerationParams,
+                     logprobs: int | None) -> tuple[list[object], list[int], list[object], list[int]]:
+    """(events, head rows per call) with every head row, then with fewer; after a warm-up run, so the prompt cache
+    holds the prompt for both."""
+    _events(engine, params, logprobs, rows_on=False)
+    counter = _Rows(engine.model)
+    try:
+        every = _events(engine, params, logprobs, rows_on=False)
+        rows_every = list(counter.rows)
+        counter.rows.clear()
+        fewer = _events(engine, params, logprobs, rows_on=True)
+        return every, rows_every, fewer, list(counter.rows)
+    finally:
+        counter.close()
+
+
 def _events(engine: Engine, params: GenerationParams, logprobs: int | None, rows_on: bool) -> list[object]:
     model = engine.model
     model.computes_head_rows = rows_on  # the instance's answer hides the class's
@@ -99,16 +115,7 @@ def test_bad_head_rows_are_refused(clover: Engine) -> None:
 def test_diffusion_decodes_the_same_with_fewer_head_rows(clover: Engine, q8: Engine, which: str,
                                                          params: GenerationParams, logprobs: int | None) -> None:
     engine = clover if which == "plain" else q8
-    _events(engine, params, logprobs, rows_on=False)  # the prompt cache then holds the prompt for both runs
-    counter = _Rows(engine.model)
-    try:
-        every = _events(engine, params, logprobs, rows_on=False)
-        rows_every = list(counter.rows)
-        counter.rows.clear()
-        fewer = _events(engine, params, logprobs, rows_on=True)
-        rows_fewer = list(counter.rows)
-    finally:
-        counter.close()
+    every, rows_every, fewer, rows_fewer = _every_and_fewer(engine, params, logprobs)
     done_fewer, done_every = fewer[-1], every[-1]
     assert isinstance(done_fewer, Finished) and isinstance(done_every, Finished)
     assert done_fewer.token_ids == done_every.token_ids and done_fewer.passes == done_every.passes
@@ -133,16 +140,7 @@ def test_diffusion_decodes_the_same_with_fewer_head_rows(clover: Engine, q8: Eng
 def test_spec_drafts_the_same_with_fewer_head_rows(clover: Engine) -> None:
     """Self-speculative decoding drafts by denoising passes too: the same tokens and passes, fewer head rows."""
     params = GenerationParams(mode="spec", max_new_tokens=16, block_size=8, threshold=0.5)
-    _events(clover, params, None, rows_on=False)
-    counter = _Rows(clover.model)
-    try:
-        every = _events(clover, params, None, rows_on=False)
-        rows_every = list(counter.rows)
-        counter.rows.clear()
-        fewer = _events(clover, params, None, rows_on=True)
-        rows_fewer = list(counter.rows)
-    finally:
-        counter.close()
+    every, rows_every, fewer, rows_fewer = _every_and_fewer(clover, params, None)
     assert isinstance(every[-1], Finished) and isinstance(fewer[-1], Finished)
     assert fewer[-1].token_ids == every[-1].token_ids and fewer[-1].passes == every[-1].passes
     steps = [(e.tokens, e.masked) for e in fewer if isinstance(e, BlockStep)]
