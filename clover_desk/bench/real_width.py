@@ -71,6 +71,17 @@ def _llama_cpp() -> Any:
     return llama_cpp
 
 
+def llama_cpp_for(layers: int, say: Callable[[str], None]) -> Any:
+    """llama-cpp-python for a ``layers``-layer comparison, or None. Fewer than 4 real-width layers hold no
+    full-attention layer (every 4th is one), and llama.cpp's qwen35moe then aborts the process at load (an empty KV
+    cache buffer): the engine's figures alone, with a line saying so."""
+    llama_cpp = _llama_cpp()
+    if llama_cpp is not None and layers < 4:
+        say(f"llama.cpp is left out at --layers {layers}: its qwen35moe needs a full-attention layer (>= 4 layers)")
+        return None
+    return llama_cpp
+
+
 def build_inputs(layers: int, say: Callable[[str], None], llama_cpp: Any = None) -> tuple[Path, Path]:
     """(checkpoint folder, GGUF file), built once: each step is skipped when its output exists.
 
@@ -345,13 +356,13 @@ def llama_logits(llama_cpp: Any, path: Path, prompt: list[int], threads: int) ->
 
 
 def run_real_width(args: argparse.Namespace) -> int:
-    llama_cpp = _llama_cpp()
     layers = args.layers or 4
     threads = torch.get_num_threads()
 
     def say(line: str) -> None:
         print(f"[real-width] {line}", flush=True)
 
+    llama_cpp = llama_cpp_for(layers, say)
     folder, path = build_inputs(layers, say, llama_cpp)
     prompt_len = args.prompt_tokens or 128
     n_new = args.decode_tokens

@@ -12,7 +12,8 @@ import pytest
 import torch
 from fixtures_tiny import tiny_clover_dir  # noqa: F401
 
-from clover_desk.bench.real_width import LayerClock, kl_stats, model_bytes, type_mix
+from clover_desk.bench import real_width
+from clover_desk.bench.real_width import LayerClock, kl_stats, llama_cpp_for, model_bytes, type_mix
 from clover_desk.engine.weights.gguf.file import open_gguf
 from clover_desk.engine.weights.gguf.model import load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
@@ -71,3 +72,14 @@ def test_a_child_reports_its_peak_rss(q8_file: Path, tiny_clover_dir: Path) -> N
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("peak_rss_bytes ")]
     assert line and 50 * 2**20 < int(line[0].split()[1]) < 0.9 * 2**30, out.stdout + out.stderr
     del ballast
+
+
+def test_llama_cpp_is_left_out_below_four_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fewer than 4 real-width layers there is no full-attention layer and llama.cpp would abort the process."""
+    fake = object()
+    monkeypatch.setattr(real_width, "_llama_cpp", lambda: fake)
+    said: list[str] = []
+    assert llama_cpp_for(3, said.append) is None
+    assert said and "--layers 3" in said[0] and ">= 4 layers" in said[0]
+    said.clear()
+    assert llama_cpp_for(4, said.append) is fake and not said
