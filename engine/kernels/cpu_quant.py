@@ -210,7 +210,8 @@ class Kernels:
         """True when they add their int16 products with AVX-512 VNNI (``vnni=False`` builds them without)."""
         return bool(self._lib and self._lib.clover_vnni())
 
-    def _need(self) -> ctypes.CDLL:
+    def lib(self) -> ctypes.CDLL:
+        """The loaded library (its functions bound); raises where the kernels are unavailable."""
         if self._lib is None:
             raise RuntimeError(f"cpu_quant kernels are unavailable: {self.reason}")
         return self._lib
@@ -219,7 +220,7 @@ class Kernels:
 
     def qmatmul(self, x: Tensor, w: Tensor, qtype: int, rows: Tensor | None = None) -> Tensor:
         """x [T, K] float, w uint8 [N, row_bytes] -> float32 [T, N] (or [T, R] for rows int64 [R])."""
-        lib = self._need()
+        lib = self.lib()
         x = _as_f32_2d(x)
         w = _check_weights(w, qtype, x.shape[1], 2)
         n = w.shape[0]
@@ -241,7 +242,7 @@ class Kernels:
     def smatmul(self, x: Tensor, codes: Tensor, scales: Tensor, qtype: int, blocksize: int) -> Tensor:
         """x [T, K] float; codes of a split-format matrix [N, K] (NF4: uint8, any shape, N * K / 2 bytes; INT8: int8
         [N, K]); scales fp32, one per ``blocksize`` values of the flattened matrix -> float32 [T, N]."""
-        lib = self._need()
+        lib = self.lib()
         x = _as_f32_2d(x)
         k = x.shape[1]
         codes, n = _split_codes(codes, qtype, k)
@@ -285,7 +286,7 @@ class Kernels:
             raise ValueError(f"moe_rows: scale offsets must be 4-byte aligned, got {gu_s}, {dn_s}")
         if packed.stride(1) != 1 or packed.stride(0) % 4 or packed.data_ptr() % 4:
             packed = packed.contiguous()
-        lib = self._need()
+        lib = self.lib()
         t = x.shape[0]
         idx, wts, out = _routing(x, topk_idx, topk_w)
         if t == 0:
@@ -338,7 +339,7 @@ class Kernels:
 
     def _moe(self, x: Tensor, e: int, i: int, segs: tuple[tuple[int, int, int], ...], qtypes: tuple[int, int, int],
              topk_idx: Tensor, topk_w: Tensor, keep: tuple[Tensor, ...]) -> Tensor:
-        lib = self._need()
+        lib = self.lib()
         t, d = x.shape
         idx, wts, out = _routing(x, topk_idx, topk_w)
         if t == 0:
@@ -357,7 +358,7 @@ class Kernels:
         """One Gated DeltaNet AR step (``clover_gdn_step``): q, k [H, dk], v [H, dv], g, beta [H], state
         [H, dk, dv], all float32 -> o [H, dv]; the updated state is written into ``state_out`` (``state`` itself
         for in place; None: not computed). Same rule as ``engine.model.clover.recurrent_gated_delta_rule``."""
-        lib = self._need()
+        lib = self.lib()
         h, dk, dv = state.shape
         args = [t.to(torch.float32).contiguous() for t in (q, k, v, g, beta)]
         for name, t, shape in zip(("q", "k", "v", "g", "beta"), args, ((h, dk), (h, dk), (h, dv), (h,), (h,))):
@@ -380,7 +381,7 @@ class Kernels:
         """A GDN layer's causal short convolution of one token, before its SiLU (``clover_gdn_conv``): x [C] raw,
         weight [C, K], state [K-1, C] (the previous raw rows), all float32 contiguous -> [C]; the new state (the
         last K-1 rows) goes into ``state_out`` (``state`` itself for in place; None: not written)."""
-        lib = self._need()
+        lib = self.lib()
         c, kernel = weight.shape
         _need_f32("gdn_conv", x=(x, c), weight=(weight, c * kernel), state=(state, (kernel - 1) * c),
                   state_out=(state_out, (kernel - 1) * c))
@@ -393,7 +394,7 @@ class Kernels:
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, lanes: int) -> Tensor:
         """The model's zero-centred RMSNorm (``clover_rms_norm``) over the last dim of x [..., n] with weight [n],
         float32 contiguous -> a new tensor like x: the torch forward's bits (sums over ``lanes``-float vectors)."""
-        lib = self._need()
+        lib = self.lib()
         n = x.shape[-1]
         _need_f32("rms_norm", x=(x, x.numel()), weight=(weight, n))
         y = torch.empty_like(x)
@@ -404,7 +405,7 @@ class Kernels:
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Partial rotary embedding of one token (``clover_rope``): x [..., hd], cos / sin [1, rd] (one position),
         float32 contiguous -> a new tensor like x, the torch forward's bits (NeoX pairs over the first rd dims)."""
-        lib = self._need()
+        lib = self.lib()
         hd, rd = x.shape[-1], cos.shape[-1]
         _need_f32("rope", x=(x, x.numel()), cos=(cos, rd), sin=(sin, rd))
         y = torch.empty_like(x)
@@ -416,7 +417,7 @@ class Kernels:
         """x [T, K] float and n <= 8 weight matrices ``ws`` (uint8 [N_i, row_bytes], ggml type ``qtype``) ->
         [x @ dequantize(W_i).T] float32 [T, N_i] each (``clover_qmatmul_many``): x rounded to int8 blocks once for
         all; the same bits as one :meth:`qmatmul` per matrix."""
-        lib = self._need()
+        lib = self.lib()
         x = _as_f32_2d(x)
         ws = [_check_weights(w, qtype, x.shape[1], 2) for w in ws]
         outs = [torch.empty(x.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
@@ -436,7 +437,7 @@ class Kernels:
         eps), state [Hv, dk, dv], all float32 contiguous -> y [Hv * dv]: the l2norms, the delta rule and the gated
         RMSNorm, in the torch forward's order of operations (sums as torch's over ``lanes``-float vectors); the
         updated state goes into ``state_out`` (``state`` for in place; None: not computed)."""
-        lib = self._need()
+        lib = self.lib()
         hv, dk, dv = state.shape
         c = act.numel()
         hk = (c - hv * dv) // (2 * dk)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from clover_desk.engine.errors import PromptError
+from clover_desk.engine.kernels.cpu_moe import moe_token
 from clover_desk.engine.model.attention import ATTENTION_ROWS, Attention, rope_cos_sin
 from clover_desk.engine.model.cache import ModelCache, PassContext
 from clover_desk.engine.model.config import CloverConfig
@@ -50,15 +51,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``st``: this layer's cache tensors (``ModelCache.layer``), None without a cache."""
-        h, x, w, idx = self.front(h, p, st)
+        h, x = self.mixed(h, p, st)
+        one = moe_token(self.mlp, x, p.coreset and p.block_size is not None)  # an AR step on the CPU: one C call
+        if one is not None:
+            return h + one.to(h.dtype)
+        w, idx = self.mlp.route(x, p)
         return self.back(h, x, self.mlp.routed(x, w, idx))
+
+    def mixed(self, h: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """The token mixer and its residual, then the MoE input norm: (h [T, D] after the mixer, x [T, D])."""
+        mixer = self.self_attn if self.is_full_attention else self.linear_attn
+        h = h + mixer(self.input_layernorm(h), p, st)
+        return h, self.post_attention_layernorm(h)
 
     def front(self, h: Tensor, p: PassContext, st: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The layer up to its routed experts: the token mixer and its residual, the MoE input norm and the routing.
         Returns (h [T, D] after the mixer, x [T, D] the MoE input, w [T, k] fp32, idx [T, k] long)."""
-        mixer = self.self_attn if self.is_full_attention else self.linear_attn
-        h = h + mixer(self.input_layernorm(h), p, st)
-        x = self.post_attention_layernorm(h)
+        h, x = self.mixed(h, p, st)
         w, idx = self.mlp.route(x, p)
         return h, x, w, idx
 

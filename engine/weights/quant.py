@@ -361,6 +361,20 @@ class QuantLinear(nn.Module):
             return torch._weight_int8pack_mm(x, self.codes, self.scales.to(x.dtype))
         return None
 
+    def cpu_mat(self) -> tuple[int, ...] | None:
+        """This weight as the CPU kernels' matrix (``engine.kernels.cpu_moe.Mat``), or None where they cannot read it
+        in place (another device, a bias, widths or a blocksize the kernels do not take)."""
+        codes, n = self.codes, self.in_features
+        if codes.device.type != "cpu" or self.bias is not None or not codes.is_contiguous():
+            return None
+        if self.fmt == "q6_k":
+            return (gq.Q6_K, codes.data_ptr(), 0, codes.stride(0), 0, 0, 0, 0) if cpu_quant.usable(gq.Q6_K) else None
+        qtype = cpu_quant.SPLIT_OF_FORMAT.get(self.fmt)
+        bs = self.blocksize if self.fmt == "nf4" else n
+        if qtype is None or not cpu_quant.split_usable(qtype, n, blocksize=bs) or not self.scales.is_contiguous():
+            return None
+        return (qtype, codes.data_ptr(), 0, n if qtype == cpu_quant.INT8 else n // 2, self.scales.data_ptr(), 0, bs, 0)
+
     def forward(self, x: Tensor) -> Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         out = self._in_place(x.reshape(-1, self.in_features))  # [R, O] or None
@@ -640,6 +654,28 @@ class RowExpertBank(ExpertBank):
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.packed)
+
+    def cpu_mats(self) -> tuple[tuple[int, ...], ...] | None:
+        """The bank's gate, up and down matrices as the CPU kernels' matrices (``engine.kernels.cpu_moe.Mat``, expert
+        e at e * the row stride of ``packed``), or None where the kernels cannot read the rows in place."""
+        packed, lay = self.packed, self.layout
+        if packed.device.type != "cpu" or packed.stride(1) != 1:
+            return None
+        base, es, d, i = packed.data_ptr(), packed.stride(0), lay.hidden_size, lay.intermediate_size
+        qtypes = getattr(lay, "qtypes", None)
+        if qtypes is not None and cpu_quant.usable(*qtypes):  # GGUF rows: [gate | up | down] blocks
+            (qg, qu, qd), rg, ru = qtypes, cpu_quant.row_bytes(qtypes[0], d), cpu_quant.row_bytes(qtypes[1], d)
+            return ((qg, base, es, rg, 0, 0, 0, 0), (qu, base + i * rg, es, ru, 0, 0, 0, 0),
+                    (qd, base + i * (rg + ru), es, cpu_quant.row_bytes(qd, i), 0, 0, 0, 0))
+        if not _own_rows_usable(lay) or es % 4 or base % 4:
+            return None
+        own = cast(ExpertLayout, lay)  # the own cache's rows: [gate_up codes | down codes | their scales]
+        qt, (gu_c, dn_c, gu_s, dn_s), (bs_gu, bs_dn) = cpu_quant.SPLIT_OF_FORMAT[own.fmt], _own_offsets(own), _own_blocksizes(own)
+        if gu_s % 4 or dn_s % 4:
+            return None
+        rg, rd = (d, i) if qt == cpu_quant.INT8 else (d // 2, i // 2)
+        return ((qt, base + gu_c, es, rg, base + gu_s, es, bs_gu, 0), (qt, base + gu_c + i * rg, es, rg, base + gu_s, es, bs_gu, i * d),
+                (qt, base + dn_c, es, rd, base + dn_s, es, bs_dn, 0))
 
 
 class QuantExpertBank(RowExpertBank):

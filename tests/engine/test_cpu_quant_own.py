@@ -194,6 +194,6 @@ def test_split_validation_errors(kern: cq.Kernels) -> None:
     with pytest.raises(ValueError, match="split format"):
         kern.smatmul(torch.randn(1, 64), codes, scales, cq.Q4_K, bs)
     with pytest.raises(RuntimeError, match="unsupported"):  # the ggml entry refuses a split type
-        cq._raise_for(kern._need().clover_qmatmul(0, 0, 64, 0, 0, cq.NF4, None, 0, 0, 1), "qmatmul")
+        cq._raise_for(kern.lib().clover_qmatmul(0, 0, 64, 0, 0, cq.NF4, None, 0, 0, 1), "qmatmul")
     assert math.isfinite(float(kern.smatmul(torch.randn(2, 64, dtype=torch.bfloat16), codes, scales, cq.NF4,
                                             bs).sum()))

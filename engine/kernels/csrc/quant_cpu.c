@@ -1459,6 +1459,85 @@ int clover_moe_split(const float *x, int64_t T, int64_t D, int64_t I, int64_t E,
     const mat_t dn = {qt, base + dn_codes, es, rd, base + dn_scales, es, bs_dn, 0};
     return moe_run(x, T, D, I, E, k, &g, &u, &dn, topk_idx, topk_w, out, tiled != 0, nth);
 }
+
+/* ============================================================================================================ */
+/* One token's whole MoE block (AR steps; engine.kernels.cpu_moe): the router, its softmax and top-k, the routed     */
+/* experts (moe_run), the shared expert and its gate, in one call instead of ~25 small torch ops and 4-5 C calls   */
+/* ============================================================================================================ */
+
+/* a . b over n floats: 4 vector accumulators (a 2,048-wide router row is memory-bound, not latency-bound) */
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float r = 0.0f;
+#if CLOVER_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    r = hsum_ps(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#endif
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/*
+ * x [D] fp32, the MoE input of one token. router [E, D] fp32: p = softmax(router x); the k largest (ties: the lower
+ * expert id first), renormalized to sum 1 when norm_topk; written to idx_out [k] int64 and w_out [k] fp32.
+ * routed [3]: the banks' gate [I, D], up [I, D], down [D, I] matrices (mat_t, expert e at e * es); shared [3]: the
+ * shared expert's gate [Is, D], up [Is, D], down [D, Is] (es 0), or NULL (Is 0) for none; sgate [D] fp32, the
+ * shared expert's gate row, or NULL (a gate of 1). out [D] = routed(x) + shared(x) * sigmoid(sgate . x): the formulas
+ * of engine.model.moe.SparseMoe, each product's activations rounded to int8 blocks as in the separate calls.
+ */
+int clover_moe_token(const float *x, int64_t D, int64_t E, int64_t k, int norm_topk, const float *router, int64_t I,
+                     const mat_t *routed, int64_t Is, const mat_t *shared, const float *sgate, float *out,
+                     int64_t *idx_out, float *w_out, int nth) {
+    if (D <= 0 || E <= 0 || k <= 0 || k > E || (Is > 0 && !shared)) return ERR_SHAPE;
+    float *p = (float *)malloc(sizeof(float) * (size_t)E);
+    float *hs = (float *)malloc(sizeof(float) * (size_t)(2 * Is + D + 1)); /* shared gate | up, then its output */
+    int rc = OK;
+    if (!p || !hs) {
+        rc = ERR_ALLOC;
+        goto done;
+    }
+#pragma omp parallel for num_threads(threads_for(nth, E / 64)) schedule(static)
+    for (int64_t e = 0; e < E; e++) p[e] = dot_f32(router + e * D, x, D);
+    float m = p[0], sum = 0.0f;
+    for (int64_t e = 1; e < E; e++) m = p[e] > m ? p[e] : m;
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = expf(p[e] - m);
+        sum += p[e];
+    }
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    float wsum = 0.0f;
+    for (int64_t j = 0; j < k; j++) { /* k <= E small: repeated selection; a taken expert's p is set below 0 */
+        int64_t best = 0;
+        for (int64_t e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
+        idx_out[j] = best;
+        w_out[j] = p[best];
+        wsum += p[best];
+        p[best] = -1.0f;
+    }
+    if (norm_topk)
+        for (int64_t j = 0; j < k; j++) w_out[j] /= wsum;
+    rc = moe_run(x, 1, D, I, E, k, &routed[0], &routed[1], &routed[2], idx_out, w_out, out, 0, nth);
+    if (rc != OK || Is <= 0) goto done;
+    float *hg = hs, *hu = hs + Is, *ys = hs + 2 * Is;
+    if ((rc = qmatmul_run(x, 1, D, &shared[0], NULL, Is, hg, nth)) != OK) goto done;
+    if ((rc = qmatmul_run(x, 1, D, &shared[1], NULL, Is, hu, nth)) != OK) goto done;
+    for (int64_t i = 0; i < Is; i++) hg[i] = silu(hg[i]) * hu[i];
+    if ((rc = qmatmul_run(hg, 1, Is, &shared[2], NULL, D, ys, nth)) != OK) goto done;
+    const float g = sgate ? 1.0f / (1.0f + expf(-dot_f32(sgate, x, D))) : 1.0f;
+    for (int64_t j = 0; j < D; j++) out[j] += ys[j] * g;
+done:
+    free(p);
+    free(hs);
+    return rc;
+}
+
 /* ============================================================================================================ */
 /* end of issue 30's section                                                                                     */
 /* ============================================================================================================ */

@@ -1,0 +1,164 @@
+"""engine.kernels.cpu_moe: one token's whole MoE block in one C call (router, softmax, top-k, routed experts, shared
+expert and its gate) against the separate ops it replaces, on GGUF blocks and on the own cache's formats; where it
+does not apply it steps aside; the decoder layer takes it in AR steps and the tokens stay the separate ops' tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures_tiny import tiny_clover_dir  # noqa: F401
+from helpers_model import tiny_config
+
+from clover_desk.engine.kernels import cpu_moe
+from clover_desk.engine.kernels import cpu_quant as cq
+from clover_desk.engine.model.moe import SparseMoe
+from clover_desk.engine.weights import quant as wq
+from clover_desk.engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout, GGUFLinear, load_gguf_model
+from clover_desk.engine.weights.gguf.writer import write_gguf
+from tests.quant_reference import make_bank, make_weights
+
+pytestmark = pytest.mark.skipif(not cq.available(), reason="the CPU kernels did not build")
+
+D, I, E, K = 256, 256, 8, 3  # K-format rows need whole 256-value blocks
+
+
+def _moe(seed: int = 0) -> SparseMoe:
+    cfg = tiny_config(hidden_size=D, moe_intermediate_size=I, shared_expert_intermediate_size=I, num_experts=E,
+                      num_experts_per_tok=K)
+    moe = SparseMoe(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for p in moe.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.5
+    return moe
+
+
+def gguf_moe(qtypes: tuple[int, int, int]) -> SparseMoe:
+    moe = _moe()
+    gate, up, down = make_bank(qtypes, E, D, I)
+    packed = torch.cat([gate.reshape(E, -1), up.reshape(E, -1), down.reshape(E, -1)], 1).contiguous()
+    moe.experts = GGUFExpertBank(GGUFExpertLayout(E, D, I, qtypes), packed)
+    for name, (q, n, k) in {"gate_proj": (qtypes[0], I, D), "up_proj": (qtypes[1], I, D),
+                            "down_proj": (qtypes[2], D, I)}.items():
+        setattr(moe.shared_expert, name, GGUFLinear(make_weights(q, n, k, seed=len(name)), q, k))
+    return moe
+
+
+def own_moe(experts: str, dense: str) -> SparseMoe:
+    moe = _moe(1)
+    g = torch.Generator().manual_seed(2)
+    moe.experts = wq.QuantExpertBank.from_dense(torch.randn(E, 2 * I, D, generator=g) * 0.1,
+                                                torch.randn(E, D, I, generator=g) * 0.1, fmt=experts)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(moe.shared_expert, name, wq.QuantLinear.from_linear(getattr(moe.shared_expert, name), dense))
+    return moe
+
+
+def separate_ops(moe: SparseMoe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the layer computed before: the routing, the routed experts, the shared expert and its gate."""
+    probs = torch.softmax(moe.gate(x).float(), -1)
+    w, idx = probs.topk(K, -1)
+    w = w / w.sum(-1, keepdim=True)
+    return moe.combine(x, moe.routed(x, w, idx)), idx, w
+
+
+CASES = {
+    "gguf Q4_K/Q4_K/Q6_K": lambda: gguf_moe((cq.Q4_K, cq.Q4_K, cq.Q6_K)),
+    "gguf Q8_0": lambda: gguf_moe((cq.Q8_0, cq.Q8_0, cq.Q8_0)),
+    "gguf Q4_0/Q4_0/Q5_K": lambda: gguf_moe((cq.Q4_0, cq.Q4_0, cq.Q5_K)),
+    "own nf4 + int8": lambda: own_moe("nf4", "int8"),
+    "own int8 + q6_k": lambda: own_moe("int8", "q6_k"),
+    "own nf4 + nf4": lambda: own_moe("nf4", "nf4"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
+@torch.no_grad()
+def test_one_call_equals_the_separate_ops(case: str, scalar: bool) -> None:
+    moe = CASES[case]()
+    before = cq.set_scalar(scalar)
+    try:
+        for seed in range(4):
+            x = torch.randn(1, D, generator=torch.Generator().manual_seed(seed))
+            one = cpu_moe.moe_token(moe, x, coreset=False)
+            assert one is not None and one.shape == (1, D) and one.dtype == torch.float32
+            ref, idx, w = separate_ops(moe, x)
+            assert torch.equal(moe.last_topk_idx, idx)  # the same experts, in the same order
+            torch.testing.assert_close(moe.last_topk_w, w, rtol=1e-5, atol=1e-6)
+            # within float32 rounding of the separate ops (the exponentials and the router's sum order are C's own)
+            torch.testing.assert_close(one, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    finally:
+        cq.set_scalar(before)
+
+
+@torch.no_grad()
+def test_the_router_top_k_and_the_shared_gate_each_count() -> None:
+    """Each part of the block changes the output: a test of the whole block sees each of them."""
+    moe = gguf_moe((cq.Q8_0, cq.Q8_0, cq.Q8_0))
+    x = torch.randn(1, D, generator=torch.Generator().manual_seed(7))
+    base = cpu_moe.moe_token(moe, x, coreset=False)
+    moe.shared_expert_gate.weight.data.zero_()  # sigmoid(0) = 1/2: the shared expert's part halves
+    half = cpu_moe.moe_token(moe, x, coreset=False)
+    ref, _, _ = separate_ops(moe, x)
+    assert not torch.allclose(base, half)
+    torch.testing.assert_close(half, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    moe.config = moe.config.with_overrides(norm_topk_prob=False)
+    unnormed = cpu_moe.moe_token(moe, x, coreset=False)
+    probs = torch.softmax(moe.gate(x).float(), -1)
+    w, idx = probs.topk(K, -1)
+    torch.testing.assert_close(moe.last_topk_w, w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(unnormed, moe.combine(x, moe.routed(x, w, idx)), rtol=1e-4,
+                               atol=1e-4 * float(half.abs().max()))
+
+
+@torch.no_grad()
+def test_it_steps_aside_where_it_does_not_apply() -> None:
+    moe = gguf_moe((cq.Q8_0, cq.Q8_0, cq.Q8_0))
+    x = torch.randn(1, D)
+    assert cpu_moe.moe_token(moe, x, coreset=True) is None  # a block coreset routes the block, not the token
+    assert cpu_moe.moe_token(moe, torch.randn(2, D), coreset=False) is None  # more than one token
+    assert cpu_moe.moe_token(moe, x.double(), coreset=False) is None
+    before = cpu_moe.set_enabled(False)
+    try:
+        assert cpu_moe.moe_token(moe, x, coreset=False) is None
+    finally:
+        cpu_moe.set_enabled(before)
+    hook = moe.experts.register_forward_pre_hook(lambda *_: None)  # someone watches the bank's calls
+    assert cpu_moe.moe_token(moe, x, coreset=False) is None
+    hook.remove()
+    assert cpu_moe.moe_token(moe, x, coreset=False) is not None
+    assert cpu_moe.moe_token(_moe(), x, coreset=False) is None  # unquantized float experts: no in-place layout
+
+
+@torch.no_grad()
+def test_ar_steps_take_it_and_keep_the_tokens(tiny_clover_dir, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A GGUF model's greedy AR tokens with the one call equal those of the separate ops, and its AR steps did
+    take the call (each layer once per step)."""
+    path = write_gguf(tiny_clover_dir, tmp_path / "cpu-moe-Q8_0.gguf", "Q8_0", layout="fork")[0]
+    model = load_gguf_model(path).model
+    prompt = torch.arange(5, 17)
+    def greedy(on: bool) -> list[int]:
+        before = cpu_moe.set_enabled(on)
+        try:
+            cache = model.new_cache(40)
+            logits = model(prompt, 0, cache, last_only=True)
+            out = []
+            for _ in range(12):
+                out.append(int(logits[-1].argmax()))
+                logits = model(torch.tensor([out[-1]]), cache.length, cache)
+            return out
+        finally:
+            cpu_moe.set_enabled(before)
+
+    off = greedy(False)
+    taken = []
+    real_c = cpu_moe._function
+
+    def counted():  # count the C calls themselves
+        fn = real_c()
+        return lambda *a: taken.append(1) or fn(*a)
+
+    monkeypatch.setattr(cpu_moe, "_function", counted)
+    on = greedy(True)
+    assert on == off
+    assert len(taken) == 12 * len(model.layers)  # every AR step, every layer; never the prefill
