@@ -297,7 +297,7 @@ static inline __attribute__((always_inline)) float dot_q45k(const uint8_t *w, co
         _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
         const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
         const uint8_t *qs = w + qs_at;
-        __m256i sumi = _mm256_setzero_si256();
+        __m256i sumi = _mm256_setzero_si256(), sumi1 = sumi; /* two chains: the low and the high nibbles' */
         for (int c = 0; c < 4; c++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
             __m256i lo = _mm256_and_si256(q, low4);
@@ -311,8 +311,9 @@ static inline __attribute__((always_inline)) float dot_q45k(const uint8_t *w, co
             __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
             __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
             sumi = madd_acc(sumi, p0, _mm256_set1_epi16((short)sc16[2 * c]));
-            sumi = madd_acc(sumi, p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
+            sumi1 = madd_acc(sumi1, p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
         }
+        sumi = _mm256_add_epi32(sumi, sumi1); /* integers: the same sums in any order */
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
     return hsum_ps(_mm256_sub_ps(acc, _mm256_set_m128(_mm_setzero_ps(), acc_min)));
