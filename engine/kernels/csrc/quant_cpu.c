@@ -512,6 +512,17 @@ static inline __m256i nf4_values(const uint8_t *q, __m256i lut) {
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4), lo = _mm_and_si128(raw, low4);
     return _mm256_shuffle_epi8(lut, _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo)));
 }
+
+/* 64 NF4 codes (32 bytes) -> the table values of the first and the second 32 in value order (nf4_values twice, with
+   the unpacking done on whole registers) */
+static inline void nf4_values64(const uint8_t *q, __m256i lut, __m256i *v0, __m256i *v1) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), lo = _mm256_and_si256(raw, low4);
+    const __m256i a = _mm256_unpacklo_epi8(hi, lo), b = _mm256_unpackhi_epi8(hi, lo); /* per 128-bit lane */
+    *v0 = _mm256_shuffle_epi8(lut, _mm256_permute2x128_si256(a, b, 0x20));
+    *v1 = _mm256_shuffle_epi8(lut, _mm256_permute2x128_si256(a, b, 0x31));
+}
 #endif
 
 /* the scale of the next 32-value step, then the walk moves on */
@@ -528,6 +539,18 @@ static float dot_nf4(const uint8_t *q, const float *s, int64_t v0, int64_t bs, c
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two chains: the FMA latency overlaps */
     int64_t b = 0;
+    if (rem == 0 && bs % 64 == 0) { /* whole scale blocks of whole pairs (the cache's blocksize 64): one load a pair */
+        const int64_t pairs_per_scale = bs / 64;
+        for (int64_t j = 0; b + 1 < nb; b += 2, q += 32, a += 2) {
+            __m256i v0, v1;
+            nf4_values64(q, lut, &v0, &v1);
+            const __m256i p0 = dot32_i8(v0, a[0].q), p1 = dot32_i8(v1, a[1].q);
+            const float sc = s[blk];
+            if (++j == pairs_per_scale) j = 0, blk++;
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(sc * a[0].d), _mm256_cvtepi32_ps(p0), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(sc * a[1].d), _mm256_cvtepi32_ps(p1), acc1);
+        }
+    }
     for (; b + 1 < nb; b += 2, q += 32, a += 2) {
         const __m256i p0 = dot32_i8(nf4_values(q, lut), a[0].q), p1 = dot32_i8(nf4_values(q + 16, lut), a[1].q);
         const float s0 = next_scale(s, bs, &blk, &rem), s1 = next_scale(s, bs, &blk, &rem);
