@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from clover_desk.engine.errors import PromptError
-from clover_desk.engine.kernels.cpu_moe import moe_token
+from clover_desk.engine.kernels.cpu_token import moe_token
 from clover_desk.engine.model.attention import ATTENTION_ROWS, Attention, rope_cos_sin
 from clover_desk.engine.model.cache import ModelCache, PassContext
 from clover_desk.engine.model.config import CloverConfig

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from clover_desk.engine.kernels import cpu_quant, gdn_kernels
+from clover_desk.engine.kernels.cpu_token import gdn_mixer_token
 from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
 from clover_desk.engine.model.layers import Linear
@@ -346,6 +347,9 @@ class GatedDeltaNet(nn.Module):
         C call for GGUF blocks of one type: ``cpu_quant.qmatmul_many``, the same bits as four) and the gates, two C
         calls for the rest of the mixer (the caches updated in place when ``p.write_cache``), ``out_proj``."""
         conv_buf, state_buf = st
+        one = gdn_mixer_token(self, x, st, p.write_cache)  # all of it in one C call where every weight allows
+        if one is not None:
+            return one.to(x.dtype)
         projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         blocks = cpu_quant.blocks_of(x, *projections)
         mixed, z, b, a = cpu_quant.qmatmul_many(x, *blocks) if blocks else (m(x) for m in projections)

@@ -362,7 +362,7 @@ class QuantLinear(nn.Module):
         return None
 
     def cpu_mat(self) -> tuple[int, ...] | None:
-        """This weight as the CPU kernels' matrix (``engine.kernels.cpu_moe.Mat``), or None where they cannot read it
+        """This weight as the CPU kernels' matrix (``engine.kernels.cpu_token.Mat``), or None where they cannot read it
         in place (another device, a bias, widths or a blocksize the kernels do not take)."""
         codes, n = self.codes, self.in_features
         if codes.device.type != "cpu" or self.bias is not None or not codes.is_contiguous():
@@ -656,7 +656,7 @@ class RowExpertBank(ExpertBank):
         return routed_forward(x, topk_idx, topk_w, self.num_experts, self.layout, source=self.packed)
 
     def cpu_mats(self) -> tuple[tuple[int, ...], ...] | None:
-        """The bank's gate, up and down matrices as the CPU kernels' matrices (``engine.kernels.cpu_moe.Mat``, expert
+        """The bank's gate, up and down matrices as the CPU kernels' matrices (``engine.kernels.cpu_token.Mat``, expert
         e at e * the row stride of ``packed``), or None where the kernels cannot read the rows in place."""
         packed, lay = self.packed, self.layout
         if packed.device.type != "cpu" or packed.stride(1) != 1:

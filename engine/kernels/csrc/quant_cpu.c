@@ -1562,6 +1562,60 @@ done:
     return rc;
 }
 
+/*
+ * A Gated DeltaNet layer's whole one-token mixer (engine.kernels.cpu_token.gdn_mixer_token; the torch forward is
+ * engine.model.gdn.GatedDeltaNet): x [D], the layer's normed input -> out [D]. C = 2 Hk dk + Hv dv, V = Hv dv.
+ * proj [4]: in_proj_qkv [C, D], in_proj_z [V, D], in_proj_b [Hv, D], in_proj_a [Hv, D] as mat_t; b_f32 / a_f32:
+ * fp32 rows [Hv, D] used in place of proj[2] / proj[3] where not NULL. The gates beta = sigmoid(b) and
+ * g = -exp(A_log) softplus(a + dt_bias) (softplus: torch's, linear past 20), the causal convolution
+ * (clover_gdn_conv: conv_w [C, K], conv_state [K-1, C], the new state into conv_out unless NULL), the SiLUs, the
+ * delta rule and gated RMSNorm (clover_gdn_token: norm_w [dv], eps, state [Hv, dk, dv] -> state_out unless NULL),
+ * then out_proj (outm [D, V]). heads_hk > 0: out_proj's columns are GGUF's tiled order (value head a * Hk + b of
+ * the file is head b * (Hv / Hk) + a of the model), so y is put in that order first.
+ */
+int clover_gdn_mixer_token(const float *x, int64_t D, const mat_t *proj, const float *b_f32, const float *a_f32,
+                           const float *A_log, const float *dt_bias, const float *conv_w, int64_t K,
+                           const float *conv_state, float *conv_out, const float *norm_w, float eps,
+                           const float *state, float *state_out, const mat_t *outm, int64_t heads_hk, float *out,
+                           int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int lanes, int nth) {
+    if (D <= 0 || Hk < 1 || Hv < Hk || Hv % Hk || dk < 1 || dv < 1 || K < 1 || (heads_hk > 0 && Hv % heads_hk))
+        return ERR_SHAPE;
+    const int64_t C = 2 * Hk * dk + Hv * dv, V = Hv * dv;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * C + 3 * V + 4 * Hv));
+    if (!buf) return ERR_ALLOC;
+    float *mixed = buf, *left = mixed + C, *z = left + C, *y = z + V, *yp = y + V, *b = yp + V, *a = b + Hv,
+          *beta = a + Hv, *g = beta + Hv;
+    int rc = qmatmul_run(x, 1, D, &proj[0], NULL, C, mixed, nth);
+    if (rc == OK) rc = qmatmul_run(x, 1, D, &proj[1], NULL, V, z, nth);
+    if (rc == OK && !b_f32) rc = qmatmul_run(x, 1, D, &proj[2], NULL, Hv, b, nth);
+    if (rc == OK && !a_f32) rc = qmatmul_run(x, 1, D, &proj[3], NULL, Hv, a, nth);
+    if (rc != OK) goto done;
+    for (int64_t h = 0; h < Hv; h++) {
+        if (b_f32) b[h] = dot_f32(b_f32 + h * D, x, D);
+        if (a_f32) a[h] = dot_f32(a_f32 + h * D, x, D);
+        const float v = a[h] + dt_bias[h];
+        beta[h] = 1.0f / (1.0f + expf(-b[h]));
+        g[h] = -expf(A_log[h]) * (v > 20.0f ? v : log1pf(expf(v)));
+    }
+    if ((rc = clover_gdn_conv(mixed, conv_state, conv_w, conv_out, left, C, K)) != OK) goto done;
+    for (int64_t c = 0; c < C; c++) left[c] = silu(left[c]);
+    for (int64_t j = 0; j < V; j++) z[j] = silu(z[j]);
+    rc = clover_gdn_token(left, z, beta, g, norm_w, eps, state, state_out, y, Hk, Hv, dk, dv, lanes, nth);
+    if (rc != OK) goto done;
+    const float *yo = y;
+    if (heads_hk > 0) { /* model order (a, r, e) -> the file's (r, a, e), r = Hv / heads_hk */
+        const int64_t r = Hv / heads_hk;
+        for (int64_t ai = 0; ai < heads_hk; ai++)
+            for (int64_t ri = 0; ri < r; ri++)
+                memcpy(yp + (ri * heads_hk + ai) * dv, y + (ai * r + ri) * dv, sizeof(float) * (size_t)dv);
+        yo = yp;
+    }
+    rc = qmatmul_run(yo, 1, V, outm, NULL, D, out, nth);
+done:
+    free(buf);
+    return rc;
+}
+
 /* ============================================================================================================ */
 /* end of issue 30's section                                                                                     */
 /* ============================================================================================================ */

@@ -216,11 +216,13 @@ class GGUFLinear(nn.Module):
                  for r0 in range(0, self.out_features, step)]
         return torch.cat(parts, dim=-1)  # [.., O]
 
-    def cpu_mat(self) -> tuple[int, ...] | None:
-        """This weight as the CPU kernels' matrix (``engine.kernels.cpu_moe.Mat``), or None where they cannot read it
-        in place (another device, a type without a kernel, value heads in the stored order)."""
+    def cpu_mat(self, heads_ok: bool = False) -> tuple[int, ...] | None:
+        """This weight as the CPU kernels' matrix (``engine.kernels.cpu_token.Mat``), or None where they cannot read it
+        in place (another device, a type without a kernel; value heads in the stored order unless ``heads_ok``: the
+        caller orders its input as ``in_heads`` says)."""
         raw = self.raw
-        if self.in_heads is not None or raw.device.type != "cpu" or raw.stride(1) != 1 or not cpu_quant.usable(self.qtype):
+        if (self.in_heads is not None and not heads_ok) or raw.device.type != "cpu" or raw.stride(1) != 1 \
+                or not cpu_quant.usable(self.qtype):
             return None
         return (self.qtype, raw.data_ptr(), 0, raw.stride(0), 0, 0, 0, 0)
 

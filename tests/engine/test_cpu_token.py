@@ -1,4 +1,4 @@
-"""engine.kernels.cpu_moe: one token's whole MoE block in one C call (router, softmax, top-k, routed experts, shared
+"""engine.kernels.cpu_token: one token's whole MoE block in one C call (router, softmax, top-k, routed experts, shared
 expert and its gate) against the separate ops it replaces, on GGUF blocks and on the own cache's formats; where it
 does not apply it steps aside; the decoder layer takes it in AR steps and the tokens stay the separate ops' tokens."""
 
@@ -9,10 +9,11 @@ import torch
 from fixtures_tiny import tiny_clover_dir  # noqa: F401
 from helpers_model import tiny_config
 
-from clover_desk.engine.kernels import cpu_moe
 from clover_desk.engine.kernels import cpu_quant as cq
+from clover_desk.engine.kernels import cpu_token
 from clover_desk.engine.model.moe import SparseMoe
 from clover_desk.engine.weights import quant as wq
+from clover_desk.engine.weights.formats import make_policy
 from clover_desk.engine.weights.gguf.model import GGUFExpertBank, GGUFExpertLayout, GGUFLinear, load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
 from tests.quant_reference import make_bank, make_weights
@@ -80,7 +81,7 @@ def test_one_call_equals_the_separate_ops(case: str, scalar: bool) -> None:
     try:
         for seed in range(4):
             x = torch.randn(1, D, generator=torch.Generator().manual_seed(seed))
-            one = cpu_moe.moe_token(moe, x, coreset=False)
+            one = cpu_token.moe_token(moe, x, coreset=False)
             assert one is not None and one.shape == (1, D) and one.dtype == torch.float32
             ref, idx, w = separate_ops(moe, x)
             assert torch.equal(moe.last_topk_idx, idx)  # the same experts, in the same order
@@ -96,14 +97,14 @@ def test_the_router_top_k_and_the_shared_gate_each_count() -> None:
     """Each part of the block changes the output: a test of the whole block sees each of them."""
     moe = gguf_moe((cq.Q8_0, cq.Q8_0, cq.Q8_0))
     x = torch.randn(1, D, generator=torch.Generator().manual_seed(7))
-    base = cpu_moe.moe_token(moe, x, coreset=False)
+    base = cpu_token.moe_token(moe, x, coreset=False)
     moe.shared_expert_gate.weight.data.zero_()  # sigmoid(0) = 1/2: the shared expert's part halves
-    half = cpu_moe.moe_token(moe, x, coreset=False)
+    half = cpu_token.moe_token(moe, x, coreset=False)
     ref, _, _ = separate_ops(moe, x)
     assert not torch.allclose(base, half)
     torch.testing.assert_close(half, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     moe.config = moe.config.with_overrides(norm_topk_prob=False)
-    unnormed = cpu_moe.moe_token(moe, x, coreset=False)
+    unnormed = cpu_token.moe_token(moe, x, coreset=False)
     probs = torch.softmax(moe.gate(x).float(), -1)
     w, idx = probs.topk(K, -1)
     torch.testing.assert_close(moe.last_topk_w, w, rtol=1e-5, atol=1e-6)
@@ -115,19 +116,19 @@ def test_the_router_top_k_and_the_shared_gate_each_count() -> None:
 def test_it_steps_aside_where_it_does_not_apply() -> None:
     moe = gguf_moe((cq.Q8_0, cq.Q8_0, cq.Q8_0))
     x = torch.randn(1, D)
-    assert cpu_moe.moe_token(moe, x, coreset=True) is None  # a block coreset routes the block, not the token
-    assert cpu_moe.moe_token(moe, torch.randn(2, D), coreset=False) is None  # more than one token
-    assert cpu_moe.moe_token(moe, x.double(), coreset=False) is None
-    before = cpu_moe.set_enabled(False)
+    assert cpu_token.moe_token(moe, x, coreset=True) is None  # a block coreset routes the block, not the token
+    assert cpu_token.moe_token(moe, torch.randn(2, D), coreset=False) is None  # more than one token
+    assert cpu_token.moe_token(moe, x.double(), coreset=False) is None
+    before = cpu_token.set_enabled(False)
     try:
-        assert cpu_moe.moe_token(moe, x, coreset=False) is None
+        assert cpu_token.moe_token(moe, x, coreset=False) is None
     finally:
-        cpu_moe.set_enabled(before)
+        cpu_token.set_enabled(before)
     hook = moe.experts.register_forward_pre_hook(lambda *_: None)  # someone watches the bank's calls
-    assert cpu_moe.moe_token(moe, x, coreset=False) is None
+    assert cpu_token.moe_token(moe, x, coreset=False) is None
     hook.remove()
-    assert cpu_moe.moe_token(moe, x, coreset=False) is not None
-    assert cpu_moe.moe_token(_moe(), x, coreset=False) is None  # unquantized float experts: no in-place layout
+    assert cpu_token.moe_token(moe, x, coreset=False) is not None
+    assert cpu_token.moe_token(_moe(), x, coreset=False) is None  # unquantized float experts: no in-place layout
 
 
 @torch.no_grad()
@@ -138,7 +139,7 @@ def test_ar_steps_take_it_and_keep_the_tokens(tiny_clover_dir, tmp_path, monkeyp
     model = load_gguf_model(path).model
     prompt = torch.arange(5, 17)
     def greedy(on: bool) -> list[int]:
-        before = cpu_moe.set_enabled(on)
+        before = cpu_token.set_enabled(on)
         try:
             cache = model.new_cache(40)
             logits = model(prompt, 0, cache, last_only=True)
@@ -148,17 +149,73 @@ def test_ar_steps_take_it_and_keep_the_tokens(tiny_clover_dir, tmp_path, monkeyp
                 logits = model(torch.tensor([out[-1]]), cache.length, cache)
             return out
         finally:
-            cpu_moe.set_enabled(before)
+            cpu_token.set_enabled(before)
 
     off = greedy(False)
-    taken = []
-    real_c = cpu_moe._function
+    taken: list[str] = []
+    real_c = cpu_token._function
 
-    def counted():  # count the C calls themselves
-        fn = real_c()
-        return lambda *a: taken.append(1) or fn(*a)
+    def counted(name: str = "clover_moe_token"):  # count the C calls themselves
+        fn = real_c(name)
+        return lambda *a: taken.append(name) or fn(*a)
 
-    monkeypatch.setattr(cpu_moe, "_function", counted)
+    monkeypatch.setattr(cpu_token, "_function", counted)
     on = greedy(True)
     assert on == off
-    assert len(taken) == 12 * len(model.layers)  # every AR step, every layer; never the prefill
+    # every AR step, every layer's MoE and every Gated DeltaNet mixer; never the prefill
+    gdn = sum(not layer.is_full_attention for layer in model.layers)
+    assert taken.count("clover_moe_token") == 12 * len(model.layers)
+    assert taken.count("clover_gdn_mixer_token") == 12 * gdn > 0
+
+
+def _gguf_model(tiny_dir, tmp_path):  # noqa: ANN001, ANN202
+    return load_gguf_model(write_gguf(tiny_dir, tmp_path / "tok-Q8_0.gguf", "Q8_0", layout="fork")[0]).model
+
+
+def _own_model(tiny_dir, tmp_path):  # noqa: ANN001, ANN202
+    model = load_gguf_model(write_gguf(tiny_dir, tmp_path / "tok-F32.gguf", "F32", layout="fork")[0]).model
+    wq.quantize_model_(model, make_policy())  # INT8 projections; the GDN a / b rows stay float32
+    return model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("build", [_gguf_model, _own_model], ids=["gguf Q8_0", "own int8"])
+def test_the_gdn_mixer_in_one_call_equals_the_separate_ops(build, tiny_clover_dir, tmp_path) -> None:  # noqa: ANN001, F811
+    """Each Gated DeltaNet mixer of an AR step: the output within float32 rounding of the separate calls, the conv
+    state the same, the recurrent state within rounding; a forward that writes no cache leaves both states as they
+    were. The GGUF file's out_proj reads its input in the file's tiled head order (in_heads): covered here."""
+    model = build(tiny_clover_dir, tmp_path)
+    cache = model.new_cache(32)
+    model(torch.arange(5, 17), 0, cache, last_only=True)
+    x = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    checked = 0
+    for i, layer in enumerate(model.layers):
+        if layer.is_full_attention:
+            continue
+        st, mixer = cache.layer(i), layer.linear_attn
+        separate = tuple(t.clone() for t in st)
+        before = cpu_token.set_enabled(False)
+        try:
+            ref = mixer._cpu_token(x, _ctx(), separate)  # the separate calls, the states updated in place
+        finally:
+            cpu_token.set_enabled(before)
+        kept = tuple(t.clone() for t in st)
+        assert cpu_token.gdn_mixer_token(mixer, x, kept, write_cache=False) is not None
+        assert all(torch.equal(a, b) for a, b in zip(kept, st))  # nothing written
+        mine = tuple(t.clone() for t in st)
+        one = cpu_token.gdn_mixer_token(mixer, x, mine, write_cache=True)
+        assert one is not None
+        torch.testing.assert_close(one, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+        assert torch.equal(mine[0], separate[0])  # the conv state: raw rows, copied
+        assert not torch.equal(mine[1], st[1])  # the recurrent state moved, as the separate calls moved it
+        torch.testing.assert_close(mine[1], separate[1], rtol=1e-4, atol=1e-5)
+        checked += 1
+    assert checked
+
+
+def _ctx():  # noqa: ANN202
+    """The pass facts of one causal AR token that writes its cache."""
+    from clover_desk.engine.model.cache import PassContext
+
+    fields = {f: None for f in PassContext.__dataclass_fields__ if f not in ("pos", "kv_len", "attn_rows", "by_rows")}
+    return PassContext(**{**fields, "write_cache": True, "coreset": False, "attn_causal": True})
