@@ -1485,8 +1485,9 @@ int clover_moe_split(const float *x, int64_t T, int64_t D, int64_t I, int64_t E,
 }
 
 /* ============================================================================================================ */
-/* One token's whole MoE block (AR steps; engine.kernels.cpu_moe): the router, its softmax and top-k, the routed     */
-/* experts (moe_run), the shared expert and its gate, in one call instead of ~25 small torch ops and 4-5 C calls   */
+/* One token's whole MoE block (AR steps; engine.kernels.cpu_token): the router, its softmax and top-k, the     */
+/* routed experts (moe_run), the shared expert and its gate, in one call instead of ~25 small torch ops and 4-5 */
+/* C calls                                                                                                      */
 /* ============================================================================================================ */
 
 /* a . b over n floats: 4 vector accumulators (a 2,048-wide router row is memory-bound, not latency-bound) */
