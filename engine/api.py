@@ -38,7 +38,7 @@ from clover_desk.engine.placement.planner import Plan, plan_model, probe_hardwar
 from clover_desk.engine.settings import GpuPaths
 from clover_desk.engine.weights import quant_cache
 from clover_desk.engine.weights.checkpoint import load_model
-from clover_desk.engine.weights.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype
+from clover_desk.engine.weights.formats import TORCH_DTYPE_NAMES, format_of_torch_dtype, policy_for
 from clover_desk.engine.weights.gguf.model import load_gguf_engine
 
 COMPILE_CANCELLED = "compiling was cancelled: the model runs uncompiled"
@@ -78,11 +78,14 @@ def plan_for(
     ctx_tokens: int | None = None,
     dtype: str | torch.dtype = "bfloat16",
     gguf_layout: str = "auto",
+    device: str = "cpu",
 ) -> Plan:
     """The plan for a model folder (its quantized cache, precision "nf4") or a .gguf file (read in ``gguf_layout``)
     under a VRAM budget of ``vram_budget_bytes`` on this machine, for compute in ``dtype``:
     ``engine.placement.planner.plan_model`` with the probed hardware (what ``generate --vram-gb`` prints and then
-    hands to :meth:`Engine.load` as its ``placement``)."""
+    hands to :meth:`Engine.load` as its ``placement``). ``device``: where that load runs (:meth:`Engine.load`'s
+    default too): a folder's cache is quantized by that device's policy (``policy_for``: the CPU's head in Q6_K
+    blocks), and the plan counts those bytes, so that the load accepts it."""
 
     model: Any = source
     if Path(source).suffix == ".gguf" and gguf_layout != "auto":
@@ -90,6 +93,7 @@ def plan_for(
     compute = format_of_torch_dtype(parse_dtype(dtype))
     return plan_model(
         model, int(vram_budget_bytes), int(ctx_tokens or DEFAULT_CTX_TOKENS), probe_hardware(), compute_dtype=compute,
+        policy=policy_for(device),
     )
 
 

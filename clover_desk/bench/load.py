@@ -64,7 +64,7 @@ def _child(argv: list[str]) -> tuple[dict[str, Any], int, float]:
 
 
 def _stage(argv: list[str]) -> int:
-    """The child side: ``baseline``, ``convert DIR`` or ``load DIR PLAN.json DEVICE DTYPE``."""
+    """The child side: ``baseline``, ``convert DIR [DEVICE]`` or ``load DIR PLAN.json DEVICE DTYPE``."""
     import torch
 
     from clover_desk.engine.weights import quant_cache
@@ -77,7 +77,7 @@ def _stage(argv: list[str]) -> int:
         print(json.dumps({}))
         return 0
     if stage == "convert":
-        report = quant_cache.ensure_cache(Path(argv[1]))
+        report = quant_cache.ensure_cache(Path(argv[1]), device=argv[2] if len(argv) > 2 else "cpu")
         print(json.dumps({"cache": str(report.path), "rebuilt": report.rebuilt}))
         return 0
     from clover_desk.engine.api import Engine
@@ -106,8 +106,10 @@ def measure(model: Path, vram_budget_bytes: int, ctx: int, device: str, dtype: s
     """Plan, convert, load; every figure the command prints."""
     from clover_desk.engine.placement.planner import plan_model, probe_hardware
     from clover_desk.engine.weights import quant_cache_files
+    from clover_desk.engine.weights.formats import policy_for
 
-    plan = plan_model(model, vram_budget_bytes, ctx, probe_hardware())
+    # the cache the load will read is quantized by the device's policy (the CPU's head in Q6_K): planned as such
+    plan = plan_model(model, vram_budget_bytes, ctx, probe_hardware(), policy=policy_for(device))
     result: dict[str, Any] = {"plan": plan.to_dict()}
     if not plan.fits:
         return result
@@ -115,7 +117,7 @@ def measure(model: Path, vram_budget_bytes: int, ctx: int, device: str, dtype: s
     if not keep_cache and cdir.exists():
         shutil.rmtree(cdir)
     _, baseline_rss, _ = _child(["baseline"])
-    conv, convert_rss, convert_s = _child(["convert", str(model)])
+    conv, convert_rss, convert_s = _child(["convert", str(model), device])
     cache_bytes = (Path(conv["cache"]) / quant_cache_files.DATA_NAME).stat().st_size
     with tempfile.TemporaryDirectory() as tmp:
         plan_file = Path(tmp) / "plan.json"

@@ -264,7 +264,7 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
     if args.vram_budget_bytes is not None:
-        plan = plan_for(args.model, args.vram_budget_bytes, args.ctx, dtype, args.gguf_layout)
+        plan = plan_for(args.model, args.vram_budget_bytes, args.ctx, dtype, args.gguf_layout, device=args.device)
         if getattr(args, "json", False):
             sys.stdout.write(json.dumps({"event": "plan", **plan.to_dict()}, ensure_ascii=False) + "\n")
             sys.stdout.flush()

@@ -152,7 +152,7 @@ def _load(args: argparse.Namespace) -> Any:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     plan = None
     if args.vram_budget_bytes is not None:
-        plan = plan_for(args.model, args.vram_budget_bytes, args.ctx, dtype)
+        plan = plan_for(args.model, args.vram_budget_bytes, args.ctx, dtype, device=args.device)
         if not plan.fits:
             raise PlanError(plan.reason)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)

@@ -59,7 +59,7 @@ def load_engine(
     if plan is None and vram_budget_bytes is not None:  # a budget without the plan: make it here, the same way
         layout = {"gguf_layout": command["gguf_layout"]} if command.get("gguf_layout") is not None else {}
         plan = importlib.import_module("clover_desk.engine.api").plan_for(
-            model_dir, vram_budget_bytes, command_ctx(command), dtype, **layout)
+            model_dir, vram_budget_bytes, command_ctx(command), dtype, device=device, **layout)
     if plan is not None:
         emit({"event": "plan", "op": "load", "plan": json_safe(plan_dict(plan))})
     extra: dict[str, Any] = {"placement": plan} if plan is not None else {}

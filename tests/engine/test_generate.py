@@ -651,3 +651,20 @@ def test_without_a_plan_the_engine_holds_requests_to_the_context_it_was_loaded_w
             if isinstance(e, Finished)][-1]
     assert done.stop_reason == "context" and done.prompt_tokens + done.tokens <= 48
     assert Engine.load(tiny_clover_dir).ctx_limit == 0  # nothing asked: the model's own context
+
+
+def test_a_plan_for_the_cpu_counts_the_cpu_cache_s_q6_k_head(tmp_path, one_torch_thread) -> None:  # type: ignore[no-untyped-def]
+    """Rows of whole 256-value blocks: on the CPU the cache holds the head in Q6_K blocks (formats.policy_for), so a
+    plan made for a CPU load counts those bytes and the load accepts it; a plan made for a GPU load counts the INT8
+    head and a CPU load refuses it in one line."""
+    from clover_desk.engine.errors import PlanError
+    from clover_desk.engine.weights.tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "m", hidden=256, layers=2, experts=4, experts_per_tok=2)
+    engine = Engine.load(folder, device="cpu", precision="nf4",
+                         placement=plan_for(folder, 2 * GIB, 64, "float32", device="cpu"))
+    assert engine.plan is not None and engine.plan.fits
+    assert finished(list(engine.generate(prompt="hi", params=GenerationParams(max_new_tokens=2, mode="ar")))).tokens
+    with pytest.raises(PlanError, match="another model or quantization"):
+        Engine.load(folder, device="cpu", precision="nf4", placement=plan_for(folder, 2 * GIB, 64, "float32",
+                                                                              device="cuda"))
