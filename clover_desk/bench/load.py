@@ -64,7 +64,7 @@ def _child(argv: list[str]) -> tuple[dict[str, Any], int, float]:
 
 
 def _stage(argv: list[str]) -> int:
-    """The child side: ``baseline``, ``convert DIR [DEVICE]`` or ``load DIR PLAN.json DEVICE DTYPE``."""
+    """The child side: ``baseline``, ``convert DIR DEVICE`` or ``load DIR PLAN.json DEVICE DTYPE``."""
     import torch
 
     from clover_desk.engine.weights import quant_cache
@@ -77,7 +77,7 @@ def _stage(argv: list[str]) -> int:
         print(json.dumps({}))
         return 0
     if stage == "convert":
-        report = quant_cache.ensure_cache(Path(argv[1]), device=argv[2] if len(argv) > 2 else "cpu")
+        report = quant_cache.ensure_cache(Path(argv[1]), device=argv[2])
         print(json.dumps({"cache": str(report.path), "rebuilt": report.rebuilt}))
         return 0
     from clover_desk.engine.api import Engine

@@ -43,7 +43,7 @@ class _Mat(ctypes.Structure):
 
 
 def set_enabled(on: bool) -> bool:
-    """Turn the one-call MoE step on or off for this process; returns the previous setting."""
+    """Turn both one-call steps on or off for this process; returns the previous setting."""
     global ENABLED
     before, ENABLED = ENABLED, bool(on)
     return before
@@ -88,13 +88,24 @@ def _f32_rows(linear: Any, rows: int, cols: int) -> Tensor | None:
     return w if ok else None
 
 
+def _one_token(x: Tensor) -> bool:
+    """Whether a forward on x may take a one-call step: eager, switched on, one float32 CPU token [1, D], the kernels
+    built."""
+    return (not torch.compiler.is_compiling() and ENABLED and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype == torch.float32 and x.device.type == "cpu" and cpu_quant.usable())
+
+
+def _mat(module: Any, **how: Any) -> Mat | None:
+    """``module``'s weight as the kernels read it in place (its ``cpu_mat``), or None (none, or not readable)."""
+    cpu_mat = getattr(module, "cpu_mat", None)
+    return cpu_mat(**how) if cpu_mat is not None else None
+
+
 def moe_token(moe: Any, x: Tensor, coreset: bool) -> Tensor | None:
     """``moe`` (a :class:`engine.model.moe.SparseMoe`) on one token x [1, D] in one C call -> [1, D] float32, with
     ``moe.last_topk_idx`` / ``last_topk_w`` set as its forward sets them; None where the call does not apply (then
     nothing is set). ``coreset``: the pass routes by block coreset (never one token's plain top-k)."""
-    if torch.compiler.is_compiling() or not ENABLED or coreset:
-        return None
-    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" or not cpu_quant.usable():
+    if coreset or not _one_token(x):
         return None
     cfg, bank, shared = moe.config, moe.experts, moe.shared_expert
     d, e, k = x.shape[1], cfg.num_experts, moe.top_k
@@ -104,7 +115,7 @@ def moe_token(moe: Any, x: Tensor, coreset: bool) -> Tensor | None:
             or bank._forward_pre_hooks or bank._forward_hooks):  # hooked (a bench counting experts): its forward runs
         return None
     routed = bank.cpu_mats()
-    parts = [getattr(m, "cpu_mat", lambda: None)() for m in (shared.gate_proj, shared.up_proj, shared.down_proj)]
+    parts = [_mat(m) for m in (shared.gate_proj, shared.up_proj, shared.down_proj)]
     if routed is None or None in parts:
         return None
     x = x.contiguous()
@@ -123,31 +134,29 @@ def gdn_mixer_token(mixer: Any, x: Tensor, st: tuple[Tensor, Tensor], write_cach
     """``mixer`` (a :class:`engine.model.gdn.GatedDeltaNet`) on one token x [1, D] in one C call -> [1, D] float32,
     its conv and recurrent states (``st``) updated in place when ``write_cache``; None where the call does not apply
     (then nothing is touched). The caller has checked what the separate C calls need (``gdn_kernels.cpu_token_ready``)."""
-    if torch.compiler.is_compiling() or not ENABLED:
-        return None
-    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" or not cpu_quant.usable():
+    if not _one_token(x):
         return None
     d = x.shape[1]
     hk, hv, dk, dv = mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv
-    mats, rows = [], []
-    for m in (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a):
-        mat = getattr(m, "cpu_mat", lambda: None)()
-        f32 = None if mat is not None else _f32_rows(m, m.out_features, d)
-        if mat is None and (f32 is None or m in (mixer.in_proj_qkv, mixer.in_proj_z)):
-            return None
-        mats.append(mat or (0, 0, 0, 0, 0, 0, 0, 0))
-        rows.append(f32)
+    mats = [_mat(mixer.in_proj_qkv), _mat(mixer.in_proj_z)]
+    rows: list[Tensor | None] = []  # in_proj_b / in_proj_a as float32 rows where they have no quantized layout
+    for m in (mixer.in_proj_b, mixer.in_proj_a):
+        mats.append(_mat(m))
+        rows.append(None if mats[-1] is not None else _f32_rows(m, m.out_features, d))
+    if None in mats[:2] or any(mat is None and r is None for mat, r in zip(mats[2:], rows)):
+        return None
     out_proj = mixer.out_proj
-    heads = getattr(out_proj, "in_heads", None)
-    out_mat = out_proj.cpu_mat(heads_ok=True) if heads is not None else getattr(out_proj, "cpu_mat", lambda: None)()
+    heads = getattr(out_proj, "in_heads", None)  # GGUF's ssm_out: its input in the file's tiled head order
+    out_mat = _mat(out_proj, heads_ok=True) if heads is not None else _mat(out_proj)
     if out_mat is None or (heads is not None and (heads[1] != hv or out_proj.in_features != hv * dv)):
         return None
+    no_mat = (0, 0, 0, 0, 0, 0, 0, 0)  # the kernel reads the rows instead
     conv_state, state = st
     conv_w = mixer.conv1d.weight.view(mixer.conv_dim, mixer.kernel)
     x = x.contiguous()
     out = torch.empty(1, d, dtype=torch.float32)
     rc = _function("clover_gdn_mixer_token")(
-        x.data_ptr(), d, _array(tuple(mats)), *(None if r is None else r.data_ptr() for r in rows[2:]),
+        x.data_ptr(), d, _array(tuple(m or no_mat for m in mats)), *(None if r is None else r.data_ptr() for r in rows),
         mixer.A_log.data_ptr(), mixer.dt_bias.data_ptr(), conv_w.data_ptr(), mixer.kernel, conv_state.data_ptr(),
         conv_state.data_ptr() if write_cache else None, mixer.norm.weight.data_ptr(), mixer.norm.eps,
         state.data_ptr(), state.data_ptr() if write_cache else None, _array((out_mat,)), heads[0] if heads else 0,

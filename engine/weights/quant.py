@@ -664,9 +664,8 @@ class RowExpertBank(ExpertBank):
         base, es, d, i = packed.data_ptr(), packed.stride(0), lay.hidden_size, lay.intermediate_size
         qtypes = getattr(lay, "qtypes", None)
         if qtypes is not None and cpu_quant.usable(*qtypes):  # GGUF rows: [gate | up | down] blocks
-            (qg, qu, qd), rg, ru = qtypes, cpu_quant.row_bytes(qtypes[0], d), cpu_quant.row_bytes(qtypes[1], d)
-            return ((qg, base, es, rg, 0, 0, 0, 0), (qu, base + i * rg, es, ru, 0, 0, 0, 0),
-                    (qd, base + i * (rg + ru), es, cpu_quant.row_bytes(qd, i), 0, 0, 0, 0))
+            return tuple((q, base + at, es, n // rows, 0, 0, 0, 0)
+                         for q, (at, n), rows in zip(qtypes, lay.segments, (i, i, d)))
         if not _own_rows_usable(lay) or es % 4 or base % 4:
             return None
         own = cast(ExpertLayout, lay)  # the own cache's rows: [gate_up codes | down codes | their scales]
