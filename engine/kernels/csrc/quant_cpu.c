@@ -895,6 +895,10 @@ static void mat_row_dots(const mat_t *m, int64_t e, int64_t r, int64_t K, const 
     }
 }
 
+static int kt_wanted(int qt, int64_t T);
+static int kt_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
+                     int64_t R, float *out, int64_t ostride, int nth);
+
 static int qmatmul_run(const float *x, int64_t T, int64_t K, const mat_t *m, const int64_t *rows, int64_t R,
                        float *out, int nth) {
     if (!is_split_type(m->qt) && !dot_for(m->qt)) return ERR_TYPE;
@@ -903,6 +907,11 @@ static int qmatmul_run(const float *x, int64_t T, int64_t K, const mat_t *m, con
     const int64_t rb = mat_row_bytes(m, K);
     char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
+    if (kt_wanted(m->qt, T)) { /* many activation rows: the tiled kernel (end of the file) */
+        const int rc = kt_matmul(m, K, act, arow, T, rows, R, out, R, nth);
+        free(act);
+        return rc;
+    }
 #pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_rows(R, nth, rows || T > STREAM_MAX_T ? 0 : rb))
     for (int64_t r = 0; r < R; r++) {
         if (rows && r + 1 < R) { /* selected rows jump around: fetch the next one while this one computes */
@@ -1341,6 +1350,12 @@ int clover_qmatmul_many(const float *x, int64_t T, int64_t K, int qt, int n, con
     char *act = (char *)quantize_rows(qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
     (void)nth;
+    if (kt_wanted(qt, T)) {
+        int rc = OK;
+        for (int i = 0; i < n && rc == OK; i++) rc = kt_matmul(&m[i], K, act, arow, T, NULL, ns[i], outs[i], ns[i], nth);
+        free(act);
+        return rc;
+    }
     const int64_t rb = T <= STREAM_MAX_T ? mat_row_bytes(&m[0], K) : 0;
 #pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_rows(R, nth, rb))
     for (int64_t r = 0; r < R; r++) {
@@ -1619,4 +1634,278 @@ done:
 
 /* ============================================================================================================ */
 /* end of issue 30's section                                                                                     */
+/* ============================================================================================================ */
+
+/* ============================================================================================================ */
+/* Issue 30: the K formats against 8 or more activation rows (prefill, denoising passes: the head and the dense  */
+/* projections at T = 32 are bound by their multiplies, not their reads).                                       */
+/*                                                                                                              */
+/* row_dots' decoded path gives each activation row its own 8 lanes and spends two multiplies per 32            */
+/* multiply-adds (maddubs, then madd/vpdpwssd by the scales). Here the activation rows are interleaved in tiles */
+/* of 8 (kt_tile_t), one int32 lane per row: a 4-byte group of decoded weights is broadcast and one vpdpbusd    */
+/* adds 4 products to each row's lane, 32 multiply-adds per instruction; the scales multiply each 16- (Q6_K) or */
+/* 32-value (Q4_K, Q5_K) group's int32 sum once (vpmulld), the mins come from the rows' 16-value sums by        */
+/* vpdpwssd. Per (weight row, activation row) and block: I = sum_g sc_g S_g and M = sum_g mn_g B_g, exact       */
+/* integers, then acc = fma(d * da, I, acc), acc = fnmadd(dmin * da, M, acc) in block order: the same bits for a */
+/* row whatever T, its place in a tile, the tile's place in the call or the build (AVX2 without VNNI spells      */
+/* vpdpbusd as maddubs + madd by ones and vpdpwssd as madd + add: the same integers, no int16 saturation with   */
+/* weights <= 63 and |activations| <= 127). It differs from row_dots (whose 8 lanes per row are converted to    */
+/* fp32 separately) in the last bits.                                                                            */
+/* Tasks of KT_WROWS weight rows: their blocks are decoded once per block and tile group, and each activation  */
+/* tile is read from L1 once per pair of weight rows (the kernel is 2 weight rows x 2 tiles of registers).       */
+/* ============================================================================================================ */
+
+#define KT_ROWS 8     /* activation rows per tile: the int32 lanes of a 256-bit vector */
+#define KT_MIN_T 8    /* fewer activation rows: row_dots */
+#define KT_WROWS 8    /* weight rows per task */
+#define KT_GROUP 8    /* tiles per pass over a task's blocks (64 activation rows: a block of them, 19 KB, stays in L1) */
+
+#if CLOVER_AVX2
+typedef struct {
+    int8_t q[QK / 4][KT_ROWS][4]; /* values 4c .. 4c+3 of the tile's row t at q[c][t] */
+    int16_t bs[QK / 32][KT_ROWS][2]; /* the 16-value sums of groups 2p and 2p+1 of row t at bs[p][t] */
+    float d[KT_ROWS];
+} kt_tile_t;
+
+/* a decoded weight block as the tiled kernel reads it: q as kdec_t's; sc: the multiplier of each scale group (16
+   values for Q6_K, 32 for Q4_K / Q5_K); mn[p]: the int16 pair (offset of 16-value group 2p, of group 2p + 1) */
+typedef struct {
+    uint8_t q[QK];
+    int32_t sc[QK / 16];
+    int32_t mn[QK / 32];
+    float d, dmin;
+} kt_dec_t;
+
+static void kt_decode(int qt, const uint8_t *w, kt_dec_t *o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (qt == T_Q6_K) {
+        const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
+        o->d = o->dmin = load_f16(w + 208);
+        for (int h = 0; h < 2; h++) { /* value order as decode_q6k's */
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+            uint8_t *q = o->q + 128 * h;
+            _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                                              _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4)));
+            _mm256_storeu_si256((__m256i *)(q + 32), _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                                                     _mm256_slli_epi16(_mm256_and_si256(hb, m0c), 2)));
+            _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                                                     _mm256_and_si256(hb, m30)));
+            _mm256_storeu_si256((__m256i *)(q + 96),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+        }
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
+        _mm256_storeu_si256((__m256i *)o->sc, _mm256_cvtepi8_epi32(sc8));
+        _mm256_storeu_si256((__m256i *)(o->sc + 8), _mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
+        _mm256_storeu_si256((__m256i *)o->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5)); /* 32 * scale */
+        return;
+    }
+    const uint8_t *qs = w + (qt == T_Q5_K ? 48 : 16), *hb = qt == T_Q5_K ? w + 16 : NULL;
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    uint8_t sc[8], m[8];
+    o->d = load_f16(w);
+    o->dmin = load_f16(w + 2);
+    unpack_k4_scales(w + 4, sc, m);
+    const __m256i qh = hb ? _mm256_loadu_si256((const __m256i *)hb) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) { /* value order as decode_q45k's */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if (hb) {
+            const __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c))), m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
+        }
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
+    }
+    uint64_t s64, m64;
+    memcpy(&s64, sc, 8);
+    memcpy(&m64, m, 8);
+    _mm256_storeu_si256((__m256i *)o->sc, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)s64)));
+    const __m256i m32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)m64));
+    _mm256_storeu_si256((__m256i *)o->mn, _mm256_or_si256(m32, _mm256_slli_epi32(m32, 16))); /* (m, m) pairs */
+}
+
+/* activation rows t0 .. t0+7 (tidx or plain indices; rows past n are zeros) of block b -> one tile */
+static void kt_fill(const char *act, size_t arow, const int64_t *tidx, int64_t t0, int64_t n, int64_t b,
+                    kt_tile_t *o) {
+    memset(o, 0, sizeof(*o));
+    for (int64_t i = 0; i < KT_ROWS && t0 + i < n; i++) {
+        const int64_t t = tidx ? tidx[t0 + i] : t0 + i;
+        const a8k_t *a = (const a8k_t *)(act + (size_t)t * arow) + b;
+        for (int c = 0; c < QK / 4; c++) memcpy(o->q[c][i], a->q + 4 * c, 4);
+        for (int p = 0; p < QK / 32; p++) {
+            o->bs[p][i][0] = a->bsums[2 * p];
+            o->bs[p][i][1] = a->bsums[2 * p + 1];
+        }
+        o->d[i] = a->d;
+    }
+}
+
+/* acc + 4-product sums of unsigned u and signed s bytes per int32 lane */
+static inline __m256i kt_dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if CLOVER_VNNI
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256i kt_bcast(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/*
+ * One block: weight rows w[0], w[1] x nt (1-4) consecutive tiles a[0 .. nt-1] (nb apart): acc[r][j] for (row r,
+ * tile j). gs: values per scale group (16 or 32). nt and gs are constants at each call: the loops unroll and the
+ * 2 x nt chains of sums stay in registers.
+ */
+static inline __attribute__((always_inline)) void kt_block(const kt_dec_t *w0, const kt_dec_t *w1,
+                                                           const kt_tile_t *a, int64_t nb, int nt, int gs,
+                                                           __m256 *acc0, __m256 *acc1) {
+    __m256i i0[4], i1[4];
+    for (int j = 0; j < nt; j++) i0[j] = i1[j] = _mm256_setzero_si256();
+    for (int g = 0; g < QK / gs; g++) {
+        __m256i p0[4], p1[4];
+        for (int j = 0; j < nt; j++) p0[j] = p1[j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = g * gs / 4; c < (g + 1) * gs / 4; c++) {
+            const __m256i u0 = kt_bcast(w0->q + 4 * c), u1 = kt_bcast(w1->q + 4 * c);
+            for (int j = 0; j < nt; j++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)a[j * nb].q[c]);
+                p0[j] = kt_dpbusd(p0[j], u0, x);
+                p1[j] = kt_dpbusd(p1[j], u1, x);
+            }
+        }
+        const __m256i s0 = _mm256_set1_epi32(w0->sc[g]), s1 = _mm256_set1_epi32(w1->sc[g]);
+        for (int j = 0; j < nt; j++) {
+            i0[j] = _mm256_add_epi32(i0[j], _mm256_mullo_epi32(p0[j], s0));
+            i1[j] = _mm256_add_epi32(i1[j], _mm256_mullo_epi32(p1[j], s1));
+        }
+    }
+    __m256i m0[4], m1[4];
+    for (int j = 0; j < nt; j++) m0[j] = m1[j] = _mm256_setzero_si256();
+    for (int p = 0; p < QK / 32; p++) {
+        const __m256i n0 = _mm256_set1_epi32(w0->mn[p]), n1 = _mm256_set1_epi32(w1->mn[p]);
+        for (int j = 0; j < nt; j++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)a[j * nb].bs[p]);
+            m0[j] = madd_acc(m0[j], bs, n0);
+            m1[j] = madd_acc(m1[j], bs, n1);
+        }
+    }
+    const __m256 wd0 = _mm256_set1_ps(w0->d), wd1 = _mm256_set1_ps(w1->d);
+    const __m256 wm0 = _mm256_set1_ps(w0->dmin), wm1 = _mm256_set1_ps(w1->dmin);
+    __m256 f0[4], f1[4]; /* both rows' sums read before either is written: acc0 may be acc1 (an odd last row) */
+    for (int j = 0; j < nt; j++) {
+        const __m256 da = _mm256_loadu_ps(a[j * nb].d);
+        f0[j] = _mm256_fmadd_ps(_mm256_mul_ps(wd0, da), _mm256_cvtepi32_ps(i0[j]), acc0[j]);
+        f1[j] = _mm256_fmadd_ps(_mm256_mul_ps(wd1, da), _mm256_cvtepi32_ps(i1[j]), acc1[j]);
+        f0[j] = _mm256_fnmadd_ps(_mm256_mul_ps(wm0, da), _mm256_cvtepi32_ps(m0[j]), f0[j]);
+        f1[j] = _mm256_fnmadd_ps(_mm256_mul_ps(wm1, da), _mm256_cvtepi32_ps(m1[j]), f1[j]);
+    }
+    for (int j = 0; j < nt; j++) acc0[j] = f0[j];
+    for (int j = 0; j < nt; j++) acc1[j] = f1[j];
+}
+
+/* kt_block with nt and gs as constants */
+static void kt_block_any(const kt_dec_t *w0, const kt_dec_t *w1, const kt_tile_t *a, int64_t nb, int nt, int gs,
+                         __m256 *acc0, __m256 *acc1) {
+#define KT_CASE(n)                                               \
+    case n:                                                      \
+        if (gs == 16) kt_block(w0, w1, a, nb, n, 16, acc0, acc1); \
+        else kt_block(w0, w1, a, nb, n, 32, acc0, acc1);          \
+        break;
+    switch (nt) { KT_CASE(1) KT_CASE(2) KT_CASE(3) KT_CASE(4) }
+#undef KT_CASE
+}
+
+/*
+ * Weight rows wrows[0 .. nr-1] (nr <= KT_WROWS, nb blocks of type qt each) against the nt tiles of one call
+ * (tiles[tt * nb + b]): out[(tt * KT_ROWS + i) * ostride + r] for the tiles' real rows (i < n - tt * KT_ROWS).
+ * Each weight block is decoded once per KT_GROUP tiles, and each tile's block is read from L1 by every row pair.
+ */
+static void kt_rows(int qt, const uint8_t *const *wrows, int nr, int64_t nb, const kt_tile_t *tiles, int64_t nt,
+                    int64_t n, float *out, int64_t ostride) {
+    const int bb = block_bytes(qt), gs = qt == T_Q6_K ? 16 : 32;
+    kt_dec_t dec[KT_WROWS];
+    __m256 acc[KT_WROWS][KT_GROUP];
+    for (int64_t g0 = 0; g0 < nt; g0 += KT_GROUP) {
+        const int64_t ng = nt - g0 < KT_GROUP ? nt - g0 : KT_GROUP;
+        for (int r = 0; r < nr; r++)
+            for (int64_t j = 0; j < ng; j++) acc[r][j] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            for (int r = 0; r < nr; r++) {
+                kt_decode(qt, wrows[r] + b * bb, &dec[r]);
+                if (b + 1 < nb) /* the rows' next blocks: 8 streams are more than the prefetcher follows */
+                    for (int o = 0; o < bb; o += 64) __builtin_prefetch(wrows[r] + (b + 1) * bb + o, 0, 0);
+            }
+            for (int64_t j = 0; j < ng; j += 4) {
+                const int m = (int)(ng - j < 4 ? ng - j : 4);
+                for (int r = 0; r < nr; r += 2) {
+                    const int r1 = r + 1 < nr ? r + 1 : r; /* an odd last row: computed twice, the same sums */
+                    kt_block_any(&dec[r], &dec[r1], tiles + (g0 + j) * nb + b, nb, m, gs, acc[r] + j, acc[r1] + j);
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int64_t j = 0; j < ng; j++) {
+                float v[KT_ROWS];
+                _mm256_storeu_ps(v, acc[r][j]);
+                const int64_t t0 = (g0 + j) * KT_ROWS;
+                for (int64_t i = 0; i < KT_ROWS && t0 + i < n; i++) out[(t0 + i) * ostride + r] = v[i];
+            }
+    }
+}
+
+/* the tiles of n activation rows (tidx or plain) of nb blocks, in a fresh buffer (NULL on failure) */
+static kt_tile_t *kt_tiles(const char *act, size_t arow, const int64_t *tidx, int64_t n, int64_t nb, int nth) {
+    const int64_t nt = (n + KT_ROWS - 1) / KT_ROWS;
+    kt_tile_t *tiles = (kt_tile_t *)malloc(sizeof(kt_tile_t) * (size_t)(nt * nb));
+    if (!tiles) return NULL;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, nt * nb / 8)) schedule(static) if (nt * nb >= 16)
+    for (int64_t i = 0; i < nt * nb; i++) kt_fill(act, arow, tidx, (i / nb) * KT_ROWS, n, i % nb, tiles + i);
+    return tiles;
+}
+#endif
+
+/*
+ * Whether qmatmul_run / qmatmul_many take the tiled kernel: a K format, >= KT_MIN_T activation rows, the SIMD
+ * build. Then R weight rows (rows[r], or r) of m against the T quantized activation rows act -> out[t * R + r].
+ */
+static int kt_wanted(int qt, int64_t T) {
+    return CLOVER_AVX2 && is_k_type(qt) && T >= KT_MIN_T;
+}
+
+static int kt_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
+                     int64_t R, float *out, int64_t ostride, int nth) {
+#if CLOVER_AVX2
+    const int64_t nb = K / QK, nt = (T + KT_ROWS - 1) / KT_ROWS;
+    kt_tile_t *tiles = kt_tiles(act, arow, NULL, T, nb, nth);
+    if (!tiles) return ERR_ALLOC;
+    const int64_t G = (R + KT_WROWS - 1) / KT_WROWS;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, G)) schedule(dynamic, chunk_for(G, nth) / KT_WROWS + 1)
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t r0 = g * KT_WROWS;
+        const int nr = (int)(R - r0 < KT_WROWS ? R - r0 : KT_WROWS);
+        const uint8_t *wrows[KT_WROWS];
+        for (int r = 0; r < nr; r++) wrows[r] = m->w + (rows ? rows[r0 + r] : r0 + r) * m->rs;
+        kt_rows(m->qt, wrows, nr, nb, tiles, nt, T, out + r0, ostride);
+    }
+    free(tiles);
+    return OK;
+#else
+    (void)m, (void)K, (void)act, (void)arow, (void)T, (void)rows, (void)R, (void)out, (void)ostride, (void)nth;
+    return ERR_TYPE;
+#endif
+}
+
+/* ============================================================================================================ */
+/* end of the tiled K formats                                                                                   */
 /* ============================================================================================================ */
