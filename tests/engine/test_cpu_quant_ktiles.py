@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from clover_desk.engine.kernels import cpu_quant as cq
-from tests.quant_reference import K_TYPES, check_qmatmul, kern, make_weights  # noqa: F401 - kern: a fixture
+from tests.quant_reference import (  # noqa: F401 - kern: a fixture
+    K_TYPES,
+    assert_moe_close,
+    check_qmatmul,
+    kern,
+    make_bank,
+    make_weights,
+    moe_reference,
+    routing,
+)
 
 NAMES = {q: cq.TYPE_NAMES[q] for q in K_TYPES}
 
@@ -107,3 +116,25 @@ def test_the_vnni_free_build_gives_the_same_bits(kern: cq.Kernels) -> None:
         for x in (_x(13, 1024, seed=10), torch.ones(8, 1024)):
             for m in (w, ext):
                 assert torch.equal(kern.qmatmul(x, m, qtype), plain.qmatmul(x, m, qtype)), NAMES[qtype]
+
+
+@pytest.mark.parametrize("qtypes", [(cq.Q4_K, cq.Q4_K, cq.Q6_K), (cq.Q5_K, cq.Q5_K, cq.Q4_K)],
+                         ids=lambda qs: "/".join(cq.TYPE_NAMES[q] for q in qs))
+def test_routed_experts_with_8_or_more_tokens(kern: cq.Kernels, qtypes: tuple[int, int, int]) -> None:
+    """Experts with >= 8 of the call's tokens take the tiled kernel for gate, up and down, the others row_dots, in
+    one call: against the fp64 loop, the packed banks and the VNNI-free build."""
+    e, d, i = 5, 512, 256
+    banks = make_bank(qtypes, e, d, i)
+    packed = torch.cat([b.reshape(e, -1) for b in banks], dim=1)
+    plain = cq.Kernels(vnni=False) if kern.simd else kern
+    for t, k in ((40, 2), (17, 3), (70, 4)):
+        idx, wts = routing(t, e, k, seed=t)
+        idx[:, 0] = 0  # expert 0: every token (tiles); the rest spread
+        counts = torch.bincount(idx.flatten(), minlength=e)
+        assert int(counts.max()) >= 8
+        x = _x(t, d, seed=t)
+        y = kern.moe(x, *banks, qtypes, idx, wts)
+        assert_moe_close(y, moe_reference(x, banks, qtypes, idx, wts))
+        assert torch.equal(kern.moe_packed(x, packed, i, qtypes, idx, wts), y)
+        assert torch.equal(plain.moe(x, *banks, qtypes, idx, wts), y)
+

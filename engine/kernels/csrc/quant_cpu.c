@@ -959,6 +959,19 @@ static int moe_chunk(int64_t tasks, int nth, int64_t tile, int64_t row_bytes) {
 }
 #endif
 
+#define KT_ROWS 8     /* activation rows per tile: the int32 lanes of a 256-bit vector */
+#define KT_MIN_T 8    /* fewer activation rows: row_dots */
+#define KT_WROWS 8    /* weight rows per task */
+#define KT_GROUP 8    /* tiles per pass over a task's blocks (64 activation rows: a block of them, 19 KB, stays in L1) */
+
+/* the tiled K formats for an expert's tokens (end of the file): kt_expert_tiles builds the tiles of every used expert
+   with >= KT_MIN_T tokens (off[e]: its first tile, -1 for the others), kt_expert_rows multiplies rows with them */
+static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_t T);
+static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, const int64_t *count,
+                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int64_t *off, int nth);
+static void kt_expert_rows(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const void *tiles,
+                           int64_t off, int64_t n, float *out, int64_t ostride);
+
 /*
  * Routed MoE: out[t] = sum_j topk_w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_idx[t, j], over the
  * matrices g [I, D], u [I, D], dn [D, I] of each expert. Each used expert's blocks are read once: the loops run
@@ -980,7 +993,8 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     const size_t arow_g = act_block_size(qg) * (size_t)(D / block_values(qg));
     const size_t arow_u = act_block_size(qu) * (size_t)(D / block_values(qu));
     const size_t arow_d = act_block_size(qd) * (size_t)(I / block_values(qd));
-    const int64_t tile = tiled ? TILE_R : 1;
+    const int kt = kt_moe_wanted(g, u, dn, T); /* K formats, >= KT_MIN_T tokens: experts with that many take kt */
+    const int64_t tile = kt ? KT_WROWS : tiled ? TILE_R : 1;
     const int64_t GI = (I + tile - 1) / tile, GD = (D + tile - 1) / tile; /* row tiles per matrix */
 
     /* group the pairs by expert (counting sort, stable: token order within an expert) */
@@ -995,8 +1009,10 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     char *ag = (char *)quantize_rows(qg, x, T, D, nth);
     char *au = (is_k_type(qu) == is_k_type(qg)) ? ag : (char *)quantize_rows(qu, x, T, D, nth);
     char *ah = NULL;
+    void *tx = NULL, *th = NULL; /* the kt tiles of x (gate and up) and of h (down) */
+    int64_t *offx = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *offh = offx ? offx + E : NULL;
     int rc = OK;
-    if (!count || !slot_of || !tok || !used || !fill || !h || !hu || !y || !ag || !au) {
+    if (!count || !slot_of || !tok || !used || !fill || !h || !hu || !y || !ag || !au || !offx) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -1014,20 +1030,26 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     }
 
     /*
-     * gate and up: one task per (used expert, tile of rows i); h[s, i] = silu(g) * u for the expert's slots s. The
-     * branch on tiled is the same for the whole call (predicted); untiled tasks go straight to mat_row_dots, because
+     * gate and up: one task per (used expert, tile of rows i); h[s, i] = silu(g) * u for the expert's slots s. Tiles
+     * are KT_WROWS rows where kt (an expert with >= KT_MIN_T tokens takes the tiled K formats, the others row_dots),
+     * else TILE_R (tiled) or 1. The branch on the tile is the same for the whole call (predicted); tasks of one row
+     * go straight to mat_row_dots, because
      * at T = 1 a task is one short row and anything more per task shows (measured on Q4_K at T = 1 against the two
      * copied drivers this replaces: a rows-function pointer with a loop over the tile 1.14-1.19x the time, one
      * mat_rows(tiled, ...) helper with that loop 1.07-1.09x, this 1.02-1.03x, where the same build against itself
      * reads 0.97-1.01x on this shared machine; scripts/bench_moe_ab.py).
      */
+    if (kt && !(tx = kt_expert_tiles(ag, arow_g, tok, count, used, U, E, D / QK, offx, nth))) {
+        rc = ERR_ALLOC;
+        goto done;
+    }
     const int stream = T <= STREAM_MAX_T; /* few tokens: tasks bound by their reads, chunked by bytes */
     const int64_t gu_bytes = stream ? mat_row_bytes(g, D) + mat_row_bytes(u, D) : 0;
     const int64_t dn_bytes = stream ? mat_row_bytes(dn, I) : 0;
 #pragma omp parallel for num_threads(threads_for(nth, U * GI)) schedule(dynamic, moe_chunk(U * GI, nth, tile, gu_bytes))
     for (int64_t task = 0; task < U * GI; task++) {
         const int64_t e = used[task / GI], s0 = count[e], n = count[e + 1] - s0;
-        if (!tiled) {
+        if (tile == 1) {
             const int64_t i = task % GI;
             mat_row_dots(g, e, i, D, ag, arow_g, tok + s0, n, h + s0 * I + i, I);
             mat_row_dots(u, e, i, D, au, arow_u, tok + s0, n, hu + s0 * I + i, I);
@@ -1035,14 +1057,19 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
             continue;
         }
         const int64_t i0 = (task % GI) * tile, nr = I - i0 < tile ? I - i0 : tile;
-        mat_rows_tiled(g, e, i0, nr, D, ag, arow_g, tok + s0, n, h + s0 * I + i0, I);
-        mat_rows_tiled(u, e, i0, nr, D, au, arow_u, tok + s0, n, hu + s0 * I + i0, I);
+        if (kt && offx[e] >= 0) { /* ag is au: both K formats */
+            kt_expert_rows(g, e, i0, nr, D, tx, offx[e], n, h + s0 * I + i0, I);
+            kt_expert_rows(u, e, i0, nr, D, tx, offx[e], n, hu + s0 * I + i0, I);
+        } else {
+            mat_rows_tiled(g, e, i0, nr, D, ag, arow_g, tok + s0, n, h + s0 * I + i0, I);
+            mat_rows_tiled(u, e, i0, nr, D, au, arow_u, tok + s0, n, hu + s0 * I + i0, I);
+        }
         for (int64_t s = s0; s < s0 + n; s++)
             for (int64_t i = i0; i < i0 + nr; i++) h[s * I + i] = silu(h[s * I + i]) * hu[s * I + i];
     }
 
     ah = (char *)quantize_rows(qd, h, P, I, nth);
-    if (!ah) {
+    if (!ah || (kt && !(th = kt_expert_tiles(ah, arow_d, NULL, count, used, U, E, I / QK, offh, nth)))) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -1052,13 +1079,14 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     for (int64_t task = 0; task < U * GD; task++) {
         const int64_t e = used[task / GD], s0 = count[e], n = count[e + 1] - s0;
         const char *as = ah + (size_t)s0 * arow_d;
-        if (!tiled) {
+        if (tile == 1) {
             const int64_t j = task % GD;
             mat_row_dots(dn, e, j, I, as, arow_d, NULL, n, y + s0 * D + j, D);
             continue;
         }
         const int64_t j0 = (task % GD) * tile, nr = D - j0 < tile ? D - j0 : tile;
-        mat_rows_tiled(dn, e, j0, nr, I, as, arow_d, NULL, n, y + s0 * D + j0, D);
+        if (kt && offh[e] >= 0) kt_expert_rows(dn, e, j0, nr, I, th, offh[e], n, y + s0 * D + j0, D);
+        else mat_rows_tiled(dn, e, j0, nr, I, as, arow_d, NULL, n, y + s0 * D + j0, D);
     }
 
     /* weighted sum over each token's slots, in slot order */
@@ -1077,6 +1105,9 @@ done:
     if (au != ag) free(au);
     free(ag);
     free(ah);
+    free(tx);
+    free(th);
+    free(offx);
     free(count);
     free(slot_of);
     free(tok);
@@ -1655,11 +1686,6 @@ done:
 /* tile is read from L1 once per pair of weight rows (the kernel is 2 weight rows x 2 tiles of registers).       */
 /* ============================================================================================================ */
 
-#define KT_ROWS 8     /* activation rows per tile: the int32 lanes of a 256-bit vector */
-#define KT_MIN_T 8    /* fewer activation rows: row_dots */
-#define KT_WROWS 8    /* weight rows per task */
-#define KT_GROUP 8    /* tiles per pass over a task's blocks (64 activation rows: a block of them, 19 KB, stays in L1) */
-
 #if CLOVER_AVX2
 typedef struct {
     int8_t q[QK / 4][KT_ROWS][4]; /* values 4c .. 4c+3 of the tile's row t at q[c][t] */
@@ -1903,6 +1929,52 @@ static int kt_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, in
 #else
     (void)m, (void)K, (void)act, (void)arow, (void)T, (void)rows, (void)R, (void)out, (void)ostride, (void)nth;
     return ERR_TYPE;
+#endif
+}
+
+/* the routed MoE through kt: all three matrices K formats and >= KT_MIN_T tokens in the call (the untiled moe_run
+   otherwise); an expert with fewer tokens keeps row_dots (mat_rows_tiled) */
+static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_t T) {
+    return kt_wanted(g->qt, T) && is_k_type(u->qt) && is_k_type(dn->qt);
+}
+
+static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, const int64_t *count,
+                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int64_t *off, int nth) {
+#if CLOVER_AVX2
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) off[e] = -1;
+    for (int64_t i = 0; i < U; i++) {
+        const int64_t e = used[i], n = count[e + 1] - count[e];
+        off[e] = n >= KT_MIN_T ? total : -1;
+        if (n >= KT_MIN_T) total += (n + KT_ROWS - 1) / KT_ROWS * nb;
+    }
+    kt_tile_t *tiles = (kt_tile_t *)malloc(sizeof(kt_tile_t) * (size_t)(total > 0 ? total : 1));
+    if (!tiles) return NULL;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, U)) schedule(dynamic, 1) if (total >= 16)
+    for (int64_t i = 0; i < U; i++) {
+        const int64_t e = used[i], s0 = count[e], n = count[e + 1] - s0;
+        if (off[e] < 0) continue;
+        for (int64_t j = 0; j < (n + KT_ROWS - 1) / KT_ROWS * nb; j++)
+            kt_fill(tidx ? act : act + (size_t)s0 * arow, arow, tidx ? tidx + s0 : NULL, (j / nb) * KT_ROWS, n,
+                    j % nb, tiles + off[e] + j);
+    }
+    return tiles;
+#else
+    (void)act, (void)arow, (void)tidx, (void)count, (void)used, (void)U, (void)E, (void)nb, (void)off, (void)nth;
+    return NULL;
+#endif
+}
+
+static void kt_expert_rows(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const void *tiles,
+                           int64_t off, int64_t n, float *out, int64_t ostride) {
+#if CLOVER_AVX2
+    const uint8_t *wrows[KT_WROWS];
+    for (int64_t r = 0; r < nr; r++) wrows[r] = m->w + e * m->es + (r0 + r) * m->rs;
+    kt_rows(m->qt, wrows, (int)nr, K / QK, (const kt_tile_t *)tiles + off, (n + KT_ROWS - 1) / KT_ROWS, n, out,
+            ostride);
+#else
+    (void)m, (void)e, (void)r0, (void)nr, (void)K, (void)tiles, (void)off, (void)n, (void)out, (void)ostride;
 #endif
 }
 
