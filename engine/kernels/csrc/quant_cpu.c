@@ -1850,6 +1850,25 @@ static void kt_block_any(const kt_dec_t *w0, const kt_dec_t *w1, const kt_tile_t
 #undef KT_CASE
 }
 
+/* c[r] lane i -> c[i] lane r (an 8 x 8 transpose of fp32) */
+static inline void kt_transpose8(__m256 c[8]) {
+    __m256 t[8], u[8];
+    for (int k = 0; k < 4; k++) {
+        t[2 * k] = _mm256_unpacklo_ps(c[2 * k], c[2 * k + 1]);
+        t[2 * k + 1] = _mm256_unpackhi_ps(c[2 * k], c[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; k++) {
+        u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+        u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xee);
+        u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+        u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        c[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20);
+        c[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
+    }
+}
+
 /*
  * Weight rows wrows[0 .. nr-1] (nr <= KT_WROWS, nb blocks of type qt each) against the nt tiles of one call
  * (tiles[tt * nb + b]): out[(tt * KT_ROWS + i) * ostride + r] for the tiles' real rows (i < n - tt * KT_ROWS).
@@ -1878,13 +1897,21 @@ static void kt_rows(int qt, const uint8_t *const *wrows, int nr, int64_t nb, con
                 }
             }
         }
-        for (int r = 0; r < nr; r++)
-            for (int64_t j = 0; j < ng; j++) {
+        for (int64_t j = 0; j < ng; j++) {
+            const int64_t t0 = (g0 + j) * KT_ROWS, m = n - t0 < KT_ROWS ? n - t0 : KT_ROWS;
+            if (nr == KT_WROWS) { /* 8 x 8: transposed, one 8-float store per activation row */
+                __m256 c[8];
+                for (int r = 0; r < 8; r++) c[r] = acc[r][j];
+                kt_transpose8(c);
+                for (int64_t i = 0; i < m; i++) _mm256_storeu_ps(out + (t0 + i) * ostride, c[i]);
+                continue;
+            }
+            for (int r = 0; r < nr; r++) {
                 float v[KT_ROWS];
                 _mm256_storeu_ps(v, acc[r][j]);
-                const int64_t t0 = (g0 + j) * KT_ROWS;
-                for (int64_t i = 0; i < KT_ROWS && t0 + i < n; i++) out[(t0 + i) * ostride + r] = v[i];
+                for (int64_t i = 0; i < m; i++) out[(t0 + i) * ostride + r] = v[i];
             }
+        }
     }
 }
 
