@@ -1,7 +1,8 @@
-"""The K formats against 8 or more activation rows (issue 30: prefill segments and denoising passes), where
-``quant_cpu.c`` interleaves the activation rows in tiles of 8 and adds 4 products per row lane with one vpdpbusd
-(``kt_matmul``). Checked against the fp64 references of ``tests/quant_reference.py``, at the integer extremes of
-each format, for rows that do not depend on the call they are in, and against the VNNI-free build's bits.
+"""8 or more activation rows (issue 30: prefill segments and denoising passes), where ``quant_cpu.c`` interleaves
+the activation rows in tiles of 8 and adds 4 products per row lane with one vpdpbusd: the K formats (``kt_matmul``)
+and the own cache's NF4 / INT8 with whole 256-value groups (``kts_matmul``), dense and routed. Checked against the
+fp64 references of ``tests/quant_reference.py``, at the integer extremes of each format, for rows that do not
+depend on the call they are in, and against the VNNI-free build's bits.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ import pytest
 import torch
 
 from clover_desk.engine.kernels import cpu_quant as cq
+from clover_desk.engine.weights import quant as wq
 from tests.quant_reference import (  # noqa: F401 - kern: a fixture
     K_TYPES,
     assert_moe_close,
     check_qmatmul,
+    check_smatmul,
     kern,
     make_bank,
     make_weights,
     moe_reference,
+    own_bank_reference,
+    quantized,
     routing,
 )
 
@@ -138,3 +143,55 @@ def test_routed_experts_with_8_or_more_tokens(kern: cq.Kernels, qtypes: tuple[in
         assert torch.equal(kern.moe_packed(x, packed, i, qtypes, idx, wts), y)
         assert torch.equal(plain.moe(x, *banks, qtypes, idx, wts), y)
 
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+@pytest.mark.parametrize(("k", "bs"), [(512, 64), (768, 512), (256, 32)])
+def test_split_formats_with_many_rows_match_the_reference(kern: cq.Kernels, fmt: str, k: int, bs: int) -> None:
+    """NF4 and INT8 rows of whole 256-value groups against 8+ activation rows; (768, 512): NF4 scale blocks that
+    straddle two rows."""
+    qt = cq.SPLIT_OF_FORMAT[fmt]
+    codes, scales, b = quantized(fmt, 37, k, blocksize=bs, seed=k)
+    plain = cq.Kernels(vnni=False) if kern.simd else kern
+    for t in (8, 13, 33, 70):
+        x = _x(t, k, seed=t)
+        x[1] = 0.0
+        y = kern.smatmul(x, codes, scales, qt, b)
+        check_smatmul(y, x, codes, scales, fmt, b)
+        assert torch.equal(y, plain.smatmul(x, codes, scales, qt, b)), t
+        perm = torch.randperm(t, generator=torch.Generator().manual_seed(t))
+        assert torch.equal(kern.smatmul(x[perm], codes, scales, qt, b), y[perm])
+        assert torch.equal(kern.smatmul(x[:8], codes, scales, qt, b), y[:8])
+
+
+def test_int8_codes_at_their_extremes(kern: cq.Kernels) -> None:
+    """INT8 codes of -128, -127 and 127 against activation values of +-127: VNNI reads them as w + 128 (0, 1, 255)
+    and takes 128 x sum(a) off, AVX2 as |w| with the sign moved onto a; both exact."""
+    k = 512
+    codes = torch.tensor([-128, -127, 127, 0], dtype=torch.int8).repeat(k // 4 * 3).reshape(3, k)
+    codes[1] = 127
+    codes[2] = -128
+    scales = torch.tensor([0.5, 2.0, 1.0])
+    x = torch.ones(9, k)
+    x[1] = -1.0
+    x[2, ::3] = -1.0
+    y = kern.smatmul(x, codes, scales, cq.INT8, k)
+    check_smatmul(y, x, codes, scales, "int8", k)
+    if kern.simd:
+        assert torch.equal(y, cq.Kernels(vnni=False).smatmul(x, codes, scales, cq.INT8, k))
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_own_expert_rows_with_8_or_more_tokens(kern: cq.Kernels, fmt: str) -> None:
+    """The own cache's experts (NF4 / INT8 rows, 512 x 256): an expert with >= 8 of the call's tokens takes the tiled
+    split kernel for gate, up and down, the others their dots, in one call."""
+    e, d, i = 5, 512, 256
+    g = torch.Generator().manual_seed(1)
+    bank = wq.QuantExpertBank.from_dense(torch.randn(e, 2 * i, d, generator=g) * 0.05,
+                                         torch.randn(e, d, i, generator=g) * 0.05, fmt)
+    for t, k in ((40, 2), (17, 3)):
+        idx, wts = routing(t, e, k, seed=t)
+        idx[:, 0] = 0
+        x = _x(t, d, seed=t)
+        y = bank(x, idx, wts)
+        assert_moe_close(y, own_bank_reference(bank, x, idx, wts))

@@ -896,6 +896,9 @@ static void mat_row_dots(const mat_t *m, int64_t e, int64_t r, int64_t K, const 
 }
 
 static int kt_wanted(int qt, int64_t T);
+static int kts_wanted(const mat_t *m, int64_t K, int64_t T);
+static int kts_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
+                      int64_t R, float *out, int64_t ostride, int nth);
 static int kt_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
                      int64_t R, float *out, int64_t ostride, int nth);
 
@@ -907,8 +910,9 @@ static int qmatmul_run(const float *x, int64_t T, int64_t K, const mat_t *m, con
     const int64_t rb = mat_row_bytes(m, K);
     char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
-    if (kt_wanted(m->qt, T)) { /* many activation rows: the tiled kernel (end of the file) */
-        const int rc = kt_matmul(m, K, act, arow, T, rows, R, out, R, nth);
+    if (kt_wanted(m->qt, T) || kts_wanted(m, K, T)) { /* many activation rows: the tiled kernels (end of the file) */
+        const int rc = is_k_type(m->qt) ? kt_matmul(m, K, act, arow, T, rows, R, out, R, nth)
+                                        : kts_matmul(m, K, act, arow, T, rows, R, out, R, nth);
         free(act);
         return rc;
     }
@@ -966,9 +970,10 @@ static int moe_chunk(int64_t tasks, int nth, int64_t tile, int64_t row_bytes) {
 
 /* the tiled K formats for an expert's tokens (end of the file): kt_expert_tiles builds the tiles of every used expert
    with >= KT_MIN_T tokens (off[e]: its first tile, -1 for the others), kt_expert_rows multiplies rows with them */
-static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_t T);
+static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_t T, int64_t D, int64_t I);
 static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, const int64_t *count,
-                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int64_t *off, int nth);
+                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int split, int64_t *off,
+                             int nth);
 static void kt_expert_rows(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const void *tiles,
                            int64_t off, int64_t n, float *out, int64_t ostride);
 
@@ -993,9 +998,6 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     const size_t arow_g = act_block_size(qg) * (size_t)(D / block_values(qg));
     const size_t arow_u = act_block_size(qu) * (size_t)(D / block_values(qu));
     const size_t arow_d = act_block_size(qd) * (size_t)(I / block_values(qd));
-    const int kt = kt_moe_wanted(g, u, dn, T); /* K formats, >= KT_MIN_T tokens: experts with that many take kt */
-    const int64_t tile = kt ? KT_WROWS : tiled ? TILE_R : 1;
-    const int64_t GI = (I + tile - 1) / tile, GD = (D + tile - 1) / tile; /* row tiles per matrix */
 
     /* group the pairs by expert (counting sort, stable: token order within an expert) */
     int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
@@ -1023,6 +1025,15 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         count[e + 1] += count[e]; /* count[e] = first sorted slot of expert e */
     }
     memcpy(fill, count, sizeof(int64_t) * (size_t)E);
+    int64_t most = 0; /* the most tokens on one expert */
+    for (int64_t i = 0; i < U; i++) {
+        const int64_t n = count[used[i] + 1] - count[used[i]];
+        most = n > most ? n : most;
+    }
+    /* an expert with >= KT_MIN_T tokens takes the tiled kernels (kt / kts) in tasks of KT_WROWS rows */
+    const int kt = most >= KT_MIN_T && kt_moe_wanted(g, u, dn, T, D, I);
+    const int64_t tile = kt ? KT_WROWS : tiled ? TILE_R : 1;
+    const int64_t GI = (I + tile - 1) / tile, GD = (D + tile - 1) / tile; /* row tiles per matrix */
     for (int64_t p = 0; p < P; p++) {
         int64_t s = fill[topk_idx[p]]++;
         slot_of[p] = s;
@@ -1039,7 +1050,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
      * mat_rows(tiled, ...) helper with that loop 1.07-1.09x, this 1.02-1.03x, where the same build against itself
      * reads 0.97-1.01x on this shared machine; scripts/bench_moe_ab.py).
      */
-    if (kt && !(tx = kt_expert_tiles(ag, arow_g, tok, count, used, U, E, D / QK, offx, nth))) {
+    if (kt && !(tx = kt_expert_tiles(ag, arow_g, tok, count, used, U, E, D / QK, is_split_type(qg), offx, nth))) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -1069,7 +1080,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     }
 
     ah = (char *)quantize_rows(qd, h, P, I, nth);
-    if (!ah || (kt && !(th = kt_expert_tiles(ah, arow_d, NULL, count, used, U, E, I / QK, offh, nth)))) {
+    if (!ah || (kt && !(th = kt_expert_tiles(ah, arow_d, NULL, count, used, U, E, I / QK, is_split_type(qd), offh, nth)))) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -1491,6 +1502,11 @@ static int qmatmul_tiled_run(const float *x, int64_t T, int64_t K, const mat_t *
     const size_t arow = act_block_size(m->qt) * (size_t)(K / block_values(m->qt));
     char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
+    if (kts_wanted(m, K, T)) { /* whole 256-value groups: the tiled split kernel (end of the file) */
+        const int rc = kts_matmul(m, K, act, arow, T, NULL, N, out, N, nth);
+        free(act);
+        return rc;
+    }
     const int64_t G = (N + TILE_R - 1) / TILE_R; /* row tiles */
     (void)nth;
 #pragma omp parallel for num_threads(threads_for(nth, G)) schedule(dynamic, chunk_for(G, nth))
@@ -1959,52 +1975,279 @@ static int kt_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, in
 #endif
 }
 
-/* the routed MoE through kt: all three matrices K formats and >= KT_MIN_T tokens in the call (the untiled moe_run
-   otherwise); an expert with fewer tokens keeps row_dots (mat_rows_tiled) */
-static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_t T) {
-    return kt_wanted(g->qt, T) && is_k_type(u->qt) && is_k_type(dn->qt);
+/* ============================================================================================================ */
+/* end of the tiled K formats                                                                                   */
+/* ============================================================================================================ */
+
+/* ============================================================================================================ */
+/* Issue 30: the split formats (the own cache's NF4 experts and INT8 projections) against 8 or more activation  */
+/* rows, as the tiled K formats above: activation rows in tiles of 8 (kts_tile_t: 256 values in 32-value        */
+/* blocks, each with its own scale), one int32 lane per row. A weight row's 256 values are decoded once to int8 */
+/* (NF4 through its table) with the fp32 scale of each 32 values. Per block of 32 values and (weight row,       */
+/* activation row): p = sum w a, exact, then acc = fma(s * da, p, acc), blocks in order; NF4's 1/127 at the     */
+/* end. With VNNI vpdpbusd reads u = w + 128 (unsigned) and 128 * sum(a) is taken off each block; AVX2 moves    */
+/* the sign of w onto a and multiplies |w| (maddubs pairs <= 2 x 127 x 127): the same integers either way. It   */
+/* differs from dot_nf4 / dot_i8 (two fp32 chains) in the last bits.                                            */
+/* ============================================================================================================ */
+
+#if CLOVER_AVX2
+typedef struct {
+    int8_t q[QK / 4][KT_ROWS][4];
+    int32_t sa[QK / QS][KT_ROWS]; /* 128 x the sum of each 32-value block (VNNI's offset) */
+    float d[QK / QS][KT_ROWS];
+} kts_tile_t;
+
+typedef struct {
+    uint8_t u[QK]; /* VNNI: w + 128; AVX2: |w| */
+    int8_t w[QK];  /* AVX2: the signs */
+    float s[QK / QS];
+} kts_dec_t;
+
+/* row r of expert e of split matrix m, values 256 b .. 256 b + 255 -> o */
+static void kts_decode(const mat_t *m, int64_t e, int64_t r, int64_t K, int64_t b, kts_dec_t *o) {
+    const uint8_t *wr = m->w + e * m->es + r * m->rs;
+    const float *sc = (const float *)(m->s + e * m->ses);
+    const int64_t v = m->v0 + r * K + b * QK;
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
+    for (int c = 0; c < QK / QS; c++) {
+        const __m256i w = m->qt == T_NF4 ? nf4_values(wr + (b * QK + c * QS) / 2, lut)
+                                         : _mm256_loadu_si256((const __m256i *)(wr + b * QK + c * QS));
+#if CLOVER_VNNI
+        _mm256_storeu_si256((__m256i *)(o->u + c * QS), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)));
+#else
+        _mm256_storeu_si256((__m256i *)(o->u + c * QS), _mm256_abs_epi8(w));
+        _mm256_storeu_si256((__m256i *)(o->w + c * QS), w);
+#endif
+        o->s[c] = sc[(v + c * QS) / m->bs];
+    }
 }
 
+static void kts_fill(const char *act, size_t arow, const int64_t *tidx, int64_t t0, int64_t n, int64_t b,
+                     kts_tile_t *o) {
+    memset(o, 0, sizeof(*o));
+    for (int64_t i = 0; i < KT_ROWS && t0 + i < n; i++) {
+        const int64_t t = tidx ? tidx[t0 + i] : t0 + i;
+        const a8_t *a = (const a8_t *)(act + (size_t)t * arow) + b * (QK / QS);
+        for (int blk = 0; blk < QK / QS; blk++) {
+            int32_t sum = 0;
+            for (int l = 0; l < QS; l++) sum += a[blk].q[l];
+            for (int c = 0; c < QS / 4; c++) memcpy(o->q[blk * (QS / 4) + c][i], a[blk].q + 4 * c, 4);
+            o->sa[blk][i] = 128 * sum;
+            o->d[blk][i] = a[blk].d;
+        }
+    }
+}
+
+/* acc + sum w a per lane over 4 values: u, w broadcast weights (see kts_dec_t), x the tile's bytes */
+static inline __m256i kts_dp(__m256i acc, __m256i u, __m256i w, __m256i x) {
+#if CLOVER_VNNI
+    (void)w;
+    return _mm256_dpbusd_epi32(acc, u, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(x, w)),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+/* 256 values of rows w0, w1 x nt consecutive tiles (nb apart) -> acc0[j], acc1[j] (as kt_block) */
+static inline __attribute__((always_inline)) void kts_block(const kts_dec_t *w0, const kts_dec_t *w1,
+                                                            const kts_tile_t *a, int64_t nb, int nt, __m256 *acc0,
+                                                            __m256 *acc1) {
+    __m256 f0[4], f1[4];
+    for (int j = 0; j < nt; j++) {
+        f0[j] = acc0[j];
+        f1[j] = acc1[j];
+    }
+    for (int blk = 0; blk < QK / QS; blk++) {
+        __m256i p0[4], p1[4];
+        for (int j = 0; j < nt; j++) p0[j] = p1[j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = blk * (QS / 4); c < (blk + 1) * (QS / 4); c++) {
+            const __m256i u0 = kt_bcast(w0->u + 4 * c), u1 = kt_bcast(w1->u + 4 * c);
+#if CLOVER_VNNI
+            const __m256i s0 = u0, s1 = u1;
+#else
+            const __m256i s0 = kt_bcast(w0->w + 4 * c), s1 = kt_bcast(w1->w + 4 * c);
+#endif
+            for (int j = 0; j < nt; j++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)a[j * nb].q[c]);
+                p0[j] = kts_dp(p0[j], u0, s0, x);
+                p1[j] = kts_dp(p1[j], u1, s1, x);
+            }
+        }
+        const __m256 s0 = _mm256_set1_ps(w0->s[blk]), s1 = _mm256_set1_ps(w1->s[blk]);
+        for (int j = 0; j < nt; j++) {
+#if CLOVER_VNNI
+            const __m256i off = _mm256_loadu_si256((const __m256i *)a[j * nb].sa[blk]);
+            p0[j] = _mm256_sub_epi32(p0[j], off);
+            p1[j] = _mm256_sub_epi32(p1[j], off);
+#endif
+            const __m256 da = _mm256_loadu_ps(a[j * nb].d[blk]);
+            f0[j] = _mm256_fmadd_ps(_mm256_mul_ps(s0, da), _mm256_cvtepi32_ps(p0[j]), f0[j]);
+            f1[j] = _mm256_fmadd_ps(_mm256_mul_ps(s1, da), _mm256_cvtepi32_ps(p1[j]), f1[j]);
+        }
+    }
+    for (int j = 0; j < nt; j++) acc0[j] = f0[j];
+    for (int j = 0; j < nt; j++) acc1[j] = f1[j];
+}
+
+static void kts_block_any(const kts_dec_t *w0, const kts_dec_t *w1, const kts_tile_t *a, int64_t nb, int nt,
+                          __m256 *acc0, __m256 *acc1) {
+    switch (nt) {
+    case 1: kts_block(w0, w1, a, nb, 1, acc0, acc1); break;
+    case 2: kts_block(w0, w1, a, nb, 2, acc0, acc1); break;
+    case 3: kts_block(w0, w1, a, nb, 3, acc0, acc1); break;
+    default: kts_block(w0, w1, a, nb, 4, acc0, acc1); break;
+    }
+}
+
+/* rows r0 .. r0 + nr - 1 (nr <= KT_WROWS) of expert e of split matrix m against nt tiles (tiles[tt * nb + b]) */
+static void kts_rows(const mat_t *m, int64_t e, int64_t r0, int nr, int64_t K, const kts_tile_t *tiles, int64_t nt,
+                     int64_t n, float *out, int64_t ostride) {
+    const int64_t nb = K / QK;
+    const float post = m->qt == T_NF4 ? 1.0f / 127.0f : 1.0f;
+    kts_dec_t dec[KT_WROWS];
+    __m256 acc[KT_WROWS][KT_GROUP];
+    for (int64_t g0 = 0; g0 < nt; g0 += KT_GROUP) {
+        const int64_t ng = nt - g0 < KT_GROUP ? nt - g0 : KT_GROUP;
+        for (int r = 0; r < nr; r++)
+            for (int64_t j = 0; j < ng; j++) acc[r][j] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            for (int r = 0; r < nr; r++) kts_decode(m, e, r0 + r, K, b, &dec[r]);
+            for (int64_t j = 0; j < ng; j += 4) {
+                const int mm = (int)(ng - j < 4 ? ng - j : 4);
+                for (int r = 0; r < nr; r += 2) {
+                    const int r1 = r + 1 < nr ? r + 1 : r;
+                    kts_block_any(&dec[r], &dec[r1], tiles + (g0 + j) * nb + b, nb, mm, acc[r] + j, acc[r1] + j);
+                }
+            }
+        }
+        for (int64_t j = 0; j < ng; j++) {
+            const int64_t t0 = (g0 + j) * KT_ROWS, mt = n - t0 < KT_ROWS ? n - t0 : KT_ROWS;
+            if (nr == KT_WROWS) {
+                __m256 c[8];
+                for (int r = 0; r < 8; r++) c[r] = _mm256_mul_ps(acc[r][j], _mm256_set1_ps(post));
+                kt_transpose8(c);
+                for (int64_t i = 0; i < mt; i++) _mm256_storeu_ps(out + (t0 + i) * ostride, c[i]);
+                continue;
+            }
+            for (int r = 0; r < nr; r++) {
+                float v[KT_ROWS];
+                _mm256_storeu_ps(v, _mm256_mul_ps(acc[r][j], _mm256_set1_ps(post)));
+                for (int64_t i = 0; i < mt; i++) out[(t0 + i) * ostride + r] = v[i];
+            }
+        }
+    }
+}
+
+static kts_tile_t *kts_tiles(const char *act, size_t arow, const int64_t *tidx, int64_t n, int64_t nb, int nth) {
+    const int64_t nt = (n + KT_ROWS - 1) / KT_ROWS;
+    kts_tile_t *tiles = (kts_tile_t *)malloc(sizeof(kts_tile_t) * (size_t)(nt * nb));
+    if (!tiles) return NULL;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, nt * nb / 8)) schedule(static) if (nt * nb >= 16)
+    for (int64_t i = 0; i < nt * nb; i++) kts_fill(act, arow, tidx, (i / nb) * KT_ROWS, n, i % nb, tiles + i);
+    return tiles;
+}
+#endif
+
+/* whether a split-format product of T rows of K values takes kts: >= KT_MIN_T rows, whole 256-value groups */
+static int kts_wanted(const mat_t *m, int64_t K, int64_t T) {
+    return CLOVER_AVX2 && is_split_type(m->qt) && T >= KT_MIN_T && K % QK == 0;
+}
+
+static int kts_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
+                      int64_t R, float *out, int64_t ostride, int nth) {
+#if CLOVER_AVX2
+    const int64_t nb = K / QK, nt = (T + KT_ROWS - 1) / KT_ROWS;
+    kts_tile_t *tiles = kts_tiles(act, arow, NULL, T, nb, nth);
+    if (!tiles) return ERR_ALLOC;
+    (void)nth;
+    if (rows) { /* selected rows: one task per row (they need not be adjacent) */
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
+        for (int64_t r = 0; r < R; r++) kts_rows(m, 0, rows[r], 1, K, tiles, nt, T, out + r, ostride);
+    } else {
+        const int64_t G = (R + KT_WROWS - 1) / KT_WROWS;
+#pragma omp parallel for num_threads(threads_for(nth, G)) schedule(dynamic, chunk_for(G, nth) / KT_WROWS + 1)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r0 = g * KT_WROWS;
+            kts_rows(m, 0, r0, (int)(R - r0 < KT_WROWS ? R - r0 : KT_WROWS), K, tiles, nt, T, out + r0, ostride);
+        }
+    }
+    free(tiles);
+    return OK;
+#else
+    (void)m, (void)K, (void)act, (void)arow, (void)T, (void)rows, (void)R, (void)out, (void)ostride, (void)nth;
+    return ERR_TYPE;
+#endif
+}
+
+/* ============================================================================================================ */
+/* end of the tiled split formats                                                                               */
+/* ============================================================================================================ */
+
+/* ============================================================================================================ */
+/* the routed MoE through the tiled kernels: all three matrices K formats (kt) or all split formats with whole  */
+/* 256-value groups (kts), and >= KT_MIN_T tokens in the call; an expert with fewer tokens keeps row_dots /    */
+/* mat_rows_tiled                                                                                               */
+/* ============================================================================================================ */
+
+static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_t T, int64_t D, int64_t I) {
+    if (kt_wanted(g->qt, T)) return is_k_type(u->qt) && is_k_type(dn->qt);
+    return kts_wanted(g, D, T) && kts_wanted(u, D, T) && kts_wanted(dn, I, T);
+}
+
+/* the tiles of every used expert with >= KT_MIN_T tokens: off[e] its first tile, -1 for the others */
 static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, const int64_t *count,
-                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int64_t *off, int nth) {
+                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int split, int64_t *off,
+                             int nth) {
 #if CLOVER_AVX2
     int64_t total = 0;
     for (int64_t e = 0; e < E; e++) off[e] = -1;
     for (int64_t i = 0; i < U; i++) {
         const int64_t e = used[i], n = count[e + 1] - count[e];
-        off[e] = n >= KT_MIN_T ? total : -1;
-        if (n >= KT_MIN_T) total += (n + KT_ROWS - 1) / KT_ROWS * nb;
+        if (n < KT_MIN_T) continue;
+        off[e] = total;
+        total += (n + KT_ROWS - 1) / KT_ROWS * nb;
     }
-    kt_tile_t *tiles = (kt_tile_t *)malloc(sizeof(kt_tile_t) * (size_t)(total > 0 ? total : 1));
+    const size_t tb = split ? sizeof(kts_tile_t) : sizeof(kt_tile_t);
+    char *tiles = (char *)malloc(tb * (size_t)(total > 0 ? total : 1));
     if (!tiles) return NULL;
     (void)nth;
 #pragma omp parallel for num_threads(threads_for(nth, U)) schedule(dynamic, 1) if (total >= 16)
     for (int64_t i = 0; i < U; i++) {
         const int64_t e = used[i], s0 = count[e], n = count[e + 1] - s0;
         if (off[e] < 0) continue;
-        for (int64_t j = 0; j < (n + KT_ROWS - 1) / KT_ROWS * nb; j++)
-            kt_fill(tidx ? act : act + (size_t)s0 * arow, arow, tidx ? tidx + s0 : NULL, (j / nb) * KT_ROWS, n,
-                    j % nb, tiles + off[e] + j);
+        const char *base = tidx ? act : act + (size_t)s0 * arow;
+        const int64_t *ti = tidx ? tidx + s0 : NULL;
+        for (int64_t j = 0; j < (n + KT_ROWS - 1) / KT_ROWS * nb; j++) {
+            char *o = tiles + tb * (size_t)(off[e] + j);
+            if (split) kts_fill(base, arow, ti, (j / nb) * KT_ROWS, n, j % nb, (kts_tile_t *)o);
+            else kt_fill(base, arow, ti, (j / nb) * KT_ROWS, n, j % nb, (kt_tile_t *)o);
+        }
     }
     return tiles;
 #else
-    (void)act, (void)arow, (void)tidx, (void)count, (void)used, (void)U, (void)E, (void)nb, (void)off, (void)nth;
+    (void)act, (void)arow, (void)tidx, (void)count, (void)used, (void)U, (void)E, (void)nb, (void)split, (void)off,
+        (void)nth;
     return NULL;
 #endif
 }
 
+/* rows r0 .. r0 + nr - 1 of expert e of m against its n tokens' tiles (from off) */
 static void kt_expert_rows(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const void *tiles,
                            int64_t off, int64_t n, float *out, int64_t ostride) {
 #if CLOVER_AVX2
+    const int64_t nt = (n + KT_ROWS - 1) / KT_ROWS;
+    if (is_split_type(m->qt)) {
+        kts_rows(m, e, r0, (int)nr, K, (const kts_tile_t *)tiles + off, nt, n, out, ostride);
+        return;
+    }
     const uint8_t *wrows[KT_WROWS];
     for (int64_t r = 0; r < nr; r++) wrows[r] = m->w + e * m->es + (r0 + r) * m->rs;
-    kt_rows(m->qt, wrows, (int)nr, K / QK, (const kt_tile_t *)tiles + off, (n + KT_ROWS - 1) / KT_ROWS, n, out,
-            ostride);
+    kt_rows(m->qt, wrows, (int)nr, K / QK, (const kt_tile_t *)tiles + off, nt, n, out, ostride);
 #else
     (void)m, (void)e, (void)r0, (void)nr, (void)K, (void)tiles, (void)off, (void)n, (void)out, (void)ostride;
 #endif
 }
 
-/* ============================================================================================================ */
-/* end of the tiled K formats                                                                                   */
-/* ============================================================================================================ */
