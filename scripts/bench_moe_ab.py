@@ -1,13 +1,16 @@
-"""A/B timing of the routed-expert CPU kernels (``engine/kernels/csrc/quant_cpu.c``): the build of a git revision
-(``--base``, default main) against the working tree's, at Clover-35B-A3B's real widths (hidden 2048, expert width
-512, 256 experts, top-8), for one token (AR step) and 32 tokens (a diffusion pass), on GGUF Q4_K expert rows
-(``moe_packed``) and the engine's own NF4 / INT8 rows (``moe_rows``).
+"""A/B timing of the routed-expert and many-row CPU kernels (``engine/kernels/csrc/quant_cpu.c``): the build of a git
+revision (``--base``, default main) against the working tree's, at Clover-35B-A3B's real widths (hidden 2048, expert
+width 512, 256 experts, top-8), for one token (AR step) and 32 tokens (a diffusion pass), on GGUF Q4_K expert rows
+(``moe_packed``) and the engine's own NF4 / INT8 rows (``moe_rows``); then 32 tokens routed to 16 experts (a pass on
+random weights, whose masks route alike) and the dense products of a pass (``qmatmul`` / ``smatmul``: a 16,384-row
+slice of the Q6_K head, the Q4_K and INT8 in_proj_qkvz 12,288 x 2,048, NF4 4,096 x 2,048).
 
     python scripts/bench_moe_ab.py [--base main] [--rounds 9] [--calls 5] [--threads 1] [--only T=1]
 
 The two builds run interleaved (the order alternating each round), each round timing ``--calls`` calls and keeping
 the best; the table gives the median over rounds in ms per call and new / old. On a shared machine take the medians,
-not a single round. Each case also checks that both builds return the same bits.
+not a single round. Each case also says whether both builds return the same bits (the tiled many-row kernels
+change the last bits; tests/engine/test_cpu_quant_ktiles.py holds them to fp64 references).
 """
 
 from __future__ import annotations
@@ -93,6 +96,19 @@ def cases() -> list[tuple[str, Callable[[cq.Kernels], Tensor]]]:
             qt = cq.SPLIT_OF_FORMAT[fmt]
             out.append((f"{fmt.upper()} moe_rows T={t}", lambda k, x=x, i=idx, w=wts, b=bank, o=offs, s=bss, q=qt:
                         k.moe_rows(x, b.packed, o, EXPERT_I, q, s, i, w)))
+    x = torch.randn(32, HIDDEN, generator=torch.Generator().manual_seed(7))
+    idx = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(t))[:TOP_K] for t in range(32)])
+    wts = torch.softmax(torch.randn(32, TOP_K, generator=torch.Generator().manual_seed(8)), -1)
+    out.append(("Q4_K moe_packed T=32, 16 exp", lambda k: k.moe_packed(x, packed, EXPERT_I, qtypes, idx, wts)))
+    g = torch.Generator().manual_seed(9)
+    for name, qt, rows in (("Q6_K head slice", cq.Q6_K, 16384), ("Q4_K qkvz", cq.Q4_K, 12288)):
+        w = gq.quantize(torch.randn(rows, HIDDEN, generator=g) * 0.02, qt)
+        out.append((f"{name} qmatmul T=32", lambda k, w=w, q=qt: k.qmatmul(x, w, q)))
+    for fmt, rows in (("int8", 12288), ("nf4", 4096)):
+        codes, scales = wq.quantize_tensor(torch.randn(rows, HIDDEN, generator=g) * 0.02, fmt, 64)
+        bs = 64 if fmt == "nf4" else HIDDEN
+        out.append((f"{fmt.upper()} {rows} smatmul T=32", lambda k, c=codes, s=scales, q=cq.SPLIT_OF_FORMAT[fmt],
+                    b=bs: k.smatmul(x, c, s, q, b)))
     return out
 
 
