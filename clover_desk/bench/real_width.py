@@ -448,8 +448,17 @@ def _print_pass(model: CloverModel, sb: StepBytes, prompt: list[int], repeats: i
     pass_t = LayerClock(model).run(one_pass, repeats)
     step_t = LayerClock(model).run(one_step, repeats)
     used = _distinct_experts(model, one_pass)
-    k = config.num_experts_per_tok
     print("block pass vs AR step (engine, the file; 32 masks after the prompt route alike on random weights):")
+    _pass_table(model, sb, step_t, pass_t, used)
+    with _spread_routing(model):  # a trained router spreads a pass's 32 slots: the issue's ~160 experts a layer
+        spread_t = LayerClock(model).run(one_pass, repeats)
+        spread = _distinct_experts(model, one_pass)
+    print("the same pass with each slot's 8 experts drawn at random, as a trained router spreads distinct tokens:")
+    _pass_table(model, sb, step_t, spread_t, spread)
+
+
+def _pass_table(model: CloverModel, sb: StepBytes, step_t: list[float], pass_t: list[float], used: list[int]) -> None:
+    config, k = model.config, model.config.num_experts_per_tok
     rows = [(f"layer {i} ({config.layer_types[i]})", sb.layer(i, k), sb.layer(i, used[i]), f"{used[i]} experts")
             for i in range(len(model.layers))] + [("head", sb.head, sb.head, "32 rows")]
     for (name, ar_b, pass_b, what), ts, tp in zip(rows, step_t, pass_t):
@@ -460,6 +469,30 @@ def _print_pass(model: CloverModel, sb: StepBytes, prompt: list[int], repeats: i
     total_pass = sum(r[2] for r in rows) / sum(pass_t) / 1e9
     print(f"  {'all':28} AR {sum(step_t) * 1e3:7.2f} ms {total_ar:5.1f} GB/s | pass {sum(pass_t) * 1e3:7.1f} ms "
           f"{total_pass:5.1f} GB/s = {total_pass / total_ar:.2f}x")
+
+
+class _spread_routing:  # noqa: N801 - a context manager used as a statement
+    """Within it every layer's routed experts get, for each token, k distinct experts drawn at random (the same draw
+    each call): random weights route a pass's identical masks alike (13-20 experts a layer), a trained router spreads
+    32 distinct slots over ~160 of 256; the router's own product and top-k still run."""
+
+    def __init__(self, model: CloverModel) -> None:
+        self.model, self.hooks = model, []
+
+    def __enter__(self) -> None:
+        n = self.model.config.num_experts
+
+        def pre(_mod: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x, idx, w = args
+            g = torch.Generator().manual_seed(idx.shape[0])
+            drawn = torch.stack([torch.randperm(n, generator=g)[: idx.shape[1]] for _ in range(idx.shape[0])])
+            return x, drawn.to(idx.device), w
+
+        self.hooks = [layer.mlp.experts.register_forward_pre_hook(pre) for layer in self.model.layers]
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.hooks:
+            h.remove()
 
 
 def _print_kl(llama_cpp: Any, path: Path, f16: Path, prompt: list[int], threads: int, engines: dict[str, _Engine]) -> None:

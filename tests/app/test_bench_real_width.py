@@ -83,3 +83,24 @@ def test_llama_cpp_is_left_out_below_four_layers(monkeypatch: pytest.MonkeyPatch
     assert said and "--layers 3" in said[0] and ">= 4 layers" in said[0]
     said.clear()
     assert llama_cpp_for(4, said.append) is fake and not said
+
+
+def test_spread_routing_draws_each_slot_s_experts(q8_file: Path) -> None:
+    """The bench's second pass table: each token's k experts drawn at random (the same draw each call), as a trained
+    router spreads a pass's distinct slots; identical masks on random weights route alike otherwise."""
+    model = load_gguf_model(q8_file).model
+    e, k = model.config.num_experts, model.config.num_experts_per_tok
+    ids = torch.full((32,), 3)
+
+    def run() -> torch.Tensor:
+        return model.forward(ids, 0, model.new_cache(32))
+
+    alike = real_width._distinct_experts(model, run)
+    g = torch.Generator().manual_seed(32)
+    drawn = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(32)])
+    with real_width._spread_routing(model):
+        spread = real_width._distinct_experts(model, run)
+        assert torch.equal(run(), run())
+    assert spread == [len(drawn.unique())] * len(model.layers)
+    assert spread != alike
+    assert real_width._distinct_experts(model, run) == alike  # the hooks are gone
