@@ -10,9 +10,9 @@ for Q4_K / Q5_K / Q6_K weights; 32 values with an fp32 scale for Q8_0 / Q4_0), t
 product with the weight blocks, accumulated in fp32 (what llama.cpp's CPU backend does). Float weights (F32 / F16 /
 BF16) are not handled here: keep them on torch. The split formats use the 32-value activation blocks too: NF4 codes
 go through a 16-entry int8 table (round(127 * code), the 1/127 applied per output), INT8 codes are used as they are.
-With several activation rows (diffusion passes, prefill) each K-format block and, from 8 rows of one matrix on, each
-NF4 row is decoded once and multiplied with all of them (:func:`set_tiled` switches the NF4 part off, for
-comparisons: the results are the same bits).
+From 8 activation rows on (prefill, diffusion passes) the rows go in tiles of 8, one int32 lane each, and a weight
+block decoded once feeds them all 4 values per vpdpbusd (K formats, and NF4 / INT8 of whole 256-value groups); with
+3-7 rows each K-format block is decoded once for all rows (:func:`set_tiled`: NF4 at other widths).
 
 Build: ``$CC`` (else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp -shared -fPIC`` into
 ``$CLOVER_DESK_KERNEL_CACHE`` (else ``~/.cache/clover-desk/kernels``), one ``.so`` per hash of source, flags and
@@ -591,9 +591,9 @@ TILED_MIN_ROWS = 2  # activation rows from which an NF4 call goes through the de
 
 
 def set_tiled(on: bool) -> bool:
-    """NF4 calls (:meth:`Kernels.smatmul`, :meth:`Kernels.moe_rows`) of :data:`TILED_MIN_ROWS` or more activation
-    rows decode each weight row once for all rows (True, the default) or once per row (False); both give the same
-    results. Returns the previous setting."""
+    """NF4 calls (:meth:`Kernels.smatmul`, :meth:`Kernels.moe_rows`) of :data:`TILED_MIN_ROWS` or more rows of widths
+    that are not whole 256-value groups (those take the tiled split kernel either way) decode each weight row once
+    (True, the default) or once per row (False): the same results. Returns the previous setting."""
     global _tiled
     before, _tiled = _tiled, bool(on)
     return before

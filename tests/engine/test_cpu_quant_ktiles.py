@@ -195,3 +195,17 @@ def test_own_expert_rows_with_8_or_more_tokens(kern: cq.Kernels, fmt: str) -> No
         x = _x(t, d, seed=t)
         y = bank(x, idx, wts)
         assert_moe_close(y, own_bank_reference(bank, x, idx, wts))
+
+
+def test_real_width_smoke(kern: cq.Kernels) -> None:
+    """CI's smoke at the model's widths for each tiled path: 64 rows of 2,048 (a projection's, the head's) and of 512
+    (an expert's down) against a 32-slot pass's activation rows, every format, against the fp64 references."""
+    for k in (2048, 512):
+        x = _x(32, k, seed=k)
+        for qtype in K_TYPES:
+            w = make_weights(qtype, 64, k, seed=qtype)
+            assert check_qmatmul(kern.qmatmul(x, w, qtype), x, w, qtype) < 2e-2
+        for fmt in ("nf4", "int8"):
+            codes, scales, bs = quantized(fmt, 64, k, seed=k)
+            y = kern.smatmul(x, codes, scales, cq.SPLIT_OF_FORMAT[fmt], bs)
+            assert check_smatmul(y, x, codes, scales, fmt, bs) < 2e-2

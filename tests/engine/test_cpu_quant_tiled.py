@@ -4,7 +4,10 @@ both paths must give bit-identical results; against the fp64 references of test_
 widths and at the model's real widths (hidden 2048, expert width 512), on the AVX2 build and the scalar one.
 
 The C side decodes once from 8 activation rows of one matrix on (``SPLIT_DEC_MIN_ROWS``), so the cases below mix
-experts with more and fewer tokens than that, and widths whose NF4 blocks straddle rows.
+experts with more and fewer tokens than that, and widths whose NF4 blocks straddle rows. Widths of whole 256-value
+groups (all of Clover's) take the tiled split kernel instead (``kts``, tests/engine/test_cpu_quant_ktiles.py) under
+either setting, so here they only show that the setting changes nothing; the widths that test the decode-once
+path itself are the ones that are not multiples of 256.
 """
 
 from __future__ import annotations
@@ -118,7 +121,9 @@ def test_scalar_build_expert_rows_agree(scalar: cq.Kernels) -> None:
 
 def test_real_width_smoke(kern: cq.Kernels) -> None:
     """CI smoke at the model's widths: 64 rows of an expert's gate [512, 2048] and of its down [2048, 512] for
-    T = 32, and a one-layer bank of 4 real-width NF4 experts at T = 32 (every expert past the 8-row threshold)."""
+    T = 32, and a one-layer bank of 4 real-width NF4 experts at T = 32 (every expert past the 8-row threshold). At
+    these widths both settings take the tiled split kernel: the references are the check, the equality says the
+    setting changes nothing."""
     for n, k in ((64, 2048), (64, 512)):
         codes, scales, bs = quantized("nf4", n, k, seed=n + k)
         x = torch.randn(32, k, generator=torch.Generator().manual_seed(k))

@@ -1428,7 +1428,8 @@ int clover_qmatmul_many(const float *x, int64_t T, int64_t K, int qt, int n, con
 /* exact, so the results are bit-identical to dot_nf4's. INT8 codes need no decoding: they stay on dot_i8.      */
 /* Tried and left out (bit-identical, not faster, see docs/STATUS.md): a 2 x 4 / 4 x 2 register tile of decoded */
 /* K-format blocks, so each activation block is loaded once per 2-4 weight rows (35-38 GMAC/s per core at      */
-/* T = 32 either way), and the decoded copy for INT8 (0.6-0.85x).                                               */
+/* T = 32 either way), and the decoded copy for INT8 (0.6-0.85x). What did pay, later: one int32 lane per       */
+/* activation row (the tiled kernels at the end of the file), which takes NF4 rows of whole 256-value groups.   */
 /* ============================================================================================================ */
 
 #define SPLIT_DEC_MAX 8192    /* widest row decoded on the stack (16 KB + scales); wider rows: mat_row_dots */
