@@ -60,10 +60,17 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vram-gb", dest="vram_budget_bytes", type=flags.vram_budget, default=None, help="VRAM budget in GiB: load the quantized cache (NF4 experts, INT8 dense; a .gguf file its own blocks), placed or streamed by the planner's plan")
     parser.add_argument("--ctx", type=flags.TOKENS, default=None, metavar="N",
                         help="with --vram-gb: context (prompt + answer) the plan reserves KV cache for (default 16384)")
+    add_quantized_argument(parser)
     parser.add_argument("--compile", action="store_true",
                         help="compile the decoder layers (torch.compile), warmed up while loading: two to three "
                              "minutes on a CPU the first time, under a minute once cached")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off in the chat template")
+
+
+def add_quantized_argument(parser: argparse.ArgumentParser) -> None:
+    """``--quantized`` (``generate``, ``chat``, ``serve``): a folder's own quantized cache without a plan."""
+    parser.add_argument("--quantized", action="store_true",
+                        help="a model folder: load its quantized cache (NF4 routed experts, INT8 dense, on the CPU a Q6_K head; built next to it on first use, then reused) instead of its float weights: ~4.5 bits a weight, so a 35B folder fits a CPU's RAM (--vram-gb implies it)")
 
 
 def add_cache_ram_argument(parser: argparse.ArgumentParser) -> None:
@@ -243,8 +250,11 @@ def structured_from_file(path: str) -> str:
 
 
 def check_ctx(args: argparse.Namespace) -> None:
-    """``--ctx`` goes with ``--vram-gb`` only (a ConfigError otherwise)."""
+    """``--ctx`` goes with ``--vram-gb`` only, ``--quantized`` with a model folder only (a ConfigError otherwise),
+    said before anything is read."""
     from clover_desk.engine.errors import ConfigError
+
+    precision_of(args.model, None, getattr(args, "quantized", False))
 
     if args.ctx is not None and args.vram_budget_bytes is None:  # (serve's --ctx caps requests; here the answer's length is
         # bounded by --max-new-tokens already: without a plan there is no KV reservation for --ctx to size)
@@ -272,18 +282,23 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
             print(_plan_line(plan), file=sys.stderr)
         if not plan.fits:
             raise PlanError(plan.reason)
-    return Engine.load(args.model, device=args.device, precision=precision_of(args.model, plan), placement=plan,
+    return Engine.load(args.model, device=args.device, precision=precision_of(args.model, plan, args.quantized), placement=plan,
                        dtype=dtype, gguf_layout=args.gguf_layout, compile=args.compile, progress=compile_stage_printer(command) if args.compile else None,
                        gpu_paths=args.gpu_paths)
 
 
-def precision_of(model: str | Path, plan: Any) -> str | None:
-    """The precision ``--vram-gb`` asks for (its help says so: quantize, then place): a model folder's quantized
-    cache ("nf4") placed by the plan; a .gguf file loads its own blocks (implied by the file); without a plan the
-    weights as stored, in ``--dtype`` (None: Engine.load's default for the dtype)."""
-    if plan is None or Path(model).suffix == ".gguf":
+def precision_of(model: str | Path, plan: Any, quantized: bool = False) -> str | None:
+    """The precision ``--vram-gb`` or ``--quantized`` asks for: a model folder's quantized cache ("nf4"), placed by
+    the plan if there is one; a .gguf file loads its own blocks (implied by the file; ``--quantized`` with one is
+    a ConfigError); otherwise the weights as stored, in ``--dtype`` (None: Engine.load's default for the dtype)."""
+    if Path(model).suffix == ".gguf":
+        if quantized:
+            from clover_desk.engine.errors import ConfigError
+
+            raise ConfigError(f"--quantized applies to a model folder: {Path(model).name} is a .gguf file, whose own "
+                              "quantized blocks are read as they are (leave --quantized out)")
         return None
-    return "nf4"
+    return "nf4" if plan is not None or quantized else None
 
 
 def _plan_line(plan: Any) -> str:
@@ -310,7 +325,7 @@ def summary_line(done: Any) -> str:
 
 # the flags only a model loaded here uses, with the value that means "not given" (remote_backend refuses the others)
 LOCAL_ONLY = (("vram_budget_bytes", "--vram-gb", None), ("ctx", "--ctx", None), ("dtype", "--dtype", None),
-              ("device", "--device", "cpu"))
+              ("device", "--device", "cpu"), ("quantized", "--quantized", False))
 _GENERATE_LOCAL_ONLY = (("prompt_ids", "--prompt-ids", None), ("raw", "--raw", False), ("json_schema", "--json-schema", None),
                         *LOCAL_ONLY)
 

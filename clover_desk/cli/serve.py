@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the decoder layers (torch.compile) for faster decoding; the load then warms "
                              "them up before listening: two to three minutes on a CPU the first time, under a minute "
                              "once cached")
+    cmd_generate.add_quantized_argument(parser)
     cmd_generate.add_cache_ram_argument(parser)
 
 
@@ -156,7 +157,7 @@ def _load(args: argparse.Namespace) -> Any:
         if not plan.fits:
             raise PlanError(plan.reason)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = Engine.load(args.model, device=args.device, precision=cmd_generate.precision_of(args.model, plan),
+    engine = Engine.load(args.model, device=args.device, precision=cmd_generate.precision_of(args.model, plan, args.quantized),
                          placement=plan, dtype=dtype, compile=args.compile,
                          progress=cmd_generate.compile_stage_printer("serve") if args.compile else None,
                          gpu_paths=args.gpu_paths)

@@ -219,3 +219,30 @@ def test_generate_and_bench_on_cuda(capsys: pytest.CaptureFixture[str], tiny_clo
                              "--decode-tokens", "8", "--diffusion-tokens", "8")
     assert code == 0, err
     assert "device cuda" in out and "passes/s" in out
+
+
+def test_quantized_loads_the_folder_s_quantized_cache(capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path,
+                                                      tmp_path: Path, one_torch_thread: None) -> None:
+    """``--quantized``: a folder's own quantized cache without a plan (what fits a 35B folder in a CPU's RAM), built
+    next to the model on first use; without the flag the float weights, and no cache."""
+    from clover_desk.engine.weights.formats import policy_for
+    from clover_desk.engine.weights.quant_cache_files import cache_dir_for
+
+    folder = copy_model(tiny_clover_dir, tmp_path / "m")
+    cache = cache_dir_for(folder, policy_for("cpu"))
+    args = ["generate", "--model", str(folder), "--prompt", "Hi", "--no-think", "--max-new-tokens", "4",
+            "--block-size", "8", "--json"]
+    code, plain, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert not cache.exists()
+    code, quant, err = run_cli(capsys, *args, "--quantized")
+    assert code == 0, err
+    assert (cache / "manifest.json").is_file()
+    assert json_events(quant)[-1]["event"] == "finished"
+
+
+def test_quantized_with_a_gguf_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    _expect_error(capsys, ["generate", "--model", str(model), "--prompt", "hi", "--quantized"],
+                  "--quantized applies to a model folder", "model.gguf")
