@@ -897,8 +897,6 @@ static void mat_row_dots(const mat_t *m, int64_t e, int64_t r, int64_t K, const 
 
 static int kt_wanted(int qt, int64_t T);
 static int kts_wanted(const mat_t *m, int64_t K, int64_t T);
-static int kts_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
-                      int64_t R, float *out, int64_t ostride, int nth);
 static int kt_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
                      int64_t R, float *out, int64_t ostride, int nth);
 
@@ -911,8 +909,7 @@ static int qmatmul_run(const float *x, int64_t T, int64_t K, const mat_t *m, con
     char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
     if (kt_wanted(m->qt, T) || kts_wanted(m, K, T)) { /* many activation rows: the tiled kernels (end of the file) */
-        const int rc = is_k_type(m->qt) ? kt_matmul(m, K, act, arow, T, rows, R, out, R, nth)
-                                        : kts_matmul(m, K, act, arow, T, rows, R, out, R, nth);
+        const int rc = kt_matmul(m, K, act, arow, T, rows, R, out, R, nth);
         free(act);
         return rc;
     }
@@ -1504,7 +1501,7 @@ static int qmatmul_tiled_run(const float *x, int64_t T, int64_t K, const mat_t *
     char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
     if (kts_wanted(m, K, T)) { /* whole 256-value groups: the tiled split kernel (end of the file) */
-        const int rc = kts_matmul(m, K, act, arow, T, NULL, N, out, N, nth);
+        const int rc = kt_matmul(m, K, act, arow, T, NULL, N, out, N, nth);
         free(act);
         return rc;
     }
@@ -1887,13 +1884,44 @@ static inline void kt_transpose8(__m256 c[8]) {
 }
 
 /*
- * Weight rows wrows[0 .. nr-1] (nr <= KT_WROWS, nb blocks of type qt each) against the nt tiles of one call
- * (tiles[tt * nb + b]): out[(tt * KT_ROWS + i) * ostride + r] for the tiles' real rows (i < n - tt * KT_ROWS).
- * Each weight block is decoded once per KT_GROUP tiles, and each tile's block is read from L1 by every row pair.
+ * A task's sums acc[r][j] (weight row r, tile g0 + j of the call) times post -> out[(t0 + i) * ostride + r] for the
+ * tiles' real rows (i < n - t0): 8 weight rows transposed in registers and stored one 8-float row per activation
+ * row (64 scattered stores per tile cost 13% of the time), fewer one by one.
  */
-static void kt_rows(int qt, const uint8_t *const *wrows, int nr, int64_t nb, const kt_tile_t *tiles, int64_t nt,
-                    int64_t n, float *out, int64_t ostride) {
-    const int bb = block_bytes(qt), gs = qt == T_Q6_K ? 16 : 32;
+static void kt_store(__m256 acc[KT_WROWS][KT_GROUP], int nr, int64_t g0, int64_t ng, int64_t n, float post,
+                     float *out, int64_t ostride) {
+    const __m256 p = _mm256_set1_ps(post);
+    for (int64_t j = 0; j < ng; j++) {
+        const int64_t t0 = (g0 + j) * KT_ROWS, m = n - t0 < KT_ROWS ? n - t0 : KT_ROWS;
+        if (nr == KT_WROWS) {
+            __m256 c[8];
+            for (int r = 0; r < 8; r++) c[r] = _mm256_mul_ps(acc[r][j], p);
+            kt_transpose8(c);
+            for (int64_t i = 0; i < m; i++) _mm256_storeu_ps(out + (t0 + i) * ostride, c[i]);
+            continue;
+        }
+        for (int r = 0; r < nr; r++) {
+            float v[KT_ROWS];
+            _mm256_storeu_ps(v, _mm256_mul_ps(acc[r][j], p));
+            for (int64_t i = 0; i < m; i++) out[(t0 + i) * ostride + r] = v[i];
+        }
+    }
+}
+
+/* row r of a task: ridx[r], else r0 + r */
+static inline int64_t kt_row(const int64_t *ridx, int64_t r0, int r) { return ridx ? ridx[r] : r0 + r; }
+
+/*
+ * K-format rows of expert e of m (nr <= KT_WROWS: kt_row(ridx, r0, r)) against the nt tiles of a call (tiles[tt *
+ * nb + b], n real activation rows): out[t * ostride + r]. Each weight block is decoded once per KT_GROUP tiles,
+ * and each tile's block is read from L1 by every pair of rows.
+ */
+static void kt_rows(const mat_t *m, int64_t e, const int64_t *ridx, int64_t r0, int nr, int64_t K,
+                    const kt_tile_t *tiles, int64_t nt, int64_t n, float *out, int64_t ostride) {
+    const int qt = m->qt, bb = block_bytes(qt), gs = qt == T_Q6_K ? 16 : 32;
+    const int64_t nb = K / QK;
+    const uint8_t *wrows[KT_WROWS];
+    for (int r = 0; r < nr; r++) wrows[r] = m->w + e * m->es + kt_row(ridx, r0, r) * m->rs;
     kt_dec_t dec[KT_WROWS];
     __m256 acc[KT_WROWS][KT_GROUP];
     for (int64_t g0 = 0; g0 < nt; g0 += KT_GROUP) {
@@ -1907,66 +1935,46 @@ static void kt_rows(int qt, const uint8_t *const *wrows, int nr, int64_t nb, con
                     for (int o = 0; o < bb; o += 64) __builtin_prefetch(wrows[r] + (b + 1) * bb + o, 0, 0);
             }
             for (int64_t j = 0; j < ng; j += 4) {
-                const int m = (int)(ng - j < 4 ? ng - j : 4);
+                const int mt = (int)(ng - j < 4 ? ng - j : 4);
                 for (int r = 0; r < nr; r += 2) {
                     const int r1 = r + 1 < nr ? r + 1 : r; /* an odd last row: computed twice, the same sums */
-                    kt_block_any(&dec[r], &dec[r1], tiles + (g0 + j) * nb + b, nb, m, gs, acc[r] + j, acc[r1] + j);
+                    kt_block_any(&dec[r], &dec[r1], tiles + (g0 + j) * nb + b, nb, mt, gs, acc[r] + j, acc[r1] + j);
                 }
             }
         }
-        for (int64_t j = 0; j < ng; j++) {
-            const int64_t t0 = (g0 + j) * KT_ROWS, m = n - t0 < KT_ROWS ? n - t0 : KT_ROWS;
-            if (nr == KT_WROWS) { /* 8 x 8: transposed, one 8-float store per activation row */
-                __m256 c[8];
-                for (int r = 0; r < 8; r++) c[r] = acc[r][j];
-                kt_transpose8(c);
-                for (int64_t i = 0; i < m; i++) _mm256_storeu_ps(out + (t0 + i) * ostride, c[i]);
-                continue;
-            }
-            for (int r = 0; r < nr; r++) {
-                float v[KT_ROWS];
-                _mm256_storeu_ps(v, acc[r][j]);
-                for (int64_t i = 0; i < m; i++) out[(t0 + i) * ostride + r] = v[i];
-            }
-        }
+        kt_store(acc, nr, g0, ng, n, 1.0f, out, ostride); /* times 1: the same bits */
     }
-}
-
-/* the tiles of n activation rows (tidx or plain) of nb blocks, in a fresh buffer (NULL on failure) */
-static kt_tile_t *kt_tiles(const char *act, size_t arow, const int64_t *tidx, int64_t n, int64_t nb, int nth) {
-    const int64_t nt = (n + KT_ROWS - 1) / KT_ROWS;
-    kt_tile_t *tiles = (kt_tile_t *)malloc(sizeof(kt_tile_t) * (size_t)(nt * nb));
-    if (!tiles) return NULL;
-    (void)nth;
-#pragma omp parallel for num_threads(threads_for(nth, nt * nb / 8)) schedule(static) if (nt * nb >= 16)
-    for (int64_t i = 0; i < nt * nb; i++) kt_fill(act, arow, tidx, (i / nb) * KT_ROWS, n, i % nb, tiles + i);
-    return tiles;
 }
 #endif
 
 /*
- * Whether qmatmul_run / qmatmul_many take the tiled kernel: a K format, >= KT_MIN_T activation rows, the SIMD
- * build. Then R weight rows (rows[r], or r) of m against the T quantized activation rows act -> out[t * R + r].
+ * Whether qmatmul_run / qmatmul_many take the tiled kernels: a K format (kt; the split formats: kts_wanted),
+ * >= KT_MIN_T activation rows, the SIMD build.
  */
 static int kt_wanted(int qt, int64_t T) {
     return CLOVER_AVX2 && is_k_type(qt) && T >= KT_MIN_T;
 }
 
+#if CLOVER_AVX2
+static void *kt_tiles(const char *act, size_t arow, const int64_t *tidx, int64_t n, int64_t nb, int split, int nth);
+static void kt_task(const mat_t *m, int64_t e, const int64_t *ridx, int64_t r0, int nr, int64_t K, const void *tiles,
+                    int64_t n, float *out, int64_t ostride);
+#endif
+
+/* R weight rows (rows[r], or r) of m, K format or split, against the T quantized activation rows act ->
+   out[t * ostride + r], in tasks of KT_WROWS rows */
 static int kt_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
                      int64_t R, float *out, int64_t ostride, int nth) {
 #if CLOVER_AVX2
-    const int64_t nb = K / QK, nt = (T + KT_ROWS - 1) / KT_ROWS;
-    kt_tile_t *tiles = kt_tiles(act, arow, NULL, T, nb, nth);
+    void *tiles = kt_tiles(act, arow, NULL, T, K / QK, is_split_type(m->qt), nth);
     if (!tiles) return ERR_ALLOC;
     const int64_t G = (R + KT_WROWS - 1) / KT_WROWS;
     (void)nth;
 #pragma omp parallel for num_threads(threads_for(nth, G)) schedule(dynamic, chunk_for(G, nth) / KT_WROWS + 1)
     for (int64_t g = 0; g < G; g++) {
         const int64_t r0 = g * KT_WROWS;
-        const int nr = (int)(R - r0 < KT_WROWS ? R - r0 : KT_WROWS);
-        const uint8_t *wrows[KT_WROWS];
-        for (int r = 0; r < nr; r++) wrows[r] = m->w + (rows ? rows[r0 + r] : r0 + r) * m->rs;
-        kt_rows(m->qt, wrows, nr, nb, tiles, nt, T, out + r0, ostride);
+        kt_task(m, 0, rows ? rows + r0 : NULL, r0, (int)(R - r0 < KT_WROWS ? R - r0 : KT_WROWS), K, tiles, T,
+                out + r0, ostride);
     }
     free(tiles);
     return OK;
@@ -2102,11 +2110,10 @@ static void kts_block_any(const kts_dec_t *w0, const kts_dec_t *w1, const kts_ti
     }
 }
 
-/* rows r0 .. r0 + nr - 1 (nr <= KT_WROWS) of expert e of split matrix m against nt tiles (tiles[tt * nb + b]) */
-static void kts_rows(const mat_t *m, int64_t e, int64_t r0, int nr, int64_t K, const kts_tile_t *tiles, int64_t nt,
-                     int64_t n, float *out, int64_t ostride) {
+/* as kt_rows for a split-format matrix */
+static void kts_rows(const mat_t *m, int64_t e, const int64_t *ridx, int64_t r0, int nr, int64_t K,
+                     const kts_tile_t *tiles, int64_t nt, int64_t n, float *out, int64_t ostride) {
     const int64_t nb = K / QK;
-    const float post = m->qt == T_NF4 ? 1.0f / 127.0f : 1.0f;
     kts_dec_t dec[KT_WROWS];
     __m256 acc[KT_WROWS][KT_GROUP];
     for (int64_t g0 = 0; g0 < nt; g0 += KT_GROUP) {
@@ -2114,73 +2121,53 @@ static void kts_rows(const mat_t *m, int64_t e, int64_t r0, int nr, int64_t K, c
         for (int r = 0; r < nr; r++)
             for (int64_t j = 0; j < ng; j++) acc[r][j] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            for (int r = 0; r < nr; r++) kts_decode(m, e, r0 + r, K, b, &dec[r]);
+            for (int r = 0; r < nr; r++) kts_decode(m, e, kt_row(ridx, r0, r), K, b, &dec[r]);
             for (int64_t j = 0; j < ng; j += 4) {
-                const int mm = (int)(ng - j < 4 ? ng - j : 4);
+                const int mt = (int)(ng - j < 4 ? ng - j : 4);
                 for (int r = 0; r < nr; r += 2) {
                     const int r1 = r + 1 < nr ? r + 1 : r;
-                    kts_block_any(&dec[r], &dec[r1], tiles + (g0 + j) * nb + b, nb, mm, acc[r] + j, acc[r1] + j);
+                    kts_block_any(&dec[r], &dec[r1], tiles + (g0 + j) * nb + b, nb, mt, acc[r] + j, acc[r1] + j);
                 }
             }
         }
-        for (int64_t j = 0; j < ng; j++) {
-            const int64_t t0 = (g0 + j) * KT_ROWS, mt = n - t0 < KT_ROWS ? n - t0 : KT_ROWS;
-            if (nr == KT_WROWS) {
-                __m256 c[8];
-                for (int r = 0; r < 8; r++) c[r] = _mm256_mul_ps(acc[r][j], _mm256_set1_ps(post));
-                kt_transpose8(c);
-                for (int64_t i = 0; i < mt; i++) _mm256_storeu_ps(out + (t0 + i) * ostride, c[i]);
-                continue;
-            }
-            for (int r = 0; r < nr; r++) {
-                float v[KT_ROWS];
-                _mm256_storeu_ps(v, _mm256_mul_ps(acc[r][j], _mm256_set1_ps(post)));
-                for (int64_t i = 0; i < mt; i++) out[(t0 + i) * ostride + r] = v[i];
-            }
-        }
+        kt_store(acc, nr, g0, ng, n, m->qt == T_NF4 ? 1.0f / 127.0f : 1.0f, out, ostride);
     }
 }
 
-static kts_tile_t *kts_tiles(const char *act, size_t arow, const int64_t *tidx, int64_t n, int64_t nb, int nth) {
+/* one tile of either family (split: kts_tile_t) */
+static void kt_fill_any(int split, const char *act, size_t arow, const int64_t *tidx, int64_t t0, int64_t n,
+                        int64_t b, void *o) {
+    if (split) kts_fill(act, arow, tidx, t0, n, b, (kts_tile_t *)o);
+    else kt_fill(act, arow, tidx, t0, n, b, (kt_tile_t *)o);
+}
+
+static size_t kt_tile_bytes(int split) { return split ? sizeof(kts_tile_t) : sizeof(kt_tile_t); }
+
+/* the tiles of n activation rows (tidx or plain) of nb 256-value groups, in a fresh buffer (NULL on failure) */
+static void *kt_tiles(const char *act, size_t arow, const int64_t *tidx, int64_t n, int64_t nb, int split, int nth) {
     const int64_t nt = (n + KT_ROWS - 1) / KT_ROWS;
-    kts_tile_t *tiles = (kts_tile_t *)malloc(sizeof(kts_tile_t) * (size_t)(nt * nb));
+    const size_t tb = kt_tile_bytes(split);
+    char *tiles = (char *)malloc(tb * (size_t)(nt * nb));
     if (!tiles) return NULL;
     (void)nth;
 #pragma omp parallel for num_threads(threads_for(nth, nt * nb / 8)) schedule(static) if (nt * nb >= 16)
-    for (int64_t i = 0; i < nt * nb; i++) kts_fill(act, arow, tidx, (i / nb) * KT_ROWS, n, i % nb, tiles + i);
+    for (int64_t i = 0; i < nt * nb; i++)
+        kt_fill_any(split, act, arow, tidx, (i / nb) * KT_ROWS, n, i % nb, tiles + tb * (size_t)i);
     return tiles;
+}
+
+/* nr rows of expert e of m (kt_row(ridx, r0, r)) against the tiles of n activation rows: kt_rows or kts_rows */
+static void kt_task(const mat_t *m, int64_t e, const int64_t *ridx, int64_t r0, int nr, int64_t K, const void *tiles,
+                    int64_t n, float *out, int64_t ostride) {
+    const int64_t nt = (n + KT_ROWS - 1) / KT_ROWS;
+    if (is_split_type(m->qt)) kts_rows(m, e, ridx, r0, nr, K, (const kts_tile_t *)tiles, nt, n, out, ostride);
+    else kt_rows(m, e, ridx, r0, nr, K, (const kt_tile_t *)tiles, nt, n, out, ostride);
 }
 #endif
 
 /* whether a split-format product of T rows of K values takes kts: >= KT_MIN_T rows, whole 256-value groups */
 static int kts_wanted(const mat_t *m, int64_t K, int64_t T) {
     return CLOVER_AVX2 && is_split_type(m->qt) && T >= KT_MIN_T && K % QK == 0;
-}
-
-static int kts_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
-                      int64_t R, float *out, int64_t ostride, int nth) {
-#if CLOVER_AVX2
-    const int64_t nb = K / QK, nt = (T + KT_ROWS - 1) / KT_ROWS;
-    kts_tile_t *tiles = kts_tiles(act, arow, NULL, T, nb, nth);
-    if (!tiles) return ERR_ALLOC;
-    (void)nth;
-    if (rows) { /* selected rows: one task per row (they need not be adjacent) */
-#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_for(R, nth))
-        for (int64_t r = 0; r < R; r++) kts_rows(m, 0, rows[r], 1, K, tiles, nt, T, out + r, ostride);
-    } else {
-        const int64_t G = (R + KT_WROWS - 1) / KT_WROWS;
-#pragma omp parallel for num_threads(threads_for(nth, G)) schedule(dynamic, chunk_for(G, nth) / KT_WROWS + 1)
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t r0 = g * KT_WROWS;
-            kts_rows(m, 0, r0, (int)(R - r0 < KT_WROWS ? R - r0 : KT_WROWS), K, tiles, nt, T, out + r0, ostride);
-        }
-    }
-    free(tiles);
-    return OK;
-#else
-    (void)m, (void)K, (void)act, (void)arow, (void)T, (void)rows, (void)R, (void)out, (void)ostride, (void)nth;
-    return ERR_TYPE;
-#endif
 }
 
 /* ============================================================================================================ */
@@ -2211,7 +2198,7 @@ static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, 
         off[e] = total;
         total += (n + KT_ROWS - 1) / KT_ROWS * nb;
     }
-    const size_t tb = split ? sizeof(kts_tile_t) : sizeof(kt_tile_t);
+    const size_t tb = kt_tile_bytes(split);
     char *tiles = (char *)malloc(tb * (size_t)(total > 0 ? total : 1));
     if (!tiles) return NULL;
     (void)nth;
@@ -2220,12 +2207,9 @@ static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, 
         const int64_t e = used[i], s0 = count[e], n = count[e + 1] - s0;
         if (off[e] < 0) continue;
         const char *base = tidx ? act : act + (size_t)s0 * arow;
-        const int64_t *ti = tidx ? tidx + s0 : NULL;
-        for (int64_t j = 0; j < (n + KT_ROWS - 1) / KT_ROWS * nb; j++) {
-            char *o = tiles + tb * (size_t)(off[e] + j);
-            if (split) kts_fill(base, arow, ti, (j / nb) * KT_ROWS, n, j % nb, (kts_tile_t *)o);
-            else kt_fill(base, arow, ti, (j / nb) * KT_ROWS, n, j % nb, (kt_tile_t *)o);
-        }
+        for (int64_t j = 0; j < (n + KT_ROWS - 1) / KT_ROWS * nb; j++)
+            kt_fill_any(split, base, arow, tidx ? tidx + s0 : NULL, (j / nb) * KT_ROWS, n, j % nb,
+                        tiles + tb * (size_t)(off[e] + j));
     }
     return tiles;
 #else
@@ -2239,14 +2223,8 @@ static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, 
 static void kt_expert_rows(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const void *tiles,
                            int64_t off, int64_t n, float *out, int64_t ostride) {
 #if CLOVER_AVX2
-    const int64_t nt = (n + KT_ROWS - 1) / KT_ROWS;
-    if (is_split_type(m->qt)) {
-        kts_rows(m, e, r0, (int)nr, K, (const kts_tile_t *)tiles + off, nt, n, out, ostride);
-        return;
-    }
-    const uint8_t *wrows[KT_WROWS];
-    for (int64_t r = 0; r < nr; r++) wrows[r] = m->w + e * m->es + (r0 + r) * m->rs;
-    kt_rows(m->qt, wrows, (int)nr, K / QK, (const kt_tile_t *)tiles + off, nt, n, out, ostride);
+    kt_task(m, e, NULL, r0, (int)nr, K, (const char *)tiles + kt_tile_bytes(is_split_type(m->qt)) * (size_t)off, n,
+            out, ostride);
 #else
     (void)m, (void)e, (void)r0, (void)nr, (void)K, (void)tiles, (void)off, (void)n, (void)out, (void)ostride;
 #endif
