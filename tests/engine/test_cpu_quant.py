@@ -194,3 +194,17 @@ def test_the_vnni_build_gives_the_avx2_build_s_bits(kern: cq.Kernels) -> None:
     idx, wts = routing(12, 6, 3, seed=1)
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(2))
     assert torch.equal(kern.moe(x, *banks, qtypes, idx, wts), plain.moe(x, *banks, qtypes, idx, wts))
+
+
+@pytest.mark.parametrize("qtype", [cq.Q4_K, cq.Q5_K, cq.Q6_K], ids=lambda q: cq.TYPE_NAMES[q])
+def test_two_rows_give_each_row_s_own_bits(kern: cq.Kernels, qtype: int) -> None:
+    """Two activation rows (an expert with two of a pass's tokens): Q4_K / Q5_K unpack each weight block once for
+    both, with each row's operations in its own order, so each row gets the bits of its own one-row product."""
+    w = make_weights(qtype, 21, 768, seed=qtype)
+    x = torch.randn(2, 768, generator=torch.Generator().manual_seed(4))
+    x[1] *= 1e3
+    both = kern.qmatmul(x, w, qtype)
+    rows = torch.tensor([20, 3, 3], dtype=torch.int64)
+    for i in range(2):
+        assert torch.equal(both[i], kern.qmatmul(x[i:i + 1], w, qtype)[0])
+        assert torch.equal(kern.qmatmul(x, w, qtype, rows=rows)[i], both[i, rows])

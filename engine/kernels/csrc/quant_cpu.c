@@ -270,34 +270,40 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
 /* its own loop with no test of q5 inside.                                                                      */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-static inline __attribute__((always_inline)) float dot_q45k(const uint8_t *w, const void *av, int64_t nb,
-                                                            const int q5) {
-    const a8k_t *a = (const a8k_t *)av;
-    const int64_t bb = q5 ? 176 : 144, qs_at = q5 ? 48 : 16; /* block bytes, offset of the nibbles */
 #if CLOVER_AVX2
+/* dot_q45k for na (1 or 2, a constant) activation rows at once: the weight block's nibbles and scales are unpacked
+   once for both; each row's operations are dot_q45k's, in its order (the same bits as na single dots) */
+static inline __attribute__((always_inline)) void dot_q45k_n(const uint8_t *w, const a8k_t *const *as, const int na,
+                                                             int64_t nb, const int q5, float *out) {
+    const int64_t bb = q5 ? 176 : 144, qs_at = q5 ? 48 : 16; /* block bytes, offset of the nibbles */
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_min = _mm_setzero_ps(); /* the mins' part, kept in 4 lanes until the end of the row */
-    for (int64_t b = 0; b < nb; b++, w += bb, a++) {
-        const float da = a->d;
-        const float d = load_f16(w) * da, dmin = load_f16(w + 2) * da;
+    __m256 acc[2];
+    __m128 acc_min[2]; /* the mins' part, kept in 4 lanes until the end of the row */
+    for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps(), acc_min[j] = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bb) {
         uint8_t sc8[8], m8[8];
         unpack_k4_scales(w + 4, sc8, m8);
         uint64_t sc64, m64;
         memcpy(&sc64, sc8, 8);
         memcpy(&m64, m8, 8);
-        /* mins: eight pair sums of bsums times m */
-        __m256i bs = _mm256_loadu_si256((const __m256i *)a->bsums);
-        __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        __m128i mins = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64)));
-        acc_min = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins), acc_min);
         /* scales as int16 so each sub-block's can be broadcast */
         uint16_t sc16[8];
         _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
         const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
         const uint8_t *qs = w + qs_at;
-        __m256i sumi = _mm256_setzero_si256(), sumi1 = sumi; /* two chains: the low and the high nibbles' */
+        __m256i sumi[2], sumi1[2]; /* two chains a row: the low and the high nibbles' */
+        for (int j = 0; j < na; j++) {
+            const a8k_t *a = as[j] + b;
+            const float da = a->d;
+            const float dmin = load_f16(w + 2) * da;
+            /* mins: eight pair sums of bsums times m */
+            __m256i bs = _mm256_loadu_si256((const __m256i *)a->bsums);
+            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            __m128i mins = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)m64)));
+            acc_min[j] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins), acc_min[j]);
+            sumi[j] = sumi1[j] = _mm256_setzero_si256();
+        }
         for (int c = 0; c < 4; c++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
             __m256i lo = _mm256_and_si256(q, low4);
@@ -308,15 +314,33 @@ static inline __attribute__((always_inline)) float dot_q45k(const uint8_t *w, co
                 lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
                 hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
             }
-            __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
-            __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
-            sumi = madd_acc(sumi, p0, _mm256_set1_epi16((short)sc16[2 * c]));
-            sumi1 = madd_acc(sumi1, p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
+            for (int j = 0; j < na; j++) {
+                const a8k_t *a = as[j] + b;
+                __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
+                __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
+                sumi[j] = madd_acc(sumi[j], p0, _mm256_set1_epi16((short)sc16[2 * c]));
+                sumi1[j] = madd_acc(sumi1[j], p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
+            }
         }
-        sumi = _mm256_add_epi32(sumi, sumi1); /* integers: the same sums in any order */
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for (int j = 0; j < na; j++) {
+            const float d = load_f16(w) * as[j][b].d;
+            const __m256i si = _mm256_add_epi32(sumi[j], sumi1[j]); /* integers: the same sums in any order */
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(si), acc[j]);
+        }
     }
-    return hsum_ps(_mm256_sub_ps(acc, _mm256_set_m128(_mm_setzero_ps(), acc_min)));
+    for (int j = 0; j < na; j++) out[j] = hsum_ps(_mm256_sub_ps(acc[j], _mm256_set_m128(_mm_setzero_ps(), acc_min[j])));
+}
+#endif
+
+static inline __attribute__((always_inline)) float dot_q45k(const uint8_t *w, const void *av, int64_t nb,
+                                                            const int q5) {
+    const a8k_t *a = (const a8k_t *)av;
+    const int64_t bb = q5 ? 176 : 144, qs_at = q5 ? 48 : 16; /* block bytes, offset of the nibbles */
+#if CLOVER_AVX2
+    float o;
+    (void)bb, (void)qs_at;
+    dot_q45k_n(w, &a, 1, nb, q5, &o);
+    return o;
 #else
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += bb, a++) {
@@ -760,6 +784,16 @@ static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, siz
             }
             for (int64_t i = 0; i < m; i++) out[(i0 + i) * ostride] = hsum_ps(acc[i]);
         }
+        return;
+    }
+    if (n == 2 && (qt == T_Q4_K || qt == T_Q5_K)) { /* the block unpacked once for both rows: the same bits */
+        const a8k_t *as[2] = {(const a8k_t *)(act + (size_t)(tidx ? tidx[0] : 0) * arow),
+                              (const a8k_t *)(act + (size_t)(tidx ? tidx[1] : 1) * arow)};
+        float o[2];
+        if (qt == T_Q4_K) dot_q45k_n(wr, as, 2, nb, 0, o);
+        else dot_q45k_n(wr, as, 2, nb, 1, o);
+        out[0] = o[0];
+        out[ostride] = o[1];
         return;
     }
 #endif
