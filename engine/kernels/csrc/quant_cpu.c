@@ -271,13 +271,44 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
 /* ------------------------------------------------------------------------------------------------------------ */
 
 #if CLOVER_AVX2
+/* Q4_K / Q5_K values 64c .. 64c+31 (lo) and 64c+32 .. 64c+63 (hi) of a block: the nibbles of qs[32c ..], and with
+   q5 bit 4 from qh (bit 2c of qh[l] for lo, 2c+1 for hi). The dots, row_dots' decoder and kt's share it. */
+static inline __attribute__((always_inline)) void q45k_values(const uint8_t *qs, __m256i qh, int c, int q5,
+                                                              __m256i *lo, __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+    __m256i l = _mm256_and_si256(q, low4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+    if (q5) { /* bit 4 where bit j of qh is set */
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        const __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c))), m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+        l = _mm256_or_si256(l, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
+        h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
+    }
+    *lo = l;
+    *hi = h;
+}
+
+/* Q6_K values 128h .. 128h+127 of a block as four 32-byte vectors v[0..3] (the order the Q6_K comment gives):
+   low nibbles from ql[64h ..], the 2-bit highs from qh[32h ..]. The dot, row_dots' decoder and kt's share it. */
+static inline __attribute__((always_inline)) void q6k_values(const uint8_t *w, int h, __m256i v[4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
+    const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+    v[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4));
+    v[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m0c), 2));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+}
+
 /* dot_q45k for na (1 or 2, a constant) activation rows at once: the weight block's nibbles and scales are unpacked
    once for both; each row's operations are dot_q45k's, in its order (the same bits as na single dots) */
 static inline __attribute__((always_inline)) void dot_q45k_n(const uint8_t *w, const a8k_t *const *as, const int na,
                                                              int64_t nb, const int q5, float *out) {
     const int64_t bb = q5 ? 176 : 144, qs_at = q5 ? 48 : 16; /* block bytes, offset of the nibbles */
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
     __m256 acc[2];
     __m128 acc_min[2]; /* the mins' part, kept in 4 lanes until the end of the row */
     for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps(), acc_min[j] = _mm_setzero_ps();
@@ -305,15 +336,8 @@ static inline __attribute__((always_inline)) void dot_q45k_n(const uint8_t *w, c
             sumi[j] = sumi1[j] = _mm256_setzero_si256();
         }
         for (int c = 0; c < 4; c++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i lo = _mm256_and_si256(q, low4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-            if (q5) { /* bit 4 where bit j of qh is set */
-                __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c)));
-                __m256i m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
-            }
+            __m256i lo, hi;
+            q45k_values(qs, qh, c, q5, &lo, &hi);
             for (int j = 0; j < na; j++) {
                 const a8k_t *a = as[j] + b;
                 __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
@@ -335,13 +359,12 @@ static inline __attribute__((always_inline)) void dot_q45k_n(const uint8_t *w, c
 static inline __attribute__((always_inline)) float dot_q45k(const uint8_t *w, const void *av, int64_t nb,
                                                             const int q5) {
     const a8k_t *a = (const a8k_t *)av;
-    const int64_t bb = q5 ? 176 : 144, qs_at = q5 ? 48 : 16; /* block bytes, offset of the nibbles */
 #if CLOVER_AVX2
     float o;
-    (void)bb, (void)qs_at;
     dot_q45k_n(w, &a, 1, nb, q5, &o);
     return o;
 #else
+    const int64_t bb = q5 ? 176 : 144, qs_at = q5 ? 48 : 16; /* block bytes, offset of the nibbles */
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += bb, a++) {
         const float d = load_f16(w) * a->d, dmin = load_f16(w + 2) * a->d;
@@ -387,8 +410,6 @@ static float dot_q5k(const uint8_t *w, const void *av, int64_t nb) { return dot_
 static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
     const a8k_t *a = (const a8k_t *)av;
 #if CLOVER_AVX2
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
     /* pshufb masks over 8 int16 scales broadcast to both lanes: vector i takes scale 2i (low lane), 2i+1 (high) */
     const __m256i pick[4] = {
         _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
@@ -407,21 +428,14 @@ static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
         __m256i offs = _mm256_madd_epi16(sc16all, _mm256_loadu_si256((const __m256i *)a->bsums));
         __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offs, 5));
         for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
             const int8_t *aq = a->q + 128 * h;
             __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h))));
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i v0 = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4));
-            __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m0c), 2));
-            __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30));
-            __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
-            __m256i p0 = _mm256_maddubs_epi16(v0, _mm256_loadu_si256((const __m256i *)aq));
-            __m256i p1 = _mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)(aq + 32)));
-            __m256i p2 = _mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)(aq + 64)));
-            __m256i p3 = _mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)(aq + 96)));
+            __m256i v[4];
+            q6k_values(w, h, v);
+            __m256i p0 = _mm256_maddubs_epi16(v[0], _mm256_loadu_si256((const __m256i *)aq));
+            __m256i p1 = _mm256_maddubs_epi16(v[1], _mm256_loadu_si256((const __m256i *)(aq + 32)));
+            __m256i p2 = _mm256_maddubs_epi16(v[2], _mm256_loadu_si256((const __m256i *)(aq + 64)));
+            __m256i p3 = _mm256_maddubs_epi16(v[3], _mm256_loadu_si256((const __m256i *)(aq + 96)));
             sumi = madd_acc(sumi, p0, _mm256_shuffle_epi8(scv, pick[0]));
             sumi = madd_acc(sumi, p1, _mm256_shuffle_epi8(scv, pick[1]));
             sumi = madd_acc(sumi, p2, _mm256_shuffle_epi8(scv, pick[2]));
@@ -651,20 +665,14 @@ typedef struct {
 
 /* Q4_K (hb = NULL) or Q5_K (hb = the 32 qh bytes) nibbles and scales -> kdec */
 static void decode_q45k(const uint8_t *w, const uint8_t *qs, const uint8_t *hb, kdec_t *o) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
     uint8_t sc[8], m[8];
     o->d = load_f16(w);
     o->dmin = load_f16(w + 2);
     unpack_k4_scales(w + 4, sc, m);
     const __m256i qh = hb ? _mm256_loadu_si256((const __m256i *)hb) : _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        if (hb) {
-            __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c))), m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
-        }
+        __m256i lo, hi;
+        q45k_values(qs, qh, c, hb != NULL, &lo, &hi);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
     }
@@ -679,24 +687,12 @@ static void decode_q45k(const uint8_t *w, const uint8_t *qs, const uint8_t *hb, 
 
 /* Q6_K -> kdec (value order as in dot_q6k) */
 static void decode_q6k(const uint8_t *w, kdec_t *o) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
     const int8_t *sc = (const int8_t *)(w + 192);
     o->d = o->dmin = load_f16(w + 208);
     for (int h = 0; h < 2; h++) {
-        const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
-        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-        __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
-        uint8_t *q = o->q + 128 * h;
-        _mm256_storeu_si256((__m256i *)q,
-                            _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4)));
-        _mm256_storeu_si256((__m256i *)(q + 32),
-                            _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, m0c), 2)));
-        _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                                                 _mm256_and_si256(hb, m30)));
-        _mm256_storeu_si256((__m256i *)(q + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+        __m256i v[4];
+        q6k_values(w, h, v);
+        for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(o->q + 128 * h + 32 * k), v[k]);
     }
     for (int i = 0; i < 8; i++) {
         __m128i a = _mm_set1_epi16(sc[2 * i]), b = _mm_set1_epi16(sc[2 * i + 1]);
@@ -1751,25 +1747,12 @@ typedef struct {
 } kt_dec_t;
 
 static void kt_decode(int qt, const uint8_t *w, kt_dec_t *o) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
     if (qt == T_Q6_K) {
-        const __m256i m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c), m30 = _mm256_set1_epi8(0x30);
         o->d = o->dmin = load_f16(w + 208);
-        for (int h = 0; h < 2; h++) { /* value order as decode_q6k's */
-            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
-            uint8_t *q = o->q + 128 * h;
-            _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                                              _mm256_slli_epi16(_mm256_and_si256(hb, m03), 4)));
-            _mm256_storeu_si256((__m256i *)(q + 32), _mm256_or_si256(_mm256_and_si256(l1, low4),
-                                                                     _mm256_slli_epi16(_mm256_and_si256(hb, m0c), 2)));
-            _mm256_storeu_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                                                     _mm256_and_si256(hb, m30)));
-            _mm256_storeu_si256((__m256i *)(q + 96),
-                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+        for (int h = 0; h < 2; h++) {
+            __m256i v[4];
+            q6k_values(w, h, v);
+            for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(o->q + 128 * h + 32 * k), v[k]);
         }
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
         _mm256_storeu_si256((__m256i *)o->sc, _mm256_cvtepi8_epi32(sc8));
@@ -1777,21 +1760,16 @@ static void kt_decode(int qt, const uint8_t *w, kt_dec_t *o) {
         _mm256_storeu_si256((__m256i *)o->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5)); /* 32 * scale */
         return;
     }
-    const uint8_t *qs = w + (qt == T_Q5_K ? 48 : 16), *hb = qt == T_Q5_K ? w + 16 : NULL;
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    const int q5 = qt == T_Q5_K;
+    const uint8_t *qs = w + (q5 ? 48 : 16);
     uint8_t sc[8], m[8];
     o->d = load_f16(w);
     o->dmin = load_f16(w + 2);
     unpack_k4_scales(w + 4, sc, m);
-    const __m256i qh = hb ? _mm256_loadu_si256((const __m256i *)hb) : _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) { /* value order as decode_q45k's */
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        if (hb) {
-            const __m256i m0 = _mm256_set1_epi8((char)(1 << (2 * c))), m1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m0), m0), bit4));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m1), m1), bit4));
-        }
+    const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i lo, hi;
+        q45k_values(qs, qh, c, q5, &lo, &hi);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
     }
