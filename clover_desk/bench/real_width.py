@@ -27,7 +27,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -471,27 +472,28 @@ def _pass_table(model: CloverModel, sb: StepBytes, step_t: list[float], pass_t: 
           f"{total_pass:5.1f} GB/s = {total_pass / total_ar:.2f}x")
 
 
-class _spread_routing:  # noqa: N801 - a context manager used as a statement
-    """Within it every layer's routed experts get, for each token, k distinct experts drawn at random (the same draw
-    each call): random weights route a pass's identical masks alike (13-20 experts a layer), a trained router spreads
-    32 distinct slots over ~160 of 256; the router's own product and top-k still run."""
+@contextmanager
+def _spread_routing(model: CloverModel) -> Iterator[None]:
+    """Within it every layer's routed experts get, for each token, k distinct experts drawn at random (drawn once per
+    routing shape, so the timed calls do no drawing): random weights route a pass's identical masks alike (13-20
+    experts a layer), a trained router spreads 32 distinct slots over ~160 of 256; the router's own product and
+    top-k still run."""
+    n = model.config.num_experts
+    drawn: dict[tuple[int, ...], Tensor] = {}
 
-    def __init__(self, model: CloverModel) -> None:
-        self.model, self.hooks = model, []
-
-    def __enter__(self) -> None:
-        n = self.model.config.num_experts
-
-        def pre(_mod: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-            x, idx, w = args
+    def pre(_mod: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x, idx, w = args
+        if tuple(idx.shape) not in drawn:
             g = torch.Generator().manual_seed(idx.shape[0])
-            drawn = torch.stack([torch.randperm(n, generator=g)[: idx.shape[1]] for _ in range(idx.shape[0])])
-            return x, drawn.to(idx.device), w
+            rows = [torch.randperm(n, generator=g)[: idx.shape[1]] for _ in range(idx.shape[0])]
+            drawn[tuple(idx.shape)] = torch.stack(rows).to(idx.device)
+        return x, drawn[tuple(idx.shape)], w
 
-        self.hooks = [layer.mlp.experts.register_forward_pre_hook(pre) for layer in self.model.layers]
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self.hooks:
+    hooks = [layer.mlp.experts.register_forward_pre_hook(pre) for layer in model.layers]
+    try:
+        yield
+    finally:
+        for h in hooks:
             h.remove()
 
 
