@@ -65,6 +65,10 @@ class AppSettings:
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     vram_budget_bytes: int | None = None  # the VRAM panel's applied budget (None: load without a plan)
     ctx_tokens: int = DEFAULT_CTX_TOKENS
+    # a model folder on the CPU loads through its quantized cache (4-bit experts, 8-bit dense layers; built beside it
+    # on first use, Engine.load's precision "nf4"); False: the weights as stored, in dtype. A GPU load under a plan
+    # is always quantized, and a .gguf file is read as its own blocks
+    quantized: bool = True
     compile_layers: bool = False  # compile the decoder layers at load (engine.kernels.fastpath; a warm-up while loading)
     # the experimental GPU paths chosen on the models page (engine.settings.OPT_IN switch names); None: never chosen,
     # the worker runs those of the settings the app started with (CloverDeskApp's gpu_paths: CLOVER_DESK_FUSED_MOE=1 ...)
@@ -258,7 +262,8 @@ class CloverDeskApp(QObject):
         and context the window loads with (the applied ones, else the VRAM panel's), or from RAM without a GPU."""
         compute = FORMAT_OF_TORCH_NAME.get(self.dtype, "bf16")
         if self.device != "cuda":
-            return run_fit(choice, None, self.settings.ctx_tokens, self.hardware, compute)
+            return run_fit(choice, None, self.settings.ctx_tokens, self.hardware, compute,
+                           quantized=self.settings.quantized)
         budget, ctx = self.settings.vram_budget_bytes, self.settings.ctx_tokens
         if not budget:  # nothing applied yet: what load_model would plan for (the panel's proposal)
             budget, ctx = self.vram_panel.vram_budget_bytes(), self.vram_panel.ctx_tokens()
@@ -271,7 +276,8 @@ class CloverDeskApp(QObject):
         manager = self.model_manager
         library = ModelLibrary(self.home / MODELS_DIR_NAME, manager.recent_models if manager is not None else list,
                                gpu_name=self.hardware.gpu_name, device=self.device, dtype=self.dtype,
-                               compile_layers=self.settings.compile_layers, gpu_paths=OPT_IN, exclusive=EXCLUSIVE,
+                               compile_layers=self.settings.compile_layers, quantized=self.settings.quantized,
+                               gpu_paths=OPT_IN, exclusive=EXCLUSIVE,
                                gpu_paths_on=self.gpu_paths())
         library.set_current(self.settings.model_dir)
         return library
@@ -341,8 +347,10 @@ class CloverDeskApp(QObject):
         # without a plan the context still travels: the engine holds requests to it and the composer's meter
         # counts against it (the VRAM panel's applied context, one context size everywhere)
         context = {"ctx_tokens": ctx} if plan is None and ctx else {}
-        # a plan places the quantized cache (a .gguf file: its own blocks): said, not implied (Engine.load)
-        precision = {"precision": "nf4"} if plan is not None and Path(self.settings.model_dir).suffix != ".gguf" else {}
+        # a plan places the quantized cache, and without a GPU a folder loads through it unless "4-bit weights" is
+        # off (a .gguf file: its own blocks): said, not implied (Engine.load)
+        quantized = plan is not None or (self.device != "cuda" and self.settings.quantized)
+        precision = {"precision": "nf4"} if quantized and Path(self.settings.model_dir).suffix != ".gguf" else {}
         self.client.load(self.settings.model_dir, device=self.device, dtype=self.dtype, plan=plan, **compile_layers,
                          **context, **precision)
 
@@ -379,12 +387,16 @@ class CloverDeskApp(QObject):
             self.window.engine_status.on_engine_restarting()
             self.client.restart()  # ready → load_model
 
-    def on_load_options_changed(self, device: str, dtype: str, compile_layers: bool | None = None) -> None:
-        """The models page's device, precision and compilation (None: unchanged): remembered, and used from the
-        next load on (the VRAM panel plans in the new precision at once)."""
+    def on_load_options_changed(self, device: str, dtype: str, compile_layers: bool | None = None,
+                                quantized: bool | None = None) -> None:
+        """The models page's device, precision, compilation and 4-bit weights (None: unchanged): remembered, and
+        used from the next load on (the VRAM panel plans in the new precision at once, the download choices say
+        how they fit)."""
         self.settings.device, self.settings.dtype = device, dtype
         if compile_layers is not None:
             self.settings.compile_layers = bool(compile_layers)
+        if quantized is not None:
+            self.settings.quantized = bool(quantized)
         self.save_settings()
         self.device, self.dtype = device, dtype
         self._plan = self._plan_function()

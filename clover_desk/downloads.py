@@ -135,13 +135,14 @@ def folder_disk_bytes() -> int:
 
 
 def run_fit(choice: GgufChoice | None, vram_budget_bytes: int | None, ctx_tokens: int, hardware: Hardware,
-            compute_dtype: str = "bf16") -> RunFit:
+            compute_dtype: str = "bf16", quantized: bool = True) -> RunFit:
     """How ``choice`` (None: the safetensors folder, loaded through the NF4 / INT8 cache) runs on ``hardware``
     with ``vram_budget_bytes`` of the card and ``ctx_tokens`` of context (``vram_budget_bytes=None``: no GPU, the
-    model runs from system RAM in ``compute_dtype``)."""
+    model runs from system RAM: the folder through its quantized cache, or unquantized in ``compute_dtype`` when
+    not ``quantized``)."""
     disk = folder_disk_bytes() if choice is None else choice.size
     if not vram_budget_bytes:
-        place, text = _ram_fit(choice, hardware.ram_total_bytes, compute_dtype)
+        place, text = _ram_fit(choice, hardware.ram_total_bytes, compute_dtype, quantized)
         return RunFit(place, disk, text)
     policy = DEFAULT_POLICY if choice is None else PLANNED_AS.get(choice.quant)
     if policy is None:
@@ -162,10 +163,13 @@ def run_fit(choice: GgufChoice | None, vram_budget_bytes: int | None, ctx_tokens
                                    f"{planner.format_bytes(plan.ram_bytes)} of RAM; {used} ({how})")
 
 
-def _ram_fit(choice: GgufChoice | None, ram_bytes: int | None, compute_dtype: str) -> tuple[str, str]:
-    """No GPU: the weights are held in system RAM (the folder unquantized in the compute dtype, a GGUF file as
-    stored)."""
-    if choice is None:
+def _ram_fit(choice: GgufChoice | None, ram_bytes: int | None, compute_dtype: str, quantized: bool) -> tuple[str, str]:
+    """No GPU: the weights are held in system RAM (the folder through its quantized cache or unquantized in the
+    compute dtype, a GGUF file as stored)."""
+    if choice is None and quantized:
+        need = planner.manifest_for_shape(SHAPE_NAME, DEFAULT_POLICY).total_bytes()
+        what = "the 35B weights in the quantized cache, 4-bit experts and 8-bit dense layers (the planner's count)"
+    elif choice is None:
         need = planner.manifest_for_shape(SHAPE_NAME, None).total_bytes() * COMPUTE_DTYPES.get(compute_dtype, 4) // 2
         what = f"the 35B weights unquantized in {compute_dtype} (the planner's count)"
     elif choice.size is None:

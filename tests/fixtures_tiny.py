@@ -45,6 +45,7 @@ def one_torch_thread():  # type: ignore[no-untyped-def]
 
 
 def copy_model(src: Path, dst: Path) -> Path:
-    """A private copy of a session model folder, for tests that damage files."""
-    shutil.copytree(src, dst)
+    """A private copy of a session model folder, for tests that damage files: its files, without a quantized cache
+    an earlier test's load built beside it."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".clover-cache"))
     return dst

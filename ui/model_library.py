@@ -53,6 +53,17 @@ log = logging.getLogger(__name__)
 CACHE_DIRNAME = ".clover-cache"  # = engine.weights.quant_cache.CACHE_DIRNAME (tests check they agree)
 DEVICES = (("cpu", "CPU"), ("cuda", "GPU (CUDA)"))
 PRECISIONS = (("float32", "float32"), ("bfloat16", "bfloat16"))
+PRECISION_TOOLTIP = (
+    "The precision the model computes in, and holds what is not 4-bit in: float32 is exact on any CPU; bfloat16 "
+    "halves the memory of the unquantized weights"
+)
+QUANTIZED_TOOLTIP = (
+    "Load a model folder through its quantized cache: experts in 4 bits (NF4), the other layers in 8 bits, about a "
+    "quarter of the memory of bfloat16, and the CPU's fast kernels. The cache is built beside the model the first "
+    "time (minutes for a large model) and reused after. Off: the weights as stored, in the chosen precision. A "
+    "GGUF file is always read as its own quantized blocks."
+)
+QUANTIZED_GPU_TOOLTIP = "On the GPU the weights are always 4-bit: the VRAM plan places the quantized cache"
 COMPILE_TOOLTIP = (
     "Compile the model's layers for faster decoding once it has loaded (AR decoding ran 3-5x faster on a CPU, "
     "measured on small models). The price is a warm-up while the model loads: two to three minutes on a CPU the "
@@ -290,7 +301,7 @@ class ModelLibrary(QFrame):
 
     loadRequested = Signal(str)  # load this model (a folder or a GGUF file)
     deleted = Signal(str)  # this model was removed from the disk
-    loadOptionsChanged = Signal(str, str, bool)  # (device, dtype, compile the layers) for the next load
+    loadOptionsChanged = Signal(str, str, bool, bool)  # (device, dtype, compile the layers, 4-bit weights on the CPU)
     gpuPathsChanged = Signal(list)  # the experimental GPU paths (switch names) chosen for the next load
     reloadRequested = Signal()  # load the current model again now (with the new options)
     scanned = Signal()  # the list was refreshed
@@ -304,12 +315,14 @@ class ModelLibrary(QFrame):
         device: str = "cpu",
         dtype: str = "float32",
         compile_layers: bool = False,
+        quantized: bool = True,
         gpu_paths: Mapping[str, str] | None = None,
         exclusive: Sequence[str] = (),
         gpu_paths_on: Sequence[str] = (),
         parent: QWidget | None = None,
     ) -> None:
-        """``gpu_paths``: the experimental GPU paths offered (switch name -> what it turns on), ``exclusive`` the
+        """``quantized``: a model folder on the CPU loads through its quantized cache (a GPU load always does, under
+        the VRAM plan). ``gpu_paths``: the experimental GPU paths offered (switch name -> what it turns on), ``exclusive`` the
         ones of which at most one may be on, ``gpu_paths_on`` those on now."""
         super().__init__(parent)
         self.setObjectName("modelLibrary")
@@ -338,8 +351,11 @@ class ModelLibrary(QFrame):
         self.dtype_choice.setObjectName("precisionChoice")
         for value, label in PRECISIONS:
             self.dtype_choice.addItem(label, value)
-        self.dtype_choice.setToolTip("bfloat16 halves the memory of the weights; float32 is exact on any CPU")
+        self.dtype_choice.setToolTip(PRECISION_TOOLTIP)
         accessible(self.dtype_choice, "Precision of the weights")
+        self.quantized_choice = named(QCheckBox("4-bit weights"), "quantizedChoice",
+                                      "Load a model folder through its 4-bit quantized cache")
+        self._quantized_on_cpu = bool(quantized)  # the CPU's choice (a GPU load is always quantized)
         self.compile_choice = named(
             QCheckBox("Compile the layers"), "compileChoice", "Compile the model's layers when it loads",
         )
@@ -383,6 +399,8 @@ class ModelLibrary(QFrame):
         options.addWidget(QLabel("Precision"))
         options.addWidget(self.dtype_choice)
         options.addSpacing(12)
+        options.addWidget(self.quantized_choice)
+        options.addSpacing(12)
         options.addWidget(self.compile_choice)
         options.addSpacing(12)
         options.addWidget(self.gpu_paths_button)
@@ -400,16 +418,16 @@ class ModelLibrary(QFrame):
         layout.addWidget(self.status)
         layout.addWidget(self.empty)
         layout.addLayout(self.rows_layout)
-        self.set_load_options(device, dtype, compile_layers)
+        self.set_load_options(device, dtype, compile_layers, quantized)
         self._connect_signals()
 
     def _connect_signals(self) -> None:
         connect_each(self.on_options_changed, self.device_choice.currentIndexChanged,
-                     self.dtype_choice.currentIndexChanged, self.compile_choice.toggled)
+                     self.dtype_choice.currentIndexChanged, self.compile_choice.toggled, self.quantized_choice.toggled)
 
     # ---- public API ----------------------------------------------------------------------------------------
 
-    def set_load_options(self, device: str, dtype: str, compile_layers: bool = False) -> None:
+    def set_load_options(self, device: str, dtype: str, compile_layers: bool = False, quantized: bool = True) -> None:
         """Show the options the next load uses (no ``loadOptionsChanged``: not a user edit)."""
         for combo, value in ((self.device_choice, device), (self.dtype_choice, dtype)):
             combo.blockSignals(True)
@@ -418,6 +436,18 @@ class ModelLibrary(QFrame):
         self.compile_choice.blockSignals(True)
         self.compile_choice.setChecked(bool(compile_layers))
         self.compile_choice.blockSignals(False)
+        self._quantized_on_cpu = bool(quantized)
+        self._show_quantized()
+
+    def _show_quantized(self) -> None:
+        """The 4-bit box says what the chosen device loads: the CPU's choice, or ticked and fixed on the GPU (whose
+        VRAM plan always places the quantized cache)."""
+        box, gpu = self.quantized_choice, self.device_choice.currentData() == "cuda"
+        box.blockSignals(True)
+        box.setChecked(True if gpu else self._quantized_on_cpu)
+        box.blockSignals(False)
+        box.setEnabled(not gpu)
+        box.setToolTip(QUANTIZED_GPU_TOOLTIP if gpu else QUANTIZED_TOOLTIP)
 
     def set_gpu_paths(self, on: Sequence[str]) -> None:
         """Show these experimental GPU paths as chosen (no ``gpuPathsChanged``: not a user edit)."""
@@ -446,10 +476,11 @@ class ModelLibrary(QFrame):
         n = len(self.gpu_paths())
         self.gpu_paths_button.setText(f"GPU paths: {n} on" if n else "GPU paths: standard")
 
-    def load_options(self) -> tuple[str, str, bool]:
-        """(device, dtype, compile the layers) of the next load."""
+    def load_options(self) -> tuple[str, str, bool, bool]:
+        """(device, dtype, compile the layers, a model folder on the CPU through its quantized cache) of the next
+        load."""
         return (str(self.device_choice.currentData()), str(self.dtype_choice.currentData()),
-                self.compile_choice.isChecked())
+                self.compile_choice.isChecked(), self._quantized_on_cpu)
 
     def set_current(self, path: str | None) -> None:
         """The model in use (marked; it cannot be deleted)."""
@@ -506,9 +537,12 @@ class ModelLibrary(QFrame):
         self.reloadRequested.emit()
 
     def on_options_changed(self, *_args: object) -> None:
-        device, dtype, compile_layers = self.load_options()
+        if self.quantized_choice.isEnabled():  # (on the GPU the box shows the plan's 4 bits, not the CPU's choice)
+            self._quantized_on_cpu = self.quantized_choice.isChecked()
+        self._show_quantized()
+        device, dtype, compile_layers, quantized = self.load_options()
         self.reload_button.setVisible(self.current is not None)
-        self.loadOptionsChanged.emit(device, dtype, compile_layers)
+        self.loadOptionsChanged.emit(device, dtype, compile_layers, quantized)
 
     def on_reveal(self, entry: LibraryEntry) -> None:
         target = Path(entry.path)

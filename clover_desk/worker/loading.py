@@ -83,6 +83,7 @@ def loaded_record(command: dict[str, Any], engine: Any, load_s: float, gpu_paths
         "model_dir": str(command["model_dir"]),
         "device": device,
         "dtype": dtype,
+        "precision": json_safe(getattr(engine, "precision", None)),  # how the weights are held (engine.defaults.PRECISIONS)
         "vram_budget_bytes": command.get("vram_budget_bytes"),
         "load_s": round(load_s, 3),
         "config": json_safe(getattr(engine, "config", None)),

@@ -33,7 +33,9 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
 
     {"event": "ready", "pid": .., "protocol": 1}              once, when commands are accepted
     {"event": "load_progress", ...}                            engine.decode.events.LoadProgress (throttled)
-    {"event": "loaded", "model_dir": .., "config": {..}, ..}   the model is ready ("compiled": whether its layers
+    {"event": "loaded", "model_dir": .., "config": {..}, ..}   the model is ready ("precision": how its weights are
+                                                               held, "nf4" for a folder's quantized cache;
+                                                               "compiled": whether its layers
                                                                are; "compile_skipped": why a compile was not done;
                                                                "gpu_paths": the opt-in GPU paths switched on)
     {"event": <engine event>, ..., "id": "r1"}                 every generation event (engine.decode.events.to_dict)

@@ -46,9 +46,17 @@ def test_files_without_a_matching_policy_say_what_their_size_says_and_that_the_p
     assert run_fit(Q4_K_M, 40 * GIB, 16384, CARD_16).place == "unknown"  # within the budget: not claimed to fit
 
 
-@pytest.mark.parametrize(("choice", "place"), [(None, "too_large"), (Q4_0, "ram"), (Q4_K_M, "ram"), (Q8_0, "too_large")])
-def test_without_a_gpu_the_weights_are_held_in_ram(choice, place) -> None:  # noqa: ANN001
-    fit = run_fit(choice, None, 16384, NO_GPU, "fp32")
+@pytest.mark.parametrize(("choice", "quantized", "place"), [
+    (None, True, "ram"), (None, False, "too_large"), (Q4_0, True, "ram"), (Q4_0, False, "ram"), (Q4_K_M, True, "ram"),
+    (Q8_0, True, "too_large"),
+])
+def test_without_a_gpu_the_weights_are_held_in_ram(choice, quantized, place) -> None:  # noqa: ANN001
+    fit = run_fit(choice, None, 16384, NO_GPU, "fp32", quantized=quantized)
     assert isinstance(fit, RunFit) and fit.place == place and fit.text.startswith("No NVIDIA GPU")
-    if choice is None:
-        assert "138.7 GB" in fit.text  # unquantized in float32, as a CPU load holds the folder
+    if choice is None and quantized:  # the quantized cache a CPU load of the folder makes (the planner's count)
+        counted = planner.manifest_for_shape("clover-35b-a3b", planner.DEFAULT_POLICY).total_bytes()
+        assert 20e9 < counted < 22e9 and f"{counted / 1e9:.1f} GB" in fit.text and "quantized cache" in fit.text
+    elif choice is None:
+        assert "138.7 GB" in fit.text  # unquantized in float32, as a CPU load with "4-bit weights" off holds it
+    else:  # a GGUF file is held as stored, whatever the folder's choice
+        assert fit == run_fit(choice, None, 16384, NO_GPU, "fp32", quantized=not quantized)

@@ -40,8 +40,9 @@ def desk(qapp, tiny_clover_dir, tmp_path_factory):  # noqa: F811
     events: list[tuple[str, object]] = []
     app.client.event.connect(lambda rid, ev: events.append((rid, ev)))
     app.events = events
-    with _wait(app.client.loaded, LOAD_MS):
+    with _wait(app.client.loaded, LOAD_MS) as loaded:
         app.client.start()
+    app.loaded_info = loaded.args[0]
     yield app
     app.shutdown(wait_ms=5000)
     window.close()
@@ -87,6 +88,16 @@ class _wait:
 
 def of_request(desk, rid: str, kind: type) -> list:
     return [ev for r, ev in desk.events if r == rid and isinstance(ev, kind)]
+
+
+def test_a_folder_on_the_cpu_loaded_through_its_quantized_cache(desk) -> None:
+    """The window's default without a GPU ("4-bit weights"): the real worker built the folder's cache beside it and
+    holds the model in it."""
+    from clover_desk.engine.weights.formats import policy_for
+    from clover_desk.engine.weights.quant_cache_files import cache_dir_for
+
+    assert desk.loaded_info["precision"] == "nf4" and desk.loaded_info["device"] == "cpu"
+    assert (cache_dir_for(desk.settings.model_dir, policy_for("cpu")) / "manifest.json").is_file()
 
 
 def test_prompt_streams_into_chat_store_and_denoise_view(qtbot, desk) -> None:

@@ -5,7 +5,7 @@ loading and quantizing a model (the real engine), and cancelling a load (the wor
 from __future__ import annotations
 
 import pytest
-from fixtures_tiny import tiny_clover_dir  # noqa: F401 (session fixture)
+from fixtures_tiny import copy_model, tiny_clover_dir  # noqa: F401 (session fixture)
 from PySide6.QtCore import Qt
 
 from clover_desk.engine.decode.events import BlockStep, Finished, LoadProgress, PrefillProgress, TextDelta
@@ -120,18 +120,20 @@ def test_stop_while_the_prompt_is_read_ends_it_before_the_answer(qtbot, desk) ->
     assert desk.store.messages(window.conversation_id)[-1].status == "stopped"
 
 
-def test_quantizing_for_a_plan_shows_in_the_load_banner(qtbot, desk, tiny_clover_dir) -> None:  # noqa: ANN001, F811
-    """A load under a VRAM plan converts the model to its quantized cache first: the banner says so, with bytes."""
+def test_quantizing_for_a_plan_shows_in_the_load_banner(qtbot, desk, tiny_clover_dir, tmp_path) -> None:  # noqa: ANN001, F811
+    """A load under a VRAM plan converts the model to its quantized cache first: the banner says so, with bytes.
+    (A copy of the model: the desk's own CPU load built the shared folder's cache already.)"""
     from clover_desk.engine.placement.planner import plan_model
 
     window = desk.window
+    model = copy_model(tiny_clover_dir, tmp_path / "tiny")
     shown: list[tuple[str, str, bool]] = []
     desk.client.loadProgress.connect(
         lambda p: shown.append((p.stage, window.load_banner.label.text(), window.load_banner.isVisible())))
-    floor = plan_model(tiny_clover_dir, 0, 512).min_vram_bytes
-    plan = plan_model(tiny_clover_dir, floor, 512).to_dict()
+    floor = plan_model(model, 0, 512).min_vram_bytes
+    plan = plan_model(model, floor, 512).to_dict()
     with qtbot.waitSignal(desk.client.loaded, timeout=LOAD_MS):
-        desk.client.load(str(tiny_clover_dir), device="cpu", dtype="bfloat16", precision="nf4", plan=plan)
+        desk.client.load(str(model), device="cpu", dtype="bfloat16", precision="nf4", plan=plan)
     stages = {stage: (text, visible) for stage, text, visible in shown}
     assert stages["quantizing"] == ("Quantizing…", True)
     assert "reading" in stages and stages["reading"] == ("Reading weights…", True)

@@ -232,6 +232,61 @@ def test_device_and_precision_apply_to_the_next_load(qtbot, desk, models) -> Non
     assert client.loads[-1][:3] == (str(second), "cpu", "float32")
 
 
+def test_a_folder_on_the_cpu_loads_through_its_4_bit_cache_unless_unticked(qtbot, desk, models, tmp_path) -> None:  # noqa: ANN001
+    """Without a GPU a model folder loads through its quantized cache by default (the 35B folder would need 69 GB of
+    RAM in bfloat16); unticking "4-bit weights" loads the weights as stored, and the choice is remembered. A .gguf
+    file is read as its own blocks either way; on the GPU the box shows the plan's 4 bits, fixed."""
+    from clover_desk.app import AppSettings, CloverDeskApp
+    from clover_desk.storage.store import ChatStore
+
+    folder, _first, second = models
+    library, client = desk.model_library, desk.client
+    box = library.quantized_choice
+    assert box.isChecked() and box.isEnabled() and "quantized cache" in box.toolTip()
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        library.row_for(str(second)).load_button.click()
+    assert client.loads[-1][:2] == (str(second), "cpu") and client.precisions[-1] == "nf4"
+    fit = desk.download_fit(None)  # the folder counted as the cache it loads through: it fits the 32 GiB of RAM
+    assert fit.place == "ram" and "quantized cache" in fit.text
+    desk.window.show_models_page()
+    box.click()
+    assert desk.settings.quantized is False and json.loads(desk.settings_path.read_text())["quantized"] is False
+    assert library.reload_button.isVisible()
+    unquantized = desk.download_fit(None)
+    assert unquantized.place == "too_large" and "138.7 GB for the 35B weights unquantized in fp32" in unquantized.text
+    with qtbot.waitSignal(client.loaded, timeout=5000):
+        library.reload_button.click()
+    assert client.loads[-1][:3] == (str(second), "cpu", "float32") and client.precisions[-1] is None
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    box.click()  # ticked again: still no precision for a .gguf file (its own blocks)
+    desk.settings.model_dir = str(gguf)
+    desk.load_model()
+    assert client.loads[-1][0] == str(gguf) and client.precisions[-1] is None
+    # the GPU always loads 4-bit under its plan: the box says so and cannot be unticked; the CPU's choice stays
+    box.click()
+    assert desk.settings.quantized is False
+    library.device_choice.model().item(1).setEnabled(True)
+    library.device_choice.setCurrentIndex(library.device_choice.findData("cuda"))
+    assert box.isChecked() and not box.isEnabled() and "VRAM plan" in box.toolTip()
+    assert desk.settings.device == "cuda" and desk.settings.quantized is False
+    library.device_choice.setCurrentIndex(library.device_choice.findData("cpu"))
+    assert not box.isChecked() and box.isEnabled()
+    # the next start of the app shows the saved choice
+    assert AppSettings.load(desk.settings_path).quantized is False
+    again = CloverDeskApp(folder.parent, client=FakeEngineClient(loaded=False), store=ChatStore(tmp_path / "chats.db"),
+                          settings=AppSettings(model_dir=str(second), quantized=False),
+                          hardware=Hardware(gpu_name=None, ram_total_bytes=32 * 1024**3), with_preview=False,
+                          start_engine=False, style=False)
+    try:
+        assert not again.model_library.quantized_choice.isChecked()
+        again.load_model()
+        assert again.client.precisions == [None]
+    finally:
+        again.shutdown(wait_ms=0)
+        again.window.close()
+
+
 def test_the_next_plan_counts_in_the_chosen_precision(qtbot, desk) -> None:  # noqa: ANN001
     desk.on_load_options_changed("cuda", "float32")
     assert desk._plan(16 * 1024**3, 4096).compute_dtype == "fp32"  # noqa: SLF001

@@ -211,10 +211,12 @@ CARD_16 = Hardware(gpu_name="NVIDIA GeForce RTX 4080", vram_total_bytes=16 * GIB
                    ram_available_bytes=48 * GIB)
 
 
-def fits_panel(qtbot, tmp_path: Path, budget: int | None, hardware: Hardware = CARD_16) -> ModelManagerPanel:  # noqa: ANN001
-    """The panel as the app builds it: the official choices, each judged by run_fit at ``budget`` (None: no GPU)."""
+def fits_panel(qtbot, tmp_path: Path, budget: int | None, hardware: Hardware = CARD_16,  # noqa: ANN001
+               quantized: bool = True) -> ModelManagerPanel:
+    """The panel as the app builds it: the official choices, each judged by run_fit at ``budget`` (None: no GPU;
+    ``quantized``: the folder through its quantized cache)."""
     def estimate(choice):  # noqa: ANN001, ANN202
-        return run_fit(choice, budget, 16384, hardware, "bf16" if budget else "fp32")
+        return run_fit(choice, budget, 16384, hardware, "bf16" if budget else "fp32", quantized=quantized)
 
     widget = ModelManagerPanel(models_dir=tmp_path / "models", gguf_choices=OFFICIAL_GGUF, gguf_repo_id=GGUF_REPO_ID,
                                fit_estimator=estimate)
@@ -254,11 +256,20 @@ def test_a_small_disk_marks_the_big_choices_as_not_fitting(qtbot, tmp_path, monk
 
 
 def test_without_a_gpu_the_folder_is_too_large_and_a_file_that_fits_the_ram_is_offered(qtbot, tmp_path) -> None:
-    panel = fits_panel(qtbot, tmp_path, None, Hardware(gpu_name=None, ram_total_bytes=32 * GIB))
+    panel = fits_panel(qtbot, tmp_path, None, Hardware(gpu_name=None, ram_total_bytes=32 * GIB), quantized=False)
     folder, q4_0, _, q8_0 = items(panel)
     assert "likely too large" in folder and "likely too large" in q8_0 and "runs from RAM" in q4_0
     assert panel.download_choice.currentData() is OFFICIAL_GGUF[0]
     assert "No NVIDIA GPU: runs from RAM" in panel.fit_label.text()
+
+
+def test_without_a_gpu_the_folder_fits_the_ram_through_its_quantized_cache(qtbot, tmp_path) -> None:
+    panel = fits_panel(qtbot, tmp_path, None, Hardware(gpu_name=None, ram_total_bytes=32 * GIB))
+    folder, q4_0, _, q8_0 = items(panel)
+    assert "runs from RAM" in folder and "runs from RAM" in q4_0 and "likely too large" in q8_0
+    assert panel.download_choice.currentData() is OFFICIAL_GGUF[0]  # the smaller download of the two that fit
+    panel.download_choice.setCurrentIndex(0)
+    assert "quantized cache" in panel.fit_label.text()
 
 
 def test_the_fits_follow_the_budget_but_never_change_the_users_choice(qtbot, tmp_path) -> None:
