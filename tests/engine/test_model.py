@@ -62,6 +62,20 @@ def test_state_at_every_chunk_boundary_is_exact() -> None:
     assert torch.allclose(s_all, s_ref, atol=1e-12)
 
 
+@pytest.mark.parametrize("t", [20, 70])
+def test_a_scan_without_the_final_state_gives_the_same_starts_and_values(t: int) -> None:
+    """A pass that writes no cache skips the last chunk's state update: every chunk start and corrected value
+    keeps its bits (one chunk: a block pass; three: the earlier chunks' updates still run)."""
+    from clover_desk.engine.model.gdn import chunk_prepare, chunk_scan
+
+    q, k, v, g, beta, s0 = _state_inputs(t, 3, 16, 8, torch.float32, seed=2)
+    ch = chunk_prepare(q, k, v, g, beta, 32, 5)
+    starts, corrected, final = chunk_scan(ch, s0)
+    starts_ro, corrected_ro, none = chunk_scan(ch, s0, final=False)
+    assert none is None and final is not None
+    assert torch.equal(starts, starts_ro) and torch.equal(corrected, corrected_ro)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # causal model: prefill vs steps
 # ---------------------------------------------------------------------------------------------------------------
