@@ -407,9 +407,11 @@ static float dot_q5k(const uint8_t *w, const void *av, int64_t nb) { return dot_
 /*   x = d * scale[v / 16] * (q - 32); the -32 is taken out through the activation's 16-value sums.             */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
-    const a8k_t *a = (const a8k_t *)av;
 #if CLOVER_AVX2
+/* dot_q6k for na (1 or 2, a constant) activation rows at once: the weight block's values and scales are unpacked
+   once for both; each row's operations are dot_q6k's, in its order (the same bits as na single dots) */
+static inline __attribute__((always_inline)) void dot_q6k_n(const uint8_t *w, const a8k_t *const *as, const int na,
+                                                            int64_t nb, float *out) {
     /* pshufb masks over 8 int16 scales broadcast to both lanes: vector i takes scale 2i (low lane), 2i+1 (high) */
     const __m256i pick[4] = {
         _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
@@ -419,31 +421,48 @@ static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
         _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14,
                          15, 14, 15, 14, 15, 14, 15, 14, 15),
     };
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 210, a++) {
-        const float d = load_f16(w + 208) * a->d;
+    __m256 acc[2];
+    for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 210) {
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
-        /* offset: 32 * sum_j scale[j] * bsums[j] */
-        __m256i sc16all = _mm256_cvtepi8_epi16(sc8);
-        __m256i offs = _mm256_madd_epi16(sc16all, _mm256_loadu_si256((const __m256i *)a->bsums));
-        __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offs, 5));
-        for (int h = 0; h < 2; h++) {
-            const int8_t *aq = a->q + 128 * h;
-            __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h))));
-            __m256i v[4];
-            q6k_values(w, h, v);
-            __m256i p0 = _mm256_maddubs_epi16(v[0], _mm256_loadu_si256((const __m256i *)aq));
-            __m256i p1 = _mm256_maddubs_epi16(v[1], _mm256_loadu_si256((const __m256i *)(aq + 32)));
-            __m256i p2 = _mm256_maddubs_epi16(v[2], _mm256_loadu_si256((const __m256i *)(aq + 64)));
-            __m256i p3 = _mm256_maddubs_epi16(v[3], _mm256_loadu_si256((const __m256i *)(aq + 96)));
-            sumi = madd_acc(sumi, p0, _mm256_shuffle_epi8(scv, pick[0]));
-            sumi = madd_acc(sumi, p1, _mm256_shuffle_epi8(scv, pick[1]));
-            sumi = madd_acc(sumi, p2, _mm256_shuffle_epi8(scv, pick[2]));
-            sumi = madd_acc(sumi, p3, _mm256_shuffle_epi8(scv, pick[3]));
+        const __m256i sc16all = _mm256_cvtepi8_epi16(sc8);
+        __m256i sumi[2];
+        for (int j = 0; j < na; j++) { /* offset: 32 * sum_j scale[j] * bsums[j] */
+            __m256i offs = _mm256_madd_epi16(sc16all, _mm256_loadu_si256((const __m256i *)as[j][b].bsums));
+            sumi[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offs, 5));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for (int h = 0; h < 2; h++) {
+            __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h))));
+            __m256i v[4], sc[4];
+            q6k_values(w, h, v);
+            for (int i = 0; i < 4; i++) sc[i] = _mm256_shuffle_epi8(scv, pick[i]);
+            for (int j = 0; j < na; j++) {
+                const int8_t *aq = as[j][b].q + 128 * h;
+                __m256i p0 = _mm256_maddubs_epi16(v[0], _mm256_loadu_si256((const __m256i *)aq));
+                __m256i p1 = _mm256_maddubs_epi16(v[1], _mm256_loadu_si256((const __m256i *)(aq + 32)));
+                __m256i p2 = _mm256_maddubs_epi16(v[2], _mm256_loadu_si256((const __m256i *)(aq + 64)));
+                __m256i p3 = _mm256_maddubs_epi16(v[3], _mm256_loadu_si256((const __m256i *)(aq + 96)));
+                sumi[j] = madd_acc(sumi[j], p0, sc[0]);
+                sumi[j] = madd_acc(sumi[j], p1, sc[1]);
+                sumi[j] = madd_acc(sumi[j], p2, sc[2]);
+                sumi[j] = madd_acc(sumi[j], p3, sc[3]);
+            }
+        }
+        for (int j = 0; j < na; j++) {
+            const float d = load_f16(w + 208) * as[j][b].d;
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+        }
     }
-    return hsum_ps(acc);
+    for (int j = 0; j < na; j++) out[j] = hsum_ps(acc[j]);
+}
+#endif
+
+static float dot_q6k(const uint8_t *w, const void *av, int64_t nb) {
+    const a8k_t *a = (const a8k_t *)av;
+#if CLOVER_AVX2
+    float o;
+    dot_q6k_n(w, &a, 1, nb, &o);
+    return o;
 #else
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += 210, a++) {
@@ -782,12 +801,13 @@ static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, siz
         }
         return;
     }
-    if (n == 2 && (qt == T_Q4_K || qt == T_Q5_K)) { /* the block unpacked once for both rows: the same bits */
+    if (n == 2 && is_k_type(qt)) { /* the block unpacked once for both rows: the same bits */
         const a8k_t *as[2] = {(const a8k_t *)(act + (size_t)(tidx ? tidx[0] : 0) * arow),
                               (const a8k_t *)(act + (size_t)(tidx ? tidx[1] : 1) * arow)};
         float o[2];
         if (qt == T_Q4_K) dot_q45k_n(wr, as, 2, nb, 0, o);
-        else dot_q45k_n(wr, as, 2, nb, 1, o);
+        else if (qt == T_Q5_K) dot_q45k_n(wr, as, 2, nb, 1, o);
+        else dot_q6k_n(wr, as, 2, nb, o);
         out[0] = o[0];
         out[ostride] = o[1];
         return;
