@@ -196,15 +196,19 @@ def test_the_vnni_build_gives_the_avx2_build_s_bits(kern: cq.Kernels) -> None:
     assert torch.equal(kern.moe(x, *banks, qtypes, idx, wts), plain.moe(x, *banks, qtypes, idx, wts))
 
 
+@pytest.mark.parametrize("t", [2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("qtype", [cq.Q4_K, cq.Q5_K, cq.Q6_K], ids=lambda q: cq.TYPE_NAMES[q])
-def test_two_rows_give_each_row_s_own_bits(kern: cq.Kernels, qtype: int) -> None:
-    """Two activation rows (an expert with two of a pass's tokens): Q4_K / Q5_K unpack each weight block once for
-    both, with each row's operations in its own order, so each row gets the bits of its own one-row product."""
+def test_up_to_seven_rows_give_each_row_s_own_bits(kern: cq.Kernels, qtype: int, t: int) -> None:
+    """2-7 activation rows (an expert with a few of a pass's tokens, the head for the slots still masked): each
+    weight block is unpacked once for up to 4 rows, with each row's operations in its own order, so each row gets
+    the bits of its own one-row product, whatever T below the tiled kernels' 8."""
     w = make_weights(qtype, 21, 768, seed=qtype)
-    x = torch.randn(2, 768, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(t, 768, generator=torch.Generator().manual_seed(4))
     x[1] *= 1e3
-    both = kern.qmatmul(x, w, qtype)
+    x[-1] *= 1e-3
+    together = kern.qmatmul(x, w, qtype)
     rows = torch.tensor([20, 3, 3], dtype=torch.int64)
-    for i in range(2):
-        assert torch.equal(both[i], kern.qmatmul(x[i:i + 1], w, qtype)[0])
-        assert torch.equal(kern.qmatmul(x, w, qtype, rows=rows)[i], both[i, rows])
+    selected = kern.qmatmul(x, w, qtype, rows=rows)
+    for i in range(t):
+        assert torch.equal(together[i], kern.qmatmul(x[i:i + 1], w, qtype)[0]), i
+        assert torch.equal(selected[i], together[i, rows])

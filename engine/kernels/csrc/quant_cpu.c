@@ -270,6 +270,11 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
 /* its own loop with no test of q5 inside.                                                                      */
 /* ------------------------------------------------------------------------------------------------------------ */
 
+/* the most activation rows one direct K dot takes at once (dot_q45k_n, dot_q6k_n): each weight block is unpacked
+   once for them. 4 rows of Q4_K hold 16 of the 32 AVX-512 vector registers in accumulators (an AVX2-only build has
+   16 and spills some; it still gains over single dots) */
+#define DOT_ROWS 4
+
 #if CLOVER_AVX2
 /* Q4_K / Q5_K values 64c .. 64c+31 (lo) and 64c+32 .. 64c+63 (hi) of a block: the nibbles of qs[32c ..], and with
    q5 bit 4 from qh (bit 2c of qh[l] for lo, 2c+1 for hi). The dots, row_dots' decoder and kt's share it. */
@@ -304,13 +309,13 @@ static inline __attribute__((always_inline)) void q6k_values(const uint8_t *w, i
                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
 }
 
-/* dot_q45k for na (1 or 2, a constant) activation rows at once: the weight block's nibbles and scales are unpacked
-   once for both; each row's operations are dot_q45k's, in its order (the same bits as na single dots) */
+/* dot_q45k for na (1 to DOT_ROWS, a constant) activation rows at once: the weight block's nibbles and scales are
+   unpacked once for all; each row's operations are dot_q45k's, in its order (the same bits as na single dots) */
 static inline __attribute__((always_inline)) void dot_q45k_n(const uint8_t *w, const a8k_t *const *as, const int na,
                                                              int64_t nb, const int q5, float *out) {
     const int64_t bb = q5 ? 176 : 144, qs_at = q5 ? 48 : 16; /* block bytes, offset of the nibbles */
-    __m256 acc[2];
-    __m128 acc_min[2]; /* the mins' part, kept in 4 lanes until the end of the row */
+    __m256 acc[DOT_ROWS];
+    __m128 acc_min[DOT_ROWS]; /* the mins' part, kept in 4 lanes until the end of the row */
     for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps(), acc_min[j] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += bb) {
         uint8_t sc8[8], m8[8];
@@ -323,7 +328,7 @@ static inline __attribute__((always_inline)) void dot_q45k_n(const uint8_t *w, c
         _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
         const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
         const uint8_t *qs = w + qs_at;
-        __m256i sumi[2], sumi1[2]; /* two chains a row: the low and the high nibbles' */
+        __m256i sumi[DOT_ROWS], sumi1[DOT_ROWS]; /* two chains a row: the low and the high nibbles' */
         for (int j = 0; j < na; j++) {
             const a8k_t *a = as[j] + b;
             const float da = a->d;
@@ -408,8 +413,8 @@ static float dot_q5k(const uint8_t *w, const void *av, int64_t nb) { return dot_
 /* ------------------------------------------------------------------------------------------------------------ */
 
 #if CLOVER_AVX2
-/* dot_q6k for na (1 or 2, a constant) activation rows at once: the weight block's values and scales are unpacked
-   once for both; each row's operations are dot_q6k's, in its order (the same bits as na single dots) */
+/* dot_q6k for na (1 to DOT_ROWS, a constant) activation rows at once: the weight block's values and scales are
+   unpacked once for all; each row's operations are dot_q6k's, in its order (the same bits as na single dots) */
 static inline __attribute__((always_inline)) void dot_q6k_n(const uint8_t *w, const a8k_t *const *as, const int na,
                                                             int64_t nb, float *out) {
     /* pshufb masks over 8 int16 scales broadcast to both lanes: vector i takes scale 2i (low lane), 2i+1 (high) */
@@ -421,12 +426,12 @@ static inline __attribute__((always_inline)) void dot_q6k_n(const uint8_t *w, co
         _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14,
                          15, 14, 15, 14, 15, 14, 15, 14, 15),
     };
-    __m256 acc[2];
+    __m256 acc[DOT_ROWS];
     for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
         const __m256i sc16all = _mm256_cvtepi8_epi16(sc8);
-        __m256i sumi[2];
+        __m256i sumi[DOT_ROWS];
         for (int j = 0; j < na; j++) { /* offset: 32 * sum_j scale[j] * bsums[j] */
             __m256i offs = _mm256_madd_epi16(sc16all, _mm256_loadu_si256((const __m256i *)as[j][b].bsums));
             sumi[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offs, 5));
@@ -671,7 +676,7 @@ static float dot_i8(const uint8_t *q, const float *s, int64_t v0, int64_t bs, co
 /* Decoding costs about one direct dot, so it pays from a few rows on.                                          */
 /* ------------------------------------------------------------------------------------------------------------ */
 
-#define DEC_MIN_ROWS 3 /* fewer activation rows than this: direct dots */
+#define DEC_MIN_ROWS 8 /* fewer activation rows than this: direct dots, up to DOT_ROWS at once */
 #define DEC_TILE 64    /* activation rows per accumulator tile */
 
 #if CLOVER_AVX2
@@ -766,6 +771,32 @@ static inline void dot_dec2(const kdec_t *k, const a8k_t *a, const a8k_t *b, __m
 }
 #endif
 
+#if CLOVER_AVX2
+/* one K-format weight row with na (1 to DOT_ROWS) activation rows: each row's bits are its single dot's */
+#define K_DOTS(na)                                                                                                 \
+    static inline __attribute__((always_inline)) void k_dots_##na(int qt, const uint8_t *wr,                     \
+                                                                  const a8k_t *const *as, int64_t nb, float *o) {  \
+        if (qt == T_Q4_K) dot_q45k_n(wr, as, na, nb, 0, o);                                                      \
+        else if (qt == T_Q5_K) dot_q45k_n(wr, as, na, nb, 1, o);                                                 \
+        else dot_q6k_n(wr, as, na, nb, o);                                                                       \
+    }
+K_DOTS(1)
+K_DOTS(2)
+K_DOTS(3)
+K_DOTS(4)
+#undef K_DOTS
+
+static inline __attribute__((always_inline)) void k_dots(int qt, const uint8_t *wr, const a8k_t *const *as, int na,
+                                                         int64_t nb, float *o) {
+    switch (na) { /* a constant row count in each: the loops over rows unroll */
+    case 1: k_dots_1(qt, wr, as, nb, o); break;
+    case 2: k_dots_2(qt, wr, as, nb, o); break;
+    case 3: k_dots_3(qt, wr, as, nb, o); break;
+    default: k_dots_4(qt, wr, as, nb, o); break;
+    }
+}
+#endif
+
 /* dot of one weight row (nb blocks of type qt) with one quantized activation row */
 typedef float (*dot_fn)(const uint8_t *w, const void *a, int64_t nb);
 static dot_fn dot_for(int qt);
@@ -777,7 +808,7 @@ static dot_fn dot_for(int qt);
 static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, size_t arow, const int64_t *tidx,
                      int64_t n, float *out, int64_t ostride) {
 #if CLOVER_AVX2
-    if (n >= DEC_MIN_ROWS && is_k_type(qt)) {
+    if (n >= DEC_MIN_ROWS && is_k_type(qt)) { /* (where the tiled kernels do not take them) */
         const int bb = block_bytes(qt);
         kdec_t dec;
         __m256 acc[DEC_TILE];
@@ -801,15 +832,26 @@ static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, siz
         }
         return;
     }
-    if (n == 2 && is_k_type(qt)) { /* the block unpacked once for both rows: the same bits */
+    if (n == 2 && is_k_type(qt)) { /* (the most frequent case first: a weight row's work is ~100 ns here) */
         const a8k_t *as[2] = {(const a8k_t *)(act + (size_t)(tidx ? tidx[0] : 0) * arow),
                               (const a8k_t *)(act + (size_t)(tidx ? tidx[1] : 1) * arow)};
         float o[2];
-        if (qt == T_Q4_K) dot_q45k_n(wr, as, 2, nb, 0, o);
-        else if (qt == T_Q5_K) dot_q45k_n(wr, as, 2, nb, 1, o);
-        else dot_q6k_n(wr, as, 2, nb, o);
+        k_dots(qt, wr, as, 2, nb, o);
         out[0] = o[0];
         out[ostride] = o[1];
+        return;
+    }
+    if (n > 2 && is_k_type(qt)) { /* each block unpacked once for up to DOT_ROWS rows: each row's own bits */
+        for (int64_t i0 = 0; i0 < n;) {
+            /* groups of 4, and of 3 rather than 4 + 1 (5 rows: 3 + 2, 6: 3 + 3, 7: 4 + 3) */
+            const int64_t left = n - i0, m = left == 5 || left == 6 ? 3 : left < DOT_ROWS ? left : DOT_ROWS;
+            const a8k_t *as[DOT_ROWS];
+            float o[DOT_ROWS];
+            for (int64_t i = 0; i < m; i++) as[i] = (const a8k_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
+            k_dots(qt, wr, as, (int)m, nb, o);
+            for (int64_t i = 0; i < m; i++) out[(i0 + i) * ostride] = o[i];
+            i0 += m;
+        }
         return;
     }
 #endif
