@@ -23,6 +23,7 @@ from tests.quant_reference import (
     K_TYPES,
     assert_moe_close,
     check_qmatmul,
+    check_smatmul,
     kern,  # noqa: F401 - a fixture
     make_bank,
     make_weights,
@@ -194,6 +195,21 @@ def test_the_vnni_build_gives_the_avx2_build_s_bits(kern: cq.Kernels) -> None:
     idx, wts = routing(12, 6, 3, seed=1)
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(2))
     assert torch.equal(kern.moe(x, *banks, qtypes, idx, wts), plain.moe(x, *banks, qtypes, idx, wts))
+
+
+@pytest.mark.parametrize("t", [2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("blocksize", [64, 128, 32])
+def test_nf4_rows_taken_together_give_each_row_s_own_bits(kern: cq.Kernels, t: int, blocksize: int) -> None:
+    """NF4 rows of whole 64-value pairs in whole scale blocks (the cache's experts) unpack each pair of codes once
+    for up to 4 activation rows; each row keeps the bits of its own one-row product (blocksize 32: single dots),
+    and the products stay within the fp64 reference."""
+    codes, scales, bs = quantized("nf4", 19, 512, blocksize=blocksize, seed=t)
+    x = torch.randn(t, 512, generator=torch.Generator().manual_seed(t))
+    x[0] *= 1e3
+    together = kern.smatmul(x, codes, scales, cq.SPLIT_OF_FORMAT["nf4"], bs)
+    for i in range(t):
+        assert torch.equal(together[i], kern.smatmul(x[i:i + 1], codes, scales, cq.SPLIT_OF_FORMAT["nf4"], bs)[0]), i
+    check_smatmul(together, x, codes, scales, "nf4", bs)
 
 
 @pytest.mark.parametrize("t", [2, 3, 4, 5, 6, 7])

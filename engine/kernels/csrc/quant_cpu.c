@@ -635,6 +635,36 @@ static float dot_nf4(const uint8_t *q, const float *s, int64_t v0, int64_t bs, c
 #endif
 }
 
+#if CLOVER_AVX2
+/* dot_nf4 for na (1 to DOT_ROWS, a constant) activation rows at once, on its first path: whole pairs of 32-value
+   steps in whole scale blocks (nf4_rows_ok: the cache's rows). Each pair's codes are unpacked once for all rows;
+   each row's operations are dot_nf4's, in its order (the same bits as na single dots). */
+static inline __attribute__((always_inline)) void dot_nf4_n(const uint8_t *q, const float *s, int64_t blk, int64_t bs,
+                                                            const a8_t *const *as, const int na, int64_t nb, float *out) {
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
+    __m256 acc0[DOT_ROWS], acc1[DOT_ROWS];
+    for (int j = 0; j < na; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();
+    const int64_t pairs_per_scale = bs / 64;
+    int64_t k = 0;
+    for (int64_t b = 0; b + 1 < nb; b += 2, q += 32) {
+        __m256i v0, v1;
+        nf4_values64(q, lut, &v0, &v1);
+        const float sc = s[blk];
+        if (++k == pairs_per_scale) k = 0, blk++;
+        for (int j = 0; j < na; j++) {
+            const a8_t *a = as[j] + b;
+            const __m256i p0 = dot32_i8(v0, a[0].q), p1 = dot32_i8(v1, a[1].q);
+            acc0[j] = _mm256_fmadd_ps(_mm256_set1_ps(sc * a[0].d), _mm256_cvtepi32_ps(p0), acc0[j]);
+            acc1[j] = _mm256_fmadd_ps(_mm256_set1_ps(sc * a[1].d), _mm256_cvtepi32_ps(p1), acc1[j]);
+        }
+    }
+    for (int j = 0; j < na; j++) out[j] = hsum_ps(_mm256_add_ps(acc0[j], acc1[j])) * (1.0f / 127.0f);
+}
+#endif
+
+/* whether dot_nf4_n takes a row whose first value is v0: whole scale blocks of whole 64-value pairs */
+static inline int nf4_rows_ok(int64_t v0, int64_t bs, int64_t nb) { return v0 % bs == 0 && bs % 64 == 0 && nb % 2 == 0; }
+
 static float dot_i8(const uint8_t *q, const float *s, int64_t v0, int64_t bs, const a8_t *a, int64_t nb) {
     int64_t blk = v0 / bs, rem = v0 % bs;
 #if CLOVER_AVX2
@@ -981,6 +1011,25 @@ static void mat_row_dots(const mat_t *m, int64_t e, int64_t r, int64_t K, const 
     const sdot_fn dot = sdot_for(m->qt);
     const float *sc = (const float *)(m->s + e * m->ses);
     const int64_t v0 = m->v0 + r * K;
+#if CLOVER_AVX2
+    if (n >= 2 && m->qt == T_NF4 && nf4_rows_ok(v0, m->bs, K / QS)) { /* the codes unpacked once for up to 4 rows */
+        for (int64_t i0 = 0; i0 < n;) {
+            const int64_t left = n - i0, g = left == 5 || left == 6 ? 3 : left < DOT_ROWS ? left : DOT_ROWS;
+            const a8_t *as[DOT_ROWS];
+            float o[DOT_ROWS];
+            for (int64_t i = 0; i < g; i++) as[i] = (const a8_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
+            switch (g) { /* a constant row count in each: the loops over rows unroll */
+            case 1: dot_nf4_n(wr, sc, v0 / m->bs, m->bs, as, 1, K / QS, o); break;
+            case 2: dot_nf4_n(wr, sc, v0 / m->bs, m->bs, as, 2, K / QS, o); break;
+            case 3: dot_nf4_n(wr, sc, v0 / m->bs, m->bs, as, 3, K / QS, o); break;
+            default: dot_nf4_n(wr, sc, v0 / m->bs, m->bs, as, 4, K / QS, o); break;
+            }
+            for (int64_t i = 0; i < g; i++) out[(i0 + i) * ostride] = o[i];
+            i0 += g;
+        }
+        return;
+    }
+#endif
     for (int64_t i = 0; i < n; i++) {
         const int64_t t = tidx ? tidx[i] : i;
         out[i * ostride] = dot(wr, sc, v0, m->bs, (const a8_t *)(act + (size_t)t * arow), K / QS);
