@@ -282,6 +282,7 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
             print(_plan_line(plan), file=sys.stderr)
         if not plan.fits:
             raise PlanError(plan.reason)
+    check_float_load_fits(args.model, precision_of(args.model, plan, args.quantized), dtype, args.device)
     return Engine.load(args.model, device=args.device, precision=precision_of(args.model, plan, args.quantized), placement=plan,
                        dtype=dtype, gguf_layout=args.gguf_layout, compile=args.compile, progress=compile_stage_printer(command) if args.compile else None,
                        gpu_paths=args.gpu_paths)
@@ -299,6 +300,35 @@ def precision_of(model: str | Path, plan: Any, quantized: bool = False) -> str |
                               "quantized blocks are read as they are (leave --quantized out)")
         return None
     return "nf4" if plan is not None or quantized else None
+
+
+def check_float_load_fits(model: str | Path, precision: str | None, dtype: str, device: str) -> None:
+    """A model folder loaded unquantized on the CPU whose weights in ``dtype`` are more than the RAM free now: a
+    ConfigError naming both sizes and ``--quantized``, before a byte is read (the 35B folder needs 139 GB in float32;
+    loading it would swap the machine to a halt). Headers only; a .gguf file, a plan or ``--quantized`` pass."""
+    if precision is not None or device != "cpu" or not Path(model).is_dir():
+        return
+    import math
+
+    from clover_desk.engine.errors import CloverError, ConfigError
+    from clover_desk.engine.placement import hardware, planner
+    from clover_desk.engine.placement.manifest import manifest_for_model_dir
+
+    free = hardware.probe_hardware().ram_available_bytes
+    if not free:
+        return
+    try:
+        stored = manifest_for_model_dir(model, as_stored=True)
+    except (CloverError, OSError):  # a damaged folder: the load says what is wrong with it, in its own words
+        return
+    need = sum(math.prod(e.shape) for e in stored.entries) * (4 if dtype == "float32" else 2)
+    if need <= free:
+        return
+    quantized = planner.model_manifest(model).total_bytes()
+    gib = 1024**3
+    raise ConfigError(f"{Path(model).name}: its weights unquantized in {dtype} need {need / gib:.1f} GiB and "
+                      f"{free / gib:.1f} GiB of RAM is free: add --quantized (its quantized cache, about "
+                      f"{quantized / gib:.1f} GiB) or load a .gguf file")
 
 
 def _plan_line(plan: Any) -> str:

@@ -241,6 +241,30 @@ def test_quantized_loads_the_folder_s_quantized_cache(capsys: pytest.CaptureFixt
     assert json_events(quant)[-1]["event"] == "finished"
 
 
+def test_float_weights_larger_than_the_free_ram_are_one_line_naming_quantized(
+        capsys: pytest.CaptureFixture[str], tiny_clover_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        one_torch_thread: None) -> None:
+    """A folder whose float weights are more than the RAM free (the 35B folder: 139 GB in float32) is refused before
+    a byte is read, with both sizes and --quantized; --quantized then loads it. The machine's RAM, as probed, is the
+    one thing replaced here: no test machine has too little for a tiny model."""
+    from clover_desk.engine.placement import hardware
+    from clover_desk.engine.placement.manifest import manifest_for_model_dir
+
+    folder = copy_model(tiny_clover_dir, tmp_path / "m")
+    elements = sum(math.prod(e.shape) for e in manifest_for_model_dir(folder, as_stored=True).entries)
+    free = elements * 3  # between the weights in bfloat16 (2 bytes each) and in float32 (4)
+    monkeypatch.setattr(hardware, "probe_hardware", lambda *_a: hardware.Hardware(ram_available_bytes=free))
+    base = ["generate", "--model", str(folder), "--prompt", "Hi", "--no-think", "--max-new-tokens", "2",
+            "--block-size", "8"]
+    err = _expect_error(capsys, base, "m: its weights unquantized in float32 need", "of RAM is free",
+                        "add --quantized")
+    assert f"{elements * 4 / 1024**3:.1f} GiB" in err
+    assert not (folder / ".clover-cache").exists()  # nothing was read or built
+    for fits in (["--dtype", "bfloat16"], ["--quantized"]):  # half the bytes fit; the quantized cache does too
+        code, _out, err = run_cli(capsys, *base, *fits)
+        assert code == 0, err
+
+
 def test_quantized_with_a_gguf_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF")
