@@ -283,8 +283,10 @@ class CloverModel(nn.Module):
                 h = layer._call_impl(h, p, st)
             else:
                 h = layer(h, p, st)
-        if last_only:
-            h = h[-1:]
+        if last_only:  # a copy, as index_select makes for one head row: one compiled head graph serves both (a view
+            # of the last row sits at a storage offset a compiled head is guarded on: a pass left with one masked
+            # slot compiled another)
+            h = h[-1:].clone()
         elif head_rows is not None:
             h = h.index_select(0, head_rows.to(h.device))  # [R, D]
         logits = self.head(h)  # [T, V] (or [1, V], [R, V])
