@@ -275,6 +275,10 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
    16 and spills some; it still gains over single dots) */
 #define DOT_ROWS 4
 
+/* how many of `left` (> 0) activation rows the next multi-row dot takes: groups of DOT_ROWS, and of 3 rather than
+   4 + 1 (5 rows: 3 + 2, 6: 3 + 3, 7: 4 + 3) */
+static inline int64_t dot_group(int64_t left) { return left == 5 || left == 6 ? 3 : left < DOT_ROWS ? left : DOT_ROWS; }
+
 #if CLOVER_AVX2
 /* Q4_K / Q5_K values 64c .. 64c+31 (lo) and 64c+32 .. 64c+63 (hi) of a block: the nibbles of qs[32c ..], and with
    q5 bit 4 from qh (bit 2c of qh[l] for lo, 2c+1 for hi). The dots, row_dots' decoder and kt's share it. */
@@ -873,8 +877,7 @@ static void row_dots(int qt, const uint8_t *wr, int64_t nb, const char *act, siz
     }
     if (n > 2 && is_k_type(qt)) { /* each block unpacked once for up to DOT_ROWS rows: each row's own bits */
         for (int64_t i0 = 0; i0 < n;) {
-            /* groups of 4, and of 3 rather than 4 + 1 (5 rows: 3 + 2, 6: 3 + 3, 7: 4 + 3) */
-            const int64_t left = n - i0, m = left == 5 || left == 6 ? 3 : left < DOT_ROWS ? left : DOT_ROWS;
+            const int64_t m = dot_group(n - i0);
             const a8k_t *as[DOT_ROWS];
             float o[DOT_ROWS];
             for (int64_t i = 0; i < m; i++) as[i] = (const a8k_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
@@ -1014,7 +1017,7 @@ static void mat_row_dots(const mat_t *m, int64_t e, int64_t r, int64_t K, const 
 #if CLOVER_AVX2
     if (n >= 2 && m->qt == T_NF4 && nf4_rows_ok(v0, m->bs, K / QS)) { /* the codes unpacked once for up to 4 rows */
         for (int64_t i0 = 0; i0 < n;) {
-            const int64_t left = n - i0, g = left == 5 || left == 6 ? 3 : left < DOT_ROWS ? left : DOT_ROWS;
+            const int64_t g = dot_group(n - i0);
             const a8_t *as[DOT_ROWS];
             float o[DOT_ROWS];
             for (int64_t i = 0; i < g; i++) as[i] = (const a8_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
