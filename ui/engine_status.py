@@ -19,6 +19,7 @@ from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QStatusBar, QWidget
 
 from clover_desk.engine.decode.events import LoadProgress
+from clover_desk.engine.defaults import DTYPE_OF_PRECISION
 from clover_desk.ui.contracts import EngineState, MemoryMonitor
 from clover_desk.ui.throttle import Throttle
 from clover_desk.ui.widgets import ElidedLabel, accessible
@@ -29,6 +30,10 @@ GIB = 1024**3
 LOAD_CANCELLED = "Loading cancelled."
 MONITOR_MS = 2000  # how often the status bar samples VRAM and RAM in use
 
+
+# how the status bar names the loaded engine's weights (engine.defaults.PRECISIONS, the worker's "loaded" answer)
+WEIGHTS_HELD = {"nf4": "4-bit weights", "gguf": "GGUF blocks",
+                **{precision: f"{dtype} weights" for precision, dtype in DTYPE_OF_PRECISION.items()}}
 
 class EngineWindowLike(Protocol):
     """What :class:`EngineStatus` uses of its window (``ui.main_window.MainWindow``)."""
@@ -70,6 +75,7 @@ class EngineStatus:
         else:
             self.state = EngineState.STARTING
         self.gpu_paths_in_use: list[str] = []  # the experimental GPU paths the loaded engine runs with (its answer)
+        self.precision_in_use = ""  # how the loaded engine holds its weights (its answer's "precision"; "" unknown)
         self.throttle = Throttle(self.refresh, 250, parent)
         self.monitor_timer = QTimer(parent)
         self.monitor_timer.setInterval(MONITOR_MS)
@@ -120,6 +126,7 @@ class EngineStatus:
         if isinstance(info, Mapping):
             w.chat_settings.set_model_info(info)
             self.gpu_paths_in_use = [str(p) for p in info.get("gpu_paths") or ()]
+            self.precision_in_use = str(info.get("precision") or "")
             self.set_diffusion_unavailable(str(info.get("ar_only") or ""))
             if info.get("compile_cancelled"):
                 w.info_banner.action.setVisible(False)
@@ -227,8 +234,8 @@ class EngineStatus:
             w.model_label.setText(w.remote.model_name() or f"remote: {w.remote.host() or 'no URL set'}")
         else:
             w.model_label.setText(Path(w.model_dir).name if w.model_dir else "no model")
-        paths = self.gpu_paths_in_use
-        self.gpu_label.setText((w.gpu_name or "No GPU (CPU)")
+        paths, held = self.gpu_paths_in_use, WEIGHTS_HELD.get(self.precision_in_use)
+        self.gpu_label.setText((w.gpu_name or "No GPU (CPU)") + (f" · {held}" if held else "")
                                + (f" · {len(paths)} experimental path{'s' if len(paths) > 1 else ''}" if paths else ""))
         self._show_memory(w.monitor.sample() if w.monitor is not None else {})
         live = w.denoise.model.tokens_per_s() if generating else None

@@ -98,6 +98,8 @@ def test_a_folder_on_the_cpu_loaded_through_its_quantized_cache(desk) -> None:
 
     assert desk.loaded_info["precision"] == "nf4" and desk.loaded_info["device"] == "cpu"
     assert (cache_dir_for(desk.settings.model_dir, policy_for("cpu")) / "manifest.json").is_file()
+    desk.window.engine_status.refresh()  # (the status bar's timer does this too)
+    assert desk.window.engine_status.gpu_label.text() == "No GPU (CPU) · 4-bit weights"  # what the engine holds
 
 
 def test_prompt_streams_into_chat_store_and_denoise_view(qtbot, desk) -> None:

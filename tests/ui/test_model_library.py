@@ -287,6 +287,26 @@ def test_a_folder_on_the_cpu_loads_through_its_4_bit_cache_unless_unticked(qtbot
         again.window.close()
 
 
+def test_the_status_bar_names_the_weights_the_loaded_engine_holds(qtbot, desk) -> None:  # noqa: ANN001
+    """The engine's answer says how it holds its weights; the status bar says it beside the device, for every
+    precision the engine has (an answer without one, from an older engine, adds nothing)."""
+    from clover_desk.engine.defaults import PRECISIONS
+
+    status = desk.window.engine_status
+    names = set()
+    for precision in PRECISIONS:
+        status.on_engine_loaded({"model_dir": "/models/tiny", "precision": precision})
+        status.refresh()
+        text = status.gpu_label.text()
+        assert text.startswith("No GPU (CPU) · ") and text.count("·") == 1, text
+        names.add(text)
+    assert len(names) == len(PRECISIONS)
+    assert "No GPU (CPU) · 4-bit weights" in names and "No GPU (CPU) · GGUF blocks" in names
+    status.on_engine_loaded({"model_dir": "/models/tiny"})
+    status.refresh()
+    assert status.gpu_label.text() == "No GPU (CPU)"
+
+
 def test_the_next_plan_counts_in_the_chosen_precision(qtbot, desk) -> None:  # noqa: ANN001
     desk.on_load_options_changed("cuda", "float32")
     assert desk._plan(16 * 1024**3, 4096).compute_dtype == "fp32"  # noqa: SLF001
