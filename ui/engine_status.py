@@ -35,6 +35,7 @@ MONITOR_MS = 2000  # how often the status bar samples VRAM and RAM in use
 WEIGHTS_HELD = {"nf4": "4-bit weights", "gguf": "GGUF blocks",
                 **{precision: f"{dtype} weights" for precision, dtype in DTYPE_OF_PRECISION.items()}}
 
+
 class EngineWindowLike(Protocol):
     """What :class:`EngineStatus` uses of its window (``ui.main_window.MainWindow``)."""
 

@@ -282,8 +282,9 @@ def load_engine(args: argparse.Namespace, command: str) -> Any:
             print(_plan_line(plan), file=sys.stderr)
         if not plan.fits:
             raise PlanError(plan.reason)
-    check_float_load_fits(args.model, precision_of(args.model, plan, args.quantized), dtype, args.device)
-    return Engine.load(args.model, device=args.device, precision=precision_of(args.model, plan, args.quantized), placement=plan,
+    precision = precision_of(args.model, plan, args.quantized)
+    check_float_load_fits(args.model, precision, dtype, args.device)
+    return Engine.load(args.model, device=args.device, precision=precision, placement=plan,
                        dtype=dtype, gguf_layout=args.gguf_layout, compile=args.compile, progress=compile_stage_printer(command) if args.compile else None,
                        gpu_paths=args.gpu_paths)
 
@@ -313,6 +314,7 @@ def check_float_load_fits(model: str | Path, precision: str | None, dtype: str, 
     from clover_desk.engine.errors import CloverError, ConfigError
     from clover_desk.engine.placement import hardware, planner
     from clover_desk.engine.placement.manifest import manifest_for_model_dir
+    from clover_desk.engine.weights.formats import COMPUTE_DTYPES, FORMAT_OF_TORCH_NAME
 
     free = hardware.probe_hardware().ram_available_bytes
     if not free:
@@ -321,7 +323,7 @@ def check_float_load_fits(model: str | Path, precision: str | None, dtype: str, 
         stored = manifest_for_model_dir(model, as_stored=True)
     except (CloverError, OSError):  # a damaged folder: the load says what is wrong with it, in its own words
         return
-    need = sum(math.prod(e.shape) for e in stored.entries) * (4 if dtype == "float32" else 2)
+    need = sum(math.prod(e.shape) for e in stored.entries) * COMPUTE_DTYPES.get(FORMAT_OF_TORCH_NAME.get(dtype, ""), 4)
     if need <= free:
         return
     quantized = planner.model_manifest(model).total_bytes()

@@ -156,10 +156,10 @@ def _load(args: argparse.Namespace) -> Any:
         plan = plan_for(args.model, args.vram_budget_bytes, args.ctx, dtype, device=args.device)
         if not plan.fits:
             raise PlanError(plan.reason)
-    cmd_generate.check_float_load_fits(args.model, cmd_generate.precision_of(args.model, plan, args.quantized), dtype,
-                                       args.device)
+    precision = cmd_generate.precision_of(args.model, plan, args.quantized)
+    cmd_generate.check_float_load_fits(args.model, precision, dtype, args.device)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = Engine.load(args.model, device=args.device, precision=cmd_generate.precision_of(args.model, plan, args.quantized),
+    engine = Engine.load(args.model, device=args.device, precision=precision,
                          placement=plan, dtype=dtype, compile=args.compile,
                          progress=cmd_generate.compile_stage_printer("serve") if args.compile else None,
                          gpu_paths=args.gpu_paths)
