@@ -72,8 +72,8 @@ def _gguf_qtypes(layout: RowLayout) -> tuple[int, int, int] | None:
 def supports(layout: RowLayout) -> bool:
     """Whether a fused kernel reads this layout's rows: NF4, or GGUF with all three types in ``GGUF_TYPES``."""
     qtypes = _gguf_qtypes(layout)
-    if qtypes is not None:
-        return all(q in GGUF_TYPES for q in qtypes)
+    if qtypes is not None:  # (rows interleaved for the CPU kernels are not the file's blocks)
+        return all(q in GGUF_TYPES for q in qtypes) and not any(getattr(layout, "x8", ()))
     return layout.fmt == "nf4"
 
 

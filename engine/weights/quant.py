@@ -565,7 +565,8 @@ def routed_forward(
         qtypes = getattr(layout, "qtypes", None)  # GGUF rows: [gate | up | down] blocks in the file's types
         if x.device.type == "cpu" and qtypes is not None and cpu_quant.usable(*qtypes):
             rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] source row of each pair
-            y = cpu_quant.moe_packed(x, source, layout.intermediate_size, qtypes, rows, topk_w)  # [T, D] fp32
+            kqt = getattr(layout, "kernel_qtypes", qtypes)  # the types of rows interleaved for the kernels
+            y = cpu_quant.moe_packed(x, source, layout.intermediate_size, kqt, rows, topk_w)  # [T, D] fp32
             return y.to(x.dtype)
         if triton_moe.enabled_for(x, layout):  # the fused NF4 / GGUF kernel (opt-in on CUDA until measured there)
             rows = topk_idx if row_index is None else row_index[topk_idx]  # [T, K] pool row of each pair
@@ -665,7 +666,7 @@ class RowExpertBank(ExpertBank):
         qtypes = getattr(lay, "qtypes", None)
         if qtypes is not None and cpu_quant.usable(*qtypes):  # GGUF rows: [gate | up | down] blocks
             return tuple((q, base + at, es, n // rows, 0, 0, 0, 0)
-                         for q, (at, n), rows in zip(qtypes, lay.segments, (i, i, d)))
+                         for q, (at, n), rows in zip(getattr(lay, "kernel_qtypes", qtypes), lay.segments, (i, i, d)))
         if not _own_rows_usable(lay) or es % 4 or base % 4:
             return None
         own = cast(ExpertLayout, lay)  # the own cache's rows: [gate_up codes | down codes | their scales]

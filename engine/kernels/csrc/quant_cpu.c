@@ -54,6 +54,17 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T
  */
 enum { T_NF4 = 200, T_I8 = 201 };
 
+/*
+ * T_Q4_KX8: Q4_K rows interleaved in groups of 8 for the routed experts (the end of the file; engine.kernels.x8 packs
+ * and unpacks it): the same 144 bytes a row and a block, arranged so that one 32-byte load holds 4 values of each of
+ * 8 rows. Rows 8g .. 8g+7 of a matrix start at 8g * the row stride; their block b (1152 bytes) at b * 1152:
+ *   [0:16] the 8 rows' fp16 d, [16:32] their fp16 dmin, [32:128] the packed scales: dword k (0-2) of row r at
+ *   32 + 32k + 4r, [128:1152] the nibbles: bytes 4i .. 4i+3 of chunk c (Q4_K's 32-byte chunks) of row r at
+ *   128 + ((8c + i) * 8 + r) * 4.
+ */
+enum { T_Q4_KX8 = 212 };
+#define X8_BLOCK 1152
+
 /* error codes returned to Python */
 enum { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_ALLOC = 3 };
 
@@ -78,7 +89,7 @@ typedef struct {
     int8_t q[QS];
 } a8_t;
 
-static inline int is_k_type(int qt) { return qt == T_Q4_K || qt == T_Q5_K || qt == T_Q6_K; }
+static inline int is_k_type(int qt) { return qt == T_Q4_K || qt == T_Q5_K || qt == T_Q6_K || qt == T_Q4_KX8; }
 
 static inline int is_split_type(int qt) { return qt == T_NF4 || qt == T_I8; }
 
@@ -89,6 +100,7 @@ static inline int block_bytes(int qt) {
     case T_Q4_0: return 18;
     case T_Q8_0: return 34;
     case T_Q4_K: return 144;
+    case T_Q4_KX8: return 144; /* a row's share of its group's block */
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
     default: return 0;
@@ -145,6 +157,22 @@ static inline void unpack_k4_scales(const uint8_t *p, uint8_t sc[8], uint8_t m[8
     memcpy(m, &v, 4);
     v = ((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u);
     memcpy(m + 4, &v, 4);
+}
+
+/* a 144-byte Q4_K block -> row r (0-7) of an interleaved group's block (T_Q4_KX8) */
+static void x8_put_row(const uint8_t *one, int r, uint8_t *blk) {
+    memcpy(blk + 2 * r, one, 2);
+    memcpy(blk + 16 + 2 * r, one + 2, 2);
+    for (int k = 0; k < 3; k++) memcpy(blk + 32 + 32 * k + 4 * r, one + 4 + 4 * k, 4);
+    for (int ci = 0; ci < 32; ci++) memcpy(blk + 128 + (ci * 8 + r) * 4, one + 16 + 4 * ci, 4); /* ci = 8c + i */
+}
+
+/* row r (0-7) of an interleaved group's block (T_Q4_KX8) -> its 144-byte Q4_K block */
+static void x8_block_row(const uint8_t *blk, int r, uint8_t *one) {
+    memcpy(one, blk + 2 * r, 2);
+    memcpy(one + 2, blk + 16 + 2 * r, 2);
+    for (int k = 0; k < 3; k++) memcpy(one + 4 + 4 * k, blk + 32 + 32 * k + 4 * r, 4);
+    for (int ci = 0; ci < 32; ci++) memcpy(one + 16 + 4 * ci, blk + 128 + (ci * 8 + r) * 4, 4); /* ci = 8c + i */
 }
 
 #if CLOVER_AVX2
@@ -327,9 +355,13 @@ static inline __attribute__((always_inline)) void dot_q45k_n(const uint8_t *w, c
         uint64_t sc64, m64;
         memcpy(&sc64, sc8, 8);
         memcpy(&m64, m8, 8);
-        /* scales as int16 so each sub-block's can be broadcast */
-        uint16_t sc16[8];
-        _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc64)));
+        /* each sub-block's scale twice in an int32 (the int16 pair a madd multiplies), stored so that a broadcast
+           is one dword load: 8 broadcasts from a register took two instructions each (pextrw, pbroadcastw) */
+        int32_t sc2[8] __attribute__((aligned(32)));
+        {
+            const __m256i s32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc64));
+            _mm256_store_si256((__m256i *)sc2, _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16)));
+        }
         const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
         const uint8_t *qs = w + qs_at;
         __m256i sumi[DOT_ROWS], sumi1[DOT_ROWS]; /* two chains a row: the low and the high nibbles' */
@@ -351,8 +383,8 @@ static inline __attribute__((always_inline)) void dot_q45k_n(const uint8_t *w, c
                 const a8k_t *a = as[j] + b;
                 __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c)));
                 __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a->q + 64 * c + 32)));
-                sumi[j] = madd_acc(sumi[j], p0, _mm256_set1_epi16((short)sc16[2 * c]));
-                sumi1[j] = madd_acc(sumi1[j], p1, _mm256_set1_epi16((short)sc16[2 * c + 1]));
+                sumi[j] = madd_acc(sumi[j], p0, _mm256_set1_epi32(sc2[2 * c]));
+                sumi1[j] = madd_acc(sumi1[j], p1, _mm256_set1_epi32(sc2[2 * c + 1]));
             }
         }
         for (int j = 0; j < na; j++) {
@@ -993,6 +1025,7 @@ static sdot_fn sdot_for(int qt) { return qt == T_NF4 ? dot_nf4 : qt == T_I8 ? do
 /* whether rows of K values of this matrix can be computed here */
 static int mat_ok(const mat_t *m, int64_t K) {
     if (is_split_type(m->qt)) return K % QS == 0 && m->bs > 0 && m->bs % QS == 0;
+    if (m->qt == T_Q4_KX8) return K % QK == 0 && m->rs == K / QK * 144; /* groups of 8 whole rows, nothing between */
     return dot_for(m->qt) != NULL && K % block_values(m->qt) == 0;
 }
 
@@ -1109,6 +1142,11 @@ static int moe_chunk(int64_t tasks, int nth, int64_t tile, int64_t row_bytes) {
 #define KT_WROWS 8    /* weight rows per task */
 #define KT_GROUP 8    /* tiles per pass over a task's blocks (64 activation rows: a block of them, 19 KB, stays in L1) */
 
+/* the 8 interleaved rows r0 .. r0+7 of expert e of m (T_Q4_KX8, the end of the file) against n activation rows (tidx
+   or plain) -> out[i * ostride + r] */
+static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx, int64_t n,
+                    float *out, int64_t ostride);
+
 /* the tiled K formats for an expert's tokens (end of the file): kt_expert_tiles builds the tiles of every used expert
    with >= KT_MIN_T tokens (off[e]: its first tile, -1 for the others), kt_expert_rows multiplies rows with them */
 static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_t T, int64_t D, int64_t I);
@@ -1130,8 +1168,12 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     const int qg = g->qt, qu = u->qt, qd = dn->qt;
     for (int j = 0; j < 3; j++) {
         const int q = j == 0 ? qg : j == 1 ? qu : qd;
-        if (!is_split_type(q) && !dot_for(q)) return ERR_TYPE;
+        if (!is_split_type(q) && !dot_for(q) && q != T_Q4_KX8) return ERR_TYPE;
     }
+    /* interleaved rows (T_Q4_KX8): gate and up both or neither, whole groups of 8 rows */
+    const int x8gu = qg == T_Q4_KX8, x8d = qd == T_Q4_KX8;
+    if (x8gu != (qu == T_Q4_KX8)) return ERR_TYPE;
+    if ((x8gu && I % 8) || (x8d && D % 8)) return ERR_SHAPE;
     if (!mat_ok(g, D) || !mat_ok(u, D) || !mat_ok(dn, I)) return ERR_SHAPE;
     const int64_t P = T * k; /* (token, slot) pairs */
     for (int64_t p = 0; p < P; p++)
@@ -1171,10 +1213,12 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         const int64_t n = count[used[i] + 1] - count[used[i]];
         most = n > most ? n : most;
     }
-    /* an expert with >= KT_MIN_T tokens takes the tiled kernels (kt / kts) in tasks of KT_WROWS rows */
+    /* an expert with >= KT_MIN_T tokens takes the tiled kernels (kt / kts) in tasks of KT_WROWS rows; interleaved
+       rows go in their groups of 8 (KT_WROWS: both kernels' tasks are one group) */
     const int kt = most >= KT_MIN_T && kt_moe_wanted(g, u, dn, T, D, I);
-    const int64_t tile = kt ? KT_WROWS : tiled ? TILE_R : 1;
-    const int64_t GI = (I + tile - 1) / tile, GD = (D + tile - 1) / tile; /* row tiles per matrix */
+    const int64_t tile = kt ? KT_WROWS : x8gu ? 8 : tiled ? TILE_R : 1;
+    const int64_t tile_d = kt ? KT_WROWS : x8d ? 8 : tiled ? TILE_R : 1;
+    const int64_t GI = (I + tile - 1) / tile, GD = (D + tile_d - 1) / tile_d; /* row tiles per matrix */
     for (int64_t p = 0; p < P; p++) {
         int64_t s = fill[topk_idx[p]]++;
         slot_of[p] = s;
@@ -1212,6 +1256,9 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         if (kt && offx[e] >= 0) { /* ag is au: both K formats */
             kt_expert_rows(g, e, i0, nr, D, tx, offx[e], n, h + s0 * I + i0, I);
             kt_expert_rows(u, e, i0, nr, D, tx, offx[e], n, hu + s0 * I + i0, I);
+        } else if (x8gu) {
+            x8_rows(g, e, i0, D, ag, tok + s0, n, h + s0 * I + i0, I);
+            x8_rows(u, e, i0, D, au, tok + s0, n, hu + s0 * I + i0, I);
         } else {
             mat_rows_tiled(g, e, i0, nr, D, ag, arow_g, tok + s0, n, h + s0 * I + i0, I);
             mat_rows_tiled(u, e, i0, nr, D, au, arow_u, tok + s0, n, hu + s0 * I + i0, I);
@@ -1227,17 +1274,18 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     }
 
     /* down: one task per (used expert, tile of rows j); y[s, j] for the expert's slots s (adjacent rows of ah) */
-#pragma omp parallel for num_threads(threads_for(nth, U * GD)) schedule(dynamic, moe_chunk(U * GD, nth, tile, dn_bytes))
+#pragma omp parallel for num_threads(threads_for(nth, U * GD)) schedule(dynamic, moe_chunk(U * GD, nth, tile_d, dn_bytes))
     for (int64_t task = 0; task < U * GD; task++) {
         const int64_t e = used[task / GD], s0 = count[e], n = count[e + 1] - s0;
         const char *as = ah + (size_t)s0 * arow_d;
-        if (tile == 1) {
+        if (tile_d == 1) {
             const int64_t j = task % GD;
             mat_row_dots(dn, e, j, I, as, arow_d, NULL, n, y + s0 * D + j, D);
             continue;
         }
-        const int64_t j0 = (task % GD) * tile, nr = D - j0 < tile ? D - j0 : tile;
+        const int64_t j0 = (task % GD) * tile_d, nr = D - j0 < tile_d ? D - j0 : tile_d;
         if (kt && offh[e] >= 0) kt_expert_rows(dn, e, j0, nr, I, th, offh[e], n, y + s0 * D + j0, D);
+        else if (x8d) x8_rows(dn, e, j0, I, as, NULL, n, y + s0 * D + j0, D);
         else mat_rows_tiled(dn, e, j0, nr, I, as, arow_d, NULL, n, y + s0 * D + j0, D);
     }
 
@@ -2048,6 +2096,8 @@ static void kt_rows(const mat_t *m, int64_t e, const int64_t *ridx, int64_t r0, 
     const int64_t nb = K / QK;
     const uint8_t *wrows[KT_WROWS];
     for (int r = 0; r < nr; r++) wrows[r] = m->w + e * m->es + kt_row(ridx, r0, r) * m->rs;
+    const int x8 = qt == T_Q4_KX8; /* interleaved rows (tasks of one whole group, ridx NULL): each row's block unpacked */
+    const uint8_t *group = m->w + e * m->es + r0 / 8 * 8 * m->rs;
     kt_dec_t dec[KT_WROWS];
     __m256 acc[KT_WROWS][KT_GROUP];
     for (int64_t g0 = 0; g0 < nt; g0 += KT_GROUP) {
@@ -2056,6 +2106,14 @@ static void kt_rows(const mat_t *m, int64_t e, const int64_t *ridx, int64_t r0, 
             for (int64_t j = 0; j < ng; j++) acc[r][j] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             for (int r = 0; r < nr; r++) {
+                if (x8) {
+                    uint8_t one[144];
+                    if (r == 0 && b + 1 < nb) /* the group's next block */
+                        for (int o = 0; o < X8_BLOCK; o += 64) __builtin_prefetch(group + (b + 1) * X8_BLOCK + o, 0, 0);
+                    x8_block_row(group + b * X8_BLOCK, r, one);
+                    kt_decode(T_Q4_K, one, &dec[r]);
+                    continue;
+                }
                 kt_decode(qt, wrows[r] + b * bb, &dec[r]);
                 if (b + 1 < nb) /* the rows' next blocks: 8 streams are more than the prefetcher follows */
                     for (int o = 0; o < bb; o += 64) __builtin_prefetch(wrows[r] + (b + 1) * bb + o, 0, 0);
@@ -2356,3 +2414,162 @@ static void kt_expert_rows(const mat_t *m, int64_t e, int64_t r0, int64_t nr, in
 #endif
 }
 
+
+/* ============================================================================================================ */
+/* Issue 30: Q4_K experts with their rows interleaved in groups of 8 (T_Q4_KX8, the layout at the top of the    */
+/* file), for the few tokens each expert of a pass or an AR step gets.                                          */
+/*                                                                                                              */
+/* A row's direct dot (dot_q45k_n) spends two multiplies per 32 multiply-adds (maddubs, then madd by the        */
+/* sub-block's scale broadcast), unpacks the block's scales and sums its 8 lanes per row: ~25 cycles a block    */
+/* and a token here, so the spread MoE was bound by its dots, not its reads. With 8 rows in the int32 lanes,     */
+/* one 32-byte load holds 4 values of each row, one vpdpbusd against the activation's 4 values (broadcast) adds */
+/* 32 products, and each 32-value sub-block's sums are scaled once for the 8 rows (vpmulld by the rows' scales,  */
+/* unpacked for all 8 at once). The per-block formula is kt's (I = sum_j sc_j S_j and M = sum_j m_j B_j exact,  */
+/* then fma(d * da, I, acc), fnmadd(dmin * da, M, acc) in block order), so a row gives kt's bits whatever the    */
+/* number of tokens: a token's experts come out the same alone or in any batch.                                 */
+/* ============================================================================================================ */
+
+#if CLOVER_AVX2
+/* 8 fp16 at p -> fp32 */
+static inline __m256 x8_f16x8(const uint8_t *p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float v[8];
+    for (int r = 0; r < 8; r++) v[r] = load_f16(p + 2 * r);
+    return _mm256_loadu_ps(v);
+#endif
+}
+
+/* a group's nb blocks against na (1 to DOT_ROWS, a constant) activation rows: acc[j] lane r = row r . as[j] */
+static inline __attribute__((always_inline)) void x8_dots(const uint8_t *grp, int64_t nb, const a8k_t *const *as,
+                                                          const int na, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), m3f = _mm256_set1_epi8(0x3f), m30 = _mm256_set1_epi8(0x30);
+    const __m256i ff = _mm256_set1_epi32(0xff);
+    for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, grp += X8_BLOCK) {
+        /* the 8 rows' scales and mins as unpack_k4_scales unpacks one row's, four sub-blocks a dword */
+        const __m256i s0 = _mm256_loadu_si256((const __m256i *)(grp + 32));
+        const __m256i s1 = _mm256_loadu_si256((const __m256i *)(grp + 64));
+        const __m256i s2 = _mm256_loadu_si256((const __m256i *)(grp + 96));
+        const __m256i sc03 = _mm256_and_si256(s0, m3f), m03 = _mm256_and_si256(s1, m3f);
+        const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(s2, low4), _mm256_and_si256(_mm256_srli_epi32(s0, 2), m30));
+        const __m256i m47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),
+                                            _mm256_and_si256(_mm256_srli_epi32(s1, 2), m30));
+        __m256i I[DOT_ROWS], M[DOT_ROWS];
+        for (int j = 0; j < na; j++) I[j] = M[j] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i scs = c < 2 ? sc03 : sc47;
+            const int sh = 16 * (c & 1);
+            const __m256i k0 = _mm256_and_si256(_mm256_srli_epi32(scs, sh), ff);     /* sub-block 2c */
+            const __m256i k1 = _mm256_and_si256(_mm256_srli_epi32(scs, sh + 8), ff); /* sub-block 2c + 1 */
+            __m256i slo[DOT_ROWS], shi[DOT_ROWS];
+            for (int j = 0; j < na; j++) slo[j] = shi[j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(grp + 128 + (8 * c + i) * 32));
+                const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                for (int j = 0; j < na; j++) {
+                    slo[j] = kt_dpbusd(slo[j], lo, kt_bcast(as[j][b].q + 64 * c + 4 * i));
+                    shi[j] = kt_dpbusd(shi[j], hi, kt_bcast(as[j][b].q + 64 * c + 32 + 4 * i));
+                }
+            }
+            for (int j = 0; j < na; j++)
+                I[j] = _mm256_add_epi32(I[j], _mm256_add_epi32(_mm256_mullo_epi32(slo[j], k0),
+                                                               _mm256_mullo_epi32(shi[j], k1)));
+        }
+        for (int p = 0; p < 8; p++) { /* mins: M = sum_p m_p (bsums[2p] + bsums[2p + 1]) */
+            const __m256i mp = _mm256_and_si256(_mm256_srli_epi32(p < 4 ? m03 : m47, 8 * (p & 3)), ff);
+            for (int j = 0; j < na; j++)
+                M[j] = _mm256_add_epi32(M[j], _mm256_mullo_epi32(mp, _mm256_set1_epi32(as[j][b].bsums[2 * p] +
+                                                                                       as[j][b].bsums[2 * p + 1])));
+        }
+        const __m256 d = x8_f16x8(grp), dmin = x8_f16x8(grp + 16);
+        for (int j = 0; j < na; j++) {
+            const __m256 da = _mm256_set1_ps(as[j][b].d);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(I[j]), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(M[j]), acc[j]);
+        }
+    }
+}
+#endif
+
+static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx, int64_t n,
+                    float *out, int64_t ostride) {
+    const uint8_t *grp = m->w + e * m->es + r0 / 8 * 8 * m->rs;
+    const int64_t nb = K / QK;
+    const size_t arow = sizeof(a8k_t) * (size_t)nb;
+#if CLOVER_AVX2
+    for (int64_t i0 = 0; i0 < n;) {
+        const int64_t g = dot_group(n - i0);
+        const a8k_t *as[DOT_ROWS];
+        __m256 acc[DOT_ROWS];
+        for (int64_t i = 0; i < g; i++) as[i] = (const a8k_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
+        switch (g) { /* a constant row count in each: the loops over rows unroll */
+        case 1: x8_dots(grp, nb, as, 1, acc); break;
+        case 2: x8_dots(grp, nb, as, 2, acc); break;
+        case 3: x8_dots(grp, nb, as, 3, acc); break;
+        default: x8_dots(grp, nb, as, 4, acc); break;
+        }
+        for (int64_t i = 0; i < g; i++) {
+            float v[8];
+            _mm256_storeu_ps(v, acc[i]);
+            for (int r = 0; r < 8; r++) out[(i0 + i) * ostride + r] = v[r];
+        }
+        i0 += g;
+    }
+#else
+    for (int64_t i = 0; i < n; i++) {
+        const a8k_t *a0 = (const a8k_t *)(act + (size_t)(tidx ? tidx[i] : i) * arow);
+        for (int r = 0; r < 8; r++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const a8k_t *a = a0 + b;
+                uint8_t one[144], sc[8], mn[8];
+                x8_block_row(grp + b * X8_BLOCK, r, one);
+                unpack_k4_scales(one + 4, sc, mn);
+                int32_t I = 0, M = 0;
+                for (int c = 0; c < 4; c++) {
+                    int32_t s0 = 0, s1 = 0;
+                    for (int l = 0; l < 32; l++) {
+                        s0 += (one[16 + 32 * c + l] & 0x0f) * a->q[64 * c + l];
+                        s1 += (one[16 + 32 * c + l] >> 4) * a->q[64 * c + 32 + l];
+                    }
+                    I += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
+                }
+                for (int p = 0; p < 8; p++) M += mn[p] * (a->bsums[2 * p] + a->bsums[2 * p + 1]);
+                acc = fmaf(load_f16(one) * a->d, (float)I, acc);
+                acc = fmaf(-(load_f16(one + 2) * a->d), (float)M, acc);
+            }
+            out[i * ostride + r] = acc;
+        }
+    }
+#endif
+}
+
+/*
+ * Interleave (unpack 0) or restore (unpack 1), in place, the Q4_K matrices [R, nb blocks] of E experts at w + e * es:
+ * T_Q4_KX8's groups of 8 rows (R a multiple of 8). Returns 0 or an error.
+ */
+int clover_x8_pack(uint8_t *w, int64_t E, int64_t es, int64_t R, int64_t nb, int unpack, int nth) {
+    if (E < 0 || R % 8 || nb <= 0) return ERR_SHAPE;
+    const int64_t rs = nb * 144, G = E * (R / 8);
+    int rc = OK;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, G)) schedule(static)
+    for (int64_t t = 0; t < G; t++) {
+        uint8_t *grp = w + t / (R / 8) * es + t % (R / 8) * 8 * rs, *buf = (uint8_t *)malloc((size_t)(8 * rs));
+        if (!buf) {
+            rc = ERR_ALLOC;
+            continue;
+        }
+        memcpy(buf, grp, (size_t)(8 * rs));
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < 8; r++) {
+                if (unpack) x8_block_row(buf + b * X8_BLOCK, r, grp + r * rs + b * 144);
+                else x8_put_row(buf + r * rs + b * 144, r, grp + b * X8_BLOCK);
+            }
+        free(buf);
+    }
+    return rc;
+}

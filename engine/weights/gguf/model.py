@@ -24,6 +24,7 @@ Letters: O/N out/in features, E experts, D hidden, I expert intermediate, T toke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 
 from clover_desk.engine.decode.events import LoadProgress
 from clover_desk.engine.errors import CancelledError, CheckpointError
-from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.kernels import cpu_quant, x8
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import GenerationDefaults, load_generation_defaults
 from clover_desk.engine.placement import placer
@@ -264,6 +265,12 @@ class GGUFExpertLayout:
     hidden_size: int
     intermediate_size: int
     qtypes: tuple[int, int, int]  # ggml types of gate, up, down
+    x8: tuple[bool, bool, bool] = (False, False, False)  # Q4_K matrices with rows interleaved by 8 (engine.kernels.x8)
+
+    @property
+    def kernel_qtypes(self) -> tuple[int, int, int]:
+        """The CPU kernels' types of gate, up, down: ``cpu_quant.Q4_KX8`` for the interleaved matrices."""
+        return tuple(x8.Q4_KX8 if on else q for q, on in zip(self.qtypes, self.x8))  # type: ignore[return-value]
 
     @property
     def segments(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
@@ -294,6 +301,8 @@ class GGUFExpertLayout:
         else:  # each segment gathered straight into a contiguous [G, n] (no copy of whole rows)
             parts = [source[:, off : off + n].index_select(0, rows) for off, n in self.segments]
         g = parts[0].shape[0]
+        parts = [x8.unpack(p.reshape(g, rows, -1)) if on else p  # interleaved rows back in the file's order
+                 for p, on, rows in zip(parts, self.x8, (i, i, d))]
         gate = gq.dequantize(parts[0].reshape(g, i, -1), self.qtypes[0], d)  # [G, I, D]
         up = gq.dequantize(parts[1].reshape(g, i, -1), self.qtypes[1], d)  # [G, I, D]
         down = gq.dequantize(parts[2].reshape(g, d, -1), self.qtypes[2], i)  # [G, D, I]
@@ -316,6 +325,20 @@ class GGUFExpertBank(RowExpertBank):
         self.hidden_size = layout.hidden_size
         self.intermediate_size = layout.intermediate_size
         self.register_buffer("packed", packed)
+
+    def interleave(self) -> None:
+        """Interleave the bank's Q4_K matrices in groups of 8 rows for the CPU kernels (``engine.kernels.x8``), in
+        place, once (the layout says which); nothing where the bank is not on the CPU or the kernels are off."""
+        lay = self.layout
+        if self.packed.device.type != "cpu" or any(lay.x8) or not cpu_quant.usable(*lay.qtypes):
+            return
+        rows = (lay.intermediate_size, lay.intermediate_size, lay.hidden_size)
+        on = [q == cpu_quant.Q4_K and r % x8.GROUP == 0 for q, r in zip(lay.qtypes, rows)]
+        on[0] = on[1] = on[0] and on[1]  # gate and up: both or neither (one task computes both)
+        for flag, (at, n), r in zip(on, lay.segments, rows):
+            if flag:
+                x8.pack_bank(self.packed, at, r, n // r)
+        self.layout = dataclasses.replace(lay, x8=(on[0], on[1], on[2]))
 
     def extra_repr(self) -> str:
         names = "/".join(gq.TYPE_NAMES[q] for q in self.layout.qtypes)
@@ -523,6 +546,10 @@ def load_gguf_model(
         place_options.setdefault("host_embedding", False)
     source = GGUFPlacement(src, lplan, fills, progress, cancel)
     placer.place_model(model, plan, device, source, **place_options)
+    if keep_quantized and torch.device(device).type == "cpu":  # the resident banks' Q4_K rows for the CPU kernels
+        for bank in model.modules():
+            if isinstance(bank, GGUFExpertBank):
+                bank.interleave()
     if keep_quantized and torch.device(device).type == "cpu" and not cpu_quant.available():  # built (or found) now,
         log.warning("CPU kernels unavailable (%s): GGUF blocks are dequantized per forward, ~30x slower",
                     cpu_quant.reason())  # not in the first forward; without them every forward dequantizes
