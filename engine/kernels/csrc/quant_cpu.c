@@ -1131,9 +1131,11 @@ static void mat_rows_tiled(const mat_t *m, int64_t e, int64_t r0, int64_t nr, in
 #define TILE_R 4 /* weight rows per task of the tiled drivers */
 
 #ifdef _OPENMP /* used in the pragmas only */
-/* tasks per dynamically scheduled chunk for tasks of `tile` weight rows (one row of `row_bytes`: chunk_rows) */
+/* tasks per dynamically scheduled chunk for tasks of `tile` weight rows of `row_bytes` each (bound by their reads:
+   chunk_rows of the tasks' bytes; row_bytes 0, bound by their multiplies: chunk_for's rows) */
 static int moe_chunk(int64_t tasks, int nth, int64_t tile, int64_t row_bytes) {
-    return tile == 1 ? chunk_rows(tasks, nth, row_bytes) : chunk_for(tasks, nth) / (int)tile + 1;
+    if (row_bytes > 0 || tile == 1) return chunk_rows(tasks, nth, tile * row_bytes);
+    return chunk_for(tasks, nth) / (int)tile + 1;
 }
 #endif
 
@@ -1239,9 +1241,10 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         rc = ERR_ALLOC;
         goto done;
     }
-    const int stream = T <= STREAM_MAX_T; /* few tokens: tasks bound by their reads, chunked by bytes */
-    const int64_t gu_bytes = stream ? mat_row_bytes(g, D) + mat_row_bytes(u, D) : 0;
-    const int64_t dn_bytes = stream ? mat_row_bytes(dn, I) : 0;
+    /* few tokens: tasks bound by their reads, chunked by bytes (so are interleaved rows' tasks, below kt's tokens) */
+    const int stream = T <= STREAM_MAX_T;
+    const int64_t gu_bytes = stream || (x8gu && !kt) ? mat_row_bytes(g, D) + mat_row_bytes(u, D) : 0;
+    const int64_t dn_bytes = stream || (x8d && !kt) ? mat_row_bytes(dn, I) : 0;
 #pragma omp parallel for num_threads(threads_for(nth, U * GI)) schedule(dynamic, moe_chunk(U * GI, nth, tile, gu_bytes))
     for (int64_t task = 0; task < U * GI; task++) {
         const int64_t e = used[task / GI], s0 = count[e], n = count[e + 1] - s0;
