@@ -27,7 +27,7 @@ Layouts (all CPU, contiguous):
 * ``w`` uint8 ``[N, row_bytes]``: one ggml row of K values per output row, whole blocks,
 * expert banks: ``gate`` / ``up`` uint8 ``[E, I, row_bytes(D)]`` and ``down`` uint8 ``[E, D, row_bytes(I)]``, or
   one packed row per expert ``[E, nbytes]`` = gate, up, down blocks (``moe_packed``, ``GGUFExpertBank.packed``;
-  its Q4_K matrices with their rows interleaved by 8, type :data:`Q4_KX8`, where ``engine.kernels.x8`` packed them).
+  its Q4_K / Q6_K matrices' rows interleaved by 8, :data:`Q4_KX8` / :data:`Q6_KX8`, where ``engine.kernels.x8`` did).
 
 Letters: T activation rows, K input width, N output rows, E experts, I expert width, D hidden width, k experts per
 token.
@@ -58,8 +58,8 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_
 BLOCK = {Q8_0: (32, 34), Q4_0: (32, 18), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 SUPPORTED = tuple(BLOCK)
 # the engine's own formats (private ids, outside ggml's): codes + a separate fp32 scale per ``blocksize`` values of
-# the flattened matrix (NF4: bitsandbytes' absmax blocks, high nibble first; INT8: one scale per row); Q4_KX8: Q4_K
-NF4, INT8, Q4_KX8 = 200, 201, 212  # rows interleaved in groups of 8 (engine.kernels.x8), for moe_packed's banks only
+# the flattened matrix (NF4: bitsandbytes' absmax blocks, high nibble first; INT8: one scale per row); Q4_KX8, Q6_KX8:
+NF4, INT8, Q4_KX8, Q6_KX8 = 200, 201, 212, 214  # Q4_K, Q6_K rows interleaved by 8 (engine.kernels.x8), moe_packed
 SPLIT_NAMES = {NF4: "NF4", INT8: "INT8"}
 SPLIT_OF_FORMAT = {"nf4": NF4, "int8": INT8}
 SPLIT_STEP = 32  # values per activation block: rows and NF4 blocksizes must be multiples of it
@@ -323,7 +323,7 @@ class Kernels:
         x = _as_f32_2d(x)
         qg, qu, qd = (int(q) for q in qtypes)
         d, i = x.shape[1], int(intermediate)
-        base = [Q4_K if q == Q4_KX8 else q for q in (qg, qu, qd)]  # interleaved rows: Q4_K's bytes
+        base = [{Q4_KX8: Q4_K, Q6_KX8: Q6_K}.get(q, q) for q in (qg, qu, qd)]  # interleaved rows: the type's bytes
         for q in base:
             if q not in BLOCK:
                 raise ValueError(f"ggml type {q} has no cpu_quant kernel (supported: {sorted(TYPE_NAMES.values())})")

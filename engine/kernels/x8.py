@@ -1,4 +1,5 @@
-"""Q4_K expert rows interleaved in groups of 8 for the CPU kernels (``T_Q4_KX8`` in ``csrc/quant_cpu.c``).
+"""Q4_K and Q6_K expert rows interleaved in groups of 8 for the CPU kernels (``T_Q4_KX8`` / ``T_Q6_KX8`` in
+``csrc/quant_cpu.c``).
 
 A routed expert of a pass or an AR step multiplies 1-3 tokens, and a row's direct dot spends ~25 cycles a Q4_K block
 and a token here: two multiplies per 32 products, the block's scales unpacked and its 8 lanes summed for every row.
@@ -7,11 +8,14 @@ products and each sub-block is scaled once for the 8 rows: 2.1x fewer cycles a b
 on one core (measured at 2,048 x 8 blocks). The per-block arithmetic is that of the many-token kernels (``kt``), so
 an expert's rows give the same bits for a token whatever the other tokens of the call.
 
-The layout keeps every byte and the size: rows 8g .. 8g+7 of a matrix [R, nb * 144] occupy the same 8 rows' bytes,
-block b of the group at b * 1152: the 8 rows' fp16 d (16 bytes) and dmin (16), their packed scales (dword k of row
-r at 32 + 32k + 4r) and nibbles (bytes 4i .. 4i+3 of Q4_K's 32-byte chunk c of row r at 128 + ((8c + i) * 8 + r) *
-4). :func:`pack` / :func:`unpack` are the reference (torch, any device); :func:`pack_bank` rewrites an expert bank
-in place on the CPU (C, once at load: ``engine.weights.gguf.model.GGUFExpertBank.interleave``).
+The layout keeps the size. Q4_K keeps every byte: rows 8g .. 8g+7 of a matrix [R, nb * 144] occupy the same 8 rows'
+bytes, block b of the group at b * 1152: the 8 rows' fp16 d (16 bytes) and dmin (16), their packed scales (dword k
+of row r at 32 + 32k + 4r) and nibbles (bytes 4i .. 4i+3 of Q4_K's 32-byte chunk c of row r at 128 + ((8c + i) * 8 +
+r) * 4). Q6_K's groups (1680 bytes a block) hold the 8 rows' fp16 d, their int8 scales (scale j of row r at 16 + 8j +
+r) and the 6-bit values re-packed three vectors a quad (at 144 + ((8h + i) * 3 + t) * 32, byte 4r + k = v_t | ((v_3
+>> 2t) & 3) << 6, v_m = value 128h + 32m + 4i + k of row r), so that each unpacks in at most 4 operations.
+:func:`pack` / :func:`unpack` are the reference (torch, any device); :func:`pack_bank` rewrites an expert bank in
+place on the CPU (C, once at load: ``engine.weights.gguf.model.GGUFExpertBank.interleave``).
 """
 
 from __future__ import annotations
@@ -23,57 +27,109 @@ from torch import Tensor
 
 from clover_desk.engine.kernels import cpu_quant
 
-Q4_KX8 = cpu_quant.Q4_KX8
+Q4_KX8, Q6_KX8 = cpu_quant.Q4_KX8, cpu_quant.Q6_KX8
+KERNEL_TYPE = {cpu_quant.Q4_K: Q4_KX8, cpu_quant.Q6_K: Q6_KX8}  # a file type -> its interleaved type
 GROUP = 8  # rows per group
-ROW_BLOCK = 144  # bytes of one row's Q4_K block
-_SCALES, _CHUNKS = 3, 4  # dwords of packed scales, 32-byte chunks of nibbles per block
+ROW_BLOCK = {cpu_quant.Q4_K: 144, cpu_quant.Q6_K: 210}  # bytes of one row's block
 
 
-def _groups(rows: Tensor) -> tuple[Tensor, int]:
-    """uint8 [..., R, nb * 144] -> ([L, G, 8, nb, 144], nb)."""
+def _groups(rows: Tensor, qtype: int) -> tuple[Tensor, int]:
+    """uint8 [..., R, nb * row block] -> ([L, G, 8, nb, row block], nb)."""
+    if qtype not in ROW_BLOCK:
+        raise ValueError(f"x8: ggml type {qtype} is not interleaved (Q4_K {cpu_quant.Q4_K}, Q6_K {cpu_quant.Q6_K})")
+    rb = ROW_BLOCK[qtype]
     r, n = rows.shape[-2:]
-    if rows.dtype != torch.uint8 or r % GROUP or n % ROW_BLOCK:
-        raise ValueError(f"x8: expects uint8 [..., R, nb * {ROW_BLOCK}] with R a multiple of {GROUP}, got "
+    if rows.dtype != torch.uint8 or r % GROUP or n % rb:
+        raise ValueError(f"x8: expects uint8 [..., R, nb * {rb}] with R a multiple of {GROUP}, got "
                          f"{tuple(rows.shape)} {rows.dtype}")
-    nb = n // ROW_BLOCK
-    return rows.reshape(-1, r // GROUP, GROUP, nb, ROW_BLOCK), nb
+    nb = n // rb
+    return rows.reshape(-1, r // GROUP, GROUP, nb, rb), nb
 
 
-def pack(rows: Tensor) -> Tensor:
-    """Q4_K rows [..., R, nb * 144] -> the same bytes interleaved in groups of 8 (a new tensor of the same shape)."""
-    g, nb = _groups(rows)
-    b = g.permute(0, 1, 3, 2, 4)  # [L, G, nb, 8 rows, 144]
+def _quads(x: Tensor, chunks: int) -> Tensor:
+    """[..., 8 rows, 32 * chunks] -> [..., chunks * 8 quads, 8 rows, 4]: 4-byte pieces, rows innermost."""
+    return x.reshape(*x.shape[:-2], GROUP, chunks * 8, 4).transpose(-3, -2)
+
+
+def _rows(x: Tensor, chunks: int) -> Tensor:
+    """The inverse of :func:`_quads`, flattened: [..., chunks * 8 * 8 * 4] -> [..., 8 rows, 32 * chunks]."""
+    return x.reshape(*x.shape[:-1], chunks * 8, GROUP, 4).transpose(-3, -2).reshape(*x.shape[:-1], GROUP, 32 * chunks)
+
+
+def pack(rows: Tensor, qtype: int = cpu_quant.Q4_K) -> Tensor:
+    """Rows of ``qtype`` (Q4_K or Q6_K) [..., R, nb * block] -> the same bytes interleaved in groups of 8 (a new tensor
+    of the same shape)."""
+    g, nb = _groups(rows, qtype)
+    b = g.permute(0, 1, 3, 2, 4)  # [L, G, nb, 8 rows, block]
     lead = b.shape[:3]
-    d = b[..., 0:2].reshape(*lead, 16)
-    dmin = b[..., 2:4].reshape(*lead, 16)
-    scales = b[..., 4:16].reshape(*lead, GROUP, _SCALES, 4).transpose(-3, -2).reshape(*lead, 96)
-    qs = b[..., 16:].reshape(*lead, GROUP, _CHUNKS * 8, 4).transpose(-3, -2).reshape(*lead, 1024)
-    return torch.cat([d, dmin, scales, qs], -1).reshape(rows.shape)
+    if qtype == cpu_quant.Q4_K:
+        parts = [b[..., 0:2], b[..., 2:4], b[..., 4:16].reshape(*lead, GROUP, 3, 4).transpose(-3, -2),
+                 _quads(b[..., 16:], 4)]
+    else:  # Q6_K: d, the scales (scale j of every row together), the values re-packed three vectors a quad
+        parts = [b[..., 208:210], b[..., 192:208].transpose(-2, -1), _q6_pack(b[..., :192])]
+    return torch.cat([p.reshape(*lead, -1) for p in parts], -1).reshape(rows.shape)
 
 
-def unpack(packed: Tensor) -> Tensor:
-    """The inverse of :func:`pack`: interleaved groups [..., R, nb * 144] -> plain Q4_K rows."""
-    g, nb = _groups(packed)
-    b = g.reshape(*g.shape[:2], nb, GROUP * ROW_BLOCK)  # [L, G, nb, 1152]
+def _q6_values(ql_qh: Tensor) -> Tensor:
+    """Q6_K's ql | qh [..., 192] -> the 256 values 0-63 as [..., h, m, l] (value 128h + 32m + l)."""
+    ql = ql_qh[..., :128].reshape(*ql_qh.shape[:-1], 2, 2, 32)  # [h, m & 1, l]
+    qh = ql_qh[..., 128:].reshape(*ql_qh.shape[:-1], 2, 1, 32)  # [h, 1, l]
+    low = torch.cat([ql & 15, ql >> 4], -2)  # m = 0, 1 (low nibbles), 2, 3 (high nibbles)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=ql_qh.device)[:, None]
+    return low | ((qh >> shifts) & 3) << 4
+
+
+def _q6_pack(ql_qh: Tensor) -> Tensor:
+    """[..., 8 rows, 192] -> [..., h, i, t, rows, 4]: vector t of quad i = v_t | ((v_3 >> 2t) & 3) << 6."""
+    v = _q6_values(ql_qh)  # [..., 8, h, m, l]
+    shifts = torch.tensor([0, 2, 4], dtype=torch.uint8, device=v.device)[:, None]
+    t = v[..., :3, :] | ((v[..., 3:, :] >> shifts) & 3) << 6  # [..., 8, h, t, l]
+    t = t.reshape(*t.shape[:-1], 8, 4)  # [..., 8 rows, h, t, i, k]
+    n = t.dim()
+    return t.permute(*range(n - 5), n - 4, n - 2, n - 3, n - 5, n - 1)  # [..., h, i, t, rows, k]
+
+
+def _q6_unpack(packed: Tensor) -> Tensor:
+    """The inverse of :func:`_q6_pack`, flattened: [..., 1536] -> Q6_K's ql | qh [..., 8 rows, 192]."""
+    t = packed.reshape(*packed.shape[:-1], 2, 8, 3, GROUP, 4)  # [h, i, t, rows, k]
+    n = t.dim()
+    t = t.permute(*range(n - 5), n - 2, n - 5, n - 3, n - 4, n - 1).reshape(*packed.shape[:-1], GROUP, 2, 3, 32)
+    v3 = (t[..., 0, :] >> 6) | (t[..., 1, :] >> 6) << 2 | (t[..., 2, :] >> 6) << 4  # [..., 8, h, l]
+    v = torch.cat([t & 63, v3[..., None, :]], -2)  # [..., 8, h, m, l]
+    ql = (v[..., :2, :] & 15) | (v[..., 2:, :] & 15) << 4  # [..., 8, h, m & 1, l]
+    qh = ((v >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=v.device)[:, None]).sum(-2, dtype=torch.uint8)
+    return torch.cat([ql.flatten(-3), qh.flatten(-2)], -1)
+
+
+def unpack(packed: Tensor, qtype: int = cpu_quant.Q4_K) -> Tensor:
+    """The inverse of :func:`pack`: interleaved groups [..., R, nb * block] -> plain rows of ``qtype``."""
+    g, nb = _groups(packed, qtype)
+    b = g.reshape(*g.shape[:2], nb, -1)  # [L, G, nb, 8 * block]
     lead = b.shape[:3]
-    d = b[..., 0:16].reshape(*lead, GROUP, 2)
-    dmin = b[..., 16:32].reshape(*lead, GROUP, 2)
-    scales = b[..., 32:128].reshape(*lead, _SCALES, GROUP, 4).transpose(-3, -2).reshape(*lead, GROUP, 12)
-    qs = b[..., 128:].reshape(*lead, _CHUNKS * 8, GROUP, 4).transpose(-3, -2).reshape(*lead, GROUP, 128)
-    rows = torch.cat([d, dmin, scales, qs], -1)  # [L, G, nb, 8, 144]
+    if qtype == cpu_quant.Q4_K:
+        d, dmin = b[..., 0:16].reshape(*lead, GROUP, 2), b[..., 16:32].reshape(*lead, GROUP, 2)
+        scales = b[..., 32:128].reshape(*lead, 3, GROUP, 4).transpose(-3, -2).reshape(*lead, GROUP, 12)
+        rows = torch.cat([d, dmin, scales, _rows(b[..., 128:], 4)], -1)  # [L, G, nb, 8, 144]
+    else:
+        d = b[..., 0:16].reshape(*lead, GROUP, 2)
+        scales = b[..., 16:144].reshape(*lead, 16, GROUP).transpose(-2, -1)
+        rows = torch.cat([_q6_unpack(b[..., 144:]), scales, d], -1)  # [L, G, nb, 8, 210]
     return rows.permute(0, 1, 3, 2, 4).reshape(packed.shape)
 
 
 _FN: dict[int, object] = {}
 
 
-def pack_bank(bank: Tensor, offset: int, rows: int, row_bytes: int, *, undo: bool = False) -> None:
-    """Interleave (``undo``: restore) in place the Q4_K matrix [rows, row_bytes] at byte ``offset`` of every row of
-    ``bank`` uint8 [E, nbytes] (one row per expert, on the CPU), with the C kernels."""
+def pack_bank(bank: Tensor, offset: int, rows: int, row_bytes: int, qtype: int = cpu_quant.Q4_K, *,
+              undo: bool = False) -> None:
+    """Interleave (``undo``: restore) in place the ``qtype`` matrix [rows, row_bytes] at byte ``offset`` of every row
+    of ``bank`` uint8 [E, nbytes] (one row per expert, on the CPU), with the C kernels."""
+    if qtype not in ROW_BLOCK:
+        raise ValueError(f"pack_bank: ggml type {qtype} is not interleaved")
     if bank.device.type != "cpu" or bank.dtype != torch.uint8 or bank.dim() != 2 or bank.stride(1) != 1:
         raise ValueError(f"pack_bank: a CPU uint8 [E, nbytes] bank with unit column stride, got {tuple(bank.shape)} "
                          f"{bank.dtype} on {bank.device}")
-    if offset < 0 or offset + rows * row_bytes > bank.shape[1] or row_bytes % ROW_BLOCK:
+    if offset < 0 or offset + rows * row_bytes > bank.shape[1] or row_bytes % ROW_BLOCK[qtype]:
         raise ValueError(f"pack_bank: a matrix [{rows}, {row_bytes}] at {offset} does not fit rows of {bank.shape[1]}")
     lib = cpu_quant.kernels().lib()
     fn = _FN.get(id(lib))
@@ -81,9 +137,9 @@ def pack_bank(bank: Tensor, offset: int, rows: int, row_bytes: int, *, undo: boo
         fn = _FN[id(lib)] = lib.clover_x8_pack
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_int]
+                       ctypes.c_int, ctypes.c_int]
     if bank.shape[0] == 0:
         return
-    rc = fn(bank.data_ptr() + offset, bank.shape[0], bank.stride(0), rows, row_bytes // ROW_BLOCK, int(undo),
-            torch.get_num_threads())
+    rc = fn(bank.data_ptr() + offset, bank.shape[0], bank.stride(0), rows, row_bytes // ROW_BLOCK[qtype], qtype,
+            int(undo), torch.get_num_threads())
     cpu_quant._raise_for(rc, "x8 pack")

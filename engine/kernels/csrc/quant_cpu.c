@@ -64,6 +64,16 @@ enum { T_NF4 = 200, T_I8 = 201 };
  */
 enum { T_Q4_KX8 = 212 };
 #define X8_BLOCK 1152
+/*
+ * T_Q6_KX8: Q6_K rows in groups of 8 likewise, 210 bytes a row and a block, the 6-bit values re-packed so that each
+ * takes at most 4 operations to unpack (Q6_K's ql / qh take 17 for 4 vectors). Block b of a group (1680 bytes) at
+ * b * 1680: [0:16] the 8 rows' fp16 d, [16:144] their int8 scales (scale j of row r at 16 + 8j + r), [144:1680] for
+ * each half h (values 128h ..) and quad i (0-7), three 32-byte vectors t = 0, 1, 2 at 144 + ((8h + i) * 3 + t) * 32,
+ * byte 4r + k of vector t = v_t | ((v_3 >> 2t) & 3) << 6, where v_m is value 128h + 32m + 4i + k of row r.
+ */
+enum { T_Q6_KX8 = 214 };
+#define X8_BLOCK6 1680
+static inline int is_x8_type(int qt) { return qt == T_Q4_KX8 || qt == T_Q6_KX8; }
 
 /* error codes returned to Python */
 enum { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_ALLOC = 3 };
@@ -89,7 +99,9 @@ typedef struct {
     int8_t q[QS];
 } a8_t;
 
-static inline int is_k_type(int qt) { return qt == T_Q4_K || qt == T_Q5_K || qt == T_Q6_K || qt == T_Q4_KX8; }
+static inline int is_k_type(int qt) {
+    return qt == T_Q4_K || qt == T_Q5_K || qt == T_Q6_K || qt == T_Q4_KX8 || qt == T_Q6_KX8;
+}
 
 static inline int is_split_type(int qt) { return qt == T_NF4 || qt == T_I8; }
 
@@ -103,6 +115,7 @@ static inline int block_bytes(int qt) {
     case T_Q4_KX8: return 144; /* a row's share of its group's block */
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
+    case T_Q6_KX8: return 210;
     default: return 0;
     }
 }
@@ -165,6 +178,41 @@ static void x8_put_row(const uint8_t *one, int r, uint8_t *blk) {
     memcpy(blk + 16 + 2 * r, one + 2, 2);
     for (int k = 0; k < 3; k++) memcpy(blk + 32 + 32 * k + 4 * r, one + 4 + 4 * k, 4);
     for (int ci = 0; ci < 32; ci++) memcpy(blk + 128 + (ci * 8 + r) * 4, one + 16 + 4 * ci, 4); /* ci = 8c + i */
+}
+
+/* value v (0-255) of a 210-byte Q6_K block, 0-63 (the Q6_K comment's order) */
+static inline int q6_value(const uint8_t *one, int v) {
+    const int h = v / 128, m = v % 128 / 32, l = v % 32;
+    const uint8_t lo = one[64 * h + l + 32 * (m & 1)], hb = one[128 + 32 * h + l];
+    return (m < 2 ? lo & 15 : lo >> 4) | ((hb >> (2 * m)) & 3) << 4;
+}
+
+/* a 210-byte Q6_K block <-> row r (0-7) of an interleaved group's block (T_Q6_KX8): to_group 1 writes the group's */
+static void x8_q6_row(uint8_t *one, int r, uint8_t *blk, int to_group) {
+    if (to_group) {
+        memcpy(blk + 2 * r, one + 208, 2);
+        for (int j = 0; j < 16; j++) blk[16 + 8 * j + r] = one[192 + j];
+        for (int v = 0; v < 128; v++) { /* v = 32m + l of each half, m < 3: v_m and two bits of v_3 */
+            const int m = v / 32, l = v % 32, i = l / 4, k = l % 4;
+            for (int h = 0; h < 2; h++) {
+                if (m == 3) continue;
+                const int v3 = q6_value(one, 128 * h + 96 + l);
+                blk[144 + ((8 * h + i) * 3 + m) * 32 + 4 * r + k] =
+                    (uint8_t)(q6_value(one, 128 * h + v) | ((v3 >> (2 * m)) & 3) << 6);
+            }
+        }
+        return;
+    }
+    memcpy(one + 208, blk + 2 * r, 2);
+    for (int j = 0; j < 16; j++) one[192 + j] = blk[16 + 8 * j + r];
+    memset(one, 0, 192);
+    for (int v = 0; v < QK; v++) {
+        const int h = v / 128, m = v % 128 / 32, l = v % 32, i = l / 4, k = l % 4;
+        const uint8_t *t = blk + 144 + (8 * h + i) * 3 * 32 + 4 * r + k; /* vector 0's byte; 1 and 2 at +32, +64 */
+        const int q = m < 3 ? t[32 * m] & 63 : (t[0] >> 6) | (t[32] >> 6) << 2 | (t[64] >> 6) << 4;
+        one[64 * h + l + 32 * (m & 1)] |= (uint8_t)(m < 2 ? q & 15 : (q & 15) << 4);
+        one[128 + 32 * h + l] |= (uint8_t)((q >> 4) << (2 * m));
+    }
 }
 
 /* row r (0-7) of an interleaved group's block (T_Q4_KX8) -> its 144-byte Q4_K block */
@@ -1025,7 +1073,7 @@ static sdot_fn sdot_for(int qt) { return qt == T_NF4 ? dot_nf4 : qt == T_I8 ? do
 /* whether rows of K values of this matrix can be computed here */
 static int mat_ok(const mat_t *m, int64_t K) {
     if (is_split_type(m->qt)) return K % QS == 0 && m->bs > 0 && m->bs % QS == 0;
-    if (m->qt == T_Q4_KX8) return K % QK == 0 && m->rs == K / QK * 144; /* groups of 8 whole rows, nothing between */
+    if (is_x8_type(m->qt)) return K % QK == 0 && m->rs == K / QK * block_bytes(m->qt); /* whole groups of 8 rows */
     return dot_for(m->qt) != NULL && K % block_values(m->qt) == 0;
 }
 
@@ -1170,11 +1218,11 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     const int qg = g->qt, qu = u->qt, qd = dn->qt;
     for (int j = 0; j < 3; j++) {
         const int q = j == 0 ? qg : j == 1 ? qu : qd;
-        if (!is_split_type(q) && !dot_for(q) && q != T_Q4_KX8) return ERR_TYPE;
+        if (!is_split_type(q) && !dot_for(q) && !is_x8_type(q)) return ERR_TYPE;
     }
-    /* interleaved rows (T_Q4_KX8): gate and up both or neither, whole groups of 8 rows */
-    const int x8gu = qg == T_Q4_KX8, x8d = qd == T_Q4_KX8;
-    if (x8gu != (qu == T_Q4_KX8)) return ERR_TYPE;
+    /* interleaved rows (T_Q4_KX8, T_Q6_KX8): gate and up both or neither, whole groups of 8 rows */
+    const int x8gu = is_x8_type(qg), x8d = is_x8_type(qd);
+    if (x8gu != is_x8_type(qu)) return ERR_TYPE;
     if ((x8gu && I % 8) || (x8d && D % 8)) return ERR_SHAPE;
     if (!mat_ok(g, D) || !mat_ok(u, D) || !mat_ok(dn, I)) return ERR_SHAPE;
     const int64_t P = T * k; /* (token, slot) pairs */
@@ -1256,7 +1304,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
             continue;
         }
         const int64_t i0 = (task % GI) * tile, nr = I - i0 < tile ? I - i0 : tile;
-        if (kt && offx[e] >= 0) { /* ag is au: both K formats */
+        if (kt && offx[e] >= 0 && qg != T_Q6_KX8) { /* ag is au: both K formats (Q6_KX8: its own kernel, kt's bits) */
             kt_expert_rows(g, e, i0, nr, D, tx, offx[e], n, h + s0 * I + i0, I);
             kt_expert_rows(u, e, i0, nr, D, tx, offx[e], n, hu + s0 * I + i0, I);
         } else if (x8gu) {
@@ -1287,7 +1335,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
             continue;
         }
         const int64_t j0 = (task % GD) * tile_d, nr = D - j0 < tile_d ? D - j0 : tile_d;
-        if (kt && offh[e] >= 0) kt_expert_rows(dn, e, j0, nr, I, th, offh[e], n, y + s0 * D + j0, D);
+        if (kt && offh[e] >= 0 && qd != T_Q6_KX8) kt_expert_rows(dn, e, j0, nr, I, th, offh[e], n, y + s0 * D + j0, D);
         else if (x8d) x8_rows(dn, e, j0, I, as, NULL, n, y + s0 * D + j0, D);
         else mat_rows_tiled(dn, e, j0, nr, I, as, arow_d, NULL, n, y + s0 * D + j0, D);
     }
@@ -2099,7 +2147,9 @@ static void kt_rows(const mat_t *m, int64_t e, const int64_t *ridx, int64_t r0, 
     const int64_t nb = K / QK;
     const uint8_t *wrows[KT_WROWS];
     for (int r = 0; r < nr; r++) wrows[r] = m->w + e * m->es + kt_row(ridx, r0, r) * m->rs;
-    const int x8 = qt == T_Q4_KX8; /* interleaved rows (tasks of one whole group, ridx NULL): each row's block unpacked */
+    /* interleaved Q4_K rows (tasks of one whole group, ridx NULL): each row's block unpacked (T_Q6_KX8 never comes
+       here: its own kernel has kt's bits at any token count) */
+    const int x8 = qt == T_Q4_KX8;
     const uint8_t *group = m->w + e * m->es + r0 / 8 * 8 * m->rs;
     kt_dec_t dec[KT_WROWS];
     __m256 acc[KT_WROWS][KT_GROUP];
@@ -2419,8 +2469,8 @@ static void kt_expert_rows(const mat_t *m, int64_t e, int64_t r0, int64_t nr, in
 
 
 /* ============================================================================================================ */
-/* Issue 30: Q4_K experts with their rows interleaved in groups of 8 (T_Q4_KX8, the layout at the top of the    */
-/* file), for the few tokens each expert of a pass or an AR step gets.                                          */
+/* Issue 30: Q4_K / Q6_K experts with their rows interleaved in groups of 8 (T_Q4_KX8 / T_Q6_KX8, the layouts at */
+/* the top of the file), for the few tokens each expert of a pass or an AR step gets.                           */
 /*                                                                                                              */
 /* A row's direct dot (dot_q45k_n) spends two multiplies per 32 multiply-adds (maddubs, then madd by the        */
 /* sub-block's scale broadcast), unpacks the block's scales and sums its 8 lanes per row: ~25 cycles a block    */
@@ -2495,6 +2545,90 @@ static inline __attribute__((always_inline)) void x8_dots(const uint8_t *grp, in
         }
     }
 }
+
+/* x8_dots for Q6_K groups (T_Q6_KX8): values 0-63 (the -32 taken out through the activations' 16-value sums, as
+   kt does), 16 scales a block */
+static inline __attribute__((always_inline)) void x8_dots6(const uint8_t *grp, int64_t nb, const a8k_t *const *as,
+                                                           const int na, __m256 *acc) {
+    const __m256i m3f = _mm256_set1_epi8(0x3f), m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0c);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, grp += X8_BLOCK6) {
+        __m256i I[DOT_ROWS], M[DOT_ROWS];
+        for (int j = 0; j < na; j++) I[j] = M[j] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p++) { /* M = sum_j sc_j B_j by int16 pairs (sc_2p, sc_2p+1) per row; times 32 below */
+            const __m256i pair = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(grp + 16 + 16 * p)),
+                                                                        _mm_loadl_epi64((const __m128i *)(grp + 24 + 16 * p))));
+            for (int j = 0; j < na; j++) {
+                const int16_t *bs = as[j][b].bsums + 2 * p;
+                M[j] = madd_acc(M[j], pair, _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)bs[0] | (uint32_t)(uint16_t)bs[1] << 16)));
+            }
+        }
+        for (int hh = 0; hh < 4; hh++) { /* half h = hh / 2, quads i of 4 * (hh % 2) .. +3: sub-blocks 8h + 2m + hh % 2 */
+            const int h = hh / 2;
+            __m256i sv[DOT_ROWS][4];
+            for (int j = 0; j < na; j++) sv[j][0] = sv[j][1] = sv[j][2] = sv[j][3] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int i = 4 * (hh % 2); i < 4 * (hh % 2) + 4; i++) {
+                const uint8_t *t = grp + 144 + (8 * h + i) * 3 * 32;
+                const __m256i t0 = _mm256_loadu_si256((const __m256i *)t);
+                const __m256i t1 = _mm256_loadu_si256((const __m256i *)(t + 32));
+                const __m256i t2 = _mm256_loadu_si256((const __m256i *)(t + 64));
+                const __m256i v0 = _mm256_and_si256(t0, m3f), v1 = _mm256_and_si256(t1, m3f);
+                const __m256i v2 = _mm256_and_si256(t2, m3f);
+                const __m256i v3 = _mm256_or_si256(
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(t0, 6), m03), _mm256_and_si256(_mm256_srli_epi16(t1, 4), m0c)),
+                    _mm256_and_si256(_mm256_srli_epi16(t2, 2), m30));
+                for (int j = 0; j < na; j++) {
+                    const int8_t *aq = as[j][b].q + 128 * h + 4 * i;
+                    sv[j][0] = kt_dpbusd(sv[j][0], v0, kt_bcast(aq));
+                    sv[j][1] = kt_dpbusd(sv[j][1], v1, kt_bcast(aq + 32));
+                    sv[j][2] = kt_dpbusd(sv[j][2], v2, kt_bcast(aq + 64));
+                    sv[j][3] = kt_dpbusd(sv[j][3], v3, kt_bcast(aq + 96));
+                }
+            }
+            for (int mm = 0; mm < 4; mm++) {
+                const int sub = 8 * h + 2 * mm + hh % 2;
+                const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(grp + 16 + 8 * sub)));
+                for (int j = 0; j < na; j++) I[j] = _mm256_add_epi32(I[j], _mm256_mullo_epi32(sv[j][mm], sc));
+            }
+        }
+        const __m256 d = x8_f16x8(grp);
+        for (int j = 0; j < na; j++) {
+            const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(as[j][b].d));
+            acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(I[j]), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_slli_epi32(M[j], 5)), acc[j]);
+        }
+    }
+}
+#endif
+
+#if !CLOVER_AVX2
+/* one row's block of an interleaved group in the scalar build: kt's formula, one value at a time */
+static float x8_scalar_block(int qt, const uint8_t *blk, int r, const a8k_t *a, float acc) {
+    uint8_t one[210];
+    int32_t I = 0, M = 0;
+    float d, dmin;
+    if (qt == T_Q6_KX8) {
+        x8_q6_row(one, r, (uint8_t *)blk, 0);
+        for (int v = 0; v < QK; v++) I += (int8_t)one[192 + v / 16] * q6_value(one, v) * a->q[v];
+        for (int j = 0; j < 16; j++) M += (int8_t)one[192 + j] * 32 * a->bsums[j];
+        d = dmin = load_f16(one + 208);
+    } else {
+        uint8_t sc[8], mn[8];
+        x8_block_row(blk, r, one);
+        unpack_k4_scales(one + 4, sc, mn);
+        for (int v = 0; v < QK; v++) {
+            const int c = v / 64, hi = v % 64 >= 32, l = v % 32;
+            I += sc[2 * c + hi] * (hi ? one[16 + 32 * c + l] >> 4 : one[16 + 32 * c + l] & 15) * a->q[v];
+        }
+        for (int p = 0; p < 8; p++) M += mn[p] * (a->bsums[2 * p] + a->bsums[2 * p + 1]);
+        d = load_f16(one);
+        dmin = load_f16(one + 2);
+    }
+    acc = fmaf(d * a->d, (float)I, acc);
+    return fmaf(-(dmin * a->d), (float)M, acc);
+}
 #endif
 
 static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx, int64_t n,
@@ -2508,11 +2642,12 @@ static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char
         const a8k_t *as[DOT_ROWS];
         __m256 acc[DOT_ROWS];
         for (int64_t i = 0; i < g; i++) as[i] = (const a8k_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
+        const int q6 = m->qt == T_Q6_KX8;
         switch (g) { /* a constant row count in each: the loops over rows unroll */
-        case 1: x8_dots(grp, nb, as, 1, acc); break;
-        case 2: x8_dots(grp, nb, as, 2, acc); break;
-        case 3: x8_dots(grp, nb, as, 3, acc); break;
-        default: x8_dots(grp, nb, as, 4, acc); break;
+        case 1: q6 ? x8_dots6(grp, nb, as, 1, acc) : x8_dots(grp, nb, as, 1, acc); break;
+        case 2: q6 ? x8_dots6(grp, nb, as, 2, acc) : x8_dots(grp, nb, as, 2, acc); break;
+        case 3: q6 ? x8_dots6(grp, nb, as, 3, acc) : x8_dots(grp, nb, as, 3, acc); break;
+        default: q6 ? x8_dots6(grp, nb, as, 4, acc) : x8_dots(grp, nb, as, 4, acc); break;
         }
         for (int64_t i = 0; i < g; i++) {
             float v[8];
@@ -2522,28 +2657,12 @@ static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char
         i0 += g;
     }
 #else
+    const int64_t xb = m->qt == T_Q6_KX8 ? X8_BLOCK6 : X8_BLOCK;
     for (int64_t i = 0; i < n; i++) {
         const a8k_t *a0 = (const a8k_t *)(act + (size_t)(tidx ? tidx[i] : i) * arow);
         for (int r = 0; r < 8; r++) {
             float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const a8k_t *a = a0 + b;
-                uint8_t one[144], sc[8], mn[8];
-                x8_block_row(grp + b * X8_BLOCK, r, one);
-                unpack_k4_scales(one + 4, sc, mn);
-                int32_t I = 0, M = 0;
-                for (int c = 0; c < 4; c++) {
-                    int32_t s0 = 0, s1 = 0;
-                    for (int l = 0; l < 32; l++) {
-                        s0 += (one[16 + 32 * c + l] & 0x0f) * a->q[64 * c + l];
-                        s1 += (one[16 + 32 * c + l] >> 4) * a->q[64 * c + 32 + l];
-                    }
-                    I += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
-                }
-                for (int p = 0; p < 8; p++) M += mn[p] * (a->bsums[2 * p] + a->bsums[2 * p + 1]);
-                acc = fmaf(load_f16(one) * a->d, (float)I, acc);
-                acc = fmaf(-(load_f16(one + 2) * a->d), (float)M, acc);
-            }
+            for (int64_t b = 0; b < nb; b++) acc = x8_scalar_block(m->qt, grp + b * xb, r, a0 + b, acc);
             out[i * ostride + r] = acc;
         }
     }
@@ -2551,12 +2670,14 @@ static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char
 }
 
 /*
- * Interleave (unpack 0) or restore (unpack 1), in place, the Q4_K matrices [R, nb blocks] of E experts at w + e * es:
- * T_Q4_KX8's groups of 8 rows (R a multiple of 8). Returns 0 or an error.
+ * Interleave (unpack 0) or restore (unpack 1), in place, the Q4_K or Q6_K (qt) matrices [R, nb blocks] of E experts
+ * at w + e * es: T_Q4_KX8's / T_Q6_KX8's groups of 8 rows (R a multiple of 8). Returns 0 or an error.
  */
-int clover_x8_pack(uint8_t *w, int64_t E, int64_t es, int64_t R, int64_t nb, int unpack, int nth) {
+int clover_x8_pack(uint8_t *w, int64_t E, int64_t es, int64_t R, int64_t nb, int qt, int unpack, int nth) {
+    if (qt != T_Q4_K && qt != T_Q6_K) return ERR_TYPE;
     if (E < 0 || R % 8 || nb <= 0) return ERR_SHAPE;
-    const int64_t rs = nb * 144, G = E * (R / 8);
+    const int q6 = qt == T_Q6_K;
+    const int64_t bb = block_bytes(qt), xb = q6 ? X8_BLOCK6 : X8_BLOCK, rs = nb * bb, G = E * (R / 8);
     int rc = OK;
     (void)nth;
 #pragma omp parallel for num_threads(threads_for(nth, G)) schedule(static)
@@ -2569,8 +2690,11 @@ int clover_x8_pack(uint8_t *w, int64_t E, int64_t es, int64_t R, int64_t nb, int
         memcpy(buf, grp, (size_t)(8 * rs));
         for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < 8; r++) {
-                if (unpack) x8_block_row(buf + b * X8_BLOCK, r, grp + r * rs + b * 144);
-                else x8_put_row(buf + r * rs + b * 144, r, grp + b * X8_BLOCK);
+                uint8_t *row = unpack ? grp + r * rs + b * bb : buf + r * rs + b * bb;
+                uint8_t *blk = unpack ? buf + b * xb : grp + b * xb;
+                if (q6) x8_q6_row(row, r, blk, !unpack);
+                else if (unpack) x8_block_row(blk, r, row);
+                else x8_put_row(row, r, blk);
             }
         free(buf);
     }

@@ -265,12 +265,12 @@ class GGUFExpertLayout:
     hidden_size: int
     intermediate_size: int
     qtypes: tuple[int, int, int]  # ggml types of gate, up, down
-    x8: tuple[bool, bool, bool] = (False, False, False)  # Q4_K matrices with rows interleaved by 8 (engine.kernels.x8)
+    x8: tuple[bool, bool, bool] = (False, False, False)  # matrices with rows interleaved by 8 (engine.kernels.x8)
 
     @property
     def kernel_qtypes(self) -> tuple[int, int, int]:
-        """The CPU kernels' types of gate, up, down: ``cpu_quant.Q4_KX8`` for the interleaved matrices."""
-        return tuple(x8.Q4_KX8 if on else q for q, on in zip(self.qtypes, self.x8))  # type: ignore[return-value]
+        """The CPU kernels' types of gate, up, down: ``cpu_quant.Q4_KX8`` / ``Q6_KX8`` for the interleaved ones."""
+        return tuple(x8.KERNEL_TYPE[q] if on else q for q, on in zip(self.qtypes, self.x8))  # type: ignore[return-value]
 
     @property
     def segments(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
@@ -301,8 +301,8 @@ class GGUFExpertLayout:
         else:  # each segment gathered straight into a contiguous [G, n] (no copy of whole rows)
             parts = [source[:, off : off + n].index_select(0, rows) for off, n in self.segments]
         g = parts[0].shape[0]
-        parts = [x8.unpack(p.reshape(g, rows, -1)) if on else p  # interleaved rows back in the file's order
-                 for p, on, rows in zip(parts, self.x8, (i, i, d))]
+        parts = [x8.unpack(p.reshape(g, rows, -1), q) if on else p  # interleaved rows back in the file's order
+                 for p, on, rows, q in zip(parts, self.x8, (i, i, d), self.qtypes)]
         gate = gq.dequantize(parts[0].reshape(g, i, -1), self.qtypes[0], d)  # [G, I, D]
         up = gq.dequantize(parts[1].reshape(g, i, -1), self.qtypes[1], d)  # [G, I, D]
         down = gq.dequantize(parts[2].reshape(g, d, -1), self.qtypes[2], i)  # [G, D, I]
@@ -327,17 +327,17 @@ class GGUFExpertBank(RowExpertBank):
         self.register_buffer("packed", packed)
 
     def interleave(self) -> None:
-        """Interleave the bank's Q4_K matrices in groups of 8 rows for the CPU kernels (``engine.kernels.x8``), in
-        place, once (the layout says which); nothing where the bank is not on the CPU or the kernels are off."""
+        """Interleave the bank's Q4_K / Q6_K matrices in groups of 8 rows for the CPU kernels (``engine.kernels.x8``),
+        in place, once (the layout says which); nothing where the bank is not on the CPU or the kernels are off."""
         lay = self.layout
         if self.packed.device.type != "cpu" or any(lay.x8) or not cpu_quant.usable(*lay.qtypes):
             return
         rows = (lay.intermediate_size, lay.intermediate_size, lay.hidden_size)
-        on = [q == cpu_quant.Q4_K and r % x8.GROUP == 0 for q, r in zip(lay.qtypes, rows)]
+        on = [q in x8.KERNEL_TYPE and r % x8.GROUP == 0 for q, r in zip(lay.qtypes, rows)]
         on[0] = on[1] = on[0] and on[1]  # gate and up: both or neither (one task computes both)
-        for flag, (at, n), r in zip(on, lay.segments, rows):
+        for flag, (at, n), r, q in zip(on, lay.segments, rows, lay.qtypes):
             if flag:
-                x8.pack_bank(self.packed, at, r, n // r)
+                x8.pack_bank(self.packed, at, r, n // r, q)
         self.layout = dataclasses.replace(lay, x8=(on[0], on[1], on[2]))
 
     def extra_repr(self) -> str:
