@@ -5,13 +5,14 @@ its experts at load and still dequantizes them exactly where the kernels are off
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from clover_desk.engine.kernels import cpu_quant as cq
-from clover_desk.engine.kernels import x8
+from clover_desk.engine.kernels import triton_moe, x8
 from clover_desk.engine.weights.gguf.model import GGUFExpertBank, load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
 from clover_desk.engine.weights.tiny import make_tiny
@@ -152,6 +153,8 @@ def test_a_gguf_model_on_the_cpu_interleaves_its_k_quant_experts(wide: Path, tmp
     banks = [m for m in model.modules() if isinstance(m, GGUFExpertBank)]
     assert banks and all(b.layout.x8 == (True, True, False) for b in banks)  # Q8_0 down: 32-wide rows
     assert banks[0].layout.kernel_qtypes[:2] == (x8.KERNEL_TYPE[banks[0].layout.qtypes[0]],) * 2
+    assert not triton_moe.supports(banks[0].layout)  # the fused GPU kernel reads the file's blocks only
+    assert triton_moe.supports(dataclasses.replace(banks[0].layout, x8=(False, False, False)))
     assert all(b.layout.x8 == (False, False, False) for b in plain.modules() if isinstance(b, GGUFExpertBank))
     with torch.no_grad():
         fast = model(prompt)

@@ -546,7 +546,7 @@ def load_gguf_model(
         place_options.setdefault("host_embedding", False)
     source = GGUFPlacement(src, lplan, fills, progress, cancel)
     placer.place_model(model, plan, device, source, **place_options)
-    if keep_quantized and torch.device(device).type == "cpu":  # the resident banks' Q4_K rows for the CPU kernels
+    if keep_quantized and torch.device(device).type == "cpu":  # the resident banks' Q4_K / Q6_K rows for the kernels
         for bank in model.modules():
             if isinstance(bank, GGUFExpertBank):
                 bank.interleave()
