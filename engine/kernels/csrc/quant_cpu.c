@@ -192,15 +192,13 @@ static void x8_q6_row(uint8_t *one, int r, uint8_t *blk, int to_group) {
     if (to_group) {
         memcpy(blk + 2 * r, one + 208, 2);
         for (int j = 0; j < 16; j++) blk[16 + 8 * j + r] = one[192 + j];
-        for (int v = 0; v < 128; v++) { /* v = 32m + l of each half, m < 3: v_m and two bits of v_3 */
-            const int m = v / 32, l = v % 32, i = l / 4, k = l % 4;
-            for (int h = 0; h < 2; h++) {
-                if (m == 3) continue;
-                const int v3 = q6_value(one, 128 * h + 96 + l);
-                blk[144 + ((8 * h + i) * 3 + m) * 32 + 4 * r + k] =
-                    (uint8_t)(q6_value(one, 128 * h + v) | ((v3 >> (2 * m)) & 3) << 6);
-            }
-        }
+        for (int h = 0; h < 2; h++)
+            for (int m = 0; m < 3; m++) /* vector m of quad l / 4: v_m and two bits of v_3 */
+                for (int l = 0; l < 32; l++) {
+                    const int v3 = q6_value(one, 128 * h + 96 + l);
+                    blk[144 + ((8 * h + l / 4) * 3 + m) * 32 + 4 * r + l % 4] =
+                        (uint8_t)(q6_value(one, 128 * h + 32 * m + l) | ((v3 >> (2 * m)) & 3) << 6);
+                }
         return;
     }
     memcpy(one + 208, blk + 2 * r, 2);
