@@ -48,13 +48,19 @@ from clover_desk.engine.decode.settings import DecodeSettings
 from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.weights.gguf.file import open_gguf
-from clover_desk.engine.weights.gguf.model import load_gguf_model
+from clover_desk.engine.weights.gguf.model import GGUFExpertBank, load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
 from clover_desk.engine.weights.quant_cache import load_quantized
 from clover_desk.engine.weights.tiny import make_real_shape
 
 BLOCK = 32
 log = logging.getLogger(__name__)
+
+
+def interleaved(model: CloverModel) -> tuple[int, int]:
+    """(expert matrices whose rows the CPU kernels interleaved by 8 at load, all expert matrices) of a GGUF model."""
+    banks = [m for m in model.modules() if isinstance(m, GGUFExpertBank)]
+    return sum(sum(b.layout.x8) for b in banks), 3 * len(banks)
 
 
 def cache_root(layers: int) -> Path:
@@ -401,6 +407,9 @@ def run_real_width(args: argparse.Namespace) -> int:
     who = f"llama.cpp {llama_cpp.__version__} (llama-cpp-python)" if llama_cpp else "llama.cpp not installed"
     print(f"== real widths, {layers} layers; {path.name} ({path.stat().st_size / 2**30:.2f} GiB: {type_mix(path)}); "
           f"own cache {report.path.name}; {threads} threads; best of {repeats} interleaved runs; {who}")
+    done, total = interleaved(gguf_model)
+    print(f"the file's expert matrices with rows interleaved by 8 for the CPU kernels (engine.kernels.x8): {done} of "
+          f"{total}")
     print(f"prompt {prompt_len} tokens, {n_new} greedy AR tokens; an AR step reads {file_bytes.ar(k) / 1e6:.0f} MB of the "
           f"file (head {file_bytes.head / 1e6:.0f} MB, dense {sum(file_bytes.dense) / 1e6:.0f} MB, {k} experts x "
           f"{layers} layers {k * sum(file_bytes.per_expert) / 1e6:.0f} MB), {cache_bytes.ar(k) / 1e6:.0f} MB of the cache")

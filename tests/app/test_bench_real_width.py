@@ -13,10 +13,12 @@ import torch
 from fixtures_tiny import tiny_clover_dir  # noqa: F401
 
 from clover_desk.bench import real_width
-from clover_desk.bench.real_width import LayerClock, kl_stats, llama_cpp_for, model_bytes, type_mix
+from clover_desk.bench.real_width import LayerClock, interleaved, kl_stats, llama_cpp_for, model_bytes, type_mix
+from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.weights.gguf.file import open_gguf
 from clover_desk.engine.weights.gguf.model import load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +106,14 @@ def test_spread_routing_draws_each_slot_s_experts(q8_file: Path) -> None:
     assert spread == [len(drawn.unique())] * len(model.layers)
     assert spread != alike
     assert real_width._distinct_experts(model, run) == alike  # the hooks are gone
+
+
+def test_the_bench_counts_the_interleaved_expert_matrices(q8_file: Path, tmp_path: Path) -> None:
+    if not cpu_quant.usable():
+        pytest.skip(f"CPU kernels unavailable: {cpu_quant.reason()}")
+    layers = open_gguf(q8_file).config.num_hidden_layers
+    assert interleaved(load_gguf_model(q8_file).model) == (0, 3 * layers)  # Q8_0: never interleaved
+    wide = make_tiny(tmp_path / "wide", seed=3, hidden=256, tokenizer_vocab=512)  # whole Q4_K blocks
+    q4k = write_gguf(wide, tmp_path / "wide-Q4_K.gguf", "Q4_K", layout="fork")[0]
+    n = open_gguf(q4k).config.num_hidden_layers
+    assert interleaved(load_gguf_model(q4k).model) == (2 * n, 3 * n)  # gate and up; down is Q8_0 (32-wide rows)
