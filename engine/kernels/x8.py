@@ -26,11 +26,12 @@ import torch
 from torch import Tensor
 
 from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.weights.gguf import quants as gq
 
 Q4_KX8, Q6_KX8 = cpu_quant.Q4_KX8, cpu_quant.Q6_KX8
 KERNEL_TYPE = {cpu_quant.Q4_K: Q4_KX8, cpu_quant.Q6_K: Q6_KX8}  # a file type -> its interleaved type
 GROUP = 8  # rows per group
-ROW_BLOCK = {cpu_quant.Q4_K: 144, cpu_quant.Q6_K: 210}  # bytes of one row's block
+ROW_BLOCK = {q: cpu_quant.BLOCK[q][1] for q in KERNEL_TYPE}  # bytes of one row's block
 
 
 def _groups(rows: Tensor, qtype: int) -> tuple[Tensor, int]:
@@ -70,18 +71,9 @@ def pack(rows: Tensor, qtype: int = cpu_quant.Q4_K) -> Tensor:
     return torch.cat([p.reshape(*lead, -1) for p in parts], -1).reshape(rows.shape)
 
 
-def _q6_values(ql_qh: Tensor) -> Tensor:
-    """Q6_K's ql | qh [..., 192] -> the 256 values 0-63 as [..., h, m, l] (value 128h + 32m + l)."""
-    ql = ql_qh[..., :128].reshape(*ql_qh.shape[:-1], 2, 2, 32)  # [h, m & 1, l]
-    qh = ql_qh[..., 128:].reshape(*ql_qh.shape[:-1], 2, 1, 32)  # [h, 1, l]
-    low = torch.cat([ql & 15, ql >> 4], -2)  # m = 0, 1 (low nibbles), 2, 3 (high nibbles)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=ql_qh.device)[:, None]
-    return low | ((qh >> shifts) & 3) << 4
-
-
 def _q6_pack(ql_qh: Tensor) -> Tensor:
     """[..., 8 rows, 192] -> [..., h, i, t, rows, 4]: vector t of quad i = v_t | ((v_3 >> 2t) & 3) << 6."""
-    v = _q6_values(ql_qh)  # [..., 8, h, m, l]
+    v = gq.q6_k_values(ql_qh.reshape(-1, 192)).reshape(*ql_qh.shape[:-1], 2, 4, 32)  # [..., 8, h, m, l]
     shifts = torch.tensor([0, 2, 4], dtype=torch.uint8, device=v.device)[:, None]
     t = v[..., :3, :] | ((v[..., 3:, :] >> shifts) & 3) << 6  # [..., 8, h, t, l]
     t = t.reshape(*t.shape[:-1], 8, 4)  # [..., 8 rows, h, t, i, k]
@@ -96,9 +88,7 @@ def _q6_unpack(packed: Tensor) -> Tensor:
     t = t.permute(*range(n - 5), n - 2, n - 5, n - 3, n - 4, n - 1).reshape(*packed.shape[:-1], GROUP, 2, 3, 32)
     v3 = (t[..., 0, :] >> 6) | (t[..., 1, :] >> 6) << 2 | (t[..., 2, :] >> 6) << 4  # [..., 8, h, l]
     v = torch.cat([t & 63, v3[..., None, :]], -2)  # [..., 8, h, m, l]
-    ql = (v[..., :2, :] & 15) | (v[..., 2:, :] & 15) << 4  # [..., 8, h, m & 1, l]
-    qh = ((v >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=v.device)[:, None]).sum(-2, dtype=torch.uint8)
-    return torch.cat([ql.flatten(-3), qh.flatten(-2)], -1)
+    return gq.q6_k_bits(v.reshape(-1, 256)).reshape(*v.shape[:-3], 192)
 
 
 def unpack(packed: Tensor, qtype: int = cpu_quant.Q4_K) -> Tensor:

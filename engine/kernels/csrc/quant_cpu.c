@@ -172,12 +172,14 @@ static inline void unpack_k4_scales(const uint8_t *p, uint8_t sc[8], uint8_t m[8
     memcpy(m + 4, &v, 4);
 }
 
-/* a 144-byte Q4_K block -> row r (0-7) of an interleaved group's block (T_Q4_KX8) */
-static void x8_put_row(const uint8_t *one, int r, uint8_t *blk) {
-    memcpy(blk + 2 * r, one, 2);
-    memcpy(blk + 16 + 2 * r, one + 2, 2);
-    for (int k = 0; k < 3; k++) memcpy(blk + 32 + 32 * k + 4 * r, one + 4 + 4 * k, 4);
-    for (int ci = 0; ci < 32; ci++) memcpy(blk + 128 + (ci * 8 + r) * 4, one + 16 + 4 * ci, 4); /* ci = 8c + i */
+/* a 144-byte Q4_K block <-> row r (0-7) of an interleaved group's block (T_Q4_KX8): to_group 1 writes the group's */
+static void x8_q4_row(uint8_t *one, int r, uint8_t *blk, int to_group) {
+#define X8_MOVE(at, from, n) (to_group ? memcpy(blk + (at), one + (from), n) : memcpy(one + (from), blk + (at), n))
+    X8_MOVE(2 * r, 0, 2);
+    X8_MOVE(16 + 2 * r, 2, 2);
+    for (int k = 0; k < 3; k++) X8_MOVE(32 + 32 * k + 4 * r, 4 + 4 * k, 4);
+    for (int ci = 0; ci < 32; ci++) X8_MOVE(128 + (ci * 8 + r) * 4, 16 + 4 * ci, 4); /* ci = 8c + i */
+#undef X8_MOVE
 }
 
 /* value v (0-255) of a 210-byte Q6_K block, 0-63 (the Q6_K comment's order) */
@@ -211,14 +213,6 @@ static void x8_q6_row(uint8_t *one, int r, uint8_t *blk, int to_group) {
         one[64 * h + l + 32 * (m & 1)] |= (uint8_t)(m < 2 ? q & 15 : (q & 15) << 4);
         one[128 + 32 * h + l] |= (uint8_t)((q >> 4) << (2 * m));
     }
-}
-
-/* row r (0-7) of an interleaved group's block (T_Q4_KX8) -> its 144-byte Q4_K block */
-static void x8_block_row(const uint8_t *blk, int r, uint8_t *one) {
-    memcpy(one, blk + 2 * r, 2);
-    memcpy(one + 2, blk + 16 + 2 * r, 2);
-    for (int k = 0; k < 3; k++) memcpy(one + 4 + 4 * k, blk + 32 + 32 * k + 4 * r, 4);
-    for (int ci = 0; ci < 32; ci++) memcpy(one + 16 + 4 * ci, blk + 128 + (ci * 8 + r) * 4, 4); /* ci = 8c + i */
 }
 
 #if CLOVER_AVX2
@@ -1190,8 +1184,8 @@ static int moe_chunk(int64_t tasks, int nth, int64_t tile, int64_t row_bytes) {
 #define KT_WROWS 8    /* weight rows per task */
 #define KT_GROUP 8    /* tiles per pass over a task's blocks (64 activation rows: a block of them, 19 KB, stays in L1) */
 
-/* the 8 interleaved rows r0 .. r0+7 of expert e of m (T_Q4_KX8, the end of the file) against n activation rows (tidx
-   or plain) -> out[i * ostride + r] */
+/* the 8 interleaved rows r0 .. r0+7 of expert e of m (T_Q4_KX8 / T_Q6_KX8, the end of the file) against n activation
+   rows (tidx or plain) -> out[i * ostride + r] */
 static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx, int64_t n,
                     float *out, int64_t ostride);
 
@@ -1264,8 +1258,10 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     /* an expert with >= KT_MIN_T tokens takes the tiled kernels (kt / kts) in tasks of KT_WROWS rows; interleaved
        rows go in their groups of 8 (KT_WROWS: both kernels' tasks are one group) */
     const int kt = most >= KT_MIN_T && kt_moe_wanted(g, u, dn, T, D, I);
-    const int64_t tile = kt ? KT_WROWS : x8gu ? 8 : tiled ? TILE_R : 1;
-    const int64_t tile_d = kt ? KT_WROWS : x8d ? 8 : tiled ? TILE_R : 1;
+    /* interleaved Q6_K takes its own kernel at any token count (kt's bits): no tiles for its side */
+    const int kt_gu = kt && qg != T_Q6_KX8, kt_d = kt && qd != T_Q6_KX8;
+    const int64_t tile = kt_gu ? KT_WROWS : x8gu ? 8 : tiled ? TILE_R : 1;
+    const int64_t tile_d = kt_d ? KT_WROWS : x8d ? 8 : tiled ? TILE_R : 1;
     const int64_t GI = (I + tile - 1) / tile, GD = (D + tile_d - 1) / tile_d; /* row tiles per matrix */
     for (int64_t p = 0; p < P; p++) {
         int64_t s = fill[topk_idx[p]]++;
@@ -1283,7 +1279,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
      * mat_rows(tiled, ...) helper with that loop 1.07-1.09x, this 1.02-1.03x, where the same build against itself
      * reads 0.97-1.01x on this shared machine; scripts/bench_moe_ab.py).
      */
-    if (kt && !(tx = kt_expert_tiles(ag, arow_g, tok, count, used, U, E, D / QK, is_split_type(qg), offx, nth))) {
+    if (kt_gu && !(tx = kt_expert_tiles(ag, arow_g, tok, count, used, U, E, D / QK, is_split_type(qg), offx, nth))) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -1302,7 +1298,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
             continue;
         }
         const int64_t i0 = (task % GI) * tile, nr = I - i0 < tile ? I - i0 : tile;
-        if (kt && offx[e] >= 0 && qg != T_Q6_KX8) { /* ag is au: both K formats (Q6_KX8: its own kernel, kt's bits) */
+        if (kt_gu && offx[e] >= 0) { /* ag is au: both K formats */
             kt_expert_rows(g, e, i0, nr, D, tx, offx[e], n, h + s0 * I + i0, I);
             kt_expert_rows(u, e, i0, nr, D, tx, offx[e], n, hu + s0 * I + i0, I);
         } else if (x8gu) {
@@ -1317,7 +1313,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     }
 
     ah = (char *)quantize_rows(qd, h, P, I, nth);
-    if (!ah || (kt && !(th = kt_expert_tiles(ah, arow_d, NULL, count, used, U, E, I / QK, is_split_type(qd), offh, nth)))) {
+    if (!ah || (kt_d && !(th = kt_expert_tiles(ah, arow_d, NULL, count, used, U, E, I / QK, is_split_type(qd), offh, nth)))) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -1333,7 +1329,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
             continue;
         }
         const int64_t j0 = (task % GD) * tile_d, nr = D - j0 < tile_d ? D - j0 : tile_d;
-        if (kt && offh[e] >= 0 && qd != T_Q6_KX8) kt_expert_rows(dn, e, j0, nr, I, th, offh[e], n, y + s0 * D + j0, D);
+        if (kt_d && offh[e] >= 0) kt_expert_rows(dn, e, j0, nr, I, th, offh[e], n, y + s0 * D + j0, D);
         else if (x8d) x8_rows(dn, e, j0, I, as, NULL, n, y + s0 * D + j0, D);
         else mat_rows_tiled(dn, e, j0, nr, I, as, arow_d, NULL, n, y + s0 * D + j0, D);
     }
@@ -2161,7 +2157,7 @@ static void kt_rows(const mat_t *m, int64_t e, const int64_t *ridx, int64_t r0, 
                     uint8_t one[144];
                     if (r == 0 && b + 1 < nb) /* the group's next block */
                         for (int o = 0; o < X8_BLOCK; o += 64) __builtin_prefetch(group + (b + 1) * X8_BLOCK + o, 0, 0);
-                    x8_block_row(group + b * X8_BLOCK, r, one);
+                    x8_q4_row(one, r, (uint8_t *)(group + b * X8_BLOCK), 0);
                     kt_decode(T_Q4_K, one, &dec[r]);
                     continue;
                 }
@@ -2614,7 +2610,7 @@ static float x8_scalar_block(int qt, const uint8_t *blk, int r, const a8k_t *a, 
         d = dmin = load_f16(one + 208);
     } else {
         uint8_t sc[8], mn[8];
-        x8_block_row(blk, r, one);
+        x8_q4_row(one, r, (uint8_t *)blk, 0);
         unpack_k4_scales(one + 4, sc, mn);
         for (int v = 0; v < QK; v++) {
             const int c = v / 64, hi = v % 64 >= 32, l = v % 32;
@@ -2690,9 +2686,7 @@ int clover_x8_pack(uint8_t *w, int64_t E, int64_t es, int64_t R, int64_t nb, int
             for (int r = 0; r < 8; r++) {
                 uint8_t *row = unpack ? grp + r * rs + b * bb : buf + r * rs + b * bb;
                 uint8_t *blk = unpack ? buf + b * xb : grp + b * xb;
-                if (q6) x8_q6_row(row, r, blk, !unpack);
-                else if (unpack) x8_block_row(blk, r, row);
-                else x8_put_row(row, r, blk);
+                (q6 ? x8_q6_row : x8_q4_row)(row, r, blk, !unpack);
             }
         free(buf);
     }

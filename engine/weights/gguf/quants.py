@@ -64,6 +64,25 @@ def _scale_min_k4(scales: Tensor) -> tuple[Tensor, Tensor]:
     return sc, mn
 
 
+def q6_k_values(bits: Tensor) -> Tensor:
+    """Q6_K's 192 value bytes [N, 192] (ql, then qh) -> its 256 values [N, 256] uint8, 0-63, in block order."""
+    n = bits.shape[0]
+    low = _nibbles(bits[:, :128], 2, 64).reshape(n, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=bits.device).view(1, 1, 4, 1)
+    high = ((bits[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
+    return (low | (high << 4)).reshape(n, QK_K)
+
+
+def q6_k_bits(q: Tensor) -> Tensor:
+    """The inverse of :func:`q6_k_values`: values [N, 256] uint8 (0-63) -> ql | qh [N, 192]. Element e = h*128 +
+    s*64 + l (l < 64) -> low nibble s of ql[h*64 + l]; e = h*128 + k*32 + l (l < 32) -> bits 2k..2k+1 of qh[h*32 + l]."""
+    n = q.shape[0]
+    ql = _pack_nibbles((q & 0x0F).reshape(n, 4, 64), 2, 64)  # [N, 128]
+    hi = (q >> 4).reshape(n, 2, 4, 32)
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
+    return torch.cat([ql, qh], dim=-1)
+
+
 def _deq_blocks(blocks: Tensor, qtype: int) -> Tensor:
     """blocks [N, B] uint8 -> [N, values per block] fp32."""
     n = blocks.shape[0]
@@ -88,14 +107,10 @@ def _deq_blocks(blocks: Tensor, qtype: int) -> Tensor:
             q = _nibbles(blocks[:, 48:], 4, 32) | (high << 4)
         return (dl * q.to(torch.float32) - ml).reshape(n, QK_K)
     if qtype == Q6_K:
-        ql, qh = blocks[:, :128], blocks[:, 128:192]
         scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)  # [N, 16]
         d = _f16(blocks[:, 208:210])
         dl = (d * scales).reshape(n, 16, 1)
-        low = _nibbles(ql, 2, 64).reshape(n, 8, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
-        high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
-        q = (low | (high << 4)).to(torch.int8) - 32
+        q = q6_k_values(blocks[:, :192]).to(torch.int8) - 32
         return (dl * q.reshape(n, 16, 16).to(torch.float32)).reshape(n, QK_K)
     raise ValueError(f"ggml type {qtype} has no block dequantize here")
 
@@ -208,12 +223,7 @@ def quantize(x: Tensor, qtype: int) -> Tensor:
         sc = torch.round(s * _safe_inv(d16)[:, None]).clamp(-128, 127)  # [N, 16]
         eff = d16[:, None] * sc
         q = (torch.round(sub * _safe_inv(eff)[..., None]).clamp(-32, 31) + 32).to(torch.uint8).reshape(n, 256)
-        # element e = h*128 + s*64 + l (l < 64) -> low nibble s of ql[h*64 + l]; e = h*128 + k*32 + l (l < 32) ->
-        # bits 2k..2k+1 of qh[h*32 + l]
-        ql = _pack_nibbles((q & 0x0F).reshape(n, 4, 64), 2, 64)  # [N, 128]
-        hi = (q >> 4).reshape(n, 2, 4, 32)
-        qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
-        out = torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), _to_f16_bytes(d)], dim=-1)
+        out = torch.cat([q6_k_bits(q), sc.to(torch.int8).view(torch.uint8), _to_f16_bytes(d)], dim=-1)
     else:
         raise ValueError(f"cannot quantize to ggml type {qtype}")
     assert out.shape[-1] == nbytes
