@@ -120,6 +120,8 @@ class FakeEngine:
             yield TextDelta(f"b{b} ")
             yield BlockCommitted(b, BLOCK, tuple(range(BLOCK)))
         yield self._finished(answer, passes, "max_new_tokens")
+        if text == "linger":
+            time.sleep(0.5)  # past its final record, the generation still holds the engine a moment (a cache's tidy-up)
 
     def read_chat(self, messages: list[dict[str, Any]], params: GenerationParams = GenerationParams(),
                   tools: Any = None, cancel: threading.Event | None = None) -> Iterator[Event]:

@@ -318,9 +318,11 @@ class Worker:
                 return
             self._read_cancel.set()  # the one running (another chat's) stops: this one takes its place
             self._read_cancel = cancel = threading.Event()
-            previous = self._read_thread
+            # the one before, and a generate or load thread past its final record (it may still hold the engine
+            # for a moment): this read waits for them to end rather than answering "busy"
+            ending = [t for t in (self._read_thread, self._gen_thread, self._load_thread) if t is not None]
             self._read_thread = threading.Thread(
-                target=hang_up_safe(self._run_read_chat, "reading a chat ahead"), args=(engine, request_id, command, params, cancel, previous),
+                target=hang_up_safe(self._run_read_chat, "reading a chat ahead"), args=(engine, request_id, command, params, cancel, ending),
                 name=f"clover-read-{request_id}", daemon=True)
             self._read_thread.start()
 
@@ -328,11 +330,11 @@ class Worker:
         self._read_cancel.set()
 
     def _run_read_chat(self, engine: Any, request_id: str, command: dict[str, Any], params: GenerationParams,
-                       cancel: threading.Event, previous: threading.Thread | None) -> None:
+                       cancel: threading.Event, ending: list[threading.Thread]) -> None:
         """Read the chat holding the engine (its raw lock: whatever takes ``engine_lock`` stops this first)."""
         record: dict[str, Any] = {"event": "chat_read", "id": request_id, "stop_reason": "cancelled"}
-        if previous is not None:
-            previous.join()
+        for thread in ending:
+            thread.join()
         if cancel.is_set() or not self._engine_lock.acquire(blocking=False):
             self._emit({**record, "stop_reason": "busy" if not cancel.is_set() else "cancelled"})
             return

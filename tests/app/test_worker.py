@@ -200,6 +200,17 @@ def test_real_engine_under_a_budget_plans_for_the_requested_context(tmp_path: Pa
         w.close()
 
 
+def test_a_chat_read_right_after_a_generation_waits_for_it_to_let_go(fake_worker: WorkerProc) -> None:
+    """The window reads a chat ahead as soon as a generation's finished record arrives; the generate thread may hold
+    the engine a moment longer. The read waits for it and reads; it is not answered "busy"."""
+    w = fake_worker
+    w.load()
+    w.send(cmd="generate", id="g", messages=[{"role": "user", "content": "linger"}])
+    assert w.expect_event("finished", id="g")["stop_reason"] == "max_new_tokens"
+    w.send(cmd="read_chat", id="r", messages=[{"role": "user", "content": "hi"}])
+    assert w.expect_event("chat_read", id="r")["stop_reason"] == "prefilled"
+
+
 def test_reading_a_chat_ahead_yields_to_whatever_needs_the_engine(fake_worker: WorkerProc) -> None:
     """read_chat (the window reading a chat while the engine is idle) holds the engine, but a generate, a load or
     another read_chat stops it within a segment; it is answered by one chat_read record, never an error."""
