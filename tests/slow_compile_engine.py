@@ -27,7 +27,9 @@ def hanging_backend(graph_module: Any, example_inputs: list[Any]) -> Any:
     helper = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({COMPILE_S})"])
     pid_file = os.environ.get(HELPER_PID_ENV)
     if pid_file:
-        Path(pid_file).write_text(str(helper.pid), encoding="ascii")
+        part = Path(f"{pid_file}.part")  # whole or absent: the test reads the file as soon as it exists
+        part.write_text(str(helper.pid), encoding="ascii")
+        os.replace(part, pid_file)
     time.sleep(COMPILE_S)
     return graph_module.forward
 
