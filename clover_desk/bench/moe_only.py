@@ -237,11 +237,11 @@ def bnb_gemv_moe(bank: Any, x: Any, idx: Any, w: Any, gemv: Any = None) -> Any:
     import torch
     import torch.nn.functional as F
 
-    from clover_desk.engine.weights.quant import _bnb_functional
+    from clover_desk.engine.weights.bnb import bnb_functional
 
     lay = bank.layout
     inter, hidden = lay.intermediate_size, lay.hidden_size
-    code = _bnb_functional().get_4bit_type("nf4", device=x.device)  # [16] fp32, bitsandbytes' NF4 table
+    code = bnb_functional().get_4bit_type("nf4", device=x.device)  # [16] fp32, bitsandbytes' NF4 table
     gemv = gemv or torch.ops.bitsandbytes.gemv_4bit
 
     def seg(row: Any, part: tuple[int, int], dtype: Any = torch.uint8) -> Any:

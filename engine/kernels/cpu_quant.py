@@ -27,7 +27,8 @@ Layouts (all CPU, contiguous):
 * ``w`` uint8 ``[N, row_bytes]``: one ggml row of K values per output row, whole blocks,
 * expert banks: ``gate`` / ``up`` uint8 ``[E, I, row_bytes(D)]`` and ``down`` uint8 ``[E, D, row_bytes(I)]``, or
   one packed row per expert ``[E, nbytes]`` = gate, up, down blocks (``moe_packed``, ``GGUFExpertBank.packed``;
-  its Q4_K / Q6_K matrices' rows interleaved by 8, :data:`Q4_KX8` / :data:`Q6_KX8`, where ``engine.kernels.x8`` did).
+  its Q4_K / Q6_K matrices' rows interleaved by 8, :data:`Q4_KX8` / :data:`Q6_KX8`, where ``engine.kernels.x8`` did),
+  or the own cache's rows (``moe_rows``; NF4 rows interleaved by 8 in memory: :data:`NF4X8`).
 
 Letters: T activation rows, K input width, N output rows, E experts, I expert width, D hidden width, k experts per
 token.
@@ -60,6 +61,7 @@ SUPPORTED = tuple(BLOCK)
 # the engine's own formats (private ids, outside ggml's): codes + a separate fp32 scale per ``blocksize`` values of
 # the flattened matrix (NF4: bitsandbytes' absmax blocks, high nibble first; INT8: one scale per row); Q4_KX8, Q6_KX8:
 NF4, INT8, Q4_KX8, Q6_KX8 = 200, 201, 212, 214  # Q4_K, Q6_K rows interleaved by 8 (engine.kernels.x8), moe_packed
+NF4X8 = 220  # NF4 expert rows interleaved by 8 (engine.kernels.x8), moe_rows
 SPLIT_NAMES = {NF4: "NF4", INT8: "INT8"}
 SPLIT_OF_FORMAT = {"nf4": NF4, "int8": INT8}
 SPLIT_STEP = 32  # values per activation block: rows and NF4 blocksizes must be multiples of it
@@ -70,6 +72,25 @@ BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 _ERRORS = {1: "unsupported ggml type", 2: "bad shape (width not a whole number of blocks, or expert index out of "
            "range)", 3: "out of memory"}
+
+
+_C = {"i": ctypes.c_int64, "n": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float}  # int64, int, pointer, float
+_SIGNATURES: dict[str, str | None] = {  # the library's functions (all return int) and their argument types
+    "clover_simd": None, "clover_vnni": None, "clover_openmp": None,
+    "clover_qmatmul": "p i i p i n p i p n",
+    "clover_moe": "p i i i i i p i i n p i i n p i i n p p p n",
+    "clover_smatmul": "p i i p i p i n p i p n",
+    "clover_moe_split": "p i i i i i p i i i i i n i i p p p n n",
+    "clover_smatmul_tiled": "p i i p i p i n i p n",
+    "clover_gdn_step": "p p p p p p p p i i i n",
+    "clover_gdn_conv": "p p p p p i i",
+    "clover_rms_norm": "p p f p i i n",
+    "clover_rope": "p p p p i i i",
+    "clover_qmatmul_many": "p i i n n p p p p n",
+    "clover_gdn_token": "p p p p p f p p p i i i i n n",
+    "clover_x8_pack": "p i i i i n n n",
+    "clover_x8_nf4_pack": "p i i i i i i i n n",
+}
 
 
 def row_bytes(qtype: int, ncols: int) -> int:
@@ -170,35 +191,11 @@ class Kernels:
 
     @staticmethod
     def _bind(lib: ctypes.CDLL) -> None:
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.clover_simd.restype = i32
-        lib.clover_vnni.restype = i32
-        lib.clover_openmp.restype = i32
-        lib.clover_qmatmul.restype = i32
-        lib.clover_qmatmul.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, i64, ptr, i32]
-        lib.clover_moe.restype = i32
-        lib.clover_moe.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i32, ptr, i64, i64, i32,
-                                   ptr, i64, i64, i32, ptr, ptr, ptr, i32]
-        lib.clover_smatmul.restype = i32
-        lib.clover_smatmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, ptr, i64, ptr, i32]
-        lib.clover_moe_split.restype = i32
-        lib.clover_moe_split.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i32, i64, i64,
-                                         ptr, ptr, ptr, i32, i32]
-        lib.clover_smatmul_tiled.restype = i32
-        lib.clover_smatmul_tiled.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32, i64, ptr, i32]
-        lib.clover_gdn_step.restype = i32
-        lib.clover_gdn_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
-        lib.clover_gdn_conv.restype = i32
-        lib.clover_gdn_conv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
-        lib.clover_rms_norm.restype = i32
-        lib.clover_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, ptr, i64, i64, i32]
-        lib.clover_rope.restype = i32
-        lib.clover_rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
-        lib.clover_qmatmul_many.restype = i32
-        lib.clover_qmatmul_many.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, ptr, ptr, i32]
-        lib.clover_gdn_token.restype = i32
-        lib.clover_gdn_token.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64, i64,
-                                         i32, i32]
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            if args is not None:
+                fn.argtypes = [_C[a] for a in args.split()]
 
     @property
     def simd(self) -> bool:
@@ -265,10 +262,11 @@ class Kernels:
                  qtype: int, blocksizes: tuple[int, int] | list[int], topk_idx: Tensor, topk_w: Tensor) -> Tensor:
         """Routed experts from the engine's own expert rows: packed uint8 [E, nbytes], each row
         [gate_up codes [2I, D] | down codes [D, I] | gate_up scales | down scales] at byte ``offsets`` (the
-        ``ExpertLayout`` segments), all of split type ``qtype``; ``blocksizes`` (gate_up, down) values per scale."""
+        ``ExpertLayout`` segments), all of split type ``qtype`` (or :data:`NF4X8`: NF4 rows interleaved by 8, each
+        row whole scale blocks); ``blocksizes`` (gate_up, down) values per scale."""
         x = _as_f32_2d(x)
         d, i = x.shape[1], int(intermediate)
-        if qtype not in SPLIT_NAMES:
+        if qtype not in SPLIT_NAMES and qtype != NF4X8:
             raise ValueError(f"moe_rows: type {qtype} is not a split format (supported: {sorted(SPLIT_NAMES.values())})")
         bs_gu, bs_dn = (int(b) for b in blocksizes)
         for width, bs in ((d, bs_gu), (i, bs_dn)):

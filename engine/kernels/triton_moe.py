@@ -70,11 +70,12 @@ def _gguf_qtypes(layout: RowLayout) -> tuple[int, int, int] | None:
 
 
 def supports(layout: RowLayout) -> bool:
-    """Whether a fused kernel reads this layout's rows: NF4, or GGUF with all three types in ``GGUF_TYPES``."""
+    """Whether a fused kernel reads this layout's rows: NF4, or GGUF with all three types in ``GGUF_TYPES`` (never
+    rows interleaved for the CPU kernels: not the file's or bitsandbytes' order)."""
     qtypes = _gguf_qtypes(layout)
-    if qtypes is not None:  # (rows interleaved for the CPU kernels are not the file's blocks)
+    if qtypes is not None:
         return all(q in GGUF_TYPES for q in qtypes) and not any(getattr(layout, "x8", ()))
-    return layout.fmt == "nf4"
+    return layout.fmt == "nf4" and not getattr(layout, "x8", False)
 
 
 _enabled = False  # engine.settings.GpuPaths.fused_moe, set by engine.kernels.switches.use at load

@@ -1,5 +1,5 @@
-"""Q4_K and Q6_K expert rows interleaved in groups of 8 for the CPU kernels (``T_Q4_KX8`` / ``T_Q6_KX8`` in
-``csrc/quant_cpu.c``).
+"""Q4_K, Q6_K and NF4 expert rows interleaved in groups of 8 for the CPU kernels (``T_Q4_KX8`` / ``T_Q6_KX8`` /
+``T_NF4X8`` in ``csrc/quant_cpu.c``).
 
 A routed expert of a pass or an AR step multiplies 1-3 tokens, and a row's direct dot spends ~25 cycles a Q4_K block
 and a token here: two multiplies per 32 products, the block's scales unpacked and its 8 lanes summed for every row.
@@ -16,11 +16,18 @@ r) and the 6-bit values re-packed three vectors a quad (at 144 + ((8h + i) * 3 +
 >> 2t) & 3) << 6, v_m = value 128h + 32m + 4i + k of row r), so that each unpacks in at most 4 operations.
 :func:`pack` / :func:`unpack` are the reference (torch, any device); :func:`pack_bank` rewrites an expert bank in
 place on the CPU (C, once at load: ``engine.weights.gguf.model.GGUFExpertBank.interleave``).
+
+The own cache's NF4 experts (bitsandbytes' layout on disk, which a GPU reads) are interleaved in memory when the cache
+is loaded on the CPU (``engine.weights.quant.QuantExpertBank.interleave``). A group keeps its 8 rows' code bytes and
+fp32 scales; the codes of each 32-value step lie in 128 bytes, four 32-byte vectors v whose byte 4r + k holds value
+4v + k of row r in its low nibble and value 16 + 4v + k in its high one, and the scales go [block][row]. One load and
+two table lookups (``vpshufb``) give 8 values of each of 8 rows, so ``vpdpbusd`` reads them with the activation's 4
+values broadcast, as above, with the tiled NF4 kernel's per-step arithmetic (``kts``): 1.8-2.0x the plain rows at
+the real widths, from an AR step to a 128-token prefill. :func:`nf4_pack` / :func:`nf4_unpack` are the reference,
+:func:`pack_nf4_bank` the C rewrite.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 from torch import Tensor
@@ -107,9 +114,6 @@ def unpack(packed: Tensor, qtype: int = cpu_quant.Q4_K) -> Tensor:
     return rows.permute(0, 1, 3, 2, 4).reshape(packed.shape)
 
 
-_FN: dict[int, object] = {}
-
-
 def pack_bank(bank: Tensor, offset: int, rows: int, row_bytes: int, qtype: int = cpu_quant.Q4_K, *,
               undo: bool = False) -> None:
     """Interleave (``undo``: restore) in place the ``qtype`` matrix [rows, row_bytes] at byte ``offset`` of every row
@@ -121,15 +125,72 @@ def pack_bank(bank: Tensor, offset: int, rows: int, row_bytes: int, qtype: int =
                          f"{bank.dtype} on {bank.device}")
     if offset < 0 or offset + rows * row_bytes > bank.shape[1] or row_bytes % ROW_BLOCK[qtype]:
         raise ValueError(f"pack_bank: a matrix [{rows}, {row_bytes}] at {offset} does not fit rows of {bank.shape[1]}")
-    lib = cpu_quant.kernels().lib()
-    fn = _FN.get(id(lib))
-    if fn is None:
-        fn = _FN[id(lib)] = lib.clover_x8_pack
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int]
     if bank.shape[0] == 0:
         return
-    rc = fn(bank.data_ptr() + offset, bank.shape[0], bank.stride(0), rows, row_bytes // ROW_BLOCK[qtype], qtype,
-            int(undo), torch.get_num_threads())
+    rc = cpu_quant.kernels().lib().clover_x8_pack(bank.data_ptr() + offset, bank.shape[0], bank.stride(0), rows,
+                                                  row_bytes // ROW_BLOCK[qtype], qtype, int(undo),
+                                                  torch.get_num_threads())
     cpu_quant._raise_for(rc, "x8 pack")
+
+
+# --- NF4 (the engine's own expert rows, ``engine.weights.quant.ExpertLayout``) ---------------------------------
+
+
+def nf4_pack(codes: Tensor, scales: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """NF4 matrices [..., R, width] (``codes`` uint8 [..., R * width / 2], two a byte, the first in the high nibble;
+    ``scales`` fp32 [..., R * width / bs]) -> both interleaved in groups of 8 rows (``T_NF4X8``; new tensors of the same
+    shapes). R must be a multiple of 8 and bs divide the width."""
+    v, lead, r = _nf4_values(codes, width)  # [L, G, 8, steps, 32]
+    q = v.reshape(*v.shape[:4], 2, 4, 4)  # [L, G, 8 rows, steps, high, vector, k]
+    q = (q[..., 0, :, :] | q[..., 1, :, :] << 4).permute(0, 1, 3, 4, 2, 5)  # [L, G, steps, vector, 8 rows, k]
+    return q.reshape(codes.shape), _nf4_scales(scales, lead, r, False)
+
+
+def nf4_unpack(codes: Tensor, scales: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`nf4_pack`."""
+    lead, r, steps = codes.shape[:-1], codes.shape[-1] * 2 // width, width // 32
+    q = codes.reshape(-1, r // GROUP, steps, 4, GROUP, 4).permute(0, 1, 4, 2, 3, 5)  # [L, G, 8, steps, vector, k]
+    v = torch.stack([q & 15, q >> 4], -3).reshape(-1, r // GROUP, GROUP, width)  # value 16 h + 4 vector + k of a step
+    plain = (v[..., 0::2] << 4 | v[..., 1::2]).reshape(codes.shape)
+    return plain, _nf4_scales(scales, lead, r, True)
+
+
+def _nf4_values(codes: Tensor, width: int) -> tuple[Tensor, torch.Size, int]:
+    if codes.dtype != torch.uint8 or width % 32 or (codes.shape[-1] * 2) % width:
+        raise ValueError(f"x8: NF4 codes must be uint8 [..., R * {width} / 2] with a width a multiple of 32, got "
+                         f"{tuple(codes.shape)} {codes.dtype}")
+    r = codes.shape[-1] * 2 // width
+    if r % GROUP:
+        raise ValueError(f"x8: NF4 rows must be a multiple of {GROUP}, got {r}")
+    b = codes.reshape(-1, r // GROUP, GROUP, width // 2)
+    v = torch.stack([b >> 4, b & 15], -1).reshape(-1, r // GROUP, GROUP, width // 32, 32)
+    return v, codes.shape[:-1], r
+
+
+def _nf4_scales(scales: Tensor, lead: torch.Size, r: int, undo: bool) -> Tensor:
+    """[..., R * n] row-major <-> [..., G, n, 8] per group (``undo``: back)."""
+    n = scales.shape[-1] // r
+    if scales.shape[:-1] != lead or n * r != scales.shape[-1]:
+        raise ValueError(f"x8: NF4 scales {tuple(scales.shape)} do not match {r} rows of codes {tuple(lead)}")
+    s = scales.reshape(-1, r // GROUP, *((n, GROUP) if undo else (GROUP, n)))
+    return s.transpose(-2, -1).reshape(scales.shape)
+
+
+def pack_nf4_bank(bank: Tensor, codes: int, scales: int, rows: int, width: int, blocksize: int, *,
+                  undo: bool = False) -> None:
+    """Interleave (``undo``: restore) in place the NF4 matrix [rows, width] of every row of ``bank`` uint8 [E, nbytes]
+    (one row per expert, on the CPU): its codes at byte ``codes``, its fp32 scales (one per ``blocksize`` values) at
+    byte ``scales`` of the row, with the C kernels."""
+    nbytes = bank.shape[1] if bank.dim() == 2 else 0
+    if bank.device.type != "cpu" or bank.dtype != torch.uint8 or bank.dim() != 2 or bank.stride(1) != 1:
+        raise ValueError(f"pack_nf4_bank: a CPU uint8 [E, nbytes] bank with unit column stride, got "
+                         f"{tuple(bank.shape)} {bank.dtype} on {bank.device}")
+    if (min(codes, scales) < 0 or codes + rows * width // 2 > nbytes or scales + 4 * rows * width // blocksize > nbytes
+            or rows % GROUP or width % blocksize or blocksize % 32):
+        raise ValueError(f"pack_nf4_bank: an NF4 matrix [{rows}, {width}] (blocksize {blocksize}) at {codes} / "
+                         f"{scales} does not fit rows of {nbytes} bytes in groups of {GROUP}")
+    if bank.shape[0] == 0:
+        return
+    rc = cpu_quant.kernels().lib().clover_x8_nf4_pack(bank.data_ptr(), bank.shape[0], bank.stride(0), codes, scales,
+                                                      rows, width, blocksize, int(undo), torch.get_num_threads())
+    cpu_quant._raise_for(rc, "x8 NF4 pack")

@@ -296,6 +296,10 @@ def load_from_cache(
         )
     finally:
         source.close()
+    if torch.device(device).type == "cpu":  # resident NF4 experts' rows interleaved for the CPU kernels, in memory
+        for bank in model.modules():
+            if isinstance(bank, QuantExpertBank):
+                bank.interleave()
     if progress is not None:
         total = source.tracker.total
         progress(LoadProgress(stage="done", done_bytes=total, total_bytes=total))

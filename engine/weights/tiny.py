@@ -158,6 +158,7 @@ def make_tiny(
     clover_extras: bool | str = True,
     max_shard_bytes: int | None = None,
     max_position_embeddings: int = 131_072,
+    moe_intermediate: int = 32,
 ) -> Path:
     """Write a tiny random model folder to ``out_dir`` and return its path.
 
@@ -175,7 +176,7 @@ def make_tiny(
     vocab = -(-tokenizer.vocab_size // 64) * 64  # round up, as real checkpoints pad the embedding
     text = tiny_text_config(
         vocab_size=vocab, layers=layers, hidden=hidden, experts=experts, experts_per_tok=experts_per_tok,
-        max_position_embeddings=max_position_embeddings,
+        max_position_embeddings=max_position_embeddings, moe_intermediate=moe_intermediate,
     )
     config_dict = config_dict_for(model_type, text, special)  # type: ignore[arg-type]
     config = parse_config(config_dict, source=str(out / "config.json"))

@@ -73,7 +73,18 @@ enum { T_Q4_KX8 = 212 };
  */
 enum { T_Q6_KX8 = 214 };
 #define X8_BLOCK6 1680
-static inline int is_x8_type(int qt) { return qt == T_Q4_KX8 || qt == T_Q6_KX8; }
+/*
+ * T_NF4X8: the own cache's NF4 expert rows (T_NF4, one fp32 scale per bs values, bs a multiple of 32 dividing the
+ * row width K) in groups of 8 likewise. Rows 8g .. 8g+7 keep their codes' bytes (8 K / 2 from row 8g) and their
+ * scales (8 K / bs floats from row 8g's first). The codes of 32-value step c (values 32c .. 32c+31 of each row) lie
+ * in 128 bytes at 128c: four 32-byte vectors v = 0..3, whose byte 4r + k holds the code of value 32c + 4v + k of row
+ * r in its low nibble and that of value 32c + 16 + 4v + k in its high nibble; the scales as [block j][row r]
+ * (scale j of row r at 8j + r). The codes (4 bits) are unchanged: only their places move.
+ */
+enum { T_NF4X8 = 220 };
+static inline int is_x8_type(int qt) { return qt == T_Q4_KX8 || qt == T_Q6_KX8 || qt == T_NF4X8; }
+/* interleaved types that take their own kernel at any token count (the tiled kernels' bits, no tiles) */
+static inline int x8_always(int qt) { return qt == T_Q6_KX8 || qt == T_NF4X8; }
 
 /* error codes returned to Python */
 enum { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_ALLOC = 3 };
@@ -92,10 +103,11 @@ typedef struct {
     int16_t bsums[QK / 16];
 } a8k_t;
 
-/* 32 activation values: x ~ d * q; s = d * sum(q) (for Q4_0's -8 offset) */
+/* 32 activation values: x ~ d * q; s = d * sum(q) (for Q4_0's -8 offset), sum = sum(q) (T_NF4X8's offset) */
 typedef struct {
     float d;
     float s;
+    int32_t sum;
     int8_t q[QS];
 } a8_t;
 
@@ -316,6 +328,7 @@ static void quantize_row_a8(const float *x, int64_t K, a8_t *out) {
         int s = 0;
         for (int l = 0; l < QS; l++) s += blk->q[l];
         blk->s = blk->d * (float)s;
+        blk->sum = s;
     }
 }
 
@@ -1064,6 +1077,8 @@ static sdot_fn sdot_for(int qt) { return qt == T_NF4 ? dot_nf4 : qt == T_I8 ? do
 
 /* whether rows of K values of this matrix can be computed here */
 static int mat_ok(const mat_t *m, int64_t K) {
+    if (m->qt == T_NF4X8) /* whole scale blocks in each row, rows of K / 2 code bytes */
+        return K % QS == 0 && m->bs > 0 && m->bs % QS == 0 && K % m->bs == 0 && m->v0 % m->bs == 0 && m->rs == K / 2;
     if (is_split_type(m->qt)) return K % QS == 0 && m->bs > 0 && m->bs % QS == 0;
     if (is_x8_type(m->qt)) return K % QK == 0 && m->rs == K / QK * block_bytes(m->qt); /* whole groups of 8 rows */
     return dot_for(m->qt) != NULL && K % block_values(m->qt) == 0;
@@ -1071,7 +1086,7 @@ static int mat_ok(const mat_t *m, int64_t K) {
 
 /* bytes of one row of K values (what a row's prefetch touches) */
 static int64_t mat_row_bytes(const mat_t *m, int64_t K) {
-    if (m->qt == T_NF4) return K / 2;
+    if (m->qt == T_NF4 || m->qt == T_NF4X8) return K / 2;
     if (m->qt == T_I8) return K;
     return K / block_values(m->qt) * block_bytes(m->qt);
 }
@@ -1212,7 +1227,7 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         const int q = j == 0 ? qg : j == 1 ? qu : qd;
         if (!is_split_type(q) && !dot_for(q) && !is_x8_type(q)) return ERR_TYPE;
     }
-    /* interleaved rows (T_Q4_KX8, T_Q6_KX8): gate and up both or neither, whole groups of 8 rows */
+    /* interleaved rows (T_Q4_KX8, T_Q6_KX8, T_NF4X8): gate and up both or neither, whole groups of 8 rows */
     const int x8gu = is_x8_type(qg), x8d = is_x8_type(qd);
     if (x8gu != is_x8_type(qu)) return ERR_TYPE;
     if ((x8gu && I % 8) || (x8d && D % 8)) return ERR_SHAPE;
@@ -1258,8 +1273,8 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     /* an expert with >= KT_MIN_T tokens takes the tiled kernels (kt / kts) in tasks of KT_WROWS rows; interleaved
        rows go in their groups of 8 (KT_WROWS: both kernels' tasks are one group) */
     const int kt = most >= KT_MIN_T && kt_moe_wanted(g, u, dn, T, D, I);
-    /* interleaved Q6_K takes its own kernel at any token count (kt's bits): no tiles for its side */
-    const int kt_gu = kt && qg != T_Q6_KX8, kt_d = kt && qd != T_Q6_KX8;
+    /* interleaved Q6_K and NF4 take their own kernel at any token count (kt's bits): no tiles for their side */
+    const int kt_gu = kt && !x8_always(qg), kt_d = kt && !x8_always(qd);
     const int64_t tile = kt_gu ? KT_WROWS : x8gu ? 8 : tiled ? TILE_R : 1;
     const int64_t tile_d = kt_d ? KT_WROWS : x8d ? 8 : tiled ? TILE_R : 1;
     const int64_t GI = (I + tile - 1) / tile, GD = (D + tile_d - 1) / tile_d; /* row tiles per matrix */
@@ -1764,7 +1779,8 @@ int clover_smatmul_tiled(const float *x, int64_t T, int64_t K, const uint8_t *co
 /*
  * moe_run over the engine's own expert rows (engine.weights.quant.ExpertLayout): expert e is the byte row
  * base + e * es = [gate_up codes [2I, D] | down codes [D, I] | gate_up scales | down scales] at the given byte
- * offsets, all of split type qt; gate is gate_up's rows 0..I-1, up its rows I..2I-1. bs_gu / bs_dn: values per
+ * offsets, all of split type qt (or T_NF4X8: NF4 rows interleaved by 8); gate is gate_up's rows 0..I-1, up its
+ * rows I..2I-1. bs_gu / bs_dn: values per
  * scale of gate_up / down (NF4: the blocksize; I8: the row width, D / I). tiled: tasks of TILE_R rows through
  * mat_rows_tiled (each expert's NF4 rows decoded once for all its tokens), else one row per task through
  * mat_rows_direct; both give the same bits.
@@ -1773,8 +1789,8 @@ int clover_moe_split(const float *x, int64_t T, int64_t D, int64_t I, int64_t E,
                      int64_t es, int64_t gu_codes, int64_t dn_codes, int64_t gu_scales, int64_t dn_scales, int qt,
                      int64_t bs_gu, int64_t bs_dn, const int64_t *topk_idx, const float *topk_w, float *out,
                      int tiled, int nth) {
-    if (!is_split_type(qt)) return ERR_TYPE;
-    const int64_t rg = qt == T_NF4 ? D / 2 : D, rd = qt == T_NF4 ? I / 2 : I; /* code bytes per row */
+    if (!is_split_type(qt) && qt != T_NF4X8) return ERR_TYPE;
+    const int64_t rg = qt == T_I8 ? D : D / 2, rd = qt == T_I8 ? I : I / 2; /* code bytes per row */
     const mat_t g = {qt, base + gu_codes, es, rg, base + gu_scales, es, bs_gu, 0};
     const mat_t u = {qt, base + gu_codes + I * rg, es, rg, base + gu_scales, es, bs_gu, I * D};
     const mat_t dn = {qt, base + dn_codes, es, rd, base + dn_scales, es, bs_dn, 0};
@@ -2597,6 +2613,112 @@ static inline __attribute__((always_inline)) void x8_dots6(const uint8_t *grp, i
 }
 #endif
 
+#if CLOVER_AVX2
+/*
+ * x8_dots for NF4 groups (T_NF4X8): steps 32-value steps of a group against na (1 to DOT_ROWS, a constant) activation
+ * rows; sc: the group's scales ([block][row]), per: steps a scale block. One 32-byte load holds 8 values of each row
+ * (4 in the low nibbles, 4 in the high), one table lookup (vpshufb) each turns them into the table's int8 values.
+ * The formula is kts's: per step p = sum w a (exact), acc = fma(s * da, p, acc), steps in order, so a token's rows
+ * come out the same alone or in any batch, and equal to the tiled kernels' at >= 8 tokens. VNNI reads u = w + 128
+ * (vpdpbusd's unsigned side) and takes 128 sum(a) off each step; AVX2 moves the signs of w onto a (maddubs pairs
+ * <= 2 x 127 x 127): the same integers.
+ */
+static inline __attribute__((always_inline)) void x8_dots_nf4(const uint8_t *grp, const float *sc, int64_t steps,
+                                                              int64_t per, const a8_t *const *as, const int na,
+                                                              __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
+#if CLOVER_VNNI
+    const __m256i lutu = _mm256_xor_si256(lut, _mm256_set1_epi8((char)0x80)); /* w + 128 */
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < steps; c++, grp += 128) {
+        __m256i plo[DOT_ROWS], phi[DOT_ROWS];
+        for (int j = 0; j < na; j++) plo[j] = phi[j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(grp + 32 * v));
+            const __m256i clo = _mm256_and_si256(q, low4), chi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+#if CLOVER_VNNI
+            const __m256i ulo = _mm256_shuffle_epi8(lutu, clo), uhi = _mm256_shuffle_epi8(lutu, chi);
+            for (int j = 0; j < na; j++) {
+                plo[j] = _mm256_dpbusd_epi32(plo[j], ulo, kt_bcast(as[j][c].q + 4 * v));
+                phi[j] = _mm256_dpbusd_epi32(phi[j], uhi, kt_bcast(as[j][c].q + 16 + 4 * v));
+            }
+#else
+            const __m256i wlo = _mm256_shuffle_epi8(lut, clo), whi = _mm256_shuffle_epi8(lut, chi);
+            const __m256i ulo = _mm256_abs_epi8(wlo), uhi = _mm256_abs_epi8(whi);
+            for (int j = 0; j < na; j++) {
+                const __m256i alo = _mm256_sign_epi8(kt_bcast(as[j][c].q + 4 * v), wlo);
+                const __m256i ahi = _mm256_sign_epi8(kt_bcast(as[j][c].q + 16 + 4 * v), whi);
+                plo[j] = _mm256_add_epi32(plo[j], _mm256_madd_epi16(_mm256_maddubs_epi16(ulo, alo), ones));
+                phi[j] = _mm256_add_epi32(phi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, ahi), ones));
+            }
+#endif
+        }
+        const __m256 s = _mm256_loadu_ps(sc + 8 * (c / per));
+        for (int j = 0; j < na; j++) {
+            __m256i p = _mm256_add_epi32(plo[j], phi[j]);
+#if CLOVER_VNNI
+            p = _mm256_sub_epi32(p, _mm256_set1_epi32(128 * as[j][c].sum));
+#endif
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[j][c].d)), _mm256_cvtepi32_ps(p), acc[j]);
+        }
+    }
+}
+#endif
+
+/* the code of value l (0-31) of row r in step c's 128 bytes at q of a T_NF4X8 group */
+static inline int nf4x8_code(const uint8_t *q, int r, int l) {
+    const int quad = l / 4, byte = q[32 * (quad % 4) + 4 * r + l % 4];
+    return quad < 4 ? byte & 15 : byte >> 4;
+}
+
+/* the 8 interleaved NF4 rows r0 .. r0+7 of expert e of m (T_NF4X8) against n activation rows -> out */
+static void x8_rows_nf4(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx,
+                        int64_t n, float *out, int64_t ostride) {
+    const uint8_t *grp = m->w + e * m->es + r0 * m->rs;
+    const float *sc = (const float *)(m->s + e * m->ses) + (m->v0 + r0 * K) / m->bs;
+    const int64_t steps = K / QS, per = m->bs / QS;
+    const size_t arow = sizeof(a8_t) * (size_t)steps;
+    const float post = 1.0f / 127.0f;
+#if CLOVER_AVX2
+    for (int64_t i0 = 0; i0 < n;) {
+        const int64_t g = dot_group(n - i0);
+        const a8_t *as[DOT_ROWS];
+        __m256 acc[DOT_ROWS];
+        for (int64_t i = 0; i < g; i++) as[i] = (const a8_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
+        switch (g) { /* a constant row count in each: the loops over rows unroll */
+        case 1: x8_dots_nf4(grp, sc, steps, per, as, 1, acc); break;
+        case 2: x8_dots_nf4(grp, sc, steps, per, as, 2, acc); break;
+        case 3: x8_dots_nf4(grp, sc, steps, per, as, 3, acc); break;
+        default: x8_dots_nf4(grp, sc, steps, per, as, 4, acc); break;
+        }
+        for (int64_t i = 0; i < g; i++) {
+            float v[8];
+            _mm256_storeu_ps(v, _mm256_mul_ps(acc[i], _mm256_set1_ps(post)));
+            for (int r = 0; r < 8; r++) out[(i0 + i) * ostride + r] = v[r];
+        }
+        i0 += g;
+    }
+#else
+    for (int64_t i = 0; i < n; i++) {
+        const a8_t *a = (const a8_t *)(act + (size_t)(tidx ? tidx[i] : i) * arow);
+        for (int r = 0; r < 8; r++) {
+            float acc = 0.0f;
+            for (int64_t c = 0; c < steps; c++) {
+                int32_t p = 0;
+                for (int l = 0; l < QS; l++) p += NF4_I8[nf4x8_code(grp + 128 * c, r, l)] * a[c].q[l];
+                acc = fmaf(sc[8 * (c / per) + r] * a[c].d, (float)p, acc);
+            }
+            out[i * ostride + r] = acc * post;
+        }
+    }
+#endif
+}
+
 #if !CLOVER_AVX2
 /* one row's block of an interleaved group in the scalar build: kt's formula, one value at a time */
 static float x8_scalar_block(int qt, const uint8_t *blk, int r, const a8k_t *a, float acc) {
@@ -2627,6 +2749,10 @@ static float x8_scalar_block(int qt, const uint8_t *blk, int r, const a8k_t *a, 
 
 static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx, int64_t n,
                     float *out, int64_t ostride) {
+    if (m->qt == T_NF4X8) {
+        x8_rows_nf4(m, e, r0, K, act, tidx, n, out, ostride);
+        return;
+    }
     const uint8_t *grp = m->w + e * m->es + r0 / 8 * 8 * m->rs;
     const int64_t nb = K / QK;
     const size_t arow = sizeof(a8k_t) * (size_t)nb;
@@ -2687,6 +2813,48 @@ int clover_x8_pack(uint8_t *w, int64_t E, int64_t es, int64_t R, int64_t nb, int
                 uint8_t *row = unpack ? grp + r * rs + b * bb : buf + r * rs + b * bb;
                 uint8_t *blk = unpack ? buf + b * xb : grp + b * xb;
                 (q6 ? x8_q6_row : x8_q4_row)(row, r, blk, !unpack);
+            }
+        free(buf);
+    }
+    return rc;
+}
+
+/*
+ * Interleave (unpack 0) or restore (unpack 1), in place, the NF4 matrices [R, K] of E experts: expert e's codes at
+ * base + e * es + codes (R * K / 2 bytes, two codes a byte, the first in the high nibble), its fp32 scales at
+ * base + e * es + scales (R * K / bs, one per bs values of the flattened matrix) -> T_NF4X8's groups of 8 rows (R a
+ * multiple of 8, bs a multiple of 32 dividing K). Returns 0 or an error.
+ */
+int clover_x8_nf4_pack(uint8_t *base, int64_t E, int64_t es, int64_t codes, int64_t scales, int64_t R, int64_t K,
+                       int64_t bs, int unpack, int nth) {
+    if (E < 0 || R % 8 || K <= 0 || K % QS || bs <= 0 || bs % QS || K % bs) return ERR_SHAPE;
+    const int64_t G = E * (R / 8), cb = 8 * K / 2, nsc = K / bs; /* code bytes a group, scales a row */
+    int rc = OK;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, G)) schedule(static)
+    for (int64_t t = 0; t < G; t++) {
+        uint8_t *row0 = base + t / (R / 8) * es, *grp = row0 + codes + t % (R / 8) * cb;
+        uint8_t *sg = row0 + scales + t % (R / 8) * 8 * nsc * 4;
+        uint8_t *buf = (uint8_t *)malloc((size_t)(cb + 32 * nsc));
+        if (!buf) {
+            rc = ERR_ALLOC;
+            continue;
+        }
+        memcpy(buf, grp, (size_t)cb);
+        memcpy(buf + cb, sg, (size_t)(32 * nsc));
+        memset(grp, 0, (size_t)cb);
+        for (int r = 0; r < 8; r++)
+            for (int64_t v = 0; v < K; v++) { /* value v of row r: plain byte r K / 2 + v / 2, high nibble when even */
+                const int64_t c = v / QS, l = v % QS, quad = l / 4;
+                const int64_t at = 128 * c + 32 * (quad % 4) + 4 * r + l % 4, pl = r * K / 2 + v / 2;
+                const int xsh = quad < 4 ? 0 : 4, psh = v % 2 ? 0 : 4;
+                if (unpack) grp[pl] |= (uint8_t)(((buf[at] >> xsh) & 15) << psh);
+                else grp[at] |= (uint8_t)(((buf[pl] >> psh) & 15) << xsh);
+            }
+        for (int r = 0; r < 8; r++)
+            for (int64_t j = 0; j < nsc; j++) { /* scale j of row r: plain r nsc + j, interleaved 8 j + r */
+                const int64_t plain = r * nsc + j, x8 = 8 * j + r;
+                memcpy(sg + 4 * (unpack ? plain : x8), buf + cb + 4 * (unpack ? x8 : plain), 4);
             }
         free(buf);
     }
