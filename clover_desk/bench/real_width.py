@@ -50,6 +50,7 @@ from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.weights.gguf.file import open_gguf
 from clover_desk.engine.weights.gguf.model import GGUFExpertBank, load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.quant import QuantExpertBank
 from clover_desk.engine.weights.quant_cache import load_quantized
 from clover_desk.engine.weights.tiny import make_real_shape
 
@@ -58,9 +59,11 @@ log = logging.getLogger(__name__)
 
 
 def interleaved(model: CloverModel) -> tuple[int, int]:
-    """(expert matrices whose rows the CPU kernels interleaved by 8 at load, all expert matrices) of a GGUF model."""
-    banks = [m for m in model.modules() if isinstance(m, GGUFExpertBank)]
-    return sum(sum(b.layout.x8) for b in banks), 3 * len(banks)
+    """(expert matrices whose rows the CPU kernels interleaved by 8 at load, all expert matrices) of a GGUF model or
+    one read from the own cache (its NF4 banks: gate, up and down together)."""
+    gguf = [m for m in model.modules() if isinstance(m, GGUFExpertBank)]
+    own = [m for m in model.modules() if isinstance(m, QuantExpertBank)]
+    return sum(sum(b.layout.x8) for b in gguf) + 3 * sum(b.layout.x8 for b in own), 3 * (len(gguf) + len(own))
 
 
 def cache_root(layers: int) -> Path:
@@ -407,9 +410,9 @@ def run_real_width(args: argparse.Namespace) -> int:
     who = f"llama.cpp {llama_cpp.__version__} (llama-cpp-python)" if llama_cpp else "llama.cpp not installed"
     print(f"== real widths, {layers} layers; {path.name} ({path.stat().st_size / 2**30:.2f} GiB: {type_mix(path)}); "
           f"own cache {report.path.name}; {threads} threads; best of {repeats} interleaved runs; {who}")
-    done, total = interleaved(gguf_model)
-    print(f"the file's expert matrices with rows interleaved by 8 for the CPU kernels (engine.kernels.x8): {done} of "
-          f"{total}")
+    (done, total), (own, own_total) = interleaved(gguf_model), interleaved(cache_model)
+    print(f"expert matrices with rows interleaved by 8 for the CPU kernels (engine.kernels.x8): the file's {done} of "
+          f"{total}, the own cache's {own} of {own_total}")
     print(f"prompt {prompt_len} tokens, {n_new} greedy AR tokens; an AR step reads {file_bytes.ar(k) / 1e6:.0f} MB of the "
           f"file (head {file_bytes.head / 1e6:.0f} MB, dense {sum(file_bytes.dense) / 1e6:.0f} MB, {k} experts x "
           f"{layers} layers {k * sum(file_bytes.per_expert) / 1e6:.0f} MB), {cache_bytes.ar(k) / 1e6:.0f} MB of the cache")
@@ -425,7 +428,8 @@ def run_real_width(args: argparse.Namespace) -> int:
         same = {n: sum(a == b for a, b in zip(tokens[n], tokens[ref])) for n in sides if n != ref}
         print("greedy tokens identical to llama.cpp's: " + ", ".join(f"{n} {v}/{n_new}" for n, v in same.items())
               + " (all round activations to int8 blocks, in their own orders; random weights have near ties)")
-    _print_pass(gguf_model, file_bytes, prompt, repeats)
+    _print_pass(gguf_model, file_bytes, prompt, repeats, "engine, the file")
+    _print_pass(cache_model, cache_bytes, prompt, repeats, "engine, own cache", alike=False)
     if llama_cpp is not None:
         _print_kl(llama_cpp, path, path.parent / "model-F16-upstream.gguf", prompt, threads,
                   {"engine, the file": sides["engine, the file"], "engine, own cache": sides["engine, own cache"]})
@@ -437,8 +441,10 @@ def run_real_width(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_pass(model: CloverModel, sb: StepBytes, prompt: list[int], repeats: int) -> None:
-    """A 32-slot block pass beside one AR step, per layer and for the head: time, bytes touched, GB/s."""
+def _print_pass(model: CloverModel, sb: StepBytes, prompt: list[int], repeats: int, name: str,
+                alike: bool = True) -> None:
+    """A 32-slot block pass beside one AR step, per layer and for the head: time, bytes touched, GB/s (``alike``:
+    also as the random weights route it, the 32 masks alike; always with the slots' experts spread)."""
     config = model.config
     block_start = len(prompt) // BLOCK * BLOCK
     cache = model.new_cache(block_start + BLOCK)
@@ -455,15 +461,16 @@ def _print_pass(model: CloverModel, sb: StepBytes, prompt: list[int], repeats: i
 
     one_pass()
     one_step()
-    pass_t = LayerClock(model).run(one_pass, repeats)
     step_t = LayerClock(model).run(one_step, repeats)
-    used = _distinct_experts(model, one_pass)
-    print("block pass vs AR step (engine, the file; 32 masks after the prompt route alike on random weights):")
-    _pass_table(model, sb, step_t, pass_t, used)
+    if alike:
+        pass_t = LayerClock(model).run(one_pass, repeats)
+        print(f"block pass vs AR step ({name}; 32 masks after the prompt route alike on random weights):")
+        _pass_table(model, sb, step_t, pass_t, _distinct_experts(model, one_pass))
     with _spread_routing(model):  # a trained router spreads a pass's 32 slots: the issue's ~160 experts a layer
         spread_t = LayerClock(model).run(one_pass, repeats)
         spread = _distinct_experts(model, one_pass)
-    print("the same pass with each slot's 8 experts drawn at random, as a trained router spreads distinct tokens:")
+    print(f"{'the same pass' if alike else f'block pass vs AR step ({name})'} with each slot's 8 experts drawn at "
+          "random, as a trained router spreads distinct tokens:")
     _pass_table(model, sb, step_t, spread_t, spread)
 
 

@@ -18,6 +18,7 @@ from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.weights.gguf.file import open_gguf
 from clover_desk.engine.weights.gguf.model import load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
+from clover_desk.engine.weights.quant_cache import load_quantized
 from clover_desk.engine.weights.tiny import make_tiny
 
 
@@ -117,3 +118,6 @@ def test_the_bench_counts_the_interleaved_expert_matrices(q8_file: Path, tmp_pat
     q4k = write_gguf(wide, tmp_path / "wide-Q4_K.gguf", "Q4_K", layout="fork")[0]
     n = open_gguf(q4k).config.num_hidden_layers
     assert interleaved(load_gguf_model(q4k).model) == (2 * n, 3 * n)  # gate and up; down is Q8_0 (32-wide rows)
+    assert interleaved(load_quantized(wide, cache_root=tmp_path / "c1")[0]) == (0, 3 * n)  # 32-wide: no NF4 blocks
+    nf4 = make_tiny(tmp_path / "nf4", seed=3, hidden=256, tokenizer_vocab=512, moe_intermediate=64)
+    assert interleaved(load_quantized(nf4, cache_root=tmp_path / "c2")[0]) == (3 * n, 3 * n)  # the own cache's NF4

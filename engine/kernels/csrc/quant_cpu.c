@@ -103,11 +103,12 @@ typedef struct {
     int16_t bsums[QK / 16];
 } a8k_t;
 
-/* 32 activation values: x ~ d * q; s = d * sum(q) (for Q4_0's -8 offset), sum = sum(q) (T_NF4X8's offset) */
+/* 32 activation values: x ~ d * q; s = d * sum(q) (for Q4_0's -8 offset), off = -128 sum(q) (T_NF4X8's, whose VNNI
+   dots read w + 128) */
 typedef struct {
     float d;
     float s;
-    int32_t sum;
+    int32_t off;
     int8_t q[QS];
 } a8_t;
 
@@ -328,7 +329,7 @@ static void quantize_row_a8(const float *x, int64_t K, a8_t *out) {
         int s = 0;
         for (int l = 0; l < QS; l++) s += blk->q[l];
         blk->s = blk->d * (float)s;
-        blk->sum = s;
+        blk->off = -128 * s;
     }
 }
 
@@ -2634,9 +2635,21 @@ static inline __attribute__((always_inline)) void x8_dots_nf4(const uint8_t *grp
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < steps; c++, grp += 128) {
+    const float *scale = sc;
+    for (int64_t c = 0, left = per; c < steps; c++, grp += 128) {
+        if (!left--) { /* the next scale block */
+            scale += 8;
+            left = per - 1;
+        }
         __m256i plo[DOT_ROWS], phi[DOT_ROWS];
-        for (int j = 0; j < na; j++) plo[j] = phi[j] = _mm256_setzero_si256();
+        for (int j = 0; j < na; j++) {
+#if CLOVER_VNNI
+            plo[j] = _mm256_set1_epi32(as[j][c].off); /* the sums start at -128 sum(a): p comes out exact */
+#else
+            plo[j] = _mm256_setzero_si256();
+#endif
+            phi[j] = _mm256_setzero_si256();
+        }
 #pragma GCC unroll 4
         for (int v = 0; v < 4; v++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(grp + 32 * v));
@@ -2658,12 +2671,9 @@ static inline __attribute__((always_inline)) void x8_dots_nf4(const uint8_t *grp
             }
 #endif
         }
-        const __m256 s = _mm256_loadu_ps(sc + 8 * (c / per));
+        const __m256 s = _mm256_loadu_ps(scale);
         for (int j = 0; j < na; j++) {
-            __m256i p = _mm256_add_epi32(plo[j], phi[j]);
-#if CLOVER_VNNI
-            p = _mm256_sub_epi32(p, _mm256_set1_epi32(128 * as[j][c].sum));
-#endif
+            const __m256i p = _mm256_add_epi32(plo[j], phi[j]);
             acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[j][c].d)), _mm256_cvtepi32_ps(p), acc[j]);
         }
     }
