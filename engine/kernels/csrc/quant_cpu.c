@@ -1197,6 +1197,7 @@ static int moe_chunk(int64_t tasks, int nth, int64_t tile, int64_t row_bytes) {
 
 #define KT_ROWS 8     /* activation rows per tile: the int32 lanes of a 256-bit vector */
 #define KT_MIN_T 8    /* fewer activation rows: row_dots */
+#define KT_X8_MIN_T 16 /* T_Q4_KX8 experts with fewer tokens keep the x8 kernel (8 tokens: 1.4x kt; 16: even) */
 #define KT_WROWS 8    /* weight rows per task */
 #define KT_GROUP 8    /* tiles per pass over a task's blocks (64 activation rows: a block of them, 19 KB, stays in L1) */
 
@@ -1209,8 +1210,10 @@ static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char
    with >= KT_MIN_T tokens (off[e]: its first tile, -1 for the others), kt_expert_rows multiplies rows with them */
 static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_t T, int64_t D, int64_t I);
 static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, const int64_t *count,
-                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int split, int64_t *off,
-                             int nth);
+                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int split, int64_t min_t,
+                             int64_t *off, int nth);
+/* the fewest tokens an expert's rows of type qt take the tiled kernels from */
+static inline int64_t kt_min_for(int qt) { return qt == T_Q4_KX8 ? KT_X8_MIN_T : KT_MIN_T; }
 static void kt_expert_rows(const mat_t *m, int64_t e, int64_t r0, int64_t nr, int64_t K, const void *tiles,
                            int64_t off, int64_t n, float *out, int64_t ostride);
 
@@ -1271,8 +1274,9 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
         const int64_t n = count[used[i] + 1] - count[used[i]];
         most = n > most ? n : most;
     }
-    /* an expert with >= KT_MIN_T tokens takes the tiled kernels (kt / kts) in tasks of KT_WROWS rows; interleaved
-       rows go in their groups of 8 (KT_WROWS: both kernels' tasks are one group) */
+    /* an expert with >= KT_MIN_T tokens takes the tiled kernels (kt / kts) in tasks of KT_WROWS rows (interleaved
+       Q4_K rows from KT_X8_MIN_T: the same bits, the faster kernel either side); interleaved rows go in their groups
+       of 8 (KT_WROWS: both kernels' tasks are one group) */
     const int kt = most >= KT_MIN_T && kt_moe_wanted(g, u, dn, T, D, I);
     /* interleaved Q6_K and NF4 take their own kernel at any token count (kt's bits): no tiles for their side */
     const int kt_gu = kt && !x8_always(qg), kt_d = kt && !x8_always(qd);
@@ -1295,7 +1299,8 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
      * mat_rows(tiled, ...) helper with that loop 1.07-1.09x, this 1.02-1.03x, where the same build against itself
      * reads 0.97-1.01x on this shared machine; scripts/bench_moe_ab.py).
      */
-    if (kt_gu && !(tx = kt_expert_tiles(ag, arow_g, tok, count, used, U, E, D / QK, is_split_type(qg), offx, nth))) {
+    if (kt_gu && !(tx = kt_expert_tiles(ag, arow_g, tok, count, used, U, E, D / QK, is_split_type(qg), kt_min_for(qg),
+                                        offx, nth))) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -1329,7 +1334,8 @@ static int moe_run(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     }
 
     ah = (char *)quantize_rows(qd, h, P, I, nth);
-    if (!ah || (kt_d && !(th = kt_expert_tiles(ah, arow_d, NULL, count, used, U, E, I / QK, is_split_type(qd), offh, nth)))) {
+    if (!ah || (kt_d && !(th = kt_expert_tiles(ah, arow_d, NULL, count, used, U, E, I / QK, is_split_type(qd),
+                                               kt_min_for(qd), offh, nth)))) {
         rc = ERR_ALLOC;
         goto done;
     }
@@ -2433,16 +2439,16 @@ static int kt_moe_wanted(const mat_t *g, const mat_t *u, const mat_t *dn, int64_
     return kts_wanted(g, D, T) && kts_wanted(u, D, T) && kts_wanted(dn, I, T);
 }
 
-/* the tiles of every used expert with >= KT_MIN_T tokens: off[e] its first tile, -1 for the others */
+/* the tiles of every used expert with >= min_t tokens: off[e] its first tile, -1 for the others */
 static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, const int64_t *count,
-                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int split, int64_t *off,
-                             int nth) {
+                             const int64_t *used, int64_t U, int64_t E, int64_t nb, int split, int64_t min_t,
+                             int64_t *off, int nth) {
 #if CLOVER_AVX2
     int64_t total = 0;
     for (int64_t e = 0; e < E; e++) off[e] = -1;
     for (int64_t i = 0; i < U; i++) {
         const int64_t e = used[i], n = count[e + 1] - count[e];
-        if (n < KT_MIN_T) continue;
+        if (n < min_t) continue;
         off[e] = total;
         total += (n + KT_ROWS - 1) / KT_ROWS * nb;
     }
@@ -2461,8 +2467,8 @@ static void *kt_expert_tiles(const char *act, size_t arow, const int64_t *tidx, 
     }
     return tiles;
 #else
-    (void)act, (void)arow, (void)tidx, (void)count, (void)used, (void)U, (void)E, (void)nb, (void)split, (void)off,
-        (void)nth;
+    (void)act, (void)arow, (void)tidx, (void)count, (void)used, (void)U, (void)E, (void)nb, (void)split, (void)min_t,
+        (void)off, (void)nth;
     return NULL;
 #endif
 }
