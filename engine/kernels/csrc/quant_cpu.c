@@ -1706,11 +1706,12 @@ static void split_row_tiled(const mat_t *m, int64_t e, int64_t r, int64_t K, con
     const int64_t v0 = m->v0 + r * K;
     const int nf4 = m->qt == T_NF4;
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
+    int64_t blk = v0 / m->bs, rem = v0 % m->bs;
     for (int64_t b = 0; b < nb; b++) { /* decode once: the table values (NF4) or the codes (INT8), and scales */
         const __m256i w = nf4 ? nf4_values(wr + 16 * b, lut) : _mm256_loadu_si256((const __m256i *)(wr + 32 * b));
         wabs[b] = _mm256_sign_epi8(w, w);
         wsgn[b] = w;
-        sc[b] = s[(v0 + QS * b) / m->bs];
+        sc[b] = next_scale(s, m->bs, &blk, &rem);
     }
     const float post = nf4 ? 1.0f / 127.0f : 1.0f;
     for (int64_t i = 0; i < n; i++) {
@@ -2271,6 +2272,7 @@ static void kts_decode(const mat_t *m, int64_t e, int64_t r, int64_t K, int64_t 
     const uint8_t *wr = m->w + e * m->es + r * m->rs;
     const float *sc = (const float *)(m->s + e * m->ses);
     const int64_t v = m->v0 + r * K + b * QK;
+    int64_t blk = v / m->bs, rem = v % m->bs; /* the scales walked (next_scale), not divided for each step */
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
     for (int c = 0; c < QK / QS; c++) {
         const __m256i w = m->qt == T_NF4 ? nf4_values(wr + (b * QK + c * QS) / 2, lut)
@@ -2281,7 +2283,7 @@ static void kts_decode(const mat_t *m, int64_t e, int64_t r, int64_t K, int64_t 
         _mm256_storeu_si256((__m256i *)(o->u + c * QS), _mm256_abs_epi8(w));
         _mm256_storeu_si256((__m256i *)(o->w + c * QS), w);
 #endif
-        o->s[c] = sc[(v + c * QS) / m->bs];
+        o->s[c] = next_scale(sc, m->bs, &blk, &rem);
     }
 }
 
