@@ -2688,6 +2688,17 @@ static inline __attribute__((always_inline)) void x8_dots_nf4(const uint8_t *grp
 }
 #endif
 
+#if CLOVER_AVX2
+/* g activation rows' sums of an interleaved group (acc[i] lane r: row r), times post -> out[i * ostride + r] */
+static inline void x8_store(const __m256 *acc, int64_t g, float post, float *out, int64_t ostride) {
+    for (int64_t i = 0; i < g; i++) {
+        float v[8];
+        _mm256_storeu_ps(v, _mm256_mul_ps(acc[i], _mm256_set1_ps(post)));
+        for (int r = 0; r < 8; r++) out[i * ostride + r] = v[r];
+    }
+}
+#endif
+
 /* the code of value l (0-31) of row r in step c's 128 bytes at q of a T_NF4X8 group */
 static inline int nf4x8_code(const uint8_t *q, int r, int l) {
     const int quad = l / 4, byte = q[32 * (quad % 4) + 4 * r + l % 4];
@@ -2714,11 +2725,7 @@ static void x8_rows_nf4(const mat_t *m, int64_t e, int64_t r0, int64_t K, const 
         case 3: x8_dots_nf4(grp, sc, steps, per, as, 3, acc); break;
         default: x8_dots_nf4(grp, sc, steps, per, as, 4, acc); break;
         }
-        for (int64_t i = 0; i < g; i++) {
-            float v[8];
-            _mm256_storeu_ps(v, _mm256_mul_ps(acc[i], _mm256_set1_ps(post)));
-            for (int r = 0; r < 8; r++) out[(i0 + i) * ostride + r] = v[r];
-        }
+        x8_store(acc, g, post, out + i0 * ostride, ostride);
         i0 += g;
     }
 #else
@@ -2787,11 +2794,7 @@ static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char
         case 3: q6 ? x8_dots6(grp, nb, as, 3, acc) : x8_dots(grp, nb, as, 3, acc); break;
         default: q6 ? x8_dots6(grp, nb, as, 4, acc) : x8_dots(grp, nb, as, 4, acc); break;
         }
-        for (int64_t i = 0; i < g; i++) {
-            float v[8];
-            _mm256_storeu_ps(v, acc[i]);
-            for (int r = 0; r < 8; r++) out[(i0 + i) * ostride + r] = v[r];
-        }
+        x8_store(acc, g, 1.0f, out + i0 * ostride, ostride); /* times 1: the same bits */
         i0 += g;
     }
 #else
