@@ -50,7 +50,7 @@ from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.weights.gguf.file import open_gguf
 from clover_desk.engine.weights.gguf.model import GGUFExpertBank, load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
-from clover_desk.engine.weights.quant import QuantExpertBank
+from clover_desk.engine.weights.quant import QuantExpertBank, QuantLinear
 from clover_desk.engine.weights.quant_cache import load_quantized
 from clover_desk.engine.weights.tiny import make_real_shape
 
@@ -411,8 +411,9 @@ def run_real_width(args: argparse.Namespace) -> int:
     print(f"== real widths, {layers} layers; {path.name} ({path.stat().st_size / 2**30:.2f} GiB: {type_mix(path)}); "
           f"own cache {report.path.name}; {threads} threads; best of {repeats} interleaved runs; {who}")
     (done, total), (own, own_total) = interleaved(gguf_model), interleaved(cache_model)
+    int8 = [m for m in cache_model.modules() if isinstance(m, QuantLinear) and m.fmt == "int8"]
     print(f"expert matrices with rows interleaved by 8 for the CPU kernels (engine.kernels.x8): the file's {done} of "
-          f"{total}, the own cache's {own} of {own_total}")
+          f"{total}, the own cache's {own} of {own_total}; its INT8 projections {sum(m.x8 for m in int8)} of {len(int8)}")
     print(f"prompt {prompt_len} tokens, {n_new} greedy AR tokens; an AR step reads {file_bytes.ar(k) / 1e6:.0f} MB of the "
           f"file (head {file_bytes.head / 1e6:.0f} MB, dense {sum(file_bytes.dense) / 1e6:.0f} MB, {k} experts x "
           f"{layers} layers {k * sum(file_bytes.per_expert) / 1e6:.0f} MB), {cache_bytes.ar(k) / 1e6:.0f} MB of the cache")

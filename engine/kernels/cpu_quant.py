@@ -26,9 +26,10 @@ Layouts (all CPU, contiguous):
 * ``x`` float32 ``[T, K]`` (other float dtypes are converted; the result is float32),
 * ``w`` uint8 ``[N, row_bytes]``: one ggml row of K values per output row, whole blocks,
 * expert banks: ``gate`` / ``up`` uint8 ``[E, I, row_bytes(D)]`` and ``down`` uint8 ``[E, D, row_bytes(I)]``, or
-  one packed row per expert ``[E, nbytes]`` = gate, up, down blocks (``moe_packed``, ``GGUFExpertBank.packed``;
-  its Q4_K / Q6_K matrices' rows interleaved by 8, :data:`Q4_KX8` / :data:`Q6_KX8`, where ``engine.kernels.x8`` did),
-  or the own cache's rows (``moe_rows``; NF4 rows interleaved by 8 in memory: :data:`NF4X8`).
+  one packed row per expert ``[E, nbytes]`` = gate, up, down blocks (``moe_packed``, ``GGUFExpertBank.packed``),
+  or the own cache's rows (``moe_rows``).
+* rows interleaved by 8 (``engine.kernels.x8``): a file's Q4_K / Q6_K experts (:data:`Q4_KX8` / :data:`Q6_KX8`),
+  the own cache's NF4 experts (:data:`NF4X8`) and INT8 projections (:data:`INT8X8`, ``smatmul``), in memory.
 
 Letters: T activation rows, K input width, N output rows, E experts, I expert width, D hidden width, k experts per
 token.
@@ -59,10 +60,9 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_
 BLOCK = {Q8_0: (32, 34), Q4_0: (32, 18), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 SUPPORTED = tuple(BLOCK)
 # the engine's own formats (private ids, outside ggml's): codes + a separate fp32 scale per ``blocksize`` values of
-# the flattened matrix (NF4: bitsandbytes' absmax blocks, high nibble first; INT8: one scale per row); Q4_KX8, Q6_KX8:
-NF4, INT8, Q4_KX8, Q6_KX8 = 200, 201, 212, 214  # Q4_K, Q6_K rows interleaved by 8 (engine.kernels.x8), moe_packed
-NF4X8 = 220  # NF4 expert rows interleaved by 8 (engine.kernels.x8), moe_rows
-SPLIT_NAMES = {NF4: "NF4", INT8: "INT8"}
+# the flattened matrix (NF4: bitsandbytes' absmax blocks, high nibble first; INT8: one scale per row); the X8s: rows
+NF4, INT8, Q4_KX8, Q6_KX8, NF4X8, INT8X8 = 200, 201, 212, 214, 220, 221  # interleaved by 8 (engine.kernels.x8)
+SPLIT_NAMES = {NF4: "NF4", INT8: "INT8", INT8X8: "INT8X8"}
 SPLIT_OF_FORMAT = {"nf4": NF4, "int8": INT8}
 SPLIT_STEP = 32  # values per activation block: rows and NF4 blocksizes must be multiples of it
 
@@ -90,6 +90,7 @@ _SIGNATURES: dict[str, str | None] = {  # the library's functions (all return in
     "clover_gdn_token": "p p p p p f p p p i i i i n n",
     "clover_x8_pack": "p i i i i n n n",
     "clover_x8_nf4_pack": "p i i i i i i i n n",
+    "clover_x8_i8_pack": "p p i i i n n",
 }
 
 
@@ -238,7 +239,8 @@ class Kernels:
 
     def smatmul(self, x: Tensor, codes: Tensor, scales: Tensor, qtype: int, blocksize: int) -> Tensor:
         """x [T, K] float; codes of a split-format matrix [N, K] (NF4: uint8, any shape, N * K / 2 bytes; INT8: int8
-        [N, K]); scales fp32, one per ``blocksize`` values of the flattened matrix -> float32 [T, N]."""
+        [N, K]; :data:`INT8X8`: INT8 rows interleaved by 8, N a multiple of 8); scales fp32, one per ``blocksize``
+        values of the flattened matrix -> float32 [T, N]."""
         lib = self.lib()
         x = _as_f32_2d(x)
         k = x.shape[1]
@@ -266,7 +268,7 @@ class Kernels:
         row whole scale blocks); ``blocksizes`` (gate_up, down) values per scale."""
         x = _as_f32_2d(x)
         d, i = x.shape[1], int(intermediate)
-        if qtype not in SPLIT_NAMES and qtype != NF4X8:
+        if qtype not in (NF4, INT8, NF4X8):
             raise ValueError(f"moe_rows: type {qtype} is not a split format (supported: {sorted(SPLIT_NAMES.values())})")
         bs_gu, bs_dn = (int(b) for b in blocksizes)
         for width, bs in ((d, bs_gu), (i, bs_dn)):
@@ -494,10 +496,10 @@ def _split_codes(codes: Tensor, qtype: int, k: int) -> tuple[Tensor, int]:
         raise ValueError(f"codes must be CPU uint8 / int8, got {codes.dtype} {codes.device}")
     if k % SPLIT_STEP:
         raise ValueError(f"{SPLIT_NAMES[qtype]} rows need a multiple of {SPLIT_STEP} values, got {k}")
-    rb = k if qtype == INT8 else k // 2
+    rb = k // 2 if qtype == NF4 else k
     flat = codes.contiguous().view(torch.uint8).reshape(-1)
-    if flat.numel() % rb:
-        raise ValueError(f"{SPLIT_NAMES[qtype]} codes of {flat.numel()} bytes are not whole rows of {k} values")
+    if flat.numel() % (rb * (8 if qtype == INT8X8 else 1)):
+        raise ValueError(f"{SPLIT_NAMES[qtype]} codes of {flat.numel()} bytes are not whole (groups of 8) rows of {k}")
     return flat.view(-1, rb), flat.numel() // rb
 
 

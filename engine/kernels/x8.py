@@ -194,3 +194,52 @@ def pack_nf4_bank(bank: Tensor, codes: int, scales: int, rows: int, width: int, 
     rc = cpu_quant.kernels().lib().clover_x8_nf4_pack(bank.data_ptr(), bank.shape[0], bank.stride(0), codes, scales,
                                                       rows, width, blocksize, int(undo), torch.get_num_threads())
     cpu_quant._raise_for(rc, "x8 NF4 pack")
+
+
+# --- INT8 (the own cache's dense projections, ``engine.weights.quant.QuantLinear``) -------------------------------
+
+
+def i8_pack(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """INT8 matrices [..., R, K] (``codes`` int8 or uint8; ``scales`` fp32 [..., R * K / blocksize], one a row for
+    the cache's INT8) -> both interleaved in groups of 8 rows (``T_I8X8``: the codes of 32-value step c of rows 8g .. 8g+7 in
+    256 bytes, byte 32v + 4r + k = value 32c + 4v + k of row r; the scales [block][row]); new tensors of the same
+    shapes. R must be a multiple of 8."""
+    g, steps = _i8_groups(codes)
+    q = g.reshape(*g.shape[:3], steps, 8, 4).permute(0, 1, 3, 4, 2, 5)  # [L, G, steps, v, 8 rows, k]
+    return q.reshape(codes.shape), _nf4_scales(scales, codes.shape[:-2], codes.shape[-2], False)
+
+
+def i8_unpack(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`i8_pack`."""
+    g, steps = _i8_groups(codes)
+    q = g.reshape(*g.shape[:2], steps, 8, GROUP, 4).permute(0, 1, 4, 2, 3, 5)  # [L, G, 8 rows, steps, v, k]
+    return q.reshape(codes.shape), _nf4_scales(scales, codes.shape[:-2], codes.shape[-2], True)
+
+
+def _i8_groups(codes: Tensor) -> tuple[Tensor, int]:
+    """[..., R, K] -> ([L, G, 8, K], K / 32), checked."""
+    if codes.dim() < 2 or codes.dtype not in (torch.int8, torch.uint8) or codes.shape[-1] % 32 or codes.shape[-2] % GROUP:
+        raise ValueError(f"x8: INT8 codes must be int8 [..., R, K] with R a multiple of {GROUP} and K of 32, got "
+                         f"{tuple(codes.shape)} {codes.dtype}")
+    r, k = codes.shape[-2:]
+    return codes.reshape(-1, r // GROUP, GROUP, k), k // 32
+
+
+def pack_i8(codes: Tensor, scales: Tensor, blocksize: int | None = None, *, undo: bool = False) -> None:
+    """Interleave (``undo``: restore) in place one INT8 matrix: ``codes`` int8 [R, K] (contiguous, on the CPU) and
+    its fp32 ``scales`` (one per ``blocksize`` values of the flattened matrix; one a row by default), with the C
+    kernels."""
+    r, k = codes.shape if codes.dim() == 2 else (0, 0)
+    bs = blocksize or k
+    if (codes.device.type != "cpu" or codes.dtype not in (torch.int8, torch.uint8) or codes.dim() != 2
+            or not codes.is_contiguous() or r % GROUP or k % 32 or bs % 32 or k % max(bs, 1)):
+        raise ValueError(f"pack_i8: a contiguous CPU int8 [R, K] matrix with R a multiple of {GROUP} and K of 32 "
+                         f"(blocksize {bs} dividing K), got {tuple(codes.shape)} {codes.dtype} on {codes.device}")
+    if (scales.device.type != "cpu" or scales.dtype != torch.float32 or not scales.is_contiguous()
+            or scales.numel() != r * k // bs):
+        raise ValueError(f"pack_i8: {r * k // bs} contiguous CPU float32 scales, got {scales.numel()} {scales.dtype}")
+    if r == 0:
+        return
+    rc = cpu_quant.kernels().lib().clover_x8_i8_pack(codes.data_ptr(), scales.data_ptr(), r, k, bs, int(undo),
+                                                     torch.get_num_threads())
+    cpu_quant._raise_for(rc, "x8 INT8 pack")

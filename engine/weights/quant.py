@@ -115,6 +115,7 @@ def _cpu_kernel_type(layer: "QuantLinear", x: Tensor) -> int | None:
 def _int8_gemv_applies(layer: "QuantLinear", x: Tensor) -> bool:
     return (
         layer.fmt == "int8"
+        and not layer.x8
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and layer.codes.dtype == torch.int8
@@ -128,10 +129,14 @@ class QuantLinear(nn.Module):
     """Drop-in for ``nn.Linear`` holding a quantized weight: ``codes`` + ``scales`` buffers, optional ``bias``.
 
     ``weight`` is a property that dequantizes (for code that reads ``linear.weight``); ``forward`` dequantizes to
-    the input dtype and calls ``F.linear``.
+    the input dtype and calls ``F.linear``, or reads the codes in place (the CPU kernels).
+
+    ``x8``: an INT8 weight's rows interleaved in groups of 8 for the CPU kernels (:meth:`interleave`, in memory
+    only: ``state_dict`` gives the plain codes, and a move off the CPU restores them).
     """
 
     chunk_elems: int = DEQUANT_CHUNK_ELEMS
+    x8: bool = False
 
     def __init__(
         self,
@@ -180,6 +185,47 @@ class QuantLinear(nn.Module):
         codes, scales = quantize_tensor(w, self.fmt, self.blocksize)
         self.codes = codes.to(self.codes.device)
         self.scales = scales.to(self.scales.device)
+        self.x8 = False
+
+    def interleave(self) -> bool:
+        """Interleave an INT8 weight's rows in groups of 8 for the CPU kernels (``engine.kernels.x8``, ``INT8X8``: one
+        load holds 4 codes of 8 rows, so a token's dot is 32 products a ``vpdpbusd``, with the tiled kernels' bits at
+        any token count), in place, once. Nothing (False) where the weight is not INT8 on the CPU, the kernels cannot
+        read it, or its rows are not whole groups of 8 rows of 32-value steps."""
+        codes = self.codes
+        if (self.x8 or self.fmt != "int8" or codes.device.type != "cpu" or codes.dim() != 2
+                or not codes.is_contiguous() or not self.scales.is_contiguous() or self.out_features % x8.GROUP
+                or not cpu_quant.split_usable(cpu_quant.INT8X8, self.in_features)):
+            return False
+        x8.pack_i8(codes, self.scales)
+        self.x8 = True
+        return True
+
+    def _plain_codes(self, r0: int = 0, r1: int | None = None) -> Tensor:
+        """Codes of rows r0..r1 in the cache's row order (a copy where they are interleaved)."""
+        r1 = self.out_features if r1 is None else r1
+        if not self.x8:
+            return self.codes[r0:r1]
+        g0, g1 = r0 // x8.GROUP * x8.GROUP, -(-r1 // x8.GROUP) * x8.GROUP  # the groups holding the rows
+        plain, _ = x8.i8_unpack(self.codes[g0:g1], self.scales[g0:g1])
+        return plain[r0 - g0 : r1 - g0]
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "QuantLinear":
+        was_x8 = self.x8
+        out = super()._apply(fn, recurse)
+        if was_x8 and self.codes.device.type != "cpu":  # moved off the CPU: the rows back in the cache's order
+            self.codes = x8.i8_unpack(self.codes, self.scales)[0]
+            self.x8 = False
+        return out
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.x8:
+            destination[prefix + "codes"] = self._plain_codes()
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.x8 = False  # plain codes copied in
 
     def dequantized(self, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> Tensor:
         """The weight [O, N] (or output rows r0..r1 of it) in ``dtype``."""
@@ -191,7 +237,7 @@ class QuantLinear(nn.Module):
         elif self.fmt == "q6_k":
             codes, scales = self.codes[r0:r1], self.scales
         else:
-            codes, scales = self.codes[r0:r1], self.scales[r0:r1]
+            codes, scales = self._plain_codes(r0, r1), self.scales[r0:r1]
         return dequantize_tensor(codes, scales, (r1 - r0, n), self.fmt, self.blocksize, dtype)
 
     @property
@@ -210,6 +256,7 @@ class QuantLinear(nn.Module):
         ``GGUFLinear`` reads them), else torch's fused weight-only int8 GEMV for a few rows."""
         qtype = _cpu_kernel_type(self, x)
         if qtype is not None:
+            qtype = cpu_quant.INT8X8 if self.x8 else qtype
             bs = self.blocksize if self.fmt == "nf4" else self.in_features
             return cpu_quant.smatmul(x, self.codes, self.scales, qtype, bs, self.out_features)
         if self.fmt == "q6_k" and x.device.type == self.codes.device.type == "cpu" and cpu_quant.usable(gq.Q6_K):
@@ -230,7 +277,8 @@ class QuantLinear(nn.Module):
         bs = self.blocksize if self.fmt == "nf4" else n
         if qtype is None or not cpu_quant.split_usable(qtype, n, blocksize=bs) or not self.scales.is_contiguous():
             return None
-        return (qtype, codes.data_ptr(), 0, n if qtype == cpu_quant.INT8 else n // 2, self.scales.data_ptr(), 0, bs, 0)
+        qtype = cpu_quant.INT8X8 if self.x8 else qtype
+        return (qtype, codes.data_ptr(), 0, n if qtype != cpu_quant.NF4 else n // 2, self.scales.data_ptr(), 0, bs, 0)
 
     def forward(self, x: Tensor) -> Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
@@ -641,6 +689,20 @@ def quantize_model_(
         set_submodule(model, mod_name, new)
     log.info("quantized %d tensors with policy %s", len(applied), policy.name)
     return applied
+
+
+def interleave_for_cpu(model: nn.Module) -> int:
+    """Interleave, in memory, the rows of every resident NF4 expert bank and INT8 projection of a model on the CPU for
+    the CPU kernels (what loading the cache onto the CPU does); returns how many modules changed."""
+    done = 0
+    for module in model.modules():
+        if isinstance(module, QuantExpertBank):
+            before = module.layout.x8
+            module.interleave()
+            done += module.layout.x8 and not before
+        elif isinstance(module, QuantLinear):
+            done += module.interleave()
+    return done
 
 
 def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

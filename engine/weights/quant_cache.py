@@ -63,6 +63,7 @@ from clover_desk.engine.weights.quant import (
     QuantExpertBank,
     QuantLinear,
     QuantPolicy,
+    interleave_for_cpu,
     set_submodule,
 )
 from clover_desk.engine.weights.quant_cache_build import build_cache
@@ -296,10 +297,8 @@ def load_from_cache(
         )
     finally:
         source.close()
-    if torch.device(device).type == "cpu":  # resident NF4 experts' rows interleaved for the CPU kernels, in memory
-        for bank in model.modules():
-            if isinstance(bank, QuantExpertBank):
-                bank.interleave()
+    if torch.device(device).type == "cpu":  # resident NF4 experts' and INT8 projections' rows interleaved for the CPU
+        interleave_for_cpu(model)  # kernels, in memory (the files keep the order a GPU reads)
     if progress is not None:
         total = source.tracker.total
         progress(LoadProgress(stage="done", done_bytes=total, total_bytes=total))

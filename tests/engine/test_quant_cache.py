@@ -22,7 +22,14 @@ from clover_desk.engine.weights.checkpoint import load_model, random_state_dict,
 from clover_desk.engine.weights.formats import CPU_POLICY, CPU_Q6_DENSE_POLICY
 from clover_desk.engine.weights.gguf import quants as gq
 from clover_desk.engine.weights.gguf.model import GGUFLinear
-from clover_desk.engine.weights.quant import QuantExpertBank, QuantLinear, applied_formats, make_policy, quantize_model_
+from clover_desk.engine.weights.quant import (
+    QuantExpertBank,
+    QuantLinear,
+    applied_formats,
+    interleave_for_cpu,
+    make_policy,
+    quantize_model_,
+)
 from clover_desk.engine.weights.quant_cache import ensure_cache, load_from_cache, load_quantized
 from clover_desk.engine.weights.quant_cache_build import build_cache
 from clover_desk.engine.weights.quant_cache_files import (
@@ -75,6 +82,7 @@ def test_cache_loads_the_same_model_as_quantizing_in_memory(ckpt: Path, tmp_path
     # the reference: the plain loader, then the in-memory module swap
     ref = load_model(ckpt, dtype=torch.float32)
     quantize_model_(ref, POLICY)
+    assert interleave_for_cpu(ref) > 0  # as a CPU load lays the rows out for the kernels
     ids = torch.tensor([5, 6, 7, 8, 9, 10])
     assert torch.equal(model(ids, 0, None), ref(ids, 0, None))
     # the policy table is what was applied: read it back from the loaded model
@@ -238,6 +246,7 @@ def test_a_q6_k_head_cache_is_the_gguf_paths_q6_k_head(
     ref = load_model(wide_ckpt, dtype=torch.float32)
     file_head = GGUFLinear(gq.quantize(ref.lm_head.weight.data, gq.Q6_K), gq.Q6_K, 256)
     quantize_model_(ref, CPU_POLICY)
+    interleave_for_cpu(ref)
     assert isinstance(model.lm_head, QuantLinear) and model.lm_head.fmt == "q6_k"
     assert torch.equal(model.lm_head.codes, file_head.raw)
     h = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))

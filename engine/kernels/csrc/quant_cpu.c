@@ -82,6 +82,15 @@ enum { T_Q6_KX8 = 214 };
  * (scale j of row r at 8j + r). The codes (4 bits) are unchanged: only their places move.
  */
 enum { T_NF4X8 = 220 };
+/*
+ * T_I8X8: the own cache's per-row INT8 matrices (T_I8: the dense projections) in groups of 8 rows likewise. Rows
+ * 8g .. 8g+7 keep their 8 K code bytes and their scales (as T_NF4X8's: [block j][row r], unchanged for one scale a
+ * row); the codes of 32-value step c lie in 256 bytes at 256c: eight 32-byte vectors v = 0..7, whose byte 4r + k is
+ * the code of value 32c + 4v + k of row r. Dense products take it (qmatmul_run), not the routed experts (moe_run).
+ */
+enum { T_I8X8 = 221 };
+/* the split formats' interleaved types: their own kernel (x8_rows_split) at any token count, kts's bits */
+static inline int is_x8_split(int qt) { return qt == T_NF4X8 || qt == T_I8X8; }
 static inline int is_x8_type(int qt) { return qt == T_Q4_KX8 || qt == T_Q6_KX8 || qt == T_NF4X8; }
 /* interleaved types that take their own kernel at any token count (the tiled kernels' bits, no tiles) */
 static inline int x8_always(int qt) { return qt == T_Q6_KX8 || qt == T_NF4X8; }
@@ -356,6 +365,13 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
    once for them. 4 rows of Q4_K hold 16 of the 32 AVX-512 vector registers in accumulators (an AVX2-only build has
    16 and spills some; it still gains over single dots) */
 #define DOT_ROWS 4
+/* the most activation rows one interleaved INT8 dot takes (x8_dots_i8): 2 chains of sums a row in registers (32 of
+   them with AVX-512, 16 without) */
+#if CLOVER_VNNI
+#define X8_I8_ROWS 8
+#else
+#define X8_I8_ROWS 4
+#endif
 
 /* how many of `left` (> 0) activation rows the next multi-row dot takes: groups of DOT_ROWS, and of 3 rather than
    4 + 1 (5 rows: 3 + 2, 6: 3 + 3, 7: 4 + 3) */
@@ -1078,8 +1094,9 @@ static sdot_fn sdot_for(int qt) { return qt == T_NF4 ? dot_nf4 : qt == T_I8 ? do
 
 /* whether rows of K values of this matrix can be computed here */
 static int mat_ok(const mat_t *m, int64_t K) {
-    if (m->qt == T_NF4X8) /* whole scale blocks in each row, rows of K / 2 code bytes */
-        return K % QS == 0 && m->bs > 0 && m->bs % QS == 0 && K % m->bs == 0 && m->v0 % m->bs == 0 && m->rs == K / 2;
+    if (is_x8_split(m->qt)) /* whole scale blocks in each row, rows of K / 2 (NF4) or K (INT8) code bytes */
+        return K % QS == 0 && m->bs > 0 && m->bs % QS == 0 && K % m->bs == 0 && m->v0 % m->bs == 0 &&
+               m->rs == (m->qt == T_I8X8 ? K : K / 2);
     if (is_split_type(m->qt)) return K % QS == 0 && m->bs > 0 && m->bs % QS == 0;
     if (is_x8_type(m->qt)) return K % QK == 0 && m->rs == K / QK * block_bytes(m->qt); /* whole groups of 8 rows */
     return dot_for(m->qt) != NULL && K % block_values(m->qt) == 0;
@@ -1088,7 +1105,7 @@ static int mat_ok(const mat_t *m, int64_t K) {
 /* bytes of one row of K values (what a row's prefetch touches) */
 static int64_t mat_row_bytes(const mat_t *m, int64_t K) {
     if (m->qt == T_NF4 || m->qt == T_NF4X8) return K / 2;
-    if (m->qt == T_I8) return K;
+    if (m->qt == T_I8 || m->qt == T_I8X8) return K;
     return K / block_values(m->qt) * block_bytes(m->qt);
 }
 
@@ -1130,17 +1147,28 @@ static void mat_row_dots(const mat_t *m, int64_t e, int64_t r, int64_t K, const 
 
 static int kt_wanted(int qt, int64_t T);
 static int kts_wanted(const mat_t *m, int64_t K, int64_t T);
+/* the 8 interleaved rows r0 .. r0+7 of expert e of m (T_Q4_KX8 / T_Q6_KX8 / T_NF4X8 / T_I8X8, the end of the file)
+   against n activation rows (tidx or plain) -> out[i * ostride + r] */
+static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx, int64_t n,
+                    float *out, int64_t ostride);
 static int kt_matmul(const mat_t *m, int64_t K, const char *act, size_t arow, int64_t T, const int64_t *rows,
                      int64_t R, float *out, int64_t ostride, int nth);
 
 static int qmatmul_run(const float *x, int64_t T, int64_t K, const mat_t *m, const int64_t *rows, int64_t R,
                        float *out, int nth) {
-    if (!is_split_type(m->qt) && !dot_for(m->qt)) return ERR_TYPE;
-    if (!mat_ok(m, K)) return ERR_SHAPE;
+    if (!is_split_type(m->qt) && !dot_for(m->qt) && m->qt != T_I8X8) return ERR_TYPE;
+    if (!mat_ok(m, K) || (m->qt == T_I8X8 && (rows || R % 8))) return ERR_SHAPE; /* interleaved: whole groups */
     const size_t arow = act_block_size(m->qt) * (size_t)(K / block_values(m->qt));
     const int64_t rb = mat_row_bytes(m, K);
     char *act = (char *)quantize_rows(m->qt, x, T, K, nth);
     if (!act) return ERR_ALLOC;
+    if (m->qt == T_I8X8) { /* interleaved INT8 rows: their kernel, a group of 8 rows a task, at any T */
+        const int64_t G = R / 8;
+#pragma omp parallel for num_threads(threads_for(nth, R)) schedule(dynamic, chunk_rows(G, nth, T > STREAM_MAX_T ? 0 : 8 * rb))
+        for (int64_t g = 0; g < G; g++) x8_rows(m, 0, 8 * g, K, act, NULL, T, out + 8 * g, R);
+        free(act);
+        return OK;
+    }
     if (kt_wanted(m->qt, T) || kts_wanted(m, K, T)) { /* many activation rows: the tiled kernels (end of the file) */
         const int rc = kt_matmul(m, K, act, arow, T, rows, R, out, R, nth);
         free(act);
@@ -1176,7 +1204,7 @@ int clover_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int64
  */
 int clover_smatmul(const float *x, int64_t T, int64_t K, const uint8_t *codes, int64_t row_stride,
                    const float *scales, int64_t bs, int qt, const int64_t *rows, int64_t R, float *out, int nth) {
-    if (!is_split_type(qt)) return ERR_TYPE;
+    if (!is_split_type(qt) && qt != T_I8X8) return ERR_TYPE;
     const mat_t m = {qt, codes, 0, row_stride, (const uint8_t *)scales, 0, bs, 0};
     return qmatmul_run(x, T, K, &m, rows, R, out, nth);
 }
@@ -1201,10 +1229,6 @@ static int moe_chunk(int64_t tasks, int nth, int64_t tile, int64_t row_bytes) {
 #define KT_WROWS 8    /* weight rows per task */
 #define KT_GROUP 8    /* tiles per pass over a task's blocks (64 activation rows: a block of them, 19 KB, stays in L1) */
 
-/* the 8 interleaved rows r0 .. r0+7 of expert e of m (T_Q4_KX8 / T_Q6_KX8, the end of the file) against n activation
-   rows (tidx or plain) -> out[i * ostride + r] */
-static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx, int64_t n,
-                    float *out, int64_t ostride);
 
 /* the tiled K formats for an expert's tokens (end of the file): kt_expert_tiles builds the tiles of every used expert
    with >= KT_MIN_T tokens (off[e]: its first tile, -1 for the others), kt_expert_rows multiplies rows with them */
@@ -1755,6 +1779,7 @@ static void mat_rows_tiled(const mat_t *m, int64_t e, int64_t r0, int64_t nr, in
 
 /* as qmatmul_run over all N rows (no row selection), through mat_rows_tiled */
 static int qmatmul_tiled_run(const float *x, int64_t T, int64_t K, const mat_t *m, int64_t N, float *out, int nth) {
+    if (m->qt == T_I8X8) return qmatmul_run(x, T, K, m, NULL, N, out, nth); /* its own kernel decodes nothing */
     if (!is_split_type(m->qt) && !dot_for(m->qt)) return ERR_TYPE;
     if (!mat_ok(m, K)) return ERR_SHAPE;
     const size_t arow = act_block_size(m->qt) * (size_t)(K / block_values(m->qt));
@@ -1779,7 +1804,7 @@ static int qmatmul_tiled_run(const float *x, int64_t T, int64_t K, const mat_t *
 /* clover_smatmul without row selection, each weight row decoded once for all rows of x (same results) */
 int clover_smatmul_tiled(const float *x, int64_t T, int64_t K, const uint8_t *codes, int64_t row_stride,
                          const float *scales, int64_t bs, int qt, int64_t N, float *out, int nth) {
-    if (!is_split_type(qt)) return ERR_TYPE;
+    if (!is_split_type(qt) && qt != T_I8X8) return ERR_TYPE;
     const mat_t m = {qt, codes, 0, row_stride, (const uint8_t *)scales, 0, bs, 0};
     return qmatmul_tiled_run(x, T, K, &m, N, out, nth);
 }
@@ -2699,43 +2724,115 @@ static inline void x8_store(const __m256 *acc, int64_t g, float post, float *out
 }
 #endif
 
-/* the code of value l (0-31) of row r in step c's 128 bytes at q of a T_NF4X8 group */
-static inline int nf4x8_code(const uint8_t *q, int r, int l) {
-    const int quad = l / 4, byte = q[32 * (quad % 4) + 4 * r + l % 4];
-    return quad < 4 ? byte & 15 : byte >> 4;
+#if CLOVER_AVX2
+/*
+ * x8_dots_nf4 for INT8 groups (T_I8X8) against na (1 to X8_I8_ROWS, a constant) activation rows: one 32-byte load
+ * holds 4 codes of each row, used as they are (VNNI: + 128 by one xor, for all na rows). Each row's sums go in two
+ * chains (even and odd vectors), added before the step's float part. kts's formula and bits, as x8_dots_nf4.
+ */
+static inline __attribute__((always_inline)) void x8_dots_i8(const uint8_t *grp, const float *sc, int64_t steps,
+                                                             int64_t per, const a8_t *const *as, const int na,
+                                                             __m256 *acc) {
+#if !CLOVER_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
+    const float *scale = sc;
+    for (int64_t c = 0, left = per; c < steps; c++, grp += 256) {
+        if (!left--) { /* the next scale block */
+            scale += 8;
+            left = per - 1;
+        }
+        __m256i p0[X8_I8_ROWS], p1[X8_I8_ROWS];
+        for (int j = 0; j < na; j++) {
+#if CLOVER_VNNI
+            p0[j] = _mm256_set1_epi32(as[j][c].off); /* -128 sum(a): p comes out exact */
+#else
+            p0[j] = _mm256_setzero_si256();
+#endif
+            p1[j] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(grp + 32 * v));
+#if CLOVER_VNNI
+            const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+            for (int j = 0; j < na; j++) {
+                const __m256i a = kt_bcast(as[j][c].q + 4 * v);
+                if (v & 1) p1[j] = _mm256_dpbusd_epi32(p1[j], u, a);
+                else p0[j] = _mm256_dpbusd_epi32(p0[j], u, a);
+            }
+#else
+            const __m256i u = _mm256_abs_epi8(w);
+            for (int j = 0; j < na; j++) {
+                const __m256i a = _mm256_sign_epi8(kt_bcast(as[j][c].q + 4 * v), w);
+                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);
+                if (v & 1) p1[j] = _mm256_add_epi32(p1[j], d);
+                else p0[j] = _mm256_add_epi32(p0[j], d);
+            }
+#endif
+        }
+        const __m256 s = _mm256_loadu_ps(scale);
+        for (int j = 0; j < na; j++) {
+            const __m256i p = _mm256_add_epi32(p0[j], p1[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[j][c].d)), _mm256_cvtepi32_ps(p), acc[j]);
+        }
+    }
+}
+#endif
+
+/* the weight of value l (0-31) of row r in step c's bytes at q of a T_NF4X8 (128 bytes) or T_I8X8 (256) group */
+static inline int split_x8_value(int qt, const uint8_t *q, int r, int l) {
+    const int quad = l / 4;
+    if (qt == T_I8X8) return (int8_t)q[32 * quad + 4 * r + l % 4];
+    const int byte = q[32 * (quad % 4) + 4 * r + l % 4];
+    return NF4_I8[quad < 4 ? byte & 15 : byte >> 4];
 }
 
-/* the 8 interleaved NF4 rows r0 .. r0+7 of expert e of m (T_NF4X8) against n activation rows -> out */
-static void x8_rows_nf4(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx,
-                        int64_t n, float *out, int64_t ostride) {
+/* the 8 interleaved NF4 or INT8 rows r0 .. r0+7 of expert e of m (T_NF4X8 / T_I8X8) against n activation rows -> out */
+static void x8_rows_split(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx,
+                          int64_t n, float *out, int64_t ostride) {
     const uint8_t *grp = m->w + e * m->es + r0 * m->rs;
     const float *sc = (const float *)(m->s + e * m->ses) + (m->v0 + r0 * K) / m->bs;
     const int64_t steps = K / QS, per = m->bs / QS;
     const size_t arow = sizeof(a8_t) * (size_t)steps;
-    const float post = 1.0f / 127.0f;
+    const int i8 = m->qt == T_I8X8;
+    const float post = i8 ? 1.0f : 1.0f / 127.0f;
 #if CLOVER_AVX2
+    const int64_t most = i8 ? X8_I8_ROWS : DOT_ROWS;
     for (int64_t i0 = 0; i0 < n;) {
-        const int64_t g = dot_group(n - i0);
-        const a8_t *as[DOT_ROWS];
-        __m256 acc[DOT_ROWS];
+        const int64_t g = n - i0 >= most ? most : dot_group(n - i0);
+        const a8_t *as[X8_I8_ROWS];
+        __m256 acc[X8_I8_ROWS];
         for (int64_t i = 0; i < g; i++) as[i] = (const a8_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
-        switch (g) { /* a constant row count in each: the loops over rows unroll */
-        case 1: x8_dots_nf4(grp, sc, steps, per, as, 1, acc); break;
-        case 2: x8_dots_nf4(grp, sc, steps, per, as, 2, acc); break;
-        case 3: x8_dots_nf4(grp, sc, steps, per, as, 3, acc); break;
-        default: x8_dots_nf4(grp, sc, steps, per, as, 4, acc); break;
+        if (i8) {
+            switch (g) { /* a constant row count in each: the loops over rows unroll */
+            case 1: x8_dots_i8(grp, sc, steps, per, as, 1, acc); break;
+            case 2: x8_dots_i8(grp, sc, steps, per, as, 2, acc); break;
+            case 3: x8_dots_i8(grp, sc, steps, per, as, 3, acc); break;
+            case 4: x8_dots_i8(grp, sc, steps, per, as, 4, acc); break;
+            default: x8_dots_i8(grp, sc, steps, per, as, X8_I8_ROWS, acc); break;
+            }
+        } else {
+            switch (g) {
+            case 1: x8_dots_nf4(grp, sc, steps, per, as, 1, acc); break;
+            case 2: x8_dots_nf4(grp, sc, steps, per, as, 2, acc); break;
+            case 3: x8_dots_nf4(grp, sc, steps, per, as, 3, acc); break;
+            default: x8_dots_nf4(grp, sc, steps, per, as, 4, acc); break;
+            }
         }
         x8_store(acc, g, post, out + i0 * ostride, ostride);
         i0 += g;
     }
 #else
+    const int64_t step_bytes = i8 ? 256 : 128;
     for (int64_t i = 0; i < n; i++) {
         const a8_t *a = (const a8_t *)(act + (size_t)(tidx ? tidx[i] : i) * arow);
         for (int r = 0; r < 8; r++) {
             float acc = 0.0f;
             for (int64_t c = 0; c < steps; c++) {
                 int32_t p = 0;
-                for (int l = 0; l < QS; l++) p += NF4_I8[nf4x8_code(grp + 128 * c, r, l)] * a[c].q[l];
+                for (int l = 0; l < QS; l++) p += split_x8_value(m->qt, grp + step_bytes * c, r, l) * a[c].q[l];
                 acc = fmaf(sc[8 * (c / per) + r] * a[c].d, (float)p, acc);
             }
             out[i * ostride + r] = acc * post;
@@ -2774,8 +2871,8 @@ static float x8_scalar_block(int qt, const uint8_t *blk, int r, const a8k_t *a, 
 
 static void x8_rows(const mat_t *m, int64_t e, int64_t r0, int64_t K, const char *act, const int64_t *tidx, int64_t n,
                     float *out, int64_t ostride) {
-    if (m->qt == T_NF4X8) {
-        x8_rows_nf4(m, e, r0, K, act, tidx, n, out, ostride);
+    if (is_x8_split(m->qt)) {
+        x8_rows_split(m, e, r0, K, act, tidx, n, out, ostride);
         return;
     }
     const uint8_t *grp = m->w + e * m->es + r0 / 8 * 8 * m->rs;
@@ -2877,6 +2974,42 @@ int clover_x8_nf4_pack(uint8_t *base, int64_t E, int64_t es, int64_t codes, int6
                 const int64_t plain = r * nsc + j, x8 = 8 * j + r;
                 memcpy(sg + 4 * (unpack ? plain : x8), buf + cb + 4 * (unpack ? x8 : plain), 4);
             }
+        free(buf);
+    }
+    return rc;
+}
+
+
+/*
+ * Interleave (unpack 0) or restore (unpack 1), in place, one INT8 matrix [R, K] (T_I8 -> T_I8X8): its codes (R K
+ * bytes, row-major) and its fp32 scales (R K / bs, one per bs values of the flattened matrix; one a row: bs = K),
+ * R a multiple of 8, bs a multiple of 32 dividing K. Returns 0 or an error.
+ */
+int clover_x8_i8_pack(uint8_t *codes, float *scales, int64_t R, int64_t K, int64_t bs, int unpack, int nth) {
+    if (R < 0 || R % 8 || K <= 0 || K % QS || bs <= 0 || bs % QS || K % bs) return ERR_SHAPE;
+    const int64_t G = R / 8, nsc = K / bs;
+    int rc = OK;
+    (void)nth;
+#pragma omp parallel for num_threads(threads_for(nth, G)) schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        uint8_t *grp = codes + g * 8 * K;
+        float *sg = scales + g * 8 * nsc;
+        uint8_t *buf = (uint8_t *)malloc((size_t)(8 * K + 32 * nsc));
+        if (!buf) {
+            rc = ERR_ALLOC;
+            continue;
+        }
+        float *sbuf = (float *)(buf + 8 * K);
+        memcpy(buf, grp, (size_t)(8 * K));
+        memcpy(sbuf, sg, sizeof(float) * (size_t)(8 * nsc));
+        for (int r = 0; r < 8; r++)
+            for (int64_t v = 0; v < K; v++) { /* value v of row r: plain r K + v, interleaved 256 c + 32 (l / 4) + 4 r + l % 4 */
+                const int64_t l = v % QS, x8 = 256 * (v / QS) + 32 * (l / 4) + 4 * r + l % 4, plain = r * K + v;
+                grp[unpack ? plain : x8] = buf[unpack ? x8 : plain];
+            }
+        for (int r = 0; r < 8; r++)
+            for (int64_t j = 0; j < nsc; j++) /* scale j of row r: plain r nsc + j, interleaved 8 j + r */
+                sg[unpack ? r * nsc + j : 8 * j + r] = sbuf[unpack ? 8 * j + r : r * nsc + j];
         free(buf);
     }
     return rc;
