@@ -1,5 +1,5 @@
-"""Q4_K, Q6_K and NF4 expert rows interleaved in groups of 8 for the CPU kernels (``T_Q4_KX8`` / ``T_Q6_KX8`` /
-``T_NF4X8`` in ``csrc/quant_cpu.c``).
+"""Q4_K, Q6_K and NF4 expert rows and INT8 projection rows interleaved in groups of 8 for the CPU kernels
+(``T_Q4_KX8`` / ``T_Q6_KX8`` / ``T_NF4X8`` / ``T_I8X8`` in ``csrc/quant_cpu.c``).
 
 A routed expert of a pass or an AR step multiplies 1-3 tokens, and a row's direct dot spends ~25 cycles a Q4_K block
 and a token here: two multiplies per 32 products, the block's scales unpacked and its 8 lanes summed for every row.
@@ -25,6 +25,13 @@ two table lookups (``vpshufb``) give 8 values of each of 8 rows, so ``vpdpbusd``
 values broadcast, as above, with the tiled NF4 kernel's per-step arithmetic (``kts``): 1.8-2.0x the plain rows at
 the real widths, from an AR step to a 128-token prefill. :func:`nf4_pack` / :func:`nf4_unpack` are the reference,
 :func:`pack_nf4_bank` the C rewrite.
+
+The own cache's INT8 projections (per-row scales; ``engine.weights.quant.QuantLinear.interleave``) likewise: the
+codes of each 32-value step of 8 rows lie in 256 bytes, eight 32-byte vectors whose byte 4r + k is value 4v + k of
+row r, so one load gives 4 codes of each of 8 rows with no decoding (``T_I8X8``; the scales, one a row, stay in
+place). Up to 8 activation rows share each load, two chains of sums a row; the tiled kernels' per-step arithmetic, so
+a token's outputs are the same alone or in any batch. :func:`i8_pack` / :func:`i8_unpack` are the reference,
+:func:`pack_i8` the C rewrite.
 """
 
 from __future__ import annotations
