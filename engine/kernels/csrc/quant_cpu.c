@@ -365,7 +365,7 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
    once for them. 4 rows of Q4_K hold 16 of the 32 AVX-512 vector registers in accumulators (an AVX2-only build has
    16 and spills some; it still gains over single dots) */
 #define DOT_ROWS 4
-/* the most activation rows one interleaved INT8 dot takes (x8_dots_i8): 2 chains of sums a row in registers (32 of
+/* the most activation rows one interleaved INT8 dot takes (x8_dots_split): 2 chains of sums a row in registers (32 of
    them with AVX-512, 16 without) */
 #if CLOVER_VNNI
 #define X8_I8_ROWS 8
@@ -2648,67 +2648,80 @@ static inline __attribute__((always_inline)) void x8_dots6(const uint8_t *grp, i
 #endif
 
 #if CLOVER_AVX2
-/*
- * x8_dots for NF4 groups (T_NF4X8): steps 32-value steps of a group against na (1 to DOT_ROWS, a constant) activation
- * rows; sc: the group's scales ([block][row]), per: steps a scale block. One 32-byte load holds 8 values of each row
- * (4 in the low nibbles, 4 in the high), one table lookup (vpshufb) each turns them into the table's int8 values.
- * The formula is kts's: per step p = sum w a (exact), acc = fma(s * da, p, acc), steps in order, so a token's rows
- * come out the same alone or in any batch, and equal to the tiled kernels' at >= 8 tokens. VNNI reads u = w + 128
- * (vpdpbusd's unsigned side) and takes 128 sum(a) off each step; AVX2 moves the signs of w onto a (maddubs pairs
- * <= 2 x 127 x 127): the same integers.
- */
-static inline __attribute__((always_inline)) void x8_dots_nf4(const uint8_t *grp, const float *sc, int64_t steps,
-                                                              int64_t per, const a8_t *const *as, const int na,
-                                                              __m256 *acc) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
+/* the split x8 kernels' sums of a step start at -128 sum(a) with VNNI (which reads w + 128): p comes out exact */
+static inline __m256i x8_sum0(const a8_t *a) {
 #if CLOVER_VNNI
-    const __m256i lutu = _mm256_xor_si256(lut, _mm256_set1_epi8((char)0x80)); /* w + 128 */
+    return _mm256_set1_epi32(a->off);
 #else
-    const __m256i ones = _mm256_set1_epi16(1);
+    (void)a;
+    return _mm256_setzero_si256();
 #endif
+}
+
+/* a step's float part, kts's formula: acc + (s * da) p, the rows' scales s */
+static inline __m256 x8_step(__m256 acc, __m256 s, const a8_t *a, __m256i p) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a->d)), _mm256_cvtepi32_ps(p), acc);
+}
+
+/*
+ * x8_dots for the split formats' groups (T_NF4X8, T_I8X8; i8 a constant): steps 32-value steps of a group against
+ * na (1 to X8_I8_ROWS for INT8, DOT_ROWS for NF4; a constant) activation rows; sc: the group's scales ([block][row]),
+ * per: steps a scale block. NF4: one 32-byte load holds 8 values of each row (4 in the low nibbles, 4 in the high),
+ * one table lookup (vpshufb) each turns them into the table's int8 values; INT8: one load holds 4 codes of each row,
+ * used as they are, two chains of sums a row (even and odd vectors). The formula is kts's: per step p = sum w a
+ * (exact), acc = fma(s * da, p, acc), steps in order, so a token's rows come out the same alone or in any batch, and
+ * equal to the tiled kernels' at >= 8 tokens. VNNI reads u = w + 128 (vpdpbusd's unsigned side), its sums starting
+ * at -128 sum(a); AVX2 moves the signs of w onto a (maddubs pairs <= 2 x 127 x 127): the same integers (kts_dp).
+ */
+static inline __attribute__((always_inline)) void x8_dots_split(const uint8_t *grp, const float *sc, int64_t steps,
+                                                                int64_t per, const a8_t *const *as, const int na,
+                                                                const int i8, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NF4_I8));
+    const __m256i lutu = _mm256_xor_si256(lut, flip); /* NF4 with VNNI: the table + 128 */
+    (void)lutu, (void)flip;
     for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
     const float *scale = sc;
-    for (int64_t c = 0, left = per; c < steps; c++, grp += 128) {
+    for (int64_t c = 0, left = per; c < steps; c++, grp += i8 ? 256 : 128) {
         if (!left--) { /* the next scale block */
             scale += 8;
             left = per - 1;
         }
-        __m256i plo[DOT_ROWS], phi[DOT_ROWS];
+        __m256i p0[X8_I8_ROWS], p1[X8_I8_ROWS];
         for (int j = 0; j < na; j++) {
-#if CLOVER_VNNI
-            plo[j] = _mm256_set1_epi32(as[j][c].off); /* the sums start at -128 sum(a): p comes out exact */
-#else
-            plo[j] = _mm256_setzero_si256();
-#endif
-            phi[j] = _mm256_setzero_si256();
+            p0[j] = x8_sum0(&as[j][c]);
+            p1[j] = _mm256_setzero_si256();
         }
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; v++) {
+#pragma GCC unroll 8
+        for (int v = 0; v < (i8 ? 8 : 4); v++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(grp + 32 * v));
+            if (i8) {
+#if CLOVER_VNNI
+                const __m256i u = _mm256_xor_si256(q, flip);
+#else
+                const __m256i u = _mm256_abs_epi8(q);
+#endif
+                for (int j = 0; j < na; j++) {
+                    const __m256i a = kt_bcast(as[j][c].q + 4 * v);
+                    if (v & 1) p1[j] = kts_dp(p1[j], u, q, a);
+                    else p0[j] = kts_dp(p0[j], u, q, a);
+                }
+                continue;
+            }
             const __m256i clo = _mm256_and_si256(q, low4), chi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            const __m256i wlo = _mm256_shuffle_epi8(lut, clo), whi = _mm256_shuffle_epi8(lut, chi);
 #if CLOVER_VNNI
             const __m256i ulo = _mm256_shuffle_epi8(lutu, clo), uhi = _mm256_shuffle_epi8(lutu, chi);
-            for (int j = 0; j < na; j++) {
-                plo[j] = _mm256_dpbusd_epi32(plo[j], ulo, kt_bcast(as[j][c].q + 4 * v));
-                phi[j] = _mm256_dpbusd_epi32(phi[j], uhi, kt_bcast(as[j][c].q + 16 + 4 * v));
-            }
 #else
-            const __m256i wlo = _mm256_shuffle_epi8(lut, clo), whi = _mm256_shuffle_epi8(lut, chi);
             const __m256i ulo = _mm256_abs_epi8(wlo), uhi = _mm256_abs_epi8(whi);
-            for (int j = 0; j < na; j++) {
-                const __m256i alo = _mm256_sign_epi8(kt_bcast(as[j][c].q + 4 * v), wlo);
-                const __m256i ahi = _mm256_sign_epi8(kt_bcast(as[j][c].q + 16 + 4 * v), whi);
-                plo[j] = _mm256_add_epi32(plo[j], _mm256_madd_epi16(_mm256_maddubs_epi16(ulo, alo), ones));
-                phi[j] = _mm256_add_epi32(phi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, ahi), ones));
-            }
 #endif
+            for (int j = 0; j < na; j++) {
+                p0[j] = kts_dp(p0[j], ulo, wlo, kt_bcast(as[j][c].q + 4 * v));
+                p1[j] = kts_dp(p1[j], uhi, whi, kt_bcast(as[j][c].q + 16 + 4 * v));
+            }
         }
         const __m256 s = _mm256_loadu_ps(scale);
-        for (int j = 0; j < na; j++) {
-            const __m256i p = _mm256_add_epi32(plo[j], phi[j]);
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[j][c].d)), _mm256_cvtepi32_ps(p), acc[j]);
-        }
+        for (int j = 0; j < na; j++) acc[j] = x8_step(acc[j], s, &as[j][c], _mm256_add_epi32(p0[j], p1[j]));
     }
 }
 #endif
@@ -2724,62 +2737,6 @@ static inline void x8_store(const __m256 *acc, int64_t g, float post, float *out
 }
 #endif
 
-#if CLOVER_AVX2
-/*
- * x8_dots_nf4 for INT8 groups (T_I8X8) against na (1 to X8_I8_ROWS, a constant) activation rows: one 32-byte load
- * holds 4 codes of each row, used as they are (VNNI: + 128 by one xor, for all na rows). Each row's sums go in two
- * chains (even and odd vectors), added before the step's float part. kts's formula and bits, as x8_dots_nf4.
- */
-static inline __attribute__((always_inline)) void x8_dots_i8(const uint8_t *grp, const float *sc, int64_t steps,
-                                                             int64_t per, const a8_t *const *as, const int na,
-                                                             __m256 *acc) {
-#if !CLOVER_VNNI
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
-    for (int j = 0; j < na; j++) acc[j] = _mm256_setzero_ps();
-    const float *scale = sc;
-    for (int64_t c = 0, left = per; c < steps; c++, grp += 256) {
-        if (!left--) { /* the next scale block */
-            scale += 8;
-            left = per - 1;
-        }
-        __m256i p0[X8_I8_ROWS], p1[X8_I8_ROWS];
-        for (int j = 0; j < na; j++) {
-#if CLOVER_VNNI
-            p0[j] = _mm256_set1_epi32(as[j][c].off); /* -128 sum(a): p comes out exact */
-#else
-            p0[j] = _mm256_setzero_si256();
-#endif
-            p1[j] = _mm256_setzero_si256();
-        }
-#pragma GCC unroll 8
-        for (int v = 0; v < 8; v++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(grp + 32 * v));
-#if CLOVER_VNNI
-            const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-            for (int j = 0; j < na; j++) {
-                const __m256i a = kt_bcast(as[j][c].q + 4 * v);
-                if (v & 1) p1[j] = _mm256_dpbusd_epi32(p1[j], u, a);
-                else p0[j] = _mm256_dpbusd_epi32(p0[j], u, a);
-            }
-#else
-            const __m256i u = _mm256_abs_epi8(w);
-            for (int j = 0; j < na; j++) {
-                const __m256i a = _mm256_sign_epi8(kt_bcast(as[j][c].q + 4 * v), w);
-                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);
-                if (v & 1) p1[j] = _mm256_add_epi32(p1[j], d);
-                else p0[j] = _mm256_add_epi32(p0[j], d);
-            }
-#endif
-        }
-        const __m256 s = _mm256_loadu_ps(scale);
-        for (int j = 0; j < na; j++) {
-            const __m256i p = _mm256_add_epi32(p0[j], p1[j]);
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[j][c].d)), _mm256_cvtepi32_ps(p), acc[j]);
-        }
-    }
-}
-#endif
 
 /* the weight of value l (0-31) of row r in step c's bytes at q of a T_NF4X8 (128 bytes) or T_I8X8 (256) group */
 static inline int split_x8_value(int qt, const uint8_t *q, int r, int l) {
@@ -2807,18 +2764,18 @@ static void x8_rows_split(const mat_t *m, int64_t e, int64_t r0, int64_t K, cons
         for (int64_t i = 0; i < g; i++) as[i] = (const a8_t *)(act + (size_t)(tidx ? tidx[i0 + i] : i0 + i) * arow);
         if (i8) {
             switch (g) { /* a constant row count in each: the loops over rows unroll */
-            case 1: x8_dots_i8(grp, sc, steps, per, as, 1, acc); break;
-            case 2: x8_dots_i8(grp, sc, steps, per, as, 2, acc); break;
-            case 3: x8_dots_i8(grp, sc, steps, per, as, 3, acc); break;
-            case 4: x8_dots_i8(grp, sc, steps, per, as, 4, acc); break;
-            default: x8_dots_i8(grp, sc, steps, per, as, X8_I8_ROWS, acc); break;
+            case 1: x8_dots_split(grp, sc, steps, per, as, 1, 1, acc); break;
+            case 2: x8_dots_split(grp, sc, steps, per, as, 2, 1, acc); break;
+            case 3: x8_dots_split(grp, sc, steps, per, as, 3, 1, acc); break;
+            case 4: x8_dots_split(grp, sc, steps, per, as, 4, 1, acc); break;
+            default: x8_dots_split(grp, sc, steps, per, as, X8_I8_ROWS, 1, acc); break;
             }
         } else {
             switch (g) {
-            case 1: x8_dots_nf4(grp, sc, steps, per, as, 1, acc); break;
-            case 2: x8_dots_nf4(grp, sc, steps, per, as, 2, acc); break;
-            case 3: x8_dots_nf4(grp, sc, steps, per, as, 3, acc); break;
-            default: x8_dots_nf4(grp, sc, steps, per, as, 4, acc); break;
+            case 1: x8_dots_split(grp, sc, steps, per, as, 1, 0, acc); break;
+            case 2: x8_dots_split(grp, sc, steps, per, as, 2, 0, acc); break;
+            case 3: x8_dots_split(grp, sc, steps, per, as, 3, 0, acc); break;
+            default: x8_dots_split(grp, sc, steps, per, as, 4, 0, acc); break;
             }
         }
         x8_store(acc, g, post, out + i0 * ostride, ostride);
