@@ -2894,6 +2894,16 @@ int clover_x8_pack(uint8_t *w, int64_t E, int64_t es, int64_t R, int64_t nb, int
     return rc;
 }
 
+/* a group's 8 rows of nsc fp32 scales (4-byte units, any alignment): from (as [row][j]) or back (unpack: as [j][row])
+   the interleaved order, buf -> sg */
+static void x8_scales_move(uint8_t *sg, const uint8_t *buf, int64_t nsc, int unpack) {
+    for (int r = 0; r < 8; r++)
+        for (int64_t j = 0; j < nsc; j++) { /* scale j of row r: plain r nsc + j, interleaved 8 j + r */
+            const int64_t plain = r * nsc + j, x8 = 8 * j + r;
+            memcpy(sg + 4 * (unpack ? plain : x8), buf + 4 * (unpack ? x8 : plain), 4);
+        }
+}
+
 /*
  * Interleave (unpack 0) or restore (unpack 1), in place, the NF4 matrices [R, K] of E experts: expert e's codes at
  * base + e * es + codes (R * K / 2 bytes, two codes a byte, the first in the high nibble), its fp32 scales at
@@ -2926,16 +2936,11 @@ int clover_x8_nf4_pack(uint8_t *base, int64_t E, int64_t es, int64_t codes, int6
                 if (unpack) grp[pl] |= (uint8_t)(((buf[at] >> xsh) & 15) << psh);
                 else grp[at] |= (uint8_t)(((buf[pl] >> psh) & 15) << xsh);
             }
-        for (int r = 0; r < 8; r++)
-            for (int64_t j = 0; j < nsc; j++) { /* scale j of row r: plain r nsc + j, interleaved 8 j + r */
-                const int64_t plain = r * nsc + j, x8 = 8 * j + r;
-                memcpy(sg + 4 * (unpack ? plain : x8), buf + cb + 4 * (unpack ? x8 : plain), 4);
-            }
+        x8_scales_move(sg, buf + cb, nsc, unpack);
         free(buf);
     }
     return rc;
 }
-
 
 /*
  * Interleave (unpack 0) or restore (unpack 1), in place, one INT8 matrix [R, K] (T_I8 -> T_I8X8): its codes (R K
@@ -2950,23 +2955,20 @@ int clover_x8_i8_pack(uint8_t *codes, float *scales, int64_t R, int64_t K, int64
 #pragma omp parallel for num_threads(threads_for(nth, G)) schedule(static)
     for (int64_t g = 0; g < G; g++) {
         uint8_t *grp = codes + g * 8 * K;
-        float *sg = scales + g * 8 * nsc;
+        uint8_t *sg = (uint8_t *)(scales + g * 8 * nsc);
         uint8_t *buf = (uint8_t *)malloc((size_t)(8 * K + 32 * nsc));
         if (!buf) {
             rc = ERR_ALLOC;
             continue;
         }
-        float *sbuf = (float *)(buf + 8 * K);
         memcpy(buf, grp, (size_t)(8 * K));
-        memcpy(sbuf, sg, sizeof(float) * (size_t)(8 * nsc));
+        memcpy(buf + 8 * K, sg, (size_t)(32 * nsc));
         for (int r = 0; r < 8; r++)
             for (int64_t v = 0; v < K; v++) { /* value v of row r: plain r K + v, interleaved 256 c + 32 (l / 4) + 4 r + l % 4 */
                 const int64_t l = v % QS, x8 = 256 * (v / QS) + 32 * (l / 4) + 4 * r + l % 4, plain = r * K + v;
                 grp[unpack ? plain : x8] = buf[unpack ? x8 : plain];
             }
-        for (int r = 0; r < 8; r++)
-            for (int64_t j = 0; j < nsc; j++) /* scale j of row r: plain r nsc + j, interleaved 8 j + r */
-                sg[unpack ? r * nsc + j : 8 * j + r] = sbuf[unpack ? 8 * j + r : r * nsc + j];
+        x8_scales_move(sg, buf + 8 * K, nsc, unpack);
         free(buf);
     }
     return rc;
