@@ -209,7 +209,7 @@ def main() -> None:
     k = cq.kernels()
     if not k.ok:
         raise SystemExit(f"cpu_quant unavailable: {k.reason}")
-    print(f"cpu_quant: {k.path.name} simd={('AVX2 + VNNI' if k.vnni else 'AVX2') if k.simd else 'scalar'} flags={' '.join(k.flags)} "
+    print(f"cpu_quant: {k.path.name} simd={k.isa} flags={' '.join(k.flags)} "
           f"threads={torch.get_num_threads()}")
     print("load average at start (other processes share these cores): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     bandwidth(args.reps)

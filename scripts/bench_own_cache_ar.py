@@ -99,7 +99,7 @@ def main() -> None:
     print(f"loaded in {time.perf_counter() - t0:.1f} s (cache {'rebuilt: ' + report.reason if report.rebuilt else 'used'})")
     prompt, settings = fixed_text(model.config, args.prompt, args.new)
     kern = cpu_quant.kernels()
-    print(f"CPU kernels: {'on (' + (('AVX2 + VNNI' if kern.vnni else 'AVX2') if kern.simd else 'scalar') + ')' if kern.ok else 'off: ' + kern.reason}")
+    print(f"CPU kernels: {f'on ({kern.isa})' if kern.ok else 'off: ' + kern.reason}")
     with torch.no_grad():
         if not args.skip_eager:
             on, toks_on = best(model, prompt, settings, args.repeats)

@@ -380,7 +380,7 @@ def run_real_width(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(16, 240_000, (prompt_len,), generator=gen).tolist()
     kern = cpu_quant.kernels()
-    kernels = (f"on ({('AVX2 + VNNI' if kern.vnni else 'AVX2') if kern.simd else 'scalar'})" if cpu_quant.available()
+    kernels = (f"on ({kern.isa})" if cpu_quant.available()
                else f"off: {cpu_quant.reason()}")
     say(f"CPU kernels: {kernels}; loading the file, then the engine's own cache (built once)")
 

@@ -14,9 +14,10 @@ From 8 activation rows on (prefill, diffusion passes) the rows go in tiles of 8,
 block decoded once feeds them all 4 values per vpdpbusd (K formats, and NF4 / INT8 of whole 256-value groups); with
 3-7 rows each K-format block is decoded once for all rows (:func:`set_tiled`: NF4 at other widths).
 
-Build: ``$CC`` (else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp -shared -fPIC`` into
-``$CLOVER_DESK_KERNEL_CACHE`` (else ``~/.cache/clover-desk/kernels``), one ``.so`` per hash of source, flags and
-compiler version, written under a temporary name and renamed. ``engine.settings.GpuPaths.scalar_kernels``
+Build (:mod:`engine.kernels.cpu_build`): ``$CC`` (else ``gcc``, else ``cc``) with ``-O3 -march=native -fopenmp
+-shared -fPIC``, cached per source, flags and compiler. ``-march=native`` picks the dots: AVX2, plus VNNI where the
+CPU has it (AVX-512 VNNI's 256-bit forms, or AVX-VNNI on Intel's desktop chips without AVX-512; :attr:`Kernels.isa`
+says which). ``engine.settings.GpuPaths.scalar_kernels``
 (the switch ``CLOVER_DESK_KERNEL_SCALAR=1``; :func:`set_scalar`) builds the portable scalar dots instead of the
 AVX2 ones, and ``GpuPaths.cpu_kernels`` off (:func:`set_enabled`) keeps the dequantizing path. When no compiler
 works, :func:`available` is False and :func:`reason` says why; nothing here raises at import.
@@ -38,18 +39,22 @@ token.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from clover_desk.engine.kernels.cpu_build import (
+    BASE_FLAGS,
+    FLAG_SETS,
+    ISA_NAMES,
+    SOURCE_FILE,
+    build,
+    cache_dir,
+    compiler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +71,7 @@ SPLIT_NAMES = {NF4: "NF4", INT8: "INT8", INT8X8: "INT8X8"}
 SPLIT_OF_FORMAT = {"nf4": NF4, "int8": INT8}
 SPLIT_STEP = 32  # values per activation block: rows and NF4 blocksizes must be multiples of it
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_cpu.c"
-BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
-# tried in order: the first that builds is used (a compiler without -march=native or OpenMP still gets a library)
-FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+SOURCE = SOURCE_FILE  # the source Kernels builds (a module global: A/B scripts point it at another file)
 _ERRORS = {1: "unsupported ggml type", 2: "bad shape (width not a whole number of blocks, or expert index out of "
            "range)", 3: "out of memory"}
 
@@ -102,69 +104,19 @@ def row_bytes(qtype: int, ncols: int) -> int:
     return ncols // elems * nbytes
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("CLOVER_DESK_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "clover-desk" / "kernels"
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return cc
-    return shutil.which("gcc") or shutil.which("cc")
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        done = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unknown ({exc})"
-    return done.stdout.strip() or f"unknown (exit {done.returncode})"
-
-
-def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> tuple[Path | None, str]:
-    """Compile SOURCE with ``flags`` unless a cached library exists -> (path, "") or (None, one-line reason)."""
-    try:
-        src = SOURCE.read_bytes()
-    except OSError as exc:
-        return None, f"kernel source missing: {exc}"
-    key = hashlib.sha256(src + "\0".join((cc, *flags)).encode() + _compiler_version(cc).encode()).hexdigest()[:20]
-    target = out_dir / f"quant_cpu-{key}.so"
-    if target.exists():
-        return target, ""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".quant_cpu-", suffix=".so", dir=out_dir)
-        os.close(fd)
-    except OSError as exc:
-        return None, f"cannot write the kernel cache {out_dir}: {exc}"
-    cmd = [*shlex.split(cc), *flags, str(SOURCE), "-o", tmp, "-lm"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as exc:
-        os.unlink(tmp)
-        return None, f"{cc} failed to run: {exc}"
-    if done.returncode != 0:
-        os.unlink(tmp)
-        lines = done.stderr.strip().splitlines()
-        first = next((ln for ln in lines if "error" in ln), lines[0] if lines else f"exit status {done.returncode}")
-        return None, f"{cc} {' '.join(flags)} failed: {first.strip()}"
-    os.replace(tmp, target)  # atomic: a concurrent builder finds either nothing or the whole library
-    return target, ""
-
 
 class Kernels:
     """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why."""
 
     def __init__(self, *, scalar: bool = False, vnni: bool = True, cc: str | None = None,
-                 out_dir: Path | None = None) -> None:
+                 out_dir: Path | None = None, defines: tuple[str, ...] = ()) -> None:
         self.scalar = scalar
         self.ok = False
         self.reason = ""
         self.path: Path | None = None
         self.flags: tuple[str, ...] = ()
         self._lib: ctypes.CDLL | None = None
-        cc = cc or _compiler()
+        cc = cc or compiler()
         if not cc:
             self.reason = "no C compiler found (set CC or install gcc)"
             return
@@ -172,8 +124,8 @@ class Kernels:
         reasons = []
         for extra in FLAG_SETS:
             flags = (*BASE_FLAGS, *extra, *(("-DCLOVER_FORCE_SCALAR",) if scalar else ()),
-                     *(() if vnni else ("-DCLOVER_NO_VNNI",)))
-            path, why = _build(cc, flags, out_dir)
+                     *(() if vnni else ("-DCLOVER_NO_VNNI",)), *(f"-D{d}" for d in defines))
+            path, why = build(cc, flags, out_dir, SOURCE)
             if path is None:
                 reasons.append(why)
                 continue
@@ -205,8 +157,13 @@ class Kernels:
 
     @property
     def vnni(self) -> bool:
-        """True when they add their int16 products with AVX-512 VNNI (``vnni=False`` builds them without)."""
+        """True when they add their products with VNNI (AVX-512's or AVX-VNNI; ``vnni=False`` builds them without)."""
         return bool(self._lib and self._lib.clover_vnni())
+
+    @property
+    def isa(self) -> str:
+        """What the dots run on, for reports: "scalar", "AVX2", "AVX2 + AVX-512 VNNI" or "AVX2 + AVX-VNNI"."""
+        return ISA_NAMES[int(self.lib().clover_vnni())] if self.simd else "scalar"
 
     def lib(self) -> ctypes.CDLL:
         """The loaded library (its functions bound); raises where the kernels are unavailable."""

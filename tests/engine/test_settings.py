@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # doctor reports.
 ENGINE_ENV_READS = {
     "engine/kernels/fastpath.py": {"CXX"},
-    "engine/kernels/cpu_quant.py": {"CC", "CLOVER_DESK_KERNEL_CACHE"},
+    "engine/kernels/cpu_build.py": {"CC", "CLOVER_DESK_KERNEL_CACHE"},
     "engine/kernels/gdn_kernels.py": {"TRITON_INTERPRET"},
     "engine/weights/quant_cache_files.py": {"XDG_CACHE_HOME"},
     "engine/placement/preflight.py": {"CUDA_VISIBLE_DEVICES", "BNB_CUDA_VERSION"},

@@ -31,12 +31,27 @@
 #else
 #define CLOVER_AVX2 0
 #endif
-/* AVX-512 VNNI (256-bit forms, AVX512VL): vpdpwssd adds the int16 pair products to the int32 sums in one
-   instruction where AVX2 needs madd + add; the same integers (both wrap mod 2^32; these sums stay far inside) */
+/* VNNI: vpdpwssd adds the int16 pair products to the int32 sums in one instruction where AVX2 needs madd + add, and
+   vpdpbusd the unsigned x signed byte products where AVX2 needs maddubs + madd; the same integers (both wrap mod
+   2^32; these sums stay far inside). CLOVER_VNNI 1: AVX-512 VNNI's 256-bit forms (AVX512VL: AMD Zen 4 on, Intel
+   Xeon / Ice Lake on); 2: AVX-VNNI's VEX forms, the same operation (Intel Alder Lake on, with no AVX-512). */
 #if CLOVER_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(CLOVER_NO_VNNI)
 #define CLOVER_VNNI 1
+#define dpbusd256 _mm256_dpbusd_epi32
+#define dpwssd256 _mm256_dpwssd_epi32
+#elif CLOVER_AVX2 && defined(__AVXVNNI__) && !defined(CLOVER_NO_VNNI)
+#define CLOVER_VNNI 2
+#define dpbusd256 _mm256_dpbusd_avx_epi32
+#define dpwssd256 _mm256_dpwssd_avx_epi32
 #else
 #define CLOVER_VNNI 0
+#endif
+/* vector registers: 32 with AVX-512 (AVX512VL gives the ymm forms all of them), else 16. CLOVER_16_REGS sizes the
+   kernels for 16 on an AVX-512 build (what an AVX-VNNI build runs, checkable where AVX-VNNI is not) */
+#if CLOVER_AVX2 && defined(__AVX512VL__) && !defined(CLOVER_16_REGS)
+#define CLOVER_REGS 32
+#else
+#define CLOVER_REGS 16
 #endif
 
 /* ggml type ids (fixed by the file format) */
@@ -241,7 +256,7 @@ static void x8_q6_row(uint8_t *one, int r, uint8_t *blk, int to_group) {
 /* acc + madd(p, s): int32 sums of the int16 pair products p * s */
 static inline __m256i madd_acc(__m256i acc, __m256i p, __m256i s) {
 #if CLOVER_VNNI
-    return _mm256_dpwssd_epi32(acc, p, s);
+    return dpwssd256(acc, p, s);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
 #endif
@@ -258,7 +273,7 @@ static inline float hsum_ps(__m256 v) {
    (the same integers: no pair of products here reaches maddubs' int16 saturation, |u| <= 128, |s| <= 127) */
 static inline __m256i dot_us(__m256i u, __m256i s) {
 #if CLOVER_VNNI
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return dpbusd256(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -366,8 +381,8 @@ static void quantize_row_for(int qt, const float *x, int64_t K, void *dst) {
    16 and spills some; it still gains over single dots) */
 #define DOT_ROWS 4
 /* the most activation rows one interleaved INT8 dot takes (x8_dots_split): 2 chains of sums a row in registers (32 of
-   them with AVX-512, 16 without) */
-#if CLOVER_VNNI
+   them with AVX-512, 16 without); 8 rows only where VNNI's single instruction leaves no temporaries */
+#if CLOVER_VNNI && CLOVER_REGS == 32
 #define X8_I8_ROWS 8
 #else
 #define X8_I8_ROWS 4
@@ -1067,6 +1082,7 @@ static void *quantize_rows(int qt, const float *x, int64_t T, int64_t K, int nth
 /* 1 when the AVX2 dots were compiled in, 0 for the scalar ones */
 int clover_simd(void) { return CLOVER_AVX2; }
 
+/* 0: no VNNI, 1: AVX-512 VNNI (256-bit forms), 2: AVX-VNNI */
 int clover_vnni(void) { return CLOVER_VNNI; }
 
 /* 1 when built with OpenMP */
@@ -2056,7 +2072,7 @@ static void kt_fill(const char *act, size_t arow, const int64_t *tidx, int64_t t
 /* acc + 4-product sums of unsigned u and signed s bytes per int32 lane */
 static inline __m256i kt_dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if CLOVER_VNNI
-    return _mm256_dpbusd_epi32(acc, u, s);
+    return dpbusd256(acc, u, s);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
@@ -2332,7 +2348,7 @@ static void kts_fill(const char *act, size_t arow, const int64_t *tidx, int64_t 
 static inline __m256i kts_dp(__m256i acc, __m256i u, __m256i w, __m256i x) {
 #if CLOVER_VNNI
     (void)w;
-    return _mm256_dpbusd_epi32(acc, u, x);
+    return dpbusd256(acc, u, x);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(x, w)),
                                                    _mm256_set1_epi16(1)));
