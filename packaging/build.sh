@@ -16,6 +16,18 @@ start=$(date +%s)
 # the project as a wheel installs it (clover_desk with its engine and ui inside): what the spec analyses and bundles
 rm -rf build/pyinstaller/site
 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --target build/pyinstaller/site .
+# the CPU kernels prebuilt for machines without a C compiler (engine/kernels/cpu_build.py): one library per
+# instruction-set level (AVX-512 VNNI, AVX-VNNI, AVX2, x86-64) and the OpenMP runtime they link, beside them
+"$PYTHON" - build/pyinstaller/site/clover_desk/engine/kernels <<'PY'
+import sys
+from pathlib import Path
+
+from clover_desk.engine.kernels.cpu_build import prebuild
+
+kernels = Path(sys.argv[1])
+built = prebuild(kernels / "prebuilt", source=kernels / "csrc" / "quant_cpu.c")
+print("prebuilt CPU kernels:", " ".join(p.name for p in built))
+PY
 "$PYTHON" -m PyInstaller --noconfirm --clean --log-level WARN \
     --distpath dist --workpath build/pyinstaller packaging/clover-desk.spec
 

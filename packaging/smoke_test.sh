@@ -7,6 +7,7 @@
 #   3. the engine: make-tiny, then generate 8 tokens on the CPU (torch, tokenizers, safetensors in the bundle);
 #   4. QtWebEngine: `preview --screenshot` renders a page (QtWebEngineProcess, its .pak resources, locales, ICU);
 #   5. `doctor` runs (its findings are printed, not judged: they depend on the machine);
+#   6. with no C compiler (CC pointing nowhere) `doctor` finds and loads a prebuilt CPU kernel library;
 # then prints the bundle's size. Exit 0: all passed; 1: a check failed (its output is shown); 2: no app to test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +65,9 @@ fi
 
 check "doctor runs" 120 "torch " sh -c "\"$EXE\" doctor; [ \$? -le 1 ]"
 sed 's/^/      /' "$TMP"/doctor*.log
+check "CPU kernels without a C compiler: prebuilt" 120 "CPU kernels +prebuilt quant_cpu-" \
+    sh -c "CC=/nonexistent-cc \"$EXE\" doctor; [ \$? -le 1 ]"
+grep -h "CPU kernels" "$TMP"/*kernels_without*.log | sed 's/^/      /'
 
 echo "bundle $APP_DIR: $(du -sh "$APP_DIR" | cut -f1) in $(find "$APP_DIR" -type f | wc -l) files" \
     "(torch $(du -sh "$APP_DIR/_internal/torch" 2>/dev/null | cut -f1)," \

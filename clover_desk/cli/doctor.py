@@ -3,7 +3,7 @@
     clover-desk doctor [--json]
 
 Prints what was found (torch and its CUDA build, the GPU and its compute capability, the NVIDIA driver,
-bitsandbytes' CUDA libraries) and the GPU paths and kernel switches an engine would run with
+bitsandbytes' CUDA libraries, what the CPU kernels are built with) and the GPU paths and kernel switches an engine would run with
 (``engine.settings.GpuPaths``, read from the same switches as ``generate``, ``serve`` and the window), then one line
 per finding (``engine.placement.preflight``): errors first, each naming what to
 install. ``--json`` prints ``{"facts": {...}, "findings": [{"level", "key", "message"}, ...], "report": [lines]}``
@@ -51,6 +51,7 @@ def report_lines(facts: GpuFacts, findings: list[Finding], frozen: bool = False)
         f"GPU            {gpu}",
         f"NVIDIA driver  {driver}",
         f"bitsandbytes   {bnb}",
+        f"CPU kernels    {facts.cpu_kernels or 'none: no C compiler, no prebuilt library for this CPU'}",
         f"opt-in paths   {', '.join(on) if on else 'none on'} (of {', '.join(OPT_IN)}: =1 turns one on)",
         "GPU paths and kernel switches (engine.settings.GpuPaths):",
         *(f"  {line}" for line in settings),

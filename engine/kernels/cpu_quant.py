@@ -50,10 +50,12 @@ from clover_desk.engine.kernels.cpu_build import (
     BASE_FLAGS,
     FLAG_SETS,
     ISA_NAMES,
+    PREBUILT_DIR,
     SOURCE_FILE,
     build,
     cache_dir,
     compiler,
+    prebuilt,
 )
 
 log = logging.getLogger(__name__)
@@ -104,43 +106,55 @@ def row_bytes(qtype: int, ncols: int) -> int:
     return ncols // elems * nbytes
 
 
-
 class Kernels:
-    """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why."""
+    """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why.
+    Built from :data:`SOURCE` by the C compiler (``cc``, else ``$CC``, gcc, cc); where none builds, the prebuilt
+    library for this CPU from ``prebuilt_dir`` (:func:`engine.kernels.cpu_build.prebuilt`; ``prebuilt`` names it)."""
 
     def __init__(self, *, scalar: bool = False, vnni: bool = True, cc: str | None = None,
-                 out_dir: Path | None = None, defines: tuple[str, ...] = ()) -> None:
+                 out_dir: Path | None = None, defines: tuple[str, ...] = (),
+                 prebuilt_dir: Path | None = PREBUILT_DIR) -> None:
         self.scalar = scalar
         self.ok = False
         self.reason = ""
         self.path: Path | None = None
         self.flags: tuple[str, ...] = ()
+        self.prebuilt: str | None = None
         self._lib: ctypes.CDLL | None = None
         cc = cc or compiler()
-        if not cc:
-            self.reason = "no C compiler found (set CC or install gcc)"
-            return
-        out_dir = out_dir or cache_dir()
-        reasons = []
-        for extra in FLAG_SETS:
+        reasons = [] if cc else ["no C compiler found (set CC or install gcc)"]
+        for extra in FLAG_SETS if cc else ():
             flags = (*BASE_FLAGS, *extra, *(("-DCLOVER_FORCE_SCALAR",) if scalar else ()),
                      *(() if vnni else ("-DCLOVER_NO_VNNI",)), *(f"-D{d}" for d in defines))
-            path, why = build(cc, flags, out_dir, SOURCE)
+            path, why = build(cc, flags, out_dir or cache_dir(), SOURCE)
             if path is None:
                 reasons.append(why)
                 continue
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as exc:
-                reasons.append(f"cannot load {path}: {exc}")
+            if not self._load(path, reasons):
                 continue
-            self._bind(lib)
-            self._lib, self.path, self.flags, self.ok = lib, path, flags, True
+            self.flags = flags
             if reasons:
                 log.warning("cpu_quant built with %s after: %s", " ".join(extra) or "no extra flags", reasons[0])
             return
+        if prebuilt_dir is not None and not defines:
+            path, why = prebuilt(prebuilt_dir, SOURCE, scalar=scalar, vnni=vnni)
+            if path is not None and self._load(path, reasons):
+                self.prebuilt = path.name
+                log.info("cpu_quant: %s; loaded the prebuilt %s", reasons[0], path.name)
+                return
+            reasons.append(why)
         self.reason = reasons[0] if reasons else "build failed"
         log.info("cpu_quant kernels unavailable: %s", self.reason)
+
+    def _load(self, path: Path, reasons: list[str]) -> bool:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            reasons.append(f"cannot load {path}: {exc}")
+            return False
+        self._bind(lib)
+        self._lib, self.path, self.ok = lib, path, True
+        return True
 
     @staticmethod
     def _bind(lib: ctypes.CDLL) -> None:

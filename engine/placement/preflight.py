@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from clover_desk.engine.kernels import cpu_build
 from clover_desk.engine.settings import GpuPaths, SettingsError, switches_set
 
 LEVELS = ("ok", "info", "warning", "error")
@@ -76,6 +77,8 @@ class GpuFacts:
     bnb_cuda_libs: tuple[tuple[int, int], ...] = ()  # CUDA versions bitsandbytes ships native libraries for
     bnb_cuda_override: str | None = None  # $BNB_CUDA_VERSION when set
     opt_in: tuple[tuple[str, str], ...] = ()  # (switch, value) of the engine.settings.SWITCHES that are set
+    # what the CPU kernels run on (engine.kernels.cpu_build.describe); None: no C compiler and no prebuilt library
+    cpu_kernels: str | None = "not checked"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,6 +181,10 @@ def check(facts: GpuFacts) -> list[Finding]:
     out: list[Finding] = []
     out.extend(_check_bitsandbytes_installed(facts))
     out.extend(check_opt_in(facts))
+    if facts.cpu_kernels is None:
+        out.append(Finding("warning", "cpu-kernels", "no C compiler and no prebuilt CPU kernels for this CPU: "
+                           "quantized weights on the CPU are unpacked every forward, ~30x slower: install gcc "
+                           "(Debian / Ubuntu: sudo apt install gcc; Fedora: sudo dnf install gcc)"))
     if facts.torch_version is None:
         out.append(Finding("error", "torch", f"torch does not import ({facts.torch_error or 'not installed'}): "
                                              "reinstall Clover Desk (pipx reinstall clover-desk) or its torch"))
@@ -394,6 +401,7 @@ def gather_facts(index: int = 0) -> GpuFacts:
     facts["gpu_name"] = facts.get("gpu_name") or nvml_name
     facts["capability"] = facts.get("capability") or nvml_cap
     facts.update(_bnb_facts())
+    facts["cpu_kernels"] = cpu_build.describe()
     return GpuFacts(**facts)
 
 

@@ -13,7 +13,6 @@ halves of what such a build does are checked apart:
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -22,52 +21,28 @@ import torch
 from clover_desk.engine.kernels import cpu_build, x8
 from clover_desk.engine.kernels import cpu_quant as cq
 from clover_desk.engine.weights.codecs import quantize_int8, quantize_nf4
+from tests.disasm import assert_vex_vnni_only, disassembly, function
 from tests.quant_reference import kern, make_weights  # noqa: F401 - kern is a fixture
-
-INSN = re.compile(r"^\s*[0-9a-f]+:\t((?:[0-9a-f]{2} )+)\s*\t(.*)$")
 
 
 def _disassembly(flags: tuple[str, ...]) -> str:
-    cc, objdump = cpu_build.compiler(), shutil.which("objdump")
-    if not cc or not objdump:
-        pytest.skip("needs a C compiler and binutils' objdump")
+    cc = cpu_build.compiler()
+    if not cc:
+        pytest.skip("needs a C compiler")
     probe = subprocess.run([cc, *flags, "-x", "c", "-fsyntax-only", "-"], input="int x;\n", capture_output=True,
                            text=True, timeout=60)
     if probe.returncode != 0:
         pytest.skip(f"this compiler cannot target {' '.join(flags)}: {probe.stderr.strip()[:200]}")
     path, why = cpu_build.build(cc, (*cpu_build.BASE_FLAGS, *flags), cpu_build.cache_dir())  # cached
     assert path is not None, why  # the compiler targets it, so the source must build for it
-    return subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True, timeout=120).stdout
-
-
-def _function(dis: str, name: str) -> str:
-    start = dis.index(f"<{name}>:\n")
-    return dis[start:dis.index("\n\n", start)]
+    return disassembly(path)
 
 
 def test_the_avx_vnni_build_uses_vex_vnni_and_no_avx512() -> None:
     dis = _disassembly(("-march=alderlake", "-fopenmp"))
-    mnemonics: dict[str, int] = {}
-    evex = []
-    for line in dis.splitlines():
-        m = INSN.match(line)
-        if not m:
-            continue
-        raw, text = m.groups()
-        if raw.startswith("62 "):  # 0x62 opens an EVEX prefix in 64-bit mode (BOUND does not exist there)
-            evex.append(text)
-        words = text.split()
-        if words and words[0] == "{vex}":
-            words = words[1:]
-            mnemonics["{vex} " + words[0]] = mnemonics.get("{vex} " + words[0], 0) + 1
-        elif words:
-            mnemonics[words[0]] = mnemonics.get(words[0], 0) + 1
-    assert not evex, f"EVEX-encoded instructions in an AVX-VNNI build: {evex[:5]}"
-    assert mnemonics.get("{vex} vpdpbusd", 0) > 0 and mnemonics.get("{vex} vpdpwssd", 0) > 0, \
-        {k: v for k, v in mnemonics.items() if "vpdp" in k}
-    assert not any(k.startswith(("vpdpbusd", "vpdpwssd")) for k in mnemonics), "a VNNI form without the VEX prefix"
+    assert_vex_vnni_only(dis)
     # clover_vnni() answers 2 (Kernels.isa: "AVX2 + AVX-VNNI")
-    assert re.search(r"mov\s+\$0x2,%eax", _function(dis, "clover_vnni")), _function(dis, "clover_vnni")
+    assert re.search(r"mov\s+\$0x2,%eax", function(dis, "clover_vnni")), function(dis, "clover_vnni")
     assert cpu_build.ISA_NAMES[2] == "AVX2 + AVX-VNNI"
 
 
@@ -75,7 +50,7 @@ def test_an_avx2_build_has_no_vnni() -> None:
     """The contrast: the same source for a plain AVX2 CPU (Haswell .. Comet Lake, Zen 1-3) has no VNNI form at all."""
     dis = _disassembly(("-march=haswell", "-fopenmp"))
     assert "vpdpbusd" not in dis and "vpdpwssd" not in dis
-    assert re.search(r"xor\s+%eax,%eax", _function(dis, "clover_vnni"))
+    assert re.search(r"xor\s+%eax,%eax", function(dis, "clover_vnni"))
 
 
 def test_vnni_sized_for_16_registers_gives_the_same_bits(kern: cq.Kernels) -> None:  # noqa: F811
