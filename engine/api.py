@@ -30,7 +30,7 @@ from clover_desk.engine.decode.settings import resolve_settings
 from clover_desk.engine.decode.tokenizer import CloverTokenizer
 from clover_desk.engine.defaults import DEFAULT_CTX_TOKENS, DTYPE_OF_PRECISION, PRECISIONS
 from clover_desk.engine.errors import CancelledError, ConfigError, PlanError, PromptError
-from clover_desk.engine.kernels import fastpath, switches
+from clover_desk.engine.kernels import cpu_quant, fastpath, switches
 from clover_desk.engine.model.config import CloverConfig, GenerationDefaults, load_config, load_generation_defaults
 from clover_desk.engine.placement import offload_runtime, planner
 from clover_desk.engine.placement.manifest import manifest_from_gguf
@@ -204,6 +204,8 @@ class Engine:
         self.compile_cancelled = False  # Cancel came during the compile's warm-up: loaded, running uncompiled
         self.gpu_paths = gpu_paths or switches.current()  # the GPU paths and kernel switches it runs with
         self.precision = "f32"  # how the weights are held (PRECISIONS; Engine.load sets it)
+        # why quantized weights on the CPU run without the CPU kernels (unpacked every forward, ~30x slower), or None
+        self.cpu_kernels_missing: str | None = None
 
     @property
     def compiled(self) -> bool:
@@ -328,6 +330,10 @@ class Engine:
         engine = cls(model, config, defaults, tokenizer, folder, plan, hooks, ar_only, compile_skipped,
                      dataclasses.replace(switches.current(), expert_fetch=fetch))
         engine.precision = precision
+        if torch.device(device).type == "cpu" and (is_gguf or precision == "nf4") and not cpu_quant.available():
+            engine.cpu_kernels_missing = cpu_quant.reason()
+            log.warning("quantized weights on the CPU without the CPU kernels (~30x slower): %s",
+                        engine.cpu_kernels_missing)
         if plan is None and ctx_tokens:  # no plan (system RAM): the context the load was asked for, all the same
             engine.ctx_limit = int(ctx_tokens)
         if compile and not compile_skipped:

@@ -136,6 +136,7 @@ class EngineStatus:
             else:
                 self.say_compile_skipped(str(info.get("compile_skipped") or ""),
                                          after_notice=bool(info.get("ar_only")))
+            self.say_cpu_kernels_missing(str(info.get("cpu_kernels_missing") or ""))
         self.set_state(EngineState.READY)
         w.chat_actions.read_ahead_timer.start()
 
@@ -148,6 +149,17 @@ class EngineStatus:
         before = banner.label.text() + " " if after_notice else ""
         banner.action.setVisible(False)
         banner.show_message(f"{before}“Compile the layers” is on, but {reason}.")
+
+    def say_cpu_kernels_missing(self, reason: str) -> None:
+        """The quantized weights run on the CPU without the engine's CPU kernels (``Engine.cpu_kernels_missing``: no
+        C compiler, no prebuilt library for this CPU): ~30x slower, and gcc fixes it. Added after any notice shown."""
+        if not reason:
+            return
+        banner = self.window.info_banner
+        before = banner.label.text() + " " if not banner.isHidden() and banner.label.text() else ""
+        banner.action.setVisible(False)
+        banner.show_message(f"{before}This model runs about 30x slower than it could on this CPU: the CPU kernels "
+                            f"are unavailable ({reason}). Install a C compiler (gcc) and load the model again.")
 
     def set_diffusion_unavailable(self, reason: str) -> None:
         """The loaded model decodes autoregressively only (``Engine.ar_only``: a GGUF file without the diffusion

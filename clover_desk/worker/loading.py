@@ -94,6 +94,8 @@ def loaded_record(command: dict[str, Any], engine: Any, load_s: float, gpu_paths
         "compiled": bool(getattr(engine, "compiled", False)),
         "compile_cancelled": bool(getattr(engine, "compile_cancelled", False)),
         "compile_skipped": json_safe(getattr(engine, "compile_skipped", None)),  # why not compiled, or null
+        # why quantized weights on the CPU run without the CPU kernels (~30x slower), or null
+        "cpu_kernels_missing": json_safe(getattr(engine, "cpu_kernels_missing", None)),
         "gpu_paths": gpu_paths.opt_in(),  # the experimental GPU paths this process runs with
     }
 

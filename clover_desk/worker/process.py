@@ -37,6 +37,8 @@ Replies, one JSON object per line on stdout (one flush per line; logs go to stde
                                                                held, "nf4" for a folder's quantized cache;
                                                                "compiled": whether its layers
                                                                are; "compile_skipped": why a compile was not done;
+                                                               "cpu_kernels_missing": why quantized weights on the
+                                                               CPU run without the CPU kernels;
                                                                "gpu_paths": the opt-in GPU paths switched on)
     {"event": <engine event>, ..., "id": "r1"}                 every generation event (engine.decode.events.to_dict)
     {"event": "chat_read", "id": "w1", "stop_reason": "prefilled" | "cancelled" | "busy" | "refused",

@@ -109,11 +109,12 @@ def row_bytes(qtype: int, ncols: int) -> int:
 class Kernels:
     """One loaded build of the library (``scalar`` forces the portable dots). ``ok`` False: ``reason`` says why.
     Built from :data:`SOURCE` by the C compiler (``cc``, else ``$CC``, gcc, cc); where none builds, the prebuilt
-    library for this CPU from ``prebuilt_dir`` (:func:`engine.kernels.cpu_build.prebuilt`; ``prebuilt`` names it)."""
+    library for this CPU from ``prebuilt_dir`` (else :data:`PREBUILT_DIR`; :func:`engine.kernels.cpu_build.prebuilt`;
+    ``prebuilt`` names the one loaded)."""
 
     def __init__(self, *, scalar: bool = False, vnni: bool = True, cc: str | None = None,
                  out_dir: Path | None = None, defines: tuple[str, ...] = (),
-                 prebuilt_dir: Path | None = PREBUILT_DIR) -> None:
+                 prebuilt_dir: Path | None = None) -> None:
         self.scalar = scalar
         self.ok = False
         self.reason = ""
@@ -136,8 +137,8 @@ class Kernels:
             if reasons:
                 log.warning("cpu_quant built with %s after: %s", " ".join(extra) or "no extra flags", reasons[0])
             return
-        if prebuilt_dir is not None and not defines:
-            path, why = prebuilt(prebuilt_dir, SOURCE, scalar=scalar, vnni=vnni)
+        if not defines:
+            path, why = prebuilt(prebuilt_dir or PREBUILT_DIR, SOURCE, scalar=scalar, vnni=vnni)
             if path is not None and self._load(path, reasons):
                 self.prebuilt = path.name
                 log.info("cpu_quant: %s; loaded the prebuilt %s", reasons[0], path.name)

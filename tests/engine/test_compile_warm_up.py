@@ -152,6 +152,7 @@ def test_the_worker_loads_compiled_and_the_window_shows_the_warm_up(
         worker.stop()
     assert records[-1]["event"] == "loaded", records[-1]
     assert records[-1]["compiled"] is True and records[-1]["compile_skipped"] is None
+    assert records[-1]["cpu_kernels_missing"] is None  # float weights (the window says when kernels are missing)
     progress = [from_dict(r) for r in records if r["event"] == "load_progress"]
     assert _stages(progress)[-2:] == ["compiling-ar", "compiling-diffusion"]
     banner = LoadBanner()

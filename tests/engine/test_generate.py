@@ -506,6 +506,31 @@ def test_engine_under_a_vram_budget_uses_the_offload_plan(tiny_clover_dir, tmp_p
     assert "resident_layers" in done.accounting and "h2d_bytes" in done.accounting
 
 
+def test_a_cpu_load_without_the_cpu_kernels_says_it_runs_slowly(tiny_clover_dir, tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                 one_torch_thread) -> None:
+    """No C compiler and no prebuilt library: the quantized model still loads and answers (weights unpacked per
+    forward), and the engine says why it is slow (the window shows it); with the kernels it says nothing."""
+    from fixtures_tiny import copy_model
+
+    from clover_desk.engine.kernels import cpu_quant
+
+    folder = copy_model(tiny_clover_dir, tmp_path / "m")
+    assert Engine.load(folder, device="cpu", precision="nf4").cpu_kernels_missing is None
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("CLOVER_DESK_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setattr(cpu_quant, "PREBUILT_DIR", tmp_path / "no-prebuilt")
+    cpu_quant._reset()
+    try:
+        engine = Engine.load(folder, device="cpu", precision="nf4")
+        assert engine.cpu_kernels_missing and "no-such-cc" in engine.cpu_kernels_missing
+        done = finished(list(engine.generate(prompt="hi", params=GenerationParams(max_new_tokens=4, block_size=8))))
+        assert done.tokens >= 1
+        assert Engine.load(folder, device="cpu").cpu_kernels_missing is None  # float weights: no kernels needed
+    finally:
+        monkeypatch.undo()
+        cpu_quant._reset()
+
+
 def test_the_consumer_never_runs_in_no_grad_or_inference_mode() -> None:
     # the loops are generators: a mode switched on around a yield would leak into the caller's code
     for _ in generate(ScriptedModel(letters), [letters(p) for p in range(9)], settings(max_new_tokens=10)):

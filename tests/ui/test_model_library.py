@@ -358,6 +358,23 @@ def test_a_model_left_uncompiled_is_said_so(qtbot, desk) -> None:  # noqa: ANN00
     assert not banner.isHidden() and banner.label.text() == f"“Compile the layers” is on, but {reason}."
 
 
+def test_a_model_without_the_cpu_kernels_is_said_to_run_slowly(qtbot, desk) -> None:  # noqa: ANN001
+    missing = "no C compiler found (set CC or install gcc)"
+    desk.window.engine_status.on_engine_loaded({"model_dir": "/models/tiny", "cpu_kernels_missing": missing})
+    banner = desk.window.info_banner
+    text = banner.label.text()
+    assert not banner.isHidden() and "30x slower" in text and f"({missing})" in text and "gcc" in text
+    # after another notice of the same load: both are kept
+    reason = "torch.compile on the CPU needs a C++ compiler (g++, clang++ or MSVC's cl), and none was found"
+    desk.window.engine_status.on_engine_loaded({"model_dir": "/models/tiny", "compile_skipped": reason,
+                                                "cpu_kernels_missing": missing})
+    text = banner.label.text()
+    assert text.startswith(f"“Compile the layers” is on, but {reason}. This model runs about 30x slower")
+    banner.hide()
+    desk.window.engine_status.on_engine_loaded({"model_dir": "/models/tiny", "cpu_kernels_missing": None})
+    assert banner.isHidden()
+
+
 def test_experimental_gpu_paths_are_chosen_here_and_restart_the_engine_at_the_next_load(
     qtbot, models, tmp_path, monkeypatch,  # noqa: ANN001
 ) -> None:
