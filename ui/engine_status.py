@@ -158,8 +158,8 @@ class EngineStatus:
         banner = self.window.info_banner
         before = banner.label.text() + " " if not banner.isHidden() and banner.label.text() else ""
         banner.action.setVisible(False)
-        banner.show_message(f"{before}This model runs about 30x slower than it could on this CPU: the CPU kernels "
-                            f"are unavailable ({reason}). Install a C compiler (gcc) and load the model again.")
+        banner.show_message(f"{before}This model runs about 30x slower than it could: the engine's CPU kernels are "
+                            f"unavailable here: {reason}. Install gcc, then load the model again.")
 
     def set_diffusion_unavailable(self, reason: str) -> None:
         """The loaded model decodes autoregressively only (``Engine.ar_only``: a GGUF file without the diffusion
