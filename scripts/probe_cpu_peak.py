@@ -5,7 +5,8 @@
 Compiles a small C probe with the system compiler (``-O2 -march=native``) into a temporary folder and times, on one
 thread in thread CPU time (so other processes on a shared machine do not count), ten independent chains of each of:
 ``vpmaddubsw`` (u8 x s8 pairs -> int16), ``vpmaddwd`` (int16 pairs -> int32), the two mixed (what every int8 dot here
-does per 32 multiply-adds) and ``vfmadd231ps`` (8 fp32 lanes). Prints the rates and the int8 / fp32 multiply-add
+does per 32 multiply-adds), ``vfmadd231ps`` (8 fp32 lanes) and, where the CPU has VNNI, ``vpdpbusd`` (32
+multiply-adds in one). Prints the rates and the int8 / fp32 multiply-add
 ceilings they imply, per core; docs/STATUS.md (the pass section) uses them for issue 30's arithmetic.
 """
 
@@ -31,6 +32,11 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_
     __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9));
 #define MIX(x, y) _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), y)
 #define FMA(x, y) _mm256_fmadd_ps(x, y, y)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(x, y) _mm256_dpbusd_epi32(x, y, y)
+#elif defined(__AVXVNNI__)
+#define DPBUSD(x, y) _mm256_dpbusd_avx_epi32(x, y, y)
+#endif
 #define RUN(name, T, f, op, per) { T b = f(3); DECL(T, f) double t0 = now(); \
     for (long n = 0; n < N; n++) { STEP(op) } double t = now() - t0; printf("%s %.3f\n", name, per * 10.0 * N / t / 1e9); }
 int main(void) {
@@ -39,6 +45,9 @@ int main(void) {
     RUN("madd", __m256i, _mm256_set1_epi16, _mm256_madd_epi16, 1.0)
     RUN("maddubs+madd", __m256i, _mm256_set1_epi16, MIX, 1.0)
     RUN("fma", __m256, _mm256_set1_ps, FMA, 1.0)
+#ifdef DPBUSD
+    RUN("vpdpbusd", __m256i, _mm256_set1_epi8, DPBUSD, 1.0)
+#endif
     return 0;
 }
 """
@@ -69,6 +78,9 @@ def main() -> int:
     log.info("int8 dot (one maddubs + one madd per 32 multiply-adds): %.0f G MAC/s per core",
              rates["maddubs+madd"] * 32)
     log.info("fp32 FMA (8 lanes): %.0f G MAC/s per core", rates["fma"] * 8)
+    if "vpdpbusd" in rates:  # VNNI (AVX-512's 256-bit form or AVX-VNNI): one instruction per 32 multiply-adds
+        log.info("int8 dot with VNNI (one vpdpbusd per 32 multiply-adds): %.0f G MAC/s per core",
+                 rates["vpdpbusd"] * 32)
     return 0
 
 
