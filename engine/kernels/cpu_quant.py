@@ -139,11 +139,15 @@ class Kernels:
             return
         if not defines:
             path, why = prebuilt(prebuilt_dir or PREBUILT_DIR, SOURCE, scalar=scalar, vnni=vnni)
-            if path is not None and self._load(path, reasons):
-                self.prebuilt = path.name
-                log.info("cpu_quant: %s; loaded the prebuilt %s", reasons[0], path.name)
-                return
-            reasons.append(why)
+            if path is not None:
+                if self._load(path, reasons):
+                    self.prebuilt = path.name
+                    log.info("cpu_quant: %s; loaded the prebuilt %s", reasons[0], path.name)
+                    return
+                # a prebuilt library that is there but does not load (an older C library, say): say both
+                reasons[0] = f"{reasons[0]}; {reasons.pop()}"
+            else:
+                reasons.append(why)
         self.reason = reasons[0] if reasons else "build failed"
         log.info("cpu_quant kernels unavailable: %s", self.reason)
 

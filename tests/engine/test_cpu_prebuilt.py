@@ -143,6 +143,14 @@ def test_prebuilt_libraries_of_another_source_are_not_loaded(folder: Path, tmp_p
     k = cq.Kernels(cc=str(tmp_path / "no-such-cc"), out_dir=tmp_path, prebuilt_dir=stale)
     assert not k.ok and k.prebuilt is None
     assert cpu_build.prebuilt(tmp_path / "nothing")[0] is None
+    broken = tmp_path / "broken"  # the right source, but a library that does not load
+    broken.mkdir()
+    for f in folder.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    for lib in broken.glob("quant_cpu-*.so"):
+        lib.write_bytes(b"not an ELF file")
+    k = cq.Kernels(cc=str(tmp_path / "no-such-cc"), out_dir=tmp_path, prebuilt_dir=broken)
+    assert not k.ok and "no-such-cc" in k.reason and "cannot load" in k.reason and str(broken) in k.reason
     (stale / "quant_cpu-x86-64.so").unlink()
     manifest_ok = {**manifest, "source_sha256": cpu_build.source_hash()}
     (stale / cpu_build.PREBUILT_MANIFEST).write_text(json.dumps(manifest_ok))
