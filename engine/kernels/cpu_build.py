@@ -131,9 +131,8 @@ def pick_variant(flags: frozenset[str], *, scalar: bool = False, vnni: bool = Tr
     return SCALAR_VARIANT
 
 
-def prebuild(out_dir: Path, cc: str | None = None, source: Path = SOURCE_FILE,
-             variants: tuple[str, ...] | None = None) -> list[Path]:
-    """Compile :data:`VARIANTS` (or the named ones) into ``out_dir`` as ``quant_cpu-<name>.so``, copy the compiler's
+def prebuild(out_dir: Path, cc: str | None = None, source: Path = SOURCE_FILE) -> list[Path]:
+    """Compile :data:`VARIANTS` into ``out_dir`` as ``quant_cpu-<name>.so``, copy the compiler's
     OpenMP runtime beside them and write the manifest (the source's hash, the variants). Raises RuntimeError with
     the compiler's first error line where one fails (a bundle must not ship without them)."""
     cc = cc or compiler()
@@ -143,8 +142,6 @@ def prebuild(out_dir: Path, cc: str | None = None, source: Path = SOURCE_FILE,
     built = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags, _ in VARIANTS:
-            if variants is not None and name not in variants:
-                continue
             path, why = build(cc, (*BASE_FLAGS, *flags, *PREBUILT_FLAGS), Path(tmp), source)
             if path is None:
                 raise RuntimeError(f"prebuilt variant {name}: {why}")
@@ -156,8 +153,9 @@ def prebuild(out_dir: Path, cc: str | None = None, source: Path = SOURCE_FILE,
     if not gomp or not Path(gomp).is_file():
         raise RuntimeError(f"{cc} does not say where its OpenMP runtime libgomp.so.1 is")
     shutil.copyfile(Path(gomp).resolve(), out_dir / "libgomp.so.1")
+    version = compiler_version(cc)
     manifest = {"source_sha256": source_hash(source), "variants": [p.name for p in built],
-                "compiler": compiler_version(cc).splitlines()[0] if compiler_version(cc) else cc}
+                "compiler": version.splitlines()[0] if version else cc}
     (out_dir / PREBUILT_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return built
 

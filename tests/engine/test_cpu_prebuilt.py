@@ -109,10 +109,10 @@ def test_every_variant_this_cpu_runs_agrees(folder: Path, kern: cq.Kernels) -> N
     assert runnable[-1][0] == "x86-64"
     w = make_weights(cq.Q4_K, 24, 512, seed=3)
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(1))
+    k = cq.Kernels(cc="/bin/false", prebuilt_dir=folder)  # picks this CPU's best: load the others directly
     for name, needs in runnable:
         path, why = cpu_build.prebuilt(folder, flags=needs)
         assert path == folder / f"quant_cpu-{name}.so", why
-        k = cq.Kernels(cc="/bin/false", prebuilt_dir=folder)  # picks this CPU's best: load the others directly
         assert k._load(path, [])
         if name == "x86-64":  # the scalar dots round their float sums in another order
             assert not k.simd

@@ -550,9 +550,6 @@ def load_gguf_model(
         for bank in model.modules():
             if isinstance(bank, GGUFExpertBank):
                 bank.interleave()
-    if keep_quantized and torch.device(device).type == "cpu" and not cpu_quant.available():  # built (or found) now,
-        log.warning("CPU kernels unavailable (%s): GGUF blocks are dequantized per forward, ~30x slower",
-                    cpu_quant.reason())  # not in the first forward; without them every forward dequantizes
     if progress is not None:
         progress(LoadProgress(stage="done", done_bytes=source.total, total_bytes=source.total, current=""))
     log.info("loaded %s (%s layout, %d tensors kept as GGUF blocks)", gf.path, gf.layout, len(fills))
