@@ -1,6 +1,7 @@
 """One token's layer parts, each in one C call on the CPU (``csrc/quant_cpu.c``): the MoE block
 (:func:`moe_token`, ``clover_moe_token``) and the Gated DeltaNet mixer (:func:`gdn_mixer_token`,
-``clover_gdn_mixer_token``).
+``clover_gdn_mixer_token``); and whole runs of decoder layers in one call (:func:`layer_runs`,
+``clover_layers_token``: norms, mixer, MoE and residuals of every layer of the run, full attention included).
 
 An AR step's MoE layer was ~25 small torch ops and 4-5 C calls: the router's product (MKL), its softmax and top-k,
 the renormalization, the routed experts (``cpu_quant``), the shared expert's three products, its SiLU, its sigmoid
@@ -15,17 +16,26 @@ separate ops' within float32 rounding, not bit for bit (``tests/engine/test_cpu_
 
 Used for one token (the AR step, eager, float32, the CPU kernels built) when every weight has an in-place layout the
 kernels read (each module's ``cpu_mat`` / ``cpu_mats``: GGUF blocks, the own cache's NF4 / INT8 / Q6_K; float32 rows
-where the module keeps them so) and the expert bank is resident. :func:`set_enabled` switches both off (the
-separate ops then run, as they do for every other pass).
+where the module keeps them so) and the expert bank is resident. :func:`set_enabled` switches all of them off (the
+separate ops then run, as they do for every other pass); :func:`set_runs` only the runs (each layer's forward then
+makes its one-call parts).
+
+Runs: with the MoE and the mixer one call each, what was left of an AR step outside C was the Python between them
+(the module calls, the norms and residual sums as torch ops, each call's checks and its fresh tensors): measured
+with every C call a no-op, ~0.17 ms a layer at Clover's real widths, 2-3x that as it runs (docs/STATUS.md). A run
+makes the same C calls from C, its arguments prepared once per cache (:class:`LayerRun`, kept beside the model by
+what they point to and checked every step), so the Python cost is per step, not per layer.
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as nn_module
 
 from clover_desk.engine.kernels import cpu_quant
 from clover_desk.engine.kernels.torch_lanes import torch_lanes
@@ -101,14 +111,11 @@ def _mat(module: Any, **how: Any) -> Mat | None:
     return cpu_mat(**how) if cpu_mat is not None else None
 
 
-def moe_token(moe: Any, x: Tensor, coreset: bool) -> Tensor | None:
-    """``moe`` (a :class:`engine.model.moe.SparseMoe`) on one token x [1, D] in one C call -> [1, D] float32, with
-    ``moe.last_topk_idx`` / ``last_topk_w`` set as its forward sets them; None where the call does not apply (then
-    nothing is set). ``coreset``: the pass routes by block coreset (never one token's plain top-k)."""
-    if coreset or not _one_token(x):
-        return None
+def _moe_args(moe: Any, d: int) -> tuple[Any, ...] | None:
+    """``moe``'s arguments of ``clover_moe_token`` after x and D, up to out (E, k, norm_topk, router, I, routed,
+    Is, shared, sgate), or None where the call does not apply."""
     cfg, bank, shared = moe.config, moe.experts, moe.shared_expert
-    d, e, k = x.shape[1], cfg.num_experts, moe.top_k
+    e = cfg.num_experts
     router = _f32_rows(moe.gate, e, d)
     sgate = _f32_rows(moe.shared_expert_gate, 1, d)
     if (router is None or sgate is None or bank.needs_prepare or not hasattr(bank, "cpu_mats")
@@ -118,16 +125,54 @@ def moe_token(moe: Any, x: Tensor, coreset: bool) -> Tensor | None:
     parts = [_mat(m) for m in (shared.gate_proj, shared.up_proj, shared.down_proj)]
     if routed is None or None in parts:
         return None
+    return (e, moe.top_k, int(bool(cfg.norm_topk_prob)), router.data_ptr(), bank.intermediate_size, _array(routed),
+            shared.down_proj.in_features, _array(tuple(parts)), sgate.data_ptr())
+
+
+def moe_token(moe: Any, x: Tensor, coreset: bool) -> Tensor | None:
+    """``moe`` (a :class:`engine.model.moe.SparseMoe`) on one token x [1, D] in one C call -> [1, D] float32, with
+    ``moe.last_topk_idx`` / ``last_topk_w`` set as its forward sets them; None where the call does not apply (then
+    nothing is set). ``coreset``: the pass routes by block coreset (never one token's plain top-k)."""
+    if coreset or not _one_token(x):
+        return None
+    d = x.shape[1]
+    args = _moe_args(moe, d)
+    if args is None:
+        return None
     x = x.contiguous()
     out = torch.empty(1, d, dtype=torch.float32)
-    idx = torch.empty(1, k, dtype=torch.int64)
-    w = torch.empty(1, k, dtype=torch.float32)
-    rc = _function("clover_moe_token")(x.data_ptr(), d, e, k, int(bool(cfg.norm_topk_prob)), router.data_ptr(),
-                     bank.intermediate_size, _array(routed), shared.down_proj.in_features, _array(tuple(parts)),
-                     sgate.data_ptr(), out.data_ptr(), idx.data_ptr(), w.data_ptr(), torch.get_num_threads())
+    idx = torch.empty(1, moe.top_k, dtype=torch.int64)
+    w = torch.empty(1, moe.top_k, dtype=torch.float32)
+    rc = _function("clover_moe_token")(x.data_ptr(), d, *args, out.data_ptr(), idx.data_ptr(), w.data_ptr(),
+                                       torch.get_num_threads())
     cpu_quant._raise_for(rc, "moe_token")
     moe.last_topk_idx, moe.last_topk_w = idx, w
     return out
+
+
+def _gdn_args(mixer: Any, d: int, st: tuple[Tensor, Tensor], write_cache: bool) -> tuple[Any, ...] | None:
+    """``mixer``'s arguments of ``clover_gdn_mixer_token`` after x and D, up to out (proj, b_f32, a_f32, A_log,
+    dt_bias, conv_w, K, conv_state, conv_out, norm_w, eps, state, state_out, outm, heads_hk), or None where the call
+    does not apply."""
+    mats = [_mat(mixer.in_proj_qkv), _mat(mixer.in_proj_z)]
+    rows: list[Tensor | None] = []  # in_proj_b / in_proj_a as float32 rows where they have no quantized layout
+    for m in (mixer.in_proj_b, mixer.in_proj_a):
+        mats.append(_mat(m))
+        rows.append(None if mats[-1] is not None else _f32_rows(m, m.out_features, d))
+    if None in mats[:2] or any(mat is None and r is None for mat, r in zip(mats[2:], rows)):
+        return None
+    out_proj, hv, dv = mixer.out_proj, mixer.num_v_heads, mixer.dv
+    heads = getattr(out_proj, "in_heads", None)  # GGUF's ssm_out: its input in the file's tiled head order
+    out_mat = _mat(out_proj, heads_ok=True) if heads is not None else _mat(out_proj)
+    if out_mat is None or (heads is not None and (heads[1] != hv or out_proj.in_features != hv * dv)):
+        return None
+    no_mat = (0, 0, 0, 0, 0, 0, 0, 0)  # the kernel reads the rows instead
+    conv_state, state = st
+    conv_w = mixer.conv1d.weight.view(mixer.conv_dim, mixer.kernel)
+    return (_array(tuple(m or no_mat for m in mats)), *(None if r is None else r.data_ptr() for r in rows),
+            mixer.A_log.data_ptr(), mixer.dt_bias.data_ptr(), conv_w.data_ptr(), mixer.kernel, conv_state.data_ptr(),
+            conv_state.data_ptr() if write_cache else None, mixer.norm.weight.data_ptr(), mixer.norm.eps,
+            state.data_ptr(), state.data_ptr() if write_cache else None, _array((out_mat,)), heads[0] if heads else 0)
 
 
 def gdn_mixer_token(mixer: Any, x: Tensor, st: tuple[Tensor, Tensor], write_cache: bool) -> Tensor | None:
@@ -137,29 +182,202 @@ def gdn_mixer_token(mixer: Any, x: Tensor, st: tuple[Tensor, Tensor], write_cach
     if not _one_token(x):
         return None
     d = x.shape[1]
-    hk, hv, dk, dv = mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv
-    mats = [_mat(mixer.in_proj_qkv), _mat(mixer.in_proj_z)]
-    rows: list[Tensor | None] = []  # in_proj_b / in_proj_a as float32 rows where they have no quantized layout
-    for m in (mixer.in_proj_b, mixer.in_proj_a):
-        mats.append(_mat(m))
-        rows.append(None if mats[-1] is not None else _f32_rows(m, m.out_features, d))
-    if None in mats[:2] or any(mat is None and r is None for mat, r in zip(mats[2:], rows)):
+    args = _gdn_args(mixer, d, st, write_cache)
+    if args is None:
         return None
-    out_proj = mixer.out_proj
-    heads = getattr(out_proj, "in_heads", None)  # GGUF's ssm_out: its input in the file's tiled head order
-    out_mat = _mat(out_proj, heads_ok=True) if heads is not None else _mat(out_proj)
-    if out_mat is None or (heads is not None and (heads[1] != hv or out_proj.in_features != hv * dv)):
-        return None
-    no_mat = (0, 0, 0, 0, 0, 0, 0, 0)  # the kernel reads the rows instead
-    conv_state, state = st
-    conv_w = mixer.conv1d.weight.view(mixer.conv_dim, mixer.kernel)
     x = x.contiguous()
     out = torch.empty(1, d, dtype=torch.float32)
-    rc = _function("clover_gdn_mixer_token")(
-        x.data_ptr(), d, _array(tuple(m or no_mat for m in mats)), *(None if r is None else r.data_ptr() for r in rows),
-        mixer.A_log.data_ptr(), mixer.dt_bias.data_ptr(), conv_w.data_ptr(), mixer.kernel, conv_state.data_ptr(),
-        conv_state.data_ptr() if write_cache else None, mixer.norm.weight.data_ptr(), mixer.norm.eps,
-        state.data_ptr(), state.data_ptr() if write_cache else None, _array((out_mat,)), heads[0] if heads else 0,
-        out.data_ptr(), hk, hv, dk, dv, torch_lanes(), torch.get_num_threads())
+    rc = _function("clover_gdn_mixer_token")(x.data_ptr(), d, *args, out.data_ptr(), mixer.num_k_heads, mixer.num_v_heads,
+                                             mixer.dk, mixer.dv, torch_lanes(), torch.get_num_threads())
     cpu_quant._raise_for(rc, "gdn_mixer_token")
     return out
+
+
+# --- runs of whole decoder layers -----------------------------------------------------------------------------------
+
+class _Layer(ctypes.Structure):  # the kernels' layer_t
+    _fields_ = [(name, _CTYPES[kind]) for name, kind in (
+        ("kind", "c"), ("norm1", "p"), ("eps1", "f"),
+        ("proj", "p"), ("b_f32", "p"), ("a_f32", "p"), ("A_log", "p"), ("dt_bias", "p"), ("conv_w", "p"), ("K", "i"),
+        ("conv_state", "p"), ("conv_out", "p"), ("gnorm_w", "p"), ("geps", "f"), ("state", "p"), ("state_out", "p"),
+        ("outm", "p"), ("heads_hk", "i"), ("Hk", "i"), ("Hv", "i"), ("dk", "i"), ("dv", "i"),
+        ("qkvo", "p"), ("q_norm", "p"), ("k_norm", "p"), ("qeps", "f"), ("keps", "f"), ("Hq", "i"), ("Hkv", "i"),
+        ("hd", "i"), ("rd", "i"), ("max_len", "i"), ("kbuf", "p"), ("vbuf", "p"), ("write", "c"),
+        ("norm2", "p"), ("eps2", "f"), ("E", "i"), ("k", "i"), ("norm_topk", "c"), ("router", "p"), ("I", "i"),
+        ("routed", "p"), ("Is", "i"), ("shared", "p"), ("sgate", "p"))]
+
+
+_ARGS["clover_layers_token"] = "pipiippppcc"
+RUNS = True  # layer runs on (with ENABLED); off: each layer's own forward and its one-call parts
+
+
+def set_runs(on: bool) -> bool:
+    """Turn the layer runs (:func:`layer_runs`) on or off for this process; returns the previous setting."""
+    global RUNS
+    before, RUNS = RUNS, bool(on)
+    return before
+
+
+def _hooked(*modules: Any) -> bool:
+    """Whether any of ``modules`` has forward hooks or is compiled (its own forward must then run), or any global
+    forward hook is set."""
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks or getattr(m, "_compiled_call_impl", None) is not None
+        for m in modules)
+
+
+def _norm_ok(norm: Any, d: int) -> bool:
+    """Whether an RMSNorm over d values is the C call in a layer's own forward too (``RMSNorm._one_call``)."""
+    w = norm.weight
+    return (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() and tuple(w.shape) == (d,)
+            and torch_lanes() <= d <= 8192)
+
+
+def _f32_buffer(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _mixer_fields(layer: Any, h: Tensor, st: tuple[Tensor, Tensor], write_cache: bool,
+                  rd: int) -> tuple[dict[str, Any], list[Any]] | None:
+    """The layer_t fields of ``layer``'s token mixer (``rd`` rotary dims), with the ctypes arrays they point into, or
+    None where a part of it would not be a C call in its own forward (or the attention has a bias, which the run
+    does not add)."""
+    from clover_desk.engine.kernels import gdn_kernels
+
+    d = h.shape[1]
+    if not layer.is_full_attention:
+        mixer = layer.linear_attn
+        if not gdn_kernels.cpu_token_ready(h, *st, mixer.conv1d.weight, mixer.A_log, mixer.dt_bias, mixer.norm.weight):
+            return None
+        g = _gdn_args(mixer, d, st, write_cache)
+        if g is None:
+            return None
+        names = ("proj", "b_f32", "a_f32", "A_log", "dt_bias", "conv_w", "K", "conv_state", "conv_out", "gnorm_w",
+                 "geps", "state", "state_out", "outm", "heads_hk")
+        fields = dict(zip(names, g))
+        fields.update(kind=0, Hk=mixer.num_k_heads, Hv=mixer.num_v_heads, dk=mixer.dk, dv=mixer.dv)
+        kept = [fields["proj"], fields["outm"]]
+        fields["proj"], fields["outm"] = ctypes.addressof(kept[0]), ctypes.addressof(kept[1])
+        return fields, kept
+    attn = layer.self_attn
+    kbuf, vbuf = st
+    hd = attn.head_dim
+    mats = tuple(_mat(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+    if (None in mats or any(getattr(m, "bias", None) is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj,
+                                                                           attn.o_proj))
+            or not (_norm_ok(attn.q_norm, hd) and _norm_ok(attn.k_norm, hd) and _f32_buffer(kbuf) and _f32_buffer(vbuf))
+            or kbuf.shape != vbuf.shape or tuple(kbuf.shape[::2]) != (attn.num_kv_heads, hd)
+            or rd % 2 or not 2 <= rd <= hd):
+        return None
+    qkvo = _array(mats)  # type: ignore[arg-type]
+    fields = dict(kind=1, qkvo=ctypes.addressof(qkvo), q_norm=attn.q_norm.weight.data_ptr(),
+                  k_norm=attn.k_norm.weight.data_ptr(), qeps=attn.q_norm.eps, keps=attn.k_norm.eps,
+                  Hq=attn.num_heads, Hkv=attn.num_kv_heads, hd=hd, rd=rd, max_len=kbuf.shape[1],
+                  kbuf=kbuf.data_ptr(), vbuf=vbuf.data_ptr(), write=int(write_cache))
+    return fields, [qkvo]
+
+
+def _layer(layer: Any, h: Tensor, st: tuple[Tensor, Tensor], write_cache: bool, rd: int) -> tuple[_Layer, list[Any]] | None:
+    """A decoder layer as the kernels' layer_t, with what it points into (kept alive by the caller), or None where it
+    must run its own forward."""
+    d, moe = h.shape[1], layer.mlp
+    mixer = layer.self_attn if layer.is_full_attention else layer.linear_attn
+    if (_hooked(layer, mixer, moe, moe.experts) or not _norm_ok(layer.input_layernorm, d)
+            or not _norm_ok(layer.post_attention_layernorm, d)):
+        return None
+    mixed, m = _mixer_fields(layer, h, st, write_cache, rd), _moe_args(moe, d)
+    if mixed is None or m is None:
+        return None
+    fields, kept = mixed
+    e, k, norm_topk, router, inter, routed, inter_s, shared, sgate = m
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    fields.update(norm1=n1.weight.data_ptr(), eps1=n1.eps, norm2=n2.weight.data_ptr(), eps2=n2.eps, E=e, k=k,
+                  norm_topk=norm_topk, router=router, I=inter, routed=ctypes.addressof(routed), Is=inter_s,
+                  shared=ctypes.addressof(shared), sgate=sgate)
+    return _Layer(**fields), [*kept, routed, shared]
+
+
+class LayerRun:
+    """Consecutive decoder layers ``start`` .. ``end - 1`` of one model, for AR steps on one cache, in one C call
+    (``clover_layers_token``): each layer's two norms, its token mixer, its MoE and both residual sums. The Gated
+    DeltaNet layers make the same calls in the same order as their own forwards (so their bits); an attention
+    layer's scores and softmax are C's (within float32 rounding of torch's SDPA). What it saves is the Python between
+    the calls: at Clover's real widths ~0.17 ms a layer of pure overhead, 2-3x that as it runs (docs/STATUS.md)."""
+
+    def __init__(self, model: Any, start: int, layers: list[tuple[_Layer, list[Any]]]) -> None:
+        self.start, self.end = start, start + len(layers)
+        self.moes = [model.layers[i].mlp for i in range(self.start, self.end)]
+        self.k = sum(s.k for s, _ in layers)
+        self._structs = (_Layer * len(layers))(*(s for s, _ in layers))
+        self._keep = [kept for _, kept in layers]
+
+    def __call__(self, h: Tensor, p: Any) -> Tensor:
+        """h [1, D] float32 before layer ``start`` at position ``p.start_pos`` (``p.cos`` / ``p.sin`` its rotary
+        angles) -> a new [1, D] after layer ``end - 1``; each layer's MoE routing set (``last_topk_idx`` /
+        ``last_topk_w``) as its forward sets it."""
+        h = h.contiguous().clone()
+        cos, sin = p.cos.contiguous(), p.sin.contiguous()
+        idx = torch.empty(self.k, dtype=torch.int64)
+        w = torch.empty(self.k, dtype=torch.float32)
+        rc = _function("clover_layers_token")(self._structs, self.end - self.start, h.data_ptr(), h.shape[1],
+                                              p.start_pos, cos.data_ptr(), sin.data_ptr(), idx.data_ptr(),
+                                              w.data_ptr(), torch_lanes(), torch.get_num_threads())
+        cpu_quant._raise_for(rc, "layers_token")
+        at = 0
+        for moe in self.moes:
+            moe.last_topk_idx, moe.last_topk_w = idx[at : at + moe.top_k][None], w[at : at + moe.top_k][None]
+            at += moe.top_k
+        return h
+
+
+# each model's runs by key, beside the model (not in it: a deep copy of the model must not copy ctypes pointers)
+_KEPT: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], dict[int, LayerRun]]] = weakref.WeakKeyDictionary()
+
+
+def kept_runs(model: Any) -> dict[tuple[int, ...], dict[int, LayerRun]]:
+    """The runs built for ``model`` so far, by key (for tests and benches)."""
+    return _KEPT.get(model, {})
+
+
+def _key(model: Any, cache: Any, write_cache: bool) -> tuple[int, ...]:
+    """What a step's runs depend on: the write switch, and for every layer its cache tensors' and input norm's
+    addresses and whether its own forward must run (hooked, compiled, experts fetched first)."""
+    key = [int(write_cache)]
+    for i, layer in enumerate(model.layers):
+        first, second = cache.layer(i)
+        moe = layer.mlp
+        mixer = layer.self_attn if layer.is_full_attention else layer.linear_attn
+        key += (first.data_ptr(), second.data_ptr(), layer.input_layernorm.weight.data_ptr(),
+                int(_hooked(layer, mixer, moe, moe.experts) or moe.experts.needs_prepare))
+    return tuple(key)
+
+
+def layer_runs(model: Any, h: Tensor, p: Any) -> dict[int, LayerRun]:
+    """The runs of consecutive decoder layers that this pass of ``model`` takes as one C call each, by first layer:
+    an eager causal AR step (one float32 CPU token, a cache, rotary angles in float32) with :data:`ENABLED` and
+    :data:`RUNS`; empty otherwise. Built on a cache's first step and kept on the model for the next ones, by what
+    they depend on (:func:`_key`, checked every step)."""
+    if (torch.compiler.is_compiling() or not RUNS or p.cache is None or p.block_size is not None or p.by_rows
+            or p.pos is not None or p.attn_mask is not None or not _one_token(h) or p.cos is None
+            or p.cos.dtype != torch.float32):
+        return {}
+    key = _key(model, p.cache, p.write_cache)
+    kept = _KEPT.get(model)
+    if kept is None:
+        kept = _KEPT[model] = {}
+    runs = kept.get(key)
+    if runs is not None:
+        return runs
+    runs, current = {}, []
+    for i, layer in enumerate(model.layers):
+        built = _layer(layer, h, p.cache.layer(i), p.write_cache, p.cos.shape[-1])
+        if built is not None:
+            current.append(built)
+        if current and (built is None or i == len(model.layers) - 1):
+            start = i - len(current) + (built is not None)
+            runs[start] = LayerRun(model, start, current)
+            current = []
+    if len(kept) > 8:  # caches come and go: never grow without bound
+        kept.clear()
+    kept[key] = runs
+    return runs

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from clover_desk.engine.errors import PromptError
-from clover_desk.engine.kernels.cpu_token import moe_token
+from clover_desk.engine.kernels.cpu_token import layer_runs, moe_token
 from clover_desk.engine.model.attention import ATTENTION_ROWS, Attention, rope_cos_sin
 from clover_desk.engine.model.cache import ModelCache, PassContext
 from clover_desk.engine.model.config import CloverConfig
@@ -275,7 +275,14 @@ class CloverModel(nn.Module):
         p = PassContext(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset, attn_rows=rows,
                   by_rows=bool(rows))
         h = self.embed(ids)  # [T, D]
-        for i, layer in enumerate(self.layers):
+        runs = layer_runs(self, h, p)  # an eager AR step on the CPU: runs of GDN layers, one C call each
+        i = 0
+        while i < len(self.layers):
+            run = runs.get(i)
+            if run is not None:
+                h, i = run(h, p), run.end
+                continue
+            layer = self.layers[i]
             st = cache.layer(i) if cache is not None else None
             if p.by_rows and layer.is_full_attention:
                 # attention by row groups (host ints that a compiled layer would recompile for): the layer runs
@@ -283,6 +290,7 @@ class CloverModel(nn.Module):
                 h = layer._call_impl(h, p, st)
             else:
                 h = layer(h, p, st)
+            i += 1
         if last_only:  # a copy, as index_select makes for one head row: one compiled head graph serves both (a view
             # of the last row sits at a storage offset a compiled head is guarded on: a pass left with one masked
             # slot compiled another)

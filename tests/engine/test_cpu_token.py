@@ -162,10 +162,17 @@ def test_ar_steps_take_it_and_keep_the_tokens(tiny_clover_dir, tmp_path, monkeyp
     monkeypatch.setattr(cpu_token, "_function", counted)
     on = greedy(True)
     assert on == off
-    # every AR step, every layer's MoE and every Gated DeltaNet mixer; never the prefill
-    gdn = sum(not layer.is_full_attention for layer in model.layers)
-    assert taken.count("clover_moe_token") == 12 * len(model.layers)
-    assert taken.count("clover_gdn_mixer_token") == 12 * gdn > 0
+    # every AR step: all four layers (three Gated DeltaNet, one attention) as one run; never the prefill
+    assert [layer.is_full_attention for layer in model.layers] == [False, False, False, True]
+    assert taken == ["clover_layers_token"] * 12
+    taken.clear()
+    before = cpu_token.set_runs(False)
+    try:
+        assert greedy(True) == off
+    finally:
+        cpu_token.set_runs(before)
+    # without runs: every layer's MoE and every Gated DeltaNet mixer, one C call each
+    assert taken.count("clover_moe_token") == 12 * 4 and taken.count("clover_gdn_mixer_token") == 12 * 3
 
 
 def _gguf_model(tiny_dir, tmp_path):  # noqa: ANN001, ANN202
@@ -219,3 +226,120 @@ def _ctx():  # noqa: ANN202
 
     fields = {f: None for f in PassContext.__dataclass_fields__ if f not in ("pos", "kv_len", "attn_rows", "by_rows")}
     return PassContext(**{**fields, "write_cache": True, "coreset": False, "attn_causal": True})
+
+
+def _step(model, cache, token: int, runs: bool, write_cache: bool = True):  # noqa: ANN001, ANN202
+    before = cpu_token.set_runs(runs)
+    try:
+        logits = model(torch.tensor([token]), cache.length, cache, write_cache=write_cache)
+    finally:
+        cpu_token.set_runs(before)
+    return logits, [(m.mlp.last_topk_idx, m.mlp.last_topk_w) for m in model.layers]
+
+
+def _states(cache) -> list[torch.Tensor]:  # noqa: ANN001
+    return [t.clone() for t in cache.gdn_snapshot()]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("build", [_gguf_model, _own_model], ids=["gguf Q8_0", "own int8"])
+def test_a_run_of_gdn_layers_gives_their_bits(build, tiny_clover_dir, tmp_path) -> None:  # noqa: ANN001, F811
+    """AR steps through a run of Gated DeltaNet layers (one C call; the attention layer kept out by a hook) give the
+    per-layer path's logits, states and routing bit for bit, step after step; a step that writes no cache leaves
+    the states as they were."""
+    model = build(tiny_clover_dir, tmp_path)
+    handle = model.layers[3].register_forward_pre_hook(lambda *a: None)
+    caches = [model.new_cache(32), model.new_cache(32)]
+    for c in caches:
+        model(torch.arange(5, 17), 0, c, last_only=True)
+    for token in (3, 9, 4, 11):
+        mine, mine_route = _step(model, caches[0], token, True)
+        ref, ref_route = _step(model, caches[1], token, False)
+        assert torch.equal(mine, ref)
+        assert all(torch.equal(a, b) for a, b in zip(_states(caches[0]), _states(caches[1])))
+        for (i0, w0), (i1, w1) in zip(mine_route, ref_route):
+            assert torch.equal(i0, i1) and torch.equal(w0, w1)
+    runs = list(cpu_token.kept_runs(model).values())
+    assert len(runs) == 1 and [(r.start, r.end) for r in runs[0].values()] == [(0, 3)]
+    kept = _states(caches[0])
+    peek, _ = _step(model, caches[0], 5, True, write_cache=False)
+    assert all(torch.equal(a, b) for a, b in zip(kept, _states(caches[0])))
+    after, _ = _step(model, caches[0], 5, True)
+    assert torch.equal(peek, after)
+    handle.remove()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("build", [_gguf_model, _own_model], ids=["gguf Q8_0", "own int8"])
+def test_a_run_with_attention_matches_the_layers(build, tiny_clover_dir, tmp_path) -> None:  # noqa: ANN001, F811
+    """A run over every layer, the full-attention one included (its scores and softmax in C): logits, keys, values,
+    states and routing within float32 rounding of the per-layer path over 20 steps (the keys grow from 12 to 31);
+    a step that writes no cache leaves keys, values and states as they were."""
+    model = build(tiny_clover_dir, tmp_path)
+    caches = [model.new_cache(40), model.new_cache(40)]
+    for c in caches:
+        model(torch.arange(5, 17), 0, c, last_only=True)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        token = int(torch.randint(0, model.config.vocab_size, (1,), generator=g))
+        mine, mine_route = _step(model, caches[0], token, True)
+        ref, ref_route = _step(model, caches[1], token, False)
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+        for (i0, w0), (i1, w1) in zip(mine_route, ref_route):
+            assert torch.equal(i0, i1)
+            torch.testing.assert_close(w0, w1, rtol=1e-4, atol=1e-6)
+    n = caches[0].length
+    key0, value0 = caches[0].layer(3)
+    key1, value1 = caches[1].layer(3)
+    torch.testing.assert_close(key0[:, :n], key1[:, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(value0[:, :n], value1[:, :n], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(key0[:, n - 1], torch.zeros_like(key0[:, n - 1]))
+    runs = next(iter(cpu_token.kept_runs(model).values()))
+    assert [(r.start, r.end) for r in runs.values()] == [(0, 4)]
+    kept = [t.clone() for i in range(4) for t in caches[0].layer(i)]
+    peek, _ = _step(model, caches[0], 5, True, write_cache=False)
+    assert all(torch.equal(a, b) for a, b in zip(kept, [t for i in range(4) for t in caches[0].layer(i)]))
+    after, _ = _step(model, caches[0], 5, True)
+    assert torch.equal(peek, after)
+
+
+@torch.no_grad()
+def test_layer_runs_step_aside_and_follow_the_cache(tiny_clover_dir, tmp_path) -> None:  # noqa: F811
+    """Runs split around a hooked layer (whose hook then sees its forward), are rebuilt for another cache, and are
+    not taken by a prefill, a block pass or with the switch off."""
+    model = _gguf_model(tiny_clover_dir, tmp_path)
+    cache = model.new_cache(48)
+    model(torch.arange(5, 17), 0, cache, last_only=True)
+    seen: list[int] = []
+    handle = model.layers[1].register_forward_hook(lambda *a: seen.append(1))
+    try:
+        _step(model, cache, 3, True)
+        runs = next(iter(cpu_token.kept_runs(model).values()))
+        assert sorted((r.start, r.end) for r in runs.values()) == [(0, 1), (2, 4)] and seen == [1]
+    finally:
+        handle.remove()
+    _step(model, cache, 4, True)
+    assert sorted((r.start, r.end) for r in cpu_token.layer_runs(model, model.embed(torch.tensor([4])),
+                                                                  _pass(cache, model.config)).values()) == [(0, 4)]
+    other = model.new_cache(48)
+    model(torch.arange(5, 17), 0, other, last_only=True)
+    _step(model, other, 3, True)
+    assert len(cpu_token.kept_runs(model)) == 3  # the hooked split, the cache's own runs, the other cache's
+    h = model.embed(torch.tensor([4]))
+    assert cpu_token.layer_runs(model, h, _pass(cache, model.config, block_size=4)) == {}
+    assert cpu_token.layer_runs(model, model.embed(torch.tensor([4, 5])), _pass(cache, model.config)) == {}
+    before = cpu_token.set_runs(False)
+    try:
+        assert cpu_token.layer_runs(model, h, _pass(cache, model.config)) == {}
+    finally:
+        cpu_token.set_runs(before)
+
+
+def _pass(cache, config, block_size: int | None = None):  # noqa: ANN001, ANN202
+    from clover_desk.engine.model.attention import rope_cos_sin
+    from clover_desk.engine.model.cache import PassContext
+
+    cos, sin = rope_cos_sin(torch.tensor([cache.length]), config.rotary_dim, config.rope_theta)
+    fields = {f: None for f in PassContext.__dataclass_fields__ if f not in ("pos", "kv_len", "attn_rows", "by_rows")}
+    return PassContext(**{**fields, "cache": cache, "block_size": block_size, "write_cache": True, "coreset": False,
+                          "attn_causal": True, "cos": cos, "sin": sin, "start_pos": cache.length})

@@ -1979,6 +1979,140 @@ done:
     return rc;
 }
 
+/*
+ * A run of consecutive decoder layers on one token (an AR step), in one call: per layer h += mixer(norm1(h)), then
+ * h += moe(norm2(h)) (engine.model.clover.DecoderLayer), h [D] updated in place. The mixer is a Gated DeltaNet
+ * (kind 0: clover_gdn_mixer_token's arguments) or gated full attention (kind 1: attn_token below). Every other part
+ * is the call the layer makes on its own (clover_rms_norm, clover_moe_token, the residual sums in fp32), so a run of
+ * Gated DeltaNet layers gives the per-layer path's bits; what a run saves is the Python, the dispatch and the fresh
+ * tensors between them (engine.kernels.cpu_token.LayerRun). Layer j's routing goes to idx_out / w_out, k per layer.
+ */
+typedef struct {
+    int kind;
+    const float *norm1;
+    float eps1;
+    /* Gated DeltaNet */
+    const mat_t *proj;
+    const float *b_f32, *a_f32, *A_log, *dt_bias, *conv_w;
+    int64_t K;
+    const float *conv_state;
+    float *conv_out;
+    const float *gnorm_w;
+    float geps;
+    const float *state;
+    float *state_out;
+    const mat_t *outm;
+    int64_t heads_hk, Hk, Hv, dk, dv;
+    /* full attention: mats q_proj [Hq 2hd, D] (per head its query, then its gate), k_proj, v_proj [Hkv hd, D],
+     * o_proj [D, Hq hd]; the per-head q / k norms; the key and value cache [Hkv, max_len, hd] */
+    const mat_t *qkvo;
+    const float *q_norm, *k_norm;
+    float qeps, keps;
+    int64_t Hq, Hkv, hd, rd, max_len;
+    float *kbuf, *vbuf;
+    int write;
+    /* the MoE */
+    const float *norm2;
+    float eps2;
+    int64_t E, k;
+    int norm_topk;
+    const float *router;
+    int64_t I;
+    const mat_t *routed;
+    int64_t Is;
+    const mat_t *shared;
+    const float *sgate;
+} layer_t;
+
+/*
+ * Gated attention of one token at position pos after pos cached keys (engine.model.attention.Attention): q, gate, k, v
+ * from x [D]; RMSNorm of each q and k head (clover_rms_norm), partial RoPE (clover_rope: cosv / sinv [rd] of pos);
+ * the key and value written to the cache at pos when l->write (else read from a local copy: the cache untouched);
+ * each query head's softmax(q K^T / sqrt(hd)) V over its KV head's pos + 1 keys (GQA: head h reads KV head
+ * h / (Hq / Hkv)), times sigmoid(gate), then o_proj -> out [D]. The scores and sums are C's own (torch's SDPA sums
+ * in another order): within float32 rounding of the torch forward.
+ */
+static int attn_token(const layer_t *l, const float *x, int64_t D, int64_t pos, const float *cosv,
+                      const float *sinv, float *out, int lanes, int nth) {
+    const int64_t Hq = l->Hq, Hkv = l->Hkv, hd = l->hd, S = pos + 1;
+    if (Hkv < 1 || Hq % Hkv || hd < 1 || pos < 0 || pos >= l->max_len) return ERR_SHAPE;
+    const int64_t G = Hq / Hkv, Q = Hq * hd, KV = Hkv * hd;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(5 * Q + 2 * KV + Hq * S));
+    if (!buf) return ERR_ALLOC;
+    float *qg = buf, *q0 = qg + 2 * Q, *q = q0 + Q, *o = q + Q, *k0 = o + Q, *v = k0 + KV, *sc = v + KV;
+    const float scale = 1.0f / sqrtf((float)hd);
+    int rc = qmatmul_run(x, 1, D, &l->qkvo[0], NULL, 2 * Q, qg, nth);
+    if (rc == OK) rc = qmatmul_run(x, 1, D, &l->qkvo[1], NULL, KV, k0, nth);
+    if (rc == OK) rc = qmatmul_run(x, 1, D, &l->qkvo[2], NULL, KV, v, nth);
+    if (rc != OK) goto done;
+    for (int64_t hh = 0; hh < Hq; hh++) memcpy(q0 + hh * hd, qg + hh * 2 * hd, sizeof(float) * (size_t)hd);
+    if ((rc = clover_rms_norm(q0, l->q_norm, l->qeps, o, Hq, hd, lanes)) != OK) goto done;
+    if ((rc = clover_rope(o, cosv, sinv, q, Hq, hd, l->rd)) != OK) goto done;
+    if ((rc = clover_rms_norm(k0, l->k_norm, l->keps, o, Hkv, hd, lanes)) != OK) goto done;
+    if ((rc = clover_rope(o, cosv, sinv, k0, Hkv, hd, l->rd)) != OK) goto done; /* k0: the roped key */
+    if (l->write)
+        for (int64_t j = 0; j < Hkv; j++) {
+            memcpy(l->kbuf + (j * l->max_len + pos) * hd, k0 + j * hd, sizeof(float) * (size_t)hd);
+            memcpy(l->vbuf + (j * l->max_len + pos) * hd, v + j * hd, sizeof(float) * (size_t)hd);
+        }
+#pragma omp parallel for num_threads(threads_for(nth, Hq)) schedule(static)
+    for (int64_t hh = 0; hh < Hq; hh++) {
+        const int64_t j = hh / G;
+        const float *qh = q + hh * hd, *kj = l->kbuf + j * l->max_len * hd, *vj = l->vbuf + j * l->max_len * hd;
+        float *p = sc + hh * S, *oh = o + hh * hd, m = -INFINITY, sum = 0.0f;
+        for (int64_t s2 = 0; s2 < S; s2++) {
+            const float *key = s2 == pos ? k0 + j * hd : kj + s2 * hd;
+            p[s2] = dot_f32(qh, key, hd) * scale;
+            m = p[s2] > m ? p[s2] : m;
+        }
+        for (int64_t s2 = 0; s2 < S; s2++) {
+            p[s2] = expf(p[s2] - m);
+            sum += p[s2];
+        }
+        for (int64_t e = 0; e < hd; e++) oh[e] = 0.0f;
+        for (int64_t s2 = 0; s2 < S; s2++) {
+            const float *val = s2 == pos ? v + j * hd : vj + s2 * hd, w = p[s2] / sum;
+            for (int64_t e = 0; e < hd; e++) oh[e] += w * val[e];
+        }
+        const float *gate = qg + hh * 2 * hd + hd;
+        for (int64_t e = 0; e < hd; e++) oh[e] *= 1.0f / (1.0f + expf(-gate[e]));
+    }
+    rc = qmatmul_run(o, 1, Q, &l->qkvo[3], NULL, D, out, nth);
+done:
+    free(buf);
+    return rc;
+}
+
+int clover_layers_token(const layer_t *L, int64_t n, float *h, int64_t D, int64_t pos, const float *cosv,
+                        const float *sinv, int64_t *idx_out, float *w_out, int lanes, int nth) {
+    if (n < 0 || D <= 0) return ERR_SHAPE;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * D));
+    if (!buf) return ERR_ALLOC;
+    float *x = buf, *y = buf + D;
+    int rc = OK;
+    int64_t at = 0;
+    for (int64_t j = 0; j < n && rc == OK; j++) {
+        const layer_t *l = &L[j];
+        if ((rc = clover_rms_norm(h, l->norm1, l->eps1, x, 1, D, lanes)) != OK) break;
+        if (l->kind == 1)
+            rc = attn_token(l, x, D, pos, cosv, sinv, y, lanes, nth);
+        else
+            rc = clover_gdn_mixer_token(x, D, l->proj, l->b_f32, l->a_f32, l->A_log, l->dt_bias, l->conv_w, l->K,
+                                        l->conv_state, l->conv_out, l->gnorm_w, l->geps, l->state, l->state_out,
+                                        l->outm, l->heads_hk, y, l->Hk, l->Hv, l->dk, l->dv, lanes, nth);
+        if (rc != OK) break;
+        for (int64_t i = 0; i < D; i++) h[i] = h[i] + y[i];
+        if ((rc = clover_rms_norm(h, l->norm2, l->eps2, x, 1, D, lanes)) != OK) break;
+        rc = clover_moe_token(x, D, l->E, l->k, l->norm_topk, l->router, l->I, l->routed, l->Is, l->shared, l->sgate,
+                              y, idx_out + at, w_out + at, nth);
+        if (rc != OK) break;
+        for (int64_t i = 0; i < D; i++) h[i] = h[i] + y[i];
+        at += l->k;
+    }
+    free(buf);
+    return rc;
+}
+
 /* ============================================================================================================ */
 /* end of issue 30's section                                                                                     */
 /* ============================================================================================================ */
