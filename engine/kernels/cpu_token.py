@@ -330,44 +330,70 @@ class LayerRun:
         return h
 
 
+class _Kept:
+    """One cache's runs for one model: the runs, weak references to what they were built from (the cache, its
+    tensors, each layer and its mixer, MoE block and expert bank), and the storages of every layer's weights
+    (pinned, so that no pointer a run holds can outlive its memory)."""
+
+    def __init__(self, runs: dict[int, LayerRun], watched: list[Any], pinned: list[Tensor]) -> None:
+        self.runs, self.pinned = runs, pinned
+        self.refs = [weakref.ref(o) for o in watched]
+
+    def alive(self) -> bool:
+        """Whether everything watched is still alive (so an equal key names the very same objects)."""
+        return all(r() is not None for r in self.refs)
+
+
 # each model's runs by key, beside the model (not in it: a deep copy of the model must not copy ctypes pointers)
-_KEPT: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], dict[int, LayerRun]]] = weakref.WeakKeyDictionary()
+_KEPT: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Kept]] = weakref.WeakKeyDictionary()
 
 
-def kept_runs(model: Any) -> dict[tuple[int, ...], dict[int, LayerRun]]:
+def kept_runs(model: Any) -> dict[tuple[Any, ...], dict[int, LayerRun]]:
     """The runs built for ``model`` so far, by key (for tests and benches)."""
-    return _KEPT.get(model, {})
+    return {k: v.runs for k, v in _KEPT.get(model, {}).items()}
 
 
-def _key(model: Any, cache: Any, write_cache: bool) -> tuple[int, ...]:
-    """What a step's runs depend on: the write switch, and for every layer its cache tensors' and input norm's
-    addresses and whether its own forward must run (hooked, compiled, experts fetched first)."""
-    key = [int(write_cache)]
-    for i, layer in enumerate(model.layers):
+def forget(model: Any) -> None:
+    """Drop ``model``'s runs: for code that replaces a layer's weights in place after AR steps have run (a run
+    reads the weights it was built from until then; replacing a layer's mixer, MoE block or bank is noticed)."""
+    _KEPT.pop(model, None)
+
+
+def _watch(model: Any, cache: Any, write_cache: bool) -> tuple[tuple[Any, ...], list[Any]]:
+    """What a step's runs depend on: (a key: the write switch, whether each layer's own forward must run (hooked,
+    compiled, experts fetched first) and the ids of the watched objects; the watched objects: the cache, its
+    tensors, each layer and its mixer, MoE block and bank). Live objects have distinct ids, so while the watched
+    objects live (:meth:`_Kept.alive`) an equal key means the same objects."""
+    watched: list[Any] = [cache]
+    flags = [int(write_cache), int(bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks))]
+    for i, layer in enumerate(model.layers._modules.values()):  # _modules: nn.Module.__getattr__ costs ~0.3 us a name
+        mods = layer._modules
+        moe = mods["mlp"]
+        bank = moe._modules["experts"]
+        mixer = mods["self_attn"] if layer.is_full_attention else mods["linear_attn"]
         first, second = cache.layer(i)
-        moe = layer.mlp
-        mixer = layer.self_attn if layer.is_full_attention else layer.linear_attn
-        key += (first.data_ptr(), second.data_ptr(), layer.input_layernorm.weight.data_ptr(),
-                int(_hooked(layer, mixer, moe, moe.experts) or moe.experts.needs_prepare))
-    return tuple(key)
+        watched += (first, second, layer, mixer, moe, bank)
+        flags.append(int(bank.needs_prepare or any(m._forward_hooks or m._forward_pre_hooks or m._compiled_call_impl
+                                                   is not None for m in (layer, mixer, moe, bank))))
+    return (*flags, *map(id, watched)), watched
 
 
 def layer_runs(model: Any, h: Tensor, p: Any) -> dict[int, LayerRun]:
     """The runs of consecutive decoder layers that this pass of ``model`` takes as one C call each, by first layer:
     an eager causal AR step (one float32 CPU token, a cache, rotary angles in float32) with :data:`ENABLED` and
-    :data:`RUNS`; empty otherwise. Built on a cache's first step and kept on the model for the next ones, by what
-    they depend on (:func:`_key`, checked every step)."""
+    :data:`RUNS`; empty otherwise. Built on a cache's first step and kept beside the model for the next ones, by
+    what they depend on (:func:`_watch`, checked every step)."""
     if (torch.compiler.is_compiling() or not RUNS or p.cache is None or p.block_size is not None or p.by_rows
             or p.pos is not None or p.attn_mask is not None or not _one_token(h) or p.cos is None
             or p.cos.dtype != torch.float32):
         return {}
-    key = _key(model, p.cache, p.write_cache)
+    key, watched = _watch(model, p.cache, p.write_cache)
     kept = _KEPT.get(model)
     if kept is None:
         kept = _KEPT[model] = {}
-    runs = kept.get(key)
-    if runs is not None:
-        return runs
+    entry = kept.get(key)
+    if entry is not None and entry.alive():
+        return entry.runs
     runs, current = {}, []
     for i, layer in enumerate(model.layers):
         built = _layer(layer, h, p.cache.layer(i), p.write_cache, p.cos.shape[-1])
@@ -379,5 +405,6 @@ def layer_runs(model: Any, h: Tensor, p: Any) -> dict[int, LayerRun]:
             current = []
     if len(kept) > 8:  # caches come and go: never grow without bound
         kept.clear()
-    kept[key] = runs
+    pinned = [t.detach() for layer in model.layers for t in (*layer.parameters(), *layer.buffers())]
+    kept[key] = _Kept(runs, watched, pinned)
     return runs

@@ -343,3 +343,37 @@ def _pass(cache, config, block_size: int | None = None):  # noqa: ANN001, ANN202
     fields = {f: None for f in PassContext.__dataclass_fields__ if f not in ("pos", "kv_len", "attn_rows", "by_rows")}
     return PassContext(**{**fields, "cache": cache, "block_size": block_size, "write_cache": True, "coreset": False,
                           "attn_causal": True, "cos": cos, "sin": sin, "start_pos": cache.length})
+
+
+@torch.no_grad()
+def test_layer_runs_follow_what_they_were_built_from(tiny_clover_dir, tmp_path) -> None:  # noqa: F811
+    """A run points into the cache and the layers it was built for: another cache (another length), a replaced
+    expert bank or a dropped cache gets runs of its own, never another's pointers; ``forget`` drops them all."""
+    import copy
+    import gc
+
+    model = _gguf_model(tiny_clover_dir, tmp_path)
+    first = model.new_cache(40)
+    model(torch.arange(5, 17), 0, first, last_only=True)
+    _step(model, first, 3, True)
+    second = model.new_cache(80)
+    model(torch.arange(5, 17), 0, second, last_only=True)
+    _step(model, second, 3, True)
+    built = list(cpu_token.kept_runs(model).values())
+    assert len(built) == 2 and [r[0]._structs[3].max_len for r in built] == [40, 80]
+    del first, built
+    gc.collect()
+    third = model.new_cache(40)  # may take the dropped cache's memory: its runs are its own all the same
+    model(torch.arange(5, 17), 0, third, last_only=True)
+    mine, _ = _step(model, third, 3, True)
+    assert len(cpu_token.kept_runs(model)) == 3
+    ref_cache = model.new_cache(40)
+    model(torch.arange(5, 17), 0, ref_cache, last_only=True)
+    ref, _ = _step(model, ref_cache, 3, False)
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    bank = model.layers[0].mlp.experts
+    model.layers[0].mlp.experts = copy.deepcopy(bank)
+    _step(model, third, 4, True)
+    assert len(cpu_token.kept_runs(model)) == 4
+    cpu_token.forget(model)
+    assert cpu_token.kept_runs(model) == {}
