@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.nn.modules import module as nn_module
 
-from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.kernels import cpu_quant, gdn_kernels
 from clover_desk.engine.kernels.torch_lanes import torch_lanes
 
 # The kernels' mat_t: (ggml type or cpu_quant.NF4 / INT8, codes address, bytes between experts, bytes between rows,
@@ -242,8 +242,6 @@ def _mixer_fields(layer: Any, h: Tensor, st: tuple[Tensor, Tensor], write_cache:
     """The layer_t fields of ``layer``'s token mixer (``rd`` rotary dims), with the ctypes arrays they point into, or
     None where a part of it would not be a C call in its own forward (or the attention has a bias, which the run
     does not add)."""
-    from clover_desk.engine.kernels import gdn_kernels
-
     d = h.shape[1]
     if not layer.is_full_attention:
         mixer = layer.linear_attn
