@@ -377,3 +377,29 @@ def test_layer_runs_follow_what_they_were_built_from(tiny_clover_dir, tmp_path) 
     assert len(cpu_token.kept_runs(model)) == 4
     cpu_token.forget(model)
     assert cpu_token.kept_runs(model) == {}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keys", [511, 512, 1300])
+def test_a_run_attends_over_many_keys_in_chunks(keys: int, tiny_clover_dir, tmp_path) -> None:  # noqa: F811
+    """Attention over more keys than one chunk of the run's split (512 keys a task, joined per head): logits and
+    the written key and value within float32 rounding of the per-layer path (SDPA), at, below and past a chunk."""
+    model = _gguf_model(tiny_clover_dir, tmp_path)
+    caches = [model.new_cache(keys + 8) for _ in range(2)]
+    g = torch.Generator().manual_seed(keys)
+    for i in range(4):
+        for t in caches[0].layer(i):
+            t.normal_(generator=g)
+            if not model.layers[i].is_full_attention and t.dim() == 3:
+                t.mul_(0.01)  # a recurrent state of a plausible size
+    for c in caches:
+        for i in range(4):
+            for t, src in zip(c.layer(i), caches[0].layer(i)):
+                t.copy_(src)
+        c.length = keys
+    mine, _ = _step(model, caches[0], 7, True)
+    ref, _ = _step(model, caches[1], 7, False)
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    for a, b in zip(caches[0].layer(3), caches[1].layer(3)):
+        torch.testing.assert_close(a[:, : keys + 1], b[:, : keys + 1], rtol=1e-4, atol=1e-5)
+    assert [(r.start, r.end) for r in next(iter(cpu_token.kept_runs(model).values())).values()] == [(0, 4)]

@@ -2024,22 +2024,29 @@ typedef struct {
     const float *sgate;
 } layer_t;
 
+/* Keys per task of attn_token's split over the keys (each task: one KV head, one chunk of its keys). */
+#define ATTN_CHUNK 512
+
 /*
  * Gated attention of one token at position pos after pos cached keys (engine.model.attention.Attention): q, gate, k, v
  * from x [D]; RMSNorm of each q and k head (clover_rms_norm), partial RoPE (clover_rope: cosv / sinv [rd] of pos);
  * the key and value written to the cache at pos when l->write (else read from a local copy: the cache untouched);
  * each query head's softmax(q K^T / sqrt(hd)) V over its KV head's pos + 1 keys (GQA: head h reads KV head
- * h / (Hq / Hkv)), times sigmoid(gate), then o_proj -> out [D]. The scores and sums are C's own (torch's SDPA sums
- * in another order): within float32 rounding of the torch forward.
+ * h / (Hq / Hkv)), times sigmoid(gate), then o_proj -> out [D].
+ * The keys are split in chunks of ATTN_CHUNK per KV head, one task each (as flash decoding does): a task reads its
+ * keys and values once for the G query heads that share them and keeps each head's running max, sum and weighted
+ * values; the chunks are then joined per head. So the cache is read once a step whatever G, and long contexts use
+ * every thread. The scores and sums are C's own (torch's SDPA sums in another order): within float32 rounding.
  */
 static int attn_token(const layer_t *l, const float *x, int64_t D, int64_t pos, const float *cosv,
                       const float *sinv, float *out, int lanes, int nth) {
     const int64_t Hq = l->Hq, Hkv = l->Hkv, hd = l->hd, S = pos + 1;
     if (Hkv < 1 || Hq % Hkv || hd < 1 || pos < 0 || pos >= l->max_len) return ERR_SHAPE;
-    const int64_t G = Hq / Hkv, Q = Hq * hd, KV = Hkv * hd;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(5 * Q + 2 * KV + Hq * S));
+    const int64_t G = Hq / Hkv, Q = Hq * hd, KV = Hkv * hd, nc = (S + ATTN_CHUNK - 1) / ATTN_CHUNK, tasks = Hkv * nc;
+    /* qg [2Q] | q0 [Q] | q [Q] | o [Q] | k0 [KV] | v [KV] | per task and head: max, sum [2], weighted values [hd] */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(5 * Q + 2 * KV + tasks * G * (hd + 2)));
     if (!buf) return ERR_ALLOC;
-    float *qg = buf, *q0 = qg + 2 * Q, *q = q0 + Q, *o = q + Q, *k0 = o + Q, *v = k0 + KV, *sc = v + KV;
+    float *qg = buf, *q0 = qg + 2 * Q, *q = q0 + Q, *o = q + Q, *k0 = o + Q, *v = k0 + KV, *part = v + KV;
     const float scale = 1.0f / sqrtf((float)hd);
     int rc = qmatmul_run(x, 1, D, &l->qkvo[0], NULL, 2 * Q, qg, nth);
     if (rc == OK) rc = qmatmul_run(x, 1, D, &l->qkvo[1], NULL, KV, k0, nth);
@@ -2055,27 +2062,66 @@ static int attn_token(const layer_t *l, const float *x, int64_t D, int64_t pos, 
             memcpy(l->kbuf + (j * l->max_len + pos) * hd, k0 + j * hd, sizeof(float) * (size_t)hd);
             memcpy(l->vbuf + (j * l->max_len + pos) * hd, v + j * hd, sizeof(float) * (size_t)hd);
         }
-#pragma omp parallel for num_threads(threads_for(nth, Hq)) schedule(static)
-    for (int64_t hh = 0; hh < Hq; hh++) {
-        const int64_t j = hh / G;
-        const float *qh = q + hh * hd, *kj = l->kbuf + j * l->max_len * hd, *vj = l->vbuf + j * l->max_len * hd;
-        float *p = sc + hh * S, *oh = o + hh * hd, m = -INFINITY, sum = 0.0f;
-        for (int64_t s2 = 0; s2 < S; s2++) {
-            const float *key = s2 == pos ? k0 + j * hd : kj + s2 * hd;
-            p[s2] = dot_f32(qh, key, hd) * scale;
-            m = p[s2] > m ? p[s2] : m;
+    int failed = 0;
+#pragma omp parallel num_threads(threads_for(nth, tasks))
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(G * ATTN_CHUNK));
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
         }
-        for (int64_t s2 = 0; s2 < S; s2++) {
-            p[s2] = expf(p[s2] - m);
-            sum += p[s2];
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (!sc) continue;
+            const int64_t j = t / nc, s0 = (t % nc) * ATTN_CHUNK, s1 = s0 + ATTN_CHUNK < S ? s0 + ATTN_CHUNK : S;
+            const int64_t n = s1 - s0;
+            const float *kj = l->kbuf + j * l->max_len * hd, *vj = l->vbuf + j * l->max_len * hd;
+            for (int64_t s2 = s0; s2 < s1; s2++) {
+                const float *key = s2 == pos ? k0 + j * hd : kj + s2 * hd;
+                for (int64_t g = 0; g < G; g++) sc[g * n + s2 - s0] = dot_f32(q + (j * G + g) * hd, key, hd) * scale;
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *p = sc + g * n, m = -INFINITY, sum = 0.0f;
+                for (int64_t i = 0; i < n; i++) m = p[i] > m ? p[i] : m;
+                for (int64_t i = 0; i < n; i++) {
+                    p[i] = expf(p[i] - m);
+                    sum += p[i];
+                }
+                float *pt = part + (t * G + g) * (hd + 2);
+                pt[0] = m;
+                pt[1] = sum;
+                for (int64_t e = 0; e < hd; e++) pt[2 + e] = 0.0f;
+            }
+            for (int64_t s2 = s0; s2 < s1; s2++) {
+                const float *val = s2 == pos ? v + j * hd : vj + s2 * hd;
+                for (int64_t g = 0; g < G; g++) {
+                    const float w = sc[g * n + s2 - s0];
+                    float *acc = part + (t * G + g) * (hd + 2) + 2;
+                    for (int64_t e = 0; e < hd; e++) acc[e] += w * val[e];
+                }
+            }
+        }
+        free(sc);
+    }
+    if (failed) {
+        rc = ERR_ALLOC;
+        goto done;
+    }
+    for (int64_t hh = 0; hh < Hq; hh++) { /* join the chunks of head hh: KV head j = hh / G, its g = hh % G */
+        const int64_t j = hh / G, g = hh % G;
+        float m = -INFINITY, sum = 0.0f, *oh = o + hh * hd;
+        for (int64_t c = 0; c < nc; c++) {
+            const float mc = part[((j * nc + c) * G + g) * (hd + 2)];
+            m = mc > m ? mc : m;
         }
         for (int64_t e = 0; e < hd; e++) oh[e] = 0.0f;
-        for (int64_t s2 = 0; s2 < S; s2++) {
-            const float *val = s2 == pos ? v + j * hd : vj + s2 * hd, w = p[s2] / sum;
-            for (int64_t e = 0; e < hd; e++) oh[e] += w * val[e];
+        for (int64_t c = 0; c < nc; c++) {
+            const float *pt = part + ((j * nc + c) * G + g) * (hd + 2), f = expf(pt[0] - m);
+            sum += pt[1] * f;
+            for (int64_t e = 0; e < hd; e++) oh[e] += pt[2 + e] * f;
         }
         const float *gate = qg + hh * 2 * hd + hd;
-        for (int64_t e = 0; e < hd; e++) oh[e] *= 1.0f / (1.0f + expf(-gate[e]));
+        for (int64_t e = 0; e < hd; e++) oh[e] = oh[e] / sum * (1.0f / (1.0f + expf(-gate[e])));
     }
     rc = qmatmul_run(o, 1, Q, &l->qkvo[3], NULL, D, out, nth);
 done:
