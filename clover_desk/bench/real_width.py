@@ -463,6 +463,7 @@ def _print_pass(model: CloverModel, sb: StepBytes, prompt: list[int], repeats: i
     one_pass()
     one_step()
     step_t = LayerClock(model).run(one_step, repeats)
+    as_run = _best(one_step, repeats)  # unhooked: an AR step's consecutive layers go as one C call (cpu_token.layer_runs)
     if alike:
         pass_t = LayerClock(model).run(one_pass, repeats)
         print(f"block pass vs AR step ({name}; 32 masks after the prompt route alike on random weights):")
@@ -473,6 +474,8 @@ def _print_pass(model: CloverModel, sb: StepBytes, prompt: list[int], repeats: i
     print(f"{'the same pass' if alike else f'block pass vs AR step ({name})'} with each slot's 8 experts drawn at "
           "random, as a trained router spreads distinct tokens:")
     _pass_table(model, sb, step_t, spread_t, spread)
+    print(f"  (the AR rows time each layer's own forward, under the clock's hooks; the AR step as it runs, its layers "
+          f"in one C call where they can be: {as_run * 1e3:.2f} ms)")
 
 
 def _pass_table(model: CloverModel, sb: StepBytes, step_t: list[float], pass_t: list[float], used: list[int]) -> None:

@@ -14,7 +14,7 @@ from fixtures_tiny import tiny_clover_dir  # noqa: F401
 
 from clover_desk.bench import real_width
 from clover_desk.bench.real_width import LayerClock, interleaved, kl_stats, llama_cpp_for, model_bytes, type_mix
-from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.kernels import cpu_quant, cpu_token
 from clover_desk.engine.weights.gguf.file import open_gguf
 from clover_desk.engine.weights.gguf.model import load_gguf_model
 from clover_desk.engine.weights.gguf.writer import write_gguf
@@ -63,6 +63,27 @@ def test_layer_clock_times_every_layer_and_the_head(q8_file: Path) -> None:
     times = LayerClock(model).run(lambda: model.forward(ids, 0, model.new_cache(8)), 2)
     assert len(times) == len(model.layers) + 1
     assert all(0 < t < 10 for t in times)
+
+
+@torch.no_grad()
+def test_the_pass_tables_give_the_ar_step_as_it_runs(q8_file: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside the per-layer rows (each layer's own forward, under hooks), the tables say what an AR step takes as it
+    runs: unhooked, so with the CPU kernels its layers go as one C call (once to warm up, once per repeat)."""
+    model = load_gguf_model(q8_file).model
+    calls: list[str] = []
+    real_function = cpu_token._function
+
+    def counted(name: str = "clover_moe_token"):  # noqa: ANN202
+        fn = real_function(name)
+        return lambda *a: calls.append(name) or fn(*a)
+
+    monkeypatch.setattr(cpu_token, "_function", counted)
+    real_width._print_pass(model, model_bytes(model), list(range(5, 45)), 3, "engine, the file", alike=False)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "the AR step as it runs" in x)
+    assert float(line.rsplit(":", 1)[1].split()[0]) > 0
+    assert calls.count("clover_layers_token") == (1 + 3 if cpu_quant.available() else 0)
 
 
 def test_a_child_reports_its_peak_rss(q8_file: Path, tiny_clover_dir: Path) -> None:  # noqa: F811
