@@ -3,9 +3,12 @@
 times AR steps three ways in one process: as they run; with every C call timed (the time inside the kernels, each
 function's share, and what is left outside them); with every C call a no-op (the same Python and torch path on
 garbage values: the pure overhead). Comparing ``--layers 4`` with ``--layers 8`` splits the overhead into a part per
-layer and a fixed part.
+layer and a fixed part. An AR step's consecutive layers go as one C call (``layers_token``: engine.kernels.cpu_token
+layer runs); ``--no-runs`` times the per-layer path instead (each layer's MoE and mixer one call each, the norms and
+sums between them in Python), as it was before the runs.
 
     python scripts/bench_ar_overhead.py [--layers 4] [--which file|own] [--rounds 3] [--steps 30] [--threads 2]
+                                        [--no-runs]
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-runs", action="store_true", help="the per-layer path (layer runs off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    cpu_token.set_runs(not args.no_runs)
     root = rw.cache_root(args.layers)
     gguf, folder = root / "model-Q4_K_M-llama.gguf", root / "checkpoint"
     if not (gguf.is_file() and folder.is_dir()):
