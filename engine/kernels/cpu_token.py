@@ -218,12 +218,20 @@ def set_runs(on: bool) -> bool:
     return before
 
 
-def _hooked(*modules: Any) -> bool:
-    """Whether any of ``modules`` has forward hooks or is compiled (its own forward must then run), or any global
-    forward hook is set."""
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
-        m._forward_hooks or m._forward_pre_hooks or getattr(m, "_compiled_call_impl", None) is not None
-        for m in modules)
+def _parts(layer: Any) -> tuple[Any, Any, Any]:
+    """A decoder layer's (mixer, MoE block, expert bank), read from ``_modules`` (``nn.Module.__getattr__`` costs
+    ~0.3 us a name, and this runs for every layer of every step)."""
+    mods = layer._modules
+    moe = mods["mlp"]
+    return mods["self_attn"] if layer.is_full_attention else mods["linear_attn"], moe, moe._modules["experts"]
+
+
+def _own_forward(layer: Any) -> bool:
+    """Whether ``layer`` must run its own forward: it, its mixer, MoE block or bank hooked or compiled, or the bank
+    fetching its experts first."""
+    mixer, moe, bank = _parts(layer)
+    return bool(bank.needs_prepare) or any(m._forward_hooks or m._forward_pre_hooks or m._compiled_call_impl is not None
+                                           for m in (layer, mixer, moe, bank))
 
 
 def _norm_ok(norm: Any, d: int) -> bool:
@@ -277,11 +285,9 @@ def _mixer_fields(layer: Any, h: Tensor, st: tuple[Tensor, Tensor], write_cache:
 
 def _layer(layer: Any, h: Tensor, st: tuple[Tensor, Tensor], write_cache: bool, rd: int) -> tuple[_Layer, list[Any]] | None:
     """A decoder layer as the kernels' layer_t, with what it points into (kept alive by the caller), or None where it
-    must run its own forward."""
+    must run its own forward (the caller has checked :func:`_own_forward`)."""
     d, moe = h.shape[1], layer.mlp
-    mixer = layer.self_attn if layer.is_full_attention else layer.linear_attn
-    if (_hooked(layer, mixer, moe, moe.experts) or not _norm_ok(layer.input_layernorm, d)
-            or not _norm_ok(layer.post_attention_layernorm, d)):
+    if not _norm_ok(layer.input_layernorm, d) or not _norm_ok(layer.post_attention_layernorm, d):
         return None
     mixed, m = _mixer_fields(layer, h, st, write_cache, rd), _moe_args(moe, d)
     if mixed is None or m is None:
@@ -357,23 +363,20 @@ def forget(model: Any) -> None:
     _KEPT.pop(model, None)
 
 
-def _watch(model: Any, cache: Any, write_cache: bool) -> tuple[tuple[Any, ...], list[Any]]:
-    """What a step's runs depend on: (a key: the write switch, whether each layer's own forward must run (hooked,
-    compiled, experts fetched first) and the ids of the watched objects; the watched objects: the cache, its
-    tensors, each layer and its mixer, MoE block and bank). Live objects have distinct ids, so while the watched
-    objects live (:meth:`_Kept.alive`) an equal key means the same objects."""
+def _watch(model: Any, cache: Any, write_cache: bool) -> tuple[tuple[Any, ...], list[Any], list[bool]]:
+    """What a step's runs depend on: (a key: the write switch, whether each layer must run its own forward and the
+    ids of the watched objects; the watched objects: the cache, its tensors, each layer and its mixer, MoE block
+    and bank; per layer, whether it must run its own forward: :func:`_own_forward`, or any global forward hook
+    set). Live objects have distinct ids, so while the watched objects live (:meth:`_Kept.alive`) an equal key means
+    the same objects."""
     watched: list[Any] = [cache]
-    flags = [int(write_cache), int(bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks))]
-    for i, layer in enumerate(model.layers._modules.values()):  # _modules: nn.Module.__getattr__ costs ~0.3 us a name
-        mods = layer._modules
-        moe = mods["mlp"]
-        bank = moe._modules["experts"]
-        mixer = mods["self_attn"] if layer.is_full_attention else mods["linear_attn"]
+    hooked_all = bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+    own = []
+    for i, layer in enumerate(model.layers._modules.values()):
         first, second = cache.layer(i)
-        watched += (first, second, layer, mixer, moe, bank)
-        flags.append(int(bank.needs_prepare or any(m._forward_hooks or m._forward_pre_hooks or m._compiled_call_impl
-                                                   is not None for m in (layer, mixer, moe, bank))))
-    return (*flags, *map(id, watched)), watched
+        watched += (first, second, layer, *_parts(layer))
+        own.append(hooked_all or _own_forward(layer))
+    return (int(write_cache), *own, *map(id, watched)), watched, own
 
 
 def layer_runs(model: Any, h: Tensor, p: Any) -> dict[int, LayerRun]:
@@ -385,7 +388,7 @@ def layer_runs(model: Any, h: Tensor, p: Any) -> dict[int, LayerRun]:
             or p.pos is not None or p.attn_mask is not None or not _one_token(h) or p.cos is None
             or p.cos.dtype != torch.float32):
         return {}
-    key, watched = _watch(model, p.cache, p.write_cache)
+    key, watched, own = _watch(model, p.cache, p.write_cache)
     kept = _KEPT.get(model)
     if kept is None:
         kept = _KEPT[model] = {}
@@ -394,7 +397,7 @@ def layer_runs(model: Any, h: Tensor, p: Any) -> dict[int, LayerRun]:
         return entry.runs
     runs, current = {}, []
     for i, layer in enumerate(model.layers):
-        built = _layer(layer, h, p.cache.layer(i), p.write_cache, p.cos.shape[-1])
+        built = None if own[i] else _layer(layer, h, p.cache.layer(i), p.write_cache, p.cos.shape[-1])
         if built is not None:
             current.append(built)
         if current and (built is None or i == len(model.layers) - 1):

@@ -275,7 +275,7 @@ class CloverModel(nn.Module):
         p = PassContext(start_pos, t, block_size, cache, write_cache, cos, sin, mask, causal, coreset, attn_rows=rows,
                   by_rows=bool(rows))
         h = self.embed(ids)  # [T, D]
-        runs = layer_runs(self, h, p)  # an eager AR step on the CPU: runs of GDN layers, one C call each
+        runs = layer_runs(self, h, p)  # an eager AR step on the CPU: runs of whole layers, one C call each
         i = 0
         while i < len(self.layers):
             run = runs.get(i)
