@@ -16,9 +16,10 @@ the l2norms, the step and the gated RMSNorm another, around four torch ops (the 
 ~60 small torch ops (each a few microseconds of dispatch and a fresh tensor). Both follow the torch forward's
 order of operations, sums included (:func:`cpu_token`), so the tokens are the torch forward's.
 
-Block-mode forwards (the diffusion prompt, the 32-slot denoising and commit passes) keep the PyTorch rule: they need
-each block's start state and its pure read for the history unit, and the right convolution's state path, which
-fla's kernels do not return. The PyTorch rule stays the CPU path and the reference.
+Block-mode forwards (the diffusion prompt, the 32-slot denoising and commit passes) keep the PyTorch rule on a GPU:
+they need each block's start state and its pure read for the history unit, and the right convolution's state path,
+which fla's kernels do not return. On the CPU they take one C call for the mixer between its projections
+(:mod:`engine.kernels.cpu_block`); the PyTorch rule stays the reference.
 
 Layouts: ours are q, k [T, Hv, dk] (l2-normed, q already scaled, so ``scale=1``), v [T, Hv, dv], g (log decay),
 beta [T, Hv], state [Hv, dk, dv], all float32; fla's add a batch dimension in front and keep the state [K, V]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from clover_desk.engine.kernels import cpu_quant, gdn_kernels
+from clover_desk.engine.kernels import cpu_block, cpu_quant, gdn_kernels
 from clover_desk.engine.kernels.cpu_token import gdn_mixer_token
 from clover_desk.engine.model.cache import PassContext
 from clover_desk.engine.model.config import CloverConfig
@@ -288,7 +288,11 @@ class GatedDeltaNet(nn.Module):
         hv, dk, dv = self.num_v_heads, self.dk, self.dv
         mixed = self.in_proj_qkv(x)  # [T, C] raw (pre-conv)
         z = self.in_proj_z(x).view(t, hv, dv)  # [T, Hv, dv]
-        beta, g = self._gates(self.in_proj_b(x), self.in_proj_a(x))
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        if p.block_mode and cpu_block.usable(self, x, p, st):  # the rest in one C call (a CPU block pass)
+            roff = self._right_offsets() if self.conv1d.weight_right is not None else None
+            return self.out_proj(cpu_block.gdn_block(self, x, mixed, z, b, a, roff, p, st).to(dtype))
+        beta, g = self._gates(b, a)
 
         if st is not None:
             conv0, state0 = st
@@ -395,16 +399,22 @@ class GatedDeltaNet(nn.Module):
             return F.silu(left) + F.silu(right)
         raise ValueError(f"bd_right_conv_join {join!r} is not one of 'A', 'B', 'C'")
 
-    def _right_conv(self, mixed: Tensor, block: int) -> Tensor:
-        """Right-context taps inside each block: out_t[c] = sum_k Wr[c, k] X_{t + off(k)}[c], zero past the block
-        end (a block never sees the next one). mixed [T, C] raw -> [T, C] fp32."""
+    def _right_offsets(self) -> list[int]:
+        """Each right tap's offset from the current token (``bd_right_conv_taps``)."""
         wr = self.conv1d.weight_right
         assert wr is not None
         kr = wr.shape[1]
         taps = self.config.bd_right_conv_taps
         if taps not in _RIGHT_TAP_OFFSETS:
             raise ValueError(f"bd_right_conv_taps {taps!r} is not one of {sorted(_RIGHT_TAP_OFFSETS)}")
-        offsets = [_RIGHT_TAP_OFFSETS[taps](j, kr) for j in range(kr)]
+        return [_RIGHT_TAP_OFFSETS[taps](j, kr) for j in range(kr)]
+
+    def _right_conv(self, mixed: Tensor, block: int) -> Tensor:
+        """Right-context taps inside each block: out_t[c] = sum_k Wr[c, k] X_{t + off(k)}[c], zero past the block
+        end (a block never sees the next one). mixed [T, C] raw -> [T, C] fp32."""
+        wr = self.conv1d.weight_right
+        assert wr is not None
+        offsets = self._right_offsets()
         t = mixed.shape[0]
         n = (t + block - 1) // block
         xb = F.pad(mixed.float(), (0, 0, 0, n * block - t)).view(n, block, -1)  # [n, B, C]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from clover_desk.engine.kernels import cpu_quant, cpu_token
+from clover_desk.engine.kernels import cpu_block, cpu_quant, cpu_token
 from clover_desk.engine.model.clover import CloverModel
 from clover_desk.engine.model.config import parse_config
 from clover_desk.engine.weights.checkpoint import random_state_dict
@@ -80,12 +80,15 @@ def test_the_quantized_forward_traces_as_one_graph(primed: tuple[CloverModel, An
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [str(b.reason)[:200] for b in explained.break_reasons]
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="eager", fullgraph=True)
-    one_call = fn(*args)  # eager, an AR step's MoE is one C call (engine.kernels.cpu_token), never traced
-    before = cpu_token.set_enabled(False)
+    # eager, an AR step's MoE is one C call (engine.kernels.cpu_token) and a pass's GDN mixer another
+    # (engine.kernels.cpu_block), never traced
+    one_call = fn(*args)
+    before, before_block = cpu_token.set_enabled(False), cpu_block.set_enabled(False)
     try:
         want = fn(*args)  # the separate ops, as the trace calls them
     finally:
         cpu_token.set_enabled(before)
+        cpu_block.set_enabled(before_block)
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(compiled(*args), want)  # the same library calls, through the ops
         assert torch.equal(compiled(*args), want)  # a second call: guards hold, nothing recompiles

@@ -1625,6 +1625,351 @@ int clover_gdn_token(const float *act, const float *zs, const float *beta, const
 }
 
 /*
+ * Gated DeltaNet in block mode (engine.model.gdn.GatedDeltaNet: a diffusion block pass, a block-mode prefill):
+ * everything between the input projections and out_proj, in one call, for what the torch forward does in ~80 ops
+ * (the convolutions and their join, the l2norms, the gates, the chunked delta rule's prepare / scan / output, the
+ * Clover history unit, the gated RMSNorm), each a fresh tensor. The same formulas, summed in another order: equal
+ * to the torch forward within float32 rounding, not bit for bit.
+ *
+ * Per v-head and chunk of `block` tokens (chunk c holds tokens c * block ..; the forward starts on a block
+ * boundary), with gamma_i the chunk's cumulative log decay and S the state at the chunk's start:
+ *   V'_i = beta_i (v_i - e^{gamma_i} S^T k_i) - sum_{j<i} beta_i (k_i.k_j) e^{gamma_i - gamma_j} V'_j
+ *     (the rule's corrected values: (I + strictly_lower(beta K K^T D))^-1 (beta V - beta K e^gamma S), solved by
+ *     forward substitution in place of the torch rule's explicit inverse),
+ *   R_i = e^{gamma_i} S^T q_i (the pure read), O_i = R_i + sum_{j<=i} (q_i.k_j) e^{gamma_i - gamma_j} V'_j,
+ *   S <- e^{gamma_last} S + sum_i e^{gamma_last - gamma_i} k_i V'_i^T (for the next chunk and the state out).
+ * History unit (form 1: F1, the mix with O; 2: F2, with R): a softmax over [l_i, t_h (q_i.k_j) for the chunk's
+ * tokens j], l_i = hlogit[i, h] (+ q_i.hw_h or R_i.hw_h), t_h = temp[h] or 1; o~_i = a_iH (O_i | R_i) + sum_j a_ij v_j.
+ * Then y = norm_w * (o~ / sqrt(mean(o~^2) + eps)) * SiLU(z) per head.
+ */
+typedef struct {
+    int64_t T, C, K, Kr, Hk, Hv, dk, dv, block;
+    const float *mixed;   /* [T, C] in_proj_qkv's rows, before the convolution: q (Hk dk) | k (Hk dk) | v (Hv dv) */
+    const float *conv0;   /* [K-1, C] the raw rows before them (the conv state) */
+    const float *wl;      /* [K, C] the causal taps: out_t = sum_j row_{t+j} wl[j] over [conv0; mixed] */
+    const float *wr;      /* [Kr, C] the right taps (NULL: none): + sum_j mixed[t + roff[j]] wr[j] inside t's block */
+    const int64_t *roff;  /* [Kr] */
+    int64_t join;         /* 0: SiLU(L + R), 1: SiLU(L) + R, 2: SiLU(L) + SiLU(R) */
+    const float *b, *a;   /* [T, Hv] in_proj_b's and in_proj_a's outputs */
+    const float *a_log, *dt_bias; /* [Hv]: g = -e^{A_log} softplus(a + dt_bias), beta = sigmoid(b) */
+    const float *z;       /* [T, Hv dv] in_proj_z's output */
+    const float *state;   /* [Hv, dk, dv] the state before the first token */
+    float *state_out;     /* NULL, or the state after the last one (may be `state`: in place) */
+    int64_t form;         /* 0: no history unit, 1: F1, 2: F2 */
+    const float *hlogit;  /* [T, Hv] the history logits (form > 0), or the part of them besides hw's term */
+    const float *hw;      /* NULL or [Hv, dk] (hsrc 1: q_i . hw_h) or [Hv, dv] (hsrc 2: R_i . hw_h) */
+    int64_t hsrc;
+    const float *temp;    /* NULL or [Hv]: the block logits times temp[h] */
+    const float *norm_w;  /* [dv] */
+    float eps;
+    float *y;             /* [T, Hv dv] */
+} gdn_block_t;
+
+/* out [R, N] = X [R, Kd] (rows ldx apart) @ M [Kd, N] (rows ldm apart), or out += that with `add`: rows by 4,
+   columns by 16 (AVX2: by 8 NV), the sums in registers */
+static void block_mm(const float *X, int64_t ldx, int64_t R, int64_t Kd, const float *M, int64_t ldm, int64_t N,
+                     float *out, int add) {
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) {
+        int64_t c0 = 0;
+#if CLOVER_AVX2
+        enum { NV = CLOVER_REGS == 32 ? 4 : 2 };
+        for (; c0 + 8 * NV <= N; c0 += 8 * NV) {
+            __m256 acc[4][NV];
+            for (int rr = 0; rr < 4; rr++)
+                for (int v = 0; v < NV; v++)
+                    acc[rr][v] = add ? _mm256_loadu_ps(out + (r + rr) * N + c0 + 8 * v) : _mm256_setzero_ps();
+            for (int64_t d = 0; d < Kd; d++) {
+                __m256 m[NV];
+                for (int v = 0; v < NV; v++) m[v] = _mm256_loadu_ps(M + d * ldm + c0 + 8 * v);
+                for (int rr = 0; rr < 4; rr++) {
+                    const __m256 x = _mm256_broadcast_ss(X + (r + rr) * ldx + d);
+                    for (int v = 0; v < NV; v++) acc[rr][v] = _mm256_fmadd_ps(x, m[v], acc[rr][v]);
+                }
+            }
+            for (int rr = 0; rr < 4; rr++)
+                for (int v = 0; v < NV; v++) _mm256_storeu_ps(out + (r + rr) * N + c0 + 8 * v, acc[rr][v]);
+        }
+#endif
+        for (; c0 + 16 <= N; c0 += 16) {
+            float acc[4][16];
+            for (int rr = 0; rr < 4; rr++)
+                for (int cc = 0; cc < 16; cc++) acc[rr][cc] = add ? out[(r + rr) * N + c0 + cc] : 0.0f;
+            for (int64_t d = 0; d < Kd; d++) {
+                const float *m = M + d * ldm + c0;
+                for (int rr = 0; rr < 4; rr++) {
+                    const float x = X[(r + rr) * ldx + d];
+                    for (int cc = 0; cc < 16; cc++) acc[rr][cc] += x * m[cc];
+                }
+            }
+            for (int rr = 0; rr < 4; rr++) memcpy(out + (r + rr) * N + c0, acc[rr], sizeof(acc[rr]));
+        }
+        for (; c0 < N; c0++)
+            for (int rr = 0; rr < 4; rr++) {
+                float s = add ? out[(r + rr) * N + c0] : 0.0f;
+                for (int64_t d = 0; d < Kd; d++) s += X[(r + rr) * ldx + d] * M[d * ldm + c0];
+                out[(r + rr) * N + c0] = s;
+            }
+    }
+    for (; r < R; r++) {
+        float *o = out + r * N;
+        if (!add)
+            for (int64_t c = 0; c < N; c++) o[c] = 0.0f;
+        for (int64_t d = 0; d < Kd; d++) {
+            const float x = X[r * ldx + d];
+            const float *m = M + d * ldm;
+            for (int64_t c = 0; c < N; c++) o[c] += x * m[c];
+        }
+    }
+}
+
+/* y [n] -= sum_j coef[j] rows[j] (rows[j] = V + j * n, j < m): the sums in registers, y read and written once */
+static void sub_rows(float *y, const float *coef, const float *V, int64_t m, int64_t n) {
+    int64_t c0 = 0;
+#if CLOVER_AVX2
+    for (; c0 + 32 <= n; c0 += 32) {
+        __m256 acc[4];
+        for (int v = 0; v < 4; v++) acc[v] = _mm256_loadu_ps(y + c0 + 8 * v);
+        for (int64_t j = 0; j < m; j++) {
+            const __m256 c = _mm256_set1_ps(coef[j]);
+            for (int v = 0; v < 4; v++) acc[v] = _mm256_fnmadd_ps(c, _mm256_loadu_ps(V + j * n + c0 + 8 * v), acc[v]);
+        }
+        for (int v = 0; v < 4; v++) _mm256_storeu_ps(y + c0 + 8 * v, acc[v]);
+    }
+#endif
+    for (; c0 < n; c0++) {
+        float s = y[c0];
+        for (int64_t j = 0; j < m; j++) s -= coef[j] * V[j * n + c0];
+        y[c0] = s;
+    }
+}
+
+static inline float softplus20(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold 20 */
+
+#if CLOVER_AVX2
+/* e^x for 8 floats: x = n ln2 + r (|r| <= ln2 / 2), e^r by Cephes' degree-6 polynomial, 2^n from the exponent bits;
+   within a few ulp of expf for x in [-87, 88] (clamped there: ~0 below, ~3.4e38 above) */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* x[i] = e^{x[i]} */
+static void exp_inplace(float *x, int64_t n) {
+    int64_t i = 0;
+#if CLOVER_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) x[i] = expf(x[i]);
+}
+
+/* y[i] = SiLU(x[i]) (y may be x) */
+static void silu_rows(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if CLOVER_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(y + i, _mm256_div_ps(v, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, v)))));
+    }
+#endif
+    for (; i < n; i++) y[i] = silu(x[i]);
+}
+
+static float sumsq(const float *x, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if CLOVER_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        acc0 = _mm256_fmadd_ps(a, a, acc0);
+        acc1 = _mm256_fmadd_ps(b, b, acc1);
+    }
+    s = hsum_ps(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    for (int64_t j = 0; j < n; j++) y[j] += a * x[j];
+}
+
+/* token t's convolutions, their join and SiLU -> act [T, C] row t; then the l2norms of q (times dk^-0.5) and k */
+static void block_conv(const gdn_block_t *P, float *act, int64_t t) {
+    enum { TILE = 256 };
+    const int64_t C = P->C, K = P->K, Kr = P->wr ? P->Kr : 0;
+    const int64_t end0 = (t / P->block + 1) * P->block, end = end0 < P->T ? end0 : P->T; /* t's block ends there */
+    float *o = act + t * C;
+    for (int64_t c0 = 0; c0 < C; c0 += TILE) {
+        const int64_t nc = C - c0 < TILE ? C - c0 : TILE;
+        float left[TILE], right[TILE];
+        for (int64_t c = 0; c < nc; c++) left[c] = right[c] = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t r = t + j; /* row r of [conv0; mixed] */
+            const float *row = (r < K - 1 ? P->conv0 + r * C : P->mixed + (r - (K - 1)) * C) + c0, *w = P->wl + j * C + c0;
+            for (int64_t c = 0; c < nc; c++) left[c] += row[c] * w[c];
+        }
+        for (int64_t j = 0; j < Kr; j++) {
+            const int64_t s = t + P->roff[j];
+            if (s >= end) continue;
+            const float *row = P->mixed + s * C + c0, *w = P->wr + j * C + c0;
+            for (int64_t c = 0; c < nc; c++) right[c] += row[c] * w[c];
+        }
+        if (Kr && P->join == 0)
+            for (int64_t c = 0; c < nc; c++) left[c] += right[c];
+        silu_rows(left, o + c0, nc);
+        if (Kr && P->join == 2) silu_rows(right, right, nc);
+        if (Kr && P->join > 0)
+            for (int64_t c = 0; c < nc; c++) o[c0 + c] += right[c];
+    }
+    const float qscale = (float)pow((double)P->dk, -0.5);
+    for (int64_t h = 0; h < 2 * P->Hk; h++) { /* q heads, then k heads */
+        float *x = o + h * P->dk;
+        const float r = 1.0f / sqrtf(sumsq(x, P->dk) + 1e-6f) * (h < P->Hk ? qscale : 1.0f);
+        for (int64_t i = 0; i < P->dk; i++) x[i] *= r;
+    }
+}
+
+/* one v-head through all chunks (scratch: see gdn_block_scratch) */
+static void block_head(const gdn_block_t *P, const float *act, int64_t h, float *scratch) {
+    const int64_t T = P->T, C = P->C, B = P->block, dk = P->dk, dv = P->dv, Hv = P->Hv;
+    const int64_t kh = h / (Hv / P->Hk);
+    float *Sw = scratch, *qc = Sw + dk * dv, *kc = qc + B * dk, *kT = kc + B * dk, *KSt = kT + dk * B;
+    float *QSt = KSt + B * dv, *V = QSt + B * dv, *O = V + B * dv, *AV = O + B * dv, *qk = AV + B * dv;
+    float *kk = qk + B * B, *dec = kk + B * B, *A = dec + B * B, *gam = A + B * B, *beta = gam + B, *ah = beta + B;
+    float *zs = ah + B, *lg = zs + dv, *coef = lg + B + 1;
+    const float *S = P->state + h * dk * dv; /* the state at the chunk's start: the input until a chunk updates it */
+    const float ea = expf(P->a_log[h]), tmp = P->temp ? P->temp[h] : 1.0f;
+    const int64_t n = (T + B - 1) / B, vcol = 2 * P->Hk * dk + h * dv;
+    for (int64_t c = 0; c < n; c++) {
+        const int64_t t0 = c * B, L = T - t0 < B ? T - t0 : B;
+        const float *vrows = act + t0 * C + vcol; /* v_j at vrows + j * C */
+        float acc = 0.0f;
+        for (int64_t i = 0; i < L; i++) {
+            const float *row = act + (t0 + i) * C;
+            memcpy(qc + i * dk, row + kh * dk, (size_t)dk * sizeof(float));
+            memcpy(kc + i * dk, row + (P->Hk + kh) * dk, (size_t)dk * sizeof(float));
+            for (int64_t d = 0; d < dk; d++) kT[d * L + i] = kc[i * dk + d];
+            acc += -ea * softplus20(P->a[(t0 + i) * Hv + h] + P->dt_bias[h]);
+            gam[i] = acc;
+            beta[i] = 1.0f / (1.0f + expf(-P->b[(t0 + i) * Hv + h]));
+        }
+        for (int64_t i = 0; i < L; i++) { /* dec_ij = e^{gamma_i - gamma_j}, j <= i */
+            for (int64_t j = 0; j <= i; j++) dec[i * L + j] = gam[i] - gam[j];
+            exp_inplace(dec + i * L, i + 1);
+        }
+        block_mm(kc, dk, L, dk, S, dv, dv, KSt, 0);  /* S^T k_i */
+        block_mm(qc, dk, L, dk, S, dv, dv, QSt, 0);  /* S^T q_i */
+        block_mm(qc, dk, L, dk, kT, L, L, qk, 0);    /* q_i . k_j */
+        block_mm(kc, dk, L, dk, kT, L, L, kk, 0);    /* k_i . k_j */
+        for (int64_t i = 0; i < L; i++) { /* V'_i by forward substitution; R_i */
+            const float *vi = vrows + i * C, eg = expf(gam[i]);
+            float *Vi = V + i * dv, *Ri = QSt + i * dv;
+            for (int64_t j = 0; j < dv; j++) Vi[j] = beta[i] * (vi[j] - eg * KSt[i * dv + j]);
+            for (int64_t j = 0; j < i; j++) coef[j] = beta[i] * kk[i * L + j] * dec[i * L + j];
+            sub_rows(Vi, coef, V, i, dv);
+            for (int64_t j = 0; j < dv; j++) Ri[j] *= eg;
+        }
+        for (int64_t i = 0; i < L; i++) /* the masked intra-chunk scores (q_i . k_j) e^{gamma_i - gamma_j}, j <= i */
+            for (int64_t j = 0; j < L; j++) A[i * L + j] = j <= i ? qk[i * L + j] * dec[i * L + j] : 0.0f;
+        block_mm(A, L, L, L, V, dv, dv, O, 0);
+        for (int64_t i = 0; i < L * dv; i++) O[i] += QSt[i]; /* O = R + intra V' */
+        if (P->form) { /* the history unit: a_iH (O_i | R_i) + sum_j a_ij v_j */
+            for (int64_t i = 0; i < L; i++) {
+                lg[0] = P->hlogit[(t0 + i) * Hv + h];
+                if (P->hw) {
+                    const int64_t m = P->hsrc == 2 ? dv : dk;
+                    const float *src = P->hsrc == 2 ? QSt + i * dv : qc + i * dk, *w = P->hw + h * m;
+                    for (int64_t d = 0; d < m; d++) lg[0] += src[d] * w[d];
+                }
+                float mx = lg[0], sum = 0.0f;
+                for (int64_t j = 0; j < L; j++) {
+                    lg[1 + j] = qk[i * L + j] * tmp;
+                    if (lg[1 + j] > mx) mx = lg[1 + j];
+                }
+                for (int64_t j = 0; j <= L; j++) lg[j] -= mx;
+                exp_inplace(lg, L + 1);
+                for (int64_t j = 0; j <= L; j++) sum += lg[j];
+                const float inv = 1.0f / sum;
+                ah[i] = lg[0] * inv;
+                for (int64_t j = 0; j < L; j++) A[i * L + j] = lg[1 + j] * inv;
+            }
+            block_mm(A, L, L, L, vrows, C, dv, AV, 0);
+            const float *hist = P->form == 1 ? O : QSt;
+            for (int64_t i = 0; i < L; i++)
+                for (int64_t j = 0; j < dv; j++) O[i * dv + j] = ah[i] * hist[i * dv + j] + AV[i * dv + j];
+        }
+        for (int64_t i = 0; i < L; i++) { /* the gated RMSNorm */
+            const float *oi = O + i * dv, r = 1.0f / sqrtf(sumsq(oi, dv) / (float)dv + P->eps);
+            float *yi = P->y + (t0 + i) * Hv * dv + h * dv;
+            silu_rows(P->z + (t0 + i) * Hv * dv + h * dv, zs, dv);
+            for (int64_t j = 0; j < dv; j++) yi[j] = P->norm_w[j] * (oi[j] * r) * zs[j];
+        }
+        if (c + 1 < n || P->state_out) { /* S <- e^{gamma_last} S + sum_i e^{gamma_last - gamma_i} k_i V'_i^T */
+            const float last = gam[L - 1], cd = expf(last);
+            for (int64_t i = 0; i < L; i++) coef[i] = last - gam[i];
+            exp_inplace(coef, L);
+            for (int64_t d = 0; d < dk; d++)
+                for (int64_t i = 0; i < L; i++) kT[d * L + i] *= coef[i];
+            for (int64_t i = 0; i < dk * dv; i++) Sw[i] = cd * S[i]; /* in place after the first chunk */
+            block_mm(kT, L, dk, L, V, dv, dv, Sw, 1);
+            S = Sw;
+        }
+    }
+    if (P->state_out) memcpy(P->state_out + h * dk * dv, S, (size_t)(dk * dv) * sizeof(float));
+}
+
+static int64_t gdn_block_scratch(const gdn_block_t *P) {
+    const int64_t B = P->block, dk = P->dk, dv = P->dv;
+    return dk * dv + 3 * B * dk + 5 * B * dv + 4 * B * B + 5 * B + 1 + dv;
+}
+
+int clover_gdn_block(const gdn_block_t *P, int nth) {
+    if (P->T < 1 || P->Hk < 1 || P->Hv < P->Hk || P->Hv % P->Hk || P->dk < 1 || P->dv < 1 || P->dk > 1024
+        || P->dv > 1024 || P->K < 1 || P->block < 1 || P->block > 4095 || P->C != 2 * P->Hk * P->dk + P->Hv * P->dv
+        || (P->wr && (P->Kr < 1 || !P->roff)) || P->form < 0 || P->form > 2
+        || (P->form && !P->hlogit) || (P->hw && P->hsrc != 1 && P->hsrc != 2))
+        return ERR_SHAPE;
+    if (P->wr)
+        for (int64_t j = 0; j < P->Kr; j++)
+            if (P->roff[j] < 0) return ERR_SHAPE;
+    float *act = malloc((size_t)(P->T * P->C) * sizeof(float));
+    const int64_t per = gdn_block_scratch(P);
+    float *scratch = malloc((size_t)(per * P->Hv) * sizeof(float));
+    if (!act || !scratch) {
+        free(act);
+        free(scratch);
+        return ERR_ALLOC;
+    }
+    (void)nth;
+#pragma omp parallel num_threads(threads_for(nth, P->Hv))
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < P->T; t++) block_conv(P, act, t);
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < P->Hv; h++) block_head(P, act, h, scratch + h * per);
+    }
+    free(act);
+    free(scratch);
+    return 0;
+}
+
+/*
  * The model's zero-centred RMSNorm over rows of n values (engine.model.layers.RMSNorm, float32):
  * y = (x * (1 / sqrt(sum(x^2) / n + eps))) * (1 + w), each operation rounded as the torch forward's (sums:
  * torch_sum with torch's `lanes`), so y equals its bits. For a step's few rows (one token: the layers' two norms,
