@@ -1,5 +1,6 @@
-"""A Gated DeltaNet layer's block-mode mixer on the CPU in one C call (``clover_gdn_block`` in ``csrc/quant_cpu.c``):
-everything between its input projections and ``out_proj`` in a diffusion block pass or a block-mode prefill.
+"""A Gated DeltaNet layer's mixer for many tokens on the CPU in one C call (``clover_gdn_block`` in
+``csrc/quant_cpu.c``): everything between its input projections and ``out_proj`` in a diffusion block pass, a
+block-mode prefill or a causal prefill.
 
 Measured at Clover's real widths (32 value heads of 128, 8,192 conv channels), a 32-slot pass's Gated DeltaNet
 layer spent ~4.5-5 ms of its mixer outside the projections, in ~80 small torch ops: the two convolutions and their
@@ -11,7 +12,9 @@ order, any join), the history unit (F1 / F2, every accepted ``bd_history`` shape
 calibration). Its sums run in another order than torch's, so the results equal the torch forward's within float32
 rounding, not bit for bit (``tests/engine/test_cpu_block.py``).
 
-Taken for block-mode forwards on the CPU (eager, float32, the kernels built) that start on a block boundary; not for
+Taken for block-mode forwards on the CPU (eager, float32, the kernels built) that start on a block boundary, and for
+causal forwards of two tokens or more (an AR prompt's prefill: the same rule without the extras, in chunks of 32 from
+its first token, where the torch rule aligns them to absolute positions: only the order of the sums differs); not for
 a commit pass whose state update must leave the right branch out (``bd_right_conv_in_state`` false, which needs a
 second set of conv outputs). :func:`set_enabled` switches it off (the torch rule then runs, as it does on a GPU).
 """
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clover_desk.engine.kernels import cpu_quant
+from clover_desk.engine.kernels import cpu_quant, gdn_kernels
 
 ENABLED = True
 _FORMS = {"F1": 1, "F2": 2}
@@ -54,7 +57,7 @@ def _function() -> Any:
 
 
 def set_enabled(on: bool) -> bool:
-    """Turn the C block mixer on or off for this process; returns the previous setting."""
+    """Turn the C mixer for many tokens on or off for this process; returns the previous setting."""
     global ENABLED
     before, ENABLED = ENABLED, bool(on)
     return before
@@ -95,13 +98,15 @@ def _history(mixer: Any, x: Tensor, t: int, block: int) -> tuple[int, Tensor | N
 
 
 def usable(mixer: Any, x: Tensor, p: Any, st: tuple[Tensor, Tensor] | None) -> bool:
-    """Whether ``mixer``'s block-mode forward on x takes :func:`gdn_block` (see the module)."""
+    """Whether ``mixer``'s forward on x takes :func:`gdn_block` (see the module): a block-mode forward from a block
+    boundary, or a causal one of two tokens or more."""
     cfg = mixer.config
     keep = st is not None and p.write_cache
-    if not (ENABLED and p.block_mode and p.start_pos % p.block_size == 0 and not torch.compiler.is_compiling()
-            and x.dim() == 2 and _f32(x) and cpu_quant.usable()):
+    if not (ENABLED and not torch.compiler.is_compiling() and x.dim() == 2 and _f32(x) and cpu_quant.usable()):
         return False
-    if keep and mixer.conv1d.weight_right is not None and not cfg.bd_right_conv_in_state:
+    if not (p.start_pos % p.block_size == 0 if p.block_mode else x.shape[0] > 1 and not gdn_kernels.enabled(x)):
+        return False  # (a causal forward opted in to fla's kernels takes them)
+    if p.block_mode and keep and mixer.conv1d.weight_right is not None and not cfg.bd_right_conv_in_state:
         return False
     if cfg.bd_right_conv_join not in _JOINS or cfg.bd_logit_scale_mode not in ("ln_len", "temperature") \
             or cfg.bd_len_mode not in ("block", "tokens") or cfg.bd_history_form not in ("F1", "F2", "history_only"):
@@ -110,14 +115,16 @@ def usable(mixer: Any, x: Tensor, p: Any, st: tuple[Tensor, Tensor] | None) -> b
 
 
 def gdn_block(mixer: Any, x: Tensor, mixed: Tensor, z: Tensor, b: Tensor, a: Tensor, roff: list[int] | None, p: Any,
-              st: tuple[Tensor, Tensor] | None) -> Tensor:
-    """``mixer`` (a :class:`engine.model.gdn.GatedDeltaNet`) between its projections and ``out_proj`` for a block-mode
-    forward that :func:`usable` allows: x [T, D] the layer input, its projections mixed [T, C], z [T, Hv * dv], b, a
-    [T, Hv]; ``roff`` the right taps' offsets (None without the right branch); ``st`` the (conv state, recurrent state) of the cache or None -> y [T, Hv * dv] float32, the caches
-    written when ``p.write_cache`` (as the torch forward writes them)."""
+              st: tuple[Tensor, Tensor] | None, chunk: int) -> Tensor:
+    """``mixer`` (a :class:`engine.model.gdn.GatedDeltaNet`) between its projections and ``out_proj`` for a forward
+    that :func:`usable` allows: x [T, D] the layer input, its projections mixed [T, C], z [T, Hv * dv], b, a [T, Hv];
+    ``roff`` the right taps' offsets (None without the right branch or outside block mode); ``chunk`` the delta rule's
+    chunk length (the block in block mode; a causal forward's chunks change only the order of its sums); ``st`` the
+    (conv state, recurrent state) of the cache or None -> y [T, Hv * dv] float32, the caches written when
+    ``p.write_cache`` (as the torch forward writes them)."""
     cfg = mixer.config
     t, c, kern = mixed.shape[0], mixer.conv_dim, mixer.kernel
-    hv, dk, dv, block = mixer.num_v_heads, mixer.dk, mixer.dv, p.block_size
+    hv, dk, dv = mixer.num_v_heads, mixer.dk, mixer.dv
     keep = st is not None and p.write_cache
     if st is not None:
         conv0, state = st
@@ -127,17 +134,17 @@ def gdn_block(mixer: Any, x: Tensor, mixed: Tensor, z: Tensor, b: Tensor, a: Ten
     mixed, z, b, a = (v.float().contiguous() for v in (mixed, z, b, a))
     wl = mixer.conv1d.weight[:, 0, :].float().t().contiguous()  # [K, C]
     wr = offsets = None
-    if mixer.conv1d.weight_right is not None and roff is not None:
+    if p.block_mode and mixer.conv1d.weight_right is not None and roff is not None:
         wr = mixer.conv1d.weight_right.float().t().contiguous()  # [Kr, C]
         offsets = torch.tensor(roff, dtype=torch.int64)
-    form, hlogit, hw, hsrc, temp = _history(mixer, x, t, block)
+    form, hlogit, hw, hsrc, temp = _history(mixer, x, t, chunk) if p.block_mode else (0, None, None, 0, None)
     a_log, dt_bias, norm_w = (v.float().contiguous() for v in (mixer.A_log, mixer.dt_bias, mixer.norm.weight))
     y = torch.empty(t, hv * dv)
 
     def ptr(v: Tensor | None) -> int | None:
         return None if v is None else v.data_ptr()
 
-    args = _Block(t, c, kern, 0 if wr is None else wr.shape[0], mixer.num_k_heads, hv, dk, dv, block,
+    args = _Block(t, c, kern, 0 if wr is None else wr.shape[0], mixer.num_k_heads, hv, dk, dv, chunk,
                   ptr(mixed), ptr(conv0), ptr(wl), ptr(wr), ptr(offsets), _JOINS[cfg.bd_right_conv_join],
                   ptr(b), ptr(a), ptr(a_log), ptr(dt_bias), ptr(z), ptr(state), ptr(state) if keep else None,
                   form, ptr(hlogit), ptr(hw), hsrc, ptr(temp), ptr(norm_w), mixer.norm.eps, ptr(y))

@@ -289,9 +289,10 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)  # [T, C] raw (pre-conv)
         z = self.in_proj_z(x).view(t, hv, dv)  # [T, Hv, dv]
         b, a = self.in_proj_b(x), self.in_proj_a(x)
-        if p.block_mode and cpu_block.usable(self, x, p, st):  # the rest in one C call (a CPU block pass)
-            roff = self._right_offsets() if self.conv1d.weight_right is not None else None
-            return self.out_proj(cpu_block.gdn_block(self, x, mixed, z, b, a, roff, p, st).to(dtype))
+        if t > 1 and cpu_block.usable(self, x, p, st):  # the rest in one C call (a CPU pass or prefill)
+            roff = self._right_offsets() if p.block_mode and self.conv1d.weight_right is not None else None
+            chunk = p.block_size if p.block_mode else GDN_CHUNK
+            return self.out_proj(cpu_block.gdn_block(self, x, mixed, z, b, a, roff, p, st, chunk).to(dtype))
         beta, g = self._gates(b, a)
 
         if st is not None:

@@ -9,6 +9,8 @@
 - the same at Clover's real widths (hidden 2048, 32 value heads of 128), with a cache state of the size it has;
 - where the call is not taken (a commit pass whose state must leave the right branch out, a forward that does not
   start on a block boundary, the switch off) the torch forward runs, counted;
+- a causal prefill (no extras; the torch rule aligns its 32-token chunks to absolute positions, the call does not)
+  from position 0 and from inside a chunk, within rounding of the torch rule;
 - a tiny model's block pass takes it in every Gated DeltaNet layer and its logits equal the torch forward's within
   rounding.
 """
@@ -75,8 +77,9 @@ def _layer(extras: bool, history: tuple[int, ...] | None = None, bias: tuple[int
 
 
 def _forward(layer: GatedDeltaNet, tokens: int, write_cache: bool, cached: bool = True, start: int = 64,
-             block: int = 32) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """One block-mode forward of ``tokens`` rows from a random cache (or none): (output, the cache after it)."""
+             block: int | None = 32) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """One forward of ``tokens`` rows from a random cache (or none), in block mode (``block`` None: causal):
+    (output, the cache after it)."""
     gen = torch.Generator().manual_seed(5)
     st = (torch.randn(layer.kernel - 1, layer.conv_dim, generator=gen),
           torch.randn(layer.num_v_heads, layer.dk, layer.dv, generator=gen) * 0.3)
@@ -140,6 +143,19 @@ def test_the_c_block_mixer_at_the_real_width(calls: list[int]) -> None:
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(after[1], want_after[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(after[0], want_after[0])
+
+
+@pytest.mark.parametrize("start", [0, 45], ids=["from-0", "inside-a-chunk"])
+@pytest.mark.parametrize("variant", ["no-extras", "F1-from-input", "one-v-head-per-k-head"])
+def test_a_causal_prefill_takes_it_too(variant: str, start: int, calls: list[int]) -> None:
+    layer = _layer(**VARIANTS[variant])
+    (out, after), (want, want_after) = _both(layer, 80, write_cache=True, start=start, block=None)
+    assert calls == [80]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after[0], want_after[0])
+    torch.testing.assert_close(after[1], want_after[1], rtol=1e-5, atol=1e-6)
+    _forward(layer, 1, write_cache=False, block=None)  # one token: the AR step's own calls
+    assert calls == [80]
 
 
 def test_where_the_call_is_not_taken_the_torch_forward_runs(calls: list[int]) -> None:

@@ -1631,7 +1631,8 @@ int clover_gdn_token(const float *act, const float *zs, const float *beta, const
  * Clover history unit, the gated RMSNorm), each a fresh tensor. The same formulas, summed in another order: equal
  * to the torch forward within float32 rounding, not bit for bit.
  *
- * Per v-head and chunk of `block` tokens (chunk c holds tokens c * block ..; the forward starts on a block
+ * Also the causal rule of a prefill (no extras; its chunks' boundaries change only the order of the sums). Per
+ * v-head and chunk of `block` tokens (chunk c holds tokens c * block ..; a block-mode forward starts on a block
  * boundary), with gamma_i the chunk's cumulative log decay and S the state at the chunk's start:
  *   V'_i = beta_i (v_i - e^{gamma_i} S^T k_i) - sum_{j<i} beta_i (k_i.k_j) e^{gamma_i - gamma_j} V'_j
  *     (the rule's corrected values: (I + strictly_lower(beta K K^T D))^-1 (beta V - beta K e^gamma S), solved by
@@ -1855,9 +1856,9 @@ static void block_head(const gdn_block_t *P, const float *act, int64_t h, float 
     float *zs = ah + B, *lg = zs + dv, *coef = lg + B + 1;
     const float *S = P->state + h * dk * dv; /* the state at the chunk's start: the input until a chunk updates it */
     const float ea = expf(P->a_log[h]), tmp = P->temp ? P->temp[h] : 1.0f;
-    const int64_t n = (T + B - 1) / B, vcol = 2 * P->Hk * dk + h * dv;
-    for (int64_t c = 0; c < n; c++) {
-        const int64_t t0 = c * B, L = T - t0 < B ? T - t0 : B;
+    const int64_t vcol = 2 * P->Hk * dk + h * dv;
+    for (int64_t t0 = 0, L; t0 < T; t0 += L) {
+        L = T - t0 < B ? T - t0 : B;
         const float *vrows = act + t0 * C + vcol; /* v_j at vrows + j * C */
         float acc = 0.0f;
         for (int64_t i = 0; i < L; i++) {
@@ -1920,7 +1921,7 @@ static void block_head(const gdn_block_t *P, const float *act, int64_t h, float 
             silu_rows(P->z + (t0 + i) * Hv * dv + h * dv, zs, dv);
             for (int64_t j = 0; j < dv; j++) yi[j] = P->norm_w[j] * (oi[j] * r) * zs[j];
         }
-        if (c + 1 < n || P->state_out) { /* S <- e^{gamma_last} S + sum_i e^{gamma_last - gamma_i} k_i V'_i^T */
+        if (t0 + L < T || P->state_out) { /* S <- e^{gamma_last} S + sum_i e^{gamma_last - gamma_i} k_i V'_i^T */
             const float last = gam[L - 1], cd = expf(last);
             for (int64_t i = 0; i < L; i++) coef[i] = last - gam[i];
             exp_inplace(coef, L);
@@ -1941,7 +1942,8 @@ static int64_t gdn_block_scratch(const gdn_block_t *P) {
 
 int clover_gdn_block(const gdn_block_t *P, int nth) {
     if (P->T < 1 || P->Hk < 1 || P->Hv < P->Hk || P->Hv % P->Hk || P->dk < 1 || P->dv < 1 || P->dk > 1024
-        || P->dv > 1024 || P->K < 1 || P->block < 1 || P->block > 4095 || P->C != 2 * P->Hk * P->dk + P->Hv * P->dv
+        || P->dv > 1024 || P->K < 1 || P->block < 1 || P->block > 4095
+        || P->C != 2 * P->Hk * P->dk + P->Hv * P->dv
         || (P->wr && (P->Kr < 1 || !P->roff)) || P->form < 0 || P->form > 2
         || (P->form && !P->hlogit) || (P->hw && P->hsrc != 1 && P->hsrc != 2))
         return ERR_SHAPE;
