@@ -3,7 +3,7 @@
 block-mode prefill or a causal prefill.
 
 Measured at Clover's real widths (32 value heads of 128, 8,192 conv channels), a 32-slot pass's Gated DeltaNet
-layer spent ~4.5-5 ms of its mixer outside the projections, in ~80 small torch ops: the two convolutions and their
+layer spent ~3.5-5 ms of its mixer outside the projections, in ~80 small torch ops: the two convolutions and their
 join, the l2norms, the gates, the chunked delta rule's prepare / scan / output (an explicit inverse of each chunk's
 triangular system, batched small products) and the gated RMSNorm, each into a fresh tensor (docs/STATUS.md). The C
 call does the same math per value head, the state read once per chunk, the triangular system solved by forward
