@@ -6,6 +6,7 @@
   head and two, in a 32-slot pass and in an 80-token block prefill (three chunks, the last one short): the output
   within float32 rounding, the recurrent state too when the pass writes it, the conv state exactly, and a pass that
   writes no cache leaves it as it was;
+- a few of them through the portable scalar build (no AVX2) too;
 - the same at Clover's real widths (hidden 2048, 32 value heads of 128), with a cache state of the size it has;
 - where the call is not taken (a commit pass whose state must leave the right branch out, a forward that does not
   start on a block boundary, the switch off) the torch forward runs, counted;
@@ -134,6 +135,21 @@ def test_the_c_block_mixer_equals_the_torch_forward(variant: str, tokens: int, c
     (bare, _), (want_bare, _) = _both(layer, tokens, write_cache=False, cached=False)  # no cache: zero states
     torch.testing.assert_close(bare, want_bare, rtol=1e-5, atol=1e-5)
     assert calls == [tokens] * 3
+
+
+@pytest.mark.parametrize("variant", ["F1-from-read", "F2-constant-R3-C", "one-v-head-per-k-head"])
+def test_the_portable_scalar_build_equals_the_torch_forward_too(variant: str, calls: list[int]) -> None:
+    """The library without AVX2 (the prebuilt x86-64 variant, ``cpu_quant.set_scalar``): its own loops and ``expf``."""
+    layer = _layer(**VARIANTS[variant])
+    before = cpu_quant.set_scalar(True)
+    try:
+        assert not cpu_quant.kernels().simd
+        (out, after), (want, want_after) = _both(layer, 80, write_cache=True)
+    finally:
+        cpu_quant.set_scalar(before)
+    assert calls == [80]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after[1], want_after[1], rtol=1e-5, atol=1e-6)
 
 
 def test_the_c_block_mixer_at_the_real_width(calls: list[int]) -> None:
