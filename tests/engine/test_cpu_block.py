@@ -6,7 +6,8 @@
   head and two, in a 32-slot pass and in an 80-token block prefill (three chunks, the last one short): the output
   within float32 rounding, the recurrent state too when the pass writes it, the conv state exactly, and a pass that
   writes no cache leaves it as it was;
-- a few of them through the portable scalar build (no AVX2) too;
+- a few of them through the portable scalar build (no AVX2) too, and the build for 16 vector registers gives the
+  default build's bits;
 - the same at Clover's real widths (hidden 2048, 32 value heads of 128), with a cache state of the size it has;
 - where the call is not taken (a commit pass whose state must leave the right branch out, a forward that does not
   start on a block boundary, the switch off) the torch forward runs, counted;
@@ -150,6 +151,21 @@ def test_the_portable_scalar_build_equals_the_torch_forward_too(variant: str, ca
     assert calls == [80]
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(after[1], want_after[1], rtol=1e-5, atol=1e-6)
+
+
+def test_the_build_for_16_vector_registers_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2 or AVX-VNNI CPU has 16 vector registers: the products' tiles are half as wide there, each sum in the
+    same order (``CLOVER_16_REGS`` on this AVX-512 build compiles that sizing)."""
+    default = cpu_quant.kernels()
+    if default.isa != "AVX2 + AVX-512 VNNI":
+        pytest.skip(f"needs an AVX-512 build to compare against, the kernels here are {default.isa}")
+    small = cpu_quant.Kernels(defines=("CLOVER_16_REGS",))
+    assert small.ok and "-DCLOVER_16_REGS" in small.flags
+    layer = _layer(**VARIANTS["F1-from-read"])
+    want, want_after = _forward(layer, 80, write_cache=True)
+    monkeypatch.setattr(cpu_quant, "kernels", lambda: small)
+    out, after = _forward(layer, 80, write_cache=True)
+    assert torch.equal(out, want) and torch.equal(after[1], want_after[1])
 
 
 def test_the_c_block_mixer_at_the_real_width(calls: list[int]) -> None:
