@@ -32,6 +32,7 @@ from clover_desk.engine.kernels import cpu_quant, gdn_kernels
 ENABLED = True
 _FORMS = {"F1": 1, "F2": 2}
 _JOINS = {"A": 0, "B": 1, "C": 2}
+_MAX_HEAD_DIM, _MAX_BLOCK = 1024, 4095  # clover_gdn_block's limits (dk, dv; the block length)
 
 
 class _Block(ctypes.Structure):  # csrc/quant_cpu.c gdn_block_t
@@ -108,6 +109,8 @@ def usable(mixer: Any, x: Tensor, p: Any, st: tuple[Tensor, Tensor] | None) -> b
         return False  # (a causal forward opted in to fla's kernels takes them)
     if p.block_mode and keep and mixer.conv1d.weight_right is not None and not cfg.bd_right_conv_in_state:
         return False
+    if max(mixer.dk, mixer.dv) > _MAX_HEAD_DIM or (p.block_size or 0) > _MAX_BLOCK:
+        return False  # past the kernel's limits: the torch forward has none
     if cfg.bd_right_conv_join not in _JOINS or cfg.bd_logit_scale_mode not in ("ln_len", "temperature") \
             or cfg.bd_len_mode not in ("block", "tokens") or cfg.bd_history_form not in ("F1", "F2", "history_only"):
         return False  # the torch forward names the value at fault

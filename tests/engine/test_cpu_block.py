@@ -10,7 +10,7 @@
   default build's bits;
 - the same at Clover's real widths (hidden 2048, 32 value heads of 128), with a cache state of the size it has;
 - where the call is not taken (a commit pass whose state must leave the right branch out, a forward that does not
-  start on a block boundary, the switch off) the torch forward runs, counted;
+  start on a block boundary, the switch off, heads wider than the kernel takes) the torch forward runs, counted;
 - a causal prefill (no extras; the torch rule aligns its 32-token chunks to absolute positions, the call does not)
   from position 0 and from inside a chunk, within rounding of the torch rule;
 - a tiny model's block pass takes it in every Gated DeltaNet layer and its logits equal the torch forward's within
@@ -204,6 +204,10 @@ def test_where_the_call_is_not_taken_the_torch_forward_runs(calls: list[int]) ->
         _forward(layer, 32, write_cache=False)
     finally:
         cpu_block.set_enabled(before)
+    assert calls == [32]
+    wide = _layer(extras=False, hidden_size=32, linear_num_key_heads=1, linear_num_value_heads=1,
+                  linear_key_head_dim=8, linear_value_head_dim=1032)  # past the kernel's head width
+    _forward(wide, 32, write_cache=False)
     assert calls == [32]
 
 
