@@ -75,7 +75,8 @@ def diffusion_loop(r: Request) -> Iterator[Event]:
         pass_index = 0
         cancelled = False
         slot_lp = SlotLogprobs(B, s.logprobs, device) if s.logprobs is not None else None
-        still = [j >= start for j in range(B)]  # the slots still masked (on the host, from each pass's one read)
+        still = [t == mask_id for t in tail] + [True] * (B - start)  # the slots of x that are masks (on the host,
+        # then from each pass's one read)
         raw: Tensor | None = None  # [B, V] the last pass's logits (rows of committed slots may be older)
         if hooks is not None and hooks.begin_block is not None:
             hooks.begin_block()
@@ -93,6 +94,7 @@ def diffusion_loop(r: Request) -> Iterator[Event]:
             x, conf, shown, commit = denoise_policy(
                 logits, x, conf, s, start=start, seen=(rep_seen, out_seen),  # type: ignore[arg-type]
                 n_at_entry=n_at_entry, thinking_at_entry=thinking_at_entry, generator=gen, constraint=r.constraint,
+                still=still,
             )
             if slot_lp is not None:
                 slot_lp.update(logits, x, commit)
@@ -204,6 +206,7 @@ def denoise_policy(
     thinking_at_entry: bool,
     generator: torch.Generator | None = None,
     constraint: grammar.Constraint | None = None,
+    still: list[bool] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One denoising pass's policy, on the device with no host read: penalties (the prompt and output so far in
     ``seen`` = (repetition, presence) [V] masks, plus this block's committed slots), the length and think-end
@@ -211,12 +214,19 @@ def denoise_policy(
     open), conf [B] the confidence each slot was committed with. Returns (x, conf, shown, commit): the block after
     this pass, the confidences, what the view shows (still-masked slots: this pass's confidence), the commits.
 
+    ``still`` (the host's copy of which slots of x are masks, as the loops keep it): greedy proposals are then made
+    for those rows only (each row's own penalties, biases, softmax and max, so the same bits; the committed rows'
+    proposals were never used), a later pass's policy touching a fraction of the [B, V] logits.
+
     With a ``constraint`` (structured output) only a grammar-valid left prefix commits: :func:`_grammar_commit`."""
     if constraint is not None:
         return _grammar_commit(logits, x, conf, s, constraint, start=start, seen=seen, n_at_entry=n_at_entry,
                                thinking_at_entry=thinking_at_entry, generator=generator)
+    greedy = not s.do_sample or s.temperature <= 0.0  # sampling draws per row: its rows stay as they are
+    rows = [j for j, m in enumerate(still) if m] if still is not None and greedy else None
     proposal, p, useful = _proposals(logits, x, s, start=start, seen=seen, n_at_entry=n_at_entry,
-                                     thinking_at_entry=thinking_at_entry, generator=generator)
+                                     thinking_at_entry=thinking_at_entry, generator=generator,
+                                     rows=rows if rows and len(rows) < x.shape[0] else None)
     masked = x == int(s.mask_token_id)  # type: ignore[arg-type]
     commit = decoding.threshold_commit(p, useful, s.threshold)  # [B]
     x = torch.where(commit, proposal, x)
@@ -265,28 +275,37 @@ def _grammar_commit(
 
 def _proposals(
     logits: Tensor, x: Tensor, s: DecodeSettings, *, start: int, seen: tuple[Tensor, Tensor], n_at_entry: int,
-    thinking_at_entry: bool, generator: torch.Generator | None,
+    thinking_at_entry: bool, generator: torch.Generator | None, rows: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A denoising pass's proposals before the commit rule: (proposal [B], its probability [B], the slots that
-    compete to commit [B] bool)."""
+    compete to commit [B] bool). ``rows`` (greedy; ascending masked slots, a host list): proposals for those rows
+    only, the others keep their token with probability 0 (they do not compete)."""
     mask_id = int(s.mask_token_id)  # type: ignore[arg-type]
     rep_seen, out_seen = seen
     masked = x == mask_id  # [B]
+    index = torch.tensor(rows, dtype=torch.long, device=x.device) if rows is not None else None
+    if index is not None:
+        logits = logits.index_select(0, index)  # [R, V]
+    row_masked = masked if index is None else masked.index_select(0, index)  # [B] | [R]
     in_block = decoding.seen_mask_of(x[start:], logits.shape[-1], skip_id=mask_id)  # [V] committed in this block
     penalized = loop_parts.penalize(logits, s, rep_seen | in_block, out_seen | in_block)
-    own = penalized is not logits  # the biases below may then change it in place (one [B, V] copy less each)
+    own = penalized is not logits or index is not None  # the biases below may then change it in place
     logits = decoding.apply_length_penalty(
-        penalized, masked, s.eos_token_ids, s.length_penalty, n_at_entry, s.length_penalty_start,
+        penalized, row_masked, s.eos_token_ids, s.length_penalty, n_at_entry, s.length_penalty_start,
         s.length_penalty_window, inplace=own,
     )
     committed = torch.where(masked[start:], -1, x[start:])  # [B - start]: masks read as no token
     logits = decoding.apply_think_end_bias(
-        logits, masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start, s.think_end_bias_window,
+        logits, row_masked, s.think_end_id, s.think_end_bias, n_at_entry, s.think_end_bias_start,
+        s.think_end_bias_window,
         decoding.thinking_open_in(committed, thinking_at_entry, s.think_start_id, s.think_end_id), inplace=own,
     )
     proposal, p = decoding.propose(
         logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator
-    )  # [B], [B]
+    )  # [B] | [R]
+    if index is not None:
+        proposal = x.index_copy(0, index, proposal)
+        p = torch.zeros(x.shape[0], dtype=p.dtype, device=x.device).index_copy(0, index, p)
     # Slots after an EOS already committed in this block do not compete (the single-slot fallback would waste
     # passes there). Slots past the max_new_tokens budget do: a shorter budget then commits the same tokens in the
     # same passes and only stops sooner, so its output is a prefix of a longer budget's ("max_tokens only cuts").

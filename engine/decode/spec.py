@@ -269,7 +269,7 @@ class _SpecLoop:
         n_at_entry = self.written + len(self.generated)
         thinking_at_entry = self.channels.thinking_open
         n = 0
-        still = [j >= a for j in range(B)]  # the slots still masked
+        still = [t == self.mask_id for t in block] + [True] * (B - a)  # the slots of x that are masks
         raw: Tensor | None = None  # [B, V] the last pass's logits (engine.decode.diffusion.pass_logits)
         if hooks is not None and hooks.begin_block is not None:
             hooks.begin_block()
@@ -285,7 +285,7 @@ class _SpecLoop:
                 seen = self._seen(logits.shape[-1])
                 x, conf, shown, commit = denoise_policy(
                     logits, x, conf, self.s, start=a, seen=seen, n_at_entry=n_at_entry,
-                    thinking_at_entry=thinking_at_entry,
+                    thinking_at_entry=thinking_at_entry, still=still,
                 )
                 host = torch.stack([x.float(), shown.float(), commit.float()]).tolist()
                 tokens = [int(t) for t in host[0]]

@@ -304,3 +304,36 @@ def test_the_policy_changes_only_its_own_copies_and_the_same_values_as_copying(m
             want = denoise_policy(logits, x, torch.zeros(b), s, **args)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         assert got[3].any()  # something was committed: the comparison saw real values
+
+
+def test_the_greedy_policy_on_the_open_rows_only_gives_the_full_policys_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the host's ``still`` (which slots are masks), greedy proposals are made for those rows only (a later
+    pass's policy touches a fraction of the [B, V] logits): x, confidences, what the view shows and the commits equal
+    the all-rows policy's bit for bit, with the penalties, the length bias, the think-end bias on the left-most open
+    slot, an EOS committed in the block, and a block whose every slot is open."""
+    from clover_desk.engine.decode.diffusion import denoise_policy
+    from clover_desk.engine.decode.settings import DecodeSettings
+
+    v, b, mask = 4096, 16, 4095
+    gen = torch.Generator().manual_seed(1)
+    seen = (torch.rand(v, generator=gen) < 0.3, torch.rand(v, generator=gen) < 0.2)
+    s = DecodeSettings(mode="diffusion", max_new_tokens=64, block_size=b, threshold=0.3, mask_token_id=mask,
+                       eos_token_ids=(5, 6), max_positions=256, shift_logits=False, length_penalty=10.0,
+                       length_penalty_start=0, length_penalty_window=8, think_end_bias=10.0, think_end_bias_start=0,
+                       think_end_bias_window=0, think_end_id=10, think_start_id=11, repetition_penalty=1.05,
+                       presence_penalty=0.9)
+    cases = [[3, 10, mask, 7, mask, mask, 9, mask] + [mask] * 8, [mask] * b,
+             [mask, 5, mask, mask] + [8] * 10 + [mask, mask], [mask] + [4] * 15]
+    rows: list[int] = []  # the rows each proposal was made for
+    real = decoding.propose
+    monkeypatch.setattr(decoding, "propose", lambda logits, **k: rows.append(logits.shape[0]) or real(logits, **k))
+    for tokens in cases:
+        x = torch.tensor(tokens)
+        logits = torch.randn(b, v, generator=gen) * 4
+        conf = torch.where(x == mask, 0.0, 0.9)
+        args = dict(start=2, seen=seen, n_at_entry=20, thinking_at_entry=True)
+        want = denoise_policy(logits, x, conf, s, **args)
+        got = denoise_policy(logits, x, conf, s, **args, still=[t == mask for t in tokens])
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), tokens
+        assert want[3].any()  # something was committed
+        assert rows[-2:] == [b, tokens.count(mask)]
